@@ -1,0 +1,20 @@
+"""flashtile: exact FlashAttention for PyTorch, in Python and Triton."""
+
+import logging
+
+from flashtile.interface import (
+    flash_attn_func,
+    flash_attn_kvpacked_func,
+    flash_attn_qkvpacked_func,
+    scaled_dot_product_attention,
+)
+
+__version__ = "0.1.0"
+__all__ = [
+    "flash_attn_func",
+    "flash_attn_kvpacked_func",
+    "flash_attn_qkvpacked_func",
+    "scaled_dot_product_attention",
+]
+
+logging.getLogger("flashtile").addHandler(logging.NullHandler())

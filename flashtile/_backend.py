@@ -1,0 +1,39 @@
+"""Which implementation runs a call: the Triton kernels or the tiled PyTorch path.
+
+CUDA/ROCm tensors use Triton; CPU tensors use the tiled PyTorch path, unless
+TRITON_INTERPRET=1 is set, which runs the Triton kernels on CPU tensors (how CI tests
+them). ``FLASHTILE_BACKEND=triton|torch`` overrides both. Read at call time, so a test
+or a user can switch with the environment variable alone.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+BACKENDS = ("triton", "torch")
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def select_backend(device: torch.device) -> str:
+    forced = os.environ.get("FLASHTILE_BACKEND", "").strip().lower()
+    if forced and forced not in BACKENDS:
+        raise ValueError(f"FLASHTILE_BACKEND must be one of {BACKENDS}, got {forced!r}")
+    if device.type == "cuda":
+        return forced or "triton"
+    if device.type == "cpu":
+        if forced == "triton" and not interpreting():
+            raise RuntimeError(
+                "FLASHTILE_BACKEND=triton on CPU tensors needs the Triton interpreter: "
+                "set TRITON_INTERPRET=1 before importing flashtile, or move the tensors "
+                "to a CUDA device")
+        return forced or ("triton" if interpreting() else "torch")
+    if forced == "torch":
+        return "torch"
+    raise NotImplementedError(
+        f"flashtile runs on CUDA/ROCm (Triton) and CPU (PyTorch) tensors, got device "
+        f"{device}; set FLASHTILE_BACKEND=torch to use the tiled PyTorch path there")

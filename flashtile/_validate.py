@@ -1,0 +1,144 @@
+"""Checks on user input, run in Python before any kernel launch.
+
+Each raises TypeError (wrong kind or dtype) or ValueError (wrong value or shape) naming
+the argument, what was expected and what was given, so a mistake never reaches a kernel
+as a compile error, an illegal memory access or a silent wrong number.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+import torch
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+MAX_HEAD_DIM = 256
+
+
+def _fail(kind, name, expected, got, fix=""):
+    msg = f"{name}: expected {expected}, got {got}"
+    raise kind(msg + (f". {fix}" if fix else ""))
+
+
+def check_tensor(x, name, rank):
+    if not isinstance(x, torch.Tensor):
+        _fail(TypeError, name, "a torch.Tensor", type(x).__name__)
+    if x.dtype not in SUPPORTED_DTYPES:
+        _fail(TypeError, name, "dtype float16, bfloat16 or float32", x.dtype)
+    if x.dim() != rank:
+        _fail(ValueError, name, f"a {rank}-d tensor", f"shape {tuple(x.shape)}")
+    if x.shape[-1] > 1 and x.stride(-1) != 1:
+        _fail(ValueError, f"{name}.stride(-1)", "1 (the head dim contiguous)",
+              x.stride(-1), "Call .contiguous() on it, or slice only the other dims")
+
+
+def check_qkv(q, k, v):
+    """q (b, sq, h, d), k/v (b, sk, hkv, d). Returns (b, sq, sk, h, hkv, d)."""
+    for x, name in ((q, "q"), (k, "k"), (v, "v")):
+        check_tensor(x, name, 4)
+    for x, name in ((k, "k"), (v, "v")):
+        if x.dtype != q.dtype:
+            _fail(TypeError, f"{name}.dtype", f"q's dtype {q.dtype}", x.dtype,
+                  "q, k and v must share one dtype")
+        if x.device != q.device:
+            _fail(ValueError, f"{name}.device", f"q's device {q.device}", x.device)
+    b, sq, h, d = q.shape
+    if k.shape != v.shape:
+        _fail(ValueError, "v.shape", f"k's shape {tuple(k.shape)}", tuple(v.shape))
+    if k.shape[0] != b:
+        _fail(ValueError, "k.shape[0] (batch)", f"q's batch {b}", k.shape[0])
+    if k.shape[3] != d:
+        _fail(ValueError, "k.shape[-1] (head_dim)", f"q's head_dim {d}", k.shape[3],
+              "flashtile needs q, k and v to share one head_dim")
+    if not 1 <= d <= MAX_HEAD_DIM:
+        _fail(ValueError, "q.shape[-1] (head_dim)", f"1 to {MAX_HEAD_DIM}", d)
+    hkv = k.shape[2]
+    if hkv == 0 or h % hkv != 0:
+        _fail(ValueError, "k.shape[2] (nheads_kv)",
+              f"a divisor of q's nheads {h} (GQA/MQA)", hkv)
+    return b, sq, k.shape[1], h, hkv, d
+
+
+def check_float(x, name, *, minimum=None, allow_none=False):
+    if x is None and allow_none:
+        return
+    if isinstance(x, bool) or not isinstance(x, numbers.Real):
+        _fail(TypeError, name, "a float", type(x).__name__)
+    if not math.isfinite(x) or (minimum is not None and x < minimum):
+        bound = f"a finite float >= {minimum}" if minimum is not None else "a finite float"
+        _fail(ValueError, name, bound, x)
+
+
+def check_softmax_scale(scale, name="softmax_scale"):
+    check_float(scale, name, allow_none=True)
+
+
+def check_dropout(dropout_p, name="dropout_p"):
+    check_float(dropout_p, name, minimum=0.0)
+    if dropout_p >= 1.0:
+        _fail(ValueError, name, "a probability in [0, 1)", dropout_p)
+    if dropout_p > 0.0:
+        raise NotImplementedError(
+            f"{name}={dropout_p}: flashtile has no dropout yet; pass dropout_p=0.0 "
+            "(for inference, and for training without attention dropout)")
+
+
+def check_window(window_size):
+    if (not isinstance(window_size, (tuple, list)) or len(window_size) != 2
+            or not all(isinstance(w, numbers.Integral) and not isinstance(w, bool)
+                       for w in window_size)):
+        _fail(TypeError, "window_size", "a pair of ints (left, right)", repr(window_size))
+    left, right = (int(w) for w in window_size)
+    if left < -1 or right < -1:
+        _fail(ValueError, "window_size", "each bound >= 0, or -1 for unbounded",
+              (left, right))
+    return left, right
+
+
+def check_alibi(alibi_slopes, batch, nheads, device):
+    if alibi_slopes is None:
+        return None
+    if not isinstance(alibi_slopes, torch.Tensor):
+        _fail(TypeError, "alibi_slopes", "a torch.Tensor or None",
+              type(alibi_slopes).__name__)
+    if not alibi_slopes.is_floating_point():
+        _fail(TypeError, "alibi_slopes.dtype", "a floating dtype (float32)",
+              alibi_slopes.dtype)
+    if tuple(alibi_slopes.shape) not in ((nheads,), (batch, nheads)):
+        _fail(ValueError, "alibi_slopes.shape", f"({nheads},) or ({batch}, {nheads})",
+              tuple(alibi_slopes.shape))
+    if alibi_slopes.device != device:
+        _fail(ValueError, "alibi_slopes.device", f"q's device {device}",
+              alibi_slopes.device)
+    return alibi_slopes.float()
+
+
+def check_attn_mask(attn_mask, batch, nheads, seqlen_q, seqlen_k, device, dtype):
+    """SDPA mask: bool (True = attend) or additive float, broadcastable to (b, h, sq, sk).
+
+    Returns it expanded to (b, h, sq, sk) without copying (stride 0 where broadcast).
+    """
+    if attn_mask is None:
+        return None
+    if not isinstance(attn_mask, torch.Tensor):
+        _fail(TypeError, "attn_mask", "a torch.Tensor or None", type(attn_mask).__name__)
+    if attn_mask.dtype != torch.bool and attn_mask.dtype not in SUPPORTED_DTYPES:
+        _fail(TypeError, "attn_mask.dtype", "torch.bool or a float dtype",
+              attn_mask.dtype)
+    if attn_mask.dtype != torch.bool and attn_mask.dtype != dtype:
+        _fail(TypeError, "attn_mask.dtype", f"torch.bool or the query's dtype {dtype}",
+              attn_mask.dtype, "as torch.nn.functional.scaled_dot_product_attention")
+    if attn_mask.device != device:
+        _fail(ValueError, "attn_mask.device", f"the query's device {device}",
+              attn_mask.device)
+    if attn_mask.requires_grad and torch.is_grad_enabled():
+        raise NotImplementedError(
+            "attn_mask.requires_grad=True: flashtile returns no gradient for the mask; "
+            "pass attn_mask.detach()")
+    target = (batch, nheads, seqlen_q, seqlen_k)
+    try:
+        return attn_mask.expand(target)
+    except RuntimeError:
+        _fail(ValueError, "attn_mask.shape", f"broadcastable to {target}",
+              tuple(attn_mask.shape))

@@ -1,0 +1,164 @@
+"""Public attention functions: flash-attn's names and arguments, and an SDPA drop-in.
+
+Every function validates its input (``flashtile._validate``), turns causal/window/layout
+into one mask description (``diag_offset``, ``window_left``, ``window_right``) and calls
+the ``flashtile::attn_fwd`` custom op, which carries autograd and compiles without a
+graph break.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from flashtile import _validate as V
+from flashtile import custom_ops
+
+
+@torch.compiler.assume_constant_result
+def _tf32_allowed() -> bool:
+    # Read once per compiled graph (a recompile follows a change), like torch's own flags.
+    return torch.get_float32_matmul_precision() != "highest"
+
+
+def _allow_tf32(dtype) -> bool:
+    # fp32 is exact (IEEE products) unless the user allowed TF32 the PyTorch way:
+    # torch.set_float32_matmul_precision("high") or ("medium").
+    return dtype == torch.float32 and _tf32_allowed()
+
+
+def _attention(q, k, v, *, attn_mask, alibi_slopes, softmax_scale, diag_offset,
+               window_left, window_right, softcap):
+    if softmax_scale is None:
+        softmax_scale = 1.0 / math.sqrt(q.shape[-1])
+    return custom_ops.attn_fwd(q, k, v, attn_mask, alibi_slopes, float(softmax_scale),
+                               int(diag_offset), window_left, window_right, float(softcap),
+                               _allow_tf32(q.dtype))
+
+
+def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
+                    window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                    deterministic=False, return_lse=False):
+    """Exact attention, softmax(q k^T * softmax_scale) v, in flash-attn's layout.
+
+    Arguments:
+        q: (batch, seqlen_q, nheads, head_dim), float16, bfloat16 or float32.
+        k, v: (batch, seqlen_k, nheads_kv, head_dim), same dtype and device as q.
+            nheads must be a multiple of nheads_kv (GQA/MQA); K/V are never copied.
+            head_dim is any value from 1 to 256 (padded inside the kernel).
+            Any strides work as long as the last dim is contiguous.
+        dropout_p: must be 0.0 (dropout is not implemented and raises).
+        softmax_scale: scale of q k^T; default 1 / sqrt(head_dim).
+        causal: query i sees key j only if j <= i + seqlen_k - seqlen_q, i.e. the mask
+            is aligned to the bottom-right corner (flash-attn >= 2.1). With
+            seqlen_q=2, seqlen_k=5 (1 = kept)::
+
+                1 1 1 1 0
+                1 1 1 1 1
+
+            and with seqlen_q=5, seqlen_k=2 the first three rows see no key at all:
+            their output is 0 and their lse is -inf.
+        window_size: (left, right); query i sees keys in
+            [i + seqlen_k - seqlen_q - left, i + seqlen_k - seqlen_q + right].
+            -1 means unbounded on that side. causal=True sets right to 0.
+        softcap: if > 0, scores become softcap * tanh(scores / softcap) (before ALiBi).
+        alibi_slopes: (nheads,) or (batch, nheads) float; adds
+            -slope * |i + seqlen_k - seqlen_q - j| to the score of (i, j).
+        deterministic: accepted for compatibility. The backward is always
+            deterministic (no atomics: each program owns the gradient rows it writes),
+            so gradients are bitwise identical from run to run with either value.
+        return_lse: also return lse.
+
+    Returns:
+        out: (batch, seqlen_q, nheads, head_dim), q's dtype.
+        lse (if return_lse): (batch, nheads, seqlen_q) float32, the natural-log
+            log-sum-exp of each row's final scores (scaled, capped, biased, masked);
+            -inf for a row that sees no key. It is differentiable.
+    """
+    b, sq, sk, h, hkv, d = V.check_qkv(q, k, v)
+    V.check_dropout(dropout_p)
+    V.check_softmax_scale(softmax_scale)
+    V.check_float(softcap, "softcap", minimum=0.0)
+    left, right = V.check_window(window_size)
+    if causal:
+        right = 0
+    alibi_slopes = V.check_alibi(alibi_slopes, b, h, q.device)
+    out, lse = _attention(q, k, v, attn_mask=None, alibi_slopes=alibi_slopes,
+                          softmax_scale=softmax_scale, diag_offset=sk - sq,
+                          window_left=left, window_right=right, softcap=softcap)
+    return (out, lse) if return_lse else out
+
+
+def _unpack(x, name, index_dim, count):
+    if not isinstance(x, torch.Tensor):
+        V._fail(TypeError, name, "a torch.Tensor", type(x).__name__)
+    if x.dim() != 5 or x.shape[index_dim] != count:
+        V._fail(ValueError, f"{name}.shape", f"a 5-d tensor with size {count} at dim "
+                f"{index_dim}", tuple(x.shape))
+    return x.unbind(index_dim)
+
+
+def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False,
+                              window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                              deterministic=False, return_lse=False):
+    """flash_attn_func with qkv (batch, seqlen, 3, nheads, head_dim); views, no copies."""
+    q, k, v = _unpack(qkv, "qkv", 2, 3)
+    return flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
+                           alibi_slopes, deterministic, return_lse)
+
+
+def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=False,
+                             window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                             deterministic=False, return_lse=False):
+    """flash_attn_func with kv (batch, seqlen_k, 2, nheads_kv, head_dim)."""
+    k, v = _unpack(kv, "kv", 2, 2)
+    return flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
+                           alibi_slopes, deterministic, return_lse)
+
+
+def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0,
+                                 is_causal=False, scale=None, enable_gqa=False):
+    """Drop-in for torch.nn.functional.scaled_dot_product_attention.
+
+    query (batch, nheads, seqlen_q, head_dim) and key/value (batch, nheads_kv, seqlen_k,
+    head_dim), or 3-d (batch, seq, head_dim). ``attn_mask`` is bool (True = attend) or
+    additive in the query's dtype, broadcastable to (batch, nheads, seqlen_q, seqlen_k),
+    and is read tile by tile in the kernel. ``is_causal`` is aligned top-left, as in
+    PyTorch (query i sees keys j <= i). A row whose mask excludes every key returns 0.
+    Value must share the query's head_dim; dropout_p must be 0.
+    """
+    for x, name in ((query, "query"), (key, "key"), (value, "value")):
+        if not isinstance(x, torch.Tensor):
+            V._fail(TypeError, name, "a torch.Tensor", type(x).__name__)
+        if x.dim() not in (3, 4):
+            V._fail(ValueError, name, "a 4-d (batch, heads, seq, dim) or 3-d tensor",
+                    f"shape {tuple(x.shape)}")
+    if not query.dim() == key.dim() == value.dim():
+        V._fail(ValueError, "key/value rank", f"query's rank {query.dim()}",
+                (key.dim(), value.dim()))
+    squeeze = query.dim() == 3
+    if squeeze:
+        query, key, value = query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1)
+        if attn_mask is not None and attn_mask.dim() == 3:
+            attn_mask = attn_mask.unsqueeze(1)
+    if value.shape[-1] != query.shape[-1]:
+        raise NotImplementedError(
+            f"value head_dim {value.shape[-1]} != query head_dim {query.shape[-1]}: "
+            "flashtile needs one head_dim for q, k and v")
+    if key.shape[1] != query.shape[1] and not enable_gqa:
+        V._fail(ValueError, "key.shape[1] (nheads)", f"query's nheads {query.shape[1]}",
+                key.shape[1], "Try setting enable_gqa=True")
+    if is_causal and attn_mask is not None:
+        raise ValueError("attn_mask and is_causal=True were both given: pass one, as "
+                         "torch.nn.functional.scaled_dot_product_attention requires")
+    q, k, v = (x.transpose(1, 2) for x in (query, key, value))
+    b, sq, sk, h, hkv, d = V.check_qkv(q, k, v)
+    V.check_dropout(dropout_p)
+    V.check_softmax_scale(scale, "scale")
+    attn_mask = V.check_attn_mask(attn_mask, b, h, sq, sk, q.device, q.dtype)
+    out, _ = _attention(q, k, v, attn_mask=attn_mask, alibi_slopes=None,
+                        softmax_scale=scale, diag_offset=0, window_left=-1,
+                        window_right=0 if is_causal else -1, softcap=0.0)
+    out = out.transpose(1, 2)
+    return out.squeeze(1) if squeeze else out

@@ -1,0 +1,107 @@
+"""Triton helpers shared by the forward and backward kernels.
+
+The mask geometry is written once for a tile of (rows, cols): in the forward and the dQ
+pass rows are queries and cols are keys; the dK/dV pass works on the transposed tile,
+rows are keys and cols queries, which is the same geometry with ``diag_offset`` negated
+and the two window bounds swapped (see ``flashtile.reference.allowed_keys``).
+"""
+
+import triton
+import triton.language as tl
+
+LOG2E: tl.constexpr = 1.4426950408889634
+LN2: tl.constexpr = 0.6931471805599453
+
+
+@triton.jit
+def _tanh(x):
+    # Written with exp2 so the interpreter and the GPU share one formula; it saturates to
+    # +-1 without NaN because 2 / (inf + 1) is 0.
+    e = tl.exp2(x * (2.0 * LOG2E))
+    return 1.0 - 2.0 / (e + 1.0)
+
+
+@triton.jit
+def _block_range(start_r, n_rows, n_cols, diag_offset, window_left, window_right,
+                 BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+                 MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr):
+    """Column range seen by rows [r0, r0 + BLOCK_R), split for masking.
+
+    Returns (lo, mid_lo, mid_hi, hi): columns [lo, mid_lo) and [mid_hi, hi) need the
+    per-element mask, the blocks of [mid_lo, mid_hi) are visible to every row and in
+    bounds, so they skip it. ``lo``, ``mid_lo`` and ``mid_hi`` are multiples of BLOCK_C.
+    Integer divisions only see non-negative values: Triton truncates, Python floors.
+    """
+    r0 = start_r * BLOCK_R
+    r_last = tl.minimum(r0 + BLOCK_R, n_rows) - 1
+    lo = 0
+    hi = n_cols
+    mid_lo = 0
+    mid_hi = (n_cols // BLOCK_C) * BLOCK_C
+    if MASK_RIGHT:
+        hi = tl.minimum(hi, tl.maximum(r_last + diag_offset + window_right + 1, 0))
+        mid_hi = tl.minimum(
+            mid_hi, (tl.maximum(r0 + diag_offset + window_right + 1, 0) // BLOCK_C) * BLOCK_C)
+    if MASK_LEFT:
+        lo = (tl.maximum(r0 + diag_offset - window_left, 0) // BLOCK_C) * BLOCK_C
+        mid_lo = tl.cdiv(tl.maximum(r_last + diag_offset - window_left, 0), BLOCK_C) * BLOCK_C
+    lo = tl.minimum(lo, hi)
+    mid_lo = tl.minimum(tl.maximum(mid_lo, lo), hi)
+    mid_hi = tl.minimum(tl.maximum(mid_hi, mid_lo), hi)
+    return lo, mid_lo, mid_hi, hi
+
+
+@triton.jit
+def _scores_log2(qk, offs_r, offs_c, n_cols, diag_offset, window_left, window_right,
+                 softmax_scale, softcap, alibi_slope, p_mask, stride_mask_r, stride_mask_c,
+                 m_mask_rc,
+                 BOUNDARY: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
+                 HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+                 HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr):
+    """Raw q.k products (BLOCK_R, BLOCK_C) fp32 -> final scores times log2(e).
+
+    Order as in flash-attn: scale, softcap, then ALiBi / additive mask, then the
+    window, bounds and boolean masks set excluded scores to -inf.
+    """
+    if HAS_SOFTCAP:
+        s = (softcap * LOG2E) * _tanh(qk * (softmax_scale / softcap))
+    else:
+        s = qk * (softmax_scale * LOG2E)
+    # rel: key index minus the query's diagonal position; in the transposed tile the
+    # caller passes -diag_offset, so rel flips sign, which the swapped window absorbs.
+    rel = offs_c[None, :] - offs_r[:, None] - diag_offset
+    if HAS_ALIBI:
+        s = s - (alibi_slope * LOG2E) * tl.abs(rel).to(tl.float32)
+    if HAS_MASK:
+        b_mask = tl.load(p_mask + offs_r[:, None] * stride_mask_r
+                         + offs_c[None, :] * stride_mask_c, mask=m_mask_rc, other=0)
+        if MASK_IS_BOOL:
+            s = tl.where(b_mask != 0, s, float("-inf"))
+        else:
+            s = s + b_mask.to(tl.float32) * LOG2E
+    if BOUNDARY:
+        m_valid = offs_c[None, :] < n_cols
+        if MASK_RIGHT:
+            m_valid = m_valid & (rel <= window_right)
+        if MASK_LEFT:
+            m_valid = m_valid & (rel >= -window_left)
+        s = tl.where(m_valid, s, float("-inf"))
+    return s
+
+
+@triton.jit
+def _load_tile(ptrs, offs_rows, n_rows, offs_d, head_dim,
+               CHECK_ROWS: tl.constexpr, EVEN_D: tl.constexpr):
+    """Load a (rows, BLOCK_D) tile, zero-filling rows past n_rows and padded head dims."""
+    if CHECK_ROWS:
+        if EVEN_D:
+            x = tl.load(ptrs, mask=offs_rows[:, None] < n_rows, other=0.0)
+        else:
+            x = tl.load(ptrs, mask=(offs_rows[:, None] < n_rows)
+                        & (offs_d[None, :] < head_dim), other=0.0)
+    else:
+        if EVEN_D:
+            x = tl.load(ptrs)
+        else:
+            x = tl.load(ptrs, mask=offs_d[None, :] < head_dim, other=0.0)
+    return x

@@ -1,0 +1,333 @@
+"""FlashAttention backward: recompute P from the saved lse, no N x N tensor in memory.
+
+Algorithm: Dao, FlashAttention-2 (2023), Algorithm 2, split into two kernels that own
+their outputs: ``_bwd_dkdv_kernel`` (one program per key block and KV head, looping over
+every query block of every query head in the group) and ``_bwd_dq_kernel`` (one program
+per query block, looping over key blocks). No atomics, so the gradients are bitwise
+reproducible, and GQA needs no copy of K/V: the group sum happens in registers.
+
+``delta = rowsum(dO * O) - dlse`` (preprocess kernel) folds the gradient of the lse, when
+the caller used it, into dS = P * (dP - delta).
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from flashtile.ops import configs
+from flashtile.ops._common import LOG2E, _block_range, _load_tile, _scores_log2, _tanh
+
+
+@triton.jit
+def _bwd_preprocess_kernel(Out, DOut, DLse, Delta,
+                           stride_ob, stride_om, stride_oh,
+                           stride_dob, stride_dom, stride_doh,
+                           nheads, seqlen_q, head_dim,
+                           BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+                           HAS_DLSE: tl.constexpr):
+    start_m = tl.program_id(0)
+    off_bh = tl.program_id(1)
+    off_b = off_bh // nheads
+    off_h = off_bh % nheads
+    offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    m_tile = (offs_m[:, None] < seqlen_q) & (offs_d[None, :] < head_dim)
+    b_o = tl.load(Out + off_b * stride_ob + off_h * stride_oh + offs_m[:, None] * stride_om
+                  + offs_d[None, :], mask=m_tile, other=0.0).to(tl.float32)
+    b_do = tl.load(DOut + off_b * stride_dob + off_h * stride_doh
+                   + offs_m[:, None] * stride_dom + offs_d[None, :],
+                   mask=m_tile, other=0.0).to(tl.float32)
+    delta = tl.sum(b_o * b_do, 1)                                        # (M,)
+    p_row = off_bh * seqlen_q + offs_m  # DLse and Delta are (b, h, sq) contiguous
+    if HAS_DLSE:
+        delta -= tl.load(DLse + p_row, mask=offs_m < seqlen_q, other=0.0)
+    tl.store(Delta + p_row, delta, mask=offs_m < seqlen_q)
+
+
+@triton.jit
+def _load_lse_log2(p_lse, offs, n):
+    # Rows that saw no key have lse = -inf; +inf makes their P exactly 0 instead of NaN.
+    lse = tl.load(p_lse + offs, mask=offs < n, other=float("inf"))
+    return tl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
+
+
+@triton.jit
+def _dkdv_block(dk, dv, b_k, b_v, p_q, p_do, p_lse, p_delta, start, stop,
+                offs_n, offs_m0, offs_d, seqlen_q, seqlen_k, head_dim,
+                stride_qm, stride_dom, diag_offset, window_left, window_right,
+                softmax_scale, softcap, alibi_slope, p_mask, stride_mask_m, stride_mask_n,
+                BLOCK_M: tl.constexpr, EVEN_D: tl.constexpr, BOUNDARY: tl.constexpr,
+                MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
+                HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+                HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr,
+                INPUT_PRECISION: tl.constexpr):
+    # Transposed tile: rows are this program's keys, cols the query block.
+    for start_m in tl.range(start, stop, BLOCK_M):
+        offs_m = start_m + offs_m0
+        b_q = _load_tile(p_q + start_m * stride_qm, offs_m, seqlen_q, offs_d, head_dim,
+                         BOUNDARY, EVEN_D)                                    # (M, D)
+        qk_t = tl.dot(b_k, tl.trans(b_q), input_precision=INPUT_PRECISION)   # (N, M)
+        m_mask = (offs_n[:, None] < seqlen_k) & (offs_m[None, :] < seqlen_q)
+        s_t = _scores_log2(qk_t, offs_n, offs_m, seqlen_q, -diag_offset, window_right,
+                           window_left, softmax_scale, softcap, alibi_slope, p_mask,
+                           stride_mask_n, stride_mask_m, m_mask, BOUNDARY, MASK_RIGHT,
+                           MASK_LEFT, HAS_SOFTCAP, HAS_ALIBI, HAS_MASK, MASK_IS_BOOL)
+        p_t = tl.exp2(s_t - _load_lse_log2(p_lse, offs_m, seqlen_q)[None, :])  # (N, M)
+        b_do = _load_tile(p_do + start_m * stride_dom, offs_m, seqlen_q, offs_d, head_dim,
+                          BOUNDARY, EVEN_D)                                   # (M, D)
+        dv = tl.dot(p_t.to(b_do.dtype), b_do, dv, input_precision=INPUT_PRECISION)
+        dp_t = tl.dot(b_v, tl.trans(b_do), input_precision=INPUT_PRECISION)  # (N, M)
+        delta = tl.load(p_delta + offs_m, mask=offs_m < seqlen_q, other=0.0)
+        ds_t = p_t * (dp_t - delta[None, :])
+        if HAS_SOFTCAP:
+            t = _tanh(qk_t * (softmax_scale / softcap))
+            ds_t = ds_t * (1.0 - t * t)
+        dk = tl.dot(ds_t.to(b_q.dtype), b_q, dk, input_precision=INPUT_PRECISION)
+    return dk, dv
+
+
+@triton.jit
+def _bwd_dkdv_kernel(
+    Q, K, V, DOut, Lse, Delta, DK, DV, Mask, Alibi,
+    stride_qb, stride_qm, stride_qh,
+    stride_kb, stride_kn, stride_kh,
+    stride_vb, stride_vn, stride_vh,
+    stride_dob, stride_dom, stride_doh,
+    stride_dkb, stride_dkn, stride_dkh,
+    stride_dvb, stride_dvn, stride_dvh,
+    stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n,
+    stride_alibi_b, stride_alibi_h,
+    nheads, nheads_kv, seqlen_q, seqlen_k, head_dim,
+    diag_offset, window_left, window_right, softmax_scale, softcap,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    EVEN_D: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_MASK: tl.constexpr,
+    MASK_IS_BOOL: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+):
+    start_n = tl.program_id(0)
+    off_bh = tl.program_id(1)
+    off_b = off_bh // nheads_kv
+    off_hkv = off_bh % nheads_kv
+    group_size = nheads // nheads_kv
+
+    offs_n = start_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m0 = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    p_k = K + off_b * stride_kb + off_hkv * stride_kh + offs_n[:, None] * stride_kn + offs_d[None, :]
+    p_v = V + off_b * stride_vb + off_hkv * stride_vh + offs_n[:, None] * stride_vn + offs_d[None, :]
+    b_k = _load_tile(p_k, offs_n, seqlen_k, offs_d, head_dim, True, EVEN_D)   # (N, D)
+    b_v = _load_tile(p_v, offs_n, seqlen_k, offs_d, head_dim, True, EVEN_D)   # (N, D)
+    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+
+    lo, mid_lo, mid_hi, hi = _block_range(start_n, seqlen_k, seqlen_q, -diag_offset,
+                                          window_right, window_left, BLOCK_N, BLOCK_M,
+                                          MASK_RIGHT, MASK_LEFT)
+    for g in range(0, group_size):
+        off_h = off_hkv * group_size + g
+        p_q = Q + off_b * stride_qb + off_h * stride_qh + offs_m0[:, None] * stride_qm + offs_d[None, :]
+        p_do = DOut + off_b * stride_dob + off_h * stride_doh + offs_m0[:, None] * stride_dom + offs_d[None, :]
+        p_lse = Lse + (off_b * nheads + off_h) * seqlen_q
+        p_delta = Delta + (off_b * nheads + off_h) * seqlen_q
+        alibi_slope = 0.0
+        if HAS_ALIBI:
+            alibi_slope = tl.load(Alibi + off_b * stride_alibi_b + off_h * stride_alibi_h)
+        p_mask = Mask
+        if HAS_MASK:
+            p_mask = Mask + off_b * stride_mask_b + off_h * stride_mask_h
+        dk, dv = _dkdv_block(
+            dk, dv, b_k, b_v, p_q, p_do, p_lse, p_delta, lo, mid_lo, offs_n, offs_m0,
+            offs_d, seqlen_q, seqlen_k, head_dim, stride_qm, stride_dom, diag_offset,
+            window_left, window_right, softmax_scale, softcap, alibi_slope, p_mask,
+            stride_mask_m, stride_mask_n, BLOCK_M, EVEN_D, True, MASK_LEFT, MASK_RIGHT,
+            HAS_SOFTCAP, HAS_ALIBI, HAS_MASK, MASK_IS_BOOL, INPUT_PRECISION)
+        dk, dv = _dkdv_block(
+            dk, dv, b_k, b_v, p_q, p_do, p_lse, p_delta, mid_lo, mid_hi, offs_n, offs_m0,
+            offs_d, seqlen_q, seqlen_k, head_dim, stride_qm, stride_dom, diag_offset,
+            window_left, window_right, softmax_scale, softcap, alibi_slope, p_mask,
+            stride_mask_m, stride_mask_n, BLOCK_M, EVEN_D, False, MASK_LEFT, MASK_RIGHT,
+            HAS_SOFTCAP, HAS_ALIBI, HAS_MASK, MASK_IS_BOOL, INPUT_PRECISION)
+        dk, dv = _dkdv_block(
+            dk, dv, b_k, b_v, p_q, p_do, p_lse, p_delta, mid_hi, hi, offs_n, offs_m0,
+            offs_d, seqlen_q, seqlen_k, head_dim, stride_qm, stride_dom, diag_offset,
+            window_left, window_right, softmax_scale, softcap, alibi_slope, p_mask,
+            stride_mask_m, stride_mask_n, BLOCK_M, EVEN_D, True, MASK_LEFT, MASK_RIGHT,
+            HAS_SOFTCAP, HAS_ALIBI, HAS_MASK, MASK_IS_BOOL, INPUT_PRECISION)
+
+    m_tile = (offs_n[:, None] < seqlen_k) & (offs_d[None, :] < head_dim)
+    p_dk = DK + off_b * stride_dkb + off_hkv * stride_dkh + offs_n[:, None] * stride_dkn + offs_d[None, :]
+    p_dv = DV + off_b * stride_dvb + off_hkv * stride_dvh + offs_n[:, None] * stride_dvn + offs_d[None, :]
+    tl.store(p_dk, (dk * softmax_scale).to(DK.dtype.element_ty), mask=m_tile)
+    tl.store(p_dv, dv.to(DV.dtype.element_ty), mask=m_tile)
+
+
+@triton.jit
+def _dq_block(dq, b_q, b_do, lse_log2, delta, p_k, p_v, start, stop,
+              offs_m, offs_n0, offs_d, seqlen_q, seqlen_k, head_dim,
+              stride_kn, stride_vn, diag_offset, window_left, window_right,
+              softmax_scale, softcap, alibi_slope, p_mask, stride_mask_m, stride_mask_n,
+              BLOCK_N: tl.constexpr, EVEN_D: tl.constexpr, BOUNDARY: tl.constexpr,
+              MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
+              HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+              HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr,
+              INPUT_PRECISION: tl.constexpr):
+    for start_n in tl.range(start, stop, BLOCK_N):
+        offs_n = start_n + offs_n0
+        b_k = _load_tile(p_k + start_n * stride_kn, offs_n, seqlen_k, offs_d, head_dim,
+                         BOUNDARY, EVEN_D)                                  # (N, D)
+        b_v = _load_tile(p_v + start_n * stride_vn, offs_n, seqlen_k, offs_d, head_dim,
+                         BOUNDARY, EVEN_D)                                  # (N, D)
+        qk = tl.dot(b_q, tl.trans(b_k), input_precision=INPUT_PRECISION)   # (M, N)
+        m_mask = (offs_m[:, None] < seqlen_q) & (offs_n[None, :] < seqlen_k)
+        s = _scores_log2(qk, offs_m, offs_n, seqlen_k, diag_offset, window_left,
+                         window_right, softmax_scale, softcap, alibi_slope, p_mask,
+                         stride_mask_m, stride_mask_n, m_mask, BOUNDARY, MASK_LEFT,
+                         MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_MASK, MASK_IS_BOOL)
+        p = tl.exp2(s - lse_log2[:, None])                                 # (M, N)
+        dp = tl.dot(b_do, tl.trans(b_v), input_precision=INPUT_PRECISION)  # (M, N)
+        ds = p * (dp - delta[:, None])
+        if HAS_SOFTCAP:
+            t = _tanh(qk * (softmax_scale / softcap))
+            ds = ds * (1.0 - t * t)
+        dq = tl.dot(ds.to(b_k.dtype), b_k, dq, input_precision=INPUT_PRECISION)
+    return dq
+
+
+@triton.jit
+def _bwd_dq_kernel(
+    Q, K, V, DOut, Lse, Delta, DQ, Mask, Alibi,
+    stride_qb, stride_qm, stride_qh,
+    stride_kb, stride_kn, stride_kh,
+    stride_vb, stride_vn, stride_vh,
+    stride_dob, stride_dom, stride_doh,
+    stride_dqb, stride_dqm, stride_dqh,
+    stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n,
+    stride_alibi_b, stride_alibi_h,
+    nheads, group_size, seqlen_q, seqlen_k, head_dim,
+    diag_offset, window_left, window_right, softmax_scale, softcap,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    EVEN_D: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_MASK: tl.constexpr,
+    MASK_IS_BOOL: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+):
+    start_m = tl.program_id(0)
+    off_bh = tl.program_id(1)
+    off_b = off_bh // nheads
+    off_h = off_bh % nheads
+    off_hkv = off_h // group_size
+
+    offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n0 = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    p_q = Q + off_b * stride_qb + off_h * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :]
+    p_do = DOut + off_b * stride_dob + off_h * stride_doh + offs_m[:, None] * stride_dom + offs_d[None, :]
+    p_k = K + off_b * stride_kb + off_hkv * stride_kh + offs_n0[:, None] * stride_kn + offs_d[None, :]
+    p_v = V + off_b * stride_vb + off_hkv * stride_vh + offs_n0[:, None] * stride_vn + offs_d[None, :]
+    b_q = _load_tile(p_q, offs_m, seqlen_q, offs_d, head_dim, True, EVEN_D)    # (M, D)
+    b_do = _load_tile(p_do, offs_m, seqlen_q, offs_d, head_dim, True, EVEN_D)  # (M, D)
+    lse_log2 = _load_lse_log2(Lse + off_bh * seqlen_q, offs_m, seqlen_q)       # (M,)
+    delta = tl.load(Delta + off_bh * seqlen_q + offs_m, mask=offs_m < seqlen_q, other=0.0)
+    alibi_slope = 0.0
+    if HAS_ALIBI:
+        alibi_slope = tl.load(Alibi + off_b * stride_alibi_b + off_h * stride_alibi_h)
+    p_mask = Mask
+    if HAS_MASK:
+        p_mask = Mask + off_b * stride_mask_b + off_h * stride_mask_h
+    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+
+    lo, mid_lo, mid_hi, hi = _block_range(start_m, seqlen_q, seqlen_k, diag_offset,
+                                          window_left, window_right, BLOCK_M, BLOCK_N,
+                                          MASK_LEFT, MASK_RIGHT)
+    dq = _dq_block(dq, b_q, b_do, lse_log2, delta, p_k, p_v, lo, mid_lo, offs_m, offs_n0,
+                   offs_d, seqlen_q, seqlen_k, head_dim, stride_kn, stride_vn, diag_offset,
+                   window_left, window_right, softmax_scale, softcap, alibi_slope, p_mask,
+                   stride_mask_m, stride_mask_n, BLOCK_N, EVEN_D, True, MASK_LEFT,
+                   MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_MASK, MASK_IS_BOOL,
+                   INPUT_PRECISION)
+    dq = _dq_block(dq, b_q, b_do, lse_log2, delta, p_k, p_v, mid_lo, mid_hi, offs_m,
+                   offs_n0, offs_d, seqlen_q, seqlen_k, head_dim, stride_kn, stride_vn,
+                   diag_offset, window_left, window_right, softmax_scale, softcap,
+                   alibi_slope, p_mask, stride_mask_m, stride_mask_n, BLOCK_N, EVEN_D,
+                   False, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_MASK,
+                   MASK_IS_BOOL, INPUT_PRECISION)
+    dq = _dq_block(dq, b_q, b_do, lse_log2, delta, p_k, p_v, mid_hi, hi, offs_m, offs_n0,
+                   offs_d, seqlen_q, seqlen_k, head_dim, stride_kn, stride_vn, diag_offset,
+                   window_left, window_right, softmax_scale, softcap, alibi_slope, p_mask,
+                   stride_mask_m, stride_mask_n, BLOCK_N, EVEN_D, True, MASK_LEFT,
+                   MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_MASK, MASK_IS_BOOL,
+                   INPUT_PRECISION)
+
+    p_dq = DQ + off_b * stride_dqb + off_h * stride_dqh + offs_m[:, None] * stride_dqm + offs_d[None, :]
+    tl.store(p_dq, (dq * softmax_scale).to(DQ.dtype.element_ty),
+             mask=(offs_m[:, None] < seqlen_q) & (offs_d[None, :] < head_dim))
+
+
+def attn_bwd(dout, q, k, v, out, lse, dlse, *, attn_mask, alibi_slopes, softmax_scale,
+             diag_offset, window_left, window_right, softcap, allow_tf32):
+    """Launch preprocess, dK/dV and dQ. Returns (dq, dk, dv) shaped like q, k, v.
+
+    ``lse`` and ``dlse`` are (b, h, sq) fp32 contiguous; ``dlse`` may be None.
+    """
+    b, sq, h, d = q.shape
+    sk, hkv = k.shape[1], k.shape[2]
+    dq = torch.empty((b, sq, h, d), dtype=q.dtype, device=q.device)
+    dk = torch.empty((b, sk, hkv, d), dtype=k.dtype, device=q.device)
+    dv = torch.empty((b, sk, hkv, d), dtype=v.dtype, device=q.device)
+    if dk.numel() and not q.numel():
+        dk.zero_()
+        dv.zero_()
+    if not q.numel() or not dk.numel():
+        return dq.zero_(), dk, dv
+    block_d = configs.padded_head_dim(d)
+    lse = lse.contiguous()
+    delta = torch.empty_like(lse)
+    pre = configs.fwd_config(q, d)
+    _bwd_preprocess_kernel[(triton.cdiv(sq, pre.block_m), b * h)](
+        out, dout, dlse.contiguous() if dlse is not None else lse, delta,
+        out.stride(0), out.stride(1), out.stride(2),
+        dout.stride(0), dout.stride(1), dout.stride(2),
+        h, sq, d, BLOCK_M=pre.block_m, BLOCK_D=block_d, HAS_DLSE=dlse is not None,
+    )
+    mask_args, mask_is_bool = configs.mask_launch_args(attn_mask, q)
+    alibi = alibi_slopes if alibi_slopes is not None else q  # placeholder pointer
+    alibi_strides = ((alibi_slopes.stride(0) if alibi_slopes.dim() == 2 else 0,
+                      alibi_slopes.stride(-1)) if alibi_slopes is not None else (0, 0))
+    flags = dict(
+        BLOCK_D=block_d, EVEN_D=block_d == d,
+        MASK_LEFT=window_left >= 0, MASK_RIGHT=window_right >= 0,
+        HAS_SOFTCAP=softcap > 0, HAS_ALIBI=alibi_slopes is not None,
+        HAS_MASK=attn_mask is not None, MASK_IS_BOOL=mask_is_bool,
+        INPUT_PRECISION="tf32" if allow_tf32 else "ieee",
+    )
+    common = (diag_offset, window_left, window_right, softmax_scale, softcap)
+
+    cfg = configs.bwd_dkdv_config(q, d)
+    configs.log_first_launch("backward dk/dv", q, d, cfg)
+    _bwd_dkdv_kernel[(triton.cdiv(sk, cfg.block_n), b * hkv)](
+        q, k, v, dout, lse, delta, dk, dv, mask_args[0], alibi,
+        q.stride(0), q.stride(1), q.stride(2),
+        k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2),
+        dout.stride(0), dout.stride(1), dout.stride(2),
+        dk.stride(0), dk.stride(1), dk.stride(2),
+        dv.stride(0), dv.stride(1), dv.stride(2),
+        *mask_args[1:], *alibi_strides,
+        h, hkv, sq, sk, d, *common,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **flags,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    cfg = configs.bwd_dq_config(q, d)
+    configs.log_first_launch("backward dq", q, d, cfg)
+    _bwd_dq_kernel[(triton.cdiv(sq, cfg.block_m), b * h)](
+        q, k, v, dout, lse, delta, dq, mask_args[0], alibi,
+        q.stride(0), q.stride(1), q.stride(2),
+        k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2),
+        dout.stride(0), dout.stride(1), dout.stride(2),
+        dq.stride(0), dq.stride(1), dq.stride(2),
+        *mask_args[1:], *alibi_strides,
+        h, h // hkv, sq, sk, d, *common,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **flags,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return dq, dk, dv

@@ -1,0 +1,177 @@
+"""FlashAttention forward: Q in row tiles, K/V streamed in column tiles, online softmax.
+
+Algorithm: Dao et al., FlashAttention-2 (2023), Algorithm 1, in base 2: scores are
+scaled by log2(e) once so every exponential is an ``exp2``. Writes ``out`` and the
+natural-log ``lse`` per row; nothing of size seqlen_q x seqlen_k touches memory.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from flashtile.ops import configs
+from flashtile.ops._common import LN2, _block_range, _load_tile, _scores_log2
+
+
+@triton.jit
+def _fwd_block(acc, l_i, m_i, b_q, p_k, p_v, start, stop,
+               offs_m, offs_n0, offs_d, seqlen_q, seqlen_k, head_dim,
+               stride_kn, stride_vn, diag_offset, window_left, window_right,
+               softmax_scale, softcap, alibi_slope, p_mask, stride_mask_m, stride_mask_n,
+               BLOCK_N: tl.constexpr, EVEN_D: tl.constexpr, BOUNDARY: tl.constexpr,
+               MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
+               HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+               HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr,
+               INPUT_PRECISION: tl.constexpr):
+    # A row can have seen nothing yet only where masks apply; only then guard -inf - -inf.
+    CAN_BE_EMPTY: tl.constexpr = BOUNDARY or (HAS_MASK and MASK_IS_BOOL)
+    for start_n in tl.range(start, stop, BLOCK_N):
+        offs_n = start_n + offs_n0
+        b_k = _load_tile(p_k + start_n * stride_kn, offs_n, seqlen_k, offs_d, head_dim,
+                         BOUNDARY, EVEN_D)                                  # (N, D)
+        qk = tl.dot(b_q, tl.trans(b_k), input_precision=INPUT_PRECISION)   # (M, N)
+        m_mask = (offs_m[:, None] < seqlen_q) & (offs_n[None, :] < seqlen_k)
+        s = _scores_log2(qk, offs_m, offs_n, seqlen_k, diag_offset, window_left,
+                         window_right, softmax_scale, softcap, alibi_slope, p_mask,
+                         stride_mask_m, stride_mask_n, m_mask, BOUNDARY, MASK_LEFT,
+                         MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_MASK, MASK_IS_BOOL)
+        m_new = tl.maximum(m_i, tl.max(s, 1))                               # (M,)
+        if CAN_BE_EMPTY:
+            m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_new[:, None])                                     # (M, N)
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        b_v = _load_tile(p_v + start_n * stride_vn, offs_n, seqlen_k, offs_d, head_dim,
+                         BOUNDARY, EVEN_D)                                  # (N, D)
+        acc = acc * alpha[:, None]
+        acc = tl.dot(p.to(b_v.dtype), b_v, acc, input_precision=INPUT_PRECISION)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _attn_fwd_kernel(
+    Q, K, V, Out, Lse, Mask, Alibi,
+    stride_qb, stride_qm, stride_qh,
+    stride_kb, stride_kn, stride_kh,
+    stride_vb, stride_vn, stride_vh,
+    stride_ob, stride_om, stride_oh,
+    stride_lb, stride_lh,
+    stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n,
+    stride_alibi_b, stride_alibi_h,
+    nheads, group_size, seqlen_q, seqlen_k, head_dim,
+    diag_offset, window_left, window_right, softmax_scale, softcap,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    EVEN_D: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_MASK: tl.constexpr,
+    MASK_IS_BOOL: tl.constexpr, INPUT_PRECISION: tl.constexpr, REVERSE_M: tl.constexpr,
+):
+    start_m = tl.program_id(0)
+    if REVERSE_M:
+        # With a causal or window mask the last query blocks see the most keys: start
+        # them first so the tail of the grid is short programs.
+        start_m = tl.num_programs(0) - 1 - start_m
+    off_bh = tl.program_id(1)
+    off_b = off_bh // nheads
+    off_h = off_bh % nheads
+    off_hkv = off_h // group_size
+
+    offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n0 = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+
+    p_q = Q + off_b * stride_qb + off_h * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :]
+    p_k = K + off_b * stride_kb + off_hkv * stride_kh + offs_n0[:, None] * stride_kn + offs_d[None, :]
+    p_v = V + off_b * stride_vb + off_hkv * stride_vh + offs_n0[:, None] * stride_vn + offs_d[None, :]
+    b_q = _load_tile(p_q, offs_m, seqlen_q, offs_d, head_dim, True, EVEN_D)  # (M, D)
+
+    alibi_slope = 0.0
+    if HAS_ALIBI:
+        alibi_slope = tl.load(Alibi + off_b * stride_alibi_b + off_h * stride_alibi_h)
+    p_mask = Mask
+    if HAS_MASK:
+        p_mask = Mask + off_b * stride_mask_b + off_h * stride_mask_h
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+
+    lo, mid_lo, mid_hi, hi = _block_range(start_m, seqlen_q, seqlen_k, diag_offset,
+                                          window_left, window_right, BLOCK_M, BLOCK_N,
+                                          MASK_LEFT, MASK_RIGHT)
+    # Three spans: masked left edge, unmasked middle, masked right edge (and the ragged
+    # last key block). The middle one is where the time goes.
+    acc, l_i, m_i = _fwd_block(
+        acc, l_i, m_i, b_q, p_k, p_v, lo, mid_lo, offs_m, offs_n0, offs_d, seqlen_q,
+        seqlen_k, head_dim, stride_kn, stride_vn, diag_offset, window_left, window_right,
+        softmax_scale, softcap, alibi_slope, p_mask, stride_mask_m, stride_mask_n,
+        BLOCK_N, EVEN_D, True, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_MASK,
+        MASK_IS_BOOL, INPUT_PRECISION)
+    acc, l_i, m_i = _fwd_block(
+        acc, l_i, m_i, b_q, p_k, p_v, mid_lo, mid_hi, offs_m, offs_n0, offs_d, seqlen_q,
+        seqlen_k, head_dim, stride_kn, stride_vn, diag_offset, window_left, window_right,
+        softmax_scale, softcap, alibi_slope, p_mask, stride_mask_m, stride_mask_n,
+        BLOCK_N, EVEN_D, False, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_MASK,
+        MASK_IS_BOOL, INPUT_PRECISION)
+    acc, l_i, m_i = _fwd_block(
+        acc, l_i, m_i, b_q, p_k, p_v, mid_hi, hi, offs_m, offs_n0, offs_d, seqlen_q,
+        seqlen_k, head_dim, stride_kn, stride_vn, diag_offset, window_left, window_right,
+        softmax_scale, softcap, alibi_slope, p_mask, stride_mask_m, stride_mask_n,
+        BLOCK_N, EVEN_D, True, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_MASK,
+        MASK_IS_BOOL, INPUT_PRECISION)
+
+    # Rows that saw no key: out 0, lse -inf (never 0/0).
+    seen = l_i > 0.0
+    l_safe = tl.where(seen, l_i, 1.0)
+    out = acc / l_safe[:, None]
+    lse = tl.where(seen, (m_i + tl.log2(l_safe)) * LN2, float("-inf"))
+
+    m_row = offs_m < seqlen_q
+    tl.store(Lse + off_b * stride_lb + off_h * stride_lh + offs_m, lse, mask=m_row)
+    p_o = Out + off_b * stride_ob + off_h * stride_oh + offs_m[:, None] * stride_om + offs_d[None, :]
+    tl.store(p_o, out.to(Out.dtype.element_ty),
+             mask=m_row[:, None] & (offs_d[None, :] < head_dim))
+
+
+def attn_fwd(q, k, v, *, attn_mask, alibi_slopes, softmax_scale, diag_offset,
+             window_left, window_right, softcap, allow_tf32):
+    """Launch the forward kernel. Inputs are validated by the caller.
+
+    q (b, sq, h, d), k/v (b, sk, hkv, d), last dim contiguous, any other strides.
+    attn_mask, if given, is already expanded to (b, h, sq, sk) (stride 0 where broadcast).
+    Returns out (b, sq, h, d) contiguous in q's dtype and lse (b, h, sq) fp32.
+    """
+    b, sq, h, d = q.shape
+    sk, hkv = k.shape[1], k.shape[2]
+    out = torch.empty((b, sq, h, d), dtype=q.dtype, device=q.device)
+    lse = torch.empty((b, h, sq), dtype=torch.float32, device=q.device)
+    if out.numel() == 0:
+        return out, lse
+    cfg = configs.fwd_config(q, d, causal_like=window_right >= 0 or window_left >= 0)
+    block_d = configs.padded_head_dim(d)
+    mask_args, mask_is_bool = configs.mask_launch_args(attn_mask, q)
+    alibi = alibi_slopes if alibi_slopes is not None else q  # placeholder pointer
+    alibi_strides = ((alibi_slopes.stride(0) if alibi_slopes.dim() == 2 else 0,
+                      alibi_slopes.stride(-1)) if alibi_slopes is not None else (0, 0))
+    grid = (triton.cdiv(sq, cfg.block_m), b * h)
+    configs.log_first_launch("forward", q, d, cfg)
+    _attn_fwd_kernel[grid](
+        q, k, v, out, lse, mask_args[0], alibi,
+        q.stride(0), q.stride(1), q.stride(2),
+        k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2),
+        out.stride(0), out.stride(1), out.stride(2),
+        lse.stride(0), lse.stride(1),
+        *mask_args[1:],
+        *alibi_strides,
+        h, h // hkv, sq, sk, d,
+        diag_offset, window_left, window_right, softmax_scale, softcap,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d, EVEN_D=block_d == d,
+        MASK_LEFT=window_left >= 0, MASK_RIGHT=window_right >= 0,
+        HAS_SOFTCAP=softcap > 0, HAS_ALIBI=alibi_slopes is not None,
+        HAS_MASK=attn_mask is not None, MASK_IS_BOOL=mask_is_bool,
+        INPUT_PRECISION="tf32" if allow_tf32 else "ieee",
+        REVERSE_M=window_right >= 0 or window_left >= 0,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return out, lse

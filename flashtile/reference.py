@@ -1,0 +1,208 @@
+"""Plain PyTorch attention: the naive oracle and the tiled online-softmax backend.
+
+Both take the flash-attn layout, q (batch, seqlen_q, nheads, head_dim) and k, v
+(batch, seqlen_k, nheads_kv, head_dim), and the same mask description as the Triton
+kernels (``diag_offset``, ``window_left``, ``window_right``, see ``allowed_keys``), so
+the kernels, this backend and the oracle are checked against one definition.
+
+``attention_naive`` materializes the (seqlen_q, seqlen_k) score matrix and works in any
+dtype (float64 for the test oracle). ``attention_tiled_fwd``/``attention_tiled_bwd`` walk
+K/V block by block with a running max ``m``, running sum ``l`` and an fp32 accumulator,
+exactly the FlashAttention recurrence; they are the CPU backend.
+
+``lse`` is the natural-log log-sum-exp of each row's (scaled, capped, biased, masked)
+scores; a row that sees no key has ``lse = -inf`` and output 0.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+LOG2E = math.log2(math.e)
+
+
+def allowed_keys(seqlen_q, seqlen_k, diag_offset, window_left, window_right, device,
+                 rows=None, cols=None):
+    """Boolean (rows, cols) mask of the keys each query may see.
+
+    Query i sits on the diagonal at key ``i + diag_offset``; it sees keys j with
+    ``i + diag_offset - window_left <= j <= i + diag_offset + window_right``,
+    where a negative window bound means unbounded. Causal is ``window_right = 0``;
+    flash-attn aligns it bottom-right (``diag_offset = seqlen_k - seqlen_q``), torch's
+    SDPA top-left (``diag_offset = 0``).
+    """
+    if rows is None:
+        rows = torch.arange(seqlen_q, device=device)
+    if cols is None:
+        cols = torch.arange(seqlen_k, device=device)
+    rel = cols[None, :] - rows[:, None] - diag_offset  # (rows, cols): j - (i + offset)
+    ok = cols[None, :] < seqlen_k
+    ok = ok & (rows[:, None] < seqlen_q)
+    if window_right >= 0:
+        ok = ok & (rel <= window_right)
+    if window_left >= 0:
+        ok = ok & (rel >= -window_left)
+    return ok
+
+
+def _expand_kv(x, nheads):
+    """(b, s, hkv, d) -> (b, s, h, d) by repeating each KV head over its query group."""
+    group = nheads // x.shape[2]
+    return x if group == 1 else x.repeat_interleave(group, dim=2)
+
+
+def _alibi_bias(alibi_slopes, batch, nheads, rows, cols, diag_offset, dtype):
+    """-slope * |i + diag_offset - j|, shape (batch, nheads, rows, cols)."""
+    slopes = alibi_slopes.to(dtype)
+    if slopes.dim() == 1:
+        slopes = slopes[None].expand(batch, nheads)
+    dist = (rows[:, None] + diag_offset - cols[None, :]).abs().to(dtype)
+    return -slopes[:, :, None, None] * dist
+
+
+def _scores(q, k, rows, cols, *, softmax_scale, softcap, alibi_slopes, attn_mask,
+            diag_offset, window_left, window_right, seqlen_q, seqlen_k, dtype):
+    """Scaled, capped, biased and masked scores (b, h, rows, cols) in ``dtype``."""
+    s = torch.einsum("bihd,bjhd->bhij", q.to(dtype), k.to(dtype)) * softmax_scale
+    if softcap > 0:
+        s = softcap * torch.tanh(s / softcap)
+    if alibi_slopes is not None:
+        s = s + _alibi_bias(alibi_slopes, q.shape[0], q.shape[2], rows, cols,
+                            diag_offset, dtype)
+    ok = allowed_keys(seqlen_q, seqlen_k, diag_offset, window_left, window_right,
+                      q.device, rows, cols)
+    if attn_mask is not None:
+        m = attn_mask[..., rows[:, None], cols[None, :]]
+        if m.dtype == torch.bool:
+            ok = ok & m
+        else:
+            s = s + m.to(dtype)
+    return s.masked_fill(~ok, float("-inf"))
+
+
+def attention_naive(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1),
+                    softcap=0.0, alibi_slopes=None, attn_mask=None, diag_offset=None,
+                    upcast=True):
+    """Three-pass attention with the score matrix in memory: the test oracle.
+
+    Returns ``(out, lse)``; ``out`` in q's dtype (or float64 when ``upcast``),
+    ``lse`` (batch, nheads, seqlen_q). ``diag_offset`` defaults to flash-attn's
+    bottom-right alignment, ``seqlen_k - seqlen_q``. Differentiable by autograd.
+    """
+    b, sq, h, d = q.shape
+    sk = k.shape[1]
+    dtype = torch.float64 if upcast else q.dtype
+    if softmax_scale is None:
+        softmax_scale = 1.0 / math.sqrt(d)
+    if diag_offset is None:
+        diag_offset = sk - sq
+    left, right = window_size
+    if causal:
+        right = 0
+    if attn_mask is not None:
+        attn_mask = attn_mask.expand(b, h, sq, sk)
+    k, v = _expand_kv(k, h), _expand_kv(v, h)
+    rows = torch.arange(sq, device=q.device)
+    cols = torch.arange(sk, device=q.device)
+    s = _scores(q, k, rows, cols, softmax_scale=softmax_scale, softcap=softcap,
+                alibi_slopes=alibi_slopes, attn_mask=attn_mask, diag_offset=diag_offset,
+                window_left=left, window_right=right, seqlen_q=sq, seqlen_k=sk,
+                dtype=dtype)
+    m = s.amax(dim=-1, keepdim=True)                       # pass 1: row max
+    m = torch.where(torch.isinf(m), torch.zeros_like(m), m)  # rows that see nothing
+    p = torch.exp(s - m)                                   # pass 2: exp
+    l = p.sum(dim=-1, keepdim=True)                        # pass 3: sum
+    out = (p / torch.where(l == 0, torch.ones_like(l), l)) @ v.to(dtype).transpose(1, 2)
+    lse = (torch.log(l) + m).squeeze(-1)
+    out = out.transpose(1, 2)
+    return (out if upcast else out.to(q.dtype)), lse.float() if not upcast else lse
+
+
+def _kv_block(x, start, stop, nheads):
+    return _expand_kv(x[:, start:stop], nheads)
+
+
+def attention_tiled_fwd(q, k, v, *, softmax_scale, diag_offset, window_left, window_right,
+                        softcap, alibi_slopes, attn_mask, block_n=128):
+    """FlashAttention forward in PyTorch: K/V in column blocks, online softmax.
+
+    Vectorized over batch, heads and query rows; fp32 (or float64) accumulation.
+    Returns ``out`` (q's dtype, shape of q) and ``lse`` (batch, nheads, seqlen_q) fp32.
+    """
+    b, sq, h, d = q.shape
+    sk = k.shape[1]
+    acc_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    rows = torch.arange(sq, device=q.device)
+    m_i = torch.full((b, h, sq), float("-inf"), dtype=acc_dtype, device=q.device)
+    l_i = torch.zeros((b, h, sq), dtype=acc_dtype, device=q.device)
+    acc = torch.zeros((b, h, sq, d), dtype=acc_dtype, device=q.device)
+    for start in range(0, sk, block_n):
+        stop = min(start + block_n, sk)
+        cols = torch.arange(start, stop, device=q.device)
+        s = _scores(q, _kv_block(k, start, stop, h), rows, cols,
+                    softmax_scale=softmax_scale, softcap=softcap,
+                    alibi_slopes=alibi_slopes, attn_mask=attn_mask,
+                    diag_offset=diag_offset, window_left=window_left,
+                    window_right=window_right, seqlen_q=sq, seqlen_k=sk, dtype=acc_dtype)
+        m_new = torch.maximum(m_i, s.amax(dim=-1))
+        m_safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
+        p = torch.exp(s - m_safe[..., None])
+        alpha = torch.exp(m_i - m_safe)
+        l_i = l_i * alpha + p.sum(dim=-1)
+        vb = _kv_block(v, start, stop, h).to(acc_dtype).transpose(1, 2)  # (b, h, n, d)
+        acc = acc * alpha[..., None] + p.to(q.dtype).to(acc_dtype) @ vb
+        m_i = m_new
+    seen = l_i > 0
+    out = torch.where(seen[..., None], acc / torch.where(seen, l_i, 1.0)[..., None], 0.0)
+    lse = torch.where(seen, m_i + torch.log(torch.where(seen, l_i, 1.0)), float("-inf"))
+    return out.transpose(1, 2).to(q.dtype), lse.float()
+
+
+def attention_tiled_bwd(dout, q, k, v, out, lse, dlse, *, softmax_scale, diag_offset,
+                        window_left, window_right, softcap, alibi_slopes, attn_mask,
+                        block_n=128):
+    """FlashAttention backward in PyTorch: recompute P block by block from ``lse``.
+
+    ``delta = rowsum(dout * out) - dlse`` turns the gradient of the output (and of the
+    lse, when it was used) into dS = P * (dP - delta). dK/dV are summed over each KV
+    head's query group. Returns (dq, dk, dv) in the input dtypes.
+    """
+    b, sq, h, d = q.shape
+    sk, hkv = k.shape[1], k.shape[2]
+    acc_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    rows = torch.arange(sq, device=q.device)
+    do = dout.to(acc_dtype).transpose(1, 2)  # (b, h, sq, d)
+    delta = (do * out.to(acc_dtype).transpose(1, 2)).sum(-1)
+    if dlse is not None:
+        delta = delta - dlse.to(acc_dtype)
+    lse_safe = torch.where(torch.isinf(lse), float("inf"), lse).to(acc_dtype)
+    qf = q.to(acc_dtype).transpose(1, 2)
+    dq = torch.zeros_like(qf)
+    dk = torch.zeros((b, sk, hkv, d), dtype=acc_dtype, device=q.device)
+    dv = torch.zeros_like(dk)
+    for start in range(0, sk, block_n):
+        stop = min(start + block_n, sk)
+        cols = torch.arange(start, stop, device=q.device)
+        kb = _kv_block(k, start, stop, h)
+        s_raw = torch.einsum("bihd,bjhd->bhij", q.to(acc_dtype), kb.to(acc_dtype))
+        s = _scores(q, kb, rows, cols, softmax_scale=softmax_scale, softcap=softcap,
+                    alibi_slopes=alibi_slopes, attn_mask=attn_mask,
+                    diag_offset=diag_offset, window_left=window_left,
+                    window_right=window_right, seqlen_q=sq, seqlen_k=sk, dtype=acc_dtype)
+        p = torch.exp(s - lse_safe[..., None])
+        vb = _kv_block(v, start, stop, h).to(acc_dtype).transpose(1, 2)
+        dv_h = p.transpose(-1, -2) @ do                        # (b, h, n, d)
+        dp = do @ vb.transpose(-1, -2)
+        ds = p * (dp - delta[..., None])
+        if softcap > 0:
+            t = torch.tanh(s_raw * softmax_scale / softcap)
+            ds = ds * (1 - t * t)
+        ds = ds * softmax_scale
+        dq += ds @ kb.to(acc_dtype).transpose(1, 2)
+        dk_h = ds.transpose(-1, -2) @ qf
+        group = h // hkv
+        dk[:, start:stop] += dk_h.reshape(b, hkv, group, -1, d).sum(2).transpose(1, 2)
+        dv[:, start:stop] += dv_h.reshape(b, hkv, group, -1, d).sum(2).transpose(1, 2)
+    return dq.transpose(1, 2).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
