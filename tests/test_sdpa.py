@@ -1,0 +1,94 @@
+"""flashtile.scaled_dot_product_attention against torch's SDPA in float64."""
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import flashtile
+from tests.utils import FLOOR, max_err
+
+
+@pytest.fixture(params=["torch", "triton"])
+def backend(request, monkeypatch, on_gpu):
+    if request.param == "torch" and on_gpu:
+        pytest.skip("GPU runs the Triton kernels")
+    if request.param == "triton" and not on_gpu and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("Triton on CPU needs TRITON_INTERPRET=1")
+    monkeypatch.setenv("FLASHTILE_BACKEND", request.param)
+    return request.param
+
+
+MASKS = {
+    "none": lambda b, h, sq, sk, dev: None,
+    "bool_2d": lambda b, h, sq, sk, dev: torch.rand(sq, sk, device=dev) > 0.3,
+    "bool_b11k": lambda b, h, sq, sk, dev: torch.rand(b, 1, 1, sk, device=dev) > 0.2,
+    "bool_full_rows_off": lambda b, h, sq, sk, dev: torch.cat(
+        [torch.zeros(b, h, 2, sk, dtype=torch.bool, device=dev),
+         torch.rand(b, h, sq - 2, sk, device=dev) > 0.5], dim=2),
+    "additive_bh": lambda b, h, sq, sk, dev: torch.randn(b, h, sq, sk, device=dev),
+    "additive_1hq1": lambda b, h, sq, sk, dev: torch.randn(1, h, sq, 1, device=dev),
+}
+
+
+@pytest.mark.parametrize("mask_kind", list(MASKS))
+@pytest.mark.parametrize("shape", [(2, 4, 4, 37, 53, 32), (1, 4, 2, 61, 29, 48)],
+                         ids=["mha", "gqa"])
+def test_sdpa_masks(shape, mask_kind, backend, device):
+    b, h, hkv, sq, sk, d = shape
+    dtype = torch.float32
+    q = torch.randn(b, h, sq, d, device=device, dtype=dtype)
+    k = torch.randn(b, hkv, sk, d, device=device, dtype=dtype)
+    v = torch.randn(b, hkv, sk, d, device=device, dtype=dtype)
+    mask = MASKS[mask_kind](b, h, sq, sk, device)
+    if mask is not None and mask.dtype != torch.bool:
+        mask = mask.to(dtype)
+    qg, kg, vg = (x.clone().requires_grad_() for x in (q, k, v))
+    out = flashtile.scaled_dot_product_attention(qg, kg, vg, attn_mask=mask,
+                                                 enable_gqa=hkv != h)
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (qg, kg, vg), dout)
+
+    q64, k64, v64 = (x.double().requires_grad_() for x in (q, k, v))
+    m64 = mask if mask is None or mask.dtype == torch.bool else mask.double()
+    ref = F.scaled_dot_product_attention(q64, k64, v64, attn_mask=m64, enable_gqa=hkv != h)
+    # torch gives NaN (older) or 0 (newer) for rows the mask empties; flashtile gives 0.
+    ref = torch.nan_to_num(ref, nan=0.0)
+    ref_grads = torch.autograd.grad(ref, (q64, k64, v64), dout.double())
+    assert max_err(out, ref) < 1e-5
+    for ours, r in zip(grads, ref_grads):
+        assert max_err(ours, torch.nan_to_num(r, nan=0.0)) < 1e-4
+
+
+@pytest.mark.parametrize("sq,sk", [(40, 40), (23, 57), (57, 23)])
+def test_sdpa_causal_is_top_left(sq, sk, backend, device):
+    q = torch.randn(2, 3, sq, 16, device=device)
+    k = torch.randn(2, 3, sk, 16, device=device)
+    v = torch.randn(2, 3, sk, 16, device=device)
+    out = flashtile.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.3)
+    ref = F.scaled_dot_product_attention(q.double(), k.double(), v.double(),
+                                         is_causal=True, scale=0.3)
+    assert max_err(out, ref) < 1e-5
+
+
+def test_sdpa_3d(backend, device):
+    q, k, v = (torch.randn(3, 29, 16, device=device) for _ in range(3))
+    mask = torch.rand(3, 29, 29, device=device) > 0.3
+    out = flashtile.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    ref = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=mask)
+    assert out.shape == (3, 29, 16)
+    assert max_err(out, ref) < 1e-5
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_sdpa_lowp_matches_torch_error(dtype, device):
+    b, h, s, d = 2, 8, 1024, 128
+    q, k, v = (torch.randn(b, h, s, d, device=device, dtype=dtype) for _ in range(3))
+    mask = torch.rand(b, 1, s, s, device=device) > 0.1
+    out = flashtile.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    ref = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=mask)
+    with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
+        pt = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    assert max_err(out, ref) <= 2 * max_err(pt, ref) + FLOOR[dtype]
