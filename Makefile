@@ -6,7 +6,7 @@ VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 HAS_CUDA := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
 
-.PHONY: demo test test-gpu bench clean
+.PHONY: demo test test-gpu memcheck clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PY) -m venv $(VENV)
@@ -22,14 +22,24 @@ endif
 demo: $(STAMP)
 	$(VPY) -m flashtile demo
 
-# CPU: the torch path plus the Triton kernels through the interpreter.
+# CPU: the torch path plus the Triton kernels through the interpreter; then the sm_90
+# compile check, which needs real Triton compilation and so its own process.
 test: $(STAMP)
-	TRITON_INTERPRET=1 $(VPY) -m pytest -q -x -p no:cacheprovider tests
+	TRITON_INTERPRET=1 $(VPY) -m pytest -q -p no:cacheprovider tests
+	$(VPY) -m pytest -q -p no:cacheprovider tests/test_sm90_compile.py
 
 # GPU: run on the device machine with its own python (no venv, no network there).
+# pytest-xdist spreads the Triton compiles over the CPU cores.
+GPU_LOG ?= gpu-test-log.txt
 test-gpu:
-	mkdir -p docs
-	set -o pipefail; $(PY) -m pytest -q -p no:cacheprovider -m "gpu or not gpu" tests --gpu 2>&1 | tee docs/gpu-test-log.txt
+	set -o pipefail; PYTHONPATH=. $(PY) -m pytest -q -p no:cacheprovider -n 8 --gpu \
+		--durations=5 tests 2>&1 | tee $(GPU_LOG)
+
+# A fast slice of the GPU tests under compute-sanitizer: must report 0 errors.
+MEMCHECK_K ?= fwd_bwd and bfloat16 and (q3000 or q37-k1 or q53-k31 or d160 or win or alibi or cap)
+memcheck:
+	PYTHONPATH=. compute-sanitizer --tool memcheck --error-exitcode 9 $(PY) -m pytest -q \
+		-p no:cacheprovider --gpu -k "$(MEMCHECK_K)" tests/test_attention.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

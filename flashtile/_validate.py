@@ -33,30 +33,35 @@ def check_tensor(x, name, rank):
               x.stride(-1), "Call .contiguous() on it, or slice only the other dims")
 
 
-def check_qkv(q, k, v):
-    """q (b, sq, h, d), k/v (b, sk, hkv, d). Returns (b, sq, sk, h, hkv, d)."""
-    for x, name in ((q, "q"), (k, "k"), (v, "v")):
+def check_qkv(q, k, v, names=("q", "k", "v")):
+    """q (b, sq, h, d), k/v (b, sk, hkv, d). Returns (b, sq, sk, h, hkv, d).
+
+    ``names`` are the caller's argument names, used in the messages (the SDPA drop-in
+    passes ("query", "key", "value")).
+    """
+    qn, kn, vn = names
+    for x, name in ((q, qn), (k, kn), (v, vn)):
         check_tensor(x, name, 4)
-    for x, name in ((k, "k"), (v, "v")):
+    for x, name in ((k, kn), (v, vn)):
         if x.dtype != q.dtype:
-            _fail(TypeError, f"{name}.dtype", f"q's dtype {q.dtype}", x.dtype,
-                  "q, k and v must share one dtype")
+            _fail(TypeError, f"{name}.dtype", f"{qn}'s dtype {q.dtype}", x.dtype,
+                  f"{qn}, {kn} and {vn} must share one dtype")
         if x.device != q.device:
-            _fail(ValueError, f"{name}.device", f"q's device {q.device}", x.device)
+            _fail(ValueError, f"{name}.device", f"{qn}'s device {q.device}", x.device)
     b, sq, h, d = q.shape
     if k.shape != v.shape:
-        _fail(ValueError, "v.shape", f"k's shape {tuple(k.shape)}", tuple(v.shape))
+        _fail(ValueError, f"{vn}.shape", f"{kn}'s shape {tuple(k.shape)}", tuple(v.shape))
     if k.shape[0] != b:
-        _fail(ValueError, "k.shape[0] (batch)", f"q's batch {b}", k.shape[0])
+        _fail(ValueError, f"{kn}.shape[0] (batch)", f"{qn}'s batch {b}", k.shape[0])
     if k.shape[3] != d:
-        _fail(ValueError, "k.shape[-1] (head_dim)", f"q's head_dim {d}", k.shape[3],
-              "flashtile needs q, k and v to share one head_dim")
+        _fail(ValueError, f"{kn}.shape[-1] (head_dim)", f"{qn}'s head_dim {d}", k.shape[3],
+              f"flashtile needs {qn}, {kn} and {vn} to share one head_dim")
     if not 1 <= d <= MAX_HEAD_DIM:
-        _fail(ValueError, "q.shape[-1] (head_dim)", f"1 to {MAX_HEAD_DIM}", d)
+        _fail(ValueError, f"{qn}.shape[-1] (head_dim)", f"1 to {MAX_HEAD_DIM}", d)
     hkv = k.shape[2]
     if hkv == 0 or h % hkv != 0:
-        _fail(ValueError, "k.shape[2] (nheads_kv)",
-              f"a divisor of q's nheads {h} (GQA/MQA)", hkv)
+        _fail(ValueError, f"{kn}.shape[2] (nheads_kv)",
+              f"a divisor of {qn}'s nheads {h} (GQA/MQA)", hkv)
     return b, sq, k.shape[1], h, hkv, d
 
 
@@ -123,12 +128,10 @@ def check_attn_mask(attn_mask, batch, nheads, seqlen_q, seqlen_k, device, dtype)
         return None
     if not isinstance(attn_mask, torch.Tensor):
         _fail(TypeError, "attn_mask", "a torch.Tensor or None", type(attn_mask).__name__)
-    if attn_mask.dtype != torch.bool and attn_mask.dtype not in SUPPORTED_DTYPES:
-        _fail(TypeError, "attn_mask.dtype", "torch.bool or a float dtype",
-              attn_mask.dtype)
     if attn_mask.dtype != torch.bool and attn_mask.dtype != dtype:
         _fail(TypeError, "attn_mask.dtype", f"torch.bool or the query's dtype {dtype}",
-              attn_mask.dtype, "as torch.nn.functional.scaled_dot_product_attention")
+              attn_mask.dtype, "Pass a bool mask or attn_mask.to(query.dtype), as "
+              "torch.nn.functional.scaled_dot_product_attention requires")
     if attn_mask.device != device:
         _fail(ValueError, "attn_mask.device", f"the query's device {device}",
               attn_mask.device)

@@ -91,9 +91,8 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
 
 
 def _unpack(x, name, index_dim, count):
-    if not isinstance(x, torch.Tensor):
-        V._fail(TypeError, name, "a torch.Tensor", type(x).__name__)
-    if x.dim() != 5 or x.shape[index_dim] != count:
+    V.check_tensor(x, name, 5)  # so a wrong dtype is reported as "qkv", not "q"
+    if x.shape[index_dim] != count:
         V._fail(ValueError, f"{name}.shape", f"a 5-d tensor with size {count} at dim "
                 f"{index_dim}", tuple(x.shape))
     return x.unbind(index_dim)
@@ -137,23 +136,35 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     if not query.dim() == key.dim() == value.dim():
         V._fail(ValueError, "key/value rank", f"query's rank {query.dim()}",
                 (key.dim(), value.dim()))
-    squeeze = query.dim() == 3
-    if squeeze:
-        query, key, value = query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1)
-        if attn_mask is not None and attn_mask.dim() == 3:
-            attn_mask = attn_mask.unsqueeze(1)
     if value.shape[-1] != query.shape[-1]:
         raise NotImplementedError(
             f"value head_dim {value.shape[-1]} != query head_dim {query.shape[-1]}: "
             "flashtile needs one head_dim for q, k and v")
-    if key.shape[1] != query.shape[1] and not enable_gqa:
-        V._fail(ValueError, "key.shape[1] (nheads)", f"query's nheads {query.shape[1]}",
-                key.shape[1], "Try setting enable_gqa=True")
+    # Shape checks in the caller's (batch, heads, seq, dim) layout, so the messages name
+    # the dims the caller sees; check_qkv below sees the transposed views.
+    if value.shape != key.shape:
+        V._fail(ValueError, "value.shape", f"key's shape {tuple(key.shape)}",
+                tuple(value.shape))
+    if key.shape[0] != query.shape[0]:
+        V._fail(ValueError, "key.shape[0] (batch)", f"query's batch {query.shape[0]}",
+                key.shape[0])
     if is_causal and attn_mask is not None:
         raise ValueError("attn_mask and is_causal=True were both given: pass one, as "
                          "torch.nn.functional.scaled_dot_product_attention requires")
+    squeeze = query.dim() == 3
+    if squeeze:
+        query, key, value = query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1)
+        if isinstance(attn_mask, torch.Tensor) and attn_mask.dim() == 3:
+            attn_mask = attn_mask.unsqueeze(1)
+    h, hkv = query.shape[1], key.shape[1]
+    if hkv != h and not enable_gqa:
+        V._fail(ValueError, "key.shape[1] (nheads)", f"query's nheads {h}", hkv,
+                "Try setting enable_gqa=True")
+    if hkv == 0 or h % hkv != 0:
+        V._fail(ValueError, "key.shape[1] (nheads)", f"a divisor of query's nheads {h} "
+                "(GQA/MQA)", hkv)
     q, k, v = (x.transpose(1, 2) for x in (query, key, value))
-    b, sq, sk, h, hkv, d = V.check_qkv(q, k, v)
+    b, sq, sk, h, hkv, d = V.check_qkv(q, k, v, names=("query", "key", "value"))
     V.check_dropout(dropout_p)
     V.check_softmax_scale(scale, "scale")
     attn_mask = V.check_attn_mask(attn_mask, b, h, sq, sk, q.device, q.dtype)

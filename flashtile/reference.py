@@ -110,7 +110,10 @@ def attention_naive(q, k, v, *, softmax_scale=None, causal=False, window_size=(-
                 alibi_slopes=alibi_slopes, attn_mask=attn_mask, diag_offset=diag_offset,
                 window_left=left, window_right=right, seqlen_q=sq, seqlen_k=sk,
                 dtype=dtype)
-    m = s.amax(dim=-1, keepdim=True)                       # pass 1: row max
+    if sk == 0:  # no key at all: every row is empty
+        m = s.new_full((*s.shape[:-1], 1), float("-inf"))
+    else:
+        m = s.amax(dim=-1, keepdim=True)                   # pass 1: row max
     m = torch.where(torch.isinf(m), torch.zeros_like(m), m)  # rows that see nothing
     p = torch.exp(s - m)                                   # pass 2: exp
     l = p.sum(dim=-1, keepdim=True)                        # pass 3: sum
@@ -203,6 +206,6 @@ def attention_tiled_bwd(dout, q, k, v, out, lse, dlse, *, softmax_scale, diag_of
         dq += ds @ kb.to(acc_dtype).transpose(1, 2)
         dk_h = ds.transpose(-1, -2) @ qf
         group = h // hkv
-        dk[:, start:stop] += dk_h.reshape(b, hkv, group, -1, d).sum(2).transpose(1, 2)
-        dv[:, start:stop] += dv_h.reshape(b, hkv, group, -1, d).sum(2).transpose(1, 2)
+        dk[:, start:stop] += dk_h.reshape(b, hkv, group, stop - start, d).sum(2).transpose(1, 2)
+        dv[:, start:stop] += dv_h.reshape(b, hkv, group, stop - start, d).sum(2).transpose(1, 2)
     return dq.transpose(1, 2).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)

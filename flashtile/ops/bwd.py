@@ -281,53 +281,40 @@ def attn_bwd(dout, q, k, v, out, lse, dlse, *, attn_mask, alibi_slopes, softmax_
     block_d = configs.padded_head_dim(d)
     lse = lse.contiguous()
     delta = torch.empty_like(lse)
-    pre = configs.fwd_config(q, d)
-    _bwd_preprocess_kernel[(triton.cdiv(sq, pre.block_m), b * h)](
+    pre_m = configs.PREPROCESS_BLOCK_M
+    _bwd_preprocess_kernel[(triton.cdiv(sq, pre_m), b * h)](
         out, dout, dlse.contiguous() if dlse is not None else lse, delta,
         out.stride(0), out.stride(1), out.stride(2),
         dout.stride(0), dout.stride(1), dout.stride(2),
-        h, sq, d, BLOCK_M=pre.block_m, BLOCK_D=block_d, HAS_DLSE=dlse is not None,
+        h, sq, d, BLOCK_M=pre_m, BLOCK_D=block_d, HAS_DLSE=dlse is not None,
     )
-    mask_args, mask_is_bool = configs.mask_launch_args(attn_mask, q)
-    alibi = alibi_slopes if alibi_slopes is not None else q  # placeholder pointer
-    alibi_strides = ((alibi_slopes.stride(0) if alibi_slopes.dim() == 2 else 0,
-                      alibi_slopes.stride(-1)) if alibi_slopes is not None else (0, 0))
-    flags = dict(
-        BLOCK_D=block_d, EVEN_D=block_d == d,
-        MASK_LEFT=window_left >= 0, MASK_RIGHT=window_right >= 0,
-        HAS_SOFTCAP=softcap > 0, HAS_ALIBI=alibi_slopes is not None,
-        HAS_MASK=attn_mask is not None, MASK_IS_BOOL=mask_is_bool,
-        INPUT_PRECISION="tf32" if allow_tf32 else "ieee",
-    )
+    mask, mask_strides, alibi, alibi_strides, flags = configs.feature_args(
+        attn_mask, alibi_slopes, q, window_left=window_left, window_right=window_right,
+        softcap=softcap, allow_tf32=allow_tf32, head_dim=d)
     common = (diag_offset, window_left, window_right, softmax_scale, softcap)
-
-    cfg = configs.bwd_dkdv_config(q, d)
-    configs.log_first_launch("backward dk/dv", q, d, cfg)
-    _bwd_dkdv_kernel[(triton.cdiv(sk, cfg.block_n), b * hkv)](
-        q, k, v, dout, lse, delta, dk, dv, mask_args[0], alibi,
+    configs.launch(
+        _bwd_dkdv_kernel, lambda cfg: (triton.cdiv(sk, cfg.block_n), b * hkv),
+        configs.bwd_dkdv_config(q, d), "backward dk/dv", q, d,
+        q, k, v, dout, lse, delta, dk, dv, mask, alibi,
         q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2),
         dout.stride(0), dout.stride(1), dout.stride(2),
         dk.stride(0), dk.stride(1), dk.stride(2),
         dv.stride(0), dv.stride(1), dv.stride(2),
-        *mask_args[1:], *alibi_strides,
-        h, hkv, sq, sk, d, *common,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **flags,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        *mask_strides, *alibi_strides,
+        h, hkv, sq, sk, d, *common, **flags,
     )
-    cfg = configs.bwd_dq_config(q, d)
-    configs.log_first_launch("backward dq", q, d, cfg)
-    _bwd_dq_kernel[(triton.cdiv(sq, cfg.block_m), b * h)](
-        q, k, v, dout, lse, delta, dq, mask_args[0], alibi,
+    configs.launch(
+        _bwd_dq_kernel, lambda cfg: (triton.cdiv(sq, cfg.block_m), b * h),
+        configs.bwd_dq_config(q, d), "backward dq", q, d,
+        q, k, v, dout, lse, delta, dq, mask, alibi,
         q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2),
         dout.stride(0), dout.stride(1), dout.stride(2),
         dq.stride(0), dq.stride(1), dq.stride(2),
-        *mask_args[1:], *alibi_strides,
-        h, h // hkv, sq, sk, d, *common,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **flags,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        *mask_strides, *alibi_strides,
+        h, h // hkv, sq, sk, d, *common, **flags,
     )
     return dq, dk, dv

@@ -43,16 +43,27 @@ def padded_head_dim(head_dim: int) -> int:
     return max(16, triton.next_power_of_2(head_dim))
 
 
+# The rowsum(dO * O) preprocess holds two (BLOCK_M, head_dim) fp32 tiles per program.
+PREPROCESS_BLOCK_M = 32
+
 _INTERPRETER = {
     "fwd": TileConfig(16, 32),
     "bwd_dkdv": TileConfig(32, 16),  # (BLOCK_M over queries, BLOCK_N over keys)
     "bwd_dq": TileConfig(16, 32),
 }
 
-# Hopper (sm90) fp16/bf16, keyed by padded head dim.
+# Hopper (sm90) fp16/bf16, keyed by padded head dim. d64/d128 entries are the best of
+# the sweep on an H200 (docs/benchmarks/NOTES.md, run 2); 16/32 follow d64, 256 is sized
+# to compile without spilling.
 _FWD_16BIT = {
-    16: TileConfig(128, 64, 4, 3), 32: TileConfig(128, 64, 4, 3),
-    64: TileConfig(128, 64, 4, 3), 128: TileConfig(128, 64, 8, 3),
+    16: TileConfig(128, 64, 8, 3), 32: TileConfig(128, 64, 8, 3),
+    64: TileConfig(128, 64, 8, 3), 128: TileConfig(128, 128, 8, 3),
+    256: TileConfig(64, 32, 4, 2),
+}
+# Causal/windowed: the masked diagonal blocks cost more with large tiles at d64.
+_FWD_16BIT_CAUSAL = {
+    16: TileConfig(64, 64, 4, 3), 32: TileConfig(64, 64, 4, 3),
+    64: TileConfig(64, 64, 4, 3), 128: TileConfig(128, 64, 8, 3),
     256: TileConfig(64, 32, 4, 2),
 }
 _FWD_32BIT = {
@@ -60,14 +71,14 @@ _FWD_32BIT = {
     64: TileConfig(64, 32, 4, 2), 128: TileConfig(64, 32, 4, 2),
     256: TileConfig(32, 32, 4, 1),
 }
-_BWD_DKDV_16BIT = {
-    16: TileConfig(64, 128, 8, 2), 32: TileConfig(64, 128, 8, 2),
-    64: TileConfig(64, 128, 8, 2), 128: TileConfig(64, 128, 8, 2),
+_BWD_DKDV_16BIT = {  # (BLOCK_M over queries, BLOCK_N over keys)
+    16: TileConfig(32, 64, 4, 3), 32: TileConfig(32, 64, 4, 3),
+    64: TileConfig(32, 64, 4, 3), 128: TileConfig(64, 128, 8, 2),
     256: TileConfig(32, 64, 8, 1),
 }
 _BWD_DQ_16BIT = {
-    16: TileConfig(128, 64, 8, 2), 32: TileConfig(128, 64, 8, 2),
-    64: TileConfig(128, 64, 8, 2), 128: TileConfig(128, 64, 8, 2),
+    16: TileConfig(64, 64, 4, 3), 32: TileConfig(64, 64, 4, 3),
+    64: TileConfig(64, 64, 4, 3), 128: TileConfig(128, 64, 8, 3),
     256: TileConfig(64, 32, 8, 1),
 }
 _BWD_32BIT = {
@@ -102,7 +113,8 @@ def _pick(kind: str, q: torch.Tensor, head_dim: int, table16: dict, table32: dic
 
 
 def fwd_config(q, head_dim, causal_like=False) -> TileConfig:
-    return _pick("fwd", q, head_dim, _FWD_16BIT, _FWD_32BIT)
+    return _pick("fwd", q, head_dim, _FWD_16BIT_CAUSAL if causal_like else _FWD_16BIT,
+                 _FWD_32BIT)
 
 
 def bwd_dkdv_config(q, head_dim) -> TileConfig:
@@ -113,13 +125,62 @@ def bwd_dq_config(q, head_dim) -> TileConfig:
     return _pick("bwd_dq", q, head_dim, _BWD_DQ_16BIT, _BWD_32BIT)
 
 
-def mask_launch_args(attn_mask, q):
-    """(pointer, stride_b, stride_h, stride_m, stride_n) and is_bool for an expanded mask."""
+def smaller(cfg: TileConfig) -> TileConfig | None:
+    """The next tile to try when a variant needs more shared memory than the chip has
+    (an attn_mask tile or head_dim 256 add buffers): one pipeline stage less, then a
+    narrower key block."""
+    if cfg.num_stages > 1:
+        return TileConfig(cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages - 1)
+    if max(cfg.block_m, cfg.block_n) > 16:
+        if cfg.block_n >= cfg.block_m:
+            return TileConfig(cfg.block_m, cfg.block_n // 2, cfg.num_warps, 1)
+        return TileConfig(cfg.block_m // 2, cfg.block_n, cfg.num_warps, 1)
+    return None
+
+
+def launch(kernel, grid_fn, cfg: TileConfig, name: str, q, head_dim, *args, **kwargs):
+    """Launch with ``cfg``; on OutOfResources step down through ``smaller`` (logged)."""
+    from triton.runtime.errors import OutOfResources
+
+    while True:
+        log_first_launch(name, q, head_dim, cfg)
+        try:
+            return kernel[grid_fn(cfg)](*args, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+                                        num_warps=cfg.num_warps,
+                                        num_stages=cfg.num_stages, **kwargs)
+        except OutOfResources as err:
+            nxt = smaller(cfg)
+            if nxt is None:
+                raise
+            logger.info("flashtile: %s tiles %s do not fit (%s); trying %s", name, cfg,
+                        err, nxt)
+            cfg = nxt
+
+
+def feature_args(attn_mask, alibi_slopes, q, *, window_left, window_right, softcap,
+                 allow_tf32, head_dim):
+    """Pointers, strides and constexpr flags of the optional features, shared by the
+    forward and backward launchers. Absent tensors get q as a never-read placeholder."""
     if attn_mask is None:
-        return (q, 0, 0, 0, 0), False
-    is_bool = attn_mask.dtype == torch.bool
-    m = attn_mask.view(torch.uint8) if is_bool else attn_mask
-    return (m, *m.stride()), is_bool
+        mask, mask_strides, is_bool = q, (0, 0, 0, 0), False
+    else:
+        is_bool = attn_mask.dtype == torch.bool
+        mask = attn_mask.view(torch.uint8) if is_bool else attn_mask
+        mask_strides = mask.stride()
+    if alibi_slopes is None:
+        alibi, alibi_strides = q, (0, 0)
+    else:
+        alibi = alibi_slopes
+        alibi_strides = (alibi.stride(0) if alibi.dim() == 2 else 0, alibi.stride(-1))
+    block_d = padded_head_dim(head_dim)
+    flags = dict(
+        BLOCK_D=block_d, EVEN_D=block_d == head_dim,
+        MASK_LEFT=window_left >= 0, MASK_RIGHT=window_right >= 0,
+        HAS_SOFTCAP=softcap > 0, HAS_ALIBI=alibi_slopes is not None,
+        HAS_MASK=attn_mask is not None, MASK_IS_BOOL=is_bool,
+        INPUT_PRECISION="tf32" if allow_tf32 else "ieee",
+    )
+    return mask, mask_strides, alibi, alibi_strides, flags
 
 
 _seen_variants: set = set()

@@ -147,31 +147,22 @@ def attn_fwd(q, k, v, *, attn_mask, alibi_slopes, softmax_scale, diag_offset,
     lse = torch.empty((b, h, sq), dtype=torch.float32, device=q.device)
     if out.numel() == 0:
         return out, lse
-    cfg = configs.fwd_config(q, d, causal_like=window_right >= 0 or window_left >= 0)
-    block_d = configs.padded_head_dim(d)
-    mask_args, mask_is_bool = configs.mask_launch_args(attn_mask, q)
-    alibi = alibi_slopes if alibi_slopes is not None else q  # placeholder pointer
-    alibi_strides = ((alibi_slopes.stride(0) if alibi_slopes.dim() == 2 else 0,
-                      alibi_slopes.stride(-1)) if alibi_slopes is not None else (0, 0))
-    grid = (triton.cdiv(sq, cfg.block_m), b * h)
-    configs.log_first_launch("forward", q, d, cfg)
-    _attn_fwd_kernel[grid](
-        q, k, v, out, lse, mask_args[0], alibi,
+    windowed = window_right >= 0 or window_left >= 0
+    mask, mask_strides, alibi, alibi_strides, flags = configs.feature_args(
+        attn_mask, alibi_slopes, q, window_left=window_left, window_right=window_right,
+        softcap=softcap, allow_tf32=allow_tf32, head_dim=d)
+    configs.launch(
+        _attn_fwd_kernel, lambda cfg: (triton.cdiv(sq, cfg.block_m), b * h),
+        configs.fwd_config(q, d, causal_like=windowed), "forward", q, d,
+        q, k, v, out, lse, mask, alibi,
         q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2),
         out.stride(0), out.stride(1), out.stride(2),
         lse.stride(0), lse.stride(1),
-        *mask_args[1:],
-        *alibi_strides,
+        *mask_strides, *alibi_strides,
         h, h // hkv, sq, sk, d,
         diag_offset, window_left, window_right, softmax_scale, softcap,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d, EVEN_D=block_d == d,
-        MASK_LEFT=window_left >= 0, MASK_RIGHT=window_right >= 0,
-        HAS_SOFTCAP=softcap > 0, HAS_ALIBI=alibi_slopes is not None,
-        HAS_MASK=attn_mask is not None, MASK_IS_BOOL=mask_is_bool,
-        INPUT_PRECISION="tf32" if allow_tf32 else "ieee",
-        REVERSE_M=window_right >= 0 or window_left >= 0,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        REVERSE_M=windowed, **flags,
     )
     return out, lse

@@ -1,0 +1,63 @@
+"""Compile a flashtile kernel for a GPU target without a GPU (Triton + its bundled ptxas).
+
+Used by CI to catch compile errors the interpreter cannot see, and by developers to read
+registers, spills and shared memory of a tile config before spending device time.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+_FLOAT_SCALARS = {"softmax_scale", "softcap"}
+_FP32_POINTERS = {"Lse", "Delta", "DLse", "Alibi"}
+
+
+def compile_kernel(kernel, constexprs: dict, dtype: str = "bf16", arch: int = 90,
+                   num_warps: int = 4, num_stages: int = 1):
+    """Compile ``kernel`` with the given constexprs; tensors named in capitals are
+    pointers (``dtype``, or fp32 for lse-like ones, u8 for Mask), other scalars i32."""
+    sig, attrs = {}, {}
+    for i, name in enumerate(inspect.signature(kernel.fn).parameters):
+        # What the JIT infers at a real launch from aligned pointers and strides that
+        # are multiples of 16; without it loads are scalar and the kernel is not the one
+        # that runs.
+        if name[0].isupper() or name.startswith("stride_"):
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        if name in constexprs:
+            sig[name] = "constexpr"
+        elif name[0].isupper():
+            sig[name] = "*fp32" if name in _FP32_POINTERS else (
+                "*u8" if name == "Mask" else f"*{dtype}")
+        elif name in _FLOAT_SCALARS:
+            sig[name] = "fp32"
+        else:
+            sig[name] = "i32"
+    src = ASTSource(kernel, sig, constexprs, attrs)
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32),
+                          options=dict(num_warps=num_warps, num_stages=num_stages))
+
+
+def resources(compiled) -> dict:
+    """Registers, stack (spill) bytes and shared memory, read with the bundled cuobjdump."""
+    import os
+    import re
+    import subprocess
+    import tempfile
+
+    import triton.backends.nvidia as nv
+
+    tool = os.path.join(os.path.dirname(nv.__file__), "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(compiled.asm["cubin"])
+    try:
+        text = subprocess.run([tool, "-res-usage", f.name], capture_output=True,
+                              text=True, check=True).stdout
+    finally:
+        os.unlink(f.name)
+    fields = dict(re.findall(r"(REG|STACK|SHARED):(\d+)", text))
+    return dict(registers=int(fields.get("REG", -1)), stack_bytes=int(fields.get("STACK", -1)),
+                shared_bytes=compiled.metadata.shared)

@@ -1,0 +1,52 @@
+"""Compile every kernel for Hopper (sm_90) on the CPU: catches what the interpreter can't.
+
+The interpreter runs kernels as NumPy and accepts code the real compiler rejects (a
+non-constexpr global, a type mismatch between branches). This compiles with Triton's
+bundled ptxas, no GPU needed, and checks that the tables' tiles fit in shared memory.
+"""
+
+import os
+
+import pytest
+
+from flashtile.ops import configs
+from flashtile.ops.aot import compile_kernel, resources
+from flashtile.ops.bwd import _bwd_dkdv_kernel, _bwd_dq_kernel, _bwd_preprocess_kernel
+from flashtile.ops.fwd import _attn_fwd_kernel
+
+# Under TRITON_INTERPRET=1 @triton.jit gives interpreted functions that cannot be
+# compiled; `make test` runs this file in a second pytest process without it.
+pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1",
+                                reason="needs real Triton compilation (no interpreter)")
+
+PLAIN = dict(EVEN_D=True, MASK_LEFT=False, MASK_RIGHT=True, HAS_SOFTCAP=False,
+             HAS_ALIBI=False, HAS_MASK=False, MASK_IS_BOOL=False, INPUT_PRECISION="tf32")
+EVERYTHING = dict(EVEN_D=False, MASK_LEFT=True, MASK_RIGHT=True, HAS_SOFTCAP=True,
+                  HAS_ALIBI=True, HAS_MASK=True, MASK_IS_BOOL=True, INPUT_PRECISION="ieee")
+
+KERNELS = {
+    "fwd": (_attn_fwd_kernel, configs._FWD_16BIT, dict(REVERSE_M=True)),
+    "bwd_dkdv": (_bwd_dkdv_kernel, configs._BWD_DKDV_16BIT, {}),
+    "bwd_dq": (_bwd_dq_kernel, configs._BWD_DQ_16BIT, {}),
+}
+
+
+@pytest.mark.parametrize("flags", [PLAIN, EVERYTHING], ids=["plain", "all_features"])
+@pytest.mark.parametrize("kind", list(KERNELS))
+def test_compiles_for_sm90(kind, flags):
+    kernel, table, extra = KERNELS[kind]
+    cfg = table[128]
+    ck = compile_kernel(kernel, dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+                                     BLOCK_D=128, **extra, **flags),
+                        dtype="bf16", num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    res = resources(ck)
+    # Register use is reported, not asserted: the measured-best dK/dV tile at d128 spills
+    # a little (docs/benchmarks/NOTES.md) and still wins.
+    assert res["registers"] > 0 and res["shared_bytes"] <= 227 * 1024, res
+
+
+def test_preprocess_compiles():
+    ck = compile_kernel(_bwd_preprocess_kernel,
+                        dict(BLOCK_M=configs.PREPROCESS_BLOCK_M, BLOCK_D=256, HAS_DLSE=True),
+                        dtype="fp16")
+    assert resources(ck)["stack_bytes"] == 0
