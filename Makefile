@@ -1,5 +1,6 @@
 # Two entry points for a fresh machine: `make demo` and `make test`.
 # Each creates .venv and installs what it needs (torch CPU build where there is no CUDA).
+SHELL := /bin/bash
 PY ?= python3
 VENV := .venv
 VPY := $(VENV)/bin/python
