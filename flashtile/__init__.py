@@ -6,6 +6,7 @@ from flashtile.interface import (
     flash_attn_func,
     flash_attn_kvpacked_func,
     flash_attn_qkvpacked_func,
+    flash_attn_varlen_func,
     scaled_dot_product_attention,
 )
 
@@ -14,6 +15,7 @@ __all__ = [
     "flash_attn_func",
     "flash_attn_kvpacked_func",
     "flash_attn_qkvpacked_func",
+    "flash_attn_varlen_func",
     "scaled_dot_product_attention",
 ]
 

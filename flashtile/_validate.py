@@ -145,3 +145,40 @@ def check_attn_mask(attn_mask, batch, nheads, seqlen_q, seqlen_k, device, dtype)
     except RuntimeError:
         _fail(ValueError, "attn_mask.shape", f"broadcastable to {target}",
               tuple(attn_mask.shape))
+
+
+def check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
+    """Packed q (total_q, h, d), k/v (total_k, hkv, d) and their int32 prefix sums.
+
+    Reads cu_seqlens on the host (one sync): a wrong prefix sum would otherwise send the
+    kernel outside the tensors. Returns (batch, h, hkv, d).
+    """
+    for x, name in ((q, "q"), (k, "k"), (v, "v")):
+        check_tensor(x, name, 3)
+    _, _, _, h, hkv, d = check_qkv(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0))
+    lengths = {}
+    for cu, name, total, max_len, max_name in (
+            (cu_seqlens_q, "cu_seqlens_q", q.shape[0], max_seqlen_q, "max_seqlen_q"),
+            (cu_seqlens_k, "cu_seqlens_k", k.shape[0], max_seqlen_k, "max_seqlen_k")):
+        if not isinstance(cu, torch.Tensor):
+            _fail(TypeError, name, "an int32 torch.Tensor", type(cu).__name__)
+        if cu.dtype != torch.int32:
+            _fail(TypeError, f"{name}.dtype", "torch.int32", cu.dtype)
+        if cu.dim() != 1 or cu.numel() < 1:
+            _fail(ValueError, f"{name}.shape", "(batch + 1,)", tuple(cu.shape))
+        if cu.device != q.device:
+            _fail(ValueError, f"{name}.device", f"q's device {q.device}", cu.device)
+        if isinstance(max_len, bool) or not isinstance(max_len, numbers.Integral):
+            _fail(TypeError, max_name, "an int", type(max_len).__name__)
+        vals = cu.tolist()
+        diffs = [b - a for a, b in zip(vals, vals[1:])]
+        if vals[0] != 0 or vals[-1] != total or any(x < 0 for x in diffs):
+            _fail(ValueError, name, f"non-decreasing prefix sums from 0 to the packed "
+                  f"length {total}", vals if len(vals) <= 8 else f"{vals[:8]}...")
+        if diffs and max(diffs) > max_len:
+            _fail(ValueError, max_name, f">= the longest sequence {max(diffs)}", max_len)
+        lengths[name] = len(vals)
+    if lengths["cu_seqlens_q"] != lengths["cu_seqlens_k"]:
+        _fail(ValueError, "cu_seqlens_k.shape", f"cu_seqlens_q's ({lengths['cu_seqlens_q']},)",
+              f"({lengths['cu_seqlens_k']},)")
+    return lengths["cu_seqlens_q"] - 1, h, hkv, d

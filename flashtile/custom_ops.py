@@ -91,3 +91,104 @@ def _backward(ctx, dout, dlse):
 
 
 attn_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+# Varlen: packed sequences, q (total_q, h, d), k/v (total_k, hkv, d), lse (h, total_q).
+# diag_offset is 0: each sequence's causal/window mask is aligned at its bottom-right.
+
+@torch.library.custom_op("flashtile::varlen_attn_fwd", mutates_args=())
+def varlen_attn_fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
+                    cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int,
+                    alibi_slopes: Optional[Tensor], softmax_scale: float, window_left: int,
+                    window_right: int, softcap: float,
+                    allow_tf32: bool) -> tuple[Tensor, Tensor]:
+    kw = _mask_kwargs(None, alibi_slopes, softmax_scale, 0, window_left, window_right,
+                      softcap)
+    if select_backend(q.device) == "triton":
+        from flashtile.ops.fwd import attn_fwd as triton_fwd
+        return triton_fwd(q, k, v, allow_tf32=allow_tf32, cu_seqlens_q=cu_seqlens_q,
+                          cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, **kw)
+    out = torch.zeros_like(q)
+    lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), device=q.device)
+    for b, (qs, qe, ks, ke) in enumerate(_bounds(cu_seqlens_q, cu_seqlens_k)):
+        if qe == qs:
+            continue
+        kw_b = dict(kw, diag_offset=(ke - ks) - (qe - qs),
+                    alibi_slopes=_alibi_row(alibi_slopes, b))
+        o, l = reference.attention_tiled_fwd(q[None, qs:qe], k[None, ks:ke],
+                                             v[None, ks:ke], **kw_b)
+        out[qs:qe], lse[:, qs:qe] = o[0], l[0]
+    return out, lse
+
+
+@varlen_attn_fwd.register_fake
+def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alibi_slopes,
+      softmax_scale, window_left, window_right, softcap, allow_tf32):
+    return q.new_empty(q.shape), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+
+
+@torch.library.custom_op("flashtile::varlen_attn_bwd", mutates_args=())
+def varlen_attn_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                    dlse: Optional[Tensor], cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
+                    max_seqlen_q: int, max_seqlen_k: int, alibi_slopes: Optional[Tensor],
+                    softmax_scale: float, window_left: int, window_right: int,
+                    softcap: float, allow_tf32: bool) -> tuple[Tensor, Tensor, Tensor]:
+    kw = _mask_kwargs(None, alibi_slopes, softmax_scale, 0, window_left, window_right,
+                      softcap)
+    if select_backend(q.device) == "triton":
+        from flashtile.ops.bwd import attn_bwd as triton_bwd
+        return triton_bwd(dout, q, k, v, out, lse, dlse, allow_tf32=allow_tf32,
+                          cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                          max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, **kw)
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    for b, (qs, qe, ks, ke) in enumerate(_bounds(cu_seqlens_q, cu_seqlens_k)):
+        if qe == qs or ke == ks:
+            continue
+        kw_b = dict(kw, diag_offset=(ke - ks) - (qe - qs),
+                    alibi_slopes=_alibi_row(alibi_slopes, b))
+        g = reference.attention_tiled_bwd(
+            dout[None, qs:qe], q[None, qs:qe], k[None, ks:ke], v[None, ks:ke],
+            out[None, qs:qe], lse[None, :, qs:qe],
+            dlse[None, :, qs:qe] if dlse is not None else None, **kw_b)
+        dq[qs:qe], dk[ks:ke], dv[ks:ke] = g[0][0], g[1][0], g[2][0]
+    return dq, dk, dv
+
+
+@varlen_attn_bwd.register_fake
+def _(dout, q, k, v, out, lse, dlse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+      max_seqlen_k, alibi_slopes, softmax_scale, window_left, window_right, softcap,
+      allow_tf32):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _bounds(cu_seqlens_q, cu_seqlens_k):
+    cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    return [(cq[i], cq[i + 1], ck[i], ck[i + 1]) for i in range(len(cq) - 1)]
+
+
+def _alibi_row(alibi_slopes, b):
+    if alibi_slopes is None or alibi_slopes.dim() == 1:
+        return alibi_slopes
+    return alibi_slopes[b]
+
+
+def _varlen_setup_context(ctx, inputs, output):
+    q, k, v, cu_q, cu_k, max_q, max_k, alibi_slopes = inputs[:8]
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k, alibi_slopes)
+    ctx.scalars = (max_q, max_k, *inputs[8:])
+
+
+def _varlen_backward(ctx, dout, dlse):
+    q, k, v, out, lse, cu_q, cu_k, alibi_slopes = ctx.saved_tensors
+    max_q, max_k, *rest = ctx.scalars
+    if dout is None:
+        dout = torch.zeros_like(out)
+    elif dout.stride(-1) != 1:
+        dout = dout.contiguous()
+    dq, dk, dv = varlen_attn_bwd(dout, q, k, v, out, lse, dlse, cu_q, cu_k, max_q, max_k,
+                                 alibi_slopes, *rest)
+    return (dq, dk, dv) + (None,) * 10
+
+
+varlen_attn_fwd.register_autograd(_varlen_backward, setup_context=_varlen_setup_context)

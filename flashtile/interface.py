@@ -90,6 +90,42 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
     return (out, lse) if return_lse else out
 
 
+def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                           dropout_p=0.0, softmax_scale=None, causal=False,
+                           window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                           deterministic=False, return_lse=False):
+    """flash_attn_func over packed sequences of different lengths, with no padding.
+
+    Arguments:
+        q: (total_q, nheads, head_dim); k, v: (total_k, nheads_kv, head_dim): the
+            sequences of the batch back to back.
+        cu_seqlens_q, cu_seqlens_k: (batch + 1,) int32 prefix sums of the lengths
+            (sequence b is rows cu_seqlens[b]:cu_seqlens[b+1]); lengths may be 0.
+        max_seqlen_q, max_seqlen_k: ints, at least the longest sequence (sizes the grid).
+        The rest as in flash_attn_func; causal and windows are aligned per sequence at
+        its own bottom-right corner, alibi_slopes (batch, nheads) is per sequence.
+
+    Returns out (total_q, nheads, head_dim) and, if return_lse, lse (nheads, total_q)
+    float32 (flash-attn's varlen layout), natural log, -inf for rows that see no key.
+    """
+    batch, h, hkv, d = V.check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                      max_seqlen_k)
+    V.check_dropout(dropout_p)
+    V.check_softmax_scale(softmax_scale)
+    V.check_float(softcap, "softcap", minimum=0.0)
+    left, right = V.check_window(window_size)
+    if causal:
+        right = 0
+    alibi_slopes = V.check_alibi(alibi_slopes, batch, h, q.device)
+    if softmax_scale is None:
+        softmax_scale = 1.0 / math.sqrt(d)
+    out, lse = custom_ops.varlen_attn_fwd(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k),
+        alibi_slopes, float(softmax_scale), left, right, float(softcap),
+        _allow_tf32(q.dtype))
+    return (out, lse) if return_lse else out
+
+
 def _unpack(x, name, index_dim, count):
     V.check_tensor(x, name, 5)  # so a wrong dtype is reported as "qkv", not "q"
     if x.shape[index_dim] != count:

@@ -105,3 +105,23 @@ def _load_tile(ptrs, offs_rows, n_rows, offs_d, head_dim,
         else:
             x = tl.load(ptrs, mask=offs_d[None, :] < head_dim, other=0.0)
     return x
+
+
+@triton.jit
+def _seq_bounds(CuSeqlensQ, CuSeqlensK, off_b, seqlen_q, seqlen_k, diag_offset,
+                IS_VARLEN: tl.constexpr):
+    """(q_start, k_start, seqlen_q, seqlen_k, diag_offset) of sequence ``off_b``.
+
+    Varlen: sequences are packed back to back and cu_seqlens holds their prefix sums;
+    ``diag_offset`` is then relative to each sequence's own bottom-right corner.
+    """
+    if IS_VARLEN:
+        q_start = tl.load(CuSeqlensQ + off_b)
+        seqlen_q = tl.load(CuSeqlensQ + off_b + 1) - q_start
+        k_start = tl.load(CuSeqlensK + off_b)
+        seqlen_k = tl.load(CuSeqlensK + off_b + 1) - k_start
+        diag_offset = diag_offset + seqlen_k - seqlen_q
+    else:
+        q_start = 0
+        k_start = 0
+    return q_start, k_start, seqlen_q, seqlen_k, diag_offset

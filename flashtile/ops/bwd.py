@@ -15,7 +15,8 @@ import triton
 import triton.language as tl
 
 from flashtile.ops import configs
-from flashtile.ops._common import LOG2E, _block_range, _load_tile, _scores_log2, _tanh
+from flashtile.ops._common import (LOG2E, _block_range, _load_tile, _scores_log2,
+                                   _seq_bounds, _tanh)
 
 
 @triton.jit
@@ -88,13 +89,14 @@ def _dkdv_block(dk, dv, b_k, b_v, p_q, p_do, p_lse, p_delta, start, stop,
 
 @triton.jit
 def _bwd_dkdv_kernel(
-    Q, K, V, DOut, Lse, Delta, DK, DV, Mask, Alibi,
+    Q, K, V, DOut, Lse, Delta, DK, DV, Mask, Alibi, CuSeqlensQ, CuSeqlensK,
     stride_qb, stride_qm, stride_qh,
     stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh,
     stride_dob, stride_dom, stride_doh,
     stride_dkb, stride_dkn, stride_dkh,
     stride_dvb, stride_dvn, stride_dvh,
+    stride_lb, stride_lh,
     stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n,
     stride_alibi_b, stride_alibi_h,
     nheads, nheads_kv, seqlen_q, seqlen_k, head_dim,
@@ -102,19 +104,29 @@ def _bwd_dkdv_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     EVEN_D: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_MASK: tl.constexpr,
-    MASK_IS_BOOL: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    MASK_IS_BOOL: tl.constexpr, INPUT_PRECISION: tl.constexpr, IS_VARLEN: tl.constexpr,
 ):
     start_n = tl.program_id(0)
     off_bh = tl.program_id(1)
     off_b = off_bh // nheads_kv
     off_hkv = off_bh % nheads_kv
     group_size = nheads // nheads_kv
+    q_start, k_start, seqlen_q, seqlen_k, diag_offset = _seq_bounds(
+        CuSeqlensQ, CuSeqlensK, off_b, seqlen_q, seqlen_k, diag_offset, IS_VARLEN)
+    if start_n * BLOCK_N >= seqlen_k:  # varlen: the grid covers the longest sequence
+        return
 
     offs_n = start_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m0 = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
-    p_k = K + off_b * stride_kb + off_hkv * stride_kh + offs_n[:, None] * stride_kn + offs_d[None, :]
-    p_v = V + off_b * stride_vb + off_hkv * stride_vh + offs_n[:, None] * stride_vn + offs_d[None, :]
+    Q += off_b * stride_qb + q_start * stride_qm
+    DOut += off_b * stride_dob + q_start * stride_dom
+    K += off_b * stride_kb + k_start * stride_kn
+    V += off_b * stride_vb + k_start * stride_vn
+    DK += off_b * stride_dkb + k_start * stride_dkn
+    DV += off_b * stride_dvb + k_start * stride_dvn
+    p_k = K + off_hkv * stride_kh + offs_n[:, None] * stride_kn + offs_d[None, :]
+    p_v = V + off_hkv * stride_vh + offs_n[:, None] * stride_vn + offs_d[None, :]
     b_k = _load_tile(p_k, offs_n, seqlen_k, offs_d, head_dim, True, EVEN_D)   # (N, D)
     b_v = _load_tile(p_v, offs_n, seqlen_k, offs_d, head_dim, True, EVEN_D)   # (N, D)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
@@ -125,10 +137,11 @@ def _bwd_dkdv_kernel(
                                           MASK_RIGHT, MASK_LEFT)
     for g in range(0, group_size):
         off_h = off_hkv * group_size + g
-        p_q = Q + off_b * stride_qb + off_h * stride_qh + offs_m0[:, None] * stride_qm + offs_d[None, :]
-        p_do = DOut + off_b * stride_dob + off_h * stride_doh + offs_m0[:, None] * stride_dom + offs_d[None, :]
-        p_lse = Lse + (off_b * nheads + off_h) * seqlen_q
-        p_delta = Delta + (off_b * nheads + off_h) * seqlen_q
+        p_q = Q + off_h * stride_qh + offs_m0[:, None] * stride_qm + offs_d[None, :]
+        p_do = DOut + off_h * stride_doh + offs_m0[:, None] * stride_dom + offs_d[None, :]
+        # Delta shares lse's layout.
+        p_lse = Lse + off_b * stride_lb + off_h * stride_lh + q_start
+        p_delta = Delta + off_b * stride_lb + off_h * stride_lh + q_start
         alibi_slope = 0.0
         if HAS_ALIBI:
             alibi_slope = tl.load(Alibi + off_b * stride_alibi_b + off_h * stride_alibi_h)
@@ -155,8 +168,8 @@ def _bwd_dkdv_kernel(
             HAS_SOFTCAP, HAS_ALIBI, HAS_MASK, MASK_IS_BOOL, INPUT_PRECISION)
 
     m_tile = (offs_n[:, None] < seqlen_k) & (offs_d[None, :] < head_dim)
-    p_dk = DK + off_b * stride_dkb + off_hkv * stride_dkh + offs_n[:, None] * stride_dkn + offs_d[None, :]
-    p_dv = DV + off_b * stride_dvb + off_hkv * stride_dvh + offs_n[:, None] * stride_dvn + offs_d[None, :]
+    p_dk = DK + off_hkv * stride_dkh + offs_n[:, None] * stride_dkn + offs_d[None, :]
+    p_dv = DV + off_hkv * stride_dvh + offs_n[:, None] * stride_dvn + offs_d[None, :]
     tl.store(p_dk, (dk * softmax_scale).to(DK.dtype.element_ty), mask=m_tile)
     tl.store(p_dv, dv.to(DV.dtype.element_ty), mask=m_tile)
 
@@ -195,12 +208,13 @@ def _dq_block(dq, b_q, b_do, lse_log2, delta, p_k, p_v, start, stop,
 
 @triton.jit
 def _bwd_dq_kernel(
-    Q, K, V, DOut, Lse, Delta, DQ, Mask, Alibi,
+    Q, K, V, DOut, Lse, Delta, DQ, Mask, Alibi, CuSeqlensQ, CuSeqlensK,
     stride_qb, stride_qm, stride_qh,
     stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh,
     stride_dob, stride_dom, stride_doh,
     stride_dqb, stride_dqm, stride_dqh,
+    stride_lb, stride_lh,
     stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n,
     stride_alibi_b, stride_alibi_h,
     nheads, group_size, seqlen_q, seqlen_k, head_dim,
@@ -208,25 +222,33 @@ def _bwd_dq_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     EVEN_D: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_MASK: tl.constexpr,
-    MASK_IS_BOOL: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    MASK_IS_BOOL: tl.constexpr, INPUT_PRECISION: tl.constexpr, IS_VARLEN: tl.constexpr,
 ):
     start_m = tl.program_id(0)
     off_bh = tl.program_id(1)
     off_b = off_bh // nheads
     off_h = off_bh % nheads
     off_hkv = off_h // group_size
+    q_start, k_start, seqlen_q, seqlen_k, diag_offset = _seq_bounds(
+        CuSeqlensQ, CuSeqlensK, off_b, seqlen_q, seqlen_k, diag_offset, IS_VARLEN)
+    if start_m * BLOCK_M >= seqlen_q:  # varlen: the grid covers the longest sequence
+        return
 
     offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n0 = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
-    p_q = Q + off_b * stride_qb + off_h * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :]
-    p_do = DOut + off_b * stride_dob + off_h * stride_doh + offs_m[:, None] * stride_dom + offs_d[None, :]
-    p_k = K + off_b * stride_kb + off_hkv * stride_kh + offs_n0[:, None] * stride_kn + offs_d[None, :]
-    p_v = V + off_b * stride_vb + off_hkv * stride_vh + offs_n0[:, None] * stride_vn + offs_d[None, :]
+    Q += off_b * stride_qb + q_start * stride_qm
+    DOut += off_b * stride_dob + q_start * stride_dom
+    DQ += off_b * stride_dqb + q_start * stride_dqm
+    p_q = Q + off_h * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :]
+    p_do = DOut + off_h * stride_doh + offs_m[:, None] * stride_dom + offs_d[None, :]
+    p_k = K + off_b * stride_kb + k_start * stride_kn + off_hkv * stride_kh + offs_n0[:, None] * stride_kn + offs_d[None, :]
+    p_v = V + off_b * stride_vb + k_start * stride_vn + off_hkv * stride_vh + offs_n0[:, None] * stride_vn + offs_d[None, :]
     b_q = _load_tile(p_q, offs_m, seqlen_q, offs_d, head_dim, True, EVEN_D)    # (M, D)
     b_do = _load_tile(p_do, offs_m, seqlen_q, offs_d, head_dim, True, EVEN_D)  # (M, D)
-    lse_log2 = _load_lse_log2(Lse + off_bh * seqlen_q, offs_m, seqlen_q)       # (M,)
-    delta = tl.load(Delta + off_bh * seqlen_q + offs_m, mask=offs_m < seqlen_q, other=0.0)
+    p_lse = off_b * stride_lb + off_h * stride_lh + q_start  # Delta shares lse's layout
+    lse_log2 = _load_lse_log2(Lse + p_lse, offs_m, seqlen_q)                 # (M,)
+    delta = tl.load(Delta + p_lse + offs_m, mask=offs_m < seqlen_q, other=0.0)
     alibi_slope = 0.0
     if HAS_ALIBI:
         alibi_slope = tl.load(Alibi + off_b * stride_alibi_b + off_h * stride_alibi_h)
@@ -257,31 +279,39 @@ def _bwd_dq_kernel(
                    MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_MASK, MASK_IS_BOOL,
                    INPUT_PRECISION)
 
-    p_dq = DQ + off_b * stride_dqb + off_h * stride_dqh + offs_m[:, None] * stride_dqm + offs_d[None, :]
+    p_dq = DQ + off_h * stride_dqh + offs_m[:, None] * stride_dqm + offs_d[None, :]
     tl.store(p_dq, (dq * softmax_scale).to(DQ.dtype.element_ty),
              mask=(offs_m[:, None] < seqlen_q) & (offs_d[None, :] < head_dim))
 
 
 def attn_bwd(dout, q, k, v, out, lse, dlse, *, attn_mask, alibi_slopes, softmax_scale,
-             diag_offset, window_left, window_right, softcap, allow_tf32):
+             diag_offset, window_left, window_right, softcap, allow_tf32,
+             cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None):
     """Launch preprocess, dK/dV and dQ. Returns (dq, dk, dv) shaped like q, k, v.
 
-    ``lse`` and ``dlse`` are (b, h, sq) fp32 contiguous; ``dlse`` may be None.
+    Dense: ``lse`` and ``dlse`` are (b, h, sq) fp32; varlen (cu_seqlens given): q/k/v
+    are packed (total, heads, d) and lse/dlse are (h, total_q). ``dlse`` may be None.
     """
+    varlen = cu_seqlens_q is not None
+    if varlen:
+        dout, q, k, v, out = (x.unsqueeze(0) for x in (dout, q, k, v, out))
+        lse = lse.unsqueeze(0)
+        dlse = dlse.unsqueeze(0) if dlse is not None else None
     b, sq, h, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
+    batch, seqlen_q, seqlen_k = ((cu_seqlens_q.numel() - 1, max_seqlen_q, max_seqlen_k)
+                                 if varlen else (b, sq, sk))
     dq = torch.empty((b, sq, h, d), dtype=q.dtype, device=q.device)
     dk = torch.empty((b, sk, hkv, d), dtype=k.dtype, device=q.device)
     dv = torch.empty((b, sk, hkv, d), dtype=v.dtype, device=q.device)
-    if dk.numel() and not q.numel():
-        dk.zero_()
-        dv.zero_()
-    if not q.numel() or not dk.numel():
-        return dq.zero_(), dk, dv
+    unpack = (lambda *t: tuple(x[0] for x in t)) if varlen else (lambda *t: t)
+    if not q.numel() or not dk.numel() or not batch:
+        return unpack(dq.zero_(), dk.zero_(), dv.zero_())
     block_d = configs.padded_head_dim(d)
     lse = lse.contiguous()
     delta = torch.empty_like(lse)
     pre_m = configs.PREPROCESS_BLOCK_M
+    # Per row, so packed varlen rows are just one long sequence here.
     _bwd_preprocess_kernel[(triton.cdiv(sq, pre_m), b * h)](
         out, dout, dlse.contiguous() if dlse is not None else lse, delta,
         out.stride(0), out.stride(1), out.stride(2),
@@ -292,29 +322,33 @@ def attn_bwd(dout, q, k, v, out, lse, dlse, *, attn_mask, alibi_slopes, softmax_
         attn_mask, alibi_slopes, q, window_left=window_left, window_right=window_right,
         softcap=softcap, allow_tf32=allow_tf32, head_dim=d)
     common = (diag_offset, window_left, window_right, softmax_scale, softcap)
+    bs = (lambda x: 0) if varlen else (lambda x: x.stride(0))
+    cu = (cu_seqlens_q, cu_seqlens_k) if varlen else (q, q)
     configs.launch(
-        _bwd_dkdv_kernel, lambda cfg: (triton.cdiv(sk, cfg.block_n), b * hkv),
+        _bwd_dkdv_kernel, lambda cfg: (triton.cdiv(seqlen_k, cfg.block_n), batch * hkv),
         configs.bwd_dkdv_config(q, d), "backward dk/dv", q, d,
-        q, k, v, dout, lse, delta, dk, dv, mask, alibi,
-        q.stride(0), q.stride(1), q.stride(2),
-        k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2),
-        dout.stride(0), dout.stride(1), dout.stride(2),
-        dk.stride(0), dk.stride(1), dk.stride(2),
-        dv.stride(0), dv.stride(1), dv.stride(2),
+        q, k, v, dout, lse, delta, dk, dv, mask, alibi, *cu,
+        bs(q), q.stride(1), q.stride(2),
+        bs(k), k.stride(1), k.stride(2),
+        bs(v), v.stride(1), v.stride(2),
+        bs(dout), dout.stride(1), dout.stride(2),
+        bs(dk), dk.stride(1), dk.stride(2),
+        bs(dv), dv.stride(1), dv.stride(2),
+        bs(lse), lse.stride(1),
         *mask_strides, *alibi_strides,
-        h, hkv, sq, sk, d, *common, **flags,
+        h, hkv, seqlen_q, seqlen_k, d, *common, IS_VARLEN=varlen, **flags,
     )
     configs.launch(
-        _bwd_dq_kernel, lambda cfg: (triton.cdiv(sq, cfg.block_m), b * h),
+        _bwd_dq_kernel, lambda cfg: (triton.cdiv(seqlen_q, cfg.block_m), batch * h),
         configs.bwd_dq_config(q, d), "backward dq", q, d,
-        q, k, v, dout, lse, delta, dq, mask, alibi,
-        q.stride(0), q.stride(1), q.stride(2),
-        k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2),
-        dout.stride(0), dout.stride(1), dout.stride(2),
-        dq.stride(0), dq.stride(1), dq.stride(2),
+        q, k, v, dout, lse, delta, dq, mask, alibi, *cu,
+        bs(q), q.stride(1), q.stride(2),
+        bs(k), k.stride(1), k.stride(2),
+        bs(v), v.stride(1), v.stride(2),
+        bs(dout), dout.stride(1), dout.stride(2),
+        bs(dq), dq.stride(1), dq.stride(2),
+        bs(lse), lse.stride(1),
         *mask_strides, *alibi_strides,
-        h, h // hkv, sq, sk, d, *common, **flags,
+        h, h // hkv, seqlen_q, seqlen_k, d, *common, IS_VARLEN=varlen, **flags,
     )
-    return dq, dk, dv
+    return unpack(dq, dk, dv)

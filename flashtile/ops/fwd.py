@@ -10,7 +10,7 @@ import triton
 import triton.language as tl
 
 from flashtile.ops import configs
-from flashtile.ops._common import LN2, _block_range, _load_tile, _scores_log2
+from flashtile.ops._common import LN2, _block_range, _load_tile, _scores_log2, _seq_bounds
 
 
 @triton.jit
@@ -51,7 +51,7 @@ def _fwd_block(acc, l_i, m_i, b_q, p_k, p_v, start, stop,
 
 @triton.jit
 def _attn_fwd_kernel(
-    Q, K, V, Out, Lse, Mask, Alibi,
+    Q, K, V, Out, Lse, Mask, Alibi, CuSeqlensQ, CuSeqlensK,
     stride_qb, stride_qm, stride_qh,
     stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh,
@@ -65,6 +65,7 @@ def _attn_fwd_kernel(
     EVEN_D: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_MASK: tl.constexpr,
     MASK_IS_BOOL: tl.constexpr, INPUT_PRECISION: tl.constexpr, REVERSE_M: tl.constexpr,
+    IS_VARLEN: tl.constexpr,
 ):
     start_m = tl.program_id(0)
     if REVERSE_M:
@@ -75,14 +76,22 @@ def _attn_fwd_kernel(
     off_b = off_bh // nheads
     off_h = off_bh % nheads
     off_hkv = off_h // group_size
+    q_start, k_start, seqlen_q, seqlen_k, diag_offset = _seq_bounds(
+        CuSeqlensQ, CuSeqlensK, off_b, seqlen_q, seqlen_k, diag_offset, IS_VARLEN)
+    if start_m * BLOCK_M >= seqlen_q:  # varlen: the grid covers the longest sequence
+        return
 
     offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n0 = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
 
-    p_q = Q + off_b * stride_qb + off_h * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :]
-    p_k = K + off_b * stride_kb + off_hkv * stride_kh + offs_n0[:, None] * stride_kn + offs_d[None, :]
-    p_v = V + off_b * stride_vb + off_hkv * stride_vh + offs_n0[:, None] * stride_vn + offs_d[None, :]
+    Q += off_b * stride_qb + q_start * stride_qm
+    K += off_b * stride_kb + k_start * stride_kn
+    V += off_b * stride_vb + k_start * stride_vn
+    Out += off_b * stride_ob + q_start * stride_om
+    p_q = Q + off_h * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :]
+    p_k = K + off_hkv * stride_kh + offs_n0[:, None] * stride_kn + offs_d[None, :]
+    p_v = V + off_hkv * stride_vh + offs_n0[:, None] * stride_vn + offs_d[None, :]
     b_q = _load_tile(p_q, offs_m, seqlen_q, offs_d, head_dim, True, EVEN_D)  # (M, D)
 
     alibi_slope = 0.0
@@ -127,42 +136,55 @@ def _attn_fwd_kernel(
     lse = tl.where(seen, (m_i + tl.log2(l_safe)) * LN2, float("-inf"))
 
     m_row = offs_m < seqlen_q
-    tl.store(Lse + off_b * stride_lb + off_h * stride_lh + offs_m, lse, mask=m_row)
-    p_o = Out + off_b * stride_ob + off_h * stride_oh + offs_m[:, None] * stride_om + offs_d[None, :]
+    tl.store(Lse + off_b * stride_lb + off_h * stride_lh + q_start + offs_m, lse, mask=m_row)
+    p_o = Out + off_h * stride_oh + offs_m[:, None] * stride_om + offs_d[None, :]
     tl.store(p_o, out.to(Out.dtype.element_ty),
              mask=m_row[:, None] & (offs_d[None, :] < head_dim))
 
 
 def attn_fwd(q, k, v, *, attn_mask, alibi_slopes, softmax_scale, diag_offset,
-             window_left, window_right, softcap, allow_tf32):
+             window_left, window_right, softcap, allow_tf32,
+             cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None):
     """Launch the forward kernel. Inputs are validated by the caller.
 
-    q (b, sq, h, d), k/v (b, sk, hkv, d), last dim contiguous, any other strides.
-    attn_mask, if given, is already expanded to (b, h, sq, sk) (stride 0 where broadcast).
-    Returns out (b, sq, h, d) contiguous in q's dtype and lse (b, h, sq) fp32.
+    Dense: q (b, sq, h, d), k/v (b, sk, hkv, d), last dim contiguous, any other strides;
+    attn_mask, if given, already expanded to (b, h, sq, sk); returns out (b, sq, h, d)
+    contiguous in q's dtype and lse (b, h, sq) fp32.
+    Varlen (cu_seqlens_q/k int32 (batch + 1,)): q (total_q, h, d), k/v (total_k, hkv, d);
+    returns out (total_q, h, d) and lse (h, total_q); diag_offset is relative to each
+    sequence's bottom-right corner.
     """
+    varlen = cu_seqlens_q is not None
+    if varlen:
+        batch, seqlen_q, seqlen_k = cu_seqlens_q.numel() - 1, max_seqlen_q, 0
+        q, k, v = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)
     b, sq, h, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
     out = torch.empty((b, sq, h, d), dtype=q.dtype, device=q.device)
     lse = torch.empty((b, h, sq), dtype=torch.float32, device=q.device)
-    if out.numel() == 0:
-        return out, lse
-    windowed = window_right >= 0 or window_left >= 0
-    mask, mask_strides, alibi, alibi_strides, flags = configs.feature_args(
-        attn_mask, alibi_slopes, q, window_left=window_left, window_right=window_right,
-        softcap=softcap, allow_tf32=allow_tf32, head_dim=d)
-    configs.launch(
-        _attn_fwd_kernel, lambda cfg: (triton.cdiv(sq, cfg.block_m), b * h),
-        configs.fwd_config(q, d, causal_like=windowed), "forward", q, d,
-        q, k, v, out, lse, mask, alibi,
-        q.stride(0), q.stride(1), q.stride(2),
-        k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2),
-        out.stride(0), out.stride(1), out.stride(2),
-        lse.stride(0), lse.stride(1),
-        *mask_strides, *alibi_strides,
-        h, h // hkv, sq, sk, d,
-        diag_offset, window_left, window_right, softmax_scale, softcap,
-        REVERSE_M=windowed, **flags,
-    )
+    if not varlen:
+        batch, seqlen_q, seqlen_k = b, sq, sk
+    if out.numel() and batch and seqlen_q:
+        windowed = window_right >= 0 or window_left >= 0
+        mask, mask_strides, alibi, alibi_strides, flags = configs.feature_args(
+            attn_mask, alibi_slopes, q, window_left=window_left, window_right=window_right,
+            softcap=softcap, allow_tf32=allow_tf32, head_dim=d)
+        batch_stride = (lambda x: 0) if varlen else (lambda x: x.stride(0))
+        configs.launch(
+            _attn_fwd_kernel, lambda cfg: (triton.cdiv(seqlen_q, cfg.block_m), batch * h),
+            configs.fwd_config(q, d, causal_like=windowed), "forward", q, d,
+            q, k, v, out, lse, mask, alibi,
+            cu_seqlens_q if varlen else q, cu_seqlens_k if varlen else q,
+            batch_stride(q), q.stride(1), q.stride(2),
+            batch_stride(k), k.stride(1), k.stride(2),
+            batch_stride(v), v.stride(1), v.stride(2),
+            batch_stride(out), out.stride(1), out.stride(2),
+            batch_stride(lse), lse.stride(1),
+            *mask_strides, *alibi_strides,
+            h, h // hkv, seqlen_q, seqlen_k, d,
+            diag_offset, window_left, window_right, softmax_scale, softcap,
+            REVERSE_M=windowed, IS_VARLEN=varlen, **flags,
+        )
+    if varlen:
+        return out[0], lse[0]
     return out, lse

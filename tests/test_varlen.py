@@ -1,0 +1,92 @@
+"""flash_attn_varlen_func equals a per-sequence loop of the dense function, fwd and bwd."""
+
+import os
+
+import pytest
+import torch
+
+import flashtile
+
+
+@pytest.fixture(params=["torch", "triton"])
+def backend(request, monkeypatch, on_gpu):
+    if request.param == "torch" and on_gpu:
+        pytest.skip("GPU runs the Triton kernels")
+    if request.param == "triton" and not on_gpu and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("Triton on CPU needs TRITON_INTERPRET=1")
+    monkeypatch.setenv("FLASHTILE_BACKEND", request.param)
+    return request.param
+
+
+def _cu(lengths, device):
+    return torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32,
+                        device=device)
+
+
+CASES = {
+    "mixed": ([5, 0, 1, 37, 13], [7, 3, 0, 37, 29], dict(causal=True)),
+    "primes_window": ([17, 31, 2], [23, 31, 11], dict(window_size=(4, 2))),
+    "full": ([19, 41], [41, 19], dict()),
+    "alibi_softcap": ([11, 29], [29, 11], dict(causal=True, softcap=3.0, alibi="bh")),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_varlen_equals_loop(case, backend, device, on_gpu):
+    lens_q, lens_k, kw = CASES[case]
+    kw = dict(kw)
+    h, hkv, d = 4, 2, 40
+    dtype = torch.bfloat16 if on_gpu else torch.float32
+    if on_gpu:
+        lens_q = [x * 13 for x in lens_q]
+        lens_k = [x * 13 for x in lens_k]
+    tq, tk = sum(lens_q), sum(lens_k)
+    q = torch.randn(tq, h, d, device=device, dtype=dtype, requires_grad=True)
+    k = torch.randn(tk, hkv, d, device=device, dtype=dtype, requires_grad=True)
+    v = torch.randn(tk, hkv, d, device=device, dtype=dtype, requires_grad=True)
+    if kw.pop("alibi", None):
+        kw["alibi_slopes"] = torch.rand(len(lens_q), h, device=device)
+    cu_q, cu_k = _cu(lens_q, device), _cu(lens_k, device)
+    out, lse = flashtile.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lens_q),
+                                                max(lens_k), return_lse=True, **kw)
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+
+    outs, lses, ref_grads = [], [], [torch.zeros_like(x) for x in (q, k, v)]
+    for b, (qs, qe, ks, ke) in enumerate(zip(cu_q[:-1].tolist(), cu_q[1:].tolist(),
+                                             cu_k[:-1].tolist(), cu_k[1:].tolist())):
+        kw_b = dict(kw)
+        if "alibi_slopes" in kw:
+            kw_b["alibi_slopes"] = kw["alibi_slopes"][b:b + 1]
+        qb, kb, vb = (x.detach()[None, s:e].clone().requires_grad_()
+                      for x, s, e in ((q, qs, qe), (k, ks, ke), (v, ks, ke)))
+        o, l = flashtile.flash_attn_func(qb, kb, vb, return_lse=True, **kw_b)
+        outs.append(o[0])
+        lses.append(l[0])
+        if o.numel() and kb.shape[1]:
+            g = torch.autograd.grad(o, (qb, kb, vb), dout[None, qs:qe])
+            for acc, gb, s, e in zip(ref_grads, g, (qs, ks, ks), (qe, ke, ke)):
+                acc[s:e] = gb[0]
+    tol = dict(rtol=0, atol=0) if not on_gpu else dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(out, torch.cat(outs), **tol)
+    torch.testing.assert_close(lse, torch.cat(lses, dim=1), **tol)
+    for a, r in zip(grads, ref_grads):
+        torch.testing.assert_close(a, r, **(tol if on_gpu else dict(rtol=1e-5, atol=1e-5)))
+
+
+def test_varlen_bad_cu_seqlens(device):
+    q = torch.randn(10, 2, 16, device=device)
+    k = torch.randn(12, 2, 16, device=device)
+    good = torch.tensor([0, 4, 10], dtype=torch.int32, device=device)
+    good_k = torch.tensor([0, 5, 12], dtype=torch.int32, device=device)
+    with pytest.raises(TypeError, match="cu_seqlens_q.dtype"):
+        flashtile.flash_attn_varlen_func(q, k, k, good.long(), good_k, 6, 7)
+    with pytest.raises(ValueError, match="cu_seqlens_q"):
+        flashtile.flash_attn_varlen_func(q, k, k, torch.tensor([0, 7, 4], dtype=torch.int32,
+                                                              device=device), good_k, 6, 7)
+    with pytest.raises(ValueError, match="max_seqlen_q"):
+        flashtile.flash_attn_varlen_func(q, k, k, good, good_k, 5, 7)
+    with pytest.raises(ValueError, match="cu_seqlens_k"):
+        flashtile.flash_attn_varlen_func(q, k, k, good, good_k[:2], 6, 7)
+    with pytest.raises(ValueError, match="q"):
+        flashtile.flash_attn_varlen_func(q[None], k, k, good, good_k, 6, 7)
