@@ -2,6 +2,7 @@
 
 import logging
 
+from flashtile.inference import flash_attn_with_kvcache
 from flashtile.interface import (
     flash_attn_func,
     flash_attn_kvpacked_func,
@@ -9,6 +10,7 @@ from flashtile.interface import (
     flash_attn_varlen_func,
     scaled_dot_product_attention,
 )
+from flashtile.merge import merge_attention_states
 
 __version__ = "0.1.0"
 __all__ = [
@@ -16,6 +18,8 @@ __all__ = [
     "flash_attn_kvpacked_func",
     "flash_attn_qkvpacked_func",
     "flash_attn_varlen_func",
+    "flash_attn_with_kvcache",
+    "merge_attention_states",
     "scaled_dot_product_attention",
 ]
 

@@ -12,6 +12,7 @@ import pytest
 from flashtile.ops import configs
 from flashtile.ops.aot import compile_kernel, resources
 from flashtile.ops.bwd import _bwd_dkdv_kernel, _bwd_dq_kernel, _bwd_preprocess_kernel
+from flashtile.ops.decode import _combine_kernel, _decode_kernel
 from flashtile.ops.fwd import _attn_fwd_kernel
 
 # Under TRITON_INTERPRET=1 @triton.jit gives interpreted functions that cannot be
@@ -25,9 +26,10 @@ EVERYTHING = dict(EVEN_D=False, MASK_LEFT=True, MASK_RIGHT=True, HAS_SOFTCAP=Tru
                   HAS_ALIBI=True, HAS_MASK=True, MASK_IS_BOOL=True, INPUT_PRECISION="ieee")
 
 KERNELS = {
-    "fwd": (_attn_fwd_kernel, configs._FWD_16BIT, dict(REVERSE_M=True)),
-    "bwd_dkdv": (_bwd_dkdv_kernel, configs._BWD_DKDV_16BIT, {}),
-    "bwd_dq": (_bwd_dq_kernel, configs._BWD_DQ_16BIT, {}),
+    "fwd": (_attn_fwd_kernel, configs._FWD_16BIT, dict(REVERSE_M=True, IS_VARLEN=False)),
+    "fwd_varlen": (_attn_fwd_kernel, configs._FWD_16BIT, dict(REVERSE_M=True, IS_VARLEN=True)),
+    "bwd_dkdv": (_bwd_dkdv_kernel, configs._BWD_DKDV_16BIT, dict(IS_VARLEN=True)),
+    "bwd_dq": (_bwd_dq_kernel, configs._BWD_DQ_16BIT, dict(IS_VARLEN=False)),
 }
 
 
@@ -49,4 +51,16 @@ def test_preprocess_compiles():
     ck = compile_kernel(_bwd_preprocess_kernel,
                         dict(BLOCK_M=configs.PREPROCESS_BLOCK_M, BLOCK_D=256, HAS_DLSE=True),
                         dtype="fp16")
+    assert resources(ck)["stack_bytes"] == 0
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+def test_decode_compiles(paged):
+    flags = {k: v for k, v in EVERYTHING.items() if k not in ("HAS_MASK", "MASK_IS_BOOL")}
+    ck = compile_kernel(_decode_kernel, dict(BLOCK_M=16, BLOCK_N=64, BLOCK_D=128,
+                                             PAGED=paged, HAS_BATCH_IDX=not paged,
+                                             HAS_LEFTPAD=True, **flags),
+                        dtype="bf16", num_warps=4, num_stages=3)
+    assert resources(ck)["stack_bytes"] == 0
+    ck = compile_kernel(_combine_kernel, dict(BLOCK_S=16, BLOCK_D=128), dtype="bf16")
     assert resources(ck)["stack_bytes"] == 0

@@ -13,7 +13,9 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 _FLOAT_SCALARS = {"softmax_scale", "softcap"}
-_FP32_POINTERS = {"Lse", "Delta", "DLse", "Alibi"}
+_FP32_POINTERS = {"Lse", "Delta", "DLse", "Alibi", "LsePartial", "OutPartial"}
+_INT32_POINTERS = {"BlockTable", "CacheSeqlens", "CacheBatchIdx", "CacheLeftpad",
+                   "CuSeqlensQ", "CuSeqlensK"}
 
 
 def compile_kernel(kernel, constexprs: dict, dtype: str = "bf16", arch: int = 90,
@@ -30,8 +32,9 @@ def compile_kernel(kernel, constexprs: dict, dtype: str = "bf16", arch: int = 90
         if name in constexprs:
             sig[name] = "constexpr"
         elif name[0].isupper():
-            sig[name] = "*fp32" if name in _FP32_POINTERS else (
-                "*u8" if name == "Mask" else f"*{dtype}")
+            sig[name] = ("*fp32" if name in _FP32_POINTERS else "*i32"
+                         if name in _INT32_POINTERS else "*u8" if name == "Mask"
+                         else f"*{dtype}")
         elif name in _FLOAT_SCALARS:
             sig[name] = "fp32"
         else:

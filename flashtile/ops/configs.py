@@ -100,29 +100,38 @@ def _from_env(kind: str) -> TileConfig | None:
                          f"[,num_warps[,num_stages]]' of integers, got {raw!r}") from None
 
 
-def _pick(kind: str, q: torch.Tensor, head_dim: int, table16: dict, table32: dict):
+def _pick(kind: str, q: torch.Tensor, head_dim: int, table16: dict, table32: dict, *,
+          causal_like: bool = False, seqlen: int | None = None):
     if kind in _override:
         return _override[kind]
     env = _from_env(kind)
     if env is not None:
         return env
+    if seqlen is not None:  # `flashtile tune` results for this device, if any
+        tuned = tuned_config(kind, q, head_dim, causal_like, seqlen)
+        if tuned is not None:
+            return tuned
     if q.device.type == "cpu":
         return _INTERPRETER[kind]
     table = table32 if q.element_size() == 4 else table16
     return table[padded_head_dim(head_dim)]
 
 
-def fwd_config(q, head_dim, causal_like=False) -> TileConfig:
+# seqlen (the longer of seqlen_q and seqlen_k) and causal_like (causal or windowed) pick
+# a tuned entry; a caller that passes no seqlen gets the static tables.
+def fwd_config(q, head_dim, causal_like=False, *, seqlen=None) -> TileConfig:
     return _pick("fwd", q, head_dim, _FWD_16BIT_CAUSAL if causal_like else _FWD_16BIT,
-                 _FWD_32BIT)
+                 _FWD_32BIT, causal_like=causal_like, seqlen=seqlen)
 
 
-def bwd_dkdv_config(q, head_dim) -> TileConfig:
-    return _pick("bwd_dkdv", q, head_dim, _BWD_DKDV_16BIT, _BWD_32BIT)
+def bwd_dkdv_config(q, head_dim, causal_like=False, *, seqlen=None) -> TileConfig:
+    return _pick("bwd_dkdv", q, head_dim, _BWD_DKDV_16BIT, _BWD_32BIT,
+                 causal_like=causal_like, seqlen=seqlen)
 
 
-def bwd_dq_config(q, head_dim) -> TileConfig:
-    return _pick("bwd_dq", q, head_dim, _BWD_DQ_16BIT, _BWD_32BIT)
+def bwd_dq_config(q, head_dim, causal_like=False, *, seqlen=None) -> TileConfig:
+    return _pick("bwd_dq", q, head_dim, _BWD_DQ_16BIT, _BWD_32BIT,
+                 causal_like=causal_like, seqlen=seqlen)
 
 
 def smaller(cfg: TileConfig) -> TileConfig | None:
@@ -193,3 +202,141 @@ def log_first_launch(kernel: str, q, head_dim, cfg: TileConfig) -> None:
         _seen_variants.add(key)
         logger.info("flashtile: compiling %s kernel (dtype=%s, head_dim=%d, tiles=%s)",
                     kernel, str(q.dtype).replace("torch.", ""), head_dim, cfg)
+
+
+def decode_config(q, head_dim, rows) -> TileConfig:
+    """Decode tile: rows = query tokens x query heads per KV head (GQA packing)."""
+    if "decode" in _override:
+        return _override["decode"]
+    env = _from_env("decode")
+    if env is not None:
+        return env
+    block_m = min(64, max(16, triton.next_power_of_2(rows)))
+    if q.device.type == "cpu":
+        return TileConfig(block_m, 16)
+    # Memory-bound: 64-key tiles with 4 warps keep enough loads in flight per SM; at
+    # head_dim 256 (or fp32) a 32-key tile keeps the K/V buffers within shared memory.
+    wide = padded_head_dim(head_dim) * q.element_size() > 256
+    return TileConfig(block_m, 32 if wide else 64, 4, 3)
+
+
+# ---- Tile study (`flashtile tune`): candidates, and the tuned cache `_pick` reads ----
+
+# Candidates per kernel kind, from the issue-2 sweep lists (docs/benchmarks/NOTES.md),
+# widened by comprehension and pruned: 8 warps for 128-row tiles, where 4 warps leave
+# each warp a 32-row slice of the wgmma; the dK/dV kernel keeps K, V, dK and dV live, so
+# 4 warps only for its small tiles. `candidates()` then drops what cannot fit in
+# shared memory.
+CANDIDATES = {
+    "fwd": [TileConfig(m, n, 4 if m == 64 else 8, s)
+            for m in (64, 128) for n in (32, 64, 128) for s in (2, 3, 4) if n <= m],
+    "bwd_dkdv": [TileConfig(m, n, w, s)  # (BLOCK_M over queries, BLOCK_N over keys)
+                 for m in (16, 32, 64) for n in (64, 128) for w in (4, 8) for s in (2, 3)
+                 if w == 8 or m * n <= 32 * 64],
+    "bwd_dq": [TileConfig(m, n, 4 if m == 64 else 8, s)
+               for m in (64, 128) for n in (32, 64) for s in (2, 3)],
+}
+KINDS = tuple(CANDIDATES)
+SM90_SMEM_BYTES = 232448  # 227 KiB: the most one H100/H200 program may use
+
+
+def smem_bytes(kind: str, cfg: TileConfig, head_dim: int, element_size: int) -> int:
+    """Estimated shared memory of one program: the streamed pair of tiles is buffered
+    num_stages times, the resident tiles once (fwd: Q resident, K/V streamed; dK/dV: K/V
+    resident, Q/dO streamed; dQ: Q/dO resident, K/V streamed). Triton adds some scratch
+    of its own, so a tile near the limit may still step down at launch."""
+    d = padded_head_dim(head_dim)
+    resident, streamed = {
+        "fwd": (cfg.block_m, 2 * cfg.block_n),
+        "bwd_dkdv": (2 * cfg.block_n, 2 * cfg.block_m),
+        "bwd_dq": (2 * cfg.block_m, 2 * cfg.block_n),
+    }[kind]
+    return (resident + cfg.num_stages * streamed) * d * element_size
+
+
+def candidates(kind: str, head_dim: int, element_size: int,
+               smem_limit: int | None = SM90_SMEM_BYTES) -> list[TileConfig]:
+    """CANDIDATES[kind] less the tiles over ``smem_limit`` bytes (None: keep all)."""
+    if kind not in CANDIDATES:
+        raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+    return [c for c in CANDIDATES[kind] if smem_limit is None
+            or smem_bytes(kind, c, head_dim, element_size) <= smem_limit]
+
+
+TUNED_FILE = "tuned-configs.json"  # under flashtile._cache.cache_dir()
+_SEQLEN_CLASSES = ((2048, "<=2k"), (8192, "<=8k"))  # longer: ">8k"
+
+
+def seqlen_class(seqlen: int) -> str:
+    for limit, name in _SEQLEN_CLASSES:
+        if seqlen <= limit:
+            return name
+    return ">8k"
+
+
+def tuned_key(device_name: str, dtype, head_dim: int, causal_like: bool, seqlen: int,
+              kind: str) -> str:
+    """'NVIDIA H200|bfloat16|d128|causal|<=8k|fwd': one line of the tuned cache."""
+    return "|".join((device_name, str(dtype).replace("torch.", ""),
+                     f"d{padded_head_dim(head_dim)}", "causal" if causal_like else "full",
+                     seqlen_class(seqlen), kind))
+
+
+# {"table": {key: TileConfig}} once read; reload_tuned() empties it so the next launch
+# reads the file again. A dict, not a rebound global (STYLE.md).
+_tuned: dict = {}
+
+
+def tuned_table() -> dict:
+    if "table" not in _tuned:
+        # Imported here: this section was appended to a module whose imports belong to
+        # the kernels; flashtile._cache imports only torch.
+        from flashtile import _cache
+
+        table = {}
+        for key, entry in _cache.read_json(TUNED_FILE).get("entries", {}).items():
+            try:
+                table[key] = TileConfig(int(entry["block_m"]), int(entry["block_n"]),
+                                        int(entry["num_warps"]), int(entry["num_stages"]))
+            except (KeyError, TypeError, ValueError):
+                logger.warning("flashtile: ignoring malformed tuned entry %r", key)
+        _tuned["table"] = table
+    return _tuned["table"]
+
+
+def reload_tuned() -> None:
+    _tuned.clear()
+
+
+def tuned_config(kind: str, q, head_dim: int, causal_like: bool,
+                 seqlen: int) -> TileConfig | None:
+    """The cached `flashtile tune` winner for this call's key, or None."""
+    table = tuned_table()
+    if not table:
+        return None
+    from flashtile._cache import device_name
+
+    return table.get(tuned_key(device_name(q.device), q.dtype, head_dim, causal_like,
+                               seqlen, kind))
+
+
+def save_tuned(entries: dict) -> str:
+    """Merge ``{key: {"block_m", "block_n", "num_warps", "num_stages", ...}}`` into the
+    cache file (other keys are kept) and reload. Returns the file's path."""
+    from flashtile import _cache
+
+    data = _cache.read_json(TUNED_FILE)
+    merged = {**data.get("entries", {}), **entries}
+    path = _cache.write_json(TUNED_FILE, {"format": 1, "entries": merged})
+    reload_tuned()
+    return str(path)
+
+
+def clear_tuned() -> str:
+    """Delete the tuned cache file (if any) and reload. Returns its path."""
+    from flashtile import _cache
+
+    path = _cache.cache_dir() / TUNED_FILE
+    path.unlink(missing_ok=True)
+    reload_tuned()
+    return str(path)

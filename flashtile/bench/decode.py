@@ -1,0 +1,165 @@
+"""Decode benchmark: one query token per sequence over a KV cache (issue 4's table).
+
+bf16, 32 query heads over 8 KV heads, head_dim 128. Effective bandwidth = bytes of K and
+V read / time, beside the device-copy ceiling and PyTorch SDPA (enable_gqa) in the same
+run. Every provider is timed as a replayed CUDA graph (triton.testing.do_bench_cudagraph)
+so Python launch overhead, which a serving engine also captures away, is not counted.
+"""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+SHAPES = [(1, 8192), (8, 8192), (32, 4096), (8, 32768), (1, 131072), (64, 2048)]
+NHEADS, NHEADS_KV, HEAD_DIM, PAGE_SIZE = 32, 8, 128, 64
+
+
+def kv_bytes(batch, seqlen_k):
+    return 2 * batch * seqlen_k * NHEADS_KV * HEAD_DIM * 2
+
+
+def _providers(batch, seqlen_k, device):
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    import flashtile
+
+    dtype = torch.bfloat16
+    q = torch.randn(batch, 1, NHEADS, HEAD_DIM, device=device, dtype=dtype)
+    k = torch.randn(batch, seqlen_k, NHEADS_KV, HEAD_DIM, device=device, dtype=dtype)
+    v = torch.randn_like(k)
+    seqlens = torch.full((batch,), seqlen_k, dtype=torch.int32, device=device)
+    pages = seqlen_k // PAGE_SIZE
+    perm = torch.randperm(batch * pages, device=device).to(torch.int32)
+    block_table = perm.view(batch, pages)
+    pool_k = torch.empty(batch * pages, PAGE_SIZE, NHEADS_KV, HEAD_DIM, device=device,
+                         dtype=dtype)
+    pool_v = torch.empty_like(pool_k)
+    pool_k[block_table.long()] = k.view(batch, pages, PAGE_SIZE, NHEADS_KV, HEAD_DIM)
+    pool_v[block_table.long()] = v.view(batch, pages, PAGE_SIZE, NHEADS_KV, HEAD_DIM)
+    qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+
+    def sdpa(backend):
+        def run():
+            with sdpa_kernel(backend):
+                return F.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True)
+        return run
+
+    ref = flashtile.flash_attn_func(q, k, v)
+    return ref, {
+        "flashtile": lambda: flashtile.flash_attn_with_kvcache(q, k, v, cache_seqlens=seqlens),
+        "flashtile-paged": lambda: flashtile.flash_attn_with_kvcache(
+            q, pool_k, pool_v, cache_seqlens=seqlens, block_table=block_table),
+        "sdpa-cudnn": sdpa(SDPBackend.CUDNN_ATTENTION),
+        "sdpa-flash": sdpa(SDPBackend.FLASH_ATTENTION),
+        "sdpa-efficient": sdpa(SDPBackend.EFFICIENT_ATTENTION),
+    }
+
+
+def run_decode_bench(shapes=SHAPES, device="cuda", copy_gbps=None):
+    import triton
+
+    rows = []
+    for batch, seqlen_k in shapes:
+        ref, providers = _providers(batch, seqlen_k, device)
+        row = dict(batch=batch, seqlen_k=seqlen_k, cache_gb=kv_bytes(batch, seqlen_k) / 1e9)
+        for name, fn in providers.items():
+            try:
+                out = fn()
+                if name.startswith("sdpa"):
+                    out = out.transpose(1, 2)
+                err = (out.float() - ref.float()).abs().max().item()
+                if not err < 2e-2:
+                    raise RuntimeError(f"wrong result, max error {err:.3g}")
+                ms = triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median")
+                row[name] = dict(us=ms * 1e3, gbps=kv_bytes(batch, seqlen_k) / ms / 1e6)
+            except Exception as e:  # a peer that cannot run this shape: n/a, go on
+                row[name] = dict(error=f"{type(e).__name__}: {str(e)[:80]}")
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        del providers
+        torch.cuda.empty_cache()
+    return rows
+
+
+def decode_markdown(rows, copy_gbps=None):
+    names = [k for k in rows[0] if k not in ("batch", "seqlen_k", "cache_gb")]
+    lines = ["| batch | seqlen_k | KV GB | " + " | ".join(f"{n} us (GB/s)" for n in names)
+             + " | flashtile % of copy | flashtile / best SDPA |",
+             "|---" * (4 + len(names)) + "|---|"]
+    for r in rows:
+        cells = []
+        for n in names:
+            c = r[n]
+            cells.append("n/a" if "error" in c else f"{c['us']:.1f} ({c['gbps']:.0f})")
+        ours = r["flashtile"].get("gbps")
+        sdpa = [r[n]["gbps"] for n in names if n.startswith("sdpa") and "gbps" in r[n]]
+        pct = f"{100 * ours / copy_gbps:.0f}%" if ours and copy_gbps else "n/a"
+        ratio = f"{ours / max(sdpa):.2f}" if ours and sdpa else "n/a"
+        lines.append(f"| {r['batch']} | {r['seqlen_k']} | {r['cache_gb']:.2f} | "
+                     + " | ".join(cells) + f" | {pct} | {ratio} |")
+    return "\n".join(lines)
+
+
+def sweep_decode_tiles(shapes=((1, 8192), (8, 32768), (1, 131072)), device="cuda"):
+    """flashtile's decode over num_splits and tile candidates: the data for the heuristic."""
+    import os
+
+    import triton
+
+    results = []
+    for batch, seqlen_k in shapes:
+        for tile in ("16,64,4,3", "16,128,4,3", "16,64,4,4", "16,128,8,3", "16,32,4,4"):
+            os.environ["FLASHTILE_DECODE_CONFIG"] = tile
+            for splits in (0, 1, 4, 8, 16, 32, 64):
+                fn = _flashtile_fn(batch, seqlen_k, device, splits)
+                try:
+                    ms = triton.testing.do_bench_cudagraph(fn, rep=50, return_mode="median")
+                    gbps = kv_bytes(batch, seqlen_k) / ms / 1e6
+                except Exception as e:
+                    gbps = f"{type(e).__name__}"
+                results.append((batch, seqlen_k, tile, splits, gbps))
+                del fn
+                print(f"decode sweep b={batch} sk={seqlen_k} tile={tile} splits={splits}: "
+                      f"{gbps if isinstance(gbps, str) else round(gbps)} GB/s", flush=True)
+        os.environ.pop("FLASHTILE_DECODE_CONFIG", None)
+        torch.cuda.empty_cache()
+    return results
+
+
+def _flashtile_fn(batch, seqlen_k, device, num_splits):
+    import flashtile
+
+    q = torch.randn(batch, 1, NHEADS, HEAD_DIM, device=device, dtype=torch.bfloat16)
+    k = torch.randn(batch, seqlen_k, NHEADS_KV, HEAD_DIM, device=device, dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    seqlens = torch.full((batch,), seqlen_k, dtype=torch.int32, device=device)
+    return lambda: flashtile.flash_attn_with_kvcache(q, k, v, cache_seqlens=seqlens,
+                                                     num_splits=num_splits)
+
+
+def measure_copy_gbps(device="cuda", nbytes=2 * 2**30):
+    import triton
+
+    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device).normal_()
+    dst = torch.empty_like(src)
+    ms = triton.testing.do_bench(lambda: dst.copy_(src), rep=200, return_mode="median")
+    return 2 * nbytes / ms / 1e6  # bytes read + written
+
+
+if __name__ == "__main__":
+    import sys
+
+    copy = measure_copy_gbps()
+    print(f"# device copy {copy:.0f} GB/s ({torch.cuda.get_device_name()})")
+    if "--sweep" in sys.argv:
+        sweep_decode_tiles()
+        sys.exit(0)
+    rows = run_decode_bench()
+    md = decode_markdown(rows, copy)
+    print(md)
+    if len(sys.argv) > 1:
+        with open(sys.argv[-1], "w") as f:
+            json.dump(dict(copy_gbps=copy, rows=rows), f, indent=1)

@@ -1,0 +1,290 @@
+"""flash_attn_with_kvcache: attention of new query tokens over a KV cache.
+
+Contiguous or paged cache, append of the new k/v in place (with rotary embedding),
+split-KV for small batches. The Triton path is ``flashtile.ops.decode``; the PyTorch path
+gathers each sequence's keys and runs the tiled reference (CPU backend and test oracle).
+Inference only: no autograd.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+import torch
+
+from flashtile import _validate as V
+from flashtile import reference
+from flashtile._backend import select_backend
+
+
+def _fail(kind, name, expected, got, fix=""):
+    V._fail(kind, name, expected, got, fix)
+
+
+def _check_index_tensor(x, name, shape, device):
+    if not isinstance(x, torch.Tensor):
+        _fail(TypeError, name, "an int32 torch.Tensor", type(x).__name__)
+    if x.dtype != torch.int32:
+        _fail(TypeError, f"{name}.dtype", "torch.int32", x.dtype)
+    if tuple(x.shape) != shape:
+        _fail(ValueError, f"{name}.shape", shape, tuple(x.shape))
+    if x.device != device:
+        _fail(ValueError, f"{name}.device", f"q's device {device}", x.device)
+
+
+def _check_cache(q, k_cache, v_cache, k, v, block_table, cache_seqlens, cache_batch_idx,
+                 cache_leftpad):
+    """Validate shapes and, with one host sync, every index the kernel will follow."""
+    V.check_tensor(q, "q", 4)
+    b, sq, h, d = q.shape
+    for x, name in ((k_cache, "k_cache"), (v_cache, "v_cache")):
+        V.check_tensor(x, name, 4)
+        if x.dtype != q.dtype:
+            _fail(TypeError, f"{name}.dtype", f"q's dtype {q.dtype}", x.dtype)
+        if x.device != q.device:
+            _fail(ValueError, f"{name}.device", f"q's device {q.device}", x.device)
+    if k_cache.shape != v_cache.shape:
+        _fail(ValueError, "v_cache.shape", f"k_cache's {tuple(k_cache.shape)}",
+              tuple(v_cache.shape))
+    hkv = k_cache.shape[2]
+    if k_cache.shape[3] != d:
+        _fail(ValueError, "k_cache.shape[-1] (head_dim)", f"q's head_dim {d}",
+              k_cache.shape[3])
+    if not 1 <= d <= V.MAX_HEAD_DIM:
+        _fail(ValueError, "q.shape[-1] (head_dim)", f"1 to {V.MAX_HEAD_DIM}", d)
+    if hkv == 0 or h % hkv:
+        _fail(ValueError, "k_cache.shape[2] (nheads_kv)", f"a divisor of q's nheads {h}",
+              hkv)
+    if (k is None) != (v is None):
+        _fail(ValueError, "k/v", "both given or both None", (k is None, v is None))
+    sn = 0
+    if k is not None:
+        for x, name in ((k, "k"), (v, "v")):
+            V.check_tensor(x, name, 4)
+            if x.dtype != q.dtype or x.device != q.device:
+                _fail(TypeError, f"{name}.dtype/device", f"q's {q.dtype} on {q.device}",
+                      f"{x.dtype} on {x.device}")
+            if x.shape[0] != b or x.shape[2:] != k_cache.shape[2:]:
+                _fail(ValueError, f"{name}.shape", f"({b}, seqlen_new, {hkv}, {d})",
+                      tuple(x.shape))
+        if k.shape != v.shape:
+            _fail(ValueError, "v.shape", f"k's {tuple(k.shape)}", tuple(v.shape))
+        sn = k.shape[1]
+
+    if block_table is not None:
+        page_size = k_cache.shape[1]
+        if page_size < 16 or page_size > 256 or page_size & (page_size - 1):
+            _fail(ValueError, "k_cache.shape[1] (page_size)",
+                  "a power of two from 16 to 256", page_size)
+        if cache_batch_idx is not None:
+            _fail(ValueError, "cache_batch_idx", "None with a paged cache (block_table)",
+                  "a tensor", "Each sequence's pages are already named by block_table")
+        if not isinstance(block_table, torch.Tensor) or block_table.dim() != 2:
+            _fail(ValueError, "block_table", "an int32 tensor (batch, max_blocks_per_seq)",
+                  getattr(block_table, "shape", type(block_table).__name__))
+        _check_index_tensor(block_table, "block_table", (b, block_table.shape[1]),
+                            q.device)
+        capacity = block_table.shape[1] * page_size
+        cache_rows = b
+    else:
+        capacity = k_cache.shape[1]
+        cache_rows = k_cache.shape[0]
+    if cache_batch_idx is not None:
+        _check_index_tensor(cache_batch_idx, "cache_batch_idx", (b,), q.device)
+    elif block_table is None and cache_rows < b:
+        _fail(ValueError, "k_cache.shape[0]", f">= q's batch {b}", cache_rows)
+    if cache_leftpad is not None:
+        _check_index_tensor(cache_leftpad, "cache_leftpad", (b,), q.device)
+    _check_index_tensor(cache_seqlens, "cache_seqlens", (b,), q.device)
+
+    # One sync for every bound: a wrong index must be an error, not a wild access. Under
+    # CUDA graph capture no sync is possible: the engine that captures owns the indices.
+    if q.is_cuda and torch.cuda.is_current_stream_capturing():
+        return sn
+    stats = [cache_seqlens.min(), cache_seqlens.max()]
+    if cache_leftpad is not None:
+        stats += [cache_leftpad.min(), (cache_seqlens - cache_leftpad).min()]
+    if block_table is not None and block_table.numel():
+        stats += [block_table.min(), block_table.max()]
+    if cache_batch_idx is not None:
+        stats += [cache_batch_idx.min(), cache_batch_idx.max()]
+    vals = torch.stack(stats).tolist() if b else []
+    if not vals:
+        return sn
+    lo, hi = vals[0], vals[1]
+    if lo < 0 or hi + sn > capacity:
+        _fail(ValueError, "cache_seqlens", f"values in [0, {capacity - sn}] (cache capacity "
+              f"{capacity} minus {sn} new tokens)", f"range [{lo}, {hi}]",
+              "Grow the cache or evict before appending")
+    i = 2
+    if cache_leftpad is not None:
+        if vals[i] < 0 or vals[i + 1] < 0:
+            _fail(ValueError, "cache_leftpad", "0 <= cache_leftpad <= cache_seqlens",
+                  f"min {vals[i]}, min(cache_seqlens - cache_leftpad) {vals[i + 1]}")
+        i += 2
+    if block_table is not None and block_table.numel():
+        if vals[i] < 0 or vals[i + 1] >= k_cache.shape[0]:
+            _fail(ValueError, "block_table", f"block indices in [0, {k_cache.shape[0] - 1}]"
+                  " (the pool's num_blocks)", f"range [{vals[i]}, {vals[i + 1]}]")
+        i += 2
+    if cache_batch_idx is not None and (vals[i] < 0 or vals[i + 1] >= k_cache.shape[0]):
+        _fail(ValueError, "cache_batch_idx", f"indices in [0, {k_cache.shape[0] - 1}]",
+              f"range [{vals[i]}, {vals[i + 1]}]")
+    return sn
+
+
+def apply_rotary(x, cos, sin, positions, interleaved):
+    """Rotate the first rotary_dim dims of x (b, s, h, d) at integer positions (b, s).
+
+    cos/sin (seqlen_ro, rotary_dim / 2). interleaved=True rotates pairs (0, 1), (2, 3)...
+    (GPT-J); False rotates the two halves (GPT-NeoX). Computed in fp32.
+    """
+    rd = cos.shape[1] * 2
+    c = cos[positions].float()[:, :, None, :]                          # (b, s, 1, rd/2)
+    s = sin[positions].float()[:, :, None, :]
+    xr = x[..., :rd].float()
+    if interleaved:
+        x1, x2 = xr[..., 0::2], xr[..., 1::2]
+        rot = torch.stack((x1 * c - x2 * s, x1 * s + x2 * c), dim=-1).flatten(-2)
+    else:
+        x1, x2 = xr[..., : rd // 2], xr[..., rd // 2:]
+        rot = torch.cat((x1 * c - x2 * s, x1 * s + x2 * c), dim=-1)
+    return torch.cat((rot.to(x.dtype), x[..., rd:]), dim=-1)
+
+
+def _cache_positions(cache_seqlens, n):
+    """Cache slots of n tokens after each sequence's current end: (b, n)."""
+    return cache_seqlens.long()[:, None] + torch.arange(n, device=cache_seqlens.device)
+
+
+def _append(k_cache, v_cache, k, v, pos, block_table, cache_batch_idx):
+    """Write k/v (b, n, hkv, d) at cache positions pos (b, n), in place."""
+    if block_table is not None:
+        page_size = k_cache.shape[1]
+        pages = torch.gather(block_table.long(), 1, pos // page_size)
+        k_cache[pages, pos % page_size] = k
+        v_cache[pages, pos % page_size] = v
+    else:
+        rows = (cache_batch_idx.long() if cache_batch_idx is not None
+                else torch.arange(k.shape[0], device=k.device))[:, None].expand_as(pos)
+        k_cache[rows, pos] = k
+        v_cache[rows, pos] = v
+
+
+def _gather_sequence(cache, b, start, stop, block_table, cache_batch_idx):
+    """Keys [start, stop) of sequence b as a contiguous (1, stop - start, hkv, d) tensor."""
+    pos = torch.arange(start, stop, device=cache.device)
+    if block_table is not None:
+        page_size = cache.shape[1]
+        return cache[block_table[b].long()[pos // page_size], pos % page_size][None]
+    row = int(cache_batch_idx[b]) if cache_batch_idx is not None else b
+    return cache[row, start:stop][None]
+
+
+def _attend_torch(q, k_cache, v_cache, seqlens, leftpad, block_table, cache_batch_idx, **kw):
+    outs, lses = [], []
+    for b in range(q.shape[0]):
+        start = int(leftpad[b]) if leftpad is not None else 0
+        stop = int(seqlens[b])
+        kb = _gather_sequence(k_cache, b, start, stop, block_table, cache_batch_idx)
+        vb = _gather_sequence(v_cache, b, start, stop, block_table, cache_batch_idx)
+        alibi = kw["alibi_slopes"]
+        kw_b = dict(kw, diag_offset=(stop - start) - q.shape[1],
+                    alibi_slopes=alibi[b] if alibi is not None and alibi.dim() == 2 else alibi)
+        o, l = reference.attention_tiled_fwd(q[b:b + 1], kb, vb, attn_mask=None, **kw_b)
+        outs.append(o)
+        lses.append(l)
+    return torch.cat(outs), torch.cat(lses)
+
+
+@torch.no_grad()
+def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None,
+                            rotary_sin=None, cache_seqlens=None, cache_batch_idx=None,
+                            cache_leftpad=None, block_table=None, softmax_scale=None,
+                            causal=False, window_size=(-1, -1), softcap=0.0,
+                            rotary_interleaved=True, alibi_slopes=None, num_splits=0,
+                            return_lse=False):
+    """Attention of q over a KV cache, after appending the new k/v to it in place.
+
+    Arguments (flash-attn's meaning):
+        q: (batch, seqlen_q, nheads, head_dim); seqlen_q >= 1 (decode, speculative
+            verification, chunked prefill).
+        k_cache, v_cache: contiguous (batch_cache, seqlen_cache, nheads_kv, head_dim), or
+            paged (num_blocks, page_size, nheads_kv, head_dim) when block_table is given;
+            page_size a power of two from 16 to 256.
+        k, v: optional new keys/values (batch, seqlen_new, nheads_kv, head_dim), written
+            into the cache at positions cache_seqlens[b] ... (in place) before attending.
+        rotary_cos, rotary_sin: optional (seqlen_ro, rotary_dim / 2); if given, q and the
+            new k are rotated: the new k at positions cache_seqlens[b] + i - leftpad[b];
+            q at those positions if causal or windowed, else all at cache_seqlens[b] -
+            leftpad[b]. rotary_interleaved selects GPT-J pairs (True) or halves (False).
+        cache_seqlens: int or int32 (batch,): keys already in the cache for each
+            sequence (before the append).
+        cache_batch_idx: int32 (batch,): cache row of each sequence (contiguous only).
+        cache_leftpad: int32 (batch,): the sequence's keys start at this cache position.
+        block_table: int32 (batch, max_blocks_per_seq): pool block of each page.
+        causal / window_size / softcap / alibi_slopes / softmax_scale: as flash_attn_func,
+            aligned bottom-right at the sequence's last key.
+        num_splits: split-KV factor; 0 picks it from the SM count, 1 disables splitting.
+        return_lse: also return lse (batch, nheads, seqlen_q) float32.
+
+    Every index (cache_seqlens, block_table, cache_batch_idx, cache_leftpad) is checked
+    against the cache with one host sync; a bad one raises ValueError. While a CUDA graph
+    is being captured that check is skipped (no sync is possible there): shapes and
+    dtypes are still checked, the indices are then the caller's responsibility.
+    """
+    if cache_seqlens is None:
+        _fail(ValueError, "cache_seqlens", "an int or an int32 tensor (batch,)", None)
+    if isinstance(cache_seqlens, numbers.Integral) and not isinstance(cache_seqlens, bool):
+        cache_seqlens = torch.full((q.shape[0],), int(cache_seqlens), dtype=torch.int32,
+                                   device=q.device)
+    sn = _check_cache(q, k_cache, v_cache, k, v, block_table, cache_seqlens,
+                      cache_batch_idx, cache_leftpad)
+    b, sq, h, d = q.shape
+    left, right = V.check_window(window_size)
+    if causal:
+        right = 0
+    V.check_softmax_scale(softmax_scale)
+    V.check_float(softcap, "softcap", minimum=0.0)
+    if isinstance(num_splits, bool) or not isinstance(num_splits, numbers.Integral) \
+            or num_splits < 0:
+        _fail(ValueError, "num_splits", "an int >= 0 (0 = heuristic)", num_splits)
+    alibi_slopes = V.check_alibi(alibi_slopes, b, h, q.device)
+    if softmax_scale is None:
+        softmax_scale = 1.0 / math.sqrt(d)
+
+    start = cache_leftpad.long() if cache_leftpad is not None else 0
+    if rotary_cos is not None:
+        if rotary_sin is None or rotary_cos.shape != rotary_sin.shape or rotary_cos.dim() != 2 \
+                or rotary_cos.shape[1] * 2 > d:
+            _fail(ValueError, "rotary_cos/rotary_sin", "two (seqlen_ro, rotary_dim / 2) "
+                  f"tensors with rotary_dim <= {d}",
+                  (tuple(rotary_cos.shape), getattr(rotary_sin, "shape", None)))
+        base = cache_seqlens.long() - start if cache_leftpad is not None else cache_seqlens.long()
+        offs = torch.arange(max(sq, sn), device=q.device)[None, :]
+        if base.numel() and int(base.max()) + max(sq, sn) > rotary_cos.shape[0]:
+            _fail(ValueError, "rotary_cos.shape[0]", f">= {int(base.max()) + max(sq, sn)} "
+                  "positions", rotary_cos.shape[0])
+        q_pos = base[:, None] + (offs[:, :sq] if (causal or left >= 0 or right >= 0)
+                                 else 0 * offs[:, :sq])
+        q = apply_rotary(q, rotary_cos, rotary_sin, q_pos, rotary_interleaved)
+        if k is not None:
+            k = apply_rotary(k, rotary_cos, rotary_sin, base[:, None] + offs[:, :sn],
+                             rotary_interleaved)
+    if k is not None and sn:
+        pos = _cache_positions(cache_seqlens, sn)
+        _append(k_cache, v_cache, k, v, pos, block_table, cache_batch_idx)
+    seqlens = cache_seqlens + sn if sn else cache_seqlens
+    kw = dict(alibi_slopes=alibi_slopes, softmax_scale=float(softmax_scale),
+              window_left=left, window_right=right, softcap=float(softcap))
+    if select_backend(q.device) == "triton":
+        from flashtile.ops.decode import attn_decode
+        out, lse = attn_decode(q, k_cache, v_cache, cache_seqlens=seqlens.to(torch.int32),
+                               block_table=block_table, cache_batch_idx=cache_batch_idx,
+                               cache_leftpad=cache_leftpad, num_splits=int(num_splits),
+                               allow_tf32=False, **kw)
+    else:
+        out, lse = _attend_torch(q, k_cache, v_cache, seqlens, cache_leftpad, block_table,
+                                 cache_batch_idx, **kw)
+    return (out, lse) if return_lse else out

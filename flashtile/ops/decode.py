@@ -1,0 +1,239 @@
+"""Decoding over a KV cache: split-KV ("flash-decoding"), paged or contiguous cache.
+
+One program owns (split of the cache length, batch entry, KV head, block of query rows).
+The rows of a tile are the (query token, query head) pairs that share one KV head, so
+with GQA each K/V tile is read from memory once for the whole group. When batch * KV
+heads cannot fill the GPU, the cache length is split across programs (Dao et al.,
+Flash-Decoding, 2023); each split writes its normalized partial output and lse, and
+``_combine_kernel`` merges them exactly through the lse.
+
+Key j of sequence b lives at cache position ``cache_leftpad[b] + j``; with a
+``block_table`` that position is looked up page by page, so pages may lie anywhere in
+the pool in any order, and any power-of-two page size works (each row of a K/V tile does
+its own page lookup).
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from flashtile.ops import configs
+from flashtile.ops._common import LN2, _scores_log2
+
+
+@triton.jit
+def _decode_kernel(
+    Q, KCache, VCache, Out, Lse, BlockTable, CacheSeqlens, CacheBatchIdx, CacheLeftpad,
+    Alibi,
+    stride_qb, stride_qm, stride_qh,
+    stride_kb, stride_kn, stride_kh,
+    stride_vb, stride_vn, stride_vh,
+    stride_block_table_b,
+    stride_os, stride_ob, stride_om, stride_oh,
+    stride_ls, stride_lb, stride_lh,
+    stride_alibi_b, stride_alibi_h,
+    nheads_kv, group_size, seqlen_q, head_dim, keys_per_split, page_size,
+    window_left, window_right, softmax_scale, softcap,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    EVEN_D: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, PAGED: tl.constexpr,
+    HAS_BATCH_IDX: tl.constexpr, HAS_LEFTPAD: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
+):
+    split = tl.program_id(0)
+    off_b = tl.program_id(1) // nheads_kv
+    off_hkv = tl.program_id(1) % nheads_kv
+    start_m = tl.program_id(2)
+
+    # Row r of the tile is query token r // group_size of query head r % group_size.
+    offs_r = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_t = offs_r // group_size
+    offs_h = off_hkv * group_size + offs_r % group_size
+    m_row = offs_r < seqlen_q * group_size
+    offs_n0 = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    m_d = offs_d < head_dim
+
+    seqlen_k = tl.load(CacheSeqlens + off_b)  # keys including any just appended
+    leftpad = 0
+    if HAS_LEFTPAD:
+        leftpad = tl.load(CacheLeftpad + off_b)
+        seqlen_k -= leftpad
+    diag_offset = seqlen_k - seqlen_q  # bottom-right, as flash_attn_func
+    cache_b = off_b
+    if HAS_BATCH_IDX:
+        cache_b = tl.load(CacheBatchIdx + off_b)
+
+    p_q = (Q + off_b * stride_qb + offs_t[:, None] * stride_qm + offs_h[:, None] * stride_qh
+           + offs_d[None, :])
+    b_q = tl.load(p_q, mask=m_row[:, None] & m_d[None, :], other=0.0)       # (M, D)
+    alibi_slope = tl.zeros([BLOCK_M, 1], dtype=tl.float32)
+    if HAS_ALIBI:
+        alibi_slope = tl.load(Alibi + off_b * stride_alibi_b + offs_h * stride_alibi_h,
+                              mask=m_row, other=0.0)[:, None]
+
+    # Keys this split may need: its slice of the cache, cut to what the masks allow.
+    lo = split * keys_per_split
+    hi = tl.minimum(lo + keys_per_split, seqlen_k)
+    if MASK_RIGHT:
+        hi = tl.minimum(hi, seqlen_q - 1 + diag_offset + window_right + 1)
+    if MASK_LEFT:
+        lo = tl.maximum(lo, (tl.maximum(diag_offset - window_left, 0) // BLOCK_N) * BLOCK_N)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    for start_n in tl.range(lo, hi, BLOCK_N):
+        offs_n = start_n + offs_n0
+        m_n = offs_n < hi
+        pos = leftpad + offs_n                                             # cache position
+        if PAGED:
+            page = tl.load(BlockTable + off_b * stride_block_table_b + pos // page_size,
+                           mask=m_n, other=0)
+            row_k = page.to(tl.int64) * stride_kb + (pos % page_size) * stride_kn
+            row_v = page.to(tl.int64) * stride_vb + (pos % page_size) * stride_vn
+        else:
+            row_k = cache_b.to(tl.int64) * stride_kb + pos * stride_kn
+            row_v = cache_b.to(tl.int64) * stride_vb + pos * stride_vn
+        m_kv = m_n[:, None] & m_d[None, :]
+        b_k = tl.load(KCache + row_k[:, None] + off_hkv * stride_kh + offs_d[None, :],
+                      mask=m_kv, other=0.0)                                # (N, D)
+        qk = tl.dot(b_q, tl.trans(b_k), input_precision=INPUT_PRECISION)   # (M, N)
+        s = _scores_log2(qk, offs_t, offs_n, hi, diag_offset, window_left, window_right,
+                         softmax_scale, softcap, alibi_slope, Q, 0, 0, m_row[:, None],
+                         True, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI, False, False)
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        b_v = tl.load(VCache + row_v[:, None] + off_hkv * stride_vh + offs_d[None, :],
+                      mask=m_kv, other=0.0)                                # (N, D)
+        acc = acc * alpha[:, None]
+        acc = tl.dot(p.to(b_v.dtype), b_v, acc, input_precision=INPUT_PRECISION)
+        m_i = m_new
+
+    seen = l_i > 0.0
+    l_safe = tl.where(seen, l_i, 1.0)
+    out = acc / l_safe[:, None]
+    lse = tl.where(seen, (m_i + tl.log2(l_safe)) * LN2, float("-inf"))
+    # Out/Lse are either the final (b, sq, h, d)/(b, h, sq) tensors (stride_os = 0) or
+    # the fp32 per-split partials that _combine_kernel merges.
+    tl.store(Lse + split * stride_ls + off_b * stride_lb + offs_h * stride_lh + offs_t,
+             lse, mask=m_row)
+    p_o = (Out + split * stride_os + off_b * stride_ob + offs_t[:, None] * stride_om
+           + offs_h[:, None] * stride_oh + offs_d[None, :])
+    tl.store(p_o, out.to(Out.dtype.element_ty), mask=m_row[:, None] & m_d[None, :])
+
+
+@triton.jit
+def _combine_kernel(OutPartial, LsePartial, Out, Lse,
+                    stride_ps, stride_pb, stride_pm, stride_ph,
+                    stride_lps, stride_lpb, stride_lph,
+                    stride_ob, stride_om, stride_oh, stride_lb, stride_lh,
+                    num_splits, nheads, seqlen_q, head_dim,
+                    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+    """out = sum_s out_s * exp(lse_s - lse), lse = logsumexp_s lse_s, one row per program."""
+    row = tl.program_id(0)
+    off_h = row % nheads
+    off_t = (row // nheads) % seqlen_q
+    off_b = row // (nheads * seqlen_q)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    m_s = offs_s < num_splits
+    lse_s = tl.load(LsePartial + offs_s * stride_lps + off_b * stride_lpb + off_h * stride_lph
+                    + off_t, mask=m_s, other=float("-inf"))                # (S,)
+    m = tl.max(lse_s, 0)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp(lse_s - m_safe)                                              # (S,)
+    total = tl.sum(w, 0)
+    b_o = tl.load(OutPartial + offs_s[:, None] * stride_ps + off_b * stride_pb
+                  + off_t * stride_pm + off_h * stride_ph + offs_d[None, :],
+                  mask=m_s[:, None] & (offs_d[None, :] < head_dim), other=0.0)  # (S, D)
+    total_safe = tl.where(total > 0, total, 1.0)
+    out = tl.sum(b_o * w[:, None], 0) / total_safe
+    lse = tl.where(total > 0, m_safe + tl.log(total_safe), float("-inf"))
+    tl.store(Out + off_b * stride_ob + off_t * stride_om + off_h * stride_oh + offs_d,
+             out.to(Out.dtype.element_ty), mask=offs_d < head_dim)
+    tl.store(Lse + off_b * stride_lb + off_h * stride_lh + off_t, lse)
+
+
+def num_splits_heuristic(work_items: int, max_seqlen_k: int, block_n: int,
+                         num_sms: int) -> int:
+    """Split the cache length until about two waves of programs cover the GPU, keeping
+    at least two key blocks per split (a split's fixed cost is its q load and store)."""
+    if work_items >= num_sms:
+        return 1
+    max_splits = max(1, triton.cdiv(max_seqlen_k, 2 * block_n))
+    return max(1, min(triton.cdiv(2 * num_sms, work_items), max_splits, 128))
+
+
+def attn_decode(q, k_cache, v_cache, *, cache_seqlens, block_table, cache_batch_idx,
+                cache_leftpad, alibi_slopes, softmax_scale, window_left, window_right,
+                softcap, num_splits, allow_tf32):
+    """Launch the decode kernel (and the combine kernel when split). Validated inputs.
+
+    q (b, sq, h, d); k_cache/v_cache (b_cache, max_seqlen, hkv, d), or with block_table
+    (num_blocks, page_size, hkv, d); cache_seqlens int32 (b,) counts the keys to attend
+    (appended ones included). Returns out (b, sq, h, d) and lse (b, h, sq) fp32.
+    """
+    b, sq, h, d = q.shape
+    hkv = k_cache.shape[2]
+    group = h // hkv
+    paged = block_table is not None
+    capacity = block_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1]
+    out = torch.empty((b, sq, h, d), dtype=q.dtype, device=q.device)
+    lse = torch.empty((b, h, sq), dtype=torch.float32, device=q.device)
+    if out.numel() == 0:
+        return out, lse
+    cfg = configs.decode_config(q, d, sq * group)
+    m_blocks = triton.cdiv(sq * group, cfg.block_m)
+    if num_splits <= 0:
+        num_sms = (torch.cuda.get_device_properties(q.device).multi_processor_count
+                   if q.is_cuda else 1)
+        num_splits = num_splits_heuristic(b * hkv * m_blocks, capacity, cfg.block_n,
+                                          num_sms)
+    keys_per_split = triton.cdiv(triton.cdiv(max(capacity, 1), num_splits),
+                                 cfg.block_n) * cfg.block_n
+    num_splits = max(1, triton.cdiv(capacity, keys_per_split))
+    if num_splits == 1:
+        dst, dst_lse = out, lse
+        dst_strides = (0, *out.stride()[:3])
+        dst_lse_strides = (0, *lse.stride()[:2])
+    else:
+        dst = torch.empty((num_splits, b, sq, h, d), dtype=torch.float32, device=q.device)
+        dst_lse = torch.empty((num_splits, b, h, sq), dtype=torch.float32, device=q.device)
+        dst_strides = dst.stride()[:4]
+        dst_lse_strides = dst_lse.stride()[:3]
+    _, _, alibi, alibi_strides, flags = configs.feature_args(
+        None, alibi_slopes, q, window_left=window_left, window_right=window_right,
+        softcap=softcap, allow_tf32=allow_tf32, head_dim=d)
+    flags.pop("HAS_MASK")
+    flags.pop("MASK_IS_BOOL")
+    placeholder = cache_seqlens
+    configs.log_first_launch("decode", q, d, cfg)
+    _decode_kernel[(num_splits, b * hkv, m_blocks)](
+        q, k_cache, v_cache, dst, dst_lse,
+        block_table if paged else placeholder, cache_seqlens,
+        cache_batch_idx if cache_batch_idx is not None else placeholder,
+        cache_leftpad if cache_leftpad is not None else placeholder, alibi,
+        q.stride(0), q.stride(1), q.stride(2),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_table.stride(0) if paged else 0,
+        *dst_strides, *dst_lse_strides, *alibi_strides,
+        hkv, group, sq, d, keys_per_split, k_cache.shape[1] if paged else 1,
+        window_left, window_right, softmax_scale, softcap,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, PAGED=paged,
+        HAS_BATCH_IDX=cache_batch_idx is not None, HAS_LEFTPAD=cache_leftpad is not None,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **flags,
+    )
+    if num_splits > 1:
+        _combine_kernel[(b * sq * h,)](
+            dst, dst_lse, out, lse,
+            *dst.stride()[:4], *dst_lse.stride()[:3],
+            out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
+            num_splits, h, sq, d,
+            BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=configs.padded_head_dim(d),
+        )
+    return out, lse

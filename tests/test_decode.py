@@ -1,0 +1,178 @@
+"""flash_attn_with_kvcache: decode equals full attention; paged equals contiguous; splits."""
+
+import os
+
+import pytest
+import torch
+
+import flashtile
+from flashtile.inference import apply_rotary
+
+
+@pytest.fixture(params=["torch", "triton"])
+def backend(request, monkeypatch, on_gpu):
+    if request.param == "torch" and on_gpu:
+        pytest.skip("GPU runs the Triton kernels")
+    if request.param == "triton" and not on_gpu and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("Triton on CPU needs TRITON_INTERPRET=1")
+    monkeypatch.setenv("FLASHTILE_BACKEND", request.param)
+    return request.param
+
+
+def _dtype(on_gpu):
+    return torch.bfloat16 if on_gpu else torch.float32
+
+
+def _tol(on_gpu):
+    return dict(rtol=2e-2, atol=2e-2) if on_gpu else dict(rtol=1e-5, atol=1e-5)
+
+
+def _cache(b, s, hkv, d, device, dtype):
+    return (torch.randn(b, s, hkv, d, device=device, dtype=dtype),
+            torch.randn(b, s, hkv, d, device=device, dtype=dtype))
+
+
+def _paged(k_cache, v_cache, page_size, gen):
+    """The same tokens in a pool of pages, allocated in a random order."""
+    b, s, hkv, d = k_cache.shape
+    per_seq = s // page_size
+    perm = torch.randperm(b * per_seq + 3, generator=gen)[: b * per_seq]
+    block_table = perm.view(b, per_seq).to(torch.int32).to(k_cache.device)
+    pool_k = torch.randn(b * per_seq + 3, page_size, hkv, d, dtype=k_cache.dtype,
+                         device=k_cache.device)
+    pool_v = torch.randn_like(pool_k)
+    for i in range(b):
+        for j in range(per_seq):
+            blk = block_table[i, j]
+            pool_k[blk] = k_cache[i, j * page_size:(j + 1) * page_size]
+            pool_v[blk] = v_cache[i, j * page_size:(j + 1) * page_size]
+    return pool_k, pool_v, block_table
+
+
+@pytest.mark.parametrize("seqlen_q", [1, 3])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("heads", [(4, 4), (8, 2)], ids=["mha", "gqa"])
+def test_decode_equals_full_attention(seqlen_q, causal, heads, backend, device, on_gpu):
+    h, hkv = heads
+    b, s, d = 3, 96, 32
+    dtype = _dtype(on_gpu)
+    k_cache, v_cache = _cache(b, s, hkv, d, device, dtype)
+    seqlens = torch.tensor([1 + seqlen_q, 45, 96], dtype=torch.int32, device=device)
+    q = torch.randn(b, seqlen_q, h, d, device=device, dtype=dtype)
+    out, lse = flashtile.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens,
+                                                 causal=causal, return_lse=True)
+    for i in range(b):
+        L = int(seqlens[i])
+        ref, ref_lse = flashtile.flash_attn_func(q[i:i + 1], k_cache[i:i + 1, :L],
+                                                 v_cache[i:i + 1, :L], causal=causal,
+                                                 return_lse=True)
+        torch.testing.assert_close(out[i:i + 1], ref, **_tol(on_gpu))
+        torch.testing.assert_close(lse[i:i + 1], ref_lse, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("page_size", [16, 32])
+def test_paged_equals_contiguous(page_size, backend, device, on_gpu):
+    b, s, h, hkv, d = 2, 128, 4, 2, 16
+    dtype = _dtype(on_gpu)
+    gen = torch.Generator().manual_seed(1)
+    k_cache, v_cache = _cache(b, s, hkv, d, device, dtype)
+    pool_k, pool_v, block_table = _paged(k_cache, v_cache, page_size, gen)
+    seqlens = torch.tensor([77, 128], dtype=torch.int32, device=device)
+    q = torch.randn(b, 2, h, d, device=device, dtype=dtype)
+    kw = dict(cache_seqlens=seqlens, causal=True, window_size=(40, 0), softcap=5.0,
+              alibi_slopes=torch.rand(h, device=device))
+    ref = flashtile.flash_attn_with_kvcache(q, k_cache, v_cache, **kw)
+    out = flashtile.flash_attn_with_kvcache(q, pool_k, pool_v, block_table=block_table, **kw)
+    torch.testing.assert_close(out, ref, rtol=1e-5 if not on_gpu else 1e-2,
+                               atol=1e-5 if not on_gpu else 1e-2)
+
+
+def test_num_splits_agree(device, on_gpu, monkeypatch):
+    if not on_gpu and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("needs the Triton kernels")
+    monkeypatch.setenv("FLASHTILE_BACKEND", "triton")
+    b, s, h, hkv, d = 2, 160, 4, 1, 16
+    dtype = _dtype(on_gpu)
+    k_cache, v_cache = _cache(b, s, hkv, d, device, dtype)
+    seqlens = torch.tensor([13, 160], dtype=torch.int32, device=device)
+    q = torch.randn(b, 1, h, d, device=device, dtype=dtype)
+    base, base_lse = flashtile.flash_attn_with_kvcache(q, k_cache, v_cache,
+                                                       cache_seqlens=seqlens, num_splits=1,
+                                                       return_lse=True)
+    for n in range(2, 17):
+        out, lse = flashtile.flash_attn_with_kvcache(q, k_cache, v_cache,
+                                                     cache_seqlens=seqlens, num_splits=n,
+                                                     return_lse=True)
+        torch.testing.assert_close(out, base, **_tol(on_gpu))
+        torch.testing.assert_close(lse, base_lse, rtol=1e-5, atol=1e-5)
+
+
+def test_append_writes_cache_and_rotary(backend, device, on_gpu):
+    b, s, h, hkv, d, n = 2, 64, 4, 2, 32, 3
+    dtype = _dtype(on_gpu)
+    k_cache, v_cache = _cache(b, s, hkv, d, device, dtype)
+    k_copy, v_copy = k_cache.clone(), v_cache.clone()
+    seqlens = torch.tensor([5, 20], dtype=torch.int32, device=device)
+    q = torch.randn(b, n, h, d, device=device, dtype=dtype)
+    k_new = torch.randn(b, n, hkv, d, device=device, dtype=dtype)
+    v_new = torch.randn(b, n, hkv, d, device=device, dtype=dtype)
+    cos = torch.randn(80, 8, device=device).cos()
+    sin = torch.randn(80, 8, device=device).sin()
+    out = flashtile.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new,
+                                            rotary_cos=cos, rotary_sin=sin,
+                                            cache_seqlens=seqlens, causal=True,
+                                            rotary_interleaved=False)
+    pos = seqlens.long()[:, None] + torch.arange(n, device=device)
+    k_rot = apply_rotary(k_new, cos, sin, pos, interleaved=False)
+    q_rot = apply_rotary(q, cos, sin, pos, interleaved=False)
+    for i in range(b):
+        L = int(seqlens[i])
+        k_copy[i, L:L + n] = k_rot[i]
+        v_copy[i, L:L + n] = v_new[i]
+    torch.testing.assert_close(k_cache, k_copy, rtol=0, atol=0)
+    torch.testing.assert_close(v_cache, v_copy, rtol=0, atol=0)
+    ref = flashtile.flash_attn_with_kvcache(q_rot, k_copy, v_copy,
+                                            cache_seqlens=seqlens + n, causal=True)
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)
+
+
+def test_batch_idx_and_leftpad(backend, device, on_gpu):
+    b, s, h, hkv, d = 2, 64, 2, 2, 16
+    dtype = _dtype(on_gpu)
+    k_cache, v_cache = _cache(4, s, hkv, d, device, dtype)
+    q = torch.randn(b, 1, h, d, device=device, dtype=dtype)
+    idx = torch.tensor([3, 1], dtype=torch.int32, device=device)
+    pad = torch.tensor([4, 0], dtype=torch.int32, device=device)
+    seqlens = torch.tensor([30, 17], dtype=torch.int32, device=device)
+    out = flashtile.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens,
+                                            cache_batch_idx=idx, cache_leftpad=pad)
+    for i in range(b):
+        r, p, L = int(idx[i]), int(pad[i]), int(seqlens[i])
+        ref = flashtile.flash_attn_func(q[i:i + 1], k_cache[r:r + 1, p:L],
+                                        v_cache[r:r + 1, p:L])
+        torch.testing.assert_close(out[i:i + 1], ref, **_tol(on_gpu))
+
+
+def test_kvcache_errors(device):
+    q = torch.randn(2, 1, 4, 16, device=device)
+    kc, vc = torch.randn(2, 32, 2, 16, device=device), torch.randn(2, 32, 2, 16, device=device)
+    sl = torch.tensor([3, 40], dtype=torch.int32, device=device)
+    with pytest.raises(ValueError, match="cache_seqlens"):
+        flashtile.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=sl)
+    k_new = torch.randn(2, 4, 2, 16, device=device)
+    with pytest.raises(ValueError, match="cache_seqlens"):
+        flashtile.flash_attn_with_kvcache(q, kc, vc, k_new, k_new, cache_seqlens=30)
+    with pytest.raises(ValueError, match="nheads_kv"):
+        flashtile.flash_attn_with_kvcache(q, kc[:, :, :1].expand(2, 32, 3, 16).contiguous(),
+                                          vc[:, :, :1].expand(2, 32, 3, 16).contiguous(),
+                                          cache_seqlens=3)
+    pool = torch.randn(6, 16, 2, 16, device=device)
+    bt = torch.tensor([[0, 1], [2, 9]], dtype=torch.int32, device=device)
+    with pytest.raises(ValueError, match="block_table"):
+        flashtile.flash_attn_with_kvcache(q, pool, pool, cache_seqlens=20, block_table=bt)
+    pool24 = torch.randn(6, 24, 2, 16, device=device)
+    with pytest.raises(ValueError, match="page_size"):
+        flashtile.flash_attn_with_kvcache(q, pool24, pool24, cache_seqlens=20,
+                                          block_table=bt.clamp(max=5))
+    with pytest.raises(TypeError, match="cache_seqlens.dtype"):
+        flashtile.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=sl.long())
