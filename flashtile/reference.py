@@ -209,3 +209,34 @@ def attention_tiled_bwd(dout, q, k, v, out, lse, dlse, *, softmax_scale, diag_of
         dk[:, start:stop] += dk_h.reshape(b, hkv, group, stop - start, d).sum(2).transpose(1, 2)
         dv[:, start:stop] += dv_h.reshape(b, hkv, group, stop - start, d).sum(2).transpose(1, 2)
     return dq.transpose(1, 2).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+def merge_attention_states_ref(out_a, lse_a, out_b, lse_b, return_lse=True):
+    """PyTorch ``flashtile.merge_attention_states``: same arguments, no validation.
+
+    out_a, out_b (batch, seqlen, nheads, head_dim); lse_a, lse_b (batch, nheads, seqlen)
+    natural-log. Computes in fp32 (float64 if out_a is float64, for the test oracle);
+    returns out, contiguous in out_a's dtype, and lse (batch, nheads, seqlen) float32
+    (float64 for the oracle). A side with lse -inf contributes nothing; both -inf give
+    out 0 and lse -inf. Differentiable by autograd: the shift ``m`` is detached because
+    the result does not depend on it, which also keeps NaN out of the gradient of empty
+    rows.
+    """
+    acc_dtype = torch.float64 if out_a.dtype == torch.float64 else torch.float32
+    lse_a, lse_b = lse_a.to(acc_dtype), lse_b.to(acc_dtype)
+    m = torch.maximum(lse_a, lse_b).detach()
+    m = torch.where(m == float("-inf"), torch.zeros_like(m), m)
+    w_a, w_b = torch.exp(lse_a - m), torch.exp(lse_b - m)
+    total = w_a + w_b
+    seen = total > 0
+    total_safe = torch.where(seen, total, torch.ones_like(total))
+    scale_a = (w_a / total_safe).transpose(1, 2)[..., None]  # (batch, seqlen, nheads, 1)
+    scale_b = (w_b / total_safe).transpose(1, 2)[..., None]
+    zero = torch.zeros((), dtype=acc_dtype, device=out_a.device)
+    out = (torch.where(scale_a > 0, out_a.to(acc_dtype) * scale_a, zero)
+           + torch.where(scale_b > 0, out_b.to(acc_dtype) * scale_b, zero))
+    out = out.to(out_a.dtype).contiguous()
+    if not return_lse:
+        return out
+    lse = torch.where(seen, m + torch.log(total_safe), float("-inf"))
+    return out, lse.contiguous()
