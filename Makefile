@@ -20,8 +20,11 @@ endif
 	$(VPY) -m pip install -q -e '.[test]'
 	touch $(STAMP)
 
+# flashtile bench: the full sweep on a GPU; on a CPU a small one (a few minutes on 2
+# cores). Tables on the terminal; JSON, markdown and plots in bench-results/.
+# The self-check is `$(VPY) -m flashtile demo`.
 demo: $(STAMP)
-	$(VPY) -m flashtile demo
+	$(VPY) -m flashtile bench
 
 # CPU: the torch path plus the Triton kernels through the interpreter; then the sm_90
 # compile check, which needs real Triton compilation and so its own process.

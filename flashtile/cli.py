@@ -5,8 +5,10 @@ best device here (CUDA if present, else CPU), compares ``out`` and ``dq`` with t
 oracle ``flashtile.reference.attention_naive``, times both, and prints a markdown table.
 It exits 1 if any error is over its tolerance.
 
-Each command is one ``_add_<command>`` function that registers its parser and handler;
-``bench``, ``info`` and ``tune`` are meant to be added the same way.
+``bench``, ``info`` and ``tune`` (speed and accuracy tables, versions and device
+ceilings, the kernel tile study) live in ``flashtile.bench.commands``.
+
+Each command is one ``add_<command>`` function that registers its parser and handler.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import flashtile
 from flashtile._backend import interpreting, select_backend
+from flashtile.bench import commands as bench_commands
 from flashtile.reference import attention_naive
 
 MiB = 2**20
@@ -339,14 +342,17 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true",
                         help="log INFO from the 'flashtile' logger (kernel compiles)")
     commands = parser.add_subparsers(dest="command", metavar="command")
-    for add in (_add_demo,):  # bench, info, tune: one _add_<name> each, listed here
+    for add in (_add_demo, bench_commands.add_bench, bench_commands.add_info,
+                bench_commands.add_tune):
         add(commands)
     return parser
 
 
 def main(argv=None) -> int:
     parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(argv)
+    args.argv = argv  # recorded in the bench JSON as the command line
     if args.command is None:
         parser.print_help()
         return 2

@@ -322,11 +322,12 @@ def attn_bwd(dout, q, k, v, out, lse, dlse, *, attn_mask, alibi_slopes, softmax_
         attn_mask, alibi_slopes, q, window_left=window_left, window_right=window_right,
         softcap=softcap, allow_tf32=allow_tf32, head_dim=d)
     common = (diag_offset, window_left, window_right, softmax_scale, softcap)
+    windowed, longest = window_left >= 0 or window_right >= 0, max(seqlen_q, seqlen_k)
     bs = (lambda x: 0) if varlen else (lambda x: x.stride(0))
     cu = (cu_seqlens_q, cu_seqlens_k) if varlen else (q, q)
     configs.launch(
         _bwd_dkdv_kernel, lambda cfg: (triton.cdiv(seqlen_k, cfg.block_n), batch * hkv),
-        configs.bwd_dkdv_config(q, d), "backward dk/dv", q, d,
+        configs.bwd_dkdv_config(q, d, windowed, seqlen=longest), "backward dk/dv", q, d,
         q, k, v, dout, lse, delta, dk, dv, mask, alibi, *cu,
         bs(q), q.stride(1), q.stride(2),
         bs(k), k.stride(1), k.stride(2),
@@ -340,7 +341,7 @@ def attn_bwd(dout, q, k, v, out, lse, dlse, *, attn_mask, alibi_slopes, softmax_
     )
     configs.launch(
         _bwd_dq_kernel, lambda cfg: (triton.cdiv(seqlen_q, cfg.block_m), batch * h),
-        configs.bwd_dq_config(q, d), "backward dq", q, d,
+        configs.bwd_dq_config(q, d, windowed, seqlen=longest), "backward dq", q, d,
         q, k, v, dout, lse, delta, dq, mask, alibi, *cu,
         bs(q), q.stride(1), q.stride(2),
         bs(k), k.stride(1), k.stride(2),

@@ -172,7 +172,8 @@ def attn_fwd(q, k, v, *, attn_mask, alibi_slopes, softmax_scale, diag_offset,
         batch_stride = (lambda x: 0) if varlen else (lambda x: x.stride(0))
         configs.launch(
             _attn_fwd_kernel, lambda cfg: (triton.cdiv(seqlen_q, cfg.block_m), batch * h),
-            configs.fwd_config(q, d, causal_like=windowed), "forward", q, d,
+            configs.fwd_config(q, d, causal_like=windowed, seqlen=max(seqlen_q, sk)),
+            "forward", q, d,
             q, k, v, out, lse, mask, alibi,
             cu_seqlens_q if varlen else q, cu_seqlens_k if varlen else q,
             batch_stride(q), q.stride(1), q.stride(2),

@@ -1,0 +1,154 @@
+"""``flashtile bench --accuracy``: how close flashtile and PyTorch come to exact attention.
+
+For each precision (fp32, TF32, fp16, bf16) and two input kinds (standard normal q/k/v;
+the same with 5% of the q and k entries multiplied by 20, so a few scores dominate
+their rows), the forward output of flashtile and of PyTorch's SDPA math backend at the
+same dtype is compared with attention computed in float64 from the same (rounded)
+inputs: max |out - ref| and ||out - ref|| / ||ref||, with each path's median time.
+A row that cannot run here (TF32 on a CPU) or a path that raises is "n/a" with a reason.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+import flashtile
+from flashtile.bench.run import time_step
+from flashtile.reference import attention_naive
+
+# (label, dtype, torch.get_float32_matmul_precision during the row)
+PRECISIONS = (("fp32", torch.float32, "highest"), ("tf32", torch.float32, "high"),
+              ("fp16", torch.float16, "highest"), ("bf16", torch.bfloat16, "highest"))
+INPUT_KINDS = ("normal", "outliers")
+OUTLIER_FRACTION, OUTLIER_SCALE = 0.05, 20.0
+# (batch, seqlen, nheads, head_dim): the float64 reference holds (B, H, N, N) scores.
+GPU_SHAPE = (2, 2048, 8, 128)
+CPU_SHAPE = (1, 512, 4, 64)
+
+
+@dataclass
+class PathResult:
+    max_abs: float | None = None
+    rel: float | None = None
+    ms: float | None = None
+    reason: str | None = None  # why it is n/a
+
+
+@dataclass
+class AccuracyRow:
+    precision: str
+    inputs: str
+    flashtile: PathResult
+    sdpa_math: PathResult
+
+
+def make_qkv(kind: str, shape, seed: int = 0):
+    """float64 q, k, v on the CPU; "outliers" scales a random 5% of q and k by 20."""
+    gen = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(shape, generator=gen, dtype=torch.float64) for _ in range(3))
+    if kind == "outliers":
+        for x in (q, k):
+            hit = torch.rand(shape, generator=gen) < OUTLIER_FRACTION
+            x[hit] *= OUTLIER_SCALE
+    elif kind != "normal":
+        raise ValueError(f"kind must be one of {INPUT_KINDS}, got {kind!r}")
+    return q, k, v
+
+
+def errors(out: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
+    diff = out.double() - ref
+    return diff.abs().max().item(), (diff.norm() / ref.norm()).item()
+
+
+def _flashtile(q, k, v, causal):
+    return flashtile.flash_attn_func(q, k, v, causal=causal)
+
+
+def _sdpa_math(q, k, v, causal):
+    with sdpa_kernel(SDPBackend.MATH):
+        out = F.scaled_dot_product_attention(*(x.transpose(1, 2) for x in (q, k, v)),
+                                             is_causal=causal)
+    return out.transpose(1, 2)
+
+
+def _run_path(attn, q, k, v, ref, causal, device, repeats) -> PathResult:
+    try:
+        with torch.no_grad():
+            max_abs, rel = errors(attn(q, k, v, causal), ref)
+            ms = time_step(lambda: attn(q, k, v, causal), device, repeats)[0]
+    except Exception as err:  # report the row as n/a, keep going
+        return PathResult(reason=f"{type(err).__name__}: {str(err).splitlines()[0][:120]}")
+    return PathResult(max_abs, rel, ms)
+
+
+def _skip_reason(label: str, device) -> str | None:
+    if label == "tf32" and device.type != "cuda":
+        return "no TF32 on CPU: same as fp32"
+    return None
+
+
+def accuracy_table(device, shape=None, causal: bool = False, repeats: int = 3,
+                   precisions=PRECISIONS, kinds=INPUT_KINDS) -> list[AccuracyRow]:
+    device = torch.device(device)
+    shape = shape or (GPU_SHAPE if device.type == "cuda" else CPU_SHAPE)
+    rows = []
+    for kind in kinds:
+        q64, k64, v64 = make_qkv(kind, shape)
+        for label, dtype, precision in precisions:
+            skip = _skip_reason(label, device)
+            if skip is not None:
+                rows.append(AccuracyRow(label, kind, PathResult(reason=skip),
+                                        PathResult(reason=skip)))
+                continue
+            q, k, v = (x.to(device=device, dtype=dtype) for x in (q64, k64, v64))
+            # The reference sees the inputs each path sees: rounded to dtype first.
+            ref = attention_naive(*(x.double() for x in (q, k, v)), causal=causal,
+                                  upcast=True)[0]
+            before = torch.get_float32_matmul_precision()
+            torch.set_float32_matmul_precision(precision)
+            try:
+                ours = _run_path(_flashtile, q, k, v, ref, causal, device, repeats)
+                theirs = _run_path(_sdpa_math, q, k, v, ref, causal, device, repeats)
+            finally:
+                torch.set_float32_matmul_precision(before)
+            rows.append(AccuracyRow(label, kind, ours, theirs))
+            del q, k, v, ref
+    return rows
+
+
+def _fmt(x, spec):
+    missing = x is None or (isinstance(x, float) and math.isnan(x))
+    return "n/a" if missing else format(x, spec)
+
+
+def markdown(rows: list[AccuracyRow], shape, device_name: str) -> str:
+    b, n, h, d = shape
+    lines = [
+        f"**Accuracy against float64 attention** ({device_name}; q/k/v {b}x{n}x{h}x{d} "
+        f"(batch, seqlen, nheads, head_dim), forward; rel = ||out - ref|| / ||ref||)",
+        "",
+        "| precision | inputs | flashtile max abs | flashtile rel | flashtile ms "
+        "| sdpa-math max abs | sdpa-math rel | sdpa-math ms | note |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for r in rows:
+        cols = []
+        for p in (r.flashtile, r.sdpa_math):
+            cols += [_fmt(p.max_abs, ".2e"), _fmt(p.rel, ".2e"), _fmt(p.ms, ".3g")]
+        notes = dict.fromkeys(p.reason for p in (r.flashtile, r.sdpa_math) if p.reason)
+        lines.append(f"| {r.precision} | {r.inputs} | " + " | ".join(cols)
+                     + f" | {'; '.join(notes)} |")
+    lines += ["", f"outliers: {OUTLIER_FRACTION:.0%} of the q and k entries x "
+              f"{OUTLIER_SCALE:g}. sdpa-math: torch SDPA with the MATH backend forced, "
+              "same dtype. TF32: torch.set_float32_matmul_precision('high') for that row."]
+    return "\n".join(lines) + "\n"
+
+
+def to_json(rows: list[AccuracyRow], shape, machine: dict) -> dict:
+    return dict(schema="flashtile-accuracy/1", machine=machine, shape=list(shape),
+                rows=[asdict(r) for r in rows])

@@ -1,0 +1,216 @@
+"""One registry of providers and sweeps for ``flashtile bench``, and the one FLOP count.
+
+A provider is an attention implementation to time: a name, the input layout it takes,
+where it can run, and ``build(cell, device) -> attn(q, k, v) -> out``. A sweep is the
+grid of shapes: head dims x causal x modes x seqlens, at a fixed number of tokens
+(batch * seqlen) and heads. ``Sweep.cells()`` lists one ``Cell`` per provider and shape.
+To add either: docs/benchmarks/ADDING_A_BENCH.md.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+import flashtile
+from flashtile.reference import attention_naive
+
+MODES = ("fwd", "fwd_bwd")
+
+
+def attn_flops(batch: int, nheads: int, seqlen_q: int, seqlen_k: int, head_dim: int,
+               causal: bool, mode: str) -> float:
+    """FLOPs of one attention call, as every flashtile table counts them.
+
+    4 * B * H * Nq * Nk * D: two matrix products (q k^T, then p v) of 2 FLOPs per
+    multiply-add. x0.5 when causal (half the score matrix is kept), x3.5 for forward +
+    backward (the backward's five products are 2.5x the forward's two).
+    """
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    flops = 4.0 * batch * nheads * seqlen_q * seqlen_k * head_dim
+    return flops * (0.5 if causal else 1.0) * (3.5 if mode == "fwd_bwd" else 1.0)
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One measurement: ``provider`` at one shape; q/k/v are (batch, seqlen, nheads,
+    head_dim) in flash-attn's layout (their transpose for SDPA)."""
+
+    provider: str
+    head_dim: int
+    causal: bool
+    mode: str  # "fwd" (no autograd) or "fwd_bwd" (forward, then grad of q, k and v)
+    seqlen: int
+    batch: int
+    nheads: int
+    dtype: torch.dtype
+
+    def flops(self) -> float:
+        return attn_flops(self.batch, self.nheads, self.seqlen, self.seqlen, self.head_dim,
+                          self.causal, self.mode)
+
+    def row(self) -> tuple:
+        """The table row this cell belongs to (its columns are the providers)."""
+        return (self.head_dim, self.causal, self.mode, self.seqlen)
+
+    def label(self) -> str:
+        return (f"{self.provider} d{self.head_dim} {'causal' if self.causal else 'full'} "
+                f"{self.mode} N={self.seqlen}")
+
+
+@dataclass(frozen=True)
+class Provider:
+    """An attention implementation to time.
+
+    name: column name. layout: "bshd" (flash-attn: batch, seqlen, nheads, head_dim) or
+    "bhsd" (SDPA: batch, nheads, seqlen, head_dim); the runner makes contiguous inputs
+    in it. build(cell, device) returns attn(q, k, v) -> out, called once per cell so
+    per-shape set-up (a block mask, a compile) stays out of the timing. devices: device
+    types it runs on. max_seqlen: {device type: longest seqlen run}, for providers that
+    hold the (B, H, N, N) score matrix.
+    """
+
+    name: str
+    layout: str
+    build: Callable[[Cell, torch.device], Callable]
+    devices: tuple[str, ...] = ("cuda", "cpu")
+    max_seqlen: dict = field(default_factory=dict)
+    about: str = ""
+
+    def skip_reason(self, cell: Cell, device: torch.device) -> str | None:
+        if device.type not in self.devices:
+            return f"runs on {'/'.join(self.devices)} only"
+        limit = self.max_seqlen.get(device.type)
+        if limit is not None and cell.seqlen > limit:
+            return f"seqlen > {limit} on {device.type}: holds the (B, H, N, N) scores"
+        return None
+
+
+PROVIDERS: dict[str, Provider] = {}
+
+
+def register(provider: Provider) -> Provider:
+    if provider.layout not in ("bshd", "bhsd"):
+        raise ValueError(f"{provider.name}: layout must be 'bshd' or 'bhsd', got "
+                         f"{provider.layout!r}")
+    PROVIDERS[provider.name] = provider
+    return provider
+
+
+def _flashtile(cell, device):
+    # Looked up at call time, so a test can patch flashtile.flash_attn_func.
+    return lambda q, k, v: flashtile.flash_attn_func(q, k, v, causal=cell.causal)
+
+
+def _naive(cell, device):
+    return lambda q, k, v: attention_naive(q, k, v, causal=cell.causal, upcast=False)[0]
+
+
+def _sdpa(backend):
+    def build(cell, device):
+        def attn(q, k, v):  # the backend is chosen in the forward; backward follows it
+            with sdpa_kernel(backend):
+                return F.scaled_dot_product_attention(q, k, v, is_causal=cell.causal)
+        return attn
+    return build
+
+
+def _causal_mask(b, h, q_idx, kv_idx):
+    return q_idx >= kv_idx  # seqlen_q == seqlen_k here: top-left == bottom-right
+
+
+def _flex(cell, device):
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    # One static-shape compile per cell. Resetting dynamo first keeps its recompile
+    # limit (8 per function) from sending later shapes to the slow eager fallback.
+    torch._dynamo.reset()
+    compiled = torch.compile(flex_attention, dynamic=False)
+    block_mask = None
+    if cell.causal:
+        block_mask = create_block_mask(_causal_mask, B=None, H=None, Q_LEN=cell.seqlen,
+                                       KV_LEN=cell.seqlen, device=device)
+    return lambda q, k, v: compiled(q, k, v, block_mask=block_mask)
+
+
+# The score matrix of the naive paths at 32k tokens per sequence is 32k^2 * H * 2 bytes
+# (34 GB at bf16, H=16) before autograd keeps copies: they stop at 16k on GPU, and at
+# 2k (naive) on a CPU with a few GB to spare.
+for _p in (
+    Provider("flashtile", "bshd", _flashtile, about="flashtile.flash_attn_func"),
+    Provider("sdpa-cudnn", "bhsd", _sdpa(SDPBackend.CUDNN_ATTENTION), ("cuda",),
+             about="SDPA, cuDNN backend"),
+    Provider("sdpa-flash", "bhsd", _sdpa(SDPBackend.FLASH_ATTENTION), ("cuda",),
+             about="SDPA, FlashAttention-2 backend"),
+    Provider("sdpa-efficient", "bhsd", _sdpa(SDPBackend.EFFICIENT_ATTENTION), ("cuda",),
+             about="SDPA, memory-efficient (xformers) backend"),
+    Provider("sdpa-math", "bhsd", _sdpa(SDPBackend.MATH), max_seqlen={"cuda": 16384},
+             about="SDPA, math backend (PyTorch ops, scores in memory)"),
+    Provider("flex", "bhsd", _flex, ("cuda",),
+             about="FlexAttention under torch.compile, causal block mask"),
+    Provider("naive", "bshd", _naive, max_seqlen={"cuda": 16384, "cpu": 2048},
+             about="flashtile.reference.attention_naive(upcast=False)"),
+):
+    register(_p)
+
+
+@dataclass(frozen=True)
+class Sweep:
+    """The grid of a run. batch = max(1, tokens // seqlen); nheads = head_budget //
+    head_dim (2048 // 128 = 16 on GPU), or ``nheads`` when head_budget is None."""
+
+    providers: tuple[str, ...]
+    head_dims: tuple[int, ...]
+    seqlens: tuple[int, ...]
+    causals: tuple[bool, ...] = (False, True)
+    modes: tuple[str, ...] = MODES
+    dtype: torch.dtype = torch.bfloat16
+    tokens: int = 16384
+    head_budget: int | None = 2048
+    nheads: int = 4
+
+    def heads(self, head_dim: int) -> int:
+        if self.head_budget is None:
+            return self.nheads
+        return max(1, self.head_budget // head_dim)
+
+    def cells(self) -> list[Cell]:
+        unknown = [p for p in self.providers if p not in PROVIDERS]
+        if unknown:
+            raise ValueError(f"unknown provider(s) {unknown}; registered: "
+                             f"{sorted(PROVIDERS)}")
+        return [Cell(p, d, causal, mode, s, max(1, self.tokens // s), self.heads(d),
+                     self.dtype)
+                for d in self.head_dims for causal in self.causals
+                for mode in self.modes for s in self.seqlens for p in self.providers]
+
+    def settings(self) -> dict:
+        return dict(providers=list(self.providers), head_dims=list(self.head_dims),
+                    seqlens=list(self.seqlens), causal=list(self.causals),
+                    modes=list(self.modes), dtype=str(self.dtype).replace("torch.", ""),
+                    tokens=self.tokens, head_budget=self.head_budget,
+                    nheads=self.nheads if self.head_budget is None else None)
+
+
+ALL = tuple(PROVIDERS)
+# GPU: 512..16k for speed; 32k and 64k for the memory plot (naive and math skip them).
+GPU_SWEEP = Sweep(ALL, (64, 128), tuple(2**i for i in range(9, 17)))
+# CPU, 2 cores: fp32, d64, 4 heads, 4k tokens; about 3 minutes (torch path and naive).
+CPU_SWEEP = Sweep(ALL, (64,), tuple(2**i for i in range(7, 13)), dtype=torch.float32,
+                  tokens=4096, head_budget=None, nheads=4)
+# Quick: a smoke run. On GPU every provider once per mode, causal (Flex's block mask);
+# its two Flex compiles are most of the minute.
+GPU_QUICK = Sweep(ALL, (128,), (2048,), causals=(True,))
+CPU_QUICK = Sweep(("flashtile", "sdpa-math", "naive"), (32,), (64, 128),
+                  dtype=torch.float32, tokens=256, head_budget=None, nheads=2)
+
+
+def default_sweep(device: torch.device, quick: bool = False) -> Sweep:
+    if torch.device(device).type == "cuda":
+        return GPU_QUICK if quick else GPU_SWEEP
+    return CPU_QUICK if quick else CPU_SWEEP

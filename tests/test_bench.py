@@ -1,0 +1,379 @@
+"""``flashtile bench`` / ``info`` / ``tune`` on CPU, on tiny shapes.
+
+The speed runs use the tiled PyTorch backend (FLASHTILE_BACKEND=torch) so they stay
+fast under TRITON_INTERPRET=1; the cache folder is a tmp_path in every test.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+
+import pytest
+import torch
+
+import flashtile
+from flashtile import _cache, cli
+from flashtile.bench import accuracy, machine, registry, report, run, tune
+from flashtile.bench.commands import seqlen
+from flashtile.bench.registry import Provider, Sweep
+from flashtile.ops import configs
+from flashtile.ops.configs import TileConfig
+
+CPU = torch.device("cpu")
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+TINY = Sweep(("flashtile", "sdpa-math", "naive"), head_dims=(16,), seqlens=(32, 48),
+             dtype=torch.float32, tokens=96, head_budget=None, nheads=2)
+
+
+@pytest.fixture(autouse=True)
+def _isolated(monkeypatch, tmp_path):
+    monkeypatch.setenv("FLASHTILE_BACKEND", "torch")
+    monkeypatch.setenv("FLASHTILE_CACHE_DIR", str(tmp_path / "cache"))
+    configs.reload_tuned()
+    yield
+    configs.reload_tuned()  # the next test module reads the real cache folder again
+
+
+def _raiser(exc):
+    def build(cell, device):
+        def attn(q, k, v):
+            raise exc
+        return attn
+    return build
+
+
+def test_attn_flops_is_the_one_count():
+    full = registry.attn_flops(2, 3, 128, 128, 64, causal=False, mode="fwd")
+    assert full == 4 * 2 * 3 * 128 * 128 * 64
+    assert registry.attn_flops(2, 3, 128, 128, 64, True, "fwd") == full / 2
+    assert registry.attn_flops(2, 3, 128, 128, 64, True, "fwd_bwd") == full / 2 * 3.5
+    with pytest.raises(ValueError, match="mode must be one of"):
+        registry.attn_flops(1, 1, 1, 1, 1, False, "bwd")
+
+
+def test_sweep_cells_and_shapes():
+    cells = TINY.cells()
+    assert len(cells) == 3 * 1 * 2 * 2 * 2  # providers x dims x causal x modes x seqlens
+    assert {(c.batch, c.seqlen) for c in cells} == {(3, 32), (2, 48)}  # 96 tokens
+    gpu = registry.GPU_SWEEP
+    assert gpu.heads(128) == 16 and gpu.heads(64) == 32  # 2048 / head_dim
+    assert max(1, gpu.tokens // 65536) == 1
+    with pytest.raises(ValueError, match="unknown provider"):
+        dataclasses.replace(TINY, providers=("nope",)).cells()
+
+
+def test_quick_sweep_json_markdown_plots(tmp_path):
+    results = run.run_sweep(TINY, CPU, repeats=1, progress=False)
+    assert all(r.status == "ok" for r in results), [r.reason for r in results]
+    for r in results:
+        assert r.ms > 0 and r.ms_p20 <= r.ms <= r.ms_p80
+        assert r.tflops == pytest.approx(r.cell.flops() / r.ms / 1e9)
+        assert r.peak_mib is None  # CPU: not measured
+
+    info = machine.machine_info(CPU, "flashtile bench --test")
+    paths = report.write_outputs(results, info, TINY.settings(), str(tmp_path / "out"))
+    with open(paths["json"]) as f:
+        data = json.load(f)
+    assert data["schema"] == report.SCHEMA and data["memory_measured"] is False
+    for key in ("device", "torch", "triton", "flashtile", "cuda", "cudnn", "date",
+                "command", "backend"):
+        assert key in data["machine"], key
+    assert data["machine"]["command"] == "flashtile bench --test"
+    assert data["machine"]["backend"] == "torch"
+    assert data["settings"]["seqlens"] == [32, 48]
+    assert data["settings"]["dtype"] == "float32"
+    assert len(data["results"]) == len(results)
+    row = data["results"][0]
+    types = dict(provider=str, head_dim=int, causal=bool, mode=str, seqlen=int, batch=int,
+                 nheads=int, dtype=str, status=str, ms=float, ms_p20=float, ms_p80=float,
+                 tflops=float)
+    for key, typ in types.items():
+        assert isinstance(row[key], typ), (key, row[key])
+    assert row["peak_mib"] is None and row["reason"] is None
+    assert len(data["summary"]) == 8  # rows: 2 causal x 2 modes x 2 seqlens
+    for s in data["summary"]:
+        assert s["best_peer"] in ("sdpa-math", "naive")
+        assert s["ratio"] == pytest.approx(s["flashtile_tflops"] / s["best_peer_tflops"])
+
+    text = open(paths["markdown"]).read()
+    assert "| head_dim | causal | mode | seqlen | flashtile | sdpa-math | naive |" in text
+    assert "flashtile / best peer" in text and "Peak memory: not measured" in text
+    assert len(paths["plots"]) == 4  # tflops per (head_dim, causal, mode); no memory
+    for p in paths["plots"]:
+        with open(p, "rb") as f:
+            assert f.read(8) == PNG_MAGIC
+        assert os.path.getsize(p) > 1000
+
+
+def test_oom_and_unsupported_providers_do_not_stop_the_sweep(monkeypatch):
+    monkeypatch.setitem(registry.PROVIDERS, "fake-oom", Provider(
+        "fake-oom", "bhsd", _raiser(torch.OutOfMemoryError("CUDA out of memory"))))
+    monkeypatch.setitem(registry.PROVIDERS, "fake-na", Provider(
+        "fake-na", "bshd", _raiser(NotImplementedError("no head_dim 16 here"))))
+    sweep = dataclasses.replace(TINY, providers=("fake-oom", "flashtile", "fake-na"),
+                                seqlens=(32,), modes=("fwd",))
+    results = run.run_sweep(sweep, CPU, repeats=1, progress=False)
+    status = {(r.cell.provider, r.cell.causal): r for r in results}
+    for causal in (False, True):  # the OOM of the first cell did not end the sweep
+        assert status["fake-oom", causal].status == "OOM"
+        assert status["flashtile", causal].status == "ok"
+        na = status["fake-na", causal]
+        assert na.status == "n/a"
+        assert na.reason == "NotImplementedError: no head_dim 16 here"
+    text = report.markdown(results, machine.machine_info(CPU), sweep.settings())
+    assert "| 16 | False | fwd | 32 | OOM |" in text
+    assert text.count("| n/a |") >= 2  # fake-na's column; best peer is n/a too
+    assert "- fake-oom: OOM (torch.OutOfMemoryError) in 2 cell(s)" in text
+    assert all(s["ratio"] is None for s in report.summary(results))
+
+
+def test_skip_reasons():
+    cell = registry.Cell("sdpa-flash", 64, False, "fwd", 128, 1, 1, torch.float32)
+    assert run.run_cell(cell, CPU).reason == "runs on cuda only"
+    long = dataclasses.replace(cell, provider="naive", seqlen=4096)
+    assert run.run_cell(long, CPU).reason.startswith("seqlen > 2048 on cpu")
+    assert registry.PROVIDERS["flex"].skip_reason(cell, CPU) == "runs on cuda only"
+
+
+def test_memory_plot_on_a_log_scale(tmp_path):
+    """GPU runs measure memory; the plot code is checked here with given values."""
+    results = []
+    for provider, per_token in (("flashtile", 0.01), ("naive", 1.0)):
+        for s in (512, 1024, 2048):
+            cell = registry.Cell(provider, 64, True, "fwd", s, 1, 4, torch.bfloat16)
+            results.append(run.Result(cell, "ok", ms=1.0, ms_p20=0.9, ms_p80=1.1,
+                                      tflops=100.0, peak_mib=per_token * s * s / 512))
+    paths = report.plot(results, str(tmp_path))
+    memory = [p for p in paths if os.path.basename(p).startswith("memory-")]
+    assert [os.path.basename(p) for p in memory] == ["memory-d64-causal-fwd.png"]
+    assert open(memory[0], "rb").read(8) == PNG_MAGIC
+    assert "Peak memory above the inputs" in report.markdown(
+        results, {}, dict(dtype="bfloat16", tokens=16384, head_budget=2048))
+
+
+def test_bench_command_quick(tmp_path, capsys):
+    out = tmp_path / "out"
+    rc = cli.main(["bench", "--quick", "--device", "cpu", "--seqlens", "32", "--repeats",
+                   "1", "--causal", "true", "--no-progress", "--out", str(out)])
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "| 32 | True | fwd | 32 |" in text and "| 32 | True | fwd_bwd | 32 |" in text
+    data = json.loads((out / "results.json").read_text())
+    assert data["machine"]["command"].startswith("flashtile bench --quick")
+    assert {r["status"] for r in data["results"]} == {"ok"}
+    assert sorted(p.name for p in out.glob("*.png")) == [
+        "tflops-d32-causal-fwd.png", "tflops-d32-causal-fwd_bwd.png"]
+
+
+def test_bench_append_builds_one_table_from_several_runs(tmp_path, capsys):
+    base = ["bench", "--quick", "--device", "cpu", "--repeats", "1", "--causal", "false",
+            "--modes", "fwd", "--no-progress", "--out", str(tmp_path)]
+    assert cli.main([*base, "--seqlens", "32", "48"]) == 0
+    assert cli.main([*base, "--seqlens", "48", "64", "--append"]) == 0
+    data = json.loads((tmp_path / "results.json").read_text())
+    assert data["settings"]["seqlens"] == [32, 48, 64]
+    assert [r["seqlen"] for r in data["results"]] == [32] * 3 + [48] * 3 + [64] * 3
+    assert len(data["machine"]["commands"]) == 2
+    assert "--append" in data["machine"]["commands"][1]
+    capsys.readouterr()
+    assert cli.main([*base, "--seqlens", "32", "--append", "--dtype", "bf16"]) == 2
+    assert "the folder holds dtype 'float32'" in capsys.readouterr().err
+
+
+def test_bench_command_bad_provider(capsys):
+    assert cli.main(["bench", "--quick", "--device", "cpu", "--providers", "flashtile",
+                     "flashattn9"]) == 2
+    assert "unknown ['flashattn9']" in capsys.readouterr().err
+
+
+def test_seqlen_argument():
+    assert seqlen("4k") == 4096 and seqlen("64K") == 65536 and seqlen("512") == 512
+    for bad in ("0", "1.5k", "abc"):
+        with pytest.raises(ValueError):
+            seqlen(bad)
+
+
+def test_accuracy_table():
+    rows = accuracy.accuracy_table(CPU, shape=(1, 40, 2, 16), repeats=1)
+    assert [(r.precision, r.inputs) for r in rows] == [
+        (p, kind) for kind in accuracy.INPUT_KINDS for p, _, _ in accuracy.PRECISIONS]
+    for r in rows:
+        if r.precision == "tf32":  # CPU: n/a with a reason, not a crash
+            assert r.flashtile.max_abs is None and "no TF32" in r.flashtile.reason
+            continue
+        for path in (r.flashtile, r.sdpa_math):
+            assert path.reason is None and path.ms > 0
+            assert 0 <= path.max_abs < 0.1 and 0 <= path.rel < 0.05
+        if r.precision == "fp32":  # exact fp32 products: near float64
+            assert r.flashtile.rel < 1e-5
+    text = accuracy.markdown(rows, (1, 40, 2, 16), "CPU")
+    assert "| fp32 | outliers |" in text and "no TF32 on CPU" in text
+
+
+def test_accuracy_command(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(accuracy, "CPU_SHAPE", (1, 24, 2, 16))
+    assert cli.main(["bench", "--accuracy", "--device", "cpu", "--out",
+                     str(tmp_path)]) == 0
+    assert "| bf16 | normal |" in capsys.readouterr().out
+    data = json.loads((tmp_path / "accuracy.json").read_text())
+    assert data["shape"] == [1, 24, 2, 16] and len(data["rows"]) == 8
+
+
+def test_info_prints_versions_and_caches_ceilings(monkeypatch, capsys):
+    assert cli.main(["info", "--device", "cpu"]) == 0
+    text = capsys.readouterr().out
+    for needle in (f"flashtile {flashtile.__version__}", torch.__version__, "triton",
+                   "cuDNN", "backend   torch", "FLOP/s", "B/s", "measured now"):
+        assert needle in text, needle
+    cache = _cache.cache_dir() / machine.CEILINGS_FILE
+    entry = json.loads(cache.read_text())[_cache.device_name(CPU)]
+    assert entry["matmul_flops_per_s"] > 0 and entry["copy_bytes_per_s"] > 0
+
+    def no_measuring(device):
+        raise AssertionError("the second info must read the cache")
+
+    monkeypatch.setattr(machine, "measure_ceilings", no_measuring)
+    assert cli.main(["info", "--device", "cpu"]) == 0
+    assert "(cached " in capsys.readouterr().out
+    with pytest.raises(AssertionError, match="read the cache"):
+        cli.main(["info", "--device", "cpu", "--refresh"])
+
+
+def test_tuned_cache_round_trip_and_pick():
+    q = torch.zeros(1, 1000, 2, 64)
+    static = configs.fwd_config(q, 64, True)
+    tuned = TileConfig(64, 32, 4, 2)
+    key = configs.tuned_key(_cache.device_name(CPU), torch.float32, 64, True, 1000, "fwd")
+    assert key == f"{_cache.device_name(CPU)}|float32|d64|causal|<=2k|fwd"
+    path = configs.save_tuned({key: dict(block_m=64, block_n=32, num_warps=4,
+                                         num_stages=2, tflops=1.0)})
+    assert os.path.exists(path)
+    assert configs.fwd_config(q, 64, True, seqlen=1000) == tuned
+    assert configs.fwd_config(q, 60, True, seqlen=2048) == tuned  # head_dim pads to 64
+    assert configs.fwd_config(q, 64, True) == static  # caller passes no seqlen
+    assert configs.fwd_config(q, 64, True, seqlen=4096) == static  # other class
+    assert configs.fwd_config(q, 64, False, seqlen=1000) == static  # not causal
+    assert configs.bwd_dq_config(q, 64, True, seqlen=1000) == configs.bwd_dq_config(q, 64)
+    configs.set_override("fwd", TileConfig(16, 16))  # the override still wins
+    try:
+        assert configs.fwd_config(q, 64, True, seqlen=1000) == TileConfig(16, 16)
+    finally:
+        configs.set_override("fwd", None)
+    configs.reload_tuned()  # read again from disk: the same
+    assert configs.fwd_config(q, 64, True, seqlen=1000) == tuned
+    configs.clear_tuned()
+    assert not os.path.exists(path)
+    assert configs.fwd_config(q, 64, True, seqlen=1000) == static
+
+
+def test_tuned_cache_ignores_a_malformed_entry(caplog):
+    good = configs.tuned_key(_cache.device_name(CPU), torch.float32, 32, False, 64, "fwd")
+    _cache.write_json(configs.TUNED_FILE, {"entries": {
+        good: dict(block_m=32, block_n=32, num_warps=4, num_stages=1),
+        "bad": dict(block_m="x")}})
+    configs.reload_tuned()
+    with caplog.at_level(logging.WARNING, logger="flashtile"):
+        assert configs.fwd_config(torch.zeros(1), 32, seqlen=64) == TileConfig(32, 32, 4, 1)
+    assert "malformed tuned entry 'bad'" in caplog.text
+
+
+def test_candidates_are_pruned_and_contain_the_defaults():
+    for kind, table in (("fwd", configs._FWD_16BIT), ("bwd_dkdv", configs._BWD_DKDV_16BIT),
+                        ("bwd_dq", configs._BWD_DQ_16BIT)):
+        for d in (64, 128):
+            assert table[d] in configs.candidates(kind, d, 2), (kind, d)
+    big = TileConfig(128, 128, 8, 4)  # 288 KiB at d128 bf16: over sm90's 227 KiB
+    assert big in configs.CANDIDATES["fwd"] and big not in configs.candidates("fwd", 128, 2)
+    assert big in configs.candidates("fwd", 128, 2, smem_limit=None)
+    with pytest.raises(ValueError, match="kind must be one of"):
+        configs.candidates("bwd", 64, 2)
+
+
+# None of them is a static default, which the other kernels keep during a trial.
+BAD, GOOD, NAN = TileConfig(16, 16, 4, 1), TileConfig(32, 32, 4, 1), TileConfig(64, 16)
+
+
+def _sabotage(monkeypatch):
+    """flash_attn_func gives a wrong answer under the BAD forward tile and NaN under the
+    NAN dQ tile: the torch backend ignores tiles, so the fault is simulated here."""
+    real = flashtile.flash_attn_func
+
+    def faulty(q, k, v, **kwargs):
+        out = real(q, k, v, **kwargs)
+        if configs._override.get("fwd") == BAD:
+            return out * 1.01
+        if configs._override.get("bwd_dq") == NAN:
+            return out + 0 * q.sum() * float("nan")  # NaN in out and in every gradient
+        return out
+
+    monkeypatch.setattr(flashtile, "flash_attn_func", faulty)
+
+
+def test_tune_rejects_wrong_and_nan_configs(monkeypatch):
+    _sabotage(monkeypatch)
+    trials, entries = tune.tune(
+        CPU, torch.float32, head_dims=(16,), causals=(True,), seqlen=33,
+        kinds=("fwd", "bwd_dq"), candidates={"fwd": [BAD, GOOD], "bwd_dq": [NAN, GOOD]},
+        timing_shape=(1, 1), repeats=1)
+    by = {(t.kind, t.config): t for t in trials}
+    assert by["fwd", BAD].status == "rejected" and "out error" in by["fwd", BAD].reason
+    assert by["bwd_dq", NAN].status == "rejected" and "NaN" in by["bwd_dq", NAN].reason
+    assert by["fwd", GOOD].best and by["bwd_dq", GOOD].best
+    assert configs._override == {}  # every trial cleared its override
+    name = _cache.device_name(CPU)
+    assert set(entries) == {f"{name}|float32|d16|causal|<=2k|fwd",
+                            f"{name}|float32|d16|causal|<=2k|bwd_dq"}
+    for entry in entries.values():  # only the good tile is cached, never a rejected one
+        assert (entry["block_m"], entry["block_n"]) == (32, 32)
+    assert "rejected (out error" in tune.format_trial(by["fwd", BAD])
+
+
+def test_tune_caches_nothing_when_every_config_is_rejected(monkeypatch):
+    _sabotage(monkeypatch)
+    trials, entries = tune.tune(CPU, torch.float32, (16,), (False,), 20, ("fwd",),
+                                candidates={"fwd": [BAD]}, timing_shape=(1, 1), repeats=1)
+    assert [t.status for t in trials] == ["rejected"] and entries == {}
+
+
+def test_tune_rejects_a_tile_that_stepped_down(monkeypatch):
+    """configs.launch logs and shrinks a tile that does not fit: it did not run as
+    listed, so its time is not that tile's."""
+    real = flashtile.flash_attn_func
+
+    def shrinking(q, k, v, **kwargs):
+        if configs._override.get("fwd") == BAD:
+            logging.getLogger("flashtile").info(
+                "flashtile: %s tiles %s do not fit (%s); trying %s", "forward", BAD,
+                "out of shared memory", GOOD)
+        return real(q, k, v, **kwargs)
+
+    monkeypatch.setattr(flashtile, "flash_attn_func", shrinking)
+    trials, _ = tune.tune(CPU, torch.float32, (16,), (False,), 20, ("fwd",),
+                          candidates={"fwd": [BAD, GOOD]}, timing_shape=(1, 1), repeats=1)
+    assert trials[0].status == "rejected" and "did not fit" in trials[0].reason
+    assert trials[1].status == "ok" and trials[1].best
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                    reason="the Triton kernels on CPU need TRITON_INTERPRET=1")
+def test_tune_through_the_interpreter(monkeypatch):
+    monkeypatch.setenv("FLASHTILE_BACKEND", "triton")
+    cands = {"fwd": [TileConfig(16, 16), TileConfig(32, 16)],
+             "bwd_dkdv": [TileConfig(16, 32)], "bwd_dq": [TileConfig(32, 16)]}
+    trials, entries = tune.tune(CPU, torch.float32, (16,), (True,), 37,
+                                candidates=cands, timing_shape=(1, 1), repeats=1)
+    assert [t.status for t in trials] == ["ok"] * 4, [t.reason for t in trials]
+    assert len(entries) == 3
+
+
+def test_tune_command(monkeypatch, capsys):
+    assert cli.main(["tune", "--device", "cpu"]) == 2  # the torch backend: nothing to time
+    assert "TRITON_INTERPRET=1" in capsys.readouterr().err
+    key = configs.tuned_key(_cache.device_name(CPU), torch.float32, 64, False, 64, "fwd")
+    path = configs.save_tuned({key: dict(block_m=32, block_n=32, num_warps=4,
+                                         num_stages=1)})
+    assert cli.main(["tune", "--clear"]) == 0
+    assert f"removed {path}" in capsys.readouterr().out and not os.path.exists(path)
