@@ -119,6 +119,18 @@ def check_alibi(alibi_slopes, batch, nheads, device):
     return alibi_slopes.float()
 
 
+def check_flash_options(dropout_p, softmax_scale, softcap, window_size, causal):
+    """The scalar options shared by flash_attn_func and its varlen form.
+
+    Returns (window_left, window_right) with causal folded in (right bound 0).
+    """
+    check_dropout(dropout_p)
+    check_softmax_scale(softmax_scale)
+    check_float(softcap, "softcap", minimum=0.0)
+    left, right = check_window(window_size)
+    return left, 0 if causal else right
+
+
 def check_attn_mask(attn_mask, batch, nheads, seqlen_q, seqlen_k, device, dtype):
     """SDPA mask: bool (True = attend) or additive float, broadcastable to (b, h, sq, sk).
 

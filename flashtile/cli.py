@@ -22,12 +22,11 @@ import time
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import flashtile
 from flashtile._backend import interpreting, select_backend
 from flashtile.bench import commands as bench_commands
+from flashtile.bench.tune import sdpa_math_bshd
 from flashtile.reference import attention_naive
 
 MiB = 2**20
@@ -114,15 +113,9 @@ def _naive(causal, upcast):
     return lambda q, k, v: attention_naive(q, k, v, causal=causal, upcast=upcast)[0]
 
 
-def _torch_math(causal):
-    """PyTorch's own SDPA math backend. The demo has seqlen_q == seqlen_k, where its
-    top-left causal alignment is flash-attn's bottom-right one."""
-    def attn(q, k, v):
-        with sdpa_kernel(SDPBackend.MATH):
-            out = F.scaled_dot_product_attention(*(x.transpose(1, 2) for x in (q, k, v)),
-                                                 is_causal=causal)
-        return out.transpose(1, 2)
-    return attn
+# PyTorch's own SDPA math backend on (b, s, h, d) inputs. The demo has seqlen_q ==
+# seqlen_k, where its top-left causal alignment is flash-attn's bottom-right one.
+_torch_math = sdpa_math_bshd
 
 
 def _sync(device):

@@ -77,12 +77,8 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
             -inf for a row that sees no key. It is differentiable.
     """
     b, sq, sk, h, hkv, d = V.check_qkv(q, k, v)
-    V.check_dropout(dropout_p)
-    V.check_softmax_scale(softmax_scale)
-    V.check_float(softcap, "softcap", minimum=0.0)
-    left, right = V.check_window(window_size)
-    if causal:
-        right = 0
+    left, right = V.check_flash_options(dropout_p, softmax_scale, softcap, window_size,
+                                        causal)
     alibi_slopes = V.check_alibi(alibi_slopes, b, h, q.device)
     out, lse = _attention(q, k, v, attn_mask=None, alibi_slopes=alibi_slopes,
                           softmax_scale=softmax_scale, diag_offset=sk - sq,
@@ -110,12 +106,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     """
     batch, h, hkv, d = V.check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                       max_seqlen_k)
-    V.check_dropout(dropout_p)
-    V.check_softmax_scale(softmax_scale)
-    V.check_float(softcap, "softcap", minimum=0.0)
-    left, right = V.check_window(window_size)
-    if causal:
-        right = 0
+    left, right = V.check_flash_options(dropout_p, softmax_scale, softcap, window_size,
+                                        causal)
     alibi_slopes = V.check_alibi(alibi_slopes, batch, h, q.device)
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(d)

@@ -38,6 +38,18 @@ def triton_available_here(on_gpu):
     return on_gpu or os.environ.get("TRITON_INTERPRET") == "1"
 
 
+@pytest.fixture(params=["torch", "triton"])
+def backend(request, monkeypatch, on_gpu):
+    """Run a test on each backend: the tiled PyTorch path (CPU only) and the Triton
+    kernels (on the GPU, or on CPU through the interpreter)."""
+    if request.param == "torch" and on_gpu:
+        pytest.skip("GPU runs the Triton kernels")
+    if request.param == "triton" and not triton_available_here(on_gpu):
+        pytest.skip("Triton on CPU needs TRITON_INTERPRET=1 (set by make test)")
+    monkeypatch.setenv("FLASHTILE_BACKEND", request.param)
+    return request.param
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)

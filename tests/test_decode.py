@@ -9,16 +9,6 @@ import flashtile
 from flashtile.inference import apply_rotary
 
 
-@pytest.fixture(params=["torch", "triton"])
-def backend(request, monkeypatch, on_gpu):
-    if request.param == "torch" and on_gpu:
-        pytest.skip("GPU runs the Triton kernels")
-    if request.param == "triton" and not on_gpu and os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("Triton on CPU needs TRITON_INTERPRET=1")
-    monkeypatch.setenv("FLASHTILE_BACKEND", request.param)
-    return request.param
-
-
 def _dtype(on_gpu):
     return torch.bfloat16 if on_gpu else torch.float32
 

@@ -1,23 +1,11 @@
 """flashtile.scaled_dot_product_attention against torch's SDPA in float64."""
 
-import os
-
 import pytest
 import torch
 import torch.nn.functional as F
 
 import flashtile
 from tests.utils import FLOOR, max_err
-
-
-@pytest.fixture(params=["torch", "triton"])
-def backend(request, monkeypatch, on_gpu):
-    if request.param == "torch" and on_gpu:
-        pytest.skip("GPU runs the Triton kernels")
-    if request.param == "triton" and not on_gpu and os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("Triton on CPU needs TRITON_INTERPRET=1")
-    monkeypatch.setenv("FLASHTILE_BACKEND", request.param)
-    return request.param
 
 
 MASKS = {

@@ -1,21 +1,9 @@
 """flash_attn_varlen_func equals a per-sequence loop of the dense function, fwd and bwd."""
 
-import os
-
 import pytest
 import torch
 
 import flashtile
-
-
-@pytest.fixture(params=["torch", "triton"])
-def backend(request, monkeypatch, on_gpu):
-    if request.param == "torch" and on_gpu:
-        pytest.skip("GPU runs the Triton kernels")
-    if request.param == "triton" and not on_gpu and os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("Triton on CPU needs TRITON_INTERPRET=1")
-    monkeypatch.setenv("FLASHTILE_BACKEND", request.param)
-    return request.param
 
 
 def _cu(lengths, device):

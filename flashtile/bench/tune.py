@@ -69,7 +69,8 @@ def _flashtile(causal):
     return lambda q, k, v: flashtile.flash_attn_func(q, k, v, causal=causal)
 
 
-def _sdpa_math(causal):
+def sdpa_math_bshd(causal):
+    """PyTorch SDPA forced to its math backend, on (batch, seqlen, heads, dim) inputs."""
     def attn(q, k, v):
         with sdpa_kernel(SDPBackend.MATH):
             out = F.scaled_dot_product_attention(*(x.transpose(1, 2) for x in (q, k, v)),
@@ -87,7 +88,7 @@ def make_check(q, k, v, dout, causal):
     float64 reference and torch's own errors are computed once, here."""
     ref = _fwd_bwd(*(x.double() for x in (q, k, v, dout)),
                    lambda a, b, c: attention_naive(a, b, c, causal=causal)[0])
-    theirs = _fwd_bwd(q, k, v, dout, _sdpa_math(causal))
+    theirs = _fwd_bwd(q, k, v, dout, sdpa_math_bshd(causal))
     tols = [2 * _max_err(t, r) + FLOOR[q.dtype] * max(1.0, r.abs().max().item())
             for t, r in zip(theirs, ref)]
 
