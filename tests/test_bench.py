@@ -377,3 +377,20 @@ def test_tune_command(monkeypatch, capsys):
                                          num_stages=1)})
     assert cli.main(["tune", "--clear"]) == 0
     assert f"removed {path}" in capsys.readouterr().out and not os.path.exists(path)
+
+
+def test_decode_bench_needs_cuda(capsys):
+    from flashtile.cli import main
+
+    assert main(["bench", "--decode", "--device", "cpu"]) == 2
+    assert "needs a CUDA device" in capsys.readouterr().err
+
+
+def test_decode_markdown_table():
+    from flashtile.bench.decode import decode_markdown
+
+    rows = [dict(batch=1, seqlen_k=8192, cache_gb=0.03,
+                 flashtile=dict(us=12.0, gbps=2800.0), **{"sdpa-flash": dict(us=20.0, gbps=1600.0)},
+                 **{"sdpa-cudnn": dict(error="RuntimeError: no")})]
+    text = decode_markdown(rows, copy_gbps=4000.0)
+    assert "| 1 | 8192 | 0.03 | 12.0 (2800) | 20.0 (1600) | n/a | 70% | 1.75 |" in text

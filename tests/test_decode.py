@@ -7,6 +7,7 @@ import torch
 
 import flashtile
 from flashtile.inference import apply_rotary
+from flashtile.ops import configs
 
 
 def _dtype(on_gpu):
@@ -60,8 +61,18 @@ def test_decode_equals_full_attention(seqlen_q, causal, heads, backend, device, 
         torch.testing.assert_close(lse[i:i + 1], ref_lse, rtol=1e-4, atol=1e-4)
 
 
+@pytest.fixture(params=[None, 64], ids=["default_tile", "tile_n64"])
+def decode_tile(request):
+    """None: the table's tile; 64: keys per tile above the page size, so the kernel
+    looks up each row's page instead of one page per tile."""
+    if request.param is not None:
+        configs.set_override("decode", configs.TileConfig(16, request.param, 4, 2))
+    yield request.param
+    configs.set_override("decode", None)
+
+
 @pytest.mark.parametrize("page_size", [16, 32])
-def test_paged_equals_contiguous(page_size, backend, device, on_gpu):
+def test_paged_equals_contiguous(page_size, decode_tile, backend, device, on_gpu):
     b, s, h, hkv, d = 2, 128, 4, 2, 16
     dtype = _dtype(on_gpu)
     gen = torch.Generator().manual_seed(1)

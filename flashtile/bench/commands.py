@@ -72,6 +72,9 @@ def add_bench(commands):
     p.add_argument("--quick", action="store_true", help="a few small cells (< 1 min)")
     p.add_argument("--accuracy", action="store_true",
                    help="errors against float64 for fp32/TF32/fp16/bf16, not speed")
+    p.add_argument("--decode", action="store_true",
+                   help="decode over a KV cache (CUDA): GB/s beside SDPA and the copy "
+                        "ceiling, contiguous and paged")
     p.add_argument("--headdim", type=int, nargs="+", help="default: 64 128 (CPU: 64)")
     p.add_argument("--seqlens", type=seqlen, nargs="+",
                    help="e.g. 512 1k 16k; default 512..64k on CUDA, 128..4k on CPU")
@@ -118,6 +121,8 @@ def _bench(args) -> int:
     device = _device(args)
     if args.accuracy:
         return _accuracy(args, device)
+    if args.decode:
+        return _decode(args, device)
     info = machine.machine_info(device, _command(args))
     out = args.out or default_out(device)
     try:
@@ -147,6 +152,30 @@ def _previous(out: str) -> dict | None:
         return None
     with open(path) as f:
         return json.load(f)
+
+
+def _decode(args, device) -> int:
+    from flashtile.bench import decode
+
+    if device.type != "cuda":
+        print("flashtile bench --decode: times replayed CUDA graphs and needs a CUDA "
+              f"device (this run's device is {device}); the decode kernel's CPU checks "
+              "are in tests/test_decode.py", file=sys.stderr)
+        return 2
+    copy_gbps = machine.ceilings(device)[0]["copy_bytes_per_s"] / 1e9
+    rows = decode.run_decode_bench(device=device)
+    text = decode.decode_markdown(rows, copy_gbps)
+    print(text)
+    out = args.out or default_out(device)
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "decode.md"), "w") as f:
+        f.write(f"Command: `{_command(args)}`; device copy ceiling {copy_gbps:.0f} GB/s\n\n"
+                + text + "\n")
+    with open(os.path.join(out, "decode.json"), "w") as f:
+        json.dump(dict(copy_gbps=copy_gbps, rows=rows,
+                       info=machine.machine_info(device, _command(args))), f, indent=1)
+    print(f"wrote {out}/decode.md and decode.json")
+    return 0
 
 
 def _accuracy(args, device) -> int:

@@ -58,7 +58,7 @@ def _providers(batch, seqlen_k, device):
     }
 
 
-def run_decode_bench(shapes=SHAPES, device="cuda", copy_gbps=None):
+def run_decode_bench(shapes=SHAPES, device="cuda"):
     import triton
 
     rows = []
@@ -140,19 +140,13 @@ def _flashtile_fn(batch, seqlen_k, device, num_splits):
                                                      num_splits=num_splits)
 
 
-def measure_copy_gbps(device="cuda", nbytes=2 * 2**30):
-    import triton
-
-    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device).normal_()
-    dst = torch.empty_like(src)
-    ms = triton.testing.do_bench(lambda: dst.copy_(src), rep=200, return_mode="median")
-    return 2 * nbytes / ms / 1e6  # bytes read + written
-
-
 if __name__ == "__main__":
     import sys
 
-    copy = measure_copy_gbps()
+    from flashtile.bench.machine import ceilings
+
+    # `flashtile bench --decode` is the command; this entry point adds the tile sweep.
+    copy = ceilings(torch.device("cuda"))[0]["copy_bytes_per_s"] / 1e9
     print(f"# device copy {copy:.0f} GB/s ({torch.cuda.get_device_name()})")
     if "--sweep" in sys.argv:
         sweep_decode_tiles()
