@@ -58,8 +58,7 @@ def test_preprocess_compiles():
 def test_decode_compiles(paged):
     flags = {k: v for k, v in EVERYTHING.items() if k not in ("HAS_MASK", "MASK_IS_BOOL")}
     ck = compile_kernel(_decode_kernel, dict(BLOCK_M=16, BLOCK_N=64, BLOCK_D=128,
-                                             PAGED=paged, PAGE_ALIGNED=paged,
-                                             HAS_BATCH_IDX=not paged,
+                                             PAGED=paged, HAS_BATCH_IDX=not paged,
                                              HAS_LEFTPAD=True, **flags),
                         dtype="bf16", num_warps=4, num_stages=3)
     assert resources(ck)["stack_bytes"] == 0

@@ -10,7 +10,7 @@ Flash-Decoding, 2023); each split writes its normalized partial output and lse, 
 Key j of sequence b lives at cache position ``cache_leftpad[b] + j``; with a
 ``block_table`` that position is looked up page by page, so pages may lie anywhere in
 the pool in any order, and any power-of-two page size works (each row of a K/V tile does
-its own page lookup; when BLOCK_N divides the page size, one lookup per tile).
+its own page lookup).
 """
 
 import torch
@@ -37,7 +37,7 @@ def _decode_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     EVEN_D: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, PAGED: tl.constexpr,
-    PAGE_ALIGNED: tl.constexpr, HAS_BATCH_IDX: tl.constexpr, HAS_LEFTPAD: tl.constexpr,
+    HAS_BATCH_IDX: tl.constexpr, HAS_LEFTPAD: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
 ):
     split = tl.program_id(0)
@@ -87,13 +87,7 @@ def _decode_kernel(
         offs_n = start_n + offs_n0
         m_n = offs_n < hi
         pos = leftpad + offs_n                                             # cache position
-        if PAGED and PAGE_ALIGNED:
-            # The tile lies inside one page: one scalar lookup, rows contiguous in it.
-            page = tl.load(BlockTable + off_b * stride_block_table_b + start_n // page_size)
-            in_page = start_n % page_size + offs_n0
-            row_k = page.to(tl.int64) * stride_kb + in_page * stride_kn
-            row_v = page.to(tl.int64) * stride_vb + in_page * stride_vn
-        elif PAGED:
+        if PAGED:
             page = tl.load(BlockTable + off_b * stride_block_table_b + pos // page_size,
                            mask=m_n, other=0)
             row_k = page.to(tl.int64) * stride_kb + (pos % page_size) * stride_kn
@@ -231,9 +225,6 @@ def attn_decode(q, k_cache, v_cache, *, cache_seqlens, block_table, cache_batch_
         hkv, group, sq, d, keys_per_split, k_cache.shape[1] if paged else 1,
         window_left, window_right, softmax_scale, softcap,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, PAGED=paged,
-        # Tiles start at multiples of BLOCK_N (keys_per_split is one), so without a left
-        # pad each tile sits inside one page when BLOCK_N divides the page size.
-        PAGE_ALIGNED=paged and cache_leftpad is None and k_cache.shape[1] % cfg.block_n == 0,
         HAS_BATCH_IDX=cache_batch_idx is not None, HAS_LEFTPAD=cache_leftpad is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **flags,
     )
