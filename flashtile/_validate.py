@@ -21,6 +21,22 @@ def _fail(kind, name, expected, got, fix=""):
     raise kind(msg + (f". {fix}" if fix else ""))
 
 
+# The kernels index with 32-bit offsets (batch * stride + row * stride + col); past
+# this a tensor would wrap around, so it is refused instead.
+MAX_OFFSET = 2**31 - 1
+
+
+def check_offsets(x, name):
+    """The farthest element a kernel can address in x must fit a 32-bit offset."""
+    reach = sum((size - 1) * abs(stride) for size, stride in zip(x.shape, x.stride())
+                if size > 0)
+    if reach > MAX_OFFSET or x.numel() > MAX_OFFSET:
+        _fail(ValueError, name, f"a tensor whose elements are reachable with 32-bit offsets "
+              f"(< 2**31 elements from its first)", f"shape {tuple(x.shape)}, strides "
+              f"{tuple(x.stride())}", "Split the batch into calls of fewer than 2**31 "
+              "elements each")
+
+
 def check_tensor(x, name, rank):
     if not isinstance(x, torch.Tensor):
         _fail(TypeError, name, "a torch.Tensor", type(x).__name__)
@@ -31,6 +47,7 @@ def check_tensor(x, name, rank):
     if x.shape[-1] > 1 and x.stride(-1) != 1:
         _fail(ValueError, f"{name}.stride(-1)", "1 (the head dim contiguous)",
               x.stride(-1), "Call .contiguous() on it, or slice only the other dims")
+    check_offsets(x, name)
 
 
 def check_qkv(q, k, v, names=("q", "k", "v")):
@@ -153,10 +170,12 @@ def check_attn_mask(attn_mask, batch, nheads, seqlen_q, seqlen_k, device, dtype)
             "pass attn_mask.detach()")
     target = (batch, nheads, seqlen_q, seqlen_k)
     try:
-        return attn_mask.expand(target)
+        expanded = attn_mask.expand(target)
     except RuntimeError:
         _fail(ValueError, "attn_mask.shape", f"broadcastable to {target}",
               tuple(attn_mask.shape))
+    check_offsets(expanded, "attn_mask")
+    return expanded
 
 
 def check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):

@@ -468,3 +468,17 @@ def test_sdpa_fully_masked_row(backend):
     _assert_accurate("out", out, out64, out32)
     for name, g, g64, g32 in zip(("dquery", "dkey", "dvalue"), grads, grads64, grads32):
         _assert_accurate(name, g, g64, g32)
+
+
+def test_tensor_beyond_32bit_offsets_is_refused():
+    """Regression: the kernels use 32-bit offsets; a view reaching past 2**31 elements
+    must be an error, not a wrapped address. Built as a stride-0 view, so no memory."""
+    base = torch.randn(1, 1, 1, 16)
+    huge = base.expand(2**17, 2**15, 1, 16)  # stride 0: no memory, but 2**36 elements
+    assert huge.numel() > 2**31
+    # A small view whose batch stride reaches past 2**31 (meta: no storage needed).
+    q = torch.empty_strided((2, 3, 1, 16), (2**31, 16, 16, 1), device="meta")
+    with pytest.raises(ValueError, match="32-bit offsets"):
+        flashtile.flash_attn_func(q, q, q)
+    with pytest.raises(ValueError, match="32-bit offsets"):
+        flashtile.flash_attn_func(huge, huge, huge)
