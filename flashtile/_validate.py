@@ -37,7 +37,7 @@ def check_offsets(x, name):
               "elements each")
 
 
-def check_tensor(x, name, rank):
+def check_tensor(x, name, rank, offsets32=True):
     if not isinstance(x, torch.Tensor):
         _fail(TypeError, name, "a torch.Tensor", type(x).__name__)
     if x.dtype not in SUPPORTED_DTYPES:
@@ -47,7 +47,8 @@ def check_tensor(x, name, rank):
     if x.shape[-1] > 1 and x.stride(-1) != 1:
         _fail(ValueError, f"{name}.stride(-1)", "1 (the head dim contiguous)",
               x.stride(-1), "Call .contiguous() on it, or slice only the other dims")
-    check_offsets(x, name)
+    if offsets32:  # the decode kernel addresses KV-cache rows with 64-bit offsets
+        check_offsets(x, name)
 
 
 def check_qkv(q, k, v, names=("q", "k", "v")):

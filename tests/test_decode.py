@@ -177,3 +177,15 @@ def test_kvcache_errors(device):
                                           block_table=bt.clamp(max=5))
     with pytest.raises(TypeError, match="cache_seqlens.dtype"):
         flashtile.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=sl.long())
+
+
+def test_large_pool_is_not_refused():
+    """A KV pool past 2**31 elements is normal in serving: the decode kernel addresses
+    cache rows with 64-bit offsets, so validation must let it through (meta: no memory)."""
+    from flashtile.inference import _check_cache
+
+    pool = torch.empty(2**16, 64, 8, 128, device="meta")  # 2**32 elements
+    q = torch.empty(2, 1, 32, 128, device="meta")
+    sn = _check_cache(q, pool, pool, None, None, None,
+                      torch.empty(2, dtype=torch.int32, device="meta"), None, None)
+    assert sn == 0
