@@ -80,7 +80,19 @@ def check_qkv(q, k, v, names=("q", "k", "v")):
     if hkv == 0 or h % hkv != 0:
         _fail(ValueError, f"{kn}.shape[2] (nheads_kv)",
               f"a divisor of {qn}'s nheads {h} (GQA/MQA)", hkv)
+    check_grid(b * h, q.device)
     return b, sq, k.shape[1], h, hkv, d
+
+
+# CUDA's second and third grid dimensions stop at 65535; the kernels put batch * heads
+# there.
+MAX_GRID_Y = 65535
+
+
+def check_grid(batch_heads, device):
+    if device.type == "cuda" and batch_heads > MAX_GRID_Y:
+        _fail(ValueError, "batch * nheads", f"at most {MAX_GRID_Y} (a CUDA grid limit)",
+              batch_heads, "Split the batch into several calls")
 
 
 def check_float(x, name, *, minimum=None, allow_none=False):
@@ -183,7 +195,9 @@ def check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
     """Packed q (total_q, h, d), k/v (total_k, hkv, d) and their int32 prefix sums.
 
     Reads cu_seqlens on the host (one sync): a wrong prefix sum would otherwise send the
-    kernel outside the tensors. Returns (batch, h, hkv, d).
+    kernel outside the tensors. Inside torch.compile that read is skipped (it would
+    break the graph); the values are then the caller's responsibility.
+    Returns (batch, h, hkv, d).
     """
     for x, name in ((q, "q"), (k, "k"), (v, "v")):
         check_tensor(x, name, 3)
@@ -202,6 +216,9 @@ def check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
             _fail(ValueError, f"{name}.device", f"q's device {q.device}", cu.device)
         if isinstance(max_len, bool) or not isinstance(max_len, numbers.Integral):
             _fail(TypeError, max_name, "an int", type(max_len).__name__)
+        lengths[name] = cu.numel()
+        if torch.compiler.is_compiling():
+            continue  # no host read inside a compiled graph: values are the caller's
         vals = cu.tolist()
         diffs = [b - a for a, b in zip(vals, vals[1:])]
         if vals[0] != 0 or vals[-1] != total or any(x < 0 for x in diffs):
@@ -209,8 +226,8 @@ def check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
                   f"length {total}", vals if len(vals) <= 8 else f"{vals[:8]}...")
         if diffs and max(diffs) > max_len:
             _fail(ValueError, max_name, f">= the longest sequence {max(diffs)}", max_len)
-        lengths[name] = len(vals)
     if lengths["cu_seqlens_q"] != lengths["cu_seqlens_k"]:
         _fail(ValueError, "cu_seqlens_k.shape", f"cu_seqlens_q's ({lengths['cu_seqlens_q']},)",
               f"({lengths['cu_seqlens_k']},)")
+    check_grid((lengths["cu_seqlens_q"] - 1) * h, q.device)
     return lengths["cu_seqlens_q"] - 1, h, hkv, d

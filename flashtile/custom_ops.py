@@ -79,12 +79,20 @@ def _setup_context(ctx, inputs, output):
     ctx.scalars = dict(zip(_SCALARS, inputs[5:]))
 
 
+def _kernel_ready(dout, out):
+    """The incoming gradient as the kernels read it: last dim contiguous, and within
+    32-bit offsets (a view into a larger gradient may reach further than ``out``)."""
+    if dout is None:
+        return out.new_zeros(out.shape)
+    reach = sum((n - 1) * abs(st) for n, st in zip(dout.shape, dout.stride()) if n > 0)
+    if dout.stride(-1) != 1 or reach >= 2**31:
+        return dout.contiguous()
+    return dout
+
+
 def _backward(ctx, dout, dlse):
     q, k, v, out, lse, attn_mask, alibi_slopes = ctx.saved_tensors
-    if dout is None:
-        dout = torch.zeros_like(out)
-    elif dout.stride(-1) != 1:
-        dout = dout.contiguous()
+    dout = _kernel_ready(dout, out)
     dq, dk, dv = attn_bwd(dout, q, k, v, out, lse, dlse, attn_mask, alibi_slopes,
                           **ctx.scalars)
     return dq, dk, dv, None, None, None, None, None, None, None, None
@@ -108,7 +116,7 @@ def varlen_attn_fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
         from flashtile.ops.fwd import attn_fwd as triton_fwd
         return triton_fwd(q, k, v, allow_tf32=allow_tf32, cu_seqlens_q=cu_seqlens_q,
                           cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, **kw)
-    out = torch.zeros_like(q)
+    out = q.new_zeros(q.shape)  # contiguous, as the fake implementation says
     lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), device=q.device)
     for b, (qs, qe, ks, ke) in enumerate(_bounds(cu_seqlens_q, cu_seqlens_k)):
         if qe == qs:
@@ -140,7 +148,7 @@ def varlen_attn_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, 
         return triton_bwd(dout, q, k, v, out, lse, dlse, allow_tf32=allow_tf32,
                           cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                           max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, **kw)
-    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    dq, dk, dv = q.new_zeros(q.shape), k.new_zeros(k.shape), v.new_zeros(v.shape)
     for b, (qs, qe, ks, ke) in enumerate(_bounds(cu_seqlens_q, cu_seqlens_k)):
         if qe == qs or ke == ks:
             continue
@@ -182,10 +190,7 @@ def _varlen_setup_context(ctx, inputs, output):
 def _varlen_backward(ctx, dout, dlse):
     q, k, v, out, lse, cu_q, cu_k, alibi_slopes = ctx.saved_tensors
     max_q, max_k, *rest = ctx.scalars
-    if dout is None:
-        dout = torch.zeros_like(out)
-    elif dout.stride(-1) != 1:
-        dout = dout.contiguous()
+    dout = _kernel_ready(dout, out)
     dq, dk, dv = varlen_attn_bwd(dout, q, k, v, out, lse, dlse, cu_q, cu_k, max_q, max_k,
                                  alibi_slopes, *rest)
     return (dq, dk, dv) + (None,) * 10

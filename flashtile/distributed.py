@@ -118,18 +118,14 @@ def _check_divisible(seqlen, world_size, layout, name):
                 "Pad the sequence (and mask the padding out of the loss)")
 
 
-# Ring signatures already agreed on, per group: (group name, signature) -> True.
-_AGREED: dict = {}
-
-
 def _check_ranks_agree(ring, signature, device):
-    """All-gather the call's signature once per (group, signature); raise on mismatch.
+    """All-gather the call's signature on every call; raise on mismatch.
 
-    Mismatched shapes would otherwise hang or read garbage in the p2p hops. The check
-    is one small collective the first time each signature is seen.
+    Mismatched shapes would otherwise hang or read garbage in the p2p hops. The check is
+    one small collective per call: caching agreement per rank would let a rank that saw
+    a signature before skip the collective while another rank waits in it.
     """
-    key = (ring.group.group_name, signature)
-    if ring.world == 1 or key in _AGREED:
+    if ring.world == 1:
         return
     mine = torch.tensor(signature, dtype=torch.float64, device=device)
     everyone = [torch.empty_like(mine) for _ in range(ring.world)]
@@ -141,7 +137,6 @@ def _check_ranks_agree(ring, signature, device):
         table = "; ".join(f"rank {i}: {r}" for i, r in enumerate(rows))
         raise ValueError(f"ring_flash_attn_func: ranks disagree on {names}: {table}. "
                          "Every rank must pass the same shapes and arguments")
-    _AGREED[key] = True
 
 
 def _config(q, k, v, causal, softmax_scale, window_size, softcap, layout, world_size):

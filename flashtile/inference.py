@@ -23,6 +23,7 @@ def _fail(kind, name, expected, got, fix=""):
 
 
 def _check_index_tensor(x, name, shape, device):
+    """Dtype, shape and device of an int32 index tensor (its values are checked later)."""
     if not isinstance(x, torch.Tensor):
         _fail(TypeError, name, "an int32 torch.Tensor", type(x).__name__)
     if x.dtype != torch.int32:
@@ -39,7 +40,10 @@ def _check_cache(q, k_cache, v_cache, k, v, block_table, cache_seqlens, cache_ba
     V.check_tensor(q, "q", 4)
     b, sq, h, d = q.shape
     for x, name in ((k_cache, "k_cache"), (v_cache, "v_cache")):
-        V.check_tensor(x, name, 4, offsets32=False)
+        # A paged pool's rows are addressed as int64 page * stride plus a small in-page
+        # offset, so the pool may pass 2**31 elements; a contiguous cache's row offset
+        # (position * stride) is 32-bit, so it may not.
+        V.check_tensor(x, name, 4, offsets32=block_table is None)
         if x.dtype != q.dtype:
             _fail(TypeError, f"{name}.dtype", f"q's dtype {q.dtype}", x.dtype)
         if x.device != q.device:
@@ -48,6 +52,7 @@ def _check_cache(q, k_cache, v_cache, k, v, block_table, cache_seqlens, cache_ba
         _fail(ValueError, "v_cache.shape", f"k_cache's {tuple(k_cache.shape)}",
               tuple(v_cache.shape))
     hkv = k_cache.shape[2]
+    V.check_grid(b * hkv, q.device)
     if k_cache.shape[3] != d:
         _fail(ValueError, "k_cache.shape[-1] (head_dim)", f"q's head_dim {d}",
               k_cache.shape[3])
@@ -241,6 +246,10 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                                    device=q.device)
     sn = _check_cache(q, k_cache, v_cache, k, v, block_table, cache_seqlens,
                       cache_batch_idx, cache_leftpad)
+    # The kernel reads every index tensor with unit strides.
+    cache_seqlens, cache_batch_idx, cache_leftpad, block_table = (
+        x.contiguous() if x is not None else None
+        for x in (cache_seqlens, cache_batch_idx, cache_leftpad, block_table))
     b, sq, h, d = q.shape
     left, right = V.check_window(window_size)
     if causal:

@@ -112,7 +112,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(d)
     out, lse = custom_ops.varlen_attn_fwd(
-        q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k),
+        q, k, v, cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous(), int(max_seqlen_q), int(max_seqlen_k),
         alibi_slopes, float(softmax_scale), left, right, float(softcap),
         _allow_tf32(q.dtype))
     return (out, lse) if return_lse else out

@@ -55,3 +55,13 @@ def test_compile_fullgraph(use_sdpa, torch_backend, device):
     torch.testing.assert_close(out, eager, rtol=1e-5, atol=1e-5)
     for a, b in zip(grads, eager_grads):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_opcheck_varlen(torch_backend, device):
+    q = torch.randn(12, 4, 16, device=device, requires_grad=True)
+    k = torch.randn(15, 2, 16, device=device, requires_grad=True)
+    v = torch.randn(15, 2, 16, device=device, requires_grad=True)
+    cu_q = torch.tensor([0, 5, 12], dtype=torch.int32, device=device)
+    cu_k = torch.tensor([0, 9, 15], dtype=torch.int32, device=device)
+    torch.library.opcheck(custom_ops.varlen_attn_fwd,
+                          (q, k, v, cu_q, cu_k, 7, 9, None, 0.25, -1, 0, 0.0, False))

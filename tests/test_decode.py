@@ -180,12 +180,42 @@ def test_kvcache_errors(device):
 
 
 def test_large_pool_is_not_refused():
-    """A KV pool past 2**31 elements is normal in serving: the decode kernel addresses
-    cache rows with 64-bit offsets, so validation must let it through (meta: no memory)."""
+    """A paged KV pool past 2**31 elements is normal in serving: the decode kernel
+    addresses pages with 64-bit offsets, so validation lets it through; a contiguous
+    cache that large is refused (its row offsets are 32-bit). Meta: no memory."""
     from flashtile.inference import _check_cache
 
     pool = torch.empty(2**16, 64, 8, 128, device="meta")  # 2**32 elements
     q = torch.empty(2, 1, 32, 128, device="meta")
-    sn = _check_cache(q, pool, pool, None, None, None,
-                      torch.empty(2, dtype=torch.int32, device="meta"), None, None)
-    assert sn == 0
+    seqlens = torch.empty(2, dtype=torch.int32, device="meta")
+    table = torch.empty(2, 4, dtype=torch.int32, device="meta")
+    assert _check_cache(q, pool, pool, None, None, table, seqlens, None, None) == 0
+    contiguous = torch.empty(2, 2**26, 8, 8, device="meta")
+    with pytest.raises(ValueError, match="32-bit offsets"):
+        _check_cache(q[..., :8], contiguous, contiguous, None, None, None, seqlens, None,
+                     None)
+
+
+def test_strided_index_tensors(backend, device):
+    """Regression: cache_seqlens / block_table views with non-unit strides are read as
+    their values, not as the memory after their first element."""
+    b, s, hkv, d = 2, 64, 2, 16
+    k_cache, v_cache = _cache(b, s, hkv, d, device, torch.float32)
+    pool_k, pool_v, block_table = _paged(k_cache, v_cache, 16, torch.Generator().manual_seed(3))
+    q = torch.randn(b, 1, 4, d, device=device)
+    seqlens = torch.tensor([[40, -1], [64, -1]], dtype=torch.int32, device=device)[:, 0]
+    wide = torch.cat([block_table, torch.full_like(block_table, 10**6)], dim=1)
+    strided_table = wide.t().contiguous().t()[:, : block_table.shape[1]]  # column stride b
+    assert seqlens.stride(0) == 2 and strided_table.stride(1) != 1
+    out = flashtile.flash_attn_with_kvcache(q, pool_k, pool_v, cache_seqlens=seqlens,
+                                            block_table=strided_table)
+    ref = flashtile.flash_attn_with_kvcache(q, k_cache, v_cache,
+                                            cache_seqlens=seqlens.contiguous())
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.gpu
+def test_grid_limit_is_a_clear_error(device):
+    q = torch.randn(2049, 1, 32, 16, device=device, dtype=torch.float16)
+    with pytest.raises(ValueError, match="batch \\* nheads"):
+        flashtile.flash_attn_func(q, q, q)

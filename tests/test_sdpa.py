@@ -80,3 +80,23 @@ def test_sdpa_lowp_matches_torch_error(dtype, device):
     with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
         pt = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
     assert max_err(out, ref) <= 2 * max_err(pt, ref) + FLOOR[dtype]
+
+
+def test_sdpa_additive_mask_with_inf_rows(backend, device):
+    """Regression: an additive mask of -inf (left padding built with masked_fill) that
+    empties a row's first key block, or the whole row, gave NaN in the unmasked span."""
+    b, h, sq, sk, d = 2, 2, 40, 70, 16
+    q = torch.randn(b, h, sq, d, device=device)
+    k = torch.randn(b, h, sk, d, device=device)
+    v = torch.randn(b, h, sk, d, device=device)
+    mask = torch.zeros(b, 1, sq, sk, device=device)
+    mask[:, :, :, :37] = float("-inf")   # every row: the first key blocks excluded
+    mask[0, :, 5] = float("-inf")        # one row: every key excluded
+    qg = q.clone().requires_grad_()
+    out = flashtile.scaled_dot_product_attention(qg, k, v, attn_mask=mask)
+    (dq,) = torch.autograd.grad(out.sum(), qg)
+    assert not torch.isnan(out).any() and not torch.isnan(dq).any()
+    ref = torch.nan_to_num(F.scaled_dot_product_attention(
+        q.double(), k.double(), v.double(), attn_mask=mask.double()), nan=0.0)
+    assert max_err(out, ref) < 1e-5
+    assert (out[0, :, 5] == 0).all()

@@ -78,3 +78,17 @@ def test_varlen_bad_cu_seqlens(device):
         flashtile.flash_attn_varlen_func(q, k, k, good, good_k[:2], 6, 7)
     with pytest.raises(ValueError, match="q"):
         flashtile.flash_attn_varlen_func(q[None], k, k, good, good_k, 6, 7)
+
+
+def test_varlen_strided_cu_seqlens(backend, device):
+    """Regression: the kernels read cu_seqlens with unit stride; a strided view of a
+    valid prefix sum must give the same answer as its contiguous copy."""
+    lens = [5, 9, 3]
+    q = torch.randn(sum(lens), 2, 16, device=device)
+    k = torch.randn(sum(lens), 2, 16, device=device)
+    cu = _cu(lens, device)
+    strided = torch.stack([cu, cu * 0 - 7], dim=1)[:, 0]  # stride 2
+    assert strided.stride(0) == 2
+    out = flashtile.flash_attn_varlen_func(q, k, k, strided, strided, 9, 9, causal=True)
+    ref = flashtile.flash_attn_varlen_func(q, k, k, cu, cu, 9, 9, causal=True)
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)

@@ -23,8 +23,9 @@ def _fwd_block(acc, l_i, m_i, b_q, p_k, p_v, start, stop,
                HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
                HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr,
                INPUT_PRECISION: tl.constexpr):
-    # A row can have seen nothing yet only where masks apply; only then guard -inf - -inf.
-    CAN_BE_EMPTY: tl.constexpr = BOUNDARY or (HAS_MASK and MASK_IS_BOOL)
+    # A row can have seen nothing yet only where masks apply (a bool mask, or an additive
+    # one holding -inf); only then guard -inf - -inf.
+    CAN_BE_EMPTY: tl.constexpr = BOUNDARY or HAS_MASK
     for start_n in tl.range(start, stop, BLOCK_N):
         offs_n = start_n + offs_n0
         b_k = _load_tile(p_k + start_n * stride_kn, offs_n, seqlen_k, offs_d, head_dim,
