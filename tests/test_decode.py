@@ -219,3 +219,38 @@ def test_grid_limit_is_a_clear_error(device):
     q = torch.randn(2049, 1, 32, 16, device=device, dtype=torch.float16)
     with pytest.raises(ValueError, match="batch \\* nheads"):
         flashtile.flash_attn_func(q, q, q)
+
+
+def test_paged_kv_cache_pool_feeds_the_kernel(backend, device, on_gpu):
+    """flashtile.kv_cache.PagedKVCache -> plan() -> flash_attn_with_kvcache equals dense
+    attention over each sequence's tokens, including a forked sequence that shares its
+    prefix pages (copy-on-write on its first append)."""
+    from flashtile.kv_cache import PagedKVCache
+
+    dtype = _dtype(on_gpu)
+    h, hkv, d, page = 4, 2, 16, 16
+    cache = PagedKVCache(num_blocks=24, page_size=page, num_layers=1, nheads_kv=hkv,
+                         head_dim=d, dtype=dtype, device=device)
+    tokens = {}
+    for seq, n in (("a", 37), ("b", 5)):
+        cache.add_sequence(seq)
+        k = torch.randn(1, n, hkv, d, device=device, dtype=dtype)
+        v = torch.randn(1, n, hkv, d, device=device, dtype=dtype)
+        cache.append(seq, k, v)
+        tokens[seq] = (k[0], v[0])
+    cache.fork("a", "c")
+    k = torch.randn(1, 3, hkv, d, device=device, dtype=dtype)
+    v = torch.randn(1, 3, hkv, d, device=device, dtype=dtype)
+    cache.append("c", k, v)
+    tokens["c"] = (torch.cat([tokens["a"][0], k[0]]), torch.cat([tokens["a"][1], v[0]]))
+
+    seqs = ["a", "b", "c"]
+    plan = cache.plan(seqs)
+    q = torch.randn(len(seqs), 1, h, d, device=device, dtype=dtype)
+    out = flashtile.flash_attn_with_kvcache(q, cache.k_cache[0], cache.v_cache[0],
+                                            cache_seqlens=plan.cache_seqlens,
+                                            block_table=plan.block_table, causal=True)
+    for i, seq in enumerate(seqs):
+        kb, vb = tokens[seq]
+        ref = flashtile.flash_attn_func(q[i:i + 1], kb[None], vb[None], causal=True)
+        torch.testing.assert_close(out[i:i + 1], ref, **_tol(on_gpu))
