@@ -33,18 +33,35 @@ KERNELS = {
 }
 
 
-@pytest.mark.parametrize("flags", [PLAIN, EVERYTHING], ids=["plain", "all_features"])
+ADDITIVE_MASK = dict(PLAIN, HAS_MASK=True, MASK_IS_BOOL=False)
+
+
+SHARED_LIMIT = 227 * 1024  # an H100/H200 block's shared memory
+
+
+@pytest.mark.parametrize("flags", [PLAIN, EVERYTHING, ADDITIVE_MASK],
+                         ids=["plain", "all_features", "additive_mask"])
 @pytest.mark.parametrize("kind", list(KERNELS))
 def test_compiles_for_sm90(kind, flags):
+    """The table's d128 tile compiles; where a feature's extra buffers (a mask tile)
+    overflow shared memory, the launcher's step-down (configs.smaller) reaches a tile
+    that fits. The plain hot path must fit without stepping down."""
     kernel, table, extra = KERNELS[kind]
     cfg = table[128]
-    ck = compile_kernel(kernel, dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-                                     BLOCK_D=128, **extra, **flags),
-                        dtype="bf16", num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    res = resources(ck)
-    # Register use is reported, not asserted: the measured-best dK/dV tile at d128 spills
-    # a little (docs/benchmarks/NOTES.md) and still wins.
-    assert res["registers"] > 0 and res["shared_bytes"] <= 227 * 1024, res
+    while True:
+        ck = compile_kernel(kernel, dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+                                         BLOCK_D=128, **extra, **flags),
+                            dtype="bf16", num_warps=cfg.num_warps,
+                            num_stages=cfg.num_stages)
+        res = resources(ck)
+        # Register use is reported, not asserted: the measured-best dK/dV tile at d128
+        # spills a little (docs/benchmarks/NOTES.md) and still wins.
+        assert res["registers"] > 0, res
+        if res["shared_bytes"] <= SHARED_LIMIT:
+            break
+        assert flags is not PLAIN, f"{kind} {cfg} needs {res['shared_bytes']} B"
+        cfg = configs.smaller(cfg)
+        assert cfg is not None, f"{kind}: no tile fits with {flags}"
 
 
 def test_preprocess_compiles():
