@@ -152,7 +152,7 @@ def launch(kernel, grid_fn, cfg: TileConfig, name: str, q, head_dim, *args, **kw
     from triton.runtime.errors import OutOfResources
 
     while True:
-        log_first_launch(name, q, head_dim, cfg)
+        log_first_launch(name, q, head_dim, cfg, kwargs)
         try:
             return kernel[grid_fn(cfg)](*args, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
                                         num_warps=cfg.num_warps,
@@ -195,13 +195,21 @@ def feature_args(attn_mask, alibi_slopes, q, *, window_left, window_right, softc
 _seen_variants: set = set()
 
 
-def log_first_launch(kernel: str, q, head_dim, cfg: TileConfig) -> None:
-    """One INFO line the first time a kernel variant is launched: it compiles now."""
-    key = (kernel, q.device.type, q.dtype, padded_head_dim(head_dim), cfg)
+def log_first_launch(kernel: str, q, head_dim, cfg: TileConfig, flags=None) -> None:
+    """One INFO line the first time a kernel variant is launched: it compiles now.
+
+    ``flags`` are the launch's constexpr switches (causal/window, softcap, mask, ...):
+    each combination is its own compiled variant, so each gets its line.
+    """
+    switches = tuple(sorted((k, v) for k, v in (flags or {}).items()
+                            if k.isupper() and v not in (False, None)))
+    key = (kernel, q.device.type, q.dtype, padded_head_dim(head_dim), cfg, switches)
     if key not in _seen_variants:
         _seen_variants.add(key)
-        logger.info("flashtile: compiling %s kernel (dtype=%s, head_dim=%d, tiles=%s)",
-                    kernel, str(q.dtype).replace("torch.", ""), head_dim, cfg)
+        on = ", ".join(k if v is True else f"{k}={v}" for k, v in switches)
+        logger.info("flashtile: compiling %s kernel (dtype=%s, head_dim=%d, tiles=%s%s)",
+                    kernel, str(q.dtype).replace("torch.", ""), head_dim, cfg,
+                    f"; {on}" if on else "")
 
 
 def decode_config(q, head_dim, rows) -> TileConfig:

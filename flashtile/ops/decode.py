@@ -211,7 +211,9 @@ def attn_decode(q, k_cache, v_cache, *, cache_seqlens, block_table, cache_batch_
     flags.pop("HAS_MASK")
     flags.pop("MASK_IS_BOOL")
     placeholder = cache_seqlens
-    configs.log_first_launch("decode", q, d, cfg)
+    configs.log_first_launch("decode", q, d, cfg, dict(
+        flags, PAGED=block_table is not None, SPLIT=num_splits > 1,
+        HAS_BATCH_IDX=cache_batch_idx is not None, HAS_LEFTPAD=cache_leftpad is not None))
     _decode_kernel[(num_splits, b * hkv, m_blocks)](
         q, k_cache, v_cache, dst, dst_lse,
         block_table if paged else placeholder, cache_seqlens,

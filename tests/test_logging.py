@@ -1,0 +1,24 @@
+"""The first launch of each kernel variant logs one INFO line (logger 'flashtile')."""
+
+import logging
+
+import pytest
+import torch
+
+import flashtile
+from flashtile.ops import configs
+
+
+def test_one_line_per_new_variant(backend, caplog, monkeypatch):
+    if backend != "triton":
+        pytest.skip("the tiled PyTorch path compiles nothing")
+    monkeypatch.setattr(configs, "_seen_variants", set())
+    q = torch.randn(1, 20, 2, 16)
+    with caplog.at_level(logging.INFO, logger="flashtile"):
+        flashtile.flash_attn_func(q, q, q)
+        flashtile.flash_attn_func(q, q, q)                          # same variant: quiet
+        flashtile.flash_attn_func(q, q, q, causal=True)             # new variant
+        flashtile.flash_attn_func(q, q, q, causal=True, softcap=2.0)  # new variant
+    lines = [r.getMessage() for r in caplog.records if "compiling forward" in r.getMessage()]
+    assert len(lines) == 3, lines
+    assert "MASK_RIGHT" in lines[1] and "HAS_SOFTCAP" in lines[2]
