@@ -26,11 +26,15 @@ def _fail(kind, name, expected, got, fix=""):
 MAX_OFFSET = 2**31 - 1
 
 
+def offset_reach(x):
+    """Offset, in elements, of the farthest element of x from its first."""
+    return sum((size - 1) * abs(stride) for size, stride in zip(x.shape, x.stride())
+               if size > 0)
+
+
 def check_offsets(x, name):
     """The farthest element a kernel can address in x must fit a 32-bit offset."""
-    reach = sum((size - 1) * abs(stride) for size, stride in zip(x.shape, x.stride())
-                if size > 0)
-    if reach > MAX_OFFSET or x.numel() > MAX_OFFSET:
+    if offset_reach(x) > MAX_OFFSET or x.numel() > MAX_OFFSET:
         _fail(ValueError, name, f"a tensor whose elements are reachable with 32-bit offsets "
               f"(< 2**31 elements from its first)", f"shape {tuple(x.shape)}, strides "
               f"{tuple(x.stride())}", "Split the batch into calls of fewer than 2**31 "

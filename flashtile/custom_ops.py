@@ -15,6 +15,7 @@ from torch import Tensor
 
 from flashtile import reference
 from flashtile._backend import select_backend
+from flashtile._validate import MAX_OFFSET, offset_reach
 
 
 def _mask_kwargs(attn_mask, alibi_slopes, softmax_scale, diag_offset, window_left,
@@ -84,8 +85,7 @@ def _kernel_ready(dout, out):
     32-bit offsets (a view into a larger gradient may reach further than ``out``)."""
     if dout is None:
         return out.new_zeros(out.shape)
-    reach = sum((n - 1) * abs(st) for n, st in zip(dout.shape, dout.stride()) if n > 0)
-    if dout.stride(-1) != 1 or reach >= 2**31:
+    if dout.stride(-1) != 1 or offset_reach(dout) > MAX_OFFSET:
         return dout.contiguous()
     return dout
 
@@ -122,7 +122,7 @@ def varlen_attn_fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
         if qe == qs:
             continue
         kw_b = dict(kw, diag_offset=(ke - ks) - (qe - qs),
-                    alibi_slopes=_alibi_row(alibi_slopes, b))
+                    alibi_slopes=reference.alibi_of_sequence(alibi_slopes, b))
         o, l = reference.attention_tiled_fwd(q[None, qs:qe], k[None, ks:ke],
                                              v[None, ks:ke], **kw_b)
         out[qs:qe], lse[:, qs:qe] = o[0], l[0]
@@ -153,7 +153,7 @@ def varlen_attn_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, 
         if qe == qs or ke == ks:
             continue
         kw_b = dict(kw, diag_offset=(ke - ks) - (qe - qs),
-                    alibi_slopes=_alibi_row(alibi_slopes, b))
+                    alibi_slopes=reference.alibi_of_sequence(alibi_slopes, b))
         g = reference.attention_tiled_bwd(
             dout[None, qs:qe], q[None, qs:qe], k[None, ks:ke], v[None, ks:ke],
             out[None, qs:qe], lse[None, :, qs:qe],
@@ -172,12 +172,6 @@ def _(dout, q, k, v, out, lse, dlse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
 def _bounds(cu_seqlens_q, cu_seqlens_k):
     cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
     return [(cq[i], cq[i + 1], ck[i], ck[i + 1]) for i in range(len(cq) - 1)]
-
-
-def _alibi_row(alibi_slopes, b):
-    if alibi_slopes is None or alibi_slopes.dim() == 1:
-        return alibi_slopes
-    return alibi_slopes[b]
 
 
 def _varlen_setup_context(ctx, inputs, output):

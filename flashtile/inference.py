@@ -18,20 +18,16 @@ from flashtile import reference
 from flashtile._backend import select_backend
 
 
-def _fail(kind, name, expected, got, fix=""):
-    V._fail(kind, name, expected, got, fix)
-
-
 def _check_index_tensor(x, name, shape, device):
     """Dtype, shape and device of an int32 index tensor (its values are checked later)."""
     if not isinstance(x, torch.Tensor):
-        _fail(TypeError, name, "an int32 torch.Tensor", type(x).__name__)
+        V._fail(TypeError, name, "an int32 torch.Tensor", type(x).__name__)
     if x.dtype != torch.int32:
-        _fail(TypeError, f"{name}.dtype", "torch.int32", x.dtype)
+        V._fail(TypeError, f"{name}.dtype", "torch.int32", x.dtype)
     if tuple(x.shape) != shape:
-        _fail(ValueError, f"{name}.shape", shape, tuple(x.shape))
+        V._fail(ValueError, f"{name}.shape", shape, tuple(x.shape))
     if x.device != device:
-        _fail(ValueError, f"{name}.device", f"q's device {device}", x.device)
+        V._fail(ValueError, f"{name}.device", f"q's device {device}", x.device)
 
 
 def _check_cache(q, k_cache, v_cache, k, v, block_table, cache_seqlens, cache_batch_idx,
@@ -45,48 +41,48 @@ def _check_cache(q, k_cache, v_cache, k, v, block_table, cache_seqlens, cache_ba
         # (position * stride) is 32-bit, so it may not.
         V.check_tensor(x, name, 4, offsets32=block_table is None)
         if x.dtype != q.dtype:
-            _fail(TypeError, f"{name}.dtype", f"q's dtype {q.dtype}", x.dtype)
+            V._fail(TypeError, f"{name}.dtype", f"q's dtype {q.dtype}", x.dtype)
         if x.device != q.device:
-            _fail(ValueError, f"{name}.device", f"q's device {q.device}", x.device)
+            V._fail(ValueError, f"{name}.device", f"q's device {q.device}", x.device)
     if k_cache.shape != v_cache.shape:
-        _fail(ValueError, "v_cache.shape", f"k_cache's {tuple(k_cache.shape)}",
+        V._fail(ValueError, "v_cache.shape", f"k_cache's {tuple(k_cache.shape)}",
               tuple(v_cache.shape))
     hkv = k_cache.shape[2]
     V.check_grid(b * hkv, q.device)
     if k_cache.shape[3] != d:
-        _fail(ValueError, "k_cache.shape[-1] (head_dim)", f"q's head_dim {d}",
+        V._fail(ValueError, "k_cache.shape[-1] (head_dim)", f"q's head_dim {d}",
               k_cache.shape[3])
     if not 1 <= d <= V.MAX_HEAD_DIM:
-        _fail(ValueError, "q.shape[-1] (head_dim)", f"1 to {V.MAX_HEAD_DIM}", d)
+        V._fail(ValueError, "q.shape[-1] (head_dim)", f"1 to {V.MAX_HEAD_DIM}", d)
     if hkv == 0 or h % hkv:
-        _fail(ValueError, "k_cache.shape[2] (nheads_kv)", f"a divisor of q's nheads {h}",
+        V._fail(ValueError, "k_cache.shape[2] (nheads_kv)", f"a divisor of q's nheads {h}",
               hkv)
     if (k is None) != (v is None):
-        _fail(ValueError, "k/v", "both given or both None", (k is None, v is None))
+        V._fail(ValueError, "k/v", "both given or both None", (k is None, v is None))
     sn = 0
     if k is not None:
         for x, name in ((k, "k"), (v, "v")):
             V.check_tensor(x, name, 4)
             if x.dtype != q.dtype or x.device != q.device:
-                _fail(TypeError, f"{name}.dtype/device", f"q's {q.dtype} on {q.device}",
+                V._fail(TypeError, f"{name}.dtype/device", f"q's {q.dtype} on {q.device}",
                       f"{x.dtype} on {x.device}")
             if x.shape[0] != b or x.shape[2:] != k_cache.shape[2:]:
-                _fail(ValueError, f"{name}.shape", f"({b}, seqlen_new, {hkv}, {d})",
+                V._fail(ValueError, f"{name}.shape", f"({b}, seqlen_new, {hkv}, {d})",
                       tuple(x.shape))
         if k.shape != v.shape:
-            _fail(ValueError, "v.shape", f"k's {tuple(k.shape)}", tuple(v.shape))
+            V._fail(ValueError, "v.shape", f"k's {tuple(k.shape)}", tuple(v.shape))
         sn = k.shape[1]
 
     if block_table is not None:
         page_size = k_cache.shape[1]
         if page_size < 16 or page_size > 256 or page_size & (page_size - 1):
-            _fail(ValueError, "k_cache.shape[1] (page_size)",
+            V._fail(ValueError, "k_cache.shape[1] (page_size)",
                   "a power of two from 16 to 256", page_size)
         if cache_batch_idx is not None:
-            _fail(ValueError, "cache_batch_idx", "None with a paged cache (block_table)",
+            V._fail(ValueError, "cache_batch_idx", "None with a paged cache (block_table)",
                   "a tensor", "Each sequence's pages are already named by block_table")
         if not isinstance(block_table, torch.Tensor) or block_table.dim() != 2:
-            _fail(ValueError, "block_table", "an int32 tensor (batch, max_blocks_per_seq)",
+            V._fail(ValueError, "block_table", "an int32 tensor (batch, max_blocks_per_seq)",
                   getattr(block_table, "shape", type(block_table).__name__))
         _check_index_tensor(block_table, "block_table", (b, block_table.shape[1]),
                             q.device)
@@ -98,7 +94,7 @@ def _check_cache(q, k_cache, v_cache, k, v, block_table, cache_seqlens, cache_ba
     if cache_batch_idx is not None:
         _check_index_tensor(cache_batch_idx, "cache_batch_idx", (b,), q.device)
     elif block_table is None and cache_rows < b:
-        _fail(ValueError, "k_cache.shape[0]", f">= q's batch {b}", cache_rows)
+        V._fail(ValueError, "k_cache.shape[0]", f">= q's batch {b}", cache_rows)
     if cache_leftpad is not None:
         _check_index_tensor(cache_leftpad, "cache_leftpad", (b,), q.device)
     _check_index_tensor(cache_seqlens, "cache_seqlens", (b,), q.device)
@@ -119,22 +115,22 @@ def _check_cache(q, k_cache, v_cache, k, v, block_table, cache_seqlens, cache_ba
         return sn
     lo, hi = vals[0], vals[1]
     if lo < 0 or hi + sn > capacity:
-        _fail(ValueError, "cache_seqlens", f"values in [0, {capacity - sn}] (cache capacity "
+        V._fail(ValueError, "cache_seqlens", f"values in [0, {capacity - sn}] (cache capacity "
               f"{capacity} minus {sn} new tokens)", f"range [{lo}, {hi}]",
               "Grow the cache or evict before appending")
     i = 2
     if cache_leftpad is not None:
         if vals[i] < 0 or vals[i + 1] < 0:
-            _fail(ValueError, "cache_leftpad", "0 <= cache_leftpad <= cache_seqlens",
+            V._fail(ValueError, "cache_leftpad", "0 <= cache_leftpad <= cache_seqlens",
                   f"min {vals[i]}, min(cache_seqlens - cache_leftpad) {vals[i + 1]}")
         i += 2
     if block_table is not None and block_table.numel():
         if vals[i] < 0 or vals[i + 1] >= k_cache.shape[0]:
-            _fail(ValueError, "block_table", f"block indices in [0, {k_cache.shape[0] - 1}]"
+            V._fail(ValueError, "block_table", f"block indices in [0, {k_cache.shape[0] - 1}]"
                   " (the pool's num_blocks)", f"range [{vals[i]}, {vals[i + 1]}]")
         i += 2
     if cache_batch_idx is not None and (vals[i] < 0 or vals[i + 1] >= k_cache.shape[0]):
-        _fail(ValueError, "cache_batch_idx", f"indices in [0, {k_cache.shape[0] - 1}]",
+        V._fail(ValueError, "cache_batch_idx", f"indices in [0, {k_cache.shape[0] - 1}]",
               f"range [{vals[i]}, {vals[i + 1]}]")
     return sn
 
@@ -194,9 +190,8 @@ def _attend_torch(q, k_cache, v_cache, seqlens, leftpad, block_table, cache_batc
         stop = int(seqlens[b])
         kb = _gather_sequence(k_cache, b, start, stop, block_table, cache_batch_idx)
         vb = _gather_sequence(v_cache, b, start, stop, block_table, cache_batch_idx)
-        alibi = kw["alibi_slopes"]
         kw_b = dict(kw, diag_offset=(stop - start) - q.shape[1],
-                    alibi_slopes=alibi[b] if alibi is not None and alibi.dim() == 2 else alibi)
+                    alibi_slopes=reference.alibi_of_sequence(kw["alibi_slopes"], b))
         o, l = reference.attention_tiled_fwd(q[b:b + 1], kb, vb, attn_mask=None, **kw_b)
         outs.append(o)
         lses.append(l)
@@ -240,7 +235,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     dtypes are still checked, the indices are then the caller's responsibility.
     """
     if cache_seqlens is None:
-        _fail(ValueError, "cache_seqlens", "an int or an int32 tensor (batch,)", None)
+        V._fail(ValueError, "cache_seqlens", "an int or an int32 tensor (batch,)", None)
     if isinstance(cache_seqlens, numbers.Integral) and not isinstance(cache_seqlens, bool):
         cache_seqlens = torch.full((q.shape[0],), int(cache_seqlens), dtype=torch.int32,
                                    device=q.device)
@@ -258,7 +253,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     V.check_float(softcap, "softcap", minimum=0.0)
     if isinstance(num_splits, bool) or not isinstance(num_splits, numbers.Integral) \
             or num_splits < 0:
-        _fail(ValueError, "num_splits", "an int >= 0 (0 = heuristic)", num_splits)
+        V._fail(ValueError, "num_splits", "an int >= 0 (0 = heuristic)", num_splits)
     alibi_slopes = V.check_alibi(alibi_slopes, b, h, q.device)
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(d)
@@ -267,13 +262,13 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     if rotary_cos is not None:
         if rotary_sin is None or rotary_cos.shape != rotary_sin.shape or rotary_cos.dim() != 2 \
                 or rotary_cos.shape[1] * 2 > d:
-            _fail(ValueError, "rotary_cos/rotary_sin", "two (seqlen_ro, rotary_dim / 2) "
+            V._fail(ValueError, "rotary_cos/rotary_sin", "two (seqlen_ro, rotary_dim / 2) "
                   f"tensors with rotary_dim <= {d}",
                   (tuple(rotary_cos.shape), getattr(rotary_sin, "shape", None)))
         base = cache_seqlens.long() - start if cache_leftpad is not None else cache_seqlens.long()
         offs = torch.arange(max(sq, sn), device=q.device)[None, :]
         if base.numel() and int(base.max()) + max(sq, sn) > rotary_cos.shape[0]:
-            _fail(ValueError, "rotary_cos.shape[0]", f">= {int(base.max()) + max(sq, sn)} "
+            V._fail(ValueError, "rotary_cos.shape[0]", f">= {int(base.max()) + max(sq, sn)} "
                   "positions", rotary_cos.shape[0])
         q_pos = base[:, None] + (offs[:, :sq] if (causal or left >= 0 or right >= 0)
                                  else 0 * offs[:, :sq])

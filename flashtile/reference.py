@@ -53,6 +53,14 @@ def _expand_kv(x, nheads):
     return x if group == 1 else x.repeat_interleave(group, dim=2)
 
 
+def alibi_of_sequence(alibi_slopes, b):
+    """The slopes that apply to batch entry b: (nheads,) slopes are shared, (batch,
+    nheads) ones are per sequence. Used where sequences are attended one at a time."""
+    if alibi_slopes is None or alibi_slopes.dim() == 1:
+        return alibi_slopes
+    return alibi_slopes[b]
+
+
 def _alibi_bias(alibi_slopes, batch, nheads, rows, cols, diag_offset, dtype):
     """-slope * |i + diag_offset - j|, shape (batch, nheads, rows, cols)."""
     slopes = alibi_slopes.to(dtype)
