@@ -71,8 +71,11 @@ def decode_tile(request):
     configs.set_override("decode", None)
 
 
-@pytest.mark.parametrize("page_size", [16, 32])
-def test_paged_equals_contiguous(page_size, decode_tile, backend, device, on_gpu):
+@pytest.mark.parametrize("leftpad", [False, True], ids=["", "leftpad"])
+@pytest.mark.parametrize("page_size", [16, 32, 64, 128])
+def test_paged_equals_contiguous(page_size, leftpad, decode_tile, backend, device, on_gpu):
+    """Page sizes below, equal to and above the key tile (per-row and per-tile page
+    lookup); a left pad shifts tiles off the page boundaries."""
     b, s, h, hkv, d = 2, 128, 4, 2, 16
     dtype = _dtype(on_gpu)
     gen = torch.Generator().manual_seed(1)
@@ -82,6 +85,8 @@ def test_paged_equals_contiguous(page_size, decode_tile, backend, device, on_gpu
     q = torch.randn(b, 2, h, d, device=device, dtype=dtype)
     kw = dict(cache_seqlens=seqlens, causal=True, window_size=(40, 0), softcap=5.0,
               alibi_slopes=torch.rand(h, device=device))
+    if leftpad:
+        kw["cache_leftpad"] = torch.tensor([5, 0], dtype=torch.int32, device=device)
     ref = flashtile.flash_attn_with_kvcache(q, k_cache, v_cache, **kw)
     out = flashtile.flash_attn_with_kvcache(q, pool_k, pool_v, block_table=block_table, **kw)
     torch.testing.assert_close(out, ref, rtol=1e-5 if not on_gpu else 1e-2,

@@ -9,8 +9,10 @@ Flash-Decoding, 2023); each split writes its normalized partial output and lse, 
 
 Key j of sequence b lives at cache position ``cache_leftpad[b] + j``; with a
 ``block_table`` that position is looked up page by page, so pages may lie anywhere in
-the pool in any order, and any power-of-two page size works (each row of a K/V tile does
-its own page lookup).
+the pool in any order. When the page size is a multiple of the key tile (and there is no
+left pad) a tile lies inside one page: one scalar page lookup per tile, and the rows are
+contiguous from it, as in the contiguous cache. Otherwise each row of the tile does its
+own lookup (page sizes below the tile, or a left pad that shifts tiles off the pages).
 """
 
 import torch
@@ -32,11 +34,12 @@ def _decode_kernel(
     stride_os, stride_ob, stride_om, stride_oh,
     stride_ls, stride_lb, stride_lh,
     stride_alibi_b, stride_alibi_h,
-    nheads_kv, group_size, seqlen_q, head_dim, keys_per_split, page_size,
+    nheads_kv, group_size, seqlen_q, head_dim, keys_per_split,
     window_left, window_right, softmax_scale, softcap,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     EVEN_D: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, PAGED: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, PAGE_ALIGNED: tl.constexpr,
     HAS_BATCH_IDX: tl.constexpr, HAS_LEFTPAD: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
 ):
@@ -83,15 +86,32 @@ def _decode_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    # The page(s) of a tile are loaded one tile ahead: the software pipeliner does not
+    # run scalar loads ahead, and a K/V address waiting on its block-table entry in the
+    # same iteration stalls every tile (NOTES.md section 4).
+    block_row = BlockTable + off_b * stride_block_table_b
+    page = 0
+    if PAGE_ALIGNED:
+        page = tl.load(block_row + lo // PAGE_SIZE, mask=lo < hi, other=0)
+    elif PAGED:
+        page = tl.load(block_row + (leftpad + lo + offs_n0) // PAGE_SIZE,
+                       mask=lo + offs_n0 < hi, other=0)
     for start_n in tl.range(lo, hi, BLOCK_N):
         offs_n = start_n + offs_n0
         m_n = offs_n < hi
         pos = leftpad + offs_n                                             # cache position
-        if PAGED:
-            page = tl.load(BlockTable + off_b * stride_block_table_b + pos // page_size,
-                           mask=m_n, other=0)
-            row_k = page.to(tl.int64) * stride_kb + (pos % page_size) * stride_kn
-            row_v = page.to(tl.int64) * stride_vb + (pos % page_size) * stride_vn
+        if PAGE_ALIGNED:
+            # The tile starts at a multiple of BLOCK_N, which divides PAGE_SIZE: one page.
+            in_page = start_n % PAGE_SIZE + offs_n0
+            row_k = page.to(tl.int64) * stride_kb + in_page * stride_kn
+            row_v = page.to(tl.int64) * stride_vb + in_page * stride_vn
+            next_n = start_n + BLOCK_N
+            page = tl.load(block_row + next_n // PAGE_SIZE, mask=next_n < hi, other=0)
+        elif PAGED:
+            row_k = page.to(tl.int64) * stride_kb + (pos % PAGE_SIZE) * stride_kn
+            row_v = page.to(tl.int64) * stride_vb + (pos % PAGE_SIZE) * stride_vn
+            page = tl.load(block_row + (pos + BLOCK_N) // PAGE_SIZE,
+                           mask=offs_n + BLOCK_N < hi, other=0)
         else:
             row_k = cache_b.to(tl.int64) * stride_kb + pos * stride_kn
             row_v = cache_b.to(tl.int64) * stride_vb + pos * stride_vn
@@ -211,8 +231,12 @@ def attn_decode(q, k_cache, v_cache, *, cache_seqlens, block_table, cache_batch_
     flags.pop("HAS_MASK")
     flags.pop("MASK_IS_BOOL")
     placeholder = cache_seqlens
+    # Page sizes are powers of two (validated), so a constexpr page size makes the
+    # per-row lookup shifts and masks; one variant per page size in use.
+    page_size = k_cache.shape[1] if paged else 1
+    page_aligned = paged and page_size % cfg.block_n == 0 and cache_leftpad is None
     configs.log_first_launch("decode", q, d, cfg, dict(
-        flags, PAGED=block_table is not None, SPLIT=num_splits > 1,
+        flags, PAGED=paged, PAGE_ALIGNED=page_aligned, SPLIT=num_splits > 1,
         HAS_BATCH_IDX=cache_batch_idx is not None, HAS_LEFTPAD=cache_leftpad is not None))
     _decode_kernel[(num_splits, b * hkv, m_blocks)](
         q, k_cache, v_cache, dst, dst_lse,
@@ -224,9 +248,10 @@ def attn_decode(q, k_cache, v_cache, *, cache_seqlens, block_table, cache_batch_
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_table.stride(0) if paged else 0,
         *dst_strides, *dst_lse_strides, *alibi_strides,
-        hkv, group, sq, d, keys_per_split, k_cache.shape[1] if paged else 1,
+        hkv, group, sq, d, keys_per_split,
         window_left, window_right, softmax_scale, softcap,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, PAGED=paged,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, PAGED=paged, PAGE_SIZE=page_size,
+        PAGE_ALIGNED=page_aligned,
         HAS_BATCH_IDX=cache_batch_idx is not None, HAS_LEFTPAD=cache_leftpad is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **flags,
     )
