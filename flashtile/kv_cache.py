@@ -132,6 +132,8 @@ class KVCache:
         shape = (num_layers, max_batch, max_seqlen, nheads_kv, head_dim)
         self.k_cache = torch.zeros(shape, dtype=dtype, device=self.device)
         self.v_cache = torch.zeros(shape, dtype=dtype, device=self.device)
+        # "cuda" resolves to "cuda:N": compare inputs against the device actually used.
+        self.device = self.k_cache.device
         self.cache_seqlens = torch.zeros(max_batch, dtype=torch.int32, device=self.device)
 
     def reset(self):
@@ -261,6 +263,8 @@ class PagedKVCache:
         shape = (num_layers, num_blocks, page_size, nheads_kv, head_dim)
         self.k_cache = torch.zeros(shape, dtype=dtype, device=self.device)
         self.v_cache = torch.zeros(shape, dtype=dtype, device=self.device)
+        # "cuda" resolves to "cuda:N": compare inputs against the device actually used.
+        self.device = self.k_cache.device
         self._free = deque(range(num_blocks))
         self._ref_counts = [0] * num_blocks
         self._seqs: dict = {}

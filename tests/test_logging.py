@@ -9,11 +9,11 @@ import flashtile
 from flashtile.ops import configs
 
 
-def test_one_line_per_new_variant(backend, caplog, monkeypatch):
+def test_one_line_per_new_variant(backend, device, caplog, monkeypatch):
     if backend != "triton":
         pytest.skip("the tiled PyTorch path compiles nothing")
     monkeypatch.setattr(configs, "_seen_variants", set())
-    q = torch.randn(1, 20, 2, 16)
+    q = torch.randn(1, 20, 2, 16, device=device)
     with caplog.at_level(logging.INFO, logger="flashtile"):
         flashtile.flash_attn_func(q, q, q)
         flashtile.flash_attn_func(q, q, q)                          # same variant: quiet
