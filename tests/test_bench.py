@@ -10,6 +10,7 @@ import dataclasses
 import json
 import logging
 import os
+import signal
 
 import pytest
 import torch
@@ -181,6 +182,38 @@ def test_bench_append_builds_one_table_from_several_runs(tmp_path, capsys):
     capsys.readouterr()
     assert cli.main([*base, "--seqlens", "32", "--append", "--dtype", "bf16"]) == 2
     assert "the folder holds dtype 'float32'" in capsys.readouterr().err
+
+
+def test_bench_resume_after_a_run_cut_short(tmp_path, capsys, monkeypatch):
+    """A sweep killed by a time limit leaves the cells it measured in results.json;
+    --resume measures only the rest."""
+    from flashtile.bench import run
+
+    base = ["bench", "--quick", "--device", "cpu", "--repeats", "1", "--causal", "false",
+            "--modes", "fwd", "--no-progress", "--out", str(tmp_path),
+            "--seqlens", "32", "48"]
+    real_run_cell, calls = run.run_cell, []
+
+    def dies_on_fifth(cell, device, repeats=5, n_sets=None):
+        calls.append(cell)
+        if len(calls) == 5:  # what `timeout` does mid-sweep
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real_run_cell(cell, device, repeats, n_sets)
+
+    monkeypatch.setattr(run, "run_cell", dies_on_fifth)
+    assert cli.main(base) == 130
+    assert "stopped after 4 of 6 cells" in capsys.readouterr().err
+    data = json.loads((tmp_path / "results.json").read_text())
+    assert len(data["results"]) == 4
+    assert list((tmp_path).glob("*.png"))
+    calls.clear()
+    monkeypatch.setattr(run, "run_cell", lambda *a, **k: calls.append(a[0]) or
+                        real_run_cell(*a, **k))
+    assert cli.main([*base, "--resume"]) == 0
+    assert len(calls) == 2 and all(c.seqlen == 48 for c in calls)
+    data = json.loads((tmp_path / "results.json").read_text())
+    assert len(data["results"]) == 6 and {r["status"] for r in data["results"]} == {"ok"}
+    assert list((tmp_path).glob("*.png"))
 
 
 def test_bench_command_bad_provider(capsys):
@@ -390,7 +423,12 @@ def test_decode_markdown_table():
     from flashtile.bench.decode import decode_markdown
 
     rows = [dict(batch=1, seqlen_k=8192, cache_gb=0.03,
-                 flashtile=dict(us=12.0, gbps=2800.0), **{"sdpa-flash": dict(us=20.0, gbps=1600.0)},
-                 **{"sdpa-cudnn": dict(error="RuntimeError: no")})]
+                 flashtile=dict(us=12.0, gbps=2800.0),
+                 **{"flashtile-paged64": dict(us=13.2, gbps=2545.0),
+                    "sdpa-flash": dict(us=20.0, gbps=1600.0),
+                    "sdpa-cudnn": dict(error="RuntimeError: no")})]
     text = decode_markdown(rows, copy_gbps=4000.0)
-    assert "| 1 | 8192 | 0.03 | 12.0 (2800) | 20.0 (1600) | n/a | 70% | 1.75 |" in text
+    assert ("| 1 | 8192 | 0.03 | 12.0 (2800) | 13.2 (2545) | 20.0 (1600) | n/a | 70% | 1.75"
+            " | 1.10 |") in text
+    header, rule = text.splitlines()[:2]
+    assert header.count("|") == rule.count("|")

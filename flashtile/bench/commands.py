@@ -10,13 +10,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import json
 import os
 import re
 import shlex
+import signal
 import sys
+import time
 
 import torch
 
@@ -89,6 +92,9 @@ def add_bench(commands):
     p.add_argument("--append", action="store_true",
                    help="add to the results.json already in --out (a sweep split over "
                    "several runs); cells measured again replace the old ones")
+    p.add_argument("--resume", action="store_true",
+                   help="--append, skipping the cells already in --out's results.json "
+                   "(a sweep cut short by a time limit goes on where it stopped)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(handler=_bench)
 
@@ -128,22 +134,69 @@ def _bench(args) -> int:
     try:
         sweep = build_sweep(args, device)
         settings = sweep.settings()
-        previous = _previous(out) if args.append else None
+        previous = _previous(out) if args.append or args.resume else None
         if previous is not None:
             report.check_append(previous, info, settings)
     except ValueError as err:
         print(f"flashtile bench: {err}", file=sys.stderr)
         return 2
+    done = set()
+    if args.resume and previous is not None:
+        done = {(r.cell.provider, r.cell.row())
+                for r in map(run.Result.from_json, previous.get("results", []))}
+    todo = sum((c.provider, c.row()) not in done for c in sweep.cells())
     print(f"flashtile bench on {info['device']} (backend {info['backend']}): "
-          f"{len(sweep.cells())} cells", file=sys.stderr, flush=True)
-    results = run.run_sweep(sweep, device, repeats=args.repeats,
-                            progress=not args.no_progress)
-    if previous is not None:
-        results, settings, info = report.merge(previous, results, settings, info)
+          f"{todo} cells", file=sys.stderr, flush=True)
+
+    def tables(results):  # -> (results, machine, settings), as write_outputs takes them
+        if previous is None:
+            return results, info, settings
+        merged, merged_settings, machine = report.merge(previous, results, settings, info)
+        return merged, machine, merged_settings
+
+    partial, clock = [], [time.perf_counter()]
+
+    def save(result):
+        # Tables after every cell, so a run stopped by a time limit keeps what it measured.
+        partial.append(result)
+        report.write_outputs(*tables(partial), out, plots=False)
+        if args.no_progress:  # a log line per cell instead of the bar (compile costs show)
+            now = time.perf_counter()
+            print(f"{now - clock[0]:6.1f}s {result.cell.label()}: {result.status}",
+                  file=sys.stderr, flush=True)
+            clock[0] = now
+
+    stopped = False
+    try:
+        with _sigterm_as_interrupt():
+            results = run.run_sweep(sweep, device, repeats=args.repeats,
+                                    progress=not args.no_progress, on_result=save, skip=done)
+    except KeyboardInterrupt:  # Ctrl-C or a time limit: keep what was measured
+        results, stopped = partial, True
+        print(f"flashtile bench: stopped after {len(partial)} of {todo} cells; "
+              "--resume goes on", file=sys.stderr)
+    results, info, settings = tables(results)
     print(report.markdown(results, info, settings))
     paths = report.write_outputs(results, info, settings, out)
     print(f"wrote {paths['json']}, {paths['markdown']} and {len(paths['plots'])} plots")
-    return 0
+    return 130 if stopped else 0
+
+
+@contextlib.contextmanager
+def _sigterm_as_interrupt():
+    """`timeout` sends SIGTERM: treat it as Ctrl-C so the tables and plots get written."""
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    try:
+        previous = signal.signal(signal.SIGTERM, interrupt)
+    except ValueError:  # not the main thread: leave signals alone
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _previous(out: str) -> dict | None:

@@ -13,7 +13,10 @@ import json
 import torch
 
 SHAPES = [(1, 8192), (8, 8192), (32, 4096), (8, 32768), (1, 131072), (64, 2048)]
-NHEADS, NHEADS_KV, HEAD_DIM, PAGE_SIZE = 32, 8, 128, 64
+NHEADS, NHEADS_KV, HEAD_DIM = 32, 8, 128
+# 64: a key tile lies in one page (one page lookup per tile); 16: below the tile, each
+# key row looks up its own page.
+PAGE_SIZES = (64, 16)
 
 
 def kv_bytes(batch, seqlen_k):
@@ -31,14 +34,7 @@ def _providers(batch, seqlen_k, device):
     k = torch.randn(batch, seqlen_k, NHEADS_KV, HEAD_DIM, device=device, dtype=dtype)
     v = torch.randn_like(k)
     seqlens = torch.full((batch,), seqlen_k, dtype=torch.int32, device=device)
-    pages = seqlen_k // PAGE_SIZE
-    perm = torch.randperm(batch * pages, device=device).to(torch.int32)
-    block_table = perm.view(batch, pages)
-    pool_k = torch.empty(batch * pages, PAGE_SIZE, NHEADS_KV, HEAD_DIM, device=device,
-                         dtype=dtype)
-    pool_v = torch.empty_like(pool_k)
-    pool_k[block_table.long()] = k.view(batch, pages, PAGE_SIZE, NHEADS_KV, HEAD_DIM)
-    pool_v[block_table.long()] = v.view(batch, pages, PAGE_SIZE, NHEADS_KV, HEAD_DIM)
+    paged = {size: _paged_pool(k, v, size) for size in PAGE_SIZES}
     qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
 
     def sdpa(backend):
@@ -50,12 +46,33 @@ def _providers(batch, seqlen_k, device):
     ref = flashtile.flash_attn_func(q, k, v)
     return ref, {
         "flashtile": lambda: flashtile.flash_attn_with_kvcache(q, k, v, cache_seqlens=seqlens),
-        "flashtile-paged": lambda: flashtile.flash_attn_with_kvcache(
-            q, pool_k, pool_v, cache_seqlens=seqlens, block_table=block_table),
+        **{f"flashtile-paged{size}": _paged_fn(q, seqlens, *pool)
+           for size, pool in paged.items()},
         "sdpa-cudnn": sdpa(SDPBackend.CUDNN_ATTENTION),
         "sdpa-flash": sdpa(SDPBackend.FLASH_ATTENTION),
         "sdpa-efficient": sdpa(SDPBackend.EFFICIENT_ATTENTION),
     }
+
+
+def _paged_pool(k, v, page_size):
+    """The cache's tokens in a pool of pages, in a random order."""
+    batch, seqlen_k = k.shape[:2]
+    pages = seqlen_k // page_size
+    perm = torch.randperm(batch * pages, device=k.device).to(torch.int32)
+    block_table = perm.view(batch, pages)
+    shape = (batch * pages, page_size, NHEADS_KV, HEAD_DIM)
+    pool_k = torch.empty(shape, device=k.device, dtype=k.dtype)
+    pool_v = torch.empty_like(pool_k)
+    pool_k[block_table.long()] = k.view(batch, pages, *shape[1:])
+    pool_v[block_table.long()] = v.view(batch, pages, *shape[1:])
+    return pool_k, pool_v, block_table
+
+
+def _paged_fn(q, seqlens, pool_k, pool_v, block_table):
+    import flashtile
+
+    return lambda: flashtile.flash_attn_with_kvcache(q, pool_k, pool_v, cache_seqlens=seqlens,
+                                                     block_table=block_table)
 
 
 def run_decode_bench(shapes=SHAPES, device="cuda"):
@@ -85,10 +102,15 @@ def run_decode_bench(shapes=SHAPES, device="cuda"):
 
 
 def decode_markdown(rows, copy_gbps=None):
+    """One row per shape: each provider's time and bandwidth, flashtile's share of the
+    copy ceiling and its ratio to the best SDPA backend, and each paged variant's time
+    over the contiguous cache's (the paged overhead)."""
     names = [k for k in rows[0] if k not in ("batch", "seqlen_k", "cache_gb")]
+    paged = [n for n in names if n.startswith("flashtile-paged")]
     lines = ["| batch | seqlen_k | KV GB | " + " | ".join(f"{n} us (GB/s)" for n in names)
-             + " | flashtile % of copy | flashtile / best SDPA |",
-             "|---" * (4 + len(names)) + "|---|"]
+             + " | flashtile % of copy | flashtile / best SDPA | "
+             + "".join(f"{n} / flashtile time | " for n in paged).rstrip(),
+             "|---" * (5 + len(names) + len(paged)) + "|"]
     for r in rows:
         cells = []
         for n in names:
@@ -98,8 +120,10 @@ def decode_markdown(rows, copy_gbps=None):
         sdpa = [r[n]["gbps"] for n in names if n.startswith("sdpa") and "gbps" in r[n]]
         pct = f"{100 * ours / copy_gbps:.0f}%" if ours and copy_gbps else "n/a"
         ratio = f"{ours / max(sdpa):.2f}" if ours and sdpa else "n/a"
+        overhead = [f"{r[n]['us'] / r['flashtile']['us']:.2f}"
+                    if "us" in r[n] and ours else "n/a" for n in paged]
         lines.append(f"| {r['batch']} | {r['seqlen_k']} | {r['cache_gb']:.2f} | "
-                     + " | ".join(cells) + f" | {pct} | {ratio} |")
+                     + " | ".join(cells + [pct, ratio] + overhead) + " |")
     return "\n".join(lines)
 
 

@@ -255,8 +255,9 @@ def plot(results: list[Result], out_dir: str, title: str = "") -> list[str]:
     return paths
 
 
-def write_outputs(results, machine, settings, out_dir) -> dict:
-    """results.json, results.md and the plots in ``out_dir``; returns their paths."""
+def write_outputs(results, machine, settings, out_dir, plots: bool = True) -> dict:
+    """results.json, results.md and (``plots``) the plots in ``out_dir``; returns their
+    paths."""
     os.makedirs(out_dir, exist_ok=True)
     paths = {"json": os.path.join(out_dir, "results.json"),
              "markdown": os.path.join(out_dir, "results.md")}
@@ -264,6 +265,9 @@ def write_outputs(results, machine, settings, out_dir) -> dict:
         json.dump(to_json(results, machine, settings), f, indent=1, default=str)
     with open(paths["markdown"], "w") as f:
         f.write(markdown(results, machine, settings))
+    paths["plots"] = []
+    if not plots:
+        return paths
     try:
         paths["plots"] = plot(results, out_dir, machine.get("device", ""))
     except ImportError:  # the bench extra is not installed: tables only

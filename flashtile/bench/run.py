@@ -191,10 +191,11 @@ def _progress_bar(total: int, enabled: bool):
 
 
 def run_sweep(sweep: registry.Sweep, device, repeats: int = 5, progress: bool = True,
-              on_result=None) -> list[Result]:
-    """Run every cell of ``sweep`` on ``device``; ``on_result(result)`` after each."""
+              on_result=None, skip=frozenset()) -> list[Result]:
+    """Run every cell of ``sweep`` on ``device`` but those whose (provider, row) is in
+    ``skip``; ``on_result(result)`` after each."""
     device = torch.device(device)
-    cells = sweep.cells()
+    cells = [c for c in sweep.cells() if (c.provider, c.row()) not in skip]
     bar = _progress_bar(len(cells), progress)
     results = []
     try:
