@@ -1,0 +1,65 @@
+"""Where does a flashtile call spend its host time? (NOTES.md section 7)
+
+Host microseconds per call on a tiny shape (kernels take a few us), for the forward,
+the forward with the kernel launch replaced by a no-op, a bare Triton launch, and a
+forward+backward; then a cProfile of forward+backward by own time.
+Run on the GPU: PYTHONPATH=. python3 benchmarks/launch_cost.py
+"""
+import cProfile
+import pstats
+import time
+
+import torch
+import triton
+import triton.language as tl
+
+import flashtile
+from flashtile.ops import configs
+
+
+@triton.jit
+def _empty_kernel(X, n):
+    pass
+
+
+def host_us(fn, n=300):
+    for _ in range(20):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    host = (time.perf_counter() - t0) / n * 1e6
+    torch.cuda.synchronize()
+    return host
+
+
+q, k, v = (torch.randn(1, 128, 2, 64, device="cuda", dtype=torch.bfloat16,
+                       requires_grad=True) for _ in range(3))
+do = torch.randn_like(q)
+qd, kd, vd = q.detach(), k.detach(), v.detach()
+
+
+def fwd():
+    flashtile.flash_attn_func(qd, kd, vd, causal=True)
+
+
+def fwd_bwd():
+    o = flashtile.flash_attn_func(q, k, v, causal=True)
+    torch.autograd.grad(o, (q, k, v), do)
+
+
+print(f"bare Triton launch (2 args): {host_us(lambda: _empty_kernel[(1,)](qd, 1)):.1f} us")
+print(f"flash_attn_func fwd: {host_us(fwd):.1f} us")
+print(f"flash_attn_func fwd_bwd: {host_us(fwd_bwd):.1f} us")
+real = configs.launch
+configs.launch = lambda *a, **kw: None
+print(f"flash_attn_func fwd, launch stubbed: {host_us(fwd):.1f} us")
+configs.launch = real
+prof = cProfile.Profile()
+prof.enable()
+for _ in range(200):
+    fwd_bwd()
+prof.disable()
+torch.cuda.synchronize()
+pstats.Stats(prof).sort_stats("tottime").print_stats(18)
