@@ -14,7 +14,9 @@ import triton
 import triton.language as tl
 
 import flashtile
+from flashtile import custom_ops
 from flashtile.ops import configs
+from flashtile.ops.fwd import attn_fwd as fwd_launcher
 
 
 @triton.jit
@@ -56,6 +58,15 @@ real = configs.launch
 configs.launch = lambda *a, **kw: None
 print(f"flash_attn_func fwd, launch stubbed: {host_us(fwd):.1f} us")
 configs.launch = real
+# The same forward through the flashtile::attn_fwd custom op and through the launcher
+# it wraps: the difference is torch's custom-op dispatch (run 11's profile blamed it).
+scalars = (0.125, 0, -1, 0, 0.0, False)
+print(f"custom op flashtile::attn_fwd: "
+      f"{host_us(lambda: custom_ops.attn_fwd(qd, kd, vd, None, None, *scalars)):.1f} us")
+launcher = dict(attn_mask=None, alibi_slopes=None, softmax_scale=0.125, diag_offset=0,
+                window_left=-1, window_right=0, softcap=0.0, allow_tf32=False)
+print(f"launcher flashtile.ops.fwd.attn_fwd: "
+      f"{host_us(lambda: fwd_launcher(qd, kd, vd, **launcher)):.1f} us")
 prof = cProfile.Profile()
 prof.enable()
 for _ in range(200):
