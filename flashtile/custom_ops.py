@@ -4,6 +4,10 @@
 (Triton kernels or the tiled PyTorch path) at run time from the tensors' device. The fake
 implementations only allocate, with the strides the real ones return (contiguous), so
 compiled graphs see the true layout.
+
+Callers use ``attention`` / ``varlen_attention``: under torch.compile they emit the
+custom op; in eager mode they run the same implementation, setup_context and backward
+as an autograd.Function, without the dispatcher round trip through the op.
 """
 
 from __future__ import annotations
@@ -25,8 +29,7 @@ def _mask_kwargs(attn_mask, alibi_slopes, softmax_scale, diag_offset, window_lef
                 window_right=window_right, softcap=softcap)
 
 
-@torch.library.custom_op("flashtile::attn_fwd", mutates_args=())
-def attn_fwd(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor],
+def _attn_fwd_impl(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor],
              alibi_slopes: Optional[Tensor], softmax_scale: float, diag_offset: int,
              window_left: int, window_right: int, softcap: float,
              allow_tf32: bool) -> tuple[Tensor, Tensor]:
@@ -39,6 +42,9 @@ def attn_fwd(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor],
     return out.contiguous(), lse.contiguous()
 
 
+attn_fwd = torch.library.custom_op("flashtile::attn_fwd", mutates_args=())(_attn_fwd_impl)
+
+
 @attn_fwd.register_fake
 def _(q, k, v, attn_mask, alibi_slopes, softmax_scale, diag_offset, window_left,
       window_right, softcap, allow_tf32):
@@ -46,8 +52,7 @@ def _(q, k, v, attn_mask, alibi_slopes, softmax_scale, diag_offset, window_left,
     return q.new_empty((b, sq, h, d)), q.new_empty((b, h, sq), dtype=torch.float32)
 
 
-@torch.library.custom_op("flashtile::attn_bwd", mutates_args=())
-def attn_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+def _attn_bwd_impl(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
              dlse: Optional[Tensor], attn_mask: Optional[Tensor],
              alibi_slopes: Optional[Tensor], softmax_scale: float, diag_offset: int,
              window_left: int, window_right: int, softcap: float,
@@ -59,6 +64,9 @@ def attn_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Te
         return triton_bwd(dout, q, k, v, out, lse, dlse, allow_tf32=allow_tf32, **kw)
     grads = reference.attention_tiled_bwd(dout, q, k, v, out, lse, dlse, **kw)
     return tuple(g.contiguous() for g in grads)
+
+
+attn_bwd = torch.library.custom_op("flashtile::attn_bwd", mutates_args=())(_attn_bwd_impl)
 
 
 @attn_bwd.register_fake
@@ -90,22 +98,50 @@ def _kernel_ready(dout, out):
     return dout
 
 
-def _backward(ctx, dout, dlse):
+def _backward(ctx, dout, dlse, bwd=attn_bwd):
     q, k, v, out, lse, attn_mask, alibi_slopes = ctx.saved_tensors
     dout = _kernel_ready(dout, out)
-    dq, dk, dv = attn_bwd(dout, q, k, v, out, lse, dlse, attn_mask, alibi_slopes,
-                          **ctx.scalars)
+    dq, dk, dv = bwd(dout, q, k, v, out, lse, dlse, attn_mask, alibi_slopes, **ctx.scalars)
     return dq, dk, dv, None, None, None, None, None, None, None, None
 
 
 attn_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
+def _eager_function(name, forward_impl, setup_context, backward):
+    """An autograd.Function over the custom op's own implementation, setup_context and
+    backward. Eager calls take it and skip the dispatcher's round trip through the op,
+    which cost more host time on the H200 than the kernel launches (NOTES.md section 7);
+    torch.compile sees the custom op."""
+    def forward(ctx, *inputs):
+        output = forward_impl(*inputs)
+        setup_context(ctx, inputs, output)
+        return output
+
+    return type(name, (torch.autograd.Function,),
+                {"forward": staticmethod(forward), "backward": staticmethod(backward)})
+
+
+_EagerAttention = _eager_function(
+    "_EagerAttention", _attn_fwd_impl, _setup_context,
+    lambda ctx, dout, dlse: _backward(ctx, dout, dlse, bwd=_attn_bwd_impl))
+
+
+def attention(q, k, v, attn_mask, alibi_slopes, softmax_scale, diag_offset, window_left,
+              window_right, softcap, allow_tf32):
+    """(out, lse) with autograd: ``flashtile::attn_fwd`` under torch.compile (one opaque
+    node), the same functions without the dispatcher in eager mode."""
+    args = (q, k, v, attn_mask, alibi_slopes, softmax_scale, diag_offset, window_left,
+            window_right, softcap, allow_tf32)
+    if torch.compiler.is_compiling():
+        return attn_fwd(*args)
+    return _EagerAttention.apply(*args)
+
+
 # Varlen: packed sequences, q (total_q, h, d), k/v (total_k, hkv, d), lse (h, total_q).
 # diag_offset is 0: each sequence's causal/window mask is aligned at its bottom-right.
 
-@torch.library.custom_op("flashtile::varlen_attn_fwd", mutates_args=())
-def varlen_attn_fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
+def _varlen_attn_fwd_impl(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
                     cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int,
                     alibi_slopes: Optional[Tensor], softmax_scale: float, window_left: int,
                     window_right: int, softcap: float,
@@ -129,14 +165,17 @@ def varlen_attn_fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
     return out, lse
 
 
+varlen_attn_fwd = torch.library.custom_op("flashtile::varlen_attn_fwd",
+                                          mutates_args=())(_varlen_attn_fwd_impl)
+
+
 @varlen_attn_fwd.register_fake
 def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alibi_slopes,
       softmax_scale, window_left, window_right, softcap, allow_tf32):
     return q.new_empty(q.shape), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
 
 
-@torch.library.custom_op("flashtile::varlen_attn_bwd", mutates_args=())
-def varlen_attn_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+def _varlen_attn_bwd_impl(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                     dlse: Optional[Tensor], cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
                     max_seqlen_q: int, max_seqlen_k: int, alibi_slopes: Optional[Tensor],
                     softmax_scale: float, window_left: int, window_right: int,
@@ -162,6 +201,10 @@ def varlen_attn_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, 
     return dq, dk, dv
 
 
+varlen_attn_bwd = torch.library.custom_op("flashtile::varlen_attn_bwd",
+                                          mutates_args=())(_varlen_attn_bwd_impl)
+
+
 @varlen_attn_bwd.register_fake
 def _(dout, q, k, v, out, lse, dlse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
       max_seqlen_k, alibi_slopes, softmax_scale, window_left, window_right, softcap,
@@ -181,13 +224,24 @@ def _varlen_setup_context(ctx, inputs, output):
     ctx.scalars = (max_q, max_k, *inputs[8:])
 
 
-def _varlen_backward(ctx, dout, dlse):
+def _varlen_backward(ctx, dout, dlse, bwd=varlen_attn_bwd):
     q, k, v, out, lse, cu_q, cu_k, alibi_slopes = ctx.saved_tensors
     max_q, max_k, *rest = ctx.scalars
     dout = _kernel_ready(dout, out)
-    dq, dk, dv = varlen_attn_bwd(dout, q, k, v, out, lse, dlse, cu_q, cu_k, max_q, max_k,
-                                 alibi_slopes, *rest)
+    dq, dk, dv = bwd(dout, q, k, v, out, lse, dlse, cu_q, cu_k, max_q, max_k, alibi_slopes,
+                     *rest)
     return (dq, dk, dv) + (None,) * 10
 
 
 varlen_attn_fwd.register_autograd(_varlen_backward, setup_context=_varlen_setup_context)
+
+_EagerVarlenAttention = _eager_function(
+    "_EagerVarlenAttention", _varlen_attn_fwd_impl, _varlen_setup_context,
+    lambda ctx, dout, dlse: _varlen_backward(ctx, dout, dlse, bwd=_varlen_attn_bwd_impl))
+
+
+def varlen_attention(*args):
+    """varlen (out, lse) with autograd; arguments as ``flashtile::varlen_attn_fwd``."""
+    if torch.compiler.is_compiling():
+        return varlen_attn_fwd(*args)
+    return _EagerVarlenAttention.apply(*args)

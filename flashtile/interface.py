@@ -2,8 +2,8 @@
 
 Every function validates its input (``flashtile._validate``), turns causal/window/layout
 into one mask description (``diag_offset``, ``window_left``, ``window_right``) and calls
-the ``flashtile::attn_fwd`` custom op, which carries autograd and compiles without a
-graph break.
+``custom_ops.attention``: the ``flashtile::attn_fwd`` custom op under torch.compile (no
+graph break), the same implementation as an autograd.Function in eager mode.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ def _attention(q, k, v, *, attn_mask, alibi_slopes, softmax_scale, diag_offset,
                window_left, window_right, softcap):
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(q.shape[-1])
-    return custom_ops.attn_fwd(q, k, v, attn_mask, alibi_slopes, float(softmax_scale),
+    return custom_ops.attention(q, k, v, attn_mask, alibi_slopes, float(softmax_scale),
                                int(diag_offset), window_left, window_right, float(softcap),
                                _allow_tf32(q.dtype))
 
@@ -111,8 +111,9 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     alibi_slopes = V.check_alibi(alibi_slopes, batch, h, q.device)
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(d)
-    out, lse = custom_ops.varlen_attn_fwd(
-        q, k, v, cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous(), int(max_seqlen_q), int(max_seqlen_k),
+    out, lse = custom_ops.varlen_attention(
+        q, k, v, cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous(), int(max_seqlen_q),
+        int(max_seqlen_k),
         alibi_slopes, float(softmax_scale), left, right, float(softcap),
         _allow_tf32(q.dtype))
     return (out, lse) if return_lse else out

@@ -23,6 +23,7 @@ import triton.language as tl
 
 from flashtile import _validate as V
 from flashtile._backend import select_backend
+from flashtile.ops import configs
 from flashtile.reference import merge_attention_states_ref
 
 logger = logging.getLogger("flashtile")
@@ -176,7 +177,7 @@ def merge_attention_states(out_a, lse_a, out_b, lse_b, return_lse=True):
     # pointer with zero strides.
     p_lse, lse_strides = (lse, lse.stride()) if return_lse else (out, (0, 0, 0))
     if out.numel():
-        block_d = triton.next_power_of_2(d)
+        block_d = configs.next_power_of_2(d)
         _log_first_launch(out.device, out.dtype, block_d)
         _merge_attention_states_kernel[(b * s, h)](
             OutA=out_a, LseA=lse_a, OutB=out_b, LseB=lse_b, Out=out, Lse=p_lse,

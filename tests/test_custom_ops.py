@@ -65,3 +65,54 @@ def test_opcheck_varlen(torch_backend, device):
     cu_k = torch.tensor([0, 9, 15], dtype=torch.int32, device=device)
     torch.library.opcheck(custom_ops.varlen_attn_fwd,
                           (q, k, v, cu_q, cu_k, 7, 9, None, 0.25, -1, 0, 0.0, False))
+
+
+def _grads_of(fn, inputs, seed=0):
+    out, lse = fn()
+    gen = torch.Generator().manual_seed(seed)
+    w_out = torch.randn(out.shape, generator=gen).to(out.device)
+    w_lse = torch.randn(lse.shape, generator=gen).to(lse.device)
+    loss = (out * w_out).sum() + (lse * w_lse).sum()  # lse's gradient too
+    return (out, lse, *torch.autograd.grad(loss, inputs))
+
+
+def test_eager_path_equals_the_custom_op(torch_backend, device):
+    """Eager calls skip the dispatcher (an autograd.Function over the op's own functions):
+    same outputs and gradients as the op with its registered autograd, bit for bit."""
+    q = torch.randn(2, 19, 4, 16, device=device, requires_grad=True)
+    k = torch.randn(2, 23, 2, 16, device=device, requires_grad=True)
+    v = torch.randn(2, 23, 2, 16, device=device, requires_grad=True)
+    scalars = (0.25, 4, -1, 0, 0.0, False)
+    eager = _grads_of(lambda: custom_ops.attention(q, k, v, None, None, *scalars), (q, k, v))
+    op = _grads_of(lambda: custom_ops.attn_fwd(q, k, v, None, None, *scalars), (q, k, v))
+    for a, b in zip(eager, op):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+    qp, kp, vp = (x.detach()[0].clone().requires_grad_() for x in (q, k, v))
+    cu_q = torch.tensor([0, 5, 19], dtype=torch.int32, device=device)
+    cu_k = torch.tensor([0, 9, 23], dtype=torch.int32, device=device)
+    args = (qp, kp, vp, cu_q, cu_k, 14, 14, None, 0.25, -1, 0, 0.0, False)
+    eager = _grads_of(lambda: custom_ops.varlen_attention(*args), (qp, kp, vp))
+    op = _grads_of(lambda: custom_ops.varlen_attn_fwd(*args), (qp, kp, vp))
+    for a, b in zip(eager, op):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_compiled_graph_holds_the_custom_op(torch_backend, device):
+    """Under torch.compile the call is the opaque flashtile:: op, not a trace of its
+    implementation (which the eager path runs)."""
+    seen = []
+
+    def recording_backend(gm, example_inputs):
+        seen.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return gm
+
+    torch._dynamo.reset()
+    q = torch.randn(1, 9, 2, 16, device=device)
+    cu = torch.tensor([0, 4, 9], dtype=torch.int32, device=device)
+    torch.compile(lambda q: flashtile.flash_attn_func(q, q, q, causal=True),
+                  backend=recording_backend, fullgraph=True)(q)
+    torch.compile(lambda q: flashtile.flash_attn_varlen_func(q[0], q[0], q[0], cu, cu, 5, 5),
+                  backend=recording_backend, fullgraph=True)(q)
+    assert "flashtile.attn_fwd.default" in seen, seen
+    assert "flashtile.varlen_attn_fwd.default" in seen, seen

@@ -312,7 +312,7 @@ def attn_bwd(dout, q, k, v, out, lse, dlse, *, attn_mask, alibi_slopes, softmax_
     delta = torch.empty_like(lse)
     pre_m = configs.PREPROCESS_BLOCK_M
     # Per row, so packed varlen rows are just one long sequence here.
-    _bwd_preprocess_kernel[(triton.cdiv(sq, pre_m), b * h)](
+    _bwd_preprocess_kernel[(configs.cdiv(sq, pre_m), b * h)](
         out, dout, dlse.contiguous() if dlse is not None else lse, delta,
         out.stride(0), out.stride(1), out.stride(2),
         dout.stride(0), dout.stride(1), dout.stride(2),
@@ -326,7 +326,7 @@ def attn_bwd(dout, q, k, v, out, lse, dlse, *, attn_mask, alibi_slopes, softmax_
     bs = (lambda x: 0) if varlen else (lambda x: x.stride(0))
     cu = (cu_seqlens_q, cu_seqlens_k) if varlen else (q, q)
     configs.launch(
-        _bwd_dkdv_kernel, lambda cfg: (triton.cdiv(seqlen_k, cfg.block_n), batch * hkv),
+        _bwd_dkdv_kernel, lambda cfg: (configs.cdiv(seqlen_k, cfg.block_n), batch * hkv),
         configs.bwd_dkdv_config(q, d, windowed, seqlen=longest), "backward dk/dv", q, d,
         q, k, v, dout, lse, delta, dk, dv, mask, alibi, *cu,
         bs(q), q.stride(1), q.stride(2),
@@ -340,7 +340,7 @@ def attn_bwd(dout, q, k, v, out, lse, dlse, *, attn_mask, alibi_slopes, softmax_
         h, hkv, seqlen_q, seqlen_k, d, *common, IS_VARLEN=varlen, **flags,
     )
     configs.launch(
-        _bwd_dq_kernel, lambda cfg: (triton.cdiv(seqlen_q, cfg.block_m), batch * h),
+        _bwd_dq_kernel, lambda cfg: (configs.cdiv(seqlen_q, cfg.block_m), batch * h),
         configs.bwd_dq_config(q, d, windowed, seqlen=longest), "backward dq", q, d,
         q, k, v, dout, lse, delta, dq, mask, alibi, *cu,
         bs(q), q.stride(1), q.stride(2),

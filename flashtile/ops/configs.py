@@ -38,9 +38,19 @@ def set_override(kind: str, cfg: TileConfig | None) -> None:
         _override[kind] = cfg
 
 
+def cdiv(a: int, b: int) -> int:
+    # Host code: triton.cdiv and triton.next_power_of_2 are constexpr functions that cost
+    # microseconds per call outside a kernel; launchers call these several times a launch.
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    return 1 << (n - 1).bit_length() if n > 1 else 1
+
+
 def padded_head_dim(head_dim: int) -> int:
     # tl.dot needs K >= 16 and power-of-two tiles; the padding is masked on load/store.
-    return max(16, triton.next_power_of_2(head_dim))
+    return max(16, next_power_of_2(head_dim))
 
 
 # The rowsum(dO * O) preprocess holds two (BLOCK_M, head_dim) fp32 tiles per program.
@@ -201,11 +211,14 @@ def log_first_launch(kernel: str, q, head_dim, cfg: TileConfig, flags=None) -> N
     ``flags`` are the launch's constexpr switches (causal/window, softcap, mask, ...):
     each combination is its own compiled variant, so each gets its line.
     """
-    switches = tuple(sorted((k, v) for k, v in (flags or {}).items()
-                            if k.isupper() and v not in (False, None)))
-    key = (kernel, q.device.type, q.dtype, padded_head_dim(head_dim), cfg, switches)
+    flags = flags or {}
+    # The launchers pass their flags in a fixed order, so the raw items are a key.
+    key = (kernel, q.device.type, q.dtype, padded_head_dim(head_dim), cfg,
+           tuple(flags.items()))
     if key not in _seen_variants:
         _seen_variants.add(key)
+        switches = sorted((k, v) for k, v in flags.items()
+                          if k.isupper() and v not in (False, None))
         on = ", ".join(k if v is True else f"{k}={v}" for k, v in switches)
         logger.info("flashtile: compiling %s kernel (dtype=%s, head_dim=%d, tiles=%s%s)",
                     kernel, str(q.dtype).replace("torch.", ""), head_dim, cfg,
@@ -219,7 +232,7 @@ def decode_config(q, head_dim, rows) -> TileConfig:
     env = _from_env("decode")
     if env is not None:
         return env
-    block_m = min(64, max(16, triton.next_power_of_2(rows)))
+    block_m = min(64, max(16, next_power_of_2(rows)))
     if q.device.type == "cpu":
         return TileConfig(block_m, 16)
     # Memory-bound: 64-key tiles with 4 warps keep enough loads in flight per SM; at

@@ -184,8 +184,8 @@ def num_splits_heuristic(work_items: int, max_seqlen_k: int, block_n: int,
     at least two key blocks per split (a split's fixed cost is its q load and store)."""
     if work_items >= num_sms:
         return 1
-    max_splits = max(1, triton.cdiv(max_seqlen_k, 2 * block_n))
-    return max(1, min(triton.cdiv(2 * num_sms, work_items), max_splits, 128))
+    max_splits = max(1, configs.cdiv(max_seqlen_k, 2 * block_n))
+    return max(1, min(configs.cdiv(2 * num_sms, work_items), max_splits, 128))
 
 
 def attn_decode(q, k_cache, v_cache, *, cache_seqlens, block_table, cache_batch_idx,
@@ -207,15 +207,15 @@ def attn_decode(q, k_cache, v_cache, *, cache_seqlens, block_table, cache_batch_
     if out.numel() == 0:
         return out, lse
     cfg = configs.decode_config(q, d, sq * group)
-    m_blocks = triton.cdiv(sq * group, cfg.block_m)
+    m_blocks = configs.cdiv(sq * group, cfg.block_m)
     if num_splits <= 0:
         num_sms = (torch.cuda.get_device_properties(q.device).multi_processor_count
                    if q.is_cuda else 1)
         num_splits = num_splits_heuristic(b * hkv * m_blocks, capacity, cfg.block_n,
                                           num_sms)
-    keys_per_split = triton.cdiv(triton.cdiv(max(capacity, 1), num_splits),
+    keys_per_split = configs.cdiv(configs.cdiv(max(capacity, 1), num_splits),
                                  cfg.block_n) * cfg.block_n
-    num_splits = max(1, triton.cdiv(capacity, keys_per_split))
+    num_splits = max(1, configs.cdiv(capacity, keys_per_split))
     if num_splits == 1:
         dst, dst_lse = out, lse
         dst_strides = (0, *out.stride()[:3])
@@ -261,6 +261,6 @@ def attn_decode(q, k_cache, v_cache, *, cache_seqlens, block_table, cache_batch_
             *dst.stride()[:4], *dst_lse.stride()[:3],
             out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
             num_splits, h, sq, d,
-            BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=configs.padded_head_dim(d),
+            BLOCK_S=configs.next_power_of_2(num_splits), BLOCK_D=configs.padded_head_dim(d),
         )
     return out, lse

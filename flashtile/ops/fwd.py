@@ -172,7 +172,7 @@ def attn_fwd(q, k, v, *, attn_mask, alibi_slopes, softmax_scale, diag_offset,
             softcap=softcap, allow_tf32=allow_tf32, head_dim=d)
         batch_stride = (lambda x: 0) if varlen else (lambda x: x.stride(0))
         configs.launch(
-            _attn_fwd_kernel, lambda cfg: (triton.cdiv(seqlen_q, cfg.block_m), batch * h),
+            _attn_fwd_kernel, lambda cfg: (configs.cdiv(seqlen_q, cfg.block_m), batch * h),
             configs.fwd_config(q, d, causal_like=windowed, seqlen=max(seqlen_q, sk)),
             "forward", q, d,
             q, k, v, out, lse, mask, alibi,
