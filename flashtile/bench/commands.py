@@ -147,39 +147,52 @@ def _bench(args) -> int:
     todo = sum((c.provider, c.row()) not in done for c in sweep.cells())
     print(f"flashtile bench on {info['device']} (backend {info['backend']}): "
           f"{todo} cells", file=sys.stderr, flush=True)
-
-    def tables(results):  # -> (results, machine, settings), as write_outputs takes them
-        if previous is None:
-            return results, info, settings
-        merged, merged_settings, machine = report.merge(previous, results, settings, info)
-        return merged, machine, merged_settings
-
-    partial, clock = [], [time.perf_counter()]
-
-    def save(result):
-        # Tables after every cell, so a run stopped by a time limit keeps what it measured.
-        partial.append(result)
-        report.write_outputs(*tables(partial), out, plots=False)
-        if args.no_progress:  # a log line per cell instead of the bar (compile costs show)
-            now = time.perf_counter()
-            print(f"{now - clock[0]:6.1f}s {result.cell.label()}: {result.status}",
-                  file=sys.stderr, flush=True)
-            clock[0] = now
-
+    recorder = _Recorder(previous, info, settings, out, log=args.no_progress)
     stopped = False
     try:
         with _sigterm_as_interrupt():
-            results = run.run_sweep(sweep, device, repeats=args.repeats,
-                                    progress=not args.no_progress, on_result=save, skip=done)
+            run.run_sweep(sweep, device, repeats=args.repeats,
+                          progress=not args.no_progress, on_result=recorder, skip=done)
     except KeyboardInterrupt:  # Ctrl-C or a time limit: keep what was measured
-        results, stopped = partial, True
-        print(f"flashtile bench: stopped after {len(partial)} of {todo} cells; "
+        stopped = True
+        print(f"flashtile bench: stopped after {len(recorder.results)} of {todo} cells; "
               "--resume goes on", file=sys.stderr)
-    results, info, settings = tables(results)
+    results, info, settings = recorder.tables()
     print(report.markdown(results, info, settings))
     paths = report.write_outputs(results, info, settings, out)
     print(f"wrote {paths['json']}, {paths['markdown']} and {len(paths['plots'])} plots")
     return 130 if stopped else 0
+
+
+class _Recorder:
+    """Collects a sweep's results and rewrites results.json/md after every cell (merged
+    into the folder's previous run, if any), so a run stopped by a time limit keeps what
+    it measured. ``log``: a line per cell with its wall time (shows compile costs)."""
+
+    def __init__(self, previous, info, settings, out, log=False):
+        self.previous, self.info, self.settings, self.out = previous, info, settings, out
+        self.log, self.results, self.clock = log, [], time.perf_counter()
+
+    def tables(self):
+        """(results, machine, settings), in the order report.write_outputs takes them."""
+        from flashtile.bench import report
+
+        if self.previous is None:
+            return self.results, self.info, self.settings
+        merged, settings, machine = report.merge(self.previous, self.results,
+                                                 self.settings, self.info)
+        return merged, machine, settings
+
+    def __call__(self, result):
+        from flashtile.bench import report
+
+        self.results.append(result)
+        report.write_outputs(*self.tables(), self.out, plots=False)
+        if self.log:
+            now = time.perf_counter()
+            print(f"{now - self.clock:6.1f}s {result.cell.label()}: {result.status}",
+                  file=sys.stderr, flush=True)
+            self.clock = now
 
 
 @contextlib.contextmanager
