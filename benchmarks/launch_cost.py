@@ -1,8 +1,10 @@
 """Where does a flashtile call spend its host time? (NOTES.md section 7)
 
-Host microseconds per call on a tiny shape (kernels take a few us), for the forward,
-the forward with the kernel launch replaced by a no-op, a bare Triton launch, and a
-forward+backward; then a cProfile of forward+backward by own time.
+Host microseconds per call on a tiny shape (kernels take a few us): a bare Triton
+launch; flash_attn_func forward and forward+backward; the forward with its launch a
+no-op; the forward through the custom op and through its launcher; forward+backward
+through the custom op's own autograd; the backward launcher alone. Then a cProfile of
+forward+backward by own time.
 Run on the GPU: PYTHONPATH=. python3 benchmarks/launch_cost.py
 """
 import cProfile
@@ -16,6 +18,7 @@ import triton.language as tl
 import flashtile
 from flashtile import custom_ops
 from flashtile.ops import configs
+from flashtile.ops.bwd import attn_bwd as bwd_launcher
 from flashtile.ops.fwd import attn_fwd as fwd_launcher
 
 
@@ -67,6 +70,20 @@ launcher = dict(attn_mask=None, alibi_slopes=None, softmax_scale=0.125, diag_off
                 window_left=-1, window_right=0, softcap=0.0, allow_tf32=False)
 print(f"launcher flashtile.ops.fwd.attn_fwd: "
       f"{host_us(lambda: fwd_launcher(qd, kd, vd, **launcher)):.1f} us")
+# Forward+backward through the custom op's registered autograd (the path eager calls
+# took before they skipped the dispatcher) against the eager path above, and the
+# backward launcher alone.
+
+
+def fwd_bwd_op():
+    o, _ = custom_ops.attn_fwd(q, k, v, None, None, *scalars)
+    torch.autograd.grad(o, (q, k, v), do)
+
+
+out, lse = fwd_launcher(qd, kd, vd, **launcher)
+print(f"fwd_bwd through the custom op's autograd: {host_us(fwd_bwd_op):.1f} us")
+print(f"launcher flashtile.ops.bwd.attn_bwd: "
+      f"{host_us(lambda: bwd_launcher(do, qd, kd, vd, out, lse, None, **launcher)):.1f} us")
 prof = cProfile.Profile()
 prof.enable()
 for _ in range(200):

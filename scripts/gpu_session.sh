@@ -7,6 +7,8 @@
 #   sweep SECS   the default `flashtile bench` sweep for SECS seconds, --resume from
 #                bench-h200/ (carry it back in: a sweep spans several calls)
 #   extra        bench --accuracy, tune for head_dim 128                  (~6 min)
+#   short        host cost per call (benchmarks/launch_cost.py) and the short-sequence
+#                rows of the sweep beside cuDNN, flash and Flex           (~3 min)
 set -uo pipefail
 export TRITON_CACHE_DIR=$PWD/.triton-cache PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
 export FLASHTILE_CACHE_DIR=$PWD/.ftcache
@@ -38,8 +40,17 @@ case "${1:-}" in
     cp .ftcache/tuned-configs.json extra/ 2>/dev/null
     tar czf "$OUT/extra.tgz" extra
     ;;
+  short)
+    timeout 90 python3 benchmarks/launch_cost.py 2>&1 | grep -v -i warn \
+      | tee "$OUT/launch-cost.txt" | head -12
+    timeout 240 python3 -m flashtile bench --seqlens 512 1k 2k --no-progress \
+      --providers flashtile sdpa-cudnn sdpa-flash flex --out bench-short 2>&1 \
+      | grep -v "^|" | tail -3
+    tar czf "$OUT/bench-short.tgz" bench-short
+    head -20 bench-short/results.md | tail -14
+    ;;
   *)
-    echo "usage: $0 check|sweep [SECONDS]|extra" >&2
+    echo "usage: $0 check|sweep [SECONDS]|extra|short" >&2
     exit 2
     ;;
 esac
