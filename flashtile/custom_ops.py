@@ -6,8 +6,9 @@ implementations only allocate, with the strides the real ones return (contiguous
 compiled graphs see the true layout.
 
 Callers use ``attention`` / ``varlen_attention``: under torch.compile they emit the
-custom op; in eager mode they run the same implementation, setup_context and backward
-as an autograd.Function, without the dispatcher round trip through the op.
+custom op; otherwise they run the same implementation, setup_context and backward as an
+autograd.Function (eager, or under torch.func transforms), without the dispatcher's
+round trip through the op.
 """
 
 from __future__ import annotations
@@ -108,34 +109,50 @@ def _backward(ctx, dout, dlse, bwd=attn_bwd):
 attn_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
-def _eager_function(name, forward_impl, setup_context, backward):
-    """An autograd.Function over the custom op's own implementation, setup_context and
-    backward. Eager calls take it and skip the dispatcher's round trip through the op,
-    which cost more host time on the H200 than the kernel launches (NOTES.md section 7);
-    torch.compile sees the custom op."""
+def _eager_functions(name, forward_impl, setup_context, backward):
+    """Two autograd.Functions over the custom op's own implementation, setup_context and
+    backward, for calls outside torch.compile (which records the op). They skip the
+    dispatcher's round trip through the op, which cost more host time on the H200 than
+    the kernel launches (NOTES.md section 7). The first, for plain eager calls, has the
+    ctx form: Function.apply binds a setup_context form's arguments through
+    inspect.signature on every call (~40 us). The second has the setup_context form that
+    torch.func transforms require (the op's registered autograd does not run under them).
+    """
     def forward(ctx, *inputs):
         output = forward_impl(*inputs)
         setup_context(ctx, inputs, output)
         return output
 
-    return type(name, (torch.autograd.Function,),
-                {"forward": staticmethod(forward), "backward": staticmethod(backward)})
+    eager = type(name, (torch.autograd.Function,),
+                 {"forward": staticmethod(forward), "backward": staticmethod(backward)})
+    transformable = type(name + "ForTransforms", (torch.autograd.Function,),
+                         {"forward": staticmethod(forward_impl),
+                          "setup_context": staticmethod(setup_context),
+                          "backward": staticmethod(backward)})
+    return eager, transformable
 
 
-_EagerAttention = _eager_function(
-    "_EagerAttention", _attn_fwd_impl, _setup_context,
+def _call(op, functions, args):
+    if torch.compiler.is_compiling():
+        return op(*args)
+    eager, transformable = functions
+    if torch._C._are_functorch_transforms_active():
+        return transformable.apply(*args)
+    return eager.apply(*args)
+
+
+_ATTENTION_FUNCTIONS = _eager_functions(
+    "_Attention", _attn_fwd_impl, _setup_context,
     lambda ctx, dout, dlse: _backward(ctx, dout, dlse, bwd=_attn_bwd_impl))
 
 
 def attention(q, k, v, attn_mask, alibi_slopes, softmax_scale, diag_offset, window_left,
               window_right, softcap, allow_tf32):
     """(out, lse) with autograd: ``flashtile::attn_fwd`` under torch.compile (one opaque
-    node), the same functions without the dispatcher in eager mode."""
+    node), the same functions without the dispatcher otherwise."""
     args = (q, k, v, attn_mask, alibi_slopes, softmax_scale, diag_offset, window_left,
             window_right, softcap, allow_tf32)
-    if torch.compiler.is_compiling():
-        return attn_fwd(*args)
-    return _EagerAttention.apply(*args)
+    return _call(attn_fwd, _ATTENTION_FUNCTIONS, args)
 
 
 # Varlen: packed sequences, q (total_q, h, d), k/v (total_k, hkv, d), lse (h, total_q).
@@ -235,13 +252,11 @@ def _varlen_backward(ctx, dout, dlse, bwd=varlen_attn_bwd):
 
 varlen_attn_fwd.register_autograd(_varlen_backward, setup_context=_varlen_setup_context)
 
-_EagerVarlenAttention = _eager_function(
-    "_EagerVarlenAttention", _varlen_attn_fwd_impl, _varlen_setup_context,
+_VARLEN_FUNCTIONS = _eager_functions(
+    "_VarlenAttention", _varlen_attn_fwd_impl, _varlen_setup_context,
     lambda ctx, dout, dlse: _varlen_backward(ctx, dout, dlse, bwd=_varlen_attn_bwd_impl))
 
 
 def varlen_attention(*args):
     """varlen (out, lse) with autograd; arguments as ``flashtile::varlen_attn_fwd``."""
-    if torch.compiler.is_compiling():
-        return varlen_attn_fwd(*args)
-    return _EagerVarlenAttention.apply(*args)
+    return _call(varlen_attn_fwd, _VARLEN_FUNCTIONS, args)

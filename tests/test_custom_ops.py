@@ -116,3 +116,17 @@ def test_compiled_graph_holds_the_custom_op(torch_backend, device):
                   backend=recording_backend, fullgraph=True)(q)
     assert "flashtile.attn_fwd.default" in seen, seen
     assert "flashtile.varlen_attn_fwd.default" in seen, seen
+
+
+def test_torch_func_grad(torch_backend, device):
+    """torch.func.grad works (through the setup_context-form Function; the op's
+    registered autograd does not run under transforms) and equals plain autograd."""
+    q = torch.randn(1, 9, 2, 16, device=device)
+
+    def loss(q):
+        return flashtile.flash_attn_func(q, q, q, causal=True).square().sum()
+
+    grad = torch.func.grad(loss)(q)
+    q2 = q.clone().requires_grad_()
+    loss(q2).backward()
+    torch.testing.assert_close(grad, q2.grad)
