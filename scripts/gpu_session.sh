@@ -7,8 +7,9 @@
 #   sweep SECS   the default `flashtile bench` sweep for SECS seconds, --resume from
 #                bench-h200/ (carry it back in: a sweep spans several calls)
 #   extra        bench --accuracy, tune for head_dim 128                  (~6 min)
-#   short        host cost per call (benchmarks/launch_cost.py) and the short-sequence
-#                rows of the sweep beside cuDNN, flash and Flex           (~3 min)
+#   short        host cost per call (benchmarks/launch_cost.py), the short-sequence
+#                rows of the sweep beside cuDNN, flash and Flex, and the decode table
+#                with the small-page tile sweep                           (~5 min)
 set -uo pipefail
 export TRITON_CACHE_DIR=$PWD/.triton-cache PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
 export FLASHTILE_CACHE_DIR=$PWD/.ftcache
@@ -48,6 +49,8 @@ case "${1:-}" in
       | grep -v "^|" | tail -3
     tar czf "$OUT/bench-short.tgz" bench-short
     head -20 bench-short/results.md | tail -14
+    timeout 150 python3 -m flashtile.bench.decode --sweep-paged "$OUT/decode.json" 2>&1 \
+      | grep -v -i warn | grep -v "^{" | tee "$OUT/decode.txt" | tail -30
     ;;
   *)
     echo "usage: $0 check|sweep [SECONDS]|extra|short" >&2

@@ -153,6 +153,40 @@ def sweep_decode_tiles(shapes=((1, 8192), (8, 32768)), device="cuda"):
     return results
 
 
+def sweep_paged_tiles(shapes=((1, 8192), (32, 4096), (64, 2048)), page_size=16,
+                      tiles=("16,16,4,4", "16,16,4,6", "16,32,4,4", "16,64,4,3"),
+                      device="cuda"):
+    """Small pages: key tiles of the page size (one page lookup per tile, deeper
+    pipelining) against 64-key tiles (a lookup per key row), contiguous beside each."""
+    import os
+
+    import triton
+
+    results = []
+    for batch, seqlen_k in shapes:
+        q = torch.randn(batch, 1, NHEADS, HEAD_DIM, device=device, dtype=torch.bfloat16)
+        k = torch.randn(batch, seqlen_k, NHEADS_KV, HEAD_DIM, device=device,
+                        dtype=torch.bfloat16)
+        v = torch.randn_like(k)
+        seqlens = torch.full((batch,), seqlen_k, dtype=torch.int32, device=device)
+        fns = {"paged": _paged_fn(q, seqlens, *_paged_pool(k, v, page_size)),
+               "contiguous": _paged_fn(q, seqlens, k, v, None)}
+        for tile in tiles:
+            os.environ["FLASHTILE_DECODE_CONFIG"] = tile
+            for name, fn in fns.items():
+                try:
+                    ms = triton.testing.do_bench_cudagraph(fn, rep=50, return_mode="median")
+                    gbps = round(kv_bytes(batch, seqlen_k) / ms / 1e6)
+                except Exception as e:
+                    gbps = type(e).__name__
+                results.append((batch, seqlen_k, tile, name, gbps))
+                print(f"decode page{page_size} b={batch} sk={seqlen_k} tile={tile} "
+                      f"{name}: {gbps} GB/s", flush=True)
+        os.environ.pop("FLASHTILE_DECODE_CONFIG", None)
+        torch.cuda.empty_cache()
+    return results
+
+
 def _flashtile_fn(batch, seqlen_k, device, num_splits):
     import flashtile
 
@@ -174,9 +208,12 @@ if __name__ == "__main__":
     print(f"# device copy {copy:.0f} GB/s ({torch.cuda.get_device_name()})")
     if "--sweep" in sys.argv:
         sweep_decode_tiles()
+    if "--sweep-paged" in sys.argv:
+        sweep_paged_tiles()
     rows = run_decode_bench()
     md = decode_markdown(rows, copy)
     print(md)
-    if len(sys.argv) > 1:
-        with open(sys.argv[-1], "w") as f:
+    json_out = [a for a in sys.argv[1:] if a.endswith(".json")]
+    if json_out:
+        with open(json_out[0], "w") as f:
             json.dump(dict(copy_gbps=copy, rows=rows), f, indent=1)
