@@ -5,10 +5,10 @@
 implementations only allocate, with the strides the real ones return (contiguous), so
 compiled graphs see the true layout.
 
-Callers use ``attention`` / ``varlen_attention``: under torch.compile they emit the
-custom op; otherwise they run the same implementation, setup_context and backward as an
-autograd.Function (eager, or under torch.func transforms), without the dispatcher's
-round trip through the op.
+Callers use ``attention`` / ``varlen_attention``: plain eager calls run the same
+implementation, setup_context and backward as an autograd.Function, without the
+dispatcher's round trip through the op; torch.compile, tracing, fake or meta tensors
+and torch.func transforms get the op itself.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from typing import Optional
 
 import torch
 from torch import Tensor
+from torch.autograd.function import once_differentiable
 
 from flashtile import reference
 from flashtile._backend import select_backend
@@ -109,50 +110,53 @@ def _backward(ctx, dout, dlse, bwd=attn_bwd):
 attn_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
-def _eager_functions(name, forward_impl, setup_context, backward):
-    """Two autograd.Functions over the custom op's own implementation, setup_context and
-    backward, for calls outside torch.compile (which records the op). They skip the
-    dispatcher's round trip through the op, which cost more host time on the H200 than
-    the kernel launches (NOTES.md section 7). The first, for plain eager calls, has the
-    ctx form: Function.apply binds a setup_context form's arguments through
-    inspect.signature on every call (~40 us). The second has the setup_context form that
-    torch.func transforms require (the op's registered autograd does not run under them).
-    """
+def _eager_function(name, forward_impl, setup_context, backward):
+    """An autograd.Function over the custom op's own implementation, setup_context and
+    backward, for plain eager calls: it skips the dispatcher's round trip through the
+    op, which cost more host time on the H200 than the kernel launches (NOTES.md
+    section 7). The ctx form, because Function.apply binds a setup_context form's
+    arguments through inspect.signature on every call (~40 us). Once differentiable,
+    like the op: the kernels' gradients carry no graph, so a double backward must fail
+    loudly rather than drop the second-order term."""
     def forward(ctx, *inputs):
         output = forward_impl(*inputs)
         setup_context(ctx, inputs, output)
         return output
 
-    eager = type(name, (torch.autograd.Function,),
-                 {"forward": staticmethod(forward), "backward": staticmethod(backward)})
-    transformable = type(name + "ForTransforms", (torch.autograd.Function,),
-                         {"forward": staticmethod(forward_impl),
-                          "setup_context": staticmethod(setup_context),
-                          "backward": staticmethod(backward)})
-    return eager, transformable
+    return type(name, (torch.autograd.Function,),
+                {"forward": staticmethod(forward),
+                 "backward": staticmethod(once_differentiable(backward))})
 
 
-def _call(op, functions, args):
-    if torch.compiler.is_compiling():
-        return op(*args)
-    eager, transformable = functions
-    if torch._C._are_functorch_transforms_active():
-        return transformable.apply(*args)
-    return eager.apply(*args)
+def _plain_eager(args) -> bool:
+    """Plain tensors on a real device, no compile, tracing, dispatch mode or torch.func
+    transform: everything else (meta and fake tensors, make_fx, vmap, subclasses) goes
+    through the op, whose fake implementation and dispatcher handle it."""
+    if (torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active()
+            or torch._C._len_torch_dispatch_stack() > 0):
+        return False
+    return all(type(x) in _PLAIN for x in args[:3]) and args[0].device.type != "meta"
 
 
-_ATTENTION_FUNCTIONS = _eager_functions(
-    "_Attention", _attn_fwd_impl, _setup_context,
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def _call(op, function, args):
+    return function.apply(*args) if _plain_eager(args) else op(*args)
+
+
+_EAGER_ATTENTION = _eager_function(
+    "_EagerAttention", _attn_fwd_impl, _setup_context,
     lambda ctx, dout, dlse: _backward(ctx, dout, dlse, bwd=_attn_bwd_impl))
 
 
 def attention(q, k, v, attn_mask, alibi_slopes, softmax_scale, diag_offset, window_left,
               window_right, softcap, allow_tf32):
-    """(out, lse) with autograd: ``flashtile::attn_fwd`` under torch.compile (one opaque
-    node), the same functions without the dispatcher otherwise."""
+    """(out, lse) with autograd: ``flashtile::attn_fwd`` (one opaque node under
+    torch.compile), or in plain eager mode the same functions without the dispatcher."""
     args = (q, k, v, attn_mask, alibi_slopes, softmax_scale, diag_offset, window_left,
             window_right, softcap, allow_tf32)
-    return _call(attn_fwd, _ATTENTION_FUNCTIONS, args)
+    return _call(attn_fwd, _EAGER_ATTENTION, args)
 
 
 # Varlen: packed sequences, q (total_q, h, d), k/v (total_k, hkv, d), lse (h, total_q).
@@ -252,11 +256,11 @@ def _varlen_backward(ctx, dout, dlse, bwd=varlen_attn_bwd):
 
 varlen_attn_fwd.register_autograd(_varlen_backward, setup_context=_varlen_setup_context)
 
-_VARLEN_FUNCTIONS = _eager_functions(
-    "_VarlenAttention", _varlen_attn_fwd_impl, _varlen_setup_context,
+_EAGER_VARLEN_ATTENTION = _eager_function(
+    "_EagerVarlenAttention", _varlen_attn_fwd_impl, _varlen_setup_context,
     lambda ctx, dout, dlse: _varlen_backward(ctx, dout, dlse, bwd=_varlen_attn_bwd_impl))
 
 
 def varlen_attention(*args):
     """varlen (out, lse) with autograd; arguments as ``flashtile::varlen_attn_fwd``."""
-    return _call(varlen_attn_fwd, _VARLEN_FUNCTIONS, args)
+    return _call(varlen_attn_fwd, _EAGER_VARLEN_ATTENTION, args)

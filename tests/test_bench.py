@@ -216,6 +216,39 @@ def test_bench_resume_after_a_run_cut_short(tmp_path, capsys, monkeypatch):
     assert list((tmp_path).glob("*.png"))
 
 
+def test_bench_resume_retries_failed_cells_and_a_stop_before_any_cell_writes_nothing(
+        tmp_path, capsys, monkeypatch):
+    from flashtile.bench import run
+
+    base = ["bench", "--quick", "--device", "cpu", "--repeats", "1", "--causal", "false",
+            "--modes", "fwd", "--no-progress", "--out", str(tmp_path), "--seqlens", "32"]
+    real_run_cell = run.run_cell
+
+    def naive_fails(cell, device, repeats=5, n_sets=None):
+        if cell.provider == "naive":
+            return run.Result(cell, "n/a", "RuntimeError: simulated")
+        return real_run_cell(cell, device, repeats, n_sets)
+
+    monkeypatch.setattr(run, "run_cell", naive_fails)
+    assert cli.main(base) == 0
+    before = (tmp_path / "results.json").read_text()
+    calls = []
+    monkeypatch.setattr(run, "run_cell", lambda *a, **k: calls.append(a[0]) or
+                        real_run_cell(*a, **k))
+    assert cli.main([*base, "--resume"]) == 0
+    assert [c.provider for c in calls] == ["naive"]
+    data = json.loads((tmp_path / "results.json").read_text())
+    assert {r["status"] for r in data["results"]} == {"ok"} and len(data["results"]) == 3
+
+    def stop(*a, **k):
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    monkeypatch.setattr(run, "run_cell", stop)
+    after_resume = (tmp_path / "results.json").read_text()
+    assert cli.main(base) == 130  # a fresh run stopped before its first cell
+    assert (tmp_path / "results.json").read_text() == after_resume != before
+
+
 def test_bench_command_bad_provider(capsys):
     assert cli.main(["bench", "--quick", "--device", "cpu", "--providers", "flashtile",
                      "flashattn9"]) == 2

@@ -118,15 +118,26 @@ def test_compiled_graph_holds_the_custom_op(torch_backend, device):
     assert "flashtile.varlen_attn_fwd.default" in seen, seen
 
 
-def test_torch_func_grad(torch_backend, device):
-    """torch.func.grad works (through the setup_context-form Function; the op's
-    registered autograd does not run under transforms) and equals plain autograd."""
-    q = torch.randn(1, 9, 2, 16, device=device)
+def test_transforms_tracing_and_meta_go_through_the_op(backend, device):
+    """What the eager autograd.Function cannot serve goes to the op: vmap (equal to a
+    loop), meta tensors and FakeTensorMode (the op's fake implementation)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
 
-    def loss(q):
-        return flashtile.flash_attn_func(q, q, q, causal=True).square().sum()
+    q = torch.randn(3, 1, 9, 2, 16, device=device)
+    attn = lambda x: flashtile.flash_attn_func(x, x, x, causal=True)  # noqa: E731
+    torch.testing.assert_close(torch.vmap(attn)(q), torch.stack([attn(x) for x in q]))
+    meta = torch.empty(1, 9, 2, 16, device="meta")
+    assert attn(meta).shape == (1, 9, 2, 16) and attn(meta).device.type == "meta"
+    with FakeTensorMode():
+        fake = torch.empty(1, 9, 2, 16)
+        assert attn(fake).shape == (1, 9, 2, 16)
 
-    grad = torch.func.grad(loss)(q)
-    q2 = q.clone().requires_grad_()
-    loss(q2).backward()
-    torch.testing.assert_close(grad, q2.grad)
+
+def test_double_backward_fails_loudly(backend, device):
+    """The kernels' gradients carry no graph: a second-order gradient must raise, not
+    silently drop the attention's term."""
+    q = torch.randn(1, 9, 2, 16, device=device, requires_grad=True)
+    out = flashtile.flash_attn_func(q, q, q)
+    (g,) = torch.autograd.grad(out.square().sum(), q, create_graph=True)
+    with pytest.raises(RuntimeError):
+        torch.autograd.grad(g.sum(), q)

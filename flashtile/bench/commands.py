@@ -140,10 +140,11 @@ def _bench(args) -> int:
     except ValueError as err:
         print(f"flashtile bench: {err}", file=sys.stderr)
         return 2
-    done = set()
+    done = set()  # --resume: measured cells; OOM and n/a are tried again
     if args.resume and previous is not None:
         done = {(r.cell.provider, r.cell.row())
-                for r in map(run.Result.from_json, previous.get("results", []))}
+                for r in map(run.Result.from_json, previous.get("results", []))
+                if r.status == "ok"}
     todo = sum((c.provider, c.row()) not in done for c in sweep.cells())
     print(f"flashtile bench on {info['device']} (backend {info['backend']}): "
           f"{todo} cells", file=sys.stderr, flush=True)
@@ -157,6 +158,8 @@ def _bench(args) -> int:
         stopped = True
         print(f"flashtile bench: stopped after {len(recorder.results)} of {todo} cells; "
               "--resume goes on", file=sys.stderr)
+    if stopped and not recorder.results:
+        return 130  # nothing measured: leave --out as it was
     results, info, settings = recorder.tables()
     print(report.markdown(results, info, settings))
     paths = report.write_outputs(results, info, settings, out)

@@ -255,16 +255,24 @@ def plot(results: list[Result], out_dir: str, title: str = "") -> list[str]:
     return paths
 
 
+def _write_atomic(path: str, text: str) -> None:
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
 def write_outputs(results, machine, settings, out_dir, plots: bool = True) -> dict:
     """results.json, results.md and (``plots``) the plots in ``out_dir``; returns their
     paths."""
     os.makedirs(out_dir, exist_ok=True)
     paths = {"json": os.path.join(out_dir, "results.json"),
              "markdown": os.path.join(out_dir, "results.md")}
-    with open(paths["json"], "w") as f:
-        json.dump(to_json(results, machine, settings), f, indent=1, default=str)
-    with open(paths["markdown"], "w") as f:
-        f.write(markdown(results, machine, settings))
+    # Written whole then renamed: results.json may hold earlier runs' cells (--append),
+    # and a run killed mid-write must not leave it truncated.
+    _write_atomic(paths["json"], json.dumps(to_json(results, machine, settings), indent=1,
+                                            default=str))
+    _write_atomic(paths["markdown"], markdown(results, machine, settings))
     paths["plots"] = []
     if not plots:
         return paths

@@ -236,7 +236,8 @@ def attn_decode(q, k_cache, v_cache, *, cache_seqlens, block_table, cache_batch_
     page_size = k_cache.shape[1] if paged else 1
     page_aligned = paged and page_size % cfg.block_n == 0 and cache_leftpad is None
     configs.log_first_launch("decode", q, d, cfg, dict(
-        flags, PAGED=paged, PAGE_ALIGNED=page_aligned, SPLIT=num_splits > 1,
+        flags, PAGED=paged, PAGE_SIZE=page_size if paged else None,
+        PAGE_ALIGNED=page_aligned, SPLIT=num_splits > 1,
         HAS_BATCH_IDX=cache_batch_idx is not None, HAS_LEFTPAD=cache_leftpad is not None))
     _decode_kernel[(num_splits, b * hkv, m_blocks)](
         q, k_cache, v_cache, dst, dst_lse,
