@@ -323,19 +323,12 @@ def attn_bwd(dout, q, k, v, out, lse, dlse, *, attn_mask, alibi_slopes, softmax_
         softcap=softcap, allow_tf32=allow_tf32, head_dim=d)
     common = (diag_offset, window_left, window_right, softmax_scale, softcap)
     windowed, longest = window_left >= 0 or window_right >= 0, max(seqlen_q, seqlen_k)
-    bs = (lambda x: 0) if varlen else (lambda x: x.stride(0))
     cu = (cu_seqlens_q, cu_seqlens_k) if varlen else (q, q)
     configs.launch(
         _bwd_dkdv_kernel, lambda cfg: (configs.cdiv(seqlen_k, cfg.block_n), batch * hkv),
         configs.bwd_dkdv_config(q, d, windowed, seqlen=longest), "backward dk/dv", q, d,
         q, k, v, dout, lse, delta, dk, dv, mask, alibi, *cu,
-        bs(q), q.stride(1), q.stride(2),
-        bs(k), k.stride(1), k.stride(2),
-        bs(v), v.stride(1), v.stride(2),
-        bs(dout), dout.stride(1), dout.stride(2),
-        bs(dk), dk.stride(1), dk.stride(2),
-        bs(dv), dv.stride(1), dv.stride(2),
-        bs(lse), lse.stride(1),
+        *configs.strides(varlen, q, k, v, dout, dk, dv, lse),
         *mask_strides, *alibi_strides,
         h, hkv, seqlen_q, seqlen_k, d, *common, IS_VARLEN=varlen, **flags,
     )
@@ -343,12 +336,7 @@ def attn_bwd(dout, q, k, v, out, lse, dlse, *, attn_mask, alibi_slopes, softmax_
         _bwd_dq_kernel, lambda cfg: (configs.cdiv(seqlen_q, cfg.block_m), batch * h),
         configs.bwd_dq_config(q, d, windowed, seqlen=longest), "backward dq", q, d,
         q, k, v, dout, lse, delta, dq, mask, alibi, *cu,
-        bs(q), q.stride(1), q.stride(2),
-        bs(k), k.stride(1), k.stride(2),
-        bs(v), v.stride(1), v.stride(2),
-        bs(dout), dout.stride(1), dout.stride(2),
-        bs(dq), dq.stride(1), dq.stride(2),
-        bs(lse), lse.stride(1),
+        *configs.strides(varlen, q, k, v, dout, dq, lse),
         *mask_strides, *alibi_strides,
         h, h // hkv, seqlen_q, seqlen_k, d, *common, IS_VARLEN=varlen, **flags,
     )

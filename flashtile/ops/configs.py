@@ -48,6 +48,13 @@ def next_power_of_2(n: int) -> int:
     return 1 << (n - 1).bit_length() if n > 1 else 1
 
 
+def strides(varlen: bool, *tensors) -> tuple:
+    """Every stride but the last (contiguous) one of each tensor, flattened in the order
+    the kernels take them. Packed varlen tensors carry a leading batch of 1 whose stride
+    the kernels must not use: 0."""
+    return tuple(s for x in tensors for s in (0 if varlen else x.stride(0), *x.stride()[1:-1]))
+
+
 def padded_head_dim(head_dim: int) -> int:
     # tl.dot needs K >= 16 and power-of-two tiles; the padding is masked on load/store.
     return max(16, next_power_of_2(head_dim))

@@ -170,18 +170,13 @@ def attn_fwd(q, k, v, *, attn_mask, alibi_slopes, softmax_scale, diag_offset,
         mask, mask_strides, alibi, alibi_strides, flags = configs.feature_args(
             attn_mask, alibi_slopes, q, window_left=window_left, window_right=window_right,
             softcap=softcap, allow_tf32=allow_tf32, head_dim=d)
-        batch_stride = (lambda x: 0) if varlen else (lambda x: x.stride(0))
         configs.launch(
             _attn_fwd_kernel, lambda cfg: (configs.cdiv(seqlen_q, cfg.block_m), batch * h),
             configs.fwd_config(q, d, causal_like=windowed, seqlen=max(seqlen_q, sk)),
             "forward", q, d,
             q, k, v, out, lse, mask, alibi,
             cu_seqlens_q if varlen else q, cu_seqlens_k if varlen else q,
-            batch_stride(q), q.stride(1), q.stride(2),
-            batch_stride(k), k.stride(1), k.stride(2),
-            batch_stride(v), v.stride(1), v.stride(2),
-            batch_stride(out), out.stride(1), out.stride(2),
-            batch_stride(lse), lse.stride(1),
+            *configs.strides(varlen, q, k, v, out, lse),
             *mask_strides, *alibi_strides,
             h, h // hkv, seqlen_q, seqlen_k, d,
             diag_offset, window_left, window_right, softmax_scale, softcap,
