@@ -79,6 +79,18 @@ def _check_layout(num_layers, nheads_kv, head_dim, dtype):
         V._fail(TypeError, "dtype", "torch.float16, torch.bfloat16 or torch.float32", dtype)
 
 
+def _allocate(cache, slots, num_layers, nheads_kv, head_dim, dtype, device):
+    """The layout fields and the zeroed k_cache/v_cache, (num_layers, *slots, nheads_kv,
+    head_dim), of a validated cache. Its device is the one the tensors landed on: "cuda"
+    resolves to "cuda:N", and inputs are compared against it."""
+    cache.num_layers, cache.nheads_kv, cache.head_dim = num_layers, nheads_kv, head_dim
+    cache.dtype = dtype
+    shape = (num_layers, *slots, nheads_kv, head_dim)
+    cache.k_cache = torch.zeros(shape, dtype=dtype, device=device)
+    cache.v_cache = torch.zeros(shape, dtype=dtype, device=device)
+    cache.device = cache.k_cache.device
+
+
 def _check_new_kv(x, name, leading_dims, nheads_kv, head_dim, dtype, device):
     """x: (*leading_dims, nheads_kv, head_dim) in the cache's dtype and device; a leading
     dim given as a str (its name) may have any size, one given as an int must match."""
@@ -127,13 +139,8 @@ class KVCache:
         _check_int(max_seqlen, "max_seqlen", 1)
         _check_layout(num_layers, nheads_kv, head_dim, dtype)
         self.max_batch, self.max_seqlen = int(max_batch), int(max_seqlen)
-        self.num_layers, self.nheads_kv, self.head_dim = num_layers, nheads_kv, head_dim
-        self.dtype, self.device = dtype, torch.device(device)
-        shape = (num_layers, max_batch, max_seqlen, nheads_kv, head_dim)
-        self.k_cache = torch.zeros(shape, dtype=dtype, device=self.device)
-        self.v_cache = torch.zeros(shape, dtype=dtype, device=self.device)
-        # "cuda" resolves to "cuda:N": compare inputs against the device actually used.
-        self.device = self.k_cache.device
+        _allocate(self, (max_batch, max_seqlen), num_layers, nheads_kv, head_dim, dtype,
+                  device)
         self.cache_seqlens = torch.zeros(max_batch, dtype=torch.int32, device=self.device)
 
     def reset(self):
@@ -258,13 +265,8 @@ class PagedKVCache:
                     f"{MAX_PAGE_SIZE}", page_size)
         _check_layout(num_layers, nheads_kv, head_dim, dtype)
         self.num_blocks, self.page_size = int(num_blocks), int(page_size)
-        self.num_layers, self.nheads_kv, self.head_dim = num_layers, nheads_kv, head_dim
-        self.dtype, self.device = dtype, torch.device(device)
-        shape = (num_layers, num_blocks, page_size, nheads_kv, head_dim)
-        self.k_cache = torch.zeros(shape, dtype=dtype, device=self.device)
-        self.v_cache = torch.zeros(shape, dtype=dtype, device=self.device)
-        # "cuda" resolves to "cuda:N": compare inputs against the device actually used.
-        self.device = self.k_cache.device
+        _allocate(self, (num_blocks, page_size), num_layers, nheads_kv, head_dim, dtype,
+                  device)
         self._free = deque(range(num_blocks))
         self._ref_counts = [0] * num_blocks
         self._seqs: dict = {}
