@@ -23,17 +23,23 @@ def kv_bytes(batch, seqlen_k):
     return 2 * batch * seqlen_k * NHEADS_KV * HEAD_DIM * 2
 
 
+def _decode_inputs(batch, seqlen_k, device):
+    """bf16 q (one token per sequence), a full contiguous K/V cache, its int32 lengths."""
+    q = torch.randn(batch, 1, NHEADS, HEAD_DIM, device=device, dtype=torch.bfloat16)
+    k = torch.randn(batch, seqlen_k, NHEADS_KV, HEAD_DIM, device=device,
+                    dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    seqlens = torch.full((batch,), seqlen_k, dtype=torch.int32, device=device)
+    return q, k, v, seqlens
+
+
 def _providers(batch, seqlen_k, device):
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     import flashtile
 
-    dtype = torch.bfloat16
-    q = torch.randn(batch, 1, NHEADS, HEAD_DIM, device=device, dtype=dtype)
-    k = torch.randn(batch, seqlen_k, NHEADS_KV, HEAD_DIM, device=device, dtype=dtype)
-    v = torch.randn_like(k)
-    seqlens = torch.full((batch,), seqlen_k, dtype=torch.int32, device=device)
+    q, k, v, seqlens = _decode_inputs(batch, seqlen_k, device)
     paged = {size: _paged_pool(k, v, size) for size in PAGE_SIZES}
     qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
 
@@ -45,8 +51,8 @@ def _providers(batch, seqlen_k, device):
 
     ref = flashtile.flash_attn_func(q, k, v)
     return ref, {
-        "flashtile": lambda: flashtile.flash_attn_with_kvcache(q, k, v, cache_seqlens=seqlens),
-        **{f"flashtile-paged{size}": _paged_fn(q, seqlens, *pool)
+        "flashtile": _kvcache_fn(q, seqlens, k, v),
+        **{f"flashtile-paged{size}": _kvcache_fn(q, seqlens, *pool)
            for size, pool in paged.items()},
         "sdpa-cudnn": sdpa(SDPBackend.CUDNN_ATTENTION),
         "sdpa-flash": sdpa(SDPBackend.FLASH_ATTENTION),
@@ -68,10 +74,11 @@ def _paged_pool(k, v, page_size):
     return pool_k, pool_v, block_table
 
 
-def _paged_fn(q, seqlens, pool_k, pool_v, block_table):
+def _kvcache_fn(q, seqlens, k_cache, v_cache, block_table=None):
     import flashtile
 
-    return lambda: flashtile.flash_attn_with_kvcache(q, pool_k, pool_v, cache_seqlens=seqlens,
+    return lambda: flashtile.flash_attn_with_kvcache(q, k_cache, v_cache,
+                                                     cache_seqlens=seqlens,
                                                      block_table=block_table)
 
 
@@ -164,13 +171,9 @@ def sweep_paged_tiles(shapes=((1, 8192), (32, 4096), (64, 2048)), page_size=16,
 
     results = []
     for batch, seqlen_k in shapes:
-        q = torch.randn(batch, 1, NHEADS, HEAD_DIM, device=device, dtype=torch.bfloat16)
-        k = torch.randn(batch, seqlen_k, NHEADS_KV, HEAD_DIM, device=device,
-                        dtype=torch.bfloat16)
-        v = torch.randn_like(k)
-        seqlens = torch.full((batch,), seqlen_k, dtype=torch.int32, device=device)
-        fns = {"paged": _paged_fn(q, seqlens, *_paged_pool(k, v, page_size)),
-               "contiguous": _paged_fn(q, seqlens, k, v, None)}
+        q, k, v, seqlens = _decode_inputs(batch, seqlen_k, device)
+        fns = {"paged": _kvcache_fn(q, seqlens, *_paged_pool(k, v, page_size)),
+               "contiguous": _kvcache_fn(q, seqlens, k, v)}
         for tile in tiles:
             os.environ["FLASHTILE_DECODE_CONFIG"] = tile
             for name, fn in fns.items():
@@ -190,10 +193,7 @@ def sweep_paged_tiles(shapes=((1, 8192), (32, 4096), (64, 2048)), page_size=16,
 def _flashtile_fn(batch, seqlen_k, device, num_splits):
     import flashtile
 
-    q = torch.randn(batch, 1, NHEADS, HEAD_DIM, device=device, dtype=torch.bfloat16)
-    k = torch.randn(batch, seqlen_k, NHEADS_KV, HEAD_DIM, device=device, dtype=torch.bfloat16)
-    v = torch.randn_like(k)
-    seqlens = torch.full((batch,), seqlen_k, dtype=torch.int32, device=device)
+    q, k, v, seqlens = _decode_inputs(batch, seqlen_k, device)
     return lambda: flashtile.flash_attn_with_kvcache(q, k, v, cache_seqlens=seqlens,
                                                      num_splits=num_splits)
 
