@@ -161,10 +161,12 @@ def sweep_decode_tiles(shapes=((1, 8192), (8, 32768)), device="cuda"):
 
 
 def sweep_paged_tiles(shapes=((1, 8192), (32, 4096), (64, 2048)), page_size=16,
-                      tiles=("16,16,4,4", "16,16,4,6", "16,32,4,4", "16,64,4,3"),
+                      tiles=("16,16,4,4", "16,16,4,6", "16,32,4,4", "16,64,4,3",
+                             "16,64,4,4", "16,128,4,3"),
                       device="cuda"):
-    """Small pages: key tiles of the page size (one page lookup per tile, deeper
-    pipelining) against 64-key tiles (a lookup per key row), contiguous beside each."""
+    """Small pages: key tiles of one page (a scalar page lookup per tile, deeper
+    pipelining) against tiles of 2-8 whole pages (a vector of page indices per tile),
+    the contiguous cache beside each."""
     import os
 
     import triton
