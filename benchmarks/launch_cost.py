@@ -84,6 +84,27 @@ out, lse = fwd_launcher(qd, kd, vd, **launcher)
 print(f"fwd_bwd through the custom op's autograd: {host_us(fwd_bwd_op):.1f} us")
 print(f"launcher flashtile.ops.bwd.attn_bwd: "
       f"{host_us(lambda: bwd_launcher(do, qd, kd, vd, out, lse, None, **launcher)):.1f} us")
+
+
+# The autograd engine's own cost per backward, with nothing of flashtile in it: a Python
+# Function whose forward is one clone and whose backward returns its gradient, with three
+# inputs as flash_attn_func has (run 14: the backward's host time was ~860 us against a
+# ~176 us launcher).
+class _Identity3(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, a, b, c):
+        return a.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, g, g
+
+
+def engine_only():
+    torch.autograd.grad(_Identity3.apply(q, k, v), (q, k, v), do)
+
+
+print(f"autograd.grad through a 3-input identity Function: {host_us(engine_only):.1f} us")
 prof = cProfile.Profile()
 prof.enable()
 for _ in range(200):

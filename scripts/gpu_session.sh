@@ -10,6 +10,8 @@
 #   short        host cost per call (benchmarks/launch_cost.py), the short-sequence
 #                rows of the sweep beside cuDNN, flash and Flex, and the decode table
 #                with the small-page tile sweep                           (~5 min)
+#   decode       the decode/paged GPU tests, their memcheck slice, the decode table
+#                (default, then each pipeline depth forced), host cost      (~6 min)
 set -uo pipefail
 export TRITON_CACHE_DIR=$PWD/.triton-cache PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
 export FLASHTILE_CACHE_DIR=$PWD/.ftcache
@@ -52,8 +54,27 @@ case "${1:-}" in
     timeout 150 python3 -m flashtile.bench.decode --sweep-paged "$OUT/decode.json" 2>&1 \
       | grep -v -i warn | grep -v "^{" | tee "$OUT/decode.txt" | tail -30
     ;;
+  decode)
+    stamp decode-tests
+    timeout 200 python3 -m pytest -q -p no:cacheprovider -n 8 --gpu tests/test_decode.py \
+      tests/test_kv_cache.py tests/test_merge.py 2>&1 | tail -2 | tee "$OUT/decode-tests.txt"
+    stamp memcheck-decode
+    timeout 150 make memcheck MEMCHECK_K="decode or paged or splits or append or leftpad" \
+      2>&1 | tail -3 | tee "$OUT/memcheck-decode.txt"
+    stamp decode-table
+    timeout 100 python3 -m flashtile.bench.decode "$OUT/decode.json" 2>&1 \
+      | grep -v -i warn | grep -v "^{" | grep -v "^  return" | tee "$OUT/decode.txt" | tail -9
+    # The same table with one pipeline depth everywhere, beside the default's choice.
+    for tile in 16,64,4,3 16,64,4,4; do
+      FLASHTILE_DECODE_CONFIG=$tile timeout 100 python3 -m flashtile.bench.decode 2>&1 \
+        | grep "^| [0-9]" | tee "$OUT/decode-$tile.txt" | cut -c1-120
+    done
+    timeout 90 python3 benchmarks/launch_cost.py 2>&1 | grep -v -i warn \
+      | tee "$OUT/launch-cost.txt" | head -10
+    stamp done
+    ;;
   *)
-    echo "usage: $0 check|sweep [SECONDS]|extra|short" >&2
+    echo "usage: $0 check|sweep [SECONDS]|extra|short|decode" >&2
     exit 2
     ;;
 esac

@@ -232,8 +232,9 @@ def log_first_launch(kernel: str, q, head_dim, cfg: TileConfig, flags=None) -> N
                     f"; {on}" if on else "")
 
 
-def decode_config(q, head_dim, rows) -> TileConfig:
-    """Decode tile: rows = query tokens x query heads per KV head (GQA packing)."""
+def decode_config(q, head_dim, rows, split=True) -> TileConfig:
+    """Decode tile: rows = query tokens x query heads per KV head (GQA packing); split:
+    whether the cache length is split across programs."""
     if "decode" in _override:
         return _override["decode"]
     env = _from_env("decode")
@@ -244,8 +245,10 @@ def decode_config(q, head_dim, rows) -> TileConfig:
         return TileConfig(block_m, 16)
     # Memory-bound: 64-key tiles with 4 warps keep enough loads in flight per SM; at
     # head_dim 256 (or fp32) a 32-key tile keeps the K/V buffers within shared memory.
+    # Unsplit programs walk the whole cache: a fourth stage measured faster there (H200,
+    # 64 x 2k: 4346 against 3898 GB/s; 32 x 4k equal), slower for short splits (NOTES 8).
     wide = padded_head_dim(head_dim) * q.element_size() > 256
-    return TileConfig(block_m, 32 if wide else 64, 4, 3)
+    return TileConfig(block_m, 32 if wide else 64, 4, 3 if split else 4)
 
 
 # ---- Tile study (`flashtile tune`): candidates, and the tuned cache `_pick` reads ----

@@ -9,11 +9,10 @@ Flash-Decoding, 2023); each split writes its normalized partial output and lse, 
 
 Key j of sequence b lives at cache position ``cache_leftpad[b] + j``; with a
 ``block_table`` that position is looked up page by page, so pages may lie anywhere in
-the pool in any order. Page sizes and key tiles are powers of two, so without a left pad
-a tile either lies inside one page (one scalar page lookup per tile, rows contiguous from
-it, as in the contiguous cache) or covers TILE_PAGES whole pages (one small vector of
-page indices per tile, PAGE_SIZE contiguous rows from each). A left pad shifts tiles off
-the page boundaries: then each row of the tile looks up its own page.
+the pool in any order. When the page size is a multiple of the key tile (and there is no
+left pad) a tile lies inside one page: one scalar page lookup per tile, and the rows are
+contiguous from it, as in the contiguous cache. Otherwise each row of the tile does its
+own lookup (page sizes below the tile, or a left pad that shifts tiles off the pages).
 """
 
 import torch
@@ -31,7 +30,7 @@ def _decode_kernel(
     stride_qb, stride_qm, stride_qh,
     stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh,
-    stride_block_table_b,
+    stride_block_table_b, max_blocks,
     stride_os, stride_ob, stride_om, stride_oh,
     stride_ls, stride_lb, stride_lh,
     stride_alibi_b, stride_alibi_h,
@@ -40,7 +39,7 @@ def _decode_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     EVEN_D: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, PAGED: tl.constexpr,
-    PAGE_SIZE: tl.constexpr, PAGE_ALIGNED: tl.constexpr, TILE_PAGES: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, PAGE_ALIGNED: tl.constexpr,
     HAS_BATCH_IDX: tl.constexpr, HAS_LEFTPAD: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
 ):
@@ -89,40 +88,28 @@ def _decode_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     # The page(s) of a tile are loaded one tile ahead: the software pipeliner does not
     # run scalar loads ahead, and a K/V address waiting on its block-table entry in the
-    # same iteration stalls every tile (NOTES.md section 4).
+    # same iteration stalls every tile (NOTES.md section 4). The first tile's pages are
+    # masked by the block table's width, not by the sequence length, so their load does
+    # not wait for cache_seqlens (entries past the sequence only address masked rows).
     block_row = BlockTable + off_b * stride_block_table_b
-    offs_p = tl.arange(0, TILE_PAGES)
-    offs_in_page = tl.arange(0, BLOCK_N // TILE_PAGES)
     page = 0
     if PAGE_ALIGNED:
-        if TILE_PAGES == 1:
-            page = tl.load(block_row + lo // PAGE_SIZE, mask=lo < hi, other=0)
-        else:
-            page = tl.load(block_row + lo // PAGE_SIZE + offs_p,
-                           mask=lo + offs_p * PAGE_SIZE < hi, other=0)
+        page = tl.load(block_row + lo // PAGE_SIZE, mask=lo // PAGE_SIZE < max_blocks,
+                       other=0)
     elif PAGED:
-        page = tl.load(block_row + (leftpad + lo + offs_n0) // PAGE_SIZE,
-                       mask=lo + offs_n0 < hi, other=0)
+        first = (leftpad + lo + offs_n0) // PAGE_SIZE
+        page = tl.load(block_row + first, mask=first < max_blocks, other=0)
     for start_n in tl.range(lo, hi, BLOCK_N):
         offs_n = start_n + offs_n0
         m_n = offs_n < hi
         pos = leftpad + offs_n                                             # cache position
         if PAGE_ALIGNED:
-            # Tiles start at multiples of BLOCK_N: with BLOCK_N dividing PAGE_SIZE a tile
-            # lies in one page; otherwise it is TILE_PAGES whole pages.
+            # The tile starts at a multiple of BLOCK_N, which divides PAGE_SIZE: one page.
+            in_page = start_n % PAGE_SIZE + offs_n0
+            row_k = page.to(tl.int64) * stride_kb + in_page * stride_kn
+            row_v = page.to(tl.int64) * stride_vb + in_page * stride_vn
             next_n = start_n + BLOCK_N
-            if TILE_PAGES == 1:
-                in_page = start_n % PAGE_SIZE + offs_n0
-                row_k = page.to(tl.int64) * stride_kb + in_page * stride_kn
-                row_v = page.to(tl.int64) * stride_vb + in_page * stride_vn
-                page = tl.load(block_row + next_n // PAGE_SIZE, mask=next_n < hi, other=0)
-            else:
-                row_k = tl.reshape(page.to(tl.int64)[:, None] * stride_kb
-                                   + offs_in_page[None, :] * stride_kn, (BLOCK_N,))
-                row_v = tl.reshape(page.to(tl.int64)[:, None] * stride_vb
-                                   + offs_in_page[None, :] * stride_vn, (BLOCK_N,))
-                page = tl.load(block_row + next_n // PAGE_SIZE + offs_p,
-                               mask=next_n + offs_p * PAGE_SIZE < hi, other=0)
+            page = tl.load(block_row + next_n // PAGE_SIZE, mask=next_n < hi, other=0)
         elif PAGED:
             row_k = page.to(tl.int64) * stride_kb + (pos % PAGE_SIZE) * stride_kn
             row_v = page.to(tl.int64) * stride_vb + (pos % PAGE_SIZE) * stride_vn
@@ -233,6 +220,9 @@ def attn_decode(q, k_cache, v_cache, *, cache_seqlens, block_table, cache_batch_
                                  cfg.block_n) * cfg.block_n
     num_splits = max(1, configs.cdiv(capacity, keys_per_split))
     if num_splits == 1:
+        # The tile does not depend on the split; the pipeline depth does.
+        cfg = configs.decode_config(q, d, sq * group, split=False)
+    if num_splits == 1:
         dst, dst_lse = out, lse
         dst_strides = (0, *out.stride()[:3])
         dst_lse_strides = (0, *lse.stride()[:2])
@@ -247,14 +237,13 @@ def attn_decode(q, k_cache, v_cache, *, cache_seqlens, block_table, cache_batch_
     flags.pop("HAS_MASK")
     flags.pop("MASK_IS_BOOL")
     placeholder = cache_seqlens
-    # Page sizes and tiles are powers of two (validated), so without a left pad one
-    # divides the other; a constexpr page size makes the per-row lookup shifts and masks.
+    # Page sizes are powers of two (validated), so a constexpr page size makes the
+    # per-row lookup shifts and masks; one variant per page size in use.
     page_size = k_cache.shape[1] if paged else 1
-    page_aligned = paged and cache_leftpad is None
-    tile_pages = max(1, cfg.block_n // page_size) if page_aligned else 1
+    page_aligned = paged and page_size % cfg.block_n == 0 and cache_leftpad is None
     configs.log_first_launch("decode", q, d, cfg, dict(
         flags, PAGED=paged, PAGE_SIZE=page_size if paged else None,
-        PAGE_ALIGNED=page_aligned, TILE_PAGES=tile_pages, SPLIT=num_splits > 1,
+        PAGE_ALIGNED=page_aligned, SPLIT=num_splits > 1,
         HAS_BATCH_IDX=cache_batch_idx is not None, HAS_LEFTPAD=cache_leftpad is not None))
     _decode_kernel[(num_splits, b * hkv, m_blocks)](
         q, k_cache, v_cache, dst, dst_lse,
@@ -264,12 +253,12 @@ def attn_decode(q, k_cache, v_cache, *, cache_seqlens, block_table, cache_batch_
         q.stride(0), q.stride(1), q.stride(2),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        block_table.stride(0) if paged else 0,
+        block_table.stride(0) if paged else 0, block_table.shape[1] if paged else 0,
         *dst_strides, *dst_lse_strides, *alibi_strides,
         hkv, group, sq, d, keys_per_split,
         window_left, window_right, softmax_scale, softcap,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, PAGED=paged, PAGE_SIZE=page_size,
-        PAGE_ALIGNED=page_aligned, TILE_PAGES=tile_pages,
+        PAGE_ALIGNED=page_aligned,
         HAS_BATCH_IDX=cache_batch_idx is not None, HAS_LEFTPAD=cache_leftpad is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **flags,
     )
