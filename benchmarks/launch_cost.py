@@ -10,6 +10,7 @@ Run on the GPU: PYTHONPATH=. python3 benchmarks/launch_cost.py
 import cProfile
 import pstats
 import time
+from types import SimpleNamespace
 
 import torch
 import triton
@@ -105,6 +106,17 @@ def engine_only():
 
 
 print(f"autograd.grad through a 3-input identity Function: {host_us(engine_only):.1f} us")
+# The eager backward's own Python, called directly (no engine), and the whole
+# forward+backward with the engine's device threads off (the backward then runs on the
+# calling thread): together they split the backward's host time between flashtile's
+# code, the engine, and the hand-off to the engine's CUDA worker thread.
+ctx = SimpleNamespace(saved_tensors=(qd, kd, vd, out, lse, None, None), scalars=dict(
+    softmax_scale=0.125, diag_offset=0, window_left=-1, window_right=0, softcap=0.0,
+    allow_tf32=False))
+print(f"eager backward called directly: "
+      f"{host_us(lambda: custom_ops._backward(ctx, do, None, custom_ops._attn_bwd_impl)):.1f} us")
+with torch.autograd.set_multithreading_enabled(False):
+    print(f"flash_attn_func fwd_bwd, engine threads off: {host_us(fwd_bwd):.1f} us")
 prof = cProfile.Profile()
 prof.enable()
 for _ in range(200):

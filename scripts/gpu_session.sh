@@ -12,6 +12,8 @@
 #                with the small-page tile sweep                           (~5 min)
 #   decode       the decode/paged GPU tests, their memcheck slice, the decode table
 #                (default, then each pipeline depth forced), host cost      (~6 min)
+#   splits       decode split count x pipeline depth, contiguous and page 16; host
+#                cost per call                                              (~2 min)
 set -uo pipefail
 export TRITON_CACHE_DIR=$PWD/.triton-cache PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
 export FLASHTILE_CACHE_DIR=$PWD/.ftcache
@@ -67,14 +69,21 @@ case "${1:-}" in
     # The same table with one pipeline depth everywhere, beside the default's choice.
     for tile in 16,64,4,3 16,64,4,4; do
       FLASHTILE_DECODE_CONFIG=$tile timeout 100 python3 -m flashtile.bench.decode 2>&1 \
-        | grep "^| [0-9]" | tee "$OUT/decode-$tile.txt" | cut -c1-120
+        | grep "^| [0-9]" | tee "$OUT/decode-${tile//,/-}.txt" | cut -c1-120
     done
     timeout 90 python3 benchmarks/launch_cost.py 2>&1 | grep -v -i warn \
       | tee "$OUT/launch-cost.txt" | head -10
     stamp done
     ;;
+  splits)
+    # Split counts x pipeline depth for the contiguous cache and page 16, then host cost.
+    timeout 200 python3 -m flashtile.bench.decode --sweep-splits-paged 2>&1 \
+      | grep "decode sweep" | tee "$OUT/decode-splits.txt"
+    timeout 90 python3 benchmarks/launch_cost.py 2>&1 | grep -v -i warn \
+      | tee "$OUT/launch-cost.txt" | head -12
+    ;;
   *)
-    echo "usage: $0 check|sweep [SECONDS]|extra|short|decode" >&2
+    echo "usage: $0 check|sweep [SECONDS]|extra|short|decode|splits" >&2
     exit 2
     ;;
 esac

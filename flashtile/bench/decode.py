@@ -74,12 +74,13 @@ def _paged_pool(k, v, page_size):
     return pool_k, pool_v, block_table
 
 
-def _kvcache_fn(q, seqlens, k_cache, v_cache, block_table=None):
+def _kvcache_fn(q, seqlens, k_cache, v_cache, block_table=None, num_splits=0):
     import flashtile
 
     return lambda: flashtile.flash_attn_with_kvcache(q, k_cache, v_cache,
                                                      cache_seqlens=seqlens,
-                                                     block_table=block_table)
+                                                     block_table=block_table,
+                                                     num_splits=num_splits)
 
 
 def run_decode_bench(shapes=SHAPES, device="cuda"):
@@ -134,28 +135,36 @@ def decode_markdown(rows, copy_gbps=None):
     return "\n".join(lines)
 
 
-def sweep_decode_tiles(shapes=((1, 8192), (8, 32768)), device="cuda"):
-    """flashtile's decode over num_splits and tile candidates: the data for the heuristic."""
+def sweep_decode_tiles(shapes=((1, 8192), (8, 32768)),
+                       tiles=("16,64,4,3", "16,128,4,3", "16,64,4,4"),
+                       splits=(0, 1, 8, 32, 64), page_sizes=(None,), device="cuda"):
+    """flashtile's decode over num_splits and tile candidates (page_size None: the
+    contiguous cache): the data for the split heuristic and the tile choice."""
     import os
 
     import triton
 
     results = []
     for batch, seqlen_k in shapes:
-        for tile in ("16,64,4,3", "16,128,4,3", "16,64,4,4"):
+        q, k, v, seqlens = _decode_inputs(batch, seqlen_k, device)
+        caches = {ps: (k, v, None) if ps is None else _paged_pool(k, v, ps)
+                  for ps in page_sizes}
+        for tile in tiles:
             os.environ["FLASHTILE_DECODE_CONFIG"] = tile
-            for splits in (0, 1, 8, 32, 64):
-                fn = _flashtile_fn(batch, seqlen_k, device, splits)
-                try:
-                    ms = triton.testing.do_bench_cudagraph(fn, rep=50, return_mode="median")
-                    gbps = kv_bytes(batch, seqlen_k) / ms / 1e6
-                except Exception as e:
-                    gbps = f"{type(e).__name__}"
-                results.append((batch, seqlen_k, tile, splits, gbps))
-                del fn
-                print(f"decode sweep b={batch} sk={seqlen_k} tile={tile} splits={splits}: "
-                      f"{gbps if isinstance(gbps, str) else round(gbps)} GB/s", flush=True)
+            for ps, cache in caches.items():
+                for n in splits:
+                    fn = _kvcache_fn(q, seqlens, *cache, num_splits=n)
+                    try:
+                        ms = triton.testing.do_bench_cudagraph(fn, rep=50,
+                                                               return_mode="median")
+                        gbps = round(kv_bytes(batch, seqlen_k) / ms / 1e6)
+                    except Exception as e:
+                        gbps = type(e).__name__
+                    results.append((batch, seqlen_k, tile, ps, n, gbps))
+                    print(f"decode sweep b={batch} sk={seqlen_k} tile={tile} "
+                          f"page={ps or 'contiguous'} splits={n}: {gbps} GB/s", flush=True)
         os.environ.pop("FLASHTILE_DECODE_CONFIG", None)
+        del q, k, v, caches
         torch.cuda.empty_cache()
     return results
 
@@ -192,14 +201,6 @@ def sweep_paged_tiles(shapes=((1, 8192), (32, 4096), (64, 2048)), page_size=16,
     return results
 
 
-def _flashtile_fn(batch, seqlen_k, device, num_splits):
-    import flashtile
-
-    q, k, v, seqlens = _decode_inputs(batch, seqlen_k, device)
-    return lambda: flashtile.flash_attn_with_kvcache(q, k, v, cache_seqlens=seqlens,
-                                                     num_splits=num_splits)
-
-
 if __name__ == "__main__":
     import sys
 
@@ -210,6 +211,10 @@ if __name__ == "__main__":
     print(f"# device copy {copy:.0f} GB/s ({torch.cuda.get_device_name()})")
     if "--sweep" in sys.argv:
         sweep_decode_tiles()
+    if "--sweep-splits-paged" in sys.argv:
+        # Short walks under the per-row page lookup: does a longer walk per split pay?
+        sweep_decode_tiles(shapes=((1, 8192), (8, 8192)), tiles=("16,64,4,3", "16,64,4,2"),
+                           splits=(0, 8, 16, 24, 48), page_sizes=(None, 16))
     if "--sweep-paged" in sys.argv:
         sweep_paged_tiles()
     rows = run_decode_bench()
