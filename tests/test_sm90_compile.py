@@ -82,5 +82,8 @@ def test_decode_compiles(paged, page_size, aligned):
                                              HAS_LEFTPAD=not aligned, **flags),
                         dtype="bf16", num_warps=4, num_stages=3)
     assert resources(ck)["stack_bytes"] == 0
+    # The K/V loads must stay software-pipelined (async copies into shared memory): a
+    # change to the page lookup once silently turned that off (NOTES.md section 8).
+    assert ck.asm["ttgir"].count("async_copy_global_to_local") >= 4, "decode not pipelined"
     ck = compile_kernel(_combine_kernel, dict(BLOCK_S=16, BLOCK_D=128), dtype="bf16")
     assert resources(ck)["stack_bytes"] == 0

@@ -18,6 +18,12 @@ _INT32_POINTERS = {"BlockTable", "CacheSeqlens", "CacheBatchIdx", "CacheLeftpad"
                    "CuSeqlensQ", "CuSeqlensK"}
 
 
+# Integer arguments that are multiples of 16 in the launches that matter (head_dim 64,
+# 128, ...): the JIT marks them so, and without it the decode kernel's head-dim mask
+# blocks vectorized loads and with them the software pipelining (NOTES.md section 8).
+_DIVISIBLE_INTS = {"head_dim"}
+
+
 def compile_kernel(kernel, constexprs: dict, dtype: str = "bf16", arch: int = 90,
                    num_warps: int = 4, num_stages: int = 1):
     """Compile ``kernel`` with the given constexprs; tensors named in capitals are
@@ -27,7 +33,7 @@ def compile_kernel(kernel, constexprs: dict, dtype: str = "bf16", arch: int = 90
         # What the JIT infers at a real launch from aligned pointers and strides that
         # are multiples of 16; without it loads are scalar and the kernel is not the one
         # that runs.
-        if name[0].isupper() or name.startswith("stride_"):
+        if name[0].isupper() or name.startswith("stride_") or name in _DIVISIBLE_INTS:
             attrs[(i,)] = [["tt.divisibility", 16]]
         if name in constexprs:
             sig[name] = "constexpr"
