@@ -119,6 +119,9 @@ def _eager_function(name, forward_impl, setup_context, backward):
     like the op: the kernels' gradients carry no graph, so a double backward must fail
     loudly rather than drop the second-order term."""
     def forward(ctx, *inputs):
+        # An output the loss does not use (usually lse) gets a None gradient instead of
+        # a materialized zero tensor: a fill launch less, and the kernels skip its term.
+        ctx.set_materialize_grads(False)
         output = forward_impl(*inputs)
         setup_context(ctx, inputs, output)
         return output

@@ -161,6 +161,27 @@ def test_fwd_bwd(case, dtype, use_backend, device, monkeypatch):
         assert_close_rule(name, ours, r64, rpt)
 
 
+@pytest.mark.parametrize("through", ["out", "lse"])
+def test_grad_through_one_output(through, use_backend, device):
+    """Only out or only lse reaches the loss: the other output's gradient arrives as
+    None (not materialized as zeros) and the backward must treat it as zero."""
+    case = Case(2, 37, 53, 4, 2, 32, causal=True, window=(17, 0))
+    q, k, v, _ = _inputs(case, torch.float16, device)
+    qg, kg, vg = (x.clone().requires_grad_() for x in (q, k, v))
+    out, lse = flashtile.flash_attn_func(qg, kg, vg, return_lse=True, causal=True,
+                                         window_size=(17, 0))
+    dout, dlse = torch.randn_like(out), torch.randn_like(lse)
+    if through == "out":
+        loss, dlse = (out * dout).sum(), None
+    else:
+        loss, dout = (lse * dlse).sum(), torch.zeros_like(out)
+    grads = torch.autograd.grad(loss, (qg, kg, vg))
+    (_, _, g64), (_, _, g_pt) = reference_pair(q, k, v, dout, dlse, causal=True,
+                                               window_size=(17, 0))
+    for name, ours, r64, rpt in zip(("dq", "dk", "dv"), grads, g64, g_pt):
+        assert_close_rule(name, ours, r64, rpt)
+
+
 def test_deterministic_backward(use_backend, device):
     case = Case(2, 67, 89, 4, 2, 32, causal=True) if device.type == "cpu" else \
         Case(2, 2048, 2048, 16, 4, 128, causal=True)

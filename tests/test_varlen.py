@@ -62,6 +62,34 @@ def test_varlen_equals_loop(case, backend, device, on_gpu):
         torch.testing.assert_close(a, r, **(tol if on_gpu else dict(rtol=1e-5, atol=1e-5)))
 
 
+def test_varlen_grad_through_lse_only(backend, device, on_gpu):
+    """A loss on lse alone: out's gradient arrives as None and counts as zero."""
+    lens_q, lens_k = [3, 0, 7], [5, 2, 11]
+    dtype = torch.bfloat16 if on_gpu else torch.float32
+    q = torch.randn(sum(lens_q), 4, 32, device=device, dtype=dtype, requires_grad=True)
+    k, v = (torch.randn(sum(lens_k), 2, 32, device=device, dtype=dtype, requires_grad=True)
+            for _ in range(2))
+    cu_q, cu_k = _cu(lens_q, device), _cu(lens_k, device)
+    _, lse = flashtile.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k),
+                                              causal=True, return_lse=True)
+    dlse = torch.randn_like(lse)
+    grads = torch.autograd.grad((lse * dlse).sum(), (q, k, v))
+    ref = [torch.zeros_like(x) for x in (q, k, v)]
+    for qs, qe, ks, ke in zip(cu_q[:-1].tolist(), cu_q[1:].tolist(), cu_k[:-1].tolist(),
+                              cu_k[1:].tolist()):
+        if qe == qs:
+            continue
+        qb, kb, vb = (x.detach()[None, s:e].clone().requires_grad_()
+                      for x, s, e in ((q, qs, qe), (k, ks, ke), (v, ks, ke)))
+        _, lb = flashtile.flash_attn_func(qb, kb, vb, causal=True, return_lse=True)
+        g = torch.autograd.grad((lb * dlse[None, :, qs:qe]).sum(), (qb, kb, vb))
+        for acc, gb, s, e in zip(ref, g, (qs, ks, ks), (qe, ke, ke)):
+            acc[s:e] = gb[0]
+    tol = dict(rtol=2e-2, atol=2e-2) if on_gpu else dict(rtol=1e-5, atol=1e-5)
+    for a, r in zip(grads, ref):
+        torch.testing.assert_close(a, r, **tol)
+
+
 def test_varlen_bad_cu_seqlens(device):
     q = torch.randn(10, 2, 16, device=device)
     k = torch.randn(12, 2, 16, device=device)
