@@ -174,8 +174,8 @@ def sweep_paged_tiles(shapes=((1, 8192), (32, 4096), (64, 2048)), page_size=16,
                              "16,64,4,4", "16,128,4,3"),
                       device="cuda"):
     """Small pages: key tiles of one page (a scalar page lookup per tile, deeper
-    pipelining) against tiles of 2-8 whole pages (a vector of page indices per tile),
-    the contiguous cache beside each."""
+    pipelining) against 32-128-key tiles (a page lookup per key row), the contiguous
+    cache beside each."""
     import os
 
     import triton

@@ -91,6 +91,9 @@ def _decode_kernel(
     # same iteration stalls every tile (NOTES.md section 4). The first tile's pages are
     # masked by the block table's width, not by the sequence length, so their load does
     # not wait for cache_seqlens (entries past the sequence only address masked rows).
+    # The pipeliner's prologue still predicates the second tile's page load on `hi`:
+    # a short walk under the per-row lookup pays that chain once (NOTES.md section 8;
+    # loading pages two tiles ahead instead stops the pipelining altogether).
     block_row = BlockTable + off_b * stride_block_table_b
     page = 0
     if PAGE_ALIGNED:
@@ -222,7 +225,6 @@ def attn_decode(q, k_cache, v_cache, *, cache_seqlens, block_table, cache_batch_
     if num_splits == 1:
         # The tile does not depend on the split; the pipeline depth does.
         cfg = configs.decode_config(q, d, sq * group, split=False)
-    if num_splits == 1:
         dst, dst_lse = out, lse
         dst_strides = (0, *out.stride()[:3])
         dst_lse_strides = (0, *lse.stride()[:2])
