@@ -91,9 +91,8 @@ def _decode_kernel(
     # same iteration stalls every tile (NOTES.md section 4). The first tile's pages are
     # masked by the block table's width, not by the sequence length, so their load does
     # not wait for cache_seqlens (entries past the sequence only address masked rows).
-    # The pipeliner's prologue still predicates the second tile's page load on `hi`:
-    # a short walk under the per-row lookup pays that chain once (NOTES.md section 8;
-    # loading pages two tiles ahead instead stops the pipelining altogether).
+    # Loading pages two tiles ahead stops Triton's software pipelining altogether
+    # (NOTES.md section 8).
     block_row = BlockTable + off_b * stride_block_table_b
     page = 0
     if PAGE_ALIGNED:
