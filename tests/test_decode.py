@@ -63,8 +63,9 @@ def test_decode_equals_full_attention(seqlen_q, causal, heads, backend, device, 
 
 @pytest.fixture(params=[None, 64], ids=["default_tile", "tile_n64"])
 def decode_tile(request):
-    """None: the table's tile; 64: keys per tile above the page size, so the kernel
-    looks up each row's page instead of one page per tile."""
+    """None: the table's tile; 64: keys per tile above the page size, so a tile spans
+    several whole pages (one lookup per page), or, under a left pad, looks up each
+    row's page."""
     if request.param is not None:
         configs.set_override("decode", configs.TileConfig(16, request.param, 4, 2))
     yield request.param
@@ -74,8 +75,8 @@ def decode_tile(request):
 @pytest.mark.parametrize("leftpad", [False, True], ids=["", "leftpad"])
 @pytest.mark.parametrize("page_size", [16, 32, 64, 128])
 def test_paged_equals_contiguous(page_size, leftpad, decode_tile, backend, device, on_gpu):
-    """Page sizes below, equal to and above the key tile (per-row and per-tile page
-    lookup); a left pad shifts tiles off the page boundaries."""
+    """Page sizes below, equal to and above the key tile (several pages per tile, one
+    page per tile); a left pad shifts tiles off the page boundaries (per-row lookup)."""
     b, s, h, hkv, d = 2, 128, 4, 2, 16
     dtype = _dtype(on_gpu)
     gen = torch.Generator().manual_seed(1)

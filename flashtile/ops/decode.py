@@ -9,10 +9,11 @@ Flash-Decoding, 2023); each split writes its normalized partial output and lse, 
 
 Key j of sequence b lives at cache position ``cache_leftpad[b] + j``; with a
 ``block_table`` that position is looked up page by page, so pages may lie anywhere in
-the pool in any order. When the page size is a multiple of the key tile (and there is no
-left pad) a tile lies inside one page: one scalar page lookup per tile, and the rows are
-contiguous from it, as in the contiguous cache. Otherwise each row of the tile does its
-own lookup (page sizes below the tile, or a left pad that shifts tiles off the pages).
+the pool in any order. Page sizes and key tiles are powers of two, so without a left pad
+a tile lies inside one page (one scalar page lookup per tile, rows contiguous from it, as
+in the contiguous cache) or spans TILE_PAGES whole pages (one scalar lookup per page,
+broadcast to its rows). A left pad shifts tiles off the page boundaries: then each row
+of the tile looks up its own page.
 """
 
 import torch
@@ -21,6 +22,27 @@ import triton.language as tl
 
 from flashtile.ops import configs
 from flashtile.ops._common import LN2, _scores_log2
+
+
+@triton.jit
+def _row_pages(block_row, start, offs_n0, max_blocks, PAGE_SIZE: tl.constexpr,
+               TILE_PAGES: tl.constexpr):
+    """The pool block of each key row ``start + offs_n0`` (0 past the block table).
+
+    TILE_PAGES > 0: ``start`` is page-aligned and the rows are that many whole pages,
+    so one scalar lookup per page, broadcast to its rows (a vector load of every row's
+    entry measured slower on the H200, NOTES.md section 8). 0: a left pad shifts rows
+    off the page boundaries, and each row looks up its own page.
+    """
+    if TILE_PAGES == 0:
+        index = (start + offs_n0) // PAGE_SIZE
+        return tl.load(block_row + index, mask=index < max_blocks, other=0)
+    first = start // PAGE_SIZE
+    rows = tl.zeros_like(offs_n0)
+    for p in tl.static_range(TILE_PAGES):
+        page = tl.load(block_row + first + p, mask=first + p < max_blocks, other=0)
+        rows = tl.where(offs_n0 // PAGE_SIZE == p, page, rows)
+    return rows
 
 
 @triton.jit
@@ -39,7 +61,7 @@ def _decode_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     EVEN_D: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, PAGED: tl.constexpr,
-    PAGE_SIZE: tl.constexpr, PAGE_ALIGNED: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, PAGE_ALIGNED: tl.constexpr, TILE_PAGES: tl.constexpr,
     HAS_BATCH_IDX: tl.constexpr, HAS_LEFTPAD: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
 ):
@@ -99,8 +121,8 @@ def _decode_kernel(
         page = tl.load(block_row + lo // PAGE_SIZE, mask=lo // PAGE_SIZE < max_blocks,
                        other=0)
     elif PAGED:
-        first = (leftpad + lo + offs_n0) // PAGE_SIZE
-        page = tl.load(block_row + first, mask=first < max_blocks, other=0)
+        page = _row_pages(block_row, leftpad + lo, offs_n0, max_blocks, PAGE_SIZE,
+                          TILE_PAGES)
     for start_n in tl.range(lo, hi, BLOCK_N):
         offs_n = start_n + offs_n0
         m_n = offs_n < hi
@@ -115,8 +137,8 @@ def _decode_kernel(
         elif PAGED:
             row_k = page.to(tl.int64) * stride_kb + (pos % PAGE_SIZE) * stride_kn
             row_v = page.to(tl.int64) * stride_vb + (pos % PAGE_SIZE) * stride_vn
-            page = tl.load(block_row + (pos + BLOCK_N) // PAGE_SIZE,
-                           mask=offs_n + BLOCK_N < hi, other=0)
+            page = _row_pages(block_row, leftpad + start_n + BLOCK_N, offs_n0, max_blocks,
+                              PAGE_SIZE, TILE_PAGES)
         else:
             row_k = cache_b.to(tl.int64) * stride_kb + pos * stride_kn
             row_v = cache_b.to(tl.int64) * stride_vb + pos * stride_vn
@@ -242,9 +264,12 @@ def attn_decode(q, k_cache, v_cache, *, cache_seqlens, block_table, cache_batch_
     # per-row lookup shifts and masks; one variant per page size in use.
     page_size = k_cache.shape[1] if paged else 1
     page_aligned = paged and page_size % cfg.block_n == 0 and cache_leftpad is None
+    # Pages smaller than the tile: whole pages per tile unless a left pad (0: per row).
+    tile_pages = (cfg.block_n // page_size
+                  if paged and not page_aligned and cache_leftpad is None else 0)
     configs.log_first_launch("decode", q, d, cfg, dict(
         flags, PAGED=paged, PAGE_SIZE=page_size if paged else None,
-        PAGE_ALIGNED=page_aligned, SPLIT=num_splits > 1,
+        PAGE_ALIGNED=page_aligned, TILE_PAGES=tile_pages, SPLIT=num_splits > 1,
         HAS_BATCH_IDX=cache_batch_idx is not None, HAS_LEFTPAD=cache_leftpad is not None))
     _decode_kernel[(num_splits, b * hkv, m_blocks)](
         q, k_cache, v_cache, dst, dst_lse,
@@ -259,7 +284,7 @@ def attn_decode(q, k_cache, v_cache, *, cache_seqlens, block_table, cache_batch_
         hkv, group, sq, d, keys_per_split,
         window_left, window_right, softmax_scale, softcap,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, PAGED=paged, PAGE_SIZE=page_size,
-        PAGE_ALIGNED=page_aligned,
+        PAGE_ALIGNED=page_aligned, TILE_PAGES=tile_pages,
         HAS_BATCH_IDX=cache_batch_idx is not None, HAS_LEFTPAD=cache_leftpad is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **flags,
     )
