@@ -14,8 +14,8 @@ import torch
 
 SHAPES = [(1, 8192), (8, 8192), (32, 4096), (8, 32768), (1, 131072), (64, 2048)]
 NHEADS, NHEADS_KV, HEAD_DIM = 32, 8, 128
-# 64: a key tile lies in one page (one page lookup per tile); 16: below the tile, each
-# key row looks up its own page.
+# 64: a key tile lies in one page (one page lookup per tile); 16: a tile spans four
+# pages (one lookup per page).
 PAGE_SIZES = (64, 16)
 
 
@@ -173,9 +173,8 @@ def sweep_paged_tiles(shapes=((1, 8192), (32, 4096), (64, 2048)), page_size=16,
                       tiles=("16,16,4,4", "16,16,4,6", "16,32,4,4", "16,64,4,3",
                              "16,64,4,4", "16,128,4,3"),
                       device="cuda"):
-    """Small pages: key tiles of one page (a scalar page lookup per tile, deeper
-    pipelining) against 32-128-key tiles (a page lookup per key row), the contiguous
-    cache beside each."""
+    """Small pages: key tiles of one page (deeper pipelining) against 32-128-key tiles
+    of several pages (one lookup per page), the contiguous cache beside each."""
     import os
 
     import triton
