@@ -169,37 +169,6 @@ def sweep_decode_tiles(shapes=((1, 8192), (8, 32768)),
     return results
 
 
-def sweep_paged_tiles(shapes=((1, 8192), (32, 4096), (64, 2048)), page_size=16,
-                      tiles=("16,16,4,4", "16,16,4,6", "16,32,4,4", "16,64,4,3",
-                             "16,64,4,4", "16,128,4,3"),
-                      device="cuda"):
-    """Small pages: key tiles of one page (deeper pipelining) against 32-128-key tiles
-    of several pages (one lookup per page), the contiguous cache beside each."""
-    import os
-
-    import triton
-
-    results = []
-    for batch, seqlen_k in shapes:
-        q, k, v, seqlens = _decode_inputs(batch, seqlen_k, device)
-        fns = {"paged": _kvcache_fn(q, seqlens, *_paged_pool(k, v, page_size)),
-               "contiguous": _kvcache_fn(q, seqlens, k, v)}
-        for tile in tiles:
-            os.environ["FLASHTILE_DECODE_CONFIG"] = tile
-            for name, fn in fns.items():
-                try:
-                    ms = triton.testing.do_bench_cudagraph(fn, rep=50, return_mode="median")
-                    gbps = round(kv_bytes(batch, seqlen_k) / ms / 1e6)
-                except Exception as e:
-                    gbps = type(e).__name__
-                results.append((batch, seqlen_k, tile, name, gbps))
-                print(f"decode page{page_size} b={batch} sk={seqlen_k} tile={tile} "
-                      f"{name}: {gbps} GB/s", flush=True)
-        os.environ.pop("FLASHTILE_DECODE_CONFIG", None)
-        torch.cuda.empty_cache()
-    return results
-
-
 if __name__ == "__main__":
     import sys
 
@@ -215,7 +184,12 @@ if __name__ == "__main__":
         sweep_decode_tiles(shapes=((1, 8192), (8, 8192)), tiles=("16,64,4,3", "16,64,4,2"),
                            splits=(0, 8, 16, 24, 48), page_sizes=(None, 16))
     if "--sweep-paged" in sys.argv:
-        sweep_paged_tiles()
+        # Small pages: 16-key tiles (one page each, deeper pipelining) against 32-128-key
+        # tiles of several pages, the contiguous cache beside each.
+        sweep_decode_tiles(shapes=((1, 8192), (32, 4096), (64, 2048)),
+                           tiles=("16,16,4,4", "16,16,4,6", "16,32,4,4", "16,64,4,3",
+                                  "16,64,4,4", "16,128,4,3"),
+                           splits=(0,), page_sizes=(16, None))
     rows = run_decode_bench()
     md = decode_markdown(rows, copy)
     print(md)
