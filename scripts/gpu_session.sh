@@ -20,17 +20,26 @@ export FLASHTILE_CACHE_DIR=$PWD/.ftcache
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 stamp() { echo "[$(date +%T)] $*"; }
+# Host microseconds per call (benchmarks/launch_cost.py) into $OUT/launch-cost.txt.
+host_cost() {
+  timeout 90 python3 benchmarks/launch_cost.py 2>&1 | grep -v -i warn \
+    | tee "$OUT/launch-cost.txt" | head -12
+}
+# The decode table (and any sweep flags given) into $OUT/decode.txt and decode.json.
+decode_table() {
+  timeout "${DECODE_SECS:-100}" python3 -m flashtile.bench.decode "$@" "$OUT/decode.json" \
+    2>&1 | grep -v -i warn | grep -v "^{" | grep -v "^  return" | tee "$OUT/decode.txt" \
+    | tail -30
+}
 case "${1:-}" in
   check)
     stamp test-gpu
     timeout 240 make test-gpu GPU_LOG="$OUT/gpu-tests.txt" 2>&1 | tail -3
     stamp decode
-    timeout 100 python3 -m flashtile.bench.decode "$OUT/decode.json" 2>&1 \
-      | tee "$OUT/decode.txt" | tail -12
+    decode_table
     stamp memcheck
     timeout 250 make memcheck 2>&1 | tail -4 | tee "$OUT/memcheck.txt"
-    timeout 60 python3 benchmarks/launch_cost.py 2>&1 | grep -v -i warn \
-      | tee "$OUT/launch-cost.txt" | head -11
+    host_cost
     stamp done
     ;;
   sweep)
@@ -48,15 +57,13 @@ case "${1:-}" in
     tar czf "$OUT/extra.tgz" extra
     ;;
   short)
-    timeout 90 python3 benchmarks/launch_cost.py 2>&1 | grep -v -i warn \
-      | tee "$OUT/launch-cost.txt" | head -12
+    host_cost
     timeout 240 python3 -m flashtile bench --seqlens 512 1k 2k --no-progress \
       --providers flashtile sdpa-cudnn sdpa-flash flex --out bench-short 2>&1 \
       | grep -v "^|" | tail -3
     tar czf "$OUT/bench-short.tgz" bench-short
     head -20 bench-short/results.md | tail -14
-    timeout 150 python3 -m flashtile.bench.decode --sweep-paged "$OUT/decode.json" 2>&1 \
-      | grep -v -i warn | grep -v "^{" | tee "$OUT/decode.txt" | tail -30
+    DECODE_SECS=150 decode_table --sweep-paged
     ;;
   decode)
     stamp decode-tests
@@ -66,23 +73,20 @@ case "${1:-}" in
     timeout 150 make memcheck MEMCHECK_K="decode or paged or splits or append or leftpad" \
       2>&1 | tail -3 | tee "$OUT/memcheck-decode.txt"
     stamp decode-table
-    timeout 100 python3 -m flashtile.bench.decode "$OUT/decode.json" 2>&1 \
-      | grep -v -i warn | grep -v "^{" | grep -v "^  return" | tee "$OUT/decode.txt" | tail -9
+    decode_table
     # The same table with one pipeline depth everywhere, beside the default's choice.
     for tile in 16,64,4,3 16,64,4,4; do
       FLASHTILE_DECODE_CONFIG=$tile timeout 100 python3 -m flashtile.bench.decode 2>&1 \
         | grep "^| [0-9]" | tee "$OUT/decode-${tile//,/-}.txt" | cut -c1-120
     done
-    timeout 90 python3 benchmarks/launch_cost.py 2>&1 | grep -v -i warn \
-      | tee "$OUT/launch-cost.txt" | head -10
+    host_cost
     stamp done
     ;;
   splits)
     # Split counts x pipeline depth for the contiguous cache and page 16, then host cost.
     timeout 200 python3 -m flashtile.bench.decode --sweep-splits-paged 2>&1 \
       | grep "decode sweep" | tee "$OUT/decode-splits.txt"
-    timeout 90 python3 benchmarks/launch_cost.py 2>&1 | grep -v -i warn \
-      | tee "$OUT/launch-cost.txt" | head -12
+    host_cost
     ;;
   *)
     echo "usage: $0 check|sweep [SECONDS]|extra|short|decode|splits" >&2
