@@ -144,13 +144,18 @@ FLASH_CASES = [
 ]
 
 
+def _assert_rejects(fn, names, qkv, change, error, message):
+    """fn(**{names: qkv} updated by change(*qkv)) raises ``error`` with ``message``."""
+    args = dict(zip(names, qkv))
+    args.update(change(*qkv))
+    with pytest.raises(error, match=re.escape(message)):
+        fn(**args)
+
+
 @pytest.mark.parametrize("change, error, message", FLASH_CASES)
 def test_flash_attn_func_rejects(change, error, message):
-    q, k, v = _qkv()
-    args = dict(q=q, k=k, v=v)
-    args.update(change(q, k, v))
-    with pytest.raises(error, match=re.escape(message)):
-        flashtile.flash_attn_func(**args)
+    _assert_rejects(flashtile.flash_attn_func, ("q", "k", "v"), _qkv(), change, error,
+                    message)
 
 
 PACKED_CASES = [
@@ -282,11 +287,8 @@ SDPA_CASES = [
 
 @pytest.mark.parametrize("change, error, message", SDPA_CASES)
 def test_sdpa_rejects(change, error, message):
-    q, k, v = _sdpa_inputs()
-    args = dict(query=q, key=k, value=v)
-    args.update(change(q, k, v))
-    with pytest.raises(error, match=re.escape(message)):
-        flashtile.scaled_dot_product_attention(**args)
+    _assert_rejects(flashtile.scaled_dot_product_attention, ("query", "key", "value"),
+                    _sdpa_inputs(), change, error, message)
 
 
 # ---------------------------------------------------------------------------------------
