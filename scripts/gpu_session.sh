@@ -14,6 +14,9 @@
 #                (default, then each pipeline depth forced), host cost      (~6 min)
 #   splits       decode split count x pipeline depth, contiguous and page 16; host
 #                cost per call                                              (~2 min)
+#   pdl          make test-gpu, make memcheck, the decode table with programmatic
+#                dependent launches on, combine-only and off; split counts at batch 8
+#                                                                           (~8 min)
 set -uo pipefail
 export TRITON_CACHE_DIR=$PWD/.triton-cache PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
 export FLASHTILE_CACHE_DIR=$PWD/.ftcache
@@ -88,8 +91,24 @@ case "${1:-}" in
       | grep "decode sweep" | tee "$OUT/decode-splits.txt"
     host_cost
     ;;
+  pdl)
+    stamp test-gpu
+    timeout 240 make test-gpu GPU_LOG="$OUT/gpu-tests.txt" 2>&1 | tail -3
+    stamp memcheck
+    timeout 200 make memcheck 2>&1 | tail -4 | tee "$OUT/memcheck.txt"
+    stamp decode
+    decode_table
+    for mode in combine 0; do
+      FLASHTILE_DECODE_PDL=$mode timeout 100 python3 -m flashtile.bench.decode 2>&1 \
+        | grep "^| [0-9]" | tee "$OUT/decode-pdl-$mode.txt" | cut -c1-120
+    done
+    stamp splits
+    timeout 50 python3 -m flashtile.bench.decode --sweep-splits 2>&1 \
+      | grep "decode sweep" | tee "$OUT/decode-splits.txt"
+    stamp done
+    ;;
   *)
-    echo "usage: $0 check|sweep [SECONDS]|extra|short|decode|splits" >&2
+    echo "usage: $0 check|sweep [SECONDS]|extra|short|decode|splits|pdl" >&2
     exit 2
     ;;
 esac

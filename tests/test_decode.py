@@ -114,6 +114,42 @@ def test_num_splits_agree(device, on_gpu, monkeypatch):
         torch.testing.assert_close(lse, base_lse, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("pdl", ["1", "combine", "0"], ids=["pdl", "pdl_combine", "no_pdl"])
+def test_split_decode_replays_in_cuda_graph(pdl, device, monkeypatch):
+    """Serving replays decode as a CUDA graph. On Hopper the decode and combine kernels
+    are programmatic dependent launches (each may start before the kernel ahead of it
+    ends, and waits for it): captured and replayed with new queries, back to back, the
+    split result must still equal the unsplit one, with dependent launches on and off."""
+    monkeypatch.setenv("FLASHTILE_DECODE_PDL", pdl)
+    b, s, h, hkv, d = 1, 4099, 32, 8, 128
+    k_cache, v_cache = _cache(b, s, hkv, d, device, torch.bfloat16)
+    seqlens = torch.tensor([4001], dtype=torch.int32, device=device)
+    q = torch.randn(b, 1, h, d, device=device, dtype=torch.bfloat16)
+
+    def step():
+        return flashtile.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens,
+                                                 num_splits=0, return_lse=True)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()  # compile outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()  # a decode right behind a combine, as in a step loop
+        out, lse = step()
+    for _ in range(3):
+        q.copy_(torch.randn_like(q))
+        out.fill_(float("nan"))
+        graph.replay()
+        base, base_lse = flashtile.flash_attn_with_kvcache(
+            q, k_cache, v_cache, cache_seqlens=seqlens, num_splits=1, return_lse=True)
+        torch.testing.assert_close(out, base, rtol=2e-2, atol=2e-2)
+        torch.testing.assert_close(lse, base_lse, rtol=1e-5, atol=1e-5)
+
+
 def test_append_writes_cache_and_rotary(backend, device, on_gpu):
     b, s, h, hkv, d, n = 2, 64, 4, 2, 32, 3
     dtype = _dtype(on_gpu)

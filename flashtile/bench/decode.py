@@ -183,6 +183,10 @@ if __name__ == "__main__":
         # Short walks under the per-row page lookup: does a longer walk per split pay?
         sweep_decode_tiles(shapes=((1, 8192), (8, 8192)), tiles=("16,64,4,3", "16,64,4,2"),
                            splits=(0, 8, 16, 24, 48), page_sizes=(None, 16))
+    if "--sweep-splits" in sys.argv:
+        # The split shapes with more than one KV-head program per SM wave: the split count.
+        sweep_decode_tiles(shapes=((8, 8192), (8, 32768), (1, 131072)), tiles=("16,64,4,3",),
+                           splits=(0, 2, 3, 4, 6, 8, 12, 16, 24))
     if "--sweep-paged" in sys.argv:
         # Small pages: 16-key tiles (one page each, deeper pipelining) against 32-128-key
         # tiles of several pages, the contiguous cache beside each.
