@@ -17,6 +17,8 @@
 #   pdl          make test-gpu, make memcheck, the decode table with programmatic
 #                dependent launches on, combine-only and off; split counts at batch 8
 #                                                                           (~8 min)
+#   pdl2         decode tests + memcheck slice, the table (PDL early/late/off), split
+#                counts at batch 1 and 8                                    (~5 min)
 set -uo pipefail
 export TRITON_CACHE_DIR=$PWD/.triton-cache PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
 export FLASHTILE_CACHE_DIR=$PWD/.ftcache
@@ -91,6 +93,26 @@ case "${1:-}" in
       | grep "decode sweep" | tee "$OUT/decode-splits.txt"
     host_cost
     ;;
+  pdl2)
+    # After run 23: decode tests and their memcheck slice, the table with the combine
+    # signalled early (default), late and not dependent; the split-count sweep.
+    stamp decode-tests
+    timeout 200 python3 -m pytest -q -p no:cacheprovider -n 8 --gpu tests/test_decode.py \
+      tests/test_kv_cache.py tests/test_merge.py 2>&1 | tail -2 | tee "$OUT/decode-tests.txt"
+    stamp memcheck-decode
+    timeout 150 make memcheck MEMCHECK_K="decode or paged or splits or append or leftpad" \
+      2>&1 | tail -3 | tee "$OUT/memcheck-decode.txt"
+    stamp decode
+    decode_table
+    for mode in late 0; do
+      FLASHTILE_DECODE_PDL=$mode timeout 100 python3 -m flashtile.bench.decode 2>&1 \
+        | grep "^| [0-9]" | tee "$OUT/decode-pdl-$mode.txt" | cut -c1-120
+    done
+    stamp splits
+    timeout 90 python3 -m flashtile.bench.decode --sweep-splits 2>&1 \
+      | grep "decode sweep" | tee "$OUT/decode-splits.txt"
+    stamp done
+    ;;
   pdl)
     stamp test-gpu
     timeout 240 make test-gpu GPU_LOG="$OUT/gpu-tests.txt" 2>&1 | tail -3
@@ -108,7 +130,7 @@ case "${1:-}" in
     stamp done
     ;;
   *)
-    echo "usage: $0 check|sweep [SECONDS]|extra|short|decode|splits|pdl" >&2
+    echo "usage: $0 check|sweep [SECONDS]|extra|short|decode|splits|pdl|pdl2" >&2
     exit 2
     ;;
 esac

@@ -115,12 +115,12 @@ def test_num_splits_agree(device, on_gpu, monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("pdl", ["1", "combine", "0"], ids=["pdl", "pdl_combine", "no_pdl"])
+@pytest.mark.parametrize("pdl", ["1", "late", "0"], ids=["pdl", "pdl_late", "no_pdl"])
 def test_split_decode_replays_in_cuda_graph(pdl, device, monkeypatch):
-    """Serving replays decode as a CUDA graph. On Hopper the decode and combine kernels
-    are programmatic dependent launches (each may start before the kernel ahead of it
-    ends, and waits for it): captured and replayed with new queries, back to back, the
-    split result must still equal the unsplit one, with dependent launches on and off."""
+    """Serving replays decode as a CUDA graph. On Hopper the split path's combine kernel
+    is a programmatic dependent launch (scheduled before the decode grid ends, it waits
+    for it): captured and replayed with new queries, two steps back to back, the split
+    result must still equal the unsplit one, signalled early, late, or not dependent."""
     monkeypatch.setenv("FLASHTILE_DECODE_PDL", pdl)
     b, s, h, hkv, d = 1, 4099, 32, 8, 128
     k_cache, v_cache = _cache(b, s, hkv, d, device, torch.bfloat16)

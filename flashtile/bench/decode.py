@@ -184,9 +184,11 @@ if __name__ == "__main__":
         sweep_decode_tiles(shapes=((1, 8192), (8, 8192)), tiles=("16,64,4,3", "16,64,4,2"),
                            splits=(0, 8, 16, 24, 48), page_sizes=(None, 16))
     if "--sweep-splits" in sys.argv:
-        # The split shapes with more than one KV-head program per SM wave: the split count.
-        sweep_decode_tiles(shapes=((8, 8192), (8, 32768), (1, 131072)), tiles=("16,64,4,3",),
-                           splits=(0, 2, 3, 4, 6, 8, 12, 16, 24))
+        # The split count of the split shapes (0: the heuristic's), batch 1 and batch 8.
+        sweep_decode_tiles(shapes=((1, 8192), (1, 131072)), tiles=("16,64,4,3",),
+                           splits=(0, 16, 24, 32, 40, 48, 64))
+        sweep_decode_tiles(shapes=((8, 8192), (8, 32768)), tiles=("16,64,4,3",),
+                           splits=(0, 4, 5, 6, 7, 8, 10, 12, 16))
     if "--sweep-paged" in sys.argv:
         # Small pages: 16-key tiles (one page each, deeper pipelining) against 32-128-key
         # tiles of several pages, the contiguous cache beside each.

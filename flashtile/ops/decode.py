@@ -7,8 +7,8 @@ heads cannot fill the GPU, the cache length is split across programs (Dao et al.
 Flash-Decoding, 2023); each split writes its normalized partial output and lse, and
 ``_combine_kernel`` merges them exactly through the lse. On Hopper the combine kernel is
 a programmatic dependent launch: its programs are scheduled while the decode programs
-finish and wait (griddepcontrol) for their results, which hides most of the second
-launch's gap (the batch-1 decode is ~12 us, a launch gap ~1 us).
+finish and wait (griddepcontrol) for their results, which hides part of the second
+launch's cost (batch 1 x 8k keys: 12.0 -> 11.6 us, NOTES.md section 9).
 
 Key j of sequence b lives at cache position ``cache_leftpad[b] + j``; with a
 ``block_table`` that position is looked up page by page, so pages may lie anywhere in
@@ -69,12 +69,8 @@ def _decode_kernel(
     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, PAGED: tl.constexpr,
     PAGE_SIZE: tl.constexpr, PAGE_ALIGNED: tl.constexpr, TILE_PAGES: tl.constexpr,
     HAS_BATCH_IDX: tl.constexpr, HAS_LEFTPAD: tl.constexpr,
-    INPUT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr, LAUNCH_DEPENDENTS: tl.constexpr,
 ):
-    if USE_PDL:
-        # A dependent launch: it may start before the previous kernel (an append, the
-        # last decode's combine) ends; nothing is read before that kernel's writes land.
-        gdc_wait()
     split = tl.program_id(0)
     off_b = tl.program_id(1) // nheads_kv
     off_hkv = tl.program_id(1) % nheads_kv
@@ -170,8 +166,8 @@ def _decode_kernel(
         acc = tl.dot(p.to(b_v.dtype), b_v, acc, input_precision=INPUT_PRECISION)
         m_i = m_new
 
-    if USE_PDL:
-        # The next kernel (the combine) may be scheduled now; it waits for this grid.
+    if LAUNCH_DEPENDENTS:
+        # The combine's programs may be scheduled now; they wait for this grid to end.
         gdc_launch_dependents()
     seen = l_i > 0.0
     l_safe = tl.where(seen, l_i, 1.0)
@@ -195,10 +191,8 @@ def _combine_kernel(OutPartial, LsePartial, Out, Lse,
                     BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, USE_PDL: tl.constexpr):
     """out = sum_s out_s * exp(lse_s - lse), lse = logsumexp_s lse_s, one row per program."""
     if USE_PDL:
-        # Launched before the decode grid finished: wait until its partials are visible,
-        # then let the next kernel (the next step's decode) be scheduled.
+        # Launched before the decode grid finished: wait until its partials are visible.
         gdc_wait()
-        gdc_launch_dependents()
     row = tl.program_id(0)
     off_h = row % nheads
     off_t = (row // nheads) % seqlen_q
@@ -233,13 +227,14 @@ def num_splits_heuristic(work_items: int, max_seqlen_k: int, block_n: int,
     return max(1, min(configs.cdiv(2 * num_sms, work_items), max_splits, 128))
 
 
-def pdl_kernels(q) -> tuple[bool, bool]:
-    """Which of (decode, combine) are programmatic dependent launches: Hopper and later.
-    FLASHTILE_DECODE_PDL=0 turns both off, =combine keeps only the combine's (A/B)."""
+def combine_pdl(q) -> tuple[bool, bool]:
+    """(combine is a programmatic dependent launch, decode signals it early): Hopper and
+    later. FLASHTILE_DECODE_PDL=0 turns it off, =late keeps the dependent launch but
+    signals only when the decode grid ends (A/B timing)."""
     mode = os.environ.get("FLASHTILE_DECODE_PDL", "1")
     if not (q.is_cuda and torch.cuda.get_device_capability(q.device)[0] >= 9) or mode == "0":
         return False, False
-    return mode != "combine", True
+    return True, mode != "late"
 
 
 def attn_decode(q, k_cache, v_cache, *, cache_seqlens, block_table, cache_batch_idx,
@@ -294,13 +289,12 @@ def attn_decode(q, k_cache, v_cache, *, cache_seqlens, block_table, cache_batch_
     # Pages smaller than the tile: whole pages per tile unless a left pad (0: per row).
     tile_pages = (cfg.block_n // page_size
                   if paged and not page_aligned and cache_leftpad is None else 0)
-    pdl_decode, pdl_combine = pdl_kernels(q)
-    pdl_combine = pdl_combine and num_splits > 1
+    pdl, early = combine_pdl(q) if num_splits > 1 else (False, False)
     configs.log_first_launch("decode", q, d, cfg, dict(
         flags, PAGED=paged, PAGE_SIZE=page_size if paged else None,
         PAGE_ALIGNED=page_aligned, TILE_PAGES=tile_pages, SPLIT=num_splits > 1,
         HAS_BATCH_IDX=cache_batch_idx is not None, HAS_LEFTPAD=cache_leftpad is not None,
-        USE_PDL=pdl_decode))
+        PDL=pdl, LAUNCH_DEPENDENTS=early))
     _decode_kernel[(num_splits, b * hkv, m_blocks)](
         q, k_cache, v_cache, dst, dst_lse,
         block_table if paged else placeholder, cache_seqlens,
@@ -316,8 +310,8 @@ def attn_decode(q, k_cache, v_cache, *, cache_seqlens, block_table, cache_batch_
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, PAGED=paged, PAGE_SIZE=page_size,
         PAGE_ALIGNED=page_aligned, TILE_PAGES=tile_pages,
         HAS_BATCH_IDX=cache_batch_idx is not None, HAS_LEFTPAD=cache_leftpad is not None,
-        USE_PDL=pdl_decode, launch_pdl=pdl_decode, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages, **flags,
+        LAUNCH_DEPENDENTS=early, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **flags,
     )
     if num_splits > 1:
         _combine_kernel[(b * sq * h,)](
@@ -326,6 +320,6 @@ def attn_decode(q, k_cache, v_cache, *, cache_seqlens, block_table, cache_batch_
             out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
             num_splits, h, sq, d,
             BLOCK_S=configs.next_power_of_2(num_splits), BLOCK_D=configs.padded_head_dim(d),
-            USE_PDL=pdl_combine, launch_pdl=pdl_combine,
+            USE_PDL=pdl, launch_pdl=pdl,
         )
     return out, lse
