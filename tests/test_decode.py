@@ -296,3 +296,18 @@ def test_paged_kv_cache_pool_feeds_the_kernel(backend, device, on_gpu):
         kb, vb = tokens[seq]
         ref = flashtile.flash_attn_func(q[i:i + 1], kb[None], vb[None], causal=True)
         torch.testing.assert_close(out[i:i + 1], ref, **_tol(on_gpu))
+
+
+@pytest.mark.parametrize("work_items,seqlen_k,expected", [
+    (8, 8192, 33),      # batch 1, 8 KV heads: 264 programs on 132 SMs
+    (64, 8192, 4),      # batch 8: 256 programs (5 splits put a third on 56 SMs)
+    (64, 32768, 4),
+    (100, 8192, 2),
+    (132, 8192, 1),     # the grid fills the GPU without splitting
+    (8, 300, 3),        # at least two 64-key blocks per split
+    (1, 10**7, 128),    # capped
+])
+def test_num_splits_heuristic(work_items, seqlen_k, expected):
+    from flashtile.ops.decode import num_splits_heuristic
+
+    assert num_splits_heuristic(work_items, seqlen_k, 64, num_sms=132) == expected

@@ -8,7 +8,7 @@ Flash-Decoding, 2023); each split writes its normalized partial output and lse, 
 ``_combine_kernel`` merges them exactly through the lse. On Hopper the combine kernel is
 a programmatic dependent launch: its programs are scheduled while the decode programs
 finish and wait (griddepcontrol) for their results, which hides part of the second
-launch's cost (batch 1 x 8k keys: 12.0 -> 11.6 us, NOTES.md section 9).
+launch's cost (batch 1 x 8k keys on the H200: 11.9 -> 11.4 us, NOTES.md section 9).
 
 Key j of sequence b lives at cache position ``cache_leftpad[b] + j``; with a
 ``block_table`` that position is looked up page by page, so pages may lie anywhere in
@@ -219,12 +219,15 @@ def _combine_kernel(OutPartial, LsePartial, Out, Lse,
 
 def num_splits_heuristic(work_items: int, max_seqlen_k: int, block_n: int,
                          num_sms: int) -> int:
-    """Split the cache length until about two waves of programs cover the GPU, keeping
-    at least two key blocks per split (a split's fixed cost is its q load and store)."""
+    """Split the cache length into as many splits as keep every SM at two programs or
+    fewer, at least two key blocks per split (a split's fixed cost is its q load and
+    store). Rounding the split count up instead left some SMs with a third program of a
+    memory-bound grid: H200, 8 x 8k keys, 5 splits 3731 GB/s, 4 splits 3972 (NOTES.md
+    section 9)."""
     if work_items >= num_sms:
         return 1
     max_splits = max(1, configs.cdiv(max_seqlen_k, 2 * block_n))
-    return max(1, min(configs.cdiv(2 * num_sms, work_items), max_splits, 128))
+    return max(1, min(2 * num_sms // work_items, max_splits, 128))
 
 
 def combine_pdl(q) -> tuple[bool, bool]:
