@@ -5,6 +5,7 @@ the combine kernel a dependent launch or not (FLASHTILE_DECODE_PDL): the step pe
 decode kernel's duration, and the time from the decode's end to the combine's end (with a
 dependent launch the combine starts before the decode ends and waits). Kernel times come
 from the profiler's trace (CUPTI), 40 steps captured in one graph, the middle 30 read.
+Then the floor: an empty kernel's duration, and the combine kernel alone per warp count.
 
 Run on the GPU: PYTHONPATH=. python3 benchmarks/profile_decode.py
 """
@@ -14,6 +15,7 @@ import statistics
 import tempfile
 
 import torch
+import triton
 from torch.profiler import ProfilerActivity, profile
 
 from flashtile.bench.decode import _decode_inputs, _kvcache_fn, _paged_pool
@@ -65,6 +67,33 @@ def summarize(spans):
                     nd - ce for (_, _, ce), (_, nd, _) in zip(c, d[1:])))
 
 
+@triton.jit
+def _empty_kernel(X):
+    pass
+
+
+def floor_spans():
+    """The duration of a kernel that does nothing (grid 32, as the combine at (1, 8k)),
+    and of the combine kernel itself at 1, 2, 4 and 8 warps, graph-replayed."""
+    from flashtile.ops.decode import _combine_kernel
+
+    x = torch.empty(1, device="cuda")
+    spans = kernel_spans(lambda: _empty_kernel[(32,)](x))
+    print(f"empty kernel: {statistics.median(e - s for _, s, e in spans[5:-5]):.2f} us")
+    splits, h, d = 32, 32, 128
+    part = torch.randn(splits, 1, 1, h, d, device="cuda")
+    part_lse = torch.randn(splits, 1, h, 1, device="cuda")
+    out = torch.empty(1, 1, h, d, device="cuda", dtype=torch.bfloat16)
+    lse = torch.empty(1, h, 1, device="cuda")
+    for warps in (1, 2, 4, 8):
+        spans = kernel_spans(lambda: _combine_kernel[(h,)](
+            part, part_lse, out, lse, *part.stride()[:4], *part_lse.stride()[:3],
+            out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
+            splits, h, 1, d, BLOCK_S=32, BLOCK_D=128, USE_PDL=False, num_warps=warps))
+        print(f"combine alone, {warps} warps: "
+              f"{statistics.median(e - s for _, s, e in spans[5:-5]):.2f} us", flush=True)
+
+
 def main():
     q, k, v, seqlens = _decode_inputs(1, 8192, "cuda")
     caches = {"contiguous": (k, v, None), "paged64": _paged_pool(k, v, 64),
@@ -77,6 +106,7 @@ def main():
                 f"{key} {val:.2f}" if isinstance(val, float) else f"{key} {val}"
                 for key, val in row.items()), flush=True)
     os.environ.pop("FLASHTILE_DECODE_PDL")
+    floor_spans()
 
 
 if __name__ == "__main__":
