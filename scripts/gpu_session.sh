@@ -11,14 +11,13 @@
 #                rows of the sweep beside cuDNN, flash and Flex, and the decode table
 #                with the small-page tile sweep                           (~5 min)
 #   decode       the decode/paged GPU tests, their memcheck slice, the decode table
-#                (default, then each pipeline depth forced), host cost      (~6 min)
+#                (the combine's dependent launch early, late, off), the kernel
+#                spans of a batch-1 step (benchmarks/profile_decode.py)      (~5 min)
 #   splits       decode split count x pipeline depth, contiguous and page 16; host
 #                cost per call                                              (~2 min)
-#   pdl          make test-gpu, make memcheck, the decode table with programmatic
-#                dependent launches on, combine-only and off; split counts at batch 8
+#   pdl          make test-gpu, make memcheck, the decode table with the combine's
+#                dependent launch early, late and off; split counts at batch 1 and 8
 #                                                                           (~8 min)
-#   pdl2         decode tests + memcheck slice, the table (PDL early/late/off), split
-#                counts at batch 1 and 8                                    (~5 min)
 set -uo pipefail
 export TRITON_CACHE_DIR=$PWD/.triton-cache PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
 export FLASHTILE_CACHE_DIR=$PWD/.ftcache
@@ -35,6 +34,13 @@ decode_table() {
   timeout "${DECODE_SECS:-100}" python3 -m flashtile.bench.decode "$@" "$OUT/decode.json" \
     2>&1 | grep -v -i warn | grep -v "^{" | grep -v "^  return" | tee "$OUT/decode.txt" \
     | tail -30
+}
+# The decode table's rows with the combine's dependent launch signalled late, and off.
+decode_pdl_modes() {
+  for mode in late 0; do
+    FLASHTILE_DECODE_PDL=$mode timeout 100 python3 -m flashtile.bench.decode 2>&1 \
+      | grep "^| [0-9]" | tee "$OUT/decode-pdl-$mode.txt" | cut -c1-120
+  done
 }
 case "${1:-}" in
   check)
@@ -79,12 +85,10 @@ case "${1:-}" in
       2>&1 | tail -3 | tee "$OUT/memcheck-decode.txt"
     stamp decode-table
     decode_table
-    # The same table with one pipeline depth everywhere, beside the default's choice.
-    for tile in 16,64,4,3 16,64,4,4; do
-      FLASHTILE_DECODE_CONFIG=$tile timeout 100 python3 -m flashtile.bench.decode 2>&1 \
-        | grep "^| [0-9]" | tee "$OUT/decode-${tile//,/-}.txt" | cut -c1-120
-    done
-    host_cost
+    decode_pdl_modes
+    stamp profile
+    timeout 60 python3 benchmarks/profile_decode.py 2>&1 | grep -v -i warn \
+      | tee "$OUT/profile-decode.txt"
     stamp done
     ;;
   splits)
@@ -93,26 +97,6 @@ case "${1:-}" in
       | grep "decode sweep" | tee "$OUT/decode-splits.txt"
     host_cost
     ;;
-  pdl2)
-    # After run 23: decode tests and their memcheck slice, the table with the combine
-    # signalled early (default), late and not dependent; the split-count sweep.
-    stamp decode-tests
-    timeout 200 python3 -m pytest -q -p no:cacheprovider -n 8 --gpu tests/test_decode.py \
-      tests/test_kv_cache.py tests/test_merge.py 2>&1 | tail -2 | tee "$OUT/decode-tests.txt"
-    stamp memcheck-decode
-    timeout 150 make memcheck MEMCHECK_K="decode or paged or splits or append or leftpad" \
-      2>&1 | tail -3 | tee "$OUT/memcheck-decode.txt"
-    stamp decode
-    decode_table
-    for mode in late 0; do
-      FLASHTILE_DECODE_PDL=$mode timeout 100 python3 -m flashtile.bench.decode 2>&1 \
-        | grep "^| [0-9]" | tee "$OUT/decode-pdl-$mode.txt" | cut -c1-120
-    done
-    stamp splits
-    timeout 90 python3 -m flashtile.bench.decode --sweep-splits 2>&1 \
-      | grep "decode sweep" | tee "$OUT/decode-splits.txt"
-    stamp done
-    ;;
   pdl)
     stamp test-gpu
     timeout 240 make test-gpu GPU_LOG="$OUT/gpu-tests.txt" 2>&1 | tail -3
@@ -120,17 +104,14 @@ case "${1:-}" in
     timeout 200 make memcheck 2>&1 | tail -4 | tee "$OUT/memcheck.txt"
     stamp decode
     decode_table
-    for mode in combine 0; do
-      FLASHTILE_DECODE_PDL=$mode timeout 100 python3 -m flashtile.bench.decode 2>&1 \
-        | grep "^| [0-9]" | tee "$OUT/decode-pdl-$mode.txt" | cut -c1-120
-    done
+    decode_pdl_modes
     stamp splits
     timeout 50 python3 -m flashtile.bench.decode --sweep-splits 2>&1 \
       | grep "decode sweep" | tee "$OUT/decode-splits.txt"
     stamp done
     ;;
   *)
-    echo "usage: $0 check|sweep [SECONDS]|extra|short|decode|splits|pdl|pdl2" >&2
+    echo "usage: $0 check|sweep [SECONDS]|extra|short|decode|splits|pdl" >&2
     exit 2
     ;;
 esac

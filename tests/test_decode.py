@@ -311,3 +311,17 @@ def test_num_splits_heuristic(work_items, seqlen_k, expected):
     from flashtile.ops.decode import num_splits_heuristic
 
     assert num_splits_heuristic(work_items, seqlen_k, 64, num_sms=132) == expected
+
+
+def test_pdl_switch_is_checked(monkeypatch):
+    """A mistyped FLASHTILE_DECODE_PDL is an error naming the variable, not silently on;
+    off CUDA (or before Hopper) nothing is a dependent launch."""
+    from flashtile.ops.decode import combine_pdl
+
+    q = torch.empty(1, 1, 1, 16)
+    monkeypatch.setenv("FLASHTILE_DECODE_PDL", "off")
+    with pytest.raises(ValueError, match="FLASHTILE_DECODE_PDL"):
+        combine_pdl(q)
+    for mode in ("0", "1", "late", " Late "):
+        monkeypatch.setenv("FLASHTILE_DECODE_PDL", mode)
+        assert combine_pdl(q) == (False, False)

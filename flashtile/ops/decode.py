@@ -234,10 +234,12 @@ def combine_pdl(q) -> tuple[bool, bool]:
     """(combine is a programmatic dependent launch, decode signals it early): Hopper and
     later. FLASHTILE_DECODE_PDL=0 turns it off, =late keeps the dependent launch but
     signals only when the decode grid ends (A/B timing)."""
-    mode = os.environ.get("FLASHTILE_DECODE_PDL", "1")
+    mode = os.environ.get("FLASHTILE_DECODE_PDL", "1").strip().lower()
+    if mode not in ("0", "1", "late"):
+        raise ValueError(f"FLASHTILE_DECODE_PDL must be '0', '1' or 'late', got {mode!r}")
     if not (q.is_cuda and torch.cuda.get_device_capability(q.device)[0] >= 9) or mode == "0":
         return False, False
-    return True, mode != "late"
+    return True, mode == "1"
 
 
 def attn_decode(q, k_cache, v_cache, *, cache_seqlens, block_table, cache_batch_idx,
