@@ -32,9 +32,14 @@ def offset_reach(x):
                if size > 0)
 
 
-def check_offsets(x, name):
-    """The farthest element a kernel can address in x must fit a 32-bit offset."""
-    if offset_reach(x) > MAX_OFFSET or x.numel() > MAX_OFFSET:
+def check_offsets(x, name, dense=True):
+    """The farthest element a kernel can address in x must fit a 32-bit offset.
+
+    dense: an output or gradient of x's shape is allocated contiguous, so x's element
+    count must fit too (a stride-0 q/k/v reaches little but its out/dk/dv do not). An
+    expanded attn_mask has no such twin: only its reach counts.
+    """
+    if offset_reach(x) > MAX_OFFSET or (dense and x.numel() > MAX_OFFSET):
         _fail(ValueError, name, f"a tensor whose elements are reachable with 32-bit offsets "
               f"(< 2**31 elements from its first)", f"shape {tuple(x.shape)}, strides "
               f"{tuple(x.stride())}", "Split the batch into calls of fewer than 2**31 "
@@ -191,7 +196,7 @@ def check_attn_mask(attn_mask, batch, nheads, seqlen_q, seqlen_k, device, dtype)
     except RuntimeError:
         _fail(ValueError, "attn_mask.shape", f"broadcastable to {target}",
               tuple(attn_mask.shape))
-    check_offsets(expanded, "attn_mask")
+    check_offsets(expanded, "attn_mask", dense=False)
     return expanded
 
 

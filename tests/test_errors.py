@@ -484,3 +484,19 @@ def test_tensor_beyond_32bit_offsets_is_refused():
         flashtile.flash_attn_func(q, q, q)
     with pytest.raises(ValueError, match="32-bit offsets"):
         flashtile.flash_attn_func(huge, huge, huge)
+
+
+def test_broadcast_mask_past_2_31_elements_is_accepted():
+    """Regression: a (1, 1, sq, sk) mask broadcast to (8, 32, 4096, 4096) has 2**32
+    elements but reaches only sq * sk of them (stride 0 over batch and heads), and no
+    tensor of its shape is allocated: it must not be refused as past 32-bit offsets.
+    One whose own strides reach past 2**31 still is. Meta tensors: no memory."""
+    from flashtile._validate import check_attn_mask
+
+    mask = torch.empty(1, 1, 4096, 4096, dtype=torch.bool, device="meta")
+    expanded = check_attn_mask(mask, 8, 32, 4096, 4096, torch.device("meta"), torch.bfloat16)
+    assert expanded.shape == (8, 32, 4096, 4096) and expanded.numel() > 2**31
+    far = torch.empty_strided((2, 1, 16, 16), (2**31, 256, 16, 1), dtype=torch.bool,
+                              device="meta")
+    with pytest.raises(ValueError, match="32-bit offsets"):
+        check_attn_mask(far, 2, 4, 16, 16, torch.device("meta"), torch.bfloat16)
