@@ -159,7 +159,8 @@ def check_alibi(alibi_slopes, batch, nheads, device):
 
 
 def check_flash_options(dropout_p, softmax_scale, softcap, window_size, causal):
-    """The scalar options shared by flash_attn_func and its varlen form.
+    """The scalar options shared by flash_attn_func, its varlen and KV-cache forms and
+    the ring (the last two have no dropout: they pass 0.0).
 
     Returns (window_left, window_right) with causal folded in (right bound 0).
     """

@@ -150,11 +150,7 @@ def _config(q, k, v, causal, softmax_scale, window_size, softcap, layout, world_
         V._fail(ValueError, "q.shape[1] (local seqlen)", "an even number: zigzag holds "
                 "two equal chunks, so the global seqlen must be a multiple of "
                 f"2 * world_size = {2 * world_size}", sq)
-    V.check_softmax_scale(softmax_scale)
-    V.check_float(softcap, "softcap", minimum=0.0)
-    left, right = V.check_window(window_size)
-    if causal:
-        right = 0
+    left, right = V.check_flash_options(0.0, softmax_scale, softcap, window_size, causal)
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(d)
     # fp32 uses TF32 products only when the user allowed them, as flash_attn_func does.
@@ -170,8 +166,7 @@ def ring_flash_attn_func(q, k, v, group=None, causal=False, softmax_scale=None,
     """Exact attention over a sequence split across the ranks of ``group``.
 
     Call it on every rank of ``group`` with that rank's slice; all ranks must pass the
-    same shapes and arguments (checked by one all-gather the first time a shape is
-    seen).
+    same shapes and arguments (checked by one small all-gather per call).
 
     Arguments:
         q: (batch, seqlen_local, nheads, head_dim), float16, bfloat16 or float32: this

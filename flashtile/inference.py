@@ -246,11 +246,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         x.contiguous() if x is not None else None
         for x in (cache_seqlens, cache_batch_idx, cache_leftpad, block_table))
     b, sq, h, d = q.shape
-    left, right = V.check_window(window_size)
-    if causal:
-        right = 0
-    V.check_softmax_scale(softmax_scale)
-    V.check_float(softcap, "softcap", minimum=0.0)
+    left, right = V.check_flash_options(0.0, softmax_scale, softcap, window_size, causal)
     if isinstance(num_splits, bool) or not isinstance(num_splits, numbers.Integral) \
             or num_splits < 0:
         V._fail(ValueError, "num_splits", "an int >= 0 (0 = heuristic)", num_splits)

@@ -14,7 +14,6 @@ import os
 from dataclasses import dataclass
 
 import torch
-import triton
 
 logger = logging.getLogger("flashtile")
 
