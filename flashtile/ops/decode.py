@@ -295,11 +295,12 @@ def attn_decode(q, k_cache, v_cache, *, cache_seqlens, block_table, cache_batch_
     tile_pages = (cfg.block_n // page_size
                   if paged and not page_aligned and cache_leftpad is None else 0)
     pdl, early = combine_pdl(q) if num_splits > 1 else (False, False)
+    switches = dict(
+        flags, PAGED=paged, PAGE_SIZE=page_size, PAGE_ALIGNED=page_aligned,
+        TILE_PAGES=tile_pages, HAS_BATCH_IDX=cache_batch_idx is not None,
+        HAS_LEFTPAD=cache_leftpad is not None, LAUNCH_DEPENDENTS=early)
     configs.log_first_launch("decode", q, d, cfg, dict(
-        flags, PAGED=paged, PAGE_SIZE=page_size if paged else None,
-        PAGE_ALIGNED=page_aligned, TILE_PAGES=tile_pages, SPLIT=num_splits > 1,
-        HAS_BATCH_IDX=cache_batch_idx is not None, HAS_LEFTPAD=cache_leftpad is not None,
-        PDL=pdl, LAUNCH_DEPENDENTS=early))
+        switches, PAGE_SIZE=page_size if paged else None, SPLIT=num_splits > 1, PDL=pdl))
     _decode_kernel[(num_splits, b * hkv, m_blocks)](
         q, k_cache, v_cache, dst, dst_lse,
         block_table if paged else placeholder, cache_seqlens,
@@ -312,11 +313,8 @@ def attn_decode(q, k_cache, v_cache, *, cache_seqlens, block_table, cache_batch_
         *dst_strides, *dst_lse_strides, *alibi_strides,
         hkv, group, sq, d, keys_per_split,
         window_left, window_right, softmax_scale, softcap,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, PAGED=paged, PAGE_SIZE=page_size,
-        PAGE_ALIGNED=page_aligned, TILE_PAGES=tile_pages,
-        HAS_BATCH_IDX=cache_batch_idx is not None, HAS_LEFTPAD=cache_leftpad is not None,
-        LAUNCH_DEPENDENTS=early, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        **flags,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages, **switches,
     )
     if num_splits > 1:
         _combine_kernel[(b * sq * h,)](
