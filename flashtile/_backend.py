@@ -37,3 +37,20 @@ def select_backend(device: torch.device) -> str:
     raise NotImplementedError(
         f"flashtile runs on CUDA/ROCm (Triton) and CPU (PyTorch) tensors, got device "
         f"{device}; set FLASHTILE_BACKEND=torch to use the tiled PyTorch path there")
+
+
+def backend_name(device: torch.device) -> str:
+    """select_backend's choice, saying when Triton runs in the interpreter (for tables)."""
+    backend = select_backend(device)
+    if backend == "triton" and device.type == "cpu" and interpreting():
+        return "triton (interpreter)"
+    return backend
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def resolve_device(name: str) -> torch.device:
+    """A command line's --device: "auto" is CUDA if available, else CPU."""
+    return default_device() if name == "auto" else torch.device(name)

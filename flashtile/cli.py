@@ -24,10 +24,10 @@ from dataclasses import dataclass
 import torch
 
 import flashtile
-from flashtile._backend import interpreting, select_backend
+from flashtile._backend import backend_name, default_device, resolve_device, select_backend
 from flashtile.bench import commands as bench_commands
-from flashtile.bench.tune import sdpa_math_bshd
-from flashtile.reference import attention_naive
+from flashtile.bench.run import peak_extra_mib
+from flashtile.reference import attention_naive, error_bound, max_abs_error, sdpa_math_bshd
 
 MiB = 2**20
 
@@ -58,10 +58,8 @@ CPU_SHAPES = _grid([(2, 128), (2, 512), (1, 1024)], [64], nheads=4, dtype=torch.
 CUDA_SHAPES = _grid([(8, 1024), (2, 4096), (1, 8192)], [64, 128], nheads=16,
                     dtype=torch.bfloat16)
 
-# Error floors added to 2 x torch's own error at the same dtype (style rule 9), scaled
-# by max(1, |reference|): about 1000 fp32 ulps, and a few bf16/fp16 rounding steps of a
-# value near 1 after a long sum. Used alone (generous) when the naive path cannot run.
-_FLOOR = {torch.float32: 1e-4, torch.bfloat16: 1e-3, torch.float16: 1e-3}
+# The accuracy rule is reference.error_bound. When the naive path cannot run there is
+# no torch error to compare with: these tolerances, scaled by max(1, |reference|), alone.
 _FALLBACK_TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 2e-2}
 
 
@@ -91,13 +89,6 @@ class Row:
                                     and self.dq_err <= self.dq_tol)
 
 
-def _backend_name(device: torch.device) -> str:
-    backend = select_backend(device)
-    if backend == "triton" and device.type == "cpu" and interpreting():
-        return "triton (interpreter)"
-    return backend
-
-
 def _forward_backward(attn, q, k, v, dout):
     """out and dq of one forward + backward (dk, dv computed too, then dropped)."""
     out = attn(q, k, v)
@@ -113,14 +104,8 @@ def _naive(causal, upcast):
     return lambda q, k, v: attention_naive(q, k, v, causal=causal, upcast=upcast)[0]
 
 
-# PyTorch's own SDPA math backend on (b, s, h, d) inputs. The demo has seqlen_q ==
-# seqlen_k, where its top-left causal alignment is flash-attn's bottom-right one.
+# PyTorch's own SDPA math backend on (b, s, h, d) inputs (the demo has seqlen_q == seqlen_k).
 _torch_math = sdpa_math_bshd
-
-
-def _sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def _median_ms(fn, device, repeats):
@@ -141,16 +126,6 @@ def _median_ms(fn, device, repeats):
             fn()
             times.append((time.perf_counter() - t0) * 1e3)
     return statistics.median(times)
-
-
-def _peak_mib(fn, device):
-    """CUDA only: peak memory allocated by ``fn`` above what was allocated before."""
-    _sync(device)
-    torch.cuda.reset_peak_memory_stats(device)
-    base = torch.cuda.memory_allocated(device)
-    fn()
-    _sync(device)
-    return (torch.cuda.max_memory_allocated(device) - base) / MiB
 
 
 def _computed_mib(s: Shape, backend: str):
@@ -174,15 +149,13 @@ def _naive_fits(s: Shape, device, dtype) -> bool:
     return need < torch.cuda.mem_get_info(device)[0] // 2
 
 
-def _max_err(x, ref):
-    return (x.double() - ref.double()).abs().max().item()
+_max_err = max_abs_error
 
 
 def _tolerance(s: Shape, torch_err: float | None, ref) -> float:
-    scale = max(1.0, ref.abs().max().item())
     if torch_err is None:
-        return _FALLBACK_TOL[s.dtype] * scale
-    return 2 * torch_err + _FLOOR[s.dtype] * scale
+        return _FALLBACK_TOL[s.dtype] * max(1.0, ref.abs().max().item())
+    return error_bound(torch_err, ref, s.dtype)
 
 
 def run_shape(s: Shape, device, repeats: int = 3) -> Row:
@@ -192,7 +165,7 @@ def run_shape(s: Shape, device, repeats: int = 3) -> Row:
                      .to(device=device, dtype=s.dtype) for _ in range(4))
     for x in (q, k, v):
         x.requires_grad_()
-    backend = _backend_name(device)
+    backend = backend_name(device)
 
     # Reference: float64 on CPU; fp32 (upcast from the inputs) on CUDA.
     ref_dtype = torch.float64 if device.type == "cpu" else torch.float32
@@ -219,10 +192,10 @@ def run_shape(s: Shape, device, repeats: int = 3) -> Row:
                                              q, k, v, dout)
         naive_ms = _median_ms(naive_fn, device, repeats)
         if device.type == "cuda":
-            naive_mib = _peak_mib(naive_fn, device)
+            naive_mib = peak_extra_mib(naive_fn, device)
 
     if device.type == "cuda":
-        flash_mib, measured = _peak_mib(flash_fn, device), True
+        flash_mib, measured = peak_extra_mib(flash_fn, device), True
     else:
         flash_mib, naive_mib = _computed_mib(s, select_backend(device))
         measured = False
@@ -235,10 +208,6 @@ def run_shape(s: Shape, device, repeats: int = 3) -> Row:
         dq_tol = _tolerance(s, torch_dq_err, ref_dq)
     return Row(s, backend, out_err, dq_err, out_tol, dq_tol, flash_ms, naive_ms, flash_mib,
                naive_mib, measured)
-
-
-def default_device() -> torch.device:
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def run_demo(shapes=None, device=None, repeats: int = 3, progress=None) -> list[Row]:
@@ -306,10 +275,10 @@ def _footnotes(device, repeats, rows) -> str:
 
 
 def _demo(args) -> int:
-    device = torch.device(args.device) if args.device != "auto" else default_device()
+    device = resolve_device(args.device)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     print(f"flashtile {flashtile.__version__} demo on {name}, torch {torch.__version__}, "
-          f"backend {_backend_name(device)}\n", flush=True)
+          f"backend {backend_name(device)}\n", flush=True)
     print(TABLE_HEADER, flush=True)
     rows = run_demo(device=device, repeats=args.repeats,
                     progress=lambda r: print(format_row(r), flush=True))

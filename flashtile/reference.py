@@ -131,6 +131,36 @@ def attention_naive(q, k, v, *, softmax_scale=None, causal=False, window_size=(-
     return (out if upcast else out.to(q.dtype)), lse.float() if not upcast else lse
 
 
+def sdpa_math_bshd(causal):
+    """PyTorch's SDPA forced to its math backend, on (batch, seqlen, heads, dim) inputs:
+    torch's own error at a dtype, the yardstick of the accuracy rule below. (Its causal
+    mask is top-left aligned: the callers use seqlen_q == seqlen_k, where that is
+    flash-attn's bottom-right.)"""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    def attn(q, k, v):
+        with sdpa_kernel(SDPBackend.MATH):
+            out = torch.nn.functional.scaled_dot_product_attention(
+                *(x.transpose(1, 2) for x in (q, k, v)), is_causal=causal)
+        return out.transpose(1, 2)
+    return attn
+
+
+# The accuracy rule (the demo's and the tile study's): flashtile's error against float64
+# may be at most 2x torch's own error at the same dtype plus a floor, scaled by
+# max(1, |reference|): about 1000 fp32 ulps, a few bf16/fp16 rounding steps of a value
+# near 1 after a long sum.
+ERROR_FLOOR = {torch.float32: 1e-4, torch.bfloat16: 1e-3, torch.float16: 1e-3}
+
+
+def max_abs_error(x, ref) -> float:
+    return (x.double() - ref.double()).abs().max().item()
+
+
+def error_bound(torch_err: float, ref, dtype) -> float:
+    return 2 * torch_err + ERROR_FLOOR[dtype] * max(1.0, ref.abs().max().item())
+
+
 def _kv_block(x, start, stop, nheads):
     return _expand_kv(x[:, start:stop], nheads)
 

@@ -14,12 +14,10 @@ import math
 from dataclasses import asdict, dataclass
 
 import torch
-import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import flashtile
 from flashtile.bench.run import time_step
-from flashtile.reference import attention_naive
+from flashtile.reference import attention_naive, sdpa_math_bshd
 
 # (label, dtype, torch.get_float32_matmul_precision during the row)
 PRECISIONS = (("fp32", torch.float32, "highest"), ("tf32", torch.float32, "high"),
@@ -70,10 +68,7 @@ def _flashtile(q, k, v, causal):
 
 
 def _sdpa_math(q, k, v, causal):
-    with sdpa_kernel(SDPBackend.MATH):
-        out = F.scaled_dot_product_attention(*(x.transpose(1, 2) for x in (q, k, v)),
-                                             is_causal=causal)
-    return out.transpose(1, 2)
+    return sdpa_math_bshd(causal)(q, k, v)
 
 
 def _run_path(attn, q, k, v, ref, causal, device, repeats) -> PathResult:

@@ -24,7 +24,7 @@ import time
 import torch
 
 from flashtile import _cache
-from flashtile._backend import interpreting, select_backend
+from flashtile._backend import interpreting, resolve_device, select_backend
 from flashtile.bench import machine, registry
 from flashtile.ops import configs
 
@@ -39,12 +39,6 @@ def seqlen(text: str) -> int:  # named for argparse's "invalid seqlen value" mes
     if match is None or int(match[1]) < 1:
         raise ValueError(text)
     return int(match[1]) * (1024 if match[2] else 1)
-
-
-def _device(args) -> torch.device:
-    if args.device != "auto":
-        return torch.device(args.device)
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def _command(args) -> str:
@@ -124,7 +118,7 @@ def build_sweep(args, device) -> registry.Sweep:
 def _bench(args) -> int:
     from flashtile.bench import report, run
 
-    device = _device(args)
+    device = resolve_device(args.device)
     if args.accuracy:
         return _accuracy(args, device)
     if args.decode:
@@ -276,7 +270,7 @@ def add_info(commands):
 
 
 def _info(args) -> int:
-    print(machine.info_text(_device(args), refresh=args.refresh))
+    print(machine.info_text(resolve_device(args.device), refresh=args.refresh))
     return 0
 
 
@@ -302,7 +296,7 @@ def _tune(args) -> int:
     if args.clear:
         print(f"removed {configs.clear_tuned()}")
         return 0
-    device = _device(args)
+    device = resolve_device(args.device)
     if select_backend(device) != "triton":
         print("flashtile tune times the Triton kernels: run it on a CUDA device, or set "
               "TRITON_INTERPRET=1 (slow; use a short --seqlen) to check the logic on CPU",

@@ -11,15 +11,14 @@ from __future__ import annotations
 import datetime
 import os
 import platform
-import statistics
-import time
 
 import torch
 import triton
 
 import flashtile
 from flashtile import _cache
-from flashtile._backend import interpreting, select_backend
+from flashtile._backend import backend_name
+from flashtile.bench.run import time_step
 from flashtile.ops import configs
 
 CEILINGS_FILE = "ceilings.json"
@@ -33,14 +32,10 @@ def versions() -> dict:
 
 
 def backend_label(device) -> str:
-    device = torch.device(device)
     try:
-        backend = select_backend(device)
+        return backend_name(torch.device(device))
     except (RuntimeError, ValueError, NotImplementedError) as err:
         return f"none ({err})"
-    if backend == "triton" and device.type == "cpu" and interpreting():
-        return "triton (interpreter)"
-    return backend
 
 
 def now() -> str:
@@ -52,16 +47,6 @@ def machine_info(device, command: str = "") -> dict:
     return dict(device=_cache.device_name(device), device_type=device.type,
                 backend=backend_label(device), **versions(), platform=platform.platform(),
                 cpu_count=os.cpu_count(), date=now(), command=command)
-
-
-def _cpu_ms(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
 
 
 def measure_ceilings(device) -> dict:
@@ -82,10 +67,10 @@ def measure_ceilings(device) -> dict:
     else:
         n, dtype, copy_bytes = 512, torch.float32, 64 * 2**20
         a, b = (torch.randn(n, n, dtype=dtype) for _ in range(2))
-        mm_ms = _cpu_ms(lambda: a @ b, 10)
+        mm_ms = time_step(lambda: a @ b, device, 10)[0]
         src = torch.ones(copy_bytes, dtype=torch.uint8)
         dst = torch.empty_like(src)
-        copy_ms = _cpu_ms(lambda: dst.copy_(src), 10)
+        copy_ms = time_step(lambda: dst.copy_(src), device, 10)[0]
     name = str(dtype).replace("torch.", "")
     return dict(
         matmul=f"{name} {n}x{n} @ {n}x{n}", matmul_flops_per_s=2 * n**3 / (mm_ms * 1e-3),

@@ -25,8 +25,6 @@ import logging
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import flashtile
 from flashtile import _cache
@@ -35,10 +33,8 @@ from flashtile.bench.machine import now
 from flashtile.bench.registry import Cell
 from flashtile.ops import configs
 from flashtile.ops.configs import TileConfig
-from flashtile.reference import attention_naive
+from flashtile.reference import attention_naive, error_bound, max_abs_error, sdpa_math_bshd
 
-# Error floor added to 2x torch's error, times max(1, |ref|): as the demo's (cli._FLOOR).
-FLOOR = {torch.float32: 1e-4, torch.bfloat16: 1e-3, torch.float16: 1e-3}
 GRAD_NAMES = ("out", "dq", "dk", "dv")
 
 
@@ -69,35 +65,20 @@ def _flashtile(causal):
     return lambda q, k, v: flashtile.flash_attn_func(q, k, v, causal=causal)
 
 
-def sdpa_math_bshd(causal):
-    """PyTorch SDPA forced to its math backend, on (batch, seqlen, heads, dim) inputs."""
-    def attn(q, k, v):
-        with sdpa_kernel(SDPBackend.MATH):
-            out = F.scaled_dot_product_attention(*(x.transpose(1, 2) for x in (q, k, v)),
-                                                 is_causal=causal)
-        return out.transpose(1, 2)
-    return attn
-
-
-def _max_err(x, ref):
-    return (x.double() - ref).abs().max().item()
-
-
 def make_check(q, k, v, dout, causal):
     """A function ``check() -> reason or None`` for the current tile override: the
     float64 reference and torch's own errors are computed once, here."""
     ref = _fwd_bwd(*(x.double() for x in (q, k, v, dout)),
                    lambda a, b, c: attention_naive(a, b, c, causal=causal)[0])
     theirs = _fwd_bwd(q, k, v, dout, sdpa_math_bshd(causal))
-    tols = [2 * _max_err(t, r) + FLOOR[q.dtype] * max(1.0, r.abs().max().item())
-            for t, r in zip(theirs, ref)]
+    tols = [error_bound(max_abs_error(t, r), r, q.dtype) for t, r in zip(theirs, ref)]
 
     def check() -> str | None:
         ours = _fwd_bwd(q, k, v, dout, _flashtile(causal))
         for name, x, r, tol in zip(GRAD_NAMES, ours, ref, tols):
             if not torch.isfinite(x).all():
                 return f"{name} has NaN/inf"
-            err = _max_err(x, r)
+            err = max_abs_error(x, r)
             if not err <= tol:
                 return f"{name} error {err:.2e} > tolerance {tol:.2e}"
         return None
