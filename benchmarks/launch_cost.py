@@ -14,7 +14,6 @@ from types import SimpleNamespace
 
 import torch
 import triton
-import triton.language as tl
 
 import flashtile
 from flashtile import custom_ops

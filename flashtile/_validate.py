@@ -40,8 +40,8 @@ def check_offsets(x, name, dense=True):
     expanded attn_mask has no such twin: only its reach counts.
     """
     if offset_reach(x) > MAX_OFFSET or (dense and x.numel() > MAX_OFFSET):
-        _fail(ValueError, name, f"a tensor whose elements are reachable with 32-bit offsets "
-              f"(< 2**31 elements from its first)", f"shape {tuple(x.shape)}, strides "
+        _fail(ValueError, name, "a tensor whose elements are reachable with 32-bit offsets "
+              "(< 2**31 elements from its first)", f"shape {tuple(x.shape)}, strides "
               f"{tuple(x.stride())}", "Split the batch into calls of fewer than 2**31 "
               "elements each")
 
