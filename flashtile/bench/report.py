@@ -72,14 +72,14 @@ def _table(results, title, value, spec, with_ratio=False) -> str:
         head += ["best peer", "flashtile / best peer"]
     lines = [f"**{title}**", "", "| " + " | ".join(head) + " |",
              "|" + "---|" * 4 + "---:|" * (len(head) - 4)]
+    ratios = {(s["head_dim"], s["causal"], s["mode"], s["seqlen"]): s
+              for s in summary(results)} if with_ratio else {}
     for (d, causal, mode, seqlen), by in _rows(results).items():
         vals = [_cell(by.get(p), value, spec) for p in providers]
         if with_ratio:
-            peer, peer_tflops = best_peer(by)
-            ours = by.get("flashtile")
-            ratio = (ours.tflops / peer_tflops if ours is not None and ours.status == "ok"
-                     and peer_tflops else None)
-            vals += [peer or "n/a", "n/a" if ratio is None else f"{ratio:.2f}"]
+            row = ratios[(d, causal, mode, seqlen)]
+            vals += [row["best_peer"] or "n/a",
+                     "n/a" if row["ratio"] is None else f"{row['ratio']:.2f}"]
         lines.append(f"| {d} | {causal} | {mode} | {seqlen} | " + " | ".join(vals) + " |")
     return "\n".join(lines)
 
