@@ -42,14 +42,18 @@ decode_pdl_modes() {
       | grep "^| [0-9]" | tee "$OUT/decode-pdl-$mode.txt" | cut -c1-120
   done
 }
+# The whole GPU suite and the memcheck slice (make test-gpu, make memcheck).
+gpu_suite() {
+  stamp test-gpu
+  timeout 240 make test-gpu GPU_LOG="$OUT/gpu-tests.txt" 2>&1 | tail -3
+  stamp memcheck
+  timeout 250 make memcheck 2>&1 | tail -4 | tee "$OUT/memcheck.txt"
+}
 case "${1:-}" in
   check)
-    stamp test-gpu
-    timeout 240 make test-gpu GPU_LOG="$OUT/gpu-tests.txt" 2>&1 | tail -3
+    gpu_suite
     stamp decode
     decode_table
-    stamp memcheck
-    timeout 250 make memcheck 2>&1 | tail -4 | tee "$OUT/memcheck.txt"
     host_cost
     stamp done
     ;;
@@ -98,10 +102,7 @@ case "${1:-}" in
     host_cost
     ;;
   pdl)
-    stamp test-gpu
-    timeout 240 make test-gpu GPU_LOG="$OUT/gpu-tests.txt" 2>&1 | tail -3
-    stamp memcheck
-    timeout 200 make memcheck 2>&1 | tail -4 | tee "$OUT/memcheck.txt"
+    gpu_suite
     stamp decode
     decode_table
     decode_pdl_modes
