@@ -3,7 +3,7 @@
 # machine goes back 30 s after a call, so chain stages in one call where they fit).
 # Run from the repo root on the device: `bash scripts/gpu_session.sh STAGE [SECONDS]`;
 # outputs go to $OUT (at most 8 files come back: folders travel as tarballs).
-#   check        make test-gpu, the decode table, make memcheck, host cost (~8 min)
+#   check        make test-gpu, make memcheck, the decode table, host cost (~8 min)
 #   sweep SECS   the default `flashtile bench` sweep for SECS seconds, --resume from
 #                bench-h200/ (carry it back in: a sweep spans several calls)
 #   extra        bench --accuracy, tune for head_dim 128                  (~6 min)
