@@ -118,6 +118,38 @@ def test_num_splits_agree(device, on_gpu, monkeypatch):
         torch.testing.assert_close(lse, base_lse, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("page_list", ["preloaded", "per_tile"])
+@pytest.mark.parametrize("leftpad", [False, True], ids=["", "leftpad"])
+@pytest.mark.parametrize("page_size", [16, 64])
+def test_paged_splits_equal_contiguous(page_size, leftpad, page_list, decode_tile, backend,
+                                       device, on_gpu, monkeypatch):
+    """Split counts from 2 to 16 over a paged cache equal the unsplit contiguous
+    cache. A short split loads its page list before its K/V loop ("preloaded"); a split
+    over more than decode.MAX_SPLIT_PAGES pages looks pages up a tile ahead ("per_tile",
+    forced here by a limit of 0)."""
+    if backend == "torch":
+        pytest.skip("splits are a Triton kernel's")
+    from flashtile.ops import decode
+    if page_list == "per_tile":
+        monkeypatch.setattr(decode, "MAX_SPLIT_PAGES", 0)
+    b, s, h, hkv, d = 2, 192, 4, 2, 16
+    dtype = _dtype(on_gpu)
+    gen = torch.Generator().manual_seed(2)
+    k_cache, v_cache = _cache(b, s, hkv, d, device, dtype)
+    pool_k, pool_v, block_table = _paged(k_cache, v_cache, page_size, gen)
+    kw = dict(cache_seqlens=torch.tensor([101, 192], dtype=torch.int32, device=device),
+              causal=True, return_lse=True)
+    if leftpad:
+        kw["cache_leftpad"] = torch.tensor([7, 0], dtype=torch.int32, device=device)
+    q = torch.randn(b, 1, h, d, device=device, dtype=dtype)
+    ref, ref_lse = flashtile.flash_attn_with_kvcache(q, k_cache, v_cache, num_splits=1, **kw)
+    for n in (2, 3, 7, 16):
+        out, lse = flashtile.flash_attn_with_kvcache(q, pool_k, pool_v, block_table=block_table,
+                                                     num_splits=n, **kw)
+        torch.testing.assert_close(out, ref, **_tol(on_gpu))
+        torch.testing.assert_close(lse, ref_lse, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("pdl", ["1", "late", "0"], ids=["pdl", "pdl_late", "no_pdl"])
 def test_split_decode_replays_in_cuda_graph(pdl, device, monkeypatch):

@@ -1,0 +1,53 @@
+"""A/B of a decode launcher switch on the same inputs, interleaved (H200 scratch study).
+
+`python3 benchmarks/ab_decode.py NAME=A,B [NAME=A,B ...]` sets flashtile.ops.decode.NAME
+to each value in turn and times flashtile (contiguous, page 64, page 16) at the split
+shapes of issue 4's table, three rounds, CUDA graphs, checking each result against the
+unsplit contiguous output first.
+"""
+
+import itertools
+import sys
+
+import torch
+import triton
+
+from flashtile.bench.decode import _decode_inputs, _kvcache_fn, _paged_pool, kv_bytes
+from flashtile.ops import decode
+
+SHAPES = [(1, 8192), (8, 8192), (1, 131072)]
+
+
+def main():
+    knobs = {}
+    for arg in sys.argv[1:]:
+        name, values = arg.split("=")
+        knobs[name] = [int(v) for v in values.split(",")]
+    settings = [dict(zip(knobs, combo)) for combo in itertools.product(*knobs.values())]
+    for batch, seqlen_k in SHAPES:
+        q, k, v, seqlens = _decode_inputs(batch, seqlen_k, "cuda")
+        caches = {"contiguous": (k, v)}
+        caches.update({f"page{p}": _paged_pool(k, v, p) for p in (64, 16)})
+        base = _kvcache_fn(q, seqlens, k, v, num_splits=1)()
+        times = {}
+        for _round in range(3):
+            for setting in settings:
+                for name, value in setting.items():
+                    setattr(decode, name, value)
+                for cache, args in caches.items():
+                    fn = _kvcache_fn(q, seqlens, *args)
+                    err = (fn().float() - base.float()).abs().max().item()
+                    assert err < 2e-2, (setting, cache, err)
+                    ms = triton.testing.do_bench_cudagraph(fn, rep=50, return_mode="median")
+                    times.setdefault((str(setting), cache), []).append(ms * 1e3)
+        for (setting, cache), us in times.items():
+            gbps = kv_bytes(batch, seqlen_k) / (sorted(us)[1] * 1e3)
+            print(f"({batch}, {seqlen_k}) {setting} {cache}: median of rounds "
+                  f"{sorted(us)[1]:.2f} us ({gbps:.0f} GB/s), rounds "
+                  + " ".join(f"{u:.2f}" for u in us), flush=True)
+        del q, k, v, caches
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
