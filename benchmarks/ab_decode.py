@@ -1,4 +1,4 @@
-"""A/B of a decode launcher switch on the same inputs, interleaved (H200 scratch study).
+"""A/B of decode launcher knobs on the same inputs, interleaved rounds (H200 studies).
 
 `python3 benchmarks/ab_decode.py NAME=A,B [NAME=A,B ...]` sets flashtile.ops.decode.NAME
 to each value in turn and times flashtile (contiguous, page 64, page 16) at the split
