@@ -22,6 +22,8 @@ def main():
     knobs = {}
     for arg in sys.argv[1:]:
         name, values = arg.split("=")
+        if not hasattr(decode, name):
+            raise SystemExit(f"flashtile.ops.decode has no {name}")
         knobs[name] = [int(v) for v in values.split(",")]
     settings = [dict(zip(knobs, combo)) for combo in itertools.product(*knobs.values())]
     for batch, seqlen_k in SHAPES:
