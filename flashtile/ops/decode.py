@@ -19,6 +19,7 @@ broadcast to its rows). A left pad shifts tiles off the page boundaries: then ea
 of the tile looks up its own page.
 """
 
+import functools
 import os
 
 import torch
@@ -230,6 +231,13 @@ def num_splits_heuristic(work_items: int, max_seqlen_k: int, block_n: int,
     return max(1, min(2 * num_sms // work_items, max_splits, 128))
 
 
+@functools.lru_cache(maxsize=None)
+def _gpu_traits(device: torch.device) -> tuple[int, int]:
+    """(compute capability major, SM count): asked on every split decode call."""
+    props = torch.cuda.get_device_properties(device)
+    return props.major, props.multi_processor_count
+
+
 def combine_pdl(q) -> tuple[bool, bool]:
     """(combine is a programmatic dependent launch, decode signals it early): Hopper and
     later. FLASHTILE_DECODE_PDL=0 turns it off, =late keeps the dependent launch but
@@ -237,7 +245,7 @@ def combine_pdl(q) -> tuple[bool, bool]:
     mode = os.environ.get("FLASHTILE_DECODE_PDL", "1").strip().lower()
     if mode not in ("0", "1", "late"):
         raise ValueError(f"FLASHTILE_DECODE_PDL must be '0', '1' or 'late', got {mode!r}")
-    if not (q.is_cuda and torch.cuda.get_device_capability(q.device)[0] >= 9) or mode == "0":
+    if not (q.is_cuda and _gpu_traits(q.device)[0] >= 9) or mode == "0":
         return False, False
     return True, mode == "1"
 
@@ -263,8 +271,7 @@ def attn_decode(q, k_cache, v_cache, *, cache_seqlens, block_table, cache_batch_
     cfg = configs.decode_config(q, d, sq * group)
     m_blocks = configs.cdiv(sq * group, cfg.block_m)
     if num_splits <= 0:
-        num_sms = (torch.cuda.get_device_properties(q.device).multi_processor_count
-                   if q.is_cuda else 1)
+        num_sms = _gpu_traits(q.device)[1] if q.is_cuda else 1
         num_splits = num_splits_heuristic(b * hkv * m_blocks, capacity, cfg.block_n,
                                           num_sms)
     keys_per_split = configs.cdiv(configs.cdiv(max(capacity, 1), num_splits),
