@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import math
 import numbers
+from typing import Optional
 
 import torch
+from torch import Tensor
 
 from flashtile import _validate as V
 from flashtile import reference
 from flashtile._backend import select_backend
+from flashtile.custom_ops import _plain_eager
 
 
 def _check_index_tensor(x, name, shape, device):
@@ -32,7 +35,8 @@ def _check_index_tensor(x, name, shape, device):
 
 def _check_cache(q, k_cache, v_cache, k, v, block_table, cache_seqlens, cache_batch_idx,
                  cache_leftpad):
-    """Validate shapes and, with one host sync, every index the kernel will follow."""
+    """Validate shapes, dtypes and devices (no device read). Returns the number of new
+    tokens to append."""
     V.check_tensor(q, "q", 4)
     b, sq, h, d = q.shape
     for x, name in ((k_cache, "k_cache"), (v_cache, "v_cache")):
@@ -86,10 +90,8 @@ def _check_cache(q, k_cache, v_cache, k, v, block_table, cache_seqlens, cache_ba
                   getattr(block_table, "shape", type(block_table).__name__))
         _check_index_tensor(block_table, "block_table", (b, block_table.shape[1]),
                             q.device)
-        capacity = block_table.shape[1] * page_size
         cache_rows = b
     else:
-        capacity = k_cache.shape[1]
         cache_rows = k_cache.shape[0]
     if cache_batch_idx is not None:
         _check_index_tensor(cache_batch_idx, "cache_batch_idx", (b,), q.device)
@@ -98,12 +100,24 @@ def _check_cache(q, k_cache, v_cache, k, v, block_table, cache_seqlens, cache_ba
     if cache_leftpad is not None:
         _check_index_tensor(cache_leftpad, "cache_leftpad", (b,), q.device)
     _check_index_tensor(cache_seqlens, "cache_seqlens", (b,), q.device)
+    return sn
 
-    # One sync for every bound: a wrong index must be an error, not a wild access. Under
-    # CUDA graph capture no sync is possible: the engine that captures owns the indices.
-    if q.device.type == "meta" or (q.is_cuda and torch.cuda.is_current_stream_capturing()):
-        return sn
-    stats = [cache_seqlens.min(), cache_seqlens.max()]
+
+def _can_read_indices(q) -> bool:
+    """A host read of the indices is possible: not a meta tensor, not inside
+    torch.compile's tracing, not while a CUDA graph is being captured."""
+    return not (q.device.type == "meta" or torch.compiler.is_compiling()
+                or (q.is_cuda and torch.cuda.is_current_stream_capturing()))
+
+
+def _check_index_values(q, k_cache, block_table, cache_seqlens, cache_batch_idx,
+                        cache_leftpad, sn):
+    """Every index the kernel will follow, with one host sync: a wrong index must be an
+    error, not a wild access. sn: tokens about to be appended after cache_seqlens."""
+    b = q.shape[0]
+    capacity = (block_table.shape[1] * k_cache.shape[1] if block_table is not None
+                else k_cache.shape[1])
+    stats = list(torch.aminmax(cache_seqlens))
     if cache_leftpad is not None:
         stats += [cache_leftpad.min(), (cache_seqlens - cache_leftpad).min()]
     if block_table is not None and block_table.numel():
@@ -112,7 +126,7 @@ def _check_cache(q, k_cache, v_cache, k, v, block_table, cache_seqlens, cache_ba
         stats += [cache_batch_idx.min(), cache_batch_idx.max()]
     vals = torch.stack(stats).tolist() if b else []
     if not vals:
-        return sn
+        return
     lo, hi = vals[0], vals[1]
     if lo < 0 or hi + sn > capacity:
         V._fail(ValueError, "cache_seqlens", f"values in [0, {capacity - sn}] (cache capacity "
@@ -132,7 +146,6 @@ def _check_cache(q, k_cache, v_cache, k, v, block_table, cache_seqlens, cache_ba
     if cache_batch_idx is not None and (vals[i] < 0 or vals[i + 1] >= k_cache.shape[0]):
         V._fail(ValueError, "cache_batch_idx", f"indices in [0, {k_cache.shape[0] - 1}]",
               f"range [{vals[i]}, {vals[i + 1]}]")
-    return sn
 
 
 def apply_rotary(x, cos, sin, positions, interleaved):
@@ -198,6 +211,47 @@ def _attend_torch(q, k_cache, v_cache, seqlens, leftpad, block_table, cache_batc
     return torch.cat(outs), torch.cat(lses)
 
 
+def _kvcache_attn_impl(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Tensor,
+                       new_tokens: int, block_table: Optional[Tensor],
+                       cache_batch_idx: Optional[Tensor], cache_leftpad: Optional[Tensor],
+                       alibi_slopes: Optional[Tensor], softmax_scale: float,
+                       window_left: int, window_right: int, softcap: float,
+                       num_splits: int, check_indices: bool) -> tuple[Tensor, Tensor]:
+    """(out, lse) of q over the cache's first cache_seqlens + new_tokens keys (the new
+    ones already written). check_indices: the caller could not read the indices (a
+    compiled graph), so check them here, at run time, unless a CUDA graph is being
+    captured."""
+    if check_indices and _can_read_indices(q):
+        _check_index_values(q, k_cache, block_table, cache_seqlens, cache_batch_idx,
+                            cache_leftpad, new_tokens)
+    seqlens = cache_seqlens + new_tokens if new_tokens else cache_seqlens
+    kw = dict(alibi_slopes=alibi_slopes, softmax_scale=softmax_scale,
+              window_left=window_left, window_right=window_right, softcap=softcap)
+    if select_backend(q.device) == "triton":
+        from flashtile.ops.decode import attn_decode
+        return attn_decode(q, k_cache, v_cache, cache_seqlens=seqlens.to(torch.int32),
+                           block_table=block_table, cache_batch_idx=cache_batch_idx,
+                           cache_leftpad=cache_leftpad, num_splits=num_splits,
+                           allow_tf32=False, **kw)
+    return _attend_torch(q, k_cache, v_cache, seqlens, cache_leftpad, block_table,
+                         cache_batch_idx, **kw)
+
+
+# One opaque node for torch.compile (a fullgraph decode step, CUDA graphs through
+# mode="reduce-overhead"). It reads the caches, never writes them: the append before it
+# is plain tensor indexing, which the compiler sees and keeps in place.
+kvcache_attn = torch.library.custom_op("flashtile::kvcache_attn",
+                                       mutates_args=())(_kvcache_attn_impl)
+
+
+@kvcache_attn.register_fake
+def _(q, k_cache, v_cache, cache_seqlens, new_tokens, block_table, cache_batch_idx,
+      cache_leftpad, alibi_slopes, softmax_scale, window_left, window_right, softcap,
+      num_splits, check_indices):
+    b, sq, h, d = q.shape
+    return q.new_empty((b, sq, h, d)), q.new_empty((b, h, sq), dtype=torch.float32)
+
+
 @torch.no_grad()
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None,
                             rotary_sin=None, cache_seqlens=None, cache_batch_idx=None,
@@ -230,9 +284,13 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         return_lse: also return lse (batch, nheads, seqlen_q) float32.
 
     Every index (cache_seqlens, block_table, cache_batch_idx, cache_leftpad) is checked
-    against the cache with one host sync; a bad one raises ValueError. While a CUDA graph
-    is being captured that check is skipped (no sync is possible there): shapes and
-    dtypes are still checked, the indices are then the caller's responsibility.
+    against the cache with one host sync; a bad one raises ValueError. Under
+    torch.compile the attention is one custom op (``flashtile::kvcache_attn``, no graph
+    break) and the check runs inside it at run time, after the append (an append past
+    the cache meets the compiled indexing's own bounds check first). While a CUDA
+    graph is being captured the check is skipped (no sync is possible there): shapes and
+    dtypes are still checked, the indices are then the caller's responsibility (as for
+    any captured indexing).
     """
     if cache_seqlens is None:
         V._fail(ValueError, "cache_seqlens", "an int or an int32 tensor (batch,)", None)
@@ -241,6 +299,10 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                                    device=q.device)
     sn = _check_cache(q, k_cache, v_cache, k, v, block_table, cache_seqlens,
                       cache_batch_idx, cache_leftpad)
+    read_indices = _can_read_indices(q)
+    if read_indices:
+        _check_index_values(q, k_cache, block_table, cache_seqlens, cache_batch_idx,
+                            cache_leftpad, sn)
     # The kernel reads every index tensor with unit strides.
     cache_seqlens, cache_batch_idx, cache_leftpad, block_table = (
         x.contiguous() if x is not None else None
@@ -263,7 +325,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                   (tuple(rotary_cos.shape), getattr(rotary_sin, "shape", None)))
         base = cache_seqlens.long() - start if cache_leftpad is not None else cache_seqlens.long()
         offs = torch.arange(max(sq, sn), device=q.device)[None, :]
-        if base.numel() and int(base.max()) + max(sq, sn) > rotary_cos.shape[0]:
+        if read_indices and base.numel() and int(base.max()) + max(sq, sn) > rotary_cos.shape[0]:
             V._fail(ValueError, "rotary_cos.shape[0]", f">= {int(base.max()) + max(sq, sn)} "
                   "positions", rotary_cos.shape[0])
         q_pos = base[:, None] + (offs[:, :sq] if (causal or left >= 0 or right >= 0)
@@ -275,16 +337,11 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     if k is not None and sn:
         pos = _cache_positions(cache_seqlens, sn)
         _append(k_cache, v_cache, k, v, pos, block_table, cache_batch_idx)
-    seqlens = cache_seqlens + sn if sn else cache_seqlens
-    kw = dict(alibi_slopes=alibi_slopes, softmax_scale=float(softmax_scale),
-              window_left=left, window_right=right, softcap=float(softcap))
-    if select_backend(q.device) == "triton":
-        from flashtile.ops.decode import attn_decode
-        out, lse = attn_decode(q, k_cache, v_cache, cache_seqlens=seqlens.to(torch.int32),
-                               block_table=block_table, cache_batch_idx=cache_batch_idx,
-                               cache_leftpad=cache_leftpad, num_splits=int(num_splits),
-                               allow_tf32=False, **kw)
+    args = (q, k_cache, v_cache, cache_seqlens, sn, block_table,
+            cache_batch_idx, cache_leftpad, alibi_slopes, float(softmax_scale), left, right,
+            float(softcap), int(num_splits))
+    if _plain_eager(args):
+        out, lse = _kvcache_attn_impl(*args, False)  # indices read above
     else:
-        out, lse = _attend_torch(q, k_cache, v_cache, seqlens, cache_leftpad, block_table,
-                                 cache_batch_idx, **kw)
+        out, lse = kvcache_attn(*args, not read_indices)
     return (out, lse) if return_lse else out

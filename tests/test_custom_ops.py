@@ -141,3 +141,72 @@ def test_double_backward_fails_loudly(backend, device):
     (g,) = torch.autograd.grad(out.square().sum(), q, create_graph=True)
     with pytest.raises(RuntimeError):
         torch.autograd.grad(g.sum(), q)
+
+
+def test_opcheck_kvcache(backend, device, on_gpu):
+    from flashtile import inference
+    q = torch.randn(2, 3, 4, 16, device=device)
+    k_cache, v_cache = (torch.randn(2, 40, 2, 16, device=device) for _ in "kv")
+    seqlens = torch.tensor([5, 37], dtype=torch.int32, device=device)
+    args = (q, k_cache, v_cache, seqlens, 3, None, None, None, None, 0.25, -1, 0, 0.0, 0,
+            True)
+    torch.library.opcheck(inference.kvcache_attn, args)
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+def test_compile_fullgraph_kvcache_step(paged, backend, device, on_gpu):
+    """A decode step (rotary, append in place, attention over the cache) compiles with
+    no graph break, holds the flashtile::kvcache_attn op, and equals the eager step:
+    outputs and both caches."""
+    seen = []
+
+    def recording_inductor(gm, example_inputs):
+        seen.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        from torch._inductor.compile_fx import compile_fx
+        return compile_fx(gm, example_inputs)
+
+    torch._dynamo.reset()
+    gen = torch.Generator().manual_seed(3)
+    b, s, h, hkv, d, page = 2, 64, 4, 2, 16, 16
+    q = torch.randn(b, 1, h, d, generator=gen).to(device)
+    k_new, v_new = (torch.randn(b, 1, hkv, d, generator=gen).to(device) for _ in "kv")
+    cos, sin = (torch.randn(s, 4, generator=gen).to(device) for _ in "cs")
+    seqlens = torch.tensor([9, 50], dtype=torch.int32, device=device)
+    if paged:
+        k_cache, v_cache = (torch.randn(b * s // page + 1, page, hkv, d, generator=gen)
+                            .to(device) for _ in "kv")
+        perm = torch.randperm(b * s // page + 1, generator=gen)[: b * s // page]
+        block_table = perm.view(b, -1).to(torch.int32).to(device)
+    else:
+        k_cache, v_cache = (torch.randn(b, s, hkv, d, generator=gen).to(device)
+                            for _ in "kv")
+        block_table = None
+
+    def step(q, k_cache, v_cache, k_new, v_new, seqlens):
+        return flashtile.flash_attn_with_kvcache(
+            q, k_cache, v_cache, k_new, v_new, rotary_cos=cos, rotary_sin=sin,
+            cache_seqlens=seqlens, block_table=block_table, causal=True, return_lse=True)
+
+    k_eager, v_eager = k_cache.clone(), v_cache.clone()
+    out, lse = step(q, k_eager, v_eager, k_new, v_new, seqlens)
+    compiled = torch.compile(step, backend=recording_inductor, fullgraph=True)
+    out_c, lse_c = compiled(q, k_cache, v_cache, k_new, v_new, seqlens)
+    assert "flashtile.kvcache_attn.default" in seen, seen
+    torch.testing.assert_close(k_cache, k_eager, rtol=0, atol=0)
+    torch.testing.assert_close(v_cache, v_eager, rtol=0, atol=0)
+    torch.testing.assert_close(out_c, out, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lse_c, lse, rtol=1e-5, atol=1e-5)
+
+
+def test_compiled_kvcache_checks_indices_at_run_time(backend, device, on_gpu):
+    """Compiled code cannot read the indices while tracing: the op checks them when it
+    runs, so a cache_seqlens past the cache is still a ValueError naming it."""
+    torch._dynamo.reset()
+    q = torch.randn(1, 1, 2, 16, device=device)
+    k_cache, v_cache = (torch.randn(1, 32, 2, 16, device=device) for _ in "kv")
+    step = torch.compile(
+        lambda q, s: flashtile.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=s),
+        fullgraph=True)
+    step(q, torch.tensor([32], dtype=torch.int32, device=device))
+    with pytest.raises(ValueError, match="cache_seqlens"):
+        step(q, torch.tensor([33], dtype=torch.int32, device=device))

@@ -1,0 +1,92 @@
+"""Where an eager batch-1 decode call spends its host time (NOTES.md section 11).
+
+flash_attn_with_kvcache at batch 1 x 8k keys, 32/8 heads, d128 (split: decode and
+combine kernels), its index check, its launcher; a step's wall time eager and compiled
+with CUDA graphs beside cuDNN's SDPA; a cProfile by own time.
+Run on the GPU: PYTHONPATH=. python3 benchmarks/profile_decode_host.py
+"""
+import cProfile
+import pstats
+import time
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+import flashtile
+from flashtile import inference
+from flashtile.ops.decode import attn_decode
+
+
+def host_us(fn, n=300):
+    for _ in range(20):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    host = (time.perf_counter() - t0) / n * 1e6
+    torch.cuda.synchronize()
+    return host
+
+
+q = torch.randn(1, 1, 32, 128, device="cuda", dtype=torch.bfloat16)
+k, v = (torch.randn(1, 8192, 8, 128, device="cuda", dtype=torch.bfloat16) for _ in "kv")
+seqlens = torch.full((1,), 8192, dtype=torch.int32, device="cuda")
+kw = dict(alibi_slopes=None, softmax_scale=0.088, window_left=-1, window_right=-1,
+          softcap=0.0)
+
+
+def call():
+    return flashtile.flash_attn_with_kvcache(q, k, v, cache_seqlens=seqlens)
+
+
+parts = {
+    "flash_attn_with_kvcache": call,
+    "  _check_cache (index check, one sync)": lambda: inference._check_cache(
+        q, k, v, None, None, None, seqlens, None, None),
+    "  seqlens min/max + tolist alone": lambda: torch.stack(
+        [seqlens.min(), seqlens.max()]).tolist(),
+    "  attn_decode (launcher, 2 kernels)": lambda: attn_decode(
+        q, k, v, cache_seqlens=seqlens, block_table=None, cache_batch_idx=None,
+        cache_leftpad=None, num_splits=0, allow_tf32=False, **kw),
+    "  attn_decode unsplit (1 kernel)": lambda: attn_decode(
+        q, k, v, cache_seqlens=seqlens, block_table=None, cache_batch_idx=None,
+        cache_leftpad=None, num_splits=1, allow_tf32=False, **kw),
+    "  torch.empty x4": lambda: [torch.empty(1, 1, 32, 128, device="cuda")
+                                for _ in range(4)],
+}
+for name, fn in parts.items():
+    print(f"{name}: {host_us(fn):.1f} us", flush=True)
+# What a serving loop sees per step (wall us, a synchronized loop of 300 steps): eager,
+# and compiled with CUDA graphs (mode="reduce-overhead"), flashtile beside cuDNN's SDPA.
+qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+
+
+def sdpa():
+    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+        return F.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True)
+
+
+def wall_us(fn, n=300):
+    for _ in range(30):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / n * 1e6
+
+
+for name, fn in (("flashtile", call), ("sdpa-cudnn", sdpa)):
+    print(f"{name} eager step: {wall_us(fn):.1f} us", flush=True)
+    compiled = torch.compile(fn, mode="reduce-overhead", fullgraph=True)
+    print(f"{name} compiled (reduce-overhead) step: {wall_us(compiled):.1f} us", flush=True)
+prof = cProfile.Profile()
+prof.enable()
+for _ in range(300):
+    call()
+prof.disable()
+torch.cuda.synchronize()
+pstats.Stats(prof).sort_stats("tottime").print_stats(22)
