@@ -43,10 +43,10 @@ def call():
 
 parts = {
     "flash_attn_with_kvcache": call,
-    "  _check_cache (index check, one sync)": lambda: inference._check_cache(
+    "  _check_cache (shapes, dtypes, devices)": lambda: inference._check_cache(
         q, k, v, None, None, None, seqlens, None, None),
-    "  seqlens min/max + tolist alone": lambda: torch.stack(
-        [seqlens.min(), seqlens.max()]).tolist(),
+    "  _check_index_values (one sync)": lambda: inference._check_index_values(
+        q, k, None, seqlens, None, None, 0),
     "  attn_decode (launcher, 2 kernels)": lambda: attn_decode(
         q, k, v, cache_seqlens=seqlens, block_table=None, cache_batch_idx=None,
         cache_leftpad=None, num_splits=0, allow_tf32=False, **kw),
