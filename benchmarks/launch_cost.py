@@ -3,19 +3,16 @@
 Host microseconds per call on a tiny shape (kernels take a few us): a bare Triton
 launch; flash_attn_func forward and forward+backward; the forward with its launch a
 no-op; the forward through the custom op and through its launcher; forward+backward
-through the custom op's own autograd; the backward launcher alone; batch-1 decode called
-eagerly, flashtile beside cuDNN's SDPA. Then a cProfile of forward+backward by own time.
+through the custom op's own autograd; the backward launcher alone. Then a cProfile of
+forward+backward by own time. (Decode's host cost: profile_decode_host.py.)
 Run on the GPU: PYTHONPATH=. python3 benchmarks/launch_cost.py
 """
 import cProfile
 import pstats
-import time
 from types import SimpleNamespace
 
 import torch
-import torch.nn.functional as F
 import triton
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import flashtile
 from flashtile import custom_ops
@@ -23,22 +20,16 @@ from flashtile.ops import configs
 from flashtile.ops.bwd import attn_bwd as bwd_launcher
 from flashtile.ops.fwd import attn_fwd as fwd_launcher
 
+from _host_timing import loop_us  # benchmarks/_host_timing.py
+
 
 @triton.jit
 def _empty_kernel(X, n):
     pass
 
 
-def host_us(fn, n=300):
-    for _ in range(20):
-        fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(n):
-        fn()
-    host = (time.perf_counter() - t0) / n * 1e6
-    torch.cuda.synchronize()
-    return host
+def host_us(fn):
+    return loop_us(fn)[0]
 
 
 q, k, v = (torch.randn(1, 128, 2, 64, device="cuda", dtype=torch.bfloat16,
@@ -118,18 +109,6 @@ print(f"eager backward called directly: "
       f"{host_us(lambda: custom_ops._backward(ctx, do, None, custom_ops._attn_bwd_impl)):.1f} us")
 with torch.autograd.set_multithreading_enabled(False):
     print(f"flash_attn_func fwd_bwd, engine threads off: {host_us(fwd_bwd):.1f} us")
-# Decode as an eager caller runs it (no CUDA graph): batch 1, 8k keys, 32/8 heads, d128,
-# split (kernels ~10 us). Host us per call of flashtile and of cuDNN's SDPA; with the
-# kernels shorter than the host time, the loop runs at the host's pace.
-dq = torch.randn(1, 1, 32, 128, device="cuda", dtype=torch.bfloat16)
-dk, dv = (torch.randn(1, 8192, 8, 128, device="cuda", dtype=torch.bfloat16) for _ in "kv")
-seqlens = torch.full((1,), 8192, dtype=torch.int32, device="cuda")
-decode = lambda: flashtile.flash_attn_with_kvcache(dq, dk, dv, cache_seqlens=seqlens)  # noqa: E731
-print(f"flash_attn_with_kvcache, batch 1 x 8k, eager: {host_us(decode):.1f} us")
-dqt, dkt, dvt = dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
-with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-    print(f"SDPA cuDNN enable_gqa, batch 1 x 8k, eager: "
-          f"{host_us(lambda: F.scaled_dot_product_attention(dqt, dkt, dvt, enable_gqa=True)):.1f} us")
 prof = cProfile.Profile()
 prof.enable()
 for _ in range(200):

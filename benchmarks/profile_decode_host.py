@@ -7,7 +7,6 @@ Run on the GPU: PYTHONPATH=. python3 benchmarks/profile_decode_host.py
 """
 import cProfile
 import pstats
-import time
 
 import torch
 import torch.nn.functional as F
@@ -17,17 +16,7 @@ import flashtile
 from flashtile import inference
 from flashtile.ops.decode import attn_decode
 
-
-def host_us(fn, n=300):
-    for _ in range(20):
-        fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(n):
-        fn()
-    host = (time.perf_counter() - t0) / n * 1e6
-    torch.cuda.synchronize()
-    return host
+from _host_timing import loop_us  # benchmarks/_host_timing.py
 
 
 q = torch.randn(1, 1, 32, 128, device="cuda", dtype=torch.bfloat16)
@@ -57,7 +46,7 @@ parts = {
                                 for _ in range(4)],
 }
 for name, fn in parts.items():
-    print(f"{name}: {host_us(fn):.1f} us", flush=True)
+    print(f"{name}: {loop_us(fn)[0]:.1f} us", flush=True)
 # What a serving loop sees per step (wall us, a synchronized loop of 300 steps): eager,
 # and compiled with CUDA graphs (mode="reduce-overhead"), flashtile beside cuDNN's SDPA.
 qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
@@ -68,21 +57,11 @@ def sdpa():
         return F.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True)
 
 
-def wall_us(fn, n=300):
-    for _ in range(30):
-        fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(n):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / n * 1e6
-
-
 for name, fn in (("flashtile", call), ("sdpa-cudnn", sdpa)):
-    print(f"{name} eager step: {wall_us(fn):.1f} us", flush=True)
+    print(f"{name} eager step: {loop_us(fn, warmup=30)[1]:.1f} us", flush=True)
     compiled = torch.compile(fn, mode="reduce-overhead", fullgraph=True)
-    print(f"{name} compiled (reduce-overhead) step: {wall_us(compiled):.1f} us", flush=True)
+    print(f"{name} compiled (reduce-overhead) step: {loop_us(compiled, warmup=30)[1]:.1f} us",
+          flush=True)
 prof = cProfile.Profile()
 prof.enable()
 for _ in range(300):

@@ -3,12 +3,12 @@ call against GPU kernel time, fwd and fwd+bwd, d64/d128 at seqlen 512 and 1024.
 
 Run on the GPU: PYTHONPATH=. python3 benchmarks/profile_short.py
 """
-import time
-
 import torch
 from torch.profiler import ProfilerActivity, profile
 
 import flashtile
+
+from _host_timing import loop_us  # benchmarks/_host_timing.py
 
 
 def step_fn(q, k, v, do, mode):
@@ -27,15 +27,7 @@ for d in (64, 128):
         do = torch.randn_like(q)
         for mode in ("fwd", "fwd_bwd"):
             step = step_fn(q, k, v, do, mode)
-            for _ in range(5):
-                step()
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            for _ in range(50):
-                step()
-            host = (time.perf_counter() - t0) / 50 * 1e3   # launch-bound if ~= total
-            torch.cuda.synchronize()
-            total = (time.perf_counter() - t0) / 50 * 1e3
+            host, total = (us / 1e3 for us in loop_us(step, n=50, warmup=5))  # ms
             with profile(activities=[ProfilerActivity.CUDA]) as prof:
                 for _ in range(10):
                     step()

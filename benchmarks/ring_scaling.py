@@ -136,7 +136,7 @@ def _time_steps(step, group, device, warmup, reps):
 def measure(group, device, dtype, seqlen, nheads, nheads_kv, head_dim, causal, warmup,
             reps):
     """(T_ring, T_share) in seconds for one forward+backward step."""
-    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    world = dist.get_world_size(group)
     layout = _layout(causal)
     local = seqlen // world
     q, k, v, dout = (torch.randn(1, local, n, head_dim, device=device, dtype=dtype)
