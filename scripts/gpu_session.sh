@@ -15,6 +15,8 @@
 #                spans of a batch-1 step (benchmarks/profile_decode.py)      (~5 min)
 #   splits       decode split count x pipeline depth, contiguous and page 16; host
 #                cost per call                                              (~2 min)
+#   ab KNOB=A,B  the decode/paged GPU tests, their memcheck slice, benchmarks/ab_decode.py
+#                over the knobs given (interleaved rounds), the decode table   (~4 min)
 #   pdl          make test-gpu, make memcheck, the decode table with the combine's
 #                dependent launch early, late and off; split counts at batch 1 and 8
 #                                                                           (~8 min)
@@ -49,6 +51,15 @@ gpu_suite() {
   stamp memcheck
   timeout 250 make memcheck 2>&1 | tail -4 | tee "$OUT/memcheck.txt"
 }
+# The decode/paged/merge GPU tests and their memcheck slice.
+decode_tests() {
+  stamp decode-tests
+  timeout 200 python3 -m pytest -q -p no:cacheprovider -n 8 --gpu tests/test_decode.py \
+    tests/test_kv_cache.py tests/test_merge.py 2>&1 | tail -2 | tee "$OUT/decode-tests.txt"
+  stamp memcheck-decode
+  timeout 150 make memcheck MEMCHECK_K="decode or paged or splits or append or leftpad" \
+    2>&1 | tail -3 | tee "$OUT/memcheck-decode.txt"
+}
 case "${1:-}" in
   check)
     gpu_suite
@@ -81,18 +92,23 @@ case "${1:-}" in
     DECODE_SECS=150 decode_table --sweep-paged
     ;;
   decode)
-    stamp decode-tests
-    timeout 200 python3 -m pytest -q -p no:cacheprovider -n 8 --gpu tests/test_decode.py \
-      tests/test_kv_cache.py tests/test_merge.py 2>&1 | tail -2 | tee "$OUT/decode-tests.txt"
-    stamp memcheck-decode
-    timeout 150 make memcheck MEMCHECK_K="decode or paged or splits or append or leftpad" \
-      2>&1 | tail -3 | tee "$OUT/memcheck-decode.txt"
+    decode_tests
     stamp decode-table
     decode_table
     decode_pdl_modes
     stamp profile
     timeout 60 python3 benchmarks/profile_decode.py 2>&1 | grep -v -i warn \
       | tee "$OUT/profile-decode.txt"
+    stamp done
+    ;;
+  ab)
+    shift
+    decode_tests
+    stamp ab
+    timeout 240 python3 benchmarks/ab_decode.py "$@" 2>&1 | grep -v -i warn \
+      | tee "$OUT/ab-decode.txt"
+    stamp decode-table
+    decode_table
     stamp done
     ;;
   splits)
@@ -112,7 +128,7 @@ case "${1:-}" in
     stamp done
     ;;
   *)
-    echo "usage: $0 check|sweep [SECONDS]|extra|short|decode|splits|pdl" >&2
+    echo "usage: $0 check|sweep [SECONDS]|extra|short|decode|ab KNOB=A,B...|splits|pdl" >&2
     exit 2
     ;;
 esac

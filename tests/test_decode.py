@@ -118,15 +118,22 @@ def test_num_splits_agree(device, on_gpu, monkeypatch):
         torch.testing.assert_close(lse, base_lse, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("page_list", ["preloaded", "per_tile"])
 @pytest.mark.parametrize("leftpad", [False, True], ids=["", "leftpad"])
 @pytest.mark.parametrize("page_size", [16, 64])
-def test_paged_splits_equal_contiguous(page_size, leftpad, decode_tile, backend, device,
-                                       on_gpu):
+def test_paged_splits_equal_contiguous(page_size, leftpad, page_list, decode_tile, backend,
+                                       device, on_gpu, monkeypatch):
     """Split counts from 2 to 16 over a paged cache (pages below, at and above the key
     tile; shifted off the page boundaries by a left pad) equal the unsplit contiguous
-    cache: each split starts its page lookups at its own first key."""
+    cache: each split starts its page lookups at its own first key. A short split loads
+    its page list before its K/V loop and gathers each tile's pages from it
+    ("preloaded"); a split over more than decode.MAX_SPLIT_PAGES pages looks pages up a
+    tile ahead ("per_tile", forced here by a limit of 0)."""
     if backend == "torch":
         pytest.skip("splits are a Triton kernel's")
+    from flashtile.ops import decode
+    if page_list == "per_tile":
+        monkeypatch.setattr(decode, "MAX_SPLIT_PAGES", 0)
     b, s, h, hkv, d = 2, 192, 4, 2, 16
     dtype = _dtype(on_gpu)
     gen = torch.Generator().manual_seed(2)

@@ -69,7 +69,7 @@ def _decode_kernel(
     EVEN_D: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, PAGED: tl.constexpr,
     PAGE_SIZE: tl.constexpr, PAGE_ALIGNED: tl.constexpr, TILE_PAGES: tl.constexpr,
-    HAS_BATCH_IDX: tl.constexpr, HAS_LEFTPAD: tl.constexpr,
+    SPLIT_PAGES: tl.constexpr, HAS_BATCH_IDX: tl.constexpr, HAS_LEFTPAD: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, LAUNCH_DEPENDENTS: tl.constexpr,
 ):
     split = tl.program_id(0)
@@ -124,7 +124,15 @@ def _decode_kernel(
     # (NOTES.md section 8).
     block_row = BlockTable + off_b * stride_block_table_b
     page = 0
-    if PAGE_ALIGNED:
+    if SPLIT_PAGES > 0:
+        # A short split's whole page list in one vector load before the loop; each
+        # tile's rows gather their page from it (registers or shared memory), so no K/V
+        # address waits on a block-table load inside the loop.
+        first_page = (leftpad + split * keys_per_split) // PAGE_SIZE
+        offs_p = tl.arange(0, SPLIT_PAGES)
+        split_pages = tl.load(block_row + first_page + offs_p,
+                              mask=first_page + offs_p < max_blocks, other=0)
+    elif PAGE_ALIGNED:
         page = tl.load(block_row + lo // PAGE_SIZE, mask=lo // PAGE_SIZE < max_blocks,
                        other=0)
     elif PAGED:
@@ -134,7 +142,12 @@ def _decode_kernel(
         offs_n = start_n + offs_n0
         m_n = offs_n < hi
         pos = leftpad + offs_n                                             # cache position
-        if PAGE_ALIGNED:
+        if SPLIT_PAGES > 0:
+            index = tl.minimum(pos // PAGE_SIZE - first_page, SPLIT_PAGES - 1)
+            rows = tl.gather(split_pages, index, 0)
+            row_k = rows.to(tl.int64) * stride_kb + (pos % PAGE_SIZE) * stride_kn
+            row_v = rows.to(tl.int64) * stride_vb + (pos % PAGE_SIZE) * stride_vn
+        elif PAGE_ALIGNED:
             # The tile starts at a multiple of BLOCK_N, which divides PAGE_SIZE: one page.
             in_page = start_n % PAGE_SIZE + offs_n0
             row_k = page.to(tl.int64) * stride_kb + in_page * stride_kn
@@ -216,6 +229,11 @@ def _combine_kernel(OutPartial, LsePartial, Out, Lse,
     tl.store(Out + off_b * stride_ob + off_t * stride_om + off_h * stride_oh + offs_d,
              out.to(Out.dtype.element_ty), mask=offs_d < head_dim)
     tl.store(Lse + off_b * stride_lb + off_h * stride_lh + off_t, lse)
+
+
+# Splits spanning at most this many pages load their page list before the K/V loop
+# (SPLIT_PAGES); longer ones look pages up a tile ahead inside it.
+MAX_SPLIT_PAGES = 32
 
 
 def num_splits_heuristic(work_items: int, max_seqlen_k: int, block_n: int,
@@ -301,10 +319,19 @@ def attn_decode(q, k_cache, v_cache, *, cache_seqlens, block_table, cache_batch_
     # Pages smaller than the tile: whole pages per tile unless a left pad (0: per row).
     tile_pages = (cfg.block_n // page_size
                   if paged and not page_aligned and cache_leftpad is None else 0)
+    split_pages = 0
+    if paged and num_splits > 1:
+        # A split's keys span this many pages at most (one more when its first key is
+        # not on a page boundary).
+        spanned = configs.cdiv(keys_per_split, page_size) + int(
+            cache_leftpad is not None or keys_per_split % page_size != 0)
+        if spanned <= MAX_SPLIT_PAGES:
+            split_pages = configs.next_power_of_2(spanned)
+            page_aligned, tile_pages = False, 0
     pdl, early = combine_pdl(q) if num_splits > 1 else (False, False)
     switches = dict(
         flags, PAGED=paged, PAGE_SIZE=page_size, PAGE_ALIGNED=page_aligned,
-        TILE_PAGES=tile_pages, HAS_BATCH_IDX=cache_batch_idx is not None,
+        TILE_PAGES=tile_pages, SPLIT_PAGES=split_pages, HAS_BATCH_IDX=cache_batch_idx is not None,
         HAS_LEFTPAD=cache_leftpad is not None, LAUNCH_DEPENDENTS=early)
     configs.log_first_launch("decode", q, d, cfg, dict(
         switches, PAGE_SIZE=page_size if paged else None, SPLIT=num_splits > 1, PDL=pdl))
