@@ -71,16 +71,17 @@ def test_preprocess_compiles():
 @pytest.mark.parametrize("paged,page_size,aligned,tile_pages,split_pages",
                          [(False, 1, False, 0, 0), (True, 16, False, 0, 0),
                           (True, 64, True, 0, 0), (True, 16, False, 4, 0),
-                          (True, 16, False, 0, 16)],
+                          (True, 16, False, 4, 16), (True, 64, True, 0, 4)],
                          ids=["contiguous", "paged_per_row", "paged_per_tile",
-                              "paged_pages_per_tile", "paged_split_pages"])
+                              "paged_pages_per_tile", "paged_split_pages_small",
+                              "paged_split_pages_large"])
 def test_decode_compiles(paged, page_size, aligned, tile_pages, split_pages):
     flags = {k: v for k, v in EVERYTHING.items() if k not in ("HAS_MASK", "MASK_IS_BOOL")}
     ck = compile_kernel(_decode_kernel, dict(BLOCK_M=16, BLOCK_N=64, BLOCK_D=128,
                                              PAGED=paged, PAGE_SIZE=page_size,
                                              PAGE_ALIGNED=aligned, TILE_PAGES=tile_pages,
                                              SPLIT_PAGES=split_pages, HAS_BATCH_IDX=not paged,
-                                             HAS_LEFTPAD=not aligned and not tile_pages,
+                                             HAS_LEFTPAD=not (aligned or tile_pages or split_pages),
                                              LAUNCH_DEPENDENTS=True, **flags),
                         dtype="bf16", num_warps=4, num_stages=3)
     assert resources(ck)["stack_bytes"] == 0

@@ -53,6 +53,16 @@ def _row_pages(block_row, start, offs_n0, max_blocks, PAGE_SIZE: tl.constexpr,
 
 
 @triton.jit
+def _pick(pages, index, FIRST: tl.constexpr, STEP: tl.constexpr, COUNT: tl.constexpr):
+    """pages[FIRST + index * STEP] of a tuple of COUNT scalars, for a run-time index:
+    a chain of selects on registers (one per candidate)."""
+    page = pages[FIRST]
+    for j in tl.static_range(1, (COUNT - FIRST + STEP - 1) // STEP):
+        page = tl.where(index == j, pages[FIRST + j * STEP], page)
+    return page
+
+
+@triton.jit
 def _decode_kernel(
     Q, KCache, VCache, Out, Lse, BlockTable, CacheSeqlens, CacheBatchIdx, CacheLeftpad,
     Alibi,
@@ -125,13 +135,17 @@ def _decode_kernel(
     block_row = BlockTable + off_b * stride_block_table_b
     page = 0
     if SPLIT_PAGES > 0:
-        # A short split's whole page list in one vector load before the loop; each
-        # tile's rows gather their page from it (registers or shared memory), so no K/V
-        # address waits on a block-table load inside the loop.
-        first_page = (leftpad + split * keys_per_split) // PAGE_SIZE
-        offs_p = tl.arange(0, SPLIT_PAGES)
-        split_pages = tl.load(block_row + first_page + offs_p,
-                              mask=first_page + offs_p < max_blocks, other=0)
+        # A short split's pages, loaded as scalars before the loop: each tile then picks
+        # its own with selects on registers, so no K/V address waits on a block-table
+        # load inside the loop and the pipeliner issues copies tiles ahead as for the
+        # contiguous cache. (A page per row gathered through shared memory cost as much
+        # as the loads it replaced, NOTES.md section 12.)
+        split_lo = split * keys_per_split
+        first_page = split_lo // PAGE_SIZE
+        split_pages = ()
+        for j in tl.static_range(SPLIT_PAGES):
+            split_pages = split_pages + (tl.load(block_row + first_page + j,
+                                                 mask=first_page + j < max_blocks, other=0),)
     elif PAGE_ALIGNED:
         page = tl.load(block_row + lo // PAGE_SIZE, mask=lo // PAGE_SIZE < max_blocks,
                        other=0)
@@ -143,10 +157,21 @@ def _decode_kernel(
         m_n = offs_n < hi
         pos = leftpad + offs_n                                             # cache position
         if SPLIT_PAGES > 0:
-            index = tl.minimum(pos // PAGE_SIZE - first_page, SPLIT_PAGES - 1)
-            rows = tl.gather(split_pages, index, 0)
-            row_k = rows.to(tl.int64) * stride_kb + (pos % PAGE_SIZE) * stride_kn
-            row_v = rows.to(tl.int64) * stride_vb + (pos % PAGE_SIZE) * stride_vn
+            if TILE_PAGES > 0:
+                # Pages smaller than the tile: the split starts on a page boundary.
+                tile = (start_n - split_lo) // BLOCK_N
+                rows = tl.zeros_like(offs_n0)
+                for p in tl.static_range(TILE_PAGES):
+                    page = _pick(split_pages, tile, p, TILE_PAGES, SPLIT_PAGES)
+                    rows = tl.where(offs_n0 // PAGE_SIZE == p, page, rows)
+                row_k = rows.to(tl.int64) * stride_kb + (pos % PAGE_SIZE) * stride_kn
+                row_v = rows.to(tl.int64) * stride_vb + (pos % PAGE_SIZE) * stride_vn
+            else:
+                page = _pick(split_pages, start_n // PAGE_SIZE - first_page, 0, 1,
+                             SPLIT_PAGES)
+                in_page = start_n % PAGE_SIZE + offs_n0
+                row_k = page.to(tl.int64) * stride_kb + in_page * stride_kn
+                row_v = page.to(tl.int64) * stride_vb + in_page * stride_vn
         elif PAGE_ALIGNED:
             # The tile starts at a multiple of BLOCK_N, which divides PAGE_SIZE: one page.
             in_page = start_n % PAGE_SIZE + offs_n0
@@ -233,7 +258,7 @@ def _combine_kernel(OutPartial, LsePartial, Out, Lse,
 
 # Splits spanning at most this many pages load their page list before the K/V loop
 # (SPLIT_PAGES); longer ones look pages up a tile ahead inside it.
-MAX_SPLIT_PAGES = 32
+MAX_SPLIT_PAGES = 16
 
 
 def num_splits_heuristic(work_items: int, max_seqlen_k: int, block_n: int,
@@ -319,20 +344,20 @@ def attn_decode(q, k_cache, v_cache, *, cache_seqlens, block_table, cache_batch_
     # Pages smaller than the tile: whole pages per tile unless a left pad (0: per row).
     tile_pages = (cfg.block_n // page_size
                   if paged and not page_aligned and cache_leftpad is None else 0)
+    # A short split without a left pad loads its page list before its K/V loop
+    # (SPLIT_PAGES scalars). It spans one page more when pages are larger than the tile
+    # and the split starts inside a page.
     split_pages = 0
-    if paged and num_splits > 1:
-        # A split's keys span this many pages at most (one more when its first key is
-        # not on a page boundary).
+    if paged and num_splits > 1 and cache_leftpad is None:
         spanned = configs.cdiv(keys_per_split, page_size) + int(
-            cache_leftpad is not None or keys_per_split % page_size != 0)
+            keys_per_split % page_size != 0)
         if spanned <= MAX_SPLIT_PAGES:
-            split_pages = configs.next_power_of_2(spanned)
-            page_aligned, tile_pages = False, 0
+            split_pages = spanned
     pdl, early = combine_pdl(q) if num_splits > 1 else (False, False)
     switches = dict(
         flags, PAGED=paged, PAGE_SIZE=page_size, PAGE_ALIGNED=page_aligned,
-        TILE_PAGES=tile_pages, SPLIT_PAGES=split_pages, HAS_BATCH_IDX=cache_batch_idx is not None,
-        HAS_LEFTPAD=cache_leftpad is not None, LAUNCH_DEPENDENTS=early)
+        TILE_PAGES=tile_pages, SPLIT_PAGES=split_pages,
+        HAS_BATCH_IDX=cache_batch_idx is not None, HAS_LEFTPAD=cache_leftpad is not None, LAUNCH_DEPENDENTS=early)
     configs.log_first_launch("decode", q, d, cfg, dict(
         switches, PAGE_SIZE=page_size if paged else None, SPLIT=num_splits > 1, PDL=pdl))
     _decode_kernel[(num_splits, b * hkv, m_blocks)](
