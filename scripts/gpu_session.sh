@@ -17,6 +17,8 @@
 #                cost per call                                              (~2 min)
 #   ab KNOB=A,B  the decode/paged GPU tests, their memcheck slice, benchmarks/ab_decode.py
 #                over the knobs given (interleaved rounds), the decode table   (~4 min)
+#   ncu          batch-1 decode: four caches timed, then their decode kernels under
+#                Nsight Compute (benchmarks/ncu_decode.py)                   (~2 min)
 #   pdl          make test-gpu, make memcheck, the decode table with the combine's
 #                dependent launch early, late and off; split counts at batch 1 and 8
 #                                                                           (~8 min)
@@ -111,6 +113,21 @@ case "${1:-}" in
     decode_table
     stamp done
     ;;
+  ncu)
+    timeout 120 python3 benchmarks/ncu_decode.py --time 2>&1 | grep -v -i warn \
+      | tee "$OUT/ncu-decode-time.txt"
+    NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+    stamp "ncu: $NCU"
+    timeout 300 "$NCU" --clock-control none --profile-from-start off \
+      -k regex:_decode_kernel --section SpeedOfLight --section MemoryWorkloadAnalysis \
+      --section WarpStateStats --section SchedulerStats --section Occupancy \
+      --section LaunchStats --section InstructionStats \
+      --metrics dram__bytes_read.sum,lts__t_sectors_op_read.sum,lts__t_sector_op_read_hit_rate.pct,smsp__inst_executed.sum,l1tex__t_requests_pipe_lsu_mem_global_op_ldgsts.sum,l1tex__t_sectors_pipe_lsu_mem_global_op_ldgsts.sum \
+      python3 benchmarks/ncu_decode.py > "$OUT/ncu-decode.txt" 2>&1
+    grep -E "decode_kernel|Duration|DRAM Throughput|Memory Throughput|dram__bytes|lts__t_sector|inst_executed|ldgsts|Stall|Warp Cycles Per Issued|Issued Warp|Registers|Achieved Occupancy" \
+      "$OUT/ncu-decode.txt" | head -150
+    stamp done
+    ;;
   splits)
     # Split counts x pipeline depth for the contiguous cache and page 16, then host cost.
     timeout 200 python3 -m flashtile.bench.decode --sweep-splits-paged 2>&1 \
@@ -128,7 +145,7 @@ case "${1:-}" in
     stamp done
     ;;
   *)
-    echo "usage: $0 check|sweep [SECONDS]|extra|short|decode|ab KNOB=A,B...|splits|pdl" >&2
+    echo "usage: $0 check|sweep [SECONDS]|extra|short|decode|ab KNOB=A,B...|ncu|splits|pdl" >&2
     exit 2
     ;;
 esac
