@@ -455,13 +455,13 @@ def test_decode_bench_needs_cuda(capsys):
 def test_decode_markdown_table():
     from flashtile.bench.decode import decode_markdown
 
-    rows = [dict(batch=1, seqlen_k=8192, cache_gb=0.03,
+    rows = [dict(batch=1, seqlen_k=8192, cache_gb=0.03, copies=6,
                  flashtile=dict(us=12.0, gbps=2800.0),
                  **{"flashtile-paged64": dict(us=13.2, gbps=2545.0),
                     "sdpa-flash": dict(us=20.0, gbps=1600.0),
                     "sdpa-cudnn": dict(error="RuntimeError: no")})]
     text = decode_markdown(rows, copy_gbps=4000.0)
-    assert ("| 1 | 8192 | 0.03 | 12.0 (2800) | 13.2 (2545) | 20.0 (1600) | n/a | 70% | 1.75"
+    assert ("| 1 | 8192 | 0.03 | 6 | 12.0 (2800) | 13.2 (2545) | 20.0 (1600) | n/a | 70% | 1.75"
             " | 1.10 |") in text
     header, rule = text.splitlines()[:2]
     assert header.count("|") == rule.count("|")
