@@ -1,7 +1,8 @@
 """Batch-1 decode kernels under Nsight Compute, and the same caches timed (H200 study).
 
 `python3 benchmarks/ncu_decode.py --time` times one batch x 8k-key decode step (CUDA graph
-replay, interleaved rounds) for four caches: contiguous, page 64 and page 16 in random
+replay of one input set, so L2-warm: NOTES.md section 12; interleaved rounds) for four
+caches: contiguous, page 64 and page 16 in random
 pool order, and page 16 in pool order (the block table is 0, 1, 2, ...: the contiguous
 cache's exact memory layout read through the paged kernel). Without --time it runs one
 step per cache between cudaProfilerStart/Stop, for
