@@ -181,24 +181,28 @@ def sweep_decode_tiles(shapes=((1, 8192), (8, 32768)),
                        tiles=("16,64,4,3", "16,128,4,3", "16,64,4,4"),
                        splits=(0, 1, 8, 32, 64), page_sizes=(None,), device="cuda"):
     """flashtile's decode over num_splits and tile candidates (page_size None: the
-    contiguous cache): the data for the split heuristic and the tile choice."""
+    contiguous cache), each step rotating through cold input copies as the table
+    does: the data for the split heuristic and the tile choice."""
     import os
 
     import triton
 
     results = []
     for batch, seqlen_k in shapes:
-        q, k, v, seqlens = _decode_inputs(batch, seqlen_k, device)
-        caches = {ps: (k, v, None) if ps is None else _paged_pool(k, v, ps)
-                  for ps in page_sizes}
+        sets = []
+        for _ in range(cache_copies(batch, seqlen_k, device)):
+            q, k, v, seqlens = _decode_inputs(batch, seqlen_k, device)
+            sets.append((q, seqlens, {ps: (k, v, None) if ps is None else _paged_pool(k, v, ps)
+                                      for ps in page_sizes}))
         for tile in tiles:
             os.environ["FLASHTILE_DECODE_CONFIG"] = tile
-            for ps, cache in caches.items():
+            for ps in page_sizes:
                 for n in splits:
-                    fn = _kvcache_fn(q, seqlens, *cache, num_splits=n)
+                    fns = [_kvcache_fn(q, seqlens, *caches[ps], num_splits=n)
+                           for q, seqlens, caches in sets]
                     try:
-                        ms = triton.testing.do_bench_cudagraph(fn, rep=50,
-                                                               return_mode="median")
+                        ms = triton.testing.do_bench_cudagraph(
+                            in_turn(fns), rep=50, return_mode="median") / len(fns)
                         gbps = round(kv_bytes(batch, seqlen_k) / ms / 1e6)
                     except Exception as e:
                         gbps = type(e).__name__
@@ -206,7 +210,7 @@ def sweep_decode_tiles(shapes=((1, 8192), (8, 32768)),
                     print(f"decode sweep b={batch} sk={seqlen_k} tile={tile} "
                           f"page={ps or 'contiguous'} splits={n}: {gbps} GB/s", flush=True)
         os.environ.pop("FLASHTILE_DECODE_CONFIG", None)
-        del q, k, v, caches
+        del sets
         torch.cuda.empty_cache()
     return results
 

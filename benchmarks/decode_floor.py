@@ -1,0 +1,84 @@
+"""What a batch-1 decode step could cost at best on this GPU (H200 study, NOTES 12).
+
+Three numbers for batch 1 x 8k keys (33.5 MB of K and V), each step rotating through
+copies worth three times the L2, as the decode table does:
+- a streaming read of the same bytes (a Triton kernel, two programs per SM, each summing
+  its share): the cold read floor;
+- flashtile's decode step with cache_seqlens = 64 over the same caches and split count:
+  the fixed cost (launches, split partials, combine) with almost no bytes;
+- the full step, beside cuDNN's SDPA.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from flashtile.bench.decode import (_decode_inputs, _kvcache_fn, cache_copies, in_turn,
+                                    kv_bytes)
+
+BATCH, SEQLEN_K = 1, 8192
+
+
+@triton.jit
+def _read_kernel(X, Out, n, per_program, BLOCK: tl.constexpr):
+    start = tl.program_id(0) * per_program
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for off in tl.range(start, tl.minimum(start + per_program, n), BLOCK, num_stages=4):
+        offs = off + tl.arange(0, BLOCK)
+        acc += tl.load(X + offs, mask=offs < n, other=0.0).to(tl.float32)
+    tl.store(Out + tl.program_id(0), tl.sum(acc, 0))
+
+
+def read_step(x, out, programs):
+    n = x.numel()
+    per_program = triton.cdiv(triton.cdiv(n, programs), 4096) * 4096
+    return lambda: _read_kernel[(programs,)](x, out, n, per_program, BLOCK=4096,
+                                             num_warps=8)
+
+
+def time_us(fns):
+    return triton.testing.do_bench_cudagraph(in_turn(fns), rep=100,
+                                             return_mode="median") / len(fns) * 1e3
+
+
+def main():
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    copies = cache_copies(BATCH, SEQLEN_K, "cuda")
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    nbytes = kv_bytes(BATCH, SEQLEN_K)
+    sets = [_decode_inputs(BATCH, SEQLEN_K, "cuda") for _ in range(copies)]
+    flat = [torch.cat([k.view(-1), v.view(-1)]) for _, k, v, _ in sets]
+    out = torch.empty(4 * sms, device="cuda")
+    short = torch.full((BATCH,), 64, dtype=torch.int32, device="cuda")
+
+    def cudnn(q, k, v):
+        def run():
+            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
+                                                      v.transpose(1, 2), enable_gqa=True)
+        return run
+
+    steps = {
+        "read 2/SM": [read_step(x, out, 2 * sms) for x in flat],
+        "read 4/SM": [read_step(x, out, 4 * sms) for x in flat],
+        "torch.sum": [(lambda x=x: x.sum()) for x in flat],
+        "decode, 64 keys": [_kvcache_fn(q, short, k, v) for q, k, v, _ in sets],
+        "decode, 8k keys": [_kvcache_fn(q, s, k, v) for q, k, v, s in sets],
+        "cudnn, 8k keys": [cudnn(q, k, v) for q, k, v, _ in sets],
+    }
+    times = {name: [] for name in steps}
+    for _round in range(3):
+        for name, fns in steps.items():
+            times[name].append(time_us(fns))
+    print(f"batch {BATCH} x {SEQLEN_K} keys, {nbytes / 1e6:.1f} MB of K and V, "
+          f"{copies} copies rotated")
+    for name, us in times.items():
+        med = sorted(us)[1]
+        print(f"{name}: {med:.2f} us ({nbytes / med / 1e3:.0f} GB/s of the K/V bytes), "
+              "rounds " + " ".join(f"{u:.2f}" for u in us), flush=True)
+
+
+if __name__ == "__main__":
+    main()
