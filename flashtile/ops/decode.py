@@ -15,8 +15,9 @@ Key j of sequence b lives at cache position ``cache_leftpad[b] + j``; with a
 the pool in any order. Page sizes and key tiles are powers of two, so without a left pad
 a tile lies inside one page (one scalar page lookup per tile, rows contiguous from it, as
 in the contiguous cache) or spans TILE_PAGES whole pages (one scalar lookup per page,
-broadcast to its rows). A left pad shifts tiles off the page boundaries: then each row
-of the tile looks up its own page.
+broadcast to its rows). A split of at most MAX_SPLIT_PAGES pages loads them all before
+its loop instead, and each tile picks its pages from registers. A left pad shifts tiles
+off the page boundaries: then each row of the tile looks up its own page.
 """
 
 import functools
@@ -357,7 +358,8 @@ def attn_decode(q, k_cache, v_cache, *, cache_seqlens, block_table, cache_batch_
     switches = dict(
         flags, PAGED=paged, PAGE_SIZE=page_size, PAGE_ALIGNED=page_aligned,
         TILE_PAGES=tile_pages, SPLIT_PAGES=split_pages,
-        HAS_BATCH_IDX=cache_batch_idx is not None, HAS_LEFTPAD=cache_leftpad is not None, LAUNCH_DEPENDENTS=early)
+        HAS_BATCH_IDX=cache_batch_idx is not None, HAS_LEFTPAD=cache_leftpad is not None,
+        LAUNCH_DEPENDENTS=early)
     configs.log_first_launch("decode", q, d, cfg, dict(
         switches, PAGE_SIZE=page_size if paged else None, SPLIT=num_splits > 1, PDL=pdl))
     _decode_kernel[(num_splits, b * hkv, m_blocks)](
