@@ -1,6 +1,6 @@
 """What a batch-1 decode step could cost at best on this GPU (H200 study, NOTES 12).
 
-Three numbers for batch 1 x 8k keys (33.5 MB of K and V), each step rotating through
+Numbers for batch 1 x 8k keys (33.5 MB of K and V), each step rotating through
 copies worth three times the L2, as the decode table does:
 - a streaming read of the same bytes (a Triton kernel, two programs per SM, each summing
   its share): the cold read floor;
@@ -10,7 +10,10 @@ copies worth three times the L2, as the decode table does:
 - strided reads of the cache as the decode kernel reads it, each program taking the
   rows of 1, 2, 4 or all 8 KV heads (pieces of 256 B to the whole 2 KB token row): does
   reading one head's 256 B of each token cost DRAM efficiency?
+`--warm-l2` times one copy instead (its bytes partly in the L2 from the last replay).
 """
+
+import sys
 
 import torch
 import triton
@@ -73,7 +76,7 @@ def main():
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    copies = cache_copies(BATCH, SEQLEN_K, "cuda")
+    copies = 1 if "--warm-l2" in sys.argv else cache_copies(BATCH, SEQLEN_K, "cuda")
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     nbytes = kv_bytes(BATCH, SEQLEN_K)
     sets = [_decode_inputs(BATCH, SEQLEN_K, "cuda") for _ in range(copies)]
