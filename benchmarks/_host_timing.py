@@ -1,4 +1,6 @@
 """Per-call time of a CUDA step run in a loop, for the host-cost studies in this folder."""
+import cProfile
+import pstats
 import time
 
 import torch
@@ -17,3 +19,14 @@ def loop_us(fn, n=300, warmup=20) -> tuple[float, float]:
     host = (time.perf_counter() - t0) / n * 1e6
     torch.cuda.synchronize()
     return host, (time.perf_counter() - t0) / n * 1e6
+
+
+def print_profile(fn, n, lines):
+    """cProfile of n calls of ``fn``, the top ``lines`` functions by own time."""
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(n):
+        fn()
+    prof.disable()
+    torch.cuda.synchronize()
+    pstats.Stats(prof).sort_stats("tottime").print_stats(lines)

@@ -7,8 +7,6 @@ through the custom op's own autograd; the backward launcher alone. Then a cProfi
 forward+backward by own time. (Decode's host cost: profile_decode_host.py.)
 Run on the GPU: PYTHONPATH=. python3 benchmarks/launch_cost.py
 """
-import cProfile
-import pstats
 from types import SimpleNamespace
 
 import torch
@@ -20,7 +18,7 @@ from flashtile.ops import configs
 from flashtile.ops.bwd import attn_bwd as bwd_launcher
 from flashtile.ops.fwd import attn_fwd as fwd_launcher
 
-from _host_timing import loop_us  # benchmarks/_host_timing.py
+from _host_timing import loop_us, print_profile  # benchmarks/_host_timing.py
 
 
 @triton.jit
@@ -109,10 +107,4 @@ print(f"eager backward called directly: "
       f"{host_us(lambda: custom_ops._backward(ctx, do, None, custom_ops._attn_bwd_impl)):.1f} us")
 with torch.autograd.set_multithreading_enabled(False):
     print(f"flash_attn_func fwd_bwd, engine threads off: {host_us(fwd_bwd):.1f} us")
-prof = cProfile.Profile()
-prof.enable()
-for _ in range(200):
-    fwd_bwd()
-prof.disable()
-torch.cuda.synchronize()
-pstats.Stats(prof).sort_stats("tottime").print_stats(18)
+print_profile(fwd_bwd, 200, 18)

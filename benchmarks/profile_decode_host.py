@@ -5,8 +5,6 @@ combine kernels), its index check, its launcher; a step's wall time eager and co
 with CUDA graphs beside cuDNN's SDPA; a cProfile by own time.
 Run on the GPU: PYTHONPATH=. python3 benchmarks/profile_decode_host.py
 """
-import cProfile
-import pstats
 
 import torch
 import torch.nn.functional as F
@@ -16,7 +14,7 @@ import flashtile
 from flashtile import inference
 from flashtile.ops.decode import attn_decode
 
-from _host_timing import loop_us  # benchmarks/_host_timing.py
+from _host_timing import loop_us, print_profile  # benchmarks/_host_timing.py
 
 
 q = torch.randn(1, 1, 32, 128, device="cuda", dtype=torch.bfloat16)
@@ -62,10 +60,4 @@ for name, fn in (("flashtile", call), ("sdpa-cudnn", sdpa)):
     compiled = torch.compile(fn, mode="reduce-overhead", fullgraph=True)
     print(f"{name} compiled (reduce-overhead) step: {loop_us(compiled, warmup=30)[1]:.1f} us",
           flush=True)
-prof = cProfile.Profile()
-prof.enable()
-for _ in range(300):
-    call()
-prof.disable()
-torch.cuda.synchronize()
-pstats.Stats(prof).sort_stats("tottime").print_stats(22)
+print_profile(call, 300, 22)
