@@ -20,7 +20,8 @@ import triton
 import triton.language as tl
 
 from flashtile.bench.decode import (HEAD_DIM, NHEADS_KV, _decode_inputs, _kvcache_fn,
-                                    cache_copies, in_turn, kv_bytes)
+                                    cache_copies, kv_bytes, median,
+                                    time_rounds)
 
 BATCH, SEQLEN_K = 1, 8192
 
@@ -67,11 +68,6 @@ def read_step(x, out, programs):
                                              num_warps=8)
 
 
-def time_us(fns):
-    return triton.testing.do_bench_cudagraph(in_turn(fns), rep=100,
-                                             return_mode="median") / len(fns) * 1e3
-
-
 def main():
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -101,15 +97,11 @@ def main():
         "decode, 8k keys": [_kvcache_fn(q, s, k, v) for q, k, v, s in sets],
         "cudnn, 8k keys": [cudnn(q, k, v) for q, k, v, _ in sets],
     }
-    times = {name: [] for name in steps}
-    for _round in range(3):
-        for name, fns in steps.items():
-            times[name].append(time_us(fns))
+    times = time_rounds(steps)
     print(f"batch {BATCH} x {SEQLEN_K} keys, {nbytes / 1e6:.1f} MB of K and V, "
           f"{copies} copies rotated")
     for name, us in times.items():
-        med = sorted(us)[1]
-        print(f"{name}: {med:.2f} us ({nbytes / med / 1e3:.0f} GB/s of the K/V bytes), "
+        print(f"{name}: {median(us):.2f} us ({nbytes / median(us) / 1e3:.0f} GB/s of the K/V bytes), "
               "rounds " + " ".join(f"{u:.2f}" for u in us), flush=True)
 
 

@@ -12,10 +12,9 @@ step per cache between cudaProfilerStart/Stop, for
 import sys
 
 import torch
-import triton
 
 from flashtile.bench.decode import (HEAD_DIM, NHEADS_KV, _decode_inputs, _kvcache_fn,
-                                    _paged_pool, kv_bytes)
+                                    _paged_pool, kv_bytes, median, time_rounds)
 
 BATCH, SEQLEN_K = 1, 8192
 
@@ -47,13 +46,9 @@ def main():
         torch.cuda.profiler.stop()
         print("profiled:", " ".join(fns))
         return
-    times = {name: [] for name in fns}
-    for _round in range(5):
-        for name, fn in fns.items():
-            ms = triton.testing.do_bench_cudagraph(fn, rep=50, return_mode="median")
-            times[name].append(ms * 1e3)
+    times = time_rounds({name: [fn] for name, fn in fns.items()}, rounds=5, rep=50)
     for name, us in times.items():
-        med = sorted(us)[len(us) // 2]
+        med = median(us)
         print(f"({BATCH}, {SEQLEN_K}) {name}: median {med:.2f} us "
               f"({kv_bytes(BATCH, SEQLEN_K) / (med * 1e3):.0f} GB/s), rounds "
               + " ".join(f"{u:.2f}" for u in us), flush=True)

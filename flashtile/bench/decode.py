@@ -106,13 +106,30 @@ def in_turn(fns):
     return run
 
 
-def run_decode_bench(shapes=SHAPES, device="cuda", warm_l2=False, rounds=3):
-    """Each provider timed once per round, the providers in turn within a round, and
-    the median round kept: a provider timed first (when the clocks may still be up)
-    or last gains nothing from its place. Batch 1 x 8k, H200: the provider timed first
-    in a script was 0.5-1 us faster than in any later round (runs 29-40)."""
+def time_rounds(steps, rounds=3, rep=100):
+    """Microseconds per call of each step, one timing per round: {name: [us, ...]}.
+    A step is a list of calls over input copies, timed as one CUDA graph round and
+    divided by the copies. The steps are timed in turn within a round, so a step timed
+    first (when the clocks may still be up) gains nothing from its place: batch 1 x 8k
+    on the H200, the first timing of a script was 0.5-1 us faster than any later round
+    (runs 29-40)."""
     import triton
 
+    times = {name: [] for name in steps}
+    for _round in range(rounds):
+        for name, fns in steps.items():
+            ms = triton.testing.do_bench_cudagraph(in_turn(fns), rep=rep,
+                                                   return_mode="median")
+            times[name].append(ms / len(fns) * 1e3)
+    return times
+
+
+def median(values):
+    return sorted(values)[len(values) // 2]
+
+
+def run_decode_bench(shapes=SHAPES, device="cuda", warm_l2=False, rounds=3):
+    """Each provider's step in rounds (`time_rounds`), its median round kept."""
     rows = []
     for batch, seqlen_k in shapes:
         copies = 1 if warm_l2 else cache_copies(batch, seqlen_k, device)
@@ -129,18 +146,12 @@ def run_decode_bench(shapes=SHAPES, device="cuda", warm_l2=False, rounds=3):
                 err = (out.float() - ref.float()).abs().max().item()
                 if not err < 2e-2:
                     raise RuntimeError(f"wrong result, max error {err:.3g}")
-                runnable[name] = in_turn([p[name] for _, p in sets])
+                runnable[name] = [p[name] for _, p in sets]
             except Exception as e:  # a peer that cannot run this shape: n/a, go on
                 row[name] = dict(error=f"{type(e).__name__}: {str(e)[:80]}")
-        times = {name: [] for name in runnable}
-        for _round in range(rounds):
-            for name, fn in runnable.items():
-                ms = triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median")
-                times[name].append(ms / copies)
-        for name, ms in times.items():
-            med = sorted(ms)[len(ms) // 2]
-            row[name] = dict(us=med * 1e3, gbps=kv_bytes(batch, seqlen_k) / med / 1e6,
-                             rounds_us=[round(t * 1e3, 2) for t in ms])
+        for name, us in time_rounds(runnable, rounds).items():
+            row[name] = dict(us=median(us), gbps=kv_bytes(batch, seqlen_k) / median(us) / 1e3,
+                             rounds_us=[round(t, 2) for t in us])
         row = {k: row[k] for k in ("batch", "seqlen_k", "cache_gb", "copies", *providers)}
         rows.append(row)
         print(json.dumps(row), flush=True)
