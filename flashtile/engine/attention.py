@@ -1,0 +1,153 @@
+"""The step's attention metadata and the Attention layer over the paged KV pool.
+
+The runner builds one AttentionMetadata per step; every layer reads it. Each layer first
+writes its new keys and values into the pool with one vectorised store (``slot_mapping``,
+pool slot = block id * page_size + offset), then attends:
+
+- ``flashtile``: a pure decode step (one query per sequence) is one paged
+  ``flash_attn_with_kvcache`` call; a prefill step whose sequences have no earlier keys
+  is ``flash_attn_varlen_func`` over the step's own packed k/v; a step with earlier keys
+  (prefill chunks, prefix-cache hits, mixed prefill + decode) gathers each sequence's
+  keys from the pool into packed k/v and calls ``flash_attn_varlen_func`` on them.
+- ``sdpa``: torch.nn.functional.scaled_dot_product_attention on the same gathered keys.
+- ``naive``: softmax(q k^T) v in plain PyTorch over each sequence's contiguous
+  max_model_len slab (the pool with one page of max_model_len per sequence).
+
+The pool of each layer is (num_blocks + 1, page_size, nheads_kv, head_dim): the extra last
+block is scratch. Padding rows (slot -1) write into it, since a negative index counts from
+the end, and CUDA-graph padding rows read it, so neither touches a sequence's pages.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+import flashtile
+
+
+@dataclass
+class AttentionMetadata:
+    """One step's batch of B sequences and T = num_tokens new tokens, packed.
+
+    cu_seqlens_q: (B + 1,) int32 prefix sums of the new tokens of each sequence.
+    cu_seqlens_k: (B + 1,) int32 prefix sums of each sequence's keys, this step's included.
+    max_seqlen_q, max_seqlen_k: the longest of each (host ints).
+    slot_mapping: (T,) int64 pool slot of each new token's k/v; -1 writes nothing.
+    cache_seqlens: (B,) int32 keys of each sequence after this step's writes.
+    block_tables: (B, max_blocks) int32 pool block of each page of each sequence.
+    is_decode: every sequence has exactly one new token (the CUDA-graph case).
+    has_context: some sequence attends to keys written by an earlier step.
+    query_lens, key_lens: host copies of the lengths, for the per-sequence loops.
+    key_slots: (cu_seqlens_k[-1],) int64 pool slots of every key, sequence by sequence,
+        when has_context and not is_decode: the gather that feeds flash_attn_varlen_func
+        until it reads the pool through a block_table itself.
+    """
+
+    cu_seqlens_q: Tensor
+    cu_seqlens_k: Tensor
+    max_seqlen_q: int
+    max_seqlen_k: int
+    slot_mapping: Tensor
+    cache_seqlens: Tensor
+    block_tables: Tensor
+    is_decode: bool
+    has_context: bool
+    query_lens: list
+    key_lens: list
+    key_slots: Optional[Tensor] = None
+
+
+def _allowed(q_pos: Tensor, num_keys: int, window_left: int) -> Tensor:
+    """Bool (..., Lq, Lk): key j is visible from query position i (causal, windowed)."""
+    k_pos = torch.arange(num_keys, device=q_pos.device)
+    mask = k_pos <= q_pos[..., None]
+    if window_left >= 0:
+        mask &= k_pos > q_pos[..., None] - window_left - 1
+    return mask
+
+
+def _masked_attention(q, k, v, mask, scale, use_sdpa):
+    """q (B, H, Lq, d), k/v (B, Hkv, Lk, d), mask bool broadcastable to (B, H, Lq, Lk)."""
+    if use_sdpa:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
+                                              enable_gqa=k.shape[1] != q.shape[1])
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    scores = (q @ k.transpose(-1, -2)).float() * scale
+    probs = scores.masked_fill(~mask, float("-inf")).softmax(dim=-1)
+    return probs.to(v.dtype) @ v
+
+
+class Attention(nn.Module):
+    """Causal GQA attention of packed q (T, H, d) over the pool; k_cache/v_cache are set by
+    the runner once the pool exists (None: a cache-free forward, prefill only)."""
+
+    def __init__(self, num_heads, num_kv_heads, head_dim, window_left=-1,
+                 backend="flashtile"):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.scale = 1.0 / math.sqrt(head_dim)
+        self.window_left = window_left
+        self.backend = backend
+        self.k_cache: Optional[Tensor] = None
+        self.v_cache: Optional[Tensor] = None
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, meta: AttentionMetadata) -> Tensor:
+        if self.k_cache is not None:
+            flat = (-1, self.num_kv_heads, self.head_dim)
+            self.k_cache.view(flat).index_put_((meta.slot_mapping,), k)
+            self.v_cache.view(flat).index_put_((meta.slot_mapping,), v)
+        elif meta.is_decode or meta.has_context:
+            raise RuntimeError("attention over earlier keys needs the KV pool: set "
+                               "k_cache/v_cache first (ModelRunner does)")
+        if meta.is_decode:
+            return self._decode(q, meta)
+        if meta.has_context:
+            # The path to replace by flash_attn_varlen_func(..., block_table=...).
+            k = self.k_cache.view(flat)[meta.key_slots]
+            v = self.v_cache.view(flat)[meta.key_slots]
+        if self.backend == "flashtile":
+            return flashtile.flash_attn_varlen_func(
+                q, k, v, meta.cu_seqlens_q, meta.cu_seqlens_k, meta.max_seqlen_q,
+                meta.max_seqlen_k, softmax_scale=self.scale, causal=True,
+                window_size=(self.window_left, -1))
+        return self._prefill_loop(q, k, v, meta)
+
+    def _decode(self, q, meta):
+        if self.backend == "flashtile":
+            out = flashtile.flash_attn_with_kvcache(
+                q[:, None], self.k_cache, self.v_cache, cache_seqlens=meta.cache_seqlens,
+                block_table=meta.block_tables, softmax_scale=self.scale, causal=True,
+                window_size=(self.window_left, -1))
+            return out[:, 0]
+        # Every sequence's pages as one padded (B, Hkv, max_blocks * page_size, d) tensor;
+        # keys past a sequence's length are masked (no host read: CUDA-graph safe).
+        b = q.shape[0]
+        k = self.k_cache[meta.block_tables].view(b, -1, self.num_kv_heads, self.head_dim)
+        v = self.v_cache[meta.block_tables].view(b, -1, self.num_kv_heads, self.head_dim)
+        q_pos = (meta.cache_seqlens.long() - 1)[:, None, None]              # (B, 1, 1)
+        mask = _allowed(q_pos, k.shape[1], self.window_left)                # (B, 1, 1, Lk)
+        out = _masked_attention(q[:, :, None], k.transpose(1, 2), v.transpose(1, 2), mask,
+                                self.scale, self.backend == "sdpa")
+        return out[:, :, 0]
+
+    def _prefill_loop(self, q, k, v, meta):
+        """sdpa/naive over packed sequences, one at a time (host lengths, no sync)."""
+        out = torch.empty_like(q)
+        q_start = k_start = 0
+        for lq, lk in zip(meta.query_lens, meta.key_lens):
+            qs = q[q_start:q_start + lq].transpose(0, 1)[None]          # (1, H, Lq, d)
+            ks = k[k_start:k_start + lk].transpose(0, 1)[None]          # (1, Hkv, Lk, d)
+            vs = v[k_start:k_start + lk].transpose(0, 1)[None]
+            q_pos = torch.arange(lk - lq, lk, device=q.device)
+            mask = _allowed(q_pos, lk, self.window_left)
+            o = _masked_attention(qs, ks, vs, mask, self.scale, self.backend == "sdpa")
+            out[q_start:q_start + lq] = o[0].transpose(0, 1)
+            q_start, k_start = q_start + lq, k_start + lk
+        return out

@@ -1,0 +1,177 @@
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3) over packed token batches.
+
+One module for the four architectures, which differ only by switches read from
+ModelConfig: ``qkv_bias`` (Qwen2), ``qk_norm`` (Qwen3's per-head RMSNorm of q and k before
+the rotary embedding), ``sliding_window`` (Mistral). Inputs are packed, with no batch
+dimension: ``input_ids`` and ``positions`` are (num_tokens,), and the step's
+AttentionMetadata says where each sequence starts. q/k/v and gate/up are fused into one
+matmul each; the loader splits Hugging Face's separate tensors into them.
+
+The numerics follow transformers' modules (RMSNorm in fp32 then cast before the weight
+multiply, rotary tables in fp32), so fp32 logits agree to rounding.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from flashtile.engine.attention import Attention, AttentionMetadata
+from flashtile.engine.config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(dim))
+
+    def forward(self, x):
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+    """Inverse frequencies (head_dim / 2,) fp32 for rope types default, linear, llama3."""
+    d = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float) / d))
+    scaling = config.rope_scaling
+    if scaling["rope_type"] == "linear":
+        return inv_freq / scaling["factor"]
+    if scaling["rope_type"] == "llama3":
+        # Llama 3.1: long wavelengths slowed by `factor`, short ones kept, a smooth blend
+        # between the two bands.
+        factor = scaling["factor"]
+        low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+        old_len = scaling["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        blended = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+        return torch.where(medium, blended, scaled)
+    return inv_freq
+
+
+class Rotary(nn.Module):
+    """cos/sin of every position up to max_len, built once on the model's device."""
+
+    def __init__(self, config: ModelConfig, max_len: int):
+        super().__init__()
+        self.config, self.max_len = config, max_len
+        self.cos = self.sin = None
+
+    def build(self, device):
+        inv_freq = rope_inv_freq(self.config).to(device)
+        freqs = torch.arange(self.max_len, device=device, dtype=torch.float)[:, None] * inv_freq
+        self.cos, self.sin = freqs.cos(), freqs.sin()                  # (max_len, d / 2)
+
+    def forward(self, positions):
+        return self.cos[positions], self.sin[positions]
+
+
+def apply_rotary(x, cos, sin):
+    """Rotate the two halves of each head (GPT-NeoX layout); x (T, heads, d), in fp32."""
+    x1, x2 = x.float().chunk(2, dim=-1)
+    c, s = cos[:, None, :], sin[:, None, :]
+    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(x.dtype)
+
+
+class SelfAttention(nn.Module):
+    def __init__(self, config: ModelConfig, backend: str):
+        super().__init__()
+        h, hkv, d = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+        self.sizes = [h * d, hkv * d, hkv * d]
+        self.heads, self.kv_heads, self.head_dim = h, hkv, d
+        self.qkv_proj = nn.Linear(config.hidden_size, sum(self.sizes), bias=config.qkv_bias)
+        self.o_proj = nn.Linear(h * d, config.hidden_size, bias=False)
+        if config.qk_norm:
+            self.q_norm = RMSNorm(d, config.rms_norm_eps)
+            self.k_norm = RMSNorm(d, config.rms_norm_eps)
+        window = config.sliding_window
+        self.attn = Attention(h, hkv, d, window_left=window - 1 if window else -1,
+                              backend=backend)
+
+    def forward(self, x, cos, sin, meta: AttentionMetadata):
+        q, k, v = self.qkv_proj(x).split(self.sizes, dim=-1)
+        q = q.view(-1, self.heads, self.head_dim)
+        k = k.view(-1, self.kv_heads, self.head_dim)
+        v = v.view(-1, self.kv_heads, self.head_dim)
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        return self.o_proj(self.attn(q, k, v, meta).flatten(1))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size,
+                                      bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x):
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, backend: str):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = SelfAttention(config, backend)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, x, cos, sin, meta):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Backbone(nn.Module):
+    """Hugging Face's ``model.*`` submodule: embeddings, layers, final norm."""
+
+    def __init__(self, config: ModelConfig, backend: str):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, backend)
+                                    for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class CausalLM(nn.Module):
+    """Parameter names match the checkpoints' (``model.layers.N.self_attn...``) except the
+    fused ``qkv_proj`` and ``gate_up_proj`` (engine/loader.py maps them)."""
+
+    def __init__(self, config: ModelConfig, max_len: int, backend: str = "flashtile"):
+        super().__init__()
+        self.config = config
+        self.model = Backbone(config, backend)
+        self.rotary = Rotary(config, max_len)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.tie_weights()
+
+    def tie_weights(self):
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def attention_layers(self) -> list[Attention]:
+        return [layer.self_attn.attn for layer in self.model.layers]
+
+    def forward(self, input_ids, positions, meta: AttentionMetadata):
+        """Hidden states (num_tokens, hidden_size) after the final norm."""
+        cos, sin = self.rotary(positions)
+        x = self.model.embed_tokens(input_ids)
+        for layer in self.model.layers:
+            x = layer(x, cos, sin, meta)
+        return self.model.norm(x)
+
+    def compute_logits(self, hidden):
+        """Logits (rows, vocab_size) for the given rows only (the runner passes each
+        sequence's last token, so the vocabulary matmul skips the rest)."""
+        return self.lm_head(hidden)
