@@ -1,0 +1,137 @@
+"""SamplingParams: how one request is decoded (vLLM's names and defaults).
+
+Beyond the lead's spec, in vLLM's sense: ``max_tokens=None`` means "until the sequence
+reaches max_model_len" (the OpenAI endpoints send no limit by default), and ``stop`` /
+``stop_token_ids`` are normalised to lists (``[]`` when None).
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import dataclass
+
+from flashtile._validate import _fail
+
+# Below this temperature sampling is greedy, as in vLLM: dividing logits by a tinier
+# temperature overflows float32 (a logit of 40 / 1e-38 is inf) and the draw would be an
+# argmax anyway.
+GREEDY_TEMPERATURE = 1e-5
+
+
+def _check_int(name, value, allow_none=False):
+    if value is None and allow_none:
+        return
+    # bool is an int subclass; True as a count or seed is almost surely a mistake.
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        _fail(TypeError, name, "an int" + (" or None" if allow_none else ""),
+              f"{type(value).__name__} {value!r}")
+
+
+def _check_float(name, value):
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        _fail(TypeError, name, "a float", f"{type(value).__name__} {value!r}")
+    if not math.isfinite(value):
+        _fail(ValueError, name, "a finite number", value)
+    return float(value)
+
+
+@dataclass
+class SamplingParams:
+    """Decoding options of one request.
+
+    n: completions per prompt; only 1 is supported.
+    temperature: 0 (below 1e-5) is greedy; higher flattens the distribution.
+    top_p: keep the smallest set of most likely tokens whose probability reaches top_p,
+        in (0, 1]; 1 keeps all.
+    top_k: keep the k most likely tokens; 0 or -1 keeps all.
+    min_p: drop tokens whose probability is below min_p times the top token's, in [0, 1].
+    repetition_penalty: > 0; divides positive logits and multiplies negative ones of every
+        token in the prompt or the output so far (Hugging Face / vLLM meaning); 1 is off.
+    seed: makes this request's draws reproducible whatever batch it runs in.
+    stop: strings that end the completion (not included in the text).
+    stop_token_ids: token ids that end the completion.
+    max_tokens: most tokens to generate (>= 1); None: until max_model_len.
+    ignore_eos: keep generating past the end-of-sequence token.
+    logprobs: None: no log-probabilities; an int k >= 0: return the log-probability of
+        each chosen token (the raw model distribution's, vLLM's default). The top-k
+        alternatives are not returned.
+    skip_special_tokens: leave special tokens out of the detokenised text.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    max_tokens: int | None = 16
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+
+    def __post_init__(self):
+        _check_int("n", self.n)
+        if self.n != 1:
+            _fail(ValueError, "n", "1 (one completion per request)", self.n,
+                  "Send the prompt several times, with different seeds, for more")
+        self.temperature = _check_float("temperature", self.temperature)
+        if self.temperature < 0:
+            _fail(ValueError, "temperature", "a number >= 0 (0 is greedy)", self.temperature)
+        self.top_p = _check_float("top_p", self.top_p)
+        if not 0 < self.top_p <= 1:
+            _fail(ValueError, "top_p", "a number in (0, 1] (1 keeps every token)", self.top_p)
+        _check_int("top_k", self.top_k)
+        if self.top_k < -1:
+            _fail(ValueError, "top_k", "an int >= 1, or 0 or -1 to keep every token",
+                  self.top_k)
+        self.min_p = _check_float("min_p", self.min_p)
+        if not 0 <= self.min_p <= 1:
+            _fail(ValueError, "min_p", "a number in [0, 1] (0 is off)", self.min_p)
+        self.repetition_penalty = _check_float("repetition_penalty", self.repetition_penalty)
+        if self.repetition_penalty <= 0:
+            _fail(ValueError, "repetition_penalty", "a number > 0 (1 is off)",
+                  self.repetition_penalty)
+        _check_int("seed", self.seed, allow_none=True)
+        self.stop = self._stop_list(self.stop)
+        self.stop_token_ids = self._stop_token_id_list(self.stop_token_ids)
+        _check_int("max_tokens", self.max_tokens, allow_none=True)
+        if self.max_tokens is not None and self.max_tokens < 1:
+            _fail(ValueError, "max_tokens", "an int >= 1 (or None: up to max_model_len)",
+                  self.max_tokens)
+        _check_int("logprobs", self.logprobs, allow_none=True)
+        if self.logprobs is not None and self.logprobs < 0:
+            _fail(ValueError, "logprobs", "None or an int >= 0", self.logprobs)
+        for name in ("ignore_eos", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                _fail(TypeError, name, "a bool", repr(getattr(self, name)))
+
+    @staticmethod
+    def _stop_list(stop):
+        stops = [stop] if isinstance(stop, str) else list(stop or [])
+        for i, s in enumerate(stops):
+            if not isinstance(s, str):
+                _fail(TypeError, f"stop[{i}]", "a str", f"{type(s).__name__} {s!r}")
+            # "" occurs at every position: the completion would end before it starts.
+            if not s:
+                _fail(ValueError, f"stop[{i}]", "a non-empty string", repr(s))
+        return stops
+
+    @staticmethod
+    def _stop_token_id_list(ids):
+        if isinstance(ids, (str, bytes)) or (ids is not None and not hasattr(ids, "__iter__")):
+            _fail(TypeError, "stop_token_ids", "a list of ints or None", repr(ids))
+        ids = list(ids or [])
+        for i, t in enumerate(ids):
+            _check_int(f"stop_token_ids[{i}]", t)
+            if t < 0:
+                _fail(ValueError, f"stop_token_ids[{i}]", "a token id >= 0", t)
+        return [int(t) for t in ids]
+
+    @property
+    def greedy(self) -> bool:
+        """True when the request takes the most likely token at every step."""
+        return self.temperature < GREEDY_TEMPERATURE

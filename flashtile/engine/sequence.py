@@ -1,0 +1,118 @@
+"""Sequence: one request's tokens, its place in the KV pool and its progress.
+
+Token accounting follows vLLM v1: ``num_computed_tokens`` counts the tokens whose keys
+and values are in the pool. A step computes ``token_ids[num_computed_tokens:...]``; a
+prompt may take several steps (chunked prefill); a decode step computes the one token
+sampled last. There are no separate prefill and decode states: a sequence is waiting
+(not holding blocks), running (holding blocks) or finished.
+
+Beyond the lead's spec: ``finish(reason)`` sets the status, reason and time together,
+and ``num_completion_tokens`` / ``is_finished`` are spelled out for the scheduler.
+Times are ``time.time()`` seconds, as vLLM's request metrics.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+
+from flashtile._validate import _fail
+from flashtile.engine.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    FINISHED = enum.auto()
+
+
+FINISH_REASONS = ("stop", "length", "abort")
+
+
+class Sequence:
+    """One request: prompt + generated token ids and its block table.
+
+    token_ids: the prompt's token ids (non-empty); generated ids are appended.
+    sampling_params: how to decode it (default SamplingParams()).
+    arrival_time: when the request arrived (default: now).
+    """
+
+    # One counter for the process: ids order requests by arrival, which the scheduler
+    # uses to pick the newest request to preempt.
+    _ids = itertools.count()
+
+    def __init__(self, token_ids, sampling_params: SamplingParams | None = None,
+                 arrival_time: float | None = None):
+        token_ids = list(token_ids)
+        if not token_ids:
+            _fail(ValueError, "token_ids", "a non-empty prompt", "[]")
+        self.seq_id = next(Sequence._ids)
+        self.status = SequenceStatus.WAITING
+        self.token_ids: list[int] = token_ids
+        self.num_prompt_tokens = len(token_ids)
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0
+        self.block_table: list[int] = []
+        self.sampling_params = sampling_params if sampling_params is not None \
+            else SamplingParams()
+        self.arrival_time = time.time() if arrival_time is None else arrival_time
+        self.first_token_time: float | None = None
+        self.finish_time: float | None = None
+        self.finish_reason: str | None = None
+        self.output_logprobs: list[float] = []
+
+    def __len__(self):
+        return len(self.token_ids)
+
+    def __repr__(self):
+        return (f"Sequence(seq_id={self.seq_id}, status={self.status.name}, "
+                f"tokens={self.num_prompt_tokens}+{self.num_completion_tokens}, "
+                f"computed={self.num_computed_tokens}, blocks={len(self.block_table)})")
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_completion_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[:self.num_prompt_tokens]
+
+    @property
+    def completion_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def last_token(self) -> int:
+        return self.token_ids[-1]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def num_blocks(self, page_size: int) -> int:
+        """Pages needed to hold the KV of every token so far."""
+        return -(-len(self.token_ids) // page_size)
+
+    def append_token(self, token_id: int, logprob: float | None = None):
+        """Add a sampled token (its KV is computed by the next step).
+
+        logprob is stored when given (requests with SamplingParams.logprobs set).
+        """
+        if self.first_token_time is None:
+            self.first_token_time = time.time()
+        self.token_ids.append(int(token_id))
+        if logprob is not None:
+            self.output_logprobs.append(float(logprob))
+
+    def finish(self, reason: str):
+        """Mark the request done: reason "stop", "length" or "abort"."""
+        if reason not in FINISH_REASONS:
+            _fail(ValueError, "reason", f"one of {FINISH_REASONS}", repr(reason))
+        self.status = SequenceStatus.FINISHED
+        self.finish_reason = reason
+        self.finish_time = time.time()
