@@ -1,0 +1,51 @@
+"""What LLM.generate and LLM.step return (vLLM's class and field names)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional, Union
+
+
+@dataclass
+class CompletionOutput:
+    """One completion of a request.
+
+    text: the detokenised completion ("" without a tokenizer); a stop string and what
+        follows it are cut off.
+    token_ids: the generated token ids, the one that ended the request included.
+    finish_reason: "stop" (end-of-sequence token, stop token or stop string), "length"
+        (max_tokens or max_model_len), "abort", or None while running.
+    stop_reason: the stop string or stop token id that ended it, else None.
+    logprobs: the log-probability of each generated token under the model's raw
+        distribution, when SamplingParams.logprobs is not None (vLLM returns a dict per
+        token; here the chosen token's value alone).
+    """
+
+    index: int
+    text: str
+    token_ids: list
+    finish_reason: Optional[str] = None
+    stop_reason: Union[str, int, None] = None
+    logprobs: Optional[list] = None
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestMetrics:
+    """time.time() seconds: arrival, first generated token, finish (None until then)."""
+
+    arrival_time: float
+    first_token_time: Optional[float] = None
+    finish_time: Optional[float] = None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: Optional[str]
+    prompt_token_ids: list
+    outputs: list = field(default_factory=list)
+    finished: bool = False
+    metrics: Optional[RequestMetrics] = None

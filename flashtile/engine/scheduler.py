@@ -1,0 +1,116 @@
+"""Scheduler: continuous batching with a token budget (vLLM v1's scheme).
+
+There are no prefill and decode phases. Each sequence has ``num_computed_tokens`` (its
+tokens whose KV is in the pool) and each step hands out ``max_num_batched_tokens``
+tokens: first to the running sequences, in admission order, so each catches up (one
+token for a decoding sequence, the next chunk of a long prompt), then to waiting ones,
+admitted while the budget, ``max_num_seqs`` and the pool allow. A prompt longer than the
+budget is prefilled over several steps (chunked prefill) while the others keep decoding.
+
+When the pool cannot give a running sequence the pages for its tokens, the newest running
+sequence is preempted: its pages are freed and it goes back to the front of the waiting
+queue, to be recomputed (prompt and output so far) when it is admitted again; nothing new
+is admitted in that step. The pool holds at least one max_model_len sequence, so a
+sequence left alone always fits.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from flashtile._validate import _fail
+from flashtile.engine.block_manager import BlockManager
+from flashtile.engine.config import EngineConfig
+from flashtile.engine.sequence import Sequence, SequenceStatus
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, block_manager: BlockManager, eos_token_ids):
+        self.max_model_len = config.max_model_len
+        self.max_num_seqs = config.max_num_seqs
+        self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.block_manager = block_manager
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence):
+        if seq.num_tokens > self.max_model_len:
+            _fail(ValueError, "prompt length", f"at most max_model_len={self.max_model_len}"
+                  " tokens", f"{seq.num_tokens} tokens",
+                  "Shorten the prompt or raise max_model_len")
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> list[tuple[Sequence, int]]:
+        """The step's (sequence, tokens to compute) pairs; may be empty after preemption."""
+        budget = self.max_num_batched_tokens
+        scheduled = []
+        preempted = False
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            while not self.block_manager.ensure_slots(seq, n):
+                preempted = True
+                victim = self.running.pop()  # the newest (admission order)
+                self._preempt(victim)
+                if victim is seq:
+                    break
+            else:
+                scheduled.append((seq, n))
+                budget -= n
+                i += 1
+                continue
+            break  # seq preempted itself: it was the last running sequence
+        while not preempted and self.waiting and budget > 0 \
+                and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            if not self.block_manager.allocate(seq):
+                break
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            scheduled.append((seq, n))
+            budget -= n
+        return scheduled
+
+    def _preempt(self, seq: Sequence):
+        self.block_manager.free(seq)  # also resets num_computed_tokens: recompute
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def update(self, scheduled, sampled_seqs, token_ids, logprobs) -> list[Sequence]:
+        """Record a step: the computed tokens, then the sampled ones; finish sequences at
+        an end-of-sequence or stop token, max_tokens or max_model_len. Returns the
+        sequences that received a token."""
+        for seq, n in scheduled:
+            seq.num_computed_tokens += n
+            self.block_manager.commit(seq)
+        for seq, token, logprob in zip(sampled_seqs, token_ids, logprobs):
+            params = seq.sampling_params
+            seq.append_token(token, logprob if params.logprobs is not None else None)
+            max_tokens = params.max_tokens
+            if (token in self.eos_token_ids and not params.ignore_eos) \
+                    or token in params.stop_token_ids:
+                self.finish(seq, "stop")
+            elif (max_tokens is not None and seq.num_completion_tokens >= max_tokens) \
+                    or seq.num_tokens >= self.max_model_len:
+                self.finish(seq, "length")
+        return list(sampled_seqs)
+
+    def finish(self, seq: Sequence, reason: str):
+        """End seq ("stop", "length" or "abort") and give its pages back."""
+        if seq.is_finished:
+            return
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.block_manager.free(seq)
+        seq.finish(reason)
