@@ -25,6 +25,8 @@ ARCHITECTURES = {
     "Qwen2ForCausalLM": dict(qkv_bias=True, qk_norm=False),
     "Qwen3ForCausalLM": dict(qkv_bias=False, qk_norm=True),
 }
+MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+               "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 ROPE_TYPES = ("default", "llama3", "linear")
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
           "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16,
@@ -71,11 +73,13 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, cfg: dict) -> "ModelConfig":
-        archs = cfg.get("architectures") or []
+        # A config saved without a model names only its model_type.
+        archs = cfg.get("architectures") or [MODEL_TYPES.get(cfg.get("model_type"))]
         arch = next((a for a in archs if a in ARCHITECTURES), None)
         if arch is None:
             _fail(ValueError, "config.json architectures", f"one of {sorted(ARCHITECTURES)}",
-                  archs, "flashtile.engine runs the Llama, Mistral, Qwen2 and Qwen3 families")
+                  cfg.get("architectures") or f"model_type {cfg.get('model_type')!r}",
+                  "flashtile.engine runs the Llama, Mistral, Qwen2 and Qwen3 families")
         heads = cfg["num_attention_heads"]
         theta, scaling = _rope(cfg)
         sliding = cfg.get("sliding_window")
