@@ -6,8 +6,11 @@ All CPU and fast: these are Python and plain torch, no Triton.
 import math
 
 import pytest
+import torch
 
 from flashtile.engine.block_manager import BlockManager
+from flashtile.engine.sampler import (Sampler, SamplingTensors, apply_min_p,
+                                      apply_repetition_penalty, apply_top_k_top_p, step_seed)
 from flashtile.engine.sampling_params import SamplingParams
 from flashtile.engine.sequence import Sequence, SequenceStatus
 
@@ -300,3 +303,179 @@ def test_block_manager_hit_needs_the_parent_page_unchanged(monkeypatch):
     assert bm.allocate(q) and q.block_table[0] == p0 and q.num_cached_tokens == 2
     assert p1 not in q.block_table and bm.blocks[p1].token_ids == (2, 2)
     bm.check_invariants()
+
+
+# ---------------------------------------------------------------- Sampler
+
+def _hf_processed(logits, seq):
+    """Hugging Face's logits processors for one row (the reference), in generate's order:
+    repetition penalty over prompt + output, temperature, top-k, top-p, min-p."""
+    from transformers.generation.logits_process import (
+        MinPLogitsWarper, RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper,
+        TopKLogitsWarper, TopPLogitsWarper)
+    p, ids = seq.sampling_params, torch.tensor([seq.token_ids])
+    x = logits[None].clone()
+    steps = [RepetitionPenaltyLogitsProcessor(p.repetition_penalty)]
+    if not p.greedy:
+        steps.append(TemperatureLogitsWarper(p.temperature))
+        if p.top_k > 0:
+            steps.append(TopKLogitsWarper(p.top_k))
+        if p.top_p < 1:
+            steps.append(TopPLogitsWarper(p.top_p))
+        if p.min_p > 0:
+            steps.append(MinPLogitsWarper(p.min_p))
+    for step in steps:
+        x = step(ids, x)
+    return x[0]
+
+
+def _seq(params, n_prompt=5, vocab=32, seed=0, n_out=0):
+    g = torch.Generator().manual_seed(seed)
+    seq = Sequence(torch.randint(vocab, (n_prompt,), generator=g).tolist(), params)
+    for t in torch.randint(vocab, (n_out,), generator=g).tolist():
+        seq.append_token(t)
+    return seq
+
+
+_MIXED = [SamplingParams(temperature=0), SamplingParams(temperature=0.7),
+          SamplingParams(top_k=5), SamplingParams(top_p=0.6, temperature=1.3),
+          SamplingParams(min_p=0.2), SamplingParams(top_k=8, top_p=0.8, min_p=0.05),
+          SamplingParams(repetition_penalty=1.7, top_k=4),
+          SamplingParams(temperature=0, repetition_penalty=0.6)]
+
+
+def test_sampling_tensors_from_seqs():
+    seqs = [_seq(SamplingParams(temperature=0, top_k=3, seed=4)),
+            _seq(SamplingParams(top_k=50, seed=9, repetition_penalty=1.2), n_prompt=2, n_out=3),
+            _seq(SamplingParams(top_k=0, top_p=0.5))]
+    t = SamplingTensors.from_seqs(seqs, "cpu", vocab_size=32)
+    assert t.temperatures.tolist() == [0.0, 1.0, 1.0]      # row 0 is greedy
+    assert t.top_ks.tolist() == [32, 32, 32]                # off, or wider than the vocab
+    assert t.top_ps.tolist() == [1.0, 1.0, 0.5] and not t.do_top_k and t.do_top_p
+    assert t.any_greedy and not t.all_greedy and not t.do_min_p
+    assert t.seeded_rows == [(1, step_seed(9, 3))]          # greedy rows draw nothing
+    ids = seqs[1].token_ids
+    assert t.token_ids.tolist() == [[seqs[0].token_ids[0]] * 5, ids, [seqs[2].token_ids[0]] * 5]
+    assert SamplingTensors.from_seqs(seqs[:1], "cpu", 32).token_ids is None
+    assert len({step_seed(s, k) for s in range(30) for k in range(30)}) == 900
+
+
+def test_sampler_greedy_is_argmax_and_logprobs_are_raw():
+    logits = torch.randn(len(_MIXED), 32, generator=torch.Generator().manual_seed(1)) * 3
+    seqs = [_seq(p, seed=i) for i, p in enumerate(_MIXED)]
+    tokens, logprobs = Sampler(seed=0)(logits, SamplingTensors.from_seqs(seqs, "cpu", 32))
+    assert tokens.dtype == torch.int64 and logprobs.dtype == torch.float32
+    for row, seq in enumerate(seqs):
+        if seq.sampling_params.greedy:
+            assert tokens[row] == _hf_processed(logits[row], seq).argmax()
+    torch.testing.assert_close(logprobs, logits.log_softmax(-1).gather(1, tokens[:, None])[:, 0])
+    greedy = [_seq(SamplingParams(temperature=0), seed=i) for i in range(3)]
+    tokens, _ = Sampler()(logits[:3], SamplingTensors.from_seqs(greedy, "cpu", 32))
+    assert tokens.tolist() == logits[:3].argmax(-1).tolist()
+    with pytest.raises(ValueError, match="logits: expected shape"):
+        Sampler()(logits, SamplingTensors.from_seqs(greedy, "cpu", 32))
+
+
+def test_processors_match_hugging_face():
+    """The batched penalty/temperature/top-k/top-p/min-p pipeline equals HF's processors
+    applied row by row: the same tokens masked, the same values elsewhere."""
+    g = torch.Generator().manual_seed(2)
+    logits = torch.randn(len(_MIXED), 32, generator=g) * 2
+    seqs = [_seq(p, n_prompt=6, seed=i, n_out=3) for i, p in enumerate(_MIXED)]
+    t = SamplingTensors.from_seqs(seqs, "cpu", 32)
+    x = apply_repetition_penalty(logits, t.token_ids, t.repetition_penalties)
+    x = x / torch.where(t.temperatures == 0, 1.0, t.temperatures)[:, None]
+    x = apply_min_p(apply_top_k_top_p(x, t.top_ks, t.top_ps), t.min_ps)
+    for row, seq in enumerate(seqs):
+        torch.testing.assert_close(x[row], _hf_processed(logits[row], seq))
+
+
+@pytest.mark.parametrize("params", _MIXED[1:7], ids=lambda p: (
+    f"T{p.temperature}-k{p.top_k}-p{p.top_p}-minp{p.min_p}-rep{p.repetition_penalty}"))
+@pytest.mark.parametrize("seeded", [False, True], ids=["shared", "seeded"])
+def test_sampler_draws_from_the_processed_distribution(params, seeded):
+    """Many draws of one row: masked tokens never come, and the frequencies match HF's
+    processed distribution (fixed seeds, so the bound is checked, not gambled on)."""
+    n = 4000 if seeded else 20000  # seeded rows cost a host iteration each
+    logits = torch.randn(32, generator=torch.Generator().manual_seed(3)) * 2
+    base = _seq(params, seed=5, n_out=2)
+    seqs = []
+    for i in range(n):
+        p = SamplingParams(**{**vars(params), "seed": i if seeded else None})
+        seq = Sequence(base.prompt_token_ids, p)
+        seq.token_ids += base.completion_token_ids
+        seqs.append(seq)
+    t = SamplingTensors.from_seqs(seqs, "cpu", 32)
+    tokens, _ = Sampler(seed=11)(logits.expand(n, 32).contiguous(), t)
+    probs = _hf_processed(logits, base).softmax(-1)
+    freq = torch.bincount(tokens, minlength=32).double() / n
+    assert (freq[probs == 0] == 0).all()
+    bound = 4 * (probs * (1 - probs) / n).sqrt() + 1e-3
+    assert ((freq - probs).abs() <= bound).all(), (freq, probs)
+
+
+def test_sampler_seed_reproducible_in_any_batch():
+    """A seeded request draws the same tokens alone and amid other rows, at any row;
+    rows without a seed follow the Sampler's seed."""
+    g = torch.Generator().manual_seed(4)
+    p = SamplingParams(temperature=1.5, top_p=0.9, seed=1234)
+
+    def run(extra_front, extra_back, steps=6):
+        seq, others = _seq(p, seed=7), [_seq(q, seed=20 + i) for i, q in enumerate(_MIXED)]
+        batch = others[:extra_front] + [seq] + others[len(others) - extra_back:]
+        for _ in range(steps):
+            logits = torch.randn(len(batch), 32, generator=g)
+            logits[extra_front] = torch.arange(32) / 8  # the seeded row's logits: fixed
+            tokens, _ = Sampler()(logits, SamplingTensors.from_seqs(batch, "cpu", 32))
+            for s, tok in zip(batch, tokens.tolist()):
+                s.append_token(tok)
+        return seq.completion_token_ids
+
+    alone = run(0, 0)
+    assert run(3, 2) == alone and run(len(_MIXED), 0) == alone
+    assert len(set(alone)) > 1                      # steps draw afresh
+    other = SamplingParams(**{**vars(p), "seed": 1235})
+    logits = (torch.arange(32) / 8).expand(8, 32)
+    seqs = [_seq(q, seed=7) for q in [p, other] * 4]
+    tokens, _ = Sampler()(logits, SamplingTensors.from_seqs(seqs, "cpu", 32))
+    assert tokens[0::2].unique().numel() == 1 and tokens[1::2].unique().numel() == 1
+    unseeded = [_seq(SamplingParams(), seed=i) for i in range(64)]
+    t = SamplingTensors.from_seqs(unseeded, "cpu", 32)
+    logits = torch.randn(64, 32, generator=g)
+    a, b, c = (Sampler(seed=s)(logits, t)[0] for s in (5, 5, 6))
+    assert torch.equal(a, b) and not torch.equal(a, c)
+
+
+def test_sampler_tiny_top_p_keeps_the_top_token():
+    """1 - 1e-9 rounds to 1 in float32, so every cumulative probability is <= 1 - top_p:
+    the top token must survive anyway (else the row is all -inf and softmax gives nan)."""
+    logits = torch.randn(16, 32, generator=torch.Generator().manual_seed(6))
+    seqs = [_seq(SamplingParams(top_p=1e-9, seed=i), seed=i) for i in range(16)]
+    tokens, _ = Sampler()(logits, SamplingTensors.from_seqs(seqs, "cpu", 32))
+    assert tokens.tolist() == logits.argmax(-1).tolist()
+
+
+@pytest.mark.gpu
+def test_sampler_on_cuda_never_syncs():
+    """Building the step's tensors and sampling queue work only: CUDA's sync debug mode
+    raises on any host synchronisation. Greedy rows still match HF, a seeded row still
+    draws the same token at another place in another batch."""
+    dev = torch.device("cuda")
+    seeded = SamplingParams(top_k=6, temperature=1.2, seed=3)
+    seqs = [_seq(p, seed=i, n_out=2) for i, p in enumerate(_MIXED)] + [_seq(seeded, seed=9)]
+    logits = torch.randn(len(seqs), 32, generator=torch.Generator().manual_seed(8))
+    logits_dev = logits.to(dev)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        tokens, logprobs = Sampler(seed=0)(logits_dev, SamplingTensors.from_seqs(seqs, dev, 32))
+        again, _ = Sampler()(logits_dev.flip(0), SamplingTensors.from_seqs(seqs[::-1], dev, 32))
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    tokens, again = tokens.cpu(), again.cpu()
+    assert again[0] == tokens[-1]
+    for row, seq in enumerate(seqs):
+        if seq.sampling_params.greedy:
+            assert tokens[row] == _hf_processed(logits[row], seq).argmax()
+    torch.testing.assert_close(logprobs.cpu(),
+                               logits.log_softmax(-1).gather(1, tokens[:, None])[:, 0])
