@@ -1,0 +1,237 @@
+"""LLM: the offline entry point (vLLM's API) and the step loop a server drives.
+
+    from flashtile.engine import LLM, SamplingParams
+    llm = LLM(model="path/to/checkpoint", dtype="bfloat16")
+    outs = llm.generate(["The capital of France is"], SamplingParams(max_tokens=16))
+    print(outs[0].outputs[0].text)
+
+``add_request`` / ``step`` / ``abort_request`` let a server feed requests between steps;
+each ``step`` returns the cumulative output of every request that received a token.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import time
+from typing import Optional
+
+from flashtile._validate import _fail
+from flashtile.engine.block_manager import BlockManager
+from flashtile.engine.config import EngineConfig
+from flashtile.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from flashtile.engine.runner import ModelRunner
+from flashtile.engine.sampling_params import SamplingParams
+from flashtile.engine.scheduler import Scheduler
+from flashtile.engine.sequence import Sequence
+from flashtile.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+
+
+class _Request:
+    """A sequence plus what the engine tracks for its output: text and stop strings."""
+
+    def __init__(self, request_id, prompt, seq: Sequence, tokenizer):
+        self.request_id, self.prompt, self.seq = request_id, prompt, seq
+        params = seq.sampling_params
+        self.stops = list(params.stop)
+        self.detok = (IncrementalDetokenizer(tokenizer, seq.prompt_token_ids,
+                                             params.skip_special_tokens)
+                      if tokenizer is not None else None)
+        self.text, self.stop_reason = "", None
+
+    def add_text(self, new_tokens) -> Optional[str]:
+        """Detokenise the new tokens; the stop string they complete, if any."""
+        if self.detok is None:
+            return None
+        new = self.detok.add(new_tokens)
+        if not new:
+            return None
+        start = len(self.text)
+        self.text += new
+        hits = [(self.text.find(s, max(0, start - len(s) + 1)), s) for s in self.stops]
+        hits = [(i, s) for i, s in hits if i >= 0]
+        if not hits:
+            return None
+        end, stop = min(hits)
+        self.text = self.text[:end]  # vLLM: the stop string is not part of the text
+        return stop
+
+    def output(self) -> RequestOutput:
+        seq = self.seq
+        text = self.text
+        if not seq.is_finished and self.stops:
+            # A streamed prefix must never be taken back: hold back what could still turn
+            # out to be the start of a stop string.
+            text = text[:max(0, len(text) - max(map(len, self.stops)) + 1)]
+        reason = seq.finish_reason
+        if reason == "stop" and seq.last_token in seq.sampling_params.stop_token_ids:
+            self.stop_reason = seq.last_token  # vLLM: None for end-of-sequence tokens
+        completion = CompletionOutput(
+            index=0, text=text, token_ids=seq.completion_token_ids, finish_reason=reason,
+            stop_reason=self.stop_reason,
+            logprobs=(list(seq.output_logprobs)
+                      if seq.sampling_params.logprobs is not None else None))
+        return RequestOutput(
+            request_id=self.request_id, prompt=self.prompt,
+            prompt_token_ids=seq.prompt_token_ids, outputs=[completion],
+            finished=seq.is_finished,
+            metrics=RequestMetrics(seq.arrival_time, seq.first_token_time, seq.finish_time))
+
+
+class LLM:
+    """An engine over one checkpoint directory; keyword arguments are EngineConfig's."""
+
+    def __init__(self, model: str, **kwargs):
+        self.config = EngineConfig(model=model, **kwargs)
+        has_tokenizer = os.path.isfile(os.path.join(model, "tokenizer.json"))
+        self.tokenizer = Tokenizer(model) if has_tokenizer else None
+        eos = set(self.config.model_config.eos_token_ids)
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            eos.add(self.tokenizer.eos_token_id)
+        self.runner = ModelRunner(self.config)
+        self.block_manager = BlockManager(self.runner.num_blocks, self.config.page_size,
+                                          self.config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.config, self.block_manager, eos)
+        self._requests: dict[str, _Request] = {}
+        self._by_seq: dict[int, _Request] = {}
+        self._ids = itertools.count()
+
+    # ---- requests ---------------------------------------------------------------------
+    def _make_request(self, prompt, params, request_id=None, prompt_text=None) -> _Request:
+        if params is None:
+            params = SamplingParams()
+        if not isinstance(params, SamplingParams):
+            _fail(TypeError, "sampling_params", "a SamplingParams", type(params).__name__)
+        if isinstance(prompt, str):
+            if not prompt:
+                _fail(ValueError, "prompt", "a non-empty string or token id list", "''")
+            if self.tokenizer is None:
+                _fail(ValueError, "prompt", "token ids (the model has no tokenizer.json)",
+                      "a string")
+            prompt_text, token_ids = prompt, self.tokenizer.encode(prompt)
+        else:
+            token_ids = list(prompt)
+        vocab = self.config.model_config.vocab_size
+        if not token_ids or not all(isinstance(t, int) and 0 <= t < vocab
+                                    for t in token_ids):
+            _fail(ValueError, "prompt", f"a non-empty list of token ids in [0, {vocab})",
+                  repr(token_ids[:8]) + ("..." if len(token_ids) > 8 else ""))
+        if params.stop and self.tokenizer is None:
+            _fail(ValueError, "stop", "no stop strings (the model has no tokenizer.json)",
+                  params.stop)
+        seq = Sequence(token_ids, params)
+        if seq.num_tokens > self.config.max_model_len:
+            _fail(ValueError, "prompt length", f"at most max_model_len="
+                  f"{self.config.max_model_len} tokens", f"{seq.num_tokens} tokens")
+        request_id = str(next(self._ids)) if request_id is None else str(request_id)
+        if request_id in self._requests:
+            _fail(ValueError, "request_id", "an id not already running", repr(request_id))
+        return _Request(request_id, prompt_text, seq, self.tokenizer)
+
+    def _add(self, request: _Request) -> str:
+        self.scheduler.add(request.seq)
+        self._requests[request.request_id] = request
+        self._by_seq[request.seq.seq_id] = request
+        return request.request_id
+
+    def add_request(self, prompt, sampling_params: Optional[SamplingParams] = None,
+                    request_id=None) -> str:
+        """Queue one prompt (text or token ids); returns its request id."""
+        return self._add(self._make_request(prompt, sampling_params, request_id))
+
+    def abort_request(self, request_id: str):
+        """Stop a request (e.g. its client went away) and free its pages."""
+        request = self._requests.get(str(request_id))
+        if request is not None:
+            self.scheduler.finish(request.seq, "abort")
+            self._forget(request)
+
+    def _forget(self, request: _Request):
+        del self._requests[request.request_id]
+        del self._by_seq[request.seq.seq_id]
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def step(self) -> list[RequestOutput]:
+        """Run one engine step; the outputs of the requests that received a token."""
+        scheduled = self.scheduler.schedule()
+        if not scheduled:
+            if not self.scheduler.running and self.scheduler.waiting:
+                raise RuntimeError("the KV pool cannot hold the next waiting request")
+            return []
+        seqs, token_ids, logprobs = self.runner.execute(scheduled)
+        self.scheduler.update(scheduled, seqs, token_ids, logprobs)
+        outputs = []
+        for seq, token in zip(seqs, token_ids):
+            request = self._by_seq[seq.seq_id]
+            stop = request.add_text([token])
+            if stop is not None:
+                request.stop_reason = stop
+                if seq.is_finished:  # a stop string outranks the length limit (vLLM)
+                    seq.finish_reason = "stop"
+                else:
+                    self.scheduler.finish(seq, "stop")
+            outputs.append(request.output())
+            if seq.is_finished:
+                self._forget(request)
+        return outputs
+
+    # ---- offline API ------------------------------------------------------------------
+    def generate(self, prompts, sampling_params=None, use_tqdm: bool = True,
+                 ) -> list[RequestOutput]:
+        """Complete prompts: a string, a token id list, or a list of either. One
+        SamplingParams for all, or a list with one per prompt. Outputs in prompt order."""
+        if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts
+                                        and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        return self._run([(p, None) for p in prompts], sampling_params, use_tqdm)
+
+    def chat(self, messages, sampling_params=None, use_tqdm: bool = True,
+             add_generation_prompt: bool = True, **template_kwargs) -> list[RequestOutput]:
+        """Generate replies to one conversation (a list of {"role", "content"}) or a list
+        of conversations, through the model's chat template."""
+        if self.tokenizer is None:
+            _fail(ValueError, "chat", "a model directory with tokenizer.json", "none")
+        conversations = messages if messages and isinstance(messages[0], (list, tuple)) \
+            else [messages]
+        items = []
+        for conv in conversations:
+            text = self.tokenizer.render_chat(conv, add_generation_prompt, **template_kwargs)
+            items.append((self.tokenizer.encode(text, add_special_tokens=False), text))
+        return self._run(items, sampling_params, use_tqdm)
+
+    def _run(self, items, sampling_params, use_tqdm) -> list[RequestOutput]:
+        if isinstance(sampling_params, (list, tuple)):
+            if len(sampling_params) != len(items):
+                _fail(ValueError, "sampling_params", f"one per prompt ({len(items)})",
+                      f"{len(sampling_params)}")
+            params = list(sampling_params)
+        else:
+            params = [sampling_params] * len(items)
+        requests = [self._make_request(p, sp, prompt_text=text)
+                    for (p, text), sp in zip(items, params)]
+        ids = [self._add(r) for r in requests]
+        wanted = set(ids)
+        done: dict[str, RequestOutput] = {}
+        bar = _progress(len(ids)) if use_tqdm else None
+        start, generated = time.perf_counter(), 0
+        while len(done) < len(ids):
+            for out in self.step():
+                generated += 1
+                if out.finished and out.request_id in wanted:
+                    done[out.request_id] = out
+                    if bar is not None:
+                        bar.update(1)
+            if bar is not None:
+                bar.set_postfix_str(
+                    f"output {generated / (time.perf_counter() - start):.0f} tok/s",
+                    refresh=False)
+        if bar is not None:
+            bar.close()
+        return [done[i] for i in ids]
+
+
+def _progress(total):
+    from tqdm.auto import tqdm
+    return tqdm(total=total, desc="Processed prompts", dynamic_ncols=True)

@@ -1,0 +1,199 @@
+"""flashtile.engine's model, loader, config and tokenizer against transformers.
+
+Checkpoints are random-initialised transformers models of each supported architecture
+saved with save_pretrained (one sharded); logits must agree in fp32 on CPU to 1e-4 for a
+packed prefill of prompts of different lengths, a chunked prefill mixed with decodes, and
+decode steps over the paged pool.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from flashtile.engine.block_manager import BlockManager
+from flashtile.engine.config import EngineConfig, ModelConfig
+from flashtile.engine.model import rope_inv_freq
+from flashtile.engine.runner import ModelRunner
+from flashtile.engine.sampling_params import SamplingParams
+from flashtile.engine.sequence import Sequence
+from flashtile.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from tests.engine_utils import CASES, VOCAB, engine_cpu, hf_config, make_checkpoint, \
+    make_tokenizer
+
+__all__ = ["engine_cpu"]  # the autouse fixture, imported to apply here
+TOL = dict(atol=1e-4, rtol=1e-4)
+
+
+def _runner(path, **kw):
+    kw = dict(dtype="float32", device="cpu", max_model_len=64, page_size=16,
+              kv_cache_memory=2**20, **kw)
+    return ModelRunner(EngineConfig(model=str(path), **kw))
+
+
+def _logits(runner, scheduled, all_rows=False):
+    inputs = runner.prepare(scheduled)
+    if all_rows:
+        hidden = runner.model(inputs.input_ids, inputs.positions, inputs.meta)
+    else:
+        hidden = runner.forward(inputs)
+    return runner.model.compute_logits(hidden)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+@torch.no_grad()
+def test_logits_match_transformers(tmp_path, case):
+    hf = make_checkpoint(tmp_path, case)
+    if case == "qwen3-sharded":
+        assert (tmp_path / "model.safetensors.index.json").is_file()
+    runner = _runner(tmp_path)
+    bm = BlockManager(runner.num_blocks, runner.page_size, enable_prefix_caching=False)
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (13, 1, 21, 21)]
+    seqs = [Sequence(p, SamplingParams(temperature=0)) for p in prompts]
+    for s in seqs:
+        assert bm.allocate(s)
+
+    def ref(tokens):
+        return hf(torch.tensor([tokens])).logits[0]
+
+    # Packed prefill; the last prompt only gets its first 10 tokens (a chunk).
+    chunks = [13, 1, 21, 10]
+    got = _logits(runner, list(zip(seqs, chunks)), all_rows=True)
+    want = torch.cat([ref(p)[:n] for p, n in zip(prompts, chunks)])
+    torch.testing.assert_close(got, want, **TOL)
+    for s, n in zip(seqs, chunks):
+        s.num_computed_tokens += n
+
+    # Three steps: decodes of the first three, mixed with the rest of the chunked prompt.
+    for step in range(3):
+        for s in seqs[:3]:
+            s.append_token(int(ref(s.token_ids)[-1].argmax()))
+        scheduled = [(s, 1) for s in seqs[:3]]
+        if step == 0:
+            scheduled.append((seqs[3], 11))
+        for s, n in scheduled:
+            assert bm.ensure_slots(s, n)
+        got = _logits(runner, scheduled, all_rows=True)
+        want = torch.cat([ref(s.token_ids)[-n:] for s, n in scheduled])
+        torch.testing.assert_close(got, want, **TOL)
+        for s, n in scheduled:
+            s.num_computed_tokens += n
+    # A pure decode step goes through flash_attn_with_kvcache and logits of sampled rows.
+    for s in seqs:
+        s.append_token(7)
+        assert bm.ensure_slots(s, 1)
+    got = _logits(runner, [(s, 1) for s in seqs])
+    torch.testing.assert_close(got, torch.stack([ref(s.token_ids)[-1] for s in seqs]), **TOL)
+
+
+@torch.no_grad()
+def test_dummy_weights_from_config_alone(tmp_path):
+    hf_config("qwen2-bias").save_pretrained(tmp_path)  # config.json, no weights
+    a = _runner(tmp_path, load_format="dummy", seed=3).model
+    b = _runner(tmp_path, load_format="dummy", seed=3).model
+    c = _runner(tmp_path, load_format="dummy", seed=4).model
+    for (name, pa), pb, pc in zip(a.named_parameters(), b.parameters(), c.parameters()):
+        assert torch.equal(pa, pb), name
+        if name.endswith("norm.weight"):
+            assert torch.equal(pa, torch.ones_like(pa)), name
+        elif name.endswith(".bias"):
+            assert not pa.any(), name
+        else:
+            assert not torch.equal(pa, pc), name
+            assert 0.01 < pa.std() < 0.03, name  # initializer_range 0.02
+
+
+def test_rope_spellings_agree_with_transformers():
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    base = dict(architectures=["LlamaForCausalLM"], vocab_size=10, hidden_size=64,
+                intermediate_size=8, num_hidden_layers=1, num_attention_heads=4)
+    llama3 = dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                  original_max_position_embeddings=64)
+    for kind, params in (("llama3", llama3), ("linear", dict(factor=4.0))):
+        new = ModelConfig.from_dict(dict(base, rope_parameters=dict(
+            params, rope_type=kind, rope_theta=5e5)))
+        old = ModelConfig.from_dict(dict(base, rope_theta=5e5,
+                                         rope_scaling=dict(params, type=kind)))
+        assert new == old
+        cfg = hf_config("llama", rope_scaling=dict(params, rope_type=kind), rope_theta=5e5,
+                        hidden_size=64, num_attention_heads=4)
+        want, _ = ROPE_INIT_FUNCTIONS[kind](cfg, "cpu")
+        torch.testing.assert_close(rope_inv_freq(new), want, atol=0, rtol=0)
+    with pytest.raises(ValueError, match="rope type.*'yarn'"):
+        ModelConfig.from_dict(dict(base, rope_scaling=dict(type="yarn", factor=2.0)))
+
+
+def test_eos_ids_from_generation_config(tmp_path):
+    hf_config("llama").save_pretrained(tmp_path)
+    assert ModelConfig.from_pretrained(str(tmp_path)).eos_token_ids == (2,)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 5]}))
+    assert ModelConfig.from_pretrained(str(tmp_path)).eos_token_ids == (2, 5)
+
+
+# ---- tokenizer -----------------------------------------------------------------------
+
+CONVERSATIONS = [
+    [{"role": "user", "content": "Hello world, how are you?"}],
+    [{"role": "system", "content": "Be brief. "}, {"role": "user", "content": "héllo 🙂"},
+     {"role": "assistant", "content": "Paris.", "tool_calls": None},
+     {"role": "user", "content": "The capital of France?"}],
+]
+
+
+@pytest.fixture
+def tokenizers_pair(tmp_path):
+    from transformers import AutoTokenizer
+    make_tokenizer(tmp_path)
+    return Tokenizer(str(tmp_path)), AutoTokenizer.from_pretrained(str(tmp_path))
+
+
+@pytest.mark.parametrize("add_generation_prompt", [True, False])
+def test_chat_template_matches_transformers(tokenizers_pair, add_generation_prompt):
+    ours, hf = tokenizers_pair
+    for conv in CONVERSATIONS:
+        kw = dict(add_generation_prompt=add_generation_prompt)
+        assert ours.apply_chat_template(conv, tokenize=False, **kw) == \
+            hf.apply_chat_template(conv, tokenize=False, **kw)
+        assert ours.apply_chat_template(conv, **kw) == \
+            hf.apply_chat_template(conv, tokenize=True, **kw)["input_ids"]
+
+
+def test_chat_template_raise_exception_and_jinja_file(tokenizers_pair, tmp_path):
+    import jinja2
+    ours, hf = tokenizers_pair
+    bad = [{"role": "tool", "content": "x"}]
+    for tok in (ours, hf):
+        with pytest.raises(jinja2.TemplateError, match="unknown role tool"):
+            tok.apply_chat_template(bad, tokenize=False)
+    # transformers 5 saves the template as chat_template.jinja beside the config.
+    saved = tmp_path / "saved"
+    hf.save_pretrained(str(saved))
+    assert (saved / "chat_template.jinja").is_file()
+    assert Tokenizer(str(saved)).apply_chat_template(CONVERSATIONS[1]) == \
+        hf.apply_chat_template(CONVERSATIONS[1], tokenize=True,
+                               add_generation_prompt=True)["input_ids"]
+
+
+def test_encode_decode_match_transformers(tokenizers_pair):
+    ours, hf = tokenizers_pair
+    text = "The capital of France is Paris. 日本語 🙂"
+    ids = ours.encode(text)
+    assert ids == hf(text)["input_ids"] and ids[0] == 1  # bos added by the post-processor
+    assert ours.decode(ids) == hf.decode(ids, skip_special_tokens=True)
+    assert ours.decode(ids, skip_special_tokens=False).startswith("<s>")
+    assert ours.eos_token_id == hf.eos_token_id == 2
+
+
+def test_incremental_detokenizer_streams_whole_characters(tokenizers_pair):
+    ours, hf = tokenizers_pair
+    prompt = ours.encode("Hello")
+    ids = ours.encode("héllo wörld 日本語 🙂🙂 The capital of France</s>",
+                      add_special_tokens=False)
+    detok = IncrementalDetokenizer(ours, prompt)
+    pieces = [detok.add([t]) for t in ids]
+    assert not any("\ufffd" in p for p in pieces)
+    assert "".join(pieces) == detok.text == hf.decode(ids, skip_special_tokens=True)
+    assert sum(p == "" for p in pieces) >= 3  # multi-byte characters waited for
