@@ -1,0 +1,267 @@
+"""LLM.generate end to end on CPU (fp32, flashtile's torch path): tokens equal
+transformers' greedy generate; batch invariance under continuous batching, chunked
+prefill and preemption; page sizes and backends agree; prefix-cache hits; no leaked
+pages; stop conditions; bad input. CUDA-graph cases are marked gpu."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from flashtile.engine import LLM, SamplingParams
+from flashtile.engine.block_manager import BlockManager
+from tests.engine_utils import VOCAB, engine_cpu, hf_greedy, make_checkpoint, make_tokenizer
+
+__all__ = ["engine_cpu"]  # the autouse fixture, imported to apply here
+GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+# One page of the llama case: 2 (k, v) x 2 layers x 2 kv heads x head_dim 16 x fp32.
+BYTES_PER_TOKEN = 2 * 2 * 2 * 16 * 4
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    path = tmp_path_factory.mktemp("llama")
+    model = make_checkpoint(path, "llama")
+    make_tokenizer(path)
+    return path, model
+
+
+def _llm(path, **kw):
+    kw = {**dict(dtype="float32", device="cpu", max_model_len=64, page_size=16), **kw}
+    return LLM(str(path), **kw)
+
+
+def _prompts(lengths, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in lengths]
+
+
+def _tokens(outputs):
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+def _assert_pool_empty(llm):
+    bm = llm.block_manager
+    bm.check_invariants()
+    assert bm.num_free_blocks == bm.num_blocks and not llm.has_unfinished_requests()
+
+
+def test_greedy_equals_transformers(checkpoint):
+    path, model = checkpoint
+    prompts = _prompts([1, 6, 19, 33])
+    llm = _llm(path)
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)
+    assert _tokens(outs) == [hf_greedy(model, p, 12) for p in prompts]
+    for o, p in zip(outs, prompts):
+        assert o.prompt_token_ids == p and o.finished
+        m = o.metrics
+        assert m.arrival_time <= m.first_token_time <= m.finish_time
+    _assert_pool_empty(llm)
+
+
+def test_batch_invariance_with_chunks_staggering_and_preemption(checkpoint):
+    path, _ = checkpoint
+    prompts = _prompts([3, 41, 9, 30, 17], seed=1)
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    alone = [_tokens(_llm(path).generate([p], params, use_tqdm=False))[0] for p in prompts]
+    # Budget 16 tokens a step: the long prompts are prefilled in chunks beside decodes.
+    # Six pages of 16 tokens: one 64-token sequence fits, all five do not.
+    llm = _llm(path, max_num_batched_tokens=16, kv_cache_memory=6 * 16 * BYTES_PER_TOKEN)
+    assert llm.runner.num_blocks == 6
+    chunked = []
+    schedule = llm.scheduler.schedule
+
+    def spy():
+        scheduled = schedule()
+        chunked.extend(n for s, n in scheduled if n > 1 and s.num_computed_tokens > 0)
+        return scheduled
+
+    llm.scheduler.schedule = spy
+    ids, done = {}, {}
+    arrivals = {0: [0, 1], 3: [2, 3], 5: [4]}  # step -> prompts arriving before it
+    step = 0
+    while len(done) < len(prompts):
+        for i in arrivals.get(step, []):
+            ids[llm.add_request(prompts[i], params)] = i
+        for out in llm.step():
+            if out.finished:
+                done[ids[out.request_id]] = out.outputs[0].token_ids
+        step += 1
+    assert [done[i] for i in range(len(prompts))] == alone
+    assert llm.scheduler.num_preemptions > 0 and chunked
+    _assert_pool_empty(llm)
+
+
+@pytest.mark.parametrize("kw", [dict(page_size=64), dict(page_size=256, max_model_len=256),
+                                dict(attention_backend="sdpa"),
+                                dict(attention_backend="naive")],
+                         ids=["page64", "page256", "sdpa", "naive"])
+def test_page_sizes_and_backends_agree(checkpoint, kw):
+    path, _ = checkpoint
+    prompts = _prompts([2, 23, 40], seed=2)
+    want = _tokens(_llm(path).generate(prompts, GREEDY, use_tqdm=False))  # flashtile, 16
+    llm = _llm(path, **kw)
+    assert _tokens(llm.generate(prompts, GREEDY, use_tqdm=False)) == want
+    _assert_pool_empty(llm)
+
+
+def test_prefix_cache_hit_equals_miss(checkpoint, monkeypatch):
+    path, _ = checkpoint
+    shared = _prompts([37], seed=3)[0]
+    prompts = [shared + [5, 6], shared + [7]]  # two full pages in common
+    params = SamplingParams(temperature=0, max_tokens=6, logprobs=0, ignore_eos=True)
+    cached = []
+    allocate = BlockManager.allocate
+
+    def spy(self, seq):
+        ok = allocate(self, seq)
+        cached.append(seq.num_cached_tokens)
+        return ok
+
+    monkeypatch.setattr(BlockManager, "allocate", spy)
+    runs = {}
+    for caching in (True, False):
+        llm = _llm(path, enable_prefix_caching=caching)
+        # One at a time, so the second prompt can hit the pages the first one wrote.
+        runs[caching] = [llm.generate([p], params, use_tqdm=False)[0].outputs[0]
+                         for p in prompts]
+        _assert_pool_empty(llm)
+    assert cached == [0, 32, 0, 0]
+    for hit, miss in zip(runs[True], runs[False]):
+        assert hit.token_ids == miss.token_ids
+        torch.testing.assert_close(hit.logprobs, miss.logprobs, atol=1e-5, rtol=0)
+
+
+def test_stop_conditions(checkpoint, tmp_path):
+    path, _ = checkpoint
+    llm = _llm(path)
+    prompt = "The capital of France is"
+    free = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=24,
+                                               ignore_eos=True), use_tqdm=False)[0]
+    text, ids = free.outputs[0].text, free.outputs[0].token_ids
+    assert free.outputs[0].finish_reason == "length" and len(ids) == 24 and text
+    assert free.prompt == prompt and free.prompt_token_ids == llm.tokenizer.encode(prompt)
+
+    stop = text[len(text) // 2:len(text) // 2 + 2]
+    out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=24, stop=[stop],
+                                              ignore_eos=True), use_tqdm=False)[0].outputs[0]
+    assert out.text == text[:text.index(stop)] and out.finish_reason == "stop"
+    assert out.stop_reason == stop and ids[:len(out.token_ids)] == out.token_ids
+
+    out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True,
+                                              stop_token_ids=[ids[5]]),
+                       use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == ids[:ids.index(ids[5]) + 1] and out.stop_reason == ids[5]
+
+    # An end-of-sequence id from generation_config.json, and ignore_eos.
+    eos_dir = tmp_path / "eos"
+    shutil.copytree(path, eos_dir)
+    (eos_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": ids[3]}))
+    eos_llm = _llm(eos_dir)
+    out = eos_llm.generate(prompt, SamplingParams(temperature=0, max_tokens=24),
+                           use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == ids[:ids.index(ids[3]) + 1] and out.finish_reason == "stop"
+    assert out.stop_reason is None
+    out = eos_llm.generate(prompt, SamplingParams(temperature=0, max_tokens=24,
+                                                  ignore_eos=True), use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == ids
+
+    # max_model_len ends a request that max_tokens would let run on.
+    n = len(free.prompt_token_ids)
+    out = _llm(path, max_model_len=n + 5).generate(
+        prompt, SamplingParams(temperature=0, max_tokens=None, ignore_eos=True),
+        use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == ids[:5] and out.finish_reason == "length"
+
+
+def test_streamed_text_is_never_taken_back(checkpoint):
+    path, _ = checkpoint
+    llm = _llm(path)
+    prompt = "Hello world"
+    text = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
+                        use_tqdm=False)[0].outputs[0].text
+    stop = text[-4:-1]
+    rid = llm.add_request(prompt, SamplingParams(temperature=0, max_tokens=20, stop=stop,
+                                                 ignore_eos=True))
+    seen = []
+    while llm.has_unfinished_requests():
+        seen += [o.outputs[0].text for o in llm.step() if o.request_id == rid]
+    assert all(seen[-1].startswith(s) for s in seen)
+    assert seen[-1] == text[:text.index(stop)]
+
+
+def test_generate_input_forms_and_chat(checkpoint):
+    from transformers import AutoTokenizer
+    path, _ = checkpoint
+    llm = _llm(path)
+    texts = ["Hello world", "The capital"]
+    ids = [llm.tokenizer.encode(t) for t in texts]
+    params = [SamplingParams(temperature=0, max_tokens=3, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)]
+    by_text = llm.generate(texts, params, use_tqdm=False)
+    by_ids = llm.generate(ids, params, use_tqdm=False)
+    assert _tokens(by_text) == _tokens(by_ids) and [len(t) for t in _tokens(by_ids)] == [3, 5]
+    assert _tokens(llm.generate(texts[1], params[1], use_tqdm=False)) == _tokens(by_ids)[1:]
+    assert _tokens(llm.generate(ids[0], params[0], use_tqdm=False)) == _tokens(by_ids)[:1]
+
+    conv = [{"role": "user", "content": "How are you?"}]
+    out = llm.chat(conv, params[0], use_tqdm=False)[0]
+    hf = AutoTokenizer.from_pretrained(str(path))
+    assert out.prompt_token_ids == hf.apply_chat_template(
+        conv, add_generation_prompt=True, tokenize=True)["input_ids"]
+    assert out.prompt == hf.apply_chat_template(conv, add_generation_prompt=True,
+                                                tokenize=False)
+    assert len(llm.chat([conv, conv], params[0], use_tqdm=False)) == 2
+
+
+def test_abort_frees_pages(checkpoint):
+    path, _ = checkpoint
+    llm = _llm(path)
+    rid = llm.add_request(_prompts([30])[0], GREEDY)
+    llm.step()
+    assert llm.block_manager.num_free_blocks < llm.block_manager.num_blocks
+    llm.abort_request(rid)
+    _assert_pool_empty(llm)
+
+
+def test_bad_input_errors(checkpoint, tmp_path):
+    path, _ = checkpoint
+    with pytest.raises(ValueError, match="model: expected a directory with config.json"):
+        _llm(tmp_path)
+    cfg = json.loads((path / "config.json").read_text())
+    odd = tmp_path / "gpt2"
+    odd.mkdir()
+    (odd / "config.json").write_text(json.dumps(dict(cfg, architectures=["GPT2LMHeadModel"])))
+    with pytest.raises(ValueError, match="architectures.*LlamaForCausalLM.*GPT2LMHeadModel"):
+        _llm(odd)
+    bare = tmp_path / "noweights"
+    bare.mkdir()
+    shutil.copy(path / "config.json", bare / "config.json")
+    with pytest.raises(ValueError, match=r"\*\.safetensors weights"):
+        _llm(bare)
+    wide = tmp_path / "wide"
+    shutil.copytree(path, wide)
+    (wide / "config.json").write_text(json.dumps(dict(cfg, intermediate_size=80)))
+    with pytest.raises(ValueError, match=r"mlp.down_proj.weight. shape: expected \(64, 80\), "
+                                         r"got \(64, 96\)"):
+        _llm(wide)
+    for page_size in (24, 8, 512):
+        with pytest.raises(ValueError, match=f"page_size: expected a power of two.*{page_size}"):
+            _llm(path, page_size=page_size)
+    with pytest.raises(ValueError, match="KV pool: expected >= 4 pages.*got 3 pages"):
+        _llm(path, kv_cache_memory=3 * 16 * BYTES_PER_TOKEN)
+    llm = _llm(path)
+    with pytest.raises(ValueError, match="prompt length: expected at most max_model_len=64"):
+        llm.generate([[5] * 65], GREEDY, use_tqdm=False)
+    for empty in ("", []):
+        with pytest.raises(ValueError, match="prompt: expected a non-empty"):
+            llm.generate([empty], GREEDY, use_tqdm=False)
+    with pytest.raises(ValueError, match=rf"token ids in \[0, {VOCAB}\)"):
+        llm.generate([[1, VOCAB]], GREEDY, use_tqdm=False)
+    with pytest.raises(ValueError, match="max_model_len: expected an int from 1"):
+        _llm(path, max_model_len=100000)
+    assert not llm.has_unfinished_requests()  # a refused batch queues nothing
+
