@@ -265,3 +265,21 @@ def test_bad_input_errors(checkpoint, tmp_path):
         _llm(path, max_model_len=100000)
     assert not llm.has_unfinished_requests()  # a refused batch queues nothing
 
+
+
+@pytest.mark.parametrize("chat", [False, True], ids=["prompt", "chat"])
+def test_cli_generate_streams_the_text(checkpoint, capsys, chat):
+    from flashtile.cli import main
+    path, _ = checkpoint
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    llm = _llm(path)
+    if chat:
+        want = llm.chat([{"role": "user", "content": "Hello world"}], params, use_tqdm=False)
+    else:
+        want = llm.generate("Hello world", params, use_tqdm=False)
+    argv = ["generate", str(path), "--prompt", "Hello world", "--max-tokens", "8",
+            "--ignore-eos", "--dtype", "float32", "--device", "cpu", "--max-model-len", "64"]
+    assert main(argv + ["--chat"] * chat) == 0
+    captured = capsys.readouterr()
+    assert captured.out == want[0].outputs[0].text + "\n"
+    assert "[8 tokens in" in captured.err and "finish_reason=length" in captured.err
