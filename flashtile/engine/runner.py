@@ -10,9 +10,10 @@ Pool size: on CUDA, one warm-up forward at max_num_batched_tokens measures the p
 activation memory, and the pool gets gpu_memory_utilization of the device minus what is
 in use and that peak; on CPU (or when given), kv_cache_memory bytes.
 
-CUDA graphs: pure decode steps (one new token per sequence) replay a graph captured for
-the next batch size up in 1, 2, 4, 8, ... max_num_seqs, largest first, all in one memory
-pool. Padding rows write into the pool's scratch block (slot -1) and read one key of it.
+CUDA graphs (flashtile backend; sdpa and naive run eagerly, since their decode gathers
+every sequence's pages padded to the captured max_model_len width): pure decode steps
+(one new token per sequence) replay a graph captured for the next batch size up in 1, 2,
+4, 8, ... max_num_seqs, largest first, all in one memory pool. Padding rows write into the pool's scratch block (slot -1) and read one key of it.
 The block tables are captured at max_model_len's width; flashtile's decode picks its
 splits from that width on the host at capture.
 """
@@ -62,7 +63,8 @@ class ModelRunner:
             attn.k_cache, attn.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
         self.scratch_block = self.num_blocks
         self.graphs = {}
-        if self.device.type == "cuda" and not config.enforce_eager:
+        if self.device.type == "cuda" and not config.enforce_eager \
+                and config.attention_backend == "flashtile":
             self._capture_graphs()
 
     # ---- pool -------------------------------------------------------------------------
@@ -114,6 +116,7 @@ class ModelRunner:
         self.model.compute_logits(hidden[:rows]).float().softmax(-1)
         del hidden
         torch.cuda.synchronize()
+        torch.cuda.empty_cache()  # so that "in use" below is what stays allocated
         free, total = torch.cuda.mem_get_info(self.device)
         stats = torch.cuda.memory_stats(self.device)
         activations = stats["allocated_bytes.all.peak"] - stats["allocated_bytes.all.current"]

@@ -1,0 +1,110 @@
+"""flashtile.engine on CUDA (make test-gpu): CUDA-graph decode against eager decode,
+greedy tokens against transformers, the pool sized from free memory, and bf16 top-1
+agreement with transformers at a real model's scale (the rate is printed).
+
+make test-gpu runs 8 pytest workers on one GPU, so the tests give the pool a fixed
+kv_cache_memory, and the sizing test sees only its own process's memory as in use."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flashtile.engine import LLM, SamplingParams
+from tests.engine_utils import VOCAB, hf_greedy, make_checkpoint
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    path = tmp_path_factory.mktemp("llama-gpu")
+    return path, make_checkpoint(path, "llama")
+
+
+def _prompts(lengths, vocab=VOCAB, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+def _generate(llm, prompts, params):
+    return [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+def test_cuda_graph_decode_equals_eager(checkpoint, monkeypatch):
+    path, _ = checkpoint
+    kw = dict(dtype="float32", device="cuda", max_model_len=128, max_num_seqs=8,
+              kv_cache_memory=2**28)
+    # Batch 3 replays the graph of 4 (one padding row), then 2 and 1 as requests end.
+    params = [SamplingParams(temperature=0, max_tokens=n, logprobs=0, ignore_eos=True)
+              for n in (24, 12, 6)]
+    prompts = _prompts([3, 40, 77])
+    eager = _generate(LLM(str(path), enforce_eager=True, **kw), prompts, params)
+    llm = LLM(str(path), **kw)
+    assert sorted(llm.runner.graphs) == [1, 2, 4, 8]
+    replays = []
+    replay = llm.runner._replay
+    monkeypatch.setattr(llm.runner, "_replay", lambda *a: replays.append(a[1]) or replay(*a))
+    graphed = _generate(llm, prompts, params)
+    assert {4, 2, 1} <= set(replays)
+    for e, g in zip(eager, graphed):
+        assert e.token_ids == g.token_ids
+        torch.testing.assert_close(e.logprobs, g.logprobs, atol=1e-4, rtol=0)
+    bm = llm.block_manager
+    assert bm.num_free_blocks == bm.num_blocks
+
+
+def test_greedy_equals_transformers_on_cuda(checkpoint):
+    path, model = checkpoint
+    prompts = _prompts([1, 9, 30, 61])
+    # A 32-token budget: the 61-token prompt is prefilled in chunks over the pool.
+    llm = LLM(str(path), dtype="float32", device="cuda", max_model_len=128, max_num_seqs=4,
+              max_num_batched_tokens=32, kv_cache_memory=2**28)
+    got = _generate(llm, prompts, SamplingParams(temperature=0, max_tokens=16))
+    assert [o.token_ids for o in got] == [hf_greedy(model, p, 16) for p in prompts]
+
+
+def test_pool_sized_from_free_memory(checkpoint, monkeypatch):
+    path, _ = checkpoint
+    _, total = torch.cuda.mem_get_info()
+    # As if this process were alone on the device (other workers share it).
+    monkeypatch.setattr(torch.cuda, "mem_get_info",
+                        lambda device=None: (total - torch.cuda.memory_reserved(), total))
+    util = 0.02
+    llm = LLM(str(path), dtype="bfloat16", device="cuda", max_model_len=128,
+              gpu_memory_utilization=util, enforce_eager=True)
+    pool = llm.runner.kv_cache.numel() * llm.runner.kv_cache.element_size()
+    assert llm.runner.num_blocks >= llm.config.blocks_per_seq
+    assert pool <= util * total
+    # A tiny model and a short warm-up: nearly all of the fraction goes to the pool.
+    assert pool >= util * total - 2**30
+
+
+@pytest.mark.slow
+@torch.no_grad()
+def test_bf16_top1_agreement_with_transformers_at_scale(tmp_path):
+    """A Llama-3.2-1B-like width (2048 hidden, 32/8 heads) with 8 layers and a 32k vocab,
+    transformers' own random init, bf16. Teacher-forced: transformers' argmax at each
+    position of the engine's greedy continuation against the engine's token."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=2048, intermediate_size=8192, num_hidden_layers=8,
+                      num_attention_heads=32, num_key_value_heads=8, vocab_size=32000,
+                      max_position_embeddings=1024, tie_word_embeddings=True)
+    model = LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
+    model.save_pretrained(str(tmp_path), safe_serialization=True)
+    model = model.cuda()
+    llm = LLM(str(tmp_path), dtype="bfloat16", device="cuda", max_model_len=1024,
+              max_num_seqs=16, kv_cache_memory=2**32)
+    prompts = _prompts([50, 97, 150, 211, 256, 300, 64, 128], vocab=32000)
+    outs = _generate(llm, prompts, SamplingParams(temperature=0, max_tokens=32,
+                                                  ignore_eos=True))
+    agree = total = 0
+    for p, o in zip(prompts, outs):
+        ids = torch.tensor([p + o.token_ids], device="cuda")
+        hf_top1 = model(ids).logits[0, len(p) - 1:-1].argmax(-1).tolist()
+        agree += sum(a == b for a, b in zip(hf_top1, o.token_ids))
+        total += len(o.token_ids)
+    rate = agree / total
+    print(f"\nbf16 top-1 agreement with transformers: {agree}/{total} = {rate:.3f}")
+    assert rate >= 0.9
