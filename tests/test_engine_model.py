@@ -9,6 +9,7 @@ decode steps over the paged pool.
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -43,8 +44,22 @@ def _logits(runner, scheduled, all_rows=False):
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
-@torch.no_grad()
 def test_logits_match_transformers(tmp_path, case):
+    _check_logits(tmp_path, case)
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                    reason="Triton kernels on CPU tensors need TRITON_INTERPRET=1")
+@pytest.mark.parametrize("case", ["mistral-window", "qwen3-sharded"])
+def test_logits_match_transformers_triton_kernels(tmp_path, case, monkeypatch):
+    """The same steps through flashtile's Triton kernels (interpreted): paged decode over
+    the pool with its scratch block, varlen prefill, windows, head_dim 24."""
+    monkeypatch.setenv("FLASHTILE_BACKEND", "triton")
+    _check_logits(tmp_path, case)
+
+
+@torch.no_grad()
+def _check_logits(tmp_path, case):
     hf = make_checkpoint(tmp_path, case)
     if case == "qwen3-sharded":
         assert (tmp_path / "model.safetensors.index.json").is_file()
