@@ -175,6 +175,10 @@ def test_stop_conditions(checkpoint, tmp_path):
         prompt, SamplingParams(temperature=0, max_tokens=None, ignore_eos=True),
         use_tqdm=False)[0].outputs[0]
     assert out.token_ids == ids[:5] and out.finish_reason == "length"
+    # A prompt of exactly max_model_len tokens still gets the one token its logits give.
+    out = _llm(path, max_model_len=n).generate(prompt, SamplingParams(temperature=0),
+                                               use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == ids[:1] and out.finish_reason == "length"
 
 
 def test_streamed_text_is_never_taken_back(checkpoint):

@@ -120,9 +120,7 @@ class LLM:
             _fail(ValueError, "stop", "no stop strings (the model has no tokenizer.json)",
                   params.stop)
         seq = Sequence(token_ids, params)
-        if seq.num_tokens > self.config.max_model_len:
-            _fail(ValueError, "prompt length", f"at most max_model_len="
-                  f"{self.config.max_model_len} tokens", f"{seq.num_tokens} tokens")
+        self.scheduler.check(seq)  # before queueing anything of a batch
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
         if request_id in self._requests:
             _fail(ValueError, "request_id", "an id not already running", repr(request_id))

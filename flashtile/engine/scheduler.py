@@ -35,11 +35,15 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.num_preemptions = 0
 
-    def add(self, seq: Sequence):
+    def check(self, seq: Sequence):
+        """Refuse a prompt the engine cannot run (ValueError)."""
         if seq.num_tokens > self.max_model_len:
             _fail(ValueError, "prompt length", f"at most max_model_len={self.max_model_len}"
                   " tokens", f"{seq.num_tokens} tokens",
                   "Shorten the prompt or raise max_model_len")
+
+    def add(self, seq: Sequence):
+        self.check(seq)
         self.waiting.append(seq)
 
     def has_unfinished(self) -> bool:
