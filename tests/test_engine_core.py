@@ -227,10 +227,15 @@ def test_block_manager_random_schedule(monkeypatch, hash_kind, page_size):
         return all(pool.get((seq.block_table[p // page_size], p % page_size))
                    == tuple(seq.token_ids[:p + 1]) for p in range(seq.num_computed_tokens))
 
+    preempted = []
     for _ in range(600):
         op = rng.random()
         if op < 0.25 or not live:
-            seq = Sequence(rng.choice(prefixes) + [rng.randrange(3) for _ in range(rng.randrange(6))])
+            if preempted and rng.random() < 0.5:
+                seq = preempted.pop()  # recompute, prompt and output, hitting its own pages
+            else:
+                tail = [rng.randrange(3) for _ in range(rng.randrange(6))]
+                seq = Sequence(rng.choice(prefixes) + tail)
             free = bm.num_free_blocks
             if bm.allocate(seq):
                 live.append(seq)
@@ -242,22 +247,23 @@ def test_block_manager_random_schedule(monkeypatch, hash_kind, page_size):
             seq = rng.choice(live)
             n = rng.randint(1, seq.num_tokens - seq.num_computed_tokens)
             table, free = list(seq.block_table), bm.num_free_blocks
-            if not bm.ensure_slots(seq, n):
+            if bm.ensure_slots(seq, n):
+                for p in range(seq.num_computed_tokens, seq.num_computed_tokens + n):
+                    block = seq.block_table[p // page_size]
+                    assert bm.blocks[block].ref_count == 1  # never write into a shared page
+                    pool[block, p % page_size] = tuple(seq.token_ids[:p + 1])
+                seq.num_computed_tokens += n
+                bm.commit(seq)
+                if seq.num_computed_tokens == seq.num_tokens:
+                    seq.append_token(rng.randrange(3))
+            else:
                 assert seq.block_table == table and bm.num_free_blocks == free
-                bm.free(seq)  # preempted: recomputed when admitted again
+                preempted.append(seq)
+            if seq in preempted or seq.num_tokens > 24:  # > 24: finished, to fit the pool
+                bm.free(seq)
                 live.remove(seq)
-                continue
-            for p in range(seq.num_computed_tokens, seq.num_computed_tokens + n):
-                block = seq.block_table[p // page_size]
-                assert bm.blocks[block].ref_count == 1  # never write into a shared page
-                pool[block, p % page_size] = tuple(seq.token_ids[:p + 1])
-            seq.num_computed_tokens += n
-            bm.commit(seq)
-            if seq.num_computed_tokens == seq.num_tokens:
-                seq.append_token(rng.randrange(3))
-        if op >= 0.9 or (live and live[-1].num_tokens > 24):
-            seq = live.pop(rng.randrange(len(live))) if op >= 0.9 else live.pop()
-            bm.free(seq)
+        else:
+            bm.free(live.pop(rng.randrange(len(live))))  # finished or aborted
         bm.check_invariants()
         assert all(holds_its_own_kv(s) for s in live)
     assert hits > 10  # the schedule did exercise the prefix cache
