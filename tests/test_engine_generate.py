@@ -287,3 +287,16 @@ def test_cli_generate_streams_the_text(checkpoint, capsys, chat):
     captured = capsys.readouterr()
     assert captured.out == want[0].outputs[0].text + "\n"
     assert "[8 tokens in" in captured.err and "finish_reason=length" in captured.err
+
+
+def test_seeded_sampling_is_batch_invariant(checkpoint):
+    path, _ = checkpoint
+    prompts = _prompts([5, 20, 11], seed=4)
+    params = [SamplingParams(temperature=0.9, top_p=0.9, top_k=50, seed=s, max_tokens=12,
+                             ignore_eos=True) for s in (1, 2, 3)]
+    llm = _llm(path)
+    alone = [_tokens(llm.generate([p], sp, use_tqdm=False))[0]
+             for p, sp in zip(prompts, params)]
+    assert _tokens(llm.generate(prompts, params, use_tqdm=False)) == alone
+    assert _tokens(llm.generate(prompts[::-1], params[::-1], use_tqdm=False)) == alone[::-1]
+    assert len(set(map(tuple, alone))) == 3
