@@ -13,9 +13,10 @@ in use and that peak; on CPU (or when given), kv_cache_memory bytes.
 CUDA graphs (flashtile backend; sdpa and naive run eagerly, since their decode gathers
 every sequence's pages padded to the captured max_model_len width): pure decode steps
 (one new token per sequence) replay a graph captured for the next batch size up in 1, 2,
-4, 8, ... max_num_seqs, largest first, all in one memory pool. Padding rows write into the pool's scratch block (slot -1) and read one key of it.
-The block tables are captured at max_model_len's width; flashtile's decode picks its
-splits from that width on the host at capture.
+4, 8, ... max_num_seqs, largest first, all in one memory pool. Padding rows write into
+the pool's scratch block (slot -1) and read one key of it. The block tables are captured
+at max_model_len's width; flashtile's decode picks its splits from that width on the host
+at capture.
 """
 
 from __future__ import annotations
@@ -57,7 +58,8 @@ class ModelRunner:
         mc = config.model_config
         shape = (2, mc.num_hidden_layers, self.num_blocks + 1, self.page_size,
                  mc.num_key_value_heads, mc.head_dim)
-        # Zeroed, so that graph padding rows read finite keys from the scratch block.
+        # Zeroed: graph padding rows read the scratch block, and sdpa/naive decode multiply
+        # the values of masked pool rows by 0 (garbage NaN would survive that).
         self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         for i, attn in enumerate(self.model.attention_layers()):
             attn.k_cache, attn.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
