@@ -1,0 +1,281 @@
+"""Offline throughput of flashtile.engine against Hugging Face transformers (``flashtile bench
+throughput``).
+
+The workload is nano-vllm's: ``--num-requests`` requests (256) whose prompt and output lengths are
+drawn uniformly from ``--min-len``..``--max-len`` (100..1024), prompt token ids uniform over the
+vocabulary, ``ignore_eos`` so every request produces exactly its output length. Models are real
+shapes with random weights (``load_format="dummy"``), so nothing is downloaded.
+
+Each provider runs in a fresh subprocess (the engine sizes its KV pool from the device's free
+memory, and CUDA graphs keep their memory pool): the parent writes the model's config.json, starts
+``python -m flashtile.bench.throughput --one PROVIDER ...`` and reads one JSON line back.
+
+Providers:
+    engine-flashtile-graphs   the engine, flashtile attention, decode in CUDA graphs
+    engine-flashtile-eager    the same with enforce_eager=True
+    engine-sdpa, engine-naive the same engine with torch SDPA / plain softmax attention (eager)
+    hf-generate               transformers ``generate`` in static batches (sdpa, left padding)
+    hf-generate-batch         transformers continuous batching (``generate_batch``)
+
+The roofline is the time the workload's decode steps would take if each step read the weights
+once and every live sequence's KV cache once at the device's copy bandwidth, plus the prompt
+FLOPs (2 * parameters per token) at the matrix rate: ``roofline_seconds`` below.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+
+PRESETS = {
+    # Real shapes of public checkpoints (their config.json values), random weights.
+    "qwen2.5-0.5b": dict(
+        architectures=["Qwen2ForCausalLM"], model_type="qwen2", hidden_size=896,
+        intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+        num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True,
+        rope_theta=1000000.0, rms_norm_eps=1e-6, max_position_embeddings=32768,
+        hidden_act="silu", torch_dtype="bfloat16", bos_token_id=151643, eos_token_id=151645),
+    "llama-3.2-1b": dict(
+        architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=2048,
+        intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+        num_key_value_heads=8, head_dim=64, vocab_size=128256, tie_word_embeddings=True,
+        rope_theta=500000.0, rms_norm_eps=1e-5, max_position_embeddings=131072,
+        rope_scaling=dict(rope_type="llama3", factor=32.0, low_freq_factor=1.0,
+                          high_freq_factor=4.0, original_max_position_embeddings=8192),
+        hidden_act="silu", torch_dtype="bfloat16", bos_token_id=128000, eos_token_id=128001),
+    "llama-3-8b": dict(
+        architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=4096,
+        intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False,
+        rope_theta=500000.0, rms_norm_eps=1e-5, max_position_embeddings=8192,
+        hidden_act="silu", torch_dtype="bfloat16", bos_token_id=128000, eos_token_id=128001),
+}
+PROVIDERS = ("hf-generate", "hf-generate-batch", "engine-naive", "engine-sdpa",
+             "engine-flashtile-eager", "engine-flashtile-graphs")
+
+
+def workload(num_requests, min_len, max_len, vocab_size, seed=0):
+    """[(prompt_token_ids, output_len)] with both lengths uniform in [min_len, max_len]."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(num_requests):
+        n_in, n_out = rng.randint(min_len, max_len), rng.randint(min_len, max_len)
+        out.append(([rng.randrange(vocab_size) for _ in range(n_in)], n_out))
+    return out
+
+
+def param_count(cfg) -> int:
+    h, inter, layers = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
+    hd = cfg.get("head_dim") or h // cfg["num_attention_heads"]
+    q, kv = cfg["num_attention_heads"] * hd, cfg["num_key_value_heads"] * hd
+    per_layer = h * (q + 2 * kv) + q * h + 3 * h * inter + 2 * h
+    embed = cfg["vocab_size"] * h * (1 if cfg["tie_word_embeddings"] else 2)
+    return layers * per_layer + embed + h
+
+
+def kv_bytes_per_token(cfg, dtype_bytes=2) -> int:
+    hd = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    return 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * hd * dtype_bytes
+
+
+def roofline_seconds(cfg, requests, copy_gbs, matmul_tflops, max_num_seqs, dtype_bytes=2):
+    """A floor for the workload on one device: decode steps that read the weights once per
+    step and each live sequence's KV once, at the copy bandwidth; prompts at the matrix rate.
+
+    Requests run max_num_seqs at a time, each slot taking the next request when one finishes
+    (the order they were given), as a continuous-batching engine would at best.
+    """
+    weight_bytes = param_count(cfg) * dtype_bytes
+    per_token = kv_bytes_per_token(cfg, dtype_bytes)
+    prompt_flops = 2 * param_count(cfg) * sum(len(p) for p, _ in requests)
+    pending = list(requests)
+    live = []  # [prompt_len, tokens generated, output_len]
+    seconds = prompt_flops / (matmul_tflops * 1e12)
+    while pending or live:
+        while pending and len(live) < max_num_seqs:
+            p, n = pending.pop(0)
+            live.append([len(p), 0, n])
+        kv = sum((p + g) * per_token for p, g, _ in live)
+        seconds += (weight_bytes + kv) / (copy_gbs * 1e9)
+        for seq in live:
+            seq[1] += 1
+        live = [s for s in live if s[1] < s[2]]
+    return seconds
+
+
+def _engine(args, cfg, requests, backend, eager):
+    from flashtile.engine import LLM, SamplingParams
+    import torch
+    llm = LLM(model=args.model_dir, dtype="bfloat16", load_format="dummy",
+              attention_backend=backend, enforce_eager=eager, max_num_seqs=args.max_num_seqs,
+              max_model_len=2 * args.max_len + 16, seed=0)
+    params = [SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=n)
+              for _, n in requests]
+    prompts = [p for p, _ in requests]
+    llm.generate(prompts[:2], params[:2], use_tqdm=False)  # warm-up (compiles, graphs)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    torch.cuda.synchronize()
+    wall = time.perf_counter() - start
+    produced = sum(len(o.outputs[0].token_ids) for o in outs)
+    return dict(wall_s=wall, output_tokens=produced,
+                peak_gib=torch.cuda.max_memory_allocated() / 2**30)
+
+
+def _hf_model(args, cfg):
+    import torch
+    import transformers
+    config = transformers.AutoConfig.from_pretrained(args.model_dir)
+    with torch.device("cuda"):
+        model = transformers.AutoModelForCausalLM.from_config(
+            config, dtype=torch.bfloat16, attn_implementation=args.hf_attn)
+    return model.eval()
+
+
+def _hf(args, cfg, requests, batched):
+    import torch
+    import transformers
+    model = _hf_model(args, cfg)
+    requests = requests[:args.hf_requests]  # transformers is slow: a stated subset
+    torch.cuda.reset_peak_memory_stats()
+    produced = 0
+    start = time.perf_counter()
+    if batched:
+        gen = transformers.GenerationConfig(max_new_tokens=max(n for _, n in requests),
+                                            do_sample=False, eos_token_id=None,
+                                            pad_token_id=0)
+        outs = model.generate_batch([p for p, _ in requests], generation_config=gen)
+        produced = sum(len(o.generated_tokens) for o in outs.values())
+    else:
+        for i in range(0, len(requests), args.hf_batch):
+            chunk = requests[i:i + args.hf_batch]
+            width = max(len(p) for p, _ in chunk)
+            ids = torch.tensor([[0] * (width - len(p)) + p for p, _ in chunk], device="cuda")
+            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p, _ in chunk],
+                                device="cuda")
+            new = max(n for _, n in chunk)  # a static batch runs to its longest request
+            model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new,
+                           min_new_tokens=new, do_sample=False, pad_token_id=0)
+            produced += sum(n for _, n in chunk)  # only the tokens each request asked for
+    torch.cuda.synchronize()
+    return dict(wall_s=time.perf_counter() - start, output_tokens=produced,
+                requests=len(requests), peak_gib=torch.cuda.max_memory_allocated() / 2**30)
+
+
+def run_one(args):
+    with open(os.path.join(args.model_dir, "config.json")) as f:
+        cfg = json.load(f)
+    requests = workload(args.num_requests, args.min_len, args.max_len, cfg["vocab_size"],
+                        args.seed)
+    p = args.one
+    if p.startswith("hf-"):
+        res = _hf(args, cfg, requests, batched=p == "hf-generate-batch")
+    else:
+        backend = {"engine-naive": "naive", "engine-sdpa": "sdpa"}.get(p, "flashtile")
+        res = _engine(args, cfg, requests, backend, eager=p != "engine-flashtile-graphs")
+        res["requests"] = len(requests)
+    n = res["requests"]
+    res["input_tokens"] = sum(len(q) for q, _ in requests[:n])
+    print("RESULT " + json.dumps(res), flush=True)
+
+
+def _row(model, provider, res, roofline, hf_tps):
+    tps = res["output_tokens"] / res["wall_s"]
+    total = (res["output_tokens"] + res["input_tokens"]) / res["wall_s"]
+    return dict(model=model, provider=provider, requests=res["requests"],
+                output_tok_s=tps, total_tok_s=total, wall_s=res["wall_s"],
+                peak_gib=res["peak_gib"],
+                vs_hf=tps / hf_tps if hf_tps else None,
+                roofline_frac=roofline / res["wall_s"] if res["requests"] else None)
+
+
+def markdown(rows) -> str:
+    lines = ["| model | provider | requests | output tok/s | total tok/s | wall s | peak GiB "
+             "| x transformers batch | of roofline |", "|" + " --- |" * 9]
+    for r in rows:
+        ratio = f"{r['vs_hf']:.1f}x" if r["vs_hf"] else "-"
+        roof = f"{100 * r['roofline_frac']:.0f}%" if r["roofline_frac"] else "-"
+        lines.append(f"| {r['model']} | {r['provider']} | {r['requests']} "
+                     f"| {r['output_tok_s']:.0f} | {r['total_tok_s']:.0f} | {r['wall_s']:.1f} "
+                     f"| {r['peak_gib']:.1f} | {ratio} | {roof} |")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="flashtile bench throughput", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", nargs="+", default=["llama-3.2-1b"], choices=sorted(PRESETS))
+    p.add_argument("--providers", nargs="+", default=list(PROVIDERS), choices=PROVIDERS)
+    p.add_argument("--num-requests", type=int, default=256)
+    p.add_argument("--min-len", type=int, default=100)
+    p.add_argument("--max-len", type=int, default=1024)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--hf-requests", type=int, default=64,
+                   help="transformers runs this many of the requests (it is slow)")
+    p.add_argument("--hf-batch", type=int, default=32)
+    p.add_argument("--hf-attn", default="sdpa")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--copy-gbs", type=float, default=4239.0,
+                   help="device copy bandwidth for the roofline (H200 measured: 4239)")
+    p.add_argument("--matmul-tflops", type=float, default=786.0)
+    p.add_argument("--timeout", type=int, default=900, help="seconds per provider")
+    p.add_argument("--out", default="throughput.json")
+    p.add_argument("--one", help=argparse.SUPPRESS)
+    p.add_argument("--model-dir", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.one:
+        return run_one(args)
+    rows = []
+    for name in args.models:
+        cfg = PRESETS[name]
+        requests = workload(args.num_requests, args.min_len, args.max_len, cfg["vocab_size"],
+                            args.seed)
+        roof = roofline_seconds(cfg, requests, args.copy_gbs, args.matmul_tflops,
+                                args.max_num_seqs)
+        print(f"{name}: {param_count(cfg) / 1e9:.2f} B parameters, roofline "
+              f"{roof:.1f} s for {len(requests)} requests", flush=True)
+        hf_tps = None
+        with tempfile.TemporaryDirectory() as d:
+            with open(os.path.join(d, "config.json"), "w") as f:
+                json.dump(cfg, f)
+            for prov in args.providers:
+                cmd = [sys.executable, "-m", "flashtile.bench.throughput", "--one", prov,
+                       "--model-dir", d] + [a for a in (argv or sys.argv[1:])]
+                try:
+                    proc = subprocess.run(cmd, capture_output=True, text=True,
+                                          timeout=args.timeout)
+                except subprocess.TimeoutExpired:
+                    print(f"  {prov}: timed out after {args.timeout} s", flush=True)
+                    continue
+                found = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+                if not found:
+                    print(f"  {prov}: failed\n{proc.stderr[-2000:]}", flush=True)
+                    continue
+                res = json.loads(found[-1][7:])
+                # The roofline fraction is for the full workload only.
+                part_roof = roof if res["requests"] == len(requests) else 0
+                if prov == "hf-generate-batch":
+                    hf_tps = res["output_tokens"] / res["wall_s"]
+                row = _row(name, prov, res, part_roof, hf_tps)
+                rows.append(row)
+                print(f"  {prov}: {row['output_tok_s']:.0f} output tok/s, "
+                      f"{row['wall_s']:.1f} s", flush=True)
+        for r in rows:
+            if r["model"] == name and hf_tps and not r["provider"].startswith("hf"):
+                r["vs_hf"] = r["output_tok_s"] / hf_tps
+    print(markdown(rows))
+    with open(args.out, "w") as f:
+        json.dump(dict(argv=argv or sys.argv[1:], rows=rows), f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
