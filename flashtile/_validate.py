@@ -241,3 +241,77 @@ def check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
               f"({lengths['cu_seqlens_k']},)")
     check_grid((lengths["cu_seqlens_q"] - 1) * h, q.device)
     return lengths["cu_seqlens_q"] - 1, h, hkv, d
+
+
+# ---- Index tensors and paged caches: flash_attn_with_kvcache and the paged varlen ----
+
+MIN_PAGE_SIZE, MAX_PAGE_SIZE = 16, 256
+
+
+def check_page_size(page_size, name):
+    """A power of two from 16 to 256: the kernels' key tiles (powers of two) then lie
+    inside one page or cover whole pages."""
+    if not MIN_PAGE_SIZE <= page_size <= MAX_PAGE_SIZE or page_size & (page_size - 1):
+        _fail(ValueError, name, f"a power of two from {MIN_PAGE_SIZE} to {MAX_PAGE_SIZE}",
+              page_size)
+
+
+def check_index_tensor(x, name, shape, device):
+    """Dtype, shape and device of an int32 index tensor (its values are checked later)."""
+    if not isinstance(x, torch.Tensor):
+        _fail(TypeError, name, "an int32 torch.Tensor", type(x).__name__)
+    if x.dtype != torch.int32:
+        _fail(TypeError, f"{name}.dtype", "torch.int32", x.dtype)
+    if tuple(x.shape) != shape:
+        _fail(ValueError, f"{name}.shape", shape, tuple(x.shape))
+    if x.device != device:
+        _fail(ValueError, f"{name}.device", f"q's device {device}", x.device)
+
+
+def can_read_indices(q) -> bool:
+    """A host read of the indices is possible: not a meta tensor, not inside
+    torch.compile's tracing, not while a CUDA graph is being captured."""
+    return not (q.device.type == "meta" or torch.compiler.is_compiling()
+                or (q.is_cuda and torch.cuda.is_current_stream_capturing()))
+
+
+def check_index_values(k_cache, block_table, cache_seqlens, cache_batch_idx, cache_leftpad,
+                       sn, seqlens_name="cache_seqlens"):
+    """Every index the kernel will follow, with one host sync: a wrong index must be an
+    error, not a wild access. sn: tokens about to be appended after cache_seqlens;
+    seqlens_name: what the caller calls the key counts, for the message."""
+    if not cache_seqlens.numel():  # batch 0: nothing is read (aminmax refuses empties)
+        return
+    capacity = (block_table.shape[1] * k_cache.shape[1] if block_table is not None
+                else k_cache.shape[1])
+    stats = list(torch.aminmax(cache_seqlens))
+    if cache_leftpad is not None:
+        stats += [cache_leftpad.min(), (cache_seqlens - cache_leftpad).min()]
+    if block_table is not None and block_table.numel():
+        stats += [block_table.min(), block_table.max()]
+    if cache_batch_idx is not None:
+        stats += [cache_batch_idx.min(), cache_batch_idx.max()]
+    vals = torch.stack(stats).tolist()
+    lo, hi = vals[0], vals[1]
+    if lo < 0 or hi + sn > capacity:
+        if sn:
+            _fail(ValueError, seqlens_name, f"values in [0, {capacity - sn}] (cache "
+                  f"capacity {capacity} minus {sn} new tokens)", f"range [{lo}, {hi}]",
+                  "Grow the cache or evict before appending")
+        _fail(ValueError, seqlens_name, f"values in [0, {capacity}] (the cache capacity)",
+              f"range [{lo}, {hi}]")
+    i = 2
+    if cache_leftpad is not None:
+        if vals[i] < 0 or vals[i + 1] < 0:
+            _fail(ValueError, "cache_leftpad", "0 <= cache_leftpad <= cache_seqlens",
+                  f"min {vals[i]}, min(cache_seqlens - cache_leftpad) {vals[i + 1]}")
+        i += 2
+    if block_table is not None and block_table.numel():
+        if vals[i] < 0 or vals[i + 1] >= k_cache.shape[0]:
+            _fail(ValueError, "block_table", f"block indices in [0, {k_cache.shape[0] - 1}]"
+                  " (the pool's num_blocks)", f"range [{vals[i]}, {vals[i + 1]}]")
+        i += 2
+    if cache_batch_idx is not None and (vals[i] < 0 or vals[i + 1] >= k_cache.shape[0]):
+        _fail(ValueError, "cache_batch_idx", f"indices in [0, {k_cache.shape[0] - 1}]",
+              f"range [{vals[i]}, {vals[i + 1]}]")
+
