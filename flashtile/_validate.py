@@ -315,3 +315,80 @@ def check_index_values(k_cache, block_table, cache_seqlens, cache_batch_idx, cac
         _fail(ValueError, "cache_batch_idx", f"indices in [0, {k_cache.shape[0] - 1}]",
               f"range [{vals[i]}, {vals[i + 1]}]")
 
+
+def _check_int(x, name, minimum=0):
+    # SymInt too: under torch.compile with dynamic shapes a length arrives symbolic.
+    if isinstance(x, bool) or not isinstance(x, (numbers.Integral, torch.SymInt)):
+        _fail(TypeError, name, "an int", type(x).__name__)
+    if x < minimum:
+        _fail(ValueError, name, f"an int >= {minimum}", x)
+
+
+def check_paged_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                       block_table, seqused_k):
+    """flash_attn_varlen_func over a paged KV pool: packed q (total_q, h, d), k/v
+    (num_blocks, page_size, hkv, d), block_table int32 (batch, max_blocks_per_seq), the
+    key lengths from cu_seqlens_k (batch + 1,) or seqused_k (batch,). Shapes, dtypes and
+    devices only (no device read: ``check_paged_varlen_values`` reads the indices).
+    Returns (batch, h, hkv, d)."""
+    check_tensor(q, "q", 3)
+    for x, name in ((k, "k"), (v, "v")):
+        if not isinstance(x, torch.Tensor) or x.dim() != 4:
+            _fail(ValueError, name, "a paged cache (num_blocks, page_size, nheads_kv, "
+                  "head_dim) with block_table", getattr(x, "shape", type(x).__name__))
+        # Rows of the pool are addressed as an int64 block offset plus a small in-page
+        # offset, so the pool may pass 2**31 elements (as in flash_attn_with_kvcache).
+        check_tensor(x, name, 4, offsets32=False)
+    if k.shape != v.shape:
+        _fail(ValueError, "v.shape", f"k's shape {tuple(k.shape)}", tuple(v.shape))
+    if k.shape[0] == 0:
+        _fail(ValueError, "k.shape[0] (num_blocks)", "at least 1 block", 0)
+    # One block stands for the pool: dtypes, devices, head_dim and GQA as check_qkv.
+    _, _, _, h, hkv, d = check_qkv(q.unsqueeze(0), k[:1], v[:1])
+    check_page_size(k.shape[1], "k.shape[1] (page_size)")
+    if not isinstance(block_table, torch.Tensor) or block_table.dim() != 2:
+        _fail(ValueError, "block_table", "an int32 tensor (batch, max_blocks_per_seq)",
+              getattr(block_table, "shape", type(block_table).__name__))
+    if not isinstance(cu_seqlens_q, torch.Tensor) or cu_seqlens_q.dim() != 1 \
+            or cu_seqlens_q.numel() < 1:
+        _fail(ValueError, "cu_seqlens_q", "an int32 tensor (batch + 1,)",
+              getattr(cu_seqlens_q, "shape", type(cu_seqlens_q).__name__))
+    batch = cu_seqlens_q.numel() - 1
+    check_index_tensor(cu_seqlens_q, "cu_seqlens_q", (batch + 1,), q.device)
+    check_index_tensor(block_table, "block_table", (batch, block_table.shape[1]), q.device)
+    if cu_seqlens_k is None and seqused_k is None:
+        _fail(ValueError, "cu_seqlens_k/seqused_k", "one of them with block_table (the "
+              "key length of each sequence)", "both None")
+    if seqused_k is not None:
+        check_index_tensor(seqused_k, "seqused_k", (batch,), q.device)
+    if cu_seqlens_k is not None:
+        check_index_tensor(cu_seqlens_k, "cu_seqlens_k", (batch + 1,), q.device)
+    _check_int(max_seqlen_q, "max_seqlen_q")
+    _check_int(max_seqlen_k, "max_seqlen_k")
+    capacity = block_table.shape[1] * k.shape[1]
+    if max_seqlen_k > capacity:
+        _fail(ValueError, "max_seqlen_k", f"at most block_table.shape[1] * page_size = "
+              f"{capacity} (the keys a block table row can name)", max_seqlen_k)
+    check_grid(batch * h, q.device)
+    return batch, h, hkv, d
+
+
+def check_paged_varlen_values(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, block_table,
+                              seqused_k):
+    """The indices the paged varlen kernel follows (two host reads): cu_seqlens_q must
+    be prefix sums of q's rows, each key length within the sequence's block table row,
+    each block index within the pool."""
+    vals = cu_seqlens_q.tolist()
+    diffs = [b - a for a, b in zip(vals, vals[1:])]
+    if vals[0] != 0 or vals[-1] != q.shape[0] or any(x < 0 for x in diffs):
+        _fail(ValueError, "cu_seqlens_q", f"non-decreasing prefix sums from 0 to the packed "
+              f"length {q.shape[0]}", vals if len(vals) <= 8 else f"{vals[:8]}...")
+    if diffs and max(diffs) > max_seqlen_q:
+        _fail(ValueError, "max_seqlen_q", f">= the longest sequence {max(diffs)}",
+              max_seqlen_q)
+    if seqused_k is not None:
+        lengths, name = seqused_k, "seqused_k"
+    else:
+        lengths = cu_seqlens_k[1:] - cu_seqlens_k[:-1]
+        name = "cu_seqlens_k[b + 1] - cu_seqlens_k[b] (the key lengths)"
+    check_index_values(k, block_table, lengths, None, None, 0, seqlens_name=name)
