@@ -312,3 +312,16 @@ def test_direct_op_backward_with_block_table_raises(entry, device):
                   0.25, -1, 0, 0.0, False, a["block_table"], None)
     with pytest.raises(NotImplementedError, match="forward only"):
         out.sum().backward()
+
+
+def test_large_pool_is_not_refused():
+    """A pool past 2**31 elements is normal in serving: pages are addressed with 64-bit
+    offsets, so validation lets it through (meta tensors: no memory, and the op's fake
+    implementation gives the shapes)."""
+    pool = torch.empty(2**16, 64, 8, 128, device="meta")  # 2**32 elements
+    q = torch.empty(10, 32, 128, device="meta")
+    cu = torch.empty(3, dtype=torch.int32, device="meta")
+    table = torch.empty(2, 4, dtype=torch.int32, device="meta")
+    out, lse = flashtile.flash_attn_varlen_func(q, pool, pool, cu, cu, 5, 256, causal=True,
+                                                block_table=table, return_lse=True)
+    assert out.shape == (10, 32, 128) and lse.shape == (32, 10)
