@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import flashtile
+from flashtile import _validate as V
 from flashtile import inference
 from flashtile.ops.decode import attn_decode
 
@@ -32,8 +33,8 @@ parts = {
     "flash_attn_with_kvcache": call,
     "  _check_cache (shapes, dtypes, devices)": lambda: inference._check_cache(
         q, k, v, None, None, None, seqlens, None, None),
-    "  _check_index_values (one sync)": lambda: inference._check_index_values(
-        q, k, None, seqlens, None, None, 0),
+    "  check_index_values (one sync)": lambda: V.check_index_values(
+        k, None, seqlens, None, None, 0),
     "  attn_decode (launcher, 2 kernels)": lambda: attn_decode(
         q, k, v, cache_seqlens=seqlens, block_table=None, cache_batch_idx=None,
         cache_leftpad=None, num_splits=0, allow_tf32=False, **kw),

@@ -241,3 +241,154 @@ def check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
               f"({lengths['cu_seqlens_k']},)")
     check_grid((lengths["cu_seqlens_q"] - 1) * h, q.device)
     return lengths["cu_seqlens_q"] - 1, h, hkv, d
+
+
+# ---- Index tensors and paged caches: flash_attn_with_kvcache and the paged varlen ----
+
+MIN_PAGE_SIZE, MAX_PAGE_SIZE = 16, 256
+
+
+def check_page_size(page_size, name):
+    """A power of two from 16 to 256: the kernels' key tiles (powers of two) then lie
+    inside one page or cover whole pages."""
+    if not MIN_PAGE_SIZE <= page_size <= MAX_PAGE_SIZE or page_size & (page_size - 1):
+        _fail(ValueError, name, f"a power of two from {MIN_PAGE_SIZE} to {MAX_PAGE_SIZE}",
+              page_size)
+
+
+def check_index_tensor(x, name, shape, device):
+    """Dtype, shape and device of an int32 index tensor (its values are checked later)."""
+    if not isinstance(x, torch.Tensor):
+        _fail(TypeError, name, "an int32 torch.Tensor", type(x).__name__)
+    if x.dtype != torch.int32:
+        _fail(TypeError, f"{name}.dtype", "torch.int32", x.dtype)
+    if tuple(x.shape) != shape:
+        _fail(ValueError, f"{name}.shape", shape, tuple(x.shape))
+    if x.device != device:
+        _fail(ValueError, f"{name}.device", f"q's device {device}", x.device)
+
+
+def can_read_indices(q) -> bool:
+    """A host read of the indices is possible: not a meta tensor, not inside
+    torch.compile's tracing, not while a CUDA graph is being captured."""
+    return not (q.device.type == "meta" or torch.compiler.is_compiling()
+                or (q.is_cuda and torch.cuda.is_current_stream_capturing()))
+
+
+def check_index_values(k_cache, block_table, cache_seqlens, cache_batch_idx, cache_leftpad,
+                       sn, seqlens_name="cache_seqlens"):
+    """Every index the kernel will follow, with one host sync: a wrong index must be an
+    error, not a wild access. sn: tokens about to be appended after cache_seqlens;
+    seqlens_name: what the caller calls the key counts, for the message."""
+    if not cache_seqlens.numel():  # batch 0: nothing is read (aminmax refuses empties)
+        return
+    capacity = (block_table.shape[1] * k_cache.shape[1] if block_table is not None
+                else k_cache.shape[1])
+    stats = list(torch.aminmax(cache_seqlens))
+    if cache_leftpad is not None:
+        stats += [cache_leftpad.min(), (cache_seqlens - cache_leftpad).min()]
+    if block_table is not None and block_table.numel():
+        stats += [block_table.min(), block_table.max()]
+    if cache_batch_idx is not None:
+        stats += [cache_batch_idx.min(), cache_batch_idx.max()]
+    vals = torch.stack(stats).tolist()
+    lo, hi = vals[0], vals[1]
+    if lo < 0 or hi + sn > capacity:
+        if sn:
+            _fail(ValueError, seqlens_name, f"values in [0, {capacity - sn}] (cache "
+                  f"capacity {capacity} minus {sn} new tokens)", f"range [{lo}, {hi}]",
+                  "Grow the cache or evict before appending")
+        _fail(ValueError, seqlens_name, f"values in [0, {capacity}] (the cache capacity)",
+              f"range [{lo}, {hi}]")
+    i = 2
+    if cache_leftpad is not None:
+        if vals[i] < 0 or vals[i + 1] < 0:
+            _fail(ValueError, "cache_leftpad", "0 <= cache_leftpad <= cache_seqlens",
+                  f"min {vals[i]}, min(cache_seqlens - cache_leftpad) {vals[i + 1]}")
+        i += 2
+    if block_table is not None and block_table.numel():
+        if vals[i] < 0 or vals[i + 1] >= k_cache.shape[0]:
+            _fail(ValueError, "block_table", f"block indices in [0, {k_cache.shape[0] - 1}]"
+                  " (the pool's num_blocks)", f"range [{vals[i]}, {vals[i + 1]}]")
+        i += 2
+    if cache_batch_idx is not None and (vals[i] < 0 or vals[i + 1] >= k_cache.shape[0]):
+        _fail(ValueError, "cache_batch_idx", f"indices in [0, {k_cache.shape[0] - 1}]",
+              f"range [{vals[i]}, {vals[i + 1]}]")
+
+
+def _check_int(x, name, minimum=0):
+    # SymInt too: under torch.compile with dynamic shapes a length arrives symbolic.
+    if isinstance(x, bool) or not isinstance(x, (numbers.Integral, torch.SymInt)):
+        _fail(TypeError, name, "an int", type(x).__name__)
+    if x < minimum:
+        _fail(ValueError, name, f"an int >= {minimum}", x)
+
+
+def check_paged_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                       block_table, seqused_k):
+    """flash_attn_varlen_func over a paged KV pool: packed q (total_q, h, d), k/v
+    (num_blocks, page_size, hkv, d), block_table int32 (batch, max_blocks_per_seq), the
+    key lengths from cu_seqlens_k (batch + 1,) or seqused_k (batch,). Shapes, dtypes and
+    devices only (no device read: ``check_paged_varlen_values`` reads the indices).
+    Returns (batch, h, hkv, d)."""
+    check_tensor(q, "q", 3)
+    for x, name in ((k, "k"), (v, "v")):
+        if not isinstance(x, torch.Tensor) or x.dim() != 4:
+            _fail(ValueError, name, "a paged cache (num_blocks, page_size, nheads_kv, "
+                  "head_dim) with block_table", getattr(x, "shape", type(x).__name__))
+        # Rows of the pool are addressed as an int64 block offset plus a small in-page
+        # offset, so the pool may pass 2**31 elements (as in flash_attn_with_kvcache).
+        check_tensor(x, name, 4, offsets32=False)
+    if k.shape != v.shape:
+        _fail(ValueError, "v.shape", f"k's shape {tuple(k.shape)}", tuple(v.shape))
+    if k.shape[0] == 0:
+        _fail(ValueError, "k.shape[0] (num_blocks)", "at least 1 block", 0)
+    # One block stands for the pool: dtypes, devices, head_dim and GQA as check_qkv.
+    _, _, _, h, hkv, d = check_qkv(q.unsqueeze(0), k[:1], v[:1])
+    check_page_size(k.shape[1], "k.shape[1] (page_size)")
+    if not isinstance(block_table, torch.Tensor) or block_table.dim() != 2:
+        _fail(ValueError, "block_table", "an int32 tensor (batch, max_blocks_per_seq)",
+              getattr(block_table, "shape", type(block_table).__name__))
+    if not isinstance(cu_seqlens_q, torch.Tensor) or cu_seqlens_q.dim() != 1 \
+            or cu_seqlens_q.numel() < 1:
+        _fail(ValueError, "cu_seqlens_q", "an int32 tensor (batch + 1,)",
+              getattr(cu_seqlens_q, "shape", type(cu_seqlens_q).__name__))
+    batch = cu_seqlens_q.numel() - 1
+    check_index_tensor(cu_seqlens_q, "cu_seqlens_q", (batch + 1,), q.device)
+    check_index_tensor(block_table, "block_table", (batch, block_table.shape[1]), q.device)
+    if cu_seqlens_k is None and seqused_k is None:
+        _fail(ValueError, "cu_seqlens_k/seqused_k", "one of them with block_table (the "
+              "key length of each sequence)", "both None")
+    if seqused_k is not None:
+        check_index_tensor(seqused_k, "seqused_k", (batch,), q.device)
+    if cu_seqlens_k is not None:
+        check_index_tensor(cu_seqlens_k, "cu_seqlens_k", (batch + 1,), q.device)
+    _check_int(max_seqlen_q, "max_seqlen_q")
+    _check_int(max_seqlen_k, "max_seqlen_k")
+    capacity = block_table.shape[1] * k.shape[1]
+    if max_seqlen_k > capacity:
+        _fail(ValueError, "max_seqlen_k", f"at most block_table.shape[1] * page_size = "
+              f"{capacity} (the keys a block table row can name)", max_seqlen_k)
+    check_grid(batch * h, q.device)
+    return batch, h, hkv, d
+
+
+def check_paged_varlen_values(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, block_table,
+                              seqused_k):
+    """The indices the paged varlen kernel follows (two host reads): cu_seqlens_q must
+    be prefix sums of q's rows, each key length within the sequence's block table row,
+    each block index within the pool."""
+    vals = cu_seqlens_q.tolist()
+    diffs = [b - a for a, b in zip(vals, vals[1:])]
+    if vals[0] != 0 or vals[-1] != q.shape[0] or any(x < 0 for x in diffs):
+        _fail(ValueError, "cu_seqlens_q", f"non-decreasing prefix sums from 0 to the packed "
+              f"length {q.shape[0]}", vals if len(vals) <= 8 else f"{vals[:8]}...")
+    if diffs and max(diffs) > max_seqlen_q:
+        _fail(ValueError, "max_seqlen_q", f">= the longest sequence {max(diffs)}",
+              max_seqlen_q)
+    if seqused_k is not None:
+        lengths, name = seqused_k, "seqused_k"
+    else:
+        lengths = cu_seqlens_k[1:] - cu_seqlens_k[:-1]
+        name = "cu_seqlens_k[b + 1] - cu_seqlens_k[b] (the key lengths)"
+    check_index_values(k, block_table, lengths, None, None, 0, seqlens_name=name)

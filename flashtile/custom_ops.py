@@ -21,7 +21,8 @@ from torch.autograd.function import once_differentiable
 
 from flashtile import reference
 from flashtile._backend import select_backend
-from flashtile._validate import MAX_OFFSET, offset_reach
+from flashtile._validate import (MAX_OFFSET, can_read_indices, check_paged_varlen_values,
+                                 offset_reach)
 
 
 def _mask_kwargs(attn_mask, alibi_slopes, softmax_scale, diag_offset, window_left,
@@ -164,27 +165,48 @@ def attention(q, k, v, attn_mask, alibi_slopes, softmax_scale, diag_offset, wind
 
 # Varlen: packed sequences, q (total_q, h, d), k/v (total_k, hkv, d), lse (h, total_q).
 # diag_offset is 0: each sequence's causal/window mask is aligned at its bottom-right.
+# With a block_table, k/v are a paged pool (num_blocks, page_size, hkv, d) and the key
+# lengths come from seqused_k, or else from cu_seqlens_k; forward only.
+
+def _sequence_keys(x, b, start, stop, block_table):
+    """Keys [start, stop) of sequence b as (1, stop - start, hkv, d): rows of the packed
+    k/v, or positions in the sequence's pages."""
+    if block_table is None:
+        return x[None, start:stop]
+    return reference.gather_pages(x, block_table[b], start, stop)[None]
+
 
 def _varlen_attn_fwd_impl(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
-                    cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int,
+                    cu_seqlens_k: Optional[Tensor], max_seqlen_q: int, max_seqlen_k: int,
                     alibi_slopes: Optional[Tensor], softmax_scale: float, window_left: int,
-                    window_right: int, softcap: float,
-                    allow_tf32: bool) -> tuple[Tensor, Tensor]:
+                    window_right: int, softcap: float, allow_tf32: bool,
+                    block_table: Optional[Tensor] = None,
+                    seqused_k: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+    if block_table is not None and can_read_indices(q):
+        # Here, not in the caller: the op's own run time is the one place a compiled
+        # graph can still read them (skipped while a CUDA graph is captured).
+        check_paged_varlen_values(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                  block_table, seqused_k)
     kw = _mask_kwargs(None, alibi_slopes, softmax_scale, 0, window_left, window_right,
                       softcap)
     if select_backend(q.device) == "triton":
         from flashtile.ops.fwd import attn_fwd as triton_fwd
         return triton_fwd(q, k, v, allow_tf32=allow_tf32, cu_seqlens_q=cu_seqlens_q,
-                          cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, **kw)
+                          cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+                          max_seqlen_k=max_seqlen_k, block_table=block_table,
+                          seqused_k=seqused_k, **kw)
     out = q.new_zeros(q.shape)  # contiguous, as the fake implementation says
     lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), device=q.device)
-    for b, (qs, qe, ks, ke) in enumerate(_bounds(cu_seqlens_q, cu_seqlens_k)):
+    for b, (qs, qe, ks, ke) in enumerate(_bounds(cu_seqlens_q, cu_seqlens_k, block_table,
+                                                 seqused_k)):
         if qe == qs:
             continue
         kw_b = dict(kw, diag_offset=(ke - ks) - (qe - qs),
                     alibi_slopes=reference.alibi_of_sequence(alibi_slopes, b))
-        o, l = reference.attention_tiled_fwd(q[None, qs:qe], k[None, ks:ke],
-                                             v[None, ks:ke], **kw_b)
+        o, l = reference.attention_tiled_fwd(q[None, qs:qe],
+                                             _sequence_keys(k, b, ks, ke, block_table),
+                                             _sequence_keys(v, b, ks, ke, block_table),
+                                             **kw_b)
         out[qs:qe], lse[:, qs:qe] = o[0], l[0]
     return out, lse
 
@@ -195,7 +217,8 @@ varlen_attn_fwd = torch.library.custom_op("flashtile::varlen_attn_fwd",
 
 @varlen_attn_fwd.register_fake
 def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alibi_slopes,
-      softmax_scale, window_left, window_right, softcap, allow_tf32):
+      softmax_scale, window_left, window_right, softcap, allow_tf32, block_table=None,
+      seqused_k=None):
     return q.new_empty(q.shape), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
 
 
@@ -236,25 +259,43 @@ def _(dout, q, k, v, out, lse, dlse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
-def _bounds(cu_seqlens_q, cu_seqlens_k):
-    cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
-    return [(cq[i], cq[i + 1], ck[i], ck[i + 1]) for i in range(len(cq) - 1)]
+def _bounds(cu_seqlens_q, cu_seqlens_k, block_table=None, seqused_k=None):
+    """(q_start, q_end, k_start, k_end) of each sequence: rows of the packed q, and rows
+    of the packed k/v or, with a block table, key positions in the sequence's pages."""
+    cq = cu_seqlens_q.tolist()
+    if seqused_k is not None:
+        lengths = seqused_k.tolist()
+    else:
+        ck = cu_seqlens_k.tolist()
+        if block_table is None:
+            return [(cq[i], cq[i + 1], ck[i], ck[i + 1]) for i in range(len(cq) - 1)]
+        lengths = [b - a for a, b in zip(ck, ck[1:])]
+    return [(cq[i], cq[i + 1], 0, n) for i, n in enumerate(lengths)]
 
 
 def _varlen_setup_context(ctx, inputs, output):
     q, k, v, cu_q, cu_k, max_q, max_k, alibi_slopes = inputs[:8]
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k, alibi_slopes)
-    ctx.scalars = (max_q, max_k, *inputs[8:])
+    ctx.scalars = (max_q, max_k, *inputs[8:13])
+    # Inputs past the scalars: block_table and seqused_k (the op always has them, an
+    # eager call may leave them out).
+    ctx.paged = any(x is not None for x in inputs[13:])
+    ctx.num_inputs = len(inputs)
 
 
 def _varlen_backward(ctx, dout, dlse, bwd=varlen_attn_bwd):
+    if ctx.paged:
+        # flash_attn_varlen_func refuses grad with a block_table before the forward; a
+        # direct call of the op reaches this instead.
+        raise NotImplementedError("varlen attention over a paged KV cache (block_table) "
+                                  "is forward only")
     q, k, v, out, lse, cu_q, cu_k, alibi_slopes = ctx.saved_tensors
     max_q, max_k, *rest = ctx.scalars
     dout = _kernel_ready(dout, out)
     dq, dk, dv = bwd(dout, q, k, v, out, lse, dlse, cu_q, cu_k, max_q, max_k, alibi_slopes,
                      *rest)
-    return (dq, dk, dv) + (None,) * 10
+    return (dq, dk, dv) + (None,) * (ctx.num_inputs - 3)
 
 
 varlen_attn_fwd.register_autograd(_varlen_backward, setup_context=_varlen_setup_context)

@@ -21,18 +21,6 @@ from flashtile._backend import select_backend
 from flashtile.custom_ops import _plain_eager
 
 
-def _check_index_tensor(x, name, shape, device):
-    """Dtype, shape and device of an int32 index tensor (its values are checked later)."""
-    if not isinstance(x, torch.Tensor):
-        V._fail(TypeError, name, "an int32 torch.Tensor", type(x).__name__)
-    if x.dtype != torch.int32:
-        V._fail(TypeError, f"{name}.dtype", "torch.int32", x.dtype)
-    if tuple(x.shape) != shape:
-        V._fail(ValueError, f"{name}.shape", shape, tuple(x.shape))
-    if x.device != device:
-        V._fail(ValueError, f"{name}.device", f"q's device {device}", x.device)
-
-
 def _check_cache(q, k_cache, v_cache, k, v, block_table, cache_seqlens, cache_batch_idx,
                  cache_leftpad):
     """Validate shapes, dtypes and devices (no device read). Returns the number of new
@@ -78,74 +66,26 @@ def _check_cache(q, k_cache, v_cache, k, v, block_table, cache_seqlens, cache_ba
         sn = k.shape[1]
 
     if block_table is not None:
-        page_size = k_cache.shape[1]
-        if page_size < 16 or page_size > 256 or page_size & (page_size - 1):
-            V._fail(ValueError, "k_cache.shape[1] (page_size)",
-                  "a power of two from 16 to 256", page_size)
+        V.check_page_size(k_cache.shape[1], "k_cache.shape[1] (page_size)")
         if cache_batch_idx is not None:
             V._fail(ValueError, "cache_batch_idx", "None with a paged cache (block_table)",
                   "a tensor", "Each sequence's pages are already named by block_table")
         if not isinstance(block_table, torch.Tensor) or block_table.dim() != 2:
             V._fail(ValueError, "block_table", "an int32 tensor (batch, max_blocks_per_seq)",
                   getattr(block_table, "shape", type(block_table).__name__))
-        _check_index_tensor(block_table, "block_table", (b, block_table.shape[1]),
-                            q.device)
+        V.check_index_tensor(block_table, "block_table", (b, block_table.shape[1]),
+                             q.device)
         cache_rows = b
     else:
         cache_rows = k_cache.shape[0]
     if cache_batch_idx is not None:
-        _check_index_tensor(cache_batch_idx, "cache_batch_idx", (b,), q.device)
+        V.check_index_tensor(cache_batch_idx, "cache_batch_idx", (b,), q.device)
     elif block_table is None and cache_rows < b:
         V._fail(ValueError, "k_cache.shape[0]", f">= q's batch {b}", cache_rows)
     if cache_leftpad is not None:
-        _check_index_tensor(cache_leftpad, "cache_leftpad", (b,), q.device)
-    _check_index_tensor(cache_seqlens, "cache_seqlens", (b,), q.device)
+        V.check_index_tensor(cache_leftpad, "cache_leftpad", (b,), q.device)
+    V.check_index_tensor(cache_seqlens, "cache_seqlens", (b,), q.device)
     return sn
-
-
-def _can_read_indices(q) -> bool:
-    """A host read of the indices is possible: not a meta tensor, not inside
-    torch.compile's tracing, not while a CUDA graph is being captured."""
-    return not (q.device.type == "meta" or torch.compiler.is_compiling()
-                or (q.is_cuda and torch.cuda.is_current_stream_capturing()))
-
-
-def _check_index_values(q, k_cache, block_table, cache_seqlens, cache_batch_idx,
-                        cache_leftpad, sn):
-    """Every index the kernel will follow, with one host sync: a wrong index must be an
-    error, not a wild access. sn: tokens about to be appended after cache_seqlens."""
-    b = q.shape[0]
-    capacity = (block_table.shape[1] * k_cache.shape[1] if block_table is not None
-                else k_cache.shape[1])
-    stats = list(torch.aminmax(cache_seqlens))
-    if cache_leftpad is not None:
-        stats += [cache_leftpad.min(), (cache_seqlens - cache_leftpad).min()]
-    if block_table is not None and block_table.numel():
-        stats += [block_table.min(), block_table.max()]
-    if cache_batch_idx is not None:
-        stats += [cache_batch_idx.min(), cache_batch_idx.max()]
-    vals = torch.stack(stats).tolist() if b else []
-    if not vals:
-        return
-    lo, hi = vals[0], vals[1]
-    if lo < 0 or hi + sn > capacity:
-        V._fail(ValueError, "cache_seqlens", f"values in [0, {capacity - sn}] (cache capacity "
-              f"{capacity} minus {sn} new tokens)", f"range [{lo}, {hi}]",
-              "Grow the cache or evict before appending")
-    i = 2
-    if cache_leftpad is not None:
-        if vals[i] < 0 or vals[i + 1] < 0:
-            V._fail(ValueError, "cache_leftpad", "0 <= cache_leftpad <= cache_seqlens",
-                  f"min {vals[i]}, min(cache_seqlens - cache_leftpad) {vals[i + 1]}")
-        i += 2
-    if block_table is not None and block_table.numel():
-        if vals[i] < 0 or vals[i + 1] >= k_cache.shape[0]:
-            V._fail(ValueError, "block_table", f"block indices in [0, {k_cache.shape[0] - 1}]"
-                  " (the pool's num_blocks)", f"range [{vals[i]}, {vals[i + 1]}]")
-        i += 2
-    if cache_batch_idx is not None and (vals[i] < 0 or vals[i + 1] >= k_cache.shape[0]):
-        V._fail(ValueError, "cache_batch_idx", f"indices in [0, {k_cache.shape[0] - 1}]",
-              f"range [{vals[i]}, {vals[i + 1]}]")
 
 
 def apply_rotary(x, cos, sin, positions, interleaved):
@@ -188,16 +128,16 @@ def _append(k_cache, v_cache, k, v, pos, block_table, cache_batch_idx):
 
 def _gather_sequence(cache, b, start, stop, block_table, cache_batch_idx):
     """Keys [start, stop) of sequence b as a contiguous (1, stop - start, hkv, d) tensor."""
-    pos = torch.arange(start, stop, device=cache.device)
     if block_table is not None:
-        page_size = cache.shape[1]
-        return cache[block_table[b].long()[pos // page_size], pos % page_size][None]
+        return reference.gather_pages(cache, block_table[b], start, stop)[None]
     row = int(cache_batch_idx[b]) if cache_batch_idx is not None else b
     return cache[row, start:stop][None]
 
 
 def _attend_torch(q, k_cache, v_cache, seqlens, leftpad, block_table, cache_batch_idx, **kw):
-    outs, lses = [], []
+    # Seeded with an empty batch's (out, lse): torch.cat refuses an empty list.
+    outs = [q.new_empty((0, *q.shape[1:]))]
+    lses = [q.new_empty((0, q.shape[2], q.shape[1]), dtype=torch.float32)]
     for b in range(q.shape[0]):
         start = int(leftpad[b]) if leftpad is not None else 0
         stop = int(seqlens[b])
@@ -221,9 +161,9 @@ def _kvcache_attn_impl(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlen
     ones already written). check_indices: the caller could not read the indices (a
     compiled graph), so check them here, at run time, unless a CUDA graph is being
     captured."""
-    if check_indices and _can_read_indices(q):
-        _check_index_values(q, k_cache, block_table, cache_seqlens, cache_batch_idx,
-                            cache_leftpad, new_tokens)
+    if check_indices and V.can_read_indices(q):
+        V.check_index_values(k_cache, block_table, cache_seqlens, cache_batch_idx,
+                             cache_leftpad, new_tokens)
     seqlens = cache_seqlens + new_tokens if new_tokens else cache_seqlens
     kw = dict(alibi_slopes=alibi_slopes, softmax_scale=softmax_scale,
               window_left=window_left, window_right=window_right, softcap=softcap)
@@ -299,10 +239,10 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                                    device=q.device)
     sn = _check_cache(q, k_cache, v_cache, k, v, block_table, cache_seqlens,
                       cache_batch_idx, cache_leftpad)
-    read_indices = _can_read_indices(q)
+    read_indices = V.can_read_indices(q)
     if read_indices:
-        _check_index_values(q, k_cache, block_table, cache_seqlens, cache_batch_idx,
-                            cache_leftpad, sn)
+        V.check_index_values(k_cache, block_table, cache_seqlens, cache_batch_idx,
+                             cache_leftpad, sn)
     # The kernel reads every index tensor with unit strides.
     cache_seqlens, cache_batch_idx, cache_leftpad, block_table = (
         x.contiguous() if x is not None else None

@@ -89,7 +89,8 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                            dropout_p=0.0, softmax_scale=None, causal=False,
                            window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-                           deterministic=False, return_lse=False):
+                           deterministic=False, return_lse=False, block_table=None, *,
+                           seqused_k=None):
     """flash_attn_func over packed sequences of different lengths, with no padding.
 
     Arguments:
@@ -100,22 +101,62 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         max_seqlen_q, max_seqlen_k: ints, at least the longest sequence (sizes the grid).
         The rest as in flash_attn_func; causal and windows are aligned per sequence at
         its own bottom-right corner, alibi_slopes (batch, nheads) is per sequence.
+        block_table: optional int32 (batch, max_num_blocks_per_seq). Then k and v are a
+            paged KV pool (num_blocks, page_size, nheads_kv, head_dim), page_size a
+            power of two from 16 to 256, and key j of sequence b lives at
+            k[block_table[b, j // page_size], j % page_size] (flash-attn's and vLLM's
+            layout; rows of the table past a sequence's pages may hold anything in
+            [0, num_blocks)). Sequence b has cu_seqlens_k[b + 1] - cu_seqlens_k[b] keys;
+            max_seqlen_k is at most max_num_blocks_per_seq * page_size. This is the
+            prefill of an inference engine whose earlier tokens are already in the pool
+            (a prefix-cache hit, a chunk of a long prompt): with n new queries over L
+            keys, causal query i sees keys j <= i + L - n, e.g. n=2, L=5::
+
+                1 1 1 1 0
+                1 1 1 1 1
+
+            Forward only: q, k and v must not require grad (use torch.no_grad()).
+        seqused_k: optional int32 (batch,), with block_table only: the key count of each
+            sequence, as vLLM passes it; cu_seqlens_k may then be None (if both are
+            given, seqused_k counts).
 
     Returns out (total_q, nheads, head_dim) and, if return_lse, lse (nheads, total_q)
     float32 (flash-attn's varlen layout), natural log, -inf for rows that see no key.
+
+    With a block_table, cu_seqlens_q, the key lengths and the block indices are read on
+    the host when the op runs, also inside a torch.compile graph (as in
+    flash_attn_with_kvcache): a bad value raises ValueError instead of reaching the
+    kernel. While a CUDA graph is captured no read is possible: the values are then the
+    caller's responsibility.
     """
-    batch, h, hkv, d = V.check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                      max_seqlen_k)
+    if block_table is not None:
+        batch, h, hkv, d = V.check_paged_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k,
+                                                max_seqlen_q, max_seqlen_k, block_table,
+                                                seqused_k)
+        if torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)):
+            raise NotImplementedError(
+                "flash_attn_varlen_func with block_table is forward only (as in "
+                "flash-attn): q, k and v require no grad. Call it under torch.no_grad() "
+                "or pass detached tensors")
+        block_table = block_table.contiguous()  # the kernel reads rows with unit stride
+    else:
+        if seqused_k is not None:
+            V._fail(ValueError, "seqused_k", "None without block_table (packed k/v have "
+                    "their lengths in cu_seqlens_k)", "a tensor")
+        batch, h, hkv, d = V.check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k,
+                                          max_seqlen_q, max_seqlen_k)
     left, right = V.check_flash_options(dropout_p, softmax_scale, softcap, window_size,
                                         causal)
     alibi_slopes = V.check_alibi(alibi_slopes, batch, h, q.device)
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(d)
+    cu_seqlens_k, seqused_k = (x.contiguous() if x is not None else None
+                               for x in (cu_seqlens_k, seqused_k))
     out, lse = custom_ops.varlen_attention(
-        q, k, v, cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous(), int(max_seqlen_q),
+        q, k, v, cu_seqlens_q.contiguous(), cu_seqlens_k, int(max_seqlen_q),
         int(max_seqlen_k),
         alibi_slopes, float(softmax_scale), left, right, float(softcap),
-        _allow_tf32(q.dtype))
+        _allow_tf32(q.dtype), block_table, seqused_k)
     return (out, lse) if return_lse else out
 
 

@@ -61,6 +61,15 @@ def alibi_of_sequence(alibi_slopes, b):
     return alibi_slopes[b]
 
 
+def gather_pages(cache, block_row, start, stop):
+    """Keys [start, stop) of one sequence of a paged pool, contiguous (stop - start,
+    nheads_kv, head_dim). cache: (num_blocks, page_size, nheads_kv, head_dim); key j
+    lives in block ``block_row[j // page_size]`` at row ``j % page_size``."""
+    pos = torch.arange(start, stop, device=cache.device)
+    page_size = cache.shape[1]
+    return cache[block_row.long()[pos // page_size], pos % page_size]
+
+
 def _alibi_bias(alibi_slopes, batch, nheads, rows, cols, diag_offset, dtype):
     """-slope * |i + diag_offset - j|, shape (batch, nheads, rows, cols)."""
     slopes = alibi_slopes.to(dtype)

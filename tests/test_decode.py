@@ -260,6 +260,19 @@ def test_kvcache_errors(device):
         flashtile.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=sl.long())
 
 
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+def test_batch_zero(paged, backend, device):
+    """Regression: an empty batch gives empty outputs; the index check's aminmax over no
+    cache_seqlens used to raise a RuntimeError."""
+    q = torch.randn(0, 1, 4, 16, device=device)
+    cache = torch.randn(0 if not paged else 2, 16, 2, 16, device=device)
+    table = torch.zeros(0, 1, dtype=torch.int32, device=device) if paged else None
+    out, lse = flashtile.flash_attn_with_kvcache(
+        q, cache, cache, cache_seqlens=torch.zeros(0, dtype=torch.int32, device=device),
+        block_table=table, return_lse=True)
+    assert out.shape == (0, 1, 4, 16) and lse.shape == (0, 4, 1)
+
+
 def test_large_pool_is_not_refused():
     """A paged KV pool past 2**31 elements is normal in serving: the decode kernel
     addresses pages with 64-bit offsets, so validation lets it through; a contiguous

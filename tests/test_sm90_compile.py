@@ -25,9 +25,20 @@ PLAIN = dict(EVEN_D=True, MASK_LEFT=False, MASK_RIGHT=True, HAS_SOFTCAP=False,
 EVERYTHING = dict(EVEN_D=False, MASK_LEFT=True, MASK_RIGHT=True, HAS_SOFTCAP=True,
                   HAS_ALIBI=True, HAS_MASK=True, MASK_IS_BOOL=True, INPUT_PRECISION="ieee")
 
+UNPAGED = dict(PAGED=False, PAGE_SIZE=1, SEQUSED_K=False)
+# Pages of 16 keys: one block-table entry per key row; 256: one per key tile.
+PAGED16 = dict(PAGED=True, PAGE_SIZE=16, SEQUSED_K=True)
+PAGED256 = dict(PAGED=True, PAGE_SIZE=256, SEQUSED_K=False)
+
 KERNELS = {
-    "fwd": (_attn_fwd_kernel, configs._FWD_16BIT, dict(REVERSE_M=True, IS_VARLEN=False)),
-    "fwd_varlen": (_attn_fwd_kernel, configs._FWD_16BIT, dict(REVERSE_M=True, IS_VARLEN=True)),
+    "fwd": (_attn_fwd_kernel, configs._FWD_16BIT,
+            dict(REVERSE_M=True, IS_VARLEN=False, **UNPAGED)),
+    "fwd_varlen": (_attn_fwd_kernel, configs._FWD_16BIT,
+                   dict(REVERSE_M=True, IS_VARLEN=True, **UNPAGED)),
+    "fwd_varlen_paged16": (_attn_fwd_kernel, configs._FWD_16BIT,
+                           dict(REVERSE_M=True, IS_VARLEN=True, **PAGED16)),
+    "fwd_varlen_paged256": (_attn_fwd_kernel, configs._FWD_16BIT,
+                            dict(REVERSE_M=True, IS_VARLEN=True, **PAGED256)),
     "bwd_dkdv": (_bwd_dkdv_kernel, configs._BWD_DKDV_16BIT, dict(IS_VARLEN=True)),
     "bwd_dq": (_bwd_dq_kernel, configs._BWD_DQ_16BIT, dict(IS_VARLEN=False)),
 }
@@ -59,6 +70,26 @@ def test_compiles_for_sm90(kind, flags):
         assert flags is not PLAIN, f"{kind} {cfg} needs {res['shared_bytes']} B"
         cfg = configs.smaller(cfg)
         assert cfg is not None, f"{kind}: no tile fits with {flags}"
+
+
+@pytest.mark.parametrize("paged", [PAGED16, PAGED256], ids=["page16", "page256"])
+def test_paged_forward_stays_pipelined(paged):
+    """The paged forward keeps the contiguous one's K/V pipeline (async copies, shared
+    memory for three stages at d128): looking a tile's page up in its own iteration
+    cost one stage (the lesson of the paged decode, NOTES.md section 4)."""
+    cfg = configs._FWD_16BIT_CAUSAL[128]
+
+    def build(extra):
+        return compile_kernel(_attn_fwd_kernel, dict(
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=128, REVERSE_M=True,
+            IS_VARLEN=True, **PLAIN, **extra), dtype="bf16", num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages)
+
+    plain, paged_ck = build(UNPAGED), build(paged)
+    assert resources(paged_ck)["stack_bytes"] == 0
+    assert paged_ck.metadata.shared == plain.metadata.shared
+    copies = [ck.asm["ttgir"].count("async_copy_global_to_local") for ck in (plain, paged_ck)]
+    assert copies[1] == copies[0] > 0, copies
 
 
 def test_preprocess_compiles():

@@ -15,7 +15,7 @@ from triton.compiler import ASTSource
 _FLOAT_SCALARS = {"softmax_scale", "softcap"}
 _FP32_POINTERS = {"Lse", "Delta", "DLse", "Alibi", "LsePartial", "OutPartial"}
 _INT32_POINTERS = {"BlockTable", "CacheSeqlens", "CacheBatchIdx", "CacheLeftpad",
-                   "CuSeqlensQ", "CuSeqlensK"}
+                   "CuSeqlensQ", "CuSeqlensK", "SequsedK"}
 
 
 # Integer arguments that are multiples of 16 in the launches that matter (head_dim 64,

@@ -3,6 +3,12 @@
 Algorithm: Dao et al., FlashAttention-2 (2023), Algorithm 1, in base 2: scores are
 scaled by log2(e) once so every exponential is an ``exp2``. Writes ``out`` and the
 natural-log ``lse`` per row; nothing of size seqlen_q x seqlen_k touches memory.
+
+Varlen with a block table (PAGED): K/V are a paged pool (num_blocks, page_size, hkv, d)
+and key j of sequence b is row ``j % page_size`` of block ``block_table[b, j //
+page_size]`` (vLLM's PagedAttention layout, flash-attn's ``block_table``). Key tiles start
+at multiples of BLOCK_N and both sizes are powers of two, so a tile lies inside one page
+(one block-table entry per tile) or covers whole pages (one entry per row).
 """
 
 import torch
@@ -14,21 +20,56 @@ from flashtile.ops._common import LN2, _block_range, _load_tile, _scores_log2, _
 
 
 @triton.jit
+def _tile_pages(block_row, start_n, offs_n0, max_blocks, PAGE_SIZE: tl.constexpr,
+                BLOCK_N: tl.constexpr):
+    """(pool block, row within it) of keys start_n + offs_n0 of one sequence, start_n a
+    multiple of BLOCK_N: the block a scalar when the tile lies in one page, else one per
+    row. Entries past the block table read block 0: only rows past the sequence's
+    keys, which the caller masks, can reach them."""
+    if PAGE_SIZE >= BLOCK_N:
+        # BLOCK_N divides PAGE_SIZE: the whole tile lies in one page.
+        index = start_n // PAGE_SIZE
+        in_page = start_n % PAGE_SIZE + offs_n0
+    else:
+        index = (start_n + offs_n0) // PAGE_SIZE                            # (N,)
+        in_page = (start_n + offs_n0) % PAGE_SIZE
+    page = tl.load(block_row + index, mask=index < max_blocks, other=0)
+    return page.to(tl.int64), in_page
+
+
+@triton.jit
 def _fwd_block(acc, l_i, m_i, b_q, p_k, p_v, start, stop,
                offs_m, offs_n0, offs_d, seqlen_q, seqlen_k, head_dim,
-               stride_kn, stride_vn, diag_offset, window_left, window_right,
+               stride_kb, stride_kn, stride_vb, stride_vn, block_row, max_blocks,
+               diag_offset, window_left, window_right,
                softmax_scale, softcap, alibi_slope, p_mask, stride_mask_m, stride_mask_n,
                BLOCK_N: tl.constexpr, EVEN_D: tl.constexpr, BOUNDARY: tl.constexpr,
                MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
                HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
                HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr,
-               INPUT_PRECISION: tl.constexpr):
+               INPUT_PRECISION: tl.constexpr, PAGED: tl.constexpr,
+               PAGE_SIZE: tl.constexpr):
     # A row can have seen nothing yet only where masks apply (a bool mask, or an additive
     # one holding -inf); only then guard -inf - -inf.
     CAN_BE_EMPTY: tl.constexpr = BOUNDARY or HAS_MASK
+    if PAGED:
+        # Each tile's page is looked up one tile ahead: a K/V address that waits on a
+        # block-table load of its own iteration costs the pipeliner a stage (sm_90
+        # compile, d128: 2 K/V buffers instead of 3), as in the paged decode kernel.
+        page, in_page = _tile_pages(block_row, start, offs_n0, max_blocks, PAGE_SIZE,
+                                    BLOCK_N)
     for start_n in tl.range(start, stop, BLOCK_N):
         offs_n = start_n + offs_n0
-        b_k = _load_tile(p_k + start_n * stride_kn, offs_n, seqlen_k, offs_d, head_dim,
+        if PAGED:
+            # p_k/p_v are (1, D) at the KV head; each row adds its place in the pool.
+            p_k_n = p_k + (page * stride_kb + in_page * stride_kn)[:, None]
+            p_v_n = p_v + (page * stride_vb + in_page * stride_vn)[:, None]
+            page, in_page = _tile_pages(block_row, start_n + BLOCK_N, offs_n0, max_blocks,
+                                        PAGE_SIZE, BLOCK_N)
+        else:
+            p_k_n = p_k + start_n * stride_kn
+            p_v_n = p_v + start_n * stride_vn
+        b_k = _load_tile(p_k_n, offs_n, seqlen_k, offs_d, head_dim,
                          BOUNDARY, EVEN_D)                                  # (N, D)
         qk = tl.dot(b_q, tl.trans(b_k), input_precision=INPUT_PRECISION)   # (M, N)
         m_mask = (offs_m[:, None] < seqlen_q) & (offs_n[None, :] < seqlen_k)
@@ -42,7 +83,7 @@ def _fwd_block(acc, l_i, m_i, b_q, p_k, p_v, start, stop,
         p = tl.exp2(s - m_new[:, None])                                     # (M, N)
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
-        b_v = _load_tile(p_v + start_n * stride_vn, offs_n, seqlen_k, offs_d, head_dim,
+        b_v = _load_tile(p_v_n, offs_n, seqlen_k, offs_d, head_dim,
                          BOUNDARY, EVEN_D)                                  # (N, D)
         acc = acc * alpha[:, None]
         acc = tl.dot(p.to(b_v.dtype), b_v, acc, input_precision=INPUT_PRECISION)
@@ -52,7 +93,7 @@ def _fwd_block(acc, l_i, m_i, b_q, p_k, p_v, start, stop,
 
 @triton.jit
 def _attn_fwd_kernel(
-    Q, K, V, Out, Lse, Mask, Alibi, CuSeqlensQ, CuSeqlensK,
+    Q, K, V, Out, Lse, Mask, Alibi, CuSeqlensQ, CuSeqlensK, BlockTable, SequsedK,
     stride_qb, stride_qm, stride_qh,
     stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh,
@@ -60,13 +101,15 @@ def _attn_fwd_kernel(
     stride_lb, stride_lh,
     stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n,
     stride_alibi_b, stride_alibi_h,
+    stride_block_table_b, max_blocks,
     nheads, group_size, seqlen_q, seqlen_k, head_dim,
     diag_offset, window_left, window_right, softmax_scale, softcap,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     EVEN_D: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_MASK: tl.constexpr,
     MASK_IS_BOOL: tl.constexpr, INPUT_PRECISION: tl.constexpr, REVERSE_M: tl.constexpr,
-    IS_VARLEN: tl.constexpr,
+    IS_VARLEN: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    SEQUSED_K: tl.constexpr,
 ):
     start_m = tl.program_id(0)
     if REVERSE_M:
@@ -79,6 +122,12 @@ def _attn_fwd_kernel(
     off_hkv = off_h // group_size
     q_start, k_start, seqlen_q, seqlen_k, diag_offset = _seq_bounds(
         CuSeqlensQ, CuSeqlensK, off_b, seqlen_q, seqlen_k, diag_offset, IS_VARLEN)
+    if SEQUSED_K:
+        # The key count is given per sequence (CuSeqlensK was a placeholder): move the
+        # bottom-right alignment to it.
+        used = tl.load(SequsedK + off_b)
+        diag_offset += used - seqlen_k
+        seqlen_k = used
     if start_m * BLOCK_M >= seqlen_q:  # varlen: the grid covers the longest sequence
         return
 
@@ -87,12 +136,18 @@ def _attn_fwd_kernel(
     offs_d = tl.arange(0, BLOCK_D)
 
     Q += off_b * stride_qb + q_start * stride_qm
-    K += off_b * stride_kb + k_start * stride_kn
-    V += off_b * stride_vb + k_start * stride_vn
     Out += off_b * stride_ob + q_start * stride_om
     p_q = Q + off_h * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :]
-    p_k = K + off_hkv * stride_kh + offs_n0[:, None] * stride_kn + offs_d[None, :]
-    p_v = V + off_hkv * stride_vh + offs_n0[:, None] * stride_vn + offs_d[None, :]
+    block_row = BlockTable + off_b * stride_block_table_b
+    if PAGED:
+        # Row offsets come per tile from the block table (_tile_pages).
+        p_k = K + off_hkv * stride_kh + offs_d[None, :]                    # (1, D)
+        p_v = V + off_hkv * stride_vh + offs_d[None, :]
+    else:
+        K += off_b * stride_kb + k_start * stride_kn
+        V += off_b * stride_vb + k_start * stride_vn
+        p_k = K + off_hkv * stride_kh + offs_n0[:, None] * stride_kn + offs_d[None, :]
+        p_v = V + off_hkv * stride_vh + offs_n0[:, None] * stride_vn + offs_d[None, :]
     b_q = _load_tile(p_q, offs_m, seqlen_q, offs_d, head_dim, True, EVEN_D)  # (M, D)
 
     alibi_slope = 0.0
@@ -113,22 +168,25 @@ def _attn_fwd_kernel(
     # last key block). The middle one is where the time goes.
     acc, l_i, m_i = _fwd_block(
         acc, l_i, m_i, b_q, p_k, p_v, lo, mid_lo, offs_m, offs_n0, offs_d, seqlen_q,
-        seqlen_k, head_dim, stride_kn, stride_vn, diag_offset, window_left, window_right,
-        softmax_scale, softcap, alibi_slope, p_mask, stride_mask_m, stride_mask_n,
-        BLOCK_N, EVEN_D, True, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_MASK,
-        MASK_IS_BOOL, INPUT_PRECISION)
+        seqlen_k, head_dim, stride_kb, stride_kn, stride_vb, stride_vn, block_row,
+        max_blocks, diag_offset, window_left, window_right, softmax_scale, softcap,
+        alibi_slope, p_mask, stride_mask_m, stride_mask_n, BLOCK_N, EVEN_D, True, MASK_LEFT,
+        MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_MASK, MASK_IS_BOOL, INPUT_PRECISION, PAGED,
+        PAGE_SIZE)
     acc, l_i, m_i = _fwd_block(
         acc, l_i, m_i, b_q, p_k, p_v, mid_lo, mid_hi, offs_m, offs_n0, offs_d, seqlen_q,
-        seqlen_k, head_dim, stride_kn, stride_vn, diag_offset, window_left, window_right,
-        softmax_scale, softcap, alibi_slope, p_mask, stride_mask_m, stride_mask_n,
-        BLOCK_N, EVEN_D, False, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_MASK,
-        MASK_IS_BOOL, INPUT_PRECISION)
+        seqlen_k, head_dim, stride_kb, stride_kn, stride_vb, stride_vn, block_row,
+        max_blocks, diag_offset, window_left, window_right, softmax_scale, softcap,
+        alibi_slope, p_mask, stride_mask_m, stride_mask_n, BLOCK_N, EVEN_D, False, MASK_LEFT,
+        MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_MASK, MASK_IS_BOOL, INPUT_PRECISION, PAGED,
+        PAGE_SIZE)
     acc, l_i, m_i = _fwd_block(
         acc, l_i, m_i, b_q, p_k, p_v, mid_hi, hi, offs_m, offs_n0, offs_d, seqlen_q,
-        seqlen_k, head_dim, stride_kn, stride_vn, diag_offset, window_left, window_right,
-        softmax_scale, softcap, alibi_slope, p_mask, stride_mask_m, stride_mask_n,
-        BLOCK_N, EVEN_D, True, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_MASK,
-        MASK_IS_BOOL, INPUT_PRECISION)
+        seqlen_k, head_dim, stride_kb, stride_kn, stride_vb, stride_vn, block_row,
+        max_blocks, diag_offset, window_left, window_right, softmax_scale, softcap,
+        alibi_slope, p_mask, stride_mask_m, stride_mask_n, BLOCK_N, EVEN_D, True, MASK_LEFT,
+        MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_MASK, MASK_IS_BOOL, INPUT_PRECISION, PAGED,
+        PAGE_SIZE)
 
     # Rows that saw no key: out 0, lse -inf (never 0/0).
     seen = l_i > 0.0
@@ -145,7 +203,8 @@ def _attn_fwd_kernel(
 
 def attn_fwd(q, k, v, *, attn_mask, alibi_slopes, softmax_scale, diag_offset,
              window_left, window_right, softcap, allow_tf32,
-             cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None):
+             cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
+             block_table=None, seqused_k=None):
     """Launch the forward kernel. Inputs are validated by the caller.
 
     Dense: q (b, sq, h, d), k/v (b, sk, hkv, d), last dim contiguous, any other strides;
@@ -154,11 +213,17 @@ def attn_fwd(q, k, v, *, attn_mask, alibi_slopes, softmax_scale, diag_offset,
     Varlen (cu_seqlens_q/k int32 (batch + 1,)): q (total_q, h, d), k/v (total_k, hkv, d);
     returns out (total_q, h, d) and lse (h, total_q); diag_offset is relative to each
     sequence's bottom-right corner.
+    Paged varlen (block_table int32 (batch, max_blocks), unit inner stride): k/v are the
+    pool (num_blocks, page_size, hkv, d), page_size a power of two; sequence b has
+    seqused_k[b] keys if given, else cu_seqlens_k[b + 1] - cu_seqlens_k[b].
     """
     varlen = cu_seqlens_q is not None
+    paged = block_table is not None
     if varlen:
         batch, seqlen_q, seqlen_k = cu_seqlens_q.numel() - 1, max_seqlen_q, 0
-        q, k, v = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)
+        q = q.unsqueeze(0)
+        if not paged:
+            k, v = k.unsqueeze(0), v.unsqueeze(0)
     b, sq, h, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
     out = torch.empty((b, sq, h, d), dtype=q.dtype, device=q.device)
@@ -170,17 +235,31 @@ def attn_fwd(q, k, v, *, attn_mask, alibi_slopes, softmax_scale, diag_offset,
         mask, mask_strides, alibi, alibi_strides, flags = configs.feature_args(
             attn_mask, alibi_slopes, q, window_left=window_left, window_right=window_right,
             softcap=softcap, allow_tf32=allow_tf32, head_dim=d)
+        if paged:
+            # The pool's own strides: block, row in the block, head.
+            strides = (*configs.strides(True, q), *k.stride()[:3], *v.stride()[:3],
+                       *configs.strides(True, out, lse))
+            longest_k = max_seqlen_k
+        else:
+            strides = configs.strides(varlen, q, k, v, out, lse)
+            longest_k = sk
+        # Absent index tensors get cu_q as a placeholder, never read but for one case:
+        # with seqused_k and no cu_seqlens_k the kernel reads a key count from it and
+        # replaces it with seqused_k's.
+        cu_q = cu_seqlens_q if varlen else q
         configs.launch(
             _attn_fwd_kernel, lambda cfg: (configs.cdiv(seqlen_q, cfg.block_m), batch * h),
-            configs.fwd_config(q, d, causal_like=windowed, seqlen=max(seqlen_q, sk)),
+            configs.fwd_config(q, d, causal_like=windowed, seqlen=max(seqlen_q, longest_k)),
             "forward", q, d,
-            q, k, v, out, lse, mask, alibi,
-            cu_seqlens_q if varlen else q, cu_seqlens_k if varlen else q,
-            *configs.strides(varlen, q, k, v, out, lse),
-            *mask_strides, *alibi_strides,
+            q, k, v, out, lse, mask, alibi, cu_q,
+            cu_seqlens_k if cu_seqlens_k is not None else cu_q,
+            block_table if paged else cu_q, seqused_k if seqused_k is not None else cu_q,
+            *strides, *mask_strides, *alibi_strides,
+            block_table.stride(0) if paged else 0, block_table.shape[1] if paged else 0,
             h, h // hkv, seqlen_q, seqlen_k, d,
             diag_offset, window_left, window_right, softmax_scale, softcap,
-            REVERSE_M=windowed, IS_VARLEN=varlen, **flags,
+            REVERSE_M=windowed, IS_VARLEN=varlen, PAGED=paged,
+            PAGE_SIZE=k.shape[1] if paged else 1, SEQUSED_K=seqused_k is not None, **flags,
         )
     if varlen:
         return out[0], lse[0]
