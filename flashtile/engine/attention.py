@@ -7,9 +7,10 @@ pool slot = block id * page_size + offset), then attends:
 - ``flashtile``: a pure decode step (one query per sequence) is one paged
   ``flash_attn_with_kvcache`` call; a prefill step whose sequences have no earlier keys
   is ``flash_attn_varlen_func`` over the step's own packed k/v; a step with earlier keys
-  (prefill chunks, prefix-cache hits, mixed prefill + decode) gathers each sequence's
-  keys from the pool into packed k/v and calls ``flash_attn_varlen_func`` on them.
-- ``sdpa``: torch.nn.functional.scaled_dot_product_attention on the same gathered keys.
+  (prefill chunks, prefix-cache hits, mixed prefill + decode) is ``flash_attn_varlen_func``
+  reading the pool through ``block_table``.
+- ``sdpa``: torch.nn.functional.scaled_dot_product_attention, sequence by sequence, on keys
+  gathered from the pool (``key_slots``).
 - ``naive``: softmax(q k^T) v in plain PyTorch over each sequence's contiguous
   max_model_len slab (the pool with one page of max_model_len per sequence).
 
@@ -45,8 +46,8 @@ class AttentionMetadata:
     has_context: some sequence attends to keys written by an earlier step.
     query_lens, key_lens: host copies of the lengths, for the per-sequence loops.
     key_slots: (cu_seqlens_k[-1],) int64 pool slots of every key, sequence by sequence,
-        when has_context and not is_decode: the gather that feeds flash_attn_varlen_func
-        until it reads the pool through a block_table itself.
+        when has_context and not is_decode, for the sdpa and naive backends (flashtile
+        reads the pool through block_tables).
     """
 
     cu_seqlens_q: Tensor
@@ -108,15 +109,18 @@ class Attention(nn.Module):
                                "k_cache/v_cache first (ModelRunner does)")
         if meta.is_decode:
             return self._decode(q, meta)
+        if self.backend == "flashtile":
+            # Keys written by earlier steps are read from the pool through the block table;
+            # a fresh prefill attends to its own packed k/v (no page lookups).
+            paged = meta.has_context
+            return flashtile.flash_attn_varlen_func(
+                q, self.k_cache if paged else k, self.v_cache if paged else v,
+                meta.cu_seqlens_q, meta.cu_seqlens_k, meta.max_seqlen_q, meta.max_seqlen_k,
+                softmax_scale=self.scale, causal=True, window_size=(self.window_left, -1),
+                block_table=meta.block_tables if paged else None)
         if meta.has_context:
-            # The path to replace by flash_attn_varlen_func(..., block_table=...).
             k = self.k_cache.view(flat)[meta.key_slots]
             v = self.v_cache.view(flat)[meta.key_slots]
-        if self.backend == "flashtile":
-            return flashtile.flash_attn_varlen_func(
-                q, k, v, meta.cu_seqlens_q, meta.cu_seqlens_k, meta.max_seqlen_q,
-                meta.max_seqlen_k, softmax_scale=self.scale, causal=True,
-                window_size=(self.window_left, -1))
         return self._prefill_loop(q, k, v, meta)
 
     def _decode(self, q, meta):

@@ -151,7 +151,7 @@ class ModelRunner:
         is_decode = all(n == 1 for n in qlens)
         has_context = any(s > 0 for s in starts)
         key_slots = None
-        if has_context and not is_decode:
+        if has_context and not is_decode and self.config.attention_backend != "flashtile":
             krow = torch.repeat_interleave(torch.arange(len(scheduled)), torch.tensor(klens))
             kpos = torch.cat([torch.arange(n) for n in klens])
             key_slots = self._to_device(tables[krow, kpos // ps].long() * ps + kpos % ps)
