@@ -121,10 +121,20 @@ def _engine(args, cfg, requests, backend, eager):
     llm.generate(prompts[:2], params[:2], use_tqdm=False)  # warm-up (compiles, graphs)
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
+    profiler = None
+    if args.profile:  # host time by function, to find what the steps spend outside the GPU
+        import cProfile
+        profiler = cProfile.Profile()
+        profiler.enable()
     start = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     torch.cuda.synchronize()
     wall = time.perf_counter() - start
+    if profiler is not None:
+        import pstats
+        profiler.disable()
+        with open(f"{args.profile}-{args.one}.txt", "w") as f:
+            pstats.Stats(profiler, stream=f).sort_stats("tottime").print_stats(40)
     produced = sum(len(o.outputs[0].token_ids) for o in outs)
     return dict(wall_s=wall, output_tokens=produced,
                 peak_gib=torch.cuda.max_memory_allocated() / 2**30)
@@ -228,6 +238,8 @@ def main(argv=None):
     p.add_argument("--matmul-tflops", type=float, default=786.0)
     p.add_argument("--timeout", type=int, default=900, help="seconds per provider")
     p.add_argument("--out", default="throughput.json")
+    p.add_argument("--profile", metavar="PREFIX",
+                   help="cProfile each engine run into PREFIX-PROVIDER.txt")
     p.add_argument("--one", help=argparse.SUPPRESS)
     p.add_argument("--model-dir", help=argparse.SUPPRESS)
     args = p.parse_args(argv)

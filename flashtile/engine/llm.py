@@ -153,6 +153,11 @@ class LLM:
 
     def step(self) -> list[RequestOutput]:
         """Run one engine step; the outputs of the requests that received a token."""
+        return [request.output() for request in self._step()]
+
+    def _step(self) -> list[_Request]:
+        """One engine step; the requests that received a token. Building a RequestOutput
+        copies the request's token ids, so offline generate() asks only finished ones."""
         scheduled = self.scheduler.schedule()
         if not scheduled:
             if not self.scheduler.running and self.scheduler.waiting:
@@ -160,7 +165,7 @@ class LLM:
             return []
         seqs, token_ids, logprobs = self.runner.execute(scheduled)
         self.scheduler.update(scheduled, seqs, token_ids, logprobs)
-        outputs = []
+        stepped = []
         for seq, token in zip(seqs, token_ids):
             request = self._by_seq[seq.seq_id]
             stop = request.add_text([token])
@@ -170,10 +175,10 @@ class LLM:
                     seq.finish_reason = "stop"
                 else:
                     self.scheduler.finish(seq, "stop")
-            outputs.append(request.output())
+            stepped.append(request)
             if seq.is_finished:
                 self._forget(request)
-        return outputs
+        return stepped
 
     # ---- offline API ------------------------------------------------------------------
     def generate(self, prompts, sampling_params=None, use_tqdm: bool = True,
@@ -215,10 +220,10 @@ class LLM:
         bar = _progress(len(ids)) if use_tqdm else None
         start, generated = time.perf_counter(), 0
         while len(done) < len(ids):
-            for out in self.step():
+            for request in self._step():
                 generated += 1
-                if out.finished and out.request_id in wanted:
-                    done[out.request_id] = out
+                if request.seq.is_finished and request.request_id in wanted:
+                    done[request.request_id] = request.output()
                     if bar is not None:
                         bar.update(1)
             if bar is not None:
