@@ -293,14 +293,22 @@ def _demo(args) -> int:
 
 def _add_demo(commands):
     p = commands.add_parser("demo", help="self-check: accuracy, time and memory vs naive")
-    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
-                   help="default: cuda if available, else cpu")
-    p.add_argument("--repeats", type=int, default=3, help="timed runs per path (median)")
+    bench_commands.add_device(p)
+    p.add_argument("--repeats", type=bench_commands.positive_int, default=3,
+                   help="timed runs per path (median)")
     p.set_defaults(handler=_demo)
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse, but a mistake prints one line, "flashtile <command>: error: <what is
+    wrong and what to do>" (no usage block), and exits with status 2."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message}; see {self.prog} --help\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="flashtile", description=__doc__.splitlines()[0])
+    parser = Parser(prog="flashtile", description=__doc__.splitlines()[0])
     parser.add_argument("-v", "--verbose", action="store_true",
                         help="log INFO from the 'flashtile' logger (kernel compiles)")
     commands = parser.add_subparsers(dest="command", metavar="command")
@@ -321,4 +329,8 @@ def main(argv=None) -> int:
     if args.verbose:
         logging.basicConfig(format="%(name)s %(levelname)s: %(message)s")
         logging.getLogger("flashtile").setLevel(logging.INFO)
-    return args.handler(args)
+    try:
+        return args.handler(args)
+    except bench_commands.UsageError as err:
+        print(f"flashtile {args.command}: error: {err}", file=sys.stderr)
+        return 2
