@@ -37,18 +37,21 @@ test: $(STAMP)
 	TRITON_INTERPRET=1 $(VPY) -m pytest -q -p no:cacheprovider tests
 	$(VPY) -m pytest -q -p no:cacheprovider tests/test_sm90_compile.py
 
-# GPU: run on the device machine with its own python (no venv, no network there).
-# pytest-xdist spreads the Triton compiles over the CPU cores.
+# GPU: the Makefile's .venv where there is one, else the system python3 (the GPU
+# machine: torch and Triton preinstalled, no venv, no network). pytest-xdist (in the
+# test extra) spreads the Triton compiles over the CPU cores; without it the run is serial.
+GPU_PY = $(if $(wildcard $(VPY)),$(VPY),$(PY))
+XDIST = $(shell $(GPU_PY) -c "import xdist" >/dev/null 2>&1 && echo "-n 8")
 GPU_LOG ?= gpu-test-log.txt
 test-gpu:
-	set -o pipefail; PYTHONPATH=. $(PY) -m pytest -q -p no:cacheprovider -n 8 --gpu \
-		--durations=5 tests 2>&1 | tee $(GPU_LOG)
+	set -o pipefail; PYTHONPATH=. $(GPU_PY) -m pytest -q -p no:cacheprovider $(XDIST) \
+		--gpu --durations=5 tests 2>&1 | tee $(GPU_LOG)
 
 # A fast slice of the GPU tests under compute-sanitizer: must report 0 errors.
 MEMCHECK_K ?= (fwd_bwd and bfloat16 and (q3000 or q37-k1 or q53-k31 or d160 or win or alibi or cap)) or varlen or decode or paged or splits or append or leftpad or merge or sdpa_masks or inf_rows
 memcheck:
-	PYTHONPATH=. compute-sanitizer --tool memcheck --error-exitcode 9 $(PY) -m pytest -q \
-		-p no:cacheprovider --gpu -k "$(MEMCHECK_K)" tests/test_attention.py \
+	PYTHONPATH=. compute-sanitizer --tool memcheck --error-exitcode 9 $(GPU_PY) -m pytest \
+		-q -p no:cacheprovider --gpu -k "$(MEMCHECK_K)" tests/test_attention.py \
 		tests/test_varlen.py tests/test_decode.py tests/test_merge.py tests/test_sdpa.py
 
 clean:
