@@ -1,4 +1,4 @@
-"""``python -m flashtile demo`` (and ``make demo``): what flashtile is for, in about a minute.
+"""``python -m flashtile demo`` (``make demo``): what flashtile is for, in about a minute.
 
 1. Check: flashtile's forward and backward on a few shapes against float64 attention
    (fp32 on CUDA), each error within 2x PyTorch's own error at that dtype plus a floor

@@ -327,7 +327,7 @@ class PagedKVCache:
                 f"sequence {owner!r}", "A sequence's blocks go back with remove_sequence")
 
     def _take(self, n):
-        """n blocks off the free list, each with count 1 (the caller checked there are n)."""
+        """n blocks off the free list, each with count 1 (the caller checked they exist)."""
         blocks = [self._free.popleft() for _ in range(n)]
         for block in blocks:
             self._ref_counts[block] = 1
