@@ -105,10 +105,11 @@ def _forward_backward(attn, q, k, v, dout):
 
 
 def _inputs(s: Shape, device):
-    """q, k, v (requiring grad) and dout, the same values on every device."""
-    gen = torch.Generator(device="cpu").manual_seed(0)
-    q, k, v, dout = (torch.randn(s.batch, s.seqlen, s.nheads, s.head_dim, generator=gen)
-                     .to(device=device, dtype=s.dtype) for _ in range(4))
+    """q, k, v (requiring grad) and dout, drawn on ``device`` (the longest CUDA inputs
+    have 134M elements each: slow to draw on the host and copy over)."""
+    gen = torch.Generator(device=device).manual_seed(0)
+    q, k, v, dout = (torch.randn(s.batch, s.seqlen, s.nheads, s.head_dim, generator=gen,
+                                 device=device, dtype=s.dtype) for _ in range(4))
     return q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), dout
 
 
