@@ -1,4 +1,4 @@
-# Two entry points for a fresh machine: `make demo` and `make test`.
+# Entry points for a fresh machine: `make demo`, `make test` and `make bench`.
 # Each creates .venv and installs what it needs (torch CPU build where there is no CUDA).
 SHELL := /bin/bash
 PY ?= python3
@@ -7,7 +7,7 @@ VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 HAS_CUDA := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
 
-.PHONY: demo test test-gpu memcheck clean
+.PHONY: demo bench test test-gpu memcheck clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PY) -m venv $(VENV)
@@ -20,10 +20,15 @@ endif
 	$(VPY) -m pip install -q -e '.[test]'
 	touch $(STAMP)
 
-# flashtile bench: the full sweep on a GPU; on a CPU a small one (a few minutes on 2
-# cores). Tables on the terminal; JSON, markdown and plots in bench-results/.
-# The self-check is `$(VPY) -m flashtile demo`.
+# About a minute on a 2-core CPU: flashtile against float64 attention, then its memory
+# growing linearly with seqlen beside naive attention's quadratic growth.
 demo: $(STAMP)
+	$(VPY) -m flashtile demo
+
+# flashtile bench: the full sweep on a GPU; on a CPU a small one (a few minutes on 2
+# cores). Tables on the terminal; JSON, markdown and plots in a new folder of
+# bench-results/ per run.
+bench: $(STAMP)
 	$(VPY) -m flashtile bench
 
 # CPU: the torch path plus the Triton kernels through the interpreter; then the sm_90
@@ -32,18 +37,21 @@ test: $(STAMP)
 	TRITON_INTERPRET=1 $(VPY) -m pytest -q -p no:cacheprovider tests
 	$(VPY) -m pytest -q -p no:cacheprovider tests/test_sm90_compile.py
 
-# GPU: run on the device machine with its own python (no venv, no network there).
-# pytest-xdist spreads the Triton compiles over the CPU cores.
+# GPU: the Makefile's .venv where there is one, else the system python3 (the GPU
+# machine: torch and Triton preinstalled, no venv, no network). pytest-xdist (in the
+# test extra) spreads the Triton compiles over the CPU cores; without it the run is serial.
+GPU_PY = $(if $(wildcard $(VPY)),$(VPY),$(PY))
+XDIST = $(shell $(GPU_PY) -c "import xdist" >/dev/null 2>&1 && echo "-n 8")
 GPU_LOG ?= gpu-test-log.txt
 test-gpu:
-	set -o pipefail; PYTHONPATH=. $(PY) -m pytest -q -p no:cacheprovider -n 8 --gpu \
-		--durations=5 tests 2>&1 | tee $(GPU_LOG)
+	set -o pipefail; PYTHONPATH=. $(GPU_PY) -m pytest -q -p no:cacheprovider $(XDIST) \
+		--gpu --durations=5 tests 2>&1 | tee $(GPU_LOG)
 
 # A fast slice of the GPU tests under compute-sanitizer: must report 0 errors.
 MEMCHECK_K ?= (fwd_bwd and bfloat16 and (q3000 or q37-k1 or q53-k31 or d160 or win or alibi or cap)) or varlen or decode or paged or splits or append or leftpad or merge or sdpa_masks or inf_rows
 memcheck:
-	PYTHONPATH=. compute-sanitizer --tool memcheck --error-exitcode 9 $(PY) -m pytest -q \
-		-p no:cacheprovider --gpu -k "$(MEMCHECK_K)" tests/test_attention.py \
+	PYTHONPATH=. compute-sanitizer --tool memcheck --error-exitcode 9 $(GPU_PY) -m pytest \
+		-q -p no:cacheprovider --gpu -k "$(MEMCHECK_K)" tests/test_attention.py \
 		tests/test_varlen.py tests/test_decode.py tests/test_merge.py tests/test_sdpa.py
 
 clean:

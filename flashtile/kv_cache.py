@@ -269,6 +269,7 @@ class PagedKVCache:
                   device)
         self._free = deque(range(num_blocks))
         self._ref_counts = [0] * num_blocks
+        self._allocated: set = set()      # blocks held by allocate() callers, not sequences
         self._seqs: dict = {}
 
     # -- block allocator ----------------------------------------------------------------
@@ -279,32 +280,65 @@ class PagedKVCache:
 
     def ref_count(self, block: int) -> int:
         """How many owners (sequences, or allocate() callers) hold ``block``."""
-        return self._ref_counts[self._check_block(block)]
+        return self._ref_counts[_check_int(block, "block", 0, self.num_blocks - 1)]
 
     def allocate(self, n: int) -> list:
-        """Take ``n`` free blocks, each with reference count 1. Raises CacheFullError
-        (and takes nothing) if fewer than ``n`` are free."""
+        """Take ``n`` free blocks, each with reference count 1, for the caller to give
+        back with ``free``. Raises CacheFullError (and takes nothing) if fewer than
+        ``n`` are free."""
         n = _check_int(n, "n", 0)
         self._ensure_free(n, f"allocate({n})")
+        blocks = self._take(n)
+        self._allocated.update(blocks)
+        return blocks
+
+    def free(self, blocks: Sequence[int]) -> None:
+        """Give back blocks taken with ``allocate``; each becomes free again.
+
+        Raises ValueError, changing nothing, if any block is out of range, listed twice,
+        free already, or held by a sequence (those go back with ``remove_sequence``).
+        """
+        if not isinstance(blocks, Sequence):
+            V._fail(TypeError, "blocks", "a sequence of block ids", type(blocks).__name__)
+        ids = {}                  # an ordered set: blocks go back in the order given
+        for block in blocks:      # all checked before any count changes
+            self._check_allocated(block, seen=ids)
+            ids[int(block)] = None
+        self._allocated.difference_update(ids)
+        self._release(list(ids))
+
+    def _check_allocated(self, block, seen):
+        if isinstance(block, bool) or not isinstance(block, numbers.Integral):
+            V._fail(TypeError, "blocks", "int block ids", type(block).__name__)
+        if not 0 <= block < self.num_blocks:
+            V._fail(ValueError, "blocks", f"block ids 0 to {self.num_blocks - 1}",
+                    f"block {block}")
+        expected = "blocks taken with allocate(), each listed once"
+        if block in seen:
+            V._fail(ValueError, "blocks", expected, f"block {block} listed twice "
+                    "(a double free)")
+        if block in self._allocated:
+            return
+        if self._ref_counts[block] == 0:
+            V._fail(ValueError, "blocks", expected, f"block {block}, which is free "
+                    "(never allocated, or freed already)")
+        owner = next(s for s, q in self._seqs.items() if block in q.blocks)
+        V._fail(ValueError, "blocks", expected, f"block {block}, which belongs to "
+                f"sequence {owner!r}", "A sequence's blocks go back with remove_sequence")
+
+    def _take(self, n):
+        """n blocks off the free list, each with count 1 (the caller checked they exist)."""
         blocks = [self._free.popleft() for _ in range(n)]
         for block in blocks:
             self._ref_counts[block] = 1
         return blocks
 
-    def free(self, blocks: Sequence[int]) -> None:
+    def _release(self, blocks):
         """Drop one reference to each block; a block whose count reaches 0 is free."""
-        blocks = [self._check_block(b) for b in blocks]
-        for block in blocks:
-            if self._ref_counts[block] == 0:
-                V._fail(ValueError, "blocks", "blocks in use (reference count >= 1)",
-                        f"block {block}, which is already free")
         for block in blocks:
             self._ref_counts[block] -= 1
             if self._ref_counts[block] == 0:
                 self._free.append(block)
-
-    def _check_block(self, block):
-        return _check_int(block, "block", 0, self.num_blocks - 1)
 
     def _ensure_free(self, needed, what):
         if needed > len(self._free):
@@ -321,7 +355,7 @@ class PagedKVCache:
 
     def remove_sequence(self, seq_id: Hashable) -> None:
         """Drop the sequence; blocks no other sequence shares go back to the pool."""
-        self.free(self._seq(seq_id).blocks)
+        self._release(self._seq(seq_id).blocks)
         del self._seqs[seq_id]
 
     def fork(self, seq_id: Hashable, new_seq_id: Hashable) -> None:
@@ -375,12 +409,12 @@ class PagedKVCache:
                           f"reserving {n} tokens for sequence {seq_id!r}")
         if copy_last:
             shared = seq.blocks[-1]
-            (own,) = self.allocate(1)
+            (own,) = self._take(1)
             self.k_cache[:, own] = self.k_cache[:, shared]
             self.v_cache[:, own] = self.v_cache[:, shared]
-            self.free([shared])
+            self._release([shared])
             seq.blocks[-1] = own
-        seq.blocks.extend(self.allocate(new_blocks))
+        seq.blocks.extend(self._take(new_blocks))
         positions = range(seq.seqlen, seq.seqlen + n)
         seq.pending = tuple((seq.blocks[t // page], t % page) for t in positions)
         seq.seqlen += n

@@ -3,36 +3,28 @@
 # machine goes back 30 s after a call, so chain stages in one call where they fit).
 # Run from the repo root on the device: `bash scripts/gpu_session.sh STAGE [SECONDS]`;
 # outputs go to $OUT (at most 8 files come back: folders travel as tarballs).
-#   check        make test-gpu, make memcheck, the decode table, host cost (~8 min)
+#   check        make test-gpu, make memcheck, the decode table          (~8 min)
 #   sweep SECS   the default `flashtile bench` sweep for SECS seconds, --resume from
 #                bench-h200/ (carry it back in: a sweep spans several calls)
 #   extra        bench --accuracy, tune for head_dim 128                  (~6 min)
-#   short        host cost per call (benchmarks/launch_cost.py), the short-sequence
-#                rows of the sweep beside cuDNN, flash and Flex, and the decode table
-#                with the small-page tile sweep                           (~5 min)
+#   short        the short-sequence rows of the sweep beside cuDNN, flash and Flex,
+#                and the decode table with the small-page tile sweep     (~5 min)
 #   decode       the decode/paged GPU tests, their memcheck slice, the decode table
-#                (the combine's dependent launch early, late, off), the kernel
-#                spans of a batch-1 step (benchmarks/profile_decode.py)      (~5 min)
-#   splits       decode split count x pipeline depth, contiguous and page 16; host
-#                cost per call                                              (~2 min)
-#   ab KNOB=A,B  the decode/paged GPU tests, their memcheck slice, benchmarks/ab_decode.py
-#                over the knobs given (interleaved rounds), the decode table   (~4 min)
-#   ncu          batch-1 decode: four caches timed, then their decode kernels under
-#                Nsight Compute (benchmarks/ncu_decode.py)                   (~2 min)
+#                (the combine's dependent launch early, late, off)         (~5 min)
+#   splits       decode split count x pipeline depth, contiguous and page 16 (~2 min)
 #   pdl          make test-gpu, make memcheck, the decode table with the combine's
 #                dependent launch early, late and off; split counts at batch 1 and 8
 #                                                                           (~8 min)
+# The host-cost, kernel-span, Nsight Compute and A/B study scripts (and their stages)
+# were retired: docs/benchmarks/NOTES.md section 13 has their findings and commits.
 set -uo pipefail
 export TRITON_CACHE_DIR=$PWD/.triton-cache PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
 export FLASHTILE_CACHE_DIR=$PWD/.ftcache
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 stamp() { echo "[$(date +%T)] $*"; }
-# Host microseconds per call (benchmarks/launch_cost.py) into $OUT/launch-cost.txt.
-host_cost() {
-  timeout 90 python3 benchmarks/launch_cost.py 2>&1 | grep -v -i warn \
-    | tee "$OUT/launch-cost.txt" | head -12
-}
+# pytest-xdist's workers where it is installed (as make test-gpu decides).
+XDIST=$(python3 -c "import xdist" >/dev/null 2>&1 && echo "-n 8")
 # The decode table (and any sweep flags given) into $OUT/decode.txt and decode.json.
 decode_table() {
   timeout "${DECODE_SECS:-100}" python3 -m flashtile.bench.decode "$@" "$OUT/decode.json" \
@@ -56,7 +48,7 @@ gpu_suite() {
 # The decode/paged/merge GPU tests and their memcheck slice.
 decode_tests() {
   stamp decode-tests
-  timeout 200 python3 -m pytest -q -p no:cacheprovider -n 8 --gpu tests/test_decode.py \
+  timeout 200 python3 -m pytest -q -p no:cacheprovider $XDIST --gpu tests/test_decode.py \
     tests/test_kv_cache.py tests/test_merge.py 2>&1 | tail -2 | tee "$OUT/decode-tests.txt"
   stamp memcheck-decode
   timeout 150 make memcheck MEMCHECK_K="decode or paged or splits or append or leftpad" \
@@ -67,7 +59,6 @@ case "${1:-}" in
     gpu_suite
     stamp decode
     decode_table
-    host_cost
     stamp done
     ;;
   sweep)
@@ -79,15 +70,15 @@ case "${1:-}" in
     stamp "done: $(python3 -c "import json; print(len(json.load(open('bench-h200/results.json'))['results']))") cells"
     ;;
   extra)
-    timeout 150 python3 -m flashtile bench --accuracy --out extra 2>&1 | tail -20
+    timeout 150 python3 -m flashtile bench --accuracy --out extra --overwrite 2>&1 \
+      | tail -20
     timeout 240 python3 -m flashtile tune --headdim 128 2>&1 | tail -20
     cp .ftcache/tuned-configs.json extra/ 2>/dev/null
     tar czf "$OUT/extra.tgz" extra
     ;;
   short)
-    host_cost
     timeout 240 python3 -m flashtile bench --seqlens 512 1k 2k --no-progress \
-      --providers flashtile sdpa-cudnn sdpa-flash flex --out bench-short 2>&1 \
+      --providers flashtile sdpa-cudnn sdpa-flash flex --out bench-short --overwrite 2>&1 \
       | grep -v "^|" | tail -3
     tar czf "$OUT/bench-short.tgz" bench-short
     head -20 bench-short/results.md | tail -14
@@ -98,41 +89,12 @@ case "${1:-}" in
     stamp decode-table
     decode_table
     decode_pdl_modes
-    stamp profile
-    timeout 60 python3 benchmarks/profile_decode.py 2>&1 | grep -v -i warn \
-      | tee "$OUT/profile-decode.txt"
-    stamp done
-    ;;
-  ab)
-    shift
-    decode_tests
-    stamp ab
-    timeout 240 python3 benchmarks/ab_decode.py "$@" 2>&1 | grep -v -i warn \
-      | tee "$OUT/ab-decode.txt"
-    stamp decode-table
-    decode_table
-    stamp done
-    ;;
-  ncu)
-    timeout 120 python3 benchmarks/ncu_decode.py --time 2>&1 | grep -v -i warn \
-      | tee "$OUT/ncu-decode-time.txt"
-    NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
-    stamp "ncu: $NCU"
-    timeout 300 "$NCU" --clock-control none --profile-from-start off \
-      -k regex:_decode_kernel --section SpeedOfLight --section MemoryWorkloadAnalysis \
-      --section WarpStateStats --section SchedulerStats --section Occupancy \
-      --section LaunchStats --section InstructionStats \
-      --metrics dram__bytes_read.sum,lts__t_sectors_op_read.sum,lts__t_sector_op_read_hit_rate.pct,smsp__inst_executed.sum,l1tex__t_requests_pipe_lsu_mem_global_op_ldgsts.sum,l1tex__t_sectors_pipe_lsu_mem_global_op_ldgsts.sum \
-      python3 benchmarks/ncu_decode.py > "$OUT/ncu-decode.txt" 2>&1
-    grep -E "decode_kernel|Duration|DRAM Throughput|Memory Throughput|dram__bytes|lts__t_sector|inst_executed|ldgsts|Stall|Warp Cycles Per Issued|Issued Warp|Registers|Achieved Occupancy" \
-      "$OUT/ncu-decode.txt" | head -150
     stamp done
     ;;
   splits)
-    # Split counts x pipeline depth for the contiguous cache and page 16, then host cost.
+    # Split counts x pipeline depth for the contiguous cache and page 16.
     timeout 200 python3 -m flashtile.bench.decode --sweep-splits-paged 2>&1 \
       | grep "decode sweep" | tee "$OUT/decode-splits.txt"
-    host_cost
     ;;
   pdl)
     gpu_suite
@@ -145,7 +107,7 @@ case "${1:-}" in
     stamp done
     ;;
   *)
-    echo "usage: $0 check|sweep [SECONDS]|extra|short|decode|ab KNOB=A,B...|ncu|splits|pdl" >&2
+    echo "usage: $0 check|sweep [SECONDS]|extra|short|decode|splits|pdl" >&2
     exit 2
     ;;
 esac

@@ -6,6 +6,7 @@ fast under TRITON_INTERPRET=1; the cache folder is a tmp_path in every test.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import logging
@@ -18,6 +19,7 @@ import torch
 import flashtile
 from flashtile import _cache, cli
 from flashtile.bench import accuracy, machine, registry, report, run, tune
+from flashtile.bench import commands
 from flashtile.bench.commands import seqlen
 from flashtile.bench.registry import Provider, Sweep
 from flashtile.ops import configs
@@ -245,20 +247,71 @@ def test_bench_resume_retries_failed_cells_and_a_stop_before_any_cell_writes_not
 
     monkeypatch.setattr(run, "run_cell", stop)
     after_resume = (tmp_path / "results.json").read_text()
-    assert cli.main(base) == 130  # a fresh run stopped before its first cell
+    # A fresh run over the folder, stopped before its first cell: --overwrite clears
+    # the old run only when it has something to write.
+    assert cli.main([*base, "--overwrite"]) == 130
     assert (tmp_path / "results.json").read_text() == after_resume != before
 
 
-def test_bench_command_bad_provider(capsys):
-    assert cli.main(["bench", "--quick", "--device", "cpu", "--providers", "flashtile",
-                     "flashattn9"]) == 2
-    assert "unknown ['flashattn9']" in capsys.readouterr().err
+QUICK = ["bench", "--quick", "--device", "cpu", "--repeats", "1", "--modes", "fwd",
+         "--providers", "flashtile", "--seqlens", "32", "--no-progress"]
+
+
+def _results(folder):
+    return json.loads((folder / "results.json").read_text())
+
+
+def test_bench_twice_the_same_day_writes_a_new_folder(tmp_path, monkeypatch, capsys):
+    """Regression: a second run overwrote bench-results/<date>-<device>/ and left the
+    first run's plots beside its tables. Now each run gets its own folder."""
+    monkeypatch.chdir(tmp_path)
+    base = tmp_path / commands.default_out(CPU)
+    assert cli.main([*QUICK, "--causal", "true"]) == 0
+    first = _results(base)
+    assert cli.main([*QUICK, "--causal", "false"]) == 0
+    assert _results(base) == first
+    second = tmp_path / f"{base}-2"
+    assert [r["causal"] for r in _results(second)["results"]] == [False]
+    assert sorted(p.name for p in second.glob("*.png")) == ["tflops-d32-full-fwd.png"]
+    assert f"wrote {os.path.relpath(second, tmp_path)}/results.json" in \
+        capsys.readouterr().out
+    # --append and --resume go on in the newest of the day's folders.
+    assert cli.main([*QUICK, "--causal", "false", "--seqlens", "48", "--append"]) == 0
+    assert {r["seqlen"] for r in _results(second)["results"]} == {32, 48}
+    assert not os.path.exists(f"{base}-3") and _results(base) == first
+
+
+def test_bench_overwrite_clears_the_old_run_first(tmp_path, capsys):
+    out = tmp_path / "out"
+    assert cli.main([*QUICK, "--causal", "true", "--out", str(out)]) == 0
+    (out / "notes.txt").write_text("mine")
+    capsys.readouterr()
+    # An explicit --out holding a run is refused, with the ways on.
+    assert cli.main([*QUICK, "--causal", "false", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"flashtile bench: error: --out {out} "
+                                                   "already holds an earlier run's files")
+    assert "--overwrite" in err and "--append" in err
+    assert cli.main([*QUICK, "--causal", "false", "--out", str(out), "--overwrite"]) == 0
+    assert [r["causal"] for r in _results(out)["results"]] == [False]
+    assert sorted(p.name for p in out.iterdir()) == [
+        "notes.txt", "results.json", "results.md", "tflops-d32-full-fwd.png"]
+
+
+def test_accuracy_twice_writes_a_new_folder(tmp_path, monkeypatch):
+    monkeypatch.setattr(accuracy, "CPU_SHAPE", (1, 24, 2, 16))
+    monkeypatch.chdir(tmp_path)
+    base = commands.default_out(CPU)
+    assert cli.main(["bench", "--accuracy", "--device", "cpu"]) == 0
+    assert cli.main(["bench", "--accuracy", "--device", "cpu"]) == 0
+    assert os.path.exists(os.path.join(base, "accuracy.json"))
+    assert os.path.exists(os.path.join(f"{base}-2", "accuracy.json"))
 
 
 def test_seqlen_argument():
     assert seqlen("4k") == 4096 and seqlen("64K") == 65536 and seqlen("512") == 512
     for bad in ("0", "1.5k", "abc"):
-        with pytest.raises(ValueError):
+        with pytest.raises(argparse.ArgumentTypeError, match=f"got '{bad}'"):
             seqlen(bad)
 
 

@@ -4,6 +4,7 @@ at the right data, the contiguous cache's update, and the errors. Pure PyTorch, 
 from __future__ import annotations
 
 import random
+from collections import Counter, deque
 
 import pytest
 import torch
@@ -47,15 +48,66 @@ def test_allocate_free_and_ref_counts():
     assert b[2:] == a[:2] and cache.num_free_blocks == 0
 
 
+def _pool_state(cache):
+    """Everything free() may change: the free list in order, the counts, the blocks held
+    through allocate(), each sequence's blocks and length."""
+    return (list(cache._free), list(cache._ref_counts), set(cache._allocated),
+            {s: (tuple(q.blocks), q.seqlen) for s, q in cache._seqs.items()})
+
+
+def test_double_free_raises_and_changes_nothing():
+    """Regression: free([b, b]) took the count of b to -1, and later frees passed."""
+    cache = _paged(num_blocks=4)
+    (b,) = cache.allocate(1)
+    before = _pool_state(cache)
+    with pytest.raises(ValueError, match=f"^blocks: .*got block {b} listed twice"):
+        cache.free([b, b])
+    assert _pool_state(cache) == before and cache.ref_count(b) == 1
+    cache.free([b])
+    with pytest.raises(ValueError, match=f"^blocks: .*got block {b}, which is free"):
+        cache.free([b])
+    assert cache.ref_count(b) == 0 and cache.num_free_blocks == 4
+
+
 def test_free_of_a_free_block_raises_and_changes_nothing():
     cache = _paged(num_blocks=4)
     a = cache.allocate(2)
     cache.free([a[0]])
-    with pytest.raises(ValueError, match=f"got block {a[0]}, which is already free"):
+    before = _pool_state(cache)
+    with pytest.raises(ValueError, match=f"got block {a[0]}, which is free"):
         cache.free([a[1], a[0]])
-    assert cache.ref_count(a[1]) == 1 and cache.num_free_blocks == 3
-    with pytest.raises(ValueError, match="block: expected 0 to 3, got 4"):
-        cache.free([4])
+    assert _pool_state(cache) == before
+    with pytest.raises(ValueError, match="got block 3, which is free"):
+        cache.free([3])                                   # never allocated
+    for bad in (4, -1):
+        with pytest.raises(ValueError, match=f"^blocks: expected block ids 0 to 3, "
+                                             f"got block {bad}"):
+            cache.free([a[1], bad])
+    with pytest.raises(TypeError, match="^blocks: expected int block ids, got float"):
+        cache.free([1.0])
+    with pytest.raises(TypeError, match="^blocks: expected a sequence of block ids, "
+                                        "got int"):
+        cache.free(a[1])
+    assert _pool_state(cache) == before
+
+
+def test_free_of_a_sequence_block_raises_and_changes_nothing():
+    """A sequence's blocks go back through remove_sequence, never through free()."""
+    cache = _paged(num_blocks=4)
+    cache.add_sequence("a")
+    cache.reserve("a", 20)
+    cache.fork("a", "b")
+    (mine,) = cache.allocate(1)
+    shared = cache.blocks("a")[0]
+    before = _pool_state(cache)
+    with pytest.raises(ValueError, match=f"got block {shared}, which belongs to sequence "
+                                         "'a'.*remove_sequence"):
+        cache.free([mine, shared])
+    assert _pool_state(cache) == before and cache.ref_count(shared) == 2
+    cache.remove_sequence("a")
+    cache.remove_sequence("b")
+    cache.free([mine])
+    assert cache.num_free_blocks == 4
 
 
 def test_exhaustion_raises_cache_full_with_the_numbers():
@@ -155,6 +207,192 @@ def test_sequence_id_errors():
         cache.fork("x", "x")
     with pytest.raises(ValueError, match="seq_id: expected a sequence of the cache.*'y'"):
         cache.reserve("y", 1)
+
+
+# ---------------------------------------------------------------------------------------
+# Property test: random operations against a plain-Python model of the pool
+
+class _PoolModel:
+    """The pool as plain Python: the free list in the same order (first freed, first
+    reused), the blocks each holder has, and each sequence's tokens as an (L, n, HKV, D)
+    k and v with NaN where a token was reserved but not written. Reference counts are
+    not stored but counted from the holders, so the cache's own counts are checked."""
+
+    def __init__(self, num_blocks, page_size):
+        self.num_blocks, self.page = num_blocks, page_size
+        self.free = deque(range(num_blocks))
+        self.allocated = set()            # blocks held by allocate() callers
+        self.seqs = {}                    # seq_id -> [blocks, k, v]
+
+    def count(self, block):
+        return (block in self.allocated) + sum(
+            blocks.count(block) for blocks, _, _ in self.seqs.values())
+
+    def take(self, n):
+        return [self.free.popleft() for _ in range(n)]
+
+    def blocks_needed(self, seq_id, n):
+        """(blocks taken from the pool, whether one of them is a copy of the last block)
+        for n more tokens: the copy when the last block is partly filled and shared."""
+        blocks, k, _ = self.seqs[seq_id]
+        copy_last = bool(k.shape[1] % self.page and n and self.count(blocks[-1]) > 1)
+        return -(-(k.shape[1] + n) // self.page) - len(blocks) + copy_last, copy_last
+
+    def grow(self, seq_id, new_k, new_v):
+        needed, copy_last = self.blocks_needed(seq_id, new_k.shape[1])
+        blocks, k, v = self.seqs[seq_id]
+        if copy_last:                     # the shared block keeps its other holders
+            blocks[-1] = self.take(1)[0]
+        blocks += self.take(needed - copy_last)
+        self.seqs[seq_id] = [blocks, torch.cat([k, new_k], 1), torch.cat([v, new_v], 1)]
+
+    def remove(self, seq_id):
+        blocks = self.seqs.pop(seq_id)[0]
+        self.free.extend(b for b in blocks if self.count(b) == 0)
+
+
+def _full_state(cache):
+    return _pool_state(cache), cache.k_cache.clone(), cache.v_cache.clone()
+
+
+def _check_against_model(cache, model):
+    counts = [model.count(b) for b in range(model.num_blocks)]
+    assert list(cache._free) == list(model.free)
+    assert [cache.ref_count(b) for b in range(model.num_blocks)] == counts
+    assert cache._allocated == model.allocated
+    # The free list holds each block of count 0 exactly once, and nothing referenced.
+    assert sorted(cache._free) == [b for b, c in enumerate(counts) if c == 0]
+    assert cache.num_free_blocks == len(model.free)
+    assert set(cache._seqs) == set(model.seqs)
+    seq_ids = list(model.seqs)
+    for s in seq_ids:
+        blocks, k, _ = model.seqs[s]
+        assert cache.blocks(s) == tuple(blocks) and cache.seqlen(s) == k.shape[1]
+        assert len(blocks) == -(-k.shape[1] // model.page)
+    # Each sequence reads back the tokens it wrote, whoever shares its blocks.
+    plan = cache.plan(seq_ids)
+    assert plan.cache_seqlens.tolist() == [cache.seqlen(s) for s in seq_ids]
+    for i, s in enumerate(seq_ids):
+        _, k, v = model.seqs[s]
+        rows = plan.block_table[i, :len(model.seqs[s][0])].long()
+        written = ~k[0, :, 0, 0].isnan()
+        for pool, truth in ((cache.k_cache, k), (cache.v_cache, v)):
+            got = pool[:, rows].flatten(1, 2)[:, :truth.shape[1]]
+            assert torch.equal(got[:, written], truth[:, written]), s
+
+
+def _random_step(cache, model, rng, gen, seen):
+    """One random operation, valid or not, on the cache and the model; returns the
+    operation's name and the exception type the model predicts (None: it succeeds)."""
+    def tokens(n):
+        return torch.randn(L, n, HKV, D, generator=gen)
+
+    ids = list(model.seqs)                # ints 0..7; one not in use is unknown
+    any_id = rng.choice(ids) if ids and rng.random() < 0.8 else rng.randrange(8)
+    op = rng.choice(["allocate", "free", "add", "reserve", "append", "append", "fork",
+                     "remove"])
+    if op == "allocate":
+        n = rng.randint(-1, 4)
+        expect = ValueError if n < 0 else CacheFullError if n > len(model.free) else None
+        run = lambda: cache.allocate(n)   # noqa: E731
+        if expect is None:
+            want = model.take(n)
+            model.allocated.update(want)
+            assert run() == want
+            return op, None
+        return op, (expect, run)
+    if op == "free":
+        blocks = rng.sample(sorted(model.allocated), rng.randint(0, len(model.allocated)))
+        referenced = [b for b in range(model.num_blocks) if model.count(b)]
+        bad = rng.choice([None, None, "twice", "free", "sequence", "range"])
+        if bad == "twice" and blocks:
+            blocks.append(blocks[0])
+        elif bad == "free" and model.free:
+            blocks.append(rng.choice(model.free))
+        elif bad == "sequence" and set(referenced) - model.allocated:
+            blocks.append(rng.choice(sorted(set(referenced) - model.allocated)))
+        elif bad == "range":
+            blocks.append(rng.choice([-1, model.num_blocks]))
+        else:
+            bad = None
+        rng.shuffle(blocks)
+        if bad is None:
+            model.allocated.difference_update(blocks)
+            model.free.extend(blocks)
+            cache.free(blocks)
+            return op, None
+        return f"free({bad})", (ValueError, lambda: cache.free(blocks))
+    if op == "add":
+        if any_id in model.seqs:
+            return op, (ValueError, lambda: cache.add_sequence(any_id))
+        empty = torch.zeros(L, 0, HKV, D)
+        model.seqs[any_id] = [[], empty, empty]
+        cache.add_sequence(any_id)
+        return op, None
+    if any_id not in model.seqs:          # every other operation needs a sequence
+        calls = {"reserve": lambda: cache.reserve(any_id, 1),
+                 "append": lambda: cache.append(any_id, tokens(1), tokens(1)),
+                 "fork": lambda: cache.fork(any_id, "other"),
+                 "remove": lambda: cache.remove_sequence(any_id)}
+        return f"{op}(unknown)", (ValueError, calls[op])
+    if op in ("reserve", "append"):
+        n = rng.randint(0, 24)
+        new_k, new_v = tokens(n), tokens(n)
+        if op == "reserve":
+            new_k = new_v = torch.full((L, n, HKV, D), float("nan"))
+            run = lambda: cache.reserve(any_id, n)    # noqa: E731
+        elif rng.random() < 0.1:          # a wrong shape is refused before any change
+            return "append(shape)", (ValueError, lambda: cache.append(
+                any_id, new_k, tokens(n + 1)))
+        else:
+            run = lambda: cache.append(any_id, new_k, new_v)    # noqa: E731
+        needed, copy_last = model.blocks_needed(any_id, n)
+        if needed > len(model.free):
+            return f"{op}(full)", (CacheFullError, run)
+        seen["copy-on-write"] += copy_last
+        model.grow(any_id, new_k, new_v)
+        run()
+        return op, None
+    if op == "fork":
+        new_id = rng.randrange(8)
+        if new_id in model.seqs:
+            return "fork(exists)", (ValueError, lambda: cache.fork(any_id, new_id))
+        blocks, k, v = model.seqs[any_id]
+        model.seqs[new_id] = [list(blocks), k, v]
+        cache.fork(any_id, new_id)
+        return op, None
+    model.remove(any_id)
+    cache.remove_sequence(any_id)
+    return op, None
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_random_operations_match_a_model_of_the_pool(seed):
+    """Random allocate/free/add_sequence/reserve/append/fork/remove_sequence, valid and
+    invalid, on a small pool (12 blocks of 16 tokens, so it fills up and copy-on-write
+    happens often). After each step the cache matches the model: same free list, counts
+    equal to the references held, same blocks and lengths per sequence, and every
+    written token reads back; a refused operation changed nothing."""
+    rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
+    cache, model = _paged(num_blocks=12, page_size=16), _PoolModel(12, 16)
+    seen = Counter()
+    for step in range(600):
+        before = _full_state(cache)
+        name, refused = _random_step(cache, model, rng, gen, seen)
+        if refused is not None:
+            expect, run = refused
+            with pytest.raises(expect):
+                run()
+            after = _full_state(cache)
+            assert after[0] == before[0], (step, name)
+            assert torch.equal(after[1], before[1]) and torch.equal(after[2], before[2])
+        seen[name if refused is None else f"refused {name}"] += 1
+        _check_against_model(cache, model)
+    # The run reached the cases it is meant to test.
+    for name in ("allocate", "free", "add", "reserve", "append", "fork", "remove",
+                 "copy-on-write", "refused free(twice)", "refused free(free)",
+                 "refused free(sequence)", "refused free(range)", "refused append(full)"):
+        assert seen[name] > 0, (name, seen)
 
 
 # ---------------------------------------------------------------------------------------

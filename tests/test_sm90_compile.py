@@ -10,10 +10,10 @@ import os
 import pytest
 
 from flashtile.ops import configs
-from flashtile.ops.aot import compile_kernel, resources
 from flashtile.ops.bwd import _bwd_dkdv_kernel, _bwd_dq_kernel, _bwd_preprocess_kernel
 from flashtile.ops.decode import _combine_kernel, _decode_kernel
 from flashtile.ops.fwd import _attn_fwd_kernel
+from tests.aot import compile_kernel, resources
 
 # Under TRITON_INTERPRET=1 @triton.jit gives interpreted functions that cannot be
 # compiled; `make test` runs this file in a second pytest process without it.

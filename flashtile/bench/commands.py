@@ -2,7 +2,7 @@
 
     flashtile bench [--quick] [--dtype bf16] [--headdim 64 128] [--seqlens 1k 4k]
                     [--providers flashtile sdpa-flash] [--causal both] [--modes fwd]
-                    [--out DIR]
+                    [--out DIR] [--overwrite | --append | --resume]
     flashtile bench --accuracy
     flashtile info [--refresh]
     flashtile tune [--headdim 64 128] [--dtype bf16] [--seqlen 4096] [--clear]
@@ -10,9 +10,12 @@
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import dataclasses
 import datetime
+import glob
+import itertools
 import json
 import os
 import re
@@ -24,6 +27,7 @@ import time
 import torch
 
 from flashtile import _cache
+from flashtile._validate import MAX_HEAD_DIM
 from flashtile._backend import interpreting, resolve_device, select_backend
 from flashtile.bench import machine, registry
 from flashtile.ops import configs
@@ -33,12 +37,56 @@ DTYPES = {"fp32": torch.float32, "float32": torch.float32, "fp16": torch.float16
 CAUSAL = {"true": (True,), "false": (False,), "both": (False, True)}
 
 
-def seqlen(text: str) -> int:  # named for argparse's "invalid seqlen value" message
+class UsageError(Exception):
+    """A mistake on the command line found after parsing: cli.main prints the message
+    as ``flashtile <command>: error: <message>`` and exits with status 2."""
+
+
+# argparse types: an ArgumentTypeError becomes the one-line error "argument --x: ..."
+# with exit status 2 (cli.Parser.error).
+
+def seqlen(text: str) -> int:
     """'4096', '4k' or '64K' -> 4096 / 65536."""
     match = re.fullmatch(r"\s*(\d+)\s*([kK]?)\s*", text)
     if match is None or int(match[1]) < 1:
-        raise ValueError(text)
+        raise argparse.ArgumentTypeError(f"expected a positive length such as 512, 4k "
+                                         f"or 64K, got {text!r}")
     return int(match[1]) * (1024 if match[2] else 1)
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive int, got {text!r}")
+    return value
+
+
+def head_dim(text: str) -> int:
+    value = positive_int(text)
+    if value > MAX_HEAD_DIM:
+        raise argparse.ArgumentTypeError(f"expected a head_dim from 1 to {MAX_HEAD_DIM}, "
+                                         f"got {text!r}")
+    return value
+
+
+def device(text: str) -> str:
+    """--device: auto (CUDA if available, else CPU), cpu, or cuda where torch sees a GPU."""
+    if text not in ("auto", "cpu", "cuda"):
+        raise argparse.ArgumentTypeError(f"expected auto, cpu or cuda, got {text!r}")
+    if text == "cuda" and not torch.cuda.is_available():
+        why = ("this torch build has no CUDA" if torch.version.cuda is None
+               and torch.version.hip is None else "torch sees no CUDA device")
+        raise argparse.ArgumentTypeError(f"cuda is not available here ({why}); use "
+                                         "--device cpu, or auto (the default)")
+    return text
+
+
+def add_device(p):
+    p.add_argument("--device", default="auto", type=device,
+                   help="auto, cpu or cuda; default auto: cuda if available, else cpu")
 
 
 def _command(args) -> str:
@@ -54,9 +102,55 @@ def default_out(device) -> str:
     return os.path.join("bench-results", f"{day}-{_slug(_cache.device_name(device))}")
 
 
+# What flashtile bench writes into a results folder (report.write_outputs, report.plot,
+# --accuracy, --decode), the files --overwrite removes; anything else there stays.
+_OUTPUT_FILES = ("results.json", "results.md", "accuracy.json", "accuracy.md",
+                 "decode.json", "decode.md", "tflops-*.png", "memory-*.png", "*.tmp")
+
+
+def _holds_files(folder: str) -> bool:
+    return os.path.isdir(folder) and any(os.scandir(folder))
+
+
+def output_folder(args, device, adds: bool = False) -> str:
+    """Where this run writes: never a folder holding an earlier run's files unless asked.
+
+    The default, bench-results/<date>-<device>, gets a suffix -2, -3, ... per run on the
+    same day; ``adds`` (--append/--resume) picks the newest of them instead. An
+    explicit --out that already holds files is refused (UsageError) unless ``adds`` or
+    --overwrite (whose clearing is ``clear_outputs``, done at the first write).
+    """
+    if args.out is not None:
+        if os.path.exists(args.out) and not os.path.isdir(args.out):
+            raise UsageError(f"--out {args.out} is a file; give a folder")
+        if adds or args.overwrite or not _holds_files(args.out):
+            return args.out
+        raise UsageError(f"--out {args.out} already holds an earlier run's files; add "
+                         "--overwrite to replace them, --append to add to them, or "
+                         "choose another --out")
+    base = default_out(device)
+    if args.overwrite:
+        return base
+    runs = (base if n == 1 else f"{base}-{n}" for n in itertools.count(1))
+    if not adds:
+        return next(folder for folder in runs if not _holds_files(folder))
+    newest = base
+    for folder in runs:
+        if not os.path.isdir(folder):
+            return newest
+        newest = folder
+
+
+def clear_outputs(folder: str) -> None:
+    """--overwrite: remove the results, tables and plots flashtile wrote in ``folder``
+    (an old plot of a setting this run does not have would sit beside the new tables)."""
+    for pattern in _OUTPUT_FILES:
+        for path in glob.glob(os.path.join(glob.escape(folder), pattern)):
+            os.remove(path)
+
+
 def _common(p):
-    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
-                   help="default: cuda if available, else cpu")
+    add_device(p)
     p.add_argument("--dtype", choices=sorted(DTYPES),
                    help="default: bf16 on CUDA, fp32 on CPU")
 
@@ -72,17 +166,23 @@ def add_bench(commands):
     p.add_argument("--decode", action="store_true",
                    help="decode over a KV cache (CUDA): GB/s beside SDPA and the copy "
                         "ceiling, contiguous and paged")
-    p.add_argument("--headdim", type=int, nargs="+", help="default: 64 128 (CPU: 64)")
+    p.add_argument("--headdim", type=head_dim, nargs="+",
+                   help="default: 64 128 (CPU: 64)")
     p.add_argument("--seqlens", type=seqlen, nargs="+",
                    help="e.g. 512 1k 16k; default 512..64k on CUDA, 128..4k on CPU")
-    p.add_argument("--providers", nargs="+",
+    p.add_argument("--providers", nargs="+", choices=list(registry.PROVIDERS),
+                   metavar="PROVIDER",
                    help=f"default: all of {', '.join(registry.PROVIDERS)}")
     p.add_argument("--causal", choices=sorted(CAUSAL), help="default: both")
     p.add_argument("--modes", nargs="+", choices=registry.MODES,
                    help="default: fwd fwd_bwd")
-    p.add_argument("--repeats", type=int, default=5,
+    p.add_argument("--repeats", type=positive_int, default=5,
                    help="CPU: timed calls per cell (CUDA: do_bench decides)")
-    p.add_argument("--out", help="output folder; default bench-results/<date>-<device>/")
+    p.add_argument("--out", help="output folder; default bench-results/<date>-<device>/, "
+                   "with -2, -3, ... added for each further run that day")
+    p.add_argument("--overwrite", action="store_true",
+                   help="write into --out (or the day's first folder) even if it holds "
+                   "an earlier run, removing that run's results, tables and plots first")
     p.add_argument("--append", action="store_true",
                    help="add to the results.json already in --out (a sweep split over "
                    "several runs); cells measured again replace the old ones")
@@ -103,11 +203,7 @@ def build_sweep(args, device) -> registry.Sweep:
     if args.seqlens:
         changes["seqlens"] = tuple(args.seqlens)
     if args.providers:
-        unknown = [p for p in args.providers if p not in registry.PROVIDERS]
-        if unknown:
-            raise ValueError(f"--providers: unknown {unknown}; choose from "
-                             f"{list(registry.PROVIDERS)}")
-        changes["providers"] = tuple(args.providers)
+        changes["providers"] = tuple(dict.fromkeys(args.providers))
     if args.causal:
         changes["causals"] = CAUSAL[args.causal]
     if args.modes:
@@ -119,21 +215,23 @@ def _bench(args) -> int:
     from flashtile.bench import report, run
 
     device = resolve_device(args.device)
+    if args.overwrite and (args.append or args.resume):
+        raise UsageError("--overwrite replaces the folder's run, --append and --resume "
+                         "add to it: give one of them")
     if args.accuracy:
         return _accuracy(args, device)
     if args.decode:
         return _decode(args, device)
     info = machine.machine_info(device, _command(args))
-    out = args.out or default_out(device)
-    try:
-        sweep = build_sweep(args, device)
-        settings = sweep.settings()
-        previous = _previous(out) if args.append or args.resume else None
-        if previous is not None:
+    out = output_folder(args, device, adds=args.append or args.resume)
+    sweep = build_sweep(args, device)
+    settings = sweep.settings()
+    previous = _previous(out) if args.append or args.resume else None
+    if previous is not None:
+        try:
             report.check_append(previous, info, settings)
-    except ValueError as err:
-        print(f"flashtile bench: {err}", file=sys.stderr)
-        return 2
+        except ValueError as err:
+            raise UsageError(f"{err} ({out})") from None
     done = set()  # --resume: measured cells; OOM and n/a are tried again
     if args.resume and previous is not None:
         done = {(r.cell.provider, r.cell.row())
@@ -142,7 +240,8 @@ def _bench(args) -> int:
     todo = sum((c.provider, c.row()) not in done for c in sweep.cells())
     print(f"flashtile bench on {info['device']} (backend {info['backend']}): "
           f"{todo} cells", file=sys.stderr, flush=True)
-    recorder = _Recorder(previous, info, settings, out, log=args.no_progress)
+    recorder = _Recorder(previous, info, settings, out, log=args.no_progress,
+                         clear=args.overwrite)
     stopped = False
     try:
         with _sigterm_as_interrupt():
@@ -151,7 +250,7 @@ def _bench(args) -> int:
     except KeyboardInterrupt:  # Ctrl-C or a time limit: keep what was measured
         stopped = True
         print(f"flashtile bench: stopped after {len(recorder.results)} of {todo} cells; "
-              "--resume goes on", file=sys.stderr)
+              f"--resume --out {out} goes on", file=sys.stderr)
     if stopped and not recorder.results:
         return 130  # nothing measured: leave --out as it was
     results, info, settings = recorder.tables()
@@ -164,11 +263,14 @@ def _bench(args) -> int:
 class _Recorder:
     """Collects a sweep's results and rewrites results.json/md after every cell (merged
     into the folder's previous run, if any), so a run stopped by a time limit keeps what
-    it measured. ``log``: a line per cell with its wall time (shows compile costs)."""
+    it measured. ``log``: a line per cell with its wall time (shows compile costs).
+    ``clear``: --overwrite, the folder's old outputs go just before the first write, so
+    a run stopped before its first cell leaves the folder as it was."""
 
-    def __init__(self, previous, info, settings, out, log=False):
+    def __init__(self, previous, info, settings, out, log=False, clear=False):
         self.previous, self.info, self.settings, self.out = previous, info, settings, out
         self.log, self.results, self.clock = log, [], time.perf_counter()
+        self.clear = clear
 
     def tables(self):
         """(results, machine, settings), in the order report.write_outputs takes them."""
@@ -184,6 +286,9 @@ class _Recorder:
         from flashtile.bench import report
 
         self.results.append(result)
+        if self.clear:
+            clear_outputs(self.out)
+            self.clear = False
         report.write_outputs(*self.tables(), self.out, plots=False)
         if self.log:
             now = time.perf_counter()
@@ -221,16 +326,15 @@ def _decode(args, device) -> int:
     from flashtile.bench import decode
 
     if device.type != "cuda":
-        print("flashtile bench --decode: times replayed CUDA graphs and needs a CUDA "
-              f"device (this run's device is {device}); the decode kernel's CPU checks "
-              "are in tests/test_decode.py", file=sys.stderr)
-        return 2
+        raise UsageError(f"--decode times replayed CUDA graphs and needs a CUDA device "
+                         f"(this run's device is {device}); the decode kernel's CPU "
+                         "checks are in tests/test_decode.py")
+    out = output_folder(args, device)
     copy_gbps = machine.ceilings(device)[0]["copy_bytes_per_s"] / 1e9
     rows = decode.run_decode_bench(device=device)
     text = decode.decode_markdown(rows, copy_gbps)
     print(text)
-    out = args.out or default_out(device)
-    os.makedirs(out, exist_ok=True)
+    _prepare(out, args.overwrite)
     with open(os.path.join(out, "decode.md"), "w") as f:
         f.write(f"Command: `{_command(args)}`; device copy ceiling {copy_gbps:.0f} GB/s\n\n"
                 + text + "\n")
@@ -241,9 +345,16 @@ def _decode(args, device) -> int:
     return 0
 
 
+def _prepare(out: str, overwrite: bool) -> None:
+    if overwrite:
+        clear_outputs(out)
+    os.makedirs(out, exist_ok=True)
+
+
 def _accuracy(args, device) -> int:
     from flashtile.bench import accuracy
 
+    out = output_folder(args, device)
     shape = accuracy.GPU_SHAPE if device.type == "cuda" else accuracy.CPU_SHAPE
     if args.headdim:
         shape = (*shape[:3], args.headdim[0])
@@ -251,8 +362,7 @@ def _accuracy(args, device) -> int:
     info = machine.machine_info(device, _command(args))
     text = accuracy.markdown(rows, shape, info["device"])
     print(text)
-    out = args.out or default_out(device)
-    os.makedirs(out, exist_ok=True)
+    _prepare(out, args.overwrite)
     with open(os.path.join(out, "accuracy.md"), "w") as f:
         f.write(text)
     with open(os.path.join(out, "accuracy.json"), "w") as f:
@@ -264,7 +374,7 @@ def _accuracy(args, device) -> int:
 def add_info(commands):
     p = commands.add_parser("info", help="versions, device, backend and the device's "
                             "measured matmul / copy ceilings (cached)")
-    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    add_device(p)
     p.add_argument("--refresh", action="store_true", help="measure the ceilings again")
     p.set_defaults(handler=_info)
 
@@ -278,13 +388,14 @@ def add_tune(commands):
     p = commands.add_parser("tune", help="time candidate tiles of each kernel, check "
                             "their output, cache the fastest correct ones")
     _common(p)
-    p.add_argument("--headdim", type=int, nargs="+", default=[64, 128])
+    p.add_argument("--headdim", type=head_dim, nargs="+", default=[64, 128])
     p.add_argument("--causal", choices=sorted(CAUSAL), default="both")
     p.add_argument("--seqlen", type=seqlen, default=4096,
                    help="the representative length (cached for its class: <=2k, <=8k, "
                    ">8k)")
     p.add_argument("--kinds", nargs="+", choices=configs.KINDS, default=list(configs.KINDS))
-    p.add_argument("--repeats", type=int, default=3, help="CPU: timed calls per tile")
+    p.add_argument("--repeats", type=positive_int, default=3,
+                   help="CPU: timed calls per tile")
     p.add_argument("--dry-run", action="store_true", help="print, do not cache")
     p.add_argument("--clear", action="store_true", help="delete the tuned cache and exit")
     p.set_defaults(handler=_tune)
@@ -298,10 +409,9 @@ def _tune(args) -> int:
         return 0
     device = resolve_device(args.device)
     if select_backend(device) != "triton":
-        print("flashtile tune times the Triton kernels: run it on a CUDA device, or set "
-              "TRITON_INTERPRET=1 (slow; use a short --seqlen) to check the logic on CPU",
-              file=sys.stderr)
-        return 2
+        raise UsageError("tune times the Triton kernels: run it on a CUDA device, or set "
+                         "TRITON_INTERPRET=1 (slow; use a short --seqlen) to check the "
+                         "logic on CPU")
     dtype = DTYPES[args.dtype] if args.dtype else (
         torch.bfloat16 if device.type == "cuda" else torch.float32)
     where = "interpreter" if device.type == "cpu" and interpreting() else device.type

@@ -1,7 +1,9 @@
 """Compile a flashtile kernel for a GPU target without a GPU (Triton + its bundled ptxas).
 
-Used by CI to catch compile errors the interpreter cannot see, and by developers to read
-registers, spills and shared memory of a tile config before spending device time.
+Used by tests/test_sm90_compile.py to catch compile errors the interpreter cannot see,
+and by developers to read registers, spills and shared memory of a tile config before
+spending device time (from the repo root, ``from tests.aot import compile_kernel,
+resources``). A developer tool: it is not part of the installed package.
 """
 
 from __future__ import annotations
