@@ -140,6 +140,58 @@ def _engine(args, cfg, requests, backend, eager):
                 peak_gib=torch.cuda.max_memory_allocated() / 2**30)
 
 
+def _decode_steps(args, cfg):
+    """One decode step of B sequences with --context keys each, against the bytes it must
+    read (every weight once, every live key and value once) at the copy bandwidth.
+
+    Timed two ways: the whole engine step as the engine runs it (inputs, graph replay,
+    logits, sampling, reading the tokens back), and the forward alone (CUDA events around
+    the graph replay). The pool's keys are zeros: the timing does not depend on them.
+    """
+    import torch
+    from flashtile.engine import LLM, SamplingParams
+    from flashtile.engine.sequence import Sequence
+    sizes = args.decode_batches
+    llm = LLM(model=args.model_dir, dtype="bfloat16", load_format="dummy",
+              max_num_seqs=max(sizes), max_model_len=args.context + 16, seed=0)
+    runner, blocks = llm.runner, llm.block_manager
+    weight_bytes = sum(p.numel() * p.element_size() for p in
+                       {id(p): p for p in runner.model.parameters()}.values())
+    rows = []
+    for bs in sizes:
+        seqs = [Sequence(torch.randint(cfg["vocab_size"], (args.context,)).tolist(),
+                         SamplingParams(temperature=0.0, max_tokens=1)) for _ in range(bs)]
+        for seq in seqs:
+            if not blocks.allocate(seq):
+                raise RuntimeError(f"the pool cannot hold {bs} x {args.context} tokens")
+            seq.num_computed_tokens = args.context - 1  # as if prefilled: decode the last
+        scheduled = [(seq, 1) for seq in seqs]
+        step_ms, fwd_ms = [], []
+        for i in range(args.decode_reps + 5):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            runner.execute(scheduled)  # ends by reading the sampled ids: synchronous
+            step = time.perf_counter() - t0
+            inputs = runner.prepare(scheduled)
+            ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
+            ev[0].record()
+            runner.forward(inputs)
+            ev[1].record()
+            torch.cuda.synchronize()
+            if i >= 5:
+                step_ms.append(1e3 * step)
+                fwd_ms.append(ev[0].elapsed_time(ev[1]))
+        for seq in seqs:
+            blocks.free(seq)
+        kv = bs * args.context * kv_bytes_per_token(cfg)
+        floor_ms = 1e3 * (weight_bytes + kv) / (args.copy_gbs * 1e9)
+        step, fwd = sorted(step_ms)[len(step_ms) // 2], sorted(fwd_ms)[len(fwd_ms) // 2]
+        rows.append(dict(batch=bs, context=args.context, weight_gb=weight_bytes / 1e9,
+                         kv_gb=kv / 1e9, floor_ms=floor_ms, step_ms=step, forward_ms=fwd,
+                         step_frac=floor_ms / step, forward_frac=floor_ms / fwd))
+    return rows
+
+
 def _hf_model(args, cfg):
     import torch
     import transformers
@@ -186,6 +238,9 @@ def run_one(args):
     requests = workload(args.num_requests, args.min_len, args.max_len, cfg["vocab_size"],
                         args.seed)
     p = args.one
+    if p == "decode-step":
+        print("RESULT " + json.dumps(_decode_steps(args, cfg)), flush=True)
+        return
     if p.startswith("hf-"):
         res = _hf(args, cfg, requests, batched=p == "hf-generate-batch")
     else:
@@ -219,6 +274,44 @@ def markdown(rows) -> str:
     return "\n".join(lines)
 
 
+def _child(args, argv, provider, model_dir):
+    """Run one provider in a fresh process; its RESULT json, or None (reason printed)."""
+    cmd = [sys.executable, "-m", "flashtile.bench.throughput", "--one", provider,
+           "--model-dir", model_dir] + list(argv if argv is not None else sys.argv[1:])
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+    except subprocess.TimeoutExpired:
+        print(f"  {provider}: timed out after {args.timeout} s", flush=True)
+        return None
+    found = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    if not found:
+        print(f"  {provider}: failed\n{proc.stderr[-2000:]}", flush=True)
+        return None
+    return json.loads(found[-1][7:])
+
+
+def _decode_step_table(args, argv):
+    lines = ["| model | batch | context | weights GB | KV GB | floor ms | step ms | forward ms "
+             "| step of floor | forward of floor |", "|" + " --- |" * 10]
+    results = []
+    for name in args.models:
+        with tempfile.TemporaryDirectory() as d:
+            with open(os.path.join(d, "config.json"), "w") as f:
+                json.dump(PRESETS[name], f)
+            rows = _child(args, argv, "decode-step", d) or []
+        for r in rows:
+            r["model"] = name
+            results.append(r)
+            lines.append(f"| {name} | {r['batch']} | {r['context']} | {r['weight_gb']:.2f} "
+                         f"| {r['kv_gb']:.2f} | {r['floor_ms']:.3f} | {r['step_ms']:.3f} "
+                         f"| {r['forward_ms']:.3f} | {100 * r['step_frac']:.0f}% "
+                         f"| {100 * r['forward_frac']:.0f}% |")
+    print("\n".join(lines))
+    with open(args.out, "w") as f:
+        json.dump(dict(argv=argv or sys.argv[1:], decode_steps=results), f, indent=1)
+    return 0
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(prog="flashtile bench throughput", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -237,6 +330,12 @@ def main(argv=None):
                    help="device copy bandwidth for the roofline (H200 measured: 4239)")
     p.add_argument("--matmul-tflops", type=float, default=786.0)
     p.add_argument("--timeout", type=int, default=900, help="seconds per provider")
+    p.add_argument("--decode-step", action="store_true",
+                   help="time single decode steps (--decode-batches x --context keys) "
+                        "against the weights+KV read floor instead of the workload")
+    p.add_argument("--decode-batches", type=int, nargs="+", default=[1, 32, 256])
+    p.add_argument("--context", type=int, default=1024)
+    p.add_argument("--decode-reps", type=int, default=30)
     p.add_argument("--out", default="throughput.json")
     p.add_argument("--profile", metavar="PREFIX",
                    help="cProfile each engine run into PREFIX-PROVIDER.txt")
@@ -245,6 +344,8 @@ def main(argv=None):
     args = p.parse_args(argv)
     if args.one:
         return run_one(args)
+    if args.decode_step:
+        return _decode_step_table(args, argv)
     rows = []
     for name in args.models:
         cfg = PRESETS[name]
@@ -259,19 +360,9 @@ def main(argv=None):
             with open(os.path.join(d, "config.json"), "w") as f:
                 json.dump(cfg, f)
             for prov in args.providers:
-                cmd = [sys.executable, "-m", "flashtile.bench.throughput", "--one", prov,
-                       "--model-dir", d] + [a for a in (argv or sys.argv[1:])]
-                try:
-                    proc = subprocess.run(cmd, capture_output=True, text=True,
-                                          timeout=args.timeout)
-                except subprocess.TimeoutExpired:
-                    print(f"  {prov}: timed out after {args.timeout} s", flush=True)
+                res = _child(args, argv, prov, d)
+                if res is None:
                     continue
-                found = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-                if not found:
-                    print(f"  {prov}: failed\n{proc.stderr[-2000:]}", flush=True)
-                    continue
-                res = json.loads(found[-1][7:])
                 # The roofline fraction is for the full workload only.
                 part_roof = roof if res["requests"] == len(requests) else 0
                 if prov == "hf-generate-batch":
