@@ -275,6 +275,23 @@ def test_leftpad_rotary_positions_are_absolute(causal, interleaved, backend, dev
         torch.testing.assert_close(out[i:i + 1], ref.to(dtype), **_tol(on_gpu))
 
 
+def test_rotary_table_needs_only_the_rows_it_reads(device):
+    """Regression: rotary_cos needs max(cache_seqlens) + the rows used past it, and a
+    non-causal q sits at one position (cache_seqlens[b]), so 4 queries with 1 new key at
+    position 15 read rows 15 only: a 16-row table is enough (flashtile asked for 19, and
+    flash-attn's own tests, whose table is the cache length, hit that). Causal queries
+    sit at 15..18 and do need 19 rows."""
+    q = torch.randn(1, 4, 2, 16, device=device)
+    k_cache, v_cache = (torch.zeros(1, 16, 2, 16, device=device) for _ in "kv")
+    k_new, v_new = (torch.randn(1, 1, 2, 16, device=device) for _ in "kv")
+    cos, sin = (torch.rand(16, 8, device=device) for _ in "cs")
+    kw = dict(rotary_cos=cos, rotary_sin=sin, cache_seqlens=15)
+    flashtile.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, **kw)
+    with pytest.raises(ValueError, match=r"rotary_cos.shape\[0\]: expected >= 19 positions"):
+        flashtile.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, causal=True,
+                                          **kw)
+
+
 def test_batch_idx_and_leftpad(backend, device, on_gpu):
     b, s, h, hkv, d = 2, 64, 2, 2, 16
     dtype = _dtype(on_gpu)
