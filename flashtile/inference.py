@@ -258,7 +258,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                             cache_leftpad=None, block_table=None, softmax_scale=None,
                             causal=False, window_size=(-1, -1), softcap=0.0,
                             rotary_interleaved=True, alibi_slopes=None, num_splits=0,
-                            return_lse=False):
+                            return_softmax_lse=False, *, return_lse=False):
     """Attention of q over a KV cache, after appending the new k/v to it in place.
 
     Arguments (flash-attn's meaning):
@@ -274,7 +274,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             new k at cache_seqlens[b] + i; q at those positions if causal or windowed,
             else all at cache_seqlens[b]. cache_leftpad does not shift them (the keys
             already in the cache were rotated at their cache positions too).
-            rotary_interleaved selects GPT-J pairs (True) or halves (False).
+            rotary_interleaved (bool) selects GPT-J pairs (True) or halves (False).
         cache_seqlens: int or int32 (batch,): keys already in the cache for each
             sequence (before the append).
         cache_batch_idx: int32 (batch,): cache row of each sequence (contiguous only).
@@ -283,7 +283,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         causal / window_size / softcap / alibi_slopes / softmax_scale: as flash_attn_func,
             aligned bottom-right at the sequence's last key.
         num_splits: split-KV factor; 0 picks it from the SM count, 1 disables splitting.
-        return_lse: also return lse (batch, nheads, seqlen_q) float32.
+        return_softmax_lse: bool (flash-attn's name): also return lse (batch, nheads,
+            seqlen_q) float32, natural log, -inf for a row that sees no key.
+        return_lse: bool, keyword only: flashtile's name for return_softmax_lse.
 
     Every index (cache_seqlens, block_table, cache_batch_idx, cache_leftpad) is checked
     against the cache with one host sync; a bad one raises ValueError. Under
@@ -311,6 +313,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         for x in (cache_seqlens, cache_batch_idx, cache_leftpad, block_table))
     b, sq, h, d = q.shape
     left, right = V.check_flash_options(0.0, softmax_scale, softcap, window_size, causal)
+    V.check_bools(rotary_interleaved=rotary_interleaved,
+                  return_softmax_lse=return_softmax_lse, return_lse=return_lse)
     if isinstance(num_splits, bool) or not isinstance(num_splits, numbers.Integral) \
             or num_splits < 0:
         V._fail(ValueError, "num_splits", "an int >= 0 (0 = heuristic)", num_splits)
@@ -347,4 +351,4 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         out, lse = _kvcache_attn_impl(*args, False)  # indices read above
     else:
         out, lse = kvcache_attn(*args, not read_indices)
-    return (out, lse) if return_lse else out
+    return (out, lse) if return_softmax_lse or return_lse else out
