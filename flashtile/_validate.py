@@ -17,8 +17,9 @@ MAX_HEAD_DIM = 256
 
 
 def _fail(kind, name, expected, got, fix=""):
-    msg = f"{name}: expected {expected}, got {got}"
-    raise kind(msg + (f". {fix}" if fix else ""))
+    # One f-string, no concatenation: torch.compile can then build the message when a
+    # check fails while tracing, even around symbolic sizes.
+    raise kind(f"{name}: expected {expected}, got {got}{'. ' if fix else ''}{fix}")
 
 
 # The kernels index with 32-bit offsets (batch * stride + row * stride + col); past
@@ -109,7 +110,10 @@ def check_float(x, name, *, minimum=None, allow_none=False):
         return
     if isinstance(x, bool) or not isinstance(x, numbers.Real):
         _fail(TypeError, name, "a float", type(x).__name__)
-    if not math.isfinite(x) or (minimum is not None and x < minimum):
+    # x != x is NaN. Not math.isfinite: under torch.compile(dynamic=True) a float
+    # argument, even a default such as dropout_p=0.0, is a SymFloat, which isfinite
+    # cannot take; comparisons trace (as guards).
+    if x != x or abs(x) == math.inf or (minimum is not None and x < minimum):
         bound = f"a finite float >= {minimum}" if minimum is not None else "a finite float"
         _fail(ValueError, name, bound, x)
 
@@ -231,11 +235,14 @@ def check_attn_mask(attn_mask, batch, nheads, seqlen_q, seqlen_k, device, dtype)
             "attn_mask.requires_grad=True: flashtile returns no gradient for the mask; "
             "pass attn_mask.detach()")
     target = (batch, nheads, seqlen_q, seqlen_k)
-    try:
-        expanded = attn_mask.expand(target)
-    except RuntimeError:
-        _fail(ValueError, "attn_mask.shape", f"broadcastable to {target}",
-              tuple(attn_mask.shape))
+    # Broadcasting rules checked by hand rather than by catching expand's RuntimeError:
+    # under torch.compile that error is raised by the tracer, which no except clause in
+    # traced code can catch. On symbolic sizes these comparisons become guards.
+    shape = tuple(attn_mask.shape)
+    if len(shape) > 4 or any(m != 1 and m != t for m, t in zip(reversed(shape),
+                                                               reversed(target))):
+        _fail(ValueError, "attn_mask.shape", f"broadcastable to {target}", shape)
+    expanded = attn_mask.expand(target)
     check_offsets(expanded, "attn_mask", dense=False)
     return expanded
 

@@ -32,9 +32,11 @@ def _attention(q, k, v, *, attn_mask, alibi_slopes, softmax_scale, diag_offset,
                window_left, window_right, softcap):
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(q.shape[-1])
+    # torch.sym_int, not int(): under torch.export int() of a symbolic size specializes
+    # it (seqlen_k - seqlen_q would be frozen to the example's difference).
     return custom_ops.attention(q, k, v, attn_mask, alibi_slopes, float(softmax_scale),
-                               int(diag_offset), window_left, window_right, float(softcap),
-                               _allow_tf32(q.dtype))
+                               torch.sym_int(diag_offset), window_left, window_right,
+                               float(softcap), _allow_tf32(q.dtype))
 
 
 # return_attn_probs (flash-attn's name): flash-attn then returns (out, softmax_lse,
@@ -199,8 +201,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         softmax_scale = 1.0 / math.sqrt(d)
     out, lse = custom_ops.varlen_attention(
         q, k, v, cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous(),
-        int(max_seqlen_q), int(max_seqlen_k), alibi_slopes, float(softmax_scale), left,
-        right, float(softcap), _allow_tf32(q.dtype))
+        torch.sym_int(max_seqlen_q), torch.sym_int(max_seqlen_k), alibi_slopes,
+        float(softmax_scale), left, right, float(softcap), _allow_tf32(q.dtype))
     if return_attn_probs:
         probs = _varlen_attn_probs(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                    max_seqlen_k, softmax_scale=softmax_scale,
