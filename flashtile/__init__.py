@@ -8,6 +8,8 @@ from flashtile.interface import (
     flash_attn_kvpacked_func,
     flash_attn_qkvpacked_func,
     flash_attn_varlen_func,
+    flash_attn_varlen_kvpacked_func,
+    flash_attn_varlen_qkvpacked_func,
     scaled_dot_product_attention,
 )
 from flashtile.merge import merge_attention_states
@@ -18,6 +20,8 @@ __all__ = [
     "flash_attn_kvpacked_func",
     "flash_attn_qkvpacked_func",
     "flash_attn_varlen_func",
+    "flash_attn_varlen_kvpacked_func",
+    "flash_attn_varlen_qkvpacked_func",
     "flash_attn_with_kvcache",
     "merge_attention_states",
     "scaled_dot_product_attention",

@@ -17,8 +17,9 @@ MAX_HEAD_DIM = 256
 
 
 def _fail(kind, name, expected, got, fix=""):
-    msg = f"{name}: expected {expected}, got {got}"
-    raise kind(msg + (f". {fix}" if fix else ""))
+    # One f-string, no concatenation: torch.compile can then build the message when a
+    # check fails while tracing, even around symbolic sizes.
+    raise kind(f"{name}: expected {expected}, got {got}{'. ' if fix else ''}{fix}")
 
 
 # The kernels index with 32-bit offsets (batch * stride + row * stride + col); past
@@ -109,7 +110,10 @@ def check_float(x, name, *, minimum=None, allow_none=False):
         return
     if isinstance(x, bool) or not isinstance(x, numbers.Real):
         _fail(TypeError, name, "a float", type(x).__name__)
-    if not math.isfinite(x) or (minimum is not None and x < minimum):
+    # x != x is NaN. Not math.isfinite: under torch.compile(dynamic=True) a float
+    # argument, even a default such as dropout_p=0.0, is a SymFloat, which isfinite
+    # cannot take; comparisons trace (as guards).
+    if x != x or abs(x) == math.inf or (minimum is not None and x < minimum):
         bound = f"a finite float >= {minimum}" if minimum is not None else "a finite float"
         _fail(ValueError, name, bound, x)
 
@@ -128,12 +132,50 @@ def check_dropout(dropout_p, name="dropout_p"):
             "(for inference, and for training without attention dropout)")
 
 
+def check_bool(x, name):
+    """A flag must be a bool: a string such as 'yes' or 'False' is truthy in Python and
+    would silently turn the option on."""
+    if not isinstance(x, bool):
+        _fail(TypeError, name, "a bool", f"{type(x).__name__} {x!r}")
+
+
+def check_bools(**flags):
+    for name, x in flags.items():
+        check_bool(x, name)
+
+
+def _is_int_tensor(x):
+    return (isinstance(x, torch.Tensor) and not x.is_floating_point() and not x.is_complex()
+            and x.dtype != torch.bool)
+
+
+_WINDOW_TYPES = "a pair of ints (left, right), or a 2-element integer tensor"
+
+
 def check_window(window_size):
-    if (not isinstance(window_size, (tuple, list)) or len(window_size) != 2
-            or not all(isinstance(w, numbers.Integral) and not isinstance(w, bool)
-                       for w in window_size)):
-        _fail(TypeError, "window_size", "a pair of ints (left, right)", repr(window_size))
-    left, right = (int(w) for w in window_size)
+    """(left, right) as ints. flash-attn also takes a 2-element integer tensor (its tests
+    draw windows with torch.randint) or a pair of 0-d ones; their values are read on the
+    host (one sync for a CUDA tensor). Not inside torch.compile: a compiled graph would
+    bake in the values of its first call while the tensor may change between calls."""
+    is_tensor = isinstance(window_size, torch.Tensor) or (
+        isinstance(window_size, (tuple, list))
+        and any(isinstance(w, torch.Tensor) for w in window_size))
+    if is_tensor and torch.compiler.is_compiling():
+        _fail(TypeError, "window_size", "a pair of ints (left, right) under torch.compile",
+              "a tensor", "Convert it before the compiled call: "
+              "tuple(int(w) for w in window_size)")
+    if isinstance(window_size, torch.Tensor):
+        ok = _is_int_tensor(window_size) and tuple(window_size.shape) == (2,)
+        bounds = window_size.tolist() if ok else None
+    elif isinstance(window_size, (tuple, list)) and len(window_size) == 2 and all(
+            (isinstance(w, numbers.Integral) and not isinstance(w, bool))
+            or (_is_int_tensor(w) and w.dim() == 0) for w in window_size):
+        bounds = [int(w) for w in window_size]
+    else:
+        bounds = None
+    if bounds is None:
+        _fail(TypeError, "window_size", _WINDOW_TYPES, repr(window_size))
+    left, right = bounds
     if left < -1 or right < -1:
         _fail(ValueError, "window_size", "each bound >= 0, or -1 for unbounded",
               (left, right))
@@ -164,6 +206,7 @@ def check_flash_options(dropout_p, softmax_scale, softcap, window_size, causal):
 
     Returns (window_left, window_right) with causal folded in (right bound 0).
     """
+    check_bool(causal, "causal")
     check_dropout(dropout_p)
     check_softmax_scale(softmax_scale)
     check_float(softcap, "softcap", minimum=0.0)
@@ -192,11 +235,14 @@ def check_attn_mask(attn_mask, batch, nheads, seqlen_q, seqlen_k, device, dtype)
             "attn_mask.requires_grad=True: flashtile returns no gradient for the mask; "
             "pass attn_mask.detach()")
     target = (batch, nheads, seqlen_q, seqlen_k)
-    try:
-        expanded = attn_mask.expand(target)
-    except RuntimeError:
-        _fail(ValueError, "attn_mask.shape", f"broadcastable to {target}",
-              tuple(attn_mask.shape))
+    # Broadcasting rules checked by hand rather than by catching expand's RuntimeError:
+    # under torch.compile that error is raised by the tracer, which no except clause in
+    # traced code can catch. On symbolic sizes these comparisons become guards.
+    shape = tuple(attn_mask.shape)
+    if len(shape) > 4 or any(m != 1 and m != t for m, t in zip(reversed(shape),
+                                                               reversed(target))):
+        _fail(ValueError, "attn_mask.shape", f"broadcastable to {target}", shape)
+    expanded = attn_mask.expand(target)
     check_offsets(expanded, "attn_mask", dense=False)
     return expanded
 

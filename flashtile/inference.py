@@ -198,7 +198,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                             cache_leftpad=None, block_table=None, softmax_scale=None,
                             causal=False, window_size=(-1, -1), softcap=0.0,
                             rotary_interleaved=True, alibi_slopes=None, num_splits=0,
-                            return_lse=False):
+                            return_softmax_lse=False, *, return_lse=False):
     """Attention of q over a KV cache, after appending the new k/v to it in place.
 
     Arguments (flash-attn's meaning):
@@ -210,9 +210,11 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         k, v: optional new keys/values (batch, seqlen_new, nheads_kv, head_dim), written
             into the cache at positions cache_seqlens[b] ... (in place) before attending.
         rotary_cos, rotary_sin: optional (seqlen_ro, rotary_dim / 2); if given, q and the
-            new k are rotated: the new k at positions cache_seqlens[b] + i - leftpad[b];
-            q at those positions if causal or windowed, else all at cache_seqlens[b] -
-            leftpad[b]. rotary_interleaved selects GPT-J pairs (True) or halves (False).
+            new k are rotated at their absolute cache positions, as flash-attn does: the
+            new k at cache_seqlens[b] + i; q at those positions if causal or windowed,
+            else all at cache_seqlens[b]. cache_leftpad does not shift them (the keys
+            already in the cache were rotated at their cache positions too).
+            rotary_interleaved (bool) selects GPT-J pairs (True) or halves (False).
         cache_seqlens: int or int32 (batch,): keys already in the cache for each
             sequence (before the append).
         cache_batch_idx: int32 (batch,): cache row of each sequence (contiguous only).
@@ -221,7 +223,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         causal / window_size / softcap / alibi_slopes / softmax_scale: as flash_attn_func,
             aligned bottom-right at the sequence's last key.
         num_splits: split-KV factor; 0 picks it from the SM count, 1 disables splitting.
-        return_lse: also return lse (batch, nheads, seqlen_q) float32.
+        return_softmax_lse: bool (flash-attn's name): also return lse (batch, nheads,
+            seqlen_q) float32, natural log, -inf for a row that sees no key.
+        return_lse: bool, keyword only: flashtile's name for return_softmax_lse.
 
     Every index (cache_seqlens, block_table, cache_batch_idx, cache_leftpad) is checked
     against the cache with one host sync; a bad one raises ValueError. Under
@@ -249,6 +253,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         for x in (cache_seqlens, cache_batch_idx, cache_leftpad, block_table))
     b, sq, h, d = q.shape
     left, right = V.check_flash_options(0.0, softmax_scale, softcap, window_size, causal)
+    V.check_bools(rotary_interleaved=rotary_interleaved,
+                  return_softmax_lse=return_softmax_lse, return_lse=return_lse)
     if isinstance(num_splits, bool) or not isinstance(num_splits, numbers.Integral) \
             or num_splits < 0:
         V._fail(ValueError, "num_splits", "an int >= 0 (0 = heuristic)", num_splits)
@@ -256,23 +262,24 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(d)
 
-    start = cache_leftpad.long() if cache_leftpad is not None else 0
     if rotary_cos is not None:
         if rotary_sin is None or rotary_cos.shape != rotary_sin.shape or rotary_cos.dim() != 2 \
                 or rotary_cos.shape[1] * 2 > d:
             V._fail(ValueError, "rotary_cos/rotary_sin", "two (seqlen_ro, rotary_dim / 2) "
                   f"tensors with rotary_dim <= {d}",
                   (tuple(rotary_cos.shape), getattr(rotary_sin, "shape", None)))
-        base = cache_seqlens.long() - start if cache_leftpad is not None else cache_seqlens.long()
+        # flash-attn's positions: absolute cache positions, leftpad or not.
+        base = cache_seqlens.long()[:, None]                                  # (b, 1)
+        q_moves = causal or left >= 0 or right >= 0
         offs = torch.arange(max(sq, sn), device=q.device)[None, :]
-        if read_indices and base.numel() and int(base.max()) + max(sq, sn) > rotary_cos.shape[0]:
-            V._fail(ValueError, "rotary_cos.shape[0]", f">= {int(base.max()) + max(sq, sn)} "
-                  "positions", rotary_cos.shape[0])
-        q_pos = base[:, None] + (offs[:, :sq] if (causal or left >= 0 or right >= 0)
-                                 else 0 * offs[:, :sq])
+        reach = max(sq if q_moves else 1, sn)  # positions used past cache_seqlens[b]
+        if read_indices and b and int(base.max()) + reach > rotary_cos.shape[0]:
+            V._fail(ValueError, "rotary_cos.shape[0]", f">= {int(base.max()) + reach} "
+                  "positions (max(cache_seqlens) plus the new tokens)", rotary_cos.shape[0])
+        q_pos = base + (offs[:, :sq] if q_moves else 0 * offs[:, :sq])
         q = apply_rotary(q, rotary_cos, rotary_sin, q_pos, rotary_interleaved)
         if k is not None:
-            k = apply_rotary(k, rotary_cos, rotary_sin, base[:, None] + offs[:, :sn],
+            k = apply_rotary(k, rotary_cos, rotary_sin, base + offs[:, :sn],
                              rotary_interleaved)
     if k is not None and sn:
         pos = _cache_positions(cache_seqlens, sn)
@@ -284,4 +291,4 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         out, lse = _kvcache_attn_impl(*args, False)  # indices read above
     else:
         out, lse = kvcache_attn(*args, not read_indices)
-    return (out, lse) if return_lse else out
+    return (out, lse) if return_softmax_lse or return_lse else out

@@ -13,7 +13,7 @@ import math
 import torch
 
 from flashtile import _validate as V
-from flashtile import custom_ops
+from flashtile import custom_ops, reference
 
 
 @torch.compiler.assume_constant_result
@@ -32,14 +32,73 @@ def _attention(q, k, v, *, attn_mask, alibi_slopes, softmax_scale, diag_offset,
                window_left, window_right, softcap):
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(q.shape[-1])
+    # torch.sym_int, not int(): under torch.export int() of a symbolic size specializes
+    # it (seqlen_k - seqlen_q would be frozen to the example's difference).
     return custom_ops.attention(q, k, v, attn_mask, alibi_slopes, float(softmax_scale),
-                               int(diag_offset), window_left, window_right, float(softcap),
-                               _allow_tf32(q.dtype))
+                               torch.sym_int(diag_offset), window_left, window_right,
+                               float(softcap), _allow_tf32(q.dtype))
+
+
+# return_attn_probs (flash-attn's name): flash-attn then returns (out, softmax_lse,
+# S_dmask), where S_dmask holds probabilities only when dropout is on, for its own tests.
+# flashtile has no dropout and returns the exact probabilities instead, as a test aid:
+# dense, so only for small problems.
+ATTN_PROBS_MAX_ELEMENTS = 2**24  # 64 MiB of float32 probabilities
+
+
+def _check_probs_size(batch, nheads, seqlen_q, seqlen_k):
+    n = batch * nheads * seqlen_q * seqlen_k
+    if n > ATTN_PROBS_MAX_ELEMENTS:
+        V._fail(ValueError, "return_attn_probs", "batch * nheads * seqlen_q * seqlen_k <= "
+                f"ATTN_PROBS_MAX_ELEMENTS = {ATTN_PROBS_MAX_ELEMENTS} (the probabilities "
+                "are a dense test aid)",
+                f"{batch} * {nheads} * {seqlen_q} * {seqlen_k} = {n}",
+                "Use return_lse=True for the log-sum-exp alone")
+
+
+@torch.no_grad()
+def _attn_probs(q, k, rows, cols, seqlen_q, seqlen_k, *, softmax_scale, softcap,
+                alibi_slopes, window_left, window_right):
+    """softmax(scores) as float32 (batch, nheads, len(rows), len(cols)), from the
+    reference's scores (the one definition of scale, softcap, ALiBi and masks) in float64.
+    seqlen_q/seqlen_k are ints or (batch, 1, 1, 1) tensors (varlen); a row that sees no
+    key is 0, as its output is."""
+    if cols.numel() == 0:
+        return q.new_zeros((q.shape[0], q.shape[2], rows.numel(), 0), dtype=torch.float32)
+    s = reference._scores(q, reference._expand_kv(k, q.shape[2]), rows, cols,
+                          softmax_scale=softmax_scale, softcap=softcap,
+                          alibi_slopes=alibi_slopes, attn_mask=None,
+                          diag_offset=seqlen_k - seqlen_q, window_left=window_left,
+                          window_right=window_right, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
+                          dtype=torch.float64)
+    m = s.amax(dim=-1, keepdim=True)
+    p = torch.exp(s - torch.where(torch.isinf(m), 0.0, m))
+    l = p.sum(dim=-1, keepdim=True)
+    return (p / torch.where(l == 0, 1.0, l)).float()
+
+
+def _varlen_attn_probs(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, **kw):
+    """(batch, nheads, max_seqlen_q, max_seqlen_k): sequence b's probabilities in the top
+    left corner of [b], zeros around them. Pads by gathering (no host read, so it also
+    traces under torch.compile)."""
+    batch = cu_seqlens_q.numel() - 1
+    rows = torch.arange(max_seqlen_q, device=q.device)
+    cols = torch.arange(max_seqlen_k, device=q.device)
+    if q.shape[0] == 0 or k.shape[0] == 0:
+        return q.new_zeros((batch, q.shape[1], max_seqlen_q, max_seqlen_k),
+                           dtype=torch.float32)
+    starts_q, starts_k = cu_seqlens_q[:-1].long(), cu_seqlens_k[:-1].long()
+    # Rows past a sequence's end read a neighbour's (clamped) rows; the masks drop them.
+    q_pad = q[(starts_q[:, None] + rows).clamp(max=q.shape[0] - 1)]  # (b, max_q, h, d)
+    k_pad = k[(starts_k[:, None] + cols).clamp(max=k.shape[0] - 1)]  # (b, max_k, hkv, d)
+    lengths = [(cu[1:] - cu[:-1]).long().view(batch, 1, 1, 1)
+               for cu in (cu_seqlens_q, cu_seqlens_k)]
+    return _attn_probs(q_pad, k_pad, rows, cols, *lengths, **kw)
 
 
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
                     window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-                    deterministic=False, return_lse=False):
+                    deterministic=False, return_attn_probs=False, *, return_lse=False):
     """Exact attention, softmax(q k^T * softmax_scale) v, in flash-attn's layout.
 
     Arguments:
@@ -50,8 +109,8 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
             Any strides work as long as the last dim is contiguous.
         dropout_p: must be 0.0 (dropout is not implemented and raises).
         softmax_scale: scale of q k^T; default 1 / sqrt(head_dim).
-        causal: query i sees key j only if j <= i + seqlen_k - seqlen_q, i.e. the mask
-            is aligned to the bottom-right corner (flash-attn >= 2.1). With
+        causal: bool. Query i sees key j only if j <= i + seqlen_k - seqlen_q, i.e. the
+            mask is aligned to the bottom-right corner (flash-attn >= 2.1). With
             seqlen_q=2, seqlen_k=5 (1 = kept)::
 
                 1 1 1 1 0
@@ -59,38 +118,59 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
 
             and with seqlen_q=5, seqlen_k=2 the first three rows see no key at all:
             their output is 0 and their lse is -inf.
-        window_size: (left, right); query i sees keys in
+        window_size: (left, right) ints, or a 2-element integer tensor as flash-attn
+            accepts (read on the host; not under torch.compile); query i sees keys in
             [i + seqlen_k - seqlen_q - left, i + seqlen_k - seqlen_q + right].
             -1 means unbounded on that side. causal=True sets right to 0.
         softcap: if > 0, scores become softcap * tanh(scores / softcap) (before ALiBi).
         alibi_slopes: (nheads,) or (batch, nheads) float; adds
             -slope * |i + seqlen_k - seqlen_q - j| to the score of (i, j).
-        deterministic: accepted for compatibility. The backward is always
+        deterministic: bool, accepted for compatibility. The backward is always
             deterministic (no atomics: each program owns the gradient rows it writes),
             so gradients are bitwise identical from run to run with either value.
-        return_lse: also return lse.
+        return_attn_probs: bool (flash-attn's name, for testing): also return lse and
+            the attention probabilities, see below. At most ATTN_PROBS_MAX_ELEMENTS
+            (2**24) probabilities, batch * nheads * seqlen_q * seqlen_k; more raises.
+        return_lse: bool, keyword only (flashtile's name): also return lse.
 
     Returns:
         out: (batch, seqlen_q, nheads, head_dim), q's dtype.
-        lse (if return_lse): (batch, nheads, seqlen_q) float32, the natural-log
-            log-sum-exp of each row's final scores (scaled, capped, biased, masked);
-            -inf for a row that sees no key. It is differentiable.
+        lse (if return_lse or return_attn_probs): (batch, nheads, seqlen_q) float32, the
+            natural-log log-sum-exp of each row's final scores (scaled, capped, biased,
+            masked); -inf for a row that sees no key. It is differentiable.
+        probs (if return_attn_probs): (batch, nheads, seqlen_q, seqlen_k) float32,
+            softmax of the final scores computed exactly (float64, rounded once) from
+            the reference, 0 where masked and in rows that see no key; no gradient.
+            flash-attn's S_dmask is instead padded to multiples of 128, in q's dtype,
+            and empty of meaning without dropout (docs/flash-attn-compat.md).
     """
     b, sq, sk, h, hkv, d = V.check_qkv(q, k, v)
     left, right = V.check_flash_options(dropout_p, softmax_scale, softcap, window_size,
                                         causal)
+    V.check_bools(deterministic=deterministic, return_attn_probs=return_attn_probs,
+                  return_lse=return_lse)
     alibi_slopes = V.check_alibi(alibi_slopes, b, h, q.device)
+    if return_attn_probs:
+        _check_probs_size(b, h, sq, sk)
+    if softmax_scale is None:
+        softmax_scale = 1.0 / math.sqrt(d)
     out, lse = _attention(q, k, v, attn_mask=None, alibi_slopes=alibi_slopes,
                           softmax_scale=softmax_scale, diag_offset=sk - sq,
                           window_left=left, window_right=right, softcap=softcap)
+    if return_attn_probs:
+        probs = _attn_probs(q, k, torch.arange(sq, device=q.device),
+                            torch.arange(sk, device=q.device), sq, sk,
+                            softmax_scale=softmax_scale, softcap=softcap,
+                            alibi_slopes=alibi_slopes, window_left=left, window_right=right)
+        return out, lse, probs
     return (out, lse) if return_lse else out
 
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                            dropout_p=0.0, softmax_scale=None, causal=False,
                            window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-                           deterministic=False, return_lse=False, block_table=None, *,
-                           seqused_k=None):
+                           deterministic=False, return_attn_probs=False, block_table=None,
+                           *, return_lse=False, seqused_k=None):
     """flash_attn_func over packed sequences of different lengths, with no padding.
 
     Arguments:
@@ -120,14 +200,17 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
             sequence, as vLLM passes it; cu_seqlens_k may then be None (if both are
             given, seqused_k counts).
 
-    Returns out (total_q, nheads, head_dim) and, if return_lse, lse (nheads, total_q)
-    float32 (flash-attn's varlen layout), natural log, -inf for rows that see no key.
+    Returns out (total_q, nheads, head_dim); with return_lse or return_attn_probs, lse
+    (nheads, total_q) float32 (flash-attn's varlen layout), natural log, -inf for rows
+    that see no key; with return_attn_probs, probs (batch, nheads, max_seqlen_q,
+    max_seqlen_k) float32: sequence b's probabilities in the top-left corner of probs[b],
+    zeros elsewhere (at most ATTN_PROBS_MAX_ELEMENTS elements).
 
     With a block_table, cu_seqlens_q, the key lengths and the block indices are read on
     the host when the op runs, also inside a torch.compile graph (as in
     flash_attn_with_kvcache): a bad value raises ValueError instead of reaching the
     kernel. While a CUDA graph is captured no read is possible: the values are then the
-    caller's responsibility.
+    caller's responsibility. return_attn_probs is not available with a block_table.
     """
     if block_table is not None:
         batch, h, hkv, d = V.check_paged_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k,
@@ -147,43 +230,87 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                                           max_seqlen_q, max_seqlen_k)
     left, right = V.check_flash_options(dropout_p, softmax_scale, softcap, window_size,
                                         causal)
+    V.check_bools(deterministic=deterministic, return_attn_probs=return_attn_probs,
+                  return_lse=return_lse)
     alibi_slopes = V.check_alibi(alibi_slopes, batch, h, q.device)
+    if return_attn_probs:
+        if block_table is not None:
+            V._fail(ValueError, "return_attn_probs", "False with block_table (the "
+                    "probabilities are computed from packed k)", "True")
+        _check_probs_size(batch, h, max_seqlen_q, max_seqlen_k)
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(d)
     cu_seqlens_k, seqused_k = (x.contiguous() if x is not None else None
                                for x in (cu_seqlens_k, seqused_k))
     out, lse = custom_ops.varlen_attention(
-        q, k, v, cu_seqlens_q.contiguous(), cu_seqlens_k, int(max_seqlen_q),
-        int(max_seqlen_k),
-        alibi_slopes, float(softmax_scale), left, right, float(softcap),
-        _allow_tf32(q.dtype), block_table, seqused_k)
+        q, k, v, cu_seqlens_q.contiguous(), cu_seqlens_k, torch.sym_int(max_seqlen_q),
+        torch.sym_int(max_seqlen_k), alibi_slopes, float(softmax_scale), left, right,
+        float(softcap), _allow_tf32(q.dtype), block_table, seqused_k)
+    if return_attn_probs:
+        probs = _varlen_attn_probs(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                   max_seqlen_k, softmax_scale=softmax_scale,
+                                   softcap=softcap, alibi_slopes=alibi_slopes,
+                                   window_left=left, window_right=right)
+        return out, lse, probs
     return (out, lse) if return_lse else out
 
 
 def _unpack(x, name, index_dim, count):
-    V.check_tensor(x, name, 5)  # so a wrong dtype is reported as "qkv", not "q"
+    """Views of a packed qkv / kv tensor: ``count`` tensors along ``index_dim``."""
+    rank = index_dim + 3
+    V.check_tensor(x, name, rank)  # so a wrong dtype is reported as "qkv", not "q"
     if x.shape[index_dim] != count:
-        V._fail(ValueError, f"{name}.shape", f"a 5-d tensor with size {count} at dim "
+        V._fail(ValueError, f"{name}.shape", f"a {rank}-d tensor with size {count} at dim "
                 f"{index_dim}", tuple(x.shape))
     return x.unbind(index_dim)
 
 
 def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False,
                               window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-                              deterministic=False, return_lse=False):
+                              deterministic=False, return_attn_probs=False, *,
+                              return_lse=False):
     """flash_attn_func with qkv (batch, seqlen, 3, nheads, head_dim); views, no copies."""
     q, k, v = _unpack(qkv, "qkv", 2, 3)
     return flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
-                           alibi_slopes, deterministic, return_lse)
+                           alibi_slopes, deterministic, return_attn_probs,
+                           return_lse=return_lse)
 
 
 def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=False,
                              window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-                             deterministic=False, return_lse=False):
+                             deterministic=False, return_attn_probs=False, *,
+                             return_lse=False):
     """flash_attn_func with kv (batch, seqlen_k, 2, nheads_kv, head_dim)."""
     k, v = _unpack(kv, "kv", 2, 2)
     return flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
-                           alibi_slopes, deterministic, return_lse)
+                           alibi_slopes, deterministic, return_attn_probs,
+                           return_lse=return_lse)
+
+
+def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0,
+                                     softmax_scale=None, causal=False, window_size=(-1, -1),
+                                     softcap=0.0, alibi_slopes=None, deterministic=False,
+                                     return_attn_probs=False, *, return_lse=False):
+    """flash_attn_varlen_func with qkv (total, 3, nheads, head_dim): q, k and v share
+    cu_seqlens and max_seqlen."""
+    q, k, v = _unpack(qkv, "qkv", 1, 3)
+    return flash_attn_varlen_func(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
+                                  dropout_p, softmax_scale, causal, window_size, softcap,
+                                  alibi_slopes, deterministic, return_attn_probs,
+                                  return_lse=return_lse)
+
+
+def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                    max_seqlen_k, dropout_p=0.0, softmax_scale=None,
+                                    causal=False, window_size=(-1, -1), softcap=0.0,
+                                    alibi_slopes=None, deterministic=False,
+                                    return_attn_probs=False, *, return_lse=False):
+    """flash_attn_varlen_func with kv (total_k, 2, nheads_kv, head_dim)."""
+    k, v = _unpack(kv, "kv", 1, 2)
+    return flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                  max_seqlen_k, dropout_p, softmax_scale, causal,
+                                  window_size, softcap, alibi_slopes, deterministic,
+                                  return_attn_probs, return_lse=return_lse)
 
 
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0,
@@ -197,6 +324,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     PyTorch (query i sees keys j <= i). A row whose mask excludes every key returns 0.
     Value must share the query's head_dim; dropout_p must be 0.
     """
+    V.check_bools(is_causal=is_causal, enable_gqa=enable_gqa)
     for x, name in ((query, "query"), (key, "key"), (value, "value")):
         if not isinstance(x, torch.Tensor):
             V._fail(TypeError, name, "a torch.Tensor", type(x).__name__)

@@ -8,8 +8,9 @@ keys B (A and B disjoint), the attention over A u B is, per query row and head::
 
 This is the combine step of split-KV decoding and of cascade / shared-prefix attention
 (FlashInfer's ``merge_state``, vLLM's ``merge_attn_states``). The module reads top to
-bottom: the Triton kernel, then the public launcher (validation, backend choice,
-launch). The PyTorch version with the same arguments is
+bottom: the Triton kernel, its launcher, the ``flashtile::merge_attn_states`` custom op
+(torch.compile's view of the launcher), then the public function (validation, backend
+choice). The PyTorch version with the same arguments is
 ``flashtile.reference.merge_attention_states_ref``.
 """
 
@@ -20,9 +21,11 @@ import logging
 import torch
 import triton
 import triton.language as tl
+from torch import Tensor
 
 from flashtile import _validate as V
 from flashtile._backend import select_backend
+from flashtile.custom_ops import _plain_eager
 from flashtile.ops import configs
 from flashtile.reference import merge_attention_states_ref
 
@@ -135,6 +138,55 @@ def _check_merge_inputs(out_a, lse_a, out_b, lse_b, return_lse):
     return b, s, h, d
 
 
+def _merge_launch(out_a, lse_a, out_b, lse_b, return_lse):
+    """Launch the merge kernel on validated inputs: out, and lse if return_lse."""
+    b, s, h, d = out_a.shape
+    out = torch.empty((b, s, h, d), dtype=out_a.dtype, device=out_a.device)
+    lse = torch.empty((b, h, s), dtype=torch.float32, device=out_a.device) \
+        if return_lse else None
+    # Without return_lse the kernel stores no lse: out stands in as a never-written
+    # pointer with zero strides.
+    p_lse, lse_strides = (lse, lse.stride()) if return_lse else (out, (0, 0, 0))
+    if out.numel():
+        block_d = configs.next_power_of_2(d)
+        _log_first_launch(out.device, out.dtype, block_d)
+        _merge_attention_states_kernel[(b * s, h)](
+            OutA=out_a, LseA=lse_a, OutB=out_b, LseB=lse_b, Out=out, Lse=p_lse,
+            stride_oa_b=out_a.stride(0), stride_oa_s=out_a.stride(1),
+            stride_oa_h=out_a.stride(2),
+            stride_ob_b=out_b.stride(0), stride_ob_s=out_b.stride(1),
+            stride_ob_h=out_b.stride(2),
+            stride_o_b=out.stride(0), stride_o_s=out.stride(1), stride_o_h=out.stride(2),
+            stride_la_b=lse_a.stride(0), stride_la_h=lse_a.stride(1),
+            stride_la_s=lse_a.stride(2),
+            stride_lb_b=lse_b.stride(0), stride_lb_h=lse_b.stride(1),
+            stride_lb_s=lse_b.stride(2),
+            stride_l_b=lse_strides[0], stride_l_h=lse_strides[1],
+            stride_l_s=lse_strides[2],
+            seqlen=s, head_dim=d,
+            BLOCK_D=block_d, EVEN_D=block_d == d, STORE_LSE=return_lse,
+        )
+    return (out, lse) if return_lse else out
+
+
+def _merge_op_impl(out_a: Tensor, lse_a: Tensor, out_b: Tensor,
+                   lse_b: Tensor) -> tuple[Tensor, Tensor]:
+    return _merge_launch(out_a, lse_a, out_b, lse_b, return_lse=True)
+
+
+# One opaque node under torch.compile, torch.export and fake tensors: Dynamo cannot
+# trace the launcher (its first-launch log line is a graph break under fullgraph).
+# Plain eager calls skip it and launch directly, storing lse only when asked.
+merge_attn_states = torch.library.custom_op("flashtile::merge_attn_states",
+                                            mutates_args=())(_merge_op_impl)
+
+
+@merge_attn_states.register_fake
+def _(out_a, lse_a, out_b, lse_b):
+    b, s, h, d = out_a.shape
+    return out_a.new_empty((b, s, h, d)), out_a.new_empty((b, h, s), dtype=torch.float32)
+
+
 def merge_attention_states(out_a, lse_a, out_b, lse_b, return_lse=True):
     """Attention over keys A u B from the attentions over disjoint key sets A and B.
 
@@ -164,35 +216,12 @@ def merge_attention_states(out_a, lse_a, out_b, lse_b, return_lse=True):
     runs the PyTorch version instead (same result up to fp32 rounding, differentiable
     by autograd, but several elementwise passes over out instead of the kernel's one).
     """
-    b, s, h, d = _check_merge_inputs(out_a, lse_a, out_b, lse_b, return_lse)
+    _check_merge_inputs(out_a, lse_a, out_b, lse_b, return_lse)
     needs_grad = torch.is_grad_enabled() and any(
         x.requires_grad for x in (out_a, lse_a, out_b, lse_b))
     if needs_grad or select_backend(out_a.device) == "torch":
         return merge_attention_states_ref(out_a, lse_a, out_b, lse_b, return_lse)
-
-    out = torch.empty((b, s, h, d), dtype=out_a.dtype, device=out_a.device)
-    lse = torch.empty((b, h, s), dtype=torch.float32, device=out_a.device) \
-        if return_lse else None
-    # Without return_lse the kernel stores no lse: out stands in as a never-written
-    # pointer with zero strides.
-    p_lse, lse_strides = (lse, lse.stride()) if return_lse else (out, (0, 0, 0))
-    if out.numel():
-        block_d = configs.next_power_of_2(d)
-        _log_first_launch(out.device, out.dtype, block_d)
-        _merge_attention_states_kernel[(b * s, h)](
-            OutA=out_a, LseA=lse_a, OutB=out_b, LseB=lse_b, Out=out, Lse=p_lse,
-            stride_oa_b=out_a.stride(0), stride_oa_s=out_a.stride(1),
-            stride_oa_h=out_a.stride(2),
-            stride_ob_b=out_b.stride(0), stride_ob_s=out_b.stride(1),
-            stride_ob_h=out_b.stride(2),
-            stride_o_b=out.stride(0), stride_o_s=out.stride(1), stride_o_h=out.stride(2),
-            stride_la_b=lse_a.stride(0), stride_la_h=lse_a.stride(1),
-            stride_la_s=lse_a.stride(2),
-            stride_lb_b=lse_b.stride(0), stride_lb_h=lse_b.stride(1),
-            stride_lb_s=lse_b.stride(2),
-            stride_l_b=lse_strides[0], stride_l_h=lse_strides[1],
-            stride_l_s=lse_strides[2],
-            seqlen=s, head_dim=d,
-            BLOCK_D=block_d, EVEN_D=block_d == d, STORE_LSE=return_lse,
-        )
+    if _plain_eager((out_a, lse_a, out_b)):
+        return _merge_launch(out_a, lse_a, out_b, lse_b, return_lse)
+    out, lse = merge_attn_states(out_a, lse_a, out_b, lse_b)
     return (out, lse) if return_lse else out

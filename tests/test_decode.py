@@ -8,6 +8,7 @@ import torch
 import flashtile
 from flashtile.inference import apply_rotary
 from flashtile.ops import configs
+from flashtile.reference import attention_naive
 
 
 def _dtype(on_gpu):
@@ -216,6 +217,79 @@ def test_append_writes_cache_and_rotary(backend, device, on_gpu):
     ref = flashtile.flash_attn_with_kvcache(q_rot, k_copy, v_copy,
                                             cache_seqlens=seqlens + n, causal=True)
     torch.testing.assert_close(out, ref, rtol=0, atol=0)
+
+
+def _rotary_ref(x, cos, sin, positions, interleaved):
+    """flash-attn's apply_rotary_emb at integer positions (b, s), in float64: the first
+    rotary_dim dims rotated as complex pairs, (x0, x1) pairs (GPT-J) or halves (NeoX)."""
+    rd = cos.shape[1] * 2
+    angle = torch.complex(cos.double(), sin.double())[positions][:, :, None, :]
+    xr = x[..., :rd].double()
+    if interleaved:
+        z = torch.view_as_complex(xr.unflatten(-1, (rd // 2, 2)).contiguous()) * angle
+        rot = torch.view_as_real(z).flatten(-2)
+    else:
+        z = torch.complex(xr[..., :rd // 2], xr[..., rd // 2:]) * angle
+        rot = torch.cat((z.real, z.imag), dim=-1)
+    return torch.cat((rot, x[..., rd:].double()), dim=-1)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("interleaved", [False, True], ids=["neox", "gptj"])
+def test_leftpad_rotary_positions_are_absolute(causal, interleaved, backend, device,
+                                               on_gpu):
+    """Regression (issue 13, item 11): with cache_leftpad, flash-attn rotates the new keys
+    at their cache positions cache_seqlens[b] + i (and q there, or at cache_seqlens[b]
+    when neither causal nor local), as its tests' reference does; flashtile rotated them
+    at cache_seqlens[b] - cache_leftpad[b] + i. Checked: the cache written and the
+    output, against a float64 rotation and the float64 oracle."""
+    b, s, h, hkv, d, n = 2, 48, 4, 2, 32, 3
+    dtype = _dtype(on_gpu)
+    k_cache, v_cache = _cache(b, s, hkv, d, device, dtype)
+    want_k, want_v = k_cache.clone(), v_cache.clone()
+    seqlens = torch.tensor([20, 9], dtype=torch.int32, device=device)
+    leftpad = torch.tensor([7, 0], dtype=torch.int32, device=device)
+    q = torch.randn(b, n, h, d, device=device, dtype=dtype)
+    k_new, v_new = (torch.randn(b, n, hkv, d, device=device, dtype=dtype) for _ in "kv")
+    angle = torch.rand(s, 8, device=device) * 6.3
+    cos, sin = angle.cos().to(dtype), angle.sin().to(dtype)
+    out = flashtile.flash_attn_with_kvcache(
+        q, k_cache, v_cache, k_new, v_new, rotary_cos=cos, rotary_sin=sin,
+        cache_seqlens=seqlens, cache_leftpad=leftpad, causal=causal,
+        rotary_interleaved=interleaved)
+
+    pos = seqlens.long()[:, None] + torch.arange(n, device=device)   # absolute positions
+    k_rot = _rotary_ref(k_new, cos, sin, pos, interleaved)
+    q_rot = _rotary_ref(q, cos, sin, pos if causal else pos[:, :1].expand(b, n),
+                        interleaved)
+    for i in range(b):
+        L = int(seqlens[i])
+        want_k[i, L:L + n], want_v[i, L:L + n] = k_rot[i].to(dtype), v_new[i]
+    tol = dict(rtol=2e-2, atol=2e-2) if on_gpu else dict(rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(k_cache, want_k, **tol)
+    torch.testing.assert_close(v_cache, want_v, rtol=0, atol=0)
+    for i in range(b):
+        p, L = int(leftpad[i]), int(seqlens[i]) + n
+        ref, _ = attention_naive(q_rot[i:i + 1], want_k[i:i + 1, p:L].double(),
+                                 want_v[i:i + 1, p:L].double(), causal=causal)
+        torch.testing.assert_close(out[i:i + 1], ref.to(dtype), **_tol(on_gpu))
+
+
+def test_rotary_table_needs_only_the_rows_it_reads(device):
+    """Regression: rotary_cos needs max(cache_seqlens) + the rows used past it, and a
+    non-causal q sits at one position (cache_seqlens[b]), so 4 queries with 1 new key at
+    position 15 read rows 15 only: a 16-row table is enough (flashtile asked for 19, and
+    flash-attn's own tests, whose table is the cache length, hit that). Causal queries
+    sit at 15..18 and do need 19 rows."""
+    q = torch.randn(1, 4, 2, 16, device=device)
+    k_cache, v_cache = (torch.zeros(1, 16, 2, 16, device=device) for _ in "kv")
+    k_new, v_new = (torch.randn(1, 1, 2, 16, device=device) for _ in "kv")
+    cos, sin = (torch.rand(16, 8, device=device) for _ in "cs")
+    kw = dict(rotary_cos=cos, rotary_sin=sin, cache_seqlens=15)
+    flashtile.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, **kw)
+    with pytest.raises(ValueError, match=r"rotary_cos.shape\[0\]: expected >= 19 positions"):
+        flashtile.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, causal=True,
+                                          **kw)
 
 
 def test_batch_idx_and_leftpad(backend, device, on_gpu):

@@ -36,6 +36,8 @@ def _last_dim_strided(*shape):
     return x
 
 
+WINDOW_TYPES = "a pair of ints (left, right), or a 2-element integer tensor"
+
 # Each case: (change to the valid arguments, error type, literal message fragment).
 # The fragment always holds the argument's name and the value that was given.
 FLASH_CASES = [
@@ -93,16 +95,16 @@ FLASH_CASES = [
                  "window_size: expected each bound >= 0, or -1 for unbounded, got (-2, 0)",
                  id="window-minus-2"),
     pytest.param(lambda q, k, v: dict(window_size=(1, 2, 3)), TypeError,
-                 "window_size: expected a pair of ints (left, right), got (1, 2, 3)",
+                 f"window_size: expected {WINDOW_TYPES}, got (1, 2, 3)",
                  id="window-3-tuple"),
     pytest.param(lambda q, k, v: dict(window_size=(4.0, 0.0)), TypeError,
-                 "window_size: expected a pair of ints (left, right), got (4.0, 0.0)",
+                 f"window_size: expected {WINDOW_TYPES}, got (4.0, 0.0)",
                  id="window-floats"),
     pytest.param(lambda q, k, v: dict(window_size=4), TypeError,
-                 "window_size: expected a pair of ints (left, right), got 4",
+                 f"window_size: expected {WINDOW_TYPES}, got 4",
                  id="window-int"),
     pytest.param(lambda q, k, v: dict(window_size=(True, False)), TypeError,
-                 "window_size: expected a pair of ints (left, right), got (True, False)",
+                 f"window_size: expected {WINDOW_TYPES}, got (True, False)",
                  id="window-bools"),
     pytest.param(lambda q, k, v: dict(alibi_slopes=torch.rand(3)), ValueError,
                  f"alibi_slopes.shape: expected ({H},) or ({B}, {H}), got (3,)",
@@ -201,6 +203,47 @@ PACKED_CASES = [
 def test_packed_rejects(call, error, message):
     with pytest.raises(error, match=re.escape(message)):
         call()
+
+
+def _flag_call(fn_name):
+    """A valid call of a public function, taking one extra keyword argument."""
+    q, k, v = _qkv()
+    cu = torch.tensor([0, S], dtype=torch.int32)
+    calls = {
+        "flash_attn_func": lambda **kw: flashtile.flash_attn_func(q, k, v, **kw),
+        "flash_attn_qkvpacked_func": lambda **kw: flashtile.flash_attn_qkvpacked_func(
+            torch.randn(B, S, 3, H, D), **kw),
+        "flash_attn_varlen_func": lambda **kw: flashtile.flash_attn_varlen_func(
+            q[0], k[0], v[0], cu, cu, S, S, **kw),
+        "flash_attn_varlen_kvpacked_func":
+            lambda **kw: flashtile.flash_attn_varlen_kvpacked_func(
+                q[0], torch.randn(S, 2, HKV, D), cu, cu, S, S, **kw),
+        "scaled_dot_product_attention":
+            lambda **kw: flashtile.scaled_dot_product_attention(*_sdpa_inputs(), **kw),
+        "flash_attn_with_kvcache": lambda **kw: flashtile.flash_attn_with_kvcache(
+            q, k, v, cache_seqlens=S, **kw),
+    }
+    return calls[fn_name]
+
+
+# Regression (issue 13, item 8): causal="yes" was taken as True. Every flag is a bool.
+FLAG_CASES = [
+    *((fn, flag) for fn in ("flash_attn_func", "flash_attn_qkvpacked_func",
+                            "flash_attn_varlen_func", "flash_attn_varlen_kvpacked_func")
+      for flag in ("causal", "deterministic", "return_attn_probs", "return_lse")),
+    ("scaled_dot_product_attention", "is_causal"),
+    ("scaled_dot_product_attention", "enable_gqa"),
+    *(("flash_attn_with_kvcache", flag) for flag in (
+        "causal", "rotary_interleaved", "return_softmax_lse", "return_lse")),
+]
+
+
+@pytest.mark.parametrize("fn_name, flag", FLAG_CASES)
+@pytest.mark.parametrize("value", ["yes", 1, None], ids=["str", "int", "None"])
+def test_flags_must_be_bools(fn_name, flag, value):
+    with pytest.raises(TypeError, match=re.escape(
+            f"{flag}: expected a bool, got {type(value).__name__} {value!r}")):
+        _flag_call(fn_name)(**{flag: value})
 
 
 def _sdpa_inputs(b=B, h=H, hkv=H, s=S, d=D):
