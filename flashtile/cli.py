@@ -14,6 +14,7 @@ Each command is one ``add_<command>`` function that registers its parser and han
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import math
 import statistics
@@ -313,8 +314,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    parser = build_parser()
     argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["bench"] and argv[1:2] in (["serve"], ["throughput"]):
+        # Engine benchmarks with parsers of their own (argparse hands no unparsed
+        # options down to a sub-parser).
+        return importlib.import_module(f"flashtile.bench.{argv[1]}").main(argv[2:])
+    parser = build_parser()
     args = parser.parse_args(argv)
     args.argv = argv  # recorded in the bench JSON as the command line
     if args.command is None:
