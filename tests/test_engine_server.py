@@ -149,6 +149,12 @@ def test_chat_equals_llm_chat(server, llm):
                for e in content)
     assert body["usage"]["prompt_tokens"] == len(want.prompt_token_ids)
     assert body["usage"]["completion_tokens"] == 6
+    # No max_tokens: OpenAI's chat default, up to the context length (not 16).
+    _, body = post(server, "/v1/chat/completions", dict(messages=messages, **_greedy(
+        max_tokens=None)))
+    usage = body["usage"]
+    assert usage["total_tokens"] == MAX_MODEL_LEN and usage["completion_tokens"] > 16
+    assert body["choices"][0]["finish_reason"] == "length"
 
 
 @pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
@@ -207,11 +213,11 @@ def test_concurrent_clients_get_their_own_answers(server, llm):
     _assert_idle(llm)
 
 
-def test_client_leaving_mid_stream_frees_its_pages(server, llm, monkeypatch):
+@pytest.mark.parametrize("stream", [True, False], ids=["stream", "whole"])
+def test_client_leaving_frees_its_pages(server, llm, monkeypatch, stream):
     bm = llm.block_manager
     assert bm.num_free_blocks == bm.num_blocks
-    step, aborted = llm.step, []
-    abort = llm.abort_request
+    step, abort, aborted = llm.step, llm.abort_request, []
 
     def slow_step():  # 20 ms a step: the request is far from done when the client leaves
         time.sleep(0.02)
@@ -224,23 +230,36 @@ def test_client_leaving_mid_stream_frees_its_pages(server, llm, monkeypatch):
     monkeypatch.setattr(llm, "step", slow_step)
     monkeypatch.setattr(llm, "abort_request", spy_abort)
 
-    async def leave_after_two_chunks():
+    async def leave_midway():
         reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
-        body = json.dumps(dict(prompt=list(range(3, 33)), stream=True,
+        body = json.dumps(dict(prompt=list(range(3, 33)), stream=stream,
                                **_greedy(max_tokens=30))).encode()
         writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
                      b"application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
         await writer.drain()
-        seen = b""
-        while seen.count(b"data: ") < 2:
-            seen += await reader.read(4096)
+        if stream:  # two tokens streamed
+            seen = b""
+            while seen.count(b"data: ") < 2:
+                seen += await reader.read(4096)
+        else:  # the request is running
+            while bm.num_free_blocks == bm.num_blocks:
+                await asyncio.sleep(0.005)
         in_use = bm.num_blocks - bm.num_free_blocks
         writer.close()
         return in_use
 
-    assert run(leave_after_two_chunks()) >= 2  # 30 prompt tokens + 2 in pages of 16
+    assert run(leave_midway()) >= 2  # 30 prompt tokens and more, in pages of 16
     _assert_idle(llm)
     assert len(aborted) == 1
+
+
+def test_health_fails_when_the_engine_loop_is_gone(llm):
+    engine = AsyncEngine(lambda: llm)
+    with ServerThread(build_app(engine, MODEL)) as s:
+        assert run(_request(s.url + "/health", method="GET"))[0] == 200
+        s.loop.call_soon_threadsafe(engine._task.cancel)
+        status, out = run(_request(s.url + "/health", method="GET"))
+        assert status == 503 and out["error"]["type"] == "internal_server_error"
 
 
 BAD = [  # (path, body (dict, or raw bytes), status, param, code)
@@ -316,3 +335,22 @@ def test_engine_failure_is_a_500_and_the_server_goes_on(server, llm, monkeypatch
     _assert_idle(llm)
     status, out = post(server, "/v1/completions", dict(prompt="Hi", **_greedy()))
     assert status == 200 and out["usage"]["completion_tokens"] == 8
+
+
+def test_serve_command(llm, monkeypatch, capsys, tmp_path):
+    from flashtile.cli import main
+    from flashtile.engine import server as server_module
+
+    calls = []
+    monkeypatch.setattr(server_module.web, "run_app",
+                        lambda app, **kw: calls.append((app, kw)))
+    assert main(["serve", llm.config.model, "--port", "8123", "--served-model-name", "tiny",
+                 "--dtype", "float32", "--device", "cpu", "--max-model-len", "48",
+                 "--page-size", "16", "--kv-cache-memory", "64KiB"]) == 0
+    (app, kw), = calls
+    assert kw == dict(host="127.0.0.1", port=8123, handler_cancellation=True, print=None)
+    # 64 KiB / (2 x 2 layers x 2 heads x 16 x 4 bytes a token) = 128 tokens = 8 pages.
+    assert "'tiny' on http://127.0.0.1:8123 (8 KV pages of 16 tokens, max_model_len 48)" \
+        in capsys.readouterr().out
+    assert main(["serve", str(tmp_path), "--device", "cpu"]) == 2
+    assert "model: expected a directory with config.json" in capsys.readouterr().err

@@ -147,9 +147,9 @@ def compute_metrics(results, duration, slo_ttft_ms=None, slo_tpot_ms=None) -> di
 async def send_request(session, url, model, prompt, max_tokens) -> RequestResult:
     """One streamed completion; never raises (a failure is recorded in the result)."""
     result = RequestResult(prompt_len=len(prompt))
+    # vLLM's payload: the server's default sampling (no temperature sent).
     payload = {"model": model, "prompt": prompt, "max_tokens": max_tokens,
-               "temperature": 0.0, "ignore_eos": True, "stream": True,
-               "stream_options": {"include_usage": True}}
+               "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
     chunks, buffer = 0, b""
     result.start = last = time.perf_counter()
     try:

@@ -42,6 +42,11 @@ class AsyncEngine:
             pass
         self._executor.shutdown(wait=True)  # lets a running step finish
 
+    @property
+    def running(self) -> bool:
+        """Whether the loop is there to step the engine (started and not dead)."""
+        return self._task is not None and not self._task.done()
+
     async def _call(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
 

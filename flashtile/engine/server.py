@@ -28,6 +28,7 @@ import asyncio
 import json
 import logging
 import re
+import sys
 import time
 import uuid
 
@@ -42,8 +43,7 @@ from flashtile.engine.sampling_params import SamplingParams
 log = logging.getLogger("flashtile.engine")
 
 SAMPLING_FIELDS = ("n", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
-                   "seed", "stop", "stop_token_ids", "max_tokens", "ignore_eos",
-                   "skip_special_tokens")
+                   "seed", "stop", "stop_token_ids", "ignore_eos", "skip_special_tokens")
 # Field -> the values that mean "off"; anything else asks for what the engine lacks.
 UNSUPPORTED = {"echo": (None, False), "best_of": (None, 1), "suffix": (None, ""),
                "logit_bias": (None, {}), "presence_penalty": (None, 0),
@@ -69,6 +69,11 @@ def _param_of(err: Exception):
 
 
 # ---- requests -------------------------------------------------------------------------
+def _first(body, *names, default=None):
+    """The first of the fields that is present and not null."""
+    return next((body[n] for n in names if body.get(n) is not None), default)
+
+
 def _is_token(t):
     return isinstance(t, int) and not isinstance(t, bool)
 
@@ -133,11 +138,11 @@ def _stream_flags(body) -> tuple[bool, bool]:
     return True, usage
 
 
-def _sampling_params(body, logprobs, **overrides) -> SamplingParams:
+def _sampling_params(body, logprobs, max_tokens) -> SamplingParams:
+    """The request's SamplingParams; a field sent as null takes its default."""
     kw = {k: body[k] for k in SAMPLING_FIELDS if body.get(k) is not None}
-    kw.update({k: v for k, v in overrides.items() if v is not None})
     try:
-        return SamplingParams(logprobs=logprobs, **kw)
+        return SamplingParams(logprobs=logprobs, max_tokens=max_tokens, **kw)
     except (TypeError, ValueError) as err:
         raise RequestError(str(err), _param_of(err)) from None
 
@@ -153,6 +158,9 @@ class OpenAIServer:
         self.created = int(time.time())
 
     async def health(self, request):
+        if not self.engine.running:
+            raise RequestError("the engine loop has stopped", status=503,
+                               type="internal_server_error")
         return web.Response(status=200)
 
     async def models(self, request):
@@ -168,7 +176,8 @@ class OpenAIServer:
         if logprobs is not None and (not _is_token(logprobs) or logprobs < 0):
             raise RequestError(f"logprobs: expected null or an int >= 0, got "
                                f"{json.dumps(logprobs)}", "logprobs")
-        params = _sampling_params(body, logprobs)
+        # OpenAI's default: 16 tokens.
+        params = _sampling_params(body, logprobs, _first(body, "max_tokens", default=16))
         prompts = _parse_prompts(body)
         if any(isinstance(p, str) for p in prompts):
             prompts = await asyncio.to_thread(self._encode, prompts)
@@ -186,8 +195,9 @@ class OpenAIServer:
             raise RequestError(f"top_logprobs: expected 0 or null (flashtile returns the "
                                f"chosen token's logprob only), got {json.dumps(top)}",
                                "top_logprobs")
+        # OpenAI's default: no limit but the context (max_tokens=None: up to max_model_len).
         params = _sampling_params(body, 0 if want else None,
-                                  max_tokens=body.get("max_completion_tokens"))
+                                  _first(body, "max_completion_tokens", "max_tokens"))
         messages = _parse_messages(body)
         if self.tokenizer is None:
             raise RequestError("messages: expected a model with tokenizer.json and a chat "
@@ -423,7 +433,8 @@ def add_serve(commands):
 
 def _serve(args) -> int:
     if web is None:
-        print("flashtile serve needs aiohttp: pip install 'flashtile[engine]'")
+        print("flashtile serve needs aiohttp: pip install 'flashtile[engine]'",
+              file=sys.stderr)
         return 2
     from flashtile.engine.llm import LLM
 
@@ -435,11 +446,19 @@ def _serve(args) -> int:
               attention_backend=args.attention_backend, load_format=args.load_format,
               seed=args.seed)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    engine = AsyncEngine(lambda: LLM(args.model, **kw))
+    try:
+        engine = AsyncEngine(lambda: LLM(args.model, **kw))
+    except ValueError as err:  # a bad checkpoint or engine option: say which
+        print(f"flashtile serve: {err}", file=sys.stderr)
+        return 2
     name = args.served_model_name or args.model
     print(f"flashtile serve: {name!r} on http://{args.host}:{args.port} "
           f"({engine.llm.runner.num_blocks} KV pages of {engine.llm.config.page_size} "
           f"tokens, max_model_len {engine.llm.config.max_model_len})", flush=True)
-    web.run_app(build_app(engine, name), host=args.host, port=args.port,
-                handler_cancellation=True, print=None)
+    try:
+        web.run_app(build_app(engine, name), host=args.host, port=args.port,
+                    handler_cancellation=True, print=None)
+    except OSError as err:  # the port is taken, the host is not this machine's
+        print(f"flashtile serve: {err}", file=sys.stderr)
+        return 1
     return 0
