@@ -131,6 +131,8 @@ def test_end_to_end_against_flashtile_serve(server, tmp_path, capsys):
     table = capsys.readouterr().out.splitlines()
     assert table[0].startswith("| rate req/s |") and table[2].startswith("| 50 |")
     assert table[3].startswith("| inf |")
+    assert (tmp_path / "serve.md").read_text().count("\n| ") == 4  # header, rule, 2 rates
+    assert (tmp_path / "serve.png").stat().st_size > 0
 
 
 def test_streamed_chunks_are_tokens(server):

@@ -33,6 +33,7 @@ import argparse
 import asyncio
 import json
 import math
+import os
 import random
 import shlex
 import sys
@@ -326,6 +327,45 @@ def sweep_markdown(runs) -> str:
     return "\n".join(lines)
 
 
+def plot_sweep(runs, path) -> None:
+    """Throughput and p99 latencies against the configured rate (a sweep), as a PNG."""
+    import matplotlib
+    import matplotlib.ticker
+
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+
+    labels = [f"{r['request_rate']:g}" for r in runs]
+    ms = [r["metrics"] for r in runs]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4), gridspec_kw={"wspace": 0.4})
+    left.plot(labels, [m["output_throughput"] for m in ms], marker="o", label="output tok/s")
+    left.set_ylabel("output tokens/s")
+    twin = left.twinx()
+    twin.plot(labels, [m["request_throughput"] for m in ms], marker="s", color="tab:green",
+              label="requests/s done")
+    twin.plot(labels, [m["request_goodput"] for m in ms], marker="^", color="tab:red",
+              label="goodput req/s")
+    twin.set_ylabel("requests/s")
+    left.legend(loc="upper left")
+    twin.legend(loc="lower right")
+    for key, color in (("ttft", "tab:blue"), ("tpot", "tab:orange"), ("itl", "tab:gray")):
+        right.plot(labels, [m[f"p99_{key}_ms"] for m in ms], marker="o", color=color,
+                   label=f"p99 {key.upper()}")
+    for key, color in (("slo_ttft_ms", "tab:blue"), ("slo_tpot_ms", "tab:orange")):
+        right.axhline(ms[0][key], color=color, linestyle="--", linewidth=1)
+    right.set_yscale("log")
+    right.yaxis.set_major_locator(matplotlib.ticker.LogLocator(subs=(1.0, 2.0, 5.0)))
+    right.yaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
+    right.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+    right.set_ylabel("ms (dashed: SLO)")
+    right.legend()
+    for ax in (left, right):
+        ax.set_xlabel("request rate (req/s)")
+        ax.grid(True, alpha=0.3)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+
+
 def _strict(x):
     """Infinite rates as "inf": json.dump would write Infinity, which is not JSON."""
     if isinstance(x, float) and math.isinf(x):
@@ -368,7 +408,8 @@ def main(argv=None) -> int:
     p.add_argument("--slo-ttft-ms", type=float, default=1000.0)
     p.add_argument("--slo-tpot-ms", type=float, default=50.0)
     p.add_argument("--no-progress", action="store_true")
-    p.add_argument("--out", default="serve.json", help="JSON results file")
+    p.add_argument("--out", default="serve.json",
+                   help="JSON results; the markdown (and a sweep's plot) beside it")
     args = p.parse_args(argv)
     if args.num_prompts < 1 or args.random_input_len < 1 or args.random_output_len < 1:
         p.error("--num-prompts, --random-input-len and --random-output-len: expected >= 1")
@@ -381,14 +422,25 @@ def main(argv=None) -> int:
         print(f"flashtile bench serve: {err}", file=sys.stderr)
         return 1
     runs = report["runs"]
-    print(sweep_markdown(runs) if args.sweep_rates else markdown(runs[0]))
+    table = sweep_markdown(runs) if args.sweep_rates else markdown(runs[0])
+    print(table)
     settings = {k: v for k, v in vars(args).items() if k not in ("out", "no_progress")}
     command = shlex.join(["flashtile", "bench", "serve",
                           *(sys.argv[1:] if argv is None else argv)])
+    stem = os.path.splitext(args.out)[0]
     with open(args.out, "w") as f:
         json.dump(_strict({"command": command, "settings": settings, **report}), f,
                   indent=1)
-    print(f"wrote {args.out}")
+    with open(stem + ".md", "w") as f:
+        f.write(f"Command: `{command}`; model {report['model']}\n\n{table}\n")
+    written = [args.out, stem + ".md"]
+    if args.sweep_rates:
+        try:
+            plot_sweep(runs, stem + ".png")
+            written.append(stem + ".png")
+        except ImportError:  # the bench extra is not installed: tables only
+            print("no plot: matplotlib is not installed", file=sys.stderr)
+    print(f"wrote {', '.join(written)}")
     return 0 if all(r["metrics"]["failed"] == 0 for r in runs) else 1
 
 
