@@ -106,6 +106,20 @@ def engine_cpu(monkeypatch):
     torch.set_num_threads(threads)
 
 
+def tiny_llm(tmp_path_factory, max_model_len=64):
+    """For module fixtures (``yield from``): an LLM over a tiny llama checkpoint with a
+    tokenizer, fp32 on flashtile's torch path, pages of 16 tokens."""
+    from flashtile.engine import LLM
+
+    path = tmp_path_factory.mktemp("llama")
+    make_checkpoint(path, "llama")
+    make_tokenizer(path)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("FLASHTILE_BACKEND", "torch")
+        yield LLM(str(path), dtype="float32", device="cpu", max_model_len=max_model_len,
+                  page_size=16)
+
+
 class ServerThread:
     """An aiohttp application served on 127.0.0.1 (a free port) by a thread running its
     own event loop, so that tests and synchronous clients (``flashtile bench serve``) talk
@@ -117,6 +131,12 @@ class ServerThread:
         self.app, self.loop = app, asyncio.new_event_loop()
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.ready, self.error, self.port = threading.Event(), None, None
+
+    @classmethod
+    def over(cls, llm, model_name):
+        """flashtile serve's application over an existing LLM."""
+        from flashtile.engine.server import AsyncEngine, build_app
+        return cls(build_app(AsyncEngine(lambda: llm), model_name))
 
     @property
     def url(self) -> str:

@@ -14,7 +14,7 @@ import pytest
 from flashtile.bench.serve import (RequestResult, arrival_times, compute_metrics,
                                    peak_concurrency, percentile, random_requests)
 from flashtile.cli import main
-from tests.engine_utils import VOCAB, ServerThread, engine_cpu, make_checkpoint, make_tokenizer
+from tests.engine_utils import VOCAB, ServerThread, engine_cpu, tiny_llm
 
 __all__ = ["engine_cpu"]  # the autouse fixture, imported to apply here
 pytestmark = pytest.mark.timeout(120)
@@ -78,6 +78,7 @@ def test_arrivals_and_random_workload():
         gaps = np.diff([0.0] + times)
         assert gaps.std() / gaps.mean() == pytest.approx(cv, rel=0.1)
     assert arrival_times(50, 8.0, 1.0, seed=1) != arrival_times(50, 8.0, 1.0, seed=2)
+    assert arrival_times(4, 8.0, math.inf, seed=1) == pytest.approx([0.125, 0.25, 0.375, 0.5])
 
     reqs = random_requests(200, 100, 20, 0.5, vocab_size=VOCAB, seed=3)
     assert reqs == random_requests(200, 100, 20, 0.5, vocab_size=VOCAB, seed=3)
@@ -91,16 +92,8 @@ def test_arrivals_and_random_workload():
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    from flashtile.engine import LLM
-    from flashtile.engine.server import AsyncEngine, build_app
-
-    path = tmp_path_factory.mktemp("llama")
-    make_checkpoint(path, "llama")
-    make_tokenizer(path)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("FLASHTILE_BACKEND", "torch")
-        llm = LLM(str(path), dtype="float32", device="cpu", max_model_len=64, page_size=16)
-        with ServerThread(build_app(AsyncEngine(lambda: llm), "tiny")) as s:
+    for llm in tiny_llm(tmp_path_factory):
+        with ServerThread.over(llm, "tiny") as s:
             yield s
 
 

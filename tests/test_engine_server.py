@@ -12,8 +12,8 @@ import time
 import pytest
 import torch
 
-from flashtile.engine import LLM, SamplingParams
-from tests.engine_utils import VOCAB, ServerThread, engine_cpu, make_checkpoint, make_tokenizer
+from flashtile.engine import SamplingParams
+from tests.engine_utils import VOCAB, ServerThread, engine_cpu, tiny_llm
 
 aiohttp = pytest.importorskip("aiohttp")
 from flashtile.engine.server import AsyncEngine, build_app  # noqa: E402
@@ -26,18 +26,12 @@ MAX_MODEL_LEN = 64
 
 @pytest.fixture(scope="module")
 def llm(tmp_path_factory):
-    path = tmp_path_factory.mktemp("llama")
-    make_checkpoint(path, "llama")
-    make_tokenizer(path)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("FLASHTILE_BACKEND", "torch")
-        yield LLM(str(path), dtype="float32", device="cpu", max_model_len=MAX_MODEL_LEN,
-                  page_size=16)
+    yield from tiny_llm(tmp_path_factory, MAX_MODEL_LEN)
 
 
 @pytest.fixture(scope="module")
 def server(llm):
-    with ServerThread(build_app(AsyncEngine(lambda: llm), MODEL)) as s:
+    with ServerThread.over(llm, MODEL) as s:
         yield s
 
 

@@ -77,6 +77,8 @@ def arrival_times(num, rate, burstiness, seed) -> list[float]:
     """Send time of each request, in seconds from the start (see the module docstring)."""
     if math.isinf(rate):
         return [0.0] * num
+    if math.isinf(burstiness):  # the Gamma's limit: evenly spaced (vLLM)
+        return [(i + 1) / rate for i in range(num)]
     rng = random.Random(seed)
     # gammavariate(alpha, beta) has mean alpha * beta: numpy's (shape, scale).
     times = list(_running_sum(rng.gammavariate(burstiness, 1.0 / (rate * burstiness))
