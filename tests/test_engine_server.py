@@ -254,6 +254,8 @@ def test_health_fails_when_the_engine_loop_is_gone(llm):
         s.loop.call_soon_threadsafe(engine._task.cancel)
         status, out = run(_request(s.url + "/health", method="GET"))
         assert status == 503 and out["error"]["type"] == "internal_server_error"
+        status, out = run(_request(s.url + "/v1/completions", dict(prompt="Hi")))
+        assert status == 500 and "engine loop is not running" in out["error"]["message"]
 
 
 BAD = [  # (path, body (dict, or raw bytes), status, param, code)

@@ -53,6 +53,8 @@ class AsyncEngine:
     async def add(self, prompts, params: SamplingParams) -> "RequestStream":
         """Queue prompts (token id lists) with one SamplingParams; ValueError if the
         engine refuses one (then none of them runs)."""
+        if not self.running:
+            raise RuntimeError("the engine loop is not running")
         ids = [uuid.uuid4().hex for _ in prompts]
         stream = RequestStream(self, ids)
         for i, rid in enumerate(ids):
@@ -105,13 +107,16 @@ class AsyncEngine:
                         entry[0].put_nowait((entry[1], out))
 
     async def _fail_all(self, err):
+        """Abort every request known now and end their streams with the error (requests
+        added while this runs are not part of the failed step and go on)."""
         ids = list(self._streams)
+        queues = {id(q): q for q, _ in self._streams.values()}.values()
         try:
             await self._call(self._abort, ids)
         except Exception:
             log.exception("aborting after a failed step failed too")
         error = RuntimeError(f"engine step failed: {type(err).__name__}: {err}")
-        for queue in {id(q): q for q, _ in self._streams.values()}.values():
+        for queue in queues:
             queue.put_nowait(error)
 
 
