@@ -166,8 +166,7 @@ def test_cli_dispatches_bench_throughput(monkeypatch, tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_:
         main(["bench", "throughput", "--help"])
     assert exit_.value.code == 0 and "flashtile bench throughput" in capsys.readouterr().out
-    # `flashtile bench throughput` with no options hands [] (not this process's argv)
-    # to the provider subprocesses.
+    # Its options reach it, and through it the provider subprocesses.
     commands = []
 
     def fake_run(cmd, **kw):
@@ -175,7 +174,8 @@ def test_cli_dispatches_bench_throughput(monkeypatch, tmp_path, capsys):
         raise subprocess.TimeoutExpired(cmd, 0)
 
     monkeypatch.setattr(subprocess, "run", fake_run)
-    monkeypatch.chdir(tmp_path)
-    assert main(["bench", "throughput"]) == 0
-    assert len(commands) == 6 and all(c[-2] == "--model-dir" for c in commands)
-    assert json.loads((tmp_path / "throughput.json").read_text())["argv"] == []
+    argv = ["--models", "qwen2.5-0.5b", "--providers", "engine-naive", "engine-sdpa",
+            "--num-requests", "2", "--out", str(tmp_path / "t.json")]
+    assert main(["bench", "throughput", *argv]) == 0
+    assert len(commands) == 2 and all(c[-len(argv):] == argv for c in commands)
+    assert json.loads((tmp_path / "t.json").read_text())["argv"] == argv

@@ -230,7 +230,6 @@ def main(argv=None):
     p.add_argument("--out", default="throughput.json")
     p.add_argument("--one", help=argparse.SUPPRESS)
     p.add_argument("--model-dir", help=argparse.SUPPRESS)
-    argv = sys.argv[1:] if argv is None else list(argv)  # [] too: the subprocesses get it
     args = p.parse_args(argv)
     if args.one:
         return run_one(args)
@@ -249,7 +248,7 @@ def main(argv=None):
                 json.dump(cfg, f)
             for prov in args.providers:
                 cmd = [sys.executable, "-m", "flashtile.bench.throughput", "--one", prov,
-                       "--model-dir", d] + argv
+                       "--model-dir", d] + [a for a in (argv or sys.argv[1:])]
                 try:
                     proc = subprocess.run(cmd, capture_output=True, text=True,
                                           timeout=args.timeout)
@@ -274,7 +273,7 @@ def main(argv=None):
                 r["vs_hf"] = r["output_tok_s"] / hf_tps
     print(markdown(rows))
     with open(args.out, "w") as f:
-        json.dump(dict(argv=argv, rows=rows), f, indent=1)
+        json.dump(dict(argv=argv or sys.argv[1:], rows=rows), f, indent=1)
     return 0
 
 
