@@ -146,10 +146,13 @@ def test_streamed_chunks_are_tokens(server):
     assert r.latency == pytest.approx(r.ttft + sum(r.itl))
 
 
-def test_bad_server_or_arguments(tmp_path, capsys):
+def test_bad_server_or_arguments(server, tmp_path, capsys):
     assert main(["bench", "serve", "--base-url", "http://127.0.0.1:9", "--num-prompts", "1",
                  "--out", str(tmp_path / "x.json")]) == 1
     assert "flashtile bench serve:" in capsys.readouterr().err
+    assert main(["bench", "serve", "--base-url", server.url + "/v1", "--num-prompts", "1",
+                 "--out", str(tmp_path / "x.json")]) == 1
+    assert "expected an OpenAI-compatible server" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["bench", "serve", "--request-rate", "0"])
     with pytest.raises(SystemExit):

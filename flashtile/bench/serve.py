@@ -116,18 +116,22 @@ def peak_concurrency(results) -> int:
     return peak
 
 
+def tpot(r: RequestResult):
+    """Time per output token after the first; None for a one-token request."""
+    return (r.latency - r.ttft) / (r.output_len - 1) if r.output_len > 1 else None
+
+
 def compute_metrics(results, duration, slo_ttft_ms=None, slo_tpot_ms=None) -> dict:
     """vLLM's serving metrics of a run (``duration``: wall seconds of the whole run)."""
     ok = [r for r in results if r.success]
+    tpots = [tpot(r) for r in ok]
     values = {"ttft": [r.ttft for r in ok], "e2el": [r.latency for r in ok],
               "itl": [x for r in ok for x in r.itl],
-              "tpot": [(r.latency - r.ttft) / (r.output_len - 1) for r in ok
-                       if r.output_len > 1]}
+              "tpot": [t for t in tpots if t is not None]}
     good = 0
-    for r in ok:
-        tpot = (r.latency - r.ttft) / (r.output_len - 1) if r.output_len > 1 else 0.0
+    for r, t in zip(ok, tpots):  # vLLM: a one-token request's TPOT counts as 0
         if (slo_ttft_ms is None or r.ttft * 1e3 <= slo_ttft_ms) and \
-                (slo_tpot_ms is None or tpot * 1e3 <= slo_tpot_ms):
+                (slo_tpot_ms is None or (t or 0.0) * 1e3 <= slo_tpot_ms):
             good += 1
     total_in = sum(r.prompt_len for r in ok)
     total_out = sum(r.output_len for r in ok)
@@ -194,8 +198,13 @@ async def send_request(session, url, model, prompt, max_tokens) -> RequestResult
 async def server_model(session, base_url) -> dict:
     """The first entry of the server's /v1/models."""
     async with session.get(f"{base_url}/v1/models") as resp:
-        resp.raise_for_status()
-        return (await resp.json())["data"][0]
+        body = await resp.text()
+    try:
+        return json.loads(body)["data"][0]
+    except (ValueError, KeyError, IndexError, TypeError):
+        raise RuntimeError(f"--base-url: expected an OpenAI-compatible server with a "
+                           f"model at {base_url}/v1/models, got HTTP {resp.status}: "
+                           f"{body[:200]}") from None
 
 
 async def run_rate(session, url, model, requests, rate, burstiness, seed,
@@ -278,9 +287,9 @@ async def benchmark(args) -> dict:
 
 
 def _request_row(r: RequestResult) -> dict:
-    tpot = (r.latency - r.ttft) / (r.output_len - 1) if r.output_len > 1 else None
+    t = tpot(r)
     return {"prompt_len": r.prompt_len, "output_len": r.output_len, "success": r.success,
-            "ttft_ms": 1e3 * r.ttft, "tpot_ms": tpot and 1e3 * tpot,
+            "ttft_ms": 1e3 * r.ttft, "tpot_ms": None if t is None else 1e3 * t,
             "e2el_ms": 1e3 * r.latency, "error": r.error or None}
 
 
