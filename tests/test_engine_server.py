@@ -350,3 +350,25 @@ def test_serve_command(llm, monkeypatch, capsys, tmp_path):
         in capsys.readouterr().out
     assert main(["serve", str(tmp_path), "--device", "cpu"]) == 2
     assert "model: expected a directory with config.json" in capsys.readouterr().err
+
+
+def test_a_model_without_tokenizer_serves_token_ids(llm, tmp_path):
+    """What the GPU serving sweep runs: dummy weights from config.json alone."""
+    import shutil
+
+    from flashtile.engine import LLM
+
+    shutil.copy(f"{llm.config.model}/config.json", tmp_path)
+    dummy = LLM(str(tmp_path), dtype="float32", device="cpu", max_model_len=32,
+                page_size=16, load_format="dummy")
+    with ServerThread.over(dummy, MODEL) as s:
+        events = run(_events(s.url + "/v1/completions", dict(
+            prompt=[5, 6, 7], stream=True, logprobs=0, **_greedy(max_tokens=4))))
+        assert [e["choices"][0]["text"] for e in events[:-1]] == [""] * 4
+        tokens = [e["choices"][0]["logprobs"]["tokens"][0] for e in events[:-1]]
+        assert all(t.startswith("token_id:") for t in tokens)
+        status, out = post(s, "/v1/completions", dict(prompt="Hi"))
+        assert status == 400 and out["error"]["param"] == "prompt"
+        status, out = post(s, "/v1/chat/completions",
+                           dict(messages=[{"role": "user", "content": "Hi"}]))
+        assert status == 400 and out["error"]["param"] == "messages"
