@@ -12,12 +12,14 @@ A mistake on the command line prints one line and exits with status 2.
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import sys
 
 from flashtile import demo
 from flashtile.bench import commands as bench_commands
 from flashtile.engine.cli import add_generate
+from flashtile.engine.server import add_serve
 
 
 class Parser(argparse.ArgumentParser):
@@ -34,14 +36,18 @@ def build_parser() -> argparse.ArgumentParser:
                         help="log INFO from the 'flashtile' logger (kernel compiles)")
     commands = parser.add_subparsers(dest="command", metavar="command")
     for add in (demo.add_demo, bench_commands.add_bench, bench_commands.add_info,
-                bench_commands.add_tune, add_generate):
+                bench_commands.add_tune, add_generate, add_serve):
         add(commands)
     return parser
 
 
 def main(argv=None) -> int:
-    parser = build_parser()
     argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["bench"] and argv[1:2] in (["serve"], ["throughput"]):
+        # Engine benchmarks with parsers of their own (argparse hands no unparsed
+        # options down to a sub-parser).
+        return importlib.import_module(f"flashtile.bench.{argv[1]}").main(argv[2:])
+    parser = build_parser()
     args = parser.parse_args(argv)
     args.argv = argv  # recorded in the bench JSON as the command line
     if args.command is None:

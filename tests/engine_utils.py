@@ -104,3 +104,72 @@ def engine_cpu(monkeypatch):
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+def tiny_llm(tmp_path_factory, max_model_len=64):
+    """For module fixtures (``yield from``): an LLM over a tiny llama checkpoint with a
+    tokenizer, fp32 on flashtile's torch path, pages of 16 tokens."""
+    from flashtile.engine import LLM
+
+    path = tmp_path_factory.mktemp("llama")
+    make_checkpoint(path, "llama")
+    make_tokenizer(path)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("FLASHTILE_BACKEND", "torch")
+        yield LLM(str(path), dtype="float32", device="cpu", max_model_len=max_model_len,
+                  page_size=16)
+
+
+class ServerThread:
+    """An aiohttp application served on 127.0.0.1 (a free port) by a thread running its
+    own event loop, so that tests and synchronous clients (``flashtile bench serve``) talk
+    to it over a real socket. ``with ServerThread(app) as server: server.url``."""
+
+    def __init__(self, app):
+        import asyncio
+        import threading
+        self.app, self.loop = app, asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.ready, self.error, self.port = threading.Event(), None, None
+
+    @classmethod
+    def over(cls, llm, model_name):
+        """flashtile serve's application over an existing LLM."""
+        from flashtile.engine.server import AsyncEngine, build_app
+        return cls(build_app(AsyncEngine(lambda: llm), model_name))
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def _run(self):
+        from aiohttp import web
+
+        async def start():
+            # handler_cancellation as `flashtile serve` runs it: a client that goes away
+            # cancels its handler.
+            self.runner = web.AppRunner(self.app, handler_cancellation=True)
+            await self.runner.setup()
+            await web.TCPSite(self.runner, "127.0.0.1", 0).start()
+            self.port = self.runner.addresses[0][1]
+
+        try:
+            self.loop.run_until_complete(start())
+        except Exception as err:  # reported by __enter__
+            self.error = err
+            self.ready.set()
+            return
+        self.ready.set()
+        self.loop.run_forever()
+        self.loop.run_until_complete(self.runner.cleanup())
+        self.loop.close()
+
+    def __enter__(self):
+        self.thread.start()
+        if not self.ready.wait(60) or self.error is not None:
+            raise RuntimeError(f"the test server did not start: {self.error!r}")
+        return self
+
+    def __exit__(self, *exc):
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(60)

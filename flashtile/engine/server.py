@@ -1,0 +1,464 @@
+"""``flashtile serve MODEL_DIR``: an OpenAI-compatible HTTP server over one engine (aiohttp).
+
+    flashtile serve path/to/checkpoint --port 8000
+    curl localhost:8000/v1/completions -d '{"prompt": "Hello", "max_tokens": 8}'
+
+Endpoints: ``POST /v1/completions`` and ``POST /v1/chat/completions`` (with ``stream``:
+server-sent events, one chunk per generated token, then ``data: [DONE]``),
+``GET /v1/models``, ``GET /health``. Errors are OpenAI's JSON body
+``{"error": {"message", "type", "param", "code"}}`` with a 4xx status for a bad request
+and 500 for a fault of the server, which keeps serving.
+
+Many clients share one engine through ``AsyncEngine`` (engine/async_engine.py: the engine
+steps in one worker thread, the event loop stays free). A client that goes away (a failed
+write, or aiohttp cancelling its handler) has its unfinished requests aborted and their KV
+pages freed.
+
+Beyond OpenAI, vLLM's extensions: ``top_k``, ``min_p``, ``repetition_penalty``,
+``stop_token_ids``, ``ignore_eos``, ``skip_special_tokens``; ``/v1/models`` entries carry
+``max_model_len`` (vLLM's) and ``vocab_size`` (so ``flashtile bench serve`` can draw
+random token ids). Not supported (400): ``n`` > 1, ``echo``, ``best_of`` > 1, ``suffix``,
+``logit_bias``, presence/frequency penalties, tools, and the top alternatives of logprobs
+(completions' ``top_logprobs`` field is null; chat's ``top_logprobs`` must be 0).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import re
+import sys
+import time
+import uuid
+
+try:
+    from aiohttp import web
+except ImportError:  # aiohttp is the engine extra's; flashtile's other commands run without
+    web = None
+
+from flashtile.engine.async_engine import AsyncEngine
+from flashtile.engine.sampling_params import SamplingParams
+
+log = logging.getLogger("flashtile.engine")
+
+SAMPLING_FIELDS = ("n", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
+                   "seed", "stop", "stop_token_ids", "ignore_eos", "skip_special_tokens")
+# Field -> the values that mean "off"; anything else asks for what the engine lacks.
+UNSUPPORTED = {"echo": (None, False), "best_of": (None, 1), "suffix": (None, ""),
+               "logit_bias": (None, {}), "presence_penalty": (None, 0),
+               "frequency_penalty": (None, 0), "tools": (None, []),
+               "tool_choice": (None, "none"), "response_format": (None, {"type": "text"})}
+MAX_BODY_BYTES = 64 * 2**20  # a 128k-token prompt as a JSON id list is ~1 MB
+
+
+class RequestError(Exception):
+    """A request the server refuses: OpenAI's error fields and an HTTP status."""
+
+    def __init__(self, message, param=None, status=400, code=None,
+                 type="invalid_request_error"):
+        super().__init__(message)
+        self.message, self.param, self.status, self.code, self.type = (
+            message, param, status, code, type)
+
+
+def _param_of(err: Exception):
+    """The argument a flashtile error names ("top_p: expected ..." -> "top_p")."""
+    match = re.match(r"([A-Za-z_]\w*)(\[\d+\])?: ", str(err))
+    return match[1] if match else None
+
+
+# ---- requests -------------------------------------------------------------------------
+def _first(body, *names, default=None):
+    """The first of the fields that is present and not null."""
+    return next((body[n] for n in names if body.get(n) is not None), default)
+
+
+def _is_token(t):
+    return isinstance(t, int) and not isinstance(t, bool)
+
+
+def _parse_prompts(body) -> list:
+    """prompt: a string, a token id list, or a non-empty list of either."""
+    p = body.get("prompt")
+    if isinstance(p, list) and p and all(map(_is_token, p)):
+        return [p]
+    prompts = p if isinstance(p, list) else [p]
+    if not prompts or not all(
+            (isinstance(x, str) and x) or (isinstance(x, list) and x and all(map(_is_token, x)))
+            for x in prompts):
+        raise RequestError("prompt: expected a non-empty string, a non-empty list of token "
+                           f"ids, or a list of those, got {json.dumps(p)[:80]}", "prompt")
+    return prompts
+
+
+def _parse_messages(body) -> list[dict]:
+    """messages: [{"role", "content"}], content a string or a list of text parts."""
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise RequestError("messages: expected a non-empty list of {role, content}, got "
+                           f"{json.dumps(messages)[:80]}", "messages")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise RequestError(f"messages[{i}]: expected an object with a string 'role', "
+                               f"got {json.dumps(m)[:80]}", "messages")
+        content = m.get("content")
+        if isinstance(content, list):  # OpenAI's content parts: text only here
+            if not all(isinstance(c, dict) and c.get("type") == "text"
+                       and isinstance(c.get("text"), str) for c in content):
+                raise RequestError(f"messages[{i}].content: expected text parts "
+                                   "({type: text, text}), got other parts", "messages")
+            content = "\n".join(c["text"] for c in content)
+        elif content is not None and not isinstance(content, str):
+            raise RequestError(f"messages[{i}].content: expected a string or a list of "
+                               f"text parts, got {json.dumps(content)[:80]}", "messages")
+        out.append({**m, "content": content})
+    return out
+
+
+def _check_unsupported(body):
+    for name, off in UNSUPPORTED.items():
+        if body.get(name) not in off:
+            raise RequestError(f"{name}: expected {' or '.join(map(json.dumps, off[1:]))} "
+                               f"(flashtile does not support it), got "
+                               f"{json.dumps(body[name])[:80]}", name)
+
+
+def _stream_flags(body) -> tuple[bool, bool]:
+    stream, options = body.get("stream"), body.get("stream_options")
+    if stream is not None and not isinstance(stream, bool):
+        raise RequestError(f"stream: expected a bool, got {json.dumps(stream)}", "stream")
+    if options is None:
+        return bool(stream), False
+    usage = options.get("include_usage", False) if isinstance(options, dict) else None
+    if not stream or not isinstance(usage, bool):
+        raise RequestError("stream_options: expected {include_usage: bool} with "
+                           f"stream=true, got {json.dumps(options)[:80]}", "stream_options")
+    return True, usage
+
+
+def _sampling_params(body, logprobs, max_tokens) -> SamplingParams:
+    """The request's SamplingParams; a field sent as null takes its default."""
+    kw = {k: body[k] for k in SAMPLING_FIELDS if body.get(k) is not None}
+    try:
+        return SamplingParams(logprobs=logprobs, max_tokens=max_tokens, **kw)
+    except (TypeError, ValueError) as err:
+        raise RequestError(str(err), _param_of(err)) from None
+
+
+class OpenAIServer:
+    """The HTTP handlers over one AsyncEngine."""
+
+    def __init__(self, engine: AsyncEngine, model_name: str):
+        self.engine, self.model_name = engine, model_name
+        self.llm = engine.llm
+        self.tokenizer = engine.llm.tokenizer
+        self.max_model_len = engine.llm.config.max_model_len
+        self.created = int(time.time())
+
+    async def health(self, request):
+        if not self.engine.running:
+            raise RequestError("the engine loop has stopped", status=503,
+                               type="internal_server_error")
+        return web.Response(status=200)
+
+    async def models(self, request):
+        return web.json_response({"object": "list", "data": [{
+            "id": self.model_name, "object": "model", "created": self.created,
+            "owned_by": "flashtile", "root": self.llm.config.model,
+            "max_model_len": self.max_model_len,
+            "vocab_size": self.llm.config.model_config.vocab_size}]})
+
+    async def completions(self, request):
+        body = await self._body(request)
+        logprobs = body.get("logprobs")
+        if logprobs is not None and (not _is_token(logprobs) or logprobs < 0):
+            raise RequestError(f"logprobs: expected null or an int >= 0, got "
+                               f"{json.dumps(logprobs)}", "logprobs")
+        # OpenAI's default: 16 tokens.
+        params = _sampling_params(body, logprobs, _first(body, "max_tokens", default=16))
+        prompts = _parse_prompts(body)
+        if any(isinstance(p, str) for p in prompts):
+            prompts = await asyncio.to_thread(self._encode, prompts)
+        for p in prompts:
+            self._check_fits(p, params, "prompt")
+        return await self._respond(request, body, prompts, params, chat=False)
+
+    async def chat_completions(self, request):
+        body = await self._body(request)
+        want, top = body.get("logprobs"), body.get("top_logprobs")
+        if want is not None and not isinstance(want, bool):
+            raise RequestError(f"logprobs: expected a bool, got {json.dumps(want)}",
+                               "logprobs")
+        if top not in (None, 0):
+            raise RequestError(f"top_logprobs: expected 0 or null (flashtile returns the "
+                               f"chosen token's logprob only), got {json.dumps(top)}",
+                               "top_logprobs")
+        # OpenAI's default: no limit but the context (max_tokens=None: up to max_model_len).
+        params = _sampling_params(body, 0 if want else None,
+                                  _first(body, "max_completion_tokens", "max_tokens"))
+        messages = _parse_messages(body)
+        if self.tokenizer is None:
+            raise RequestError("messages: expected a model with tokenizer.json and a chat "
+                               "template, got none; use /v1/completions", "messages")
+        prompt = await asyncio.to_thread(self._render, messages)
+        self._check_fits(prompt, params, "messages")
+        return await self._respond(request, body, [prompt], params, chat=True)
+
+    # ---- request helpers --------------------------------------------------------------
+    async def _body(self, request) -> dict:
+        try:
+            body = json.loads(await request.read())
+        except ValueError as err:  # JSONDecodeError, UnicodeDecodeError
+            raise RequestError(f"request body: expected JSON, got malformed JSON ({err})")
+        if not isinstance(body, dict):
+            raise RequestError(f"request body: expected a JSON object, got "
+                               f"{type(body).__name__}")
+        model = body.get("model")
+        if model is not None and model != self.model_name:
+            raise RequestError(f"The model `{model}` does not exist.", "model", status=404,
+                               code="model_not_found")
+        _check_unsupported(body)
+        return body
+
+    def _encode(self, prompts):
+        if self.tokenizer is None:
+            raise RequestError("prompt: expected token ids (the model has no "
+                               "tokenizer.json), got a string", "prompt")
+        return [self.tokenizer.encode(p) if isinstance(p, str) else p for p in prompts]
+
+    def _render(self, messages):
+        import jinja2
+
+        try:
+            text = self.tokenizer.render_chat(messages, add_generation_prompt=True)
+        except jinja2.TemplateError as err:
+            raise RequestError(f"messages: the chat template refused them: {err}",
+                               "messages") from None
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def _check_fits(self, prompt, params, param):
+        n, m, limit = len(prompt), params.max_tokens, self.max_model_len
+        if n >= limit or (m is not None and n + m > limit):
+            raise RequestError(
+                f"This model's maximum context length is {limit} tokens. However, you "
+                f"requested {n + (m or 1)} tokens ({n} in the {param}, {m or 1} in the "
+                f"completion). Please reduce the length of the {param} or max_tokens.",
+                "max_tokens" if n < limit else param, code="context_length_exceeded")
+
+    # ---- responses --------------------------------------------------------------------
+    async def _respond(self, request, body, prompts, params, chat: bool):
+        stream_mode, include_usage = _stream_flags(body)
+        try:
+            stream = await self.engine.add(prompts, params)
+        except ValueError as err:
+            raise RequestError(str(err), _param_of(err)) from None
+        head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
+                "object": "chat.completion" if chat else "text_completion",
+                "created": int(time.time()), "model": self.model_name}
+        try:
+            if stream_mode:
+                return await self._stream(request, stream, head, chat, include_usage,
+                                          params.logprobs is not None)
+            final = {}
+            async for index, out in stream:
+                if out.finished:
+                    final[index] = out
+            outs = [final[i] for i in range(len(prompts))]
+            choices = [self._choice(chat, i, o.outputs[0], o.outputs[0].text,
+                                    o.outputs[0].token_ids, 0, params.logprobs is not None)
+                       for i, o in enumerate(outs)]
+            for c, o in zip(choices, outs):
+                c["finish_reason"] = o.outputs[0].finish_reason
+            return web.json_response({**head, "choices": choices, "usage": _usage(outs)})
+        finally:
+            stream.close()
+
+    async def _stream(self, request, stream, head, chat, include_usage, logprobs):
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                           "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+        head = {**head, "object": "chat.completion.chunk" if chat else "text_completion"}
+        try:
+            try:
+                await self._chunks(resp, stream, head, chat, include_usage, logprobs)
+            except ConnectionResetError:
+                raise
+            except Exception as err:  # headers are sent: report it in the stream
+                log.exception("streaming failed")
+                await _send(resp, _error_body(f"{type(err).__name__}: {err}",
+                                              "internal_server_error"))
+            await resp.write(b"data: [DONE]\n\n")
+            await resp.write_eof()
+        except ConnectionResetError:  # the client left: the caller aborts its requests
+            pass
+        return resp
+
+    async def _chunks(self, resp, stream, head, chat, include_usage, logprobs):
+        extra = {"usage": None} if include_usage else {}
+        sent, last = {}, {}  # prompt index -> (characters, tokens) sent; last output
+        async for index, out in stream:
+            c = out.outputs[0]
+            chars, ntok = sent.get(index, (0, 0))
+            if chat and not sent:  # OpenAI: the role comes first, alone
+                role = {"index": 0, "delta": {"role": "assistant", "content": ""},
+                        "logprobs": None, "finish_reason": None}
+                await _send(resp, {**head, "choices": [role], **extra})
+            choice = self._choice(chat, index, c, c.text[chars:], c.token_ids[ntok:], chars,
+                                  logprobs, delta=True)
+            choice["finish_reason"] = c.finish_reason if out.finished else None
+            await _send(resp, {**head, "choices": [choice], **extra})
+            sent[index], last[index] = (len(c.text), len(c.token_ids)), out
+        if include_usage:
+            await _send(resp, {**head, "choices": [], "usage": _usage(last.values())})
+
+    def _choice(self, chat, index, completion, text, token_ids, offset, logprobs,
+                delta=False):
+        lp = None
+        if logprobs:
+            lp = self._logprobs(chat, token_ids,
+                                completion.logprobs[len(completion.token_ids)
+                                                    - len(token_ids):], offset)
+        if chat:
+            key = "delta" if delta else "message"
+            message = {"content": text} if delta else {"role": "assistant", "content": text}
+            return {"index": index, key: message, "logprobs": lp}
+        return {"index": index, "text": text, "logprobs": lp}
+
+    def _logprobs(self, chat, token_ids, logprobs, offset):
+        """OpenAI's shapes: chat {"content": [{token, logprob, bytes, top_logprobs}]},
+        completions {tokens, token_logprobs, top_logprobs, text_offset}."""
+        tokens = [self.tokenizer.decode([t], skip_special_tokens=False)
+                  if self.tokenizer is not None else f"token_id:{t}" for t in token_ids]
+        if chat:
+            return {"content": [{"token": s, "logprob": lp, "bytes": list(s.encode()),
+                                 "top_logprobs": []} for s, lp in zip(tokens, logprobs)]}
+        offsets = []
+        for s in tokens:
+            offsets.append(offset)
+            offset += len(s)
+        return {"tokens": tokens, "token_logprobs": list(logprobs), "top_logprobs": None,
+                "text_offset": offsets}
+
+
+def _usage(outputs) -> dict:
+    prompt = sum(len(o.prompt_token_ids) for o in outputs)
+    completion = sum(len(o.outputs[0].token_ids) for o in outputs)
+    return {"prompt_tokens": prompt, "completion_tokens": completion,
+            "total_tokens": prompt + completion}
+
+
+def _error_body(message, type, param=None, code=None) -> dict:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+async def _send(resp, data):
+    await resp.write(b"data: " + json.dumps(data, ensure_ascii=False).encode() + b"\n\n")
+
+
+def build_app(engine: AsyncEngine, model_name: str):
+    """The aiohttp application; starts the engine loop on startup, stops it on cleanup."""
+    server = OpenAIServer(engine, model_name)
+
+    @web.middleware
+    async def errors(request, handler):
+        try:
+            return await handler(request)
+        except RequestError as err:
+            status, body = err.status, _error_body(err.message, err.type, err.param,
+                                                   err.code)
+        except web.HTTPException as err:  # unknown route, wrong method, body too large
+            if err.status < 400:
+                raise
+            status, body = err.status, _error_body(err.reason, "invalid_request_error")
+        except Exception as err:
+            log.exception("unexpected error serving %s", request.path)
+            status, body = 500, _error_body(f"{type(err).__name__}: {err}",
+                                            "internal_server_error")
+        return web.json_response(body, status=status)
+
+    app = web.Application(middlewares=[errors], client_max_size=MAX_BODY_BYTES)
+    app.router.add_get("/health", server.health)
+    app.router.add_get("/v1/models", server.models)
+    app.router.add_post("/v1/completions", server.completions)
+    app.router.add_post("/v1/chat/completions", server.chat_completions)
+
+    async def start(app):
+        await engine.start()
+
+    async def stop(app):
+        await engine.stop()
+
+    app.on_startup.append(start)
+    app.on_cleanup.append(stop)
+    return app
+
+
+# ---- command line ---------------------------------------------------------------------
+def size(text: str) -> int:  # named for argparse's "invalid size value" message
+    """Bytes from '2147483648', '2GiB', '512MiB' or '1.5e9'."""
+    match = re.fullmatch(r"\s*([\d.eE+]+)\s*([KMGT]i?B)?\s*", text)
+    units = {None: 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12, "KiB": 2**10,
+             "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
+    if match is None:
+        raise ValueError(text)
+    return int(float(match[1]) * units[match[2]])
+
+
+def add_serve(commands):
+    p = commands.add_parser("serve", help="an OpenAI-compatible HTTP server "
+                            "(/v1/completions, /v1/chat/completions) over a checkpoint")
+    p.add_argument("model", help="Hugging Face checkpoint directory")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--served-model-name", help="the name clients send as 'model' "
+                   "(default: MODEL as given)")
+    p.add_argument("--dtype", default="auto", help="auto, float32, float16 or bfloat16")
+    p.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda")
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    p.add_argument("--page-size", type=int, default=64)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--kv-cache-memory", type=size, default=None,
+                   help="KV pool bytes (e.g. 4GiB); on CUDA instead of the fraction")
+    p.add_argument("--attention-backend", default="flashtile",
+                   choices=("flashtile", "sdpa", "naive"))
+    p.add_argument("--load-format", default="auto", choices=("auto", "dummy"))
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(handler=_serve)
+
+
+def _serve(args) -> int:
+    if web is None:
+        print("flashtile serve needs aiohttp: pip install 'flashtile[engine]'",
+              file=sys.stderr)
+        return 2
+    from flashtile.engine.llm import LLM
+
+    kw = dict(dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
+              max_num_seqs=args.max_num_seqs, page_size=args.page_size,
+              max_num_batched_tokens=args.max_num_batched_tokens,
+              gpu_memory_utilization=args.gpu_memory_utilization,
+              kv_cache_memory=args.kv_cache_memory, enforce_eager=args.enforce_eager,
+              attention_backend=args.attention_backend, load_format=args.load_format,
+              seed=args.seed)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    try:
+        engine = AsyncEngine(lambda: LLM(args.model, **kw))
+    except ValueError as err:  # a bad checkpoint or engine option: say which
+        print(f"flashtile serve: {err}", file=sys.stderr)
+        return 2
+    name = args.served_model_name or args.model
+    print(f"flashtile serve: {name!r} on http://{args.host}:{args.port} "
+          f"({engine.llm.runner.num_blocks} KV pages of {engine.llm.config.page_size} "
+          f"tokens, max_model_len {engine.llm.config.max_model_len})", flush=True)
+    try:
+        web.run_app(build_app(engine, name), host=args.host, port=args.port,
+                    handler_cancellation=True, print=None)
+    except OSError as err:  # the port is taken, the host is not this machine's
+        print(f"flashtile serve: {err}", file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,374 @@
+"""flashtile serve: the OpenAI-compatible server over a tiny random checkpoint on CPU,
+through a real socket on 127.0.0.1. Endpoint schemas; answers equal LLM.generate/chat;
+SSE order and [DONE]; concurrent clients; a client leaving mid-stream frees its pages;
+bad requests get OpenAI error bodies and the server keeps answering."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import pytest
+import torch
+
+from flashtile.engine import SamplingParams
+from tests.engine_utils import VOCAB, ServerThread, engine_cpu, tiny_llm
+
+aiohttp = pytest.importorskip("aiohttp")
+from flashtile.engine.server import AsyncEngine, build_app  # noqa: E402
+
+__all__ = ["engine_cpu"]  # the autouse fixture, imported to apply here
+pytestmark = pytest.mark.timeout(120)
+MODEL = "tiny"
+MAX_MODEL_LEN = 64
+
+
+@pytest.fixture(scope="module")
+def llm(tmp_path_factory):
+    yield from tiny_llm(tmp_path_factory, MAX_MODEL_LEN)
+
+
+@pytest.fixture(scope="module")
+def server(llm):
+    with ServerThread.over(llm, MODEL) as s:
+        yield s
+
+
+def run(coro, timeout=60):
+    return asyncio.run(asyncio.wait_for(coro, timeout))
+
+
+async def _request(url, body=None, method="POST", data=None):
+    """(status, JSON body or None)."""
+    async with aiohttp.ClientSession() as session:
+        async with session.request(method, url, json=body, data=data) as r:
+            text = await r.text()
+            return r.status, (json.loads(text) if text else None)
+
+
+async def _events(url, body):
+    """The SSE events of a streamed request: parsed JSON chunks, then "[DONE]"."""
+    async with aiohttp.ClientSession() as session:
+        async with session.post(url, json=body) as r:
+            assert r.status == 200 and r.content_type == "text/event-stream"
+            raw = (await r.read()).decode()
+    assert raw.endswith("\n\n")
+    events = raw[:-2].split("\n\n")
+    assert all(e.startswith("data: ") for e in events)
+    return [e[6:] if e == "data: [DONE]" else json.loads(e[6:]) for e in events]
+
+
+def post(server, path, body, **kw):
+    return run(_request(server.url + path, body, **kw))
+
+
+def _greedy(**kw):
+    return dict(dict(temperature=0, max_tokens=8, ignore_eos=True), **kw)
+
+
+def _assert_idle(llm):
+    bm = llm.block_manager
+    deadline = time.monotonic() + 10
+    while (llm.has_unfinished_requests() or bm.num_free_blocks != bm.num_blocks) \
+            and time.monotonic() < deadline:
+        time.sleep(0.02)
+    bm.check_invariants()
+    assert bm.num_free_blocks == bm.num_blocks and not llm.has_unfinished_requests()
+
+
+def test_models_and_health(server, llm):
+    status, body = run(_request(server.url + "/v1/models", method="GET"))
+    assert status == 200 and body["object"] == "list"
+    (card,) = body["data"]
+    assert card["id"] == MODEL and card["object"] == "model" and card["owned_by"]
+    assert isinstance(card["created"], int)
+    assert card["max_model_len"] == MAX_MODEL_LEN and card["vocab_size"] == VOCAB
+    assert run(_request(server.url + "/health", method="GET")) == (200, None)
+
+
+def test_completion_equals_generate(server, llm):
+    ids = llm.tokenizer.encode("The capital")
+    want = llm.generate(["Hello world", ids], SamplingParams(**_greedy(logprobs=0)),
+                        use_tqdm=False)
+    status, body = post(server, "/v1/completions", dict(
+        model=MODEL, prompt=["Hello world", ids], logprobs=0, **_greedy()))
+    assert status == 200
+    assert set(body) == {"id", "object", "created", "model", "choices", "usage"}
+    assert body["object"] == "text_completion" and body["model"] == MODEL
+    assert body["id"].startswith("cmpl-") and isinstance(body["created"], int)
+    for i, (choice, w) in enumerate(zip(body["choices"], want)):
+        c = w.outputs[0]
+        assert set(choice) == {"index", "text", "logprobs", "finish_reason"}
+        assert choice["index"] == i and choice["text"] == c.text
+        assert choice["finish_reason"] == "length"
+        lp = choice["logprobs"]
+        assert lp["token_logprobs"] == pytest.approx(c.logprobs, abs=1e-5)
+        assert lp["tokens"] == [llm.tokenizer.decode([t], False) for t in c.token_ids]
+        assert lp["text_offset"][0] == 0 and lp["top_logprobs"] is None
+    prompt_tokens = sum(len(w.prompt_token_ids) for w in want)
+    assert body["usage"] == {"prompt_tokens": prompt_tokens, "completion_tokens": 16,
+                             "total_tokens": prompt_tokens + 16}
+    # One prompt, as a string or a token id list, and a stop string.
+    text = want[0].outputs[0].text
+    for prompt in ("Hello world", llm.tokenizer.encode("Hello world")):
+        _, body = post(server, "/v1/completions", dict(prompt=prompt, **_greedy()))
+        assert body["choices"][0]["text"] == text and body["choices"][0]["logprobs"] is None
+    stop = text[2:5]
+    _, body = post(server, "/v1/completions", dict(prompt="Hello world", stop=stop,
+                                                   **_greedy()))
+    assert body["choices"][0] == {"index": 0, "text": text[:text.index(stop)],
+                                  "logprobs": None, "finish_reason": "stop"}
+    _assert_idle(llm)
+
+
+def test_chat_equals_llm_chat(server, llm):
+    messages = [{"role": "system", "content": "Be brief."},
+                {"role": "user", "content": [{"type": "text", "text": "How are you?"}]}]
+    want = llm.chat([{"role": "system", "content": "Be brief."},
+                     {"role": "user", "content": "How are you?"}],
+                    SamplingParams(**_greedy(max_tokens=6, logprobs=0)), use_tqdm=False)[0]
+    status, body = post(server, "/v1/chat/completions", dict(
+        model=MODEL, messages=messages, max_completion_tokens=6, logprobs=True,
+        **_greedy(max_tokens=None)))
+    assert status == 200 and body["object"] == "chat.completion"
+    assert body["id"].startswith("chatcmpl-")
+    (choice,) = body["choices"]
+    assert choice["message"] == {"role": "assistant", "content": want.outputs[0].text}
+    assert choice["finish_reason"] == "length" and choice["index"] == 0
+    content = choice["logprobs"]["content"]
+    assert [e["logprob"] for e in content] == pytest.approx(want.outputs[0].logprobs,
+                                                            abs=1e-5)
+    assert all(e["bytes"] == list(e["token"].encode()) and e["top_logprobs"] == []
+               for e in content)
+    assert body["usage"]["prompt_tokens"] == len(want.prompt_token_ids)
+    assert body["usage"]["completion_tokens"] == 6
+    # No max_tokens: OpenAI's chat default, up to the context length (not 16).
+    _, body = post(server, "/v1/chat/completions", dict(messages=messages, **_greedy(
+        max_tokens=None)))
+    usage = body["usage"]
+    assert usage["total_tokens"] == MAX_MODEL_LEN and usage["completion_tokens"] > 16
+    assert body["choices"][0]["finish_reason"] == "length"
+
+
+@pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
+def test_stream_order_and_done(server, llm, chat):
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    prompt = {"messages": [{"role": "user", "content": "Hello"}]} if chat \
+        else {"prompt": "Hello world"}
+    body = dict(prompt, **_greedy(max_tokens=10))
+    _, whole = post(server, path, body)
+    events = run(_events(server.url + path, dict(body, stream=True,
+                                                 stream_options={"include_usage": True})))
+    assert events[-1] == "[DONE]" and "[DONE]" not in events[:-1]
+    usage, chunks = events[-2], events[:-2]
+    assert usage["choices"] == [] and usage["usage"] == whole["usage"]
+    assert len({c["id"] for c in events[:-1]}) == 1
+    assert all(c["object"] == ("chat.completion.chunk" if chat else "text_completion")
+               and c["usage"] is None for c in chunks)
+    if chat:  # the role first, then one chunk per token
+        assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+        chunks = chunks[1:]
+        text = "".join(c["choices"][0]["delta"]["content"] for c in chunks)
+        assert text == whole["choices"][0]["message"]["content"]
+    else:
+        text = "".join(c["choices"][0]["text"] for c in chunks)
+        assert text == whole["choices"][0]["text"]
+    assert len(chunks) == 10
+    reasons = [c["choices"][0]["finish_reason"] for c in chunks]
+    assert reasons == [None] * 9 + ["length"]
+    # Without stream_options: no usage chunk, no usage field.
+    events = run(_events(server.url + path, dict(body, stream=True)))
+    assert events[-1] == "[DONE]" and len(events) == 11 + chat
+    assert all("usage" not in c for c in events[:-1])
+    _assert_idle(llm)
+
+
+def test_concurrent_clients_get_their_own_answers(server, llm):
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, VOCAB, (n,), generator=g).tolist()
+               for n in (3, 17, 9, 30, 5, 22, 12, 40)]
+    params = [SamplingParams(**_greedy(max_tokens=6 + i)) for i in range(8)]
+    want = [llm.generate([p], sp, use_tqdm=False)[0].outputs[0].text
+            for p, sp in zip(prompts, params)]
+
+    async def one(i):
+        body = dict(prompt=prompts[i], **_greedy(max_tokens=6 + i))
+        if i % 2:  # half of them streamed
+            events = await _events(server.url + "/v1/completions", dict(body, stream=True))
+            return "".join(e["choices"][0]["text"] for e in events[:-1])
+        status, out = await _request(server.url + "/v1/completions", body)
+        return out["choices"][0]["text"]
+
+    async def all_at_once():
+        return await asyncio.gather(*(one(i) for i in range(8)))
+
+    assert run(all_at_once()) == want
+    _assert_idle(llm)
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["stream", "whole"])
+def test_client_leaving_frees_its_pages(server, llm, monkeypatch, stream):
+    bm = llm.block_manager
+    assert bm.num_free_blocks == bm.num_blocks
+    step, abort, aborted = llm.step, llm.abort_request, []
+
+    def slow_step():  # 20 ms a step: the request is far from done when the client leaves
+        time.sleep(0.02)
+        return step()
+
+    def spy_abort(request_id):
+        aborted.append(request_id)
+        abort(request_id)
+
+    monkeypatch.setattr(llm, "step", slow_step)
+    monkeypatch.setattr(llm, "abort_request", spy_abort)
+
+    async def leave_midway():
+        reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+        body = json.dumps(dict(prompt=list(range(3, 33)), stream=stream,
+                               **_greedy(max_tokens=30))).encode()
+        writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                     b"application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+        await writer.drain()
+        if stream:  # two tokens streamed
+            seen = b""
+            while seen.count(b"data: ") < 2:
+                seen += await reader.read(4096)
+        else:  # the request is running
+            while bm.num_free_blocks == bm.num_blocks:
+                await asyncio.sleep(0.005)
+        in_use = bm.num_blocks - bm.num_free_blocks
+        writer.close()
+        return in_use
+
+    assert run(leave_midway()) >= 2  # 30 prompt tokens and more, in pages of 16
+    _assert_idle(llm)
+    assert len(aborted) == 1
+
+
+def test_health_fails_when_the_engine_loop_is_gone(llm):
+    engine = AsyncEngine(lambda: llm)
+    with ServerThread(build_app(engine, MODEL)) as s:
+        assert run(_request(s.url + "/health", method="GET"))[0] == 200
+        s.loop.call_soon_threadsafe(engine._task.cancel)
+        status, out = run(_request(s.url + "/health", method="GET"))
+        assert status == 503 and out["error"]["type"] == "internal_server_error"
+        status, out = run(_request(s.url + "/v1/completions", dict(prompt="Hi")))
+        assert status == 500 and "engine loop is not running" in out["error"]["message"]
+
+
+BAD = [  # (path, body (dict, or raw bytes), status, param, code)
+    ("/v1/completions", b"{not json", 400, None, None),
+    ("/v1/completions", b"[1, 2]", 400, None, None),
+    ("/v1/completions", dict(model="gpt-4", prompt="Hi"), 404, "model", "model_not_found"),
+    ("/v1/chat/completions", dict(model="gpt-4", messages=[]), 404, "model",
+     "model_not_found"),
+    ("/v1/completions", dict(prompt="Hi", max_tokens=MAX_MODEL_LEN), 400, "max_tokens",
+     "context_length_exceeded"),
+    ("/v1/completions", dict(prompt=[5] * MAX_MODEL_LEN), 400, "prompt",
+     "context_length_exceeded"),
+    ("/v1/chat/completions", dict(messages=[{"role": "user", "content": "Hi"}],
+                                  max_completion_tokens=1000), 400, "max_tokens",
+     "context_length_exceeded"),
+    ("/v1/completions", dict(prompt="Hi", temperature=-1), 400, "temperature", None),
+    ("/v1/completions", dict(prompt="Hi", temperature="hot"), 400, "temperature", None),
+    ("/v1/completions", dict(prompt="Hi", top_p=0), 400, "top_p", None),
+    ("/v1/completions", dict(prompt="Hi", max_tokens=0), 400, "max_tokens", None),
+    ("/v1/completions", dict(prompt="Hi", n=2), 400, "n", None),
+    ("/v1/completions", dict(prompt="Hi", stop=[""]), 400, "stop", None),
+    ("/v1/completions", dict(prompt="Hi", echo=True), 400, "echo", None),
+    ("/v1/completions", dict(prompt="Hi", logprobs=-1), 400, "logprobs", None),
+    ("/v1/completions", dict(prompt="Hi", stream="yes"), 400, "stream", None),
+    ("/v1/completions", dict(prompt="Hi", stream_options={"include_usage": True}), 400,
+     "stream_options", None),
+    ("/v1/completions", dict(prompt=""), 400, "prompt", None),
+    ("/v1/completions", dict(max_tokens=3), 400, "prompt", None),
+    ("/v1/completions", dict(prompt=[1, True]), 400, "prompt", None),
+    ("/v1/completions", dict(prompt=[1, VOCAB]), 400, "prompt", None),
+    ("/v1/chat/completions", dict(messages="Hi"), 400, "messages", None),
+    ("/v1/chat/completions", dict(messages=[{"role": "robot", "content": "Hi"}]), 400,
+     "messages", None),
+    ("/v1/chat/completions", dict(messages=[{"role": "user", "content": "Hi"}],
+                                  top_logprobs=3), 400, "top_logprobs", None),
+]
+
+
+@pytest.mark.parametrize("path,body,status,param,code", BAD,
+                         ids=[f"{i}-{b[3]}-{b[2]}" for i, b in enumerate(BAD)])
+def test_bad_request_gets_an_openai_error(server, llm, path, body, status, param, code):
+    raw = body if isinstance(body, bytes) else None
+    got, out = post(server, path, None if raw else body, data=raw)
+    assert got == status
+    err = out["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    assert err["type"] == "invalid_request_error"
+    assert (err["param"], err["code"]) == (param, code)
+    assert run(_request(server.url + "/health", method="GET"))[0] == 200
+
+
+def test_unknown_route_and_method_are_json_errors(server):
+    assert post(server, "/v1/nothing", {})[0] == 404
+    status, out = run(_request(server.url + "/v1/completions", method="GET"))
+    assert status == 405 and out["error"]["type"] == "invalid_request_error"
+
+
+def test_engine_failure_is_a_500_and_the_server_goes_on(server, llm, monkeypatch):
+    step = llm.step
+
+    def failing_step():
+        monkeypatch.setattr(llm, "step", step)  # fail once
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(llm, "step", failing_step)
+    status, out = post(server, "/v1/completions", dict(prompt="Hi", **_greedy()))
+    assert status == 500 and out["error"]["type"] == "internal_server_error"
+    assert "boom" in out["error"]["message"]
+    monkeypatch.setattr(llm, "step", failing_step)
+    events = run(_events(server.url + "/v1/completions",
+                         dict(prompt="Hi", stream=True, **_greedy())))
+    assert "boom" in events[0]["error"]["message"] and events[1:] == ["[DONE]"]
+    _assert_idle(llm)
+    status, out = post(server, "/v1/completions", dict(prompt="Hi", **_greedy()))
+    assert status == 200 and out["usage"]["completion_tokens"] == 8
+
+
+def test_serve_command(llm, monkeypatch, capsys, tmp_path):
+    from flashtile.cli import main
+    from flashtile.engine import server as server_module
+
+    calls = []
+    monkeypatch.setattr(server_module.web, "run_app",
+                        lambda app, **kw: calls.append((app, kw)))
+    assert main(["serve", llm.config.model, "--port", "8123", "--served-model-name", "tiny",
+                 "--dtype", "float32", "--device", "cpu", "--max-model-len", "48",
+                 "--page-size", "16", "--kv-cache-memory", "64KiB"]) == 0
+    (app, kw), = calls
+    assert kw == dict(host="127.0.0.1", port=8123, handler_cancellation=True, print=None)
+    # 64 KiB / (2 x 2 layers x 2 heads x 16 x 4 bytes a token) = 128 tokens = 8 pages.
+    assert "'tiny' on http://127.0.0.1:8123 (8 KV pages of 16 tokens, max_model_len 48)" \
+        in capsys.readouterr().out
+    assert main(["serve", str(tmp_path), "--device", "cpu"]) == 2
+    assert "model: expected a directory with config.json" in capsys.readouterr().err
+
+
+def test_a_model_without_tokenizer_serves_token_ids(llm, tmp_path):
+    """What the GPU serving sweep runs: dummy weights from config.json alone."""
+    import shutil
+
+    from flashtile.engine import LLM
+
+    shutil.copy(f"{llm.config.model}/config.json", tmp_path)
+    dummy = LLM(str(tmp_path), dtype="float32", device="cpu", max_model_len=32,
+                page_size=16, load_format="dummy")
+    with ServerThread.over(dummy, MODEL) as s:
+        events = run(_events(s.url + "/v1/completions", dict(
+            prompt=[5, 6, 7], stream=True, logprobs=0, **_greedy(max_tokens=4))))
+        assert [e["choices"][0]["text"] for e in events[:-1]] == [""] * 4
+        tokens = [e["choices"][0]["logprobs"]["tokens"][0] for e in events[:-1]]
+        assert all(t.startswith("token_id:") for t in tokens)
+        status, out = post(s, "/v1/completions", dict(prompt="Hi"))
+        assert status == 400 and out["error"]["param"] == "prompt"
+        status, out = post(s, "/v1/chat/completions",
+                           dict(messages=[{"role": "user", "content": "Hi"}]))
+        assert status == 400 and out["error"]["param"] == "messages"
