@@ -27,7 +27,7 @@ import flashtile
 from flashtile._backend import backend_name, default_device, resolve_device, select_backend
 from flashtile.bench import commands as bench_commands
 from flashtile.bench.run import peak_extra_mib
-from flashtile.engine.cli import add_generate
+from flashtile.engine.cli import add_convert_gguf, add_generate
 from flashtile.reference import attention_naive, error_bound, max_abs_error, sdpa_math_bshd
 
 MiB = 2**20
@@ -306,7 +306,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="log INFO from the 'flashtile' logger (kernel compiles)")
     commands = parser.add_subparsers(dest="command", metavar="command")
     for add in (_add_demo, bench_commands.add_bench, bench_commands.add_info,
-                bench_commands.add_tune, add_generate):
+                bench_commands.add_tune, add_generate, add_convert_gguf):
         add(commands)
     return parser
 
