@@ -125,7 +125,8 @@ def test_weights_config_and_tokenizer_round_trip(tiny, converted):
     assert "quantization_config" not in cfg
     assert cfg["architectures"] == ["LlamaForCausalLM"] and cfg["dtype"] == "float32"
     assert cfg["tie_word_embeddings"] is True
-    assert json.loads((converted / "generation_config.json").read_text())["eos_token_id"] == 2
+    generation = json.loads((converted / "generation_config.json").read_text())
+    assert generation["eos_token_id"] == 2
     tok_cfg = json.loads((converted / "tokenizer_config.json").read_text())
     assert tok_cfg["chat_template"] == CHAT_TEMPLATE and tok_cfg["eos_token"] == "</s>"
     ours, orig = Tokenizer(str(converted)), Tokenizer(str(ref))
@@ -173,6 +174,10 @@ def test_cli_convert_gguf(tiny, tmp_path, capsys, monkeypatch):
     assert main(argv) == 1  # exists: refused, with the way out
     assert "out_dir: expected a new or empty directory" in capsys.readouterr().err
     assert main(argv + ["--overwrite"]) == 0
+    in_the_way = tmp_path / "a-file"
+    in_the_way.write_text("x")
+    assert main(["convert-gguf", str(gguf_file), str(in_the_way), "--overwrite"]) == 0
+    assert (in_the_way / "config.json").is_file()
     # The default destination is the cache, named after the file.
     monkeypatch.setenv("FLASHTILE_CACHE_DIR", str(tmp_path / "cache"))
     assert main(["convert-gguf", str(gguf_file)]) == 0

