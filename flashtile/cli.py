@@ -18,7 +18,7 @@ import sys
 
 from flashtile import demo
 from flashtile.bench import commands as bench_commands
-from flashtile.engine.cli import add_generate
+from flashtile.engine.cli import add_convert_gguf, add_generate
 from flashtile.engine.server import add_serve
 
 
@@ -36,7 +36,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="log INFO from the 'flashtile' logger (kernel compiles)")
     commands = parser.add_subparsers(dest="command", metavar="command")
     for add in (demo.add_demo, bench_commands.add_bench, bench_commands.add_info,
-                bench_commands.add_tune, add_generate, add_serve):
+                bench_commands.add_tune, add_generate, add_serve,
+                add_convert_gguf):
         add(commands)
     return parser
 

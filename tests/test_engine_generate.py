@@ -270,6 +270,25 @@ def test_bad_input_errors(checkpoint, tmp_path):
     assert not llm.has_unfinished_requests()  # a refused batch queues nothing
 
 
+def test_finished_text_keeps_an_incomplete_last_character(checkpoint, monkeypatch):
+    """Regression: a completion ending inside a multi-byte character lost its last
+    bytes from .text (SmolLM2 answering in Japanese, cut by max_tokens); the finished
+    text is now the decode of its tokens, as transformers gives it."""
+    path, _ = checkpoint
+    llm = _llm(path)
+    forced = llm.tokenizer.encode(" €", add_special_tokens=False)[:-1]
+    execute = llm.runner.execute
+
+    def scripted(scheduled):  # the model's step, with the tokens replaced by `forced`
+        seqs, _, logprobs = execute(scheduled)
+        return seqs, [forced[s.num_completion_tokens] for s in seqs], logprobs
+
+    monkeypatch.setattr(llm.runner, "execute", scripted)
+    params = SamplingParams(temperature=0, max_tokens=len(forced), ignore_eos=True)
+    out = llm.generate([[5, 6, 7]], params, use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == forced and out.finish_reason == "length"
+    assert out.text == llm.tokenizer.decode(forced) and out.text.endswith("\ufffd")
+
 
 @pytest.mark.parametrize("chat", [False, True], ids=["prompt", "chat"])
 def test_cli_generate_streams_the_text(checkpoint, capsys, chat):

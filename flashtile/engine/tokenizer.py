@@ -147,13 +147,18 @@ class IncrementalDetokenizer:
         self.prefix_offset = max(self.read_offset - 5, 0)
         self.text = ""
 
-    def add(self, token_ids) -> str:
-        """Append tokens; return the text they complete (possibly "")."""
+    def add(self, token_ids, final: bool = False) -> str:
+        """Append tokens; return the text they complete (possibly "").
+
+        final: no token follows (the request finished), so an incomplete character at
+        the end will never complete: it is emitted as decode gives it (U+FFFD), and the
+        text is the decode of all the tokens, as transformers' decode returns it.
+        """
         self.ids.extend(token_ids)
         before = self.tokenizer.decode(self.ids[self.prefix_offset:self.read_offset],
                                        self.skip)
         after = self.tokenizer.decode(self.ids[self.prefix_offset:], self.skip)
-        if len(after) <= len(before) or after.endswith("\ufffd"):
+        if len(after) <= len(before) or (after.endswith("\ufffd") and not final):
             return ""
         new = after[len(before):]
         self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
