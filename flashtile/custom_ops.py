@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from flashtile import reference
+from flashtile import _torch_backend, reference
 from flashtile._backend import select_backend
 from flashtile._validate import MAX_OFFSET, offset_reach
 
@@ -40,7 +40,7 @@ def _attn_fwd_impl(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor],
     if select_backend(q.device) == "triton":
         from flashtile.ops.fwd import attn_fwd as triton_fwd
         return triton_fwd(q, k, v, allow_tf32=allow_tf32, **kw)
-    out, lse = reference.attention_tiled_fwd(q, k, v, **kw)
+    out, lse = _torch_backend.attention_fwd(q, k, v, **kw)
     return out.contiguous(), lse.contiguous()
 
 
@@ -64,7 +64,7 @@ def _attn_bwd_impl(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, l
     if select_backend(q.device) == "triton":
         from flashtile.ops.bwd import attn_bwd as triton_bwd
         return triton_bwd(dout, q, k, v, out, lse, dlse, allow_tf32=allow_tf32, **kw)
-    grads = reference.attention_tiled_bwd(dout, q, k, v, out, lse, dlse, **kw)
+    grads = _torch_backend.attention_bwd(dout, q, k, v, out, lse, dlse, **kw)
     return tuple(g.contiguous() for g in grads)
 
 
@@ -183,8 +183,8 @@ def _varlen_attn_fwd_impl(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
             continue
         kw_b = dict(kw, diag_offset=(ke - ks) - (qe - qs),
                     alibi_slopes=reference.alibi_of_sequence(alibi_slopes, b))
-        o, l = reference.attention_tiled_fwd(q[None, qs:qe], k[None, ks:ke],
-                                             v[None, ks:ke], **kw_b)
+        o, l = _torch_backend.attention_fwd(q[None, qs:qe], k[None, ks:ke],
+                                            v[None, ks:ke], **kw_b)
         out[qs:qe], lse[:, qs:qe] = o[0], l[0]
     return out, lse
 
@@ -217,7 +217,7 @@ def _varlen_attn_bwd_impl(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Te
             continue
         kw_b = dict(kw, diag_offset=(ke - ks) - (qe - qs),
                     alibi_slopes=reference.alibi_of_sequence(alibi_slopes, b))
-        g = reference.attention_tiled_bwd(
+        g = _torch_backend.attention_bwd(
             dout[None, qs:qe], q[None, qs:qe], k[None, ks:ke], v[None, ks:ke],
             out[None, qs:qe], lse[None, :, qs:qe],
             dlse[None, :, qs:qe] if dlse is not None else None, **kw_b)

@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from flashtile import _validate as V
-from flashtile import reference
+from flashtile import _torch_backend, reference
 from flashtile._backend import select_backend
 from flashtile.custom_ops import _plain_eager
 
@@ -205,7 +205,7 @@ def _attend_torch(q, k_cache, v_cache, seqlens, leftpad, block_table, cache_batc
         vb = _gather_sequence(v_cache, b, start, stop, block_table, cache_batch_idx)
         kw_b = dict(kw, diag_offset=(stop - start) - q.shape[1],
                     alibi_slopes=reference.alibi_of_sequence(kw["alibi_slopes"], b))
-        o, l = reference.attention_tiled_fwd(q[b:b + 1], kb, vb, attn_mask=None, **kw_b)
+        o, l = _torch_backend.attention_fwd(q[b:b + 1], kb, vb, attn_mask=None, **kw_b)
         outs.append(o)
         lses.append(l)
     return torch.cat(outs), torch.cat(lses)

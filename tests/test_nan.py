@@ -17,10 +17,27 @@ import pytest
 import torch
 
 import flashtile
+from flashtile import _torch_backend
 from flashtile.reference import allowed_keys, attention_naive
+from tests.conftest import triton_available_here
 from tests.utils import max_err
 
 NAN = float("nan")
+
+
+@pytest.fixture(params=["torch", "torch-tiled", "triton"])
+def backend(request, monkeypatch, on_gpu):
+    """The torch backend (PyTorch's fused CPU kernel where it fits), the same backend
+    with its tiled path forced, and the Triton kernels."""
+    name = request.param
+    if name != "triton" and on_gpu:
+        pytest.skip("GPU runs the Triton kernels")
+    if name == "triton" and not triton_available_here(on_gpu):
+        pytest.skip("Triton on CPU needs TRITON_INTERPRET=1 (set by make test)")
+    if name == "torch-tiled":
+        monkeypatch.setattr(_torch_backend, "_plan", lambda *args, **kwargs: None)
+    monkeypatch.setenv("FLASHTILE_BACKEND", name.split("-")[0])
+    return name
 
 
 def _reach(sq, sk, causal, key):
