@@ -37,7 +37,7 @@ def _attn_fwd_impl(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor],
              allow_tf32: bool) -> tuple[Tensor, Tensor]:
     kw = _mask_kwargs(attn_mask, alibi_slopes, softmax_scale, diag_offset, window_left,
                       window_right, softcap)
-    if select_backend(q.device) == "triton":
+    if select_backend(q.device, q.dtype) == "triton":
         from flashtile.ops.fwd import attn_fwd as triton_fwd
         return triton_fwd(q, k, v, allow_tf32=allow_tf32, **kw)
     out, lse = _torch_backend.attention_fwd(q, k, v, **kw)
@@ -61,7 +61,7 @@ def _attn_bwd_impl(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, l
              allow_tf32: bool) -> tuple[Tensor, Tensor, Tensor]:
     kw = _mask_kwargs(attn_mask, alibi_slopes, softmax_scale, diag_offset, window_left,
                       window_right, softcap)
-    if select_backend(q.device) == "triton":
+    if select_backend(q.device, q.dtype) == "triton":
         from flashtile.ops.bwd import attn_bwd as triton_bwd
         return triton_bwd(dout, q, k, v, out, lse, dlse, allow_tf32=allow_tf32, **kw)
     grads = _torch_backend.attention_bwd(dout, q, k, v, out, lse, dlse, **kw)
@@ -172,7 +172,7 @@ def _varlen_attn_fwd_impl(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
                     allow_tf32: bool) -> tuple[Tensor, Tensor]:
     kw = _mask_kwargs(None, alibi_slopes, softmax_scale, 0, window_left, window_right,
                       softcap)
-    if select_backend(q.device) == "triton":
+    if select_backend(q.device, q.dtype) == "triton":
         from flashtile.ops.fwd import attn_fwd as triton_fwd
         return triton_fwd(q, k, v, allow_tf32=allow_tf32, cu_seqlens_q=cu_seqlens_q,
                           cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, **kw)
@@ -206,7 +206,7 @@ def _varlen_attn_bwd_impl(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Te
                     softcap: float, allow_tf32: bool) -> tuple[Tensor, Tensor, Tensor]:
     kw = _mask_kwargs(None, alibi_slopes, softmax_scale, 0, window_left, window_right,
                       softcap)
-    if select_backend(q.device) == "triton":
+    if select_backend(q.device, q.dtype) == "triton":
         from flashtile.ops.bwd import attn_bwd as triton_bwd
         return triton_bwd(dout, q, k, v, out, lse, dlse, allow_tf32=allow_tf32,
                           cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,

@@ -227,7 +227,7 @@ def _kvcache_attn_impl(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlen
     seqlens = cache_seqlens + new_tokens if new_tokens else cache_seqlens
     kw = dict(alibi_slopes=alibi_slopes, softmax_scale=softmax_scale,
               window_left=window_left, window_right=window_right, softcap=softcap)
-    if select_backend(q.device) == "triton":
+    if select_backend(q.device, q.dtype) == "triton":
         from flashtile.ops.decode import attn_decode
         return attn_decode(q, k_cache, v_cache, cache_seqlens=seqlens.to(torch.int32),
                            block_table=block_table, cache_batch_idx=cache_batch_idx,
@@ -334,6 +334,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         if k is not None:
             k = apply_rotary(k, rotary_cos, rotary_sin, base[:, None] + offs[:, :sn],
                              rotary_interleaved)
+    if not torch.compiler.is_compiling():  # refuse bf16 in the interpreter before the append
+        select_backend(q.device, q.dtype)
     if k is not None and sn:
         pos = _cache_positions(cache_seqlens, sn)
         _append(k_cache, v_cache, k, v, pos, block_table, cache_batch_idx)

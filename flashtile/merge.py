@@ -168,7 +168,7 @@ def merge_attention_states(out_a, lse_a, out_b, lse_b, return_lse=True):
     b, s, h, d = _check_merge_inputs(out_a, lse_a, out_b, lse_b, return_lse)
     needs_grad = torch.is_grad_enabled() and any(
         x.requires_grad for x in (out_a, lse_a, out_b, lse_b))
-    if needs_grad or select_backend(out_a.device) == "torch":
+    if needs_grad or select_backend(out_a.device, out_a.dtype, "out_a") == "torch":
         return merge_attention_states_ref(out_a, lse_a, out_b, lse_b, return_lse)
 
     out = torch.empty((b, s, h, d), dtype=out_a.dtype, device=out_a.device)
