@@ -150,9 +150,13 @@ def _fused_bwd(plan, dout, q, k, v, out, lse, scale):
                   out[:, r:].transpose(1, 2), l, 0.0, causal,
                   attn_mask=None if causal else plan.mask, scale=scale)
              for start, stop, causal in spans]
-    dq = grads[0][0] if len(grads) == 1 else grads[0][0].float() + grads[1][0].float()
-    dk, dv = (torch.cat([g[i] for g in grads], dim=2) for i in (1, 2))
-    dq, dk, dv = (x.transpose(1, 2).to(y.dtype) for x, y in ((dq, q), (dk, k), (dv, v)))
+    # The op's gradients are (b, h, s, d) views of (b, s, h, d) memory: transposed back
+    # they are contiguous, so a single call's are returned as they are, no copy.
+    if len(grads) == 1:
+        dq, dk, dv = (g.transpose(1, 2) for g in grads[0])
+    else:
+        dq = (grads[0][0].float() + grads[1][0].float()).transpose(1, 2).to(q.dtype)
+        dk, dv = (torch.cat([g[i].transpose(1, 2) for g in grads], dim=1) for i in (1, 2))
     if r:
         dq = torch.cat([q.new_zeros((q.shape[0], r, *q.shape[2:])), dq], dim=1)
     return dq, dk, dv
