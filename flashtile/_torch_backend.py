@@ -69,8 +69,7 @@ def _compact(mask):
 def _plan(q, k, *, attn_mask, alibi_slopes, diag_offset, window_left, window_right,
           softcap) -> Optional[_Plan]:
     """The fused plan for these arguments, or None where the tiled path must run."""
-    b, sq, h, _ = q.shape
-    sk = k.shape[1]
+    sq, h, sk = q.shape[1], q.shape[2], k.shape[1]
     if (q.device.type != "cpu" or q.dtype not in _FUSED_DTYPES or softcap > 0
             or alibi_slopes is not None or window_left >= 0
             or q.numel() == 0 or sk == 0
@@ -89,8 +88,8 @@ def _plan(q, k, *, attn_mask, alibi_slopes, diag_offset, window_left, window_rig
         return _Plan(0, sk)
     reach = diag_offset + window_right  # query i sees keys j <= i + reach
     row0 = min(max(-reach, 0), sq)
-    # The last row sees keys up to sq - 1 - row0 + prefix; a mask-free call when that
-    # covers every key.
+    # Row row0 sees keys [0, prefix]: when that is every key, so does every later row,
+    # and one mask-free call covers them all.
     prefix = max(reach, 0)
     if prefix >= sk - 1:
         prefix = sk

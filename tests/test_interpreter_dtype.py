@@ -12,8 +12,9 @@ import torch
 import flashtile
 from flashtile._backend import select_backend
 
-MESSAGE = r"q\.dtype: expected float32 or float16 while the Triton kernels run in the " \
-          r"Triton interpreter \(TRITON_INTERPRET=1\), got torch\.bfloat16\. .*FLASHTILE_BACKEND=torch"
+MESSAGE = (r"q\.dtype: expected float32 or float16 while the Triton kernels run in the "
+           r"Triton interpreter \(TRITON_INTERPRET=1\), got torch\.bfloat16\. "
+           r".*FLASHTILE_BACKEND=torch")
 
 
 @pytest.fixture

@@ -31,7 +31,8 @@ def fused_calls(monkeypatch):
     calls = []
 
     def spy(op, name):
-        def call(*args, **kwargs):  # fwd(q, k, v, p, causal), bwd(do, q, k, v, o, lse, p, causal)
+        # fwd(q, k, v, dropout_p, causal), bwd(dout, q, k, v, out, lse, dropout_p, causal)
+        def call(*args, **kwargs):
             k, causal = (args[1], args[4]) if name == "fwd" else (args[2], args[7])
             calls.append((name, k.shape[2], causal, kwargs.get("attn_mask")))
             return op(*args, **kwargs)
