@@ -178,8 +178,8 @@ def attention_bwd(dout, q, k, v, out, lse, dlse, *, softmax_scale, diag_offset,
     and the lse carries no gradient."""
     kw = dict(diag_offset=diag_offset, window_left=window_left, window_right=window_right,
               softcap=softcap, alibi_slopes=alibi_slopes, attn_mask=attn_mask)
-    plan = None if dlse is not None and dlse.any() else _plan(q, k, **kw)
-    if plan is None:
+    plan = _plan(q, k, **kw)
+    if plan is None or (dlse is not None and dlse.any()):
         return reference.attention_tiled_bwd(dout, q, k, v, out, lse, dlse,
                                              softmax_scale=softmax_scale, **kw)
     return _fused_bwd(plan, dout, q, k, v, out, lse, softmax_scale)
