@@ -42,6 +42,12 @@ def backend(request, monkeypatch, on_gpu):
     return name
 
 
+def _on(device, *xs):
+    """The inputs on the test's device (CUDA under --gpu); they are built on CPU, and the
+    results are checked there."""
+    return [x.to(device) for x in xs]
+
+
 def _reach(sq, sk, causal, key):
     """(sq,) bool: the rows that see ``key``; (sq,) bool: the rows that see no key."""
     ok = allowed_keys(sq, sk, sk - sq, -1, 0 if causal else -1, torch.device("cpu"))
@@ -82,7 +88,7 @@ def _check_rows(out, lse, ref, ref_lse, nan_rows, empty_rows, col=slice(None)):
 
 @pytest.mark.parametrize("where", ["q", "k", "v", "alibi"])
 @pytest.mark.parametrize("geometry", list(GEOMETRIES))
-def test_flash_attn_func_nan_reaches_exactly_its_rows(geometry, where, backend):
+def test_flash_attn_func_nan_reaches_exactly_its_rows(geometry, where, backend, device):
     sq, sk, causal, key = GEOMETRIES[geometry]
     q, k, v = _inputs(sq, sk)
     seen_key, empty = _reach(sq, sk, causal, key)
@@ -102,15 +108,16 @@ def test_flash_attn_func_nan_reaches_exactly_its_rows(geometry, where, backend):
     else:
         alibi[0] = NAN
         nan_rows = ~empty
-    out, lse = flashtile.flash_attn_func(q, k, v, causal=causal, alibi_slopes=alibi,
-                                         return_lse=True)
+    out, lse = flashtile.flash_attn_func(*_on(device, q, k, v), causal=causal,
+                                         alibi_slopes=alibi.to(device), return_lse=True)
+    out, lse = out.cpu(), lse.cpu()
     ref, ref_lse = attention_naive(q, k, v, causal=causal, alibi_slopes=alibi)
     _check_rows(out, lse, ref, ref_lse, nan_rows, empty, col)
 
 
 @pytest.mark.parametrize("where", ["q", "k", "v"])
 @pytest.mark.parametrize("geometry", ["full", "causal_q<k"])
-def test_backward_nan_is_not_a_finite_gradient(geometry, where, backend):
+def test_backward_nan_is_not_a_finite_gradient(geometry, where, backend, device):
     """The gradients a NaN reaches are NaN; head 1 (no NaN) stays finite. A NaN score
     poisons its whole softmax row, so dv of every key such a row sees is NaN (the float64
     oracle's autograd agrees). dv does not depend on v: a NaN in v leaves dv finite."""
@@ -120,9 +127,10 @@ def test_backward_nan_is_not_a_finite_gradient(geometry, where, backend):
     seen_key = ok[:, key]
     row = int(seen_key.nonzero()[0])
     {"q": q, "k": k, "v": v}[where][0, row if where == "q" else key, 0, 3] = NAN
-    q, k, v = (x.requires_grad_() for x in (q, k, v))
+    q, k, v = (x.requires_grad_() for x in _on(device, q, k, v))
     out = flashtile.flash_attn_func(q, k, v, causal=causal)
-    dq, dk, dv = torch.autograd.grad(out, (q, k, v), torch.randn_like(out))
+    grads = torch.autograd.grad(out, (q, k, v), torch.randn_like(out))
+    dq, dk, dv = (g.cpu() for g in grads)
     for g in (dq, dk, dv):
         assert torch.isfinite(g[0, :, 1]).all()
     nan_rows = seen_key.clone() if where != "q" else torch.arange(sq) == row
@@ -138,13 +146,15 @@ def _cu(lengths):
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_varlen_nan_stays_in_its_sequence(causal, backend):
+def test_varlen_nan_stays_in_its_sequence(causal, backend, device):
     lens_q, lens_k = [5, 0, 40], [30, 7, 50]
     q, k, v = torch.randn(45, 2, 16), torch.randn(87, 2, 16), torch.randn(87, 2, 16)
     key = 45  # key 45 of sequence 2 (packed row 37 + 45): rows 35.. see it when causal
     k[37 + key, 0, 3] = NAN
-    out, lse = flashtile.flash_attn_varlen_func(q, k, v, _cu(lens_q), _cu(lens_k), 40, 50,
-                                                causal=causal, return_lse=True)
+    out, lse = flashtile.flash_attn_varlen_func(
+        *_on(device, q, k, v, _cu(lens_q), _cu(lens_k)), 40, 50, causal=causal,
+        return_lse=True)
+    out, lse = out.cpu(), lse.cpu()
     seen_key, _ = _reach(40, 50, causal, key)
     out2, lse2 = out[5:], lse[0, 5:]  # sequence 2 (sequence 1 has no query)
     assert torch.isnan(out2[seen_key, 0]).all() and torch.isnan(lse2[seen_key]).all()
@@ -153,12 +163,13 @@ def test_varlen_nan_stays_in_its_sequence(causal, backend):
     assert torch.isfinite(out[:, 1]).all()
 
 
-def test_sdpa_nan_matches_torch(backend):
+def test_sdpa_nan_matches_torch(backend, device):
     """The drop-in's NaN rows are torch's own (top-left causal, a NaN key)."""
     q, k, v = (torch.randn(2, 2, 33, 16) for _ in range(3))
     k[1, 0, 20, 5] = NAN
     for is_causal in (False, True):
-        out = flashtile.scaled_dot_product_attention(q, k, v, is_causal=is_causal)
+        out = flashtile.scaled_dot_product_attention(*_on(device, q, k, v),
+                                                     is_causal=is_causal).cpu()
         ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=is_causal)
         assert torch.equal(torch.isnan(out), torch.isnan(ref))
         assert torch.isnan(out).any()
@@ -167,7 +178,7 @@ def test_sdpa_nan_matches_torch(backend):
 
 
 @pytest.mark.parametrize("kind", ["bool", "additive"])
-def test_sdpa_mask_nan_and_empty_rows(kind, backend):
+def test_sdpa_mask_nan_and_empty_rows(kind, backend, device):
     """A bool mask hides a NaN key from the rows it masks, and a row it empties is 0. An
     additive mask adds: a NaN entry poisons its row only, a row of -inf is 0, but a NaN
     key reaches every row, masked or not (-inf + NaN is NaN, as in torch's SDPA)."""
@@ -184,7 +195,7 @@ def test_sdpa_mask_nan_and_empty_rows(kind, backend):
         allowed[..., 9, 3] = True
         mask[..., 9, 3] = NAN
         nan_rows[9] = True
-    out = flashtile.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    out = flashtile.scaled_dot_product_attention(*_on(device, q, k, v, mask)).cpu()
     assert (out[:, :, 5] == 0).all()
     ref = attention_naive(*(x.transpose(1, 2) for x in (q, k.nan_to_num(), v)),
                           attn_mask=mask, diag_offset=0)[0].transpose(1, 2)
@@ -192,13 +203,13 @@ def test_sdpa_mask_nan_and_empty_rows(kind, backend):
     assert max_err(out[:, :, ~nan_rows], ref[:, :, ~nan_rows]) < 1e-5
     if kind == "additive":
         k[0, 1, 60] = NAN
-        out = flashtile.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        out = flashtile.scaled_dot_product_attention(*_on(device, q, k, v, mask)).cpu()
         assert torch.isnan(out[0, 1]).all() and torch.isfinite(out[0, 0, ~nan_rows]).all()
 
 
 @pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
 @pytest.mark.parametrize("num_splits", [1, 3])
-def test_kvcache_nan_only_within_each_sequence(paged, num_splits, backend):
+def test_kvcache_nan_only_within_each_sequence(paged, num_splits, backend, device):
     """A NaN key inside sequence 0 poisons it; a NaN past sequence 1's end (stale cache,
     an unused page) or before its cache_leftpad reaches nothing."""
     b, s, hkv, d = 2, 64, 1, 16
@@ -220,14 +231,16 @@ def test_kvcache_nan_only_within_each_sequence(paged, num_splits, backend):
         v_cache[1, 2, 0, 2] = NAN  # before sequence 1's first key
         kw = dict(cache_leftpad=torch.tensor([0, 4], dtype=torch.int32))
     q = torch.randn(b, 1, 2, d)
-    out, lse = flashtile.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens,
-                                                 num_splits=num_splits, return_lse=True,
-                                                 **kw)
+    q, k_cache, v_cache, seqlens = _on(device, q, k_cache, v_cache, seqlens)
+    out, lse = flashtile.flash_attn_with_kvcache(
+        q, k_cache, v_cache, cache_seqlens=seqlens, num_splits=num_splits, return_lse=True,
+        **{name: x.to(device) for name, x in kw.items()})
+    out, lse = out.cpu(), lse.cpu()
     assert torch.isnan(out[0]).all() and torch.isnan(lse[0]).all()
     assert torch.isfinite(out[1]).all() and torch.isfinite(lse[1]).all()
 
 
-def test_merge_propagates_nan(backend):
+def test_merge_propagates_nan(backend, device):
     """merge_attention_states: a NaN lse or a NaN partial with weight > 0 gives NaN; an
     empty side (lse -inf) is still ignored whatever its out holds."""
     out_a, out_b = torch.randn(1, 4, 2, 8), torch.randn(1, 4, 2, 8)
@@ -236,7 +249,8 @@ def test_merge_propagates_nan(backend):
     out_b[0, 1, 0, 3] = NAN
     lse_a[0, 0, 2] = float("-inf")
     out_a[0, 2, 0] = NAN
-    out, lse = flashtile.merge_attention_states(out_a, lse_a, out_b, lse_b)
+    out, lse = flashtile.merge_attention_states(*_on(device, out_a, lse_a, out_b, lse_b))
+    out, lse = out.cpu(), lse.cpu()
     assert torch.isnan(out[0, 0, 0]).all() and torch.isnan(lse[0, 0, 0])
     assert torch.isnan(out[0, 1, 0, 3]) and torch.isfinite(lse[0, 0, 1])
     assert torch.equal(out[0, 2, 0], out_b[0, 2, 0]) and lse[0, 0, 2] == lse_b[0, 0, 2]
