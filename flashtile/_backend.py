@@ -19,7 +19,23 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-def select_backend(device: torch.device) -> str:
+def select_backend(device: torch.device, dtype: torch.dtype | None = None,
+                   name: str = "q") -> str:
+    """"triton" or "torch" for tensors on ``device``. With ``dtype`` (that of the
+    argument ``name``), refuse bfloat16 where the Triton kernels would run in the
+    interpreter: its numpy emulation of bfloat16 returns garbage (errors near 1e9),
+    not an error."""
+    backend = _choose(device)
+    if backend == "triton" and dtype == torch.bfloat16 and interpreting():
+        from flashtile._validate import _fail
+        _fail(TypeError, f"{name}.dtype", "float32 or float16 while the Triton kernels "
+              "run in the Triton interpreter (TRITON_INTERPRET=1)", dtype,
+              "The interpreter cannot compute in bfloat16 (its results are garbage): use "
+              "float32 or float16, or set FLASHTILE_BACKEND=torch for the PyTorch path")
+    return backend
+
+
+def _choose(device: torch.device) -> str:
     forced = os.environ.get("FLASHTILE_BACKEND", "").strip().lower()
     if forced and forced not in BACKENDS:
         raise ValueError(f"FLASHTILE_BACKEND must be one of {BACKENDS}, got {forced!r}")

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from flashtile import reference
+from flashtile import _torch_backend, reference
 from flashtile._backend import select_backend
 from flashtile._validate import (MAX_OFFSET, can_read_indices, check_paged_varlen_values,
                                  offset_reach)
@@ -38,10 +38,10 @@ def _attn_fwd_impl(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor],
              allow_tf32: bool) -> tuple[Tensor, Tensor]:
     kw = _mask_kwargs(attn_mask, alibi_slopes, softmax_scale, diag_offset, window_left,
                       window_right, softcap)
-    if select_backend(q.device) == "triton":
+    if select_backend(q.device, q.dtype) == "triton":
         from flashtile.ops.fwd import attn_fwd as triton_fwd
         return triton_fwd(q, k, v, allow_tf32=allow_tf32, **kw)
-    out, lse = reference.attention_tiled_fwd(q, k, v, **kw)
+    out, lse = _torch_backend.attention_fwd(q, k, v, **kw)
     return out.contiguous(), lse.contiguous()
 
 
@@ -62,10 +62,10 @@ def _attn_bwd_impl(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, l
              allow_tf32: bool) -> tuple[Tensor, Tensor, Tensor]:
     kw = _mask_kwargs(attn_mask, alibi_slopes, softmax_scale, diag_offset, window_left,
                       window_right, softcap)
-    if select_backend(q.device) == "triton":
+    if select_backend(q.device, q.dtype) == "triton":
         from flashtile.ops.bwd import attn_bwd as triton_bwd
         return triton_bwd(dout, q, k, v, out, lse, dlse, allow_tf32=allow_tf32, **kw)
-    grads = reference.attention_tiled_bwd(dout, q, k, v, out, lse, dlse, **kw)
+    grads = _torch_backend.attention_bwd(dout, q, k, v, out, lse, dlse, **kw)
     return tuple(g.contiguous() for g in grads)
 
 
@@ -189,7 +189,7 @@ def _varlen_attn_fwd_impl(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
                                   block_table, seqused_k)
     kw = _mask_kwargs(None, alibi_slopes, softmax_scale, 0, window_left, window_right,
                       softcap)
-    if select_backend(q.device) == "triton":
+    if select_backend(q.device, q.dtype) == "triton":
         from flashtile.ops.fwd import attn_fwd as triton_fwd
         return triton_fwd(q, k, v, allow_tf32=allow_tf32, cu_seqlens_q=cu_seqlens_q,
                           cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
@@ -203,10 +203,10 @@ def _varlen_attn_fwd_impl(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
             continue
         kw_b = dict(kw, diag_offset=(ke - ks) - (qe - qs),
                     alibi_slopes=reference.alibi_of_sequence(alibi_slopes, b))
-        o, l = reference.attention_tiled_fwd(q[None, qs:qe],
-                                             _sequence_keys(k, b, ks, ke, block_table),
-                                             _sequence_keys(v, b, ks, ke, block_table),
-                                             **kw_b)
+        o, l = _torch_backend.attention_fwd(q[None, qs:qe],
+                                            _sequence_keys(k, b, ks, ke, block_table),
+                                            _sequence_keys(v, b, ks, ke, block_table),
+                                            **kw_b)
         out[qs:qe], lse[:, qs:qe] = o[0], l[0]
     return out, lse
 
@@ -229,7 +229,7 @@ def _varlen_attn_bwd_impl(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Te
                     softcap: float, allow_tf32: bool) -> tuple[Tensor, Tensor, Tensor]:
     kw = _mask_kwargs(None, alibi_slopes, softmax_scale, 0, window_left, window_right,
                       softcap)
-    if select_backend(q.device) == "triton":
+    if select_backend(q.device, q.dtype) == "triton":
         from flashtile.ops.bwd import attn_bwd as triton_bwd
         return triton_bwd(dout, q, k, v, out, lse, dlse, allow_tf32=allow_tf32,
                           cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
@@ -240,7 +240,7 @@ def _varlen_attn_bwd_impl(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Te
             continue
         kw_b = dict(kw, diag_offset=(ke - ks) - (qe - qs),
                     alibi_slopes=reference.alibi_of_sequence(alibi_slopes, b))
-        g = reference.attention_tiled_bwd(
+        g = _torch_backend.attention_bwd(
             dout[None, qs:qe], q[None, qs:qe], k[None, ks:ke], v[None, ks:ke],
             out[None, qs:qe], lse[None, :, qs:qe],
             dlse[None, :, qs:qe] if dlse is not None else None, **kw_b)

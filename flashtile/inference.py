@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from flashtile import _validate as V
-from flashtile import reference
+from flashtile import _torch_backend, reference
 from flashtile._backend import select_backend
 from flashtile.custom_ops import _plain_eager
 
@@ -145,7 +145,7 @@ def _attend_torch(q, k_cache, v_cache, seqlens, leftpad, block_table, cache_batc
         vb = _gather_sequence(v_cache, b, start, stop, block_table, cache_batch_idx)
         kw_b = dict(kw, diag_offset=(stop - start) - q.shape[1],
                     alibi_slopes=reference.alibi_of_sequence(kw["alibi_slopes"], b))
-        o, l = reference.attention_tiled_fwd(q[b:b + 1], kb, vb, attn_mask=None, **kw_b)
+        o, l = _torch_backend.attention_fwd(q[b:b + 1], kb, vb, attn_mask=None, **kw_b)
         outs.append(o)
         lses.append(l)
     return torch.cat(outs), torch.cat(lses)
@@ -167,7 +167,7 @@ def _kvcache_attn_impl(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlen
     seqlens = cache_seqlens + new_tokens if new_tokens else cache_seqlens
     kw = dict(alibi_slopes=alibi_slopes, softmax_scale=softmax_scale,
               window_left=window_left, window_right=window_right, softcap=softcap)
-    if select_backend(q.device) == "triton":
+    if select_backend(q.device, q.dtype) == "triton":
         from flashtile.ops.decode import attn_decode
         return attn_decode(q, k_cache, v_cache, cache_seqlens=seqlens.to(torch.int32),
                            block_table=block_table, cache_batch_idx=cache_batch_idx,
@@ -281,6 +281,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         if k is not None:
             k = apply_rotary(k, rotary_cos, rotary_sin, base + offs[:, :sn],
                              rotary_interleaved)
+    if not torch.compiler.is_compiling():  # refuse bf16 in the interpreter before the append
+        select_backend(q.device, q.dtype)
     if k is not None and sn:
         pos = _cache_positions(cache_seqlens, sn)
         _append(k_cache, v_cache, k, v, pos, block_table, cache_batch_idx)

@@ -63,8 +63,9 @@ def _merge_attention_states_kernel(
     b_w_a = tl.exp(b_lse_a - b_max)  # in [0, 1]; exactly 1 for the larger side
     b_w_b = tl.exp(b_lse_b - b_max)
     b_sum = b_w_a + b_w_b            # in [1, 2], or 0 when both sides are empty
-    b_seen = b_sum > 0.0
-    b_sum_safe = tl.where(b_seen, b_sum, 1.0)
+    # Tests are == 0, never > 0: a NaN lse must fail "empty" and come out NaN.
+    b_empty = b_sum == 0.0
+    b_sum_safe = tl.where(b_empty, 1.0, b_sum)
     b_scale_a = b_w_a / b_sum_safe
     b_scale_b = b_w_b / b_sum_safe
 
@@ -81,14 +82,14 @@ def _merge_attention_states_kernel(
         b_ob = tl.load(p_ob, mask=m_d, other=0.0).to(tl.float32)          # (BLOCK_D,)
     # A side with weight 0 contributes nothing, whatever its out holds (an empty
     # partial may hold anything, even NaN, in other libraries).
-    b_o = tl.where(b_scale_a > 0.0, b_oa * b_scale_a, 0.0) \
-        + tl.where(b_scale_b > 0.0, b_ob * b_scale_b, 0.0)                # (BLOCK_D,)
+    b_o = tl.where(b_scale_a == 0.0, 0.0, b_oa * b_scale_a) \
+        + tl.where(b_scale_b == 0.0, 0.0, b_ob * b_scale_b)               # (BLOCK_D,)
     if EVEN_D:
         tl.store(p_o, b_o.to(Out.dtype.element_ty))
     else:
         tl.store(p_o, b_o.to(Out.dtype.element_ty), mask=m_d)
     if STORE_LSE:
-        b_lse = tl.where(b_seen, b_max + tl.log(b_sum_safe), float("-inf"))
+        b_lse = tl.where(b_empty, float("-inf"), b_max + tl.log(b_sum_safe))
         tl.store(Lse + off_b * stride_l_b + off_h * stride_l_h + off_s * stride_l_s, b_lse)
 
 
@@ -219,7 +220,7 @@ def merge_attention_states(out_a, lse_a, out_b, lse_b, return_lse=True):
     _check_merge_inputs(out_a, lse_a, out_b, lse_b, return_lse)
     needs_grad = torch.is_grad_enabled() and any(
         x.requires_grad for x in (out_a, lse_a, out_b, lse_b))
-    if needs_grad or select_backend(out_a.device) == "torch":
+    if needs_grad or select_backend(out_a.device, out_a.dtype, "out_a") == "torch":
         return merge_attention_states_ref(out_a, lse_a, out_b, lse_b, return_lse)
     if _plain_eager((out_a, lse_a, out_b)):
         return _merge_launch(out_a, lse_a, out_b, lse_b, return_lse)

@@ -11,7 +11,9 @@ K/V block by block with a running max ``m``, running sum ``l`` and an fp32 accum
 exactly the FlashAttention recurrence; they are the CPU backend.
 
 ``lse`` is the natural-log log-sum-exp of each row's (scaled, capped, biased, masked)
-scores; a row that sees no key has ``lse = -inf`` and output 0.
+scores; a row that sees no key has ``lse = -inf`` and output 0. A NaN that reaches a
+row (through q, a visible key, an ALiBi slope or an additive mask entry) makes its
+output and lse NaN, as in torch's SDPA; the empty test is ``l == 0``, which NaN fails.
 """
 
 from __future__ import annotations
@@ -134,9 +136,11 @@ def attention_naive(q, k, v, *, softmax_scale=None, causal=False, window_size=(-
     m = torch.where(torch.isinf(m), torch.zeros_like(m), m)  # rows that see nothing
     p = torch.exp(s - m)                                   # pass 2: exp
     l = p.sum(dim=-1, keepdim=True)                        # pass 3: sum
-    out = (p / torch.where(l == 0, torch.ones_like(l), l)) @ v.to(dtype).transpose(1, 2)
+    # Empty rows (l == 0) are 0 and -inf; a NaN that reached a row keeps it NaN.
+    empty = l == 0
+    out = (p / torch.where(empty, 1.0, l)) @ v.to(dtype).transpose(1, 2)
+    out = torch.where(empty, 0.0, out).transpose(1, 2)
     lse = (torch.log(l) + m).squeeze(-1)
-    out = out.transpose(1, 2)
     return (out if upcast else out.to(q.dtype)), lse.float() if not upcast else lse
 
 
@@ -168,6 +172,18 @@ def max_abs_error(x, ref) -> float:
 
 def error_bound(torch_err: float, ref, dtype) -> float:
     return 2 * torch_err + ERROR_FLOOR[dtype] * max(1.0, ref.abs().max().item())
+
+
+def _finish(acc, m, l):
+    """out = acc / l and lse = m + log(l), with (0, -inf) for a row that saw no key.
+
+    Empty means l == 0 exactly, so a NaN that reached the row (l is then NaN) stays NaN
+    in out and lse instead of passing for an empty row; an empty row is 0 even where its
+    key block held a NaN value (0 * NaN in acc)."""
+    empty = l == 0
+    l_safe = torch.where(empty, 1.0, l)
+    out = torch.where(empty[..., None], 0.0, acc / l_safe[..., None])
+    return out, torch.where(empty, float("-inf"), m + torch.log(l_safe))
 
 
 def _kv_block(x, start, stop, nheads):
@@ -204,9 +220,7 @@ def attention_tiled_fwd(q, k, v, *, softmax_scale, diag_offset, window_left, win
         vb = _kv_block(v, start, stop, h).to(acc_dtype).transpose(1, 2)  # (b, h, n, d)
         acc = acc * alpha[..., None] + p.to(q.dtype).to(acc_dtype) @ vb
         m_i = m_new
-    seen = l_i > 0
-    out = torch.where(seen[..., None], acc / torch.where(seen, l_i, 1.0)[..., None], 0.0)
-    lse = torch.where(seen, m_i + torch.log(torch.where(seen, l_i, 1.0)), float("-inf"))
+    out, lse = _finish(acc, m_i, l_i)
     return out.transpose(1, 2).to(q.dtype), lse.float()
 
 
@@ -265,7 +279,9 @@ def merge_attention_states_ref(out_a, lse_a, out_b, lse_b, return_lse=True):
     natural-log. Computes in fp32 (float64 if out_a is float64, for the test oracle);
     returns out, contiguous in out_a's dtype, and lse (batch, nheads, seqlen) float32
     (float64 for the oracle). A side with lse -inf contributes nothing; both -inf give
-    out 0 and lse -inf. Differentiable by autograd: the shift ``m`` is detached because
+    out 0 and lse -inf; a NaN lse, or a NaN in a side that has weight, gives NaN (the
+    tests are ``== 0``, which NaN fails, never ``> 0``, which it would pass as empty).
+    Differentiable by autograd: the shift ``m`` is detached because
     the result does not depend on it, which also keeps NaN out of the gradient of empty
     rows.
     """
@@ -275,15 +291,15 @@ def merge_attention_states_ref(out_a, lse_a, out_b, lse_b, return_lse=True):
     m = torch.where(m == float("-inf"), torch.zeros_like(m), m)
     w_a, w_b = torch.exp(lse_a - m), torch.exp(lse_b - m)
     total = w_a + w_b
-    seen = total > 0
-    total_safe = torch.where(seen, total, torch.ones_like(total))
+    empty = total == 0
+    total_safe = torch.where(empty, torch.ones_like(total), total)
     scale_a = (w_a / total_safe).transpose(1, 2)[..., None]  # (batch, seqlen, nheads, 1)
     scale_b = (w_b / total_safe).transpose(1, 2)[..., None]
     zero = torch.zeros((), dtype=acc_dtype, device=out_a.device)
-    out = (torch.where(scale_a > 0, out_a.to(acc_dtype) * scale_a, zero)
-           + torch.where(scale_b > 0, out_b.to(acc_dtype) * scale_b, zero))
+    out = (torch.where(scale_a == 0, zero, out_a.to(acc_dtype) * scale_a)
+           + torch.where(scale_b == 0, zero, out_b.to(acc_dtype) * scale_b))
     out = out.to(out_a.dtype).contiguous()
     if not return_lse:
         return out
-    lse = torch.where(seen, m + torch.log(total_safe), float("-inf"))
+    lse = torch.where(empty, float("-inf"), m + torch.log(total_safe))
     return out, lse.contiguous()

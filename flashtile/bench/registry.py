@@ -145,14 +145,16 @@ for _p in (
     Provider("flashtile", "bshd", _flashtile, about="flashtile.flash_attn_func"),
     Provider("sdpa-cudnn", "bhsd", _sdpa(SDPBackend.CUDNN_ATTENTION), ("cuda",),
              about="SDPA, cuDNN backend"),
-    Provider("sdpa-flash", "bhsd", _sdpa(SDPBackend.FLASH_ATTENTION), ("cuda",),
-             about="SDPA, FlashAttention-2 backend"),
+    Provider("sdpa-flash", "bhsd", _sdpa(SDPBackend.FLASH_ATTENTION),
+             about="SDPA, flash backend (FlashAttention-2 on CUDA, PyTorch's fused "
+                   "flash kernel on CPU)"),
     Provider("sdpa-efficient", "bhsd", _sdpa(SDPBackend.EFFICIENT_ATTENTION), ("cuda",),
              about="SDPA, memory-efficient (xformers) backend"),
     Provider("sdpa-math", "bhsd", _sdpa(SDPBackend.MATH), max_seqlen={"cuda": 16384},
              about="SDPA, math backend (PyTorch ops, scores in memory)"),
-    Provider("flex", "bhsd", _flex, ("cuda",),
-             about="FlexAttention under torch.compile, causal block mask"),
+    Provider("flex", "bhsd", _flex,
+             about="FlexAttention under torch.compile, causal block mask (forward only "
+                   "on CPU, where torch has no backward for it)"),
     Provider("naive", "bshd", _naive, max_seqlen={"cuda": 16384, "cpu": 2048},
              about="flashtile.reference.attention_naive(upcast=False)"),
 ):
@@ -200,7 +202,9 @@ class Sweep:
 ALL = tuple(PROVIDERS)
 # GPU: 512..16k for speed; 32k and 64k for the memory plot (naive and math skip them).
 GPU_SWEEP = Sweep(ALL, (64, 128), tuple(2**i for i in range(9, 17)))
-# CPU, 2 cores: fp32, d64, 4 heads, 4k tokens; about 3 minutes (torch path and naive).
+# CPU, 2 cores: fp32, d64, 4 heads, 4k tokens. Every provider that runs on CPU runs
+# (SDPA's flash and math backends, Flex forward, naive); Flex compiles each forward
+# cell (~10 s on 2 cores), most of the sweep's time.
 CPU_SWEEP = Sweep(ALL, (64,), tuple(2**i for i in range(7, 13)), dtype=torch.float32,
                   tokens=4096, head_budget=None, nheads=4)
 # Quick: a smoke run. On GPU every provider once per mode, causal (Flex's block mask);

@@ -5,7 +5,8 @@ timed calls; it clears L2 before each one) returns the median and p20/p80 of CUD
 times, and the calls rotate among ``n_sets`` input sets as well. Peak memory is
 ``torch.cuda.max_memory_allocated`` during one more call, minus what was allocated
 before it (the inputs). CPU: ``time.perf_counter`` around each of ``repeats`` calls
-after one warm-up call; memory is not measured (None).
+after a warm-up of at least ``CPU_WARMUP_CALLS`` calls and ``CPU_WARMUP_S`` seconds
+(longer for the process's first cell); memory is not measured (None).
 
 A provider that raises ``torch.OutOfMemoryError`` gives an "OOM" result, any other
 exception (or a device/shape it does not support) "n/a" with the reason, and the sweep
@@ -98,6 +99,13 @@ def _quantile(sorted_xs, p):
     return sorted_xs[lo] + (sorted_xs[hi] - sorted_xs[lo]) * (pos - lo)
 
 
+# CPU warm-up: seconds for the first cell a process times, then for every other cell;
+# at least CPU_WARMUP_CALLS calls either way.
+CPU_WARMUP_S = (1.0, 0.1)
+CPU_WARMUP_CALLS = 2
+_cpu_warm: set = set()  # non-empty once this process has timed a CPU cell
+
+
 def time_step(step, device, repeats: int = 5) -> tuple[float, float, float]:
     """(median, p20, p80) of ``step``'s time in ms, after a warm-up."""
     if torch.device(device).type == "cuda":
@@ -107,7 +115,17 @@ def time_step(step, device, repeats: int = 5) -> tuple[float, float, float]:
                                                 quantiles=[0.5, 0.2, 0.8],
                                                 return_mode="median")
         return med, p20, p80
-    step()  # warm-up (first-call set-up, allocator)
+    # Warm up by time, not by one call: the first calls of a process run while its
+    # thread pool, allocator and caches settle, which on the shared 2-core machine took
+    # up to ~0.6 s of 20-100x slower calls; one warm-up call left that inside the
+    # timing of a sweep's first cells (issue 13). The first cell a process times gets
+    # the long warm-up, every cell a short one for its own shape.
+    warmup_s = CPU_WARMUP_S[0] if not _cpu_warm else CPU_WARMUP_S[1]
+    start, calls = time.perf_counter(), 0
+    while calls < CPU_WARMUP_CALLS or time.perf_counter() - start < warmup_s:
+        step()
+        calls += 1
+    _cpu_warm.add(True)
     times = []
     for _ in range(max(1, repeats)):
         t0 = time.perf_counter()

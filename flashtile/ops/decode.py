@@ -209,10 +209,12 @@ def _decode_kernel(
     if LAUNCH_DEPENDENTS:
         # The combine's programs may be scheduled now; they wait for this grid to end.
         gdc_launch_dependents()
-    seen = l_i > 0.0
-    l_safe = tl.where(seen, l_i, 1.0)
-    out = acc / l_safe[:, None]
-    lse = tl.where(seen, (m_i + tl.log2(l_safe)) * LN2, float("-inf"))
+    # As in the forward kernel: empty rows (and empty splits) are (0, -inf) whatever
+    # their key block held; a NaN that reached a row stays NaN in out and lse.
+    empty = l_i == 0.0
+    l_safe = tl.where(empty, 1.0, l_i)
+    out = tl.where(empty[:, None], 0.0, acc / l_safe[:, None])
+    lse = tl.where(empty, float("-inf"), (m_i + tl.log2(l_safe)) * LN2)
     # Out/Lse are either the final (b, sq, h, d)/(b, h, sq) tensors (stride_os = 0) or
     # the fp32 per-split partials that _combine_kernel merges.
     tl.store(Lse + split * stride_ls + off_b * stride_lb + offs_h * stride_lh + offs_t,
@@ -249,9 +251,10 @@ def _combine_kernel(OutPartial, LsePartial, Out, Lse,
     b_o = tl.load(OutPartial + offs_s[:, None] * stride_ps + off_b * stride_pb
                   + off_t * stride_pm + off_h * stride_ph + offs_d[None, :],
                   mask=m_s[:, None] & (offs_d[None, :] < head_dim), other=0.0)  # (S, D)
-    total_safe = tl.where(total > 0, total, 1.0)
+    # == 0, not > 0: a NaN partial lse makes total NaN and must come out NaN.
+    total_safe = tl.where(total == 0.0, 1.0, total)
     out = tl.sum(b_o * w[:, None], 0) / total_safe
-    lse = tl.where(total > 0, m_safe + tl.log(total_safe), float("-inf"))
+    lse = tl.where(total == 0.0, float("-inf"), m_safe + tl.log(total_safe))
     tl.store(Out + off_b * stride_ob + off_t * stride_om + off_h * stride_oh + offs_d,
              out.to(Out.dtype.element_ty), mask=offs_d < head_dim)
     tl.store(Lse + off_b * stride_lb + off_h * stride_lh + off_t, lse)

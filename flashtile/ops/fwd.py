@@ -188,11 +188,13 @@ def _attn_fwd_kernel(
         MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_MASK, MASK_IS_BOOL, INPUT_PRECISION, PAGED,
         PAGE_SIZE)
 
-    # Rows that saw no key: out 0, lse -inf (never 0/0).
-    seen = l_i > 0.0
-    l_safe = tl.where(seen, l_i, 1.0)
-    out = acc / l_safe[:, None]
-    lse = tl.where(seen, (m_i + tl.log2(l_safe)) * LN2, float("-inf"))
+    # Rows that saw no key (l == 0): out 0, lse -inf, never 0/0, and 0 even where a NaN
+    # value of their key block reached acc as 0 * NaN. A NaN that reached a row makes l
+    # NaN, which "== 0" does not take for empty: its out and lse stay NaN.
+    empty = l_i == 0.0
+    l_safe = tl.where(empty, 1.0, l_i)
+    out = tl.where(empty[:, None], 0.0, acc / l_safe[:, None])
+    lse = tl.where(empty, float("-inf"), (m_i + tl.log2(l_safe)) * LN2)
 
     m_row = offs_m < seqlen_q
     tl.store(Lse + off_b * stride_lb + off_h * stride_lh + q_start + offs_m, lse, mask=m_row)
