@@ -67,7 +67,8 @@ def _probs_oracle(q, k, **kw):
     """Float64 probabilities (b, h, sq, sk) from the oracle: attention over one-hot values
     (v[j] = e_j) returns row i's probabilities as its output."""
     b, sk, hkv, _ = k.shape
-    eye = torch.eye(sk, dtype=torch.float64)[None, :, None, :].expand(b, sk, hkv, sk)
+    eye = torch.eye(sk, dtype=torch.float64, device=q.device)[None, :, None, :]
+    eye = eye.expand(b, sk, hkv, sk)
     out, lse = attention_naive(q.double(), k.double(), eye, **kw)
     return out.permute(0, 2, 1, 3), lse
 
