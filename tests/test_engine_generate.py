@@ -300,3 +300,92 @@ def test_seeded_sampling_is_batch_invariant(checkpoint):
     assert _tokens(llm.generate(prompts, params, use_tqdm=False)) == alone
     assert _tokens(llm.generate(prompts[::-1], params[::-1], use_tqdm=False)) == alone[::-1]
     assert len(set(map(tuple, alone))) == 3
+
+
+class _EagerGraph:
+    """Stands in for a captured CUDA graph on CPU: replay runs the model over the static
+    inputs, which is what the graph does on CUDA."""
+
+    def __init__(self, runner, bs):
+        self.args, self.out, self.runner = runner._static_inputs(bs), \
+            runner.static_hidden[:bs], runner
+
+    def replay(self):
+        self.out.copy_(self.runner.model(*self.args))
+
+
+def _fake_graphs(llm, sizes):
+    runner = llm.runner
+    runner.static_hidden = torch.zeros(runner.config.max_num_seqs,
+                                       runner.config.model_config.hidden_size)
+    runner.graphs = {bs: _EagerGraph(runner, bs) for bs in sizes}
+    runner._graph_list = sorted(sizes)
+
+
+def test_decode_graph_inputs_layout(checkpoint, monkeypatch):
+    """Decode steps laid out as the CUDA graphs' static inputs (padded to the next graph
+    size, copied in one buffer per dtype) give the eager tokens and logprobs. On CPU each
+    'graph' runs the model over its static inputs."""
+    path, _ = checkpoint
+    prompts = _prompts([3, 2, 3, 25, 9], seed=6)
+    params = [SamplingParams(temperature=0, max_tokens=n, logprobs=0, ignore_eos=True)
+              for n in (14, 12, 9, 6, 11)]
+    want = [o.outputs[0] for o in _llm(path).generate(prompts, params, use_tqdm=False)]
+    # A 4-token budget: when the long prompt arrives beside three decodes, its first chunk
+    # is one token, so the step is one token per sequence with a row that does not sample.
+    llm = _llm(path, max_num_seqs=8, max_num_batched_tokens=4)
+    _fake_graphs(llm, [1, 2, 4, 8])
+    replays, replay = [], llm.runner._replay
+    monkeypatch.setattr(llm.runner, "_replay", lambda bs: replays.append(bs) or replay(bs))
+    partial, prepare = [], llm.runner.prepare
+
+    def spy(scheduled):
+        inputs = prepare(scheduled)
+        partial.append(inputs.graph_bs is not None and inputs.logits_indices is not None)
+        return inputs
+
+    monkeypatch.setattr(llm.runner, "prepare", spy)
+    got = _staggered(llm, prompts, params, {0: [0, 1, 2], 4: [3], 6: [4]})
+    assert {4, 2, 1} <= set(replays) and any(partial)
+    for w, g in zip(want, got):
+        assert w.token_ids == g.token_ids
+        torch.testing.assert_close(w.logprobs, g.logprobs, atol=1e-5, rtol=0)
+    _assert_pool_empty(llm)
+
+
+def _staggered(llm, prompts, params, arrivals):
+    """Step llm, adding prompts[i] before step k for each i in arrivals[k]; the final
+    CompletionOutputs in prompt order."""
+    ids, done, step = {}, {}, 0
+    while len(done) < len(prompts):
+        for i in arrivals.get(step, []):
+            ids[llm.add_request(prompts[i], params[i])] = i
+        for out in llm.step():
+            if out.finished:
+                done[ids[out.request_id]] = out.outputs[0]
+        step += 1
+    return [done[i] for i in range(len(prompts))]
+
+
+def test_warm_up_runs_every_step_kind(checkpoint, monkeypatch):
+    """ModelRunner.warm_up (run on CUDA before serving, so that no kernel compiles while
+    serving) goes through fresh prefill, paged prefill beside a decode, and decode, with
+    the varlen kernel's int arguments rounded to multiples of 16 (one compiled variant),
+    and touches no sequence's pages."""
+    path, _ = checkpoint
+    llm = _llm(path, max_num_batched_tokens=100)
+    runner, kinds = llm.runner, set()
+    forward = runner.forward
+
+    def spy(inputs):
+        m = inputs.meta
+        kinds.add("decode" if m.is_decode else "paged" if m.has_context else "fresh")
+        if not m.is_decode:
+            assert m.max_seqlen_q % 16 == 0 and m.block_tables.shape[1] % 16 == 0
+        assert (m.slot_mapping // runner.page_size == runner.scratch_block).all()
+        return forward(inputs)
+
+    monkeypatch.setattr(runner, "forward", spy)
+    runner.warm_up()
+    assert kinds == {"fresh", "paged", "decode"}
+    _assert_pool_empty(llm)

@@ -160,14 +160,17 @@ class BlockManager:
 
         Returns False, changing nothing, when the pool is short.
         """
+        table = seq.block_table
+        total = seq.num_computed_tokens + num_new_tokens
+        if table and total <= len(table) * self.page_size:
+            return True  # the common decode step: the last page has room
         if seq.seq_id not in self._seqs:
             _fail(ValueError, "seq", "a sequence allocated by this BlockManager",
                   f"seq {seq.seq_id} holding no pages")
-        total = seq.num_computed_tokens + num_new_tokens
-        need = -(-total // self.page_size) - len(seq.block_table)
+        need = -(-total // self.page_size) - len(table)
         if need > len(self._free):
             return False
-        seq.block_table.extend(self._take_free() for _ in range(need))
+        table.extend(self._take_free() for _ in range(need))
         return True
 
     def commit(self, seq: Sequence):

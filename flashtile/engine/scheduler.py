@@ -44,6 +44,13 @@ class Scheduler:
 
     def add(self, seq: Sequence):
         self.check(seq)
+        params = seq.sampling_params
+        limit = self.max_model_len
+        if params.max_tokens is not None:
+            limit = min(limit, seq.num_prompt_tokens + params.max_tokens)
+        seq.max_num_tokens = limit
+        eos = frozenset() if params.ignore_eos else self.eos_token_ids
+        seq.stop_ids = eos | frozenset(params.stop_token_ids)
         self.waiting.append(seq)
 
     def has_unfinished(self) -> bool:
@@ -55,10 +62,11 @@ class Scheduler:
         scheduled = []
         preempted = False
         i = 0
+        ensure_slots = self.block_manager.ensure_slots
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            while not self.block_manager.ensure_slots(seq, n):
+            n = min(len(seq.token_ids) - seq.num_computed_tokens, budget)
+            while not ensure_slots(seq, n):
                 preempted = True
                 victim = self.running.pop()  # the newest (admission order)
                 self._preempt(victim)
@@ -93,20 +101,30 @@ class Scheduler:
         """Record a step: the computed tokens, then the sampled ones; finish sequences at
         an end-of-sequence or stop token, max_tokens or max_model_len. Returns the
         sequences that received a token."""
+        ps, commit = self.block_manager.page_size, self.block_manager.commit
         for seq, n in scheduled:
-            seq.num_computed_tokens += n
-            self.block_manager.commit(seq)
+            start = seq.num_computed_tokens
+            seq.num_computed_tokens = start + n
+            if (start + n) // ps != start // ps:  # a page filled up: register it
+                commit(seq)
+        finished = False
         for seq, token, logprob in zip(sampled_seqs, token_ids, logprobs):
-            params = seq.sampling_params
-            seq.append_token(token, logprob if params.logprobs is not None else None)
-            max_tokens = params.max_tokens
-            if (token in self.eos_token_ids and not params.ignore_eos) \
-                    or token in params.stop_token_ids:
-                self.finish(seq, "stop")
-            elif (max_tokens is not None and seq.num_completion_tokens >= max_tokens) \
-                    or seq.num_tokens >= self.max_model_len:
-                self.finish(seq, "length")
+            seq.append_token(token, logprob if seq.sampling_params.logprobs is not None
+                             else None)
+            if token in seq.stop_ids:
+                self._end(seq, "stop")
+                finished = True
+            elif len(seq.token_ids) >= seq.max_num_tokens:
+                self._end(seq, "length")
+                finished = True
+        if finished:  # one pass instead of a list.remove per finished sequence
+            self.running = [s for s in self.running if not s.is_finished]
         return list(sampled_seqs)
+
+    def _end(self, seq: Sequence, reason: str):
+        """Finish a running sequence, leaving self.running to the caller."""
+        self.block_manager.free(seq)
+        seq.finish(reason)
 
     def finish(self, seq: Sequence, reason: str):
         """End seq ("stop", "length" or "abort") and give its pages back."""
@@ -116,5 +134,4 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
-        self.block_manager.free(seq)
-        seq.finish(reason)
+        self._end(seq, reason)

@@ -61,6 +61,11 @@ class Sequence:
         self.finish_time: float | None = None
         self.finish_reason: str | None = None
         self.output_logprobs: list[float] = []
+        # Set by Scheduler.add: the token count at which the sequence ends (max_tokens or
+        # max_model_len) and the ids that end it (end-of-sequence unless ignore_eos, and
+        # stop_token_ids), so that a step checks one int and one set per sequence.
+        self.max_num_tokens: int | None = None
+        self.stop_ids: frozenset[int] = frozenset()
 
     def __len__(self):
         return len(self.token_ids)
