@@ -13,6 +13,8 @@ import torch
 
 from flashtile.engine import LLM, SamplingParams
 from flashtile.engine.block_manager import BlockManager
+from flashtile.engine.runner import ModelRunner
+from flashtile.engine.scheduler import Scheduler
 from tests.engine_utils import VOCAB, engine_cpu, hf_greedy, make_checkpoint, make_tokenizer
 
 __all__ = ["engine_cpu"]  # the autouse fixture, imported to apply here
@@ -29,9 +31,20 @@ def checkpoint(tmp_path_factory):
     return path, model
 
 
+_DEFAULTS = dict(dtype="float32", device="cpu", max_model_len=64, page_size=16)
+
+
+@pytest.fixture(autouse=True, params=[False, True], ids=["sync", "async"])
+def async_scheduling(request, monkeypatch):
+    """Every test in both scheduling modes: asynchronous scheduling has nothing to
+    overlap on CPU, but its bookkeeping (placeholders, discarded tokens, lagging
+    outputs) is the same as on CUDA."""
+    monkeypatch.setitem(_DEFAULTS, "async_scheduling", request.param)
+    return request.param
+
+
 def _llm(path, **kw):
-    kw = {**dict(dtype="float32", device="cpu", max_model_len=64, page_size=16), **kw}
-    return LLM(str(path), **kw)
+    return LLM(str(path), **{**_DEFAULTS, **kw})
 
 
 def _prompts(lengths, seed=0):
@@ -389,3 +402,80 @@ def test_warm_up_runs_every_step_kind(checkpoint, monkeypatch):
     runner.warm_up()
     assert kinds == {"fresh", "paged", "decode"}
     _assert_pool_empty(llm)
+
+
+def test_async_scheduling_equals_sync(checkpoint, tmp_path, async_scheduling, monkeypatch):
+    """Asynchronous scheduling (each step launched before the previous one's tokens are
+    read; in-flight tokens read on the device) gives the synchronous engine's tokens,
+    texts, finish reasons and logprobs: greedy, seeded sampling, a repetition penalty,
+    end-of-sequence and stop-token/stop-string ends (whose next step, already launched,
+    is discarded), staggered arrivals, chunked prefill, preemption and an abort; and
+    every page comes back."""
+    if not async_scheduling:
+        pytest.skip("runs both modes itself")
+    path, _ = checkpoint
+    text_prompt = "The capital of France is"
+    free = _llm(path).generate(text_prompt, SamplingParams(
+        temperature=0, max_tokens=24, ignore_eos=True), use_tqdm=False)[0].outputs[0]
+    eos_dir = tmp_path / "eos"
+    shutil.copytree(path, eos_dir)
+    (eos_dir / "generation_config.json").write_text(
+        json.dumps({"eos_token_id": free.token_ids[6]}))
+    prompts = _prompts([3, 41, 9, 30, 17, 5, 22, 12], seed=7) + [text_prompt] * 2
+    prompts[5] = text_prompt  # meets its stop token id
+    greedy = dict(temperature=0, logprobs=0)
+    params = [SamplingParams(max_tokens=20, ignore_eos=True, **greedy),
+              SamplingParams(max_tokens=14, **greedy),  # may meet the end-of-sequence id
+              SamplingParams(temperature=0.9, top_p=0.9, seed=5, max_tokens=18, logprobs=0),
+              SamplingParams(max_tokens=16, repetition_penalty=1.3, **greedy),
+              SamplingParams(temperature=1.1, top_k=20, seed=9, max_tokens=15, logprobs=0),
+              SamplingParams(max_tokens=12, stop_token_ids=[free.token_ids[2]], **greedy),
+              SamplingParams(max_tokens=30, ignore_eos=True, **greedy),  # aborted
+              SamplingParams(max_tokens=None, **greedy),  # up to max_model_len
+              SamplingParams(max_tokens=24, stop=[free.text[8:11]], ignore_eos=True,
+                             **greedy),
+              SamplingParams(max_tokens=24, **greedy)]  # the end-of-sequence id
+    arrivals = {0: [0, 1, 2], 2: [3, 4], 5: [5, 6, 7], 9: [8, 9]}
+    runs, discarded = {}, []
+    completed = Scheduler.completed
+
+    def spy(self, step, token_ids, logprobs):
+        discarded.extend(seq for seq, _ in step.sampled if seq.is_finished)
+        return completed(self, step, token_ids, logprobs)
+
+    monkeypatch.setattr(Scheduler, "completed", spy)
+    gathered, gather = {False: 0, True: 0}, ModelRunner._gather_ids
+
+    def count(self, input_ids, dev64, offset, n):
+        gathered[mode] += n
+        return gather(self, input_ids, dev64, offset, n)
+
+    monkeypatch.setattr(ModelRunner, "_gather_ids", count)
+    for mode in (False, True):
+        llm = _llm(eos_dir, async_scheduling=mode, max_num_batched_tokens=16,
+                   kv_cache_memory=8 * 16 * BYTES_PER_TOKEN)
+        ids, done, step = {}, {}, 0
+        while step < 10 or llm.has_unfinished_requests():
+            for i in arrivals.get(step, []):
+                ids[llm.add_request(prompts[i], params[i])] = i
+            if step == 12:
+                llm.abort_request(next(r for r, i in ids.items() if i == 6))
+            for out in llm.step():
+                assert out.request_id in llm._requests or out.finished
+                if out.finished:
+                    done[ids[out.request_id]] = out.outputs[0]
+            step += 1
+        assert sorted(done) == [0, 1, 2, 3, 4, 5, 7, 8, 9]  # 6 was aborted
+        assert llm.scheduler.num_preemptions > 0
+        _assert_pool_empty(llm)
+        runs[mode] = done
+    reasons = {i: o.finish_reason for i, o in runs[False].items()}
+    assert reasons[5] == reasons[8] == reasons[9] == "stop" and reasons[7] == "length"
+    assert len(runs[False][7].token_ids) == 64 - 12  # max_model_len - prompt
+    assert discarded  # some sequence ended while its next step was already launched
+    assert gathered[False] == 0 and gathered[True] > 50  # in-flight ids read on device
+    for i, want in runs[False].items():
+        got = runs[True][i]
+        assert (got.token_ids, got.text, got.finish_reason, got.stop_reason) == \
+            (want.token_ids, want.text, want.finish_reason, want.stop_reason), i
+        torch.testing.assert_close(got.logprobs, want.logprobs, atol=1e-5, rtol=0)

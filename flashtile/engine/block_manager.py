@@ -173,16 +173,19 @@ class BlockManager:
         table.extend(self._take_free() for _ in range(need))
         return True
 
-    def commit(self, seq: Sequence):
-        """Register the pages that seq.num_computed_tokens now fills, for later prompts.
+    def commit(self, seq: Sequence, num_tokens: int | None = None):
+        """Register the pages that seq's first num_tokens tokens (default: its computed
+        ones) fill, for later prompts.
 
-        Call after the step that wrote their KV: a page registered earlier could be
-        handed to another sequence before its keys exist.
+        Call after the step that wrote their KV, once their token ids are known: a page
+        registered earlier could be handed to another sequence before its keys exist.
         """
         if not self.enable_prefix_caching:
             return
         table, ps = seq.block_table, self.page_size
-        full = min(seq.num_computed_tokens // ps, len(table))
+        if num_tokens is None:
+            num_tokens = seq.num_computed_tokens
+        full = min(num_tokens // ps, len(table))
         # Registered pages are a prefix of the table: walk back over the newly full ones.
         first = full
         while first > 0 and self.blocks[table[first - 1]].hash is None:

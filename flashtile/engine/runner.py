@@ -2,9 +2,12 @@
 
 Per step the scheduler hands over (sequence, number of new tokens) pairs. ``prepare``
 builds the packed inputs and the AttentionMetadata once, on the host (pinned memory on
-CUDA, copied without blocking), ``execute`` runs the forward, computes logits only for
-the sequences that reach their last token this step, and samples them with the Sampler;
-the sampled ids are the step's one host read.
+CUDA, copied without blocking), ``launch`` runs the forward, computes logits only for
+the sequences that reach their last token this step, samples them with the Sampler and
+queues the copy of the sampled ids to the host; ``wait`` reads them, the step's one host
+read. Input tokens still in flight (placeholders, see sequence.py) are gathered on the
+device from the last launched step's sampled ids, so a step can be launched before the
+previous one's tokens reach the host (asynchronous scheduling, llm.py).
 
 Pool size: on CUDA, one warm-up forward at max_num_batched_tokens measures the peak
 activation memory, and the pool gets gpu_memory_utilization of the device minus what is
@@ -57,6 +60,17 @@ class StepInputs:
     graph_bs: Optional[int] = None  # a decode step replayed in this batch size's graph
 
 
+@dataclass
+class LaunchedStep:
+    seqs: list                       # the sequences that sample, in row order
+    tokens: Optional[torch.Tensor]   # (S,) int64 sampled ids; on CUDA pinned host memory,
+    logprobs: Optional[torch.Tensor]  # (S,) float32   valid once ``done`` has fired
+    done: Optional[torch.cuda.Event]
+    # Some row has a repetition penalty: the next step's sampling reads every token of
+    # its sequence on the host, so this step must be waited for before it is prepared.
+    host_needs_tokens: bool
+
+
 def _round_up(x: int, multiple: int) -> int:
     return -(-x // multiple) * multiple
 
@@ -90,6 +104,7 @@ class ModelRunner:
             attn.k_cache, attn.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
         self.scratch_block = self.num_blocks
         self.graphs, self.static, self._graph_list = {}, {}, []
+        self._last_tokens = None
         use_graphs = self.device.type == "cuda" and not config.enforce_eager \
             and config.attention_backend == "flashtile"
         if self.device.type == "cuda":
@@ -203,12 +218,16 @@ class ModelRunner:
         width = _round_up(max(len(seq.block_table) for seq, _ in scheduled), 16)
         pad = [self.scratch_block] * width
         ids, pos, slots, tables, qlens, klens = [], [], [], [], [], []
-        sample_rows, logits_indices = [], []
+        sample_rows, logits_indices, dst, src = [], [], [], []
         for b, (seq, n) in enumerate(scheduled):
             start = seq.num_computed_tokens
             end = start + n
             table = seq.block_table
             ids += seq.token_ids[start:end]
+            if ids[-1] < 0:  # the last token is in flight: read it on the device
+                dst.append(len(ids) - 1)
+                src.append(-1 - ids[-1])
+                ids[-1] = 0
             pos += range(start, end)
             _extend_slots(slots, table, start, end, ps)
             tables += table
@@ -230,6 +249,8 @@ class ModelRunner:
         longs += array("q", slots)
         longs += array("q", logits_indices)
         longs += array("q", key_slots)
+        longs += array("q", dst)
+        longs += array("q", src)
         ints = array("i", itertools.accumulate(qlens, initial=0))
         ints += array("i", itertools.accumulate(klens, initial=0))
         ints += array("i", klens)
@@ -242,7 +263,8 @@ class ModelRunner:
             slot_mapping=dev64[2 * t:3 * t], cache_seqlens=dev32[2 * bs + 2:3 * bs + 2],
             block_tables=dev32[3 * bs + 2:].view(bs, width), is_decode=False,
             has_context=has_context, query_lens=qlens, key_lens=klens,
-            key_slots=dev64[3 * t + s:] if key_slots else None)
+            key_slots=dev64[3 * t + s:3 * t + s + len(key_slots)] if key_slots else None)
+        self._gather_ids(dev64[:t], dev64, 3 * t + s + len(key_slots), len(dst))
         return StepInputs(input_ids=dev64[:t], positions=dev64[t:2 * t], meta=meta,
                           logits_indices=dev64[3 * t:3 * t + s], sample_rows=sample_rows)
 
@@ -259,10 +281,16 @@ class ModelRunner:
             rows, width = graph_bs, self.config.blocks_per_seq
         pad = [self.scratch_block] * width
         ids, pos, slots, seqlens, tables, sample_rows = [], [], [], [], [], []
+        dst, src = [], []
         for b, (seq, _) in enumerate(scheduled):
             p = seq.num_computed_tokens
             table = seq.block_table
-            ids.append(seq.token_ids[p])
+            token = seq.token_ids[p]
+            if token < 0:  # in flight: read it on the device
+                dst.append(b)
+                src.append(-1 - token)
+                token = 0
+            ids.append(token)
             pos.append(p)
             slots.append(table[p // ps] * ps + p % ps)
             seqlens.append(p + 1)
@@ -277,6 +305,8 @@ class ModelRunner:
         all_sample = len(sample_rows) == bs
         if not all_sample:
             longs += array("q", sample_rows)
+        longs += array("q", dst)
+        longs += array("q", src)
         ints = array("i", seqlens + [1] * extra)
         ints += array("i", tables + pad * extra)
         ints += array("i", range(bs + 1))
@@ -287,6 +317,8 @@ class ModelRunner:
             dev64 = self._to_device(longs, torch.int64)
             dev32 = self._to_device(ints, torch.int32)
         tail = rows * (1 + width)
+        s = 0 if all_sample else len(sample_rows)
+        self._gather_ids(dev64[:bs], dev64, 3 * rows + s, len(dst))
         meta = AttentionMetadata(
             cu_seqlens_q=dev32[tail:tail + bs + 1],
             cu_seqlens_k=dev32[tail + bs + 1:tail + 2 * bs + 2], max_seqlen_q=1,
@@ -295,9 +327,16 @@ class ModelRunner:
             is_decode=True, has_context=max(seqlens) > 1, query_lens=[1] * bs,
             key_lens=seqlens)
         return StepInputs(input_ids=dev64[:bs], positions=dev64[rows:rows + bs], meta=meta,
-                          logits_indices=None if all_sample else
-                          dev64[3 * rows:3 * rows + len(sample_rows)],
+                          logits_indices=None if all_sample else dev64[3 * rows:3 * rows + s],
                           sample_rows=sample_rows, graph_bs=graph_bs)
+
+    def _gather_ids(self, input_ids, dev64, offset: int, n: int):
+        """input_ids[dst] = the last launched step's sampled tokens[src], with dst and src
+        the n-long runs of dev64 from offset: the tokens still in flight, read on the
+        device so that the host never waits for them before launching the next step."""
+        if n:
+            dst, src = dev64[offset:offset + n], dev64[offset + n:offset + 2 * n]
+            input_ids.index_copy_(0, dst, self._last_tokens.index_select(0, src))
 
     def _to_device(self, values: array, dtype: torch.dtype) -> torch.Tensor:
         """A host array as a device tensor: on CUDA through pinned memory, copied without
@@ -318,18 +357,44 @@ class ModelRunner:
         return hidden if inputs.logits_indices is None else hidden[inputs.logits_indices]
 
     @torch.inference_mode()
-    def execute(self, scheduled) -> tuple[list, list[int], list[float]]:
-        """Run one step. Returns (sequences that sampled, their token ids, logprobs)."""
+    def launch(self, scheduled) -> LaunchedStep:
+        """Queue one step: inputs, forward, sampling, and on CUDA the copy of the sampled
+        tokens to pinned host memory, without waiting for any of it (``wait`` does)."""
         inputs = self.prepare(scheduled)
-        if not inputs.sample_rows:
-            self.forward(inputs)
-            return [], [], []
         seqs = [scheduled[b][0] for b in inputs.sample_rows]
+        if not seqs:
+            self.forward(inputs)
+            self._last_tokens = None
+            return LaunchedStep(seqs, None, None, None, False)
         tensors = SamplingTensors.from_seqs(seqs, self.device,
                                             self.config.model_config.vocab_size)
         logits = self.model.compute_logits(self.forward(inputs)).float()
-        token_ids, logprobs = self.sampler(logits, tensors)
-        return seqs, token_ids.tolist(), logprobs.tolist()
+        tokens, logprobs = self.sampler(logits, tensors)
+        self._last_tokens = tokens  # the next step's in-flight input ids come from here
+        done = None
+        if self.device.type == "cuda":
+            tokens = torch.empty_like(tokens, device="cpu", pin_memory=True).copy_(
+                tokens, non_blocking=True)
+            logprobs = torch.empty_like(logprobs, device="cpu", pin_memory=True).copy_(
+                logprobs, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record()
+        return LaunchedStep(seqs, tokens, logprobs, done, tensors.token_ids is not None)
+
+    def execute(self, scheduled) -> tuple[list, list[int], list[float]]:
+        """Run one step synchronously. Returns (sequences that sampled, their token ids,
+        logprobs); changes no sequence (the scheduler records steps)."""
+        step = self.launch(scheduled)
+        return (step.seqs, *self.wait(step))
+
+    @staticmethod
+    def wait(step: LaunchedStep) -> tuple[list[int], list[float]]:
+        """A launched step's sampled token ids and logprobs on the host, once done."""
+        if not step.seqs:
+            return [], []
+        if step.done is not None:
+            step.done.synchronize()
+        return step.tokens.tolist(), step.logprobs.tolist()
 
     # ---- CUDA graphs ------------------------------------------------------------------
     def _graph_sizes(self) -> list[int]:
@@ -341,11 +406,12 @@ class ModelRunner:
 
     def _static_inputs(self, bs: int):
         """The static inputs of batch size bs's graph, laid out as _prepare_decode builds
-        a step's: int64 (input ids | positions | slots | room for the sampled rows) and
+        a step's: int64 (input ids | positions | slots | room for the sampled rows and
+        the in-flight tokens' gather indices) and
         int32 (cache_seqlens | block tables | room for cu_seqlens), kept in self.static.
         Returns the model's arguments over them."""
         width, dev = self.config.blocks_per_seq, self.device
-        longs = torch.zeros(4 * bs, dtype=torch.int64, device=dev)
+        longs = torch.zeros(6 * bs, dtype=torch.int64, device=dev)
         longs[2 * bs:3 * bs] = -1
         ints = torch.full((bs * (1 + width) + 2 * bs + 2,), self.scratch_block,
                           dtype=torch.int32, device=dev)
