@@ -7,7 +7,7 @@ returns zeros, BATCH requests decoding with PROMPT-token prompts, the mean time 
 ``LLM._step()`` (what ``generate`` runs; ``--server``: ``LLM.step()``, which also builds a
 RequestOutput per request) over the decode steps, and a cProfile of them (--profile).
 
-    PYTHONPATH=. python benchmarks/engine_host.py [--batch 256] [--prompt 512] [--steps 200]
+    PYTHONPATH=. python scripts/engine_host.py [--batch 256] [--prompt 512] [--steps 200]
         [--server] [--profile] [--engine-kw '{"async_scheduling": false}']
 """
 
