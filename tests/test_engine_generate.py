@@ -15,6 +15,7 @@ from flashtile.engine import LLM, SamplingParams
 from flashtile.engine.block_manager import BlockManager
 from flashtile.engine.runner import ModelRunner
 from flashtile.engine.scheduler import Scheduler
+from flashtile.engine.sequence import Sequence
 from tests.engine_utils import VOCAB, engine_cpu, hf_greedy, make_checkpoint, make_tokenizer
 
 __all__ = ["engine_cpu"]  # the autouse fixture, imported to apply here
@@ -329,9 +330,10 @@ class _EagerGraph:
 
 def _fake_graphs(llm, sizes):
     runner = llm.runner
-    runner.static_hidden = torch.zeros(runner.config.max_num_seqs,
-                                       runner.config.model_config.hidden_size)
-    runner.graphs = {bs: _EagerGraph(runner, bs) for bs in sizes}
+    with torch.inference_mode():  # as _capture_graphs makes them: inference tensors
+        runner.static_hidden = torch.zeros(runner.config.max_num_seqs,
+                                           runner.config.model_config.hidden_size)
+        runner.graphs = {bs: _EagerGraph(runner, bs) for bs in sizes}
     runner._graph_list = sorted(sizes)
 
 
@@ -360,6 +362,13 @@ def test_decode_graph_inputs_layout(checkpoint, monkeypatch):
     monkeypatch.setattr(llm.runner, "prepare", spy)
     got = _staggered(llm, prompts, params, {0: [0, 1, 2], 4: [3], 6: [4]})
     assert {4, 2, 1} <= set(replays) and any(partial)
+    # prepare called outside inference mode (flashtile bench's decode timing does) still
+    # fills the static inputs, which are inference tensors.
+    seq = Sequence([5, 6, 7])
+    assert llm.block_manager.allocate(seq)
+    seq.num_computed_tokens = 2
+    assert llm.runner.prepare([(seq, 1)]).graph_bs == 1
+    llm.block_manager.free(seq)
     for w, g in zip(want, got):
         assert w.token_ids == g.token_ids
         torch.testing.assert_close(w.logprobs, g.logprobs, atol=1e-5, rtol=0)

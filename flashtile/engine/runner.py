@@ -202,6 +202,7 @@ class ModelRunner:
             torch.cuda.synchronize()
 
     # ---- step inputs ------------------------------------------------------------------
+    @torch.inference_mode()  # decode steps write into the graphs' static (inference) inputs
     def prepare(self, scheduled) -> StepInputs:
         """Inputs of one step; scheduled: [(sequence, new tokens)] in batch order.
 
