@@ -106,9 +106,10 @@ def engine_cpu(monkeypatch):
     torch.set_num_threads(threads)
 
 
-def tiny_llm(tmp_path_factory, max_model_len=64):
+def tiny_llm(tmp_path_factory, max_model_len=64, **kw):
     """For module fixtures (``yield from``): an LLM over a tiny llama checkpoint with a
-    tokenizer, fp32 on flashtile's torch path, pages of 16 tokens."""
+    tokenizer, fp32 on flashtile's torch path, pages of 16 tokens; kw: more of
+    EngineConfig's."""
     from flashtile.engine import LLM
 
     path = tmp_path_factory.mktemp("llama")
@@ -117,7 +118,7 @@ def tiny_llm(tmp_path_factory, max_model_len=64):
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("FLASHTILE_BACKEND", "torch")
         yield LLM(str(path), dtype="float32", device="cpu", max_model_len=max_model_len,
-                  page_size=16)
+                  page_size=16, **kw)
 
 
 class ServerThread:

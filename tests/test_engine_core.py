@@ -363,6 +363,12 @@ def test_sampling_tensors_from_seqs():
     ids = seqs[1].token_ids
     assert t.token_ids.tolist() == [[seqs[0].token_ids[0]] * 5, ids, [seqs[2].token_ids[0]] * 5]
     assert SamplingTensors.from_seqs(seqs[:1], "cpu", 32).token_ids is None
+    # Greedy rows without penalties: one set of tensors per batch size, built once.
+    greedy = [_seq(SamplingParams(temperature=0, seed=i)) for i in range(3)]
+    t = SamplingTensors.from_seqs(greedy, "cpu", 32)
+    assert t.all_greedy and t.token_ids is None and t.seeded_rows == []
+    assert t.temperatures.tolist() == [0.0] * 3 and t.top_ks.tolist() == [32] * 3
+    assert SamplingTensors.from_seqs(greedy[::-1], "cpu", 32) is t
     assert len({step_seed(s, k) for s in range(30) for k in range(30)}) == 900
 
 

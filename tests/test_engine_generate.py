@@ -13,6 +13,9 @@ import torch
 
 from flashtile.engine import LLM, SamplingParams
 from flashtile.engine.block_manager import BlockManager
+from flashtile.engine.runner import ModelRunner
+from flashtile.engine.scheduler import Scheduler
+from flashtile.engine.sequence import Sequence
 from tests.engine_utils import VOCAB, engine_cpu, hf_greedy, make_checkpoint, make_tokenizer
 
 __all__ = ["engine_cpu"]  # the autouse fixture, imported to apply here
@@ -29,9 +32,20 @@ def checkpoint(tmp_path_factory):
     return path, model
 
 
+_DEFAULTS = dict(dtype="float32", device="cpu", max_model_len=64, page_size=16)
+
+
+@pytest.fixture(autouse=True, params=[False, True], ids=["sync", "async"])
+def async_scheduling(request, monkeypatch):
+    """Every test in both scheduling modes: asynchronous scheduling has nothing to
+    overlap on CPU, but its bookkeeping (placeholders, discarded tokens, lagging
+    outputs) is the same as on CUDA."""
+    monkeypatch.setitem(_DEFAULTS, "async_scheduling", request.param)
+    return request.param
+
+
 def _llm(path, **kw):
-    kw = {**dict(dtype="float32", device="cpu", max_model_len=64, page_size=16), **kw}
-    return LLM(str(path), **kw)
+    return LLM(str(path), **{**_DEFAULTS, **kw})
 
 
 def _prompts(lengths, seed=0):
@@ -319,3 +333,177 @@ def test_seeded_sampling_is_batch_invariant(checkpoint):
     assert _tokens(llm.generate(prompts, params, use_tqdm=False)) == alone
     assert _tokens(llm.generate(prompts[::-1], params[::-1], use_tqdm=False)) == alone[::-1]
     assert len(set(map(tuple, alone))) == 3
+
+
+class _EagerGraph:
+    """Stands in for a captured CUDA graph on CPU: replay runs the model over the static
+    inputs, which is what the graph does on CUDA."""
+
+    def __init__(self, runner, bs):
+        self.args, self.out, self.runner = runner._static_inputs(bs), \
+            runner.static_hidden[:bs], runner
+
+    def replay(self):
+        self.out.copy_(self.runner.model(*self.args))
+
+
+def _fake_graphs(llm, sizes):
+    runner = llm.runner
+    with torch.inference_mode():  # as _capture_graphs makes them: inference tensors
+        runner.static_hidden = torch.zeros(runner.config.max_num_seqs,
+                                           runner.config.model_config.hidden_size)
+        runner.graphs = {bs: _EagerGraph(runner, bs) for bs in sizes}
+    runner._graph_list = sorted(sizes)
+
+
+def test_decode_graph_inputs_layout(checkpoint, monkeypatch):
+    """Decode steps laid out as the CUDA graphs' static inputs (padded to the next graph
+    size, copied in one buffer per dtype) give the eager tokens and logprobs. On CPU each
+    'graph' runs the model over its static inputs."""
+    path, _ = checkpoint
+    prompts = _prompts([3, 2, 3, 25, 9], seed=6)
+    params = [SamplingParams(temperature=0, max_tokens=n, logprobs=0, ignore_eos=True)
+              for n in (14, 12, 9, 6, 11)]
+    want = [o.outputs[0] for o in _llm(path).generate(prompts, params, use_tqdm=False)]
+    # A 4-token budget: when the long prompt arrives beside three decodes, its first chunk
+    # is one token, so the step is one token per sequence with a row that does not sample.
+    llm = _llm(path, max_num_seqs=8, max_num_batched_tokens=4)
+    _fake_graphs(llm, [1, 2, 4, 8])
+    replays, replay = [], llm.runner._replay
+    monkeypatch.setattr(llm.runner, "_replay", lambda bs: replays.append(bs) or replay(bs))
+    partial, prepare = [], llm.runner.prepare
+
+    def spy(scheduled):
+        inputs = prepare(scheduled)
+        partial.append(inputs.graph_bs is not None and inputs.logits_indices is not None)
+        return inputs
+
+    monkeypatch.setattr(llm.runner, "prepare", spy)
+    got = _staggered(llm, prompts, params, {0: [0, 1, 2], 4: [3], 6: [4]})
+    assert {4, 2, 1} <= set(replays) and any(partial)
+    # prepare called outside inference mode (flashtile bench's decode timing does) still
+    # fills the static inputs, which are inference tensors.
+    seq = Sequence([5, 6, 7])
+    assert llm.block_manager.allocate(seq)
+    seq.num_computed_tokens = 2
+    assert llm.runner.prepare([(seq, 1)]).graph_bs == 1
+    llm.block_manager.free(seq)
+    for w, g in zip(want, got):
+        assert w.token_ids == g.token_ids
+        torch.testing.assert_close(w.logprobs, g.logprobs, atol=1e-5, rtol=0)
+    _assert_pool_empty(llm)
+
+
+def _staggered(llm, prompts, params, arrivals):
+    """Step llm, adding prompts[i] before step k for each i in arrivals[k]; the final
+    CompletionOutputs in prompt order."""
+    ids, done, step = {}, {}, 0
+    while len(done) < len(prompts):
+        for i in arrivals.get(step, []):
+            ids[llm.add_request(prompts[i], params[i])] = i
+        for out in llm.step():
+            if out.finished:
+                done[ids[out.request_id]] = out.outputs[0]
+        step += 1
+    return [done[i] for i in range(len(prompts))]
+
+
+def test_warm_up_runs_every_step_kind(checkpoint, monkeypatch):
+    """ModelRunner.warm_up (run on CUDA before serving, so that no kernel compiles while
+    serving) goes through fresh prefill, paged prefill beside a decode, and decode, with
+    the varlen kernel's int arguments rounded to multiples of 16 (one compiled variant),
+    and touches no sequence's pages."""
+    path, _ = checkpoint
+    llm = _llm(path, max_num_batched_tokens=100)
+    runner, kinds = llm.runner, set()
+    forward = runner.forward
+
+    def spy(inputs):
+        m = inputs.meta
+        kinds.add("decode" if m.is_decode else "paged" if m.has_context else "fresh")
+        if not m.is_decode:
+            assert m.max_seqlen_q % 16 == 0 and m.block_tables.shape[1] % 16 == 0
+        assert (m.slot_mapping // runner.page_size == runner.scratch_block).all()
+        return forward(inputs)
+
+    monkeypatch.setattr(runner, "forward", spy)
+    runner.warm_up()
+    assert kinds == {"fresh", "paged", "decode"}
+    _assert_pool_empty(llm)
+
+
+def test_async_scheduling_equals_sync(checkpoint, tmp_path, async_scheduling, monkeypatch):
+    """Asynchronous scheduling (each step launched before the previous one's tokens are
+    read; in-flight tokens read on the device) gives the synchronous engine's tokens,
+    texts, finish reasons and logprobs: greedy, seeded sampling, a repetition penalty,
+    end-of-sequence and stop-token/stop-string ends (whose next step, already launched,
+    is discarded), staggered arrivals, chunked prefill, preemption and an abort; and
+    every page comes back."""
+    if not async_scheduling:
+        pytest.skip("runs both modes itself")
+    path, _ = checkpoint
+    text_prompt = "The capital of France is"
+    free = _llm(path).generate(text_prompt, SamplingParams(
+        temperature=0, max_tokens=24, ignore_eos=True), use_tqdm=False)[0].outputs[0]
+    eos_dir = tmp_path / "eos"
+    shutil.copytree(path, eos_dir)
+    (eos_dir / "generation_config.json").write_text(
+        json.dumps({"eos_token_id": free.token_ids[6]}))
+    prompts = _prompts([3, 41, 9, 30, 17, 5, 22, 12], seed=7) + [text_prompt] * 2
+    prompts[5] = text_prompt  # meets its stop token id
+    greedy = dict(temperature=0, logprobs=0)
+    params = [SamplingParams(max_tokens=20, ignore_eos=True, **greedy),
+              SamplingParams(max_tokens=14, **greedy),  # may meet the end-of-sequence id
+              SamplingParams(temperature=0.9, top_p=0.9, seed=5, max_tokens=18, logprobs=0),
+              SamplingParams(max_tokens=16, repetition_penalty=1.3, **greedy),
+              SamplingParams(temperature=1.1, top_k=20, seed=9, max_tokens=15, logprobs=0),
+              SamplingParams(max_tokens=12, stop_token_ids=[free.token_ids[2]], **greedy),
+              SamplingParams(max_tokens=30, ignore_eos=True, **greedy),  # aborted
+              SamplingParams(max_tokens=None, **greedy),  # up to max_model_len
+              SamplingParams(max_tokens=24, stop=[free.text[8:11]], ignore_eos=True,
+                             **greedy),
+              SamplingParams(max_tokens=24, **greedy)]  # the end-of-sequence id
+    arrivals = {0: [0, 1, 2], 2: [3, 4], 5: [5, 6, 7], 9: [8, 9]}
+    runs, discarded = {}, []
+    completed = Scheduler.completed
+
+    def spy(self, step, token_ids, logprobs):
+        discarded.extend(seq for seq, _ in step.sampled if seq.is_finished)
+        return completed(self, step, token_ids, logprobs)
+
+    monkeypatch.setattr(Scheduler, "completed", spy)
+    gathered, gather = {False: 0, True: 0}, ModelRunner._gather_ids
+
+    def count(self, input_ids, dev64, offset, n):
+        gathered[mode] += n
+        return gather(self, input_ids, dev64, offset, n)
+
+    monkeypatch.setattr(ModelRunner, "_gather_ids", count)
+    for mode in (False, True):
+        llm = _llm(eos_dir, async_scheduling=mode, max_num_batched_tokens=16,
+                   kv_cache_memory=8 * 16 * BYTES_PER_TOKEN)
+        ids, done, step = {}, {}, 0
+        while step < 10 or llm.has_unfinished_requests():
+            for i in arrivals.get(step, []):
+                ids[llm.add_request(prompts[i], params[i])] = i
+            if step == 12:
+                llm.abort_request(next(r for r, i in ids.items() if i == 6))
+            for out in llm.step():
+                assert out.request_id in llm._requests or out.finished
+                if out.finished:
+                    done[ids[out.request_id]] = out.outputs[0]
+            step += 1
+        assert sorted(done) == [0, 1, 2, 3, 4, 5, 7, 8, 9]  # 6 was aborted
+        assert llm.scheduler.num_preemptions > 0
+        _assert_pool_empty(llm)
+        runs[mode] = done
+    reasons = {i: o.finish_reason for i, o in runs[False].items()}
+    assert reasons[5] == reasons[8] == reasons[9] == "stop" and reasons[7] == "length"
+    assert len(runs[False][7].token_ids) == 64 - 12  # max_model_len - prompt
+    assert discarded  # some sequence ended while its next step was already launched
+    assert gathered[False] == 0 and gathered[True] > 50  # in-flight ids read on device
+    for i, want in runs[False].items():
+        got = runs[True][i]
+        assert (got.token_ids, got.text, got.finish_reason, got.stop_reason) == \
+            (want.token_ids, want.text, want.finish_reason, want.stop_reason), i
+        torch.testing.assert_close(got.logprobs, want.logprobs, atol=1e-5, rtol=0)

@@ -101,7 +101,11 @@ def _check_logits(tmp_path, case):
         s.append_token(7)
         assert bm.ensure_slots(s, 1)
     got = _logits(runner, [(s, 1) for s in seqs])
-    torch.testing.assert_close(got, torch.stack([ref(s.token_ids)[-1] for s in seqs]), **TOL)
+    want = torch.stack([ref(s.token_ids)[-1] for s in seqs])
+    torch.testing.assert_close(got, want, **TOL)
+    # execute: the same step, sampled greedily, read back synchronously.
+    sampled, tokens, _ = runner.execute([(s, 1) for s in seqs])
+    assert sampled == seqs and tokens == want.argmax(-1).tolist()
 
 
 @torch.no_grad()

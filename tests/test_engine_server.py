@@ -24,9 +24,11 @@ MODEL = "tiny"
 MAX_MODEL_LEN = 64
 
 
-@pytest.fixture(scope="module")
-def llm(tmp_path_factory):
-    yield from tiny_llm(tmp_path_factory, MAX_MODEL_LEN)
+@pytest.fixture(scope="module", params=[False, True], ids=["sync", "async"])
+def llm(tmp_path_factory, request):
+    """The engine in both scheduling modes (asynchronous: step() returns each step's
+    tokens one call later)."""
+    yield from tiny_llm(tmp_path_factory, MAX_MODEL_LEN, async_scheduling=request.param)
 
 
 @pytest.fixture(scope="module")

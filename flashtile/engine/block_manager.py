@@ -160,26 +160,32 @@ class BlockManager:
 
         Returns False, changing nothing, when the pool is short.
         """
+        table = seq.block_table
+        total = seq.num_computed_tokens + num_new_tokens
+        if table and total <= len(table) * self.page_size:
+            return True  # the common decode step: the last page has room
         if seq.seq_id not in self._seqs:
             _fail(ValueError, "seq", "a sequence allocated by this BlockManager",
                   f"seq {seq.seq_id} holding no pages")
-        total = seq.num_computed_tokens + num_new_tokens
-        need = -(-total // self.page_size) - len(seq.block_table)
+        need = -(-total // self.page_size) - len(table)
         if need > len(self._free):
             return False
-        seq.block_table.extend(self._take_free() for _ in range(need))
+        table.extend(self._take_free() for _ in range(need))
         return True
 
-    def commit(self, seq: Sequence):
-        """Register the pages that seq.num_computed_tokens now fills, for later prompts.
+    def commit(self, seq: Sequence, num_tokens: int | None = None):
+        """Register the pages that seq's first num_tokens tokens (default: its computed
+        ones) fill, for later prompts.
 
-        Call after the step that wrote their KV: a page registered earlier could be
-        handed to another sequence before its keys exist.
+        Call after the step that wrote their KV, once their token ids are known: a page
+        registered earlier could be handed to another sequence before its keys exist.
         """
         if not self.enable_prefix_caching:
             return
         table, ps = seq.block_table, self.page_size
-        full = min(seq.num_computed_tokens // ps, len(table))
+        if num_tokens is None:
+            num_tokens = seq.num_computed_tokens
+        full = min(num_tokens // ps, len(table))
         # Registered pages are a prefix of the table: walk back over the newly full ones.
         first = full
         while first > 0 and self.blocks[table[first - 1]].hash is None:

@@ -151,6 +151,11 @@ class EngineConfig:
         within 1-2% of a contiguous cache on the H200, page 16 up to 15% slower at batch 1
         (docs/benchmarks/decode-h200.md). The naive backend ignores it (one max_model_len
         slab per sequence).
+    async_scheduling: launch each step before the previous step's sampled tokens reach
+        the host (the next step reads them on the device), so that the host's work per
+        step overlaps the device's; step() then returns each step's tokens one call
+        later. Default (None): on CUDA; on CPU, where nothing runs asynchronously, off.
+        Either way the tokens are the same.
     """
 
     model: str
@@ -167,6 +172,7 @@ class EngineConfig:
     seed: int = 0
     enable_prefix_caching: bool = True
     device: str = "auto"
+    async_scheduling: Optional[bool] = None
     model_config: ModelConfig = field(init=False, repr=False)
     torch_dtype: torch.dtype = field(init=False, repr=False)
 
@@ -199,6 +205,11 @@ class EngineConfig:
             _fail(ValueError, "max_model_len", f"an int from 1 to the model's "
                   f"max_position_embeddings {limit}", repr(self.max_model_len))
         self.torch_dtype = _resolve_dtype(self.dtype, self.model_config.dtype)
+        if self.async_scheduling is None:
+            self.async_scheduling = self.torch_device.type == "cuda"
+        if not isinstance(self.async_scheduling, bool):
+            _fail(TypeError, "async_scheduling", "a bool or None",
+                  type(self.async_scheduling).__name__)
         if self.attention_backend == "naive":
             # One contiguous max_model_len slab per sequence: the layout naive caches use.
             self.page_size = self.max_model_len

@@ -20,9 +20,9 @@ from flashtile._validate import _fail
 from flashtile.engine.block_manager import BlockManager
 from flashtile.engine.config import EngineConfig
 from flashtile.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from flashtile.engine.runner import ModelRunner
+from flashtile.engine.runner import LaunchedStep, ModelRunner
 from flashtile.engine.sampling_params import SamplingParams
-from flashtile.engine.scheduler import Scheduler
+from flashtile.engine.scheduler import ScheduledStep, Scheduler
 from flashtile.engine.sequence import Sequence
 from flashtile.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -93,6 +93,9 @@ class LLM:
         self.block_manager = BlockManager(self.runner.num_blocks, self.config.page_size,
                                           self.config.enable_prefix_caching)
         self.scheduler = Scheduler(self.config, self.block_manager, eos)
+        # The launched step whose tokens are not read yet (asynchronous scheduling): the
+        # runner's LaunchedStep and the scheduler's ScheduledStep.
+        self._in_flight: Optional[tuple[LaunchedStep, ScheduledStep]] = None
         self._requests: dict[str, _Request] = {}
         self._by_seq: dict[int, _Request] = {}
         self._ids = itertools.count()
@@ -150,24 +153,50 @@ class LLM:
         del self._by_seq[request.seq.seq_id]
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        """Whether a request is unfinished (queued, running, or waiting for the step in
+        flight to end it by length)."""
+        return self.scheduler.has_unfinished() or self._in_flight is not None and any(
+            not seq.is_finished for seq in self._in_flight[0].seqs)
 
     def step(self) -> list[RequestOutput]:
-        """Run one engine step; the outputs of the requests that received a token."""
+        """Run one engine step; the outputs of the requests that received a token (with
+        asynchronous scheduling, the tokens of the step launched by the previous call)."""
         return [request.output() for request in self._step()]
 
     def _step(self) -> list[_Request]:
         """One engine step; the requests that received a token. Building a RequestOutput
-        copies the request's token ids, so offline generate() asks only finished ones."""
-        scheduled = self.scheduler.schedule()
-        if not scheduled:
-            if not self.scheduler.running and self.scheduler.waiting:
-                raise RuntimeError("the KV pool cannot hold the next waiting request")
-            return []
-        seqs, token_ids, logprobs = self.runner.execute(scheduled)
-        self.scheduler.update(scheduled, seqs, token_ids, logprobs)
+        copies the request's token ids, so offline generate() asks only finished ones.
+
+        Asynchronous scheduling: schedule and launch step N+1, then wait for step N's
+        tokens and process them while the device runs N+1, so the device never idles
+        for the host. Synchronously: launch a step and wait for it."""
         stepped = []
-        for seq, token in zip(seqs, token_ids):
+        if self._in_flight is not None and self._in_flight[0].host_needs_tokens:
+            stepped = self._complete()
+        scheduled = self.scheduler.schedule()
+        launched = None
+        if scheduled:
+            step = self.runner.launch(scheduled)
+            launched = step, self.scheduler.launched(scheduled, step.seqs)
+        waited = self._in_flight is not None
+        if waited:
+            stepped += self._complete()
+        self._in_flight = launched
+        if launched is not None and not self.config.async_scheduling:
+            stepped += self._complete()
+        if not scheduled and not waited and not self.scheduler.running \
+                and self.scheduler.waiting:
+            raise RuntimeError("the KV pool cannot hold the next waiting request")
+        return stepped
+
+    def _complete(self) -> list[_Request]:
+        """Wait for the step in flight and record its tokens; its requests that received
+        one (a request finished or aborted since its launch gets none)."""
+        step, scheduled = self._in_flight
+        self._in_flight = None
+        token_ids, logprobs = self.runner.wait(step)
+        stepped = []
+        for seq, token in self.scheduler.completed(scheduled, token_ids, logprobs):
             request = self._by_seq[seq.seq_id]
             stop = request.add_text([token], final=seq.is_finished)
             if stop is not None:
@@ -231,6 +260,8 @@ class LLM:
                 bar.set_postfix_str(
                     f"output {generated / (time.perf_counter() - start):.0f} tok/s",
                     refresh=False)
+        if self._in_flight is not None:  # a step launched before the last tokens came
+            self._complete()
         if bar is not None:
             bar.close()
         return [done[i] for i in ids]

@@ -2,27 +2,37 @@
 
 Per step the scheduler hands over (sequence, number of new tokens) pairs. ``prepare``
 builds the packed inputs and the AttentionMetadata once, on the host (pinned memory on
-CUDA, copied without blocking), ``execute`` runs the forward, computes logits only for
-the sequences that reach their last token this step, and samples them with the Sampler;
-the sampled ids are the step's one host read.
+CUDA, copied without blocking), ``launch`` runs the forward, computes logits only for
+the sequences that reach their last token this step, samples them with the Sampler and
+queues the copy of the sampled ids to the host; ``wait`` reads them, the step's one host
+read. Input tokens still in flight (placeholders, see sequence.py) are gathered on the
+device from the last launched step's sampled ids, so a step can be launched before the
+previous one's tokens reach the host (asynchronous scheduling, llm.py).
 
 Pool size: on CUDA, one warm-up forward at max_num_batched_tokens measures the peak
 activation memory, and the pool gets gpu_memory_utilization of the device minus what is
-in use and that peak; on CPU (or when given), kv_cache_memory bytes.
+in use and that peak; on CPU (or when given), kv_cache_memory bytes. Then ``warm_up``
+runs every kind of step once (fresh prefill, paged prefill beside decodes, decode), so
+that no kernel compiles while serving.
 
 CUDA graphs (flashtile backend; sdpa and naive run eagerly, since their decode gathers
 every sequence's pages padded to the captured max_model_len width): pure decode steps
 (one new token per sequence) replay a graph captured for the next batch size up in 1, 2,
-4, 8, ... max_num_seqs, largest first, all in one memory pool. Padding rows write into
-the pool's scratch block (slot -1) and read one key of it. The block tables are captured
-at max_model_len's width; flashtile's decode picks its splits from that width on the host
-at capture.
+4, 8, ... max_num_seqs, largest first, all in one memory pool. Each graph reads two
+static buffers (int64 and int32) that a decode step's inputs are built into on the host,
+padded to the graph's batch size, and copied in two copies. Padding rows write into the
+pool's scratch block (slot -1) and read one key of it. The block tables are captured at
+max_model_len's width; flashtile's decode picks its splits from that width on the host at
+capture.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
+from array import array
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -31,6 +41,7 @@ from flashtile.engine.attention import AttentionMetadata
 from flashtile.engine.config import EngineConfig
 from flashtile.engine.loader import build_model
 from flashtile.engine.sampler import Sampler, SamplingTensors
+from flashtile.engine.sequence import Sequence
 
 log = logging.getLogger("flashtile.engine")
 GiB = 2**30
@@ -43,8 +54,36 @@ class StepInputs:
     input_ids: torch.Tensor      # (T,) int64
     positions: torch.Tensor      # (T,) int64
     meta: AttentionMetadata
-    logits_indices: torch.Tensor  # (S,) rows of the hidden states to sample from
+    logits_indices: Optional[torch.Tensor]  # (S,) rows of the hidden states to sample
+    #                                         from; None: every row, in order
     sample_rows: list            # indices into the step's sequences that sample
+    graph_bs: Optional[int] = None  # a decode step replayed in this batch size's graph
+
+
+@dataclass
+class LaunchedStep:
+    seqs: list                       # the sequences that sample, in row order
+    tokens: Optional[torch.Tensor]   # (S,) int64 sampled ids; on CUDA pinned host memory,
+    logprobs: Optional[torch.Tensor]  # (S,) float32   valid once ``done`` has fired
+    done: Optional[torch.cuda.Event]
+    # Some row has a repetition penalty: the next step's sampling reads every token of
+    # its sequence on the host, so this step must be waited for before it is prepared.
+    host_needs_tokens: bool
+
+
+def _round_up(x: int, multiple: int) -> int:
+    return -(-x // multiple) * multiple
+
+
+def _extend_slots(out: list, table: list, start: int, end: int, page_size: int):
+    """Append the pool slots of positions start..end-1 of a sequence with this block
+    table: one range per page instead of a division per token."""
+    while start < end:
+        page, offset = divmod(start, page_size)
+        n = min(end - start, page_size - offset)
+        base = table[page] * page_size + offset
+        out += range(base, base + n)
+        start += n
 
 
 class ModelRunner:
@@ -64,9 +103,13 @@ class ModelRunner:
         for i, attn in enumerate(self.model.attention_layers()):
             attn.k_cache, attn.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
         self.scratch_block = self.num_blocks
-        self.graphs = {}
-        if self.device.type == "cuda" and not config.enforce_eager \
-                and config.attention_backend == "flashtile":
+        self.graphs, self.static, self._graph_list = {}, {}, []
+        self._last_tokens = None
+        use_graphs = self.device.type == "cuda" and not config.enforce_eager \
+            and config.attention_backend == "flashtile"
+        if self.device.type == "cuda":
+            self.warm_up(decode=not use_graphs)
+        if use_graphs:
             self._capture_graphs()
 
     # ---- pool -------------------------------------------------------------------------
@@ -108,7 +151,8 @@ class ModelRunner:
         lens = [seqlen] * (tokens // seqlen) + ([tokens % seqlen] if tokens % seqlen else [])
         cu = torch.tensor([0] + lens, device=self.device).cumsum(0).to(torch.int32)
         meta = AttentionMetadata(
-            cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=seqlen, max_seqlen_k=seqlen,
+            cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=_round_up(seqlen, 16),
+            max_seqlen_k=seqlen,
             slot_mapping=torch.full((tokens,), -1, device=self.device),
             cache_seqlens=cu.diff(), block_tables=None, is_decode=False, has_context=False,
             query_lens=lens, key_lens=lens)
@@ -124,85 +168,234 @@ class ModelRunner:
         activations = stats["allocated_bytes.all.peak"] - stats["allocated_bytes.all.current"]
         return total * cfg.gpu_memory_utilization - (total - free) - activations
 
-    # ---- step inputs ------------------------------------------------------------------
-    def _to_device(self, *parts: torch.Tensor) -> list[torch.Tensor]:
-        """Host tensors of one dtype -> device views, through one pinned buffer and one
-        non-blocking copy (a copy per tensor cost a few microseconds of host time each)."""
-        if self.device.type != "cuda":
-            return list(parts)
-        flat = torch.cat([x.reshape(-1) for x in parts]).pin_memory()
-        flat = flat.to(self.device, non_blocking=True)
-        views, offset = [], 0
-        for x in parts:
-            views.append(flat[offset:offset + x.numel()].view(x.shape))
-            offset += x.numel()
-        return views
+    @torch.inference_mode()
+    def warm_up(self, decode: bool = True):
+        """Run every kind of step once on dummy sequences, so that each Triton kernel
+        variant and torch.compile graph the engine meets compiles now, not while serving
+        (a compile takes ~0.4 s): fresh prefills, prefill chunks over the pool beside
+        decodes (paged varlen), and, when not captured in CUDA graphs, decodes. Tuned
+        tiles (`flashtile tune`) depend on the sequence length class (<=2k, <=8k, more),
+        so each class the limits allow is run. Everything reads and writes the scratch
+        block only."""
+        cfg, ps = self.config, self.page_size
 
+        def seq(keys, new):
+            s = Sequence([0] * keys)
+            s.num_computed_tokens = keys - new
+            s.block_table = [self.scratch_block] * -(-keys // ps)
+            return s, new
+
+        def lengths(limit):
+            return sorted({min(c, limit) for c in (2048, 8192, limit)})
+
+        for total in lengths(cfg.max_num_batched_tokens):
+            lens = [cfg.max_model_len] * (total // cfg.max_model_len)
+            lens += [total % cfg.max_model_len] if total % cfg.max_model_len else []
+            self.forward(self.prepare([seq(n, n) for n in lens]))
+        for keys in lengths(cfg.max_model_len):
+            if keys >= 3:  # a chunk of two tokens after one cached token, and a decode
+                self.forward(self.prepare([seq(keys, 2), seq(2, 1)]))
+        if decode:
+            for bs in sorted({1, cfg.max_num_seqs}):
+                self.forward(self.prepare([seq(cfg.max_model_len, 1)] * bs))
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+
+    # ---- step inputs ------------------------------------------------------------------
+    @torch.inference_mode()  # decode steps write into the graphs' static (inference) inputs
     def prepare(self, scheduled) -> StepInputs:
-        """Inputs of one step; scheduled: [(sequence, new tokens)] in batch order."""
+        """Inputs of one step; scheduled: [(sequence, new tokens)] in batch order.
+
+        Host cost matters here (a decode step of a 1B model is ~4 ms of GPU time at batch
+        256): everything is built as flat Python lists of ints, packed into one int64 and
+        one int32 buffer, and moved in one copy each.
+        """
+        bs = len(scheduled)
+        if all(n == 1 for _, n in scheduled):
+            return self._prepare_decode(scheduled)
         ps = self.page_size
-        starts = [seq.num_computed_tokens for seq, _ in scheduled]
-        qlens = [n for _, n in scheduled]
-        klens = [s + n for s, n in zip(starts, qlens)]
-        width = max(len(seq.block_table) for seq, _ in scheduled)
+        # Widths and max_seqlen_q rounded up to 16: Triton specialises int arguments on
+        # divisibility by 16, so this keeps one compiled variant of the varlen kernel.
+        width = _round_up(max(len(seq.block_table) for seq, _ in scheduled), 16)
         pad = [self.scratch_block] * width
-        tables = torch.tensor([seq.block_table + pad[len(seq.block_table):]
-                               for seq, _ in scheduled], dtype=torch.int32)
-        ids, positions = [], []
-        for (seq, n), start in zip(scheduled, starts):
-            ids.extend(seq.token_ids[start:start + n])
-            positions.extend(range(start, start + n))
-        lens = torch.tensor(qlens)
-        row = torch.repeat_interleave(torch.arange(len(scheduled)), lens)
-        pos = torch.tensor(positions, dtype=torch.int64)
-        slots = tables[row, pos // ps].long() * ps + pos % ps
-        is_decode = all(n == 1 for n in qlens)
-        has_context = any(s > 0 for s in starts)
-        cu_q = torch.tensor([0] + qlens).cumsum(0).to(torch.int32)
-        cu_k = torch.tensor([0] + klens).cumsum(0).to(torch.int32)
-        sample_rows = [b for b, (seq, n) in enumerate(scheduled)
-                       if starts[b] + n == seq.num_tokens]
-        longs = [torch.tensor(ids, dtype=torch.int64), pos, slots,
-                 cu_q[1:].long()[sample_rows] - 1]
-        if has_context and not is_decode and self.config.attention_backend != "flashtile":
-            krow = torch.repeat_interleave(torch.arange(len(scheduled)), torch.tensor(klens))
-            kpos = torch.cat([torch.arange(n) for n in klens])
-            longs.append(tables[krow, kpos // ps].long() * ps + kpos % ps)
-        input_ids, pos, slots, logits_indices, *key_slots = self._to_device(*longs)
-        cu_q, cu_k, seqlens, tables = self._to_device(
-            cu_q, cu_k, torch.tensor(klens, dtype=torch.int32), tables)
+        ids, pos, slots, tables, qlens, klens = [], [], [], [], [], []
+        sample_rows, logits_indices, dst, src = [], [], [], []
+        for b, (seq, n) in enumerate(scheduled):
+            start = seq.num_computed_tokens
+            end = start + n
+            table = seq.block_table
+            ids += seq.token_ids[start:end]
+            if ids[-1] < 0:  # the last token is in flight: read it on the device
+                dst.append(len(ids) - 1)
+                src.append(-1 - ids[-1])
+                ids[-1] = 0
+            pos += range(start, end)
+            _extend_slots(slots, table, start, end, ps)
+            tables += table
+            tables += pad[len(table):]
+            qlens.append(n)
+            klens.append(end)
+            if end == len(seq.token_ids):
+                sample_rows.append(b)
+                logits_indices.append(len(ids) - 1)
+        has_context = any(k != q for q, k in zip(qlens, klens))
+        key_slots = []
+        if has_context and self.config.attention_backend != "flashtile":
+            for seq, n in scheduled:
+                _extend_slots(key_slots, seq.block_table, 0,
+                              seq.num_computed_tokens + n, ps)
+        t = len(ids)
+        longs = array("q", ids)
+        longs += array("q", pos)
+        longs += array("q", slots)
+        longs += array("q", logits_indices)
+        longs += array("q", key_slots)
+        longs += array("q", dst)
+        longs += array("q", src)
+        ints = array("i", itertools.accumulate(qlens, initial=0))
+        ints += array("i", itertools.accumulate(klens, initial=0))
+        ints += array("i", klens)
+        ints += array("i", tables)
+        dev64, dev32 = self._to_device(longs, torch.int64), self._to_device(ints, torch.int32)
+        s = len(sample_rows)
         meta = AttentionMetadata(
-            cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max(qlens),
-            max_seqlen_k=max(klens), slot_mapping=slots, cache_seqlens=seqlens,
-            block_tables=tables, is_decode=is_decode, has_context=has_context,
-            query_lens=qlens, key_lens=klens, key_slots=key_slots[0] if key_slots else None)
-        return StepInputs(input_ids=input_ids, positions=pos, meta=meta,
-                          logits_indices=logits_indices, sample_rows=sample_rows)
+            cu_seqlens_q=dev32[:bs + 1], cu_seqlens_k=dev32[bs + 1:2 * bs + 2],
+            max_seqlen_q=_round_up(max(qlens), 16), max_seqlen_k=max(klens),
+            slot_mapping=dev64[2 * t:3 * t], cache_seqlens=dev32[2 * bs + 2:3 * bs + 2],
+            block_tables=dev32[3 * bs + 2:].view(bs, width), is_decode=False,
+            has_context=has_context, query_lens=qlens, key_lens=klens,
+            key_slots=dev64[3 * t + s:3 * t + s + len(key_slots)] if key_slots else None)
+        self._gather_ids(dev64[:t], dev64, 3 * t + s + len(key_slots), len(dst))
+        return StepInputs(input_ids=dev64[:t], positions=dev64[t:2 * t], meta=meta,
+                          logits_indices=dev64[3 * t:3 * t + s], sample_rows=sample_rows)
+
+    def _prepare_decode(self, scheduled) -> StepInputs:
+        """prepare() for a step of one new token per sequence (the common case). Laid out
+        as the CUDA graphs' static inputs, padded to the graph's batch size, so that a
+        replay takes them in two copies."""
+        bs, ps = len(scheduled), self.page_size
+        graph_bs = next((g for g in self._graph_list if g >= bs), None)
+        if graph_bs is None:
+            rows, width = bs, _round_up(max(len(seq.block_table) for seq, _ in scheduled),
+                                        16)
+        else:
+            rows, width = graph_bs, self.config.blocks_per_seq
+        pad = [self.scratch_block] * width
+        ids, pos, slots, seqlens, tables, sample_rows = [], [], [], [], [], []
+        dst, src = [], []
+        for b, (seq, _) in enumerate(scheduled):
+            p = seq.num_computed_tokens
+            table = seq.block_table
+            token = seq.token_ids[p]
+            if token < 0:  # in flight: read it on the device
+                dst.append(b)
+                src.append(-1 - token)
+                token = 0
+            ids.append(token)
+            pos.append(p)
+            slots.append(table[p // ps] * ps + p % ps)
+            seqlens.append(p + 1)
+            tables += table
+            tables += pad[len(table):]
+            if p + 1 == len(seq.token_ids):
+                sample_rows.append(b)
+        extra = rows - bs  # padding rows: write nothing (slot -1), read one scratch key
+        longs = array("q", ids + [0] * extra)
+        longs += array("q", pos + [0] * extra)
+        longs += array("q", slots + [-1] * extra)
+        all_sample = len(sample_rows) == bs
+        if not all_sample:
+            longs += array("q", sample_rows)
+        longs += array("q", dst)
+        longs += array("q", src)
+        ints = array("i", seqlens + [1] * extra)
+        ints += array("i", tables + pad * extra)
+        ints += array("i", range(bs + 1))
+        ints += array("i", itertools.accumulate(seqlens, initial=0))
+        if graph_bs is not None:
+            dev64, dev32 = self._to_graph_inputs(longs, ints, graph_bs)
+        else:
+            dev64 = self._to_device(longs, torch.int64)
+            dev32 = self._to_device(ints, torch.int32)
+        tail = rows * (1 + width)
+        s = 0 if all_sample else len(sample_rows)
+        self._gather_ids(dev64[:bs], dev64, 3 * rows + s, len(dst))
+        meta = AttentionMetadata(
+            cu_seqlens_q=dev32[tail:tail + bs + 1],
+            cu_seqlens_k=dev32[tail + bs + 1:tail + 2 * bs + 2], max_seqlen_q=1,
+            max_seqlen_k=max(seqlens), slot_mapping=dev64[2 * rows:2 * rows + bs],
+            cache_seqlens=dev32[:bs], block_tables=dev32[rows:tail].view(rows, width)[:bs],
+            is_decode=True, has_context=max(seqlens) > 1, query_lens=[1] * bs,
+            key_lens=seqlens)
+        return StepInputs(input_ids=dev64[:bs], positions=dev64[rows:rows + bs], meta=meta,
+                          logits_indices=None if all_sample else dev64[3 * rows:3 * rows + s],
+                          sample_rows=sample_rows, graph_bs=graph_bs)
+
+    def _gather_ids(self, input_ids, dev64, offset: int, n: int):
+        """input_ids[dst] = the last launched step's sampled tokens[src], with dst and src
+        the n-long runs of dev64 from offset: the tokens still in flight, read on the
+        device so that the host never waits for them before launching the next step."""
+        if n:
+            dst, src = dev64[offset:offset + n], dev64[offset + n:offset + 2 * n]
+            input_ids.index_copy_(0, dst, self._last_tokens.index_select(0, src))
+
+    def _to_device(self, values: array, dtype: torch.dtype) -> torch.Tensor:
+        """A host array as a device tensor: on CUDA through pinned memory, copied without
+        blocking (the caching host allocator keeps the buffer until the copy is done)."""
+        host = torch.frombuffer(values, dtype=dtype)
+        if self.device.type != "cuda":
+            return host
+        return host.pin_memory().to(self.device, non_blocking=True)
 
     # ---- forward and sampling ---------------------------------------------------------
     @torch.inference_mode()
     def forward(self, inputs: StepInputs) -> torch.Tensor:
         """Hidden states of the step's rows that sample, (S, hidden_size)."""
-        bs = len(inputs.meta.query_lens)
-        graph_bs = next((g for g in sorted(self.graphs) if g >= bs), None)
-        if inputs.meta.is_decode and graph_bs is not None:
-            return self._replay(inputs, graph_bs)[inputs.logits_indices]
-        hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
-        return hidden[inputs.logits_indices]
+        if inputs.graph_bs is not None:
+            hidden = self._replay(inputs.graph_bs)[:len(inputs.meta.query_lens)]
+        else:
+            hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
+        return hidden if inputs.logits_indices is None else hidden[inputs.logits_indices]
 
     @torch.inference_mode()
-    def execute(self, scheduled) -> tuple[list, list[int], list[float]]:
-        """Run one step. Returns (sequences that sampled, their token ids, logprobs)."""
+    def launch(self, scheduled) -> LaunchedStep:
+        """Queue one step: inputs, forward, sampling, and on CUDA the copy of the sampled
+        tokens to pinned host memory, without waiting for any of it (``wait`` does)."""
         inputs = self.prepare(scheduled)
-        if not inputs.sample_rows:
-            self.forward(inputs)
-            return [], [], []
         seqs = [scheduled[b][0] for b in inputs.sample_rows]
+        if not seqs:
+            self.forward(inputs)
+            self._last_tokens = None
+            return LaunchedStep(seqs, None, None, None, False)
         tensors = SamplingTensors.from_seqs(seqs, self.device,
                                             self.config.model_config.vocab_size)
         logits = self.model.compute_logits(self.forward(inputs)).float()
-        token_ids, logprobs = self.sampler(logits, tensors)
-        return seqs, token_ids.tolist(), logprobs.tolist()
+        tokens, logprobs = self.sampler(logits, tensors)
+        self._last_tokens = tokens  # the next step's in-flight input ids come from here
+        done = None
+        if self.device.type == "cuda":
+            tokens = torch.empty_like(tokens, device="cpu", pin_memory=True).copy_(
+                tokens, non_blocking=True)
+            logprobs = torch.empty_like(logprobs, device="cpu", pin_memory=True).copy_(
+                logprobs, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record()
+        return LaunchedStep(seqs, tokens, logprobs, done, tensors.token_ids is not None)
+
+    def execute(self, scheduled) -> tuple[list, list[int], list[float]]:
+        """Run one step synchronously. Returns (sequences that sampled, their token ids,
+        logprobs); changes no sequence (the scheduler records steps)."""
+        step = self.launch(scheduled)
+        return (step.seqs, *self.wait(step))
+
+    @staticmethod
+    def wait(step: LaunchedStep) -> tuple[list[int], list[float]]:
+        """A launched step's sampled token ids and logprobs on the host, once done."""
+        if not step.seqs:
+            return [], []
+        if step.done is not None:
+            step.done.synchronize()
+        return step.tokens.tolist(), step.logprobs.tolist()
 
     # ---- CUDA graphs ------------------------------------------------------------------
     def _graph_sizes(self) -> list[int]:
@@ -212,48 +405,55 @@ class ModelRunner:
             bs *= 2
         return sizes + [self.config.max_num_seqs]
 
+    def _static_inputs(self, bs: int):
+        """The static inputs of batch size bs's graph, laid out as _prepare_decode builds
+        a step's: int64 (input ids | positions | slots | room for the sampled rows and
+        the in-flight tokens' gather indices) and
+        int32 (cache_seqlens | block tables | room for cu_seqlens), kept in self.static.
+        Returns the model's arguments over them."""
+        width, dev = self.config.blocks_per_seq, self.device
+        longs = torch.zeros(6 * bs, dtype=torch.int64, device=dev)
+        longs[2 * bs:3 * bs] = -1
+        ints = torch.full((bs * (1 + width) + 2 * bs + 2,), self.scratch_block,
+                          dtype=torch.int32, device=dev)
+        ints[:bs] = 1
+        self.static[bs] = (longs, ints)
+        cu = torch.arange(bs + 1, dtype=torch.int32, device=dev)
+        meta = AttentionMetadata(
+            cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=1,
+            max_seqlen_k=self.config.max_model_len, slot_mapping=longs[2 * bs:3 * bs],
+            cache_seqlens=ints[:bs], block_tables=ints[bs:bs * (1 + width)].view(bs, width),
+            is_decode=True, has_context=True, query_lens=[1] * bs, key_lens=[1] * bs)
+        return longs[:bs], longs[bs:2 * bs], meta
+
     @torch.inference_mode()
     def _capture_graphs(self):
-        max_bs, width = self.config.max_num_seqs, self.config.blocks_per_seq
-        dev = self.device
-        self.static = dict(
-            input_ids=torch.zeros(max_bs, dtype=torch.int64, device=dev),
-            positions=torch.zeros(max_bs, dtype=torch.int64, device=dev),
-            slot_mapping=torch.full((max_bs,), -1, dtype=torch.int64, device=dev),
-            cache_seqlens=torch.ones(max_bs, dtype=torch.int32, device=dev),
-            block_tables=torch.full((max_bs, width), self.scratch_block, dtype=torch.int32,
-                                    device=dev),
-            hidden=torch.zeros(max_bs, self.config.model_config.hidden_size,
-                               dtype=self.dtype, device=dev))
+        self.static_hidden = torch.zeros(self.config.max_num_seqs,
+                                         self.config.model_config.hidden_size,
+                                         dtype=self.dtype, device=self.device)
         pool = None
         for bs in reversed(self._graph_sizes()):
-            s = {k: v[:bs] for k, v in self.static.items()}
-            cu = torch.arange(bs + 1, dtype=torch.int32, device=dev)
-            meta = AttentionMetadata(
-                cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=1,
-                max_seqlen_k=self.config.max_model_len, slot_mapping=s["slot_mapping"],
-                cache_seqlens=s["cache_seqlens"], block_tables=s["block_tables"],
-                is_decode=True, has_context=True, query_lens=[1] * bs, key_lens=[1] * bs)
-            s["hidden"].copy_(self.model(s["input_ids"], s["positions"], meta))  # warm-up
+            args, out = self._static_inputs(bs), self.static_hidden[:bs]
+            out.copy_(self.model(*args))  # warm-up
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                s["hidden"].copy_(self.model(s["input_ids"], s["positions"], meta))
+                out.copy_(self.model(*args))
             pool = graph.pool()
             self.graphs[bs] = graph
+        self._graph_list = sorted(self.graphs)
         torch.cuda.synchronize()
-        log.info("captured decode CUDA graphs for batch sizes %s", sorted(self.graphs))
+        log.info("captured decode CUDA graphs for batch sizes %s", self._graph_list)
 
-    def _replay(self, inputs: StepInputs, graph_bs: int) -> torch.Tensor:
-        s, meta = self.static, inputs.meta
-        bs, width = len(meta.query_lens), meta.block_tables.shape[1]
-        s["input_ids"][:bs].copy_(inputs.input_ids)
-        s["positions"][:bs].copy_(inputs.positions)
-        s["slot_mapping"][:bs].copy_(meta.slot_mapping)
-        s["cache_seqlens"][:bs].copy_(meta.cache_seqlens)
-        s["block_tables"][:bs, :width].copy_(meta.block_tables)
-        # Rows bs..graph_bs of an earlier, larger batch: make them padding again.
-        s["slot_mapping"][bs:graph_bs].fill_(-1)
-        s["cache_seqlens"][bs:graph_bs].fill_(1)
-        s["block_tables"][bs:graph_bs].fill_(self.scratch_block)
+    def _to_graph_inputs(self, longs: array, ints: array, graph_bs: int):
+        """Copy a decode step's host buffers into the static inputs of its graph."""
+        s64, s32 = self.static[graph_bs]
+        for static, values, dtype in ((s64, longs, torch.int64), (s32, ints, torch.int32)):
+            host = torch.frombuffer(values, dtype=dtype)
+            if static.is_cuda:
+                host = host.pin_memory()
+            static[:len(values)].copy_(host, non_blocking=True)
+        return s64, s32
+
+    def _replay(self, graph_bs: int) -> torch.Tensor:
         self.graphs[graph_bs].replay()
-        return s["hidden"][:bs]
+        return self.static_hidden[:graph_bs]

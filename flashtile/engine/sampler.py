@@ -45,6 +45,9 @@ def step_seed(seed: int, step: int) -> int:
     return _splitmix64(_splitmix64(seed & _MASK64) ^ step)
 
 
+_GREEDY: dict = {}  # (rows, device, vocab_size) -> SamplingTensors.plain_greedy's
+
+
 @dataclass
 class SamplingTensors:
     """Per-row sampling parameters of one step (B rows), built once per step.
@@ -74,11 +77,30 @@ class SamplingTensors:
     do_min_p: bool
 
     @classmethod
+    def plain_greedy(cls, rows: int, device, vocab_size: int) -> SamplingTensors:
+        """The tensors of ``rows`` greedy rows without penalties (the common case: offline
+        generation, benchmarks), made once per batch size and device: the sampler reads
+        nothing of them but the flags, and nothing writes them."""
+        key = (rows, torch.device(device), vocab_size)
+        t = _GREEDY.get(key)
+        if t is None:
+            zeros = torch.zeros(rows, device=device)
+            ones = torch.ones(rows, device=device)
+            t = _GREEDY[key] = cls(
+                temperatures=zeros, top_ps=ones, min_ps=zeros, repetition_penalties=ones,
+                top_ks=torch.full((rows,), vocab_size, dtype=torch.int64, device=device),
+                token_ids=None, seeded_rows=[], all_greedy=True, any_greedy=True,
+                do_top_k=False, do_top_p=False, do_min_p=False)
+        return t
+
+    @classmethod
     def from_seqs(cls, seqs, device, vocab_size: int) -> SamplingTensors:
         """Build the tensors for sequences (in batch row order) on the host and copy them
         to device without blocking (from pinned memory on CUDA)."""
         device = torch.device(device)
         params = [s.sampling_params for s in seqs]
+        if all(p.greedy and p.repetition_penalty == 1.0 for p in params):
+            return cls.plain_greedy(len(seqs), device, vocab_size)
         greedy = [p.greedy for p in params]
         top_ks = [vocab_size if g or not 0 < p.top_k < vocab_size else p.top_k
                   for p, g in zip(params, greedy)]

@@ -1,27 +1,44 @@
 """Scheduler: continuous batching with a token budget (vLLM v1's scheme).
 
 There are no prefill and decode phases. Each sequence has ``num_computed_tokens`` (its
-tokens whose KV is in the pool) and each step hands out ``max_num_batched_tokens``
-tokens: first to the running sequences, in admission order, so each catches up (one
-token for a decoding sequence, the next chunk of a long prompt), then to waiting ones,
-admitted while the budget, ``max_num_seqs`` and the pool allow. A prompt longer than the
-budget is prefilled over several steps (chunked prefill) while the others keep decoding.
+tokens whose KV is in the pool, or being written by a launched step) and each step hands
+out ``max_num_batched_tokens`` tokens: first to the running sequences, in admission
+order, so each catches up (one token for a decoding sequence, the next chunk of a long
+prompt), then to waiting ones, admitted while the budget, ``max_num_seqs`` and the pool
+allow. A prompt longer than the budget is prefilled over several steps (chunked
+prefill) while the others keep decoding.
 
 When the pool cannot give a running sequence the pages for its tokens, the newest running
 sequence is preempted: its pages are freed and it goes back to the front of the waiting
 queue, to be recomputed (prompt and output so far) when it is admitted again; nothing new
 is admitted in that step. The pool holds at least one max_model_len sequence, so a
 sequence left alone always fits.
+
+A step is recorded twice: ``launched`` when the runner has queued it (computed tokens,
+placeholders for the tokens being sampled) and ``completed`` when its sampled tokens are
+on the host. With asynchronous scheduling the next step is scheduled in between, so a
+sequence that ends at an end-of-sequence or stop token may be in that next step too; its
+token there is discarded. Ends by length are known at launch and never cost a step.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import dataclass
 
 from flashtile._validate import _fail
 from flashtile.engine.block_manager import BlockManager
 from flashtile.engine.config import EngineConfig
 from flashtile.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledStep:
+    """A launched step, as ``Scheduler.completed`` needs it."""
+
+    scheduled: list  # (sequence, tokens computed) pairs
+    starts: list     # each sequence's num_computed_tokens before the step
+    sampled: list    # (sequence, index of its placeholder in token_ids) per sampled row
 
 
 class Scheduler:
@@ -44,6 +61,13 @@ class Scheduler:
 
     def add(self, seq: Sequence):
         self.check(seq)
+        params = seq.sampling_params
+        limit = self.max_model_len
+        if params.max_tokens is not None:
+            limit = min(limit, seq.num_prompt_tokens + params.max_tokens)
+        seq.max_num_tokens = limit
+        eos = frozenset() if params.ignore_eos else self.eos_token_ids
+        seq.stop_ids = eos | frozenset(params.stop_token_ids)
         self.waiting.append(seq)
 
     def has_unfinished(self) -> bool:
@@ -55,10 +79,11 @@ class Scheduler:
         scheduled = []
         preempted = False
         i = 0
+        ensure_slots = self.block_manager.ensure_slots
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            while not self.block_manager.ensure_slots(seq, n):
+            n = min(len(seq.token_ids) - seq.num_computed_tokens, budget)
+            while not ensure_slots(seq, n):
                 preempted = True
                 victim = self.running.pop()  # the newest (admission order)
                 self._preempt(victim)
@@ -89,32 +114,63 @@ class Scheduler:
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 
-    def update(self, scheduled, sampled_seqs, token_ids, logprobs) -> list[Sequence]:
-        """Record a step: the computed tokens, then the sampled ones; finish sequences at
-        an end-of-sequence or stop token, max_tokens or max_model_len. Returns the
-        sequences that received a token."""
+    def launched(self, scheduled, sampled_seqs) -> ScheduledStep:
+        """Record a step the runner has just launched: its tokens count as computed, and
+        each sampling sequence gets a placeholder for the token in flight (see
+        sequence.py), so that the next step can be scheduled before this one's tokens
+        are known. A sequence whose placeholder reaches its length limit leaves the
+        running list now (its end is known; it keeps its pages until ``completed``)."""
+        starts = []
         for seq, n in scheduled:
+            starts.append(seq.num_computed_tokens)
             seq.num_computed_tokens += n
-            self.block_manager.commit(seq)
-        for seq, token, logprob in zip(sampled_seqs, token_ids, logprobs):
-            params = seq.sampling_params
-            seq.append_token(token, logprob if params.logprobs is not None else None)
-            max_tokens = params.max_tokens
-            if (token in self.eos_token_ids and not params.ignore_eos) \
-                    or token in params.stop_token_ids:
+        sampled, ending = [], set()
+        for row, seq in enumerate(sampled_seqs):
+            sampled.append((seq, len(seq.token_ids)))
+            seq.token_ids.append(-1 - row)
+            if len(seq.token_ids) >= seq.max_num_tokens:
+                ending.add(seq)
+        if ending:
+            self.running = [s for s in self.running if s not in ending]
+        return ScheduledStep(scheduled, starts, sampled)
+
+    def completed(self, step: ScheduledStep, token_ids, logprobs
+                  ) -> list[tuple[Sequence, int]]:
+        """Record a launched step's results once they are on the host: register the pages
+        it filled (their tokens are known now), put the sampled tokens in place of the
+        placeholders, finish sequences at an end-of-sequence or stop token, max_tokens or
+        max_model_len. A sequence finished (or aborted) while the step ran gets nothing:
+        its token is discarded. Returns (sequence, token) for each token received."""
+        ps, commit = self.block_manager.page_size, self.block_manager.commit
+        for (seq, n), start in zip(step.scheduled, step.starts):
+            # Preempted or finished while the step ran: its pages are gone.
+            if (start + n) // ps != start // ps and seq.status is SequenceStatus.RUNNING:
+                commit(seq, start + n)
+        got = []
+        for (seq, index), token, logprob in zip(step.sampled, token_ids, logprobs):
+            if seq.is_finished:
+                continue
+            seq.resolve(index, token, logprob if seq.sampling_params.logprobs is not None
+                        else None)
+            got.append((seq, token))
+            if token in seq.stop_ids:
                 self.finish(seq, "stop")
-            elif (max_tokens is not None and seq.num_completion_tokens >= max_tokens) \
-                    or seq.num_tokens >= self.max_model_len:
+            elif index + 1 >= seq.max_num_tokens:
                 self.finish(seq, "length")
-        return list(sampled_seqs)
+        return got
 
     def finish(self, seq: Sequence, reason: str):
-        """End seq ("stop", "length" or "abort") and give its pages back."""
+        """End seq ("stop", "length" or "abort") and give its pages back.
+
+        Also while a launched step may still write them: every device operation is
+        queued on one stream, so a later step that gets these pages writes them after
+        the running one is done with them, and ``completed`` registers no page of a
+        finished sequence."""
         if seq.is_finished:
             return
-        if seq in self.running:
-            self.running.remove(seq)
-        elif seq in self.waiting:
+        if seq.status is SequenceStatus.WAITING:
             self.waiting.remove(seq)
+        elif seq in self.running:  # else its length limit took it off already
+            self.running.remove(seq)
         self.block_manager.free(seq)
         seq.finish(reason)

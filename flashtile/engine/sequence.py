@@ -9,6 +9,12 @@ sampled last. There are no separate prefill and decode states: a sequence is wai
 Beyond the lead's spec: ``finish(reason)`` sets the status, reason and time together,
 and ``num_completion_tokens`` / ``is_finished`` are spelled out for the scheduler.
 Times are ``time.time()`` seconds, as vLLM's request metrics.
+
+A token still being sampled on the device (asynchronous scheduling: the next step is
+launched before this one's tokens reach the host) is a placeholder ``-(row + 1)``, its
+row in the last launched step's sampled tokens. It counts in ``num_tokens`` (so the next
+step computes it, reading its value on the device) but not in ``completion_token_ids``.
+A sequence has at most one, its last token.
 """
 
 from __future__ import annotations
@@ -61,6 +67,11 @@ class Sequence:
         self.finish_time: float | None = None
         self.finish_reason: str | None = None
         self.output_logprobs: list[float] = []
+        # Set by Scheduler.add: the token count at which the sequence ends (max_tokens or
+        # max_model_len) and the ids that end it (end-of-sequence unless ignore_eos, and
+        # stop_token_ids), so that a step checks one int and one set per sequence.
+        self.max_num_tokens: int | None = None
+        self.stop_ids: frozenset[int] = frozenset()
 
     def __len__(self):
         return len(self.token_ids)
@@ -84,7 +95,9 @@ class Sequence:
 
     @property
     def completion_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens:]
+        """The generated ids known on the host (without a token in flight)."""
+        end = len(self.token_ids) - (self.token_ids[-1] < 0)
+        return self.token_ids[self.num_prompt_tokens:end]
 
     @property
     def last_token(self) -> int:
@@ -109,6 +122,14 @@ class Sequence:
         if logprob is not None:
             self.output_logprobs.append(float(logprob))
 
+    def resolve(self, index: int, token_id: int, logprob: float | None = None):
+        """Put the value of the placeholder at token_ids[index] (see the module's doc)."""
+        if self.first_token_time is None:
+            self.first_token_time = time.time()
+        self.token_ids[index] = token_id
+        if logprob is not None:
+            self.output_logprobs.append(logprob)
+
     def finish(self, reason: str):
         """Mark the request done: reason "stop", "length" or "abort"."""
         if reason not in FINISH_REASONS:
@@ -116,3 +137,5 @@ class Sequence:
         self.status = SequenceStatus.FINISHED
         self.finish_reason = reason
         self.finish_time = time.time()
+        if self.token_ids[-1] < 0:  # a token in flight: whatever it is, it comes after
+            self.token_ids.pop()
