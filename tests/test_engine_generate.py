@@ -291,13 +291,13 @@ def test_finished_text_keeps_an_incomplete_last_character(checkpoint, monkeypatc
     path, _ = checkpoint
     llm = _llm(path)
     forced = llm.tokenizer.encode(" €", add_special_tokens=False)[:-1]
-    execute = llm.runner.execute
+    completed = llm.scheduler.completed
 
-    def scripted(scheduled):  # the model's step, with the tokens replaced by `forced`
-        seqs, _, logprobs = execute(scheduled)
-        return seqs, [forced[s.num_completion_tokens] for s in seqs], logprobs
+    def scripted(step, token_ids, logprobs):  # the sampled tokens replaced by `forced`
+        forced_ids = [forced[i - s.num_prompt_tokens] for s, i in step.sampled]
+        return completed(step, forced_ids, logprobs)
 
-    monkeypatch.setattr(llm.runner, "execute", scripted)
+    monkeypatch.setattr(llm.scheduler, "completed", scripted)
     params = SamplingParams(temperature=0, max_tokens=len(forced), ignore_eos=True)
     out = llm.generate([[5, 6, 7]], params, use_tqdm=False)[0].outputs[0]
     assert out.token_ids == forced and out.finish_reason == "length"
