@@ -5,6 +5,7 @@ pages; stop conditions; bad input. CUDA-graph cases are marked gpu."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import shutil
 
@@ -507,3 +508,31 @@ def test_async_scheduling_equals_sync(checkpoint, tmp_path, async_scheduling, mo
         assert (got.token_ids, got.text, got.finish_reason, got.stop_reason) == \
             (want.token_ids, want.text, want.finish_reason, want.stop_reason), i
         torch.testing.assert_close(got.logprobs, want.logprobs, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("batch", [1, 2, 3, 5])
+def test_prefill_inputs_start_16_byte_aligned(checkpoint, batch):
+    """Regression (run E5 on the H200): the step's index tensors are views of one packed
+    buffer, and Triton specialises pointer arguments on 16-byte alignment; cu_seqlens_k
+    after batch + 1 int32s and the block table after it were aligned for some batch sizes
+    only, so new kernel variants compiled while serving. Every view now starts at a
+    multiple of 16 bytes (the device buffer itself is allocator-aligned)."""
+    path, _ = checkpoint
+    llm = _llm(path, page_size=16)
+    scheduled = []
+    for i in range(batch):
+        seq = Sequence(list(range(1, 4 + 7 * i)), GREEDY)
+        assert llm.block_manager.allocate(seq)
+        scheduled.append((seq, seq.num_tokens - 2 * (i % 2)))  # some chunks end early
+    inputs = llm.runner.prepare(scheduled)
+    meta = inputs.meta
+    views = dict(input_ids=inputs.input_ids, positions=inputs.positions,
+                 logits_indices=inputs.logits_indices, slot_mapping=meta.slot_mapping,
+                 cu_seqlens_q=meta.cu_seqlens_q, cu_seqlens_k=meta.cu_seqlens_k,
+                 cache_seqlens=meta.cache_seqlens, block_tables=meta.block_tables)
+    for name, t in views.items():
+        assert t.storage_offset() * t.element_size() % 16 == 0, name
+    assert meta.cu_seqlens_k.tolist() == [0, *itertools.accumulate(
+        seq.num_computed_tokens + n for seq, n in scheduled)]
+    for seq, _ in scheduled:
+        llm.block_manager.free(seq)

@@ -71,6 +71,22 @@ class LaunchedStep:
     host_needs_tokens: bool
 
 
+def _packed(segments, typecode: str):
+    """Runs of ints back to back in one array, each starting at a multiple of 16 bytes:
+    (array, [(offset, length)]). Triton specialises a pointer argument on 16-byte
+    alignment, so a kernel reading a view at an unaligned offset (cu_seqlens_k after
+    batch + 1 int32s) compiled another variant; run E5 paid four such compiles inside its
+    timed run."""
+    out, places = array(typecode), []
+    step = 16 // out.itemsize
+    for seg in segments:
+        out.extend(array(typecode, [0]) * (-len(out) % step))
+        start = len(out)
+        out.extend(array(typecode, seg))
+        places.append((start, len(out) - start))
+    return out, places
+
+
 def _round_up(x: int, multiple: int) -> int:
     return -(-x // multiple) * multiple
 
@@ -244,30 +260,22 @@ class ModelRunner:
             for seq, n in scheduled:
                 _extend_slots(key_slots, seq.block_table, 0,
                               seq.num_computed_tokens + n, ps)
-        t = len(ids)
-        longs = array("q", ids)
-        longs += array("q", pos)
-        longs += array("q", slots)
-        longs += array("q", logits_indices)
-        longs += array("q", key_slots)
-        longs += array("q", dst)
-        longs += array("q", src)
-        ints = array("i", itertools.accumulate(qlens, initial=0))
-        ints += array("i", itertools.accumulate(klens, initial=0))
-        ints += array("i", klens)
-        ints += array("i", tables)
+        longs, o64 = _packed((ids, pos, slots, logits_indices, key_slots, dst, src), "q")
+        ints, o32 = _packed((itertools.accumulate(qlens, initial=0),
+                             itertools.accumulate(klens, initial=0), klens, tables), "i")
         dev64, dev32 = self._to_device(longs, torch.int64), self._to_device(ints, torch.int32)
-        s = len(sample_rows)
+        ids, pos, slots, logits_indices, key_slots, dst, src = (
+            dev64[o:o + n] for o, n in o64)
+        cu_q, cu_k, seqlens, tables = (dev32[o:o + n] for o, n in o32)
         meta = AttentionMetadata(
-            cu_seqlens_q=dev32[:bs + 1], cu_seqlens_k=dev32[bs + 1:2 * bs + 2],
-            max_seqlen_q=_round_up(max(qlens), 16), max_seqlen_k=max(klens),
-            slot_mapping=dev64[2 * t:3 * t], cache_seqlens=dev32[2 * bs + 2:3 * bs + 2],
-            block_tables=dev32[3 * bs + 2:].view(bs, width), is_decode=False,
-            has_context=has_context, query_lens=qlens, key_lens=klens,
-            key_slots=dev64[3 * t + s:3 * t + s + len(key_slots)] if key_slots else None)
-        self._gather_ids(dev64[:t], dev64, 3 * t + s + len(key_slots), len(dst))
-        return StepInputs(input_ids=dev64[:t], positions=dev64[t:2 * t], meta=meta,
-                          logits_indices=dev64[3 * t:3 * t + s], sample_rows=sample_rows)
+            cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=_round_up(max(qlens), 16),
+            max_seqlen_k=max(klens), slot_mapping=slots, cache_seqlens=seqlens,
+            block_tables=tables.view(bs, width), is_decode=False, has_context=has_context,
+            query_lens=qlens, key_lens=klens, key_slots=key_slots if len(key_slots) else None)
+        if len(dst):
+            ids.index_copy_(0, dst, self._last_tokens.index_select(0, src))
+        return StepInputs(input_ids=ids, positions=pos, meta=meta,
+                          logits_indices=logits_indices, sample_rows=sample_rows)
 
     def _prepare_decode(self, scheduled) -> StepInputs:
         """prepare() for a step of one new token per sequence (the common case). Laid out
