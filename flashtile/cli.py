@@ -44,10 +44,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == ["bench"] and argv[1:2] in (["serve"], ["throughput"]):
+    if argv[:1] == ["bench"] and argv[1:2] in (["serve"], ["throughput"], ["kv-waste"]):
         # Engine benchmarks with parsers of their own (argparse hands no unparsed
         # options down to a sub-parser).
-        return importlib.import_module(f"flashtile.bench.{argv[1]}").main(argv[2:])
+        module = argv[1].replace("-", "_")
+        return importlib.import_module(f"flashtile.bench.{module}").main(argv[2:])
     parser = build_parser()
     args = parser.parse_args(argv)
     args.argv = argv  # recorded in the bench JSON as the command line
