@@ -128,7 +128,7 @@ def _engine(args, cfg, requests, backend, eager):
     logging.getLogger("flashtile").setLevel(logging.INFO)
     import triton
     triton.knobs.runtime.jit_post_compile_hook = lambda repr, **_: print(
-        f"compiling (Triton) {repr[:600]}", file=sys.stderr, flush=True)
+        f"compiling (Triton) {repr}", file=sys.stderr, flush=True)
     print("TIMED RUN STARTS", file=sys.stderr, flush=True)
     profiler = None
     if args.profile:  # the run's numbers then include cProfile's overhead: marked profiled
