@@ -15,6 +15,12 @@
 #   pdl          make test-gpu, make memcheck, the decode table with the combine's
 #                dependent launch early, late and off; split counts at batch 1 and 8
 #                                                                           (~8 min)
+#   engine       the engine's GPU tests; offline throughput of the three shapes (CUDA
+#                graphs); the decode step against its read floor           (~7 min)
+#   engine-peers the 1B shape's other rows: eager, sdpa, naive, transformers'
+#                generate and generate_batch (64 requests)                (~9 min)
+#   serve [BACKEND]  flashtile serve (1B shape, dummy weights, attention BACKEND,
+#                default flashtile) and the bench serve rate sweep against it (~6 min)
 # The host-cost, kernel-span, Nsight Compute and A/B study scripts (and their stages)
 # were retired: docs/benchmarks/NOTES.md section 13 has their findings and commits.
 set -uo pipefail
@@ -106,8 +112,44 @@ case "${1:-}" in
       | grep "decode sweep" | tee "$OUT/decode-splits.txt"
     stamp done
     ;;
+  engine)
+    stamp engine-tests
+    timeout 150 python3 -m pytest -q -p no:cacheprovider --gpu tests/test_engine_gpu.py \
+      2>&1 | tail -3 | tee "$OUT/engine-tests.txt"
+    stamp throughput
+    timeout 280 python3 -m flashtile.bench.throughput --models llama-3.2-1b qwen2.5-0.5b \
+      llama-3-8b --providers engine-flashtile-graphs --timeout 120 --out "$OUT/throughput.json" \
+      2>&1 | tail -12
+    stamp decode-step
+    timeout 150 python3 -m flashtile.bench.throughput --decode-step --models llama-3.2-1b \
+      llama-3-8b --timeout 120 --out "$OUT/decode-step.json" 2>&1 | tail -8
+    stamp done
+    ;;
+  engine-peers)
+    timeout 560 python3 -m flashtile.bench.throughput --models llama-3.2-1b --providers \
+      hf-generate-batch hf-generate engine-naive engine-sdpa engine-flashtile-eager \
+      --timeout 150 --out "$OUT/throughput-peers.json" 2>&1 | tail -14
+    ;;
+  serve)
+    # Random weights at the 1B shape: the directory needs only config.json.
+    mkdir -p /tmp/llama1b && python3 -c "import json; from flashtile.bench.throughput \
+import PRESETS; json.dump(PRESETS['llama-3.2-1b'], open('/tmp/llama1b/config.json', 'w'))"
+    python3 -m flashtile serve /tmp/llama1b --load-format dummy --max-model-len 2048 \
+      --attention-backend "${2:-flashtile}" --port 8000 > "$OUT/server.log" 2>&1 &
+    server=$!
+    for _ in $(seq 120); do  # until /health answers (model load, warm-up, graph capture)
+      python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:8000/health')" \
+        2>/dev/null && break
+      sleep 1
+    done
+    timeout 330 python3 -m flashtile bench serve --base-url http://127.0.0.1:8000 \
+      --num-prompts 400 --random-input-len 512 --random-output-len 256 \
+      --random-range-ratio 0.5 --sweep-rates 4 16 64 inf --no-progress \
+      --out "$OUT/serve-${2:-flashtile}.json" 2>&1 | tail -14
+    kill "$server"
+    ;;
   *)
-    echo "usage: $0 check|sweep [SECONDS]|extra|short|decode|splits|pdl" >&2
+    echo "usage: $0 check|sweep [SECONDS]|extra|short|decode|splits|pdl|engine|engine-peers|serve [BACKEND]" >&2
     exit 2
     ;;
 esac
