@@ -69,13 +69,14 @@ def _full_shape(module, name: str, shard) -> tuple:
     return tuple(getattr(module, name).shape)
 
 
-def _fill(module, name: str, full: torch.Tensor, shard=None):
-    """Copy full (the whole tensor, or piece `shard` of a fused one) into the parameter,
-    this rank's slice of it for a parallel layer."""
+def _fill(module, name: str, full, shard=None):
+    """Copy full (the whole tensor, or piece `shard` of a fused one; a tensor or a
+    safetensors slice) into the parameter, this rank's slice of it for a parallel
+    layer."""
     if hasattr(module, "load_weight"):
         module.load_weight(name, full, shard)
     else:
-        getattr(module, name).copy_(full)
+        getattr(module, name).copy_(full[:])
 
 
 def _target(model, params, name):
@@ -112,10 +113,12 @@ def load_weights(model: CausalLM, model_dir: str) -> None:
                 key, shard = target
                 module, pname = _owner(model, key)
                 want = _full_shape(module, pname, shard)
-                tensor = f.get_tensor(name)
-                if tuple(tensor.shape) != want:
-                    _fail(ValueError, f"checkpoint tensor {name!r} shape", want,
-                          tuple(tensor.shape), "The weights do not match config.json")
+                # A slice object: a parallel layer reads only its rank's rows or columns.
+                tensor = f.get_slice(name)
+                shape = tuple(tensor.get_shape())
+                if shape != want:
+                    _fail(ValueError, f"checkpoint tensor {name!r} shape", want, shape,
+                          "The weights do not match config.json")
                 _fill(module, pname, tensor, shard)
                 loaded.add((key, shard))
     expected = set()

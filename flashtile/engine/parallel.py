@@ -16,8 +16,10 @@ of every weight matrix, over a torch.distributed process group (NCCL on GPUs, gl
 Each layer loads its own slice: ``full_shape(name, shard)`` is the shape of the
 checkpoint tensor that parameter ``name`` comes from, and ``load_weight(name, full,
 shard)`` copies this rank's part of it (shard: the index of a merged layer's piece; None:
-the whole parameter's full tensor). With a group of size 1 every layer computes exactly
-what nn.Linear / nn.Embedding compute and calls no collective.
+the whole parameter's full tensor). ``full`` is read by basic slicing only, so it may be a
+safetensors slice (``safe_open(...).get_slice(name)``): each rank then reads only its part
+of the file. With a group of size 1 every layer computes exactly what nn.Linear /
+nn.Embedding compute and calls no collective.
 
 Replicating kv heads when the group has more ranks than the model has kv heads (vLLM
 does) is not supported: num_key_value_heads must be a multiple of tensor_parallel_size.
@@ -111,14 +113,12 @@ class ColumnParallelLinear(nn.Module):
         rows = sum(self.output_sizes) if shard is None else self.output_sizes[shard]
         return (rows, self.weight.shape[1]) if name == "weight" else (rows,)
 
-    def load_weight(self, name: str, full: torch.Tensor, shard: Optional[int] = None):
+    def load_weight(self, name: str, full, shard: Optional[int] = None):
         param = getattr(self, name)
         for i in range(len(self.output_sizes)) if shard is None else [shard]:
-            piece = full if shard is not None else \
-                full.narrow(0, sum(self.output_sizes[:i]), self.output_sizes[i])
             n = self.local_sizes[i]
-            param.narrow(0, sum(self.local_sizes[:i]), n).copy_(
-                piece.narrow(0, self.tp.rank * n, n))
+            start = self.tp.rank * n + (0 if shard is not None else sum(self.output_sizes[:i]))
+            param.narrow(0, sum(self.local_sizes[:i]), n).copy_(full[start:start + n])
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -170,12 +170,12 @@ class RowParallelLinear(nn.Module):
         out, n = self.weight.shape
         return (out, n * self.tp.size) if name == "weight" else (out,)
 
-    def load_weight(self, name: str, full: torch.Tensor, shard: Optional[int] = None):
+    def load_weight(self, name: str, full, shard: Optional[int] = None):
         if name == "bias":
-            self.bias.copy_(full)
+            self.bias.copy_(full[:])
             return
         n = self.weight.shape[1]
-        self.weight.copy_(full.narrow(1, self.tp.rank * n, n))
+        self.weight.copy_(full[:, self.tp.rank * n:(self.tp.rank + 1) * n])
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -200,7 +200,7 @@ class VocabParallelEmbedding(nn.Module):
     def full_shape(self, name: str, shard: Optional[int] = None) -> tuple:
         return (self.num_embeddings, self.weight.shape[1])
 
-    def load_weight(self, name: str, full: torch.Tensor, shard: Optional[int] = None):
+    def load_weight(self, name: str, full, shard: Optional[int] = None):
         n = max(0, min(self.rows, self.num_embeddings - self.start))
         self.weight[:n].copy_(full[self.start:self.start + n])
         self.weight[n:].zero_()
