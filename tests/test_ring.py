@@ -11,25 +11,20 @@
 
 from __future__ import annotations
 
-import datetime
 import os
 import re
-import socket
 import subprocess
 import sys
-import time
-import traceback
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import flashtile
 from flashtile import distributed as fd
 from flashtile._ring import layout_chunks, plan
 from flashtile.reference import allowed_keys
-from tests.utils import FLOOR, assert_close_rule, max_err, reference_pair
+from tests.utils import FLOOR, assert_close_rule, max_err, reference_pair, run_gloo
 
 SPAWN_TIMEOUT_S = 150  # a hung child fails the test then; gloo gives up at 60 s itself
 
@@ -193,12 +188,6 @@ DIST_CASES = [
 ]
 
 
-def _free_port():
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _rank_results(rank, world, seqlen):
     """Every DIST_CASE on this rank: {name: (ours, flashtile on the full sequence)}."""
     results = {}
@@ -242,47 +231,17 @@ def _disagreeing_shapes_error(rank):
     return "no error"
 
 
-def _worker(rank, world, port, out_dir, seqlen):
-    os.environ["FLASHTILE_BACKEND"] = "torch"  # the tiled PyTorch path, read at call time
-    torch.set_num_threads(1)  # 2-4 processes share 2 cores
-    try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                world_size=world, timeout=datetime.timedelta(seconds=60))
-        results = _rank_results(rank, world, seqlen)
-        if world > 1:
-            results["disagree"] = _disagreeing_shapes_error(rank)
-        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-    except BaseException:
-        with open(os.path.join(out_dir, f"rank{rank}.err"), "w") as f:
-            f.write(traceback.format_exc())
-        raise
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
-def _run_ring(world, tmp_path, seqlen):
-    ctx = mp.start_processes(_worker, args=(world, _free_port(), str(tmp_path), seqlen),
-                             nprocs=world, join=False, start_method="spawn")
-    deadline = time.monotonic() + SPAWN_TIMEOUT_S
-    try:
-        while not ctx.join(timeout=max(0.0, deadline - time.monotonic())):
-            if time.monotonic() >= deadline:
-                pytest.fail(f"ring with {world} processes did not finish in "
-                            f"{SPAWN_TIMEOUT_S} s")
-    except mp.ProcessRaisedException:
-        errors = sorted(tmp_path.glob("rank*.err"))
-        pytest.fail("a ring process failed:\n" + "\n".join(p.read_text() for p in errors))
-    finally:
-        for p in ctx.processes:
-            if p.is_alive():
-                p.kill()
-    return [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
+def _ring_rank(rank, world, seqlen):
+    results = _rank_results(rank, world, seqlen)
+    if world > 1:
+        results["disagree"] = _disagreeing_shapes_error(rank)
+    return results
 
 
 @pytest.mark.parametrize("world, seqlen", [(2, 32), (4, 64)], ids=["gloo2", "gloo4"])
 def test_ring_processes_match_full_attention(world, seqlen, tmp_path):
-    for rank, results in enumerate(_run_ring(world, tmp_path, seqlen)):
+    ranks = run_gloo(_ring_rank, world, tmp_path, seqlen, timeout_s=SPAWN_TIMEOUT_S)
+    for rank, results in enumerate(ranks):
         assert "disagree on" in results.pop("disagree"), f"rank {rank}"
         for name, (ours, ref) in results.items():
             torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-5,

@@ -17,6 +17,7 @@ from typing import Optional
 import torch
 
 from flashtile._validate import _fail
+from flashtile.engine.parallel import ParallelGroup
 
 # Architecture name in config.json -> the switches of engine/model.py it needs.
 ARCHITECTURES = {
@@ -156,6 +157,9 @@ class EngineConfig:
         step overlaps the device's; step() then returns each step's tokens one call
         later. Default (None): on CUDA; on CPU, where nothing runs asynchronously, off.
         Either way the tokens are the same.
+    tensor_parallel_size: processes the model is split over (engine/parallel.py); > 1
+        needs torch.distributed initialised with that many ranks, one ModelRunner per
+        rank. LLM runs one process only for now.
     """
 
     model: str
@@ -173,6 +177,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     device: str = "auto"
     async_scheduling: Optional[bool] = None
+    tensor_parallel_size: int = 1
     model_config: ModelConfig = field(init=False, repr=False)
     torch_dtype: torch.dtype = field(init=False, repr=False)
 
@@ -182,7 +187,7 @@ class EngineConfig:
         if self.attention_backend not in BACKENDS:
             _fail(ValueError, "attention_backend", f"one of {BACKENDS}",
                   repr(self.attention_backend))
-        for name in ("max_num_seqs", "max_num_batched_tokens"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 _fail(ValueError, name, "an int >= 1", repr(value))
@@ -197,6 +202,8 @@ class EngineConfig:
                 not isinstance(ps, int) or not 16 <= ps <= 256 or ps & (ps - 1)):
             _fail(ValueError, "page_size", "a power of two from 16 to 256 (flashtile's paged "
                   "cache)", repr(ps))
+        if self.tensor_parallel_size > 1:
+            ParallelGroup.for_size(self.tensor_parallel_size)  # raises unless initialised
         self.model_config = ModelConfig.from_pretrained(self.model)
         limit = self.model_config.max_position_embeddings
         if self.max_model_len is None:

@@ -83,6 +83,12 @@ class LLM:
     """An engine over one checkpoint directory; keyword arguments are EngineConfig's."""
 
     def __init__(self, model: str, **kwargs):
+        tp = kwargs.get("tensor_parallel_size", 1)
+        if isinstance(tp, int) and tp > 1:
+            raise NotImplementedError(
+                f"LLM(tensor_parallel_size={tp}): the multi-process driver (rank 0 "
+                "scheduling, one worker per rank running each step) is not built yet; the "
+                "split model runs under torch.distributed through ModelRunner on each rank")
         self.config = EngineConfig(model=model, **kwargs)
         has_tokenizer = os.path.isfile(os.path.join(model, "tokenizer.json"))
         self.tokenizer = Tokenizer(model) if has_tokenizer else None

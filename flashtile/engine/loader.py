@@ -5,6 +5,11 @@ by model.safetensors.index.json), or, with load_format="dummy", from a seeded ra
 initialisation of config.json's shapes (vLLM's name; benchmarks at real shapes without
 the weights). Meta construction allocates nothing, so each parameter is allocated once, on
 its device and in its dtype, and then written once.
+
+Under tensor parallelism each process keeps only its slice: the layers of
+engine/parallel.py take their part of a full checkpoint tensor (``load_weight``), and
+dummy weights are drawn full, identically on every rank (one seeded generator), then
+sliced, so that a split model computes what the whole one does.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from safetensors import safe_open
 from flashtile._validate import _fail
 from flashtile.engine.config import EngineConfig
 from flashtile.engine.model import CausalLM
+from flashtile.engine.parallel import ParallelGroup
 
 log = logging.getLogger("flashtile.engine")
 
@@ -49,14 +55,33 @@ def checkpoint_files(model_dir: str) -> list[str]:
     return files
 
 
-def _shard_sizes(model: CausalLM, fused: str) -> list[int]:
-    if fused == "qkv_proj":
-        return model.model.layers[0].self_attn.sizes
-    return [model.config.intermediate_size] * 2
+def _owner(model: CausalLM, key: str):
+    """(module, parameter name) of parameter `key`."""
+    path, _, name = key.rpartition(".")
+    return model.get_submodule(path), name
+
+
+def _full_shape(module, name: str, shard) -> tuple:
+    """Shape of the checkpoint tensor (piece `shard` of a fused parameter) for a
+    parameter; a parallel layer's parameter is a slice of it."""
+    if hasattr(module, "full_shape"):
+        return module.full_shape(name, shard)
+    return tuple(getattr(module, name).shape)
+
+
+def _fill(module, name: str, full, shard=None):
+    """Copy full (the whole tensor, or piece `shard` of a fused one; a tensor or a
+    safetensors slice) into the parameter, this rank's slice of it for a parallel
+    layer."""
+    if hasattr(module, "load_weight"):
+        module.load_weight(name, full, shard)
+    else:
+        getattr(module, name).copy_(full[:])
 
 
 def _target(model, params, name):
-    """(parameter, row slice) that checkpoint tensor `name` fills, or None to skip it."""
+    """(parameter key, index of its fused piece or None) that checkpoint tensor `name`
+    fills, or None to skip it."""
     if name.endswith(IGNORED_SUFFIXES):
         return None
     parts = name.split(".")
@@ -65,11 +90,9 @@ def _target(model, params, name):
             fused, shard = FUSED[part]
             key = ".".join(parts[:i] + [fused] + parts[i + 1:])
             if key in params:
-                sizes = _shard_sizes(model, fused)
-                start = sum(sizes[:shard])
-                return key, params[key], slice(start, start + sizes[shard])
+                return key, shard
     if name in params:
-        return name, params[name], slice(None)
+        return name, None
     _fail(ValueError, f"checkpoint tensor {name!r}", f"a parameter of "
           f"{model.config.architecture} as config.json describes it", "no such parameter",
           "Is config.json the checkpoint's own?")
@@ -87,24 +110,22 @@ def load_weights(model: CausalLM, model_dir: str) -> None:
                 target = _target(model, params, name)
                 if target is None:
                     continue
-                key, param, rows = target
-                dest = param[rows]
-                tensor = f.get_tensor(name)
-                if tensor.shape != dest.shape:
-                    _fail(ValueError, f"checkpoint tensor {name!r} shape",
-                          tuple(dest.shape), tuple(tensor.shape),
+                key, shard = target
+                module, pname = _owner(model, key)
+                want = _full_shape(module, pname, shard)
+                # A slice object: a parallel layer reads only its rank's rows or columns.
+                tensor = f.get_slice(name)
+                shape = tuple(tensor.get_shape())
+                if shape != want:
+                    _fail(ValueError, f"checkpoint tensor {name!r} shape", want, shape,
                           "The weights do not match config.json")
-                dest.copy_(tensor)
-                loaded.add((key, rows.start))
+                _fill(module, pname, tensor, shard)
+                loaded.add((key, shard))
     expected = set()
     for key, param in model.named_parameters():  # tied weights counted once
-        fused = next((f for f in ("qkv_proj", "gate_up_proj") if f".{f}." in key), None)
-        if fused is None:
-            expected.add((key, None))
-            continue
-        sizes = _shard_sizes(model, fused)
-        expected.update((key, sum(sizes[:i])) for i in range(len(sizes)))
-    missing = sorted(f"{k}[{s}:]" if s is not None else k for k, s in expected - loaded)
+        pieces = len(getattr(_owner(model, key)[0], "output_sizes", ()))
+        expected.update([(key, i) for i in range(pieces)] if pieces > 1 else [(key, None)])
+    missing = sorted(f"{k}[{s}]" if s is not None else k for k, s in expected - loaded)
     if missing:
         _fail(ValueError, "model weights", "a tensor for every parameter",
               f"{len(missing)} missing: {missing[:8]}")
@@ -113,7 +134,8 @@ def load_weights(model: CausalLM, model_dir: str) -> None:
 @torch.no_grad()
 def dummy_init(model: CausalLM, seed: int) -> None:
     """Random weights the way transformers initialises them: normal(0,
-    initializer_range) matrices, unit norm weights, zero biases; seeded."""
+    initializer_range) matrices, unit norm weights, zero biases; seeded. Each matrix is
+    drawn whole (the same on every rank) and each rank keeps its slice."""
     device = next(model.parameters()).device
     gen = torch.Generator(device=device).manual_seed(seed)
     for name, p in model.named_parameters():
@@ -122,13 +144,18 @@ def dummy_init(model: CausalLM, seed: int) -> None:
         elif name.endswith(".bias"):
             p.zero_()
         else:
-            p.normal_(0.0, model.config.initializer_range, generator=gen)
+            module, pname = _owner(model, name)
+            full = torch.empty(_full_shape(module, pname, None), dtype=p.dtype, device=device)
+            _fill(module, pname, full.normal_(0.0, model.config.initializer_range,
+                                              generator=gen))
 
 
 def build_model(config: EngineConfig) -> CausalLM:
     """The model on config's device and dtype, weights loaded (or dummy), in eval mode."""
+    tp = ParallelGroup.for_size(config.tensor_parallel_size)
     with torch.device("meta"):
-        model = CausalLM(config.model_config, config.max_model_len, config.attention_backend)
+        model = CausalLM(config.model_config, config.max_model_len, config.attention_backend,
+                         tp)
     model = model.to(config.torch_dtype).to_empty(device=config.torch_device)
     model.tie_weights()  # to_empty gives each module its own new tensor
     model.rotary.build(config.torch_device)

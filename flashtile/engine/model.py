@@ -7,6 +7,10 @@ dimension: ``input_ids`` and ``positions`` are (num_tokens,), and the step's
 AttentionMetadata says where each sequence starts. q/k/v and gate/up are fused into one
 matmul each; the loader splits Hugging Face's separate tensors into them.
 
+With tensor parallelism (engine/parallel.py, ``tp`` of size > 1) each process holds its
+slice of the heads, of the MLP's intermediate features and of the vocabulary; the
+attention and the KV cache of a rank cover its own heads only.
+
 The numerics follow transformers' modules (RMSNorm in fp32 then cast before the weight
 multiply, rotary tables in fp32), so fp32 logits agree to rounding.
 """
@@ -21,6 +25,8 @@ from torch import nn
 
 from flashtile.engine.attention import Attention, AttentionMetadata
 from flashtile.engine.config import ModelConfig
+from flashtile.engine.parallel import SINGLE, MergedColumnParallelLinear, ParallelGroup, \
+    ParallelLMHead, QKVParallelLinear, RowParallelLinear, VocabParallelEmbedding
 
 
 def _fused_on_cuda(fn):
@@ -126,13 +132,16 @@ class Rotary(nn.Module):
 
 
 class SelfAttention(nn.Module):
-    def __init__(self, config: ModelConfig, backend: str):
+    def __init__(self, config: ModelConfig, backend: str, tp: ParallelGroup = SINGLE):
         super().__init__()
-        h, hkv, d = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+        d = config.head_dim
+        self.qkv_proj = QKVParallelLinear(config.hidden_size, config.num_attention_heads,
+                                          config.num_key_value_heads, d, config.qkv_bias, tp)
+        h, hkv = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads  # this rank's
         self.sizes = [h * d, hkv * d, hkv * d]
         self.heads, self.kv_heads, self.head_dim = h, hkv, d
-        self.qkv_proj = nn.Linear(config.hidden_size, sum(self.sizes), bias=config.qkv_bias)
-        self.o_proj = nn.Linear(h * d, config.hidden_size, bias=False)
+        self.o_proj = RowParallelLinear(config.num_attention_heads * d, config.hidden_size,
+                                        bias=False, tp=tp)
         if config.qk_norm:
             self.q_norm = RMSNorm(d, config.rms_norm_eps)
             self.k_norm = RMSNorm(d, config.rms_norm_eps)
@@ -152,23 +161,24 @@ class SelfAttention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, tp: ParallelGroup = SINGLE):
         super().__init__()
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size,
-                                      bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size,
+                                                       config.intermediate_size, tp)
+        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size,
+                                           bias=False, tp=tp)
 
     def forward(self, x):
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, backend: str):
+    def __init__(self, config: ModelConfig, backend: str, tp: ParallelGroup = SINGLE):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = SelfAttention(config, backend)
+        self.self_attn = SelfAttention(config, backend, tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config)
+        self.mlp = MLP(config, tp)
 
     def forward(self, x, residual, cos, sin, meta):
         """x: the previous layer's output; residual: the stream before it (None at the
@@ -185,24 +195,26 @@ class DecoderLayer(nn.Module):
 class Backbone(nn.Module):
     """Hugging Face's ``model.*`` submodule: embeddings, layers, final norm."""
 
-    def __init__(self, config: ModelConfig, backend: str):
+    def __init__(self, config: ModelConfig, backend: str, tp: ParallelGroup = SINGLE):
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, backend)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
+        self.layers = nn.ModuleList(DecoderLayer(config, backend, tp)
                                     for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
 class CausalLM(nn.Module):
     """Parameter names match the checkpoints' (``model.layers.N.self_attn...``) except the
-    fused ``qkv_proj`` and ``gate_up_proj`` (engine/loader.py maps them)."""
+    fused ``qkv_proj`` and ``gate_up_proj`` (engine/loader.py maps them). tp: the ranks
+    the model is split over (engine/parallel.py); every rank computes the full logits."""
 
-    def __init__(self, config: ModelConfig, max_len: int, backend: str = "flashtile"):
+    def __init__(self, config: ModelConfig, max_len: int, backend: str = "flashtile",
+                 tp: ParallelGroup = SINGLE):
         super().__init__()
-        self.config = config
-        self.model = Backbone(config, backend)
+        self.config, self.tp = config, tp
+        self.model = Backbone(config, backend, tp)
         self.rotary = Rotary(config, max_len)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp)
         self.tie_weights()
 
     def tie_weights(self):

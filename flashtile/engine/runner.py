@@ -112,7 +112,7 @@ class ModelRunner:
         self.num_blocks = self._pool_blocks()
         mc = config.model_config
         shape = (2, mc.num_hidden_layers, self.num_blocks + 1, self.page_size,
-                 mc.num_key_value_heads, mc.head_dim)
+                 self.kv_heads, mc.head_dim)
         # Zeroed: graph padding rows read the scratch block, and sdpa/naive decode multiply
         # the values of masked pool rows by 0 (garbage NaN would survive that).
         self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
@@ -129,9 +129,14 @@ class ModelRunner:
             self._capture_graphs()
 
     # ---- pool -------------------------------------------------------------------------
+    @property
+    def kv_heads(self) -> int:
+        """KV heads of this process (all of them, or its slice under tensor parallelism)."""
+        return self.config.model_config.num_key_value_heads // self.model.tp.size
+
     def block_bytes(self) -> int:
         mc = self.config.model_config
-        return (2 * mc.num_hidden_layers * self.page_size * mc.num_key_value_heads
+        return (2 * mc.num_hidden_layers * self.page_size * self.kv_heads
                 * mc.head_dim * self.dtype.itemsize)
 
     def _pool_blocks(self) -> int:
