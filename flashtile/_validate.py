@@ -247,6 +247,18 @@ def check_attn_mask(attn_mask, batch, nheads, seqlen_q, seqlen_k, device, dtype)
     return expanded
 
 
+def check_prefix_sums(cu, name, total, max_len, max_name):
+    """cu (one host read) must be non-decreasing prefix sums from 0 to total, none of its
+    lengths above max_len: a wrong one would send the kernel outside the tensors."""
+    vals = cu.tolist()
+    diffs = [b - a for a, b in zip(vals, vals[1:])]
+    if vals[0] != 0 or vals[-1] != total or any(x < 0 for x in diffs):
+        _fail(ValueError, name, f"non-decreasing prefix sums from 0 to the packed "
+              f"length {total}", vals if len(vals) <= 8 else f"{vals[:8]}...")
+    if diffs and max(diffs) > max_len:
+        _fail(ValueError, max_name, f">= the longest sequence {max(diffs)}", max_len)
+
+
 def check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
     """Packed q (total_q, h, d), k/v (total_k, hkv, d) and their int32 prefix sums.
 
@@ -275,13 +287,7 @@ def check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
         lengths[name] = cu.numel()
         if torch.compiler.is_compiling():
             continue  # no host read inside a compiled graph: values are the caller's
-        vals = cu.tolist()
-        diffs = [b - a for a, b in zip(vals, vals[1:])]
-        if vals[0] != 0 or vals[-1] != total or any(x < 0 for x in diffs):
-            _fail(ValueError, name, f"non-decreasing prefix sums from 0 to the packed "
-                  f"length {total}", vals if len(vals) <= 8 else f"{vals[:8]}...")
-        if diffs and max(diffs) > max_len:
-            _fail(ValueError, max_name, f">= the longest sequence {max(diffs)}", max_len)
+        check_prefix_sums(cu, name, total, max_len, max_name)
     if lengths["cu_seqlens_q"] != lengths["cu_seqlens_k"]:
         _fail(ValueError, "cu_seqlens_k.shape", f"cu_seqlens_q's ({lengths['cu_seqlens_q']},)",
               f"({lengths['cu_seqlens_k']},)")
@@ -424,14 +430,7 @@ def check_paged_varlen_values(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, bl
     """The indices the paged varlen kernel follows (two host reads): cu_seqlens_q must
     be prefix sums of q's rows, each key length within the sequence's block table row,
     each block index within the pool."""
-    vals = cu_seqlens_q.tolist()
-    diffs = [b - a for a, b in zip(vals, vals[1:])]
-    if vals[0] != 0 or vals[-1] != q.shape[0] or any(x < 0 for x in diffs):
-        _fail(ValueError, "cu_seqlens_q", f"non-decreasing prefix sums from 0 to the packed "
-              f"length {q.shape[0]}", vals if len(vals) <= 8 else f"{vals[:8]}...")
-    if diffs and max(diffs) > max_seqlen_q:
-        _fail(ValueError, "max_seqlen_q", f">= the longest sequence {max(diffs)}",
-              max_seqlen_q)
+    check_prefix_sums(cu_seqlens_q, "cu_seqlens_q", q.shape[0], max_seqlen_q, "max_seqlen_q")
     if seqused_k is not None:
         lengths, name = seqused_k, "seqused_k"
     else:
