@@ -475,9 +475,9 @@ def test_async_scheduling_equals_sync(checkpoint, tmp_path, async_scheduling, mo
     monkeypatch.setattr(Scheduler, "completed", spy)
     gathered, gather = {False: 0, True: 0}, ModelRunner._gather_ids
 
-    def count(self, input_ids, dev64, offset, n):
-        gathered[mode] += n
-        return gather(self, input_ids, dev64, offset, n)
+    def count(self, input_ids, dst, src):
+        gathered[mode] += len(dst)
+        return gather(self, input_ids, dst, src)
 
     monkeypatch.setattr(ModelRunner, "_gather_ids", count)
     for mode in (False, True):

@@ -277,8 +277,7 @@ class ModelRunner:
             max_seqlen_k=max(klens), slot_mapping=slots, cache_seqlens=seqlens,
             block_tables=tables.view(bs, width), is_decode=False, has_context=has_context,
             query_lens=qlens, key_lens=klens, key_slots=key_slots if len(key_slots) else None)
-        if len(dst):
-            ids.index_copy_(0, dst, self._last_tokens.index_select(0, src))
+        self._gather_ids(ids, dst, src)
         return StepInputs(input_ids=ids, positions=pos, meta=meta,
                           logits_indices=logits_indices, sample_rows=sample_rows)
 
@@ -332,7 +331,8 @@ class ModelRunner:
             dev32 = self._to_device(ints, torch.int32)
         tail = rows * (1 + width)
         s = 0 if all_sample else len(sample_rows)
-        self._gather_ids(dev64[:bs], dev64, 3 * rows + s, len(dst))
+        start, n = 3 * rows + s, len(dst)
+        self._gather_ids(dev64[:bs], dev64[start:start + n], dev64[start + n:start + 2 * n])
         meta = AttentionMetadata(
             cu_seqlens_q=dev32[tail:tail + bs + 1],
             cu_seqlens_k=dev32[tail + bs + 1:tail + 2 * bs + 2], max_seqlen_q=1,
@@ -344,12 +344,11 @@ class ModelRunner:
                           logits_indices=None if all_sample else dev64[3 * rows:3 * rows + s],
                           sample_rows=sample_rows, graph_bs=graph_bs)
 
-    def _gather_ids(self, input_ids, dev64, offset: int, n: int):
-        """input_ids[dst] = the last launched step's sampled tokens[src], with dst and src
-        the n-long runs of dev64 from offset: the tokens still in flight, read on the
-        device so that the host never waits for them before launching the next step."""
-        if n:
-            dst, src = dev64[offset:offset + n], dev64[offset + n:offset + 2 * n]
+    def _gather_ids(self, input_ids, dst, src):
+        """input_ids[dst] = the last launched step's sampled tokens[src]: the tokens still
+        in flight, read on the device so that the host never waits for them before
+        launching the next step."""
+        if len(dst):
             input_ids.index_copy_(0, dst, self._last_tokens.index_select(0, src))
 
     def _to_device(self, values: array, dtype: torch.dtype) -> torch.Tensor:
