@@ -299,8 +299,8 @@ def _demo(args) -> int:
     print(f"1. Correct: forward and backward against attention computed in {ref}\n")
     print(CHECK_HEADER, flush=True)
     rows = run_check(device=device, progress=lambda r: print(format_row(r), flush=True))
-    print(f"\nErrors: max |x - ref| of out and dq; tol = 2 x the error of PyTorch's own "
-          f"attention (SDPA math) at the same dtype + a floor.")
+    print("\nErrors: max |x - ref| of out and dq; tol = 2 x the error of PyTorch's own "
+          "attention (SDPA math) at the same dtype + a floor.")
     bad = [r.shape.label() for r in rows if not r.ok]
     if bad:
         print(f"\nFAILED: error over tolerance for {', '.join(bad)}", file=sys.stderr)

@@ -261,13 +261,13 @@ def run_one(args):
     print("RESULT " + json.dumps(res), flush=True)
 
 
-def _row(model, provider, res, roofline, hf_tps):
+def _row(model, provider, res, roofline):
     tps = res["output_tokens"] / res["wall_s"]
     total = (res["output_tokens"] + res["input_tokens"]) / res["wall_s"]
     return dict(model=model, provider=provider, requests=res["requests"],
                 output_tok_s=tps, total_tok_s=total, wall_s=res["wall_s"],
                 peak_gib=res["peak_gib"],
-                vs_hf=tps / hf_tps if hf_tps else None,
+                vs_hf=None,  # set once the model's generate_batch row is known
                 roofline_frac=roofline / res["wall_s"] if res["requests"] else None)
 
 
@@ -380,13 +380,13 @@ def main(argv=None):
                 part_roof = roof if res["requests"] == len(requests) else 0
                 if prov == "hf-generate-batch":
                     hf_tps = res["output_tokens"] / res["wall_s"]
-                row = _row(name, prov, res, part_roof, hf_tps)
+                row = _row(name, prov, res, part_roof)
                 rows.append(row)
+                note = " (under cProfile)" if res.get("profiled") else ""
                 print(f"  {prov}: {row['output_tok_s']:.0f} output tok/s, "
-                      f"{row['wall_s']:.1f} s{' (under cProfile)' if res.get('profiled') else ''}",
-                      flush=True)
+                      f"{row['wall_s']:.1f} s{note}", flush=True)
         for r in rows:
-            if r["model"] == name and hf_tps and not r["provider"].startswith("hf"):
+            if r["model"] == name and hf_tps:
                 r["vs_hf"] = r["output_tok_s"] / hf_tps
     print(markdown(rows))
     with open(args.out, "w") as f:
