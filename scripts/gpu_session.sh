@@ -19,8 +19,9 @@
 #                graphs); the decode step against its read floor           (~7 min)
 #   engine-peers the 1B shape's other rows: eager, sdpa, naive, transformers'
 #                generate and generate_batch (64 requests)                (~9 min)
-#   serve [BACKEND]  flashtile serve (1B shape, dummy weights, attention BACKEND,
-#                default flashtile) and the bench serve rate sweep against it (~6 min)
+#   serve [BACKEND] [KV]  flashtile serve (1B shape, dummy weights, attention BACKEND,
+#                default flashtile, KV pool bytes KV e.g. 4GiB) and the bench serve rate
+#                sweep against it (~6 min; SERVE_PROMPTS, SERVE_RATES, SERVE_TIMEOUT)
 # The host-cost, kernel-span, Nsight Compute and A/B study scripts (and their stages)
 # were retired: docs/benchmarks/NOTES.md section 13 has their findings and commits.
 set -uo pipefail
@@ -134,22 +135,26 @@ case "${1:-}" in
     # Random weights at the 1B shape: the directory needs only config.json.
     mkdir -p /tmp/llama1b && python3 -c "import json; from flashtile.bench.throughput \
 import PRESETS; json.dump(PRESETS['llama-3.2-1b'], open('/tmp/llama1b/config.json', 'w'))"
+    # KV (optional): the pool's bytes, the same for every backend, for the before/after
+    # comparison (default: gpu_memory_utilization 0.9, ~120 GB, more than the load needs).
     python3 -m flashtile serve /tmp/llama1b --load-format dummy --max-model-len 2048 \
-      --attention-backend "${2:-flashtile}" --port 8000 > "$OUT/server.log" 2>&1 &
+      --attention-backend "${2:-flashtile}" ${3:+--kv-cache-memory "$3"} --port 8000 \
+      > "$OUT/server-${2:-flashtile}.log" 2>&1 &
     server=$!
     for _ in $(seq 120); do  # until /health answers (model load, warm-up, graph capture)
       python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:8000/health')" \
         2>/dev/null && break
       sleep 1
     done
-    timeout 330 python3 -m flashtile bench serve --base-url http://127.0.0.1:8000 \
-      --num-prompts 400 --random-input-len 512 --random-output-len 256 \
-      --random-range-ratio 0.5 --sweep-rates 4 16 64 inf --no-progress \
-      --out "$OUT/serve-${2:-flashtile}.json" 2>&1 | tail -14
+    timeout "${SERVE_TIMEOUT:-330}" python3 -m flashtile bench serve \
+      --base-url http://127.0.0.1:8000 --num-prompts "${SERVE_PROMPTS:-400}" \
+      --random-input-len 512 --random-output-len 256 --random-range-ratio 0.5 \
+      --sweep-rates ${SERVE_RATES:-4 16 64 inf} --no-progress \
+      --out "$OUT/serve-${2:-flashtile}${3:+-$3}.json" 2>&1 | tail -14
     kill "$server"
     ;;
   *)
-    echo "usage: $0 check|sweep [SECONDS]|extra|short|decode|splits|pdl|engine|engine-peers|serve [BACKEND]" >&2
+    echo "usage: $0 check|sweep [SECONDS]|extra|short|decode|splits|pdl|engine|engine-peers|serve [BACKEND] [KV]" >&2
     exit 2
     ;;
 esac

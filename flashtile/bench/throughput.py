@@ -110,6 +110,63 @@ def roofline_seconds(cfg, requests, copy_gbs, matmul_tflops, max_num_seqs, dtype
     return seconds
 
 
+def _print_compile(repr, compile, **_):
+    """Triton's post-compile hook: the kernel and its specialisation, one line (Triton
+    3.6's own ``repr`` lists the first argument only): each argument with what Triton
+    specialised it on, D for 16-byte divisible, =value for a constant (an int equal to 1
+    becomes one), which is what a warm-up must reproduce."""
+    signature, configs, constants = (compile[k] for k in ("signature", "configs",
+                                                          "constants"))
+    spec = []
+    for i, (name, ty) in enumerate(signature.items()):
+        if ty == "constexpr":
+            spec.append(f"{name}={constants.get((i,))}")
+        else:
+            divisible = any(a[0] == "tt.divisibility" for a in configs[0].get((i,), ()))
+            spec.append(f"{name}:{ty}{':D' if divisible else ''}")
+    print(f"compiling (Triton) {repr.split('(')[0]}({', '.join(spec)})", file=sys.stderr,
+          flush=True)
+
+
+class _StepTrace:
+    """Where a run's time goes, without slowing it: CUDA events before and after each
+    launched step (no host wait), read once the run is over. A step's GPU span runs from
+    its first event to its last; the gap before it is time the GPU waited for the host.
+    Steps are grouped by kind: pure decode of B sequences (by B's power of two) or a step
+    with prompt tokens."""
+
+    def __init__(self, runner):
+        import torch
+        self.steps, self._launch = [], runner.launch
+
+        def launch(scheduled):
+            start = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)
+            t0 = time.perf_counter()
+            start.record()
+            step = self._launch(scheduled)
+            end.record()
+            tokens = sum(n for _, n in scheduled)
+            self.steps.append((len(scheduled), tokens, start, end,
+                               time.perf_counter() - t0))
+            return step
+        runner.launch = launch
+
+    def summary(self) -> dict:
+        kinds = {}
+        prev_end = None
+        for bs, tokens, start, end, host in self.steps:
+            kind = (f"decode<={1 << (bs - 1).bit_length()}" if tokens == bs
+                    else "with prompt tokens")
+            k = kinds.setdefault(kind, dict(steps=0, gpu_ms=0.0, idle_ms=0.0, launch_ms=0.0))
+            k["steps"] += 1
+            k["gpu_ms"] += start.elapsed_time(end)
+            k["idle_ms"] += max(prev_end.elapsed_time(start), 0.0) if prev_end else 0.0
+            k["launch_ms"] += 1e3 * host
+            prev_end = end
+        return kinds
+
+
 def _engine(args, cfg, requests, backend, eager):
     from flashtile.engine import LLM, SamplingParams
     import torch
@@ -127,14 +184,14 @@ def _engine(args, cfg, requests, backend, eager):
     logging.basicConfig(format="%(name)s %(levelname)s: %(message)s")
     logging.getLogger("flashtile").setLevel(logging.INFO)
     import triton
-    triton.knobs.runtime.jit_post_compile_hook = lambda repr, **_: print(
-        f"compiling (Triton) {repr}", file=sys.stderr, flush=True)
+    triton.knobs.runtime.jit_post_compile_hook = _print_compile
     print("TIMED RUN STARTS", file=sys.stderr, flush=True)
     profiler = None
     if args.profile:  # the run's numbers then include cProfile's overhead: marked profiled
         import cProfile
         profiler = cProfile.Profile()
         profiler.enable()
+    trace = _StepTrace(llm.runner) if args.trace else None
     start = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     torch.cuda.synchronize()
@@ -146,7 +203,8 @@ def _engine(args, cfg, requests, backend, eager):
             pstats.Stats(profiler, stream=f).sort_stats("tottime").print_stats(40)
     produced = sum(len(o.outputs[0].token_ids) for o in outs)
     return dict(wall_s=wall, output_tokens=produced, profiled=bool(args.profile),
-                peak_gib=torch.cuda.max_memory_allocated() / 2**30)
+                peak_gib=torch.cuda.max_memory_allocated() / 2**30,
+                trace=trace.summary() if trace else None)
 
 
 def _decode_steps(args, cfg):
@@ -300,7 +358,13 @@ def _child(args, argv, provider, model_dir):
     if not found:
         print(f"  {provider}: failed\n{proc.stderr[-2000:]}", flush=True)
         return None
-    return json.loads(found[-1][7:])
+    result = json.loads(found[-1][7:])
+    for kind, k in sorted(((result.get("trace") if isinstance(result, dict) else None)
+                           or {}).items()):
+        print(f"  {provider}: {kind}: {k['steps']} steps, GPU {k['gpu_ms']:.0f} ms "
+              f"({k['gpu_ms'] / k['steps']:.2f}/step), GPU idle before them "
+              f"{k['idle_ms']:.0f} ms, host launch {k['launch_ms']:.0f} ms", flush=True)
+    return result
 
 
 def _decode_step_table(args, argv):
@@ -352,6 +416,9 @@ def main(argv=None):
     p.add_argument("--out", default="throughput.json")
     p.add_argument("--profile", metavar="PREFIX",
                    help="cProfile each engine run into PREFIX-PROVIDER.txt")
+    p.add_argument("--trace", action="store_true",
+                   help="CUDA events around each engine step: GPU time, GPU idle time and "
+                        "host launch time by step kind (decode by batch size, prompt)")
     p.add_argument("--one", help=argparse.SUPPRESS)
     p.add_argument("--model-dir", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
