@@ -9,7 +9,6 @@ or ``flash_attn_with_kvcache`` (decoding).
 
 from __future__ import annotations
 
-import math
 import numbers
 
 import torch
@@ -99,7 +98,8 @@ class Attention(nn.Module):
         V.check_float(softcap, "softcap", minimum=0.0)
         V.check_softmax_scale(softmax_scale)
         V.check_float(rope_theta, "rope_theta", minimum=1.0)
-        self.embed_dim, self.num_heads, self.num_kv_heads = embed_dim, num_heads, num_kv_heads
+        self.embed_dim, self.num_heads = embed_dim, num_heads
+        self.num_kv_heads = num_kv_heads
         self.head_dim, self.causal, self.softcap = head_dim, causal, float(softcap)
         self.softmax_scale = softmax_scale
         self.rotary_dim, self.rope_theta = rotary_dim, float(rope_theta)
@@ -154,8 +154,9 @@ class Attention(nn.Module):
                 cache_seqlens=None, block_table=None):
         rank = 2 if cu_seqlens is not None else 3
         if not isinstance(x, torch.Tensor) or x.dim() != rank:
-            V._fail(ValueError, "x", "(total, embed_dim) with cu_seqlens" if rank == 2
-                    else "(batch, seqlen, embed_dim)", getattr(x, "shape", type(x).__name__))
+            expected = "(total, embed_dim) with cu_seqlens" if rank == 2 else \
+                "(batch, seqlen, embed_dim)"
+            V._fail(ValueError, "x", expected, getattr(x, "shape", type(x).__name__))
         if x.shape[-1] != self.embed_dim:
             V._fail(ValueError, "x.shape[-1]", f"embed_dim={self.embed_dim}", x.shape[-1])
         if kv_cache is not None:
@@ -171,8 +172,10 @@ class Attention(nn.Module):
                 V._fail(ValueError, "cu_seqlens", "an int32 tensor (batch + 1,)",
                         getattr(cu_seqlens, "shape", type(cu_seqlens).__name__))
             tokens = torch.arange(x.shape[0], device=x.device, dtype=cu_seqlens.dtype)
+            # Sequence of each token; a zero-length sequence owns none (right=True).
             seq = torch.searchsorted(cu_seqlens[1:], tokens, right=True)
-            q, k, v = self._qkv(x, tokens - cu_seqlens[seq.clamp(max=cu_seqlens.numel() - 2)])
+            starts = cu_seqlens[seq.clamp(max=cu_seqlens.numel() - 2)]
+            q, k, v = self._qkv(x, tokens - starts)
             out = flash_attn_varlen_func(q, k, v, cu_seqlens, cu_seqlens, max_seqlen,
                                          max_seqlen, **self._options())
         else:
@@ -199,7 +202,8 @@ class Attention(nn.Module):
             V._fail(ValueError, "cache_seqlens", "an int or an int32 tensor (batch,) with "
                     "kv_cache", None)
         batch, seqlen = x.shape[:2]
-        if isinstance(cache_seqlens, numbers.Integral) and not isinstance(cache_seqlens, bool):
+        if isinstance(cache_seqlens, numbers.Integral) and \
+                not isinstance(cache_seqlens, bool):
             cache_seqlens = torch.full((batch,), int(cache_seqlens), dtype=torch.int32,
                                        device=x.device)
         if not isinstance(cache_seqlens, torch.Tensor):

@@ -25,8 +25,8 @@ def _project(query, key, value, m, shared):
     e = m.embed_dim
     if not m._qkv_same_embed_dim:
         b = (None,) * 3 if m.in_proj_bias is None else m.in_proj_bias.chunk(3)
-        return (F.linear(query, m.q_proj_weight, b[0]), F.linear(key, m.k_proj_weight, b[1]),
-                F.linear(value, m.v_proj_weight, b[2]))
+        ws = (m.q_proj_weight, m.k_proj_weight, m.v_proj_weight)
+        return tuple(F.linear(x, wi, bi) for x, wi, bi in zip((query, key, value), ws, b))
     w, b = m.in_proj_weight, m.in_proj_bias
     if shared == "qkv":
         return F.linear(query, w, b).unflatten(-1, (3, e)).unbind(-2)
@@ -160,7 +160,7 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
             if not isinstance(x, torch.Tensor):
                 V._fail(TypeError, name, "a torch.Tensor", type(x).__name__)
         batched = query.dim() == 3
-        if query.dim() not in (2, 3) or key.dim() != query.dim() or value.dim() != key.dim():
+        if query.dim() not in (2, 3) or not query.dim() == key.dim() == value.dim():
             V._fail(ValueError, "query/key/value rank", "3 (batched) or 2 (unbatched) for "
                     "all three", (query.dim(), key.dim(), value.dim()))
         for x, name, dim in ((query, "query", self.embed_dim), (key, "key", self.kdim),
