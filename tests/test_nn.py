@@ -212,7 +212,7 @@ def test_mha_argument_errors(device):
         m(x, x, x, attn_mask=torch.zeros(3, 4, device=device))
     with pytest.raises(ValueError, match=r"key_padding_mask.shape: expected \(batch, S\)"):
         m(x, x, x, key_padding_mask=torch.zeros(2, 5, dtype=torch.bool, device=device))
-    with pytest.raises(ValueError, match="query.shape\\[-1\\]: expected 8, got 6"):
+    with pytest.raises(ValueError, match=r"query.shape\[-1\]: expected embed_dim=8, got 6"):
         m(x[..., :6], x, x)
     with pytest.raises(TypeError, match="need_weights: expected a bool"):
         m(x, x, x, need_weights="no")

@@ -199,7 +199,7 @@ def test_dropout_falls_back_with_one_log_line(flashtile_calls, caplog, device):
 
 
 @pytest.mark.parametrize("case", ["float64", "value_head_dim", "5d", "mask_dtype",
-                                  "unknown_kwarg"])
+                                  "mask_shape", "unknown_kwarg"])
 def test_unsupported_arguments_fall_back(case, flashtile_calls, caplog, device):
     q = torch.randn(2, 3, 5, 8, device=device)
     k, v = torch.randn_like(q), torch.randn_like(q)
@@ -212,13 +212,15 @@ def test_unsupported_arguments_fall_back(case, flashtile_calls, caplog, device):
         q, k, v = q[None], k[None], v[None]
     elif case == "mask_dtype":
         kw["attn_mask"] = torch.zeros(5, 5, dtype=torch.float64, device=device)
+    elif case == "mask_shape":
+        kw["attn_mask"] = torch.zeros(4, 5, dtype=torch.bool, device=device)
     else:
         kw["future_argument"] = 1
     with caplog.at_level(logging.WARNING, logger="flashtile"), flashtile.sdpa_override():
         if case == "unknown_kwarg":  # PyTorch's function gives its own error
             with pytest.raises(TypeError):
                 F.scaled_dot_product_attention(q, k, v, **kw)
-        elif case == "mask_dtype":   # PyTorch's error for a float64 mask on fp32 q
+        elif case.startswith("mask"):  # PyTorch's errors for these masks
             with pytest.raises(RuntimeError):
                 F.scaled_dot_product_attention(q, k, v, **kw)
         else:

@@ -163,10 +163,11 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
         if query.dim() not in (2, 3) or not query.dim() == key.dim() == value.dim():
             V._fail(ValueError, "query/key/value rank", "3 (batched) or 2 (unbatched) for "
                     "all three", (query.dim(), key.dim(), value.dim()))
-        for x, name, dim in ((query, "query", self.embed_dim), (key, "key", self.kdim),
-                             (value, "value", self.vdim)):
-            if x.shape[-1] != dim:
-                V._fail(ValueError, f"{name}.shape[-1]", dim, x.shape[-1])
+        for x, name, dim in ((query, "query", "embed_dim"), (key, "key", "kdim"),
+                             (value, "value", "vdim")):
+            if x.shape[-1] != getattr(self, dim):
+                V._fail(ValueError, f"{name}.shape[-1]", f"{dim}={getattr(self, dim)}",
+                        x.shape[-1])
         # Read before unsqueeze makes new tensor objects.
         shared = "qkv" if query is key and key is value else "kv" if key is value else ""
         if not batched:
