@@ -13,6 +13,8 @@ from flashtile.interface import (
     scaled_dot_product_attention,
 )
 from flashtile.merge import merge_attention_states
+from flashtile.sdpa_routing import sdpa_override
+from flashtile import nn  # noqa: F401  (flashtile.nn.MultiheadAttention, .Attention)
 
 __version__ = "0.1.0"
 __all__ = [
@@ -25,6 +27,7 @@ __all__ = [
     "flash_attn_with_kvcache",
     "merge_attention_states",
     "scaled_dot_product_attention",
+    "sdpa_override",
 ]
 
 logging.getLogger("flashtile").addHandler(logging.NullHandler())

@@ -94,9 +94,14 @@ def apply_rotary(x, cos, sin, positions, interleaved):
     cos/sin (seqlen_ro, rotary_dim / 2). interleaved=True rotates pairs (0, 1), (2, 3)...
     (GPT-J); False rotates the two halves (GPT-NeoX). Computed in fp32.
     """
-    rd = cos.shape[1] * 2
-    c = cos[positions].float()[:, :, None, :]                          # (b, s, 1, rd/2)
-    s = sin[positions].float()[:, :, None, :]
+    return rotate(x, cos[positions], sin[positions], interleaved)
+
+
+def rotate(x, cos, sin, interleaved):
+    """apply_rotary with the angles already per token: cos/sin (b, s, rotary_dim / 2)."""
+    rd = cos.shape[-1] * 2
+    c = cos.float()[:, :, None, :]                                     # (b, s, 1, rd/2)
+    s = sin.float()[:, :, None, :]
     xr = x[..., :rd].float()
     if interleaved:
         x1, x2 = xr[..., 0::2], xr[..., 1::2]
