@@ -31,10 +31,11 @@ def _generate(llm, prompts, params):
     return [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
 
 
-def test_cuda_graph_decode_equals_eager(checkpoint, monkeypatch):
+@pytest.mark.parametrize("backend", ["flashtile", "sdpa", "naive"])
+def test_cuda_graph_decode_equals_eager(checkpoint, monkeypatch, backend):
     path, _ = checkpoint
     kw = dict(dtype="float32", device="cuda", max_model_len=128, max_num_seqs=8,
-              kv_cache_memory=2**28)
+              kv_cache_memory=2**28, attention_backend=backend)
     # Batch 3 replays the graph of 4 (one padding row), then 2 and 1 as requests end.
     params = [SamplingParams(temperature=0, max_tokens=n, logprobs=0, ignore_eos=True)
               for n in (24, 12, 6)]

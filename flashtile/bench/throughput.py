@@ -13,7 +13,8 @@ memory, and CUDA graphs keep their memory pool): the parent writes the model's c
 Providers:
     engine-flashtile-graphs   the engine, flashtile attention, decode in CUDA graphs
     engine-flashtile-eager    the same with enforce_eager=True
-    engine-sdpa, engine-naive the same engine with torch SDPA / plain softmax attention (eager)
+    engine-sdpa, engine-naive the same engine (CUDA graphs) with torch SDPA / plain softmax
+                              attention over each sequence's max_model_len keys, masked
     hf-generate               transformers ``generate`` in static batches (sdpa, left padding)
     hf-generate-batch         transformers continuous batching (``generate_batch``)
 
@@ -312,7 +313,7 @@ def run_one(args):
         res = _hf(args, cfg, requests, batched=p == "hf-generate-batch")
     else:
         backend = {"engine-naive": "naive", "engine-sdpa": "sdpa"}.get(p, "flashtile")
-        res = _engine(args, cfg, requests, backend, eager=p != "engine-flashtile-graphs")
+        res = _engine(args, cfg, requests, backend, eager=p == "engine-flashtile-eager")
         res["requests"] = len(requests)
     n = res["requests"]
     res["input_tokens"] = sum(len(q) for q, _ in requests[:n])

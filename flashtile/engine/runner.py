@@ -15,8 +15,9 @@ in use and that peak; on CPU (or when given), kv_cache_memory bytes. Then ``warm
 runs every kind of step once (fresh prefill, paged prefill beside decodes, decode), so
 that no kernel compiles while serving.
 
-CUDA graphs (flashtile backend; sdpa and naive run eagerly, since their decode gathers
-every sequence's pages padded to the captured max_model_len width): pure decode steps
+CUDA graphs (every backend unless enforce_eager; a captured sdpa or naive decode attends
+over the block table's whole max_model_len width, masked, as a static cache does, where an
+eager one stops at the step's longest sequence): pure decode steps
 (one new token per sequence) replay a graph captured for the next batch size up in 1, 2,
 4, 8, ... max_num_seqs, largest first, all in one memory pool. Each graph reads two
 static buffers (int64 and int32) that a decode step's inputs are built into on the host,
@@ -121,8 +122,7 @@ class ModelRunner:
         self.scratch_block = self.num_blocks
         self.graphs, self.static, self._graph_list = {}, {}, []
         self._last_tokens = None
-        use_graphs = self.device.type == "cuda" and not config.enforce_eager \
-            and config.attention_backend == "flashtile"
+        use_graphs = self.device.type == "cuda" and not config.enforce_eager
         if self.device.type == "cuda":
             self.warm_up(decode=not use_graphs)
         if use_graphs:
