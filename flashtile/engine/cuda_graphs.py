@@ -35,7 +35,7 @@ class CudaGraphsMixin:
         return sizes + [self.config.max_num_seqs]
 
     def _static_inputs(self, bs: int):
-        """The static inputs of batch size bs's graph, laid out as _prepare_decode builds
+        """The static inputs of batch size bs's graph, laid out as _host_decode builds
         a step's: int64 (input ids | positions | slots | room for the sampled rows and
         the in-flight tokens' gather indices) and
         int32 (cache_seqlens | block tables | room for cu_seqlens), kept in self.static.

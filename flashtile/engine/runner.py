@@ -4,13 +4,15 @@
 runs the forward, computes logits only for the sequences that reach their last token this
 step, samples them with the Sampler and queues the copy of the sampled ids to the host;
 ``wait`` reads them, the step's one host read. Pure decode steps replay CUDA graphs
-(cuda_graphs.py).
+(cuda_graphs.py). Under tensor parallelism every rank has a ModelRunner over its slice of
+the model (workers.py): rank 0 launches each step and the others ``follow`` it.
 
 Pool size: on CUDA, one warm-up forward at max_num_batched_tokens measures the peak
 activation memory, and the pool gets gpu_memory_utilization of the device minus what is
-in use and that peak; on CPU (or when given), kv_cache_memory bytes. Then ``warm_up``
-runs every kind of step once (fresh prefill, paged prefill beside decodes, decode), so
-that no kernel compiles while serving.
+in use and that peak; on CPU (or when given), kv_cache_memory bytes; under tensor
+parallelism the smallest rank's figure, on every rank. Then ``warm_up`` runs every kind
+of step once (fresh prefill, paged prefill beside decodes, decode), so that no kernel
+compiles while serving.
 """
 
 from __future__ import annotations
@@ -28,7 +30,8 @@ from flashtile.engine.cuda_graphs import CudaGraphsMixin
 from flashtile.engine.loader import build_model
 from flashtile.engine.sampler import Sampler, SamplingTensors
 from flashtile.engine.sequence import Sequence
-from flashtile.engine.step_inputs import StepInputs, StepInputsMixin, _round_up
+from flashtile.engine.step_inputs import HostStep, StepInputs, StepInputsMixin, \
+    _round_up
 
 log = logging.getLogger("flashtile.engine")
 GiB = 2**30
@@ -95,12 +98,15 @@ class ModelRunner(StepInputsMixin, CudaGraphsMixin):
             # More than max_num_seqs full-length sequences could use is never touched.
             budget = min(CPU_DEFAULT_KV_BYTES,
                          cfg.max_num_seqs * need * self.block_bytes())
-        blocks = int(budget // self.block_bytes())
+        # Under tensor parallelism every rank takes the smallest rank's budget, so that a
+        # block id names the same pages on every rank (block_bytes is the same on all).
+        budget = self.model.tp.min(int(budget), self.device)
+        blocks = budget // self.block_bytes()
         if blocks < need:
             _fail(ValueError, "KV pool", f">= {need} pages of {self.page_size} tokens "
                   f"(one max_model_len={cfg.max_model_len} sequence, "
                   f"{need * self.block_bytes()} bytes)",
-                  f"{blocks} pages ({int(budget)} bytes)",
+                  f"{blocks} pages ({budget} bytes)",
                   "Raise kv_cache_memory / gpu_memory_utilization or lower max_model_len")
         log.info("KV pool: %d pages of %d tokens (%.2f GiB)", blocks, self.page_size,
                  blocks * self.block_bytes() / GiB)
@@ -177,11 +183,15 @@ class ModelRunner(StepInputsMixin, CudaGraphsMixin):
             hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
         return hidden if inputs.logits_indices is None else hidden[inputs.logits_indices]
 
-    @torch.inference_mode()
     def launch(self, scheduled) -> LaunchedStep:
         """Queue one step: inputs, forward, sampling, and on CUDA the copy of the sampled
         tokens to pinned host memory, without waiting for any of it (``wait`` does)."""
-        inputs = self.prepare(scheduled)
+        return self.run(self.prepare(scheduled), scheduled)
+
+    @torch.inference_mode()
+    def run(self, inputs: StepInputs, scheduled) -> LaunchedStep:
+        """launch's work after prepare. Under tensor parallelism ``follow`` is the other
+        ranks' side of it: the same collectives, in the same order."""
         seqs = [scheduled[b][0] for b in inputs.sample_rows]
         if not seqs:
             self.forward(inputs)
@@ -191,6 +201,8 @@ class ModelRunner(StepInputsMixin, CudaGraphsMixin):
                                             self.config.model_config.vocab_size)
         logits = self.model.compute_logits(self.forward(inputs)).float()
         tokens, logprobs = self.sampler(logits, tensors)
+        if self.model.tp.size > 1 and self.config.async_scheduling:
+            self.model.tp.broadcast(tokens)  # the other ranks' next step may read them
         self._last_tokens = tokens  # the next step's in-flight input ids come from here
         done = None
         if self.device.type == "cuda":
@@ -202,17 +214,35 @@ class ModelRunner(StepInputsMixin, CudaGraphsMixin):
             done.record()
         return LaunchedStep(seqs, tokens, logprobs, done, tensors.token_ids is not None)
 
+    @torch.inference_mode()
+    def follow(self, host: HostStep):
+        """A step that rank 0 launched, on another rank of a tensor-parallel group: the
+        same forward over this rank's slice of the model, the LM head's all_gather of the
+        rows that sample, and, with asynchronous scheduling, the sampled tokens
+        broadcast by rank 0, which the next step's in-flight input ids are read from."""
+        inputs = self.upload(host)
+        hidden = self.forward(inputs)
+        self._last_tokens = None
+        if inputs.sample_rows:
+            self.model.compute_logits(hidden)
+            if self.config.async_scheduling:
+                self._last_tokens = self.model.tp.broadcast(torch.empty(
+                    len(inputs.sample_rows), dtype=torch.int64, device=self.device))
+
     def execute(self, scheduled) -> tuple[list, list[int], list[float]]:
         """Run one step synchronously. Returns (sequences that sampled, their token ids,
         logprobs); changes no sequence (the scheduler records steps)."""
         step = self.launch(scheduled)
         return (step.seqs, *self.wait(step))
 
-    @staticmethod
-    def wait(step: LaunchedStep) -> tuple[list[int], list[float]]:
+    def wait(self, step: LaunchedStep) -> tuple[list[int], list[float]]:
         """A launched step's sampled token ids and logprobs on the host, once done."""
         if not step.seqs:
             return [], []
         if step.done is not None:
             step.done.synchronize()
         return step.tokens.tolist(), step.logprobs.tolist()
+
+    def shutdown(self):
+        """Release what outlives this object: nothing in one process (the pool and the
+        graphs go with it); the worker processes under tensor parallelism (workers.py)."""

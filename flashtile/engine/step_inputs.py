@@ -1,11 +1,12 @@
 """A step's inputs: the packed index buffers and the AttentionMetadata every layer reads.
 
 Per step the scheduler hands over (sequence, number of new tokens) pairs. ``prepare``
-builds the packed inputs and the AttentionMetadata once, on the host, as flat lists of
-ints packed into one int64 and one int32 buffer (pinned memory on CUDA, copied without
-blocking). Input tokens still in flight (placeholders, see sequence.py) are gathered on
-the device from the last launched step's sampled ids, so a step can be launched before
-the previous one's tokens reach the host (asynchronous scheduling, llm.py).
+builds the step once, on the host, as flat lists of ints packed into one int64 and one
+int32 buffer (a HostStep), and ``upload`` copies them to the device (pinned memory on
+CUDA, without blocking) and makes the AttentionMetadata. Input tokens still in flight
+(placeholders, see sequence.py) are gathered on the device from the last launched step's
+sampled ids, so a step can be launched before the previous one's tokens reach the host
+(asynchronous scheduling, llm.py).
 
 A pure decode step (one new token per sequence) is laid out as the CUDA graphs' static
 inputs (cuda_graphs.py), padded to the graph's batch size, so that a replay takes them
@@ -25,6 +26,30 @@ from flashtile.engine.attention import AttentionMetadata
 
 
 @dataclass
+class HostStep:
+    """One step's inputs on the host: each index tensor a run of one int64 or one int32
+    buffer, and the host values of its metadata. ``upload`` makes the device inputs from
+    it; under tensor parallelism rank 0 sends it to the other ranks, which upload the
+    same (engine/workers.py)."""
+
+    longs: array         # int64 runs: input_ids, positions, slot_mapping, logits_indices,
+    #                      key_slots, and the in-flight tokens' dst/src gather indices
+    ints: array          # int32 runs: cu_seqlens_q/k, cache_seqlens, block_tables
+    o64: dict            # run name -> (offset, length) in longs; logits_indices and
+    #                      key_slots absent when None
+    o32: dict            # run name -> (offset, length) in ints
+    batch: int           # sequences in the step
+    width: int           # block table columns
+    max_seqlen_q: int
+    is_decode: bool
+    has_context: bool
+    query_lens: list
+    key_lens: list
+    sample_rows: list    # indices into the step's sequences that sample
+    graph_bs: Optional[int] = None  # a decode step replayed in this batch size's graph
+
+
+@dataclass
 class StepInputs:
     input_ids: torch.Tensor      # (T,) int64
     positions: torch.Tensor      # (T,) int64
@@ -32,6 +57,7 @@ class StepInputs:
     logits_indices: Optional[torch.Tensor]  # (S,) rows of the hidden states to sample
     #                                         from; None: every row, in order
     sample_rows: list            # indices into the step's sequences that sample
+    host: HostStep               # what these were made from
     graph_bs: Optional[int] = None  # a decode step replayed in this batch size's graph
 
 
@@ -71,7 +97,6 @@ class StepInputsMixin:
     scratch_block, _graph_list and _last_tokens, and writes decode steps into the graphs'
     static inputs (CudaGraphsMixin._to_graph_inputs)."""
 
-    @torch.inference_mode()  # decode steps write into the graphs' static (inference) inputs
     def prepare(self, scheduled) -> StepInputs:
         """Inputs of one step; scheduled: [(sequence, new tokens)] in batch order.
 
@@ -79,10 +104,38 @@ class StepInputsMixin:
         256): everything is built as flat Python lists of ints, packed into one int64 and
         one int32 buffer, and moved in one copy each.
         """
-        bs = len(scheduled)
         if all(n == 1 for _, n in scheduled):
-            return self._prepare_decode(scheduled)
-        ps = self.page_size
+            return self.upload(self._host_decode(scheduled))
+        return self.upload(self._host_prefill(scheduled))
+
+    @torch.inference_mode()  # decode steps write into the graphs' static (inference) inputs
+    def upload(self, host: HostStep) -> StepInputs:
+        """A step's device inputs from its host buffers: one copy each (into the static
+        inputs of its CUDA graph for a replayed decode step), views of them, and the
+        tokens still in flight gathered on the device."""
+        if host.graph_bs is not None:
+            dev64, dev32 = self._to_graph_inputs(host.longs, host.ints, host.graph_bs)
+        else:
+            dev64 = self._to_device(host.longs, torch.int64)
+            dev32 = self._to_device(host.ints, torch.int32)
+        t = {name: dev64[o:o + n] for name, (o, n) in host.o64.items()}
+        t.update((name, dev32[o:o + n]) for name, (o, n) in host.o32.items())
+        self._gather_ids(t["input_ids"], t["dst"], t["src"])
+        meta = AttentionMetadata(
+            cu_seqlens_q=t["cu_seqlens_q"], cu_seqlens_k=t["cu_seqlens_k"],
+            max_seqlen_q=host.max_seqlen_q, max_seqlen_k=max(host.key_lens),
+            slot_mapping=t["slot_mapping"], cache_seqlens=t["cache_seqlens"],
+            block_tables=t["block_tables"].view(-1, host.width)[:host.batch],
+            is_decode=host.is_decode, has_context=host.has_context,
+            query_lens=host.query_lens, key_lens=host.key_lens, key_slots=t.get("key_slots"))
+        return StepInputs(input_ids=t["input_ids"], positions=t["positions"], meta=meta,
+                          logits_indices=t.get("logits_indices"),
+                          sample_rows=host.sample_rows, host=host, graph_bs=host.graph_bs)
+
+    def _host_prefill(self, scheduled) -> HostStep:
+        """A step with some sequence computing more than one token: every run packed at a
+        16-byte offset (see _packed)."""
+        bs, ps = len(scheduled), self.page_size
         # Widths and max_seqlen_q rounded up to 16: Triton specialises int arguments on
         # divisibility by 16, so this keeps one compiled variant of the varlen kernel.
         width = _round_up(max(len(seq.block_table) for seq, _ in scheduled), 16)
@@ -116,23 +169,21 @@ class StepInputsMixin:
         longs, o64 = _packed((ids, pos, slots, logits_indices, key_slots, dst, src), "q")
         ints, o32 = _packed((itertools.accumulate(qlens, initial=0),
                              itertools.accumulate(klens, initial=0), klens, tables), "i")
-        dev64, dev32 = self._to_device(longs, torch.int64), self._to_device(ints, torch.int32)
-        ids, pos, slots, logits_indices, key_slots, dst, src = (
-            dev64[o:o + n] for o, n in o64)
-        cu_q, cu_k, seqlens, tables = (dev32[o:o + n] for o, n in o32)
-        meta = AttentionMetadata(
-            cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=_round_up(max(qlens), 16),
-            max_seqlen_k=max(klens), slot_mapping=slots, cache_seqlens=seqlens,
-            block_tables=tables.view(bs, width), is_decode=False, has_context=has_context,
-            query_lens=qlens, key_lens=klens, key_slots=key_slots if len(key_slots) else None)
-        self._gather_ids(ids, dst, src)
-        return StepInputs(input_ids=ids, positions=pos, meta=meta,
-                          logits_indices=logits_indices, sample_rows=sample_rows)
+        o64 = dict(zip(("input_ids", "positions", "slot_mapping", "logits_indices",
+                        "key_slots", "dst", "src"), o64))
+        if not key_slots:
+            del o64["key_slots"]
+        o32 = dict(zip(("cu_seqlens_q", "cu_seqlens_k", "cache_seqlens", "block_tables"),
+                       o32))
+        return HostStep(longs, ints, o64, o32, batch=bs, width=width,
+                        max_seqlen_q=_round_up(max(qlens), 16), is_decode=False,
+                        has_context=has_context, query_lens=qlens, key_lens=klens,
+                        sample_rows=sample_rows)
 
-    def _prepare_decode(self, scheduled) -> StepInputs:
-        """prepare() for a step of one new token per sequence (the common case). Laid out
-        as the CUDA graphs' static inputs, padded to the graph's batch size, so that a
-        replay takes them in two copies."""
+    def _host_decode(self, scheduled) -> HostStep:
+        """A step of one new token per sequence (the common case), laid out as the CUDA
+        graphs' static inputs, padded to the graph's batch size, so that a replay takes
+        them in two copies."""
         bs, ps = len(scheduled), self.page_size
         graph_bs = next((g for g in self._graph_list if g >= bs), None)
         if graph_bs is None:
@@ -172,25 +223,17 @@ class StepInputsMixin:
         ints += array("i", tables + pad * extra)
         ints += array("i", range(bs + 1))
         ints += array("i", itertools.accumulate(seqlens, initial=0))
-        if graph_bs is not None:
-            dev64, dev32 = self._to_graph_inputs(longs, ints, graph_bs)
-        else:
-            dev64 = self._to_device(longs, torch.int64)
-            dev32 = self._to_device(ints, torch.int32)
-        tail = rows * (1 + width)
         s = 0 if all_sample else len(sample_rows)
-        start, n = 3 * rows + s, len(dst)
-        self._gather_ids(dev64[:bs], dev64[start:start + n], dev64[start + n:start + 2 * n])
-        meta = AttentionMetadata(
-            cu_seqlens_q=dev32[tail:tail + bs + 1],
-            cu_seqlens_k=dev32[tail + bs + 1:tail + 2 * bs + 2], max_seqlen_q=1,
-            max_seqlen_k=max(seqlens), slot_mapping=dev64[2 * rows:2 * rows + bs],
-            cache_seqlens=dev32[:bs], block_tables=dev32[rows:tail].view(rows, width)[:bs],
-            is_decode=True, has_context=max(seqlens) > 1, query_lens=[1] * bs,
-            key_lens=seqlens)
-        return StepInputs(input_ids=dev64[:bs], positions=dev64[rows:rows + bs], meta=meta,
-                          logits_indices=None if all_sample else dev64[3 * rows:3 * rows + s],
-                          sample_rows=sample_rows, graph_bs=graph_bs)
+        start, n, tail = 3 * rows + s, len(dst), rows * (1 + width)
+        o64 = dict(input_ids=(0, bs), positions=(rows, bs), slot_mapping=(2 * rows, bs),
+                   dst=(start, n), src=(start + n, n))
+        if not all_sample:
+            o64["logits_indices"] = (3 * rows, s)
+        o32 = dict(cache_seqlens=(0, bs), block_tables=(rows, rows * width),
+                   cu_seqlens_q=(tail, bs + 1), cu_seqlens_k=(tail + bs + 1, bs + 1))
+        return HostStep(longs, ints, o64, o32, batch=bs, width=width, max_seqlen_q=1,
+                        is_decode=True, has_context=max(seqlens) > 1, query_lens=[1] * bs,
+                        key_lens=seqlens, sample_rows=sample_rows, graph_bs=graph_bs)
 
     def _gather_ids(self, input_ids, dst, src):
         """input_ids[dst] = the last launched step's sampled tokens[src]: the tokens still
