@@ -6,16 +6,17 @@ transformers checkpoint (GQA, qkv bias, tied embeddings over a vocabulary that d
 split evenly, Qwen3's q/k norms in a sharded checkpoint) or dummy weights, and runs a
 packed prefill with a chunked prompt, a step mixing decodes with the chunk's rest (paged
 prefill), and a pure decode step over its half of the KV pool. Every rank's logits must
-equal the single-process model's (fp32, 1e-5).
+equal the single-process model's (fp32, 1e-5). The checks of tensor_parallel_size are
+here; LLM's multi-process driver is tested in test_engine_tp_driver.py.
 """
 
 from __future__ import annotations
-
 
 import pytest
 import torch
 import torch.distributed as dist
 
+from flashtile.engine import LLM
 from flashtile.engine.block_manager import BlockManager
 from flashtile.engine.config import EngineConfig, ModelConfig
 from flashtile.engine.model import CausalLM
@@ -155,19 +156,45 @@ def test_heads_must_split_evenly():
         CausalLM(config, 64, tp=ParallelGroup(rank=1, size=2))
 
 
-def test_tensor_parallel_size_needs_a_process_group(tmp_path):
-    from flashtile.engine import LLM
+def test_model_runner_needs_a_process_group(tmp_path):
+    """A ModelRunner of rank r is built inside an initialised group (LLM starts one)."""
     hf_config("llama").save_pretrained(tmp_path)
     assert group_size() == 1 and ParallelGroup.for_size(1) == SINGLE
+    config = EngineConfig(model=str(tmp_path), tensor_parallel_size=2, device="cpu",
+                          load_format="dummy", max_model_len=64)
     with pytest.raises(ValueError, match="tensor_parallel_size: expected the size of an "
                        "initialised torch.distributed group, got 2 with 1 process"):
-        EngineConfig(model=str(tmp_path), tensor_parallel_size=2)
-    for bad in (0, 1.5, True):
+        ModelRunner(config)
+
+
+def test_tensor_parallel_size_is_checked(tmp_path, monkeypatch):
+    hf_config("llama", intermediate_size=90).save_pretrained(tmp_path)  # 4 / 2 heads
+
+    def config(**kw):
+        return EngineConfig(model=str(tmp_path), **kw)
+
+    for bad in (0, 1.5, True, "2"):
         with pytest.raises(ValueError, match=f"tensor_parallel_size: expected an int >= 1, "
-                           f"got {bad}"):
-            EngineConfig(model=str(tmp_path), tensor_parallel_size=bad)
-    with pytest.raises(NotImplementedError, match="multi-process driver"):
-        LLM(str(tmp_path), tensor_parallel_size=2, load_format="dummy")
+                           f"got {bad!r}"):
+            config(tensor_parallel_size=bad)
+    with pytest.raises(ValueError, match="tensor_parallel_size: expected a divisor of the "
+                       "model's num_attention_heads 4, got 3"):
+        config(tensor_parallel_size=3)
+    with pytest.raises(ValueError, match="num_key_value_heads 2, got 4"):
+        config(tensor_parallel_size=4)
+    with pytest.raises(ValueError, match="a divisor of intermediate_size 90, got 4"):
+        hf_config("llama", num_key_value_heads=4, intermediate_size=90).save_pretrained(
+            tmp_path)
+        config(tensor_parallel_size=4)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(ValueError, match="tensor_parallel_size: expected at most the 1 "
+                       "visible CUDA devices, got 2"):
+        config(tensor_parallel_size=2, device="cuda")
+    with pytest.raises(ValueError, match="device: expected 'auto' or 'cuda' with "
+                       "tensor_parallel_size > 1 .* got 'cuda:1'. Choose the GPUs with "
+                       "CUDA_VISIBLE_DEVICES"):
+        config(tensor_parallel_size=2, device="cuda:1")
+    assert config(tensor_parallel_size=2, device="cpu").tensor_parallel_size == 2
 
 
 def test_world_of_one_runs_no_collective(tmp_path, monkeypatch):
@@ -184,5 +211,8 @@ def test_world_of_one_runs_no_collective(tmp_path, monkeypatch):
         runner = _runner(tmp_path, load_format="dummy")
         assert runner.model.tp == SINGLE
         assert len(_steps(runner)) == 3
+        with pytest.raises(RuntimeError, match="LLM\\(tensor_parallel_size > 1\\) starts "
+                           "its own process group, but torch.distributed is already"):
+            LLM(str(tmp_path), tensor_parallel_size=2, load_format="dummy", device="cpu")
     finally:
         dist.destroy_process_group()

@@ -35,12 +35,15 @@ class AsyncEngine:
         self._task = asyncio.create_task(self._loop())
 
     async def stop(self):
+        """Stop the loop, then the engine (its worker processes under tensor
+        parallelism), in the engine's thread once a running step has finished."""
         self._task.cancel()
         try:
             await self._task
         except asyncio.CancelledError:
             pass
-        self._executor.shutdown(wait=True)  # lets a running step finish
+        await self._call(self.llm.shutdown)
+        self._executor.shutdown(wait=True)
 
     @property
     def running(self) -> bool:

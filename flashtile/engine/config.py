@@ -17,7 +17,7 @@ from typing import Optional
 import torch
 
 from flashtile._validate import _fail
-from flashtile.engine.parallel import ParallelGroup
+from flashtile.engine.parallel import check_model_split
 
 # Architecture name in config.json -> the switches of engine/model.py it needs.
 ARCHITECTURES = {
@@ -157,9 +157,10 @@ class EngineConfig:
         step overlaps the device's; step() then returns each step's tokens one call
         later. Default (None): on CUDA; on CPU, where nothing runs asynchronously, off.
         Either way the tokens are the same.
-    tensor_parallel_size: processes the model is split over (engine/parallel.py); > 1
-        needs torch.distributed initialised with that many ranks, one ModelRunner per
-        rank. LLM runs one process only for now.
+    tensor_parallel_size: processes the model is split over (engine/parallel.py): LLM
+        runs rank 0 and starts the others (engine/workers.py); rank r runs on cuda:r
+        (choose the GPUs with CUDA_VISIBLE_DEVICES), or on the CPU over gloo.
+        kv_cache_memory is then per rank (each rank's pool holds its share of the heads).
     """
 
     model: str
@@ -202,9 +203,9 @@ class EngineConfig:
                 not isinstance(ps, int) or not 16 <= ps <= 256 or ps & (ps - 1)):
             _fail(ValueError, "page_size", "a power of two from 16 to 256 (flashtile's paged "
                   "cache)", repr(ps))
-        if self.tensor_parallel_size > 1:
-            ParallelGroup.for_size(self.tensor_parallel_size)  # raises unless initialised
         self.model_config = ModelConfig.from_pretrained(self.model)
+        if self.tensor_parallel_size > 1:
+            self._check_tensor_parallel()
         limit = self.model_config.max_position_embeddings
         if self.max_model_len is None:
             self.max_model_len = limit
@@ -220,6 +221,22 @@ class EngineConfig:
         if self.attention_backend == "naive":
             # One contiguous max_model_len slab per sequence: the layout naive caches use.
             self.page_size = self.max_model_len
+
+    def _check_tensor_parallel(self):
+        size = self.tensor_parallel_size
+        check_model_split(self.model_config, size)
+        device = self.torch_device
+        if device.type == "cuda":
+            if device.index is not None:
+                _fail(ValueError, "device", "'auto' or 'cuda' with tensor_parallel_size > 1 "
+                      "(rank r runs on cuda:r)", repr(self.device),
+                      "Choose the GPUs with CUDA_VISIBLE_DEVICES")
+            if size > torch.cuda.device_count():
+                _fail(ValueError, "tensor_parallel_size", f"at most the "
+                      f"{torch.cuda.device_count()} visible CUDA devices", size)
+        elif device.type != "cpu":
+            _fail(ValueError, "device", "CUDA or CPU with tensor_parallel_size > 1",
+                  repr(self.device))
 
     @property
     def torch_device(self) -> torch.device:

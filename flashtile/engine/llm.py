@@ -7,6 +7,10 @@
 
 ``add_request`` / ``step`` / ``abort_request`` let a server feed requests between steps;
 each ``step`` returns the cumulative output of every request that received a token.
+
+``LLM(model, tensor_parallel_size=N)`` splits the model over N processes: this one is
+rank 0 (scheduler, tokenizer, sampler) and starts the other N - 1 (engine/workers.py);
+``shutdown()`` stops them (also done at garbage collection and interpreter exit).
 """
 
 from __future__ import annotations
@@ -20,11 +24,12 @@ from flashtile._validate import _fail
 from flashtile.engine.block_manager import BlockManager
 from flashtile.engine.config import EngineConfig
 from flashtile.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from flashtile.engine.runner import LaunchedStep, ModelRunner
+from flashtile.engine.runner import LaunchedStep
 from flashtile.engine.sampling_params import SamplingParams
 from flashtile.engine.scheduler import ScheduledStep, Scheduler
 from flashtile.engine.sequence import Sequence
 from flashtile.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from flashtile.engine.workers import start_runner
 
 
 class _Request:
@@ -83,19 +88,13 @@ class LLM:
     """An engine over one checkpoint directory; keyword arguments are EngineConfig's."""
 
     def __init__(self, model: str, **kwargs):
-        tp = kwargs.get("tensor_parallel_size", 1)
-        if isinstance(tp, int) and tp > 1:
-            raise NotImplementedError(
-                f"LLM(tensor_parallel_size={tp}): the multi-process driver (rank 0 "
-                "scheduling, one worker per rank running each step) is not built yet; the "
-                "split model runs under torch.distributed through ModelRunner on each rank")
         self.config = EngineConfig(model=model, **kwargs)
         has_tokenizer = os.path.isfile(os.path.join(model, "tokenizer.json"))
         self.tokenizer = Tokenizer(model) if has_tokenizer else None
         eos = set(self.config.model_config.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
-        self.runner = ModelRunner(self.config)
+        self.runner = start_runner(self.config)
         self.block_manager = BlockManager(self.runner.num_blocks, self.config.page_size,
                                           self.config.enable_prefix_caching)
         self.scheduler = Scheduler(self.config, self.block_manager, eos)
@@ -105,6 +104,12 @@ class LLM:
         self._requests: dict[str, _Request] = {}
         self._by_seq: dict[int, _Request] = {}
         self._ids = itertools.count()
+
+    def shutdown(self):
+        """Stop the worker processes of a tensor-parallel engine, destroy its process group
+        and free its shared memory (nothing to do in one process). The engine cannot run
+        afterwards. Also done when the LLM is garbage collected or the interpreter exits."""
+        self.runner.shutdown()
 
     # ---- requests ---------------------------------------------------------------------
     def _make_request(self, prompt, params, request_id=None, prompt_text=None) -> _Request:

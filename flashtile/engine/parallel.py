@@ -23,6 +23,7 @@ nn.Embedding compute and calls no collective.
 
 Replicating kv heads when the group has more ranks than the model has kv heads (vLLM
 does) is not supported: num_key_value_heads must be a multiple of tensor_parallel_size.
+LLM(tensor_parallel_size=N) starts the processes and their group (engine/workers.py).
 """
 
 from __future__ import annotations
@@ -82,14 +83,45 @@ class ParallelGroup:
         dist.all_gather(parts, x.contiguous(), group=self.group)
         return torch.cat(parts, dim=-1)
 
+    def broadcast(self, x: torch.Tensor) -> torch.Tensor:
+        """x of the group's first rank, written into x on every rank."""
+        if self.size > 1:
+            dist.broadcast(x, src=dist.get_global_rank(self.group or dist.group.WORLD, 0),
+                           group=self.group)
+        return x
+
+    def min(self, value: int, device) -> int:
+        """The smallest of every rank's value (an int), on every rank."""
+        if self.size == 1:
+            return value
+        t = torch.tensor([value], dtype=torch.int64, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
+        return int(t.item())
+
 
 SINGLE = ParallelGroup()
 
 
-def _split(total: int, what: str, tp: ParallelGroup) -> int:
-    if total % tp.size:
-        _fail(ValueError, "tensor_parallel_size", f"a divisor of {what} {total}", tp.size)
-    return total // tp.size
+def _split(total: int, what: str, size: int) -> int:
+    if total % size:
+        _fail(ValueError, "tensor_parallel_size", f"a divisor of {what} {total}", size)
+    return total // size
+
+
+def _check_heads(num_heads: int, num_kv_heads: int, size: int):
+    for heads, what in ((num_heads, "num_attention_heads"),
+                        (num_kv_heads, "num_key_value_heads")):
+        if heads % size:
+            _fail(ValueError, "tensor_parallel_size", f"a divisor of the model's {what} "
+                  f"{heads}", size, "Replicating kv heads over more ranks than the model "
+                  "has is not supported")
+
+
+def check_model_split(config, size: int):
+    """Raise ValueError unless a model of this ModelConfig splits over size ranks: its
+    query heads, kv heads and MLP features divide evenly (the vocabulary need not)."""
+    _check_heads(config.num_attention_heads, config.num_key_value_heads, size)
+    _split(config.intermediate_size, "intermediate_size", size)
 
 
 class ColumnParallelLinear(nn.Module):
@@ -102,7 +134,7 @@ class ColumnParallelLinear(nn.Module):
         super().__init__()
         self.tp, self.output_sizes = tp, list(output_sizes)
         names = names or ["output features"] * len(output_sizes)
-        self.local_sizes = [_split(n, what, tp) for n, what in zip(output_sizes, names)]
+        self.local_sizes = [_split(n, what, tp.size) for n, what in zip(output_sizes, names)]
         self.weight = nn.Parameter(torch.empty(sum(self.local_sizes), in_features))
         self.bias = nn.Parameter(torch.empty(sum(self.local_sizes))) if bias else None
 
@@ -127,12 +159,7 @@ class QKVParallelLinear(ColumnParallelLinear):
 
     def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int,
                  bias: bool = False, tp: ParallelGroup = SINGLE):
-        for heads, what in ((num_heads, "num_attention_heads"),
-                            (num_kv_heads, "num_key_value_heads")):
-            if heads % tp.size:
-                _fail(ValueError, "tensor_parallel_size", f"a divisor of the model's "
-                      f"{what} {heads}", tp.size, "Replicating kv heads over more ranks "
-                      "than the model has is not supported")
+        _check_heads(num_heads, num_kv_heads, tp.size)
         d = head_dim
         super().__init__(hidden_size, [num_heads * d, num_kv_heads * d, num_kv_heads * d],
                          bias, tp)
@@ -157,7 +184,7 @@ class RowParallelLinear(nn.Module):
         super().__init__()
         self.tp = tp
         self.weight = nn.Parameter(torch.empty(out_features,
-                                               _split(in_features, "input features", tp)))
+                                               _split(in_features, "input features", tp.size)))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
 
     def forward(self, x):

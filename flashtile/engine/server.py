@@ -428,6 +428,8 @@ def add_serve(commands):
     p.add_argument("--load-format", default="auto", choices=("auto", "dummy"))
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="processes (GPUs) to split the model over")
     p.set_defaults(handler=_serve)
 
 
@@ -444,7 +446,7 @@ def _serve(args) -> int:
               gpu_memory_utilization=args.gpu_memory_utilization,
               kv_cache_memory=args.kv_cache_memory, enforce_eager=args.enforce_eager,
               attention_backend=args.attention_backend, load_format=args.load_format,
-              seed=args.seed)
+              seed=args.seed, tensor_parallel_size=args.tensor_parallel_size)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     try:
         engine = AsyncEngine(lambda: LLM(args.model, **kw))

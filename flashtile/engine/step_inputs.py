@@ -1,0 +1,251 @@
+"""A step's inputs: the packed index buffers and the AttentionMetadata every layer reads.
+
+Per step the scheduler hands over (sequence, number of new tokens) pairs. ``prepare``
+builds the step once, on the host, as flat lists of ints packed into one int64 and one
+int32 buffer (a HostStep), and ``upload`` copies them to the device (pinned memory on
+CUDA, without blocking) and makes the AttentionMetadata. Input tokens still in flight
+(placeholders, see sequence.py) are gathered on the device from the last launched step's
+sampled ids, so a step can be launched before the previous one's tokens reach the host
+(asynchronous scheduling, llm.py).
+
+A pure decode step (one new token per sequence) is laid out as the CUDA graphs' static
+inputs (cuda_graphs.py), padded to the graph's batch size, so that a replay takes them
+in two copies.
+"""
+
+from __future__ import annotations
+
+import itertools
+from array import array
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from flashtile.engine.attention import AttentionMetadata
+
+
+@dataclass
+class HostStep:
+    """One step's inputs on the host: each index tensor a run of one int64 or one int32
+    buffer, and the host values of its metadata. ``upload`` makes the device inputs from
+    it; under tensor parallelism rank 0 sends it to the other ranks, which upload the
+    same (engine/workers.py)."""
+
+    longs: array         # int64 runs: input_ids, positions, slot_mapping, logits_indices,
+    #                      key_slots, and the in-flight tokens' dst/src gather indices
+    ints: array          # int32 runs: cu_seqlens_q/k, cache_seqlens, block_tables
+    o64: dict            # run name -> (offset, length) in longs; logits_indices and
+    #                      key_slots absent when None
+    o32: dict            # run name -> (offset, length) in ints
+    batch: int           # sequences in the step
+    width: int           # block table columns
+    max_seqlen_q: int
+    is_decode: bool
+    has_context: bool
+    query_lens: list
+    key_lens: list
+    sample_rows: list    # indices into the step's sequences that sample
+    graph_bs: Optional[int] = None  # a decode step replayed in this batch size's graph
+
+
+@dataclass
+class StepInputs:
+    input_ids: torch.Tensor      # (T,) int64
+    positions: torch.Tensor      # (T,) int64
+    meta: AttentionMetadata
+    logits_indices: Optional[torch.Tensor]  # (S,) rows of the hidden states to sample
+    #                                         from; None: every row, in order
+    sample_rows: list            # indices into the step's sequences that sample
+    host: HostStep               # what these were made from
+    graph_bs: Optional[int] = None  # a decode step replayed in this batch size's graph
+
+
+def _packed(segments, typecode: str):
+    """Runs of ints back to back in one array, each starting at a multiple of 16 bytes:
+    (array, [(offset, length)]). Triton specialises a pointer argument on 16-byte
+    alignment, so a kernel reading a view at an unaligned offset (cu_seqlens_k after
+    batch + 1 int32s) compiled another variant; run E5 paid four such compiles inside its
+    timed run."""
+    out, places = array(typecode), []
+    step = 16 // out.itemsize
+    for seg in segments:
+        out.extend(array(typecode, [0]) * (-len(out) % step))
+        start = len(out)
+        out.extend(array(typecode, seg))
+        places.append((start, len(out) - start))
+    return out, places
+
+
+def _round_up(x: int, multiple: int) -> int:
+    return -(-x // multiple) * multiple
+
+
+def _extend_slots(out: list, table: list, start: int, end: int, page_size: int):
+    """Append the pool slots of positions start..end-1 of a sequence with this block
+    table: one range per page instead of a division per token."""
+    while start < end:
+        page, offset = divmod(start, page_size)
+        n = min(end - start, page_size - offset)
+        base = table[page] * page_size + offset
+        out += range(base, base + n)
+        start += n
+
+
+class StepInputsMixin:
+    """ModelRunner's step-input building. Reads the runner's config, device, page_size,
+    scratch_block, _graph_list and _last_tokens, and writes decode steps into the graphs'
+    static inputs (CudaGraphsMixin._to_graph_inputs)."""
+
+    def prepare(self, scheduled) -> StepInputs:
+        """Inputs of one step; scheduled: [(sequence, new tokens)] in batch order.
+
+        Host cost matters here (a decode step of a 1B model is ~4 ms of GPU time at batch
+        256): everything is built as flat Python lists of ints, packed into one int64 and
+        one int32 buffer, and moved in one copy each.
+        """
+        if all(n == 1 for _, n in scheduled):
+            return self.upload(self._host_decode(scheduled))
+        return self.upload(self._host_prefill(scheduled))
+
+    @torch.inference_mode()  # decode steps write into the graphs' static (inference) inputs
+    def upload(self, host: HostStep) -> StepInputs:
+        """A step's device inputs from its host buffers: one copy each (into the static
+        inputs of its CUDA graph for a replayed decode step), views of them, and the
+        tokens still in flight gathered on the device."""
+        if host.graph_bs is not None:
+            dev64, dev32 = self._to_graph_inputs(host.longs, host.ints, host.graph_bs)
+        else:
+            dev64 = self._to_device(host.longs, torch.int64)
+            dev32 = self._to_device(host.ints, torch.int32)
+        t = {name: dev64[o:o + n] for name, (o, n) in host.o64.items()}
+        t.update((name, dev32[o:o + n]) for name, (o, n) in host.o32.items())
+        self._gather_ids(t["input_ids"], t["dst"], t["src"])
+        meta = AttentionMetadata(
+            cu_seqlens_q=t["cu_seqlens_q"], cu_seqlens_k=t["cu_seqlens_k"],
+            max_seqlen_q=host.max_seqlen_q, max_seqlen_k=max(host.key_lens),
+            slot_mapping=t["slot_mapping"], cache_seqlens=t["cache_seqlens"],
+            block_tables=t["block_tables"].view(-1, host.width)[:host.batch],
+            is_decode=host.is_decode, has_context=host.has_context,
+            query_lens=host.query_lens, key_lens=host.key_lens, key_slots=t.get("key_slots"))
+        return StepInputs(input_ids=t["input_ids"], positions=t["positions"], meta=meta,
+                          logits_indices=t.get("logits_indices"),
+                          sample_rows=host.sample_rows, host=host, graph_bs=host.graph_bs)
+
+    def _host_prefill(self, scheduled) -> HostStep:
+        """A step with some sequence computing more than one token: every run packed at a
+        16-byte offset (see _packed)."""
+        bs, ps = len(scheduled), self.page_size
+        # Widths and max_seqlen_q rounded up to 16: Triton specialises int arguments on
+        # divisibility by 16, so this keeps one compiled variant of the varlen kernel.
+        width = _round_up(max(len(seq.block_table) for seq, _ in scheduled), 16)
+        pad = [self.scratch_block] * width
+        ids, pos, slots, tables, qlens, klens = [], [], [], [], [], []
+        sample_rows, logits_indices, dst, src = [], [], [], []
+        for b, (seq, n) in enumerate(scheduled):
+            start = seq.num_computed_tokens
+            end = start + n
+            table = seq.block_table
+            ids += seq.token_ids[start:end]
+            if ids[-1] < 0:  # the last token is in flight: read it on the device
+                dst.append(len(ids) - 1)
+                src.append(-1 - ids[-1])
+                ids[-1] = 0
+            pos += range(start, end)
+            _extend_slots(slots, table, start, end, ps)
+            tables += table
+            tables += pad[len(table):]
+            qlens.append(n)
+            klens.append(end)
+            if end == len(seq.token_ids):
+                sample_rows.append(b)
+                logits_indices.append(len(ids) - 1)
+        has_context = any(k != q for q, k in zip(qlens, klens))
+        key_slots = []
+        if has_context and self.config.attention_backend != "flashtile":
+            for seq, n in scheduled:
+                _extend_slots(key_slots, seq.block_table, 0,
+                              seq.num_computed_tokens + n, ps)
+        longs, o64 = _packed((ids, pos, slots, logits_indices, key_slots, dst, src), "q")
+        ints, o32 = _packed((itertools.accumulate(qlens, initial=0),
+                             itertools.accumulate(klens, initial=0), klens, tables), "i")
+        o64 = dict(zip(("input_ids", "positions", "slot_mapping", "logits_indices",
+                        "key_slots", "dst", "src"), o64))
+        if not key_slots:
+            del o64["key_slots"]
+        o32 = dict(zip(("cu_seqlens_q", "cu_seqlens_k", "cache_seqlens", "block_tables"),
+                       o32))
+        return HostStep(longs, ints, o64, o32, batch=bs, width=width,
+                        max_seqlen_q=_round_up(max(qlens), 16), is_decode=False,
+                        has_context=has_context, query_lens=qlens, key_lens=klens,
+                        sample_rows=sample_rows)
+
+    def _host_decode(self, scheduled) -> HostStep:
+        """A step of one new token per sequence (the common case), laid out as the CUDA
+        graphs' static inputs, padded to the graph's batch size, so that a replay takes
+        them in two copies."""
+        bs, ps = len(scheduled), self.page_size
+        graph_bs = next((g for g in self._graph_list if g >= bs), None)
+        if graph_bs is None:
+            rows, width = bs, _round_up(max(len(seq.block_table) for seq, _ in scheduled),
+                                        16)
+        else:
+            rows, width = graph_bs, self.config.blocks_per_seq
+        pad = [self.scratch_block] * width
+        ids, pos, slots, seqlens, tables, sample_rows = [], [], [], [], [], []
+        dst, src = [], []
+        for b, (seq, _) in enumerate(scheduled):
+            p = seq.num_computed_tokens
+            table = seq.block_table
+            token = seq.token_ids[p]
+            if token < 0:  # in flight: read it on the device
+                dst.append(b)
+                src.append(-1 - token)
+                token = 0
+            ids.append(token)
+            pos.append(p)
+            slots.append(table[p // ps] * ps + p % ps)
+            seqlens.append(p + 1)
+            tables += table
+            tables += pad[len(table):]
+            if p + 1 == len(seq.token_ids):
+                sample_rows.append(b)
+        extra = rows - bs  # padding rows: write nothing (slot -1), read one scratch key
+        longs = array("q", ids + [0] * extra)
+        longs += array("q", pos + [0] * extra)
+        longs += array("q", slots + [-1] * extra)
+        all_sample = len(sample_rows) == bs
+        if not all_sample:
+            longs += array("q", sample_rows)
+        longs += array("q", dst)
+        longs += array("q", src)
+        ints = array("i", seqlens + [1] * extra)
+        ints += array("i", tables + pad * extra)
+        ints += array("i", range(bs + 1))
+        ints += array("i", itertools.accumulate(seqlens, initial=0))
+        s = 0 if all_sample else len(sample_rows)
+        start, n, tail = 3 * rows + s, len(dst), rows * (1 + width)
+        o64 = dict(input_ids=(0, bs), positions=(rows, bs), slot_mapping=(2 * rows, bs),
+                   dst=(start, n), src=(start + n, n))
+        if not all_sample:
+            o64["logits_indices"] = (3 * rows, s)
+        o32 = dict(cache_seqlens=(0, bs), block_tables=(rows, rows * width),
+                   cu_seqlens_q=(tail, bs + 1), cu_seqlens_k=(tail + bs + 1, bs + 1))
+        return HostStep(longs, ints, o64, o32, batch=bs, width=width, max_seqlen_q=1,
+                        is_decode=True, has_context=max(seqlens) > 1, query_lens=[1] * bs,
+                        key_lens=seqlens, sample_rows=sample_rows, graph_bs=graph_bs)
+
+    def _gather_ids(self, input_ids, dst, src):
+        """input_ids[dst] = the last launched step's sampled tokens[src]: the tokens still
+        in flight, read on the device so that the host never waits for them before
+        launching the next step."""
+        if len(dst):
+            input_ids.index_copy_(0, dst, self._last_tokens.index_select(0, src))
+
+    def _to_device(self, values: array, dtype: torch.dtype) -> torch.Tensor:
+        """A host array as a device tensor: on CUDA through pinned memory, copied without
+        blocking (the caching host allocator keeps the buffer until the copy is done)."""
+        host = torch.frombuffer(values, dtype=dtype)
+        if self.device.type != "cuda":
+            return host
+        return host.pin_memory().to(self.device, non_blocking=True)
