@@ -168,7 +168,7 @@ def test_stream_order_and_done(server, llm, chat):
     assert len({c["id"] for c in events[:-1]}) == 1
     assert all(c["object"] == ("chat.completion.chunk" if chat else "text_completion")
                and c["usage"] is None for c in chunks)
-    if chat:  # the role first, then one chunk per token
+    if chat:  # the role first, then a chunk per token (or several, if the reader lags)
         assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
         chunks = chunks[1:]
         text = "".join(c["choices"][0]["delta"]["content"] for c in chunks)
@@ -176,12 +176,12 @@ def test_stream_order_and_done(server, llm, chat):
     else:
         text = "".join(c["choices"][0]["text"] for c in chunks)
         assert text == whole["choices"][0]["text"]
-    assert len(chunks) == 10
+    assert 1 <= len(chunks) <= 10
     reasons = [c["choices"][0]["finish_reason"] for c in chunks]
-    assert reasons == [None] * 9 + ["length"]
+    assert reasons == [None] * (len(chunks) - 1) + ["length"]
     # Without stream_options: no usage chunk, no usage field.
     events = run(_events(server.url + path, dict(body, stream=True)))
-    assert events[-1] == "[DONE]" and len(events) == 11 + chat
+    assert events[-1] == "[DONE]" and 2 + chat <= len(events) <= 11 + chat
     assert all("usage" not in c for c in events[:-1])
     _assert_idle(llm)
 
@@ -374,3 +374,24 @@ def test_a_model_without_tokenizer_serves_token_ids(llm, tmp_path):
         status, out = post(s, "/v1/chat/completions",
                            dict(messages=[{"role": "user", "content": "Hi"}]))
         assert status == 400 and out["error"]["param"] == "messages"
+
+
+def test_a_lagging_stream_reader_gets_one_output_for_several_steps():
+    """Outputs are cumulative: a reader that fell behind takes the newest of each prompt
+    at once (one SSE chunk for several tokens), and the stream ends once every prompt's
+    final output is read."""
+    from types import SimpleNamespace as NS
+
+    from flashtile.engine.async_engine import RequestStream
+    stream = RequestStream(NS(_streams={}), ["a", "b"])
+    for i, (rid, n, done) in enumerate([("a", 1, False), ("b", 1, False), ("a", 2, False),
+                                        ("a", 3, True)]):
+        stream.queue.put_nowait((0 if rid == "a" else 1,
+                                 NS(request_id=rid, finished=done, n=n, step=i)))
+    first = run(stream.next_outputs())
+    assert {i: (o.n, o.step) for i, o in first.items()} == {0: (3, 3), 1: (1, 1)}
+    assert stream.pending == {"b"}
+    stream.queue.put_nowait((1, NS(request_id="b", finished=True, n=2, step=4)))
+    assert run(stream.next_outputs())[1].n == 2 and not stream.pending
+    with pytest.raises(StopAsyncIteration):
+        run(stream.next_outputs())

@@ -146,6 +146,26 @@ class RequestStream:
             self.pending.discard(out.request_id)
         return index, out
 
+    async def next_outputs(self) -> dict:
+        """{prompt index: its newest output}, waiting for at least one. Outputs are
+        cumulative, so a reader that fell behind the engine (a busy server streams to
+        hundreds of clients from one thread) catches up with one chunk for several
+        tokens instead of one chunk each."""
+        if not self.pending:
+            raise StopAsyncIteration
+        items = [await self.queue.get()]
+        while not self.queue.empty():
+            items.append(self.queue.get_nowait())
+        latest = {}
+        for item in items:
+            if isinstance(item, Exception):
+                raise item
+            index, out = item
+            if out.finished:
+                self.pending.discard(out.request_id)
+            latest[index] = out
+        return latest
+
     def close(self):
         for rid in self.ids:
             self.engine._streams.pop(rid, None)

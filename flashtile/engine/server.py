@@ -298,18 +298,19 @@ class OpenAIServer:
     async def _chunks(self, resp, stream, head, chat, include_usage, logprobs):
         extra = {"usage": None} if include_usage else {}
         sent, last = {}, {}  # prompt index -> (characters, tokens) sent; last output
-        async for index, out in stream:
-            c = out.outputs[0]
-            chars, ntok = sent.get(index, (0, 0))
-            if chat and not sent:  # OpenAI: the role comes first, alone
-                role = {"index": 0, "delta": {"role": "assistant", "content": ""},
-                        "logprobs": None, "finish_reason": None}
-                await _send(resp, {**head, "choices": [role], **extra})
-            choice = self._choice(chat, index, c, c.text[chars:], c.token_ids[ntok:], chars,
-                                  logprobs, delta=True)
-            choice["finish_reason"] = c.finish_reason if out.finished else None
-            await _send(resp, {**head, "choices": [choice], **extra})
-            sent[index], last[index] = (len(c.text), len(c.token_ids)), out
+        while stream.pending:
+            for index, out in (await stream.next_outputs()).items():
+                c = out.outputs[0]
+                chars, ntok = sent.get(index, (0, 0))
+                if chat and not sent:  # OpenAI: the role comes first, alone
+                    role = {"index": 0, "delta": {"role": "assistant", "content": ""},
+                            "logprobs": None, "finish_reason": None}
+                    await _send(resp, {**head, "choices": [role], **extra})
+                choice = self._choice(chat, index, c, c.text[chars:], c.token_ids[ntok:],
+                                      chars, logprobs, delta=True)
+                choice["finish_reason"] = c.finish_reason if out.finished else None
+                await _send(resp, {**head, "choices": [choice], **extra})
+                sent[index], last[index] = (len(c.text), len(c.token_ids)), out
         if include_usage:
             await _send(resp, {**head, "choices": [], "usage": _usage(last.values())})
 
