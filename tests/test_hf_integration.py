@@ -375,7 +375,8 @@ def _sdpa_ref(q, k, v, causal, scale=None):
     rep = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
     sq, sk = q.shape[2], k.shape[2]
-    keep = torch.ones(sq, sk, dtype=torch.bool).tril(sk - sq) if causal else None
+    keep = (torch.ones(sq, sk, dtype=torch.bool, device=q.device).tril(sk - sq)
+            if causal else None)
     return torch.nn.functional.scaled_dot_product_attention(
         q, k, v, attn_mask=keep, scale=scale).transpose(1, 2)
 
