@@ -50,6 +50,12 @@ def _gemma2():  # alternating sliding and full layers, softcap 5 (it bites at th
         attn_logit_softcapping=5.0, query_pre_attn_scalar=10))
 
 
+def _gemma3():  # its own sliding/full layer pattern, no softcap
+    return transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(
+        **COMMON, num_key_value_heads=2, head_dim=12, sliding_window=5,
+        layer_types=["sliding_attention", "full_attention"]))
+
+
 def _qwen2():  # MQA; layer 1 slides (use_sliding_window from max_window_layers on)
     return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(
         **COMMON, num_key_value_heads=1, use_sliding_window=True, sliding_window=5,
@@ -64,11 +70,11 @@ def _bert():  # bidirectional encoder; dropout off (flashtile has none)
 # family: (model factory, reference attn_implementation). BERT's layers call the
 # attention interface from transformers 5.0 on (before, they ignore the name).
 FAMILIES = {"llama": (_llama, "sdpa"), "mistral": (_mistral, "sdpa"),
-            "gemma2": (_gemma2, "eager"), "qwen2": (_qwen2, "sdpa"),
-            "bert": (_bert, "sdpa")}
+            "gemma2": (_gemma2, "eager"), "gemma3": (_gemma3, "sdpa"),
+            "qwen2": (_qwen2, "sdpa"), "bert": (_bert, "sdpa")}
 ENCODERS = [pytest.param("bert", marks=pytest.mark.skipif(
     TF < version.parse("5.0"), reason="BERT uses the attention interface from 5.0"))]
-DECODERS = ["llama", "mistral", "gemma2", "qwen2"]
+DECODERS = ["llama", "mistral", "gemma2", "gemma3", "qwen2"]
 
 
 def _use(model, impl):
@@ -218,8 +224,8 @@ def _generate(model, impl, ids, mask, **kwargs):
 @pytest.mark.parametrize("cache", ["dynamic", "static"])
 @pytest.mark.parametrize("family", DECODERS)
 def test_generate_left_padded(family, cache, device, calls):
-    if family == "gemma2" and cache == "static" and TF < version.parse("4.53"):
-        pytest.skip("transformers < 4.53: its eager Gemma 2 fails this case itself")
+    if family.startswith("gemma") and cache == "static" and TF < version.parse("4.53"):
+        pytest.skip("transformers < 4.53: its own Gemma 2/3 reference fails this case")
     """Greedy tokens past the sliding windows: prefill unpadded to varlen, decode
     steps reading the padding mask in the kernel (static: the unfilled slots too), or
     the decode kernel where a window already leaves the padding out."""
@@ -345,6 +351,33 @@ def test_generate_batch(family, device, calls):
     got = [out[k].generated_tokens for k in sorted(out, key=lambda k: int(k.split("_")[-1]))]
     assert got == want
     assert set(calls) == {"flash_attn_varlen_func"}, dict(calls)
+
+
+@pytest.mark.skipif(TF < version.parse("4.57"), reason="BART calls the attention "
+                    "interface in 4.57 (not yet in 4.51)")
+def test_encoder_decoder_cross_attention(device, calls):
+    """BART: a padded encoder, the decoder's cross-attention over its real tokens
+    (every decoder query sees them: no causality across the two), greedy generate."""
+    torch.manual_seed(0)
+    model = transformers.BartForConditionalGeneration(transformers.BartConfig(
+        vocab_size=VOCAB, d_model=48, encoder_layers=2, decoder_layers=2,
+        encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=64,
+        decoder_ffn_dim=64, max_position_embeddings=64, dropout=0.0,
+        attention_dropout=0.0, activation_dropout=0.0)).to(device).eval()
+    ids, mask = _batch("left", device)
+    decoder_ids = torch.randint(0, VOCAB, (3, 6), device=device)
+    out = {}
+    for impl in ("sdpa", "flashtile"):
+        _use(model, impl)
+        calls.clear()
+        with torch.no_grad():
+            logits = model(input_ids=ids, attention_mask=mask,
+                           decoder_input_ids=decoder_ids).logits
+        out[impl] = logits, _generate(model, impl, ids, mask, num_beams=1)
+    torch.testing.assert_close(out["flashtile"][0], out["sdpa"][0], rtol=1e-5, atol=1e-5)
+    assert torch.equal(out["flashtile"][1], out["sdpa"][1])
+    if TF >= version.parse("5.0"):  # 4.57's BART builds 4-D masks itself
+        assert calls["flash_attn_varlen_func"] > 0 and calls["masked"] > 0, dict(calls)
 
 
 def test_given_cu_seqlens(device, calls):
