@@ -261,9 +261,12 @@ def test_generate_unpadded_decodes_with_kvcache(device, calls):
                            "flash_attn_with_kvcache": (NEW - 1) * layers})
 
 
-@pytest.mark.parametrize("pad", ["none", "left"])
-def test_generate_triton(pad, device, calls, triton):
-    model, ref = _model("mistral", device)
+@pytest.mark.parametrize("family,pad", [("mistral", "none"), ("mistral", "left"),
+                                        ("gemma2", "none")])
+def test_generate_triton(family, pad, device, calls, triton):
+    """The decode kernel with a window (Mistral) and softcap (Gemma 2), the prefill
+    kernel under a padding mask."""
+    model, ref = _model(family, device)
     model.eval()
     ids, mask = _batch(pad, device)
     want = _generate(model, ref, ids, mask)
