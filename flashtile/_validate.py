@@ -263,8 +263,9 @@ def check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
     """Packed q (total_q, h, d), k/v (total_k, hkv, d) and their int32 prefix sums.
 
     Reads cu_seqlens on the host (one sync): a wrong prefix sum would otherwise send the
-    kernel outside the tensors. Inside torch.compile that read is skipped (it would
-    break the graph); the values are then the caller's responsibility.
+    kernel outside the tensors. Where no read is possible (inside torch.compile, while
+    a CUDA graph is captured, meta tensors: can_read_indices) it is skipped; the values
+    are then the caller's responsibility.
     Returns (batch, h, hkv, d).
     """
     for x, name in ((q, "q"), (k, "k"), (v, "v")):
@@ -285,8 +286,8 @@ def check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
         if isinstance(max_len, bool) or not isinstance(max_len, numbers.Integral):
             _fail(TypeError, max_name, "an int", type(max_len).__name__)
         lengths[name] = cu.numel()
-        if torch.compiler.is_compiling():
-            continue  # no host read inside a compiled graph: values are the caller's
+        if not can_read_indices(q):
+            continue  # compiled graph, CUDA graph capture, meta: values are the caller's
         check_prefix_sums(cu, name, total, max_len, max_name)
     if lengths["cu_seqlens_q"] != lengths["cu_seqlens_k"]:
         _fail(ValueError, "cu_seqlens_k.shape", f"cu_seqlens_q's ({lengths['cu_seqlens_q']},)",

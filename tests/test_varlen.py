@@ -120,3 +120,34 @@ def test_varlen_strided_cu_seqlens(backend, device):
     out = flashtile.flash_attn_varlen_func(q, k, k, strided, strided, 9, 9, causal=True)
     ref = flashtile.flash_attn_varlen_func(q, k, k, cu, cu, 9, 9, causal=True)
     torch.testing.assert_close(out, ref, rtol=0, atol=0)
+
+
+def test_varlen_meta_tensors_skip_the_host_check():
+    """Regression: check_varlen read cu_seqlens on the host for meta tensors too (there
+    is nothing to read: NotImplementedError) and, the same way, while a CUDA graph is
+    captured (transformers' generate_batch captures its varlen steps). It now reads
+    them only where can_read_indices says it can."""
+    q = torch.empty(7, 2, 16, device="meta")
+    cu = torch.tensor([0, 3, 7], dtype=torch.int32, device="meta")
+    out = flashtile.flash_attn_varlen_func(q, q, q, cu, cu, 4, 4, causal=True)
+    assert out.shape == (7, 2, 16) and out.device.type == "meta"
+
+
+@pytest.mark.gpu
+def test_varlen_in_a_cuda_graph():
+    """Captured once, replayed with new values in the same buffers: the output of an
+    eager call on those values."""
+    lens = [5, 9, 3]
+    q, k, v = (torch.randn(sum(lens), 4, 64, device="cuda", dtype=torch.bfloat16)
+               for _ in range(3))
+    cu = _cu(lens, "cuda")
+    flashtile.flash_attn_varlen_func(q, k, v, cu, cu, 9, 9, causal=True)  # compile first
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = flashtile.flash_attn_varlen_func(q, k, v, cu, cu, 9, 9, causal=True)
+    for x in (q, k, v):
+        x.normal_()
+    cu.copy_(_cu([9, 3, 5], "cuda"))
+    graph.replay()
+    want = flashtile.flash_attn_varlen_func(q, k, v, cu, cu, 9, 9, causal=True)
+    torch.testing.assert_close(out, want, rtol=0, atol=0)

@@ -1,0 +1,206 @@
+"""transformers with attn_implementation="flashtile" beside "sdpa" and "eager"
+(``flashtile bench hf``).
+
+One process, one model with random weights (a preset of ``flashtile.bench.throughput``,
+default llama-3.2-1b, bf16), switched between the attention implementations with
+``set_attn_implementation``, so every row has the same weights, the same inputs and the
+same process state. Per implementation:
+
+- ``generate`` at each ``--batches`` size: ``--prompt`` random prompt tokens per row (no
+  padding, so transformers passes no mask), ``--new`` greedy new tokens
+  (min_new_tokens = max_new_tokens: no early stop), transformers' default dynamic
+  cache. Also timed with one new token (the prefill); decode tokens/s are the other
+  new tokens over the rest of the time.
+- one training step: forward and backward of a causal-LM loss over ``--train-tokens``
+  tokens (batch 1), gradients freed between steps.
+
+Each measurement is the median of ``--reps`` runs after one untimed run of the same
+shapes (kernel compiles and autotuning happen there). Peak memory is
+torch.cuda.max_memory_allocated over the timed runs, weights included. The table goes to
+stdout; the rows, versions and device to ``--out`` as JSON.
+
+``--device cpu`` is a smoke run with a tiny model (two layers, hidden 64) and small
+sizes, for the test suite; its numbers mean nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+IMPLS = ("flashtile", "sdpa", "eager")
+MIN_TRANSFORMERS = "4.56"
+TINY = dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=64,
+            intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, vocab_size=256, tie_word_embeddings=True,
+            max_position_embeddings=512, torch_dtype="float32")
+
+
+def _parser():
+    from flashtile.bench.throughput import PRESETS
+    p = argparse.ArgumentParser(prog="flashtile bench hf", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", choices=sorted(PRESETS),
+                   help="model shape (random weights); default llama-3.2-1b (CUDA)")
+    p.add_argument("--impls", nargs="+", default=list(IMPLS), choices=IMPLS)
+    p.add_argument("--batches", nargs="+", type=int, default=[1, 16])
+    p.add_argument("--prompt", type=int, default=1024, help="prompt tokens per row")
+    p.add_argument("--new", type=int, default=256, help="new tokens per row")
+    p.add_argument("--train-tokens", type=int, default=4096)
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
+                   help="cpu: a smoke run with a tiny model (numbers mean nothing)")
+    p.add_argument("--out", default="bench-hf.json")
+    return p
+
+
+def _sync(device):
+    import torch
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def _timed(fn, reps, device):
+    """(median seconds, peak GiB) of reps calls after one untimed call."""
+    import torch
+    fn()
+    _sync(device)
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    times = []
+    for _ in range(reps):
+        _sync(device)
+        start = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(time.perf_counter() - start)
+    peak = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None
+    return sorted(times)[len(times) // 2], peak
+
+
+def _model(args, dtype):
+    import torch
+    import transformers
+    from flashtile.bench.throughput import PRESETS
+    from flashtile.integrations.transformers import register
+    register()  # attn_implementation="flashtile" (importing the module already did it)
+    spec = TINY if args.device == "cpu" and args.model is None else PRESETS[
+        args.model or "llama-3.2-1b"]
+    config = transformers.AutoConfig.for_model(**{k: v for k, v in spec.items()
+                                                 if k != "architectures"})
+    torch.manual_seed(0)
+    with torch.device(args.device):
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
+    return model, config
+
+
+def run(args) -> list[dict]:
+    import torch
+    device = args.device
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    model, config = _model(args, dtype)
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    for impl in args.impls:
+        model.set_attn_implementation(impl)
+        model.eval()
+        for batch in args.batches:
+            ids = torch.randint(config.vocab_size, (batch, args.prompt), generator=gen)
+            ids = ids.to(device)
+            mask = torch.ones_like(ids)
+
+            def generate(new):
+                with torch.no_grad():
+                    model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new,
+                                   min_new_tokens=new, do_sample=False, pad_token_id=0)
+
+            prefill_s, _ = _timed(lambda: generate(1), args.reps, device)
+            total_s, peak = _timed(lambda: generate(args.new), args.reps, device)
+            decode_s = total_s - prefill_s  # noise can make it <= 0 on tiny runs
+            rows.append(dict(task="generate", impl=impl, batch=batch, prompt=args.prompt,
+                             new=args.new, ms=1e3 * total_s, prefill_ms=1e3 * prefill_s,
+                             tokens_s=batch * args.new / total_s,
+                             decode_tokens_s=(batch * (args.new - 1) / decode_s
+                                              if decode_s > 0 and args.new > 1 else None),
+                             peak_gib=peak))
+            print(f"  {impl} generate batch {batch}: {rows[-1]['ms']:.0f} ms", flush=True)
+        model.train()
+        ids = torch.randint(config.vocab_size, (1, args.train_tokens), generator=gen)
+        ids = ids.to(device)
+
+        def step():
+            model(input_ids=ids, labels=ids).loss.backward()
+            model.zero_grad(set_to_none=True)
+
+        step_s, peak = _timed(step, args.reps, device)
+        rows.append(dict(task="train step", impl=impl, batch=1, tokens=args.train_tokens,
+                         ms=1e3 * step_s, tokens_s=args.train_tokens / step_s,
+                         peak_gib=peak))
+        print(f"  {impl} train step: {rows[-1]['ms']:.0f} ms", flush=True)
+    _ratios(rows)
+    return rows
+
+
+def _ratios(rows):
+    """x sdpa: each row's tokens/s over sdpa's in the same task and batch."""
+    sdpa = {(r["task"], r["batch"]): r["tokens_s"] for r in rows if r["impl"] == "sdpa"}
+    for r in rows:
+        base = sdpa.get((r["task"], r["batch"]))
+        r["vs_sdpa"] = r["tokens_s"] / base if base else None
+
+
+def markdown(rows) -> str:
+    lines = ["| task | impl | batch | ms | prefill ms | tokens/s | decode tokens/s "
+             "| peak GiB | x sdpa |", "|" + " --- |" * 9]
+    for r in rows:
+        cells = [r["task"], r["impl"], r["batch"], f"{r['ms']:.1f}",
+                 f"{r['prefill_ms']:.1f}" if "prefill_ms" in r else "-",
+                 f"{r['tokens_s']:.0f}",
+                 f"{r['decode_tokens_s']:.0f}" if r.get("decode_tokens_s") else "-",
+                 f"{r['peak_gib']:.2f}" if r["peak_gib"] is not None else "-",
+                 f"{r['vs_sdpa']:.2f}" if r["vs_sdpa"] else "-"]
+        lines.append("| " + " | ".join(str(c) for c in cells) + " |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    args = _parser().parse_args(argv)
+    import torch
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("flashtile bench hf: error: needs a CUDA device (torch sees none); "
+              "--device cpu runs a smoke test with a tiny model", file=sys.stderr)
+        return 2
+    for name in ("batches", "prompt", "new", "train_tokens", "reps"):
+        values = getattr(args, name)
+        if min(values if isinstance(values, list) else [values]) < 1:
+            print(f"flashtile bench hf: error: --{name.replace('_', '-')} must be >= 1, "
+                  f"got {values}", file=sys.stderr)
+            return 2
+    try:
+        import transformers
+    except ImportError:
+        transformers = None
+    from packaging import version
+    if transformers is None or version.parse(transformers.__version__) < version.parse(
+            MIN_TRANSFORMERS):
+        found = transformers.__version__ if transformers else "none"
+        print(f"flashtile bench hf: error: needs Hugging Face transformers >= "
+              f"{MIN_TRANSFORMERS} (from_config(dtype=), set_attn_implementation), found "
+              f"{found}: pip install -U 'flashtile[hf]'", file=sys.stderr)
+        return 2
+    from flashtile.bench import machine
+    argv = list(sys.argv[1:] if argv is None else argv)
+    rows = run(args)
+    print(markdown(rows))
+    info = machine.machine_info(args.device, "flashtile bench hf " + " ".join(argv))
+    info["transformers"] = transformers.__version__
+    with open(args.out, "w") as f:
+        json.dump(dict(info=info, settings=vars(args), rows=rows), f, indent=1)
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,3 @@
+"""Integrations of flashtile with other libraries, one module each, imported on demand:
+``flashtile.integrations.transformers`` (Hugging Face transformers' attention interface).
+Importing this package imports none of them."""

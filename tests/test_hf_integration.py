@@ -1,0 +1,585 @@
+"""flashtile.integrations.transformers: attn_implementation="flashtile" in Hugging Face
+transformers models gives what "sdpa" gives ("eager" for Gemma 2, whose softcap SDPA
+refuses): logits, gradients, greedy generate tokens, training losses.
+
+Tiny random-initialised models from transformers' own classes, float32, tolerances at a
+few float32 roundings (the attention is exact on both sides; the rest of the model is
+the same code). On CPU the cases run flashtile's torch backend; the ``triton`` fixture's
+cases run the Triton kernels (interpreted under TRITON_INTERPRET=1, as make test does).
+Each case also checks which flashtile function served it (``calls``), so a path that
+silently fell back elsewhere fails.
+"""
+
+import collections
+import json
+import os
+import sys
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import flashtile  # noqa: E402
+import flashtile.integrations.transformers as hf  # noqa: E402
+from packaging import version  # noqa: E402
+
+TF = version.parse(transformers.__version__)
+# From 4.53 transformers builds masks through AttentionMaskInterface; before, its models
+# hand every implementation but their own a 4-D mask, which flashtile reads as given.
+MASK_INTERFACE = TF >= version.parse("4.53")
+VOCAB, LENGTH = 101, 11  # a prime length: every tile boundary falls mid-sequence
+NEW = 7  # generated tokens: prompt and new tokens pass the sliding windows (5)
+COMMON = dict(vocab_size=VOCAB, hidden_size=48, intermediate_size=64, num_hidden_layers=2,
+              num_attention_heads=4, max_position_embeddings=64)
+
+
+def _llama():
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        **COMMON, num_key_value_heads=2, head_dim=12))
+
+
+def _mistral():  # every layer slides over 5 keys
+    return transformers.MistralForCausalLM(transformers.MistralConfig(
+        **COMMON, num_key_value_heads=2, head_dim=12, sliding_window=5))
+
+
+def _gemma2():  # alternating sliding and full layers, softcap 5 (it bites at these scales)
+    return transformers.Gemma2ForCausalLM(transformers.Gemma2Config(
+        **COMMON, num_key_value_heads=2, head_dim=12, sliding_window=5,
+        attn_logit_softcapping=5.0, query_pre_attn_scalar=10))
+
+
+def _gemma3():  # its own sliding/full layer pattern, no softcap
+    return transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(
+        **COMMON, num_key_value_heads=2, head_dim=12, sliding_window=5,
+        layer_types=["sliding_attention", "full_attention"]))
+
+
+def _qwen2():  # MQA; layer 1 slides (use_sliding_window from max_window_layers on)
+    return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(
+        **COMMON, num_key_value_heads=1, use_sliding_window=True, sliding_window=5,
+        max_window_layers=1))
+
+
+def _bert():  # bidirectional encoder; dropout off (flashtile has none)
+    return transformers.BertForMaskedLM(transformers.BertConfig(
+        **COMMON, attention_probs_dropout_prob=0.0, hidden_dropout_prob=0.0))
+
+
+# family: (model factory, reference attn_implementation). BERT's layers call the
+# attention interface from transformers 5.0 on (before, they ignore the name).
+FAMILIES = {"llama": (_llama, "sdpa"), "mistral": (_mistral, "sdpa"),
+            "gemma2": (_gemma2, "eager"), "gemma3": (_gemma3, "sdpa"),
+            "qwen2": (_qwen2, "sdpa"), "bert": (_bert, "sdpa")}
+ENCODERS = [pytest.param("bert", marks=pytest.mark.skipif(
+    TF < version.parse("5.0"), reason="BERT uses the attention interface from 5.0"))]
+DECODERS = ["llama", "mistral", "gemma2", "gemma3", "qwen2"]
+
+
+def _use(model, impl):
+    if hasattr(model, "set_attn_implementation"):
+        model.set_attn_implementation(impl)
+    else:  # transformers < 4.54
+        model.config._attn_implementation = impl
+    return model
+
+
+def _model(family, device):
+    torch.manual_seed(0)
+    make, ref = FAMILIES[family]
+    return make().to(device), ref
+
+
+def _batch(pad, device, batch=3, length=LENGTH):
+    ids = torch.randint(0, VOCAB, (batch, length))
+    mask = torch.ones(batch, length, dtype=torch.long)
+    if pad == "left":
+        mask[0, :4] = 0
+        mask[1, :1] = 0
+    elif pad == "right":
+        mask[0, 7:] = 0
+        mask[2, length - 1:] = 0
+    return ids.to(device), mask.to(device)
+
+
+def _assert_served(calls, want):
+    """The flashtile functions that served the attention calls: ``want``, or with
+    transformers < 4.53 the 4-D-mask path for every one of them."""
+    if not MASK_INTERFACE:
+        want = {"masked": sum(want.values())}
+    assert calls == want, dict(calls)
+
+
+def _grads(model):
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters()
+            if p.grad is not None}
+
+
+def _assert_grads_close(got, want):
+    assert got.keys() == want.keys()
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=2e-5, atol=2e-6,
+                                   msg=lambda m: f"{name}: {m}")
+
+
+@pytest.fixture(autouse=True)
+def _torch_backend_on_cpu(monkeypatch, on_gpu):
+    if not on_gpu:
+        monkeypatch.setenv("FLASHTILE_BACKEND", "torch")
+
+
+@pytest.fixture
+def triton(monkeypatch, on_gpu):
+    """The Triton kernels: on the GPU, or on CPU through the interpreter."""
+    if not on_gpu and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("Triton on CPU needs TRITON_INTERPRET=1 (set by make test)")
+    monkeypatch.setenv("FLASHTILE_BACKEND", "triton")
+
+
+@pytest.fixture
+def calls(monkeypatch):
+    """Counts of the flashtile functions the integration called."""
+    seen = collections.Counter()
+
+    def counted(name, fn):
+        def wrapper(*args, **kwargs):
+            seen[name] += 1
+            return fn(*args, **kwargs)
+        return wrapper
+
+    for name in ("flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache"):
+        monkeypatch.setattr(flashtile, name, counted(name, getattr(flashtile, name)))
+    monkeypatch.setattr(hf, "_masked", counted("masked", hf._masked))
+    return seen
+
+
+def _forward_backward(model, impl, ids, mask, **kwargs):
+    """Logits and parameter gradients of a cross-entropy over the real tokens."""
+    _use(model, impl)
+    model.zero_grad(set_to_none=True)
+    logits = model(input_ids=ids, attention_mask=mask, **kwargs).logits
+    real = mask.bool() if mask is not None else torch.ones_like(ids, dtype=torch.bool)
+    labels = torch.roll(ids, -1, dims=1)
+    torch.nn.functional.cross_entropy(logits[real], labels[real]).backward()
+    return logits.detach(), _grads(model)
+
+
+def _check_forward_backward(family, pad, device, calls):
+    model, ref = _model(family, device)
+    ids, mask = _batch(pad, device)
+    want_logits, want_grads = _forward_backward(model, ref, ids, mask)
+    calls.clear()
+    logits, grads = _forward_backward(model, "flashtile", ids, mask)
+    real = mask.bool()
+    torch.testing.assert_close(logits[real], want_logits[real], rtol=1e-5, atol=1e-5)
+    _assert_grads_close(grads, want_grads)
+    # No padding: the dense kernel; padding: unpadded to varlen, never a mask tensor.
+    served = "flash_attn_func" if pad == "none" else "flash_attn_varlen_func"
+    _assert_served(calls, {served: COMMON["num_hidden_layers"]})
+
+
+@pytest.mark.parametrize("pad", ["none", "left", "right"])
+@pytest.mark.parametrize("family", DECODERS + ENCODERS)
+def test_logits_and_grads_equal_reference(family, pad, device, calls):
+    _check_forward_backward(family, pad, device, calls)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2"] + ENCODERS)
+def test_logits_and_grads_triton(family, device, calls, triton):
+    _check_forward_backward(family, "right" if family == "bert" else "left", device, calls)
+
+
+@pytest.mark.skipif(not MASK_INTERFACE, reason="transformers < 4.53 detects packed "
+                    "sequences for flash_attention_2 only")
+@pytest.mark.parametrize("family", DECODERS)
+def test_packed_position_ids(family, device, calls):
+    """Sequences packed in one row, position_ids restarting at 0: varlen over cu_seqlens,
+    each sequence attending only to itself (as if run alone)."""
+    model, ref = _model(family, device)
+    ids = torch.randint(0, VOCAB, (1, 12), device=device)
+    lengths = [5, 6, 1]
+    pos = torch.cat([torch.arange(n) for n in lengths])[None].to(device)
+    kw = dict(position_ids=pos, use_cache=False)
+    want_logits, want_grads = _forward_backward(model, ref, ids, None, **kw)
+    calls.clear()
+    logits, grads = _forward_backward(model, "flashtile", ids, None, **kw)
+    torch.testing.assert_close(logits, want_logits, rtol=1e-5, atol=1e-5)
+    _assert_grads_close(grads, want_grads)
+    _assert_served(calls, {"flash_attn_varlen_func": COMMON["num_hidden_layers"]})
+    with torch.no_grad():
+        alone = [model(input_ids=part, use_cache=False).logits
+                 for part in ids.split(lengths, dim=1)]
+    torch.testing.assert_close(logits, torch.cat(alone, 1), rtol=1e-5, atol=1e-5)
+
+
+def _generate(model, impl, ids, mask, **kwargs):
+    _use(model, impl)
+    with torch.no_grad():
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=NEW,
+                             do_sample=False, pad_token_id=0, **kwargs)
+    return out[:, ids.shape[1]:]
+
+
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+@pytest.mark.parametrize("family", DECODERS)
+def test_generate_left_padded(family, cache, device, calls):
+    if family.startswith("gemma") and cache == "static" and TF < version.parse("4.53"):
+        pytest.skip("transformers < 4.53: its own Gemma 2/3 reference fails this case")
+    """Greedy tokens past the sliding windows: prefill unpadded to varlen, decode
+    steps reading the padding mask in the kernel (static: the unfilled slots too), or
+    the decode kernel where a window already leaves the padding out."""
+    model, ref = _model(family, device)
+    model.eval()
+    ids, mask = _batch("left", device)
+    kw = {} if cache == "dynamic" else dict(cache_implementation="static")
+    want = _generate(model, ref, ids, mask, **kw)
+    calls.clear()
+    got = _generate(model, "flashtile", ids, mask, **kw)
+    assert torch.equal(got, want), (got, want)
+    layers = COMMON["num_hidden_layers"]
+    if not MASK_INTERFACE:
+        assert calls == {"masked": NEW * layers}, dict(calls)
+        return
+    assert calls["flash_attn_varlen_func"] == layers, dict(calls)
+    assert calls["masked"] + calls["flash_attn_with_kvcache"] == (NEW - 1) * layers, \
+        dict(calls)
+
+
+def test_generate_unpadded_decodes_with_kvcache(device, calls):
+    """No padding: the prefill is flash_attn_func and each decode step the split-KV
+    decode kernel (flash_attn_with_kvcache) over the cache, its sliding window too."""
+    model, ref = _model("mistral", device)
+    model.eval()
+    ids, mask = _batch("none", device)
+    want = _generate(model, ref, ids, mask)
+    calls.clear()
+    got = _generate(model, "flashtile", ids, mask)
+    assert torch.equal(got, want), (got, want)
+    layers = COMMON["num_hidden_layers"]
+    _assert_served(calls, {"flash_attn_func": layers,
+                           "flash_attn_with_kvcache": (NEW - 1) * layers})
+
+
+@pytest.mark.parametrize("family,pad", [("mistral", "none"), ("mistral", "left"),
+                                        ("gemma2", "none")])
+def test_generate_triton(family, pad, device, calls, triton):
+    """The decode kernel with a window (Mistral) and softcap (Gemma 2), the prefill
+    kernel under a padding mask."""
+    model, ref = _model(family, device)
+    model.eval()
+    ids, mask = _batch(pad, device)
+    want = _generate(model, ref, ids, mask)
+    got = _generate(model, "flashtile", ids, mask)
+    assert torch.equal(got, want), (got, want)
+
+
+@pytest.mark.parametrize("family", ["llama"] + ENCODERS)
+def test_training_steps(family, device):
+    """Three AdamW steps on right-padded batches: the same losses and weights."""
+    losses, weights, lr = {}, {}, 1e-2
+    for impl in ("sdpa", "flashtile"):
+        model, _ = _model(family, device)
+        _use(model, impl).train()
+        opt = torch.optim.AdamW(model.parameters(), lr=lr)
+        torch.manual_seed(1)
+        losses[impl] = []
+        for _ in range(3):
+            ids, mask = _batch("right", device)
+            labels = ids.masked_fill(mask == 0, -100)
+            loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses[impl].append(loss.item())
+        weights[impl] = torch.cat([p.detach().flatten() for p in model.parameters()])
+    assert losses["flashtile"] == pytest.approx(losses["sdpa"], rel=1e-5)
+    # Adam divides each gradient by its running RMS: where a gradient is ~0, float32
+    # rounding moves that weight by up to lr per step, so the bound is a fraction of lr.
+    torch.testing.assert_close(weights["flashtile"], weights["sdpa"], rtol=0, atol=1e-2 * lr)
+
+
+@pytest.mark.parametrize("family,pad", [("llama", "none"), ("mistral", "left")])
+def test_compiled_training_step(family, pad, device):
+    """torch.compile(fullgraph=True) of forward and backward: no graph break (mask
+    creation included), the eager reference's logits and gradients."""
+    model, ref = _model(family, device)
+    ids, mask = _batch(pad, device)
+    want_logits, want_grads = _forward_backward(model, ref, ids, mask, use_cache=False)
+    _use(model, "flashtile")
+    torch._dynamo.reset()
+    step = torch.compile(lambda i, m: model(input_ids=i, attention_mask=m,
+                                            use_cache=False).logits,
+                         backend="aot_eager", fullgraph=True)
+    model.zero_grad(set_to_none=True)
+    logits = step(ids, mask)
+    real = mask.bool()
+    torch.nn.functional.cross_entropy(logits[real], torch.roll(ids, -1, 1)[real]).backward()
+    torch.testing.assert_close(logits.detach()[real], want_logits[real], rtol=1e-5,
+                               atol=1e-5)
+    _assert_grads_close(_grads(model), want_grads)
+
+
+def test_compiled_generate_static_cache(device):
+    """generate's own compilation of the decode step (static cache)."""
+    config_cls = getattr(transformers, "CompileConfig", None)
+    if config_cls is None or not hasattr(config_cls, "_compile_all_devices"):
+        pytest.skip("this transformers cannot compile generate on every device")
+    model, ref = _model("llama", device)
+    model.eval()
+    ids, mask = _batch("left", device)
+    want = _generate(model, ref, ids, mask, cache_implementation="static")
+    compile_config = config_cls(backend="aot_eager", mode=None)
+    compile_config._compile_all_devices = True
+    torch._dynamo.reset()
+    got = _generate(model, "flashtile", ids, mask, cache_implementation="static",
+                    compile_config=compile_config)
+    assert torch.equal(got, want), (got, want)
+
+
+@pytest.mark.skipif(TF < version.parse("5.0"), reason="generate_batch's paged API of 5.x")
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
+def test_generate_batch(family, device, calls):
+    """Continuous batching (a paged cache): the greedy tokens of generate, per request."""
+    model, ref = _model(family, device)
+    model.eval()
+    prompts = [torch.randint(0, VOCAB, (n,)).tolist() for n in (5, 9, 3)]
+    want = [_generate(model, ref, torch.tensor([p], device=device), None)[0].tolist()
+            for p in prompts]
+    _use(model, "flashtile")
+    config = transformers.GenerationConfig(max_new_tokens=NEW, do_sample=False,
+                                           eos_token_id=-1, pad_token_id=0)
+    calls.clear()
+    out = model.generate_batch(prompts, generation_config=config)
+    got = [out[k].generated_tokens for k in sorted(out, key=lambda k: int(k.split("_")[-1]))]
+    assert got == want
+    assert set(calls) == {"flash_attn_varlen_func"}, dict(calls)
+
+
+@pytest.mark.skipif(TF < version.parse("4.57"), reason="BART calls the attention "
+                    "interface in 4.57 (not yet in 4.51)")
+def test_encoder_decoder_cross_attention(device, calls):
+    """BART: a padded encoder, the decoder's cross-attention over its real tokens
+    (every decoder query sees them: no causality across the two), greedy generate."""
+    torch.manual_seed(0)
+    model = transformers.BartForConditionalGeneration(transformers.BartConfig(
+        vocab_size=VOCAB, d_model=48, encoder_layers=2, decoder_layers=2,
+        encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=64,
+        decoder_ffn_dim=64, max_position_embeddings=64, dropout=0.0,
+        attention_dropout=0.0, activation_dropout=0.0)).to(device).eval()
+    ids, mask = _batch("left", device)
+    decoder_ids = torch.randint(0, VOCAB, (3, 6), device=device)
+    out = {}
+    for impl in ("sdpa", "flashtile"):
+        _use(model, impl)
+        calls.clear()
+        with torch.no_grad():
+            logits = model(input_ids=ids, attention_mask=mask,
+                           decoder_input_ids=decoder_ids).logits
+        out[impl] = logits, _generate(model, impl, ids, mask, num_beams=1)
+    torch.testing.assert_close(out["flashtile"][0], out["sdpa"][0], rtol=1e-5, atol=1e-5)
+    assert torch.equal(out["flashtile"][1], out["sdpa"][1])
+    if TF >= version.parse("5.0"):  # 4.57's BART builds 4-D masks itself
+        assert calls["flash_attn_varlen_func"] > 0 and calls["masked"] > 0, dict(calls)
+
+
+def test_given_cu_seqlens(device, calls):
+    """cu_seq_lens_q/k and max_length_q/k from the caller (DataCollatorWithFlattening's
+    return_flash_attn_kwargs=True) are used as given."""
+    model, _ = _model("llama", device)
+    model.eval()
+    _use(model, "flashtile")
+    lengths = [4, 7]
+    ids = torch.randint(0, VOCAB, (1, sum(lengths)), device=device)
+    cu = torch.tensor([0, 4, 11], dtype=torch.int32, device=device)
+    pos = torch.cat([torch.arange(n) for n in lengths])[None].to(device)
+    with torch.no_grad():
+        got = model(input_ids=ids, position_ids=pos, cu_seq_lens_q=cu, cu_seq_lens_k=cu,
+                    max_length_q=7, max_length_k=7, use_cache=False).logits
+        alone = torch.cat([model(input_ids=p, use_cache=False).logits
+                           for p in ids.split(lengths, dim=1)], 1)
+    torch.testing.assert_close(got, alone, rtol=1e-5, atol=1e-5)
+    assert calls["flash_attn_varlen_func"] == COMMON["num_hidden_layers"]
+
+
+def _module(is_causal=True):
+    return torch.nn.Module() if is_causal is None else type(
+        "Attn", (torch.nn.Module,), {"is_causal": is_causal})()
+
+
+def _sdpa_ref(q, k, v, causal, scale=None):
+    rep = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+    sq, sk = q.shape[2], k.shape[2]
+    keep = (torch.ones(sq, sk, dtype=torch.bool, device=q.device).tril(sk - sq)
+            if causal else None)
+    return torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, attn_mask=keep, scale=scale).transpose(1, 2)
+
+
+def test_padded_generate_batch_rows(device):
+    """generate_batch pads q and k for its CUDA graphs past the last sequence, its
+    cu_seq_lens plateauing there: the real rows are unaffected."""
+    torch.manual_seed(0)
+    q = torch.randn(1, 4, 9, 16, device=device)  # 5 + 3 real tokens, 1 padding row
+    k, v = (torch.randn(1, 2, 12, 16, device=device) for _ in range(2))  # 5 + 6, 1 pad
+    cu_q = torch.tensor([0, 5, 8, 8], device=device)
+    cu_k = torch.tensor([0, 5, 11, 11], device=device)
+    out, _ = hf.attention_forward(_module(), q, k, v, None, cu_seq_lens_q=cu_q,
+                                  cu_seq_lens_k=cu_k, max_length_q=5, max_length_k=6)
+    want = torch.cat([_sdpa_ref(q[:, :, :5], k[:, :, :5], v[:, :, :5], True),
+                      _sdpa_ref(q[:, :, 5:8], k[:, :, 5:11], v[:, :, 5:11], True)], 1)
+    torch.testing.assert_close(out[:, :8], want, rtol=1e-5, atol=1e-6)
+
+
+def test_smaller_value_head_dim(device):
+    """MLA-style value head_dim below the query's: zero-padded, then cropped."""
+    torch.manual_seed(0)
+    q, k = torch.randn(2, 4, 7, 24, device=device), torch.randn(2, 2, 7, 24, device=device)
+    v = torch.randn(2, 2, 7, 16, device=device)
+    out, weights = hf.attention_forward(_module(), q, k, v, None, scaling=0.3)
+    assert weights is None and out.shape == (2, 7, 4, 16)
+    torch.testing.assert_close(out, _sdpa_ref(q, k, v, True, scale=0.3), rtol=1e-5,
+                               atol=1e-6)
+
+
+def test_user_4d_mask(device, calls):
+    """A 4-D mask the caller builds is read as given, tile by tile."""
+    model, _ = _model("llama", device)
+    model.eval()
+    ids, _ = _batch("none", device, batch=2)
+    keep = torch.rand(2, 1, LENGTH, LENGTH, device=device) > 0.3
+    keep |= torch.eye(LENGTH, dtype=torch.bool, device=device)
+    mask = torch.zeros(keep.shape, device=device).masked_fill(~keep, torch.finfo().min)
+    out = {}
+    for impl in ("sdpa", "flashtile"):
+        _use(model, impl)
+        with torch.no_grad():
+            out[impl] = model(input_ids=ids, attention_mask=mask).logits
+    torch.testing.assert_close(out["flashtile"], out["sdpa"], rtol=1e-5, atol=1e-5)
+    _assert_served(calls, {"masked": COMMON["num_hidden_layers"]})
+
+
+@pytest.fixture
+def masking():
+    if TF < version.parse("4.53"):
+        pytest.skip("AttentionMaskInterface came with transformers 4.53")
+    from transformers import masking_utils
+    return masking_utils
+
+
+def _positions(masking, q_length, q_offset=0):
+    import inspect
+    if "q_length" in inspect.signature(masking.sdpa_mask).parameters:
+        return dict(q_length=q_length, q_offset=q_offset)
+    return dict(cache_position=torch.arange(q_offset, q_offset + q_length))
+
+
+def test_mask_forms(masking):
+    """build_mask: None without padding, the 2-D mask with it, cu_seqlens for packed
+    sequences, the buffer's filled part for a static cache without a mask."""
+    causal = masking.causal_mask_function
+    pos = _positions(masking, 6)
+    full = torch.ones(2, 6, dtype=torch.bool)
+    assert hf.build_mask(batch_size=2, kv_length=6, mask_function=causal,
+                         attention_mask=full, **pos) is None
+    padded = full.clone()
+    padded[0, :2] = False
+    assert torch.equal(hf.build_mask(batch_size=2, kv_length=6, mask_function=causal,
+                                     attention_mask=padded, **pos), padded)
+    # a sliding layer's keys are the last kv_length positions of the mask
+    assert torch.equal(hf.build_mask(batch_size=2, kv_length=5, mask_function=causal,
+                                     attention_mask=padded, **pos), padded[:, -5:])
+    segments = torch.tensor([[0, 0, 1, 1, 1, 2], [0, 0, 0, 0, 1, 1]])
+    packed = masking.and_masks(causal, masking.packed_sequence_mask_function(segments))
+    cu = hf.build_mask(batch_size=2, kv_length=6, mask_function=packed, **pos)
+    assert cu.dtype == torch.int32 and cu.tolist() == [0, 2, 5, 6, 10, 12]
+    static = hf.build_mask(batch_size=2, kv_length=16, mask_function=causal,
+                           **_positions(masking, 1, q_offset=torch.tensor(6)))
+    assert torch.equal(static, torch.ones(2, 7, dtype=torch.bool))
+
+
+def test_unknown_mask_pattern_is_materialised(masking):
+    """A pattern outside causal/bidirectional/window/packed (here: every query also sees
+    key 0) becomes transformers' own 4-D mask."""
+    def sink(batch_idx, head_idx, q_idx, kv_idx):
+        return kv_idx == 0
+
+    fn = masking.or_masks(masking.sliding_window_causal_mask_function(2), sink)
+    pos = _positions(masking, 6)
+    got = hf.build_mask(batch_size=2, kv_length=6, mask_function=fn, **pos)
+    want = masking.sdpa_mask(batch_size=2, kv_length=6, mask_function=fn,
+                             allow_is_causal_skip=False, **pos)
+    assert got.dim() == 4 and torch.equal(got, want)
+
+
+def test_from_pretrained(tmp_path, device):
+    """attn_implementation="flashtile" at load time; set_attn_implementation after."""
+    model, _ = _model("llama", device)
+    model.save_pretrained(tmp_path)
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path, attn_implementation="flashtile").to(device).eval()
+    assert loaded.config._attn_implementation == "flashtile"
+    ids, mask = _batch("left", device)
+    with torch.no_grad():
+        got = loaded(input_ids=ids, attention_mask=mask).logits
+        want = _use(model.eval(), "sdpa")(input_ids=ids, attention_mask=mask).logits
+    torch.testing.assert_close(got[mask.bool()], want[mask.bool()], rtol=1e-5, atol=1e-5)
+    assert hf.register() == "flashtile"  # idempotent
+
+
+def test_dropout_is_refused(device):
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        **COMMON, num_key_value_heads=2, attention_dropout=0.1)).to(device)
+    _use(model, "flashtile").train()
+    ids, mask = _batch("none", device)
+    with pytest.raises(NotImplementedError, match="attention dropout.*attention_dropout=0.0"):
+        model(input_ids=ids, attention_mask=mask)
+    model.eval()  # transformers passes dropout 0.0 outside training
+    model(input_ids=ids, attention_mask=mask)
+
+
+@pytest.mark.parametrize("name", ["s_aux", "position_bias", "head_mask", "block_table"])
+def test_unsupported_arguments_are_refused(name):
+    q = torch.randn(1, 2, 3, 8)
+    with pytest.raises(NotImplementedError, match=name):
+        hf.attention_forward(_module(), q, q, q, None, **{name: torch.zeros(2)})
+
+
+def test_mask_wider_than_keys_is_refused():
+    q = torch.randn(1, 2, 3, 8)
+    with pytest.raises(ValueError, match=r"attention_mask.shape\[1\]: expected at most"):
+        hf.attention_forward(_module(), q, q, q, torch.ones(1, 4, dtype=torch.bool))
+
+
+def test_old_or_missing_transformers(monkeypatch):
+    # sys.modules' entry, not the module imported above: transformers replaces its
+    # lazy module object there (save_pretrained does, for one).
+    monkeypatch.setattr(sys.modules["transformers"], "__version__", "4.50.0")
+    with pytest.raises(ImportError, match=r"transformers >= 4\.51 .* got 4\.50\.0"):
+        hf.register()
+    monkeypatch.setitem(sys.modules, "transformers", None)
+    with pytest.raises(ImportError, match=r"pip install 'flashtile\[hf\]'"):
+        hf.register()
+
+
+@pytest.mark.skipif(TF < version.parse("4.56"), reason="flashtile bench hf needs 4.56")
+def test_bench_hf_smoke(tmp_path):
+    from flashtile.cli import main
+    out = tmp_path / "hf.json"
+    assert main(["bench", "hf", "--device", "cpu", "--batches", "2", "--prompt", "8",
+                 "--new", "2", "--train-tokens", "8", "--reps", "1",
+                 "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert {(r["task"], r["impl"]) for r in rows} == {
+        (task, impl) for task in ("generate", "train step")
+        for impl in ("flashtile", "sdpa", "eager")}
+    assert all(r["tokens_s"] > 0 for r in rows)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA message")
+def test_bench_hf_needs_cuda(capsys):
+    from flashtile.bench.hf import main
+    assert main([]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "needs a CUDA device" in err
