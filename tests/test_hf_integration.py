@@ -22,6 +22,7 @@ transformers = pytest.importorskip("transformers")
 
 import flashtile  # noqa: E402
 import flashtile.integrations.transformers as hf  # noqa: E402
+import flashtile.integrations.transformers.attention as hf_attention  # noqa: E402
 from packaging import version  # noqa: E402
 
 TF = version.parse(transformers.__version__)
@@ -150,7 +151,7 @@ def calls(monkeypatch):
 
     for name in ("flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache"):
         monkeypatch.setattr(flashtile, name, counted(name, getattr(flashtile, name)))
-    monkeypatch.setattr(hf, "_masked", counted("masked", hf._masked))
+    monkeypatch.setattr(hf_attention, "_masked", counted("masked", hf_attention._masked))
     return seen
 
 
