@@ -187,7 +187,7 @@ def test_cli_dispatches_bench_throughput(monkeypatch, tmp_path, capsys):
 def test_throughput_compile_hook_prints_the_specialisation(capsys):
     """The hook is called as Triton 3.6's JITFunction._call_hook calls it (keywords only);
     each argument shows its specialisation: D (16-byte divisible) or a constant."""
-    from flashtile.bench.throughput import _print_compile
+    from flashtile.bench.throughput_runs import _print_compile
     _print_compile(key="k", repr="_kernel[num_warps=4](Q: ()", fn=None, compile=dict(
         key="k", signature={"Q": "*bf16", "n": "i32", "one": "constexpr", "B": "constexpr"},
         configs=[{(0,): [["tt.divisibility", 16]]}], constants={(2,): 1, (3,): 64},

@@ -8,7 +8,8 @@ shapes with random weights (``load_format="dummy"``), so nothing is downloaded.
 
 Each provider runs in a fresh subprocess (the engine sizes its KV pool from the device's free
 memory, and CUDA graphs keep their memory pool): the parent writes the model's config.json, starts
-``python -m flashtile.bench.throughput --one PROVIDER ...`` and reads one JSON line back.
+``python -m flashtile.bench.throughput --one PROVIDER ...`` (throughput_runs.py) and reads one
+JSON line back.
 
 Providers:
     engine-flashtile-graphs   the engine, flashtile attention, decode in CUDA graphs
@@ -27,13 +28,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import os
 import random
 import subprocess
 import sys
 import tempfile
-import time
 
 PRESETS = {
     # Real shapes of public checkpoints (their config.json values), random weights.
@@ -109,215 +108,6 @@ def roofline_seconds(cfg, requests, copy_gbs, matmul_tflops, max_num_seqs, dtype
             seq[1] += 1
         live = [s for s in live if s[1] < s[2]]
     return seconds
-
-
-def _print_compile(repr, compile, **_):
-    """Triton's post-compile hook: the kernel and its specialisation, one line (Triton
-    3.6's own ``repr`` lists the first argument only): each argument with what Triton
-    specialised it on, D for 16-byte divisible, =value for a constant (an int equal to 1
-    becomes one), which is what a warm-up must reproduce."""
-    signature, configs, constants = (compile[k] for k in ("signature", "configs",
-                                                          "constants"))
-    spec = []
-    for i, (name, ty) in enumerate(signature.items()):
-        if ty == "constexpr":
-            spec.append(f"{name}={constants.get((i,))}")
-        else:
-            divisible = any(a[0] == "tt.divisibility" for a in configs[0].get((i,), ()))
-            spec.append(f"{name}:{ty}{':D' if divisible else ''}")
-    print(f"compiling (Triton) {repr.split('(')[0]}({', '.join(spec)})", file=sys.stderr,
-          flush=True)
-
-
-class _StepTrace:
-    """Where a run's time goes, without slowing it: CUDA events before and after each
-    launched step (no host wait), read once the run is over. A step's GPU span runs from
-    its first event to its last; the gap before it is time the GPU waited for the host.
-    Steps are grouped by kind: pure decode of B sequences (by B's power of two) or a step
-    with prompt tokens."""
-
-    def __init__(self, runner):
-        import torch
-        self.steps, self._launch = [], runner.launch
-
-        def launch(scheduled):
-            start = torch.cuda.Event(enable_timing=True)
-            end = torch.cuda.Event(enable_timing=True)
-            t0 = time.perf_counter()
-            start.record()
-            step = self._launch(scheduled)
-            end.record()
-            tokens = sum(n for _, n in scheduled)
-            self.steps.append((len(scheduled), tokens, start, end,
-                               time.perf_counter() - t0))
-            return step
-        runner.launch = launch
-
-    def summary(self) -> dict:
-        kinds = {}
-        prev_end = None
-        for bs, tokens, start, end, host in self.steps:
-            kind = (f"decode<={1 << (bs - 1).bit_length()}" if tokens == bs
-                    else "with prompt tokens")
-            k = kinds.setdefault(kind, dict(steps=0, gpu_ms=0.0, idle_ms=0.0, launch_ms=0.0))
-            k["steps"] += 1
-            k["gpu_ms"] += start.elapsed_time(end)
-            k["idle_ms"] += max(prev_end.elapsed_time(start), 0.0) if prev_end else 0.0
-            k["launch_ms"] += 1e3 * host
-            prev_end = end
-        return kinds
-
-
-def _engine(args, cfg, requests, backend, eager):
-    from flashtile.engine import LLM, SamplingParams
-    import torch
-    llm = LLM(model=args.model_dir, dtype="bfloat16", load_format="dummy",
-              attention_backend=backend, enforce_eager=eager, max_num_seqs=args.max_num_seqs,
-              max_model_len=2 * args.max_len + 16, seed=0)
-    params = [SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=n)
-              for _, n in requests]
-    prompts = [p for p, _ in requests]
-    llm.generate(prompts[:2], params[:2], use_tqdm=False)  # warm-up (compiles, graphs)
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    # Any kernel compiled from here on is paid inside the timing: name it (on stderr, which
-    # the parent shows), so the warm-up can be made to cover it.
-    logging.basicConfig(format="%(name)s %(levelname)s: %(message)s")
-    logging.getLogger("flashtile").setLevel(logging.INFO)
-    import triton
-    triton.knobs.runtime.jit_post_compile_hook = _print_compile
-    print("TIMED RUN STARTS", file=sys.stderr, flush=True)
-    profiler = None
-    if args.profile:  # the run's numbers then include cProfile's overhead: marked profiled
-        import cProfile
-        profiler = cProfile.Profile()
-        profiler.enable()
-    trace = _StepTrace(llm.runner) if args.trace else None
-    start = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    torch.cuda.synchronize()
-    wall = time.perf_counter() - start
-    if profiler is not None:
-        import pstats
-        profiler.disable()
-        with open(f"{args.profile}-{args.one}.txt", "w") as f:
-            pstats.Stats(profiler, stream=f).sort_stats("tottime").print_stats(40)
-    produced = sum(len(o.outputs[0].token_ids) for o in outs)
-    return dict(wall_s=wall, output_tokens=produced, profiled=bool(args.profile),
-                peak_gib=torch.cuda.max_memory_allocated() / 2**30,
-                trace=trace.summary() if trace else None)
-
-
-def _decode_steps(args, cfg):
-    """One decode step of B sequences with --context keys each, against the bytes it must
-    read (every weight once, every live key and value once) at the copy bandwidth.
-
-    Timed two ways: the whole engine step as the engine runs it (inputs, graph replay,
-    logits, sampling, reading the tokens back), and the forward alone (CUDA events around
-    the graph replay). The pool's keys are zeros: the timing does not depend on them.
-    """
-    import torch
-    from flashtile.engine import LLM, SamplingParams
-    from flashtile.engine.sequence import Sequence
-    sizes = args.decode_batches
-    llm = LLM(model=args.model_dir, dtype="bfloat16", load_format="dummy",
-              max_num_seqs=max(sizes), max_model_len=args.context + 16, seed=0)
-    runner, blocks = llm.runner, llm.block_manager
-    weight_bytes = sum(p.numel() * p.element_size() for p in
-                       {id(p): p for p in runner.model.parameters()}.values())
-    rows = []
-    for bs in sizes:
-        seqs = [Sequence(torch.randint(cfg["vocab_size"], (args.context,)).tolist(),
-                         SamplingParams(temperature=0.0, max_tokens=1)) for _ in range(bs)]
-        for seq in seqs:
-            if not blocks.allocate(seq):
-                raise RuntimeError(f"the pool cannot hold {bs} x {args.context} tokens")
-            seq.num_computed_tokens = args.context - 1  # as if prefilled: decode the last
-        scheduled = [(seq, 1) for seq in seqs]
-        step_ms, fwd_ms = [], []
-        for i in range(args.decode_reps + 5):
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            runner.execute(scheduled)  # ends by reading the sampled ids: synchronous
-            step = time.perf_counter() - t0
-            inputs = runner.prepare(scheduled)
-            ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
-            ev[0].record()
-            runner.forward(inputs)
-            ev[1].record()
-            torch.cuda.synchronize()
-            if i >= 5:
-                step_ms.append(1e3 * step)
-                fwd_ms.append(ev[0].elapsed_time(ev[1]))
-        for seq in seqs:
-            blocks.free(seq)
-        kv = bs * args.context * kv_bytes_per_token(cfg)
-        floor_ms = 1e3 * (weight_bytes + kv) / (args.copy_gbs * 1e9)
-        step, fwd = sorted(step_ms)[len(step_ms) // 2], sorted(fwd_ms)[len(fwd_ms) // 2]
-        rows.append(dict(batch=bs, context=args.context, weight_gb=weight_bytes / 1e9,
-                         kv_gb=kv / 1e9, floor_ms=floor_ms, step_ms=step, forward_ms=fwd,
-                         step_frac=floor_ms / step, forward_frac=floor_ms / fwd))
-    return rows
-
-
-def _hf_model(args, cfg):
-    import torch
-    import transformers
-    config = transformers.AutoConfig.from_pretrained(args.model_dir)
-    with torch.device("cuda"):
-        model = transformers.AutoModelForCausalLM.from_config(
-            config, dtype=torch.bfloat16, attn_implementation=args.hf_attn)
-    return model.eval()
-
-
-def _hf(args, cfg, requests, batched):
-    import torch
-    import transformers
-    model = _hf_model(args, cfg)
-    requests = requests[:args.hf_requests]  # transformers is slow: a stated subset
-    torch.cuda.reset_peak_memory_stats()
-    produced = 0
-    start = time.perf_counter()
-    if batched:
-        gen = transformers.GenerationConfig(max_new_tokens=max(n for _, n in requests),
-                                            do_sample=False, eos_token_id=None,
-                                            pad_token_id=0)
-        outs = model.generate_batch([p for p, _ in requests], generation_config=gen)
-        produced = sum(len(o.generated_tokens) for o in outs.values())
-    else:
-        for i in range(0, len(requests), args.hf_batch):
-            chunk = requests[i:i + args.hf_batch]
-            width = max(len(p) for p, _ in chunk)
-            ids = torch.tensor([[0] * (width - len(p)) + p for p, _ in chunk], device="cuda")
-            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p, _ in chunk],
-                                device="cuda")
-            new = max(n for _, n in chunk)  # a static batch runs to its longest request
-            model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new,
-                           min_new_tokens=new, do_sample=False, pad_token_id=0)
-            produced += sum(n for _, n in chunk)  # only the tokens each request asked for
-    torch.cuda.synchronize()
-    return dict(wall_s=time.perf_counter() - start, output_tokens=produced,
-                requests=len(requests), peak_gib=torch.cuda.max_memory_allocated() / 2**30)
-
-
-def run_one(args):
-    with open(os.path.join(args.model_dir, "config.json")) as f:
-        cfg = json.load(f)
-    requests = workload(args.num_requests, args.min_len, args.max_len, cfg["vocab_size"],
-                        args.seed)
-    p = args.one
-    if p == "decode-step":
-        print("RESULT " + json.dumps(_decode_steps(args, cfg)), flush=True)
-        return
-    if p.startswith("hf-"):
-        res = _hf(args, cfg, requests, batched=p == "hf-generate-batch")
-    else:
-        backend = {"engine-naive": "naive", "engine-sdpa": "sdpa"}.get(p, "flashtile")
-        res = _engine(args, cfg, requests, backend, eager=p == "engine-flashtile-eager")
-        res["requests"] = len(requests)
-    n = res["requests"]
-    res["input_tokens"] = sum(len(q) for q, _ in requests[:n])
-    print("RESULT " + json.dumps(res), flush=True)
 
 
 def _row(model, provider, res, roofline):
@@ -424,6 +214,7 @@ def main(argv=None):
     p.add_argument("--model-dir", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.one:
+        from flashtile.bench.throughput_runs import run_one
         return run_one(args)
     if args.decode_step:
         return _decode_step_table(args, argv)
