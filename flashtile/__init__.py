@@ -12,6 +12,7 @@ from flashtile.interface import (
     flash_attn_varlen_qkvpacked_func,
     scaled_dot_product_attention,
 )
+from flashtile._validate import set_index_checks
 from flashtile.merge import merge_attention_states
 
 __version__ = "0.1.0"
@@ -25,6 +26,7 @@ __all__ = [
     "flash_attn_with_kvcache",
     "merge_attention_states",
     "scaled_dot_product_attention",
+    "set_index_checks",
 ]
 
 logging.getLogger("flashtile").addHandler(logging.NullHandler())

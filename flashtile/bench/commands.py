@@ -160,8 +160,8 @@ def add_bench(commands):
         "bench", help="TFLOP/s, time and memory of flashtile and its peers; JSON, "
         "markdown and plots (--accuracy: the precision table)",
         epilog="flashtile bench serve -h, flashtile bench throughput -h, flashtile bench "
-        "kv-waste -h: the engine's serving, offline and KV-memory benchmarks (options of "
-        "their own)")
+        "kv-waste -h: the engine's serving, offline and KV-memory benchmarks; flashtile "
+        "bench host -h: the host time of one eager call (options of their own)")
     _common(p)
     p.add_argument("--quick", action="store_true", help="a few small cells (< 1 min)")
     p.add_argument("--accuracy", action="store_true",
