@@ -69,16 +69,18 @@ def check_tensor(x, name, rank, offsets32=True):
         check_offsets(x, name)
 
 
-def check_qkv(q, k, v, names=("q", "k", "v")):
-    """q (b, sq, h, d), k/v (b, sk, hkv, d). Returns (b, sq, sk, h, hkv, d).
+def check_qkv(q, k, v, names=("q", "k", "v"), packed=False):
+    """q (b, sq, h, d), k/v (b, sk, hkv, d), or with ``packed`` (varlen) q (total_q, h,
+    d), k/v (total_k, hkv, d). Returns (b, sq, sk, h, hkv, d), b = 1 when packed.
 
     ``names`` are the caller's argument names, used in the messages (the SDPA drop-in
     passes ("query", "key", "value")).
     """
     qn, kn, vn = names
-    check_tensor(q, qn, 4)
-    check_tensor(k, kn, 4)
-    check_tensor(v, vn, 4)
+    rank = 3 if packed else 4
+    check_tensor(q, qn, rank)
+    check_tensor(k, kn, rank)
+    check_tensor(v, vn, rank)
     dtype, device = q.dtype, q.device
     for x, name in ((k, kn), (v, vn)):
         if x.dtype != dtype:
@@ -86,8 +88,11 @@ def check_qkv(q, k, v, names=("q", "k", "v")):
                   f"{qn}, {kn} and {vn} must share one dtype")
         if x.device != device:
             _fail(ValueError, f"{name}.device", f"{qn}'s device {device}", x.device)
-    b, sq, h, d = q.shape
-    kb, sk, hkv, kd = k_shape = k.shape
+    k_shape = k.shape
+    if packed:
+        (sq, h, d), (sk, hkv, kd), b, kb = q.shape, k_shape, 1, 1
+    else:
+        (b, sq, h, d), (kb, sk, hkv, kd) = q.shape, k_shape
     if k_shape != v.shape:
         _fail(ValueError, f"{vn}.shape", f"{kn}'s shape {tuple(k_shape)}", tuple(v.shape))
     if kb != b:
@@ -98,7 +103,7 @@ def check_qkv(q, k, v, names=("q", "k", "v")):
     if not 1 <= d <= MAX_HEAD_DIM:
         _fail(ValueError, f"{qn}.shape[-1] (head_dim)", f"1 to {MAX_HEAD_DIM}", d)
     if hkv == 0 or h % hkv != 0:
-        _fail(ValueError, f"{kn}.shape[2] (nheads_kv)",
+        _fail(ValueError, f"{kn}.shape[{rank - 2}] (nheads_kv)",
               f"a divisor of {qn}'s nheads {h} (GQA/MQA)", hkv)
     if b * h > MAX_GRID_Y:
         check_grid(b * h, device)
@@ -306,9 +311,7 @@ def check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
     shapes, dtypes and devices (the values are the kernels' to check, or
     ``check_varlen_values``'s where index checks are on). Returns (batch, h, hkv, d).
     """
-    for x, name in ((q, "q"), (k, "k"), (v, "v")):
-        check_tensor(x, name, 3)
-    _, _, _, h, hkv, d = check_qkv(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0))
+    _, _, _, h, hkv, d = check_qkv(q, k, v, packed=True)
     lengths = {}
     for cu, name, total, max_len, max_name in (
             (cu_seqlens_q, "cu_seqlens_q", q.shape[0], max_seqlen_q, "max_seqlen_q"),
@@ -388,7 +391,7 @@ def check_index_tensor(x, name, shape, device):
         _fail(TypeError, name, "an int32 torch.Tensor", type(x).__name__)
     if x.dtype != torch.int32:
         _fail(TypeError, f"{name}.dtype", "torch.int32", x.dtype)
-    if tuple(x.shape) != shape:
+    if x.shape != shape:
         _fail(ValueError, f"{name}.shape", shape, tuple(x.shape))
     if x.device != device:
         _fail(ValueError, f"{name}.device", f"q's device {device}", x.device)

@@ -96,6 +96,8 @@ def _kernel_ready(dout, out):
     32-bit offsets (a view into a larger gradient may reach further than ``out``)."""
     if dout is None:
         return out.new_zeros(out.shape)
+    if dout.is_contiguous():  # the usual case: reach = out's element count, checked
+        return dout
     if dout.stride(-1) != 1 or offset_reach(dout) > MAX_OFFSET:
         return dout.contiguous()
     return dout

@@ -28,23 +28,25 @@ def _check_cache(q, k_cache, v_cache, k, v, block_table, cache_seqlens, cache_ba
     tokens to append."""
     V.check_tensor(q, "q", 4)
     b, sq, h, d = q.shape
+    dtype, device = q.dtype, q.device
     for x, name in ((k_cache, "k_cache"), (v_cache, "v_cache")):
         # A paged pool's rows are addressed as int64 page * stride plus a small in-page
         # offset, so the pool may pass 2**31 elements; a contiguous cache's row offset
         # (position * stride) is 32-bit, so it may not.
         V.check_tensor(x, name, 4, offsets32=block_table is None)
-        if x.dtype != q.dtype:
-            V._fail(TypeError, f"{name}.dtype", f"q's dtype {q.dtype}", x.dtype)
-        if x.device != q.device:
-            V._fail(ValueError, f"{name}.device", f"q's device {q.device}", x.device)
-    if k_cache.shape != v_cache.shape:
-        V._fail(ValueError, "v_cache.shape", f"k_cache's {tuple(k_cache.shape)}",
+        if x.dtype != dtype:
+            V._fail(TypeError, f"{name}.dtype", f"q's dtype {dtype}", x.dtype)
+        if x.device != device:
+            V._fail(ValueError, f"{name}.device", f"q's device {device}", x.device)
+    cache_shape = k_cache.shape
+    if cache_shape != v_cache.shape:
+        V._fail(ValueError, "v_cache.shape", f"k_cache's {tuple(cache_shape)}",
               tuple(v_cache.shape))
-    hkv = k_cache.shape[2]
-    V.check_grid(b * hkv, q.device)
-    if k_cache.shape[3] != d:
+    hkv = cache_shape[2]
+    V.check_grid(b * hkv, device)
+    if cache_shape[3] != d:
         V._fail(ValueError, "k_cache.shape[-1] (head_dim)", f"q's head_dim {d}",
-              k_cache.shape[3])
+              cache_shape[3])
     if not 1 <= d <= V.MAX_HEAD_DIM:
         V._fail(ValueError, "q.shape[-1] (head_dim)", f"1 to {V.MAX_HEAD_DIM}", d)
     if hkv == 0 or h % hkv:
@@ -67,7 +69,10 @@ def _check_cache(q, k_cache, v_cache, k, v, block_table, cache_seqlens, cache_ba
         sn = k.shape[1]
 
     if block_table is not None:
-        V.check_page_size(k_cache.shape[1], "k_cache.shape[1] (page_size)")
+        V.check_page_size(cache_shape[1], "k_cache.shape[1] (page_size)")
+        if cache_shape[0] == 0 and b:
+            # The kernels read block 0 in place of a bad block-table entry.
+            V._fail(ValueError, "k_cache.shape[0] (num_blocks)", "at least 1 block", 0)
         if cache_batch_idx is not None:
             V._fail(ValueError, "cache_batch_idx", "None with a paged cache (block_table)",
                   "a tensor", "Each sequence's pages are already named by block_table")
@@ -75,17 +80,17 @@ def _check_cache(q, k_cache, v_cache, k, v, block_table, cache_seqlens, cache_ba
             V._fail(ValueError, "block_table", "an int32 tensor (batch, max_blocks_per_seq)",
                   getattr(block_table, "shape", type(block_table).__name__))
         V.check_index_tensor(block_table, "block_table", (b, block_table.shape[1]),
-                             q.device)
+                             device)
         cache_rows = b
     else:
-        cache_rows = k_cache.shape[0]
+        cache_rows = cache_shape[0]
     if cache_batch_idx is not None:
-        V.check_index_tensor(cache_batch_idx, "cache_batch_idx", (b,), q.device)
+        V.check_index_tensor(cache_batch_idx, "cache_batch_idx", (b,), device)
     elif block_table is None and cache_rows < b:
         V._fail(ValueError, "k_cache.shape[0]", f">= q's batch {b}", cache_rows)
     if cache_leftpad is not None:
-        V.check_index_tensor(cache_leftpad, "cache_leftpad", (b,), q.device)
-    V.check_index_tensor(cache_seqlens, "cache_seqlens", (b,), q.device)
+        V.check_index_tensor(cache_leftpad, "cache_leftpad", (b,), device)
+    V.check_index_tensor(cache_seqlens, "cache_seqlens", (b,), device)
     return sn
 
 

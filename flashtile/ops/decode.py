@@ -373,11 +373,14 @@ def attn_decode(q, k_cache, v_cache, *, cache_seqlens, block_table, cache_batch_
                 plans[0]((*p, softmax_scale, softcap))
                 return out, lse
             splits, decode, combine = plans
-            dst = torch.empty((splits, b, sq, h, d), dtype=torch.float32, device=q.device)
-            dst_lse = torch.empty((splits, b, h, sq), dtype=torch.float32, device=q.device)
-            partials = (dst.data_ptr(), dst_lse.data_ptr())
-            decode((*p[:3], *partials, *p[5:], softmax_scale, softcap))
-            combine((*partials, p[3], p[4]))
+            # Both partials in one allocation (one allocator call less); the lse part
+            # starts 16-byte aligned, as the recorded launch's own tensor did.
+            n_out = -(-splits * b * sq * h * d // 4) * 4
+            partials = torch.empty(n_out + splits * b * h * sq, dtype=torch.float32,
+                                   device=q.device)
+            dst = partials.data_ptr()
+            decode((*p[:3], dst, dst + 4 * n_out, *p[5:], softmax_scale, softcap))
+            combine((dst, dst + 4 * n_out, p[3], p[4]))
             return out, lse
     group = h // hkv
     capacity = block_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1]
