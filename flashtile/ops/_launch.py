@@ -144,8 +144,8 @@ def make(compiled, kernel, args, kwargs, grid, slots, cfg=None):
             or not hasattr(compiled, "packed_metadata") or not hasattr(kernel, "arg_names"):
         return None
     names = kernel.arg_names
-    if len(args) + len(kwargs) < len(names):
-        return None
+    if any(n not in kwargs for n in names[len(args):]):
+        return None  # a parameter left to its default: not recorded here
     template = [*args, *(kwargs[n] for n in names[len(args):])]
     if launcher.global_scratch_size or launcher.profile_scratch_size:
         # Scratch memory is allocated per launch by the launcher's Python wrapper.
