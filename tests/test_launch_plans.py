@@ -262,3 +262,42 @@ def test_plan_path_equals_triton_path_on_gpu(layout, device):
     _launch.clear()
     for a, b in zip(planned, step(*inputs(1))):
         assert torch.equal(a, b)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+def test_plan_decode_and_varlen_equal_triton_path_on_gpu(paged, device):
+    """flash_attn_with_kvcache (append, split decode and combine) and
+    flash_attn_varlen_func give the same bits through plans as through Triton's path,
+    on fresh tensors and with a max_seqlen the plan was not made with."""
+    def run(seed, max_seqlen):
+        gen = torch.Generator(device=device).manual_seed(seed)
+        f16 = dict(device=device, dtype=torch.float16, generator=gen)
+        q = torch.randn(2, 1, 8, 64, **f16)
+        k_new, v_new = (torch.randn(2, 1, 2, 64, **f16) for _ in "kv")
+        seqlens = torch.tensor([700, 1500], dtype=torch.int32, device=device)
+        if paged:
+            k_cache, v_cache = (torch.randn(40, 64, 2, 64, **f16) for _ in "kv")
+            extra = dict(block_table=torch.randperm(40, device=device, generator=gen)[:32]
+                         .view(2, 16).to(torch.int32))
+        else:
+            k_cache, v_cache = (torch.randn(2, 2048, 2, 64, **f16) for _ in "kv")
+            extra = {}
+        out = flashtile.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new,
+                                                cache_seqlens=seqlens, causal=True,
+                                                return_lse=True, **extra)
+        qv, kv, vv = (torch.randn(90, 8 if i == 0 else 2, 64, **f16) for i in range(3))
+        cu = torch.tensor([0, 30, 90], dtype=torch.int32, device=device)
+        varlen = flashtile.flash_attn_varlen_func(qv, kv, vv, cu, cu, max_seqlen,
+                                                  max_seqlen, causal=True, return_lse=True)
+        return (*out, k_cache, v_cache, *varlen)
+
+    _launch.clear()
+    run(0, 60)  # through Triton: plans made
+    planned = run(1, 64)
+    previous = _launch.set_enabled(False)
+    try:
+        for a, b in zip(planned, run(1, 64)):
+            assert torch.equal(a, b)
+    finally:
+        _launch.set_enabled(previous)
