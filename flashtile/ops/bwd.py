@@ -362,8 +362,7 @@ def attn_bwd(dout, q, k, v, out, lse, dlse, *, attn_mask, alibi_slopes, softmax_
         p = _launch.pointers(tensors)
         key = ("bwd", q.dtype, q.shape, q.stride(), k.shape, k.stride(), v.stride(),
                dout.stride(), out.stride(), dlse is None,
-               _launch.layout(attn_mask),
-               _launch.layout(alibi_slopes),
+               _launch.layout(attn_mask), _launch.layout(alibi_slopes),
                diag_offset, window_left, window_right, softcap > 0, allow_tf32,
                varlen and (batch, configs.seqlen_class(max(longest_q, longest_k))),
                _launch.misalignment(p))

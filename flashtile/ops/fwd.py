@@ -306,8 +306,7 @@ def attn_fwd(q, k, v, *, attn_mask, alibi_slopes, softmax_scale, diag_offset,
     if _launch.ready(q):
         ptrs = _launch.pointers(tensors)
         key = ("fwd", dtype, q_shape, q.stride(), k_shape, k.stride(), v.stride(),
-               _launch.layout(attn_mask),
-               _launch.layout(alibi_slopes),
+               _launch.layout(attn_mask), _launch.layout(alibi_slopes),
                diag_offset, window_left, window_right, softcap > 0, allow_tf32,
                varlen and (batch, cu_seqlens_k is None, seqused_k is None,
                            configs.seqlen_class(max(longest_q, longest_k))),
