@@ -301,21 +301,26 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     cache_seqlens, cache_batch_idx, cache_leftpad, block_table = (
         x.contiguous() if x is not None else None
         for x in (cache_seqlens, cache_batch_idx, cache_leftpad, block_table))
-    args = (q, k_cache, v_cache, cache_seqlens, sn, block_table, cache_batch_idx,
-            cache_leftpad, alibi_slopes, float(softmax_scale), left, right,
-            float(softcap), int(num_splits))
-    plain = _plain_eager(args)
+    plain = _plain_eager((q, k_cache, v_cache))
     if plain and backend == "triton" and rotary_cos is None:
-        # The eager Triton path: the append is one kernel that checks its indices.
+        # The eager Triton path, straight to the launchers: the append and the attention
+        # are kernels that check their indices; nothing for autograd to record.
         if sn:
             append_kv(k, v, k_cache, v_cache, cache_seqlens=cache_seqlens,
                       block_table=block_table, cache_batch_idx=cache_batch_idx)
-        out, lse = _kvcache_attn_impl(*args, False)
+        out, lse = attn_decode(
+            q, k_cache, v_cache, cache_seqlens=cache_seqlens, new_tokens=sn,
+            block_table=block_table, cache_batch_idx=cache_batch_idx,
+            cache_leftpad=cache_leftpad, alibi_slopes=alibi_slopes,
+            softmax_scale=float(softmax_scale), window_left=left, window_right=right,
+            softcap=float(softcap), num_splits=int(num_splits), allow_tf32=False)
     else:
         with torch.no_grad():
             q, k = _rotate(q, k, rotary_cos, rotary_sin, cache_seqlens, sq, sn, q_moves,
                            rotary_interleaved)
-            args = (q, *args[1:])
+            args = (q, k_cache, v_cache, cache_seqlens, sn, block_table, cache_batch_idx,
+                    cache_leftpad, alibi_slopes, float(softmax_scale), left, right,
+                    float(softcap), int(num_splits))
             if k is not None and sn:
                 if plain and backend == "triton":
                     append_kv(k, v, k_cache, v_cache, cache_seqlens=cache_seqlens,
