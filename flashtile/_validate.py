@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import os
 
 import torch
 
@@ -40,6 +41,12 @@ def check_offsets(x, name, dense=True):
     count must fit too (a stride-0 q/k/v reaches little but its out/dk/dv do not). An
     expanded attn_mask has no such twin: only its reach counts.
     """
+    if dense and x.is_contiguous():  # reach = numel - 1: the element count says it all
+        if x.numel() > MAX_OFFSET:
+            _fail(ValueError, name, "a tensor whose elements are reachable with 32-bit "
+                  "offsets (< 2**31 elements from its first)", f"shape {tuple(x.shape)}",
+                  "Split the batch into calls of fewer than 2**31 elements each")
+        return
     if offset_reach(x) > MAX_OFFSET or (dense and x.numel() > MAX_OFFSET):
         _fail(ValueError, name, "a tensor whose elements are reachable with 32-bit offsets "
               "(< 2**31 elements from its first)", f"shape {tuple(x.shape)}, strides "
@@ -52,46 +59,55 @@ def check_tensor(x, name, rank, offsets32=True):
         _fail(TypeError, name, "a torch.Tensor", type(x).__name__)
     if x.dtype not in SUPPORTED_DTYPES:
         _fail(TypeError, name, "dtype float16, bfloat16 or float32", x.dtype)
-    if x.dim() != rank:
-        _fail(ValueError, name, f"a {rank}-d tensor", f"shape {tuple(x.shape)}")
-    if x.shape[-1] > 1 and x.stride(-1) != 1:
+    shape = x.shape
+    if len(shape) != rank:
+        _fail(ValueError, name, f"a {rank}-d tensor", f"shape {tuple(shape)}")
+    if shape[-1] > 1 and x.stride(-1) != 1:
         _fail(ValueError, f"{name}.stride(-1)", "1 (the head dim contiguous)",
               x.stride(-1), "Call .contiguous() on it, or slice only the other dims")
     if offsets32:  # the decode kernel addresses KV-cache rows with 64-bit offsets
         check_offsets(x, name)
 
 
-def check_qkv(q, k, v, names=("q", "k", "v")):
-    """q (b, sq, h, d), k/v (b, sk, hkv, d). Returns (b, sq, sk, h, hkv, d).
+def check_qkv(q, k, v, names=("q", "k", "v"), packed=False):
+    """q (b, sq, h, d), k/v (b, sk, hkv, d), or with ``packed`` (varlen) q (total_q, h,
+    d), k/v (total_k, hkv, d). Returns (b, sq, sk, h, hkv, d), b = 1 when packed.
 
     ``names`` are the caller's argument names, used in the messages (the SDPA drop-in
     passes ("query", "key", "value")).
     """
     qn, kn, vn = names
-    for x, name in ((q, qn), (k, kn), (v, vn)):
-        check_tensor(x, name, 4)
+    rank = 3 if packed else 4
+    check_tensor(q, qn, rank)
+    check_tensor(k, kn, rank)
+    check_tensor(v, vn, rank)
+    dtype, device = q.dtype, q.device
     for x, name in ((k, kn), (v, vn)):
-        if x.dtype != q.dtype:
-            _fail(TypeError, f"{name}.dtype", f"{qn}'s dtype {q.dtype}", x.dtype,
+        if x.dtype != dtype:
+            _fail(TypeError, f"{name}.dtype", f"{qn}'s dtype {dtype}", x.dtype,
                   f"{qn}, {kn} and {vn} must share one dtype")
-        if x.device != q.device:
-            _fail(ValueError, f"{name}.device", f"{qn}'s device {q.device}", x.device)
-    b, sq, h, d = q.shape
-    if k.shape != v.shape:
-        _fail(ValueError, f"{vn}.shape", f"{kn}'s shape {tuple(k.shape)}", tuple(v.shape))
-    if k.shape[0] != b:
-        _fail(ValueError, f"{kn}.shape[0] (batch)", f"{qn}'s batch {b}", k.shape[0])
-    if k.shape[3] != d:
-        _fail(ValueError, f"{kn}.shape[-1] (head_dim)", f"{qn}'s head_dim {d}", k.shape[3],
+        if x.device != device:
+            _fail(ValueError, f"{name}.device", f"{qn}'s device {device}", x.device)
+    k_shape = k.shape
+    if packed:
+        (sq, h, d), (sk, hkv, kd), b, kb = q.shape, k_shape, 1, 1
+    else:
+        (b, sq, h, d), (kb, sk, hkv, kd) = q.shape, k_shape
+    if k_shape != v.shape:
+        _fail(ValueError, f"{vn}.shape", f"{kn}'s shape {tuple(k_shape)}", tuple(v.shape))
+    if kb != b:
+        _fail(ValueError, f"{kn}.shape[0] (batch)", f"{qn}'s batch {b}", kb)
+    if kd != d:
+        _fail(ValueError, f"{kn}.shape[-1] (head_dim)", f"{qn}'s head_dim {d}", kd,
               f"flashtile needs {qn}, {kn} and {vn} to share one head_dim")
     if not 1 <= d <= MAX_HEAD_DIM:
         _fail(ValueError, f"{qn}.shape[-1] (head_dim)", f"1 to {MAX_HEAD_DIM}", d)
-    hkv = k.shape[2]
     if hkv == 0 or h % hkv != 0:
-        _fail(ValueError, f"{kn}.shape[2] (nheads_kv)",
+        _fail(ValueError, f"{kn}.shape[{rank - 2}] (nheads_kv)",
               f"a divisor of {qn}'s nheads {h} (GQA/MQA)", hkv)
-    check_grid(b * h, q.device)
-    return b, sq, k.shape[1], h, hkv, d
+    if b * h > MAX_GRID_Y:
+        check_grid(b * h, device)
+    return b, sq, sk, h, hkv, d
 
 
 # CUDA's second and third grid dimensions stop at 65535; the kernels put batch * heads
@@ -108,7 +124,8 @@ def check_grid(batch_heads, device):
 def check_float(x, name, *, minimum=None, allow_none=False):
     if x is None and allow_none:
         return
-    if isinstance(x, bool) or not isinstance(x, numbers.Real):
+    # type() first: numbers.Real's isinstance goes through the ABC machinery.
+    if type(x) is not float and (isinstance(x, bool) or not isinstance(x, numbers.Real)):
         _fail(TypeError, name, "a float", type(x).__name__)
     # x != x is NaN. Not math.isfinite: under torch.compile(dynamic=True) a float
     # argument, even a default such as dropout_p=0.0, is a SymFloat, which isfinite
@@ -154,16 +171,29 @@ _WINDOW_TYPES = "a pair of ints (left, right), or a 2-element integer tensor"
 
 def check_window(window_size):
     """(left, right) as ints. flash-attn also takes a 2-element integer tensor (its tests
-    draw windows with torch.randint) or a pair of 0-d ones; their values are read on the
-    host (one sync for a CUDA tensor). Not inside torch.compile: a compiled graph would
-    bake in the values of its first call while the tensor may change between calls."""
-    is_tensor = isinstance(window_size, torch.Tensor) or (
-        isinstance(window_size, (tuple, list))
-        and any(isinstance(w, torch.Tensor) for w in window_size))
-    if is_tensor and torch.compiler.is_compiling():
+    draw windows with torch.randint) or a pair of 0-d ones, on the CPU: their values are
+    read on the host. Not a GPU tensor (reading it would make every call wait for the
+    GPU), and not inside torch.compile (a compiled graph would bake in the values of its
+    first call while the tensor may change between calls)."""
+    if type(window_size) is tuple and len(window_size) == 2 \
+            and type(window_size[0]) is int and type(window_size[1]) is int:
+        left, right = window_size  # the common case, without the general checks below
+        if left < -1 or right < -1:
+            _fail(ValueError, "window_size", "each bound >= 0, or -1 for unbounded",
+                  (left, right))
+        return left, right
+    tensors = ([window_size] if isinstance(window_size, torch.Tensor) else
+               [w for w in window_size if isinstance(w, torch.Tensor)]
+               if isinstance(window_size, (tuple, list)) else [])
+    if tensors and torch.compiler.is_compiling():
         _fail(TypeError, "window_size", "a pair of ints (left, right) under torch.compile",
               "a tensor", "Convert it before the compiled call: "
               "tuple(int(w) for w in window_size)")
+    on_device = [w.device for w in tensors if w.device.type != "cpu"]
+    if on_device:
+        _fail(TypeError, "window_size", "a pair of ints (left, right) or a CPU tensor",
+              f"a tensor on {on_device[0]}", "Reading it would make every call wait for "
+              "the device: convert it once, tuple(window_size.tolist())")
     if isinstance(window_size, torch.Tensor):
         ok = _is_int_tensor(window_size) and tuple(window_size.shape) == (2,)
         bounds = window_size.tolist() if ok else None
@@ -247,6 +277,23 @@ def check_attn_mask(attn_mask, batch, nheads, seqlen_q, seqlen_k, device, dtype)
     return expanded
 
 
+def check_max_seqlen(x, name):
+    """A max_seqlen: an int the kernels take as int32 (not a tensor: it sizes the grid
+    on the host, so reading it from the device would be a sync)."""
+    if isinstance(x, bool) or not isinstance(x, (numbers.Integral, torch.SymInt)):
+        _fail(TypeError, name, "an int", type(x).__name__)
+    if not 0 <= x <= MAX_OFFSET:
+        _fail(ValueError, name, f"an int from 0 to {MAX_OFFSET}", x)
+
+
+def check_varlen_values(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
+    """The prefix sums of packed varlen (one host read each): the index check."""
+    check_prefix_sums(cu_seqlens_q, "cu_seqlens_q", q.shape[0], max_seqlen_q,
+                      "max_seqlen_q")
+    check_prefix_sums(cu_seqlens_k, "cu_seqlens_k", k.shape[0], max_seqlen_k,
+                      "max_seqlen_k")
+
+
 def check_prefix_sums(cu, name, total, max_len, max_name):
     """cu (one host read) must be non-decreasing prefix sums from 0 to total, none of its
     lengths above max_len: a wrong one would send the kernel outside the tensors."""
@@ -260,17 +307,11 @@ def check_prefix_sums(cu, name, total, max_len, max_name):
 
 
 def check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
-    """Packed q (total_q, h, d), k/v (total_k, hkv, d) and their int32 prefix sums.
-
-    Reads cu_seqlens on the host (one sync): a wrong prefix sum would otherwise send the
-    kernel outside the tensors. Where no read is possible (inside torch.compile, while
-    a CUDA graph is captured, meta tensors: can_read_indices) it is skipped; the values
-    are then the caller's responsibility.
-    Returns (batch, h, hkv, d).
+    """Packed q (total_q, h, d), k/v (total_k, hkv, d) and their int32 prefix sums:
+    shapes, dtypes and devices (the values are the kernels' to check, or
+    ``check_varlen_values``'s where index checks are on). Returns (batch, h, hkv, d).
     """
-    for x, name in ((q, "q"), (k, "k"), (v, "v")):
-        check_tensor(x, name, 3)
-    _, _, _, h, hkv, d = check_qkv(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0))
+    _, _, _, h, hkv, d = check_qkv(q, k, v, packed=True)
     lengths = {}
     for cu, name, total, max_len, max_name in (
             (cu_seqlens_q, "cu_seqlens_q", q.shape[0], max_seqlen_q, "max_seqlen_q"),
@@ -283,12 +324,12 @@ def check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
             _fail(ValueError, f"{name}.shape", "(batch + 1,)", tuple(cu.shape))
         if cu.device != q.device:
             _fail(ValueError, f"{name}.device", f"q's device {q.device}", cu.device)
-        if isinstance(max_len, bool) or not isinstance(max_len, numbers.Integral):
-            _fail(TypeError, max_name, "an int", type(max_len).__name__)
+        check_max_seqlen(max_len, max_name)
         lengths[name] = cu.numel()
-        if not can_read_indices(q):
-            continue  # compiled graph, CUDA graph capture, meta: values are the caller's
-        check_prefix_sums(cu, name, total, max_len, max_name)
+        if cu.numel() == 1 and total:
+            # No sequence, yet rows: known from the shapes alone.
+            _fail(ValueError, name, f"prefix sums from 0 to the packed length {total}",
+                  "a single entry (no sequence)")
     if lengths["cu_seqlens_q"] != lengths["cu_seqlens_k"]:
         _fail(ValueError, "cu_seqlens_k.shape", f"cu_seqlens_q's ({lengths['cu_seqlens_q']},)",
               f"({lengths['cu_seqlens_k']},)")
@@ -297,6 +338,41 @@ def check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
 
 
 # ---- Index tensors and paged caches: flash_attn_with_kvcache and the paged varlen ----
+
+# The values of the index tensors (cu_seqlens, seqused_k, block_table, cache_seqlens,
+# cache_batch_idx, cache_leftpad) live on the device. By default nothing reads them on
+# the host: a read is a sync that costs more than a short call's kernels (the index
+# check was ~50 us of a 260 us decode call on the H200, launch-cost-h200.txt), and the
+# kernels make bad values harmless (no access outside a tensor)
+# and visible (NaN in the rows they serve). With the index checks on, every call reads
+# them first and raises ValueError naming the bad index. The PyTorch path checks always
+# (its indices are read on the host anyway).
+_INDEX_CHECKS = {
+    "on": os.environ.get("FLASHTILE_CHECK_INDICES", "0").strip() not in ("", "0")}
+
+
+def set_index_checks(enabled: bool) -> bool:
+    """Turn the host-side index checks on or off for every flashtile call in this
+    process; returns the previous setting (to restore it). The environment variable
+    FLASHTILE_CHECK_INDICES=1 turns them on at import.
+
+    On: flash_attn_varlen_func (cu_seqlens_q/k, seqused_k, block_table),
+    flash_attn_with_kvcache (cache_seqlens, block_table, cache_batch_idx,
+    cache_leftpad, the rotary table's length) and KVCache.update (input_pos) read the
+    index tensors before any work (one device sync per call) and raise ValueError for a
+    bad value. Off (the default): no read; the kernels clamp every index so that no
+    load or store leaves its tensor, and the rows a bad index serves come out NaN (out
+    and lse). Inside torch.compile graphs the check runs when the op runs; while a CUDA
+    graph is being captured it is skipped (no sync is possible there).
+    """
+    check_bool(enabled, "enabled")
+    previous = _INDEX_CHECKS["on"]
+    _INDEX_CHECKS["on"] = enabled
+    return previous
+
+
+def index_checks_enabled() -> bool:
+    return _INDEX_CHECKS["on"]
 
 MIN_PAGE_SIZE, MAX_PAGE_SIZE = 16, 256
 
@@ -315,7 +391,7 @@ def check_index_tensor(x, name, shape, device):
         _fail(TypeError, name, "an int32 torch.Tensor", type(x).__name__)
     if x.dtype != torch.int32:
         _fail(TypeError, f"{name}.dtype", "torch.int32", x.dtype)
-    if tuple(x.shape) != shape:
+    if x.shape != shape:
         _fail(ValueError, f"{name}.shape", shape, tuple(x.shape))
     if x.device != device:
         _fail(ValueError, f"{name}.device", f"q's device {device}", x.device)
@@ -416,8 +492,11 @@ def check_paged_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_se
         check_index_tensor(seqused_k, "seqused_k", (batch,), q.device)
     if cu_seqlens_k is not None:
         check_index_tensor(cu_seqlens_k, "cu_seqlens_k", (batch + 1,), q.device)
-    _check_int(max_seqlen_q, "max_seqlen_q")
-    _check_int(max_seqlen_k, "max_seqlen_k")
+    check_max_seqlen(max_seqlen_q, "max_seqlen_q")
+    check_max_seqlen(max_seqlen_k, "max_seqlen_k")
+    if batch == 0 and q.shape[0]:
+        _fail(ValueError, "cu_seqlens_q", f"prefix sums from 0 to the packed length "
+              f"{q.shape[0]}", "a single entry (no sequence)")
     capacity = block_table.shape[1] * k.shape[1]
     if max_seqlen_k > capacity:
         _fail(ValueError, "max_seqlen_k", f"at most block_table.shape[1] * page_size = "
@@ -431,7 +510,8 @@ def check_paged_varlen_values(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, bl
     """The indices the paged varlen kernel follows (two host reads): cu_seqlens_q must
     be prefix sums of q's rows, each key length within the sequence's block table row,
     each block index within the pool."""
-    check_prefix_sums(cu_seqlens_q, "cu_seqlens_q", q.shape[0], max_seqlen_q, "max_seqlen_q")
+    check_prefix_sums(cu_seqlens_q, "cu_seqlens_q", q.shape[0], max_seqlen_q,
+                      "max_seqlen_q")
     if seqused_k is not None:
         lengths, name = seqused_k, "seqused_k"
     else:

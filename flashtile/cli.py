@@ -45,7 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["bench"] and argv[1:2] in (["serve"], ["throughput"], ["kv-waste"],
-                                               ["hf"]):
+                                               ["hf"], ["host"]):
         # Benchmarks with parsers of their own (argparse hands no unparsed
         # options down to a sub-parser).
         module = argv[1].replace("-", "_")

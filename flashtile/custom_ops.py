@@ -22,7 +22,9 @@ from torch.autograd.function import once_differentiable
 from flashtile import _torch_backend, reference
 from flashtile._backend import select_backend
 from flashtile._validate import (MAX_OFFSET, can_read_indices, check_paged_varlen_values,
-                                 offset_reach)
+                                 check_varlen_values, index_checks_enabled, offset_reach)
+from flashtile.ops.bwd import attn_bwd as triton_bwd
+from flashtile.ops.fwd import attn_fwd as triton_fwd
 
 
 def _mask_kwargs(attn_mask, alibi_slopes, softmax_scale, diag_offset, window_left,
@@ -39,7 +41,6 @@ def _attn_fwd_impl(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor],
     kw = _mask_kwargs(attn_mask, alibi_slopes, softmax_scale, diag_offset, window_left,
                       window_right, softcap)
     if select_backend(q.device, q.dtype) == "triton":
-        from flashtile.ops.fwd import attn_fwd as triton_fwd
         return triton_fwd(q, k, v, allow_tf32=allow_tf32, **kw)
     out, lse = _torch_backend.attention_fwd(q, k, v, **kw)
     return out.contiguous(), lse.contiguous()
@@ -63,7 +64,6 @@ def _attn_bwd_impl(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, l
     kw = _mask_kwargs(attn_mask, alibi_slopes, softmax_scale, diag_offset, window_left,
                       window_right, softcap)
     if select_backend(q.device, q.dtype) == "triton":
-        from flashtile.ops.bwd import attn_bwd as triton_bwd
         return triton_bwd(dout, q, k, v, out, lse, dlse, allow_tf32=allow_tf32, **kw)
     grads = _torch_backend.attention_bwd(dout, q, k, v, out, lse, dlse, **kw)
     return tuple(g.contiguous() for g in grads)
@@ -96,6 +96,8 @@ def _kernel_ready(dout, out):
     32-bit offsets (a view into a larger gradient may reach further than ``out``)."""
     if dout is None:
         return out.new_zeros(out.shape)
+    if dout.is_contiguous():  # the usual case: reach = out's element count, checked
+        return dout
     if dout.stride(-1) != 1 or offset_reach(dout) > MAX_OFFSET:
         return dout.contiguous()
     return dout
@@ -139,14 +141,24 @@ def _plain_eager(args) -> bool:
     if (torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active()
             or torch._C._len_torch_dispatch_stack() > 0):
         return False
-    return all(type(x) in _PLAIN for x in args[:3]) and args[0].device.type != "meta"
+    q, k, v = args[:3]
+    return (type(q) in _PLAIN and type(k) in _PLAIN and type(v) in _PLAIN
+            and q.device.type != "meta")
 
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
-def _call(op, function, args):
-    return function.apply(*args) if _plain_eager(args) else op(*args)
+def _call(op, function, impl, args):
+    """The op (compile, tracing, fake tensors, transforms), else the eager
+    autograd.Function when a gradient may be asked for, else the implementation alone:
+    a forward that needs no gradient does not pay autograd's bookkeeping."""
+    if not _plain_eager(args):
+        return op(*args)
+    if torch.is_grad_enabled() and (args[0].requires_grad or args[1].requires_grad
+                                    or args[2].requires_grad):
+        return function.apply(*args)
+    return impl(*args)
 
 
 _EAGER_ATTENTION = _eager_function(
@@ -160,7 +172,7 @@ def attention(q, k, v, attn_mask, alibi_slopes, softmax_scale, diag_offset, wind
     torch.compile), or in plain eager mode the same functions without the dispatcher."""
     args = (q, k, v, attn_mask, alibi_slopes, softmax_scale, diag_offset, window_left,
             window_right, softcap, allow_tf32)
-    return _call(attn_fwd, _EAGER_ATTENTION, args)
+    return _call(attn_fwd, _EAGER_ATTENTION, _attn_fwd_impl, args)
 
 
 # Varlen: packed sequences, q (total_q, h, d), k/v (total_k, hkv, d), lse (h, total_q).
@@ -182,15 +194,20 @@ def _varlen_attn_fwd_impl(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
                     window_right: int, softcap: float, allow_tf32: bool,
                     block_table: Optional[Tensor] = None,
                     seqused_k: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
-    if block_table is not None and can_read_indices(q):
+    backend = select_backend(q.device, q.dtype)
+    if (backend == "torch" or index_checks_enabled()) and can_read_indices(q):
         # Here, not in the caller: the op's own run time is the one place a compiled
-        # graph can still read them (skipped while a CUDA graph is captured).
-        check_paged_varlen_values(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                  block_table, seqused_k)
+        # graph can still read them (skipped while a CUDA graph is captured). Without
+        # the check the kernels make bad indices NaN rows.
+        if block_table is not None:
+            check_paged_varlen_values(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                      block_table, seqused_k)
+        else:
+            check_varlen_values(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                max_seqlen_k)
     kw = _mask_kwargs(None, alibi_slopes, softmax_scale, 0, window_left, window_right,
                       softcap)
-    if select_backend(q.device, q.dtype) == "triton":
-        from flashtile.ops.fwd import attn_fwd as triton_fwd
+    if backend == "triton":
         return triton_fwd(q, k, v, allow_tf32=allow_tf32, cu_seqlens_q=cu_seqlens_q,
                           cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
                           max_seqlen_k=max_seqlen_k, block_table=block_table,
@@ -230,7 +247,6 @@ def _varlen_attn_bwd_impl(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Te
     kw = _mask_kwargs(None, alibi_slopes, softmax_scale, 0, window_left, window_right,
                       softcap)
     if select_backend(q.device, q.dtype) == "triton":
-        from flashtile.ops.bwd import attn_bwd as triton_bwd
         return triton_bwd(dout, q, k, v, out, lse, dlse, allow_tf32=allow_tf32,
                           cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                           max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, **kw)
@@ -307,4 +323,4 @@ _EAGER_VARLEN_ATTENTION = _eager_function(
 
 def varlen_attention(*args):
     """varlen (out, lse) with autograd; arguments as ``flashtile::varlen_attn_fwd``."""
-    return _call(varlen_attn_fwd, _EAGER_VARLEN_ATTENTION, args)
+    return _call(varlen_attn_fwd, _EAGER_VARLEN_ATTENTION, _varlen_attn_fwd_impl, args)

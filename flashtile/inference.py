@@ -19,6 +19,7 @@ from flashtile import _validate as V
 from flashtile import _torch_backend, reference
 from flashtile._backend import select_backend
 from flashtile.custom_ops import _plain_eager
+from flashtile.ops.decode import append_kv, attn_decode
 
 
 def _check_cache(q, k_cache, v_cache, k, v, block_table, cache_seqlens, cache_batch_idx,
@@ -27,23 +28,25 @@ def _check_cache(q, k_cache, v_cache, k, v, block_table, cache_seqlens, cache_ba
     tokens to append."""
     V.check_tensor(q, "q", 4)
     b, sq, h, d = q.shape
+    dtype, device = q.dtype, q.device
     for x, name in ((k_cache, "k_cache"), (v_cache, "v_cache")):
         # A paged pool's rows are addressed as int64 page * stride plus a small in-page
         # offset, so the pool may pass 2**31 elements; a contiguous cache's row offset
         # (position * stride) is 32-bit, so it may not.
         V.check_tensor(x, name, 4, offsets32=block_table is None)
-        if x.dtype != q.dtype:
-            V._fail(TypeError, f"{name}.dtype", f"q's dtype {q.dtype}", x.dtype)
-        if x.device != q.device:
-            V._fail(ValueError, f"{name}.device", f"q's device {q.device}", x.device)
-    if k_cache.shape != v_cache.shape:
-        V._fail(ValueError, "v_cache.shape", f"k_cache's {tuple(k_cache.shape)}",
+        if x.dtype != dtype:
+            V._fail(TypeError, f"{name}.dtype", f"q's dtype {dtype}", x.dtype)
+        if x.device != device:
+            V._fail(ValueError, f"{name}.device", f"q's device {device}", x.device)
+    cache_shape = k_cache.shape
+    if cache_shape != v_cache.shape:
+        V._fail(ValueError, "v_cache.shape", f"k_cache's {tuple(cache_shape)}",
               tuple(v_cache.shape))
-    hkv = k_cache.shape[2]
-    V.check_grid(b * hkv, q.device)
-    if k_cache.shape[3] != d:
+    hkv = cache_shape[2]
+    V.check_grid(b * hkv, device)
+    if cache_shape[3] != d:
         V._fail(ValueError, "k_cache.shape[-1] (head_dim)", f"q's head_dim {d}",
-              k_cache.shape[3])
+              cache_shape[3])
     if not 1 <= d <= V.MAX_HEAD_DIM:
         V._fail(ValueError, "q.shape[-1] (head_dim)", f"1 to {V.MAX_HEAD_DIM}", d)
     if hkv == 0 or h % hkv:
@@ -66,7 +69,10 @@ def _check_cache(q, k_cache, v_cache, k, v, block_table, cache_seqlens, cache_ba
         sn = k.shape[1]
 
     if block_table is not None:
-        V.check_page_size(k_cache.shape[1], "k_cache.shape[1] (page_size)")
+        V.check_page_size(cache_shape[1], "k_cache.shape[1] (page_size)")
+        if cache_shape[0] == 0 and b:
+            # The kernels read block 0 in place of a bad block-table entry.
+            V._fail(ValueError, "k_cache.shape[0] (num_blocks)", "at least 1 block", 0)
         if cache_batch_idx is not None:
             V._fail(ValueError, "cache_batch_idx", "None with a paged cache (block_table)",
                   "a tensor", "Each sequence's pages are already named by block_table")
@@ -74,17 +80,17 @@ def _check_cache(q, k_cache, v_cache, k, v, block_table, cache_seqlens, cache_ba
             V._fail(ValueError, "block_table", "an int32 tensor (batch, max_blocks_per_seq)",
                   getattr(block_table, "shape", type(block_table).__name__))
         V.check_index_tensor(block_table, "block_table", (b, block_table.shape[1]),
-                             q.device)
+                             device)
         cache_rows = b
     else:
-        cache_rows = k_cache.shape[0]
+        cache_rows = cache_shape[0]
     if cache_batch_idx is not None:
-        V.check_index_tensor(cache_batch_idx, "cache_batch_idx", (b,), q.device)
+        V.check_index_tensor(cache_batch_idx, "cache_batch_idx", (b,), device)
     elif block_table is None and cache_rows < b:
         V._fail(ValueError, "k_cache.shape[0]", f">= q's batch {b}", cache_rows)
     if cache_leftpad is not None:
-        V.check_index_tensor(cache_leftpad, "cache_leftpad", (b,), q.device)
-    V.check_index_tensor(cache_seqlens, "cache_seqlens", (b,), q.device)
+        V.check_index_tensor(cache_leftpad, "cache_leftpad", (b,), device)
+    V.check_index_tensor(cache_seqlens, "cache_seqlens", (b,), device)
     return sn
 
 
@@ -92,9 +98,15 @@ def apply_rotary(x, cos, sin, positions, interleaved):
     """Rotate the first rotary_dim dims of x (b, s, h, d) at integer positions (b, s).
 
     cos/sin (seqlen_ro, rotary_dim / 2). interleaved=True rotates pairs (0, 1), (2, 3)...
-    (GPT-J); False rotates the two halves (GPT-NeoX). Computed in fp32.
+    (GPT-J); False rotates the two halves (GPT-NeoX). Computed in fp32. A position
+    outside the table (read on no host) rotates its token to NaN: a table too short for
+    the cache is then visible, never a read past it.
     """
-    return rotate(x, cos[positions], sin[positions], interleaved)
+    inside = ((positions >= 0) & (positions < cos.shape[0]))[:, :, None]
+    at = positions.clamp(0, max(cos.shape[0] - 1, 0))
+    nan = torch.tensor(float("nan"), device=x.device)
+    return rotate(x, torch.where(inside, cos[at].float(), nan),
+                  torch.where(inside, sin[at].float(), nan), interleaved)
 
 
 def rotate(x, cos, sin, interleaved):
@@ -118,7 +130,9 @@ def _cache_positions(cache_seqlens, n):
 
 
 def _append(k_cache, v_cache, k, v, pos, block_table, cache_batch_idx):
-    """Write k/v (b, n, hkv, d) at cache positions pos (b, n), in place."""
+    """Write k/v (b, n, hkv, d) at cache positions pos (b, n), in place, by tensor
+    indexing: the PyTorch path and torch.compile graphs (whose indexing checks its
+    bounds). Eager Triton calls use ``ops.decode.append_kv`` instead."""
     if block_table is not None:
         page_size = k_cache.shape[1]
         pages = torch.gather(block_table.long(), 1, pos // page_size)
@@ -163,21 +177,23 @@ def _kvcache_attn_impl(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlen
                        window_left: int, window_right: int, softcap: float,
                        num_splits: int, check_indices: bool) -> tuple[Tensor, Tensor]:
     """(out, lse) of q over the cache's first cache_seqlens + new_tokens keys (the new
-    ones already written). check_indices: the caller could not read the indices (a
-    compiled graph), so check them here, at run time, unless a CUDA graph is being
-    captured."""
-    if check_indices and V.can_read_indices(q):
+    ones already written). check_indices: False when the caller has checked the
+    indices already (an eager call, before its append); else they are checked here, at
+    run time, if index checks are on or on the PyTorch path, unless a CUDA graph is
+    being captured."""
+    backend = select_backend(q.device, q.dtype)
+    if check_indices and (backend == "torch" or V.index_checks_enabled()) \
+            and V.can_read_indices(q):
         V.check_index_values(k_cache, block_table, cache_seqlens, cache_batch_idx,
                              cache_leftpad, new_tokens)
-    seqlens = cache_seqlens + new_tokens if new_tokens else cache_seqlens
     kw = dict(alibi_slopes=alibi_slopes, softmax_scale=softmax_scale,
               window_left=window_left, window_right=window_right, softcap=softcap)
-    if select_backend(q.device, q.dtype) == "triton":
-        from flashtile.ops.decode import attn_decode
-        return attn_decode(q, k_cache, v_cache, cache_seqlens=seqlens.to(torch.int32),
-                           block_table=block_table, cache_batch_idx=cache_batch_idx,
-                           cache_leftpad=cache_leftpad, num_splits=num_splits,
-                           allow_tf32=False, **kw)
+    if backend == "triton":
+        return attn_decode(q, k_cache, v_cache, cache_seqlens=cache_seqlens,
+                           new_tokens=new_tokens, block_table=block_table,
+                           cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad,
+                           num_splits=num_splits, allow_tf32=False, **kw)
+    seqlens = cache_seqlens + new_tokens if new_tokens else cache_seqlens
     return _attend_torch(q, k_cache, v_cache, seqlens, cache_leftpad, block_table,
                          cache_batch_idx, **kw)
 
@@ -197,7 +213,6 @@ def _(q, k_cache, v_cache, cache_seqlens, new_tokens, block_table, cache_batch_i
     return q.new_empty((b, sq, h, d)), q.new_empty((b, h, sq), dtype=torch.float32)
 
 
-@torch.no_grad()
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None,
                             rotary_sin=None, cache_seqlens=None, cache_batch_idx=None,
                             cache_leftpad=None, block_table=None, softmax_scale=None,
@@ -232,14 +247,24 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             seqlen_q) float32, natural log, -inf for a row that sees no key.
         return_lse: bool, keyword only: flashtile's name for return_softmax_lse.
 
-    Every index (cache_seqlens, block_table, cache_batch_idx, cache_leftpad) is checked
-    against the cache with one host sync; a bad one raises ValueError. Under
+    Index values (cache_seqlens, block_table, cache_batch_idx, cache_leftpad) are not
+    read on the host (no device sync): the kernels read them, and a bad one is harmless
+    and visible. A sequence whose keys after the append would not fit its cache row (or
+    its block-table row), whose cache_leftpad is outside [0, its key count] or whose
+    cache_batch_idx is outside the cache appends nothing and its rows of out and lse are
+    NaN; a block-table entry outside the pool is never followed, and every row that
+    would see a key behind it is NaN (with pages smaller than the key tile, every row
+    of the sequence that reads that tile); rotary positions past the rotary table rotate
+    their tokens to NaN. With ``flashtile.set_index_checks(True)`` (or
+    FLASHTILE_CHECK_INDICES=1) every index, and the rotary table's length, is checked
+    first with one host sync and a bad one raises ValueError before anything is written;
+    the PyTorch path (CPU tensors without TRITON_INTERPRET) always checks. Under
     torch.compile the attention is one custom op (``flashtile::kvcache_attn``, no graph
     break) and the check runs inside it at run time, after the append (an append past
-    the cache meets the compiled indexing's own bounds check first). While a CUDA
-    graph is being captured the check is skipped (no sync is possible there): shapes and
-    dtypes are still checked, the indices are then the caller's responsibility (as for
-    any captured indexing).
+    the cache meets the compiled indexing's own bounds check first). While a CUDA graph
+    is being captured the check is skipped (no sync is possible there).
+
+    Not differentiable (inference only): the outputs never require grad.
     """
     if cache_seqlens is None:
         V._fail(ValueError, "cache_seqlens", "an int or an int32 tensor (batch,)", None)
@@ -248,14 +273,6 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                                    device=q.device)
     sn = _check_cache(q, k_cache, v_cache, k, v, block_table, cache_seqlens,
                       cache_batch_idx, cache_leftpad)
-    read_indices = V.can_read_indices(q)
-    if read_indices:
-        V.check_index_values(k_cache, block_table, cache_seqlens, cache_batch_idx,
-                             cache_leftpad, sn)
-    # The kernel reads every index tensor with unit strides.
-    cache_seqlens, cache_batch_idx, cache_leftpad, block_table = (
-        x.contiguous() if x is not None else None
-        for x in (cache_seqlens, cache_batch_idx, cache_leftpad, block_table))
     b, sq, h, d = q.shape
     left, right = V.check_flash_options(0.0, softmax_scale, softcap, window_size, causal)
     V.check_bools(rotary_interleaved=rotary_interleaved,
@@ -266,36 +283,74 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     alibi_slopes = V.check_alibi(alibi_slopes, b, h, q.device)
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(d)
-
-    if rotary_cos is not None:
-        if rotary_sin is None or rotary_cos.shape != rotary_sin.shape or rotary_cos.dim() != 2 \
-                or rotary_cos.shape[1] * 2 > d:
-            V._fail(ValueError, "rotary_cos/rotary_sin", "two (seqlen_ro, rotary_dim / 2) "
-                  f"tensors with rotary_dim <= {d}",
-                  (tuple(rotary_cos.shape), getattr(rotary_sin, "shape", None)))
-        # flash-attn's positions: absolute cache positions, leftpad or not.
-        base = cache_seqlens.long()[:, None]                                  # (b, 1)
-        q_moves = causal or left >= 0 or right >= 0
-        offs = torch.arange(max(sq, sn), device=q.device)[None, :]
+    q_moves = causal or left >= 0 or right >= 0  # rotary: q at its own positions
+    if rotary_cos is not None and (
+            rotary_sin is None or rotary_cos.shape != rotary_sin.shape
+            or rotary_cos.dim() != 2 or rotary_cos.shape[1] * 2 > d):
+        V._fail(ValueError, "rotary_cos/rotary_sin", "two (seqlen_ro, rotary_dim / 2) "
+                f"tensors with rotary_dim <= {d}",
+                (tuple(rotary_cos.shape), getattr(rotary_sin, "shape", None)))
+    # Before the append, so a bad value raises with the cache untouched; this also
+    # refuses bf16 in the interpreter.
+    backend = None if torch.compiler.is_compiling() else select_backend(q.device, q.dtype)
+    checked = (backend == "torch" or V.index_checks_enabled()) and V.can_read_indices(q)
+    if checked:
+        V.check_index_values(k_cache, block_table, cache_seqlens, cache_batch_idx,
+                             cache_leftpad, sn)
         reach = max(sq if q_moves else 1, sn)  # positions used past cache_seqlens[b]
-        if read_indices and b and int(base.max()) + reach > rotary_cos.shape[0]:
-            V._fail(ValueError, "rotary_cos.shape[0]", f">= {int(base.max()) + reach} "
-                  "positions (max(cache_seqlens) plus the new tokens)", rotary_cos.shape[0])
-        q_pos = base + (offs[:, :sq] if q_moves else 0 * offs[:, :sq])
-        q = apply_rotary(q, rotary_cos, rotary_sin, q_pos, rotary_interleaved)
-        if k is not None:
-            k = apply_rotary(k, rotary_cos, rotary_sin, base + offs[:, :sn],
-                             rotary_interleaved)
-    if not torch.compiler.is_compiling():  # refuse bf16 in the interpreter before the append
-        select_backend(q.device, q.dtype)
-    if k is not None and sn:
-        pos = _cache_positions(cache_seqlens, sn)
-        _append(k_cache, v_cache, k, v, pos, block_table, cache_batch_idx)
-    args = (q, k_cache, v_cache, cache_seqlens, sn, block_table,
-            cache_batch_idx, cache_leftpad, alibi_slopes, float(softmax_scale), left, right,
-            float(softcap), int(num_splits))
-    if _plain_eager(args):
-        out, lse = _kvcache_attn_impl(*args, False)  # indices read above
+        if rotary_cos is not None and b and \
+                int(cache_seqlens.max()) + reach > rotary_cos.shape[0]:
+            V._fail(ValueError, "rotary_cos.shape[0]",
+                    f">= {int(cache_seqlens.max()) + reach} positions (max(cache_seqlens) "
+                    "plus the new tokens)", rotary_cos.shape[0])
+    # The kernels read every index tensor with unit strides.
+    cache_seqlens, cache_batch_idx, cache_leftpad, block_table = (
+        x.contiguous() if x is not None else None
+        for x in (cache_seqlens, cache_batch_idx, cache_leftpad, block_table))
+    plain = _plain_eager((q, k_cache, v_cache))
+    if plain and backend == "triton" and rotary_cos is None:
+        # The eager Triton path, straight to the launchers: the append and the attention
+        # are kernels that check their indices; nothing for autograd to record.
+        if sn:
+            append_kv(k, v, k_cache, v_cache, cache_seqlens=cache_seqlens,
+                      block_table=block_table, cache_batch_idx=cache_batch_idx)
+        out, lse = attn_decode(
+            q, k_cache, v_cache, cache_seqlens=cache_seqlens, new_tokens=sn,
+            block_table=block_table, cache_batch_idx=cache_batch_idx,
+            cache_leftpad=cache_leftpad, alibi_slopes=alibi_slopes,
+            softmax_scale=float(softmax_scale), window_left=left, window_right=right,
+            softcap=float(softcap), num_splits=int(num_splits), allow_tf32=False)
     else:
-        out, lse = kvcache_attn(*args, not read_indices)
+        with torch.no_grad():
+            q, k = _rotate(q, k, rotary_cos, rotary_sin, cache_seqlens, sq, sn, q_moves,
+                           rotary_interleaved)
+            args = (q, k_cache, v_cache, cache_seqlens, sn, block_table, cache_batch_idx,
+                    cache_leftpad, alibi_slopes, float(softmax_scale), left, right,
+                    float(softcap), int(num_splits))
+            if k is not None and sn:
+                if plain and backend == "triton":
+                    append_kv(k, v, k_cache, v_cache, cache_seqlens=cache_seqlens,
+                              block_table=block_table, cache_batch_idx=cache_batch_idx)
+                else:
+                    _append(k_cache, v_cache, k, v, _cache_positions(cache_seqlens, sn),
+                            block_table, cache_batch_idx)
+            if plain:
+                out, lse = _kvcache_attn_impl(*args, not checked)
+            else:
+                out, lse = kvcache_attn(*args, not checked)
     return (out, lse) if return_softmax_lse or return_lse else out
+
+
+def _rotate(q, k, rotary_cos, rotary_sin, cache_seqlens, sq, sn, q_moves, interleaved):
+    """q and the new k rotated at flash-attn's positions: absolute cache positions,
+    leftpad or not; the new k at cache_seqlens[b] + i, q there too when it moves
+    (causal or windowed), else all at cache_seqlens[b]."""
+    if rotary_cos is None:
+        return q, k
+    base = cache_seqlens.long()[:, None]                                      # (b, 1)
+    offs = torch.arange(max(sq, sn), device=q.device)[None, :]
+    q_pos = base + (offs[:, :sq] if q_moves else 0 * offs[:, :sq])
+    q = apply_rotary(q, rotary_cos, rotary_sin, q_pos, interleaved)
+    if k is not None:
+        k = apply_rotary(k, rotary_cos, rotary_sin, base + offs[:, :sn], interleaved)
+    return q, k

@@ -89,8 +89,9 @@ def _varlen_attn_probs(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
                            dtype=torch.float32)
     starts_q, starts_k = cu_seqlens_q[:-1].long(), cu_seqlens_k[:-1].long()
     # Rows past a sequence's end read a neighbour's (clamped) rows; the masks drop them.
-    q_pad = q[(starts_q[:, None] + rows).clamp(max=q.shape[0] - 1)]  # (b, max_q, h, d)
-    k_pad = k[(starts_k[:, None] + cols).clamp(max=k.shape[0] - 1)]  # (b, max_k, hkv, d)
+    # Clamped at 0 too: prefix sums are not read on the host, a bad one must not index.
+    q_pad = q[(starts_q[:, None] + rows).clamp(0, q.shape[0] - 1)]  # (b, max_q, h, d)
+    k_pad = k[(starts_k[:, None] + cols).clamp(0, k.shape[0] - 1)]  # (b, max_k, hkv, d)
     lengths = [(cu[1:] - cu[:-1]).long().view(batch, 1, 1, 1)
                for cu in (cu_seqlens_q, cu_seqlens_k)]
     return _attn_probs(q_pad, k_pad, rows, cols, *lengths, **kw)
@@ -118,7 +119,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
 
             and with seqlen_q=5, seqlen_k=2 the first three rows see no key at all:
             their output is 0 and their lse is -inf.
-        window_size: (left, right) ints, or a 2-element integer tensor as flash-attn
+        window_size: (left, right) ints, or a 2-element integer CPU tensor as flash-attn
             accepts (read on the host; not under torch.compile); query i sees keys in
             [i + seqlen_k - seqlen_q - left, i + seqlen_k - seqlen_q + right].
             -1 means unbounded on that side. causal=True sets right to 0.
@@ -178,7 +179,9 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
             sequences of the batch back to back.
         cu_seqlens_q, cu_seqlens_k: (batch + 1,) int32 prefix sums of the lengths
             (sequence b is rows cu_seqlens[b]:cu_seqlens[b+1]); lengths may be 0.
-        max_seqlen_q, max_seqlen_k: ints, at least the longest sequence (sizes the grid).
+        max_seqlen_q, max_seqlen_k: ints from 0 to 2**31 - 1, at least the longest
+            sequence (they size the grid; given by the caller so that nothing is read
+            from the device).
         The rest as in flash_attn_func; causal and windows are aligned per sequence at
         its own bottom-right corner, alibi_slopes (batch, nheads) is per sequence.
         block_table: optional int32 (batch, max_num_blocks_per_seq). Then k and v are a
@@ -206,11 +209,20 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     max_seqlen_k) float32: sequence b's probabilities in the top-left corner of probs[b],
     zeros elsewhere (at most ATTN_PROBS_MAX_ELEMENTS elements).
 
-    With a block_table, cu_seqlens_q, the key lengths and the block indices are read on
-    the host when the op runs, also inside a torch.compile graph (as in
-    flash_attn_with_kvcache): a bad value raises ValueError instead of reaching the
-    kernel. While a CUDA graph is captured no read is possible: the values are then the
-    caller's responsibility. return_attn_probs is not available with a block_table.
+    Index values are not read on the host (no device sync): the kernels check what they
+    read, never leave a tensor, and show a bad index as NaN. If cu_seqlens_q or (without
+    block_table) cu_seqlens_k are not prefix sums from 0 to the packed length whose
+    steps are at most max_seqlen_q / max_seqlen_k, every row of out and lse is NaN (and
+    so are dq, dk, dv in the backward); with a block_table, a sequence whose key count
+    (seqused_k[b], or cu_seqlens_k[b + 1] - cu_seqlens_k[b]) is outside [0,
+    max_num_blocks_per_seq * page_size] has NaN rows, and every row that would see a key
+    behind a block-table entry outside [0, num_blocks) is NaN (other rows of its block
+    of queries may be NaN too). With
+    ``flashtile.set_index_checks(True)`` (or FLASHTILE_CHECK_INDICES=1) the values are
+    read first (one host sync) and a bad one raises ValueError; the PyTorch path (CPU
+    tensors without TRITON_INTERPRET) always checks. The check runs when the op runs, so
+    also inside a torch.compile graph; while a CUDA graph is captured it is skipped.
+    return_attn_probs is not available with a block_table.
     """
     if block_table is not None:
         batch, h, hkv, d = V.check_paged_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k,

@@ -159,10 +159,12 @@ class KVCache:
             k, v: (batch, n_new, nheads_kv, head_dim) in the cache's dtype and device,
                 batch <= max_batch; rows 0 .. batch-1 are written.
 
-        Positions past max_seqlen raise ValueError before anything is written. For a
-        tensor ``input_pos`` that check reads its max back to the host (one sync); under
-        torch.compile it is left to index_copy_'s own bounds check instead, so the
-        compiled decode step has no graph break.
+        Positions past max_seqlen raise ValueError before anything is written. A tensor
+        ``input_pos`` on the CPU is checked so; on a GPU reading it would be a sync, so it
+        is checked only with ``flashtile.set_index_checks(True)`` (or
+        FLASHTILE_CHECK_INDICES=1), and otherwise left to index_copy_'s own bounds check
+        on the device (an error, never a write out of bounds), as under torch.compile,
+        whose decode step then has no graph break.
         Sets ``cache_seqlens[:batch]`` to the last position + 1.
         """
         layer = _check_layer(layer, self.num_layers)
@@ -203,7 +205,8 @@ class KVCache:
         if tuple(input_pos.shape) != (n_new,):
             V._fail(ValueError, "input_pos.shape", f"(n_new,) = ({n_new},) from k",
                     tuple(input_pos.shape))
-        if n_new and not torch.compiler.is_compiling():
+        if n_new and (input_pos.device.type == "cpu" or V.index_checks_enabled()) \
+                and V.can_read_indices(input_pos):
             lo, hi = int(input_pos.min()), int(input_pos.max())
             if lo < 0 or hi >= self.max_seqlen:
                 V._fail(ValueError, "input_pos", f"positions in [0, max_seqlen="

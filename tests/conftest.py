@@ -50,6 +50,17 @@ def backend(request, monkeypatch, on_gpu):
     return request.param
 
 
+@pytest.fixture
+def index_checks():
+    """flashtile.set_index_checks(True) for one test: bad index values raise ValueError
+    (without it the kernels turn them into NaN rows)."""
+    import flashtile
+
+    previous = flashtile.set_index_checks(True)
+    yield
+    flashtile.set_index_checks(previous)
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)

@@ -199,9 +199,11 @@ def test_compile_fullgraph_kvcache_step(paged, backend, device, on_gpu):
     torch.testing.assert_close(lse_c, lse, rtol=1e-5, atol=1e-5)
 
 
-def test_compiled_kvcache_checks_indices_at_run_time(backend, device, on_gpu):
-    """Compiled code cannot read the indices while tracing: the op checks them when it
-    runs, so a cache_seqlens past the cache is still a ValueError naming it."""
+def test_compiled_kvcache_checks_indices_at_run_time(backend, device, on_gpu,
+                                                    index_checks):
+    """Compiled code cannot read the indices while tracing: with index checks on, the op
+    checks them when it runs, so a cache_seqlens past the cache is still a ValueError
+    naming it."""
     torch._dynamo.reset()
     q = torch.randn(1, 1, 2, 16, device=device)
     k_cache, v_cache = (torch.randn(1, 32, 2, 16, device=device) for _ in "kv")
@@ -238,10 +240,11 @@ def test_opcheck_varlen_paged(lengths, torch_backend, device):
                            False, block_table, seqused_k))
 
 
-def test_compile_fullgraph_paged_varlen(backend, device):
+def test_compile_fullgraph_paged_varlen(backend, device, index_checks):
     """A mixed prefill step over the paged pool compiles with no graph break, holds the
-    flashtile::varlen_attn_fwd op, equals eager; the block table's values are checked
-    when the compiled op runs (a block past the pool is a ValueError naming it)."""
+    flashtile::varlen_attn_fwd op, equals eager; with index checks on, the block table's
+    values are checked when the compiled op runs (a block past the pool is a ValueError
+    naming it)."""
     seen = []
 
     def recording_inductor(gm, example_inputs):

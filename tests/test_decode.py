@@ -275,7 +275,7 @@ def test_leftpad_rotary_positions_are_absolute(causal, interleaved, backend, dev
         torch.testing.assert_close(out[i:i + 1], ref.to(dtype), **_tol(on_gpu))
 
 
-def test_rotary_table_needs_only_the_rows_it_reads(device):
+def test_rotary_table_needs_only_the_rows_it_reads(device, index_checks):
     """Regression: rotary_cos needs max(cache_seqlens) + the rows used past it, and a
     non-causal q sits at one position (cache_seqlens[b]), so 4 queries with 1 new key at
     position 15 read rows 15 only: a 16-row table is enough (flashtile asked for 19, and
@@ -309,7 +309,7 @@ def test_batch_idx_and_leftpad(backend, device, on_gpu):
         torch.testing.assert_close(out[i:i + 1], ref, **_tol(on_gpu))
 
 
-def test_kvcache_errors(device):
+def test_kvcache_errors(device, index_checks):
     q = torch.randn(2, 1, 4, 16, device=device)
     kc, vc = torch.randn(2, 32, 2, 16, device=device), torch.randn(2, 32, 2, 16, device=device)
     sl = torch.tensor([3, 40], dtype=torch.int32, device=device)

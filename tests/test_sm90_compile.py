@@ -11,7 +11,7 @@ import pytest
 
 from flashtile.ops import configs
 from flashtile.ops.bwd import _bwd_dkdv_kernel, _bwd_dq_kernel, _bwd_preprocess_kernel
-from flashtile.ops.decode import _combine_kernel, _decode_kernel
+from flashtile.ops.decode import _append_kernel, _combine_kernel, _decode_kernel
 from flashtile.ops.fwd import _attn_fwd_kernel
 from tests.aot import compile_kernel, resources
 
@@ -129,3 +129,11 @@ def test_decode_compiles(paged, page_size, aligned, tile_pages, split_pages):
     ptx = ck.asm["ptx"]
     assert "griddepcontrol.wait" in ptx
     assert ptx.index("griddepcontrol.wait") < ptx.index("ld.global"), "reads before the wait"
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+def test_append_compiles(paged):
+    ck = compile_kernel(_append_kernel, dict(BLOCK_T=16, BLOCK_D=128, PAGED=paged,
+                                             PAGE_SIZE=16 if paged else 1,
+                                             HAS_BATCH_IDX=not paged), dtype="bf16")
+    assert resources(ck)["stack_bytes"] == 0

@@ -90,7 +90,7 @@ def test_varlen_grad_through_lse_only(backend, device, on_gpu):
         torch.testing.assert_close(a, r, **tol)
 
 
-def test_varlen_bad_cu_seqlens(device):
+def test_varlen_bad_cu_seqlens(device, index_checks):
     q = torch.randn(10, 2, 16, device=device)
     k = torch.randn(12, 2, 16, device=device)
     good = torch.tensor([0, 4, 10], dtype=torch.int32, device=device)

@@ -269,7 +269,7 @@ BAD = {
 
 
 @pytest.mark.parametrize("case", list(BAD))
-def test_paged_varlen_rejects(case, device):
+def test_paged_varlen_rejects(case, device, index_checks):
     make, error, message = BAD[case]
     with torch.no_grad(), pytest.raises(error, match=message):
         flashtile.flash_attn_varlen_func(**make(device))

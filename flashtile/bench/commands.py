@@ -162,7 +162,8 @@ def add_bench(commands):
         epilog="flashtile bench serve -h, flashtile bench throughput -h, flashtile bench "
         "kv-waste -h: the engine's serving, offline and KV-memory benchmarks; flashtile "
         "bench hf -h: transformers with attn_implementation='flashtile' beside sdpa and "
-        "eager (options of their own)")
+        "eager; flashtile bench host -h: the host time of one eager call (options of "
+        "their own)")
     _common(p)
     p.add_argument("--quick", action="store_true", help="a few small cells (< 1 min)")
     p.add_argument("--accuracy", action="store_true",

@@ -125,3 +125,86 @@ def _seq_bounds(CuSeqlensQ, CuSeqlensK, off_b, seqlen_q, seqlen_k, diag_offset,
         q_start = 0
         k_start = 0
     return q_start, k_start, seqlen_q, seqlen_k, diag_offset
+
+
+# ---- Index safety: the kernels never follow an index outside its tensor ----
+# The index tensors (cu_seqlens, seqused_k, block_table, cache_seqlens, ...) are not read
+# on the host by default (no device sync per call). The kernels check what they read:
+# a valid index is used as is, an invalid one is replaced by a harmless one (no load or
+# store leaves its tensor) and the rows it would have served come out NaN, out and lse.
+
+PREFIX_BLOCK = tl.constexpr(128)
+
+
+@triton.jit
+def _prefix_sums_bad(Cu, batch, total, max_len):
+    """How many entries of Cu[0 .. batch] break "prefix sums from 0 to ``total`` whose
+    steps (the sequence lengths) lie in [0, max_len]" (0: valid). Every program checks
+    the whole array (a few hundred bytes from L2): a wrong entry makes sequences overlap
+    or leaves rows to no program, which no single sequence can see. int64, so no
+    difference can wrap."""
+    n_bad = 0
+    for start in range(0, batch + 1, PREFIX_BLOCK):
+        offs = start + tl.arange(0, PREFIX_BLOCK)
+        m = offs <= batch
+        cur = tl.load(Cu + offs, mask=m, other=0).to(tl.int64)
+        prev = tl.load(Cu + offs - 1, mask=m & (offs > 0), other=0).to(tl.int64)
+        step = cur - prev
+        bad = m & (((offs == 0) & (cur != 0)) | ((offs == batch) & (cur != total))
+                   | ((offs > 0) & ((step < 0) | (step > max_len))))
+        n_bad += tl.sum(bad.to(tl.int32), 0)
+    return n_bad
+
+
+FILL_COLS = tl.constexpr(16)
+
+
+@triton.jit
+def _fill_nan_rows(P, stride_row, n_rows, n_cols, chunk, n_chunks,
+                   BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """NaN into rows [0, n_rows) x cols [0, n_cols) of a (rows, cols) view with unit
+    column stride: program ``chunk`` of ``n_chunks`` takes row blocks chunk, chunk +
+    n_chunks, ..., so the grid covers every row whatever its size. Columns go by
+    FILL_COLS (BLOCK_C is their padded count): a whole (rows, head_dim) tile of NaN
+    raised the forward kernel's register use, in a branch that almost never runs."""
+    COLS: tl.constexpr = FILL_COLS if BLOCK_C > FILL_COLS else BLOCK_C
+    nan = tl.full([BLOCK_R, COLS], float("nan"), tl.float32).to(P.dtype.element_ty)
+    for start in range(chunk * BLOCK_R, n_rows, n_chunks * BLOCK_R):
+        offs_r = start + tl.arange(0, BLOCK_R)
+        for col in tl.static_range(0, BLOCK_C, COLS):
+            offs_c = col + tl.arange(0, COLS)
+            tl.store(P + offs_r[:, None] * stride_row + offs_c[None, :], nan,
+                     mask=(offs_r[:, None] < n_rows) & (offs_c[None, :] < n_cols))
+
+
+@triton.jit
+def _checked_page(page, num_blocks, softmax_scale):
+    """The block-table entry of a whole key tile as the kernels use it: inside the pool
+    of num_blocks as read; outside, block 0 with a NaN scale for the tile's scores (no
+    extra work per score), so every row that sees one of its keys is NaN, as for a NaN
+    key, and masked keys (past the sequence) still drop out. Returns (page, scale)."""
+    bad = (page < 0) | (page >= num_blocks)
+    return tl.where(bad, 0, page), tl.where(bad, float("nan"), softmax_scale)
+
+
+@triton.jit
+def _pages_bad(block_row, first, stop, num_blocks):
+    """How many of the block-table entries block_row[first:stop] lie outside the pool
+    of num_blocks (0: all inside)."""
+    n_bad = 0
+    for start in range(first, stop, PREFIX_BLOCK):
+        offs = start + tl.arange(0, PREFIX_BLOCK)
+        page = tl.load(block_row + offs, mask=offs < stop, other=0)
+        n_bad += tl.sum(((page < 0) | (page >= num_blocks)).to(tl.int32), 0)
+    return n_bad
+
+
+@triton.jit
+def _checked_rows(pages, num_blocks, m_rows):
+    """The block-table entries of a tile's key rows (N,): inside the pool as read,
+    outside block 0. Returns (pages, bad) where bad (N,) int32 marks the rows of m_rows
+    whose entry was outside: the caller ORs them over its loop and makes its rows NaN
+    at the end (a per-column NaN scale, as _checked_page's, cost the decode kernel 34
+    registers a thread on sm_90)."""
+    bad = (pages < 0) | (pages >= num_blocks)
+    return tl.where(bad, 0, pages), (bad & m_rows).to(tl.int32)

@@ -14,9 +14,9 @@ import torch
 import triton
 import triton.language as tl
 
-from flashtile.ops import configs
-from flashtile.ops._common import (LOG2E, _block_range, _load_tile, _scores_log2,
-                                   _seq_bounds, _tanh)
+from flashtile.ops import _launch, configs
+from flashtile.ops._common import (LOG2E, _block_range, _fill_nan_rows, _load_tile,
+                                   _prefix_sums_bad, _scores_log2, _seq_bounds, _tanh)
 
 
 @triton.jit
@@ -88,6 +88,16 @@ def _dkdv_block(dk, dv, b_k, b_v, p_q, p_do, p_lse, p_delta, start, stop,
 
 
 @triton.jit
+def _varlen_bad(CuSeqlensQ, CuSeqlensK, batch, total_q, total_k, max_seqlen_q,
+                max_seqlen_k):
+    """Entries of the prefix sums that would send the kernel outside the packed rows or
+    leave rows to no program (0: valid); then the gradients are NaN (``_common``)."""
+    return (_prefix_sums_bad(CuSeqlensQ, batch, total_q, max_seqlen_q)
+            + _prefix_sums_bad(CuSeqlensK, batch, total_k, max_seqlen_k))
+
+
+# max_seqlen_q/k change from call to call: not specialised (one kernel, one plan).
+@triton.jit(do_not_specialize=["max_seqlen_q", "max_seqlen_k"])
 def _bwd_dkdv_kernel(
     Q, K, V, DOut, Lse, Delta, DK, DV, Mask, Alibi, CuSeqlensQ, CuSeqlensK,
     stride_qb, stride_qm, stride_qh,
@@ -100,6 +110,7 @@ def _bwd_dkdv_kernel(
     stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n,
     stride_alibi_b, stride_alibi_h,
     nheads, nheads_kv, seqlen_q, seqlen_k, head_dim,
+    total_q, total_k, max_seqlen_q, max_seqlen_k,
     diag_offset, window_left, window_right, softmax_scale, softcap,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     EVEN_D: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
@@ -111,6 +122,17 @@ def _bwd_dkdv_kernel(
     off_b = off_bh // nheads_kv
     off_hkv = off_bh % nheads_kv
     group_size = nheads // nheads_kv
+    if IS_VARLEN:
+        batch = tl.num_programs(1) // nheads_kv
+        if _varlen_bad(CuSeqlensQ, CuSeqlensK, batch, total_q, total_k, max_seqlen_q,
+                       max_seqlen_k) > 0:
+            chunk = off_b * tl.num_programs(0) + start_n
+            n_chunks = batch * tl.num_programs(0)
+            _fill_nan_rows(DK + off_hkv * stride_dkh, stride_dkn, total_k, head_dim,
+                           chunk, n_chunks, BLOCK_N, BLOCK_D)
+            _fill_nan_rows(DV + off_hkv * stride_dvh, stride_dvn, total_k, head_dim,
+                           chunk, n_chunks, BLOCK_N, BLOCK_D)
+            return
     q_start, k_start, seqlen_q, seqlen_k, diag_offset = _seq_bounds(
         CuSeqlensQ, CuSeqlensK, off_b, seqlen_q, seqlen_k, diag_offset, IS_VARLEN)
     if start_n * BLOCK_N >= seqlen_k:  # varlen: the grid covers the longest sequence
@@ -206,7 +228,7 @@ def _dq_block(dq, b_q, b_do, lse_log2, delta, p_k, p_v, start, stop,
     return dq
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["max_seqlen_q", "max_seqlen_k"])
 def _bwd_dq_kernel(
     Q, K, V, DOut, Lse, Delta, DQ, Mask, Alibi, CuSeqlensQ, CuSeqlensK,
     stride_qb, stride_qm, stride_qh,
@@ -218,6 +240,7 @@ def _bwd_dq_kernel(
     stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n,
     stride_alibi_b, stride_alibi_h,
     nheads, group_size, seqlen_q, seqlen_k, head_dim,
+    total_q, total_k, max_seqlen_q, max_seqlen_k,
     diag_offset, window_left, window_right, softmax_scale, softcap,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     EVEN_D: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
@@ -229,6 +252,14 @@ def _bwd_dq_kernel(
     off_b = off_bh // nheads
     off_h = off_bh % nheads
     off_hkv = off_h // group_size
+    if IS_VARLEN:
+        batch = tl.num_programs(1) // nheads
+        if _varlen_bad(CuSeqlensQ, CuSeqlensK, batch, total_q, total_k, max_seqlen_q,
+                       max_seqlen_k) > 0:
+            chunk = off_b * tl.num_programs(0) + start_m
+            _fill_nan_rows(DQ + off_h * stride_dqh, stride_dqm, total_q, head_dim, chunk,
+                           batch * tl.num_programs(0), BLOCK_M, BLOCK_D)
+            return
     q_start, k_start, seqlen_q, seqlen_k, diag_offset = _seq_bounds(
         CuSeqlensQ, CuSeqlensK, off_b, seqlen_q, seqlen_k, diag_offset, IS_VARLEN)
     if start_m * BLOCK_M >= seqlen_q:  # varlen: the grid covers the longest sequence
@@ -284,6 +315,15 @@ def _bwd_dq_kernel(
              mask=(offs_m[:, None] < seqlen_q) & (offs_d[None, :] < head_dim))
 
 
+# The kernel parameters a call of each backward plan fills, in this order (``_launch``).
+_PRE_SLOTS = ("Out", "DOut", "DLse", "Delta")
+_DKDV_SLOTS = ("Q", "K", "V", "DOut", "Lse", "Delta", "DK", "DV", "Mask", "Alibi",
+               "CuSeqlensQ", "CuSeqlensK", "max_seqlen_q", "max_seqlen_k", "softmax_scale",
+               "softcap")
+_DQ_SLOTS = ("Q", "K", "V", "DOut", "Lse", "Delta", "DQ", "Mask", "Alibi", "CuSeqlensQ",
+             "CuSeqlensK", "max_seqlen_q", "max_seqlen_k", "softmax_scale", "softcap")
+
+
 def attn_bwd(dout, q, k, v, out, lse, dlse, *, attn_mask, alibi_slopes, softmax_scale,
              diag_offset, window_left, window_right, softcap, allow_tf32,
              cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None):
@@ -291,53 +331,94 @@ def attn_bwd(dout, q, k, v, out, lse, dlse, *, attn_mask, alibi_slopes, softmax_
 
     Dense: ``lse`` and ``dlse`` are (b, h, sq) fp32; varlen (cu_seqlens given): q/k/v
     are packed (total, heads, d) and lse/dlse are (h, total_q). ``dlse`` may be None.
+    Index values are checked by the kernels (bad prefix sums: NaN gradients).
     """
     varlen = cu_seqlens_q is not None
+    h, d, hkv = q.shape[-2], q.shape[-1], k.shape[-2]
     if varlen:
-        dout, q, k, v, out = (x.unsqueeze(0) for x in (dout, q, k, v, out))
-        lse = lse.unsqueeze(0)
-        dlse = dlse.unsqueeze(0) if dlse is not None else None
-    b, sq, h, d = q.shape
-    sk, hkv = k.shape[1], k.shape[2]
-    batch, seqlen_q, seqlen_k = ((cu_seqlens_q.numel() - 1, max_seqlen_q, max_seqlen_k)
-                                 if varlen else (b, sq, sk))
-    dq = torch.empty((b, sq, h, d), dtype=q.dtype, device=q.device)
-    dk = torch.empty((b, sk, hkv, d), dtype=k.dtype, device=q.device)
-    dv = torch.empty((b, sk, hkv, d), dtype=v.dtype, device=q.device)
-    unpack = (lambda *t: tuple(x[0] for x in t)) if varlen else (lambda *t: t)
-    if not q.numel() or not dk.numel() or not batch:
-        return unpack(dq.zero_(), dk.zero_(), dv.zero_())
-    block_d = configs.padded_head_dim(d)
+        batch, longest_q, longest_k = cu_seqlens_q.shape[0] - 1, max_seqlen_q, max_seqlen_k
+    else:
+        batch, longest_q, longest_k = q.shape[0], q.shape[1], k.shape[1]
+    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    dk = torch.empty(k.shape, dtype=k.dtype, device=q.device)
+    dv = torch.empty(v.shape, dtype=v.dtype, device=q.device)
+    # Dense without keys: no gradient. Varlen launches even then, so that prefix sums
+    # which are not valid still make dq NaN.
+    if not q.numel() or not batch or (not dk.numel() and not varlen):
+        return dq.zero_(), dk.zero_(), dv.zero_()
     lse = lse.contiguous()
+    dlse = dlse.contiguous() if dlse is not None else None
     delta = torch.empty_like(lse)
+    cu_q, cu_k = (cu_seqlens_q, cu_seqlens_k) if varlen else (q, q)
+    # The preprocess reads out, dout, dlse (lse as a placeholder) and writes delta; the
+    # dK/dV kernel takes tensors[:8] (dq's place is dk, dv), the dQ kernel dq instead.
+    tensors = (q, k, v, dout, lse, delta, dk, dv, q if attn_mask is None else attn_mask,
+               q if alibi_slopes is None else alibi_slopes, cu_q, cu_k, out,
+               lse if dlse is None else dlse, dq)
+    scalars = (max_seqlen_q if varlen else 0, max_seqlen_k if varlen else 0,
+               softmax_scale, softcap)
+    key = None
+    if _launch.ready(q):
+        p = _launch.pointers(tensors)
+        key = ("bwd", q.dtype, q.shape, q.stride(), k.shape, k.stride(), v.stride(),
+               dout.stride(), out.stride(), dlse is None,
+               _launch.layout(attn_mask), _launch.layout(alibi_slopes),
+               diag_offset, window_left, window_right, softcap > 0, allow_tf32,
+               varlen and (batch, configs.seqlen_class(max(longest_q, longest_k))),
+               _launch.misalignment(p))
+        plans = _launch.lookup(key)
+        if plans is not None:
+            pre, dkdv, dqp = plans
+            pre((p[12], p[3], p[13], p[5]))
+            dkdv((*p[:12], *scalars),
+                 (max(1, configs.cdiv(longest_k, dkdv.cfg.block_n)), batch * hkv, 1)
+                 if varlen else None)
+            dqp((*p[:6], p[14], *p[8:12], *scalars),
+                (max(1, configs.cdiv(longest_q, dqp.cfg.block_m)), batch * h, 1)
+                if varlen else None)
+            return dq, dk, dv
+    if varlen:
+        # Packed tensors as a batch of one whose batch stride the kernels must not use.
+        dout4, q4, k4, v4, out4, dq4, dk4, dv4 = (
+            x.unsqueeze(0) for x in (dout, q, k, v, out, dq, dk, dv))
+        lse3 = lse.unsqueeze(0)
+    else:
+        dout4, q4, k4, v4, out4, dq4, dk4, dv4, lse3 = dout, q, k, v, out, dq, dk, dv, lse
+    rows = out4.shape[1]  # per row, so packed varlen rows are one long sequence here
     pre_m = configs.PREPROCESS_BLOCK_M
-    # Per row, so packed varlen rows are just one long sequence here.
-    _bwd_preprocess_kernel[(configs.cdiv(sq, pre_m), b * h)](
-        out, dout, dlse.contiguous() if dlse is not None else lse, delta,
-        out.stride(0), out.stride(1), out.stride(2),
-        dout.stride(0), dout.stride(1), dout.stride(2),
-        h, sq, d, BLOCK_M=pre_m, BLOCK_D=block_d, HAS_DLSE=dlse is not None,
-    )
+    pre = _launch.first_launch(
+        _bwd_preprocess_kernel, (configs.cdiv(rows, pre_m), out4.shape[0] * h),
+        (out, dout, tensors[13], delta, out4.stride(0), out4.stride(1), out4.stride(2),
+         dout4.stride(0), dout4.stride(1), dout4.stride(2), h, rows, d),
+        dict(BLOCK_M=pre_m, BLOCK_D=configs.padded_head_dim(d), HAS_DLSE=dlse is not None),
+        _PRE_SLOTS if key is not None else None)
     mask, mask_strides, alibi, alibi_strides, flags = configs.feature_args(
         attn_mask, alibi_slopes, q, window_left=window_left, window_right=window_right,
         softcap=softcap, allow_tf32=allow_tf32, head_dim=d)
-    common = (diag_offset, window_left, window_right, softmax_scale, softcap)
-    windowed, longest = window_left >= 0 or window_right >= 0, max(seqlen_q, seqlen_k)
-    cu = (cu_seqlens_q, cu_seqlens_k) if varlen else (q, q)
-    configs.launch(
-        _bwd_dkdv_kernel, lambda cfg: (configs.cdiv(seqlen_k, cfg.block_n), batch * hkv),
+    windowed, longest = window_left >= 0 or window_right >= 0, max(longest_q, longest_k)
+    # Varlen kernels read each sequence's lengths from cu_seqlens; seqlen_q/k unused.
+    sizes = (0, 0, d) if varlen else (longest_q, longest_k, d)
+    totals = (q.shape[0], k.shape[0]) if varlen else (0, 0)
+    common = (*totals, *scalars[:2], diag_offset, window_left, window_right,
+              softmax_scale, softcap)
+    dkdv = configs.launch(
+        _bwd_dkdv_kernel,
+        lambda cfg: (max(1, configs.cdiv(longest_k, cfg.block_n)), batch * hkv),
         configs.bwd_dkdv_config(q, d, windowed, seqlen=longest), "backward dk/dv", q, d,
-        q, k, v, dout, lse, delta, dk, dv, mask, alibi, *cu,
-        *configs.strides(varlen, q, k, v, dout, dk, dv, lse),
-        *mask_strides, *alibi_strides,
-        h, hkv, seqlen_q, seqlen_k, d, *common, IS_VARLEN=varlen, **flags,
+        *tensors[:8], mask, alibi, cu_q, cu_k,
+        *configs.strides(varlen, q4, k4, v4, dout4, dk4, dv4, lse3),
+        *mask_strides, *alibi_strides, h, hkv, *sizes, *common,
+        IS_VARLEN=varlen, slots=_DKDV_SLOTS if key is not None else None, **flags,
     )
-    configs.launch(
-        _bwd_dq_kernel, lambda cfg: (configs.cdiv(seqlen_q, cfg.block_m), batch * h),
+    dqp = configs.launch(
+        _bwd_dq_kernel,
+        lambda cfg: (max(1, configs.cdiv(longest_q, cfg.block_m)), batch * h),
         configs.bwd_dq_config(q, d, windowed, seqlen=longest), "backward dq", q, d,
-        q, k, v, dout, lse, delta, dq, mask, alibi, *cu,
-        *configs.strides(varlen, q, k, v, dout, dq, lse),
-        *mask_strides, *alibi_strides,
-        h, h // hkv, seqlen_q, seqlen_k, d, *common, IS_VARLEN=varlen, **flags,
+        *tensors[:6], dq, mask, alibi, cu_q, cu_k,
+        *configs.strides(varlen, q4, k4, v4, dout4, dq4, lse3),
+        *mask_strides, *alibi_strides, h, h // hkv, *sizes, *common,
+        IS_VARLEN=varlen, slots=_DQ_SLOTS if key is not None else None, **flags,
     )
-    return unpack(dq, dk, dv)
+    if key is not None:
+        _launch.store(key, (pre, dkdv, dqp))
+    return dq, dk, dv

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
+from flashtile.ops import _launch
+
 logger = logging.getLogger("flashtile")
 
 
@@ -31,6 +33,7 @@ _override: dict[str, TileConfig] = {}
 
 
 def set_override(kind: str, cfg: TileConfig | None) -> None:
+    _launch.clear()  # plans hold the tiles they were made with
     if cfg is None:
         _override.pop(kind, None)
     else:
@@ -61,6 +64,8 @@ def padded_head_dim(head_dim: int) -> int:
 
 # The rowsum(dO * O) preprocess holds two (BLOCK_M, head_dim) fp32 tiles per program.
 PREPROCESS_BLOCK_M = 32
+# New tokens per program of the KV-cache append (decode appends 1, a verify step a few).
+APPEND_BLOCK_T = 16
 
 _INTERPRETER = {
     "fwd": TileConfig(16, 32),
@@ -163,16 +168,24 @@ def smaller(cfg: TileConfig) -> TileConfig | None:
     return None
 
 
-def launch(kernel, grid_fn, cfg: TileConfig, name: str, q, head_dim, *args, **kwargs):
-    """Launch with ``cfg``; on OutOfResources step down through ``smaller`` (logged)."""
+def launch(kernel, grid_fn, cfg: TileConfig, name: str, q, head_dim, *args, slots=None,
+           **kwargs):
+    """Launch with ``cfg``; on OutOfResources step down through ``smaller`` (logged).
+
+    slots: the kernel parameters a later call fills (``_launch``): then returns the
+    launch's plan (None where there is none to make), else None."""
     from triton.runtime.errors import OutOfResources
 
     while True:
         log_first_launch(name, q, head_dim, cfg, kwargs)
         try:
-            return kernel[grid_fn(cfg)](*args, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-                                        num_warps=cfg.num_warps,
-                                        num_stages=cfg.num_stages, **kwargs)
+            grid = grid_fn(cfg)
+            params = dict(kwargs, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n)
+            compiled = kernel[grid](*args, num_warps=cfg.num_warps,
+                                    num_stages=cfg.num_stages, **params)
+            if slots is None:
+                return None
+            return _launch.make(compiled, kernel, args, params, grid, slots, cfg)
         except OutOfResources as err:
             nxt = smaller(cfg)
             if nxt is None:
@@ -336,6 +349,7 @@ def tuned_table() -> dict:
 
 def reload_tuned() -> None:
     _tuned.clear()
+    _launch.clear()  # plans hold the tiles they were made with
 
 
 def tuned_config(kind: str, q, head_dim: int, causal_like: bool,

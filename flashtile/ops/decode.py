@@ -18,6 +18,14 @@ in the contiguous cache) or spans TILE_PAGES whole pages (one scalar lookup per 
 broadcast to its rows). A split of at most MAX_SPLIT_PAGES pages loads them all before
 its loop instead, and each tile picks its pages from registers. A left pad shifts tiles
 off the page boundaries: then each row of the tile looks up its own page.
+
+Indices are checked where they are read, never on the host: a sequence whose key count
+(cache_seqlens + the appended tokens) exceeds what its cache row or block-table row
+holds, whose cache_leftpad is outside [0, key count] or whose cache_batch_idx is outside
+the cache reads nothing and its rows are NaN (out and lse); a block-table entry outside
+the pool is never followed (block 0 is read instead) and the rows that would see its
+keys are NaN: exactly those when a tile lies in one page (the rule of a NaN key), every
+row of the program when its pages are looked up per key row.
 """
 
 import functools
@@ -28,8 +36,8 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from flashtile.ops import configs
-from flashtile.ops._common import LN2, _scores_log2
+from flashtile.ops import _launch, configs
+from flashtile.ops._common import LN2, _checked_page, _checked_rows, _scores_log2
 
 
 @triton.jit
@@ -75,6 +83,7 @@ def _decode_kernel(
     stride_ls, stride_lb, stride_lh,
     stride_alibi_b, stride_alibi_h,
     nheads_kv, group_size, seqlen_q, head_dim, keys_per_split,
+    cache_rows, capacity, new_tokens,
     window_left, window_right, softmax_scale, softcap,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     EVEN_D: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
@@ -83,6 +92,8 @@ def _decode_kernel(
     SPLIT_PAGES: tl.constexpr, HAS_BATCH_IDX: tl.constexpr, HAS_LEFTPAD: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, LAUNCH_DEPENDENTS: tl.constexpr,
 ):
+    # Pages looked up per key row (a vector of entries per tile), not per tile.
+    ROW_PAGES: tl.constexpr = TILE_PAGES > 0 or (not PAGE_ALIGNED and SPLIT_PAGES == 0)
     split = tl.program_id(0)
     off_b = tl.program_id(1) // nheads_kv
     off_hkv = tl.program_id(1) % nheads_kv
@@ -97,15 +108,22 @@ def _decode_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     m_d = offs_d < head_dim
 
-    seqlen_k = tl.load(CacheSeqlens + off_b)  # keys including any just appended
+    # Keys including the new_tokens just appended; cache positions [leftpad, stop).
+    stop = tl.load(CacheSeqlens + off_b) + new_tokens
+    seq_bad = (stop < 0) | (stop > capacity)
     leftpad = 0
     if HAS_LEFTPAD:
         leftpad = tl.load(CacheLeftpad + off_b)
-        seqlen_k -= leftpad
-    diag_offset = seqlen_k - seqlen_q  # bottom-right, as flash_attn_func
+        seq_bad |= (leftpad < 0) | (leftpad > stop)
     cache_b = off_b
     if HAS_BATCH_IDX:
         cache_b = tl.load(CacheBatchIdx + off_b)
+        seq_bad |= (cache_b < 0) | (cache_b >= cache_rows)
+    # A bad sequence reads no key (its rows are NaN: see l_i).
+    leftpad = tl.where(seq_bad, 0, leftpad)
+    seqlen_k = tl.where(seq_bad, 0, stop - leftpad)
+    cache_b = tl.where(seq_bad, 0, cache_b)
+    diag_offset = seqlen_k - seqlen_q  # bottom-right, as flash_attn_func
 
     p_q = (Q + off_b * stride_qb + offs_t[:, None] * stride_qm + offs_h[:, None] * stride_qh
            + offs_d[None, :])
@@ -124,7 +142,10 @@ def _decode_kernel(
         lo = tl.maximum(lo, (tl.maximum(diag_offset - window_left, 0) // BLOCK_N) * BLOCK_N)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    # A bad sequence reads no key, and a NaN sum makes its out and lse NaN at the end
+    # (a select on the output tile there made ptxas spill 8 bytes on sm_90).
+    l_i = tl.full([BLOCK_M], 0.0, dtype=tl.float32) + tl.where(seq_bad, float("nan"), 0.0)
+    bad_rows = tl.zeros([BLOCK_N], dtype=tl.int32)  # key rows behind a bad page
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     # The page(s) of a tile are loaded one tile ahead: the software pipeliner does not
     # run scalar loads ahead, and a K/V address waiting on its block-table entry in the
@@ -157,6 +178,8 @@ def _decode_kernel(
         offs_n = start_n + offs_n0
         m_n = offs_n < hi
         pos = leftpad + offs_n                                             # cache position
+        # Pages outside the pool: block 0 and NaN scores (_checked_page).
+        scale = softmax_scale
         if SPLIT_PAGES > 0:
             if TILE_PAGES > 0:
                 # Pages smaller than the tile: the split starts on a page boundary.
@@ -165,22 +188,28 @@ def _decode_kernel(
                 for p in tl.static_range(TILE_PAGES):
                     page = _pick(split_pages, tile, p, TILE_PAGES, SPLIT_PAGES)
                     rows = tl.where(offs_n0 // PAGE_SIZE == p, page, rows)
+                rows, bad = _checked_rows(rows, cache_rows, m_n)
+                bad_rows |= bad
                 row_k = rows.to(tl.int64) * stride_kb + (pos % PAGE_SIZE) * stride_kn
                 row_v = rows.to(tl.int64) * stride_vb + (pos % PAGE_SIZE) * stride_vn
             else:
                 page = _pick(split_pages, start_n // PAGE_SIZE - first_page, 0, 1,
                              SPLIT_PAGES)
+                page, scale = _checked_page(page, cache_rows, softmax_scale)
                 in_page = start_n % PAGE_SIZE + offs_n0
                 row_k = page.to(tl.int64) * stride_kb + in_page * stride_kn
                 row_v = page.to(tl.int64) * stride_vb + in_page * stride_vn
         elif PAGE_ALIGNED:
             # The tile starts at a multiple of BLOCK_N, which divides PAGE_SIZE: one page.
             in_page = start_n % PAGE_SIZE + offs_n0
+            page, scale = _checked_page(page, cache_rows, softmax_scale)
             row_k = page.to(tl.int64) * stride_kb + in_page * stride_kn
             row_v = page.to(tl.int64) * stride_vb + in_page * stride_vn
             next_n = start_n + BLOCK_N
             page = tl.load(block_row + next_n // PAGE_SIZE, mask=next_n < hi, other=0)
         elif PAGED:
+            page, bad = _checked_rows(page, cache_rows, m_n)
+            bad_rows |= bad
             row_k = page.to(tl.int64) * stride_kb + (pos % PAGE_SIZE) * stride_kn
             row_v = page.to(tl.int64) * stride_vb + (pos % PAGE_SIZE) * stride_vn
             page = _row_pages(block_row, leftpad + start_n + BLOCK_N, offs_n0, max_blocks,
@@ -193,7 +222,7 @@ def _decode_kernel(
                       mask=m_kv, other=0.0)                                # (N, D)
         qk = tl.dot(b_q, tl.trans(b_k), input_precision=INPUT_PRECISION)   # (M, N)
         s = _scores_log2(qk, offs_t, offs_n, hi, diag_offset, window_left, window_right,
-                         softmax_scale, softcap, alibi_slope, Q, 0, 0, m_row[:, None],
+                         scale, softcap, alibi_slope, Q, 0, 0, m_row[:, None],
                          True, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI, False, False)
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -209,6 +238,9 @@ def _decode_kernel(
     if LAUNCH_DEPENDENTS:
         # The combine's programs may be scheduled now; they wait for this grid to end.
         gdc_launch_dependents()
+    if PAGED and ROW_PAGES:
+        # A bad page among the key rows makes every row NaN (a NaN sum).
+        l_i = tl.where(tl.max(bad_rows, 0) > 0, float("nan"), l_i)
     # As in the forward kernel: empty rows (and empty splits) are (0, -inf) whatever
     # their key block held; a NaN that reached a row stays NaN in out and lse.
     empty = l_i == 0.0
@@ -297,24 +329,61 @@ def combine_pdl(q) -> tuple[bool, bool]:
     return True, mode == "1"
 
 
+# The kernel parameters a call of a decode plan fills, in this order (``_launch``).
+_DECODE_SLOTS = ("Q", "KCache", "VCache", "Out", "Lse", "BlockTable", "CacheSeqlens",
+                 "CacheBatchIdx", "CacheLeftpad", "Alibi", "softmax_scale", "softcap")
+_COMBINE_SLOTS = ("OutPartial", "LsePartial", "Out", "Lse")
+
+
 def attn_decode(q, k_cache, v_cache, *, cache_seqlens, block_table, cache_batch_idx,
                 cache_leftpad, alibi_slopes, softmax_scale, window_left, window_right,
-                softcap, num_splits, allow_tf32):
-    """Launch the decode kernel (and the combine kernel when split). Validated inputs.
+                softcap, num_splits, allow_tf32, new_tokens=0):
+    """Launch the decode kernel (and the combine kernel when split). Shapes, dtypes and
+    devices validated by the caller; index values are checked by the kernel.
 
     q (b, sq, h, d); k_cache/v_cache (b_cache, max_seqlen, hkv, d), or with block_table
-    (num_blocks, page_size, hkv, d); cache_seqlens int32 (b,) counts the keys to attend
-    (appended ones included). Returns out (b, sq, h, d) and lse (b, h, sq) fp32.
+    (num_blocks, page_size, hkv, d); every index tensor int32 with unit stride;
+    cache_seqlens (b,) plus new_tokens counts the keys to attend (new_tokens: those
+    just appended). Returns out (b, sq, h, d) and lse (b, h, sq) fp32.
     """
     b, sq, h, d = q.shape
     hkv = k_cache.shape[2]
-    group = h // hkv
-    paged = block_table is not None
-    capacity = block_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1]
     out = torch.empty((b, sq, h, d), dtype=q.dtype, device=q.device)
     lse = torch.empty((b, h, sq), dtype=torch.float32, device=q.device)
     if out.numel() == 0:
         return out, lse
+    paged = block_table is not None
+    # Absent index tensors get cache_seqlens as a never-read placeholder, alibi q.
+    tensors = (q, k_cache, v_cache, out, lse, block_table if paged else cache_seqlens,
+               cache_seqlens, cache_seqlens if cache_batch_idx is None else cache_batch_idx,
+               cache_seqlens if cache_leftpad is None else cache_leftpad,
+               q if alibi_slopes is None else alibi_slopes)
+    key = None
+    if _launch.ready(q):
+        p = _launch.pointers(tensors)
+        key = ("decode", q.dtype, q.shape, q.stride(), k_cache.shape, k_cache.stride(),
+               v_cache.stride(), paged and (block_table.shape, block_table.stride(0)),
+               cache_batch_idx is None, cache_leftpad is None,
+               _launch.layout(alibi_slopes),
+               window_left, window_right, softcap > 0, num_splits, allow_tf32, new_tokens,
+               _launch.misalignment(p))
+        plans = _launch.lookup(key)
+        if plans is not None:
+            if len(plans) == 1:  # unsplit: the kernel writes out and lse itself
+                plans[0]((*p, softmax_scale, softcap))
+                return out, lse
+            splits, decode, combine = plans
+            # Both partials in one allocation (one allocator call less); the lse part
+            # starts 16-byte aligned, as the recorded launch's own tensor did.
+            n_out = -(-splits * b * sq * h * d // 4) * 4
+            partials = torch.empty(n_out + splits * b * h * sq, dtype=torch.float32,
+                                   device=q.device)
+            dst = partials.data_ptr()
+            decode((*p[:3], dst, dst + 4 * n_out, *p[5:], softmax_scale, softcap))
+            combine((dst, dst + 4 * n_out, p[3], p[4]))
+            return out, lse
+    group = h // hkv
+    capacity = block_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1]
     cfg = configs.decode_config(q, d, sq * group)
     m_blocks = configs.cdiv(sq * group, cfg.block_m)
     if num_splits <= 0:
@@ -340,7 +409,6 @@ def attn_decode(q, k_cache, v_cache, *, cache_seqlens, block_table, cache_batch_
         softcap=softcap, allow_tf32=allow_tf32, head_dim=d)
     flags.pop("HAS_MASK")
     flags.pop("MASK_IS_BOOL")
-    placeholder = cache_seqlens
     # Page sizes are powers of two (validated), so a constexpr page size makes the
     # per-row lookup shifts and masks; one variant per page size in use.
     page_size = k_cache.shape[1] if paged else 1
@@ -365,31 +433,119 @@ def attn_decode(q, k_cache, v_cache, *, cache_seqlens, block_table, cache_batch_
         LAUNCH_DEPENDENTS=early)
     configs.log_first_launch("decode", q, d, cfg, dict(
         switches, PAGE_SIZE=page_size if paged else None, SPLIT=num_splits > 1, PDL=pdl))
-    _decode_kernel[(num_splits, b * hkv, m_blocks)](
-        q, k_cache, v_cache, dst, dst_lse,
-        block_table if paged else placeholder, cache_seqlens,
-        cache_batch_idx if cache_batch_idx is not None else placeholder,
-        cache_leftpad if cache_leftpad is not None else placeholder, alibi,
-        q.stride(0), q.stride(1), q.stride(2),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        block_table.stride(0) if paged else 0, block_table.shape[1] if paged else 0,
-        *dst_strides, *dst_lse_strides, *alibi_strides,
-        hkv, group, sq, d, keys_per_split,
-        window_left, window_right, softmax_scale, softcap,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages, **switches,
-    )
-    if num_splits > 1:
-        block_s, block_d = configs.next_power_of_2(num_splits), configs.padded_head_dim(d)
-        _combine_kernel[(b * sq * h,)](
-            dst, dst_lse, out, lse,
-            *dst.stride()[:4], *dst_lse.stride()[:3],
-            out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
-            num_splits, h, sq, d, BLOCK_S=block_s, BLOCK_D=block_d,
-            USE_PDL=pdl, launch_pdl=pdl,
-            # One warp while its tile fits in 128 registers a thread: no cross-warp
-            # reductions. H200, 32 splits x d128 alone: 1.66 us, 4 warps 2.69 (NOTES 9).
-            num_warps=1 if block_s * block_d <= 32 * 128 else 4,
-        )
+    decode = _launch.first_launch(
+        _decode_kernel, (num_splits, b * hkv, m_blocks),
+        (*tensors[:3], dst, dst_lse, *tensors[5:],
+         q.stride(0), q.stride(1), q.stride(2),
+         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+         block_table.stride(0) if paged else 0, block_table.shape[1] if paged else 0,
+         *dst_strides, *dst_lse_strides, *alibi_strides,
+         hkv, group, sq, d, keys_per_split, k_cache.shape[0], capacity, new_tokens,
+         window_left, window_right, softmax_scale, softcap),
+        dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
+             num_stages=cfg.num_stages, **switches),
+        _DECODE_SLOTS if key is not None else None)
+    if num_splits == 1:
+        if key is not None:
+            _launch.store(key, (decode,))
+        return out, lse
+    block_s, block_d = configs.next_power_of_2(num_splits), configs.padded_head_dim(d)
+    combine = _launch.first_launch(
+        _combine_kernel, (b * sq * h,),
+        (dst, dst_lse, out, lse, *dst.stride()[:4], *dst_lse.stride()[:3],
+         out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
+         num_splits, h, sq, d),
+        # One warp while its tile fits in 128 registers a thread: no cross-warp
+        # reductions. H200, 32 splits x d128 alone: 1.66 us, 4 warps 2.69 (NOTES 9).
+        dict(BLOCK_S=block_s, BLOCK_D=block_d, USE_PDL=pdl, launch_pdl=pdl,
+             num_warps=1 if block_s * block_d <= 32 * 128 else 4),
+        _COMBINE_SLOTS if key is not None else None)
+    if key is not None:
+        _launch.store(key, (num_splits, decode, combine))
     return out, lse
+
+
+@triton.jit
+def _append_kernel(KNew, VNew, KCache, VCache, CacheSeqlens, BlockTable, CacheBatchIdx,
+                   stride_nb, stride_nn, stride_nh, stride_vnb, stride_vnn, stride_vnh,
+                   stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
+                   stride_block_table_b, cache_rows, capacity, new_tokens, nheads_kv,
+                   head_dim,
+                   BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, PAGED: tl.constexpr,
+                   PAGE_SIZE: tl.constexpr, HAS_BATCH_IDX: tl.constexpr):
+    """Write k/v (b, new_tokens, hkv, d) into the cache at positions cache_seqlens[b] +
+    t, t < new_tokens (through the block table when PAGED). A sequence whose new tokens
+    do not fit its row (cache_seqlens outside [0, capacity - new_tokens]) or whose
+    cache_batch_idx is outside the cache writes nothing, and a token whose block-table
+    entry is outside the pool is not written: the decode kernel then makes the rows
+    that would have seen them NaN (same checks), never a read of stale keys."""
+    off_b = tl.program_id(1) // nheads_kv
+    off_h = tl.program_id(1) % nheads_kv
+    offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_d = tl.arange(0, BLOCK_D)
+    start = tl.load(CacheSeqlens + off_b)
+    ok = (start >= 0) & (start <= capacity - new_tokens)
+    cache_b = off_b
+    if HAS_BATCH_IDX:
+        cache_b = tl.load(CacheBatchIdx + off_b)
+        ok &= (cache_b >= 0) & (cache_b < cache_rows)
+    m_t = (offs_t < new_tokens) & ok                                        # (T,)
+    pos = start + offs_t
+    if PAGED:
+        page = tl.load(BlockTable + off_b * stride_block_table_b + pos // PAGE_SIZE,
+                       mask=m_t, other=0)
+        m_t &= (page >= 0) & (page < cache_rows)
+        row_k = page.to(tl.int64) * stride_kb + (pos % PAGE_SIZE) * stride_kn
+        row_v = page.to(tl.int64) * stride_vb + (pos % PAGE_SIZE) * stride_vn
+    else:
+        row_k = cache_b.to(tl.int64) * stride_kb + pos.to(tl.int64) * stride_kn
+        row_v = cache_b.to(tl.int64) * stride_vb + pos.to(tl.int64) * stride_vn
+    m_in = (offs_t[:, None] < new_tokens) & (offs_d[None, :] < head_dim)
+    m_out = m_t[:, None] & (offs_d[None, :] < head_dim)
+    b_k = tl.load(KNew + off_b * stride_nb + offs_t[:, None] * stride_nn + off_h * stride_nh
+                  + offs_d[None, :], mask=m_in, other=0.0)                  # (T, D)
+    tl.store(KCache + row_k[:, None] + off_h * stride_kh + offs_d[None, :], b_k, mask=m_out)
+    b_v = tl.load(VNew + off_b * stride_vnb + offs_t[:, None] * stride_vnn
+                  + off_h * stride_vnh + offs_d[None, :], mask=m_in, other=0.0)  # (T, D)
+    tl.store(VCache + row_v[:, None] + off_h * stride_vh + offs_d[None, :], b_v, mask=m_out)
+
+
+_APPEND_SLOTS = ("KNew", "VNew", "KCache", "VCache", "CacheSeqlens", "BlockTable",
+                 "CacheBatchIdx")
+
+
+def append_kv(k, v, k_cache, v_cache, *, cache_seqlens, block_table, cache_batch_idx):
+    """Write k/v (b, n, hkv, d) into the caches in place at positions cache_seqlens[b]
+    ... (``_append_kernel``); one launch, no host read of the indices."""
+    b, n, hkv, d = k.shape
+    if not k.numel():
+        return
+    paged = block_table is not None
+    tensors = (k, v, k_cache, v_cache, cache_seqlens,
+               block_table if paged else cache_seqlens,
+               cache_seqlens if cache_batch_idx is None else cache_batch_idx)
+    key = None
+    if _launch.ready(k):
+        p = _launch.pointers(tensors)
+        key = ("append", k.dtype, k.shape, k.stride(), v.stride(), k_cache.shape,
+               k_cache.stride(), v_cache.stride(),
+               paged and (block_table.shape, block_table.stride(0)),
+               cache_batch_idx is None, _launch.misalignment(p))
+        plan = _launch.lookup(key)
+        if plan is not None:
+            plan(p)
+            return
+    capacity = block_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1]
+    block_t = min(configs.APPEND_BLOCK_T, configs.next_power_of_2(n))
+    plan = _launch.first_launch(
+        _append_kernel, (configs.cdiv(n, block_t), b * hkv),
+        (*tensors, *k.stride()[:3], *v.stride()[:3], *k_cache.stride()[:3],
+         *v_cache.stride()[:3], block_table.stride(0) if paged else 0, k_cache.shape[0],
+         capacity, n, hkv, d),
+        dict(BLOCK_T=block_t, BLOCK_D=configs.padded_head_dim(d), PAGED=paged,
+             PAGE_SIZE=k_cache.shape[1] if paged else 1,
+             HAS_BATCH_IDX=cache_batch_idx is not None),
+        _APPEND_SLOTS if key is not None else None)
+    if key is not None:
+        _launch.store(key, plan)

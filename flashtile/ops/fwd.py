@@ -9,14 +9,23 @@ and key j of sequence b is row ``j % page_size`` of block ``block_table[b, j //
 page_size]`` (vLLM's PagedAttention layout, flash-attn's ``block_table``). Key tiles start
 at multiples of BLOCK_N and both sizes are powers of two, so a tile lies inside one page
 (one block-table entry per tile) or covers whole pages (one entry per row).
+
+Indices are checked where they are read, never on the host (``_common``): prefix sums
+that are not valid make every row NaN; a key count past the block table's reach makes
+its sequence's rows NaN; a block-table entry outside the pool is never followed (block 0
+is read instead) and the rows that would see its keys are NaN: exactly those when a
+tile lies in one page (the rule of a NaN key), the program's whole block of queries
+when pages are smaller than the tile.
 """
 
 import torch
 import triton
 import triton.language as tl
 
-from flashtile.ops import configs
-from flashtile.ops._common import LN2, _block_range, _load_tile, _scores_log2, _seq_bounds
+from flashtile.ops import _launch, configs
+from flashtile.ops._common import (LN2, _block_range, _checked_page, _fill_nan_rows,
+                                   _load_tile, _pages_bad, _prefix_sums_bad, _scores_log2,
+                                   _seq_bounds)
 
 
 @triton.jit
@@ -41,7 +50,7 @@ def _tile_pages(block_row, start_n, offs_n0, max_blocks, PAGE_SIZE: tl.constexpr
 def _fwd_block(acc, l_i, m_i, b_q, p_k, p_v, start, stop,
                offs_m, offs_n0, offs_d, seqlen_q, seqlen_k, head_dim,
                stride_kb, stride_kn, stride_vb, stride_vn, block_row, max_blocks,
-               diag_offset, window_left, window_right,
+               num_blocks, diag_offset, window_left, window_right,
                softmax_scale, softcap, alibi_slope, p_mask, stride_mask_m, stride_mask_n,
                BLOCK_N: tl.constexpr, EVEN_D: tl.constexpr, BOUNDARY: tl.constexpr,
                MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
@@ -60,7 +69,14 @@ def _fwd_block(acc, l_i, m_i, b_q, p_k, p_v, start, stop,
                                     BLOCK_N)
     for start_n in tl.range(start, stop, BLOCK_N):
         offs_n = start_n + offs_n0
+        scale = softmax_scale
         if PAGED:
+            # A block outside the pool: block 0 read instead, and NaN rows (a NaN scale
+            # for a tile's page; a page per row is checked after the loop).
+            if PAGE_SIZE >= BLOCK_N:
+                page, scale = _checked_page(page, num_blocks, softmax_scale)
+            else:
+                page = tl.where((page < 0) | (page >= num_blocks), 0, page)
             # p_k/p_v are (1, D) at the KV head; each row adds its place in the pool.
             p_k_n = p_k + (page * stride_kb + in_page * stride_kn)[:, None]
             p_v_n = p_v + (page * stride_vb + in_page * stride_vn)[:, None]
@@ -74,7 +90,7 @@ def _fwd_block(acc, l_i, m_i, b_q, p_k, p_v, start, stop,
         qk = tl.dot(b_q, tl.trans(b_k), input_precision=INPUT_PRECISION)   # (M, N)
         m_mask = (offs_m[:, None] < seqlen_q) & (offs_n[None, :] < seqlen_k)
         s = _scores_log2(qk, offs_m, offs_n, seqlen_k, diag_offset, window_left,
-                         window_right, softmax_scale, softcap, alibi_slope, p_mask,
+                         window_right, scale, softcap, alibi_slope, p_mask,
                          stride_mask_m, stride_mask_n, m_mask, BOUNDARY, MASK_LEFT,
                          MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_MASK, MASK_IS_BOOL)
         m_new = tl.maximum(m_i, tl.max(s, 1))                               # (M,)
@@ -91,7 +107,9 @@ def _fwd_block(acc, l_i, m_i, b_q, p_k, p_v, start, stop,
     return acc, l_i, m_i
 
 
-@triton.jit
+# max_seqlen_q/k change from call to call (a varlen batch's longest sequence): not
+# specialised, so one compiled kernel (and one launch plan) serves them all.
+@triton.jit(do_not_specialize=["max_seqlen_q", "max_seqlen_k"])
 def _attn_fwd_kernel(
     Q, K, V, Out, Lse, Mask, Alibi, CuSeqlensQ, CuSeqlensK, BlockTable, SequsedK,
     stride_qb, stride_qm, stride_qh,
@@ -101,8 +119,9 @@ def _attn_fwd_kernel(
     stride_lb, stride_lh,
     stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n,
     stride_alibi_b, stride_alibi_h,
-    stride_block_table_b, max_blocks,
+    stride_block_table_b, max_blocks, num_blocks,
     nheads, group_size, seqlen_q, seqlen_k, head_dim,
+    total_q, total_k, max_seqlen_q, max_seqlen_k,
     diag_offset, window_left, window_right, softmax_scale, softcap,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     EVEN_D: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
@@ -120,6 +139,24 @@ def _attn_fwd_kernel(
     off_b = off_bh // nheads
     off_h = off_bh % nheads
     off_hkv = off_h // group_size
+    if IS_VARLEN:
+        # Packed rows (total_q, total_k) and the prefix sums that split them; paged keys
+        # have no packed rows, only per-sequence counts (checked below).
+        n_bad = _prefix_sums_bad(CuSeqlensQ, tl.num_programs(1) // nheads, total_q,
+                                 max_seqlen_q)
+        if not PAGED:
+            n_bad += _prefix_sums_bad(CuSeqlensK, tl.num_programs(1) // nheads, total_k,
+                                      max_seqlen_k)
+        if n_bad > 0:
+            # Every row of q is NaN, written by a fixed partition of the grid (the
+            # sequences cannot say which rows are whose).
+            chunk = off_b * tl.num_programs(0) + tl.program_id(0)
+            n_chunks = tl.num_programs(1) // nheads * tl.num_programs(0)
+            _fill_nan_rows(Out + off_h * stride_oh, stride_om, total_q, head_dim, chunk,
+                           n_chunks, BLOCK_M, BLOCK_D)
+            _fill_nan_rows(Lse + off_h * stride_lh, 1, total_q, 1, chunk, n_chunks,
+                           BLOCK_M, 1)
+            return
     q_start, k_start, seqlen_q, seqlen_k, diag_offset = _seq_bounds(
         CuSeqlensQ, CuSeqlensK, off_b, seqlen_q, seqlen_k, diag_offset, IS_VARLEN)
     if SEQUSED_K:
@@ -128,6 +165,13 @@ def _attn_fwd_kernel(
         used = tl.load(SequsedK + off_b)
         diag_offset += used - seqlen_k
         seqlen_k = used
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if PAGED:
+        # More keys than the block table row names (or fewer than none): no keys are
+        # read, and a NaN sum makes the sequence's out and lse NaN at the end.
+        seq_bad = (seqlen_k < 0) | (seqlen_k > max_blocks * PAGE_SIZE)
+        seqlen_k = tl.where(seq_bad, 0, seqlen_k)
+        l_i += tl.where(seq_bad, float("nan"), 0.0)
     if start_m * BLOCK_M >= seqlen_q:  # varlen: the grid covers the longest sequence
         return
 
@@ -158,7 +202,6 @@ def _attn_fwd_kernel(
         p_mask = Mask + off_b * stride_mask_b + off_h * stride_mask_h
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
     lo, mid_lo, mid_hi, hi = _block_range(start_m, seqlen_q, seqlen_k, diag_offset,
@@ -169,25 +212,32 @@ def _attn_fwd_kernel(
     acc, l_i, m_i = _fwd_block(
         acc, l_i, m_i, b_q, p_k, p_v, lo, mid_lo, offs_m, offs_n0, offs_d, seqlen_q,
         seqlen_k, head_dim, stride_kb, stride_kn, stride_vb, stride_vn, block_row,
-        max_blocks, diag_offset, window_left, window_right, softmax_scale, softcap,
-        alibi_slope, p_mask, stride_mask_m, stride_mask_n, BLOCK_N, EVEN_D, True, MASK_LEFT,
-        MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_MASK, MASK_IS_BOOL, INPUT_PRECISION, PAGED,
-        PAGE_SIZE)
+        max_blocks, num_blocks, diag_offset, window_left, window_right, softmax_scale,
+        softcap, alibi_slope, p_mask, stride_mask_m, stride_mask_n, BLOCK_N, EVEN_D, True,
+        MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_MASK, MASK_IS_BOOL,
+        INPUT_PRECISION, PAGED, PAGE_SIZE)
     acc, l_i, m_i = _fwd_block(
         acc, l_i, m_i, b_q, p_k, p_v, mid_lo, mid_hi, offs_m, offs_n0, offs_d, seqlen_q,
         seqlen_k, head_dim, stride_kb, stride_kn, stride_vb, stride_vn, block_row,
-        max_blocks, diag_offset, window_left, window_right, softmax_scale, softcap,
-        alibi_slope, p_mask, stride_mask_m, stride_mask_n, BLOCK_N, EVEN_D, False, MASK_LEFT,
-        MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_MASK, MASK_IS_BOOL, INPUT_PRECISION, PAGED,
-        PAGE_SIZE)
+        max_blocks, num_blocks, diag_offset, window_left, window_right, softmax_scale,
+        softcap, alibi_slope, p_mask, stride_mask_m, stride_mask_n, BLOCK_N, EVEN_D, False,
+        MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_MASK, MASK_IS_BOOL,
+        INPUT_PRECISION, PAGED, PAGE_SIZE)
     acc, l_i, m_i = _fwd_block(
         acc, l_i, m_i, b_q, p_k, p_v, mid_hi, hi, offs_m, offs_n0, offs_d, seqlen_q,
         seqlen_k, head_dim, stride_kb, stride_kn, stride_vb, stride_vn, block_row,
-        max_blocks, diag_offset, window_left, window_right, softmax_scale, softcap,
-        alibi_slope, p_mask, stride_mask_m, stride_mask_n, BLOCK_N, EVEN_D, True, MASK_LEFT,
-        MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_MASK, MASK_IS_BOOL, INPUT_PRECISION, PAGED,
-        PAGE_SIZE)
+        max_blocks, num_blocks, diag_offset, window_left, window_right, softmax_scale,
+        softcap, alibi_slope, p_mask, stride_mask_m, stride_mask_n, BLOCK_N, EVEN_D, True,
+        MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_MASK, MASK_IS_BOOL,
+        INPUT_PRECISION, PAGED, PAGE_SIZE)
 
+
+    if PAGED and PAGE_SIZE < BLOCK_N:
+        # The pages of keys [lo, hi), checked after the loop: a bad one makes every row
+        # NaN (a NaN sum). In the loop a flag per key row (or a NaN scale per column)
+        # spilled the d128 tile's registers on sm_90.
+        bad = _pages_bad(block_row, lo // PAGE_SIZE, tl.cdiv(hi, PAGE_SIZE), num_blocks)
+        l_i = tl.where(bad > 0, float("nan"), l_i)
     # Rows that saw no key (l == 0): out 0, lse -inf, never 0/0, and 0 even where a NaN
     # value of their key block reached acc as 0 * NaN. A NaN that reached a row makes l
     # NaN, which "== 0" does not take for empty: its out and lse stay NaN.
@@ -203,66 +253,105 @@ def _attn_fwd_kernel(
              mask=m_row[:, None] & (offs_d[None, :] < head_dim))
 
 
+# The kernel parameters a call of a forward plan fills, in this order (``_launch``).
+_FWD_SLOTS = ("Q", "K", "V", "Out", "Lse", "Mask", "Alibi", "CuSeqlensQ", "CuSeqlensK",
+              "BlockTable", "SequsedK", "max_seqlen_q", "max_seqlen_k", "softmax_scale",
+              "softcap")
+
+
 def attn_fwd(q, k, v, *, attn_mask, alibi_slopes, softmax_scale, diag_offset,
              window_left, window_right, softcap, allow_tf32,
              cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
              block_table=None, seqused_k=None):
-    """Launch the forward kernel. Inputs are validated by the caller.
+    """Launch the forward kernel. Inputs are validated by the caller (shapes, dtypes,
+    devices; index values are checked by the kernel).
 
     Dense: q (b, sq, h, d), k/v (b, sk, hkv, d), last dim contiguous, any other strides;
     attn_mask, if given, already expanded to (b, h, sq, sk); returns out (b, sq, h, d)
     contiguous in q's dtype and lse (b, h, sq) fp32.
-    Varlen (cu_seqlens_q/k int32 (batch + 1,)): q (total_q, h, d), k/v (total_k, hkv, d);
-    returns out (total_q, h, d) and lse (h, total_q); diag_offset is relative to each
-    sequence's bottom-right corner.
+    Varlen (cu_seqlens_q/k int32 (batch + 1,), unit stride): q (total_q, h, d), k/v
+    (total_k, hkv, d); returns out (total_q, h, d) and lse (h, total_q); diag_offset is
+    relative to each sequence's bottom-right corner.
     Paged varlen (block_table int32 (batch, max_blocks), unit inner stride): k/v are the
     pool (num_blocks, page_size, hkv, d), page_size a power of two; sequence b has
     seqused_k[b] keys if given, else cu_seqlens_k[b + 1] - cu_seqlens_k[b].
     """
     varlen = cu_seqlens_q is not None
     paged = block_table is not None
+    q_shape, k_shape, dtype, device = q.shape, k.shape, q.dtype, q.device
+    out = torch.empty(q_shape, dtype=dtype, device=device)
     if varlen:
-        batch, seqlen_q, seqlen_k = cu_seqlens_q.numel() - 1, max_seqlen_q, 0
-        q = q.unsqueeze(0)
-        if not paged:
-            k, v = k.unsqueeze(0), v.unsqueeze(0)
-    b, sq, h, d = q.shape
-    sk, hkv = k.shape[1], k.shape[2]
-    out = torch.empty((b, sq, h, d), dtype=q.dtype, device=q.device)
-    lse = torch.empty((b, h, sq), dtype=torch.float32, device=q.device)
-    if not varlen:
-        batch, seqlen_q, seqlen_k = b, sq, sk
-    if out.numel() and batch and seqlen_q:
-        windowed = window_right >= 0 or window_left >= 0
-        mask, mask_strides, alibi, alibi_strides, flags = configs.feature_args(
-            attn_mask, alibi_slopes, q, window_left=window_left, window_right=window_right,
-            softcap=softcap, allow_tf32=allow_tf32, head_dim=d)
-        if paged:
-            # The pool's own strides: block, row in the block, head.
-            strides = (*configs.strides(True, q), *k.stride()[:3], *v.stride()[:3],
-                       *configs.strides(True, out, lse))
-            longest_k = max_seqlen_k
-        else:
-            strides = configs.strides(varlen, q, k, v, out, lse)
-            longest_k = sk
-        # Absent index tensors get cu_q as a placeholder, never read but for one case:
-        # with seqused_k and no cu_seqlens_k the kernel reads a key count from it and
-        # replaces it with seqused_k's.
-        cu_q = cu_seqlens_q if varlen else q
-        configs.launch(
-            _attn_fwd_kernel, lambda cfg: (configs.cdiv(seqlen_q, cfg.block_m), batch * h),
-            configs.fwd_config(q, d, causal_like=windowed, seqlen=max(seqlen_q, longest_k)),
-            "forward", q, d,
-            q, k, v, out, lse, mask, alibi, cu_q,
-            cu_seqlens_k if cu_seqlens_k is not None else cu_q,
-            block_table if paged else cu_q, seqused_k if seqused_k is not None else cu_q,
-            *strides, *mask_strides, *alibi_strides,
-            block_table.stride(0) if paged else 0, block_table.shape[1] if paged else 0,
-            h, h // hkv, seqlen_q, seqlen_k, d,
-            diag_offset, window_left, window_right, softmax_scale, softcap,
-            REVERSE_M=windowed, IS_VARLEN=varlen, PAGED=paged,
-            PAGE_SIZE=k.shape[1] if paged else 1, SEQUSED_K=seqused_k is not None, **flags,
-        )
+        total_q, h, d = q_shape
+        batch, longest_q = cu_seqlens_q.shape[0] - 1, max_seqlen_q
+        longest_k = max_seqlen_k if paged else k_shape[0]
+        lse = torch.empty((h, total_q), dtype=torch.float32, device=device)
+        if not total_q or not batch:
+            return out, lse
+    else:
+        batch, longest_q, h, d = q_shape
+        longest_k = k_shape[1]
+        lse = torch.empty((batch, h, longest_q), dtype=torch.float32, device=device)
+        if not batch or not longest_q or not h:
+            return out, lse
+    # The placeholder for an absent pointer: never read (but for seqused_k without
+    # cu_seqlens_k, whose key count is read from it and replaced).
+    cu_q = cu_seqlens_q if varlen else q
+    tensors = (q, k, v, out, lse, q if attn_mask is None else attn_mask,
+               q if alibi_slopes is None else alibi_slopes, cu_q,
+               cu_q if cu_seqlens_k is None else cu_seqlens_k,
+               block_table if paged else cu_q, cu_q if seqused_k is None else seqused_k)
+    scalars = (max_seqlen_q if varlen else 0, max_seqlen_k if varlen else 0,
+               softmax_scale, softcap)
+    key = None
+    if _launch.ready(q):
+        ptrs = _launch.pointers(tensors)
+        key = ("fwd", dtype, q_shape, q.stride(), k_shape, k.stride(), v.stride(),
+               _launch.layout(attn_mask), _launch.layout(alibi_slopes),
+               diag_offset, window_left, window_right, softcap > 0, allow_tf32,
+               varlen and (batch, cu_seqlens_k is None, seqused_k is None,
+                           configs.seqlen_class(max(longest_q, longest_k))),
+               paged and (block_table.shape, block_table.stride(0)),
+               _launch.misalignment(ptrs))
+        plan = _launch.lookup(key)
+        if plan is not None:
+            # Varlen: the grid covers the longest sequence of this call (at least one
+            # block, so bad prefix sums still get their rows written as NaN).
+            plan((*ptrs, *scalars),
+                 (max(1, configs.cdiv(longest_q, plan.cfg.block_m)), batch * h, 1)
+                 if varlen else None)
+            return out, lse
+    windowed = window_right >= 0 or window_left >= 0
+    mask, mask_strides, alibi, alibi_strides, flags = configs.feature_args(
+        attn_mask, alibi_slopes, q, window_left=window_left, window_right=window_right,
+        softcap=softcap, allow_tf32=allow_tf32, head_dim=d)
     if varlen:
-        return out[0], lse[0]
+        # Packed tensors as a batch of one whose batch stride the kernel must not use.
+        q4, out4, lse3 = q.unsqueeze(0), out.unsqueeze(0), lse.unsqueeze(0)
+        k4, v4 = (k, v) if paged else (k.unsqueeze(0), v.unsqueeze(0))
+    else:
+        q4, k4, v4, out4, lse3 = q, k, v, out, lse
+    if paged:
+        # The pool's own strides: block, row in the block, head.
+        strides = (*configs.strides(True, q4), *k.stride()[:3], *v.stride()[:3],
+                   *configs.strides(True, out4, lse3))
+    else:
+        strides = configs.strides(varlen, q4, k4, v4, out4, lse3)
+    plan = configs.launch(
+        _attn_fwd_kernel,
+        lambda cfg: (max(1, configs.cdiv(longest_q, cfg.block_m)), batch * h),
+        configs.fwd_config(q, d, causal_like=windowed, seqlen=max(longest_q, longest_k)),
+        "forward", q, d,
+        *tensors[:5], mask, alibi, *tensors[7:],
+        *strides, *mask_strides, *alibi_strides,
+        block_table.stride(0) if paged else 0, block_table.shape[1] if paged else 0,
+        k.shape[0] if paged else 0,
+        h, h // k4.shape[2], 0 if varlen else longest_q, 0 if varlen else longest_k, d,
+        q.shape[0] if varlen else 0, 0 if paged or not varlen else k.shape[0],
+        *scalars[:2], diag_offset, window_left, window_right, softmax_scale, softcap,
+        REVERSE_M=windowed, IS_VARLEN=varlen, PAGED=paged,
+        PAGE_SIZE=k.shape[1] if paged else 1, SEQUSED_K=seqused_k is not None,
+        slots=_FWD_SLOTS if key is not None else None, **flags,
+    )
+    if key is not None:
+        _launch.store(key, plan)
     return out, lse

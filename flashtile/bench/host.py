@@ -1,0 +1,229 @@
+"""Host cost of one eager call (``flashtile bench host``): host microseconds per call,
+beside PyTorch SDPA on its cuDNN backend and a bare Triton launch.
+
+Eager calls (as Hugging Face models and most user code make them) cost host time for
+argument checks, dispatch and kernel launches; with short kernels that host time is the
+call's time. Here each call runs ``--calls`` times in a row after a long kernel
+(``torch.cuda._sleep``) was enqueued, so the GPU is busy for the whole loop and the
+loop's time is the host's alone. A call that waits for the GPU (a host read of a device
+tensor) then waits for the sleep to end: its row is marked "synced" and its time is
+meaningless, so a hidden sync cannot pass for a fast call. The time per call is the
+median over ``--rounds`` loops.
+
+Rows (bf16, head_dim 128): flash_attn_func forward (1 x 128 tokens, 8 heads) and
+forward+backward (``out.backward``), flash_attn_varlen_func (two sequences), and
+flash_attn_with_kvcache at batch 1 over 8k keys (32 query heads over 8 KV heads):
+contiguous, paged (pages of 64), and paged with one new token appended. cuDNN SDPA runs
+the same shapes (decode with enable_gqa); varlen has no SDPA counterpart.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+import triton
+
+NHEADS, NHEADS_KV, HEAD_DIM, SEQLEN, DECODE_KEYS, PAGE = 8, 8, 128, 128, 8192, 64
+DECODE_HEADS = (32, 8)  # query and KV heads of the decode rows (GQA, as in Llama 3)
+
+
+@triton.jit
+def _empty_kernel(X, n):
+    pass
+
+
+def _busy_loop(fn, calls, sleep_cycles):
+    """Seconds per call of ``fn`` on the host while the GPU sleeps through the loop;
+    and whether the GPU was still busy when the loop ended (else a call waited)."""
+    torch.cuda._sleep(sleep_cycles)
+    done = torch.cuda.Event()
+    done.record()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    elapsed = time.perf_counter() - start
+    busy = not done.query()
+    torch.cuda.synchronize()
+    return elapsed / calls, busy
+
+
+def _cycles_per_second(device):
+    """torch.cuda._sleep's cycles per second on this GPU, measured."""
+    torch.cuda._sleep(1000)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    torch.cuda._sleep(10_000_000)
+    end.record()
+    torch.cuda.synchronize(device)
+    return 10_000_000 / (start.elapsed_time(end) / 1e3)
+
+
+def time_host(fn, calls, rounds, cycles_per_s):
+    """Median host microseconds per call over ``rounds`` busy loops, and whether every
+    loop kept the GPU busy (False: the call synchronised with the device)."""
+    for _ in range(3):  # compile, make launch plans, warm the allocator
+        fn()
+    torch.cuda.synchronize()
+    # Sleep for twice the loop's unhindered host time plus 20 ms.
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    guess = time.perf_counter() - start
+    torch.cuda.synchronize()
+    cycles = int((2 * guess + 0.02) * cycles_per_s)
+    per_call, busy = [], True
+    for _ in range(rounds):
+        seconds, kept_busy = _busy_loop(fn, calls, cycles)
+        per_call.append(seconds * 1e6)
+        busy &= kept_busy
+    return statistics.median(per_call), busy
+
+
+def _cases(device):
+    """{row: {provider: fn}} for the table, each fn one eager call."""
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    import flashtile
+
+    bf16 = dict(device=device, dtype=torch.bfloat16)
+    q, k, v = (torch.randn(1, SEQLEN, NHEADS, HEAD_DIM, **bf16) for _ in range(3))
+    qg, kg, vg = (x.clone().requires_grad_() for x in (q, k, v))
+    do = torch.randn_like(q)
+    qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
+    qtg, ktg, vtg = (x.detach().clone().requires_grad_() for x in (qt, kt, vt))
+    dot = do.transpose(1, 2)
+    cu = torch.tensor([0, SEQLEN // 4, SEQLEN], dtype=torch.int32, device=device)
+
+    hq, hkv = DECODE_HEADS
+    qd = torch.randn(1, 1, hq, HEAD_DIM, **bf16)
+    kc, vc = (torch.randn(1, DECODE_KEYS, hkv, HEAD_DIM, **bf16) for _ in "kv")
+    seqlens = torch.tensor([DECODE_KEYS - 1], dtype=torch.int32, device=device)
+    pages = DECODE_KEYS // PAGE
+    pool_k, pool_v = (x.view(pages, PAGE, hkv, HEAD_DIM) for x in (kc, vc))
+    table = torch.randperm(pages, device=device).to(torch.int32)[None]
+    k_new, v_new = (torch.randn(1, 1, hkv, HEAD_DIM, **bf16) for _ in "kv")
+    qdt, kct, vct = qd.transpose(1, 2), kc.transpose(1, 2), vc.transpose(1, 2)
+
+    def cudnn(fn):
+        def run():
+            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                return fn()
+        return run
+
+    def fwd_bwd(fn, grad):
+        def run():
+            fn().backward(grad)
+        return run
+
+    return {
+        "forward": dict(
+            flashtile=lambda: flashtile.flash_attn_func(q, k, v, causal=True),
+            sdpa_cudnn=cudnn(lambda: F.scaled_dot_product_attention(qt, kt, vt,
+                                                                     is_causal=True))),
+        "forward+backward": dict(
+            flashtile=fwd_bwd(lambda: flashtile.flash_attn_func(qg, kg, vg, causal=True), do),
+            sdpa_cudnn=fwd_bwd(cudnn(lambda: F.scaled_dot_product_attention(
+                qtg, ktg, vtg, is_causal=True)), dot)),
+        "varlen forward": dict(
+            flashtile=lambda: flashtile.flash_attn_varlen_func(
+                q[0], k[0], v[0], cu, cu, SEQLEN * 3 // 4, SEQLEN * 3 // 4, causal=True)),
+        "decode, contiguous 8k": dict(
+            flashtile=lambda: flashtile.flash_attn_with_kvcache(
+                qd, kc, vc, cache_seqlens=seqlens, causal=True),
+            sdpa_cudnn=cudnn(lambda: F.scaled_dot_product_attention(qdt, kct, vct,
+                                                                     enable_gqa=True))),
+        "decode, paged 8k": dict(
+            flashtile=lambda: flashtile.flash_attn_with_kvcache(
+                qd, pool_k, pool_v, cache_seqlens=seqlens, block_table=table, causal=True)),
+        "decode, paged 8k + append": dict(
+            flashtile=lambda: flashtile.flash_attn_with_kvcache(
+                qd, pool_k, pool_v, k_new, v_new, cache_seqlens=seqlens, block_table=table,
+                causal=True)),
+        "bare Triton launch": dict(triton=lambda: _empty_kernel[(1,)](seqlens, 1)),
+    }
+
+
+def run(calls=50, rounds=9, device=None):
+    """Rows of {"call", "provider", "host_us", "gpu_busy"} (host_us None: n/a, with
+    "error"). flashtile runs twice: with its launch plans and through Triton's own
+    launch path (``_launch.set_enabled(False)``), the A/B of issue 15."""
+    from flashtile.ops import _launch
+
+    device = torch.device(device or "cuda")
+    cycles_per_s = _cycles_per_second(device)
+    rows = []
+    for name, providers in _cases(device).items():
+        for provider, fn in providers.items():
+            for plans in ((True, False) if provider == "flashtile" else (True,)):
+                label = provider if plans else "flashtile, no plans"
+                row = dict(call=name, provider=label)
+                previous = _launch.set_enabled(plans)
+                try:
+                    us, busy = time_host(fn, calls, rounds, cycles_per_s)
+                    row.update(host_us=round(us, 2), gpu_busy=busy)
+                except RuntimeError as err:  # e.g. cuDNN SDPA refuses a shape
+                    row.update(host_us=None, error=str(err).splitlines()[0][:120])
+                finally:
+                    _launch.set_enabled(previous)
+                rows.append(row)
+    return rows
+
+
+def markdown(rows) -> str:
+    table = {}
+    for r in rows:
+        cell = ("n/a" if r["host_us"] is None else
+                f"{r['host_us']:.1f}" + ("" if r["gpu_busy"] else " (synced)"))
+        table.setdefault(r["call"], {})[r["provider"]] = cell
+    lines = ["| call | flashtile (us) | flashtile, no plans (us) | cuDNN SDPA (us) |",
+             "| --- | ---: | ---: | ---: |"]
+    bare = table.pop("bare Triton launch", {}).get("triton", "n/a")
+    for call, cells in table.items():
+        lines.append(f"| {call} | {cells.get('flashtile', '-')} | "
+                     f"{cells.get('flashtile, no plans', '-')} | "
+                     f"{cells.get('sdpa_cudnn', '-')} |")
+    return "\n".join(lines) + f"\n\nA bare Triton launch (Triton's own path, 2 arguments): "\
+        f"{bare} us."
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="flashtile bench host", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--calls", type=int, default=50, help="calls per timed loop (each "
+                   "enqueues up to ~8 launches; CUDA queues about a thousand)")
+    p.add_argument("--rounds", type=int, default=9, help="timed loops (median)")
+    p.add_argument("--out", help="folder for host.md and host.json; default "
+                   "bench-results/<date>-<device>/")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("flashtile bench host: needs a CUDA device (it times eager calls while the "
+              "GPU is busy); none is available here", file=sys.stderr)
+        return 2
+    from flashtile.bench import commands, machine
+
+    device = torch.device("cuda")
+    rows = run(args.calls, args.rounds, device)
+    text = markdown(rows)
+    print(text)
+    out = args.out or commands.default_out(device)
+    os.makedirs(out, exist_ok=True)
+    command = " ".join(["flashtile", "bench", "host", *(argv if argv is not None
+                                                         else sys.argv[1:])])
+    with open(os.path.join(out, "host.md"), "w") as f:
+        f.write(f"Command: `{command}`\n\n{text}\n")
+    with open(os.path.join(out, "host.json"), "w") as f:
+        json.dump(dict(rows=rows, calls=args.calls, rounds=args.rounds,
+                       info=machine.machine_info(device, command)), f, indent=1)
+    print(f"wrote {out}/host.md and host.json")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,183 @@
+"""Launch plans: after its first launch, a kernel variant is called through its compiled
+launcher directly.
+
+Triton's ``kernel[grid](...)`` binds every argument, specialises each one (dtype,
+16-byte alignment of pointers, integers equal to 1 or divisible by 16), builds the cache
+key and looks the compiled kernel up, on every call: about 100 us of Python per launch
+on the H200's host for our ~50-argument kernels (NOTES.md sections 7-8,
+docs/benchmarks/launch-cost-h200.txt), where the kernels of a short call take a few
+microseconds. A launcher here computes a ``key`` that
+fixes everything Triton specialises on except a few per-call arguments (the tensors'
+addresses and the float scalars), makes its first launch with that key through Triton
+(``make``, ``store``), and from then on only fills those arguments into the recorded
+argument list and calls the compiled kernel's launcher (``Plan.__call__``). Tensors are
+passed as their addresses (``pointers``): Triton's launcher then skips its per-pointer
+driver query, which is there to refuse CPU tensors (a plan is only made for CUDA ones).
+
+What a key must hold, so that the recorded arguments and the compiled kernel are right
+for every call that finds it: the device, the dtype, shape and strides of every tensor
+whose strides or sizes are passed, every integer and constexpr argument the launcher
+derives (or their inputs), and for every tensor argument whether its address is a
+multiple of 16 (Triton compiles aligned and unaligned pointers into different kernels;
+the outputs a launcher allocates itself are always aligned). Per-call integers (a
+varlen batch's max_seqlen) are ``do_not_specialize`` kernel parameters.
+
+Plans are used for CUDA tensors with Triton's NVIDIA launcher only; the interpreter
+(``TRITON_INTERPRET=1``), CPU tensors and launch hooks (a profiler such as proton) take
+Triton's own path on every call. Tile choices are part of a plan: ``configs`` clears
+the plans when its overrides or tuned table change; the FLASHTILE_*_CONFIG and
+FLASHTILE_DECODE_PDL environment variables are read when a plan is made, so set them
+before the first call (or call ``clear()``).
+"""
+
+from __future__ import annotations
+
+import os
+from functools import reduce
+from operator import or_
+
+import torch
+from triton import knobs
+
+_plans: dict = {}
+# FLASHTILE_LAUNCH_PLANS=0 sends every launch through Triton's own path (A/B timing,
+# or to rule plans out when chasing a bug); read at import, ``set_enabled`` changes it.
+_enabled = {"on": os.environ.get("FLASHTILE_LAUNCH_PLANS", "1").strip() != "0"}
+# Shapes a long-running process has seen (one plan each): far below this in practice; a
+# process that exceeds it starts over rather than grow without bound.
+MAX_PLANS = 4096
+
+
+def clear() -> None:
+    _plans.clear()
+
+
+def set_enabled(on: bool) -> bool:
+    """Use plans (True, the default) or Triton's path for every launch; returns the
+    previous setting."""
+    previous, _enabled["on"] = _enabled["on"], bool(on)
+    return previous
+
+
+# Plans call Triton's NVIDIA launcher; ROCm builds take Triton's path on every call.
+_NVIDIA = torch.version.hip is None
+
+
+def ready(x: torch.Tensor) -> bool:
+    """Whether a launch for tensors like ``x`` may use (and make) plans: CUDA, and no
+    Triton launch hook set (a profiler such as proton wants every launch to go through
+    Triton's own path, which calls the hooks)."""
+    if not (x.is_cuda and _NVIDIA and _enabled["on"]):
+        return False
+    runtime = knobs.runtime
+    return not (getattr(runtime.launch_enter_hook, "calls", runtime.launch_enter_hook)
+                or getattr(runtime.launch_exit_hook, "calls", runtime.launch_exit_hook))
+
+
+def _device() -> int:
+    return torch._C._cuda_getDevice()
+
+
+def _stream(device: int) -> int:
+    return torch._C._cuda_getCurrentRawStream(device)
+
+
+def lookup(key):
+    """The plans stored under ``key`` (only after ``ready``), or None: then launch
+    through Triton and ``store`` what ``make`` builds. The current CUDA device is part
+    of the key: Triton compiles and launches for it."""
+    return _plans.get((_device(), key))
+
+
+def store(key, plans) -> None:
+    """Keep ``plans`` (one Plan, or a tuple of them for a launcher of several kernels)
+    for later calls with ``key``; nothing if any is None."""
+    if plans is None or (isinstance(plans, tuple) and any(p is None for p in plans)):
+        return
+    if len(_plans) >= MAX_PLANS:
+        _plans.clear()
+    _plans[(_device(), key)] = plans
+
+
+class Plan:
+    """A compiled kernel and its argument list, the per-call slots left to fill.
+
+    ``slots``: indices into the argument list (kernel parameter order) of the values a
+    call passes, in the order it passes them; kept as runs of consecutive indices,
+    filled by slice (a kernel's per-call parameters sit together: its tensors, then its
+    floats). ``grid``: the grid of the recorded launch; a caller whose grid depends on
+    per-call values passes its own. ``cfg``: the tile config the launch used (after any
+    step-down for shared memory).
+    """
+
+    __slots__ = ("launch", "head", "template", "runs", "grid", "cfg", "device")
+
+    def __init__(self, launch, head, template, slots, grid, cfg, device):
+        self.launch, self.head, self.template = launch, head, template
+        self.grid, self.cfg, self.device = grid, cfg, device
+        runs = []  # [args slice, values slice] of each run of consecutive slots
+        for j, i in enumerate(slots):
+            if runs and runs[-1][0].stop == i and runs[-1][1].stop == j:
+                a, b = runs[-1]
+                runs[-1] = (slice(a.start, i + 1), slice(b.start, j + 1))
+            else:
+                runs.append((slice(i, i + 1), slice(j, j + 1)))
+        self.runs = tuple(runs)
+
+    def __call__(self, values, grid=None):
+        args = self.template.copy()
+        for to, take in self.runs:
+            args[to] = values[take]
+        g = self.grid if grid is None else grid
+        self.launch(g[0], g[1], g[2], _stream(self.device), *self.head, *args)
+
+
+def make(compiled, kernel, args, kwargs, grid, slots, cfg=None):
+    """The plan of a launch just made through Triton: ``compiled`` is what
+    ``kernel[grid](*args, **kwargs)`` returned; ``slots`` names the parameters a call of
+    the plan passes. None where there is nothing to plan (the interpreter) or this
+    Triton does not expose what a plan needs: every call then goes through Triton."""
+    launcher = getattr(compiled, "run", None)
+    needed = ("launch", "launch_cooperative_grid", "launch_pdl", "global_scratch_size",
+              "profile_scratch_size")
+    if launcher is None or not all(hasattr(launcher, n) for n in needed) \
+            or not hasattr(compiled, "packed_metadata") or not hasattr(kernel, "arg_names"):
+        return None
+    names = kernel.arg_names
+    if any(n not in kwargs for n in names[len(args):]):
+        return None  # a parameter left to its default: not recorded here
+    template = [*args, *(kwargs[n] for n in names[len(args):])]
+    if launcher.global_scratch_size or launcher.profile_scratch_size:
+        # Scratch memory is allocated per launch by the launcher's Python wrapper.
+        launch = launcher
+        head = (compiled.function, compiled.packed_metadata, None, None, None)
+    else:
+        launch = launcher.launch
+        head = (compiled.function, launcher.launch_cooperative_grid, launcher.launch_pdl,
+                None, None, compiled.packed_metadata, None, None, None)
+    grid = tuple(grid) + (1,) * (3 - len(grid))
+    return Plan(launch, head, template, tuple(names.index(n) for n in slots), grid, cfg,
+                _device())
+
+
+def layout(x):
+    """An optional tensor's part of a key: None, or its dtype and strides."""
+    return None if x is None else (x.dtype, x.stride())
+
+
+def pointers(tensors) -> tuple:
+    """The tensors' addresses: what a plan passes for them."""
+    return tuple([x.data_ptr() for x in tensors])
+
+
+def misalignment(addresses):
+    """Part of every key: Triton compiles a pointer whose address is a multiple of 16
+    into another kernel than one whose address is not. 0 when all are aligned (the
+    usual case, one OR), else each address modulo 16."""
+    return 0 if not reduce(or_, addresses) & 15 else tuple([p & 15 for p in addresses])
+
+
+def first_launch(kernel, grid, args, kwargs, slots=None):
+    """``kernel[grid](*args, **kwargs)`` through Triton; with ``slots``, its plan."""
+    compiled = kernel[grid](*args, **kwargs)
+    return None if slots is None else make(compiled, kernel, args, kwargs, grid, slots)

@@ -1,0 +1,303 @@
+"""Launch plans (flashtile.ops._launch): after a kernel variant's first launch, later calls
+with the same key go straight to the compiled kernel's launcher (issue 15).
+
+On CPU every kernel is replaced by a recorder that stands for Triton: a launch through
+``kernel[grid](...)`` records the arguments Triton would bind; a plan's launch records
+what reaches the compiled launcher. A plan must pass exactly what Triton would have been
+given for the same tensors (their addresses instead of the tensors), and a change of
+anything Triton specialises on (strides, 16-byte alignment, options) must make a new
+launch through Triton. On the GPU the same calls are checked against Triton's own path
+numerically.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+
+import flashtile
+from flashtile.ops import _launch, bwd, configs, decode, fwd
+
+KERNELS = {
+    (fwd, "_attn_fwd_kernel"), (bwd, "_bwd_preprocess_kernel"), (bwd, "_bwd_dkdv_kernel"),
+    (bwd, "_bwd_dq_kernel"), (decode, "_decode_kernel"), (decode, "_combine_kernel"),
+    (decode, "_append_kernel"),
+}
+
+
+class _Launcher:
+    """What a CompiledKernel's ``run`` is: the launcher a plan calls."""
+    launch_cooperative_grid = launch_pdl = False
+    global_scratch_size = profile_scratch_size = 0
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+
+    def launch(self, gx, gy, gz, stream, function, *rest):
+        head = 8  # coop, pdl, 2 scratch, metadata, launch metadata, 2 hooks
+        self.kernel.log.append(("plan", self.kernel.name, (gx, gy, gz), list(rest[head:])))
+
+
+class _Compiled:
+    packed_metadata = function = None
+
+    def __init__(self, kernel):
+        self.run = _Launcher(kernel)
+
+
+class _Kernel:
+    """Stands for a JITFunction: records the bound arguments of kernel[grid](...)."""
+
+    def __init__(self, real, name, log):
+        self.arg_names = list(inspect.signature(real.fn).parameters)
+        self.name, self.log = name, log
+
+    def __getitem__(self, grid):
+        def run(*args, **kwargs):
+            bound = [*args, *(kwargs[n] for n in self.arg_names[len(args):])]
+            grid3 = tuple(grid) + (1,) * (3 - len(grid))
+            self.log.append(("triton", self.name, grid3, bound))
+            return _Compiled(self)
+        return run
+
+
+@pytest.fixture
+def recorder(monkeypatch):
+    """Plans on CPU tensors, every launch recorded; the list of (path, kernel, grid,
+    arguments) entries."""
+    log = []
+    for module, name in KERNELS:
+        monkeypatch.setattr(module, name, _Kernel(getattr(module, name), name, log))
+    monkeypatch.setattr(_launch, "ready", lambda x: True)
+    monkeypatch.setattr(_launch, "_device", lambda: 0)
+    monkeypatch.setattr(_launch, "_stream", lambda device: 0)
+    _launch.clear()
+    yield log
+    _launch.clear()
+
+
+def _canon(entry, roles, pointer_positions):
+    """An entry's arguments with every address replaced by the role of its tensor."""
+    path, name, grid, args = entry
+    out = []
+    for i, x in enumerate(args):
+        if i in pointer_positions:
+            x = roles.get(x.data_ptr() if isinstance(x, torch.Tensor) else x, "internal")
+        out.append(x)
+    return name, grid, out
+
+
+def _roles(named):
+    return {x.data_ptr(): name for name, x in named.items() if isinstance(x, torch.Tensor)}
+
+
+def _check_plan_matches_triton(recorder, call, make_inputs):
+    """call(inputs) -> outputs (dict). First call: through Triton, plan made; second
+    call with new tensors: through the plan; third, plans cleared, the same tensors
+    through Triton: the plan's arguments must be Triton's, role for role."""
+    call(make_inputs())
+    assert recorder and all(e[0] == "triton" for e in recorder)
+    recorder.clear()
+    inputs = make_inputs()
+    planned = call(inputs)
+    assert recorder and all(e[0] == "plan" for e in recorder), recorder
+    plan_log = list(recorder)
+    recorder.clear()
+    _launch.clear()
+    through_triton = call(inputs)
+    triton_log = list(recorder)
+    assert [e[1] for e in plan_log] == [e[1] for e in triton_log]
+    for p, t in zip(plan_log, triton_log):
+        pointers = {i for i, x in enumerate(t[3]) if isinstance(x, torch.Tensor)}
+        assert _canon(p, _roles({**inputs, **planned}), pointers) == \
+            _canon(t, _roles({**inputs, **through_triton}), pointers), p[1]
+
+
+def _fwd_kw(**kw):
+    base = dict(attn_mask=None, alibi_slopes=None, softmax_scale=0.3, diag_offset=0,
+                window_left=-1, window_right=0, softcap=0.0, allow_tf32=False)
+    return {**base, **kw}
+
+
+def test_plan_forward_and_backward_match_triton(recorder):
+    def make_inputs():
+        q, k, v = (torch.randn(2, 37, 4, 24) for _ in range(3))
+        k, v = k[:, :, :2], v[:, :, :2]  # GQA, strided views
+        dout = torch.randn(2, 37, 4, 24)
+        return dict(q=q, k=k, v=v, dout=dout, alibi=torch.rand(4))
+
+    def call(t):
+        out, lse = fwd.attn_fwd(t["q"], t["k"], t["v"], **_fwd_kw(alibi_slopes=t["alibi"]))
+        dq, dk, dv = bwd.attn_bwd(t["dout"], t["q"], t["k"], t["v"], out, lse, None,
+                                  **_fwd_kw(alibi_slopes=t["alibi"]))
+        return dict(out=out, lse=lse, dq=dq, dk=dk, dv=dv)
+
+    _check_plan_matches_triton(recorder, call, make_inputs)
+
+
+def test_plan_varlen_takes_each_calls_max_seqlen(recorder):
+    """max_seqlen_q/k change from call to call (not specialised): one plan, and each
+    call's grid covers its own longest sequence."""
+    cu = torch.tensor([0, 5, 12], dtype=torch.int32)
+
+    def make_inputs():
+        return dict(q=torch.randn(12, 2, 16), k=torch.randn(12, 2, 16),
+                    v=torch.randn(12, 2, 16), cu=cu.clone(), dout=torch.randn(12, 2, 16))
+
+    def call(t, max_q=7, max_k=7):
+        kw = _fwd_kw(cu_seqlens_q=t["cu"], cu_seqlens_k=t["cu"], max_seqlen_q=max_q,
+                     max_seqlen_k=max_k)
+        out, lse = fwd.attn_fwd(t["q"], t["k"], t["v"], **kw)
+        dq, dk, dv = bwd.attn_bwd(t["dout"], t["q"], t["k"], t["v"], out, lse, None, **kw)
+        return dict(out=out, lse=lse, dq=dq, dk=dk, dv=dv)
+
+    _check_plan_matches_triton(recorder, call, make_inputs)
+    recorder.clear()
+    call(make_inputs(), max_q=100, max_k=60)
+    assert [e[0] for e in recorder] == ["plan"] * 4
+    grids = {e[1]: e[2] for e in recorder}
+    assert grids["_attn_fwd_kernel"][0] == configs.cdiv(100, configs.fwd_config(
+        torch.empty(0), 16).block_m)
+    assert recorder[0][3][fwd._attn_fwd_kernel.arg_names.index("max_seqlen_q")] == 100
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_plan_decode_and_append_match_triton(paged, num_splits, recorder):
+    def make_inputs():
+        if paged:
+            cache = dict(k_cache=torch.randn(9, 16, 2, 16), v_cache=torch.randn(9, 16, 2, 16),
+                         block_table=torch.randperm(9)[:8].view(2, 4).to(torch.int32))
+        else:
+            cache = dict(k_cache=torch.randn(2, 64, 2, 16), v_cache=torch.randn(2, 64, 2, 16),
+                         block_table=None)
+        return dict(q=torch.randn(2, 1, 4, 16), k=torch.randn(2, 1, 2, 16),
+                    v=torch.randn(2, 1, 2, 16),
+                    seqlens=torch.tensor([5, 40], dtype=torch.int32), **cache)
+
+    def call(t):
+        decode.append_kv(t["k"], t["v"], t["k_cache"], t["v_cache"],
+                         cache_seqlens=t["seqlens"], block_table=t["block_table"],
+                         cache_batch_idx=None)
+        out, lse = decode.attn_decode(
+            t["q"], t["k_cache"], t["v_cache"], cache_seqlens=t["seqlens"],
+            block_table=t["block_table"], cache_batch_idx=None, cache_leftpad=None,
+            alibi_slopes=None, softmax_scale=0.25, window_left=-1, window_right=0,
+            softcap=0.0, num_splits=num_splits, allow_tf32=False, new_tokens=1)
+        return dict(out=out, lse=lse)
+
+    _check_plan_matches_triton(recorder, call, make_inputs)
+
+
+def _count(recorder, path):
+    return sum(e[0] == path for e in recorder)
+
+
+def test_plan_is_remade_when_alignment_strides_or_options_change(recorder):
+    """Triton compiles a 16-byte aligned pointer into another kernel than an unaligned
+    one, and bakes strides and flags in: each change is a new launch through Triton."""
+    q = torch.randn(1, 20, 2, 16)
+    fwd.attn_fwd(q, q, q, **_fwd_kw())
+    fwd.attn_fwd(q.clone(), q.clone(), q.clone(), **_fwd_kw())
+    assert _count(recorder, "triton") == 1 and _count(recorder, "plan") == 1
+    buf = torch.randn(q.numel() + 1)
+    unaligned = buf[1:].view(q.shape)  # 4 bytes past an aligned address
+    assert unaligned.data_ptr() % 16
+    fwd.attn_fwd(unaligned, q, q, **_fwd_kw())
+    assert _count(recorder, "triton") == 2
+    fwd.attn_fwd(q.transpose(1, 2).contiguous().transpose(1, 2), q, q, **_fwd_kw())
+    assert _count(recorder, "triton") == 3
+    fwd.attn_fwd(q, q, q, **_fwd_kw(softcap=2.0))
+    fwd.attn_fwd(q, q, q, **_fwd_kw(window_left=3))
+    assert _count(recorder, "triton") == 5
+    fwd.attn_fwd(q, q, q, **_fwd_kw(softcap=5.0, softmax_scale=0.1))  # floats: per call
+    assert _count(recorder, "triton") == 5
+
+
+def test_plans_forget_tiles_when_the_override_changes(recorder):
+    q = torch.randn(1, 20, 2, 16)
+    fwd.attn_fwd(q, q, q, **_fwd_kw())
+    configs.set_override("fwd", configs.TileConfig(16, 16))
+    try:
+        fwd.attn_fwd(q, q, q, **_fwd_kw())
+    finally:
+        configs.set_override("fwd", None)
+    assert _count(recorder, "triton") == 2
+    assert recorder[1][3][fwd._attn_fwd_kernel.arg_names.index("BLOCK_N")] == 16
+
+
+def test_no_plans_without_cuda():
+    """CPU tensors (the interpreter, the torch path) never make or use a plan."""
+    assert not _launch.ready(torch.empty(1))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["contiguous", "strided", "unaligned"])
+def test_plan_path_equals_triton_path_on_gpu(layout, device):
+    """Numbers through a plan equal those through Triton's own path, bit for bit, for
+    fresh tensors of each layout, forward and backward."""
+
+    def inputs(seed):
+        torch.manual_seed(seed)
+        if layout == "unaligned":  # 2 bytes past an aligned address
+            buf = torch.randn(3 * 2 * 64 * 4 * 32 + 1, device=device, dtype=torch.float16)
+            q, k, v = buf[1:].view(3, 2, 64, 4, 32).unbind(0)
+        else:
+            q, k, v = (torch.randn(2, 64, 4, 32, device=device, dtype=torch.float16)
+                       for _ in range(3))
+            if layout == "strided":
+                q, k, v = (x.transpose(1, 2).contiguous().transpose(1, 2) for x in (q, k, v))
+        return [x.detach().requires_grad_() for x in (q, k, v)]
+
+    def step(q, k, v):
+        out = flashtile.flash_attn_func(q, k, v, causal=True)
+        out.float().square().sum().backward()
+        return out, q.grad, k.grad, v.grad
+
+    _launch.clear()
+    step(*inputs(0))  # through Triton: plans made
+    planned = step(*inputs(1))
+    _launch.clear()
+    for a, b in zip(planned, step(*inputs(1))):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+def test_plan_decode_and_varlen_equal_triton_path_on_gpu(paged, device):
+    """flash_attn_with_kvcache (append, split decode and combine) and
+    flash_attn_varlen_func give the same bits through plans as through Triton's path,
+    on fresh tensors and with a max_seqlen the plan was not made with."""
+    def run(seed, max_seqlen):
+        gen = torch.Generator(device=device).manual_seed(seed)
+        f16 = dict(device=device, dtype=torch.float16, generator=gen)
+        q = torch.randn(2, 1, 8, 64, **f16)
+        k_new, v_new = (torch.randn(2, 1, 2, 64, **f16) for _ in "kv")
+        seqlens = torch.tensor([700, 1500], dtype=torch.int32, device=device)
+        if paged:
+            k_cache, v_cache = (torch.randn(40, 64, 2, 64, **f16) for _ in "kv")
+            extra = dict(block_table=torch.randperm(40, device=device, generator=gen)[:32]
+                         .view(2, 16).to(torch.int32))
+        else:
+            k_cache, v_cache = (torch.randn(2, 2048, 2, 64, **f16) for _ in "kv")
+            extra = {}
+        out = flashtile.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new,
+                                                cache_seqlens=seqlens, causal=True,
+                                                return_lse=True, **extra)
+        qv, kv, vv = (torch.randn(90, 8 if i == 0 else 2, 64, **f16) for i in range(3))
+        cu = torch.tensor([0, 30, 90], dtype=torch.int32, device=device)
+        varlen = flashtile.flash_attn_varlen_func(qv, kv, vv, cu, cu, max_seqlen,
+                                                  max_seqlen, causal=True, return_lse=True)
+        return (*out, k_cache, v_cache, *varlen)
+
+    _launch.clear()
+    run(0, 60)  # through Triton: plans made
+    planned = run(1, 64)
+    previous = _launch.set_enabled(False)
+    try:
+        for a, b in zip(planned, run(1, 64)):
+            assert torch.equal(a, b)
+    finally:
+        _launch.set_enabled(previous)
