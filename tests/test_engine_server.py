@@ -376,22 +376,60 @@ def test_a_model_without_tokenizer_serves_token_ids(llm, tmp_path):
         assert status == 400 and out["error"]["param"] == "messages"
 
 
-def test_a_lagging_stream_reader_gets_one_output_for_several_steps():
-    """Outputs are cumulative: a reader that fell behind takes the newest of each prompt
-    at once (one SSE chunk for several tokens), and the stream ends once every prompt's
-    final output is read."""
+@pytest.mark.parametrize("kind", ["CUMULATIVE", "DELTA"])
+def test_a_lagging_stream_reader_gets_one_output_for_several_steps(kind):
+    """A reader that fell behind takes one output per prompt for all the steps it missed
+    (one SSE chunk for several tokens): the newest of cumulative outputs, the deltas added
+    up; the stream ends once every prompt's final output is read."""
     from types import SimpleNamespace as NS
 
     from flashtile.engine.async_engine import RequestStream
-    stream = RequestStream(NS(_streams={}), ["a", "b"])
-    for i, (rid, n, done) in enumerate([("a", 1, False), ("b", 1, False), ("a", 2, False),
-                                        ("a", 3, True)]):
-        stream.queue.put_nowait((0 if rid == "a" else 1,
-                                 NS(request_id=rid, finished=done, n=n, step=i)))
+    from flashtile.engine.outputs import CompletionOutput, RequestOutput
+    from flashtile.engine.sampling_params import RequestOutputKind
+
+    delta = kind == "DELTA"
+
+    def out(rid, tokens, done):  # the output after `tokens` tokens, as the engine gives
+        new = tokens[-1:] if delta else tokens
+        c = CompletionOutput(0, "".join(map(str, new)), new, "length" if done else None,
+                             logprobs=[-float(t) for t in new])
+        return RequestOutput(rid, None, [1, 2], [c], finished=done)
+
+    stream = RequestStream(NS(_streams={}), ["a", "b"], RequestOutputKind[kind])
+    for rid, tokens, done in [("a", [5], False), ("b", [7], False), ("a", [5, 6], False),
+                              ("a", [5, 6, 8], True)]:
+        stream.put((0 if rid == "a" else 1, out(rid, tokens, done)))
     first = run(stream.next_outputs())
-    assert {i: (o.n, o.step) for i, o in first.items()} == {0: (3, 3), 1: (1, 1)}
+    a, b = first[0].outputs[0], first[1].outputs[0]
+    assert (a.text, a.token_ids, a.logprobs, a.finish_reason) == ("568", [5, 6, 8],
+                                                                 [-5, -6, -8], "length")
+    assert first[0].finished and (b.token_ids, b.finish_reason) == ([7], None)
     assert stream.pending == {"b"}
-    stream.queue.put_nowait((1, NS(request_id="b", finished=True, n=2, step=4)))
-    assert run(stream.next_outputs())[1].n == 2 and not stream.pending
+    stream.put((1, out("b", [7, 9], True)))
+    assert run(stream.next_outputs())[1].outputs[0].token_ids == ([9] if delta else [7, 9])
+    assert not stream.pending
     with pytest.raises(StopAsyncIteration):
         run(stream.next_outputs())
+
+
+@pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
+@pytest.mark.parametrize("include_usage", [False, True], ids=["", "usage"])
+def test_chunk_format_is_json_dumps_of_the_chunk(llm, chat, include_usage):
+    """The preformatted chunk is byte for byte the JSON of the chunk's dict: special
+    characters, non-ASCII text, logprobs (token strings and offsets), finish reasons."""
+    from flashtile.engine import openai_protocol as api
+
+    head = {"id": "chatcmpl-1f" if chat else "cmpl-1f",
+            "object": "chat.completion.chunk" if chat else "text_completion",
+            "created": 1764583200, "model": 'dir/ü "tiny"'}
+    extra = {"usage": None} if include_usage else {}
+    fmt = api.ChunkFormat(head, chat, include_usage)
+    cases = [(0, "", [], None, 0, None, None),
+             (0, " Paris", [17], [-0.25], 3, None, llm.tokenizer),
+             (1, 'a "q" \\ ü 日本 🙂\n\t\x01\u2028', [40, 41, 42], [-1.5, -2e-9, -30.0], 12,
+              "stop", llm.tokenizer),
+             (2, "x", [7], [-1.0], 0, "length", None)]
+    for index, text, ids, logprobs, offset, reason, tokenizer in cases:
+        choice = api.choice(chat, index, text, ids, logprobs, offset, tokenizer, delta=True)
+        want = api.sse({**head, "choices": [{**choice, "finish_reason": reason}], **extra})
+        assert fmt.chunk(index, text, ids, logprobs, offset, reason, tokenizer) == want

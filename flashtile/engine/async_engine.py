@@ -4,8 +4,8 @@ The engine is not thread-safe, so every engine call (add_request, step, abort_re
 runs in one worker thread, one at a time, in the order submitted. One asyncio task keeps
 stepping while requests are unfinished: it submits a step, and while the step runs (a GPU
 step takes milliseconds) the event loop is free to accept and parse requests and to
-stream the previous step's tokens. Each caller gets a ``RequestStream``: an asyncio.Queue
-of its requests' outputs; closing it aborts what is unfinished, which frees the pages.
+stream the previous step's tokens. Each caller gets a ``RequestStream`` of its requests'
+outputs; closing it aborts what is unfinished, which frees the pages.
 """
 
 from __future__ import annotations
@@ -13,9 +13,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
+from typing import Optional
 
-from flashtile.engine.sampling_params import SamplingParams
+from flashtile.engine.sampling_params import RequestOutputKind, SamplingParams
 
 log = logging.getLogger("flashtile.engine")
 
@@ -27,7 +29,8 @@ class AsyncEngine:
     def __init__(self, make_llm):
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="flashtile")
         self.llm = self._executor.submit(make_llm).result()
-        self._streams: dict[str, tuple[asyncio.Queue, int]] = {}  # request id -> (queue, i)
+        # request id -> (its stream, its prompt's index in the stream)
+        self._streams: dict[str, tuple[RequestStream, int]] = {}
         self._wake = self._task = None
 
     async def start(self):
@@ -59,9 +62,9 @@ class AsyncEngine:
         if not self.running:
             raise RuntimeError("the engine loop is not running")
         ids = [uuid.uuid4().hex for _ in prompts]
-        stream = RequestStream(self, ids)
+        stream = RequestStream(self, ids, params.output_kind)
         for i, rid in enumerate(ids):
-            self._streams[rid] = (stream.queue, i)
+            self._streams[rid] = (stream, i)
         try:
             await self._call(self._add_all, ids, prompts, params)
         except BaseException:
@@ -104,41 +107,55 @@ class AsyncEngine:
                     log.exception("engine step failed")
                     await self._fail_all(err)
                     break
+                streams = self._streams
                 for out in outputs:
-                    entry = self._streams.get(out.request_id)
+                    entry = streams.get(out.request_id)
                     if entry is not None:  # else aborted while this step ran
-                        entry[0].put_nowait((entry[1], out))
+                        entry[0].put((entry[1], out))
 
     async def _fail_all(self, err):
         """Abort every request known now and end their streams with the error (requests
         added while this runs are not part of the failed step and go on)."""
         ids = list(self._streams)
-        queues = {id(q): q for q, _ in self._streams.values()}.values()
+        streams = {id(s): s for s, _ in self._streams.values()}.values()
         try:
             await self._call(self._abort, ids)
         except Exception:
             log.exception("aborting after a failed step failed too")
         error = RuntimeError(f"engine step failed: {type(err).__name__}: {err}")
-        for queue in queues:
-            queue.put_nowait(error)
+        for stream in streams:
+            stream.put(error)
 
 
 class RequestStream:
-    """The outputs of one HTTP request's prompts: ``async for index, output in stream``,
-    each a cumulative RequestOutput; ends when every prompt finished. ``close()`` aborts
-    what is unfinished."""
+    """The outputs of one HTTP request's prompts, as (prompt index, RequestOutput) pairs
+    of the kind its SamplingParams.output_kind asks for: ``async for index, output in
+    stream`` takes them one by one, ``next_outputs()`` all that have arrived; both end
+    when every prompt finished. ``close()`` aborts what is unfinished.
 
-    def __init__(self, engine: AsyncEngine, ids):
+    The engine loop hands a stream each step's outputs with ``put``, which wakes its
+    reader at most once per step however many prompts it has."""
+
+    def __init__(self, engine: AsyncEngine, ids, output_kind=RequestOutputKind.CUMULATIVE):
         self.engine, self.ids, self.pending = engine, ids, set(ids)
-        self.queue: asyncio.Queue = asyncio.Queue()
+        self.output_kind = output_kind
+        self._items: deque = deque()  # (index, output) pairs, or an Exception
+        self._waiter: Optional[asyncio.Future] = None  # set while the reader waits
 
-    def __aiter__(self):
-        return self
+    def put(self, item):
+        """Queue an (index, output) pair or an Exception (the engine loop's side)."""
+        self._items.append(item)
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
 
-    async def __anext__(self):
+    async def _wait(self):
         if not self.pending:
             raise StopAsyncIteration
-        item = await self.queue.get()
+        while not self._items:
+            self._waiter = asyncio.get_running_loop().create_future()
+            await self._waiter
+
+    def _take(self, item):
         if isinstance(item, Exception):
             raise item
         index, out = item
@@ -146,24 +163,28 @@ class RequestStream:
             self.pending.discard(out.request_id)
         return index, out
 
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        await self._wait()
+        return self._take(self._items.popleft())
+
     async def next_outputs(self) -> dict:
-        """{prompt index: its newest output}, waiting for at least one. Outputs are
-        cumulative, so a reader that fell behind the engine (a busy server streams to
-        hundreds of clients from one thread) catches up with one chunk for several
-        tokens instead of one chunk each."""
-        if not self.pending:
-            raise StopAsyncIteration
-        items = [await self.queue.get()]
-        while not self.queue.empty():
-            items.append(self.queue.get_nowait())
+        """{prompt index: its output}, all that arrived, waiting for at least one. A
+        reader that fell behind the engine (a busy server streams to hundreds of clients
+        from one thread) catches up with one output per prompt for several steps: the
+        newest (cumulative outputs), or the deltas added up (RequestOutput.add)."""
+        await self._wait()
+        items = list(self._items)
+        self._items.clear()
         latest = {}
         for item in items:
-            if isinstance(item, Exception):
-                raise item
-            index, out = item
-            if out.finished:
-                self.pending.discard(out.request_id)
-            latest[index] = out
+            index, out = self._take(item)
+            if index in latest and self.output_kind is RequestOutputKind.DELTA:
+                latest[index].add(out)
+            else:
+                latest[index] = out
         return latest
 
     def close(self):

@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import re
 
-from flashtile.engine.sampling_params import SamplingParams
+from flashtile.engine.sampling_params import RequestOutputKind, SamplingParams
 
 SAMPLING_FIELDS = ("n", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
                    "seed", "stop", "stop_token_ids", "ignore_eos", "skip_special_tokens")
@@ -139,11 +139,14 @@ def chat_logprobs(body):
     return 0 if want else None
 
 
-def sampling_params(body, logprobs, max_tokens) -> SamplingParams:
-    """The request's SamplingParams; a field sent as null takes its default."""
+def sampling_params(body, logprobs, max_tokens, stream: bool) -> SamplingParams:
+    """The request's SamplingParams; a field sent as null takes its default. The engine
+    returns a streamed request's outputs as deltas, a whole one's once at the end."""
     kw = {k: body[k] for k in SAMPLING_FIELDS if body.get(k) is not None}
+    kind = RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
     try:
-        return SamplingParams(logprobs=logprobs, max_tokens=max_tokens, **kw)
+        return SamplingParams(logprobs=logprobs, max_tokens=max_tokens, output_kind=kind,
+                              **kw)
     except (TypeError, ValueError) as err:
         raise RequestError(str(err), param_of(err)) from None
 
@@ -191,8 +194,48 @@ def logprobs_body(chat, token_ids, logprobs, offset, tokenizer) -> dict:
 
 
 def usage(outputs) -> dict:
-    """usage over RequestOutputs (the last of each prompt)."""
-    prompt = sum(len(o.prompt_token_ids) for o in outputs)
-    completion = sum(len(o.outputs[0].token_ids) for o in outputs)
-    return {"prompt_tokens": prompt, "completion_tokens": completion,
-            "total_tokens": prompt + completion}
+    """usage over the whole RequestOutputs of a request's prompts."""
+    return usage_body(sum(len(o.prompt_token_ids) for o in outputs),
+                      sum(len(o.outputs[0].token_ids) for o in outputs))
+
+
+def usage_body(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def sse(data) -> bytes:
+    """One server-sent event carrying data as JSON."""
+    return b"data: " + json.dumps(data, ensure_ascii=False).encode() + b"\n\n"
+
+
+class ChunkFormat:
+    """The token chunks of one streamed response: ``chunk(...)`` is byte for byte
+    ``sse({**head, "choices": [choice(..., delta=True) + finish_reason], "usage": null})``
+    (usage only with include_usage), with what is the same in every chunk (id, object,
+    created, model, usage) encoded once: a busy server writes one chunk per step for
+    each of hundreds of streams, and json.dumps of the whole dict costs more than the
+    rest of a chunk's way to the socket."""
+
+    def __init__(self, head: dict, chat: bool, include_usage: bool):
+        opening = json.dumps({**head, "choices": None}, ensure_ascii=False)
+        self.start = "data: " + opening[:-len("null}")] + "["  # ..., "choices": [
+        self.end = ('], "usage": null}' if include_usage else "]}") + "\n\n"
+        content = '"delta": {"content": %s}' if chat else '"text": %s'
+        self.choice = '{"index": %d, ' + content + ', "logprobs": %s, "finish_reason": %s}'
+        self.chat = chat
+
+    def chunk(self, index, text, token_ids, logprobs, offset, finish_reason,
+              tokenizer) -> bytes:
+        """The chunk of prompt ``index``'s new ``text`` and ``token_ids`` (their
+        ``logprobs`` or None; ``offset``: the characters streamed before)."""
+        lp = "null" if logprobs is None else json.dumps(
+            logprobs_body(self.chat, token_ids, logprobs, offset, tokenizer),
+            ensure_ascii=False)
+        reason = "null" if finish_reason is None else _json_str(finish_reason)
+        return (self.start + self.choice % (index, _json_str(text), lp, reason)
+                + self.end).encode()
+
+
+# json.dumps(s, ensure_ascii=False) of a str s, without JSONEncoder's dispatch.
+_json_str = json.encoder.encode_basestring

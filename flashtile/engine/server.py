@@ -68,28 +68,30 @@ class OpenAIServer:
 
     async def completions(self, request):
         body = await self._body(request)
+        flags = api.stream_flags(body)
         # OpenAI's default: 16 tokens.
         params = api.sampling_params(body, api.completion_logprobs(body),
-                                     api.first(body, "max_tokens", default=16))
+                                     api.first(body, "max_tokens", default=16), flags[0])
         prompts = api.parse_prompts(body)
         if any(isinstance(p, str) for p in prompts):
             prompts = await asyncio.to_thread(self._encode, prompts)
         for p in prompts:
             api.check_fits(p, params, "prompt", self.max_model_len)
-        return await self._respond(request, body, prompts, params, chat=False)
+        return await self._respond(request, flags, prompts, params, chat=False)
 
     async def chat_completions(self, request):
         body = await self._body(request)
+        flags = api.stream_flags(body)
         # OpenAI's default: no limit but the context (max_tokens=None: up to max_model_len).
         params = api.sampling_params(body, api.chat_logprobs(body), api.first(
-            body, "max_completion_tokens", "max_tokens"))
+            body, "max_completion_tokens", "max_tokens"), flags[0])
         messages = api.parse_messages(body)
         if self.tokenizer is None:
             raise RequestError("messages: expected a model with tokenizer.json and a chat "
                                "template, got none; use /v1/completions", "messages")
         prompt = await asyncio.to_thread(self._render, messages)
         api.check_fits(prompt, params, "messages", self.max_model_len)
-        return await self._respond(request, body, [prompt], params, chat=True)
+        return await self._respond(request, flags, [prompt], params, chat=True)
 
     # ---- request helpers --------------------------------------------------------------
     async def _body(self, request) -> dict:
@@ -124,8 +126,8 @@ class OpenAIServer:
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     # ---- responses --------------------------------------------------------------------
-    async def _respond(self, request, body, prompts, params, chat: bool):
-        stream_mode, include_usage = api.stream_flags(body)
+    async def _respond(self, request, flags, prompts, params, chat: bool):
+        stream_mode, include_usage = flags
         try:
             stream = await self.engine.add(prompts, params)
         except ValueError as err:
@@ -137,10 +139,7 @@ class OpenAIServer:
             if stream_mode:
                 return await self._stream(request, stream, head, chat, include_usage,
                                           params.logprobs is not None)
-            final = {}
-            async for index, out in stream:
-                if out.finished:
-                    final[index] = out
+            final = {index: out async for index, out in stream}  # FINAL_ONLY: one each
             outs = [final[i] for i in range(len(prompts))]
             choices = []
             for i, o in enumerate(outs):
@@ -165,8 +164,8 @@ class OpenAIServer:
                 raise
             except Exception as err:  # headers are sent: report it in the stream
                 log.exception("streaming failed")
-                await _send(resp, error_body(f"{type(err).__name__}: {err}",
-                                             "internal_server_error"))
+                await resp.write(api.sse(error_body(f"{type(err).__name__}: {err}",
+                                                    "internal_server_error")))
             await resp.write(b"data: [DONE]\n\n")
             await resp.write_eof()
         except ConnectionResetError:  # the client left: the caller aborts its requests
@@ -174,28 +173,30 @@ class OpenAIServer:
         return resp
 
     async def _chunks(self, resp, stream, head, chat, include_usage, logprobs):
-        extra = {"usage": None} if include_usage else {}
-        sent, last = {}, {}  # prompt index -> (characters, tokens) sent; last output
+        """The token chunks: per wake-up one write with one chunk per prompt that
+        progressed (several steps' tokens in one chunk when the loop fell behind)."""
+        format = api.ChunkFormat(head, chat, include_usage)
+        sent = {}  # prompt index -> (characters, completion tokens, prompt tokens)
         while stream.pending:
+            parts = []
             for index, out in (await stream.next_outputs()).items():
                 c = out.outputs[0]
-                chars, ntok = sent.get(index, (0, 0))
                 if chat and not sent:  # OpenAI: the role comes first, alone
                     role = {"index": 0, "delta": {"role": "assistant", "content": ""},
                             "logprobs": None, "finish_reason": None}
-                    await _send(resp, {**head, "choices": [role], **extra})
-                choice = api.choice(chat, index, c.text[chars:], c.token_ids[ntok:],
-                                    c.logprobs[ntok:] if logprobs else None, chars,
-                                    self.tokenizer, delta=True)
-                choice["finish_reason"] = c.finish_reason if out.finished else None
-                await _send(resp, {**head, "choices": [choice], **extra})
-                sent[index], last[index] = (len(c.text), len(c.token_ids)), out
+                    extra = {"usage": None} if include_usage else {}
+                    parts.append(api.sse({**head, "choices": [role], **extra}))
+                chars, ntok, _ = sent.get(index, (0, 0, 0))
+                parts.append(format.chunk(
+                    index, c.text, c.token_ids, c.logprobs if logprobs else None, chars,
+                    c.finish_reason if out.finished else None, self.tokenizer))
+                sent[index] = (chars + len(c.text), ntok + len(c.token_ids),
+                               len(out.prompt_token_ids))
+            await resp.write(b"".join(parts))
         if include_usage:
-            await _send(resp, {**head, "choices": [], "usage": api.usage(last.values())})
-
-
-async def _send(resp, data):
-    await resp.write(b"data: " + json.dumps(data, ensure_ascii=False).encode() + b"\n\n")
+            _, completion, prompt = (sum(x) for x in zip(*sent.values()))
+            await resp.write(api.sse({**head, "choices": [],
+                                      "usage": api.usage_body(prompt, completion)}))
 
 
 def build_app(engine: AsyncEngine, model_name: str):
