@@ -106,9 +106,11 @@ class FakeServer:
     """This module's server in a child process (the client's side): ``url``, ``mark()``
     (the counters now), ``close()``."""
 
-    def __init__(self, step_ms: float, max_model_len: int, profile=None):
+    def __init__(self, step_ms: float, max_model_len: int, stream_interval: int = 1,
+                 profile=None):
         cmd = [sys.executable, "-m", "flashtile.bench.fake_server", "--step-ms",
-               str(step_ms), "--max-model-len", str(max_model_len)]
+               str(step_ms), "--max-model-len", str(max_model_len), "--stream-interval",
+               str(stream_interval)]
         if profile:
             cmd += ["--profile", profile]
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
@@ -163,10 +165,11 @@ def main(argv=None) -> int:
     p.add_argument("--step-ms", type=float, default=5.0)
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--stream-interval", type=int, default=1, help="as flashtile serve's")
     p.add_argument("--profile", help="directory for loop.prof and engine.prof")
     args = p.parse_args(argv)
     llm = instant_llm(args.step_ms, args.max_model_len, args.max_num_seqs)
-    engine = AsyncEngine(lambda: llm)
+    engine = AsyncEngine(lambda: llm, args.stream_interval)
     engine_thread = engine._executor.submit(threading.get_ident).result()
     loop = asyncio.new_event_loop()
     runner = web.AppRunner(build_app(engine, "fake"), handler_cancellation=True)

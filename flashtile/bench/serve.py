@@ -443,6 +443,8 @@ def main(argv=None) -> int:
                    help="benchmark flashtile serve over an engine without a model whose "
                    "steps take STEP_MS (started here; --base-url is ignored) and report "
                    "the server's CPU per token (bench/fake_server.py)")
+    p.add_argument("--fake-server-stream-interval", type=int, default=1, metavar="N",
+                   help="with --fake-server: its --stream-interval (flashtile serve's)")
     p.add_argument("--fake-server-profile", metavar="DIR",
                    help="with --fake-server: cProfile its loop and engine threads into DIR")
     p.add_argument("--no-progress", action="store_true")
@@ -459,7 +461,8 @@ def main(argv=None) -> int:
         if args.fake_server is not None:
             from flashtile.bench.fake_server import FakeServer
             longest = 2 * (args.random_input_len + args.random_output_len)
-            fake = FakeServer(args.fake_server, longest, args.fake_server_profile)
+            fake = FakeServer(args.fake_server, longest, args.fake_server_stream_interval,
+                              args.fake_server_profile)
             args.base_url = fake.url
         report = asyncio.run(benchmark(args, fake))
     except (ValueError, RuntimeError, OSError) as err:  # OSError: no server there

@@ -17,6 +17,7 @@ from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from typing import Optional
 
+from flashtile._validate import _fail
 from flashtile.engine.sampling_params import RequestOutputKind, SamplingParams
 
 log = logging.getLogger("flashtile.engine")
@@ -24,9 +25,18 @@ log = logging.getLogger("flashtile.engine")
 
 class AsyncEngine:
     """One LLM driven from asyncio. ``make_llm`` is called in the worker thread, so the
-    engine is built, stepped and aborted in one thread (CUDA state is per thread)."""
+    engine is built, stepped and aborted in one thread (CUDA state is per thread).
 
-    def __init__(self, make_llm):
+    stream_interval: the tokens of a prompt a reader of DELTA outputs waits for before it
+    is woken (vLLM's and SGLang's ``--stream-interval``); a prompt's first and last
+    outputs wake it at once. 1 (default): every token; more: fewer, larger chunks, so
+    less host work per token for a server streaming to many clients."""
+
+    def __init__(self, make_llm, stream_interval: int = 1):
+        if isinstance(stream_interval, bool) or not isinstance(stream_interval, int) \
+                or stream_interval < 1:
+            _fail(ValueError, "stream_interval", "an int >= 1", repr(stream_interval))
+        self.stream_interval = stream_interval
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="flashtile")
         self.llm = self._executor.submit(make_llm).result()
         # request id -> (its stream, its prompt's index in the stream)
@@ -62,7 +72,7 @@ class AsyncEngine:
         if not self.running:
             raise RuntimeError("the engine loop is not running")
         ids = [uuid.uuid4().hex for _ in prompts]
-        stream = RequestStream(self, ids, params.output_kind)
+        stream = RequestStream(self, ids, params.output_kind, self.stream_interval)
         for i, rid in enumerate(ids):
             self._streams[rid] = (stream, i)
         try:
@@ -134,24 +144,41 @@ class RequestStream:
     when every prompt finished. ``close()`` aborts what is unfinished.
 
     The engine loop hands a stream each step's outputs with ``put``, which wakes its
-    reader at most once per step however many prompts it has."""
+    reader at most once per step however many prompts it has, and for DELTA outputs only
+    once ``interval`` tokens of a prompt wait (or its first or last output)."""
 
-    def __init__(self, engine: AsyncEngine, ids, output_kind=RequestOutputKind.CUMULATIVE):
+    def __init__(self, engine: AsyncEngine, ids, output_kind=RequestOutputKind.CUMULATIVE,
+                 interval: int = 1):
         self.engine, self.ids, self.pending = engine, ids, set(ids)
         self.output_kind = output_kind
+        self.interval = interval if output_kind is RequestOutputKind.DELTA else 1
         self._items: deque = deque()  # (index, output) pairs, or an Exception
+        self._ready = False  # what is queued is worth waking the reader for
         self._waiter: Optional[asyncio.Future] = None  # set while the reader waits
+        self._started: set = set()  # prompt indices whose first output was read
+        self._held: dict = {}  # prompt index -> its tokens queued since the last read
 
     def put(self, item):
         """Queue an (index, output) pair or an Exception (the engine loop's side)."""
         self._items.append(item)
-        if self._waiter is not None and not self._waiter.done():
-            self._waiter.set_result(None)
+        if not self._ready and self._wakes(item):
+            self._ready = True
+            if self._waiter is not None and not self._waiter.done():
+                self._waiter.set_result(None)
+
+    def _wakes(self, item) -> bool:
+        if self.interval == 1 or isinstance(item, Exception):
+            return True
+        index, out = item
+        if out.finished or index not in self._started:
+            return True
+        held = self._held[index] = self._held.get(index, 0) + len(out.outputs[0].token_ids)
+        return held >= self.interval
 
     async def _wait(self):
         if not self.pending:
             raise StopAsyncIteration
-        while not self._items:
+        while not self._ready:
             self._waiter = asyncio.get_running_loop().create_future()
             await self._waiter
 
@@ -159,6 +186,7 @@ class RequestStream:
         if isinstance(item, Exception):
             raise item
         index, out = item
+        self._started.add(index)
         if out.finished:
             self.pending.discard(out.request_id)
         return index, out
@@ -168,7 +196,9 @@ class RequestStream:
 
     async def __anext__(self):
         await self._wait()
-        return self._take(self._items.popleft())
+        item = self._items.popleft()
+        self._ready, self._held = bool(self._items), {}
+        return self._take(item)
 
     async def next_outputs(self) -> dict:
         """{prompt index: its output}, all that arrived, waiting for at least one. A
@@ -178,6 +208,7 @@ class RequestStream:
         await self._wait()
         items = list(self._items)
         self._items.clear()
+        self._ready, self._held = False, {}
         latest = {}
         for item in items:
             index, out = self._take(item)

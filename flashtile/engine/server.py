@@ -272,6 +272,9 @@ def add_serve(commands):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="processes (GPUs) to split the model over")
+    p.add_argument("--stream-interval", type=int, default=1,
+                   help="tokens per streamed chunk after the first (default 1); more "
+                   "cost the server less host time per token")
     p.set_defaults(handler=_serve)
 
 
@@ -291,7 +294,7 @@ def _serve(args) -> int:
               seed=args.seed, tensor_parallel_size=args.tensor_parallel_size)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     try:
-        engine = AsyncEngine(lambda: LLM(args.model, **kw))
+        engine = AsyncEngine(lambda: LLM(args.model, **kw), args.stream_interval)
     except ValueError as err:  # a bad checkpoint or engine option: say which
         print(f"flashtile serve: {err}", file=sys.stderr)
         return 2
