@@ -344,12 +344,14 @@ def test_serve_command(llm, monkeypatch, capsys, tmp_path):
                         lambda app, **kw: calls.append((app, kw)))
     monkeypatch.setattr(server_module, "AsyncEngine",
                         lambda *a: engines.append(AsyncEngine(*a)) or engines[-1])
+    frozen = []  # the startup heap is frozen before serving (not this test's, though)
+    monkeypatch.setattr(server_module.gc, "freeze", lambda: frozen.append(True))
     assert main(["serve", llm.config.model, "--port", "8123", "--served-model-name", "tiny",
                  "--dtype", "float32", "--device", "cpu", "--max-model-len", "48",
                  "--page-size", "16", "--kv-cache-memory", "64KiB",
                  "--stream-interval", "3"]) == 0
     (app, kw), = calls
-    assert engines[0].stream_interval == 3
+    assert engines[0].stream_interval == 3 and frozen == [True]
     assert kw == dict(host="127.0.0.1", port=8123, handler_cancellation=True, print=None)
     # 64 KiB / (2 x 2 layers x 2 heads x 16 x 4 bytes a token) = 128 tokens = 8 pages.
     assert "'tiny' on http://127.0.0.1:8123 (8 KV pages of 16 tokens, max_model_len 48)" \

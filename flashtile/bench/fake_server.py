@@ -159,7 +159,7 @@ def _thread_cpu(thread_id: int) -> float:
 def main(argv=None) -> int:
     from aiohttp import web
 
-    from flashtile.engine.server import AsyncEngine, build_app
+    from flashtile.engine.server import AsyncEngine, build_app, freeze_gc_heap
 
     p = argparse.ArgumentParser(prog="python -m flashtile.bench.fake_server")
     p.add_argument("--step-ms", type=float, default=5.0)
@@ -175,6 +175,7 @@ def main(argv=None) -> int:
     runner = web.AppRunner(build_app(engine, "fake"), handler_cancellation=True)
     loop.run_until_complete(runner.setup())
     loop.run_until_complete(web.TCPSite(runner, "127.0.0.1", 0).start())
+    freeze_gc_heap()  # as flashtile serve does
     profiles = []
 
     def profile_threads():
