@@ -152,6 +152,17 @@ def host_metrics(before: dict, after: dict, step_ms: float) -> dict:
             "device_idle_ms_per_step": 1e3 * d["idle_s"] / steps}
 
 
+def markdown_rows(h: dict) -> list[str]:
+    """host_metrics as rows of bench serve's markdown table."""
+    return [f"| server CPU per output token (loop + engine thread) | "
+            f"{h['cpu_us_per_token']:.1f} us ({h['loop_cpu_us_per_token']:.1f} + "
+            f"{h['engine_cpu_us_per_token']:.1f}) |",
+            f"| engine steps / engine thread CPU per step | {h['steps']} / "
+            f"{h['engine_cpu_us_per_step']:.0f} us |",
+            f"| emulated device ({h['step_ms']:g} ms a step) idle per step | "
+            f"{h['device_idle_ms_per_step']:.2f} ms |"]
+
+
 def _thread_cpu(thread_id: int) -> float:
     return time.clock_gettime(time.pthread_getcpuclockid(thread_id))
 

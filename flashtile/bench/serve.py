@@ -320,7 +320,7 @@ def markdown(run: dict) -> str:
              f"| output token throughput | {m['output_throughput']:.1f} tok/s |",
              f"| total token throughput | {m['total_token_throughput']:.1f} tok/s |",
              f"| peak concurrent requests | {m['max_concurrent_requests']} |",
-             f"| goodput ({slo}) | {m['request_goodput']:.2f} req/s |", *_server_rows(m), "",
+             f"| goodput ({slo}) | {m['request_goodput']:.2f} req/s |", *_host_rows(m), "",
              "| latency (ms) | mean | median | p90 | p99 |", "| --- | ---: | ---: | ---: | ---: |"]
     names = {"ttft": "TTFT", "tpot": "TPOT", "itl": "ITL", "e2el": "E2E"}
     for key, label in names.items():
@@ -329,18 +329,11 @@ def markdown(run: dict) -> str:
     return "\n".join(lines)
 
 
-def _server_rows(m) -> list[str]:
-    """The fake server's host cost (--fake-server), as rows of markdown()'s table."""
-    h = m.get("server")
-    if h is None:
+def _host_rows(m) -> list[str]:
+    if "server" not in m:  # not a --fake-server run
         return []
-    return [f"| server CPU per output token (loop + engine thread) | "
-            f"{h['cpu_us_per_token']:.1f} us ({h['loop_cpu_us_per_token']:.1f} + "
-            f"{h['engine_cpu_us_per_token']:.1f}) |",
-            f"| engine steps / engine thread CPU per step | {h['steps']} / "
-            f"{h['engine_cpu_us_per_step']:.0f} us |",
-            f"| emulated device ({h['step_ms']:g} ms a step) idle per step | "
-            f"{h['device_idle_ms_per_step']:.2f} ms |"]
+    from flashtile.bench.fake_server import markdown_rows
+    return markdown_rows(m["server"])
 
 
 def sweep_markdown(runs) -> str:

@@ -4,8 +4,9 @@
     curl localhost:8000/v1/completions -d '{"prompt": "Hello", "max_tokens": 8}'
 
 Endpoints: ``POST /v1/completions`` and ``POST /v1/chat/completions`` (with ``stream``:
-server-sent events, one chunk per generated token, then ``data: [DONE]``),
-``GET /v1/models``, ``GET /health``. Errors are OpenAI's JSON body
+server-sent events, a chunk per generated token, then ``data: [DONE]``; a chunk carries
+several tokens when the stream's reader fell behind the engine, or with
+``--stream-interval``), ``GET /v1/models``, ``GET /health``. Errors are OpenAI's JSON body
 ``{"error": {"message", "type", "param", "code"}}`` with a 4xx status for a bad request
 and 500 for a fault of the server, which keeps serving.
 
@@ -13,6 +14,14 @@ Many clients share one engine through ``AsyncEngine`` (engine/async_engine.py: t
 steps in one worker thread, the event loop stays free). A client that goes away (a failed
 write, or aiohttp cancelling its handler) has its unfinished requests aborted and their KV
 pages freed.
+
+The event loop and the engine thread share one GIL, so the host work per token of every
+stream counts against the engine's steps: a streamed request takes delta outputs (only
+its new tokens and text, SamplingParams.output_kind) and a whole one only its final
+output; each stream's reader is woken at most once per step and writes one preformatted
+chunk per prompt (openai_protocol.ChunkFormat); the startup heap is frozen out of the
+garbage collector. ``flashtile bench serve --fake-server`` measures what is left
+(docs/benchmarks/NOTES.md, section 14).
 
 Beyond OpenAI, vLLM's extensions (openai_protocol.py lists them and what is refused);
 ``/v1/models`` entries carry ``max_model_len`` (vLLM's) and ``vocab_size`` (so
@@ -176,7 +185,7 @@ class OpenAIServer:
     async def _chunks(self, resp, stream, head, chat, include_usage, logprobs):
         """The token chunks: per wake-up one write with one chunk per prompt that
         progressed (several steps' tokens in one chunk when the loop fell behind)."""
-        format = api.ChunkFormat(head, chat, include_usage)
+        chunks = api.ChunkFormat(head, chat, include_usage)
         sent = {}  # prompt index -> (characters, completion tokens, prompt tokens)
         while stream.pending:
             parts = []
@@ -188,7 +197,7 @@ class OpenAIServer:
                     extra = {"usage": None} if include_usage else {}
                     parts.append(api.sse({**head, "choices": [role], **extra}))
                 chars, ntok, _ = sent.get(index, (0, 0, 0))
-                parts.append(format.chunk(
+                parts.append(chunks.chunk(
                     index, c.text, c.token_ids, c.logprobs if logprobs else None, chars,
                     c.finish_reason if out.finished else None, self.tokenizer))
                 sent[index] = (chars + len(c.text), ntok + len(c.token_ids),
