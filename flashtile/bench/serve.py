@@ -25,6 +25,9 @@ Definitions are vLLM's ``bench serve``, so the numbers compare with vLLM's:
   every SLO (TTFT <= --slo-ttft-ms and TPOT <= --slo-tpot-ms).
 
 The client is plain aiohttp: nothing of the engine is imported, so it runs anywhere.
+``--fake-server STEP_MS`` starts its own server instead, ``flashtile serve`` over an
+engine without a model (bench/fake_server.py), and adds the server's CPU per token to
+the report: the host cost of serving, measurable on a machine without a GPU.
 """
 
 from __future__ import annotations
