@@ -146,6 +146,24 @@ def test_streamed_chunks_are_tokens(server):
     assert r.latency == pytest.approx(r.ttft + sum(r.itl))
 
 
+def test_fake_server_reports_the_host_cost(tmp_path, capsys):
+    """--fake-server: flashtile serve over a model-less engine in a child process; the
+    report adds its CPU per token, its steps and the tokens they made (all of the run's
+    output tokens, none of the check request's), and the profiles when asked."""
+    out, profile = tmp_path / "fake.json", tmp_path / "prof"
+    assert main(["bench", "serve", "--fake-server", "1", "--num-prompts", "8",
+                 "--random-input-len", "16", "--random-output-len", "6", "--no-progress",
+                 "--fake-server-profile", str(profile), "--out", str(out)]) == 0
+    (run,) = json.loads(out.read_text())["runs"]
+    m, host = run["metrics"], run["metrics"]["server"]
+    assert m["completed"] == 8 and host["tokens"] == m["total_output_tokens"] == 48
+    assert host["steps"] >= 6 and host["step_ms"] == 1
+    assert host["cpu_us_per_token"] >= host["loop_cpu_us_per_token"] > 0
+    assert host["engine_cpu_us_per_token"] > 0 and host["device_idle_ms_per_step"] >= 0
+    assert "| server CPU per output token" in capsys.readouterr().out
+    assert {p.name for p in profile.iterdir()} == {"loop.prof", "engine.prof"}
+
+
 def test_bad_server_or_arguments(server, tmp_path, capsys):
     assert main(["bench", "serve", "--base-url", "http://127.0.0.1:9", "--num-prompts", "1",
                  "--out", str(tmp_path / "x.json")]) == 1

@@ -212,6 +212,43 @@ def test_streamed_text_is_never_taken_back(checkpoint):
     assert seen[-1] == text[:text.index(stop)]
 
 
+@pytest.mark.parametrize("stop", [False, True], ids=["length", "stop-string"])
+def test_output_kinds_carry_the_same_completion(checkpoint, stop):
+    """step() as SamplingParams.output_kind asks: DELTA outputs add up to the CUMULATIVE
+    ones (text, token ids, logprobs; a held-back stop-string prefix comes later, never
+    twice), FINAL_ONLY gives one output, the whole completion, at the end."""
+    from flashtile.engine.sampling_params import RequestOutputKind as Kind
+    path, _ = checkpoint
+    llm = _llm(path)
+    prompt = "Hello world"
+    text = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
+                        use_tqdm=False)[0].outputs[0].text
+    kw = dict(temperature=0, max_tokens=20, ignore_eos=True, logprobs=0,
+              stop=text[-4:-1] if stop else None)
+    ids = {llm.add_request(prompt, SamplingParams(**kw, output_kind=kind)): kind
+           for kind in Kind}
+    outs = {kind: [] for kind in Kind}
+    while llm.has_unfinished_requests():
+        for out in llm.step():
+            outs[ids[out.request_id]].append(out)
+    whole = outs[Kind.CUMULATIVE][-1].outputs[0]
+    assert whole.finish_reason == ("stop" if stop else "length")
+    (final,) = outs[Kind.FINAL_ONLY]
+    deltas = outs[Kind.DELTA]
+    assert final.finished and final.outputs[0] == whole
+    assert len(deltas) == len(outs[Kind.CUMULATIVE]) == len(whole.token_ids)
+    assert all(len(d.outputs[0].token_ids) == 1 for d in deltas)
+    assert "".join(d.outputs[0].text for d in deltas) == whole.text
+    assert sum((d.outputs[0].token_ids for d in deltas), []) == whole.token_ids
+    assert sum((d.outputs[0].logprobs for d in deltas), []) == whole.logprobs
+    assert [d.finished for d in deltas] == [False] * (len(deltas) - 1) + [True]
+    assert deltas[-1].outputs[0].finish_reason == whole.finish_reason
+    assert deltas[0].prompt_token_ids == final.prompt_token_ids == llm.tokenizer.encode(
+        prompt)
+    with pytest.raises(TypeError, match="output_kind: expected a RequestOutputKind"):
+        SamplingParams(output_kind="delta")
+
+
 def test_generate_input_forms_and_chat(checkpoint):
     from transformers import AutoTokenizer
     path, _ = checkpoint

@@ -339,19 +339,27 @@ def test_serve_command(llm, monkeypatch, capsys, tmp_path):
     from flashtile.cli import main
     from flashtile.engine import server as server_module
 
-    calls = []
+    calls, engines = [], []
     monkeypatch.setattr(server_module.web, "run_app",
                         lambda app, **kw: calls.append((app, kw)))
+    monkeypatch.setattr(server_module, "AsyncEngine",
+                        lambda *a: engines.append(AsyncEngine(*a)) or engines[-1])
+    frozen = []  # the startup heap is frozen before serving (not this test's, though)
+    monkeypatch.setattr(server_module.gc, "freeze", lambda: frozen.append(True))
     assert main(["serve", llm.config.model, "--port", "8123", "--served-model-name", "tiny",
                  "--dtype", "float32", "--device", "cpu", "--max-model-len", "48",
-                 "--page-size", "16", "--kv-cache-memory", "64KiB"]) == 0
+                 "--page-size", "16", "--kv-cache-memory", "64KiB",
+                 "--stream-interval", "3"]) == 0
     (app, kw), = calls
+    assert engines[0].stream_interval == 3 and frozen == [True]
     assert kw == dict(host="127.0.0.1", port=8123, handler_cancellation=True, print=None)
     # 64 KiB / (2 x 2 layers x 2 heads x 16 x 4 bytes a token) = 128 tokens = 8 pages.
     assert "'tiny' on http://127.0.0.1:8123 (8 KV pages of 16 tokens, max_model_len 48)" \
         in capsys.readouterr().out
     assert main(["serve", str(tmp_path), "--device", "cpu"]) == 2
     assert "model: expected a directory with config.json" in capsys.readouterr().err
+    assert main(["serve", llm.config.model, "--stream-interval", "0"]) == 2
+    assert "stream_interval: expected an int >= 1, got 0" in capsys.readouterr().err
 
 
 def test_a_model_without_tokenizer_serves_token_ids(llm, tmp_path):
@@ -376,22 +384,108 @@ def test_a_model_without_tokenizer_serves_token_ids(llm, tmp_path):
         assert status == 400 and out["error"]["param"] == "messages"
 
 
-def test_a_lagging_stream_reader_gets_one_output_for_several_steps():
-    """Outputs are cumulative: a reader that fell behind takes the newest of each prompt
-    at once (one SSE chunk for several tokens), and the stream ends once every prompt's
-    final output is read."""
+@pytest.mark.parametrize("kind", ["CUMULATIVE", "DELTA"])
+def test_a_lagging_stream_reader_gets_one_output_for_several_steps(kind):
+    """A reader that fell behind takes one output per prompt for all the steps it missed
+    (one SSE chunk for several tokens): the newest of cumulative outputs, the deltas added
+    up; the stream ends once every prompt's final output is read."""
     from types import SimpleNamespace as NS
 
     from flashtile.engine.async_engine import RequestStream
-    stream = RequestStream(NS(_streams={}), ["a", "b"])
-    for i, (rid, n, done) in enumerate([("a", 1, False), ("b", 1, False), ("a", 2, False),
-                                        ("a", 3, True)]):
-        stream.queue.put_nowait((0 if rid == "a" else 1,
-                                 NS(request_id=rid, finished=done, n=n, step=i)))
+    from flashtile.engine.outputs import CompletionOutput, RequestOutput
+    from flashtile.engine.sampling_params import RequestOutputKind
+
+    delta = kind == "DELTA"
+
+    def out(rid, tokens, done):  # the output after `tokens` tokens, as the engine gives
+        new = tokens[-1:] if delta else tokens
+        c = CompletionOutput(0, "".join(map(str, new)), new, "length" if done else None,
+                             logprobs=[-float(t) for t in new])
+        return RequestOutput(rid, None, [1, 2], [c], finished=done)
+
+    stream = RequestStream(NS(_streams={}), ["a", "b"], RequestOutputKind[kind])
+    for rid, tokens, done in [("a", [5], False), ("b", [7], False), ("a", [5, 6], False),
+                              ("a", [5, 6, 8], True)]:
+        stream.put((0 if rid == "a" else 1, out(rid, tokens, done)))
     first = run(stream.next_outputs())
-    assert {i: (o.n, o.step) for i, o in first.items()} == {0: (3, 3), 1: (1, 1)}
+    a, b = first[0].outputs[0], first[1].outputs[0]
+    assert (a.text, a.token_ids, a.logprobs, a.finish_reason) == ("568", [5, 6, 8],
+                                                                 [-5, -6, -8], "length")
+    assert first[0].finished and (b.token_ids, b.finish_reason) == ([7], None)
     assert stream.pending == {"b"}
-    stream.queue.put_nowait((1, NS(request_id="b", finished=True, n=2, step=4)))
-    assert run(stream.next_outputs())[1].n == 2 and not stream.pending
+    stream.put((1, out("b", [7, 9], True)))
+    assert run(stream.next_outputs())[1].outputs[0].token_ids == ([9] if delta else [7, 9])
+    assert not stream.pending
     with pytest.raises(StopAsyncIteration):
+        run(stream.next_outputs())
+
+
+@pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
+@pytest.mark.parametrize("include_usage", [False, True], ids=["", "usage"])
+def test_chunk_format_is_json_dumps_of_the_chunk(llm, chat, include_usage):
+    """The preformatted chunk is byte for byte the JSON of the chunk's dict: special
+    characters, non-ASCII text, logprobs (token strings and offsets), finish reasons."""
+    from flashtile.engine import openai_protocol as api
+
+    head = {"id": "chatcmpl-1f" if chat else "cmpl-1f",
+            "object": "chat.completion.chunk" if chat else "text_completion",
+            "created": 1764583200, "model": 'dir/ü "tiny"'}
+    extra = {"usage": None} if include_usage else {}
+    fmt = api.ChunkFormat(head, chat, include_usage)
+    cases = [(0, "", [], None, 0, None, None),
+             (0, " Paris", [17], [-0.25], 3, None, llm.tokenizer),
+             (1, 'a "q" \\ ü 日本 🙂\n\t\x01\u2028', [40, 41, 42], [-1.5, -2e-9, -30.0], 12,
+              "stop", llm.tokenizer),
+             (2, "x", [7], [-1.0], 0, "length", None)]
+    for index, text, ids, logprobs, offset, reason, tokenizer in cases:
+        choice = api.choice(chat, index, text, ids, logprobs, offset, tokenizer, delta=True)
+        want = api.sse({**head, "choices": [{**choice, "finish_reason": reason}], **extra})
+        assert fmt.chunk(index, text, ids, logprobs, offset, reason, tokenizer) == want
+
+
+def test_stream_interval_sends_fewer_larger_chunks(llm):
+    """stream_interval=4: the first token alone (time to first token), then chunks of at
+    least 4 tokens (more if the reader lags), the last one when the request ends; the
+    text is the same as a whole response's."""
+    body = dict(prompt="Hello world", logprobs=0, **_greedy(max_tokens=11))
+    with ServerThread(build_app(AsyncEngine(lambda: llm, stream_interval=4), MODEL)) as s:
+        events = run(_events(s.url + "/v1/completions", dict(body, stream=True)))
+        _, whole = post(s, "/v1/completions", body)
+    sizes = [len(e["choices"][0]["logprobs"]["tokens"]) for e in events[:-1]]
+    assert sizes[0] == 1 and all(n >= 4 for n in sizes[1:-1]) and sum(sizes) == 11
+    assert "".join(e["choices"][0]["text"] for e in events[:-1]) == \
+        whole["choices"][0]["text"]
+    assert events[-2]["choices"][0]["finish_reason"] == "length"
+    _assert_idle(llm)
+
+
+def test_stream_reader_wakes_at_the_interval():
+    """RequestStream(interval=3) of two prompts: each prompt's first output and last
+    output wake the reader, otherwise 3 waiting tokens of one prompt do."""
+    from types import SimpleNamespace as NS
+
+    from flashtile.engine.async_engine import RequestStream
+    from flashtile.engine.outputs import CompletionOutput, RequestOutput
+    from flashtile.engine.sampling_params import RequestOutputKind
+
+    def out(rid, n, done=False):
+        return RequestOutput(rid, None, [1], [CompletionOutput(0, "", [5] * n)],
+                             finished=done)
+
+    stream = RequestStream(NS(_streams={}), ["a", "b"], RequestOutputKind.DELTA, 3)
+    steps = [[(0, out("a", 1))], [(0, out("a", 1))], [(0, out("a", 1)), (1, out("b", 1))],
+             [(0, out("a", 1))], [(0, out("a", 2))], [(1, out("b", 1))],
+             [(1, out("b", 1, done=True))]]
+    woken = []
+    for i, items in enumerate(steps):
+        for item in items:
+            stream.put(item)
+        if stream._ready:
+            woken.append((i, {k: len(o.outputs[0].token_ids)
+                              for k, o in run(stream.next_outputs()).items()}))
+    # a's first; b's first (a's 2 waiting come along); a reaching 3; b's last.
+    assert woken == [(0, {0: 1}), (2, {0: 2, 1: 1}), (4, {0: 3}), (6, {1: 2})]
+    assert stream.pending == {"a"}
+    stream.put(RuntimeError("boom"))  # an error wakes the reader at once
+    with pytest.raises(RuntimeError, match="boom"):
         run(stream.next_outputs())

@@ -25,6 +25,9 @@ Definitions are vLLM's ``bench serve``, so the numbers compare with vLLM's:
   every SLO (TTFT <= --slo-ttft-ms and TPOT <= --slo-tpot-ms).
 
 The client is plain aiohttp: nothing of the engine is imported, so it runs anywhere.
+``--fake-server STEP_MS`` starts its own server instead, ``flashtile serve`` over an
+engine without a model (bench/fake_server.py), and adds the server's CPU per token to
+the report: the host cost of serving, measurable on a machine without a GPU.
 """
 
 from __future__ import annotations
@@ -245,8 +248,9 @@ def _progress(total, desc):
     return tqdm(total=total, desc=desc, dynamic_ncols=True, file=sys.stderr)
 
 
-async def benchmark(args) -> dict:
-    """The whole command: look up the model, check one request, run each rate."""
+async def benchmark(args, fake=None) -> dict:
+    """The whole command: look up the model, check one request, run each rate. fake: a
+    FakeServer (fake_server.py), whose host cost each run then reports too."""
     import aiohttp
 
     base = args.base_url.rstrip("/")
@@ -274,15 +278,21 @@ async def benchmark(args) -> dict:
             raise RuntimeError(f"the first request failed: {check.error}")
         runs = []
         for rate in args.sweep_rates or [args.request_rate]:
+            before = fake.mark() if fake else None
             results, duration = await run_rate(
                 session, url, model, requests, rate, args.burstiness, args.seed,
                 args.max_concurrency, progress=not args.no_progress)
             metrics = compute_metrics(results, duration, args.slo_ttft_ms, args.slo_tpot_ms)
+            if fake:
+                from flashtile.bench.fake_server import host_metrics
+                metrics["server"] = host_metrics(before, fake.mark(), args.fake_server)
             runs.append({"request_rate": rate, "metrics": metrics,
                          "errors": sorted({r.error for r in results if not r.success})[:10],
                          "requests": [_request_row(r) for r in results]})
+            server = (f", server CPU {metrics['server']['cpu_us_per_token']:.1f} us/token"
+                      if fake else "")
             print(f"rate {rate:g}: {metrics['completed']} ok, {metrics['failed']} failed, "
-                  f"{metrics['output_throughput']:.1f} output tok/s", file=sys.stderr)
+                  f"{metrics['output_throughput']:.1f} output tok/s{server}", file=sys.stderr)
     return {"model": model, "base_url": base, "runs": runs}
 
 
@@ -313,13 +323,20 @@ def markdown(run: dict) -> str:
              f"| output token throughput | {m['output_throughput']:.1f} tok/s |",
              f"| total token throughput | {m['total_token_throughput']:.1f} tok/s |",
              f"| peak concurrent requests | {m['max_concurrent_requests']} |",
-             f"| goodput ({slo}) | {m['request_goodput']:.2f} req/s |", "",
+             f"| goodput ({slo}) | {m['request_goodput']:.2f} req/s |", *_host_rows(m), "",
              "| latency (ms) | mean | median | p90 | p99 |", "| --- | ---: | ---: | ---: | ---: |"]
     names = {"ttft": "TTFT", "tpot": "TPOT", "itl": "ITL", "e2el": "E2E"}
     for key, label in names.items():
         cells = [m[f"{s}_{key}_ms"] for s in ("mean", "median", "p90", "p99")]
         lines.append(f"| {label} | " + " | ".join(map(_ms, cells)) + " |")
     return "\n".join(lines)
+
+
+def _host_rows(m) -> list[str]:
+    if "server" not in m:  # not a --fake-server run
+        return []
+    from flashtile.bench.fake_server import markdown_rows
+    return markdown_rows(m["server"])
 
 
 def sweep_markdown(runs) -> str:
@@ -418,6 +435,14 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--slo-ttft-ms", type=float, default=1000.0)
     p.add_argument("--slo-tpot-ms", type=float, default=50.0)
+    p.add_argument("--fake-server", type=float, metavar="STEP_MS",
+                   help="benchmark flashtile serve over an engine without a model whose "
+                   "steps take STEP_MS (started here; --base-url is ignored) and report "
+                   "the server's CPU per token (bench/fake_server.py)")
+    p.add_argument("--fake-server-stream-interval", type=int, default=1, metavar="N",
+                   help="with --fake-server: its --stream-interval (flashtile serve's)")
+    p.add_argument("--fake-server-profile", metavar="DIR",
+                   help="with --fake-server: cProfile its loop and engine threads into DIR")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--out", default="serve.json",
                    help="JSON results; the markdown (and a sweep's plot) beside it")
@@ -427,11 +452,21 @@ def main(argv=None) -> int:
     if not 0 <= args.random_range_ratio < 1:
         p.error(f"--random-range-ratio: expected a number in [0, 1), got "
                 f"{args.random_range_ratio}")
+    fake = None
     try:
-        report = asyncio.run(benchmark(args))
+        if args.fake_server is not None:
+            from flashtile.bench.fake_server import FakeServer
+            longest = 2 * (args.random_input_len + args.random_output_len)
+            fake = FakeServer(args.fake_server, longest, args.fake_server_stream_interval,
+                              args.fake_server_profile)
+            args.base_url = fake.url
+        report = asyncio.run(benchmark(args, fake))
     except (ValueError, RuntimeError, OSError) as err:  # OSError: no server there
         print(f"flashtile bench serve: {err}", file=sys.stderr)
         return 1
+    finally:
+        if fake is not None:
+            fake.close()
     runs = report["runs"]
     table = sweep_markdown(runs) if args.sweep_rates else markdown(runs[0])
     print(table)

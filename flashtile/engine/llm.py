@@ -6,7 +6,8 @@
     print(outs[0].outputs[0].text)
 
 ``add_request`` / ``step`` / ``abort_request`` let a server feed requests between steps;
-each ``step`` returns the cumulative output of every request that received a token.
+each ``step`` returns the output of every request that received a token (the whole
+completion so far, or what is new: SamplingParams.output_kind).
 
 ``LLM(model, tensor_parallel_size=N)`` splits the model over N processes: this one is
 rank 0 (scheduler, tokenizer, sampler) and starts the other N - 1 (engine/workers.py);
@@ -25,7 +26,7 @@ from flashtile.engine.block_manager import BlockManager
 from flashtile.engine.config import EngineConfig
 from flashtile.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from flashtile.engine.runner import LaunchedStep
-from flashtile.engine.sampling_params import SamplingParams
+from flashtile.engine.sampling_params import RequestOutputKind, SamplingParams
 from flashtile.engine.scheduler import ScheduledStep, Scheduler
 from flashtile.engine.sequence import Sequence
 from flashtile.engine.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -43,6 +44,9 @@ class _Request:
                                              params.skip_special_tokens)
                       if tokenizer is not None else None)
         self.text, self.stop_reason = "", None
+        # The prompt's ids, copied once: every output of the request refers to this list.
+        self.prompt_token_ids = seq.prompt_token_ids
+        self.sent_chars = self.sent_tokens = 0  # what delta outputs have carried so far
 
     def add_text(self, new_tokens, final: bool = False) -> Optional[str]:
         """Detokenise the new tokens (final: the last ones); the stop string they
@@ -62,7 +66,9 @@ class _Request:
         self.text = self.text[:end]  # vLLM: the stop string is not part of the text
         return stop
 
-    def output(self) -> RequestOutput:
+    def output(self, delta: bool = False) -> RequestOutput:
+        """The request's output: the whole completion so far, or (delta) the tokens, text
+        and logprobs new since its last delta output (RequestOutputKind.DELTA)."""
         seq = self.seq
         text = self.text
         if not seq.is_finished and self.stops:
@@ -72,14 +78,19 @@ class _Request:
         reason = seq.finish_reason
         if reason == "stop" and seq.last_token in seq.sampling_params.stop_token_ids:
             self.stop_reason = seq.last_token  # vLLM: None for end-of-sequence tokens
+        start = self.sent_tokens if delta else 0
+        token_ids = seq.completion_token_ids_from(start)
+        logprobs = (seq.output_logprobs[start:]
+                    if seq.sampling_params.logprobs is not None else None)
+        if delta:
+            text, self.sent_chars = text[self.sent_chars:], len(text)
+            self.sent_tokens += len(token_ids)
         completion = CompletionOutput(
-            index=0, text=text, token_ids=seq.completion_token_ids, finish_reason=reason,
-            stop_reason=self.stop_reason,
-            logprobs=(list(seq.output_logprobs)
-                      if seq.sampling_params.logprobs is not None else None))
+            index=0, text=text, token_ids=token_ids, finish_reason=reason,
+            stop_reason=self.stop_reason, logprobs=logprobs)
         return RequestOutput(
             request_id=self.request_id, prompt=self.prompt,
-            prompt_token_ids=seq.prompt_token_ids, outputs=[completion],
+            prompt_token_ids=self.prompt_token_ids, outputs=[completion],
             finished=seq.is_finished,
             metrics=RequestMetrics(seq.arrival_time, seq.first_token_time, seq.finish_time))
 
@@ -171,8 +182,17 @@ class LLM:
 
     def step(self) -> list[RequestOutput]:
         """Run one engine step; the outputs of the requests that received a token (with
-        asynchronous scheduling, the tokens of the step launched by the previous call)."""
-        return [request.output() for request in self._step()]
+        asynchronous scheduling, the tokens of the step launched by the previous call),
+        each as its SamplingParams.output_kind asks: the whole completion so far, what is
+        new (DELTA), or nothing until it finishes (FINAL_ONLY)."""
+        outputs = []
+        for request in self._step():
+            kind = request.seq.sampling_params.output_kind
+            if kind is RequestOutputKind.DELTA:
+                outputs.append(request.output(delta=True))
+            elif kind is RequestOutputKind.CUMULATIVE or request.seq.is_finished:
+                outputs.append(request.output())
+        return outputs
 
     def _step(self) -> list[_Request]:
         """One engine step; the requests that received a token. Building a RequestOutput

@@ -49,3 +49,15 @@ class RequestOutput:
     outputs: list = field(default_factory=list)
     finished: bool = False
     metrics: Optional[RequestMetrics] = None
+
+    def add(self, next_output: "RequestOutput"):
+        """Append the next delta output of the same request (RequestOutputKind.DELTA) to
+        this one, in place (vLLM's ``add`` with aggregate=True): one output for several
+        steps, for a reader that fell behind."""
+        for mine, new in zip(self.outputs, next_output.outputs):
+            mine.text += new.text
+            mine.token_ids = mine.token_ids + new.token_ids
+            if mine.logprobs is not None:
+                mine.logprobs = mine.logprobs + new.logprobs
+            mine.finish_reason, mine.stop_reason = new.finish_reason, new.stop_reason
+        self.finished, self.metrics = next_output.finished, next_output.metrics

@@ -1,12 +1,14 @@
 """SamplingParams: how one request is decoded (vLLM's names and defaults).
 
 Beyond the lead's spec, in vLLM's sense: ``max_tokens=None`` means "until the sequence
-reaches max_model_len" (the OpenAI endpoints send no limit by default), and ``stop`` /
-``stop_token_ids`` are normalised to lists (``[]`` when None).
+reaches max_model_len" (the OpenAI endpoints send no limit by default), ``stop`` /
+``stop_token_ids`` are normalised to lists (``[]`` when None), and ``output_kind`` says
+what ``LLM.step`` returns for the request (RequestOutputKind).
 """
 
 from __future__ import annotations
 
+import enum
 import math
 import numbers
 from dataclasses import dataclass
@@ -36,6 +38,16 @@ def _check_float(name, value):
     return float(value)
 
 
+class RequestOutputKind(enum.Enum):
+    """What LLM.step returns for a request (vLLM's enum). A server streaming to many
+    clients asks for DELTA (each output carries only what is new) or FINAL_ONLY: copying
+    every token list at every step costs host time that grows with the output."""
+
+    CUMULATIVE = 0  # every output carries all of the completion so far
+    DELTA = 1       # the tokens, text and logprobs new since the request's last output
+    FINAL_ONLY = 2  # one output, the whole completion, when the request finishes
+
+
 @dataclass
 class SamplingParams:
     """Decoding options of one request.
@@ -57,6 +69,9 @@ class SamplingParams:
         each chosen token (the raw model distribution's, vLLM's default). The top-k
         alternatives are not returned.
     skip_special_tokens: leave special tokens out of the detokenised text.
+    output_kind: what LLM.step returns for the request (RequestOutputKind): CUMULATIVE
+        (default), DELTA or FINAL_ONLY. LLM.generate returns whole completions whatever
+        it is.
     """
 
     n: int = 1
@@ -72,6 +87,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self):
         _check_int("n", self.n)
@@ -108,6 +124,8 @@ class SamplingParams:
         for name in ("ignore_eos", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 _fail(TypeError, name, "a bool", repr(getattr(self, name)))
+        if not isinstance(self.output_kind, RequestOutputKind):
+            _fail(TypeError, "output_kind", "a RequestOutputKind", repr(self.output_kind))
 
     @staticmethod
     def _stop_list(stop):

@@ -96,8 +96,12 @@ class Sequence:
     @property
     def completion_token_ids(self) -> list[int]:
         """The generated ids known on the host (without a token in flight)."""
+        return self.completion_token_ids_from(0)
+
+    def completion_token_ids_from(self, start: int) -> list[int]:
+        """completion_token_ids[start:], without copying the ids before start."""
         end = len(self.token_ids) - (self.token_ids[-1] < 0)
-        return self.token_ids[self.num_prompt_tokens:end]
+        return self.token_ids[self.num_prompt_tokens + start:end]
 
     @property
     def last_token(self) -> int:

@@ -4,8 +4,9 @@
     curl localhost:8000/v1/completions -d '{"prompt": "Hello", "max_tokens": 8}'
 
 Endpoints: ``POST /v1/completions`` and ``POST /v1/chat/completions`` (with ``stream``:
-server-sent events, one chunk per generated token, then ``data: [DONE]``),
-``GET /v1/models``, ``GET /health``. Errors are OpenAI's JSON body
+server-sent events, a chunk per generated token, then ``data: [DONE]``; a chunk carries
+several tokens when the stream's reader fell behind the engine, or with
+``--stream-interval``), ``GET /v1/models``, ``GET /health``. Errors are OpenAI's JSON body
 ``{"error": {"message", "type", "param", "code"}}`` with a 4xx status for a bad request
 and 500 for a fault of the server, which keeps serving.
 
@@ -14,17 +15,23 @@ steps in one worker thread, the event loop stays free). A client that goes away 
 write, or aiohttp cancelling its handler) has its unfinished requests aborted and their KV
 pages freed.
 
-Beyond OpenAI, vLLM's extensions: ``top_k``, ``min_p``, ``repetition_penalty``,
-``stop_token_ids``, ``ignore_eos``, ``skip_special_tokens``; ``/v1/models`` entries carry
-``max_model_len`` (vLLM's) and ``vocab_size`` (so ``flashtile bench serve`` can draw
-random token ids). Not supported (400): ``n`` > 1, ``echo``, ``best_of`` > 1, ``suffix``,
-``logit_bias``, presence/frequency penalties, tools, and the top alternatives of logprobs
-(completions' ``top_logprobs`` field is null; chat's ``top_logprobs`` must be 0).
+The event loop and the engine thread share one GIL, so the host work per token of every
+stream counts against the engine's steps: a streamed request takes delta outputs (only
+its new tokens and text, SamplingParams.output_kind) and a whole one only its final
+output; each stream's reader is woken at most once per step and writes one preformatted
+chunk per prompt (openai_protocol.ChunkFormat); the startup heap is frozen out of the
+garbage collector. ``flashtile bench serve --fake-server`` measures what is left
+(docs/benchmarks/NOTES.md, section 14).
+
+Beyond OpenAI, vLLM's extensions (openai_protocol.py lists them and what is refused);
+``/v1/models`` entries carry ``max_model_len`` (vLLM's) and ``vocab_size`` (so
+``flashtile bench serve`` can draw random token ids).
 """
 
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import logging
 import re
@@ -37,114 +44,13 @@ try:
 except ImportError:  # aiohttp is the engine extra's; flashtile's other commands run without
     web = None
 
+from flashtile.engine import openai_protocol as api
 from flashtile.engine.async_engine import AsyncEngine
-from flashtile.engine.sampling_params import SamplingParams
+from flashtile.engine.openai_protocol import RequestError, error_body
 
 log = logging.getLogger("flashtile.engine")
 
-SAMPLING_FIELDS = ("n", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
-                   "seed", "stop", "stop_token_ids", "ignore_eos", "skip_special_tokens")
-# Field -> the values that mean "off"; anything else asks for what the engine lacks.
-UNSUPPORTED = {"echo": (None, False), "best_of": (None, 1), "suffix": (None, ""),
-               "logit_bias": (None, {}), "presence_penalty": (None, 0),
-               "frequency_penalty": (None, 0), "tools": (None, []),
-               "tool_choice": (None, "none"), "response_format": (None, {"type": "text"})}
 MAX_BODY_BYTES = 64 * 2**20  # a 128k-token prompt as a JSON id list is ~1 MB
-
-
-class RequestError(Exception):
-    """A request the server refuses: OpenAI's error fields and an HTTP status."""
-
-    def __init__(self, message, param=None, status=400, code=None,
-                 type="invalid_request_error"):
-        super().__init__(message)
-        self.message, self.param, self.status, self.code, self.type = (
-            message, param, status, code, type)
-
-
-def _param_of(err: Exception):
-    """The argument a flashtile error names ("top_p: expected ..." -> "top_p")."""
-    match = re.match(r"([A-Za-z_]\w*)(\[\d+\])?: ", str(err))
-    return match[1] if match else None
-
-
-# ---- requests -------------------------------------------------------------------------
-def _first(body, *names, default=None):
-    """The first of the fields that is present and not null."""
-    return next((body[n] for n in names if body.get(n) is not None), default)
-
-
-def _is_token(t):
-    return isinstance(t, int) and not isinstance(t, bool)
-
-
-def _parse_prompts(body) -> list:
-    """prompt: a string, a token id list, or a non-empty list of either."""
-    p = body.get("prompt")
-    if isinstance(p, list) and p and all(map(_is_token, p)):
-        return [p]
-    prompts = p if isinstance(p, list) else [p]
-    if not prompts or not all(
-            (isinstance(x, str) and x) or (isinstance(x, list) and x and all(map(_is_token, x)))
-            for x in prompts):
-        raise RequestError("prompt: expected a non-empty string, a non-empty list of token "
-                           f"ids, or a list of those, got {json.dumps(p)[:80]}", "prompt")
-    return prompts
-
-
-def _parse_messages(body) -> list[dict]:
-    """messages: [{"role", "content"}], content a string or a list of text parts."""
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise RequestError("messages: expected a non-empty list of {role, content}, got "
-                           f"{json.dumps(messages)[:80]}", "messages")
-    out = []
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise RequestError(f"messages[{i}]: expected an object with a string 'role', "
-                               f"got {json.dumps(m)[:80]}", "messages")
-        content = m.get("content")
-        if isinstance(content, list):  # OpenAI's content parts: text only here
-            if not all(isinstance(c, dict) and c.get("type") == "text"
-                       and isinstance(c.get("text"), str) for c in content):
-                raise RequestError(f"messages[{i}].content: expected text parts "
-                                   "({type: text, text}), got other parts", "messages")
-            content = "\n".join(c["text"] for c in content)
-        elif content is not None and not isinstance(content, str):
-            raise RequestError(f"messages[{i}].content: expected a string or a list of "
-                               f"text parts, got {json.dumps(content)[:80]}", "messages")
-        out.append({**m, "content": content})
-    return out
-
-
-def _check_unsupported(body):
-    for name, off in UNSUPPORTED.items():
-        if body.get(name) not in off:
-            raise RequestError(f"{name}: expected {' or '.join(map(json.dumps, off[1:]))} "
-                               f"(flashtile does not support it), got "
-                               f"{json.dumps(body[name])[:80]}", name)
-
-
-def _stream_flags(body) -> tuple[bool, bool]:
-    stream, options = body.get("stream"), body.get("stream_options")
-    if stream is not None and not isinstance(stream, bool):
-        raise RequestError(f"stream: expected a bool, got {json.dumps(stream)}", "stream")
-    if options is None:
-        return bool(stream), False
-    usage = options.get("include_usage", False) if isinstance(options, dict) else None
-    if not stream or not isinstance(usage, bool):
-        raise RequestError("stream_options: expected {include_usage: bool} with "
-                           f"stream=true, got {json.dumps(options)[:80]}", "stream_options")
-    return True, usage
-
-
-def _sampling_params(body, logprobs, max_tokens) -> SamplingParams:
-    """The request's SamplingParams; a field sent as null takes its default."""
-    kw = {k: body[k] for k in SAMPLING_FIELDS if body.get(k) is not None}
-    try:
-        return SamplingParams(logprobs=logprobs, max_tokens=max_tokens, **kw)
-    except (TypeError, ValueError) as err:
-        raise RequestError(str(err), _param_of(err)) from None
 
 
 class OpenAIServer:
@@ -172,39 +78,30 @@ class OpenAIServer:
 
     async def completions(self, request):
         body = await self._body(request)
-        logprobs = body.get("logprobs")
-        if logprobs is not None and (not _is_token(logprobs) or logprobs < 0):
-            raise RequestError(f"logprobs: expected null or an int >= 0, got "
-                               f"{json.dumps(logprobs)}", "logprobs")
+        flags = api.stream_flags(body)
         # OpenAI's default: 16 tokens.
-        params = _sampling_params(body, logprobs, _first(body, "max_tokens", default=16))
-        prompts = _parse_prompts(body)
+        params = api.sampling_params(body, api.completion_logprobs(body),
+                                     api.first(body, "max_tokens", default=16), flags[0])
+        prompts = api.parse_prompts(body)
         if any(isinstance(p, str) for p in prompts):
             prompts = await asyncio.to_thread(self._encode, prompts)
         for p in prompts:
-            self._check_fits(p, params, "prompt")
-        return await self._respond(request, body, prompts, params, chat=False)
+            api.check_fits(p, params, "prompt", self.max_model_len)
+        return await self._respond(request, flags, prompts, params, chat=False)
 
     async def chat_completions(self, request):
         body = await self._body(request)
-        want, top = body.get("logprobs"), body.get("top_logprobs")
-        if want is not None and not isinstance(want, bool):
-            raise RequestError(f"logprobs: expected a bool, got {json.dumps(want)}",
-                               "logprobs")
-        if top not in (None, 0):
-            raise RequestError(f"top_logprobs: expected 0 or null (flashtile returns the "
-                               f"chosen token's logprob only), got {json.dumps(top)}",
-                               "top_logprobs")
+        flags = api.stream_flags(body)
         # OpenAI's default: no limit but the context (max_tokens=None: up to max_model_len).
-        params = _sampling_params(body, 0 if want else None,
-                                  _first(body, "max_completion_tokens", "max_tokens"))
-        messages = _parse_messages(body)
+        params = api.sampling_params(body, api.chat_logprobs(body), api.first(
+            body, "max_completion_tokens", "max_tokens"), flags[0])
+        messages = api.parse_messages(body)
         if self.tokenizer is None:
             raise RequestError("messages: expected a model with tokenizer.json and a chat "
                                "template, got none; use /v1/completions", "messages")
         prompt = await asyncio.to_thread(self._render, messages)
-        self._check_fits(prompt, params, "messages")
-        return await self._respond(request, body, [prompt], params, chat=True)
+        api.check_fits(prompt, params, "messages", self.max_model_len)
+        return await self._respond(request, flags, [prompt], params, chat=True)
 
     # ---- request helpers --------------------------------------------------------------
     async def _body(self, request) -> dict:
@@ -219,7 +116,7 @@ class OpenAIServer:
         if model is not None and model != self.model_name:
             raise RequestError(f"The model `{model}` does not exist.", "model", status=404,
                                code="model_not_found")
-        _check_unsupported(body)
+        api.check_unsupported(body)
         return body
 
     def _encode(self, prompts):
@@ -238,22 +135,13 @@ class OpenAIServer:
                                "messages") from None
         return self.tokenizer.encode(text, add_special_tokens=False)
 
-    def _check_fits(self, prompt, params, param):
-        n, m, limit = len(prompt), params.max_tokens, self.max_model_len
-        if n >= limit or (m is not None and n + m > limit):
-            raise RequestError(
-                f"This model's maximum context length is {limit} tokens. However, you "
-                f"requested {n + (m or 1)} tokens ({n} in the {param}, {m or 1} in the "
-                f"completion). Please reduce the length of the {param} or max_tokens.",
-                "max_tokens" if n < limit else param, code="context_length_exceeded")
-
     # ---- responses --------------------------------------------------------------------
-    async def _respond(self, request, body, prompts, params, chat: bool):
-        stream_mode, include_usage = _stream_flags(body)
+    async def _respond(self, request, flags, prompts, params, chat: bool):
+        stream_mode, include_usage = flags
         try:
             stream = await self.engine.add(prompts, params)
         except ValueError as err:
-            raise RequestError(str(err), _param_of(err)) from None
+            raise RequestError(str(err), api.param_of(err)) from None
         head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
                 "object": "chat.completion" if chat else "text_completion",
                 "created": int(time.time()), "model": self.model_name}
@@ -261,17 +149,16 @@ class OpenAIServer:
             if stream_mode:
                 return await self._stream(request, stream, head, chat, include_usage,
                                           params.logprobs is not None)
-            final = {}
-            async for index, out in stream:
-                if out.finished:
-                    final[index] = out
+            final = {index: out async for index, out in stream}  # FINAL_ONLY: one each
             outs = [final[i] for i in range(len(prompts))]
-            choices = [self._choice(chat, i, o.outputs[0], o.outputs[0].text,
-                                    o.outputs[0].token_ids, 0, params.logprobs is not None)
-                       for i, o in enumerate(outs)]
-            for c, o in zip(choices, outs):
-                c["finish_reason"] = o.outputs[0].finish_reason
-            return web.json_response({**head, "choices": choices, "usage": _usage(outs)})
+            choices = []
+            for i, o in enumerate(outs):
+                c = o.outputs[0]
+                choices.append({**api.choice(chat, i, c.text, c.token_ids, c.logprobs, 0,
+                                             self.tokenizer),
+                                "finish_reason": c.finish_reason})
+            return web.json_response({**head, "choices": choices,
+                                      "usage": api.usage(outs)})
         finally:
             stream.close()
 
@@ -287,8 +174,8 @@ class OpenAIServer:
                 raise
             except Exception as err:  # headers are sent: report it in the stream
                 log.exception("streaming failed")
-                await _send(resp, _error_body(f"{type(err).__name__}: {err}",
-                                              "internal_server_error"))
+                await resp.write(api.sse(error_body(f"{type(err).__name__}: {err}",
+                                                    "internal_server_error")))
             await resp.write(b"data: [DONE]\n\n")
             await resp.write_eof()
         except ConnectionResetError:  # the client left: the caller aborts its requests
@@ -296,66 +183,39 @@ class OpenAIServer:
         return resp
 
     async def _chunks(self, resp, stream, head, chat, include_usage, logprobs):
-        extra = {"usage": None} if include_usage else {}
-        sent, last = {}, {}  # prompt index -> (characters, tokens) sent; last output
+        """The token chunks: per wake-up one write with one chunk per prompt that
+        progressed (several steps' tokens in one chunk when the loop fell behind)."""
+        chunks = api.ChunkFormat(head, chat, include_usage)
+        sent = {}  # prompt index -> (characters, completion tokens, prompt tokens)
         while stream.pending:
+            parts = []
             for index, out in (await stream.next_outputs()).items():
                 c = out.outputs[0]
-                chars, ntok = sent.get(index, (0, 0))
                 if chat and not sent:  # OpenAI: the role comes first, alone
                     role = {"index": 0, "delta": {"role": "assistant", "content": ""},
                             "logprobs": None, "finish_reason": None}
-                    await _send(resp, {**head, "choices": [role], **extra})
-                choice = self._choice(chat, index, c, c.text[chars:], c.token_ids[ntok:],
-                                      chars, logprobs, delta=True)
-                choice["finish_reason"] = c.finish_reason if out.finished else None
-                await _send(resp, {**head, "choices": [choice], **extra})
-                sent[index], last[index] = (len(c.text), len(c.token_ids)), out
+                    extra = {"usage": None} if include_usage else {}
+                    parts.append(api.sse({**head, "choices": [role], **extra}))
+                chars, ntok, _ = sent.get(index, (0, 0, 0))
+                parts.append(chunks.chunk(
+                    index, c.text, c.token_ids, c.logprobs if logprobs else None, chars,
+                    c.finish_reason if out.finished else None, self.tokenizer))
+                sent[index] = (chars + len(c.text), ntok + len(c.token_ids),
+                               len(out.prompt_token_ids))
+            await resp.write(b"".join(parts))
         if include_usage:
-            await _send(resp, {**head, "choices": [], "usage": _usage(last.values())})
-
-    def _choice(self, chat, index, completion, text, token_ids, offset, logprobs,
-                delta=False):
-        lp = None
-        if logprobs:
-            lp = self._logprobs(chat, token_ids,
-                                completion.logprobs[len(completion.token_ids)
-                                                    - len(token_ids):], offset)
-        if chat:
-            key = "delta" if delta else "message"
-            message = {"content": text} if delta else {"role": "assistant", "content": text}
-            return {"index": index, key: message, "logprobs": lp}
-        return {"index": index, "text": text, "logprobs": lp}
-
-    def _logprobs(self, chat, token_ids, logprobs, offset):
-        """OpenAI's shapes: chat {"content": [{token, logprob, bytes, top_logprobs}]},
-        completions {tokens, token_logprobs, top_logprobs, text_offset}."""
-        tokens = [self.tokenizer.decode([t], skip_special_tokens=False)
-                  if self.tokenizer is not None else f"token_id:{t}" for t in token_ids]
-        if chat:
-            return {"content": [{"token": s, "logprob": lp, "bytes": list(s.encode()),
-                                 "top_logprobs": []} for s, lp in zip(tokens, logprobs)]}
-        offsets = []
-        for s in tokens:
-            offsets.append(offset)
-            offset += len(s)
-        return {"tokens": tokens, "token_logprobs": list(logprobs), "top_logprobs": None,
-                "text_offset": offsets}
+            _, completion, prompt = (sum(x) for x in zip(*sent.values()))
+            await resp.write(api.sse({**head, "choices": [],
+                                      "usage": api.usage_body(prompt, completion)}))
 
 
-def _usage(outputs) -> dict:
-    prompt = sum(len(o.prompt_token_ids) for o in outputs)
-    completion = sum(len(o.outputs[0].token_ids) for o in outputs)
-    return {"prompt_tokens": prompt, "completion_tokens": completion,
-            "total_tokens": prompt + completion}
-
-
-def _error_body(message, type, param=None, code=None) -> dict:
-    return {"error": {"message": message, "type": type, "param": param, "code": code}}
-
-
-async def _send(resp, data):
-    await resp.write(b"data: " + json.dumps(data, ensure_ascii=False).encode() + b"\n\n")
+def freeze_gc_heap():
+    """Exempt every object alive now (modules, the model, the engine: ~400k objects) from
+    garbage collection. A full collection walks every tracked object with the GIL held:
+    ~0.2 s on a 2-core VM with this heap, a stall of every stream and of the engine
+    (vLLM's freeze_gc_heap does the same). Call once serving is about to start."""
+    gc.collect()
+    gc.freeze()
 
 
 def build_app(engine: AsyncEngine, model_name: str):
@@ -367,16 +227,16 @@ def build_app(engine: AsyncEngine, model_name: str):
         try:
             return await handler(request)
         except RequestError as err:
-            status, body = err.status, _error_body(err.message, err.type, err.param,
-                                                   err.code)
+            status, body = err.status, error_body(err.message, err.type, err.param,
+                                                  err.code)
         except web.HTTPException as err:  # unknown route, wrong method, body too large
             if err.status < 400:
                 raise
-            status, body = err.status, _error_body(err.reason, "invalid_request_error")
+            status, body = err.status, error_body(err.reason, "invalid_request_error")
         except Exception as err:
             log.exception("unexpected error serving %s", request.path)
-            status, body = 500, _error_body(f"{type(err).__name__}: {err}",
-                                            "internal_server_error")
+            status, body = 500, error_body(f"{type(err).__name__}: {err}",
+                                           "internal_server_error")
         return web.json_response(body, status=status)
 
     app = web.Application(middlewares=[errors], client_max_size=MAX_BODY_BYTES)
@@ -431,6 +291,9 @@ def add_serve(commands):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="processes (GPUs) to split the model over")
+    p.add_argument("--stream-interval", type=int, default=1,
+                   help="tokens per streamed chunk after the first (default 1); more "
+                   "cost the server less host time per token")
     p.set_defaults(handler=_serve)
 
 
@@ -450,11 +313,12 @@ def _serve(args) -> int:
               seed=args.seed, tensor_parallel_size=args.tensor_parallel_size)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     try:
-        engine = AsyncEngine(lambda: LLM(args.model, **kw))
+        engine = AsyncEngine(lambda: LLM(args.model, **kw), args.stream_interval)
     except ValueError as err:  # a bad checkpoint or engine option: say which
         print(f"flashtile serve: {err}", file=sys.stderr)
         return 2
     name = args.served_model_name or args.model
+    freeze_gc_heap()
     print(f"flashtile serve: {name!r} on http://{args.host}:{args.port} "
           f"({engine.llm.runner.num_blocks} KV pages of {engine.llm.config.page_size} "
           f"tokens, max_model_len {engine.llm.config.max_model_len})", flush=True)

@@ -205,9 +205,9 @@ def paged_attention_forward(module, query, key, value, attention_mask, cache=Non
     ``is_flash_attention_requested(config, version=[2, 3])`` (a name matching
     flash.*2 or flash.*3) on CUDA, although flashtile's flash_attn_with_kvcache has
     the arguments that path passes (block_table, cache_seqlens, the new k/v appended in
-    place; the -1 that pads unused block-table entries would be clamped to 0 first,
-    since flashtile checks every entry). Every step therefore runs the varlen path over
-    the gathered keys."""
+    place; the -1 that pads unused block-table entries is never read, since entries
+    past a sequence's pages are not followed). Every step therefore runs the varlen path
+    over the gathered keys."""
     window = kwargs.get("sliding_window") or getattr(module, "sliding_window", None)
     if isinstance(cu_seq_lens_k, dict):
         layer_type = "sliding_attention" if window else "full_attention"

@@ -1,0 +1,241 @@
+"""The OpenAI API's side of ``flashtile serve``: request bodies checked and turned into
+prompts and SamplingParams, and the response, chunk, usage, logprobs and error bodies.
+No HTTP here (server.py has the aiohttp application).
+
+Beyond OpenAI, vLLM's extensions: ``top_k``, ``min_p``, ``repetition_penalty``,
+``stop_token_ids``, ``ignore_eos``, ``skip_special_tokens``. Not supported (400): ``n`` >
+1, ``echo``, ``best_of`` > 1, ``suffix``, ``logit_bias``, presence/frequency penalties,
+tools, and the top alternatives of logprobs (completions' ``top_logprobs`` field is null;
+chat's ``top_logprobs`` must be 0).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+from flashtile.engine.sampling_params import RequestOutputKind, SamplingParams
+
+SAMPLING_FIELDS = ("n", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
+                   "seed", "stop", "stop_token_ids", "ignore_eos", "skip_special_tokens")
+# Field -> the values that mean "off"; anything else asks for what the engine lacks.
+UNSUPPORTED = {"echo": (None, False), "best_of": (None, 1), "suffix": (None, ""),
+               "logit_bias": (None, {}), "presence_penalty": (None, 0),
+               "frequency_penalty": (None, 0), "tools": (None, []),
+               "tool_choice": (None, "none"), "response_format": (None, {"type": "text"})}
+
+
+class RequestError(Exception):
+    """A request the server refuses: OpenAI's error fields and an HTTP status."""
+
+    def __init__(self, message, param=None, status=400, code=None,
+                 type="invalid_request_error"):
+        super().__init__(message)
+        self.message, self.param, self.status, self.code, self.type = (
+            message, param, status, code, type)
+
+
+def param_of(err: Exception):
+    """The argument a flashtile error names ("top_p: expected ..." -> "top_p")."""
+    match = re.match(r"([A-Za-z_]\w*)(\[\d+\])?: ", str(err))
+    return match[1] if match else None
+
+
+def error_body(message, type, param=None, code=None) -> dict:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+# ---- requests -------------------------------------------------------------------------
+def first(body, *names, default=None):
+    """The first of the fields that is present and not null."""
+    return next((body[n] for n in names if body.get(n) is not None), default)
+
+
+def is_token(t):
+    return isinstance(t, int) and not isinstance(t, bool)
+
+
+def parse_prompts(body) -> list:
+    """prompt: a string, a token id list, or a non-empty list of either."""
+    p = body.get("prompt")
+    if isinstance(p, list) and p and all(map(is_token, p)):
+        return [p]
+    prompts = p if isinstance(p, list) else [p]
+    if not prompts or not all(
+            (isinstance(x, str) and x) or (isinstance(x, list) and x and all(map(is_token, x)))
+            for x in prompts):
+        raise RequestError("prompt: expected a non-empty string, a non-empty list of token "
+                           f"ids, or a list of those, got {json.dumps(p)[:80]}", "prompt")
+    return prompts
+
+
+def parse_messages(body) -> list[dict]:
+    """messages: [{"role", "content"}], content a string or a list of text parts."""
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise RequestError("messages: expected a non-empty list of {role, content}, got "
+                           f"{json.dumps(messages)[:80]}", "messages")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise RequestError(f"messages[{i}]: expected an object with a string 'role', "
+                               f"got {json.dumps(m)[:80]}", "messages")
+        content = m.get("content")
+        if isinstance(content, list):  # OpenAI's content parts: text only here
+            if not all(isinstance(c, dict) and c.get("type") == "text"
+                       and isinstance(c.get("text"), str) for c in content):
+                raise RequestError(f"messages[{i}].content: expected text parts "
+                                   "({type: text, text}), got other parts", "messages")
+            content = "\n".join(c["text"] for c in content)
+        elif content is not None and not isinstance(content, str):
+            raise RequestError(f"messages[{i}].content: expected a string or a list of "
+                               f"text parts, got {json.dumps(content)[:80]}", "messages")
+        out.append({**m, "content": content})
+    return out
+
+
+def check_unsupported(body):
+    for name, off in UNSUPPORTED.items():
+        if body.get(name) not in off:
+            raise RequestError(f"{name}: expected {' or '.join(map(json.dumps, off[1:]))} "
+                               f"(flashtile does not support it), got "
+                               f"{json.dumps(body[name])[:80]}", name)
+
+
+def stream_flags(body) -> tuple[bool, bool]:
+    """(stream, include_usage) from ``stream`` and ``stream_options``."""
+    stream, options = body.get("stream"), body.get("stream_options")
+    if stream is not None and not isinstance(stream, bool):
+        raise RequestError(f"stream: expected a bool, got {json.dumps(stream)}", "stream")
+    if options is None:
+        return bool(stream), False
+    usage = options.get("include_usage", False) if isinstance(options, dict) else None
+    if not stream or not isinstance(usage, bool):
+        raise RequestError("stream_options: expected {include_usage: bool} with "
+                           f"stream=true, got {json.dumps(options)[:80]}", "stream_options")
+    return True, usage
+
+
+def completion_logprobs(body):
+    """/v1/completions' ``logprobs``: null or an int >= 0 (the engine's SamplingParams
+    value; only the chosen token's logprob is returned)."""
+    logprobs = body.get("logprobs")
+    if logprobs is not None and (not is_token(logprobs) or logprobs < 0):
+        raise RequestError(f"logprobs: expected null or an int >= 0, got "
+                           f"{json.dumps(logprobs)}", "logprobs")
+    return logprobs
+
+
+def chat_logprobs(body):
+    """/v1/chat/completions' ``logprobs`` (a bool) and ``top_logprobs`` (0 or null), as
+    SamplingParams' logprobs: 0 or None."""
+    want, top = body.get("logprobs"), body.get("top_logprobs")
+    if want is not None and not isinstance(want, bool):
+        raise RequestError(f"logprobs: expected a bool, got {json.dumps(want)}", "logprobs")
+    if top not in (None, 0):
+        raise RequestError(f"top_logprobs: expected 0 or null (flashtile returns the "
+                           f"chosen token's logprob only), got {json.dumps(top)}",
+                           "top_logprobs")
+    return 0 if want else None
+
+
+def sampling_params(body, logprobs, max_tokens, stream: bool) -> SamplingParams:
+    """The request's SamplingParams; a field sent as null takes its default. The engine
+    returns a streamed request's outputs as deltas, a whole one's once at the end."""
+    kw = {k: body[k] for k in SAMPLING_FIELDS if body.get(k) is not None}
+    kind = RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
+    try:
+        return SamplingParams(logprobs=logprobs, max_tokens=max_tokens, output_kind=kind,
+                              **kw)
+    except (TypeError, ValueError) as err:
+        raise RequestError(str(err), param_of(err)) from None
+
+
+def check_fits(prompt, params, param, limit):
+    """The prompt plus max_tokens within the context length ``limit``."""
+    n, m = len(prompt), params.max_tokens
+    if n >= limit or (m is not None and n + m > limit):
+        raise RequestError(
+            f"This model's maximum context length is {limit} tokens. However, you "
+            f"requested {n + (m or 1)} tokens ({n} in the {param}, {m or 1} in the "
+            f"completion). Please reduce the length of the {param} or max_tokens.",
+            "max_tokens" if n < limit else param, code="context_length_exceeded")
+
+
+# ---- responses ------------------------------------------------------------------------
+def choice(chat, index, text, token_ids, logprobs, offset, tokenizer, delta=False) -> dict:
+    """One entry of ``choices`` without its finish_reason: the text (a message, or a
+    delta when streamed) of the tokens ``token_ids`` and, when ``logprobs`` is not None,
+    their logprobs; ``offset``: the characters of the completion before ``text``."""
+    lp = None
+    if logprobs is not None:
+        lp = logprobs_body(chat, token_ids, logprobs, offset, tokenizer)
+    if chat:
+        key = "delta" if delta else "message"
+        message = {"content": text} if delta else {"role": "assistant", "content": text}
+        return {"index": index, key: message, "logprobs": lp}
+    return {"index": index, "text": text, "logprobs": lp}
+
+
+def logprobs_body(chat, token_ids, logprobs, offset, tokenizer) -> dict:
+    """OpenAI's shapes: chat {"content": [{token, logprob, bytes, top_logprobs}]},
+    completions {tokens, token_logprobs, top_logprobs, text_offset}."""
+    tokens = [tokenizer.decode([t], skip_special_tokens=False)
+              if tokenizer is not None else f"token_id:{t}" for t in token_ids]
+    if chat:
+        return {"content": [{"token": s, "logprob": lp, "bytes": list(s.encode()),
+                             "top_logprobs": []} for s, lp in zip(tokens, logprobs)]}
+    offsets = []
+    for s in tokens:
+        offsets.append(offset)
+        offset += len(s)
+    return {"tokens": tokens, "token_logprobs": list(logprobs), "top_logprobs": None,
+            "text_offset": offsets}
+
+
+def usage(outputs) -> dict:
+    """usage over the whole RequestOutputs of a request's prompts."""
+    return usage_body(sum(len(o.prompt_token_ids) for o in outputs),
+                      sum(len(o.outputs[0].token_ids) for o in outputs))
+
+
+def usage_body(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def sse(data) -> bytes:
+    """One server-sent event carrying data as JSON."""
+    return b"data: " + json.dumps(data, ensure_ascii=False).encode() + b"\n\n"
+
+
+class ChunkFormat:
+    """The token chunks of one streamed response: ``chunk(...)`` is byte for byte
+    ``sse({**head, "choices": [choice(..., delta=True) + finish_reason], "usage": null})``
+    (usage only with include_usage), with what is the same in every chunk (id, object,
+    created, model, usage) encoded once: a busy server writes one chunk per step for
+    each of hundreds of streams, and json.dumps of the whole dict costs more than the
+    rest of a chunk's way to the socket."""
+
+    def __init__(self, head: dict, chat: bool, include_usage: bool):
+        opening = json.dumps({**head, "choices": None}, ensure_ascii=False)
+        self.start = "data: " + opening[:-len("null}")] + "["  # ..., "choices": [
+        self.end = ('], "usage": null}' if include_usage else "]}") + "\n\n"
+        content = '"delta": {"content": %s}' if chat else '"text": %s'
+        self.choice = '{"index": %d, ' + content + ', "logprobs": %s, "finish_reason": %s}'
+        self.chat = chat
+
+    def chunk(self, index, text, token_ids, logprobs, offset, finish_reason,
+              tokenizer) -> bytes:
+        """The chunk of prompt ``index``'s new ``text`` and ``token_ids`` (their
+        ``logprobs`` or None; ``offset``: the characters streamed before)."""
+        lp = "null" if logprobs is None else json.dumps(
+            logprobs_body(self.chat, token_ids, logprobs, offset, tokenizer),
+            ensure_ascii=False)
+        reason = "null" if finish_reason is None else _json_str(finish_reason)
+        return (self.start + self.choice % (index, _json_str(text), lp, reason)
+                + self.end).encode()
+
+
+# json.dumps(s, ensure_ascii=False) of a str s, without JSONEncoder's dispatch.
+_json_str = json.encoder.encode_basestring
