@@ -261,15 +261,16 @@ _GL_DTYPES = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16}
 
 
 @functools.lru_cache(maxsize=None)
-def _capability(device: torch.device) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(device)
+def _on_hopper(device: torch.device) -> bool:
+    return (device.type == "cuda" and torch.version.hip is None
+            and torch.cuda.get_device_capability(device) == (9, 0))
 
 
 def unsupported(q, k, v, *, attn_mask=None, alibi_slopes=None, window_left=-1,
                 window_right=-1, softcap=0.0, **_) -> str | None:
     """Why this kernel cannot serve the call (None: it can). The arguments are those of
     ``flashtile.ops.fwd.attn_fwd`` for a dense call, already validated."""
-    if not (q.is_cuda and torch.version.hip is None and _capability(q.device) == (9, 0)):
+    if not _on_hopper(q.device):
         return "it needs an sm_90 (Hopper) CUDA device"
     if q.dtype not in _GL_DTYPES:
         return f"dtype {q.dtype}: float16 or bfloat16 only"
