@@ -11,12 +11,14 @@ three warp-specialised partitions:
 - a producer warp loads the tile's Q once and streams K and V blocks through a ring of
   STAGES shared-memory buffers with TMA. Each buffer has a "ready" mbarrier (the TMA
   bytes landed) and an "empty" one (both consumers are done with it).
-- two consumer warpgroups own 64 query rows each. In iteration j a consumer issues
-  S_j = Q K_j^T and O += P_{j-1} V_{j-1} back to back (asynchronous wgmma, P from
-  registers), waits for S_j only and computes its softmax while P_{j-1} V_{j-1} still
-  runs (FA3's intra-warpgroup overlap). The two warpgroups take turns issuing their
-  products (a pair of mbarriers), so one's softmax runs under the other's matrix
-  products (FA3's ping-pong).
+- two consumer warpgroups own 64 query rows each. The two take turns issuing their
+  matrix products (a pair of mbarriers), so one's softmax runs under the other's
+  products (FA3's ping-pong). In block j a consumer issues S_j = Q K_j^T and
+  O += P_{j-1} V_{j-1} back to back (asynchronous wgmma, P from registers) and waits
+  for S_j only, to compute its softmax while P_{j-1} V_{j-1} runs (FA3's
+  intra-warpgroup overlap). ptxas (Triton 3.6) undoes that second overlap: it writes
+  P_j into the registers P_{j-1} V_{j-1} still reads and so waits for that product
+  before the softmax (sm_90 SASS; docs/benchmarks/NOTES.md section 15).
 - warp_specialize's register requests become setmaxnreg: the producer keeps 24
   registers per thread and each consumer gets 240 (S, P and O live in registers).
 K/V rows past seqlen_k and Q rows past seqlen_q are zero-filled by TMA (the descriptors
@@ -81,25 +83,67 @@ def _take_turn(turn, t, WG: gl.constexpr):
 
 
 @gluon.jit
-def _online_softmax(s, m_i, l_i, offs_m, offs_n, qk_scale, seqlen_k, diag_offset, masked,
-                    IS_CAUSAL: gl.constexpr):
+def _online_softmax(s, m_i, l_i, offs_m, start_n, qk_scale, seqlen_k, diag_offset,
+                    MASKED: gl.constexpr, IS_CAUSAL: gl.constexpr):
     """One block of the online softmax in base 2: s (64, N) raw q.k products ->
-    (p, alpha, m_i, l_i). Scaled before masking so a negative softmax_scale keeps the
-    masked scores at -inf."""
-    s = s * qk_scale
-    if masked:  # the ragged last block, or one crossing the causal diagonal
+    (p, alpha, m_i, l_i), m_i in scaled units. softmax_scale > 0 (the launcher's
+    condition), so the row max of the raw scores scales to that of the scaled ones and
+    each score costs one FFMA and one exp2, as in FA3."""
+    if MASKED:  # the ragged last block, or one crossing the causal diagonal
+        # Built here, not once per tile: 32 registers a thread that the unmasked blocks
+        # would otherwise keep live.
+        offs_n = start_n + gl.arange(0, s.shape[1], layout=gl.SliceLayout(0, s.type.layout))
         keep = gl.expand_dims(offs_n < seqlen_k, 0)
         if IS_CAUSAL:
             keep = keep & (gl.expand_dims(offs_n, 0) <=
                            gl.expand_dims(offs_m, 1) + diag_offset)
         s = gl.where(keep, s, float("-inf"))
-    m_new = gl.maximum(m_i, gl.max(s, 1))                                   # (64,)
+    m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)                        # (64,)
     # A row that has seen no key keeps m = -inf; subtract 0 then, never -inf - -inf.
     m_sub = gl.where(m_new == float("-inf"), 0.0, m_new)
-    p = gl.exp2(s - gl.expand_dims(m_sub, 1))                               # (64, N)
+    p = gl.exp2(s * qk_scale - gl.expand_dims(m_sub, 1))                    # (64, N)
     alpha = gl.exp2(m_i - m_sub)
     l_i = l_i * alpha + gl.sum(p, 1)
     return p, alpha, m_new, l_i
+
+
+@gluon.jit
+def _p_operand(p, acc, dtype: gl.constexpr):
+    """P (fp32, the S layout) as wgmma's A operand for O += P V, from registers: cast to
+    the inputs' 16-bit type, two values per 32-bit register."""
+    layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc.type.layout,
+                                               k_width=2)
+    return gl.convert_layout(p.to(dtype), layout)
+
+
+@gluon.jit
+def _kv_block(j, q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, turn, acc, p_op,
+              m_i, l_i, s_init, offs_m, qk_scale, seqlen_k, diag_offset,
+              WG: gl.constexpr, MASKED: gl.constexpr, IS_CAUSAL: gl.constexpr):
+    """Block j >= 1 of a consumer: S_j = Q K_j^T and O += P_{j-1} V_{j-1} issued in one
+    turn, the softmax of S_j while P_{j-1} V_{j-1} runs, then O rescaled."""
+    STAGES: gl.constexpr = k_smem.type.shape[0]
+    BLOCK_N: gl.constexpr = k_smem.type.shape[2]
+    HEAD_DIM: gl.constexpr = k_smem.type.shape[4]
+    stage = j % STAGES
+    prev = (j - 1) % STAGES
+    mbarrier.wait(k_ready.index(stage), (j // STAGES) & 1)
+    mbarrier.wait(v_ready.index(prev), ((j - 1) // STAGES) & 1)
+    _take_turn(turn, j, WG)
+    k_t = k_smem.index(stage).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0))
+    s = warpgroup_mma(q, k_t, s_init, use_acc=False, is_async=True)
+    acc = warpgroup_mma(p_op, v_smem.index(prev).reshape([BLOCK_N, HEAD_DIM]), acc,
+                        is_async=True)
+    mbarrier.arrive(turn.index(1 - WG), count=1)
+    s = warpgroup_mma_wait(1, deps=(s,))  # S_j done; P_{j-1} V_{j-1} may still run
+    mbarrier.arrive(k_empty.index(stage), count=1)
+    p, alpha, m_i, l_i = _online_softmax(s, m_i, l_i, offs_m, j * BLOCK_N, qk_scale,
+                                         seqlen_k, diag_offset, MASKED, IS_CAUSAL)
+    acc = warpgroup_mma_wait(0, deps=(acc,))
+    mbarrier.arrive(v_empty.index(prev), count=1)
+    # O holds sum_{i<j} exp2(s_i - m_{j-1}) v_i: move it to the new maximum.
+    acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, acc.type.layout)), 1)
+    return acc, _p_operand(p, acc, p_op.dtype), m_i, l_i
 
 
 @gluon.jit
@@ -117,14 +161,11 @@ def _mma_partition(q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 16])
-    # P as wgmma's A operand straight from registers (two 16-bit values per 32 bits).
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
     o_row_layout: gl.constexpr = gl.SliceLayout(1, o_layout)
 
     q = q_smem.index(WG).reshape([BLOCK_M_WG, HEAD_DIM])
     offs_m = row0 + WG * BLOCK_M_WG + gl.arange(0, BLOCK_M_WG, layout=row_layout)
-    offs_n0 = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
     m_i = gl.full([BLOCK_M_WG], float("-inf"), gl.float32, row_layout)
     l_i = gl.zeros([BLOCK_M_WG], gl.float32, row_layout)
     acc = gl.zeros([BLOCK_M_WG, HEAD_DIM], gl.float32, o_layout)
@@ -140,31 +181,22 @@ def _mma_partition(q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v
         mbarrier.arrive(turn.index(1 - WG), count=1)
         s = warpgroup_mma_wait(0, deps=(s,))
         mbarrier.arrive(k_empty.index(0), count=1)
-        p, alpha, m_i, l_i = _online_softmax(s, m_i, l_i, offs_m, offs_n0, qk_scale,
-                                             seqlen_k, diag_offset, n_full <= 0, IS_CAUSAL)
-        p_op = gl.convert_layout(p.to(dtype), p_layout)
-        for j in range(1, n_blocks):
-            stage = j % STAGES
-            prev = (j - 1) % STAGES
-            mbarrier.wait(k_ready.index(stage), (j // STAGES) & 1)
-            mbarrier.wait(v_ready.index(prev), ((j - 1) // STAGES) & 1)
-            # S_j and P_{j-1} V_{j-1} in one turn; the softmax below overlaps the second.
-            _take_turn(turn, j, WG)
-            k_t = k_smem.index(stage).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0))
-            s = warpgroup_mma(q, k_t, s_init, use_acc=False, is_async=True)
-            acc = warpgroup_mma(p_op, v_smem.index(prev).reshape([BLOCK_N, HEAD_DIM]), acc,
-                                is_async=True)
-            mbarrier.arrive(turn.index(1 - WG), count=1)
-            s = warpgroup_mma_wait(1, deps=(s,))  # S_j done; P_{j-1} V_{j-1} may run on
-            mbarrier.arrive(k_empty.index(stage), count=1)
-            p, alpha, m_i, l_i = _online_softmax(
-                s, m_i, l_i, offs_m, j * BLOCK_N + offs_n0, qk_scale, seqlen_k,
-                diag_offset, j >= n_full, IS_CAUSAL)
-            acc = warpgroup_mma_wait(0, deps=(acc,))
-            mbarrier.arrive(v_empty.index(prev), count=1)
-            # O holds sum_{i<j} exp2(s_i - m_{j-1}) v_i: move it to the new maximum.
-            acc = acc * gl.expand_dims(gl.convert_layout(alpha, o_row_layout), 1)
-            p_op = gl.convert_layout(p.to(dtype), p_layout)
+        # Masked whatever n_full says: once per tile, and no branch.
+        p, alpha, m_i, l_i = _online_softmax(s, m_i, l_i, offs_m, 0, qk_scale, seqlen_k,
+                                             diag_offset, True, IS_CAUSAL)
+        p_op = _p_operand(p, acc, dtype)
+        # Blocks every row sees in full skip the mask; the masked ones (the causal
+        # diagonal, the ragged end) follow in a loop of their own: no branch per block.
+        for j in range(1, n_full):
+            acc, p_op, m_i, l_i = _kv_block(
+                j, q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, turn, acc, p_op,
+                m_i, l_i, s_init, offs_m, qk_scale, seqlen_k, diag_offset, WG, False,
+                IS_CAUSAL)
+        for j in range(gl.maximum(n_full, 1), n_blocks):
+            acc, p_op, m_i, l_i = _kv_block(
+                j, q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, turn, acc, p_op,
+                m_i, l_i, s_init, offs_m, qk_scale, seqlen_k, diag_offset, WG, True,
+                IS_CAUSAL)
         last = (n_blocks - 1) % STAGES
         mbarrier.wait(v_ready.index(last), ((n_blocks - 1) // STAGES) & 1)
         _take_turn(turn, n_blocks, WG)
@@ -179,7 +211,7 @@ def _mma_partition(q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v
     empty = l_i == 0.0
     l_safe = gl.where(empty, 1.0, l_i)
     lse = gl.where(empty, float("-inf"), (m_i + gl.log2(l_safe)) * LN2)
-    inv_l = gl.convert_layout(gl.where(empty, 0.0, 1.0 / l_safe), o_row_layout)
+    inv_l = gl.convert_layout(1.0 / l_safe, o_row_layout)
     out = gl.where(gl.expand_dims(gl.convert_layout(empty, o_row_layout), 1), 0.0,
                    acc * gl.expand_dims(inv_l, 1))
     # O leaves through this warpgroup's Q buffer: S_{n-1}, its last reader, has completed.
@@ -266,12 +298,14 @@ def _on_hopper(device: torch.device) -> bool:
             and torch.cuda.get_device_capability(device) == (9, 0))
 
 
-def unsupported(q, k, v, *, attn_mask=None, alibi_slopes=None, window_left=-1,
-                window_right=-1, softcap=0.0, **_) -> str | None:
+def unsupported(q, k, v, *, softmax_scale=1.0, attn_mask=None, alibi_slopes=None,
+                window_left=-1, window_right=-1, softcap=0.0, **_) -> str | None:
     """Why this kernel cannot serve the call (None: it can). The arguments are those of
     ``flashtile.ops.fwd.attn_fwd`` for a dense call, already validated."""
     if not _on_hopper(q.device):
         return "it needs an sm_90 (Hopper) CUDA device"
+    if not softmax_scale > 0:
+        return f"softmax_scale {softmax_scale}: > 0 only (the row max is taken unscaled)"
     if q.dtype not in _GL_DTYPES:
         return f"dtype {q.dtype}: float16 or bfloat16 only"
     if q.shape[-1] not in configs.HOPPER_FWD_16BIT:
@@ -309,8 +343,9 @@ def attn_fwd(q, k, v, *, attn_mask, alibi_slopes, softmax_scale, diag_offset, wi
     sq, h, d), k/v (b, sk, hkv, d); returns out (b, sq, h, d) contiguous in q's dtype
     and lse (b, h, sq) fp32. Causal is ``window_right == 0`` with ``diag_offset``'s
     alignment; allow_tf32 is moot for 16-bit inputs."""
-    reason = unsupported(q, k, v, attn_mask=attn_mask, alibi_slopes=alibi_slopes,
-                         window_left=window_left, window_right=window_right, softcap=softcap)
+    reason = unsupported(q, k, v, softmax_scale=softmax_scale, attn_mask=attn_mask,
+                         alibi_slopes=alibi_slopes, window_left=window_left,
+                         window_right=window_right, softcap=softcap)
     if reason is not None:
         raise ValueError(f"flashtile.ops.fwd_hopper cannot run this call: {reason}; "
                          "use flashtile.ops.fwd.attn_fwd")
