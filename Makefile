@@ -32,10 +32,10 @@ bench: $(STAMP)
 	$(VPY) -m flashtile bench
 
 # CPU: the torch path plus the Triton kernels through the interpreter; then the sm_90
-# compile check, which needs real Triton compilation and so its own process.
+# and Gluon compile checks, which need real Triton compilation and so their own process.
 test: $(STAMP)
 	TRITON_INTERPRET=1 $(VPY) -m pytest -q -p no:cacheprovider tests
-	$(VPY) -m pytest -q -p no:cacheprovider tests/test_sm90_compile.py
+	$(VPY) -m pytest -q -p no:cacheprovider tests/test_sm90_compile.py tests/test_gluon_compile.py
 
 # GPU: the Makefile's .venv where there is one, else the system python3 (the GPU
 # machine: torch and Triton preinstalled, no venv, no network). pytest-xdist (in the
@@ -55,7 +55,8 @@ memcheck:
 	PYTHONPATH=. compute-sanitizer --tool memcheck --error-exitcode 9 $(GPU_PY) -m pytest \
 		-q -p no:cacheprovider --gpu -k "$(MEMCHECK_K)" tests/test_attention.py \
 		tests/test_varlen.py tests/test_varlen_paged.py tests/test_decode.py tests/test_merge.py \
-		tests/test_sdpa.py tests/test_nan.py tests/test_index_safety.py tests/test_launch_plans.py
+		tests/test_sdpa.py tests/test_nan.py tests/test_index_safety.py tests/test_launch_plans.py \
+		tests/test_fwd_hopper.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -63,6 +63,16 @@ def backend_name(device: torch.device) -> str:
     return backend
 
 
+def hopper_fwd_requested() -> bool:
+    """FLASHTILE_HOPPER_FWD=1: dense forwards on sm_90 go to the Gluon kernel
+    (flashtile/ops/fwd_hopper.py, triton >= 3.6) where it supports the call, the portable
+    kernel serves the rest. Off by default until it is validated and timed on the GPU."""
+    value = os.environ.get("FLASHTILE_HOPPER_FWD", "0").strip()
+    if value not in ("", "0", "1"):
+        raise ValueError(f"FLASHTILE_HOPPER_FWD must be '0' or '1', got {value!r}")
+    return value == "1"
+
+
 def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 

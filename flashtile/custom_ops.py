@@ -20,7 +20,7 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from flashtile import _torch_backend, reference
-from flashtile._backend import select_backend
+from flashtile._backend import hopper_fwd_requested, select_backend
 from flashtile._validate import (MAX_OFFSET, can_read_indices, check_paged_varlen_values,
                                  check_varlen_values, index_checks_enabled, offset_reach)
 from flashtile.ops.bwd import attn_bwd as triton_bwd
@@ -41,6 +41,10 @@ def _attn_fwd_impl(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor],
     kw = _mask_kwargs(attn_mask, alibi_slopes, softmax_scale, diag_offset, window_left,
                       window_right, softcap)
     if select_backend(q.device, q.dtype) == "triton":
+        if hopper_fwd_requested():
+            from flashtile.ops import fwd_hopper  # imported only when asked: triton >= 3.6
+            if fwd_hopper.unsupported(q, k, v, **kw) is None:
+                return fwd_hopper.attn_fwd(q, k, v, allow_tf32=allow_tf32, **kw)
         return triton_fwd(q, k, v, allow_tf32=allow_tf32, **kw)
     out, lse = _torch_backend.attention_fwd(q, k, v, **kw)
     return out.contiguous(), lse.contiguous()

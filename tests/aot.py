@@ -13,6 +13,7 @@ import inspect
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
+from triton.experimental.gluon._runtime import GluonASTSource
 
 _FLOAT_SCALARS = {"softmax_scale", "softcap"}
 _FP32_POINTERS = {"Lse", "Delta", "DLse", "Alibi", "LsePartial", "OutPartial"}
@@ -27,9 +28,12 @@ _DIVISIBLE_INTS = {"head_dim"}
 
 
 def compile_kernel(kernel, constexprs: dict, dtype: str = "bf16", arch: int = 90,
-                   num_warps: int = 4, num_stages: int = 1):
-    """Compile ``kernel`` with the given constexprs; tensors named in capitals are
-    pointers (``dtype``, or fp32 for lse-like ones, u8 for Mask), other scalars i32."""
+                   num_warps: int = 4, num_stages: int = 1, types: dict | None = None):
+    """Compile ``kernel`` (Triton or Gluon) with the given constexprs; tensors named in
+    capitals are pointers (``dtype``, or fp32 for lse-like ones, u8 for Mask), other
+    scalars i32, unless ``types`` names the argument's type (e.g. a TMA descriptor's,
+    ``triton.runtime.jit.mangle_type(descriptor)``)."""
+    types = types or {}
     sig, attrs = {}, {}
     for i, name in enumerate(inspect.signature(kernel.fn).parameters):
         # What the JIT infers at a real launch from aligned pointers and strides that
@@ -39,6 +43,8 @@ def compile_kernel(kernel, constexprs: dict, dtype: str = "bf16", arch: int = 90
             attrs[(i,)] = [["tt.divisibility", 16]]
         if name in constexprs:
             sig[name] = "constexpr"
+        elif name in types:
+            sig[name] = types[name]
         elif name[0].isupper():
             sig[name] = ("*fp32" if name in _FP32_POINTERS else "*i32"
                          if name in _INT32_POINTERS else "*u8" if name == "Mask"
@@ -47,7 +53,8 @@ def compile_kernel(kernel, constexprs: dict, dtype: str = "bf16", arch: int = 90
             sig[name] = "fp32"
         else:
             sig[name] = "i32"
-    src = ASTSource(kernel, sig, constexprs, attrs)
+    source = GluonASTSource if kernel.is_gluon() else ASTSource
+    src = source(kernel, sig, constexprs, attrs)
     return triton.compile(src, target=GPUTarget("cuda", arch, 32),
                           options=dict(num_warps=num_warps, num_stages=num_stages))
 

@@ -146,6 +146,47 @@ def test_skip_reasons():
     assert run.run_cell(dataclasses.replace(cell, provider="sdpa-flash"), CPU).status == "ok"
 
 
+@pytest.mark.parametrize("fault", ["none", "out", "lse", "nan"])
+def test_flashtile_hopper_is_validated_before_timing(fault, monkeypatch):
+    """The Gluon provider runs on CUDA, forward only, and its build compares the kernel's
+    out and lse with the portable kernel's on the cell's inputs before anything is timed
+    (both kernels replaced by the float64 oracle here, the Gluon one perturbed)."""
+    pytest.importorskip("flashtile.ops.fwd_hopper")  # Gluon: triton >= 3.6
+    from flashtile.ops import fwd, fwd_hopper
+    from flashtile.reference import attention_naive
+
+    cell = registry.Cell("flashtile-hopper", 64, True, "fwd", 96, 1, 2, torch.bfloat16)
+    hopper = registry.PROVIDERS["flashtile-hopper"]
+    assert hopper.skip_reason(cell, CPU) == "runs on cuda only"
+    bwd = dataclasses.replace(cell, mode="fwd_bwd")
+    assert hopper.skip_reason(bwd, torch.device("cuda")) == "fwd only"
+    assert "flashtile-hopper" not in registry.GPU_SWEEP.providers
+
+    def oracle(q, k, v, **kw):
+        out, lse = attention_naive(q, k, v, causal=True, softmax_scale=kw["softmax_scale"])
+        return out.to(q.dtype), lse.float()
+
+    def perturbed(q, k, v, **kw):
+        out, lse = oracle(q, k, v, **kw)
+        if fault == "out":
+            out = out + 0.1
+        elif fault == "lse":
+            lse = lse + 0.01
+        elif fault == "nan":
+            out[0, 5, 1, 3] = float("nan")
+        return out, lse
+
+    monkeypatch.setattr(fwd, "attn_fwd", oracle)
+    monkeypatch.setattr(fwd_hopper, "attn_fwd", perturbed)
+    if fault == "none":
+        attn = hopper.build(cell, CPU)
+        q, k, v, _ = run.make_inputs(cell, "bshd", CPU)[0]
+        assert attn(q, k, v).shape == q.shape
+    else:
+        with pytest.raises(RuntimeError, match="does not match the portable kernel's"):
+            hopper.build(cell, CPU)
+
+
 def test_memory_plot_on_a_log_scale(tmp_path):
     """GPU runs measure memory; the plot code is checked here with given values."""
     results = []

@@ -177,7 +177,7 @@ def add_bench(commands):
                    help="e.g. 512 1k 16k; default 512..64k on CUDA, 128..4k on CPU")
     p.add_argument("--providers", nargs="+", choices=list(registry.PROVIDERS),
                    metavar="PROVIDER",
-                   help=f"default: all of {', '.join(registry.PROVIDERS)}")
+                   help=f"default: all of {', '.join(registry.ALL)}")
     p.add_argument("--causal", choices=sorted(CAUSAL), help="default: both")
     p.add_argument("--modes", nargs="+", choices=registry.MODES,
                    help="default: fwd fwd_bwd")

@@ -72,7 +72,7 @@ class Provider:
     in it. build(cell, device) returns attn(q, k, v) -> out, called once per cell so
     per-shape set-up (a block mask, a compile) stays out of the timing. devices: device
     types it runs on. max_seqlen: {device type: longest seqlen run}, for providers that
-    hold the (B, H, N, N) score matrix.
+    hold the (B, H, N, N) score matrix. modes: the MODES it can time.
     """
 
     name: str
@@ -81,10 +81,13 @@ class Provider:
     devices: tuple[str, ...] = ("cuda", "cpu")
     max_seqlen: dict = field(default_factory=dict)
     about: str = ""
+    modes: tuple[str, ...] = MODES
 
     def skip_reason(self, cell: Cell, device: torch.device) -> str | None:
         if device.type not in self.devices:
             return f"runs on {'/'.join(self.devices)} only"
+        if cell.mode not in self.modes:
+            return f"{'/'.join(self.modes)} only"
         limit = self.max_seqlen.get(device.type)
         if limit is not None and cell.seqlen > limit:
             return f"seqlen > {limit} on {device.type}: holds the (B, H, N, N) scores"
@@ -200,6 +203,42 @@ class Sweep:
 
 
 ALL = tuple(PROVIDERS)
+
+
+def _check_matches(out, lse, ref, ref_lse):
+    """Raise unless (out, lse) is finite and matches the reference kernel's within two
+    rounding steps of out's dtype (relative to its largest value) and 1e-4 of lse: two
+    correct kernels differ by their rounding only, a broken one by O(1)."""
+    bound = 2 * torch.finfo(out.dtype).eps * max(1.0, ref.abs().max().item())
+    err = (out.float() - ref.float()).abs().max().item()
+    lse_err = (lse - ref_lse).abs().max().item()
+    lse_bound = 1e-4 * max(1.0, ref_lse.abs().max().item())
+    if not (torch.isfinite(out).all() and torch.isfinite(lse).all()) \
+            or not err <= bound or not lse_err <= lse_bound:
+        raise RuntimeError(f"output does not match the portable kernel's: max error {err:.3g} "
+                           f"(bound {bound:.3g}), lse {lse_err:.3g} (bound {lse_bound:.3g})")
+
+
+def _flashtile_hopper(cell, device):
+    """The Gluon Hopper forward's launcher, validated on this cell's own inputs against the
+    portable kernel before it is timed (issue 15: validate every timed configuration)."""
+    from flashtile.bench.run import make_inputs
+    from flashtile.ops import fwd, fwd_hopper
+
+    kw = dict(attn_mask=None, alibi_slopes=None, softmax_scale=cell.head_dim ** -0.5,
+              diag_offset=0, window_left=-1, window_right=0 if cell.causal else -1,
+              softcap=0.0, allow_tf32=False)
+    q, k, v, _ = make_inputs(cell, "bshd", device)[0]
+    with torch.no_grad():
+        _check_matches(*fwd_hopper.attn_fwd(q, k, v, **kw), *fwd.attn_fwd(q, k, v, **kw))
+    return lambda q, k, v: fwd_hopper.attn_fwd(q, k, v, **kw)[0]
+
+
+# Outside ALL: the default sweeps leave it out until it is timed on the GPU; name it
+# with --providers.
+register(Provider("flashtile-hopper", "bshd", _flashtile_hopper, ("cuda",), modes=("fwd",),
+                  about="flashtile.ops.fwd_hopper (Gluon, FA3 schedule, sm_90) launcher, "
+                        "forward only, validated against the portable kernel first"))
 # GPU: 512..16k for speed; 32k and 64k for the memory plot (naive and math skip them).
 GPU_SWEEP = Sweep(ALL, (64, 128), tuple(2**i for i in range(9, 17)))
 # CPU, 2 cores: fp32, d64, 4 heads, 4k tokens. Every provider that runs on CPU runs

@@ -109,6 +109,29 @@ _BWD_32BIT = {
 }
 
 
+# The Gluon forward for Hopper (ops/fwd_hopper.py), 16-bit only, keyed by head dim:
+# BLOCK_M is two consumer warpgroups of 64 rows and num_warps the default partition's
+# one warpgroup (the kernel adds the second and a producer warp: 12 warps in all).
+# BLOCK_N and the K/V stages fill shared memory (Q 2 x 64 rows, stages x (K + V)), as
+# FA3 sizes them: d64 112 KiB, d128 160 KiB (3 stages, 224 KiB, also fit), d256 192 KiB.
+# Compile-checked on CPU (tests/test_gluon_compile.py); not yet timed on the GPU.
+HOPPER_FWD_16BIT = {
+    64: TileConfig(128, 128, 4, 3), 128: TileConfig(128, 128, 4, 2),
+    256: TileConfig(128, 64, 4, 2),
+}
+
+
+def hopper_fwd_config(head_dim: int) -> TileConfig:
+    """HOPPER_FWD_16BIT[head_dim], or FLASHTILE_HOPPER_FWD_CONFIG="128,BLOCK_N,4,STAGES"
+    for sweeps (BLOCK_M and num_warps are fixed by the kernel's two warpgroups)."""
+    cfg = _from_env("hopper_fwd") or HOPPER_FWD_16BIT[head_dim]
+    if (cfg.block_m, cfg.num_warps) != (128, 4) or cfg.block_n not in (16, 32, 64, 128, 256) \
+            or cfg.num_stages < 1:
+        raise ValueError("FLASHTILE_HOPPER_FWD_CONFIG must be '128,BLOCK_N,4,STAGES' with "
+                         f"BLOCK_N a power of two from 16 to 256 and STAGES >= 1, got {cfg}")
+    return cfg
+
+
 def _from_env(kind: str) -> TileConfig | None:
     # FLASHTILE_FWD_CONFIG="128,64,8,3" (BLOCK_M, BLOCK_N, num_warps, num_stages): for sweeps.
     raw = os.environ.get(f"FLASHTILE_{kind.upper()}_CONFIG")

@@ -1,0 +1,365 @@
+"""FlashAttention forward for Hopper (sm_90) in Gluon, scheduled as FlashAttention-3.
+
+Algorithm: Shah et al., FlashAttention-3 (2024), sections 3.1-3.2, on top of the online
+softmax of FlashAttention-2 in base 2 (``flashtile.ops.fwd``). Dense layout only:
+q (batch, seqlen_q, nheads, head_dim), k/v (batch, seqlen_k, nheads_kv, head_dim); causal
+(any ``diag_offset``) or not; writes ``out`` and the natural-log ``lse`` (batch, nheads,
+seqlen_q) exactly as ``flashtile.ops.fwd.attn_fwd`` does, so either can serve a call.
+
+One program computes a tile of BLOCK_M = 2 x 64 query rows of one (batch, head) in
+three warp-specialised partitions:
+- a producer warp loads the tile's Q once and streams K and V blocks through a ring of
+  STAGES shared-memory buffers with TMA. Each buffer has a "ready" mbarrier (the TMA
+  bytes landed) and an "empty" one (both consumers are done with it).
+- two consumer warpgroups own 64 query rows each. The two take turns issuing their
+  matrix products (a pair of mbarriers), so one's softmax runs under the other's
+  products (FA3's ping-pong). In block j a consumer issues S_j = Q K_j^T and
+  O += P_{j-1} V_{j-1} back to back (asynchronous wgmma, P from registers) and waits
+  for S_j only, to compute its softmax while P_{j-1} V_{j-1} runs (FA3's
+  intra-warpgroup overlap). ptxas (Triton 3.6) undoes that second overlap: it writes
+  P_j into the registers P_{j-1} V_{j-1} still reads and so waits for that product
+  before the softmax (sm_90 SASS; docs/benchmarks/NOTES.md section 17).
+- warp_specialize's register requests become setmaxnreg: the producer keeps 24
+  registers per thread and each consumer gets 240 (S, P and O live in registers).
+K/V rows past seqlen_k and Q rows past seqlen_q are zero-filled by TMA (the descriptors
+are 4-d, so a tile never reads the next sequence) and the TMA store of O drops rows past
+seqlen_q. Gluon kernels do not run in the Triton interpreter: CI compiles this one for
+sm_90 (tests/test_gluon_compile.py) and tests/test_fwd_hopper.py checks it on a GPU.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from flashtile.ops import configs
+from flashtile.ops._common import LN2, LOG2E
+
+# Query rows of one consumer warpgroup: wgmma's M is 64 per warpgroup.
+BLOCK_M_WG = gl.constexpr(64)
+# Registers per thread (warp_specialize's requests): 24 is the fewest a warp may keep,
+# 240 leaves 64 + 64 fp32 (S, O at head_dim 128), 32 for P and the rest for addresses
+# and the softmax. 24 + 240 + 240 (the default partition's share) fit 64K registers.
+PRODUCER_REGS = gl.constexpr(24)
+CONSUMER_REGS = gl.constexpr(240)
+
+
+@gluon.jit
+def _load_partition(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready,
+                    k_empty, v_ready, v_empty, off_b, off_h, off_hkv, row0, n_blocks):
+    """Producer warp: Q once (one half per consumer), then K_j and V_j into the ring."""
+    BLOCK_N: gl.constexpr = k_desc.block_type.shape[1]
+    STAGES: gl.constexpr = k_smem.type.shape[0]
+    for w in gl.static_range(2):
+        mbarrier.expect(q_ready.index(w), q_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [off_b, row0 + w * BLOCK_M_WG, off_h, 0],
+                                        q_ready.index(w), q_smem.index(w))
+    for j in range(n_blocks):
+        stage = j % STAGES
+        # A fresh mbarrier counts as having completed the phase before its first, so the
+        # first pass through the ring waits for nothing.
+        phase = ((j // STAGES) & 1) ^ 1
+        mbarrier.wait(k_empty.index(stage), phase)
+        mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [off_b, j * BLOCK_N, off_hkv, 0],
+                                        k_ready.index(stage), k_smem.index(stage))
+        mbarrier.wait(v_empty.index(stage), phase)
+        mbarrier.expect(v_ready.index(stage), v_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(v_desc, [off_b, j * BLOCK_N, off_hkv, 0],
+                                        v_ready.index(stage), v_smem.index(stage))
+
+
+@gluon.jit
+def _take_turn(turn, t, WG: gl.constexpr):
+    # Warpgroup 0 issues first: its first wait is on the phase before the barrier's
+    # first, which counts as complete; turn t of either waits for the other's turn t-1.
+    mbarrier.wait(turn.index(WG), (t & 1) ^ (1 - WG))
+
+
+@gluon.jit
+def _online_softmax(s, m_i, l_i, offs_m, start_n, qk_scale, seqlen_k, diag_offset,
+                    MASKED: gl.constexpr, IS_CAUSAL: gl.constexpr):
+    """One block of the online softmax in base 2: s (64, N) raw q.k products ->
+    (p, alpha, m_i, l_i), m_i in scaled units. softmax_scale > 0 (the launcher's
+    condition), so the row max of the raw scores scales to that of the scaled ones and
+    each score costs one FFMA and one exp2, as in FA3."""
+    if MASKED:  # the ragged last block, or one crossing the causal diagonal
+        # Built here, not once per tile: 32 registers a thread that the unmasked blocks
+        # would otherwise keep live.
+        offs_n = start_n + gl.arange(0, s.shape[1], layout=gl.SliceLayout(0, s.type.layout))
+        keep = gl.expand_dims(offs_n < seqlen_k, 0)
+        if IS_CAUSAL:
+            keep = keep & (gl.expand_dims(offs_n, 0) <=
+                           gl.expand_dims(offs_m, 1) + diag_offset)
+        s = gl.where(keep, s, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)                        # (64,)
+    # A row that has seen no key keeps m = -inf; subtract 0 then, never -inf - -inf.
+    m_sub = gl.where(m_new == float("-inf"), 0.0, m_new)
+    p = gl.exp2(s * qk_scale - gl.expand_dims(m_sub, 1))                    # (64, N)
+    alpha = gl.exp2(m_i - m_sub)
+    l_i = l_i * alpha + gl.sum(p, 1)
+    return p, alpha, m_new, l_i
+
+
+@gluon.jit
+def _p_operand(p, acc, dtype: gl.constexpr):
+    """P (fp32, the S layout) as wgmma's A operand for O += P V, from registers: cast to
+    the inputs' 16-bit type, two values per 32-bit register."""
+    layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc.type.layout,
+                                               k_width=2)
+    return gl.convert_layout(p.to(dtype), layout)
+
+
+@gluon.jit
+def _kv_block(j, q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, turn, acc, p_op,
+              m_i, l_i, s_init, offs_m, qk_scale, seqlen_k, diag_offset,
+              WG: gl.constexpr, MASKED: gl.constexpr, IS_CAUSAL: gl.constexpr):
+    """Block j >= 1 of a consumer: S_j = Q K_j^T and O += P_{j-1} V_{j-1} issued in one
+    turn, the softmax of S_j while P_{j-1} V_{j-1} runs, then O rescaled."""
+    STAGES: gl.constexpr = k_smem.type.shape[0]
+    BLOCK_N: gl.constexpr = k_smem.type.shape[2]
+    HEAD_DIM: gl.constexpr = k_smem.type.shape[4]
+    stage = j % STAGES
+    prev = (j - 1) % STAGES
+    mbarrier.wait(k_ready.index(stage), (j // STAGES) & 1)
+    mbarrier.wait(v_ready.index(prev), ((j - 1) // STAGES) & 1)
+    _take_turn(turn, j, WG)
+    k_t = k_smem.index(stage).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0))
+    s = warpgroup_mma(q, k_t, s_init, use_acc=False, is_async=True)
+    acc = warpgroup_mma(p_op, v_smem.index(prev).reshape([BLOCK_N, HEAD_DIM]), acc,
+                        is_async=True)
+    mbarrier.arrive(turn.index(1 - WG), count=1)
+    s = warpgroup_mma_wait(1, deps=(s,))  # S_j done; P_{j-1} V_{j-1} may still run
+    mbarrier.arrive(k_empty.index(stage), count=1)
+    p, alpha, m_i, l_i = _online_softmax(s, m_i, l_i, offs_m, j * BLOCK_N, qk_scale,
+                                         seqlen_k, diag_offset, MASKED, IS_CAUSAL)
+    acc = warpgroup_mma_wait(0, deps=(acc,))
+    mbarrier.arrive(v_empty.index(prev), count=1)
+    # O holds sum_{i<j} exp2(s_i - m_{j-1}) v_i: move it to the new maximum.
+    acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, acc.type.layout)), 1)
+    return acc, _p_operand(p, acc, p_op.dtype), m_i, l_i
+
+
+@gluon.jit
+def _mma_partition(q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty,
+                   turn, o_desc, Lse, off_b, off_h, row0, n_blocks, n_full, seqlen_q,
+                   seqlen_k, diag_offset, qk_scale, lse_row0, WG: gl.constexpr,
+                   IS_CAUSAL: gl.constexpr):
+    """Consumer warpgroup WG: rows row0 + 64 * WG + [0, 64) of the tile."""
+    STAGES: gl.constexpr = k_smem.type.shape[0]
+    BLOCK_N: gl.constexpr = k_smem.type.shape[2]
+    HEAD_DIM: gl.constexpr = k_smem.type.shape[4]
+    dtype: gl.constexpr = q_smem.dtype
+    # wgmma accumulators: 4 warps along M, instruction N = the whole tile width.
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 16])
+    row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+    o_row_layout: gl.constexpr = gl.SliceLayout(1, o_layout)
+
+    q = q_smem.index(WG).reshape([BLOCK_M_WG, HEAD_DIM])
+    offs_m = row0 + WG * BLOCK_M_WG + gl.arange(0, BLOCK_M_WG, layout=row_layout)
+    m_i = gl.full([BLOCK_M_WG], float("-inf"), gl.float32, row_layout)
+    l_i = gl.zeros([BLOCK_M_WG], gl.float32, row_layout)
+    acc = gl.zeros([BLOCK_M_WG, HEAD_DIM], gl.float32, o_layout)
+    s_init = gl.zeros([BLOCK_M_WG, BLOCK_N], gl.float32, s_layout)  # ignored: use_acc=False
+    mbarrier.wait(q_ready.index(WG), 0)
+
+    if n_blocks > 0:
+        # Block 0: S_0 alone (there is no P yet).
+        mbarrier.wait(k_ready.index(0), 0)
+        _take_turn(turn, 0, WG)
+        k_t = k_smem.index(0).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0))
+        s = warpgroup_mma(q, k_t, s_init, use_acc=False, is_async=True)
+        mbarrier.arrive(turn.index(1 - WG), count=1)
+        s = warpgroup_mma_wait(0, deps=(s,))
+        mbarrier.arrive(k_empty.index(0), count=1)
+        # Masked whatever n_full says: once per tile, and no branch.
+        p, alpha, m_i, l_i = _online_softmax(s, m_i, l_i, offs_m, 0, qk_scale, seqlen_k,
+                                             diag_offset, True, IS_CAUSAL)
+        p_op = _p_operand(p, acc, dtype)
+        # Blocks every row sees in full skip the mask; the masked ones (the causal
+        # diagonal, the ragged end) follow in a loop of their own: no branch per block.
+        for j in range(1, n_full):
+            acc, p_op, m_i, l_i = _kv_block(
+                j, q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, turn, acc, p_op,
+                m_i, l_i, s_init, offs_m, qk_scale, seqlen_k, diag_offset, WG, False,
+                IS_CAUSAL)
+        for j in range(gl.maximum(n_full, 1), n_blocks):
+            acc, p_op, m_i, l_i = _kv_block(
+                j, q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, turn, acc, p_op,
+                m_i, l_i, s_init, offs_m, qk_scale, seqlen_k, diag_offset, WG, True,
+                IS_CAUSAL)
+        last = (n_blocks - 1) % STAGES
+        mbarrier.wait(v_ready.index(last), ((n_blocks - 1) // STAGES) & 1)
+        _take_turn(turn, n_blocks, WG)
+        acc = warpgroup_mma(p_op, v_smem.index(last).reshape([BLOCK_N, HEAD_DIM]), acc,
+                            is_async=True)
+        mbarrier.arrive(turn.index(1 - WG), count=1)
+        acc = warpgroup_mma_wait(0, deps=(acc,))
+        mbarrier.arrive(v_empty.index(last), count=1)
+
+    # Rows that saw no key (l == 0): out 0 and lse -inf, as flashtile.ops.fwd writes them,
+    # even where a NaN value reached acc as 0 * NaN; a NaN that reached l stays NaN.
+    empty = l_i == 0.0
+    l_safe = gl.where(empty, 1.0, l_i)
+    lse = gl.where(empty, float("-inf"), (m_i + gl.log2(l_safe)) * LN2)
+    inv_l = gl.convert_layout(1.0 / l_safe, o_row_layout)
+    out = gl.where(gl.expand_dims(gl.convert_layout(empty, o_row_layout), 1), 0.0,
+                   acc * gl.expand_dims(inv_l, 1))
+    # O leaves through this warpgroup's Q buffer: S_{n-1}, its last reader, has completed.
+    o_smem = q_smem.index(WG)
+    o_smem.reshape([BLOCK_M_WG, HEAD_DIM]).store(out.to(dtype))
+    fence_async_shared()  # the generic-proxy writes above before the TMA engine reads
+    tma.async_copy_shared_to_global(o_desc, [off_b, row0 + WG * BLOCK_M_WG, off_h, 0],
+                                    o_smem)
+    gl.store(Lse + lse_row0 + offs_m, lse, mask=offs_m < seqlen_q)
+    tma.store_wait(0)
+
+
+@gluon.jit
+def _attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, Lse, seqlen_q, seqlen_k, nheads,
+                            group_size, diag_offset, softmax_scale,
+                            IS_CAUSAL: gl.constexpr, STAGES: gl.constexpr):
+    BLOCK_M: gl.constexpr = 2 * BLOCK_M_WG
+    BLOCK_N: gl.constexpr = k_desc.block_type.shape[1]
+    start_m = gl.program_id(0)
+    if IS_CAUSAL:
+        # The last query tiles see the most keys: start them first, so the tail of the
+        # grid is short programs.
+        start_m = gl.num_programs(0) - 1 - start_m
+    off_bh = gl.program_id(1)
+    off_b = off_bh // nheads
+    off_h = off_bh % nheads
+    off_hkv = off_h // group_size
+    row0 = start_m * BLOCK_M
+
+    # Key blocks [0, n_blocks) are visible to some row of the tile; [0, n_full) to every
+    # row and inside seqlen_k, so they skip the mask. Divisions see non-negative values.
+    hi = seqlen_k
+    n_full = seqlen_k // BLOCK_N
+    if IS_CAUSAL:
+        last_row = gl.minimum(row0 + BLOCK_M, seqlen_q) - 1
+        hi = gl.minimum(hi, gl.maximum(last_row + diag_offset + 1, 0))
+        n_full = gl.minimum(n_full, gl.maximum(row0 + diag_offset + 1, 0) // BLOCK_N)
+    n_blocks = gl.cdiv(hi, BLOCK_N)
+
+    q_smem = gl.allocate_shared_memory(q_desc.dtype, [2] + q_desc.block_type.shape,
+                                       q_desc.layout)
+    k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape,
+                                       k_desc.layout)
+    v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape,
+                                       v_desc.layout)
+    q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(2):
+        mbarrier.init(q_ready.index(i), count=1)
+        mbarrier.init(turn.index(i), count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(k_ready.index(i), count=1)
+        mbarrier.init(v_ready.index(i), count=1)
+        mbarrier.init(k_empty.index(i), count=2)  # one arrival per consumer warpgroup
+        mbarrier.init(v_empty.index(i), count=2)
+
+    qk_scale = softmax_scale * LOG2E
+    lse_row0 = off_bh * seqlen_q  # lse is (batch, nheads, seqlen_q), contiguous
+    gl.warp_specialize([
+        (_mma_partition, (q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready,
+                          v_empty, turn, o_desc, Lse, off_b, off_h, row0, n_blocks, n_full,
+                          seqlen_q, seqlen_k, diag_offset, qk_scale, lse_row0, 0,
+                          IS_CAUSAL)),
+        (_load_partition, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready,
+                           k_ready, k_empty, v_ready, v_empty, off_b, off_h, off_hkv, row0,
+                           n_blocks)),
+        (_mma_partition, (q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready,
+                          v_empty, turn, o_desc, Lse, off_b, off_h, row0, n_blocks, n_full,
+                          seqlen_q, seqlen_k, diag_offset, qk_scale, lse_row0, 1,
+                          IS_CAUSAL)),
+    ], [1, 4], [PRODUCER_REGS, CONSUMER_REGS])
+
+
+_GL_DTYPES = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16}
+
+
+@functools.lru_cache(maxsize=None)
+def _on_hopper(device: torch.device) -> bool:
+    return (device.type == "cuda" and torch.version.hip is None
+            and torch.cuda.get_device_capability(device) == (9, 0))
+
+
+def unsupported(q, k, v, *, softmax_scale=1.0, attn_mask=None, alibi_slopes=None,
+                window_left=-1, window_right=-1, softcap=0.0, **_) -> str | None:
+    """Why this kernel cannot serve the call (None: it can). The arguments are those of
+    ``flashtile.ops.fwd.attn_fwd`` for a dense call, already validated."""
+    if not _on_hopper(q.device):
+        return "it needs an sm_90 (Hopper) CUDA device"
+    if not softmax_scale > 0:
+        return f"softmax_scale {softmax_scale}: > 0 only (the row max is taken unscaled)"
+    if q.dtype not in _GL_DTYPES:
+        return f"dtype {q.dtype}: float16 or bfloat16 only"
+    if q.shape[-1] not in configs.HOPPER_FWD_16BIT:
+        return f"head_dim {q.shape[-1]}: one of {sorted(configs.HOPPER_FWD_16BIT)} only"
+    if attn_mask is not None or alibi_slopes is not None or softcap > 0 \
+            or window_left >= 0 or window_right > 0:
+        return "causal or full attention only (no attn_mask, ALiBi, softcap or window)"
+    if q.numel() == 0 or k.numel() == 0:
+        return "an empty q or k (TMA descriptors need every size >= 1)"
+    for x in (q, k, v):
+        # TMA: a 16-byte aligned base and strides (8 elements of 16 bits), unit inner
+        # stride; a zero stride (an expanded tensor) is not a tensor map.
+        if x.data_ptr() % 16 or x.stride(-1) != 1 or any(
+                s <= 0 or s % 8 for s in x.stride()[:-1]):
+            return "TMA needs 16-byte aligned data and strides, and a contiguous last dim"
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def _smem_layout(rows: int, head_dim: int, dtype) -> gl.NVMMASharedLayout:
+    return gl.NVMMASharedLayout.get_default_for([1, rows, 1, head_dim], dtype)
+
+
+def _descriptor(x, rows: int) -> TensorDescriptor:
+    """A 4-d tensor map over (batch, seqlen, heads, head_dim) with (1, rows, 1, head_dim)
+    boxes: rows past a sequence's end are zero-filled on load, dropped on store."""
+    d = x.shape[-1]
+    return TensorDescriptor(x, list(x.shape), list(x.stride()), [1, rows, 1, d],
+                            _smem_layout(rows, d, _GL_DTYPES[x.dtype]))
+
+
+def attn_fwd(q, k, v, *, attn_mask, alibi_slopes, softmax_scale, diag_offset, window_left,
+             window_right, softcap, allow_tf32):
+    """``flashtile.ops.fwd.attn_fwd`` for the dense calls ``unsupported`` accepts: q (b,
+    sq, h, d), k/v (b, sk, hkv, d); returns out (b, sq, h, d) contiguous in q's dtype
+    and lse (b, h, sq) fp32. Causal is ``window_right == 0`` with ``diag_offset``'s
+    alignment; allow_tf32 is moot for 16-bit inputs."""
+    reason = unsupported(q, k, v, softmax_scale=softmax_scale, attn_mask=attn_mask,
+                         alibi_slopes=alibi_slopes, window_left=window_left,
+                         window_right=window_right, softcap=softcap)
+    if reason is not None:
+        raise ValueError(f"flashtile.ops.fwd_hopper cannot run this call: {reason}; "
+                         "use flashtile.ops.fwd.attn_fwd")
+    b, sq, h, d = q.shape
+    sk, hkv = k.shape[1], k.shape[2]
+    cfg = configs.hopper_fwd_config(d)
+    causal = window_right == 0
+    out = torch.empty((b, sq, h, d), dtype=q.dtype, device=q.device)
+    lse = torch.empty((b, h, sq), dtype=torch.float32, device=q.device)
+    configs.log_first_launch("hopper forward", q, d, cfg, dict(IS_CAUSAL=causal))
+    grid = (configs.cdiv(sq, cfg.block_m), b * h)
+    _attn_fwd_hopper_kernel[grid](
+        _descriptor(q, BLOCK_M_WG.value), _descriptor(k, cfg.block_n),
+        _descriptor(v, cfg.block_n), _descriptor(out, BLOCK_M_WG.value), lse, sq, sk, h,
+        h // hkv, diag_offset, softmax_scale, IS_CAUSAL=causal, STAGES=cfg.num_stages,
+        num_warps=cfg.num_warps)
+    return out, lse

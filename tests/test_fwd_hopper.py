@@ -1,0 +1,206 @@
+"""The Gluon Hopper forward (flashtile/ops/fwd_hopper.py) against the float64 oracle.
+
+GPU (``--gpu`` on an sm_90 device): out and lse against ``attention_naive`` in float64
+with the rule every forward test uses (tests/utils.py), over head dims, full and causal
+(bottom-right and top-left), GQA/MQA, lengths that are not tile multiples, batch > 1;
+NaN and empty rows as tests/test_nan.py requires them; the FLASHTILE_HOPPER_FWD switch
+through flash_attn_func, backward included. CPU: which calls the kernel declines, and
+the switch's dispatch with the kernel replaced by a fake.
+"""
+
+import pytest
+import torch
+
+import flashtile
+from flashtile import custom_ops
+from flashtile.reference import allowed_keys, attention_naive
+from tests.utils import assert_close_rule, reference_pair
+
+fwd_hopper = pytest.importorskip("flashtile.ops.fwd_hopper")  # Gluon: triton >= 3.6
+
+_on_hopper = pytest.mark.skipif(
+    not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)),
+    reason="the Gluon forward runs on sm_90 only")
+
+
+def on_hopper(test):
+    """A --gpu test on an sm_90 device. A kernel that deadlocks (mbarrier phases out of
+    step) fails it after 60 s, killing the process, instead of hanging the run."""
+    for mark in (pytest.mark.gpu, _on_hopper, pytest.mark.timeout(60, method="thread")):
+        test = mark(test)
+    return test
+
+
+def _kw(causal, diag_offset, softmax_scale):
+    return dict(attn_mask=None, alibi_slopes=None, softmax_scale=softmax_scale,
+                diag_offset=diag_offset, window_left=-1, window_right=0 if causal else -1,
+                softcap=0.0, allow_tf32=False)
+
+
+def _inputs(b, sq, sk, h, hkv, d, dtype, device="cuda"):
+    return (torch.randn(b, sq, h, d, dtype=dtype, device=device),
+            torch.randn(b, sk, hkv, d, dtype=dtype, device=device),
+            torch.randn(b, sk, hkv, d, dtype=dtype, device=device))
+
+
+def _check(out, lse, q, k, v, causal, diag_offset, scale):
+    ref = dict(softmax_scale=scale, causal=causal, diag_offset=diag_offset)
+    o64, l64 = attention_naive(q, k, v, **ref)
+    o_pt, _ = attention_naive(q, k, v, upcast=False, **ref)
+    assert_close_rule("out", out, o64, o_pt)
+    finite = torch.isfinite(lse)
+    assert torch.equal(finite, torch.isfinite(l64)), "lse -inf pattern differs"
+    assert (lse[~finite] == float("-inf")).all()
+    torch.testing.assert_close(lse[finite].double(), l64[finite], rtol=1e-4, atol=1e-4)
+
+
+# (batch, seqlen_q, seqlen_k, nheads, nheads_kv): lengths off the 128-row and 64/128-key
+# tiles, one query row, seqlen_q > seqlen_k (causal: the first rows see no key), a long
+# walk that turns the K/V ring over many times.
+SHAPES = [(2, 1000, 1000, 4, 4), (1, 257, 513, 8, 2), (2, 513, 257, 4, 1),
+          (1, 1, 777, 4, 4), (3, 128, 128, 2, 2), (1, 4099, 4099, 2, 1)]
+MASKS = {"full": (False, None), "causal": (True, "bottom_right"),
+         "causal_top_left": (True, "top_left")}
+
+
+@pytest.mark.parametrize("mask", list(MASKS))
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "b{}-q{}-k{}-h{}/{}".format(*s))
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@on_hopper
+def test_matches_float64_reference(dtype, head_dim, shape, mask):
+    b, sq, sk, h, hkv = shape
+    causal, align = MASKS[mask]
+    diag_offset = sk - sq if align == "bottom_right" else 0
+    q, k, v = _inputs(b, sq, sk, h, hkv, head_dim, dtype)
+    scale = head_dim ** -0.5
+    out, lse = fwd_hopper.attn_fwd(q, k, v, **_kw(causal, diag_offset, scale))
+    assert out.shape == q.shape and out.dtype == dtype and out.is_contiguous()
+    assert lse.shape == (b, h, sq) and lse.dtype == torch.float32
+    _check(out, lse, q, k, v, causal, diag_offset, scale)
+
+
+@on_hopper
+def test_strided_inputs():
+    """q, k and v as views of packed qkv (head stride 3 x head_dim), a scale != 1/sqrt(d)."""
+    qkv = torch.randn(2, 300, 3, 4, 128, dtype=torch.bfloat16, device="cuda")
+    q, k, v = qkv.unbind(2)
+    assert fwd_hopper.unsupported(q, k, v) is None
+    out, lse = fwd_hopper.attn_fwd(q, k, v, **_kw(True, 0, 0.3))
+    _check(out, lse, q, k, v, True, 0, 0.3)
+
+
+# (seqlen_q, seqlen_k, causal, the poisoned key), as in tests/test_nan.py but over
+# several tiles of this kernel.
+GEOMETRIES = {"full": (200, 300, False, 250), "causal_q<k": (200, 300, True, 290),
+              "causal_q>k": (300, 200, True, 20)}
+
+
+@pytest.mark.parametrize("where", ["k", "v"])
+@pytest.mark.parametrize("geometry", list(GEOMETRIES))
+@on_hopper
+def test_nan_and_empty_rows(geometry, where):
+    """A NaN key makes exactly the rows that see it NaN (out and lse); a NaN value
+    reaches at least its column in those rows; rows that see no key are 0 with lse -inf
+    whatever the keys hold; the other head is untouched."""
+    sq, sk, causal, key = GEOMETRIES[geometry]
+    q, k, v = _inputs(1, sq, sk, 2, 2, 64, torch.bfloat16)
+    ok = allowed_keys(sq, sk, sk - sq, -1, 0 if causal else -1, q.device)
+    seen, empty = ok[:, key], ~ok.any(1)
+    {"k": k, "v": v}[where][0, key, 0, 3] = float("nan")
+    out, lse = fwd_hopper.attn_fwd(q, k, v, **_kw(causal, sk - sq, 64 ** -0.5))
+    o0, l0 = out[0, :, 0], lse[0, 0]
+    assert (o0[empty] == 0).all() and (l0[empty] == float("-inf")).all()
+    if where == "k":
+        assert torch.isnan(o0[seen]).all() and torch.isnan(l0[seen]).all()
+        ref, ref_lse = attention_naive(q, k, v, causal=causal)
+        same, _ = attention_naive(q, k, v, causal=causal, upcast=False)
+        rest = ~seen & ~empty
+        assert_close_rule("out", o0[rest], ref[0, :, 0][rest], same[0, :, 0][rest])
+        torch.testing.assert_close(l0[rest].double(), ref_lse[0, 0][rest], rtol=1e-4,
+                                   atol=1e-4)
+    else:
+        assert torch.isnan(o0[seen, 3]).all() and torch.isfinite(l0[~empty]).all()
+    assert torch.isfinite(out[0, :, 1]).all() and torch.isfinite(lse[0, 1][~empty]).all()
+
+
+@on_hopper
+def test_switch_dispatches_and_backward_follows(monkeypatch):
+    """FLASHTILE_HOPPER_FWD=1: flash_attn_func's forward runs the Gluon kernel where it
+    supports the call (head_dim 128) and the portable one elsewhere (head_dim 96); the
+    backward takes the Gluon forward's out and lse and meets the gradient rule."""
+    calls = []
+    real = fwd_hopper.attn_fwd
+    monkeypatch.setattr(fwd_hopper, "attn_fwd", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    monkeypatch.setenv("FLASHTILE_HOPPER_FWD", "1")
+    q, k, v = _inputs(2, 333, 555, 4, 2, 128, torch.bfloat16)
+    dout = torch.randn_like(q)
+    qg, kg, vg = (x.clone().requires_grad_() for x in (q, k, v))
+    out = flashtile.flash_attn_func(qg, kg, vg, causal=True)
+    assert calls == [1]
+    grads = torch.autograd.grad(out, (qg, kg, vg), dout)
+    (o64, _, g64), (o_pt, _, g_pt) = reference_pair(q, k, v, dout, causal=True)
+    assert_close_rule("out", out.detach(), o64, o_pt)
+    for name, g, r, p in zip(("dq", "dk", "dv"), grads, g64, g_pt):
+        assert_close_rule(name, g, r, p)
+    flashtile.flash_attn_func(*_inputs(1, 64, 64, 2, 2, 96, torch.bfloat16))
+    assert calls == [1]
+
+
+def test_declines_what_it_does_not_support(monkeypatch):
+    """The reasons it gives for the calls the portable kernel keeps (checked on CPU with
+    the device check bypassed)."""
+    q, k, v = _inputs(1, 40, 40, 2, 2, 64, torch.bfloat16, "cpu")
+    assert "sm_90" in fwd_hopper.unsupported(q, k, v)
+    monkeypatch.setattr(fwd_hopper, "_on_hopper", lambda device: True)
+    assert fwd_hopper.unsupported(q, k, v) is None
+    assert fwd_hopper.unsupported(q, k, v, window_right=0) is None  # causal
+    assert "dtype" in fwd_hopper.unsupported(*(x.float() for x in (q, k, v)))
+    assert "head_dim" in fwd_hopper.unsupported(*_inputs(1, 40, 40, 2, 2, 96,
+                                                         torch.bfloat16, "cpu"))
+    assert "softmax_scale" in fwd_hopper.unsupported(q, k, v, softmax_scale=-0.1)
+    for extra in (dict(attn_mask=q), dict(alibi_slopes=q), dict(softcap=5.0),
+                  dict(window_left=8), dict(window_right=3)):
+        assert "causal or full" in fwd_hopper.unsupported(q, k, v, **extra)
+    assert "empty" in fwd_hopper.unsupported(q[:, :0], k, v)
+    odd = torch.randn(1, 40, 2, 68, dtype=torch.bfloat16)[..., :64]  # stride 68: not 8k
+    assert "TMA" in fwd_hopper.unsupported(odd, k, v)
+    assert "TMA" in fwd_hopper.unsupported(q, k.expand(1, 40, 2, 64).as_strided(
+        k.shape, (0, 128, 64, 1)), v)
+    with pytest.raises(ValueError, match="fwd_hopper cannot run this call: head_dim 96"):
+        fwd_hopper.attn_fwd(*_inputs(1, 40, 40, 2, 2, 96, torch.bfloat16, "cpu"),
+                            **_kw(False, 0, 0.1))
+
+
+@pytest.mark.parametrize("switch", ["1", "0"])
+def test_switch_dispatch_on_cpu(switch, monkeypatch):
+    """With the kernels replaced by fakes: FLASHTILE_HOPPER_FWD=1 sends a supported dense
+    forward to fwd_hopper.attn_fwd with the portable launcher's arguments (bottom-right
+    causal as diag_offset, window_right 0), "0" keeps it on the portable kernel."""
+    seen = {}
+
+    def fake(name):
+        def attn_fwd(q, k, v, **kw):
+            seen[name] = kw
+            b, sq, h, d = q.shape
+            return q.new_zeros(q.shape), q.new_zeros((b, h, sq), dtype=torch.float32)
+        return attn_fwd
+
+    monkeypatch.setattr(custom_ops, "select_backend", lambda *a, **kw: "triton")
+    monkeypatch.setattr(fwd_hopper, "unsupported", lambda *a, **kw: None)
+    monkeypatch.setattr(fwd_hopper, "attn_fwd", fake("hopper"))
+    monkeypatch.setattr(custom_ops, "triton_fwd", fake("portable"))
+    monkeypatch.setenv("FLASHTILE_HOPPER_FWD", switch)
+    flashtile.flash_attn_func(*_inputs(1, 30, 50, 2, 1, 64, torch.bfloat16, "cpu"),
+                              causal=True)
+    used = "hopper" if switch == "1" else "portable"
+    assert list(seen) == [used]
+    assert seen[used]["diag_offset"] == 20 and seen[used]["window_right"] == 0
+
+
+def test_switch_rejects_other_values(monkeypatch):
+    from flashtile._backend import hopper_fwd_requested
+
+    monkeypatch.setenv("FLASHTILE_HOPPER_FWD", "yes")
+    with pytest.raises(ValueError, match="FLASHTILE_HOPPER_FWD must be '0' or '1', got 'yes'"):
+        hopper_fwd_requested()
