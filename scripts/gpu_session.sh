@@ -15,13 +15,17 @@
 #   pdl          make test-gpu, make memcheck, the decode table with the combine's
 #                dependent launch early, late and off; split counts at batch 1 and 8
 #                                                                           (~8 min)
-#   engine       the engine's GPU tests; offline throughput of the three shapes (CUDA
-#                graphs); the decode step against its read floor           (~7 min)
+#   engine       the engine's GPU tests; every engine row of the 1B shape, traced (~6 min)
 #   engine-peers the 1B shape's other rows: eager, sdpa, naive, transformers'
 #                generate and generate_batch (64 requests)                (~9 min)
+#   shapes       the 0.5B and 8B shapes, every row                        (~10 min)
+#   host         flashtile bench host, flashtile bench hf                 (~8 min)
+#   hopper       the Gluon forward's GPU tests and its timing             (~8 min)
+#   tp           the tensor-parallel driver's tests (2 GPUs)              (~4 min)
 #   serve [BACKEND] [KV]  flashtile serve (1B shape, dummy weights, attention BACKEND,
 #                default flashtile, KV pool bytes KV e.g. 4GiB) and the bench serve rate
-#                sweep against it (~6 min; SERVE_PROMPTS, SERVE_RATES, SERVE_TIMEOUT)
+#                sweep against it (~6 min; SERVE_PROMPTS, SERVE_RATES, SERVE_TIMEOUT;
+#                SERVE_ARGS: more server flags, e.g. --stream-interval 4)
 # The host-cost, kernel-span, Nsight Compute and A/B study scripts (and their stages)
 # were retired: docs/benchmarks/NOTES.md section 13 has their findings and commits.
 set -uo pipefail
@@ -116,20 +120,38 @@ case "${1:-}" in
   engine)
     stamp engine-tests
     timeout 150 python3 -m pytest -q -p no:cacheprovider --gpu tests/test_engine_gpu.py \
-      2>&1 | tail -3 | tee "$OUT/engine-tests.txt"
+      tests/test_engine_attention.py 2>&1 | tail -3 | tee "$OUT/engine-tests.txt"
     stamp throughput
-    timeout 280 python3 -m flashtile.bench.throughput --models llama-3.2-1b qwen2.5-0.5b \
-      llama-3-8b --providers engine-flashtile-graphs --timeout 120 --out "$OUT/throughput.json" \
-      2>&1 | tail -12
-    stamp decode-step
-    timeout 150 python3 -m flashtile.bench.throughput --decode-step --models llama-3.2-1b \
-      llama-3-8b --timeout 120 --out "$OUT/decode-step.json" 2>&1 | tail -8
+    # Every engine row of the 1B shape, each step traced (GPU time, GPU idle, host launch).
+    timeout 330 python3 -m flashtile.bench.throughput --models llama-3.2-1b --providers \
+      engine-flashtile-graphs engine-sdpa engine-naive engine-flashtile-eager --trace \
+      --timeout 100 --out "$OUT/throughput-1b.json" 2>&1 | tail -40
     stamp done
     ;;
-  engine-peers)
-    timeout 560 python3 -m flashtile.bench.throughput --models llama-3.2-1b --providers \
-      hf-generate-batch hf-generate engine-naive engine-sdpa engine-flashtile-eager \
-      --timeout 150 --out "$OUT/throughput-peers.json" 2>&1 | tail -14
+  shapes)
+    # The 0.5B and 8B shapes, every row (transformers' rows: 64 requests).
+    timeout 580 python3 -m flashtile.bench.throughput --models qwen2.5-0.5b llama-3-8b \
+      --providers engine-flashtile-graphs engine-sdpa engine-naive hf-generate-batch \
+      hf-generate --timeout 120 --out "$OUT/throughput-shapes.json" 2>&1 | tail -24
+    ;;
+  host)
+    # Host time per eager call (issue 15 item 1) and transformers with flashtile (issue 16).
+    timeout 200 python3 -m flashtile bench host --out "$OUT/host" 2>&1 | tail -20
+    timeout 350 python3 -m flashtile bench hf --out "$OUT/hf.json" 2>&1 | tail -14
+    ;;
+  hopper)
+    # The Gluon forward: GPU tests against float64, then timed beside the portable kernel
+    # and cuDNN (each timed cell validated first).
+    timeout 240 python3 -m pytest -q -p no:cacheprovider --gpu $XDIST tests/test_fwd_hopper.py \
+      tests/test_gluon_compile.py 2>&1 | tail -4 | tee "$OUT/hopper-tests.txt"
+    timeout 300 python3 -m flashtile bench --providers flashtile flashtile-hopper sdpa-cudnn \
+      --modes fwd --headdim 64 128 256 --seqlens 1k 4k 8k 16k --out "$OUT/hopper-fwd" \
+      2>&1 | grep "^|" | tail -40
+    ;;
+  tp)
+    # Tensor parallelism on 2 GPUs (nvidia-h200-x2): the driver's GPU tests, then generate.
+    timeout 300 python3 -m pytest -q -p no:cacheprovider --gpu tests/test_engine_tp_driver.py \
+      tests/test_engine_tp.py 2>&1 | tail -4 | tee "$OUT/tp-tests.txt"
     ;;
   serve)
     # Random weights at the 1B shape: the directory needs only config.json.
@@ -138,7 +160,8 @@ import PRESETS; json.dump(PRESETS['llama-3.2-1b'], open('/tmp/llama1b/config.jso
     # KV (optional): the pool's bytes, the same for every backend, for the before/after
     # comparison (default: gpu_memory_utilization 0.9, ~120 GB, more than the load needs).
     python3 -m flashtile serve /tmp/llama1b --load-format dummy --max-model-len 2048 \
-      --attention-backend "${2:-flashtile}" ${3:+--kv-cache-memory "$3"} --port 8000 \
+      --attention-backend "${2:-flashtile}" ${3:+--kv-cache-memory "$3"} ${SERVE_ARGS:-} \
+      --port 8000 \
       > "$OUT/server-${2:-flashtile}.log" 2>&1 &
     server=$!
     for _ in $(seq 120); do  # until /health answers (model load, warm-up, graph capture)
@@ -154,7 +177,7 @@ import PRESETS; json.dump(PRESETS['llama-3.2-1b'], open('/tmp/llama1b/config.jso
     kill "$server"
     ;;
   *)
-    echo "usage: $0 check|sweep [SECONDS]|extra|short|decode|splits|pdl|engine|engine-peers|serve [BACKEND] [KV]" >&2
+    echo "usage: $0 check|sweep [SECONDS]|extra|short|decode|splits|pdl|engine|engine-peers|shapes|host|hopper|tp|serve [BACKEND] [KV]" >&2
     exit 2
     ;;
 esac
