@@ -137,3 +137,23 @@ def test_append_compiles(paged):
                                              PAGE_SIZE=16 if paged else 1,
                                              HAS_BATCH_IDX=not paged), dtype="bf16")
     assert resources(ck)["stack_bytes"] == 0
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("kind", ["fwd", "bwd_dkdv", "bwd_dq"])
+def test_ieee_fp32_tiles_do_not_spill(kind, head_dim):
+    """fp32 with IEEE products multiplies with FFMA: the TF32-sized tiles spilled there
+    (the d128 forward's held 8 KB of stack per thread). The IEEE tables' must not."""
+    kernel, table, extra = {
+        "fwd": (_attn_fwd_kernel, configs._FWD_IEEE,
+                dict(REVERSE_M=False, IS_VARLEN=False, **UNPAGED)),
+        "bwd_dkdv": (_bwd_dkdv_kernel, configs._BWD_DKDV_IEEE, dict(IS_VARLEN=False)),
+        "bwd_dq": (_bwd_dq_kernel, configs._BWD_DQ_IEEE, dict(IS_VARLEN=False)),
+    }[kind]
+    cfg = table[head_dim]
+    flags = dict(PLAIN, MASK_RIGHT=False, INPUT_PRECISION="ieee")
+    ck = compile_kernel(kernel, dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+                                     BLOCK_D=head_dim, **extra, **flags),
+                        dtype="fp32", num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    res = resources(ck)
+    assert res["stack_bytes"] == 0 and res["shared_bytes"] <= configs.SM90_SMEM_BYTES, res

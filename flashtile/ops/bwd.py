@@ -404,7 +404,8 @@ def attn_bwd(dout, q, k, v, out, lse, dlse, *, attn_mask, alibi_slopes, softmax_
     dkdv = configs.launch(
         _bwd_dkdv_kernel,
         lambda cfg: (max(1, configs.cdiv(longest_k, cfg.block_n)), batch * hkv),
-        configs.bwd_dkdv_config(q, d, windowed, seqlen=longest), "backward dk/dv", q, d,
+        configs.bwd_dkdv_config(q, d, windowed, seqlen=longest, allow_tf32=allow_tf32),
+        "backward dk/dv", q, d,
         *tensors[:8], mask, alibi, cu_q, cu_k,
         *configs.strides(varlen, q4, k4, v4, dout4, dk4, dv4, lse3),
         *mask_strides, *alibi_strides, h, hkv, *sizes, *common,
@@ -413,7 +414,8 @@ def attn_bwd(dout, q, k, v, out, lse, dlse, *, attn_mask, alibi_slopes, softmax_
     dqp = configs.launch(
         _bwd_dq_kernel,
         lambda cfg: (max(1, configs.cdiv(longest_q, cfg.block_m)), batch * h),
-        configs.bwd_dq_config(q, d, windowed, seqlen=longest), "backward dq", q, d,
+        configs.bwd_dq_config(q, d, windowed, seqlen=longest, allow_tf32=allow_tf32),
+        "backward dq", q, d,
         *tensors[:6], dq, mask, alibi, cu_q, cu_k,
         *configs.strides(varlen, q4, k4, v4, dout4, dq4, lse3),
         *mask_strides, *alibi_strides, h, h // hkv, *sizes, *common,

@@ -107,6 +107,25 @@ _BWD_32BIT = {
     64: TileConfig(32, 32, 4, 1), 128: TileConfig(32, 32, 4, 1),
     256: TileConfig(16, 16, 4, 1),
 }
+# fp32 with IEEE products (no TF32): the products are FFMA, not tensor-core instructions,
+# and the fp32 tables' tiles, sized for TF32, spilled (sm_90 AOT: the d128 forward's 64x32
+# tile held 8 KB of stack per thread; the H200 ran it 4x slower than SDPA's math backend).
+# These compile without spills for sm_90 (tests/test_sm90_compile.py checks it).
+_FWD_IEEE = {
+    16: TileConfig(64, 32, 8, 2), 32: TileConfig(64, 32, 8, 2),
+    64: TileConfig(64, 32, 8, 2), 128: TileConfig(32, 16, 4, 2),
+    256: TileConfig(16, 16, 4, 2),
+}
+_BWD_DKDV_IEEE = {
+    16: TileConfig(32, 32, 8, 1), 32: TileConfig(32, 32, 8, 1),
+    64: TileConfig(32, 32, 8, 1), 128: TileConfig(32, 32, 8, 1),
+    256: TileConfig(16, 16, 8, 1),
+}
+_BWD_DQ_IEEE = {
+    16: TileConfig(32, 32, 8, 1), 32: TileConfig(32, 32, 8, 1),
+    64: TileConfig(32, 32, 8, 1), 128: TileConfig(16, 16, 4, 1),
+    256: TileConfig(16, 16, 8, 1),
+}
 
 
 # The Gluon forward for Hopper (ops/fwd_hopper.py), 16-bit only, keyed by head dim:
@@ -145,37 +164,47 @@ def _from_env(kind: str) -> TileConfig | None:
 
 
 def _pick(kind: str, q: torch.Tensor, head_dim: int, table16: dict, table32: dict, *,
-          causal_like: bool = False, seqlen: int | None = None):
+          causal_like: bool = False, seqlen: int | None = None, ieee_table=None):
+    """ieee_table: the table for fp32 inputs with IEEE products (None: not that case).
+    `flashtile tune` times fp32 with TF32 only, so its results skip that case."""
     if kind in _override:
         return _override[kind]
     env = _from_env(kind)
     if env is not None:
         return env
-    if seqlen is not None:  # `flashtile tune` results for this device, if any
+    ieee = ieee_table is not None and q.element_size() == 4
+    if seqlen is not None and not ieee:  # `flashtile tune` results for this device
         tuned = tuned_config(kind, q, head_dim, causal_like, seqlen)
         if tuned is not None:
             return tuned
     if q.device.type == "cpu":
         return _INTERPRETER[kind]
-    table = table32 if q.element_size() == 4 else table16
+    table = ieee_table if ieee else table32 if q.element_size() == 4 else table16
     return table[padded_head_dim(head_dim)]
 
 
 # seqlen (the longer of seqlen_q and seqlen_k) and causal_like (causal or windowed) pick
 # a tuned entry; a caller that passes no seqlen gets the static tables.
-def fwd_config(q, head_dim, causal_like=False, *, seqlen=None) -> TileConfig:
+# allow_tf32=False with fp32 inputs selects the IEEE tables.
+def fwd_config(q, head_dim, causal_like=False, *, seqlen=None, allow_tf32=True
+               ) -> TileConfig:
     return _pick("fwd", q, head_dim, _FWD_16BIT_CAUSAL if causal_like else _FWD_16BIT,
-                 _FWD_32BIT, causal_like=causal_like, seqlen=seqlen)
+                 _FWD_32BIT, causal_like=causal_like, seqlen=seqlen,
+                 ieee_table=None if allow_tf32 else _FWD_IEEE)
 
 
-def bwd_dkdv_config(q, head_dim, causal_like=False, *, seqlen=None) -> TileConfig:
+def bwd_dkdv_config(q, head_dim, causal_like=False, *, seqlen=None, allow_tf32=True
+                    ) -> TileConfig:
     return _pick("bwd_dkdv", q, head_dim, _BWD_DKDV_16BIT, _BWD_32BIT,
-                 causal_like=causal_like, seqlen=seqlen)
+                 causal_like=causal_like, seqlen=seqlen,
+                 ieee_table=None if allow_tf32 else _BWD_DKDV_IEEE)
 
 
-def bwd_dq_config(q, head_dim, causal_like=False, *, seqlen=None) -> TileConfig:
+def bwd_dq_config(q, head_dim, causal_like=False, *, seqlen=None, allow_tf32=True
+                  ) -> TileConfig:
     return _pick("bwd_dq", q, head_dim, _BWD_DQ_16BIT, _BWD_32BIT,
-                 causal_like=causal_like, seqlen=seqlen)
+                 causal_like=causal_like, seqlen=seqlen,
+                 ieee_table=None if allow_tf32 else _BWD_DQ_IEEE)
 
 
 def smaller(cfg: TileConfig) -> TileConfig | None:
