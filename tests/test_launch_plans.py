@@ -301,3 +301,26 @@ def test_plan_decode_and_varlen_equal_triton_path_on_gpu(paged, device):
             assert torch.equal(a, b)
     finally:
         _launch.set_enabled(previous)
+
+
+def test_fp32_precision_switch(monkeypatch):
+    """FLASHTILE_FP32_PRECISION picks the fp32 products when TF32 is off ("ieee" by
+    default, "tf32x3" on request; anything else is refused), and the tile table: IEEE
+    products take the spill-free IEEE tables, tensor-core products the fp32 ones."""
+    import torch
+
+    from flashtile.ops import configs
+    q = torch.empty(1, 8, 2, 128, dtype=torch.float32, device="meta")
+    flags = lambda tf32: configs.feature_args(None, None, q, window_left=-1, window_right=-1,
+                                              softcap=0.0, allow_tf32=tf32,
+                                              head_dim=128)[4]["INPUT_PRECISION"]
+    monkeypatch.delenv("FLASHTILE_FP32_PRECISION", raising=False)
+    assert flags(False) == "ieee" and flags(True) == "tf32"
+    monkeypatch.setenv("FLASHTILE_FP32_PRECISION", "tf32x3")
+    assert flags(False) == "tf32x3" and flags(True) == "tf32"
+    monkeypatch.setenv("FLASHTILE_FP32_PRECISION", "fast")
+    with pytest.raises(ValueError, match="FLASHTILE_FP32_PRECISION"):
+        flags(False)
+    assert configs.fwd_config(q, 128, ieee=True) == configs._FWD_IEEE[128]
+    assert configs.fwd_config(q, 128, ieee=False) == configs._FWD_32BIT[128]
+    assert configs.bwd_dq_config(q.half(), 128, ieee=True) == configs._BWD_DQ_16BIT[128]

@@ -157,3 +157,32 @@ def test_ieee_fp32_tiles_do_not_spill(kind, head_dim):
                         dtype="fp32", num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     res = resources(ck)
     assert res["stack_bytes"] == 0 and res["shared_bytes"] <= configs.SM90_SMEM_BYTES, res
+
+
+@pytest.mark.parametrize("kind", ["fwd", "bwd_dkdv", "bwd_dq"])
+def test_tf32x3_compiles_to_tensor_core_products(kind):
+    """FLASHTILE_FP32_PRECISION=tf32x3 (fp32 as three TF32 products) on the fp32 tables'
+    d128 tiles: compiles for sm_90 within shared memory, to tensor-core products in the
+    SASS (HGMMA, or HMMA where a 32-row tile is below wgmma's 64 rows per warpgroup)."""
+    import subprocess
+    import tempfile
+
+    import triton.backends.nvidia as nv
+    kernel, extra = {
+        "fwd": (_attn_fwd_kernel, dict(REVERSE_M=False, IS_VARLEN=False, **UNPAGED)),
+        "bwd_dkdv": (_bwd_dkdv_kernel, dict(IS_VARLEN=False)),
+        "bwd_dq": (_bwd_dq_kernel, dict(IS_VARLEN=False)),
+    }[kind]
+    cfg = {"fwd": configs._FWD_32BIT, "bwd_dkdv": configs._BWD_32BIT,
+           "bwd_dq": configs._BWD_32BIT}[kind][128]
+    ck = compile_kernel(kernel, dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=128,
+                                     **extra, **dict(PLAIN, INPUT_PRECISION="tf32x3")),
+                        dtype="fp32", num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    assert resources(ck)["shared_bytes"] <= configs.SM90_SMEM_BYTES
+    tool = os.path.join(os.path.dirname(nv.__file__), "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(ck.asm["cubin"])
+        f.flush()
+        sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True,
+                              check=True).stdout
+    assert "HGMMA" in sass or "HMMA" in sass

@@ -396,6 +396,7 @@ def attn_bwd(dout, q, k, v, out, lse, dlse, *, attn_mask, alibi_slopes, softmax_
         attn_mask, alibi_slopes, q, window_left=window_left, window_right=window_right,
         softcap=softcap, allow_tf32=allow_tf32, head_dim=d)
     windowed, longest = window_left >= 0 or window_right >= 0, max(longest_q, longest_k)
+    ieee = flags["INPUT_PRECISION"] == "ieee"
     # Varlen kernels read each sequence's lengths from cu_seqlens; seqlen_q/k unused.
     sizes = (0, 0, d) if varlen else (longest_q, longest_k, d)
     totals = (q.shape[0], k.shape[0]) if varlen else (0, 0)
@@ -404,7 +405,7 @@ def attn_bwd(dout, q, k, v, out, lse, dlse, *, attn_mask, alibi_slopes, softmax_
     dkdv = configs.launch(
         _bwd_dkdv_kernel,
         lambda cfg: (max(1, configs.cdiv(longest_k, cfg.block_n)), batch * hkv),
-        configs.bwd_dkdv_config(q, d, windowed, seqlen=longest, allow_tf32=allow_tf32),
+        configs.bwd_dkdv_config(q, d, windowed, seqlen=longest, ieee=ieee),
         "backward dk/dv", q, d,
         *tensors[:8], mask, alibi, cu_q, cu_k,
         *configs.strides(varlen, q4, k4, v4, dout4, dk4, dv4, lse3),
@@ -414,7 +415,7 @@ def attn_bwd(dout, q, k, v, out, lse, dlse, *, attn_mask, alibi_slopes, softmax_
     dqp = configs.launch(
         _bwd_dq_kernel,
         lambda cfg: (max(1, configs.cdiv(longest_q, cfg.block_m)), batch * h),
-        configs.bwd_dq_config(q, d, windowed, seqlen=longest, allow_tf32=allow_tf32),
+        configs.bwd_dq_config(q, d, windowed, seqlen=longest, ieee=ieee),
         "backward dq", q, d,
         *tensors[:6], dq, mask, alibi, cu_q, cu_k,
         *configs.strides(varlen, q4, k4, v4, dout4, dq4, lse3),

@@ -185,26 +185,27 @@ def _pick(kind: str, q: torch.Tensor, head_dim: int, table16: dict, table32: dic
 
 # seqlen (the longer of seqlen_q and seqlen_k) and causal_like (causal or windowed) pick
 # a tuned entry; a caller that passes no seqlen gets the static tables.
-# allow_tf32=False with fp32 inputs selects the IEEE tables.
-def fwd_config(q, head_dim, causal_like=False, *, seqlen=None, allow_tf32=True
+# ieee=True (INPUT_PRECISION "ieee") with fp32 inputs selects the IEEE tables; tensor-core
+# products (TF32, tf32x3) take the fp32 tables.
+def fwd_config(q, head_dim, causal_like=False, *, seqlen=None, ieee=False
                ) -> TileConfig:
     return _pick("fwd", q, head_dim, _FWD_16BIT_CAUSAL if causal_like else _FWD_16BIT,
                  _FWD_32BIT, causal_like=causal_like, seqlen=seqlen,
-                 ieee_table=None if allow_tf32 else _FWD_IEEE)
+                 ieee_table=_FWD_IEEE if ieee else None)
 
 
-def bwd_dkdv_config(q, head_dim, causal_like=False, *, seqlen=None, allow_tf32=True
+def bwd_dkdv_config(q, head_dim, causal_like=False, *, seqlen=None, ieee=False
                     ) -> TileConfig:
     return _pick("bwd_dkdv", q, head_dim, _BWD_DKDV_16BIT, _BWD_32BIT,
                  causal_like=causal_like, seqlen=seqlen,
-                 ieee_table=None if allow_tf32 else _BWD_DKDV_IEEE)
+                 ieee_table=_BWD_DKDV_IEEE if ieee else None)
 
 
-def bwd_dq_config(q, head_dim, causal_like=False, *, seqlen=None, allow_tf32=True
+def bwd_dq_config(q, head_dim, causal_like=False, *, seqlen=None, ieee=False
                   ) -> TileConfig:
     return _pick("bwd_dq", q, head_dim, _BWD_DQ_16BIT, _BWD_32BIT,
                  causal_like=causal_like, seqlen=seqlen,
-                 ieee_table=None if allow_tf32 else _BWD_DQ_IEEE)
+                 ieee_table=_BWD_DQ_IEEE if ieee else None)
 
 
 def smaller(cfg: TileConfig) -> TileConfig | None:
@@ -247,6 +248,19 @@ def launch(kernel, grid_fn, cfg: TileConfig, name: str, q, head_dim, *args, slot
             cfg = nxt
 
 
+def fp32_products() -> str:
+    """How fp32 inputs multiply when TF32 is not allowed: "ieee" (exact products, FFMA;
+    the default), or "tf32x3" with FLASHTILE_FP32_PRECISION=tf32x3 (each product as
+    three TF32 tensor-core products of the operands' high and low parts, cuBLAS's fp32
+    emulation: about fp32's accuracy at tensor-core speed; to be measured against
+    "ieee" on the GPU before it can be the default). Read at each launch."""
+    mode = os.environ.get("FLASHTILE_FP32_PRECISION", "ieee")
+    if mode not in ("ieee", "tf32x3"):
+        raise ValueError("FLASHTILE_FP32_PRECISION must be 'ieee' or 'tf32x3', got "
+                         f"{mode!r}")
+    return mode
+
+
 def feature_args(attn_mask, alibi_slopes, q, *, window_left, window_right, softcap,
                  allow_tf32, head_dim):
     """Pointers, strides and constexpr flags of the optional features, shared by the
@@ -268,7 +282,7 @@ def feature_args(attn_mask, alibi_slopes, q, *, window_left, window_right, softc
         MASK_LEFT=window_left >= 0, MASK_RIGHT=window_right >= 0,
         HAS_SOFTCAP=softcap > 0, HAS_ALIBI=alibi_slopes is not None,
         HAS_MASK=attn_mask is not None, MASK_IS_BOOL=is_bool,
-        INPUT_PRECISION="tf32" if allow_tf32 else "ieee",
+        INPUT_PRECISION="tf32" if allow_tf32 else fp32_products(),
     )
     return mask, mask_strides, alibi, alibi_strides, flags
 
