@@ -22,6 +22,7 @@
 #   host         flashtile bench host, flashtile bench hf                 (~8 min)
 #   hopper       the Gluon forward's GPU tests and its timing             (~8 min)
 #   tp           the tensor-parallel driver's tests (2 GPUs)              (~4 min)
+#   fp32         accuracy and speed of fp32, IEEE products against tf32x3  (~8 min)
 #   serve [BACKEND] [KV]  flashtile serve (1B shape, dummy weights, attention BACKEND,
 #                default flashtile, KV pool bytes KV e.g. 4GiB) and the bench serve rate
 #                sweep against it (~6 min; SERVE_PROMPTS, SERVE_RATES, SERVE_TIMEOUT;
@@ -86,6 +87,18 @@ case "${1:-}" in
     timeout 240 python3 -m flashtile tune --headdim 128 2>&1 | tail -20
     cp .ftcache/tuned-configs.json extra/ 2>/dev/null
     tar czf "$OUT/extra.tgz" extra
+    ;;
+  fp32)
+    # fp32 (issue 15 item 5): the accuracy table with IEEE products (the spill-free IEEE
+    # tiles) and with FLASHTILE_FP32_PRECISION=tf32x3, then fp32 timings beside SDPA.
+    for mode in ieee tf32x3; do
+      FLASHTILE_FP32_PRECISION=$mode timeout 120 python3 -m flashtile bench --accuracy \
+        --out "fp32-$mode" --overwrite 2>&1 | grep "^| fp32\|^| tf32" | sed "s/^/$mode /"
+      FLASHTILE_FP32_PRECISION=$mode timeout 150 python3 -m flashtile bench --dtype fp32 \
+        --headdim 64 128 --seqlens 2k 8k --no-progress --out "fp32-$mode-speed" \
+        --overwrite 2>&1 | grep "^|" | sed "s/^/$mode /" | tail -12
+    done
+    tar czf "$OUT/fp32.tgz" fp32-*
     ;;
   short)
     timeout 240 python3 -m flashtile bench --seqlens 512 1k 2k --no-progress \
@@ -177,7 +190,7 @@ import PRESETS; json.dump(PRESETS['llama-3.2-1b'], open('/tmp/llama1b/config.jso
     kill "$server"
     ;;
   *)
-    echo "usage: $0 check|sweep [SECONDS]|extra|short|decode|splits|pdl|engine|engine-peers|shapes|host|hopper|tp|serve [BACKEND] [KV]" >&2
+    echo "usage: $0 check|sweep [SECONDS]|extra|short|decode|splits|pdl|engine|engine-peers|shapes|host|hopper|tp|fp32|serve [BACKEND] [KV]" >&2
     exit 2
     ;;
 esac
