@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import shutil
 
 import pytest
@@ -573,3 +574,20 @@ def test_prefill_inputs_start_16_byte_aligned(checkpoint, batch):
         seq.num_computed_tokens + n for seq, n in scheduled)]
     for seq, _ in scheduled:
         llm.block_manager.free(seq)
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                    reason="the fused kernel on CPU needs the interpreter (make test)")
+@pytest.mark.parametrize("kw", [{}, dict(attention_backend="naive")], ids=["flashtile", "naive"])
+def test_fused_rope_store_gives_the_same_tokens(checkpoint, monkeypatch, kw):
+    """The CUDA path's layer (one kernel for the rotary embedding and the cache write,
+    engine/rope_store.py) forced on through the interpreter: the same greedy tokens as
+    the PyTorch path, with chunked prefill beside decodes and a shared prefix."""
+    import flashtile.engine.model as model
+    path, _ = checkpoint
+    prompts = _prompts([5, 23, 40], seed=4)
+    prompts.append(prompts[1][:16] + [7, 8])  # a prefix-cache hit
+    want = _tokens(_llm(path, **kw).generate(prompts, GREEDY, use_tqdm=False))
+    monkeypatch.setattr(model, "fused_rope_store", lambda q: True)
+    llm = _llm(path, max_num_batched_tokens=32, **kw)  # chunked prefill beside decodes
+    assert _tokens(llm.generate(prompts, GREEDY, use_tqdm=False)) == want

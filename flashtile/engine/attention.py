@@ -110,14 +110,17 @@ class Attention(nn.Module):
         self.k_cache: Optional[Tensor] = None
         self.v_cache: Optional[Tensor] = None
 
-    def forward(self, q: Tensor, k: Tensor, v: Tensor, meta: AttentionMetadata) -> Tensor:
-        if self.k_cache is not None:
-            flat = (-1, self.num_kv_heads, self.head_dim)
-            self.k_cache.view(flat).index_put_((meta.slot_mapping,), k)
-            self.v_cache.view(flat).index_put_((meta.slot_mapping,), v)
-        elif meta.is_decode or meta.has_context:
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, meta: AttentionMetadata,
+                stored: bool = False) -> Tensor:
+        """stored: k and v are in the pool already (rope_store.rope_and_store wrote them
+        with the rotary embedding)."""
+        flat = (-1, self.num_kv_heads, self.head_dim)
+        if self.k_cache is None and (meta.is_decode or meta.has_context):
             raise RuntimeError("attention over earlier keys needs the KV pool: set "
                                "k_cache/v_cache first (ModelRunner does)")
+        if self.k_cache is not None and not stored:
+            self.k_cache.view(flat).index_put_((meta.slot_mapping,), k)
+            self.v_cache.view(flat).index_put_((meta.slot_mapping,), v)
         if meta.is_decode:
             return self._decode(q, meta)
         if self.backend == "flashtile":

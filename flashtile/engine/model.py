@@ -27,6 +27,7 @@ from flashtile.engine.attention import Attention, AttentionMetadata
 from flashtile.engine.config import ModelConfig
 from flashtile.engine.parallel import SINGLE, MergedColumnParallelLinear, ParallelGroup, \
     ParallelLMHead, QKVParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from flashtile.engine.rope_store import rope_and_store, rotate_halves
 
 
 def _fused_on_cuda(fn):
@@ -58,15 +59,8 @@ def _add_rms_norm(x, residual, weight, eps: float):
     return _rms_norm(x, weight, eps), x
 
 
-def _rotary(x, cos, sin):
-    """Rotate the two halves of each head (GPT-NeoX layout); x (T, heads, d), in fp32."""
-    x1, x2 = x.float().chunk(2, dim=-1)
-    c, s = cos[:, None, :], sin[:, None, :]
-    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(x.dtype)
-
-
 def _rotary_qk(q, k, cos, sin):
-    return _rotary(q, cos, sin), _rotary(k, cos, sin)
+    return rotate_halves(q, cos, sin), rotate_halves(k, cos, sin)
 
 
 def _silu_and_mul(x):
@@ -78,6 +72,12 @@ rms_norm = _fused_on_cuda(_rms_norm)
 add_rms_norm = _fused_on_cuda(_add_rms_norm)
 rotary_qk = _fused_on_cuda(_rotary_qk)
 silu_and_mul = _fused_on_cuda(_silu_and_mul)
+
+
+def fused_rope_store(q) -> bool:
+    """Whether a layer rotates q/k and writes its cache with rope_store's kernel (CUDA);
+    CPU runs keep the PyTorch path, whose logits tests compare with transformers'."""
+    return q.is_cuda
 
 
 class RMSNorm(nn.Module):
@@ -156,8 +156,15 @@ class SelfAttention(nn.Module):
         v = v.view(-1, self.kv_heads, self.head_dim)
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
+        attn = self.attn
+        if fused_rope_store(q) and attn.k_cache is not None:
+            # One kernel for the rotary embedding and this layer's cache write (three
+            # otherwise: a decode step at small batch pays per kernel).
+            q, k = rope_and_store(q, k, v, cos, sin, meta.slot_mapping, attn.k_cache,
+                                  attn.v_cache)
+            return self.o_proj(attn(q, k, v, meta, stored=True).flatten(1))
         q, k = rotary_qk(q, k, cos, sin)
-        return self.o_proj(self.attn(q, k, v, meta).flatten(1))
+        return self.o_proj(attn(q, k, v, meta).flatten(1))
 
 
 class MLP(nn.Module):
