@@ -3,6 +3,7 @@
 All CPU and fast: these are Python and plain torch, no Triton.
 """
 
+import dataclasses
 import math
 
 import pytest
@@ -374,16 +375,27 @@ def test_sampling_tensors_from_seqs():
 
 def test_sampler_greedy_is_argmax_and_logprobs_are_raw():
     logits = torch.randn(len(_MIXED), 32, generator=torch.Generator().manual_seed(1)) * 3
-    seqs = [_seq(p, seed=i) for i, p in enumerate(_MIXED)]
+    # One row asking for logprobs makes the sampler compute them for every row.
+    params = [dataclasses.replace(_MIXED[0], logprobs=0)] + _MIXED[1:]
+    seqs = [_seq(p, seed=i) for i, p in enumerate(params)]
     tokens, logprobs = Sampler(seed=0)(logits, SamplingTensors.from_seqs(seqs, "cpu", 32))
     assert tokens.dtype == torch.int64 and logprobs.dtype == torch.float32
+    mixed_tokens = tokens.tolist()
     for row, seq in enumerate(seqs):
         if seq.sampling_params.greedy:
             assert tokens[row] == _hf_processed(logits[row], seq).argmax()
     torch.testing.assert_close(logprobs, logits.log_softmax(-1).gather(1, tokens[:, None])[:, 0])
+    # Nobody asks for logprobs: none are computed (the argmax of the raw logits, no fp32
+    # copy, no logsumexp), and the tokens are the same, in 16-bit logits too.
     greedy = [_seq(SamplingParams(temperature=0), seed=i) for i in range(3)]
-    tokens, _ = Sampler()(logits[:3], SamplingTensors.from_seqs(greedy, "cpu", 32))
-    assert tokens.tolist() == logits[:3].argmax(-1).tolist()
+    tokens, none = Sampler()(logits[:3], SamplingTensors.from_seqs(greedy, "cpu", 32))
+    assert tokens.tolist() == logits[:3].argmax(-1).tolist() and none is None
+    half = logits[:3].to(torch.bfloat16)
+    assert Sampler()(half, SamplingTensors.from_seqs(greedy, "cpu", 32))[0].tolist() \
+        == half.float().argmax(-1).tolist()
+    sampled, none = Sampler(seed=0)(logits, SamplingTensors.from_seqs(
+        [_seq(p, seed=i) for i, p in enumerate(_MIXED)], "cpu", 32))
+    assert none is None and sampled.tolist() == mixed_tokens
     with pytest.raises(ValueError, match="logits: expected shape"):
         Sampler()(logits, SamplingTensors.from_seqs(greedy, "cpu", 32))
 

@@ -198,8 +198,8 @@ class ModelRunner(StepInputsMixin, CudaGraphsMixin):
             return LaunchedStep(seqs, None, None, None, False)
         tensors = SamplingTensors.from_seqs(seqs, self.device,
                                             self.config.model_config.vocab_size)
-        logits = self.model.compute_logits(self.forward(inputs)).float()
-        tokens, logprobs = self.sampler(logits, tensors)
+        logits = self.model.compute_logits(self.forward(inputs))  # the sampler upcasts
+        tokens, logprobs = self.sampler(logits, tensors)  # logprobs None: none asked
         if self.model.tp.size > 1 and self.config.async_scheduling:
             self.model.tp.broadcast(tokens)  # the other ranks' next step may read them
         self._last_tokens = tokens  # the next step's in-flight input ids come from here
@@ -207,8 +207,9 @@ class ModelRunner(StepInputsMixin, CudaGraphsMixin):
         if self.device.type == "cuda":
             tokens = torch.empty_like(tokens, device="cpu", pin_memory=True).copy_(
                 tokens, non_blocking=True)
-            logprobs = torch.empty_like(logprobs, device="cpu", pin_memory=True).copy_(
-                logprobs, non_blocking=True)
+            if logprobs is not None:
+                logprobs = torch.empty_like(logprobs, device="cpu", pin_memory=True).copy_(
+                    logprobs, non_blocking=True)
             done = torch.cuda.Event()
             done.record()
         return LaunchedStep(seqs, tokens, logprobs, done, tensors.token_ids is not None)
@@ -234,13 +235,16 @@ class ModelRunner(StepInputsMixin, CudaGraphsMixin):
         step = self.launch(scheduled)
         return (step.seqs, *self.wait(step))
 
-    def wait(self, step: LaunchedStep) -> tuple[list[int], list[float]]:
+    def wait(self, step: LaunchedStep) -> tuple[list[int], list]:
         """A launched step's sampled token ids and logprobs on the host, once done."""
         if not step.seqs:
             return [], []
         if step.done is not None:
             step.done.synchronize()
-        return step.tokens.tolist(), step.logprobs.tolist()
+        tokens = step.tokens.tolist()
+        if step.logprobs is None:  # no request of the step asked for logprobs
+            return tokens, [None] * len(tokens)
+        return tokens, step.logprobs.tolist()
 
     def shutdown(self):
         """Release what outlives this object: nothing in one process (the pool and the

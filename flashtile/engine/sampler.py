@@ -60,7 +60,8 @@ class SamplingTensors:
         when no row has a penalty.
     seeded_rows: host pairs (row, step_seed) of the non-greedy seeded rows.
     The do_* / *_greedy flags are host booleans, so that forward skips unused work without
-    reading device values.
+    reading device values; want_logprobs: some row asked for logprobs (else the sampler
+    skips the logsumexp over the vocabulary and returns None for them).
     """
 
     temperatures: torch.Tensor
@@ -75,13 +76,15 @@ class SamplingTensors:
     do_top_k: bool
     do_top_p: bool
     do_min_p: bool
+    want_logprobs: bool = True
 
     @classmethod
-    def plain_greedy(cls, rows: int, device, vocab_size: int) -> SamplingTensors:
+    def plain_greedy(cls, rows: int, device, vocab_size: int, want_logprobs: bool = True
+                     ) -> SamplingTensors:
         """The tensors of ``rows`` greedy rows without penalties (the common case: offline
         generation, benchmarks), made once per batch size and device: the sampler reads
         nothing of them but the flags, and nothing writes them."""
-        key = (rows, torch.device(device), vocab_size)
+        key = (rows, torch.device(device), vocab_size, want_logprobs)
         t = _GREEDY.get(key)
         if t is None:
             zeros = torch.zeros(rows, device=device)
@@ -90,7 +93,7 @@ class SamplingTensors:
                 temperatures=zeros, top_ps=ones, min_ps=zeros, repetition_penalties=ones,
                 top_ks=torch.full((rows,), vocab_size, dtype=torch.int64, device=device),
                 token_ids=None, seeded_rows=[], all_greedy=True, any_greedy=True,
-                do_top_k=False, do_top_p=False, do_min_p=False)
+                do_top_k=False, do_top_p=False, do_min_p=False, want_logprobs=want_logprobs)
         return t
 
     @classmethod
@@ -99,8 +102,9 @@ class SamplingTensors:
         to device without blocking (from pinned memory on CUDA)."""
         device = torch.device(device)
         params = [s.sampling_params for s in seqs]
+        want_logprobs = any(p.logprobs is not None for p in params)
         if all(p.greedy and p.repetition_penalty == 1.0 for p in params):
-            return cls.plain_greedy(len(seqs), device, vocab_size)
+            return cls.plain_greedy(len(seqs), device, vocab_size, want_logprobs)
         greedy = [p.greedy for p in params]
         top_ks = [vocab_size if g or not 0 < p.top_k < vocab_size else p.top_k
                   for p, g in zip(params, greedy)]
@@ -131,7 +135,8 @@ class SamplingTensors:
                    repetition_penalties=floats[3], top_ks=put(top_ks, torch.int64),
                    token_ids=token_ids, seeded_rows=seeded, all_greedy=all(greedy),
                    any_greedy=any(greedy), do_top_k=any(k < vocab_size for k in top_ks),
-                   do_top_p=any(p < 1.0 for p in top_ps), do_min_p=any(p > 0 for p in min_ps))
+                   do_top_p=any(p < 1.0 for p in top_ps), do_min_p=any(p > 0 for p in min_ps),
+                   want_logprobs=want_logprobs)
 
 
 def apply_repetition_penalty(logits, token_ids, penalties):
@@ -197,6 +202,10 @@ class Sampler(nn.Module):
         if logits.dim() != 2 or logits.shape[0] != t.temperatures.shape[0]:
             _fail(ValueError, "logits", f"shape ({t.temperatures.shape[0]}, vocab_size), one "
                   "row per SamplingTensors row", f"shape {tuple(logits.shape)}")
+        if t.all_greedy and t.token_ids is None and not t.want_logprobs:
+            # fp32 holds every 16-bit logit exactly: the argmax of the raw logits is the
+            # same, without writing and reading an fp32 copy of (B, vocab).
+            return logits.argmax(dim=-1), None
         raw = logits.float()
         x = raw
         if t.token_ids is not None:
@@ -207,6 +216,8 @@ class Sampler(nn.Module):
             tokens = self._sample(x, t)
             if t.any_greedy:
                 tokens = torch.where(t.temperatures == 0, x.argmax(dim=-1), tokens)
+        if not t.want_logprobs:
+            return tokens, None
         logprobs = raw.gather(1, tokens[:, None]).squeeze(1) - raw.logsumexp(dim=-1)
         return tokens, logprobs
 
