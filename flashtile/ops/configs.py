@@ -253,7 +253,9 @@ def fp32_products() -> str:
     the default), or "tf32x3" with FLASHTILE_FP32_PRECISION=tf32x3 (each product as
     three TF32 tensor-core products of the operands' high and low parts, cuBLAS's fp32
     emulation: about fp32's accuracy at tensor-core speed; to be measured against
-    "ieee" on the GPU before it can be the default). Read at each launch."""
+    "ieee" on the GPU before it can be the default). Read when a launch plan is made
+    (ops/_launch.py), like the FLASHTILE_*_CONFIG variables: set it before the first
+    call, or call ``_launch.clear()`` after changing it."""
     mode = os.environ.get("FLASHTILE_FP32_PRECISION", "ieee")
     if mode not in ("ieee", "tf32x3"):
         raise ValueError("FLASHTILE_FP32_PRECISION must be 'ieee' or 'tf32x3', got "

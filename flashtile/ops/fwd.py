@@ -108,8 +108,12 @@ def _fwd_block(acc, l_i, m_i, b_q, p_k, p_v, start, stop,
 
 
 # max_seqlen_q/k change from call to call (a varlen batch's longest sequence): not
-# specialised, so one compiled kernel (and one launch plan) serves them all.
-@triton.jit(do_not_specialize=["max_seqlen_q", "max_seqlen_k"])
+# specialised, so one compiled kernel (and one launch plan) serves them all. Nor are the
+# lse strides: a varlen call's lse is (nheads, total_q), so its strides carry the packed
+# token count, and Triton would compile a variant for a count divisible by 16, another
+# for one that is not and a third for 1 (an engine met the second mid-serving, after its
+# warm-up; NOTES.md section 15). One scalar store per row does not need the hint.
+@triton.jit(do_not_specialize=["max_seqlen_q", "max_seqlen_k", "stride_lb", "stride_lh"])
 def _attn_fwd_kernel(
     Q, K, V, Out, Lse, Mask, Alibi, CuSeqlensQ, CuSeqlensK, BlockTable, SequsedK,
     stride_qb, stride_qm, stride_qh,
