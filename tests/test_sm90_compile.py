@@ -186,3 +186,13 @@ def test_tf32x3_compiles_to_tensor_core_products(kind):
         sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True,
                               check=True).stdout
     assert "HGMMA" in sass or "HMMA" in sass
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_engine_rope_store_compiles(head_dim):
+    """The engine's fused rotary + cache write (engine/rope_store.py): compiles for
+    sm_90, without spills."""
+    from flashtile.engine.rope_store import _rope_store_kernel
+    ck = compile_kernel(_rope_store_kernel, dict(HALF=head_dim // 2, BLOCK_H=head_dim // 2),
+                        num_warps=1, types=dict(Cos="*fp32", Sin="*fp32", Slots="*i64"))
+    assert resources(ck)["stack_bytes"] == 0
