@@ -14,7 +14,7 @@ import os
 import torch
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-MAX_HEAD_DIM = 256
+MAX_HEAD_DIM = 512
 
 
 def _fail(kind, name, expected, got, fix=""):

@@ -133,7 +133,7 @@ def test_no_command_prints_help(capsys):
     (["bench", "--repeats", "-2"], "argument --repeats: expected a positive int, got '-2'"),
     (["tune", "--repeats", "x"], "argument --repeats: expected a positive int, got 'x'"),
     (["bench", "--headdim", "64", "0"], "argument --headdim: expected a positive int"),
-    (["tune", "--headdim", "512"], "argument --headdim: expected a head_dim from 1 to 256"),
+    (["tune", "--headdim", "513"], "argument --headdim: expected a head_dim from 1 to 512"),
     (["bench", "--seqlens", "1.5k"], "argument --seqlens: expected a positive length"),
     (["bench", "--providers", "flashattn9"], "argument --providers: invalid choice: "
                                              "'flashattn9'"),

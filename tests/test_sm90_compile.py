@@ -9,7 +9,7 @@ import os
 
 import pytest
 
-from flashtile.ops import configs
+from flashtile.ops import configs, decode
 from flashtile.ops.bwd import _bwd_dkdv_kernel, _bwd_dq_kernel, _bwd_preprocess_kernel
 from flashtile.ops.decode import _append_kernel, _combine_kernel, _decode_kernel
 from flashtile.ops.fwd import _attn_fwd_kernel
@@ -196,3 +196,47 @@ def test_engine_rope_store_compiles(head_dim):
     ck = compile_kernel(_rope_store_kernel, dict(HALF=head_dim // 2, BLOCK_H=head_dim // 2),
                         num_warps=1, types=dict(Cos="*fp32", Sin="*fp32", Slots="*i64"))
     assert resources(ck)["stack_bytes"] == 0
+
+
+@pytest.mark.parametrize("dtype,precision", [("bf16", "tf32"), ("fp32", "tf32"),
+                                             ("fp32", "ieee")])
+@pytest.mark.parametrize("kind", ["fwd", "bwd_dkdv", "bwd_dq", "decode"])
+def test_head_dim_512_tiles_do_not_spill(kind, dtype, precision):
+    """head_dim 512's tiles: every table entry (and the decode tile) compiles for sm_90
+    within shared memory and without spills."""
+    class Q:  # what configs reads of q: device, element size
+        device = type("D", (), {"type": "cuda"})()
+
+        @staticmethod
+        def element_size():
+            return 4 if dtype == "fp32" else 2
+    ieee = precision == "ieee"
+    if kind == "decode":
+        if ieee and dtype == "fp32":
+            pytest.skip("decode's tile does not depend on the products")
+        cfg = configs.decode_config(Q, 512, 4, split=True)
+        consts = dict(PAGED=True, PAGE_SIZE=64, PAGE_ALIGNED=True, TILE_PAGES=0,
+                      SPLIT_PAGES=4, HAS_BATCH_IDX=False, HAS_LEFTPAD=False,
+                      LAUNCH_DEPENDENTS=True)
+        kernel = _decode_kernel
+        flags = {k: v for k, v in PLAIN.items() if k not in ("HAS_MASK", "MASK_IS_BOOL")}
+    else:
+        pick = {"fwd": configs.fwd_config, "bwd_dkdv": configs.bwd_dkdv_config,
+                "bwd_dq": configs.bwd_dq_config}[kind]
+        cfg = pick(Q, 512, ieee=ieee)
+        kernel = {"fwd": _attn_fwd_kernel, "bwd_dkdv": _bwd_dkdv_kernel,
+                  "bwd_dq": _bwd_dq_kernel}[kind]
+        consts = dict(REVERSE_M=False, IS_VARLEN=False, **UNPAGED) if kind == "fwd" \
+            else dict(IS_VARLEN=False)
+        flags = dict(PLAIN)
+    flags = dict(flags, MASK_RIGHT=False, INPUT_PRECISION=precision)
+    ck = compile_kernel(kernel, dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=512,
+                                     **consts, **flags),
+                        dtype=dtype, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    res = resources(ck)
+    assert res["stack_bytes"] == 0 and res["shared_bytes"] <= configs.SM90_SMEM_BYTES, \
+        (cfg, res)
+    if kind == "decode":  # and the combine of its splits, at the largest split count
+        ck = compile_kernel(_combine_kernel, dict(BLOCK_S=128, BLOCK_D=512, USE_PDL=True),
+                            dtype=dtype, num_warps=decode._combine_warps(128 * 512))
+        assert resources(ck)["stack_bytes"] == 0

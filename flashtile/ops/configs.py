@@ -74,38 +74,44 @@ _INTERPRETER = {
 }
 
 # Hopper (sm90) fp16/bf16, keyed by padded head dim. d64/d128 entries are the best of
-# the sweep on an H200 (docs/benchmarks/NOTES.md, run 2); 16/32 follow d64, 256 is sized
-# to compile without spilling.
+# the sweep on an H200 (docs/benchmarks/NOTES.md, run 2); 16/32 follow d64, 256 and 512
+# are sized to compile without spilling (sm_90 AOT, tests/test_sm90_compile.py).
 _FWD_16BIT = {
     16: TileConfig(128, 64, 8, 3), 32: TileConfig(128, 64, 8, 3),
     64: TileConfig(128, 64, 8, 3), 128: TileConfig(128, 128, 8, 3),
     256: TileConfig(64, 32, 4, 2),
+    512: TileConfig(32, 32, 4, 2),
 }
 # Causal/windowed: the masked diagonal blocks cost more with large tiles at d64.
 _FWD_16BIT_CAUSAL = {
     16: TileConfig(64, 64, 4, 3), 32: TileConfig(64, 64, 4, 3),
     64: TileConfig(64, 64, 4, 3), 128: TileConfig(128, 64, 8, 3),
     256: TileConfig(64, 32, 4, 2),
+    512: TileConfig(32, 32, 4, 2),
 }
 _FWD_32BIT = {
     16: TileConfig(64, 64, 4, 2), 32: TileConfig(64, 64, 4, 2),
     64: TileConfig(64, 32, 4, 2), 128: TileConfig(64, 32, 4, 2),
     256: TileConfig(32, 32, 4, 1),
+    512: TileConfig(32, 16, 8, 1),
 }
 _BWD_DKDV_16BIT = {  # (BLOCK_M over queries, BLOCK_N over keys)
     16: TileConfig(32, 64, 4, 3), 32: TileConfig(32, 64, 4, 3),
     64: TileConfig(32, 64, 4, 3), 128: TileConfig(64, 128, 8, 2),
     256: TileConfig(32, 64, 8, 1),
+    512: TileConfig(32, 16, 8, 1),
 }
 _BWD_DQ_16BIT = {
     16: TileConfig(64, 64, 4, 3), 32: TileConfig(64, 64, 4, 3),
     64: TileConfig(64, 64, 4, 3), 128: TileConfig(128, 64, 8, 3),
     256: TileConfig(64, 32, 8, 1),
+    512: TileConfig(32, 16, 8, 1),
 }
 _BWD_32BIT = {
     16: TileConfig(32, 32, 4, 1), 32: TileConfig(32, 32, 4, 1),
     64: TileConfig(32, 32, 4, 1), 128: TileConfig(32, 32, 4, 1),
     256: TileConfig(16, 16, 4, 1),
+    512: TileConfig(16, 16, 8, 1),
 }
 # fp32 with IEEE products (no TF32): the products are FFMA, not tensor-core instructions,
 # and the fp32 tables' tiles, sized for TF32, spilled (sm_90 AOT: the d128 forward's 64x32
@@ -115,16 +121,19 @@ _FWD_IEEE = {
     16: TileConfig(64, 32, 8, 2), 32: TileConfig(64, 32, 8, 2),
     64: TileConfig(64, 32, 8, 2), 128: TileConfig(32, 16, 4, 2),
     256: TileConfig(16, 16, 4, 2),
+    512: TileConfig(32, 16, 8, 1),
 }
 _BWD_DKDV_IEEE = {
     16: TileConfig(32, 32, 8, 1), 32: TileConfig(32, 32, 8, 1),
     64: TileConfig(32, 32, 8, 1), 128: TileConfig(32, 32, 8, 1),
     256: TileConfig(16, 16, 8, 1),
+    512: TileConfig(16, 16, 8, 1),
 }
 _BWD_DQ_IEEE = {
     16: TileConfig(32, 32, 8, 1), 32: TileConfig(32, 32, 8, 1),
     64: TileConfig(32, 32, 8, 1), 128: TileConfig(16, 16, 4, 1),
     256: TileConfig(16, 16, 8, 1),
+    512: TileConfig(16, 16, 8, 1),
 }
 
 
@@ -328,6 +337,11 @@ def decode_config(q, head_dim, rows, split=True) -> TileConfig:
     # Unsplit programs walk the whole cache: a fourth stage measured faster there (H200,
     # 64 x 2k: 4346 against 3898 GB/s; 32 x 4k equal), slower for short splits (NOTES 8).
     wide = padded_head_dim(head_dim) * q.element_size() > 256
+    if padded_head_dim(head_dim) >= 512:
+        # (rows, 512) fp32 accumulators: at most 32 rows, over 8 warps (sm_90 AOT: 64
+        # rows spill 2 KB a thread, 32 rows x 32 keys with 8 warps hold 203 registers).
+        return TileConfig(min(block_m, 32), 32 if q.element_size() == 2 else 16, 8,
+                          3 if split else 4)
     return TileConfig(block_m, 32 if wide else 64, 4, 3 if split else 4)
 
 

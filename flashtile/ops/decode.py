@@ -292,6 +292,13 @@ def _combine_kernel(OutPartial, LsePartial, Out, Lse,
     tl.store(Lse + off_b * stride_lb + off_h * stride_lh + off_t, lse)
 
 
+def _combine_warps(elements: int) -> int:
+    """Warps of the combine for a (splits, head_dim) tile: one up to 32 x 128 (the
+    common decode; PDL's early launch wants it small), then enough that each thread
+    holds at most 128 of its fp32 partials (sm_90 AOT: one warp at 32 x 512 spills)."""
+    return 1 if elements <= 32 * 128 else min(16, max(4, elements // (128 * 32)))
+
+
 # Splits spanning at most this many pages load their page list before the K/V loop
 # (SPLIT_PAGES); longer ones look pages up a tile ahead inside it.
 MAX_SPLIT_PAGES = 16
@@ -459,7 +466,7 @@ def attn_decode(q, k_cache, v_cache, *, cache_seqlens, block_table, cache_batch_
         # One warp while its tile fits in 128 registers a thread: no cross-warp
         # reductions. H200, 32 splits x d128 alone: 1.66 us, 4 warps 2.69 (NOTES 9).
         dict(BLOCK_S=block_s, BLOCK_D=block_d, USE_PDL=pdl, launch_pdl=pdl,
-             num_warps=1 if block_s * block_d <= 32 * 128 else 4),
+             num_warps=_combine_warps(block_s * block_d)),
         _COMBINE_SLOTS if key is not None else None)
     if key is not None:
         _launch.store(key, (num_splits, decode, combine))
