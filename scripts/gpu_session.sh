@@ -23,6 +23,7 @@
 #   hopper       the Gluon forward's GPU tests and its timing             (~8 min)
 #   tp           the tensor-parallel driver's tests (2 GPUs)              (~4 min)
 #   fp32         accuracy and speed of fp32, IEEE products against tf32x3  (~8 min)
+#   wide         head_dim 256 and 512 beside the peers; d256 backward tiles  (~7 min)
 #   serve [BACKEND] [KV]  flashtile serve (1B shape, dummy weights, attention BACKEND,
 #                default flashtile, KV pool bytes KV e.g. 4GiB) and the bench serve rate
 #                sweep against it (~6 min; SERVE_PROMPTS, SERVE_RATES, SERVE_TIMEOUT;
@@ -99,6 +100,18 @@ case "${1:-}" in
         --overwrite 2>&1 | grep "^|" | sed "s/^/$mode /" | tail -12
     done
     tar czf "$OUT/fp32.tgz" fp32-*
+    ;;
+  wide)
+    # head_dim 256 and 512 (issue 15 item 3, issue 17 item 3): forward and forward+backward
+    # beside the peers that take them, then the d256 backward tiles the AOT study proposes.
+    timeout 240 python3 -m flashtile bench --headdim 256 512 --seqlens 1k 4k --modes fwd \
+      fwd_bwd --no-progress --out wide --overwrite 2>&1 | grep "^|" | tail -24
+    for c in "32,32,8,2" "16,32,8,2" "64,32,8,1"; do
+      FLASHTILE_BWD_DKDV_CONFIG=$c FLASHTILE_BWD_DQ_CONFIG=64,32,8,2 timeout 60 python3 -m \
+        flashtile bench --headdim 256 --seqlens 4k --modes fwd_bwd --providers flashtile \
+        --no-progress --out "wide-$c" --overwrite 2>&1 | grep "^| flashtile" | sed "s/^/$c /"
+    done
+    tar czf "$OUT/wide.tgz" wide*
     ;;
   short)
     timeout 240 python3 -m flashtile bench --seqlens 512 1k 2k --no-progress \
@@ -190,7 +203,7 @@ import PRESETS; json.dump(PRESETS['llama-3.2-1b'], open('/tmp/llama1b/config.jso
     kill "$server"
     ;;
   *)
-    echo "usage: $0 check|sweep [SECONDS]|extra|short|decode|splits|pdl|engine|engine-peers|shapes|host|hopper|tp|fp32|serve [BACKEND] [KV]" >&2
+    echo "usage: $0 check|sweep [SECONDS]|extra|short|decode|splits|pdl|engine|engine-peers|shapes|host|hopper|tp|fp32|wide|serve [BACKEND] [KV]" >&2
     exit 2
     ;;
 esac
