@@ -5,6 +5,12 @@
 implementations only allocate, with the strides the real ones return (contiguous), so
 compiled graphs see the true layout.
 
+The Triton backward has two paths (flashtile/ops/bwd.py): split, bitwise reproducible,
+and fused, fewer matrix products with dq summed by atomics (reproducible to rounding).
+``deterministic`` (flash-attn's flag) True always takes the split path; False takes
+FLASHTILE_BWD's choice, read at each backward: "split" or "fused" (default DEFAULT_BWD).
+torch.use_deterministic_algorithms(True) counts as deterministic=True.
+
 Callers use ``attention`` / ``varlen_attention``: plain eager calls run the same
 implementation, setup_context and backward as an autograd.Function, without the
 dispatcher's round trip through the op; torch.compile, tracing, fake or meta tensors
@@ -13,6 +19,7 @@ and torch.func transforms get the op itself.
 
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import torch
@@ -27,6 +34,22 @@ from flashtile.ops.bwd import attn_bwd as triton_bwd
 from flashtile.ops.fwd import attn_fwd as triton_fwd
 
 
+BWD_PATHS = ("split", "fused")
+# The split path stays the default until the fused one is timed on the GPU (issue 15):
+# the faster becomes the default, both pass the same accuracy tests.
+DEFAULT_BWD = "split"
+
+
+def fused_backward(deterministic: bool) -> bool:
+    """Whether a Triton backward takes the fused path (module docstring)."""
+    path = os.environ.get("FLASHTILE_BWD", "").strip().lower() or DEFAULT_BWD
+    if path not in BWD_PATHS:
+        raise ValueError(f"FLASHTILE_BWD must be one of {BWD_PATHS} (or unset: "
+                         f"{DEFAULT_BWD!r}), got {path!r}")
+    return (path == "fused" and not deterministic
+            and not torch.are_deterministic_algorithms_enabled())
+
+
 def _mask_kwargs(attn_mask, alibi_slopes, softmax_scale, diag_offset, window_left,
                  window_right, softcap):
     return dict(attn_mask=attn_mask, alibi_slopes=alibi_slopes, softmax_scale=softmax_scale,
@@ -37,7 +60,8 @@ def _mask_kwargs(attn_mask, alibi_slopes, softmax_scale, diag_offset, window_lef
 def _attn_fwd_impl(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor],
              alibi_slopes: Optional[Tensor], softmax_scale: float, diag_offset: int,
              window_left: int, window_right: int, softcap: float,
-             allow_tf32: bool) -> tuple[Tensor, Tensor]:
+             allow_tf32: bool, deterministic: bool = False) -> tuple[Tensor, Tensor]:
+    # deterministic only matters to the backward: kept for it by _setup_context.
     kw = _mask_kwargs(attn_mask, alibi_slopes, softmax_scale, diag_offset, window_left,
                       window_right, softcap)
     if select_backend(q.device, q.dtype) == "triton":
@@ -55,7 +79,7 @@ attn_fwd = torch.library.custom_op("flashtile::attn_fwd", mutates_args=())(_attn
 
 @attn_fwd.register_fake
 def _(q, k, v, attn_mask, alibi_slopes, softmax_scale, diag_offset, window_left,
-      window_right, softcap, allow_tf32):
+      window_right, softcap, allow_tf32, deterministic=False):
     b, sq, h, d = q.shape
     return q.new_empty((b, sq, h, d)), q.new_empty((b, h, sq), dtype=torch.float32)
 
@@ -63,12 +87,13 @@ def _(q, k, v, attn_mask, alibi_slopes, softmax_scale, diag_offset, window_left,
 def _attn_bwd_impl(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
              dlse: Optional[Tensor], attn_mask: Optional[Tensor],
              alibi_slopes: Optional[Tensor], softmax_scale: float, diag_offset: int,
-             window_left: int, window_right: int, softcap: float,
-             allow_tf32: bool) -> tuple[Tensor, Tensor, Tensor]:
+             window_left: int, window_right: int, softcap: float, allow_tf32: bool,
+             deterministic: bool = False) -> tuple[Tensor, Tensor, Tensor]:
     kw = _mask_kwargs(attn_mask, alibi_slopes, softmax_scale, diag_offset, window_left,
                       window_right, softcap)
     if select_backend(q.device, q.dtype) == "triton":
-        return triton_bwd(dout, q, k, v, out, lse, dlse, allow_tf32=allow_tf32, **kw)
+        return triton_bwd(dout, q, k, v, out, lse, dlse, allow_tf32=allow_tf32,
+                          fused=fused_backward(deterministic), **kw)
     grads = _torch_backend.attention_bwd(dout, q, k, v, out, lse, dlse, **kw)
     return tuple(g.contiguous() for g in grads)
 
@@ -78,14 +103,14 @@ attn_bwd = torch.library.custom_op("flashtile::attn_bwd", mutates_args=())(_attn
 
 @attn_bwd.register_fake
 def _(dout, q, k, v, out, lse, dlse, attn_mask, alibi_slopes, softmax_scale, diag_offset,
-      window_left, window_right, softcap, allow_tf32):
+      window_left, window_right, softcap, allow_tf32, deterministic=False):
     return (torch.empty(q.shape, dtype=q.dtype, device=q.device),
             torch.empty(k.shape, dtype=k.dtype, device=k.device),
             torch.empty(v.shape, dtype=v.dtype, device=v.device))
 
 
 _SCALARS = ("softmax_scale", "diag_offset", "window_left", "window_right", "softcap",
-            "allow_tf32")
+            "allow_tf32", "deterministic")
 
 
 def _setup_context(ctx, inputs, output):
@@ -111,7 +136,9 @@ def _backward(ctx, dout, dlse, bwd=attn_bwd):
     q, k, v, out, lse, attn_mask, alibi_slopes = ctx.saved_tensors
     dout = _kernel_ready(dout, out)
     dq, dk, dv = bwd(dout, q, k, v, out, lse, dlse, attn_mask, alibi_slopes, **ctx.scalars)
-    return dq, dk, dv, None, None, None, None, None, None, None, None
+    # None for attn_mask, alibi_slopes and each scalar (a call that left deterministic
+    # to its default has one input less: autograd drops trailing Nones).
+    return (dq, dk, dv) + (None,) * (2 + len(_SCALARS))
 
 
 attn_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -171,11 +198,11 @@ _EAGER_ATTENTION = _eager_function(
 
 
 def attention(q, k, v, attn_mask, alibi_slopes, softmax_scale, diag_offset, window_left,
-              window_right, softcap, allow_tf32):
+              window_right, softcap, allow_tf32, deterministic=False):
     """(out, lse) with autograd: ``flashtile::attn_fwd`` (one opaque node under
     torch.compile), or in plain eager mode the same functions without the dispatcher."""
     args = (q, k, v, attn_mask, alibi_slopes, softmax_scale, diag_offset, window_left,
-            window_right, softcap, allow_tf32)
+            window_right, softcap, allow_tf32, deterministic)
     return _call(attn_fwd, _EAGER_ATTENTION, _attn_fwd_impl, args)
 
 
@@ -197,7 +224,8 @@ def _varlen_attn_fwd_impl(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
                     alibi_slopes: Optional[Tensor], softmax_scale: float, window_left: int,
                     window_right: int, softcap: float, allow_tf32: bool,
                     block_table: Optional[Tensor] = None,
-                    seqused_k: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+                    seqused_k: Optional[Tensor] = None,
+                    deterministic: bool = False) -> tuple[Tensor, Tensor]:
     backend = select_backend(q.device, q.dtype)
     if (backend == "torch" or index_checks_enabled()) and can_read_indices(q):
         # Here, not in the caller: the op's own run time is the one place a compiled
@@ -239,7 +267,7 @@ varlen_attn_fwd = torch.library.custom_op("flashtile::varlen_attn_fwd",
 @varlen_attn_fwd.register_fake
 def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alibi_slopes,
       softmax_scale, window_left, window_right, softcap, allow_tf32, block_table=None,
-      seqused_k=None):
+      seqused_k=None, deterministic=False):
     return q.new_empty(q.shape), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
 
 
@@ -247,13 +275,15 @@ def _varlen_attn_bwd_impl(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Te
                     dlse: Optional[Tensor], cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
                     max_seqlen_q: int, max_seqlen_k: int, alibi_slopes: Optional[Tensor],
                     softmax_scale: float, window_left: int, window_right: int,
-                    softcap: float, allow_tf32: bool) -> tuple[Tensor, Tensor, Tensor]:
+                    softcap: float, allow_tf32: bool,
+                    deterministic: bool = False) -> tuple[Tensor, Tensor, Tensor]:
     kw = _mask_kwargs(None, alibi_slopes, softmax_scale, 0, window_left, window_right,
                       softcap)
     if select_backend(q.device, q.dtype) == "triton":
         return triton_bwd(dout, q, k, v, out, lse, dlse, allow_tf32=allow_tf32,
                           cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-                          max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, **kw)
+                          max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+                          fused=fused_backward(deterministic), **kw)
     dq, dk, dv = q.new_zeros(q.shape), k.new_zeros(k.shape), v.new_zeros(v.shape)
     for b, (qs, qe, ks, ke) in enumerate(_bounds(cu_seqlens_q, cu_seqlens_k)):
         if qe == qs or ke == ks:
@@ -275,7 +305,7 @@ varlen_attn_bwd = torch.library.custom_op("flashtile::varlen_attn_bwd",
 @varlen_attn_bwd.register_fake
 def _(dout, q, k, v, out, lse, dlse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
       max_seqlen_k, alibi_slopes, softmax_scale, window_left, window_right, softcap,
-      allow_tf32):
+      allow_tf32, deterministic=False):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
@@ -298,9 +328,10 @@ def _varlen_setup_context(ctx, inputs, output):
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k, alibi_slopes)
     ctx.scalars = (max_q, max_k, *inputs[8:13])
-    # Inputs past the scalars: block_table and seqused_k (the op always has them, an
-    # eager call may leave them out).
-    ctx.paged = any(x is not None for x in inputs[13:])
+    # Inputs past the scalars: block_table, seqused_k and deterministic (the op always
+    # has them, an eager call may leave them out).
+    ctx.paged = any(x is not None for x in inputs[13:15])
+    ctx.deterministic = len(inputs) > 15 and bool(inputs[15])
     ctx.num_inputs = len(inputs)
 
 
@@ -314,7 +345,7 @@ def _varlen_backward(ctx, dout, dlse, bwd=varlen_attn_bwd):
     max_q, max_k, *rest = ctx.scalars
     dout = _kernel_ready(dout, out)
     dq, dk, dv = bwd(dout, q, k, v, out, lse, dlse, cu_q, cu_k, max_q, max_k, alibi_slopes,
-                     *rest)
+                     *rest, ctx.deterministic)
     return (dq, dk, dv) + (None,) * (ctx.num_inputs - 3)
 
 

@@ -29,14 +29,14 @@ def _allow_tf32(dtype) -> bool:
 
 
 def _attention(q, k, v, *, attn_mask, alibi_slopes, softmax_scale, diag_offset,
-               window_left, window_right, softcap):
+               window_left, window_right, softcap, deterministic=False):
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(q.shape[-1])
     # torch.sym_int, not int(): under torch.export int() of a symbolic size specializes
     # it (seqlen_k - seqlen_q would be frozen to the example's difference).
     return custom_ops.attention(q, k, v, attn_mask, alibi_slopes, float(softmax_scale),
                                torch.sym_int(diag_offset), window_left, window_right,
-                               float(softcap), _allow_tf32(q.dtype))
+                               float(softcap), _allow_tf32(q.dtype), deterministic)
 
 
 # return_attn_probs (flash-attn's name): flash-attn then returns (out, softmax_lse,
@@ -126,9 +126,13 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
         softcap: if > 0, scores become softcap * tanh(scores / softcap) (before ALiBi).
         alibi_slopes: (nheads,) or (batch, nheads) float; adds
             -slope * |i + seqlen_k - seqlen_q - j| to the score of (i, j).
-        deterministic: bool, accepted for compatibility. The backward is always
-            deterministic (no atomics: each program owns the gradient rows it writes),
-            so gradients are bitwise identical from run to run with either value.
+        deterministic: bool (flash-attn's flag). True: the backward is bitwise
+            reproducible (no atomics: each program owns the gradient rows it writes).
+            False: the backward may instead take the fused path, whose dq is summed
+            by atomic adds in an order that varies (equal to rounding, not bitwise),
+            when FLASHTILE_BWD=fused; today's default, FLASHTILE_BWD=split, is the
+            reproducible path for both values. torch.use_deterministic_algorithms(True)
+            counts as True.
         return_attn_probs: bool (flash-attn's name, for testing): also return lse and
             the attention probabilities, see below. At most ATTN_PROBS_MAX_ELEMENTS
             (2**24) probabilities, batch * nheads * seqlen_q * seqlen_k; more raises.
@@ -157,7 +161,8 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
         softmax_scale = 1.0 / math.sqrt(d)
     out, lse = _attention(q, k, v, attn_mask=None, alibi_slopes=alibi_slopes,
                           softmax_scale=softmax_scale, diag_offset=sk - sq,
-                          window_left=left, window_right=right, softcap=softcap)
+                          window_left=left, window_right=right, softcap=softcap,
+                          deterministic=deterministic)
     if return_attn_probs:
         probs = _attn_probs(q, k, torch.arange(sq, device=q.device),
                             torch.arange(sk, device=q.device), sq, sk,
@@ -257,7 +262,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     out, lse = custom_ops.varlen_attention(
         q, k, v, cu_seqlens_q.contiguous(), cu_seqlens_k, torch.sym_int(max_seqlen_q),
         torch.sym_int(max_seqlen_k), alibi_slopes, float(softmax_scale), left, right,
-        float(softcap), _allow_tf32(q.dtype), block_table, seqused_k)
+        float(softcap), _allow_tf32(q.dtype), block_table, seqused_k, deterministic)
     if return_attn_probs:
         probs = _varlen_attn_probs(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                    max_seqlen_k, softmax_scale=softmax_scale,

@@ -1,10 +1,18 @@
 """FlashAttention backward: recompute P from the saved lse, no N x N tensor in memory.
 
-Algorithm: Dao, FlashAttention-2 (2023), Algorithm 2, split into two kernels that own
-their outputs: ``_bwd_dkdv_kernel`` (one program per key block and KV head, looping over
-every query block of every query head in the group) and ``_bwd_dq_kernel`` (one program
-per query block, looping over key blocks). No atomics, so the gradients are bitwise
-reproducible, and GQA needs no copy of K/V: the group sum happens in registers.
+Algorithm: Dao, FlashAttention-2 (2023), Algorithm 2, in two forms.
+
+Split (the default, bitwise reproducible): two kernels that own their outputs,
+``_bwd_dkdv_kernel`` (one program per key block and KV head, looping over every query
+block of every query head in the group) and ``_bwd_dq_kernel`` (one program per query
+block, looping over key blocks). No atomics, and GQA needs no copy of K/V: the group sum
+happens in registers. Each kernel recomputes QK^T and dP: 7 matrix products per block.
+
+Fused (``fused=True``, flash-attn's ``deterministic=False``): ``_bwd_dkdv_kernel`` with
+ATOMIC_DQ also forms dQ_partial = dS K of its key block and adds it, fp32 atomic
+reductions, into a dQ accumulator that the preprocess zeroed; ``_bwd_dq_convert_kernel``
+then scales it into dq. 5 matrix products per block, as FA2's CUDA backward; the order
+of the reductions varies from run to run, so dq differs in its last bits.
 
 ``delta = rowsum(dO * O) - dlse`` (preprocess kernel) folds the gradient of the lse, when
 the caller used it, into dS = P * (dP - delta).
@@ -20,12 +28,13 @@ from flashtile.ops._common import (LOG2E, _block_range, _fill_nan_rows, _load_ti
 
 
 @triton.jit
-def _bwd_preprocess_kernel(Out, DOut, DLse, Delta,
+def _bwd_preprocess_kernel(Out, DOut, DLse, Delta, DQAccum,
                            stride_ob, stride_om, stride_oh,
                            stride_dob, stride_dom, stride_doh,
+                           stride_dqb, stride_dqm, stride_dqh,
                            nheads, seqlen_q, head_dim,
                            BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
-                           HAS_DLSE: tl.constexpr):
+                           HAS_DLSE: tl.constexpr, ZERO_DQ: tl.constexpr):
     start_m = tl.program_id(0)
     off_bh = tl.program_id(1)
     off_b = off_bh // nheads
@@ -43,6 +52,10 @@ def _bwd_preprocess_kernel(Out, DOut, DLse, Delta,
     if HAS_DLSE:
         delta -= tl.load(DLse + p_row, mask=offs_m < seqlen_q, other=0.0)
     tl.store(Delta + p_row, delta, mask=offs_m < seqlen_q)
+    if ZERO_DQ:  # the fused backward's dQ accumulator: here, not a memset launch more
+        tl.store(DQAccum + off_b * stride_dqb + off_h * stride_dqh
+                 + offs_m[:, None] * stride_dqm + offs_d[None, :],
+                 tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32), mask=m_tile)
 
 
 @triton.jit
@@ -53,15 +66,15 @@ def _load_lse_log2(p_lse, offs, n):
 
 
 @triton.jit
-def _dkdv_block(dk, dv, b_k, b_v, p_q, p_do, p_lse, p_delta, start, stop,
+def _dkdv_block(dk, dv, b_k, b_v, p_q, p_do, p_lse, p_delta, p_dq, start, stop,
                 offs_n, offs_m0, offs_d, seqlen_q, seqlen_k, head_dim,
-                stride_qm, stride_dom, diag_offset, window_left, window_right,
+                stride_qm, stride_dom, stride_dqm, diag_offset, window_left, window_right,
                 softmax_scale, softcap, alibi_slope, p_mask, stride_mask_m, stride_mask_n,
                 BLOCK_M: tl.constexpr, EVEN_D: tl.constexpr, BOUNDARY: tl.constexpr,
                 MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
                 HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
                 HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr,
-                INPUT_PRECISION: tl.constexpr):
+                INPUT_PRECISION: tl.constexpr, ATOMIC_DQ: tl.constexpr):
     # Transposed tile: rows are this program's keys, cols the query block.
     for start_m in tl.range(start, stop, BLOCK_M):
         offs_m = start_m + offs_m0
@@ -83,7 +96,15 @@ def _dkdv_block(dk, dv, b_k, b_v, p_q, p_do, p_lse, p_delta, start, stop,
         if HAS_SOFTCAP:
             t = _tanh(qk_t * (softmax_scale / softcap))
             ds_t = ds_t * (1.0 - t * t)
-        dk = tl.dot(ds_t.to(b_q.dtype), b_q, dk, input_precision=INPUT_PRECISION)
+        b_ds_t = ds_t.to(b_q.dtype)                                           # (N, M)
+        dk = tl.dot(b_ds_t, b_q, dk, input_precision=INPUT_PRECISION)
+        if ATOMIC_DQ:
+            # Keys past seqlen_k were loaded as zero rows of K: they add nothing.
+            b_dq = tl.dot(tl.trans(b_ds_t), b_k, input_precision=INPUT_PRECISION)  # (M, D)
+            m_dq = (offs_m[:, None] < seqlen_q) & (offs_d[None, :] < head_dim)
+            # Relaxed: a reduction whose result nobody reads needs no ordering (the
+            # default acq_rel adds a fence to each).
+            tl.atomic_add(p_dq + start_m * stride_dqm, b_dq, mask=m_dq, sem="relaxed")
     return dk, dv
 
 
@@ -99,13 +120,14 @@ def _varlen_bad(CuSeqlensQ, CuSeqlensK, batch, total_q, total_k, max_seqlen_q,
 # max_seqlen_q/k change from call to call: not specialised (one kernel, one plan).
 @triton.jit(do_not_specialize=["max_seqlen_q", "max_seqlen_k"])
 def _bwd_dkdv_kernel(
-    Q, K, V, DOut, Lse, Delta, DK, DV, Mask, Alibi, CuSeqlensQ, CuSeqlensK,
+    Q, K, V, DOut, Lse, Delta, DK, DV, DQAccum, Mask, Alibi, CuSeqlensQ, CuSeqlensK,
     stride_qb, stride_qm, stride_qh,
     stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh,
     stride_dob, stride_dom, stride_doh,
     stride_dkb, stride_dkn, stride_dkh,
     stride_dvb, stride_dvn, stride_dvh,
+    stride_dqb, stride_dqm, stride_dqh,
     stride_lb, stride_lh,
     stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n,
     stride_alibi_b, stride_alibi_h,
@@ -116,7 +138,10 @@ def _bwd_dkdv_kernel(
     EVEN_D: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_MASK: tl.constexpr,
     MASK_IS_BOOL: tl.constexpr, INPUT_PRECISION: tl.constexpr, IS_VARLEN: tl.constexpr,
+    ATOMIC_DQ: tl.constexpr,
 ):
+    """dK, dV of one key block of one KV head; with ATOMIC_DQ also every query row's
+    share of dQ from these keys, added into DQAccum (fp32, zeroed by the preprocess)."""
     start_n = tl.program_id(0)
     off_bh = tl.program_id(1)
     off_b = off_bh // nheads_kv
@@ -132,6 +157,11 @@ def _bwd_dkdv_kernel(
                            chunk, n_chunks, BLOCK_N, BLOCK_D)
             _fill_nan_rows(DV + off_hkv * stride_dvh, stride_dvn, total_k, head_dim,
                            chunk, n_chunks, BLOCK_N, BLOCK_D)
+            if ATOMIC_DQ:  # no program adds to dQ now: every one saw the same bad sums
+                for g in range(0, group_size):
+                    _fill_nan_rows(DQAccum + (off_hkv * group_size + g) * stride_dqh,
+                                   stride_dqm, total_q, head_dim, chunk, n_chunks,
+                                   BLOCK_M, BLOCK_D)
             return
     q_start, k_start, seqlen_q, seqlen_k, diag_offset = _seq_bounds(
         CuSeqlensQ, CuSeqlensK, off_b, seqlen_q, seqlen_k, diag_offset, IS_VARLEN)
@@ -147,6 +177,7 @@ def _bwd_dkdv_kernel(
     V += off_b * stride_vb + k_start * stride_vn
     DK += off_b * stride_dkb + k_start * stride_dkn
     DV += off_b * stride_dvb + k_start * stride_dvn
+    DQAccum += off_b * stride_dqb + q_start * stride_dqm
     p_k = K + off_hkv * stride_kh + offs_n[:, None] * stride_kn + offs_d[None, :]
     p_v = V + off_hkv * stride_vh + offs_n[:, None] * stride_vn + offs_d[None, :]
     b_k = _load_tile(p_k, offs_n, seqlen_k, offs_d, head_dim, True, EVEN_D)   # (N, D)
@@ -164,6 +195,8 @@ def _bwd_dkdv_kernel(
         # Delta shares lse's layout.
         p_lse = Lse + off_b * stride_lb + off_h * stride_lh + q_start
         p_delta = Delta + off_b * stride_lb + off_h * stride_lh + q_start
+        p_dq = (DQAccum + off_h * stride_dqh + offs_m0[:, None] * stride_dqm
+                + offs_d[None, :])
         alibi_slope = 0.0
         if HAS_ALIBI:
             alibi_slope = tl.load(Alibi + off_b * stride_alibi_b + off_h * stride_alibi_h)
@@ -171,23 +204,26 @@ def _bwd_dkdv_kernel(
         if HAS_MASK:
             p_mask = Mask + off_b * stride_mask_b + off_h * stride_mask_h
         dk, dv = _dkdv_block(
-            dk, dv, b_k, b_v, p_q, p_do, p_lse, p_delta, lo, mid_lo, offs_n, offs_m0,
-            offs_d, seqlen_q, seqlen_k, head_dim, stride_qm, stride_dom, diag_offset,
-            window_left, window_right, softmax_scale, softcap, alibi_slope, p_mask,
-            stride_mask_m, stride_mask_n, BLOCK_M, EVEN_D, True, MASK_LEFT, MASK_RIGHT,
-            HAS_SOFTCAP, HAS_ALIBI, HAS_MASK, MASK_IS_BOOL, INPUT_PRECISION)
+            dk, dv, b_k, b_v, p_q, p_do, p_lse, p_delta, p_dq, lo, mid_lo, offs_n,
+            offs_m0, offs_d, seqlen_q, seqlen_k, head_dim, stride_qm, stride_dom,
+            stride_dqm, diag_offset, window_left, window_right, softmax_scale, softcap,
+            alibi_slope, p_mask, stride_mask_m, stride_mask_n, BLOCK_M, EVEN_D, True,
+            MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_MASK, MASK_IS_BOOL,
+            INPUT_PRECISION, ATOMIC_DQ)
         dk, dv = _dkdv_block(
-            dk, dv, b_k, b_v, p_q, p_do, p_lse, p_delta, mid_lo, mid_hi, offs_n, offs_m0,
-            offs_d, seqlen_q, seqlen_k, head_dim, stride_qm, stride_dom, diag_offset,
-            window_left, window_right, softmax_scale, softcap, alibi_slope, p_mask,
-            stride_mask_m, stride_mask_n, BLOCK_M, EVEN_D, False, MASK_LEFT, MASK_RIGHT,
-            HAS_SOFTCAP, HAS_ALIBI, HAS_MASK, MASK_IS_BOOL, INPUT_PRECISION)
+            dk, dv, b_k, b_v, p_q, p_do, p_lse, p_delta, p_dq, mid_lo, mid_hi, offs_n,
+            offs_m0, offs_d, seqlen_q, seqlen_k, head_dim, stride_qm, stride_dom,
+            stride_dqm, diag_offset, window_left, window_right, softmax_scale, softcap,
+            alibi_slope, p_mask, stride_mask_m, stride_mask_n, BLOCK_M, EVEN_D, False,
+            MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_MASK, MASK_IS_BOOL,
+            INPUT_PRECISION, ATOMIC_DQ)
         dk, dv = _dkdv_block(
-            dk, dv, b_k, b_v, p_q, p_do, p_lse, p_delta, mid_hi, hi, offs_n, offs_m0,
-            offs_d, seqlen_q, seqlen_k, head_dim, stride_qm, stride_dom, diag_offset,
-            window_left, window_right, softmax_scale, softcap, alibi_slope, p_mask,
-            stride_mask_m, stride_mask_n, BLOCK_M, EVEN_D, True, MASK_LEFT, MASK_RIGHT,
-            HAS_SOFTCAP, HAS_ALIBI, HAS_MASK, MASK_IS_BOOL, INPUT_PRECISION)
+            dk, dv, b_k, b_v, p_q, p_do, p_lse, p_delta, p_dq, mid_hi, hi, offs_n,
+            offs_m0, offs_d, seqlen_q, seqlen_k, head_dim, stride_qm, stride_dom,
+            stride_dqm, diag_offset, window_left, window_right, softmax_scale, softcap,
+            alibi_slope, p_mask, stride_mask_m, stride_mask_n, BLOCK_M, EVEN_D, True,
+            MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_MASK, MASK_IS_BOOL,
+            INPUT_PRECISION, ATOMIC_DQ)
 
     m_tile = (offs_n[:, None] < seqlen_k) & (offs_d[None, :] < head_dim)
     p_dk = DK + off_hkv * stride_dkh + offs_n[:, None] * stride_dkn + offs_d[None, :]
@@ -315,22 +351,35 @@ def _bwd_dq_kernel(
              mask=(offs_m[:, None] < seqlen_q) & (offs_d[None, :] < head_dim))
 
 
+@triton.jit
+def _bwd_dq_convert_kernel(DQAccum, DQ, n, softmax_scale, BLOCK: tl.constexpr):
+    """dq = DQAccum * softmax_scale in dq's dtype; both contiguous and shaped like q."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    b_dq = tl.load(DQAccum + offs, mask=offs < n, other=0.0)
+    tl.store(DQ + offs, (b_dq * softmax_scale).to(DQ.dtype.element_ty), mask=offs < n)
+
+
 # The kernel parameters a call of each backward plan fills, in this order (``_launch``).
-_PRE_SLOTS = ("Out", "DOut", "DLse", "Delta")
-_DKDV_SLOTS = ("Q", "K", "V", "DOut", "Lse", "Delta", "DK", "DV", "Mask", "Alibi",
-               "CuSeqlensQ", "CuSeqlensK", "max_seqlen_q", "max_seqlen_k", "softmax_scale",
-               "softcap")
+_PRE_SLOTS = ("Out", "DOut", "DLse", "Delta", "DQAccum")
+_DKDV_SLOTS = ("Q", "K", "V", "DOut", "Lse", "Delta", "DK", "DV", "DQAccum", "Mask",
+               "Alibi", "CuSeqlensQ", "CuSeqlensK", "max_seqlen_q", "max_seqlen_k",
+               "softmax_scale", "softcap")
 _DQ_SLOTS = ("Q", "K", "V", "DOut", "Lse", "Delta", "DQ", "Mask", "Alibi", "CuSeqlensQ",
              "CuSeqlensK", "max_seqlen_q", "max_seqlen_k", "softmax_scale", "softcap")
+_CONVERT_SLOTS = ("DQAccum", "DQ", "softmax_scale")
 
 
 def attn_bwd(dout, q, k, v, out, lse, dlse, *, attn_mask, alibi_slopes, softmax_scale,
              diag_offset, window_left, window_right, softcap, allow_tf32,
-             cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None):
-    """Launch preprocess, dK/dV and dQ. Returns (dq, dk, dv) shaped like q, k, v.
+             cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
+             fused=False):
+    """Launch the backward. Returns (dq, dk, dv) shaped like q, k, v.
 
     Dense: ``lse`` and ``dlse`` are (b, h, sq) fp32; varlen (cu_seqlens given): q/k/v
     are packed (total, heads, d) and lse/dlse are (h, total_q). ``dlse`` may be None.
+    fused: False, the split kernels (preprocess, dK/dV, dQ: bitwise reproducible); True,
+    the preprocess, dK/dV with atomic fp32 dQ, and the dQ conversion (fewer products,
+    dq reproducible to rounding only). Same features either way.
     Index values are checked by the kernels (bad prefix sums: NaN gradients).
     """
     varlen = cu_seqlens_q is not None
@@ -349,12 +398,16 @@ def attn_bwd(dout, q, k, v, out, lse, dlse, *, attn_mask, alibi_slopes, softmax_
     lse = lse.contiguous()
     dlse = dlse.contiguous() if dlse is not None else None
     delta = torch.empty_like(lse)
+    # Shaped and laid out like dq (contiguous), so the conversion is one flat pass; the
+    # preprocess zeroes it.
+    dq_accum = torch.empty(q.shape, dtype=torch.float32, device=q.device) if fused else None
     cu_q, cu_k = (cu_seqlens_q, cu_seqlens_k) if varlen else (q, q)
-    # The preprocess reads out, dout, dlse (lse as a placeholder) and writes delta; the
-    # dK/dV kernel takes tensors[:8] (dq's place is dk, dv), the dQ kernel dq instead.
+    # The preprocess reads out, dout, dlse (lse as a placeholder) and writes delta (and
+    # zeroes dq_accum); the dK/dV kernel takes tensors[:8], dq_accum (q as a never-read
+    # placeholder when not fused) and tensors[8:12]; the dQ kernel dq in dk's place.
     tensors = (q, k, v, dout, lse, delta, dk, dv, q if attn_mask is None else attn_mask,
                q if alibi_slopes is None else alibi_slopes, cu_q, cu_k, out,
-               lse if dlse is None else dlse, dq)
+               lse if dlse is None else dlse, dq, q if dq_accum is None else dq_accum)
     scalars = (max_seqlen_q if varlen else 0, max_seqlen_k if varlen else 0,
                softmax_scale, softcap)
     key = None
@@ -365,17 +418,20 @@ def attn_bwd(dout, q, k, v, out, lse, dlse, *, attn_mask, alibi_slopes, softmax_
                _launch.layout(attn_mask), _launch.layout(alibi_slopes),
                diag_offset, window_left, window_right, softcap > 0, allow_tf32,
                varlen and (batch, configs.seqlen_class(max(longest_q, longest_k))),
-               _launch.misalignment(p))
+               fused, _launch.misalignment(p))
         plans = _launch.lookup(key)
         if plans is not None:
-            pre, dkdv, dqp = plans
-            pre((p[12], p[3], p[13], p[5]))
-            dkdv((*p[:12], *scalars),
+            pre, dkdv, last = plans
+            pre((p[12], p[3], p[13], p[5], p[15]))
+            dkdv((*p[:8], p[15], *p[8:12], *scalars),
                  (max(1, configs.cdiv(longest_k, dkdv.cfg.block_n)), batch * hkv, 1)
                  if varlen else None)
-            dqp((*p[:6], p[14], *p[8:12], *scalars),
-                (max(1, configs.cdiv(longest_q, dqp.cfg.block_m)), batch * h, 1)
-                if varlen else None)
+            if fused:
+                last((p[15], p[14], softmax_scale))
+            else:
+                last((*p[:6], p[14], *p[8:12], *scalars),
+                     (max(1, configs.cdiv(longest_q, last.cfg.block_m)), batch * h, 1)
+                     if varlen else None)
             return dq, dk, dv
     if varlen:
         # Packed tensors as a batch of one whose batch stride the kernels must not use.
@@ -384,13 +440,16 @@ def attn_bwd(dout, q, k, v, out, lse, dlse, *, attn_mask, alibi_slopes, softmax_
         lse3 = lse.unsqueeze(0)
     else:
         dout4, q4, k4, v4, out4, dq4, dk4, dv4, lse3 = dout, q, k, v, out, dq, dk, dv, lse
+    # dq_accum has dq's shape and strides (both contiguous), so dq4 stands for it.
     rows = out4.shape[1]  # per row, so packed varlen rows are one long sequence here
     pre_m = configs.PREPROCESS_BLOCK_M
     pre = _launch.first_launch(
         _bwd_preprocess_kernel, (configs.cdiv(rows, pre_m), out4.shape[0] * h),
-        (out, dout, tensors[13], delta, out4.stride(0), out4.stride(1), out4.stride(2),
-         dout4.stride(0), dout4.stride(1), dout4.stride(2), h, rows, d),
-        dict(BLOCK_M=pre_m, BLOCK_D=configs.padded_head_dim(d), HAS_DLSE=dlse is not None),
+        (out, dout, tensors[13], delta, tensors[15], out4.stride(0), out4.stride(1),
+         out4.stride(2), dout4.stride(0), dout4.stride(1), dout4.stride(2),
+         dq4.stride(0), dq4.stride(1), dq4.stride(2), h, rows, d),
+        dict(BLOCK_M=pre_m, BLOCK_D=configs.padded_head_dim(d), HAS_DLSE=dlse is not None,
+             ZERO_DQ=fused),
         _PRE_SLOTS if key is not None else None)
     mask, mask_strides, alibi, alibi_strides, flags = configs.feature_args(
         attn_mask, alibi_slopes, q, window_left=window_left, window_right=window_right,
@@ -402,26 +461,35 @@ def attn_bwd(dout, q, k, v, out, lse, dlse, *, attn_mask, alibi_slopes, softmax_
     totals = (q.shape[0], k.shape[0]) if varlen else (0, 0)
     common = (*totals, *scalars[:2], diag_offset, window_left, window_right,
               softmax_scale, softcap)
+    pick, name = ((configs.bwd_fused_config, "backward fused dk/dv/dq") if fused
+                  else (configs.bwd_dkdv_config, "backward dk/dv"))
     dkdv = configs.launch(
         _bwd_dkdv_kernel,
         lambda cfg: (max(1, configs.cdiv(longest_k, cfg.block_n)), batch * hkv),
-        configs.bwd_dkdv_config(q, d, windowed, seqlen=longest, ieee=ieee),
-        "backward dk/dv", q, d,
-        *tensors[:8], mask, alibi, cu_q, cu_k,
-        *configs.strides(varlen, q4, k4, v4, dout4, dk4, dv4, lse3),
+        pick(q, d, windowed, seqlen=longest, ieee=ieee), name, q, d,
+        *tensors[:8], tensors[15], mask, alibi, cu_q, cu_k,
+        *configs.strides(varlen, q4, k4, v4, dout4, dk4, dv4, dq4, lse3),
         *mask_strides, *alibi_strides, h, hkv, *sizes, *common,
-        IS_VARLEN=varlen, slots=_DKDV_SLOTS if key is not None else None, **flags,
+        IS_VARLEN=varlen, ATOMIC_DQ=fused, slots=_DKDV_SLOTS if key is not None else None,
+        **flags,
     )
-    dqp = configs.launch(
-        _bwd_dq_kernel,
-        lambda cfg: (max(1, configs.cdiv(longest_q, cfg.block_m)), batch * h),
-        configs.bwd_dq_config(q, d, windowed, seqlen=longest, ieee=ieee),
-        "backward dq", q, d,
-        *tensors[:6], dq, mask, alibi, cu_q, cu_k,
-        *configs.strides(varlen, q4, k4, v4, dout4, dq4, lse3),
-        *mask_strides, *alibi_strides, h, h // hkv, *sizes, *common,
-        IS_VARLEN=varlen, slots=_DQ_SLOTS if key is not None else None, **flags,
-    )
+    if fused:
+        block = configs.DQ_CONVERT_BLOCK
+        last = _launch.first_launch(
+            _bwd_dq_convert_kernel, (configs.cdiv(dq.numel(), block),),
+            (dq_accum, dq, dq.numel(), softmax_scale), dict(BLOCK=block),
+            _CONVERT_SLOTS if key is not None else None)
+    else:
+        last = configs.launch(
+            _bwd_dq_kernel,
+            lambda cfg: (max(1, configs.cdiv(longest_q, cfg.block_m)), batch * h),
+            configs.bwd_dq_config(q, d, windowed, seqlen=longest, ieee=ieee),
+            "backward dq", q, d,
+            *tensors[:6], dq, mask, alibi, cu_q, cu_k,
+            *configs.strides(varlen, q4, k4, v4, dout4, dq4, lse3),
+            *mask_strides, *alibi_strides, h, h // hkv, *sizes, *common,
+            IS_VARLEN=varlen, slots=_DQ_SLOTS if key is not None else None, **flags,
+        )
     if key is not None:
-        _launch.store(key, (pre, dkdv, dqp))
+        _launch.store(key, (pre, dkdv, last))
     return dq, dk, dv

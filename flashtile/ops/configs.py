@@ -66,11 +66,15 @@ def padded_head_dim(head_dim: int) -> int:
 PREPROCESS_BLOCK_M = 32
 # New tokens per program of the KV-cache append (decode appends 1, a verify step a few).
 APPEND_BLOCK_T = 16
+# Elements per program of the fused backward's dQ conversion (fp32 -> q's dtype): a
+# memory-bound pass, 8 elements per thread at 4 warps.
+DQ_CONVERT_BLOCK = 1024
 
 _INTERPRETER = {
     "fwd": TileConfig(16, 32),
     "bwd_dkdv": TileConfig(32, 16),  # (BLOCK_M over queries, BLOCK_N over keys)
     "bwd_dq": TileConfig(16, 32),
+    "bwd_fused": TileConfig(32, 16),  # as bwd_dkdv
 }
 
 # Hopper (sm90) fp16/bf16, keyed by padded head dim. d64/d128 entries are the best of
@@ -135,6 +139,10 @@ _BWD_DQ_IEEE = {
     256: TileConfig(16, 16, 8, 1),
     512: TileConfig(16, 16, 8, 1),
 }
+# The fused backward (one dK/dV program per key block also adds its dQ share; ops/bwd.py),
+# (BLOCK_M over queries, BLOCK_N over keys). PROVISIONAL: to be chosen with tests/aot.py.
+_BWD_FUSED_16BIT = dict(_BWD_DKDV_16BIT)
+_BWD_FUSED_32BIT = dict(_BWD_32BIT)
 
 
 # The Gluon forward for Hopper (ops/fwd_hopper.py), 16-bit only, keyed by head dim:
@@ -215,6 +223,13 @@ def bwd_dq_config(q, head_dim, causal_like=False, *, seqlen=None, ieee=False
     return _pick("bwd_dq", q, head_dim, _BWD_DQ_16BIT, _BWD_32BIT,
                  causal_like=causal_like, seqlen=seqlen,
                  ieee_table=_BWD_DQ_IEEE if ieee else None)
+
+
+def bwd_fused_config(q, head_dim, causal_like=False, *, seqlen=None, ieee=False
+                     ) -> TileConfig:
+    return _pick("bwd_fused", q, head_dim, _BWD_FUSED_16BIT, _BWD_FUSED_32BIT,
+                 causal_like=causal_like, seqlen=seqlen,
+                 ieee_table=_BWD_DKDV_IEEE if ieee else None)
 
 
 def smaller(cfg: TileConfig) -> TileConfig | None:
