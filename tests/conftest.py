@@ -41,12 +41,16 @@ def triton_available_here(on_gpu):
 @pytest.fixture(params=["torch", "triton"])
 def backend(request, monkeypatch, on_gpu):
     """Run a test on each backend: the tiled PyTorch path (CPU only) and the Triton
-    kernels (on the GPU, or on CPU through the interpreter)."""
+    kernels (on the GPU, or on CPU through the interpreter). A test may also name
+    "triton-fused" (indirect parametrization): the Triton kernels with the fused
+    backward (FLASHTILE_BWD=fused); "triton" pins the split one."""
     if request.param == "torch" and on_gpu:
         pytest.skip("GPU runs the Triton kernels")
-    if request.param == "triton" and not triton_available_here(on_gpu):
+    if request.param != "torch" and not triton_available_here(on_gpu):
         pytest.skip("Triton on CPU needs TRITON_INTERPRET=1 (set by make test)")
-    monkeypatch.setenv("FLASHTILE_BACKEND", request.param)
+    monkeypatch.setenv("FLASHTILE_BACKEND", request.param.split("-")[0])
+    monkeypatch.setenv("FLASHTILE_BWD", "fused" if request.param == "triton-fused"
+                       else "split")
     return request.param
 
 

@@ -2,7 +2,9 @@
 
 On CPU (CI) both backends run: the tiled PyTorch path, and the Triton kernels through
 the interpreter (TRITON_INTERPRET=1), in fp32 and fp16. With --gpu the Triton kernels
-run on CUDA in fp16, bf16 and fp32 on larger shapes.
+run on CUDA in fp16, bf16 and fp32 on larger shapes. The backward tests run the Triton
+kernels twice: "triton", the split backward, and "triton-fused", the fused one
+(FLASHTILE_BWD=fused with deterministic=False, flashtile/ops/bwd.py).
 """
 
 import math
@@ -87,6 +89,10 @@ def _dtypes(on_gpu):
     return [torch.float32, torch.float16]  # the interpreter is wrong for bf16
 
 
+# Tests whose backward also runs the fused Triton path ("triton-fused").
+BACKWARD_TESTS = ("test_fwd_bwd", "test_grad_through_one_output")
+
+
 def pytest_generate_tests(metafunc):
     on_gpu = metafunc.config.getoption("--gpu")
     if "case" in metafunc.fixturenames:
@@ -97,14 +103,17 @@ def pytest_generate_tests(metafunc):
         metafunc.parametrize("dtype", dts, ids=[str(d).split(".")[-1] for d in dts])
     if "backend" in metafunc.fixturenames:
         bes = ["triton"] if on_gpu else ["torch", "triton"]
+        if metafunc.function.__name__ in BACKWARD_TESTS:
+            bes.append("triton-fused")
         metafunc.parametrize("backend", bes)
 
 
 @pytest.fixture
 def use_backend(backend, monkeypatch, on_gpu):
-    if backend == "triton" and not on_gpu and os.environ.get("TRITON_INTERPRET") != "1":
+    if backend != "torch" and not on_gpu and os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("Triton on CPU needs TRITON_INTERPRET=1 (set by make test)")
-    monkeypatch.setenv("FLASHTILE_BACKEND", backend)
+    monkeypatch.setenv("FLASHTILE_BACKEND", backend.split("-")[0])
+    monkeypatch.setenv("FLASHTILE_BWD", "fused" if backend == "triton-fused" else "split")
     return backend
 
 
@@ -227,15 +236,19 @@ def test_no_overflow_large_scores(use_backend, device):
     assert max_err(out, ref) < 5e-3
 
 
+@pytest.mark.parametrize("bwd", ["split", "fused"])
 @pytest.mark.parametrize("tiles", [(16, 16), (32, 16), (16, 64), (64, 32)],
                          ids=lambda t: f"m{t[0]}n{t[1]}")
-def test_tilings(tiles, device, monkeypatch):
+def test_tilings(tiles, bwd, device, monkeypatch):
     """The mask-range split must be right for any BLOCK_M/BLOCK_N, not just the default."""
     if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("needs TRITON_INTERPRET=1")
     monkeypatch.setenv("FLASHTILE_BACKEND", "triton")
+    monkeypatch.setenv("FLASHTILE_BWD", bwd)
     bm, bn = tiles
-    for kind, cfg in (("fwd", (bm, bn)), ("bwd_dq", (bm, bn)), ("bwd_dkdv", (bn, bm))):
+    kinds = (("fwd", (bm, bn)), ("bwd_dq", (bm, bn)), ("bwd_dkdv", (bn, bm)),
+             ("bwd_fused", (bn, bm)))
+    for kind, cfg in kinds:
         configs.set_override(kind, configs.TileConfig(*cfg))
     try:
         for case in (Case(1, 71, 83, 2, 1, 16, causal=True, window=(9, 0)),
@@ -252,7 +265,7 @@ def test_tilings(tiles, device, monkeypatch):
             for name, ours, r64, rpt in zip(("dq", "dk", "dv"), grads, g64, g_pt):
                 assert_close_rule(f"{case.id} {name}", ours, r64, rpt)
     finally:
-        for kind in ("fwd", "bwd_dq", "bwd_dkdv"):
+        for kind, _ in kinds:
             configs.set_override(kind, None)
 
 

@@ -30,15 +30,17 @@ pytestmark = pytest.mark.filterwarnings("ignore:All-NaN slice encountered:Runtim
 @pytest.fixture(params=["torch", "torch-tiled", "triton"])
 def backend(request, monkeypatch, on_gpu):
     """The torch backend (PyTorch's fused CPU kernel where it fits), the same backend
-    with its tiled path forced, and the Triton kernels."""
+    with its tiled path forced, and the Triton kernels; "triton-fused" (backward tests
+    name it) takes the fused Triton backward (FLASHTILE_BWD=fused)."""
     name = request.param
-    if name != "triton" and on_gpu:
+    if not name.startswith("triton") and on_gpu:
         pytest.skip("GPU runs the Triton kernels")
-    if name == "triton" and not triton_available_here(on_gpu):
+    if name.startswith("triton") and not triton_available_here(on_gpu):
         pytest.skip("Triton on CPU needs TRITON_INTERPRET=1 (set by make test)")
     if name == "torch-tiled":
         monkeypatch.setattr(_torch_backend, "_plan", lambda *args, **kwargs: None)
     monkeypatch.setenv("FLASHTILE_BACKEND", name.split("-")[0])
+    monkeypatch.setenv("FLASHTILE_BWD", "fused" if name == "triton-fused" else "split")
     return name
 
 
@@ -115,6 +117,8 @@ def test_flash_attn_func_nan_reaches_exactly_its_rows(geometry, where, backend, 
     _check_rows(out, lse, ref, ref_lse, nan_rows, empty, col)
 
 
+@pytest.mark.parametrize("backend", ["torch", "torch-tiled", "triton", "triton-fused"],
+                         indirect=True)
 @pytest.mark.parametrize("where", ["q", "k", "v"])
 @pytest.mark.parametrize("geometry", ["full", "causal_q<k"])
 def test_backward_nan_is_not_a_finite_gradient(geometry, where, backend, device):

@@ -19,6 +19,7 @@ CASES = {
 }
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton", "triton-fused"], indirect=True)
 @pytest.mark.parametrize("case", list(CASES))
 def test_varlen_equals_loop(case, backend, device, on_gpu):
     lens_q, lens_k, kw = CASES[case]
@@ -62,6 +63,7 @@ def test_varlen_equals_loop(case, backend, device, on_gpu):
         torch.testing.assert_close(a, r, **(tol if on_gpu else dict(rtol=1e-5, atol=1e-5)))
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton", "triton-fused"], indirect=True)
 def test_varlen_grad_through_lse_only(backend, device, on_gpu):
     """A loss on lse alone: out's gradient arrives as None and counts as zero."""
     lens_q, lens_k = [3, 0, 7], [5, 2, 11]

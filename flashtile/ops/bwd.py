@@ -31,7 +31,7 @@ from flashtile.ops._common import (LOG2E, _block_range, _fill_nan_rows, _load_ti
 def _bwd_preprocess_kernel(Out, DOut, DLse, Delta, DQAccum,
                            stride_ob, stride_om, stride_oh,
                            stride_dob, stride_dom, stride_doh,
-                           stride_dqb, stride_dqm, stride_dqh,
+                           stride_accb, stride_acch,
                            nheads, seqlen_q, head_dim,
                            BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
                            HAS_DLSE: tl.constexpr, ZERO_DQ: tl.constexpr):
@@ -53,9 +53,10 @@ def _bwd_preprocess_kernel(Out, DOut, DLse, Delta, DQAccum,
         delta -= tl.load(DLse + p_row, mask=offs_m < seqlen_q, other=0.0)
     tl.store(Delta + p_row, delta, mask=offs_m < seqlen_q)
     if ZERO_DQ:  # the fused backward's dQ accumulator: here, not a memset launch more
-        tl.store(DQAccum + off_b * stride_dqb + off_h * stride_dqh
-                 + offs_m[:, None] * stride_dqm + offs_d[None, :],
-                 tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32), mask=m_tile)
+        tl.store(DQAccum + off_b * stride_accb + off_h * stride_acch
+                 + offs_m[:, None] * BLOCK_D + offs_d[None, :],
+                 tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32),
+                 mask=offs_m[:, None] < seqlen_q)
 
 
 @triton.jit
@@ -68,9 +69,10 @@ def _load_lse_log2(p_lse, offs, n):
 @triton.jit
 def _dkdv_block(dk, dv, b_k, b_v, p_q, p_do, p_lse, p_delta, p_dq, start, stop,
                 offs_n, offs_m0, offs_d, seqlen_q, seqlen_k, head_dim,
-                stride_qm, stride_dom, stride_dqm, diag_offset, window_left, window_right,
+                stride_qm, stride_dom, diag_offset, window_left, window_right,
                 softmax_scale, softcap, alibi_slope, p_mask, stride_mask_m, stride_mask_n,
-                BLOCK_M: tl.constexpr, EVEN_D: tl.constexpr, BOUNDARY: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
+                BOUNDARY: tl.constexpr,
                 MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
                 HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
                 HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr,
@@ -101,10 +103,14 @@ def _dkdv_block(dk, dv, b_k, b_v, p_q, p_do, p_lse, p_delta, p_dq, start, stop,
         if ATOMIC_DQ:
             # Keys past seqlen_k were loaded as zero rows of K: they add nothing.
             b_dq = tl.dot(tl.trans(b_ds_t), b_k, input_precision=INPUT_PRECISION)  # (M, D)
-            m_dq = (offs_m[:, None] < seqlen_q) & (offs_d[None, :] < head_dim)
-            # Relaxed: a reduction whose result nobody reads needs no ordering (the
-            # default acq_rel adds a fence to each).
-            tl.atomic_add(p_dq + start_m * stride_dqm, b_dq, mask=m_dq, sem="relaxed")
+            # Relaxed: nothing reads a reduction's result, so it needs no ordering (the
+            # default, acq_rel, fences each one). Accumulator rows are BLOCK_D wide
+            # (the padding gets zeros), so only the edge ranges mask rows.
+            if BOUNDARY:
+                tl.atomic_add(p_dq + start_m * BLOCK_D, b_dq, sem="relaxed",
+                              mask=offs_m[:, None] < seqlen_q)
+            else:
+                tl.atomic_add(p_dq + start_m * BLOCK_D, b_dq, sem="relaxed")
     return dk, dv
 
 
@@ -127,7 +133,7 @@ def _bwd_dkdv_kernel(
     stride_dob, stride_dom, stride_doh,
     stride_dkb, stride_dkn, stride_dkh,
     stride_dvb, stride_dvn, stride_dvh,
-    stride_dqb, stride_dqm, stride_dqh,
+    stride_accb, stride_acch,
     stride_lb, stride_lh,
     stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n,
     stride_alibi_b, stride_alibi_h,
@@ -141,7 +147,9 @@ def _bwd_dkdv_kernel(
     ATOMIC_DQ: tl.constexpr,
 ):
     """dK, dV of one key block of one KV head; with ATOMIC_DQ also every query row's
-    share of dQ from these keys, added into DQAccum (fp32, zeroed by the preprocess)."""
+    share of dQ from these keys, added into DQAccum: fp32 (batch, nheads, rows,
+    BLOCK_D), zeroed by the preprocess. Its row stride is BLOCK_D, a constant: the
+    addresses of the atomics cost no pointer tile held across the loop."""
     start_n = tl.program_id(0)
     off_bh = tl.program_id(1)
     off_b = off_bh // nheads_kv
@@ -159,9 +167,9 @@ def _bwd_dkdv_kernel(
                            chunk, n_chunks, BLOCK_N, BLOCK_D)
             if ATOMIC_DQ:  # no program adds to dQ now: every one saw the same bad sums
                 for g in range(0, group_size):
-                    _fill_nan_rows(DQAccum + (off_hkv * group_size + g) * stride_dqh,
-                                   stride_dqm, total_q, head_dim, chunk, n_chunks,
-                                   BLOCK_M, BLOCK_D)
+                    _fill_nan_rows(DQAccum + (off_hkv * group_size + g) * stride_acch,
+                                   BLOCK_D, total_q, head_dim, chunk, n_chunks, BLOCK_M,
+                                   BLOCK_D)
             return
     q_start, k_start, seqlen_q, seqlen_k, diag_offset = _seq_bounds(
         CuSeqlensQ, CuSeqlensK, off_b, seqlen_q, seqlen_k, diag_offset, IS_VARLEN)
@@ -177,7 +185,7 @@ def _bwd_dkdv_kernel(
     V += off_b * stride_vb + k_start * stride_vn
     DK += off_b * stride_dkb + k_start * stride_dkn
     DV += off_b * stride_dvb + k_start * stride_dvn
-    DQAccum += off_b * stride_dqb + q_start * stride_dqm
+    DQAccum += off_b * stride_accb + q_start * BLOCK_D
     p_k = K + off_hkv * stride_kh + offs_n[:, None] * stride_kn + offs_d[None, :]
     p_v = V + off_hkv * stride_vh + offs_n[:, None] * stride_vn + offs_d[None, :]
     b_k = _load_tile(p_k, offs_n, seqlen_k, offs_d, head_dim, True, EVEN_D)   # (N, D)
@@ -195,8 +203,7 @@ def _bwd_dkdv_kernel(
         # Delta shares lse's layout.
         p_lse = Lse + off_b * stride_lb + off_h * stride_lh + q_start
         p_delta = Delta + off_b * stride_lb + off_h * stride_lh + q_start
-        p_dq = (DQAccum + off_h * stride_dqh + offs_m0[:, None] * stride_dqm
-                + offs_d[None, :])
+        p_dq = DQAccum + off_h * stride_acch + offs_m0[:, None] * BLOCK_D + offs_d[None, :]
         alibi_slope = 0.0
         if HAS_ALIBI:
             alibi_slope = tl.load(Alibi + off_b * stride_alibi_b + off_h * stride_alibi_h)
@@ -206,22 +213,22 @@ def _bwd_dkdv_kernel(
         dk, dv = _dkdv_block(
             dk, dv, b_k, b_v, p_q, p_do, p_lse, p_delta, p_dq, lo, mid_lo, offs_n,
             offs_m0, offs_d, seqlen_q, seqlen_k, head_dim, stride_qm, stride_dom,
-            stride_dqm, diag_offset, window_left, window_right, softmax_scale, softcap,
-            alibi_slope, p_mask, stride_mask_m, stride_mask_n, BLOCK_M, EVEN_D, True,
+            diag_offset, window_left, window_right, softmax_scale, softcap, alibi_slope,
+            p_mask, stride_mask_m, stride_mask_n, BLOCK_M, BLOCK_D, EVEN_D, True,
             MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_MASK, MASK_IS_BOOL,
             INPUT_PRECISION, ATOMIC_DQ)
         dk, dv = _dkdv_block(
             dk, dv, b_k, b_v, p_q, p_do, p_lse, p_delta, p_dq, mid_lo, mid_hi, offs_n,
             offs_m0, offs_d, seqlen_q, seqlen_k, head_dim, stride_qm, stride_dom,
-            stride_dqm, diag_offset, window_left, window_right, softmax_scale, softcap,
-            alibi_slope, p_mask, stride_mask_m, stride_mask_n, BLOCK_M, EVEN_D, False,
+            diag_offset, window_left, window_right, softmax_scale, softcap, alibi_slope,
+            p_mask, stride_mask_m, stride_mask_n, BLOCK_M, BLOCK_D, EVEN_D, False,
             MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_MASK, MASK_IS_BOOL,
             INPUT_PRECISION, ATOMIC_DQ)
         dk, dv = _dkdv_block(
             dk, dv, b_k, b_v, p_q, p_do, p_lse, p_delta, p_dq, mid_hi, hi, offs_n,
             offs_m0, offs_d, seqlen_q, seqlen_k, head_dim, stride_qm, stride_dom,
-            stride_dqm, diag_offset, window_left, window_right, softmax_scale, softcap,
-            alibi_slope, p_mask, stride_mask_m, stride_mask_n, BLOCK_M, EVEN_D, True,
+            diag_offset, window_left, window_right, softmax_scale, softcap, alibi_slope,
+            p_mask, stride_mask_m, stride_mask_n, BLOCK_M, BLOCK_D, EVEN_D, True,
             MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_MASK, MASK_IS_BOOL,
             INPUT_PRECISION, ATOMIC_DQ)
 
@@ -352,11 +359,23 @@ def _bwd_dq_kernel(
 
 
 @triton.jit
-def _bwd_dq_convert_kernel(DQAccum, DQ, n, softmax_scale, BLOCK: tl.constexpr):
-    """dq = DQAccum * softmax_scale in dq's dtype; both contiguous and shaped like q."""
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    b_dq = tl.load(DQAccum + offs, mask=offs < n, other=0.0)
-    tl.store(DQ + offs, (b_dq * softmax_scale).to(DQ.dtype.element_ty), mask=offs < n)
+def _bwd_dq_convert_kernel(DQAccum, DQ, stride_accb, stride_acch,
+                           stride_dqb, stride_dqm, stride_dqh,
+                           nheads, seqlen_q, head_dim, softmax_scale,
+                           BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+    """dq = DQAccum * softmax_scale in dq's dtype and layout (the fused backward)."""
+    start_m = tl.program_id(0)
+    off_bh = tl.program_id(1)
+    off_b = off_bh // nheads
+    off_h = off_bh % nheads
+    offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    m_tile = (offs_m[:, None] < seqlen_q) & (offs_d[None, :] < head_dim)
+    b_dq = tl.load(DQAccum + off_b * stride_accb + off_h * stride_acch
+                   + offs_m[:, None] * BLOCK_D + offs_d[None, :], mask=m_tile)  # (M, D)
+    tl.store(DQ + off_b * stride_dqb + off_h * stride_dqh + offs_m[:, None] * stride_dqm
+             + offs_d[None, :], (b_dq * softmax_scale).to(DQ.dtype.element_ty),
+             mask=m_tile)
 
 
 # The kernel parameters a call of each backward plan fills, in this order (``_launch``).
@@ -398,9 +417,14 @@ def attn_bwd(dout, q, k, v, out, lse, dlse, *, attn_mask, alibi_slopes, softmax_
     lse = lse.contiguous()
     dlse = dlse.contiguous() if dlse is not None else None
     delta = torch.empty_like(lse)
-    # Shaped and laid out like dq (contiguous), so the conversion is one flat pass; the
-    # preprocess zeroes it.
-    dq_accum = torch.empty(q.shape, dtype=torch.float32, device=q.device) if fused else None
+    # (batch, h, rows, padded head_dim), or (1, h, total_q, ...) packed; the preprocess
+    # zeroes it.
+    block_d = configs.padded_head_dim(d)
+    dq_accum = None
+    if fused:
+        dq_accum = torch.empty((1, h, q.shape[0], block_d) if varlen
+                               else (batch, h, q.shape[1], block_d),
+                               dtype=torch.float32, device=q.device)
     cu_q, cu_k = (cu_seqlens_q, cu_seqlens_k) if varlen else (q, q)
     # The preprocess reads out, dout, dlse (lse as a placeholder) and writes delta (and
     # zeroes dq_accum); the dK/dV kernel takes tensors[:8], dq_accum (q as a never-read
@@ -440,16 +464,18 @@ def attn_bwd(dout, q, k, v, out, lse, dlse, *, attn_mask, alibi_slopes, softmax_
         lse3 = lse.unsqueeze(0)
     else:
         dout4, q4, k4, v4, out4, dq4, dk4, dv4, lse3 = dout, q, k, v, out, dq, dk, dv, lse
-    # dq_accum has dq's shape and strides (both contiguous), so dq4 stands for it.
+    # The dK/dV kernel's batch index is the sequence's in varlen: stride 0 there.
+    acc_strides = (0, 0) if dq_accum is None else \
+        (0 if varlen else dq_accum.stride(0), dq_accum.stride(1))
     rows = out4.shape[1]  # per row, so packed varlen rows are one long sequence here
     pre_m = configs.PREPROCESS_BLOCK_M
+    row_grid = (configs.cdiv(rows, pre_m), out4.shape[0] * h)
     pre = _launch.first_launch(
-        _bwd_preprocess_kernel, (configs.cdiv(rows, pre_m), out4.shape[0] * h),
+        _bwd_preprocess_kernel, row_grid,
         (out, dout, tensors[13], delta, tensors[15], out4.stride(0), out4.stride(1),
-         out4.stride(2), dout4.stride(0), dout4.stride(1), dout4.stride(2),
-         dq4.stride(0), dq4.stride(1), dq4.stride(2), h, rows, d),
-        dict(BLOCK_M=pre_m, BLOCK_D=configs.padded_head_dim(d), HAS_DLSE=dlse is not None,
-             ZERO_DQ=fused),
+         out4.stride(2), dout4.stride(0), dout4.stride(1), dout4.stride(2), *acc_strides,
+         h, rows, d),
+        dict(BLOCK_M=pre_m, BLOCK_D=block_d, HAS_DLSE=dlse is not None, ZERO_DQ=fused),
         _PRE_SLOTS if key is not None else None)
     mask, mask_strides, alibi, alibi_strides, flags = configs.feature_args(
         attn_mask, alibi_slopes, q, window_left=window_left, window_right=window_right,
@@ -468,16 +494,18 @@ def attn_bwd(dout, q, k, v, out, lse, dlse, *, attn_mask, alibi_slopes, softmax_
         lambda cfg: (max(1, configs.cdiv(longest_k, cfg.block_n)), batch * hkv),
         pick(q, d, windowed, seqlen=longest, ieee=ieee), name, q, d,
         *tensors[:8], tensors[15], mask, alibi, cu_q, cu_k,
-        *configs.strides(varlen, q4, k4, v4, dout4, dk4, dv4, dq4, lse3),
+        *configs.strides(varlen, q4, k4, v4, dout4, dk4, dv4), *acc_strides,
+        *configs.strides(varlen, lse3),
         *mask_strides, *alibi_strides, h, hkv, *sizes, *common,
         IS_VARLEN=varlen, ATOMIC_DQ=fused, slots=_DKDV_SLOTS if key is not None else None,
         **flags,
     )
     if fused:
-        block = configs.DQ_CONVERT_BLOCK
         last = _launch.first_launch(
-            _bwd_dq_convert_kernel, (configs.cdiv(dq.numel(), block),),
-            (dq_accum, dq, dq.numel(), softmax_scale), dict(BLOCK=block),
+            _bwd_dq_convert_kernel, row_grid,
+            (dq_accum, dq, *acc_strides, dq4.stride(0), dq4.stride(1), dq4.stride(2), h,
+             rows, d, softmax_scale),
+            dict(BLOCK_M=pre_m, BLOCK_D=block_d),
             _CONVERT_SLOTS if key is not None else None)
     else:
         last = configs.launch(

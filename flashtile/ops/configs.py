@@ -62,13 +62,11 @@ def padded_head_dim(head_dim: int) -> int:
     return max(16, next_power_of_2(head_dim))
 
 
-# The rowsum(dO * O) preprocess holds two (BLOCK_M, head_dim) fp32 tiles per program.
+# The rowsum(dO * O) preprocess holds two (BLOCK_M, head_dim) fp32 tiles per program;
+# the fused backward's dQ conversion (fp32 accumulator -> dq) takes the same rows.
 PREPROCESS_BLOCK_M = 32
 # New tokens per program of the KV-cache append (decode appends 1, a verify step a few).
 APPEND_BLOCK_T = 16
-# Elements per program of the fused backward's dQ conversion (fp32 -> q's dtype): a
-# memory-bound pass, 8 elements per thread at 4 warps.
-DQ_CONVERT_BLOCK = 1024
 
 _INTERPRETER = {
     "fwd": TileConfig(16, 32),
