@@ -24,6 +24,7 @@ from flashtile.bench.commands import seqlen
 from flashtile.bench.registry import Provider, Sweep
 from flashtile.ops import configs
 from flashtile.ops.configs import TileConfig
+from tests.utils import assert_close_rule, reference_pair
 
 CPU = torch.device("cpu")
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -144,6 +145,46 @@ def test_skip_reasons():
         assert registry.PROVIDERS[provider].skip_reason(
             dataclasses.replace(cell, provider=provider), CPU) is None
     assert run.run_cell(dataclasses.replace(cell, provider="sdpa-flash"), CPU).status == "ok"
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                    reason="the Triton kernels on CPU need TRITON_INTERPRET=1")
+@pytest.mark.parametrize("fault", ["none", "dq", "nan"])
+def test_flashtile_fusedbwd_is_validated_before_timing(fault, monkeypatch):
+    """The fused-backward provider runs on CUDA, forward + backward only, outside the
+    default sweeps; its build compares the fused backward's gradients with the split
+    one's on the cell's inputs before anything is timed (a fault injected here), and
+    the gradients of what it times meet the accuracy rule."""
+    from flashtile.ops import bwd
+
+    cell = registry.Cell("flashtile-fusedbwd", 32, True, "fwd_bwd", 45, 1, 2,
+                         torch.float16)
+    provider = registry.PROVIDERS["flashtile-fusedbwd"]
+    assert provider.skip_reason(cell, CPU) == "runs on cuda only"
+    assert provider.skip_reason(dataclasses.replace(cell, mode="fwd"),
+                                torch.device("cuda")) == "fwd_bwd only"
+    assert "flashtile-fusedbwd" not in registry.GPU_SWEEP.providers
+    real = bwd.attn_bwd
+
+    def faulty(*args, fused, **kwargs):
+        dq, dk, dv = real(*args, fused=fused, **kwargs)
+        if fused and fault == "dq":
+            dq = dq + 0.05
+        elif fused and fault == "nan":
+            dv[0, 3, 1, 0] = float("nan")
+        return dq, dk, dv
+
+    monkeypatch.setattr(bwd, "attn_bwd", faulty)
+    if fault != "none":
+        with pytest.raises(RuntimeError, match="does not match the split backward"):
+            provider.build(cell, CPU)
+        return
+    attn = provider.build(cell, CPU)
+    q, k, v, dout = run.make_inputs(cell, "bshd", CPU)[0]
+    grads = torch.autograd.grad(attn(q, k, v), (q, k, v), dout)
+    (_, _, g64), (_, _, g_pt) = reference_pair(q, k, v, dout, causal=True)
+    for name, ours, r64, rpt in zip(("dq", "dk", "dv"), grads, g64, g_pt):
+        assert_close_rule(name, ours, r64, rpt)
 
 
 @pytest.mark.parametrize("fault", ["none", "out", "lse", "nan"])
@@ -525,13 +566,27 @@ def test_tune_rejects_a_tile_that_stepped_down(monkeypatch):
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                     reason="the Triton kernels on CPU need TRITON_INTERPRET=1")
 def test_tune_through_the_interpreter(monkeypatch):
+    """Every kind's trial runs its kernel: the fused kind's with the fused backward
+    (FLASHTILE_BWD=fused for its trial only), the others' with the split one."""
+    from flashtile import custom_ops
+
     monkeypatch.setenv("FLASHTILE_BACKEND", "triton")
+    FUSED = TileConfig(16, 32, 8)
+    paths, real = [], custom_ops.triton_bwd
+
+    def recording(*args, fused, **kwargs):
+        paths.append((configs._override.get("bwd_fused") == FUSED, fused))
+        return real(*args, fused=fused, **kwargs)
+
+    monkeypatch.setattr(custom_ops, "triton_bwd", recording)
     cands = {"fwd": [TileConfig(16, 16), TileConfig(32, 16)],
-             "bwd_dkdv": [TileConfig(16, 32)], "bwd_dq": [TileConfig(32, 16)]}
+             "bwd_dkdv": [TileConfig(16, 32)], "bwd_dq": [TileConfig(32, 16)],
+             "bwd_fused": [FUSED]}
     trials, entries = tune.tune(CPU, torch.float32, (16,), (True,), 37,
                                 candidates=cands, timing_shape=(1, 1), repeats=1)
-    assert [t.status for t in trials] == ["ok"] * 4, [t.reason for t in trials]
-    assert len(entries) == 3
+    assert [t.status for t in trials] == ["ok"] * 5, [t.reason for t in trials]
+    assert len(entries) == 4
+    assert (True, True) in paths and all(trial == fused for trial, fused in paths)
 
 
 def test_tune_command(monkeypatch, capsys):

@@ -6,11 +6,13 @@ bundled ptxas, no GPU needed, and checks that the tables' tiles fit in shared me
 """
 
 import os
+import re
 
 import pytest
 
 from flashtile.ops import configs, decode
-from flashtile.ops.bwd import _bwd_dkdv_kernel, _bwd_dq_kernel, _bwd_preprocess_kernel
+from flashtile.ops.bwd import (_bwd_dkdv_kernel, _bwd_dq_convert_kernel, _bwd_dq_kernel,
+                               _bwd_preprocess_kernel)
 from flashtile.ops.decode import _append_kernel, _combine_kernel, _decode_kernel
 from flashtile.ops.fwd import _attn_fwd_kernel
 from tests.aot import compile_kernel, resources
@@ -39,7 +41,10 @@ KERNELS = {
                            dict(REVERSE_M=True, IS_VARLEN=True, **PAGED16)),
     "fwd_varlen_paged256": (_attn_fwd_kernel, configs._FWD_16BIT,
                             dict(REVERSE_M=True, IS_VARLEN=True, **PAGED256)),
-    "bwd_dkdv": (_bwd_dkdv_kernel, configs._BWD_DKDV_16BIT, dict(IS_VARLEN=True)),
+    "bwd_dkdv": (_bwd_dkdv_kernel, configs._BWD_DKDV_16BIT,
+                 dict(IS_VARLEN=True, ATOMIC_DQ=False)),
+    "bwd_fused": (_bwd_dkdv_kernel, configs._BWD_FUSED_16BIT,
+                  dict(IS_VARLEN=True, ATOMIC_DQ=True)),
     "bwd_dq": (_bwd_dq_kernel, configs._BWD_DQ_16BIT, dict(IS_VARLEN=False)),
 }
 
@@ -92,10 +97,31 @@ def test_paged_forward_stays_pipelined(paged):
     assert copies[1] == copies[0] > 0, copies
 
 
-def test_preprocess_compiles():
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("head_dim", sorted(configs._BWD_FUSED_16BIT))
+def test_fused_backward_tiles_do_not_spill(head_dim, causal):
+    """The fused backward's table (chosen with tests/aot.py, configs.py) compiles
+    without spilling at every head dim, and its dQ atomics are relaxed vector adds
+    (acq_rel would fence each one; scalar ones issue four times as many)."""
+    cfg = configs._BWD_FUSED_16BIT[head_dim]
+    ck = compile_kernel(_bwd_dkdv_kernel, dict(
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=head_dim, IS_VARLEN=False,
+        ATOMIC_DQ=True, **dict(PLAIN, MASK_RIGHT=causal)), dtype="bf16",
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    res = resources(ck)
+    assert res["stack_bytes"] == 0 and res["shared_bytes"] <= configs.SM90_SMEM_BYTES, res
+    adds = re.findall(r"(?:atom|red)\.global[.\w]*\.add[.\w]*", ck.asm["ptx"])
+    assert adds and all(".relaxed." in a and a.endswith(".v4.f32") for a in adds), adds
+
+
+def test_preprocess_and_dq_conversion_compile():
     ck = compile_kernel(_bwd_preprocess_kernel,
-                        dict(BLOCK_M=configs.PREPROCESS_BLOCK_M, BLOCK_D=256, HAS_DLSE=True),
+                        dict(BLOCK_M=configs.PREPROCESS_BLOCK_M, BLOCK_D=256, HAS_DLSE=True,
+                             ZERO_DQ=True),
                         dtype="fp16")
+    assert resources(ck)["stack_bytes"] == 0
+    ck = compile_kernel(_bwd_dq_convert_kernel,
+                        dict(BLOCK_M=configs.PREPROCESS_BLOCK_M, BLOCK_D=256), dtype="bf16")
     assert resources(ck)["stack_bytes"] == 0
 
 

@@ -239,6 +239,50 @@ def _flashtile_hopper(cell, device):
 register(Provider("flashtile-hopper", "bshd", _flashtile_hopper, ("cuda",), modes=("fwd",),
                   about="flashtile.ops.fwd_hopper (Gluon, FA3 schedule, sm_90) launcher, "
                         "forward only, validated against the portable kernel first"))
+def _flashtile_fused_bwd(cell, device):
+    """flashtile's forward and its fused backward (what FLASHTILE_BWD=fused gives
+    flash_attn_func with deterministic=False), called through the launchers so that it
+    can be timed beside "flashtile" (the default, split backward) in one run. Before it
+    is timed, its gradients on this cell's inputs must match the split backward's
+    within two rounding steps of their dtype (issue 15: validate what is timed)."""
+    from flashtile.bench.run import make_inputs
+    from flashtile.ops import bwd, fwd
+
+    kw = dict(attn_mask=None, alibi_slopes=None, softmax_scale=cell.head_dim ** -0.5,
+              diag_offset=0, window_left=-1, window_right=0 if cell.causal else -1,
+              softcap=0.0, allow_tf32=False)
+
+    class FusedBackward(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, q, k, v):
+            out, lse = fwd.attn_fwd(q, k, v, **kw)
+            ctx.save_for_backward(q, k, v, out, lse)
+            return out
+
+        @staticmethod
+        def backward(ctx, dout):
+            return bwd.attn_bwd(dout.contiguous(), *ctx.saved_tensors, None, fused=True,
+                                **kw)
+
+    q, k, v, dout = make_inputs(cell, "bshd", device)[0]
+    with torch.no_grad():
+        out, lse = fwd.attn_fwd(q, k, v, **kw)
+        split = bwd.attn_bwd(dout, q, k, v, out, lse, None, fused=False, **kw)
+        fused = bwd.attn_bwd(dout, q, k, v, out, lse, None, fused=True, **kw)
+    for name, ours, ref in zip(("dq", "dk", "dv"), fused, split):
+        bound = 2 * torch.finfo(ref.dtype).eps * max(1.0, ref.abs().max().item())
+        err = (ours.float() - ref.float()).abs().max().item()
+        if not (torch.isfinite(ours).all() and err <= bound):
+            raise RuntimeError(f"fused backward's {name} does not match the split "
+                               f"backward's: max error {err:.3g} (bound {bound:.3g})")
+    return FusedBackward.apply
+
+
+# Outside ALL, as the Gluon forward: name it with --providers to A/B the backwards.
+register(Provider("flashtile-fusedbwd", "bshd", _flashtile_fused_bwd, ("cuda",),
+                  modes=("fwd_bwd",),
+                  about="flashtile's forward + fused backward (FLASHTILE_BWD=fused) "
+                        "launchers, gradients validated against the split backward first"))
 # GPU: 512..16k for speed; 32k and 64k for the memory plot (naive and math skip them).
 GPU_SWEEP = Sweep(ALL, (64, 128), tuple(2**i for i in range(9, 17)))
 # CPU, 2 cores: fp32, d64, 4 heads, 4k tokens. Every provider that runs on CPU runs

@@ -1,9 +1,10 @@
 """``flashtile tune``: the kernel tile study for this device, cached for the launcher.
 
 For each head_dim and causal setting, at one seqlen (4096 by default), for each kernel
-kind ("fwd", "bwd_dkdv", "bwd_dq") and each candidate tile of ``configs.candidates``,
-the candidate is set for that kernel (the other two keep their static defaults) with
-``configs.set_override``, then:
+kind ("fwd", "bwd_dkdv", "bwd_dq", "bwd_fused") and each candidate tile of
+``configs.candidates``, the candidate is set for that kernel (the others keep their
+static defaults) with ``configs.set_override``, then (the backward kinds with the
+backward that runs them: FLASHTILE_BWD=fused for "bwd_fused", split for the others):
 
 1. checked: forward + backward on small inputs (batch 1, up to 4 heads, the same seqlen
    and head_dim) against float64 attention. out, dq, dk and dv must be finite and each
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 from dataclasses import dataclass
 
 import torch
@@ -116,7 +118,8 @@ def static_defaults(q, head_dim: int, causal: bool) -> dict[str, TileConfig]:
     """What the launcher uses without tuning (the static tables, or the env override)."""
     return {"fwd": configs.fwd_config(q, head_dim, causal),
             "bwd_dkdv": configs.bwd_dkdv_config(q, head_dim, causal),
-            "bwd_dq": configs.bwd_dq_config(q, head_dim, causal)}
+            "bwd_dq": configs.bwd_dq_config(q, head_dim, causal),
+            "bwd_fused": configs.bwd_fused_config(q, head_dim, causal)}
 
 
 def _smem_limit(device) -> int | None:
@@ -132,13 +135,27 @@ def _smem_limit(device) -> int | None:
         return configs.SM90_SMEM_BYTES
 
 
+@contextlib.contextmanager
+def _backward_path(kind):
+    """FLASHTILE_BWD set to the backward that runs ``kind``'s kernel, for one trial."""
+    before = os.environ.get("FLASHTILE_BWD")
+    os.environ["FLASHTILE_BWD"] = "fused" if kind == "bwd_fused" else "split"
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["FLASHTILE_BWD"]
+        else:
+            os.environ["FLASHTILE_BWD"] = before
+
+
 def _trial(kind, cfg, defaults, check, cell, device, repeats) -> Trial:
     trial = Trial(kind, cell.head_dim, cell.causal, cell.seqlen, cfg, "error",
                   default=cfg == defaults[kind])
     for k in configs.KINDS:
         configs.set_override(k, cfg if k == kind else defaults[k])
     try:
-        with _watch_step_downs() as step_downs:
+        with _watch_step_downs() as step_downs, _backward_path(kind):
             reason = check()
         if reason is None and step_downs:
             reason = f"did not fit: {step_downs[0]}"
@@ -147,7 +164,8 @@ def _trial(kind, cfg, defaults, check, cell, device, repeats) -> Trial:
             return trial
         sets = run.make_inputs(cell, "bshd", device, 3 if device.type == "cuda" else 1)
         step = run.make_step(_flashtile(cell.causal), cell.mode, sets)
-        trial.ms = run.time_step(step, device, repeats)[0]
+        with _backward_path(kind):
+            trial.ms = run.time_step(step, device, repeats)[0]
         trial.tflops = cell.flops() / trial.ms / 1e9
         trial.status = "ok"
     except Exception as err:  # a tile that fails to compile or run: rejected, go on

@@ -137,10 +137,26 @@ _BWD_DQ_IEEE = {
     256: TileConfig(16, 16, 8, 1),
     512: TileConfig(16, 16, 8, 1),
 }
-# The fused backward (one dK/dV program per key block also adds its dQ share; ops/bwd.py),
-# (BLOCK_M over queries, BLOCK_N over keys). PROVISIONAL: to be chosen with tests/aot.py.
-_BWD_FUSED_16BIT = dict(_BWD_DKDV_16BIT)
-_BWD_FUSED_32BIT = dict(_BWD_32BIT)
+# The fused backward (ops/bwd.py: the dK/dV kernel also adds its share of dQ), (BLOCK_M
+# over queries, BLOCK_N over keys). Not yet timed on a GPU: sized with tests/aot.py
+# (sm_90, bf16, causal and not) as the largest tiles that compile without spilling,
+# registers causal/full: d16 238/232, d32 252/248, d64 254/228, d128 254/242 (123 KB
+# of shared memory), d256 255/204. The dK/dV accumulators stay in registers and the dQ
+# product adds its own, so the query block is narrower than the split kernel's: 32
+# queries spill at d128 (32,64,8,2: 24 B causal) and d256 (32,32,8,2: 160 B).
+_BWD_FUSED_16BIT = {
+    16: TileConfig(64, 128, 8, 2), 32: TileConfig(64, 128, 8, 2),
+    64: TileConfig(32, 128, 8, 2), 128: TileConfig(16, 128, 8, 2),
+    256: TileConfig(16, 32, 8, 2),
+}
+# fp32 (IEEE products, the default): no spill at d16-128; d256 spills 8-16 B (with
+# TF32 none), and no fp32 tile we compiled at d256 was free of it. d128 with TF32
+# spills 40 B causal.
+_BWD_FUSED_32BIT = {
+    16: TileConfig(16, 32, 4, 1), 32: TileConfig(16, 32, 4, 1),
+    64: TileConfig(16, 32, 4, 1), 128: TileConfig(16, 32, 4, 1),
+    256: TileConfig(16, 16, 8, 1),
+}
 
 
 # The Gluon forward for Hopper (ops/fwd_hopper.py), 16-bit only, keyed by head dim:
@@ -373,6 +389,9 @@ CANDIDATES = {
                  if w == 8 or m * n <= 32 * 64],
     "bwd_dq": [TileConfig(m, n, 4 if m == 64 else 8, s)
                for m in (64, 128) for n in (32, 64) for s in (2, 3)],
+    # 8 warps: with 4 every fused tile we compiled at d64-256 spilled (tests/aot.py).
+    "bwd_fused": [TileConfig(m, n, 8, s)
+                  for m in (16, 32, 64) for n in (32, 64, 128) for s in (2, 3)],
 }
 KINDS = tuple(CANDIDATES)
 SM90_SMEM_BYTES = 232448  # 227 KiB: the most one H100/H200 program may use
@@ -381,13 +400,15 @@ SM90_SMEM_BYTES = 232448  # 227 KiB: the most one H100/H200 program may use
 def smem_bytes(kind: str, cfg: TileConfig, head_dim: int, element_size: int) -> int:
     """Estimated shared memory of one program: the streamed pair of tiles is buffered
     num_stages times, the resident tiles once (fwd: Q resident, K/V streamed; dK/dV: K/V
-    resident, Q/dO streamed; dQ: Q/dO resident, K/V streamed). Triton adds some scratch
-    of its own, so a tile near the limit may still step down at launch."""
+    resident, Q/dO streamed; dQ: Q/dO resident, K/V streamed; fused: as dK/dV, plus K
+    in the dQ product's layout and the fp32 dQ block on its way to the atomics). Triton
+    adds some scratch of its own, so a tile near the limit may still step down."""
     d = padded_head_dim(head_dim)
     resident, streamed = {
         "fwd": (cfg.block_m, 2 * cfg.block_n),
         "bwd_dkdv": (2 * cfg.block_n, 2 * cfg.block_m),
         "bwd_dq": (2 * cfg.block_m, 2 * cfg.block_n),
+        "bwd_fused": (3 * cfg.block_n + 2 * cfg.block_m, 2 * cfg.block_m),
     }[kind]
     return (resident + cfg.num_stages * streamed) * d * element_size
 

@@ -1,0 +1,179 @@
+"""Which Triton backward runs, and what each promises (flashtile/ops/bwd.py).
+
+deterministic (flash-attn's flag), FLASHTILE_BWD and torch.use_deterministic_algorithms
+pick the split backward (bitwise reproducible) or the fused one (dq summed by atomics:
+reproducible to rounding). The accuracy of both is tested against float64 by the
+backward tests of test_attention.py, test_varlen.py, test_nan.py and
+test_index_safety.py ("triton" and "triton-fused"); here: the choice, that the flag
+reaches the backward through every entry point, and run-to-run behaviour.
+"""
+
+import pytest
+import torch
+
+import flashtile
+from flashtile import custom_ops
+from tests.conftest import triton_available_here
+from tests.utils import assert_close_rule, max_err, reference_pair
+
+
+@pytest.mark.parametrize("env,deterministic,fused", [
+    (None, False, False), (None, True, False), ("split", False, False),
+    ("fused", False, True), ("fused", True, False), (" Fused ", False, True),
+], ids=["default", "default-deterministic", "split", "fused", "fused-deterministic",
+        "fused-spaced"])
+def test_path_choice(env, deterministic, fused, monkeypatch):
+    """deterministic=True always takes the split path; False takes FLASHTILE_BWD's
+    (unset: custom_ops.DEFAULT_BWD, split until the fused one is timed on the GPU)."""
+    if env is None:
+        monkeypatch.delenv("FLASHTILE_BWD", raising=False)
+    else:
+        monkeypatch.setenv("FLASHTILE_BWD", env)
+    assert custom_ops.DEFAULT_BWD == "split"
+    assert custom_ops.fused_backward(deterministic) is fused
+
+
+def test_torch_deterministic_algorithms_take_the_split_path(monkeypatch):
+    monkeypatch.setenv("FLASHTILE_BWD", "fused")
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        assert custom_ops.fused_backward(False) is False
+    finally:
+        torch.use_deterministic_algorithms(before)
+
+
+def test_bad_path_name_raises(monkeypatch):
+    monkeypatch.setenv("FLASHTILE_BWD", "atomic")
+    with pytest.raises(ValueError, match=r"FLASHTILE_BWD must be one of \('split', "
+                                         r"'fused'\).*'atomic'"):
+        custom_ops.fused_backward(False)
+
+
+@pytest.fixture
+def triton(monkeypatch, on_gpu):
+    if not triton_available_here(on_gpu):
+        pytest.skip("Triton on CPU needs TRITON_INTERPRET=1 (set by make test)")
+    monkeypatch.setenv("FLASHTILE_BACKEND", "triton")
+
+
+@pytest.fixture
+def fused_calls(monkeypatch):
+    """The ``fused`` argument of every Triton backward launch, in order."""
+    calls, real = [], custom_ops.triton_bwd
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs["fused"])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(custom_ops, "triton_bwd", spy)
+    return calls
+
+
+def _dense_and_varlen(deterministic, device, wrap):
+    """Gradients of a dense and a varlen call, each through ``wrap`` (eager or compiled)."""
+    q, k, v = (torch.randn(1, 21, 2, 16, device=device, requires_grad=True)
+               for _ in range(3))
+    dense = wrap(lambda q, k, v: flashtile.flash_attn_func(q, k, v, causal=True,
+                                                           deterministic=deterministic))
+    torch.autograd.grad(dense(q, k, v).sum(), (q, k, v))
+    cu = torch.tensor([0, 8, 21], dtype=torch.int32, device=device)
+    varlen = wrap(lambda q, k, v: flashtile.flash_attn_varlen_func(
+        q, k, v, cu, cu, 13, 13, causal=True, deterministic=deterministic))
+    qp, kp, vp = (x.detach()[0].requires_grad_() for x in (q, k, v))
+    torch.autograd.grad(varlen(qp, kp, vp).sum(), (qp, kp, vp))
+
+
+@pytest.mark.parametrize("entry", ["eager", "compiled"])
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_flag_reaches_the_backward(entry, deterministic, triton, fused_calls, device,
+                                   monkeypatch):
+    """Through the eager autograd.Function and through the custom ops' own autograd
+    (torch.compile), dense and varlen: with FLASHTILE_BWD=fused, deterministic=False
+    runs the fused backward and True the split one."""
+    monkeypatch.setenv("FLASHTILE_BWD", "fused")
+    if entry == "compiled":
+        torch._dynamo.reset()
+        wrap = lambda fn: torch.compile(fn, fullgraph=True)  # noqa: E731
+    else:
+        wrap = lambda fn: fn  # noqa: E731
+    _dense_and_varlen(deterministic, device, wrap)
+    assert fused_calls == [not deterministic] * 2
+
+
+def _grads(q, k, v, dout, deterministic, **kw):
+    qg, kg, vg = (x.clone().requires_grad_() for x in (q, k, v))
+    out = flashtile.flash_attn_func(qg, kg, vg, deterministic=deterministic, **kw)
+    return torch.autograd.grad(out, (qg, kg, vg), dout)
+
+
+def test_fused_run_to_run(triton, fused_calls, device, on_gpu, monkeypatch):
+    """Two fused backwards on the same inputs: dk and dv bitwise equal (each has one
+    owner program, as in the split path), dq within one rounding step of its dtype
+    (only the order of the fp32 atomic adds differs), both within the accuracy rule."""
+    monkeypatch.setenv("FLASHTILE_BWD", "fused")
+    shape, dtype = ((2, 2048, 16, 4, 128), torch.bfloat16) if on_gpu else \
+        ((2, 67, 4, 2, 32), torch.float16)
+    b, s, h, hkv, d = shape
+    q = torch.randn(b, s, h, d, device=device, dtype=dtype)
+    k, v = (torch.randn(b, s, hkv, d, device=device, dtype=dtype) for _ in range(2))
+    dout = torch.randn_like(q)
+    first, second = (_grads(q, k, v, dout, False, causal=True) for _ in range(2))
+    assert fused_calls == [True, True]
+    assert torch.equal(first[1], second[1]) and torch.equal(first[2], second[2])
+    eps = torch.finfo(dtype).eps
+    assert max_err(first[0], second[0]) <= eps * first[0].abs().max().item()
+    (_, _, g64), (_, _, g_pt) = reference_pair(q, k, v, dout, causal=True)
+    for grads in (first, second):
+        for name, ours, r64, rpt in zip(("dq", "dk", "dv"), grads, g64, g_pt):
+            assert_close_rule(name, ours, r64, rpt)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_fused_bf16_on_gpu(head_dim, causal, monkeypatch):
+    """bf16 on the H200 at the table's tiles (GQA, a length that is no tile multiple):
+    the fused backward within the accuracy rule, and equal to the split one within
+    the same rule (the interpreter cannot run bf16)."""
+    monkeypatch.setenv("FLASHTILE_BACKEND", "triton")
+    monkeypatch.setenv("FLASHTILE_BWD", "fused")
+    q = torch.randn(2, 1061, 8, head_dim, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(2, 1061, 2, head_dim, device="cuda", dtype=torch.bfloat16)
+            for _ in range(2))
+    dout = torch.randn_like(q)
+    fused = _grads(q, k, v, dout, False, causal=causal)
+    split = _grads(q, k, v, dout, True, causal=causal)
+    (_, _, g64), (_, _, g_pt) = reference_pair(q, k, v, dout, causal=causal)
+    for grads in (fused, split):
+        for name, ours, r64, rpt in zip(("dq", "dk", "dv"), grads, g64, g_pt):
+            assert_close_rule(f"d{head_dim} {name}", ours, r64, rpt)
+
+
+@pytest.mark.gpu
+def test_fused_varlen_plan_reuse_on_gpu(monkeypatch):
+    """The second varlen call (same batch and seqlen class, another max_seqlen and
+    other lengths) replays the cached launch plans with its own grid: each call's
+    gradients match its sequences computed alone in float64 (accuracy rule)."""
+    monkeypatch.setenv("FLASHTILE_BACKEND", "triton")
+    monkeypatch.setenv("FLASHTILE_BWD", "fused")
+    dtype, h, hkv, d = torch.float16, 4, 2, 64
+    for lens in ([300, 0, 701], [500, 480, 21]):
+        total = sum(lens)
+        cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32,
+                          device="cuda")
+        q = torch.randn(total, h, d, device="cuda", dtype=dtype)
+        k, v = (torch.randn(total, hkv, d, device="cuda", dtype=dtype) for _ in range(2))
+        dout = torch.randn_like(q)
+        qg, kg, vg = (x.clone().requires_grad_() for x in (q, k, v))
+        out = flashtile.flash_attn_varlen_func(qg, kg, vg, cu, cu, max(lens), max(lens),
+                                               causal=True)
+        grads = torch.autograd.grad(out, (qg, kg, vg), dout)
+        for start, n in zip(cu[:-1].tolist(), lens):
+            if not n:
+                continue
+            rows = slice(start, start + n)
+            (_, _, g64), (_, _, g_pt) = reference_pair(
+                *(x[None, rows] for x in (q, k, v, dout)), causal=True)
+            for name, ours, r64, rpt in zip(("dq", "dk", "dv"), grads, g64, g_pt):
+                assert_close_rule(f"{lens} {name}", ours[None, rows], r64, rpt)
