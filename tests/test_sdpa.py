@@ -20,6 +20,12 @@ MASKS = {
 }
 
 
+# "triton-fused": the attn_mask reaches the fused backward too (conftest.backend).
+WITH_FUSED = pytest.mark.parametrize("backend", ["torch", "triton", "triton-fused"],
+                                     indirect=True)
+
+
+@WITH_FUSED
 @pytest.mark.parametrize("mask_kind", list(MASKS))
 @pytest.mark.parametrize("shape", [(2, 4, 4, 37, 53, 32), (1, 4, 2, 61, 29, 48)],
                          ids=["mha", "gqa"])
@@ -82,6 +88,7 @@ def test_sdpa_lowp_matches_torch_error(dtype, device):
     assert max_err(out, ref) <= 2 * max_err(pt, ref) + FLOOR[dtype]
 
 
+@WITH_FUSED
 def test_sdpa_additive_mask_with_inf_rows(backend, device):
     """Regression: an additive mask of -inf (left padding built with masked_fill) that
     empties a row's first key block, or the whole row, gave NaN in the unmasked span."""
