@@ -101,6 +101,27 @@ def test_flag_reaches_the_backward(entry, deterministic, triton, fused_calls, de
     assert fused_calls == [not deterministic] * 2
 
 
+def test_fp32_over_head_dim_128_takes_the_split_kernels(triton, device, monkeypatch):
+    """The fused kernel has no fp32 tile beyond head_dim 128 (every one compiled there
+    spilled, configs.py): such calls run the split kernels, within the accuracy rule."""
+    from flashtile.ops import configs
+
+    def no_fused_tile(*args, **kwargs):
+        raise AssertionError("the fused backward was launched")
+
+    monkeypatch.setattr(configs, "bwd_fused_config", no_fused_tile)
+    monkeypatch.setenv("FLASHTILE_BWD", "fused")
+    q = torch.randn(1, 23, 2, 136, device=device)
+    k, v = (torch.randn(1, 29, 1, 136, device=device) for _ in range(2))
+    dout = torch.randn_like(q)
+    grads = _grads(q, k, v, dout, False, causal=True)
+    (_, _, g64), (_, _, g_pt) = reference_pair(q, k, v, dout, causal=True)
+    for name, ours, r64, rpt in zip(("dq", "dk", "dv"), grads, g64, g_pt):
+        assert_close_rule(name, ours, r64, rpt)
+    assert configs.fused_bwd_has_tiles(2, 512) and configs.fused_bwd_has_tiles(4, 128)
+    assert not configs.fused_bwd_has_tiles(4, 136)
+
+
 def _grads(q, k, v, dout, deterministic, **kw):
     qg, kg, vg = (x.clone().requires_grad_() for x in (q, k, v))
     out = flashtile.flash_attn_func(qg, kg, vg, deterministic=deterministic, **kw)

@@ -97,31 +97,46 @@ def test_paged_forward_stays_pipelined(paged):
     assert copies[1] == copies[0] > 0, copies
 
 
+FUSED_TABLES = {  # name: (table, dtype, products)
+    "bf16": (configs._BWD_FUSED_16BIT, "bf16", "tf32"),
+    "fp32_tf32": (configs._BWD_FUSED_32BIT, "fp32", "tf32"),
+    "fp32_tf32x3": (configs._BWD_FUSED_32BIT, "fp32", "tf32x3"),
+    "fp32_ieee": (configs._BWD_FUSED_IEEE, "fp32", "ieee"),
+}
+
+
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
-@pytest.mark.parametrize("head_dim", sorted(configs._BWD_FUSED_16BIT))
-def test_fused_backward_tiles_do_not_spill(head_dim, causal):
-    """The fused backward's table (chosen with tests/aot.py, configs.py) compiles
-    without spilling at every head dim, and its dQ atomics are relaxed vector adds
-    (acq_rel would fence each one; scalar ones issue four times as many)."""
-    cfg = configs._BWD_FUSED_16BIT[head_dim]
+@pytest.mark.parametrize("table,head_dim", [(t, d) for t, (table, _, _) in FUSED_TABLES.items()
+                                            for d in sorted(table)])
+def test_fused_backward_tiles_do_not_spill(table, head_dim, causal):
+    """Every entry of the fused backward's tables (chosen with tests/aot.py, configs.py)
+    compiles without spilling, and its dQ atomics are relaxed (acq_rel would fence each
+    one), four floats each in the 16-bit table (the fp32 tiles hold fewer per thread).
+    fp32 stops at head_dim 128: the split backward serves fp32 beyond it."""
+    entries, dtype, products = FUSED_TABLES[table]
+    assert configs.fused_bwd_has_tiles(4 if dtype == "fp32" else 2, head_dim)
+    cfg = entries[head_dim]
     ck = compile_kernel(_bwd_dkdv_kernel, dict(
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=head_dim, IS_VARLEN=False,
-        ATOMIC_DQ=True, **dict(PLAIN, MASK_RIGHT=causal)), dtype="bf16",
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        ATOMIC_DQ=True, **dict(PLAIN, MASK_RIGHT=causal, INPUT_PRECISION=products)),
+        dtype=dtype, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     res = resources(ck)
     assert res["stack_bytes"] == 0 and res["shared_bytes"] <= configs.SM90_SMEM_BYTES, res
     adds = re.findall(r"(?:atom|red)\.global[.\w]*\.add[.\w]*", ck.asm["ptx"])
-    assert adds and all(".relaxed." in a and a.endswith(".v4.f32") for a in adds), adds
+    assert adds and all(".relaxed." in a and a.endswith(".f32") for a in adds), adds
+    if dtype == "bf16":
+        assert all(a.endswith(".v4.f32") for a in adds), adds
 
 
 def test_preprocess_and_dq_conversion_compile():
+    """At the largest head dim; the preprocess also zeroing the fused dQ accumulator."""
     ck = compile_kernel(_bwd_preprocess_kernel,
-                        dict(BLOCK_M=configs.PREPROCESS_BLOCK_M, BLOCK_D=256, HAS_DLSE=True,
+                        dict(BLOCK_M=configs.PREPROCESS_BLOCK_M, BLOCK_D=512, HAS_DLSE=True,
                              ZERO_DQ=True),
                         dtype="fp16")
     assert resources(ck)["stack_bytes"] == 0
     ck = compile_kernel(_bwd_dq_convert_kernel,
-                        dict(BLOCK_M=configs.PREPROCESS_BLOCK_M, BLOCK_D=256), dtype="bf16")
+                        dict(BLOCK_M=configs.PREPROCESS_BLOCK_M, BLOCK_D=512), dtype="bf16")
     assert resources(ck)["stack_bytes"] == 0
 
 
@@ -173,7 +188,8 @@ def test_ieee_fp32_tiles_do_not_spill(kind, head_dim):
     kernel, table, extra = {
         "fwd": (_attn_fwd_kernel, configs._FWD_IEEE,
                 dict(REVERSE_M=False, IS_VARLEN=False, **UNPAGED)),
-        "bwd_dkdv": (_bwd_dkdv_kernel, configs._BWD_DKDV_IEEE, dict(IS_VARLEN=False)),
+        "bwd_dkdv": (_bwd_dkdv_kernel, configs._BWD_DKDV_IEEE,
+                     dict(IS_VARLEN=False, ATOMIC_DQ=False)),
         "bwd_dq": (_bwd_dq_kernel, configs._BWD_DQ_IEEE, dict(IS_VARLEN=False)),
     }[kind]
     cfg = table[head_dim]
@@ -185,7 +201,7 @@ def test_ieee_fp32_tiles_do_not_spill(kind, head_dim):
     assert res["stack_bytes"] == 0 and res["shared_bytes"] <= configs.SM90_SMEM_BYTES, res
 
 
-@pytest.mark.parametrize("kind", ["fwd", "bwd_dkdv", "bwd_dq"])
+@pytest.mark.parametrize("kind", ["fwd", "bwd_dkdv", "bwd_dq", "bwd_fused"])
 def test_tf32x3_compiles_to_tensor_core_products(kind):
     """FLASHTILE_FP32_PRECISION=tf32x3 (fp32 as three TF32 products) on the fp32 tables'
     d128 tiles: compiles for sm_90 within shared memory, to tensor-core products in the
@@ -196,11 +212,12 @@ def test_tf32x3_compiles_to_tensor_core_products(kind):
     import triton.backends.nvidia as nv
     kernel, extra = {
         "fwd": (_attn_fwd_kernel, dict(REVERSE_M=False, IS_VARLEN=False, **UNPAGED)),
-        "bwd_dkdv": (_bwd_dkdv_kernel, dict(IS_VARLEN=False)),
+        "bwd_dkdv": (_bwd_dkdv_kernel, dict(IS_VARLEN=False, ATOMIC_DQ=False)),
         "bwd_dq": (_bwd_dq_kernel, dict(IS_VARLEN=False)),
+        "bwd_fused": (_bwd_dkdv_kernel, dict(IS_VARLEN=False, ATOMIC_DQ=True)),
     }[kind]
     cfg = {"fwd": configs._FWD_32BIT, "bwd_dkdv": configs._BWD_32BIT,
-           "bwd_dq": configs._BWD_32BIT}[kind][128]
+           "bwd_dq": configs._BWD_32BIT, "bwd_fused": configs._BWD_FUSED_32BIT}[kind][128]
     ck = compile_kernel(kernel, dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=128,
                                      **extra, **dict(PLAIN, INPUT_PRECISION="tf32x3")),
                         dtype="fp32", num_warps=cfg.num_warps, num_stages=cfg.num_stages)
@@ -252,8 +269,9 @@ def test_head_dim_512_tiles_do_not_spill(kind, dtype, precision):
         cfg = pick(Q, 512, ieee=ieee)
         kernel = {"fwd": _attn_fwd_kernel, "bwd_dkdv": _bwd_dkdv_kernel,
                   "bwd_dq": _bwd_dq_kernel}[kind]
-        consts = dict(REVERSE_M=False, IS_VARLEN=False, **UNPAGED) if kind == "fwd" \
-            else dict(IS_VARLEN=False)
+        consts = {"fwd": dict(REVERSE_M=False, IS_VARLEN=False, **UNPAGED),
+                  "bwd_dkdv": dict(IS_VARLEN=False, ATOMIC_DQ=False),
+                  "bwd_dq": dict(IS_VARLEN=False)}[kind]
         flags = dict(PLAIN)
     flags = dict(flags, MASK_RIGHT=False, INPUT_PRECISION=precision)
     ck = compile_kernel(kernel, dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=512,

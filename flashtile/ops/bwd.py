@@ -398,11 +398,14 @@ def attn_bwd(dout, q, k, v, out, lse, dlse, *, attn_mask, alibi_slopes, softmax_
     are packed (total, heads, d) and lse/dlse are (h, total_q). ``dlse`` may be None.
     fused: False, the split kernels (preprocess, dK/dV, dQ: bitwise reproducible); True,
     the preprocess, dK/dV with atomic fp32 dQ, and the dQ conversion (fewer products,
-    dq reproducible to rounding only). Same features either way.
+    dq reproducible to rounding only), where they have tiles: not fp32 with head_dim
+    over 128 (``configs.fused_bwd_has_tiles``), which the split kernels serve. Same
+    features either way.
     Index values are checked by the kernels (bad prefix sums: NaN gradients).
     """
     varlen = cu_seqlens_q is not None
     h, d, hkv = q.shape[-2], q.shape[-1], k.shape[-2]
+    fused = fused and configs.fused_bwd_has_tiles(q.element_size(), d)
     if varlen:
         batch, longest_q, longest_k = cu_seqlens_q.shape[0] - 1, max_seqlen_q, max_seqlen_k
     else:

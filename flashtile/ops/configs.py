@@ -139,24 +139,36 @@ _BWD_DQ_IEEE = {
 }
 # The fused backward (ops/bwd.py: the dK/dV kernel also adds its share of dQ), (BLOCK_M
 # over queries, BLOCK_N over keys). Not yet timed on a GPU: sized with tests/aot.py
-# (sm_90, bf16, causal and not) as the largest tiles that compile without spilling,
+# (sm_90, causal and not) as the largest tiles that compile without spilling; bf16
 # registers causal/full: d16 238/232, d32 252/248, d64 254/228, d128 254/242 (123 KB
-# of shared memory), d256 255/204. The dK/dV accumulators stay in registers and the dQ
-# product adds its own, so the query block is narrower than the split kernel's: 32
-# queries spill at d128 (32,64,8,2: 24 B causal) and d256 (32,32,8,2: 160 B).
+# of shared memory), d256 255/204, d512 254/236. The dK/dV accumulators stay in
+# registers and the dQ product adds its own, so the query block is narrower than the
+# split kernel's: 32 queries spill at d128 (32,64,8,2: 24 B causal), d256 (32,32,8,2:
+# 160 B) and d512 (32,16,8,1: 232 B).
 _BWD_FUSED_16BIT = {
     16: TileConfig(64, 128, 8, 2), 32: TileConfig(64, 128, 8, 2),
     64: TileConfig(32, 128, 8, 2), 128: TileConfig(16, 128, 8, 2),
-    256: TileConfig(16, 32, 8, 2),
+    256: TileConfig(16, 32, 8, 2), 512: TileConfig(16, 16, 8, 1),
 }
-# fp32 (IEEE products, the default): no spill at d16-128; d256 spills 8-16 B (with
-# TF32 none), and no fp32 tile we compiled at d256 was free of it. d128 with TF32
-# spills 40 B causal.
+# fp32 stops at head_dim 128 (FUSED_BWD_FP32_MAX_HEAD_DIM): beyond, every fused tile we
+# compiled spilled (IEEE 16,16,8,1: 16 B at d256, 168 B at d512; TF32 8 B at d512;
+# tf32x3 320 B at d256), so the split kernels serve those calls. TF32 and tf32x3
+# (registers causal/full at d128: 128/168 and 214/200):
 _BWD_FUSED_32BIT = {
-    16: TileConfig(16, 32, 4, 1), 32: TileConfig(16, 32, 4, 1),
-    64: TileConfig(16, 32, 4, 1), 128: TileConfig(16, 32, 4, 1),
-    256: TileConfig(16, 16, 8, 1),
+    16: TileConfig(16, 32, 8, 1), 32: TileConfig(16, 32, 8, 1),
+    64: TileConfig(16, 32, 8, 1), 128: TileConfig(16, 16, 8, 1),
 }
+# IEEE products (FFMA; registers causal/full at d128: 180/172):
+_BWD_FUSED_IEEE = {
+    16: TileConfig(16, 32, 8, 1), 32: TileConfig(32, 32, 8, 1),
+    64: TileConfig(32, 32, 8, 1), 128: TileConfig(32, 32, 8, 1),
+}
+FUSED_BWD_FP32_MAX_HEAD_DIM = 128
+
+
+def fused_bwd_has_tiles(element_size: int, head_dim: int) -> bool:
+    """Whether the fused backward has a tile for these inputs (else the split runs)."""
+    return element_size == 2 or padded_head_dim(head_dim) <= FUSED_BWD_FP32_MAX_HEAD_DIM
 
 
 # The Gluon forward for Hopper (ops/fwd_hopper.py), 16-bit only, keyed by head dim:
@@ -241,9 +253,10 @@ def bwd_dq_config(q, head_dim, causal_like=False, *, seqlen=None, ieee=False
 
 def bwd_fused_config(q, head_dim, causal_like=False, *, seqlen=None, ieee=False
                      ) -> TileConfig:
+    """Only where ``fused_bwd_has_tiles``: the fp32 tables stop at head_dim 128."""
     return _pick("bwd_fused", q, head_dim, _BWD_FUSED_16BIT, _BWD_FUSED_32BIT,
                  causal_like=causal_like, seqlen=seqlen,
-                 ieee_table=_BWD_DKDV_IEEE if ieee else None)
+                 ieee_table=_BWD_FUSED_IEEE if ieee else None)
 
 
 def smaller(cfg: TileConfig) -> TileConfig | None:
