@@ -15,6 +15,7 @@ def _dtypes(device):
         [torch.float32, torch.float16]
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton", "triton-fused"], indirect=True)
 @pytest.mark.parametrize("head_dim", [320, 512])  # 320: padded to 512 and masked
 @pytest.mark.parametrize("causal", [False, True])
 def test_fwd_bwd(backend, device, head_dim, causal):
