@@ -13,7 +13,6 @@ import torch
 
 import flashtile
 from flashtile import custom_ops
-from tests.conftest import triton_available_here
 from tests.utils import assert_close_rule, max_err, reference_pair
 
 
@@ -50,11 +49,8 @@ def test_bad_path_name_raises(monkeypatch):
         custom_ops.fused_backward(False)
 
 
-@pytest.fixture
-def triton(monkeypatch, on_gpu):
-    if not triton_available_here(on_gpu):
-        pytest.skip("Triton on CPU needs TRITON_INTERPRET=1 (set by make test)")
-    monkeypatch.setenv("FLASHTILE_BACKEND", "triton")
+# The Triton kernels (conftest.backend), on the GPU or through the interpreter.
+TRITON = pytest.mark.parametrize("backend", ["triton"], indirect=True)
 
 
 @pytest.fixture
@@ -84,9 +80,10 @@ def _dense_and_varlen(deterministic, device, wrap):
     torch.autograd.grad(varlen(qp, kp, vp).sum(), (qp, kp, vp))
 
 
+@TRITON
 @pytest.mark.parametrize("entry", ["eager", "compiled"])
 @pytest.mark.parametrize("deterministic", [False, True])
-def test_flag_reaches_the_backward(entry, deterministic, triton, fused_calls, device,
+def test_flag_reaches_the_backward(entry, deterministic, backend, fused_calls, device,
                                    monkeypatch):
     """Through the eager autograd.Function and through the custom ops' own autograd
     (torch.compile), dense and varlen: with FLASHTILE_BWD=fused, deterministic=False
@@ -101,7 +98,14 @@ def test_flag_reaches_the_backward(entry, deterministic, triton, fused_calls, de
     assert fused_calls == [not deterministic] * 2
 
 
-def test_fp32_over_head_dim_128_takes_the_split_kernels(triton, device, monkeypatch):
+def _grads(q, k, v, dout, deterministic, **kw):
+    qg, kg, vg = (x.clone().requires_grad_() for x in (q, k, v))
+    out = flashtile.flash_attn_func(qg, kg, vg, deterministic=deterministic, **kw)
+    return torch.autograd.grad(out, (qg, kg, vg), dout)
+
+
+@TRITON
+def test_fp32_over_head_dim_128_takes_the_split_kernels(backend, device, monkeypatch):
     """The fused kernel has no fp32 tile beyond head_dim 128 (every one compiled there
     spilled, configs.py): such calls run the split kernels, within the accuracy rule."""
     from flashtile.ops import configs
@@ -122,13 +126,8 @@ def test_fp32_over_head_dim_128_takes_the_split_kernels(triton, device, monkeypa
     assert not configs.fused_bwd_has_tiles(4, 136)
 
 
-def _grads(q, k, v, dout, deterministic, **kw):
-    qg, kg, vg = (x.clone().requires_grad_() for x in (q, k, v))
-    out = flashtile.flash_attn_func(qg, kg, vg, deterministic=deterministic, **kw)
-    return torch.autograd.grad(out, (qg, kg, vg), dout)
-
-
-def test_fused_run_to_run(triton, fused_calls, device, on_gpu, monkeypatch):
+@TRITON
+def test_fused_run_to_run(backend, fused_calls, device, on_gpu, monkeypatch):
     """Two fused backwards on the same inputs: dk and dv bitwise equal (each has one
     owner program, as in the split path), dq within one rounding step of its dtype
     (only the order of the fp32 atomic adds differs), both within the accuracy rule."""

@@ -28,6 +28,17 @@ from flashtile.ops._common import (LOG2E, _block_range, _fill_nan_rows, _load_ti
 
 
 @triton.jit
+def _row_block(nheads, seqlen_q, head_dim, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Program (row block, batch x head) of the row-wise kernels: (off_b, off_h, offs_m,
+    offs_d, the (M, D) mask of rows and head dims in bounds)."""
+    off_bh = tl.program_id(1)
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    m_tile = (offs_m[:, None] < seqlen_q) & (offs_d[None, :] < head_dim)
+    return off_bh // nheads, off_bh % nheads, offs_m, offs_d, m_tile
+
+
+@triton.jit
 def _bwd_preprocess_kernel(Out, DOut, DLse, Delta, DQAccum,
                            stride_ob, stride_om, stride_oh,
                            stride_dob, stride_dom, stride_doh,
@@ -35,20 +46,15 @@ def _bwd_preprocess_kernel(Out, DOut, DLse, Delta, DQAccum,
                            nheads, seqlen_q, head_dim,
                            BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
                            HAS_DLSE: tl.constexpr, ZERO_DQ: tl.constexpr):
-    start_m = tl.program_id(0)
-    off_bh = tl.program_id(1)
-    off_b = off_bh // nheads
-    off_h = off_bh % nheads
-    offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-    m_tile = (offs_m[:, None] < seqlen_q) & (offs_d[None, :] < head_dim)
+    off_b, off_h, offs_m, offs_d, m_tile = _row_block(nheads, seqlen_q, head_dim, BLOCK_M,
+                                                      BLOCK_D)
     b_o = tl.load(Out + off_b * stride_ob + off_h * stride_oh + offs_m[:, None] * stride_om
                   + offs_d[None, :], mask=m_tile, other=0.0).to(tl.float32)
     b_do = tl.load(DOut + off_b * stride_dob + off_h * stride_doh
                    + offs_m[:, None] * stride_dom + offs_d[None, :],
                    mask=m_tile, other=0.0).to(tl.float32)
     delta = tl.sum(b_o * b_do, 1)                                        # (M,)
-    p_row = off_bh * seqlen_q + offs_m  # DLse and Delta are (b, h, sq) contiguous
+    p_row = (off_b * nheads + off_h) * seqlen_q + offs_m  # DLse, Delta: (b, h, sq)
     if HAS_DLSE:
         delta -= tl.load(DLse + p_row, mask=offs_m < seqlen_q, other=0.0)
     tl.store(Delta + p_row, delta, mask=offs_m < seqlen_q)
@@ -364,13 +370,8 @@ def _bwd_dq_convert_kernel(DQAccum, DQ, stride_accb, stride_acch,
                            nheads, seqlen_q, head_dim, softmax_scale,
                            BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
     """dq = DQAccum * softmax_scale in dq's dtype and layout (the fused backward)."""
-    start_m = tl.program_id(0)
-    off_bh = tl.program_id(1)
-    off_b = off_bh // nheads
-    off_h = off_bh % nheads
-    offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-    m_tile = (offs_m[:, None] < seqlen_q) & (offs_d[None, :] < head_dim)
+    off_b, off_h, offs_m, offs_d, m_tile = _row_block(nheads, seqlen_q, head_dim, BLOCK_M,
+                                                      BLOCK_D)
     b_dq = tl.load(DQAccum + off_b * stride_accb + off_h * stride_acch
                    + offs_m[:, None] * BLOCK_D + offs_d[None, :], mask=m_tile)  # (M, D)
     tl.store(DQ + off_b * stride_dqb + off_h * stride_dqh + offs_m[:, None] * stride_dqm
