@@ -19,6 +19,7 @@ def test_opcheck(torch_backend, device):
     v = torch.randn(2, 23, 2, 16, device=device, requires_grad=True)
     args = (q, k, v, None, None, 0.25, 4, -1, 0, 0.0, False)
     torch.library.opcheck(custom_ops.attn_fwd, args)
+    torch.library.opcheck(custom_ops.attn_fwd, args + (True,))  # deterministic
 
 
 class TinyBlock(torch.nn.Module):
@@ -63,8 +64,9 @@ def test_opcheck_varlen(torch_backend, device):
     v = torch.randn(15, 2, 16, device=device, requires_grad=True)
     cu_q = torch.tensor([0, 5, 12], dtype=torch.int32, device=device)
     cu_k = torch.tensor([0, 9, 15], dtype=torch.int32, device=device)
-    torch.library.opcheck(custom_ops.varlen_attn_fwd,
-                          (q, k, v, cu_q, cu_k, 7, 9, None, 0.25, -1, 0, 0.0, False))
+    args = (q, k, v, cu_q, cu_k, 7, 9, None, 0.25, -1, 0, 0.0, False)
+    torch.library.opcheck(custom_ops.varlen_attn_fwd, args)
+    torch.library.opcheck(custom_ops.varlen_attn_fwd, args + (None, None, True))
 
 
 def _grads_of(fn, inputs, seed=0):
