@@ -23,7 +23,8 @@
 #   hopper       the Gluon forward's GPU tests and its timing             (~8 min)
 #   tp           the tensor-parallel driver's tests (2 GPUs)              (~4 min)
 #   fp32         accuracy and speed of fp32, IEEE products against tf32x3  (~8 min)
-#   wide         head_dim 256 and 512 beside the peers; d256 backward tiles  (~7 min)
+#   wide         head_dim 256 and 512 beside the peers; d256 backward tiles; the fused
+#                backward against the split one                          (~10 min)
 #   serve [BACKEND] [KV]  flashtile serve (1B shape, dummy weights, attention BACKEND,
 #                default flashtile, KV pool bytes KV e.g. 4GiB) and the bench serve rate
 #                sweep against it (~6 min; SERVE_PROMPTS, SERVE_RATES, SERVE_TIMEOUT;
@@ -106,12 +107,17 @@ case "${1:-}" in
     # beside the peers that take them, then the d256 backward tiles the AOT study proposes.
     timeout 240 python3 -m flashtile bench --headdim 256 512 --seqlens 1k 4k --modes fwd \
       fwd_bwd --no-progress --out wide --overwrite 2>&1 | grep "^|" | tail -24
-    for c in "32,32,8,2" "16,32,8,2" "64,32,8,1"; do
-      FLASHTILE_BWD_DKDV_CONFIG=$c FLASHTILE_BWD_DQ_CONFIG=64,32,8,2 timeout 60 python3 -m \
-        flashtile bench --headdim 256 --seqlens 4k --modes fwd_bwd --providers flashtile \
-        --no-progress --out "wide-$c" --overwrite 2>&1 | grep "^| flashtile" | sed "s/^/$c /"
+    for c in "32,32,8,2/64,32,8,2" "16,32,8,3/64,32,8,3" "64,32,8,1/128,32,8,2"; do
+      FLASHTILE_BWD_DKDV_CONFIG=${c%/*} FLASHTILE_BWD_DQ_CONFIG=${c#*/} timeout 60 python3 \
+        -m flashtile bench --headdim 256 --seqlens 4k --modes fwd_bwd --providers flashtile \
+        --no-progress --out "wide-${c//[,\/]/_}" --overwrite 2>&1 | grep "^|" | tail -2 \
+        | sed "s|^|$c |"
     done
-    tar czf "$OUT/wide.tgz" wide*
+    # The fused backward (deterministic=False, FLASHTILE_BWD=fused) against the split one.
+    timeout 200 python3 -m flashtile bench --providers flashtile flashtile-fusedbwd \
+      sdpa-cudnn --headdim 64 128 256 --seqlens 1k 4k 8k --modes fwd_bwd --no-progress \
+      --out bwd-ab --overwrite 2>&1 | grep "^|" | tail -20
+    tar czf "$OUT/wide.tgz" wide* bwd-ab
     ;;
   short)
     timeout 240 python3 -m flashtile bench --seqlens 512 1k 2k --no-progress \
