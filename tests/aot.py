@@ -16,7 +16,8 @@ from triton.compiler import ASTSource
 from triton.experimental.gluon._runtime import GluonASTSource
 
 _FLOAT_SCALARS = {"softmax_scale", "softcap"}
-_FP32_POINTERS = {"Lse", "Delta", "DLse", "Alibi", "LsePartial", "OutPartial"}
+_FP32_POINTERS = {"Lse", "Delta", "DLse", "Alibi", "LsePartial", "OutPartial", "QDescale",
+                  "KDescale", "VDescale"}
 _INT32_POINTERS = {"BlockTable", "CacheSeqlens", "CacheBatchIdx", "CacheLeftpad",
                    "CuSeqlensQ", "CuSeqlensK", "SequsedK"}
 
