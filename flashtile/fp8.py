@@ -102,10 +102,10 @@ def check_fp8_args(q, k, v, batch, nheads_kv, descales, out_dtype):
                 V._fail(ValueError, name, f"None with {q.dtype} q, k, v (descales scale "
                         "float8 inputs)", "a tensor")
         return None
-    refuse_grad((q, k, v, *descales), ("q", "k", "v", *DESCALE_NAMES),
-                "FP8 attention")
-    return [check_descale(x, name, batch, nheads_kv, q.device)
-            for x, name in zip(descales, DESCALE_NAMES)], out_dtype
+    descales = [check_descale(x, name, batch, nheads_kv, q.device)
+                for x, name in zip(descales, DESCALE_NAMES)]
+    refuse_grad((q, k, v, *descales), ("q", "k", "v", *DESCALE_NAMES), "FP8 attention")
+    return descales, out_dtype
 
 
 def quantize(x: Tensor, descale: Optional[Tensor] = None,

@@ -62,7 +62,7 @@ def _check_cache(q, k_cache, v_cache, k, v, block_table, cache_seqlens, cache_ba
     sn = 0
     if k is not None:
         for x, name in ((k, "k"), (v, "v")):
-            V.check_tensor(x, name, 4)
+            V.check_tensor(x, name, 4, dtypes=V.WITH_FP8)
             if x.dtype != q.dtype or x.device != q.device:
                 V._fail(TypeError, f"{name}.dtype/device", f"q's {q.dtype} on {q.device}",
                       f"{x.dtype} on {x.device}")
@@ -397,12 +397,13 @@ def _check_fp8(q, k_cache, v_cache, descales, out_dtype, rotary_cos):
     if fp8_q and rotary_cos is not None:
         V._fail(ValueError, "rotary_cos", f"None with {q.dtype} q (rotary embedding takes "
                 "16-bit q: rotate before quantising)", "a tensor")
+    descales = [F8.check_descale(x, name, q.shape[0], k_cache.shape[2], q.device)
+                for x, name in zip(descales, F8.DESCALE_NAMES)]
     if fp8_q or fp8_cache:
         F8.refuse_grad((q if fp8_q else None, k_cache, v_cache, *descales),
                        ("q", "k_cache", "v_cache", *F8.DESCALE_NAMES),
                        "flash_attn_with_kvcache")
-    return [F8.check_descale(x, name, q.shape[0], k_cache.shape[2], q.device)
-            for x, name in zip(descales, F8.DESCALE_NAMES)], out_dtype
+    return descales, out_dtype
 
 
 def _quantize_new(x, descale, dtype):

@@ -25,10 +25,15 @@ PLAIN = dict(EVEN_D=True, MASK_LEFT=False, MASK_RIGHT=True, HAS_SOFTCAP=False,
 EVERYTHING = dict(EVEN_D=False, MASK_LEFT=True, MASK_RIGHT=True, HAS_SOFTCAP=True,
                   HAS_ALIBI=True, HAS_MASK=True, MASK_IS_BOOL=True, INPUT_PRECISION="ieee")
 
-UNPAGED = dict(PAGED=False, PAGE_SIZE=1, SEQUSED_K=False)
+# No FP8 descales (tests/test_fp8.py compiles the FP8 variants).
+NO_DESCALE = dict(HAS_Q_DESCALE=False, HAS_K_DESCALE=False, HAS_V_DESCALE=False)
+UNPAGED = dict(PAGED=False, PAGE_SIZE=1, SEQUSED_K=False, V_KEYS_CONTIGUOUS=False,
+               **NO_DESCALE)
 # Pages of 16 keys: one block-table entry per key row; 256: one per key tile.
-PAGED16 = dict(PAGED=True, PAGE_SIZE=16, SEQUSED_K=True)
-PAGED256 = dict(PAGED=True, PAGE_SIZE=256, SEQUSED_K=False)
+PAGED16 = dict(PAGED=True, PAGE_SIZE=16, SEQUSED_K=True, V_KEYS_CONTIGUOUS=False,
+               **NO_DESCALE)
+PAGED256 = dict(PAGED=True, PAGE_SIZE=256, SEQUSED_K=False, V_KEYS_CONTIGUOUS=False,
+                **NO_DESCALE)
 
 KERNELS = {
     "fwd": (_attn_fwd_kernel, configs._FWD_16BIT,
@@ -113,7 +118,8 @@ def test_decode_compiles(paged, page_size, aligned, tile_pages, split_pages):
                                              PAGE_ALIGNED=aligned, TILE_PAGES=tile_pages,
                                              SPLIT_PAGES=split_pages, HAS_BATCH_IDX=not paged,
                                              HAS_LEFTPAD=not (aligned or tile_pages or split_pages),
-                                             LAUNCH_DEPENDENTS=True, **flags),
+                                             LAUNCH_DEPENDENTS=True, **NO_DESCALE,
+                                             **flags),
                         dtype="bf16", num_warps=4, num_stages=3)
     assert resources(ck)["stack_bytes"] == 0
     # The K/V loads must stay software-pipelined (async copies into shared memory): a
@@ -135,5 +141,6 @@ def test_decode_compiles(paged, page_size, aligned, tile_pages, split_pages):
 def test_append_compiles(paged):
     ck = compile_kernel(_append_kernel, dict(BLOCK_T=16, BLOCK_D=128, PAGED=paged,
                                              PAGE_SIZE=16 if paged else 1,
-                                             HAS_BATCH_IDX=not paged), dtype="bf16")
+                                             HAS_BATCH_IDX=not paged, HAS_K_DESCALE=False,
+                                             HAS_V_DESCALE=False), dtype="bf16")
     assert resources(ck)["stack_bytes"] == 0
