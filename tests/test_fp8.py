@@ -487,3 +487,164 @@ def test_gpu_forward(shape, causal, dtype, device):
                                          q_descale=descales[0], k_descale=descales[1],
                                          v_descale=descales[2])
     _check(out, lse, q, k, v, descales, "triton", dict(causal=causal), torch.bfloat16)
+
+
+# ---- sm_90 compile checks (no GPU: Triton's bundled ptxas, tests/aot.py) ----
+
+compile_only = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1",
+                                  reason="needs real Triton compilation (no interpreter)")
+
+
+def _sass_ops(compiled):
+    """The tensor-core instructions in the cubin's SASS (cuobjdump from Triton)."""
+    import re
+    import subprocess
+    import tempfile
+
+    import triton.backends.nvidia as nv
+
+    tool = os.path.join(os.path.dirname(nv.__file__), "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(compiled.asm["cubin"])
+    try:
+        sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True,
+                              check=True).stdout
+    finally:
+        os.unlink(f.name)
+    return set(re.findall(r"\b(QGMMA|HGMMA|HMMA)\b", sass))
+
+
+FP8_FWD_LAYOUTS = {
+    # V^T copy (keys contiguous), read with async copies as K is.
+    "dense": dict(IS_VARLEN=False, PAGED=False, PAGE_SIZE=1, V_KEYS_CONTIGUOUS=True),
+    # V as given: Triton transposes each tile through registers.
+    "varlen": dict(IS_VARLEN=True, PAGED=False, PAGE_SIZE=1, V_KEYS_CONTIGUOUS=False),
+    "paged16": dict(IS_VARLEN=True, PAGED=True, PAGE_SIZE=16, V_KEYS_CONTIGUOUS=False),
+}
+
+
+def _compile_fp8_fwd(layout, head_dim, causal, dtype="fp8e4nv"):
+    from flashtile.ops import configs
+    from flashtile.ops.fwd import _attn_fwd_kernel
+    from tests.aot import compile_kernel
+
+    cfg = configs._FWD_FP8[head_dim]
+    flags = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=head_dim, EVEN_D=True,
+                 MASK_LEFT=False, MASK_RIGHT=causal, HAS_SOFTCAP=False, HAS_ALIBI=False,
+                 HAS_MASK=False, MASK_IS_BOOL=False, INPUT_PRECISION="ieee",
+                 REVERSE_M=causal, SEQUSED_K=False, HAS_Q_DESCALE=True,
+                 HAS_K_DESCALE=True, HAS_V_DESCALE=True, **FP8_FWD_LAYOUTS[layout])
+    return compile_kernel(_attn_fwd_kernel, flags, dtype=dtype, num_warps=cfg.num_warps,
+                          num_stages=cfg.num_stages, types={"Out": "*bf16"})
+
+
+@compile_only
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("layout, head_dim", [("dense", 64), ("dense", 128),
+                                              ("dense", 256), ("varlen", 128),
+                                              ("varlen", 256), ("paged16", 128)])
+def test_fp8_forward_compiles_for_sm90(layout, head_dim, causal):
+    """The FP8 table's tiles: both products on the FP8 tensor cores (QGMMA in the SASS,
+    no HGMMA), no spills, within shared memory; the dense path's V^T tiles are copied
+    asynchronously as K's are (twice the async copies of the varlen path)."""
+    from flashtile.ops import configs
+    from tests.aot import resources
+
+    compiled = _compile_fp8_fwd(layout, head_dim, causal)
+    res = resources(compiled)
+    assert res["stack_bytes"] == 0, res
+    assert res["shared_bytes"] <= configs.SM90_SMEM_BYTES, res
+    assert _sass_ops(compiled) == {"QGMMA"}
+    if layout == "dense":
+        copies = [ck.asm["ttgir"].count("async_copy_global_to_local")
+                  for ck in (compiled, _compile_fp8_fwd("varlen", head_dim, causal))]
+        assert copies[0] == 2 * copies[1] > 0, copies
+
+
+@compile_only
+def test_fp8_e5m2_forward_compiles_for_sm90():
+    from tests.aot import resources
+
+    compiled = _compile_fp8_fwd("dense", 128, True, dtype="fp8e5")
+    assert resources(compiled)["stack_bytes"] == 0
+    assert _sass_ops(compiled) == {"QGMMA"}
+
+
+@compile_only
+@pytest.mark.parametrize("q_dtype, cache_dtype", [("bf16", "fp8e4nv"), ("fp16", "fp8e5"),
+                                                  ("fp8e4nv", "fp8e4nv")])
+@pytest.mark.parametrize("split", [True, False], ids=["split", "unsplit"])
+def test_fp8_decode_compiles_for_sm90(q_dtype, cache_dtype, split):
+    """Decode over an FP8 cache at the tile decode_config picks: K/V still copied
+    asynchronously (software-pipelined), widened in registers, no spills."""
+    from flashtile.ops import configs
+    from flashtile.ops.decode import _decode_kernel
+    from tests.aot import compile_kernel, resources
+
+    # A meta tensor stands for a GPU q (decode_config gives CPU tensors the
+    # interpreter's tile).
+    q = torch.empty(1, dtype=E4M3 if q_dtype.startswith("fp8") else torch.bfloat16,
+                    device="meta")
+    cfg = configs.decode_config(q, 128, 4, split=split, fp8_cache=True)
+    compiled = compile_kernel(_decode_kernel, dict(
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=128, EVEN_D=True, MASK_LEFT=False,
+        MASK_RIGHT=True, HAS_SOFTCAP=False, HAS_ALIBI=False, PAGED=True, PAGE_SIZE=64,
+        PAGE_ALIGNED=True, TILE_PAGES=0, SPLIT_PAGES=0, HAS_BATCH_IDX=False,
+        HAS_LEFTPAD=False, INPUT_PRECISION="ieee", LAUNCH_DEPENDENTS=split,
+        HAS_Q_DESCALE=q_dtype.startswith("fp8"), HAS_K_DESCALE=True, HAS_V_DESCALE=True),
+        dtype=q_dtype, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        types={"KCache": f"*{cache_dtype}", "VCache": f"*{cache_dtype}", "Out": "*bf16"})
+    assert resources(compiled)["stack_bytes"] == 0
+    assert compiled.asm["ttgir"].count("async_copy_global_to_local") >= 4
+
+
+@compile_only
+@pytest.mark.parametrize("cache_dtype, cvt", [("fp8e4nv", "e4m3x2"), ("fp8e5", "e5m2x2")])
+def test_fp8_append_quantizes_with_satfinite(cache_dtype, cvt):
+    """16-bit keys into an FP8 cache: IEEE division, then sm_90's saturating round to
+    nearest even (cvt.rn.satfinite), which flashtile.fp8.quantize reproduces."""
+    from flashtile.ops.decode import _append_kernel
+    from tests.aot import compile_kernel, resources
+
+    compiled = compile_kernel(_append_kernel, dict(
+        BLOCK_T=16, BLOCK_D=128, PAGED=True, PAGE_SIZE=16, HAS_BATCH_IDX=False,
+        HAS_K_DESCALE=True, HAS_V_DESCALE=True), dtype="bf16",
+        types={"KCache": f"*{cache_dtype}", "VCache": f"*{cache_dtype}"})
+    ptx = compiled.asm["ptx"]
+    assert f"cvt.rn.satfinite.{cvt}.f32" in ptx
+    assert "div.rn.f32" in ptx
+    assert resources(compiled)["stack_bytes"] == 0
+
+
+# ---- the benchmarks: FP8 providers and bytes ----
+
+def test_bench_fp8_providers_agree(device):
+    """flashtile-fp8 (dense, V^T copy) and flashtile-fp8-varlen (V as it is) time the
+    same attention: their builds give equal outputs on one input set."""
+    from flashtile.bench import registry
+    from flashtile.bench.run import make_inputs
+
+    cell = registry.Cell("flashtile-fp8", 32, True, "fwd", 48, 2, 2, torch.float32)
+    inputs = make_inputs(cell, "bshd", device)[0]
+    outs = []
+    for name in ("flashtile-fp8", "flashtile-fp8-varlen"):
+        provider = registry.PROVIDERS[name]
+        assert provider.modes == ("fwd",) and name not in registry.ALL
+        q, k, v, _ = provider.prepare(*inputs)
+        assert q[0].dtype == E4M3 and q[1].shape == (2, 2)
+        outs.append(provider.build(cell, device)(q, k, v).view(2, 48, 2, 32))
+    torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=1e-2)
+
+
+def test_decode_table_counts_fp8_bytes():
+    from flashtile.bench.decode import decode_markdown, kv_bytes, provider_bytes
+
+    assert provider_bytes("flashtile-fp8-paged64", 8, 4096) == kv_bytes(8, 4096) // 2
+    rows = [dict(batch=1, seqlen_k=8192, cache_gb=0.03, copies=6,
+                 flashtile=dict(us=12.0, gbps=2800.0),
+                 **{"flashtile-fp8": dict(us=5.0, gbps=3600.0),
+                    "sdpa-flash": dict(us=20.0, gbps=1600.0)})]
+    text = decode_markdown(rows, copy_gbps=4000.0)
+    header, rule, row = text.splitlines()[:3]
+    assert "flashtile-fp8 % of copy" in header and header.count("|") == rule.count("|")
+    assert "| 70% | 90% | 1.75 |" in row
