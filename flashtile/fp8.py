@@ -152,12 +152,15 @@ def dequantize(x: Tensor, descale: Optional[Tensor]) -> Tensor:
 # ---- flashtile::fp8_attn_fwd: dense (cu_seqlens_q None), packed varlen, paged ----
 
 def _unpage(pool, block_table, lengths):
-    """The keys of a paged pool, each sequence's lengths[b] keys back to back: (total_k,
-    nheads_kv, head_dim) and their prefix sums (the PyTorch path's packed form)."""
+    """The keys of a paged FP8 pool, each sequence's lengths[b] keys back to back:
+    (total_k, nheads_kv, head_dim), the PyTorch path's packed form. Gathered as bytes:
+    indexing has no FP8 kernel in every torch build."""
     from flashtile.reference import gather_pages
 
-    parts = [gather_pages(pool, block_table[b], 0, n) for b, n in enumerate(lengths)]
-    return torch.cat(parts) if parts else pool.new_empty((0, *pool.shape[2:]))
+    raw = pool.view(torch.uint8)
+    parts = [gather_pages(raw, block_table[b], 0, n) for b, n in enumerate(lengths)]
+    packed = torch.cat(parts) if parts else raw.new_empty((0, *pool.shape[2:]))
+    return packed.view(pool.dtype)
 
 
 def dequantize_packed(x, descale, cu_seqlens):

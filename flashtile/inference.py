@@ -137,7 +137,10 @@ def _cache_positions(cache_seqlens, n):
 def _append(k_cache, v_cache, k, v, pos, block_table, cache_batch_idx):
     """Write k/v (b, n, hkv, d) at cache positions pos (b, n), in place, by tensor
     indexing: the PyTorch path and torch.compile graphs (whose indexing checks its
-    bounds). Eager Triton calls use ``ops.decode.append_kv`` instead."""
+    bounds). Eager Triton calls use ``ops.decode.append_kv`` instead. FP8 k/v (already
+    in the cache's format) move as bytes: index_put has no FP8 kernel in every torch."""
+    if F8.is_fp8(k_cache.dtype):
+        k_cache, v_cache, k, v = (x.view(torch.uint8) for x in (k_cache, v_cache, k, v))
     if block_table is not None:
         page_size = k_cache.shape[1]
         pages = torch.gather(block_table.long(), 1, pos // page_size)
@@ -151,7 +154,11 @@ def _append(k_cache, v_cache, k, v, pos, block_table, cache_batch_idx):
 
 
 def _gather_sequence(cache, b, start, stop, block_table, cache_batch_idx):
-    """Keys [start, stop) of sequence b as a contiguous (1, stop - start, hkv, d) tensor."""
+    """Keys [start, stop) of sequence b as a contiguous (1, stop - start, hkv, d) tensor
+    (an FP8 cache's gathered as bytes, as _append writes them)."""
+    if F8.is_fp8(cache.dtype):
+        return _gather_sequence(cache.view(torch.uint8), b, start, stop, block_table,
+                                cache_batch_idx).view(cache.dtype)
     if block_table is not None:
         return reference.gather_pages(cache, block_table[b], start, stop)[None]
     row = int(cache_batch_idx[b]) if cache_batch_idx is not None else b
