@@ -257,11 +257,15 @@ def _(q, k, v, q_descale, k_descale, v_descale, cu_seqlens_q, cu_seqlens_k, max_
             q.new_empty(lse_shape, dtype=torch.float32))
 
 
-def fp8_attention(q, k, v, descales, *args):
-    """``flashtile::fp8_attn_fwd`` (the op under torch.compile, tracing and fake
-    tensors; its implementation in plain eager mode). args: the op's arguments after
-    the descales."""
+def fp8_attention(q, k, v, descales, *, alibi_slopes, softmax_scale, diag_offset,
+                  window_left, window_right, softcap, out_dtype, cu_seqlens_q=None,
+                  cu_seqlens_k=None, max_seqlen_q=0, max_seqlen_k=0, block_table=None,
+                  seqused_k=None):
+    """(out, lse) through ``flashtile::fp8_attn_fwd`` (the op under torch.compile,
+    tracing and fake tensors; its implementation in plain eager mode)."""
     from flashtile.custom_ops import _plain_eager
 
     op = _fp8_attn_fwd_impl if _plain_eager((q, k, v)) else fp8_attn_fwd
-    return op(q, k, v, *descales, *args)
+    return op(q, k, v, *descales, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+              block_table, seqused_k, alibi_slopes, softmax_scale, diag_offset,
+              window_left, window_right, softcap, out_dtype)

@@ -165,6 +165,15 @@ def _gather_sequence(cache, b, start, stop, block_table, cache_batch_idx):
     return cache[row, start:stop][None]
 
 
+def _backend(q, k_cache):
+    """select_backend for q, and for an FP8 cache under 16-bit q too: FP8 is refused
+    where the Triton interpreter rounds to it wrongly (the append would be wrong)."""
+    backend = select_backend(q.device, q.dtype)
+    if backend == "triton" and F8.is_fp8(k_cache.dtype) and not F8.is_fp8(q.dtype):
+        select_backend(q.device, k_cache.dtype, "k_cache")
+    return backend
+
+
 def _attend_torch(q, k_cache, v_cache, seqlens, leftpad, block_table, cache_batch_idx,
                   descales, out_dtype, **kw):
     """The PyTorch path, a sequence at a time; FP8 tensors are dequantised to fp32 with
@@ -204,7 +213,7 @@ def _kvcache_attn_impl(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlen
     indices already (an eager call, before its append); else they are checked here, at
     run time, if index checks are on or on the PyTorch path, unless a CUDA graph is
     being captured. FP8: descales (b, hkv) or None, out in out_dtype (None: q's)."""
-    backend = select_backend(q.device, q.dtype)
+    backend = _backend(q, k_cache)
     if check_indices and (backend == "torch" or V.index_checks_enabled()) \
             and V.can_read_indices(q):
         V.check_index_values(k_cache, block_table, cache_seqlens, cache_batch_idx,
@@ -334,7 +343,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                 (tuple(rotary_cos.shape), getattr(rotary_sin, "shape", None)))
     # Before the append, so a bad value raises with the cache untouched; this also
     # refuses bf16 in the interpreter.
-    backend = None if torch.compiler.is_compiling() else select_backend(q.device, q.dtype)
+    backend = None if torch.compiler.is_compiling() else _backend(q, k_cache)
     checked = (backend == "torch" or V.index_checks_enabled()) and V.can_read_indices(q)
     if checked:
         V.check_index_values(k_cache, block_table, cache_seqlens, cache_batch_idx,

@@ -167,10 +167,10 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(d)
     if fp8 is not None:
-        out, lse = F8.fp8_attention(q, k, v, fp8[0], None, None, 0, 0, None, None,
-                                    alibi_slopes, float(softmax_scale),
-                                    torch.sym_int(sk - sq), left, right, float(softcap),
-                                    fp8[1])
+        out, lse = F8.fp8_attention(
+            q, k, v, fp8[0], alibi_slopes=alibi_slopes, softmax_scale=float(softmax_scale),
+            diag_offset=torch.sym_int(sk - sq), window_left=left, window_right=right,
+            softcap=float(softcap), out_dtype=fp8[1])
     else:
         out, lse = _attention(q, k, v, attn_mask=None, alibi_slopes=alibi_slopes,
                               softmax_scale=softmax_scale, diag_offset=sk - sq,
@@ -282,10 +282,12 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                                for x in (cu_seqlens_k, seqused_k))
     if fp8 is not None:
         out, lse = F8.fp8_attention(
-            q, k, v, fp8[0], cu_seqlens_q.contiguous(), cu_seqlens_k,
-            torch.sym_int(max_seqlen_q), torch.sym_int(max_seqlen_k), block_table,
-            seqused_k, alibi_slopes, float(softmax_scale), 0, left, right,
-            float(softcap), fp8[1])
+            q, k, v, fp8[0], alibi_slopes=alibi_slopes, softmax_scale=float(softmax_scale),
+            diag_offset=0, window_left=left, window_right=right, softcap=float(softcap),
+            out_dtype=fp8[1], cu_seqlens_q=cu_seqlens_q.contiguous(),
+            cu_seqlens_k=cu_seqlens_k, max_seqlen_q=torch.sym_int(max_seqlen_q),
+            max_seqlen_k=torch.sym_int(max_seqlen_k), block_table=block_table,
+            seqused_k=seqused_k)
     else:
         out, lse = custom_ops.varlen_attention(
             q, k, v, cu_seqlens_q.contiguous(), cu_seqlens_k, torch.sym_int(max_seqlen_q),

@@ -462,9 +462,17 @@ def test_interpreter_without_fixed_conversions_refuses_fp8(monkeypatch):
         pytest.skip("this Triton's interpreter converts to FP8 correctly")
     monkeypatch.setenv("FLASHTILE_BACKEND", "triton")
     q, k, v = _fp8_qkv()
-    with pytest.raises(TypeError, match=r"q\.dtype: expected no float8 dtype while the "
-                       r"Triton kernels run in this Triton's interpreter"):
+    message = (r"\.dtype: expected no float8 dtype while the Triton kernels run in this "
+               r"Triton's interpreter")
+    with pytest.raises(TypeError, match="q" + message):
         flashtile.flash_attn_func(q, k, v)
+    # An FP8 cache under fp16 queries: refused before the append writes it.
+    cache = torch.zeros(2, 16, 2, 16, dtype=torch.uint8).view(E4M3)
+    q16, k16 = (torch.randn(2, 1, 2, 16, dtype=torch.float16) for _ in range(2))
+    with pytest.raises(TypeError, match="k_cache" + message):
+        flashtile.flash_attn_with_kvcache(q16, cache, cache.clone(), k16, k16,
+                                          cache_seqlens=3)
+    assert not cache.view(torch.uint8).any()
 
 
 # ---- torch.compile and the custom op ----
