@@ -26,7 +26,7 @@ PLAIN = dict(EVEN_D=True, MASK_LEFT=False, MASK_RIGHT=True, HAS_SOFTCAP=False,
 EVERYTHING = dict(EVEN_D=False, MASK_LEFT=True, MASK_RIGHT=True, HAS_SOFTCAP=True,
                   HAS_ALIBI=True, HAS_MASK=True, MASK_IS_BOOL=True, INPUT_PRECISION="ieee")
 
-# No FP8 descales (tests/test_fp8.py compiles the FP8 variants).
+# No FP8 descales (the FP8 variants are compiled at the end of this file).
 NO_DESCALE = dict(HAS_Q_DESCALE=False, HAS_K_DESCALE=False, HAS_V_DESCALE=False)
 UNPAGED = dict(PAGED=False, PAGE_SIZE=1, SEQUSED_K=False, V_KEYS_CONTIGUOUS=False,
                **NO_DESCALE)

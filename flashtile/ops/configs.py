@@ -94,8 +94,8 @@ _FWD_32BIT = {
 }
 # FP8 (e4m3/e5m2, forward only), keyed by padded head dim, at least FP8_MIN_BLOCK_D.
 # Sized on CPU with tests/aot.py for sm_90: no spills with the dense path's V^T copy
-# nor the varlen path's register transposition, causal or not (tests/test_fp8.py's
-# compile test); not yet timed on the GPU (a sweep: FLASHTILE_FWD_CONFIG).
+# nor the varlen path's register transposition, causal or not
+# (tests/test_sm90_compile.py); not yet timed on the GPU (a sweep: FLASHTILE_FWD_CONFIG).
 _FWD_FP8 = {
     32: TileConfig(128, 64, 8, 3), 64: TileConfig(128, 128, 8, 3),
     128: TileConfig(128, 128, 8, 3), 256: TileConfig(128, 64, 8, 2),
