@@ -552,3 +552,64 @@ def test_decode_bench_fp8_providers_match_their_reference(backend, device, on_gp
         out = providers[name]()
         assert out.dtype == torch.bfloat16
         torch.testing.assert_close(out.float(), refs["fp8"].float(), rtol=0, atol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+def test_gpu_decode_long_fp8_cache(paged, device):
+    """The decode table's shape: bf16 queries over an 8k-token e4m3 cache, split."""
+    b, s, h, hkv, d, page = 4, 8192, 32, 8, 128, 64
+    k_cache, kd = _quantized((b, s, hkv, d), E4M3, device)
+    v_cache, vd = _quantized((b, s, hkv, d), E4M3, device)
+    q = torch.randn(b, 1, h, d, device=device, dtype=torch.bfloat16)
+    seqlens = torch.tensor([8192, 4097, 100, 6000], dtype=torch.int32, device=device)
+    kw = dict(cache_seqlens=seqlens, k_descale=kd, v_descale=vd, return_lse=True)
+    if paged:
+        table = torch.randperm(b * s // page, device=device).view(b, s // page).int()
+        pools = [torch.empty(b * s // page, page, hkv, d, dtype=E4M3, device=device)
+                 for _ in range(2)]
+        for pool, cache in zip(pools, (k_cache, v_cache)):
+            pool.view(torch.uint8)[table.long()] = cache.view(torch.uint8).view(
+                b, s // page, page, hkv, d)
+        out, lse = flashtile.flash_attn_with_kvcache(q, *pools, block_table=table, **kw)
+    else:
+        out, lse = flashtile.flash_attn_with_kvcache(q, k_cache, v_cache, **kw)
+    for i in range(b):
+        n = int(seqlens[i])
+        _check(out[i:i + 1], lse[i:i + 1], q[i:i + 1], k_cache[i:i + 1, :n],
+               v_cache[i:i + 1, :n], (None, kd[i:i + 1], vd[i:i + 1]), "triton", {},
+               torch.bfloat16)
+
+
+@pytest.mark.gpu
+def test_gpu_launch_plans_take_new_descales(device):
+    """A second call with the same shapes goes through the cached launch plans
+    (ops/_launch.py): new descale tensors must reach the kernels (their pointers are
+    per-call slots), in the forward, the append and the decode."""
+    from flashtile.ops import _launch
+
+    (q, k, v), descales = _dense_inputs(2, 256, 256, 8, 2, 128, E4M3, device)
+    k_cache, v_cache = (torch.randn(2, 512, 2, 128, device=device).to(E4M3)
+                        for _ in range(2))
+    q16 = torch.randn(2, 1, 8, 128, device=device, dtype=torch.bfloat16)
+    k_new = torch.randn(2, 1, 2, 128, device=device, dtype=torch.bfloat16)
+
+    def calls(scales):
+        caches = [x.clone() for x in (k_cache, v_cache)]
+        out = flashtile.flash_attn_func(q, k, v, causal=True, q_descale=scales[0],
+                                        k_descale=scales[1], v_descale=scales[2])
+        dec = flashtile.flash_attn_with_kvcache(q16, *caches, k_new, k_new,
+                                                cache_seqlens=300, k_descale=scales[1],
+                                                v_descale=scales[2])
+        return out, dec, *(x.view(torch.uint8) for x in caches)
+
+    calls(descales)  # makes the plans
+    doubled = [x * 2 for x in descales]
+    planned = calls(doubled)
+    previous = _launch.set_enabled(False)
+    try:
+        expected = calls(doubled)
+    finally:
+        _launch.set_enabled(previous)
+    for a, b in zip(planned, expected):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
