@@ -15,7 +15,7 @@ KV-cache append of 16-bit keys into an FP8 cache is ``quantize(k, k_descale)``.
 This module validates the FP8 arguments of the public functions and holds the
 ``flashtile::fp8_attn_fwd`` custom op (dense, packed varlen and paged varlen). Its
 PyTorch path (CPU tensors) dequantises to fp32 and runs the tiled reference, the same
-semantics as the Triton kernels with exact P (see docs/flash-attn-compat.md for the
+semantics as the Triton kernels with exact P (see docs/fp8.md for the
 kernels' FP8 tricks and their error).
 """
 
