@@ -13,6 +13,7 @@ import os
 import torch
 
 BACKENDS = ("triton", "torch")
+_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 def interpreting() -> bool:
@@ -26,6 +27,16 @@ def select_backend(device: torch.device, dtype: torch.dtype | None = None,
     interpreter: its numpy emulation of bfloat16 returns garbage (errors near 1e9),
     not an error."""
     backend = _choose(device)
+    if backend == "triton" and dtype in _FP8 and interpreting():
+        from flashtile.ops._fp8 import interpreter_converts_fp8
+
+        if not interpreter_converts_fp8():
+            from flashtile._validate import _fail
+            _fail(TypeError, f"{name}.dtype", "no float8 dtype while the Triton kernels run "
+                  "in this Triton's interpreter (TRITON_INTERPRET=1)", dtype, "Its numpy "
+                  "FP8 rounding loses carries (31.7 becomes 16 in e5m2), which would make "
+                  "every P @ V product wrong: set FLASHTILE_BACKEND=torch for the PyTorch "
+                  "path")
     if backend == "triton" and dtype == torch.bfloat16 and interpreting():
         from flashtile._validate import _fail
         _fail(TypeError, f"{name}.dtype", "float32 or float16 while the Triton kernels "

@@ -14,6 +14,11 @@ import os
 import torch
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# Where FP8 is taken (flash_attn_func, its varlen form, flash_attn_with_kvcache):
+# flashtile.fp8 checks the descales and the rest of the FP8 rules.
+WITH_FP8 = SUPPORTED_DTYPES + (torch.float8_e4m3fn, torch.float8_e5m2)
+_DTYPE_NAMES = {SUPPORTED_DTYPES: "dtype float16, bfloat16 or float32",
+                WITH_FP8: "dtype float16, bfloat16, float32, float8_e4m3fn or float8_e5m2"}
 MAX_HEAD_DIM = 512
 
 
@@ -54,11 +59,11 @@ def check_offsets(x, name, dense=True):
               "elements each")
 
 
-def check_tensor(x, name, rank, offsets32=True):
+def check_tensor(x, name, rank, offsets32=True, dtypes=SUPPORTED_DTYPES):
     if not isinstance(x, torch.Tensor):
         _fail(TypeError, name, "a torch.Tensor", type(x).__name__)
-    if x.dtype not in SUPPORTED_DTYPES:
-        _fail(TypeError, name, "dtype float16, bfloat16 or float32", x.dtype)
+    if x.dtype not in dtypes:
+        _fail(TypeError, name, _DTYPE_NAMES[dtypes], x.dtype)
     shape = x.shape
     if len(shape) != rank:
         _fail(ValueError, name, f"a {rank}-d tensor", f"shape {tuple(shape)}")
@@ -69,18 +74,18 @@ def check_tensor(x, name, rank, offsets32=True):
         check_offsets(x, name)
 
 
-def check_qkv(q, k, v, names=("q", "k", "v"), packed=False):
+def check_qkv(q, k, v, names=("q", "k", "v"), packed=False, dtypes=SUPPORTED_DTYPES):
     """q (b, sq, h, d), k/v (b, sk, hkv, d), or with ``packed`` (varlen) q (total_q, h,
     d), k/v (total_k, hkv, d). Returns (b, sq, sk, h, hkv, d), b = 1 when packed.
 
     ``names`` are the caller's argument names, used in the messages (the SDPA drop-in
-    passes ("query", "key", "value")).
+    passes ("query", "key", "value")). ``dtypes``: WITH_FP8 where FP8 is taken.
     """
     qn, kn, vn = names
     rank = 3 if packed else 4
-    check_tensor(q, qn, rank)
-    check_tensor(k, kn, rank)
-    check_tensor(v, vn, rank)
+    check_tensor(q, qn, rank, dtypes=dtypes)
+    check_tensor(k, kn, rank, dtypes=dtypes)
+    check_tensor(v, vn, rank, dtypes=dtypes)
     dtype, device = q.dtype, q.device
     for x, name in ((k, kn), (v, vn)):
         if x.dtype != dtype:
@@ -306,12 +311,13 @@ def check_prefix_sums(cu, name, total, max_len, max_name):
         _fail(ValueError, max_name, f">= the longest sequence {max(diffs)}", max_len)
 
 
-def check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
+def check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                 dtypes=SUPPORTED_DTYPES):
     """Packed q (total_q, h, d), k/v (total_k, hkv, d) and their int32 prefix sums:
     shapes, dtypes and devices (the values are the kernels' to check, or
     ``check_varlen_values``'s where index checks are on). Returns (batch, h, hkv, d).
     """
-    _, _, _, h, hkv, d = check_qkv(q, k, v, packed=True)
+    _, _, _, h, hkv, d = check_qkv(q, k, v, packed=True, dtypes=dtypes)
     lengths = {}
     for cu, name, total, max_len, max_name in (
             (cu_seqlens_q, "cu_seqlens_q", q.shape[0], max_seqlen_q, "max_seqlen_q"),
@@ -454,26 +460,26 @@ def _check_int(x, name, minimum=0):
 
 
 def check_paged_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                       block_table, seqused_k):
+                       block_table, seqused_k, dtypes=SUPPORTED_DTYPES):
     """flash_attn_varlen_func over a paged KV pool: packed q (total_q, h, d), k/v
     (num_blocks, page_size, hkv, d), block_table int32 (batch, max_blocks_per_seq), the
     key lengths from cu_seqlens_k (batch + 1,) or seqused_k (batch,). Shapes, dtypes and
     devices only (no device read: ``check_paged_varlen_values`` reads the indices).
     Returns (batch, h, hkv, d)."""
-    check_tensor(q, "q", 3)
+    check_tensor(q, "q", 3, dtypes=dtypes)
     for x, name in ((k, "k"), (v, "v")):
         if not isinstance(x, torch.Tensor) or x.dim() != 4:
             _fail(ValueError, name, "a paged cache (num_blocks, page_size, nheads_kv, "
                   "head_dim) with block_table", getattr(x, "shape", type(x).__name__))
         # Rows of the pool are addressed as an int64 block offset plus a small in-page
         # offset, so the pool may pass 2**31 elements (as in flash_attn_with_kvcache).
-        check_tensor(x, name, 4, offsets32=False)
+        check_tensor(x, name, 4, offsets32=False, dtypes=dtypes)
     if k.shape != v.shape:
         _fail(ValueError, "v.shape", f"k's shape {tuple(k.shape)}", tuple(v.shape))
     if k.shape[0] == 0:
         _fail(ValueError, "k.shape[0] (num_blocks)", "at least 1 block", 0)
     # One block stands for the pool: dtypes, devices, head_dim and GQA as check_qkv.
-    _, _, _, h, hkv, d = check_qkv(q.unsqueeze(0), k[:1], v[:1])
+    _, _, _, h, hkv, d = check_qkv(q.unsqueeze(0), k[:1], v[:1], dtypes=dtypes)
     check_page_size(k.shape[1], "k.shape[1] (page_size)")
     if not isinstance(block_table, torch.Tensor) or block_table.dim() != 2:
         _fail(ValueError, "block_table", "an int32 tensor (batch, max_blocks_per_seq)",

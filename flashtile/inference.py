@@ -17,6 +17,7 @@ from torch import Tensor
 
 from flashtile import _validate as V
 from flashtile import _torch_backend, reference
+from flashtile import fp8 as F8
 from flashtile._backend import select_backend
 from flashtile.custom_ops import _plain_eager
 from flashtile.ops.decode import append_kv, attn_decode
@@ -26,16 +27,20 @@ def _check_cache(q, k_cache, v_cache, k, v, block_table, cache_seqlens, cache_ba
                  cache_leftpad):
     """Validate shapes, dtypes and devices (no device read). Returns the number of new
     tokens to append."""
-    V.check_tensor(q, "q", 4)
+    V.check_tensor(q, "q", 4, dtypes=V.WITH_FP8)
     b, sq, h, d = q.shape
     dtype, device = q.dtype, q.device
     for x, name in ((k_cache, "k_cache"), (v_cache, "v_cache")):
         # A paged pool's rows are addressed as int64 page * stride plus a small in-page
         # offset, so the pool may pass 2**31 elements; a contiguous cache's row offset
         # (position * stride) is 32-bit, so it may not.
-        V.check_tensor(x, name, 4, offsets32=block_table is None)
-        if x.dtype != dtype:
-            V._fail(TypeError, f"{name}.dtype", f"q's dtype {dtype}", x.dtype)
+        V.check_tensor(x, name, 4, offsets32=block_table is None, dtypes=V.WITH_FP8)
+        # An FP8 cache serves FP8 queries of its format, or 16-bit ones.
+        if x.dtype != dtype and not (F8.is_fp8(k_cache.dtype) and x.dtype == k_cache.dtype
+                                     and dtype in (torch.float16, torch.bfloat16)):
+            V._fail(TypeError, f"{name}.dtype", f"q's dtype {dtype}, or with float16 or "
+                    "bfloat16 q a float8 cache (k_cache and v_cache in one format)",
+                    x.dtype)
         if x.device != device:
             V._fail(ValueError, f"{name}.device", f"q's device {device}", x.device)
     cache_shape = k_cache.shape
@@ -57,7 +62,7 @@ def _check_cache(q, k_cache, v_cache, k, v, block_table, cache_seqlens, cache_ba
     sn = 0
     if k is not None:
         for x, name in ((k, "k"), (v, "v")):
-            V.check_tensor(x, name, 4)
+            V.check_tensor(x, name, 4, dtypes=V.WITH_FP8)
             if x.dtype != q.dtype or x.device != q.device:
                 V._fail(TypeError, f"{name}.dtype/device", f"q's {q.dtype} on {q.device}",
                       f"{x.dtype} on {x.device}")
@@ -132,7 +137,10 @@ def _cache_positions(cache_seqlens, n):
 def _append(k_cache, v_cache, k, v, pos, block_table, cache_batch_idx):
     """Write k/v (b, n, hkv, d) at cache positions pos (b, n), in place, by tensor
     indexing: the PyTorch path and torch.compile graphs (whose indexing checks its
-    bounds). Eager Triton calls use ``ops.decode.append_kv`` instead."""
+    bounds). Eager Triton calls use ``ops.decode.append_kv`` instead. FP8 k/v (already
+    in the cache's format) move as bytes: index_put has no FP8 kernel in every torch."""
+    if F8.is_fp8(k_cache.dtype):
+        k_cache, v_cache, k, v = (x.view(torch.uint8) for x in (k_cache, v_cache, k, v))
     if block_table is not None:
         page_size = k_cache.shape[1]
         pages = torch.gather(block_table.long(), 1, pos // page_size)
@@ -146,26 +154,46 @@ def _append(k_cache, v_cache, k, v, pos, block_table, cache_batch_idx):
 
 
 def _gather_sequence(cache, b, start, stop, block_table, cache_batch_idx):
-    """Keys [start, stop) of sequence b as a contiguous (1, stop - start, hkv, d) tensor."""
+    """Keys [start, stop) of sequence b as a contiguous (1, stop - start, hkv, d) tensor
+    (an FP8 cache's gathered as bytes, as _append writes them)."""
+    if F8.is_fp8(cache.dtype):
+        return _gather_sequence(cache.view(torch.uint8), b, start, stop, block_table,
+                                cache_batch_idx).view(cache.dtype)
     if block_table is not None:
         return reference.gather_pages(cache, block_table[b], start, stop)[None]
     row = int(cache_batch_idx[b]) if cache_batch_idx is not None else b
     return cache[row, start:stop][None]
 
 
-def _attend_torch(q, k_cache, v_cache, seqlens, leftpad, block_table, cache_batch_idx, **kw):
+def _backend(q, k_cache):
+    """select_backend for q, and for an FP8 cache under 16-bit q too: FP8 is refused
+    where the Triton interpreter rounds to it wrongly (the append would be wrong)."""
+    backend = select_backend(q.device, q.dtype)
+    if backend == "triton" and F8.is_fp8(k_cache.dtype) and not F8.is_fp8(q.dtype):
+        select_backend(q.device, k_cache.dtype, "k_cache")
+    return backend
+
+
+def _attend_torch(q, k_cache, v_cache, seqlens, leftpad, block_table, cache_batch_idx,
+                  descales, out_dtype, **kw):
+    """The PyTorch path, a sequence at a time; FP8 tensors are dequantised to fp32 with
+    the sequence's descales (q too then, to share their dtype)."""
     # Seeded with an empty batch's (out, lse): torch.cat refuses an empty list.
-    outs = [q.new_empty((0, *q.shape[1:]))]
+    outs = [q.new_empty((0, *q.shape[1:]), dtype=out_dtype)]
     lses = [q.new_empty((0, q.shape[2], q.shape[1]), dtype=torch.float32)]
+    fp8 = F8.is_fp8(q.dtype) or F8.is_fp8(k_cache.dtype)
     for b in range(q.shape[0]):
         start = int(leftpad[b]) if leftpad is not None else 0
         stop = int(seqlens[b])
-        kb = _gather_sequence(k_cache, b, start, stop, block_table, cache_batch_idx)
-        vb = _gather_sequence(v_cache, b, start, stop, block_table, cache_batch_idx)
+        qkv = [q[b:b + 1], *(_gather_sequence(x, b, start, stop, block_table,
+                                              cache_batch_idx) for x in (k_cache, v_cache))]
+        if fp8:
+            qkv = [F8.dequantize(x, None if d is None else d[b:b + 1])
+                   for x, d in zip(qkv, descales)]
         kw_b = dict(kw, diag_offset=(stop - start) - q.shape[1],
                     alibi_slopes=reference.alibi_of_sequence(kw["alibi_slopes"], b))
-        o, l = _torch_backend.attention_fwd(q[b:b + 1], kb, vb, attn_mask=None, **kw_b)
-        outs.append(o)
+        o, l = _torch_backend.attention_fwd(*qkv, attn_mask=None, **kw_b)
+        outs.append(o.to(out_dtype))
         lses.append(l)
     return torch.cat(outs), torch.cat(lses)
 
@@ -175,13 +203,17 @@ def _kvcache_attn_impl(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlen
                        cache_batch_idx: Optional[Tensor], cache_leftpad: Optional[Tensor],
                        alibi_slopes: Optional[Tensor], softmax_scale: float,
                        window_left: int, window_right: int, softcap: float,
-                       num_splits: int, check_indices: bool) -> tuple[Tensor, Tensor]:
+                       num_splits: int, check_indices: bool,
+                       q_descale: Optional[Tensor] = None,
+                       k_descale: Optional[Tensor] = None,
+                       v_descale: Optional[Tensor] = None,
+                       out_dtype: Optional[torch.dtype] = None) -> tuple[Tensor, Tensor]:
     """(out, lse) of q over the cache's first cache_seqlens + new_tokens keys (the new
     ones already written). check_indices: False when the caller has checked the
     indices already (an eager call, before its append); else they are checked here, at
     run time, if index checks are on or on the PyTorch path, unless a CUDA graph is
-    being captured."""
-    backend = select_backend(q.device, q.dtype)
+    being captured. FP8: descales (b, hkv) or None, out in out_dtype (None: q's)."""
+    backend = _backend(q, k_cache)
     if check_indices and (backend == "torch" or V.index_checks_enabled()) \
             and V.can_read_indices(q):
         V.check_index_values(k_cache, block_table, cache_seqlens, cache_batch_idx,
@@ -192,10 +224,13 @@ def _kvcache_attn_impl(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlen
         return attn_decode(q, k_cache, v_cache, cache_seqlens=cache_seqlens,
                            new_tokens=new_tokens, block_table=block_table,
                            cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad,
-                           num_splits=num_splits, allow_tf32=False, **kw)
+                           num_splits=num_splits, allow_tf32=False, q_descale=q_descale,
+                           k_descale=k_descale, v_descale=v_descale, out_dtype=out_dtype,
+                           **kw)
     seqlens = cache_seqlens + new_tokens if new_tokens else cache_seqlens
     return _attend_torch(q, k_cache, v_cache, seqlens, cache_leftpad, block_table,
-                         cache_batch_idx, **kw)
+                         cache_batch_idx, (q_descale, k_descale, v_descale),
+                         out_dtype or q.dtype, **kw)
 
 
 # One opaque node for torch.compile (a fullgraph decode step, CUDA graphs through
@@ -208,9 +243,11 @@ kvcache_attn = torch.library.custom_op("flashtile::kvcache_attn",
 @kvcache_attn.register_fake
 def _(q, k_cache, v_cache, cache_seqlens, new_tokens, block_table, cache_batch_idx,
       cache_leftpad, alibi_slopes, softmax_scale, window_left, window_right, softcap,
-      num_splits, check_indices):
+      num_splits, check_indices, q_descale=None, k_descale=None, v_descale=None,
+      out_dtype=None):
     b, sq, h, d = q.shape
-    return q.new_empty((b, sq, h, d)), q.new_empty((b, h, sq), dtype=torch.float32)
+    return (q.new_empty((b, sq, h, d), dtype=out_dtype or q.dtype),
+            q.new_empty((b, h, sq), dtype=torch.float32))
 
 
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None,
@@ -218,7 +255,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                             cache_leftpad=None, block_table=None, softmax_scale=None,
                             causal=False, window_size=(-1, -1), softcap=0.0,
                             rotary_interleaved=True, alibi_slopes=None, num_splits=0,
-                            return_softmax_lse=False, *, return_lse=False):
+                            return_softmax_lse=False, *, return_lse=False, q_descale=None,
+                            k_descale=None, v_descale=None, out_dtype=None):
     """Attention of q over a KV cache, after appending the new k/v to it in place.
 
     Arguments (flash-attn's meaning):
@@ -246,6 +284,17 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         return_softmax_lse: bool (flash-attn's name): also return lse (batch, nheads,
             seqlen_q) float32, natural log, -inf for a row that sees no key.
         return_lse: bool, keyword only: flashtile's name for return_softmax_lse.
+        FP8 (keyword only, flash-attn 3's names): k_cache and v_cache may be
+            float8_e4m3fn or float8_e5m2 (one format), with float16 or bfloat16 q (the
+            serving case: half the cache memory and decode bytes) or q in the caches'
+            format. k_descale, v_descale: fp32 (batch, nheads_kv), the real cache rows of
+            sequence b being k_descale[b, h] * k_cache[..., h, :] (contiguous or paged);
+            q_descale likewise for FP8 q; None is 1.0, a 0-d tensor one scale for all
+            (any shape that broadcasts). The new k, v (q's dtype) are written into an
+            FP8 cache quantised as flashtile.fp8.quantize(k, k_descale) does: k /
+            k_descale rounded to nearest even, saturated at the format's largest value
+            (448 for e4m3). out_dtype: the output of FP8 q, bfloat16 by default (else
+            q's dtype). Rotary embedding takes 16-bit q (rotate before quantising).
 
     Index values (cache_seqlens, block_table, cache_batch_idx, cache_leftpad) are not
     read on the host (no device sync): the kernels read them, and a bad one is harmless
@@ -274,6 +323,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     sn = _check_cache(q, k_cache, v_cache, k, v, block_table, cache_seqlens,
                       cache_batch_idx, cache_leftpad)
     b, sq, h, d = q.shape
+    descales, out_dtype = _check_fp8(q, k_cache, v_cache, (q_descale, k_descale, v_descale),
+                                     out_dtype, rotary_cos)
     left, right = V.check_flash_options(0.0, softmax_scale, softcap, window_size, causal)
     V.check_bools(rotary_interleaved=rotary_interleaved,
                   return_softmax_lse=return_softmax_lse, return_lse=return_lse)
@@ -292,7 +343,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                 (tuple(rotary_cos.shape), getattr(rotary_sin, "shape", None)))
     # Before the append, so a bad value raises with the cache untouched; this also
     # refuses bf16 in the interpreter.
-    backend = None if torch.compiler.is_compiling() else select_backend(q.device, q.dtype)
+    backend = None if torch.compiler.is_compiling() else _backend(q, k_cache)
     checked = (backend == "torch" or V.index_checks_enabled()) and V.can_read_indices(q)
     if checked:
         V.check_index_values(k_cache, block_table, cache_seqlens, cache_batch_idx,
@@ -313,13 +364,16 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         # are kernels that check their indices; nothing for autograd to record.
         if sn:
             append_kv(k, v, k_cache, v_cache, cache_seqlens=cache_seqlens,
-                      block_table=block_table, cache_batch_idx=cache_batch_idx)
+                      block_table=block_table, cache_batch_idx=cache_batch_idx,
+                      k_descale=descales[1], v_descale=descales[2])
         out, lse = attn_decode(
             q, k_cache, v_cache, cache_seqlens=cache_seqlens, new_tokens=sn,
             block_table=block_table, cache_batch_idx=cache_batch_idx,
             cache_leftpad=cache_leftpad, alibi_slopes=alibi_slopes,
             softmax_scale=float(softmax_scale), window_left=left, window_right=right,
-            softcap=float(softcap), num_splits=int(num_splits), allow_tf32=False)
+            softcap=float(softcap), num_splits=int(num_splits), allow_tf32=False,
+            q_descale=descales[0], k_descale=descales[1], v_descale=descales[2],
+            out_dtype=out_dtype)
     else:
         with torch.no_grad():
             q, k = _rotate(q, k, rotary_cos, rotary_sin, cache_seqlens, sq, sn, q_moves,
@@ -330,15 +384,49 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             if k is not None and sn:
                 if plain and backend == "triton":
                     append_kv(k, v, k_cache, v_cache, cache_seqlens=cache_seqlens,
-                              block_table=block_table, cache_batch_idx=cache_batch_idx)
+                              block_table=block_table, cache_batch_idx=cache_batch_idx,
+                              k_descale=descales[1], v_descale=descales[2])
                 else:
+                    if k.dtype != k_cache.dtype:  # 16-bit keys into an FP8 cache
+                        k, v = (_quantize_new(x, d, k_cache.dtype)
+                                for x, d in ((k, descales[1]), (v, descales[2])))
                     _append(k_cache, v_cache, k, v, _cache_positions(cache_seqlens, sn),
                             block_table, cache_batch_idx)
             if plain:
-                out, lse = _kvcache_attn_impl(*args, not checked)
+                out, lse = _kvcache_attn_impl(*args, not checked, *descales, out_dtype)
             else:
-                out, lse = kvcache_attn(*args, not checked)
+                out, lse = kvcache_attn(*args, not checked, *descales, out_dtype)
     return (out, lse) if return_softmax_lse or return_lse else out
+
+
+def _check_fp8(q, k_cache, v_cache, descales, out_dtype, rotary_cos):
+    """The FP8 arguments of flash_attn_with_kvcache: (descales expanded to (batch,
+    nheads_kv) or None, the output dtype)."""
+    fp8_q, fp8_cache = F8.is_fp8(q.dtype), F8.is_fp8(k_cache.dtype)
+    out_dtype = F8.check_out_dtype(out_dtype, fp8_q, q.dtype)
+    scaled = ((fp8_q, "q", q.dtype), (fp8_cache, "k_cache", k_cache.dtype),
+              (fp8_cache, "v_cache", v_cache.dtype))
+    for x, name, (fp8, tensor, dtype) in zip(descales, F8.DESCALE_NAMES, scaled):
+        if x is not None and not fp8:
+            V._fail(ValueError, name, f"None with {tensor} in {dtype} (descales scale "
+                    "float8 tensors)", "a tensor")
+    if fp8_q and rotary_cos is not None:
+        V._fail(ValueError, "rotary_cos", f"None with {q.dtype} q (rotary embedding takes "
+                "16-bit q: rotate before quantising)", "a tensor")
+    descales = [F8.check_descale(x, name, q.shape[0], k_cache.shape[2], q.device)
+                for x, name in zip(descales, F8.DESCALE_NAMES)]
+    if fp8_q or fp8_cache:
+        F8.refuse_grad((q if fp8_q else None, k_cache, v_cache, *descales),
+                       ("q", "k_cache", "v_cache", *F8.DESCALE_NAMES),
+                       "flash_attn_with_kvcache")
+    return descales, out_dtype
+
+
+def _quantize_new(x, descale, dtype):
+    """New keys or values (b, n, hkv, d) in the cache's FP8 format (descale None: 1.0)."""
+    if descale is None:
+        descale = x.new_ones((), dtype=torch.float32)
+    return F8.quantize(x, descale, dtype)[0]
 
 
 def _rotate(q, k, rotary_cos, rotary_sin, cache_seqlens, sq, sn, q_moves, interleaved):

@@ -14,6 +14,7 @@ import torch
 
 from flashtile import _validate as V
 from flashtile import custom_ops, reference
+from flashtile import fp8 as F8
 
 
 @torch.compiler.assume_constant_result
@@ -99,11 +100,13 @@ def _varlen_attn_probs(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
 
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
                     window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-                    deterministic=False, return_attn_probs=False, *, return_lse=False):
+                    deterministic=False, return_attn_probs=False, *, return_lse=False,
+                    q_descale=None, k_descale=None, v_descale=None, out_dtype=None):
     """Exact attention, softmax(q k^T * softmax_scale) v, in flash-attn's layout.
 
     Arguments:
-        q: (batch, seqlen_q, nheads, head_dim), float16, bfloat16 or float32.
+        q: (batch, seqlen_q, nheads, head_dim), float16, bfloat16 or float32, or FP8
+            (float8_e4m3fn, float8_e5m2; forward only, see q_descale).
         k, v: (batch, seqlen_k, nheads_kv, head_dim), same dtype and device as q.
             nheads must be a multiple of nheads_kv (GQA/MQA); K/V are never copied.
             head_dim is any value from 1 to 256 (padded inside the kernel).
@@ -137,9 +140,16 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
             the attention probabilities, see below. At most ATTN_PROBS_MAX_ELEMENTS
             (2**24) probabilities, batch * nheads * seqlen_q * seqlen_k; more raises.
         return_lse: bool, keyword only (flashtile's name): also return lse.
+        q_descale, k_descale, v_descale: keyword only, FP8 q, k, v only (flash-attn 3's
+            names): fp32 (batch, nheads_kv), the real q[b, :, h] being
+            q_descale[b, h // (nheads // nheads_kv)] * q[b, :, h] (likewise k and v);
+            None is 1.0. A per-tensor scale: a 0-d or (1,) tensor (any shape that
+            broadcasts to (batch, nheads_kv)). See flashtile.fp8.
+        out_dtype: keyword only: the output dtype of FP8 inputs, torch.bfloat16 (the
+            default, as flash-attn 3), torch.float16 or torch.float32.
 
     Returns:
-        out: (batch, seqlen_q, nheads, head_dim), q's dtype.
+        out: (batch, seqlen_q, nheads, head_dim), q's dtype (FP8: out_dtype).
         lse (if return_lse or return_attn_probs): (batch, nheads, seqlen_q) float32, the
             natural-log log-sum-exp of each row's final scores (scaled, capped, biased,
             masked); -inf for a row that sees no key. It is differentiable.
@@ -149,21 +159,30 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
             flash-attn's S_dmask is instead padded to multiples of 128, in q's dtype,
             and empty of meaning without dropout (docs/flash-attn-compat.md).
     """
-    b, sq, sk, h, hkv, d = V.check_qkv(q, k, v)
+    b, sq, sk, h, hkv, d = V.check_qkv(q, k, v, dtypes=V.WITH_FP8)
     left, right = V.check_flash_options(dropout_p, softmax_scale, softcap, window_size,
                                         causal)
     V.check_bools(deterministic=deterministic, return_attn_probs=return_attn_probs,
                   return_lse=return_lse)
+    fp8 = F8.check_fp8_args(q, k, v, b, hkv, (q_descale, k_descale, v_descale), out_dtype)
     alibi_slopes = V.check_alibi(alibi_slopes, b, h, q.device)
     if return_attn_probs:
         _check_probs_size(b, h, sq, sk)
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(d)
-    out, lse = _attention(q, k, v, attn_mask=None, alibi_slopes=alibi_slopes,
-                          softmax_scale=softmax_scale, diag_offset=sk - sq,
-                          window_left=left, window_right=right, softcap=softcap,
-                          deterministic=deterministic)
+    if fp8 is not None:
+        out, lse = F8.fp8_attention(
+            q, k, v, fp8[0], alibi_slopes=alibi_slopes, softmax_scale=float(softmax_scale),
+            diag_offset=torch.sym_int(sk - sq), window_left=left, window_right=right,
+            softcap=float(softcap), out_dtype=fp8[1])
+    else:
+        out, lse = _attention(q, k, v, attn_mask=None, alibi_slopes=alibi_slopes,
+                              softmax_scale=softmax_scale, diag_offset=sk - sq,
+                              window_left=left, window_right=right, softcap=softcap,
+                              deterministic=deterministic)
     if return_attn_probs:
+        if fp8 is not None:  # the probabilities of the real (dequantised) q and k
+            q, k = F8.dequantize(q, fp8[0][0]), F8.dequantize(k, fp8[0][1])
         probs = _attn_probs(q, k, torch.arange(sq, device=q.device),
                             torch.arange(sk, device=q.device), sq, sk,
                             softmax_scale=softmax_scale, softcap=softcap,
@@ -176,7 +195,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                            dropout_p=0.0, softmax_scale=None, causal=False,
                            window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
                            deterministic=False, return_attn_probs=False, block_table=None,
-                           *, return_lse=False, seqused_k=None):
+                           *, return_lse=False, seqused_k=None, q_descale=None,
+                           k_descale=None, v_descale=None, out_dtype=None):
     """flash_attn_func over packed sequences of different lengths, with no padding.
 
     Arguments:
@@ -207,6 +227,9 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         seqused_k: optional int32 (batch,), with block_table only: the key count of each
             sequence, as vLLM passes it; cu_seqlens_k may then be None (if both are
             given, seqused_k counts).
+        q_descale, k_descale, v_descale, out_dtype: FP8 q, k, v (packed, or an FP8 pool
+            with block_table), as in flash_attn_func; batch is the number of sequences,
+            so sequence b's rows (and keys, wherever its pages lie) take descale[b].
 
     Returns out (total_q, nheads, head_dim); with return_lse or return_attn_probs, lse
     (nheads, total_q) float32 (flash-attn's varlen layout), natural log, -inf for rows
@@ -232,19 +255,22 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     if block_table is not None:
         batch, h, hkv, d = V.check_paged_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k,
                                                 max_seqlen_q, max_seqlen_k, block_table,
-                                                seqused_k)
+                                                seqused_k, dtypes=V.WITH_FP8)
+    else:
+        if seqused_k is not None:
+            V._fail(ValueError, "seqused_k", "None without block_table (packed k/v have "
+                    "their lengths in cu_seqlens_k)", "a tensor")
+        batch, h, hkv, d = V.check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k,
+                                          max_seqlen_q, max_seqlen_k, dtypes=V.WITH_FP8)
+    fp8 = F8.check_fp8_args(q, k, v, batch, hkv, (q_descale, k_descale, v_descale),
+                            out_dtype)
+    if block_table is not None:
         if torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)):
             raise NotImplementedError(
                 "flash_attn_varlen_func with block_table is forward only (as in "
                 "flash-attn): q, k and v require no grad. Call it under torch.no_grad() "
                 "or pass detached tensors")
         block_table = block_table.contiguous()  # the kernel reads rows with unit stride
-    else:
-        if seqused_k is not None:
-            V._fail(ValueError, "seqused_k", "None without block_table (packed k/v have "
-                    "their lengths in cu_seqlens_k)", "a tensor")
-        batch, h, hkv, d = V.check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k,
-                                          max_seqlen_q, max_seqlen_k)
     left, right = V.check_flash_options(dropout_p, softmax_scale, softcap, window_size,
                                         causal)
     V.check_bools(deterministic=deterministic, return_attn_probs=return_attn_probs,
@@ -259,11 +285,23 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         softmax_scale = 1.0 / math.sqrt(d)
     cu_seqlens_k, seqused_k = (x.contiguous() if x is not None else None
                                for x in (cu_seqlens_k, seqused_k))
-    out, lse = custom_ops.varlen_attention(
-        q, k, v, cu_seqlens_q.contiguous(), cu_seqlens_k, torch.sym_int(max_seqlen_q),
-        torch.sym_int(max_seqlen_k), alibi_slopes, float(softmax_scale), left, right,
-        float(softcap), _allow_tf32(q.dtype), block_table, seqused_k, deterministic)
+    if fp8 is not None:
+        out, lse = F8.fp8_attention(
+            q, k, v, fp8[0], alibi_slopes=alibi_slopes, softmax_scale=float(softmax_scale),
+            diag_offset=0, window_left=left, window_right=right, softcap=float(softcap),
+            out_dtype=fp8[1], cu_seqlens_q=cu_seqlens_q.contiguous(),
+            cu_seqlens_k=cu_seqlens_k, max_seqlen_q=torch.sym_int(max_seqlen_q),
+            max_seqlen_k=torch.sym_int(max_seqlen_k), block_table=block_table,
+            seqused_k=seqused_k)
+    else:
+        out, lse = custom_ops.varlen_attention(
+            q, k, v, cu_seqlens_q.contiguous(), cu_seqlens_k, torch.sym_int(max_seqlen_q),
+            torch.sym_int(max_seqlen_k), alibi_slopes, float(softmax_scale), left, right,
+            float(softcap), _allow_tf32(q.dtype), block_table, seqused_k, deterministic)
     if return_attn_probs:
+        if fp8 is not None:  # the probabilities of the real (dequantised) q and k
+            q = F8.dequantize_packed(q, fp8[0][0], cu_seqlens_q)
+            k = F8.dequantize_packed(k, fp8[0][1], cu_seqlens_k)
         probs = _varlen_attn_probs(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                    max_seqlen_k, softmax_scale=softmax_scale,
                                    softcap=softcap, alibi_slopes=alibi_slopes,

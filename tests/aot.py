@@ -16,7 +16,8 @@ from triton.compiler import ASTSource
 from triton.experimental.gluon._runtime import GluonASTSource
 
 _FLOAT_SCALARS = {"softmax_scale", "softcap"}
-_FP32_POINTERS = {"Lse", "Delta", "DLse", "Alibi", "LsePartial", "OutPartial", "DQAccum"}
+_FP32_POINTERS = {"Lse", "Delta", "DLse", "Alibi", "LsePartial", "OutPartial", "DQAccum",
+                  "QDescale", "KDescale", "VDescale"}
 _INT32_POINTERS = {"BlockTable", "CacheSeqlens", "CacheBatchIdx", "CacheLeftpad",
                    "CuSeqlensQ", "CuSeqlensK", "SequsedK"}
 
@@ -59,10 +60,9 @@ def compile_kernel(kernel, constexprs: dict, dtype: str = "bf16", arch: int = 90
                           options=dict(num_warps=num_warps, num_stages=num_stages))
 
 
-def resources(compiled) -> dict:
-    """Registers, stack (spill) bytes and shared memory, read with the bundled cuobjdump."""
+def _cuobjdump(compiled, flag: str) -> str:
+    """The bundled cuobjdump's output for the compiled kernel's cubin."""
     import os
-    import re
     import subprocess
     import tempfile
 
@@ -72,10 +72,24 @@ def resources(compiled) -> dict:
     with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
         f.write(compiled.asm["cubin"])
     try:
-        text = subprocess.run([tool, "-res-usage", f.name], capture_output=True,
-                              text=True, check=True).stdout
+        return subprocess.run([tool, flag, f.name], capture_output=True, text=True,
+                              check=True).stdout
     finally:
         os.unlink(f.name)
-    fields = dict(re.findall(r"(REG|STACK|SHARED):(\d+)", text))
+
+
+def resources(compiled) -> dict:
+    """Registers, stack (spill) bytes and shared memory, read with the bundled cuobjdump."""
+    import re
+
+    fields = dict(re.findall(r"(REG|STACK|SHARED):(\d+)", _cuobjdump(compiled, "-res-usage")))
     return dict(registers=int(fields.get("REG", -1)), stack_bytes=int(fields.get("STACK", -1)),
                 shared_bytes=compiled.metadata.shared)
+
+
+def tensor_core_ops(compiled) -> set:
+    """The tensor-core instructions in the SASS: QGMMA (FP8 wgmma), HGMMA (16-bit
+    wgmma), HMMA (mma.sync)."""
+    import re
+
+    return set(re.findall(r"\b(QGMMA|HGMMA|HMMA)\b", _cuobjdump(compiled, "-sass")))

@@ -425,7 +425,7 @@ def test_accuracy_command(tmp_path, monkeypatch, capsys):
                      str(tmp_path)]) == 0
     assert "| bf16 | normal |" in capsys.readouterr().out
     data = json.loads((tmp_path / "accuracy.json").read_text())
-    assert data["shape"] == [1, 24, 2, 16] and len(data["rows"]) == 8
+    assert data["shape"] == [1, 24, 2, 16] and len(data["rows"]) == 12  # 6 precisions
 
 
 def test_info_prints_versions_and_caches_ceilings(monkeypatch, capsys):

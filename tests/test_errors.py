@@ -65,14 +65,17 @@ FLASH_CASES = [
                  "got 2",
                  id="nheads-3-over-kv-2"),
     pytest.param(lambda q, k, v: dict(zip("qkv", (x.int() for x in (q, k, v)))), TypeError,
-                 "q: expected dtype float16, bfloat16 or float32, got torch.int32",
+                 "q: expected dtype float16, bfloat16, float32, "
+                 "float8_e4m3fn or float8_e5m2, got torch.int32",
                  id="int32"),
     pytest.param(lambda q, k, v: dict(k=k.long()), TypeError,
-                 "k: expected dtype float16, bfloat16 or float32, got torch.int64",
+                 "k: expected dtype float16, bfloat16, float32, "
+                 "float8_e4m3fn or float8_e5m2, got torch.int64",
                  id="int64-k"),
     pytest.param(lambda q, k, v: dict(zip("qkv", (x.double() for x in (q, k, v)))),
                  TypeError,
-                 "q: expected dtype float16, bfloat16 or float32, got torch.float64",
+                 "q: expected dtype float16, bfloat16, float32, "
+                 "float8_e4m3fn or float8_e5m2, got torch.float64",
                  id="float64"),
     pytest.param(lambda q, k, v: dict(q=q.tolist()), TypeError,
                  "q: expected a torch.Tensor, got list", id="non-tensor-q"),

@@ -9,13 +9,14 @@ import os
 import re
 
 import pytest
+import torch
 
 from flashtile.ops import configs, decode
 from flashtile.ops.bwd import (_bwd_dkdv_kernel, _bwd_dq_convert_kernel, _bwd_dq_kernel,
                                _bwd_preprocess_kernel)
 from flashtile.ops.decode import _append_kernel, _combine_kernel, _decode_kernel
 from flashtile.ops.fwd import _attn_fwd_kernel
-from tests.aot import compile_kernel, resources
+from tests.aot import compile_kernel, resources, tensor_core_ops
 
 # Under TRITON_INTERPRET=1 @triton.jit gives interpreted functions that cannot be
 # compiled; `make test` runs this file in a second pytest process without it.
@@ -27,10 +28,15 @@ PLAIN = dict(EVEN_D=True, MASK_LEFT=False, MASK_RIGHT=True, HAS_SOFTCAP=False,
 EVERYTHING = dict(EVEN_D=False, MASK_LEFT=True, MASK_RIGHT=True, HAS_SOFTCAP=True,
                   HAS_ALIBI=True, HAS_MASK=True, MASK_IS_BOOL=True, INPUT_PRECISION="ieee")
 
-UNPAGED = dict(PAGED=False, PAGE_SIZE=1, SEQUSED_K=False)
+# No FP8 descales (the FP8 variants are compiled at the end of this file).
+NO_DESCALE = dict(HAS_Q_DESCALE=False, HAS_K_DESCALE=False, HAS_V_DESCALE=False)
+UNPAGED = dict(PAGED=False, PAGE_SIZE=1, SEQUSED_K=False, V_KEYS_CONTIGUOUS=False,
+               **NO_DESCALE)
 # Pages of 16 keys: one block-table entry per key row; 256: one per key tile.
-PAGED16 = dict(PAGED=True, PAGE_SIZE=16, SEQUSED_K=True)
-PAGED256 = dict(PAGED=True, PAGE_SIZE=256, SEQUSED_K=False)
+PAGED16 = dict(PAGED=True, PAGE_SIZE=16, SEQUSED_K=True, V_KEYS_CONTIGUOUS=False,
+               **NO_DESCALE)
+PAGED256 = dict(PAGED=True, PAGE_SIZE=256, SEQUSED_K=False, V_KEYS_CONTIGUOUS=False,
+                **NO_DESCALE)
 
 KERNELS = {
     "fwd": (_attn_fwd_kernel, configs._FWD_16BIT,
@@ -154,7 +160,8 @@ def test_decode_compiles(paged, page_size, aligned, tile_pages, split_pages):
                                              PAGE_ALIGNED=aligned, TILE_PAGES=tile_pages,
                                              SPLIT_PAGES=split_pages, HAS_BATCH_IDX=not paged,
                                              HAS_LEFTPAD=not (aligned or tile_pages or split_pages),
-                                             LAUNCH_DEPENDENTS=True, **flags),
+                                             LAUNCH_DEPENDENTS=True, **NO_DESCALE,
+                                             **flags),
                         dtype="bf16", num_warps=4, num_stages=3)
     assert resources(ck)["stack_bytes"] == 0
     # The K/V loads must stay software-pipelined (async copies into shared memory): a
@@ -176,7 +183,8 @@ def test_decode_compiles(paged, page_size, aligned, tile_pages, split_pages):
 def test_append_compiles(paged):
     ck = compile_kernel(_append_kernel, dict(BLOCK_T=16, BLOCK_D=128, PAGED=paged,
                                              PAGE_SIZE=16 if paged else 1,
-                                             HAS_BATCH_IDX=not paged), dtype="bf16")
+                                             HAS_BATCH_IDX=not paged, HAS_K_DESCALE=False,
+                                             HAS_V_DESCALE=False), dtype="bf16")
     assert resources(ck)["stack_bytes"] == 0
 
 
@@ -284,3 +292,87 @@ def test_head_dim_512_tiles_do_not_spill(kind, dtype, precision):
         ck = compile_kernel(_combine_kernel, dict(BLOCK_S=128, BLOCK_D=512, USE_PDL=True),
                             dtype=dtype, num_warps=decode._combine_warps(128 * 512))
         assert resources(ck)["stack_bytes"] == 0
+
+
+# ---- FP8 (tests/test_fp8.py runs them; here what only the compiler can tell) ----
+
+FP8_FWD_LAYOUTS = {
+    # V^T copy (keys contiguous), read with async copies as K is.
+    "dense": dict(IS_VARLEN=False, PAGED=False, PAGE_SIZE=1, V_KEYS_CONTIGUOUS=True),
+    # V as given: Triton transposes each tile through registers.
+    "varlen": dict(IS_VARLEN=True, PAGED=False, PAGE_SIZE=1, V_KEYS_CONTIGUOUS=False),
+    "paged16": dict(IS_VARLEN=True, PAGED=True, PAGE_SIZE=16, V_KEYS_CONTIGUOUS=False),
+}
+
+
+def _compile_fp8_fwd(layout, head_dim, causal, dtype="fp8e4nv"):
+    cfg = configs._FWD_FP8[head_dim]
+    flags = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=head_dim, EVEN_D=True,
+                 MASK_LEFT=False, MASK_RIGHT=causal, HAS_SOFTCAP=False, HAS_ALIBI=False,
+                 HAS_MASK=False, MASK_IS_BOOL=False, INPUT_PRECISION="ieee",
+                 REVERSE_M=causal, SEQUSED_K=False, HAS_Q_DESCALE=True,
+                 HAS_K_DESCALE=True, HAS_V_DESCALE=True, **FP8_FWD_LAYOUTS[layout])
+    return compile_kernel(_attn_fwd_kernel, flags, dtype=dtype, num_warps=cfg.num_warps,
+                          num_stages=cfg.num_stages, types={"Out": "*bf16"})
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("layout, head_dim", [("dense", 64), ("dense", 128),
+                                              ("dense", 256), ("varlen", 128),
+                                              ("varlen", 256), ("paged16", 128)])
+def test_fp8_forward_compiles_for_sm90(layout, head_dim, causal):
+    """The FP8 table's tiles: both products on the FP8 tensor cores (QGMMA in the SASS,
+    no HGMMA), no spills, within shared memory; the dense path's V^T tiles are copied
+    asynchronously as K's are (twice the async copies of the varlen path)."""
+    compiled = _compile_fp8_fwd(layout, head_dim, causal)
+    res = resources(compiled)
+    assert res["stack_bytes"] == 0, res
+    assert res["shared_bytes"] <= configs.SM90_SMEM_BYTES, res
+    assert tensor_core_ops(compiled) == {"QGMMA"}
+    if layout == "dense":
+        copies = [ck.asm["ttgir"].count("async_copy_global_to_local")
+                  for ck in (compiled, _compile_fp8_fwd("varlen", head_dim, causal))]
+        assert copies[0] == 2 * copies[1] > 0, copies
+
+
+def test_fp8_e5m2_forward_compiles_for_sm90():
+    compiled = _compile_fp8_fwd("dense", 128, True, dtype="fp8e5")
+    assert resources(compiled)["stack_bytes"] == 0
+    assert tensor_core_ops(compiled) == {"QGMMA"}
+
+
+@pytest.mark.parametrize("q_dtype, cache_dtype", [("bf16", "fp8e4nv"), ("fp16", "fp8e5"),
+                                                  ("fp8e4nv", "fp8e4nv")])
+@pytest.mark.parametrize("split", [True, False], ids=["split", "unsplit"])
+def test_fp8_decode_compiles_for_sm90(q_dtype, cache_dtype, split):
+    """Decode over an FP8 cache at the tile decode_config picks: K/V still copied
+    asynchronously (software-pipelined), widened in registers, no spills."""
+    # A meta tensor stands for a GPU q (decode_config gives CPU tensors the
+    # interpreter's tile).
+    q = torch.empty(1, dtype=torch.float8_e4m3fn if q_dtype.startswith("fp8")
+                    else torch.bfloat16, device="meta")
+    cfg = configs.decode_config(q, 128, 4, split=split, fp8_cache=True)
+    compiled = compile_kernel(_decode_kernel, dict(
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=128, EVEN_D=True, MASK_LEFT=False,
+        MASK_RIGHT=True, HAS_SOFTCAP=False, HAS_ALIBI=False, PAGED=True, PAGE_SIZE=64,
+        PAGE_ALIGNED=True, TILE_PAGES=0, SPLIT_PAGES=0, HAS_BATCH_IDX=False,
+        HAS_LEFTPAD=False, INPUT_PRECISION="ieee", LAUNCH_DEPENDENTS=split,
+        HAS_Q_DESCALE=q_dtype.startswith("fp8"), HAS_K_DESCALE=True, HAS_V_DESCALE=True),
+        dtype=q_dtype, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        types={"KCache": f"*{cache_dtype}", "VCache": f"*{cache_dtype}", "Out": "*bf16"})
+    assert resources(compiled)["stack_bytes"] == 0
+    assert compiled.asm["ttgir"].count("async_copy_global_to_local") >= 4
+
+
+@pytest.mark.parametrize("cache_dtype, cvt", [("fp8e4nv", "e4m3x2"), ("fp8e5", "e5m2x2")])
+def test_fp8_append_quantizes_with_satfinite(cache_dtype, cvt):
+    """16-bit keys into an FP8 cache: IEEE division, then sm_90's saturating round to
+    nearest even (cvt.rn.satfinite), which flashtile.fp8.quantize reproduces."""
+    compiled = compile_kernel(_append_kernel, dict(
+        BLOCK_T=16, BLOCK_D=128, PAGED=True, PAGE_SIZE=16, HAS_BATCH_IDX=False,
+        HAS_K_DESCALE=True, HAS_V_DESCALE=True), dtype="bf16",
+        types={"KCache": f"*{cache_dtype}", "VCache": f"*{cache_dtype}"})
+    ptx = compiled.asm["ptx"]
+    assert f"cvt.rn.satfinite.{cvt}.f32" in ptx
+    assert "div.rn.f32" in ptx
+    assert resources(compiled)["stack_bytes"] == 0

@@ -1,11 +1,18 @@
 """``flashtile bench --accuracy``: how close flashtile and PyTorch come to exact attention.
 
-For each precision (fp32, TF32, fp16, bf16) and two input kinds (standard normal q/k/v;
-the same with 5% of the q and k entries multiplied by 20, so a few scores dominate
-their rows), the forward output of flashtile and of PyTorch's SDPA math backend at the
-same dtype is compared with attention computed in float64 from the same (rounded)
-inputs: max |out - ref| and ||out - ref|| / ||ref||, with each path's median time.
-A row that cannot run here (TF32 on a CPU) or a path that raises is "n/a" with a reason.
+For each precision (fp32, TF32, fp16, bf16, FP8 e4m3 and e5m2) and two input kinds
+(standard normal q/k/v; the same with 5% of the q and k entries multiplied by 20, so a
+few scores dominate their rows), the forward output of flashtile and of PyTorch's SDPA
+math backend at the same dtype is compared with attention computed in float64 from the
+same (rounded) inputs: max |out - ref| and ||out - ref|| / ||ref||, with each path's
+median time. A row that cannot run here (TF32 on a CPU) or a path that raises is "n/a"
+with a reason.
+
+FP8 rows: q, k, v quantised with a scale per (batch, head) (flashtile.fp8.quantize), the
+reference is float64 attention of the dequantised inputs, so the error is the kernel's
+own (P rounded to FP8 for P @ V, the scores' accumulation), output in fp32. PyTorch's
+SDPA has no FP8 path: its column runs the math backend on the dequantised inputs
+rounded to bf16, the alternative to an FP8 kernel.
 """
 
 from __future__ import annotations
@@ -16,12 +23,15 @@ from dataclasses import asdict, dataclass
 import torch
 
 import flashtile
+from flashtile import fp8 as F8
 from flashtile.bench.run import time_step
 from flashtile.reference import attention_naive, sdpa_math_bshd
 
 # (label, dtype, torch.get_float32_matmul_precision during the row)
 PRECISIONS = (("fp32", torch.float32, "highest"), ("tf32", torch.float32, "high"),
-              ("fp16", torch.float16, "highest"), ("bf16", torch.bfloat16, "highest"))
+              ("fp16", torch.float16, "highest"), ("bf16", torch.bfloat16, "highest"),
+              ("fp8-e4m3", torch.float8_e4m3fn, "highest"),
+              ("fp8-e5m2", torch.float8_e5m2, "highest"))
 INPUT_KINDS = ("normal", "outliers")
 OUTLIER_FRACTION, OUTLIER_SCALE = 0.05, 20.0
 # (batch, seqlen, nheads, head_dim): the float64 reference holds (B, H, N, N) scores.
@@ -71,6 +81,25 @@ def _sdpa_math(q, k, v, causal):
     return sdpa_math_bshd(causal)(q, k, v)
 
 
+def _fp8_paths(q64, k64, v64, dtype, device):
+    """FP8 rows: the quantised inputs, the float64 of their dequantised values, and the
+    two paths (flashtile with descales; SDPA math on the dequantised inputs in bf16)."""
+    quantised = [F8.quantize(x.to(device, torch.float32), dtype=dtype)
+                 for x in (q64, k64, v64)]
+    exact = [x.double() * d.double()[:, None, :, None] for x, d in quantised]
+    (q, qd), (k, kd), (v, vd) = quantised
+    bf16 = [x.to(torch.bfloat16) for x in exact]
+
+    def ours(q, k, v, causal):
+        return flashtile.flash_attn_func(q, k, v, causal=causal, q_descale=qd,
+                                         k_descale=kd, v_descale=vd,
+                                         out_dtype=torch.float32)
+
+    def theirs(q, k, v, causal):
+        return sdpa_math_bshd(causal)(*bf16)
+    return (q, k, v), exact, ours, theirs
+
+
 def _run_path(attn, q, k, v, ref, causal, device, repeats) -> PathResult:
     try:
         with torch.no_grad():
@@ -100,15 +129,20 @@ def accuracy_table(device, shape=None, causal: bool = False, repeats: int = 3,
                 rows.append(AccuracyRow(label, kind, PathResult(reason=skip),
                                         PathResult(reason=skip)))
                 continue
-            q, k, v = (x.to(device=device, dtype=dtype) for x in (q64, k64, v64))
+            if F8.is_fp8(dtype):
+                (q, k, v), exact, ours_fn, theirs_fn = _fp8_paths(q64, k64, v64, dtype,
+                                                                  device)
+            else:
+                q, k, v = (x.to(device=device, dtype=dtype) for x in (q64, k64, v64))
+                exact = [x.double() for x in (q, k, v)]
+                ours_fn, theirs_fn = _flashtile, _sdpa_math
             # The reference sees the inputs each path sees: rounded to dtype first.
-            ref = attention_naive(*(x.double() for x in (q, k, v)), causal=causal,
-                                  upcast=True)[0]
+            ref = attention_naive(*exact, causal=causal, upcast=True)[0]
             before = torch.get_float32_matmul_precision()
             torch.set_float32_matmul_precision(precision)
             try:
-                ours = _run_path(_flashtile, q, k, v, ref, causal, device, repeats)
-                theirs = _run_path(_sdpa_math, q, k, v, ref, causal, device, repeats)
+                ours = _run_path(ours_fn, q, k, v, ref, causal, device, repeats)
+                theirs = _run_path(theirs_fn, q, k, v, ref, causal, device, repeats)
             finally:
                 torch.set_float32_matmul_precision(before)
             rows.append(AccuracyRow(label, kind, ours, theirs))
@@ -140,7 +174,10 @@ def markdown(rows: list[AccuracyRow], shape, device_name: str) -> str:
                      + f" | {'; '.join(notes)} |")
     lines += ["", f"outliers: {OUTLIER_FRACTION:.0%} of the q and k entries x "
               f"{OUTLIER_SCALE:g}. sdpa-math: torch SDPA with the MATH backend forced, "
-              "same dtype. TF32: torch.set_float32_matmul_precision('high') for that row."]
+              "same dtype. TF32: torch.set_float32_matmul_precision('high') for that row. "
+              "fp8-*: q, k, v quantised per (batch, head) with flash-attn 3's descales, "
+              "reference and sdpa-math on the dequantised inputs (sdpa-math rounded to "
+              "bf16: PyTorch's SDPA has no FP8 path), flashtile's output in fp32."]
     return "\n".join(lines) + "\n"
 
 

@@ -2,7 +2,9 @@
 
 bf16, 32 query heads over 8 KV heads, head_dim 128. Effective bandwidth = bytes of K and
 V read / time, beside the device-copy ceiling and PyTorch SDPA (enable_gqa) in the same
-run. Every provider is timed as a replayed CUDA graph (triton.testing.do_bench_cudagraph)
+run. The flashtile-fp8 providers read the same cache in float8_e4m3fn (bf16 queries,
+k_descale/v_descale given): their bytes, and so their GB/s, are counted in FP8 bytes,
+half the bf16 cache's. Every provider is timed as a replayed CUDA graph (triton.testing.do_bench_cudagraph)
 so Python launch overhead, which a serving engine also captures away, is not counted.
 
 A cache smaller than the L2 (batch 1 x 8k keys: 34 MB against the H200's 60 MB) would
@@ -27,8 +29,13 @@ NHEADS, NHEADS_KV, HEAD_DIM = 32, 8, 128
 PAGE_SIZES = (64, 16)
 
 
-def kv_bytes(batch, seqlen_k):
-    return 2 * batch * seqlen_k * NHEADS_KV * HEAD_DIM * 2
+def kv_bytes(batch, seqlen_k, element_size=2):
+    return 2 * batch * seqlen_k * NHEADS_KV * HEAD_DIM * element_size
+
+
+def provider_bytes(name, batch, seqlen_k):
+    """The K/V bytes a provider reads: FP8 caches one byte an element."""
+    return kv_bytes(batch, seqlen_k, 1 if "fp8" in name else 2)
 
 
 def _decode_inputs(batch, seqlen_k, device):
@@ -57,11 +64,20 @@ def _providers(batch, seqlen_k, device):
                 return F.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True)
         return run
 
-    ref = flashtile.flash_attn_func(q, k, v)
-    return ref, {
+    # FP8: the same randn cache in e4m3 (within its range: descale 1, passed as a real
+    # (batch, nheads_kv) tensor so the kernel loads it as a serving engine's would).
+    k8, v8 = (x.to(torch.float8_e4m3fn) for x in (k, v))
+    pool8 = (*(x.to(torch.float8_e4m3fn) for x in paged[64][:2]), paged[64][2])
+    ones = torch.ones(batch, NHEADS_KV, device=device)
+    fp8 = dict(k_descale=ones, v_descale=ones)
+    refs = {"": flashtile.flash_attn_func(q, k, v),
+            "fp8": flashtile.flash_attn_func(q, k8.to(q.dtype), v8.to(q.dtype))}
+    return refs, {
         "flashtile": _kvcache_fn(q, seqlens, k, v),
         **{f"flashtile-paged{size}": _kvcache_fn(q, seqlens, *pool)
            for size, pool in paged.items()},
+        "flashtile-fp8": _kvcache_fn(q, seqlens, k8, v8, **fp8),
+        "flashtile-fp8-paged64": _kvcache_fn(q, seqlens, *pool8, **fp8),
         "sdpa-cudnn": sdpa(SDPBackend.CUDNN_ATTENTION),
         "sdpa-flash": sdpa(SDPBackend.FLASH_ATTENTION),
         "sdpa-efficient": sdpa(SDPBackend.EFFICIENT_ATTENTION),
@@ -82,13 +98,13 @@ def _paged_pool(k, v, page_size):
     return pool_k, pool_v, block_table
 
 
-def _kvcache_fn(q, seqlens, k_cache, v_cache, block_table=None, num_splits=0):
+def _kvcache_fn(q, seqlens, k_cache, v_cache, block_table=None, num_splits=0, **fp8):
     import flashtile
 
     return lambda: flashtile.flash_attn_with_kvcache(q, k_cache, v_cache,
                                                      cache_seqlens=seqlens,
                                                      block_table=block_table,
-                                                     num_splits=num_splits)
+                                                     num_splits=num_splits, **fp8)
 
 
 def cache_copies(batch, seqlen_k, device) -> int:
@@ -134,7 +150,7 @@ def run_decode_bench(shapes=SHAPES, device="cuda", warm_l2=False, rounds=3):
     for batch, seqlen_k in shapes:
         copies = 1 if warm_l2 else cache_copies(batch, seqlen_k, device)
         sets = [_providers(batch, seqlen_k, device) for _ in range(copies)]
-        ref, providers = sets[0]
+        refs, providers = sets[0]
         row = dict(batch=batch, seqlen_k=seqlen_k, cache_gb=kv_bytes(batch, seqlen_k) / 1e9,
                    copies=copies)
         runnable = {}
@@ -143,6 +159,7 @@ def run_decode_bench(shapes=SHAPES, device="cuda", warm_l2=False, rounds=3):
                 out = fn()
                 if name.startswith("sdpa"):
                     out = out.transpose(1, 2)
+                ref = refs["fp8" if "fp8" in name else ""]
                 err = (out.float() - ref.float()).abs().max().item()
                 if not err < 2e-2:
                     raise RuntimeError(f"wrong result, max error {err:.3g}")
@@ -150,7 +167,8 @@ def run_decode_bench(shapes=SHAPES, device="cuda", warm_l2=False, rounds=3):
             except Exception as e:  # a peer that cannot run this shape: n/a, go on
                 row[name] = dict(error=f"{type(e).__name__}: {str(e)[:80]}")
         for name, us in time_rounds(runnable, rounds).items():
-            row[name] = dict(us=median(us), gbps=kv_bytes(batch, seqlen_k) / median(us) / 1e3,
+            row[name] = dict(us=median(us),
+                             gbps=provider_bytes(name, batch, seqlen_k) / median(us) / 1e3,
                              rounds_us=[round(t, 2) for t in us])
         row = {k: row[k] for k in ("batch", "seqlen_k", "cache_gb", "copies", *providers)}
         rows.append(row)
@@ -162,15 +180,17 @@ def run_decode_bench(shapes=SHAPES, device="cuda", warm_l2=False, rounds=3):
 
 def decode_markdown(rows, copy_gbps=None):
     """One row per shape: the input copies a timed round rotates through, each
-    provider's time and bandwidth, flashtile's share of the copy ceiling and its ratio
-    to the best SDPA backend, and each paged variant's time over the contiguous cache's
-    (the paged overhead)."""
+    provider's time and bandwidth (FP8 providers in FP8 bytes), the share of the copy
+    ceiling of flashtile and of its FP8 cache, flashtile's ratio to the best SDPA
+    backend, and each paged variant's time over the contiguous cache's (the paged
+    overhead)."""
     names = [k for k in rows[0] if k not in ("batch", "seqlen_k", "cache_gb", "copies")]
     paged = [n for n in names if n.startswith("flashtile-paged")]
+    ceiling = [n for n in ("flashtile", "flashtile-fp8") if n in names]
     lines = ["| batch | seqlen_k | KV GB | copies | " + " | ".join(f"{n} us (GB/s)" for n in names)
-             + " | flashtile % of copy | flashtile / best SDPA | "
+             + "".join(f" | {n} % of copy" for n in ceiling) + " | flashtile / best SDPA | "
              + "".join(f"{n} / flashtile time | " for n in paged).rstrip(),
-             "|---" * (6 + len(names) + len(paged)) + "|"]
+             "|---" * (5 + len(ceiling) + len(names) + len(paged)) + "|"]
     for r in rows:
         cells = []
         for n in names:
@@ -178,13 +198,14 @@ def decode_markdown(rows, copy_gbps=None):
             cells.append("n/a" if "error" in c else f"{c['us']:.1f} ({c['gbps']:.0f})")
         ours = r["flashtile"].get("gbps")
         sdpa = [r[n]["gbps"] for n in names if n.startswith("sdpa") and "gbps" in r[n]]
-        pct = f"{100 * ours / copy_gbps:.0f}%" if ours and copy_gbps else "n/a"
+        pct = [f"{100 * r[n]['gbps'] / copy_gbps:.0f}%" if "gbps" in r[n] and copy_gbps
+               else "n/a" for n in ceiling]
         ratio = f"{ours / max(sdpa):.2f}" if ours and sdpa else "n/a"
         overhead = [f"{r[n]['us'] / r['flashtile']['us']:.2f}"
                     if "us" in r[n] and ours else "n/a" for n in paged]
         lines.append(f"| {r['batch']} | {r['seqlen_k']} | {r['cache_gb']:.2f} | "
                      f"{r.get('copies', 1)} | "
-                     + " | ".join(cells + [pct, ratio] + overhead) + " |")
+                     + " | ".join(cells + pct + [ratio] + overhead) + " |")
     return "\n".join(lines)
 
 

@@ -72,7 +72,9 @@ class Provider:
     in it. build(cell, device) returns attn(q, k, v) -> out, called once per cell so
     per-shape set-up (a block mask, a compile) stays out of the timing. devices: device
     types it runs on. max_seqlen: {device type: longest seqlen run}, for providers that
-    hold the (B, H, N, N) score matrix. modes: the MODES it can time.
+    hold the (B, H, N, N) score matrix. modes: the MODES it can time. prepare: turns
+    each input set (q, k, v, dout) into what attn takes, once, outside the timing (the
+    FP8 providers quantise there).
     """
 
     name: str
@@ -82,6 +84,7 @@ class Provider:
     max_seqlen: dict = field(default_factory=dict)
     about: str = ""
     modes: tuple[str, ...] = MODES
+    prepare: Callable | None = None
 
     def skip_reason(self, cell: Cell, device: torch.device) -> str | None:
         if device.type not in self.devices:
@@ -233,6 +236,42 @@ def _flashtile_hopper(cell, device):
         _check_matches(*fwd_hopper.attn_fwd(q, k, v, **kw), *fwd.attn_fwd(q, k, v, **kw))
     return lambda q, k, v: fwd_hopper.attn_fwd(q, k, v, **kw)[0]
 
+
+def _fp8_inputs(q, k, v, dout):
+    """(x_fp8, descale) pairs in e4m3, a scale per (batch, head): flash-attn 3's inputs."""
+    from flashtile.fp8 import quantize
+
+    return (*(quantize(x) for x in (q, k, v)), dout)
+
+
+def _flashtile_fp8(cell, device):
+    return lambda q, k, v: flashtile.flash_attn_func(
+        q[0], k[0], v[0], causal=cell.causal, q_descale=q[1], k_descale=k[1],
+        v_descale=v[1])
+
+
+def _flashtile_fp8_varlen(cell, device):
+    """The same work through flash_attn_varlen_func (batch sequences of seqlen packed):
+    V read as it is, transposed tile by tile in registers, where the dense call copies
+    it keys-contiguous first. The pair says which FP8 P @ V layout is faster."""
+    cu = torch.arange(0, (cell.batch + 1) * cell.seqlen, cell.seqlen, dtype=torch.int32,
+                      device=device)
+    return lambda q, k, v: flashtile.flash_attn_varlen_func(
+        q[0].flatten(0, 1), k[0].flatten(0, 1), v[0].flatten(0, 1), cu, cu, cell.seqlen,
+        cell.seqlen, causal=cell.causal, q_descale=q[1], k_descale=k[1], v_descale=v[1])
+
+
+for _p in (
+    Provider("flashtile-fp8", "bshd", _flashtile_fp8, ("cuda",), modes=("fwd",),
+             prepare=_fp8_inputs,
+             about="flashtile.flash_attn_func, FP8 e4m3 q/k/v with descales (quantised "
+                   "outside the timing), bf16 out; FLOPs counted as for bf16"),
+    Provider("flashtile-fp8-varlen", "bshd", _flashtile_fp8_varlen, ("cuda",),
+             modes=("fwd",), prepare=_fp8_inputs,
+             about="flashtile.flash_attn_varlen_func on the same FP8 inputs (V not "
+                   "copied keys-contiguous)"),
+):
+    register(_p)
 
 # Outside ALL: the default sweeps leave it out until it is timed on the GPU; name it
 # with --providers.

@@ -150,7 +150,10 @@ def peak_extra_mib(step, device) -> float | None:
 def _measure(provider, cell: Cell, device, repeats: int, n_sets: int):
     # Its own frame, so the inputs are freed when it returns or its exception is dropped.
     attn = provider.build(cell, device)
-    step = make_step(attn, cell.mode, make_inputs(cell, provider.layout, device, n_sets))
+    sets = make_inputs(cell, provider.layout, device, n_sets)
+    if provider.prepare is not None:
+        sets = [provider.prepare(*s) for s in sets]
+    step = make_step(attn, cell.mode, sets)
     ms, p20, p80 = time_step(step, device, repeats)
     return ms, p20, p80, peak_extra_mib(step, device)
 

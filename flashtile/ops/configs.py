@@ -97,6 +97,16 @@ _FWD_32BIT = {
     256: TileConfig(32, 32, 4, 1),
     512: TileConfig(32, 16, 8, 1),
 }
+# FP8 (e4m3/e5m2, forward only), keyed by padded head dim, at least FP8_MIN_BLOCK_D.
+# Sized on CPU with tests/aot.py for sm_90: no spills with the dense path's V^T copy
+# nor the varlen path's register transposition, causal or not
+# (tests/test_sm90_compile.py); not yet timed on the GPU (a sweep: FLASHTILE_FWD_CONFIG).
+_FWD_FP8 = {
+    32: TileConfig(128, 64, 8, 3), 64: TileConfig(128, 128, 8, 3),
+    128: TileConfig(128, 128, 8, 3), 256: TileConfig(128, 64, 8, 2),
+}
+# The FP8 wgmma's K step is 32: q k^T needs a head-dim tile of at least that.
+FP8_MIN_BLOCK_D = 32
 _BWD_DKDV_16BIT = {  # (BLOCK_M over queries, BLOCK_N over keys)
     16: TileConfig(32, 64, 4, 3), 32: TileConfig(32, 64, 4, 3),
     64: TileConfig(32, 64, 4, 3), 128: TileConfig(64, 128, 8, 2),
@@ -232,6 +242,9 @@ def _pick(kind: str, q: torch.Tensor, head_dim: int, table16: dict, table32: dic
 # products (TF32, tf32x3) take the fp32 tables.
 def fwd_config(q, head_dim, causal_like=False, *, seqlen=None, ieee=False
                ) -> TileConfig:
+    if q.element_size() == 1:
+        return _pick("fwd", q, max(head_dim, FP8_MIN_BLOCK_D), _FWD_FP8, _FWD_FP8,
+                     causal_like=causal_like, seqlen=seqlen)
     return _pick("fwd", q, head_dim, _FWD_16BIT_CAUSAL if causal_like else _FWD_16BIT,
                  _FWD_32BIT, causal_like=causal_like, seqlen=seqlen,
                  ieee_table=_FWD_IEEE if ieee else None)
@@ -363,9 +376,10 @@ def log_first_launch(kernel: str, q, head_dim, cfg: TileConfig, flags=None) -> N
                     f"; {on}" if on else "")
 
 
-def decode_config(q, head_dim, rows, split=True) -> TileConfig:
+def decode_config(q, head_dim, rows, split=True, fp8_cache=False) -> TileConfig:
     """Decode tile: rows = query tokens x query heads per KV head (GQA packing); split:
-    whether the cache length is split across programs."""
+    whether the cache length is split across programs; fp8_cache: K/V in a float8
+    dtype."""
     if "decode" in _override:
         return _override["decode"]
     env = _from_env("decode")
@@ -378,13 +392,17 @@ def decode_config(q, head_dim, rows, split=True) -> TileConfig:
     # head_dim 256 (or fp32) a 32-key tile keeps the K/V buffers within shared memory.
     # Unsplit programs walk the whole cache: a fourth stage measured faster there (H200,
     # 64 x 2k: 4346 against 3898 GB/s; 32 x 4k equal), slower for short splits (NOTES 8).
-    wide = padded_head_dim(head_dim) * q.element_size() > 256
+    # FP8 queries compute in fp16 (2 bytes). An FP8 cache's tiles hold half the bytes:
+    # two more stages keep the bytes in flight of the 16-bit tiles (not yet timed; a
+    # 128-key tile spilled with bf16 queries on sm_90).
+    wide = padded_head_dim(head_dim) * max(2, q.element_size()) > 256
+    stages = (3 if split else 4) + (2 if fp8_cache else 0)
     if padded_head_dim(head_dim) >= 512:
         # (rows, 512) fp32 accumulators: at most 32 rows, over 8 warps (sm_90 AOT: 64
         # rows spill 2 KB a thread, 32 rows x 32 keys with 8 warps hold 203 registers).
-        return TileConfig(min(block_m, 32), 32 if q.element_size() == 2 else 16, 8,
+        return TileConfig(min(block_m, 32), 32 if q.element_size() <= 2 else 16, 8,
                           3 if split else 4)
-    return TileConfig(block_m, 32 if wide else 64, 4, 3 if split else 4)
+    return TileConfig(block_m, 32 if wide else 64, 4, stages)
 
 
 # ---- Tile study (`flashtile tune`): candidates, and the tuned cache `_pick` reads ----

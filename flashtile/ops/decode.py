@@ -38,6 +38,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from flashtile.ops import _launch, configs
 from flashtile.ops._common import LN2, _checked_page, _checked_rows, _scores_log2
+from flashtile.ops._fp8 import _load_descale, _quantize
 
 
 @triton.jit
@@ -74,7 +75,7 @@ def _pick(pages, index, FIRST: tl.constexpr, STEP: tl.constexpr, COUNT: tl.const
 @triton.jit
 def _decode_kernel(
     Q, KCache, VCache, Out, Lse, BlockTable, CacheSeqlens, CacheBatchIdx, CacheLeftpad,
-    Alibi,
+    Alibi, QDescale, KDescale, VDescale,
     stride_qb, stride_qm, stride_qh,
     stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh,
@@ -82,6 +83,8 @@ def _decode_kernel(
     stride_os, stride_ob, stride_om, stride_oh,
     stride_ls, stride_lb, stride_lh,
     stride_alibi_b, stride_alibi_h,
+    stride_qdesc_b, stride_qdesc_h, stride_kdesc_b, stride_kdesc_h,
+    stride_vdesc_b, stride_vdesc_h,
     nheads_kv, group_size, seqlen_q, head_dim, keys_per_split,
     cache_rows, capacity, new_tokens,
     window_left, window_right, softmax_scale, softcap,
@@ -91,6 +94,7 @@ def _decode_kernel(
     PAGE_SIZE: tl.constexpr, PAGE_ALIGNED: tl.constexpr, TILE_PAGES: tl.constexpr,
     SPLIT_PAGES: tl.constexpr, HAS_BATCH_IDX: tl.constexpr, HAS_LEFTPAD: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, LAUNCH_DEPENDENTS: tl.constexpr,
+    HAS_Q_DESCALE: tl.constexpr, HAS_K_DESCALE: tl.constexpr, HAS_V_DESCALE: tl.constexpr,
 ):
     # Pages looked up per key row (a vector of entries per tile), not per tile.
     ROW_PAGES: tl.constexpr = TILE_PAGES > 0 or (not PAGE_ALIGNED and SPLIT_PAGES == 0)
@@ -128,6 +132,18 @@ def _decode_kernel(
     p_q = (Q + off_b * stride_qb + offs_t[:, None] * stride_qm + offs_h[:, None] * stride_qh
            + offs_d[None, :])
     b_q = tl.load(p_q, mask=m_row[:, None] & m_d[None, :], other=0.0)       # (M, D)
+    if Q.dtype.element_ty.is_fp8():
+        # FP8 queries compute in fp16, which holds every e4m3 and e5m2 value exactly.
+        b_q = b_q.to(tl.float16)
+    # An FP8 cache is read as FP8 (half the bytes: decode is bound by them) and widened
+    # in registers to the queries' 16-bit type, exactly; P stays 16-bit for P @ V.
+    # q_descale * k_descale joins the exp2 scale, v_descale the output.
+    softmax_scale *= (_load_descale(QDescale, off_b, off_hkv, stride_qdesc_b,
+                                    stride_qdesc_h, HAS_Q_DESCALE)
+                      * _load_descale(KDescale, off_b, off_hkv, stride_kdesc_b,
+                                      stride_kdesc_h, HAS_K_DESCALE))
+    v_descale = _load_descale(VDescale, off_b, off_hkv, stride_vdesc_b, stride_vdesc_h,
+                              HAS_V_DESCALE)
     alibi_slope = tl.zeros([BLOCK_M, 1], dtype=tl.float32)
     if HAS_ALIBI:
         alibi_slope = tl.load(Alibi + off_b * stride_alibi_b + offs_h * stride_alibi_h,
@@ -219,7 +235,7 @@ def _decode_kernel(
             row_v = cache_b.to(tl.int64) * stride_vb + pos * stride_vn
         m_kv = m_n[:, None] & m_d[None, :]
         b_k = tl.load(KCache + row_k[:, None] + off_hkv * stride_kh + offs_d[None, :],
-                      mask=m_kv, other=0.0)                                # (N, D)
+                      mask=m_kv, other=0.0).to(b_q.dtype)                  # (N, D)
         qk = tl.dot(b_q, tl.trans(b_k), input_precision=INPUT_PRECISION)   # (M, N)
         s = _scores_log2(qk, offs_t, offs_n, hi, diag_offset, window_left, window_right,
                          scale, softcap, alibi_slope, Q, 0, 0, m_row[:, None],
@@ -230,7 +246,7 @@ def _decode_kernel(
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
         b_v = tl.load(VCache + row_v[:, None] + off_hkv * stride_vh + offs_d[None, :],
-                      mask=m_kv, other=0.0)                                # (N, D)
+                      mask=m_kv, other=0.0).to(b_q.dtype)                  # (N, D)
         acc = acc * alpha[:, None]
         acc = tl.dot(p.to(b_v.dtype), b_v, acc, input_precision=INPUT_PRECISION)
         m_i = m_new
@@ -247,6 +263,8 @@ def _decode_kernel(
     l_safe = tl.where(empty, 1.0, l_i)
     out = tl.where(empty[:, None], 0.0, acc / l_safe[:, None])
     lse = tl.where(empty, float("-inf"), (m_i + tl.log2(l_safe)) * LN2)
+    if HAS_V_DESCALE:
+        out *= v_descale  # linear: split partials scaled alike combine unchanged
     # Out/Lse are either the final (b, sq, h, d)/(b, h, sq) tensors (stride_os = 0) or
     # the fp32 per-split partials that _combine_kernel merges.
     tl.store(Lse + split * stride_ls + off_b * stride_lb + offs_h * stride_lh + offs_t,
@@ -338,13 +356,15 @@ def combine_pdl(q) -> tuple[bool, bool]:
 
 # The kernel parameters a call of a decode plan fills, in this order (``_launch``).
 _DECODE_SLOTS = ("Q", "KCache", "VCache", "Out", "Lse", "BlockTable", "CacheSeqlens",
-                 "CacheBatchIdx", "CacheLeftpad", "Alibi", "softmax_scale", "softcap")
+                 "CacheBatchIdx", "CacheLeftpad", "Alibi", "QDescale", "KDescale",
+                 "VDescale", "softmax_scale", "softcap")
 _COMBINE_SLOTS = ("OutPartial", "LsePartial", "Out", "Lse")
 
 
 def attn_decode(q, k_cache, v_cache, *, cache_seqlens, block_table, cache_batch_idx,
                 cache_leftpad, alibi_slopes, softmax_scale, window_left, window_right,
-                softcap, num_splits, allow_tf32, new_tokens=0):
+                softcap, num_splits, allow_tf32, new_tokens=0, q_descale=None,
+                k_descale=None, v_descale=None, out_dtype=None):
     """Launch the decode kernel (and the combine kernel when split). Shapes, dtypes and
     devices validated by the caller; index values are checked by the kernel.
 
@@ -352,10 +372,13 @@ def attn_decode(q, k_cache, v_cache, *, cache_seqlens, block_table, cache_batch_
     (num_blocks, page_size, hkv, d); every index tensor int32 with unit stride;
     cache_seqlens (b,) plus new_tokens counts the keys to attend (new_tokens: those
     just appended). Returns out (b, sq, h, d) and lse (b, h, sq) fp32.
+    FP8: the caches in a float8 dtype with 16-bit q, or q too in the caches' dtype;
+    q_descale (FP8 q), k_descale and v_descale (FP8 caches) None (1.0) or fp32
+    (b, hkv) with any strides; out in out_dtype (default q's dtype).
     """
     b, sq, h, d = q.shape
     hkv = k_cache.shape[2]
-    out = torch.empty((b, sq, h, d), dtype=q.dtype, device=q.device)
+    out = torch.empty((b, sq, h, d), dtype=out_dtype or q.dtype, device=q.device)
     lse = torch.empty((b, h, sq), dtype=torch.float32, device=q.device)
     if out.numel() == 0:
         return out, lse
@@ -364,14 +387,17 @@ def attn_decode(q, k_cache, v_cache, *, cache_seqlens, block_table, cache_batch_
     tensors = (q, k_cache, v_cache, out, lse, block_table if paged else cache_seqlens,
                cache_seqlens, cache_seqlens if cache_batch_idx is None else cache_batch_idx,
                cache_seqlens if cache_leftpad is None else cache_leftpad,
-               q if alibi_slopes is None else alibi_slopes)
+               q if alibi_slopes is None else alibi_slopes,
+               *(lse if x is None else x for x in (q_descale, k_descale, v_descale)))
     key = None
     if _launch.ready(q):
         p = _launch.pointers(tensors)
-        key = ("decode", q.dtype, q.shape, q.stride(), k_cache.shape, k_cache.stride(),
-               v_cache.stride(), paged and (block_table.shape, block_table.stride(0)),
+        key = ("decode", q.dtype, k_cache.dtype, out.dtype, q.shape, q.stride(),
+               k_cache.shape, k_cache.stride(), v_cache.stride(),
+               paged and (block_table.shape, block_table.stride(0)),
                cache_batch_idx is None, cache_leftpad is None,
                _launch.layout(alibi_slopes),
+               *(_launch.layout(x) for x in (q_descale, k_descale, v_descale)),
                window_left, window_right, softcap > 0, num_splits, allow_tf32, new_tokens,
                _launch.misalignment(p))
         plans = _launch.lookup(key)
@@ -391,7 +417,8 @@ def attn_decode(q, k_cache, v_cache, *, cache_seqlens, block_table, cache_batch_
             return out, lse
     group = h // hkv
     capacity = block_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1]
-    cfg = configs.decode_config(q, d, sq * group)
+    fp8_cache = k_cache.element_size() == 1
+    cfg = configs.decode_config(q, d, sq * group, fp8_cache=fp8_cache)
     m_blocks = configs.cdiv(sq * group, cfg.block_m)
     if num_splits <= 0:
         num_sms = _gpu_traits(q.device)[1] if q.is_cuda else 1
@@ -402,7 +429,7 @@ def attn_decode(q, k_cache, v_cache, *, cache_seqlens, block_table, cache_batch_
     num_splits = max(1, configs.cdiv(capacity, keys_per_split))
     if num_splits == 1:
         # The tile does not depend on the split; the pipeline depth does.
-        cfg = configs.decode_config(q, d, sq * group, split=False)
+        cfg = configs.decode_config(q, d, sq * group, split=False, fp8_cache=fp8_cache)
         dst, dst_lse = out, lse
         dst_strides = (0, *out.stride()[:3])
         dst_lse_strides = (0, *lse.stride()[:2])
@@ -437,7 +464,8 @@ def attn_decode(q, k_cache, v_cache, *, cache_seqlens, block_table, cache_batch_
         flags, PAGED=paged, PAGE_SIZE=page_size, PAGE_ALIGNED=page_aligned,
         TILE_PAGES=tile_pages, SPLIT_PAGES=split_pages,
         HAS_BATCH_IDX=cache_batch_idx is not None, HAS_LEFTPAD=cache_leftpad is not None,
-        LAUNCH_DEPENDENTS=early)
+        LAUNCH_DEPENDENTS=early, HAS_Q_DESCALE=q_descale is not None,
+        HAS_K_DESCALE=k_descale is not None, HAS_V_DESCALE=v_descale is not None)
     configs.log_first_launch("decode", q, d, cfg, dict(
         switches, PAGE_SIZE=page_size if paged else None, SPLIT=num_splits > 1, PDL=pdl))
     decode = _launch.first_launch(
@@ -448,6 +476,8 @@ def attn_decode(q, k_cache, v_cache, *, cache_seqlens, block_table, cache_batch_
          v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
          block_table.stride(0) if paged else 0, block_table.shape[1] if paged else 0,
          *dst_strides, *dst_lse_strides, *alibi_strides,
+         *(s for x in (q_descale, k_descale, v_descale)
+           for s in ((0, 0) if x is None else x.stride())),
          hkv, group, sq, d, keys_per_split, k_cache.shape[0], capacity, new_tokens,
          window_left, window_right, softmax_scale, softcap),
         dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
@@ -475,18 +505,25 @@ def attn_decode(q, k_cache, v_cache, *, cache_seqlens, block_table, cache_batch_
 
 @triton.jit
 def _append_kernel(KNew, VNew, KCache, VCache, CacheSeqlens, BlockTable, CacheBatchIdx,
+                   KDescale, VDescale,
                    stride_nb, stride_nn, stride_nh, stride_vnb, stride_vnn, stride_vnh,
                    stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
-                   stride_block_table_b, cache_rows, capacity, new_tokens, nheads_kv,
+                   stride_block_table_b, stride_kdesc_b, stride_kdesc_h, stride_vdesc_b,
+                   stride_vdesc_h, cache_rows, capacity, new_tokens, nheads_kv,
                    head_dim,
                    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, PAGED: tl.constexpr,
-                   PAGE_SIZE: tl.constexpr, HAS_BATCH_IDX: tl.constexpr):
+                   PAGE_SIZE: tl.constexpr, HAS_BATCH_IDX: tl.constexpr,
+                   HAS_K_DESCALE: tl.constexpr, HAS_V_DESCALE: tl.constexpr):
     """Write k/v (b, new_tokens, hkv, d) into the cache at positions cache_seqlens[b] +
     t, t < new_tokens (through the block table when PAGED). A sequence whose new tokens
     do not fit its row (cache_seqlens outside [0, capacity - new_tokens]) or whose
     cache_batch_idx is outside the cache writes nothing, and a token whose block-table
     entry is outside the pool is not written: the decode kernel then makes the rows
-    that would have seen them NaN (same checks), never a read of stale keys."""
+    that would have seen them NaN (same checks), never a read of stale keys.
+    16-bit k/v into an FP8 cache are quantised on the way: k / k_descale[b, h], rounded
+    to nearest even and saturated (flashtile.fp8.quantize, bit for bit)."""
+    QUANTIZE: tl.constexpr = (KCache.dtype.element_ty.is_fp8()
+                              and not KNew.dtype.element_ty.is_fp8())
     off_b = tl.program_id(1) // nheads_kv
     off_h = tl.program_id(1) % nheads_kv
     offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -512,33 +549,44 @@ def _append_kernel(KNew, VNew, KCache, VCache, CacheSeqlens, BlockTable, CacheBa
     m_out = m_t[:, None] & (offs_d[None, :] < head_dim)
     b_k = tl.load(KNew + off_b * stride_nb + offs_t[:, None] * stride_nn + off_h * stride_nh
                   + offs_d[None, :], mask=m_in, other=0.0)                  # (T, D)
-    tl.store(KCache + row_k[:, None] + off_h * stride_kh + offs_d[None, :], b_k, mask=m_out)
     b_v = tl.load(VNew + off_b * stride_vnb + offs_t[:, None] * stride_vnn
                   + off_h * stride_vnh + offs_d[None, :], mask=m_in, other=0.0)  # (T, D)
+    if QUANTIZE:
+        b_k = _quantize(b_k, _load_descale(KDescale, off_b, off_h, stride_kdesc_b,
+                                           stride_kdesc_h, HAS_K_DESCALE),
+                        KCache.dtype.element_ty)
+        b_v = _quantize(b_v, _load_descale(VDescale, off_b, off_h, stride_vdesc_b,
+                                           stride_vdesc_h, HAS_V_DESCALE),
+                        VCache.dtype.element_ty)
+    tl.store(KCache + row_k[:, None] + off_h * stride_kh + offs_d[None, :], b_k, mask=m_out)
     tl.store(VCache + row_v[:, None] + off_h * stride_vh + offs_d[None, :], b_v, mask=m_out)
 
 
 _APPEND_SLOTS = ("KNew", "VNew", "KCache", "VCache", "CacheSeqlens", "BlockTable",
-                 "CacheBatchIdx")
+                 "CacheBatchIdx", "KDescale", "VDescale")
 
 
-def append_kv(k, v, k_cache, v_cache, *, cache_seqlens, block_table, cache_batch_idx):
+def append_kv(k, v, k_cache, v_cache, *, cache_seqlens, block_table, cache_batch_idx,
+              k_descale=None, v_descale=None):
     """Write k/v (b, n, hkv, d) into the caches in place at positions cache_seqlens[b]
-    ... (``_append_kernel``); one launch, no host read of the indices."""
+    ... (``_append_kernel``); one launch, no host read of the indices. 16-bit k/v into
+    FP8 caches are quantised with k_descale/v_descale (None: 1.0; fp32 (b, hkv))."""
     b, n, hkv, d = k.shape
     if not k.numel():
         return
     paged = block_table is not None
+    descales = tuple(cache_seqlens if x is None else x for x in (k_descale, v_descale))
     tensors = (k, v, k_cache, v_cache, cache_seqlens,
                block_table if paged else cache_seqlens,
-               cache_seqlens if cache_batch_idx is None else cache_batch_idx)
+               cache_seqlens if cache_batch_idx is None else cache_batch_idx, *descales)
     key = None
     if _launch.ready(k):
         p = _launch.pointers(tensors)
-        key = ("append", k.dtype, k.shape, k.stride(), v.stride(), k_cache.shape,
-               k_cache.stride(), v_cache.stride(),
+        key = ("append", k.dtype, k_cache.dtype, k.shape, k.stride(), v.stride(),
+               k_cache.shape, k_cache.stride(), v_cache.stride(),
                paged and (block_table.shape, block_table.stride(0)),
-               cache_batch_idx is None, _launch.misalignment(p))
+               cache_batch_idx is None, _launch.layout(k_descale),
+               _launch.layout(v_descale), _launch.misalignment(p))
         plan = _launch.lookup(key)
         if plan is not None:
             plan(p)
@@ -548,11 +596,13 @@ def append_kv(k, v, k_cache, v_cache, *, cache_seqlens, block_table, cache_batch
     plan = _launch.first_launch(
         _append_kernel, (configs.cdiv(n, block_t), b * hkv),
         (*tensors, *k.stride()[:3], *v.stride()[:3], *k_cache.stride()[:3],
-         *v_cache.stride()[:3], block_table.stride(0) if paged else 0, k_cache.shape[0],
-         capacity, n, hkv, d),
+         *v_cache.stride()[:3], block_table.stride(0) if paged else 0,
+         *(s for x in (k_descale, v_descale) for s in ((0, 0) if x is None else x.stride())),
+         k_cache.shape[0], capacity, n, hkv, d),
         dict(BLOCK_T=block_t, BLOCK_D=configs.padded_head_dim(d), PAGED=paged,
              PAGE_SIZE=k_cache.shape[1] if paged else 1,
-             HAS_BATCH_IDX=cache_batch_idx is not None),
+             HAS_BATCH_IDX=cache_batch_idx is not None,
+             HAS_K_DESCALE=k_descale is not None, HAS_V_DESCALE=v_descale is not None),
         _APPEND_SLOTS if key is not None else None)
     if key is not None:
         _launch.store(key, plan)

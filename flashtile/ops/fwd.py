@@ -23,9 +23,13 @@ import triton
 import triton.language as tl
 
 from flashtile.ops import _launch, configs
+from flashtile.ops._fp8 import _load_descale
 from flashtile.ops._common import (LN2, _block_range, _checked_page, _fill_nan_rows,
                                    _load_tile, _pages_bad, _prefix_sums_bad, _scores_log2,
                                    _seq_bounds)
+
+# FP8: P is computed as exp2(s - max + P_LOG2_OFFSET), in [0, 256] (see _fwd_block).
+P_LOG2_OFFSET = tl.constexpr(8.0)
 
 
 @triton.jit
@@ -47,6 +51,19 @@ def _tile_pages(block_row, start_n, offs_n0, max_blocks, PAGE_SIZE: tl.constexpr
 
 
 @triton.jit
+def _load_vt(ptrs, offs_d, head_dim, EVEN_D: tl.constexpr):
+    """A (BLOCK_D, BLOCK_N) tile of V^T from the keys-contiguous copy, whose keys are
+    zero-padded to whole tiles (keys_contiguous): only padded head dims are masked, so
+    the copy into shared memory stays vectorised and asynchronous (a mask along the
+    contiguous axis made it byte by byte, and spilled 104 bytes at 128 x 128 tiles)."""
+    if EVEN_D:
+        x = tl.load(ptrs)
+    else:
+        x = tl.load(ptrs, mask=offs_d[:, None] < head_dim, other=0.0)
+    return x
+
+
+@triton.jit
 def _fwd_block(acc, l_i, m_i, b_q, p_k, p_v, start, stop,
                offs_m, offs_n0, offs_d, seqlen_q, seqlen_k, head_dim,
                stride_kb, stride_kn, stride_vb, stride_vn, block_row, max_blocks,
@@ -57,7 +74,8 @@ def _fwd_block(acc, l_i, m_i, b_q, p_k, p_v, start, stop,
                HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
                HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr,
                INPUT_PRECISION: tl.constexpr, PAGED: tl.constexpr,
-               PAGE_SIZE: tl.constexpr):
+               PAGE_SIZE: tl.constexpr, IS_FP8: tl.constexpr,
+               V_KEYS_CONTIGUOUS: tl.constexpr, PV_PER_TILE: tl.constexpr):
     # A row can have seen nothing yet only where masks apply (a bool mask, or an additive
     # one holding -inf); only then guard -inf - -inf.
     CAN_BE_EMPTY: tl.constexpr = BOUNDARY or HAS_MASK
@@ -84,7 +102,14 @@ def _fwd_block(acc, l_i, m_i, b_q, p_k, p_v, start, stop,
                                         PAGE_SIZE, BLOCK_N)
         else:
             p_k_n = p_k + start_n * stride_kn
-            p_v_n = p_v + start_n * stride_vn
+            if V_KEYS_CONTIGUOUS:
+                # Every span starts at a multiple of BLOCK_N (_block_range), so the V^T
+                # rows of a tile are 16-byte aligned and its copy into shared memory can
+                # be asynchronous (pipelined), as K's is; written as a multiple so that
+                # Triton sees it (tl.multiple_of on a scalar is dropped).
+                p_v_n = p_v + (start_n // BLOCK_N) * BLOCK_N
+            else:
+                p_v_n = p_v + start_n * stride_vn
         b_k = _load_tile(p_k_n, offs_n, seqlen_k, offs_d, head_dim,
                          BOUNDARY, EVEN_D)                                  # (N, D)
         qk = tl.dot(b_q, tl.trans(b_k), input_precision=INPUT_PRECISION)   # (M, N)
@@ -96,13 +121,33 @@ def _fwd_block(acc, l_i, m_i, b_q, p_k, p_v, start, stop,
         m_new = tl.maximum(m_i, tl.max(s, 1))                               # (M,)
         if CAN_BE_EMPTY:
             m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(s - m_new[:, None])                                     # (M, N)
+        if IS_FP8:
+            # P in [0, 2**P_LOG2_OFFSET] rather than [0, 1] (flash-attn 3's max offset):
+            # its small entries stay normal FP8 numbers when cast for the P @ V product
+            # (e4m3's smallest normal is 2**-6). Free: the offset rides on the max that
+            # is subtracted anyway; l sums the same scaled P, so out = acc / l is unchanged
+            # and the lse takes the offset back at the end.
+            p = tl.exp2(s - (m_new - P_LOG2_OFFSET)[:, None])                # (M, N)
+        else:
+            p = tl.exp2(s - m_new[:, None])                                 # (M, N)
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
-        b_v = _load_tile(p_v_n, offs_n, seqlen_k, offs_d, head_dim,
-                         BOUNDARY, EVEN_D)                                  # (N, D)
-        acc = acc * alpha[:, None]
-        acc = tl.dot(p.to(b_v.dtype), b_v, acc, input_precision=INPUT_PRECISION)
+        if V_KEYS_CONTIGUOUS:
+            b_v = tl.trans(_load_vt(p_v_n, offs_d, head_dim, EVEN_D))     # (N, D)
+        else:
+            b_v = _load_tile(p_v_n, offs_n, seqlen_k, offs_d, head_dim,
+                             BOUNDARY, EVEN_D)                              # (N, D)
+        if PV_PER_TILE:
+            # Each tile's P @ V starts from zero and the tiles are summed in fp32: Hopper's
+            # FP8 wgmma keeps a narrower accumulator (about 14 bits, DeepSeek-V3 report
+            # section 3.3.2) that a whole row of tiles would otherwise add into. Same
+            # instruction count (the rescale's multiply becomes the add's FMA), but a
+            # second accumulator tile live: only where registers allow (PV_PER_TILE).
+            acc = acc * alpha[:, None] + tl.dot(p.to(b_v.dtype), b_v,
+                                                input_precision=INPUT_PRECISION)
+        else:
+            acc = acc * alpha[:, None]
+            acc = tl.dot(p.to(b_v.dtype), b_v, acc, input_precision=INPUT_PRECISION)
         m_i = m_new
     return acc, l_i, m_i
 
@@ -116,13 +161,16 @@ def _fwd_block(acc, l_i, m_i, b_q, p_k, p_v, start, stop,
 @triton.jit(do_not_specialize=["max_seqlen_q", "max_seqlen_k", "stride_lb", "stride_lh"])
 def _attn_fwd_kernel(
     Q, K, V, Out, Lse, Mask, Alibi, CuSeqlensQ, CuSeqlensK, BlockTable, SequsedK,
+    QDescale, KDescale, VDescale,
     stride_qb, stride_qm, stride_qh,
     stride_kb, stride_kn, stride_kh,
-    stride_vb, stride_vn, stride_vh,
+    stride_vb, stride_vn, stride_vh, stride_vd,
     stride_ob, stride_om, stride_oh,
     stride_lb, stride_lh,
     stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n,
     stride_alibi_b, stride_alibi_h,
+    stride_qdesc_b, stride_qdesc_h, stride_kdesc_b, stride_kdesc_h,
+    stride_vdesc_b, stride_vdesc_h,
     stride_block_table_b, max_blocks, num_blocks,
     nheads, group_size, seqlen_q, seqlen_k, head_dim,
     total_q, total_k, max_seqlen_q, max_seqlen_k,
@@ -132,8 +180,15 @@ def _attn_fwd_kernel(
     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_MASK: tl.constexpr,
     MASK_IS_BOOL: tl.constexpr, INPUT_PRECISION: tl.constexpr, REVERSE_M: tl.constexpr,
     IS_VARLEN: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    SEQUSED_K: tl.constexpr,
+    SEQUSED_K: tl.constexpr, HAS_Q_DESCALE: tl.constexpr, HAS_K_DESCALE: tl.constexpr,
+    HAS_V_DESCALE: tl.constexpr, V_KEYS_CONTIGUOUS: tl.constexpr,
 ):
+    # FP8 q, k, v (one format): both products run on the FP8 tensor cores.
+    IS_FP8: tl.constexpr = Q.dtype.element_ty.is_fp8()
+    # FP8 P @ V summed tile by tile in fp32 (_fwd_block) where its second accumulator
+    # fits: the keys-contiguous path up to head_dim 128. At head_dim 256, or with Triton
+    # transposing V tiles through registers (varlen), it spilled 24-300 bytes on sm_90.
+    PV_PER_TILE: tl.constexpr = IS_FP8 and V_KEYS_CONTIGUOUS and BLOCK_D <= 128
     start_m = tl.program_id(0)
     if REVERSE_M:
         # With a causal or window mask the last query blocks see the most keys: start
@@ -195,7 +250,13 @@ def _attn_fwd_kernel(
         K += off_b * stride_kb + k_start * stride_kn
         V += off_b * stride_vb + k_start * stride_vn
         p_k = K + off_hkv * stride_kh + offs_n0[:, None] * stride_kn + offs_d[None, :]
-        p_v = V + off_hkv * stride_vh + offs_n0[:, None] * stride_vn + offs_d[None, :]
+        if V_KEYS_CONTIGUOUS:
+            # V^T tiles (D, N), keys contiguous (stride_vn == 1: the FP8 launcher's
+            # copy), transposed in shared memory as K is for q k^T: the K-major B
+            # operand the FP8 wgmma needs, with K = the key axis.
+            p_v = V + off_hkv * stride_vh + offs_d[:, None] * stride_vd + offs_n0[None, :]
+        else:
+            p_v = V + off_hkv * stride_vh + offs_n0[:, None] * stride_vn + offs_d[None, :]
     b_q = _load_tile(p_q, offs_m, seqlen_q, offs_d, head_dim, True, EVEN_D)  # (M, D)
 
     alibi_slope = 0.0
@@ -204,6 +265,15 @@ def _attn_fwd_kernel(
     p_mask = Mask
     if HAS_MASK:
         p_mask = Mask + off_b * stride_mask_b + off_h * stride_mask_h
+
+    # FP8 descales (1.0 where not given): q's and k's multiply every score, so they
+    # join the scale of the exp2; v's multiplies the output (below).
+    softmax_scale *= (_load_descale(QDescale, off_b, off_hkv, stride_qdesc_b,
+                                    stride_qdesc_h, HAS_Q_DESCALE)
+                      * _load_descale(KDescale, off_b, off_hkv, stride_kdesc_b,
+                                      stride_kdesc_h, HAS_K_DESCALE))
+    v_descale = _load_descale(VDescale, off_b, off_hkv, stride_vdesc_b, stride_vdesc_h,
+                              HAS_V_DESCALE)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
@@ -219,21 +289,21 @@ def _attn_fwd_kernel(
         max_blocks, num_blocks, diag_offset, window_left, window_right, softmax_scale,
         softcap, alibi_slope, p_mask, stride_mask_m, stride_mask_n, BLOCK_N, EVEN_D, True,
         MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_MASK, MASK_IS_BOOL,
-        INPUT_PRECISION, PAGED, PAGE_SIZE)
+        INPUT_PRECISION, PAGED, PAGE_SIZE, IS_FP8, V_KEYS_CONTIGUOUS, PV_PER_TILE)
     acc, l_i, m_i = _fwd_block(
         acc, l_i, m_i, b_q, p_k, p_v, mid_lo, mid_hi, offs_m, offs_n0, offs_d, seqlen_q,
         seqlen_k, head_dim, stride_kb, stride_kn, stride_vb, stride_vn, block_row,
         max_blocks, num_blocks, diag_offset, window_left, window_right, softmax_scale,
         softcap, alibi_slope, p_mask, stride_mask_m, stride_mask_n, BLOCK_N, EVEN_D, False,
         MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_MASK, MASK_IS_BOOL,
-        INPUT_PRECISION, PAGED, PAGE_SIZE)
+        INPUT_PRECISION, PAGED, PAGE_SIZE, IS_FP8, V_KEYS_CONTIGUOUS, PV_PER_TILE)
     acc, l_i, m_i = _fwd_block(
         acc, l_i, m_i, b_q, p_k, p_v, mid_hi, hi, offs_m, offs_n0, offs_d, seqlen_q,
         seqlen_k, head_dim, stride_kb, stride_kn, stride_vb, stride_vn, block_row,
         max_blocks, num_blocks, diag_offset, window_left, window_right, softmax_scale,
         softcap, alibi_slope, p_mask, stride_mask_m, stride_mask_n, BLOCK_N, EVEN_D, True,
         MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_MASK, MASK_IS_BOOL,
-        INPUT_PRECISION, PAGED, PAGE_SIZE)
+        INPUT_PRECISION, PAGED, PAGE_SIZE, IS_FP8, V_KEYS_CONTIGUOUS, PV_PER_TILE)
 
 
     if PAGED and PAGE_SIZE < BLOCK_N:
@@ -248,7 +318,12 @@ def _attn_fwd_kernel(
     empty = l_i == 0.0
     l_safe = tl.where(empty, 1.0, l_i)
     out = tl.where(empty[:, None], 0.0, acc / l_safe[:, None])
-    lse = tl.where(empty, float("-inf"), (m_i + tl.log2(l_safe)) * LN2)
+    log2_l = tl.log2(l_safe)
+    if IS_FP8:
+        log2_l -= P_LOG2_OFFSET  # l summed P scaled by 2**P_LOG2_OFFSET
+    lse = tl.where(empty, float("-inf"), (m_i + log2_l) * LN2)
+    if HAS_V_DESCALE:
+        out *= v_descale
 
     m_row = offs_m < seqlen_q
     tl.store(Lse + off_b * stride_lb + off_h * stride_lh + q_start + offs_m, lse, mask=m_row)
@@ -259,14 +334,39 @@ def _attn_fwd_kernel(
 
 # The kernel parameters a call of a forward plan fills, in this order (``_launch``).
 _FWD_SLOTS = ("Q", "K", "V", "Out", "Lse", "Mask", "Alibi", "CuSeqlensQ", "CuSeqlensK",
-              "BlockTable", "SequsedK", "max_seqlen_q", "max_seqlen_k", "softmax_scale",
-              "softcap")
+              "BlockTable", "SequsedK", "QDescale", "KDescale", "VDescale",
+              "max_seqlen_q", "max_seqlen_k", "softmax_scale", "softcap")
+
+
+# Keys of the FP8 V^T copy are padded to a multiple of this: every key tile of the tile
+# tables and of `flashtile tune`'s candidates divides it.
+FP8_V_PAD = 128
+
+
+def keys_contiguous(v, block_n):
+    """Dense v (batch, seqlen, nheads, head_dim) copied so that consecutive keys are
+    adjacent (stride 1 along seqlen), same shape: the layout the FP8 P @ V product reads
+    (the FP8 wgmma takes its B operand K-major only, and K is the key axis there). The
+    keys are zero-padded to a multiple of block_n (never read as keys: their scores are
+    masked), so the kernel loads whole tiles without a mask and every row starts 16-byte
+    aligned. One read and one write of v: 2 x 33.5 MB for batch 2, 8k keys, 16 heads of
+    128, some 20-45 us beside the ~1.1 ms of that attention at 1000 TFLOP/s (2-4%, twice
+    that causal). The bytes are moved as uint8: not every torch build has FP8 copy and
+    fill kernels."""
+    batch, seqlen, nheads, head_dim = v.shape
+    padded = configs.cdiv(seqlen, block_n) * block_n
+    vt = torch.empty((batch, nheads, head_dim, padded), dtype=v.dtype, device=v.device)
+    raw = vt.view(torch.uint8)
+    raw[..., :seqlen].copy_(v.view(torch.uint8).permute(0, 2, 3, 1))
+    raw[..., seqlen:].zero_()
+    return vt.permute(0, 3, 1, 2)[:, :seqlen]
 
 
 def attn_fwd(q, k, v, *, attn_mask, alibi_slopes, softmax_scale, diag_offset,
              window_left, window_right, softcap, allow_tf32,
              cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
-             block_table=None, seqused_k=None):
+             block_table=None, seqused_k=None, q_descale=None, k_descale=None,
+             v_descale=None, out_dtype=None):
     """Launch the forward kernel. Inputs are validated by the caller (shapes, dtypes,
     devices; index values are checked by the kernel).
 
@@ -279,11 +379,15 @@ def attn_fwd(q, k, v, *, attn_mask, alibi_slopes, softmax_scale, diag_offset,
     Paged varlen (block_table int32 (batch, max_blocks), unit inner stride): k/v are the
     pool (num_blocks, page_size, hkv, d), page_size a power of two; sequence b has
     seqused_k[b] keys if given, else cu_seqlens_k[b + 1] - cu_seqlens_k[b].
+    FP8 (q, k, v in one float8 dtype): q_descale/k_descale/v_descale, each None (1.0) or
+    fp32 (batch, nheads_kv) with any strides (stride 0 where a scale is shared); out in
+    out_dtype. Dense v is read through a keys-contiguous copy (keys_contiguous).
     """
     varlen = cu_seqlens_q is not None
     paged = block_table is not None
     q_shape, k_shape, dtype, device = q.shape, k.shape, q.dtype, q.device
-    out = torch.empty(q_shape, dtype=dtype, device=device)
+    fp8 = q.element_size() == 1
+    out = torch.empty(q_shape, dtype=out_dtype or dtype, device=device)
     if varlen:
         total_q, h, d = q_shape
         batch, longest_q = cu_seqlens_q.shape[0] - 1, max_seqlen_q
@@ -297,20 +401,27 @@ def attn_fwd(q, k, v, *, attn_mask, alibi_slopes, softmax_scale, diag_offset,
         lse = torch.empty((batch, h, longest_q), dtype=torch.float32, device=device)
         if not batch or not longest_q or not h:
             return out, lse
+        if fp8:
+            # Packed and paged varlen read V as it is instead: Triton transposes each
+            # tile through registers (a packed sequence's keys start anywhere, so V^T
+            # rows would not be aligned; a pool is shared by calls).
+            v = keys_contiguous(v, FP8_V_PAD)
     # The placeholder for an absent pointer: never read (but for seqused_k without
     # cu_seqlens_k, whose key count is read from it and replaced).
     cu_q = cu_seqlens_q if varlen else q
     tensors = (q, k, v, out, lse, q if attn_mask is None else attn_mask,
                q if alibi_slopes is None else alibi_slopes, cu_q,
                cu_q if cu_seqlens_k is None else cu_seqlens_k,
-               block_table if paged else cu_q, cu_q if seqused_k is None else seqused_k)
+               block_table if paged else cu_q, cu_q if seqused_k is None else seqused_k,
+               *(lse if x is None else x for x in (q_descale, k_descale, v_descale)))
     scalars = (max_seqlen_q if varlen else 0, max_seqlen_k if varlen else 0,
                softmax_scale, softcap)
     key = None
     if _launch.ready(q):
         ptrs = _launch.pointers(tensors)
-        key = ("fwd", dtype, q_shape, q.stride(), k_shape, k.stride(), v.stride(),
-               _launch.layout(attn_mask), _launch.layout(alibi_slopes),
+        key = ("fwd", dtype, out.dtype, q_shape, q.stride(), k_shape, k.stride(),
+               v.stride(), _launch.layout(attn_mask), _launch.layout(alibi_slopes),
+               *(_launch.layout(x) for x in (q_descale, k_descale, v_descale)),
                diag_offset, window_left, window_right, softcap > 0, allow_tf32,
                varlen and (batch, cu_seqlens_k is None, seqused_k is None,
                            configs.seqlen_class(max(longest_q, longest_k))),
@@ -328,6 +439,13 @@ def attn_fwd(q, k, v, *, attn_mask, alibi_slopes, softmax_scale, diag_offset,
     mask, mask_strides, alibi, alibi_strides, flags = configs.feature_args(
         attn_mask, alibi_slopes, q, window_left=window_left, window_right=window_right,
         softcap=softcap, allow_tf32=allow_tf32, head_dim=d)
+    cfg = configs.fwd_config(q, d, causal_like=windowed, seqlen=max(longest_q, longest_k),
+                             ieee=flags["INPUT_PRECISION"] == "ieee")
+    if fp8 and not varlen and FP8_V_PAD % cfg.block_n:
+        raise ValueError(f"FP8 forward tiles: BLOCK_N must divide {FP8_V_PAD} (V's copy is "
+                         f"padded to it), got {cfg}")
+    if fp8 and flags["BLOCK_D"] < configs.FP8_MIN_BLOCK_D:
+        flags.update(BLOCK_D=configs.FP8_MIN_BLOCK_D, EVEN_D=False)
     if varlen:
         # Packed tensors as a batch of one whose batch stride the kernel must not use.
         q4, out4, lse3 = q.unsqueeze(0), out.unsqueeze(0), lse.unsqueeze(0)
@@ -335,19 +453,20 @@ def attn_fwd(q, k, v, *, attn_mask, alibi_slopes, softmax_scale, diag_offset,
     else:
         q4, k4, v4, out4, lse3 = q, k, v, out, lse
     if paged:
-        # The pool's own strides: block, row in the block, head.
-        strides = (*configs.strides(True, q4), *k.stride()[:3], *v.stride()[:3],
+        # The pool's own strides: block, row in the block, head (and v's head dim).
+        strides = (*configs.strides(True, q4), *k.stride()[:3], *v.stride(),
                    *configs.strides(True, out4, lse3))
     else:
-        strides = configs.strides(varlen, q4, k4, v4, out4, lse3)
+        strides = (*configs.strides(varlen, q4, k4, v4), v.stride(-1),
+                   *configs.strides(varlen, out4, lse3))
+    descale_strides = tuple(s for x in (q_descale, k_descale, v_descale)
+                            for s in ((0, 0) if x is None else x.stride()))
     plan = configs.launch(
         _attn_fwd_kernel,
         lambda cfg: (max(1, configs.cdiv(longest_q, cfg.block_m)), batch * h),
-        configs.fwd_config(q, d, causal_like=windowed, seqlen=max(longest_q, longest_k),
-                           ieee=flags["INPUT_PRECISION"] == "ieee"),
-        "forward", q, d,
+        cfg, "forward", q, d,
         *tensors[:5], mask, alibi, *tensors[7:],
-        *strides, *mask_strides, *alibi_strides,
+        *strides, *mask_strides, *alibi_strides, *descale_strides,
         block_table.stride(0) if paged else 0, block_table.shape[1] if paged else 0,
         k.shape[0] if paged else 0,
         h, h // k4.shape[2], 0 if varlen else longest_q, 0 if varlen else longest_k, d,
@@ -355,6 +474,9 @@ def attn_fwd(q, k, v, *, attn_mask, alibi_slopes, softmax_scale, diag_offset,
         *scalars[:2], diag_offset, window_left, window_right, softmax_scale, softcap,
         REVERSE_M=windowed, IS_VARLEN=varlen, PAGED=paged,
         PAGE_SIZE=k.shape[1] if paged else 1, SEQUSED_K=seqused_k is not None,
+        HAS_Q_DESCALE=q_descale is not None, HAS_K_DESCALE=k_descale is not None,
+        HAS_V_DESCALE=v_descale is not None,
+        V_KEYS_CONTIGUOUS=fp8 and not varlen,
         slots=_FWD_SLOTS if key is not None else None, **flags,
     )
     if key is not None:
