@@ -86,7 +86,7 @@ FLASH_CASES = [
                  ValueError, "k.shape[0] (batch): expected q's batch 1, got 2",
                  id="batch-mismatch"),
     pytest.param(lambda q, k, v: dict(v=torch.randn(B, S + 1, HKV, D)), ValueError,
-                 f"v.shape: expected k's shape {(B, S, HKV, D)}, got {(B, S + 1, HKV, D)}",
+                 f"v.shape[:-1]: expected k's {(B, S, HKV)}, got {(B, S + 1, HKV)}",
                  id="k-v-seqlen-mismatch"),
     pytest.param(lambda q, k, v: dict(q=_last_dim_strided(B, S, H, D)), ValueError,
                  "q.stride(-1): expected 1 (the head dim contiguous), got 32",

@@ -1,0 +1,75 @@
+"""v's head dim different from q's and k's (issue 17 item 2): DeepSeek's multi-head latent
+attention, 192/128 in prefill and training. The output takes v's head dim. Checked against
+the float64 oracle, on both backends (Triton through the interpreter on CPU)."""
+
+import pytest
+import torch
+
+import flashtile
+from flashtile.reference import attention_naive
+from tests.utils import assert_close_rule, reference_pair
+
+# (d, dv): MLA's prefill shape, a smaller one, and dv > d with an odd dv.
+HEAD_DIMS = [pytest.param(192, 128, id="d192-dv128"), pytest.param(64, 32, id="d64-dv32"),
+             pytest.param(24, 40, id="d24-dv40")]
+DTYPES = [pytest.param(torch.float32, id="fp32"), pytest.param(torch.float16, id="fp16")]
+
+
+def _qkv(b, sq, sk, h, hkv, d, dv, dtype, device, packed=False):
+    lead_q, lead_k = ((b * sq,), (b * sk,)) if packed else ((b, sq), (b, sk))
+    q = torch.randn(*lead_q, h, d, dtype=dtype, device=device)
+    k = torch.randn(*lead_k, hkv, d, dtype=dtype, device=device)
+    v = torch.randn(*lead_k, hkv, dv, dtype=dtype, device=device)
+    return q, k, v
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("d, dv", HEAD_DIMS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_dense_fwd(backend, d, dv, dtype, causal, device):
+    # GQA (4 query heads over 2 KV heads), Sq != Sk and odd lengths.
+    q, k, v = _qkv(2, 37, 53, 4, 2, d, dv, dtype, device)
+    with torch.no_grad():
+        out, lse = flashtile.flash_attn_func(q, k, v, causal=causal, return_lse=True)
+    assert out.shape == (2, 37, 4, dv)
+    dout = torch.zeros_like(out)
+    (o64, l64, _), (o_pt, _, _) = reference_pair(q, k, v, dout, causal=causal)
+    assert_close_rule("out", out, o64, o_pt)
+    torch.testing.assert_close(lse.double(), l64, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("d, dv", HEAD_DIMS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_varlen_fwd(backend, d, dv, dtype, causal, device):
+    lens_q, lens_k = [5, 17, 1], [9, 17, 30]
+    cu_q = torch.tensor([0, 5, 22, 23], dtype=torch.int32, device=device)
+    cu_k = torch.tensor([0, 9, 26, 56], dtype=torch.int32, device=device)
+    q = torch.randn(sum(lens_q), 4, d, dtype=dtype, device=device)
+    k = torch.randn(sum(lens_k), 2, d, dtype=dtype, device=device)
+    v = torch.randn(sum(lens_k), 2, dv, dtype=dtype, device=device)
+    with torch.no_grad():
+        out = flashtile.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lens_q),
+                                               max(lens_k), causal=causal)
+    assert out.shape == (sum(lens_q), 4, dv)
+    for b in range(3):
+        qs, qe, ks, ke = cu_q[b], cu_q[b + 1], cu_k[b], cu_k[b + 1]
+        qb, kb, vb = q[None, qs:qe], k[None, ks:ke], v[None, ks:ke]
+        o64, _ = attention_naive(qb.double(), kb.double(), vb.double(), causal=causal)
+        o_pt, _ = attention_naive(qb, kb, vb, causal=causal, upcast=False)
+        assert_close_rule(f"out[{b}]", out[None, qs:qe], o64, o_pt)
+
+
+def test_naive_reference_takes_v_head_dim():
+    """The oracle is plain matmuls: its output has v's head dim and equals softmax @ v."""
+    q, k, v = _qkv(1, 3, 5, 2, 2, 8, 4, torch.float64, "cpu")
+    out, _ = attention_naive(q, k, v)
+    p = torch.softmax(torch.einsum("bihd,bjhd->bhij", q, k) / 8 ** 0.5, -1)
+    torch.testing.assert_close(out, torch.einsum("bhij,bjhd->bihd", p, v))
+
+
+def test_k_v_other_dims_must_match():
+    q, k, v = _qkv(1, 3, 5, 2, 2, 8, 4, torch.float32, "cpu")
+    with pytest.raises(ValueError, match=r"v.shape\[:-1\]: expected k's \(1, 5, 2\), "
+                                         r"got \(1, 6, 2\)"):
+        flashtile.flash_attn_func(q, k, torch.randn(1, 6, 2, 4))
