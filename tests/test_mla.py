@@ -73,3 +73,45 @@ def test_k_v_other_dims_must_match():
     with pytest.raises(ValueError, match=r"v.shape\[:-1\]: expected k's \(1, 5, 2\), "
                                          r"got \(1, 6, 2\)"):
         flashtile.flash_attn_func(q, k, torch.randn(1, 6, 2, 4))
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton", "triton-fused"], indirect=True)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("d, dv", HEAD_DIMS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_dense_bwd(backend, d, dv, dtype, causal, device):
+    q, k, v = _qkv(2, 37, 53, 4, 2, d, dv, dtype, device)
+    qg, kg, vg = (x.clone().requires_grad_() for x in (q, k, v))
+    out, lse = flashtile.flash_attn_func(qg, kg, vg, causal=causal, return_lse=True)
+    dout, dlse = torch.randn_like(out), torch.randn_like(lse)
+    loss = (out * dout).sum() + (lse * dlse).sum()
+    grads = torch.autograd.grad(loss, (qg, kg, vg))
+    (_, _, g64), (_, _, g_pt) = reference_pair(q, k, v, dout, dlse, causal=causal)
+    for name, ours, r64, rpt in zip(("dq", "dk", "dv"), grads, g64, g_pt):
+        assert ours.shape == r64.shape, name
+        assert_close_rule(name, ours, r64, rpt)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton", "triton-fused"], indirect=True)
+@pytest.mark.parametrize("d, dv", HEAD_DIMS)
+def test_varlen_bwd(backend, d, dv, device):
+    dtype = torch.float16
+    lens_q, lens_k = [5, 17, 1], [9, 17, 30]
+    cu_q = torch.tensor([0, 5, 22, 23], dtype=torch.int32, device=device)
+    cu_k = torch.tensor([0, 9, 26, 56], dtype=torch.int32, device=device)
+    q = torch.randn(sum(lens_q), 4, d, dtype=dtype, device=device)
+    k = torch.randn(sum(lens_k), 2, d, dtype=dtype, device=device)
+    v = torch.randn(sum(lens_k), 2, dv, dtype=dtype, device=device)
+    qg, kg, vg = (x.clone().requires_grad_() for x in (q, k, v))
+    out = flashtile.flash_attn_varlen_func(qg, kg, vg, cu_q, cu_k, max(lens_q),
+                                           max(lens_k), causal=True)
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad((out * dout).sum(), (qg, kg, vg))
+    for b in range(3):
+        qs, qe, ks, ke = cu_q[b], cu_q[b + 1], cu_k[b], cu_k[b + 1]
+        (_, _, g64), (_, _, g_pt) = reference_pair(
+            q[None, qs:qe], k[None, ks:ke], v[None, ks:ke], dout[None, qs:qe], causal=True)
+        for name, ours, r64, rpt in zip(("dq", "dk", "dv"),
+                                        (grads[0][None, qs:qe], grads[1][None, ks:ke],
+                                         grads[2][None, ks:ke]), g64, g_pt):
+            assert_close_rule(f"{name}[{b}]", ours, r64, rpt)
