@@ -115,3 +115,33 @@ def test_varlen_bwd(backend, d, dv, device):
                                         (grads[0][None, qs:qe], grads[1][None, ks:ke],
                                          grads[2][None, ks:ke]), g64, g_pt):
             assert_close_rule(f"{name}[{b}]", ours, r64, rpt)
+
+
+@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
+def test_sdpa_drop_in(backend, is_causal, device):
+    """The SDPA drop-in takes value's own head dim (it raised NotImplementedError), as
+    PyTorch's does: out and gradients against PyTorch's SDPA in float64, with GQA."""
+    dtype = torch.float16
+    q = torch.randn(2, 4, 37, 64, dtype=dtype, device=device)
+    k = torch.randn(2, 2, 53, 64, dtype=dtype, device=device)
+    v = torch.randn(2, 2, 53, 32, dtype=dtype, device=device)
+    qg, kg, vg = (x.clone().requires_grad_() for x in (q, k, v))
+    out = flashtile.scaled_dot_product_attention(qg, kg, vg, is_causal=is_causal,
+                                                 enable_gqa=True)
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad((out * dout).sum(), (qg, kg, vg))
+    refs = []
+    for x64 in (True, False):
+        xs = [(x.double() if x64 else x.float()).requires_grad_() for x in (q, k, v)]
+        # The second reference: PyTorch in fp32 rounded to fp16, whose error is below
+        # its own fp16 error, so the bound is stricter than the rule's.
+        o = torch.nn.functional.scaled_dot_product_attention(
+            *xs, is_causal=is_causal, enable_gqa=True)
+        g = torch.autograd.grad((o * dout.to(o.dtype)).sum(), xs)
+        refs.append((o.to(dtype if not x64 else o.dtype),
+                     [t.to(dtype) if not x64 else t for t in g]))
+    (o64, g64), (o_pt, g_pt) = refs
+    assert out.shape == (2, 4, 37, 32)
+    assert_close_rule("out", out, o64, o_pt)
+    for name, ours, r64, rpt in zip(("dq", "dk", "dv"), grads, g64, g_pt):
+        assert_close_rule(name, ours, r64, rpt)

@@ -189,7 +189,9 @@ def _bwd_dkdv_kernel(
     offs_n = start_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m0 = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
-    offs_dv = tl.arange(0, BLOCK_DV)  # V's, dO's and dV's head dim (MLA: 128 beside 192)
+    # V's, dO's and dV's head dim (MLA: 128 beside 192). offs_d itself where the
+    # tiles match, so equal-dim calls compile the IR they had before.
+    offs_dv = offs_d if BLOCK_DV == BLOCK_D else tl.arange(0, BLOCK_DV)
     Q += off_b * stride_qb + q_start * stride_qm
     DOut += off_b * stride_dob + q_start * stride_dom
     K += off_b * stride_kb + k_start * stride_kn
@@ -250,8 +252,13 @@ def _bwd_dkdv_kernel(
     p_dk = DK + off_hkv * stride_dkh + offs_n[:, None] * stride_dkn + offs_d[None, :]
     p_dv = DV + off_hkv * stride_dvh + offs_n[:, None] * stride_dvn + offs_dv[None, :]
     tl.store(p_dk, (dk * softmax_scale).to(DK.dtype.element_ty), mask=m_tile)
-    tl.store(p_dv, dv.to(DV.dtype.element_ty),
-             mask=(offs_n[:, None] < seqlen_k) & (offs_dv[None, :] < head_dim_v))
+    if BLOCK_DV == BLOCK_D and EVEN_D and EVEN_DV:
+        # head_dim_v == head_dim: dK's mask, as before dv had a head dim of its own (a
+        # second mask spilled 8 bytes on sm_90, fp32 fused, head_dim 16).
+        m_tile_v = m_tile
+    else:
+        m_tile_v = (offs_n[:, None] < seqlen_k) & (offs_dv[None, :] < head_dim_v)
+    tl.store(p_dv, dv.to(DV.dtype.element_ty), mask=m_tile_v)
 
 
 @triton.jit
@@ -327,7 +334,9 @@ def _bwd_dq_kernel(
     offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n0 = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
-    offs_dv = tl.arange(0, BLOCK_DV)  # V's and dO's head dim
+    # V's and dO's head dim. offs_d itself where the
+    # tiles match, so equal-dim calls compile the IR they had before.
+    offs_dv = offs_d if BLOCK_DV == BLOCK_D else tl.arange(0, BLOCK_DV)
     Q += off_b * stride_qb + q_start * stride_qm
     DOut += off_b * stride_dob + q_start * stride_dom
     DQ += off_b * stride_dqb + q_start * stride_dqm
