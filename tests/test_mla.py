@@ -145,3 +145,13 @@ def test_sdpa_drop_in(backend, is_causal, device):
     assert_close_rule("out", out, o64, o_pt)
     for name, ours, r64, rpt in zip(("dq", "dk", "dv"), grads, g64, g_pt):
         assert_close_rule(name, ours, r64, rpt)
+
+
+def test_ring_rejects_other_value_head_dim():
+    """Ring attention's buffers are q-shaped: a clear error, not a shape mismatch."""
+    from flashtile.distributed import _config
+
+    q, k, v = _qkv(1, 4, 4, 2, 2, 8, 4, torch.float32, "cpu")
+    with pytest.raises(ValueError, match=r"v.shape\[-1\] \(head_dim\): expected q's "
+                                         r"head_dim 8, got 4"):
+        _config(q, k, v, False, None, (-1, -1), 0.0, "contiguous", 1)
