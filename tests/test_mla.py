@@ -155,3 +155,22 @@ def test_ring_rejects_other_value_head_dim():
     with pytest.raises(ValueError, match=r"v.shape\[-1\] \(head_dim\): expected q's "
                                          r"head_dim 8, got 4"):
         _config(q, k, v, False, None, (-1, -1), 0.0, "contiguous", 1)
+
+
+def test_opcheck_fakes_take_value_head_dim(monkeypatch, on_gpu, device):
+    """The custom ops' fake implementations allocate out with v's head dim (they took
+    q's), checked by opcheck against the real op, dense and varlen."""
+    from flashtile import custom_ops
+
+    if not on_gpu:
+        monkeypatch.setenv("FLASHTILE_BACKEND", "torch")
+    q, k, v = _qkv(2, 19, 23, 4, 2, 16, 8, torch.float32, device)
+    q, k, v = (x.requires_grad_() for x in (q, k, v))
+    torch.library.opcheck(custom_ops.attn_fwd,
+                          (q, k, v, None, None, 0.25, 4, -1, 0, 0.0, False))
+    q, k, v = _qkv(1, 12, 15, 4, 2, 16, 8, torch.float32, device, packed=True)
+    q, k, v = (x.requires_grad_() for x in (q, k, v))
+    cu_q = torch.tensor([0, 5, 12], dtype=torch.int32, device=device)
+    cu_k = torch.tensor([0, 9, 15], dtype=torch.int32, device=device)
+    torch.library.opcheck(custom_ops.varlen_attn_fwd,
+                          (q, k, v, cu_q, cu_k, 7, 9, None, 0.25, -1, 0, 0.0, False))
