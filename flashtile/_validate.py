@@ -112,7 +112,8 @@ def check_qkv(q, k, v, names=("q", "k", "v"), packed=False, dtypes=SUPPORTED_DTY
     if not 1 <= d <= MAX_HEAD_DIM:
         _fail(ValueError, f"{qn}.shape[-1] (head_dim)", f"1 to {MAX_HEAD_DIM}", d)
     if not 1 <= v.shape[-1] <= MAX_HEAD_DIM:
-        _fail(ValueError, f"{vn}.shape[-1] (head_dim)", f"1 to {MAX_HEAD_DIM}", v.shape[-1])
+        _fail(ValueError, f"{vn}.shape[-1] (head_dim)", f"1 to {MAX_HEAD_DIM}",
+              v.shape[-1])
     if hkv == 0 or h % hkv != 0:
         _fail(ValueError, f"{kn}.shape[{rank - 2}] (nheads_kv)",
               f"a divisor of {qn}'s nheads {h} (GQA/MQA)", hkv)

@@ -81,7 +81,8 @@ attn_fwd = torch.library.custom_op("flashtile::attn_fwd", mutates_args=())(_attn
 def _(q, k, v, attn_mask, alibi_slopes, softmax_scale, diag_offset, window_left,
       window_right, softcap, allow_tf32, deterministic=False):
     b, sq, h, _ = q.shape
-    return q.new_empty((b, sq, h, v.shape[-1])), q.new_empty((b, h, sq), dtype=torch.float32)
+    return (q.new_empty((b, sq, h, v.shape[-1])),
+            q.new_empty((b, h, sq), dtype=torch.float32))
 
 
 def _attn_bwd_impl(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,

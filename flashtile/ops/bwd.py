@@ -309,7 +309,8 @@ def _bwd_dq_kernel(
     total_q, total_k, max_seqlen_q, max_seqlen_k,
     diag_offset, window_left, window_right, softmax_scale, softcap,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    EVEN_D: tl.constexpr, BLOCK_DV: tl.constexpr, EVEN_DV: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
+    EVEN_D: tl.constexpr, BLOCK_DV: tl.constexpr, EVEN_DV: tl.constexpr,
+    MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_MASK: tl.constexpr,
     MASK_IS_BOOL: tl.constexpr, INPUT_PRECISION: tl.constexpr, IS_VARLEN: tl.constexpr,
 ):
@@ -334,8 +335,8 @@ def _bwd_dq_kernel(
     offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n0 = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
-    # V's and dO's head dim. offs_d itself where the
-    # tiles match, so equal-dim calls compile the IR they had before.
+    # V's and dO's head dim. offs_d itself where the tiles match, so equal-dim calls
+    # compile the IR they had before.
     offs_dv = offs_d if BLOCK_DV == BLOCK_D else tl.arange(0, BLOCK_DV)
     Q += off_b * stride_qb + q_start * stride_qm
     DOut += off_b * stride_dob + q_start * stride_dom

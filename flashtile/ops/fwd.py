@@ -65,9 +65,9 @@ def _load_vt(ptrs, offs_d, head_dim, EVEN_D: tl.constexpr):
 
 @triton.jit
 def _fwd_block(acc, l_i, m_i, b_q, p_k, p_v, start, stop,
-               offs_m, offs_n0, offs_d, offs_dv, seqlen_q, seqlen_k, head_dim, head_dim_v,
-               stride_kb, stride_kn, stride_vb, stride_vn, block_row, max_blocks,
-               num_blocks, diag_offset, window_left, window_right,
+               offs_m, offs_n0, offs_d, offs_dv, seqlen_q, seqlen_k, head_dim,
+               head_dim_v, stride_kb, stride_kn, stride_vb, stride_vn, block_row,
+               max_blocks, num_blocks, diag_offset, window_left, window_right,
                softmax_scale, softcap, alibi_slope, p_mask, stride_mask_m, stride_mask_n,
                BLOCK_N: tl.constexpr, EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr,
                BOUNDARY: tl.constexpr,
@@ -177,7 +177,8 @@ def _attn_fwd_kernel(
     total_q, total_k, max_seqlen_q, max_seqlen_k,
     diag_offset, window_left, window_right, softmax_scale, softcap,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    EVEN_D: tl.constexpr, BLOCK_DV: tl.constexpr, EVEN_DV: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
+    EVEN_D: tl.constexpr, BLOCK_DV: tl.constexpr, EVEN_DV: tl.constexpr,
+    MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_MASK: tl.constexpr,
     MASK_IS_BOOL: tl.constexpr, INPUT_PRECISION: tl.constexpr, REVERSE_M: tl.constexpr,
     IS_VARLEN: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
@@ -238,8 +239,8 @@ def _attn_fwd_kernel(
     offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n0 = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
-    # V's head dim, the output's (MLA: 128 beside 192). offs_d itself where the
-    # tiles match, so equal-dim calls compile the IR they had before.
+    # V's head dim, the output's (MLA: 128 beside 192). offs_d itself where the tiles
+    # match, so equal-dim calls compile the IR they had before.
     offs_dv = offs_d if BLOCK_DV == BLOCK_D else tl.arange(0, BLOCK_DV)
 
     Q += off_b * stride_qb + q_start * stride_qm
@@ -289,24 +290,27 @@ def _attn_fwd_kernel(
     # last key block). The middle one is where the time goes.
     acc, l_i, m_i = _fwd_block(
         acc, l_i, m_i, b_q, p_k, p_v, lo, mid_lo, offs_m, offs_n0, offs_d, offs_dv,
-        seqlen_q, seqlen_k, head_dim, head_dim_v, stride_kb, stride_kn, stride_vb, stride_vn, block_row,
-        max_blocks, num_blocks, diag_offset, window_left, window_right, softmax_scale,
-        softcap, alibi_slope, p_mask, stride_mask_m, stride_mask_n, BLOCK_N, EVEN_D, EVEN_DV, True,
-        MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_MASK, MASK_IS_BOOL,
+        seqlen_q, seqlen_k, head_dim, head_dim_v, stride_kb, stride_kn, stride_vb,
+        stride_vn, block_row, max_blocks, num_blocks, diag_offset, window_left,
+        window_right, softmax_scale, softcap, alibi_slope, p_mask, stride_mask_m,
+        stride_mask_n, BLOCK_N, EVEN_D, EVEN_DV, True, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP,
+        HAS_ALIBI, HAS_MASK, MASK_IS_BOOL,
         INPUT_PRECISION, PAGED, PAGE_SIZE, IS_FP8, V_KEYS_CONTIGUOUS, PV_PER_TILE)
     acc, l_i, m_i = _fwd_block(
         acc, l_i, m_i, b_q, p_k, p_v, mid_lo, mid_hi, offs_m, offs_n0, offs_d, offs_dv,
-        seqlen_q, seqlen_k, head_dim, head_dim_v, stride_kb, stride_kn, stride_vb, stride_vn, block_row,
-        max_blocks, num_blocks, diag_offset, window_left, window_right, softmax_scale,
-        softcap, alibi_slope, p_mask, stride_mask_m, stride_mask_n, BLOCK_N, EVEN_D, EVEN_DV, False,
-        MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_MASK, MASK_IS_BOOL,
+        seqlen_q, seqlen_k, head_dim, head_dim_v, stride_kb, stride_kn, stride_vb,
+        stride_vn, block_row, max_blocks, num_blocks, diag_offset, window_left,
+        window_right, softmax_scale, softcap, alibi_slope, p_mask, stride_mask_m,
+        stride_mask_n, BLOCK_N, EVEN_D, EVEN_DV, False, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP,
+        HAS_ALIBI, HAS_MASK, MASK_IS_BOOL,
         INPUT_PRECISION, PAGED, PAGE_SIZE, IS_FP8, V_KEYS_CONTIGUOUS, PV_PER_TILE)
     acc, l_i, m_i = _fwd_block(
         acc, l_i, m_i, b_q, p_k, p_v, mid_hi, hi, offs_m, offs_n0, offs_d, offs_dv,
-        seqlen_q, seqlen_k, head_dim, head_dim_v, stride_kb, stride_kn, stride_vb, stride_vn, block_row,
-        max_blocks, num_blocks, diag_offset, window_left, window_right, softmax_scale,
-        softcap, alibi_slope, p_mask, stride_mask_m, stride_mask_n, BLOCK_N, EVEN_D, EVEN_DV, True,
-        MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_MASK, MASK_IS_BOOL,
+        seqlen_q, seqlen_k, head_dim, head_dim_v, stride_kb, stride_kn, stride_vb,
+        stride_vn, block_row, max_blocks, num_blocks, diag_offset, window_left,
+        window_right, softmax_scale, softcap, alibi_slope, p_mask, stride_mask_m,
+        stride_mask_n, BLOCK_N, EVEN_D, EVEN_DV, True, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP,
+        HAS_ALIBI, HAS_MASK, MASK_IS_BOOL,
         INPUT_PRECISION, PAGED, PAGE_SIZE, IS_FP8, V_KEYS_CONTIGUOUS, PV_PER_TILE)
 
 
@@ -426,7 +430,8 @@ def attn_fwd(q, k, v, *, attn_mask, alibi_slopes, softmax_scale, diag_offset,
     if _launch.ready(q):
         ptrs = _launch.pointers(tensors)
         key = ("fwd", dtype, out.dtype, q_shape, q.stride(), k_shape, k.stride(),
-               v.shape[-1], v.stride(), _launch.layout(attn_mask), _launch.layout(alibi_slopes),
+               v.shape[-1], v.stride(), _launch.layout(attn_mask),
+               _launch.layout(alibi_slopes),
                *(_launch.layout(x) for x in (q_descale, k_descale, v_descale)),
                diag_offset, window_left, window_right, softcap > 0, allow_tf32,
                varlen and (batch, cu_seqlens_k is None, seqused_k is None,
@@ -446,7 +451,8 @@ def attn_fwd(q, k, v, *, attn_mask, alibi_slopes, softmax_scale, diag_offset,
         attn_mask, alibi_slopes, q, window_left=window_left, window_right=window_right,
         softcap=softcap, allow_tf32=allow_tf32, head_dim=d)
     # Tiles for the wider of the two head dims: the register tiles grow with either.
-    cfg = configs.fwd_config(q, max(d, dv), causal_like=windowed, seqlen=max(longest_q, longest_k),
+    cfg = configs.fwd_config(q, max(d, dv), causal_like=windowed,
+                             seqlen=max(longest_q, longest_k),
                              ieee=flags["INPUT_PRECISION"] == "ieee")
     if fp8 and not varlen and FP8_V_PAD % cfg.block_n:
         raise ValueError(f"FP8 forward tiles: BLOCK_N must divide {FP8_V_PAD} (V's copy is "
@@ -483,7 +489,8 @@ def attn_fwd(q, k, v, *, attn_mask, alibi_slopes, softmax_scale, diag_offset,
         *strides, *mask_strides, *alibi_strides, *descale_strides,
         block_table.stride(0) if paged else 0, block_table.shape[1] if paged else 0,
         k.shape[0] if paged else 0,
-        h, h // k4.shape[2], 0 if varlen else longest_q, 0 if varlen else longest_k, d, dv,
+        h, h // k4.shape[2], 0 if varlen else longest_q, 0 if varlen else longest_k,
+        d, dv,
         q.shape[0] if varlen else 0, 0 if paged or not varlen else k.shape[0],
         *scalars[:2], diag_offset, window_left, window_right, softmax_scale, softcap,
         REVERSE_M=windowed, IS_VARLEN=varlen, PAGED=paged,
