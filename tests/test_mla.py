@@ -23,6 +23,16 @@ def _qkv(b, sq, sk, h, hkv, d, dv, dtype, device, packed=False):
     return q, k, v
 
 
+def _varlen_inputs(d, dv, dtype, device):
+    """Three packed sequences, (q, k) lengths (5, 9), (17, 17), (1, 30); GQA 4 over 2."""
+    cu_q = torch.tensor([0, 5, 22, 23], dtype=torch.int32, device=device)
+    cu_k = torch.tensor([0, 9, 26, 56], dtype=torch.int32, device=device)
+    q = torch.randn(23, 4, d, dtype=dtype, device=device)
+    k = torch.randn(56, 2, d, dtype=dtype, device=device)
+    v = torch.randn(56, 2, dv, dtype=dtype, device=device)
+    return q, k, v, cu_q, cu_k
+
+
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("d, dv", HEAD_DIMS)
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -42,16 +52,10 @@ def test_dense_fwd(backend, d, dv, dtype, causal, device):
 @pytest.mark.parametrize("d, dv", HEAD_DIMS)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_varlen_fwd(backend, d, dv, dtype, causal, device):
-    lens_q, lens_k = [5, 17, 1], [9, 17, 30]
-    cu_q = torch.tensor([0, 5, 22, 23], dtype=torch.int32, device=device)
-    cu_k = torch.tensor([0, 9, 26, 56], dtype=torch.int32, device=device)
-    q = torch.randn(sum(lens_q), 4, d, dtype=dtype, device=device)
-    k = torch.randn(sum(lens_k), 2, d, dtype=dtype, device=device)
-    v = torch.randn(sum(lens_k), 2, dv, dtype=dtype, device=device)
+    q, k, v, cu_q, cu_k = _varlen_inputs(d, dv, dtype, device)
     with torch.no_grad():
-        out = flashtile.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lens_q),
-                                               max(lens_k), causal=causal)
-    assert out.shape == (sum(lens_q), 4, dv)
+        out = flashtile.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 17, 30, causal=causal)
+    assert out.shape == (23, 4, dv)
     for b in range(3):
         qs, qe, ks, ke = cu_q[b], cu_q[b + 1], cu_k[b], cu_k[b + 1]
         qb, kb, vb = q[None, qs:qe], k[None, ks:ke], v[None, ks:ke]
@@ -95,16 +99,9 @@ def test_dense_bwd(backend, d, dv, dtype, causal, device):
 @pytest.mark.parametrize("backend", ["torch", "triton", "triton-fused"], indirect=True)
 @pytest.mark.parametrize("d, dv", HEAD_DIMS)
 def test_varlen_bwd(backend, d, dv, device):
-    dtype = torch.float16
-    lens_q, lens_k = [5, 17, 1], [9, 17, 30]
-    cu_q = torch.tensor([0, 5, 22, 23], dtype=torch.int32, device=device)
-    cu_k = torch.tensor([0, 9, 26, 56], dtype=torch.int32, device=device)
-    q = torch.randn(sum(lens_q), 4, d, dtype=dtype, device=device)
-    k = torch.randn(sum(lens_k), 2, d, dtype=dtype, device=device)
-    v = torch.randn(sum(lens_k), 2, dv, dtype=dtype, device=device)
+    q, k, v, cu_q, cu_k = _varlen_inputs(d, dv, torch.float16, device)
     qg, kg, vg = (x.clone().requires_grad_() for x in (q, k, v))
-    out = flashtile.flash_attn_varlen_func(qg, kg, vg, cu_q, cu_k, max(lens_q),
-                                           max(lens_k), causal=True)
+    out = flashtile.flash_attn_varlen_func(qg, kg, vg, cu_q, cu_k, 17, 30, causal=True)
     dout = torch.randn_like(out)
     grads = torch.autograd.grad((out * dout).sum(), (qg, kg, vg))
     for b in range(3):
