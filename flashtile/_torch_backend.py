@@ -107,8 +107,8 @@ def _fused_fwd(plan, q, k, v, scale):
     b, sq, h, d = q.shape
     sk = k.shape[1]
     if plan.row0 == sq:
-        return q.new_zeros(q.shape), q.new_full((b, h, sq), float("-inf"),
-                                                dtype=torch.float32)
+        return q.new_zeros((b, sq, h, v.shape[-1])), q.new_full(
+            (b, h, sq), float("-inf"), dtype=torch.float32)
     qr = q[:, plan.row0:]
     parts = []
     if plan.prefix > 0:
@@ -126,7 +126,7 @@ def _fused_fwd(plan, q, k, v, scale):
         o = o.masked_fill(empty.transpose(1, 2)[..., None], 0.0)
     if plan.row0 == 0:
         return o.contiguous(), l.contiguous()
-    out = q.new_zeros(q.shape)
+    out = q.new_zeros((b, sq, h, v.shape[-1]))
     lse = q.new_full((b, h, sq), float("-inf"), dtype=torch.float32)
     out[:, plan.row0:] = o
     lse[:, :, plan.row0:] = l
@@ -166,7 +166,8 @@ def attention_fwd(q, k, v, *, softmax_scale, diag_offset, window_left, window_ri
     """(out, lse) as ``reference.attention_tiled_fwd``, fused where the plan allows."""
     kw = dict(diag_offset=diag_offset, window_left=window_left, window_right=window_right,
               softcap=softcap, alibi_slopes=alibi_slopes, attn_mask=attn_mask)
-    plan = _plan(q, k, **kw)
+    # PyTorch's fused CPU kernel needs one head dim for q, k and v (MLA's v is narrower).
+    plan = _plan(q, k, **kw) if v.shape[-1] == q.shape[-1] else None
     if plan is None:
         return reference.attention_tiled_fwd(q, k, v, softmax_scale=softmax_scale, **kw)
     return _fused_fwd(plan, q, k, v, softmax_scale)
@@ -178,7 +179,8 @@ def attention_bwd(dout, q, k, v, out, lse, dlse, *, softmax_scale, diag_offset,
     and the lse carries no gradient."""
     kw = dict(diag_offset=diag_offset, window_left=window_left, window_right=window_right,
               softcap=softcap, alibi_slopes=alibi_slopes, attn_mask=attn_mask)
-    plan = _plan(q, k, **kw)
+    # PyTorch's fused CPU kernel needs one head dim for q, k and v (MLA's v is narrower).
+    plan = _plan(q, k, **kw) if v.shape[-1] == q.shape[-1] else None
     if plan is None or (dlse is not None and dlse.any()):
         return reference.attention_tiled_bwd(dout, q, k, v, out, lse, dlse,
                                              softmax_scale=softmax_scale, **kw)

@@ -76,7 +76,8 @@ def check_tensor(x, name, rank, offsets32=True, dtypes=SUPPORTED_DTYPES):
 
 def check_qkv(q, k, v, names=("q", "k", "v"), packed=False, dtypes=SUPPORTED_DTYPES):
     """q (b, sq, h, d), k/v (b, sk, hkv, d), or with ``packed`` (varlen) q (total_q, h,
-    d), k/v (total_k, hkv, d). Returns (b, sq, sk, h, hkv, d), b = 1 when packed.
+    d), k/v (total_k, hkv, d); v's head dim may differ. Returns (b, sq, sk, h, hkv, d)
+    with q's head dim d, b = 1 when packed.
 
     ``names`` are the caller's argument names, used in the messages (the SDPA drop-in
     passes ("query", "key", "value")). ``dtypes``: WITH_FP8 where FP8 is taken.
@@ -98,15 +99,21 @@ def check_qkv(q, k, v, names=("q", "k", "v"), packed=False, dtypes=SUPPORTED_DTY
         (sq, h, d), (sk, hkv, kd), b, kb = q.shape, k_shape, 1, 1
     else:
         (b, sq, h, d), (kb, sk, hkv, kd) = q.shape, k_shape
-    if k_shape != v.shape:
-        _fail(ValueError, f"{vn}.shape", f"{kn}'s shape {tuple(k_shape)}", tuple(v.shape))
+    # v's head dim may differ from q's and k's (DeepSeek's MLA: 192/128); the output
+    # takes v's.
+    if k_shape[:-1] != v.shape[:-1]:
+        _fail(ValueError, f"{vn}.shape[:-1]", f"{kn}'s {tuple(k_shape[:-1])}",
+              tuple(v.shape[:-1]), f"{kn} and {vn} differ only in head_dim")
     if kb != b:
         _fail(ValueError, f"{kn}.shape[0] (batch)", f"{qn}'s batch {b}", kb)
     if kd != d:
         _fail(ValueError, f"{kn}.shape[-1] (head_dim)", f"{qn}'s head_dim {d}", kd,
-              f"flashtile needs {qn}, {kn} and {vn} to share one head_dim")
+              f"{qn} and {kn} must share one head_dim ({vn}'s may differ)")
     if not 1 <= d <= MAX_HEAD_DIM:
         _fail(ValueError, f"{qn}.shape[-1] (head_dim)", f"1 to {MAX_HEAD_DIM}", d)
+    if not 1 <= v.shape[-1] <= MAX_HEAD_DIM:
+        _fail(ValueError, f"{vn}.shape[-1] (head_dim)", f"1 to {MAX_HEAD_DIM}",
+              v.shape[-1])
     if hkv == 0 or h % hkv != 0:
         _fail(ValueError, f"{kn}.shape[{rank - 2}] (nheads_kv)",
               f"a divisor of {qn}'s nheads {h} (GQA/MQA)", hkv)

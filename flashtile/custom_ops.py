@@ -80,8 +80,9 @@ attn_fwd = torch.library.custom_op("flashtile::attn_fwd", mutates_args=())(_attn
 @attn_fwd.register_fake
 def _(q, k, v, attn_mask, alibi_slopes, softmax_scale, diag_offset, window_left,
       window_right, softcap, allow_tf32, deterministic=False):
-    b, sq, h, d = q.shape
-    return q.new_empty((b, sq, h, d)), q.new_empty((b, h, sq), dtype=torch.float32)
+    b, sq, h, _ = q.shape
+    return (q.new_empty((b, sq, h, v.shape[-1])),
+            q.new_empty((b, h, sq), dtype=torch.float32))
 
 
 def _attn_bwd_impl(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
@@ -244,7 +245,7 @@ def _varlen_attn_fwd_impl(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
                           cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
                           max_seqlen_k=max_seqlen_k, block_table=block_table,
                           seqused_k=seqused_k, **kw)
-    out = q.new_zeros(q.shape)  # contiguous, as the fake implementation says
+    out = q.new_zeros((*q.shape[:-1], v.shape[-1]))  # contiguous, as the fake says
     lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), device=q.device)
     for b, (qs, qe, ks, ke) in enumerate(_bounds(cu_seqlens_q, cu_seqlens_k, block_table,
                                                  seqused_k)):
@@ -268,7 +269,8 @@ varlen_attn_fwd = torch.library.custom_op("flashtile::varlen_attn_fwd",
 def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alibi_slopes,
       softmax_scale, window_left, window_right, softcap, allow_tf32, block_table=None,
       seqused_k=None, deterministic=False):
-    return q.new_empty(q.shape), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+    return (q.new_empty((*q.shape[:-1], v.shape[-1])),
+            q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32))
 
 
 def _varlen_attn_bwd_impl(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,

@@ -142,6 +142,9 @@ def _check_ranks_agree(ring, signature, device):
 def _config(q, k, v, causal, softmax_scale, window_size, softcap, layout, world_size):
     """Validate one rank's inputs; returns its RingConfig."""
     b, sq, sk, h, hkv, d = V.check_qkv(q, k, v)
+    if v.shape[-1] != d:  # check_qkv takes it (MLA); the ring's buffers do not yet
+        V._fail(ValueError, "v.shape[-1] (head_dim)", f"q's head_dim {d}", v.shape[-1],
+                "ring attention needs one head_dim for q, k and v")
     if sk != sq:
         V._fail(ValueError, "k.shape[1] (local seqlen)", f"q's local seqlen {sq}", sk,
                 "Each rank holds the same positions of q, k and v")

@@ -389,15 +389,15 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     if not query.dim() == key.dim() == value.dim():
         V._fail(ValueError, "key/value rank", f"query's rank {query.dim()}",
                 (key.dim(), value.dim()))
-    if value.shape[-1] != query.shape[-1]:
-        raise NotImplementedError(
-            f"value head_dim {value.shape[-1]} != query head_dim {query.shape[-1]}: "
-            "flashtile needs one head_dim for q, k and v")
     # Shape checks in the caller's (batch, heads, seq, dim) layout, so the messages name
-    # the dims the caller sees; check_qkv below sees the transposed views.
-    if value.shape != key.shape:
-        V._fail(ValueError, "value.shape", f"key's shape {tuple(key.shape)}",
-                tuple(value.shape))
+    # the dims the caller sees; check_qkv below sees the transposed views. value's head
+    # dim may differ from the query's (MLA), the output taking it, as in PyTorch's.
+    if key.shape[-1] != query.shape[-1]:
+        V._fail(ValueError, "key.shape[-1] (head_dim)",
+                f"query's head_dim {query.shape[-1]}", key.shape[-1])
+    if value.shape[:-1] != key.shape[:-1]:
+        V._fail(ValueError, "value.shape[:-1]", f"key's {tuple(key.shape[:-1])}",
+                tuple(value.shape[:-1]))
     if key.shape[0] != query.shape[0]:
         V._fail(ValueError, "key.shape[0] (batch)", f"query's batch {query.shape[0]}",
                 key.shape[0])

@@ -203,7 +203,7 @@ def attention_tiled_fwd(q, k, v, *, softmax_scale, diag_offset, window_left, win
     rows = torch.arange(sq, device=q.device)
     m_i = torch.full((b, h, sq), float("-inf"), dtype=acc_dtype, device=q.device)
     l_i = torch.zeros((b, h, sq), dtype=acc_dtype, device=q.device)
-    acc = torch.zeros((b, h, sq, d), dtype=acc_dtype, device=q.device)
+    acc = torch.zeros((b, h, sq, v.shape[-1]), dtype=acc_dtype, device=q.device)
     for start in range(0, sk, block_n):
         stop = min(start + block_n, sk)
         cols = torch.arange(start, stop, device=q.device)
@@ -245,7 +245,7 @@ def attention_tiled_bwd(dout, q, k, v, out, lse, dlse, *, softmax_scale, diag_of
     qf = q.to(acc_dtype).transpose(1, 2)
     dq = torch.zeros_like(qf)
     dk = torch.zeros((b, sk, hkv, d), dtype=acc_dtype, device=q.device)
-    dv = torch.zeros_like(dk)
+    dv = torch.zeros((b, sk, hkv, v.shape[-1]), dtype=acc_dtype, device=q.device)
     for start in range(0, sk, block_n):
         stop = min(start + block_n, sk)
         cols = torch.arange(start, stop, device=q.device)
@@ -268,7 +268,8 @@ def attention_tiled_bwd(dout, q, k, v, out, lse, dlse, *, softmax_scale, diag_of
         dk_h = ds.transpose(-1, -2) @ qf
         group = h // hkv
         dk[:, start:stop] += dk_h.reshape(b, hkv, group, stop - start, d).sum(2).transpose(1, 2)
-        dv[:, start:stop] += dv_h.reshape(b, hkv, group, stop - start, d).sum(2).transpose(1, 2)
+        dv[:, start:stop] += dv_h.reshape(b, hkv, group, stop - start,
+                                          dv.shape[-1]).sum(2).transpose(1, 2)
     return dq.transpose(1, 2).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 

@@ -96,11 +96,11 @@ def _unsupported(query, key, value, attn_mask, dropout_p, is_causal, scale, enab
         return "query, key and value of different dtypes or devices"
     if not query.dim() == key.dim() == value.dim() or query.dim() not in (3, 4):
         return "tensors that are not all 3-d or all 4-d"
-    if value.shape[-1] != query.shape[-1] or key.shape[-1] != query.shape[-1]:
-        return "a value head_dim different from the query's (flashtile needs one head_dim)"
-    if not 1 <= query.shape[-1] <= V.MAX_HEAD_DIM:
+    if key.shape[-1] != query.shape[-1]:
+        return "a key head_dim different from the query's"
+    if not all(1 <= x.shape[-1] <= V.MAX_HEAD_DIM for x in (query, value)):
         return f"a head_dim outside 1 to {V.MAX_HEAD_DIM}"
-    if key.shape != value.shape or key.shape[0] != query.shape[0]:
+    if key.shape[:-1] != value.shape[:-1] or key.shape[0] != query.shape[0]:
         return "key/value shapes that differ from each other or from the query's batch"
     if query.dim() == 4:
         h, hkv = query.shape[1], key.shape[1]
@@ -192,7 +192,7 @@ class sdpa_override:
     A routed call runs ``flashtile.scaled_dot_product_attention`` when flashtile takes
     its arguments; otherwise it runs PyTorch's function and logs why, once per reason
     (logger ``flashtile``, WARNING): dropout_p > 0, a dtype other than float16,
-    bfloat16 and float32, a device other than CUDA and CPU, a value head_dim different
+    bfloat16 and float32, a device other than CUDA and CPU, a key head_dim different
     from the query's, tensors that are not 3-d or 4-d, nested tensors and tensor
     subclasses, an attn_mask of another dtype or needing a gradient, unknown arguments.
 

@@ -25,7 +25,7 @@ _INT32_POINTERS = {"BlockTable", "CacheSeqlens", "CacheBatchIdx", "CacheLeftpad"
 # Integer arguments that are multiples of 16 in the launches that matter (head_dim 64,
 # 128, ...): the JIT marks them so, and without it the decode kernel's head-dim mask
 # blocks vectorized loads and with them the software pipelining (NOTES.md section 8).
-_DIVISIBLE_INTS = {"head_dim"}
+_DIVISIBLE_INTS = {"head_dim", "head_dim_v"}
 
 
 def compile_kernel(kernel, constexprs: dict, dtype: str = "bf16", arch: int = 90,
@@ -35,8 +35,15 @@ def compile_kernel(kernel, constexprs: dict, dtype: str = "bf16", arch: int = 90
     scalars i32, unless ``types`` names the argument's type (e.g. a TMA descriptor's,
     ``triton.runtime.jit.mangle_type(descriptor)``)."""
     types = types or {}
+    params = inspect.signature(kernel.fn).parameters
+    # V's head dim (BLOCK_DV, EVEN_DV) defaults to q's: the equal-dim kernel every
+    # launch with v.shape[-1] == q.shape[-1] compiles.
+    constexprs = dict(constexprs)
+    for dv_name, d_name in (("BLOCK_DV", "BLOCK_D"), ("EVEN_DV", "EVEN_D")):
+        if dv_name in params and dv_name not in constexprs and d_name in constexprs:
+            constexprs[dv_name] = constexprs[d_name]
     sig, attrs = {}, {}
-    for i, name in enumerate(inspect.signature(kernel.fn).parameters):
+    for i, name in enumerate(params):
         # What the JIT infers at a real launch from aligned pointers and strides that
         # are multiples of 16; without it loads are scalar and the kernel is not the one
         # that runs.

@@ -290,7 +290,7 @@ def test_bad_shape_still_raises_under_compile(fullgraph, device):
                              backend="aot_eager", fullgraph=fullgraph, dynamic=True)
     q, k, v = _dense(7, device)
     compiled(q, k, v)
-    with _raises(fullgraph, "v.shape: expected k's shape (2, 10, 2, 16), got (2, 9, 2, 16)"):
+    with _raises(fullgraph, "v.shape[:-1]: expected k's (2, 10, 2), got (2, 9, 2)"):
         compiled(q, k, v[:, 1:])
     # The SDPA mask's broadcast check (expand's own error cannot be caught while tracing).
     sdpa = torch.compile(lambda q, k, v, mask: flashtile.scaled_dot_product_attention(

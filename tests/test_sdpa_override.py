@@ -198,7 +198,7 @@ def test_dropout_falls_back_with_one_log_line(flashtile_calls, caplog, device):
     assert len(flashtile_calls) == 2
 
 
-@pytest.mark.parametrize("case", ["float64", "value_head_dim", "5d", "mask_dtype",
+@pytest.mark.parametrize("case", ["float64", "key_head_dim", "5d", "mask_dtype",
                                   "mask_shape", "unknown_kwarg"])
 def test_unsupported_arguments_fall_back(case, flashtile_calls, caplog, device):
     q = torch.randn(2, 3, 5, 8, device=device)
@@ -206,8 +206,8 @@ def test_unsupported_arguments_fall_back(case, flashtile_calls, caplog, device):
     kw = {}
     if case == "float64":
         q, k, v = q.double(), k.double(), v.double()
-    elif case == "value_head_dim":
-        v = torch.randn(2, 3, 5, 6, device=device)
+    elif case == "key_head_dim":
+        k = torch.randn(2, 3, 5, 6, device=device)
     elif case == "5d":
         q, k, v = q[None], k[None], v[None]
     elif case == "mask_dtype":
@@ -220,7 +220,7 @@ def test_unsupported_arguments_fall_back(case, flashtile_calls, caplog, device):
         if case == "unknown_kwarg":  # PyTorch's function gives its own error
             with pytest.raises(TypeError):
                 F.scaled_dot_product_attention(q, k, v, **kw)
-        elif case.startswith("mask"):  # PyTorch's errors for these masks
+        elif case.startswith("mask") or case == "key_head_dim":  # PyTorch's errors
             with pytest.raises(RuntimeError):
                 F.scaled_dot_product_attention(q, k, v, **kw)
         else:
@@ -242,11 +242,15 @@ def test_supported_arguments_are_routed(flashtile_calls, device):
         with flashtile.sdpa_override():
             out = F.scaled_dot_product_attention(q, k, v, **kw)
         assert max_err(out, _TORCH_SDPA(q, k, v, **kw)) < 1e-5, kw
+    v12 = torch.randn(2, 2, 9, 12, device=device)  # value's own head dim (MLA)
+    with flashtile.sdpa_override():
+        out = F.scaled_dot_product_attention(q, k, v12, enable_gqa=True)
+    assert max_err(out, _TORCH_SDPA(q, k, v12, enable_gqa=True)) < 1e-5
     q3 = q[:, 0]
     with flashtile.sdpa_override():
         out = sdpa_by_name(q3, q3, q3)
     assert max_err(out, _TORCH_SDPA(q3, q3, q3)) < 1e-5
-    assert len(flashtile_calls) == 4
+    assert len(flashtile_calls) == 5
 
 
 def test_switch_global_and_context_manager():

@@ -43,15 +43,17 @@ def _bwd_preprocess_kernel(Out, DOut, DLse, Delta, DQAccum,
                            stride_ob, stride_om, stride_oh,
                            stride_dob, stride_dom, stride_doh,
                            stride_accb, stride_acch,
-                           nheads, seqlen_q, head_dim,
+                           nheads, seqlen_q, head_dim_v,
                            BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+                           BLOCK_DV: tl.constexpr,
                            HAS_DLSE: tl.constexpr, ZERO_DQ: tl.constexpr):
-    off_b, off_h, offs_m, offs_d, m_tile = _row_block(nheads, seqlen_q, head_dim, BLOCK_M,
-                                                      BLOCK_D)
+    # out and dout have v's head dim (BLOCK_DV); the dQ accumulator q's (BLOCK_D).
+    off_b, off_h, offs_m, offs_dv, m_tile = _row_block(nheads, seqlen_q, head_dim_v,
+                                                       BLOCK_M, BLOCK_DV)
     b_o = tl.load(Out + off_b * stride_ob + off_h * stride_oh + offs_m[:, None] * stride_om
-                  + offs_d[None, :], mask=m_tile, other=0.0).to(tl.float32)
+                  + offs_dv[None, :], mask=m_tile, other=0.0).to(tl.float32)
     b_do = tl.load(DOut + off_b * stride_dob + off_h * stride_doh
-                   + offs_m[:, None] * stride_dom + offs_d[None, :],
+                   + offs_m[:, None] * stride_dom + offs_dv[None, :],
                    mask=m_tile, other=0.0).to(tl.float32)
     delta = tl.sum(b_o * b_do, 1)                                        # (M,)
     p_row = (off_b * nheads + off_h) * seqlen_q + offs_m  # DLse, Delta: (b, h, sq)
@@ -59,6 +61,7 @@ def _bwd_preprocess_kernel(Out, DOut, DLse, Delta, DQAccum,
         delta -= tl.load(DLse + p_row, mask=offs_m < seqlen_q, other=0.0)
     tl.store(Delta + p_row, delta, mask=offs_m < seqlen_q)
     if ZERO_DQ:  # the fused backward's dQ accumulator: here, not a memset launch more
+        offs_d = tl.arange(0, BLOCK_D)
         tl.store(DQAccum + off_b * stride_accb + off_h * stride_acch
                  + offs_m[:, None] * BLOCK_D + offs_d[None, :],
                  tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32),
@@ -74,11 +77,11 @@ def _load_lse_log2(p_lse, offs, n):
 
 @triton.jit
 def _dkdv_block(dk, dv, b_k, b_v, p_q, p_do, p_lse, p_delta, p_dq, start, stop,
-                offs_n, offs_m0, offs_d, seqlen_q, seqlen_k, head_dim,
-                stride_qm, stride_dom, diag_offset, window_left, window_right,
+                offs_n, offs_m0, offs_d, offs_dv, seqlen_q, seqlen_k, head_dim,
+                head_dim_v, stride_qm, stride_dom, diag_offset, window_left, window_right,
                 softmax_scale, softcap, alibi_slope, p_mask, stride_mask_m, stride_mask_n,
                 BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
-                BOUNDARY: tl.constexpr,
+                EVEN_DV: tl.constexpr, BOUNDARY: tl.constexpr,
                 MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
                 HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
                 HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr,
@@ -95,8 +98,8 @@ def _dkdv_block(dk, dv, b_k, b_v, p_q, p_do, p_lse, p_delta, p_dq, start, stop,
                            stride_mask_n, stride_mask_m, m_mask, BOUNDARY, MASK_RIGHT,
                            MASK_LEFT, HAS_SOFTCAP, HAS_ALIBI, HAS_MASK, MASK_IS_BOOL)
         p_t = tl.exp2(s_t - _load_lse_log2(p_lse, offs_m, seqlen_q)[None, :])  # (N, M)
-        b_do = _load_tile(p_do + start_m * stride_dom, offs_m, seqlen_q, offs_d, head_dim,
-                          BOUNDARY, EVEN_D)                                   # (M, D)
+        b_do = _load_tile(p_do + start_m * stride_dom, offs_m, seqlen_q, offs_dv,
+                          head_dim_v, BOUNDARY, EVEN_DV)                      # (M, DV)
         dv = tl.dot(p_t.to(b_do.dtype), b_do, dv, input_precision=INPUT_PRECISION)
         dp_t = tl.dot(b_v, tl.trans(b_do), input_precision=INPUT_PRECISION)  # (N, M)
         delta = tl.load(p_delta + offs_m, mask=offs_m < seqlen_q, other=0.0)
@@ -143,11 +146,12 @@ def _bwd_dkdv_kernel(
     stride_lb, stride_lh,
     stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n,
     stride_alibi_b, stride_alibi_h,
-    nheads, nheads_kv, seqlen_q, seqlen_k, head_dim,
+    nheads, nheads_kv, seqlen_q, seqlen_k, head_dim, head_dim_v,
     total_q, total_k, max_seqlen_q, max_seqlen_k,
     diag_offset, window_left, window_right, softmax_scale, softcap,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    EVEN_D: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
+    EVEN_D: tl.constexpr, BLOCK_DV: tl.constexpr, EVEN_DV: tl.constexpr,
+    MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_MASK: tl.constexpr,
     MASK_IS_BOOL: tl.constexpr, INPUT_PRECISION: tl.constexpr, IS_VARLEN: tl.constexpr,
     ATOMIC_DQ: tl.constexpr,
@@ -169,8 +173,8 @@ def _bwd_dkdv_kernel(
             n_chunks = batch * tl.num_programs(0)
             _fill_nan_rows(DK + off_hkv * stride_dkh, stride_dkn, total_k, head_dim,
                            chunk, n_chunks, BLOCK_N, BLOCK_D)
-            _fill_nan_rows(DV + off_hkv * stride_dvh, stride_dvn, total_k, head_dim,
-                           chunk, n_chunks, BLOCK_N, BLOCK_D)
+            _fill_nan_rows(DV + off_hkv * stride_dvh, stride_dvn, total_k, head_dim_v,
+                           chunk, n_chunks, BLOCK_N, BLOCK_DV)
             if ATOMIC_DQ:  # no program adds to dQ now: every one saw the same bad sums
                 for g in range(0, group_size):
                     _fill_nan_rows(DQAccum + (off_hkv * group_size + g) * stride_acch,
@@ -185,6 +189,9 @@ def _bwd_dkdv_kernel(
     offs_n = start_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m0 = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
+    # V's, dO's and dV's head dim (MLA: 128 beside 192). offs_d itself where the
+    # tiles match, so equal-dim calls compile the IR they had before.
+    offs_dv = offs_d if BLOCK_DV == BLOCK_D else tl.arange(0, BLOCK_DV)
     Q += off_b * stride_qb + q_start * stride_qm
     DOut += off_b * stride_dob + q_start * stride_dom
     K += off_b * stride_kb + k_start * stride_kn
@@ -193,11 +200,11 @@ def _bwd_dkdv_kernel(
     DV += off_b * stride_dvb + k_start * stride_dvn
     DQAccum += off_b * stride_accb + q_start * BLOCK_D
     p_k = K + off_hkv * stride_kh + offs_n[:, None] * stride_kn + offs_d[None, :]
-    p_v = V + off_hkv * stride_vh + offs_n[:, None] * stride_vn + offs_d[None, :]
+    p_v = V + off_hkv * stride_vh + offs_n[:, None] * stride_vn + offs_dv[None, :]
     b_k = _load_tile(p_k, offs_n, seqlen_k, offs_d, head_dim, True, EVEN_D)   # (N, D)
-    b_v = _load_tile(p_v, offs_n, seqlen_k, offs_d, head_dim, True, EVEN_D)   # (N, D)
+    b_v = _load_tile(p_v, offs_n, seqlen_k, offs_dv, head_dim_v, True, EVEN_DV)  # (N, DV)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
-    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
 
     lo, mid_lo, mid_hi, hi = _block_range(start_n, seqlen_k, seqlen_q, -diag_offset,
                                           window_right, window_left, BLOCK_N, BLOCK_M,
@@ -205,7 +212,7 @@ def _bwd_dkdv_kernel(
     for g in range(0, group_size):
         off_h = off_hkv * group_size + g
         p_q = Q + off_h * stride_qh + offs_m0[:, None] * stride_qm + offs_d[None, :]
-        p_do = DOut + off_h * stride_doh + offs_m0[:, None] * stride_dom + offs_d[None, :]
+        p_do = DOut + off_h * stride_doh + offs_m0[:, None] * stride_dom + offs_dv[None, :]
         # Delta shares lse's layout.
         p_lse = Lse + off_b * stride_lb + off_h * stride_lh + q_start
         p_delta = Delta + off_b * stride_lb + off_h * stride_lh + q_start
@@ -218,39 +225,49 @@ def _bwd_dkdv_kernel(
             p_mask = Mask + off_b * stride_mask_b + off_h * stride_mask_h
         dk, dv = _dkdv_block(
             dk, dv, b_k, b_v, p_q, p_do, p_lse, p_delta, p_dq, lo, mid_lo, offs_n,
-            offs_m0, offs_d, seqlen_q, seqlen_k, head_dim, stride_qm, stride_dom,
+            offs_m0, offs_d, offs_dv, seqlen_q, seqlen_k, head_dim, head_dim_v,
+            stride_qm, stride_dom,
             diag_offset, window_left, window_right, softmax_scale, softcap, alibi_slope,
-            p_mask, stride_mask_m, stride_mask_n, BLOCK_M, BLOCK_D, EVEN_D, True,
+            p_mask, stride_mask_m, stride_mask_n, BLOCK_M, BLOCK_D, EVEN_D, EVEN_DV, True,
             MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_MASK, MASK_IS_BOOL,
             INPUT_PRECISION, ATOMIC_DQ)
         dk, dv = _dkdv_block(
             dk, dv, b_k, b_v, p_q, p_do, p_lse, p_delta, p_dq, mid_lo, mid_hi, offs_n,
-            offs_m0, offs_d, seqlen_q, seqlen_k, head_dim, stride_qm, stride_dom,
+            offs_m0, offs_d, offs_dv, seqlen_q, seqlen_k, head_dim, head_dim_v,
+            stride_qm, stride_dom,
             diag_offset, window_left, window_right, softmax_scale, softcap, alibi_slope,
-            p_mask, stride_mask_m, stride_mask_n, BLOCK_M, BLOCK_D, EVEN_D, False,
+            p_mask, stride_mask_m, stride_mask_n, BLOCK_M, BLOCK_D, EVEN_D, EVEN_DV, False,
             MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_MASK, MASK_IS_BOOL,
             INPUT_PRECISION, ATOMIC_DQ)
         dk, dv = _dkdv_block(
             dk, dv, b_k, b_v, p_q, p_do, p_lse, p_delta, p_dq, mid_hi, hi, offs_n,
-            offs_m0, offs_d, seqlen_q, seqlen_k, head_dim, stride_qm, stride_dom,
+            offs_m0, offs_d, offs_dv, seqlen_q, seqlen_k, head_dim, head_dim_v,
+            stride_qm, stride_dom,
             diag_offset, window_left, window_right, softmax_scale, softcap, alibi_slope,
-            p_mask, stride_mask_m, stride_mask_n, BLOCK_M, BLOCK_D, EVEN_D, True,
+            p_mask, stride_mask_m, stride_mask_n, BLOCK_M, BLOCK_D, EVEN_D, EVEN_DV, True,
             MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_MASK, MASK_IS_BOOL,
             INPUT_PRECISION, ATOMIC_DQ)
 
     m_tile = (offs_n[:, None] < seqlen_k) & (offs_d[None, :] < head_dim)
     p_dk = DK + off_hkv * stride_dkh + offs_n[:, None] * stride_dkn + offs_d[None, :]
-    p_dv = DV + off_hkv * stride_dvh + offs_n[:, None] * stride_dvn + offs_d[None, :]
+    p_dv = DV + off_hkv * stride_dvh + offs_n[:, None] * stride_dvn + offs_dv[None, :]
     tl.store(p_dk, (dk * softmax_scale).to(DK.dtype.element_ty), mask=m_tile)
-    tl.store(p_dv, dv.to(DV.dtype.element_ty), mask=m_tile)
+    if BLOCK_DV == BLOCK_D and EVEN_D and EVEN_DV:
+        # head_dim_v == head_dim: dK's mask, as before dv had a head dim of its own (a
+        # second mask spilled 8 bytes on sm_90, fp32 fused, head_dim 16).
+        m_tile_v = m_tile
+    else:
+        m_tile_v = (offs_n[:, None] < seqlen_k) & (offs_dv[None, :] < head_dim_v)
+    tl.store(p_dv, dv.to(DV.dtype.element_ty), mask=m_tile_v)
 
 
 @triton.jit
 def _dq_block(dq, b_q, b_do, lse_log2, delta, p_k, p_v, start, stop,
-              offs_m, offs_n0, offs_d, seqlen_q, seqlen_k, head_dim,
+              offs_m, offs_n0, offs_d, offs_dv, seqlen_q, seqlen_k, head_dim, head_dim_v,
               stride_kn, stride_vn, diag_offset, window_left, window_right,
               softmax_scale, softcap, alibi_slope, p_mask, stride_mask_m, stride_mask_n,
-              BLOCK_N: tl.constexpr, EVEN_D: tl.constexpr, BOUNDARY: tl.constexpr,
+              BLOCK_N: tl.constexpr, EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr,
+              BOUNDARY: tl.constexpr,
               MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
               HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
               HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr,
@@ -259,8 +276,8 @@ def _dq_block(dq, b_q, b_do, lse_log2, delta, p_k, p_v, start, stop,
         offs_n = start_n + offs_n0
         b_k = _load_tile(p_k + start_n * stride_kn, offs_n, seqlen_k, offs_d, head_dim,
                          BOUNDARY, EVEN_D)                                  # (N, D)
-        b_v = _load_tile(p_v + start_n * stride_vn, offs_n, seqlen_k, offs_d, head_dim,
-                         BOUNDARY, EVEN_D)                                  # (N, D)
+        b_v = _load_tile(p_v + start_n * stride_vn, offs_n, seqlen_k, offs_dv,
+                         head_dim_v, BOUNDARY, EVEN_DV)                     # (N, DV)
         qk = tl.dot(b_q, tl.trans(b_k), input_precision=INPUT_PRECISION)   # (M, N)
         m_mask = (offs_m[:, None] < seqlen_q) & (offs_n[None, :] < seqlen_k)
         s = _scores_log2(qk, offs_m, offs_n, seqlen_k, diag_offset, window_left,
@@ -288,11 +305,12 @@ def _bwd_dq_kernel(
     stride_lb, stride_lh,
     stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n,
     stride_alibi_b, stride_alibi_h,
-    nheads, group_size, seqlen_q, seqlen_k, head_dim,
+    nheads, group_size, seqlen_q, seqlen_k, head_dim, head_dim_v,
     total_q, total_k, max_seqlen_q, max_seqlen_k,
     diag_offset, window_left, window_right, softmax_scale, softcap,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    EVEN_D: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
+    EVEN_D: tl.constexpr, BLOCK_DV: tl.constexpr, EVEN_DV: tl.constexpr,
+    MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_MASK: tl.constexpr,
     MASK_IS_BOOL: tl.constexpr, INPUT_PRECISION: tl.constexpr, IS_VARLEN: tl.constexpr,
 ):
@@ -317,15 +335,19 @@ def _bwd_dq_kernel(
     offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n0 = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
+    # V's and dO's head dim. offs_d itself where the tiles match, so equal-dim calls
+    # compile the IR they had before.
+    offs_dv = offs_d if BLOCK_DV == BLOCK_D else tl.arange(0, BLOCK_DV)
     Q += off_b * stride_qb + q_start * stride_qm
     DOut += off_b * stride_dob + q_start * stride_dom
     DQ += off_b * stride_dqb + q_start * stride_dqm
     p_q = Q + off_h * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :]
-    p_do = DOut + off_h * stride_doh + offs_m[:, None] * stride_dom + offs_d[None, :]
+    p_do = DOut + off_h * stride_doh + offs_m[:, None] * stride_dom + offs_dv[None, :]
     p_k = K + off_b * stride_kb + k_start * stride_kn + off_hkv * stride_kh + offs_n0[:, None] * stride_kn + offs_d[None, :]
-    p_v = V + off_b * stride_vb + k_start * stride_vn + off_hkv * stride_vh + offs_n0[:, None] * stride_vn + offs_d[None, :]
+    p_v = V + off_b * stride_vb + k_start * stride_vn + off_hkv * stride_vh + offs_n0[:, None] * stride_vn + offs_dv[None, :]
     b_q = _load_tile(p_q, offs_m, seqlen_q, offs_d, head_dim, True, EVEN_D)    # (M, D)
-    b_do = _load_tile(p_do, offs_m, seqlen_q, offs_d, head_dim, True, EVEN_D)  # (M, D)
+    b_do = _load_tile(p_do, offs_m, seqlen_q, offs_dv, head_dim_v, True,
+                      EVEN_DV)                                                 # (M, DV)
     p_lse = off_b * stride_lb + off_h * stride_lh + q_start  # Delta shares lse's layout
     lse_log2 = _load_lse_log2(Lse + p_lse, offs_m, seqlen_q)                 # (M,)
     delta = tl.load(Delta + p_lse + offs_m, mask=offs_m < seqlen_q, other=0.0)
@@ -341,21 +363,24 @@ def _bwd_dq_kernel(
                                           window_left, window_right, BLOCK_M, BLOCK_N,
                                           MASK_LEFT, MASK_RIGHT)
     dq = _dq_block(dq, b_q, b_do, lse_log2, delta, p_k, p_v, lo, mid_lo, offs_m, offs_n0,
-                   offs_d, seqlen_q, seqlen_k, head_dim, stride_kn, stride_vn, diag_offset,
+                   offs_d, offs_dv, seqlen_q, seqlen_k, head_dim, head_dim_v, stride_kn,
+                   stride_vn, diag_offset,
                    window_left, window_right, softmax_scale, softcap, alibi_slope, p_mask,
-                   stride_mask_m, stride_mask_n, BLOCK_N, EVEN_D, True, MASK_LEFT,
+                   stride_mask_m, stride_mask_n, BLOCK_N, EVEN_D, EVEN_DV, True, MASK_LEFT,
                    MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_MASK, MASK_IS_BOOL,
                    INPUT_PRECISION)
     dq = _dq_block(dq, b_q, b_do, lse_log2, delta, p_k, p_v, mid_lo, mid_hi, offs_m,
-                   offs_n0, offs_d, seqlen_q, seqlen_k, head_dim, stride_kn, stride_vn,
+                   offs_n0, offs_d, offs_dv, seqlen_q, seqlen_k, head_dim, head_dim_v,
+                   stride_kn, stride_vn,
                    diag_offset, window_left, window_right, softmax_scale, softcap,
                    alibi_slope, p_mask, stride_mask_m, stride_mask_n, BLOCK_N, EVEN_D,
-                   False, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_MASK,
+                   EVEN_DV, False, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_MASK,
                    MASK_IS_BOOL, INPUT_PRECISION)
     dq = _dq_block(dq, b_q, b_do, lse_log2, delta, p_k, p_v, mid_hi, hi, offs_m, offs_n0,
-                   offs_d, seqlen_q, seqlen_k, head_dim, stride_kn, stride_vn, diag_offset,
+                   offs_d, offs_dv, seqlen_q, seqlen_k, head_dim, head_dim_v, stride_kn,
+                   stride_vn, diag_offset,
                    window_left, window_right, softmax_scale, softcap, alibi_slope, p_mask,
-                   stride_mask_m, stride_mask_n, BLOCK_N, EVEN_D, True, MASK_LEFT,
+                   stride_mask_m, stride_mask_n, BLOCK_N, EVEN_D, EVEN_DV, True, MASK_LEFT,
                    MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_MASK, MASK_IS_BOOL,
                    INPUT_PRECISION)
 
@@ -393,7 +418,8 @@ def attn_bwd(dout, q, k, v, out, lse, dlse, *, attn_mask, alibi_slopes, softmax_
              diag_offset, window_left, window_right, softcap, allow_tf32,
              cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
              fused=False):
-    """Launch the backward. Returns (dq, dk, dv) shaped like q, k, v.
+    """Launch the backward. Returns (dq, dk, dv) shaped like q, k, v; v (so out, dout
+    and dv) may have a head dim of its own.
 
     Dense: ``lse`` and ``dlse`` are (b, h, sq) fp32; varlen (cu_seqlens given): q/k/v
     are packed (total, heads, d) and lse/dlse are (h, total_q). ``dlse`` may be None.
@@ -406,7 +432,11 @@ def attn_bwd(dout, q, k, v, out, lse, dlse, *, attn_mask, alibi_slopes, softmax_
     """
     varlen = cu_seqlens_q is not None
     h, d, hkv = q.shape[-2], q.shape[-1], k.shape[-2]
-    fused = fused and configs.fused_bwd_has_tiles(q.element_size(), d)
+    # v's head dim (dv's and dout's) may differ from q's and k's (MLA); the tiles are
+    # chosen for the wider one, the register tiles growing with either.
+    d_v = v.shape[-1]
+    d_tiles = max(d, d_v)
+    fused = fused and configs.fused_bwd_has_tiles(q.element_size(), d_tiles)
     if varlen:
         batch, longest_q, longest_k = cu_seqlens_q.shape[0] - 1, max_seqlen_q, max_seqlen_k
     else:
@@ -441,7 +471,7 @@ def attn_bwd(dout, q, k, v, out, lse, dlse, *, attn_mask, alibi_slopes, softmax_
     key = None
     if _launch.ready(q):
         p = _launch.pointers(tensors)
-        key = ("bwd", q.dtype, q.shape, q.stride(), k.shape, k.stride(), v.stride(),
+        key = ("bwd", q.dtype, q.shape, q.stride(), k.shape, k.stride(), d_v, v.stride(),
                dout.stride(), out.stride(), dlse is None,
                _launch.layout(attn_mask), _launch.layout(alibi_slopes),
                diag_offset, window_left, window_right, softcap > 0, allow_tf32,
@@ -478,16 +508,19 @@ def attn_bwd(dout, q, k, v, out, lse, dlse, *, attn_mask, alibi_slopes, softmax_
         _bwd_preprocess_kernel, row_grid,
         (out, dout, tensors[13], delta, tensors[15], out4.stride(0), out4.stride(1),
          out4.stride(2), dout4.stride(0), dout4.stride(1), dout4.stride(2), *acc_strides,
-         h, rows, d),
-        dict(BLOCK_M=pre_m, BLOCK_D=block_d, HAS_DLSE=dlse is not None, ZERO_DQ=fused),
+         h, rows, d_v),
+        dict(BLOCK_M=pre_m, BLOCK_D=block_d, BLOCK_DV=configs.padded_head_dim(d_v),
+             HAS_DLSE=dlse is not None, ZERO_DQ=fused),
         _PRE_SLOTS if key is not None else None)
     mask, mask_strides, alibi, alibi_strides, flags = configs.feature_args(
         attn_mask, alibi_slopes, q, window_left=window_left, window_right=window_right,
         softcap=softcap, allow_tf32=allow_tf32, head_dim=d)
+    flags.update(BLOCK_DV=configs.padded_head_dim(d_v),
+                 EVEN_DV=configs.padded_head_dim(d_v) == d_v)
     windowed, longest = window_left >= 0 or window_right >= 0, max(longest_q, longest_k)
     ieee = flags["INPUT_PRECISION"] == "ieee"
     # Varlen kernels read each sequence's lengths from cu_seqlens; seqlen_q/k unused.
-    sizes = (0, 0, d) if varlen else (longest_q, longest_k, d)
+    sizes = (0, 0, d, d_v) if varlen else (longest_q, longest_k, d, d_v)
     totals = (q.shape[0], k.shape[0]) if varlen else (0, 0)
     common = (*totals, *scalars[:2], diag_offset, window_left, window_right,
               softmax_scale, softcap)
@@ -496,7 +529,7 @@ def attn_bwd(dout, q, k, v, out, lse, dlse, *, attn_mask, alibi_slopes, softmax_
     dkdv = configs.launch(
         _bwd_dkdv_kernel,
         lambda cfg: (max(1, configs.cdiv(longest_k, cfg.block_n)), batch * hkv),
-        pick(q, d, windowed, seqlen=longest, ieee=ieee), name, q, d,
+        pick(q, d_tiles, windowed, seqlen=longest, ieee=ieee), name, q, d,
         *tensors[:8], tensors[15], mask, alibi, cu_q, cu_k,
         *configs.strides(varlen, q4, k4, v4, dout4, dk4, dv4), *acc_strides,
         *configs.strides(varlen, lse3),
@@ -515,7 +548,7 @@ def attn_bwd(dout, q, k, v, out, lse, dlse, *, attn_mask, alibi_slopes, softmax_
         last = configs.launch(
             _bwd_dq_kernel,
             lambda cfg: (max(1, configs.cdiv(longest_q, cfg.block_m)), batch * h),
-            configs.bwd_dq_config(q, d, windowed, seqlen=longest, ieee=ieee),
+            configs.bwd_dq_config(q, d_tiles, windowed, seqlen=longest, ieee=ieee),
             "backward dq", q, d,
             *tensors[:6], dq, mask, alibi, cu_q, cu_k,
             *configs.strides(varlen, q4, k4, v4, dout4, dq4, lse3),

@@ -65,11 +65,12 @@ def _load_vt(ptrs, offs_d, head_dim, EVEN_D: tl.constexpr):
 
 @triton.jit
 def _fwd_block(acc, l_i, m_i, b_q, p_k, p_v, start, stop,
-               offs_m, offs_n0, offs_d, seqlen_q, seqlen_k, head_dim,
-               stride_kb, stride_kn, stride_vb, stride_vn, block_row, max_blocks,
-               num_blocks, diag_offset, window_left, window_right,
+               offs_m, offs_n0, offs_d, offs_dv, seqlen_q, seqlen_k, head_dim,
+               head_dim_v, stride_kb, stride_kn, stride_vb, stride_vn, block_row,
+               max_blocks, num_blocks, diag_offset, window_left, window_right,
                softmax_scale, softcap, alibi_slope, p_mask, stride_mask_m, stride_mask_n,
-               BLOCK_N: tl.constexpr, EVEN_D: tl.constexpr, BOUNDARY: tl.constexpr,
+               BLOCK_N: tl.constexpr, EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr,
+               BOUNDARY: tl.constexpr,
                MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
                HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
                HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr,
@@ -133,10 +134,10 @@ def _fwd_block(acc, l_i, m_i, b_q, p_k, p_v, start, stop,
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
         if V_KEYS_CONTIGUOUS:
-            b_v = tl.trans(_load_vt(p_v_n, offs_d, head_dim, EVEN_D))     # (N, D)
+            b_v = tl.trans(_load_vt(p_v_n, offs_dv, head_dim_v, EVEN_DV))  # (N, DV)
         else:
-            b_v = _load_tile(p_v_n, offs_n, seqlen_k, offs_d, head_dim,
-                             BOUNDARY, EVEN_D)                              # (N, D)
+            b_v = _load_tile(p_v_n, offs_n, seqlen_k, offs_dv, head_dim_v,
+                             BOUNDARY, EVEN_DV)                             # (N, DV)
         if PV_PER_TILE:
             # Each tile's P @ V starts from zero and the tiles are summed in fp32: Hopper's
             # FP8 wgmma keeps a narrower accumulator (about 14 bits, DeepSeek-V3 report
@@ -172,11 +173,12 @@ def _attn_fwd_kernel(
     stride_qdesc_b, stride_qdesc_h, stride_kdesc_b, stride_kdesc_h,
     stride_vdesc_b, stride_vdesc_h,
     stride_block_table_b, max_blocks, num_blocks,
-    nheads, group_size, seqlen_q, seqlen_k, head_dim,
+    nheads, group_size, seqlen_q, seqlen_k, head_dim, head_dim_v,
     total_q, total_k, max_seqlen_q, max_seqlen_k,
     diag_offset, window_left, window_right, softmax_scale, softcap,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    EVEN_D: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
+    EVEN_D: tl.constexpr, BLOCK_DV: tl.constexpr, EVEN_DV: tl.constexpr,
+    MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_MASK: tl.constexpr,
     MASK_IS_BOOL: tl.constexpr, INPUT_PRECISION: tl.constexpr, REVERSE_M: tl.constexpr,
     IS_VARLEN: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
@@ -188,7 +190,7 @@ def _attn_fwd_kernel(
     # FP8 P @ V summed tile by tile in fp32 (_fwd_block) where its second accumulator
     # fits: the keys-contiguous path up to head_dim 128. At head_dim 256, or with Triton
     # transposing V tiles through registers (varlen), it spilled 24-300 bytes on sm_90.
-    PV_PER_TILE: tl.constexpr = IS_FP8 and V_KEYS_CONTIGUOUS and BLOCK_D <= 128
+    PV_PER_TILE: tl.constexpr = IS_FP8 and V_KEYS_CONTIGUOUS and BLOCK_DV <= 128
     start_m = tl.program_id(0)
     if REVERSE_M:
         # With a causal or window mask the last query blocks see the most keys: start
@@ -211,8 +213,8 @@ def _attn_fwd_kernel(
             # sequences cannot say which rows are whose).
             chunk = off_b * tl.num_programs(0) + tl.program_id(0)
             n_chunks = tl.num_programs(1) // nheads * tl.num_programs(0)
-            _fill_nan_rows(Out + off_h * stride_oh, stride_om, total_q, head_dim, chunk,
-                           n_chunks, BLOCK_M, BLOCK_D)
+            _fill_nan_rows(Out + off_h * stride_oh, stride_om, total_q, head_dim_v, chunk,
+                           n_chunks, BLOCK_M, BLOCK_DV)
             _fill_nan_rows(Lse + off_h * stride_lh, 1, total_q, 1, chunk, n_chunks,
                            BLOCK_M, 1)
             return
@@ -237,6 +239,9 @@ def _attn_fwd_kernel(
     offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n0 = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
+    # V's head dim, the output's (MLA: 128 beside 192). offs_d itself where the tiles
+    # match, so equal-dim calls compile the IR they had before.
+    offs_dv = offs_d if BLOCK_DV == BLOCK_D else tl.arange(0, BLOCK_DV)
 
     Q += off_b * stride_qb + q_start * stride_qm
     Out += off_b * stride_ob + q_start * stride_om
@@ -245,7 +250,7 @@ def _attn_fwd_kernel(
     if PAGED:
         # Row offsets come per tile from the block table (_tile_pages).
         p_k = K + off_hkv * stride_kh + offs_d[None, :]                    # (1, D)
-        p_v = V + off_hkv * stride_vh + offs_d[None, :]
+        p_v = V + off_hkv * stride_vh + offs_dv[None, :]
     else:
         K += off_b * stride_kb + k_start * stride_kn
         V += off_b * stride_vb + k_start * stride_vn
@@ -254,9 +259,9 @@ def _attn_fwd_kernel(
             # V^T tiles (D, N), keys contiguous (stride_vn == 1: the FP8 launcher's
             # copy), transposed in shared memory as K is for q k^T: the K-major B
             # operand the FP8 wgmma needs, with K = the key axis.
-            p_v = V + off_hkv * stride_vh + offs_d[:, None] * stride_vd + offs_n0[None, :]
+            p_v = V + off_hkv * stride_vh + offs_dv[:, None] * stride_vd + offs_n0[None, :]
         else:
-            p_v = V + off_hkv * stride_vh + offs_n0[:, None] * stride_vn + offs_d[None, :]
+            p_v = V + off_hkv * stride_vh + offs_n0[:, None] * stride_vn + offs_dv[None, :]
     b_q = _load_tile(p_q, offs_m, seqlen_q, offs_d, head_dim, True, EVEN_D)  # (M, D)
 
     alibi_slope = 0.0
@@ -276,7 +281,7 @@ def _attn_fwd_kernel(
                               HAS_V_DESCALE)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
 
     lo, mid_lo, mid_hi, hi = _block_range(start_m, seqlen_q, seqlen_k, diag_offset,
                                           window_left, window_right, BLOCK_M, BLOCK_N,
@@ -284,25 +289,28 @@ def _attn_fwd_kernel(
     # Three spans: masked left edge, unmasked middle, masked right edge (and the ragged
     # last key block). The middle one is where the time goes.
     acc, l_i, m_i = _fwd_block(
-        acc, l_i, m_i, b_q, p_k, p_v, lo, mid_lo, offs_m, offs_n0, offs_d, seqlen_q,
-        seqlen_k, head_dim, stride_kb, stride_kn, stride_vb, stride_vn, block_row,
-        max_blocks, num_blocks, diag_offset, window_left, window_right, softmax_scale,
-        softcap, alibi_slope, p_mask, stride_mask_m, stride_mask_n, BLOCK_N, EVEN_D, True,
-        MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_MASK, MASK_IS_BOOL,
+        acc, l_i, m_i, b_q, p_k, p_v, lo, mid_lo, offs_m, offs_n0, offs_d, offs_dv,
+        seqlen_q, seqlen_k, head_dim, head_dim_v, stride_kb, stride_kn, stride_vb,
+        stride_vn, block_row, max_blocks, num_blocks, diag_offset, window_left,
+        window_right, softmax_scale, softcap, alibi_slope, p_mask, stride_mask_m,
+        stride_mask_n, BLOCK_N, EVEN_D, EVEN_DV, True, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP,
+        HAS_ALIBI, HAS_MASK, MASK_IS_BOOL,
         INPUT_PRECISION, PAGED, PAGE_SIZE, IS_FP8, V_KEYS_CONTIGUOUS, PV_PER_TILE)
     acc, l_i, m_i = _fwd_block(
-        acc, l_i, m_i, b_q, p_k, p_v, mid_lo, mid_hi, offs_m, offs_n0, offs_d, seqlen_q,
-        seqlen_k, head_dim, stride_kb, stride_kn, stride_vb, stride_vn, block_row,
-        max_blocks, num_blocks, diag_offset, window_left, window_right, softmax_scale,
-        softcap, alibi_slope, p_mask, stride_mask_m, stride_mask_n, BLOCK_N, EVEN_D, False,
-        MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_MASK, MASK_IS_BOOL,
+        acc, l_i, m_i, b_q, p_k, p_v, mid_lo, mid_hi, offs_m, offs_n0, offs_d, offs_dv,
+        seqlen_q, seqlen_k, head_dim, head_dim_v, stride_kb, stride_kn, stride_vb,
+        stride_vn, block_row, max_blocks, num_blocks, diag_offset, window_left,
+        window_right, softmax_scale, softcap, alibi_slope, p_mask, stride_mask_m,
+        stride_mask_n, BLOCK_N, EVEN_D, EVEN_DV, False, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP,
+        HAS_ALIBI, HAS_MASK, MASK_IS_BOOL,
         INPUT_PRECISION, PAGED, PAGE_SIZE, IS_FP8, V_KEYS_CONTIGUOUS, PV_PER_TILE)
     acc, l_i, m_i = _fwd_block(
-        acc, l_i, m_i, b_q, p_k, p_v, mid_hi, hi, offs_m, offs_n0, offs_d, seqlen_q,
-        seqlen_k, head_dim, stride_kb, stride_kn, stride_vb, stride_vn, block_row,
-        max_blocks, num_blocks, diag_offset, window_left, window_right, softmax_scale,
-        softcap, alibi_slope, p_mask, stride_mask_m, stride_mask_n, BLOCK_N, EVEN_D, True,
-        MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_MASK, MASK_IS_BOOL,
+        acc, l_i, m_i, b_q, p_k, p_v, mid_hi, hi, offs_m, offs_n0, offs_d, offs_dv,
+        seqlen_q, seqlen_k, head_dim, head_dim_v, stride_kb, stride_kn, stride_vb,
+        stride_vn, block_row, max_blocks, num_blocks, diag_offset, window_left,
+        window_right, softmax_scale, softcap, alibi_slope, p_mask, stride_mask_m,
+        stride_mask_n, BLOCK_N, EVEN_D, EVEN_DV, True, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP,
+        HAS_ALIBI, HAS_MASK, MASK_IS_BOOL,
         INPUT_PRECISION, PAGED, PAGE_SIZE, IS_FP8, V_KEYS_CONTIGUOUS, PV_PER_TILE)
 
 
@@ -327,9 +335,9 @@ def _attn_fwd_kernel(
 
     m_row = offs_m < seqlen_q
     tl.store(Lse + off_b * stride_lb + off_h * stride_lh + q_start + offs_m, lse, mask=m_row)
-    p_o = Out + off_h * stride_oh + offs_m[:, None] * stride_om + offs_d[None, :]
+    p_o = Out + off_h * stride_oh + offs_m[:, None] * stride_om + offs_dv[None, :]
     tl.store(p_o, out.to(Out.dtype.element_ty),
-             mask=m_row[:, None] & (offs_d[None, :] < head_dim))
+             mask=m_row[:, None] & (offs_dv[None, :] < head_dim_v))
 
 
 # The kernel parameters a call of a forward plan fills, in this order (``_launch``).
@@ -370,9 +378,10 @@ def attn_fwd(q, k, v, *, attn_mask, alibi_slopes, softmax_scale, diag_offset,
     """Launch the forward kernel. Inputs are validated by the caller (shapes, dtypes,
     devices; index values are checked by the kernel).
 
-    Dense: q (b, sq, h, d), k/v (b, sk, hkv, d), last dim contiguous, any other strides;
-    attn_mask, if given, already expanded to (b, h, sq, sk); returns out (b, sq, h, d)
-    contiguous in q's dtype and lse (b, h, sq) fp32.
+    Dense: q (b, sq, h, d), k (b, sk, hkv, d), v (b, sk, hkv, dv), last dim contiguous,
+    any other strides; attn_mask, if given, already expanded to (b, h, sq, sk); returns
+    out (b, sq, h, dv) contiguous in q's dtype and lse (b, h, sq) fp32. dv may differ
+    from d (DeepSeek's MLA: 192/128); the output takes v's head dim.
     Varlen (cu_seqlens_q/k int32 (batch + 1,), unit stride): q (total_q, h, d), k/v
     (total_k, hkv, d); returns out (total_q, h, d) and lse (h, total_q); diag_offset is
     relative to each sequence's bottom-right corner.
@@ -387,7 +396,8 @@ def attn_fwd(q, k, v, *, attn_mask, alibi_slopes, softmax_scale, diag_offset,
     paged = block_table is not None
     q_shape, k_shape, dtype, device = q.shape, k.shape, q.dtype, q.device
     fp8 = q.element_size() == 1
-    out = torch.empty(q_shape, dtype=out_dtype or dtype, device=device)
+    dv = v.shape[-1]
+    out = torch.empty((*q_shape[:-1], dv), dtype=out_dtype or dtype, device=device)
     if varlen:
         total_q, h, d = q_shape
         batch, longest_q = cu_seqlens_q.shape[0] - 1, max_seqlen_q
@@ -420,7 +430,8 @@ def attn_fwd(q, k, v, *, attn_mask, alibi_slopes, softmax_scale, diag_offset,
     if _launch.ready(q):
         ptrs = _launch.pointers(tensors)
         key = ("fwd", dtype, out.dtype, q_shape, q.stride(), k_shape, k.stride(),
-               v.stride(), _launch.layout(attn_mask), _launch.layout(alibi_slopes),
+               v.shape[-1], v.stride(), _launch.layout(attn_mask),
+               _launch.layout(alibi_slopes),
                *(_launch.layout(x) for x in (q_descale, k_descale, v_descale)),
                diag_offset, window_left, window_right, softcap > 0, allow_tf32,
                varlen and (batch, cu_seqlens_k is None, seqused_k is None,
@@ -439,13 +450,22 @@ def attn_fwd(q, k, v, *, attn_mask, alibi_slopes, softmax_scale, diag_offset,
     mask, mask_strides, alibi, alibi_strides, flags = configs.feature_args(
         attn_mask, alibi_slopes, q, window_left=window_left, window_right=window_right,
         softcap=softcap, allow_tf32=allow_tf32, head_dim=d)
-    cfg = configs.fwd_config(q, d, causal_like=windowed, seqlen=max(longest_q, longest_k),
+    # Tiles for the wider of the two head dims: the register tiles grow with either.
+    cfg = configs.fwd_config(q, max(d, dv), causal_like=windowed,
+                             seqlen=max(longest_q, longest_k),
                              ieee=flags["INPUT_PRECISION"] == "ieee")
     if fp8 and not varlen and FP8_V_PAD % cfg.block_n:
         raise ValueError(f"FP8 forward tiles: BLOCK_N must divide {FP8_V_PAD} (V's copy is "
                          f"padded to it), got {cfg}")
-    if fp8 and flags["BLOCK_D"] < configs.FP8_MIN_BLOCK_D:
-        flags.update(BLOCK_D=configs.FP8_MIN_BLOCK_D, EVEN_D=False)
+    # V's head dim, the accumulator's and the output's: its own tile (equal to BLOCK_D,
+    # the same compiled kernel, when dv == d).
+    block_dv = configs.padded_head_dim(dv)
+    flags.update(BLOCK_DV=block_dv, EVEN_DV=block_dv == dv)
+    if fp8:
+        for name, real in (("D", d), ("DV", dv)):
+            if flags[f"BLOCK_{name}"] < configs.FP8_MIN_BLOCK_D:
+                flags.update({f"BLOCK_{name}": configs.FP8_MIN_BLOCK_D,
+                              f"EVEN_{name}": False})
     if varlen:
         # Packed tensors as a batch of one whose batch stride the kernel must not use.
         q4, out4, lse3 = q.unsqueeze(0), out.unsqueeze(0), lse.unsqueeze(0)
@@ -469,7 +489,8 @@ def attn_fwd(q, k, v, *, attn_mask, alibi_slopes, softmax_scale, diag_offset,
         *strides, *mask_strides, *alibi_strides, *descale_strides,
         block_table.stride(0) if paged else 0, block_table.shape[1] if paged else 0,
         k.shape[0] if paged else 0,
-        h, h // k4.shape[2], 0 if varlen else longest_q, 0 if varlen else longest_k, d,
+        h, h // k4.shape[2], 0 if varlen else longest_q, 0 if varlen else longest_k,
+        d, dv,
         q.shape[0] if varlen else 0, 0 if paged or not varlen else k.shape[0],
         *scalars[:2], diag_offset, window_left, window_right, softmax_scale, softcap,
         REVERSE_M=windowed, IS_VARLEN=varlen, PAGED=paged,

@@ -310,6 +310,8 @@ def unsupported(q, k, v, *, softmax_scale=1.0, attn_mask=None, alibi_slopes=None
         return f"dtype {q.dtype}: float16 or bfloat16 only"
     if q.shape[-1] not in configs.HOPPER_FWD_16BIT:
         return f"head_dim {q.shape[-1]}: one of {sorted(configs.HOPPER_FWD_16BIT)} only"
+    if v.shape[-1] != q.shape[-1]:
+        return f"value head_dim {v.shape[-1]} != query head_dim {q.shape[-1]} (one tile)"
     if attn_mask is not None or alibi_slopes is not None or softcap > 0 \
             or window_left >= 0 or window_right > 0:
         return "causal or full attention only (no attn_mask, ALiBi, softcap or window)"
