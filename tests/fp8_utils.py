@@ -95,7 +95,8 @@ def error_bound(q, k, v, ref, *, p_dtype, out_dtype, softmax_scale, causal=False
     left, right = window
     if causal:
         right = 0
-    s = _scores(q, k, torch.arange(sq), torch.arange(sk), softmax_scale=softmax_scale,
+    rows, cols = (torch.arange(n, device=q.device) for n in (sq, sk))
+    s = _scores(q, k, rows, cols, softmax_scale=softmax_scale,
                 softcap=softcap, alibi_slopes=alibi_slopes, attn_mask=None,
                 diag_offset=sk - sq, window_left=left, window_right=right, seqlen_q=sq,
                 seqlen_k=sk, dtype=torch.float64)                          # (b, h, sq, sk)

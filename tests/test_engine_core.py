@@ -485,7 +485,7 @@ def test_sampler_on_cuda_never_syncs():
     raises on any host synchronisation. Greedy rows still match HF, a seeded row still
     draws the same token at another place in another batch."""
     dev = torch.device("cuda")
-    seeded = SamplingParams(top_k=6, temperature=1.2, seed=3)
+    seeded = SamplingParams(top_k=6, temperature=1.2, seed=3, logprobs=0)  # logprobs too
     seqs = [_seq(p, seed=i, n_out=2) for i, p in enumerate(_MIXED)] + [_seq(seeded, seed=9)]
     logits = torch.randn(len(seqs), 32, generator=torch.Generator().manual_seed(8))
     logits_dev = logits.to(dev)

@@ -72,13 +72,14 @@ def test_pool_sized_from_free_memory(checkpoint, monkeypatch):
     monkeypatch.setattr(torch.cuda, "mem_get_info",
                         lambda device=None: (total - torch.cuda.memory_reserved(), total))
     util = 0.02
+    held = torch.cuda.memory_reserved()  # by this worker's earlier tests
     llm = LLM(str(path), dtype="bfloat16", device="cuda", max_model_len=128,
               gpu_memory_utilization=util, enforce_eager=True)
     pool = llm.runner.kv_cache.numel() * llm.runner.kv_cache.element_size()
     assert llm.runner.num_blocks >= llm.config.blocks_per_seq
     assert pool <= util * total
     # A tiny model and a short warm-up: nearly all of the fraction goes to the pool.
-    assert pool >= util * total - 2**30
+    assert pool >= util * total - held - 2**30
 
 
 @pytest.mark.slow

@@ -277,9 +277,10 @@ def test_plan_decode_and_varlen_equal_triton_path_on_gpu(paged, device):
         k_new, v_new = (torch.randn(2, 1, 2, 64, **f16) for _ in "kv")
         seqlens = torch.tensor([700, 1500], dtype=torch.int32, device=device)
         if paged:
-            k_cache, v_cache = (torch.randn(40, 64, 2, 64, **f16) for _ in "kv")
-            extra = dict(block_table=torch.randperm(40, device=device, generator=gen)[:32]
-                         .view(2, 16).to(torch.int32))
+            # 24 pages of 64 per sequence: room for 1501 keys.
+            k_cache, v_cache = (torch.randn(50, 64, 2, 64, **f16) for _ in "kv")
+            extra = dict(block_table=torch.randperm(50, device=device, generator=gen)[:48]
+                         .view(2, 24).to(torch.int32))
         else:
             k_cache, v_cache = (torch.randn(2, 2048, 2, 64, **f16) for _ in "kv")
             extra = {}

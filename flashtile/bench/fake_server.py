@@ -13,8 +13,9 @@ answered by a JSON line of counters (CPU seconds of the process, of the event lo
 thread and of the engine's thread, steps, tokens, and ``idle_s``: the time the emulated
 device had no step to run, which is host-bound when every request is in, as with
 ``--request-rate inf``: a busy event loop holding the GIL delays the engine thread); the
-client reports the differences. End of stdin stops it. With ``--profile DIR``, the loop and engine threads run under cProfile
-from the first mark on and write DIR/loop.prof and DIR/engine.prof at the end.
+client reports the differences. End of stdin stops it. With ``--profile DIR``, the loop
+and engine threads run under cProfile from the first mark on and write DIR/loop.prof
+and DIR/engine.prof at the end (Python >= 3.12: one profile of both, DIR/server.prof).
 """
 
 from __future__ import annotations
@@ -190,10 +191,19 @@ def main(argv=None) -> int:
     profiles = []
 
     def profile_threads():
+        # (file name, profiler, how to run a call on its thread) for each profiler.
         import cProfile
-        profiles.extend([cProfile.Profile(), cProfile.Profile()])
-        loop.call_soon_threadsafe(profiles[0].enable)
-        engine._executor.submit(profiles[1].enable).result()
+        here = lambda f: f()  # noqa: E731
+        if sys.version_info >= (3, 12):
+            # cProfile sits on sys.monitoring from 3.12: one profiler per process, and
+            # it sees every thread (a second one raises "Another profiling tool").
+            profiles.append(("server", cProfile.Profile(), here))
+        else:  # one per thread, each enabled on its own thread
+            profiles.extend([("loop", cProfile.Profile(), loop.call_soon_threadsafe),
+                             ("engine", cProfile.Profile(),
+                              lambda f: engine._executor.submit(f).result())])
+        for _, prof, on_thread in profiles:
+            on_thread(prof.enable)
 
     def counters():
         if args.profile and not profiles:
@@ -216,10 +226,11 @@ def main(argv=None) -> int:
     loop.run_forever()
     if profiles:
         loop.run_until_complete(asyncio.sleep(0))
-        profiles[0].disable()
-        engine._executor.submit(profiles[1].disable).result()
         os.makedirs(args.profile, exist_ok=True)
-        for name, prof in zip(("loop", "engine"), profiles):
+        for name, prof, on_thread in profiles:
+            # The loop's thread is this one, and the loop has stopped: disable it here.
+            (prof.disable() if on_thread is loop.call_soon_threadsafe
+             else on_thread(prof.disable))
             prof.dump_stats(os.path.join(args.profile, f"{name}.prof"))
     loop.run_until_complete(runner.cleanup())
     return 0

@@ -147,6 +147,13 @@ def make(compiled, kernel, args, kwargs, grid, slots, cfg=None):
     if any(n not in kwargs for n in names[len(args):]):
         return None  # a parameter left to its default: not recorded here
     template = [*args, *(kwargs[n] for n in names[len(args):])]
+    slot_index = tuple(names.index(n) for n in slots)
+    for i in slot_index:
+        # Every call fills these: the first call's tensors must not be kept alive here
+        # (a leak, and under torch.compile's CUDA graphs memory the graph thinks free).
+        template[i] = None
+    if any(isinstance(a, torch.Tensor) for a in template):
+        return None  # a tensor outside the slots would launch with a stale address
     if launcher.global_scratch_size or launcher.profile_scratch_size:
         # Scratch memory is allocated per launch by the launcher's Python wrapper.
         launch = launcher
@@ -156,8 +163,7 @@ def make(compiled, kernel, args, kwargs, grid, slots, cfg=None):
         head = (compiled.function, launcher.launch_cooperative_grid, launcher.launch_pdl,
                 None, None, compiled.packed_metadata, None, None, None)
     grid = tuple(grid) + (1,) * (3 - len(grid))
-    return Plan(launch, head, template, tuple(names.index(n) for n in slots), grid, cfg,
-                _device())
+    return Plan(launch, head, template, slot_index, grid, cfg, _device())
 
 
 def layout(x):

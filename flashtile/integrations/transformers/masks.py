@@ -12,6 +12,11 @@ import torch
 from flashtile import _validate as V
 from flashtile.integrations.transformers._notes import _note
 
+try:  # imported here: Dynamo cannot trace an import from transformers' lazy module
+    from transformers import masking_utils as _mu
+except ImportError:  # transformers < 4.53 (no mask interface, build_mask unused) or none
+    _mu = None
+
 
 # transformers' mask functions (masking_utils) by __qualname__: the patterns flashtile
 # serves without a mask tensor. Windows need no reading here: each layer passes its
@@ -61,7 +66,7 @@ def _traced_pattern(mask_function, attention_mask, cache_less, kwargs):
     packed-sequence part possible (while tracing, transformers adds one whenever
     position_ids come without a mask or cache). Anything else is materialised (None),
     as SDPA's mask is there."""
-    from transformers import masking_utils as mu
+    mu = _mu
     if mask_function is mu.causal_mask_function or (
             mask_function is getattr(mu, "bidirectional_mask_function", None)):
         return "plain"
@@ -109,14 +114,13 @@ def build_mask(*, batch_size, kv_length, mask_function, attention_mask=None, kv_
     if pattern == "packed" and attention_mask is None:
         return _packed_cu_seqlens(mask_function, batch_size, q_length, device)
     if pattern != "plain":
-        from transformers.masking_utils import sdpa_mask
-        if pattern is None:
+        if pattern is None and not torch.compiler.is_compiling():  # (no __qualname__ there)
             _note(f"a mask pattern flashtile cannot describe ({mask_function.__qualname__}"
                   "); it is materialised (batch, 1, q_len, kv_len) and read tile by tile")
         positions = ({"cache_position": cache_position} if cache_position is not None
                      else {"q_length": q_length, "q_offset": q_offset})
         kwargs.update(allow_is_causal_skip=False, allow_is_bidirectional_skip=False)
-        return sdpa_mask(batch_size=batch_size, kv_length=kv_length, kv_offset=kv_offset,
+        return _mu.sdpa_mask(batch_size=batch_size, kv_length=kv_length, kv_offset=kv_offset,
                          mask_function=mask_function, attention_mask=attention_mask,
                          **positions, **kwargs)
     if attention_mask is not None:
