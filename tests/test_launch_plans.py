@@ -163,6 +163,34 @@ def test_plan_varlen_takes_each_calls_max_seqlen(recorder):
     assert recorder[0][3][fwd._attn_fwd_kernel.arg_names.index("max_seqlen_q")] == 100
 
 
+@pytest.mark.parametrize("paged", [False, True], ids=["packed", "paged"])
+def test_plan_varlen_forward_serves_every_token_count(paged, recorder):
+    """An engine's steps pack a different number of tokens each time: the forward's plan
+    is keyed without the counts and passes each call's own (total_q, total_k and the lse
+    strides they make) exactly as Triton would."""
+    sizes = iter([(5, 7), (9, 2, 6), (9, 2, 6)])  # Triton, plan, Triton again
+
+    def make_inputs():
+        lens = next(sizes)
+        cu = torch.tensor([0, *lens], dtype=torch.int32).cumsum(0, dtype=torch.int32)
+        n = int(cu[-1])
+        t = dict(q=torch.randn(n, 4, 16), cu=cu)
+        if paged:
+            t.update(k=torch.randn(6, 8, 2, 16), v=torch.randn(6, 8, 2, 16),
+                     table=torch.randperm(6)[:2 * len(lens)].view(len(lens), 2).int())
+        else:
+            t.update(k=torch.randn(n, 2, 16), v=torch.randn(n, 2, 16))
+        return t
+
+    def call(t):
+        out, lse = fwd.attn_fwd(t["q"], t["k"], t["v"], **_fwd_kw(
+            cu_seqlens_q=t["cu"], cu_seqlens_k=t["cu"], max_seqlen_q=9, max_seqlen_k=9,
+            block_table=t.get("table")))
+        return dict(out=out, lse=lse)
+
+    _check_plan_matches_triton(recorder, call, make_inputs)
+
+
 @pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
 @pytest.mark.parametrize("num_splits", [1, 4])
 def test_plan_decode_and_append_match_triton(paged, num_splits, recorder):

@@ -138,8 +138,12 @@ def _child(args, argv, provider, model_dir):
            "--model-dir", model_dir] + list(argv if argv is not None else sys.argv[1:])
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
-    except subprocess.TimeoutExpired:
-        print(f"  {provider}: timed out after {args.timeout} s", flush=True)
+    except subprocess.TimeoutExpired as e:
+        # Where it was: the child marks its phases on stderr ("PHASE ...").
+        err = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else e.stderr
+        phases = [ln[6:] for ln in (err or "").splitlines() if ln.startswith("PHASE ")]
+        print(f"  {provider}: timed out after {args.timeout} s; phases reached: "
+              f"{'; '.join(phases) or 'none (still loading)'}", flush=True)
         return None
     timed_log = proc.stderr.partition("TIMED RUN STARTS")[2]
     for line in timed_log.splitlines():

@@ -72,17 +72,25 @@ class _StepTrace:
         return kinds
 
 
+def _phase(what):
+    """A progress mark the parent reports if this run times out."""
+    print(f"PHASE {what}", file=sys.stderr, flush=True)
+
+
 def _engine(args, cfg, requests, backend, eager):
     from flashtile.engine import LLM, SamplingParams
     import torch
+    began = time.perf_counter()
     llm = LLM(model=args.model_dir, dtype="bfloat16", load_format="dummy",
               attention_backend=backend, enforce_eager=eager, max_num_seqs=args.max_num_seqs,
               max_model_len=2 * args.max_len + 16, seed=0)
     params = [SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=n)
               for _, n in requests]
     prompts = [p for p, _ in requests]
+    _phase(f"engine built (graphs captured) at {time.perf_counter() - began:.0f} s")
     llm.generate(prompts[:2], params[:2], use_tqdm=False)  # warm-up (compiles, graphs)
     torch.cuda.synchronize()
+    _phase(f"warm-up done at {time.perf_counter() - began:.0f} s")
     torch.cuda.reset_peak_memory_stats()
     # Any kernel compiled from here on is paid inside the timing: name it (on stderr, which
     # the parent shows), so the warm-up can be made to cover it.

@@ -155,11 +155,13 @@ def _fwd_block(acc, l_i, m_i, b_q, p_k, p_v, start, stop,
 
 # max_seqlen_q/k change from call to call (a varlen batch's longest sequence): not
 # specialised, so one compiled kernel (and one launch plan) serves them all. Nor are the
-# lse strides: a varlen call's lse is (nheads, total_q), so its strides carry the packed
-# token count, and Triton would compile a variant for a count divisible by 16, another
-# for one that is not and a third for 1 (an engine met the second mid-serving, after its
-# warm-up; NOTES.md section 15). One scalar store per row does not need the hint.
-@triton.jit(do_not_specialize=["max_seqlen_q", "max_seqlen_k", "stride_lb", "stride_lh"])
+# packed token counts total_q/total_k and the lse strides (a varlen call's lse is
+# (nheads, total_q)): Triton would compile a variant for a count divisible by 16, another
+# for one that is not and a third for 1, and an engine met them mid-serving, after its
+# warm-up (NOTES.md sections 15 and 18). They only bound index checks and one scalar
+# store per row, which need no hint.
+@triton.jit(do_not_specialize=["max_seqlen_q", "max_seqlen_k", "stride_lb", "stride_lh",
+                               "total_q", "total_k"])
 def _attn_fwd_kernel(
     Q, K, V, Out, Lse, Mask, Alibi, CuSeqlensQ, CuSeqlensK, BlockTable, SequsedK,
     QDescale, KDescale, VDescale,
@@ -341,8 +343,11 @@ def _attn_fwd_kernel(
 
 
 # The kernel parameters a call of a forward plan fills, in this order (``_launch``).
+# What a plan's call passes: the tensors, and the values a varlen call's token counts
+# change (so that one plan serves every packed batch of one layout).
 _FWD_SLOTS = ("Q", "K", "V", "Out", "Lse", "Mask", "Alibi", "CuSeqlensQ", "CuSeqlensK",
               "BlockTable", "SequsedK", "QDescale", "KDescale", "VDescale",
+              "stride_lb", "stride_lh", "total_q", "total_k",
               "max_seqlen_q", "max_seqlen_k", "softmax_scale", "softcap")
 
 
@@ -424,19 +429,26 @@ def attn_fwd(q, k, v, *, attn_mask, alibi_slopes, softmax_scale, diag_offset,
                cu_q if cu_seqlens_k is None else cu_seqlens_k,
                block_table if paged else cu_q, cu_q if seqused_k is None else seqused_k,
                *(lse if x is None else x for x in (q_descale, k_descale, v_descale)))
-    scalars = (max_seqlen_q if varlen else 0, max_seqlen_k if varlen else 0,
-               softmax_scale, softcap)
+    # lse strides, token counts (packed q; packed k, the pool's reads are bounded by the
+    # block table instead), longest sequences, scale and cap: _FWD_SLOTS's order.
+    packed_k = varlen and not paged
+    scalars = ((0, total_q) if varlen else lse.stride()[:2]) + (
+        total_q if varlen else 0, k_shape[0] if packed_k else 0,
+        max_seqlen_q if varlen else 0, max_seqlen_k if varlen else 0, softmax_scale, softcap)
     key = None
     if _launch.ready(q):
         ptrs = _launch.pointers(tensors)
-        key = ("fwd", dtype, out.dtype, q_shape, q.stride(), k_shape, k.stride(),
+        # A varlen key leaves the batch and token counts out (the grid and the slots carry
+        # them): one plan per layout.
+        key = ("fwd", dtype, out.dtype, q_shape[1:] if varlen else q_shape, q.stride(),
+               k_shape[1:] if packed_k else k_shape, k.stride(),
                v.shape[-1], v.stride(), _launch.layout(attn_mask),
                _launch.layout(alibi_slopes),
                *(_launch.layout(x) for x in (q_descale, k_descale, v_descale)),
                diag_offset, window_left, window_right, softcap > 0, allow_tf32,
-               varlen and (batch, cu_seqlens_k is None, seqused_k is None,
+               varlen and (cu_seqlens_k is None, seqused_k is None,
                            configs.seqlen_class(max(longest_q, longest_k))),
-               paged and (block_table.shape, block_table.stride(0)),
+               paged and (block_table.shape[1], block_table.stride(0)),
                _launch.misalignment(ptrs))
         plan = _launch.lookup(key)
         if plan is not None:
@@ -490,9 +502,7 @@ def attn_fwd(q, k, v, *, attn_mask, alibi_slopes, softmax_scale, diag_offset,
         block_table.stride(0) if paged else 0, block_table.shape[1] if paged else 0,
         k.shape[0] if paged else 0,
         h, h // k4.shape[2], 0 if varlen else longest_q, 0 if varlen else longest_k,
-        d, dv,
-        q.shape[0] if varlen else 0, 0 if paged or not varlen else k.shape[0],
-        *scalars[:2], diag_offset, window_left, window_right, softmax_scale, softcap,
+        d, dv, *scalars[2:6], diag_offset, window_left, window_right, softmax_scale, softcap,
         REVERSE_M=windowed, IS_VARLEN=varlen, PAGED=paged,
         PAGE_SIZE=k.shape[1] if paged else 1, SEQUSED_K=seqused_k is not None,
         HAS_Q_DESCALE=q_descale is not None, HAS_K_DESCALE=k_descale is not None,
