@@ -39,7 +39,7 @@ OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 stamp() { echo "[$(date +%T)] $*"; }
 # pytest-xdist's workers where it is installed (as make test-gpu decides).
-XDIST=$(python3 -c "import xdist" >/dev/null 2>&1 && echo "-n 8")
+XDIST=$(python3 -c "import xdist" >/dev/null 2>&1 && n=$(nproc) && echo "-n $(( n < 16 ? n : 16 ))")
 # The decode table (and any sweep flags given) into $OUT/decode.txt and decode.json.
 decode_table() {
   timeout "${DECODE_SECS:-100}" python3 -m flashtile.bench.decode "$@" "$OUT/decode.json" \
@@ -78,7 +78,7 @@ case "${1:-}" in
     stamp done
     ;;
   memcheck)
-    # The slice first without the sanitizer, 8 workers: under compute-sanitizer a cold
+    # The slice first without the sanitizer, on every core: under compute-sanitizer a cold
     # Triton cache compiles so slowly that the slice overran 280 s at 10% (session 9);
     # warm, it takes about 2 minutes.
     stamp memcheck-warm
