@@ -5,6 +5,7 @@
 # outputs go to $OUT (at most 8 files come back: folders travel as tarballs).
 #   check        make test-gpu                                             (~9 min)
 #   memcheck     the memcheck slice warmed, then make memcheck             (~5 min)
+#   verify       check then memcheck in one call (the suite warms the cache) (~9 min)
 #   sweep SECS   the default `flashtile bench` sweep for SECS seconds, --resume from
 #                bench-h200/ (carry it back in: a sweep spans several calls)
 #   extra        bench --accuracy, tune for head_dim 128                  (~6 min)
@@ -75,6 +76,16 @@ case "${1:-}" in
     # safety): the GPU tests and the memcheck slice each get a call of their own.
     stamp test-gpu
     timeout 560 make test-gpu GPU_LOG="$OUT/gpu-tests.txt" 2>&1 | tail -3
+    stamp done
+    ;;
+  verify)
+    # check and memcheck in one call: the GPU suite leaves the Triton cache warm, so the
+    # memcheck slice needs no warm-up of its own (16 workers: the suite should take
+    # 5-6 minutes; if it nears its limit, run check and memcheck as two calls).
+    stamp test-gpu
+    timeout 390 make test-gpu GPU_LOG="$OUT/gpu-tests.txt" 2>&1 | tail -3
+    stamp memcheck
+    timeout 190 make memcheck 2>&1 | tail -4 | tee "$OUT/memcheck.txt"
     stamp done
     ;;
   memcheck)
