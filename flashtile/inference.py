@@ -44,16 +44,16 @@ def _check_cache(q, k_cache, v_cache, k, v, block_table, cache_seqlens, cache_ba
         if x.device != device:
             V._fail(ValueError, f"{name}.device", f"q's device {device}", x.device)
     cache_shape = k_cache.shape
-    if cache_shape != v_cache.shape:
-        V._fail(ValueError, "v_cache.shape", f"k_cache's {tuple(cache_shape)}",
-              tuple(v_cache.shape))
-    hkv = cache_shape[2]
+    # v_cache's head dim may differ from k_cache's (MLA); every other dim is shared.
+    if cache_shape[:-1] != v_cache.shape[:-1]:
+        V._fail(ValueError, "v_cache.shape[:-1]", f"k_cache's {tuple(cache_shape[:-1])}",
+                tuple(v_cache.shape[:-1]), "k_cache and v_cache differ only in head_dim")
+    hkv, dv = cache_shape[2], v_cache.shape[3]
     V.check_grid(b * hkv, device)
     if cache_shape[3] != d:
         V._fail(ValueError, "k_cache.shape[-1] (head_dim)", f"q's head_dim {d}",
               cache_shape[3])
-    if not 1 <= d <= V.MAX_HEAD_DIM:
-        V._fail(ValueError, "q.shape[-1] (head_dim)", f"1 to {V.MAX_HEAD_DIM}", d)
+    V.check_kvcache_head_dims(d, dv)
     if hkv == 0 or h % hkv:
         V._fail(ValueError, "k_cache.shape[2] (nheads_kv)", f"a divisor of q's nheads {h}",
               hkv)
@@ -61,16 +61,24 @@ def _check_cache(q, k_cache, v_cache, k, v, block_table, cache_seqlens, cache_ba
         V._fail(ValueError, "k/v", "both given or both None", (k is None, v is None))
     sn = 0
     if k is not None:
-        for x, name in ((k, "k"), (v, "v")):
+        for x, name, cache in ((k, "k", k_cache), (v, "v", v_cache)):
             V.check_tensor(x, name, 4, dtypes=V.WITH_FP8)
             if x.dtype != q.dtype or x.device != q.device:
                 V._fail(TypeError, f"{name}.dtype/device", f"q's {q.dtype} on {q.device}",
                       f"{x.dtype} on {x.device}")
-            if x.shape[0] != b or x.shape[2:] != k_cache.shape[2:]:
-                V._fail(ValueError, f"{name}.shape", f"({b}, seqlen_new, {hkv}, {d})",
-                      tuple(x.shape))
-        if k.shape != v.shape:
-            V._fail(ValueError, "v.shape", f"k's {tuple(k.shape)}", tuple(v.shape))
+            if x.shape[0] != b or x.shape[2:] != cache.shape[2:]:
+                V._fail(ValueError, f"{name}.shape",
+                        f"({b}, seqlen_new, {hkv}, {cache.shape[3]})", tuple(x.shape))
+        if k.shape[:-1] != v.shape[:-1]:
+            V._fail(ValueError, "v.shape[:-1]", f"k's {tuple(k.shape[:-1])}",
+                    tuple(v.shape[:-1]))
+        if not torch.compiler.is_compiling() and _shares_storage(k_cache, v_cache):
+            # Which of k and v would land in the shared columns is not defined (two
+            # writes of one address): MLA writes its latent rows into the cache itself.
+            V._fail(ValueError, "k/v", "None when v_cache and k_cache share storage "
+                    "(v_cache a view of k_cache's rows, as in absorbed MLA)", "new k and v",
+                    "Write the new rows into the shared cache first, then call with "
+                    "cache_seqlens counting them")
         sn = k.shape[1]
 
     if block_table is not None:
@@ -97,6 +105,12 @@ def _check_cache(q, k_cache, v_cache, k, v, block_table, cache_seqlens, cache_ba
         V.check_index_tensor(cache_leftpad, "cache_leftpad", (b,), device)
     V.check_index_tensor(cache_seqlens, "cache_seqlens", (b,), device)
     return sn
+
+
+def _shares_storage(a, b):
+    """Whether two tensors are views of one storage (eager only: Dynamo cannot trace
+    a storage's address)."""
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 
 
 def apply_rotary(x, cos, sin, positions, interleaved):
@@ -179,7 +193,7 @@ def _attend_torch(q, k_cache, v_cache, seqlens, leftpad, block_table, cache_batc
     """The PyTorch path, a sequence at a time; FP8 tensors are dequantised to fp32 with
     the sequence's descales (q too then, to share their dtype)."""
     # Seeded with an empty batch's (out, lse): torch.cat refuses an empty list.
-    outs = [q.new_empty((0, *q.shape[1:]), dtype=out_dtype)]
+    outs = [q.new_empty((0, *q.shape[1:3], v_cache.shape[-1]), dtype=out_dtype)]
     lses = [q.new_empty((0, q.shape[2], q.shape[1]), dtype=torch.float32)]
     fp8 = F8.is_fp8(q.dtype) or F8.is_fp8(k_cache.dtype)
     for b in range(q.shape[0]):
@@ -245,8 +259,8 @@ def _(q, k_cache, v_cache, cache_seqlens, new_tokens, block_table, cache_batch_i
       cache_leftpad, alibi_slopes, softmax_scale, window_left, window_right, softcap,
       num_splits, check_indices, q_descale=None, k_descale=None, v_descale=None,
       out_dtype=None):
-    b, sq, h, d = q.shape
-    return (q.new_empty((b, sq, h, d), dtype=out_dtype or q.dtype),
+    b, sq, h, _ = q.shape
+    return (q.new_empty((b, sq, h, v_cache.shape[-1]), dtype=out_dtype or q.dtype),
             q.new_empty((b, h, sq), dtype=torch.float32))
 
 
