@@ -434,9 +434,15 @@ def decode_config(q, head_dim, rows, split=True, fp8_cache=False, head_dim_v=Non
 
 def _wide_key_decode_config(q, block_m, split, v_is_k) -> TileConfig:
     """A key head dim past DECODE_MAX_BLOCK_D (absorbed MLA, 576 over a V of at most
-    512): the (rows, 512) fp32 accumulator of the 512 tables over 8 warps."""
-    return TileConfig(min(block_m, 32), 32 if q.element_size() <= 2 else 16, 8,
-                      3 if split else 4)
+    512): the (rows, 512) fp32 accumulator over 8 warps, as at 512. Sized with
+    tests/aot.py for sm_90, paged, bf16 (fp32 16 keys): 32 rows x 32 keys with V read
+    from K's tiles hold 208 registers and 113 KB of shared memory at 3 stages, 150 KB at
+    4; with a V of its own, 4 stages of K and V take 248 KB (over the 227 KB an SM
+    has), 3 take 178 KB. 64 rows (half the re-reads of the cache at 128 query heads)
+    compile at 255 registers without spilling, too close to the limit for the variants
+    with more features; not yet timed."""
+    stages = 4 if not split and v_is_k else 3
+    return TileConfig(min(block_m, 32), 32 if q.element_size() <= 2 else 16, 8, stages)
 
 
 # ---- Tile study (`flashtile tune`): candidates, and the tuned cache `_pick` reads ----
