@@ -134,6 +134,43 @@ def check_qkv(q, k, v, names=("q", "k", "v"), packed=False, dtypes=SUPPORTED_DTY
 MAX_GRID_Y = 65535
 
 
+def views_overlap(a, b):
+    """Whether some element of b is also one of a (eager only: reads addresses).
+
+    Exact for views of one storage that share their sizes and strides but the last
+    dim's, each stride spanning the dims inside it (the cache layouts:
+    kv[..., :512] overlaps kv; kv[0] and kv[1], kv[:, :, 0] and kv[:, :, 1], or
+    kv[..., :d] and kv[..., d:] do not); other views of one storage count as
+    overlapping when their address ranges do.
+    """
+    if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr() \
+            or not a.numel() or not b.numel():
+        return False
+    delta = b.storage_offset() - a.storage_offset()
+    if delta < 0:
+        a, b, delta = b, a, -delta
+    ranges_meet = delta <= offset_reach(a)  # a starts first
+    if a.shape[:-1] != b.shape[:-1] or a.stride()[:-1] != b.stride()[:-1]:
+        return ranges_meet
+    dims = sorted(range(a.dim() - 1), key=a.stride)  # innermost first
+    # Each stride must pass the farthest element inside it: then b's first element has
+    # one index in a (greedy division by the strides, outermost first).
+    reach = max(a.shape[-1], b.shape[-1]) - 1
+    for i in dims:
+        if a.stride(i) <= reach:
+            return ranges_meet
+        reach += (a.shape[i] - 1) * a.stride(i)
+    for i in reversed(dims):
+        index, delta = divmod(delta, a.stride(i))
+        if index >= a.shape[i]:
+            return False
+    row = a.stride(dims[0]) if dims else a.numel()
+    if delta + b.shape[-1] > row:  # b's rows run into a's next ones
+        return ranges_meet
+    # The same rows, b's columns from column delta of a's.
+    return delta < a.shape[-1]
+
+
 def check_kvcache_head_dims(d, dv):
     """flash_attn_with_kvcache's head dims: q/k's d up to MAX_HEAD_DIM or exactly
     MLA_HEAD_DIM, v's dv (MLA: may differ from d) up to MAX_HEAD_DIM."""

@@ -72,10 +72,11 @@ def _check_cache(q, k_cache, v_cache, k, v, block_table, cache_seqlens, cache_ba
         if k.shape[:-1] != v.shape[:-1]:
             V._fail(ValueError, "v.shape[:-1]", f"k's {tuple(k.shape[:-1])}",
                     tuple(v.shape[:-1]))
-        if not torch.compiler.is_compiling() and _shares_storage(k_cache, v_cache):
+        # Eager only: Dynamo cannot trace a storage's address.
+        if not torch.compiler.is_compiling() and V.views_overlap(k_cache, v_cache):
             # Which of k and v would land in the shared columns is not defined (two
             # writes of one address): MLA writes its latent rows into the cache itself.
-            V._fail(ValueError, "k/v", "None when v_cache and k_cache share storage "
+            V._fail(ValueError, "k/v", "None when v_cache and k_cache share elements "
                     "(v_cache a view of k_cache's rows, as in absorbed MLA)", "new k and v",
                     "Write the new rows into the shared cache first, then call with "
                     "cache_seqlens counting them")
@@ -105,12 +106,6 @@ def _check_cache(q, k_cache, v_cache, k, v, block_table, cache_seqlens, cache_ba
         V.check_index_tensor(cache_leftpad, "cache_leftpad", (b,), device)
     V.check_index_tensor(cache_seqlens, "cache_seqlens", (b,), device)
     return sn
-
-
-def _shares_storage(a, b):
-    """Whether two tensors are views of one storage (eager only: Dynamo cannot trace
-    a storage's address)."""
-    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 
 
 def apply_rotary(x, cos, sin, positions, interleaved):

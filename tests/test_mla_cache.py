@@ -159,6 +159,34 @@ def test_varlen_paged_value_head_dim(backend, d, dv, device):
         assert_close_rule(f"out[{i}]", out[None, rows], o64, o_pt)
 
 
+@pytest.mark.parametrize("shared", [True, False], ids=["d576-dv512-shared", "d192-dv128-append"])
+def test_compiled_decode_step(shared, device):
+    """torch.compile(fullgraph=True) of a decode step: the custom op's fake gives out
+    v's head dim, and the compiled step equals the eager one (caches included)."""
+    d, dv = (576, 512) if shared else (192, 128)
+    k_cache, v_cache = _caches(2, 32, 1, d, dv, shared, torch.float32, device)
+    q = torch.randn(2, 1, 4, d, device=device)
+    k, v = (None, None) if shared else (torch.randn(2, 1, 1, d, device=device),
+                                        torch.randn(2, 1, 1, dv, device=device))
+    seqlens = torch.tensor([5, 30], dtype=torch.int32, device=device)
+
+    def step(q, k_cache, v_cache, k, v):
+        return flashtile.flash_attn_with_kvcache(q, k_cache, v_cache, k, v,
+                                                 cache_seqlens=seqlens, causal=True)
+
+    def caches():
+        kc = k_cache.clone()
+        return (kc, kc[..., :dv]) if shared else (kc, v_cache.clone())
+
+    eager_caches, compiled_caches = caches(), caches()
+    want = step(q, *eager_caches, k, v)
+    got = torch.compile(step, backend="aot_eager", fullgraph=True)(q, *compiled_caches, k, v)
+    assert got.shape == (2, 1, 4, dv)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    for x, y in zip(compiled_caches, eager_caches):
+        torch.testing.assert_close(x, y, rtol=0, atol=0)
+
+
 # ---- bad input ----
 
 def _args(d=64, dv=32, shared=False, s=16):
@@ -212,16 +240,40 @@ def test_error_576_outside_kvcache(call):
                 seqused_k=torch.tensor([3], dtype=torch.int32))
 
 
-def test_error_append_into_shared_storage():
+def test_error_append_into_shared_elements():
     """New k/v into a V that is a view of K's rows: which lands in the shared columns
     is not defined, so it is refused with the cache untouched."""
     q, k_cache, v_cache = _args(d=64, dv=32, shared=True)
     before = k_cache.clone()
     with pytest.raises(ValueError, match=r"k/v: expected None when v_cache and k_cache "
-                                         r"share storage"):
+                                         r"share elements"):
         flashtile.flash_attn_with_kvcache(q, k_cache, v_cache, k=torch.randn(1, 1, 1, 64),
                                           v=torch.randn(1, 1, 1, 32), cache_seqlens=4)
     assert torch.equal(k_cache, before)
+
+
+def test_append_into_one_stacked_tensor_is_taken():
+    """K and V as halves of one tensor (vLLM's (2, num_blocks, ...) pool, or k/v
+    interleaved per head) share a storage, not elements: appending stays allowed."""
+    kv = torch.randn(2, 4, 16, 1, 8)
+    q, k, v = torch.randn(1, 1, 2, 8), torch.randn(1, 1, 1, 8), torch.randn(1, 1, 1, 8)
+    flashtile.flash_attn_with_kvcache(q, kv[0], kv[1], k=k, v=v, cache_seqlens=4,
+                                      block_table=torch.tensor([[2]], dtype=torch.int32))
+    assert torch.equal(kv[0, 2, 4], k[0, 0]) and torch.equal(kv[1, 2, 4], v[0, 0])
+
+
+def test_views_overlap():
+    from flashtile._validate import views_overlap
+
+    kv = torch.randn(4, 16, 2, 3, 8)
+    disjoint = [(kv[:, :, 0], kv[:, :, 1]), (kv[..., :4], kv[..., 4:]), (kv, kv.clone()),
+                (kv[:1], kv[2:])]
+    shared = [(kv, kv), (kv, kv[..., :4]), (kv[..., :5], kv[..., 4:]),
+              (kv[..., 2:6], kv[..., :3]), (kv[1:], kv[..., :4])]
+    for a, b in disjoint:
+        assert not views_overlap(a, b) and not views_overlap(b, a)
+    for a, b in shared:
+        assert views_overlap(a, b) and views_overlap(b, a)
 
 
 def test_error_paged_varlen_pool_shapes():
