@@ -1,7 +1,8 @@
 """flash_attn_with_kvcache: attention of new query tokens over a KV cache.
 
 Contiguous or paged cache, append of the new k/v in place (with rotary embedding),
-split-KV for small batches. The Triton path is ``flashtile.ops.decode``; the PyTorch path
+split-KV for small batches, a value head dim of its own (MLA, absorbed MLA's 576/512
+over shared rows). The Triton path is ``flashtile.ops.decode``; the PyTorch path
 gathers each sequence's keys and runs the tiled reference (CPU backend and test oracle).
 Inference only: no autograd.
 """
@@ -273,9 +274,18 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             verification, chunked prefill).
         k_cache, v_cache: contiguous (batch_cache, seqlen_cache, nheads_kv, head_dim), or
             paged (num_blocks, page_size, nheads_kv, head_dim) when block_table is given;
-            page_size a power of two from 16 to 256.
-        k, v: optional new keys/values (batch, seqlen_new, nheads_kv, head_dim), written
-            into the cache at positions cache_seqlens[b] ... (in place) before attending.
+            page_size a power of two from 16 to 256. head_dim is 1 to 512, or 576.
+            v_cache's last dim, head_dim_v (1 to 512), may differ from k_cache's (MLA);
+            out then takes it. Absorbed MLA decode (FlashMLA's): q and k_cache of 576 =
+            512 latent + 64 rope dims over one KV head, v_cache = k_cache[..., :512], a
+            view of the same rows; those rows are read once (V from K's tiles).
+        k, v: optional new keys (batch, seqlen_new, nheads_kv, head_dim) and values
+            (..., head_dim_v), written into the cache at positions cache_seqlens[b] ...
+            (in place) before attending. Refused (ValueError) when v_cache shares
+            elements with k_cache (a view of its rows: which of k and v lands in the
+            shared columns would be undefined); write such rows into the cache first
+            and count them in cache_seqlens. (Checked in eager calls; Dynamo cannot
+            read a storage's address, so under torch.compile it is the caller's.)
         rotary_cos, rotary_sin: optional (seqlen_ro, rotary_dim / 2); if given, q and the
             new k are rotated at their absolute cache positions, as flash-attn does: the
             new k at cache_seqlens[b] + i; q at those positions if causal or windowed,
@@ -291,7 +301,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             aligned bottom-right at the sequence's last key.
         num_splits: split-KV factor; 0 picks it from the SM count, 1 disables splitting.
         return_softmax_lse: bool (flash-attn's name): also return lse (batch, nheads,
-            seqlen_q) float32, natural log, -inf for a row that sees no key.
+            seqlen_q) float32, natural log, -inf for a row that sees no key. out is
+            (batch, seqlen_q, nheads, head_dim_v).
         return_lse: bool, keyword only: flashtile's name for return_softmax_lse.
         FP8 (keyword only, flash-attn 3's names): k_cache and v_cache may be
             float8_e4m3fn or float8_e5m2 (one format), with float16 or bfloat16 q (the

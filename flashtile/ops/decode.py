@@ -10,6 +10,12 @@ a programmatic dependent launch: its programs are scheduled while the decode pro
 finish and wait (griddepcontrol) for their results, which hides part of the second
 launch's cost (batch 1 x 8k keys on the H200: 11.9 -> 11.4 us, NOTES.md section 9).
 
+V's head dim may differ from K's (MLA): its own tile for V, the accumulator and the
+output. A key head dim past 512 (absorbed MLA's 576 = 512 latent + 64 rope dims) is a
+512 tile plus a tail tile whose scores add (FlashMLA's split: a tile padded to 1024 would
+double registers and shared memory), and a V that is a view of K's first columns (the
+shared latent rows) is taken from K's tiles, so the cache is read once.
+
 Key j of sequence b lives at cache position ``cache_leftpad[b] + j``; with a
 ``block_table`` that position is looked up page by page, so pages may lie anywhere in
 the pool in any order. Page sizes and key tiles are powers of two, so without a left pad
