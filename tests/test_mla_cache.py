@@ -187,6 +187,58 @@ def test_compiled_decode_step(shared, device):
         torch.testing.assert_close(x, y, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("paged", [False, True], ids=["KVCache", "PagedKVCache"])
+def test_kv_cache_classes_take_value_head_dim(backend, paged, device):
+    """KVCache and PagedKVCache with head_dim_v: v_cache has its own last dim, writes
+    check each against its own, and the caches feed flash_attn_with_kvcache."""
+    from flashtile.kv_cache import KVCache, PagedKVCache
+
+    d, dv, h, hkv, n, dtype = 24, 40, 4, 2, 21, torch.float16
+    k = torch.randn(2, n, hkv, d, dtype=dtype, device=device)
+    v = torch.randn(2, n, hkv, dv, dtype=dtype, device=device)
+    q = torch.randn(2, 1, h, d, dtype=dtype, device=device)
+    if paged:
+        cache = PagedKVCache(8, 16, 1, hkv, d, dtype=dtype, device=device, head_dim_v=dv)
+        for i in range(2):
+            cache.add_sequence(i)
+            cache.append(i, k[i][None], v[i][None])
+        plan = cache.plan([0, 1])
+        kw = dict(block_table=plan.block_table, cache_seqlens=plan.cache_seqlens)
+    else:
+        cache = KVCache(2, 32, 1, hkv, d, dtype=dtype, device=device, head_dim_v=dv)
+        cache.update(0, 0, k, v)
+        kw = dict(cache_seqlens=cache.cache_seqlens)
+    assert cache.v_cache.shape[-1] == dv and cache.k_cache.shape[-1] == d
+    out, lse = flashtile.flash_attn_with_kvcache(q, cache.k_cache[0], cache.v_cache[0],
+                                                 return_lse=True, **kw)
+    _check(out, lse, q, k, v, torch.tensor([n, n]), causal=False)
+    # A v of k's head dim is refused, naming v's.
+    if paged:
+        cache.reserve(0, 1)
+        with pytest.raises(ValueError, match=r"v.shape: expected \(1, nheads_kv=2, "
+                                             r"head_dim=40\), got \(1, 2, 24\)"):
+            cache.write(0, 0, k[0, :1], k[0, :1])
+    else:
+        with pytest.raises(ValueError, match=r"v.shape: expected \(batch, n_new, "
+                                             r"nheads_kv=2, head_dim=40\), got "
+                                             r"\(2, 1, 2, 24\)"):
+            cache.update(0, n, k[:, :1], k[:, :1])
+
+
+@pytest.mark.parametrize("cls", ["KVCache", "PagedKVCache"])
+def test_kv_cache_classes_head_dim_errors(cls):
+    from flashtile import kv_cache
+
+    make = (lambda **kw: kv_cache.KVCache(1, 16, 1, 1, **kw)) if cls == "KVCache" else \
+        (lambda **kw: kv_cache.PagedKVCache(1, 16, 1, 1, **kw))
+    assert make(head_dim=576, head_dim_v=512).v_cache.shape[-1] == 512
+    with pytest.raises(ValueError, match=r"head_dim_v: expected 1 to 512 \(None: head_dim\)"
+                                         r", got 576"):
+        make(head_dim=576, head_dim_v=576)
+    with pytest.raises(ValueError, match=r"head_dim: expected 1 to 512, or 576, got 600"):
+        make(head_dim=600)
+
+
 # ---- bad input ----
 
 def _args(d=64, dv=32, shared=False, s=16):
