@@ -85,6 +85,39 @@ def test_kvcache_value_head_dim(backend, dtype, d, dv, h, hkv, shared, paged, nu
     _check(out, lse, q, k_cache, v_cache, seqlens, causal=True)
 
 
+@pytest.mark.parametrize("paged", [False, True], ids=["batch_idx", "paged"])
+def test_shared_latent_with_every_feature(backend, paged, device):
+    """576/512 over shared rows with a left pad (per-row page lookup when paged) or a
+    cache_batch_idx, a window, softcap and ALiBi, three queries, split in three."""
+    dtype, b, s, h = torch.float16, 2, 48, 4
+    k_cache, v_cache = _caches(3, s, 1, 576, 512, True, dtype, device)
+    q = torch.randn(b, 3, h, 576, dtype=dtype, device=device)
+    seqlens = torch.tensor([30, 48], dtype=torch.int32, device=device)
+    feats = dict(causal=True, window_size=(20, 0), softcap=4.0,
+                 alibi_slopes=torch.rand(h, device=device))
+    kw = dict(cache_seqlens=seqlens, num_splits=3, return_lse=True, **feats)
+    if paged:
+        leftpad = torch.tensor([5, 0], dtype=torch.int32, device=device)
+        pool_k, pool_v, table = _pool(k_cache[:b], v_cache[:b], True)
+        out, lse = flashtile.flash_attn_with_kvcache(q, pool_k, pool_v, block_table=table,
+                                                     cache_leftpad=leftpad, **kw)
+        rows = [slice(int(leftpad[i]), int(seqlens[i])) for i in range(b)]
+        cache_rows = [0, 1]
+    else:
+        cache_rows = [2, 0]
+        batch_idx = torch.tensor(cache_rows, dtype=torch.int32, device=device)
+        out, lse = flashtile.flash_attn_with_kvcache(q, k_cache, v_cache,
+                                                     cache_batch_idx=batch_idx, **kw)
+        rows = [slice(0, int(n)) for n in seqlens]
+    for i in range(b):
+        qkv = (q[i:i + 1], k_cache[cache_rows[i]][None, rows[i]],
+               v_cache[cache_rows[i]][None, rows[i]])
+        o64, l64 = attention_naive(*(x.double() for x in qkv), **feats)
+        o_pt, _ = attention_naive(*qkv, upcast=False, **feats)
+        assert_close_rule(f"out[{i}]", out[i:i + 1], o64, o_pt)
+        torch.testing.assert_close(lse[i:i + 1].double(), l64, rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
 @pytest.mark.parametrize("d, dv", [pytest.param(192, 128, id="d192-dv128"),
                                    pytest.param(24, 40, id="d24-dv40")])
