@@ -267,9 +267,9 @@ class PagedKVCache:
 
     Attributes:
         k_cache, v_cache: (num_layers, num_blocks, page_size, nheads_kv, head_dim), v's
-            last dim head_dim_v, zero-initialised; ``k_cache[layer]`` is flash-attn's paged ``k_cache``
-            (num_blocks, page_size, nheads_kv, head_dim), to pass with a
-            ``block_table`` and ``cache_seqlens`` from ``plan``.
+            last dim head_dim_v, zero-initialised; ``k_cache[layer]`` is flash-attn's
+            paged ``k_cache`` (num_blocks, page_size, nheads_kv, head_dim), to pass
+            with a ``block_table`` and ``cache_seqlens`` from ``plan``.
 
     Blocks go out in free-list order (first freed, first reused), so a sequence's blocks
     are in general not adjacent in the pool.
@@ -445,8 +445,8 @@ class PagedKVCache:
         """Write the tokens of the sequence's latest ``reserve`` into one layer.
 
         k, v: (num_new_tokens, nheads_kv, head_dim) in the cache's dtype and device,
-        v's last dim head_dim_v, num_new_tokens as reserved. Call once per layer (writing a layer again
-        overwrites the same slots).
+        v's last dim head_dim_v, num_new_tokens as reserved. Call once per layer
+        (writing a layer again overwrites the same slots).
         """
         layer = _check_layer(layer, self.num_layers)
         seq = self._seq(seq_id)

@@ -146,7 +146,8 @@ def _decode_kernel(
     diag_offset = seqlen_k - seqlen_q  # bottom-right, as flash_attn_func
 
     p_q = Q + off_b * stride_qb + offs_t[:, None] * stride_qm + offs_h[:, None] * stride_qh
-    b_q = tl.load(p_q + offs_d[None, :], mask=m_row[:, None] & m_d[None, :], other=0.0)       # (M, D)
+    b_q = tl.load(p_q + offs_d[None, :], mask=m_row[:, None] & m_d[None, :],
+                  other=0.0)                                                # (M, D)
     if Q.dtype.element_ty.is_fp8():
         # FP8 queries compute in fp16, which holds every e4m3 and e5m2 value exactly.
         b_q = b_q.to(tl.float16)
@@ -557,10 +558,10 @@ def _append_kernel(KNew, VNew, KCache, VCache, CacheSeqlens, BlockTable, CacheBa
                    PAGE_SIZE: tl.constexpr, HAS_BATCH_IDX: tl.constexpr,
                    HAS_K_DESCALE: tl.constexpr, HAS_V_DESCALE: tl.constexpr):
     """Write k (b, new_tokens, hkv, d) and v (..., dv) into the cache at positions
-    cache_seqlens[b] + t, t < new_tokens (through the block table when PAGED). A sequence whose new tokens
-    do not fit its row (cache_seqlens outside [0, capacity - new_tokens]) or whose
-    cache_batch_idx is outside the cache writes nothing, and a token whose block-table
-    entry is outside the pool is not written: the decode kernel then makes the rows
+    cache_seqlens[b] + t, t < new_tokens (through the block table when PAGED). A
+    sequence whose new tokens do not fit its row (cache_seqlens outside [0, capacity -
+    new_tokens]) or whose cache_batch_idx is outside the cache writes nothing, and a
+    token whose block-table entry is outside the pool is not written: the decode kernel then makes the rows
     that would have seen them NaN (same checks), never a read of stale keys.
     16-bit k/v into an FP8 cache are quantised on the way: k / k_descale[b, h], rounded
     to nearest even and saturated (flashtile.fp8.quantize, bit for bit)."""
