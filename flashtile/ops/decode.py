@@ -561,8 +561,9 @@ def _append_kernel(KNew, VNew, KCache, VCache, CacheSeqlens, BlockTable, CacheBa
     cache_seqlens[b] + t, t < new_tokens (through the block table when PAGED). A
     sequence whose new tokens do not fit its row (cache_seqlens outside [0, capacity -
     new_tokens]) or whose cache_batch_idx is outside the cache writes nothing, and a
-    token whose block-table entry is outside the pool is not written: the decode kernel then makes the rows
-    that would have seen them NaN (same checks), never a read of stale keys.
+    token whose block-table entry is outside the pool is not written: the decode
+    kernel then makes the rows that would have seen them NaN (same checks), never a
+    read of stale keys.
     16-bit k/v into an FP8 cache are quantised on the way: k / k_descale[b, h], rounded
     to nearest even and saturated (flashtile.fp8.quantize, bit for bit)."""
     QUANTIZE: tl.constexpr = (KCache.dtype.element_ty.is_fp8()
