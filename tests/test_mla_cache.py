@@ -37,11 +37,11 @@ def _caches(b, s, hkv, d, dv, shared, dtype, device):
     return k_cache, torch.randn(b, s, hkv, dv, dtype=dtype, device=device)
 
 
-def _pool(k_cache, v_cache, shared, extra_blocks=3):
+def _pool(k_cache, v_cache, shared):
     """The same rows in a pool of PAGE_SIZE pages in random order (v a view of k's
     when shared, as in the contiguous caches), and the block table."""
     b, s, hkv, d = k_cache.shape
-    per_seq, n_blocks = s // PAGE_SIZE, b * s // PAGE_SIZE + extra_blocks
+    per_seq, n_blocks = s // PAGE_SIZE, b * s // PAGE_SIZE + 3  # 3 blocks nobody uses
     gen = torch.Generator().manual_seed(3)
     block_table = torch.randperm(n_blocks, generator=gen)[:b * per_seq].view(b, per_seq)
     pool_k, pool_v = _caches(n_blocks, PAGE_SIZE, hkv, d, v_cache.shape[-1], shared,
@@ -53,6 +53,20 @@ def _pool(k_cache, v_cache, shared, extra_blocks=3):
             if not shared:
                 pool_v[block_table[i, j]] = v_cache[i, rows]
     return pool_k, pool_v, block_table.to(torch.int32).to(k_cache.device)
+
+
+def _attend(q, k_cache, v_cache, paged, shared, **kw):
+    """flash_attn_with_kvcache over the caches, or over a pool of their pages:
+    (out, lse, the caches' rows afterwards as (b, s, hkv, d) tensors)."""
+    if not paged:
+        out, lse = flashtile.flash_attn_with_kvcache(q, k_cache, v_cache, return_lse=True,
+                                                     **kw)
+        return out, lse, k_cache, v_cache
+    pool_k, pool_v, table = _pool(k_cache, v_cache, shared)
+    out, lse = flashtile.flash_attn_with_kvcache(q, pool_k, pool_v, block_table=table,
+                                                 return_lse=True, **kw)
+    k_rows, v_rows = (pool[table.long()].flatten(1, 2) for pool in (pool_k, pool_v))
+    return out, lse, k_rows, v_rows
 
 
 def _check(out, lse, q, k_cache, v_cache, seqlens, causal):
@@ -76,12 +90,8 @@ def test_kvcache_value_head_dim(backend, dtype, d, dv, h, hkv, shared, paged, nu
     k_cache, v_cache = _caches(b, s, hkv, d, dv, shared, dtype, device)
     q = torch.randn(b, 2, h, d, dtype=dtype, device=device)
     seqlens = torch.tensor([19, 48], dtype=torch.int32, device=device)
-    kw = dict(cache_seqlens=seqlens, causal=True, num_splits=num_splits, return_lse=True)
-    if paged:
-        pool_k, pool_v, kw["block_table"] = _pool(k_cache, v_cache, shared)
-        out, lse = flashtile.flash_attn_with_kvcache(q, pool_k, pool_v, **kw)
-    else:
-        out, lse = flashtile.flash_attn_with_kvcache(q, k_cache, v_cache, **kw)
+    out, lse, _, _ = _attend(q, k_cache, v_cache, paged, shared, cache_seqlens=seqlens,
+                             causal=True, num_splits=num_splits)
     _check(out, lse, q, k_cache, v_cache, seqlens, causal=True)
 
 
@@ -132,14 +142,9 @@ def test_append_value_head_dim(backend, d, dv, paged, device):
     start = torch.tensor([7, 40], dtype=torch.int32, device=device)
     angles = torch.rand(s, 8, device=device) * 6
     rotary = dict(rotary_cos=angles.cos(), rotary_sin=angles.sin())
-    kw = dict(cache_seqlens=start, causal=True, num_splits=2, return_lse=True, **rotary)
-    if paged:
-        pool_k, pool_v, kw["block_table"] = _pool(k_cache, v_cache, False)
-        out, lse = flashtile.flash_attn_with_kvcache(q, pool_k, pool_v, k=k, v=v, **kw)
-        table = kw["block_table"].long()
-        k_cache, v_cache = (pool[table].flatten(1, 2) for pool in (pool_k, pool_v))
-    else:
-        out, lse = flashtile.flash_attn_with_kvcache(q, k_cache, v_cache, k=k, v=v, **kw)
+    out, lse, k_cache, v_cache = _attend(q, k_cache, v_cache, paged, False, k=k, v=v,
+                                         cache_seqlens=start, causal=True, num_splits=2,
+                                         **rotary)
     pos = start.long()[:, None] + torch.arange(sn, device=device)
     k_rot, q_rot = (apply_rotary(x, rotary["rotary_cos"], rotary["rotary_sin"], pos, True)
                     for x in (k, q))
@@ -385,13 +390,8 @@ def test_gpu_absorbed_mla_decode(seqlen_q, nheads, paged, num_splits, device):
     k_cache, v_cache = _caches(b, s, 1, 576, 512, True, dtype, device)
     q = torch.randn(b, seqlen_q, nheads, 576, dtype=dtype, device=device)
     seqlens = torch.tensor([1 + seqlen_q, 517, 1024], dtype=torch.int32, device=device)
-    kw = dict(cache_seqlens=seqlens, causal=True, num_splits=num_splits, return_lse=True,
-              softmax_scale=192 ** -0.5)
-    if paged:
-        pool_k, pool_v, kw["block_table"] = _pool(k_cache, v_cache, True)
-        out, lse = flashtile.flash_attn_with_kvcache(q, pool_k, pool_v, **kw)
-    else:
-        out, lse = flashtile.flash_attn_with_kvcache(q, k_cache, v_cache, **kw)
+    out, lse, _, _ = _attend(q, k_cache, v_cache, paged, True, cache_seqlens=seqlens,
+                             causal=True, num_splits=num_splits, softmax_scale=192 ** -0.5)
     for i, n in enumerate(seqlens.tolist()):
         qkv = (q[i:i + 1], k_cache[i:i + 1, :n], v_cache[i:i + 1, :n])
         kw_ref = dict(causal=True, softmax_scale=192 ** -0.5)
@@ -412,14 +412,8 @@ def test_gpu_value_head_dim_with_append(d, dv, paged, device):
     k = torch.randn(b, sn, hkv, d, dtype=dtype, device=device)
     v = torch.randn(b, sn, hkv, dv, dtype=dtype, device=device)
     start = torch.tensor([0, 100, 333, 511], dtype=torch.int32, device=device)
-    kw = dict(cache_seqlens=start, causal=True, return_lse=True)
-    if paged:
-        pool_k, pool_v, kw["block_table"] = _pool(k_cache, v_cache, False)
-        out, lse = flashtile.flash_attn_with_kvcache(q, pool_k, pool_v, k=k, v=v, **kw)
-        table = kw["block_table"].long()
-        k_cache, v_cache = (pool[table].flatten(1, 2) for pool in (pool_k, pool_v))
-    else:
-        out, lse = flashtile.flash_attn_with_kvcache(q, k_cache, v_cache, k=k, v=v, **kw)
+    out, lse, k_cache, v_cache = _attend(q, k_cache, v_cache, paged, False, k=k, v=v,
+                                         cache_seqlens=start, causal=True)
     _check(out, lse, q, k_cache, v_cache, start + sn, causal=True)
 
 
