@@ -20,6 +20,12 @@ WITH_FP8 = SUPPORTED_DTYPES + (torch.float8_e4m3fn, torch.float8_e5m2)
 _DTYPE_NAMES = {SUPPORTED_DTYPES: "dtype float16, bfloat16 or float32",
                 WITH_FP8: "dtype float16, bfloat16, float32, float8_e4m3fn or float8_e5m2"}
 MAX_HEAD_DIM = 512
+# DeepSeek's absorbed MLA decode: q and k of 512 latent + 64 rope dims, v the 512 latent
+# ones. Only flash_attn_with_kvcache takes it (its kernel splits the key head dim into a
+# 512 tile and a 64 tile); elsewhere head dims stop at MAX_HEAD_DIM.
+MLA_HEAD_DIM = 576
+_MLA_ONLY_IN_KVCACHE = (f"head_dim {MLA_HEAD_DIM} (absorbed MLA) is taken by "
+                        "flash_attn_with_kvcache only")
 
 
 def _fail(kind, name, expected, got, fix=""):
@@ -110,7 +116,8 @@ def check_qkv(q, k, v, names=("q", "k", "v"), packed=False, dtypes=SUPPORTED_DTY
         _fail(ValueError, f"{kn}.shape[-1] (head_dim)", f"{qn}'s head_dim {d}", kd,
               f"{qn} and {kn} must share one head_dim ({vn}'s may differ)")
     if not 1 <= d <= MAX_HEAD_DIM:
-        _fail(ValueError, f"{qn}.shape[-1] (head_dim)", f"1 to {MAX_HEAD_DIM}", d)
+        _fail(ValueError, f"{qn}.shape[-1] (head_dim)", f"1 to {MAX_HEAD_DIM}", d,
+              _MLA_ONLY_IN_KVCACHE if d == MLA_HEAD_DIM else "")
     if not 1 <= v.shape[-1] <= MAX_HEAD_DIM:
         _fail(ValueError, f"{vn}.shape[-1] (head_dim)", f"1 to {MAX_HEAD_DIM}",
               v.shape[-1])
@@ -125,6 +132,53 @@ def check_qkv(q, k, v, names=("q", "k", "v"), packed=False, dtypes=SUPPORTED_DTY
 # CUDA's second and third grid dimensions stop at 65535; the kernels put batch * heads
 # there.
 MAX_GRID_Y = 65535
+
+
+def views_overlap(a, b):
+    """Whether some element of b is also one of a (eager only: reads addresses).
+
+    Exact for views of one storage that share their sizes and strides but the last
+    dim's, each stride spanning the dims inside it (the cache layouts:
+    kv[..., :512] overlaps kv; kv[0] and kv[1], kv[:, :, 0] and kv[:, :, 1], or
+    kv[..., :d] and kv[..., d:] do not); other views of one storage count as
+    overlapping when their address ranges do.
+    """
+    if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr() \
+            or not a.numel() or not b.numel():
+        return False
+    delta = b.storage_offset() - a.storage_offset()
+    if delta < 0:
+        a, b, delta = b, a, -delta
+    ranges_meet = delta <= offset_reach(a)  # a starts first
+    if a.shape[:-1] != b.shape[:-1] or a.stride()[:-1] != b.stride()[:-1]:
+        return ranges_meet
+    dims = sorted(range(a.dim() - 1), key=a.stride)  # innermost first
+    # Each stride must pass the farthest element inside it: then b's first element has
+    # one index in a (greedy division by the strides, outermost first).
+    reach = max(a.shape[-1], b.shape[-1]) - 1
+    for i in dims:
+        if a.stride(i) <= reach:
+            return ranges_meet
+        reach += (a.shape[i] - 1) * a.stride(i)
+    for i in reversed(dims):
+        index, delta = divmod(delta, a.stride(i))
+        if index >= a.shape[i]:
+            return False
+    row = a.stride(dims[0]) if dims else a.numel()
+    if delta + b.shape[-1] > row:  # b's rows run into a's next ones
+        return ranges_meet
+    # The same rows, b's columns from column delta of a's.
+    return delta < a.shape[-1]
+
+
+def check_kvcache_head_dims(d, dv):
+    """flash_attn_with_kvcache's head dims: q/k's d up to MAX_HEAD_DIM or exactly
+    MLA_HEAD_DIM, v's dv (MLA: may differ from d) up to MAX_HEAD_DIM."""
+    if not (1 <= d <= MAX_HEAD_DIM or d == MLA_HEAD_DIM):
+        _fail(ValueError, "q.shape[-1] (head_dim)", f"1 to {MAX_HEAD_DIM}, or "
+              f"{MLA_HEAD_DIM} (absorbed MLA: 512 latent + 64 rope dims)", d)
+    if not 1 <= dv <= MAX_HEAD_DIM:
+        _fail(ValueError, "v_cache.shape[-1] (head_dim_v)", f"1 to {MAX_HEAD_DIM}", dv)
 
 
 def check_grid(batch_heads, device):
@@ -481,8 +535,10 @@ def check_paged_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_se
         # Rows of the pool are addressed as an int64 block offset plus a small in-page
         # offset, so the pool may pass 2**31 elements (as in flash_attn_with_kvcache).
         check_tensor(x, name, 4, offsets32=False, dtypes=dtypes)
-    if k.shape != v.shape:
-        _fail(ValueError, "v.shape", f"k's shape {tuple(k.shape)}", tuple(v.shape))
+    # v's head dim may differ (MLA); the pool's other dims are shared.
+    if k.shape[:-1] != v.shape[:-1]:
+        _fail(ValueError, "v.shape[:-1]", f"k's {tuple(k.shape[:-1])}",
+              tuple(v.shape[:-1]), "k and v differ only in head_dim")
     if k.shape[0] == 0:
         _fail(ValueError, "k.shape[0] (num_blocks)", "at least 1 block", 0)
     # One block stands for the pool: dtypes, devices, head_dim and GQA as check_qkv.

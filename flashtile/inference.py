@@ -1,7 +1,8 @@
 """flash_attn_with_kvcache: attention of new query tokens over a KV cache.
 
 Contiguous or paged cache, append of the new k/v in place (with rotary embedding),
-split-KV for small batches. The Triton path is ``flashtile.ops.decode``; the PyTorch path
+split-KV for small batches, a value head dim of its own (MLA, absorbed MLA's 576/512
+over shared rows). The Triton path is ``flashtile.ops.decode``; the PyTorch path
 gathers each sequence's keys and runs the tiled reference (CPU backend and test oracle).
 Inference only: no autograd.
 """
@@ -44,16 +45,16 @@ def _check_cache(q, k_cache, v_cache, k, v, block_table, cache_seqlens, cache_ba
         if x.device != device:
             V._fail(ValueError, f"{name}.device", f"q's device {device}", x.device)
     cache_shape = k_cache.shape
-    if cache_shape != v_cache.shape:
-        V._fail(ValueError, "v_cache.shape", f"k_cache's {tuple(cache_shape)}",
-              tuple(v_cache.shape))
-    hkv = cache_shape[2]
+    # v_cache's head dim may differ from k_cache's (MLA); every other dim is shared.
+    if cache_shape[:-1] != v_cache.shape[:-1]:
+        V._fail(ValueError, "v_cache.shape[:-1]", f"k_cache's {tuple(cache_shape[:-1])}",
+                tuple(v_cache.shape[:-1]), "k_cache and v_cache differ only in head_dim")
+    hkv, dv = cache_shape[2], v_cache.shape[3]
     V.check_grid(b * hkv, device)
     if cache_shape[3] != d:
         V._fail(ValueError, "k_cache.shape[-1] (head_dim)", f"q's head_dim {d}",
               cache_shape[3])
-    if not 1 <= d <= V.MAX_HEAD_DIM:
-        V._fail(ValueError, "q.shape[-1] (head_dim)", f"1 to {V.MAX_HEAD_DIM}", d)
+    V.check_kvcache_head_dims(d, dv)
     if hkv == 0 or h % hkv:
         V._fail(ValueError, "k_cache.shape[2] (nheads_kv)", f"a divisor of q's nheads {h}",
               hkv)
@@ -61,16 +62,25 @@ def _check_cache(q, k_cache, v_cache, k, v, block_table, cache_seqlens, cache_ba
         V._fail(ValueError, "k/v", "both given or both None", (k is None, v is None))
     sn = 0
     if k is not None:
-        for x, name in ((k, "k"), (v, "v")):
+        for x, name, cache in ((k, "k", k_cache), (v, "v", v_cache)):
             V.check_tensor(x, name, 4, dtypes=V.WITH_FP8)
             if x.dtype != q.dtype or x.device != q.device:
                 V._fail(TypeError, f"{name}.dtype/device", f"q's {q.dtype} on {q.device}",
                       f"{x.dtype} on {x.device}")
-            if x.shape[0] != b or x.shape[2:] != k_cache.shape[2:]:
-                V._fail(ValueError, f"{name}.shape", f"({b}, seqlen_new, {hkv}, {d})",
-                      tuple(x.shape))
-        if k.shape != v.shape:
-            V._fail(ValueError, "v.shape", f"k's {tuple(k.shape)}", tuple(v.shape))
+            if x.shape[0] != b or x.shape[2:] != cache.shape[2:]:
+                V._fail(ValueError, f"{name}.shape",
+                        f"({b}, seqlen_new, {hkv}, {cache.shape[3]})", tuple(x.shape))
+        if k.shape[:-1] != v.shape[:-1]:
+            V._fail(ValueError, "v.shape[:-1]", f"k's {tuple(k.shape[:-1])}",
+                    tuple(v.shape[:-1]))
+        # Eager only: Dynamo cannot trace a storage's address.
+        if not torch.compiler.is_compiling() and V.views_overlap(k_cache, v_cache):
+            # Which of k and v would land in the shared columns is not defined (two
+            # writes of one address): MLA writes its latent rows into the cache itself.
+            V._fail(ValueError, "k/v", "None when v_cache and k_cache share elements "
+                    "(v_cache a view of k_cache's rows, as in absorbed MLA)", "new k and v",
+                    "Write the new rows into the shared cache first, then call with "
+                    "cache_seqlens counting them")
         sn = k.shape[1]
 
     if block_table is not None:
@@ -179,7 +189,7 @@ def _attend_torch(q, k_cache, v_cache, seqlens, leftpad, block_table, cache_batc
     """The PyTorch path, a sequence at a time; FP8 tensors are dequantised to fp32 with
     the sequence's descales (q too then, to share their dtype)."""
     # Seeded with an empty batch's (out, lse): torch.cat refuses an empty list.
-    outs = [q.new_empty((0, *q.shape[1:]), dtype=out_dtype)]
+    outs = [q.new_empty((0, *q.shape[1:3], v_cache.shape[-1]), dtype=out_dtype)]
     lses = [q.new_empty((0, q.shape[2], q.shape[1]), dtype=torch.float32)]
     fp8 = F8.is_fp8(q.dtype) or F8.is_fp8(k_cache.dtype)
     for b in range(q.shape[0]):
@@ -245,8 +255,8 @@ def _(q, k_cache, v_cache, cache_seqlens, new_tokens, block_table, cache_batch_i
       cache_leftpad, alibi_slopes, softmax_scale, window_left, window_right, softcap,
       num_splits, check_indices, q_descale=None, k_descale=None, v_descale=None,
       out_dtype=None):
-    b, sq, h, d = q.shape
-    return (q.new_empty((b, sq, h, d), dtype=out_dtype or q.dtype),
+    b, sq, h, _ = q.shape
+    return (q.new_empty((b, sq, h, v_cache.shape[-1]), dtype=out_dtype or q.dtype),
             q.new_empty((b, h, sq), dtype=torch.float32))
 
 
@@ -264,9 +274,18 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             verification, chunked prefill).
         k_cache, v_cache: contiguous (batch_cache, seqlen_cache, nheads_kv, head_dim), or
             paged (num_blocks, page_size, nheads_kv, head_dim) when block_table is given;
-            page_size a power of two from 16 to 256.
-        k, v: optional new keys/values (batch, seqlen_new, nheads_kv, head_dim), written
-            into the cache at positions cache_seqlens[b] ... (in place) before attending.
+            page_size a power of two from 16 to 256. head_dim is 1 to 512, or 576.
+            v_cache's last dim, head_dim_v (1 to 512), may differ from k_cache's (MLA);
+            out then takes it. Absorbed MLA decode (FlashMLA's): q and k_cache of 576 =
+            512 latent + 64 rope dims over one KV head, v_cache = k_cache[..., :512], a
+            view of the same rows; those rows are read once (V from K's tiles).
+        k, v: optional new keys (batch, seqlen_new, nheads_kv, head_dim) and values
+            (..., head_dim_v), written into the cache at positions cache_seqlens[b] ...
+            (in place) before attending. Refused (ValueError) when v_cache shares
+            elements with k_cache (a view of its rows: which of k and v lands in the
+            shared columns would be undefined); write such rows into the cache first
+            and count them in cache_seqlens. (Checked in eager calls; Dynamo cannot
+            read a storage's address, so under torch.compile it is the caller's.)
         rotary_cos, rotary_sin: optional (seqlen_ro, rotary_dim / 2); if given, q and the
             new k are rotated at their absolute cache positions, as flash-attn does: the
             new k at cache_seqlens[b] + i; q at those positions if causal or windowed,
@@ -282,7 +301,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             aligned bottom-right at the sequence's last key.
         num_splits: split-KV factor; 0 picks it from the SM count, 1 disables splitting.
         return_softmax_lse: bool (flash-attn's name): also return lse (batch, nheads,
-            seqlen_q) float32, natural log, -inf for a row that sees no key.
+            seqlen_q) float32, natural log, -inf for a row that sees no key. out is
+            (batch, seqlen_q, nheads, head_dim_v).
         return_lse: bool, keyword only: flashtile's name for return_softmax_lse.
         FP8 (keyword only, flash-attn 3's names): k_cache and v_cache may be
             float8_e4m3fn or float8_e5m2 (one format), with float16 or bfloat16 q (the

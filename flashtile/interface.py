@@ -109,7 +109,9 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
             (float8_e4m3fn, float8_e5m2; forward only, see q_descale).
         k, v: (batch, seqlen_k, nheads_kv, head_dim), same dtype and device as q.
             nheads must be a multiple of nheads_kv (GQA/MQA); K/V are never copied.
-            head_dim is any value from 1 to 256 (padded inside the kernel).
+            head_dim is any value from 1 to 512 (FP8: 256; padded inside the
+            kernel); v's may differ from q's and k's (MLA, e.g. 192/128), and out
+            then takes v's.
             Any strides work as long as the last dim is contiguous.
         dropout_p: must be 0.0 (dropout is not implemented and raises).
         softmax_scale: scale of q k^T; default 1 / sqrt(head_dim).
@@ -210,7 +212,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         The rest as in flash_attn_func; causal and windows are aligned per sequence at
         its own bottom-right corner, alibi_slopes (batch, nheads) is per sequence.
         block_table: optional int32 (batch, max_num_blocks_per_seq). Then k and v are a
-            paged KV pool (num_blocks, page_size, nheads_kv, head_dim), page_size a
+            paged KV pool (num_blocks, page_size, nheads_kv, head_dim; v's own head_dim
+            as in flash_attn_func), page_size a
             power of two from 16 to 256, and key j of sequence b lives at
             k[block_table[b, j // page_size], j % page_size] (flash-attn's and vLLM's
             layout; rows of the table past a sequence's pages may hold anything in

@@ -71,27 +71,39 @@ def _check_int(x, name, minimum=None, maximum=None):
     return int(x)
 
 
-def _check_layout(num_layers, nheads_kv, head_dim, dtype):
+def _check_layout(num_layers, nheads_kv, head_dim, head_dim_v, dtype):
+    """Returns head_dim_v (None: head_dim)."""
     _check_int(num_layers, "num_layers", 1)
     _check_int(nheads_kv, "nheads_kv", 1)
-    _check_int(head_dim, "head_dim", 1, V.MAX_HEAD_DIM)
+    _check_int(head_dim, "head_dim")
+    head_dim_v = head_dim if head_dim_v is None else _check_int(head_dim_v, "head_dim_v")
+    # The head dims flash_attn_with_kvcache reads (576: absorbed MLA's keys).
+    if not (1 <= head_dim <= V.MAX_HEAD_DIM or head_dim == V.MLA_HEAD_DIM):
+        V._fail(ValueError, "head_dim", f"1 to {V.MAX_HEAD_DIM}, or {V.MLA_HEAD_DIM}",
+                head_dim)
+    if not 1 <= head_dim_v <= V.MAX_HEAD_DIM:
+        V._fail(ValueError, "head_dim_v", f"1 to {V.MAX_HEAD_DIM} (None: head_dim)",
+                head_dim_v)
     if dtype not in V.SUPPORTED_DTYPES:
         V._fail(TypeError, "dtype", "torch.float16, torch.bfloat16 or torch.float32", dtype)
+    return int(head_dim_v)
 
 
-def _allocate(cache, slots, num_layers, nheads_kv, head_dim, dtype, device):
-    """The layout fields and the zeroed k_cache/v_cache, (num_layers, *slots, nheads_kv,
-    head_dim), of a validated cache. Its device is the one the tensors landed on: "cuda"
-    resolves to "cuda:N", and inputs are compared against it."""
+def _allocate(cache, slots, num_layers, nheads_kv, head_dim, head_dim_v, dtype, device):
+    """The layout fields and the zeroed k_cache (num_layers, *slots, nheads_kv,
+    head_dim) and v_cache (..., head_dim_v) of a validated cache. Its device is the one
+    the tensors landed on: "cuda" resolves to "cuda:N", and inputs are compared against
+    it."""
     cache.num_layers, cache.nheads_kv, cache.head_dim = num_layers, nheads_kv, head_dim
-    cache.dtype = dtype
-    shape = (num_layers, *slots, nheads_kv, head_dim)
-    cache.k_cache = torch.zeros(shape, dtype=dtype, device=device)
-    cache.v_cache = torch.zeros(shape, dtype=dtype, device=device)
+    cache.head_dim_v, cache.dtype = head_dim_v, dtype
+    shape = (num_layers, *slots, nheads_kv)
+    cache.k_cache = torch.zeros((*shape, head_dim), dtype=dtype, device=device)
+    cache.v_cache = torch.zeros((*shape, head_dim_v), dtype=dtype, device=device)
     cache.device = cache.k_cache.device
 
 
 def _check_new_kv(x, name, leading_dims, nheads_kv, head_dim, dtype, device):
+    # head_dim: the cache's k head dim for k, its v head dim for v.
     """x: (*leading_dims, nheads_kv, head_dim) in the cache's dtype and device; a leading
     dim given as a str (its name) may have any size, one given as an int must match."""
     if not isinstance(x, torch.Tensor):
@@ -122,11 +134,13 @@ class KVCache:
 
     Arguments:
         max_batch, max_seqlen: capacity in sequences and tokens per sequence.
-        num_layers, nheads_kv, head_dim: the model's layout (head_dim 1 to 256).
+        num_layers, nheads_kv, head_dim: the model's layout (head_dim 1 to 512, or 576).
         dtype: float16, bfloat16 or float32; device: where the tensors live.
+        head_dim_v: v's head dim when it differs from k's (MLA, 1 to 512; None: head_dim).
 
     Attributes:
-        k_cache, v_cache: (num_layers, max_batch, max_seqlen, nheads_kv, head_dim);
+        k_cache, v_cache: (num_layers, max_batch, max_seqlen, nheads_kv, head_dim), v's
+            last dim head_dim_v;
             ``k_cache[layer][:batch]`` is what an attention call reads, with
             ``cache_seqlens[:batch]`` telling how many tokens of each row are valid.
         cache_seqlens: (max_batch,) int32 on ``device``, the number of tokens written
@@ -134,13 +148,13 @@ class KVCache:
     """
 
     def __init__(self, max_batch, max_seqlen, num_layers, nheads_kv, head_dim,
-                 dtype=torch.float16, device="cpu"):
+                 dtype=torch.float16, device="cpu", head_dim_v=None):
         _check_int(max_batch, "max_batch", 1)
         _check_int(max_seqlen, "max_seqlen", 1)
-        _check_layout(num_layers, nheads_kv, head_dim, dtype)
+        head_dim_v = _check_layout(num_layers, nheads_kv, head_dim, head_dim_v, dtype)
         self.max_batch, self.max_seqlen = int(max_batch), int(max_seqlen)
-        _allocate(self, (max_batch, max_seqlen), num_layers, nheads_kv, head_dim, dtype,
-                  device)
+        _allocate(self, (max_batch, max_seqlen), num_layers, nheads_kv, head_dim,
+                  head_dim_v, dtype, device)
         self.cache_seqlens = torch.zeros(max_batch, dtype=torch.int32, device=self.device)
 
     def reset(self):
@@ -149,7 +163,8 @@ class KVCache:
 
     def update(self, layer, input_pos, k, v):
         """Write new tokens of every batch row at ``input_pos``; returns the layer's
-        (k_cache, v_cache) views of shape (batch, max_seqlen, nheads_kv, head_dim).
+        (k_cache, v_cache) views of shape (batch, max_seqlen, nheads_kv, head_dim), v's
+        last dim head_dim_v.
 
         Arguments:
             layer: int in [0, num_layers).
@@ -157,7 +172,8 @@ class KVCache:
                 input_pos .. input_pos + n_new - 1), or an integer tensor (n_new,) of
                 positions on the cache's device, shared by every row (gpt-fast).
             k, v: (batch, n_new, nheads_kv, head_dim) in the cache's dtype and device,
-                batch <= max_batch; rows 0 .. batch-1 are written.
+                v's last dim head_dim_v, batch <= max_batch; rows 0 .. batch-1 are
+                written.
 
         Positions past max_seqlen raise ValueError before anything is written. A tensor
         ``input_pos`` on the CPU is checked so; on a GPU reading it would be a sync, so it
@@ -168,11 +184,12 @@ class KVCache:
         Sets ``cache_seqlens[:batch]`` to the last position + 1.
         """
         layer = _check_layer(layer, self.num_layers)
-        for x, name in ((k, "k"), (v, "v")):
-            _check_new_kv(x, name, ("batch", "n_new"), self.nheads_kv, self.head_dim,
-                          self.dtype, self.device)
-        if v.shape != k.shape:
-            V._fail(ValueError, "v.shape", f"k's shape {tuple(k.shape)}", tuple(v.shape))
+        for x, name, d in ((k, "k", self.head_dim), (v, "v", self.head_dim_v)):
+            _check_new_kv(x, name, ("batch", "n_new"), self.nheads_kv, d, self.dtype,
+                          self.device)
+        if v.shape[:-1] != k.shape[:-1]:
+            V._fail(ValueError, "v.shape[:-1]", f"k's {tuple(k.shape[:-1])}",
+                    tuple(v.shape[:-1]))
         batch, n_new = k.shape[:2]
         if batch > self.max_batch:
             V._fail(ValueError, "k.shape[0] (batch)", f"at most max_batch={self.max_batch}",
@@ -244,21 +261,22 @@ class PagedKVCache:
     Arguments:
         num_blocks: blocks in the pool (shared by every sequence and layer).
         page_size: tokens per block, a power of two from 16 to 256.
-        num_layers, nheads_kv, head_dim: the model's layout (head_dim 1 to 256).
+        num_layers, nheads_kv, head_dim: the model's layout (head_dim 1 to 512, or 576).
         dtype: float16, bfloat16 or float32; device: where the tensors live.
+        head_dim_v: v's head dim when it differs from k's (MLA, 1 to 512; None: head_dim).
 
     Attributes:
-        k_cache, v_cache: (num_layers, num_blocks, page_size, nheads_kv, head_dim),
-            zero-initialised; ``k_cache[layer]`` is flash-attn's paged ``k_cache``
-            (num_blocks, page_size, nheads_kv, head_dim), to pass with a
-            ``block_table`` and ``cache_seqlens`` from ``plan``.
+        k_cache, v_cache: (num_layers, num_blocks, page_size, nheads_kv, head_dim), v's
+            last dim head_dim_v, zero-initialised; ``k_cache[layer]`` is flash-attn's
+            paged ``k_cache`` (num_blocks, page_size, nheads_kv, head_dim), to pass
+            with a ``block_table`` and ``cache_seqlens`` from ``plan``.
 
     Blocks go out in free-list order (first freed, first reused), so a sequence's blocks
     are in general not adjacent in the pool.
     """
 
     def __init__(self, num_blocks, page_size, num_layers, nheads_kv, head_dim,
-                 dtype=torch.float16, device="cpu"):
+                 dtype=torch.float16, device="cpu", head_dim_v=None):
         _check_int(num_blocks, "num_blocks", 1)
         _check_int(page_size, "page_size")
         # Key tiles are powers of two, at least 16 (tl.dot's minimum): with a power-of-
@@ -266,10 +284,10 @@ class PagedKVCache:
         if not MIN_PAGE_SIZE <= page_size <= MAX_PAGE_SIZE or page_size & (page_size - 1):
             V._fail(ValueError, "page_size", f"a power of two from {MIN_PAGE_SIZE} to "
                     f"{MAX_PAGE_SIZE}", page_size)
-        _check_layout(num_layers, nheads_kv, head_dim, dtype)
+        head_dim_v = _check_layout(num_layers, nheads_kv, head_dim, head_dim_v, dtype)
         self.num_blocks, self.page_size = int(num_blocks), int(page_size)
-        _allocate(self, (num_blocks, page_size), num_layers, nheads_kv, head_dim, dtype,
-                  device)
+        _allocate(self, (num_blocks, page_size), num_layers, nheads_kv, head_dim,
+                  head_dim_v, dtype, device)
         self._free = deque(range(num_blocks))
         self._ref_counts = [0] * num_blocks
         self._allocated: set = set()      # blocks held by allocate() callers, not sequences
@@ -427,15 +445,14 @@ class PagedKVCache:
         """Write the tokens of the sequence's latest ``reserve`` into one layer.
 
         k, v: (num_new_tokens, nheads_kv, head_dim) in the cache's dtype and device,
-        num_new_tokens as reserved. Call once per layer (writing a layer again
-        overwrites the same slots).
+        v's last dim head_dim_v, num_new_tokens as reserved. Call once per layer
+        (writing a layer again overwrites the same slots).
         """
         layer = _check_layer(layer, self.num_layers)
         seq = self._seq(seq_id)
         n = len(seq.pending)
-        for x, name in ((k, "k"), (v, "v")):
-            _check_new_kv(x, name, (n,), self.nheads_kv, self.head_dim, self.dtype,
-                          self.device)
+        for x, name, d in ((k, "k", self.head_dim), (v, "v", self.head_dim_v)):
+            _check_new_kv(x, name, (n,), self.nheads_kv, d, self.dtype, self.device)
         if n == 0:
             return
         slots = torch.tensor(seq.pending, dtype=torch.int64).to(self.device)
@@ -446,29 +463,29 @@ class PagedKVCache:
         """``reserve`` then ``write`` in every layer; returns the slots.
 
         layer_k, layer_v: (num_layers, num_new_tokens, nheads_kv, head_dim) tensors, or
-        sequences of num_layers (num_new_tokens, nheads_kv, head_dim) tensors. All are
-        checked before the sequence grows.
+        sequences of num_layers (num_new_tokens, nheads_kv, head_dim) tensors (v's last
+        dim head_dim_v). All are checked before the sequence grows.
         """
-        layer_k, layer_v = self._stack_layers(layer_k, "layer_k"), \
-            self._stack_layers(layer_v, "layer_v")
-        if layer_v.shape != layer_k.shape:
-            V._fail(ValueError, "layer_v.shape", f"layer_k's shape {tuple(layer_k.shape)}",
-                    tuple(layer_v.shape))
+        layer_k = self._stack_layers(layer_k, "layer_k", self.head_dim)
+        layer_v = self._stack_layers(layer_v, "layer_v", self.head_dim_v)
+        if layer_v.shape[:-1] != layer_k.shape[:-1]:
+            V._fail(ValueError, "layer_v.shape[:-1]",
+                    f"layer_k's {tuple(layer_k.shape[:-1])}", tuple(layer_v.shape[:-1]))
         slots = self.reserve(seq_id, layer_k.shape[1])
         for layer in range(self.num_layers):
             self.write(layer, seq_id, layer_k[layer], layer_v[layer])
         return slots
 
-    def _stack_layers(self, x, name):
+    def _stack_layers(self, x, name, head_dim):
         if isinstance(x, (list, tuple)):
             if len(x) != self.num_layers:
                 V._fail(ValueError, f"len({name})", f"num_layers={self.num_layers}", len(x))
             for i, t in enumerate(x):
                 _check_new_kv(t, f"{name}[{i}]", ("num_new_tokens",), self.nheads_kv,
-                              self.head_dim, self.dtype, self.device)
+                              head_dim, self.dtype, self.device)
             x = torch.stack(list(x))
         _check_new_kv(x, name, (self.num_layers, "num_new_tokens"), self.nheads_kv,
-                      self.head_dim, self.dtype, self.device)
+                      head_dim, self.dtype, self.device)
         return x
 
     # -- attention metadata -------------------------------------------------------------

@@ -42,6 +42,10 @@ def compile_kernel(kernel, constexprs: dict, dtype: str = "bf16", arch: int = 90
     for dv_name, d_name in (("BLOCK_DV", "BLOCK_D"), ("EVEN_DV", "EVEN_D")):
         if dv_name in params and dv_name not in constexprs and d_name in constexprs:
             constexprs[dv_name] = constexprs[d_name]
+    # The decode kernel's key head dim in one tile (no tail), V loaded on its own.
+    for name, default in (("BLOCK_DT", 0), ("V_IS_K", False)):
+        if name in params and name not in constexprs:
+            constexprs[name] = default
     sig, attrs = {}, {}
     for i, name in enumerate(params):
         # What the JIT infers at a real launch from aligned pointers and strides that

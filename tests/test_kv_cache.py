@@ -501,7 +501,7 @@ def test_constructor_errors():
     with pytest.raises(TypeError, match="dtype: expected torch.float16, torch.bfloat16 or "
                                         "torch.float32, got torch.int8"):
         KVCache(1, 8, L, HKV, D, dtype=torch.int8)
-    with pytest.raises(ValueError, match="head_dim: expected 1 to 512, got 600"):
+    with pytest.raises(ValueError, match="head_dim: expected 1 to 512, or 576, got 600"):
         KVCache(1, 8, L, HKV, 600)
 
 

@@ -67,6 +67,27 @@ def padded_head_dim(head_dim: int) -> int:
 PREPROCESS_BLOCK_M = 32
 # New tokens per program of the KV-cache append (decode appends 1, a verify step a few).
 APPEND_BLOCK_T = 16
+# Elements of one append tile, k's or v's: 16 tokens up to head_dim 512, fewer past it.
+APPEND_TILE_ELEMENTS = 16 * 512
+
+
+def append_block_t(block_d: int) -> int:
+    """Tokens per append program for a (padded) head-dim tile of block_d."""
+    return max(1, min(APPEND_BLOCK_T, APPEND_TILE_ELEMENTS // block_d))
+
+
+# The widest key head-dim tile of the decode kernel. A wider head dim (DeepSeek's
+# absorbed MLA: 576 = 512 latent + 64 rope) is this tile plus a tail tile, not one
+# padded to 1024 (twice the registers and shared memory).
+DECODE_MAX_BLOCK_D = 512
+
+
+def decode_head_dim_tiles(head_dim: int) -> tuple[int, int]:
+    """(BLOCK_D, BLOCK_DT) of the decode kernel for the key head dim: the tail tile
+    BLOCK_DT is 0 up to DECODE_MAX_BLOCK_D."""
+    if head_dim <= DECODE_MAX_BLOCK_D:
+        return padded_head_dim(head_dim), 0
+    return DECODE_MAX_BLOCK_D, padded_head_dim(head_dim - DECODE_MAX_BLOCK_D)
 
 _INTERPRETER = {
     "fwd": TileConfig(16, 32),
@@ -376,10 +397,12 @@ def log_first_launch(kernel: str, q, head_dim, cfg: TileConfig, flags=None) -> N
                     f"; {on}" if on else "")
 
 
-def decode_config(q, head_dim, rows, split=True, fp8_cache=False) -> TileConfig:
+def decode_config(q, head_dim, rows, split=True, fp8_cache=False, head_dim_v=None,
+                  v_is_k=False) -> TileConfig:
     """Decode tile: rows = query tokens x query heads per KV head (GQA packing); split:
     whether the cache length is split across programs; fp8_cache: K/V in a float8
-    dtype."""
+    dtype; head_dim_v: V's head dim (None: head_dim); v_is_k: V read from K's tiles
+    (a view of K's first columns)."""
     if "decode" in _override:
         return _override["decode"]
     env = _from_env("decode")
@@ -395,14 +418,31 @@ def decode_config(q, head_dim, rows, split=True, fp8_cache=False) -> TileConfig:
     # FP8 queries compute in fp16 (2 bytes). An FP8 cache's tiles hold half the bytes:
     # two more stages keep the bytes in flight of the 16-bit tiles (not yet timed; a
     # 128-key tile spilled with bf16 queries on sm_90).
-    wide = padded_head_dim(head_dim) * max(2, q.element_size()) > 256
+    if head_dim > DECODE_MAX_BLOCK_D:
+        return _wide_key_decode_config(q, block_m, split, v_is_k)
+    # The wider of K's and V's head dims sizes the tiles (MLA: they differ).
+    widest = padded_head_dim(max(head_dim, head_dim_v or head_dim))
+    wide = widest * max(2, q.element_size()) > 256
     stages = (3 if split else 4) + (2 if fp8_cache else 0)
-    if padded_head_dim(head_dim) >= 512:
+    if widest >= 512:
         # (rows, 512) fp32 accumulators: at most 32 rows, over 8 warps (sm_90 AOT: 64
         # rows spill 2 KB a thread, 32 rows x 32 keys with 8 warps hold 203 registers).
         return TileConfig(min(block_m, 32), 32 if q.element_size() <= 2 else 16, 8,
                           3 if split else 4)
     return TileConfig(block_m, 32 if wide else 64, 4, stages)
+
+
+def _wide_key_decode_config(q, block_m, split, v_is_k) -> TileConfig:
+    """A key head dim past DECODE_MAX_BLOCK_D (absorbed MLA, 576 over a V of at most
+    512): the (rows, 512) fp32 accumulator over 8 warps, as at 512. Sized with
+    tests/aot.py for sm_90, paged, bf16 (fp32 16 keys): 32 rows x 32 keys with V read
+    from K's tiles hold 208 registers and 113 KB of shared memory at 3 stages, 150 KB at
+    4; with a V of its own, 4 stages of K and V take 248 KB (over the 227 KB an SM
+    has), 3 take 178 KB. 64 rows (half the re-reads of the cache at 128 query heads)
+    compile at 255 registers without spilling, too close to the limit for the variants
+    with more features; not yet timed."""
+    stages = 4 if not split and v_is_k else 3
+    return TileConfig(min(block_m, 32), 32 if q.element_size() <= 2 else 16, 8, stages)
 
 
 # ---- Tile study (`flashtile tune`): candidates, and the tuned cache `_pick` reads ----

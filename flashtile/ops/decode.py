@@ -10,6 +10,12 @@ a programmatic dependent launch: its programs are scheduled while the decode pro
 finish and wait (griddepcontrol) for their results, which hides part of the second
 launch's cost (batch 1 x 8k keys on the H200: 11.9 -> 11.4 us, NOTES.md section 9).
 
+V's head dim may differ from K's (MLA): its own tile for V, the accumulator and the
+output. A key head dim past 512 (absorbed MLA's 576 = 512 latent + 64 rope dims) is a
+512 tile plus a tail tile whose scores add (FlashMLA's split: a tile padded to 1024 would
+double registers and shared memory), and a V that is a view of K's first columns (the
+shared latent rows) is taken from K's tiles, so the cache is read once.
+
 Key j of sequence b lives at cache position ``cache_leftpad[b] + j``; with a
 ``block_table`` that position is looked up page by page, so pages may lie anywhere in
 the pool in any order. Page sizes and key tiles are powers of two, so without a left pad
@@ -85,10 +91,11 @@ def _decode_kernel(
     stride_alibi_b, stride_alibi_h,
     stride_qdesc_b, stride_qdesc_h, stride_kdesc_b, stride_kdesc_h,
     stride_vdesc_b, stride_vdesc_h,
-    nheads_kv, group_size, seqlen_q, head_dim, keys_per_split,
+    nheads_kv, group_size, seqlen_q, head_dim, head_dim_v, keys_per_split,
     cache_rows, capacity, new_tokens,
     window_left, window_right, softmax_scale, softcap,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_DT: tl.constexpr, BLOCK_DV: tl.constexpr, V_IS_K: tl.constexpr,
     EVEN_D: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, PAGED: tl.constexpr,
     PAGE_SIZE: tl.constexpr, PAGE_ALIGNED: tl.constexpr, TILE_PAGES: tl.constexpr,
@@ -111,6 +118,15 @@ def _decode_kernel(
     offs_n0 = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     m_d = offs_d < head_dim
+    # V's head dim (the accumulator's and the output's) may differ from K's: MLA.
+    offs_dv = offs_d if BLOCK_DV == BLOCK_D else tl.arange(0, BLOCK_DV)
+    m_dv = offs_dv < head_dim_v
+    if BLOCK_DT > 0:
+        # A key head dim past one power-of-two tile (absorbed MLA: 576 = 512 + 64) is
+        # a BLOCK_D tile plus this tail tile, its scores the sum of two products, as in
+        # FlashMLA: one padded 1024-wide tile would double the registers and bytes.
+        offs_dt = BLOCK_D + tl.arange(0, BLOCK_DT)
+        m_dt = offs_dt < head_dim
 
     # Keys including the new_tokens just appended; cache positions [leftpad, stop).
     stop = tl.load(CacheSeqlens + off_b) + new_tokens
@@ -129,12 +145,15 @@ def _decode_kernel(
     cache_b = tl.where(seq_bad, 0, cache_b)
     diag_offset = seqlen_k - seqlen_q  # bottom-right, as flash_attn_func
 
-    p_q = (Q + off_b * stride_qb + offs_t[:, None] * stride_qm + offs_h[:, None] * stride_qh
-           + offs_d[None, :])
-    b_q = tl.load(p_q, mask=m_row[:, None] & m_d[None, :], other=0.0)       # (M, D)
+    p_q = Q + off_b * stride_qb + offs_t[:, None] * stride_qm + offs_h[:, None] * stride_qh
+    b_q = tl.load(p_q + offs_d[None, :], mask=m_row[:, None] & m_d[None, :],
+                  other=0.0)                                                # (M, D)
     if Q.dtype.element_ty.is_fp8():
         # FP8 queries compute in fp16, which holds every e4m3 and e5m2 value exactly.
         b_q = b_q.to(tl.float16)
+    if BLOCK_DT > 0:
+        b_qt = tl.load(p_q + offs_dt[None, :], mask=m_row[:, None] & m_dt[None, :],
+                       other=0.0).to(b_q.dtype)                            # (M, DT)
     # An FP8 cache is read as FP8 (half the bytes: decode is bound by them) and widened
     # in registers to the queries' 16-bit type, exactly; P stays 16-bit for P @ V.
     # q_descale * k_descale joins the exp2 scale, v_descale the output.
@@ -162,7 +181,7 @@ def _decode_kernel(
     # (a select on the output tile there made ptxas spill 8 bytes on sm_90).
     l_i = tl.full([BLOCK_M], 0.0, dtype=tl.float32) + tl.where(seq_bad, float("nan"), 0.0)
     bad_rows = tl.zeros([BLOCK_N], dtype=tl.int32)  # key rows behind a bad page
-    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     # The page(s) of a tile are loaded one tile ahead: the software pipeliner does not
     # run scalar loads ahead, and a K/V address waiting on its block-table entry in the
     # same iteration stalls every tile (NOTES.md section 4). The first tile's pages are
@@ -233,10 +252,14 @@ def _decode_kernel(
         else:
             row_k = cache_b.to(tl.int64) * stride_kb + pos * stride_kn
             row_v = cache_b.to(tl.int64) * stride_vb + pos * stride_vn
-        m_kv = m_n[:, None] & m_d[None, :]
-        b_k = tl.load(KCache + row_k[:, None] + off_hkv * stride_kh + offs_d[None, :],
-                      mask=m_kv, other=0.0).to(b_q.dtype)                  # (N, D)
+        p_k = KCache + row_k[:, None] + off_hkv * stride_kh
+        b_k = tl.load(p_k + offs_d[None, :], mask=m_n[:, None] & m_d[None, :],
+                      other=0.0).to(b_q.dtype)                             # (N, D)
         qk = tl.dot(b_q, tl.trans(b_k), input_precision=INPUT_PRECISION)   # (M, N)
+        if BLOCK_DT > 0:
+            b_kt = tl.load(p_k + offs_dt[None, :], mask=m_n[:, None] & m_dt[None, :],
+                           other=0.0).to(b_q.dtype)                        # (N, DT)
+            qk = tl.dot(b_qt, tl.trans(b_kt), qk, input_precision=INPUT_PRECISION)
         s = _scores_log2(qk, offs_t, offs_n, hi, diag_offset, window_left, window_right,
                          scale, softcap, alibi_slope, Q, 0, 0, m_row[:, None],
                          True, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI, False, False)
@@ -245,8 +268,14 @@ def _decode_kernel(
         p = tl.exp2(s - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
-        b_v = tl.load(VCache + row_v[:, None] + off_hkv * stride_vh + offs_d[None, :],
-                      mask=m_kv, other=0.0).to(b_q.dtype)                  # (N, D)
+        if V_IS_K:
+            # V is a view of K's first columns (absorbed MLA's shared latent rows): the
+            # K tile already holds them, so the cache is read once.
+            b_v = b_k                                                      # (N, DV)
+        else:
+            b_v = tl.load(VCache + row_v[:, None] + off_hkv * stride_vh + offs_dv[None, :],
+                          mask=m_n[:, None] & m_dv[None, :],
+                          other=0.0).to(b_q.dtype)                         # (N, DV)
         acc = acc * alpha[:, None]
         acc = tl.dot(p.to(b_v.dtype), b_v, acc, input_precision=INPUT_PRECISION)
         m_i = m_new
@@ -270,8 +299,8 @@ def _decode_kernel(
     tl.store(Lse + split * stride_ls + off_b * stride_lb + offs_h * stride_lh + offs_t,
              lse, mask=m_row)
     p_o = (Out + split * stride_os + off_b * stride_ob + offs_t[:, None] * stride_om
-           + offs_h[:, None] * stride_oh + offs_d[None, :])
-    tl.store(p_o, out.to(Out.dtype.element_ty), mask=m_row[:, None] & m_d[None, :])
+           + offs_h[:, None] * stride_oh + offs_dv[None, :])
+    tl.store(p_o, out.to(Out.dtype.element_ty), mask=m_row[:, None] & m_dv[None, :])
 
 
 @triton.jit
@@ -368,17 +397,19 @@ def attn_decode(q, k_cache, v_cache, *, cache_seqlens, block_table, cache_batch_
     """Launch the decode kernel (and the combine kernel when split). Shapes, dtypes and
     devices validated by the caller; index values are checked by the kernel.
 
-    q (b, sq, h, d); k_cache/v_cache (b_cache, max_seqlen, hkv, d), or with block_table
-    (num_blocks, page_size, hkv, d); every index tensor int32 with unit stride;
+    q (b, sq, h, d); k_cache (b_cache, max_seqlen, hkv, d), or with block_table
+    (num_blocks, page_size, hkv, d); v_cache likewise with its own head dim dv (MLA),
+    possibly a view of k_cache's first dv columns (then read from K's tiles); d up to
+    512, or 576 (a 512 tile plus a tail); every index tensor int32 with unit stride;
     cache_seqlens (b,) plus new_tokens counts the keys to attend (new_tokens: those
-    just appended). Returns out (b, sq, h, d) and lse (b, h, sq) fp32.
+    just appended). Returns out (b, sq, h, dv) and lse (b, h, sq) fp32.
     FP8: the caches in a float8 dtype with 16-bit q, or q too in the caches' dtype;
     q_descale (FP8 q), k_descale and v_descale (FP8 caches) None (1.0) or fp32
     (b, hkv) with any strides; out in out_dtype (default q's dtype).
     """
     b, sq, h, d = q.shape
-    hkv = k_cache.shape[2]
-    out = torch.empty((b, sq, h, d), dtype=out_dtype or q.dtype, device=q.device)
+    hkv, dv = k_cache.shape[2], v_cache.shape[-1]
+    out = torch.empty((b, sq, h, dv), dtype=out_dtype or q.dtype, device=q.device)
     lse = torch.empty((b, h, sq), dtype=torch.float32, device=q.device)
     if out.numel() == 0:
         return out, lse
@@ -389,11 +420,17 @@ def attn_decode(q, k_cache, v_cache, *, cache_seqlens, block_table, cache_batch_
                cache_seqlens if cache_leftpad is None else cache_leftpad,
                q if alibi_slopes is None else alibi_slopes,
                *(lse if x is None else x for x in (q_descale, k_descale, v_descale)))
+    block_d, block_dt = configs.decode_head_dim_tiles(d)
+    # V read from K's tiles: the same rows (a view of K's first dv columns) and a V tile
+    # as wide as K's first.
+    v_is_k = (v_cache.data_ptr() == k_cache.data_ptr() and v_cache.dtype == k_cache.dtype
+              and v_cache.stride() == k_cache.stride()
+              and configs.padded_head_dim(dv) == block_d)
     key = None
     if _launch.ready(q):
         p = _launch.pointers(tensors)
         key = ("decode", q.dtype, k_cache.dtype, out.dtype, q.shape, q.stride(),
-               k_cache.shape, k_cache.stride(), v_cache.stride(),
+               k_cache.shape, k_cache.stride(), dv, v_cache.stride(), v_is_k,
                paged and (block_table.shape, block_table.stride(0)),
                cache_batch_idx is None, cache_leftpad is None,
                _launch.layout(alibi_slopes),
@@ -408,7 +445,7 @@ def attn_decode(q, k_cache, v_cache, *, cache_seqlens, block_table, cache_batch_
             splits, decode, combine = plans
             # Both partials in one allocation (one allocator call less); the lse part
             # starts 16-byte aligned, as the recorded launch's own tensor did.
-            n_out = -(-splits * b * sq * h * d // 4) * 4
+            n_out = -(-splits * b * sq * h * dv // 4) * 4
             partials = torch.empty(n_out + splits * b * h * sq, dtype=torch.float32,
                                    device=q.device)
             dst = partials.data_ptr()
@@ -418,7 +455,8 @@ def attn_decode(q, k_cache, v_cache, *, cache_seqlens, block_table, cache_batch_
     group = h // hkv
     capacity = block_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1]
     fp8_cache = k_cache.element_size() == 1
-    cfg = configs.decode_config(q, d, sq * group, fp8_cache=fp8_cache)
+    cfg = configs.decode_config(q, d, sq * group, fp8_cache=fp8_cache, head_dim_v=dv,
+                                v_is_k=v_is_k)
     m_blocks = configs.cdiv(sq * group, cfg.block_m)
     if num_splits <= 0:
         num_sms = _gpu_traits(q.device)[1] if q.is_cuda else 1
@@ -429,12 +467,13 @@ def attn_decode(q, k_cache, v_cache, *, cache_seqlens, block_table, cache_batch_
     num_splits = max(1, configs.cdiv(capacity, keys_per_split))
     if num_splits == 1:
         # The tile does not depend on the split; the pipeline depth does.
-        cfg = configs.decode_config(q, d, sq * group, split=False, fp8_cache=fp8_cache)
+        cfg = configs.decode_config(q, d, sq * group, split=False, fp8_cache=fp8_cache,
+                                    head_dim_v=dv, v_is_k=v_is_k)
         dst, dst_lse = out, lse
         dst_strides = (0, *out.stride()[:3])
         dst_lse_strides = (0, *lse.stride()[:2])
     else:
-        dst = torch.empty((num_splits, b, sq, h, d), dtype=torch.float32, device=q.device)
+        dst = torch.empty((num_splits, b, sq, h, dv), dtype=torch.float32, device=q.device)
         dst_lse = torch.empty((num_splits, b, h, sq), dtype=torch.float32, device=q.device)
         dst_strides = dst.stride()[:4]
         dst_lse_strides = dst_lse.stride()[:3]
@@ -443,6 +482,9 @@ def attn_decode(q, k_cache, v_cache, *, cache_seqlens, block_table, cache_batch_
         softcap=softcap, allow_tf32=allow_tf32, head_dim=d)
     flags.pop("HAS_MASK")
     flags.pop("MASK_IS_BOOL")
+    block_dv = configs.padded_head_dim(dv)
+    flags.update(BLOCK_D=block_d, BLOCK_DT=block_dt, EVEN_D=block_d + block_dt == d,
+                 BLOCK_DV=block_dv, V_IS_K=v_is_k)
     # Page sizes are powers of two (validated), so a constexpr page size makes the
     # per-row lookup shifts and masks; one variant per page size in use.
     page_size = k_cache.shape[1] if paged else 1
@@ -478,7 +520,7 @@ def attn_decode(q, k_cache, v_cache, *, cache_seqlens, block_table, cache_batch_
          *dst_strides, *dst_lse_strides, *alibi_strides,
          *(s for x in (q_descale, k_descale, v_descale)
            for s in ((0, 0) if x is None else x.stride())),
-         hkv, group, sq, d, keys_per_split, k_cache.shape[0], capacity, new_tokens,
+         hkv, group, sq, d, dv, keys_per_split, k_cache.shape[0], capacity, new_tokens,
          window_left, window_right, softmax_scale, softcap),
         dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
              num_stages=cfg.num_stages, **switches),
@@ -487,16 +529,16 @@ def attn_decode(q, k_cache, v_cache, *, cache_seqlens, block_table, cache_batch_
         if key is not None:
             _launch.store(key, (decode,))
         return out, lse
-    block_s, block_d = configs.next_power_of_2(num_splits), configs.padded_head_dim(d)
+    block_s = configs.next_power_of_2(num_splits)
     combine = _launch.first_launch(
         _combine_kernel, (b * sq * h,),
         (dst, dst_lse, out, lse, *dst.stride()[:4], *dst_lse.stride()[:3],
          out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
-         num_splits, h, sq, d),
+         num_splits, h, sq, dv),
         # One warp while its tile fits in 128 registers a thread: no cross-warp
         # reductions. H200, 32 splits x d128 alone: 1.66 us, 4 warps 2.69 (NOTES 9).
-        dict(BLOCK_S=block_s, BLOCK_D=block_d, USE_PDL=pdl, launch_pdl=pdl,
-             num_warps=_combine_warps(block_s * block_d)),
+        dict(BLOCK_S=block_s, BLOCK_D=block_dv, USE_PDL=pdl, launch_pdl=pdl,
+             num_warps=_combine_warps(block_s * block_dv)),
         _COMBINE_SLOTS if key is not None else None)
     if key is not None:
         _launch.store(key, (num_splits, decode, combine))
@@ -510,16 +552,18 @@ def _append_kernel(KNew, VNew, KCache, VCache, CacheSeqlens, BlockTable, CacheBa
                    stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
                    stride_block_table_b, stride_kdesc_b, stride_kdesc_h, stride_vdesc_b,
                    stride_vdesc_h, cache_rows, capacity, new_tokens, nheads_kv,
-                   head_dim,
-                   BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, PAGED: tl.constexpr,
+                   head_dim, head_dim_v,
+                   BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+                   PAGED: tl.constexpr,
                    PAGE_SIZE: tl.constexpr, HAS_BATCH_IDX: tl.constexpr,
                    HAS_K_DESCALE: tl.constexpr, HAS_V_DESCALE: tl.constexpr):
-    """Write k/v (b, new_tokens, hkv, d) into the cache at positions cache_seqlens[b] +
-    t, t < new_tokens (through the block table when PAGED). A sequence whose new tokens
-    do not fit its row (cache_seqlens outside [0, capacity - new_tokens]) or whose
-    cache_batch_idx is outside the cache writes nothing, and a token whose block-table
-    entry is outside the pool is not written: the decode kernel then makes the rows
-    that would have seen them NaN (same checks), never a read of stale keys.
+    """Write k (b, new_tokens, hkv, d) and v (..., dv) into the cache at positions
+    cache_seqlens[b] + t, t < new_tokens (through the block table when PAGED). A
+    sequence whose new tokens do not fit its row (cache_seqlens outside [0, capacity -
+    new_tokens]) or whose cache_batch_idx is outside the cache writes nothing, and a
+    token whose block-table entry is outside the pool is not written: the decode
+    kernel then makes the rows that would have seen them NaN (same checks), never a
+    read of stale keys.
     16-bit k/v into an FP8 cache are quantised on the way: k / k_descale[b, h], rounded
     to nearest even and saturated (flashtile.fp8.quantize, bit for bit)."""
     QUANTIZE: tl.constexpr = (KCache.dtype.element_ty.is_fp8()
@@ -528,6 +572,7 @@ def _append_kernel(KNew, VNew, KCache, VCache, CacheSeqlens, BlockTable, CacheBa
     off_h = tl.program_id(1) % nheads_kv
     offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
     start = tl.load(CacheSeqlens + off_b)
     ok = (start >= 0) & (start <= capacity - new_tokens)
     cache_b = off_b
@@ -545,12 +590,13 @@ def _append_kernel(KNew, VNew, KCache, VCache, CacheSeqlens, BlockTable, CacheBa
     else:
         row_k = cache_b.to(tl.int64) * stride_kb + pos.to(tl.int64) * stride_kn
         row_v = cache_b.to(tl.int64) * stride_vb + pos.to(tl.int64) * stride_vn
-    m_in = (offs_t[:, None] < new_tokens) & (offs_d[None, :] < head_dim)
-    m_out = m_t[:, None] & (offs_d[None, :] < head_dim)
+    m_new = offs_t[:, None] < new_tokens
+    m_d, m_dv = offs_d[None, :] < head_dim, offs_dv[None, :] < head_dim_v
     b_k = tl.load(KNew + off_b * stride_nb + offs_t[:, None] * stride_nn + off_h * stride_nh
-                  + offs_d[None, :], mask=m_in, other=0.0)                  # (T, D)
+                  + offs_d[None, :], mask=m_new & m_d, other=0.0)           # (T, D)
     b_v = tl.load(VNew + off_b * stride_vnb + offs_t[:, None] * stride_vnn
-                  + off_h * stride_vnh + offs_d[None, :], mask=m_in, other=0.0)  # (T, D)
+                  + off_h * stride_vnh + offs_dv[None, :], mask=m_new & m_dv,
+                  other=0.0)                                                # (T, DV)
     if QUANTIZE:
         b_k = _quantize(b_k, _load_descale(KDescale, off_b, off_h, stride_kdesc_b,
                                            stride_kdesc_h, HAS_K_DESCALE),
@@ -558,8 +604,10 @@ def _append_kernel(KNew, VNew, KCache, VCache, CacheSeqlens, BlockTable, CacheBa
         b_v = _quantize(b_v, _load_descale(VDescale, off_b, off_h, stride_vdesc_b,
                                            stride_vdesc_h, HAS_V_DESCALE),
                         VCache.dtype.element_ty)
-    tl.store(KCache + row_k[:, None] + off_h * stride_kh + offs_d[None, :], b_k, mask=m_out)
-    tl.store(VCache + row_v[:, None] + off_h * stride_vh + offs_d[None, :], b_v, mask=m_out)
+    tl.store(KCache + row_k[:, None] + off_h * stride_kh + offs_d[None, :], b_k,
+             mask=m_t[:, None] & m_d)
+    tl.store(VCache + row_v[:, None] + off_h * stride_vh + offs_dv[None, :], b_v,
+             mask=m_t[:, None] & m_dv)
 
 
 _APPEND_SLOTS = ("KNew", "VNew", "KCache", "VCache", "CacheSeqlens", "BlockTable",
@@ -568,10 +616,12 @@ _APPEND_SLOTS = ("KNew", "VNew", "KCache", "VCache", "CacheSeqlens", "BlockTable
 
 def append_kv(k, v, k_cache, v_cache, *, cache_seqlens, block_table, cache_batch_idx,
               k_descale=None, v_descale=None):
-    """Write k/v (b, n, hkv, d) into the caches in place at positions cache_seqlens[b]
-    ... (``_append_kernel``); one launch, no host read of the indices. 16-bit k/v into
+    """Write k (b, n, hkv, d) and v (b, n, hkv, dv) into the caches in place at
+    positions cache_seqlens[b] ... (``_append_kernel``); one launch, no host read of
+    the indices. 16-bit k/v into
     FP8 caches are quantised with k_descale/v_descale (None: 1.0; fp32 (b, hkv))."""
     b, n, hkv, d = k.shape
+    dv = v.shape[-1]
     if not k.numel():
         return
     paged = block_table is not None
@@ -582,7 +632,7 @@ def append_kv(k, v, k_cache, v_cache, *, cache_seqlens, block_table, cache_batch
     key = None
     if _launch.ready(k):
         p = _launch.pointers(tensors)
-        key = ("append", k.dtype, k_cache.dtype, k.shape, k.stride(), v.stride(),
+        key = ("append", k.dtype, k_cache.dtype, k.shape, k.stride(), dv, v.stride(),
                k_cache.shape, k_cache.stride(), v_cache.stride(),
                paged and (block_table.shape, block_table.stride(0)),
                cache_batch_idx is None, _launch.layout(k_descale),
@@ -592,14 +642,15 @@ def append_kv(k, v, k_cache, v_cache, *, cache_seqlens, block_table, cache_batch
             plan(p)
             return
     capacity = block_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1]
-    block_t = min(configs.APPEND_BLOCK_T, configs.next_power_of_2(n))
+    block_d, block_dv = configs.padded_head_dim(d), configs.padded_head_dim(dv)
+    block_t = min(configs.append_block_t(max(block_d, block_dv)), configs.next_power_of_2(n))
     plan = _launch.first_launch(
         _append_kernel, (configs.cdiv(n, block_t), b * hkv),
         (*tensors, *k.stride()[:3], *v.stride()[:3], *k_cache.stride()[:3],
          *v_cache.stride()[:3], block_table.stride(0) if paged else 0,
          *(s for x in (k_descale, v_descale) for s in ((0, 0) if x is None else x.stride())),
-         k_cache.shape[0], capacity, n, hkv, d),
-        dict(BLOCK_T=block_t, BLOCK_D=configs.padded_head_dim(d), PAGED=paged,
+         k_cache.shape[0], capacity, n, hkv, d, dv),
+        dict(BLOCK_T=block_t, BLOCK_D=block_d, BLOCK_DV=block_dv, PAGED=paged,
              PAGE_SIZE=k_cache.shape[1] if paged else 1,
              HAS_BATCH_IDX=cache_batch_idx is not None,
              HAS_K_DESCALE=k_descale is not None, HAS_V_DESCALE=v_descale is not None),

@@ -1,0 +1,436 @@
+"""flash_attn_with_kvcache and paged varlen with v's head dim its own (issue 17 item 2):
+MLA's 192/128, an odd pair with dv > d, and DeepSeek's absorbed decode, 576/512 over one
+latent cache shared by every query head (v_cache a view of k_cache's first 512 columns).
+Contiguous and paged, split and unsplit, appended tokens, GQA/MQA; against float64."""
+
+import logging
+
+import pytest
+import torch
+
+import flashtile
+from flashtile.inference import apply_rotary
+from flashtile.ops import configs
+from flashtile.reference import attention_naive
+from tests.conftest import triton_available_here
+from tests.utils import assert_close_rule
+
+DTYPES = [pytest.param(torch.float32, id="fp32"), pytest.param(torch.float16, id="fp16")]
+# (d, dv, nheads, nheads_kv, shared): shared = v_cache is k_cache[..., :dv].
+CASES = [pytest.param(192, 128, 4, 2, False, id="d192-dv128-gqa"),
+         pytest.param(24, 40, 4, 2, False, id="d24-dv40-gqa"),
+         pytest.param(576, 512, 8, 1, True, id="d576-dv512-shared-mqa"),
+         # Both pad to one 64-wide tile: V read from K's tiles, columns 40..47 unstored.
+         pytest.param(48, 40, 3, 1, True, id="d48-dv40-shared-mqa")]
+# (paged, num_splits)
+LAYOUTS = [pytest.param(False, 1, id="contiguous"), pytest.param(False, 3, id="contiguous-split3"),
+           pytest.param(True, 1, id="paged"), pytest.param(True, 3, id="paged-split3")]
+PAGE_SIZE = 16
+
+
+def _caches(b, s, hkv, d, dv, shared, dtype, device):
+    """k_cache (b, s, hkv, d) and v_cache (b, s, hkv, dv), the latter a view of the
+    former's first dv columns when shared (absorbed MLA's latent cache)."""
+    k_cache = torch.randn(b, s, hkv, d, dtype=dtype, device=device)
+    if shared:
+        return k_cache, k_cache[..., :dv]
+    return k_cache, torch.randn(b, s, hkv, dv, dtype=dtype, device=device)
+
+
+def _pool(k_cache, v_cache, shared):
+    """The same rows in a pool of PAGE_SIZE pages in random order (v a view of k's
+    when shared, as in the contiguous caches), and the block table."""
+    b, s, hkv, d = k_cache.shape
+    per_seq, n_blocks = s // PAGE_SIZE, b * s // PAGE_SIZE + 3  # 3 blocks nobody uses
+    gen = torch.Generator().manual_seed(3)
+    block_table = torch.randperm(n_blocks, generator=gen)[:b * per_seq].view(b, per_seq)
+    pool_k, pool_v = _caches(n_blocks, PAGE_SIZE, hkv, d, v_cache.shape[-1], shared,
+                             k_cache.dtype, k_cache.device)
+    for i in range(b):
+        for j in range(per_seq):
+            rows = slice(j * PAGE_SIZE, (j + 1) * PAGE_SIZE)
+            pool_k[block_table[i, j]] = k_cache[i, rows]
+            if not shared:
+                pool_v[block_table[i, j]] = v_cache[i, rows]
+    return pool_k, pool_v, block_table.to(torch.int32).to(k_cache.device)
+
+
+def _attend(q, k_cache, v_cache, paged, shared, **kw):
+    """flash_attn_with_kvcache over the caches, or over a pool of their pages:
+    (out, lse, the caches' rows afterwards as (b, s, hkv, d) tensors)."""
+    if not paged:
+        out, lse = flashtile.flash_attn_with_kvcache(q, k_cache, v_cache, return_lse=True,
+                                                     **kw)
+        return out, lse, k_cache, v_cache
+    pool_k, pool_v, table = _pool(k_cache, v_cache, shared)
+    out, lse = flashtile.flash_attn_with_kvcache(q, pool_k, pool_v, block_table=table,
+                                                 return_lse=True, **kw)
+    k_rows, v_rows = (pool[table.long()].flatten(1, 2) for pool in (pool_k, pool_v))
+    return out, lse, k_rows, v_rows
+
+
+def _check(out, lse, q, k_cache, v_cache, seqlens, causal):
+    """out/lse of each sequence against float64, by the accuracy rule."""
+    assert out.shape == (*q.shape[:3], v_cache.shape[-1])
+    for i, n in enumerate(seqlens.tolist()):
+        qkv = (q[i:i + 1], k_cache[i:i + 1, :n], v_cache[i:i + 1, :n])
+        o64, l64 = attention_naive(*(x.double() for x in qkv), causal=causal)
+        o_pt, _ = attention_naive(*qkv, causal=causal, upcast=False)
+        assert_close_rule(f"out[{i}]", out[i:i + 1], o64, o_pt)
+        torch.testing.assert_close(lse[i:i + 1].double(), l64, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("paged, num_splits", LAYOUTS)
+@pytest.mark.parametrize("d, dv, h, hkv, shared", CASES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_kvcache_value_head_dim(backend, dtype, d, dv, h, hkv, shared, paged, num_splits,
+                                device):
+    """Two query tokens (causal), an odd and a full sequence of a 48-key cache."""
+    b, s = 2, 48
+    k_cache, v_cache = _caches(b, s, hkv, d, dv, shared, dtype, device)
+    q = torch.randn(b, 2, h, d, dtype=dtype, device=device)
+    seqlens = torch.tensor([19, 48], dtype=torch.int32, device=device)
+    out, lse, _, _ = _attend(q, k_cache, v_cache, paged, shared, cache_seqlens=seqlens,
+                             causal=True, num_splits=num_splits)
+    _check(out, lse, q, k_cache, v_cache, seqlens, causal=True)
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["batch_idx", "paged"])
+def test_shared_latent_with_every_feature(backend, paged, device):
+    """576/512 over shared rows with a left pad (per-row page lookup when paged) or a
+    cache_batch_idx, a window, softcap and ALiBi, three queries, split in three."""
+    dtype, b, s, h = torch.float16, 2, 48, 4
+    k_cache, v_cache = _caches(3, s, 1, 576, 512, True, dtype, device)
+    q = torch.randn(b, 3, h, 576, dtype=dtype, device=device)
+    seqlens = torch.tensor([30, 48], dtype=torch.int32, device=device)
+    feats = dict(causal=True, window_size=(20, 0), softcap=4.0,
+                 alibi_slopes=torch.rand(h, device=device))
+    kw = dict(cache_seqlens=seqlens, num_splits=3, return_lse=True, **feats)
+    if paged:
+        leftpad = torch.tensor([5, 0], dtype=torch.int32, device=device)
+        pool_k, pool_v, table = _pool(k_cache[:b], v_cache[:b], True)
+        out, lse = flashtile.flash_attn_with_kvcache(q, pool_k, pool_v, block_table=table,
+                                                     cache_leftpad=leftpad, **kw)
+        rows = [slice(int(leftpad[i]), int(seqlens[i])) for i in range(b)]
+        cache_rows = [0, 1]
+    else:
+        cache_rows = [2, 0]
+        batch_idx = torch.tensor(cache_rows, dtype=torch.int32, device=device)
+        out, lse = flashtile.flash_attn_with_kvcache(q, k_cache, v_cache,
+                                                     cache_batch_idx=batch_idx, **kw)
+        rows = [slice(0, int(n)) for n in seqlens]
+    for i in range(b):
+        qkv = (q[i:i + 1], k_cache[cache_rows[i]][None, rows[i]],
+               v_cache[cache_rows[i]][None, rows[i]])
+        o64, l64 = attention_naive(*(x.double() for x in qkv), **feats)
+        o_pt, _ = attention_naive(*qkv, upcast=False, **feats)
+        assert_close_rule(f"out[{i}]", out[i:i + 1], o64, o_pt)
+        torch.testing.assert_close(lse[i:i + 1].double(), l64, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+@pytest.mark.parametrize("d, dv", [pytest.param(192, 128, id="d192-dv128"),
+                                   pytest.param(24, 40, id="d24-dv40")])
+def test_append_value_head_dim(backend, d, dv, paged, device):
+    """New k (rotated) and v of their own head dims written into the caches, then
+    attended: the cache rows hold them, and out is the reference over the new caches."""
+    b, s, h, hkv, sn, dtype = 2, 48, 4, 2, 3, torch.float16
+    k_cache, v_cache = _caches(b, s, hkv, d, dv, False, dtype, device)
+    q = torch.randn(b, sn, h, d, dtype=dtype, device=device)
+    k = torch.randn(b, sn, hkv, d, dtype=dtype, device=device)
+    v = torch.randn(b, sn, hkv, dv, dtype=dtype, device=device)
+    start = torch.tensor([7, 40], dtype=torch.int32, device=device)
+    angles = torch.rand(s, 8, device=device) * 6
+    rotary = dict(rotary_cos=angles.cos(), rotary_sin=angles.sin())
+    out, lse, k_cache, v_cache = _attend(q, k_cache, v_cache, paged, False, k=k, v=v,
+                                         cache_seqlens=start, causal=True, num_splits=2,
+                                         **rotary)
+    pos = start.long()[:, None] + torch.arange(sn, device=device)
+    k_rot, q_rot = (apply_rotary(x, rotary["rotary_cos"], rotary["rotary_sin"], pos, True)
+                    for x in (k, q))
+    for i in range(b):
+        rows = slice(int(start[i]), int(start[i]) + sn)
+        torch.testing.assert_close(k_cache[i, rows], k_rot[i], rtol=0, atol=0)
+        torch.testing.assert_close(v_cache[i, rows], v[i], rtol=0, atol=0)
+    _check(out, lse, q_rot, k_cache, v_cache, start + sn, causal=True)
+
+
+def test_shared_latent_is_read_from_k_tiles(caplog, device, monkeypatch, on_gpu):
+    """Absorbed MLA's V, a view of K's rows, is taken from the K tiles (V_IS_K: the
+    cache read once), and gives what a V of its own storage gives, bit for bit."""
+    if not triton_available_here(on_gpu):
+        pytest.skip("needs the Triton kernels")
+    monkeypatch.setenv("FLASHTILE_BACKEND", "triton")
+    k_cache, v_cache = _caches(2, 32, 1, 576, 512, True, torch.float32, device)
+    q = torch.randn(2, 1, 4, 576, dtype=torch.float32, device=device)
+    seqlens = torch.tensor([9, 32], dtype=torch.int32, device=device)
+    configs._seen_variants.clear()
+    with caplog.at_level(logging.INFO, logger="flashtile"):
+        shared = flashtile.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens)
+    assert "V_IS_K" in caplog.text
+    own = flashtile.flash_attn_with_kvcache(q, k_cache, v_cache.clone(),
+                                            cache_seqlens=seqlens)
+    assert torch.equal(shared, own)
+
+
+@pytest.mark.parametrize("d, dv", [pytest.param(192, 128, id="d192-dv128"),
+                                   pytest.param(24, 40, id="d24-dv40")])
+def test_varlen_paged_value_head_dim(backend, d, dv, device):
+    """flash_attn_varlen_func over a paged pool whose v has its own head dim."""
+    dtype = torch.float16
+    b, s, h, hkv = 2, 48, 4, 2
+    k_cache, v_cache = _caches(b, s, hkv, d, dv, False, dtype, device)
+    pool_k, pool_v, block_table = _pool(k_cache, v_cache, False)
+    lens_q, lens_k = [3, 5], [19, 48]
+    q = torch.randn(sum(lens_q), h, d, dtype=dtype, device=device)
+    cu_q = torch.tensor([0, 3, 8], dtype=torch.int32, device=device)
+    seqused_k = torch.tensor(lens_k, dtype=torch.int32, device=device)
+    out = flashtile.flash_attn_varlen_func(q, pool_k, pool_v, cu_q, None, 5, 48,
+                                           causal=True, block_table=block_table,
+                                           seqused_k=seqused_k)
+    assert out.shape == (8, h, dv)
+    for i in range(b):
+        rows = slice(int(cu_q[i]), int(cu_q[i + 1]))
+        qkv = (q[None, rows], k_cache[i:i + 1, :lens_k[i]], v_cache[i:i + 1, :lens_k[i]])
+        o64, _ = attention_naive(*(x.double() for x in qkv), causal=True)
+        o_pt, _ = attention_naive(*qkv, causal=True, upcast=False)
+        assert_close_rule(f"out[{i}]", out[None, rows], o64, o_pt)
+
+
+@pytest.mark.parametrize("shared", [True, False], ids=["d576-dv512-shared", "d192-dv128-append"])
+def test_compiled_decode_step(shared, device):
+    """torch.compile(fullgraph=True) of a decode step: the custom op's fake gives out
+    v's head dim, and the compiled step equals the eager one (caches included)."""
+    d, dv = (576, 512) if shared else (192, 128)
+    k_cache, v_cache = _caches(2, 32, 1, d, dv, shared, torch.float32, device)
+    q = torch.randn(2, 1, 4, d, device=device)
+    k, v = (None, None) if shared else (torch.randn(2, 1, 1, d, device=device),
+                                        torch.randn(2, 1, 1, dv, device=device))
+    seqlens = torch.tensor([5, 30], dtype=torch.int32, device=device)
+
+    def step(q, k_cache, v_cache, k, v):
+        return flashtile.flash_attn_with_kvcache(q, k_cache, v_cache, k, v,
+                                                 cache_seqlens=seqlens, causal=True)
+
+    def caches():
+        kc = k_cache.clone()
+        return (kc, kc[..., :dv]) if shared else (kc, v_cache.clone())
+
+    eager_caches, compiled_caches = caches(), caches()
+    want = step(q, *eager_caches, k, v)
+    got = torch.compile(step, backend="aot_eager", fullgraph=True)(q, *compiled_caches, k, v)
+    assert got.shape == (2, 1, 4, dv)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    for x, y in zip(compiled_caches, eager_caches):
+        torch.testing.assert_close(x, y, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["KVCache", "PagedKVCache"])
+def test_kv_cache_classes_take_value_head_dim(backend, paged, device):
+    """KVCache and PagedKVCache with head_dim_v: v_cache has its own last dim, writes
+    check each against its own, and the caches feed flash_attn_with_kvcache."""
+    from flashtile.kv_cache import KVCache, PagedKVCache
+
+    d, dv, h, hkv, n, dtype = 24, 40, 4, 2, 21, torch.float16
+    k = torch.randn(2, n, hkv, d, dtype=dtype, device=device)
+    v = torch.randn(2, n, hkv, dv, dtype=dtype, device=device)
+    q = torch.randn(2, 1, h, d, dtype=dtype, device=device)
+    if paged:
+        cache = PagedKVCache(8, 16, 1, hkv, d, dtype=dtype, device=device, head_dim_v=dv)
+        for i in range(2):
+            cache.add_sequence(i)
+            cache.append(i, k[i][None], v[i][None])
+        plan = cache.plan([0, 1])
+        kw = dict(block_table=plan.block_table, cache_seqlens=plan.cache_seqlens)
+    else:
+        cache = KVCache(2, 32, 1, hkv, d, dtype=dtype, device=device, head_dim_v=dv)
+        cache.update(0, 0, k, v)
+        kw = dict(cache_seqlens=cache.cache_seqlens)
+    assert cache.v_cache.shape[-1] == dv and cache.k_cache.shape[-1] == d
+    out, lse = flashtile.flash_attn_with_kvcache(q, cache.k_cache[0], cache.v_cache[0],
+                                                 return_lse=True, **kw)
+    _check(out, lse, q, k, v, torch.tensor([n, n]), causal=False)
+    # A v of k's head dim is refused, naming v's.
+    if paged:
+        cache.reserve(0, 1)
+        with pytest.raises(ValueError, match=r"v.shape: expected \(1, nheads_kv=2, "
+                                             r"head_dim=40\), got \(1, 2, 24\)"):
+            cache.write(0, 0, k[0, :1], k[0, :1])
+    else:
+        with pytest.raises(ValueError, match=r"v.shape: expected \(batch, n_new, "
+                                             r"nheads_kv=2, head_dim=40\), got "
+                                             r"\(2, 1, 2, 24\)"):
+            cache.update(0, n, k[:, :1], k[:, :1])
+
+
+@pytest.mark.parametrize("cls", ["KVCache", "PagedKVCache"])
+def test_kv_cache_classes_head_dim_errors(cls):
+    from flashtile import kv_cache
+
+    make = (lambda **kw: kv_cache.KVCache(1, 16, 1, 1, **kw)) if cls == "KVCache" else \
+        (lambda **kw: kv_cache.PagedKVCache(1, 16, 1, 1, **kw))
+    assert make(head_dim=576, head_dim_v=512).v_cache.shape[-1] == 512
+    with pytest.raises(ValueError, match=r"head_dim_v: expected 1 to 512 \(None: head_dim\)"
+                                         r", got 576"):
+        make(head_dim=576, head_dim_v=576)
+    with pytest.raises(ValueError, match=r"head_dim: expected 1 to 512, or 576, got 600"):
+        make(head_dim=600)
+
+
+# ---- bad input ----
+
+def _args(d=64, dv=32, shared=False, s=16):
+    k_cache, v_cache = _caches(1, s, 1, d, dv, shared, torch.float32, "cpu")
+    return torch.randn(1, 1, 2, d), k_cache, v_cache
+
+
+def test_error_cache_dims_other_than_head_dim():
+    q, k_cache, _ = _args()
+    with pytest.raises(ValueError, match=r"v_cache.shape\[:-1\]: expected k_cache's "
+                                         r"\(1, 16, 1\), got \(1, 17, 1\)"):
+        flashtile.flash_attn_with_kvcache(q, k_cache, torch.randn(1, 17, 1, 32),
+                                          cache_seqlens=4)
+
+
+def test_error_new_v_of_other_head_dim():
+    q, k_cache, v_cache = _args()
+    with pytest.raises(ValueError, match=r"v.shape: expected \(1, seqlen_new, 1, 32\), "
+                                         r"got \(1, 1, 1, 64\)"):
+        flashtile.flash_attn_with_kvcache(q, k_cache, v_cache, k=torch.randn(1, 1, 1, 64),
+                                          v=torch.randn(1, 1, 1, 64), cache_seqlens=4)
+
+
+def test_error_head_dims_past_the_kernels():
+    q, k_cache, v_cache = _args(d=600, dv=512)
+    with pytest.raises(ValueError, match=r"q.shape\[-1\] \(head_dim\): expected 1 to 512, "
+                                         r"or 576 \(absorbed MLA"):
+        flashtile.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=4)
+    q, k_cache, v_cache = _args(d=576, dv=576)
+    with pytest.raises(ValueError, match=r"v_cache.shape\[-1\] \(head_dim_v\): expected "
+                                         r"1 to 512, got 576"):
+        flashtile.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=4)
+
+
+@pytest.mark.parametrize("call", ["dense", "varlen", "paged_varlen"])
+def test_error_576_outside_kvcache(call):
+    """576 is the decode kernel's (a 512 tile plus a tail): elsewhere the message says
+    where it is taken."""
+    q, k, v = torch.randn(1, 3, 1, 576), torch.randn(1, 16, 1, 576), torch.randn(1, 16, 1, 512)
+    match = (r"q.shape\[-1\] \(head_dim\): expected 1 to 512, got 576. head_dim 576 "
+             r"\(absorbed MLA\) is taken by flash_attn_with_kvcache only")
+    cu = torch.tensor([0, 3], dtype=torch.int32)
+    with pytest.raises(ValueError, match=match):
+        if call == "dense":
+            flashtile.flash_attn_func(q, k, v)
+        elif call == "varlen":
+            flashtile.flash_attn_varlen_func(q[0], k[0], v[0], cu, cu, 3, 3)
+        else:
+            flashtile.flash_attn_varlen_func(
+                q[0], k, v, cu, None, 3, 3, block_table=torch.zeros(1, 1, dtype=torch.int32),
+                seqused_k=torch.tensor([3], dtype=torch.int32))
+
+
+def test_error_append_into_shared_elements():
+    """New k/v into a V that is a view of K's rows: which lands in the shared columns
+    is not defined, so it is refused with the cache untouched."""
+    q, k_cache, v_cache = _args(d=64, dv=32, shared=True)
+    before = k_cache.clone()
+    with pytest.raises(ValueError, match=r"k/v: expected None when v_cache and k_cache "
+                                         r"share elements"):
+        flashtile.flash_attn_with_kvcache(q, k_cache, v_cache, k=torch.randn(1, 1, 1, 64),
+                                          v=torch.randn(1, 1, 1, 32), cache_seqlens=4)
+    assert torch.equal(k_cache, before)
+
+
+def test_append_into_one_stacked_tensor_is_taken():
+    """K and V as halves of one tensor (vLLM's (2, num_blocks, ...) pool, or k/v
+    interleaved per head) share a storage, not elements: appending stays allowed."""
+    kv = torch.randn(2, 4, 16, 1, 8)
+    q, k, v = torch.randn(1, 1, 2, 8), torch.randn(1, 1, 1, 8), torch.randn(1, 1, 1, 8)
+    flashtile.flash_attn_with_kvcache(q, kv[0], kv[1], k=k, v=v, cache_seqlens=4,
+                                      block_table=torch.tensor([[2]], dtype=torch.int32))
+    assert torch.equal(kv[0, 2, 4], k[0, 0]) and torch.equal(kv[1, 2, 4], v[0, 0])
+
+
+def test_views_overlap():
+    from flashtile._validate import views_overlap
+
+    kv = torch.randn(4, 16, 2, 3, 8)
+    disjoint = [(kv[:, :, 0], kv[:, :, 1]), (kv[..., :4], kv[..., 4:]), (kv, kv.clone()),
+                (kv[:1], kv[2:])]
+    shared = [(kv, kv), (kv, kv[..., :4]), (kv[..., :5], kv[..., 4:]),
+              (kv[..., 2:6], kv[..., :3]), (kv[1:], kv[..., :4])]
+    for a, b in disjoint:
+        assert not views_overlap(a, b) and not views_overlap(b, a)
+    for a, b in shared:
+        assert views_overlap(a, b) and views_overlap(b, a)
+
+
+def test_error_paged_varlen_pool_shapes():
+    q = torch.randn(3, 2, 64)
+    k, v = torch.randn(4, 16, 1, 64), torch.randn(5, 16, 1, 32)
+    cu = torch.tensor([0, 3], dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"v.shape\[:-1\]: expected k's \(4, 16, 1\), "
+                                         r"got \(5, 16, 1\)"):
+        flashtile.flash_attn_varlen_func(q, k, v, cu, None, 3, 3,
+                                         block_table=torch.zeros(1, 1, dtype=torch.int32),
+                                         seqused_k=torch.tensor([3], dtype=torch.int32))
+
+
+# ---- GPU, bf16 (make test-gpu) ----
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_splits", [0, 1], ids=["splits-heuristic", "unsplit"])
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+@pytest.mark.parametrize("seqlen_q, nheads", [(1, 16), (2, 128)])
+def test_gpu_absorbed_mla_decode(seqlen_q, nheads, paged, num_splits, device):
+    """DeepSeek's absorbed decode at its shape: 16 or 128 query heads over one latent
+    cache of 576 (512 + 64 rope) whose first 512 columns are V; bf16."""
+    dtype, b, s = torch.bfloat16, 3, 1024
+    k_cache, v_cache = _caches(b, s, 1, 576, 512, True, dtype, device)
+    q = torch.randn(b, seqlen_q, nheads, 576, dtype=dtype, device=device)
+    seqlens = torch.tensor([1 + seqlen_q, 517, 1024], dtype=torch.int32, device=device)
+    out, lse, _, _ = _attend(q, k_cache, v_cache, paged, True, cache_seqlens=seqlens,
+                             causal=True, num_splits=num_splits, softmax_scale=192 ** -0.5)
+    for i, n in enumerate(seqlens.tolist()):
+        qkv = (q[i:i + 1], k_cache[i:i + 1, :n], v_cache[i:i + 1, :n])
+        kw_ref = dict(causal=True, softmax_scale=192 ** -0.5)
+        o64, l64 = attention_naive(*(x.double() for x in qkv), **kw_ref)
+        o_pt, _ = attention_naive(*qkv, upcast=False, **kw_ref)
+        assert_close_rule(f"out[{i}]", out[i:i + 1], o64, o_pt)
+        torch.testing.assert_close(lse[i:i + 1].double(), l64, rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+@pytest.mark.parametrize("d, dv", [(192, 128), (64, 256)], ids=["d192-dv128", "d64-dv256"])
+def test_gpu_value_head_dim_with_append(d, dv, paged, device):
+    """bf16 GQA decode with appended tokens, V's head dim its own."""
+    dtype, b, s, h, hkv, sn = torch.bfloat16, 4, 512, 16, 2, 1
+    k_cache, v_cache = _caches(b, s, hkv, d, dv, False, dtype, device)
+    q = torch.randn(b, sn, h, d, dtype=dtype, device=device)
+    k = torch.randn(b, sn, hkv, d, dtype=dtype, device=device)
+    v = torch.randn(b, sn, hkv, dv, dtype=dtype, device=device)
+    start = torch.tensor([0, 100, 333, 511], dtype=torch.int32, device=device)
+    out, lse, k_cache, v_cache = _attend(q, k_cache, v_cache, paged, False, k=k, v=v,
+                                         cache_seqlens=start, causal=True)
+    _check(out, lse, q, k_cache, v_cache, start + sn, causal=True)
+
+
+@pytest.mark.gpu
+def test_gpu_launch_plans_tell_shared_from_own_v(device):
+    """Launch plans are keyed on whether V is read from K's tiles: a V view of another
+    tensor, with the same shape and strides as the shared one, must not replay the
+    shared plan (it would read K's rows for V)."""
+    dtype = torch.bfloat16
+    kv = torch.randn(2, 256, 1, 576, dtype=dtype, device=device)
+    other = torch.randn_like(kv)
+    q = torch.randn(2, 1, 16, 576, dtype=dtype, device=device)
+    seqlens = torch.tensor([100, 256], dtype=torch.int32, device=device)
+    for v_cache in (kv[..., :512], other[..., :512], kv[..., :512]):
+        out = flashtile.flash_attn_with_kvcache(q, kv, v_cache, cache_seqlens=seqlens)
+        for i, n in enumerate(seqlens.tolist()):
+            qkv = (q[i:i + 1], kv[i:i + 1, :n], v_cache[i:i + 1, :n])
+            o64, _ = attention_naive(*(x.double() for x in qkv))
+            o_pt, _ = attention_naive(*qkv, upcast=False)
+            assert_close_rule(f"out[{i}]", out[i:i + 1], o64, o_pt)
