@@ -1,0 +1,30 @@
+"""The CPU harness of the eager host path (flashtile.bench.host_cpu, issue 15): the real
+launchers run with only the compiled kernels' launchers stubbed, and what each call
+costs in launches, allocations and Python calls is counted."""
+
+import os
+
+import torch
+
+from flashtile.bench import host_cpu
+from flashtile.ops import _launch, decode, fwd
+
+
+def test_rows_use_plans_and_count_the_gpu_work():
+    rows = {r["call"]: r for r in host_cpu.run(number=2, repeat=1)}
+    assert rows.keys() == host_cpu.cases().keys()
+    # What each call enqueues on the GPU: decode splits over the H200's SMs and
+    # combines; the backward is three launches; an append is one more.
+    assert [(rows[c]["launches"], rows[c]["allocations"]) for c in rows] == [
+        (1, 2), (4, 6), (1, 2), (2, 3), (2, 3), (3, 3)]
+
+
+def test_stand_ins_are_restored():
+    kernel, ready, interpret = fwd._attn_fwd_kernel, _launch.ready, \
+        os.environ.get("TRITON_INTERPRET")
+    with host_cpu.stubbed_launches():
+        assert _launch.ready(torch.empty(1)) and fwd._attn_fwd_kernel is not kernel
+        assert decode.num_splits_heuristic(1, 8192, 64, 1) > 1
+    assert fwd._attn_fwd_kernel is kernel and _launch.ready is ready
+    assert os.environ.get("TRITON_INTERPRET") == interpret
+    assert not _launch._plans
