@@ -173,7 +173,10 @@ def layout(x):
 
 def pointers(tensors) -> tuple:
     """The tensors' addresses: what a plan passes for them."""
-    return tuple([x.data_ptr() for x in tensors])
+    return tuple(map(_data_ptr, tensors))
+
+
+_data_ptr = torch.Tensor.data_ptr
 
 
 def misalignment(addresses):
