@@ -28,3 +28,25 @@ def test_stand_ins_are_restored():
     assert fwd._attn_fwd_kernel is kernel and _launch.ready is ready
     assert os.environ.get("TRITON_INTERPRET") == interpret
     assert not _launch._plans
+
+
+def test_gpu_pieces_run_and_the_stubbed_launcher_launches_nothing():
+    """The "piece" rows of flashtile bench host, here on CPU tensors with the stand-ins:
+    the launcher row launches once, its stubbed twin never (and restores the plans)."""
+    from flashtile.bench import host
+
+    half = dict(dtype=torch.float16)
+    q, k, v, do = (torch.randn(1, 128, 8, host.HEAD_DIM, **half) for _ in range(4))
+    qg, kg, vg = (x.clone().requires_grad_() for x in (q, k, v))
+    with host_cpu.stubbed_launches():
+        pieces = {name: row["piece"] for name, row in
+                  host._pieces(q, k, v, qg, kg, vg, do).items()}
+        launches = []
+        for name, fn in pieces.items():
+            fn()  # makes the plan
+            host_cpu._Counter.launches = 0
+            fn()
+            launches.append(host_cpu._Counter.launches)
+        assert launches == [0, 1, 0, 0]
+        assert all(p.launch is host_cpu._no_launch for p in _launch._plans.values())
+    assert qg.grad is not None
