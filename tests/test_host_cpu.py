@@ -32,21 +32,27 @@ def test_stand_ins_are_restored():
 
 def test_gpu_pieces_run_and_the_stubbed_launcher_launches_nothing():
     """The "piece" rows of flashtile bench host, here on CPU tensors with the stand-ins:
-    the launcher row launches once, its stubbed twin never (and restores the plans)."""
+    the launcher rows launch, their stubbed twins never (and restore the plans)."""
     from flashtile.bench import host
 
     half = dict(dtype=torch.float16)
     q, k, v, do = (torch.randn(1, 128, 8, host.HEAD_DIM, **half) for _ in range(4))
     qg, kg, vg = (x.clone().requires_grad_() for x in (q, k, v))
+    pool = torch.randn(64, 64, 2, host.HEAD_DIM, **half)
+    paged = (torch.randn(1, 1, 8, host.HEAD_DIM, **half), pool, pool,
+             torch.tensor([4000], dtype=torch.int32),
+             torch.arange(64, dtype=torch.int32)[None])
     with host_cpu.stubbed_launches():
         pieces = {name: row["piece"] for name, row in
-                  host._pieces(q, k, v, qg, kg, vg, do).items()}
+                  host._pieces(q, k, v, qg, kg, vg, do, paged).items()}
         launches = []
         for name, fn in pieces.items():
             fn()  # makes the plan
             host_cpu._Counter.launches = 0
             fn()
             launches.append(host_cpu._Counter.launches)
-        assert launches == [0, 1, 0, 0]
-        assert all(p.launch is host_cpu._no_launch for p in _launch._plans.values())
+        assert launches == [0, 1, 0, 2, 0, 0]  # the decode splits: decode + combine
+        assert all(p.launch is host_cpu._no_launch for plans in _launch._plans.values()
+                   for p in (plans if isinstance(plans, tuple) else (plans,))
+                   if isinstance(p, _launch.Plan))
     assert qg.grad is not None

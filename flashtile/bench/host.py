@@ -151,7 +151,7 @@ def _cases(device):
                 qd, pool_k, pool_v, k_new, v_new, cache_seqlens=seqlens, block_table=table,
                 causal=True)),
         "bare Triton launch": dict(triton=lambda: _empty_kernel[(1,)](seqlens, 1)),
-        **_pieces(q, k, v, qg, kg, vg, do),
+        **_pieces(q, k, v, qg, kg, vg, do, (qd, pool_k, pool_v, seqlens, table)),
     }
 
 
@@ -165,20 +165,35 @@ class _Identity(torch.autograd.Function):
         return dq, dk, dv
 
 
-def _pieces(q, k, v, qg, kg, vg, do):
-    """Rows that time the parts of a forward call the CPU harness
-    (``flashtile.bench.host_cpu``) cannot: one CUDA allocation, the forward launcher
-    with and without its compiled launch, and the autograd engine's backward through a
-    Python Function that launches nothing (its hand-off to the device's thread)."""
-    from flashtile.ops import fwd
+def _pieces(q, k, v, qg, kg, vg, do, paged):
+    """Rows that time the parts of a call the CPU harness (``flashtile.bench.host_cpu``)
+    cannot: one CUDA allocation, the forward and paged decode launchers with and
+    without their compiled launches, and the autograd engine's backward through a
+    Python Function that launches nothing (its hand-off to the device's thread).
+    ``paged``: q, the pools, cache_seqlens and block_table of the paged decode row."""
+    from flashtile.ops import decode, fwd
 
     kw = dict(attn_mask=None, alibi_slopes=None, softmax_scale=HEAD_DIM ** -0.5,
               diag_offset=0, window_left=-1, window_right=0, softcap=0.0,
               allow_tf32=False)
 
-    def launcher_without_launch():
-        with _plans_without_launch():
-            return fwd.attn_fwd(q, k, v, **kw)
+    qd, pool_k, pool_v, seqlens, table = paged
+    decode_kw = dict(cache_seqlens=seqlens, block_table=table, cache_batch_idx=None,
+                     cache_leftpad=None, alibi_slopes=None,
+                     softmax_scale=HEAD_DIM ** -0.5, window_left=-1, window_right=0,
+                     softcap=0.0, num_splits=0, allow_tf32=False)
+
+    def without_launch(fn):
+        def run():
+            with _plans_without_launch():
+                return fn()
+        return run
+
+    def forward():
+        return fwd.attn_fwd(q, k, v, **kw)
+
+    def paged_decode():
+        return decode.attn_decode(qd, pool_k, pool_v, **decode_kw)
 
     def engine():
         outs = _Identity.apply(qg, kg, vg)
@@ -187,10 +202,12 @@ def _pieces(q, k, v, qg, kg, vg, do):
     return {
         "piece: torch.empty (one CUDA allocation)": dict(piece=lambda: torch.empty(
             q.shape, dtype=q.dtype, device=q.device)),
-        "piece: forward launcher (ops.fwd.attn_fwd)": dict(
-            piece=lambda: fwd.attn_fwd(q, k, v, **kw)),
+        "piece: forward launcher (ops.fwd.attn_fwd)": dict(piece=forward),
         "piece: forward launcher, compiled launch a no-op": dict(
-            piece=launcher_without_launch),
+            piece=without_launch(forward)),
+        "piece: paged decode launcher (ops.decode.attn_decode)": dict(piece=paged_decode),
+        "piece: paged decode launcher, compiled launches no-ops": dict(
+            piece=without_launch(paged_decode)),
         "piece: autograd engine, identity Function backward": dict(piece=engine),
     }
 
@@ -258,8 +275,8 @@ def markdown(rows) -> str:
         lines.append(f"| {call} | {cells.get('flashtile', '-')} | "
                      f"{cells.get('flashtile, no plans', '-')} | "
                      f"{cells.get('sdpa_cudnn', '-')} |")
-    text = "\n".join(lines) + f"\n\nA bare Triton launch (Triton's own path, 2 arguments): "\
-        f"{bare} us."
+    text = "\n".join(lines) + "\n\nA bare Triton launch (Triton's own path, 2 " \
+        f"arguments): {bare} us."
     if pieces:
         text += "\n\n| piece of a call | us |\n| --- | ---: |\n" + "\n".join(
             f"| {call[len('piece: '):]} | {cell} |" for call, cell in pieces.items())

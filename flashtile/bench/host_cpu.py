@@ -180,8 +180,9 @@ def counts(fn) -> dict:
 
 
 def run(rows=None, number=2000, repeat=7):
-    """[{call, us, launches, allocations, other_ops, python_calls, flashtile_calls}]: us is the best of
-    ``repeat`` loops of ``number`` calls (the least disturbed by other processes)."""
+    """[{call, us, launches, allocations, other_ops, python_calls, flashtile_calls}]:
+    us is the best of ``repeat`` loops of ``number`` calls (the least disturbed by
+    other processes)."""
     results = []
     with stubbed_launches():
         for name, fn in cases().items():
