@@ -15,7 +15,7 @@ forward+backward (``out.backward``), flash_attn_varlen_func (two sequences), and
 flash_attn_with_kvcache at batch 1 over 8k keys (32 query heads over 8 KV heads):
 contiguous, paged (pages of 64), and paged with one new token appended. cuDNN SDPA runs
 the same shapes (decode with enable_gqa); varlen has no SDPA counterpart. Rows named
-"piece" time parts of the forward call that ``flashtile.bench.host_cpu`` (the same
+"piece" time parts of the calls that ``flashtile.bench.host_cpu`` (the same
 calls on a CPU, compiled launches stubbed) cannot: with them a CPU measurement of the
 Python converts to this host's time (docs/benchmarks/NOTES.md, "Host path on the CPU,
 session 9").

@@ -171,12 +171,12 @@ def layout(x):
     return None if x is None else (x.dtype, x.stride())
 
 
+_data_ptr = torch.Tensor.data_ptr
+
+
 def pointers(tensors) -> tuple:
     """The tensors' addresses: what a plan passes for them."""
     return tuple(map(_data_ptr, tensors))
-
-
-_data_ptr = torch.Tensor.data_ptr
 
 
 def misalignment(addresses):
