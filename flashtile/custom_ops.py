@@ -161,9 +161,24 @@ def _eager_function(name, forward_impl, setup_context, backward):
         setup_context(ctx, inputs, output)
         return output
 
-    return type(name, (torch.autograd.Function,),
-                {"forward": staticmethod(forward),
-                 "backward": staticmethod(once_differentiable(backward))})
+    guarded = once_differentiable(backward)
+
+    def backward_once(ctx, *grads):
+        # A plain backward runs with grad mode off: nothing to guard, and
+        # once_differentiable's no_grad block would cost ~1.5 us a call.
+        if torch.is_grad_enabled():
+            return guarded(ctx, *grads)
+        return backward(ctx, *grads)
+
+    function = type(name, (torch.autograd.Function,),
+                    {"forward": staticmethod(forward),
+                     "backward": staticmethod(backward_once)})
+    # Function.apply's C part, called by _call: the Python wrapper around it (~2 us a
+    # call) binds a setup_context form's defaults (this is the ctx form), checks for
+    # functorch transforms (_plain_eager did) and unwraps dead functorch wrappers (as on
+    # the no-grad path, which calls the implementation directly, they are not).
+    function.apply_eager = super(torch.autograd.Function, function).apply
+    return function
 
 
 def _plain_eager(args) -> bool:
@@ -189,7 +204,7 @@ def _call(op, function, impl, args):
         return op(*args)
     if torch.is_grad_enabled() and (args[0].requires_grad or args[1].requires_grad
                                     or args[2].requires_grad):
-        return function.apply(*args)
+        return function.apply_eager(*args)
     return impl(*args)
 
 

@@ -19,10 +19,14 @@ def test_markdown_marks_synced_and_missing_rows():
             dict(call="forward", provider="flashtile, no plans", host_us=150.0,
                  gpu_busy=False),
             dict(call="forward", provider="sdpa_cudnn", host_us=None, error="x"),
-            dict(call="bare Triton launch", provider="triton", host_us=14.2, gpu_busy=True)]
+            dict(call="bare Triton launch", provider="triton", host_us=14.2, gpu_busy=True),
+            dict(call="piece: torch.empty (one CUDA allocation)", provider="piece",
+                 host_us=3.14, gpu_busy=True)]
     text = host.markdown(rows)
     assert "| forward | 21.0 | 150.0 (synced) | n/a |" in text
     assert "launch (Triton's own path, 2 arguments): 14.2 us" in text
+    assert text.endswith("| piece of a call | us |\n| --- | ---: |\n"
+                         "| torch.empty (one CUDA allocation) | 3.1 |")
 
 
 @pytest.mark.gpu

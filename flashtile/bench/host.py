@@ -14,7 +14,11 @@ Rows (bf16, head_dim 128): flash_attn_func forward (1 x 128 tokens, 8 heads) and
 forward+backward (``out.backward``), flash_attn_varlen_func (two sequences), and
 flash_attn_with_kvcache at batch 1 over 8k keys (32 query heads over 8 KV heads):
 contiguous, paged (pages of 64), and paged with one new token appended. cuDNN SDPA runs
-the same shapes (decode with enable_gqa); varlen has no SDPA counterpart.
+the same shapes (decode with enable_gqa); varlen has no SDPA counterpart. Rows named
+"piece" time parts of the calls that ``flashtile.bench.host_cpu`` (the same
+calls on a CPU, compiled launches stubbed) cannot: with them a CPU measurement of the
+Python converts to this host's time (docs/benchmarks/NOTES.md, "Host path on the CPU,
+session 9").
 """
 
 from __future__ import annotations
@@ -147,7 +151,86 @@ def _cases(device):
                 qd, pool_k, pool_v, k_new, v_new, cache_seqlens=seqlens, block_table=table,
                 causal=True)),
         "bare Triton launch": dict(triton=lambda: _empty_kernel[(1,)](seqlens, 1)),
+        **_pieces(q, k, v, qg, kg, vg, do, (qd, pool_k, pool_v, seqlens, table)),
     }
+
+
+class _Identity(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v):
+        return q.detach(), k.detach(), v.detach()
+
+    @staticmethod
+    def backward(ctx, dq, dk, dv):
+        return dq, dk, dv
+
+
+def _pieces(q, k, v, qg, kg, vg, do, paged):
+    """Rows that time the parts of a call the CPU harness (``flashtile.bench.host_cpu``)
+    cannot: one CUDA allocation, the forward and paged decode launchers with and
+    without their compiled launches, and the autograd engine's backward through a
+    Python Function that launches nothing (its hand-off to the device's thread).
+    ``paged``: q, the pools, cache_seqlens and block_table of the paged decode row."""
+    from flashtile.ops import decode, fwd
+
+    kw = dict(attn_mask=None, alibi_slopes=None, softmax_scale=HEAD_DIM ** -0.5,
+              diag_offset=0, window_left=-1, window_right=0, softcap=0.0,
+              allow_tf32=False)
+
+    qd, pool_k, pool_v, seqlens, table = paged
+    decode_kw = dict(cache_seqlens=seqlens, block_table=table, cache_batch_idx=None,
+                     cache_leftpad=None, alibi_slopes=None,
+                     softmax_scale=HEAD_DIM ** -0.5, window_left=-1, window_right=0,
+                     softcap=0.0, num_splits=0, allow_tf32=False)
+
+    def without_launch(fn):
+        def run():
+            with _plans_without_launch():
+                return fn()
+        return run
+
+    def forward():
+        return fwd.attn_fwd(q, k, v, **kw)
+
+    def paged_decode():
+        return decode.attn_decode(qd, pool_k, pool_v, **decode_kw)
+
+    def engine():
+        outs = _Identity.apply(qg, kg, vg)
+        torch.autograd.backward(outs, (do, do, do))
+
+    return {
+        "piece: torch.empty (one CUDA allocation)": dict(piece=lambda: torch.empty(
+            q.shape, dtype=q.dtype, device=q.device)),
+        "piece: forward launcher (ops.fwd.attn_fwd)": dict(piece=forward),
+        "piece: forward launcher, compiled launch a no-op": dict(
+            piece=without_launch(forward)),
+        "piece: paged decode launcher (ops.decode.attn_decode)": dict(piece=paged_decode),
+        "piece: paged decode launcher, compiled launches no-ops": dict(
+            piece=without_launch(paged_decode)),
+        "piece: autograd engine, identity Function backward": dict(piece=engine),
+    }
+
+
+class _plans_without_launch:
+    """Every stored plan's compiled launcher replaced by a no-op for the block."""
+
+    def __enter__(self):
+        from flashtile.ops import _launch
+
+        self.saved = [(p, p.launch) for plans in _launch._plans.values()
+                      for p in (plans if isinstance(plans, tuple) else (plans,))
+                      if isinstance(p, _launch.Plan)]
+        for p, _ in self.saved:
+            p.launch = _no_launch
+
+    def __exit__(self, *exc):
+        for p, launch in self.saved:
+            p.launch = launch
+
+
+def _no_launch(*args):
+    pass
 
 
 def run(calls=50, rounds=9, device=None):
@@ -185,12 +268,19 @@ def markdown(rows) -> str:
     lines = ["| call | flashtile (us) | flashtile, no plans (us) | cuDNN SDPA (us) |",
              "| --- | ---: | ---: | ---: |"]
     bare = table.pop("bare Triton launch", {}).get("triton", "n/a")
+    pieces = {call: cells.pop("piece") for call, cells in table.items() if "piece" in cells}
     for call, cells in table.items():
+        if call in pieces:
+            continue
         lines.append(f"| {call} | {cells.get('flashtile', '-')} | "
                      f"{cells.get('flashtile, no plans', '-')} | "
                      f"{cells.get('sdpa_cudnn', '-')} |")
-    return "\n".join(lines) + f"\n\nA bare Triton launch (Triton's own path, 2 arguments): "\
-        f"{bare} us."
+    text = "\n".join(lines) + "\n\nA bare Triton launch (Triton's own path, 2 " \
+        f"arguments): {bare} us."
+    if pieces:
+        text += "\n\n| piece of a call | us |\n| --- | ---: |\n" + "\n".join(
+            f"| {call[len('piece: '):]} | {cell} |" for call, cell in pieces.items())
+    return text
 
 
 def main(argv=None) -> int:

@@ -171,9 +171,12 @@ def layout(x):
     return None if x is None else (x.dtype, x.stride())
 
 
+_data_ptr = torch.Tensor.data_ptr
+
+
 def pointers(tensors) -> tuple:
     """The tensors' addresses: what a plan passes for them."""
-    return tuple([x.data_ptr() for x in tensors])
+    return tuple(map(_data_ptr, tensors))
 
 
 def misalignment(addresses):

@@ -419,7 +419,9 @@ def attn_decode(q, k_cache, v_cache, *, cache_seqlens, block_table, cache_batch_
                cache_seqlens, cache_seqlens if cache_batch_idx is None else cache_batch_idx,
                cache_seqlens if cache_leftpad is None else cache_leftpad,
                q if alibi_slopes is None else alibi_slopes,
-               *(lse if x is None else x for x in (q_descale, k_descale, v_descale)))
+               lse if q_descale is None else q_descale,
+               lse if k_descale is None else k_descale,
+               lse if v_descale is None else v_descale)
     block_d, block_dt = configs.decode_head_dim_tiles(d)
     # V read from K's tiles: the same rows (a view of K's first dv columns) and a V tile
     # as wide as K's first.
@@ -433,8 +435,8 @@ def attn_decode(q, k_cache, v_cache, *, cache_seqlens, block_table, cache_batch_
                k_cache.shape, k_cache.stride(), dv, v_cache.stride(), v_is_k,
                paged and (block_table.shape, block_table.stride(0)),
                cache_batch_idx is None, cache_leftpad is None,
-               _launch.layout(alibi_slopes),
-               *(_launch.layout(x) for x in (q_descale, k_descale, v_descale)),
+               _launch.layout(alibi_slopes), _launch.layout(q_descale),
+               _launch.layout(k_descale), _launch.layout(v_descale),
                window_left, window_right, softcap > 0, num_splits, allow_tf32, new_tokens,
                _launch.misalignment(p))
         plans = _launch.lookup(key)

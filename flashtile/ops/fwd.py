@@ -428,7 +428,9 @@ def attn_fwd(q, k, v, *, attn_mask, alibi_slopes, softmax_scale, diag_offset,
                q if alibi_slopes is None else alibi_slopes, cu_q,
                cu_q if cu_seqlens_k is None else cu_seqlens_k,
                block_table if paged else cu_q, cu_q if seqused_k is None else seqused_k,
-               *(lse if x is None else x for x in (q_descale, k_descale, v_descale)))
+               lse if q_descale is None else q_descale,
+               lse if k_descale is None else k_descale,
+               lse if v_descale is None else v_descale)
     # lse strides, token counts (packed q; packed k, the pool's reads are bounded by the
     # block table instead), longest sequences, scale and cap: _FWD_SLOTS's order.
     packed_k = varlen and not paged
@@ -443,8 +445,8 @@ def attn_fwd(q, k, v, *, attn_mask, alibi_slopes, softmax_scale, diag_offset,
         key = ("fwd", dtype, out.dtype, q_shape[1:] if varlen else q_shape, q.stride(),
                k_shape[1:] if packed_k else k_shape, k.stride(),
                v.shape[-1], v.stride(), _launch.layout(attn_mask),
-               _launch.layout(alibi_slopes),
-               *(_launch.layout(x) for x in (q_descale, k_descale, v_descale)),
+               _launch.layout(alibi_slopes), _launch.layout(q_descale),
+               _launch.layout(k_descale), _launch.layout(v_descale),
                diag_offset, window_left, window_right, softcap > 0, allow_tf32,
                varlen and (cu_seqlens_k is None, seqused_k is None,
                            configs.seqlen_class(max(longest_q, longest_k))),

@@ -1,0 +1,58 @@
+"""The CPU harness of the eager host path (flashtile.bench.host_cpu, issue 15): the real
+launchers run with only the compiled kernels' launchers stubbed, and what each call
+costs in launches, allocations and Python calls is counted."""
+
+import os
+
+import torch
+
+from flashtile.bench import host_cpu
+from flashtile.ops import _launch, decode, fwd
+
+
+def test_rows_use_plans_and_count_the_gpu_work():
+    rows = {r["call"]: r for r in host_cpu.run(number=2, repeat=1)}
+    assert rows.keys() == host_cpu.cases().keys()
+    # What each call enqueues on the GPU: decode splits over the H200's SMs and
+    # combines; the backward is three launches; an append is one more.
+    assert [(rows[c]["launches"], rows[c]["allocations"]) for c in rows] == [
+        (1, 2), (4, 6), (1, 2), (2, 3), (2, 3), (3, 3)]
+
+
+def test_stand_ins_are_restored():
+    kernel, ready, interpret = fwd._attn_fwd_kernel, _launch.ready, \
+        os.environ.get("TRITON_INTERPRET")
+    with host_cpu.stubbed_launches():
+        assert _launch.ready(torch.empty(1)) and fwd._attn_fwd_kernel is not kernel
+        assert decode.num_splits_heuristic(1, 8192, 64, 1) > 1
+    assert fwd._attn_fwd_kernel is kernel and _launch.ready is ready
+    assert os.environ.get("TRITON_INTERPRET") == interpret
+    assert not _launch._plans
+
+
+def test_gpu_pieces_run_and_the_stubbed_launcher_launches_nothing():
+    """The "piece" rows of flashtile bench host, here on CPU tensors with the stand-ins:
+    the launcher rows launch, their stubbed twins never (and restore the plans)."""
+    from flashtile.bench import host
+
+    half = dict(dtype=torch.float16)
+    q, k, v, do = (torch.randn(1, 128, 8, host.HEAD_DIM, **half) for _ in range(4))
+    qg, kg, vg = (x.clone().requires_grad_() for x in (q, k, v))
+    pool = torch.randn(64, 64, 2, host.HEAD_DIM, **half)
+    paged = (torch.randn(1, 1, 8, host.HEAD_DIM, **half), pool, pool,
+             torch.tensor([4000], dtype=torch.int32),
+             torch.arange(64, dtype=torch.int32)[None])
+    with host_cpu.stubbed_launches():
+        pieces = {name: row["piece"] for name, row in
+                  host._pieces(q, k, v, qg, kg, vg, do, paged).items()}
+        launches = []
+        for name, fn in pieces.items():
+            fn()  # makes the plan
+            host_cpu._Counter.launches = 0
+            fn()
+            launches.append(host_cpu._Counter.launches)
+        assert launches == [0, 1, 0, 2, 0, 0]  # the decode splits: decode + combine
+        assert all(p.launch is host_cpu._no_launch for plans in _launch._plans.values()
+                   for p in (plans if isinstance(plans, tuple) else (plans,))
+                   if isinstance(p, _launch.Plan))
+    assert qg.grad is not None
