@@ -208,3 +208,50 @@ def _checked_rows(pages, num_blocks, m_rows):
     registers a thread on sm_90)."""
     bad = (pages < 0) | (pages >= num_blocks)
     return tl.where(bad, 0, pages), (bad & m_rows).to(tl.int32)
+
+
+# ---- Attention dropout (flash-attn 2's training semantics) ----
+# P is dropped after the softmax, kept entries scaled by 1 / (1 - dropout_p); the lse is
+# that of the undropped scores. Element (i, j) of a (batch, head) draws one Philox-4x32-10
+# number whose counter is its place in the whole problem (``_dropout_setup``), never in a
+# tile, so the forward and every backward kernel regenerate the same mask whatever their
+# tiles; ``flashtile.reference.dropout_keep`` computes the same numbers in PyTorch.
+
+
+@triton.jit
+def _dropout_setup(Philox, off_b, off_h, nheads, seqlen_q, seqlen_k, q_start, k_start,
+                   total_q, total_k, IS_VARLEN: tl.constexpr):
+    """(seed, offset, row0, row_len, col0): Philox holds [seed, offset] (int64, drawn
+    from PyTorch's generator on the device: see flashtile.interface._philox). Query i and
+    key j of this (sequence, head) take counter (row0 + i) * row_len + col0 + j: dense
+    ((b * nheads + h) * seqlen_q + i) * seqlen_k + j; varlen (h * total_q + packed row of
+    i) * total_k + packed row of j. int64: the counters pass 2**31 at a few thousand
+    tokens."""
+    seed = tl.load(Philox)
+    offset = tl.load(Philox + 1)
+    if IS_VARLEN:
+        row0 = off_h.to(tl.int64) * total_q + q_start
+        row_len = total_k
+    else:
+        row0 = (off_b * nheads + off_h).to(tl.int64) * seqlen_q
+        row_len = seqlen_k
+    return seed, offset, row0, row_len, k_start
+
+
+@triton.jit
+def _dropout_keep(seed, offset, rows, cols, dropout_p, TRANS: tl.constexpr):
+    """Which entries are kept: rows (M,) int64 counters of the query rows ((row0 + i) *
+    row_len), cols (N,) of the keys (col0 + j). (M, N), or (N, M) when TRANS (the dK/dV
+    kernel's transposed tile). The 64-bit counter is Philox's first two words, the
+    offset its last two (as tl.randint4x does for the first); the first output word
+    becomes a float in [0, 1) by tl.uint_to_uniform_float, kept where >= dropout_p."""
+    if TRANS:
+        elem = rows[None, :] + cols[:, None]                                # (N, M)
+    else:
+        elem = rows[:, None] + cols[None, :]                                # (M, N)
+    c0 = elem.to(tl.uint32)
+    c1 = (elem >> 32).to(tl.uint32)
+    zero = c0 * 0
+    r, _, _, _ = tl.philox(seed, c0, c1, zero + offset.to(tl.uint32),
+                           zero + (offset >> 32).to(tl.uint32))
+    return tl.uint_to_uniform_float(r) >= dropout_p
