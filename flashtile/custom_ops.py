@@ -77,16 +77,15 @@ def _attn_fwd_impl(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor],
         return triton_fwd(q, k, v, allow_tf32=allow_tf32, dropout_p=dropout_p,
                           philox=philox, **kw)
     out, lse = _torch_backend.attention_fwd(
-        q, k, v, dropout=_dense_dropout(q, k, dropout_p, philox), **kw)
+        q, k, v, dropout=_dense_dropout(q, dropout_p, philox), **kw)
     return out.contiguous(), lse.contiguous()
 
 
-def _dense_dropout(q, k, dropout_p, philox):
+def _dense_dropout(q, dropout_p, philox):
     """The torch backend's description of the kernels' dropout mask (or None)."""
     if philox is None:
         return None
-    return reference.Dropout.dense(philox, dropout_p, q.shape[0], q.shape[2], q.shape[1],
-                                   k.shape[1])
+    return reference.Dropout.dense(philox, dropout_p, q.shape[0], q.shape[2], q.shape[1])
 
 
 attn_fwd = torch.library.custom_op("flashtile::attn_fwd", mutates_args=())(_attn_fwd_impl)
@@ -113,7 +112,7 @@ def _attn_bwd_impl(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, l
                           fused=fused_backward(deterministic), dropout_p=dropout_p,
                           philox=philox, **kw)
     grads = _torch_backend.attention_bwd(
-        dout, q, k, v, out, lse, dlse, dropout=_dense_dropout(q, k, dropout_p, philox),
+        dout, q, k, v, out, lse, dlse, dropout=_dense_dropout(q, dropout_p, philox),
         **kw)
     return tuple(g.contiguous() for g in grads)
 
@@ -279,7 +278,7 @@ def _varlen_attn_fwd_impl(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
             continue
         kw_b = dict(kw, diag_offset=(ke - ks) - (qe - qs),
                     alibi_slopes=reference.alibi_of_sequence(alibi_slopes, b),
-                    dropout=_varlen_dropout(q, k, dropout_p, philox, qs, ks))
+                    dropout=_varlen_dropout(q, dropout_p, philox, qs, ks))
         o, l = _torch_backend.attention_fwd(q[None, qs:qe],
                                             _sequence_keys(k, b, ks, ke, block_table),
                                             _sequence_keys(v, b, ks, ke, block_table),
@@ -288,12 +287,12 @@ def _varlen_attn_fwd_impl(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
     return out, lse
 
 
-def _varlen_dropout(q, k, dropout_p, philox, q_start, k_start):
+def _varlen_dropout(q, dropout_p, philox, q_start, k_start):
     """The dropout mask of the packed sequence at rows q_start, k_start (or None)."""
     if philox is None:
         return None
-    return reference.Dropout.varlen(philox, dropout_p, q.shape[1], q.shape[0], k.shape[0],
-                                    q_start, k_start)
+    return reference.Dropout.varlen(philox, dropout_p, q.shape[1], q.shape[0], q_start,
+                                    k_start)
 
 
 varlen_attn_fwd = torch.library.custom_op("flashtile::varlen_attn_fwd",
@@ -329,7 +328,7 @@ def _varlen_attn_bwd_impl(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Te
             continue
         kw_b = dict(kw, diag_offset=(ke - ks) - (qe - qs),
                     alibi_slopes=reference.alibi_of_sequence(alibi_slopes, b),
-                    dropout=_varlen_dropout(q, k, dropout_p, philox, qs, ks))
+                    dropout=_varlen_dropout(q, dropout_p, philox, qs, ks))
         g = _torch_backend.attention_bwd(
             dout[None, qs:qe], q[None, qs:qe], k[None, ks:ke], v[None, ks:ke],
             out[None, qs:qe], lse[None, :, qs:qe],

@@ -224,7 +224,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
                             window_right=right)
         if dropout_p > 0:
             probs = _sign_dropped(probs, reference.Dropout.dense(philox, dropout_p, b, h,
-                                                                 sq, sk), rows, cols)
+                                                                 sq), rows, cols)
         return out, lse, probs
     return (out, lse) if return_lse else out
 
@@ -268,9 +268,9 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         q_descale, k_descale, v_descale, out_dtype: FP8 q, k, v (packed, or an FP8 pool
             with block_table), as in flash_attn_func; batch is the number of sequences,
             so sequence b's rows (and keys, wherever its pages lie) take descale[b].
-        dropout_p: as in flash_attn_func (not with block_table or FP8). The mask of
-            query row r (packed) and key row c of head h is drawn at Philox counter
-            (h * total_q + r) * total_k + c, so it does not depend on the tiles.
+        dropout_p: as in flash_attn_func (not with block_table or FP8). The mask entry
+            of packed query row r and packed key row c of head h is drawn at Philox
+            counter (c, h * total_q + r), so it does not depend on the tiles.
 
     Returns out (total_q, nheads, head_dim); with return_lse or return_attn_probs, lse
     (nheads, total_q) float32 (flash-attn's varlen layout), natural log, -inf for rows
@@ -356,8 +356,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         if dropout_p > 0:  # each sequence's counters start at its packed rows
             starts_q, starts_k = (cu[:-1].long().view(batch, 1, 1, 1)
                                   for cu in (cu_seqlens_q, cu_seqlens_k))
-            dropout = reference.Dropout.varlen(philox, dropout_p, h, q.shape[0],
-                                               k.shape[0], starts_q, starts_k)
+            dropout = reference.Dropout.varlen(philox, dropout_p, h, q.shape[0], starts_q,
+                                               starts_k)
             probs = _sign_dropped(probs, dropout, torch.arange(max_seqlen_q),
                                   torch.arange(max_seqlen_k))
         return out, lse, probs

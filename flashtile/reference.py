@@ -42,15 +42,15 @@ def _mul32(a: int, x):
     return high, low
 
 
-def philox_uniform(philox, elem):
+def philox_uniform(philox, cols, rows):
     """Triton's ``tl.uint_to_uniform_float`` of the first word of Philox-4x32-10 (as in
-    triton/language/random.py) keyed by philox[0] at counter (elem low, elem high,
-    philox[1] low, philox[1] high): the float32 in [0, 1) that the kernels'
-    ``_dropout_keep`` draws for int64 counters ``elem`` (any shape, philox's device)."""
+    triton/language/random.py) keyed by philox[0] at counter (cols, rows, philox[1] low,
+    philox[1] high): the float32 in [0, 1) that the kernels' ``_dropout_keep`` draws.
+    cols, rows: int64 tensors in [0, 2**32) broadcast together, on philox's device."""
     seed, offset = philox[0], philox[1]
     k0, k1 = seed & _M32, (seed >> 32) & _M32
-    c0, c1 = elem & _M32, (elem >> 32) & _M32
-    c2, c3 = (offset & _M32).expand(elem.shape), ((offset >> 32) & _M32).expand(elem.shape)
+    c0, c1 = torch.broadcast_tensors(cols, rows)
+    c2, c3 = (offset & _M32).expand(c0.shape), ((offset >> 32) & _M32).expand(c0.shape)
     for _ in range(10):
         hi_b, lo_b = _mul32(_PHILOX_ROUND[1], c2)
         hi_a, lo_a = _mul32(_PHILOX_ROUND[0], c0)
@@ -66,34 +66,33 @@ def philox_uniform(philox, elem):
 class Dropout:
     """A call's dropout mask (flash-attn 2's semantics: P dropped after the softmax,
     the kept entries scaled by 1 / (1 - p)). Query i and key j of batch entry b, head h
-    draw at counter (row0[b, h] + i) * row_len + col0 + j (``_common._dropout_setup``).
+    draw at Philox counter (col0 + j, row0[b, h] + i) (``_common._dropout_setup``).
 
     philox: int64 (2,) [seed, offset]; p: the dropout probability; row0: int64 (b, h,
-    1, 1); row_len, col0: ints."""
+    1, 1); col0: an int or an int64 tensor broadcasting to (b, 1, 1, 1)."""
 
     philox: torch.Tensor
     p: float
     row0: torch.Tensor
-    row_len: int
-    col0: int = 0
+    col0: object = 0
 
     @classmethod
-    def dense(cls, philox, p, batch, nheads, seqlen_q, seqlen_k):
+    def dense(cls, philox, p, batch, nheads, seqlen_q):
         bh = torch.arange(batch * nheads, device=philox.device).view(batch, nheads, 1, 1)
-        return cls(philox, p, bh * seqlen_q, seqlen_k)
+        return cls(philox, p, bh * seqlen_q)
 
     @classmethod
-    def varlen(cls, philox, p, nheads, total_q, total_k, q_start, k_start):
-        """One packed sequence (as a batch of one) starting at rows q_start, k_start."""
+    def varlen(cls, philox, p, nheads, total_q, q_start, k_start):
+        """Packed sequences whose rows start at q_start in q and k_start in k (ints, or
+        (batch, 1, 1, 1) tensors for several sequences at once)."""
         h = torch.arange(nheads, device=philox.device).view(1, nheads, 1, 1)
-        return cls(philox, p, h * total_q + q_start, total_k, k_start)
+        return cls(philox, p, h * total_q + q_start, k_start)
 
     def keep(self, rows, cols):
         """Bool (b, h, len(rows), len(cols)): True where P[i, j] is kept."""
         rows, cols = rows.to(self.philox.device), cols.to(self.philox.device)
-        elem = (self.row0 + rows[:, None]) * self.row_len + self.col0 + cols[None, :]
-        p = torch.tensor(self.p, dtype=torch.float32, device=elem.device)
-        return philox_uniform(self.philox, elem) >= p
+        u = philox_uniform(self.philox, self.col0 + cols, self.row0 + rows[:, None])
+        return u >= torch.tensor(self.p, dtype=torch.float32, device=u.device)
 
 
 def allowed_keys(seqlen_q, seqlen_k, diag_offset, window_left, window_right, device,

@@ -81,7 +81,7 @@ def _dkdv_block(dk, dv, b_k, b_v, p_q, p_do, p_lse, p_delta, p_dq, start, stop,
                 offs_n, offs_m0, offs_d, offs_dv, seqlen_q, seqlen_k, head_dim,
                 head_dim_v, stride_qm, stride_dom, diag_offset, window_left, window_right,
                 softmax_scale, softcap, alibi_slope, p_mask, stride_mask_m, stride_mask_n,
-                drop_seed, drop_offset, drop_row0, drop_row_len, drop_cols, dropout_p,
+                drop_seed, drop_offset, drop_row0, drop_cols, dropout_p,
                 BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
                 EVEN_DV: tl.constexpr, BOUNDARY: tl.constexpr,
                 MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
@@ -107,8 +107,7 @@ def _dkdv_block(dk, dv, b_k, b_v, p_q, p_do, p_lse, p_delta, p_dq, start, stop,
             # O = (P * Z) V, Z = keep / (1 - p): dV takes the kept P (scaled once at the
             # store), dP the kept entries of dO V^T times 1 / (1 - p); the delta of dS
             # is unchanged (rowsum(P * dP) = rowsum(dO * O)).
-            keep_t = _dropout_keep(drop_seed, drop_offset,
-                                   (drop_row0 + offs_m) * drop_row_len, drop_cols,
+            keep_t = _dropout_keep(drop_seed, drop_offset, drop_row0 + offs_m, drop_cols,
                                    dropout_p, True)                          # (N, M)
             dv = tl.dot(tl.where(keep_t, p_t, 0.0).to(b_do.dtype), b_do, dv,
                         input_precision=INPUT_PRECISION)
@@ -239,11 +238,11 @@ def _bwd_dkdv_kernel(
         p_mask = Mask
         if HAS_MASK:
             p_mask = Mask + off_b * stride_mask_b + off_h * stride_mask_h
-        drop_seed, drop_offset, drop_row0, drop_row_len, drop_cols = 0, 0, 0, 0, offs_n
+        drop_seed, drop_offset, drop_row0, drop_cols = 0, 0, 0, offs_n  # unused
         if HAS_DROPOUT:  # this head's counters (_common._dropout_setup)
-            drop_seed, drop_offset, drop_row0, drop_row_len, drop_col0 = _dropout_setup(
-                Philox, off_b, off_h, nheads, seqlen_q, seqlen_k, q_start, k_start,
-                total_q, total_k, IS_VARLEN)
+            drop_seed, drop_offset, drop_row0, drop_col0 = _dropout_setup(
+                Philox, off_b, off_h, nheads, seqlen_q, q_start, k_start, total_q,
+                IS_VARLEN)
             drop_cols = drop_col0 + offs_n                                   # (N,)
         dk, dv = _dkdv_block(
             dk, dv, b_k, b_v, p_q, p_do, p_lse, p_delta, p_dq, lo, mid_lo, offs_n,
@@ -251,7 +250,7 @@ def _bwd_dkdv_kernel(
             stride_qm, stride_dom,
             diag_offset, window_left, window_right, softmax_scale, softcap, alibi_slope,
             p_mask, stride_mask_m, stride_mask_n, drop_seed, drop_offset, drop_row0,
-            drop_row_len, drop_cols, dropout_p, BLOCK_M, BLOCK_D, EVEN_D, EVEN_DV, True,
+            drop_cols, dropout_p, BLOCK_M, BLOCK_D, EVEN_D, EVEN_DV, True,
             MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_MASK, MASK_IS_BOOL,
             INPUT_PRECISION, ATOMIC_DQ, HAS_DROPOUT)
         dk, dv = _dkdv_block(
@@ -260,7 +259,7 @@ def _bwd_dkdv_kernel(
             stride_qm, stride_dom,
             diag_offset, window_left, window_right, softmax_scale, softcap, alibi_slope,
             p_mask, stride_mask_m, stride_mask_n, drop_seed, drop_offset, drop_row0,
-            drop_row_len, drop_cols, dropout_p, BLOCK_M, BLOCK_D, EVEN_D, EVEN_DV, False,
+            drop_cols, dropout_p, BLOCK_M, BLOCK_D, EVEN_D, EVEN_DV, False,
             MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_MASK, MASK_IS_BOOL,
             INPUT_PRECISION, ATOMIC_DQ, HAS_DROPOUT)
         dk, dv = _dkdv_block(
@@ -269,7 +268,7 @@ def _bwd_dkdv_kernel(
             stride_qm, stride_dom,
             diag_offset, window_left, window_right, softmax_scale, softcap, alibi_slope,
             p_mask, stride_mask_m, stride_mask_n, drop_seed, drop_offset, drop_row0,
-            drop_row_len, drop_cols, dropout_p, BLOCK_M, BLOCK_D, EVEN_D, EVEN_DV, True,
+            drop_cols, dropout_p, BLOCK_M, BLOCK_D, EVEN_D, EVEN_DV, True,
             MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_MASK, MASK_IS_BOOL,
             INPUT_PRECISION, ATOMIC_DQ, HAS_DROPOUT)
 
@@ -393,10 +392,9 @@ def _bwd_dq_kernel(
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     drop_seed, drop_offset, drop_rows, drop_col0 = 0, 0, offs_m, k_start  # unused
     if HAS_DROPOUT:  # the forward's counters (_common._dropout_setup)
-        drop_seed, drop_offset, row0, row_len, drop_col0 = _dropout_setup(
-            Philox, off_b, off_h, nheads, seqlen_q, seqlen_k, q_start, k_start, total_q,
-            total_k, IS_VARLEN)
-        drop_rows = (row0 + offs_m) * row_len                                # (M,)
+        drop_seed, drop_offset, row0, drop_col0 = _dropout_setup(
+            Philox, off_b, off_h, nheads, seqlen_q, q_start, k_start, total_q, IS_VARLEN)
+        drop_rows = row0 + offs_m                                            # (M,)
 
     lo, mid_lo, mid_hi, hi = _block_range(start_m, seqlen_q, seqlen_k, diag_offset,
                                           window_left, window_right, BLOCK_M, BLOCK_N,

@@ -292,10 +292,9 @@ def _attn_fwd_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     drop_seed, drop_offset, drop_rows, drop_col0 = 0, 0, offs_m, k_start  # unused
     if HAS_DROPOUT:
-        drop_seed, drop_offset, row0, row_len, drop_col0 = _dropout_setup(
-            Philox, off_b, off_h, nheads, seqlen_q, seqlen_k, q_start, k_start, total_q,
-            total_k, IS_VARLEN)
-        drop_rows = (row0 + offs_m) * row_len                               # (M,)
+        drop_seed, drop_offset, row0, drop_col0 = _dropout_setup(
+            Philox, off_b, off_h, nheads, seqlen_q, q_start, k_start, total_q, IS_VARLEN)
+        drop_rows = row0 + offs_m                                           # (M,)
 
     lo, mid_lo, mid_hi, hi = _block_range(start_m, seqlen_q, seqlen_k, diag_offset,
                                           window_left, window_right, BLOCK_M, BLOCK_N,
