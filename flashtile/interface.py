@@ -276,7 +276,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     (nheads, total_q) float32 (flash-attn's varlen layout), natural log, -inf for rows
     that see no key; with return_attn_probs, probs (batch, nheads, max_seqlen_q,
     max_seqlen_k) float32: sequence b's probabilities in the top-left corner of probs[b],
-    zeros elsewhere (at most ATTN_PROBS_MAX_ELEMENTS elements).
+    zeros elsewhere (at most ATTN_PROBS_MAX_ELEMENTS elements); with dropout_p > 0 the
+    dropped entries of each corner are negated, as in flash_attn_func.
 
     Index values are not read on the host (no device sync): the kernels check what they
     read, never leave a tensor, and show a bad index as NaN. If cu_seqlens_q or (without
