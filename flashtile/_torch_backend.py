@@ -176,7 +176,8 @@ def attention_fwd(q, k, v, *, softmax_scale, diag_offset, window_left, window_ri
 
 
 def attention_bwd(dout, q, k, v, out, lse, dlse, *, softmax_scale, diag_offset,
-                  window_left, window_right, softcap, alibi_slopes, attn_mask, dropout=None):
+                  window_left, window_right, softcap, alibi_slopes, attn_mask,
+                  dropout=None):
     """(dq, dk, dv) as ``reference.attention_tiled_bwd``, fused where the plan allows,
     the lse carries no gradient and there is no dropout."""
     kw = dict(diag_offset=diag_offset, window_left=window_left, window_right=window_right,

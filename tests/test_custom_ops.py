@@ -93,7 +93,8 @@ def test_opcheck_varlen(torch_backend, device):
     torch.library.opcheck(custom_ops.varlen_attn_fwd, args)
     torch.library.opcheck(custom_ops.varlen_attn_fwd, args + (None, None, True))
     philox = torch.tensor([12345, 678], device=device)
-    torch.library.opcheck(custom_ops.varlen_attn_fwd, args + (None, None, False, 0.3, philox))
+    torch.library.opcheck(custom_ops.varlen_attn_fwd,
+                          args + (None, None, False, 0.3, philox))
 
 
 def _grads_of(fn, inputs, seed=0):

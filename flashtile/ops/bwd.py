@@ -504,7 +504,8 @@ def attn_bwd(dout, q, k, v, out, lse, dlse, *, attn_mask, alibi_slopes, softmax_
     cu_q, cu_k = (cu_seqlens_q, cu_seqlens_k) if varlen else (q, q)
     # The preprocess reads out, dout, dlse (lse as a placeholder) and writes delta (and
     # zeroes dq_accum); the dK/dV kernel takes tensors[:8], dq_accum (q as a never-read
-    # placeholder when not fused) and tensors[8:12]; the dQ kernel dq in dk's place.
+    # placeholder when not fused), tensors[8:12] and philox (tensors[16]; lse as a
+    # never-read placeholder without dropout); the dQ kernel dq in dk's place.
     tensors = (q, k, v, dout, lse, delta, dk, dv, q if attn_mask is None else attn_mask,
                q if alibi_slopes is None else alibi_slopes, cu_q, cu_k, out,
                lse if dlse is None else dlse, dq, q if dq_accum is None else dq_accum,
@@ -518,7 +519,8 @@ def attn_bwd(dout, q, k, v, out, lse, dlse, *, attn_mask, alibi_slopes, softmax_
                dout.stride(), out.stride(), dlse is None,
                _launch.layout(attn_mask), _launch.layout(alibi_slopes),
                diag_offset, window_left, window_right, softcap > 0, allow_tf32,
-               philox is not None, varlen and (batch, configs.seqlen_class(max(longest_q, longest_k))),
+               philox is not None,
+               varlen and (batch, configs.seqlen_class(max(longest_q, longest_k))),
                fused, _launch.misalignment(p))
         plans = _launch.lookup(key)
         if plans is not None:
@@ -577,7 +579,8 @@ def attn_bwd(dout, q, k, v, out, lse, dlse, *, attn_mask, alibi_slopes, softmax_
         *configs.strides(varlen, q4, k4, v4, dout4, dk4, dv4), *acc_strides,
         *configs.strides(varlen, lse3),
         *mask_strides, *alibi_strides, h, hkv, *sizes, *common,
-        IS_VARLEN=varlen, ATOMIC_DQ=fused, HAS_DROPOUT=philox is not None, slots=_DKDV_SLOTS if key is not None else None,
+        IS_VARLEN=varlen, ATOMIC_DQ=fused, HAS_DROPOUT=philox is not None,
+        slots=_DKDV_SLOTS if key is not None else None,
         **flags,
     )
     if fused:
@@ -596,7 +599,8 @@ def attn_bwd(dout, q, k, v, out, lse, dlse, *, attn_mask, alibi_slopes, softmax_
             *tensors[:6], dq, mask, alibi, cu_q, cu_k, tensors[16],
             *configs.strides(varlen, q4, k4, v4, dout4, dq4, lse3),
             *mask_strides, *alibi_strides, h, h // hkv, *sizes, *common,
-            IS_VARLEN=varlen, HAS_DROPOUT=philox is not None, slots=_DQ_SLOTS if key is not None else None, **flags,
+            IS_VARLEN=varlen, HAS_DROPOUT=philox is not None,
+            slots=_DQ_SLOTS if key is not None else None, **flags,
         )
     if key is not None:
         _launch.store(key, (pre, dkdv, last))
