@@ -162,26 +162,30 @@ def _fused_bwd(plan, dout, q, k, v, out, lse, scale):
 
 
 def attention_fwd(q, k, v, *, softmax_scale, diag_offset, window_left, window_right,
-                  softcap, alibi_slopes, attn_mask):
-    """(out, lse) as ``reference.attention_tiled_fwd``, fused where the plan allows."""
+                  softcap, alibi_slopes, attn_mask, dropout=None):
+    """(out, lse) as ``reference.attention_tiled_fwd``, fused where the plan allows
+    (not with dropout: the CPU kernel's own dropout draws another mask)."""
     kw = dict(diag_offset=diag_offset, window_left=window_left, window_right=window_right,
               softcap=softcap, alibi_slopes=alibi_slopes, attn_mask=attn_mask)
     # PyTorch's fused CPU kernel needs one head dim for q, k and v (MLA's v is narrower).
-    plan = _plan(q, k, **kw) if v.shape[-1] == q.shape[-1] else None
+    plan = _plan(q, k, **kw) if v.shape[-1] == q.shape[-1] and dropout is None else None
     if plan is None:
-        return reference.attention_tiled_fwd(q, k, v, softmax_scale=softmax_scale, **kw)
+        return reference.attention_tiled_fwd(q, k, v, softmax_scale=softmax_scale,
+                                             dropout=dropout, **kw)
     return _fused_fwd(plan, q, k, v, softmax_scale)
 
 
 def attention_bwd(dout, q, k, v, out, lse, dlse, *, softmax_scale, diag_offset,
-                  window_left, window_right, softcap, alibi_slopes, attn_mask):
-    """(dq, dk, dv) as ``reference.attention_tiled_bwd``, fused where the plan allows
-    and the lse carries no gradient."""
+                  window_left, window_right, softcap, alibi_slopes, attn_mask,
+                  dropout=None):
+    """(dq, dk, dv) as ``reference.attention_tiled_bwd``, fused where the plan allows,
+    the lse carries no gradient and there is no dropout."""
     kw = dict(diag_offset=diag_offset, window_left=window_left, window_right=window_right,
               softcap=softcap, alibi_slopes=alibi_slopes, attn_mask=attn_mask)
     # PyTorch's fused CPU kernel needs one head dim for q, k and v (MLA's v is narrower).
-    plan = _plan(q, k, **kw) if v.shape[-1] == q.shape[-1] else None
+    plan = _plan(q, k, **kw) if v.shape[-1] == q.shape[-1] and dropout is None else None
     if plan is None or (dlse is not None and dlse.any()):
         return reference.attention_tiled_bwd(dout, q, k, v, out, lse, dlse,
-                                             softmax_scale=softmax_scale, **kw)
+                                             softmax_scale=softmax_scale, dropout=dropout,
+                                             **kw)
     return _fused_bwd(plan, dout, q, k, v, out, lse, softmax_scale)

@@ -209,10 +209,13 @@ def check_dropout(dropout_p, name="dropout_p"):
     check_float(dropout_p, name, minimum=0.0)
     if dropout_p >= 1.0:
         _fail(ValueError, name, "a probability in [0, 1)", dropout_p)
+
+
+def check_no_dropout(dropout_p, where):
+    """Paths without a dropout mask (FP8, a paged KV pool) refuse dropout_p > 0."""
     if dropout_p > 0.0:
-        raise NotImplementedError(
-            f"{name}={dropout_p}: flashtile has no dropout yet; pass dropout_p=0.0 "
-            "(for inference, and for training without attention dropout)")
+        _fail(ValueError, "dropout_p", f"0.0 {where} (it has no dropout)", dropout_p,
+              "Dropout is for training: use 16/32-bit inputs and packed or dense k/v")
 
 
 def check_bool(x, name):

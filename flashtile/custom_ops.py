@@ -11,6 +11,10 @@ and fused, fewer matrix products with dq summed by atomics (reproducible to roun
 FLASHTILE_BWD's choice, read at each backward: "split" or "fused" (default DEFAULT_BWD).
 torch.use_deterministic_algorithms(True) counts as deterministic=True.
 
+Dropout: ``dropout_p`` > 0 comes with ``philox``, the int64 [seed, offset] tensor the
+caller drew from PyTorch's generator (``flashtile.interface._philox``); it is saved for
+the backward, which regenerates the same mask from it on either backend.
+
 Callers use ``attention`` / ``varlen_attention``: plain eager calls run the same
 implementation, setup_context and backward as an autograd.Function, without the
 dispatcher's round trip through the op; torch.compile, tracing, fake or meta tensors
@@ -60,18 +64,28 @@ def _mask_kwargs(attn_mask, alibi_slopes, softmax_scale, diag_offset, window_lef
 def _attn_fwd_impl(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor],
              alibi_slopes: Optional[Tensor], softmax_scale: float, diag_offset: int,
              window_left: int, window_right: int, softcap: float,
-             allow_tf32: bool, deterministic: bool = False) -> tuple[Tensor, Tensor]:
+             allow_tf32: bool, deterministic: bool = False, dropout_p: float = 0.0,
+             philox: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     # deterministic only matters to the backward: kept for it by _setup_context.
     kw = _mask_kwargs(attn_mask, alibi_slopes, softmax_scale, diag_offset, window_left,
                       window_right, softcap)
     if select_backend(q.device, q.dtype) == "triton":
         if hopper_fwd_requested():
             from flashtile.ops import fwd_hopper  # imported only when asked: triton >= 3.6
-            if fwd_hopper.unsupported(q, k, v, **kw) is None:
+            if fwd_hopper.unsupported(q, k, v, dropout_p=dropout_p, **kw) is None:
                 return fwd_hopper.attn_fwd(q, k, v, allow_tf32=allow_tf32, **kw)
-        return triton_fwd(q, k, v, allow_tf32=allow_tf32, **kw)
-    out, lse = _torch_backend.attention_fwd(q, k, v, **kw)
+        return triton_fwd(q, k, v, allow_tf32=allow_tf32, dropout_p=dropout_p,
+                          philox=philox, **kw)
+    out, lse = _torch_backend.attention_fwd(
+        q, k, v, dropout=_dense_dropout(q, dropout_p, philox), **kw)
     return out.contiguous(), lse.contiguous()
+
+
+def _dense_dropout(q, dropout_p, philox):
+    """The torch backend's description of the kernels' dropout mask (or None)."""
+    if philox is None:
+        return None
+    return reference.Dropout.dense(philox, dropout_p, q.shape[0], q.shape[2], q.shape[1])
 
 
 attn_fwd = torch.library.custom_op("flashtile::attn_fwd", mutates_args=())(_attn_fwd_impl)
@@ -79,7 +93,7 @@ attn_fwd = torch.library.custom_op("flashtile::attn_fwd", mutates_args=())(_attn
 
 @attn_fwd.register_fake
 def _(q, k, v, attn_mask, alibi_slopes, softmax_scale, diag_offset, window_left,
-      window_right, softcap, allow_tf32, deterministic=False):
+      window_right, softcap, allow_tf32, deterministic=False, dropout_p=0.0, philox=None):
     b, sq, h, _ = q.shape
     return (q.new_empty((b, sq, h, v.shape[-1])),
             q.new_empty((b, h, sq), dtype=torch.float32))
@@ -89,13 +103,17 @@ def _attn_bwd_impl(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, l
              dlse: Optional[Tensor], attn_mask: Optional[Tensor],
              alibi_slopes: Optional[Tensor], softmax_scale: float, diag_offset: int,
              window_left: int, window_right: int, softcap: float, allow_tf32: bool,
-             deterministic: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+             deterministic: bool = False, dropout_p: float = 0.0,
+             philox: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
     kw = _mask_kwargs(attn_mask, alibi_slopes, softmax_scale, diag_offset, window_left,
                       window_right, softcap)
     if select_backend(q.device, q.dtype) == "triton":
         return triton_bwd(dout, q, k, v, out, lse, dlse, allow_tf32=allow_tf32,
-                          fused=fused_backward(deterministic), **kw)
-    grads = _torch_backend.attention_bwd(dout, q, k, v, out, lse, dlse, **kw)
+                          fused=fused_backward(deterministic), dropout_p=dropout_p,
+                          philox=philox, **kw)
+    grads = _torch_backend.attention_bwd(
+        dout, q, k, v, out, lse, dlse, dropout=_dense_dropout(q, dropout_p, philox),
+        **kw)
     return tuple(g.contiguous() for g in grads)
 
 
@@ -104,20 +122,24 @@ attn_bwd = torch.library.custom_op("flashtile::attn_bwd", mutates_args=())(_attn
 
 @attn_bwd.register_fake
 def _(dout, q, k, v, out, lse, dlse, attn_mask, alibi_slopes, softmax_scale, diag_offset,
-      window_left, window_right, softcap, allow_tf32, deterministic=False):
+      window_left, window_right, softcap, allow_tf32, deterministic=False, dropout_p=0.0,
+      philox=None):
     return (torch.empty(q.shape, dtype=q.dtype, device=q.device),
             torch.empty(k.shape, dtype=k.dtype, device=k.device),
             torch.empty(v.shape, dtype=v.dtype, device=v.device))
 
 
 _SCALARS = ("softmax_scale", "diag_offset", "window_left", "window_right", "softcap",
-            "allow_tf32", "deterministic")
+            "allow_tf32", "deterministic", "dropout_p")
 
 
 def _setup_context(ctx, inputs, output):
     q, k, v, attn_mask, alibi_slopes = inputs[:5]
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, attn_mask, alibi_slopes)
+    # The last input, philox (dropout's seed tensor), if given: an eager call may leave
+    # the trailing defaults out.
+    philox = inputs[5 + len(_SCALARS)] if len(inputs) > 5 + len(_SCALARS) else None
+    ctx.save_for_backward(q, k, v, out, lse, attn_mask, alibi_slopes, philox)
     ctx.scalars = dict(zip(_SCALARS, inputs[5:]))
 
 
@@ -134,12 +156,13 @@ def _kernel_ready(dout, out):
 
 
 def _backward(ctx, dout, dlse, bwd=attn_bwd):
-    q, k, v, out, lse, attn_mask, alibi_slopes = ctx.saved_tensors
+    q, k, v, out, lse, attn_mask, alibi_slopes, philox = ctx.saved_tensors
     dout = _kernel_ready(dout, out)
-    dq, dk, dv = bwd(dout, q, k, v, out, lse, dlse, attn_mask, alibi_slopes, **ctx.scalars)
-    # None for attn_mask, alibi_slopes and each scalar (a call that left deterministic
-    # to its default has one input less: autograd drops trailing Nones).
-    return (dq, dk, dv) + (None,) * (2 + len(_SCALARS))
+    dq, dk, dv = bwd(dout, q, k, v, out, lse, dlse, attn_mask, alibi_slopes, **ctx.scalars,
+                     philox=philox)
+    # None for attn_mask, alibi_slopes, each scalar and philox (a call that left the
+    # trailing defaults out has fewer inputs: autograd drops trailing Nones).
+    return (dq, dk, dv) + (None,) * (3 + len(_SCALARS))
 
 
 attn_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -214,11 +237,12 @@ _EAGER_ATTENTION = _eager_function(
 
 
 def attention(q, k, v, attn_mask, alibi_slopes, softmax_scale, diag_offset, window_left,
-              window_right, softcap, allow_tf32, deterministic=False):
+              window_right, softcap, allow_tf32, deterministic=False, dropout_p=0.0,
+              philox=None):
     """(out, lse) with autograd: ``flashtile::attn_fwd`` (one opaque node under
     torch.compile), or in plain eager mode the same functions without the dispatcher."""
     args = (q, k, v, attn_mask, alibi_slopes, softmax_scale, diag_offset, window_left,
-            window_right, softcap, allow_tf32, deterministic)
+            window_right, softcap, allow_tf32, deterministic, dropout_p, philox)
     return _call(attn_fwd, _EAGER_ATTENTION, _attn_fwd_impl, args)
 
 
@@ -241,7 +265,8 @@ def _varlen_attn_fwd_impl(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
                     window_right: int, softcap: float, allow_tf32: bool,
                     block_table: Optional[Tensor] = None,
                     seqused_k: Optional[Tensor] = None,
-                    deterministic: bool = False) -> tuple[Tensor, Tensor]:
+                    deterministic: bool = False, dropout_p: float = 0.0,
+                    philox: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     backend = select_backend(q.device, q.dtype)
     if (backend == "torch" or index_checks_enabled()) and can_read_indices(q):
         # Here, not in the caller: the op's own run time is the one place a compiled
@@ -259,7 +284,7 @@ def _varlen_attn_fwd_impl(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
         return triton_fwd(q, k, v, allow_tf32=allow_tf32, cu_seqlens_q=cu_seqlens_q,
                           cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
                           max_seqlen_k=max_seqlen_k, block_table=block_table,
-                          seqused_k=seqused_k, **kw)
+                          seqused_k=seqused_k, dropout_p=dropout_p, philox=philox, **kw)
     out = q.new_zeros((*q.shape[:-1], v.shape[-1]))  # contiguous, as the fake says
     lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), device=q.device)
     for b, (qs, qe, ks, ke) in enumerate(_bounds(cu_seqlens_q, cu_seqlens_k, block_table,
@@ -267,13 +292,22 @@ def _varlen_attn_fwd_impl(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
         if qe == qs:
             continue
         kw_b = dict(kw, diag_offset=(ke - ks) - (qe - qs),
-                    alibi_slopes=reference.alibi_of_sequence(alibi_slopes, b))
+                    alibi_slopes=reference.alibi_of_sequence(alibi_slopes, b),
+                    dropout=_varlen_dropout(q, dropout_p, philox, qs, ks))
         o, l = _torch_backend.attention_fwd(q[None, qs:qe],
                                             _sequence_keys(k, b, ks, ke, block_table),
                                             _sequence_keys(v, b, ks, ke, block_table),
                                             **kw_b)
         out[qs:qe], lse[:, qs:qe] = o[0], l[0]
     return out, lse
+
+
+def _varlen_dropout(q, dropout_p, philox, q_start, k_start):
+    """The dropout mask of the packed sequence at rows q_start, k_start (or None)."""
+    if philox is None:
+        return None
+    return reference.Dropout.varlen(philox, dropout_p, q.shape[1], q.shape[0], q_start,
+                                    k_start)
 
 
 varlen_attn_fwd = torch.library.custom_op("flashtile::varlen_attn_fwd",
@@ -283,7 +317,7 @@ varlen_attn_fwd = torch.library.custom_op("flashtile::varlen_attn_fwd",
 @varlen_attn_fwd.register_fake
 def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alibi_slopes,
       softmax_scale, window_left, window_right, softcap, allow_tf32, block_table=None,
-      seqused_k=None, deterministic=False):
+      seqused_k=None, deterministic=False, dropout_p=0.0, philox=None):
     return (q.new_empty((*q.shape[:-1], v.shape[-1])),
             q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32))
 
@@ -293,20 +327,23 @@ def _varlen_attn_bwd_impl(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Te
                     max_seqlen_q: int, max_seqlen_k: int, alibi_slopes: Optional[Tensor],
                     softmax_scale: float, window_left: int, window_right: int,
                     softcap: float, allow_tf32: bool,
-                    deterministic: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+                    deterministic: bool = False, dropout_p: float = 0.0,
+                    philox: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
     kw = _mask_kwargs(None, alibi_slopes, softmax_scale, 0, window_left, window_right,
                       softcap)
     if select_backend(q.device, q.dtype) == "triton":
         return triton_bwd(dout, q, k, v, out, lse, dlse, allow_tf32=allow_tf32,
                           cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                           max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
-                          fused=fused_backward(deterministic), **kw)
+                          fused=fused_backward(deterministic), dropout_p=dropout_p,
+                          philox=philox, **kw)
     dq, dk, dv = q.new_zeros(q.shape), k.new_zeros(k.shape), v.new_zeros(v.shape)
     for b, (qs, qe, ks, ke) in enumerate(_bounds(cu_seqlens_q, cu_seqlens_k)):
         if qe == qs or ke == ks:
             continue
         kw_b = dict(kw, diag_offset=(ke - ks) - (qe - qs),
-                    alibi_slopes=reference.alibi_of_sequence(alibi_slopes, b))
+                    alibi_slopes=reference.alibi_of_sequence(alibi_slopes, b),
+                    dropout=_varlen_dropout(q, dropout_p, philox, qs, ks))
         g = _torch_backend.attention_bwd(
             dout[None, qs:qe], q[None, qs:qe], k[None, ks:ke], v[None, ks:ke],
             out[None, qs:qe], lse[None, :, qs:qe],
@@ -322,7 +359,7 @@ varlen_attn_bwd = torch.library.custom_op("flashtile::varlen_attn_bwd",
 @varlen_attn_bwd.register_fake
 def _(dout, q, k, v, out, lse, dlse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
       max_seqlen_k, alibi_slopes, softmax_scale, window_left, window_right, softcap,
-      allow_tf32, deterministic=False):
+      allow_tf32, deterministic=False, dropout_p=0.0, philox=None):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
@@ -343,12 +380,14 @@ def _bounds(cu_seqlens_q, cu_seqlens_k, block_table=None, seqused_k=None):
 def _varlen_setup_context(ctx, inputs, output):
     q, k, v, cu_q, cu_k, max_q, max_k, alibi_slopes = inputs[:8]
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k, alibi_slopes)
+    # Inputs past the scalars: block_table, seqused_k, deterministic, dropout_p and
+    # philox (the op always has them, an eager call may leave them out).
+    philox = inputs[17] if len(inputs) > 17 else None
+    ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k, alibi_slopes, philox)
     ctx.scalars = (max_q, max_k, *inputs[8:13])
-    # Inputs past the scalars: block_table, seqused_k and deterministic (the op always
-    # has them, an eager call may leave them out).
     ctx.paged = any(x is not None for x in inputs[13:15])
     ctx.deterministic = len(inputs) > 15 and bool(inputs[15])
+    ctx.dropout_p = inputs[16] if len(inputs) > 16 else 0.0
     ctx.num_inputs = len(inputs)
 
 
@@ -358,11 +397,11 @@ def _varlen_backward(ctx, dout, dlse, bwd=varlen_attn_bwd):
         # direct call of the op reaches this instead.
         raise NotImplementedError("varlen attention over a paged KV cache (block_table) "
                                   "is forward only")
-    q, k, v, out, lse, cu_q, cu_k, alibi_slopes = ctx.saved_tensors
+    q, k, v, out, lse, cu_q, cu_k, alibi_slopes, philox = ctx.saved_tensors
     max_q, max_k, *rest = ctx.scalars
     dout = _kernel_ready(dout, out)
     dq, dk, dv = bwd(dout, q, k, v, out, lse, dlse, cu_q, cu_k, max_q, max_k, alibi_slopes,
-                     *rest, ctx.deterministic)
+                     *rest, ctx.deterministic, ctx.dropout_p, philox)
     return (dq, dk, dv) + (None,) * (ctx.num_inputs - 3)
 
 

@@ -29,21 +29,40 @@ def _allow_tf32(dtype) -> bool:
     return dtype == torch.float32 and _tf32_allowed()
 
 
+def _philox(q, dropout_p):
+    """The dropout mask's Philox key, int64 [seed, offset] on q's device, drawn from
+    PyTorch's default generator of that device (None without dropout).
+
+    A device tensor the kernels load, not Python ints: torch.manual_seed makes runs
+    reproducible, nothing is read on the host (no sync), and under CUDA-graph capture
+    the draw is recorded like any PyTorch RNG op, whose generator advances its Philox
+    offset at every replay, so each replay gets a fresh mask (a seed read on the host
+    would be frozen into the graph). The autograd context saves it for the backward,
+    which regenerates the same mask from it (``flashtile.ops._common._dropout_setup``)."""
+    if dropout_p == 0.0:
+        return None
+    return torch.randint(0, 2**63 - 1, (2,), dtype=torch.int64, device=q.device)
+
+
 def _attention(q, k, v, *, attn_mask, alibi_slopes, softmax_scale, diag_offset,
-               window_left, window_right, softcap, deterministic=False):
+               window_left, window_right, softcap, deterministic=False, dropout_p=0.0,
+               philox=None):
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(q.shape[-1])
     # torch.sym_int, not int(): under torch.export int() of a symbolic size specializes
     # it (seqlen_k - seqlen_q would be frozen to the example's difference).
     return custom_ops.attention(q, k, v, attn_mask, alibi_slopes, float(softmax_scale),
                                torch.sym_int(diag_offset), window_left, window_right,
-                               float(softcap), _allow_tf32(q.dtype), deterministic)
+                               float(softcap), _allow_tf32(q.dtype), deterministic,
+                               float(dropout_p), philox)
 
 
 # return_attn_probs (flash-attn's name): flash-attn then returns (out, softmax_lse,
-# S_dmask), where S_dmask holds probabilities only when dropout is on, for its own tests.
-# flashtile has no dropout and returns the exact probabilities instead, as a test aid:
-# dense, so only for small problems.
+# S_dmask), where S_dmask holds probabilities only when dropout is on, for its own tests,
+# and encodes the dropout pattern in its sign. flashtile returns the exact probabilities
+# (undropped, unscaled) as a test aid, with the same sign code when dropout_p > 0:
+# dropped entries negated, so ``~torch.signbit(probs)`` is the mask the kernels applied
+# (a dropped 0 is -0.0). Dense, so only for small problems.
 ATTN_PROBS_MAX_ELEMENTS = 2**24  # 64 MiB of float32 probabilities
 
 
@@ -76,6 +95,11 @@ def _attn_probs(q, k, rows, cols, seqlen_q, seqlen_k, *, softmax_scale, softcap,
     p = torch.exp(s - torch.where(torch.isinf(m), 0.0, m))
     l = p.sum(dim=-1, keepdim=True)
     return (p / torch.where(l == 0, 1.0, l)).float()
+
+
+def _sign_dropped(probs, dropout, rows, cols):
+    """probs with the entries that ``dropout`` (a reference.Dropout) drops negated."""
+    return torch.where(dropout.keep(rows, cols).to(probs.device), probs, -probs)
 
 
 def _varlen_attn_probs(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, **kw):
@@ -113,7 +137,13 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
             kernel); v's may differ from q's and k's (MLA, e.g. 192/128), and out
             then takes v's.
             Any strides work as long as the last dim is contiguous.
-        dropout_p: must be 0.0 (dropout is not implemented and raises).
+        dropout_p: float in [0, 1): attention dropout, as flash-attn 2 (training): the
+            probabilities P are dropped after the softmax with probability dropout_p,
+            the kept ones scaled by 1 / (1 - dropout_p); lse stays undropped. The mask
+            comes from Philox in the kernel, keyed by a draw from PyTorch's generator
+            of q's device (torch.manual_seed reproduces it; CUDA-graph safe), and the
+            backward regenerates it. Applied whenever > 0 (pass 0.0 for evaluation).
+            Not with FP8 inputs. return_attn_probs shows the mask (below).
         softmax_scale: scale of q k^T; default 1 / sqrt(head_dim).
         causal: bool. Query i sees key j only if j <= i + seqlen_k - seqlen_q, i.e. the
             mask is aligned to the bottom-right corner (flash-attn >= 2.1). With
@@ -158,6 +188,8 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
         probs (if return_attn_probs): (batch, nheads, seqlen_q, seqlen_k) float32,
             softmax of the final scores computed exactly (float64, rounded once) from
             the reference, 0 where masked and in rows that see no key; no gradient.
+            With dropout_p > 0 the entries the dropout removed are negated (flash-attn's
+            sign code): ``~torch.signbit(probs)`` is the keep mask of this call.
             flash-attn's S_dmask is instead padded to multiples of 128, in q's dtype,
             and empty of meaning without dropout (docs/flash-attn-compat.md).
     """
@@ -173,22 +205,28 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(d)
     if fp8 is not None:
+        V.check_no_dropout(dropout_p, "with FP8 inputs (a forward for inference)")
         out, lse = F8.fp8_attention(
             q, k, v, fp8[0], alibi_slopes=alibi_slopes, softmax_scale=float(softmax_scale),
             diag_offset=torch.sym_int(sk - sq), window_left=left, window_right=right,
             softcap=float(softcap), out_dtype=fp8[1])
     else:
+        philox = _philox(q, dropout_p)
         out, lse = _attention(q, k, v, attn_mask=None, alibi_slopes=alibi_slopes,
                               softmax_scale=softmax_scale, diag_offset=sk - sq,
                               window_left=left, window_right=right, softcap=softcap,
-                              deterministic=deterministic)
+                              deterministic=deterministic, dropout_p=dropout_p,
+                              philox=philox)
     if return_attn_probs:
         if fp8 is not None:  # the probabilities of the real (dequantised) q and k
             q, k = F8.dequantize(q, fp8[0][0]), F8.dequantize(k, fp8[0][1])
-        probs = _attn_probs(q, k, torch.arange(sq, device=q.device),
-                            torch.arange(sk, device=q.device), sq, sk,
-                            softmax_scale=softmax_scale, softcap=softcap,
-                            alibi_slopes=alibi_slopes, window_left=left, window_right=right)
+        rows, cols = torch.arange(sq, device=q.device), torch.arange(sk, device=q.device)
+        probs = _attn_probs(q, k, rows, cols, sq, sk, softmax_scale=softmax_scale,
+                            softcap=softcap, alibi_slopes=alibi_slopes, window_left=left,
+                            window_right=right)
+        if dropout_p > 0:
+            probs = _sign_dropped(probs, reference.Dropout.dense(philox, dropout_p, b, h,
+                                                                 sq), rows, cols)
         return out, lse, probs
     return (out, lse) if return_lse else out
 
@@ -233,12 +271,16 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         q_descale, k_descale, v_descale, out_dtype: FP8 q, k, v (packed, or an FP8 pool
             with block_table), as in flash_attn_func; batch is the number of sequences,
             so sequence b's rows (and keys, wherever its pages lie) take descale[b].
+        dropout_p: as in flash_attn_func (not with block_table or FP8). The mask entry
+            of packed query row r and packed key row c of head h is drawn at Philox
+            counter (c, h * total_q + r), so it does not depend on the tiles.
 
     Returns out (total_q, nheads, head_dim); with return_lse or return_attn_probs, lse
     (nheads, total_q) float32 (flash-attn's varlen layout), natural log, -inf for rows
     that see no key; with return_attn_probs, probs (batch, nheads, max_seqlen_q,
     max_seqlen_k) float32: sequence b's probabilities in the top-left corner of probs[b],
-    zeros elsewhere (at most ATTN_PROBS_MAX_ELEMENTS elements).
+    zeros elsewhere (at most ATTN_PROBS_MAX_ELEMENTS elements); with dropout_p > 0 the
+    dropped entries of each corner are negated, as in flash_attn_func.
 
     Index values are not read on the host (no device sync): the kernels check what they
     read, never leave a tensor, and show a bad index as NaN. If cu_seqlens_q or (without
@@ -276,6 +318,10 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         block_table = block_table.contiguous()  # the kernel reads rows with unit stride
     left, right = V.check_flash_options(dropout_p, softmax_scale, softcap, window_size,
                                         causal)
+    if block_table is not None:
+        V.check_no_dropout(dropout_p, "with block_table (a paged KV pool, forward only)")
+    if fp8 is not None:
+        V.check_no_dropout(dropout_p, "with FP8 inputs (a forward for inference)")
     V.check_bools(deterministic=deterministic, return_attn_probs=return_attn_probs,
                   return_lse=return_lse)
     alibi_slopes = V.check_alibi(alibi_slopes, batch, h, q.device)
@@ -297,10 +343,12 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
             max_seqlen_k=torch.sym_int(max_seqlen_k), block_table=block_table,
             seqused_k=seqused_k)
     else:
+        philox = _philox(q, dropout_p)
         out, lse = custom_ops.varlen_attention(
             q, k, v, cu_seqlens_q.contiguous(), cu_seqlens_k, torch.sym_int(max_seqlen_q),
             torch.sym_int(max_seqlen_k), alibi_slopes, float(softmax_scale), left, right,
-            float(softcap), _allow_tf32(q.dtype), block_table, seqused_k, deterministic)
+            float(softcap), _allow_tf32(q.dtype), block_table, seqused_k, deterministic,
+            float(dropout_p), philox)
     if return_attn_probs:
         if fp8 is not None:  # the probabilities of the real (dequantised) q and k
             q = F8.dequantize_packed(q, fp8[0][0], cu_seqlens_q)
@@ -309,6 +357,13 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                                    max_seqlen_k, softmax_scale=softmax_scale,
                                    softcap=softcap, alibi_slopes=alibi_slopes,
                                    window_left=left, window_right=right)
+        if dropout_p > 0:  # each sequence's counters start at its packed rows
+            starts_q, starts_k = (cu[:-1].long().view(batch, 1, 1, 1)
+                                  for cu in (cu_seqlens_q, cu_seqlens_k))
+            dropout = reference.Dropout.varlen(philox, dropout_p, h, q.shape[0], starts_q,
+                                               starts_k)
+            probs = _sign_dropped(probs, dropout, torch.arange(max_seqlen_q),
+                                  torch.arange(max_seqlen_k))
         return out, lse, probs
     return (out, lse) if return_lse else out
 
@@ -380,7 +435,9 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     additive in the query's dtype, broadcastable to (batch, nheads, seqlen_q, seqlen_k),
     and is read tile by tile in the kernel. ``is_causal`` is aligned top-left, as in
     PyTorch (query i sees keys j <= i). A row whose mask excludes every key returns 0.
-    Value must share the query's head_dim; dropout_p must be 0.
+    ``dropout_p`` in [0, 1) drops attention probabilities as PyTorch's does (whenever it
+    is > 0, training or not: nn modules pass 0.0 in eval mode), with flashtile's own
+    Philox mask (flash_attn_func's dropout_p; a different draw than PyTorch's kernels).
     """
     V.check_bools(is_causal=is_causal, enable_gqa=enable_gqa)
     for x, name in ((query, "query"), (key, "key"), (value, "value")):
@@ -426,6 +483,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     attn_mask = V.check_attn_mask(attn_mask, b, h, sq, sk, q.device, q.dtype)
     out, _ = _attention(q, k, v, attn_mask=attn_mask, alibi_slopes=None,
                         softmax_scale=scale, diag_offset=0, window_left=-1,
-                        window_right=0 if is_causal else -1, softcap=0.0)
+                        window_right=0 if is_causal else -1, softcap=0.0,
+                        dropout_p=dropout_p, philox=_philox(q, dropout_p))
     out = out.transpose(1, 2)
     return out.squeeze(1) if squeeze else out

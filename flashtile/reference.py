@@ -19,10 +19,80 @@ output and lse NaN, as in torch's SDPA; the empty test is ``l == 0``, which NaN 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
 LOG2E = math.log2(math.e)
+
+
+# ---- Dropout: the kernels' Philox mask in PyTorch (flashtile/ops/_common.py) ----
+_M32 = 0xFFFFFFFF
+_PHILOX_ROUND = (0xD2511F53, 0xCD9E8D57)
+_PHILOX_KEY = (0x9E3779B9, 0xBB67AE85)
+
+
+def _mul32(a: int, x):
+    """(high, low) 32-bit words of a * x, a < 2**32 and x int64 in [0, 2**32): by 16-bit
+    halves of x, so that no int64 product overflows."""
+    x_hi, x_lo = x >> 16, x & 0xFFFF
+    p_hi, p_lo = a * x_hi, a * x_lo  # < 2**48
+    high = (p_hi + (p_lo >> 16)) >> 16
+    low = (p_lo + ((p_hi & 0xFFFF) << 16)) & _M32
+    return high, low
+
+
+def philox_uniform(philox, cols, rows):
+    """Triton's ``tl.uint_to_uniform_float`` of the first word of Philox-4x32-10 (as in
+    triton/language/random.py) keyed by philox[0] at counter (cols, rows, philox[1] low,
+    philox[1] high): the float32 in [0, 1) that the kernels' ``_dropout_keep`` draws.
+    cols, rows: int64 tensors in [0, 2**32) broadcast together, on philox's device."""
+    seed, offset = philox[0], philox[1]
+    k0, k1 = seed & _M32, (seed >> 32) & _M32
+    c0, c1 = torch.broadcast_tensors(cols, rows)
+    c2, c3 = (offset & _M32).expand(c0.shape), ((offset >> 32) & _M32).expand(c0.shape)
+    for _ in range(10):
+        hi_b, lo_b = _mul32(_PHILOX_ROUND[1], c2)
+        hi_a, lo_a = _mul32(_PHILOX_ROUND[0], c0)
+        c0, c1, c2, c3 = hi_b ^ c1 ^ k0, lo_b, hi_a ^ c3 ^ k1, lo_a
+        k0, k1 = (k0 + _PHILOX_KEY[0]) & _M32, (k1 + _PHILOX_KEY[1]) & _M32
+    x = torch.where(c0 >= 2**31, c0 - 2**32, c0)  # the word as int32
+    x = torch.where(x < 0, -x - 1, x)
+    return x.to(torch.float32) * torch.tensor(4.6566127342e-10, dtype=torch.float32,
+                                              device=x.device)
+
+
+@dataclass(frozen=True)
+class Dropout:
+    """A call's dropout mask (flash-attn 2's semantics: P dropped after the softmax,
+    the kept entries scaled by 1 / (1 - p)). Query i and key j of batch entry b, head h
+    draw at Philox counter (col0 + j, row0[b, h] + i) (``_common._dropout_setup``).
+
+    philox: int64 (2,) [seed, offset]; p: the dropout probability; row0: int64 (b, h,
+    1, 1); col0: an int or an int64 tensor broadcasting to (b, 1, 1, 1)."""
+
+    philox: torch.Tensor
+    p: float
+    row0: torch.Tensor
+    col0: object = 0
+
+    @classmethod
+    def dense(cls, philox, p, batch, nheads, seqlen_q):
+        bh = torch.arange(batch * nheads, device=philox.device).view(batch, nheads, 1, 1)
+        return cls(philox, p, bh * seqlen_q)
+
+    @classmethod
+    def varlen(cls, philox, p, nheads, total_q, q_start, k_start):
+        """Packed sequences whose rows start at q_start in q and k_start in k (ints, or
+        (batch, 1, 1, 1) tensors for several sequences at once)."""
+        h = torch.arange(nheads, device=philox.device).view(1, nheads, 1, 1)
+        return cls(philox, p, h * total_q + q_start, k_start)
+
+    def keep(self, rows, cols):
+        """Bool (b, h, len(rows), len(cols)): True where P[i, j] is kept."""
+        rows, cols = rows.to(self.philox.device), cols.to(self.philox.device)
+        u = philox_uniform(self.philox, self.col0 + cols, self.row0 + rows[:, None])
+        return u >= torch.tensor(self.p, dtype=torch.float32, device=u.device)
 
 
 def allowed_keys(seqlen_q, seqlen_k, diag_offset, window_left, window_right, device,
@@ -103,12 +173,14 @@ def _scores(q, k, rows, cols, *, softmax_scale, softcap, alibi_slopes, attn_mask
 
 def attention_naive(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1),
                     softcap=0.0, alibi_slopes=None, attn_mask=None, diag_offset=None,
-                    upcast=True):
+                    upcast=True, dropout_p=0.0, dropout_mask=None):
     """Three-pass attention with the score matrix in memory: the test oracle.
 
     Returns ``(out, lse)``; ``out`` in q's dtype (or float64 when ``upcast``),
     ``lse`` (batch, nheads, seqlen_q). ``diag_offset`` defaults to flash-attn's
     bottom-right alignment, ``seqlen_k - seqlen_q``. Differentiable by autograd.
+    dropout_mask: bool, broadcastable to (batch, nheads, seqlen_q, seqlen_k), True
+    where P is kept; kept entries are scaled by 1 / (1 - dropout_p); lse is undropped.
     """
     b, sq, h, d = q.shape
     sk = k.shape[1]
@@ -138,7 +210,10 @@ def attention_naive(q, k, v, *, softmax_scale=None, causal=False, window_size=(-
     l = p.sum(dim=-1, keepdim=True)                        # pass 3: sum
     # Empty rows (l == 0) are 0 and -inf; a NaN that reached a row keeps it NaN.
     empty = l == 0
-    out = (p / torch.where(empty, 1.0, l)) @ v.to(dtype).transpose(1, 2)
+    p = p / torch.where(empty, 1.0, l)
+    if dropout_mask is not None:
+        p = torch.where(dropout_mask, p / (1.0 - dropout_p), 0.0)
+    out = p @ v.to(dtype).transpose(1, 2)
     out = torch.where(empty, 0.0, out).transpose(1, 2)
     lse = (torch.log(l) + m).squeeze(-1)
     return (out if upcast else out.to(q.dtype)), lse.float() if not upcast else lse
@@ -191,11 +266,12 @@ def _kv_block(x, start, stop, nheads):
 
 
 def attention_tiled_fwd(q, k, v, *, softmax_scale, diag_offset, window_left, window_right,
-                        softcap, alibi_slopes, attn_mask, block_n=128):
+                        softcap, alibi_slopes, attn_mask, dropout=None, block_n=128):
     """FlashAttention forward in PyTorch: K/V in column blocks, online softmax.
 
     Vectorized over batch, heads and query rows; fp32 (or float64) accumulation.
     Returns ``out`` (q's dtype, shape of q) and ``lse`` (batch, nheads, seqlen_q) fp32.
+    dropout: a ``Dropout`` or None, applied as in the Triton kernel.
     """
     b, sq, h, d = q.shape
     sk = k.shape[1]
@@ -217,21 +293,27 @@ def attention_tiled_fwd(q, k, v, *, softmax_scale, diag_offset, window_left, win
         p = torch.exp(s - m_safe[..., None])
         alpha = torch.exp(m_i - m_safe)
         l_i = l_i * alpha + p.sum(dim=-1)
+        if dropout is not None:  # after l: the lse is undropped
+            p = torch.where(dropout.keep(rows, cols), p, 0.0)
         vb = _kv_block(v, start, stop, h).to(acc_dtype).transpose(1, 2)  # (b, h, n, d)
         acc = acc * alpha[..., None] + p.to(q.dtype).to(acc_dtype) @ vb
         m_i = m_new
     out, lse = _finish(acc, m_i, l_i)
+    if dropout is not None:
+        out = out * (1.0 / (1.0 - dropout.p))
     return out.transpose(1, 2).to(q.dtype), lse.float()
 
 
 def attention_tiled_bwd(dout, q, k, v, out, lse, dlse, *, softmax_scale, diag_offset,
                         window_left, window_right, softcap, alibi_slopes, attn_mask,
-                        block_n=128):
+                        dropout=None, block_n=128):
     """FlashAttention backward in PyTorch: recompute P block by block from ``lse``.
 
     ``delta = rowsum(dout * out) - dlse`` turns the gradient of the output (and of the
     lse, when it was used) into dS = P * (dP - delta). dK/dV are summed over each KV
-    head's query group. Returns (dq, dk, dv) in the input dtypes.
+    head's query group. Returns (dq, dk, dv) in the input dtypes. With ``dropout``
+    (O = (P * Z) V, Z the kept entries times 1 / (1 - p)): dV = (P * Z)^T dO and dP is
+    (dO V^T) * Z; delta is unchanged, rowsum(P * dP) being rowsum(dO * O).
     """
     b, sq, h, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
@@ -257,8 +339,13 @@ def attention_tiled_bwd(dout, q, k, v, out, lse, dlse, *, softmax_scale, diag_of
                     window_right=window_right, seqlen_q=sq, seqlen_k=sk, dtype=acc_dtype)
         p = torch.exp(s - lse_safe[..., None])
         vb = _kv_block(v, start, stop, h).to(acc_dtype).transpose(1, 2)
-        dv_h = p.transpose(-1, -2) @ do                        # (b, h, n, d)
         dp = do @ vb.transpose(-1, -2)
+        if dropout is not None:
+            z = torch.where(dropout.keep(rows, cols), 1.0 / (1.0 - dropout.p), 0.0)
+            dv_h = (p * z).transpose(-1, -2) @ do
+            dp = dp * z
+        else:
+            dv_h = p.transpose(-1, -2) @ do                    # (b, h, n, d)
         ds = p * (dp - delta[..., None])
         if softcap > 0:
             t = torch.tanh(s_raw * softmax_scale / softcap)

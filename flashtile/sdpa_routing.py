@@ -73,7 +73,7 @@ def _plain_tensor(x):
         and not is_traceable_wrapper_subclass(x)
 
 
-def _unsupported(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
+def _unsupported(query, key, value, attn_mask, is_causal, scale, enable_gqa,
                  extra):
     """Why flashtile cannot take this call, or None. Only cheap checks on shapes and
     types (no device read); a call that is wrong for PyTorch too goes to PyTorch, which
@@ -83,8 +83,6 @@ def _unsupported(query, key, value, attn_mask, dropout_p, is_causal, scale, enab
     if not all(_plain_tensor(x) for x in (query, key, value)):
         return "a query, key or value that is not a plain dense tensor (nested or a " \
                "tensor subclass)"
-    if dropout_p != 0.0:
-        return "dropout_p > 0 (flashtile has no dropout)"
     dtype, device = query.dtype, query.device
     if dtype not in V.SUPPORTED_DTYPES:
         return f"dtype {dtype} (flashtile computes in float16, bfloat16 and float32)"
@@ -134,11 +132,11 @@ def routed_scaled_dot_product_attention(query, key, value, attn_mask=None, dropo
     on: flashtile.scaled_dot_product_attention where it takes the arguments, PyTorch's
     function otherwise (with a one-time log line per reason)."""
     if _state.enabled:
-        reason = _unsupported(query, key, value, attn_mask, dropout_p, is_causal, scale,
+        reason = _unsupported(query, key, value, attn_mask, is_causal, scale,
                               enable_gqa, extra)
         if reason is None:
-            return _flashtile_sdpa(query, key, value, attn_mask, 0.0, is_causal, scale,
-                                   enable_gqa)
+            return _flashtile_sdpa(query, key, value, attn_mask, dropout_p, is_causal,
+                                   scale, enable_gqa)
         _log_fallback(reason)
     # enable_gqa only when set: PyTorch before 2.5 has no such argument.
     gqa = {"enable_gqa": enable_gqa} if enable_gqa else {}
@@ -191,7 +189,7 @@ class sdpa_override:
 
     A routed call runs ``flashtile.scaled_dot_product_attention`` when flashtile takes
     its arguments; otherwise it runs PyTorch's function and logs why, once per reason
-    (logger ``flashtile``, WARNING): dropout_p > 0, a dtype other than float16,
+    (logger ``flashtile``, WARNING): a dtype other than float16,
     bfloat16 and float32, a device other than CUDA and CPU, a key head_dim different
     from the query's, tensors that are not 3-d or 4-d, nested tensors and tensor
     subclasses, an attn_mask of another dtype or needing a gradient, unknown arguments.

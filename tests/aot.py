@@ -15,11 +15,12 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from triton.experimental.gluon._runtime import GluonASTSource
 
-_FLOAT_SCALARS = {"softmax_scale", "softcap"}
+_FLOAT_SCALARS = {"softmax_scale", "softcap", "dropout_p"}
 _FP32_POINTERS = {"Lse", "Delta", "DLse", "Alibi", "LsePartial", "OutPartial", "DQAccum",
                   "QDescale", "KDescale", "VDescale"}
 _INT32_POINTERS = {"BlockTable", "CacheSeqlens", "CacheBatchIdx", "CacheLeftpad",
                    "CuSeqlensQ", "CuSeqlensK", "SequsedK"}
+_INT64_POINTERS = {"Philox"}  # dropout's [seed, offset]
 
 
 # Integer arguments that are multiples of 16 in the launches that matter (head_dim 64,
@@ -46,6 +47,9 @@ def compile_kernel(kernel, constexprs: dict, dtype: str = "bf16", arch: int = 90
     for name, default in (("BLOCK_DT", 0), ("V_IS_K", False)):
         if name in params and name not in constexprs:
             constexprs[name] = default
+    # No dropout unless asked: the kernel every call with dropout_p == 0 compiles.
+    if "HAS_DROPOUT" in params:
+        constexprs.setdefault("HAS_DROPOUT", False)
     sig, attrs = {}, {}
     for i, name in enumerate(params):
         # What the JIT infers at a real launch from aligned pointers and strides that
@@ -59,7 +63,8 @@ def compile_kernel(kernel, constexprs: dict, dtype: str = "bf16", arch: int = 90
             sig[name] = types[name]
         elif name[0].isupper():
             sig[name] = ("*fp32" if name in _FP32_POINTERS else "*i32"
-                         if name in _INT32_POINTERS else "*u8" if name == "Mask"
+                         if name in _INT32_POINTERS else "*i64"
+                         if name in _INT64_POINTERS else "*u8" if name == "Mask"
                          else f"*{dtype}")
         elif name in _FLOAT_SCALARS:
             sig[name] = "fp32"

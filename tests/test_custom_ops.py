@@ -20,6 +20,8 @@ def test_opcheck(torch_backend, device):
     args = (q, k, v, None, None, 0.25, 4, -1, 0, 0.0, False)
     torch.library.opcheck(custom_ops.attn_fwd, args)
     torch.library.opcheck(custom_ops.attn_fwd, args + (True,))  # deterministic
+    philox = torch.tensor([12345, 678], device=device)  # dropout's [seed, offset]
+    torch.library.opcheck(custom_ops.attn_fwd, args + (False, 0.3, philox))
 
 
 class TinyBlock(torch.nn.Module):
@@ -58,6 +60,29 @@ def test_compile_fullgraph(use_sdpa, torch_backend, device):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
 
 
+def test_compile_fullgraph_with_dropout(torch_backend, device):
+    """A dropout call traces into one graph (the seed drawn by torch.randint in it); with
+    a fixed seed tensor the compiled op equals the eager one, gradients included."""
+    torch._dynamo.reset()
+    q, k, v = (torch.randn(1, 21, 2, 16, device=device, requires_grad=True)
+               for _ in range(3))
+    philox = torch.tensor([12345, 678], device=device)
+
+    def fixed(q, k, v):
+        return custom_ops.attention(q, k, v, None, None, 0.25, 0, -1, 0, 0.0, False,
+                                    False, 0.3, philox)[0]
+
+    compiled = torch.compile(fixed, fullgraph=True)(q, k, v)
+    eager = fixed(q, k, v)
+    torch.testing.assert_close(compiled, eager)
+    for a, b in zip(torch.autograd.grad(compiled.sum(), (q, k, v)),
+                    torch.autograd.grad(eager.sum(), (q, k, v))):
+        torch.testing.assert_close(a, b)
+    out = torch.compile(lambda q, k, v: flashtile.flash_attn_func(q, k, v, 0.3),
+                        fullgraph=True)(q, k, v)
+    assert torch.isfinite(out).all() and out.shape == q.shape
+
+
 def test_opcheck_varlen(torch_backend, device):
     q = torch.randn(12, 4, 16, device=device, requires_grad=True)
     k = torch.randn(15, 2, 16, device=device, requires_grad=True)
@@ -67,6 +92,9 @@ def test_opcheck_varlen(torch_backend, device):
     args = (q, k, v, cu_q, cu_k, 7, 9, None, 0.25, -1, 0, 0.0, False)
     torch.library.opcheck(custom_ops.varlen_attn_fwd, args)
     torch.library.opcheck(custom_ops.varlen_attn_fwd, args + (None, None, True))
+    philox = torch.tensor([12345, 678], device=device)
+    torch.library.opcheck(custom_ops.varlen_attn_fwd,
+                          args + (None, None, False, 0.3, philox))
 
 
 def _grads_of(fn, inputs, seed=0):

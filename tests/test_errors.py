@@ -137,8 +137,6 @@ FLASH_CASES = [
                  "softmax_scale: expected a finite float, got -inf", id="scale-minus-inf"),
     pytest.param(lambda q, k, v: dict(softmax_scale="0.25"), TypeError,
                  "softmax_scale: expected a float, got str", id="scale-str"),
-    pytest.param(lambda q, k, v: dict(dropout_p=0.5), NotImplementedError,
-                 "dropout_p=0.5: flashtile has no dropout yet", id="dropout-0.5"),
     pytest.param(lambda q, k, v: dict(dropout_p=1.5), ValueError,
                  "dropout_p: expected a probability in [0, 1), got 1.5", id="dropout-1.5"),
     pytest.param(lambda q, k, v: dict(dropout_p=1.0), ValueError,
@@ -176,9 +174,6 @@ PACKED_CASES = [
                      torch.randn(B, S, 3, H, D).int()), TypeError,
                  "qkv: expected dtype float16, bfloat16 or float32, got torch.int32",
                  id="qkv-int32"),
-    pytest.param(lambda: flashtile.flash_attn_qkvpacked_func(
-                     torch.randn(B, S, 3, H, D), dropout_p=0.5), NotImplementedError,
-                 "dropout_p=0.5", id="qkv-dropout-0.5"),
     pytest.param(lambda: flashtile.flash_attn_qkvpacked_func(
                      torch.randn(B, S, 3, H, D), window_size=(0, -2)), ValueError,
                  "window_size: expected each bound >= 0, or -1 for unbounded, got (0, -2)",
@@ -314,8 +309,6 @@ SDPA_CASES = [
                  ValueError,
                  f"key.stride(-1): expected 1 (the head dim contiguous), got {S * H}",
                  id="key-last-dim-strided"),
-    pytest.param(lambda q, k, v: dict(dropout_p=0.5), NotImplementedError, "dropout_p=0.5",
-                 id="dropout-0.5"),
     pytest.param(lambda q, k, v: dict(dropout_p=1.5), ValueError,
                  "dropout_p: expected a probability in [0, 1), got 1.5", id="dropout-1.5"),
     pytest.param(lambda q, k, v: dict(scale=float("nan")), ValueError,

@@ -208,3 +208,50 @@ def _checked_rows(pages, num_blocks, m_rows):
     registers a thread on sm_90)."""
     bad = (pages < 0) | (pages >= num_blocks)
     return tl.where(bad, 0, pages), (bad & m_rows).to(tl.int32)
+
+
+# ---- Attention dropout (flash-attn 2's training semantics) ----
+# P is dropped after the softmax, kept entries scaled by 1 / (1 - dropout_p); the lse is
+# that of the undropped scores. Element (i, j) of a (batch, head) draws one Philox-4x32-10
+# number whose counter is its place in the whole problem (``_dropout_setup``), never in a
+# tile, so the forward and every backward kernel regenerate the same mask whatever their
+# tiles; ``flashtile.reference.philox_uniform`` computes the same numbers in PyTorch.
+
+
+@triton.jit
+def _dropout_setup(Philox, off_b, off_h, nheads, seqlen_q, q_start, k_start, total_q,
+                   IS_VARLEN: tl.constexpr):
+    """(seed, offset, row0, col0): Philox holds [seed, offset] (int64, drawn from
+    PyTorch's generator on the device: see flashtile.interface._philox). Query i and key
+    j of this (sequence, head) take the counter words (col0 + j, row0 + i): dense
+    (j, (b * nheads + h) * seqlen_q + i), varlen (packed row of j, h * total_q + packed
+    row of i). Both stay below 2**31, as q's and k's element counts do (MAX_OFFSET), so
+    the counters are 32-bit: int64 tiles of one counter spilled 1-2 KB a thread in the
+    d128 forward on sm_90."""
+    seed = tl.load(Philox)
+    offset = tl.load(Philox + 1)
+    if IS_VARLEN:
+        row0 = off_h * total_q + q_start
+    else:
+        row0 = (off_b * nheads + off_h) * seqlen_q
+    return seed, offset, row0, k_start
+
+
+@triton.jit
+def _dropout_keep(seed, offset, rows, cols, dropout_p, TRANS: tl.constexpr):
+    """Which entries are kept: rows (M,) the row counters of the queries (row0 + i),
+    cols (N,) the keys' (col0 + j). (M, N), or (N, M) when TRANS (the dK/dV kernel's
+    transposed tile). Philox's counter is (col, row, offset low, offset high), its key
+    the seed; the first output word becomes a float in [0, 1) by
+    tl.uint_to_uniform_float (as tl.rand), kept where >= dropout_p."""
+    if TRANS:
+        c0 = cols[:, None] + rows[None, :] * 0                              # (N, M)
+        c1 = rows[None, :] + cols[:, None] * 0
+    else:
+        c0 = cols[None, :] + rows[:, None] * 0                              # (M, N)
+        c1 = rows[:, None] + cols[None, :] * 0
+    zero = c0.to(tl.uint32) * 0
+    r, _, _, _ = tl.philox(seed, c0.to(tl.uint32), c1.to(tl.uint32),
+                           zero + offset.to(tl.uint32),
+                           zero + (offset >> 32).to(tl.uint32))
+    return tl.uint_to_uniform_float(r) >= dropout_p

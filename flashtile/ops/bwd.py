@@ -23,8 +23,9 @@ import triton
 import triton.language as tl
 
 from flashtile.ops import _launch, configs
-from flashtile.ops._common import (LOG2E, _block_range, _fill_nan_rows, _load_tile,
-                                   _prefix_sums_bad, _scores_log2, _seq_bounds, _tanh)
+from flashtile.ops._common import (LOG2E, _block_range, _dropout_keep, _dropout_setup,
+                                   _fill_nan_rows, _load_tile, _prefix_sums_bad,
+                                   _scores_log2, _seq_bounds, _tanh)
 
 
 @triton.jit
@@ -80,12 +81,14 @@ def _dkdv_block(dk, dv, b_k, b_v, p_q, p_do, p_lse, p_delta, p_dq, start, stop,
                 offs_n, offs_m0, offs_d, offs_dv, seqlen_q, seqlen_k, head_dim,
                 head_dim_v, stride_qm, stride_dom, diag_offset, window_left, window_right,
                 softmax_scale, softcap, alibi_slope, p_mask, stride_mask_m, stride_mask_n,
+                drop_seed, drop_offset, drop_row0, drop_cols, dropout_p,
                 BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
                 EVEN_DV: tl.constexpr, BOUNDARY: tl.constexpr,
                 MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
                 HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
                 HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr,
-                INPUT_PRECISION: tl.constexpr, ATOMIC_DQ: tl.constexpr):
+                INPUT_PRECISION: tl.constexpr, ATOMIC_DQ: tl.constexpr,
+                HAS_DROPOUT: tl.constexpr):
     # Transposed tile: rows are this program's keys, cols the query block.
     for start_m in tl.range(start, stop, BLOCK_M):
         offs_m = start_m + offs_m0
@@ -100,8 +103,19 @@ def _dkdv_block(dk, dv, b_k, b_v, p_q, p_do, p_lse, p_delta, p_dq, start, stop,
         p_t = tl.exp2(s_t - _load_lse_log2(p_lse, offs_m, seqlen_q)[None, :])  # (N, M)
         b_do = _load_tile(p_do + start_m * stride_dom, offs_m, seqlen_q, offs_dv,
                           head_dim_v, BOUNDARY, EVEN_DV)                      # (M, DV)
-        dv = tl.dot(p_t.to(b_do.dtype), b_do, dv, input_precision=INPUT_PRECISION)
+        if HAS_DROPOUT:
+            # O = (P * Z) V, Z = keep / (1 - p): dV takes the kept P (scaled once at the
+            # store), dP the kept entries of dO V^T times 1 / (1 - p); the delta of dS
+            # is unchanged (rowsum(P * dP) = rowsum(dO * O)).
+            keep_t = _dropout_keep(drop_seed, drop_offset, drop_row0 + offs_m, drop_cols,
+                                   dropout_p, True)                          # (N, M)
+            dv = tl.dot(tl.where(keep_t, p_t, 0.0).to(b_do.dtype), b_do, dv,
+                        input_precision=INPUT_PRECISION)
+        else:
+            dv = tl.dot(p_t.to(b_do.dtype), b_do, dv, input_precision=INPUT_PRECISION)
         dp_t = tl.dot(b_v, tl.trans(b_do), input_precision=INPUT_PRECISION)  # (N, M)
+        if HAS_DROPOUT:
+            dp_t = tl.where(keep_t, dp_t * (1.0 / (1.0 - dropout_p)), 0.0)
         delta = tl.load(p_delta + offs_m, mask=offs_m < seqlen_q, other=0.0)
         ds_t = p_t * (dp_t - delta[None, :])
         if HAS_SOFTCAP:
@@ -136,6 +150,7 @@ def _varlen_bad(CuSeqlensQ, CuSeqlensK, batch, total_q, total_k, max_seqlen_q,
 @triton.jit(do_not_specialize=["max_seqlen_q", "max_seqlen_k"])
 def _bwd_dkdv_kernel(
     Q, K, V, DOut, Lse, Delta, DK, DV, DQAccum, Mask, Alibi, CuSeqlensQ, CuSeqlensK,
+    Philox,
     stride_qb, stride_qm, stride_qh,
     stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh,
@@ -148,13 +163,13 @@ def _bwd_dkdv_kernel(
     stride_alibi_b, stride_alibi_h,
     nheads, nheads_kv, seqlen_q, seqlen_k, head_dim, head_dim_v,
     total_q, total_k, max_seqlen_q, max_seqlen_k,
-    diag_offset, window_left, window_right, softmax_scale, softcap,
+    diag_offset, window_left, window_right, softmax_scale, softcap, dropout_p,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     EVEN_D: tl.constexpr, BLOCK_DV: tl.constexpr, EVEN_DV: tl.constexpr,
     MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_MASK: tl.constexpr,
     MASK_IS_BOOL: tl.constexpr, INPUT_PRECISION: tl.constexpr, IS_VARLEN: tl.constexpr,
-    ATOMIC_DQ: tl.constexpr,
+    ATOMIC_DQ: tl.constexpr, HAS_DROPOUT: tl.constexpr,
 ):
     """dK, dV of one key block of one KV head; with ATOMIC_DQ also every query row's
     share of dQ from these keys, added into DQAccum: fp32 (batch, nheads, rows,
@@ -223,30 +238,39 @@ def _bwd_dkdv_kernel(
         p_mask = Mask
         if HAS_MASK:
             p_mask = Mask + off_b * stride_mask_b + off_h * stride_mask_h
+        drop_seed, drop_offset, drop_row0, drop_cols = 0, 0, 0, offs_n  # unused
+        if HAS_DROPOUT:  # this head's counters (_common._dropout_setup)
+            drop_seed, drop_offset, drop_row0, drop_col0 = _dropout_setup(
+                Philox, off_b, off_h, nheads, seqlen_q, q_start, k_start, total_q,
+                IS_VARLEN)
+            drop_cols = drop_col0 + offs_n                                   # (N,)
         dk, dv = _dkdv_block(
             dk, dv, b_k, b_v, p_q, p_do, p_lse, p_delta, p_dq, lo, mid_lo, offs_n,
             offs_m0, offs_d, offs_dv, seqlen_q, seqlen_k, head_dim, head_dim_v,
             stride_qm, stride_dom,
             diag_offset, window_left, window_right, softmax_scale, softcap, alibi_slope,
-            p_mask, stride_mask_m, stride_mask_n, BLOCK_M, BLOCK_D, EVEN_D, EVEN_DV, True,
+            p_mask, stride_mask_m, stride_mask_n, drop_seed, drop_offset, drop_row0,
+            drop_cols, dropout_p, BLOCK_M, BLOCK_D, EVEN_D, EVEN_DV, True,
             MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_MASK, MASK_IS_BOOL,
-            INPUT_PRECISION, ATOMIC_DQ)
+            INPUT_PRECISION, ATOMIC_DQ, HAS_DROPOUT)
         dk, dv = _dkdv_block(
             dk, dv, b_k, b_v, p_q, p_do, p_lse, p_delta, p_dq, mid_lo, mid_hi, offs_n,
             offs_m0, offs_d, offs_dv, seqlen_q, seqlen_k, head_dim, head_dim_v,
             stride_qm, stride_dom,
             diag_offset, window_left, window_right, softmax_scale, softcap, alibi_slope,
-            p_mask, stride_mask_m, stride_mask_n, BLOCK_M, BLOCK_D, EVEN_D, EVEN_DV, False,
+            p_mask, stride_mask_m, stride_mask_n, drop_seed, drop_offset, drop_row0,
+            drop_cols, dropout_p, BLOCK_M, BLOCK_D, EVEN_D, EVEN_DV, False,
             MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_MASK, MASK_IS_BOOL,
-            INPUT_PRECISION, ATOMIC_DQ)
+            INPUT_PRECISION, ATOMIC_DQ, HAS_DROPOUT)
         dk, dv = _dkdv_block(
             dk, dv, b_k, b_v, p_q, p_do, p_lse, p_delta, p_dq, mid_hi, hi, offs_n,
             offs_m0, offs_d, offs_dv, seqlen_q, seqlen_k, head_dim, head_dim_v,
             stride_qm, stride_dom,
             diag_offset, window_left, window_right, softmax_scale, softcap, alibi_slope,
-            p_mask, stride_mask_m, stride_mask_n, BLOCK_M, BLOCK_D, EVEN_D, EVEN_DV, True,
+            p_mask, stride_mask_m, stride_mask_n, drop_seed, drop_offset, drop_row0,
+            drop_cols, dropout_p, BLOCK_M, BLOCK_D, EVEN_D, EVEN_DV, True,
             MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_MASK, MASK_IS_BOOL,
-            INPUT_PRECISION, ATOMIC_DQ)
+            INPUT_PRECISION, ATOMIC_DQ, HAS_DROPOUT)
 
     m_tile = (offs_n[:, None] < seqlen_k) & (offs_d[None, :] < head_dim)
     p_dk = DK + off_hkv * stride_dkh + offs_n[:, None] * stride_dkn + offs_d[None, :]
@@ -258,6 +282,8 @@ def _bwd_dkdv_kernel(
         m_tile_v = m_tile
     else:
         m_tile_v = (offs_n[:, None] < seqlen_k) & (offs_dv[None, :] < head_dim_v)
+    if HAS_DROPOUT:
+        dv *= 1.0 / (1.0 - dropout_p)
     tl.store(p_dv, dv.to(DV.dtype.element_ty), mask=m_tile_v)
 
 
@@ -266,12 +292,13 @@ def _dq_block(dq, b_q, b_do, lse_log2, delta, p_k, p_v, start, stop,
               offs_m, offs_n0, offs_d, offs_dv, seqlen_q, seqlen_k, head_dim, head_dim_v,
               stride_kn, stride_vn, diag_offset, window_left, window_right,
               softmax_scale, softcap, alibi_slope, p_mask, stride_mask_m, stride_mask_n,
+              drop_seed, drop_offset, drop_rows, drop_col0, dropout_p,
               BLOCK_N: tl.constexpr, EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr,
               BOUNDARY: tl.constexpr,
               MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
               HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
               HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr,
-              INPUT_PRECISION: tl.constexpr):
+              INPUT_PRECISION: tl.constexpr, HAS_DROPOUT: tl.constexpr):
     for start_n in tl.range(start, stop, BLOCK_N):
         offs_n = start_n + offs_n0
         b_k = _load_tile(p_k + start_n * stride_kn, offs_n, seqlen_k, offs_d, head_dim,
@@ -286,6 +313,10 @@ def _dq_block(dq, b_q, b_do, lse_log2, delta, p_k, p_v, start, stop,
                          MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_MASK, MASK_IS_BOOL)
         p = tl.exp2(s - lse_log2[:, None])                                 # (M, N)
         dp = tl.dot(b_do, tl.trans(b_v), input_precision=INPUT_PRECISION)  # (M, N)
+        if HAS_DROPOUT:  # as in _dkdv_block
+            keep = _dropout_keep(drop_seed, drop_offset, drop_rows, drop_col0 + offs_n,
+                                 dropout_p, False)                           # (M, N)
+            dp = tl.where(keep, dp * (1.0 / (1.0 - dropout_p)), 0.0)
         ds = p * (dp - delta[:, None])
         if HAS_SOFTCAP:
             t = _tanh(qk * (softmax_scale / softcap))
@@ -296,7 +327,7 @@ def _dq_block(dq, b_q, b_do, lse_log2, delta, p_k, p_v, start, stop,
 
 @triton.jit(do_not_specialize=["max_seqlen_q", "max_seqlen_k"])
 def _bwd_dq_kernel(
-    Q, K, V, DOut, Lse, Delta, DQ, Mask, Alibi, CuSeqlensQ, CuSeqlensK,
+    Q, K, V, DOut, Lse, Delta, DQ, Mask, Alibi, CuSeqlensQ, CuSeqlensK, Philox,
     stride_qb, stride_qm, stride_qh,
     stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh,
@@ -307,12 +338,13 @@ def _bwd_dq_kernel(
     stride_alibi_b, stride_alibi_h,
     nheads, group_size, seqlen_q, seqlen_k, head_dim, head_dim_v,
     total_q, total_k, max_seqlen_q, max_seqlen_k,
-    diag_offset, window_left, window_right, softmax_scale, softcap,
+    diag_offset, window_left, window_right, softmax_scale, softcap, dropout_p,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     EVEN_D: tl.constexpr, BLOCK_DV: tl.constexpr, EVEN_DV: tl.constexpr,
     MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_MASK: tl.constexpr,
     MASK_IS_BOOL: tl.constexpr, INPUT_PRECISION: tl.constexpr, IS_VARLEN: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr,
 ):
     start_m = tl.program_id(0)
     off_bh = tl.program_id(1)
@@ -358,6 +390,11 @@ def _bwd_dq_kernel(
     if HAS_MASK:
         p_mask = Mask + off_b * stride_mask_b + off_h * stride_mask_h
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    drop_seed, drop_offset, drop_rows, drop_col0 = 0, 0, offs_m, k_start  # unused
+    if HAS_DROPOUT:  # the forward's counters (_common._dropout_setup)
+        drop_seed, drop_offset, row0, drop_col0 = _dropout_setup(
+            Philox, off_b, off_h, nheads, seqlen_q, q_start, k_start, total_q, IS_VARLEN)
+        drop_rows = row0 + offs_m                                            # (M,)
 
     lo, mid_lo, mid_hi, hi = _block_range(start_m, seqlen_q, seqlen_k, diag_offset,
                                           window_left, window_right, BLOCK_M, BLOCK_N,
@@ -366,23 +403,26 @@ def _bwd_dq_kernel(
                    offs_d, offs_dv, seqlen_q, seqlen_k, head_dim, head_dim_v, stride_kn,
                    stride_vn, diag_offset,
                    window_left, window_right, softmax_scale, softcap, alibi_slope, p_mask,
-                   stride_mask_m, stride_mask_n, BLOCK_N, EVEN_D, EVEN_DV, True, MASK_LEFT,
+                   stride_mask_m, stride_mask_n, drop_seed, drop_offset, drop_rows,
+                   drop_col0, dropout_p, BLOCK_N, EVEN_D, EVEN_DV, True, MASK_LEFT,
                    MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_MASK, MASK_IS_BOOL,
-                   INPUT_PRECISION)
+                   INPUT_PRECISION, HAS_DROPOUT)
     dq = _dq_block(dq, b_q, b_do, lse_log2, delta, p_k, p_v, mid_lo, mid_hi, offs_m,
                    offs_n0, offs_d, offs_dv, seqlen_q, seqlen_k, head_dim, head_dim_v,
                    stride_kn, stride_vn,
                    diag_offset, window_left, window_right, softmax_scale, softcap,
-                   alibi_slope, p_mask, stride_mask_m, stride_mask_n, BLOCK_N, EVEN_D,
+                   alibi_slope, p_mask, stride_mask_m, stride_mask_n, drop_seed,
+                   drop_offset, drop_rows, drop_col0, dropout_p, BLOCK_N, EVEN_D,
                    EVEN_DV, False, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_MASK,
-                   MASK_IS_BOOL, INPUT_PRECISION)
+                   MASK_IS_BOOL, INPUT_PRECISION, HAS_DROPOUT)
     dq = _dq_block(dq, b_q, b_do, lse_log2, delta, p_k, p_v, mid_hi, hi, offs_m, offs_n0,
                    offs_d, offs_dv, seqlen_q, seqlen_k, head_dim, head_dim_v, stride_kn,
                    stride_vn, diag_offset,
                    window_left, window_right, softmax_scale, softcap, alibi_slope, p_mask,
-                   stride_mask_m, stride_mask_n, BLOCK_N, EVEN_D, EVEN_DV, True, MASK_LEFT,
+                   stride_mask_m, stride_mask_n, drop_seed, drop_offset, drop_rows,
+                   drop_col0, dropout_p, BLOCK_N, EVEN_D, EVEN_DV, True, MASK_LEFT,
                    MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_MASK, MASK_IS_BOOL,
-                   INPUT_PRECISION)
+                   INPUT_PRECISION, HAS_DROPOUT)
 
     p_dq = DQ + off_h * stride_dqh + offs_m[:, None] * stride_dqm + offs_d[None, :]
     tl.store(p_dq, (dq * softmax_scale).to(DQ.dtype.element_ty),
@@ -407,17 +447,18 @@ def _bwd_dq_convert_kernel(DQAccum, DQ, stride_accb, stride_acch,
 # The kernel parameters a call of each backward plan fills, in this order (``_launch``).
 _PRE_SLOTS = ("Out", "DOut", "DLse", "Delta", "DQAccum")
 _DKDV_SLOTS = ("Q", "K", "V", "DOut", "Lse", "Delta", "DK", "DV", "DQAccum", "Mask",
-               "Alibi", "CuSeqlensQ", "CuSeqlensK", "max_seqlen_q", "max_seqlen_k",
-               "softmax_scale", "softcap")
+               "Alibi", "CuSeqlensQ", "CuSeqlensK", "Philox", "max_seqlen_q",
+               "max_seqlen_k", "softmax_scale", "softcap", "dropout_p")
 _DQ_SLOTS = ("Q", "K", "V", "DOut", "Lse", "Delta", "DQ", "Mask", "Alibi", "CuSeqlensQ",
-             "CuSeqlensK", "max_seqlen_q", "max_seqlen_k", "softmax_scale", "softcap")
+             "CuSeqlensK", "Philox", "max_seqlen_q", "max_seqlen_k", "softmax_scale",
+             "softcap", "dropout_p")
 _CONVERT_SLOTS = ("DQAccum", "DQ", "softmax_scale")
 
 
 def attn_bwd(dout, q, k, v, out, lse, dlse, *, attn_mask, alibi_slopes, softmax_scale,
              diag_offset, window_left, window_right, softcap, allow_tf32,
              cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
-             fused=False):
+             fused=False, dropout_p=0.0, philox=None):
     """Launch the backward. Returns (dq, dk, dv) shaped like q, k, v; v (so out, dout
     and dv) may have a head dim of its own.
 
@@ -427,7 +468,8 @@ def attn_bwd(dout, q, k, v, out, lse, dlse, *, attn_mask, alibi_slopes, softmax_
     the preprocess, dK/dV with atomic fp32 dQ, and the dQ conversion (fewer products,
     dq reproducible to rounding only), where they have tiles: not fp32 with head_dim
     over 128 (``configs.fused_bwd_has_tiles``), which the split kernels serve. Same
-    features either way.
+    features either way, dropout included: dropout_p and the forward's philox tensor
+    regenerate its mask (``_common._dropout_setup``).
     Index values are checked by the kernels (bad prefix sums: NaN gradients).
     """
     varlen = cu_seqlens_q is not None
@@ -462,12 +504,14 @@ def attn_bwd(dout, q, k, v, out, lse, dlse, *, attn_mask, alibi_slopes, softmax_
     cu_q, cu_k = (cu_seqlens_q, cu_seqlens_k) if varlen else (q, q)
     # The preprocess reads out, dout, dlse (lse as a placeholder) and writes delta (and
     # zeroes dq_accum); the dK/dV kernel takes tensors[:8], dq_accum (q as a never-read
-    # placeholder when not fused) and tensors[8:12]; the dQ kernel dq in dk's place.
+    # placeholder when not fused), tensors[8:12] and philox (tensors[16]; lse as a
+    # never-read placeholder without dropout); the dQ kernel dq in dk's place.
     tensors = (q, k, v, dout, lse, delta, dk, dv, q if attn_mask is None else attn_mask,
                q if alibi_slopes is None else alibi_slopes, cu_q, cu_k, out,
-               lse if dlse is None else dlse, dq, q if dq_accum is None else dq_accum)
+               lse if dlse is None else dlse, dq, q if dq_accum is None else dq_accum,
+               lse if philox is None else philox)
     scalars = (max_seqlen_q if varlen else 0, max_seqlen_k if varlen else 0,
-               softmax_scale, softcap)
+               softmax_scale, softcap, dropout_p)
     key = None
     if _launch.ready(q):
         p = _launch.pointers(tensors)
@@ -475,19 +519,20 @@ def attn_bwd(dout, q, k, v, out, lse, dlse, *, attn_mask, alibi_slopes, softmax_
                dout.stride(), out.stride(), dlse is None,
                _launch.layout(attn_mask), _launch.layout(alibi_slopes),
                diag_offset, window_left, window_right, softcap > 0, allow_tf32,
+               philox is not None,
                varlen and (batch, configs.seqlen_class(max(longest_q, longest_k))),
                fused, _launch.misalignment(p))
         plans = _launch.lookup(key)
         if plans is not None:
             pre, dkdv, last = plans
             pre((p[12], p[3], p[13], p[5], p[15]))
-            dkdv((*p[:8], p[15], *p[8:12], *scalars),
+            dkdv((*p[:8], p[15], *p[8:12], p[16], *scalars),
                  (max(1, configs.cdiv(longest_k, dkdv.cfg.block_n)), batch * hkv, 1)
                  if varlen else None)
             if fused:
                 last((p[15], p[14], softmax_scale))
             else:
-                last((*p[:6], p[14], *p[8:12], *scalars),
+                last((*p[:6], p[14], *p[8:12], p[16], *scalars),
                      (max(1, configs.cdiv(longest_q, last.cfg.block_m)), batch * h, 1)
                      if varlen else None)
             return dq, dk, dv
@@ -523,18 +568,19 @@ def attn_bwd(dout, q, k, v, out, lse, dlse, *, attn_mask, alibi_slopes, softmax_
     sizes = (0, 0, d, d_v) if varlen else (longest_q, longest_k, d, d_v)
     totals = (q.shape[0], k.shape[0]) if varlen else (0, 0)
     common = (*totals, *scalars[:2], diag_offset, window_left, window_right,
-              softmax_scale, softcap)
+              softmax_scale, softcap, dropout_p)
     pick, name = ((configs.bwd_fused_config, "backward fused dk/dv/dq") if fused
                   else (configs.bwd_dkdv_config, "backward dk/dv"))
     dkdv = configs.launch(
         _bwd_dkdv_kernel,
         lambda cfg: (max(1, configs.cdiv(longest_k, cfg.block_n)), batch * hkv),
         pick(q, d_tiles, windowed, seqlen=longest, ieee=ieee), name, q, d,
-        *tensors[:8], tensors[15], mask, alibi, cu_q, cu_k,
+        *tensors[:8], tensors[15], mask, alibi, cu_q, cu_k, tensors[16],
         *configs.strides(varlen, q4, k4, v4, dout4, dk4, dv4), *acc_strides,
         *configs.strides(varlen, lse3),
         *mask_strides, *alibi_strides, h, hkv, *sizes, *common,
-        IS_VARLEN=varlen, ATOMIC_DQ=fused, slots=_DKDV_SLOTS if key is not None else None,
+        IS_VARLEN=varlen, ATOMIC_DQ=fused, HAS_DROPOUT=philox is not None,
+        slots=_DKDV_SLOTS if key is not None else None,
         **flags,
     )
     if fused:
@@ -550,10 +596,11 @@ def attn_bwd(dout, q, k, v, out, lse, dlse, *, attn_mask, alibi_slopes, softmax_
             lambda cfg: (max(1, configs.cdiv(longest_q, cfg.block_m)), batch * h),
             configs.bwd_dq_config(q, d_tiles, windowed, seqlen=longest, ieee=ieee),
             "backward dq", q, d,
-            *tensors[:6], dq, mask, alibi, cu_q, cu_k,
+            *tensors[:6], dq, mask, alibi, cu_q, cu_k, tensors[16],
             *configs.strides(varlen, q4, k4, v4, dout4, dq4, lse3),
             *mask_strides, *alibi_strides, h, h // hkv, *sizes, *common,
-            IS_VARLEN=varlen, slots=_DQ_SLOTS if key is not None else None, **flags,
+            IS_VARLEN=varlen, HAS_DROPOUT=philox is not None,
+            slots=_DQ_SLOTS if key is not None else None, **flags,
         )
     if key is not None:
         _launch.store(key, (pre, dkdv, last))

@@ -24,9 +24,9 @@ import triton.language as tl
 
 from flashtile.ops import _launch, configs
 from flashtile.ops._fp8 import _load_descale
-from flashtile.ops._common import (LN2, _block_range, _checked_page, _fill_nan_rows,
-                                   _load_tile, _pages_bad, _prefix_sums_bad, _scores_log2,
-                                   _seq_bounds)
+from flashtile.ops._common import (LN2, _block_range, _checked_page, _dropout_keep,
+                                   _dropout_setup, _fill_nan_rows, _load_tile, _pages_bad,
+                                   _prefix_sums_bad, _scores_log2, _seq_bounds)
 
 # FP8: P is computed as exp2(s - max + P_LOG2_OFFSET), in [0, 256] (see _fwd_block).
 P_LOG2_OFFSET = tl.constexpr(8.0)
@@ -69,6 +69,7 @@ def _fwd_block(acc, l_i, m_i, b_q, p_k, p_v, start, stop,
                head_dim_v, stride_kb, stride_kn, stride_vb, stride_vn, block_row,
                max_blocks, num_blocks, diag_offset, window_left, window_right,
                softmax_scale, softcap, alibi_slope, p_mask, stride_mask_m, stride_mask_n,
+               drop_seed, drop_offset, drop_rows, drop_col0, dropout_p,
                BLOCK_N: tl.constexpr, EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr,
                BOUNDARY: tl.constexpr,
                MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
@@ -76,7 +77,8 @@ def _fwd_block(acc, l_i, m_i, b_q, p_k, p_v, start, stop,
                HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr,
                INPUT_PRECISION: tl.constexpr, PAGED: tl.constexpr,
                PAGE_SIZE: tl.constexpr, IS_FP8: tl.constexpr,
-               V_KEYS_CONTIGUOUS: tl.constexpr, PV_PER_TILE: tl.constexpr):
+               V_KEYS_CONTIGUOUS: tl.constexpr, PV_PER_TILE: tl.constexpr,
+               HAS_DROPOUT: tl.constexpr):
     # A row can have seen nothing yet only where masks apply (a bool mask, or an additive
     # one holding -inf); only then guard -inf - -inf.
     CAN_BE_EMPTY: tl.constexpr = BOUNDARY or HAS_MASK
@@ -133,6 +135,11 @@ def _fwd_block(acc, l_i, m_i, b_q, p_k, p_v, start, stop,
             p = tl.exp2(s - m_new[:, None])                                 # (M, N)
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
+        if HAS_DROPOUT:
+            # After l: the lse is the undropped one. The 1 / (1 - dropout_p) scale is
+            # applied once to the output.
+            p = tl.where(_dropout_keep(drop_seed, drop_offset, drop_rows,
+                                       drop_col0 + offs_n, dropout_p, False), p, 0.0)
         if V_KEYS_CONTIGUOUS:
             b_v = tl.trans(_load_vt(p_v_n, offs_dv, head_dim_v, EVEN_DV))  # (N, DV)
         else:
@@ -164,7 +171,7 @@ def _fwd_block(acc, l_i, m_i, b_q, p_k, p_v, start, stop,
                                "total_q", "total_k"])
 def _attn_fwd_kernel(
     Q, K, V, Out, Lse, Mask, Alibi, CuSeqlensQ, CuSeqlensK, BlockTable, SequsedK,
-    QDescale, KDescale, VDescale,
+    QDescale, KDescale, VDescale, Philox,
     stride_qb, stride_qm, stride_qh,
     stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh, stride_vd,
@@ -177,7 +184,7 @@ def _attn_fwd_kernel(
     stride_block_table_b, max_blocks, num_blocks,
     nheads, group_size, seqlen_q, seqlen_k, head_dim, head_dim_v,
     total_q, total_k, max_seqlen_q, max_seqlen_k,
-    diag_offset, window_left, window_right, softmax_scale, softcap,
+    diag_offset, window_left, window_right, softmax_scale, softcap, dropout_p,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     EVEN_D: tl.constexpr, BLOCK_DV: tl.constexpr, EVEN_DV: tl.constexpr,
     MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
@@ -186,6 +193,7 @@ def _attn_fwd_kernel(
     IS_VARLEN: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
     SEQUSED_K: tl.constexpr, HAS_Q_DESCALE: tl.constexpr, HAS_K_DESCALE: tl.constexpr,
     HAS_V_DESCALE: tl.constexpr, V_KEYS_CONTIGUOUS: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr,
 ):
     # FP8 q, k, v (one format): both products run on the FP8 tensor cores.
     IS_FP8: tl.constexpr = Q.dtype.element_ty.is_fp8()
@@ -284,6 +292,11 @@ def _attn_fwd_kernel(
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+    drop_seed, drop_offset, drop_rows, drop_col0 = 0, 0, offs_m, k_start  # unused
+    if HAS_DROPOUT:
+        drop_seed, drop_offset, row0, drop_col0 = _dropout_setup(
+            Philox, off_b, off_h, nheads, seqlen_q, q_start, k_start, total_q, IS_VARLEN)
+        drop_rows = row0 + offs_m                                           # (M,)
 
     lo, mid_lo, mid_hi, hi = _block_range(start_m, seqlen_q, seqlen_k, diag_offset,
                                           window_left, window_right, BLOCK_M, BLOCK_N,
@@ -295,25 +308,31 @@ def _attn_fwd_kernel(
         seqlen_q, seqlen_k, head_dim, head_dim_v, stride_kb, stride_kn, stride_vb,
         stride_vn, block_row, max_blocks, num_blocks, diag_offset, window_left,
         window_right, softmax_scale, softcap, alibi_slope, p_mask, stride_mask_m,
-        stride_mask_n, BLOCK_N, EVEN_D, EVEN_DV, True, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP,
+        stride_mask_n, drop_seed, drop_offset, drop_rows, drop_col0, dropout_p,
+        BLOCK_N, EVEN_D, EVEN_DV, True, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP,
         HAS_ALIBI, HAS_MASK, MASK_IS_BOOL,
-        INPUT_PRECISION, PAGED, PAGE_SIZE, IS_FP8, V_KEYS_CONTIGUOUS, PV_PER_TILE)
+        INPUT_PRECISION, PAGED, PAGE_SIZE, IS_FP8, V_KEYS_CONTIGUOUS, PV_PER_TILE,
+        HAS_DROPOUT)
     acc, l_i, m_i = _fwd_block(
         acc, l_i, m_i, b_q, p_k, p_v, mid_lo, mid_hi, offs_m, offs_n0, offs_d, offs_dv,
         seqlen_q, seqlen_k, head_dim, head_dim_v, stride_kb, stride_kn, stride_vb,
         stride_vn, block_row, max_blocks, num_blocks, diag_offset, window_left,
         window_right, softmax_scale, softcap, alibi_slope, p_mask, stride_mask_m,
-        stride_mask_n, BLOCK_N, EVEN_D, EVEN_DV, False, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP,
+        stride_mask_n, drop_seed, drop_offset, drop_rows, drop_col0, dropout_p,
+        BLOCK_N, EVEN_D, EVEN_DV, False, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP,
         HAS_ALIBI, HAS_MASK, MASK_IS_BOOL,
-        INPUT_PRECISION, PAGED, PAGE_SIZE, IS_FP8, V_KEYS_CONTIGUOUS, PV_PER_TILE)
+        INPUT_PRECISION, PAGED, PAGE_SIZE, IS_FP8, V_KEYS_CONTIGUOUS, PV_PER_TILE,
+        HAS_DROPOUT)
     acc, l_i, m_i = _fwd_block(
         acc, l_i, m_i, b_q, p_k, p_v, mid_hi, hi, offs_m, offs_n0, offs_d, offs_dv,
         seqlen_q, seqlen_k, head_dim, head_dim_v, stride_kb, stride_kn, stride_vb,
         stride_vn, block_row, max_blocks, num_blocks, diag_offset, window_left,
         window_right, softmax_scale, softcap, alibi_slope, p_mask, stride_mask_m,
-        stride_mask_n, BLOCK_N, EVEN_D, EVEN_DV, True, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP,
+        stride_mask_n, drop_seed, drop_offset, drop_rows, drop_col0, dropout_p,
+        BLOCK_N, EVEN_D, EVEN_DV, True, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP,
         HAS_ALIBI, HAS_MASK, MASK_IS_BOOL,
-        INPUT_PRECISION, PAGED, PAGE_SIZE, IS_FP8, V_KEYS_CONTIGUOUS, PV_PER_TILE)
+        INPUT_PRECISION, PAGED, PAGE_SIZE, IS_FP8, V_KEYS_CONTIGUOUS, PV_PER_TILE,
+        HAS_DROPOUT)
 
 
     if PAGED and PAGE_SIZE < BLOCK_N:
@@ -334,6 +353,8 @@ def _attn_fwd_kernel(
     lse = tl.where(empty, float("-inf"), (m_i + log2_l) * LN2)
     if HAS_V_DESCALE:
         out *= v_descale
+    if HAS_DROPOUT:
+        out *= 1.0 / (1.0 - dropout_p)
 
     m_row = offs_m < seqlen_q
     tl.store(Lse + off_b * stride_lb + off_h * stride_lh + q_start + offs_m, lse, mask=m_row)
@@ -342,13 +363,13 @@ def _attn_fwd_kernel(
              mask=m_row[:, None] & (offs_dv[None, :] < head_dim_v))
 
 
-# The kernel parameters a call of a forward plan fills, in this order (``_launch``).
-# What a plan's call passes: the tensors, and the values a varlen call's token counts
-# change (so that one plan serves every packed batch of one layout).
+# The kernel parameters a call of a forward plan fills, in this order (``_launch``): the
+# tensors, the values a varlen call's token counts change (so that one plan serves every
+# packed batch of one layout), and the floats.
 _FWD_SLOTS = ("Q", "K", "V", "Out", "Lse", "Mask", "Alibi", "CuSeqlensQ", "CuSeqlensK",
-              "BlockTable", "SequsedK", "QDescale", "KDescale", "VDescale",
+              "BlockTable", "SequsedK", "QDescale", "KDescale", "VDescale", "Philox",
               "stride_lb", "stride_lh", "total_q", "total_k",
-              "max_seqlen_q", "max_seqlen_k", "softmax_scale", "softcap")
+              "max_seqlen_q", "max_seqlen_k", "softmax_scale", "softcap", "dropout_p")
 
 
 # Keys of the FP8 V^T copy are padded to a multiple of this: every key tile of the tile
@@ -379,7 +400,7 @@ def attn_fwd(q, k, v, *, attn_mask, alibi_slopes, softmax_scale, diag_offset,
              window_left, window_right, softcap, allow_tf32,
              cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
              block_table=None, seqused_k=None, q_descale=None, k_descale=None,
-             v_descale=None, out_dtype=None):
+             v_descale=None, out_dtype=None, dropout_p=0.0, philox=None):
     """Launch the forward kernel. Inputs are validated by the caller (shapes, dtypes,
     devices; index values are checked by the kernel).
 
@@ -396,6 +417,8 @@ def attn_fwd(q, k, v, *, attn_mask, alibi_slopes, softmax_scale, diag_offset,
     FP8 (q, k, v in one float8 dtype): q_descale/k_descale/v_descale, each None (1.0) or
     fp32 (batch, nheads_kv) with any strides (stride 0 where a scale is shared); out in
     out_dtype. Dense v is read through a keys-contiguous copy (keys_contiguous).
+    Dropout (dense and packed varlen, 16/32-bit inputs): dropout_p in (0, 1) with
+    philox, the int64 [seed, offset] device tensor of ``_common._dropout_setup``.
     """
     varlen = cu_seqlens_q is not None
     paged = block_table is not None
@@ -430,13 +453,15 @@ def attn_fwd(q, k, v, *, attn_mask, alibi_slopes, softmax_scale, diag_offset,
                block_table if paged else cu_q, cu_q if seqused_k is None else seqused_k,
                lse if q_descale is None else q_descale,
                lse if k_descale is None else k_descale,
-               lse if v_descale is None else v_descale)
+               lse if v_descale is None else v_descale,
+               lse if philox is None else philox)
     # lse strides, token counts (packed q; packed k, the pool's reads are bounded by the
-    # block table instead), longest sequences, scale and cap: _FWD_SLOTS's order.
+    # block table instead), longest sequences, scale, cap and dropout: _FWD_SLOTS's order.
     packed_k = varlen and not paged
     scalars = ((0, total_q) if varlen else lse.stride()[:2]) + (
         total_q if varlen else 0, k_shape[0] if packed_k else 0,
-        max_seqlen_q if varlen else 0, max_seqlen_k if varlen else 0, softmax_scale, softcap)
+        max_seqlen_q if varlen else 0, max_seqlen_k if varlen else 0, softmax_scale, softcap,
+        dropout_p)
     key = None
     if _launch.ready(q):
         ptrs = _launch.pointers(tensors)
@@ -448,6 +473,7 @@ def attn_fwd(q, k, v, *, attn_mask, alibi_slopes, softmax_scale, diag_offset,
                _launch.layout(alibi_slopes), _launch.layout(q_descale),
                _launch.layout(k_descale), _launch.layout(v_descale),
                diag_offset, window_left, window_right, softcap > 0, allow_tf32,
+               philox is not None,
                varlen and (cu_seqlens_k is None, seqused_k is None,
                            configs.seqlen_class(max(longest_q, longest_k))),
                paged and (block_table.shape[1], block_table.stride(0)),
@@ -505,11 +531,11 @@ def attn_fwd(q, k, v, *, attn_mask, alibi_slopes, softmax_scale, diag_offset,
         k.shape[0] if paged else 0,
         h, h // k4.shape[2], 0 if varlen else longest_q, 0 if varlen else longest_k,
         d, dv, *scalars[2:6], diag_offset, window_left, window_right, softmax_scale, softcap,
-        REVERSE_M=windowed, IS_VARLEN=varlen, PAGED=paged,
+        dropout_p, REVERSE_M=windowed, IS_VARLEN=varlen, PAGED=paged,
         PAGE_SIZE=k.shape[1] if paged else 1, SEQUSED_K=seqused_k is not None,
         HAS_Q_DESCALE=q_descale is not None, HAS_K_DESCALE=k_descale is not None,
         HAS_V_DESCALE=v_descale is not None,
-        V_KEYS_CONTIGUOUS=fp8 and not varlen,
+        V_KEYS_CONTIGUOUS=fp8 and not varlen, HAS_DROPOUT=philox is not None,
         slots=_FWD_SLOTS if key is not None else None, **flags,
     )
     if key is not None:

@@ -299,7 +299,8 @@ def _on_hopper(device: torch.device) -> bool:
 
 
 def unsupported(q, k, v, *, softmax_scale=1.0, attn_mask=None, alibi_slopes=None,
-                window_left=-1, window_right=-1, softcap=0.0, **_) -> str | None:
+                window_left=-1, window_right=-1, softcap=0.0, dropout_p=0.0,
+                **_) -> str | None:
     """Why this kernel cannot serve the call (None: it can). The arguments are those of
     ``flashtile.ops.fwd.attn_fwd`` for a dense call, already validated."""
     if not _on_hopper(q.device):
@@ -315,6 +316,8 @@ def unsupported(q, k, v, *, softmax_scale=1.0, attn_mask=None, alibi_slopes=None
     if attn_mask is not None or alibi_slopes is not None or softcap > 0 \
             or window_left >= 0 or window_right > 0:
         return "causal or full attention only (no attn_mask, ALiBi, softcap or window)"
+    if dropout_p > 0:
+        return "dropout_p > 0 (no dropout mask in this kernel)"
     if q.numel() == 0 or k.numel() == 0:
         return "an empty q or k (TMA descriptors need every size >= 1)"
     for x in (q, k, v):
