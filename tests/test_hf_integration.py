@@ -63,7 +63,7 @@ def _qwen2():  # MQA; layer 1 slides (use_sliding_window from max_window_layers 
         max_window_layers=1))
 
 
-def _bert():  # bidirectional encoder; dropout off (flashtile has none)
+def _bert():  # bidirectional encoder; dropout off (another RNG stream than sdpa's)
     return transformers.BertForMaskedLM(transformers.BertConfig(
         **COMMON, attention_probs_dropout_prob=0.0, hidden_dropout_prob=0.0))
 
@@ -529,15 +529,89 @@ def test_from_pretrained(tmp_path, device):
     assert hf.register() == "flashtile"  # idempotent
 
 
-def test_dropout_is_refused(device):
+@pytest.mark.parametrize("pad", ["none", "left"])
+def test_attention_dropout_in_training(pad, device, calls):
+    """A model with attention_dropout in training mode: forward and backward run, the
+    same seed gives the same logits and gradients, and the logits differ from eval
+    mode's (transformers passes dropout 0.0 there), which still equals sdpa's. The
+    masks are flashtile's own draw, so training mode is not compared with sdpa."""
+    torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        **COMMON, num_key_value_heads=2, attention_dropout=0.1)).to(device)
-    _use(model, "flashtile").train()
-    ids, mask = _batch("none", device)
-    with pytest.raises(NotImplementedError, match="attention dropout.*attention_dropout=0.0"):
-        model(input_ids=ids, attention_mask=mask)
-    model.eval()  # transformers passes dropout 0.0 outside training
-    model(input_ids=ids, attention_mask=mask)
+        **COMMON, num_key_value_heads=2, head_dim=12, attention_dropout=0.3)).to(device)
+    ids, mask = _batch(pad, device)
+    real = mask.bool()
+
+    def train_step(seed):
+        torch.manual_seed(seed)
+        return _forward_backward(model.train(), "flashtile", ids, mask)
+
+    (first, first_grads), (again, again_grads) = train_step(1), train_step(1)
+    other, _ = train_step(2)
+    assert torch.equal(first, again) and first_grads.keys() == again_grads.keys()
+    assert all(torch.equal(first_grads[n], again_grads[n]) for n in first_grads)
+    assert all(torch.isfinite(g).all() for g in first_grads.values())
+    assert not torch.equal(first[real], other[real])
+    served = "flash_attn_func" if pad == "none" else "flash_attn_varlen_func"
+    _assert_served(calls, {served: 3 * COMMON["num_hidden_layers"]})
+    model.eval()
+    with torch.no_grad():
+        want = _use(model, "sdpa")(input_ids=ids, attention_mask=mask).logits
+        got = _use(model, "flashtile")(input_ids=ids, attention_mask=mask).logits
+    torch.testing.assert_close(got[real], want[real], rtol=1e-5, atol=1e-5)
+    assert (got[real] - first[real]).abs().max() > 1e-3
+
+
+def _dropout_reference(q, k, v, keep, p, mask=None):
+    """float64 attention of q (b, h, sq, d) over k, v (b, h, sk, d), with a bool mask
+    (True = attend), dropping the probabilities where keep (b, h, sq, sk) is False:
+    out (b, sq, h, d)."""
+    q, k, v = (x.double() for x in (q, k, v))
+    scores = q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return (torch.softmax(scores, -1) * keep / (1 - p) @ v).transpose(1, 2)
+
+
+def _keep(p, seed, b, h, sq, sk, device):
+    """The keep mask a dense call that draws its seed first after torch.manual_seed(seed)
+    applies, from flash_attn_func's debug path (dropped entries come back negated)."""
+    torch.manual_seed(seed)
+    q, k = torch.zeros(b, sq, h, 8, device=device), torch.zeros(b, sk, h, 8, device=device)
+    return ~torch.signbit(flashtile.flash_attn_func(q, k, k, dropout_p=p,
+                                                    return_attn_probs=True)[2])
+
+
+@pytest.mark.parametrize("kernels", ["default", "triton"])
+@pytest.mark.parametrize("path", ["dense", "masked", "decode"])
+def test_dropout_paths_equal_reference(path, kernels, device, calls, request):
+    """dropout on the dense and the 4-D mask paths equals the float64 reference with the
+    mask the same seed draws; a decode step (sq = 1, no gradient) with dropout leaves
+    the decode kernel (it has none) for flash_attn_func."""
+    if kernels == "triton":
+        request.getfixturevalue("triton")
+    p, seed = 0.4, 3
+    torch.manual_seed(0)
+    sq = 1 if path == "decode" else 6
+    q, k, v = torch.randn(2, 2, sq, 16, device=device), *torch.randn(
+        2, 2, 2, 9, 16, device=device)
+    mask = None
+    if path == "masked":
+        mask = torch.rand(2, 1, sq, 9, device=device) > 0.3
+        mask[..., 0] = True
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        out, _ = hf.attention_forward(_module(False), q, k, v, mask, dropout=p)
+    served = "masked" if path == "masked" else "flash_attn_func"
+    assert calls == {served: 1}, dict(calls)
+    keep = _keep(p, seed, 2, 2, sq, 9, device)
+    want = _dropout_reference(q, k, v, keep, p, mask)
+    torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-6)
+
+
+def test_bad_dropout_is_refused():
+    q = torch.randn(1, 2, 3, 8)
+    with pytest.raises(ValueError, match=r"dropout: expected a probability in \[0, 1\)"):
+        hf.attention_forward(_module(), q, q, q, None, dropout=1.0)
 
 
 @pytest.mark.parametrize("name", ["s_aux", "position_bias", "head_mask", "block_table"])

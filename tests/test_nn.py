@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from flashtile import flash_attn_func
 from flashtile.nn import Attention, MultiheadAttention
 from tests.utils import assert_close_rule, max_err
 
@@ -29,6 +30,33 @@ def grid_backend(monkeypatch, on_gpu):
     would take minutes), the Triton kernels on a GPU."""
     if not on_gpu:
         monkeypatch.setenv("FLASHTILE_BACKEND", "torch")
+
+
+def dropout_keep(p, seed, batch, nheads, seqlen_q, seqlen_k, device):
+    """The keep mask (batch, nheads, seqlen_q, seqlen_k) of a dense call that draws its
+    dropout seed first after torch.manual_seed(seed): flash_attn_func's debug path on the
+    same seed (the mask depends on the seed and the positions only, not on q, k, v; the
+    entries it drops come back negated)."""
+    torch.manual_seed(seed)
+    q = torch.zeros(batch, seqlen_q, nheads, 8, device=device)
+    k = torch.zeros(batch, seqlen_k, nheads, 8, device=device)
+    _, _, probs = flash_attn_func(q, k, k, dropout_p=p, return_attn_probs=True)
+    return ~torch.signbit(probs)
+
+
+def check_against_reference(out, grads, reference, x, params, dout):
+    """out and grads (of x, then params) against reference(x', dtype) at float64, by
+    the accuracy rule with the same reference at float32 as PyTorch's own error."""
+    results = {}
+    for dtype in (torch.float64, torch.float32):
+        xr = x.to(dtype).requires_grad_()
+        ref = reference(xr, dtype)
+        results[dtype] = (ref.detach(), torch.autograd.grad(ref, [xr] + params,
+                                                            dout.to(dtype)))
+    assert_close_rule("out", out, results[torch.float64][0], results[torch.float32][0])
+    for i, (g, t, r) in enumerate(zip(grads, results[torch.float32][1],
+                                      results[torch.float64][1])):
+        assert_close_rule(f"grad {i}", g, r, t)
 
 
 # ---------------------------------------------------------------------------------------
@@ -187,20 +215,98 @@ def test_mha_state_dict_round_trip(kdim, device):
         assert torch.equal(a, b), name
 
 
-def test_mha_need_weights_and_dropout_errors(device):
+def test_mha_need_weights_error_and_dropout_off_in_eval(device):
     m = MultiheadAttention(E, H, dropout=0.1, device=device)
     x = torch.randn(4, 1, E, device=device)
     with pytest.raises(NotImplementedError, match="need_weights=True"):
         m(x, x, x, need_weights=True)
-    with pytest.raises(NotImplementedError, match="dropout=0.1 in training mode"):
-        m(x, x, x)
-    m.eval()  # dropout is off in eval mode, as in torch
+    with pytest.raises(ValueError, match=r"dropout: expected a probability in \[0, 1\)"):
+        MultiheadAttention(E, H, dropout=1.0, device=device)
+    m.eval()  # dropout is off in eval mode, as in torch: torch's output exactly
     torch_mha = torch.nn.MultiheadAttention(E, H, dropout=0.1, device=device).eval()
     m.load_state_dict(torch_mha.state_dict())
     with torch.no_grad():
         out, weights = m(x, x, x)
         ref = torch_mha(x, x, x, need_weights=False)[0]
     assert weights is None and max_err(out, ref) < 1e-5
+
+
+def mha_reference(m, x, kpm, keep, p, dtype):
+    """m (batch_first, add_bias_kv) on x (N, L, E) as self-attention with the bool key
+    padding mask kpm (N, L), True = masked, written out at dtype, dropping the attention
+    weights (N, H, L, L + 1) where keep is False and scaling the rest by 1 / (1 - p)."""
+    w = {name: t.to(dtype) for name, t in m.named_parameters()}
+    n, l, _ = x.shape
+    d = E // H
+    q, k, v = F.linear(x, w["in_proj_weight"], w["in_proj_bias"]).view(
+        n, l, 3, H, d).unbind(2)
+    k = torch.cat([k, w["bias_k"].view(1, 1, H, d).expand(n, 1, H, d)], dim=1)
+    v = torch.cat([v, w["bias_v"].view(1, 1, H, d).expand(n, 1, H, d)], dim=1)
+    scores = torch.einsum("nqhd,nkhd->nhqk", q, k) / math.sqrt(d)
+    scores = scores.masked_fill(F.pad(kpm, (0, 1))[:, None, None, :], float("-inf"))
+    weights = torch.softmax(scores, dim=-1) * keep / (1 - p)
+    out = torch.einsum("nhqk,nkhd->nqhd", weights, v).flatten(2)
+    return F.linear(out, w["out_proj.weight"], w["out_proj.bias"])
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"], indirect=True)
+def test_mha_dropout_equals_reference_with_the_same_mask(backend, device):
+    """Training mode: the attention weights (the appended bias_k key and the key
+    padding mask included) are dropped with p = dropout, the mask drawn from PyTorch's
+    generator; output and gradients equal a float64 reference applying that mask.
+    Not torch's draw (another RNG stream), so torch's module is no reference here."""
+    p, n, l, seed = 0.3, 2, 6, 5
+    m = MultiheadAttention(E, H, dropout=p, add_bias_kv=True, batch_first=True,
+                           device=device)
+    x = torch.randn(n, l, E, device=device)
+    kpm = torch.rand(n, l, device=device) < 0.3
+    kpm[:, 0] = False
+    xg = x.clone().requires_grad_()
+    torch.manual_seed(seed)
+    out, _ = m(xg, xg, xg, key_padding_mask=kpm)
+    dout = torch.randn_like(out)
+    params = list(m.parameters())
+    grads = torch.autograd.grad(out, [xg] + params, dout)
+    keep = dropout_keep(p, seed, n, H, l, l + 1, device)
+    assert 0 < keep.sum() < keep.numel()
+    check_against_reference(out, grads, lambda xr, dtype: mha_reference(
+        m, xr, kpm, keep.to(dtype), p, dtype), x, params, dout)
+
+
+def test_mha_dropout_reproducible_and_training_only(grid_backend, device):
+    m = MultiheadAttention(E, H, dropout=0.4, device=device)
+    x = torch.randn(5, 2, E, device=device)
+
+    def run(seed):
+        torch.manual_seed(seed)
+        return m(x, x, x)[0]
+
+    first, again, other = run(1), run(1), run(2)
+    assert torch.equal(first, again) and not torch.equal(first, other)
+    m.eval()
+    assert torch.equal(run(1), run(2))
+    assert not torch.equal(run(1), first)
+
+
+def test_mha_dropout_keep_rate(grid_backend, device):
+    """The module's own keep rate, read from its output: with q = 0 every key has
+    weight 1 / S, v = 1 and out_proj the identity, so out * (1 - p) * S counts the kept
+    keys of a (query, head). Over N * H * L * S = 16384 weights the rate's standard
+    deviation is at most 0.0040; the bound 0.025 is over 6 of them."""
+    n, s, p = 2, 64, 0.5
+    m = MultiheadAttention(E, H, dropout=p, batch_first=True, device=device)
+    with torch.no_grad():
+        m.in_proj_weight.zero_()
+        m.in_proj_bias.zero_()
+        m.in_proj_bias[2 * E:] = 1.0
+        m.out_proj.weight.copy_(torch.eye(E))
+        m.out_proj.bias.zero_()
+        x = torch.randn(n, s, E, device=device)
+        out = m(x, x, x)[0]
+    kept = out[..., ::E // H].double() * (1 - p) * s                   # (N, L, H)
+    assert max_err(kept, kept.round()) < 1e-3
+    rate = kept.sum().item() / (n * H * s * s)
+    assert abs(rate - (1 - p)) < 0.025, rate
 
 
 def test_mha_argument_errors(device):
@@ -251,11 +357,12 @@ def rotate64(x, positions, rotary_dim, theta, interleaved):
     return torch.cat((rot, rest), dim=-1)
 
 
-def attention_reference(m, x, dtype, start=0):
+def attention_reference(m, x, dtype, start=0, keep=None):
     """m's output for x (b, s, E) computed plainly at dtype: separate steps, GQA by
     repeat_interleave, the (s, start + s) score matrix with its masks. Queries sit at
     positions start .. start + s - 1 over keys 0 .. start + s - 1, given as the last
-    rows of x (x holds all start + s tokens)."""
+    rows of x (x holds all start + s tokens). keep: a dropout keep mask (b, h, s, start
+    + s) applied to the probabilities with p = m.dropout."""
     p = {n: t.to(dtype) for n, t in m.named_parameters()}
     h, hkv, d = m.num_heads, m.num_kv_heads, m.head_dim
     x = x.to(dtype)
@@ -279,12 +386,14 @@ def attention_reference(m, x, dtype, start=0):
     j = torch.arange(total, device=x.device)[None, :]
     left, right = m.window_size
     right = 0 if m.causal else right
-    keep = torch.ones_like(s[0, 0], dtype=torch.bool)
+    visible = torch.ones_like(s[0, 0], dtype=torch.bool)
     if right >= 0:
-        keep &= j <= i + right
+        visible &= j <= i + right
     if left >= 0:
-        keep &= j >= i - left
-    probs = torch.softmax(s.masked_fill(~keep, float("-inf")), dim=-1)
+        visible &= j >= i - left
+    probs = torch.softmax(s.masked_fill(~visible, float("-inf")), dim=-1)
+    if keep is not None:
+        probs = probs * keep / (1 - m.dropout)
     out = torch.einsum("bhqk,bkhd->bqhd", probs, v).flatten(2)
     return F.linear(out, p["o_proj.weight"], p.get("o_proj.bias"))
 
@@ -321,17 +430,53 @@ def test_attention_matches_reference(case, grid_backend, device):
     dout = torch.randn_like(out)
     params = list(m.parameters())
     grads = torch.autograd.grad(out, [xg] + params, dout)
-    results = {}
-    for dtype in (torch.float64, torch.float32):
-        xr = x.to(dtype).requires_grad_()
-        ref = attention_reference(m, xr, dtype)
-        results[dtype] = (ref.detach(), torch.autograd.grad(ref, [xr] + params,
-                                                            dout.to(dtype)))
-    assert_close_rule("out", out, results[torch.float64][0],
-                      results[torch.float32][0])
-    for i, (g, t, r) in enumerate(zip(grads, results[torch.float32][1],
-                                      results[torch.float64][1])):
-        assert_close_rule(f"grad {i}", g, r, t)
+    check_against_reference(out, grads, lambda xr, dtype: attention_reference(m, xr, dtype),
+                            x, params, dout)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"], indirect=True)
+def test_attention_dropout_equals_reference_with_the_same_mask(backend, device):
+    """Training mode with dropout: output and gradients equal the float64 reference
+    applying the mask the same seed gives flash_attn_func (GQA: one mask per query
+    head)."""
+    seed = 7
+    m = make_attention("gqa-causal-rotary", device)
+    m.dropout = 0.25
+    x = torch.randn(2, 11, 16, device=device)
+    xg = x.clone().requires_grad_()
+    torch.manual_seed(seed)
+    out = m(xg)
+    dout = torch.randn_like(out)
+    params = list(m.parameters())
+    grads = torch.autograd.grad(out, [xg] + params, dout)
+    keep = dropout_keep(m.dropout, seed, 2, m.num_heads, 11, 11, device)
+    check_against_reference(out, grads, lambda xr, dtype: attention_reference(
+        m, xr, dtype, keep=keep.to(dtype)), x, params, dout)
+
+
+def test_attention_dropout_training_only(grid_backend, device):
+    """Packed sequences: reproducible under torch.manual_seed, the plain attention in
+    eval mode; decoding in training mode with dropout refuses."""
+    m = Attention(16, 2, causal=True, dropout=0.3, device=device)
+    x = torch.randn(9, 16, device=device, requires_grad=True)
+    cu = torch.tensor([0, 4, 9], dtype=torch.int32, device=device)
+
+    def run(seed):
+        torch.manual_seed(seed)
+        return m(x, cu_seqlens=cu, max_seqlen=5)
+
+    first, again, other = run(1), run(1), run(2)
+    assert torch.equal(first, again) and not torch.equal(first, other)
+    (g,) = torch.autograd.grad(first.sum(), x)
+    assert torch.isfinite(g).all() and g.abs().sum() > 0
+    cache = (torch.zeros(1, 8, 2, 8, device=device),) * 2
+    with torch.no_grad(), pytest.raises(ValueError, match="dropout: expected 0.0 with "
+                                        "kv_cache in training mode"):
+        m(x[None, :3], kv_cache=cache, cache_seqlens=0)
+    m.eval()
+    plain = Attention(16, 2, causal=True, device=device)
+    plain.load_state_dict(m.state_dict())
+    assert torch.equal(run(1), plain(x, cu_seqlens=cu, max_seqlen=5))
 
 
 def test_attention_packed_sequences(grid_backend, device):
@@ -415,6 +560,8 @@ def test_attention_errors(device):
         Attention(16, 2, rotary_dim=5)
     with pytest.raises(ValueError, match="embed_dim: expected a multiple of num_heads=3"):
         Attention(16, 3)
+    with pytest.raises(ValueError, match=r"dropout: expected a probability in \[0, 1\)"):
+        Attention(16, 2, dropout=1.0)
     m = Attention(16, 2, device=device)
     x = torch.randn(1, 3, 16, device=device)
     cache = (torch.zeros(1, 8, 2, 8, device=device),) * 2

@@ -48,6 +48,11 @@ class Attention(nn.Module):
             (GPT-NeoX, Llama), True the pairs (0, 1), (2, 3), ... (GPT-J).
         qk_norm: RMSNorm (eps norm_eps, weight over head_dim) of each q and k head
             before the rotary embedding.
+        dropout: attention dropout probability in [0, 1), applied in training mode only
+            (as torch.nn.MultiheadAttention's): flash_attn_func's dropout_p, whose
+            Philox mask is seeded from PyTorch's generator (torch.manual_seed makes it
+            reproducible). Decoding with kv_cache has no dropout: it needs eval mode
+            or dropout=0.0.
         device, dtype: of the parameters.
 
     forward(x, *, cu_seqlens=None, max_seqlen=None, kv_cache=None, cache_seqlens=None,
@@ -69,8 +74,8 @@ class Attention(nn.Module):
     def __init__(self, embed_dim, num_heads, num_kv_heads=None, head_dim=None, *,
                  bias=False, out_bias=False, causal=False, window_size=(-1, -1),
                  softcap=0.0, softmax_scale=None, rotary_dim=None, rope_theta=10000.0,
-                 rotary_interleaved=False, qk_norm=False, norm_eps=1e-6, device=None,
-                 dtype=None):
+                 rotary_interleaved=False, qk_norm=False, norm_eps=1e-6, dropout=0.0,
+                 device=None, dtype=None):
         super().__init__()
         embed_dim = _positive_int(embed_dim, "embed_dim")
         num_heads = _positive_int(num_heads, "num_heads")
@@ -98,12 +103,14 @@ class Attention(nn.Module):
         V.check_float(softcap, "softcap", minimum=0.0)
         V.check_softmax_scale(softmax_scale)
         V.check_float(rope_theta, "rope_theta", minimum=1.0)
+        V.check_dropout(dropout, "dropout")
         self.embed_dim, self.num_heads = embed_dim, num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim, self.causal, self.softcap = head_dim, causal, float(softcap)
         self.softmax_scale = softmax_scale
         self.rotary_dim, self.rope_theta = rotary_dim, float(rope_theta)
         self.rotary_interleaved = rotary_interleaved
+        self.dropout = float(dropout)
         kw = {"device": device, "dtype": dtype}
         self.qkv_proj = nn.Linear(embed_dim, (num_heads + 2 * num_kv_heads) * head_dim,
                                   bias=bias, **kw)
@@ -150,6 +157,9 @@ class Attention(nn.Module):
         return dict(softmax_scale=self.softmax_scale, causal=self.causal,
                     window_size=self.window_size, softcap=self.softcap)
 
+    def _dropout_p(self):
+        return self.dropout if self.training else 0.0
+
     def forward(self, x, *, cu_seqlens=None, max_seqlen=None, kv_cache=None,
                 cache_seqlens=None, block_table=None):
         rank = 2 if cu_seqlens is not None else 3
@@ -177,13 +187,14 @@ class Attention(nn.Module):
             starts = cu_seqlens[seq.clamp(max=cu_seqlens.numel() - 2)]
             q, k, v = self._qkv(x, tokens - starts)
             out = flash_attn_varlen_func(q, k, v, cu_seqlens, cu_seqlens, max_seqlen,
-                                         max_seqlen, **self._options())
+                                         max_seqlen, dropout_p=self._dropout_p(),
+                                         **self._options())
         else:
             if max_seqlen is not None:
                 V._fail(ValueError, "max_seqlen", "None without cu_seqlens", max_seqlen)
             positions = torch.arange(x.shape[1], device=x.device).expand(x.shape[:2])
             q, k, v = self._qkv(x, positions)
-            out = flash_attn_func(q, k, v, **self._options())
+            out = flash_attn_func(q, k, v, dropout_p=self._dropout_p(), **self._options())
         return self.o_proj(out.flatten(-2))
 
     def _decode(self, x, cu_seqlens, kv_cache, cache_seqlens, block_table):
@@ -195,6 +206,9 @@ class Attention(nn.Module):
             raise NotImplementedError(
                 "Attention with kv_cache is inference only (flash_attn_with_kvcache has "
                 "no backward): call it under torch.no_grad() or torch.inference_mode()")
+        if self._dropout_p() > 0.0:
+            V._fail(ValueError, "dropout", "0.0 with kv_cache in training mode (decoding "
+                    "has no dropout)", self.dropout, "Call .eval() before decoding")
         if not isinstance(kv_cache, (tuple, list)) or len(kv_cache) != 2:
             V._fail(TypeError, "kv_cache", "a pair (k_cache, v_cache) of tensors",
                     type(kv_cache).__name__)
@@ -220,4 +234,4 @@ class Attention(nn.Module):
         return (f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, num_kv_heads="
                 f"{self.num_kv_heads}, head_dim={self.head_dim}, causal={self.causal}, "
                 f"window_size={self.window_size}, softcap={self.softcap}, rotary_dim="
-                f"{self.rotary_dim}")
+                f"{self.rotary_dim}, dropout={self.dropout}")

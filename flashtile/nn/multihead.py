@@ -117,8 +117,11 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
     - need_weights defaults to False and True raises NotImplementedError: flashtile
       never forms the (L, S) attention weights. torch's default is True, but code that
       unpacks ``out, _ = mha(q, k, v)`` and ignores the weights runs unchanged.
-    - dropout > 0 raises NotImplementedError in training mode (flashtile has no dropout;
-      it is never silently skipped). In eval mode dropout is off, as in torch.
+    - dropout drops attention weights in training mode only, with p = dropout and the
+      kept ones scaled by 1 / (1 - p), as torch does, through flashtile's dropout_p.
+      The mask is flashtile's Philox mask, seeded from PyTorch's generator (so
+      torch.manual_seed makes it reproducible): the same distribution as torch's, not
+      the same draw, so outputs match torch's only in eval mode or with dropout=0.0.
     - is_causal is torch's hint that attn_mask is causal (attn_mask is required with it,
       as in torch): without a key_padding_mask the mask is not read and the top-left
       causal mask is computed in the kernel, as torch's SDPA path does.
@@ -133,6 +136,9 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
                  dtype=None):
         super().__init__(embed_dim, num_heads, dropout, bias, add_bias_kv, add_zero_attn,
                          kdim, vdim, batch_first, device, dtype)
+        # torch takes any float (and p = 1 zeroes the weights); flashtile's dropout_p is
+        # in [0, 1): refuse a bad value here rather than at the first training forward.
+        V.check_dropout(dropout, "dropout")
         if self.head_dim > V.MAX_HEAD_DIM:
             V._fail(ValueError, "embed_dim / num_heads (head_dim)",
                     f"at most {V.MAX_HEAD_DIM}", f"{embed_dim} / {num_heads}",
@@ -147,10 +153,6 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
                 "need_weights=True: flashtile never forms the attention weights. Pass "
                 "need_weights=False (the second return value is then None), or use "
                 "torch.nn.MultiheadAttention where the weights are needed")
-        if self.training and self.dropout > 0.0:
-            raise NotImplementedError(
-                f"dropout={self.dropout} in training mode: flashtile has no attention "
-                "dropout yet. Build the module with dropout=0.0, or call .eval()")
         if is_causal and attn_mask is None:
             raise ValueError("is_causal=True needs attn_mask (the causal mask itself), as "
                              "torch.nn.MultiheadAttention requires: is_causal is a hint "
@@ -194,6 +196,7 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
             k, v, mask = _append_key(k, v, mask, zeros, zeros)
         out = scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
                                            v.transpose(1, 2), attn_mask=mask,
+                                           dropout_p=self.dropout if self.training else 0.0,
                                            is_causal=causal)       # (N, H, L, D)
         order = (2, 0, 1, 3) if seq_first else (0, 2, 1, 3)
         out = out.permute(order).flatten(-2)                       # (L, N, E) or (N, L, E)

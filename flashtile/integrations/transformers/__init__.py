@@ -47,9 +47,12 @@ passes); sliding windows (``sliding_window``: window_size (w - 1, 0) when causal
 the module's ``scaling``; a value head_dim smaller than the query's (MLA: zero-padded,
 as transformers' flash-attn path does); ``generate_batch`` (continuous batching, 5.x):
 its packed batches, through ``flash_attn_varlen_func`` (its paged decode fast path is
-not open to this name: see ``paged_attention_forward``). Not supported, with an error
-naming the argument: attention dropout (flashtile has none), attention sinks
-(``s_aux``), T5-style ``position_bias``, ``head_mask``.
+not open to this name: see ``paged_attention_forward``); attention dropout in training
+mode (the ``dropout`` models pass, as flashtile's dropout_p on every path: flashtile's
+own Philox mask from PyTorch's generator, so training is reproducible under
+torch.manual_seed but draws other masks than sdpa or eager). Not supported, with an
+error naming the argument: attention sinks (``s_aux``), T5-style ``position_bias``,
+``head_mask``.
 
 No import-free route exists: transformers 4.51-5.x looks attention implementations up
 in its registries only (no entry points), and a Hub-kernel name ("namespace/name")

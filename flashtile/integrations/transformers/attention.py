@@ -9,7 +9,7 @@ import torch.nn.functional as F
 import flashtile
 from flashtile import _validate as V
 from flashtile.integrations.transformers._notes import _note
-from flashtile.interface import _attention
+from flashtile.interface import _attention, _philox
 
 
 def _needs_grad(*xs):
@@ -25,17 +25,18 @@ def _window(sliding_window, causal, key_length):
     return (sliding_window - 1, 0 if causal else sliding_window - 1)
 
 
-def _masked(q, k, v, mask, causal, window, softmax_scale, softcap):
+def _masked(q, k, v, mask, causal, window, softmax_scale, softcap, dropout_p):
     """Dense attention with a bool or additive mask broadcastable to (b, h, sq, sk),
     read tile by tile, on top of causal (bottom-right) and window."""
     b, sq, sk, h, _, _ = V.check_qkv(q, k, v)
-    left, right = V.check_flash_options(0.0, softmax_scale, softcap, window, causal)
+    left, right = V.check_flash_options(dropout_p, softmax_scale, softcap, window, causal)
     if mask.dtype != torch.bool and mask.dtype != q.dtype:
         mask = mask.to(q.dtype)  # an additive mask built in another float dtype
     mask = V.check_attn_mask(mask, b, h, sq, sk, q.device, q.dtype)
     out, _ = _attention(q, k, v, attn_mask=mask, alibi_slopes=None,
                         softmax_scale=softmax_scale, diag_offset=sk - sq,
-                        window_left=left, window_right=right, softcap=softcap)
+                        window_left=left, window_right=right, softcap=softcap,
+                        dropout_p=dropout_p, philox=_philox(q, dropout_p))
     return out
 
 
@@ -104,20 +105,18 @@ def _given_varlen(q, k, v, kwargs, causal, sliding_window, opts):
 def _dense(q, k, v, causal, sliding_window, opts):
     sq, sk = q.shape[1], k.shape[1]
     window = _window(sliding_window, causal, sk)
-    if sq == 1 and not _needs_grad(q, k, v):
-        # A decode step over a cache without padding: the split-KV decode kernel.
+    if sq == 1 and not _needs_grad(q, k, v) and not opts["dropout_p"]:
+        # A decode step over a cache without padding: the split-KV decode kernel, which
+        # has no dropout (a model left in training mode under no_grad takes
+        # flash_attn_func below, whose result is the same but for the dropout).
         return flashtile.flash_attn_with_kvcache(q, k, v, cache_seqlens=sk, causal=causal,
-                                                 window_size=window, **opts)
+                                                 window_size=window,
+                                                 softmax_scale=opts["softmax_scale"],
+                                                 softcap=opts["softcap"])
     return flashtile.flash_attn_func(q, k, v, causal=causal, window_size=window, **opts)
 
 
-def _refuse(dropout, kwargs):
-    if dropout:
-        raise NotImplementedError(
-            f"attention dropout: flashtile has none, and this model asks for dropout="
-            f"{dropout} (its attention dropout config in training mode). Load it with "
-            "that dropout at 0.0 (e.g. from_pretrained(..., attention_dropout=0.0); BERT: "
-            "attention_probs_dropout_prob=0.0), or train with attn_implementation='sdpa'")
+def _refuse(kwargs):
     for name, what in (("s_aux", "attention sinks"),
                        ("position_bias", "an additive position bias (T5-style)"),
                        ("head_mask", "a head mask")):
@@ -141,12 +140,16 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0,
         packed batches, ``DataCollatorWithFlattening(return_flash_attn_kwargs=True)``):
         ``flash_attn_varlen_func``;
       * then by the mask ``build_mask`` made (None, 2-D, 1-D or 4-D; see the module
-        docstring). A decode step (sq = 1, no gradient) without padding runs
-        ``flash_attn_with_kvcache`` (the split-KV decode kernel).
+        docstring). A decode step (sq = 1, no gradient) without padding or dropout
+        runs ``flash_attn_with_kvcache`` (the split-KV decode kernel).
     The mask's causality is the module's ``is_causal`` unless the model passes
     ``is_causal``; ``scaling`` defaults to head_dim ** -0.5; ``softcap`` None means none.
+    ``dropout`` (models pass their attention dropout in training mode, 0.0 otherwise)
+    is flashtile's dropout_p on every path: flashtile's Philox mask, seeded from
+    PyTorch's generator, not the draw sdpa or eager would make.
     """
-    _refuse(dropout, kwargs)
+    V.check_dropout(dropout, "dropout")
+    _refuse(kwargs)
     causal = kwargs.get("is_causal")
     if causal is None:
         causal = getattr(module, "is_causal", True)
@@ -157,7 +160,8 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0,
         V._fail(ValueError, "value.shape[-1] (head_dim)", f"at most the query's {d}", d_v)
     if d_v < d:  # MLA: pad value to the query's head_dim, crop the output below
         v = F.pad(v, (0, d - d_v))
-    opts = dict(softmax_scale=scaling, softcap=0.0 if softcap is None else float(softcap))
+    opts = dict(softmax_scale=scaling, softcap=0.0 if softcap is None else float(softcap),
+                dropout_p=float(dropout))
     if kwargs.get("block_table") is not None:
         raise NotImplementedError(_NO_BLOCK_TABLE)
     if kwargs.get("cu_seq_lens_q") is not None and kwargs.get("cu_seq_lens_k") is not None:
