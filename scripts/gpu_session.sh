@@ -25,6 +25,7 @@
 #   hopper       the Gluon forward's GPU tests and its timing             (~8 min)
 #   tp           the tensor-parallel driver's tests (2 GPUs)              (~4 min)
 #   fp32         accuracy and speed of fp32, IEEE products against tf32x3  (~8 min)
+#   dropout      flashtile with and without dropout beside SDPA's dropout backends (~4 min)
 #   wide         head_dim 256 and 512 beside the peers; d256 backward tiles; the fused
 #                backward against the split one                          (~10 min)
 #   serve [BACKEND] [KV]  flashtile serve (1B shape, dummy weights, attention BACKEND,
@@ -143,6 +144,14 @@ case "${1:-}" in
       sdpa-cudnn --headdim 64 128 256 --seqlens 1k 4k 8k --modes fwd_bwd --no-progress \
       --out bwd-ab --overwrite 2>&1 | grep "^|" | tail -20
     tar czf "$OUT/wide.tgz" wide* bwd-ab
+    ;;
+  dropout)
+    # Attention dropout (issue 17 item 4): flashtile's Philox mask against SDPA's
+    # backends with the same dropout_p, and flashtile without dropout for its cost.
+    timeout 300 python3 -m flashtile bench --providers flashtile flashtile-dropout \
+      sdpa-flash-dropout sdpa-cudnn-dropout --headdim 64 128 --seqlens 1k 4k --modes \
+      fwd_bwd --no-progress --out dropout --overwrite 2>&1 | grep "^|" | tail -12
+    tar czf "$OUT/dropout.tgz" dropout
     ;;
   short)
     timeout 240 python3 -m flashtile bench --seqlens 512 1k 2k --no-progress \

@@ -619,3 +619,23 @@ def test_decode_markdown_table():
             " | 1.10 |") in text
     header, rule = text.splitlines()[:2]
     assert header.count("|") == rule.count("|")
+
+
+def test_dropout_providers_run_on_cuda_outside_the_sweeps():
+    """The dropout rows are asked for by name (a training-only feature, beside the SDPA
+    backends that take dropout_p); on CPU they say why they do not run."""
+    for name in ("flashtile-dropout", "sdpa-flash-dropout", "sdpa-cudnn-dropout"):
+        assert name not in registry.GPU_SWEEP.providers
+        cell = registry.Cell(name, 64, True, "fwd_bwd", 128, 1, 2, torch.float32)
+        assert registry.PROVIDERS[name].skip_reason(cell, CPU) == "runs on cuda only"
+
+
+def test_flashtile_dropout_provider_drops(monkeypatch):
+    """What the flashtile-dropout row times: flash_attn_func with DROPOUT_P, the cell's
+    causality."""
+    seen = {}
+    monkeypatch.setattr(flashtile, "flash_attn_func",
+                        lambda q, k, v, **kw: seen.update(kw) or q)
+    cell = registry.Cell("flashtile-dropout", 64, True, "fwd_bwd", 128, 1, 2, torch.float32)
+    registry.PROVIDERS["flashtile-dropout"].build(cell, CPU)(*(torch.zeros(1),) * 3)
+    assert seen == {"dropout_p": registry.DROPOUT_P, "causal": True}

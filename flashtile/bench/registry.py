@@ -322,6 +322,35 @@ register(Provider("flashtile-fusedbwd", "bshd", _flashtile_fused_bwd, ("cuda",),
                   modes=("fwd_bwd",),
                   about="flashtile's forward + fused backward (FLASHTILE_BWD=fused) "
                         "launchers, gradients validated against the split backward first"))
+# Attention dropout (training): flashtile's Philox mask in the kernels beside SDPA's
+# backends that take dropout_p, at one rate. Outside ALL: name them with --providers.
+DROPOUT_P = 0.1
+
+
+def _flashtile_dropout(cell, device):
+    return lambda q, k, v: flashtile.flash_attn_func(q, k, v, dropout_p=DROPOUT_P,
+                                                     causal=cell.causal)
+
+
+def _sdpa_dropout(backend):
+    def build(cell, device):
+        def attn(q, k, v):
+            with sdpa_kernel(backend):
+                return F.scaled_dot_product_attention(q, k, v, dropout_p=DROPOUT_P,
+                                                      is_causal=cell.causal)
+        return attn
+    return build
+
+
+for _p in (
+    Provider("flashtile-dropout", "bshd", _flashtile_dropout, ("cuda",),
+             about=f"flashtile.flash_attn_func with dropout_p={DROPOUT_P}"),
+    Provider("sdpa-flash-dropout", "bhsd", _sdpa_dropout(SDPBackend.FLASH_ATTENTION),
+             ("cuda",), about=f"SDPA, flash backend, dropout_p={DROPOUT_P}"),
+    Provider("sdpa-cudnn-dropout", "bhsd", _sdpa_dropout(SDPBackend.CUDNN_ATTENTION),
+             ("cuda",), about=f"SDPA, cuDNN backend, dropout_p={DROPOUT_P}"),
+):
+    register(_p)
 # GPU: 512..16k for speed; 32k and 64k for the memory plot (naive and math skip them).
 GPU_SWEEP = Sweep(ALL, (64, 128), tuple(2**i for i in range(9, 17)))
 # CPU, 2 cores: fp32, d64, 4 heads, 4k tokens. Every provider that runs on CPU runs
