@@ -639,3 +639,18 @@ def test_flashtile_dropout_provider_drops(monkeypatch):
     cell = registry.Cell("flashtile-dropout", 64, True, "fwd_bwd", 128, 1, 2, torch.float32)
     registry.PROVIDERS["flashtile-dropout"].build(cell, CPU)(*(torch.zeros(1),) * 3)
     assert seen == {"dropout_p": registry.DROPOUT_P, "causal": True}
+
+
+def test_flashtile_variants_are_not_its_peers():
+    """flashtile / best peer compares flashtile with other libraries only: a timed
+    variant of its own (dropout, fused backward, Gluon) is no peer, even when faster."""
+    def ok(name, tflops):
+        cell = registry.Cell(name, 64, True, "fwd_bwd", 128, 1, 2, torch.float32)
+        return name, run.Result(cell, "ok", tflops=tflops)
+
+    by = dict([ok("flashtile", 100.0), ok("flashtile-fusedbwd", 300.0),
+               ok("flashtile-dropout", 90.0), ok("sdpa-flash-dropout", 80.0),
+               ok("sdpa-cudnn", 120.0)])
+    assert report.best_peer(by) == ("sdpa-cudnn", 120.0)
+    del by["sdpa-cudnn"], by["sdpa-flash-dropout"]
+    assert report.best_peer(by) == (None, None)

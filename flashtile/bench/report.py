@@ -33,9 +33,10 @@ def _providers(results):
 
 
 def best_peer(by_provider: dict) -> tuple[str | None, float | None]:
-    """The fastest provider other than flashtile that ran: (name, TFLOP/s)."""
+    """The fastest peer that ran: (name, TFLOP/s). flashtile's own variants
+    (flashtile-fusedbwd, flashtile-hopper, flashtile-dropout, ...) are not peers."""
     peers = [(r.tflops, name) for name, r in by_provider.items()
-             if name != "flashtile" and r.status == "ok"]
+             if not name.startswith("flashtile") and r.status == "ok"]
     if not peers:
         return None, None
     tflops, name = max(peers)
