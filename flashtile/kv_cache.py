@@ -26,6 +26,10 @@ write the new tokens itself instead (its ``k=``, ``v=``), skip ``write`` and pas
 ``cache_seqlens=plan.cache_seqlens - 1`` (the length before the append, flash-attn's
 meaning); ``reserve`` has already given the block table room for them.
 
+Absorbed MLA (DeepSeek's 576/512 decode over one latent cache): ``shared_kv=True`` makes
+``v_cache`` the view of ``k_cache``'s first ``head_dim_v`` columns, writes take k alone,
+and ``flash_attn_with_kvcache`` reads V from K's tiles.
+
 Everything here is plain PyTorch; the bookkeeping (free list, reference counts, block
 lists) lives in Python on the host, the tensors on ``device``.
 """
@@ -71,8 +75,10 @@ def _check_int(x, name, minimum=None, maximum=None):
     return int(x)
 
 
-def _check_layout(num_layers, nheads_kv, head_dim, head_dim_v, dtype):
+def _check_layout(num_layers, nheads_kv, head_dim, head_dim_v, dtype, shared_kv=False):
     """Returns head_dim_v (None: head_dim)."""
+    if not isinstance(shared_kv, bool):
+        V._fail(TypeError, "shared_kv", "a bool", type(shared_kv).__name__)
     _check_int(num_layers, "num_layers", 1)
     _check_int(nheads_kv, "nheads_kv", 1)
     _check_int(head_dim, "head_dim")
@@ -86,20 +92,37 @@ def _check_layout(num_layers, nheads_kv, head_dim, head_dim_v, dtype):
                 head_dim_v)
     if dtype not in V.SUPPORTED_DTYPES:
         V._fail(TypeError, "dtype", "torch.float16, torch.bfloat16 or torch.float32", dtype)
+    if shared_kv and head_dim_v >= head_dim:
+        V._fail(ValueError, "head_dim_v", f"less than head_dim={head_dim} with shared_kv "
+                "(v is the first head_dim_v columns of each key row)", head_dim_v)
     return int(head_dim_v)
 
 
-def _allocate(cache, slots, num_layers, nheads_kv, head_dim, head_dim_v, dtype, device):
+def _allocate(cache, slots, num_layers, nheads_kv, head_dim, head_dim_v, dtype, device,
+              shared_kv=False):
     """The layout fields and the zeroed k_cache (num_layers, *slots, nheads_kv,
-    head_dim) and v_cache (..., head_dim_v) of a validated cache. Its device is the one
+    head_dim) and v_cache (..., head_dim_v) of a validated cache; with shared_kv,
+    v_cache is the view of k_cache's first head_dim_v columns (absorbed MLA's latent
+    cache: flash_attn_with_kvcache then reads V from K's tiles). Its device is the one
     the tensors landed on: "cuda" resolves to "cuda:N", and inputs are compared against
     it."""
     cache.num_layers, cache.nheads_kv, cache.head_dim = num_layers, nheads_kv, head_dim
-    cache.head_dim_v, cache.dtype = head_dim_v, dtype
+    cache.head_dim_v, cache.dtype, cache.shared_kv = head_dim_v, dtype, shared_kv
     shape = (num_layers, *slots, nheads_kv)
     cache.k_cache = torch.zeros((*shape, head_dim), dtype=dtype, device=device)
-    cache.v_cache = torch.zeros((*shape, head_dim_v), dtype=dtype, device=device)
+    cache.v_cache = cache.k_cache[..., :head_dim_v] if shared_kv else \
+        torch.zeros((*shape, head_dim_v), dtype=dtype, device=device)
     cache.device = cache.k_cache.device
+
+
+def _check_v_given(cache, v, name):
+    """A shared latent cache takes k alone (its rows hold v too); the others need v."""
+    if cache.shared_kv and v is not None:
+        V._fail(ValueError, name, "None for a shared_kv cache (v_cache is k_cache[..., "
+                f":{cache.head_dim_v}]: write the latent rows as k)", type(v).__name__)
+    if not cache.shared_kv and v is None:
+        V._fail(TypeError, name, "a torch.Tensor", "None",
+                "Only a shared_kv cache takes k alone")
 
 
 def _check_new_kv(x, name, leading_dims, nheads_kv, head_dim, dtype, device):
@@ -137,6 +160,8 @@ class KVCache:
         num_layers, nheads_kv, head_dim: the model's layout (head_dim 1 to 512, or 576).
         dtype: float16, bfloat16 or float32; device: where the tensors live.
         head_dim_v: v's head dim when it differs from k's (MLA, 1 to 512; None: head_dim).
+        shared_kv: absorbed MLA's latent cache: v_cache is a view of k_cache's first
+            head_dim_v columns (head_dim_v < head_dim), and writes take k alone.
 
     Attributes:
         k_cache, v_cache: (num_layers, max_batch, max_seqlen, nheads_kv, head_dim), v's
@@ -148,20 +173,21 @@ class KVCache:
     """
 
     def __init__(self, max_batch, max_seqlen, num_layers, nheads_kv, head_dim,
-                 dtype=torch.float16, device="cpu", head_dim_v=None):
+                 dtype=torch.float16, device="cpu", head_dim_v=None, shared_kv=False):
         _check_int(max_batch, "max_batch", 1)
         _check_int(max_seqlen, "max_seqlen", 1)
-        head_dim_v = _check_layout(num_layers, nheads_kv, head_dim, head_dim_v, dtype)
+        head_dim_v = _check_layout(num_layers, nheads_kv, head_dim, head_dim_v, dtype,
+                                   shared_kv)
         self.max_batch, self.max_seqlen = int(max_batch), int(max_seqlen)
         _allocate(self, (max_batch, max_seqlen), num_layers, nheads_kv, head_dim,
-                  head_dim_v, dtype, device)
+                  head_dim_v, dtype, device, shared_kv)
         self.cache_seqlens = torch.zeros(max_batch, dtype=torch.int32, device=self.device)
 
     def reset(self):
         """Forget every token (the tensors keep their memory and old values)."""
         self.cache_seqlens.zero_()
 
-    def update(self, layer, input_pos, k, v):
+    def update(self, layer, input_pos, k, v=None):
         """Write new tokens of every batch row at ``input_pos``; returns the layer's
         (k_cache, v_cache) views of shape (batch, max_seqlen, nheads_kv, head_dim), v's
         last dim head_dim_v.
@@ -173,7 +199,7 @@ class KVCache:
                 positions on the cache's device, shared by every row (gpt-fast).
             k, v: (batch, n_new, nheads_kv, head_dim) in the cache's dtype and device,
                 v's last dim head_dim_v, batch <= max_batch; rows 0 .. batch-1 are
-                written.
+                written. A shared_kv cache takes k alone (v None).
 
         Positions past max_seqlen raise ValueError before anything is written. A tensor
         ``input_pos`` on the CPU is checked so; on a GPU reading it would be a sync, so it
@@ -184,6 +210,9 @@ class KVCache:
         Sets ``cache_seqlens[:batch]`` to the last position + 1.
         """
         layer = _check_layer(layer, self.num_layers)
+        _check_v_given(self, v, "v")
+        if self.shared_kv:  # v's columns are k's: one write
+            v = k[..., :self.head_dim_v]
         for x, name, d in ((k, "k", self.head_dim), (v, "v", self.head_dim_v)):
             _check_new_kv(x, name, ("batch", "n_new"), self.nheads_kv, d, self.dtype,
                           self.device)
@@ -199,7 +228,8 @@ class KVCache:
             self._check_positions(input_pos, n_new)
             if n_new:
                 k_layer.index_copy_(1, input_pos, k)
-                v_layer.index_copy_(1, input_pos, v)
+                if not self.shared_kv:
+                    v_layer.index_copy_(1, input_pos, v)
                 self.cache_seqlens[:batch] = input_pos.max().to(torch.int32) + 1
         else:
             start = _check_int(input_pos, "input_pos", 0)
@@ -208,7 +238,8 @@ class KVCache:
                         f"{self.max_seqlen}", f"{start} + {n_new} = {start + n_new}",
                         "Create the KVCache with a larger max_seqlen")
             k_layer[:, start:start + n_new] = k
-            v_layer[:, start:start + n_new] = v
+            if not self.shared_kv:
+                v_layer[:, start:start + n_new] = v
             self.cache_seqlens[:batch] = start + n_new
         return self.k_cache[layer, :batch], self.v_cache[layer, :batch]
 
@@ -264,6 +295,8 @@ class PagedKVCache:
         num_layers, nheads_kv, head_dim: the model's layout (head_dim 1 to 512, or 576).
         dtype: float16, bfloat16 or float32; device: where the tensors live.
         head_dim_v: v's head dim when it differs from k's (MLA, 1 to 512; None: head_dim).
+        shared_kv: absorbed MLA's latent cache: v_cache is a view of k_cache's first
+            head_dim_v columns (head_dim_v < head_dim), and writes take k alone.
 
     Attributes:
         k_cache, v_cache: (num_layers, num_blocks, page_size, nheads_kv, head_dim), v's
@@ -276,7 +309,7 @@ class PagedKVCache:
     """
 
     def __init__(self, num_blocks, page_size, num_layers, nheads_kv, head_dim,
-                 dtype=torch.float16, device="cpu", head_dim_v=None):
+                 dtype=torch.float16, device="cpu", head_dim_v=None, shared_kv=False):
         _check_int(num_blocks, "num_blocks", 1)
         _check_int(page_size, "page_size")
         # Key tiles are powers of two, at least 16 (tl.dot's minimum): with a power-of-
@@ -284,10 +317,11 @@ class PagedKVCache:
         if not MIN_PAGE_SIZE <= page_size <= MAX_PAGE_SIZE or page_size & (page_size - 1):
             V._fail(ValueError, "page_size", f"a power of two from {MIN_PAGE_SIZE} to "
                     f"{MAX_PAGE_SIZE}", page_size)
-        head_dim_v = _check_layout(num_layers, nheads_kv, head_dim, head_dim_v, dtype)
+        head_dim_v = _check_layout(num_layers, nheads_kv, head_dim, head_dim_v, dtype,
+                                   shared_kv)
         self.num_blocks, self.page_size = int(num_blocks), int(page_size)
         _allocate(self, (num_blocks, page_size), num_layers, nheads_kv, head_dim,
-                  head_dim_v, dtype, device)
+                  head_dim_v, dtype, device, shared_kv)
         self._free = deque(range(num_blocks))
         self._ref_counts = [0] * num_blocks
         self._allocated: set = set()      # blocks held by allocate() callers, not sequences
@@ -432,7 +466,8 @@ class PagedKVCache:
             shared = seq.blocks[-1]
             (own,) = self._take(1)
             self.k_cache[:, own] = self.k_cache[:, shared]
-            self.v_cache[:, own] = self.v_cache[:, shared]
+            if not self.shared_kv:  # else copied with k
+                self.v_cache[:, own] = self.v_cache[:, shared]
             self._release([shared])
             seq.blocks[-1] = own
         seq.blocks.extend(self._take(new_blocks))
@@ -441,39 +476,49 @@ class PagedKVCache:
         seq.seqlen += n
         return list(seq.pending)
 
-    def write(self, layer: int, seq_id: Hashable, k: torch.Tensor, v: torch.Tensor) -> None:
+    def write(self, layer: int, seq_id: Hashable, k: torch.Tensor,
+              v: torch.Tensor | None = None) -> None:
         """Write the tokens of the sequence's latest ``reserve`` into one layer.
 
         k, v: (num_new_tokens, nheads_kv, head_dim) in the cache's dtype and device,
-        v's last dim head_dim_v, num_new_tokens as reserved. Call once per layer
-        (writing a layer again overwrites the same slots).
+        v's last dim head_dim_v, num_new_tokens as reserved (a shared_kv cache takes k
+        alone). Call once per layer (writing a layer again overwrites the same slots).
         """
         layer = _check_layer(layer, self.num_layers)
         seq = self._seq(seq_id)
         n = len(seq.pending)
-        for x, name, d in ((k, "k", self.head_dim), (v, "v", self.head_dim_v)):
-            _check_new_kv(x, name, (n,), self.nheads_kv, d, self.dtype, self.device)
+        _check_v_given(self, v, "v")
+        _check_new_kv(k, "k", (n,), self.nheads_kv, self.head_dim, self.dtype, self.device)
+        if not self.shared_kv:
+            _check_new_kv(v, "v", (n,), self.nheads_kv, self.head_dim_v, self.dtype,
+                          self.device)
         if n == 0:
             return
         slots = torch.tensor(seq.pending, dtype=torch.int64).to(self.device)
         self.k_cache[layer][slots[:, 0], slots[:, 1]] = k
-        self.v_cache[layer][slots[:, 0], slots[:, 1]] = v
+        if not self.shared_kv:  # a shared cache's v is k's first columns: written
+            self.v_cache[layer][slots[:, 0], slots[:, 1]] = v
 
-    def append(self, seq_id: Hashable, layer_k, layer_v) -> list:
+    def append(self, seq_id: Hashable, layer_k, layer_v=None) -> list:
         """``reserve`` then ``write`` in every layer; returns the slots.
 
         layer_k, layer_v: (num_layers, num_new_tokens, nheads_kv, head_dim) tensors, or
         sequences of num_layers (num_new_tokens, nheads_kv, head_dim) tensors (v's last
-        dim head_dim_v). All are checked before the sequence grows.
+        dim head_dim_v; a shared_kv cache takes layer_k alone). All are checked before
+        the sequence grows.
         """
+        _check_v_given(self, layer_v, "layer_v")
         layer_k = self._stack_layers(layer_k, "layer_k", self.head_dim)
-        layer_v = self._stack_layers(layer_v, "layer_v", self.head_dim_v)
-        if layer_v.shape[:-1] != layer_k.shape[:-1]:
-            V._fail(ValueError, "layer_v.shape[:-1]",
-                    f"layer_k's {tuple(layer_k.shape[:-1])}", tuple(layer_v.shape[:-1]))
+        if not self.shared_kv:
+            layer_v = self._stack_layers(layer_v, "layer_v", self.head_dim_v)
+            if layer_v.shape[:-1] != layer_k.shape[:-1]:
+                V._fail(ValueError, "layer_v.shape[:-1]",
+                        f"layer_k's {tuple(layer_k.shape[:-1])}",
+                        tuple(layer_v.shape[:-1]))
         slots = self.reserve(seq_id, layer_k.shape[1])
         for layer in range(self.num_layers):
-            self.write(layer, seq_id, layer_k[layer], layer_v[layer])
+            self.write(layer, seq_id, layer_k[layer],
+                       None if self.shared_kv else layer_v[layer])
         return slots
 
     def _stack_layers(self, x, name, head_dim):

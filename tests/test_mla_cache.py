@@ -434,3 +434,69 @@ def test_gpu_launch_plans_tell_shared_from_own_v(device):
             o64, _ = attention_naive(*(x.double() for x in qkv))
             o_pt, _ = attention_naive(*qkv, upcast=False)
             assert_close_rule(f"out[{i}]", out[i:i + 1], o64, o_pt)
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["KVCache", "PagedKVCache"])
+def test_kv_cache_classes_shared_latent(backend, paged, device):
+    """shared_kv (absorbed MLA): v_cache is k_cache's first head_dim_v columns, writes
+    take k alone, and attention over the cache equals attention with v = k[..., :dv]
+    (the shared-rows path of flash_attn_with_kvcache); copy-on-write keeps the view."""
+    from flashtile.kv_cache import KVCache, PagedKVCache
+
+    d, dv, h, n, dtype = 48, 40, 4, 21, torch.float16
+    k = torch.randn(2, n, 1, d, dtype=dtype, device=device)
+    q = torch.randn(2, 1, h, d, dtype=dtype, device=device)
+    if paged:
+        cache = PagedKVCache(8, 16, 1, 1, d, dtype=dtype, device=device, head_dim_v=dv,
+                             shared_kv=True)
+        cache.add_sequence(0)
+        cache.append(0, k[0, :n - 1][None])
+        # Sequence 1 shares 0's partly filled last block, copied when 1 appends its own
+        # last token: the copy must keep v (k's first columns) too.
+        cache.fork(0, 1)
+        cache.append(0, k[0, n - 1:][None])
+        cache.append(1, k[1, n - 1:][None])
+        assert cache.blocks(0)[-1] != cache.blocks(1)[-1]
+        plan = cache.plan([0, 1])
+        kw = dict(block_table=plan.block_table, cache_seqlens=plan.cache_seqlens)
+        k = torch.cat([k[:1, :n - 1].expand(2, -1, -1, -1), k[:, n - 1:]], 1)
+    else:
+        cache = KVCache(2, 32, 1, 1, d, dtype=dtype, device=device, head_dim_v=dv,
+                        shared_kv=True)
+        cache.update(0, 0, k)
+        kw = dict(cache_seqlens=cache.cache_seqlens)
+    assert cache.v_cache.data_ptr() == cache.k_cache.data_ptr()
+    assert cache.v_cache.shape[-1] == dv
+    out, lse = flashtile.flash_attn_with_kvcache(q, cache.k_cache[0], cache.v_cache[0],
+                                                 return_lse=True, **kw)
+    _check(out, lse, q, k, k[..., :dv], torch.tensor([n, n]), causal=False)
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["KVCache", "PagedKVCache"])
+def test_kv_cache_shared_latent_errors(paged):
+    from flashtile.kv_cache import KVCache, PagedKVCache
+
+    make = (lambda **kw: PagedKVCache(4, 16, 1, 1, 48, **kw)) if paged else \
+        (lambda **kw: KVCache(1, 16, 1, 1, 48, **kw))
+    with pytest.raises(ValueError, match=r"head_dim_v: expected less than head_dim=48 "
+                                         r"with shared_kv"):
+        make(shared_kv=True)  # head_dim_v defaults to head_dim: nothing of its own
+    with pytest.raises(TypeError, match=r"shared_kv: expected a bool, got int"):
+        make(head_dim_v=40, shared_kv=1)
+    shared, plain = make(head_dim_v=40, shared_kv=True), make(head_dim_v=40)
+    k = torch.randn(1, 1, 1, 48, dtype=torch.float16)
+    v = torch.randn(1, 1, 1, 40, dtype=torch.float16)
+    if paged:
+        for cache in (shared, plain):
+            cache.add_sequence(0)
+        with pytest.raises(ValueError, match=r"layer_v: expected None for a shared_kv "
+                                             r"cache"):
+            shared.append(0, k, v)
+        with pytest.raises(TypeError, match=r"layer_v: expected a torch.Tensor, got None"):
+            plain.append(0, k)
+        assert shared.seqlen(0) == plain.seqlen(0) == 0  # nothing reserved
+    else:
+        with pytest.raises(ValueError, match=r"v: expected None for a shared_kv cache"):
+            shared.update(0, 0, k[0], v[0])
+        with pytest.raises(TypeError, match=r"v: expected a torch.Tensor, got None"):
+            plain.update(0, 0, k[0])
