@@ -202,9 +202,8 @@ def test_mla_decode_compiles_for_sm90(head_dims, dtype, v_is_k, split):
     """Decode with V's head dim its own (MLA) at the tile decode_config picks: 576 as a
     512 tile plus a 64 tail, V read from K's tiles when it is a view of them (absorbed
     MLA) or loaded; within shared memory, no spills, K/V still copied asynchronously.
-    fp32 with IEEE products (the decode's, TF32 is never allowed there); not at 192,
-    whose fp32 tile is the general table's (which spills under IEEE products at head
-    dims 64 to 256, measured with tests/aot.py: a question for that table)."""
+    fp32 with IEEE products (the decode's, TF32 is never allowed there) at 576; at
+    192 the general fp32 decode tile (test_fp32_decode_tiles_do_not_spill)."""
     d, dv = head_dims
     if v_is_k and configs.padded_head_dim(dv) != configs.decode_head_dim_tiles(d)[0]:
         pytest.skip("V is read from K's tiles only when its tile is K's first")
@@ -224,6 +223,28 @@ def test_mla_decode_compiles_for_sm90(head_dims, dtype, v_is_k, split):
     assert res["stack_bytes"] == 0 and res["shared_bytes"] <= configs.SM90_SMEM_BYTES, \
         (cfg, res)
     assert ck.asm["ttgir"].count("async_copy_global_to_local") >= 4, "decode not pipelined"
+
+
+@pytest.mark.parametrize("split", [True, False], ids=["split", "unsplit"])
+@pytest.mark.parametrize("head_dim", [16, 32, 64, 128, 256])
+def test_fp32_decode_tiles_do_not_spill(head_dim, split):
+    """fp32 decode multiplies with FFMA (IEEE products; decode never allows TF32): the
+    tile decode_config picks for 64 query rows (the most it packs) holds no stack, with
+    no feature and with every one."""
+    q = torch.empty(1, dtype=torch.float32, device="meta")
+    cfg = configs.decode_config(q, head_dim, 64, split=split)
+    for flags in (PLAIN, EVERYTHING):
+        flags = {k: v for k, v in flags.items() if k not in ("HAS_MASK", "MASK_IS_BOOL")}
+        ck = compile_kernel(_decode_kernel, dict(
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=head_dim, BLOCK_DT=0,
+            BLOCK_DV=head_dim, V_IS_K=False, PAGED=True, PAGE_SIZE=64, PAGE_ALIGNED=True,
+            TILE_PAGES=0, SPLIT_PAGES=4 if split else 0, HAS_BATCH_IDX=False,
+            HAS_LEFTPAD=False, LAUNCH_DEPENDENTS=split, **NO_DESCALE,
+            **dict(flags, EVEN_D=True, INPUT_PRECISION="ieee")),
+            dtype="fp32", num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        res = resources(ck)
+        assert res["stack_bytes"] == 0 and res["shared_bytes"] <= configs.SM90_SMEM_BYTES, \
+            (cfg, res)
 
 
 @pytest.mark.parametrize("head_dim", [64, 128, 256])

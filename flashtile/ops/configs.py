@@ -424,12 +424,27 @@ def decode_config(q, head_dim, rows, split=True, fp8_cache=False, head_dim_v=Non
     widest = padded_head_dim(max(head_dim, head_dim_v or head_dim))
     wide = widest * max(2, q.element_size()) > 256
     stages = (3 if split else 4) + (2 if fp8_cache else 0)
+    if q.element_size() == 4 and widest <= 256:
+        rows, keys, warps, depth = _DECODE_FP32[max(widest, 32)][0 if split else 1]
+        return TileConfig(min(block_m, rows), keys, warps, depth)
     if widest >= 512:
         # (rows, 512) fp32 accumulators: at most 32 rows, over 8 warps (sm_90 AOT: 64
         # rows spill 2 KB a thread, 32 rows x 32 keys with 8 warps hold 203 registers).
         return TileConfig(min(block_m, 32), 32 if q.element_size() <= 2 else 16, 8,
                           3 if split else 4)
     return TileConfig(block_m, 32 if wide else 64, 4, stages)
+
+
+# fp32 decode tiles, (rows at most, keys, warps, stages) split and unsplit, by padded head
+# dim: fp32 multiplies with FFMA (decode never allows TF32), and the 16-bit rule's 64-row
+# tiles spilled 1.1-7.6 KB a thread at head dims 64-256. Sized with tests/aot.py for
+# sm_90 (session 9; test_fp32_decode_tiles_do_not_spill holds them there); not timed.
+_DECODE_FP32 = {
+    32: ((64, 64, 4, 3), (32, 64, 4, 4)),
+    64: ((16, 64, 4, 3), (16, 64, 4, 4)),
+    128: ((32, 32, 4, 3), (16, 32, 8, 4)),
+    256: ((16, 32, 4, 3), (16, 16, 4, 4)),
+}
 
 
 def _wide_key_decode_config(q, block_m, split, v_is_k) -> TileConfig:
