@@ -244,33 +244,19 @@ def _bwd_dkdv_kernel(
                 Philox, off_b, off_h, nheads, seqlen_q, q_start, k_start, total_q,
                 IS_VARLEN)
             drop_cols = drop_col0 + offs_n                                   # (N,)
-        dk, dv = _dkdv_block(
-            dk, dv, b_k, b_v, p_q, p_do, p_lse, p_delta, p_dq, lo, mid_lo, offs_n,
-            offs_m0, offs_d, offs_dv, seqlen_q, seqlen_k, head_dim, head_dim_v,
-            stride_qm, stride_dom,
-            diag_offset, window_left, window_right, softmax_scale, softcap, alibi_slope,
-            p_mask, stride_mask_m, stride_mask_n, drop_seed, drop_offset, drop_row0,
-            drop_cols, dropout_p, BLOCK_M, BLOCK_D, EVEN_D, EVEN_DV, True,
-            MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_MASK, MASK_IS_BOOL,
-            INPUT_PRECISION, ATOMIC_DQ, HAS_DROPOUT)
-        dk, dv = _dkdv_block(
-            dk, dv, b_k, b_v, p_q, p_do, p_lse, p_delta, p_dq, mid_lo, mid_hi, offs_n,
-            offs_m0, offs_d, offs_dv, seqlen_q, seqlen_k, head_dim, head_dim_v,
-            stride_qm, stride_dom,
-            diag_offset, window_left, window_right, softmax_scale, softcap, alibi_slope,
-            p_mask, stride_mask_m, stride_mask_n, drop_seed, drop_offset, drop_row0,
-            drop_cols, dropout_p, BLOCK_M, BLOCK_D, EVEN_D, EVEN_DV, False,
-            MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_MASK, MASK_IS_BOOL,
-            INPUT_PRECISION, ATOMIC_DQ, HAS_DROPOUT)
-        dk, dv = _dkdv_block(
-            dk, dv, b_k, b_v, p_q, p_do, p_lse, p_delta, p_dq, mid_hi, hi, offs_n,
-            offs_m0, offs_d, offs_dv, seqlen_q, seqlen_k, head_dim, head_dim_v,
-            stride_qm, stride_dom,
-            diag_offset, window_left, window_right, softmax_scale, softcap, alibi_slope,
-            p_mask, stride_mask_m, stride_mask_n, drop_seed, drop_offset, drop_row0,
-            drop_cols, dropout_p, BLOCK_M, BLOCK_D, EVEN_D, EVEN_DV, True,
-            MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_MASK, MASK_IS_BOOL,
-            INPUT_PRECISION, ATOMIC_DQ, HAS_DROPOUT)
+        # The three spans of _block_range (masked, unmasked, masked), unrolled.
+        for span in tl.static_range(3):
+            start = lo if span == 0 else (mid_lo if span == 1 else mid_hi)
+            stop = mid_lo if span == 0 else (mid_hi if span == 1 else hi)
+            dk, dv = _dkdv_block(
+                dk, dv, b_k, b_v, p_q, p_do, p_lse, p_delta, p_dq, start, stop, offs_n,
+                offs_m0, offs_d, offs_dv, seqlen_q, seqlen_k, head_dim, head_dim_v,
+                stride_qm, stride_dom,
+                diag_offset, window_left, window_right, softmax_scale, softcap,
+                alibi_slope, p_mask, stride_mask_m, stride_mask_n, drop_seed, drop_offset,
+                drop_row0, drop_cols, dropout_p, BLOCK_M, BLOCK_D, EVEN_D, EVEN_DV,
+                span != 1, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_MASK,
+                MASK_IS_BOOL, INPUT_PRECISION, ATOMIC_DQ, HAS_DROPOUT)
 
     m_tile = (offs_n[:, None] < seqlen_k) & (offs_d[None, :] < head_dim)
     p_dk = DK + off_hkv * stride_dkh + offs_n[:, None] * stride_dkn + offs_d[None, :]
@@ -399,30 +385,18 @@ def _bwd_dq_kernel(
     lo, mid_lo, mid_hi, hi = _block_range(start_m, seqlen_q, seqlen_k, diag_offset,
                                           window_left, window_right, BLOCK_M, BLOCK_N,
                                           MASK_LEFT, MASK_RIGHT)
-    dq = _dq_block(dq, b_q, b_do, lse_log2, delta, p_k, p_v, lo, mid_lo, offs_m, offs_n0,
-                   offs_d, offs_dv, seqlen_q, seqlen_k, head_dim, head_dim_v, stride_kn,
-                   stride_vn, diag_offset,
-                   window_left, window_right, softmax_scale, softcap, alibi_slope, p_mask,
-                   stride_mask_m, stride_mask_n, drop_seed, drop_offset, drop_rows,
-                   drop_col0, dropout_p, BLOCK_N, EVEN_D, EVEN_DV, True, MASK_LEFT,
-                   MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_MASK, MASK_IS_BOOL,
-                   INPUT_PRECISION, HAS_DROPOUT)
-    dq = _dq_block(dq, b_q, b_do, lse_log2, delta, p_k, p_v, mid_lo, mid_hi, offs_m,
-                   offs_n0, offs_d, offs_dv, seqlen_q, seqlen_k, head_dim, head_dim_v,
-                   stride_kn, stride_vn,
-                   diag_offset, window_left, window_right, softmax_scale, softcap,
-                   alibi_slope, p_mask, stride_mask_m, stride_mask_n, drop_seed,
-                   drop_offset, drop_rows, drop_col0, dropout_p, BLOCK_N, EVEN_D,
-                   EVEN_DV, False, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_MASK,
-                   MASK_IS_BOOL, INPUT_PRECISION, HAS_DROPOUT)
-    dq = _dq_block(dq, b_q, b_do, lse_log2, delta, p_k, p_v, mid_hi, hi, offs_m, offs_n0,
-                   offs_d, offs_dv, seqlen_q, seqlen_k, head_dim, head_dim_v, stride_kn,
-                   stride_vn, diag_offset,
-                   window_left, window_right, softmax_scale, softcap, alibi_slope, p_mask,
-                   stride_mask_m, stride_mask_n, drop_seed, drop_offset, drop_rows,
-                   drop_col0, dropout_p, BLOCK_N, EVEN_D, EVEN_DV, True, MASK_LEFT,
-                   MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_MASK, MASK_IS_BOOL,
-                   INPUT_PRECISION, HAS_DROPOUT)
+    # The three spans of _block_range (masked, unmasked, masked), unrolled.
+    for span in tl.static_range(3):
+        start = lo if span == 0 else (mid_lo if span == 1 else mid_hi)
+        stop = mid_lo if span == 0 else (mid_hi if span == 1 else hi)
+        dq = _dq_block(dq, b_q, b_do, lse_log2, delta, p_k, p_v, start, stop, offs_m,
+                       offs_n0, offs_d, offs_dv, seqlen_q, seqlen_k, head_dim, head_dim_v,
+                       stride_kn, stride_vn, diag_offset, window_left, window_right,
+                       softmax_scale, softcap, alibi_slope, p_mask, stride_mask_m,
+                       stride_mask_n, drop_seed, drop_offset, drop_rows, drop_col0,
+                       dropout_p, BLOCK_N, EVEN_D, EVEN_DV, span != 1, MASK_LEFT,
+                       MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_MASK, MASK_IS_BOOL,
+                       INPUT_PRECISION, HAS_DROPOUT)
 
     p_dq = DQ + off_h * stride_dqh + offs_m[:, None] * stride_dqm + offs_d[None, :]
     tl.store(p_dq, (dq * softmax_scale).to(DQ.dtype.element_ty),

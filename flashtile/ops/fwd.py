@@ -302,37 +302,21 @@ def _attn_fwd_kernel(
                                           window_left, window_right, BLOCK_M, BLOCK_N,
                                           MASK_LEFT, MASK_RIGHT)
     # Three spans: masked left edge, unmasked middle, masked right edge (and the ragged
-    # last key block). The middle one is where the time goes.
-    acc, l_i, m_i = _fwd_block(
-        acc, l_i, m_i, b_q, p_k, p_v, lo, mid_lo, offs_m, offs_n0, offs_d, offs_dv,
-        seqlen_q, seqlen_k, head_dim, head_dim_v, stride_kb, stride_kn, stride_vb,
-        stride_vn, block_row, max_blocks, num_blocks, diag_offset, window_left,
-        window_right, softmax_scale, softcap, alibi_slope, p_mask, stride_mask_m,
-        stride_mask_n, drop_seed, drop_offset, drop_rows, drop_col0, dropout_p,
-        BLOCK_N, EVEN_D, EVEN_DV, True, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP,
-        HAS_ALIBI, HAS_MASK, MASK_IS_BOOL,
-        INPUT_PRECISION, PAGED, PAGE_SIZE, IS_FP8, V_KEYS_CONTIGUOUS, PV_PER_TILE,
-        HAS_DROPOUT)
-    acc, l_i, m_i = _fwd_block(
-        acc, l_i, m_i, b_q, p_k, p_v, mid_lo, mid_hi, offs_m, offs_n0, offs_d, offs_dv,
-        seqlen_q, seqlen_k, head_dim, head_dim_v, stride_kb, stride_kn, stride_vb,
-        stride_vn, block_row, max_blocks, num_blocks, diag_offset, window_left,
-        window_right, softmax_scale, softcap, alibi_slope, p_mask, stride_mask_m,
-        stride_mask_n, drop_seed, drop_offset, drop_rows, drop_col0, dropout_p,
-        BLOCK_N, EVEN_D, EVEN_DV, False, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP,
-        HAS_ALIBI, HAS_MASK, MASK_IS_BOOL,
-        INPUT_PRECISION, PAGED, PAGE_SIZE, IS_FP8, V_KEYS_CONTIGUOUS, PV_PER_TILE,
-        HAS_DROPOUT)
-    acc, l_i, m_i = _fwd_block(
-        acc, l_i, m_i, b_q, p_k, p_v, mid_hi, hi, offs_m, offs_n0, offs_d, offs_dv,
-        seqlen_q, seqlen_k, head_dim, head_dim_v, stride_kb, stride_kn, stride_vb,
-        stride_vn, block_row, max_blocks, num_blocks, diag_offset, window_left,
-        window_right, softmax_scale, softcap, alibi_slope, p_mask, stride_mask_m,
-        stride_mask_n, drop_seed, drop_offset, drop_rows, drop_col0, dropout_p,
-        BLOCK_N, EVEN_D, EVEN_DV, True, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP,
-        HAS_ALIBI, HAS_MASK, MASK_IS_BOOL,
-        INPUT_PRECISION, PAGED, PAGE_SIZE, IS_FP8, V_KEYS_CONTIGUOUS, PV_PER_TILE,
-        HAS_DROPOUT)
+    # last key block). The middle one is where the time goes. Unrolled at compile time:
+    # span is a constexpr, so each call gets its own bounds and MASKED.
+    for span in tl.static_range(3):
+        start = lo if span == 0 else (mid_lo if span == 1 else mid_hi)
+        stop = mid_lo if span == 0 else (mid_hi if span == 1 else hi)
+        acc, l_i, m_i = _fwd_block(
+            acc, l_i, m_i, b_q, p_k, p_v, start, stop, offs_m, offs_n0, offs_d, offs_dv,
+            seqlen_q, seqlen_k, head_dim, head_dim_v, stride_kb, stride_kn, stride_vb,
+            stride_vn, block_row, max_blocks, num_blocks, diag_offset, window_left,
+            window_right, softmax_scale, softcap, alibi_slope, p_mask, stride_mask_m,
+            stride_mask_n, drop_seed, drop_offset, drop_rows, drop_col0, dropout_p,
+            BLOCK_N, EVEN_D, EVEN_DV, span != 1, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP,
+            HAS_ALIBI, HAS_MASK, MASK_IS_BOOL,
+            INPUT_PRECISION, PAGED, PAGE_SIZE, IS_FP8, V_KEYS_CONTIGUOUS, PV_PER_TILE,
+            HAS_DROPOUT)
 
 
     if PAGED and PAGE_SIZE < BLOCK_N:
