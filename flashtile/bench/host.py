@@ -169,7 +169,8 @@ def _pieces(q, k, v, qg, kg, vg, do, paged):
     """Rows that time the parts of a call the CPU harness (``flashtile.bench.host_cpu``)
     cannot: one CUDA allocation, the forward and paged decode launchers with and
     without their compiled launches, and the autograd engine's backward through a
-    Python Function that launches nothing (its hand-off to the device's thread).
+    Python Function that launches nothing, beside the same through C++ view nodes (the
+    difference is the Python node's own cost).
     ``paged``: q, the pools, cache_seqlens and block_table of the paged decode row."""
     from flashtile.ops import decode, fwd
 
@@ -199,6 +200,13 @@ def _pieces(q, k, v, qg, kg, vg, do, paged):
         outs = _Identity.apply(qg, kg, vg)
         torch.autograd.backward(outs, (do, do, do))
 
+    def engine_cpp():
+        # The same backward through C++ view nodes: the engine's device-thread hand-off
+        # and the three gradient accumulations without a Python node, which is what
+        # cuDNN SDPA's backward pays besides its kernels.
+        outs = (qg.view_as(qg), kg.view_as(kg), vg.view_as(vg))
+        torch.autograd.backward(outs, (do, do, do))
+
     return {
         "piece: torch.empty (one CUDA allocation)": dict(piece=lambda: torch.empty(
             q.shape, dtype=q.dtype, device=q.device)),
@@ -209,6 +217,7 @@ def _pieces(q, k, v, qg, kg, vg, do, paged):
         "piece: paged decode launcher, compiled launches no-ops": dict(
             piece=without_launch(paged_decode)),
         "piece: autograd engine, identity Function backward": dict(piece=engine),
+        "piece: autograd engine, the same through C++ view nodes": dict(piece=engine_cpp),
     }
 
 
