@@ -74,14 +74,17 @@ def backend_name(device: torch.device) -> str:
     return backend
 
 
-def hopper_fwd_requested() -> bool:
-    """FLASHTILE_HOPPER_FWD=1: dense forwards on sm_90 go to the Gluon kernel
-    (flashtile/ops/fwd_hopper.py, triton >= 3.6) where it supports the call, the portable
-    kernel serves the rest. Off by default until it is validated and timed on the GPU."""
-    value = os.environ.get("FLASHTILE_HOPPER_FWD", "0").strip()
-    if value not in ("", "0", "1"):
-        raise ValueError(f"FLASHTILE_HOPPER_FWD must be '0' or '1', got {value!r}")
-    return value == "1"
+def hopper_fwd_mode() -> str:
+    """FLASHTILE_HOPPER_FWD: where dense 16-bit forwards on sm_90 go to the Gluon kernel
+    (flashtile/ops/fwd_hopper.py) instead of the portable one, wherever it supports the
+    call. "auto" (the default): head dims 128 and 256 with at least 1k queries, the
+    cells where it was timed faster (1.26-1.75x the portable kernel, 1k-16k tokens,
+    docs/benchmarks/NOTES.md section 20); "1": every call it supports (head dim 64
+    too, where it was 0.9-1.16x); "0": never."""
+    value = os.environ.get("FLASHTILE_HOPPER_FWD", "auto").strip() or "auto"
+    if value not in ("auto", "0", "1"):
+        raise ValueError(f"FLASHTILE_HOPPER_FWD must be 'auto', '0' or '1', got {value!r}")
+    return value
 
 
 def default_device() -> torch.device:

@@ -23,6 +23,7 @@ and torch.func transforms get the op itself.
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import Optional
 
@@ -31,7 +32,7 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from flashtile import _torch_backend, reference
-from flashtile._backend import hopper_fwd_requested, select_backend
+from flashtile._backend import hopper_fwd_mode, select_backend
 from flashtile._validate import (MAX_OFFSET, can_read_indices, check_paged_varlen_values,
                                  check_varlen_values, index_checks_enabled, offset_reach)
 from flashtile.ops.bwd import attn_bwd as triton_bwd
@@ -70,15 +71,39 @@ def _attn_fwd_impl(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor],
     kw = _mask_kwargs(attn_mask, alibi_slopes, softmax_scale, diag_offset, window_left,
                       window_right, softcap)
     if select_backend(q.device, q.dtype) == "triton":
-        if hopper_fwd_requested():
-            from flashtile.ops import fwd_hopper  # imported only when asked: triton >= 3.6
-            if fwd_hopper.unsupported(q, k, v, dropout_p=dropout_p, **kw) is None:
-                return fwd_hopper.attn_fwd(q, k, v, allow_tf32=allow_tf32, **kw)
+        mode = hopper_fwd_mode()
+        fwd_hopper = _gluon_fwd(mode == "1") if mode == "1" or (
+            mode == "auto" and _hopper_fwd_wins(q)) else None
+        if fwd_hopper is not None and fwd_hopper.unsupported(
+                q, k, v, dropout_p=dropout_p, **kw) is None:
+            return fwd_hopper.attn_fwd(q, k, v, allow_tf32=allow_tf32, **kw)
         return triton_fwd(q, k, v, allow_tf32=allow_tf32, dropout_p=dropout_p,
                           philox=philox, **kw)
     out, lse = _torch_backend.attention_fwd(
         q, k, v, dropout=_dense_dropout(q, dropout_p, philox), **kw)
     return out.contiguous(), lse.contiguous()
+
+
+@functools.lru_cache(maxsize=None)
+def _gluon_fwd(required: bool):
+    """flashtile.ops.fwd_hopper, imported at the first call that may take it. Gluon needs
+    triton >= 3.6: older ones keep the portable kernel, unless FLASHTILE_HOPPER_FWD=1
+    asked for it by name (then the ImportError stands)."""
+    try:
+        from flashtile.ops import fwd_hopper
+    except ImportError:
+        if required:
+            raise
+        return None
+    return fwd_hopper
+
+
+def _hopper_fwd_wins(q: Tensor) -> bool:
+    """FLASHTILE_HOPPER_FWD=auto's cells: head dims 128 and 256 with at least 1k queries.
+    The Gluon kernel was timed there at 1.26-1.75x the portable one (NOTES.md section
+    20). Shorter calls were not timed, and its host path (four TMA descriptors, no
+    launch plan) was not measured either; head dim 64 was about even."""
+    return q.shape[-1] >= 128 and q.shape[1] >= 1024
 
 
 def _dense_dropout(q, dropout_p, philox):

@@ -172,11 +172,16 @@ def test_declines_what_it_does_not_support(monkeypatch):
                             **_kw(False, 0, 0.1))
 
 
-@pytest.mark.parametrize("switch", ["1", "0"])
-def test_switch_dispatch_on_cpu(switch, monkeypatch):
+@pytest.mark.parametrize("switch,head_dim,seqlen_q,used", [
+    ("1", 64, 30, "hopper"), ("0", 128, 1024, "portable"),
+    ("auto", 128, 1024, "hopper"), ("auto", 256, 2000, "hopper"), ("", 128, 1024, "hopper"),
+    ("auto", 64, 4096, "portable"), ("auto", 128, 1023, "portable")])
+def test_switch_dispatch_on_cpu(switch, head_dim, seqlen_q, used, monkeypatch):
     """With the kernels replaced by fakes: FLASHTILE_HOPPER_FWD=1 sends a supported dense
     forward to fwd_hopper.attn_fwd with the portable launcher's arguments (bottom-right
-    causal as diag_offset, window_right 0), "0" keeps it on the portable kernel."""
+    causal as diag_offset, window_right 0), "0" keeps it on the portable kernel, and
+    "auto" (also the unset default) takes the Gluon kernel at head dims 128 and 256 from
+    1k queries, the cells where it was timed faster."""
     seen = {}
 
     def fake(name):
@@ -191,16 +196,16 @@ def test_switch_dispatch_on_cpu(switch, monkeypatch):
     monkeypatch.setattr(fwd_hopper, "attn_fwd", fake("hopper"))
     monkeypatch.setattr(custom_ops, "triton_fwd", fake("portable"))
     monkeypatch.setenv("FLASHTILE_HOPPER_FWD", switch)
-    flashtile.flash_attn_func(*_inputs(1, 30, 50, 2, 1, 64, torch.bfloat16, "cpu"),
-                              causal=True)
-    used = "hopper" if switch == "1" else "portable"
+    flashtile.flash_attn_func(*_inputs(1, seqlen_q, seqlen_q + 20, 2, 1, head_dim,
+                                       torch.bfloat16, "cpu"), causal=True)
     assert list(seen) == [used]
     assert seen[used]["diag_offset"] == 20 and seen[used]["window_right"] == 0
 
 
 def test_switch_rejects_other_values(monkeypatch):
-    from flashtile._backend import hopper_fwd_requested
+    from flashtile._backend import hopper_fwd_mode
 
     monkeypatch.setenv("FLASHTILE_HOPPER_FWD", "yes")
-    with pytest.raises(ValueError, match="FLASHTILE_HOPPER_FWD must be '0' or '1', got 'yes'"):
-        hopper_fwd_requested()
+    with pytest.raises(ValueError, match="FLASHTILE_HOPPER_FWD must be 'auto', '0' or '1', "
+                       "got 'yes'"):
+        hopper_fwd_mode()
