@@ -22,7 +22,7 @@ from flashtile.ops import _launch, bwd, configs, decode, fwd
 
 KERNELS = {
     (fwd, "_attn_fwd_kernel"), (bwd, "_bwd_preprocess_kernel"), (bwd, "_bwd_dkdv_kernel"),
-    (bwd, "_bwd_dq_kernel"), (decode, "_decode_kernel"), (decode, "_combine_kernel"),
+    (bwd, "_bwd_dq_kernel"), (bwd, "_bwd_dq_convert_kernel"), (decode, "_decode_kernel"), (decode, "_combine_kernel"),
     (decode, "_append_kernel"),
 }
 
@@ -187,6 +187,32 @@ def test_plan_varlen_forward_serves_every_token_count(paged, recorder):
             cu_seqlens_q=t["cu"], cu_seqlens_k=t["cu"], max_seqlen_q=9, max_seqlen_k=9,
             block_table=t.get("table")))
         return dict(out=out, lse=lse)
+
+    _check_plan_matches_triton(recorder, call, make_inputs)
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["split", "fused"])
+def test_plan_varlen_backward_serves_every_batch_and_token_count(fused, recorder):
+    """Packed training batches differ in sequence count and tokens from step to step: the
+    backward's plans are keyed without them and pass each call's own rows, lse and dQ
+    accumulator strides and token counts exactly as Triton would (the first call's would
+    address the wrong rows)."""
+    sizes = iter([(5, 7), (9, 2, 6, 1), (9, 2, 6, 1)])  # Triton, plan, Triton again
+
+    def make_inputs():
+        lens = next(sizes)
+        cu = torch.tensor([0, *lens], dtype=torch.int32).cumsum(0, dtype=torch.int32)
+        n = int(cu[-1])
+        return dict(q=torch.randn(n, 4, 16), k=torch.randn(n, 2, 16),
+                    v=torch.randn(n, 2, 16), dout=torch.randn(n, 4, 16), cu=cu)
+
+    def call(t):
+        kw = _fwd_kw(cu_seqlens_q=t["cu"], cu_seqlens_k=t["cu"], max_seqlen_q=9,
+                     max_seqlen_k=9)
+        out, lse = fwd.attn_fwd(t["q"], t["k"], t["v"], **kw)
+        dq, dk, dv = bwd.attn_bwd(t["dout"], t["q"], t["k"], t["v"], out, lse, None,
+                                  fused=fused, **kw)
+        return dict(out=out, lse=lse, dq=dq, dk=dk, dv=dv)
 
     _check_plan_matches_triton(recorder, call, make_inputs)
 

@@ -39,7 +39,11 @@ def _row_block(nheads, seqlen_q, head_dim, BLOCK_M: tl.constexpr, BLOCK_D: tl.co
     return off_bh // nheads, off_bh % nheads, offs_m, offs_d, m_tile
 
 
-@triton.jit
+# A varlen call's packed row count (seqlen_q here) and the strides that follow it
+# (stride_acch, stride_lb/lh, total_q/total_k below) change from call to call: not
+# specialised, so one compiled kernel and one launch plan serve every batch of a layout,
+# as in the forward (ops/fwd.py). They address one scalar per row, and no tile.
+@triton.jit(do_not_specialize=["stride_acch", "seqlen_q"])
 def _bwd_preprocess_kernel(Out, DOut, DLse, Delta, DQAccum,
                            stride_ob, stride_om, stride_oh,
                            stride_dob, stride_dom, stride_doh,
@@ -147,7 +151,8 @@ def _varlen_bad(CuSeqlensQ, CuSeqlensK, batch, total_q, total_k, max_seqlen_q,
 
 
 # max_seqlen_q/k change from call to call: not specialised (one kernel, one plan).
-@triton.jit(do_not_specialize=["max_seqlen_q", "max_seqlen_k"])
+@triton.jit(do_not_specialize=["max_seqlen_q", "max_seqlen_k", "stride_acch", "stride_lb",
+                               "stride_lh", "total_q", "total_k"])
 def _bwd_dkdv_kernel(
     Q, K, V, DOut, Lse, Delta, DK, DV, DQAccum, Mask, Alibi, CuSeqlensQ, CuSeqlensK,
     Philox,
@@ -311,7 +316,8 @@ def _dq_block(dq, b_q, b_do, lse_log2, delta, p_k, p_v, start, stop,
     return dq
 
 
-@triton.jit(do_not_specialize=["max_seqlen_q", "max_seqlen_k"])
+@triton.jit(do_not_specialize=["max_seqlen_q", "max_seqlen_k", "stride_lb", "stride_lh",
+                               "total_q", "total_k"])
 def _bwd_dq_kernel(
     Q, K, V, DOut, Lse, Delta, DQ, Mask, Alibi, CuSeqlensQ, CuSeqlensK, Philox,
     stride_qb, stride_qm, stride_qh,
@@ -403,7 +409,7 @@ def _bwd_dq_kernel(
              mask=(offs_m[:, None] < seqlen_q) & (offs_d[None, :] < head_dim))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_acch", "seqlen_q"])
 def _bwd_dq_convert_kernel(DQAccum, DQ, stride_accb, stride_acch,
                            stride_dqb, stride_dqm, stride_dqh,
                            nheads, seqlen_q, head_dim, softmax_scale,
@@ -419,14 +425,17 @@ def _bwd_dq_convert_kernel(DQAccum, DQ, stride_accb, stride_acch,
 
 
 # The kernel parameters a call of each backward plan fills, in this order (``_launch``).
-_PRE_SLOTS = ("Out", "DOut", "DLse", "Delta", "DQAccum")
+# A varlen plan's slots also carry what follows the packed row counts: the rows, the
+# accumulator's and lse's head strides, total_q and total_k.
+_PRE_SLOTS = ("Out", "DOut", "DLse", "Delta", "DQAccum", "stride_acch", "seqlen_q")
 _DKDV_SLOTS = ("Q", "K", "V", "DOut", "Lse", "Delta", "DK", "DV", "DQAccum", "Mask",
-               "Alibi", "CuSeqlensQ", "CuSeqlensK", "Philox", "max_seqlen_q",
-               "max_seqlen_k", "softmax_scale", "softcap", "dropout_p")
+               "Alibi", "CuSeqlensQ", "CuSeqlensK", "Philox", "stride_acch", "stride_lb",
+               "stride_lh", "total_q", "total_k", "max_seqlen_q", "max_seqlen_k",
+               "softmax_scale", "softcap", "dropout_p")
 _DQ_SLOTS = ("Q", "K", "V", "DOut", "Lse", "Delta", "DQ", "Mask", "Alibi", "CuSeqlensQ",
-             "CuSeqlensK", "Philox", "max_seqlen_q", "max_seqlen_k", "softmax_scale",
-             "softcap", "dropout_p")
-_CONVERT_SLOTS = ("DQAccum", "DQ", "softmax_scale")
+             "CuSeqlensK", "Philox", "stride_lb", "stride_lh", "total_q", "total_k",
+             "max_seqlen_q", "max_seqlen_k", "softmax_scale", "softcap", "dropout_p")
+_CONVERT_SLOTS = ("DQAccum", "DQ", "stride_acch", "seqlen_q", "softmax_scale")
 
 
 def attn_bwd(dout, q, k, v, out, lse, dlse, *, attn_mask, alibi_slopes, softmax_scale,
@@ -486,27 +495,40 @@ def attn_bwd(dout, q, k, v, out, lse, dlse, *, attn_mask, alibi_slopes, softmax_
                lse if philox is None else philox)
     scalars = (max_seqlen_q if varlen else 0, max_seqlen_k if varlen else 0,
                softmax_scale, softcap, dropout_p)
+    # What follows a varlen call's packed row counts, in the slots' order: the dQ
+    # accumulator's head stride, lse's strides (a packed batch's lse is (h, total_q)),
+    # total_q and total_k; then the rows the preprocess and the dQ conversion cover.
+    acc_strides = (0, 0) if dq_accum is None else \
+        (0 if varlen else dq_accum.stride(0), dq_accum.stride(1))
+    lse_strides = (0, lse.stride(0)) if varlen else lse.stride()[:2]
+    totals = (q.shape[0], k.shape[0]) if varlen else (0, 0)
+    rows = q.shape[0] if varlen else q.shape[1]  # packed varlen rows: one long sequence
+    row_grid = (configs.cdiv(rows, configs.PREPROCESS_BLOCK_M), (1 if varlen else batch) * h)
     key = None
     if _launch.ready(q):
         p = _launch.pointers(tensors)
-        key = ("bwd", q.dtype, q.shape, q.stride(), k.shape, k.stride(), d_v, v.stride(),
+        # A varlen key leaves the batch and token counts out (the grids and the slots
+        # carry them): one set of plans per layout, as the forward's.
+        key = ("bwd", q.dtype, q.shape[1:] if varlen else q.shape, q.stride(),
+               k.shape[1:] if varlen else k.shape, k.stride(), d_v, v.stride(),
                dout.stride(), out.stride(), dlse is None,
                _launch.layout(attn_mask), _launch.layout(alibi_slopes),
                diag_offset, window_left, window_right, softcap > 0, allow_tf32,
                philox is not None,
-               varlen and (batch, configs.seqlen_class(max(longest_q, longest_k))),
+               varlen and configs.seqlen_class(max(longest_q, longest_k)),
                fused, _launch.misalignment(p))
         plans = _launch.lookup(key)
         if plans is not None:
             pre, dkdv, last = plans
-            pre((p[12], p[3], p[13], p[5], p[15]))
-            dkdv((*p[:8], p[15], *p[8:12], p[16], *scalars),
+            pre((p[12], p[3], p[13], p[5], p[15], acc_strides[1], rows), (*row_grid, 1))
+            dkdv((*p[:8], p[15], *p[8:12], p[16], acc_strides[1], *lse_strides, *totals,
+                  *scalars),
                  (max(1, configs.cdiv(longest_k, dkdv.cfg.block_n)), batch * hkv, 1)
                  if varlen else None)
             if fused:
-                last((p[15], p[14], softmax_scale))
+                last((p[15], p[14], acc_strides[1], rows, softmax_scale), (*row_grid, 1))
             else:
-                last((*p[:6], p[14], *p[8:12], p[16], *scalars),
+                last((*p[:6], p[14], *p[8:12], p[16], *lse_strides, *totals, *scalars),
                      (max(1, configs.cdiv(longest_q, last.cfg.block_m)), batch * h, 1)
                      if varlen else None)
             return dq, dk, dv
@@ -517,17 +539,13 @@ def attn_bwd(dout, q, k, v, out, lse, dlse, *, attn_mask, alibi_slopes, softmax_
         lse3 = lse.unsqueeze(0)
     else:
         dout4, q4, k4, v4, out4, dq4, dk4, dv4, lse3 = dout, q, k, v, out, dq, dk, dv, lse
-    # The dK/dV kernel's batch index is the sequence's in varlen: stride 0 there.
-    acc_strides = (0, 0) if dq_accum is None else \
-        (0 if varlen else dq_accum.stride(0), dq_accum.stride(1))
-    rows = out4.shape[1]  # per row, so packed varlen rows are one long sequence here
+    # The dK/dV kernel's batch index is the sequence's in varlen, and the row kernels
+    # see one batch of packed rows: batch strides 0 there (configs.strides).
     pre_m = configs.PREPROCESS_BLOCK_M
-    row_grid = (configs.cdiv(rows, pre_m), out4.shape[0] * h)
     pre = _launch.first_launch(
         _bwd_preprocess_kernel, row_grid,
-        (out, dout, tensors[13], delta, tensors[15], out4.stride(0), out4.stride(1),
-         out4.stride(2), dout4.stride(0), dout4.stride(1), dout4.stride(2), *acc_strides,
-         h, rows, d_v),
+        (out, dout, tensors[13], delta, tensors[15],
+         *configs.strides(varlen, out4, dout4), *acc_strides, h, rows, d_v),
         dict(BLOCK_M=pre_m, BLOCK_D=block_d, BLOCK_DV=configs.padded_head_dim(d_v),
              HAS_DLSE=dlse is not None, ZERO_DQ=fused),
         _PRE_SLOTS if key is not None else None)
@@ -560,8 +578,8 @@ def attn_bwd(dout, q, k, v, out, lse, dlse, *, attn_mask, alibi_slopes, softmax_
     if fused:
         last = _launch.first_launch(
             _bwd_dq_convert_kernel, row_grid,
-            (dq_accum, dq, *acc_strides, dq4.stride(0), dq4.stride(1), dq4.stride(2), h,
-             rows, d, softmax_scale),
+            (dq_accum, dq, *acc_strides, *configs.strides(varlen, dq4), h, rows, d,
+             softmax_scale),
             dict(BLOCK_M=pre_m, BLOCK_D=block_d),
             _CONVERT_SLOTS if key is not None else None)
     else:
