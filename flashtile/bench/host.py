@@ -196,6 +196,24 @@ def _pieces(q, k, v, qg, kg, vg, do, paged):
     def paged_decode():
         return decode.attn_decode(qd, pool_k, pool_v, **decode_kw)
 
+    # The Gluon forward (sm_90; FLASHTILE_HOPPER_FWD=auto takes it from 1k queries at
+    # head dim 128) builds four TMA descriptors a call and has no launch plan: its
+    # launcher beside the portable one's at 1k queries.
+    q1k, k1k, v1k = (torch.randn(1, 1024, NHEADS, HEAD_DIM, dtype=q.dtype, device=q.device)
+                     for _ in range(3))
+    gluon = {}
+    try:
+        from flashtile.ops import fwd_hopper
+    except ImportError:  # triton < 3.6: no Gluon
+        fwd_hopper = None
+    if fwd_hopper is not None and fwd_hopper.unsupported(q1k, k1k, v1k, **kw) is None:
+        gluon = {
+            "piece: forward launcher, 1k queries (portable)": dict(
+                piece=lambda: fwd.attn_fwd(q1k, k1k, v1k, **kw)),
+            "piece: forward launcher, 1k queries (Gluon, ops.fwd_hopper)": dict(
+                piece=lambda: fwd_hopper.attn_fwd(q1k, k1k, v1k, **kw)),
+        }
+
     def engine():
         outs = _Identity.apply(qg, kg, vg)
         torch.autograd.backward(outs, (do, do, do))
@@ -218,6 +236,7 @@ def _pieces(q, k, v, qg, kg, vg, do, paged):
             piece=without_launch(paged_decode)),
         "piece: autograd engine, identity Function backward": dict(piece=engine),
         "piece: autograd engine, the same through C++ view nodes": dict(piece=engine_cpp),
+        **gluon,
     }
 
 
