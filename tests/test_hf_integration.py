@@ -139,16 +139,21 @@ def triton(monkeypatch, on_gpu):
     monkeypatch.setenv("FLASHTILE_BACKEND", "triton")
 
 
+def _counting(seen, name, fn):
+    """fn, counting its calls in seen[name]."""
+    def wrapper(*args, **kwargs):
+        seen[name] += 1
+        return fn(*args, **kwargs)
+    return wrapper
+
+
 @pytest.fixture
 def calls(monkeypatch):
     """Counts of the flashtile functions the integration called."""
     seen = collections.Counter()
 
     def counted(name, fn):
-        def wrapper(*args, **kwargs):
-            seen[name] += 1
-            return fn(*args, **kwargs)
-        return wrapper
+        return _counting(seen, name, fn)
 
     for name in ("flash_attn_func", "flash_attn_varlen_func"):
         monkeypatch.setattr(flashtile, name, counted(name, getattr(flashtile, name)))
@@ -284,12 +289,8 @@ def test_decode_fast_path_equals_kvcache(monkeypatch, device, triton):
     longer cache, another scaling) goes through flash_attn_with_kvcache again."""
     validated = collections.Counter()
     original = flashtile.flash_attn_with_kvcache
-
-    def counted(*args, **kwargs):
-        validated["calls"] += 1
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(flashtile, "flash_attn_with_kvcache", counted)
+    monkeypatch.setattr(flashtile, "flash_attn_with_kvcache",
+                        _counting(validated, "calls", original))
     monkeypatch.setattr(hf_attention, "_last_decode", [None])
     torch.manual_seed(0)
     q = torch.randn(3, 4, 1, 16, device=device)
@@ -328,19 +329,13 @@ def _host_reads_per_step(layers, monkeypatch):
     monkeypatch.setattr(hf_attention, "_attention",
                         lambda q, k, v, **kw: (zeros(q, k, v), None))
     reads = collections.Counter()
-
-    def counting(name, fn):
-        def wrapper(*args, **kwargs):
-            reads[name] += 1
-            return fn(*args, **kwargs)
-        return wrapper
-
     with torch.no_grad():
         out = model(input_ids=ids, attention_mask=mask, use_cache=True)
         with monkeypatch.context() as m:
             for name in _HOST_READS:
-                m.setattr(torch.Tensor, name, counting(name, getattr(torch.Tensor, name)))
-            m.setattr(torch, "nonzero", counting("nonzero", torch.nonzero))
+                m.setattr(torch.Tensor, name,
+                          _counting(reads, name, getattr(torch.Tensor, name)))
+            m.setattr(torch, "nonzero", _counting(reads, "nonzero", torch.nonzero))
             model(input_ids=ids, attention_mask=mask, use_cache=True)
             prefill = dict(reads)
             reads.clear()
