@@ -14,6 +14,7 @@ import collections
 import json
 import os
 import sys
+import warnings
 
 import pytest
 import torch
@@ -138,20 +139,28 @@ def triton(monkeypatch, on_gpu):
     monkeypatch.setenv("FLASHTILE_BACKEND", "triton")
 
 
+def _counting(seen, name, fn):
+    """fn, counting its calls in seen[name]."""
+    def wrapper(*args, **kwargs):
+        seen[name] += 1
+        return fn(*args, **kwargs)
+    return wrapper
+
+
 @pytest.fixture
 def calls(monkeypatch):
     """Counts of the flashtile functions the integration called."""
     seen = collections.Counter()
 
     def counted(name, fn):
-        def wrapper(*args, **kwargs):
-            seen[name] += 1
-            return fn(*args, **kwargs)
-        return wrapper
+        return _counting(seen, name, fn)
 
-    for name in ("flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache"):
+    for name in ("flash_attn_func", "flash_attn_varlen_func"):
         monkeypatch.setattr(flashtile, name, counted(name, getattr(flashtile, name)))
     monkeypatch.setattr(hf_attention, "_masked", counted("masked", hf_attention._masked))
+    # The decode kernel: flash_attn_with_kvcache, or for a decode step's later layers the
+    # same launch without its validation (_decode's fast path).
+    monkeypatch.setattr(hf_attention, "_decode", counted("decode", hf_attention._decode))
     return seen
 
 
@@ -243,8 +252,7 @@ def test_generate_left_padded(family, cache, device, calls):
         assert calls == {"masked": NEW * layers}, dict(calls)
         return
     assert calls["flash_attn_varlen_func"] == layers, dict(calls)
-    assert calls["masked"] + calls["flash_attn_with_kvcache"] == (NEW - 1) * layers, \
-        dict(calls)
+    assert calls["masked"] + calls["decode"] == (NEW - 1) * layers, dict(calls)
 
 
 def test_generate_unpadded_decodes_with_kvcache(device, calls):
@@ -258,8 +266,7 @@ def test_generate_unpadded_decodes_with_kvcache(device, calls):
     got = _generate(model, "flashtile", ids, mask)
     assert torch.equal(got, want), (got, want)
     layers = COMMON["num_hidden_layers"]
-    _assert_served(calls, {"flash_attn_func": layers,
-                           "flash_attn_with_kvcache": (NEW - 1) * layers})
+    _assert_served(calls, {"flash_attn_func": layers, "decode": (NEW - 1) * layers})
 
 
 @pytest.mark.parametrize("family,pad", [("mistral", "none"), ("mistral", "left"),
@@ -273,6 +280,104 @@ def test_generate_triton(family, pad, device, calls, triton):
     want = _generate(model, ref, ids, mask)
     got = _generate(model, "flashtile", ids, mask)
     assert torch.equal(got, want), (got, want)
+
+
+def test_decode_fast_path_equals_kvcache(monkeypatch, device, triton):
+    """A decode step's later layers (same signature as the first) launch the decode
+    kernel without flash_attn_with_kvcache's validation, on the first call's
+    cache_seqlens: the same output, bit for bit; a new signature (the next step's
+    longer cache, another scaling) goes through flash_attn_with_kvcache again."""
+    validated = collections.Counter()
+    original = flashtile.flash_attn_with_kvcache
+    monkeypatch.setattr(flashtile, "flash_attn_with_kvcache",
+                        _counting(validated, "calls", original))
+    monkeypatch.setattr(hf_attention, "_last_decode", [None])
+    torch.manual_seed(0)
+    q = torch.randn(3, 4, 1, 16, device=device)
+    for keys, scale in ((9, None), (9, None), (9, 0.3), (10, 0.3), (10, 0.3)):
+        k, v = (torch.randn(3, 2, keys, 16, device=device) for _ in range(2))
+        with torch.no_grad():
+            out, _ = hf.attention_forward(_module(), q, k, v, None, scaling=scale)
+        want = original(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                        cache_seqlens=keys, causal=True, softmax_scale=scale)
+        assert torch.equal(out, want)
+        torch.testing.assert_close(out, _sdpa_ref(q, k, v, True, scale), rtol=1e-5,
+                                   atol=1e-6)
+    assert validated["calls"] == 3  # (9, None), (9, 0.3), (10, 0.3)
+
+
+# The tensor methods that read a value on the host: on a GPU each is a device sync.
+_HOST_READS = ("item", "tolist", "nonzero", "__bool__", "__int__", "__float__",
+               "__index__")
+
+
+def _host_reads_per_step(layers, monkeypatch):
+    """Host reads of a left-padded batch's prefill and of one decode step through
+    flashtile's integration, with the kernels replaced by zeros (they do not sync on
+    the GPU, and the CPU backends' own reads are not the integration's)."""
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        **{**COMMON, "num_hidden_layers": layers}, num_key_value_heads=2, head_dim=12))
+    _use(model.eval(), "flashtile")
+    ids, mask = _batch("left", "cpu")
+
+    def zeros(q, k, v, *args, **kwargs):
+        return q.new_zeros(*q.shape[:-1], v.shape[-1])
+
+    for name in ("flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache"):
+        monkeypatch.setattr(flashtile, name, zeros)
+    monkeypatch.setattr(hf_attention, "_attention",
+                        lambda q, k, v, **kw: (zeros(q, k, v), None))
+    reads = collections.Counter()
+    with torch.no_grad():
+        out = model(input_ids=ids, attention_mask=mask, use_cache=True)
+        with monkeypatch.context() as m:
+            for name in _HOST_READS:
+                m.setattr(torch.Tensor, name,
+                          _counting(reads, name, getattr(torch.Tensor, name)))
+            m.setattr(torch, "nonzero", _counting(reads, "nonzero", torch.nonzero))
+            model(input_ids=ids, attention_mask=mask, use_cache=True)
+            prefill = dict(reads)
+            reads.clear()
+            step_mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], 1)
+            model(input_ids=ids[:, -1:], attention_mask=step_mask,
+                  past_key_values=out.past_key_values, use_cache=True)
+    return prefill, dict(reads)
+
+
+@pytest.mark.skipif(not MASK_INTERFACE, reason="transformers < 4.53 hands flashtile 4-D "
+                    "masks (its own reads, not the integration's)")
+def test_padded_batch_host_reads_do_not_grow_with_layers(monkeypatch):
+    """Regression (issue 16): the prefill of a padded batch unpadded the mask with
+    nonzero (a device sync) in every layer; now once per forward, reused by the other
+    layers. A decode step reads nothing per layer either."""
+    two, five = (_host_reads_per_step(n, monkeypatch) for n in (2, 5))
+    assert two == five, (two, five)
+    assert two[0].get("nonzero", 0) <= 1, two
+
+
+@pytest.mark.gpu
+def test_padded_generate_syncs_do_not_grow_with_layers():
+    """On the GPU: a left-padded generate syncs as often with 2 layers as with 4 (the
+    syncs left are transformers' and flashtile's once-per-forward reads)."""
+    def syncs(layers):
+        torch.manual_seed(0)
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            **{**COMMON, "num_hidden_layers": layers}, num_key_value_heads=2,
+            head_dim=12)).cuda().eval()
+        ids, mask = _batch("left", "cuda")
+        _generate(model, "flashtile", ids, mask)  # compiles and launch plans first
+        torch.cuda.synchronize()
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                _generate(model, "flashtile", ids, mask)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        return sum("synchronizing" in str(w.message) for w in seen)
+
+    assert syncs(2) == syncs(4)
 
 
 @pytest.mark.parametrize("family", ["llama"] + ENCODERS)

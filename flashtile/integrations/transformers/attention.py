@@ -3,13 +3,19 @@ adapter (continuous batching, transformers 5.0-5.2x)."""
 
 from __future__ import annotations
 
+import math
+import weakref
+
 import torch
 import torch.nn.functional as F
 
 import flashtile
 from flashtile import _validate as V
+from flashtile._backend import select_backend
+from flashtile.custom_ops import _plain_eager
 from flashtile.integrations.transformers._notes import _note
 from flashtile.interface import _attention, _philox
+from flashtile.ops.decode import attn_decode
 
 
 def _needs_grad(*xs):
@@ -49,31 +55,60 @@ def _padded(q, k, v, mask, causal, sliding_window, opts):
         V._fail(ValueError, "attention_mask.shape[1]", f"at most the key length {k.shape[1]}",
                 n, "A 2-D mask covers the positions of the keys, up to the last query")
     k, v = k[:, :n], v[:, :n]
-    mask = mask.to(torch.bool)
+    attention_mask, mask = mask, mask.to(torch.bool)
     window = _window(sliding_window, causal, n)
     if (sq == 1 and not _needs_grad(q, k, v)) or torch.compiler.is_compiling():
         # A decode step: every row sees the keys its mask allows, in one kernel (cheaper
         # than gathering the whole cache each step). Under torch.compile too: unpadding
         # has data-dependent sizes, which would break the graph.
         return _masked(q, k, v, mask[:, None, None, :], causal, window, **opts)
-    rows, cols = mask.nonzero(as_tuple=True)  # one host read: the token count
-    cu_k = F.pad(mask.sum(1, dtype=torch.int32).cumsum(0, dtype=torch.int32), (1, 0))
+    (rows, cols, cu_k), (q_rows, q_cols, cu_q) = _unpadding(attention_mask, mask, sq,
+                                                            causal)
     if not causal:
         # Bidirectional: every query (padding too, as SDPA does) sees the real keys.
         out = flashtile.flash_attn_varlen_func(
-            q.reshape(b * sq, h, d), k[rows, cols], v[rows, cols],
-            torch.arange(0, b * sq + 1, sq, dtype=torch.int32, device=q.device), cu_k,
-            sq, n, causal=False, window_size=window, **opts)
+            q.reshape(b * sq, h, d), k[rows, cols], v[rows, cols], cu_q, cu_k, sq, n,
+            causal=False, window_size=window, **opts)
         return out.view(b, sq, h, d)
-    # Causal: the real queries are the real tokens among the last sq positions, and a
-    # sequence's last real query is its last real key (varlen's bottom-right alignment).
-    q_mask = mask[:, n - sq:]
-    q_rows, q_cols = (rows, cols) if sq == n else q_mask.nonzero(as_tuple=True)
-    cu_q = F.pad(q_mask.sum(1, dtype=torch.int32).cumsum(0, dtype=torch.int32), (1, 0))
     out = flashtile.flash_attn_varlen_func(q[q_rows, q_cols], k[rows, cols], v[rows, cols],
                                            cu_q, cu_k, sq, n, causal=True,
                                            window_size=window, **opts)
     return out.new_zeros(b, sq, h, d).index_put((q_rows, q_cols), out)
+
+
+# The last _unpadding: (weak reference to the mask, its version, sq, causal), result.
+_last_unpadding = [None, None]
+
+
+def _unpadding(given, mask, sq, causal):
+    """The unpadding of a 2-D mask: ((rows, cols, cu_seqlens) of the real keys, the same
+    of the real queries), computed once per forward, not per layer. transformers hands
+    every layer the mask object build_mask made for that forward (a fresh view each
+    time), so the last result is reused while ``given`` is that object, unmodified
+    (its version counter; an inference tensor has none, and identity alone decides).
+    Each computation reads the token count on the host (nonzero): a sync, which in
+    every layer would stall the pipeline once a layer."""
+    version = None if given.is_inference() else given._version
+    key, found = _last_unpadding
+    if key is not None and key[0]() is given and key[1:] == (version, sq, causal):
+        return found
+    b, n = mask.shape
+    rows, cols = mask.nonzero(as_tuple=True)  # one host read: the token count
+    cu_k = F.pad(mask.sum(1, dtype=torch.int32).cumsum(0, dtype=torch.int32), (1, 0))
+    if not causal:  # every query row is kept (padding too, as SDPA does)
+        queries = (None, None, torch.arange(0, b * sq + 1, sq, dtype=torch.int32,
+                                            device=mask.device))
+    else:
+        # Causal: the real queries are the real tokens among the last sq positions, and
+        # a sequence's last real query is its last real key (varlen's bottom-right
+        # alignment).
+        q_mask = mask[:, n - sq:]
+        q_rows, q_cols = (rows, cols) if sq == n else q_mask.nonzero(as_tuple=True)
+        queries = (q_rows, q_cols, F.pad(q_mask.sum(1, dtype=torch.int32).cumsum(
+            0, dtype=torch.int32), (1, 0)))
+    found = ((rows, cols, cu_k), queries)
+    _last_unpadding[:] = ((weakref.ref(given), version, sq, causal), found)
+    return found
 
 
 def _varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal, sliding_window, opts):
@@ -109,11 +144,56 @@ def _dense(q, k, v, causal, sliding_window, opts):
         # A decode step over a cache without padding: the split-KV decode kernel, which
         # has no dropout (a model left in training mode under no_grad takes
         # flash_attn_func below, whose result is the same but for the dropout).
-        return flashtile.flash_attn_with_kvcache(q, k, v, cache_seqlens=sk, causal=causal,
-                                                 window_size=window,
-                                                 softmax_scale=opts["softmax_scale"],
-                                                 softcap=opts["softcap"])
+        return _decode(q, k, v, causal, window, opts["softmax_scale"], opts["softcap"])
     return flashtile.flash_attn_func(q, k, v, causal=causal, window_size=window, **opts)
+
+
+# The last decode call's (signature, cache_seqlens, softmax_scale, window_left,
+# window_right).
+_last_decode = [None]
+
+
+def _decode(q, k, v, causal, window, softmax_scale, softcap):
+    """flash_attn_with_kvcache(q, k, v, cache_seqlens=k.shape[1]) for a decode step, at
+    less host cost. Decode in ``generate`` is host-bound (a step's kernels take a few
+    microseconds, the Python around them far more), and every layer of a step makes
+    this call with the same shapes. So the first layer's call goes through
+    flash_attn_with_kvcache, which validates them, and the step's other layers, whose
+    signature (shapes, strides, dtypes, devices, options, stream) is the same, launch
+    the decode kernel as flash_attn_with_kvcache's eager Triton path does, on the
+    first call's cache_seqlens tensor (the kernel only reads it). What can change
+    between calls of one signature is still asked on every call: compile, tracing or
+    a subclass (``_plain_eager``), the backend (FLASHTILE_BACKEND), the index checks;
+    a call they send elsewhere, or one during CUDA-graph capture (whose tensors must
+    not outlive it here), takes flash_attn_with_kvcache."""
+    cuda = q.is_cuda
+    capturing = cuda and torch.cuda.is_current_stream_capturing()
+    signature = (q.shape, q.stride(), q.dtype, q.device, k.shape, k.stride(), k.dtype,
+                 k.device, v.shape, v.stride(), v.dtype, v.device, causal, window,
+                 softmax_scale, softcap,
+                 torch._C._cuda_getCurrentRawStream(q.device.index) if cuda else None)
+    last = _last_decode[0]
+    if (last is not None and last[0] == signature and not capturing
+            and not V.index_checks_enabled() and _plain_eager((q, k, v))
+            and select_backend(q.device, q.dtype) == "triton"):
+        _, cache_seqlens, scale, left, right = last
+        return attn_decode(q, k, v, cache_seqlens=cache_seqlens, block_table=None,
+                           cache_batch_idx=None, cache_leftpad=None, alibi_slopes=None,
+                           softmax_scale=scale, window_left=left,
+                           window_right=right, softcap=float(softcap), num_splits=0,
+                           allow_tf32=False)[0]
+    cache_seqlens = torch.full((q.shape[0],), k.shape[1], dtype=torch.int32,
+                               device=q.device)
+    out = flashtile.flash_attn_with_kvcache(q, k, v, cache_seqlens=cache_seqlens,
+                                            causal=causal, window_size=window,
+                                            softmax_scale=softmax_scale, softcap=softcap)
+    if not capturing:
+        # What flash_attn_with_kvcache derived from the options, for the fast path.
+        left, right = V.check_flash_options(0.0, softmax_scale, softcap, window, causal)
+        scale = float(1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None
+                      else softmax_scale)
+        _last_decode[0] = (signature, cache_seqlens, scale, left, right)
+    return out
 
 
 def _refuse(kwargs):
