@@ -81,7 +81,8 @@ def _pick(pages, index, FIRST: tl.constexpr, STEP: tl.constexpr, COUNT: tl.const
 # Integers that follow the batch (the partial lse's split stride) or the cache's and the
 # block table's sizes, not the model: Triton would compile one variant for 1, one for a
 # multiple of 16 and one for any other value, which an eager engine met mid-serving.
-# They bound index checks and scalar addresses only; no vector access leans on them.
+# They bound index checks and scalar addresses only: the sm_90 PTX is the same with
+# them marked multiples of 16 (tests/aot.py).
 @triton.jit(do_not_specialize=["stride_block_table_b", "max_blocks", "stride_ls",
                                "cache_rows", "capacity"])
 def _decode_kernel(
@@ -314,6 +315,8 @@ def _decode_kernel(
 
 # The split count and the partial lse's split stride (splits x batch x heads) follow the
 # batch and the cache length: unspecialised, one variant per BLOCK_S (as _decode_kernel).
+# A split count known to be a multiple of 16 would save a few predicates of the split
+# mask (sm_90 PTX), not a load.
 @triton.jit(do_not_specialize=["stride_lps", "num_splits"])
 def _combine_kernel(OutPartial, LsePartial, Out, Lse,
                     stride_ps, stride_pb, stride_pm, stride_ph,
