@@ -471,6 +471,37 @@ def test_warm_up_runs_every_step_kind(checkpoint, monkeypatch):
     _assert_pool_empty(llm)
 
 
+def test_warm_up_decodes_each_split_variant(checkpoint, monkeypatch):
+    """An eager warm-up runs a decode step at each (batch, block-table width) that
+    flashtile's paged_decode_warm_shapes names for the engine's batch sizes and the
+    widths _host_decode gives (multiples of 16 pages), so that no split-decode variant
+    compiles while serving; the steps touch no sequence's pages."""
+    from flashtile.engine import runner as runner_module
+    path, _ = checkpoint
+    llm = _llm(path, max_model_len=200, max_num_seqs=5)  # 13 pages: width 16
+    runner, asked, decodes = llm.runner, [], []
+    forward = runner.forward
+
+    def shapes(q, k_cache, v_cache, batch_sizes, widths):
+        asked.append((q.shape, k_cache.data_ptr() == runner.kv_cache[0, 0].data_ptr(),
+                      list(batch_sizes), list(widths)))
+        return [(3, 16), (5, 16)]
+
+    def spy(inputs):
+        if inputs.meta.is_decode:
+            decodes.append(tuple(inputs.meta.block_tables.shape))
+        return forward(inputs)
+
+    monkeypatch.setattr(runner_module, "paged_decode_warm_shapes", shapes)
+    monkeypatch.setattr(runner, "forward", spy)
+    runner.warm_up()
+    mc = runner.config.model_config
+    assert asked == [((1, 1, mc.num_attention_heads, mc.head_dim), True, [1, 2, 3, 4, 5],
+                      [16])]
+    assert decodes[-2:] == [(3, 16), (5, 16)]
+    _assert_pool_empty(llm)
+
+
 def test_async_scheduling_equals_sync(checkpoint, tmp_path, async_scheduling, monkeypatch):
     """Asynchronous scheduling (each step launched before the previous one's tokens are
     read; in-flight tokens read on the device) gives the synchronous engine's tokens,

@@ -32,6 +32,7 @@ from flashtile.engine.sampler import Sampler, SamplingTensors
 from flashtile.engine.sequence import Sequence
 from flashtile.engine.step_inputs import HostStep, StepInputs, StepInputsMixin, \
     _round_up
+from flashtile.ops.decode import paged_decode_warm_shapes
 
 log = logging.getLogger("flashtile.engine")
 GiB = 2**30
@@ -144,7 +145,8 @@ class ModelRunner(StepInputsMixin, CudaGraphsMixin):
         """Run every kind of step once on dummy sequences, so that each Triton kernel
         variant and torch.compile graph the engine meets compiles now, not while serving
         (a compile takes ~0.4 s): fresh prefills, prefill chunks over the pool beside
-        decodes (paged varlen), and, when not captured in CUDA graphs, decodes. Tuned
+        decodes (paged varlen), and, when not captured in CUDA graphs, decodes (one per
+        split-decode variant: paged_decode_warm_shapes). Tuned
         tiles (`flashtile tune`) depend on the sequence length class (<=2k, <=8k, more),
         so each class the limits allow is run. Everything reads and writes the scratch
         block only."""
@@ -169,6 +171,17 @@ class ModelRunner(StepInputsMixin, CudaGraphsMixin):
         if decode:
             for bs in sorted({1, cfg.max_num_seqs}):
                 self.forward(self.prepare([seq(cfg.max_model_len, 1)] * bs))
+            if cfg.attention_backend == "flashtile":
+                # Split decode's variants follow the batch and the block table's width
+                # (rounded up to 16 pages, _host_decode): one step for each.
+                attn = self.model.attention_layers()[0]
+                q = torch.empty(1, 1, attn.num_heads, attn.head_dim, dtype=self.dtype,
+                                device=self.device)
+                for bs, width in paged_decode_warm_shapes(
+                        q, attn.k_cache, attn.v_cache, range(1, cfg.max_num_seqs + 1),
+                        range(16, _round_up(cfg.blocks_per_seq, 16) + 1, 16)):
+                    keys = min(width * ps, cfg.max_model_len)
+                    self.forward(self.prepare([seq(keys, 1)] * bs))
         if self.device.type == "cuda":
             torch.cuda.synchronize()
 

@@ -78,7 +78,13 @@ def _pick(pages, index, FIRST: tl.constexpr, STEP: tl.constexpr, COUNT: tl.const
     return page
 
 
-@triton.jit
+# Integers that follow the batch (the partial lse's split stride) or the cache's and the
+# block table's sizes, not the model: Triton would compile one variant for 1, one for a
+# multiple of 16 and one for any other value, which an eager engine met mid-serving.
+# They bound index checks and scalar addresses only: the sm_90 PTX is the same with
+# them marked multiples of 16 (tests/aot.py).
+@triton.jit(do_not_specialize=["stride_block_table_b", "max_blocks", "stride_ls",
+                               "cache_rows", "capacity"])
 def _decode_kernel(
     Q, KCache, VCache, Out, Lse, BlockTable, CacheSeqlens, CacheBatchIdx, CacheLeftpad,
     Alibi, QDescale, KDescale, VDescale,
@@ -197,12 +203,16 @@ def _decode_kernel(
         # load inside the loop and the pipeliner issues copies tiles ahead as for the
         # contiguous cache. (A page per row gathered through shared memory cost as much
         # as the loads it replaced, NOTES.md section 12.)
+        # SPLIT_PAGES is the span rounded up to a power of two (split_plan), so entries
+        # past the split's last page are never picked: masked, not loaded. The mask uses
+        # keys_per_split, not the sequence length, so these loads need no cache_seqlens.
         split_lo = split * keys_per_split
         first_page = split_lo // PAGE_SIZE
+        last_page = tl.minimum((split_lo + keys_per_split - 1) // PAGE_SIZE, max_blocks - 1)
         split_pages = ()
         for j in tl.static_range(SPLIT_PAGES):
             split_pages = split_pages + (tl.load(block_row + first_page + j,
-                                                 mask=first_page + j < max_blocks, other=0),)
+                                                 mask=first_page + j <= last_page, other=0),)
     elif PAGE_ALIGNED:
         page = tl.load(block_row + lo // PAGE_SIZE, mask=lo // PAGE_SIZE < max_blocks,
                        other=0)
@@ -303,7 +313,11 @@ def _decode_kernel(
     tl.store(p_o, out.to(Out.dtype.element_ty), mask=m_row[:, None] & m_dv[None, :])
 
 
-@triton.jit
+# The split count and the partial lse's split stride (splits x batch x heads) follow the
+# batch and the cache length: unspecialised, one variant per BLOCK_S (as _decode_kernel).
+# A split count known to be a multiple of 16 would save a few predicates of the split
+# mask (sm_90 PTX), not a load.
+@triton.jit(do_not_specialize=["stride_lps", "num_splits"])
 def _combine_kernel(OutPartial, LsePartial, Out, Lse,
                     stride_ps, stride_pb, stride_pm, stride_ph,
                     stride_lps, stride_lpb, stride_lph,
@@ -346,8 +360,8 @@ def _combine_warps(elements: int) -> int:
     return 1 if elements <= 32 * 128 else min(16, max(4, elements // (128 * 32)))
 
 
-# Splits spanning at most this many pages load their page list before the K/V loop
-# (SPLIT_PAGES); longer ones look pages up a tile ahead inside it.
+# Splits spanning at most this many pages (a power of two) load their page list before
+# the K/V loop (SPLIT_PAGES); longer ones look pages up a tile ahead inside it.
 MAX_SPLIT_PAGES = 16
 
 
@@ -364,11 +378,48 @@ def num_splits_heuristic(work_items: int, max_seqlen_k: int, block_n: int,
     return max(1, min(2 * num_sms // work_items, max_splits, 128))
 
 
+def split_plan(work_items: int, capacity: int, block_n: int, page_size: int,
+               num_splits: int, num_sms: int, leftpad: bool) -> tuple[int, int, int]:
+    """(splits, keys per split, SPLIT_PAGES) of a decode launch of work_items programs
+    per split over caches of capacity keys in block_n-key tiles; page_size 0: a
+    contiguous cache; num_splits 0: num_splits_heuristic's; leftpad: a cache_leftpad is
+    given (its tiles look pages up per key row, never a page list).
+
+    SPLIT_PAGES, the length of a short split's page list, is the pages a split spans
+    rounded up to a power of two from 2 to MAX_SPLIT_PAGES: it follows the longest
+    cache and the batch (through the split count), and each value is a compiled
+    variant, which an eager engine compiled mid-serving (120-144 ms decode steps,
+    H200). The kernel masks the entries past the split, so the rounding costs at most
+    a few selects per tile on registers, never a key or a block-table load. Not 1: a
+    list of one page spilled where two did not (sm_90 AOT, fp32 d128: 584 bytes a
+    thread), and is one variant fewer. Keys per split
+    stay a multiple of the tile, not of the page: whole pages per split would cut the
+    split count for short caches with large pages (1 x 8 heads x 4k keys, 256-key
+    pages: 16 splits instead of 32), and would not bound the span."""
+    if num_splits <= 0:
+        num_splits = num_splits_heuristic(work_items, capacity, block_n, num_sms)
+    keys_per_split = configs.cdiv(configs.cdiv(max(capacity, 1), num_splits),
+                                 block_n) * block_n
+    num_splits = max(1, configs.cdiv(capacity, keys_per_split))
+    split_pages = 0
+    if page_size and num_splits > 1 and not leftpad:
+        # One page more when pages are larger than the tile and a split starts inside one.
+        spanned = configs.cdiv(keys_per_split, page_size) + int(
+            keys_per_split % page_size != 0)
+        if spanned <= MAX_SPLIT_PAGES:
+            split_pages = max(2, configs.next_power_of_2(spanned))
+    return num_splits, keys_per_split, split_pages
+
+
 @functools.lru_cache(maxsize=None)
 def _gpu_traits(device: torch.device) -> tuple[int, int]:
     """(compute capability major, SM count): asked on every split decode call."""
     props = torch.cuda.get_device_properties(device)
     return props.major, props.multi_processor_count
+
+
+def _num_sms(q) -> int:
+    return _gpu_traits(q.device)[1] if q.is_cuda else 1
 
 
 def combine_pdl(q) -> tuple[bool, bool]:
@@ -381,6 +432,50 @@ def combine_pdl(q) -> tuple[bool, bool]:
     if not (q.is_cuda and _gpu_traits(q.device)[0] >= 9) or mode == "0":
         return False, False
     return True, mode == "1"
+
+
+def _v_is_k(k_cache, v_cache) -> bool:
+    """V is read from K's tiles: the same rows (a view of K's first dv columns) and a V
+    tile as wide as K's first."""
+    return (v_cache.data_ptr() == k_cache.data_ptr() and v_cache.dtype == k_cache.dtype
+            and v_cache.stride() == k_cache.stride()
+            and configs.padded_head_dim(v_cache.shape[-1])
+            == configs.decode_head_dim_tiles(k_cache.shape[-1])[0])
+
+
+def _tile(q, k_cache, v_cache, v_is_k, split=True) -> configs.TileConfig:
+    """The decode tile of q (b, sq, h, d) over the caches: the query rows of one KV head
+    (GQA packing), K's and V's head dims."""
+    sq, h, d = q.shape[1:]
+    return configs.decode_config(q, d, sq * (h // k_cache.shape[2]), split=split,
+                                 fp8_cache=k_cache.element_size() == 1,
+                                 head_dim_v=v_cache.shape[-1], v_is_k=v_is_k)
+
+
+def paged_decode_warm_shapes(q, k_cache, v_cache, batch_sizes,
+                             widths) -> list[tuple[int, int]]:
+    """(batch, block-table width) pairs whose paged decodes compile, between them, every
+    decode and combine variant that decodes of queries like q (b, sq, h, d; any b) over
+    this pool (num_blocks, page_size, hkv, d) meet at the given batch sizes and widths,
+    without a left pad and with the heuristic's split count. The variants differ there
+    in splitting or not, SPLIT_PAGES and the combine's BLOCK_S: the integers that follow
+    the batch and the width are not specialised on (_decode_kernel). An engine that
+    decodes eagerly runs these before serving, so that no decode step compiles."""
+    hkv, page_size = k_cache.shape[2], k_cache.shape[1]
+    cfg = _tile(q, k_cache, v_cache, _v_is_k(k_cache, v_cache))
+    rows = configs.cdiv(q.shape[1] * (q.shape[2] // hkv), cfg.block_m) * hkv
+    shapes, seen = [], set()
+    for b in batch_sizes:
+        for width in widths:
+            splits, _, split_pages = split_plan(b * rows, width * page_size, cfg.block_n,
+                                                page_size, 0, _num_sms(q), False)
+            variants = {("decode", splits > 1, split_pages)}
+            if splits > 1:
+                variants.add(("combine", configs.next_power_of_2(splits)))
+            if not variants <= seen:
+                seen |= variants
+                shapes.append((b, width))
+    return shapes
 
 
 # The kernel parameters a call of a decode plan fills, in this order (``_launch``).
@@ -423,11 +518,7 @@ def attn_decode(q, k_cache, v_cache, *, cache_seqlens, block_table, cache_batch_
                lse if k_descale is None else k_descale,
                lse if v_descale is None else v_descale)
     block_d, block_dt = configs.decode_head_dim_tiles(d)
-    # V read from K's tiles: the same rows (a view of K's first dv columns) and a V tile
-    # as wide as K's first.
-    v_is_k = (v_cache.data_ptr() == k_cache.data_ptr() and v_cache.dtype == k_cache.dtype
-              and v_cache.stride() == k_cache.stride()
-              and configs.padded_head_dim(dv) == block_d)
+    v_is_k = _v_is_k(k_cache, v_cache)
     key = None
     if _launch.ready(q):
         p = _launch.pointers(tensors)
@@ -456,21 +547,17 @@ def attn_decode(q, k_cache, v_cache, *, cache_seqlens, block_table, cache_batch_
             return out, lse
     group = h // hkv
     capacity = block_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1]
-    fp8_cache = k_cache.element_size() == 1
-    cfg = configs.decode_config(q, d, sq * group, fp8_cache=fp8_cache, head_dim_v=dv,
-                                v_is_k=v_is_k)
+    cfg = _tile(q, k_cache, v_cache, v_is_k)
     m_blocks = configs.cdiv(sq * group, cfg.block_m)
-    if num_splits <= 0:
-        num_sms = _gpu_traits(q.device)[1] if q.is_cuda else 1
-        num_splits = num_splits_heuristic(b * hkv * m_blocks, capacity, cfg.block_n,
-                                          num_sms)
-    keys_per_split = configs.cdiv(configs.cdiv(max(capacity, 1), num_splits),
-                                 cfg.block_n) * cfg.block_n
-    num_splits = max(1, configs.cdiv(capacity, keys_per_split))
+    # Page sizes are powers of two (validated), so a constexpr page size makes the
+    # per-row lookup shifts and masks; one variant per page size in use.
+    page_size = k_cache.shape[1] if paged else 1
+    num_splits, keys_per_split, split_pages = split_plan(
+        b * hkv * m_blocks, capacity, cfg.block_n, page_size if paged else 0, num_splits,
+        _num_sms(q), cache_leftpad is not None)
     if num_splits == 1:
         # The tile does not depend on the split; the pipeline depth does.
-        cfg = configs.decode_config(q, d, sq * group, split=False, fp8_cache=fp8_cache,
-                                    head_dim_v=dv, v_is_k=v_is_k)
+        cfg = _tile(q, k_cache, v_cache, v_is_k, split=False)
         dst, dst_lse = out, lse
         dst_strides = (0, *out.stride()[:3])
         dst_lse_strides = (0, *lse.stride()[:2])
@@ -487,22 +574,10 @@ def attn_decode(q, k_cache, v_cache, *, cache_seqlens, block_table, cache_batch_
     block_dv = configs.padded_head_dim(dv)
     flags.update(BLOCK_D=block_d, BLOCK_DT=block_dt, EVEN_D=block_d + block_dt == d,
                  BLOCK_DV=block_dv, V_IS_K=v_is_k)
-    # Page sizes are powers of two (validated), so a constexpr page size makes the
-    # per-row lookup shifts and masks; one variant per page size in use.
-    page_size = k_cache.shape[1] if paged else 1
     page_aligned = paged and page_size % cfg.block_n == 0 and cache_leftpad is None
     # Pages smaller than the tile: whole pages per tile unless a left pad (0: per row).
     tile_pages = (cfg.block_n // page_size
                   if paged and not page_aligned and cache_leftpad is None else 0)
-    # A short split without a left pad loads its page list before its K/V loop
-    # (SPLIT_PAGES scalars). It spans one page more when pages are larger than the tile
-    # and the split starts inside a page.
-    split_pages = 0
-    if paged and num_splits > 1 and cache_leftpad is None:
-        spanned = configs.cdiv(keys_per_split, page_size) + int(
-            keys_per_split % page_size != 0)
-        if spanned <= MAX_SPLIT_PAGES:
-            split_pages = spanned
     pdl, early = combine_pdl(q) if num_splits > 1 else (False, False)
     switches = dict(
         flags, PAGED=paged, PAGE_SIZE=page_size, PAGE_ALIGNED=page_aligned,
