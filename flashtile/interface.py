@@ -358,10 +358,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                                    softcap=softcap, alibi_slopes=alibi_slopes,
                                    window_left=left, window_right=right)
         if dropout_p > 0:  # each sequence's counters start at its packed rows
-            starts_q, starts_k = (cu[:-1].long().view(batch, 1, 1, 1)
-                                  for cu in (cu_seqlens_q, cu_seqlens_k))
-            dropout = reference.Dropout.varlen(philox, dropout_p, h, q.shape[0], starts_q,
-                                               starts_k)
+            starts_q = cu_seqlens_q[:-1].long().view(batch, 1, 1, 1)
+            dropout = reference.Dropout.varlen(philox, dropout_p, h, q.shape[0], starts_q)
             probs = _sign_dropped(probs, dropout, torch.arange(max_seqlen_q),
                                   torch.arange(max_seqlen_k))
         return out, lse, probs

@@ -4,7 +4,7 @@ The mask is read back through the debug path (return_attn_probs: dropped entries
 negated), and the output and gradients must equal a float64 reference that applies that
 mask, on the torch backend and in the Triton kernels (interpreter on CPU; split and
 fused backward). The reference's mask is computed in PyTorch
-(flashtile.reference.philox_uniform), so the kernels agreeing with it also checks that
+(flashtile.reference.Dropout), so the kernels agreeing with it also checks that
 forward and backward regenerate one mask whatever their tiles.
 """
 
@@ -169,13 +169,11 @@ def test_dropout_zero_is_the_plain_path(device):
 def test_philox_matches_a_published_test_vector():
     """The PyTorch Philox-4x32-10 (the kernels' tl.philox) against Random123's
     kat_vectors ("pi" line: counter 243f6a88 85a308d3 13198a2e 03707344, key a4093822
-    299f31d0 -> first word d16cfe09), through tl.uint_to_uniform_float's formula: the
-    word as an int32 x, |x| (-x - 1 when negative) times 4.6566127342e-10 in fp32."""
+    299f31d0 -> d16cfe09 94fdcceb 5001e420 24126ea1): all four words, since the mask
+    uses them all."""
     philox = torch.tensor([0x299F31D0_A4093822, 0x03707344_13198A2E])
-    u = reference.philox_uniform(philox, torch.tensor(0x243F6A88), torch.tensor(0x85A308D3))
-    x = 0xD16CFE09 - 2**32
-    expected = torch.tensor(float(-x - 1)) * torch.tensor(4.6566127342e-10)
-    assert u.item() == expected.item()
+    words = reference.philox_words(philox, torch.tensor(0x243F6A88), torch.tensor(0x85A308D3))
+    assert [int(w) for w in words] == [0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1]
 
 
 @pytest.mark.parametrize("call", ["fp8", "block_table"])
