@@ -95,14 +95,17 @@ class Dropout:
         h = torch.arange(nheads, device=philox.device).view(1, nheads, 1, 1)
         return cls(philox, p, h * total_q + q_start)
 
-    def keep(self, rows, cols):
-        """Bool (b, h, len(rows), len(cols)): True where P[i, j] is kept."""
+    def words(self, rows, cols):
+        """Int64 (b, h, len(rows), len(cols)) in [0, 2**32): the Philox word of P[i, j]."""
         i = rows.to(self.philox.device)[:, None]
         j = cols.to(self.philox.device)
         w0, w1, w2, w3 = philox_words(self.philox, j & ~8, self.row0 + (i & ~8))
         q_hi, k_hi = (i & 8) != 0, (j & 8) != 0
-        word = torch.where(q_hi, torch.where(k_hi, w3, w2), torch.where(k_hi, w1, w0))
-        return word >= dropout_threshold(self.p)
+        return torch.where(q_hi, torch.where(k_hi, w3, w2), torch.where(k_hi, w1, w0))
+
+    def keep(self, rows, cols):
+        """Bool (b, h, len(rows), len(cols)): True where P[i, j] is kept."""
+        return self.words(rows, cols) >= dropout_threshold(self.p)
 
 
 def allowed_keys(seqlen_q, seqlen_k, diag_offset, window_left, window_right, device,
