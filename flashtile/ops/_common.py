@@ -212,15 +212,17 @@ def _checked_rows(pages, num_blocks, m_rows):
 
 # ---- Attention dropout (flash-attn 2's training semantics) ----
 # P is dropped after the softmax, kept entries scaled by 1 / (1 - dropout_p); the lse is
-# that of the undropped scores. One Philox-4x32-10 call serves four neighbouring keys:
-# query i and keys 4g .. 4g + 3 of a (batch, head) take the counter (g, row0 + i, offset
-# low, offset high), key j its word j % 4 (``_dropout_setup``). The counter is the
-# element's place in the whole problem, never in a tile, so the forward and every
-# backward kernel regenerate the same mask whatever their tiles (each tile starts at a
-# multiple of its BLOCK_N >= 16, so its keys are whole groups); a word of a call per
-# element (flashtile 0.x drew one call per element and kept its first word) cut the
-# mask's integer work by 4 (sm_90 PTX: 4x fewer mul.hi.u32).
-# ``flashtile.reference.philox_words`` computes the same numbers in PyTorch.
+# that of the undropped scores. One Philox-4x32-10 call draws four 32-bit words, one for
+# each score of a 2x2 group: queries {i, i + 8} x keys {j, j + 8} of a (batch, head),
+# i and j with bit 3 clear, at counter (j, row0 + i, offset low, offset high)
+# (``_dropout_setup``, ``_dropout_keep``). The counter is the scores' place in the whole
+# problem, never in a tile, so the forward and every backward kernel regenerate the same
+# mask whatever their tiles (all start at multiples of 16: whole groups). A call per
+# score, keeping one word, had made the mask cost several times the tensor-core work of
+# q k^T at head dims 64-128 (H200: the d64 dropout forward+backward at a quarter of
+# the plain one's TFLOP/s); the grouped draw makes 4x fewer calls (sm_90 PTX: 3.2x fewer
+# mul.hi.u32, the first rounds' shared terms aside).
+# ``flashtile.reference.Dropout`` draws the same mask in PyTorch.
 
 
 @triton.jit
@@ -254,10 +256,10 @@ def _dropout_group_starts(start, BLOCK: tl.constexpr):
 @triton.jit
 def _dropout_keep(seed, offset, row_start, start_n, dropout_p,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TRANS: tl.constexpr):
-    """Which entries of the tile of BLOCK_M queries, whose row counters start at
-    row_start (row0 + the first query, a multiple of 16), and keys start_n .. start_n +
-    BLOCK_N - 1 (start_n a multiple of 16) are kept: (BLOCK_M, BLOCK_N), or (BLOCK_N,
-    BLOCK_M) when TRANS (the dK/dV kernel's transposed tile).
+    """Which entries of the tile of queries start_m .. start_m + BLOCK_M - 1 and keys
+    start_n .. start_n + BLOCK_N - 1 are kept (start_m, start_n multiples of 16;
+    row_start = row0 + start_m, the first query's row counter): (BLOCK_M, BLOCK_N), or
+    (BLOCK_N, BLOCK_M) when TRANS (the dK/dV kernel's transposed tile).
 
     One Philox call per group of queries {i, i + 8} x keys {j, j + 8} (bit 3 of i and j
     clear), counter (j, row0 + i, offset low, offset high): of its words, number
