@@ -272,8 +272,10 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
             with block_table), as in flash_attn_func; batch is the number of sequences,
             so sequence b's rows (and keys, wherever its pages lie) take descale[b].
         dropout_p: as in flash_attn_func (not with block_table or FP8). The mask entry
-            of packed query row r and packed key row c of head h is drawn at Philox
-            counter (c, h * total_q + r), so it does not depend on the tiles.
+            of query i and key j of a sequence whose queries start at packed row
+            q_start, head h, is word 2 * (bit 3 of i) + (bit 3 of j) of the Philox call
+            at counter (j & ~8, h * total_q + q_start + (i & ~8)), so it does not
+            depend on the tiles (docs/flash-attn-compat.md).
 
     Returns out (total_q, nheads, head_dim); with return_lse or return_attn_probs, lse
     (nheads, total_q) float32 (flash-attn's varlen layout), natural log, -inf for rows
