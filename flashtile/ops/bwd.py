@@ -97,7 +97,7 @@ def _dkdv_block(dk, dv, b_k, b_v, p_q, p_do, p_lse, p_delta, p_dq, start, stop,
         qk_t = tl.dot(b_k, tl.trans(b_q), input_precision=INPUT_PRECISION)   # (N, M)
         if HAS_DROPOUT:
             # Drawn right after the q k^T product is issued, so that the integer work
-            # can overlap it; sm_90 d128 spills 272 B causal (264 B not) here against
+            # can overlap it; sm_90 d128 dense spills 272 B causal (264 B not) here vs
             # 360 B (256 B) drawn before the dV product.
             keep_t = _dropout_keep(drop_seed, drop_offset, drop_row0 + start_m, key0,
                                    dropout_p, BLOCK_M, b_k.shape[0], True)   # (N, M)
