@@ -318,7 +318,7 @@ def _varlen_attn_fwd_impl(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
             continue
         kw_b = dict(kw, diag_offset=(ke - ks) - (qe - qs),
                     alibi_slopes=reference.alibi_of_sequence(alibi_slopes, b),
-                    dropout=_varlen_dropout(q, dropout_p, philox, qs, ks))
+                    dropout=_varlen_dropout(q, dropout_p, philox, qs))
         o, l = _torch_backend.attention_fwd(q[None, qs:qe],
                                             _sequence_keys(k, b, ks, ke, block_table),
                                             _sequence_keys(v, b, ks, ke, block_table),
@@ -327,12 +327,12 @@ def _varlen_attn_fwd_impl(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
     return out, lse
 
 
-def _varlen_dropout(q, dropout_p, philox, q_start, k_start):
-    """The dropout mask of the packed sequence at rows q_start, k_start (or None)."""
+def _varlen_dropout(q, dropout_p, philox, q_start):
+    """The dropout mask of the packed sequence whose queries start at row q_start (or
+    None)."""
     if philox is None:
         return None
-    return reference.Dropout.varlen(philox, dropout_p, q.shape[1], q.shape[0], q_start,
-                                    k_start)
+    return reference.Dropout.varlen(philox, dropout_p, q.shape[1], q.shape[0], q_start)
 
 
 varlen_attn_fwd = torch.library.custom_op("flashtile::varlen_attn_fwd",
@@ -368,7 +368,7 @@ def _varlen_attn_bwd_impl(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Te
             continue
         kw_b = dict(kw, diag_offset=(ke - ks) - (qe - qs),
                     alibi_slopes=reference.alibi_of_sequence(alibi_slopes, b),
-                    dropout=_varlen_dropout(q, dropout_p, philox, qs, ks))
+                    dropout=_varlen_dropout(q, dropout_p, philox, qs))
         g = _torch_backend.attention_bwd(
             dout[None, qs:qe], q[None, qs:qe], k[None, ks:ke], v[None, ks:ke],
             out[None, qs:qe], lse[None, :, qs:qe],

@@ -272,8 +272,10 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
             with block_table), as in flash_attn_func; batch is the number of sequences,
             so sequence b's rows (and keys, wherever its pages lie) take descale[b].
         dropout_p: as in flash_attn_func (not with block_table or FP8). The mask entry
-            of packed query row r and packed key row c of head h is drawn at Philox
-            counter (c, h * total_q + r), so it does not depend on the tiles.
+            of query i and key j of a sequence whose queries start at packed row
+            q_start, head h, is word 2 * (bit 3 of i) + (bit 3 of j) of the Philox call
+            at counter (j & ~8, h * total_q + q_start + (i & ~8)), so it does not
+            depend on the tiles (docs/flash-attn-compat.md).
 
     Returns out (total_q, nheads, head_dim); with return_lse or return_attn_probs, lse
     (nheads, total_q) float32 (flash-attn's varlen layout), natural log, -inf for rows
@@ -358,10 +360,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                                    softcap=softcap, alibi_slopes=alibi_slopes,
                                    window_left=left, window_right=right)
         if dropout_p > 0:  # each sequence's counters start at its packed rows
-            starts_q, starts_k = (cu[:-1].long().view(batch, 1, 1, 1)
-                                  for cu in (cu_seqlens_q, cu_seqlens_k))
-            dropout = reference.Dropout.varlen(philox, dropout_p, h, q.shape[0], starts_q,
-                                               starts_k)
+            starts_q = cu_seqlens_q[:-1].long().view(batch, 1, 1, 1)
+            dropout = reference.Dropout.varlen(philox, dropout_p, h, q.shape[0], starts_q)
             probs = _sign_dropped(probs, dropout, torch.arange(max_seqlen_q),
                                   torch.arange(max_seqlen_k))
         return out, lse, probs

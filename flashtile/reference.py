@@ -42,39 +42,45 @@ def _mul32(a: int, x):
     return high, low
 
 
-def philox_uniform(philox, cols, rows):
-    """Triton's ``tl.uint_to_uniform_float`` of the first word of Philox-4x32-10 (as in
-    triton/language/random.py) keyed by philox[0] at counter (cols, rows, philox[1] low,
-    philox[1] high): the float32 in [0, 1) that the kernels' ``_dropout_keep`` draws.
-    cols, rows: int64 tensors in [0, 2**32) broadcast together, on philox's device."""
+def philox_words(philox, c0, c1):
+    """The four 32-bit words of Philox-4x32-10 (Random123's; Triton's ``tl.philox``, as
+    in triton/language/random.py) keyed by philox[0] at counter (c0, c1, philox[1] low,
+    philox[1] high), int64 tensors in [0, 2**32). c0, c1: int64 tensors in [0, 2**32)
+    broadcast together, on philox's device."""
     seed, offset = philox[0], philox[1]
     k0, k1 = seed & _M32, (seed >> 32) & _M32
-    c0, c1 = torch.broadcast_tensors(cols, rows)
+    c0, c1 = torch.broadcast_tensors(c0, c1)
     c2, c3 = (offset & _M32).expand(c0.shape), ((offset >> 32) & _M32).expand(c0.shape)
     for _ in range(10):
         hi_b, lo_b = _mul32(_PHILOX_ROUND[1], c2)
         hi_a, lo_a = _mul32(_PHILOX_ROUND[0], c0)
         c0, c1, c2, c3 = hi_b ^ c1 ^ k0, lo_b, hi_a ^ c3 ^ k1, lo_a
         k0, k1 = (k0 + _PHILOX_KEY[0]) & _M32, (k1 + _PHILOX_KEY[1]) & _M32
-    x = torch.where(c0 >= 2**31, c0 - 2**32, c0)  # the word as int32
-    x = torch.where(x < 0, -x - 1, x)
-    return x.to(torch.float32) * torch.tensor(4.6566127342e-10, dtype=torch.float32,
-                                              device=x.device)
+    return c0, c1, c2, c3
+
+
+def dropout_threshold(p: float) -> int:
+    """The kernels' keep threshold: a 32-bit word r is kept where r >= ceil(p * 2**32),
+    p rounded to fp32 as the kernels get it (``_common._dropout_keep``); 2**32 - 1 where
+    that rounding reaches 1.0 (a float-to-integer conversion saturates on the GPU)."""
+    p32 = float(torch.tensor(p, dtype=torch.float32))
+    return min(math.ceil(p32 * 2**32), _M32)
 
 
 @dataclass(frozen=True)
 class Dropout:
     """A call's dropout mask (flash-attn 2's semantics: P dropped after the softmax,
-    the kept entries scaled by 1 / (1 - p)). Query i and key j of batch entry b, head h
-    draw at Philox counter (col0 + j, row0[b, h] + i) (``_common._dropout_setup``).
+    the kept entries scaled by 1 / (1 - p)), as the kernels draw it
+    (``_common._dropout_setup``, ``_dropout_keep``): query i and key j of batch entry b,
+    head h take word 2 * (bit 3 of i) + (bit 3 of j) of the Philox call at counter
+    (j & ~8, row0[b, h] + (i & ~8)), kept where it is >= ``dropout_threshold(p)``.
 
     philox: int64 (2,) [seed, offset]; p: the dropout probability; row0: int64 (b, h,
-    1, 1); col0: an int or an int64 tensor broadcasting to (b, 1, 1, 1)."""
+    1, 1), the row counter of each (sequence, head)'s query 0."""
 
     philox: torch.Tensor
     p: float
     row0: torch.Tensor
-    col0: object = 0
 
     @classmethod
     def dense(cls, philox, p, batch, nheads, seqlen_q):
@@ -82,17 +88,24 @@ class Dropout:
         return cls(philox, p, bh * seqlen_q)
 
     @classmethod
-    def varlen(cls, philox, p, nheads, total_q, q_start, k_start):
-        """Packed sequences whose rows start at q_start in q and k_start in k (ints, or
-        (batch, 1, 1, 1) tensors for several sequences at once)."""
+    def varlen(cls, philox, p, nheads, total_q, q_start):
+        """Packed sequences whose rows start at q_start in q (an int, or a (batch, 1, 1,
+        1) tensor for several sequences at once); keys count from their sequence's
+        start."""
         h = torch.arange(nheads, device=philox.device).view(1, nheads, 1, 1)
-        return cls(philox, p, h * total_q + q_start, k_start)
+        return cls(philox, p, h * total_q + q_start)
+
+    def words(self, rows, cols):
+        """Int64 (b, h, len(rows), len(cols)) in [0, 2**32): the Philox word of P[i, j]."""
+        i = rows.to(self.philox.device)[:, None]
+        j = cols.to(self.philox.device)
+        w0, w1, w2, w3 = philox_words(self.philox, j & ~8, self.row0 + (i & ~8))
+        q_hi, k_hi = (i & 8) != 0, (j & 8) != 0
+        return torch.where(q_hi, torch.where(k_hi, w3, w2), torch.where(k_hi, w1, w0))
 
     def keep(self, rows, cols):
         """Bool (b, h, len(rows), len(cols)): True where P[i, j] is kept."""
-        rows, cols = rows.to(self.philox.device), cols.to(self.philox.device)
-        u = philox_uniform(self.philox, self.col0 + cols, self.row0 + rows[:, None])
-        return u >= torch.tensor(self.p, dtype=torch.float32, device=u.device)
+        return self.words(rows, cols) >= dropout_threshold(self.p)
 
 
 def allowed_keys(seqlen_q, seqlen_k, diag_offset, window_left, window_right, device,

@@ -4,7 +4,7 @@ The mask is read back through the debug path (return_attn_probs: dropped entries
 negated), and the output and gradients must equal a float64 reference that applies that
 mask, on the torch backend and in the Triton kernels (interpreter on CPU; split and
 fused backward). The reference's mask is computed in PyTorch
-(flashtile.reference.philox_uniform), so the kernels agreeing with it also checks that
+(flashtile.reference.Dropout), so the kernels agreeing with it also checks that
 forward and backward regenerate one mask whatever their tiles.
 """
 
@@ -121,6 +121,80 @@ def test_keep_rate(backend, device):
         assert 6 * math.sqrt(p * (1 - p) / n) < 0.025
 
 
+def _mask_read_from_output(b, s, h, p, seed, device):
+    """(philox, keep): the mask a forward call applied, read from its output (not from
+    the debug path): with q = 0 every key has probability 1 / s, and v = the identity
+    (head_dim s) puts key j's kept share in column j, so out * s * (1 - p) is the
+    (b, s, h, s) keep mask. philox is the key the call drew under torch.manual_seed."""
+    q = torch.zeros(b, s, h, s, device=device)
+    k = torch.randn(b, s, h, s, device=device)
+    v = torch.eye(s, device=device)[None, :, None, :].expand(b, s, h, s).contiguous()
+    torch.manual_seed(seed)
+    philox = flashtile.interface._philox(q, p)
+    torch.manual_seed(seed)
+    out = flashtile.flash_attn_func(q, k, v, dropout_p=p)
+    kept = out.double() * (1 - p) * s
+    assert max_err(kept, kept.round()) < 1e-3
+    return philox, kept.round().bool().transpose(1, 2)                   # (b, h, s, s)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"], indirect=True)
+def test_words_of_one_philox_call_are_independent(backend, device):
+    """One Philox call serves queries {i, i + 8} x keys {j, j + 8}: its four words (and
+    neighbouring calls, heads and batch entries) must be kept independently, each pair
+    at rate (1 - p)**2. Over n pairs the rate has standard deviation sqrt(q (1 - q) / n),
+    q = (1 - p)**2; the bound is 6 of them (a false failure about once in 10**9)."""
+    b, s, h, p = 2, 64, 2, 0.5
+    _, keep = _mask_read_from_output(b, s, h, p, seed=7, device=device)
+    keep = keep.double()
+    lo = torch.arange(s) % 16 < 8                       # bit 3 clear: a group's first
+    pairs = {
+        "word 0/1 (keys j, j + 8)": keep[..., lo] * keep[..., ~lo],
+        "word 0/2 (queries i, i + 8)": keep[..., lo, :] * keep[..., ~lo, :],
+        "word 0/3, 1/2 (diagonal)": keep[..., lo, :][..., lo] * keep[..., ~lo, :][..., ~lo],
+        "neighbouring calls (keys j, j + 1)": keep[..., :-1] * keep[..., 1:],
+        "neighbouring calls (queries i, i + 1)": keep[..., :-1, :] * keep[..., 1:, :],
+        "heads": keep[:, 0] * keep[:, 1],
+        "batch entries": keep[0] * keep[1],
+    }
+    q = (1 - p) ** 2
+    for name, both in pairs.items():
+        bound = 6 * math.sqrt(q * (1 - q) / both.numel())
+        assert abs(both.mean().item() - q) < bound, (name, both.mean().item(), bound)
+    all_four = (keep[..., lo, :][..., lo] * keep[..., lo, :][..., ~lo]
+                * keep[..., ~lo, :][..., lo] * keep[..., ~lo, :][..., ~lo])
+    q4 = (1 - p) ** 4
+    assert abs(all_four.mean().item() - q4) < 6 * math.sqrt(q4 * (1 - q4) / all_four.numel())
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"], indirect=True)
+def test_keep_threshold_is_exact(backend, device):
+    """A 32-bit word r is kept where r >= ceil(p * 2**32): the keep probability is 1 - p
+    to within 2**-32 (no 8-bit quantised p, which biases it by up to 0.4%). At a word r
+    below 2**23 of the call's own mask, p = r / 2**32 (exact in fp32) keeps it and the
+    next fp32 p, whose p * 2**32 lies strictly between r and r + 1, drops it: the
+    kernel rounds the threshold up, not to nearest or down."""
+    b, s, h, seed = 1, 64, 2, 11
+    q0 = torch.zeros(b, s, h, s, device=device)
+    torch.manual_seed(seed)
+    philox = flashtile.interface._philox(q0, 0.5)
+    words = reference.Dropout.dense(philox, 0.5, b, h, s).words(torch.arange(s),
+                                                                 torch.arange(s))
+    small = (words < 2**23).nonzero()
+    assert len(small) > 0  # P(r < 2**23) = 2**-9 for each of 8192 words
+    bb, hh, i, j = small[0].tolist()
+    r = words[bb, hh, i, j].item()
+    p_keep = r / 2**32
+    p_drop = torch.nextafter(torch.tensor(p_keep, dtype=torch.float32),
+                             torch.tensor(1.0)).item()
+    assert 0 < p_drop * 2**32 - r < 1
+    for p, kept in ((p_keep, True), (p_drop, False)):
+        _, keep = _mask_read_from_output(b, s, h, p, seed, device)
+        assert keep[bb, hh, i, j].item() is kept, (p, r)
+        assert torch.equal(keep, reference.Dropout.dense(philox, p, b, h, s).keep(
+            torch.arange(s), torch.arange(s)).to(keep.device))
+
+
 @pytest.mark.parametrize("backend", ["torch", "triton"], indirect=True)
 def test_reproducible_under_manual_seed(backend, device):
     """The same seed gives the same mask, bit for bit, forward and backward; another
@@ -169,13 +243,11 @@ def test_dropout_zero_is_the_plain_path(device):
 def test_philox_matches_a_published_test_vector():
     """The PyTorch Philox-4x32-10 (the kernels' tl.philox) against Random123's
     kat_vectors ("pi" line: counter 243f6a88 85a308d3 13198a2e 03707344, key a4093822
-    299f31d0 -> first word d16cfe09), through tl.uint_to_uniform_float's formula: the
-    word as an int32 x, |x| (-x - 1 when negative) times 4.6566127342e-10 in fp32."""
+    299f31d0 -> d16cfe09 94fdcceb 5001e420 24126ea1): all four words, since the mask
+    uses them all."""
     philox = torch.tensor([0x299F31D0_A4093822, 0x03707344_13198A2E])
-    u = reference.philox_uniform(philox, torch.tensor(0x243F6A88), torch.tensor(0x85A308D3))
-    x = 0xD16CFE09 - 2**32
-    expected = torch.tensor(float(-x - 1)) * torch.tensor(4.6566127342e-10)
-    assert u.item() == expected.item()
+    words = reference.philox_words(philox, torch.tensor(0x243F6A88), torch.tensor(0x85A308D3))
+    assert [int(w) for w in words] == [0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1]
 
 
 @pytest.mark.parametrize("call", ["fp8", "block_table"])

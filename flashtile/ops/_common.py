@@ -212,46 +212,92 @@ def _checked_rows(pages, num_blocks, m_rows):
 
 # ---- Attention dropout (flash-attn 2's training semantics) ----
 # P is dropped after the softmax, kept entries scaled by 1 / (1 - dropout_p); the lse is
-# that of the undropped scores. Element (i, j) of a (batch, head) draws one Philox-4x32-10
-# number whose counter is its place in the whole problem (``_dropout_setup``), never in a
-# tile, so the forward and every backward kernel regenerate the same mask whatever their
-# tiles; ``flashtile.reference.philox_uniform`` computes the same numbers in PyTorch.
+# that of the undropped scores. One Philox-4x32-10 call draws four 32-bit words, one for
+# each score of a 2x2 group: queries {i, i + 8} x keys {j, j + 8} of a (batch, head),
+# i and j with bit 3 clear, at counter (j, row0 + i, offset low, offset high)
+# (``_dropout_setup``, ``_dropout_keep``). The counter is the scores' place in the whole
+# problem, never in a tile, so the forward and every backward kernel regenerate the same
+# mask whatever their tiles (all start at multiples of 16: whole groups). A call per
+# score, keeping one word, had made the mask cost several times the tensor-core work of
+# q k^T at head dims 64-128 (H200: the d64 dropout forward+backward at a quarter of
+# the plain one's TFLOP/s); the grouped draw makes 4x fewer calls (sm_90 PTX: 3.2x fewer
+# mul.hi.u32, the first rounds' shared terms aside).
+# ``flashtile.reference.Dropout`` draws the same mask in PyTorch.
 
 
 @triton.jit
-def _dropout_setup(Philox, off_b, off_h, nheads, seqlen_q, q_start, k_start, total_q,
+def _dropout_setup(Philox, off_b, off_h, nheads, seqlen_q, q_start, total_q,
                    IS_VARLEN: tl.constexpr):
-    """(seed, offset, row0, col0): Philox holds [seed, offset] (int64, drawn from
-    PyTorch's generator on the device: see flashtile.interface._philox). Query i and key
-    j of this (sequence, head) take the counter words (col0 + j, row0 + i): dense
-    (j, (b * nheads + h) * seqlen_q + i), varlen (packed row of j, h * total_q + packed
-    row of i). Both stay below 2**31, as q's and k's element counts do (MAX_OFFSET), so
-    the counters are 32-bit: int64 tiles of one counter spilled 1-2 KB a thread in the
-    d128 forward on sm_90."""
+    """(seed, offset, row0): Philox holds [seed, offset] (int64, drawn from PyTorch's
+    generator on the device: see flashtile.interface._philox). Query i of this
+    (sequence, head) takes the row counter row0 + i: dense (b * nheads + h) * seqlen_q
+    + i, varlen h * total_q + packed row of i; keys count from their sequence's start
+    (the row counter already tells sequences apart). Rows stay below 2**31, as q's
+    element count does (MAX_OFFSET), so the counters are 32-bit: int64 tiles of one
+    counter spilled 1-2 KB a thread in the d128 forward on sm_90."""
     seed = tl.load(Philox)
     offset = tl.load(Philox + 1)
     if IS_VARLEN:
         row0 = off_h * total_q + q_start
     else:
         row0 = (off_b * nheads + off_h) * seqlen_q
-    return seed, offset, row0, k_start
+    return seed, offset, row0
 
 
 @triton.jit
-def _dropout_keep(seed, offset, rows, cols, dropout_p, TRANS: tl.constexpr):
-    """Which entries are kept: rows (M,) the row counters of the queries (row0 + i),
-    cols (N,) the keys' (col0 + j). (M, N), or (N, M) when TRANS (the dK/dV kernel's
-    transposed tile). Philox's counter is (col, row, offset low, offset high), its key
-    the seed; the first output word becomes a float in [0, 1) by
-    tl.uint_to_uniform_float (as tl.rand), kept where >= dropout_p."""
+def _dropout_group_starts(start, BLOCK: tl.constexpr):
+    """(BLOCK / 2,): start + the first index of each pair {i, i + 8} (bit 3 of i clear)
+    of 0 .. BLOCK - 1."""
+    tl.static_assert(BLOCK % 16 == 0, "dropout tiles are multiples of 16")
+    a = tl.arange(0, BLOCK // 2)
+    return start + (a // 8) * 16 + a % 8
+
+
+@triton.jit
+def _dropout_keep(seed, offset, row_start, start_n, dropout_p,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TRANS: tl.constexpr):
+    """Which entries of the tile of queries start_m .. start_m + BLOCK_M - 1 and keys
+    start_n .. start_n + BLOCK_N - 1 are kept (start_m, start_n multiples of 16;
+    row_start = row0 + start_m, the first query's row counter): (BLOCK_M, BLOCK_N), or
+    (BLOCK_N, BLOCK_M) when TRANS (the dK/dV kernel's transposed tile).
+
+    One Philox call per group of queries {i, i + 8} x keys {j, j + 8} (bit 3 of i and j
+    clear), counter (j, row0 + i, offset low, offset high): of its words, number
+    2 * (bit 3 of the query) + (bit 3 of the key) is the element's. Those four scores
+    are ones a thread holds in the tensor-core accumulator layouts (mma.sync and wgmma,
+    in both orientations: row bit 3 and column bit 3 are register bits there), so the
+    words go into place in registers; four neighbouring keys per call instead had the
+    mask cross shared memory (sm_90: +16 KB, over the limit in the d128 forward).
+
+    A word r is kept where r >= ceil(p * 2**32) (unsigned): probability within 2**-32
+    of 1 - p, p being dropout_p as the kernel gets it (fp32, within 2**-25 of the
+    caller's); all 32 bits count and no float conversion is needed."""
+    q0 = _dropout_group_starts(row_start, BLOCK_M)                          # (M/2,)
+    k0 = _dropout_group_starts(start_n, BLOCK_N)                            # (N/2,)
     if TRANS:
-        c0 = cols[:, None] + rows[None, :] * 0                              # (N, M)
-        c1 = rows[None, :] + cols[:, None] * 0
+        c0 = (k0[:, None] + q0[None, :] * 0).to(tl.uint32)                  # (N/2, M/2)
+        c1 = (q0[None, :] + k0[:, None] * 0).to(tl.uint32)
     else:
-        c0 = cols[None, :] + rows[:, None] * 0                              # (M, N)
-        c1 = rows[:, None] + cols[None, :] * 0
-    zero = c0.to(tl.uint32) * 0
-    r, _, _, _ = tl.philox(seed, c0.to(tl.uint32), c1.to(tl.uint32),
-                           zero + offset.to(tl.uint32),
-                           zero + (offset >> 32).to(tl.uint32))
-    return tl.uint_to_uniform_float(r) >= dropout_p
+        c0 = (k0[None, :] + q0[:, None] * 0).to(tl.uint32)                  # (M/2, N/2)
+        c1 = (q0[:, None] + k0[None, :] * 0).to(tl.uint32)
+    zero = c0 * 0
+    w0, w1, w2, w3 = tl.philox(seed, c0, c1, zero + offset.to(tl.uint32),
+                               zero + (offset >> 32).to(tl.uint32))
+    # p * 2**32 and its ceil are exact in fp32 (a power-of-two scale; an integer above
+    # 2**23); below 2**32 for dropout_p < 1.
+    threshold = tl.math.ceil(dropout_p * 4294967296.0).to(tl.uint32)
+    R: tl.constexpr = BLOCK_N if TRANS else BLOCK_M
+    C: tl.constexpr = BLOCK_M if TRANS else BLOCK_N
+    # Tile element (16 RI + 8 u + rr, 16 CI + 8 v + cc) takes word W(u, v) of group
+    # (8 RI + rr, 8 CI + cc): W(u, v) = w[2u + v], or w[2v + u] when rows are keys.
+    # join(join(W00, W01), join(W10, W11)) is [RI, rr, CI, cc, v, u]; permuted to
+    # [RI, u, rr, CI, v, cc], it is the tile.
+    if TRANS:
+        k01, k10 = w2 >= threshold, w1 >= threshold
+    else:
+        k01, k10 = w1 >= threshold, w2 >= threshold
+    k00, k11 = w0 >= threshold, w3 >= threshold
+    SHAPE: tl.constexpr = (R // 16, 8, C // 16, 8)
+    keep = tl.join(tl.join(tl.reshape(k00, SHAPE), tl.reshape(k01, SHAPE)),
+                   tl.join(tl.reshape(k10, SHAPE), tl.reshape(k11, SHAPE)))
+    return tl.reshape(tl.permute(keep, 0, 5, 1, 2, 4, 3), (R, C))

@@ -69,7 +69,7 @@ def _fwd_block(acc, l_i, m_i, b_q, p_k, p_v, start, stop,
                head_dim_v, stride_kb, stride_kn, stride_vb, stride_vn, block_row,
                max_blocks, num_blocks, diag_offset, window_left, window_right,
                softmax_scale, softcap, alibi_slope, p_mask, stride_mask_m, stride_mask_n,
-               drop_seed, drop_offset, drop_rows, drop_col0, dropout_p,
+               drop_seed, drop_offset, drop_row_start, dropout_p,
                BLOCK_N: tl.constexpr, EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr,
                BOUNDARY: tl.constexpr,
                MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
@@ -138,8 +138,9 @@ def _fwd_block(acc, l_i, m_i, b_q, p_k, p_v, start, stop,
         if HAS_DROPOUT:
             # After l: the lse is the undropped one. The 1 / (1 - dropout_p) scale is
             # applied once to the output.
-            p = tl.where(_dropout_keep(drop_seed, drop_offset, drop_rows,
-                                       drop_col0 + offs_n, dropout_p, False), p, 0.0)
+            p = tl.where(_dropout_keep(drop_seed, drop_offset, drop_row_start, start_n,
+                                       dropout_p, offs_m.shape[0], BLOCK_N, False),
+                         p, 0.0)
         if V_KEYS_CONTIGUOUS:
             b_v = tl.trans(_load_vt(p_v_n, offs_dv, head_dim_v, EVEN_DV))  # (N, DV)
         else:
@@ -292,11 +293,11 @@ def _attn_fwd_kernel(
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
-    drop_seed, drop_offset, drop_rows, drop_col0 = 0, 0, offs_m, k_start  # unused
+    drop_seed, drop_offset, drop_row_start = 0, 0, 0  # unused
     if HAS_DROPOUT:
-        drop_seed, drop_offset, row0, drop_col0 = _dropout_setup(
-            Philox, off_b, off_h, nheads, seqlen_q, q_start, k_start, total_q, IS_VARLEN)
-        drop_rows = row0 + offs_m                                           # (M,)
+        drop_seed, drop_offset, row0 = _dropout_setup(
+            Philox, off_b, off_h, nheads, seqlen_q, q_start, total_q, IS_VARLEN)
+        drop_row_start = row0 + start_m * BLOCK_M
 
     lo, mid_lo, mid_hi, hi = _block_range(start_m, seqlen_q, seqlen_k, diag_offset,
                                           window_left, window_right, BLOCK_M, BLOCK_N,
@@ -312,7 +313,7 @@ def _attn_fwd_kernel(
             seqlen_q, seqlen_k, head_dim, head_dim_v, stride_kb, stride_kn, stride_vb,
             stride_vn, block_row, max_blocks, num_blocks, diag_offset, window_left,
             window_right, softmax_scale, softcap, alibi_slope, p_mask, stride_mask_m,
-            stride_mask_n, drop_seed, drop_offset, drop_rows, drop_col0, dropout_p,
+            stride_mask_n, drop_seed, drop_offset, drop_row_start, dropout_p,
             BLOCK_N, EVEN_D, EVEN_DV, span != 1, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP,
             HAS_ALIBI, HAS_MASK, MASK_IS_BOOL,
             INPUT_PRECISION, PAGED, PAGE_SIZE, IS_FP8, V_KEYS_CONTIGUOUS, PV_PER_TILE,
