@@ -205,10 +205,19 @@ def check_softmax_scale(scale, name="softmax_scale"):
     check_float(scale, name, allow_none=True)
 
 
+_F32_BELOW_ONE = 1.0 - 2.0 ** -24  # the largest float32 below 1
+
+
 def check_dropout(dropout_p, name="dropout_p"):
     check_float(dropout_p, name, minimum=0.0)
+    # The kernels take p in fp32: a p that rounds to 1.0 there would drop every score
+    # and scale by 1 / (1 - p) = inf (NaN out), and its keep threshold ceil(p * 2**32)
+    # would overflow 32 bits.
     if dropout_p >= 1.0:
         _fail(ValueError, name, "a probability in [0, 1)", dropout_p)
+    if dropout_p > _F32_BELOW_ONE:
+        _fail(ValueError, name, f"at most {_F32_BELOW_ONE!r} (below 1 in float32, as the "
+              "kernels take it)", dropout_p)
 
 
 def check_no_dropout(dropout_p, where):

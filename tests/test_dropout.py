@@ -250,6 +250,16 @@ def test_philox_matches_a_published_test_vector():
     assert [int(w) for w in words] == [0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1]
 
 
+def test_dropout_p_that_float32_rounds_to_one_is_refused():
+    """The kernels take p in fp32: 1 - 2**-26 would be 1.0 there (every score dropped,
+    scaled by inf, and a keep threshold past 32 bits). The largest fp32 below 1 runs."""
+    q = torch.randn(1, 16, 2, 16)
+    with pytest.raises(ValueError, match=r"dropout_p: expected at most 0\.99999994"):
+        flashtile.flash_attn_func(q, q, q, dropout_p=1 - 2 ** -26)
+    out = flashtile.flash_attn_func(q, q, q, dropout_p=1 - 2 ** -24)
+    assert torch.isfinite(out).all()
+
+
 @pytest.mark.parametrize("call", ["fp8", "block_table"])
 def test_paths_without_dropout_refuse_it(call, device):
     q = torch.randn(1, 8, 2, 16, device=device)
