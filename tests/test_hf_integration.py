@@ -831,6 +831,23 @@ def test_bench_hf_smoke(tmp_path):
     assert all(r["tokens_s"] > 0 for r in rows)
 
 
+@pytest.mark.skipif(TF < version.parse("4.56"), reason="flashtile bench hf needs 4.56")
+def test_bench_hf_padded_smoke(tmp_path, calls):
+    """--pad: left-padded generate prompts (each row up to prompt/4 tokens shorter),
+    whose decode steps take the decode kernel; the default stays unpadded."""
+    from flashtile.bench.hf import _parser
+    from flashtile.cli import main
+    assert not _parser().parse_args([]).pad
+    out = tmp_path / "hf.json"
+    assert main(["bench", "hf", "--device", "cpu", "--batches", "4", "--prompt", "16",
+                 "--new", "2", "--train-tokens", "8", "--reps", "1", "--pad",
+                 "--impls", "flashtile", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    generate = [r for r in rows if r["task"] == "generate"]
+    assert len(generate) == 1 and 0 < generate[0]["padding"] <= 4 * 4, generate
+    assert calls["decode"] > 0 and "masked" not in calls, dict(calls)
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA message")
 def test_bench_hf_needs_cuda(capsys):
     from flashtile.bench.hf import main
