@@ -11,6 +11,7 @@ silently fell back elsewhere fails.
 """
 
 import collections
+import copy
 import json
 import os
 import sys
@@ -234,11 +235,12 @@ def _generate(model, impl, ids, mask, **kwargs):
 @pytest.mark.parametrize("cache", ["dynamic", "static"])
 @pytest.mark.parametrize("family", DECODERS)
 def test_generate_left_padded(family, cache, device, calls):
+    """Greedy tokens past the sliding windows: prefill unpadded to varlen, decode
+    steps in the decode kernel with the left padding as cache_leftpad; a static
+    cache's full layers (their mask narrower than the buffer, so build_mask reads
+    nothing about it) keep reading the padding mask in the masked kernel."""
     if family.startswith("gemma") and cache == "static" and TF < version.parse("4.53"):
         pytest.skip("transformers < 4.53: its own Gemma 2/3 reference fails this case")
-    """Greedy tokens past the sliding windows: prefill unpadded to varlen, decode
-    steps reading the padding mask in the kernel (static: the unfilled slots too), or
-    the decode kernel where a window already leaves the padding out."""
     model, ref = _model(family, device)
     model.eval()
     ids, mask = _batch("left", device)
@@ -252,7 +254,45 @@ def test_generate_left_padded(family, cache, device, calls):
         assert calls == {"masked": NEW * layers}, dict(calls)
         return
     assert calls["flash_attn_varlen_func"] == layers, dict(calls)
+    if cache == "dynamic":  # pure left padding: the decode kernel, cache_leftpad
+        assert calls == {"flash_attn_varlen_func": layers, "decode": (NEW - 1) * layers}
+        return
+    assert calls["flash_attn_varlen_func"] == layers, dict(calls)
     assert calls["masked"] + calls["decode"] == (NEW - 1) * layers, dict(calls)
+
+
+@pytest.mark.skipif(not MASK_INTERFACE, reason="transformers < 4.53 hands flashtile 4-D "
+                    "masks")
+@pytest.mark.parametrize("kernels", ["default", "triton"])
+@pytest.mark.parametrize("pad", ["left", "right", "hole"])
+@pytest.mark.parametrize("family", ["llama", "mistral", "gemma2"])
+def test_padded_decode_step(family, pad, kernels, device, calls, request):
+    """One decode step of a padded batch (after its prefill): padding only at the left
+    takes the split-KV decode kernel with cache_leftpad in every layer; right padding
+    or a hole (inside the sliding windows' last 5 keys too) keeps the masked kernel.
+    The logits equal the reference's."""
+    if kernels == "triton":
+        request.getfixturevalue("triton")
+    model, ref = _model(family, device)
+    model.eval()
+    ids, mask = _batch("none" if pad == "hole" else pad, device)
+    if pad == "hole":
+        mask[1, 8:10] = 0
+    step = torch.randint(0, VOCAB, (3, 1), device=device)
+    step_mask = torch.cat([mask, mask.new_ones(3, 1)], 1)
+    with torch.no_grad():  # both steps over the reference's prefill: the step alone
+        prefill = _use(model, ref)(input_ids=ids, attention_mask=mask,
+                                   use_cache=True).past_key_values
+    out = {}
+    for impl in (ref, "flashtile"):
+        calls.clear()
+        with torch.no_grad():
+            out[impl] = _use(model, impl)(input_ids=step, attention_mask=step_mask,
+                                          past_key_values=copy.deepcopy(prefill),
+                                          use_cache=True).logits
+    torch.testing.assert_close(out["flashtile"], out[ref], rtol=1e-5, atol=1e-5)
+    served = "decode" if pad == "left" else "masked"
+    assert calls == {served: COMMON["num_hidden_layers"]}, dict(calls)
 
 
 def test_generate_unpadded_decodes_with_kvcache(device, calls):
@@ -270,10 +310,11 @@ def test_generate_unpadded_decodes_with_kvcache(device, calls):
 
 
 @pytest.mark.parametrize("family,pad", [("mistral", "none"), ("mistral", "left"),
-                                        ("gemma2", "none")])
+                                        ("gemma2", "none"), ("gemma2", "left")])
 def test_generate_triton(family, pad, device, calls, triton):
-    """The decode kernel with a window (Mistral) and softcap (Gemma 2), the prefill
-    kernel under a padding mask."""
+    """The decode kernel with a window (Mistral) and softcap (Gemma 2), with the left
+    padding as cache_leftpad (Gemma 2's full layers), the prefill kernel under a
+    padding mask."""
     model, ref = _model(family, device)
     model.eval()
     ids, mask = _batch(pad, device)
@@ -350,10 +391,13 @@ def _host_reads_per_step(layers, monkeypatch):
 def test_padded_batch_host_reads_do_not_grow_with_layers(monkeypatch):
     """Regression (issue 16): the prefill of a padded batch unpadded the mask with
     nonzero (a device sync) in every layer; now once per forward, reused by the other
-    layers. A decode step reads nothing per layer either."""
+    layers. A decode step reads nothing per layer either: build_mask's one read per
+    forward answers both whether the mask is all ones and whether its padding is all
+    at the left (the decode kernel's cache_leftpad)."""
     two, five = (_host_reads_per_step(n, monkeypatch) for n in (2, 5))
     assert two == five, (two, five)
     assert two[0].get("nonzero", 0) <= 1, two
+    assert sum(two[1].values()) <= 1, two
 
 
 @pytest.mark.gpu
@@ -464,16 +508,19 @@ def test_generate_batch(family, device, calls):
 
 @pytest.mark.skipif(TF < version.parse("4.57"), reason="BART calls the attention "
                     "interface in 4.57 (not yet in 4.51)")
-def test_encoder_decoder_cross_attention(device, calls):
+@pytest.mark.parametrize("pad", ["left", "right"])
+def test_encoder_decoder_cross_attention(pad, device, calls):
     """BART: a padded encoder, the decoder's cross-attention over its real tokens
-    (every decoder query sees them: no causality across the two), greedy generate."""
+    (every decoder query sees them: no causality across the two), greedy generate.
+    Its decode steps' cross-attention takes the decode kernel (cache_leftpad, not
+    causal) when the encoder's padding is at the left, the masked kernel else."""
     torch.manual_seed(0)
     model = transformers.BartForConditionalGeneration(transformers.BartConfig(
         vocab_size=VOCAB, d_model=48, encoder_layers=2, decoder_layers=2,
         encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=64,
         decoder_ffn_dim=64, max_position_embeddings=64, dropout=0.0,
         attention_dropout=0.0, activation_dropout=0.0)).to(device).eval()
-    ids, mask = _batch("left", device)
+    ids, mask = _batch(pad, device)
     decoder_ids = torch.randint(0, VOCAB, (3, 6), device=device)
     out = {}
     for impl in ("sdpa", "flashtile"):
@@ -486,7 +533,10 @@ def test_encoder_decoder_cross_attention(device, calls):
     torch.testing.assert_close(out["flashtile"][0], out["sdpa"][0], rtol=1e-5, atol=1e-5)
     assert torch.equal(out["flashtile"][1], out["sdpa"][1])
     if TF >= version.parse("5.0"):  # 4.57's BART builds 4-D masks itself
-        assert calls["flash_attn_varlen_func"] > 0 and calls["masked"] > 0, dict(calls)
+        cross = "decode" if pad == "left" else "masked"
+        assert calls["flash_attn_varlen_func"] > 0 and calls[cross] > 0, dict(calls)
+        if pad == "left":
+            assert "masked" not in calls, dict(calls)
 
 
 def test_given_cu_seqlens(device, calls):
@@ -603,6 +653,30 @@ def test_mask_forms(masking):
     static = hf.build_mask(batch_size=2, kv_length=16, mask_function=causal,
                            **_positions(masking, 1, q_offset=torch.tensor(6)))
     assert torch.equal(static, torch.ones(2, 7, dtype=torch.bool))
+
+
+def test_left_padding_marked_in_decode_steps(masking):
+    """build_mask marks a decode step's purely left-padded mask with cache_leftpad (the
+    column of each row's first token); not a prefill's, not a mask with a hole or
+    right padding, not once the mask is modified in place."""
+    from flashtile.integrations.transformers.masks import marked_leftpad
+    causal = masking.causal_mask_function
+    mask = torch.ones(3, 7, dtype=torch.bool)
+    mask[0, :4], mask[2, :1] = False, False
+
+    def built(m, q_length):
+        return hf.build_mask(batch_size=3, kv_length=7, mask_function=causal,
+                             attention_mask=m, **_positions(masking, q_length, 7 - q_length))
+
+    got = built(mask, 1)
+    assert torch.equal(got, mask) and marked_leftpad(got).tolist() == [4, 0, 1]
+    assert marked_leftpad(built(mask, 7)) is None
+    for hole in ((1, 3), (1, 6)):  # inside a row, at the query's own column
+        other = mask.clone()
+        other[hole] = False
+        assert marked_leftpad(built(other, 1)) is None
+    got[1, 2] = False
+    assert marked_leftpad(got) is None
 
 
 def test_unknown_mask_pattern_is_materialised(masking):
@@ -755,6 +829,23 @@ def test_bench_hf_smoke(tmp_path):
         (task, impl) for task in ("generate", "train step")
         for impl in ("flashtile", "sdpa", "eager")}
     assert all(r["tokens_s"] > 0 for r in rows)
+
+
+@pytest.mark.skipif(TF < version.parse("4.56"), reason="flashtile bench hf needs 4.56")
+def test_bench_hf_padded_smoke(tmp_path, calls):
+    """--pad: left-padded generate prompts (each row up to prompt/4 tokens shorter),
+    whose decode steps take the decode kernel; the default stays unpadded."""
+    from flashtile.bench.hf import _parser
+    from flashtile.cli import main
+    assert not _parser().parse_args([]).pad
+    out = tmp_path / "hf.json"
+    assert main(["bench", "hf", "--device", "cpu", "--batches", "4", "--prompt", "16",
+                 "--new", "2", "--train-tokens", "8", "--reps", "1", "--pad",
+                 "--impls", "flashtile", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    generate = [r for r in rows if r["task"] == "generate"]
+    assert len(generate) == 1 and 0 < generate[0]["padding"] <= 4 * 4, generate
+    assert calls["decode"] > 0 and "masked" not in calls, dict(calls)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA message")

@@ -7,7 +7,10 @@ default llama-3.2-1b, bf16), switched between the attention implementations with
 same process state. Per implementation:
 
 - ``generate`` at each ``--batches`` size: ``--prompt`` random prompt tokens per row (no
-  padding, so transformers passes no mask), ``--new`` greedy new tokens
+  padding, so transformers passes no mask; with ``--pad`` each row's prompt is
+  shortened by a random 0 .. prompt/4 tokens and left-padded, as a tokenizer pads a
+  batch for generate, so the padded prefill and decode paths are timed), ``--new``
+  greedy new tokens
   (min_new_tokens = max_new_tokens: no early stop), transformers' default dynamic
   cache. Also timed with one new token (the prefill); decode tokens/s are the other
   new tokens over the rest of the time.
@@ -50,6 +53,9 @@ def _parser():
     p.add_argument("--new", type=int, default=256, help="new tokens per row")
     p.add_argument("--train-tokens", type=int, default=4096)
     p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--pad", action="store_true",
+                   help="left-pad the generate prompts: each row a random 0..prompt/4 "
+                        "tokens shorter")
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
                    help="cpu: a smoke run with a tiny model (numbers mean nothing)")
     p.add_argument("--out", default="bench-hf.json")
@@ -108,8 +114,10 @@ def run(args) -> list[dict]:
         model.eval()
         for batch in args.batches:
             ids = torch.randint(config.vocab_size, (batch, args.prompt), generator=gen)
-            ids = ids.to(device)
             mask = torch.ones_like(ids)
+            if args.pad:
+                _left_pad(ids, mask, args.prompt // 4, gen)
+            ids, mask = ids.to(device), mask.to(device)
 
             def generate(new):
                 with torch.no_grad():
@@ -120,7 +128,7 @@ def run(args) -> list[dict]:
             total_s, peak = _timed(lambda: generate(args.new), args.reps, device)
             decode_s = total_s - prefill_s  # noise can make it <= 0 on tiny runs
             rows.append(dict(task="generate", impl=impl, batch=batch, prompt=args.prompt,
-                             new=args.new, ms=1e3 * total_s, prefill_ms=1e3 * prefill_s,
+                             padding=int((mask == 0).sum()), new=args.new, ms=1e3 * total_s, prefill_ms=1e3 * prefill_s,
                              tokens_s=batch * args.new / total_s,
                              decode_tokens_s=(batch * (args.new - 1) / decode_s
                                               if decode_s > 0 and args.new > 1 else None),
@@ -141,6 +149,16 @@ def run(args) -> list[dict]:
         print(f"  {impl} train step: {rows[-1]['ms']:.0f} ms", flush=True)
     _ratios(rows)
     return rows
+
+
+def _left_pad(ids, mask, most, gen, pad_id=0):
+    """Shorten each row's prompt by a random 0 .. most tokens, in place: the pad id and
+    mask zeros at its left (the padding generate's tokenizers add)."""
+    import torch
+    short = torch.randint(most + 1, (ids.shape[0],), generator=gen)
+    padding = torch.arange(ids.shape[1])[None, :] < short[:, None]
+    ids.masked_fill_(padding, pad_id)
+    mask.masked_fill_(padding, 0)
 
 
 def _ratios(rows):

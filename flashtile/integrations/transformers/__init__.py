@@ -22,9 +22,13 @@ Importing this package calls ``register()``, which registers under the name "fla
     * 2-D bool (b, n), True = a real token: padding, in flash-attn's convention in
       transformers (column n - 1 is the last query's position; a static cache's slots
       past column n are not filled yet). Prefill and training unpad it to
-      ``flash_attn_varlen_func``; a decode step reads it as a (b, 1, 1, n) mask in the
-      kernel, which costs less than gathering the whole cache every step, and so does
-      any step under torch.compile (unpadding has data-dependent sizes);
+      ``flash_attn_varlen_func``; a decode step whose padding is all at the left
+      (``generate``'s batches; build_mask finds it in the same host read as "all
+      ones", once per forward, and marks the mask) runs the split-KV decode kernel
+      with it as ``cache_leftpad``; any other decode step reads it as a (b, 1, 1, n)
+      mask in the kernel, which costs less than gathering the whole cache every step,
+      and so does any step under torch.compile (unpadding has data-dependent sizes;
+      no host read there);
     * 1-D int32 (count + 1,): ``cu_seqlens`` of sequences packed along the flattened
       batch (position_ids that restart), served by ``flash_attn_varlen_func``;
     * 4-D: a pattern flashtile cannot describe (a model's own overlay such as image-token

@@ -14,6 +14,7 @@ from flashtile import _validate as V
 from flashtile._backend import select_backend
 from flashtile.custom_ops import _plain_eager
 from flashtile.integrations.transformers._notes import _note
+from flashtile.integrations.transformers.masks import marked_leftpad
 from flashtile.interface import _attention, _philox
 from flashtile.ops.decode import attn_decode
 
@@ -57,10 +58,19 @@ def _padded(q, k, v, mask, causal, sliding_window, opts):
     k, v = k[:, :n], v[:, :n]
     attention_mask, mask = mask, mask.to(torch.bool)
     window = _window(sliding_window, causal, n)
-    if (sq == 1 and not _needs_grad(q, k, v)) or torch.compiler.is_compiling():
+    if torch.compiler.is_compiling():
+        # Unpadding has data-dependent sizes, which would break the graph; whether the
+        # padding is all at the left is a host read, which a graph cannot make.
+        return _masked(q, k, v, mask[:, None, None, :], causal, window, **opts)
+    if sq == 1 and not _needs_grad(q, k, v):
         # A decode step: every row sees the keys its mask allows, in one kernel (cheaper
-        # than gathering the whole cache each step). Under torch.compile too: unpadding
-        # has data-dependent sizes, which would break the graph.
+        # than gathering the whole cache each step). When build_mask found the padding
+        # all at the left (generate's batches), the keys of row b are [leftpad[b], n):
+        # the split-KV decode kernel's cache_leftpad (it has no dropout).
+        leftpad = marked_leftpad(attention_mask)
+        if leftpad is not None and not opts["dropout_p"]:
+            return _decode(q, k, v, causal, window, opts["softmax_scale"], opts["softcap"],
+                           leftpad)
         return _masked(q, k, v, mask[:, None, None, :], causal, window, **opts)
     (rows, cols, cu_k), (q_rows, q_cols, cu_q) = _unpadding(attention_mask, mask, sq,
                                                             causal)
@@ -153,24 +163,26 @@ def _dense(q, k, v, causal, sliding_window, opts):
 _last_decode = [None]
 
 
-def _decode(q, k, v, causal, window, softmax_scale, softcap):
-    """flash_attn_with_kvcache(q, k, v, cache_seqlens=k.shape[1]) for a decode step, at
-    less host cost. Decode in ``generate`` is host-bound (a step's kernels take a few
-    microseconds, the Python around them far more), and every layer of a step makes
-    this call with the same shapes. So the first layer's call goes through
-    flash_attn_with_kvcache, which validates them, and the step's other layers, whose
-    signature (shapes, strides, dtypes, devices, options, stream) is the same, launch
-    the decode kernel as flash_attn_with_kvcache's eager Triton path does, on the
-    first call's cache_seqlens tensor (the kernel only reads it). What can change
-    between calls of one signature is still asked on every call: compile, tracing or
-    a subclass (``_plain_eager``), the backend (FLASHTILE_BACKEND), the index checks;
-    a call they send elsewhere, or one during CUDA-graph capture (whose tensors must
-    not outlive it here), takes flash_attn_with_kvcache."""
+def _decode(q, k, v, causal, window, softmax_scale, softcap, cache_leftpad=None):
+    """flash_attn_with_kvcache(q, k, v, cache_seqlens=k.shape[1], cache_leftpad=...)
+    for a decode step, at less host cost. Decode in ``generate`` is host-bound (a
+    step's kernels take a few microseconds, the Python around them far more), and
+    every layer of a step makes this call with the same shapes. So the first layer's
+    call goes through flash_attn_with_kvcache, which validates them, and the step's
+    other layers, whose signature (shapes, strides, dtypes, devices, options, whether
+    a cache_leftpad comes, stream) is the same, launch the decode kernel as
+    flash_attn_with_kvcache's eager Triton path does, on the first call's
+    cache_seqlens tensor (the kernel only reads it) and this call's cache_leftpad
+    (build_mask's, made once per forward). What can change between calls of one
+    signature is still asked on every call: compile, tracing or a subclass
+    (``_plain_eager``), the backend (FLASHTILE_BACKEND), the index checks; a call they
+    send elsewhere, or one during CUDA-graph capture (whose tensors must not outlive
+    it here), takes flash_attn_with_kvcache."""
     cuda = q.is_cuda
     capturing = cuda and torch.cuda.is_current_stream_capturing()
     signature = (q.shape, q.stride(), q.dtype, q.device, k.shape, k.stride(), k.dtype,
                  k.device, v.shape, v.stride(), v.dtype, v.device, causal, window,
-                 softmax_scale, softcap,
+                 softmax_scale, softcap, cache_leftpad is not None,
                  torch._C._cuda_getCurrentRawStream(q.device.index) if cuda else None)
     last = _last_decode[0]
     if (last is not None and last[0] == signature and not capturing
@@ -178,13 +190,14 @@ def _decode(q, k, v, causal, window, softmax_scale, softcap):
             and select_backend(q.device, q.dtype) == "triton"):
         _, cache_seqlens, scale, left, right = last
         return attn_decode(q, k, v, cache_seqlens=cache_seqlens, block_table=None,
-                           cache_batch_idx=None, cache_leftpad=None, alibi_slopes=None,
-                           softmax_scale=scale, window_left=left,
+                           cache_batch_idx=None, cache_leftpad=cache_leftpad,
+                           alibi_slopes=None, softmax_scale=scale, window_left=left,
                            window_right=right, softcap=float(softcap), num_splits=0,
                            allow_tf32=False)[0]
     cache_seqlens = torch.full((q.shape[0],), k.shape[1], dtype=torch.int32,
                                device=q.device)
     out = flashtile.flash_attn_with_kvcache(q, k, v, cache_seqlens=cache_seqlens,
+                                            cache_leftpad=cache_leftpad,
                                             causal=causal, window_size=window,
                                             softmax_scale=softmax_scale, softcap=softcap)
     if not capturing:
@@ -220,8 +233,10 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0,
         packed batches, ``DataCollatorWithFlattening(return_flash_attn_kwargs=True)``):
         ``flash_attn_varlen_func``;
       * then by the mask ``build_mask`` made (None, 2-D, 1-D or 4-D; see the module
-        docstring). A decode step (sq = 1, no gradient) without padding or dropout
-        runs ``flash_attn_with_kvcache`` (the split-KV decode kernel).
+        docstring). A decode step (sq = 1, no gradient) without dropout, and
+        without padding or with padding only at the left (build_mask marks such a
+        mask), runs ``flash_attn_with_kvcache`` (the split-KV decode kernel, the left
+        padding as its ``cache_leftpad``).
     The mask's causality is the module's ``is_causal`` unless the model passes
     ``is_causal``; ``scaling`` defaults to head_dim ** -0.5; ``softcap`` None means none.
     ``dropout`` (models pass their attention dropout in training mode, 0.0 otherwise)

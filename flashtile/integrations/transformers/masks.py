@@ -97,6 +97,41 @@ def _packed_cu_seqlens(mask_function, batch_size, length, device):
     return torch.cat([first, first.new_full((1,), batch_size * length)])
 
 
+def _padding_kind(mask, decoding):
+    """(every token real, pure left padding: each row padding then tokens, its last
+    column a token) of a 2-D bool mask, in one host read per forward. The second is
+    asked in a decode step only (else False), the one step that uses it."""
+    if not decoding:
+        return bool(mask.all()), False
+    # No token followed by padding in a row, and the query's own column a token.
+    left = (mask[:, 1:] >= mask[:, :-1]).all() & mask[:, -1].all()
+    return torch.stack([mask.all(), left]).tolist()
+
+
+# The attribute build_mask sets on a decode step's purely left-padded 2-D mask:
+# (the mask's version, cache_leftpad int32 (b,), the column of each row's first token).
+_LEFTPAD = "_flashtile_cache_leftpad"
+
+
+def _mark_left_padded(mask):
+    """Tell the layers that ``mask`` (the view build_mask returns and transformers hands
+    every layer unchanged) is pure left padding, with flash-attn's cache_leftpad, so a
+    decode step takes the split-KV decode kernel; computed on the device, no read."""
+    n = mask.shape[1]
+    leftpad = n - mask.sum(1, dtype=torch.int32)
+    setattr(mask, _LEFTPAD, (None if mask.is_inference() else mask._version, leftpad))
+
+
+def marked_leftpad(mask):
+    """The cache_leftpad build_mask attached to ``mask``, or None: not marked (another
+    2-D mask, a copy or slice of it, one built under torch.compile) or modified in
+    place since."""
+    version, leftpad = getattr(mask, _LEFTPAD, (None, None))
+    if leftpad is None or version != (None if mask.is_inference() else mask._version):
+        return None
+    return leftpad
+
+
 def build_mask(*, batch_size, kv_length, mask_function, attention_mask=None, kv_offset=0,
                q_length=None, q_offset=0, cache_position=None, **kwargs):
     """transformers' mask interface for "flashtile" (see the module docstring for the
@@ -127,9 +162,12 @@ def build_mask(*, batch_size, kv_length, mask_function, attention_mask=None, kv_
         # The user's mask covers positions 0 .. (last query); a sliding layer's keys are
         # the last kv_length of them.
         attention_mask = attention_mask[:, -kv_length:]
-        if (attention_mask.shape[1] == kv_length and not torch.compiler.is_compiling()
-                and bool(attention_mask.all())):
-            return None
+        if attention_mask.shape[1] == kv_length and not torch.compiler.is_compiling():
+            all_real, left_padded = _padding_kind(attention_mask, q_length == 1)
+            if all_real:
+                return None
+            if left_padded:
+                _mark_left_padded(attention_mask)
         return attention_mask
     # No user mask. A static cache's keys are its whole buffer, of which only the first
     # `filled` slots hold tokens so far; any other cache holds exactly the tokens so far.
