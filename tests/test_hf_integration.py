@@ -196,6 +196,26 @@ def test_logits_and_grads_equal_reference(family, pad, device, calls):
     _check_forward_backward(family, pad, device, calls)
 
 
+@pytest.mark.parametrize("family", ["mistral", "gemma2", "qwen2"])
+def test_mask_with_a_hole_under_sliding_windows(family, device, calls):
+    """A row with padding between its tokens: unpadding would close the gap and bring
+    keys into a sliding window that the reference's positions keep out, so the layers
+    that slide take the masked kernel (one host read per forward decides); logits and
+    gradients equal the reference's."""
+    model, ref = _model(family, device)
+    ids, mask = _batch("none", device)
+    mask[1, 4:6] = 0  # within 5 keys of the row's later queries
+    want_logits, want_grads = _forward_backward(model, ref, ids, mask)
+    calls.clear()
+    logits, grads = _forward_backward(model, "flashtile", ids, mask)
+    real = mask.bool()
+    torch.testing.assert_close(logits[real], want_logits[real], rtol=1e-5, atol=1e-5)
+    _assert_grads_close(grads, want_grads)
+    assert calls["masked"] >= 1, dict(calls)
+    assert calls["masked"] + calls["flash_attn_varlen_func"] == \
+        COMMON["num_hidden_layers"], dict(calls)
+
+
 @pytest.mark.parametrize("family", ["llama", "gemma2"] + ENCODERS)
 def test_logits_and_grads_triton(family, device, calls, triton):
     _check_forward_backward(family, "right" if family == "bert" else "left", device, calls)

@@ -72,8 +72,13 @@ def _padded(q, k, v, mask, causal, sliding_window, opts):
             return _decode(q, k, v, causal, window, opts["softmax_scale"], opts["softcap"],
                            leftpad)
         return _masked(q, k, v, mask[:, None, None, :], causal, window, **opts)
-    (rows, cols, cu_k), (q_rows, q_cols, cu_q) = _unpadding(attention_mask, mask, sq,
-                                                            causal)
+    windowed = window != (-1, -1)
+    unpadded, holes = _unpadding(attention_mask, mask, sq, causal, windowed)
+    if windowed and holes:
+        # Unpadding closes the gaps between a row's tokens, which would move keys into
+        # a sliding window that sdpa's positions keep out: the masked kernel, exact.
+        return _masked(q, k, v, mask[:, None, None, :], causal, window, **opts)
+    (rows, cols, cu_k), (q_rows, q_cols, cu_q) = unpadded
     if not causal:
         # Bidirectional: every query (padding too, as SDPA does) sees the real keys.
         out = flashtile.flash_attn_varlen_func(
@@ -86,22 +91,36 @@ def _padded(q, k, v, mask, causal, sliding_window, opts):
     return out.new_zeros(b, sq, h, d).index_put((q_rows, q_cols), out)
 
 
-# The last _unpadding: (weak reference to the mask, its version, sq, causal), result.
+# The last _unpadding: (weak reference to the mask, its version, sq, causal), and
+# [unpadding, whether rows have holes (None: not asked yet)].
 _last_unpadding = [None, None]
 
 
-def _unpadding(given, mask, sq, causal):
-    """The unpadding of a 2-D mask: ((rows, cols, cu_seqlens) of the real keys, the same
-    of the real queries), computed once per forward, not per layer. transformers hands
-    every layer the mask object build_mask made for that forward (a fresh view each
-    time), so the last result is reused while ``given`` is that object, unmodified
+def _unpadding(given, mask, sq, causal, windowed):
+    """(unpadding, holes) of a 2-D mask. The unpadding: ((rows, cols, cu_seqlens) of the
+    real keys, the same of the real queries); holes (asked by sliding-window layers,
+    else None): whether any row has padding between its tokens. Both are computed once
+    per forward, not per layer. transformers hands every layer the mask object
+    build_mask made for that forward (a fresh view each time), so the last result is
+    reused while ``given`` is that object, unmodified
     (its version counter; an inference tensor has none, and identity alone decides).
     Each computation reads the token count on the host (nonzero): a sync, which in
     every layer would stall the pipeline once a layer."""
     version = None if given.is_inference() else given._version
     key, found = _last_unpadding
-    if key is not None and key[0]() is given and key[1:] == (version, sq, causal):
-        return found
+    if key is None or key[0]() is not given or key[1:] != (version, sq, causal):
+        found = [_unpad(mask, sq, causal), None]
+        _last_unpadding[:] = ((weakref.ref(given), version, sq, causal), found)
+    if windowed and found[1] is None:
+        n = mask.shape[1]
+        cols = torch.arange(n, device=mask.device)
+        first = torch.where(mask, cols, n).amin(1)
+        last = torch.where(mask, cols, -1).amax(1)
+        found[1] = bool((last - first + 1 > mask.sum(1)).any())  # a host read
+    return found
+
+
+def _unpad(mask, sq, causal):
     b, n = mask.shape
     rows, cols = mask.nonzero(as_tuple=True)  # one host read: the token count
     cu_k = F.pad(mask.sum(1, dtype=torch.int32).cumsum(0, dtype=torch.int32), (1, 0))
@@ -116,9 +135,7 @@ def _unpadding(given, mask, sq, causal):
         q_rows, q_cols = (rows, cols) if sq == n else q_mask.nonzero(as_tuple=True)
         queries = (q_rows, q_cols, F.pad(q_mask.sum(1, dtype=torch.int32).cumsum(
             0, dtype=torch.int32), (1, 0)))
-    found = ((rows, cols, cu_k), queries)
-    _last_unpadding[:] = ((weakref.ref(given), version, sq, causal), found)
-    return found
+    return (rows, cols, cu_k), queries
 
 
 def _varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal, sliding_window, opts):
