@@ -176,15 +176,20 @@ def _forward_backward(model, impl, ids, mask, **kwargs):
     return logits.detach(), _grads(model)
 
 
-def _check_forward_backward(family, pad, device, calls):
+def _check_forward_backward(family, pad, device, calls, mask=None):
+    """flashtile's logits and gradients against the reference's, over _batch(pad) or
+    the given mask (then the caller checks what served the calls)."""
     model, ref = _model(family, device)
-    ids, mask = _batch(pad, device)
+    ids, batch_mask = _batch(pad, device)
+    given, mask = mask, batch_mask if mask is None else mask
     want_logits, want_grads = _forward_backward(model, ref, ids, mask)
     calls.clear()
     logits, grads = _forward_backward(model, "flashtile", ids, mask)
     real = mask.bool()
     torch.testing.assert_close(logits[real], want_logits[real], rtol=1e-5, atol=1e-5)
     _assert_grads_close(grads, want_grads)
+    if given is not None:
+        return
     # No padding: the dense kernel; padding: unpadded to varlen, never a mask tensor.
     served = "flash_attn_func" if pad == "none" else "flash_attn_varlen_func"
     _assert_served(calls, {served: COMMON["num_hidden_layers"]})
@@ -202,15 +207,9 @@ def test_mask_with_a_hole_under_sliding_windows(family, device, calls):
     keys into a sliding window that the reference's positions keep out, so the layers
     that slide take the masked kernel (one host read per forward decides); logits and
     gradients equal the reference's."""
-    model, ref = _model(family, device)
-    ids, mask = _batch("none", device)
+    mask = torch.ones(3, LENGTH, dtype=torch.long, device=device)
     mask[1, 4:6] = 0  # within 5 keys of the row's later queries
-    want_logits, want_grads = _forward_backward(model, ref, ids, mask)
-    calls.clear()
-    logits, grads = _forward_backward(model, "flashtile", ids, mask)
-    real = mask.bool()
-    torch.testing.assert_close(logits[real], want_logits[real], rtol=1e-5, atol=1e-5)
-    _assert_grads_close(grads, want_grads)
+    _check_forward_backward(family, "none", device, calls, mask)
     assert calls["masked"] >= 1, dict(calls)
     assert calls["masked"] + calls["flash_attn_varlen_func"] == \
         COMMON["num_hidden_layers"], dict(calls)
