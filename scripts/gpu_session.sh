@@ -21,7 +21,7 @@
 #   engine-peers the 1B shape's other rows: eager, sdpa, naive, transformers'
 #                generate and generate_batch (64 requests)                (~9 min)
 #   shapes       the 0.5B and 8B shapes, every row                        (~10 min)
-#   host         flashtile bench host, flashtile bench hf                 (~8 min)
+#   host         flashtile bench host, flashtile bench hf (and --pad at batch 16) (~10 min)
 #   hopper       the Gluon forward's GPU tests and its timing             (~8 min)
 #   tp           the tensor-parallel driver's tests (2 GPUs)              (~4 min)
 #   fp32         accuracy and speed of fp32, IEEE products against tf32x3  (~8 min)
@@ -204,6 +204,9 @@ case "${1:-}" in
     # Host time per eager call (issue 15 item 1) and transformers with flashtile (issue 16).
     timeout 200 python3 -m flashtile bench host --out "$OUT/host" 2>&1 | tail -20
     timeout 350 python3 -m flashtile bench hf --out "$OUT/hf.json" 2>&1 | tail -14
+    # A left-padded batch (the decode kernel with cache_leftpad since session 10).
+    timeout 200 python3 -m flashtile bench hf --pad --batches 16 --out "$OUT/hf-pad.json" \
+      2>&1 | tail -6
     ;;
   hopper)
     # The Gluon forward: GPU tests against float64, then timed beside the portable kernel
