@@ -26,6 +26,7 @@
 #   tp           the tensor-parallel driver's tests (2 GPUs)              (~4 min)
 #   fp32         accuracy and speed of fp32, IEEE products against tf32x3  (~8 min)
 #   dropout      flashtile with and without dropout beside SDPA's dropout backends (~4 min)
+#   mla-fp8      the absorbed MLA decode (576/512) and the FP8 forward timed      (~6 min)
 #   wide         head_dim 256 and 512 beside the peers; d256 backward tiles; the fused
 #                backward against the split one                          (~10 min)
 #   serve [BACKEND] [KV]  flashtile serve (1B shape, dummy weights, attention BACKEND,
@@ -157,6 +158,16 @@ case "${1:-}" in
       --providers flashtile-dropout --headdim 128 --seqlens 1k 4k --modes fwd_bwd \
       --no-progress --out dropout-dkdv-32x128 --overwrite 2>&1 | grep "^|" | tail -6
     tar czf "$OUT/dropout.tgz" dropout dropout-dkdv-32x128
+    ;;
+  mla-fp8)
+    # Issue 17: the absorbed MLA decode (576/512, 16 and 128 heads, pages of 64) against
+    # the copy ceiling, and the FP8 forward beside bf16 and cuDNN (docs/fp8.md).
+    timeout 150 python3 -m flashtile.bench.decode --mla 2>&1 | grep "^| MLA\|^#" \
+      | tee "$OUT/mla.txt"
+    timeout 240 python3 -m flashtile bench --providers flashtile flashtile-fp8 \
+      flashtile-fp8-varlen sdpa-cudnn --modes fwd --headdim 128 --seqlens 4k 16k \
+      --no-progress --out fp8 --overwrite 2>&1 | grep "^|" | tail -10
+    tar czf "$OUT/fp8.tgz" fp8
     ;;
   short)
     timeout 240 python3 -m flashtile bench --seqlens 512 1k 2k --no-progress \

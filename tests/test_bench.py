@@ -621,6 +621,22 @@ def test_decode_markdown_table():
     assert header.count("|") == rule.count("|")
 
 
+def test_mla_bench_inputs_and_reference():
+    """The MLA decode bench's inputs: a latent pool in random page order whose block
+    table recovers each sequence, and a float32 reference the decode meets (here on the
+    PyTorch path, the pool as K and its first 512 dims as V)."""
+    from flashtile.bench import decode
+
+    q, pool, table, seqlens, ref = decode._mla_inputs(2, 2 * decode.MLA_PAGE, 4, "cpu")
+    assert q.shape == (2, 1, 4, decode.MLA_D) and pool.shape[1:] == (decode.MLA_PAGE, 1,
+                                                                      decode.MLA_D)
+    assert sorted(table.flatten().tolist()) == list(range(4))
+    out = flashtile.flash_attn_with_kvcache(q.float(), pool.float(),
+                                            pool.float()[..., :decode.MLA_DV],
+                                            cache_seqlens=seqlens, block_table=table)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
 def test_dropout_providers_run_on_cuda_outside_the_sweeps():
     """The dropout rows are asked for by name (a training-only feature, beside the SDPA
     backends that take dropout_p); on CPU they say why they do not run."""

@@ -247,6 +247,66 @@ def sweep_decode_tiles(shapes=((1, 8192), (8, 32768)),
     return results
 
 
+# Absorbed MLA decode (DeepSeek-V3): query heads over one latent KV head of 576 dims (512
+# latent + 64 rope), values the first 512 of the same rows; pages of 64 keys. 128 heads is
+# the model's, 16 one GPU's share under 8-way tensor parallelism.
+MLA_SHAPES = [(1, 8192), (1, 32768), (32, 4096), (64, 8192)]
+MLA_HEADS = (16, 128)
+MLA_D, MLA_DV, MLA_PAGE = 576, 512, 64
+
+
+def _mla_inputs(batch, seqlen_k, heads, device):
+    """q (batch, 1, heads, 576), a paged latent pool in random page order, its
+    block_table and lengths, and a float32 reference output."""
+    q = torch.randn(batch, 1, heads, MLA_D, device=device, dtype=torch.bfloat16)
+    latent = torch.randn(batch, seqlen_k, 1, MLA_D, device=device, dtype=torch.bfloat16)
+    pages = seqlen_k // MLA_PAGE
+    table = torch.randperm(batch * pages, device=device).to(torch.int32).view(batch, pages)
+    pool = torch.empty(batch * pages, MLA_PAGE, 1, MLA_D, device=device, dtype=q.dtype)
+    pool[table.long()] = latent.view(batch, pages, MLA_PAGE, 1, MLA_D)
+    seqlens = torch.full((batch,), seqlen_k, dtype=torch.int32, device=device)
+    scores = torch.einsum("bhd,bkd->bhk", q[:, 0].float(), latent[:, :, 0].float())
+    ref = torch.einsum("bhk,bkd->bhd", (scores * MLA_D ** -0.5).softmax(-1),
+                       latent[:, :, 0, :MLA_DV].float())[:, None]
+    return q, pool, table, seqlens, ref
+
+
+def run_mla_bench(shapes=MLA_SHAPES, heads=MLA_HEADS, device="cuda"):
+    """flashtile's absorbed MLA decode over cold input copies: microseconds, the latent
+    cache's GB/s (576 bf16 dims a key, read once) and TFLOP/s (2 * heads * keys *
+    (576 + 512) a sequence), each output checked against float32 first."""
+    import flashtile
+
+    rows = []
+    for h in heads:
+        for batch, seqlen_k in shapes:
+            cache_bytes = batch * seqlen_k * MLA_D * 2
+            copies = max(1, math.ceil(3 * torch.cuda.get_device_properties(
+                device).L2_cache_size / cache_bytes))
+            fns = []
+            for _ in range(copies):
+                q, pool, table, seqlens, ref = _mla_inputs(batch, seqlen_k, h, device)
+                fn = (lambda q=q, pool=pool, table=table, seqlens=seqlens:
+                      flashtile.flash_attn_with_kvcache(
+                          q, pool, pool[..., :MLA_DV], cache_seqlens=seqlens,
+                          block_table=table))
+                err = (fn().float() - ref).abs().max().item()
+                if not err < 2e-2:
+                    raise RuntimeError(f"MLA decode b={batch} sk={seqlen_k} h={h}: "
+                                       f"max error {err:.3g}")
+                fns.append(fn)
+                del ref
+            us = median(time_rounds({"mla": fns})["mla"])
+            flops = 2 * batch * h * seqlen_k * (MLA_D + MLA_DV)
+            row = dict(heads=h, batch=batch, seqlen_k=seqlen_k, us=round(us, 2),
+                       gbps=round(cache_bytes / us / 1e3), tflops=round(flops / us / 1e6, 1))
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+            del fns
+            torch.cuda.empty_cache()
+    return rows
+
+
 if __name__ == "__main__":
     import sys
 
@@ -274,6 +334,13 @@ if __name__ == "__main__":
                            tiles=("16,16,4,4", "16,16,4,6", "16,32,4,4", "16,64,4,3",
                                   "16,64,4,4", "16,128,4,3"),
                            splits=(0,), page_sizes=(16, None))
+    if "--mla" in sys.argv:
+        # Absorbed MLA decode alone (issue 17): the table below is not run.
+        for r in run_mla_bench():
+            print(f"| MLA {r['heads']} heads | b={r['batch']} | sk={r['seqlen_k']} | "
+                  f"{r['us']} us | {r['gbps']} GB/s ({100 * r['gbps'] / copy:.0f}% of copy) "
+                  f"| {r['tflops']} TFLOP/s |")
+        sys.exit(0)
     rows = run_decode_bench(warm_l2="--warm-l2" in sys.argv)
     md = decode_markdown(rows, copy)
     print(md)
