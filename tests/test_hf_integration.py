@@ -407,6 +407,20 @@ def _host_reads_per_step(layers, monkeypatch):
 
 @pytest.mark.skipif(not MASK_INTERFACE, reason="transformers < 4.53 hands flashtile 4-D "
                     "masks (its own reads, not the integration's)")
+def test_decode_compiles_without_a_graph_break(device, monkeypatch):
+    """Under torch.compile(fullgraph=True) a decode step is flash_attn_with_kvcache's
+    custom op, not the eager memo (a stream query, and a tensor kept in a global that
+    the compiled graph would write)."""
+    monkeypatch.setattr(hf_attention, "_last_decode", [None])
+    q = torch.randn(2, 1, 4, 16, device=device)
+    k, v = (torch.randn(2, 9, 2, 16, device=device) for _ in "kv")
+    step = torch.compile(lambda q, k, v: hf_attention._decode(q, k, v, True, (-1, -1),
+                                                               None, 0.0), fullgraph=True)
+    want = flashtile.flash_attn_with_kvcache(q, k, v, cache_seqlens=9, causal=True)
+    torch.testing.assert_close(step(q, k, v), want, rtol=1e-6, atol=1e-6)
+    assert hf_attention._last_decode == [None]
+
+
 def test_padded_batch_host_reads_do_not_grow_with_layers(monkeypatch):
     """Regression (issue 16): the prefill of a padded batch unpadded the mask with
     nonzero (a device sync) in every layer; now once per forward, reused by the other

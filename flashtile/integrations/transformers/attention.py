@@ -194,7 +194,11 @@ def _decode(q, k, v, causal, window, softmax_scale, softcap, cache_leftpad=None)
     signature is still asked on every call: compile, tracing or a subclass
     (``_plain_eager``), the backend (FLASHTILE_BACKEND), the index checks; a call they
     send elsewhere, or one during CUDA-graph capture (whose tensors must not outlive
-    it here), takes flash_attn_with_kvcache."""
+    it here), takes flash_attn_with_kvcache. So does a call torch.compile traces: the
+    memo is host state of eager calls, which a graph must neither query (the stream)
+    nor keep (its tensor in a global)."""
+    if torch.compiler.is_compiling():
+        return _kvcache(q, k, v, causal, window, softmax_scale, softcap, cache_leftpad)[0]
     cuda = q.is_cuda
     capturing = cuda and torch.cuda.is_current_stream_capturing()
     signature = (q.shape, q.stride(), q.dtype, q.device, k.shape, k.stride(), k.dtype,
@@ -202,7 +206,7 @@ def _decode(q, k, v, causal, window, softmax_scale, softcap, cache_leftpad=None)
                  softmax_scale, softcap, cache_leftpad is not None,
                  torch._C._cuda_getCurrentRawStream(q.device.index) if cuda else None)
     last = _last_decode[0]
-    if (last is not None and last[0] == signature and not capturing
+    if (not capturing and last is not None and last[0] == signature
             and not V.index_checks_enabled() and _plain_eager((q, k, v))
             and select_backend(q.device, q.dtype) == "triton"):
         _, cache_seqlens, scale, left, right = last
@@ -211,12 +215,8 @@ def _decode(q, k, v, causal, window, softmax_scale, softcap, cache_leftpad=None)
                            alibi_slopes=None, softmax_scale=scale, window_left=left,
                            window_right=right, softcap=float(softcap), num_splits=0,
                            allow_tf32=False)[0]
-    cache_seqlens = torch.full((q.shape[0],), k.shape[1], dtype=torch.int32,
-                               device=q.device)
-    out = flashtile.flash_attn_with_kvcache(q, k, v, cache_seqlens=cache_seqlens,
-                                            cache_leftpad=cache_leftpad,
-                                            causal=causal, window_size=window,
-                                            softmax_scale=softmax_scale, softcap=softcap)
+    out, cache_seqlens = _kvcache(q, k, v, causal, window, softmax_scale, softcap,
+                                 cache_leftpad)
     if not capturing:
         # What flash_attn_with_kvcache derived from the options, for the fast path.
         left, right = V.check_flash_options(0.0, softmax_scale, softcap, window, causal)
@@ -224,6 +224,17 @@ def _decode(q, k, v, causal, window, softmax_scale, softcap, cache_leftpad=None)
                       else softmax_scale)
         _last_decode[0] = (signature, cache_seqlens, scale, left, right)
     return out
+
+
+def _kvcache(q, k, v, causal, window, softmax_scale, softcap, cache_leftpad):
+    """(flash_attn_with_kvcache over every key of k and v, the cache_seqlens made)."""
+    cache_seqlens = torch.full((q.shape[0],), k.shape[1], dtype=torch.int32,
+                               device=q.device)
+    out = flashtile.flash_attn_with_kvcache(q, k, v, cache_seqlens=cache_seqlens,
+                                            cache_leftpad=cache_leftpad, causal=causal,
+                                            window_size=window, softmax_scale=softmax_scale,
+                                            softcap=softcap)
+    return out, cache_seqlens
 
 
 def _refuse(kwargs):
