@@ -72,11 +72,11 @@ def _attn_fwd_impl(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor],
                       window_right, softcap)
     if select_backend(q.device, q.dtype) == "triton":
         mode = hopper_fwd_mode()
-        fwd_hopper = _gluon_fwd(mode == "1") if mode == "1" or (
-            mode == "auto" and _hopper_fwd_wins(q)) else None
-        if fwd_hopper is not None and fwd_hopper.unsupported(
-                q, k, v, dropout_p=dropout_p, **kw) is None:
-            return fwd_hopper.attn_fwd(q, k, v, allow_tf32=allow_tf32, **kw)
+        if mode == "1" or (mode == "auto" and _hopper_fwd_wins(q)):
+            fwd_hopper = _gluon_fwd(required=mode == "1")
+            if fwd_hopper is not None and fwd_hopper.unsupported(
+                    q, k, v, dropout_p=dropout_p, **kw) is None:
+                return fwd_hopper.attn_fwd(q, k, v, allow_tf32=allow_tf32, **kw)
         return triton_fwd(q, k, v, allow_tf32=allow_tf32, dropout_p=dropout_p,
                           philox=philox, **kw)
     out, lse = _torch_backend.attention_fwd(
@@ -85,7 +85,7 @@ def _attn_fwd_impl(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor],
 
 
 @functools.lru_cache(maxsize=None)
-def _gluon_fwd(required: bool):
+def _gluon_fwd(required: bool = False):
     """flashtile.ops.fwd_hopper, imported at the first call that may take it. Gluon needs
     triton >= 3.6: older ones keep the portable kernel, unless FLASHTILE_HOPPER_FWD=1
     asked for it by name (then the ImportError stands)."""

@@ -128,7 +128,8 @@ def run(args) -> list[dict]:
             total_s, peak = _timed(lambda: generate(args.new), args.reps, device)
             decode_s = total_s - prefill_s  # noise can make it <= 0 on tiny runs
             rows.append(dict(task="generate", impl=impl, batch=batch, prompt=args.prompt,
-                             padding=int((mask == 0).sum()), new=args.new, ms=1e3 * total_s, prefill_ms=1e3 * prefill_s,
+                             padding=int((mask == 0).sum()), new=args.new,
+                             ms=1e3 * total_s, prefill_ms=1e3 * prefill_s,
                              tokens_s=batch * args.new / total_s,
                              decode_tokens_s=(batch * (args.new - 1) / decode_s
                                               if decode_s > 0 and args.new > 1 else None),

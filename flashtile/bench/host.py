@@ -172,6 +172,7 @@ def _pieces(q, k, v, qg, kg, vg, do, paged):
     Python Function that launches nothing, beside the same through C++ view nodes (the
     difference is the Python node's own cost).
     ``paged``: q, the pools, cache_seqlens and block_table of the paged decode row."""
+    from flashtile.custom_ops import _gluon_fwd
     from flashtile.ops import decode, fwd
 
     kw = dict(attn_mask=None, alibi_slopes=None, softmax_scale=HEAD_DIM ** -0.5,
@@ -202,10 +203,7 @@ def _pieces(q, k, v, qg, kg, vg, do, paged):
     q1k, k1k, v1k = (torch.randn(1, 1024, NHEADS, HEAD_DIM, dtype=q.dtype, device=q.device)
                      for _ in range(3))
     gluon = {}
-    try:
-        from flashtile.ops import fwd_hopper
-    except ImportError:  # triton < 3.6: no Gluon
-        fwd_hopper = None
+    fwd_hopper = _gluon_fwd()  # None with a triton before Gluon
     if fwd_hopper is not None and fwd_hopper.unsupported(q1k, k1k, v1k, **kw) is None:
         gluon = {
             "piece: forward launcher, 1k queries (portable)": dict(

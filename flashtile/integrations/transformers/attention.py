@@ -14,7 +14,7 @@ from flashtile import _validate as V
 from flashtile._backend import select_backend
 from flashtile.custom_ops import _plain_eager
 from flashtile.integrations.transformers._notes import _note
-from flashtile.integrations.transformers.masks import marked_leftpad
+from flashtile.integrations.transformers.masks import marked_leftpad, tensor_version
 from flashtile.interface import _attention, _philox
 from flashtile.ops.decode import attn_decode
 
@@ -102,11 +102,10 @@ def _unpadding(given, mask, sq, causal, windowed):
     else None): whether any row has padding between its tokens. Both are computed once
     per forward, not per layer. transformers hands every layer the mask object
     build_mask made for that forward (a fresh view each time), so the last result is
-    reused while ``given`` is that object, unmodified
-    (its version counter; an inference tensor has none, and identity alone decides).
-    Each computation reads the token count on the host (nonzero): a sync, which in
+    reused while ``given`` is that object, unmodified (``tensor_version``). Each
+    computation reads the token count on the host (nonzero): a sync, which in
     every layer would stall the pipeline once a layer."""
-    version = None if given.is_inference() else given._version
+    version = tensor_version(given)
     key, found = _last_unpadding
     if key is None or key[0]() is not given or key[1:] != (version, sq, causal):
         found = [_unpad(mask, sq, causal), None]

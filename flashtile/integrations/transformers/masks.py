@@ -109,8 +109,14 @@ def _padding_kind(mask, decoding):
 
 
 # The attribute build_mask sets on a decode step's purely left-padded 2-D mask:
-# (the mask's version, cache_leftpad int32 (b,), the column of each row's first token).
+# (the mask's version, cache_leftpad int32 (b,): the column of each row's first token).
 _LEFTPAD = "_flashtile_cache_leftpad"
+
+
+def tensor_version(t):
+    """t's in-place version counter, to tell a tensor modified since; None for an
+    inference tensor, which has none (then identity alone decides)."""
+    return None if t.is_inference() else t._version
 
 
 def _mark_left_padded(mask):
@@ -119,7 +125,7 @@ def _mark_left_padded(mask):
     decode step takes the split-KV decode kernel; computed on the device, no read."""
     n = mask.shape[1]
     leftpad = n - mask.sum(1, dtype=torch.int32)
-    setattr(mask, _LEFTPAD, (None if mask.is_inference() else mask._version, leftpad))
+    setattr(mask, _LEFTPAD, (tensor_version(mask), leftpad))
 
 
 def marked_leftpad(mask):
@@ -127,7 +133,7 @@ def marked_leftpad(mask):
     2-D mask, a copy or slice of it, one built under torch.compile) or modified in
     place since."""
     version, leftpad = getattr(mask, _LEFTPAD, (None, None))
-    if leftpad is None or version != (None if mask.is_inference() else mask._version):
+    if leftpad is None or version != tensor_version(mask):
         return None
     return leftpad
 
