@@ -76,7 +76,8 @@ def _attn_fwd_impl(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor],
             fwd_hopper = _gluon_fwd(required=mode == "1")
             if fwd_hopper is not None and fwd_hopper.unsupported(
                     q, k, v, dropout_p=dropout_p, **kw) is None:
-                return fwd_hopper.attn_fwd(q, k, v, allow_tf32=allow_tf32, **kw)
+                return fwd_hopper.forward(q, k, v, softmax_scale, diag_offset,
+                                          causal=window_right == 0)
         return triton_fwd(q, k, v, allow_tf32=allow_tf32, dropout_p=dropout_p,
                           philox=philox, **kw)
     out, lse = _torch_backend.attention_fwd(

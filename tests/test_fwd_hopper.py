@@ -90,6 +90,31 @@ def test_strided_inputs():
     _check(out, lse, q, k, v, True, 0, 0.3)
 
 
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@on_hopper
+def test_launch_plan_equals_tritons_path(causal):
+    """After a layout's first call, a launch plan launches the kernel over fresh tensors
+    (new addresses in the four tensor maps) and another softmax_scale: the same bits as
+    Triton's own path, and the plan keeps no call's tensor alive."""
+    from flashtile.ops import _launch
+
+    def call(seed, scale):
+        torch.manual_seed(seed)
+        q, k, v = _inputs(2, 300, 333, 4, 2, 128, torch.bfloat16)
+        return fwd_hopper.attn_fwd(q, k, v, **_kw(causal, 33, scale)), (q, k, v)
+
+    _launch.clear()
+    call(0, 0.1)  # Triton's path, then the plan is stored
+    (out, lse), (q, k, v) = call(1, 0.2)  # the plan
+    plans = [p for p in _launch._plans.values() if isinstance(p, tuple) and len(p) == 2
+             and isinstance(p[1], tuple)]
+    assert len(plans) == 1 and all(box.base is None for box in plans[0][1])
+    _check(out, lse, q, k, v, causal, 33, 0.2)
+    _launch.clear()
+    (out2, lse2), _ = call(1, 0.2)
+    assert torch.equal(out, out2) and torch.equal(lse, lse2)
+
+
 # (seqlen_q, seqlen_k, causal, the poisoned key), as in tests/test_nan.py but over
 # several tiles of this kernel.
 GEOMETRIES = {"full": (200, 300, False, 250), "causal_q<k": (200, 300, True, 290),
@@ -130,8 +155,8 @@ def test_switch_dispatches_and_backward_follows(monkeypatch):
     supports the call (head_dim 128) and the portable one elsewhere (head_dim 96); the
     backward takes the Gluon forward's out and lse and meets the gradient rule."""
     calls = []
-    real = fwd_hopper.attn_fwd
-    monkeypatch.setattr(fwd_hopper, "attn_fwd", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    real = fwd_hopper.forward
+    monkeypatch.setattr(fwd_hopper, "forward", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     monkeypatch.setenv("FLASHTILE_HOPPER_FWD", "1")
     q, k, v = _inputs(2, 333, 555, 4, 2, 128, torch.bfloat16)
     dout = torch.randn_like(q)
@@ -178,7 +203,7 @@ def test_declines_what_it_does_not_support(monkeypatch):
     ("auto", 64, 4096, "portable"), ("auto", 128, 1023, "portable")])
 def test_switch_dispatch_on_cpu(switch, head_dim, seqlen_q, used, monkeypatch):
     """With the kernels replaced by fakes: FLASHTILE_HOPPER_FWD=1 sends a supported dense
-    forward to fwd_hopper.attn_fwd with the portable launcher's arguments (bottom-right
+    forward to fwd_hopper.forward with the portable launcher's arguments (bottom-right
     causal as diag_offset, window_right 0), "0" keeps it on the portable kernel, and
     "auto" (also the unset default) takes the Gluon kernel at head dims 128 and 256 from
     1k queries, the cells where it was timed faster."""
@@ -193,7 +218,10 @@ def test_switch_dispatch_on_cpu(switch, head_dim, seqlen_q, used, monkeypatch):
 
     monkeypatch.setattr(custom_ops, "select_backend", lambda *a, **kw: "triton")
     monkeypatch.setattr(fwd_hopper, "unsupported", lambda *a, **kw: None)
-    monkeypatch.setattr(fwd_hopper, "attn_fwd", fake("hopper"))
+    hopper = fake("hopper")
+    monkeypatch.setattr(fwd_hopper, "forward", lambda q, k, v, softmax_scale, diag_offset,
+                        causal: hopper(q, k, v, diag_offset=diag_offset,
+                                       window_right=0 if causal else -1))
     monkeypatch.setattr(custom_ops, "triton_fwd", fake("portable"))
     monkeypatch.setenv("FLASHTILE_HOPPER_FWD", switch)
     flashtile.flash_attn_func(*_inputs(1, seqlen_q, seqlen_q + 20, 2, 1, head_dim,

@@ -38,7 +38,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from flashtile.ops import configs
+from flashtile.ops import _launch, configs
 from flashtile.ops._common import LN2, LOG2E
 
 # Query rows of one consumer warpgroup: wgmma's M is 64 per warpgroup.
@@ -354,17 +354,56 @@ def attn_fwd(q, k, v, *, attn_mask, alibi_slopes, softmax_scale, diag_offset, wi
     if reason is not None:
         raise ValueError(f"flashtile.ops.fwd_hopper cannot run this call: {reason}; "
                          "use flashtile.ops.fwd.attn_fwd")
+    return forward(q, k, v, softmax_scale, diag_offset, causal=window_right == 0)
+
+
+# The parameters a launch plan fills per call, in the kernel's order.
+_SLOTS = ("q_desc", "k_desc", "v_desc", "o_desc", "Lse", "softmax_scale")
+
+
+def forward(q, k, v, softmax_scale, diag_offset, causal):
+    """``attn_fwd`` without its check, for a caller that has had ``unsupported`` answer
+    None for these tensors (flashtile's custom op does). After the first call of a
+    layout, a launch plan (``flashtile.ops._launch``) launches the compiled kernel
+    directly: Triton's own path binds and specialises the thirteen arguments and
+    validates four tensor descriptors on every call, 4x the portable kernel's planned
+    host time at 1k queries (docs/benchmarks/host-h200.md, session 11)."""
     b, sq, h, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
-    cfg = configs.hopper_fwd_config(d)
-    causal = window_right == 0
     out = torch.empty((b, sq, h, d), dtype=q.dtype, device=q.device)
     lse = torch.empty((b, h, sq), dtype=torch.float32, device=q.device)
+    key = None
+    if _launch.ready(q):
+        # unsupported() has checked every address for TMA's 16-byte alignment, and the
+        # kernel has no other pointer than lse, which is allocated here (aligned).
+        key = ("hopper_fwd", q.dtype, q.shape, k.shape, q.stride(), k.stride(), v.stride(),
+               causal, diag_offset)
+        found = _launch.lookup(key)
+        if found is not None:
+            plan, boxes = found
+            plan((*map(_rebased, boxes, (q, k, v, out)), lse, softmax_scale))
+            return out, lse
+    cfg = configs.hopper_fwd_config(d)
     configs.log_first_launch("hopper forward", q, d, cfg, dict(IS_CAUSAL=causal))
     grid = (configs.cdiv(sq, cfg.block_m), b * h)
-    _attn_fwd_hopper_kernel[grid](
-        _descriptor(q, BLOCK_M_WG.value), _descriptor(k, cfg.block_n),
-        _descriptor(v, cfg.block_n), _descriptor(out, BLOCK_M_WG.value), lse, sq, sk, h,
-        h // hkv, diag_offset, softmax_scale, IS_CAUSAL=causal, STAGES=cfg.num_stages,
-        num_warps=cfg.num_warps)
+    descs = (_descriptor(q, BLOCK_M_WG.value), _descriptor(k, cfg.block_n),
+             _descriptor(v, cfg.block_n), _descriptor(out, BLOCK_M_WG.value))
+    plan = _launch.first_launch(
+        _attn_fwd_hopper_kernel, grid,
+        (*descs, lse, sq, sk, h, h // hkv, diag_offset, softmax_scale),
+        dict(IS_CAUSAL=causal, STAGES=cfg.num_stages, num_warps=cfg.num_warps),
+        slots=_SLOTS if key is not None else None)
+    if key is not None and plan is not None:
+        # The descriptors without their tensors: a plan must not keep a call's memory alive.
+        _launch.store(key, (plan, tuple(_rebased(x, None) for x in descs)))
     return out, lse
+
+
+def _rebased(desc: TensorDescriptor, base) -> TensorDescriptor:
+    """``desc`` over another tensor of the same shape, strides and dtype, without
+    ``TensorDescriptor``'s checks (a plan's key fixes what they checked): Triton's
+    launcher reads the base's address, the shape, strides and padding of a descriptor
+    and encodes its tensor map on every launch."""
+    copy = object.__new__(TensorDescriptor)
+    copy.__dict__.update(desc.__dict__, base=base)
+    return copy
