@@ -4,7 +4,8 @@
 One process, one model with random weights (a preset of ``flashtile.bench.throughput``,
 default llama-3.2-1b, bf16), switched between the attention implementations with
 ``set_attn_implementation``, so every row has the same weights, the same inputs and the
-same process state. Per implementation:
+same process state. The implementations take turns within each repetition (see
+``_timed``). Timed:
 
 - ``generate`` at each ``--batches`` size: ``--prompt`` random prompt tokens per row (no
   padding, so transformers passes no mask; with ``--pad`` each row's prompt is
@@ -18,7 +19,7 @@ same process state. Per implementation:
   tokens (batch 1), gradients freed between steps.
 
 Each measurement is the median of ``--reps`` runs after one untimed run of the same
-shapes (kernel compiles and autotuning happen there). Peak memory is
+shapes (kernel compiles and autotuning happen there), the implementations alternating. Peak memory is
 torch.cuda.max_memory_allocated over the timed runs, weights included. The table goes to
 stdout; the rows, versions and device to ``--out`` as JSON.
 
@@ -68,22 +69,33 @@ def _sync(device):
         torch.cuda.synchronize()
 
 
-def _timed(fn, reps, device):
-    """(median seconds, peak GiB) of reps calls after one untimed call."""
+def _timed(fn, impls, reps, device, setup):
+    """{impl: (median seconds, peak GiB)} of ``reps`` calls of ``fn()`` under each of
+    ``impls`` (``setup(impl)`` before each call, untimed), after one untimed call under
+    each. The implementations take turns within each rep, so
+    a drift of the host or the clocks during the run lands on all of them alike (in
+    session 11 the first implementation timed, alone, came out 1.7x slower at batch 1
+    than the same calls later in the process)."""
     import torch
-    fn()
-    _sync(device)
-    if device == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-    times = []
-    for _ in range(reps):
-        _sync(device)
-        start = time.perf_counter()
+    for impl in impls:
+        setup(impl)
         fn()
-        _sync(device)
-        times.append(time.perf_counter() - start)
-    peak = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None
-    return sorted(times)[len(times) // 2], peak
+    times = {impl: [] for impl in impls}
+    peaks = dict.fromkeys(impls, 0.0)
+    for _ in range(reps):
+        for impl in impls:
+            setup(impl)
+            _sync(device)
+            if device == "cuda":
+                torch.cuda.reset_peak_memory_stats()
+            start = time.perf_counter()
+            fn()
+            _sync(device)
+            times[impl].append(time.perf_counter() - start)
+            if device == "cuda":
+                peaks[impl] = max(peaks[impl], torch.cuda.max_memory_allocated() / 2**30)
+    return {impl: (sorted(t)[len(t) // 2], peaks[impl] if device == "cuda" else None)
+            for impl, t in times.items()}
 
 
 def _model(args, dtype):
@@ -109,23 +121,28 @@ def run(args) -> list[dict]:
     model, config = _model(args, dtype)
     gen = torch.Generator().manual_seed(0)
     rows = []
-    for impl in args.impls:
-        model.set_attn_implementation(impl)
-        model.eval()
-        for batch in args.batches:
-            ids = torch.randint(config.vocab_size, (batch, args.prompt), generator=gen)
-            mask = torch.ones_like(ids)
-            if args.pad:
-                _left_pad(ids, mask, args.prompt // 4, gen)
-            ids, mask = ids.to(device), mask.to(device)
 
-            def generate(new):
-                with torch.no_grad():
-                    model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new,
-                                   min_new_tokens=new, do_sample=False, pad_token_id=0)
+    def timed(fn, training=False):
+        def setup(impl):
+            model.set_attn_implementation(impl)
+            model.train(training)
+        return _timed(fn, args.impls, args.reps, device, setup)
 
-            prefill_s, _ = _timed(lambda: generate(1), args.reps, device)
-            total_s, peak = _timed(lambda: generate(args.new), args.reps, device)
+    for batch in args.batches:
+        ids = torch.randint(config.vocab_size, (batch, args.prompt), generator=gen)
+        mask = torch.ones_like(ids)
+        if args.pad:
+            _left_pad(ids, mask, args.prompt // 4, gen)
+        ids, mask = ids.to(device), mask.to(device)
+
+        def generate(new):
+            with torch.no_grad():
+                model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new,
+                               min_new_tokens=new, do_sample=False, pad_token_id=0)
+
+        prefill, total = timed(lambda: generate(1)), timed(lambda: generate(args.new))
+        for impl in args.impls:
+            (prefill_s, _), (total_s, peak) = prefill[impl], total[impl]
             decode_s = total_s - prefill_s  # noise can make it <= 0 on tiny runs
             rows.append(dict(task="generate", impl=impl, batch=batch, prompt=args.prompt,
                              padding=int((mask == 0).sum()), new=args.new,
@@ -135,15 +152,14 @@ def run(args) -> list[dict]:
                                               if decode_s > 0 and args.new > 1 else None),
                              peak_gib=peak))
             print(f"  {impl} generate batch {batch}: {rows[-1]['ms']:.0f} ms", flush=True)
-        model.train()
-        ids = torch.randint(config.vocab_size, (1, args.train_tokens), generator=gen)
-        ids = ids.to(device)
+    ids = torch.randint(config.vocab_size, (1, args.train_tokens), generator=gen)
+    ids = ids.to(device)
 
-        def step():
-            model(input_ids=ids, labels=ids).loss.backward()
-            model.zero_grad(set_to_none=True)
+    def step():
+        model(input_ids=ids, labels=ids).loss.backward()
+        model.zero_grad(set_to_none=True)
 
-        step_s, peak = _timed(step, args.reps, device)
+    for impl, (step_s, peak) in timed(step, training=True).items():
         rows.append(dict(task="train step", impl=impl, batch=1, tokens=args.train_tokens,
                          ms=1e3 * step_s, tokens_s=args.train_tokens / step_s,
                          peak_gib=peak))
