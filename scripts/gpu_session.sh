@@ -27,6 +27,8 @@
 #   fp32         accuracy and speed of fp32, IEEE products against tf32x3  (~8 min)
 #   dropout      flashtile with and without dropout beside SDPA's dropout backends (~4 min)
 #   mla-fp8      the absorbed MLA decode (576/512) and the FP8 forward timed      (~6 min)
+#   bwd-ab       the fused backward against the split one (d64/d128, 1k-16k, beside
+#                cuDNN) and transformers' training step under each          (~7 min)
 #   wide         head_dim 256 and 512 beside the peers; d256 backward tiles; the fused
 #                backward against the split one                          (~10 min)
 #   serve [BACKEND] [KV]  flashtile serve (1B shape, dummy weights, attention BACKEND,
@@ -129,6 +131,20 @@ case "${1:-}" in
         --overwrite 2>&1 | grep "^|" | sed "s/^/$mode /" | tail -12
     done
     tar czf "$OUT/fp32.tgz" fp32-*
+    ;;
+  bwd-ab)
+    # The fused backward (FLASHTILE_BWD=fused: 5 matrix products a block, dQ by atomics)
+    # against the split default, never timed before session 12: if it wins, it becomes
+    # the default for deterministic=False (issue 15 item 3), and transformers' training
+    # step follows it (issue 16).
+    timeout 240 python3 -m flashtile bench --providers flashtile flashtile-fusedbwd \
+      sdpa-cudnn --headdim 64 128 --seqlens 1k 4k 16k --modes fwd_bwd --no-progress \
+      --out bwd-ab --overwrite 2>&1 | grep "^|" | tail -14
+    for path in split fused; do
+      FLASHTILE_BWD=$path timeout 150 python3 -m flashtile bench hf --impls flashtile sdpa \
+        --batches 1 --new 8 --out "$OUT/hf-train-$path.json" 2>&1 | grep "train step"
+    done
+    tar czf "$OUT/bwd-ab.tgz" bwd-ab
     ;;
   wide)
     # head_dim 256 and 512 (issue 15 item 3, issue 17 item 3): forward and forward+backward
