@@ -215,10 +215,24 @@ HOPPER_FWD_16BIT = {
 }
 
 
-def hopper_fwd_config(head_dim: int) -> TileConfig:
-    """HOPPER_FWD_16BIT[head_dim], or FLASHTILE_HOPPER_FWD_CONFIG="128,BLOCK_N,4,STAGES"
-    for sweeps (BLOCK_M and num_warps are fixed by the kernel's two warpgroups)."""
-    cfg = _from_env("hopper_fwd") or HOPPER_FWD_16BIT[head_dim]
+# FP8 (e4m3/e5m2) in the same kernel: half the bytes per K/V tile, and O gets a 16-bit
+# buffer of its own (2 x 64 rows), so the ring is deeper: d64 120 KiB, d128 176 KiB,
+# d256 192 KiB. d256 keeps 64 keys a block: O alone is 128 fp32 registers a thread.
+# Compile-checked on CPU only (tests/test_gluon_compile.py); not yet timed.
+HOPPER_FWD_FP8 = {
+    64: TileConfig(128, 128, 4, 6), 128: TileConfig(128, 128, 4, 4),
+    256: TileConfig(128, 64, 4, 3),
+}
+# FP8 P V summed tile by tile in fp32 (the portable kernel's PV_PER_TILE) up to this head
+# dim: the product's own accumulator is a second O in registers, 128 a thread at d256.
+HOPPER_FWD_FP8_PV_PER_TILE_MAX_D = 128
+
+
+def hopper_fwd_config(head_dim: int, fp8: bool = False) -> TileConfig:
+    """HOPPER_FWD_16BIT[head_dim] (HOPPER_FWD_FP8 for FP8 inputs), or
+    FLASHTILE_HOPPER_FWD_CONFIG="128,BLOCK_N,4,STAGES" for sweeps (BLOCK_M and num_warps
+    are fixed by the kernel's two warpgroups)."""
+    cfg = _from_env("hopper_fwd") or (HOPPER_FWD_FP8 if fp8 else HOPPER_FWD_16BIT)[head_dim]
     if (cfg.block_m, cfg.num_warps) != (128, 4) or cfg.block_n not in (16, 32, 64, 128, 256) \
             or cfg.num_stages < 1:
         raise ValueError("FLASHTILE_HOPPER_FWD_CONFIG must be '128,BLOCK_N,4,STAGES' with "
