@@ -228,6 +228,50 @@ def test_flashtile_hopper_is_validated_before_timing(fault, monkeypatch):
             hopper.build(cell, CPU)
 
 
+@pytest.mark.parametrize("fault", ["none", "out", "lse", "nan"])
+def test_flashtile_hopper_fp8_is_validated_before_timing(fault, monkeypatch):
+    """The Gluon FP8 provider quantises as flashtile-fp8 does, and its build compares the
+    kernel's out and lse with the portable FP8 kernel's, descales and bf16 out passed to
+    both (both replaced by the float64 oracle of the dequantised inputs here)."""
+    pytest.importorskip("flashtile.ops.fwd_hopper")  # Gluon: triton >= 3.6
+    from flashtile.fp8 import dequantize
+    from flashtile.ops import fwd, fwd_hopper
+    from flashtile.reference import attention_naive
+
+    cell = registry.Cell("flashtile-hopper-fp8", 64, False, "fwd", 96, 1, 2,
+                         torch.float32)
+    provider = registry.PROVIDERS["flashtile-hopper-fp8"]
+    assert provider.skip_reason(cell, CPU) == "runs on cuda only"
+    assert provider.modes == ("fwd",) and "flashtile-hopper-fp8" not in registry.ALL
+
+    def oracle(q, k, v, *, q_descale, k_descale, v_descale, out_dtype, **kw):
+        assert q.dtype == torch.float8_e4m3fn and out_dtype == torch.bfloat16
+        deq = [dequantize(x, d).double() for x, d in ((q, q_descale), (k, k_descale),
+                                                      (v, v_descale))]
+        out, lse = attention_naive(*deq, softmax_scale=kw["softmax_scale"])
+        return out.to(out_dtype), lse.float()
+
+    def perturbed(q, k, v, **kw):
+        out, lse = oracle(q, k, v, **kw)
+        if fault == "out":
+            out = out + 0.1
+        elif fault == "lse":
+            lse = lse + 0.01
+        elif fault == "nan":
+            out[0, 5, 1, 3] = float("nan")
+        return out, lse
+
+    monkeypatch.setattr(fwd, "attn_fwd", oracle)
+    monkeypatch.setattr(fwd_hopper, "attn_fwd", perturbed)
+    if fault == "none":
+        attn = provider.build(cell, CPU)
+        q, k, v, _ = provider.prepare(*run.make_inputs(cell, "bshd", CPU)[0])
+        assert attn(q, k, v).shape == q[0].shape
+    else:
+        with pytest.raises(RuntimeError, match="does not match the portable kernel's"):
+            provider.build(cell, CPU)
+
+
 def test_memory_plot_on_a_log_scale(tmp_path):
     """GPU runs measure memory; the plot code is checked here with given values."""
     results = []

@@ -249,10 +249,14 @@ E4M3 = torch.float8_e4m3fn
 
 
 def _fp8_inputs(b, sq, sk, h, hkv, d, dtype=E4M3, descales=True):
+    """FP8 q, k, v quantised with a descale per (batch, kv head) (tests/test_fp8.py's
+    inputs), or normal values cast as they are with descales None."""
     from tests.test_fp8 import _dense_inputs
 
-    (q, k, v), scales = _dense_inputs(b, sq, sk, h, hkv, d, dtype, "cuda")
-    return (q, k, v), (scales if descales else (None, None, None))
+    if descales:
+        return _dense_inputs(b, sq, sk, h, hkv, d, dtype, "cuda")
+    return tuple(x.float().to(dtype) for x in _inputs(b, sq, sk, h, hkv, d, torch.float32)), \
+        (None, None, None)
 
 
 def _fp8_kw(causal, q, k):
