@@ -25,6 +25,27 @@ K/V rows past seqlen_k and Q rows past seqlen_q are zero-filled by TMA (the desc
 are 4-d, so a tile never reads the next sequence) and the TMA store of O drops rows past
 seqlen_q. Gluon kernels do not run in the Triton interpreter: CI compiles this one for
 sm_90 (tests/test_gluon_compile.py) and tests/test_fwd_hopper.py checks it on a GPU.
+
+FP8 (q, k, v in float8_e4m3fn or float8_e5m2, out bfloat16 or float16) switches the
+same kernel, with the numerics of the portable FP8 forward (flashtile.ops.fwd, docs/fp8.md):
+- both products on 8-bit wgmma (instruction K 32). Its B operand must be K-major: K's
+  rows are (head_dim-contiguous) for S = Q K^T; for P V the launcher copies V
+  keys-contiguous (``fwd.keys_contiguous``, keys padded to FP8_V_PAD) and a TMA
+  descriptor over (batch, nheads_kv, head_dim, seqlen_k) brings V^T tiles, viewed
+  transposed in shared memory as K's are.
+- P = exp2(s - max + P_LOG2_OFFSET), in [0, 256], cast to V's format in registers; l
+  sums the same P and the lse takes the offset back. q_descale * k_descale (per batch
+  and KV head) joins the scale of the scores, v_descale the final 1 / l.
+- PV_PER_TILE (head_dim <= 128): each P V starts from zero and is added to O in fp32,
+  as the portable kernel does (the FP8 wgmma's accumulator keeps ~14 bits). At 256 the
+  second O tile spilled (328 bytes); there P V accumulates in the wgmma, as there.
+- O (16-bit) leaves through a shared buffer of its own: Q's is half its size.
+**The FP8 variants are compile-checked only** (sm_90 on the CPU: 8-bit wgmma, P from
+registers, no spills; tests/test_gluon_compile.py). On a GPU, run
+``pytest --gpu tests/test_fwd_hopper.py -k "fp8 or float8"`` and the ``mla-fp8`` stage
+of scripts/gpu_session.sh; FLASHTILE_HOPPER_FWD=1 sends dense FP8 calls here ("auto"
+does not until they are timed). Predicted, not measured: 800-950 TFLOP/s at head_dim
+128 from 8k tokens (docs/fp8.md).
 """
 
 from __future__ import annotations
