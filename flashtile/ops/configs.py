@@ -202,7 +202,7 @@ def fused_bwd_has_tiles(element_size: int, head_dim: int) -> bool:
     return element_size == 2 or padded_head_dim(head_dim) <= FUSED_BWD_FP32_MAX_HEAD_DIM
 
 
-# The Gluon forward for Hopper (ops/fwd_hopper.py), 16-bit only, keyed by head dim:
+# The Gluon forward for Hopper (ops/fwd_hopper.py), 16-bit inputs, keyed by head dim:
 # BLOCK_M is two consumer warpgroups of 64 rows and num_warps the default partition's
 # one warpgroup (the kernel adds the second and a producer warp: 12 warps in all).
 # BLOCK_N and the K/V stages fill shared memory (Q 2 x 64 rows, stages x (K + V)), as
