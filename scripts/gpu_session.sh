@@ -3,9 +3,9 @@
 # machine goes back 30 s after a call, so chain stages in one call where they fit).
 # Run from the repo root on the device: `bash scripts/gpu_session.sh STAGE [SECONDS]`;
 # outputs go to $OUT (at most 8 files come back: folders travel as tarballs).
-#   check        make test-gpu                                             (~12 min)
+#   check        make test-gpu                                             (~15 min)
 #   memcheck     the memcheck slice warmed, then make memcheck             (~5 min)
-#   verify       check then memcheck in one call (the suite warms the cache) (~12 min)
+#   verify       check then memcheck in one call (the suite warms the cache) (~15 min)
 #   sweep SECS   the default `flashtile bench` sweep for SECS seconds, --resume from
 #                bench-h200/ (carry it back in: a sweep spans several calls)
 #   extra        bench --accuracy, tune for head_dim 128                  (~6 min)
@@ -19,14 +19,14 @@
 #                                                                           (~8 min)
 #   engine       the engine's GPU tests; every engine row of the 1B shape, traced (~6 min)
 #   engine-peers the 1B shape's other rows: eager, sdpa, naive, transformers'
-#                generate and generate_batch (64 requests)                (~12 min)
+#                generate and generate_batch (64 requests)                (~15 min)
 #   shapes       the 0.5B and 8B shapes, every row                        (~10 min)
 #   host         flashtile bench host, flashtile bench hf (and --pad at batch 16) (~10 min)
 #   hopper       the Gluon forward's GPU tests and its timing             (~8 min)
 #   tp           the tensor-parallel driver's tests (2 GPUs)              (~4 min)
 #   fp32         accuracy and speed of fp32, IEEE products against tf32x3  (~8 min)
 #   dropout      flashtile with and without dropout beside SDPA's dropout backends (~4 min)
-#   mla-fp8      the absorbed MLA decode (576/512) and the FP8 forwards timed     (~12 min)
+#   mla-fp8      the absorbed MLA decode (576/512) and the FP8 forwards timed     (~15 min)
 #   wide         head_dim 256 and 512 beside the peers; d256 backward tiles; the fused
 #                backward against the split one                          (~10 min)
 #   serve [BACKEND] [KV]  flashtile serve (1B shape, dummy weights, attention BACKEND,
@@ -174,7 +174,12 @@ case "${1:-}" in
       flashtile-hopper flashtile-fp8 flashtile-hopper-fp8 flashtile-fp8-varlen sdpa-cudnn \
       --modes fwd --headdim 128 --seqlens 4k 8k 16k --no-progress --out fp8 --overwrite \
       2>&1 | grep "^|" | tail -14
-    tar czf "$OUT/fp8.tgz" fp8
+    # The Gluon FP8 forward with P through shared memory (its SASS keeps the softmax
+    # under the previous P V), the same cells.
+    FLASHTILE_HOPPER_FWD=0 FLASHTILE_HOPPER_FWD_FP8_P=smem timeout 200 python3 -m flashtile \
+      bench --providers flashtile-hopper-fp8 --modes fwd --headdim 128 --seqlens 4k 8k 16k \
+      --no-progress --out fp8-psmem --overwrite 2>&1 | grep "^|" | tail -8
+    tar czf "$OUT/fp8.tgz" fp8 fp8-psmem
     ;;
   short)
     timeout 240 python3 -m flashtile bench --seqlens 512 1k 2k --no-progress \

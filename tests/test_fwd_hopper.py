@@ -274,31 +274,40 @@ FP8_SHAPES = [(2, 1000, 1000, 4, 4), (1, 257, 513, 8, 2), (2, 513, 257, 4, 1),
               (1, 1, 777, 4, 4), (1, 4099, 4099, 2, 1)]
 
 
-# Not named fp8: the memcheck slice (Makefile MEMCHECK_K) takes the smaller FP8 tests.
-@pytest.mark.parametrize("descales", [True, False], ids=["descaled", "no-descale"])
+@pytest.fixture(params=["regs", "smem"], ids=["p-regs", "p-smem"])
+def p_mode(request, monkeypatch):
+    """Both ways P reaches P V (configs.hopper_fwd_fp8_p_smem), each its own plan key."""
+    monkeypatch.setenv("FLASHTILE_HOPPER_FWD_FP8_P", request.param)
+    return request.param
+
+
+# This grid and test_float8_agrees_with_the_portable_kernel are named float8, not fp8:
+# the memcheck slice (Makefile MEMCHECK_K: "fp8") takes the smaller FP8 tests only;
+# these two would outlast its time limit.
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("shape", FP8_SHAPES, ids=lambda s: "b{}-q{}-k{}-h{}/{}".format(*s))
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 @on_hopper
-def test_float8_matches_float64_reference(head_dim, shape, causal, descales):
+def test_float8_matches_float64_reference(head_dim, shape, causal, p_mode):
     b, sq, sk, h, hkv = shape
-    (q, k, v), scales = _fp8_inputs(b, sq, sk, h, hkv, head_dim, descales=descales)
-    descale_kw = dict(zip(("q_descale", "k_descale", "v_descale"), scales))
-    out, lse = fwd_hopper.attn_fwd(q, k, v, **_fp8_kw(causal, q, k), **descale_kw)
+    (q, k, v), scales = _fp8_inputs(b, sq, sk, h, hkv, head_dim)
+    out, lse = fwd_hopper.attn_fwd(q, k, v, **_fp8_kw(causal, q, k), q_descale=scales[0],
+                                   k_descale=scales[1], v_descale=scales[2])
     assert out.shape == q.shape and out.dtype == torch.bfloat16 and out.is_contiguous()
     assert lse.shape == (b, h, sq) and lse.dtype == torch.float32
     _fp8_check(out, lse, q, k, v, scales, causal)
 
 
-@pytest.mark.parametrize("dtype,out_dtype", [(E4M3, torch.float16),
-                                             (torch.float8_e5m2, torch.bfloat16)],
-                         ids=["e4m3-fp16-out", "e5m2"])
+@pytest.mark.parametrize("dtype,out_dtype,descales", [
+    (E4M3, torch.float16, True), (torch.float8_e5m2, torch.bfloat16, True),
+    (E4M3, torch.bfloat16, False)], ids=["e4m3-fp16-out", "e5m2", "no-descale"])
 @on_hopper
-def test_fp8_formats_and_outputs(dtype, out_dtype):
-    """e5m2 inputs (P then in e5m2, as the portable kernel rounds it) and a float16 out."""
+def test_fp8_formats_and_outputs(dtype, out_dtype, descales, p_mode):
+    """e5m2 inputs (P then in e5m2, as the portable kernel rounds it), a float16 out, and
+    descales None (1.0: HAS_*_DESCALE off)."""
     from tests.test_fp8 import _check as check_fp8
 
-    (q, k, v), scales = _fp8_inputs(2, 300, 333, 4, 2, 128, dtype)
+    (q, k, v), scales = _fp8_inputs(2, 300, 333, 4, 2, 128, dtype, descales=descales)
     out, lse = fwd_hopper.attn_fwd(q, k, v, **_fp8_kw(True, q, k), q_descale=scales[0],
                                    k_descale=scales[1], v_descale=scales[2],
                                    out_dtype=out_dtype)
@@ -308,7 +317,7 @@ def test_fp8_formats_and_outputs(dtype, out_dtype):
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 @on_hopper
-def test_fp8_agrees_with_the_portable_kernel(head_dim, causal):
+def test_float8_agrees_with_the_portable_kernel(head_dim, causal, p_mode):
     """The portable FP8 kernel on the same inputs and expanded (stride 0) descales: both
     within the bound of the float64 reference (so within twice it of each other; not
     bitwise: the two round exp2's argument differently, one FFMA against two ops)."""
@@ -326,7 +335,7 @@ def test_fp8_agrees_with_the_portable_kernel(head_dim, causal):
 
 @pytest.mark.parametrize("where", ["k", "v"])
 @on_hopper
-def test_fp8_nan_propagates(where):
+def test_fp8_nan_propagates(where, p_mode):
     """An e4m3 NaN key makes exactly the rows that see it NaN (out and lse); a NaN value
     reaches its column in those rows; rows that see no key are 0 with lse -inf."""
     sq, sk, key = 300, 200, 20  # causal, seqlen_q > seqlen_k: the first rows see nothing
@@ -348,7 +357,7 @@ def test_fp8_nan_propagates(where):
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @on_hopper
-def test_fp8_launch_plan_equals_tritons_path(causal):
+def test_fp8_launch_plan_equals_tritons_path(causal, p_mode):
     """A second FP8 call goes through the launch plan with new q, k, v (a new V^T copy)
     and new descales in the slots: the same bits as Triton's own path."""
     from flashtile.ops import _launch
@@ -466,3 +475,16 @@ def test_fp8_switch_dispatch_on_cpu(switch, seqlen_q, varlen, used, monkeypatch)
     assert kw["out_dtype"] == torch.bfloat16
     if used == "hopper":
         assert kw["diag_offset"] == 20 and kw["causal"]
+
+
+def test_fp8_p_switch_rejects_other_values(monkeypatch):
+    from flashtile.ops import configs
+
+    monkeypatch.setenv("FLASHTILE_HOPPER_FWD_FP8_P", "shared")
+    with pytest.raises(ValueError, match="FLASHTILE_HOPPER_FWD_FP8_P must be one of "
+                       "\\('regs', 'smem'\\), got 'shared'"):
+        configs.hopper_fwd_fp8_p_smem()
+    monkeypatch.setenv("FLASHTILE_HOPPER_FWD_FP8_P", "smem")
+    assert configs.hopper_fwd_fp8_p_smem()
+    monkeypatch.delenv("FLASHTILE_HOPPER_FWD_FP8_P")
+    assert not configs.hopper_fwd_fp8_p_smem()

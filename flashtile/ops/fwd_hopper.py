@@ -40,6 +40,12 @@ same kernel, with the numerics of the portable FP8 forward (flashtile.ops.fwd, d
   as the portable kernel does (the FP8 wgmma's accumulator keeps ~14 bits). At 256 the
   second O tile spilled (328 bytes); there P V accumulates in the wgmma, as there.
 - O (16-bit) leaves through a shared buffer of its own: Q's is half its size.
+- P_SMEM (FLASHTILE_HOPPER_FWD_FP8_P=smem; default "regs"): P_j reaches P V through two
+  shared buffers per warpgroup instead of registers. With P in registers the SASS waits
+  for P_{j-1} V_{j-1} before the softmax, as for 16-bit inputs (0-12 of the block's
+  exp2 run under it); through shared memory the whole softmax runs under it (66 exp2 a
+  thread at BLOCK_N 128), at the cost of P's stores (2 bytes each: the accumulator
+  layout) and 16-32 KiB of shared memory. Which is faster is for the GPU to say.
 **The FP8 variants are compile-checked only** (sm_90 on the CPU: 8-bit wgmma, P from
 registers, no spills; tests/test_gluon_compile.py). On a GPU, run
 ``pytest --gpu tests/test_fwd_hopper.py -k "fp8 or float8"`` and the ``mla-fp8`` stage
@@ -164,10 +170,10 @@ def _v_operand(v_smem, stage, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr):
 
 
 @gluon.jit
-def _kv_block(j, q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, turn, acc, p_op,
-              alpha_o, m_i, l_i, s_init, o_init, offs_m, qk_scale, seqlen_k, diag_offset,
-              WG: gl.constexpr, MASKED: gl.constexpr, IS_CAUSAL: gl.constexpr,
-              PV_PER_TILE: gl.constexpr):
+def _kv_block(j, q, k_smem, v_smem, p_smem, k_ready, k_empty, v_ready, v_empty, turn, acc,
+              p_op, alpha_o, m_i, l_i, s_init, o_init, offs_m, qk_scale, seqlen_k,
+              diag_offset, WG: gl.constexpr, MASKED: gl.constexpr, IS_CAUSAL: gl.constexpr,
+              PV_PER_TILE: gl.constexpr, P_SMEM: gl.constexpr):
     """Block j >= 1 of a consumer: S_j = Q K_j^T and P_{j-1} V_{j-1} issued in one
     turn, the softmax of S_j while P_{j-1} V_{j-1} runs, then O updated.
 
@@ -175,7 +181,12 @@ def _kv_block(j, q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, turn, ac
     (alpha). PV_PER_TILE (FP8): each P V starts from zero and is added to O in fp32, as
     the portable kernel does (Hopper's FP8 wgmma keeps a narrower accumulator, about 14
     bits); O lags one block behind so that the add is one FMA: O holds the blocks
-    before j-1 scaled to m_{j-2}, alpha_o (block j-1's alpha) moves it to m_{j-1}."""
+    before j-1 scaled to m_{j-2}, alpha_o (block j-1's alpha) moves it to m_{j-1}.
+
+    P_SMEM (FP8): P_j goes to wgmma through shared memory, two buffers per warpgroup
+    (P_{j-1} V_{j-1} reads the other), instead of registers: ptxas then keeps the wait
+    for P_{j-1} V_{j-1} after the softmax (sm_90 SASS), the overlap that P in registers
+    loses (module docstring)."""
     STAGES: gl.constexpr = k_smem.type.shape[0]
     BLOCK_N: gl.constexpr = k_smem.type.shape[2]
     HEAD_DIM: gl.constexpr = k_smem.type.shape[4]
@@ -198,6 +209,11 @@ def _kv_block(j, q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, turn, ac
                                          seqlen_k, diag_offset, MASKED, IS_CAUSAL,
                                          p_op.dtype.is_fp8())
     alpha = gl.convert_layout(alpha, alpha_o.type.layout)
+    if P_SMEM:
+        # Buffer j % 2 was last read by P_{j-2} V_{j-2}, complete since block j-1.
+        p_next = p_smem.index(2 * WG + j % 2)
+        p_next.store(p.to(p_op.dtype))
+        fence_async_shared()  # the generic-proxy writes before wgmma reads them
     if PV_PER_TILE:
         pv = warpgroup_mma_wait(0, deps=(pv,))
         mbarrier.arrive(v_empty.index(prev), count=1)
@@ -207,15 +223,18 @@ def _kv_block(j, q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, turn, ac
         mbarrier.arrive(v_empty.index(prev), count=1)
         # O holds sum_{i<j} exp2(s_i - m_{j-1}) v_i: move it to the new maximum.
         acc = acc * gl.expand_dims(alpha, 1)
-    return acc, _p_operand(p, acc, p_op.dtype), alpha, m_i, l_i
+    if not P_SMEM:
+        p_next = _p_operand(p, acc, p_op.dtype)
+    return acc, p_next, alpha, m_i, l_i
 
 
 @gluon.jit
-def _mma_partition(q_smem, k_smem, v_smem, o_smem, q_ready, k_ready, k_empty, v_ready,
-                   v_empty, turn, o_desc, Lse, VDescale, off_b, off_h, row0, n_blocks,
-                   n_full, seqlen_q, seqlen_k, diag_offset, qk_scale, lse_row0,
+def _mma_partition(q_smem, k_smem, v_smem, o_smem, p_smem, q_ready, k_ready, k_empty,
+                   v_ready, v_empty, turn, o_desc, Lse, VDescale, off_b, off_h, row0,
+                   n_blocks, n_full, seqlen_q, seqlen_k, diag_offset, qk_scale, lse_row0,
                    v_descale_off, WG: gl.constexpr, IS_CAUSAL: gl.constexpr,
-                   HAS_V_DESCALE: gl.constexpr, PV_PER_TILE: gl.constexpr):
+                   HAS_V_DESCALE: gl.constexpr, PV_PER_TILE: gl.constexpr,
+                   P_SMEM: gl.constexpr):
     """Consumer warpgroup WG: rows row0 + 64 * WG + [0, 64) of the tile."""
     STAGES: gl.constexpr = k_smem.type.shape[0]
     BLOCK_N: gl.constexpr = k_smem.type.shape[2]
@@ -255,19 +274,24 @@ def _mma_partition(q_smem, k_smem, v_smem, o_smem, q_ready, k_ready, k_empty, v_
                                              diag_offset, True, IS_CAUSAL, IS_FP8)
         # Block 0's alpha is 0 (or NaN with NaN scores): O is 0 before it either way.
         alpha_o = gl.convert_layout(alpha, o_row_layout)
-        p_op = _p_operand(p, acc, p_dtype)
+        if P_SMEM:
+            p_op = p_smem.index(2 * WG)
+            p_op.store(p.to(p_dtype))
+            fence_async_shared()
+        else:
+            p_op = _p_operand(p, acc, p_dtype)
         # Blocks every row sees in full skip the mask; the masked ones (the causal
         # diagonal, the ragged end) follow in a loop of their own: no branch per block.
         for j in range(1, n_full):
             acc, p_op, alpha_o, m_i, l_i = _kv_block(
-                j, q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, turn, acc, p_op,
-                alpha_o, m_i, l_i, s_init, o_init, offs_m, qk_scale, seqlen_k, diag_offset,
-                WG, False, IS_CAUSAL, PV_PER_TILE)
+                j, q, k_smem, v_smem, p_smem, k_ready, k_empty, v_ready, v_empty, turn, acc,
+                p_op, alpha_o, m_i, l_i, s_init, o_init, offs_m, qk_scale, seqlen_k,
+                diag_offset, WG, False, IS_CAUSAL, PV_PER_TILE, P_SMEM)
         for j in range(gl.maximum(n_full, 1), n_blocks):
             acc, p_op, alpha_o, m_i, l_i = _kv_block(
-                j, q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, turn, acc, p_op,
-                alpha_o, m_i, l_i, s_init, o_init, offs_m, qk_scale, seqlen_k, diag_offset,
-                WG, True, IS_CAUSAL, PV_PER_TILE)
+                j, q, k_smem, v_smem, p_smem, k_ready, k_empty, v_ready, v_empty, turn, acc,
+                p_op, alpha_o, m_i, l_i, s_init, o_init, offs_m, qk_scale, seqlen_k,
+                diag_offset, WG, True, IS_CAUSAL, PV_PER_TILE, P_SMEM)
         last = (n_blocks - 1) % STAGES
         mbarrier.wait(v_ready.index(last), ((n_blocks - 1) // STAGES) & 1)
         _take_turn(turn, n_blocks, WG)
@@ -314,7 +338,8 @@ def _attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, Lse, QDescale, KDesc
                             stride_vdesc_b, stride_vdesc_h, softmax_scale,
                             IS_CAUSAL: gl.constexpr, STAGES: gl.constexpr,
                             HAS_Q_DESCALE: gl.constexpr, HAS_K_DESCALE: gl.constexpr,
-                            HAS_V_DESCALE: gl.constexpr, PV_PER_TILE: gl.constexpr):
+                            HAS_V_DESCALE: gl.constexpr, PV_PER_TILE: gl.constexpr,
+                            P_SMEM: gl.constexpr):
     BLOCK_M: gl.constexpr = 2 * BLOCK_M_WG
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[1]
     start_m = gl.program_id(0)
@@ -351,6 +376,12 @@ def _attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, Lse, QDescale, KDesc
     else:  # FP8 q, 16-bit O: twice Q's bytes, a buffer of its own
         o_smem = gl.allocate_shared_memory(o_desc.dtype, [2] + o_desc.block_type.shape,
                                            o_desc.layout)
+    if P_SMEM:  # two P buffers per consumer warpgroup, in V's FP8 format
+        p_smem = gl.allocate_shared_memory(
+            v_desc.dtype, [4, BLOCK_M_WG, BLOCK_N],
+            gl.NVMMASharedLayout.get_default_for([BLOCK_M_WG, BLOCK_N], v_desc.dtype))
+    else:
+        p_smem = q_smem  # not read: P stays in registers
     q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -376,19 +407,19 @@ def _attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, Lse, QDescale, KDesc
     qk_scale = softmax_scale * LOG2E
     lse_row0 = off_bh * seqlen_q  # lse is (batch, nheads, seqlen_q), contiguous
     gl.warp_specialize([
-        (_mma_partition, (q_smem, k_smem, v_smem, o_smem, q_ready, k_ready, k_empty,
-                          v_ready, v_empty, turn, o_desc, Lse, VDescale, off_b, off_h, row0,
-                          n_blocks, n_full, seqlen_q, seqlen_k, diag_offset, qk_scale,
+        (_mma_partition, (q_smem, k_smem, v_smem, o_smem, p_smem, q_ready, k_ready,
+                          k_empty, v_ready, v_empty, turn, o_desc, Lse, VDescale, off_b, off_h,
+                          row0, n_blocks, n_full, seqlen_q, seqlen_k, diag_offset, qk_scale,
                           lse_row0, v_descale_off, 0, IS_CAUSAL, HAS_V_DESCALE,
-                          PV_PER_TILE)),
+                          PV_PER_TILE, P_SMEM)),
         (_load_partition, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready,
                            k_ready, k_empty, v_ready, v_empty, off_b, off_h, off_hkv, row0,
                            n_blocks)),
-        (_mma_partition, (q_smem, k_smem, v_smem, o_smem, q_ready, k_ready, k_empty,
-                          v_ready, v_empty, turn, o_desc, Lse, VDescale, off_b, off_h, row0,
-                          n_blocks, n_full, seqlen_q, seqlen_k, diag_offset, qk_scale,
+        (_mma_partition, (q_smem, k_smem, v_smem, o_smem, p_smem, q_ready, k_ready,
+                          k_empty, v_ready, v_empty, turn, o_desc, Lse, VDescale, off_b, off_h,
+                          row0, n_blocks, n_full, seqlen_q, seqlen_k, diag_offset, qk_scale,
                           lse_row0, v_descale_off, 1, IS_CAUSAL, HAS_V_DESCALE,
-                          PV_PER_TILE)),
+                          PV_PER_TILE, P_SMEM)),
     ], [1, 4], [PRODUCER_REGS, CONSUMER_REGS])
 
 
@@ -512,13 +543,14 @@ def forward(q, k, v, softmax_scale, diag_offset, causal, q_descale=None, k_desca
     # Absent descales: lse's address stands in (never read: HAS_*_DESCALE is False).
     descales = (q_descale, k_descale, v_descale)
     scales = tuple(lse if x is None else x for x in descales)
+    p_smem = fp8 and configs.hopper_fwd_fp8_p_smem()
     key = None
     if _launch.ready(q):
         # unsupported() has checked q's and k's (and 16-bit v's) addresses for TMA's
         # 16-byte alignment; lse and FP8 v's copy are allocated here (aligned). The
         # descales' strides are arguments and their addresses are specialised on.
         key = ("hopper_fwd", q.dtype, out_dtype, q.shape, k.shape, q.stride(), k.stride(),
-               None if fp8 else v.stride(), causal, diag_offset,
+               None if fp8 else v.stride(), causal, diag_offset, p_smem,
                *map(_launch.layout, descales), _launch.misalignment(_launch.pointers(scales)))
         found = _launch.lookup(key)
         if found is not None:
@@ -530,7 +562,8 @@ def forward(q, k, v, softmax_scale, diag_offset, causal, q_descale=None, k_desca
     flags = dict(IS_CAUSAL=causal, STAGES=cfg.num_stages,
                  HAS_Q_DESCALE=q_descale is not None, HAS_K_DESCALE=k_descale is not None,
                  HAS_V_DESCALE=v_descale is not None,
-                 PV_PER_TILE=fp8 and d <= configs.HOPPER_FWD_FP8_PV_PER_TILE_MAX_D)
+                 PV_PER_TILE=fp8 and d <= configs.HOPPER_FWD_FP8_PV_PER_TILE_MAX_D,
+                 P_SMEM=p_smem)
     configs.log_first_launch("hopper forward", q, d, cfg, flags)
     grid = (configs.cdiv(sq, cfg.block_m), b * h)
     rows = BLOCK_M_WG.value
