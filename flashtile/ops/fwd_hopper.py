@@ -47,7 +47,7 @@ same kernel, with the numerics of the portable FP8 forward (flashtile.ops.fwd, d
   thread at BLOCK_N 128), at the cost of P's stores (2 bytes each: the accumulator
   layout) and 16-32 KiB of shared memory. Which is faster is for the GPU to say.
 **The FP8 variants are compile-checked only** (sm_90 on the CPU: 8-bit wgmma, P from
-registers, no spills; tests/test_gluon_compile.py). On a GPU, run
+registers or shared memory, no spills; tests/test_gluon_compile.py). On a GPU, run
 ``pytest --gpu tests/test_fwd_hopper.py -k "fp8 or float8"`` and the ``mla-fp8`` stage
 of scripts/gpu_session.sh; FLASHTILE_HOPPER_FWD=1 sends dense FP8 calls here ("auto"
 does not until they are timed). Predicted, not measured: 800-950 TFLOP/s at head_dim
