@@ -80,7 +80,7 @@ def hopper_fwd_mode() -> str:
     call. "auto" (the default): head dims 128 and 256 with at least 1k queries, the
     cells where it was timed faster (1.26-1.75x the portable kernel, 1k-16k tokens,
     docs/benchmarks/NOTES.md section 20); "1": every call it supports (head dim 64
-    too, where it was 0.9-1.16x); "0": never."""
+    too, where it was 0.9-1.16x; dense FP8 calls, not yet timed); "0": never."""
     value = os.environ.get("FLASHTILE_HOPPER_FWD", "auto").strip() or "auto"
     if value not in ("auto", "0", "1"):
         raise ValueError(f"FLASHTILE_HOPPER_FWD must be 'auto', '0' or '1', got {value!r}")

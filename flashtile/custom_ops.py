@@ -100,11 +100,12 @@ def _gluon_fwd(required: bool = False):
 
 
 def _hopper_fwd_wins(q: Tensor) -> bool:
-    """FLASHTILE_HOPPER_FWD=auto's cells: head dims 128 and 256 with at least 1k queries.
-    The Gluon kernel was timed there at 1.26-1.75x the portable one (NOTES.md section
-    20). Shorter calls were not timed, and its host path (four TMA descriptors, no
-    launch plan) was not measured either; head dim 64 was about even."""
-    return q.shape[-1] >= 128 and q.shape[1] >= 1024
+    """FLASHTILE_HOPPER_FWD=auto's cells: 16-bit inputs at head dims 128 and 256 with at
+    least 1k queries. The Gluon kernel was timed there at 1.26-1.75x the portable one
+    (NOTES.md section 20). Shorter calls were not timed, and its host path (four TMA
+    descriptors, no launch plan) was not measured either; head dim 64 was about even.
+    FP8 (flashtile.fp8) takes it with FLASHTILE_HOPPER_FWD=1 only until it is timed."""
+    return q.element_size() == 2 and q.shape[-1] >= 128 and q.shape[1] >= 1024
 
 
 def _dense_dropout(q, dropout_p, philox):

@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 
 from flashtile import _validate as V
-from flashtile._backend import select_backend
+from flashtile._backend import hopper_fwd_mode, select_backend
 from flashtile.ops._fp8 import FP8_DTYPES, FP8_MAX
 
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -233,6 +233,13 @@ def _fp8_attn_fwd_impl(q: Tensor, k: Tensor, v: Tensor, q_descale: Optional[Tens
                                   cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table,
                                   seqused_k, kw)
         return out.to(out_dtype), lse
+    if cu_seqlens_q is None:
+        fwd_hopper = _hopper_fwd(q, k, v, kw, out_dtype)
+        if fwd_hopper is not None:
+            return fwd_hopper.forward(q, k, v, softmax_scale, diag_offset,
+                                      causal=window_right == 0, q_descale=q_descale,
+                                      k_descale=k_descale, v_descale=v_descale,
+                                      out_dtype=out_dtype)
     from flashtile.ops.fwd import attn_fwd
 
     varlen = {}
@@ -244,6 +251,22 @@ def _fp8_attn_fwd_impl(q: Tensor, k: Tensor, v: Tensor, q_descale: Optional[Tens
     return attn_fwd(q, k, v, attn_mask=None, allow_tf32=False, q_descale=q_descale,
                     k_descale=k_descale, v_descale=v_descale, out_dtype=out_dtype,
                     **kw, **varlen)
+
+
+def _hopper_fwd(q, k, v, kw, out_dtype):
+    """flashtile.ops.fwd_hopper where FLASHTILE_HOPPER_FWD sends this dense FP8 call to
+    the Gluon kernel and the kernel supports it, else None (the portable kernel runs it;
+    varlen and paged calls always do)."""
+    from flashtile import custom_ops
+
+    mode = hopper_fwd_mode()
+    if mode != "1" and not (mode == "auto" and custom_ops._hopper_fwd_wins(q)):
+        return None
+    fwd_hopper = custom_ops._gluon_fwd(required=mode == "1")
+    if fwd_hopper is None or fwd_hopper.unsupported(q, k, v, out_dtype=out_dtype,
+                                                    **kw) is not None:
+        return None
+    return fwd_hopper
 
 
 fp8_attn_fwd = torch.library.custom_op("flashtile::fp8_attn_fwd",

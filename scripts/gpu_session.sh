@@ -3,9 +3,9 @@
 # machine goes back 30 s after a call, so chain stages in one call where they fit).
 # Run from the repo root on the device: `bash scripts/gpu_session.sh STAGE [SECONDS]`;
 # outputs go to $OUT (at most 8 files come back: folders travel as tarballs).
-#   check        make test-gpu                                             (~9 min)
+#   check        make test-gpu                                             (~15 min)
 #   memcheck     the memcheck slice warmed, then make memcheck             (~5 min)
-#   verify       check then memcheck in one call (the suite warms the cache) (~9 min)
+#   verify       check then memcheck in one call (the suite warms the cache) (~15 min)
 #   sweep SECS   the default `flashtile bench` sweep for SECS seconds, --resume from
 #                bench-h200/ (carry it back in: a sweep spans several calls)
 #   extra        bench --accuracy, tune for head_dim 128                  (~6 min)
@@ -19,14 +19,16 @@
 #                                                                           (~8 min)
 #   engine       the engine's GPU tests; every engine row of the 1B shape, traced (~6 min)
 #   engine-peers the 1B shape's other rows: eager, sdpa, naive, transformers'
-#                generate and generate_batch (64 requests)                (~9 min)
+#                generate and generate_batch (64 requests)                (~15 min)
 #   shapes       the 0.5B and 8B shapes, every row                        (~10 min)
 #   host         flashtile bench host, flashtile bench hf (and --pad at batch 16) (~10 min)
 #   hopper       the Gluon forward's GPU tests and its timing             (~8 min)
 #   tp           the tensor-parallel driver's tests (2 GPUs)              (~4 min)
 #   fp32         accuracy and speed of fp32, IEEE products against tf32x3  (~8 min)
 #   dropout      flashtile with and without dropout beside SDPA's dropout backends (~4 min)
-#   mla-fp8      the absorbed MLA decode (576/512) and the FP8 forward timed      (~6 min)
+#   mla          the absorbed MLA decode (576/512) against the copy ceiling    (~3 min)
+#   fp8          the Gluon FP8 forward's GPU tests, then FP8 (portable, Gluon, Gluon
+#                with P in shared memory) beside bf16 and cuDNN at d128   (~9 min)
 #   bwd-ab       the fused backward against the split one (d64/d128, 1k-16k, beside
 #                cuDNN) and transformers' training step under each          (~7 min)
 #   wide         head_dim 256 and 512 beside the peers; d256 backward tiles; the fused
@@ -176,15 +178,29 @@ case "${1:-}" in
       --no-progress --out dropout-dkdv-32x128 --overwrite 2>&1 | grep "^|" | tail -6
     tar czf "$OUT/dropout.tgz" dropout dropout-dkdv-32x128
     ;;
-  mla-fp8)
+  mla)
     # Issue 17: the absorbed MLA decode (576/512, 16 and 128 heads, pages of 64) against
-    # the copy ceiling, and the FP8 forward beside bf16 and cuDNN (docs/fp8.md).
+    # the copy ceiling.
     timeout 150 python3 -m flashtile.bench.decode --mla 2>&1 | grep "^| MLA\|^#" \
       | tee "$OUT/mla.txt"
-    timeout 240 python3 -m flashtile bench --providers flashtile flashtile-fp8 \
-      flashtile-fp8-varlen sdpa-cudnn --modes fwd --headdim 128 --seqlens 4k 16k \
-      --no-progress --out fp8 --overwrite 2>&1 | grep "^|" | tail -10
-    tar czf "$OUT/fp8.tgz" fp8
+    ;;
+  fp8)
+    # Issue 17: the FP8 forward beside bf16 and cuDNN (docs/fp8.md). The Gluon FP8
+    # forward's GPU tests first (tests/test_fwd_hopper.py).
+    timeout 180 python3 -m pytest -q -p no:cacheprovider --gpu $XDIST tests/test_fwd_hopper.py \
+      -k "fp8 or float8" 2>&1 | tail -4 | tee "$OUT/hopper-fp8-tests.txt"
+    # FLASHTILE_HOPPER_FWD=0: flashtile and flashtile-fp8 are the portable kernels;
+    # flashtile-hopper(-fp8) call the Gluon launcher (each validated before timing).
+    FLASHTILE_HOPPER_FWD=0 timeout 270 python3 -m flashtile bench --providers flashtile \
+      flashtile-hopper flashtile-fp8 flashtile-hopper-fp8 sdpa-cudnn \
+      --modes fwd --headdim 128 --seqlens 4k 16k --no-progress --out fp8 --overwrite \
+      2>&1 | grep "^|" | tail -10
+    # The Gluon FP8 forward with P through shared memory (its SASS keeps the softmax
+    # under the previous P V), the same cells.
+    FLASHTILE_HOPPER_FWD=0 FLASHTILE_HOPPER_FWD_FP8_P=smem timeout 120 python3 -m flashtile \
+      bench --providers flashtile-hopper-fp8 --modes fwd --headdim 128 --seqlens 4k 16k \
+      --no-progress --out fp8-psmem --overwrite 2>&1 | grep "^|" | tail -6
+    tar czf "$OUT/fp8.tgz" fp8 fp8-psmem
     ;;
   short)
     timeout 240 python3 -m flashtile bench --seqlens 512 1k 2k --no-progress \

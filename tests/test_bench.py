@@ -187,25 +187,12 @@ def test_flashtile_fusedbwd_is_validated_before_timing(fault, monkeypatch):
         assert_close_rule(name, ours, r64, rpt)
 
 
-@pytest.mark.parametrize("fault", ["none", "out", "lse", "nan"])
-def test_flashtile_hopper_is_validated_before_timing(fault, monkeypatch):
-    """The Gluon provider runs on CUDA, forward only, and its build compares the kernel's
-    out and lse with the portable kernel's on the cell's inputs before anything is timed
-    (both kernels replaced by the float64 oracle here, the Gluon one perturbed)."""
-    pytest.importorskip("flashtile.ops.fwd_hopper")  # Gluon: triton >= 3.6
+def _gluon_provider_validation(name, cell, oracle, fault, monkeypatch):
+    """Build provider ``name`` with the portable kernel replaced by ``oracle`` and the
+    Gluon one by the oracle with ``fault`` ("none", "out", "lse", "nan"): a faulty kernel
+    must make the build raise before anything is timed; a correct one gives the attention
+    (its output on the cell's inputs is returned)."""
     from flashtile.ops import fwd, fwd_hopper
-    from flashtile.reference import attention_naive
-
-    cell = registry.Cell("flashtile-hopper", 64, True, "fwd", 96, 1, 2, torch.bfloat16)
-    hopper = registry.PROVIDERS["flashtile-hopper"]
-    assert hopper.skip_reason(cell, CPU) == "runs on cuda only"
-    bwd = dataclasses.replace(cell, mode="fwd_bwd")
-    assert hopper.skip_reason(bwd, torch.device("cuda")) == "fwd only"
-    assert "flashtile-hopper" not in registry.GPU_SWEEP.providers
-
-    def oracle(q, k, v, **kw):
-        out, lse = attention_naive(q, k, v, causal=True, softmax_scale=kw["softmax_scale"])
-        return out.to(q.dtype), lse.float()
 
     def perturbed(q, k, v, **kw):
         out, lse = oracle(q, k, v, **kw)
@@ -219,13 +206,65 @@ def test_flashtile_hopper_is_validated_before_timing(fault, monkeypatch):
 
     monkeypatch.setattr(fwd, "attn_fwd", oracle)
     monkeypatch.setattr(fwd_hopper, "attn_fwd", perturbed)
-    if fault == "none":
-        attn = hopper.build(cell, CPU)
-        q, k, v, _ = run.make_inputs(cell, "bshd", CPU)[0]
-        assert attn(q, k, v).shape == q.shape
-    else:
+    provider = registry.PROVIDERS[name]
+    if fault != "none":
         with pytest.raises(RuntimeError, match="does not match the portable kernel's"):
-            hopper.build(cell, CPU)
+            provider.build(cell, CPU)
+        return None
+    attn = provider.build(cell, CPU)
+    inputs = run.make_inputs(cell, "bshd", CPU)[0]
+    q, k, v, _ = provider.prepare(*inputs) if provider.prepare else inputs
+    return attn(q, k, v)
+
+
+@pytest.mark.parametrize("fault", ["none", "out", "lse", "nan"])
+def test_flashtile_hopper_is_validated_before_timing(fault, monkeypatch):
+    """The Gluon provider runs on CUDA, forward only, and its build compares the kernel's
+    out and lse with the portable kernel's on the cell's inputs before anything is timed
+    (both kernels replaced by the float64 oracle here, the Gluon one perturbed)."""
+    pytest.importorskip("flashtile.ops.fwd_hopper")  # Gluon: triton >= 3.6
+    from flashtile.reference import attention_naive
+
+    cell = registry.Cell("flashtile-hopper", 64, True, "fwd", 96, 1, 2, torch.bfloat16)
+    hopper = registry.PROVIDERS["flashtile-hopper"]
+    assert hopper.skip_reason(cell, CPU) == "runs on cuda only"
+    bwd = dataclasses.replace(cell, mode="fwd_bwd")
+    assert hopper.skip_reason(bwd, torch.device("cuda")) == "fwd only"
+    assert "flashtile-hopper" not in registry.GPU_SWEEP.providers
+
+    def oracle(q, k, v, **kw):
+        out, lse = attention_naive(q, k, v, causal=True, softmax_scale=kw["softmax_scale"])
+        return out.to(q.dtype), lse.float()
+
+    out = _gluon_provider_validation("flashtile-hopper", cell, oracle, fault, monkeypatch)
+    assert fault != "none" or out.shape == (1, 96, 2, 64)
+
+
+@pytest.mark.parametrize("fault", ["none", "out", "lse", "nan"])
+def test_flashtile_hopper_fp8_is_validated_before_timing(fault, monkeypatch):
+    """The Gluon FP8 provider quantises as flashtile-fp8 does, and its build compares the
+    kernel's out and lse with the portable FP8 kernel's, descales and bf16 out passed to
+    both (both replaced by the float64 oracle of the dequantised inputs here)."""
+    pytest.importorskip("flashtile.ops.fwd_hopper")  # Gluon: triton >= 3.6
+    from flashtile.fp8 import dequantize
+    from flashtile.reference import attention_naive
+
+    cell = registry.Cell("flashtile-hopper-fp8", 64, False, "fwd", 96, 1, 2,
+                         torch.float32)
+    provider = registry.PROVIDERS["flashtile-hopper-fp8"]
+    assert provider.skip_reason(cell, CPU) == "runs on cuda only"
+    assert provider.modes == ("fwd",) and "flashtile-hopper-fp8" not in registry.ALL
+
+    def oracle(q, k, v, *, q_descale, k_descale, v_descale, out_dtype, **kw):
+        assert q.dtype == torch.float8_e4m3fn and out_dtype == torch.bfloat16
+        deq = [dequantize(x, d).double() for x, d in ((q, q_descale), (k, k_descale),
+                                                      (v, v_descale))]
+        out, lse = attention_naive(*deq, softmax_scale=kw["softmax_scale"])
+        return out.to(out_dtype), lse.float()
+
+    out = _gluon_provider_validation("flashtile-hopper-fp8", cell, oracle, fault,
+                                     monkeypatch)
+    assert fault != "none" or (out.shape == (1, 96, 2, 64) and out.dtype == torch.bfloat16)
 
 
 def test_memory_plot_on_a_log_scale(tmp_path):

@@ -237,3 +237,254 @@ def test_switch_rejects_other_values(monkeypatch):
     with pytest.raises(ValueError, match="FLASHTILE_HOPPER_FWD must be 'auto', '0' or '1', "
                        "got 'yes'"):
         hopper_fwd_mode()
+
+
+# ---- FP8 (float8 q, k, v with flash-attn 3's descales) ----
+#
+# Checked as tests/test_fp8.py checks the portable FP8 kernel: against float64 attention
+# of the dequantised inputs, within the bound tests/fp8_utils.py derives from P's
+# rounding to FP8 and the FP8 wgmma's narrower accumulator.
+
+E4M3 = torch.float8_e4m3fn
+
+
+def _fp8_inputs(b, sq, sk, h, hkv, d, dtype=E4M3, descales=True):
+    """FP8 q, k, v quantised with a descale per (batch, kv head) (tests/test_fp8.py's
+    inputs), or normal values cast as they are with descales None."""
+    from tests.test_fp8 import _dense_inputs
+
+    if descales:
+        return _dense_inputs(b, sq, sk, h, hkv, d, dtype, "cuda")
+    return tuple(x.float().to(dtype) for x in _inputs(b, sq, sk, h, hkv, d, torch.float32)), \
+        (None, None, None)
+
+
+def _fp8_kw(causal, q, k):
+    # The bottom-right causal alignment tests/fp8_utils.error_bound assumes.
+    return _kw(causal, k.shape[1] - q.shape[1], q.shape[-1] ** -0.5)
+
+
+def _fp8_check(out, lse, q, k, v, scales, causal):
+    from tests.test_fp8 import _check as check_fp8
+
+    check_fp8(out, lse, q, k, v, scales, "triton", dict(causal=causal), torch.bfloat16)
+
+
+FP8_SHAPES = [(2, 1000, 1000, 4, 4), (1, 257, 513, 8, 2), (2, 513, 257, 4, 1),
+              (1, 1, 777, 4, 4), (1, 4099, 4099, 2, 1)]
+
+
+@pytest.fixture(params=["regs", "smem"], ids=["p-regs", "p-smem"])
+def p_mode(request, monkeypatch):
+    """Both ways P reaches P V (configs.hopper_fwd_fp8_p_smem), each its own plan key."""
+    monkeypatch.setenv("FLASHTILE_HOPPER_FWD_FP8_P", request.param)
+    return request.param
+
+
+# This grid and test_float8_agrees_with_the_portable_kernel are named float8, not fp8:
+# the memcheck slice (Makefile MEMCHECK_K: "fp8") takes the smaller FP8 tests only;
+# these two would outlast its time limit.
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("shape", FP8_SHAPES, ids=lambda s: "b{}-q{}-k{}-h{}/{}".format(*s))
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@on_hopper
+def test_float8_matches_float64_reference(head_dim, shape, causal, p_mode):
+    b, sq, sk, h, hkv = shape
+    (q, k, v), scales = _fp8_inputs(b, sq, sk, h, hkv, head_dim)
+    out, lse = fwd_hopper.attn_fwd(q, k, v, **_fp8_kw(causal, q, k), q_descale=scales[0],
+                                   k_descale=scales[1], v_descale=scales[2])
+    assert out.shape == q.shape and out.dtype == torch.bfloat16 and out.is_contiguous()
+    assert lse.shape == (b, h, sq) and lse.dtype == torch.float32
+    _fp8_check(out, lse, q, k, v, scales, causal)
+
+
+@pytest.mark.parametrize("dtype,out_dtype,descales", [
+    (E4M3, torch.float16, True), (torch.float8_e5m2, torch.bfloat16, True),
+    (E4M3, torch.bfloat16, False)], ids=["e4m3-fp16-out", "e5m2", "no-descale"])
+@on_hopper
+def test_fp8_formats_and_outputs(dtype, out_dtype, descales, p_mode):
+    """e5m2 inputs (P then in e5m2, as the portable kernel rounds it), a float16 out, and
+    descales None (1.0: HAS_*_DESCALE off)."""
+    from tests.test_fp8 import _check as check_fp8
+
+    (q, k, v), scales = _fp8_inputs(2, 300, 333, 4, 2, 128, dtype, descales=descales)
+    out, lse = fwd_hopper.attn_fwd(q, k, v, **_fp8_kw(True, q, k), q_descale=scales[0],
+                                   k_descale=scales[1], v_descale=scales[2],
+                                   out_dtype=out_dtype)
+    check_fp8(out, lse, q, k, v, scales, "triton", dict(causal=True), out_dtype)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@on_hopper
+def test_float8_agrees_with_the_portable_kernel(head_dim, causal, p_mode):
+    """The portable FP8 kernel on the same inputs and expanded (stride 0) descales: both
+    within the bound of the float64 reference (so within twice it of each other; not
+    bitwise: the two round exp2's argument differently, one FFMA against two ops)."""
+    from flashtile.ops import fwd
+
+    (q, k, v), scales = _fp8_inputs(2, 1000, 1100, 8, 2, head_dim)
+    scales = (scales[0], scales[1][:1].expand(2, 2), scales[2])  # one k factor for all
+    kw = dict(_fp8_kw(causal, q, k), q_descale=scales[0], k_descale=scales[1],
+              v_descale=scales[2], out_dtype=torch.bfloat16)
+    out, lse = fwd_hopper.attn_fwd(q, k, v, **kw)
+    ref_out, ref_lse = fwd.attn_fwd(q, k, v, **kw)
+    _fp8_check(out, lse, q, k, v, scales, causal)
+    _fp8_check(ref_out, ref_lse, q, k, v, scales, causal)
+
+
+@pytest.mark.parametrize("where", ["k", "v"])
+@on_hopper
+def test_fp8_nan_propagates(where, p_mode):
+    """An e4m3 NaN key makes exactly the rows that see it NaN (out and lse); a NaN value
+    reaches its column in those rows; rows that see no key are 0 with lse -inf."""
+    sq, sk, key = 300, 200, 20  # causal, seqlen_q > seqlen_k: the first rows see nothing
+    (q, k, v), scales = _fp8_inputs(1, sq, sk, 2, 2, 128)
+    ok = allowed_keys(sq, sk, sk - sq, -1, 0, q.device)
+    seen, empty = ok[:, key], ~ok.any(1)
+    {"k": k, "v": v}[where].view(torch.uint8)[0, key, 0, 3] = 0x7F  # e4m3fn's NaN
+    out, lse = fwd_hopper.attn_fwd(q, k, v, **_fp8_kw(True, q, k), q_descale=scales[0],
+                                   k_descale=scales[1], v_descale=scales[2])
+    o0, l0 = out[0, :, 0].float(), lse[0, 0]
+    assert (o0[empty] == 0).all() and (l0[empty] == float("-inf")).all()
+    if where == "k":
+        assert torch.isnan(o0[seen]).all() and torch.isnan(l0[seen]).all()
+        assert torch.isfinite(o0[~seen]).all()
+    else:
+        assert torch.isnan(o0[seen, 3]).all() and torch.isfinite(l0[~empty]).all()
+    assert torch.isfinite(out[0, :, 1].float()).all()
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@on_hopper
+def test_fp8_launch_plan_equals_tritons_path(causal, p_mode):
+    """A second FP8 call goes through the launch plan with new q, k, v (a new V^T copy)
+    and new descales in the slots: the same bits as Triton's own path."""
+    from flashtile.ops import _launch
+
+    def call(seed, factor):
+        torch.manual_seed(seed)
+        (q, k, v), scales = _fp8_inputs(2, 300, 333, 4, 2, 128)
+        scales = tuple(x * factor for x in scales)
+        return fwd_hopper.attn_fwd(q, k, v, **_fp8_kw(causal, q, k), q_descale=scales[0],
+                                   k_descale=scales[1], v_descale=scales[2])
+
+    _launch.clear()
+    call(0, 1.0)
+    out, lse = call(1, 2.0)  # the plan
+    _launch.clear()
+    previous = _launch.set_enabled(False)
+    try:
+        out2, lse2 = call(1, 2.0)
+    finally:
+        _launch.set_enabled(previous)
+    assert torch.equal(out, out2) and torch.equal(lse, lse2)
+
+
+@on_hopper
+def test_fp8_switch_dispatches(monkeypatch):
+    """FLASHTILE_HOPPER_FWD=1: flash_attn_func's dense FP8 forward runs the Gluon kernel
+    and meets the FP8 bound; float32 out and varlen stay on the portable kernel."""
+    calls = []
+    real = fwd_hopper.forward
+    monkeypatch.setattr(fwd_hopper, "forward", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    monkeypatch.setenv("FLASHTILE_HOPPER_FWD", "1")
+    (q, k, v), scales = _fp8_inputs(2, 333, 555, 4, 2, 128)
+    out, lse = flashtile.flash_attn_func(q, k, v, causal=True, return_lse=True,
+                                         q_descale=scales[0], k_descale=scales[1],
+                                         v_descale=scales[2])
+    assert calls == [1]
+    _fp8_check(out, lse, q, k, v, scales, True)
+    flashtile.flash_attn_func(q, k, v, out_dtype=torch.float32)
+    cu = torch.tensor([0, 333, 666], dtype=torch.int32, device="cuda")
+    cu_k = torch.tensor([0, 555, 1110], dtype=torch.int32, device="cuda")
+    flashtile.flash_attn_varlen_func(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), cu,
+                                     cu_k, 333, 555, causal=True)
+    assert calls == [1]
+
+
+def _fp8_cpu(d=128, sq=40, dtype=E4M3):
+    return tuple(x.to(dtype) for x in _inputs(1, sq, sq, 2, 2, d, torch.float32, "cpu"))
+
+
+def test_fp8_declines_what_it_does_not_support(monkeypatch):
+    monkeypatch.setattr(fwd_hopper, "_on_hopper", lambda device: True)
+    q, k, v = _fp8_cpu()
+    assert fwd_hopper.unsupported(q, k, v) is None
+    assert fwd_hopper.unsupported(*_fp8_cpu(dtype=torch.float8_e5m2)) is None
+    assert fwd_hopper.unsupported(q, k, v, out_dtype=torch.float16) is None
+    assert "out_dtype" in fwd_hopper.unsupported(q, k, v, out_dtype=torch.float32)
+    for d in (32, 96):
+        assert "head_dim" in fwd_hopper.unsupported(*_fp8_cpu(d))
+    # TMA strides are counted in bytes: 72 one-byte elements are not 16-byte multiples
+    # (72 bf16 elements are); v is copied keys-contiguous, so its strides are free.
+    odd = torch.zeros(1, 40, 2, 72, dtype=torch.uint8).view(E4M3)[..., :64]
+    q64, k64, v64 = _fp8_cpu(64)
+    assert "TMA" in fwd_hopper.unsupported(odd, k64, v64)
+    assert "TMA" in fwd_hopper.unsupported(q64, odd, v64)
+    assert fwd_hopper.unsupported(q64, k64, odd) is None
+    odd16 = torch.zeros(1, 40, 2, 72, dtype=torch.bfloat16)[..., :64]
+    assert fwd_hopper.unsupported(odd16, odd16, odd16) is None
+    with pytest.raises(ValueError, match="cannot run this call: out_dtype"):
+        fwd_hopper.attn_fwd(q, k, v, **_kw(False, 0, 0.1), out_dtype=torch.float32)
+
+
+@pytest.mark.parametrize("switch,seqlen_q,varlen,used", [
+    ("1", 40, False, "hopper"), ("auto", 1024, False, "portable"),
+    ("0", 1024, False, "portable"), ("1", 40, True, "portable")])
+def test_fp8_switch_dispatch_on_cpu(switch, seqlen_q, varlen, used, monkeypatch):
+    """With the kernels replaced by fakes: FLASHTILE_HOPPER_FWD=1 sends a dense FP8
+    forward to fwd_hopper.forward with its descales (expanded to (batch, nheads_kv)),
+    out_dtype and bottom-right causal alignment; "auto" keeps FP8 on the portable kernel
+    until the Gluon one is timed; varlen FP8 always stays there."""
+    from flashtile import fp8 as F8
+    from flashtile.ops import fwd
+
+    seen = {}
+
+    def fake(name):
+        def attn_fwd(q, k, v, **kw):
+            seen[name] = kw
+            lse_shape = (q.shape[1], q.shape[0]) if q.dim() == 3 else \
+                (q.shape[0], q.shape[2], q.shape[1])
+            return (torch.zeros(q.shape, dtype=kw["out_dtype"]),
+                    torch.zeros(lse_shape, dtype=torch.float32))
+        return attn_fwd
+
+    monkeypatch.setattr(F8, "select_backend", lambda *a, **kw: "triton")
+    monkeypatch.setattr(fwd_hopper, "unsupported", lambda *a, **kw: None)
+    hopper = fake("hopper")
+    monkeypatch.setattr(fwd_hopper, "forward", lambda q, k, v, softmax_scale, diag_offset,
+                        causal, **kw: hopper(q, k, v, diag_offset=diag_offset,
+                                             causal=causal, **kw))
+    monkeypatch.setattr(fwd, "attn_fwd", fake("portable"))
+    monkeypatch.setenv("FLASHTILE_HOPPER_FWD", switch)
+    q, k, v = (x.to(E4M3) for x in _inputs(1, seqlen_q, seqlen_q + 20, 4, 2, 128,
+                                           torch.float32, "cpu"))
+    scale = torch.tensor(0.5)
+    if varlen:
+        cu_q = torch.tensor([0, seqlen_q], dtype=torch.int32)
+        cu_k = torch.tensor([0, seqlen_q + 20], dtype=torch.int32)
+        flashtile.flash_attn_varlen_func(q[0], k[0], v[0], cu_q, cu_k, seqlen_q,
+                                         seqlen_q + 20, causal=True, k_descale=scale)
+    else:
+        flashtile.flash_attn_func(q, k, v, causal=True, k_descale=scale)
+    assert list(seen) == [used]
+    kw = seen[used]
+    assert kw["k_descale"].shape == (1, 2) and kw["q_descale"] is None
+    assert kw["out_dtype"] == torch.bfloat16
+    if used == "hopper":
+        assert kw["diag_offset"] == 20 and kw["causal"]
+
+
+def test_fp8_p_switch_rejects_other_values(monkeypatch):
+    from flashtile.ops import configs
+
+    monkeypatch.setenv("FLASHTILE_HOPPER_FWD_FP8_P", "shared")
+    with pytest.raises(ValueError, match="FLASHTILE_HOPPER_FWD_FP8_P must be one of "
+                       "\\('regs', 'smem'\\), got 'shared'"):
+        configs.hopper_fwd_fp8_p_smem()
+    monkeypatch.setenv("FLASHTILE_HOPPER_FWD_FP8_P", "smem")
+    assert configs.hopper_fwd_fp8_p_smem()
+    monkeypatch.delenv("FLASHTILE_HOPPER_FWD_FP8_P")
+    assert not configs.hopper_fwd_fp8_p_smem()

@@ -20,19 +20,29 @@ pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1",
                                 reason="needs real Triton compilation (no interpreter)")
 
 
-def _compile(head_dim, causal, dtype=torch.bfloat16):
+def _compile(head_dim, causal, dtype=torch.bfloat16, descales=True, p_smem=False):
+    """The kernel a launch of ``fwd_hopper.forward`` compiles for these inputs (FP8: out
+    in bfloat16, descales given or not, V through its keys-contiguous copy)."""
     from triton.runtime.jit import mangle_type
 
     from flashtile.ops import fwd_hopper
 
-    cfg = configs.HOPPER_FWD_16BIT[head_dim]
+    fp8 = dtype.itemsize == 1
+    cfg = configs.hopper_fwd_config(head_dim, fp8=fp8)
+    rows = fwd_hopper.BLOCK_M_WG.value
     x = torch.empty(2, 300, 4, head_dim, dtype=dtype)  # the launcher's descriptors, on CPU
-    q_type = mangle_type(fwd_hopper._descriptor(x, fwd_hopper.BLOCK_M_WG.value))
-    kv_type = mangle_type(fwd_hopper._descriptor(x, cfg.block_n))
-    types = dict(q_desc=q_type, k_desc=kv_type, v_desc=kv_type, o_desc=q_type,
+    out = torch.empty(x.shape, dtype=torch.bfloat16 if fp8 else dtype)
+    types = dict(q_desc=mangle_type(fwd_hopper._descriptor(x, (1, rows, 1, head_dim))),
+                 k_desc=mangle_type(fwd_hopper._descriptor(x, (1, cfg.block_n, 1, head_dim))),
+                 v_desc=mangle_type(fwd_hopper._v_descriptor(x, cfg.block_n)),
+                 o_desc=mangle_type(fwd_hopper._descriptor(out, (1, rows, 1, head_dim))),
                  softmax_scale="fp32")
-    return compile_kernel(fwd_hopper._attn_fwd_hopper_kernel,
-                          dict(IS_CAUSAL=causal, STAGES=cfg.num_stages),
+    has = fp8 and descales
+    flags = dict(IS_CAUSAL=causal, STAGES=cfg.num_stages, HAS_Q_DESCALE=has,
+                 HAS_K_DESCALE=has, HAS_V_DESCALE=has,
+                 PV_PER_TILE=fp8 and head_dim <= configs.HOPPER_FWD_FP8_PV_PER_TILE_MAX_D,
+                 P_SMEM=p_smem)
+    return compile_kernel(fwd_hopper._attn_fwd_hopper_kernel, flags,
                           num_warps=cfg.num_warps, types=types)
 
 
@@ -81,4 +91,60 @@ def test_hopper_forward_compiles_for_sm90(head_dim, causal):
 def test_hopper_forward_compiles_for_fp16():
     ck = _compile(128, True, torch.float16)
     assert "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16" in ck.asm["ptx"]
+    assert resources(ck)["stack_bytes"] == 0
+
+
+def _exp2_under_pv(sass: str) -> int:
+    """The most exp2 (MUFU.EX2) the SASS runs between a block's wait for S_j alone
+    (``DEPBAR.LE gsb0, 0x1``: P_{j-1} V_{j-1} may still run) and its wait for P V
+    (``0x0``): the softmax work that overlaps the warpgroup's own P V."""
+    best, count, inside = 0, 0, False
+    for line in sass.splitlines():
+        if "WARPGROUP.DEPBAR.LE gsb0, 0x1" in line:
+            inside, count = True, 0
+        elif "WARPGROUP.DEPBAR.LE gsb0, 0x0" in line:
+            best = max(best, count) if inside else best
+            inside = False
+        elif inside and "MUFU.EX2" in line:
+            count += 1
+    return best
+
+
+@pytest.mark.parametrize("p_smem", [False, True], ids=["p-regs", "p-smem"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("head_dim", sorted(configs.HOPPER_FWD_FP8))
+def test_hopper_fp8_forward_compiles_for_sm90(head_dim, causal, p_smem):
+    """The FP8 variants: both products on 8-bit wgmma (QGMMA in SASS), V^T and Q by TMA,
+    O stored by TMA from its own bfloat16 buffer, P cast to e4m3 saturating; they fit
+    shared memory without spilling, with P V summed per tile in fp32 (two fp32 O tiles)
+    up to head_dim 128. P in registers is permuted there (no shared-memory round trip);
+    P in shared memory keeps the whole softmax (BLOCK_N / 2 exp2 a thread) between the
+    wait for S_j and the wait for P_{j-1} V_{j-1}, FA3's in-warpgroup overlap."""
+    ck = _compile(head_dim, causal, torch.float8_e4m3fn, p_smem=p_smem)
+    res = resources(ck)
+    assert res["shared_bytes"] <= configs.SM90_SMEM_BYTES, res
+    assert res["stack_bytes"] == 0, res
+    assert ck.metadata.num_warps == 12
+    ptx = ck.asm["ptx"]
+    assert "setmaxnreg.inc.sync.aligned.u32 \t240;" in ptx
+    assert "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier" in ptx
+    assert "cp.async.bulk.tensor.4d.global.shared::cta" in ptx
+    mma = [line for line in ptx.splitlines() if "wgmma.mma_async" in line]
+    assert mma and all(".f32.e4m3.e4m3" in line and "k32" in line for line in mma)
+    from_registers = [line for line in mma if line.count("{") == 2]
+    assert "cvt.rn.satfinite.e4m3x2.f32" in ptx  # P to e4m3, saturating
+    sass = _sass(ck)
+    assert "QGMMA" in sass and "HGMMA" not in sass
+    assert "LDL" not in sass and "STL" not in sass
+    if p_smem:
+        assert not from_registers
+        assert _exp2_under_pv(sass) >= configs.HOPPER_FWD_FP8[head_dim].block_n // 2
+    else:
+        assert from_registers and len(from_registers) < len(mma)
+        assert "st.shared.v4" not in ptx and "ld.shared.v4" not in ptx
+
+
+def test_hopper_fp8_forward_compiles_for_e5m2_without_descales():
+    ck = _compile(128, False, torch.float8_e5m2, descales=False)
+    assert "wgmma.mma_async.sync.aligned.m64n128k32.f32.e5m2.e5m2" in ck.asm["ptx"]
     assert resources(ck)["stack_bytes"] == 0

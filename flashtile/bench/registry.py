@@ -208,11 +208,13 @@ class Sweep:
 ALL = tuple(PROVIDERS)
 
 
-def _check_matches(out, lse, ref, ref_lse):
+def _check_matches(out, lse, ref, ref_lse, rel=None):
     """Raise unless (out, lse) is finite and matches the reference kernel's within two
     rounding steps of out's dtype (relative to its largest value) and 1e-4 of lse: two
-    correct kernels differ by their rounding only, a broken one by O(1)."""
-    bound = 2 * torch.finfo(out.dtype).eps * max(1.0, ref.abs().max().item())
+    correct kernels differ by their rounding only, a broken one by O(1). rel: the bound
+    relative to the reference's largest value instead (FP8: the rounding of P)."""
+    bound = (rel * ref.abs().max().item() if rel is not None
+             else 2 * torch.finfo(out.dtype).eps * max(1.0, ref.abs().max().item()))
     err = (out.float() - ref.float()).abs().max().item()
     lse_err = (lse - ref_lse).abs().max().item()
     lse_bound = 1e-4 * max(1.0, ref_lse.abs().max().item())
@@ -250,6 +252,29 @@ def _flashtile_fp8(cell, device):
         v_descale=v[1])
 
 
+def _flashtile_hopper_fp8(cell, device):
+    """The Gluon Hopper forward on flashtile-fp8's inputs (e4m3, descales per (batch,
+    head), bf16 out; V's keys-contiguous copy is part of each call, as there), validated
+    on this cell's inputs against the portable FP8 kernel before it is timed: lse within
+    1e-4, out within 2**-4 of its largest value (one e4m3 rounding of P; the two kernels
+    round P from the same scores)."""
+    from flashtile.bench.run import make_inputs
+    from flashtile.ops import fwd, fwd_hopper
+
+    kw = dict(attn_mask=None, alibi_slopes=None, softmax_scale=cell.head_dim ** -0.5,
+              diag_offset=0, window_left=-1, window_right=0 if cell.causal else -1,
+              softcap=0.0, allow_tf32=False, out_dtype=torch.bfloat16)
+
+    def call(impl, q, k, v):
+        return impl(q[0], k[0], v[0], q_descale=q[1], k_descale=k[1], v_descale=v[1], **kw)
+
+    q, k, v, _ = _fp8_inputs(*make_inputs(cell, "bshd", device)[0])
+    with torch.no_grad():
+        _check_matches(*call(fwd_hopper.attn_fwd, q, k, v), *call(fwd.attn_fwd, q, k, v),
+                       rel=2.0**-4)
+    return lambda q, k, v: call(fwd_hopper.attn_fwd, q, k, v)[0]
+
+
 def _flashtile_fp8_varlen(cell, device):
     """The same work through flash_attn_varlen_func (batch sequences of seqlen packed):
     V read as it is, transposed tile by tile in registers, where the dense call copies
@@ -278,6 +303,10 @@ for _p in (
 register(Provider("flashtile-hopper", "bshd", _flashtile_hopper, ("cuda",), modes=("fwd",),
                   about="flashtile.ops.fwd_hopper (Gluon, FA3 schedule, sm_90) launcher, "
                         "forward only, validated against the portable kernel first"))
+register(Provider("flashtile-hopper-fp8", "bshd", _flashtile_hopper_fp8, ("cuda",),
+                  modes=("fwd",), prepare=_fp8_inputs,
+                  about="flashtile.ops.fwd_hopper's launcher on flashtile-fp8's inputs, "
+                        "validated against the portable FP8 kernel first"))
 def _flashtile_fused_bwd(cell, device):
     """flashtile's forward and its fused backward (what FLASHTILE_BWD=fused gives
     flash_attn_func with deterministic=False), called through the launchers so that it

@@ -202,7 +202,7 @@ def fused_bwd_has_tiles(element_size: int, head_dim: int) -> bool:
     return element_size == 2 or padded_head_dim(head_dim) <= FUSED_BWD_FP32_MAX_HEAD_DIM
 
 
-# The Gluon forward for Hopper (ops/fwd_hopper.py), 16-bit only, keyed by head dim:
+# The Gluon forward for Hopper (ops/fwd_hopper.py), 16-bit inputs, keyed by head dim:
 # BLOCK_M is two consumer warpgroups of 64 rows and num_warps the default partition's
 # one warpgroup (the kernel adds the second and a producer warp: 12 warps in all).
 # BLOCK_N and the K/V stages fill shared memory (Q 2 x 64 rows, stages x (K + V)), as
@@ -215,10 +215,39 @@ HOPPER_FWD_16BIT = {
 }
 
 
-def hopper_fwd_config(head_dim: int) -> TileConfig:
-    """HOPPER_FWD_16BIT[head_dim], or FLASHTILE_HOPPER_FWD_CONFIG="128,BLOCK_N,4,STAGES"
-    for sweeps (BLOCK_M and num_warps are fixed by the kernel's two warpgroups)."""
-    cfg = _from_env("hopper_fwd") or HOPPER_FWD_16BIT[head_dim]
+# FP8 (e4m3/e5m2) in the same kernel: half the bytes per K/V tile, and O gets a 16-bit
+# buffer of its own (2 x 64 rows), so the ring is deeper: d64 120 KiB, d128 176 KiB,
+# d256 192 KiB. d256 keeps 64 keys a block: O alone is 128 fp32 registers a thread.
+# Compile-checked on CPU only (tests/test_gluon_compile.py); not yet timed.
+HOPPER_FWD_FP8 = {
+    64: TileConfig(128, 128, 4, 6), 128: TileConfig(128, 128, 4, 4),
+    256: TileConfig(128, 64, 4, 3),
+}
+# FP8 P V summed tile by tile in fp32 (the portable kernel's PV_PER_TILE) up to this head
+# dim: the product's own accumulator is a second O in registers, 128 a thread at d256.
+HOPPER_FWD_FP8_PV_PER_TILE_MAX_D = 128
+HOPPER_FWD_FP8_P = ("regs", "smem")
+
+
+def hopper_fwd_fp8_p_smem() -> bool:
+    """FLASHTILE_HOPPER_FWD_FP8_P: how the Gluon forward's FP8 P reaches P V. "regs"
+    (the default, as 16-bit P): wgmma's A operand from registers, where ptxas waits for
+    the previous P V before the softmax; "smem": two shared buffers per warpgroup (16-32
+    KiB more), where the SASS keeps that wait after the softmax (FA3's in-warpgroup
+    overlap). Neither is timed yet: the GPU session compares them (the fp8 stage of
+    scripts/gpu_session.sh). Read when a launch plan is made."""
+    value = os.environ.get("FLASHTILE_HOPPER_FWD_FP8_P", "regs").strip() or "regs"
+    if value not in HOPPER_FWD_FP8_P:
+        raise ValueError(f"FLASHTILE_HOPPER_FWD_FP8_P must be one of {HOPPER_FWD_FP8_P}, "
+                         f"got {value!r}")
+    return value == "smem"
+
+
+def hopper_fwd_config(head_dim: int, fp8: bool = False) -> TileConfig:
+    """HOPPER_FWD_16BIT[head_dim] (HOPPER_FWD_FP8 for FP8 inputs), or
+    FLASHTILE_HOPPER_FWD_CONFIG="128,BLOCK_N,4,STAGES" for sweeps (BLOCK_M and num_warps
+    are fixed by the kernel's two warpgroups)."""
+    cfg = _from_env("hopper_fwd") or (HOPPER_FWD_FP8 if fp8 else HOPPER_FWD_16BIT)[head_dim]
     if (cfg.block_m, cfg.num_warps) != (128, 4) or cfg.block_n not in (16, 32, 64, 128, 256) \
             or cfg.num_stages < 1:
         raise ValueError("FLASHTILE_HOPPER_FWD_CONFIG must be '128,BLOCK_N,4,STAGES' with "

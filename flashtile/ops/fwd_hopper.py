@@ -25,6 +25,33 @@ K/V rows past seqlen_k and Q rows past seqlen_q are zero-filled by TMA (the desc
 are 4-d, so a tile never reads the next sequence) and the TMA store of O drops rows past
 seqlen_q. Gluon kernels do not run in the Triton interpreter: CI compiles this one for
 sm_90 (tests/test_gluon_compile.py) and tests/test_fwd_hopper.py checks it on a GPU.
+
+FP8 (q, k, v in float8_e4m3fn or float8_e5m2, out bfloat16 or float16) switches the
+same kernel, with the numerics of the portable FP8 forward (flashtile.ops.fwd, docs/fp8.md):
+- both products on 8-bit wgmma (instruction K 32). Its B operand must be K-major: K's
+  rows are (head_dim-contiguous) for S = Q K^T; for P V the launcher copies V
+  keys-contiguous (``fwd.keys_contiguous``, keys padded to FP8_V_PAD) and a TMA
+  descriptor over (batch, nheads_kv, head_dim, seqlen_k) brings V^T tiles, viewed
+  transposed in shared memory as K's are.
+- P = exp2(s - max + P_LOG2_OFFSET), in [0, 256], cast to V's format in registers; l
+  sums the same P and the lse takes the offset back. q_descale * k_descale (per batch
+  and KV head) joins the scale of the scores, v_descale the final 1 / l.
+- PV_PER_TILE (head_dim <= 128): each P V starts from zero and is added to O in fp32,
+  as the portable kernel does (the FP8 wgmma's accumulator keeps ~14 bits). At 256 the
+  second O tile spilled (328 bytes); there P V accumulates in the wgmma, as there.
+- O (16-bit) leaves through a shared buffer of its own: Q's is half its size.
+- P_SMEM (FLASHTILE_HOPPER_FWD_FP8_P=smem; default "regs"): P_j reaches P V through two
+  shared buffers per warpgroup instead of registers. With P in registers the SASS waits
+  for P_{j-1} V_{j-1} before the softmax, as for 16-bit inputs (0-12 of the block's
+  exp2 run under it); through shared memory the whole softmax runs under it (66 exp2 a
+  thread at BLOCK_N 128), at the cost of P's stores (2 bytes each: the accumulator
+  layout) and 16-32 KiB of shared memory. Which is faster is for the GPU to say.
+**The FP8 variants are compile-checked only** (sm_90 on the CPU: 8-bit wgmma, P from
+registers or shared memory, no spills; tests/test_gluon_compile.py). On a GPU, run
+``pytest --gpu tests/test_fwd_hopper.py -k "fp8 or float8"`` and the ``fp8`` stage
+of scripts/gpu_session.sh; FLASHTILE_HOPPER_FWD=1 sends dense FP8 calls here ("auto"
+does not until they are timed). Predicted, not measured: 800-950 TFLOP/s at head_dim
+128 from 8k tokens (docs/fp8.md).
 """
 
 from __future__ import annotations
@@ -40,6 +67,8 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from flashtile.ops import _launch, configs
 from flashtile.ops._common import LN2, LOG2E
+from flashtile.ops.fwd import FP8_V_PAD, keys_contiguous
+from flashtile.ops.fwd import P_LOG2_OFFSET as _P_LOG2_OFFSET
 
 # Query rows of one consumer warpgroup: wgmma's M is 64 per warpgroup.
 BLOCK_M_WG = gl.constexpr(64)
@@ -48,6 +77,9 @@ BLOCK_M_WG = gl.constexpr(64)
 # and the softmax. 24 + 240 + 240 (the default partition's share) fit 64K registers.
 PRODUCER_REGS = gl.constexpr(24)
 CONSUMER_REGS = gl.constexpr(240)
+# FP8: P is exp2(s - max + P_LOG2_OFFSET), in [0, 256], so that its small entries stay
+# normal e4m3 numbers when cast for P V (the portable kernel's offset, the same numerics).
+P_LOG2_OFFSET = gl.constexpr(_P_LOG2_OFFSET.value)
 
 
 @gluon.jit
@@ -71,8 +103,12 @@ def _load_partition(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_r
                                         k_ready.index(stage), k_smem.index(stage))
         mbarrier.wait(v_empty.index(stage), phase)
         mbarrier.expect(v_ready.index(stage), v_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(v_desc, [off_b, j * BLOCK_N, off_hkv, 0],
-                                        v_ready.index(stage), v_smem.index(stage))
+        if v_desc.dtype.is_fp8():  # V^T: (batch, nheads_kv, head_dim, keys) boxes
+            coords = [off_b, off_hkv, 0, j * BLOCK_N]
+        else:
+            coords = [off_b, j * BLOCK_N, off_hkv, 0]
+        tma.async_copy_global_to_shared(v_desc, coords, v_ready.index(stage),
+                                        v_smem.index(stage))
 
 
 @gluon.jit
@@ -84,11 +120,12 @@ def _take_turn(turn, t, WG: gl.constexpr):
 
 @gluon.jit
 def _online_softmax(s, m_i, l_i, offs_m, start_n, qk_scale, seqlen_k, diag_offset,
-                    MASKED: gl.constexpr, IS_CAUSAL: gl.constexpr):
+                    MASKED: gl.constexpr, IS_CAUSAL: gl.constexpr, IS_FP8: gl.constexpr):
     """One block of the online softmax in base 2: s (64, N) raw q.k products ->
     (p, alpha, m_i, l_i), m_i in scaled units. softmax_scale > 0 (the launcher's
     condition), so the row max of the raw scores scales to that of the scaled ones and
-    each score costs one FFMA and one exp2, as in FA3."""
+    each score costs one FFMA and one exp2, as in FA3. FP8: P in [0, 2**P_LOG2_OFFSET]
+    (see P_LOG2_OFFSET)."""
     if MASKED:  # the ragged last block, or one crossing the causal diagonal
         # Built here, not once per tile: 32 registers a thread that the unmasked blocks
         # would otherwise keep live.
@@ -101,8 +138,12 @@ def _online_softmax(s, m_i, l_i, offs_m, start_n, qk_scale, seqlen_k, diag_offse
     m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)                        # (64,)
     # A row that has seen no key keeps m = -inf; subtract 0 then, never -inf - -inf.
     m_sub = gl.where(m_new == float("-inf"), 0.0, m_new)
-    p = gl.exp2(s * qk_scale - gl.expand_dims(m_sub, 1))                    # (64, N)
     alpha = gl.exp2(m_i - m_sub)
+    if IS_FP8:
+        # The offset rides on the max that is subtracted anyway; l sums the same scaled
+        # P, so out = acc / l is unchanged and the lse takes it back at the end.
+        m_sub = m_sub - P_LOG2_OFFSET
+    p = gl.exp2(s * qk_scale - gl.expand_dims(m_sub, 1))                    # (64, N)
     l_i = l_i * alpha + gl.sum(p, 1)
     return p, alpha, m_new, l_i
 
@@ -110,18 +151,42 @@ def _online_softmax(s, m_i, l_i, offs_m, start_n, qk_scale, seqlen_k, diag_offse
 @gluon.jit
 def _p_operand(p, acc, dtype: gl.constexpr):
     """P (fp32, the S layout) as wgmma's A operand for O += P V, from registers: cast to
-    the inputs' 16-bit type, two values per 32-bit register."""
+    V's type, 32 bits per register (two 16-bit values, or four FP8 ones)."""
     layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc.type.layout,
-                                               k_width=2)
+                                               k_width=32 // dtype.primitive_bitwidth)
     return gl.convert_layout(p.to(dtype), layout)
 
 
 @gluon.jit
-def _kv_block(j, q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, turn, acc, p_op,
-              m_i, l_i, s_init, offs_m, qk_scale, seqlen_k, diag_offset,
-              WG: gl.constexpr, MASKED: gl.constexpr, IS_CAUSAL: gl.constexpr):
-    """Block j >= 1 of a consumer: S_j = Q K_j^T and O += P_{j-1} V_{j-1} issued in one
-    turn, the softmax of S_j while P_{j-1} V_{j-1} runs, then O rescaled."""
+def _v_operand(v_smem, stage, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr):
+    """V_stage as the (BLOCK_N, HEAD_DIM) B operand of P V. FP8 V arrives as V^T
+    (HEAD_DIM, BLOCK_N), keys contiguous: the K-major B operand that 8-bit wgmma needs
+    (K is the key axis here), viewed transposed as K's tile is for Q K^T."""
+    if v_smem.dtype.is_fp8():
+        b = v_smem.index(stage).reshape([HEAD_DIM, BLOCK_N]).permute((1, 0))
+    else:
+        b = v_smem.index(stage).reshape([BLOCK_N, HEAD_DIM])
+    return b
+
+
+@gluon.jit
+def _kv_block(j, q, k_smem, v_smem, p_smem, k_ready, k_empty, v_ready, v_empty, turn, acc,
+              p_op, alpha_o, m_i, l_i, s_init, o_init, offs_m, qk_scale, seqlen_k,
+              diag_offset, WG: gl.constexpr, MASKED: gl.constexpr, IS_CAUSAL: gl.constexpr,
+              PV_PER_TILE: gl.constexpr, P_SMEM: gl.constexpr):
+    """Block j >= 1 of a consumer: S_j = Q K_j^T and P_{j-1} V_{j-1} issued in one
+    turn, the softmax of S_j while P_{j-1} V_{j-1} runs, then O updated.
+
+    16-bit: the product accumulates into O, which is then moved to the new maximum
+    (alpha). PV_PER_TILE (FP8): each P V starts from zero and is added to O in fp32, as
+    the portable kernel does (Hopper's FP8 wgmma keeps a narrower accumulator, about 14
+    bits); O lags one block behind so that the add is one FMA: O holds the blocks
+    before j-1 scaled to m_{j-2}, alpha_o (block j-1's alpha) moves it to m_{j-1}.
+
+    P_SMEM (FP8): P_j goes to wgmma through shared memory, two buffers per warpgroup
+    (P_{j-1} V_{j-1} reads the other), instead of registers: ptxas then keeps the wait
+    for P_{j-1} V_{j-1} after the softmax (sm_90 SASS), the overlap that P in registers
+    loses (module docstring)."""
     STAGES: gl.constexpr = k_smem.type.shape[0]
     BLOCK_N: gl.constexpr = k_smem.type.shape[2]
     HEAD_DIM: gl.constexpr = k_smem.type.shape[4]
@@ -132,35 +197,57 @@ def _kv_block(j, q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, turn, ac
     _take_turn(turn, j, WG)
     k_t = k_smem.index(stage).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0))
     s = warpgroup_mma(q, k_t, s_init, use_acc=False, is_async=True)
-    acc = warpgroup_mma(p_op, v_smem.index(prev).reshape([BLOCK_N, HEAD_DIM]), acc,
-                        is_async=True)
+    v_op = _v_operand(v_smem, prev, BLOCK_N, HEAD_DIM)
+    if PV_PER_TILE:
+        pv = warpgroup_mma(p_op, v_op, o_init, use_acc=False, is_async=True)
+    else:
+        acc = warpgroup_mma(p_op, v_op, acc, is_async=True)
     mbarrier.arrive(turn.index(1 - WG), count=1)
     s = warpgroup_mma_wait(1, deps=(s,))  # S_j done; P_{j-1} V_{j-1} may still run
     mbarrier.arrive(k_empty.index(stage), count=1)
     p, alpha, m_i, l_i = _online_softmax(s, m_i, l_i, offs_m, j * BLOCK_N, qk_scale,
-                                         seqlen_k, diag_offset, MASKED, IS_CAUSAL)
-    acc = warpgroup_mma_wait(0, deps=(acc,))
-    mbarrier.arrive(v_empty.index(prev), count=1)
-    # O holds sum_{i<j} exp2(s_i - m_{j-1}) v_i: move it to the new maximum.
-    acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, acc.type.layout)), 1)
-    return acc, _p_operand(p, acc, p_op.dtype), m_i, l_i
+                                         seqlen_k, diag_offset, MASKED, IS_CAUSAL,
+                                         p_op.dtype.is_fp8())
+    alpha = gl.convert_layout(alpha, alpha_o.type.layout)
+    if P_SMEM:
+        # Buffer j % 2 was last read by P_{j-2} V_{j-2}, complete since block j-1.
+        p_next = p_smem.index(2 * WG + j % 2)
+        p_next.store(p.to(p_op.dtype))
+        fence_async_shared()  # the generic-proxy writes before wgmma reads them
+    if PV_PER_TILE:
+        pv = warpgroup_mma_wait(0, deps=(pv,))
+        mbarrier.arrive(v_empty.index(prev), count=1)
+        acc = acc * gl.expand_dims(alpha_o, 1) + pv
+    else:
+        acc = warpgroup_mma_wait(0, deps=(acc,))
+        mbarrier.arrive(v_empty.index(prev), count=1)
+        # O holds sum_{i<j} exp2(s_i - m_{j-1}) v_i: move it to the new maximum.
+        acc = acc * gl.expand_dims(alpha, 1)
+    if not P_SMEM:
+        p_next = _p_operand(p, acc, p_op.dtype)
+    return acc, p_next, alpha, m_i, l_i
 
 
 @gluon.jit
-def _mma_partition(q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty,
-                   turn, o_desc, Lse, off_b, off_h, row0, n_blocks, n_full, seqlen_q,
-                   seqlen_k, diag_offset, qk_scale, lse_row0, WG: gl.constexpr,
-                   IS_CAUSAL: gl.constexpr):
+def _mma_partition(q_smem, k_smem, v_smem, o_smem, p_smem, q_ready, k_ready, k_empty,
+                   v_ready, v_empty, turn, o_desc, Lse, VDescale, off_b, off_h, row0,
+                   n_blocks, n_full, seqlen_q, seqlen_k, diag_offset, qk_scale, lse_row0,
+                   v_descale_off, WG: gl.constexpr, IS_CAUSAL: gl.constexpr,
+                   HAS_V_DESCALE: gl.constexpr, PV_PER_TILE: gl.constexpr,
+                   P_SMEM: gl.constexpr):
     """Consumer warpgroup WG: rows row0 + 64 * WG + [0, 64) of the tile."""
     STAGES: gl.constexpr = k_smem.type.shape[0]
     BLOCK_N: gl.constexpr = k_smem.type.shape[2]
     HEAD_DIM: gl.constexpr = k_smem.type.shape[4]
-    dtype: gl.constexpr = q_smem.dtype
-    # wgmma accumulators: 4 warps along M, instruction N = the whole tile width.
+    IS_FP8: gl.constexpr = q_smem.dtype.is_fp8()
+    p_dtype: gl.constexpr = v_smem.dtype
+    # wgmma accumulators: 4 warps along M, instruction N = the whole tile width, K = 32
+    # bytes of operands (16 for 16-bit inputs, 32 for FP8).
+    MMA_K: gl.constexpr = 256 // q_smem.dtype.primitive_bitwidth
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, MMA_K])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 16])
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, MMA_K])
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
     o_row_layout: gl.constexpr = gl.SliceLayout(1, o_layout)
 
@@ -170,6 +257,7 @@ def _mma_partition(q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v
     l_i = gl.zeros([BLOCK_M_WG], gl.float32, row_layout)
     acc = gl.zeros([BLOCK_M_WG, HEAD_DIM], gl.float32, o_layout)
     s_init = gl.zeros([BLOCK_M_WG, BLOCK_N], gl.float32, s_layout)  # ignored: use_acc=False
+    o_init = acc  # likewise, for PV_PER_TILE's products
     mbarrier.wait(q_ready.index(WG), 0)
 
     if n_blocks > 0:
@@ -183,51 +271,75 @@ def _mma_partition(q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v
         mbarrier.arrive(k_empty.index(0), count=1)
         # Masked whatever n_full says: once per tile, and no branch.
         p, alpha, m_i, l_i = _online_softmax(s, m_i, l_i, offs_m, 0, qk_scale, seqlen_k,
-                                             diag_offset, True, IS_CAUSAL)
-        p_op = _p_operand(p, acc, dtype)
+                                             diag_offset, True, IS_CAUSAL, IS_FP8)
+        # Block 0's alpha is 0 (or NaN with NaN scores): O is 0 before it either way.
+        alpha_o = gl.convert_layout(alpha, o_row_layout)
+        if P_SMEM:
+            p_op = p_smem.index(2 * WG)
+            p_op.store(p.to(p_dtype))
+            fence_async_shared()
+        else:
+            p_op = _p_operand(p, acc, p_dtype)
         # Blocks every row sees in full skip the mask; the masked ones (the causal
         # diagonal, the ragged end) follow in a loop of their own: no branch per block.
         for j in range(1, n_full):
-            acc, p_op, m_i, l_i = _kv_block(
-                j, q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, turn, acc, p_op,
-                m_i, l_i, s_init, offs_m, qk_scale, seqlen_k, diag_offset, WG, False,
-                IS_CAUSAL)
+            acc, p_op, alpha_o, m_i, l_i = _kv_block(
+                j, q, k_smem, v_smem, p_smem, k_ready, k_empty, v_ready, v_empty, turn, acc,
+                p_op, alpha_o, m_i, l_i, s_init, o_init, offs_m, qk_scale, seqlen_k,
+                diag_offset, WG, False, IS_CAUSAL, PV_PER_TILE, P_SMEM)
         for j in range(gl.maximum(n_full, 1), n_blocks):
-            acc, p_op, m_i, l_i = _kv_block(
-                j, q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, turn, acc, p_op,
-                m_i, l_i, s_init, offs_m, qk_scale, seqlen_k, diag_offset, WG, True,
-                IS_CAUSAL)
+            acc, p_op, alpha_o, m_i, l_i = _kv_block(
+                j, q, k_smem, v_smem, p_smem, k_ready, k_empty, v_ready, v_empty, turn, acc,
+                p_op, alpha_o, m_i, l_i, s_init, o_init, offs_m, qk_scale, seqlen_k,
+                diag_offset, WG, True, IS_CAUSAL, PV_PER_TILE, P_SMEM)
         last = (n_blocks - 1) % STAGES
         mbarrier.wait(v_ready.index(last), ((n_blocks - 1) // STAGES) & 1)
         _take_turn(turn, n_blocks, WG)
-        acc = warpgroup_mma(p_op, v_smem.index(last).reshape([BLOCK_N, HEAD_DIM]), acc,
-                            is_async=True)
+        v_op = _v_operand(v_smem, last, BLOCK_N, HEAD_DIM)
+        if PV_PER_TILE:
+            pv = warpgroup_mma(p_op, v_op, o_init, use_acc=False, is_async=True)
+        else:
+            acc = warpgroup_mma(p_op, v_op, acc, is_async=True)
         mbarrier.arrive(turn.index(1 - WG), count=1)
-        acc = warpgroup_mma_wait(0, deps=(acc,))
+        if PV_PER_TILE:
+            pv = warpgroup_mma_wait(0, deps=(pv,))
+            acc = acc * gl.expand_dims(alpha_o, 1) + pv
+        else:
+            acc = warpgroup_mma_wait(0, deps=(acc,))
         mbarrier.arrive(v_empty.index(last), count=1)
 
     # Rows that saw no key (l == 0): out 0 and lse -inf, as flashtile.ops.fwd writes them,
     # even where a NaN value reached acc as 0 * NaN; a NaN that reached l stays NaN.
     empty = l_i == 0.0
     l_safe = gl.where(empty, 1.0, l_i)
-    lse = gl.where(empty, float("-inf"), (m_i + gl.log2(l_safe)) * LN2)
-    inv_l = gl.convert_layout(1.0 / l_safe, o_row_layout)
+    log2_l = gl.log2(l_safe)
+    if IS_FP8:
+        log2_l -= P_LOG2_OFFSET  # l summed P scaled by 2**P_LOG2_OFFSET
+    lse = gl.where(empty, float("-inf"), (m_i + log2_l) * LN2)
+    inv_l = 1.0 / l_safe
+    if HAS_V_DESCALE:  # FP8: v's factor multiplies the output, once per row
+        inv_l = inv_l * gl.load(VDescale + v_descale_off)
+    inv_l = gl.convert_layout(inv_l, o_row_layout)
     out = gl.where(gl.expand_dims(gl.convert_layout(empty, o_row_layout), 1), 0.0,
                    acc * gl.expand_dims(inv_l, 1))
-    # O leaves through this warpgroup's Q buffer: S_{n-1}, its last reader, has completed.
-    o_smem = q_smem.index(WG)
-    o_smem.reshape([BLOCK_M_WG, HEAD_DIM]).store(out.to(dtype))
+    o_tile = o_smem.index(WG)
+    o_tile.reshape([BLOCK_M_WG, HEAD_DIM]).store(out.to(o_smem.dtype))
     fence_async_shared()  # the generic-proxy writes above before the TMA engine reads
     tma.async_copy_shared_to_global(o_desc, [off_b, row0 + WG * BLOCK_M_WG, off_h, 0],
-                                    o_smem)
+                                    o_tile)
     gl.store(Lse + lse_row0 + offs_m, lse, mask=offs_m < seqlen_q)
     tma.store_wait(0)
 
 
 @gluon.jit
-def _attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, Lse, seqlen_q, seqlen_k, nheads,
-                            group_size, diag_offset, softmax_scale,
-                            IS_CAUSAL: gl.constexpr, STAGES: gl.constexpr):
+def _attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, Lse, QDescale, KDescale,
+                            VDescale, seqlen_q, seqlen_k, nheads, group_size, diag_offset,
+                            stride_qdesc_b, stride_qdesc_h, stride_kdesc_b, stride_kdesc_h,
+                            stride_vdesc_b, stride_vdesc_h, softmax_scale,
+                            IS_CAUSAL: gl.constexpr, STAGES: gl.constexpr,
+                            HAS_Q_DESCALE: gl.constexpr, HAS_K_DESCALE: gl.constexpr,
+                            HAS_V_DESCALE: gl.constexpr, PV_PER_TILE: gl.constexpr,
+                            P_SMEM: gl.constexpr):
     BLOCK_M: gl.constexpr = 2 * BLOCK_M_WG
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[1]
     start_m = gl.program_id(0)
@@ -257,6 +369,19 @@ def _attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, Lse, seqlen_q, seqle
                                        k_desc.layout)
     v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape,
                                        v_desc.layout)
+    if o_desc.dtype == q_desc.dtype:
+        # O leaves through each warpgroup's Q buffer: S_{n-1}, its last reader, has
+        # completed when O is stored.
+        o_smem = q_smem
+    else:  # FP8 q, 16-bit O: twice Q's bytes, a buffer of its own
+        o_smem = gl.allocate_shared_memory(o_desc.dtype, [2] + o_desc.block_type.shape,
+                                           o_desc.layout)
+    if P_SMEM:  # two P buffers per consumer warpgroup, in V's FP8 format
+        p_smem = gl.allocate_shared_memory(
+            v_desc.dtype, [4, BLOCK_M_WG, BLOCK_N],
+            gl.NVMMASharedLayout.get_default_for([BLOCK_M_WG, BLOCK_N], v_desc.dtype))
+    else:
+        p_smem = q_smem  # not read: P stays in registers
     q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -272,24 +397,37 @@ def _attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, Lse, seqlen_q, seqle
         mbarrier.init(k_empty.index(i), count=2)  # one arrival per consumer warpgroup
         mbarrier.init(v_empty.index(i), count=2)
 
+    # FP8 descales of (batch, KV head): q's and k's multiply every score, so they join
+    # the exp2's scale (as in flashtile.ops.fwd); v's multiplies the output.
+    if HAS_Q_DESCALE:
+        softmax_scale *= gl.load(QDescale + off_b * stride_qdesc_b + off_hkv * stride_qdesc_h)
+    if HAS_K_DESCALE:
+        softmax_scale *= gl.load(KDescale + off_b * stride_kdesc_b + off_hkv * stride_kdesc_h)
+    v_descale_off = off_b * stride_vdesc_b + off_hkv * stride_vdesc_h
     qk_scale = softmax_scale * LOG2E
     lse_row0 = off_bh * seqlen_q  # lse is (batch, nheads, seqlen_q), contiguous
     gl.warp_specialize([
-        (_mma_partition, (q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready,
-                          v_empty, turn, o_desc, Lse, off_b, off_h, row0, n_blocks, n_full,
-                          seqlen_q, seqlen_k, diag_offset, qk_scale, lse_row0, 0,
-                          IS_CAUSAL)),
+        (_mma_partition, (q_smem, k_smem, v_smem, o_smem, p_smem, q_ready, k_ready,
+                          k_empty, v_ready, v_empty, turn, o_desc, Lse, VDescale, off_b, off_h,
+                          row0, n_blocks, n_full, seqlen_q, seqlen_k, diag_offset, qk_scale,
+                          lse_row0, v_descale_off, 0, IS_CAUSAL, HAS_V_DESCALE,
+                          PV_PER_TILE, P_SMEM)),
         (_load_partition, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready,
                            k_ready, k_empty, v_ready, v_empty, off_b, off_h, off_hkv, row0,
                            n_blocks)),
-        (_mma_partition, (q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready,
-                          v_empty, turn, o_desc, Lse, off_b, off_h, row0, n_blocks, n_full,
-                          seqlen_q, seqlen_k, diag_offset, qk_scale, lse_row0, 1,
-                          IS_CAUSAL)),
+        (_mma_partition, (q_smem, k_smem, v_smem, o_smem, p_smem, q_ready, k_ready,
+                          k_empty, v_ready, v_empty, turn, o_desc, Lse, VDescale, off_b, off_h,
+                          row0, n_blocks, n_full, seqlen_q, seqlen_k, diag_offset, qk_scale,
+                          lse_row0, v_descale_off, 1, IS_CAUSAL, HAS_V_DESCALE,
+                          PV_PER_TILE, P_SMEM)),
     ], [1, 4], [PRODUCER_REGS, CONSUMER_REGS])
 
 
-_GL_DTYPES = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16}
+_GL_DTYPES = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16,
+              torch.float8_e4m3fn: gl.float8e4nv, torch.float8_e5m2: gl.float8e5}
+# FP8 outputs this kernel writes (through a TMA store from a 16-bit tile): flash-attn 3's
+# bfloat16 default and float16; float32 stays on the portable kernel.
+_FP8_OUT_DTYPES = (torch.bfloat16, torch.float16)
 
 
 @functools.lru_cache(maxsize=None)
@@ -300,17 +438,22 @@ def _on_hopper(device: torch.device) -> bool:
 
 def unsupported(q, k, v, *, softmax_scale=1.0, attn_mask=None, alibi_slopes=None,
                 window_left=-1, window_right=-1, softcap=0.0, dropout_p=0.0,
-                **_) -> str | None:
+                out_dtype=None, **_) -> str | None:
     """Why this kernel cannot serve the call (None: it can). The arguments are those of
-    ``flashtile.ops.fwd.attn_fwd`` for a dense call, already validated."""
+    ``flashtile.ops.fwd.attn_fwd`` for a dense call, already validated (FP8: q, k, v in
+    one float8 dtype, descales checked by ``flashtile.fp8``)."""
     if not _on_hopper(q.device):
         return "it needs an sm_90 (Hopper) CUDA device"
     if not softmax_scale > 0:
         return f"softmax_scale {softmax_scale}: > 0 only (the row max is taken unscaled)"
     if q.dtype not in _GL_DTYPES:
-        return f"dtype {q.dtype}: float16 or bfloat16 only"
-    if q.shape[-1] not in configs.HOPPER_FWD_16BIT:
-        return f"head_dim {q.shape[-1]}: one of {sorted(configs.HOPPER_FWD_16BIT)} only"
+        return f"dtype {q.dtype}: float16, bfloat16 or float8 (e4m3fn, e5m2) only"
+    fp8 = q.element_size() == 1
+    if fp8 and (out_dtype or torch.bfloat16) not in _FP8_OUT_DTYPES:
+        return f"out_dtype {out_dtype}: bfloat16 or float16 only for float8 inputs"
+    table = configs.HOPPER_FWD_FP8 if fp8 else configs.HOPPER_FWD_16BIT
+    if q.shape[-1] not in table:
+        return f"head_dim {q.shape[-1]}: one of {sorted(table)} only"
     if v.shape[-1] != q.shape[-1]:
         return f"value head_dim {v.shape[-1]} != query head_dim {q.shape[-1]} (one tile)"
     if attn_mask is not None or alibi_slopes is not None or softcap > 0 \
@@ -320,79 +463,117 @@ def unsupported(q, k, v, *, softmax_scale=1.0, attn_mask=None, alibi_slopes=None
         return "dropout_p > 0 (no dropout mask in this kernel)"
     if q.numel() == 0 or k.numel() == 0:
         return "an empty q or k (TMA descriptors need every size >= 1)"
-    for x in (q, k, v):
-        # TMA: a 16-byte aligned base and strides (8 elements of 16 bits), unit inner
-        # stride; a zero stride (an expanded tensor) is not a tensor map.
+    # FP8 v is read through its keys-contiguous copy, which the launcher allocates.
+    for x in (q, k) if fp8 else (q, k, v):
+        # TMA: a 16-byte aligned base and strides, unit inner stride; a zero stride (an
+        # expanded tensor) is not a tensor map.
         if x.data_ptr() % 16 or x.stride(-1) != 1 or any(
-                s <= 0 or s % 8 for s in x.stride()[:-1]):
+                s <= 0 or s * x.element_size() % 16 for s in x.stride()[:-1]):
             return "TMA needs 16-byte aligned data and strides, and a contiguous last dim"
     return None
 
 
 @functools.lru_cache(maxsize=None)
-def _smem_layout(rows: int, head_dim: int, dtype) -> gl.NVMMASharedLayout:
-    return gl.NVMMASharedLayout.get_default_for([1, rows, 1, head_dim], dtype)
+def _smem_layout(box: tuple, dtype) -> gl.NVMMASharedLayout:
+    return gl.NVMMASharedLayout.get_default_for(list(box), dtype)
 
 
-def _descriptor(x, rows: int) -> TensorDescriptor:
-    """A 4-d tensor map over (batch, seqlen, heads, head_dim) with (1, rows, 1, head_dim)
-    boxes: rows past a sequence's end are zero-filled on load, dropped on store."""
-    d = x.shape[-1]
-    return TensorDescriptor(x, list(x.shape), list(x.stride()), [1, rows, 1, d],
-                            _smem_layout(rows, d, _GL_DTYPES[x.dtype]))
+def _descriptor(x, box) -> TensorDescriptor:
+    """A 4-d tensor map over x with ``box``-shaped boxes: (1, rows, 1, head_dim) over
+    (batch, seqlen, heads, head_dim), or FP8 V^T's (1, 1, head_dim, keys) over (batch,
+    heads, head_dim, seqlen). Boxes past the end are zero-filled on load, dropped on
+    store."""
+    return TensorDescriptor(x, list(x.shape), list(x.stride()), list(box),
+                            _smem_layout(tuple(box), _GL_DTYPES[x.dtype]))
+
+
+def _keys_contiguous_t(v):
+    """FP8 v through the portable kernel's keys-contiguous copy (the K-major B operand
+    8-bit wgmma needs for P V), viewed (batch, nheads_kv, head_dim, seqlen_k): keys
+    contiguous, rows padded to FP8_V_PAD keys (16-byte strides, as TMA needs)."""
+    return keys_contiguous(v, FP8_V_PAD).permute(0, 2, 3, 1)
+
+
+def _v_descriptor(v, block_n: int) -> TensorDescriptor:
+    d = v.shape[-1]
+    if v.element_size() != 1:
+        return _descriptor(v, (1, block_n, 1, d))
+    return _descriptor(_keys_contiguous_t(v), (1, 1, d, block_n))
 
 
 def attn_fwd(q, k, v, *, attn_mask, alibi_slopes, softmax_scale, diag_offset, window_left,
-             window_right, softcap, allow_tf32):
+             window_right, softcap, allow_tf32, q_descale=None, k_descale=None,
+             v_descale=None, out_dtype=None):
     """``flashtile.ops.fwd.attn_fwd`` for the dense calls ``unsupported`` accepts: q (b,
     sq, h, d), k/v (b, sk, hkv, d); returns out (b, sq, h, d) contiguous in q's dtype
-    and lse (b, h, sq) fp32. Causal is ``window_right == 0`` with ``diag_offset``'s
-    alignment; allow_tf32 is moot for 16-bit inputs."""
+    (FP8: out_dtype, default bfloat16) and lse (b, h, sq) fp32. Causal is
+    ``window_right == 0`` with ``diag_offset``'s alignment; allow_tf32 is moot for 16-bit
+    and FP8 inputs. FP8: q_descale/k_descale/v_descale None (1.0) or fp32 (b, hkv), any
+    strides, as ``flashtile.ops.fwd.attn_fwd`` takes them."""
     reason = unsupported(q, k, v, softmax_scale=softmax_scale, attn_mask=attn_mask,
                          alibi_slopes=alibi_slopes, window_left=window_left,
-                         window_right=window_right, softcap=softcap)
+                         window_right=window_right, softcap=softcap, out_dtype=out_dtype)
     if reason is not None:
         raise ValueError(f"flashtile.ops.fwd_hopper cannot run this call: {reason}; "
                          "use flashtile.ops.fwd.attn_fwd")
-    return forward(q, k, v, softmax_scale, diag_offset, causal=window_right == 0)
+    return forward(q, k, v, softmax_scale, diag_offset, causal=window_right == 0,
+                   q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
+                   out_dtype=out_dtype)
 
 
 # The parameters a launch plan fills per call, in the kernel's order.
-_SLOTS = ("q_desc", "k_desc", "v_desc", "o_desc", "Lse", "softmax_scale")
+_SLOTS = ("q_desc", "k_desc", "v_desc", "o_desc", "Lse", "QDescale", "KDescale",
+          "VDescale", "softmax_scale")
 
 
-def forward(q, k, v, softmax_scale, diag_offset, causal):
+def forward(q, k, v, softmax_scale, diag_offset, causal, q_descale=None, k_descale=None,
+            v_descale=None, out_dtype=None):
     """``attn_fwd`` without its check, for a caller that has had ``unsupported`` answer
-    None for these tensors (flashtile's custom op does). After the first call of a
+    None for these tensors (flashtile's custom ops do). After the first call of a
     layout, a launch plan (``flashtile.ops._launch``) launches the compiled kernel
-    directly: Triton's own path binds and specialises the thirteen arguments and
-    validates four tensor descriptors on every call, 4x the portable kernel's planned
-    host time at 1k queries (docs/benchmarks/host-h200.md, session 11)."""
+    directly: Triton's own path binds and specialises the arguments and validates four
+    tensor descriptors on every call, 4x the portable kernel's planned host time at 1k
+    queries (docs/benchmarks/host-h200.md, session 11)."""
     b, sq, h, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
-    out = torch.empty((b, sq, h, d), dtype=q.dtype, device=q.device)
+    fp8 = q.element_size() == 1
+    out_dtype = (out_dtype or torch.bfloat16) if fp8 else q.dtype
+    out = torch.empty((b, sq, h, d), dtype=out_dtype, device=q.device)
     lse = torch.empty((b, h, sq), dtype=torch.float32, device=q.device)
+    # Absent descales: lse's address stands in (never read: HAS_*_DESCALE is False).
+    descales = (q_descale, k_descale, v_descale)
+    scales = tuple(lse if x is None else x for x in descales)
+    p_smem = fp8 and configs.hopper_fwd_fp8_p_smem()
     key = None
     if _launch.ready(q):
-        # unsupported() has checked every address for TMA's 16-byte alignment, and the
-        # kernel has no other pointer than lse, which is allocated here (aligned).
-        key = ("hopper_fwd", q.dtype, q.shape, k.shape, q.stride(), k.stride(), v.stride(),
-               causal, diag_offset)
+        # unsupported() has checked q's and k's (and 16-bit v's) addresses for TMA's
+        # 16-byte alignment; lse and FP8 v's copy are allocated here (aligned). The
+        # descales' strides are arguments and their addresses are specialised on.
+        key = ("hopper_fwd", q.dtype, out_dtype, q.shape, k.shape, q.stride(), k.stride(),
+               None if fp8 else v.stride(), causal, diag_offset, p_smem,
+               *map(_launch.layout, descales), _launch.misalignment(_launch.pointers(scales)))
         found = _launch.lookup(key)
         if found is not None:
             plan, boxes = found
-            plan((*map(_rebased, boxes, (q, k, v, out)), lse, softmax_scale))
+            tensors = (q, k, _keys_contiguous_t(v) if fp8 else v, out)
+            plan((*map(_rebased, boxes, tensors), lse, *scales, softmax_scale))
             return out, lse
-    cfg = configs.hopper_fwd_config(d)
-    configs.log_first_launch("hopper forward", q, d, cfg, dict(IS_CAUSAL=causal))
+    cfg = configs.hopper_fwd_config(d, fp8=fp8)
+    flags = dict(IS_CAUSAL=causal, STAGES=cfg.num_stages,
+                 HAS_Q_DESCALE=q_descale is not None, HAS_K_DESCALE=k_descale is not None,
+                 HAS_V_DESCALE=v_descale is not None,
+                 PV_PER_TILE=fp8 and d <= configs.HOPPER_FWD_FP8_PV_PER_TILE_MAX_D,
+                 P_SMEM=p_smem)
+    configs.log_first_launch("hopper forward", q, d, cfg, flags)
     grid = (configs.cdiv(sq, cfg.block_m), b * h)
-    descs = (_descriptor(q, BLOCK_M_WG.value), _descriptor(k, cfg.block_n),
-             _descriptor(v, cfg.block_n), _descriptor(out, BLOCK_M_WG.value))
+    rows = BLOCK_M_WG.value
+    descs = (_descriptor(q, (1, rows, 1, d)), _descriptor(k, (1, cfg.block_n, 1, d)),
+             _v_descriptor(v, cfg.block_n), _descriptor(out, (1, rows, 1, d)))
+    strides = tuple(s for x in descales for s in ((0, 0) if x is None else x.stride()))
     plan = _launch.first_launch(
         _attn_fwd_hopper_kernel, grid,
-        (*descs, lse, sq, sk, h, h // hkv, diag_offset, softmax_scale),
-        dict(IS_CAUSAL=causal, STAGES=cfg.num_stages, num_warps=cfg.num_warps),
-        slots=_SLOTS if key is not None else None)
+        (*descs, lse, *scales, sq, sk, h, h // hkv, diag_offset, *strides, softmax_scale),
+        dict(flags, num_warps=cfg.num_warps), slots=_SLOTS if key is not None else None)
     if key is not None and plan is not None:
         # The descriptors without their tensors: a plan must not keep a call's memory alive.
         _launch.store(key, (plan, tuple(_rebased(x, None) for x in descs)))
