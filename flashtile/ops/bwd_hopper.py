@@ -133,6 +133,9 @@ def _mma_partition(q_smem, k_smem, v_smem, do_smem, ds_smem, kv_ready, q_ready, 
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, DQ_PIECE, 16])
     qk_scale = softmax_scale * LOG2E
 
+    # lse, delta and the dQ accumulator are (batch, nheads, seqlen_q, ...): the group's
+    # first query head is row bh0 of their (batch * nheads) heads.
+    bh0 = off_b * nheads + off_hkv * group_size
     k = k_smem.index(WG).reshape([BLOCK_N_WG, HEAD_DIM])                     # (64, D)
     v = v_smem.index(WG).reshape([BLOCK_N_WG, HEAD_DIM])                     # (64, D)
     ds = ds_smem.index(WG)                                                   # (64, M)
@@ -147,7 +150,6 @@ def _mma_partition(q_smem, k_smem, v_smem, do_smem, ds_smem, kv_ready, q_ready, 
     mbarrier.wait(kv_ready, 0)
 
     for it in range(group_size * n_m):
-        off_h = off_hkv * group_size + it // n_m
         row0 = (m_lo + it % n_m) * BLOCK_M
         o_m = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))  # (M,)
         stage = it % STAGES
@@ -157,7 +159,7 @@ def _mma_partition(q_smem, k_smem, v_smem, do_smem, ds_smem, kv_ready, q_ready, 
         # one value per thread, then spread to the columns of S^T through shared memory:
         # loaded in S^T's column layout, each thread would hold 16 values and their 16
         # 64-bit addresses (48 registers), which spilled at head_dim 128.
-        p_row = (off_b * nheads + off_h).to(gl.int64) * seqlen_q
+        p_row = (bh0 + it // n_m).to(gl.int64) * seqlen_q
         lse2 = _row_vector(Lse + p_row, row0, seqlen_q, float("inf"), BLOCK_M, s_layout)
         # Rows that saw no key have lse = -inf; +inf makes their P exactly 0, not NaN.
         lse2 = gl.where(lse2 == float("-inf"), float("inf"), lse2 * LOG2E)
