@@ -22,7 +22,7 @@
 #                generate and generate_batch (64 requests)                (~9 min)
 #   shapes       the 0.5B and 8B shapes, every row                        (~10 min)
 #   host         flashtile bench host, flashtile bench hf (and --pad at batch 16) (~10 min)
-#   hopper       the Gluon forward's GPU tests and its timing             (~8 min)
+#   hopper       the Gluon forward's and backward's GPU tests and timings (~15 min)
 #   tp           the tensor-parallel driver's tests (2 GPUs)              (~4 min)
 #   fp32         accuracy and speed of fp32, IEEE products against tf32x3  (~8 min)
 #   dropout      flashtile with and without dropout beside SDPA's dropout backends (~4 min)
@@ -231,6 +231,14 @@ case "${1:-}" in
       tests/test_gluon_compile.py 2>&1 | tail -4 | tee "$OUT/hopper-tests.txt"
     timeout 300 python3 -m flashtile bench --providers flashtile flashtile-hopper sdpa-cudnn \
       --modes fwd --headdim 64 128 256 --seqlens 1k 4k 8k 16k --out "$OUT/hopper-fwd" \
+      2>&1 | grep "^|" | tail -40
+    # The Gluon backward (never run on a GPU before this stage): its GPU tests, then forward +
+    # backward beside the portable split backward ("flashtile") and cuDNN, each cell's
+    # gradients validated against the split backward's before it is timed.
+    timeout 300 python3 -m pytest -q -p no:cacheprovider --gpu $XDIST tests/test_bwd_hopper.py \
+      2>&1 | tail -4 | tee "$OUT/hopper-bwd-tests.txt"
+    timeout 400 python3 -m flashtile bench --providers flashtile flashtile-hopper-bwd sdpa-cudnn \
+      --modes fwd_bwd --headdim 64 128 --seqlens 1k 4k 8k 16k --out "$OUT/hopper-bwd" \
       2>&1 | grep "^|" | tail -40
     ;;
   tp)
