@@ -18,9 +18,11 @@ in bwd.py), in three warp-specialised partitions:
 - two consumer warpgroups own 64 keys each and compute the transposed products, keys as
   rows, so that P^T and dS^T, the A operands of dV += P^T dO and dK += dS^T Q, stay in
   registers (wgmma's A may come from registers, B only from shared memory):
-  S^T = K Q^T, dP^T = V dO^T (both from shared memory), then dQ_partial = dS K with dS^T
-  written to shared memory and read transposed. dQ_partial goes to an fp32 accumulator
-  with ``gl.atomic_add`` (relaxed red.global.add.f32) from the wgmma accumulator layout.
+  S^T = K Q^T, dP^T = V dO^T (both from shared memory), then dV and dK together, then
+  dQ_partial = dS K with dS^T written to shared memory and read transposed, in pieces
+  of 64 head dims. dQ_partial goes to an fp32 accumulator with ``gl.atomic_add``
+  (relaxed, two values an instruction: atom.global.relaxed.add.v2.f32) straight from
+  the wgmma accumulator layout.
   Triton 3.6's Gluon exposes no TMA reduce (its hopper ``tma`` module has loads, stores
   and store_wait only; ``desc.atomic_add`` is triton.language's, not Gluon's), so FA3's
   bulk reduce-add from shared memory by a dedicated warp is not reachable here.
@@ -34,12 +36,19 @@ negative, making 0 * inf in dQ); rows past seqlen_q read lse = +inf, so their P 
 dK/dV rows past seqlen_k are dropped by the TMA store, dQ rows past seqlen_q by the
 atomics' mask. Rows that saw no key (lse = -inf) read +inf too: zero gradients.
 
-Status: never run on a GPU. tests/test_gluon_compile.py compiles every variant for sm_90
-on the CPU (shared memory, no spills, wgmma/TMA/setmaxnreg present); tests/test_bwd_hopper.py
-checks the numbers on an H200 (``make test-gpu``, or ``pytest --gpu tests/test_bwd_hopper.py``)
-and scripts/gpu_session.sh's hopper stage times it. Prediction: 1.3-1.6x the portable
-fused backward at head dims 64/128 from 4k tokens (wgmma instead of mma.sync, TMA, the
-same 5 products), still under cuDNN (its dQ reduce is TMA bulk, ours element atomics).
+Status: never run on a GPU, so FLASHTILE_HOPPER_BWD defaults to "0". What is checked:
+tests/test_gluon_compile.py compiles every variant for sm_90 on the CPU (shared memory,
+no tile spills, wgmma/TMA/setmaxnreg/atomics present; at head_dim 128 ptxas keeps two
+4-byte scalars in local memory outside the walk). Untested: every number, the mbarrier
+protocol (a deadlock would show as a 60 s timeout), the dS^T round trip through shared
+memory, the 64-column slices of K. The next GPU session runs
+``pytest --gpu tests/test_bwd_hopper.py`` and ``scripts/gpu_session.sh hopper`` (both
+tests and ``flashtile bench --providers flashtile flashtile-hopper-bwd sdpa-cudnn
+--modes fwd_bwd``). Prediction: forward + backward 0.85-1.0x cuDNN at head dims 64/128
+from 4k tokens (the portable pair: 0.71-0.76x): wgmma and TMA instead of mma.sync, the
+same 5 products as the fused backward, but no ping-pong, S^T -> dP^T -> dV/dK -> dQ
+serialised within a warpgroup, and dQ by element atomics where cuDNN and FA3 reduce by
+TMA bulk from shared memory.
 """
 
 from __future__ import annotations
@@ -58,12 +67,12 @@ from flashtile.ops.fwd_hopper import _descriptor
 # rows of every product whose A operand lives in registers.
 BLOCK_N_WG = gl.constexpr(64)
 # As in fwd_hopper: 24 registers for the producer warp, 240 for each consumer (dK and
-# dV: 2 x 64 at head_dim 128; S^T and dP^T: 2 x 32 at 64 query rows; then dQ_partial's
-# 64 once S^T and dP^T are dead). 24 + 240 + 240 fit the 64K registers.
+# dV: 2 x 64 at head_dim 128; S^T and dP^T: 2 x 32 at 64 query rows; then a piece of
+# dQ_partial, 32, once they are dead). 24 + 240 + 240 fit the 64K registers.
 PRODUCER_REGS = gl.constexpr(24)
+CONSUMER_REGS = gl.constexpr(240)
 # Head dims of dQ_partial per product and atomics pass (see _mma_partition).
 DQ_PIECE = gl.constexpr(64)
-CONSUMER_REGS = gl.constexpr(240)
 
 
 @gluon.jit
@@ -97,8 +106,9 @@ def _load_partition(q_desc, k_desc, v_desc, do_desc, q_smem, k_smem, v_smem, do_
 
 @gluon.jit
 def _a_operand(x, acc_layout: gl.constexpr, dtype: gl.constexpr):
-    """x (fp32, an accumulator layout) as wgmma's A operand from registers: cast to the
-    inputs' 16-bit type, two values per 32-bit register."""
+    """x (fp32, a wgmma accumulator of 64 rows) as the A operand, from registers, of a
+    product accumulating in ``acc_layout``: cast to the inputs' 16-bit type, two values
+    per 32-bit register."""
     layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout,
                                                k_width=2)
     return gl.convert_layout(x.to(dtype), layout)
@@ -184,10 +194,10 @@ def _mma_partition(q_smem, k_smem, v_smem, do_smem, ds_smem, kv_ready, q_ready, 
         # and accumulators held in flight through dS spilled 104-128 bytes at head_dim
         # 128 (dK, dV: 128 registers; S^T/P^T, dP^T: 32 each; the operands 16 each).
         # The other consumer's products fill the tensor cores meanwhile.
-        p_op = _a_operand(p_t, s_layout, dtype)
+        p_op = _a_operand(p_t, d_layout, dtype)
         delta = _row_vector(Delta + p_row, row0, seqlen_q, 0.0, BLOCK_M, s_layout)
         ds_t = p_t * (dp_t - gl.expand_dims(delta, 0))                       # (64, M)
-        ds_op = _a_operand(ds_t, s_layout, dtype)
+        ds_op = _a_operand(ds_t, d_layout, dtype)
         dv = warpgroup_mma(p_op, b_do, dv, is_async=True)
         dk = warpgroup_mma(ds_op, q, dk, is_async=True)
         # dQ_partial = dS K needs dS as the A operand, rows the queries: through shared

@@ -228,12 +228,12 @@ def hopper_fwd_config(head_dim: int) -> TileConfig:
 
 # The Gluon backward for Hopper (ops/bwd_hopper.py), 16-bit only, keyed by head dim:
 # BLOCK_N is two consumer warpgroups of 64 keys, num_warps the default partition's one
-# warpgroup; BLOCK_M query rows per ring stage, as FA3's backward tiles them (d64 128,
-# d128 64: at 128 rows the S^T and dP^T tiles, 64 fp32 registers each, would not fit
-# beside dK and dV's 128). Shared memory: K, V 2 x 64 keys, stages x (Q + dO), dS^T
-# 2 x 64 x BLOCK_M: d64 128 KiB, d128 144 KiB. Head dim 256 has no entry: dK and dV
-# alone would take 256 of a consumer's 240 registers. Compile-checked only
-# (tests/test_gluon_compile.py); never timed.
+# warpgroup; BLOCK_M query rows per ring stage. 64 at both head dims: FA3 takes 128 at
+# d64, but there its S^T and dP^T tiles (64 fp32 registers each) spilled 336 bytes
+# (sm_90 compile, 240-register cap); at d128 dK and dV alone hold 128 registers. Shared
+# memory: K, V 2 x 64 keys, stages x (Q + dO), dS^T 2 x 64 x BLOCK_M: d64 81 KiB, d128
+# 145 KiB. Head dim 256 has no entry: dK and dV alone would take 256 of a consumer's 240
+# registers. Compile-checked only (tests/test_gluon_compile.py); never timed.
 HOPPER_BWD_16BIT = {64: TileConfig(64, 128, 4, 2), 128: TileConfig(64, 128, 4, 2)}
 
 
