@@ -99,6 +99,32 @@ def test_hopper_bwd_small(head_dim):
     _check(grads, q, k, v, dout, True, 45 - 77, 0.3, dlse)
 
 
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@on_hopper
+def test_launch_plan_equals_tritons_path(causal):
+    """After a layout's first call, launch plans run the three kernels over fresh tensors
+    (new addresses in the six tensor maps) with another softmax_scale and a dlse: dk and
+    dv are the bits of Triton's own path (no atomics there), dq meets the rule (its
+    atomics add in another order each run), and the plans keep no call's tensor alive."""
+    from flashtile.ops import _launch
+
+    def call(seed, scale):
+        torch.manual_seed(seed)
+        q, k, v, dout = _inputs(2, 300, 333, 4, 2, 128, torch.bfloat16)
+        dlse = torch.randn(2, 4, 300, device="cuda")
+        return _backward(q, k, v, dout, causal, 33, scale, dlse), (q, k, v, dout, dlse)
+
+    _launch.clear()
+    call(0, 0.1)  # Triton's path, then the plans are stored
+    grads, (q, k, v, dout, dlse) = call(1, 0.2)  # the plans
+    stored = [p for p in _launch._plans.values() if isinstance(p, tuple) and len(p) == 3]
+    assert len(stored) == 1 and all(box.base is None for box in stored[0][1][1])
+    _check(grads, q, k, v, dout, causal, 33, 0.2, dlse)
+    _launch.clear()
+    again, _ = call(1, 0.2)
+    assert torch.equal(grads[1], again[1]) and torch.equal(grads[2], again[2])
+
+
 @on_hopper
 def test_empty_rows_get_zero_gradients():
     """Bottom-right causal with seqlen_q > seqlen_k: the first 200 rows see no key (lse

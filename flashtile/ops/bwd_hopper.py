@@ -59,7 +59,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
 
-from flashtile.ops import bwd, configs, fwd_hopper
+from flashtile.ops import _launch, bwd, configs, fwd_hopper
 from flashtile.ops._common import LOG2E
 from flashtile.ops.fwd_hopper import _descriptor
 
@@ -313,36 +313,73 @@ def unsupported(q, k, v, out, dout, *, softmax_scale=1.0, attn_mask=None,
     return None
 
 
+# The parameters each plan of the backward fills per call, in its kernel's order.
+_PRE_SLOTS = ("Out", "DOut", "DLse", "Delta", "DQAccum")
+_MAIN_SLOTS = ("q_desc", "k_desc", "v_desc", "do_desc", "dk_desc", "dv_desc", "Lse", "Delta",
+               "DQAccum", "softmax_scale")
+_CONVERT_SLOTS = ("DQAccum", "DQ", "softmax_scale")
+
+
 def backward(dout, q, k, v, out, lse, dlse, softmax_scale, diag_offset, causal):
     """(dq, dk, dv) shaped like q, k, v in their dtype, for a call ``unsupported``
     accepted (the caller checks). lse and dlse (or None): (batch, nheads, seqlen_q) fp32.
-    Launched through Triton's own path, not a launch plan (``ops._launch``): correctness
-    first; a plan would save the host time of binding 17 arguments and 6 descriptors."""
+    Three launches: the portable preprocess (delta, dq_accum zeroed), this module's
+    kernel, the portable dQ conversion. After the first call of a layout, launch plans
+    (``flashtile.ops._launch``) launch the compiled kernels directly, the six tensor maps
+    re-based as in fwd_hopper."""
     b, sq, h, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
-    cfg = configs.hopper_bwd_config(d)
-    configs.log_first_launch("hopper backward", q, d, cfg, dict(IS_CAUSAL=causal))
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     dk = torch.empty(k.shape, dtype=k.dtype, device=q.device)
     dv = torch.empty(v.shape, dtype=v.dtype, device=q.device)
     lse = lse.contiguous()
+    has_dlse = dlse is not None
+    dlse = dlse.contiguous() if has_dlse else lse  # lse: a never-read placeholder
     delta = torch.empty_like(lse)
     # Rows head_dim wide: the kernel's atomics and the conversion address them so.
     dq_accum = torch.empty((b, h, sq, d), dtype=torch.float32, device=q.device)
+    key = None
+    if _launch.ready(q):
+        # unsupported() checked q, k, v and dout for TMA's alignment; the preprocess
+        # also reads out, dlse and lse through plain pointers: their alignment is keyed.
+        key = ("hopper_bwd", q.dtype, q.shape, k.shape, q.stride(), k.stride(), v.stride(),
+               dout.stride(), out.stride(), causal, diag_offset, has_dlse,
+               _launch.misalignment(_launch.pointers((out, dout, dlse, lse))))
+        plans = _launch.lookup(key)
+        if plans is not None:
+            pre, (main, boxes), convert = plans
+            pre((out.data_ptr(), dout.data_ptr(), dlse.data_ptr(), delta.data_ptr(),
+                 dq_accum.data_ptr()))
+            main((*map(fwd_hopper._rebased, boxes, (q, k, v, dout, dk, dv)), lse.data_ptr(),
+                  delta.data_ptr(), dq_accum.data_ptr(), softmax_scale))
+            convert((dq_accum.data_ptr(), dq.data_ptr(), softmax_scale))
+            return dq, dk, dv
+    cfg = configs.hopper_bwd_config(d)
+    configs.log_first_launch("hopper backward", q, d, cfg, dict(IS_CAUSAL=causal))
     pre_m = configs.PREPROCESS_BLOCK_M
     row_grid = (configs.cdiv(sq, pre_m), b * h)
     # delta = rowsum(dO * O) - dlse, and dq_accum zeroed, by the portable preprocess.
-    bwd._bwd_preprocess_kernel[row_grid](
-        out, dout, lse if dlse is None else dlse.contiguous(), delta, dq_accum,
-        *configs.strides(False, out, dout), *dq_accum.stride()[:2], h, sq, d,
-        BLOCK_M=pre_m, BLOCK_D=d, BLOCK_DV=d, HAS_DLSE=dlse is not None, ZERO_DQ=True)
-    _attn_bwd_hopper_kernel[(configs.cdiv(sk, cfg.block_n), b * hkv)](
-        _descriptor(q, cfg.block_m), _descriptor(k, BLOCK_N_WG.value),
-        _descriptor(v, BLOCK_N_WG.value), _descriptor(dout, cfg.block_m),
-        _descriptor(dk, BLOCK_N_WG.value), _descriptor(dv, BLOCK_N_WG.value),
-        lse, delta, dq_accum, sq, sk, h, hkv, diag_offset, softmax_scale,
-        IS_CAUSAL=causal, STAGES=cfg.num_stages, num_warps=cfg.num_warps)
-    bwd._bwd_dq_convert_kernel[row_grid](
-        dq_accum, dq, *dq_accum.stride()[:2], *configs.strides(False, dq), h, sq, d,
-        softmax_scale, BLOCK_M=pre_m, BLOCK_D=d)
+    pre = _launch.first_launch(
+        bwd._bwd_preprocess_kernel, row_grid,
+        (out, dout, dlse, delta, dq_accum, *configs.strides(False, out, dout),
+         *dq_accum.stride()[:2], h, sq, d),
+        dict(BLOCK_M=pre_m, BLOCK_D=d, BLOCK_DV=d, HAS_DLSE=has_dlse, ZERO_DQ=True),
+        _PRE_SLOTS if key is not None else None)
+    descs = (_descriptor(q, cfg.block_m), _descriptor(k, BLOCK_N_WG.value),
+             _descriptor(v, BLOCK_N_WG.value), _descriptor(dout, cfg.block_m),
+             _descriptor(dk, BLOCK_N_WG.value), _descriptor(dv, BLOCK_N_WG.value))
+    main = _launch.first_launch(
+        _attn_bwd_hopper_kernel, (configs.cdiv(sk, cfg.block_n), b * hkv),
+        (*descs, lse, delta, dq_accum, sq, sk, h, hkv, diag_offset, softmax_scale),
+        dict(IS_CAUSAL=causal, STAGES=cfg.num_stages, num_warps=cfg.num_warps),
+        _MAIN_SLOTS if key is not None else None)
+    convert = _launch.first_launch(
+        bwd._bwd_dq_convert_kernel, row_grid,
+        (dq_accum, dq, *dq_accum.stride()[:2], *configs.strides(False, dq), h, sq, d,
+         softmax_scale),
+        dict(BLOCK_M=pre_m, BLOCK_D=d), _CONVERT_SLOTS if key is not None else None)
+    if key is not None and None not in (pre, main, convert):
+        # The descriptors without their tensors: a plan must not keep a call's memory.
+        boxes = tuple(fwd_hopper._rebased(x, None) for x in descs)
+        _launch.store(key, (pre, (main, boxes), convert))
     return dq, dk, dv
