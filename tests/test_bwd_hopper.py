@@ -20,30 +20,13 @@ from flashtile.reference import allowed_keys
 from tests.utils import assert_close_rule, reference_pair
 
 bwd_hopper = pytest.importorskip("flashtile.ops.bwd_hopper")  # Gluon: triton >= 3.6
-
-_on_hopper = pytest.mark.skipif(
-    not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)),
-    reason="the Gluon backward runs on sm_90 only")
-
-
-def on_hopper(test):
-    """A --gpu test on an sm_90 device. A kernel that deadlocks (mbarrier phases out of
-    step) fails it after 60 s, killing the process, instead of hanging the run."""
-    for mark in (pytest.mark.gpu, _on_hopper, pytest.mark.timeout(60, method="thread")):
-        test = mark(test)
-    return test
-
-
-def _kw(causal, diag_offset, softmax_scale):
-    return dict(attn_mask=None, alibi_slopes=None, softmax_scale=softmax_scale,
-                diag_offset=diag_offset, window_left=-1, window_right=0 if causal else -1,
-                softcap=0.0, allow_tf32=False)
+# The forward's GPU marker (sm_90, a 60 s limit against a deadlock) and arguments.
+from tests.test_fwd_hopper import _inputs as _qkv, _kw, on_hopper  # noqa: E402
 
 
 def _inputs(b, sq, sk, h, hkv, d, dtype, device="cuda"):
-    return (torch.randn(b, sq, h, d, dtype=dtype, device=device),
-            torch.randn(b, sk, hkv, d, dtype=dtype, device=device),
-            torch.randn(b, sk, hkv, d, dtype=dtype, device=device),
+    """q, k, v as the forward's tests draw them, and dout."""
+    return (*_qkv(b, sq, sk, h, hkv, d, dtype, device),
             torch.randn(b, sq, h, d, dtype=dtype, device=device))
 
 
