@@ -21,7 +21,8 @@ from tests.utils import assert_close_rule, reference_pair
 
 bwd_hopper = pytest.importorskip("flashtile.ops.bwd_hopper")  # Gluon: triton >= 3.6
 # The forward's GPU marker (sm_90, a 60 s limit against a deadlock) and arguments.
-from tests.test_fwd_hopper import _inputs as _qkv, _kw, on_hopper  # noqa: E402
+from tests.test_fwd_hopper import MASKS, SHAPES, _kw, on_hopper  # noqa: E402
+from tests.test_fwd_hopper import _inputs as _qkv  # noqa: E402
 
 
 def _inputs(b, sq, sk, h, hkv, d, dtype, device="cuda"):
@@ -47,15 +48,9 @@ def _check(grads, q, k, v, dout, causal, diag_offset, scale, dlse=None):
         assert_close_rule(name, g, r, p)
 
 
-# (batch, seqlen_q, seqlen_k, nheads, nheads_kv): lengths off the 64-row and 128-key
-# tiles, one query row, seqlen_q > seqlen_k (causal: the first rows see no key), GQA and
-# MQA, a long walk that turns the Q/dO ring over many times.
-SHAPES = [(2, 1000, 1000, 4, 4), (1, 257, 513, 8, 2), (2, 513, 257, 4, 1),
-          (1, 1, 777, 4, 4), (3, 128, 128, 2, 2), (1, 3001, 3001, 2, 1)]
-MASKS = {"full": (False, None), "causal": (True, "bottom_right"),
-         "causal_top_left": (True, "top_left")}
-
-
+# The forward tests' shapes (lengths off the 64-row and 128-key tiles, one query row,
+# seqlen_q > seqlen_k, GQA and MQA, a walk that turns the Q/dO ring over many times) and
+# masks (full, causal bottom-right and top-left).
 @pytest.mark.parametrize("mask", list(MASKS))
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "b{}-q{}-k{}-h{}/{}".format(*s))
 @pytest.mark.parametrize("head_dim", [64, 128])
