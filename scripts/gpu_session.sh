@@ -233,13 +233,13 @@ case "${1:-}" in
       --modes fwd --headdim 64 128 256 --seqlens 1k 4k 8k 16k --out "$OUT/hopper-fwd" \
       2>&1 | grep "^|" | tail -40
     # The Gluon backward (never run on a GPU before this stage): its GPU tests, then forward +
-    # backward beside the portable split backward ("flashtile") and cuDNN, each cell's
-    # gradients validated against the split backward's before it is timed.
+    # backward beside the portable split ("flashtile") and fused backwards and cuDNN,
+    # each cell's gradients validated against the split backward's before it is timed.
     timeout 300 python3 -m pytest -q -p no:cacheprovider --gpu $XDIST tests/test_bwd_hopper.py \
       2>&1 | tail -4 | tee "$OUT/hopper-bwd-tests.txt"
-    timeout 400 python3 -m flashtile bench --providers flashtile flashtile-hopper-bwd sdpa-cudnn \
-      --modes fwd_bwd --headdim 64 128 --seqlens 1k 4k 8k 16k --out "$OUT/hopper-bwd" \
-      2>&1 | grep "^|" | tail -40
+    timeout 500 python3 -m flashtile bench --providers flashtile flashtile-fusedbwd \
+      flashtile-hopper-bwd sdpa-cudnn --modes fwd_bwd --headdim 64 128 \
+      --seqlens 1k 4k 8k 16k --out "$OUT/hopper-bwd" 2>&1 | grep "^|" | tail -40
     ;;
   tp)
     # Tensor parallelism on 2 GPUs (nvidia-h200-x2): the driver's GPU tests, then generate.
