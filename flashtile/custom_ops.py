@@ -146,7 +146,8 @@ def _attn_bwd_impl(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, l
         if hopper_bwd_mode() == "1" and not _deterministic(deterministic):
             from flashtile.ops import bwd_hopper
 
-            if bwd_hopper.unsupported(q, k, v, out, dout, dropout_p=dropout_p, **kw) is None:
+            reason = bwd_hopper.unsupported(q, k, v, out, dout, dropout_p=dropout_p, **kw)
+            if reason is None:
                 return bwd_hopper.backward(dout, q, k, v, out, lse, dlse, softmax_scale,
                                            diag_offset, causal=window_right == 0)
         return triton_bwd(dout, q, k, v, out, lse, dlse, allow_tf32=allow_tf32,

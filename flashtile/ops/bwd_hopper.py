@@ -1,9 +1,9 @@
 """FlashAttention backward for Hopper (sm_90) in Gluon, scheduled after FlashAttention-3.
 
-Algorithm: Dao, FlashAttention-2 (2023), Algorithm 2 in its fused form (``flashtile.ops.bwd``
-with ``fused=True``), laid out on Hopper as Shah et al., FlashAttention-3 (2024), section
-3.3 and appendix B: P is recomputed from the forward's lse in base 2 (the scale folded into
-one FFMA per score), dS = P * (dP - delta) with delta = rowsum(dO * O) - dlse (the portable
+Algorithm: Dao, FlashAttention-2 (2023), Algorithm 2 in its fused form
+(``flashtile.ops.bwd`` with ``fused=True``), laid out on Hopper as Shah et al.,
+FlashAttention-3 (2024), section 3.3 and appendix B: P is recomputed from the forward's
+lse in base 2 (the scale folded into one FFMA per score), dS = P * (dP - delta) with delta = rowsum(dO * O) - dlse (the portable
 preprocess kernel), dQ summed over the key blocks in fp32 by atomics, then scaled into dq
 by the portable conversion kernel. Dense layout only: q (batch, seqlen_q, nheads,
 head_dim), k/v (batch, seqlen_k, nheads_kv, head_dim), GQA/MQA; causal (any
@@ -18,17 +18,21 @@ in bwd.py), in three warp-specialised partitions:
 - two consumer warpgroups own 64 keys each and compute the transposed products, keys as
   rows, so that P^T and dS^T, the A operands of dV += P^T dO and dK += dS^T Q, stay in
   registers (wgmma's A may come from registers, B only from shared memory):
-  S^T = K Q^T, dP^T = V dO^T (both from shared memory), then dV and dK together, then
-  dQ_partial = dS K with dS^T written to shared memory and read transposed, in pieces
-  of 64 head dims. dQ_partial goes to an fp32 accumulator with ``gl.atomic_add``
+  S^T = K Q^T, dP^T = V dO^T (both from shared memory), then dV and dK together. Both
+  write dS^T to shared memory; dQ_partial = dS K over all 128 keys (dS^T read
+  transposed) is then computed by one of them, the two taking turns by query block
+  (two mbarriers: both dS^T stored; the product done, the buffers free), in pieces of
+  64 head dims. dQ_partial goes to an fp32 accumulator with ``gl.atomic_add``
   (relaxed, two values an instruction: atom.global.relaxed.add.v2.f32) straight from
-  the wgmma accumulator layout.
+  the wgmma accumulator layout: one reduction per 128 keys, as the portable fused
+  backward's and FA3's.
   Triton 3.6's Gluon exposes no TMA reduce (its hopper ``tma`` module has loads, stores
   and store_wait only; ``desc.atomic_add`` is triton.language's, not Gluon's), so FA3's
   bulk reduce-add from shared memory by a dedicated warp is not reachable here.
 - warp_specialize's register requests become setmaxnreg: 24 for the producer, 240 for
   each consumer (dK and dV accumulators, 64 x head_dim fp32 each, live across the walk).
-Not FA3's: no ping-pong between the two consumers, no separate dQ-writer warp.
+Not FA3's: no ping-pong between the two consumers, no overlap of the softmax with the
+products inside a warpgroup (both spilled at head_dim 128), no separate dQ-writer warp.
 
 Rows past seqlen_q and keys past seqlen_k are zero-filled by TMA; keys past seqlen_k are
 masked (a zero key still scores 0, and exp2(0 - lse) can overflow where lse is very
@@ -38,10 +42,10 @@ atomics' mask. Rows that saw no key (lse = -inf) read +inf too: zero gradients.
 
 Status: never run on a GPU, so FLASHTILE_HOPPER_BWD defaults to "0". What is checked:
 tests/test_gluon_compile.py compiles every variant for sm_90 on the CPU (shared memory,
-no tile spills, wgmma/TMA/setmaxnreg/atomics present; at head_dim 128 ptxas keeps two
-4-byte scalars in local memory outside the walk). Untested: every number, the mbarrier
-protocol (a deadlock would show as a 60 s timeout), the dS^T round trip through shared
-memory, the 64-column slices of K. The next GPU session runs
+no tile spills, wgmma/TMA/setmaxnreg/atomics present; at head_dim 128 ptxas keeps 48
+bytes of scalars in local memory, a few reloaded per query block). Untested: every
+number, the mbarrier protocol (a deadlock would show as a 60 s timeout), the dS^T round
+trip through shared memory, the 64-column slices of K. The next GPU session runs
 ``pytest --gpu tests/test_bwd_hopper.py`` and ``scripts/gpu_session.sh hopper`` (both
 tests and ``flashtile bench --providers flashtile flashtile-hopper-bwd sdpa-cudnn
 --modes fwd_bwd``). Prediction: forward + backward 0.85-1.0x cuDNN at head dims 64/128
@@ -71,7 +75,7 @@ BLOCK_N_WG = gl.constexpr(64)
 # dQ_partial, 32, once they are dead). 24 + 240 + 240 fit the 64K registers.
 PRODUCER_REGS = gl.constexpr(24)
 CONSUMER_REGS = gl.constexpr(240)
-# Head dims of dQ_partial per product and atomics pass (see _mma_partition).
+# Head dims of dQ_partial per product and atomics pass (see _dq_partial).
 DQ_PIECE = gl.constexpr(64)
 
 
@@ -85,8 +89,9 @@ def _load_partition(q_desc, k_desc, v_desc, do_desc, q_smem, k_smem, v_smem, do_
     STAGES: gl.constexpr = q_smem.type.shape[0]
     mbarrier.expect(kv_ready, 2 * k_desc.block_type.nbytes + 2 * v_desc.block_type.nbytes)
     for w in gl.static_range(2):
+        k_half = k_smem.slice(w * BLOCK_N_WG, BLOCK_N_WG, dim=1)  # rows: keys
         tma.async_copy_global_to_shared(k_desc, [off_b, key0 + w * BLOCK_N_WG, off_hkv, 0],
-                                        kv_ready, k_smem.index(w))
+                                        kv_ready, k_half)
         tma.async_copy_global_to_shared(v_desc, [off_b, key0 + w * BLOCK_N_WG, off_hkv, 0],
                                         kv_ready, v_smem.index(w))
     for it in range(group_size * n_m):
@@ -125,10 +130,36 @@ def _row_vector(ptr, row0, seqlen_q, other, BLOCK_M: gl.constexpr, s_layout: gl.
 
 
 @gluon.jit
+def _dq_partial(ds_all, k_all, dq_init, p_dq, row0, seqlen_q):
+    """dQ_partial = dS K over the program's 128 keys, added into rows row0 + [0, M) of
+    the fp32 accumulator at p_dq (head_dim wide), in pieces of 64 head dims (K's
+    columns, a whole 128-byte swizzle atom each) addressed by 32-bit offsets from one
+    pointer: at head_dim 128 the whole (64, 128) fp32 tile with 64-bit addresses, beside
+    dK and dV, spilled under the 240-register cap."""
+    HEAD_DIM: gl.constexpr = k_all.type.shape[1]
+    BLOCK_M: gl.constexpr = dq_init.type.shape[0]
+    DQ_PIECE: gl.constexpr = dq_init.type.shape[1]
+    dq_layout: gl.constexpr = dq_init.type.layout
+    o_dq_m = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, dq_layout))  # (M,)
+    o_dq_d = gl.arange(0, DQ_PIECE, layout=gl.SliceLayout(0, dq_layout))        # (64,)
+    for piece in gl.static_range(HEAD_DIM // DQ_PIECE):
+        k_piece = k_all.slice(piece * DQ_PIECE, DQ_PIECE, dim=1)              # (128, 64)
+        dq = warpgroup_mma(ds_all.permute((1, 0)), k_piece, dq_init, use_acc=False,
+                           is_async=True)                                    # (M, 64)
+        dq = warpgroup_mma_wait(0, deps=(dq,))
+        o_dq = gl.expand_dims(o_dq_m, 1) * HEAD_DIM \
+            + gl.expand_dims(piece * DQ_PIECE + o_dq_d, 0)                  # (M, 64)
+        # Relaxed: nothing reads a reduction's result before the conversion kernel, so
+        # it needs no ordering.
+        gl.atomic_add(p_dq + o_dq, dq, mask=gl.expand_dims(o_dq_m < seqlen_q, 1),
+                      sem="relaxed")
+
+
+@gluon.jit
 def _mma_partition(q_smem, k_smem, v_smem, do_smem, ds_smem, kv_ready, q_ready, do_ready,
-                   qdo_empty, dk_desc, dv_desc, Lse, Delta, DQAccum, off_b, off_hkv, key0,
-                   group_size, m_lo, n_m, nheads, seqlen_q, seqlen_k, diag_offset,
-                   softmax_scale, WG: gl.constexpr, IS_CAUSAL: gl.constexpr):
+                   qdo_empty, ds_full, ds_empty, dk_desc, dv_desc, Lse, Delta, DQAccum,
+                   off_b, off_hkv, key0, group_size, m_lo, n_m, nheads, seqlen_q, seqlen_k,
+                   diag_offset, softmax_scale, WG: gl.constexpr, IS_CAUSAL: gl.constexpr):
     """Consumer warpgroup WG: keys key0 + 64 * WG + [0, 64) against every query block."""
     STAGES: gl.constexpr = q_smem.type.shape[0]
     BLOCK_M: gl.constexpr = q_smem.type.shape[2]
@@ -146,20 +177,20 @@ def _mma_partition(q_smem, k_smem, v_smem, do_smem, ds_smem, kv_ready, q_ready, 
     # lse, delta and the dQ accumulator are (batch, nheads, seqlen_q, ...): the group's
     # first query head is row bh0 of their (batch * nheads) heads.
     bh0 = off_b * nheads + off_hkv * group_size
-    k = k_smem.index(WG).reshape([BLOCK_N_WG, HEAD_DIM])                     # (64, D)
+    # K of both warpgroups (ds_smem: their dS^T): the 128 keys of the dQ product.
+    k_all = k_smem.reshape([2 * BLOCK_N_WG, HEAD_DIM])                       # (128, D)
+    k = k_all.slice(WG * BLOCK_N_WG, BLOCK_N_WG)                             # (64, D)
     v = v_smem.index(WG).reshape([BLOCK_N_WG, HEAD_DIM])                     # (64, D)
-    ds = ds_smem.index(WG)                                                   # (64, M)
     o_n = key0 + WG * BLOCK_N_WG + gl.arange(0, BLOCK_N_WG,
                                              layout=gl.SliceLayout(1, s_layout))
-    o_dq_m0 = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, dq_layout))
-    o_dq_d = gl.arange(0, DQ_PIECE, layout=gl.SliceLayout(0, dq_layout))
     dk = gl.zeros([BLOCK_N_WG, HEAD_DIM], gl.float32, d_layout)
     dv = gl.zeros([BLOCK_N_WG, HEAD_DIM], gl.float32, d_layout)
     s_init = gl.zeros([BLOCK_N_WG, BLOCK_M], gl.float32, s_layout)  # ignored: use_acc=False
     dq_init = gl.zeros([BLOCK_M, DQ_PIECE], gl.float32, dq_layout)  # ignored: use_acc=False
     mbarrier.wait(kv_ready, 0)
 
-    for it in range(group_size * n_m):
+    n_iter = group_size * n_m
+    for it in range(n_iter):
         row0 = (m_lo + it % n_m) * BLOCK_M
         o_m = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))  # (M,)
         stage = it % STAGES
@@ -201,35 +232,29 @@ def _mma_partition(q_smem, k_smem, v_smem, do_smem, ds_smem, kv_ready, q_ready, 
         dv = warpgroup_mma(p_op, b_do, dv, is_async=True)
         dk = warpgroup_mma(ds_op, q, dk, is_async=True)
         # dQ_partial = dS K needs dS as the A operand, rows the queries: through shared
-        # memory, read transposed. The previous block's dQ products, its last readers,
-        # completed before that block's atomics.
-        ds.store(ds_op)  # the operand's registers: no second 16-bit copy of dS^T
+        # memory, read transposed. Both warpgroups' dS^T (128 keys) go into one product,
+        # taken by the two in turn (owner it % 2): half the atomics of a product per
+        # warpgroup, as FA3 sums dQ over its 128 keys before reducing. ds_empty: the
+        # previous owner's product, the last reader of both buffers, has completed.
+        mbarrier.wait(ds_empty, (it & 1) ^ 1)
+        # From the operand's registers: no second 16-bit copy of dS^T.
+        ds_smem.slice(WG * BLOCK_N_WG, BLOCK_N_WG).store(ds_op)
         fence_async_shared()  # the generic-proxy writes above before wgmma reads them
+        mbarrier.arrive(ds_full, count=1)
         dv, dk = warpgroup_mma_wait(0, deps=(dv, dk))
         mbarrier.arrive(qdo_empty.index(stage), count=1)  # Q and dO read for the last time
-        o_dq_m = row0 + o_dq_m0                                              # (M,)
-        # dQ_partial in pieces of 64 head dims (K's columns, a whole 128-byte swizzle
-        # atom each), addressed by 32-bit offsets from one pointer per head: at head_dim
-        # 128 the whole (64, 128) fp32 tile with its 64-bit addresses, beside dK and dV,
-        # spilled under the 240-register cap.
-        p_dq = DQAccum + p_row * HEAD_DIM
-        for piece in gl.static_range(HEAD_DIM // DQ_PIECE):
-            k_piece = k.slice(piece * DQ_PIECE, DQ_PIECE, dim=1)             # (64, 64)
-            dq = warpgroup_mma(ds.permute((1, 0)), k_piece, dq_init, use_acc=False,
-                               is_async=True)                                # (M, 64)
-            dq = warpgroup_mma_wait(0, deps=(dq,))
-            o_dq = gl.expand_dims(o_dq_m, 1) * HEAD_DIM \
-                + gl.expand_dims(piece * DQ_PIECE + o_dq_d, 0)              # (M, 64)
-            # Relaxed: nothing reads a reduction's result before the conversion kernel,
-            # so it needs no ordering. Rows are HEAD_DIM wide (the accumulator's stride).
-            gl.atomic_add(p_dq + o_dq, dq, mask=gl.expand_dims(o_dq_m < seqlen_q, 1),
-                          sem="relaxed")
+        if it % 2 == WG:
+            mbarrier.wait(ds_full, it & 1)  # the other warpgroup's dS^T stored too
+            _dq_partial(ds_smem, k_all, dq_init, DQAccum + p_row * HEAD_DIM, row0, seqlen_q)
+            mbarrier.arrive(ds_empty, count=1)
 
-    # dK and dV leave through this warpgroup's K and V buffers: every product that read
-    # them has completed. TMA drops the rows past seqlen_k.
-    k_out = k_smem.index(WG)
+    # dK and dV leave through this warpgroup's K and V buffers once the last dQ product,
+    # which reads both halves of K, has completed (a fresh barrier passes: no walk). TMA
+    # drops the rows past seqlen_k.
+    mbarrier.wait(ds_empty, (n_iter & 1) ^ 1)
+    k_out = k_smem.slice(WG * BLOCK_N_WG, BLOCK_N_WG, dim=1)
     v_out = v_smem.index(WG)
-    k_out.reshape([BLOCK_N_WG, HEAD_DIM]).store((dk * softmax_scale).to(dtype))
+    k.store((dk * softmax_scale).to(dtype))  # k_out's rows, through the 2-d view
     v_out.reshape([BLOCK_N_WG, HEAD_DIM]).store(dv.to(dtype))
     fence_async_shared()  # the generic-proxy writes above before the TMA engine reads
     row = key0 + WG * BLOCK_N_WG
@@ -245,6 +270,7 @@ def _attn_bwd_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, L
     """dK, dV of 128 keys of one (batch, KV head), dQ added into DQAccum: fp32 (batch,
     nheads, seqlen_q, head_dim), zeroed by the preprocess."""
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[1]
+    HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
     key0 = gl.program_id(0) * (2 * BLOCK_N_WG)
     off_bh = gl.program_id(1)
     off_b = off_bh // nheads_kv
@@ -261,18 +287,23 @@ def _attn_bwd_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, L
                                        q_desc.layout)
     do_smem = gl.allocate_shared_memory(do_desc.dtype, [STAGES] + do_desc.block_type.shape,
                                         do_desc.layout)
-    k_smem = gl.allocate_shared_memory(k_desc.dtype, [2] + k_desc.block_type.shape,
+    # K in one buffer of both halves (rows: keys), so that the dQ product reads 128 keys.
+    k_smem = gl.allocate_shared_memory(k_desc.dtype, [1, 2 * BLOCK_N_WG, 1, HEAD_DIM],
                                        k_desc.layout)
     v_smem = gl.allocate_shared_memory(v_desc.dtype, [2] + v_desc.block_type.shape,
                                        v_desc.layout)
-    ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N_WG, BLOCK_M],
-                                                                   q_desc.dtype)
-    ds_smem = gl.allocate_shared_memory(q_desc.dtype, [2, BLOCK_N_WG, BLOCK_M], ds_layout)
+    ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for(
+        [2 * BLOCK_N_WG, BLOCK_M], q_desc.dtype)
+    ds_smem = gl.allocate_shared_memory(q_desc.dtype, [2 * BLOCK_N_WG, BLOCK_M], ds_layout)
     kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     do_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     qdo_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    ds_full = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    ds_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     mbarrier.init(kv_ready, count=1)
+    mbarrier.init(ds_full, count=2)  # both warpgroups stored their dS^T
+    mbarrier.init(ds_empty, count=1)  # the owner's dQ product has completed
     for i in gl.static_range(STAGES):
         mbarrier.init(q_ready.index(i), count=1)
         mbarrier.init(do_ready.index(i), count=1)
@@ -280,16 +311,18 @@ def _attn_bwd_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, L
 
     gl.warp_specialize([
         (_mma_partition, (q_smem, k_smem, v_smem, do_smem, ds_smem, kv_ready, q_ready,
-                          do_ready, qdo_empty, dk_desc, dv_desc, Lse, Delta, DQAccum, off_b,
-                          off_hkv, key0, group_size, m_lo, n_m, nheads, seqlen_q, seqlen_k,
-                          diag_offset, softmax_scale, 0, IS_CAUSAL)),
+                          do_ready, qdo_empty, ds_full, ds_empty, dk_desc, dv_desc, Lse,
+                          Delta, DQAccum, off_b, off_hkv, key0, group_size, m_lo, n_m,
+                          nheads, seqlen_q, seqlen_k, diag_offset, softmax_scale, 0,
+                          IS_CAUSAL)),
         (_load_partition, (q_desc, k_desc, v_desc, do_desc, q_smem, k_smem, v_smem,
                            do_smem, kv_ready, q_ready, do_ready, qdo_empty, off_b, off_hkv,
                            key0, group_size, m_lo, n_m)),
         (_mma_partition, (q_smem, k_smem, v_smem, do_smem, ds_smem, kv_ready, q_ready,
-                          do_ready, qdo_empty, dk_desc, dv_desc, Lse, Delta, DQAccum, off_b,
-                          off_hkv, key0, group_size, m_lo, n_m, nheads, seqlen_q, seqlen_k,
-                          diag_offset, softmax_scale, 1, IS_CAUSAL)),
+                          do_ready, qdo_empty, ds_full, ds_empty, dk_desc, dv_desc, Lse,
+                          Delta, DQAccum, off_b, off_hkv, key0, group_size, m_lo, n_m,
+                          nheads, seqlen_q, seqlen_k, diag_offset, softmax_scale, 1,
+                          IS_CAUSAL)),
     ], [1, 4], [PRODUCER_REGS, CONSUMER_REGS])
 
 
@@ -309,14 +342,15 @@ def unsupported(q, k, v, out, dout, *, softmax_scale=1.0, attn_mask=None,
         return reason
     if dout.data_ptr() % 16 or dout.stride(-1) != 1 or any(
             s <= 0 or s % 8 for s in dout.stride()[:-1]):
-        return "TMA needs 16-byte aligned data and strides, and a contiguous last dim (dout)"
+        return ("TMA needs 16-byte aligned data and strides, and a contiguous last dim "
+                "(dout)")
     return None
 
 
 # The parameters each plan of the backward fills per call, in its kernel's order.
 _PRE_SLOTS = ("Out", "DOut", "DLse", "Delta", "DQAccum")
-_MAIN_SLOTS = ("q_desc", "k_desc", "v_desc", "do_desc", "dk_desc", "dv_desc", "Lse", "Delta",
-               "DQAccum", "softmax_scale")
+_MAIN_SLOTS = ("q_desc", "k_desc", "v_desc", "do_desc", "dk_desc", "dv_desc", "Lse",
+               "Delta", "DQAccum", "softmax_scale")
 _CONVERT_SLOTS = ("DQAccum", "DQ", "softmax_scale")
 
 
