@@ -5,9 +5,10 @@ Algorithm: Dao, FlashAttention-2 (2023), Algorithm 2 in its fused form
 FlashAttention-3 (2024), section 3.3 and appendix B: P is recomputed from the forward's
 lse in base 2 (the scale folded into one FFMA per score), dS = P * (dP - delta) with
 delta = rowsum(dO * O) - dlse (the portable preprocess kernel), dQ summed over the key
-blocks in fp32 by atomics, then scaled into dq by the portable conversion kernel. Dense layout only: q (batch, seqlen_q, nheads,
-head_dim), k/v (batch, seqlen_k, nheads_kv, head_dim), GQA/MQA; causal (any
-``diag_offset``: key j is visible to row i when j <= i + diag_offset) or full.
+blocks in fp32 by atomics, then scaled into dq by the portable conversion kernel. Dense
+layout only: q (batch, seqlen_q, nheads, head_dim), k/v (batch, seqlen_k, nheads_kv,
+head_dim), GQA/MQA; causal (any ``diag_offset``: key j is visible to row i when
+j <= i + diag_offset) or full.
 
 One program owns BLOCK_N = 2 x 64 keys of one (batch, KV head) and walks every query
 block of every query head of the group (the group sum of dK/dV happens in registers, as
