@@ -87,6 +87,18 @@ def hopper_fwd_mode() -> str:
     return value
 
 
+def hopper_bwd_mode() -> str:
+    """FLASHTILE_HOPPER_BWD: where dense 16-bit backwards on sm_90 go to the Gluon
+    backward (flashtile/ops/bwd_hopper.py) instead of the portable one. "0" (the
+    default: that kernel has not yet run on a GPU): never; "1": every call it supports
+    (head dims 64 and 128, causal or full, no dropout), except deterministic ones, which
+    keep the portable split backward (its dQ atomics are not reproducible)."""
+    value = os.environ.get("FLASHTILE_HOPPER_BWD", "0").strip() or "0"
+    if value not in ("0", "1"):
+        raise ValueError(f"FLASHTILE_HOPPER_BWD must be '0' or '1', got {value!r}")
+    return value
+
+
 def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 

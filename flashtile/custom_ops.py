@@ -10,6 +10,9 @@ and fused, fewer matrix products with dq summed by atomics (reproducible to roun
 ``deterministic`` (flash-attn's flag) True always takes the split path; False takes
 FLASHTILE_BWD's choice, read at each backward: "split" or "fused" (default DEFAULT_BWD).
 torch.use_deterministic_algorithms(True) counts as deterministic=True.
+FLASHTILE_HOPPER_BWD=1 (``flashtile._backend.hopper_bwd_mode``) sends the dense 16-bit
+backwards it supports on sm_90 to the Gluon kernel (flashtile/ops/bwd_hopper.py, atomic
+dQ), unless deterministic.
 
 Dropout: ``dropout_p`` > 0 comes with ``philox``, the int64 [seed, offset] tensor the
 caller drew from PyTorch's generator (``flashtile.interface._philox``); it is saved for
@@ -32,7 +35,7 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from flashtile import _torch_backend, reference
-from flashtile._backend import hopper_fwd_mode, select_backend
+from flashtile._backend import hopper_bwd_mode, hopper_fwd_mode, select_backend
 from flashtile._validate import (MAX_OFFSET, can_read_indices, check_paged_varlen_values,
                                  check_varlen_values, index_checks_enabled, offset_reach)
 from flashtile.ops.bwd import attn_bwd as triton_bwd
@@ -51,8 +54,12 @@ def fused_backward(deterministic: bool) -> bool:
     if path not in BWD_PATHS:
         raise ValueError(f"FLASHTILE_BWD must be one of {BWD_PATHS} (or unset: "
                          f"{DEFAULT_BWD!r}), got {path!r}")
-    return (path == "fused" and not deterministic
-            and not torch.are_deterministic_algorithms_enabled())
+    return path == "fused" and not _deterministic(deterministic)
+
+
+def _deterministic(deterministic: bool) -> bool:
+    """The call asked for reproducible gradients, itself or through PyTorch's switch."""
+    return deterministic or torch.are_deterministic_algorithms_enabled()
 
 
 def _mask_kwargs(attn_mask, alibi_slopes, softmax_scale, diag_offset, window_left,
@@ -135,6 +142,15 @@ def _attn_bwd_impl(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, l
     kw = _mask_kwargs(attn_mask, alibi_slopes, softmax_scale, diag_offset, window_left,
                       window_right, softcap)
     if select_backend(q.device, q.dtype) == "triton":
+        # FLASHTILE_HOPPER_BWD=1: the Gluon backward where it supports the call; its dQ
+        # atomics are not reproducible, so deterministic calls keep the portable one.
+        if hopper_bwd_mode() == "1" and not _deterministic(deterministic):
+            from flashtile.ops import bwd_hopper
+
+            reason = bwd_hopper.unsupported(q, k, v, out, dout, dropout_p=dropout_p, **kw)
+            if reason is None:
+                return bwd_hopper.backward(dout, q, k, v, out, lse, dlse, softmax_scale,
+                                           diag_offset, causal=window_right == 0)
         return triton_bwd(dout, q, k, v, out, lse, dlse, allow_tf32=allow_tf32,
                           fused=fused_backward(deterministic), dropout_p=dropout_p,
                           philox=philox, **kw)

@@ -22,15 +22,16 @@
 #                generate and generate_batch (64 requests)                (~15 min)
 #   shapes       the 0.5B and 8B shapes, every row                        (~10 min)
 #   host         flashtile bench host, flashtile bench hf (and --pad at batch 16) (~10 min)
-#   hopper       the Gluon forward's GPU tests and its timing             (~8 min)
+#   hopper       the Gluon forward's GPU tests (16-bit) and its timing     (~9 min)
 #   tp           the tensor-parallel driver's tests (2 GPUs)              (~4 min)
 #   fp32         accuracy and speed of fp32, IEEE products against tf32x3  (~8 min)
 #   dropout      flashtile with and without dropout beside SDPA's dropout backends (~4 min)
 #   mla          the absorbed MLA decode (576/512) against the copy ceiling    (~3 min)
 #   fp8          the Gluon FP8 forward's GPU tests, then FP8 (portable, Gluon, Gluon
 #                with P in shared memory) beside bf16 and cuDNN at d128   (~9 min)
-#   bwd-ab       the fused backward against the split one (d64/d128, 1k-16k, beside
-#                cuDNN) and transformers' training step under each          (~7 min)
+#   bwd-ab       the Gluon backward's GPU tests, then the split, fused and Gluon
+#                backwards beside cuDNN (d64/d128, 1k-16k)                  (~9 min)
+#   hf-train     transformers' training step under each backward path       (~8 min)
 #   wide         head_dim 256 and 512 beside the peers; d256 backward tiles; the fused
 #                backward against the split one                          (~10 min)
 #   serve [BACKEND] [KV]  flashtile serve (1B shape, dummy weights, attention BACKEND,
@@ -135,18 +136,25 @@ case "${1:-}" in
     tar czf "$OUT/fp32.tgz" fp32-*
     ;;
   bwd-ab)
-    # The fused backward (FLASHTILE_BWD=fused: 5 matrix products a block, dQ by atomics)
-    # against the split default, never timed before session 12: if it wins, it becomes
-    # the default for deterministic=False (issue 15 item 3), and transformers' training
-    # step follows it (issue 16).
-    timeout 240 python3 -m flashtile bench --providers flashtile flashtile-fusedbwd \
-      sdpa-cudnn --headdim 64 128 --seqlens 1k 4k 16k --modes fwd_bwd --no-progress \
-      --out bwd-ab --overwrite 2>&1 | grep "^|" | tail -14
-    for path in split fused; do
-      FLASHTILE_BWD=$path timeout 150 python3 -m flashtile bench hf --impls flashtile sdpa \
-        --batches 1 --new 8 --out "$OUT/hf-train-$path.json" 2>&1 | grep "train step"
-    done
+    # The backwards (issue 15 item 3): the Gluon one (never run on a GPU before this
+    # stage: its GPU tests first; a deadlock fails a test after 60 s), then forward +
+    # backward with the portable split ("flashtile", the default), the portable fused
+    # (FLASHTILE_BWD=fused, never timed before either) and the Gluon backward beside
+    # cuDNN, each cell's gradients validated against the split backward's before timing.
+    timeout 200 python3 -m pytest -q -p no:cacheprovider --gpu $XDIST tests/test_bwd_hopper.py \
+      2>&1 | tail -4 | tee "$OUT/hopper-bwd-tests.txt"
+    timeout 340 python3 -m flashtile bench --providers flashtile flashtile-fusedbwd \
+      flashtile-hopper-bwd sdpa-cudnn --modes fwd_bwd --headdim 64 128 --seqlens 1k 4k 16k \
+      --no-progress --out bwd-ab --overwrite 2>&1 | grep "^|" | tail -14
     tar czf "$OUT/bwd-ab.tgz" bwd-ab
+    ;;
+  hf-train)
+    # transformers' training step (and a short generate) under each backward path:
+    # FLASHTILE_BWD=split (default), fused, and FLASHTILE_HOPPER_BWD=1 (issue 16).
+    for env in FLASHTILE_BWD=split FLASHTILE_BWD=fused FLASHTILE_HOPPER_BWD=1; do
+      env $env timeout 170 python3 -m flashtile bench hf --impls flashtile sdpa --batches 1 \
+        --new 8 --out "$OUT/hf-train-${env#*=}.json" 2>&1 | grep "train step" | sed "s|^|$env |"
+    done
     ;;
   wide)
     # head_dim 256 and 512 (issue 15 item 3, issue 17 item 3): forward and forward+backward
@@ -258,10 +266,10 @@ case "${1:-}" in
       2>&1 | tail -6
     ;;
   hopper)
-    # The Gluon forward: GPU tests against float64, then timed beside the portable kernel
-    # and cuDNN (each timed cell validated first).
+    # The Gluon forward: GPU tests against float64 (the FP8 ones run in stage fp8), then
+    # timed beside the portable kernel and cuDNN (each timed cell validated first).
     timeout 240 python3 -m pytest -q -p no:cacheprovider --gpu $XDIST tests/test_fwd_hopper.py \
-      tests/test_gluon_compile.py 2>&1 | tail -4 | tee "$OUT/hopper-tests.txt"
+      -k "not fp8 and not float8" 2>&1 | tail -4 | tee "$OUT/hopper-tests.txt"
     timeout 300 python3 -m flashtile bench --providers flashtile flashtile-hopper sdpa-cudnn \
       --modes fwd --headdim 64 128 256 --seqlens 1k 4k 8k 16k --out "$OUT/hopper-fwd" \
       2>&1 | grep "^|" | tail -40

@@ -267,6 +267,56 @@ def test_flashtile_hopper_fp8_is_validated_before_timing(fault, monkeypatch):
     assert fault != "none" or (out.shape == (1, 96, 2, 64) and out.dtype == torch.bfloat16)
 
 
+@pytest.mark.parametrize("fault", ["none", "dk", "nan", "declined"])
+def test_flashtile_hopper_bwd_is_validated_before_timing(fault, monkeypatch):
+    """The Gluon backward's provider runs on CUDA, forward + backward only, outside the
+    default sweeps; its build compares the kernel's gradients with the split backward's
+    on the cell's inputs before anything is timed, and a call the kernel declines fails
+    the build instead of timing the portable backward under its name (the forward and
+    both backwards are the torch path's here, the Gluon one perturbed)."""
+    bwd_hopper = pytest.importorskip("flashtile.ops.bwd_hopper")  # Gluon: triton >= 3.6
+    from flashtile import _torch_backend, custom_ops
+    from flashtile.ops import bwd
+
+    cell = registry.Cell("flashtile-hopper-bwd", 64, True, "fwd_bwd", 70, 1, 2,
+                         torch.bfloat16)
+    provider = registry.PROVIDERS["flashtile-hopper-bwd"]
+    assert provider.skip_reason(cell, CPU) == "runs on cuda only"
+    assert provider.skip_reason(dataclasses.replace(cell, mode="fwd"),
+                                torch.device("cuda")) == "fwd_bwd only"
+    assert "flashtile-hopper-bwd" not in registry.GPU_SWEEP.providers
+
+    def split(dout, q, k, v, out, lse, dlse, *, fused, **kw):
+        kw.pop("allow_tf32")
+        return _torch_backend.attention_bwd(dout, q, k, v, out, lse, dlse, **kw)
+
+    def gluon(dout, q, k, v, out, lse, dlse, softmax_scale, diag_offset, causal):
+        dq, dk, dv = split(dout, q, k, v, out, lse, dlse, fused=True, attn_mask=None,
+                           alibi_slopes=None, softmax_scale=softmax_scale,
+                           diag_offset=diag_offset, window_left=-1,
+                           window_right=0 if causal else -1, softcap=0.0, allow_tf32=False)
+        if fault == "dk":
+            dk = dk + 0.05
+        elif fault == "nan":
+            dv[0, 3, 1, 0] = float("nan")
+        return dq, dk, dv
+
+    monkeypatch.setattr(custom_ops, "select_backend", lambda *a, **kw: "torch")
+    monkeypatch.setattr(bwd, "attn_bwd", split)
+    monkeypatch.setattr(bwd_hopper, "backward", gluon)
+    monkeypatch.setattr(bwd_hopper, "unsupported",
+                        lambda *a, **kw: "a reason" if fault == "declined" else None)
+    if fault == "none":
+        attn = provider.build(cell, CPU)
+        q, k, v, dout = run.make_inputs(cell, "bshd", CPU)[0]
+        assert attn(q, k, v).shape == q.shape
+    else:
+        match = ("cannot run this call: a reason" if fault == "declined"
+                 else "does not match the split backward")
+        with pytest.raises((RuntimeError, ValueError), match=match):
+            provider.build(cell, CPU)
+
+
 def test_memory_plot_on_a_log_scale(tmp_path):
     """GPU runs measure memory; the plot code is checked here with given values."""
     results = []

@@ -307,43 +307,73 @@ register(Provider("flashtile-hopper-fp8", "bshd", _flashtile_hopper_fp8, ("cuda"
                   modes=("fwd",), prepare=_fp8_inputs,
                   about="flashtile.ops.fwd_hopper's launcher on flashtile-fp8's inputs, "
                         "validated against the portable FP8 kernel first"))
-def _flashtile_fused_bwd(cell, device):
-    """flashtile's forward and its fused backward (what FLASHTILE_BWD=fused gives
-    flash_attn_func with deterministic=False), called through the launchers so that it
-    can be timed beside "flashtile" (the default, split backward) in one run. Before it
-    is timed, its gradients on this cell's inputs must match the split backward's
-    within two rounding steps of their dtype (issue 15: validate what is timed)."""
+def _validated_fwd_bwd(cell, device, forward, backward, name):
+    """``forward(q, k, v, **kw) -> (out, lse)`` and ``backward(dout, q, k, v, out, lse,
+    **kw) -> (dq, dk, dv)`` as one autograd function, called through the launchers so
+    that the pair can be timed beside "flashtile" in one run. Before it is timed, its
+    gradients on this cell's inputs must match the portable split backward's within two
+    rounding steps of their dtype (issue 15: validate what is timed)."""
     from flashtile.bench.run import make_inputs
-    from flashtile.ops import bwd, fwd
+    from flashtile.ops import bwd
 
     kw = dict(attn_mask=None, alibi_slopes=None, softmax_scale=cell.head_dim ** -0.5,
               diag_offset=0, window_left=-1, window_right=0 if cell.causal else -1,
               softcap=0.0, allow_tf32=False)
 
-    class FusedBackward(torch.autograd.Function):
+    class FwdBwd(torch.autograd.Function):
         @staticmethod
         def forward(ctx, q, k, v):
-            out, lse = fwd.attn_fwd(q, k, v, **kw)
+            out, lse = forward(q, k, v, **kw)
             ctx.save_for_backward(q, k, v, out, lse)
             return out
 
         @staticmethod
         def backward(ctx, dout):
-            return bwd.attn_bwd(dout.contiguous(), *ctx.saved_tensors, None, fused=True,
-                                **kw)
+            return backward(dout.contiguous(), *ctx.saved_tensors, **kw)
 
     q, k, v, dout = make_inputs(cell, "bshd", device)[0]
     with torch.no_grad():
-        out, lse = fwd.attn_fwd(q, k, v, **kw)
+        out, lse = forward(q, k, v, **kw)
         split = bwd.attn_bwd(dout, q, k, v, out, lse, None, fused=False, **kw)
-        fused = bwd.attn_bwd(dout, q, k, v, out, lse, None, fused=True, **kw)
-    for name, ours, ref in zip(("dq", "dk", "dv"), fused, split):
+        ours = backward(dout, q, k, v, out, lse, **kw)
+    for grad, mine, ref in zip(("dq", "dk", "dv"), ours, split):
         bound = 2 * torch.finfo(ref.dtype).eps * max(1.0, ref.abs().max().item())
-        err = (ours.float() - ref.float()).abs().max().item()
-        if not (torch.isfinite(ours).all() and err <= bound):
-            raise RuntimeError(f"fused backward's {name} does not match the split "
-                               f"backward's: max error {err:.3g} (bound {bound:.3g})")
-    return FusedBackward.apply
+        err = (mine.float() - ref.float()).abs().max().item()
+        if not (torch.isfinite(mine).all() and err <= bound):
+            raise RuntimeError(f"{name}'s {grad} does not match the split backward's: "
+                               f"max error {err:.3g} (bound {bound:.3g})")
+    return FwdBwd.apply
+
+
+def _flashtile_fused_bwd(cell, device):
+    """flashtile's forward and its fused backward (what FLASHTILE_BWD=fused gives
+    flash_attn_func with deterministic=False)."""
+    from flashtile.ops import bwd, fwd
+
+    return _validated_fwd_bwd(
+        cell, device, fwd.attn_fwd,
+        lambda dout, *saved, **kw: bwd.attn_bwd(dout, *saved, None, fused=True, **kw),
+        "fused backward")
+
+
+def _flashtile_hopper_bwd(cell, device):
+    """flashtile's forward as flash_attn_func picks it (FLASHTILE_HOPPER_FWD) and the
+    Gluon Hopper backward (what FLASHTILE_HOPPER_BWD=1 gives it); a call the Gluon
+    backward declines is n/a, not the portable one timed under this name."""
+    from flashtile import custom_ops
+    from flashtile.ops import bwd_hopper
+
+    def forward(q, k, v, **kw):
+        return custom_ops._attn_fwd_impl(q, k, v, **kw)
+
+    def backward(dout, q, k, v, out, lse, **kw):
+        reason = bwd_hopper.unsupported(q, k, v, out, dout, **kw)
+        if reason is not None:
+            raise ValueError(f"flashtile.ops.bwd_hopper cannot run this call: {reason}")
+        return bwd_hopper.backward(dout, q, k, v, out, lse, None, kw["softmax_scale"],
+                                   kw["diag_offset"], causal=kw["window_right"] == 0)
+
+    return _validated_fwd_bwd(cell, device, forward, backward, "Gluon Hopper backward")
 
 
 # Outside ALL, as the Gluon forward: name it with --providers to A/B the backwards.
@@ -351,6 +381,11 @@ register(Provider("flashtile-fusedbwd", "bshd", _flashtile_fused_bwd, ("cuda",),
                   modes=("fwd_bwd",),
                   about="flashtile's forward + fused backward (FLASHTILE_BWD=fused) "
                         "launchers, gradients validated against the split backward first"))
+register(Provider("flashtile-hopper-bwd", "bshd", _flashtile_hopper_bwd, ("cuda",),
+                  modes=("fwd_bwd",),
+                  about="flashtile's forward + flashtile.ops.bwd_hopper (Gluon, sm_90, "
+                        "FLASHTILE_HOPPER_BWD=1), gradients validated against the split "
+                        "backward first"))
 # Attention dropout (training): flashtile's Philox mask in the kernels beside SDPA's
 # backends that take dropout_p, at one rate. Outside ALL: name them with --providers.
 DROPOUT_P = 0.1

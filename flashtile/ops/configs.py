@@ -255,6 +255,28 @@ def hopper_fwd_config(head_dim: int, fp8: bool = False) -> TileConfig:
     return cfg
 
 
+# The Gluon backward for Hopper (ops/bwd_hopper.py), 16-bit only, keyed by head dim:
+# BLOCK_N is two consumer warpgroups of 64 keys, num_warps the default partition's one
+# warpgroup; BLOCK_M query rows per ring stage. 64 at both head dims: FA3 takes 128 at
+# d64, but there its S^T and dP^T tiles (64 fp32 registers each) spilled 336 bytes
+# (sm_90 compile, 240-register cap); at d128 dK and dV alone hold 128 registers. Shared
+# memory: K, V 2 x 64 keys, stages x (Q + dO), dS^T 2 x 64 x BLOCK_M: d64 81 KiB, d128
+# 145 KiB. Head dim 256 has no entry: dK and dV alone would take 256 of a consumer's 240
+# registers. Compile-checked only (tests/test_gluon_compile.py); never timed.
+HOPPER_BWD_16BIT = {64: TileConfig(64, 128, 4, 2), 128: TileConfig(64, 128, 4, 2)}
+
+
+def hopper_bwd_config(head_dim: int) -> TileConfig:
+    """HOPPER_BWD_16BIT[head_dim], or FLASHTILE_HOPPER_BWD_CONFIG="BLOCK_M,128,4,STAGES"
+    for sweeps (BLOCK_N and num_warps are fixed by the kernel's two warpgroups)."""
+    cfg = _from_env("hopper_bwd") or HOPPER_BWD_16BIT[head_dim]
+    if (cfg.block_n, cfg.num_warps) != (128, 4) or cfg.block_m not in (64, 128) \
+            or cfg.num_stages < 1:
+        raise ValueError("FLASHTILE_HOPPER_BWD_CONFIG must be 'BLOCK_M,128,4,STAGES' with "
+                         f"BLOCK_M 64 or 128 and STAGES >= 1, got {cfg}")
+    return cfg
+
+
 def _from_env(kind: str) -> TileConfig | None:
     # FLASHTILE_FWD_CONFIG="128,64,8,3" (BLOCK_M, BLOCK_N, num_warps, num_stages): for sweeps.
     raw = os.environ.get(f"FLASHTILE_{kind.upper()}_CONFIG")

@@ -1,0 +1,427 @@
+"""FlashAttention backward for Hopper (sm_90) in Gluon, scheduled after FlashAttention-3.
+
+Algorithm: Dao, FlashAttention-2 (2023), Algorithm 2 in its fused form
+(``flashtile.ops.bwd`` with ``fused=True``), laid out on Hopper as Shah et al.,
+FlashAttention-3 (2024), section 3.3 and appendix B: P is recomputed from the forward's
+lse in base 2 (the scale folded into one FFMA per score), dS = P * (dP - delta) with
+delta = rowsum(dO * O) - dlse (the portable preprocess kernel), dQ summed over the key
+blocks in fp32 by atomics, then scaled into dq by the portable conversion kernel. Dense
+layout only: q (batch, seqlen_q, nheads, head_dim), k/v (batch, seqlen_k, nheads_kv,
+head_dim), GQA/MQA; causal (any ``diag_offset``: key j is visible to row i when
+j <= i + diag_offset) or full.
+
+One program owns BLOCK_N = 2 x 64 keys of one (batch, KV head) and walks every query
+block of every query head of the group (the group sum of dK/dV happens in registers, as
+in bwd.py), in three warp-specialised partitions:
+- a producer warp loads the program's K and V once (one 64-key half per consumer) and
+  streams Q and dO blocks through a ring of STAGES shared buffers with TMA; each stage
+  has a "ready" mbarrier per tensor and one "empty" mbarrier (both consumers done).
+- two consumer warpgroups own 64 keys each and compute the transposed products, keys as
+  rows, so that P^T and dS^T, the A operands of dV += P^T dO and dK += dS^T Q, stay in
+  registers (wgmma's A may come from registers, B only from shared memory):
+  S^T = K Q^T, dP^T = V dO^T (both from shared memory), then dV and dK together. Both
+  write dS^T to shared memory; dQ_partial = dS K over all 128 keys (dS^T read
+  transposed) is then computed by one of them, the two taking turns by query block
+  (two mbarriers: both dS^T stored; the product done, the buffers free), in pieces of
+  64 head dims. dQ_partial goes to an fp32 accumulator with ``gl.atomic_add``
+  (relaxed, two values an instruction: atom.global.relaxed.add.v2.f32) straight from
+  the wgmma accumulator layout: one reduction per 128 keys, as the portable fused
+  backward's and FA3's.
+  Triton 3.6's Gluon exposes no TMA reduce (its hopper ``tma`` module has loads, stores
+  and store_wait only; ``desc.atomic_add`` is triton.language's, not Gluon's), so FA3's
+  bulk reduce-add from shared memory by a dedicated warp is not reachable here.
+- warp_specialize's register requests become setmaxnreg: 24 for the producer, 240 for
+  each consumer (dK and dV accumulators, 64 x head_dim fp32 each, live across the walk).
+Not FA3's: no ping-pong between the two consumers, no overlap of the softmax with the
+products inside a warpgroup (both spilled at head_dim 128), no separate dQ-writer warp.
+
+Rows past seqlen_q and keys past seqlen_k are zero-filled by TMA; keys past seqlen_k are
+masked (a zero key still scores 0, and exp2(0 - lse) can overflow where lse is very
+negative, making 0 * inf in dQ); rows past seqlen_q read lse = +inf, so their P is 0;
+dK/dV rows past seqlen_k are dropped by the TMA store, dQ rows past seqlen_q by the
+atomics' mask. Rows that saw no key (lse = -inf) read +inf too: zero gradients.
+
+Status: never run on a GPU, so FLASHTILE_HOPPER_BWD defaults to "0". What is checked:
+tests/test_gluon_compile.py compiles every variant for sm_90 on the CPU (shared memory,
+no tile spills, wgmma/TMA/setmaxnreg/atomics present; at head_dim 128 ptxas keeps 48
+bytes of scalars in local memory, a few reloaded per query block). Untested: every
+number, the mbarrier protocol (a deadlock would show as a 60 s timeout), the dS^T round
+trip through shared memory, the 64-column slices of K. The next GPU session runs
+``scripts/gpu_session.sh bwd-ab`` (``pytest --gpu tests/test_bwd_hopper.py``, then
+``flashtile bench --providers flashtile flashtile-fusedbwd flashtile-hopper-bwd
+sdpa-cudnn --modes fwd_bwd``). Prediction: forward + backward 0.85-1.0x cuDNN at head dims 64/128
+from 4k tokens (the portable pair: 0.71-0.76x): wgmma and TMA instead of mma.sync, the
+same 5 products as the fused backward, but no ping-pong, S^T -> dP^T -> dV/dK -> dQ
+serialised within a warpgroup, and dQ by element atomics where cuDNN and FA3 reduce by
+TMA bulk from shared memory.
+"""
+
+from __future__ import annotations
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
+
+from flashtile.ops import _launch, bwd, configs, fwd_hopper
+from flashtile.ops._common import LOG2E
+
+# Keys of one consumer warpgroup: wgmma's M is 64 per warpgroup, and the keys are the
+# rows of every product whose A operand lives in registers.
+BLOCK_N_WG = gl.constexpr(64)
+# As in fwd_hopper: 24 registers for the producer warp, 240 for each consumer (dK and
+# dV: 2 x 64 at head_dim 128; S^T and dP^T: 2 x 32 at 64 query rows; then a piece of
+# dQ_partial, 32, once they are dead). 24 + 240 + 240 fit the 64K registers.
+PRODUCER_REGS = gl.constexpr(24)
+CONSUMER_REGS = gl.constexpr(240)
+# Head dims of dQ_partial per product and atomics pass (see _dq_partial).
+DQ_PIECE = gl.constexpr(64)
+
+
+@gluon.jit
+def _load_partition(q_desc, k_desc, v_desc, do_desc, q_smem, k_smem, v_smem, do_smem,
+                    kv_ready, q_ready, do_ready, qdo_empty, off_b, off_hkv, key0,
+                    group_size, m_lo, n_m):
+    """Producer warp: K and V once (one half per consumer), then Q_i and dO_i of every
+    (query head of the group, query block) into the ring."""
+    BLOCK_M: gl.constexpr = q_desc.block_type.shape[1]
+    STAGES: gl.constexpr = q_smem.type.shape[0]
+    mbarrier.expect(kv_ready, 2 * k_desc.block_type.nbytes + 2 * v_desc.block_type.nbytes)
+    for w in gl.static_range(2):
+        k_half = k_smem.slice(w * BLOCK_N_WG, BLOCK_N_WG, dim=1)  # rows: keys
+        tma.async_copy_global_to_shared(k_desc, [off_b, key0 + w * BLOCK_N_WG, off_hkv, 0],
+                                        kv_ready, k_half)
+        tma.async_copy_global_to_shared(v_desc, [off_b, key0 + w * BLOCK_N_WG, off_hkv, 0],
+                                        kv_ready, v_smem.index(w))
+    for it in range(group_size * n_m):
+        off_h = off_hkv * group_size + it // n_m
+        row0 = (m_lo + it % n_m) * BLOCK_M
+        stage = it % STAGES
+        # A fresh mbarrier counts as having completed the phase before its first, so the
+        # first pass through the ring waits for nothing.
+        mbarrier.wait(qdo_empty.index(stage), ((it // STAGES) & 1) ^ 1)
+        mbarrier.expect(q_ready.index(stage), q_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [off_b, row0, off_h, 0],
+                                        q_ready.index(stage), q_smem.index(stage))
+        mbarrier.expect(do_ready.index(stage), do_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(do_desc, [off_b, row0, off_h, 0],
+                                        do_ready.index(stage), do_smem.index(stage))
+
+
+@gluon.jit
+def _a_operand(x, acc_layout: gl.constexpr, dtype: gl.constexpr):
+    """x (fp32, a wgmma accumulator of 64 rows) as the A operand, from registers, of a
+    product accumulating in ``acc_layout``: cast to the inputs' 16-bit type, two values
+    per 32-bit register."""
+    layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout,
+                                               k_width=2)
+    return gl.convert_layout(x.to(dtype), layout)
+
+
+@gluon.jit
+def _row_vector(ptr, row0, seqlen_q, other, BLOCK_M: gl.constexpr, s_layout: gl.constexpr):
+    """ptr[row0 + i] for i < BLOCK_M (``other`` past seqlen_q) in the layout of S^T's
+    columns: loaded one value per thread of the warpgroup, then converted."""
+    flat: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+    o_m = row0 + gl.arange(0, BLOCK_M, layout=flat)
+    x = gl.load(ptr + o_m, mask=o_m < seqlen_q, other=other)
+    return gl.convert_layout(x, gl.SliceLayout(0, s_layout))
+
+
+@gluon.jit
+def _dq_partial(ds_all, k_all, dq_init, p_dq, row0, seqlen_q):
+    """dQ_partial = dS K over the program's 128 keys, added into rows row0 + [0, M) of
+    the fp32 accumulator at p_dq (head_dim wide), in pieces of 64 head dims (K's
+    columns, a whole 128-byte swizzle atom each) addressed by 32-bit offsets from one
+    pointer: at head_dim 128 the whole (64, 128) fp32 tile with 64-bit addresses, beside
+    dK and dV, spilled under the 240-register cap."""
+    HEAD_DIM: gl.constexpr = k_all.type.shape[1]
+    BLOCK_M: gl.constexpr = dq_init.type.shape[0]
+    DQ_PIECE: gl.constexpr = dq_init.type.shape[1]
+    dq_layout: gl.constexpr = dq_init.type.layout
+    o_dq_m = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, dq_layout))  # (M,)
+    o_dq_d = gl.arange(0, DQ_PIECE, layout=gl.SliceLayout(0, dq_layout))        # (64,)
+    for piece in gl.static_range(HEAD_DIM // DQ_PIECE):
+        k_piece = k_all.slice(piece * DQ_PIECE, DQ_PIECE, dim=1)              # (128, 64)
+        dq = warpgroup_mma(ds_all.permute((1, 0)), k_piece, dq_init, use_acc=False,
+                           is_async=True)                                    # (M, 64)
+        dq = warpgroup_mma_wait(0, deps=(dq,))
+        o_dq = gl.expand_dims(o_dq_m, 1) * HEAD_DIM \
+            + gl.expand_dims(piece * DQ_PIECE + o_dq_d, 0)                  # (M, 64)
+        # Relaxed: nothing reads a reduction's result before the conversion kernel, so
+        # it needs no ordering.
+        gl.atomic_add(p_dq + o_dq, dq, mask=gl.expand_dims(o_dq_m < seqlen_q, 1),
+                      sem="relaxed")
+
+
+@gluon.jit
+def _mma_partition(q_smem, k_smem, v_smem, do_smem, ds_smem, kv_ready, q_ready, do_ready,
+                   qdo_empty, ds_full, ds_empty, dk_desc, dv_desc, Lse, Delta, DQAccum,
+                   off_b, off_hkv, key0, group_size, m_lo, n_m, nheads, seqlen_q, seqlen_k,
+                   diag_offset, softmax_scale, WG: gl.constexpr, IS_CAUSAL: gl.constexpr):
+    """Consumer warpgroup WG: keys key0 + 64 * WG + [0, 64) against every query block."""
+    STAGES: gl.constexpr = q_smem.type.shape[0]
+    BLOCK_M: gl.constexpr = q_smem.type.shape[2]
+    HEAD_DIM: gl.constexpr = q_smem.type.shape[4]
+    dtype: gl.constexpr = q_smem.dtype
+    # wgmma accumulators: 4 warps along M, instruction N = the whole tile width.
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_M, 16])
+    d_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 16])
+    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, DQ_PIECE, 16])
+    qk_scale = softmax_scale * LOG2E
+
+    # lse, delta and the dQ accumulator are (batch, nheads, seqlen_q, ...): the group's
+    # first query head is row bh0 of their (batch * nheads) heads.
+    bh0 = off_b * nheads + off_hkv * group_size
+    # K of both warpgroups (ds_smem: their dS^T): the 128 keys of the dQ product.
+    k_all = k_smem.reshape([2 * BLOCK_N_WG, HEAD_DIM])                       # (128, D)
+    k = k_all.slice(WG * BLOCK_N_WG, BLOCK_N_WG)                             # (64, D)
+    v = v_smem.index(WG).reshape([BLOCK_N_WG, HEAD_DIM])                     # (64, D)
+    o_n = key0 + WG * BLOCK_N_WG + gl.arange(0, BLOCK_N_WG,
+                                             layout=gl.SliceLayout(1, s_layout))
+    dk = gl.zeros([BLOCK_N_WG, HEAD_DIM], gl.float32, d_layout)
+    dv = gl.zeros([BLOCK_N_WG, HEAD_DIM], gl.float32, d_layout)
+    s_init = gl.zeros([BLOCK_N_WG, BLOCK_M], gl.float32, s_layout)  # ignored: use_acc=False
+    dq_init = gl.zeros([BLOCK_M, DQ_PIECE], gl.float32, dq_layout)  # ignored: use_acc=False
+    mbarrier.wait(kv_ready, 0)
+
+    n_iter = group_size * n_m
+    for it in range(n_iter):
+        row0 = (m_lo + it % n_m) * BLOCK_M
+        o_m = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))  # (M,)
+        stage = it % STAGES
+        phase = (it // STAGES) & 1
+        # lse and delta: BLOCK_M fp32 each, loaded here (not by TMA: a row of lse is
+        # seqlen_q * 4 bytes, a 16-byte multiple only when seqlen_q is a multiple of 4),
+        # one value per thread, then spread to the columns of S^T through shared memory:
+        # loaded in S^T's column layout, each thread would hold 16 values and their 16
+        # 64-bit addresses (48 registers), which spilled at head_dim 128.
+        p_row = (bh0 + it // n_m).to(gl.int64) * seqlen_q
+        lse2 = _row_vector(Lse + p_row, row0, seqlen_q, float("inf"), BLOCK_M, s_layout)
+        # Rows that saw no key have lse = -inf; +inf makes their P exactly 0, not NaN.
+        lse2 = gl.where(lse2 == float("-inf"), float("inf"), lse2 * LOG2E)
+        q = q_smem.index(stage).reshape([BLOCK_M, HEAD_DIM])                 # (M, D)
+        b_do = do_smem.index(stage).reshape([BLOCK_M, HEAD_DIM])             # (M, D)
+
+        mbarrier.wait(q_ready.index(stage), phase)
+        s_t = warpgroup_mma(k, q.permute((1, 0)), s_init, use_acc=False,
+                            is_async=True)                                   # (64, M)
+        s_t = warpgroup_mma_wait(0, deps=(s_t,))
+        keep = gl.expand_dims(o_n < seqlen_k, 1)
+        if IS_CAUSAL:
+            keep = keep & (gl.expand_dims(o_n, 1) <= gl.expand_dims(o_m, 0) + diag_offset)
+        s_t = gl.where(keep, s_t, float("-inf"))
+        p_t = gl.exp2(s_t * qk_scale - gl.expand_dims(lse2, 0))              # (64, M)
+
+        mbarrier.wait(do_ready.index(stage), phase)
+        dp_t = warpgroup_mma(v, b_do.permute((1, 0)), s_init, use_acc=False,
+                             is_async=True)                                  # (64, M)
+        dp_t = warpgroup_mma_wait(0, deps=(dp_t,))
+        # dV's product is issued after dP^T completes, not beside it: its P^T operand
+        # and accumulators held in flight through dS spilled 104-128 bytes at head_dim
+        # 128 (dK, dV: 128 registers; S^T/P^T, dP^T: 32 each; the operands 16 each).
+        # The other consumer's products fill the tensor cores meanwhile.
+        p_op = _a_operand(p_t, d_layout, dtype)
+        delta = _row_vector(Delta + p_row, row0, seqlen_q, 0.0, BLOCK_M, s_layout)
+        ds_t = p_t * (dp_t - gl.expand_dims(delta, 0))                       # (64, M)
+        ds_op = _a_operand(ds_t, d_layout, dtype)
+        dv = warpgroup_mma(p_op, b_do, dv, is_async=True)
+        dk = warpgroup_mma(ds_op, q, dk, is_async=True)
+        # dQ_partial = dS K needs dS as the A operand, rows the queries: through shared
+        # memory, read transposed. Both warpgroups' dS^T (128 keys) go into one product,
+        # taken by the two in turn (owner it % 2): half the atomics of a product per
+        # warpgroup, as FA3 sums dQ over its 128 keys before reducing. ds_empty: the
+        # previous owner's product, the last reader of both buffers, has completed.
+        mbarrier.wait(ds_empty, (it & 1) ^ 1)
+        # From the operand's registers: no second 16-bit copy of dS^T.
+        ds_smem.slice(WG * BLOCK_N_WG, BLOCK_N_WG).store(ds_op)
+        fence_async_shared()  # the generic-proxy writes above before wgmma reads them
+        mbarrier.arrive(ds_full, count=1)
+        dv, dk = warpgroup_mma_wait(0, deps=(dv, dk))
+        mbarrier.arrive(qdo_empty.index(stage), count=1)  # Q and dO read for the last time
+        if it % 2 == WG:
+            mbarrier.wait(ds_full, it & 1)  # the other warpgroup's dS^T stored too
+            _dq_partial(ds_smem, k_all, dq_init, DQAccum + p_row * HEAD_DIM, row0, seqlen_q)
+            mbarrier.arrive(ds_empty, count=1)
+
+    # dK and dV leave through this warpgroup's K and V buffers once the last dQ product,
+    # which reads both halves of K, has completed (a fresh barrier passes: no walk). TMA
+    # drops the rows past seqlen_k.
+    mbarrier.wait(ds_empty, (n_iter & 1) ^ 1)
+    k_out = k_smem.slice(WG * BLOCK_N_WG, BLOCK_N_WG, dim=1)
+    v_out = v_smem.index(WG)
+    k.store((dk * softmax_scale).to(dtype))  # k_out's rows, through the 2-d view
+    v_out.reshape([BLOCK_N_WG, HEAD_DIM]).store(dv.to(dtype))
+    fence_async_shared()  # the generic-proxy writes above before the TMA engine reads
+    row = key0 + WG * BLOCK_N_WG
+    tma.async_copy_shared_to_global(dk_desc, [off_b, row, off_hkv, 0], k_out)
+    tma.async_copy_shared_to_global(dv_desc, [off_b, row, off_hkv, 0], v_out)
+    tma.store_wait(0)
+
+
+@gluon.jit
+def _attn_bwd_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse, Delta,
+                            DQAccum, seqlen_q, seqlen_k, nheads, nheads_kv, diag_offset,
+                            softmax_scale, IS_CAUSAL: gl.constexpr, STAGES: gl.constexpr):
+    """dK, dV of 128 keys of one (batch, KV head), dQ added into DQAccum: fp32 (batch,
+    nheads, seqlen_q, head_dim), zeroed by the preprocess."""
+    BLOCK_M: gl.constexpr = q_desc.block_type.shape[1]
+    HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
+    key0 = gl.program_id(0) * (2 * BLOCK_N_WG)
+    off_bh = gl.program_id(1)
+    off_b = off_bh // nheads_kv
+    off_hkv = off_bh % nheads_kv
+    group_size = nheads // nheads_kv
+    # Query blocks [m_lo, m_hi) hold a row that sees one of these keys: with causal, row
+    # i sees key j when j <= i + diag_offset, so the first is key0 - diag_offset.
+    m_lo = 0
+    if IS_CAUSAL:
+        m_lo = gl.maximum(key0 - diag_offset, 0) // BLOCK_M
+    n_m = gl.maximum(gl.cdiv(seqlen_q, BLOCK_M) - m_lo, 0)
+
+    q_smem = gl.allocate_shared_memory(q_desc.dtype, [STAGES] + q_desc.block_type.shape,
+                                       q_desc.layout)
+    do_smem = gl.allocate_shared_memory(do_desc.dtype, [STAGES] + do_desc.block_type.shape,
+                                        do_desc.layout)
+    # K in one buffer of both halves (rows: keys), so that the dQ product reads 128 keys.
+    k_smem = gl.allocate_shared_memory(k_desc.dtype, [1, 2 * BLOCK_N_WG, 1, HEAD_DIM],
+                                       k_desc.layout)
+    v_smem = gl.allocate_shared_memory(v_desc.dtype, [2] + v_desc.block_type.shape,
+                                       v_desc.layout)
+    ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for(
+        [2 * BLOCK_N_WG, BLOCK_M], q_desc.dtype)
+    ds_smem = gl.allocate_shared_memory(q_desc.dtype, [2 * BLOCK_N_WG, BLOCK_M], ds_layout)
+    kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    do_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    qdo_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    ds_full = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    ds_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    mbarrier.init(kv_ready, count=1)
+    mbarrier.init(ds_full, count=2)  # both warpgroups stored their dS^T
+    mbarrier.init(ds_empty, count=1)  # the owner's dQ product has completed
+    for i in gl.static_range(STAGES):
+        mbarrier.init(q_ready.index(i), count=1)
+        mbarrier.init(do_ready.index(i), count=1)
+        mbarrier.init(qdo_empty.index(i), count=2)  # one arrival per consumer warpgroup
+
+    gl.warp_specialize([
+        (_mma_partition, (q_smem, k_smem, v_smem, do_smem, ds_smem, kv_ready, q_ready,
+                          do_ready, qdo_empty, ds_full, ds_empty, dk_desc, dv_desc, Lse,
+                          Delta, DQAccum, off_b, off_hkv, key0, group_size, m_lo, n_m,
+                          nheads, seqlen_q, seqlen_k, diag_offset, softmax_scale, 0,
+                          IS_CAUSAL)),
+        (_load_partition, (q_desc, k_desc, v_desc, do_desc, q_smem, k_smem, v_smem,
+                           do_smem, kv_ready, q_ready, do_ready, qdo_empty, off_b, off_hkv,
+                           key0, group_size, m_lo, n_m)),
+        (_mma_partition, (q_smem, k_smem, v_smem, do_smem, ds_smem, kv_ready, q_ready,
+                          do_ready, qdo_empty, ds_full, ds_empty, dk_desc, dv_desc, Lse,
+                          Delta, DQAccum, off_b, off_hkv, key0, group_size, m_lo, n_m,
+                          nheads, seqlen_q, seqlen_k, diag_offset, softmax_scale, 1,
+                          IS_CAUSAL)),
+    ], [1, 4], [PRODUCER_REGS, CONSUMER_REGS])
+
+
+def unsupported(q, k, v, out, dout, *, softmax_scale=1.0, attn_mask=None,
+                alibi_slopes=None, window_left=-1, window_right=-1, softcap=0.0,
+                dropout_p=0.0, **_) -> str | None:
+    """Why this kernel cannot serve the backward of a dense call (None: it can). The
+    arguments are those of ``flashtile.ops.bwd.attn_bwd``, already validated."""
+    if q.element_size() != 2:  # the forward kernel also takes FP8, which has no backward
+        return f"dtype {q.dtype}: float16 or bfloat16 only"
+    if q.shape[-1] not in configs.HOPPER_BWD_16BIT:
+        return f"head_dim {q.shape[-1]}: one of {sorted(configs.HOPPER_BWD_16BIT)} only"
+    # The forward kernel's conditions: device, dtype, features, TMA layouts of q, k, v.
+    reason = fwd_hopper.unsupported(q, k, v, softmax_scale=softmax_scale,
+                                    attn_mask=attn_mask, alibi_slopes=alibi_slopes,
+                                    window_left=window_left, window_right=window_right,
+                                    softcap=softcap, dropout_p=dropout_p)
+    if reason is not None:
+        return reason
+    if dout.data_ptr() % 16 or dout.stride(-1) != 1 or any(
+            s <= 0 or s % 8 for s in dout.stride()[:-1]):
+        return ("TMA needs 16-byte aligned data and strides, and a contiguous last dim "
+                "(dout)")
+    return None
+
+
+def _descriptor(x, rows: int):
+    """fwd_hopper's tensor map over (batch, seqlen, heads, head_dim) in (1, rows, 1,
+    head_dim) boxes."""
+    return fwd_hopper._descriptor(x, (1, rows, 1, x.shape[-1]))
+
+
+# The parameters each plan of the backward fills per call, in its kernel's order.
+_PRE_SLOTS = ("Out", "DOut", "DLse", "Delta", "DQAccum")
+_MAIN_SLOTS = ("q_desc", "k_desc", "v_desc", "do_desc", "dk_desc", "dv_desc", "Lse",
+               "Delta", "DQAccum", "softmax_scale")
+_CONVERT_SLOTS = ("DQAccum", "DQ", "softmax_scale")
+
+
+def backward(dout, q, k, v, out, lse, dlse, softmax_scale, diag_offset, causal):
+    """(dq, dk, dv) shaped like q, k, v in their dtype, for a call ``unsupported``
+    accepted (the caller checks). lse and dlse (or None): (batch, nheads, seqlen_q) fp32.
+    Three launches: the portable preprocess (delta, dq_accum zeroed), this module's
+    kernel, the portable dQ conversion. After the first call of a layout, launch plans
+    (``flashtile.ops._launch``) launch the compiled kernels directly, the six tensor maps
+    re-based as in fwd_hopper."""
+    b, sq, h, d = q.shape
+    sk, hkv = k.shape[1], k.shape[2]
+    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    dk = torch.empty(k.shape, dtype=k.dtype, device=q.device)
+    dv = torch.empty(v.shape, dtype=v.dtype, device=q.device)
+    lse = lse.contiguous()
+    has_dlse = dlse is not None
+    dlse = dlse.contiguous() if has_dlse else lse  # lse: a never-read placeholder
+    delta = torch.empty_like(lse)
+    # Rows head_dim wide: the kernel's atomics and the conversion address them so.
+    dq_accum = torch.empty((b, h, sq, d), dtype=torch.float32, device=q.device)
+    key = None
+    if _launch.ready(q):
+        # unsupported() checked q, k, v and dout for TMA's alignment; the preprocess
+        # also reads out, dlse and lse through plain pointers: their alignment is keyed.
+        key = ("hopper_bwd", q.dtype, q.shape, k.shape, q.stride(), k.stride(), v.stride(),
+               dout.stride(), out.stride(), causal, diag_offset, has_dlse,
+               _launch.misalignment(_launch.pointers((out, dout, dlse, lse))))
+        plans = _launch.lookup(key)
+        if plans is not None:
+            pre, (main, boxes), convert = plans
+            pre((out.data_ptr(), dout.data_ptr(), dlse.data_ptr(), delta.data_ptr(),
+                 dq_accum.data_ptr()))
+            main((*map(fwd_hopper._rebased, boxes, (q, k, v, dout, dk, dv)), lse.data_ptr(),
+                  delta.data_ptr(), dq_accum.data_ptr(), softmax_scale))
+            convert((dq_accum.data_ptr(), dq.data_ptr(), softmax_scale))
+            return dq, dk, dv
+    cfg = configs.hopper_bwd_config(d)
+    configs.log_first_launch("hopper backward", q, d, cfg, dict(IS_CAUSAL=causal))
+    pre_m = configs.PREPROCESS_BLOCK_M
+    row_grid = (configs.cdiv(sq, pre_m), b * h)
+    # delta = rowsum(dO * O) - dlse, and dq_accum zeroed, by the portable preprocess.
+    pre = _launch.first_launch(
+        bwd._bwd_preprocess_kernel, row_grid,
+        (out, dout, dlse, delta, dq_accum, *configs.strides(False, out, dout),
+         *dq_accum.stride()[:2], h, sq, d),
+        dict(BLOCK_M=pre_m, BLOCK_D=d, BLOCK_DV=d, HAS_DLSE=has_dlse, ZERO_DQ=True),
+        _PRE_SLOTS if key is not None else None)
+    descs = (_descriptor(q, cfg.block_m), _descriptor(k, BLOCK_N_WG.value),
+             _descriptor(v, BLOCK_N_WG.value), _descriptor(dout, cfg.block_m),
+             _descriptor(dk, BLOCK_N_WG.value), _descriptor(dv, BLOCK_N_WG.value))
+    main = _launch.first_launch(
+        _attn_bwd_hopper_kernel, (configs.cdiv(sk, cfg.block_n), b * hkv),
+        (*descs, lse, delta, dq_accum, sq, sk, h, hkv, diag_offset, softmax_scale),
+        dict(IS_CAUSAL=causal, STAGES=cfg.num_stages, num_warps=cfg.num_warps),
+        _MAIN_SLOTS if key is not None else None)
+    convert = _launch.first_launch(
+        bwd._bwd_dq_convert_kernel, row_grid,
+        (dq_accum, dq, *dq_accum.stride()[:2], *configs.strides(False, dq), h, sq, d,
+         softmax_scale),
+        dict(BLOCK_M=pre_m, BLOCK_D=d), _CONVERT_SLOTS if key is not None else None)
+    if key is not None and None not in (pre, main, convert):
+        # The descriptors without their tensors: a plan must not keep a call's memory.
+        boxes = tuple(fwd_hopper._rebased(x, None) for x in descs)
+        _launch.store(key, (pre, (main, boxes), convert))
+    return dq, dk, dv

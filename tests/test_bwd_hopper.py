@@ -1,0 +1,237 @@
+"""The Gluon Hopper backward (flashtile/ops/bwd_hopper.py) against the float64 oracle.
+
+GPU (``--gpu`` on an sm_90 device): dq, dk, dv against autograd through
+``attention_naive`` in float64 with the rule every backward test uses (tests/utils.py),
+over head dims 64 and 128, full and causal (bottom-right and top-left), GQA/MQA, lengths
+off the tile sizes, seqlen_q != seqlen_k, batch > 1, a gradient of lse (dlse); rows that
+see no key get zero gradients; a NaN reaches the gradients it touches; the
+FLASHTILE_HOPPER_BWD switch through flash_attn_func (deterministic=True keeps the
+portable backward). CPU: which calls the kernel declines, and the switch's dispatch with
+the kernel replaced by a fake. Test names with "hopper_bwd" are the memcheck slice
+(Makefile MEMCHECK_K).
+"""
+
+import pytest
+import torch
+
+import flashtile
+from flashtile import custom_ops
+from flashtile.reference import allowed_keys
+from tests.utils import assert_close_rule, reference_pair
+
+bwd_hopper = pytest.importorskip("flashtile.ops.bwd_hopper")  # Gluon: triton >= 3.6
+# The forward's GPU marker (sm_90, a 60 s limit against a deadlock) and arguments.
+from tests.test_fwd_hopper import MASKS, SHAPES, _kw, on_hopper  # noqa: E402
+from tests.test_fwd_hopper import _inputs as _qkv  # noqa: E402
+
+
+def _inputs(b, sq, sk, h, hkv, d, dtype, device="cuda"):
+    """q, k, v as the forward's tests draw them, and dout."""
+    return (*_qkv(b, sq, sk, h, hkv, d, dtype, device),
+            torch.randn(b, sq, h, d, dtype=dtype, device=device))
+
+
+def _backward(q, k, v, dout, causal, diag_offset, scale, dlse=None):
+    """The portable forward's out and lse, then the Gluon backward."""
+    from flashtile.ops import fwd
+
+    out, lse = fwd.attn_fwd(q, k, v, **_kw(causal, diag_offset, scale))
+    assert bwd_hopper.unsupported(q, k, v, out, dout, softmax_scale=scale) is None
+    return bwd_hopper.backward(dout, q, k, v, out, lse, dlse, scale, diag_offset, causal)
+
+
+def _check(grads, q, k, v, dout, causal, diag_offset, scale, dlse=None):
+    (_, _, g64), (_, _, g_pt) = reference_pair(q, k, v, dout, dlse, softmax_scale=scale,
+                                               causal=causal, diag_offset=diag_offset)
+    for name, g, x, r, p in zip(("dq", "dk", "dv"), grads, (q, k, v), g64, g_pt):
+        assert g.shape == x.shape and g.dtype == x.dtype, name
+        assert_close_rule(name, g, r, p)
+
+
+# The forward tests' shapes (lengths off the 64-row and 128-key tiles, one query row,
+# seqlen_q > seqlen_k, GQA and MQA, a walk that turns the Q/dO ring over many times) and
+# masks (full, causal bottom-right and top-left).
+@pytest.mark.parametrize("mask", list(MASKS))
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "b{}-q{}-k{}-h{}/{}".format(*s))
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@on_hopper
+def test_matches_float64_reference(dtype, head_dim, shape, mask):
+    b, sq, sk, h, hkv = shape
+    causal, align = MASKS[mask]
+    diag_offset = sk - sq if align == "bottom_right" else 0
+    q, k, v, dout = _inputs(b, sq, sk, h, hkv, head_dim, dtype)
+    scale = head_dim ** -0.5
+    grads = _backward(q, k, v, dout, causal, diag_offset, scale)
+    _check(grads, q, k, v, dout, causal, diag_offset, scale)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@on_hopper
+def test_hopper_bwd_small(head_dim):
+    """The memcheck slice: GQA, causal with seqlen_q > seqlen_k (empty rows), ragged
+    lengths, a dlse (the gradient of the lse output), a scale != 1/sqrt(d)."""
+    q, k, v, dout = _inputs(2, 77, 45, 4, 2, head_dim, torch.bfloat16)
+    dlse = torch.randn(2, 4, 77, device="cuda")
+    grads = _backward(q, k, v, dout, True, 45 - 77, 0.3, dlse)
+    _check(grads, q, k, v, dout, True, 45 - 77, 0.3, dlse)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@on_hopper
+def test_launch_plan_equals_tritons_path(causal):
+    """After a layout's first call, launch plans run the three kernels over fresh tensors
+    (new addresses in the six tensor maps) with another softmax_scale and a dlse: dk and
+    dv are the bits of Triton's own path (no atomics there), dq meets the rule (its
+    atomics add in another order each run), and the plans keep no call's tensor alive."""
+    from flashtile.ops import _launch
+
+    def call(seed, scale):
+        torch.manual_seed(seed)
+        q, k, v, dout = _inputs(2, 300, 333, 4, 2, 128, torch.bfloat16)
+        dlse = torch.randn(2, 4, 300, device="cuda")
+        return _backward(q, k, v, dout, causal, 33, scale, dlse), (q, k, v, dout, dlse)
+
+    _launch.clear()
+    call(0, 0.1)  # Triton's path, then the plans are stored
+    grads, (q, k, v, dout, dlse) = call(1, 0.2)  # the plans
+    stored = [p for p in _launch._plans.values() if isinstance(p, tuple) and len(p) == 3
+              and isinstance(p[1], tuple)]  # (pre, (main, boxes), convert)
+    assert len(stored) == 1 and all(box.base is None for box in stored[0][1][1])
+    _check(grads, q, k, v, dout, causal, 33, 0.2, dlse)
+    _launch.clear()
+    again, _ = call(1, 0.2)
+    assert torch.equal(grads[1], again[1]) and torch.equal(grads[2], again[2])
+
+
+@on_hopper
+def test_empty_rows_get_zero_gradients():
+    """Bottom-right causal with seqlen_q > seqlen_k: the first 200 rows see no key (lse
+    -inf); their dq is exactly 0, never NaN, and they add nothing to dk and dv."""
+    q, k, v, dout = _inputs(1, 300, 100, 2, 2, 128, torch.bfloat16)
+    dq, dk, dv = _backward(q, k, v, dout, True, 100 - 300, 128 ** -0.5)
+    assert (dq[:, :200] == 0).all()
+    assert torch.isfinite(dk).all() and torch.isfinite(dv).all()
+    _check((dq, dk, dv), q, k, v, dout, True, 100 - 300, 128 ** -0.5)
+
+
+@pytest.mark.parametrize("where", ["q", "k", "v"])
+@on_hopper
+def test_nan_reaches_its_gradients(where):
+    """As tests/test_nan.py asks of every backward: the gradients a NaN reaches are NaN,
+    those of the other head stay finite; dv does not depend on v."""
+    sq, sk, key = 200, 300, 290
+    q, k, v, dout = _inputs(1, sq, sk, 2, 2, 64, torch.bfloat16)
+    ok = allowed_keys(sq, sk, sk - sq, -1, 0, q.device)
+    seen_key = ok[:, key]
+    row = int(seen_key.nonzero()[0])
+    {"q": q, "k": k, "v": v}[where][0, row if where == "q" else key, 0, 3] = float("nan")
+    dq, dk, dv = _backward(q, k, v, dout, True, sk - sq, 64 ** -0.5)
+    for g in (dq, dk, dv):
+        assert torch.isfinite(g[0, :, 1]).all()
+    rows = torch.arange(sq, device=q.device)
+    nan_rows = seen_key.clone() if where != "q" else rows == row
+    assert torch.isnan(dq[0, nan_rows, 0]).all() and torch.isnan(dk[0, key, 0]).all()
+    if where == "v":
+        assert torch.isfinite(dv).all()
+    else:
+        assert torch.isnan(dv[0, ok[nan_rows].any(0), 0]).all()
+
+
+@on_hopper
+def test_switch_dispatches_through_flash_attn_func(monkeypatch):
+    """FLASHTILE_HOPPER_BWD=1: flash_attn_func's backward runs the Gluon kernel where it
+    supports the call (head_dim 128) and meets the gradient rule; deterministic=True and
+    head_dim 96 keep the portable backward."""
+    calls = []
+    real = bwd_hopper.backward
+    monkeypatch.setattr(bwd_hopper, "backward",
+                        lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    monkeypatch.setenv("FLASHTILE_HOPPER_BWD", "1")
+    q, k, v, dout = _inputs(2, 333, 555, 4, 2, 128, torch.bfloat16)
+    qg, kg, vg = (x.clone().requires_grad_() for x in (q, k, v))
+    out = flashtile.flash_attn_func(qg, kg, vg, causal=True)
+    grads = torch.autograd.grad(out, (qg, kg, vg), dout)
+    assert calls == [1]
+    (_, _, g64), (_, _, g_pt) = reference_pair(q, k, v, dout, causal=True)
+    for name, g, r, p in zip(("dq", "dk", "dv"), grads, g64, g_pt):
+        assert_close_rule(name, g, r, p)
+    out = flashtile.flash_attn_func(qg, kg, vg, causal=True, deterministic=True)
+    torch.autograd.grad(out, (qg, kg, vg), dout)
+    q96 = torch.randn(1, 64, 2, 96, dtype=torch.bfloat16, device="cuda", requires_grad=True)
+    torch.autograd.grad(flashtile.flash_attn_func(q96, q96, q96).sum(), q96)
+    assert calls == [1]
+
+
+def test_declines_what_it_does_not_support(monkeypatch):
+    """The reasons it gives for the calls the portable backward keeps (checked on CPU
+    with the device check bypassed)."""
+    from flashtile.ops import fwd_hopper
+
+    q, k, v, dout = _inputs(1, 40, 40, 2, 2, 64, torch.bfloat16, "cpu")
+    out = torch.randn_like(q)
+    assert "sm_90" in bwd_hopper.unsupported(q, k, v, out, dout)
+    monkeypatch.setattr(fwd_hopper, "_on_hopper", lambda device: True)
+    assert bwd_hopper.unsupported(q, k, v, out, dout) is None
+    assert bwd_hopper.unsupported(q, k, v, out, dout, window_right=0) is None  # causal
+    assert "dtype" in bwd_hopper.unsupported(*(x.float() for x in (q, k, v, out, dout)))
+    for d in (96, 256):
+        assert f"head_dim {d}" in bwd_hopper.unsupported(
+            *_inputs(1, 40, 40, 2, 2, d, torch.bfloat16, "cpu"), out)
+    for extra in (dict(attn_mask=q), dict(alibi_slopes=q), dict(softcap=5.0),
+                  dict(window_left=8), dict(window_right=3)):
+        assert "causal or full" in bwd_hopper.unsupported(q, k, v, out, dout, **extra)
+    assert "dropout" in bwd_hopper.unsupported(q, k, v, out, dout, dropout_p=0.1)
+    assert "empty" in bwd_hopper.unsupported(q, k[:, :0], v[:, :0], out, dout)
+    odd = torch.randn(1, 40, 2, 68, dtype=torch.bfloat16)[..., :64]  # stride 68: not 8k
+    assert "TMA" in bwd_hopper.unsupported(odd, k, v, out, dout)
+    assert "dout" in bwd_hopper.unsupported(q, k, v, out, odd)
+
+
+@pytest.mark.parametrize("switch,deterministic,head_dim,used", [
+    ("1", False, 64, "hopper"), ("1", False, 128, "hopper"), ("0", False, 128, "portable"),
+    ("", False, 128, "portable"), ("1", True, 128, "portable"),
+    ("1", False, 96, "portable")])
+def test_switch_dispatch_on_cpu(switch, deterministic, head_dim, used, monkeypatch):
+    """With the kernels replaced by fakes: FLASHTILE_HOPPER_BWD=1 sends a supported dense
+    backward to bwd_hopper.backward with the portable launcher's arguments (bottom-right
+    causal as diag_offset, the scale, dlse), "0" (also the unset default) keeps it on the
+    portable backward, and so do deterministic calls and calls it declines (head_dim 96:
+    the real unsupported() runs there, with only its device check bypassed)."""
+    from flashtile.ops import fwd_hopper
+
+    seen = {}
+
+    def portable(dout, q, k, v, out, lse, dlse, **kw):
+        seen["portable"] = dict(kw, dlse=dlse)
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+
+    def hopper(dout, q, k, v, out, lse, dlse, softmax_scale, diag_offset, causal):
+        seen["hopper"] = dict(softmax_scale=softmax_scale, diag_offset=diag_offset,
+                              window_right=0 if causal else -1, dlse=dlse)
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+
+    monkeypatch.setattr(custom_ops, "select_backend", lambda *a, **kw: "torch")
+    q, k, v, dout = _inputs(1, 30, 50, 2, 1, head_dim, torch.bfloat16, "cpu")
+    qg, kg, vg = (x.clone().requires_grad_() for x in (q, k, v))
+    out = flashtile.flash_attn_func(qg, kg, vg, causal=True, softmax_scale=0.25,
+                                    deterministic=deterministic)  # the torch forward
+    monkeypatch.setattr(custom_ops, "select_backend", lambda *a, **kw: "triton")
+    monkeypatch.setattr(fwd_hopper, "_on_hopper", lambda device: True)
+    monkeypatch.setattr(bwd_hopper, "backward", hopper)
+    monkeypatch.setattr(custom_ops, "triton_bwd", portable)
+    monkeypatch.setenv("FLASHTILE_HOPPER_BWD", switch)
+    torch.autograd.grad(out, (qg, kg, vg), dout)
+    assert list(seen) == [used]
+    kw = seen[used]
+    assert kw["diag_offset"] == 20 and kw["window_right"] == 0
+    assert kw["softmax_scale"] == 0.25
+
+
+def test_switch_rejects_other_values(monkeypatch):
+    from flashtile._backend import hopper_bwd_mode
+
+    monkeypatch.setenv("FLASHTILE_HOPPER_BWD", "auto")
+    with pytest.raises(ValueError, match="FLASHTILE_HOPPER_BWD must be '0' or '1', "
+                       "got 'auto'"):
+        hopper_bwd_mode()
