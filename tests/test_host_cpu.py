@@ -16,7 +16,7 @@ def test_rows_use_plans_and_count_the_gpu_work():
     # What each call enqueues on the GPU: decode splits over the H200's SMs and
     # combines; the backward is three launches; an append is one more.
     assert [(rows[c]["launches"], rows[c]["allocations"]) for c in rows] == [
-        (1, 2), (4, 6), (1, 2), (2, 3), (2, 3), (3, 3)]
+        (1, 2), (4, 6), (1, 2), (2, 2), (2, 2), (3, 2)]
 
 
 def test_stand_ins_are_restored():
