@@ -7,6 +7,7 @@ as a compile error, an illegal memory access or a silent wrong number.
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 import os
@@ -32,6 +33,53 @@ def _fail(kind, name, expected, got, fix=""):
     # One f-string, no concatenation: torch.compile can then build the message when a
     # check fails while tracing, even around symbolic sizes.
     raise kind(f"{name}: expected {expected}, got {got}{'. ' if fix else ''}{fix}")
+
+
+# Layouts a long-running process meets: a few per model and batch size; a memo past this
+# starts over rather than grow without bound.
+MAX_LAYOUTS = 1024
+
+
+def layouts(tensors):
+    """(dtype, shape, strides, device) of each tensor, None for an absent one: the key of
+    once_per_layout; None when one is not a plain torch.Tensor."""
+    key = []
+    for x in tensors:
+        if x is None:
+            key.append(None)
+        elif type(x) is torch.Tensor:
+            key.append((x.dtype, x.shape, x.stride(), x.device))
+        else:
+            return None
+    return tuple(key)
+
+
+def once_per_layout(check):
+    """``check(*tensors)`` (tensors or None), run once per combination of the tensors'
+    layouts in eager calls, its result remembered: for a check that reads nothing but
+    their types, dtypes, shapes, strides and devices (no address, no value, no global
+    state), a call with the layouts of one that passed passes too. A new layout, an
+    argument that is not a plain tensor (a subclass, a Parameter, a wrong type) and
+    every traced call (symbolic shapes; no host state in a graph) are checked in full,
+    so bad input raises as before; a check that raised stores nothing. Host time of
+    the checks is most of a decode call's (issue 15). No tensor is held."""
+    results = {}
+
+    @functools.wraps(check)
+    def checked(*tensors):
+        key = None if torch.compiler.is_compiling() else layouts(tensors)
+        if key is None:
+            return check(*tensors)
+        result = results.get(key, results)
+        if result is results:
+            result = check(*tensors)
+            if len(results) >= MAX_LAYOUTS:
+                results.clear()
+            results[key] = result
+        return result
+
+    checked.cache_clear = results.clear
+    return checked
 
 
 # The kernels index with 32-bit offsets (batch * stride + row * stride + col); past

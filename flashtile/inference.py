@@ -113,46 +113,8 @@ def _check_append_target(k_cache, v_cache):
                 "cache_seqlens counting them")
 
 
-# _check_cache's passes in eager calls: {the layouts of its tensors: its result}. Its
-# checks read only the arguments' types, dtypes, shapes, strides and devices (never an
-# address or a value), so a call whose tensors have the layouts of one that passed
-# passes too; any other call (a new layout, a non-tensor, a subclass) is checked in
-# full, and so raises as before. Nothing here holds a tensor.
-_CHECKED_LAYOUTS: dict = {}
-# Layouts a long-running process meets: a few per model and batch size; a process past
-# this starts over rather than grow without bound.
-MAX_CHECKED_LAYOUTS = 1024
-
-
-def _layouts(tensors):
-    """The memo key of _check_cache's tensors: (dtype, shape, strides, device) of each,
-    None for an absent one; None when one is not a plain torch.Tensor."""
-    key = []
-    for x in tensors:
-        if x is None:
-            key.append(None)
-        elif type(x) is Tensor:
-            key.append((x.dtype, x.shape, x.stride(), x.device))
-        else:
-            return None
-    return tuple(key)
-
-
-def _check_cache_once(*args):
-    """_check_cache(*args), skipped for layouts it passed before (eager calls only: a
-    traced call checks symbolic shapes, and must not read the memo)."""
-    if torch.compiler.is_compiling():
-        return _check_cache(*args)
-    key = _layouts(args)
-    if key is None:
-        return _check_cache(*args)
-    sn = _CHECKED_LAYOUTS.get(key)
-    if sn is None:
-        sn = _check_cache(*args)
-        if len(_CHECKED_LAYOUTS) >= MAX_CHECKED_LAYOUTS:
-            _CHECKED_LAYOUTS.clear()
-        _CHECKED_LAYOUTS[key] = sn
-    return sn
+# Its checks read the arguments' layouts only: once per combination of them.
+_check_cache_once = V.once_per_layout(_check_cache)
 
 
 def apply_rotary(x, cos, sin, positions, interleaved):

@@ -8,6 +8,7 @@ graph break), the same implementation as an autograd.Function in eager mode.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -27,6 +28,10 @@ def _allow_tf32(dtype) -> bool:
     # fp32 is exact (IEEE products) unless the user allowed TF32 the PyTorch way:
     # torch.set_float32_matmul_precision("high") or ("medium").
     return dtype == torch.float32 and _tf32_allowed()
+
+
+# flash_attn_func's check of q, k and v reads their layouts only: once per combination.
+_check_qkv = V.once_per_layout(functools.partial(V.check_qkv, dtypes=V.WITH_FP8))
 
 
 def _philox(q, dropout_p):
@@ -193,7 +198,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
             flash-attn's S_dmask is instead padded to multiples of 128, in q's dtype,
             and empty of meaning without dropout (docs/flash-attn-compat.md).
     """
-    b, sq, sk, h, hkv, d = V.check_qkv(q, k, v, dtypes=V.WITH_FP8)
+    b, sq, sk, h, hkv, d = _check_qkv(q, k, v)
     left, right = V.check_flash_options(dropout_p, softmax_scale, softcap, window_size,
                                         causal)
     V.check_bools(deterministic=deterministic, return_attn_probs=return_attn_probs,
