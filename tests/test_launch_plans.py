@@ -245,6 +245,40 @@ def test_plan_decode_and_append_match_triton(paged, num_splits, recorder):
     _check_plan_matches_triton(recorder, call, make_inputs)
 
 
+@pytest.mark.parametrize("launcher", ["fwd", "fwd_dropout", "decode", "decode_split"])
+def test_plan_without_lse_matches_triton_and_writes_lse_after_out(launcher, recorder):
+    """return_lse=False: lse's words after out's in one allocation. The plan passes the
+    kernels what Triton's path does, lse at out's address plus out's bytes rounded up
+    to 16 (inside out's allocation) for the unsplit launches."""
+    def make_inputs():
+        return dict(q=torch.randn(2, 5, 4, 24), k=torch.randn(2, 64, 2, 24),
+                    v=torch.randn(2, 64, 2, 24),
+                    seqlens=torch.tensor([5, 40], dtype=torch.int32),
+                    philox=torch.tensor([7, 0]))
+
+    def call(t):
+        if launcher.startswith("fwd"):
+            dropout = dict(dropout_p=0.3, philox=t["philox"]) if "dropout" in launcher \
+                else {}
+            out, lse = fwd.attn_fwd(t["q"], t["k"], t["v"], **_fwd_kw(), **dropout,
+                                    return_lse=False)
+        else:
+            out, lse = decode.attn_decode(
+                t["q"], t["k"], t["v"], cache_seqlens=t["seqlens"], block_table=None,
+                cache_batch_idx=None, cache_leftpad=None, alibi_slopes=None,
+                softmax_scale=0.25, window_left=-1, window_right=0, softcap=0.0,
+                num_splits=3 if launcher == "decode_split" else 1, allow_tf32=False,
+                return_lse=False)
+        assert lse is None and out.is_contiguous() and out.shape == (2, 5, 4, 24)
+        if launcher == "decode_split":  # lse in the scratch of the partials
+            return dict(out=out)
+        lse_at = -(-out.numel() * out.element_size() // 16) * 16
+        assert out.untyped_storage().nbytes() >= lse_at + 4 * 2 * 4 * 5
+        return dict(out=out, lse=_launch.lse_after(out, lse_at, (2, 4, 5)))
+
+    _check_plan_matches_triton(recorder, call, make_inputs)
+
+
 def _count(recorder, path):
     return sum(e[0] == path for e in recorder)
 

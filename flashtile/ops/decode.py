@@ -501,8 +501,7 @@ def _outputs(q, dv, out_dtype, num_splits, return_lse):
     - split: out, and one float32 scratch allocation of lse, the partial outputs and
       the partial lse, each 16-byte aligned. A returned lse is a contiguous (b, h, sq)
       view of the scratch's start (it keeps the scratch alive while it is kept);
-    - unsplit without lse: one allocation, out's elements then lse's words (out a
-      contiguous view of its start);
+    - unsplit without lse: one allocation, out then lse's words (``out_with_lse``);
     - unsplit with lse: out and lse, each its own.
     Every piece belongs to this call alone: nothing is shared between calls, streams
     or CUDA graphs."""
@@ -521,24 +520,21 @@ def _outputs(q, dv, out_dtype, num_splits, return_lse):
         out = torch.empty(shape, dtype=out_dtype, device=device)
         lse = torch.empty((b, h, sq), dtype=torch.float32, device=device)
         return out, lse, lse, 0, 0, 0
-    size = out_dtype.itemsize
-    lse_at = -(-n_out * size // 16) * 16
-    buf = torch.empty((lse_at + 4 * n_lse) // size, dtype=out_dtype, device=device)
-    return buf.as_strided(shape, (sq * h * dv, h * dv, dv, 1)), None, buf, lse_at, 0, 0
+    out, lse_at = _launch.out_with_lse(shape, out_dtype, n_lse, device)
+    return out, None, out, lse_at, 0, 0
 
 
-def _output_tensors(q, dv, num_splits, buf, lse_at, dst_at, dst_lse_at):
+def _output_tensors(q, dv, num_splits, out, lse, buf, lse_at, dst_at, dst_lse_at):
     """_outputs' pieces as the tensors Triton's own path takes (the first launch of a
     variant): lse, and the partial outputs and partial lse when split."""
     b, sq, h, _ = q.shape
-    words = buf.view(torch.float32).view(-1)
-    lse = words[lse_at // 4:lse_at // 4 + b * h * sq].view(b, h, sq)
     if num_splits == 1:
-        return lse, None, None
+        return (lse if lse is not None else _launch.lse_after(out, lse_at, (b, h, sq)),
+                None, None)
     n_out = num_splits * b * sq * h * dv
-    dst = words[dst_at // 4:dst_at // 4 + n_out].view(num_splits, b, sq, h, dv)
-    dst_lse = words[dst_lse_at // 4:dst_lse_at // 4 + num_splits * b * h * sq]
-    return lse, dst, dst_lse.view(num_splits, b, h, sq)
+    dst = buf[dst_at // 4:dst_at // 4 + n_out].view(num_splits, b, sq, h, dv)
+    dst_lse = buf[dst_lse_at // 4:dst_lse_at // 4 + num_splits * b * h * sq]
+    return buf[:b * h * sq].view(b, h, sq), dst, dst_lse.view(num_splits, b, h, sq)
 
 
 def attn_decode(q, k_cache, v_cache, *, cache_seqlens, block_table, cache_batch_idx,
@@ -621,7 +617,7 @@ def attn_decode(q, k_cache, v_cache, *, cache_seqlens, block_table, cache_batch_
         b * hkv * m_blocks, capacity, cfg.block_n, page_size if paged else 0, num_splits,
         _num_sms(q), cache_leftpad is not None)
     out, lse, *pieces = _outputs(q, dv, out_dtype, num_splits, return_lse)
-    lse_t, dst, dst_lse = _output_tensors(q, dv, num_splits, *pieces)
+    lse_t, dst, dst_lse = _output_tensors(q, dv, num_splits, out, lse, *pieces)
     if num_splits == 1:
         # The tile does not depend on the split; the pipeline depth does.
         cfg = _tile(q, k_cache, v_cache, v_is_k, split=False)
