@@ -8,6 +8,7 @@ as a compile error, an illegal memory access or a silent wrong number.
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 import numbers
 import os
@@ -54,6 +55,10 @@ def layouts(tensors):
     return tuple(key)
 
 
+# Ids of checked layouts, unique in the process (once_per_layout's with_id).
+_layout_ids = itertools.count(1)
+
+
 def once_per_layout(check):
     """``check(*tensors)`` (tensors or None), run once per combination of the tensors'
     layouts in eager calls, its result remembered: for a check that reads nothing but
@@ -62,22 +67,30 @@ def once_per_layout(check):
     argument that is not a plain tensor (a subclass, a Parameter, a wrong type) and
     every traced call (symbolic shapes; no host state in a graph) are checked in full,
     so bad input raises as before; a check that raised stores nothing. Host time of
-    the checks is most of a decode call's (issue 15). No tensor is held."""
+    the checks is most of a decode call's (issue 15). No tensor is held.
+
+    ``checked.with_id(*tensors)``: (the result, the id of this combination of layouts,
+    or None where it was checked in full): an int no other combination gets in this
+    process, which a launcher's plan key may hold in place of the layouts."""
     results = {}
+
+    def with_id(*tensors):
+        key = None if torch.compiler.is_compiling() else layouts(tensors)
+        if key is None:
+            return check(*tensors), None
+        entry = results.get(key)
+        if entry is None:
+            entry = (check(*tensors), next(_layout_ids))
+            if len(results) >= MAX_LAYOUTS:
+                results.clear()
+            results[key] = entry
+        return entry
 
     @functools.wraps(check)
     def checked(*tensors):
-        key = None if torch.compiler.is_compiling() else layouts(tensors)
-        if key is None:
-            return check(*tensors)
-        result = results.get(key, results)
-        if result is results:
-            result = check(*tensors)
-            if len(results) >= MAX_LAYOUTS:
-                results.clear()
-            results[key] = result
-        return result
+        return with_id(*tensors)[0]
 
+    checked.with_id = with_id
     checked.cache_clear = results.clear
     return checked
 

@@ -349,8 +349,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             and not isinstance(cache_seqlens, bool):
         cache_seqlens = torch.full((q.shape[0],), int(cache_seqlens), dtype=torch.int32,
                                    device=q.device)
-    sn = _check_cache_once(q, k_cache, v_cache, k, v, block_table, cache_seqlens,
-                           cache_batch_idx, cache_leftpad)
+    sn, layout = _check_cache_once.with_id(q, k_cache, v_cache, k, v, block_table,
+                                           cache_seqlens, cache_batch_idx, cache_leftpad)
     if k is not None:
         _check_append_target(k_cache, v_cache)
     b, sq, h, d = q.shape
@@ -402,7 +402,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         if sn:
             append_kv(k, v, k_cache, v_cache, cache_seqlens=cache_seqlens,
                       block_table=block_table, cache_batch_idx=cache_batch_idx,
-                      k_descale=descales[1], v_descale=descales[2])
+                      k_descale=descales[1], v_descale=descales[2], layout=layout)
         out, lse = attn_decode(
             q, k_cache, v_cache, cache_seqlens=cache_seqlens, new_tokens=sn,
             block_table=block_table, cache_batch_idx=cache_batch_idx,
@@ -410,7 +410,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             softmax_scale=float(softmax_scale), window_left=left, window_right=right,
             softcap=float(softcap), num_splits=int(num_splits), allow_tf32=False,
             q_descale=descales[0], k_descale=descales[1], v_descale=descales[2],
-            out_dtype=out_dtype, return_lse=want_lse)
+            out_dtype=out_dtype, return_lse=want_lse, layout=layout)
     else:
         with torch.no_grad():
             q, k = _rotate(q, k, rotary_cos, rotary_sin, cache_seqlens, sq, sn, q_moves,

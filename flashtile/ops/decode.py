@@ -540,7 +540,8 @@ def _output_tensors(q, dv, num_splits, out, lse, buf, lse_at, dst_at, dst_lse_at
 def attn_decode(q, k_cache, v_cache, *, cache_seqlens, block_table, cache_batch_idx,
                 cache_leftpad, alibi_slopes, softmax_scale, window_left, window_right,
                 softcap, num_splits, allow_tf32, new_tokens=0, q_descale=None,
-                k_descale=None, v_descale=None, out_dtype=None, return_lse=True):
+                k_descale=None, v_descale=None, out_dtype=None, return_lse=True,
+                layout=None):
     """Launch the decode kernel (and the combine kernel when split). Shapes, dtypes and
     devices validated by the caller; index values are checked by the kernel.
 
@@ -556,6 +557,10 @@ def attn_decode(q, k_cache, v_cache, *, cache_seqlens, block_table, cache_batch_
     FP8: the caches in a float8 dtype with 16-bit q, or q too in the caches' dtype;
     q_descale (FP8 q), k_descale and v_descale (FP8 caches) None (1.0) or fp32
     (b, hkv) with any strides; out in out_dtype (default q's dtype).
+    layout: None, or an id the caller gives to one combination of the dtypes, shapes,
+    strides and devices of q, k_cache, v_cache, block_table, cache_batch_idx and
+    cache_leftpad and of new_tokens, and to no other (``_validate.once_per_layout``'s):
+    the plan key holds it in their place (fewer values to read and hash per call).
     """
     b, sq, h, d = q.shape
     hkv, dv = k_cache.shape[2], v_cache.shape[-1]
@@ -579,14 +584,15 @@ def attn_decode(q, k_cache, v_cache, *, cache_seqlens, block_table, cache_batch_
         scale_ptrs = tuple(0 if x is None else x.data_ptr() for x in descales) \
             if scaled else ()
         v_is_k = p[1] == p[2] and _v_is_k(k_cache, v_cache)
+        if layout is None:
+            layout = (q.dtype, k_cache.dtype, q.shape, q.stride(), k_cache.shape,
+                      k_cache.stride(), dv, v_cache.stride(),
+                      paged and (block_table.shape, block_table.stride(0)),
+                      cache_batch_idx is None, cache_leftpad is None, new_tokens)
         # out and lse are left out of the alignment: _outputs aligns them.
-        key = ("decode", q.dtype, k_cache.dtype, out_dtype, q.shape, q.stride(),
-               k_cache.shape, k_cache.stride(), dv, v_cache.stride(), v_is_k,
-               paged and (block_table.shape, block_table.stride(0)),
-               cache_batch_idx is None, cache_leftpad is None,
-               _launch.layout(alibi_slopes),
+        key = ("decode", layout, out_dtype, v_is_k, _launch.layout(alibi_slopes),
                scaled and tuple(_launch.layout(x) for x in descales),
-               window_left, window_right, softcap > 0, num_splits, allow_tf32, new_tokens,
+               window_left, window_right, softcap > 0, num_splits, allow_tf32,
                _launch.misalignment(p + scale_ptrs))
         plans = _launch.lookup(key)
         if plans is not None:
@@ -754,11 +760,13 @@ _APPEND_SLOTS = ("KNew", "VNew", "KCache", "VCache", "CacheSeqlens", "BlockTable
 
 
 def append_kv(k, v, k_cache, v_cache, *, cache_seqlens, block_table, cache_batch_idx,
-              k_descale=None, v_descale=None):
+              k_descale=None, v_descale=None, layout=None):
     """Write k (b, n, hkv, d) and v (b, n, hkv, dv) into the caches in place at
     positions cache_seqlens[b] ... (``_append_kernel``); one launch, no host read of
     the indices. 16-bit k/v into
-    FP8 caches are quantised with k_descale/v_descale (None: 1.0; fp32 (b, hkv))."""
+    FP8 caches are quantised with k_descale/v_descale (None: 1.0; fp32 (b, hkv)).
+    layout: None, or an id of the layouts of k, v, k_cache, v_cache, block_table and
+    cache_batch_idx, as attn_decode's."""
     b, n, hkv, d = k.shape
     dv = v.shape[-1]
     if not k.numel():
@@ -771,11 +779,13 @@ def append_kv(k, v, k_cache, v_cache, *, cache_seqlens, block_table, cache_batch
     key = None
     if _launch.ready(k):
         p = _launch.pointers(tensors)
-        key = ("append", k.dtype, k_cache.dtype, k.shape, k.stride(), dv, v.stride(),
-               k_cache.shape, k_cache.stride(), v_cache.stride(),
-               paged and (block_table.shape, block_table.stride(0)),
-               cache_batch_idx is None, _launch.layout(k_descale),
-               _launch.layout(v_descale), _launch.misalignment(p))
+        if layout is None:
+            layout = (k.dtype, k_cache.dtype, k.shape, k.stride(), dv, v.stride(),
+                      k_cache.shape, k_cache.stride(), v_cache.stride(),
+                      paged and (block_table.shape, block_table.stride(0)),
+                      cache_batch_idx is None)
+        key = ("append", layout, _launch.layout(k_descale), _launch.layout(v_descale),
+               _launch.misalignment(p))
         plan = _launch.lookup(key)
         if plan is not None:
             plan(p)
