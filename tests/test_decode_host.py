@@ -116,6 +116,25 @@ def test_decode_outputs_are_right_and_their_own(num_splits, dtype, backend, devi
     assert torch.equal(alone, kept_alone)
 
 
+def test_calls_without_lse_under_inference_mode(backend, device):
+    """Regression: under torch.inference_mode a view has no ``_base``, and the first
+    decode or forward without lse (Triton's own path, which takes lse as a tensor
+    found through out's allocation) raised AttributeError (the engine's model test)."""
+    k_cache, v_cache = (torch.randn(2, 48, 2, 16, device=device) for _ in "kv")
+    seqlens = torch.tensor([7, 48], dtype=torch.int32, device=device)
+    q = torch.randn(2, 1, 4, 16, device=device)
+    qf, kf, vf = (torch.randn(1, 9, 2, 16, device=device) for _ in range(3))
+    with torch.inference_mode():
+        decoded = flashtile.flash_attn_with_kvcache(q, k_cache, v_cache,
+                                                    cache_seqlens=seqlens, causal=True,
+                                                    num_splits=1)
+        out = flashtile.flash_attn_func(qf, kf, vf, causal=True)
+    (out64, _), (out_t, _) = _reference_decode(q, k_cache, v_cache, seqlens)
+    assert_close_rule("decode", decoded, out64, out_t)
+    assert_close_rule("forward", out, attention_naive(qf, kf, vf, causal=True)[0],
+                      attention_naive(qf, kf, vf, causal=True, upcast=False)[0])
+
+
 def _paged_inputs(device, dtype=torch.float32):
     f = dict(device=device, dtype=dtype)
     q = torch.randn(2, 1, 4, 16, **f)

@@ -520,8 +520,8 @@ def _outputs(q, dv, out_dtype, num_splits, return_lse):
         out = torch.empty(shape, dtype=out_dtype, device=device)
         lse = torch.empty((b, h, sq), dtype=torch.float32, device=device)
         return out, lse, lse, 0, 0, 0
-    out, lse_at = _launch.out_with_lse(shape, out_dtype, n_lse, device)
-    return out, None, out, lse_at, 0, 0
+    out, buf, lse_at = _launch.out_with_lse(shape, out_dtype, n_lse, device)
+    return out, None, buf, lse_at, 0, 0
 
 
 def _output_tensors(q, dv, num_splits, out, lse, buf, lse_at, dst_at, dst_lse_at):
@@ -529,7 +529,7 @@ def _output_tensors(q, dv, num_splits, out, lse, buf, lse_at, dst_at, dst_lse_at
     variant): lse, and the partial outputs and partial lse when split."""
     b, sq, h, _ = q.shape
     if num_splits == 1:
-        return (lse if lse is not None else _launch.lse_after(out, lse_at, (b, h, sq)),
+        return (lse if lse is not None else _launch.lse_after(buf, lse_at, (b, h, sq)),
                 None, None)
     n_out = num_splits * b * sq * h * dv
     dst = buf[dst_at // 4:dst_at // 4 + n_out].view(num_splits, b, sq, h, dv)

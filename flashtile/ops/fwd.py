@@ -431,8 +431,8 @@ def attn_fwd(q, k, v, *, attn_mask, alibi_slopes, softmax_scale, diag_offset,
             if not batch or not longest_q or not h:
                 return out, lse if return_lse else None
         else:
-            out, lse_at = _launch.out_with_lse((batch, longest_q, h, dv), out_dtype or dtype,
-                                               batch * h * longest_q, device)
+            out, lse_buf, lse_at = _launch.out_with_lse(
+                (batch, longest_q, h, dv), out_dtype or dtype, batch * h * longest_q, device)
             # Placeholders and the key's alignment until lse's address replaces it:
             # out's, as aligned as lse's.
             lse = out
@@ -490,7 +490,7 @@ def attn_fwd(q, k, v, *, attn_mask, alibi_slopes, softmax_scale, diag_offset,
                  if varlen else None)
             return out, lse if lse_at is None else None
     if lse_at is not None:  # Triton's own path takes lse as a tensor
-        lse = _launch.lse_after(out, lse_at, (batch, h, longest_q))
+        lse = _launch.lse_after(lse_buf, lse_at, (batch, h, longest_q))
         tensors = (*tensors[:4], *(lse if x is out else x for x in tensors[4:]))
     windowed = window_right >= 0 or window_left >= 0
     mask, mask_strides, alibi, alibi_strides, flags = configs.feature_args(
