@@ -7,6 +7,8 @@ as a compile error, an illegal memory access or a silent wrong number.
 
 from __future__ import annotations
 
+import functools
+import itertools
 import math
 import numbers
 import os
@@ -32,6 +34,65 @@ def _fail(kind, name, expected, got, fix=""):
     # One f-string, no concatenation: torch.compile can then build the message when a
     # check fails while tracing, even around symbolic sizes.
     raise kind(f"{name}: expected {expected}, got {got}{'. ' if fix else ''}{fix}")
+
+
+# Layouts a long-running process meets: a few per model and batch size; a memo past this
+# starts over rather than grow without bound.
+MAX_LAYOUTS = 1024
+
+
+def layouts(tensors):
+    """(dtype, shape, strides, device) of each tensor, None for an absent one: the key of
+    once_per_layout; None when one is not a plain torch.Tensor."""
+    key = []
+    for x in tensors:
+        if x is None:
+            key.append(None)
+        elif type(x) is torch.Tensor:
+            key.append((x.dtype, x.shape, x.stride(), x.device))
+        else:
+            return None
+    return tuple(key)
+
+
+# Ids of checked layouts, unique in the process (once_per_layout's with_id).
+_layout_ids = itertools.count(1)
+
+
+def once_per_layout(check):
+    """``check(*tensors)`` (tensors or None), run once per combination of the tensors'
+    layouts in eager calls, its result remembered: for a check that reads nothing but
+    their types, dtypes, shapes, strides and devices (no address, no value, no global
+    state), a call with the layouts of one that passed passes too. A new layout, an
+    argument that is not a plain tensor (a subclass, a Parameter, a wrong type) and
+    every traced call (symbolic shapes; no host state in a graph) are checked in full,
+    so bad input raises as before; a check that raised stores nothing. Host time of
+    the checks is most of a decode call's (issue 15). No tensor is held.
+
+    ``checked.with_id(*tensors)``: (the result, the id of this combination of layouts,
+    or None where it was checked in full): an int no other combination gets in this
+    process, which a launcher's plan key may hold in place of the layouts."""
+    results = {}
+
+    def with_id(*tensors):
+        key = None if torch.compiler.is_compiling() else layouts(tensors)
+        if key is None:
+            return check(*tensors), None
+        entry = results.get(key)
+        if entry is None:
+            entry = (check(*tensors), next(_layout_ids))
+            if len(results) >= MAX_LAYOUTS:
+                results.clear()
+            results[key] = entry
+        return entry
+
+    @functools.wraps(check)
+    def checked(*tensors):
+        return with_id(*tensors)[0]
+
+    checked.with_id = with_id
+    checked.cache_clear = results.clear
+    return checked
 
 
 # The kernels index with 32-bit offsets (batch * stride + row * stride + col); past

@@ -75,6 +75,14 @@ def _attn_fwd_impl(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor],
              allow_tf32: bool, deterministic: bool = False, dropout_p: float = 0.0,
              philox: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     # deterministic only matters to the backward: kept for it by _setup_context.
+    return _forward(q, k, v, attn_mask, alibi_slopes, softmax_scale, diag_offset,
+                    window_left, window_right, softcap, allow_tf32, dropout_p, philox)
+
+
+def _forward(q, k, v, attn_mask, alibi_slopes, softmax_scale, diag_offset, window_left,
+             window_right, softcap, allow_tf32, dropout_p, philox, return_lse=True):
+    """(out, lse) of either backend; return_lse=False may return None for lse (the
+    portable Triton kernel then keeps it in out's allocation: one allocation less)."""
     kw = _mask_kwargs(attn_mask, alibi_slopes, softmax_scale, diag_offset, window_left,
                       window_right, softcap)
     if select_backend(q.device, q.dtype) == "triton":
@@ -86,7 +94,7 @@ def _attn_fwd_impl(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor],
                 return fwd_hopper.forward(q, k, v, softmax_scale, diag_offset,
                                           causal=window_right == 0)
         return triton_fwd(q, k, v, allow_tf32=allow_tf32, dropout_p=dropout_p,
-                          philox=philox, **kw)
+                          philox=philox, return_lse=return_lse, **kw)
     out, lse = _torch_backend.attention_fwd(
         q, k, v, dropout=_dense_dropout(q, dropout_p, philox), **kw)
     return out.contiguous(), lse.contiguous()
@@ -281,12 +289,20 @@ _EAGER_ATTENTION = _eager_function(
 
 def attention(q, k, v, attn_mask, alibi_slopes, softmax_scale, diag_offset, window_left,
               window_right, softcap, allow_tf32, deterministic=False, dropout_p=0.0,
-              philox=None):
+              philox=None, return_lse=True):
     """(out, lse) with autograd: ``flashtile::attn_fwd`` (one opaque node under
-    torch.compile), or in plain eager mode the same functions without the dispatcher."""
+    torch.compile), or in plain eager mode the same functions without the dispatcher.
+    return_lse=False: the caller drops lse, which may then be None (a plain eager call
+    that needs no gradient)."""
     args = (q, k, v, attn_mask, alibi_slopes, softmax_scale, diag_offset, window_left,
             window_right, softcap, allow_tf32, deterministic, dropout_p, philox)
-    return _call(attn_fwd, _EAGER_ATTENTION, _attn_fwd_impl, args)
+    if return_lse or (torch.is_grad_enabled() and (
+            q.requires_grad or k.requires_grad or v.requires_grad)) \
+            or not _plain_eager(args):
+        return _call(attn_fwd, _EAGER_ATTENTION, _attn_fwd_impl, args)
+    return _forward(q, k, v, attn_mask, alibi_slopes, softmax_scale, diag_offset,
+                    window_left, window_right, softcap, allow_tf32, dropout_p, philox,
+                    return_lse=False)
 
 
 # Varlen: packed sequences, q (total_q, h, d), k/v (total_k, hkv, d), lse (h, total_q).

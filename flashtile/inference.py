@@ -73,14 +73,6 @@ def _check_cache(q, k_cache, v_cache, k, v, block_table, cache_seqlens, cache_ba
         if k.shape[:-1] != v.shape[:-1]:
             V._fail(ValueError, "v.shape[:-1]", f"k's {tuple(k.shape[:-1])}",
                     tuple(v.shape[:-1]))
-        # Eager only: Dynamo cannot trace a storage's address.
-        if not torch.compiler.is_compiling() and V.views_overlap(k_cache, v_cache):
-            # Which of k and v would land in the shared columns is not defined (two
-            # writes of one address): MLA writes its latent rows into the cache itself.
-            V._fail(ValueError, "k/v", "None when v_cache and k_cache share elements "
-                    "(v_cache a view of k_cache's rows, as in absorbed MLA)", "new k and v",
-                    "Write the new rows into the shared cache first, then call with "
-                    "cache_seqlens counting them")
         sn = k.shape[1]
 
     if block_table is not None:
@@ -107,6 +99,22 @@ def _check_cache(q, k_cache, v_cache, k, v, block_table, cache_seqlens, cache_ba
         V.check_index_tensor(cache_leftpad, "cache_leftpad", (b,), device)
     V.check_index_tensor(cache_seqlens, "cache_seqlens", (b,), device)
     return sn
+
+
+def _check_append_target(k_cache, v_cache):
+    """New k and v need caches that share no element: which of them would land in the
+    shared columns is not defined (two writes of one address). Eager only (Dynamo
+    cannot trace a storage's address); per call, as it reads addresses."""
+    if not torch.compiler.is_compiling() and V.views_overlap(k_cache, v_cache):
+        # MLA writes its latent rows into the cache itself.
+        V._fail(ValueError, "k/v", "None when v_cache and k_cache share elements "
+                "(v_cache a view of k_cache's rows, as in absorbed MLA)", "new k and v",
+                "Write the new rows into the shared cache first, then call with "
+                "cache_seqlens counting them")
+
+
+# Its checks read the arguments' layouts only: once per combination of them.
+_check_cache_once = V.once_per_layout(_check_cache)
 
 
 def apply_rotary(x, cos, sin, positions, interleaved):
@@ -337,19 +345,24 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     """
     if cache_seqlens is None:
         V._fail(ValueError, "cache_seqlens", "an int or an int32 tensor (batch,)", None)
-    if isinstance(cache_seqlens, numbers.Integral) and not isinstance(cache_seqlens, bool):
+    if type(cache_seqlens) is not Tensor and isinstance(cache_seqlens, numbers.Integral) \
+            and not isinstance(cache_seqlens, bool):
         cache_seqlens = torch.full((q.shape[0],), int(cache_seqlens), dtype=torch.int32,
                                    device=q.device)
-    sn = _check_cache(q, k_cache, v_cache, k, v, block_table, cache_seqlens,
-                      cache_batch_idx, cache_leftpad)
+    sn, layout = _check_cache_once.with_id(q, k_cache, v_cache, k, v, block_table,
+                                           cache_seqlens, cache_batch_idx, cache_leftpad)
+    if k is not None:
+        _check_append_target(k_cache, v_cache)
     b, sq, h, d = q.shape
     descales, out_dtype = _check_fp8(q, k_cache, v_cache, (q_descale, k_descale, v_descale),
                                      out_dtype, rotary_cos)
     left, right = V.check_flash_options(0.0, softmax_scale, softcap, window_size, causal)
     V.check_bools(rotary_interleaved=rotary_interleaved,
                   return_softmax_lse=return_softmax_lse, return_lse=return_lse)
-    if isinstance(num_splits, bool) or not isinstance(num_splits, numbers.Integral) \
-            or num_splits < 0:
+    want_lse = return_softmax_lse or return_lse
+    if not (type(num_splits) is int and num_splits >= 0) and (
+            isinstance(num_splits, bool) or not isinstance(num_splits, numbers.Integral)
+            or num_splits < 0):
         V._fail(ValueError, "num_splits", "an int >= 0 (0 = heuristic)", num_splits)
     alibi_slopes = V.check_alibi(alibi_slopes, b, h, q.device)
     if softmax_scale is None:
@@ -375,9 +388,13 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                     f">= {int(cache_seqlens.max()) + reach} positions (max(cache_seqlens) "
                     "plus the new tokens)", rotary_cos.shape[0])
     # The kernels read every index tensor with unit strides.
-    cache_seqlens, cache_batch_idx, cache_leftpad, block_table = (
-        x.contiguous() if x is not None else None
-        for x in (cache_seqlens, cache_batch_idx, cache_leftpad, block_table))
+    cache_seqlens = cache_seqlens.contiguous()
+    if block_table is not None:
+        block_table = block_table.contiguous()
+    if cache_batch_idx is not None:
+        cache_batch_idx = cache_batch_idx.contiguous()
+    if cache_leftpad is not None:
+        cache_leftpad = cache_leftpad.contiguous()
     plain = _plain_eager((q, k_cache, v_cache))
     if plain and backend == "triton" and rotary_cos is None:
         # The eager Triton path, straight to the launchers: the append and the attention
@@ -385,7 +402,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         if sn:
             append_kv(k, v, k_cache, v_cache, cache_seqlens=cache_seqlens,
                       block_table=block_table, cache_batch_idx=cache_batch_idx,
-                      k_descale=descales[1], v_descale=descales[2])
+                      k_descale=descales[1], v_descale=descales[2], layout=layout)
         out, lse = attn_decode(
             q, k_cache, v_cache, cache_seqlens=cache_seqlens, new_tokens=sn,
             block_table=block_table, cache_batch_idx=cache_batch_idx,
@@ -393,7 +410,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             softmax_scale=float(softmax_scale), window_left=left, window_right=right,
             softcap=float(softcap), num_splits=int(num_splits), allow_tf32=False,
             q_descale=descales[0], k_descale=descales[1], v_descale=descales[2],
-            out_dtype=out_dtype)
+            out_dtype=out_dtype, return_lse=want_lse, layout=layout)
     else:
         with torch.no_grad():
             q, k = _rotate(q, k, rotary_cos, rotary_sin, cache_seqlens, sq, sn, q_moves,
@@ -416,13 +433,16 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                 out, lse = _kvcache_attn_impl(*args, not checked, *descales, out_dtype)
             else:
                 out, lse = kvcache_attn(*args, not checked, *descales, out_dtype)
-    return (out, lse) if return_softmax_lse or return_lse else out
+    return (out, lse) if want_lse else out
 
 
 def _check_fp8(q, k_cache, v_cache, descales, out_dtype, rotary_cos):
     """The FP8 arguments of flash_attn_with_kvcache: (descales expanded to (batch,
     nheads_kv) or None, the output dtype)."""
     fp8_q, fp8_cache = F8.is_fp8(q.dtype), F8.is_fp8(k_cache.dtype)
+    if not (fp8_q or fp8_cache) and out_dtype is None and descales[0] is None \
+            and descales[1] is None and descales[2] is None:
+        return descales, q.dtype  # nothing FP8: what the checks below return for it
     out_dtype = F8.check_out_dtype(out_dtype, fp8_q, q.dtype)
     scaled = ((fp8_q, "q", q.dtype), (fp8_cache, "k_cache", k_cache.dtype),
               (fp8_cache, "v_cache", v_cache.dtype))

@@ -8,6 +8,7 @@ graph break), the same implementation as an autograd.Function in eager mode.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -29,6 +30,10 @@ def _allow_tf32(dtype) -> bool:
     return dtype == torch.float32 and _tf32_allowed()
 
 
+# flash_attn_func's check of q, k and v reads their layouts only: once per combination.
+_check_qkv = V.once_per_layout(functools.partial(V.check_qkv, dtypes=V.WITH_FP8))
+
+
 def _philox(q, dropout_p):
     """The dropout mask's Philox key, int64 [seed, offset] on q's device, drawn from
     PyTorch's default generator of that device (None without dropout).
@@ -46,7 +51,8 @@ def _philox(q, dropout_p):
 
 def _attention(q, k, v, *, attn_mask, alibi_slopes, softmax_scale, diag_offset,
                window_left, window_right, softcap, deterministic=False, dropout_p=0.0,
-               philox=None):
+               philox=None, return_lse=True):
+    """(out, lse); with return_lse=False lse may be None (custom_ops.attention)."""
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(q.shape[-1])
     # torch.sym_int, not int(): under torch.export int() of a symbolic size specializes
@@ -54,7 +60,7 @@ def _attention(q, k, v, *, attn_mask, alibi_slopes, softmax_scale, diag_offset,
     return custom_ops.attention(q, k, v, attn_mask, alibi_slopes, float(softmax_scale),
                                torch.sym_int(diag_offset), window_left, window_right,
                                float(softcap), _allow_tf32(q.dtype), deterministic,
-                               float(dropout_p), philox)
+                               float(dropout_p), philox, return_lse)
 
 
 # return_attn_probs (flash-attn's name): flash-attn then returns (out, softmax_lse,
@@ -193,7 +199,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
             flash-attn's S_dmask is instead padded to multiples of 128, in q's dtype,
             and empty of meaning without dropout (docs/flash-attn-compat.md).
     """
-    b, sq, sk, h, hkv, d = V.check_qkv(q, k, v, dtypes=V.WITH_FP8)
+    b, sq, sk, h, hkv, d = _check_qkv(q, k, v)
     left, right = V.check_flash_options(dropout_p, softmax_scale, softcap, window_size,
                                         causal)
     V.check_bools(deterministic=deterministic, return_attn_probs=return_attn_probs,
@@ -216,7 +222,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
                               softmax_scale=softmax_scale, diag_offset=sk - sq,
                               window_left=left, window_right=right, softcap=softcap,
                               deterministic=deterministic, dropout_p=dropout_p,
-                              philox=philox)
+                              philox=philox, return_lse=return_lse or return_attn_probs)
     if return_attn_probs:
         if fp8 is not None:  # the probabilities of the real (dequantised) q and k
             q, k = F8.dequantize(q, fp8[0][0]), F8.dequantize(k, fp8[0][1])
@@ -484,6 +490,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     out, _ = _attention(q, k, v, attn_mask=attn_mask, alibi_slopes=None,
                         softmax_scale=scale, diag_offset=0, window_left=-1,
                         window_right=0 if is_causal else -1, softcap=0.0,
-                        dropout_p=dropout_p, philox=_philox(q, dropout_p))
+                        dropout_p=dropout_p, philox=_philox(q, dropout_p),
+                        return_lse=False)
     out = out.transpose(1, 2)
     return out.squeeze(1) if squeeze else out

@@ -245,6 +245,87 @@ def test_plan_decode_and_append_match_triton(paged, num_splits, recorder):
     _check_plan_matches_triton(recorder, call, make_inputs)
 
 
+@pytest.mark.parametrize("launcher", ["fwd", "fwd_dropout", "decode", "decode_split"])
+def test_plan_without_lse_matches_triton_and_writes_lse_after_out(launcher, recorder):
+    """return_lse=False: lse's words after out's in one allocation. The plan passes the
+    kernels what Triton's path does, lse at out's address plus out's bytes rounded up
+    to 16 (inside out's allocation) for the unsplit launches."""
+    def make_inputs():
+        return dict(q=torch.randn(2, 5, 4, 24), k=torch.randn(2, 64, 2, 24),
+                    v=torch.randn(2, 64, 2, 24),
+                    seqlens=torch.tensor([5, 40], dtype=torch.int32),
+                    philox=torch.tensor([7, 0]))
+
+    def call(t):
+        if launcher.startswith("fwd"):
+            dropout = dict(dropout_p=0.3, philox=t["philox"]) if "dropout" in launcher \
+                else {}
+            out, lse = fwd.attn_fwd(t["q"], t["k"], t["v"], **_fwd_kw(), **dropout,
+                                    return_lse=False)
+        else:
+            out, lse = decode.attn_decode(
+                t["q"], t["k"], t["v"], cache_seqlens=t["seqlens"], block_table=None,
+                cache_batch_idx=None, cache_leftpad=None, alibi_slopes=None,
+                softmax_scale=0.25, window_left=-1, window_right=0, softcap=0.0,
+                num_splits=3 if launcher == "decode_split" else 1, allow_tf32=False,
+                return_lse=False)
+        assert lse is None and out.is_contiguous() and out.shape == (2, 5, 4, 24)
+        if launcher == "decode_split":  # lse in the scratch of the partials
+            return dict(out=out)
+        lse_at = -(-out.numel() * out.element_size() // 16) * 16
+        assert out.untyped_storage().nbytes() >= lse_at + 4 * 2 * 4 * 5
+        lse_words = torch.empty(0).set_(out.untyped_storage(), lse_at // 4, (2, 4, 5))
+        return dict(out=out, lse=lse_words)
+
+    _check_plan_matches_triton(recorder, call, make_inputs)
+
+
+def test_plans_of_flash_attn_with_kvcache_follow_each_layout(recorder, monkeypatch):
+    """flash_attn_with_kvcache keys its decode and append plans by the id of its
+    arguments' checked layouts: a call whose layouts differ from every earlier one (here
+    in strides only, shapes equal) goes through Triton, never through another layout's
+    plan; a later call of the same layouts passes its plan what Triton's path does."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # CPU tensors take the Triton path
+    monkeypatch.delenv("FLASHTILE_BACKEND", raising=False)
+
+    def contiguous(wide=False, q_t=False, append=False):
+        def make():
+            kv = torch.randn(2, 64, 2, 48) if wide else None
+            q = torch.randn(2, 1, 4, 16)
+            if q_t:
+                q = q.transpose(1, 2).contiguous().transpose(1, 2)
+            return dict(q=q, k_cache=kv[..., :16] if wide else torch.randn(2, 64, 2, 16),
+                        v_cache=kv[..., -16:] if wide else torch.randn(2, 64, 2, 16),
+                        seqlens=torch.tensor([5, 40], dtype=torch.int32),
+                        k=torch.randn(2, 1, 2, 16) if append else None,
+                        v=torch.randn(2, 1, 2, 16) if append else None, table=None)
+        return make
+
+    def paged(table_t=False, append=False):
+        def make():
+            table = torch.randperm(9)[:8].view(2, 4).to(torch.int32)
+            if table_t:
+                table = table.t().contiguous().t()
+            return dict(q=torch.randn(2, 1, 4, 16), k_cache=torch.randn(9, 16, 2, 16),
+                        v_cache=torch.randn(9, 16, 2, 16), table=table,
+                        seqlens=torch.tensor([5, 40], dtype=torch.int32),
+                        k=torch.randn(2, 1, 2, 16) if append else None,
+                        v=torch.randn(2, 1, 2, 16) if append else None)
+        return make
+
+    def call(t):
+        out, lse = flashtile.flash_attn_with_kvcache(
+            t["q"], t["k_cache"], t["v_cache"], t["k"], t["v"], cache_seqlens=t["seqlens"],
+            block_table=t["table"], causal=True, num_splits=3, return_lse=True)
+        return dict(out=out, lse=lse)
+
+    for make in (contiguous(), contiguous(wide=True), contiguous(q_t=True),
+                 contiguous(append=True), contiguous(wide=True, append=True), paged(),
+                 paged(table_t=True), paged(append=True), paged(table_t=True, append=True)):
+        recorder.clear()
+        _check_plan_matches_triton(recorder, call, make)
+
+
 def _count(recorder, path):
     return sum(e[0] == path for e in recorder)
 

@@ -32,6 +32,7 @@ before the first call (or call ``clear()``).
 
 from __future__ import annotations
 
+import math
 import os
 from functools import reduce
 from operator import or_
@@ -184,6 +185,27 @@ def misalignment(addresses):
     into another kernel than one whose address is not. 0 when all are aligned (the
     usual case, one OR), else each address modulo 16."""
     return 0 if not reduce(or_, addresses) & 15 else tuple([p & 15 for p in addresses])
+
+
+def out_with_lse(shape, dtype, n_lse, device):
+    """(out, buf, lse_at): one allocation ``buf`` for a launch whose caller does not
+    return lse: a contiguous ``out`` of ``shape`` (4-d) and ``dtype``, a view of its
+    start, then ``n_lse`` float32 words for the kernel's lse at byte offset ``lse_at``,
+    16-byte aligned like an allocation of its own. An allocation is ~10 us of host time
+    on the H200, as much as a launch; the lse words cost out 4 bytes a row more."""
+    b, m, h, d = shape
+    size = dtype.itemsize
+    lse_at = -(-b * m * h * d * size // 16) * 16
+    buf = torch.empty((lse_at + 4 * n_lse) // size, dtype=dtype, device=device)
+    return buf.as_strided(shape, (m * h * d, h * d, d, 1)), buf, lse_at
+
+
+def lse_after(buf, lse_at, shape):
+    """The lse words of ``out_with_lse``'s allocation as a float32 tensor of ``shape``,
+    for Triton's own launch path (which takes tensors, not addresses). From ``buf``,
+    not from out's ``_base``: views made under torch.inference_mode have none."""
+    start = lse_at // 4
+    return buf.view(torch.float32)[start:start + math.prod(shape)].view(shape)
 
 
 def first_launch(kernel, grid, args, kwargs, slots=None):

@@ -485,10 +485,63 @@ _DECODE_SLOTS = ("Q", "KCache", "VCache", "Out", "Lse", "BlockTable", "CacheSeql
 _COMBINE_SLOTS = ("OutPartial", "LsePartial", "Out", "Lse")
 
 
+def _f32_words(n: int) -> int:
+    """n float32 elements rounded up to a multiple of 4: what follows them in a shared
+    allocation starts 16-byte aligned, as a tensor of its own would (Triton compiles
+    aligned and unaligned pointers apart, and a plan's key assumes aligned outputs)."""
+    return -(-n // 4) * 4
+
+
+def _outputs(q, dv, out_dtype, num_splits, return_lse):
+    """out, lse (None unless return_lse), the allocation holding lse and the byte
+    offsets in it of lse, the partial outputs (num_splits, b, sq, h, dv) and the partial
+    lse (num_splits, b, h, sq) (0 unsplit), in as few allocations as the outputs allow:
+    each is ~10 us of host time on the H200, the price of a kernel launch.
+
+    - split: out, and one float32 scratch allocation of lse, the partial outputs and
+      the partial lse, each 16-byte aligned. A returned lse is a contiguous (b, h, sq)
+      view of the scratch's start (it keeps the scratch alive while it is kept);
+    - unsplit without lse: one allocation, out then lse's words (``out_with_lse``);
+    - unsplit with lse: out and lse, each its own.
+    Every piece belongs to this call alone: nothing is shared between calls, streams
+    or CUDA graphs."""
+    b, sq, h, _ = q.shape
+    n_out, n_lse, device = b * sq * h * dv, b * h * sq, q.device
+    shape = (b, sq, h, dv)
+    if num_splits > 1:
+        out = torch.empty(shape, dtype=out_dtype, device=device)
+        dst_at = 4 * _f32_words(n_lse)
+        dst_lse_at = dst_at + 4 * _f32_words(num_splits * n_out)
+        buf = torch.empty(dst_lse_at // 4 + num_splits * n_lse, dtype=torch.float32,
+                          device=device)
+        lse = buf.as_strided((b, h, sq), (h * sq, sq, 1)) if return_lse else None
+        return out, lse, buf, 0, dst_at, dst_lse_at
+    if return_lse:
+        out = torch.empty(shape, dtype=out_dtype, device=device)
+        lse = torch.empty((b, h, sq), dtype=torch.float32, device=device)
+        return out, lse, lse, 0, 0, 0
+    out, buf, lse_at = _launch.out_with_lse(shape, out_dtype, n_lse, device)
+    return out, None, buf, lse_at, 0, 0
+
+
+def _output_tensors(q, dv, num_splits, out, lse, buf, lse_at, dst_at, dst_lse_at):
+    """_outputs' pieces as the tensors Triton's own path takes (the first launch of a
+    variant): lse, and the partial outputs and partial lse when split."""
+    b, sq, h, _ = q.shape
+    if num_splits == 1:
+        return (lse if lse is not None else _launch.lse_after(buf, lse_at, (b, h, sq)),
+                None, None)
+    n_out = num_splits * b * sq * h * dv
+    dst = buf[dst_at // 4:dst_at // 4 + n_out].view(num_splits, b, sq, h, dv)
+    dst_lse = buf[dst_lse_at // 4:dst_lse_at // 4 + num_splits * b * h * sq]
+    return buf[:b * h * sq].view(b, h, sq), dst, dst_lse.view(num_splits, b, h, sq)
+
+
 def attn_decode(q, k_cache, v_cache, *, cache_seqlens, block_table, cache_batch_idx,
                 cache_leftpad, alibi_slopes, softmax_scale, window_left, window_right,
                 softcap, num_splits, allow_tf32, new_tokens=0, q_descale=None,
-                k_descale=None, v_descale=None, out_dtype=None):
+                k_descale=None, v_descale=None, out_dtype=None, return_lse=True,
+                layout=None):
     """Launch the decode kernel (and the combine kernel when split). Shapes, dtypes and
     devices validated by the caller; index values are checked by the kernel.
 
@@ -497,54 +550,68 @@ def attn_decode(q, k_cache, v_cache, *, cache_seqlens, block_table, cache_batch_
     possibly a view of k_cache's first dv columns (then read from K's tiles); d up to
     512, or 576 (a 512 tile plus a tail); every index tensor int32 with unit stride;
     cache_seqlens (b,) plus new_tokens counts the keys to attend (new_tokens: those
-    just appended). Returns out (b, sq, h, dv) and lse (b, h, sq) fp32.
+    just appended). Returns out (b, sq, h, dv) and lse (b, h, sq) fp32, or None in
+    lse's place with return_lse=False (then lse takes no allocation of its own).
+    out and lse are contiguous; either may be a view of a larger allocation of this
+    call (``_outputs``).
     FP8: the caches in a float8 dtype with 16-bit q, or q too in the caches' dtype;
     q_descale (FP8 q), k_descale and v_descale (FP8 caches) None (1.0) or fp32
     (b, hkv) with any strides; out in out_dtype (default q's dtype).
+    layout: None, or an id the caller gives to one combination of the dtypes, shapes,
+    strides and devices of q, k_cache, v_cache, block_table, cache_batch_idx and
+    cache_leftpad and of new_tokens, and to no other (``_validate.once_per_layout``'s):
+    the plan key holds it in their place (fewer values to read and hash per call).
     """
     b, sq, h, d = q.shape
     hkv, dv = k_cache.shape[2], v_cache.shape[-1]
-    out = torch.empty((b, sq, h, dv), dtype=out_dtype or q.dtype, device=q.device)
-    lse = torch.empty((b, h, sq), dtype=torch.float32, device=q.device)
-    if out.numel() == 0:
-        return out, lse
+    out_dtype = out_dtype or q.dtype
+    if not b * sq * h * dv:
+        out, lse = _outputs(q, dv, out_dtype, 1, True)[:2]
+        return out, lse if return_lse else None
     paged = block_table is not None
-    # Absent index tensors get cache_seqlens as a never-read placeholder, alibi q.
-    tensors = (q, k_cache, v_cache, out, lse, block_table if paged else cache_seqlens,
-               cache_seqlens, cache_seqlens if cache_batch_idx is None else cache_batch_idx,
-               cache_seqlens if cache_leftpad is None else cache_leftpad,
-               q if alibi_slopes is None else alibi_slopes,
-               lse if q_descale is None else q_descale,
-               lse if k_descale is None else k_descale,
-               lse if v_descale is None else v_descale)
-    block_d, block_dt = configs.decode_head_dim_tiles(d)
-    v_is_k = _v_is_k(k_cache, v_cache)
+    descales = (q_descale, k_descale, v_descale)
+    scaled = q_descale is not None or k_descale is not None or v_descale is not None
+    # The kernel's tensors but out and lse (allocated once the split count is known):
+    # absent index tensors get cache_seqlens as a never-read placeholder, alibi q, a
+    # descale lse (at launch).
+    inputs = (q, k_cache, v_cache, block_table if paged else cache_seqlens, cache_seqlens,
+              cache_seqlens if cache_batch_idx is None else cache_batch_idx,
+              cache_seqlens if cache_leftpad is None else cache_leftpad,
+              q if alibi_slopes is None else alibi_slopes)
     key = None
     if _launch.ready(q):
-        p = _launch.pointers(tensors)
-        key = ("decode", q.dtype, k_cache.dtype, out.dtype, q.shape, q.stride(),
-               k_cache.shape, k_cache.stride(), dv, v_cache.stride(), v_is_k,
-               paged and (block_table.shape, block_table.stride(0)),
-               cache_batch_idx is None, cache_leftpad is None,
-               _launch.layout(alibi_slopes), _launch.layout(q_descale),
-               _launch.layout(k_descale), _launch.layout(v_descale),
-               window_left, window_right, softcap > 0, num_splits, allow_tf32, new_tokens,
-               _launch.misalignment(p))
+        p = _launch.pointers(inputs)
+        scale_ptrs = tuple(0 if x is None else x.data_ptr() for x in descales) \
+            if scaled else ()
+        v_is_k = p[1] == p[2] and _v_is_k(k_cache, v_cache)
+        if layout is None:
+            layout = (q.dtype, k_cache.dtype, q.shape, q.stride(), k_cache.shape,
+                      k_cache.stride(), dv, v_cache.stride(),
+                      paged and (block_table.shape, block_table.stride(0)),
+                      cache_batch_idx is None, cache_leftpad is None, new_tokens)
+        # out and lse are left out of the alignment: _outputs aligns them.
+        key = ("decode", layout, out_dtype, v_is_k, _launch.layout(alibi_slopes),
+               scaled and tuple(_launch.layout(x) for x in descales),
+               window_left, window_right, softcap > 0, num_splits, allow_tf32,
+               _launch.misalignment(p + scale_ptrs))
         plans = _launch.lookup(key)
         if plans is not None:
-            if len(plans) == 1:  # unsplit: the kernel writes out and lse itself
-                plans[0]((*p, softmax_scale, softcap))
+            split = len(plans) == 3
+            out, lse, buf, lse_at, dst_at, dst_lse_at = _outputs(
+                q, dv, out_dtype, plans[0] if split else 1, return_lse)
+            o, base = out.data_ptr(), buf.data_ptr()
+            lse_ptr = base + lse_at
+            scales = tuple(lse_ptr if x == 0 else x for x in scale_ptrs) if scaled \
+                else (lse_ptr, lse_ptr, lse_ptr)
+            if not split:  # the kernel writes out and lse itself
+                plans[0]((*p[:3], o, lse_ptr, *p[3:], *scales, softmax_scale, softcap))
                 return out, lse
-            splits, decode, combine = plans
-            # Both partials in one allocation (one allocator call less); the lse part
-            # starts 16-byte aligned, as the recorded launch's own tensor did.
-            n_out = -(-splits * b * sq * h * dv // 4) * 4
-            partials = torch.empty(n_out + splits * b * h * sq, dtype=torch.float32,
-                                   device=q.device)
-            dst = partials.data_ptr()
-            decode((*p[:3], dst, dst + 4 * n_out, *p[5:], softmax_scale, softcap))
-            combine((dst, dst + 4 * n_out, p[3], p[4]))
+            dst, dst_lse = base + dst_at, base + dst_lse_at
+            plans[1]((*p[:3], dst, dst_lse, *p[3:], *scales, softmax_scale, softcap))
+            plans[2]((dst, dst_lse, o, lse_ptr))
             return out, lse
+    else:
+        v_is_k = _v_is_k(k_cache, v_cache)
     group = h // hkv
     capacity = block_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1]
     cfg = _tile(q, k_cache, v_cache, v_is_k)
@@ -555,15 +622,15 @@ def attn_decode(q, k_cache, v_cache, *, cache_seqlens, block_table, cache_batch_
     num_splits, keys_per_split, split_pages = split_plan(
         b * hkv * m_blocks, capacity, cfg.block_n, page_size if paged else 0, num_splits,
         _num_sms(q), cache_leftpad is not None)
+    out, lse, *pieces = _outputs(q, dv, out_dtype, num_splits, return_lse)
+    lse_t, dst, dst_lse = _output_tensors(q, dv, num_splits, out, lse, *pieces)
     if num_splits == 1:
         # The tile does not depend on the split; the pipeline depth does.
         cfg = _tile(q, k_cache, v_cache, v_is_k, split=False)
-        dst, dst_lse = out, lse
+        dst, dst_lse = out, lse_t
         dst_strides = (0, *out.stride()[:3])
-        dst_lse_strides = (0, *lse.stride()[:2])
+        dst_lse_strides = (0, *lse_t.stride()[:2])
     else:
-        dst = torch.empty((num_splits, b, sq, h, dv), dtype=torch.float32, device=q.device)
-        dst_lse = torch.empty((num_splits, b, h, sq), dtype=torch.float32, device=q.device)
         dst_strides = dst.stride()[:4]
         dst_lse_strides = dst_lse.stride()[:3]
     _, _, alibi, alibi_strides, flags = configs.feature_args(
@@ -571,6 +638,7 @@ def attn_decode(q, k_cache, v_cache, *, cache_seqlens, block_table, cache_batch_
         softcap=softcap, allow_tf32=allow_tf32, head_dim=d)
     flags.pop("HAS_MASK")
     flags.pop("MASK_IS_BOOL")
+    block_d, block_dt = configs.decode_head_dim_tiles(d)
     block_dv = configs.padded_head_dim(dv)
     flags.update(BLOCK_D=block_d, BLOCK_DT=block_dt, EVEN_D=block_d + block_dt == d,
                  BLOCK_DV=block_dv, V_IS_K=v_is_k)
@@ -589,14 +657,14 @@ def attn_decode(q, k_cache, v_cache, *, cache_seqlens, block_table, cache_batch_
         switches, PAGE_SIZE=page_size if paged else None, SPLIT=num_splits > 1, PDL=pdl))
     decode = _launch.first_launch(
         _decode_kernel, (num_splits, b * hkv, m_blocks),
-        (*tensors[:3], dst, dst_lse, *tensors[5:],
+        (*inputs[:3], dst, dst_lse, *inputs[3:],
+         *(lse_t if x is None else x for x in descales),
          q.stride(0), q.stride(1), q.stride(2),
          k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
          v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
          block_table.stride(0) if paged else 0, block_table.shape[1] if paged else 0,
          *dst_strides, *dst_lse_strides, *alibi_strides,
-         *(s for x in (q_descale, k_descale, v_descale)
-           for s in ((0, 0) if x is None else x.stride())),
+         *(s for x in descales for s in ((0, 0) if x is None else x.stride())),
          hkv, group, sq, d, dv, keys_per_split, k_cache.shape[0], capacity, new_tokens,
          window_left, window_right, softmax_scale, softcap),
         dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
@@ -609,8 +677,8 @@ def attn_decode(q, k_cache, v_cache, *, cache_seqlens, block_table, cache_batch_
     block_s = configs.next_power_of_2(num_splits)
     combine = _launch.first_launch(
         _combine_kernel, (b * sq * h,),
-        (dst, dst_lse, out, lse, *dst.stride()[:4], *dst_lse.stride()[:3],
-         out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
+        (dst, dst_lse, out, lse_t, *dst.stride()[:4], *dst_lse.stride()[:3],
+         out.stride(0), out.stride(1), out.stride(2), lse_t.stride(0), lse_t.stride(1),
          num_splits, h, sq, dv),
         # One warp while its tile fits in 128 registers a thread: no cross-warp
         # reductions. H200, 32 splits x d128 alone: 1.66 us, 4 warps 2.69 (NOTES 9).
@@ -692,11 +760,13 @@ _APPEND_SLOTS = ("KNew", "VNew", "KCache", "VCache", "CacheSeqlens", "BlockTable
 
 
 def append_kv(k, v, k_cache, v_cache, *, cache_seqlens, block_table, cache_batch_idx,
-              k_descale=None, v_descale=None):
+              k_descale=None, v_descale=None, layout=None):
     """Write k (b, n, hkv, d) and v (b, n, hkv, dv) into the caches in place at
     positions cache_seqlens[b] ... (``_append_kernel``); one launch, no host read of
     the indices. 16-bit k/v into
-    FP8 caches are quantised with k_descale/v_descale (None: 1.0; fp32 (b, hkv))."""
+    FP8 caches are quantised with k_descale/v_descale (None: 1.0; fp32 (b, hkv)).
+    layout: None, or an id of the layouts of k, v, k_cache, v_cache, block_table and
+    cache_batch_idx, as attn_decode's."""
     b, n, hkv, d = k.shape
     dv = v.shape[-1]
     if not k.numel():
@@ -709,11 +779,13 @@ def append_kv(k, v, k_cache, v_cache, *, cache_seqlens, block_table, cache_batch
     key = None
     if _launch.ready(k):
         p = _launch.pointers(tensors)
-        key = ("append", k.dtype, k_cache.dtype, k.shape, k.stride(), dv, v.stride(),
-               k_cache.shape, k_cache.stride(), v_cache.stride(),
-               paged and (block_table.shape, block_table.stride(0)),
-               cache_batch_idx is None, _launch.layout(k_descale),
-               _launch.layout(v_descale), _launch.misalignment(p))
+        if layout is None:
+            layout = (k.dtype, k_cache.dtype, k.shape, k.stride(), dv, v.stride(),
+                      k_cache.shape, k_cache.stride(), v_cache.stride(),
+                      paged and (block_table.shape, block_table.stride(0)),
+                      cache_batch_idx is None)
+        key = ("append", layout, _launch.layout(k_descale), _launch.layout(v_descale),
+               _launch.misalignment(p))
         plan = _launch.lookup(key)
         if plan is not None:
             plan(p)

@@ -385,7 +385,8 @@ def attn_fwd(q, k, v, *, attn_mask, alibi_slopes, softmax_scale, diag_offset,
              window_left, window_right, softcap, allow_tf32,
              cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
              block_table=None, seqused_k=None, q_descale=None, k_descale=None,
-             v_descale=None, out_dtype=None, dropout_p=0.0, philox=None):
+             v_descale=None, out_dtype=None, dropout_p=0.0, philox=None,
+             return_lse=True):
     """Launch the forward kernel. Inputs are validated by the caller (shapes, dtypes,
     devices; index values are checked by the kernel).
 
@@ -404,14 +405,17 @@ def attn_fwd(q, k, v, *, attn_mask, alibi_slopes, softmax_scale, diag_offset,
     out_dtype. Dense v is read through a keys-contiguous copy (keys_contiguous).
     Dropout (dense and packed varlen, 16/32-bit inputs): dropout_p in (0, 1) with
     philox, the int64 [seed, offset] device tensor of ``_common._dropout_setup``.
+    return_lse=False (dense): lse is None, its words kept after out's in out's
+    allocation (``_launch.out_with_lse``: one allocation instead of two).
     """
     varlen = cu_seqlens_q is not None
     paged = block_table is not None
     q_shape, k_shape, dtype, device = q.shape, k.shape, q.dtype, q.device
     fp8 = q.element_size() == 1
     dv = v.shape[-1]
-    out = torch.empty((*q_shape[:-1], dv), dtype=out_dtype or dtype, device=device)
+    lse_at = None  # lse's byte offset in out's allocation, when it has none of its own
     if varlen:
+        out = torch.empty((*q_shape[:-1], dv), dtype=out_dtype or dtype, device=device)
         total_q, h, d = q_shape
         batch, longest_q = cu_seqlens_q.shape[0] - 1, max_seqlen_q
         longest_k = max_seqlen_k if paged else k_shape[0]
@@ -421,9 +425,17 @@ def attn_fwd(q, k, v, *, attn_mask, alibi_slopes, softmax_scale, diag_offset,
     else:
         batch, longest_q, h, d = q_shape
         longest_k = k_shape[1]
-        lse = torch.empty((batch, h, longest_q), dtype=torch.float32, device=device)
-        if not batch or not longest_q or not h:
-            return out, lse
+        if return_lse or not batch or not longest_q or not h:
+            out = torch.empty((*q_shape[:-1], dv), dtype=out_dtype or dtype, device=device)
+            lse = torch.empty((batch, h, longest_q), dtype=torch.float32, device=device)
+            if not batch or not longest_q or not h:
+                return out, lse if return_lse else None
+        else:
+            out, lse_buf, lse_at = _launch.out_with_lse(
+                (batch, longest_q, h, dv), out_dtype or dtype, batch * h * longest_q, device)
+            # Placeholders and the key's alignment until lse's address replaces it:
+            # out's, as aligned as lse's.
+            lse = out
         if fp8:
             # Packed and paged varlen read V as it is instead: Triton transposes each
             # tile through registers (a packed sequence's keys start anywhere, so V^T
@@ -443,13 +455,19 @@ def attn_fwd(q, k, v, *, attn_mask, alibi_slopes, softmax_scale, diag_offset,
     # lse strides, token counts (packed q; packed k, the pool's reads are bounded by the
     # block table instead), longest sequences, scale, cap and dropout: _FWD_SLOTS's order.
     packed_k = varlen and not paged
-    scalars = ((0, total_q) if varlen else lse.stride()[:2]) + (
+    scalars = ((0, total_q) if varlen else (h * longest_q, longest_q)) + (
         total_q if varlen else 0, k_shape[0] if packed_k else 0,
         max_seqlen_q if varlen else 0, max_seqlen_k if varlen else 0, softmax_scale, softcap,
         dropout_p)
     key = None
     if _launch.ready(q):
         ptrs = _launch.pointers(tensors)
+        if lse_at is not None:  # lse's address, in its slot and the placeholders'
+            lp = ptrs[3] + lse_at
+            tail = ((lp, lp, lp, lp) if q_descale is None and k_descale is None
+                    and v_descale is None and philox is None else
+                    tuple(lp if x is out else p for x, p in zip(tensors[11:], ptrs[11:])))
+            ptrs = (*ptrs[:4], lp, *ptrs[5:11], *tail)
         # A varlen key leaves the batch and token counts out (the grid and the slots carry
         # them): one plan per layout.
         key = ("fwd", dtype, out.dtype, q_shape[1:] if varlen else q_shape, q.stride(),
@@ -470,7 +488,10 @@ def attn_fwd(q, k, v, *, attn_mask, alibi_slopes, softmax_scale, diag_offset,
             plan((*ptrs, *scalars),
                  (max(1, configs.cdiv(longest_q, plan.cfg.block_m)), batch * h, 1)
                  if varlen else None)
-            return out, lse
+            return out, lse if lse_at is None else None
+    if lse_at is not None:  # Triton's own path takes lse as a tensor
+        lse = _launch.lse_after(lse_buf, lse_at, (batch, h, longest_q))
+        tensors = (*tensors[:4], *(lse if x is out else x for x in tensors[4:]))
     windowed = window_right >= 0 or window_left >= 0
     mask, mask_strides, alibi, alibi_strides, flags = configs.feature_args(
         attn_mask, alibi_slopes, q, window_left=window_left, window_right=window_right,
@@ -525,4 +546,4 @@ def attn_fwd(q, k, v, *, attn_mask, alibi_slopes, softmax_scale, diag_offset,
     )
     if key is not None:
         _launch.store(key, plan)
-    return out, lse
+    return out, lse if lse_at is None else None

@@ -43,7 +43,8 @@ def _masked(q, k, v, mask, causal, window, softmax_scale, softcap, dropout_p):
     out, _ = _attention(q, k, v, attn_mask=mask, alibi_slopes=None,
                         softmax_scale=softmax_scale, diag_offset=sk - sq,
                         window_left=left, window_right=right, softcap=softcap,
-                        dropout_p=dropout_p, philox=_philox(q, dropout_p))
+                        dropout_p=dropout_p, philox=_philox(q, dropout_p),
+                        return_lse=False)
     return out
 
 
@@ -213,7 +214,7 @@ def _decode(q, k, v, causal, window, softmax_scale, softcap, cache_leftpad=None)
                            cache_batch_idx=None, cache_leftpad=cache_leftpad,
                            alibi_slopes=None, softmax_scale=scale, window_left=left,
                            window_right=right, softcap=float(softcap), num_splits=0,
-                           allow_tf32=False)[0]
+                           allow_tf32=False, return_lse=False)[0]
     out, cache_seqlens = _kvcache(q, k, v, causal, window, softmax_scale, softcap,
                                  cache_leftpad)
     if not capturing:
