@@ -117,8 +117,9 @@ def _gluon_fwd(required: bool = False):
 def _hopper_fwd_wins(q: Tensor) -> bool:
     """FLASHTILE_HOPPER_FWD=auto's cells: 16-bit inputs at head dims 128 and 256 with at
     least 1k queries. The Gluon kernel was timed there at 1.26-1.75x the portable one
-    (NOTES.md section 20). Shorter calls were not timed, and its host path (four TMA
-    descriptors, no launch plan) was not measured either; head dim 64 was about even.
+    (NOTES.md section 20). Shorter calls were not timed; head dim 64 was about even.
+    Its host path, with a launch plan, costs 57.6 us against the portable launcher's 41.0
+    at 1k queries (docs/benchmarks/host-h200.md, session 11).
     FP8 (flashtile.fp8) takes it with FLASHTILE_HOPPER_FWD=1 only until it is timed."""
     return q.element_size() == 2 and q.shape[-1] >= 128 and q.shape[1] >= 1024
 
@@ -296,10 +297,15 @@ def attention(q, k, v, attn_mask, alibi_slopes, softmax_scale, diag_offset, wind
     that needs no gradient)."""
     args = (q, k, v, attn_mask, alibi_slopes, softmax_scale, diag_offset, window_left,
             window_right, softcap, allow_tf32, deterministic, dropout_p, philox)
-    if return_lse or (torch.is_grad_enabled() and (
-            q.requires_grad or k.requires_grad or v.requires_grad)) \
-            or not _plain_eager(args):
-        return _call(attn_fwd, _EAGER_ATTENTION, _attn_fwd_impl, args)
+    return _call(attn_fwd, _EAGER_ATTENTION,
+                 _attn_fwd_impl if return_lse else _attn_fwd_without_lse, args)
+
+
+def _attn_fwd_without_lse(q, k, v, attn_mask, alibi_slopes, softmax_scale, diag_offset,
+                          window_left, window_right, softcap, allow_tf32, deterministic,
+                          dropout_p, philox):
+    """_attn_fwd_impl for a caller that drops lse (then possibly None): what ``_call``
+    runs for a plain eager forward that needs no gradient."""
     return _forward(q, k, v, attn_mask, alibi_slopes, softmax_scale, diag_offset,
                     window_left, window_right, softcap, allow_tf32, dropout_p, philox,
                     return_lse=False)
