@@ -147,6 +147,17 @@ def test_skip_reasons():
     assert run.run_cell(dataclasses.replace(cell, provider="sdpa-flash"), CPU).status == "ok"
 
 
+def _cuda_fwd_bwd_provider(cell):
+    """cell's provider, after checking that it runs on CUDA only, forward + backward
+    only, outside the default GPU sweep."""
+    provider = registry.PROVIDERS[cell.provider]
+    assert provider.skip_reason(cell, CPU) == "runs on cuda only"
+    assert provider.skip_reason(dataclasses.replace(cell, mode="fwd"),
+                                torch.device("cuda")) == "fwd_bwd only"
+    assert cell.provider not in registry.GPU_SWEEP.providers
+    return provider
+
+
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                     reason="the Triton kernels on CPU need TRITON_INTERPRET=1")
 @pytest.mark.parametrize("fault", ["none", "dq", "nan"])
@@ -159,11 +170,7 @@ def test_flashtile_fusedbwd_is_validated_before_timing(fault, monkeypatch):
 
     cell = registry.Cell("flashtile-fusedbwd", 32, True, "fwd_bwd", 45, 1, 2,
                          torch.float16)
-    provider = registry.PROVIDERS["flashtile-fusedbwd"]
-    assert provider.skip_reason(cell, CPU) == "runs on cuda only"
-    assert provider.skip_reason(dataclasses.replace(cell, mode="fwd"),
-                                torch.device("cuda")) == "fwd_bwd only"
-    assert "flashtile-fusedbwd" not in registry.GPU_SWEEP.providers
+    provider = _cuda_fwd_bwd_provider(cell)
     real = bwd.attn_bwd
 
     def faulty(*args, fused, **kwargs):
@@ -280,11 +287,7 @@ def test_flashtile_hopper_bwd_is_validated_before_timing(fault, monkeypatch):
 
     cell = registry.Cell("flashtile-hopper-bwd", 64, True, "fwd_bwd", 70, 1, 2,
                          torch.bfloat16)
-    provider = registry.PROVIDERS["flashtile-hopper-bwd"]
-    assert provider.skip_reason(cell, CPU) == "runs on cuda only"
-    assert provider.skip_reason(dataclasses.replace(cell, mode="fwd"),
-                                torch.device("cuda")) == "fwd_bwd only"
-    assert "flashtile-hopper-bwd" not in registry.GPU_SWEEP.providers
+    provider = _cuda_fwd_bwd_provider(cell)
 
     def split(dout, q, k, v, out, lse, dlse, *, fused, **kw):
         kw.pop("allow_tf32")
