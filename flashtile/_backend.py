@@ -75,12 +75,12 @@ def backend_name(device: torch.device) -> str:
 
 
 def hopper_fwd_mode() -> str:
-    """FLASHTILE_HOPPER_FWD: where dense 16-bit forwards on sm_90 go to the Gluon kernel
+    """FLASHTILE_HOPPER_FWD: where dense forwards on sm_90 go to the Gluon kernel
     (flashtile/ops/fwd_hopper.py) instead of the portable one, wherever it supports the
-    call. "auto" (the default): head dims 128 and 256 with at least 1k queries, the
-    cells where it was timed faster (1.26-1.75x the portable kernel, 1k-16k tokens,
-    docs/benchmarks/NOTES.md section 20); "1": every call it supports (head dim 64
-    too, where it was 0.9-1.16x; dense FP8 calls, not yet timed); "0": never."""
+    call. "auto" (the default): the cells where it was timed faster
+    (``custom_ops._hopper_fwd_wins``: 16-bit at head dims 128 and 256 from 1k queries,
+    FP8 at head dim 128 from 4k); "1": every call it supports (head dim 64 too, where it
+    was 0.9-1.16x); "0": never."""
     value = os.environ.get("FLASHTILE_HOPPER_FWD", "auto").strip() or "auto"
     if value not in ("auto", "0", "1"):
         raise ValueError(f"FLASHTILE_HOPPER_FWD must be 'auto', '0' or '1', got {value!r}")
@@ -89,11 +89,13 @@ def hopper_fwd_mode() -> str:
 
 def hopper_bwd_mode() -> str:
     """FLASHTILE_HOPPER_BWD: where dense 16-bit backwards on sm_90 go to the Gluon
-    backward (flashtile/ops/bwd_hopper.py) instead of the portable one. "0" (the
-    default: that kernel has not yet run on a GPU): never; "1": every call it supports
-    (head dims 64 and 128, causal or full, no dropout), except deterministic ones, which
-    keep the portable split backward (its dQ atomics are not reproducible)."""
-    value = os.environ.get("FLASHTILE_HOPPER_BWD", "0").strip() or "0"
+    backward (flashtile/ops/bwd_hopper.py) instead of the portable one. "1" (the
+    default): every call it supports (head dims 64 and 128, causal or full, no
+    dropout), where forward+backward was timed at 1.09-1.17x the portable split backward
+    (d64/d128, 1k-16k tokens, causal and full: docs/benchmarks/NOTES.md section 22);
+    deterministic calls keep the portable split backward (its dQ atomics are not
+    reproducible). "0": never."""
+    value = os.environ.get("FLASHTILE_HOPPER_BWD", "1").strip() or "1"
     if value not in ("0", "1"):
         raise ValueError(f"FLASHTILE_HOPPER_BWD must be '0' or '1', got {value!r}")
     return value

@@ -10,9 +10,9 @@ and fused, fewer matrix products with dq summed by atomics (reproducible to roun
 ``deterministic`` (flash-attn's flag) True always takes the split path; False takes
 FLASHTILE_BWD's choice, read at each backward: "split" or "fused" (default DEFAULT_BWD).
 torch.use_deterministic_algorithms(True) counts as deterministic=True.
-FLASHTILE_HOPPER_BWD=1 (``flashtile._backend.hopper_bwd_mode``) sends the dense 16-bit
-backwards it supports on sm_90 to the Gluon kernel (flashtile/ops/bwd_hopper.py, atomic
-dQ), unless deterministic.
+FLASHTILE_HOPPER_BWD=1 (the default; ``flashtile._backend.hopper_bwd_mode``) sends the
+dense 16-bit backwards it supports on sm_90 to the Gluon kernel
+(flashtile/ops/bwd_hopper.py, atomic dQ), unless deterministic.
 
 Dropout: ``dropout_p`` > 0 comes with ``philox``, the int64 [seed, offset] tensor the
 caller drew from PyTorch's generator (``flashtile.interface._philox``); it is saved for
@@ -43,8 +43,8 @@ from flashtile.ops.fwd import attn_fwd as triton_fwd
 
 
 BWD_PATHS = ("split", "fused")
-# The split path stays the default until the fused one is timed on the GPU (issue 15):
-# the faster becomes the default, both pass the same accuracy tests.
+# The split path is the default: on the H200 the fused one ran forward+backward at
+# 0.58-0.83x the split one (d64/d128, 1k-16k tokens; NOTES.md section 22).
 DEFAULT_BWD = "split"
 
 
@@ -115,12 +115,16 @@ def _gluon_fwd(required: bool = False):
 
 
 def _hopper_fwd_wins(q: Tensor) -> bool:
-    """FLASHTILE_HOPPER_FWD=auto's cells: 16-bit inputs at head dims 128 and 256 with at
-    least 1k queries. The Gluon kernel was timed there at 1.26-1.75x the portable one
-    (NOTES.md section 20). Shorter calls were not timed; head dim 64 was about even.
-    Its host path, with a launch plan, costs 57.6 us against the portable launcher's 41.0
-    at 1k queries (docs/benchmarks/host-h200.md, session 11).
-    FP8 (flashtile.fp8) takes it with FLASHTILE_HOPPER_FWD=1 only until it is timed."""
+    """FLASHTILE_HOPPER_FWD=auto's cells, where the Gluon kernel was timed faster than
+    the portable one:
+    - 16-bit inputs at head dims 128 and 256 with at least 1k queries: 1.26-1.75x
+      (NOTES.md section 20). Shorter calls were not timed; head dim 64 was about even.
+      Its host path, with a launch plan, costs 57.6 us against the portable launcher's
+      41.0 at 1k queries (docs/benchmarks/host-h200.md, session 11).
+    - FP8 (flashtile.fp8) at head dim 128 with at least 4k queries: 1.17-1.24x, P through
+      shared memory (NOTES.md section 22). Other head dims and shorter calls untimed."""
+    if q.element_size() == 1:
+        return q.shape[-1] == 128 and q.shape[1] >= 4096
     return q.element_size() == 2 and q.shape[-1] >= 128 and q.shape[1] >= 1024
 
 
@@ -151,8 +155,9 @@ def _attn_bwd_impl(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, l
     kw = _mask_kwargs(attn_mask, alibi_slopes, softmax_scale, diag_offset, window_left,
                       window_right, softcap)
     if select_backend(q.device, q.dtype) == "triton":
-        # FLASHTILE_HOPPER_BWD=1: the Gluon backward where it supports the call; its dQ
-        # atomics are not reproducible, so deterministic calls keep the portable one.
+        # FLASHTILE_HOPPER_BWD=1 (the default): the Gluon backward where it supports the
+        # call; its dQ atomics are not reproducible, so deterministic calls keep the
+        # portable one.
         if hopper_bwd_mode() == "1" and not _deterministic(deterministic):
             from flashtile.ops import bwd_hopper
 

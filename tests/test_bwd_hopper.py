@@ -190,14 +190,15 @@ def test_declines_what_it_does_not_support(monkeypatch):
 
 @pytest.mark.parametrize("switch,deterministic,head_dim,used", [
     ("1", False, 64, "hopper"), ("1", False, 128, "hopper"), ("0", False, 128, "portable"),
-    ("", False, 128, "portable"), ("1", True, 128, "portable"),
+    ("", False, 128, "hopper"), ("1", True, 128, "portable"),
     ("1", False, 96, "portable")])
 def test_switch_dispatch_on_cpu(switch, deterministic, head_dim, used, monkeypatch):
     """With the kernels replaced by fakes: FLASHTILE_HOPPER_BWD=1 sends a supported dense
     backward to bwd_hopper.backward with the portable launcher's arguments (bottom-right
-    causal as diag_offset, the scale, dlse), "0" (also the unset default) keeps it on the
-    portable backward, and so do deterministic calls and calls it declines (head_dim 96:
-    the real unsupported() runs there, with only its device check bypassed)."""
+    causal as diag_offset, the scale, dlse), and so does the unset default; "0" keeps
+    it on the portable backward, and so do deterministic calls and calls it declines
+    (head_dim 96: the real unsupported() runs there, with only its device check
+    bypassed)."""
     from flashtile.ops import fwd_hopper
 
     seen = {}

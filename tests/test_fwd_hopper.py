@@ -430,13 +430,16 @@ def test_fp8_declines_what_it_does_not_support(monkeypatch):
 
 
 @pytest.mark.parametrize("switch,seqlen_q,varlen,used", [
-    ("1", 40, False, "hopper"), ("auto", 1024, False, "portable"),
-    ("0", 1024, False, "portable"), ("1", 40, True, "portable")])
+    ("1", 40, False, "hopper"), ("auto", 4096, False, "hopper"),
+    ("", 4096, False, "hopper"),
+    ("auto", 4095, False, "portable"), ("0", 4096, False, "portable"),
+    ("1", 40, True, "portable"), ("auto", 4096, True, "portable")])
 def test_fp8_switch_dispatch_on_cpu(switch, seqlen_q, varlen, used, monkeypatch):
     """With the kernels replaced by fakes: FLASHTILE_HOPPER_FWD=1 sends a dense FP8
     forward to fwd_hopper.forward with its descales (expanded to (batch, nheads_kv)),
-    out_dtype and bottom-right causal alignment; "auto" keeps FP8 on the portable kernel
-    until the Gluon one is timed; varlen FP8 always stays there."""
+    out_dtype and bottom-right causal alignment; "auto" (also the unset default) does so
+    at head dim 128 from 4k queries, where it was timed faster, and keeps shorter calls
+    on the portable kernel; varlen FP8 always stays there."""
     from flashtile import fp8 as F8
     from flashtile.ops import fwd
 
@@ -484,7 +487,7 @@ def test_fp8_p_switch_rejects_other_values(monkeypatch):
     with pytest.raises(ValueError, match="FLASHTILE_HOPPER_FWD_FP8_P must be one of "
                        "\\('regs', 'smem'\\), got 'shared'"):
         configs.hopper_fwd_fp8_p_smem()
-    monkeypatch.setenv("FLASHTILE_HOPPER_FWD_FP8_P", "smem")
-    assert configs.hopper_fwd_fp8_p_smem()
-    monkeypatch.delenv("FLASHTILE_HOPPER_FWD_FP8_P")
+    monkeypatch.setenv("FLASHTILE_HOPPER_FWD_FP8_P", "regs")
     assert not configs.hopper_fwd_fp8_p_smem()
+    monkeypatch.delenv("FLASHTILE_HOPPER_FWD_FP8_P")
+    assert configs.hopper_fwd_fp8_p_smem()  # the default, timed faster

@@ -230,13 +230,14 @@ HOPPER_FWD_FP8_P = ("regs", "smem")
 
 
 def hopper_fwd_fp8_p_smem() -> bool:
-    """FLASHTILE_HOPPER_FWD_FP8_P: how the Gluon forward's FP8 P reaches P V. "regs"
-    (the default, as 16-bit P): wgmma's A operand from registers, where ptxas waits for
-    the previous P V before the softmax; "smem": two shared buffers per warpgroup (16-32
-    KiB more), where the SASS keeps that wait after the softmax (FA3's in-warpgroup
-    overlap). Neither is timed yet: the GPU session compares them (the fp8 stage of
-    scripts/gpu_session.sh). Read when a launch plan is made."""
-    value = os.environ.get("FLASHTILE_HOPPER_FWD_FP8_P", "regs").strip() or "regs"
+    """FLASHTILE_HOPPER_FWD_FP8_P: how the Gluon forward's FP8 P reaches P V. "smem"
+    (the default): two shared buffers per warpgroup (16-32 KiB more), where the SASS
+    keeps the wait for the previous P V after the softmax (FA3's in-warpgroup overlap);
+    "regs" (as 16-bit P): wgmma's A operand from registers, where ptxas waits for the
+    previous P V before the softmax. At d128 on the H200, smem ran at 1.26-1.40x regs
+    (640-799 against 508-614 TFLOP/s, 4k-16k tokens; NOTES.md section 22). Read when a
+    launch plan is made."""
+    value = os.environ.get("FLASHTILE_HOPPER_FWD_FP8_P", "smem").strip() or "smem"
     if value not in HOPPER_FWD_FP8_P:
         raise ValueError(f"FLASHTILE_HOPPER_FWD_FP8_P must be one of {HOPPER_FWD_FP8_P}, "
                          f"got {value!r}")
