@@ -159,6 +159,9 @@ case "${1:-}" in
       env $env timeout 170 python3 -m flashtile bench hf --impls flashtile sdpa --batches 1 \
         --new 8 --out "$OUT/hf-train-${env#*=}.json" 2>&1 | grep "train step" | sed "s|^|$env |"
     done
+    # Where the step's time goes: its 15 most expensive kernels per implementation.
+    timeout 150 python3 -m flashtile bench hf --impls flashtile sdpa --batches 1 --new 2 \
+      --reps 1 --profile 15 --out "$OUT/hf-train-profile.json" 2>&1 | grep -A16 "top kernels"
     ;;
   wide)
     # head_dim 256 and 512 (issue 15 item 3, issue 17 item 3): forward and forward+backward

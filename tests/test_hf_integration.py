@@ -892,3 +892,25 @@ def test_bench_hf_needs_cuda(capsys):
     assert main([]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "needs a CUDA device" in err
+
+
+@pytest.mark.skipif(TF < version.parse("4.56"), reason="flashtile bench hf needs 4.56")
+def test_bench_hf_profile_smoke(tmp_path, capsys):
+    """--profile N: one more training step per implementation under torch.profiler,
+    its N most expensive kernels (host time on the CPU) printed and kept in the JSON;
+    the timed rows and their ratios are unchanged by them. --profile -1 is refused."""
+    from flashtile.cli import main
+    out = tmp_path / "hf.json"
+    assert main(["bench", "hf", "--device", "cpu", "--batches", "1", "--prompt", "8",
+                 "--new", "1", "--train-tokens", "8", "--reps", "1", "--profile", "3",
+                 "--impls", "flashtile", "sdpa", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    profiles = {r["impl"]: r["kernels"] for r in rows if r["task"] == "train step profile"}
+    assert set(profiles) == {"flashtile", "sdpa"}
+    for top in profiles.values():
+        assert 1 <= len(top) <= 3 and all(ms > 0 and calls >= 1 for _, ms, calls in top)
+        assert [ms for _, ms, _ in top] == sorted((ms for _, ms, _ in top), reverse=True)
+    assert all(r["vs_sdpa"] > 0 for r in rows if "tokens_s" in r)
+    assert "flashtile train step, top kernels" in capsys.readouterr().out
+    assert main(["bench", "hf", "--device", "cpu", "--profile", "-1"]) == 2
+    assert "--profile must be >= 0, got -1" in capsys.readouterr().err

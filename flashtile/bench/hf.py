@@ -16,7 +16,10 @@ same process state. The implementations take turns within each repetition (see
   cache. Also timed with one new token (the prefill); decode tokens/s are the other
   new tokens over the rest of the time.
 - one training step: forward and backward of a causal-LM loss over ``--train-tokens``
-  tokens (batch 1), gradients freed between steps.
+  tokens (batch 1), gradients freed between steps. ``--profile`` then runs one more
+  step per implementation under torch.profiler and prints its ``--profile`` most
+  expensive kernels (device time; CPU time on ``--device cpu``), to show where a gap
+  between implementations lies.
 
 Each measurement is the median of ``--reps`` runs after one untimed run of the same
 shapes (kernel compiles and autotuning happen there), the implementations alternating. Peak memory is
@@ -57,6 +60,9 @@ def _parser():
     p.add_argument("--pad", action="store_true",
                    help="left-pad the generate prompts: each row a random 0..prompt/4 "
                         "tokens shorter")
+    p.add_argument("--profile", type=int, default=0, metavar="N",
+                   help="after the timings, the N most expensive kernels of one training "
+                        "step per implementation (torch.profiler)")
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
                    help="cpu: a smoke run with a tiny model (numbers mean nothing)")
     p.add_argument("--out", default="bench-hf.json")
@@ -164,8 +170,35 @@ def run(args) -> list[dict]:
                          ms=1e3 * step_s, tokens_s=args.train_tokens / step_s,
                          peak_gib=peak))
         print(f"  {impl} train step: {rows[-1]['ms']:.0f} ms", flush=True)
+    if args.profile:
+        for impl in args.impls:
+            model.set_attn_implementation(impl)
+            model.train(True)
+            top = _profile(step, device, args.profile)
+            rows.append(dict(task="train step profile", impl=impl, kernels=top))
+            print(f"  {impl} train step, top kernels (ms, calls):", flush=True)
+            for name, ms, calls in top:
+                print(f"    {ms:9.3f} {calls:5d}  {name[:100]}", flush=True)
     _ratios(rows)
     return rows
+
+
+def _profile(fn, device, top):
+    """[(kernel name, total ms, calls)] of the ``top`` most expensive kernels of one
+    ``fn()`` under torch.profiler, by device time (host time on the CPU)."""
+    from torch.profiler import ProfilerActivity, profile
+    cuda = device == "cuda"
+    activities = [ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]
+    with profile(activities=activities) as prof:
+        fn()
+        _sync(device)
+
+    def spent(e):  # torch >= 2.4 names device time device_*; self time: no double count
+        return e.self_device_time_total if cuda else e.self_cpu_time_total
+
+    events = [e for e in prof.key_averages() if spent(e) > 0]
+    events.sort(key=spent, reverse=True)
+    return [(e.key, spent(e) / 1e3, e.count) for e in events[:top]]
 
 
 def _left_pad(ids, mask, most, gen, pad_id=0):
@@ -180,8 +213,9 @@ def _left_pad(ids, mask, most, gen, pad_id=0):
 
 def _ratios(rows):
     """x sdpa: each row's tokens/s over sdpa's in the same task and batch."""
-    sdpa = {(r["task"], r["batch"]): r["tokens_s"] for r in rows if r["impl"] == "sdpa"}
-    for r in rows:
+    timed = [r for r in rows if "tokens_s" in r]
+    sdpa = {(r["task"], r["batch"]): r["tokens_s"] for r in timed if r["impl"] == "sdpa"}
+    for r in timed:
         base = sdpa.get((r["task"], r["batch"]))
         r["vs_sdpa"] = r["tokens_s"] / base if base else None
 
@@ -190,6 +224,8 @@ def markdown(rows) -> str:
     lines = ["| task | impl | batch | ms | prefill ms | tokens/s | decode tokens/s "
              "| peak GiB | x sdpa |", "|" + " --- |" * 9]
     for r in rows:
+        if "kernels" in r:  # --profile's rows are printed as they are made
+            continue
         cells = [r["task"], r["impl"], r["batch"], f"{r['ms']:.1f}",
                  f"{r['prefill_ms']:.1f}" if "prefill_ms" in r else "-",
                  f"{r['tokens_s']:.0f}",
@@ -206,6 +242,10 @@ def main(argv=None) -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         print("flashtile bench hf: error: needs a CUDA device (torch sees none); "
               "--device cpu runs a smoke test with a tiny model", file=sys.stderr)
+        return 2
+    if args.profile < 0:
+        print(f"flashtile bench hf: error: --profile must be >= 0, got {args.profile}",
+              file=sys.stderr)
         return 2
     for name in ("batches", "prompt", "new", "train_tokens", "reps"):
         values = getattr(args, name)
