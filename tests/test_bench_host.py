@@ -30,13 +30,17 @@ def test_markdown_marks_synced_and_missing_rows():
 
 
 @pytest.mark.gpu
-def test_no_flashtile_call_waits_for_the_gpu(device, tmp_path):
+def test_no_flashtile_call_waits_for_the_gpu(device, tmp_path, capsys):
     """Every flashtile row keeps the GPU busy through its loop: no call reads a device
-    tensor back (the index checks are off by default), plans or not."""
+    tensor back (the index checks are off by default), plans or not. --profile ROW
+    prints cProfile's table of the matching rows' calls."""
     rows = host.run(calls=5, rounds=2, device=device)
     for r in rows:
         if r["provider"].startswith("flashtile"):
             assert r["host_us"] is not None and r["gpu_busy"], r
     assert main(["bench", "host", "--calls", "5", "--rounds", "1", "--out",
-                 str(tmp_path)]) == 0
+                 str(tmp_path), "--profile", "decode, contiguous"]) == 0
     assert (tmp_path / "host.json").exists() and (tmp_path / "host.md").exists()
+    printed = capsys.readouterr().out
+    assert "decode, contiguous 8k: cProfile of 1 x 5 calls" in printed
+    assert "flash_attn_with_kvcache" in printed and "decode, paged 8k:" not in printed

@@ -18,14 +18,19 @@ the same shapes (decode with enable_gqa); varlen has no SDPA counterpart. Rows n
 "piece" time parts of the calls that ``flashtile.bench.host_cpu`` (the same
 calls on a CPU, compiled launches stubbed) cannot: with them a CPU measurement of the
 Python converts to this host's time (docs/benchmarks/NOTES.md, "Host path on the CPU,
-session 9").
+session 9"). ``--profile ROW`` then runs flashtile's call of each row whose name
+contains ROW under cProfile, the GPU kept busy as in the timed loops, and prints the
+functions that took the most host time (what the CPU run cannot see: CUDA-side costs
+of torch calls on a real device).
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
 import os
+import pstats
 import statistics
 import sys
 import time
@@ -317,6 +322,9 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=9, help="timed loops (median)")
     p.add_argument("--out", help="folder for host.md and host.json; default "
                    "bench-results/<date>-<device>/")
+    p.add_argument("--profile", metavar="ROW", help="after the table, cProfile flashtile's "
+                   "call of each row whose name contains ROW (e.g. decode) and print its "
+                   "most expensive functions")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("flashtile bench host: needs a CUDA device (it times eager calls while the "
@@ -338,7 +346,33 @@ def main(argv=None) -> int:
         json.dump(dict(rows=rows, calls=args.calls, rounds=args.rounds,
                        info=machine.machine_info(device, command)), f, indent=1)
     print(f"wrote {out}/host.md and host.json")
+    if args.profile:
+        for call, fns in _cases(device).items():
+            if args.profile in call and "flashtile" in fns:
+                print(f"\n{call}: cProfile of {args.rounds} x {args.calls} calls, GPU busy")
+                profile(fns["flashtile"], args.calls, args.rounds)
     return 0
+
+
+def profile(fn, calls, rounds, top=25):
+    """cProfile of ``rounds`` busy loops of ``calls`` calls (after a warm-up): the
+    ``top`` functions by their own time, and by cumulative time, printed."""
+    cycles_per_s = _cycles_per_second(torch.device("cuda"))
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    profiler = cProfile.Profile()
+    for _ in range(rounds):
+        # The sleep outlasts the loop (a 50-call loop runs in well under 50 ms here).
+        torch.cuda._sleep(int(0.2 * cycles_per_s))
+        profiler.enable()
+        for _ in range(calls):
+            fn()
+        profiler.disable()
+        torch.cuda.synchronize()
+    stats = pstats.Stats(profiler, stream=sys.stdout)
+    stats.sort_stats("tottime").print_stats(top)
+    stats.sort_stats("cumulative").print_stats(top)
 
 
 if __name__ == "__main__":
