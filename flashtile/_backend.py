@@ -15,9 +15,31 @@ import torch
 BACKENDS = ("triton", "torch")
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 
+# os.environ's own dict of encoded names and values (CPython on POSIX): the live
+# environment that os.environ.get reads and os.environ[...] = / monkeypatch.setenv
+# write, without Mapping.get's encode and decode round trip. A read costs ~0.1 us
+# instead of ~0.5 here and ~1.2 on the H200's host, where an eager forward made three
+# (issue 15). Elsewhere (Windows keys its dict by upper-cased str) os.environ.get.
+_ENVIRON = os.environ
+_RAW = getattr(_ENVIRON, "_data", None)
+if not (os.name == "posix" and type(_RAW) is dict):
+    _RAW = None
+_KEYS: dict = {}  # name -> its encoded key in _RAW
+
+
+def getenv(name: str, default: str) -> str:
+    """os.environ.get(name, default), read at each call (never cached)."""
+    if _RAW is None:
+        return _ENVIRON.get(name, default)
+    key = _KEYS.get(name)
+    if key is None:
+        key = _KEYS[name] = _ENVIRON.encodekey(name)
+    value = _RAW.get(key)
+    return default if value is None else _ENVIRON.decodevalue(value)
+
 
 def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    return getenv("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 def select_backend(device: torch.device, dtype: torch.dtype | None = None,
@@ -27,7 +49,9 @@ def select_backend(device: torch.device, dtype: torch.dtype | None = None,
     interpreter: its numpy emulation of bfloat16 returns garbage (errors near 1e9),
     not an error."""
     backend = _choose(device)
-    if backend == "triton" and dtype in _FP8 and interpreting():
+    if backend == "torch":
+        return backend
+    if dtype in _FP8 and interpreting():
         from flashtile.ops._fp8 import interpreter_converts_fp8
 
         if not interpreter_converts_fp8():
@@ -37,7 +61,7 @@ def select_backend(device: torch.device, dtype: torch.dtype | None = None,
                   "FP8 rounding loses carries (31.7 becomes 16 in e5m2), which would make "
                   "every P @ V product wrong: set FLASHTILE_BACKEND=torch for the PyTorch "
                   "path")
-    if backend == "triton" and dtype == torch.bfloat16 and interpreting():
+    if dtype == torch.bfloat16 and interpreting():
         from flashtile._validate import _fail
         _fail(TypeError, f"{name}.dtype", "float32 or float16 while the Triton kernels "
               "run in the Triton interpreter (TRITON_INTERPRET=1)", dtype,
@@ -47,12 +71,15 @@ def select_backend(device: torch.device, dtype: torch.dtype | None = None,
 
 
 def _choose(device: torch.device) -> str:
-    forced = os.environ.get("FLASHTILE_BACKEND", "").strip().lower()
-    if forced and forced not in BACKENDS:
-        raise ValueError(f"FLASHTILE_BACKEND must be one of {BACKENDS}, got {forced!r}")
-    if device.type == "cuda":
+    forced = getenv("FLASHTILE_BACKEND", "")
+    if forced:
+        forced = forced.strip().lower()
+        if forced and forced not in BACKENDS:
+            raise ValueError(f"FLASHTILE_BACKEND must be one of {BACKENDS}, got {forced!r}")
+    device_type = device.type
+    if device_type == "cuda":
         return forced or "triton"
-    if device.type == "cpu":
+    if device_type == "cpu":
         if forced == "triton" and not interpreting():
             raise RuntimeError(
                 "FLASHTILE_BACKEND=triton on CPU tensors needs the Triton interpreter: "
@@ -81,7 +108,10 @@ def hopper_fwd_mode() -> str:
     (``custom_ops._hopper_fwd_wins``: 16-bit at head dims 128 and 256 from 1k queries,
     FP8 at head dim 128 from 4k); "1": every call it supports (head dim 64 too, where it
     was 0.9-1.16x); "0": never."""
-    value = os.environ.get("FLASHTILE_HOPPER_FWD", "auto").strip() or "auto"
+    value = getenv("FLASHTILE_HOPPER_FWD", "auto")
+    if value == "auto":
+        return value
+    value = value.strip() or "auto"
     if value not in ("auto", "0", "1"):
         raise ValueError(f"FLASHTILE_HOPPER_FWD must be 'auto', '0' or '1', got {value!r}")
     return value
@@ -95,7 +125,7 @@ def hopper_bwd_mode() -> str:
     (d64/d128, 1k-16k tokens, causal and full: docs/benchmarks/NOTES.md section 22);
     deterministic calls keep the portable split backward (its dQ atomics are not
     reproducible). "0": never."""
-    value = os.environ.get("FLASHTILE_HOPPER_BWD", "1").strip() or "1"
+    value = getenv("FLASHTILE_HOPPER_BWD", "1").strip() or "1"
     if value not in ("0", "1"):
         raise ValueError(f"FLASHTILE_HOPPER_BWD must be '0' or '1', got {value!r}")
     return value

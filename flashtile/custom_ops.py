@@ -83,20 +83,26 @@ def _forward(q, k, v, attn_mask, alibi_slopes, softmax_scale, diag_offset, windo
              window_right, softcap, allow_tf32, dropout_p, philox, return_lse=True):
     """(out, lse) of either backend; return_lse=False may return None for lse (the
     portable Triton kernel then keeps it in out's allocation: one allocation less)."""
-    kw = _mask_kwargs(attn_mask, alibi_slopes, softmax_scale, diag_offset, window_left,
-                      window_right, softcap)
     if select_backend(q.device, q.dtype) == "triton":
         mode = hopper_fwd_mode()
         if mode == "1" or (mode == "auto" and _hopper_fwd_wins(q)):
             fwd_hopper = _gluon_fwd(required=mode == "1")
             if fwd_hopper is not None and fwd_hopper.unsupported(
-                    q, k, v, dropout_p=dropout_p, **kw) is None:
+                    q, k, v, dropout_p=dropout_p, **_mask_kwargs(
+                        attn_mask, alibi_slopes, softmax_scale, diag_offset,
+                        window_left, window_right, softcap)) is None:
                 return fwd_hopper.forward(q, k, v, softmax_scale, diag_offset,
                                           causal=window_right == 0)
-        return triton_fwd(q, k, v, allow_tf32=allow_tf32, dropout_p=dropout_p,
-                          philox=philox, return_lse=return_lse, **kw)
+        # Keywords spelled out, not **_mask_kwargs: no dict built on the eager path.
+        return triton_fwd(q, k, v, attn_mask=attn_mask, alibi_slopes=alibi_slopes,
+                          softmax_scale=softmax_scale, diag_offset=diag_offset,
+                          window_left=window_left, window_right=window_right,
+                          softcap=softcap, allow_tf32=allow_tf32, dropout_p=dropout_p,
+                          philox=philox, return_lse=return_lse)
     out, lse = _torch_backend.attention_fwd(
-        q, k, v, dropout=_dense_dropout(q, dropout_p, philox), **kw)
+        q, k, v, dropout=_dense_dropout(q, dropout_p, philox), **_mask_kwargs(
+            attn_mask, alibi_slopes, softmax_scale, diag_offset, window_left,
+            window_right, softcap))
     return out.contiguous(), lse.contiguous()
 
 
@@ -265,15 +271,17 @@ def _plain_eager(args) -> bool:
     """Plain tensors on a real device, no compile, tracing, dispatch mode or torch.func
     transform: everything else (meta and fake tensors, make_fx, vmap, subclasses) goes
     through the op, whose fake implementation and dispatcher handle it."""
-    if (torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active()
-            or torch._C._len_torch_dispatch_stack() > 0):
+    if (_is_compiling() or _functorch_active() or _dispatch_modes() > 0):
         return False
     q, k, v = args[:3]
     return (type(q) in _PLAIN and type(k) in _PLAIN and type(v) in _PLAIN
-            and q.device.type != "meta")
+            and not q.is_meta)
 
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
+_is_compiling = torch.compiler.is_compiling
+_functorch_active = torch._C._are_functorch_transforms_active
+_dispatch_modes = torch._C._len_torch_dispatch_stack
 
 
 def _call(op, function, impl, args):

@@ -57,8 +57,10 @@ def _attention(q, k, v, *, attn_mask, alibi_slopes, softmax_scale, diag_offset,
         softmax_scale = 1.0 / math.sqrt(q.shape[-1])
     # torch.sym_int, not int(): under torch.export int() of a symbolic size specializes
     # it (seqlen_k - seqlen_q would be frozen to the example's difference).
+    if type(diag_offset) is not int:
+        diag_offset = torch.sym_int(diag_offset)
     return custom_ops.attention(q, k, v, attn_mask, alibi_slopes, float(softmax_scale),
-                               torch.sym_int(diag_offset), window_left, window_right,
+                               diag_offset, window_left, window_right,
                                float(softcap), _allow_tf32(q.dtype), deterministic,
                                float(dropout_p), philox, return_lse)
 

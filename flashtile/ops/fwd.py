@@ -28,6 +28,8 @@ from flashtile.ops._common import (LN2, _block_range, _checked_page, _dropout_ke
                                    _dropout_setup, _fill_nan_rows, _load_tile, _pages_bad,
                                    _prefix_sums_bad, _scores_log2, _seq_bounds)
 
+_data_ptr = torch.Tensor.data_ptr
+
 # FP8: P is computed as exp2(s - max + P_LOG2_OFFSET), in [0, 256] (see _fwd_block).
 P_LOG2_OFFSET = tl.constexpr(8.0)
 
@@ -461,26 +463,35 @@ def attn_fwd(q, k, v, *, attn_mask, alibi_slopes, softmax_scale, diag_offset,
         dropout_p)
     key = None
     if _launch.ready(q):
-        ptrs = _launch.pointers(tensors)
-        if lse_at is not None:  # lse's address, in its slot and the placeholders'
-            lp = ptrs[3] + lse_at
-            tail = ((lp, lp, lp, lp) if q_descale is None and k_descale is None
-                    and v_descale is None and philox is None else
-                    tuple(lp if x is out else p for x, p in zip(tensors[11:], ptrs[11:])))
-            ptrs = (*ptrs[:4], lp, *ptrs[5:11], *tail)
+        plain = (attn_mask is None and alibi_slopes is None and q_descale is None
+                 and k_descale is None and v_descale is None and philox is None)
+        if plain and lse_at is not None:
+            # The usual eager forward: q, k, v and out are the only tensors, the other
+            # slots hold q's address or lse's (after out's): 4 addresses, not 15.
+            pq, po = _data_ptr(q), _data_ptr(out)
+            lp = po + lse_at
+            ptrs = (pq, _data_ptr(k), _data_ptr(v), po, lp, pq, pq, pq, pq, pq, pq,
+                    lp, lp, lp, lp)
+            misaligned = (pq | ptrs[1] | ptrs[2] | lp) & 15 and _launch.misalignment(ptrs)
+        else:
+            ptrs = _launch.pointers(tensors)
+            if lse_at is not None:  # lse's address, in its slot and the placeholders'
+                lp = ptrs[3] + lse_at
+                tail = tuple(lp if x is out else p for x, p in zip(tensors[11:], ptrs[11:]))
+                ptrs = (*ptrs[:4], lp, *ptrs[5:11], *tail)
+            misaligned = _launch.misalignment(ptrs)
         # A varlen key leaves the batch and token counts out (the grid and the slots carry
         # them): one plan per layout.
         key = ("fwd", dtype, out.dtype, q_shape[1:] if varlen else q_shape, q.stride(),
                k_shape[1:] if packed_k else k_shape, k.stride(),
-               v.shape[-1], v.stride(), _launch.layout(attn_mask),
-               _launch.layout(alibi_slopes), _launch.layout(q_descale),
-               _launch.layout(k_descale), _launch.layout(v_descale),
+               v.shape[-1], v.stride(),
+               plain or (_launch.layout(attn_mask), _launch.layout(alibi_slopes),
+                         _launch.layout(q_descale), _launch.layout(k_descale),
+                         _launch.layout(v_descale), philox is not None),
                diag_offset, window_left, window_right, softcap > 0, allow_tf32,
-               philox is not None,
                varlen and (cu_seqlens_k is None, seqused_k is None,
                            configs.seqlen_class(max(longest_q, longest_k))),
-               paged and (block_table.shape[1], block_table.stride(0)),
-               _launch.misalignment(ptrs))
+               paged and (block_table.shape[1], block_table.stride(0)), misaligned)
         plan = _launch.lookup(key)
         if plan is not None:
             # Varlen: the grid covers the longest sequence of this call (at least one
