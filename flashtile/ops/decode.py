@@ -496,11 +496,11 @@ def _outputs(q, dv, out_dtype, num_splits, return_lse):
     """out, lse (None unless return_lse), the allocation holding lse and the byte
     offsets in it of lse, the partial outputs (num_splits, b, sq, h, dv) and the partial
     lse (num_splits, b, h, sq) (0 unsplit), in as few allocations as the outputs allow:
-    each is ~10 us of host time on the H200, the price of a kernel launch.
+    each is 6-10 us of host time on the H200, the price of a kernel launch.
 
-    - split: out, and one float32 scratch allocation of lse, the partial outputs and
-      the partial lse, each 16-byte aligned. A returned lse is a contiguous (b, h, sq)
-      view of the scratch's start (it keeps the scratch alive while it is kept);
+    - split: one allocation (``out_with_lse``): out, then float32 words for lse, the
+      partial outputs and the partial lse, each 16-byte aligned. out and a returned lse
+      are contiguous views of it (either keeps the scratch alive while it is kept);
     - unsplit without lse: one allocation, out then lse's words (``out_with_lse``);
     - unsplit with lse: out and lse, each its own.
     Every piece belongs to this call alone: nothing is shared between calls, streams
@@ -509,13 +509,13 @@ def _outputs(q, dv, out_dtype, num_splits, return_lse):
     n_out, n_lse, device = b * sq * h * dv, b * h * sq, q.device
     shape = (b, sq, h, dv)
     if num_splits > 1:
-        out = torch.empty(shape, dtype=out_dtype, device=device)
-        dst_at = 4 * _f32_words(n_lse)
-        dst_lse_at = dst_at + 4 * _f32_words(num_splits * n_out)
-        buf = torch.empty(dst_lse_at // 4 + num_splits * n_lse, dtype=torch.float32,
-                          device=device)
-        lse = buf.as_strided((b, h, sq), (h * sq, sq, 1)) if return_lse else None
-        return out, lse, buf, 0, dst_at, dst_lse_at
+        partials_at = 4 * _f32_words(n_lse)  # after lse's words, from lse_at
+        partials_lse_at = partials_at + 4 * _f32_words(num_splits * n_out)
+        out, buf, lse_at = _launch.out_with_lse(
+            shape, out_dtype, partials_lse_at // 4 + num_splits * n_lse, device)
+        lse = _launch.lse_after(buf, lse_at, (b, h, sq)) if return_lse else None
+        return (out, lse, buf, lse_at, lse_at + partials_at,
+                lse_at + partials_lse_at)
     if return_lse:
         out = torch.empty(shape, dtype=out_dtype, device=device)
         lse = torch.empty((b, h, sq), dtype=torch.float32, device=device)
@@ -528,13 +528,15 @@ def _output_tensors(q, dv, num_splits, out, lse, buf, lse_at, dst_at, dst_lse_at
     """_outputs' pieces as the tensors Triton's own path takes (the first launch of a
     variant): lse, and the partial outputs and partial lse when split."""
     b, sq, h, _ = q.shape
+    if lse is None:
+        lse = _launch.lse_after(buf, lse_at, (b, h, sq))
     if num_splits == 1:
-        return (lse if lse is not None else _launch.lse_after(buf, lse_at, (b, h, sq)),
-                None, None)
+        return lse, None, None
     n_out = num_splits * b * sq * h * dv
-    dst = buf[dst_at // 4:dst_at // 4 + n_out].view(num_splits, b, sq, h, dv)
-    dst_lse = buf[dst_lse_at // 4:dst_lse_at // 4 + num_splits * b * h * sq]
-    return buf[:b * h * sq].view(b, h, sq), dst, dst_lse.view(num_splits, b, h, sq)
+    words = buf.view(torch.float32)
+    dst = words[dst_at // 4:dst_at // 4 + n_out].view(num_splits, b, sq, h, dv)
+    dst_lse = words[dst_lse_at // 4:dst_lse_at // 4 + num_splits * b * h * sq]
+    return lse, dst, dst_lse.view(num_splits, b, h, sq)
 
 
 def attn_decode(q, k_cache, v_cache, *, cache_seqlens, block_table, cache_batch_idx,
