@@ -80,9 +80,11 @@ def _attn_fwd_impl(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor],
 
 
 def _forward(q, k, v, attn_mask, alibi_slopes, softmax_scale, diag_offset, window_left,
-             window_right, softcap, allow_tf32, dropout_p, philox, return_lse=True):
+             window_right, softcap, allow_tf32, dropout_p, philox, return_lse=True,
+             layout=None):
     """(out, lse) of either backend; return_lse=False may return None for lse (the
-    portable Triton kernel then keeps it in out's allocation: one allocation less)."""
+    portable Triton kernel then keeps it in out's allocation: one allocation less).
+    layout: as in ``attention``."""
     if select_backend(q.device, q.dtype) == "triton":
         mode = hopper_fwd_mode()
         if mode == "1" or (mode == "auto" and _hopper_fwd_wins(q)):
@@ -98,7 +100,7 @@ def _forward(q, k, v, attn_mask, alibi_slopes, softmax_scale, diag_offset, windo
                           softmax_scale=softmax_scale, diag_offset=diag_offset,
                           window_left=window_left, window_right=window_right,
                           softcap=softcap, allow_tf32=allow_tf32, dropout_p=dropout_p,
-                          philox=philox, return_lse=return_lse)
+                          philox=philox, return_lse=return_lse, layout=layout)
     out, lse = _torch_backend.attention_fwd(
         q, k, v, dropout=_dense_dropout(q, dropout_p, philox), **_mask_kwargs(
             attn_mask, alibi_slopes, softmax_scale, diag_offset, window_left,
@@ -303,25 +305,22 @@ _EAGER_ATTENTION = _eager_function(
 
 def attention(q, k, v, attn_mask, alibi_slopes, softmax_scale, diag_offset, window_left,
               window_right, softcap, allow_tf32, deterministic=False, dropout_p=0.0,
-              philox=None, return_lse=True):
+              philox=None, return_lse=True, layout=None):
     """(out, lse) with autograd: ``flashtile::attn_fwd`` (one opaque node under
     torch.compile), or in plain eager mode the same functions without the dispatcher.
     return_lse=False: the caller drops lse, which may then be None (a plain eager call
-    that needs no gradient)."""
+    that needs no gradient). layout: None, or the id ``_validate.once_per_layout`` gave
+    the layouts of q, k and v (``ops.fwd.attn_fwd``'s), for a dense call."""
     args = (q, k, v, attn_mask, alibi_slopes, softmax_scale, diag_offset, window_left,
             window_right, softcap, allow_tf32, deterministic, dropout_p, philox)
-    return _call(attn_fwd, _EAGER_ATTENTION,
-                 _attn_fwd_impl if return_lse else _attn_fwd_without_lse, args)
-
-
-def _attn_fwd_without_lse(q, k, v, attn_mask, alibi_slopes, softmax_scale, diag_offset,
-                          window_left, window_right, softcap, allow_tf32, deterministic,
-                          dropout_p, philox):
-    """_attn_fwd_impl for a caller that drops lse (then possibly None): what ``_call``
-    runs for a plain eager forward that needs no gradient."""
+    if return_lse or not _plain_eager(args) or (torch.is_grad_enabled() and (
+            q.requires_grad or k.requires_grad or v.requires_grad)):
+        return _call(attn_fwd, _EAGER_ATTENTION, _attn_fwd_impl, args)
+    # What _call would do for a plain eager forward that needs no gradient, straight to
+    # the implementation: lse dropped (then possibly None).
     return _forward(q, k, v, attn_mask, alibi_slopes, softmax_scale, diag_offset,
                     window_left, window_right, softcap, allow_tf32, dropout_p, philox,
-                    return_lse=False)
+                    return_lse=False, layout=layout)
 
 
 # Varlen: packed sequences, q (total_q, h, d), k/v (total_k, hkv, d), lse (h, total_q).

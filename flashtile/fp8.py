@@ -97,6 +97,9 @@ def check_fp8_args(q, k, v, batch, nheads_kv, descales, out_dtype):
     nheads_kv) or None, output dtype), or None when the call is not FP8 (then no
     descale may be given, and out_dtype only as q's dtype). q, k and v already share
     one dtype (check_qkv names k or v if not)."""
+    if out_dtype is None and descales[0] is None and descales[1] is None \
+            and descales[2] is None and q.dtype not in FP8_DTYPES:
+        return None  # nothing FP8 asked for: what the checks below return for it
     fp8 = is_fp8(q.dtype)
     out_dtype = check_out_dtype(out_dtype, fp8, q.dtype)
     if not fp8:

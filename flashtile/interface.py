@@ -51,8 +51,9 @@ def _philox(q, dropout_p):
 
 def _attention(q, k, v, *, attn_mask, alibi_slopes, softmax_scale, diag_offset,
                window_left, window_right, softcap, deterministic=False, dropout_p=0.0,
-               philox=None, return_lse=True):
-    """(out, lse); with return_lse=False lse may be None (custom_ops.attention)."""
+               philox=None, return_lse=True, layout=None):
+    """(out, lse); with return_lse=False lse may be None (custom_ops.attention, as is
+    layout)."""
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(q.shape[-1])
     # torch.sym_int, not int(): under torch.export int() of a symbolic size specializes
@@ -62,7 +63,7 @@ def _attention(q, k, v, *, attn_mask, alibi_slopes, softmax_scale, diag_offset,
     return custom_ops.attention(q, k, v, attn_mask, alibi_slopes, float(softmax_scale),
                                diag_offset, window_left, window_right,
                                float(softcap), _allow_tf32(q.dtype), deterministic,
-                               float(dropout_p), philox, return_lse)
+                               float(dropout_p), philox, return_lse, layout)
 
 
 # return_attn_probs (flash-attn's name): flash-attn then returns (out, softmax_lse,
@@ -201,7 +202,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
             flash-attn's S_dmask is instead padded to multiples of 128, in q's dtype,
             and empty of meaning without dropout (docs/flash-attn-compat.md).
     """
-    b, sq, sk, h, hkv, d = _check_qkv(q, k, v)
+    (b, sq, sk, h, hkv, d), layout = _check_qkv.with_id(q, k, v)
     left, right = V.check_flash_options(dropout_p, softmax_scale, softcap, window_size,
                                         causal)
     V.check_bools(deterministic=deterministic, return_attn_probs=return_attn_probs,
@@ -224,7 +225,8 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
                               softmax_scale=softmax_scale, diag_offset=sk - sq,
                               window_left=left, window_right=right, softcap=softcap,
                               deterministic=deterministic, dropout_p=dropout_p,
-                              philox=philox, return_lse=return_lse or return_attn_probs)
+                              philox=philox, return_lse=return_lse or return_attn_probs,
+                              layout=layout)
     if return_attn_probs:
         if fp8 is not None:  # the probabilities of the real (dequantised) q and k
             q, k = F8.dequantize(q, fp8[0][0]), F8.dequantize(k, fp8[0][1])

@@ -388,7 +388,7 @@ def attn_fwd(q, k, v, *, attn_mask, alibi_slopes, softmax_scale, diag_offset,
              cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
              block_table=None, seqused_k=None, q_descale=None, k_descale=None,
              v_descale=None, out_dtype=None, dropout_p=0.0, philox=None,
-             return_lse=True):
+             return_lse=True, layout=None):
     """Launch the forward kernel. Inputs are validated by the caller (shapes, dtypes,
     devices; index values are checked by the kernel).
 
@@ -409,6 +409,9 @@ def attn_fwd(q, k, v, *, attn_mask, alibi_slopes, softmax_scale, diag_offset,
     philox, the int64 [seed, offset] device tensor of ``_common._dropout_setup``.
     return_lse=False (dense): lse is None, its words kept after out's in out's
     allocation (``_launch.out_with_lse``: one allocation instead of two).
+    layout (dense): None, or an id the caller gives to one combination of the dtypes,
+    shapes, strides and devices of q, k and v, and to no other
+    (``_validate.once_per_layout``'s): the plan key holds it in their place.
     """
     varlen = cu_seqlens_q is not None
     paged = block_table is not None
@@ -482,9 +485,10 @@ def attn_fwd(q, k, v, *, attn_mask, alibi_slopes, softmax_scale, diag_offset,
             misaligned = _launch.misalignment(ptrs)
         # A varlen key leaves the batch and token counts out (the grid and the slots carry
         # them): one plan per layout.
-        key = ("fwd", dtype, out.dtype, q_shape[1:] if varlen else q_shape, q.stride(),
-               k_shape[1:] if packed_k else k_shape, k.stride(),
-               v.shape[-1], v.stride(),
+        qkv = layout if layout is not None and not varlen else (
+            dtype, q_shape[1:] if varlen else q_shape, q.stride(),
+            k_shape[1:] if packed_k else k_shape, k.stride(), v.shape[-1], v.stride())
+        key = ("fwd", qkv, out.dtype,
                plain or (_launch.layout(attn_mask), _launch.layout(alibi_slopes),
                          _launch.layout(q_descale), _launch.layout(k_descale),
                          _launch.layout(v_descale), philox is not None),
