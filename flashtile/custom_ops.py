@@ -355,13 +355,16 @@ def _varlen_attn_fwd_impl(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
         else:
             check_varlen_values(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                 max_seqlen_k)
-    kw = _mask_kwargs(None, alibi_slopes, softmax_scale, 0, window_left, window_right,
-                      softcap)
     if backend == "triton":
-        return triton_fwd(q, k, v, allow_tf32=allow_tf32, cu_seqlens_q=cu_seqlens_q,
+        return triton_fwd(q, k, v, attn_mask=None, alibi_slopes=alibi_slopes,
+                          softmax_scale=softmax_scale, diag_offset=0,
+                          window_left=window_left, window_right=window_right,
+                          softcap=softcap, allow_tf32=allow_tf32, cu_seqlens_q=cu_seqlens_q,
                           cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
                           max_seqlen_k=max_seqlen_k, block_table=block_table,
-                          seqused_k=seqused_k, dropout_p=dropout_p, philox=philox, **kw)
+                          seqused_k=seqused_k, dropout_p=dropout_p, philox=philox)
+    kw = _mask_kwargs(None, alibi_slopes, softmax_scale, 0, window_left, window_right,
+                      softcap)
     out = q.new_zeros((*q.shape[:-1], v.shape[-1]))  # contiguous, as the fake says
     lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), device=q.device)
     for b, (qs, qe, ks, ke) in enumerate(_bounds(cu_seqlens_q, cu_seqlens_k, block_table,

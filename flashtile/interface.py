@@ -344,21 +344,26 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         _check_probs_size(batch, h, max_seqlen_q, max_seqlen_k)
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(d)
-    cu_seqlens_k, seqused_k = (x.contiguous() if x is not None else None
-                               for x in (cu_seqlens_k, seqused_k))
+    if cu_seqlens_k is not None:
+        cu_seqlens_k = cu_seqlens_k.contiguous()
+    if seqused_k is not None:
+        seqused_k = seqused_k.contiguous()
+    # torch.sym_int keeps a symbolic size symbolic under torch.export; an int is itself.
+    if type(max_seqlen_q) is not int or type(max_seqlen_k) is not int:
+        max_seqlen_q, max_seqlen_k = torch.sym_int(max_seqlen_q), torch.sym_int(max_seqlen_k)
     if fp8 is not None:
         out, lse = F8.fp8_attention(
             q, k, v, fp8[0], alibi_slopes=alibi_slopes, softmax_scale=float(softmax_scale),
             diag_offset=0, window_left=left, window_right=right, softcap=float(softcap),
             out_dtype=fp8[1], cu_seqlens_q=cu_seqlens_q.contiguous(),
-            cu_seqlens_k=cu_seqlens_k, max_seqlen_q=torch.sym_int(max_seqlen_q),
-            max_seqlen_k=torch.sym_int(max_seqlen_k), block_table=block_table,
+            cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+            max_seqlen_k=max_seqlen_k, block_table=block_table,
             seqused_k=seqused_k)
     else:
         philox = _philox(q, dropout_p)
         out, lse = custom_ops.varlen_attention(
-            q, k, v, cu_seqlens_q.contiguous(), cu_seqlens_k, torch.sym_int(max_seqlen_q),
-            torch.sym_int(max_seqlen_k), alibi_slopes, float(softmax_scale), left, right,
+            q, k, v, cu_seqlens_q.contiguous(), cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+            alibi_slopes, float(softmax_scale), left, right,
             float(softcap), _allow_tf32(q.dtype), block_table, seqused_k, deterministic,
             float(dropout_p), philox)
     if return_attn_probs:
