@@ -344,6 +344,16 @@ def _varlen_attn_fwd_impl(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
                     seqused_k: Optional[Tensor] = None,
                     deterministic: bool = False, dropout_p: float = 0.0,
                     philox: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+    return _varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                           alibi_slopes, softmax_scale, window_left, window_right, softcap,
+                           allow_tf32, block_table, seqused_k, dropout_p, philox)
+
+
+def _varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                    alibi_slopes, softmax_scale, window_left, window_right, softcap,
+                    allow_tf32, block_table, seqused_k, dropout_p, philox, return_lse=True):
+    """(out, lse) of either backend; return_lse=False may return None for lse, as
+    ``_forward``."""
     backend = select_backend(q.device, q.dtype)
     if (backend == "torch" or index_checks_enabled()) and can_read_indices(q):
         # Here, not in the caller: the op's own run time is the one place a compiled
@@ -362,7 +372,8 @@ def _varlen_attn_fwd_impl(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
                           softcap=softcap, allow_tf32=allow_tf32, cu_seqlens_q=cu_seqlens_q,
                           cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
                           max_seqlen_k=max_seqlen_k, block_table=block_table,
-                          seqused_k=seqused_k, dropout_p=dropout_p, philox=philox)
+                          seqused_k=seqused_k, dropout_p=dropout_p, philox=philox,
+                          return_lse=return_lse)
     kw = _mask_kwargs(None, alibi_slopes, softmax_scale, 0, window_left, window_right,
                       softcap)
     out = q.new_zeros((*q.shape[:-1], v.shape[-1]))  # contiguous, as the fake says
@@ -492,6 +503,11 @@ _EAGER_VARLEN_ATTENTION = _eager_function(
     lambda ctx, dout, dlse: _varlen_backward(ctx, dout, dlse, bwd=_varlen_attn_bwd_impl))
 
 
-def varlen_attention(*args):
-    """varlen (out, lse) with autograd; arguments as ``flashtile::varlen_attn_fwd``."""
-    return _call(varlen_attn_fwd, _EAGER_VARLEN_ATTENTION, _varlen_attn_fwd_impl, args)
+def varlen_attention(*args, return_lse=True):
+    """varlen (out, lse) with autograd; arguments as ``flashtile::varlen_attn_fwd``.
+    return_lse=False: the caller drops lse, which may then be None (as ``attention``)."""
+    if return_lse or not _plain_eager(args) or (torch.is_grad_enabled() and (
+            args[0].requires_grad or args[1].requires_grad or args[2].requires_grad)):
+        return _call(varlen_attn_fwd, _EAGER_VARLEN_ATTENTION, _varlen_attn_fwd_impl, args)
+    # deterministic (args[15]) only matters to a backward.
+    return _varlen_forward(*args[:15], *args[16:], return_lse=False)

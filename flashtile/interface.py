@@ -365,7 +365,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
             q, k, v, cu_seqlens_q.contiguous(), cu_seqlens_k, max_seqlen_q, max_seqlen_k,
             alibi_slopes, float(softmax_scale), left, right,
             float(softcap), _allow_tf32(q.dtype), block_table, seqused_k, deterministic,
-            float(dropout_p), philox)
+            float(dropout_p), philox, return_lse=return_lse or return_attn_probs)
     if return_attn_probs:
         if fp8 is not None:  # the probabilities of the real (dequantised) q and k
             q = F8.dequantize_packed(q, fp8[0][0], cu_seqlens_q)

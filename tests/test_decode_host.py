@@ -288,3 +288,28 @@ def test_decode_and_forward_use_the_memo():
     would bring the host time back, not fail a numeric test)."""
     assert inference._check_cache_once.__wrapped__ is inference._check_cache
     assert interface._check_qkv.__wrapped__.func is V.check_qkv
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["packed", "paged"])
+def test_varlen_without_lse_matches_with_lse(paged, backend, device):
+    """A varlen forward that returns no lse (out and lse in one allocation on the
+    Triton path) gives the out of one that returns it, in plain eager mode, under
+    torch.inference_mode (views without a _base) and with an odd total length (lse's
+    words after out's still 16-byte aligned)."""
+    h, hkv, d = 4, 2, 16
+    lengths = [5, 0, 12]
+    total = sum(lengths)
+    cu = torch.tensor([0, 5, 5, 17], dtype=torch.int32, device=device)
+    q = torch.randn(total, h, d, device=device)
+    kw = dict(causal=True)
+    if paged:  # each sequence's keys in two pages of 16 of a pool of 6
+        k, v = (torch.randn(6, 16, hkv, d, device=device) for _ in "kv")
+        kw.update(block_table=torch.randperm(6).view(3, 2).to(torch.int32).to(device))
+    else:
+        k, v = (torch.randn(total, hkv, d, device=device) for _ in "kv")
+    out, lse = flashtile.flash_attn_varlen_func(q, k, v, cu, cu, 12, 12, return_lse=True,
+                                                **kw)
+    assert torch.equal(flashtile.flash_attn_varlen_func(q, k, v, cu, cu, 12, 12, **kw), out)
+    with torch.inference_mode():
+        alone = flashtile.flash_attn_varlen_func(q, k, v, cu, cu, 12, 12, **kw)
+    assert torch.equal(alone, out) and lse.shape == (h, total)

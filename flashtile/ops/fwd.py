@@ -407,8 +407,8 @@ def attn_fwd(q, k, v, *, attn_mask, alibi_slopes, softmax_scale, diag_offset,
     out_dtype. Dense v is read through a keys-contiguous copy (keys_contiguous).
     Dropout (dense and packed varlen, 16/32-bit inputs): dropout_p in (0, 1) with
     philox, the int64 [seed, offset] device tensor of ``_common._dropout_setup``.
-    return_lse=False (dense): lse is None, its words kept after out's in out's
-    allocation (``_launch.out_with_lse``: one allocation instead of two).
+    return_lse=False: lse is None, its words kept after out's in out's allocation
+    (``_launch.out_with_lse``: one allocation instead of two).
     layout (dense): None, or an id the caller gives to one combination of the dtypes,
     shapes, strides and devices of q, k and v, and to no other
     (``_validate.once_per_layout``'s): the plan key holds it in their place.
@@ -420,13 +420,19 @@ def attn_fwd(q, k, v, *, attn_mask, alibi_slopes, softmax_scale, diag_offset,
     dv = v.shape[-1]
     lse_at = None  # lse's byte offset in out's allocation, when it has none of its own
     if varlen:
-        out = torch.empty((*q_shape[:-1], dv), dtype=out_dtype or dtype, device=device)
         total_q, h, d = q_shape
         batch, longest_q = cu_seqlens_q.shape[0] - 1, max_seqlen_q
         longest_k = max_seqlen_k if paged else k_shape[0]
-        lse = torch.empty((h, total_q), dtype=torch.float32, device=device)
-        if not total_q or not batch:
-            return out, lse
+        if return_lse or not total_q or not batch or not h:
+            out = torch.empty((*q_shape[:-1], dv), dtype=out_dtype or dtype, device=device)
+            lse = torch.empty((h, total_q), dtype=torch.float32, device=device)
+            if not total_q or not batch:
+                return out, lse if return_lse else None
+        else:
+            out, lse_buf, lse_at = _launch.out_with_lse(
+                (1, total_q, h, dv), out_dtype or dtype, h * total_q, device)
+            out = out[0]
+            lse = out  # a placeholder until lse's address replaces it, as below
     else:
         batch, longest_q, h, d = q_shape
         longest_k = k_shape[1]
@@ -468,7 +474,7 @@ def attn_fwd(q, k, v, *, attn_mask, alibi_slopes, softmax_scale, diag_offset,
     if _launch.ready(q):
         plain = (attn_mask is None and alibi_slopes is None and q_descale is None
                  and k_descale is None and v_descale is None and philox is None)
-        if plain and lse_at is not None:
+        if plain and lse_at is not None and not varlen:
             # The usual eager forward: q, k, v and out are the only tensors, the other
             # slots hold q's address or lse's (after out's): 4 addresses, not 15.
             pq, po = _data_ptr(q), _data_ptr(out)
@@ -505,7 +511,8 @@ def attn_fwd(q, k, v, *, attn_mask, alibi_slopes, softmax_scale, diag_offset,
                  if varlen else None)
             return out, lse if lse_at is None else None
     if lse_at is not None:  # Triton's own path takes lse as a tensor
-        lse = _launch.lse_after(lse_buf, lse_at, (batch, h, longest_q))
+        lse = _launch.lse_after(lse_buf, lse_at, (h, total_q) if varlen
+                                else (batch, h, longest_q))
         tensors = (*tensors[:4], *(lse if x is out else x for x in tensors[4:]))
     windowed = window_right >= 0 or window_left >= 0
     mask, mask_strides, alibi, alibi_strides, flags = configs.feature_args(
