@@ -58,3 +58,23 @@ def test_gpu_pieces_run_and_the_stubbed_launcher_launches_nothing():
                    for p in (plans if isinstance(plans, tuple) else (plans,))
                    if isinstance(p, _launch.Plan))
     assert qg.grad is not None
+
+
+def test_forward_plans_follow_layouts_and_options():
+    """Regression for the dense forward's plan key, which holds the id check_qkv's memo
+    gives the layouts of q, k and v: another layout or another option after the first
+    call makes a plan of its own, and the same call again finds its plan."""
+    import flashtile
+
+    q, k, v = (torch.randn(1, 128, 8, 64, dtype=torch.float16) for _ in range(3))
+    q_heads_major = torch.randn(1, 8, 128, 64, dtype=torch.float16).transpose(1, 2)
+    calls = [lambda: flashtile.flash_attn_func(q, k, v, causal=True),
+             lambda: flashtile.flash_attn_func(q_heads_major, k, v, causal=True),
+             lambda: flashtile.flash_attn_func(q, k, v),
+             lambda: flashtile.flash_attn_func(q, k, v, window_size=(16, 0)),
+             lambda: flashtile.flash_attn_func(q, k[:, :100], v[:, :100], causal=True)]
+    with host_cpu.stubbed_launches():
+        for n, call in enumerate(calls, 1):
+            call()
+            call()
+            assert len(_launch._plans) == n
