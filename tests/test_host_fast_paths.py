@@ -1,6 +1,8 @@
-"""The environment variables flashtile reads on every call are read live (issue 15's
-host-time work reads them through ``_backend.getenv``, not ``os.environ.get``): a
-change after the first call takes effect at the next one."""
+"""The shortcuts of the eager host path (issue 15) keep every check: the environment
+variables read on every call are read live (``_backend.getenv``, not
+``os.environ.get``), so a change after the first call takes effect at the next one;
+the options that pass at a glance skip the checks' calls, and every other value still
+meets them, after a good call too."""
 
 import os
 
@@ -42,3 +44,25 @@ def test_hopper_mode_changed_after_a_call_takes_effect(monkeypatch):
     monkeypatch.setenv("FLASHTILE_HOPPER_FWD", "yes")
     with pytest.raises(ValueError, match="FLASHTILE_HOPPER_FWD must be"):
         _backend.hopper_fwd_mode()
+
+
+@pytest.mark.parametrize("kw, error, message", [
+    (dict(causal=1), TypeError, "causal: expected a bool"),
+    (dict(causal="False"), TypeError, "causal: expected a bool"),
+    (dict(dropout_p=float("nan")), ValueError, "dropout_p"),
+    (dict(dropout_p=1.0), ValueError, "dropout_p"),
+    (dict(dropout_p=-0.1), ValueError, "dropout_p"),
+    (dict(dropout_p=1), ValueError, "dropout_p"),
+    (dict(dropout_p="0.1"), TypeError, "dropout_p: expected a float"),
+    (dict(softmax_scale=float("inf")), ValueError, "softmax_scale"),
+    (dict(softmax_scale=float("nan")), ValueError, "softmax_scale"),
+    (dict(softcap=-1.0), ValueError, "softcap"),
+    (dict(softcap=float("nan")), ValueError, "softcap"),
+    (dict(deterministic=0), TypeError, "deterministic: expected a bool"),
+], ids=lambda x: repr(x) if isinstance(x, dict) else "")
+def test_options_after_a_good_call_still_raise(kw, error, message):
+    q, k, v = (torch.randn(1, 8, 2, 16) for _ in range(3))
+    flashtile.flash_attn_func(q, k, v, causal=True, dropout_p=0.0, softmax_scale=0.5,
+                              softcap=0.0)
+    with pytest.raises(error, match=message):
+        flashtile.flash_attn_func(q, k, v, **{"causal": True, **kw})
