@@ -163,11 +163,13 @@ def test_plan_varlen_takes_each_calls_max_seqlen(recorder):
     assert recorder[0][3][fwd._attn_fwd_kernel.arg_names.index("max_seqlen_q")] == 100
 
 
+@pytest.mark.parametrize("return_lse", [True, False], ids=["lse", "no_lse"])
 @pytest.mark.parametrize("paged", [False, True], ids=["packed", "paged"])
-def test_plan_varlen_forward_serves_every_token_count(paged, recorder):
+def test_plan_varlen_forward_serves_every_token_count(paged, return_lse, recorder):
     """An engine's steps pack a different number of tokens each time: the forward's plan
     is keyed without the counts and passes each call's own (total_q, total_k and the lse
-    strides they make) exactly as Triton would."""
+    strides they make) exactly as Triton would; without lse, its words after out's in
+    out's allocation."""
     sizes = iter([(5, 7), (9, 2, 6), (9, 2, 6)])  # Triton, plan, Triton again
 
     def make_inputs():
@@ -185,8 +187,14 @@ def test_plan_varlen_forward_serves_every_token_count(paged, recorder):
     def call(t):
         out, lse = fwd.attn_fwd(t["q"], t["k"], t["v"], **_fwd_kw(
             cu_seqlens_q=t["cu"], cu_seqlens_k=t["cu"], max_seqlen_q=9, max_seqlen_k=9,
-            block_table=t.get("table")))
-        return dict(out=out, lse=lse)
+            block_table=t.get("table")), return_lse=return_lse)
+        if return_lse:
+            return dict(out=out, lse=lse)
+        assert lse is None and out.is_contiguous() and out.shape == (*t["q"].shape[:2], 16)
+        lse_at = -(-out.numel() * out.element_size() // 16) * 16
+        total_q, h = out.shape[:2]
+        lse_words = torch.empty(0).set_(out.untyped_storage(), lse_at // 4, (h, total_q))
+        return dict(out=out, lse=lse_words)
 
     _check_plan_matches_triton(recorder, call, make_inputs)
 
