@@ -151,7 +151,9 @@ def test_hopper_fp8_forward_compiles_for_e5m2_without_descales():
     assert resources(ck)["stack_bytes"] == 0
 
 
-def _compile_bwd(head_dim, causal, dtype=torch.bfloat16):
+def _compile_bwd(head_dim, causal, dtype=torch.bfloat16, opts=(), stages=None):
+    """The kernel a launch of ``bwd_hopper.backward`` compiles for these inputs, with the
+    FLASHTILE_HOPPER_BWD_OPTS options ``opts`` and the table's STAGES unless given."""
     from triton.runtime.jit import mangle_type
 
     from flashtile.ops import bwd_hopper
@@ -162,8 +164,9 @@ def _compile_bwd(head_dim, causal, dtype=torch.bfloat16):
     kv_type = mangle_type(bwd_hopper._descriptor(x, bwd_hopper.BLOCK_N_WG.value))
     types = dict(q_desc=q_type, do_desc=q_type, k_desc=kv_type, v_desc=kv_type,
                  dk_desc=kv_type, dv_desc=kv_type, softmax_scale="fp32")
-    return compile_kernel(bwd_hopper._attn_bwd_hopper_kernel,
-                          dict(IS_CAUSAL=causal, STAGES=cfg.num_stages),
+    flags = dict(bwd_hopper.kernel_flags(head_dim, causal, frozenset(opts)),
+                 STAGES=stages or cfg.num_stages)
+    return compile_kernel(bwd_hopper._attn_bwd_hopper_kernel, flags,
                           num_warps=cfg.num_warps, types=types)
 
 

@@ -130,37 +130,54 @@ def _row_vector(ptr, row0, seqlen_q, other, BLOCK_M: gl.constexpr, s_layout: gl.
 
 
 @gluon.jit
-def _dq_partial(ds_all, k_all, dq_init, p_dq, row0, seqlen_q):
+def _dq_partial(ds_all, k_all, dq_init, p_dq, row0, seqlen_q, ds_empty,
+                DQ_EARLY: gl.constexpr, DQ_UNMASKED: gl.constexpr):
     """dQ_partial = dS K over the program's 128 keys, added into rows row0 + [0, M) of
     the fp32 accumulator at p_dq (head_dim wide), in pieces of 64 head dims (K's
     columns, a whole 128-byte swizzle atom each) addressed by 32-bit offsets from one
     pointer: at head_dim 128 the whole (64, 128) fp32 tile with 64-bit addresses, beside
-    dK and dV, spilled under the 240-register cap."""
+    dK and dV, spilled under the 240-register cap. Arrives on ds_empty once dS^T and K
+    are read for the last time: after the atomics, or with DQ_EARLY as soon as the last
+    product has completed (the atomics read registers only). DQ_UNMASKED: the
+    accumulator has rows up to a multiple of BLOCK_M, so no row mask (a masked atomic
+    is a branch around each REDG in the SASS)."""
     HEAD_DIM: gl.constexpr = k_all.type.shape[1]
     BLOCK_M: gl.constexpr = dq_init.type.shape[0]
     DQ_PIECE: gl.constexpr = dq_init.type.shape[1]
     dq_layout: gl.constexpr = dq_init.type.layout
     o_dq_m = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, dq_layout))  # (M,)
     o_dq_d = gl.arange(0, DQ_PIECE, layout=gl.SliceLayout(0, dq_layout))        # (64,)
-    for piece in gl.static_range(HEAD_DIM // DQ_PIECE):
+    N_PIECES: gl.constexpr = HEAD_DIM // DQ_PIECE
+    for piece in gl.static_range(N_PIECES):
         k_piece = k_all.slice(piece * DQ_PIECE, DQ_PIECE, dim=1)              # (128, 64)
         dq = warpgroup_mma(ds_all.permute((1, 0)), k_piece, dq_init, use_acc=False,
                            is_async=True)                                    # (M, 64)
         dq = warpgroup_mma_wait(0, deps=(dq,))
+        if DQ_EARLY and piece == N_PIECES - 1:
+            mbarrier.arrive(ds_empty, count=1)
         o_dq = gl.expand_dims(o_dq_m, 1) * HEAD_DIM \
             + gl.expand_dims(piece * DQ_PIECE + o_dq_d, 0)                  # (M, 64)
         # Relaxed: nothing reads a reduction's result before the conversion kernel, so
         # it needs no ordering.
-        gl.atomic_add(p_dq + o_dq, dq, mask=gl.expand_dims(o_dq_m < seqlen_q, 1),
-                      sem="relaxed")
+        if DQ_UNMASKED:
+            gl.atomic_add(p_dq + o_dq, dq, sem="relaxed")
+        else:
+            gl.atomic_add(p_dq + o_dq, dq, mask=gl.expand_dims(o_dq_m < seqlen_q, 1),
+                          sem="relaxed")
+    if not DQ_EARLY:
+        mbarrier.arrive(ds_empty, count=1)
 
 
 @gluon.jit
 def _mma_partition(q_smem, k_smem, v_smem, do_smem, ds_smem, kv_ready, q_ready, do_ready,
                    qdo_empty, ds_full, ds_empty, dk_desc, dv_desc, Lse, Delta, DQAccum,
                    off_b, off_hkv, key0, group_size, m_lo, n_m, nheads, seqlen_q, seqlen_k,
-                   diag_offset, softmax_scale, WG: gl.constexpr, IS_CAUSAL: gl.constexpr):
-    """Consumer warpgroup WG: keys key0 + 64 * WG + [0, 64) against every query block."""
+                   dq_rows, diag_offset, softmax_scale, WG: gl.constexpr,
+                   IS_CAUSAL: gl.constexpr, SDP: gl.constexpr, DQ_EARLY: gl.constexpr,
+                   DQ_UNMASKED: gl.constexpr):
+    """Consumer warpgroup WG: keys key0 + 64 * WG + [0, 64) against every query block.
+    dq_rows: the dQ accumulator's rows per head (seqlen_q, or rounded up to BLOCK_M with
+    DQ_UNMASKED)."""
     STAGES: gl.constexpr = q_smem.type.shape[0]
     BLOCK_M: gl.constexpr = q_smem.type.shape[2]
     HEAD_DIM: gl.constexpr = q_smem.type.shape[4]
@@ -210,16 +227,25 @@ def _mma_partition(q_smem, k_smem, v_smem, do_smem, ds_smem, kv_ready, q_ready, 
         mbarrier.wait(q_ready.index(stage), phase)
         s_t = warpgroup_mma(k, q.permute((1, 0)), s_init, use_acc=False,
                             is_async=True)                                   # (64, M)
-        s_t = warpgroup_mma_wait(0, deps=(s_t,))
+        if SDP:
+            # dP^T queued behind S^T, as FA3: the softmax below runs while dP^T does,
+            # and the tensor cores see both products at once.
+            mbarrier.wait(do_ready.index(stage), phase)
+            dp_t = warpgroup_mma(v, b_do.permute((1, 0)), s_init, use_acc=False,
+                                 is_async=True)                              # (64, M)
+            s_t = warpgroup_mma_wait(1, deps=(s_t,))
+        else:
+            s_t = warpgroup_mma_wait(0, deps=(s_t,))
         keep = gl.expand_dims(o_n < seqlen_k, 1)
         if IS_CAUSAL:
             keep = keep & (gl.expand_dims(o_n, 1) <= gl.expand_dims(o_m, 0) + diag_offset)
         s_t = gl.where(keep, s_t, float("-inf"))
         p_t = gl.exp2(s_t * qk_scale - gl.expand_dims(lse2, 0))              # (64, M)
 
-        mbarrier.wait(do_ready.index(stage), phase)
-        dp_t = warpgroup_mma(v, b_do.permute((1, 0)), s_init, use_acc=False,
-                             is_async=True)                                  # (64, M)
+        if not SDP:
+            mbarrier.wait(do_ready.index(stage), phase)
+            dp_t = warpgroup_mma(v, b_do.permute((1, 0)), s_init, use_acc=False,
+                                 is_async=True)                              # (64, M)
         dp_t = warpgroup_mma_wait(0, deps=(dp_t,))
         # dV's product is issued after dP^T completes, not beside it: its P^T operand
         # and accumulators held in flight through dS spilled 104-128 bytes at head_dim
@@ -245,8 +271,11 @@ def _mma_partition(q_smem, k_smem, v_smem, do_smem, ds_smem, kv_ready, q_ready, 
         mbarrier.arrive(qdo_empty.index(stage), count=1)  # Q and dO read for the last time
         if it % 2 == WG:
             mbarrier.wait(ds_full, it & 1)  # the other warpgroup's dS^T stored too
-            _dq_partial(ds_smem, k_all, dq_init, DQAccum + p_row * HEAD_DIM, row0, seqlen_q)
-            mbarrier.arrive(ds_empty, count=1)
+            p_dq = DQAccum + p_row * HEAD_DIM
+            if DQ_UNMASKED:  # the accumulator's heads are dq_rows apart, not seqlen_q
+                p_dq = DQAccum + (bh0 + it // n_m).to(gl.int64) * dq_rows * HEAD_DIM
+            _dq_partial(ds_smem, k_all, dq_init, p_dq, row0, seqlen_q, ds_empty, DQ_EARLY,
+                        DQ_UNMASKED)
 
     # dK and dV leave through this warpgroup's K and V buffers once the last dQ product,
     # which reads both halves of K, has completed (a fresh barrier passes: no walk). TMA
@@ -265,10 +294,14 @@ def _mma_partition(q_smem, k_smem, v_smem, do_smem, ds_smem, kv_ready, q_ready, 
 
 @gluon.jit
 def _attn_bwd_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse, Delta,
-                            DQAccum, seqlen_q, seqlen_k, nheads, nheads_kv, diag_offset,
-                            softmax_scale, IS_CAUSAL: gl.constexpr, STAGES: gl.constexpr):
+                            DQAccum, seqlen_q, seqlen_k, nheads, nheads_kv, dq_rows,
+                            diag_offset, softmax_scale, IS_CAUSAL: gl.constexpr,
+                            STAGES: gl.constexpr, SDP: gl.constexpr,
+                            DQ_EARLY: gl.constexpr, DQ_UNMASKED: gl.constexpr):
     """dK, dV of 128 keys of one (batch, KV head), dQ added into DQAccum: fp32 (batch,
-    nheads, seqlen_q, head_dim), zeroed by the preprocess."""
+    nheads, dq_rows, head_dim), its first seqlen_q rows of each head zeroed by the
+    preprocess. SDP, DQ_EARLY, DQ_UNMASKED: the schedule options of the module
+    docstring."""
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[1]
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
     key0 = gl.program_id(0) * (2 * BLOCK_N_WG)
@@ -313,16 +346,16 @@ def _attn_bwd_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, L
         (_mma_partition, (q_smem, k_smem, v_smem, do_smem, ds_smem, kv_ready, q_ready,
                           do_ready, qdo_empty, ds_full, ds_empty, dk_desc, dv_desc, Lse,
                           Delta, DQAccum, off_b, off_hkv, key0, group_size, m_lo, n_m,
-                          nheads, seqlen_q, seqlen_k, diag_offset, softmax_scale, 0,
-                          IS_CAUSAL)),
+                          nheads, seqlen_q, seqlen_k, dq_rows, diag_offset, softmax_scale,
+                          0, IS_CAUSAL, SDP, DQ_EARLY, DQ_UNMASKED)),
         (_load_partition, (q_desc, k_desc, v_desc, do_desc, q_smem, k_smem, v_smem,
                            do_smem, kv_ready, q_ready, do_ready, qdo_empty, off_b, off_hkv,
                            key0, group_size, m_lo, n_m)),
         (_mma_partition, (q_smem, k_smem, v_smem, do_smem, ds_smem, kv_ready, q_ready,
                           do_ready, qdo_empty, ds_full, ds_empty, dk_desc, dv_desc, Lse,
                           Delta, DQAccum, off_b, off_hkv, key0, group_size, m_lo, n_m,
-                          nheads, seqlen_q, seqlen_k, diag_offset, softmax_scale, 1,
-                          IS_CAUSAL)),
+                          nheads, seqlen_q, seqlen_k, dq_rows, diag_offset, softmax_scale,
+                          1, IS_CAUSAL, SDP, DQ_EARLY, DQ_UNMASKED)),
     ], [1, 4], [PRODUCER_REGS, CONSUMER_REGS])
 
 
@@ -355,6 +388,14 @@ def _descriptor(x, rows: int):
     return fwd_hopper._descriptor(x, (1, rows, 1, x.shape[-1]))
 
 
+def kernel_flags(head_dim: int, causal: bool, opts: frozenset[str]) -> dict:
+    """The kernel's constexpr switches (but STAGES) for FLASHTILE_HOPPER_BWD_OPTS
+    ``opts`` (``configs.hopper_bwd_opts()``)."""
+    return dict(IS_CAUSAL=causal,
+                SDP="sdp" in opts and head_dim <= configs.HOPPER_BWD_SDP_MAX_D,
+                DQ_EARLY="dq_early" in opts, DQ_UNMASKED="dq_unmasked" in opts)
+
+
 # The parameters each plan of the backward fills per call, in its kernel's order.
 _PRE_SLOTS = ("Out", "DOut", "DLse", "Delta", "DQAccum")
 _MAIN_SLOTS = ("q_desc", "k_desc", "v_desc", "do_desc", "dk_desc", "dv_desc", "Lse",
@@ -378,8 +419,12 @@ def backward(dout, q, k, v, out, lse, dlse, softmax_scale, diag_offset, causal):
     has_dlse = dlse is not None
     dlse = dlse.contiguous() if has_dlse else lse  # lse: a never-read placeholder
     delta = torch.empty_like(lse)
-    # Rows head_dim wide: the kernel's atomics and the conversion address them so.
-    dq_accum = torch.empty((b, h, sq, d), dtype=torch.float32, device=q.device)
+    # Rows head_dim wide: the kernel's atomics and the conversion address them so. With
+    # dq_unmasked, dq_rows rounds seqlen_q up to BLOCK_M: the atomics of rows past
+    # seqlen_q (which add dS = 0 times K) land there, never read, not zeroed.
+    def accumulator(dq_rows):
+        return torch.empty((b, h, dq_rows, d), dtype=torch.float32, device=q.device)
+
     key = None
     if _launch.ready(q):
         # unsupported() checked q, k, v and dout for TMA's alignment; the preprocess
@@ -389,7 +434,8 @@ def backward(dout, q, k, v, out, lse, dlse, softmax_scale, diag_offset, causal):
                _launch.misalignment(_launch.pointers((out, dout, dlse, lse))))
         plans = _launch.lookup(key)
         if plans is not None:
-            pre, (main, boxes), convert = plans
+            pre, (main, boxes, dq_rows), convert = plans
+            dq_accum = accumulator(dq_rows)
             pre((out.data_ptr(), dout.data_ptr(), dlse.data_ptr(), delta.data_ptr(),
                  dq_accum.data_ptr()))
             main((*map(fwd_hopper._rebased, boxes, (q, k, v, dout, dk, dv)), lse.data_ptr(),
@@ -397,7 +443,11 @@ def backward(dout, q, k, v, out, lse, dlse, softmax_scale, diag_offset, causal):
             convert((dq_accum.data_ptr(), dq.data_ptr(), softmax_scale))
             return dq, dk, dv
     cfg = configs.hopper_bwd_config(d)
-    configs.log_first_launch("hopper backward", q, d, cfg, dict(IS_CAUSAL=causal))
+    opts = configs.hopper_bwd_opts()
+    dq_rows = configs.cdiv(sq, cfg.block_m) * cfg.block_m if "dq_unmasked" in opts else sq
+    dq_accum = accumulator(dq_rows)
+    flags = kernel_flags(d, causal, opts)
+    configs.log_first_launch("hopper backward", q, d, cfg, flags)
     pre_m = configs.PREPROCESS_BLOCK_M
     row_grid = (configs.cdiv(sq, pre_m), b * h)
     # delta = rowsum(dO * O) - dlse, and dq_accum zeroed, by the portable preprocess.
@@ -412,8 +462,8 @@ def backward(dout, q, k, v, out, lse, dlse, softmax_scale, diag_offset, causal):
              _descriptor(dk, BLOCK_N_WG.value), _descriptor(dv, BLOCK_N_WG.value))
     main = _launch.first_launch(
         _attn_bwd_hopper_kernel, (configs.cdiv(sk, cfg.block_n), b * hkv),
-        (*descs, lse, delta, dq_accum, sq, sk, h, hkv, diag_offset, softmax_scale),
-        dict(IS_CAUSAL=causal, STAGES=cfg.num_stages, num_warps=cfg.num_warps),
+        (*descs, lse, delta, dq_accum, sq, sk, h, hkv, dq_rows, diag_offset, softmax_scale),
+        dict(flags, STAGES=cfg.num_stages, num_warps=cfg.num_warps),
         _MAIN_SLOTS if key is not None else None)
     convert = _launch.first_launch(
         bwd._bwd_dq_convert_kernel, row_grid,
@@ -423,5 +473,5 @@ def backward(dout, q, k, v, out, lse, dlse, softmax_scale, diag_offset, causal):
     if key is not None and None not in (pre, main, convert):
         # The descriptors without their tensors: a plan must not keep a call's memory.
         boxes = tuple(fwd_hopper._rebased(x, None) for x in descs)
-        _launch.store(key, (pre, (main, boxes), convert))
+        _launch.store(key, (pre, (main, boxes, dq_rows), convert))
     return dq, dk, dv

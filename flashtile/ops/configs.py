@@ -277,6 +277,26 @@ def hopper_bwd_config(head_dim: int) -> TileConfig:
     return cfg
 
 
+# Schedule variants of the Gluon backward, each a constexpr of its kernel, chosen by
+# FLASHTILE_HOPPER_BWD_OPTS (comma-separated; empty, the default: none) for the GPU
+# A/B; bwd_hopper's docstring says what each changes. Read when a launch plan is made.
+HOPPER_BWD_OPTS = ("sdp", "dq_early", "dq_unmasked")
+# "sdp" applies up to this head dim: at 128, dP^T's 32 accumulator registers in flight
+# through the softmax beside dK and dV made ptxas spill 200 bytes (sm_90 compile).
+HOPPER_BWD_SDP_MAX_D = 64
+
+
+def hopper_bwd_opts() -> frozenset[str]:
+    """The FLASHTILE_HOPPER_BWD_OPTS options of the Gluon backward, e.g. "sdp,dq_early"."""
+    raw = os.environ.get("FLASHTILE_HOPPER_BWD_OPTS", "")
+    opts = frozenset(x.strip() for x in raw.split(",") if x.strip())
+    unknown = sorted(opts.difference(HOPPER_BWD_OPTS))
+    if unknown:
+        raise ValueError(f"FLASHTILE_HOPPER_BWD_OPTS must be a comma-separated subset of "
+                         f"{HOPPER_BWD_OPTS}, got {raw!r} (unknown: {unknown})")
+    return opts
+
+
 def _from_env(kind: str) -> TileConfig | None:
     # FLASHTILE_FWD_CONFIG="128,64,8,3" (BLOCK_M, BLOCK_N, num_warps, num_stages): for sweeps.
     raw = os.environ.get(f"FLASHTILE_{kind.upper()}_CONFIG")
