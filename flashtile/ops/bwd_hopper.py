@@ -130,6 +130,15 @@ def _row_vector(ptr, row0, seqlen_q, other, BLOCK_M: gl.constexpr, s_layout: gl.
 
 
 @gluon.jit
+def _lse2(p_lse, row0, seqlen_q, BLOCK_M: gl.constexpr, s_layout: gl.constexpr):
+    """lse * log2(e) of query rows row0 + [0, BLOCK_M) in the layout of S^T's columns;
+    +inf past seqlen_q and where lse = -inf (a row that saw no key): P = 0 there, not
+    NaN."""
+    lse = _row_vector(p_lse, row0, seqlen_q, float("inf"), BLOCK_M, s_layout)
+    return gl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
+
+
+@gluon.jit
 def _dq_partial(ds_all, k_all, dq_init, p_dq, row0, seqlen_q, ds_empty,
                 DQ_EARLY: gl.constexpr, DQ_UNMASKED: gl.constexpr):
     """dQ_partial = dS K over the program's 128 keys, added into rows row0 + [0, M) of
@@ -218,9 +227,8 @@ def _mma_partition(q_smem, k_smem, v_smem, do_smem, ds_smem, kv_ready, q_ready, 
         # loaded in S^T's column layout, each thread would hold 16 values and their 16
         # 64-bit addresses (48 registers), which spilled at head_dim 128.
         p_row = (bh0 + it // n_m).to(gl.int64) * seqlen_q
-        lse2 = _row_vector(Lse + p_row, row0, seqlen_q, float("inf"), BLOCK_M, s_layout)
-        # Rows that saw no key have lse = -inf; +inf makes their P exactly 0, not NaN.
-        lse2 = gl.where(lse2 == float("-inf"), float("inf"), lse2 * LOG2E)
+        if not SDP:
+            lse2 = _lse2(Lse + p_row, row0, seqlen_q, BLOCK_M, s_layout)
         q = q_smem.index(stage).reshape([BLOCK_M, HEAD_DIM])                 # (M, D)
         b_do = do_smem.index(stage).reshape([BLOCK_M, HEAD_DIM])             # (M, D)
 
@@ -234,6 +242,10 @@ def _mma_partition(q_smem, k_smem, v_smem, do_smem, ds_smem, kv_ready, q_ready, 
             dp_t = warpgroup_mma(v, b_do.permute((1, 0)), s_init, use_acc=False,
                                  is_async=True)                              # (64, M)
             s_t = warpgroup_mma_wait(1, deps=(s_t,))
+            # lse after the products' issue: loaded before (as without SDP), it stayed
+            # live beside dP^T's pinned accumulators and ptxas spilled 200 bytes at
+            # head_dim 128, not 112 (scalars kept across the walk).
+            lse2 = _lse2(Lse + p_row, row0, seqlen_q, BLOCK_M, s_layout)
         else:
             s_t = warpgroup_mma_wait(0, deps=(s_t,))
         keep = gl.expand_dims(o_n < seqlen_k, 1)
@@ -392,7 +404,7 @@ def kernel_flags(head_dim: int, causal: bool, opts: frozenset[str]) -> dict:
     """The kernel's constexpr switches (but STAGES) for FLASHTILE_HOPPER_BWD_OPTS
     ``opts`` (``configs.hopper_bwd_opts()``)."""
     return dict(IS_CAUSAL=causal,
-                SDP="sdp" in opts and head_dim <= configs.HOPPER_BWD_SDP_MAX_D,
+                SDP="sdp" in opts,
                 DQ_EARLY="dq_early" in opts, DQ_UNMASKED="dq_unmasked" in opts)
 
 

@@ -281,9 +281,6 @@ def hopper_bwd_config(head_dim: int) -> TileConfig:
 # FLASHTILE_HOPPER_BWD_OPTS (comma-separated; empty, the default: none) for the GPU
 # A/B; bwd_hopper's docstring says what each changes. Read when a launch plan is made.
 HOPPER_BWD_OPTS = ("sdp", "dq_early", "dq_unmasked")
-# "sdp" applies up to this head dim: at 128, dP^T's 32 accumulator registers in flight
-# through the softmax beside dK and dV made ptxas spill 200 bytes (sm_90 compile).
-HOPPER_BWD_SDP_MAX_D = 64
 
 
 def hopper_bwd_opts() -> frozenset[str]:
