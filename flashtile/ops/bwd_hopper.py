@@ -139,8 +139,9 @@ def _lse2(p_lse, row0, seqlen_q, BLOCK_M: gl.constexpr, s_layout: gl.constexpr):
 
 
 @gluon.jit
-def _dq_partial(ds_all, k_all, dq_init, p_dq, row0, seqlen_q, ds_empty,
-                DQ_EARLY: gl.constexpr, DQ_UNMASKED: gl.constexpr):
+def _dq_partial(ds_all, k_all, dq_init, p_dq, row0, seqlen_q, ds_empty, dq_smem, dq_full,
+                dq_empty, it, DQ_EARLY: gl.constexpr, DQ_UNMASKED: gl.constexpr,
+                DQ_WARP: gl.constexpr):
     """dQ_partial = dS K over the program's 128 keys, added into rows row0 + [0, M) of
     the fp32 accumulator at p_dq (head_dim wide), in pieces of 64 head dims (K's
     columns, a whole 128-byte swizzle atom each) addressed by 32-bit offsets from one
@@ -149,7 +150,9 @@ def _dq_partial(ds_all, k_all, dq_init, p_dq, row0, seqlen_q, ds_empty,
     are read for the last time: after the atomics, or with DQ_EARLY as soon as the last
     product has completed (the atomics read registers only). DQ_UNMASKED: the
     accumulator has rows up to a multiple of BLOCK_M, so no row mask (a masked atomic
-    is a branch around each REDG in the SASS)."""
+    is a branch around each REDG in the SASS). DQ_WARP: no atomics here; the pieces go
+    to dq_smem (free once dq_empty has completed the phase of dQ product it - 1), for
+    the writer warp (_dq_writer_partition), told by dq_full."""
     HEAD_DIM: gl.constexpr = k_all.type.shape[1]
     BLOCK_M: gl.constexpr = dq_init.type.shape[0]
     DQ_PIECE: gl.constexpr = dq_init.type.shape[1]
@@ -162,28 +165,68 @@ def _dq_partial(ds_all, k_all, dq_init, p_dq, row0, seqlen_q, ds_empty,
         dq = warpgroup_mma(ds_all.permute((1, 0)), k_piece, dq_init, use_acc=False,
                            is_async=True)                                    # (M, 64)
         dq = warpgroup_mma_wait(0, deps=(dq,))
-        if DQ_EARLY and piece == N_PIECES - 1:
+        if (DQ_EARLY or DQ_WARP) and piece == N_PIECES - 1:
             mbarrier.arrive(ds_empty, count=1)
-        o_dq = gl.expand_dims(o_dq_m, 1) * HEAD_DIM \
-            + gl.expand_dims(piece * DQ_PIECE + o_dq_d, 0)                  # (M, 64)
-        # Relaxed: nothing reads a reduction's result before the conversion kernel, so
-        # it needs no ordering.
-        if DQ_UNMASKED:
-            gl.atomic_add(p_dq + o_dq, dq, sem="relaxed")
+        if DQ_WARP:
+            if piece == 0:
+                mbarrier.wait(dq_empty, (it & 1) ^ 1)
+            dq_smem.slice(piece * DQ_PIECE, DQ_PIECE, dim=1).store(dq)
         else:
-            gl.atomic_add(p_dq + o_dq, dq, mask=gl.expand_dims(o_dq_m < seqlen_q, 1),
-                          sem="relaxed")
-    if not DQ_EARLY:
+            o_dq = gl.expand_dims(o_dq_m, 1) * HEAD_DIM \
+                + gl.expand_dims(piece * DQ_PIECE + o_dq_d, 0)              # (M, 64)
+            # Relaxed: nothing reads a reduction's result before the conversion kernel,
+            # so it needs no ordering.
+            if DQ_UNMASKED:
+                gl.atomic_add(p_dq + o_dq, dq, sem="relaxed")
+            else:
+                gl.atomic_add(p_dq + o_dq, dq, mask=gl.expand_dims(o_dq_m < seqlen_q, 1),
+                              sem="relaxed")
+    if DQ_WARP:
+        mbarrier.arrive(dq_full, count=1)  # the generic-proxy stores above, released
+    elif not DQ_EARLY:
         mbarrier.arrive(ds_empty, count=1)
 
 
 @gluon.jit
+def _dq_writer_partition(dq_smem, dq_full, dq_empty, DQAccum, off_b, off_hkv, group_size,
+                         m_lo, n_m, nheads, seqlen_q, dq_rows, DQ_UNMASKED: gl.constexpr):
+    """The dQ writer warp (DQ_WARP): each query block's dQ_partial from dq_smem into the
+    fp32 accumulator by relaxed atomics, four values an instruction (REDG.F32x4), 8 x 32
+    values a load: 8 registers a thread, the warp running under the producer's 24 (a
+    slice of 8 rows keeps the swizzle's period, so its address is a constant offset)."""
+    BLOCK_M: gl.constexpr = dq_smem.type.shape[0]
+    HEAD_DIM: gl.constexpr = dq_smem.type.shape[1]
+    COLS: gl.constexpr = 32
+    # Per load, 4 rows of 8 threads x 4 consecutive values, twice: 8 x 32.
+    layout: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [1, 1], [1, 0])
+    o_r = gl.arange(0, 8, layout=gl.SliceLayout(1, layout))                   # (8,)
+    o_d = gl.arange(0, COLS, layout=gl.SliceLayout(0, layout))                # (32,)
+    bh0 = off_b * nheads + off_hkv * group_size
+    for it in range(group_size * n_m):
+        row0 = (m_lo + it % n_m) * BLOCK_M
+        p_dq = DQAccum + ((bh0 + it // n_m).to(gl.int64) * dq_rows + row0) * HEAD_DIM
+        mbarrier.wait(dq_full, it & 1)
+        for r in gl.static_range(0, BLOCK_M, 8):
+            for h in gl.static_range(0, HEAD_DIM, COLS):
+                dq = dq_smem.slice(r, 8).slice(h, COLS, dim=1).load(layout)    # (8, 32)
+                o_dq = gl.expand_dims(r + o_r, 1) * HEAD_DIM + gl.expand_dims(h + o_d, 0)
+                if DQ_UNMASKED:
+                    gl.atomic_add(p_dq + o_dq, dq, sem="relaxed")
+                else:
+                    gl.atomic_add(p_dq + o_dq, dq,
+                                  mask=gl.expand_dims(row0 + r + o_r < seqlen_q, 1),
+                                  sem="relaxed")
+        mbarrier.arrive(dq_empty, count=1)
+
+
+@gluon.jit
 def _mma_partition(q_smem, k_smem, v_smem, do_smem, ds_smem, kv_ready, q_ready, do_ready,
-                   qdo_empty, ds_full, ds_empty, dk_desc, dv_desc, Lse, Delta, DQAccum,
+                   qdo_empty, ds_full, ds_empty, dq_smem, dq_full, dq_empty, dk_desc,
+                   dv_desc, Lse, Delta, DQAccum,
                    off_b, off_hkv, key0, group_size, m_lo, n_m, nheads, seqlen_q, seqlen_k,
                    dq_rows, diag_offset, softmax_scale, WG: gl.constexpr,
                    IS_CAUSAL: gl.constexpr, SDP: gl.constexpr, DQ_EARLY: gl.constexpr,
-                   DQ_UNMASKED: gl.constexpr):
+                   DQ_UNMASKED: gl.constexpr, DQ_WARP: gl.constexpr):
     """Consumer warpgroup WG: keys key0 + 64 * WG + [0, 64) against every query block.
     dq_rows: the dQ accumulator's rows per head (seqlen_q, or rounded up to BLOCK_M with
     DQ_UNMASKED)."""
@@ -286,8 +329,8 @@ def _mma_partition(q_smem, k_smem, v_smem, do_smem, ds_smem, kv_ready, q_ready, 
             p_dq = DQAccum + p_row * HEAD_DIM
             if DQ_UNMASKED:  # the accumulator's heads are dq_rows apart, not seqlen_q
                 p_dq = DQAccum + (bh0 + it // n_m).to(gl.int64) * dq_rows * HEAD_DIM
-            _dq_partial(ds_smem, k_all, dq_init, p_dq, row0, seqlen_q, ds_empty, DQ_EARLY,
-                        DQ_UNMASKED)
+            _dq_partial(ds_smem, k_all, dq_init, p_dq, row0, seqlen_q, ds_empty, dq_smem,
+                        dq_full, dq_empty, it, DQ_EARLY, DQ_UNMASKED, DQ_WARP)
 
     # dK and dV leave through this warpgroup's K and V buffers once the last dQ product,
     # which reads both halves of K, has completed (a fresh barrier passes: no walk). TMA
@@ -309,10 +352,11 @@ def _attn_bwd_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, L
                             DQAccum, seqlen_q, seqlen_k, nheads, nheads_kv, dq_rows,
                             diag_offset, softmax_scale, IS_CAUSAL: gl.constexpr,
                             STAGES: gl.constexpr, SDP: gl.constexpr,
-                            DQ_EARLY: gl.constexpr, DQ_UNMASKED: gl.constexpr):
+                            DQ_EARLY: gl.constexpr, DQ_UNMASKED: gl.constexpr,
+                            DQ_WARP: gl.constexpr):
     """dK, dV of 128 keys of one (batch, KV head), dQ added into DQAccum: fp32 (batch,
     nheads, dq_rows, head_dim), its first seqlen_q rows of each head zeroed by the
-    preprocess. SDP, DQ_EARLY, DQ_UNMASKED: the schedule options of the module
+    preprocess. SDP, DQ_EARLY, DQ_UNMASKED, DQ_WARP: the schedule options of the module
     docstring."""
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[1]
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
@@ -346,29 +390,66 @@ def _attn_bwd_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, L
     qdo_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     ds_full = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     ds_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    # DQ_WARP: dQ_partial of one query block, fp32, for the writer warp. Swizzled in
+    # pairs of columns (what a thread of the wgmma layout stores at once) by row, so
+    # that the 8 rows of one store instruction fall in different banks.
+    dq_smem = gl.allocate_shared_memory(
+        gl.float32, [BLOCK_M if DQ_WARP else 1, HEAD_DIM if DQ_WARP else 1],
+        gl.SwizzledSharedLayout(2, 1, 8, [1, 0]))
+    dq_full = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    dq_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     mbarrier.init(kv_ready, count=1)
     mbarrier.init(ds_full, count=2)  # both warpgroups stored their dS^T
     mbarrier.init(ds_empty, count=1)  # the owner's dQ product has completed
+    if DQ_WARP:
+        mbarrier.init(dq_full, count=1)  # the owner stored dQ_partial
+        mbarrier.init(dq_empty, count=1)  # the writer read it
     for i in gl.static_range(STAGES):
         mbarrier.init(q_ready.index(i), count=1)
         mbarrier.init(do_ready.index(i), count=1)
         mbarrier.init(qdo_empty.index(i), count=2)  # one arrival per consumer warpgroup
 
-    gl.warp_specialize([
-        (_mma_partition, (q_smem, k_smem, v_smem, do_smem, ds_smem, kv_ready, q_ready,
-                          do_ready, qdo_empty, ds_full, ds_empty, dk_desc, dv_desc, Lse,
-                          Delta, DQAccum, off_b, off_hkv, key0, group_size, m_lo, n_m,
-                          nheads, seqlen_q, seqlen_k, dq_rows, diag_offset, softmax_scale,
-                          0, IS_CAUSAL, SDP, DQ_EARLY, DQ_UNMASKED)),
-        (_load_partition, (q_desc, k_desc, v_desc, do_desc, q_smem, k_smem, v_smem,
-                           do_smem, kv_ready, q_ready, do_ready, qdo_empty, off_b, off_hkv,
-                           key0, group_size, m_lo, n_m)),
-        (_mma_partition, (q_smem, k_smem, v_smem, do_smem, ds_smem, kv_ready, q_ready,
-                          do_ready, qdo_empty, ds_full, ds_empty, dk_desc, dv_desc, Lse,
-                          Delta, DQAccum, off_b, off_hkv, key0, group_size, m_lo, n_m,
-                          nheads, seqlen_q, seqlen_k, dq_rows, diag_offset, softmax_scale,
-                          1, IS_CAUSAL, SDP, DQ_EARLY, DQ_UNMASKED)),
-    ], [1, 4], [PRODUCER_REGS, CONSUMER_REGS])
+    # The partitions' arguments are spelled out in each call: a tuple held in a variable
+    # turns its constants (WG, the flags) into runtime values.
+    if DQ_WARP:  # the writer warp beside the producer's, in the warpgroup padded around it
+        gl.warp_specialize([
+            (_mma_partition, (
+            q_smem, k_smem, v_smem, do_smem, ds_smem, kv_ready, q_ready, do_ready, qdo_empty,
+            ds_full, ds_empty, dq_smem, dq_full, dq_empty, dk_desc, dv_desc, Lse, Delta,
+            DQAccum, off_b, off_hkv, key0, group_size, m_lo, n_m, nheads, seqlen_q, seqlen_k,
+            dq_rows, diag_offset, softmax_scale, 0, IS_CAUSAL, SDP, DQ_EARLY, DQ_UNMASKED,
+            DQ_WARP)),
+            (_load_partition, (
+            q_desc, k_desc, v_desc, do_desc, q_smem, k_smem, v_smem, do_smem, kv_ready,
+            q_ready, do_ready, qdo_empty, off_b, off_hkv, key0, group_size, m_lo, n_m)),
+            (_mma_partition, (
+            q_smem, k_smem, v_smem, do_smem, ds_smem, kv_ready, q_ready, do_ready, qdo_empty,
+            ds_full, ds_empty, dq_smem, dq_full, dq_empty, dk_desc, dv_desc, Lse, Delta,
+            DQAccum, off_b, off_hkv, key0, group_size, m_lo, n_m, nheads, seqlen_q, seqlen_k,
+            dq_rows, diag_offset, softmax_scale, 1, IS_CAUSAL, SDP, DQ_EARLY, DQ_UNMASKED,
+            DQ_WARP)),
+            (_dq_writer_partition, (dq_smem, dq_full, dq_empty, DQAccum, off_b, off_hkv,
+                                    group_size, m_lo, n_m, nheads, seqlen_q, dq_rows,
+                                    DQ_UNMASKED)),
+        ], [1, 4, 1], [PRODUCER_REGS, CONSUMER_REGS, PRODUCER_REGS])
+    else:
+        gl.warp_specialize([
+            (_mma_partition, (
+            q_smem, k_smem, v_smem, do_smem, ds_smem, kv_ready, q_ready, do_ready, qdo_empty,
+            ds_full, ds_empty, dq_smem, dq_full, dq_empty, dk_desc, dv_desc, Lse, Delta,
+            DQAccum, off_b, off_hkv, key0, group_size, m_lo, n_m, nheads, seqlen_q, seqlen_k,
+            dq_rows, diag_offset, softmax_scale, 0, IS_CAUSAL, SDP, DQ_EARLY, DQ_UNMASKED,
+            DQ_WARP)),
+            (_load_partition, (
+            q_desc, k_desc, v_desc, do_desc, q_smem, k_smem, v_smem, do_smem, kv_ready,
+            q_ready, do_ready, qdo_empty, off_b, off_hkv, key0, group_size, m_lo, n_m)),
+            (_mma_partition, (
+            q_smem, k_smem, v_smem, do_smem, ds_smem, kv_ready, q_ready, do_ready, qdo_empty,
+            ds_full, ds_empty, dq_smem, dq_full, dq_empty, dk_desc, dv_desc, Lse, Delta,
+            DQAccum, off_b, off_hkv, key0, group_size, m_lo, n_m, nheads, seqlen_q, seqlen_k,
+            dq_rows, diag_offset, softmax_scale, 1, IS_CAUSAL, SDP, DQ_EARLY, DQ_UNMASKED,
+            DQ_WARP)),
+        ], [1, 4], [PRODUCER_REGS, CONSUMER_REGS])
 
 
 def unsupported(q, k, v, out, dout, *, softmax_scale=1.0, attn_mask=None,
@@ -405,7 +486,8 @@ def kernel_flags(head_dim: int, causal: bool, opts: frozenset[str]) -> dict:
     ``opts`` (``configs.hopper_bwd_opts()``)."""
     return dict(IS_CAUSAL=causal,
                 SDP="sdp" in opts,
-                DQ_EARLY="dq_early" in opts, DQ_UNMASKED="dq_unmasked" in opts)
+                DQ_EARLY="dq_early" in opts, DQ_UNMASKED="dq_unmasked" in opts,
+                DQ_WARP="dq_warp" in opts)
 
 
 # The parameters each plan of the backward fills per call, in its kernel's order.
