@@ -220,16 +220,16 @@ def _dq_writer_partition(dq_smem, dq_full, dq_empty, DQAccum, off_b, off_hkv, gr
 
 
 @gluon.jit
-def _mma_partition(q_smem, k_smem, v_smem, do_smem, ds_smem, kv_ready, q_ready, do_ready,
-                   qdo_empty, ds_full, ds_empty, dq_smem, dq_full, dq_empty, dk_desc,
-                   dv_desc, Lse, Delta, DQAccum,
-                   off_b, off_hkv, key0, group_size, m_lo, n_m, nheads, seqlen_q, seqlen_k,
-                   dq_rows, diag_offset, softmax_scale, WG: gl.constexpr,
-                   IS_CAUSAL: gl.constexpr, SDP: gl.constexpr, DQ_EARLY: gl.constexpr,
-                   DQ_UNMASKED: gl.constexpr, DQ_WARP: gl.constexpr):
+def _mma_partition(args, WG: gl.constexpr, IS_CAUSAL: gl.constexpr, SDP: gl.constexpr,
+                   DQ_EARLY: gl.constexpr, DQ_UNMASKED: gl.constexpr,
+                   DQ_WARP: gl.constexpr):
     """Consumer warpgroup WG: keys key0 + 64 * WG + [0, 64) against every query block.
     dq_rows: the dQ accumulator's rows per head (seqlen_q, or rounded up to BLOCK_M with
     DQ_UNMASKED)."""
+    (q_smem, k_smem, v_smem, do_smem, ds_smem, kv_ready, q_ready, do_ready, qdo_empty,
+     ds_full, ds_empty, dq_smem, dq_full, dq_empty, dk_desc, dv_desc, Lse, Delta, DQAccum,
+     off_b, off_hkv, key0, group_size, m_lo, n_m, nheads, seqlen_q, seqlen_k, dq_rows,
+     diag_offset, softmax_scale) = args
     STAGES: gl.constexpr = q_smem.type.shape[0]
     BLOCK_M: gl.constexpr = q_smem.type.shape[2]
     HEAD_DIM: gl.constexpr = q_smem.type.shape[4]
@@ -409,46 +409,28 @@ def _attn_bwd_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, L
         mbarrier.init(do_ready.index(i), count=1)
         mbarrier.init(qdo_empty.index(i), count=2)  # one arrival per consumer warpgroup
 
-    # The partitions' arguments are spelled out in each call: a tuple held in a variable
-    # turns its constants (WG, the flags) into runtime values.
+    # The consumers' runtime arguments in one tuple; their constants (WG, the flags)
+    # stay outside it: a tuple held in a variable turns constants into runtime values.
+    mma_args = (q_smem, k_smem, v_smem, do_smem, ds_smem, kv_ready, q_ready, do_ready,
+                qdo_empty, ds_full, ds_empty, dq_smem, dq_full, dq_empty, dk_desc, dv_desc,
+                Lse, Delta, DQAccum, off_b, off_hkv, key0, group_size, m_lo, n_m, nheads,
+                seqlen_q, seqlen_k, dq_rows, diag_offset, softmax_scale)
+    load_args = (q_desc, k_desc, v_desc, do_desc, q_smem, k_smem, v_smem, do_smem, kv_ready,
+                 q_ready, do_ready, qdo_empty, off_b, off_hkv, key0, group_size, m_lo, n_m)
     if DQ_WARP:  # the writer warp beside the producer's, in the warpgroup padded around it
         gl.warp_specialize([
-            (_mma_partition, (
-            q_smem, k_smem, v_smem, do_smem, ds_smem, kv_ready, q_ready, do_ready, qdo_empty,
-            ds_full, ds_empty, dq_smem, dq_full, dq_empty, dk_desc, dv_desc, Lse, Delta,
-            DQAccum, off_b, off_hkv, key0, group_size, m_lo, n_m, nheads, seqlen_q, seqlen_k,
-            dq_rows, diag_offset, softmax_scale, 0, IS_CAUSAL, SDP, DQ_EARLY, DQ_UNMASKED,
-            DQ_WARP)),
-            (_load_partition, (
-            q_desc, k_desc, v_desc, do_desc, q_smem, k_smem, v_smem, do_smem, kv_ready,
-            q_ready, do_ready, qdo_empty, off_b, off_hkv, key0, group_size, m_lo, n_m)),
-            (_mma_partition, (
-            q_smem, k_smem, v_smem, do_smem, ds_smem, kv_ready, q_ready, do_ready, qdo_empty,
-            ds_full, ds_empty, dq_smem, dq_full, dq_empty, dk_desc, dv_desc, Lse, Delta,
-            DQAccum, off_b, off_hkv, key0, group_size, m_lo, n_m, nheads, seqlen_q, seqlen_k,
-            dq_rows, diag_offset, softmax_scale, 1, IS_CAUSAL, SDP, DQ_EARLY, DQ_UNMASKED,
-            DQ_WARP)),
+            (_mma_partition, (mma_args, 0, IS_CAUSAL, SDP, DQ_EARLY, DQ_UNMASKED, DQ_WARP)),
+            (_load_partition, load_args),
+            (_mma_partition, (mma_args, 1, IS_CAUSAL, SDP, DQ_EARLY, DQ_UNMASKED, DQ_WARP)),
             (_dq_writer_partition, (dq_smem, dq_full, dq_empty, DQAccum, off_b, off_hkv,
                                     group_size, m_lo, n_m, nheads, seqlen_q, dq_rows,
                                     DQ_UNMASKED)),
         ], [1, 4, 1], [PRODUCER_REGS, CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
-            (_mma_partition, (
-            q_smem, k_smem, v_smem, do_smem, ds_smem, kv_ready, q_ready, do_ready, qdo_empty,
-            ds_full, ds_empty, dq_smem, dq_full, dq_empty, dk_desc, dv_desc, Lse, Delta,
-            DQAccum, off_b, off_hkv, key0, group_size, m_lo, n_m, nheads, seqlen_q, seqlen_k,
-            dq_rows, diag_offset, softmax_scale, 0, IS_CAUSAL, SDP, DQ_EARLY, DQ_UNMASKED,
-            DQ_WARP)),
-            (_load_partition, (
-            q_desc, k_desc, v_desc, do_desc, q_smem, k_smem, v_smem, do_smem, kv_ready,
-            q_ready, do_ready, qdo_empty, off_b, off_hkv, key0, group_size, m_lo, n_m)),
-            (_mma_partition, (
-            q_smem, k_smem, v_smem, do_smem, ds_smem, kv_ready, q_ready, do_ready, qdo_empty,
-            ds_full, ds_empty, dq_smem, dq_full, dq_empty, dk_desc, dv_desc, Lse, Delta,
-            DQAccum, off_b, off_hkv, key0, group_size, m_lo, n_m, nheads, seqlen_q, seqlen_k,
-            dq_rows, diag_offset, softmax_scale, 1, IS_CAUSAL, SDP, DQ_EARLY, DQ_UNMASKED,
-            DQ_WARP)),
+            (_mma_partition, (mma_args, 0, IS_CAUSAL, SDP, DQ_EARLY, DQ_UNMASKED, DQ_WARP)),
+            (_load_partition, load_args),
+            (_mma_partition, (mma_args, 1, IS_CAUSAL, SDP, DQ_EARLY, DQ_UNMASKED, DQ_WARP)),
         ], [1, 4], [PRODUCER_REGS, CONSUMER_REGS])
 
 
