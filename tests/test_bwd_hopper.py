@@ -169,7 +169,8 @@ OPTS = ["sdp", "dq_early", "dq_unmasked", "dq_warp", "sdp,dq_early,dq_unmasked",
         "dq_warp,dq_unmasked"]
 
 
-def _backward_twice(env, head_dim, causal, diag_offset, monkeypatch, shape=(2, 333, 300, 4, 2)):
+def _backward_twice(env, head_dim, causal, diag_offset, monkeypatch,
+                    shape=(2, 333, 300, 4, 2)):
     """Under the environment ``env``: Triton's path, then the launch plan (which keeps
     the accumulator's rows, dq_rows) on fresh inputs with a dlse and a scale != 1/sqrt(d);
     both meet the rule. Plans made under ``env`` are dropped afterwards."""

@@ -211,7 +211,8 @@ def _walk_local_stores(sass: str) -> list[int]:
     jump back into them). A tile that did not fit the registers is stored there every
     query block; the scalars ptxas keeps in local memory are stored before the walk and
     only reloaded in it."""
-    ins = [(int(a, 16), op) for a, op in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
+    line = r"/\*([0-9a-f]{4,})\*/\s+([^;]*);"  # /*address*/ instruction ;
+    ins = [(int(a, 16), op) for a, op in re.findall(line, sass)]
     loops = []
     for addr, op in ins:
         m = re.search(r"\bBRA 0x([0-9a-f]+)", op)

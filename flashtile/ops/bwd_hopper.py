@@ -28,32 +28,50 @@ in bwd.py), in three warp-specialised partitions:
   the wgmma accumulator layout: one reduction per 128 keys, as the portable fused
   backward's and FA3's.
   Triton 3.6's Gluon exposes no TMA reduce (its hopper ``tma`` module has loads, stores
-  and store_wait only; ``desc.atomic_add`` is triton.language's, not Gluon's), so FA3's
-  bulk reduce-add from shared memory by a dedicated warp is not reachable here.
+  and store_wait only, blackwell's adds gather/scatter; ``desc.atomic_add`` is
+  triton.language's), nor a shared-memory address that inline PTX (``cp.reduce.async.
+  bulk``) could take: ``gl.inline_asm_elementwise`` reads register tensors only. So
+  FA3's bulk reduce-add from shared memory is not reachable here.
 - warp_specialize's register requests become setmaxnreg: 24 for the producer, 240 for
   each consumer (dK and dV accumulators, 64 x head_dim fp32 each, live across the walk).
+
+Schedule options, each a constexpr chosen by FLASHTILE_HOPPER_BWD_OPTS (comma-separated;
+none by default, the schedule above) for the GPU A/B, all compile-checked on the CPU:
+- sdp (SDP): dP^T is issued right behind S^T, as FA3 does; the consumer waits for S^T
+  alone (wgmma wait 1), computes P^T while dP^T runs, then waits for dP^T: one wgmma
+  round trip fewer per query block and both products queued for the tensor cores. lse
+  is then loaded after the issue (loaded before, ptxas spilled 200 bytes at d128).
+- dq_early (DQ_EARLY): the dQ owner releases dS^T's buffer (ds_empty) as soon as its
+  last dQ product has completed, before that piece's atomics (registers only), so the
+  other consumer can store its next dS^T sooner.
+- dq_unmasked (DQ_UNMASKED): the dQ accumulator has seqlen_q rounded up to BLOCK_M rows,
+  so the atomics need no row mask: a masked atomic is a branch (BSSY/BRA/BSYNC) around
+  each REDG in the SASS, 64 of them in a d128 program's two dQ pieces.
+- dq_warp (DQ_WARP): FA3's dQ writer: the owner stores dQ_partial (fp32, swizzled so the
+  8 rows of one store hit distinct banks) to shared memory and goes on; a fourth
+  partition, one warp beside the producer (24 registers), adds it to the accumulator
+  with four-value atomics (REDG.F32x4), 8 x 32 values at a time, and frees the buffer
+  (mbarriers dq_full / dq_empty). The atomics are the same in number of values; what
+  leaves the consumers is their issue, at the price of 2 x 16-32 KiB of shared-memory
+  traffic per query block (the tile written, then read) and 16-32 KiB of shared memory.
 Not FA3's: no ping-pong between the two consumers, no overlap of the softmax with the
-products inside a warpgroup (both spilled at head_dim 128), no separate dQ-writer warp.
+dV/dK products inside a warpgroup (spilled at head_dim 128), no bulk dQ reduce.
 
 Rows past seqlen_q and keys past seqlen_k are zero-filled by TMA; keys past seqlen_k are
 masked (a zero key still scores 0, and exp2(0 - lse) can overflow where lse is very
 negative, making 0 * inf in dQ); rows past seqlen_q read lse = +inf, so their P is 0;
 dK/dV rows past seqlen_k are dropped by the TMA store, dQ rows past seqlen_q by the
-atomics' mask. Rows that saw no key (lse = -inf) read +inf too: zero gradients.
+atomics' mask (dq_unmasked: they add dS = 0 times K into the accumulator's padding).
+Rows that saw no key (lse = -inf) read +inf too: zero gradients.
 
-Status: never run on a GPU, so FLASHTILE_HOPPER_BWD defaults to "0". What is checked:
-tests/test_gluon_compile.py compiles every variant for sm_90 on the CPU (shared memory,
-no tile spills, wgmma/TMA/setmaxnreg/atomics present; at head_dim 128 ptxas keeps 48
-bytes of scalars in local memory, a few reloaded per query block). Untested: every
-number, the mbarrier protocol (a deadlock would show as a 60 s timeout), the dS^T round
-trip through shared memory, the 64-column slices of K. The next GPU session runs
-``scripts/gpu_session.sh bwd-ab`` (``pytest --gpu tests/test_bwd_hopper.py``, then
-``flashtile bench --providers flashtile flashtile-fusedbwd flashtile-hopper-bwd
-sdpa-cudnn --modes fwd_bwd``). Prediction: forward + backward 0.85-1.0x cuDNN at head dims 64/128
-from 4k tokens (the portable pair: 0.71-0.76x): wgmma and TMA instead of mma.sync, the
-same 5 products as the fused backward, but no ping-pong, S^T -> dP^T -> dV/dK -> dQ
-serialised within a warpgroup, and dQ by element atomics where cuDNN and FA3 reduce by
-TMA bulk from shared memory.
+Status: FLASHTILE_HOPPER_BWD defaults to "0". First run on an H200 in GPU session 12
+(docs/benchmarks/h200-2026-12-01-s12/bwd-ab.md): tests/test_bwd_hopper.py passed and
+memcheck found 0 errors; forward + backward 0.78-0.84x cuDNN's at head dims 64/128, the
+backward alone ~0.76x (~390 against ~513 TFLOP/s at d128, 4k). tests/test_gluon_compile.py
+compiles every variant and option for sm_90 on the CPU (shared memory, no local-memory
+stores inside the walks, each option visible in the SASS; ptxas keeps 48 bytes of
+scalars in local memory at head_dim 128, stored before the walk, up to 112 with sdp).
+The options and STAGES 3/4 are not timed yet: their GPU tests and A/B come next.
 """
 
 from __future__ import annotations
