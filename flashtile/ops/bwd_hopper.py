@@ -64,7 +64,8 @@ dK/dV rows past seqlen_k are dropped by the TMA store, dQ rows past seqlen_q by 
 atomics' mask (dq_unmasked: they add dS = 0 times K into the accumulator's padding).
 Rows that saw no key (lse = -inf) read +inf too: zero gradients.
 
-Status: FLASHTILE_HOPPER_BWD defaults to "0". First run on an H200 in GPU session 12
+Status (FLASHTILE_HOPPER_BWD, flashtile._backend.hopper_bwd_mode, says where this is the
+default): first run on an H200 in GPU session 12
 (docs/benchmarks/h200-2026-12-01-s12/bwd-ab.md): tests/test_bwd_hopper.py passed and
 memcheck found 0 errors; forward + backward 0.78-0.84x cuDNN's at head dims 64/128, the
 backward alone ~0.76x (~390 against ~513 TFLOP/s at d128, 4k). tests/test_gluon_compile.py
