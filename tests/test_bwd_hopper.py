@@ -96,7 +96,7 @@ def test_launch_plan_equals_tritons_path(causal):
     call(0, 0.1)  # Triton's path, then the plans are stored
     grads, (q, k, v, dout, dlse) = call(1, 0.2)  # the plans
     stored = [p for p in _launch._plans.values() if isinstance(p, tuple) and len(p) == 3
-              and isinstance(p[1], tuple)]  # (pre, (main, boxes), convert)
+              and isinstance(p[1], tuple)]  # (pre, (main, boxes, dq_rows), convert)
     assert len(stored) == 1 and all(box.base is None for box in stored[0][1][1])
     _check(grads, q, k, v, dout, causal, 33, 0.2, dlse)
     _launch.clear()
@@ -161,6 +161,89 @@ def test_switch_dispatches_through_flash_attn_func(monkeypatch):
     q96 = torch.randn(1, 64, 2, 96, dtype=torch.bfloat16, device="cuda", requires_grad=True)
     torch.autograd.grad(flashtile.flash_attn_func(q96, q96, q96).sum(), q96)
     assert calls == [1]
+
+
+# The schedule options (FLASHTILE_HOPPER_BWD_OPTS, bwd_hopper's docstring) the GPU A/B
+# times, alone and as timed together; tests/test_gluon_compile.py checks their SASS.
+OPTS = ["sdp", "dq_early", "dq_unmasked", "dq_warp", "sdp,dq_early,dq_unmasked",
+        "dq_warp,dq_unmasked"]
+
+
+def _backward_twice(env, head_dim, causal, diag_offset, monkeypatch,
+                    shape=(2, 333, 300, 4, 2)):
+    """Under the environment ``env``: Triton's path, then the launch plan (which keeps
+    the accumulator's rows, dq_rows) on fresh inputs with a dlse and a scale != 1/sqrt(d);
+    both meet the rule. Plans made under ``env`` are dropped afterwards."""
+    from flashtile.ops import _launch
+
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    _launch.clear()
+    try:
+        for seed in (0, 1):
+            torch.manual_seed(seed)
+            q, k, v, dout = _inputs(*shape, head_dim, torch.bfloat16)
+            dlse = torch.randn(shape[0], shape[3], shape[1], device="cuda")
+            grads = _backward(q, k, v, dout, causal, diag_offset, 0.3, dlse)
+            _check(grads, q, k, v, dout, causal, diag_offset, 0.3, dlse)
+    finally:
+        _launch.clear()
+
+
+@pytest.mark.parametrize("mask", list(MASKS))
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("opts", OPTS)
+@on_hopper
+def test_options_match_float64_reference(opts, head_dim, mask, monkeypatch):
+    """GQA, seqlen_q (333) off the 64-row blocks: dq_unmasked's atomics of the rows past
+    it land in the accumulator's padding; seqlen_q > seqlen_k, so bottom-right causal
+    has rows that see no key; many query blocks, so the dQ hand-offs (dS^T, dq_warp's
+    shared buffer) turn over many times between the two consumers."""
+    causal, align = MASKS[mask]
+    diag_offset = 300 - 333 if align == "bottom_right" else 0
+    _backward_twice({"FLASHTILE_HOPPER_BWD_OPTS": opts}, head_dim, causal, diag_offset,
+                    monkeypatch)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("opts", OPTS)
+@on_hopper
+def test_hopper_bwd_options_small(opts, head_dim, monkeypatch):
+    """The memcheck slice of the options: test_hopper_bwd_small's call."""
+    _backward_twice({"FLASHTILE_HOPPER_BWD_OPTS": opts}, head_dim, True, 45 - 77,
+                    monkeypatch, shape=(2, 77, 45, 4, 2))
+
+
+@pytest.mark.parametrize("stages", [3, 4])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@on_hopper
+def test_stages_match_float64_reference(stages, head_dim, monkeypatch):
+    """The STAGES sweep of the A/B (FLASHTILE_HOPPER_BWD_CONFIG): a deeper Q/dO ring."""
+    _backward_twice({"FLASHTILE_HOPPER_BWD_CONFIG": f"64,128,4,{stages}"}, head_dim, True,
+                    0, monkeypatch)
+
+
+def test_options_knob(monkeypatch):
+    """FLASHTILE_HOPPER_BWD_OPTS: a comma-separated subset of the options (spaces and
+    empty items ignored; unset: none), each one constexpr of the kernel; anything else
+    is a ValueError naming the variable, the choices and the unknown items."""
+    from flashtile.ops import configs
+
+    monkeypatch.delenv("FLASHTILE_HOPPER_BWD_OPTS", raising=False)
+    assert configs.hopper_bwd_opts() == frozenset()
+    flags = bwd_hopper.kernel_flags(128, True, frozenset())
+    assert flags == dict(IS_CAUSAL=True, SDP=False, DQ_EARLY=False, DQ_UNMASKED=False,
+                         DQ_WARP=False)
+    monkeypatch.setenv("FLASHTILE_HOPPER_BWD_OPTS", " sdp, dq_warp ,")
+    assert configs.hopper_bwd_opts() == {"sdp", "dq_warp"}
+    flags = bwd_hopper.kernel_flags(64, False, configs.hopper_bwd_opts())
+    assert flags == dict(IS_CAUSAL=False, SDP=True, DQ_EARLY=False, DQ_UNMASKED=False,
+                         DQ_WARP=True)
+    monkeypatch.setenv("FLASHTILE_HOPPER_BWD_OPTS", "sdp,pingpong")
+    with pytest.raises(ValueError, match=r"FLASHTILE_HOPPER_BWD_OPTS must be a comma-"
+                       r"separated subset of .*'dq_warp'\), got 'sdp,pingpong' "
+                       r"\(unknown: \['pingpong'\]\)"):
+        configs.hopper_bwd_opts()
 
 
 def test_declines_what_it_does_not_support(monkeypatch):

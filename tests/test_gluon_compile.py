@@ -9,6 +9,7 @@ tests/test_bwd_hopper.py check the numbers on a GPU. About 2 s per variant on on
 """
 
 import os
+import re
 import subprocess
 
 import pytest
@@ -151,7 +152,9 @@ def test_hopper_fp8_forward_compiles_for_e5m2_without_descales():
     assert resources(ck)["stack_bytes"] == 0
 
 
-def _compile_bwd(head_dim, causal, dtype=torch.bfloat16):
+def _compile_bwd(head_dim, causal, dtype=torch.bfloat16, opts=(), stages=None):
+    """The kernel a launch of ``bwd_hopper.backward`` compiles for these inputs, with the
+    FLASHTILE_HOPPER_BWD_OPTS options ``opts`` and the table's STAGES unless given."""
     from triton.runtime.jit import mangle_type
 
     from flashtile.ops import bwd_hopper
@@ -162,8 +165,9 @@ def _compile_bwd(head_dim, causal, dtype=torch.bfloat16):
     kv_type = mangle_type(bwd_hopper._descriptor(x, bwd_hopper.BLOCK_N_WG.value))
     types = dict(q_desc=q_type, do_desc=q_type, k_desc=kv_type, v_desc=kv_type,
                  dk_desc=kv_type, dv_desc=kv_type, softmax_scale="fp32")
-    return compile_kernel(bwd_hopper._attn_bwd_hopper_kernel,
-                          dict(IS_CAUSAL=causal, STAGES=cfg.num_stages),
+    flags = dict(bwd_hopper.kernel_flags(head_dim, causal, frozenset(opts)),
+                 STAGES=stages or cfg.num_stages)
+    return compile_kernel(bwd_hopper._attn_bwd_hopper_kernel, flags,
                           num_warps=cfg.num_warps, types=types)
 
 
@@ -199,3 +203,101 @@ def test_hopper_backward_compiles_for_fp16():
     ck = _compile_bwd(128, True, torch.float16)
     assert "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16" in ck.asm["ptx"]
     assert resources(ck)["stack_bytes"] <= 48
+
+
+def _walk_local_stores(sass: str) -> list[int]:
+    """STL (stores to local memory) inside each innermost loop of the SASS that holds
+    wgmma: the consumers' walks over the query blocks (and the mbarrier retry paths that
+    jump back into them). A tile that did not fit the registers is stored there every
+    query block; the scalars ptxas keeps in local memory are stored before the walk and
+    only reloaded in it."""
+    line = r"/\*([0-9a-f]{4,})\*/\s+([^;]*);"  # /*address*/ instruction ;
+    ins = [(int(a, 16), op) for a, op in re.findall(line, sass)]
+    loops = []
+    for addr, op in ins:
+        m = re.search(r"\bBRA 0x([0-9a-f]+)", op)
+        if m and int(m.group(1), 16) < addr:
+            body = [o for a, o in ins if int(m.group(1), 16) <= a <= addr]
+            if any("HGMMA" in o for o in body):
+                loops.append((int(m.group(1), 16), addr,
+                              sum(o.startswith("STL") for o in body)))
+    return [n for lo, hi, n in loops
+            if not any((lo, hi) != (a, b) and lo <= a and b <= hi for a, b, _ in loops)]
+
+
+def _early_release(sass: str) -> bool:
+    """Whether an mbarrier arrive precedes dQ atomics with no wgmma between: dS^T's
+    buffer released before the atomics of the last dQ piece (dq_early)."""
+    ops = re.findall(r"/\*[0-9a-f]{4,}\*/\s+([^;]*);", sass)
+    arrived = False
+    for op in ops:
+        if "SYNCS.ARRIVE" in op:
+            arrived = True
+        elif "HGMMA" in op:
+            arrived = False
+        elif "REDG" in op and arrived:
+            return True
+    return False
+
+
+# The FLASHTILE_HOPPER_BWD_OPTS variants the GPU A/B times (bwd_hopper's docstring), and
+# the local memory ptxas keeps for each (bytes, the worst of full and causal): scalars
+# stored before the walk, checked by _walk_local_stores. sdp at head_dim 128 keeps 88-112
+# (dP^T's accumulators pinned through the softmax), dq_warp 56-144. Not listed: dq_warp
+# with sdp, which at head_dim 128 (causal) stores a word inside a walk.
+_BWD_OPTS_STACK = {
+    ("sdp",): {64: 0, 128: 112},
+    ("dq_early", "dq_unmasked"): {64: 0, 128: 48},
+    ("sdp", "dq_early", "dq_unmasked"): {64: 0, 128: 112},
+    ("dq_warp",): {64: 8, 128: 80},
+    ("dq_warp", "dq_unmasked"): {64: 8, 128: 144},
+}
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("head_dim", sorted(configs.HOPPER_BWD_16BIT))
+@pytest.mark.parametrize("opts", list(_BWD_OPTS_STACK), ids=",".join)
+def test_hopper_backward_options_compile_for_sm90(opts, head_dim, causal):
+    """Each schedule option compiles for sm_90, fits shared memory, stores nothing to
+    local memory inside the walks, and shows its change in the SASS: sdp waits for S^T
+    with dP^T in flight; dq_early releases dS^T before atomics (dq_warp does too, by
+    construction); dq_unmasked has no
+    branch around its REDGs; dq_warp issues four-value REDGs (the writer warp) and the
+    consumers none."""
+    ck = _compile_bwd(head_dim, causal, opts=opts)
+    res = resources(ck)
+    assert res["shared_bytes"] <= configs.SM90_SMEM_BYTES, res
+    assert res["stack_bytes"] <= _BWD_OPTS_STACK[opts][head_dim], res
+    sass = _sass(ck)
+    walks = _walk_local_stores(sass)
+    assert len(walks) >= 2 and not any(walks), walks  # one walk per consumer at least
+    assert ("WARPGROUP.DEPBAR.LE gsb0, 0x1" in sass) == ("sdp" in opts)
+    if "dq_warp" not in opts:  # whose writer warp arrives, then adds the next block
+        assert _early_release(sass) == ("dq_early" in opts)
+    if "dq_unmasked" in opts:
+        assert "REDG" in sass and "BSSY" not in sass
+    if "dq_warp" in opts:
+        assert "REDG.E.ADD.F32x4" in sass and "REDG.E.ADD.F32x2" not in sass
+        assert ck.metadata.num_warps == 12  # the writer shares the producer's warpgroup
+
+
+def test_hopper_backward_default_has_no_option():
+    """The default kernel: dQ atomics masked (a branch around each) and after the
+    product's last read of dS^T, S^T waited alone, no local stores in the walks."""
+    sass = _sass(_compile_bwd(128, True))
+    assert "BSSY" in sass and not _early_release(sass)
+    assert "WARPGROUP.DEPBAR.LE gsb0, 0x1" not in sass
+    assert "REDG.E.ADD.F32x2" in sass and not any(_walk_local_stores(sass))
+
+
+# FLASHTILE_HOPPER_BWD_CONFIG="64,128,4,STAGES" values that compile without local stores
+# in the walks (BLOCK_M 128 stores 64-472 bytes a thread inside them at head_dim 64,
+# STAGES 1 stores 8 at 128; both never timed): the STAGES sweep of the GPU A/B.
+@pytest.mark.parametrize("stages", [3, 4])
+@pytest.mark.parametrize("head_dim", sorted(configs.HOPPER_BWD_16BIT))
+def test_hopper_backward_stages_compile_for_sm90(head_dim, stages):
+    ck = _compile_bwd(head_dim, True, stages=stages)
+    res = resources(ck)
+    assert res["shared_bytes"] <= configs.SM90_SMEM_BYTES, res
+    assert res["stack_bytes"] <= (0 if head_dim == 64 else 56), res
+    assert not any(_walk_local_stores(_sass(ck)))

@@ -28,32 +28,51 @@ in bwd.py), in three warp-specialised partitions:
   the wgmma accumulator layout: one reduction per 128 keys, as the portable fused
   backward's and FA3's.
   Triton 3.6's Gluon exposes no TMA reduce (its hopper ``tma`` module has loads, stores
-  and store_wait only; ``desc.atomic_add`` is triton.language's, not Gluon's), so FA3's
-  bulk reduce-add from shared memory by a dedicated warp is not reachable here.
+  and store_wait only, blackwell's adds gather/scatter; ``desc.atomic_add`` is
+  triton.language's), nor a shared-memory address that inline PTX (``cp.reduce.async.
+  bulk``) could take: ``gl.inline_asm_elementwise`` reads register tensors only. So
+  FA3's bulk reduce-add from shared memory is not reachable here.
 - warp_specialize's register requests become setmaxnreg: 24 for the producer, 240 for
   each consumer (dK and dV accumulators, 64 x head_dim fp32 each, live across the walk).
+
+Schedule options, each a constexpr chosen by FLASHTILE_HOPPER_BWD_OPTS (comma-separated;
+none by default, the schedule above) for the GPU A/B, all compile-checked on the CPU:
+- sdp (SDP): dP^T is issued right behind S^T, as FA3 does; the consumer waits for S^T
+  alone (wgmma wait 1), computes P^T while dP^T runs, then waits for dP^T: one wgmma
+  round trip fewer per query block and both products queued for the tensor cores. lse
+  is then loaded after the issue (loaded before, ptxas spilled 200 bytes at d128).
+- dq_early (DQ_EARLY): the dQ owner releases dS^T's buffer (ds_empty) as soon as its
+  last dQ product has completed, before that piece's atomics (registers only), so the
+  other consumer can store its next dS^T sooner.
+- dq_unmasked (DQ_UNMASKED): the dQ accumulator has seqlen_q rounded up to BLOCK_M rows,
+  so the atomics need no row mask: a masked atomic is a branch (BSSY/BRA/BSYNC) around
+  each REDG in the SASS, 64 of them in a d128 program's two dQ pieces.
+- dq_warp (DQ_WARP): FA3's dQ writer: the owner stores dQ_partial (fp32, swizzled so the
+  8 rows of one store hit distinct banks) to shared memory and goes on; a fourth
+  partition, one warp beside the producer (24 registers), adds it to the accumulator
+  with four-value atomics (REDG.F32x4), 8 x 32 values at a time, and frees the buffer
+  (mbarriers dq_full / dq_empty). The atomics are the same in number of values; what
+  leaves the consumers is their issue, at the price of 2 x 16-32 KiB of shared-memory
+  traffic per query block (the tile written, then read) and 16-32 KiB of shared memory.
 Not FA3's: no ping-pong between the two consumers, no overlap of the softmax with the
-products inside a warpgroup (both spilled at head_dim 128), no separate dQ-writer warp.
+dV/dK products inside a warpgroup (spilled at head_dim 128), no bulk dQ reduce.
 
 Rows past seqlen_q and keys past seqlen_k are zero-filled by TMA; keys past seqlen_k are
 masked (a zero key still scores 0, and exp2(0 - lse) can overflow where lse is very
 negative, making 0 * inf in dQ); rows past seqlen_q read lse = +inf, so their P is 0;
 dK/dV rows past seqlen_k are dropped by the TMA store, dQ rows past seqlen_q by the
-atomics' mask. Rows that saw no key (lse = -inf) read +inf too: zero gradients.
+atomics' mask (dq_unmasked: they add dS = 0 times K into the accumulator's padding).
+Rows that saw no key (lse = -inf) read +inf too: zero gradients.
 
-Status: never run on a GPU, so FLASHTILE_HOPPER_BWD defaults to "0". What is checked:
-tests/test_gluon_compile.py compiles every variant for sm_90 on the CPU (shared memory,
-no tile spills, wgmma/TMA/setmaxnreg/atomics present; at head_dim 128 ptxas keeps 48
-bytes of scalars in local memory, a few reloaded per query block). Untested: every
-number, the mbarrier protocol (a deadlock would show as a 60 s timeout), the dS^T round
-trip through shared memory, the 64-column slices of K. The next GPU session runs
-``scripts/gpu_session.sh bwd-ab`` (``pytest --gpu tests/test_bwd_hopper.py``, then
-``flashtile bench --providers flashtile flashtile-fusedbwd flashtile-hopper-bwd
-sdpa-cudnn --modes fwd_bwd``). Prediction: forward + backward 0.85-1.0x cuDNN at head dims 64/128
-from 4k tokens (the portable pair: 0.71-0.76x): wgmma and TMA instead of mma.sync, the
-same 5 products as the fused backward, but no ping-pong, S^T -> dP^T -> dV/dK -> dQ
-serialised within a warpgroup, and dQ by element atomics where cuDNN and FA3 reduce by
-TMA bulk from shared memory.
+Status (FLASHTILE_HOPPER_BWD, flashtile._backend.hopper_bwd_mode, says where this is the
+default): first run on an H200 in GPU session 12
+(docs/benchmarks/h200-2026-12-01-s12/bwd-ab.md): tests/test_bwd_hopper.py passed and
+memcheck found 0 errors; forward + backward 0.78-0.84x cuDNN's at head dims 64/128, the
+backward alone ~0.76x (~390 against ~513 TFLOP/s at d128, 4k). tests/test_gluon_compile.py
+compiles every variant and option for sm_90 on the CPU (shared memory, no local-memory
+stores inside the walks, each option visible in the SASS; ptxas keeps 48 bytes of
+scalars in local memory at head_dim 128, stored before the walk, up to 112 with sdp).
+The options and STAGES 3/4 are not timed yet: their GPU tests and A/B come next.
 """
 
 from __future__ import annotations
@@ -130,37 +149,106 @@ def _row_vector(ptr, row0, seqlen_q, other, BLOCK_M: gl.constexpr, s_layout: gl.
 
 
 @gluon.jit
-def _dq_partial(ds_all, k_all, dq_init, p_dq, row0, seqlen_q):
+def _lse2(p_lse, row0, seqlen_q, BLOCK_M: gl.constexpr, s_layout: gl.constexpr):
+    """lse * log2(e) of query rows row0 + [0, BLOCK_M) in the layout of S^T's columns;
+    +inf past seqlen_q and where lse = -inf (a row that saw no key): P = 0 there, not
+    NaN."""
+    lse = _row_vector(p_lse, row0, seqlen_q, float("inf"), BLOCK_M, s_layout)
+    return gl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
+
+
+@gluon.jit
+def _dq_partial(ds_all, k_all, dq_init, p_dq, row0, seqlen_q, ds_empty, dq_smem, dq_full,
+                dq_empty, it, DQ_EARLY: gl.constexpr, DQ_UNMASKED: gl.constexpr,
+                DQ_WARP: gl.constexpr):
     """dQ_partial = dS K over the program's 128 keys, added into rows row0 + [0, M) of
     the fp32 accumulator at p_dq (head_dim wide), in pieces of 64 head dims (K's
     columns, a whole 128-byte swizzle atom each) addressed by 32-bit offsets from one
     pointer: at head_dim 128 the whole (64, 128) fp32 tile with 64-bit addresses, beside
-    dK and dV, spilled under the 240-register cap."""
+    dK and dV, spilled under the 240-register cap. Arrives on ds_empty once dS^T and K
+    are read for the last time: after the atomics, or with DQ_EARLY as soon as the last
+    product has completed (the atomics read registers only). DQ_UNMASKED: the
+    accumulator has rows up to a multiple of BLOCK_M, so no row mask (a masked atomic
+    is a branch around each REDG in the SASS). DQ_WARP: no atomics here; the pieces go
+    to dq_smem (free once dq_empty has completed the phase of dQ product it - 1), for
+    the writer warp (_dq_writer_partition), told by dq_full."""
     HEAD_DIM: gl.constexpr = k_all.type.shape[1]
     BLOCK_M: gl.constexpr = dq_init.type.shape[0]
     DQ_PIECE: gl.constexpr = dq_init.type.shape[1]
     dq_layout: gl.constexpr = dq_init.type.layout
     o_dq_m = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, dq_layout))  # (M,)
     o_dq_d = gl.arange(0, DQ_PIECE, layout=gl.SliceLayout(0, dq_layout))        # (64,)
-    for piece in gl.static_range(HEAD_DIM // DQ_PIECE):
+    N_PIECES: gl.constexpr = HEAD_DIM // DQ_PIECE
+    for piece in gl.static_range(N_PIECES):
         k_piece = k_all.slice(piece * DQ_PIECE, DQ_PIECE, dim=1)              # (128, 64)
         dq = warpgroup_mma(ds_all.permute((1, 0)), k_piece, dq_init, use_acc=False,
                            is_async=True)                                    # (M, 64)
         dq = warpgroup_mma_wait(0, deps=(dq,))
-        o_dq = gl.expand_dims(o_dq_m, 1) * HEAD_DIM \
-            + gl.expand_dims(piece * DQ_PIECE + o_dq_d, 0)                  # (M, 64)
-        # Relaxed: nothing reads a reduction's result before the conversion kernel, so
-        # it needs no ordering.
-        gl.atomic_add(p_dq + o_dq, dq, mask=gl.expand_dims(o_dq_m < seqlen_q, 1),
-                      sem="relaxed")
+        if (DQ_EARLY or DQ_WARP) and piece == N_PIECES - 1:
+            mbarrier.arrive(ds_empty, count=1)
+        if DQ_WARP:
+            if piece == 0:
+                mbarrier.wait(dq_empty, (it & 1) ^ 1)
+            dq_smem.slice(piece * DQ_PIECE, DQ_PIECE, dim=1).store(dq)
+        else:
+            o_dq = gl.expand_dims(o_dq_m, 1) * HEAD_DIM \
+                + gl.expand_dims(piece * DQ_PIECE + o_dq_d, 0)              # (M, 64)
+            # Relaxed: nothing reads a reduction's result before the conversion kernel,
+            # so it needs no ordering.
+            if DQ_UNMASKED:
+                gl.atomic_add(p_dq + o_dq, dq, sem="relaxed")
+            else:
+                gl.atomic_add(p_dq + o_dq, dq, mask=gl.expand_dims(o_dq_m < seqlen_q, 1),
+                              sem="relaxed")
+    if DQ_WARP:
+        mbarrier.arrive(dq_full, count=1)  # the generic-proxy stores above, released
+    elif not DQ_EARLY:
+        mbarrier.arrive(ds_empty, count=1)
 
 
 @gluon.jit
-def _mma_partition(q_smem, k_smem, v_smem, do_smem, ds_smem, kv_ready, q_ready, do_ready,
-                   qdo_empty, ds_full, ds_empty, dk_desc, dv_desc, Lse, Delta, DQAccum,
-                   off_b, off_hkv, key0, group_size, m_lo, n_m, nheads, seqlen_q, seqlen_k,
-                   diag_offset, softmax_scale, WG: gl.constexpr, IS_CAUSAL: gl.constexpr):
-    """Consumer warpgroup WG: keys key0 + 64 * WG + [0, 64) against every query block."""
+def _dq_writer_partition(dq_smem, dq_full, dq_empty, DQAccum, off_b, off_hkv, group_size,
+                         m_lo, n_m, nheads, seqlen_q, dq_rows, DQ_UNMASKED: gl.constexpr):
+    """The dQ writer warp (DQ_WARP): each query block's dQ_partial from dq_smem into the
+    fp32 accumulator by relaxed atomics, four values an instruction (REDG.F32x4), 8 x 32
+    values a load: 8 registers a thread, the warp running under the producer's 24 (a
+    slice of 8 rows keeps the swizzle's period, so its address is a constant offset)."""
+    BLOCK_M: gl.constexpr = dq_smem.type.shape[0]
+    HEAD_DIM: gl.constexpr = dq_smem.type.shape[1]
+    COLS: gl.constexpr = 32
+    # Per load, 4 rows of 8 threads x 4 consecutive values, twice: 8 x 32.
+    layout: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [1, 1], [1, 0])
+    o_r = gl.arange(0, 8, layout=gl.SliceLayout(1, layout))                   # (8,)
+    o_d = gl.arange(0, COLS, layout=gl.SliceLayout(0, layout))                # (32,)
+    bh0 = off_b * nheads + off_hkv * group_size
+    for it in range(group_size * n_m):
+        row0 = (m_lo + it % n_m) * BLOCK_M
+        p_dq = DQAccum + ((bh0 + it // n_m).to(gl.int64) * dq_rows + row0) * HEAD_DIM
+        mbarrier.wait(dq_full, it & 1)
+        for r in gl.static_range(0, BLOCK_M, 8):
+            for h in gl.static_range(0, HEAD_DIM, COLS):
+                dq = dq_smem.slice(r, 8).slice(h, COLS, dim=1).load(layout)    # (8, 32)
+                o_dq = gl.expand_dims(r + o_r, 1) * HEAD_DIM + gl.expand_dims(h + o_d, 0)
+                if DQ_UNMASKED:
+                    gl.atomic_add(p_dq + o_dq, dq, sem="relaxed")
+                else:
+                    gl.atomic_add(p_dq + o_dq, dq,
+                                  mask=gl.expand_dims(row0 + r + o_r < seqlen_q, 1),
+                                  sem="relaxed")
+        mbarrier.arrive(dq_empty, count=1)
+
+
+@gluon.jit
+def _mma_partition(args, WG: gl.constexpr, IS_CAUSAL: gl.constexpr, SDP: gl.constexpr,
+                   DQ_EARLY: gl.constexpr, DQ_UNMASKED: gl.constexpr,
+                   DQ_WARP: gl.constexpr):
+    """Consumer warpgroup WG: keys key0 + 64 * WG + [0, 64) against every query block.
+    dq_rows: the dQ accumulator's rows per head (seqlen_q, or rounded up to BLOCK_M with
+    DQ_UNMASKED)."""
+    (q_smem, k_smem, v_smem, do_smem, ds_smem, kv_ready, q_ready, do_ready, qdo_empty,
+     ds_full, ds_empty, dq_smem, dq_full, dq_empty, dk_desc, dv_desc, Lse, Delta, DQAccum,
+     off_b, off_hkv, key0, group_size, m_lo, n_m, nheads, seqlen_q, seqlen_k, dq_rows,
+     diag_offset, softmax_scale) = args
     STAGES: gl.constexpr = q_smem.type.shape[0]
     BLOCK_M: gl.constexpr = q_smem.type.shape[2]
     HEAD_DIM: gl.constexpr = q_smem.type.shape[4]
@@ -201,25 +289,37 @@ def _mma_partition(q_smem, k_smem, v_smem, do_smem, ds_smem, kv_ready, q_ready, 
         # loaded in S^T's column layout, each thread would hold 16 values and their 16
         # 64-bit addresses (48 registers), which spilled at head_dim 128.
         p_row = (bh0 + it // n_m).to(gl.int64) * seqlen_q
-        lse2 = _row_vector(Lse + p_row, row0, seqlen_q, float("inf"), BLOCK_M, s_layout)
-        # Rows that saw no key have lse = -inf; +inf makes their P exactly 0, not NaN.
-        lse2 = gl.where(lse2 == float("-inf"), float("inf"), lse2 * LOG2E)
+        if not SDP:
+            lse2 = _lse2(Lse + p_row, row0, seqlen_q, BLOCK_M, s_layout)
         q = q_smem.index(stage).reshape([BLOCK_M, HEAD_DIM])                 # (M, D)
         b_do = do_smem.index(stage).reshape([BLOCK_M, HEAD_DIM])             # (M, D)
 
         mbarrier.wait(q_ready.index(stage), phase)
         s_t = warpgroup_mma(k, q.permute((1, 0)), s_init, use_acc=False,
                             is_async=True)                                   # (64, M)
-        s_t = warpgroup_mma_wait(0, deps=(s_t,))
+        if SDP:
+            # dP^T queued behind S^T, as FA3: the softmax below runs while dP^T does,
+            # and the tensor cores see both products at once.
+            mbarrier.wait(do_ready.index(stage), phase)
+            dp_t = warpgroup_mma(v, b_do.permute((1, 0)), s_init, use_acc=False,
+                                 is_async=True)                              # (64, M)
+            s_t = warpgroup_mma_wait(1, deps=(s_t,))
+            # lse after the products' issue: loaded before (as without SDP), it stayed
+            # live beside dP^T's pinned accumulators and ptxas spilled 200 bytes at
+            # head_dim 128, not 112 (scalars kept across the walk).
+            lse2 = _lse2(Lse + p_row, row0, seqlen_q, BLOCK_M, s_layout)
+        else:
+            s_t = warpgroup_mma_wait(0, deps=(s_t,))
         keep = gl.expand_dims(o_n < seqlen_k, 1)
         if IS_CAUSAL:
             keep = keep & (gl.expand_dims(o_n, 1) <= gl.expand_dims(o_m, 0) + diag_offset)
         s_t = gl.where(keep, s_t, float("-inf"))
         p_t = gl.exp2(s_t * qk_scale - gl.expand_dims(lse2, 0))              # (64, M)
 
-        mbarrier.wait(do_ready.index(stage), phase)
-        dp_t = warpgroup_mma(v, b_do.permute((1, 0)), s_init, use_acc=False,
-                             is_async=True)                                  # (64, M)
+        if not SDP:
+            mbarrier.wait(do_ready.index(stage), phase)
+            dp_t = warpgroup_mma(v, b_do.permute((1, 0)), s_init, use_acc=False,
+                                 is_async=True)                              # (64, M)
         dp_t = warpgroup_mma_wait(0, deps=(dp_t,))
         # dV's product is issued after dP^T completes, not beside it: its P^T operand
         # and accumulators held in flight through dS spilled 104-128 bytes at head_dim
@@ -245,8 +345,11 @@ def _mma_partition(q_smem, k_smem, v_smem, do_smem, ds_smem, kv_ready, q_ready, 
         mbarrier.arrive(qdo_empty.index(stage), count=1)  # Q and dO read for the last time
         if it % 2 == WG:
             mbarrier.wait(ds_full, it & 1)  # the other warpgroup's dS^T stored too
-            _dq_partial(ds_smem, k_all, dq_init, DQAccum + p_row * HEAD_DIM, row0, seqlen_q)
-            mbarrier.arrive(ds_empty, count=1)
+            p_dq = DQAccum + p_row * HEAD_DIM
+            if DQ_UNMASKED:  # the accumulator's heads are dq_rows apart, not seqlen_q
+                p_dq = DQAccum + (bh0 + it // n_m).to(gl.int64) * dq_rows * HEAD_DIM
+            _dq_partial(ds_smem, k_all, dq_init, p_dq, row0, seqlen_q, ds_empty, dq_smem,
+                        dq_full, dq_empty, it, DQ_EARLY, DQ_UNMASKED, DQ_WARP)
 
     # dK and dV leave through this warpgroup's K and V buffers once the last dQ product,
     # which reads both halves of K, has completed (a fresh barrier passes: no walk). TMA
@@ -265,10 +368,15 @@ def _mma_partition(q_smem, k_smem, v_smem, do_smem, ds_smem, kv_ready, q_ready, 
 
 @gluon.jit
 def _attn_bwd_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse, Delta,
-                            DQAccum, seqlen_q, seqlen_k, nheads, nheads_kv, diag_offset,
-                            softmax_scale, IS_CAUSAL: gl.constexpr, STAGES: gl.constexpr):
+                            DQAccum, seqlen_q, seqlen_k, nheads, nheads_kv, dq_rows,
+                            diag_offset, softmax_scale, IS_CAUSAL: gl.constexpr,
+                            STAGES: gl.constexpr, SDP: gl.constexpr,
+                            DQ_EARLY: gl.constexpr, DQ_UNMASKED: gl.constexpr,
+                            DQ_WARP: gl.constexpr):
     """dK, dV of 128 keys of one (batch, KV head), dQ added into DQAccum: fp32 (batch,
-    nheads, seqlen_q, head_dim), zeroed by the preprocess."""
+    nheads, dq_rows, head_dim), its first seqlen_q rows of each head zeroed by the
+    preprocess. SDP, DQ_EARLY, DQ_UNMASKED, DQ_WARP: the schedule options of the module
+    docstring."""
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[1]
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
     key0 = gl.program_id(0) * (2 * BLOCK_N_WG)
@@ -301,29 +409,48 @@ def _attn_bwd_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, L
     qdo_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     ds_full = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     ds_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    # DQ_WARP: dQ_partial of one query block, fp32, for the writer warp. Swizzled in
+    # pairs of columns (what a thread of the wgmma layout stores at once) by row, so
+    # that the 8 rows of one store instruction fall in different banks.
+    dq_smem = gl.allocate_shared_memory(
+        gl.float32, [BLOCK_M if DQ_WARP else 1, HEAD_DIM if DQ_WARP else 1],
+        gl.SwizzledSharedLayout(2, 1, 8, [1, 0]))
+    dq_full = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    dq_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     mbarrier.init(kv_ready, count=1)
     mbarrier.init(ds_full, count=2)  # both warpgroups stored their dS^T
     mbarrier.init(ds_empty, count=1)  # the owner's dQ product has completed
+    if DQ_WARP:
+        mbarrier.init(dq_full, count=1)  # the owner stored dQ_partial
+        mbarrier.init(dq_empty, count=1)  # the writer read it
     for i in gl.static_range(STAGES):
         mbarrier.init(q_ready.index(i), count=1)
         mbarrier.init(do_ready.index(i), count=1)
         mbarrier.init(qdo_empty.index(i), count=2)  # one arrival per consumer warpgroup
 
-    gl.warp_specialize([
-        (_mma_partition, (q_smem, k_smem, v_smem, do_smem, ds_smem, kv_ready, q_ready,
-                          do_ready, qdo_empty, ds_full, ds_empty, dk_desc, dv_desc, Lse,
-                          Delta, DQAccum, off_b, off_hkv, key0, group_size, m_lo, n_m,
-                          nheads, seqlen_q, seqlen_k, diag_offset, softmax_scale, 0,
-                          IS_CAUSAL)),
-        (_load_partition, (q_desc, k_desc, v_desc, do_desc, q_smem, k_smem, v_smem,
-                           do_smem, kv_ready, q_ready, do_ready, qdo_empty, off_b, off_hkv,
-                           key0, group_size, m_lo, n_m)),
-        (_mma_partition, (q_smem, k_smem, v_smem, do_smem, ds_smem, kv_ready, q_ready,
-                          do_ready, qdo_empty, ds_full, ds_empty, dk_desc, dv_desc, Lse,
-                          Delta, DQAccum, off_b, off_hkv, key0, group_size, m_lo, n_m,
-                          nheads, seqlen_q, seqlen_k, diag_offset, softmax_scale, 1,
-                          IS_CAUSAL)),
-    ], [1, 4], [PRODUCER_REGS, CONSUMER_REGS])
+    # The consumers' runtime arguments in one tuple; their constants (WG, the flags)
+    # stay outside it: a tuple held in a variable turns constants into runtime values.
+    mma_args = (q_smem, k_smem, v_smem, do_smem, ds_smem, kv_ready, q_ready, do_ready,
+                qdo_empty, ds_full, ds_empty, dq_smem, dq_full, dq_empty, dk_desc, dv_desc,
+                Lse, Delta, DQAccum, off_b, off_hkv, key0, group_size, m_lo, n_m, nheads,
+                seqlen_q, seqlen_k, dq_rows, diag_offset, softmax_scale)
+    load_args = (q_desc, k_desc, v_desc, do_desc, q_smem, k_smem, v_smem, do_smem, kv_ready,
+                 q_ready, do_ready, qdo_empty, off_b, off_hkv, key0, group_size, m_lo, n_m)
+    if DQ_WARP:  # the writer warp beside the producer's, in the warpgroup padded around it
+        gl.warp_specialize([
+            (_mma_partition, (mma_args, 0, IS_CAUSAL, SDP, DQ_EARLY, DQ_UNMASKED, DQ_WARP)),
+            (_load_partition, load_args),
+            (_mma_partition, (mma_args, 1, IS_CAUSAL, SDP, DQ_EARLY, DQ_UNMASKED, DQ_WARP)),
+            (_dq_writer_partition, (dq_smem, dq_full, dq_empty, DQAccum, off_b, off_hkv,
+                                    group_size, m_lo, n_m, nheads, seqlen_q, dq_rows,
+                                    DQ_UNMASKED)),
+        ], [1, 4, 1], [PRODUCER_REGS, CONSUMER_REGS, PRODUCER_REGS])
+    else:
+        gl.warp_specialize([
+            (_mma_partition, (mma_args, 0, IS_CAUSAL, SDP, DQ_EARLY, DQ_UNMASKED, DQ_WARP)),
+            (_load_partition, load_args),
+            (_mma_partition, (mma_args, 1, IS_CAUSAL, SDP, DQ_EARLY, DQ_UNMASKED, DQ_WARP)),
+        ], [1, 4], [PRODUCER_REGS, CONSUMER_REGS])
 
 
 def unsupported(q, k, v, out, dout, *, softmax_scale=1.0, attn_mask=None,
@@ -355,6 +482,15 @@ def _descriptor(x, rows: int):
     return fwd_hopper._descriptor(x, (1, rows, 1, x.shape[-1]))
 
 
+def kernel_flags(head_dim: int, causal: bool, opts: frozenset[str]) -> dict:
+    """The kernel's constexpr switches (but STAGES) for FLASHTILE_HOPPER_BWD_OPTS
+    ``opts`` (``configs.hopper_bwd_opts()``)."""
+    return dict(IS_CAUSAL=causal,
+                SDP="sdp" in opts,
+                DQ_EARLY="dq_early" in opts, DQ_UNMASKED="dq_unmasked" in opts,
+                DQ_WARP="dq_warp" in opts)
+
+
 # The parameters each plan of the backward fills per call, in its kernel's order.
 _PRE_SLOTS = ("Out", "DOut", "DLse", "Delta", "DQAccum")
 _MAIN_SLOTS = ("q_desc", "k_desc", "v_desc", "do_desc", "dk_desc", "dv_desc", "Lse",
@@ -378,8 +514,12 @@ def backward(dout, q, k, v, out, lse, dlse, softmax_scale, diag_offset, causal):
     has_dlse = dlse is not None
     dlse = dlse.contiguous() if has_dlse else lse  # lse: a never-read placeholder
     delta = torch.empty_like(lse)
-    # Rows head_dim wide: the kernel's atomics and the conversion address them so.
-    dq_accum = torch.empty((b, h, sq, d), dtype=torch.float32, device=q.device)
+    # Rows head_dim wide: the kernel's atomics and the conversion address them so. With
+    # dq_unmasked, dq_rows rounds seqlen_q up to BLOCK_M: the atomics of rows past
+    # seqlen_q (which add dS = 0 times K) land there, never read, not zeroed.
+    def accumulator(dq_rows):
+        return torch.empty((b, h, dq_rows, d), dtype=torch.float32, device=q.device)
+
     key = None
     if _launch.ready(q):
         # unsupported() checked q, k, v and dout for TMA's alignment; the preprocess
@@ -389,7 +529,8 @@ def backward(dout, q, k, v, out, lse, dlse, softmax_scale, diag_offset, causal):
                _launch.misalignment(_launch.pointers((out, dout, dlse, lse))))
         plans = _launch.lookup(key)
         if plans is not None:
-            pre, (main, boxes), convert = plans
+            pre, (main, boxes, dq_rows), convert = plans
+            dq_accum = accumulator(dq_rows)
             pre((out.data_ptr(), dout.data_ptr(), dlse.data_ptr(), delta.data_ptr(),
                  dq_accum.data_ptr()))
             main((*map(fwd_hopper._rebased, boxes, (q, k, v, dout, dk, dv)), lse.data_ptr(),
@@ -397,7 +538,11 @@ def backward(dout, q, k, v, out, lse, dlse, softmax_scale, diag_offset, causal):
             convert((dq_accum.data_ptr(), dq.data_ptr(), softmax_scale))
             return dq, dk, dv
     cfg = configs.hopper_bwd_config(d)
-    configs.log_first_launch("hopper backward", q, d, cfg, dict(IS_CAUSAL=causal))
+    opts = configs.hopper_bwd_opts()
+    dq_rows = configs.cdiv(sq, cfg.block_m) * cfg.block_m if "dq_unmasked" in opts else sq
+    dq_accum = accumulator(dq_rows)
+    flags = kernel_flags(d, causal, opts)
+    configs.log_first_launch("hopper backward", q, d, cfg, flags)
     pre_m = configs.PREPROCESS_BLOCK_M
     row_grid = (configs.cdiv(sq, pre_m), b * h)
     # delta = rowsum(dO * O) - dlse, and dq_accum zeroed, by the portable preprocess.
@@ -412,8 +557,8 @@ def backward(dout, q, k, v, out, lse, dlse, softmax_scale, diag_offset, causal):
              _descriptor(dk, BLOCK_N_WG.value), _descriptor(dv, BLOCK_N_WG.value))
     main = _launch.first_launch(
         _attn_bwd_hopper_kernel, (configs.cdiv(sk, cfg.block_n), b * hkv),
-        (*descs, lse, delta, dq_accum, sq, sk, h, hkv, diag_offset, softmax_scale),
-        dict(IS_CAUSAL=causal, STAGES=cfg.num_stages, num_warps=cfg.num_warps),
+        (*descs, lse, delta, dq_accum, sq, sk, h, hkv, dq_rows, diag_offset, softmax_scale),
+        dict(flags, STAGES=cfg.num_stages, num_warps=cfg.num_warps),
         _MAIN_SLOTS if key is not None else None)
     convert = _launch.first_launch(
         bwd._bwd_dq_convert_kernel, row_grid,
@@ -423,5 +568,5 @@ def backward(dout, q, k, v, out, lse, dlse, softmax_scale, diag_offset, causal):
     if key is not None and None not in (pre, main, convert):
         # The descriptors without their tensors: a plan must not keep a call's memory.
         boxes = tuple(fwd_hopper._rebased(x, None) for x in descs)
-        _launch.store(key, (pre, (main, boxes), convert))
+        _launch.store(key, (pre, (main, boxes, dq_rows), convert))
     return dq, dk, dv

@@ -263,7 +263,11 @@ def hopper_fwd_config(head_dim: int, fp8: bool = False) -> TileConfig:
 # (sm_90 compile, 240-register cap); at d128 dK and dV alone hold 128 registers. Shared
 # memory: K, V 2 x 64 keys, stages x (Q + dO), dS^T 2 x 64 x BLOCK_M: d64 81 KiB, d128
 # 145 KiB. Head dim 256 has no entry: dK and dV alone would take 256 of a consumer's 240
-# registers. Compile-checked only (tests/test_gluon_compile.py); never timed.
+# registers. Timed on the H200 in session 12 (0.78-0.84x cuDNN forward + backward). The
+# sm_90 compile of STAGES 1-4 x BLOCK_M 64/128 (causal): BLOCK_M 128 spills inside the
+# walk (d64: 64-472 bytes, d128: 752+, and past shared memory from 3 stages), STAGES 1
+# too at d128; STAGES 3 and 4 compile as clean as 2 (d64 99/115 KiB, d128 177/209 KiB)
+# and are the A/B's ring sweep (FLASHTILE_HOPPER_BWD_CONFIG="64,128,4,3").
 HOPPER_BWD_16BIT = {64: TileConfig(64, 128, 4, 2), 128: TileConfig(64, 128, 4, 2)}
 
 
@@ -276,6 +280,23 @@ def hopper_bwd_config(head_dim: int) -> TileConfig:
         raise ValueError("FLASHTILE_HOPPER_BWD_CONFIG must be 'BLOCK_M,128,4,STAGES' with "
                          f"BLOCK_M 64 or 128 and STAGES >= 1, got {cfg}")
     return cfg
+
+
+# Schedule variants of the Gluon backward, each a constexpr of its kernel, chosen by
+# FLASHTILE_HOPPER_BWD_OPTS (comma-separated; empty, the default: none) for the GPU
+# A/B; bwd_hopper's docstring says what each changes. Read when a launch plan is made.
+HOPPER_BWD_OPTS = ("sdp", "dq_early", "dq_unmasked", "dq_warp")
+
+
+def hopper_bwd_opts() -> frozenset[str]:
+    """The FLASHTILE_HOPPER_BWD_OPTS options of the Gluon backward, e.g. "sdp,dq_early"."""
+    raw = os.environ.get("FLASHTILE_HOPPER_BWD_OPTS", "")
+    opts = frozenset(x.strip() for x in raw.split(",") if x.strip())
+    unknown = sorted(opts.difference(HOPPER_BWD_OPTS))
+    if unknown:
+        raise ValueError(f"FLASHTILE_HOPPER_BWD_OPTS must be a comma-separated subset of "
+                         f"{HOPPER_BWD_OPTS}, got {raw!r} (unknown: {unknown})")
+    return opts
 
 
 def _from_env(kind: str) -> TileConfig | None:
