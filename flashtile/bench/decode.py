@@ -107,10 +107,13 @@ def _kvcache_fn(q, seqlens, k_cache, v_cache, block_table=None, num_splits=0, **
                                                      num_splits=num_splits, **fp8)
 
 
-def cache_copies(batch, seqlen_k, device) -> int:
-    """Input copies whose K/V together are at least three times the L2."""
+def cache_copies(batch, seqlen_k, device, element_size=1) -> int:
+    """Input copies whose K/V together are at least three times the L2, counted in the
+    smallest cache a provider reads (the FP8 one: 1 byte an element) so that no
+    provider's round fits in the L2 (sessions up to 12 counted bf16 bytes: batch 1 x 8k
+    rotated 6 copies, 100 MB of FP8 cache, 1.7 times the H200's L2)."""
     l2 = torch.cuda.get_device_properties(device).L2_cache_size
-    return max(1, math.ceil(3 * l2 / kv_bytes(batch, seqlen_k)))
+    return max(1, math.ceil(3 * l2 / kv_bytes(batch, seqlen_k, element_size)))
 
 
 def in_turn(fns):
@@ -222,7 +225,7 @@ def sweep_decode_tiles(shapes=((1, 8192), (8, 32768)),
     results = []
     for batch, seqlen_k in shapes:
         sets = []
-        for _ in range(cache_copies(batch, seqlen_k, device)):
+        for _ in range(cache_copies(batch, seqlen_k, device, element_size=2)):
             q, k, v, seqlens = _decode_inputs(batch, seqlen_k, device)
             sets.append((q, seqlens, {ps: (k, v, None) if ps is None else _paged_pool(k, v, ps)
                                       for ps in page_sizes}))

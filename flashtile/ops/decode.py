@@ -468,8 +468,10 @@ def combine_pdl(q) -> tuple[bool, bool]:
 
 def v_pairs(v_cache, v_is_k) -> bool:
     """The decode kernel reads an FP8 V as int16 words of two columns (V_PAIRS): a V of
-    its own (not K's tiles) whose head dim, row strides and address are even."""
+    its own (not K's tiles) whose head dim, row strides and address are even, the head
+    dim past 16 (each half a product at least 16 wide, as tl.dot asks in general)."""
     return (v_cache.element_size() == 1 and not v_is_k and v_cache.shape[-1] % 2 == 0
+            and v_cache.shape[-1] > 16
             and all(s % 2 == 0 for s in v_cache.stride()[:3])
             and v_cache.data_ptr() % 2 == 0)
 
