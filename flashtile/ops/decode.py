@@ -294,8 +294,8 @@ def _decode_kernel(
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
         if V_PAIRS:
-            # An FP8 V tile is the B operand of P @ V with the keys (its rows, 128 bytes
-            # apart at d128) the reduction: one byte per key and column is all that
+            # An FP8 V tile is the B operand of P @ V with the keys (its rows, a cache
+            # row apart) the reduction: one byte per key and column is all that
             # Triton's FP8 layout gives a thread. Read as 16-bit words, the tile is
             # copied into the operand layout as a bf16 V is (ldmatrix), each word is
             # two columns of one key, and the even and odd columns go to two products.
