@@ -43,8 +43,12 @@ def compile_kernel(kernel, constexprs: dict, dtype: str = "bf16", arch: int = 90
     for dv_name, d_name in (("BLOCK_DV", "BLOCK_D"), ("EVEN_DV", "EVEN_D")):
         if dv_name in params and dv_name not in constexprs and d_name in constexprs:
             constexprs[dv_name] = constexprs[d_name]
-    # The decode kernel's key head dim in one tile (no tail), V loaded on its own.
-    for name, default in (("BLOCK_DT", 0), ("V_IS_K", False)):
+    # The decode kernel's key head dim in one tile (no tail), V loaded on its own (FP8
+    # V as int16 column pairs where the launcher allows it, widened with sm_90's cvt).
+    v_fp8 = str((types or {}).get("VCache", "")).startswith("*fp8")
+    for name, default in (("BLOCK_DT", 0), ("V_IS_K", False),
+                          ("V_PAIRS", v_fp8 and not constexprs.get("V_IS_K")),
+                          ("PAIRS_ASM", arch >= 90)):
         if name in params and name not in constexprs:
             constexprs[name] = default
     # No dropout unless asked: the kernel every call with dropout_p == 0 compiles.

@@ -159,3 +159,16 @@ def test_no_compile_after_warm_shapes(device):
             run(b, width)
     assert [len(k.device_caches[dev][0]) for k in (decode._decode_kernel,
                                                    decode._combine_kernel)] == counts
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("split", [True, False], ids=["split", "unsplit"])
+def test_fp8_cache_tiles_take_twice_the_keys(head_dim, split):
+    """An FP8 cache's decode tile holds the bytes of the 16-bit cache's: twice the keys
+    at the same stages, up to 16 query rows (64 rows x 128 keys spilled on sm_90)."""
+    q = torch.empty(1, dtype=torch.bfloat16, device="meta")  # a GPU q's tile
+    for rows, factor in ((4, 2), (16, 2), (64, 1)):
+        bf16 = configs.decode_config(q, head_dim, rows, split=split)
+        fp8 = configs.decode_config(q, head_dim, rows, split=split, fp8_cache=True)
+        assert fp8 == configs.TileConfig(bf16.block_m, factor * bf16.block_n,
+                                         bf16.num_warps, bf16.num_stages)

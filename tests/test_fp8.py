@@ -13,9 +13,12 @@ import os
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 import flashtile
 from flashtile import fp8 as F8
+from flashtile.ops._fp8 import _fp16_rows
 from flashtile.reference import attention_naive, gather_pages
 from tests.fp8_utils import assert_within, error_bound, fp8_interpreter
 
@@ -237,7 +240,7 @@ def _q_dtype(on_gpu):
 def test_kvcache_16bit_queries(num_splits, paged, dtype, fp8_backend, device, on_gpu):
     """16-bit queries over an FP8 cache: the new k/v are quantised into the cache bit for
     bit as quantize(k, k_descale), and the output is attention over the dequantised
-    cache, P rounded to the queries' 16-bit type."""
+    cache, P rounded to fp16 (the decode kernel computes in fp16 over an FP8 cache)."""
     b, s, h, hkv, d, page = 3, 96, 8, 2, 64, 16
     q_dtype = _q_dtype(on_gpu)
     k_cache, kd = _quantized((b, s, hkv, d), dtype, device)
@@ -265,7 +268,7 @@ def test_kvcache_16bit_queries(num_splits, paged, dtype, fp8_backend, device, on
         for i in range(b):
             written = cache[i, seqlens[i]:seqlens[i] + 3]
             assert torch.equal(written.view(torch.uint8), quantised[i].view(torch.uint8))
-    p_dtype = q_dtype if fp8_backend == "triton" else None
+    p_dtype = torch.float16 if fp8_backend == "triton" else None
     for i in range(b):
         n = int(seqlens[i]) + 3
         _check(out[i:i + 1], lse[i:i + 1], q[i:i + 1], k_cache[i:i + 1, :n],
@@ -294,6 +297,34 @@ def test_kvcache_fp8_queries(dtype, fp8_backend, device, on_gpu):
         _check(out[i:i + 1], lse[i:i + 1], q[i:i + 1], k_cache[i:i + 1, :n],
                v_cache[i:i + 1, :n], (qd[i:i + 1], kd[i:i + 1], vd[i:i + 1]),
                fp8_backend, {}, out_dtype, dtype=p_dtype)
+
+
+@pytest.mark.parametrize("layout", ["pairs", "odd-dv", "odd-address"])
+def test_kvcache_fp8_v_as_column_pairs_or_bytes(layout, fp8_backend, device, on_gpu):
+    """An FP8 V is read as int16 words of two columns (V_PAIRS: even and odd columns in
+    two products, joined at the end) where its head dim, strides and address are even,
+    else byte by byte; both are attention over the dequantised cache."""
+    from flashtile.ops import decode
+
+    b, s, h, hkv, d = 2, 70, 4, 2, 32
+    dv = 31 if layout == "odd-dv" else 32
+    k_cache, kd = _quantized((b, s, hkv, d), E4M3, device)
+    v_full, vd = _quantized((b, s, hkv, dv + 1), E4M3, device)
+    # odd-address: V a view one byte into rows of 33 (odd strides and address).
+    v_cache = v_full[..., 1:] if layout == "odd-address" else v_full[..., :dv].contiguous()
+    assert decode.v_pairs(v_cache, False) == (layout == "pairs")
+    q = torch.randn(b, 1, h, d, device=device).to(_q_dtype(on_gpu))
+    seqlens = torch.tensor([70, 33], dtype=torch.int32, device=device)
+    out, lse = flashtile.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens,
+                                                 k_descale=kd, v_descale=vd, num_splits=2,
+                                                 return_lse=True)
+    assert out.shape == (b, 1, h, dv)
+    p_dtype = torch.float16 if fp8_backend == "triton" else None
+    for i in range(b):
+        n = int(seqlens[i])
+        _check(out[i:i + 1], lse[i:i + 1], q[i:i + 1], k_cache[i:i + 1, :n],
+               v_cache[i:i + 1, :n], (None, kd[i:i + 1], vd[i:i + 1]), fp8_backend, {},
+               q.dtype, dtype=p_dtype)
 
 
 def test_kvcache_rotary_then_quantised(fp8_backend, device, on_gpu):
@@ -584,7 +615,29 @@ def test_gpu_decode_long_fp8_cache(paged, device):
         n = int(seqlens[i])
         _check(out[i:i + 1], lse[i:i + 1], q[i:i + 1], k_cache[i:i + 1, :n],
                v_cache[i:i + 1, :n], (None, kd[i:i + 1], vd[i:i + 1]), "triton", {},
-               torch.bfloat16)
+               torch.bfloat16, dtype=torch.float16)
+
+
+@pytest.mark.gpu
+def test_gpu_decode_bf16_rows_of_any_magnitude(device):
+    """bf16 query rows reach the fp16 products of the FP8-cache decode each scaled by
+    its own power of two (ops/_fp8._fp16_rows): rows far outside fp16's range (1e-30,
+    1e30 before the softmax scale makes them sharp), a zero row and ordinary ones."""
+    b, s, h, hkv, d = 2, 1000, 8, 2, 128
+    k_cache, kd = _quantized((b, s, hkv, d), E4M3, device)
+    v_cache, vd = _quantized((b, s, hkv, d), E4M3, device)
+    q = torch.randn(b, 1, h, d, device=device)
+    q = q * torch.tensor([1e-30, 1e-6, 0.0, 1.0, 3.0, 1e-2, 1e4, 1e-38],
+                         device=device)[:, None]
+    q = q.to(torch.bfloat16)
+    seqlens = torch.tensor([1000, 517], dtype=torch.int32, device=device)
+    out, lse = flashtile.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens,
+                                                 k_descale=kd, v_descale=vd, return_lse=True)
+    for i in range(b):
+        n = int(seqlens[i])
+        _check(out[i:i + 1], lse[i:i + 1], q[i:i + 1], k_cache[i:i + 1, :n],
+               v_cache[i:i + 1, :n], (None, kd[i:i + 1], vd[i:i + 1]), "triton", {},
+               torch.bfloat16, dtype=torch.float16)
 
 
 @pytest.mark.gpu
@@ -619,3 +672,47 @@ def test_gpu_launch_plans_take_new_descales(device):
         _launch.set_enabled(previous)
     for a, b in zip(planned, expected):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+@triton.jit
+def _rows_kernel(X, Y, S, M: tl.constexpr, D: tl.constexpr):
+    offs = tl.arange(0, M)[:, None] * D + tl.arange(0, D)[None, :]
+    y, _, scale = _fp16_rows(tl.load(X + offs), 0, False)
+    tl.store(Y + offs, y)
+    tl.store(S + tl.arange(0, M)[:, None], scale)
+
+
+def test_bf16_rows_scale_into_fp16_exactly(on_gpu):
+    """_fp16_rows (the FP8-cache decode's q): each row times a power of two that puts
+    its largest magnitude in [2**14, 2**15), so every bf16 value down to 2**-31 of the
+    largest is exact in fp16 and the rest are off by at most 2**-39 of it; zero, inf
+    and NaN rows keep their values. Run on bf16-representable fp32 rows (the
+    interpreter's bf16 is not numpy's), through the interpreter or the GPU."""
+    if not on_gpu and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("a Triton kernel: GPU or TRITON_INTERPRET=1")
+    device = "cuda" if on_gpu else "cpu"
+    magnitudes = [2e-39, 1e-30, 1e-6, 0.0, 1.0, 1e4, 1e37, float("inf")]
+    x = torch.randn(8, 32, dtype=torch.float64) * torch.tensor(magnitudes,
+                                                              dtype=torch.float64)[:, None]
+    x[:, 0] = x[:, 0].abs() * 2  # rows' largest, so rows also hold values 2**-40 below it
+    x[:, 1] = x[:, 0] * 2.0**-40
+    x[7, 3] = float("nan")
+    x = x.to(torch.bfloat16).float().to(device)
+    y = torch.empty(x.shape, dtype=torch.float16, device=device)
+    scale = torch.empty(8, 1, dtype=torch.float32, device=device)
+    _rows_kernel[(1,)](x, y, scale, M=8, D=32)
+    x, y, scale = x.double().cpu(), y.double().cpu(), scale.double().cpu()
+    finite = torch.isfinite(x).all(1) & (x.abs().amax(1) > 0)
+    # A row of fp32 subnormals (row 0) needs more than the largest power of two,
+    # 2**127: its values, 8 significant bits at most, are exact all the same.
+    normal = finite & (x.abs().amax(1) >= 2.0**-126)
+    largest = (x.abs().amax(1, keepdim=True) * scale)[normal]
+    assert normal.sum() == 5 and ((largest >= 2**14) & (largest < 2**15)).all()
+    assert torch.equal(scale, torch.exp2(torch.round(torch.log2(scale))))  # powers of two
+    back = y / scale
+    exact = x.abs() >= x.abs().amax(1, keepdim=True) * 2.0**-31
+    assert torch.equal(back[finite][exact[finite]], x[finite][exact[finite]])
+    err = (back - x).abs()[finite]
+    assert (err <= x.abs().amax(1, keepdim=True)[finite] * 2.0**-39).all()
+    assert torch.equal(y[3], torch.zeros(32, dtype=torch.float64))  # the zero row
+    assert torch.isinf(y[7, 0]) and torch.isnan(y[7, 3])

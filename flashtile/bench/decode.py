@@ -107,10 +107,13 @@ def _kvcache_fn(q, seqlens, k_cache, v_cache, block_table=None, num_splits=0, **
                                                      num_splits=num_splits, **fp8)
 
 
-def cache_copies(batch, seqlen_k, device) -> int:
-    """Input copies whose K/V together are at least three times the L2."""
+def cache_copies(batch, seqlen_k, device, element_size=1) -> int:
+    """Input copies whose K/V together are at least three times the L2, counted in the
+    smallest cache a provider reads (the FP8 one: 1 byte an element) so that no
+    provider's round fits in the L2 (sessions up to 12 counted bf16 bytes: batch 1 x 8k
+    rotated 6 copies, 100 MB of FP8 cache, 1.7 times the H200's L2)."""
     l2 = torch.cuda.get_device_properties(device).L2_cache_size
-    return max(1, math.ceil(3 * l2 / kv_bytes(batch, seqlen_k)))
+    return max(1, math.ceil(3 * l2 / kv_bytes(batch, seqlen_k, element_size)))
 
 
 def in_turn(fns):
@@ -211,35 +214,46 @@ def decode_markdown(rows, copy_gbps=None):
 
 def sweep_decode_tiles(shapes=((1, 8192), (8, 32768)),
                        tiles=("16,64,4,3", "16,128,4,3", "16,64,4,4"),
-                       splits=(0, 1, 8, 32, 64), page_sizes=(None,), device="cuda"):
+                       splits=(0, 1, 8, 32, 64), page_sizes=(None,), device="cuda",
+                       fp8=False):
     """flashtile's decode over num_splits and tile candidates (page_size None: the
     contiguous cache), each step rotating through cold input copies as the table
-    does: the data for the split heuristic and the tile choice."""
+    does: the data for the split heuristic and the tile choice. fp8: the caches in
+    float8_e4m3fn with descales (bf16 queries), GB/s counted in FP8 bytes."""
     import os
 
     import triton
 
+    size = 1 if fp8 else 2
+    scales = {}
     results = []
     for batch, seqlen_k in shapes:
         sets = []
-        for _ in range(cache_copies(batch, seqlen_k, device)):
+        for _ in range(cache_copies(batch, seqlen_k, device, element_size=size)):
             q, k, v, seqlens = _decode_inputs(batch, seqlen_k, device)
-            sets.append((q, seqlens, {ps: (k, v, None) if ps is None else _paged_pool(k, v, ps)
-                                      for ps in page_sizes}))
+            caches = {ps: (k, v, None) if ps is None else _paged_pool(k, v, ps)
+                      for ps in page_sizes}
+            if fp8:
+                caches = {ps: (*(x.to(torch.float8_e4m3fn) for x in c[:2]), c[2])
+                          for ps, c in caches.items()}
+                ones = torch.ones(batch, NHEADS_KV, device=device)
+                scales = dict(k_descale=ones, v_descale=ones)
+            sets.append((q, seqlens, caches))
         for tile in tiles:
             os.environ["FLASHTILE_DECODE_CONFIG"] = tile
             for ps in page_sizes:
                 for n in splits:
-                    fns = [_kvcache_fn(q, seqlens, *caches[ps], num_splits=n)
+                    fns = [_kvcache_fn(q, seqlens, *caches[ps], num_splits=n, **scales)
                            for q, seqlens, caches in sets]
                     try:
                         ms = triton.testing.do_bench_cudagraph(
                             in_turn(fns), rep=50, return_mode="median") / len(fns)
-                        gbps = round(kv_bytes(batch, seqlen_k) / ms / 1e6)
+                        gbps = round(kv_bytes(batch, seqlen_k, size) / ms / 1e6)
                     except Exception as e:
                         gbps = type(e).__name__
                     results.append((batch, seqlen_k, tile, ps, n, gbps))
-                    print(f"decode sweep b={batch} sk={seqlen_k} tile={tile} "
+                    print(f"decode sweep{' fp8' if fp8 else ''} b={batch} sk={seqlen_k} "
+                          f"tile={tile} "
                           f"page={ps or 'contiguous'} splits={n}: {gbps} GB/s", flush=True)
         os.environ.pop("FLASHTILE_DECODE_CONFIG", None)
         del sets
@@ -334,6 +348,13 @@ if __name__ == "__main__":
                            tiles=("16,16,4,4", "16,16,4,6", "16,32,4,4", "16,64,4,3",
                                   "16,64,4,4", "16,128,4,3"),
                            splits=(0,), page_sizes=(16, None))
+    if "--sweep-fp8" in sys.argv:
+        # FP8 cache tiles (issue 17): 128-key tiles (the default up to 16 rows) at 3 and
+        # 4 stages against 64-key ones, split and unsplit shapes, contiguous and paged.
+        sweep_decode_tiles(shapes=((8, 32768), (32, 4096), (1, 131072)),
+                           tiles=("16,128,4,3", "16,128,4,4", "16,64,4,3", "16,64,4,5",
+                                  "16,256,4,3"),
+                           splits=(0,), page_sizes=(None, 64), fp8=True)
     if "--mla" in sys.argv:
         # Absorbed MLA decode alone (issue 17): the table below is not run.
         for r in run_mla_bench():

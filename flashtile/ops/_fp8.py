@@ -42,6 +42,57 @@ def _quantize(x, descale, DTYPE: tl.constexpr):
 
 
 @triton.jit
+def _fp16_rows(b_q, b_qt, HAS_TAIL: tl.constexpr):
+    """16-bit query rows (M, D) (and their tail tile (M, DT) when HAS_TAIL) as fp16,
+    each row times a power of two 2**(14 - e) that brings its largest magnitude into
+    [2**14, 2**15), and those factors (M, 1) fp32. Exact for bf16 rows: every bf16
+    value down to 2**-31 of the row's largest is an fp16 number once scaled (8
+    significant bits above fp16's subnormal step), and the few below it round by at most
+    2**-39 of the largest, far under the fp32 sum of the products. A zero, inf or NaN
+    row keeps its zeros, infs and NaNs. (The decode kernel over an FP8 cache computes in
+    fp16: e4m3/e5m2 -> fp16 is one instruction per pair on sm_90, -> bf16 three.)"""
+    q_max = tl.max(tl.abs(b_q.to(tl.float32)), 1)
+    if HAS_TAIL:
+        q_max = tl.maximum(q_max, tl.max(tl.abs(b_qt.to(tl.float32)), 1))
+    # e = the largest magnitude's fp32 exponent field; 2**(14 - (e - 127)) has the
+    # field 268 - e, kept inside the normal numbers (a zero row: 2**127).
+    field = (q_max.to(tl.int32, bitcast=True) >> 23) & 0xFF
+    row_scale = (tl.minimum(tl.maximum(268 - field, 1), 254) << 23).to(
+        tl.float32, bitcast=True)[:, None]                                  # (M, 1)
+    b_q16 = (b_q.to(tl.float32) * row_scale).to(tl.float16)
+    b_qt16 = b_qt
+    if HAS_TAIL:
+        b_qt16 = (b_qt.to(tl.float32) * row_scale).to(tl.float16)
+    return b_q16, b_qt16, row_scale
+
+
+@triton.jit
+def _fp8_pairs_to_fp16(words, FP8: tl.constexpr, ASM: tl.constexpr):
+    """int16 words each holding two FP8 values of FP8's format (the first, lower
+    address, in the low byte) -> (fp16 of the first values, fp16 of the second), exact.
+
+    ASM (sm_90): a prmt gathers the first bytes of two words (the two keys a thread
+    holds per V column in the mma.sync operand layout) into one 16-bit pair and the
+    second bytes into another, and one cvt widens each pair: 4 instructions per two
+    words. Triton's own conversion of an FP8 V tile read in that layout loads every
+    byte from shared memory on its own and packs them with integer ops (about 200 of
+    the 612 instructions a 64-key d128 tile took per thread, sm_90 SASS). Without ASM
+    (the interpreter): the same values through bit masks and Triton's conversion."""
+    if ASM:
+        if FP8 == tl.float8e4nv:
+            cvt: tl.constexpr = "cvt.rn.f16x2.e4m3x2"
+        else:
+            cvt: tl.constexpr = "cvt.rn.f16x2.e5m2x2"
+        return tl.inline_asm_elementwise(
+            "{ .reg .b32 t; .reg .b16 lo, hi; prmt.b32 t, $2, 0, 0x3120; "
+            "mov.b32 {lo, hi}, t; " + cvt + " $0, lo; " + cvt + " $1, hi; }",
+            "=r,=r,r", [words], dtype=(tl.float16, tl.float16), is_pure=True, pack=2)
+    first = (words & 0xFF).to(tl.uint8).to(FP8, bitcast=True).to(tl.float16)
+    second = ((words >> 8) & 0xFF).to(tl.uint8).to(FP8, bitcast=True).to(tl.float16)
+    return first, second
+
+
+@triton.jit
 def _cast_probe(X, Y, N: tl.constexpr):
     offs = tl.arange(0, N)
     tl.store(Y + offs, tl.load(X + offs).to(Y.dtype.element_ty, fp_downcast_rounding="rtne"))

@@ -489,15 +489,19 @@ def decode_config(q, head_dim, rows, split=True, fp8_cache=False, head_dim_v=Non
     # head_dim 256 (or fp32) a 32-key tile keeps the K/V buffers within shared memory.
     # Unsplit programs walk the whole cache: a fourth stage measured faster there (H200,
     # 64 x 2k: 4346 against 3898 GB/s; 32 x 4k equal), slower for short splits (NOTES 8).
-    # FP8 queries compute in fp16 (2 bytes). An FP8 cache's tiles hold half the bytes:
-    # two more stages keep the bytes in flight of the 16-bit tiles (not yet timed; a
-    # 128-key tile spilled with bf16 queries on sm_90).
+    # FP8 queries compute in fp16 (2 bytes). An FP8 cache's tiles take twice the keys:
+    # the same bytes per tile and in flight as the 16-bit tiles, and half the per-tile
+    # work (softmax, P's exchange between warps, loop bookkeeping) per byte. sm_90 SASS,
+    # bf16 q, d128, split: 64-key tiles 445 instructions a thread per 16 KB tile, 128-key
+    # tiles 736 per 32 KB (the 16-bit cache: 384 per 32 KB); no spills (tests/aot.py).
+    # (Issue 17: five stages of 64-key FP8 tiles, 786 instructions a tile before the
+    # kernel's V_PAIRS and fp16 widening, ran no faster than the bf16 cache, H200.)
     if head_dim > DECODE_MAX_BLOCK_D:
         return _wide_key_decode_config(q, block_m, split, v_is_k)
     # The wider of K's and V's head dims sizes the tiles (MLA: they differ).
     widest = padded_head_dim(max(head_dim, head_dim_v or head_dim))
     wide = widest * max(2, q.element_size()) > 256
-    stages = (3 if split else 4) + (2 if fp8_cache else 0)
+    stages = 3 if split else 4
     if q.element_size() == 4 and widest <= 256:
         rows, keys, warps, depth = _DECODE_FP32[max(widest, 32)][0 if split else 1]
         return TileConfig(min(block_m, rows), keys, warps, depth)
@@ -506,7 +510,13 @@ def decode_config(q, head_dim, rows, split=True, fp8_cache=False, head_dim_v=Non
         # rows spill 2 KB a thread, 32 rows x 32 keys with 8 warps hold 203 registers).
         return TileConfig(min(block_m, 32), 32 if q.element_size() <= 2 else 16, 8,
                           3 if split else 4)
-    return TileConfig(block_m, 32 if wide else 64, 4, stages)
+    keys = 32 if wide else 64
+    if fp8_cache and block_m <= 16:
+        # Not past 16 rows (decode of up to 16 query heads per KV head): 64 rows x 128
+        # keys spilled 8-208 bytes a thread, 32 rows over 16-key pages unsplit 8 (sm_90
+        # AOT, d128, bf16 q, every feature on).
+        keys *= 2
+    return TileConfig(block_m, keys, 4, stages)
 
 
 # fp32 decode tiles, (rows at most, keys, warps, stages) split and unsplit, by padded head

@@ -44,7 +44,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from flashtile.ops import _launch, configs
 from flashtile.ops._common import LN2, _checked_page, _checked_rows, _scores_log2
-from flashtile.ops._fp8 import _load_descale, _quantize
+from flashtile.ops._fp8 import _fp8_pairs_to_fp16, _fp16_rows, _load_descale, _quantize
 
 
 @triton.jit
@@ -108,6 +108,7 @@ def _decode_kernel(
     SPLIT_PAGES: tl.constexpr, HAS_BATCH_IDX: tl.constexpr, HAS_LEFTPAD: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, LAUNCH_DEPENDENTS: tl.constexpr,
     HAS_Q_DESCALE: tl.constexpr, HAS_K_DESCALE: tl.constexpr, HAS_V_DESCALE: tl.constexpr,
+    V_PAIRS: tl.constexpr, PAIRS_ASM: tl.constexpr,
 ):
     # Pages looked up per key row (a vector of entries per tile), not per tile.
     ROW_PAGES: tl.constexpr = TILE_PAGES > 0 or (not PAGE_ALIGNED and SPLIT_PAGES == 0)
@@ -154,15 +155,22 @@ def _decode_kernel(
     p_q = Q + off_b * stride_qb + offs_t[:, None] * stride_qm + offs_h[:, None] * stride_qh
     b_q = tl.load(p_q + offs_d[None, :], mask=m_row[:, None] & m_d[None, :],
                   other=0.0)                                                # (M, D)
-    if Q.dtype.element_ty.is_fp8():
-        # FP8 queries compute in fp16, which holds every e4m3 and e5m2 value exactly.
-        b_q = b_q.to(tl.float16)
+    b_qt = b_q
     if BLOCK_DT > 0:
         b_qt = tl.load(p_q + offs_dt[None, :], mask=m_row[:, None] & m_dt[None, :],
-                       other=0.0).to(b_q.dtype)                            # (M, DT)
+                       other=0.0)                                          # (M, DT)
     # An FP8 cache is read as FP8 (half the bytes: decode is bound by them) and widened
-    # in registers to the queries' 16-bit type, exactly; P stays 16-bit for P @ V.
-    # q_descale * k_descale joins the exp2 scale, v_descale the output.
+    # in registers to fp16, exactly, whatever q's type: FP8 and fp16 q as they are, bf16
+    # rows scaled into fp16 by a power of two each (_fp16_rows) that the scores' scale
+    # divides out. (Widening to bf16 took two more instructions per pair of keys' values
+    # on sm_90.) P is fp16 for P @ V. q_descale * k_descale joins the exp2 scale,
+    # v_descale the output.
+    if Q.dtype.element_ty.is_fp8() or Q.dtype.element_ty == tl.float16:
+        b_q = b_q.to(tl.float16)
+        b_qt = b_qt.to(tl.float16)
+    elif KCache.dtype.element_ty.is_fp8():
+        b_q, b_qt, row_scale = _fp16_rows(b_q, b_qt, BLOCK_DT > 0)
+        softmax_scale = softmax_scale / row_scale                          # (M, 1)
     softmax_scale *= (_load_descale(QDescale, off_b, off_hkv, stride_qdesc_b,
                                     stride_qdesc_h, HAS_Q_DESCALE)
                       * _load_descale(KDescale, off_b, off_hkv, stride_kdesc_b,
@@ -187,7 +195,14 @@ def _decode_kernel(
     # (a select on the output tile there made ptxas spill 8 bytes on sm_90).
     l_i = tl.full([BLOCK_M], 0.0, dtype=tl.float32) + tl.where(seq_bad, float("nan"), 0.0)
     bad_rows = tl.zeros([BLOCK_N], dtype=tl.int32)  # key rows behind a bad page
-    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+    # V_PAIRS: V's even and odd columns accumulate apart (see the V load below).
+    acc = tl.zeros([BLOCK_M, BLOCK_DV // (1 + V_PAIRS)], dtype=tl.float32)
+    acc_odd = tl.zeros([BLOCK_M, BLOCK_DV // (1 + V_PAIRS)], dtype=tl.float32)
+    if V_PAIRS:
+        # An FP8 V read as int16 words of two neighbouring columns (even, odd).
+        VWords = VCache.to(tl.pointer_type(tl.int16))
+        offs_w = tl.arange(0, BLOCK_DV // 2)
+        m_w = offs_w < head_dim_v // 2
     # The page(s) of a tile are loaded one tile ahead: the software pipeliner does not
     # run scalar loads ahead, and a K/V address waiting on its block-table entry in the
     # same iteration stalls every tile (NOTES.md section 4). The first tile's pages are
@@ -278,18 +293,35 @@ def _decode_kernel(
         p = tl.exp2(s - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
-        if V_IS_K:
-            # V is a view of K's first columns (absorbed MLA's shared latent rows): the
-            # K tile already holds them, so the cache is read once.
-            b_v = b_k                                                      # (N, DV)
+        if V_PAIRS:
+            # An FP8 V tile is the B operand of P @ V with the keys (its rows, a cache
+            # row apart) the reduction: one byte per key and column is all that
+            # Triton's FP8 layout gives a thread. Read as 16-bit words, the tile is
+            # copied into the operand layout as a bf16 V is (ldmatrix), each word is
+            # two columns of one key, and the even and odd columns go to two products.
+            b_w = tl.load(VWords + (row_v[:, None] + off_hkv * stride_vh) // 2
+                          + offs_w[None, :], mask=m_n[:, None] & m_w[None, :],
+                          other=0)                                         # (N, DV/2)
+            b_ve, b_vo = _fp8_pairs_to_fp16(b_w, VCache.dtype.element_ty, PAIRS_ASM)
+            p16 = p.to(tl.float16)
+            acc = tl.dot(p16, b_ve, acc * alpha[:, None], input_precision=INPUT_PRECISION)
+            acc_odd = tl.dot(p16, b_vo, acc_odd * alpha[:, None],
+                             input_precision=INPUT_PRECISION)
         else:
-            b_v = tl.load(VCache + row_v[:, None] + off_hkv * stride_vh + offs_dv[None, :],
-                          mask=m_n[:, None] & m_dv[None, :],
-                          other=0.0).to(b_q.dtype)                         # (N, DV)
-        acc = acc * alpha[:, None]
-        acc = tl.dot(p.to(b_v.dtype), b_v, acc, input_precision=INPUT_PRECISION)
+            if V_IS_K:
+                # V is a view of K's first columns (absorbed MLA's shared latent rows):
+                # the K tile already holds them, so the cache is read once.
+                b_v = b_k                                                  # (N, DV)
+            else:
+                b_v = tl.load(VCache + row_v[:, None] + off_hkv * stride_vh
+                              + offs_dv[None, :], mask=m_n[:, None] & m_dv[None, :],
+                              other=0.0).to(b_q.dtype)                     # (N, DV)
+            acc = acc * alpha[:, None]
+            acc = tl.dot(p.to(b_v.dtype), b_v, acc, input_precision=INPUT_PRECISION)
         m_i = m_new
 
+    if V_PAIRS:
+        acc = tl.reshape(tl.join(acc, acc_odd), (BLOCK_M, BLOCK_DV))        # (M, DV)
     if LAUNCH_DEPENDENTS:
         # The combine's programs may be scheduled now; they wait for this grid to end.
         gdc_launch_dependents()
@@ -432,6 +464,22 @@ def combine_pdl(q) -> tuple[bool, bool]:
     if not (q.is_cuda and _gpu_traits(q.device)[0] >= 9) or mode == "0":
         return False, False
     return True, mode == "1"
+
+
+def v_pairs(v_cache, v_is_k) -> bool:
+    """The decode kernel reads an FP8 V as int16 words of two columns (V_PAIRS): a V of
+    its own (not K's tiles) whose head dim, row strides and address are even, the head
+    dim past 16 (each half a product at least 16 wide, as tl.dot asks in general)."""
+    return (v_cache.element_size() == 1 and not v_is_k and v_cache.shape[-1] % 2 == 0
+            and v_cache.shape[-1] > 16
+            and all(s % 2 == 0 for s in v_cache.stride()[:3])
+            and v_cache.data_ptr() % 2 == 0)
+
+
+def pairs_asm(q) -> bool:
+    """V_PAIRS widens its words with sm_90's paired FP8 -> fp16 cvt (PTX, NVIDIA Hopper
+    and later); elsewhere, and in the interpreter, with Triton's own conversion."""
+    return q.is_cuda and torch.version.hip is None and _gpu_traits(q.device)[0] >= 9
 
 
 def _v_is_k(k_cache, v_cache) -> bool:
@@ -654,7 +702,8 @@ def attn_decode(q, k_cache, v_cache, *, cache_seqlens, block_table, cache_batch_
         TILE_PAGES=tile_pages, SPLIT_PAGES=split_pages,
         HAS_BATCH_IDX=cache_batch_idx is not None, HAS_LEFTPAD=cache_leftpad is not None,
         LAUNCH_DEPENDENTS=early, HAS_Q_DESCALE=q_descale is not None,
-        HAS_K_DESCALE=k_descale is not None, HAS_V_DESCALE=v_descale is not None)
+        HAS_K_DESCALE=k_descale is not None, HAS_V_DESCALE=v_descale is not None,
+        V_PAIRS=v_pairs(v_cache, v_is_k), PAIRS_ASM=pairs_asm(q))
     configs.log_first_launch("decode", q, d, cfg, dict(
         switches, PAGE_SIZE=page_size if paged else None, SPLIT=num_splits > 1, PDL=pdl))
     decode = _launch.first_launch(
