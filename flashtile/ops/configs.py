@@ -243,6 +243,23 @@ def hopper_fwd_fp8_p_smem() -> bool:
     return value == "smem"
 
 
+HOPPER_FWD_SCHEDULE = ("tiles", "persistent")
+
+
+def hopper_fwd_persistent() -> bool:
+    """FLASHTILE_HOPPER_FWD_SCHEDULE: how the Gluon forward's grid covers the (query
+    tile, batch-head) tiles. "tiles" (the default): one program a tile, causal tiles
+    longest first; "persistent": one program per SM looping over tiles (FA3), causal ones
+    longest first within groups of heads whose K and V fit L2, the next tile's Q, K and V
+    loading while the consumers finish the current one. Not timed yet: the GPU session
+    compares them. Read when a launch plan is made."""
+    value = os.environ.get("FLASHTILE_HOPPER_FWD_SCHEDULE", "tiles").strip() or "tiles"
+    if value not in HOPPER_FWD_SCHEDULE:
+        raise ValueError(f"FLASHTILE_HOPPER_FWD_SCHEDULE must be one of "
+                         f"{HOPPER_FWD_SCHEDULE}, got {value!r}")
+    return value == "persistent"
+
+
 def hopper_fwd_config(head_dim: int, fp8: bool = False) -> TileConfig:
     """HOPPER_FWD_16BIT[head_dim] (HOPPER_FWD_FP8 for FP8 inputs), or
     FLASHTILE_HOPPER_FWD_CONFIG="128,BLOCK_N,4,STAGES" for sweeps (BLOCK_M and num_warps
