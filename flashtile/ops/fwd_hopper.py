@@ -6,8 +6,8 @@ q (batch, seqlen_q, nheads, head_dim), k/v (batch, seqlen_k, nheads_kv, head_dim
 (any ``diag_offset``) or not; writes ``out`` and the natural-log ``lse`` (batch, nheads,
 seqlen_q) exactly as ``flashtile.ops.fwd.attn_fwd`` does, so either can serve a call.
 
-One program computes a tile of BLOCK_M = 2 x 64 query rows of one (batch, head) in
-three warp-specialised partitions:
+A tile is BLOCK_M = 2 x 64 query rows of one (batch, head), computed in three
+warp-specialised partitions:
 - a producer warp loads the tile's Q once and streams K and V blocks through a ring of
   STAGES shared-memory buffers with TMA. Each buffer has a "ready" mbarrier (the TMA
   bytes landed) and an "empty" one (both consumers are done with it).
@@ -21,6 +21,21 @@ three warp-specialised partitions:
   before the softmax (sm_90 SASS; docs/benchmarks/NOTES.md section 17).
 - warp_specialize's register requests become setmaxnreg: the producer keeps 24
   registers per thread and each consumer gets 240 (S, P and O live in registers).
+The grid (FLASHTILE_HOPPER_FWD_SCHEDULE, ``configs.hopper_fwd_persistent``):
+- "tiles" (the default): one program per (query tile, batch * nheads), causal query
+  tiles longest first; the hardware hands out the programs, each with its own prologue
+  (barriers, Q and the first K's latency) and epilogue (O's store).
+- "persistent" (PERSISTENT, FA3's persistent kernel): one program per SM, each walking
+  its row of a tile list the host computes once per geometry (``schedule_rows``): FA3's
+  order (causal: longest first inside groups of heads whose K and V fit 32 MiB of L2;
+  full: head by head) dealt greedily to the least loaded program, as FA3's dynamic
+  scheduler deals it with an atomic counter. The K/V ring and the consumers' turns
+  count on across tiles, so the next tile's K and V load under the current one's end;
+  Q's buffer goes back to the producer (q_empty) once the tile's last S is done when O
+  has a shared buffer of its own (16-bit d64 and d128, where it fits; FP8 always), and
+  O's TMA store then runs under the next tile (d256: O leaves through Q's buffer, which
+  is handed back after the store). **Compile-checked only** (sm_90 on the CPU, no
+  spills, both schedules); the GPU session compares it with "tiles".
 K/V rows past seqlen_k and Q rows past seqlen_q are zero-filled by TMA (the descriptors
 are 4-d, so a tile never reads the next sequence) and the TMA store of O drops rows past
 seqlen_q. Gluon kernels do not run in the Triton interpreter: CI compiles this one for
@@ -88,7 +103,7 @@ SMEM_BYTES = gl.constexpr(configs.SM90_SMEM_BYTES)
 @gluon.jit
 def _tile_count(Schedule, schedule_row, PERSISTENT: gl.constexpr):
     """How many tiles this program computes: one, or (PERSISTENT) its row's count in the
-    host's schedule (``_schedule``)."""
+    host's schedule (``schedule_rows``)."""
     if PERSISTENT:
         count = gl.load(Schedule + gl.program_id(0) * schedule_row)
     else:
@@ -640,7 +655,7 @@ def attn_fwd(q, k, v, *, attn_mask, alibi_slopes, softmax_scale, diag_offset, wi
 
 # The parameters a launch plan fills per call, in the kernel's order.
 _SLOTS = ("q_desc", "k_desc", "v_desc", "o_desc", "Lse", "QDescale", "KDescale",
-          "VDescale", "softmax_scale")
+          "VDescale", "softmax_scale", "Schedule")
 
 
 def forward(q, k, v, softmax_scale, diag_offset, causal, q_descale=None, k_descale=None,
@@ -674,7 +689,8 @@ def forward(q, k, v, softmax_scale, diag_offset, causal, q_descale=None, k_desca
         if found is not None:
             plan, boxes = found
             tensors = (q, k, _keys_contiguous_t(v) if fp8 else v, out)
-            plan((*map(_rebased, boxes, tensors), lse, *scales, softmax_scale))
+            schedule = _persistent_schedule(q, k, causal, diag_offset) if persistent else lse
+            plan((*map(_rebased, boxes, tensors), lse, *scales, softmax_scale, schedule))
             return out, lse
     cfg = configs.hopper_fwd_config(d, fp8=fp8)
     flags = dict(IS_CAUSAL=causal, STAGES=cfg.num_stages,
@@ -685,9 +701,7 @@ def forward(q, k, v, softmax_scale, diag_offset, causal, q_descale=None, k_desca
     configs.log_first_launch("hopper forward", q, d, cfg, flags)
     n_tiles_m = configs.cdiv(sq, cfg.block_m)
     if persistent:
-        # The table outlives the call (cached per geometry): a plan may keep its address.
-        schedule = _schedule_table(q.device, sq, sk, d, q.element_size(), b * h, h // hkv,
-                                   diag_offset if causal else None, cfg.block_n)
+        schedule = _persistent_schedule(q, k, causal, diag_offset)
         grid = (schedule.shape[0],)
     else:
         schedule = lse  # not read
@@ -699,7 +713,7 @@ def forward(q, k, v, softmax_scale, diag_offset, causal, q_descale=None, k_desca
     plan = _launch.first_launch(
         _attn_fwd_hopper_kernel, grid,
         (*descs, lse, *scales, sq, sk, h, h // hkv, diag_offset, *strides, softmax_scale,
-         n_tiles_m, schedule, schedule.stride(0)),
+         n_tiles_m, schedule, schedule.stride(0) if persistent else 0),
         dict(flags, num_warps=cfg.num_warps), slots=_SLOTS if key is not None else None)
     if key is not None and plan is not None:
         # The descriptors without their tensors: a plan must not keep a call's memory alive.
@@ -751,7 +765,16 @@ def schedule_rows(seqlen_q, seqlen_k, head_dim, element_size, n_bh, group_size,
     return rows
 
 
-@functools.lru_cache(maxsize=None)  # never evicted: launch plans keep its address
+def _persistent_schedule(q, k, causal, diag_offset) -> torch.Tensor:
+    """The persistent grid's tile lists for this call (``_schedule_table``)."""
+    b, sq, h, d = q.shape
+    sk, hkv = k.shape[1], k.shape[2]
+    block_n = configs.hopper_fwd_config(d, fp8=q.element_size() == 1).block_n
+    return _schedule_table(q.device, sq, sk, d, q.element_size(), b * h, h // hkv,
+                           diag_offset if causal else None, block_n)
+
+
+@functools.lru_cache(maxsize=None)  # a few KiB a geometry, made once
 def _schedule_table(device, *geometry) -> torch.Tensor:
     """``schedule_rows`` for this device's SMs as the kernel reads it: int32 (programs,
     1 + most tiles), each row its count and then its tiles (a few KiB a geometry)."""
