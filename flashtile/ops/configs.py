@@ -236,11 +236,15 @@ def hopper_fwd_fp8_p_smem() -> bool:
     KiB more), where the SASS keeps that wait after the softmax (FA3's in-warpgroup
     overlap). Neither is timed yet: the GPU session compares them (the fp8 stage of
     scripts/gpu_session.sh). Read when a launch plan is made."""
-    value = os.environ.get("FLASHTILE_HOPPER_FWD_FP8_P", "regs").strip() or "regs"
-    if value not in HOPPER_FWD_FP8_P:
-        raise ValueError(f"FLASHTILE_HOPPER_FWD_FP8_P must be one of {HOPPER_FWD_FP8_P}, "
-                         f"got {value!r}")
-    return value == "smem"
+    return _env_choice("FLASHTILE_HOPPER_FWD_FP8_P", HOPPER_FWD_FP8_P) == "smem"
+
+
+def _env_choice(name: str, choices: tuple) -> str:
+    """The environment variable ``name``: one of ``choices``, the first when unset."""
+    value = os.environ.get(name, "").strip() or choices[0]
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {choices}, got {value!r}")
+    return value
 
 
 HOPPER_FWD_SCHEDULE = ("tiles", "persistent")
@@ -253,11 +257,7 @@ def hopper_fwd_persistent() -> bool:
     longest first within groups of heads whose K and V fit L2, the next tile's Q, K and V
     loading while the consumers finish the current one. Not timed yet: the GPU session
     compares them. Read when a launch plan is made."""
-    value = os.environ.get("FLASHTILE_HOPPER_FWD_SCHEDULE", "tiles").strip() or "tiles"
-    if value not in HOPPER_FWD_SCHEDULE:
-        raise ValueError(f"FLASHTILE_HOPPER_FWD_SCHEDULE must be one of "
-                         f"{HOPPER_FWD_SCHEDULE}, got {value!r}")
-    return value == "persistent"
+    return _env_choice("FLASHTILE_HOPPER_FWD_SCHEDULE", HOPPER_FWD_SCHEDULE) == "persistent"
 
 
 def hopper_fwd_config(head_dim: int, fp8: bool = False) -> TileConfig:

@@ -112,25 +112,6 @@ def _tile_count(Schedule, schedule_row, PERSISTENT: gl.constexpr):
 
 
 @gluon.jit
-def _tile_at(i, Schedule, schedule_row, n_tiles_m, PERSISTENT: gl.constexpr,
-             IS_CAUSAL: gl.constexpr):
-    """(query tile, batch * nheads + head) of this program's i-th tile: the grid's, or
-    (PERSISTENT) entry i of its row in the host's schedule, off_bh * n_tiles_m + tile."""
-    if PERSISTENT:
-        t = gl.load(Schedule + gl.program_id(0) * schedule_row + 1 + i)
-        start_m = t % n_tiles_m
-        off_bh = t // n_tiles_m
-    else:
-        start_m = gl.program_id(0)
-        off_bh = gl.program_id(1)
-        if IS_CAUSAL:
-            # The last query tiles see the most keys: start them first, so the tail of
-            # the grid is short programs.
-            start_m = n_tiles_m - 1 - start_m
-    return start_m, off_bh
-
-
-@gluon.jit
 def _tile_blocks(row0, seqlen_q, seqlen_k, diag_offset, BLOCK_N: gl.constexpr,
                  IS_CAUSAL: gl.constexpr):
     """(n_blocks, n_full) of the tile at row0: key blocks [0, n_blocks) are visible to
@@ -146,6 +127,32 @@ def _tile_blocks(row0, seqlen_q, seqlen_k, diag_offset, BLOCK_N: gl.constexpr,
 
 
 @gluon.jit
+def _tile_at(i, Schedule, schedule_row, n_tiles_m, nheads, group_size, seqlen_q, seqlen_k,
+             diag_offset, BLOCK_N: gl.constexpr, PERSISTENT: gl.constexpr,
+             IS_CAUSAL: gl.constexpr):
+    """(off_bh, off_b, off_h, off_hkv, row0, n_blocks, n_full) of this program's i-th
+    tile: the grid's, or (PERSISTENT) entry i of its row in the host's schedule,
+    off_bh * n_tiles_m + query tile."""
+    if PERSISTENT:
+        t = gl.load(Schedule + gl.program_id(0) * schedule_row + 1 + i)
+        start_m = t % n_tiles_m
+        off_bh = t // n_tiles_m
+    else:
+        start_m = gl.program_id(0)
+        off_bh = gl.program_id(1)
+        if IS_CAUSAL:
+            # The last query tiles see the most keys: start them first, so the tail of
+            # the grid is short programs.
+            start_m = n_tiles_m - 1 - start_m
+    off_b = off_bh // nheads
+    off_h = off_bh % nheads
+    row0 = start_m * (2 * BLOCK_M_WG)
+    n_blocks, n_full = _tile_blocks(row0, seqlen_q, seqlen_k, diag_offset, BLOCK_N,
+                                    IS_CAUSAL)
+    return off_bh, off_b, off_h, off_h // group_size, row0, n_blocks, n_full
+
+
+@gluon.jit
 def _load_partition(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty,
                     k_ready, k_empty, v_ready, v_empty, nheads, group_size, seqlen_q,
                     seqlen_k, diag_offset, n_tiles_m, Schedule, schedule_row,
@@ -157,14 +164,9 @@ def _load_partition(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_e
     STAGES: gl.constexpr = k_smem.type.shape[0]
     kv_base = 0  # K/V blocks loaded for the program's earlier tiles
     for i in range(_tile_count(Schedule, schedule_row, PERSISTENT)):
-        start_m, off_bh = _tile_at(i, Schedule, schedule_row, n_tiles_m, PERSISTENT,
-                                   IS_CAUSAL)
-        off_b = off_bh // nheads
-        off_h = off_bh % nheads
-        off_hkv = off_h // group_size
-        row0 = start_m * (2 * BLOCK_M_WG)
-        n_blocks, n_full = _tile_blocks(row0, seqlen_q, seqlen_k, diag_offset, BLOCK_N,
-                                        IS_CAUSAL)
+        off_bh, off_b, off_h, off_hkv, row0, n_blocks, n_full = _tile_at(
+            i, Schedule, schedule_row, n_tiles_m, nheads, group_size, seqlen_q, seqlen_k,
+            diag_offset, BLOCK_N, PERSISTENT, IS_CAUSAL)
         for w in gl.static_range(2):
             if PERSISTENT:  # the previous tile's last S (and O store) done with Q
                 mbarrier.wait(q_empty.index(w), (i & 1) ^ 1)
@@ -450,14 +452,9 @@ def _mma_partition(q_smem, k_smem, v_smem, o_smem, p_smem, q_ready, q_empty, k_r
     kv_base = 0  # K/V blocks and turns of the program's earlier tiles
     turn_base = 0
     for i in range(_tile_count(Schedule, schedule_row, PERSISTENT)):
-        start_m, off_bh = _tile_at(i, Schedule, schedule_row, n_tiles_m, PERSISTENT,
-                                   IS_CAUSAL)
-        off_b = off_bh // nheads
-        off_h = off_bh % nheads
-        off_hkv = off_h // group_size
-        row0 = start_m * (2 * BLOCK_M_WG)
-        n_blocks, n_full = _tile_blocks(row0, seqlen_q, seqlen_k, diag_offset, BLOCK_N,
-                                        IS_CAUSAL)
+        off_bh, off_b, off_h, off_hkv, row0, n_blocks, n_full = _tile_at(
+            i, Schedule, schedule_row, n_tiles_m, nheads, group_size, seqlen_q, seqlen_k,
+            diag_offset, BLOCK_N, PERSISTENT, IS_CAUSAL)
         # FP8 descales of (batch, KV head): q's and k's multiply every score, so they join
         # the exp2's scale (as in flashtile.ops.fwd); v's multiplies the output.
         scale = softmax_scale
