@@ -398,6 +398,30 @@ def test_float8_matches_float64_reference(head_dim, shape, causal, p_mode, sched
     _fp8_check(out, lse, q, k, v, scales, causal)
 
 
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("shape", FP8_SHAPES, ids=lambda s: "b{}-q{}-k{}-h{}/{}".format(*s))
+@on_hopper
+def test_float8_block_n_256_pv_in_wgmma(shape, causal, schedule, monkeypatch):
+    """FP8 at head_dim 128 with 256 keys a block, P through shared memory, P V summed in
+    the wgmma and O staged in P's buffers (FLASHTILE_HOPPER_FWD_FP8_PV=wgmma, the
+    config 128,256,4,2): the float64 reference's bound, on both grids."""
+    from flashtile.ops import _launch
+
+    monkeypatch.setenv("FLASHTILE_HOPPER_FWD_FP8_P", "smem")
+    monkeypatch.setenv("FLASHTILE_HOPPER_FWD_FP8_PV", "wgmma")
+    monkeypatch.setenv("FLASHTILE_HOPPER_FWD_CONFIG", "128,256,4,2")
+    _launch.clear()  # plans are keyed without the tile config
+    try:
+        b, sq, sk, h, hkv = shape
+        (q, k, v), scales = _fp8_inputs(b, sq, sk, h, hkv, 128)
+        out, lse = fwd_hopper.attn_fwd(q, k, v, **_fp8_kw(causal, q, k),
+                                       q_descale=scales[0], k_descale=scales[1],
+                                       v_descale=scales[2])
+        _fp8_check(out, lse, q, k, v, scales, causal)
+    finally:
+        _launch.clear()
+
+
 @pytest.mark.parametrize("dtype,out_dtype,descales", [
     (E4M3, torch.float16, True), (torch.float8_e5m2, torch.bfloat16, True),
     (E4M3, torch.bfloat16, False)], ids=["e4m3-fp16-out", "e5m2", "no-descale"])
@@ -505,6 +529,20 @@ def test_fp8_switch_dispatches(monkeypatch):
 
 def _fp8_cpu(d=128, sq=40, dtype=E4M3):
     return tuple(x.to(dtype) for x in _inputs(1, sq, sq, 2, 2, d, torch.float32, "cpu"))
+
+
+def test_fp8_pv_switch(monkeypatch):
+    """FLASHTILE_HOPPER_FWD_FP8_PV: P V per tile up to head_dim 128 unless "wgmma"."""
+    from flashtile.ops import configs
+
+    assert configs.hopper_fwd_fp8_pv_per_tile(128)
+    assert not configs.hopper_fwd_fp8_pv_per_tile(256)
+    monkeypatch.setenv("FLASHTILE_HOPPER_FWD_FP8_PV", "wgmma")
+    assert not configs.hopper_fwd_fp8_pv_per_tile(64)
+    monkeypatch.setenv("FLASHTILE_HOPPER_FWD_FP8_PV", "fp32")
+    with pytest.raises(ValueError, match=re.escape(
+            "FLASHTILE_HOPPER_FWD_FP8_PV must be one of ('tile', 'wgmma'), got 'fp32'")):
+        configs.hopper_fwd_fp8_pv_per_tile(128)
 
 
 def test_fp8_declines_what_it_does_not_support(monkeypatch):

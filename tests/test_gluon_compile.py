@@ -42,7 +42,7 @@ def _compile(head_dim, causal, dtype=torch.bfloat16, descales=True, p_smem=False
     has = fp8 and descales
     flags = dict(IS_CAUSAL=causal, STAGES=cfg.num_stages, HAS_Q_DESCALE=has,
                  HAS_K_DESCALE=has, HAS_V_DESCALE=has,
-                 PV_PER_TILE=fp8 and head_dim <= configs.HOPPER_FWD_FP8_PV_PER_TILE_MAX_D,
+                 PV_PER_TILE=fp8 and configs.hopper_fwd_fp8_pv_per_tile(head_dim),
                  P_SMEM=p_smem, PERSISTENT=persistent)
     return compile_kernel(fwd_hopper._attn_fwd_hopper_kernel, flags,
                           num_warps=cfg.num_warps, types=types)
@@ -159,6 +159,31 @@ def test_hopper_fp8_forward_compiles_for_sm90(head_dim, causal, p_smem, persiste
     else:
         assert from_registers and len(from_registers) < len(mma)
         assert "st.shared.v4" not in ptx and "ld.shared.v4" not in ptx
+
+
+@pytest.mark.parametrize("causal,persistent", [(False, False), (True, False), (False, True)],
+                         ids=["full-tiles", "causal-tiles", "full-persistent"])
+def test_hopper_fp8_forward_block_n_256_compiles_for_sm90(causal, persistent, monkeypatch):
+    """FP8 at head_dim 128 with 256 keys a block (half the per-block barriers, turns,
+    row reductions and O rescales of 128): only with P in shared memory and P V summed
+    in the wgmma (FLASHTILE_HOPPER_FWD_FP8_PV=wgmma); with P V per tile the second O
+    tile spills (336 bytes with P in registers, 616 in shared memory). O (2 x 16 KiB)
+    does not fit beside the ring and P's 64 KiB: it is staged in each warpgroup's first
+    P buffer (the same 16 KiB) after the last P V. Causal on the persistent grid spills
+    (144 bytes: the tile loop's state on top), so that pair is left out."""
+    monkeypatch.setenv("FLASHTILE_HOPPER_FWD_FP8_PV", "wgmma")
+    monkeypatch.setenv("FLASHTILE_HOPPER_FWD_CONFIG", "128,256,4,2")
+    ck = _compile(128, causal, torch.float8_e4m3fn, p_smem=True, persistent=persistent)
+    res = resources(ck)
+    ring = 2 * 64 * 128 + 2 * 2 * 256 * 128  # Q, then K and V^T: FP8, 1 byte each
+    p_buffers = 4 * 64 * 256
+    assert ring + p_buffers <= res["shared_bytes"] < ring + p_buffers + 2 * 64 * 128 * 2
+    assert res["shared_bytes"] <= configs.SM90_SMEM_BYTES, res
+    assert res["stack_bytes"] == 0, res
+    sass = _sass(ck)
+    assert "LDL" not in sass and "STL" not in sass and "QGMMA" in sass
+    assert "wgmma.mma_async.sync.aligned.m64n256k32.f32.e4m3.e4m3" in ck.asm["ptx"]
+    assert _exp2_under_pv(sass) >= 128  # the whole softmax under P_{j-1} V_{j-1}
 
 
 def test_hopper_fp8_forward_compiles_for_e5m2_without_descales():

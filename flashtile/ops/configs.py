@@ -226,6 +226,19 @@ HOPPER_FWD_FP8 = {
 # FP8 P V summed tile by tile in fp32 (the portable kernel's PV_PER_TILE) up to this head
 # dim: the product's own accumulator is a second O in registers, 128 a thread at d256.
 HOPPER_FWD_FP8_PV_PER_TILE_MAX_D = 128
+HOPPER_FWD_FP8_PV = ("tile", "wgmma")
+
+
+def hopper_fwd_fp8_pv_per_tile(head_dim: int) -> bool:
+    """FLASHTILE_HOPPER_FWD_FP8_PV: how the Gluon forward sums FP8 P V. "tile" (the
+    default): per tile in fp32 up to HOPPER_FWD_FP8_PV_PER_TILE_MAX_D, as the portable
+    kernel does; "wgmma": in the wgmma's accumulator at every head dim (as at d256),
+    which frees a second O tile of registers: with P in shared memory, BLOCK_N 256 at
+    d128 then compiles without spills (FLASHTILE_HOPPER_FWD_CONFIG=128,256,4,2; O is
+    staged in P's buffers). Not timed: for the GPU session's A/B. Read when a launch
+    plan is made."""
+    mode = _env_choice("FLASHTILE_HOPPER_FWD_FP8_PV", HOPPER_FWD_FP8_PV)
+    return mode == "tile" and head_dim <= HOPPER_FWD_FP8_PV_PER_TILE_MAX_D
 HOPPER_FWD_FP8_P = ("regs", "smem")
 
 

@@ -54,19 +54,26 @@ same kernel, with the numerics of the portable FP8 forward (flashtile.ops.fwd, d
 - PV_PER_TILE (head_dim <= 128): each P V starts from zero and is added to O in fp32,
   as the portable kernel does (the FP8 wgmma's accumulator keeps ~14 bits). At 256 the
   second O tile spilled (328 bytes); there P V accumulates in the wgmma, as there.
-- O (16-bit) leaves through a shared buffer of its own: Q's is half its size.
+  FLASHTILE_HOPPER_FWD_FP8_PV=wgmma (``configs.hopper_fwd_fp8_pv_per_tile``) does so at
+  every head dim: with P in shared memory that lets BLOCK_N be 256 at head_dim 128
+  without spills (FLASHTILE_HOPPER_FWD_CONFIG=128,256,4,2; per tile it spills 336-616
+  bytes), half the per-block barriers, turns, row reductions and O rescales.
+- O (16-bit) leaves through a shared buffer of its own (Q's is half its size), or, where
+  that does not fit beside the ring and P's buffers (BLOCK_N 256 at head_dim 128),
+  through each warpgroup's first P buffer (the same bytes), free after the last P V.
 - P_SMEM (FLASHTILE_HOPPER_FWD_FP8_P=smem; default "regs"): P_j reaches P V through two
   shared buffers per warpgroup instead of registers. With P in registers the SASS waits
   for P_{j-1} V_{j-1} before the softmax, as for 16-bit inputs (0-12 of the block's
   exp2 run under it); through shared memory the whole softmax runs under it (66 exp2 a
   thread at BLOCK_N 128), at the cost of P's stores (2 bytes each: the accumulator
   layout) and 16-32 KiB of shared memory. Which is faster is for the GPU to say.
-**The FP8 variants are compile-checked only** (sm_90 on the CPU: 8-bit wgmma, P from
-registers or shared memory, no spills; tests/test_gluon_compile.py). On a GPU, run
-``pytest --gpu tests/test_fwd_hopper.py -k "fp8 or float8"`` and the ``fp8`` stage
-of scripts/gpu_session.sh; FLASHTILE_HOPPER_FWD=1 sends dense FP8 calls here ("auto"
-does not until they are timed). Predicted, not measured: 800-950 TFLOP/s at head_dim
-128 from 8k tokens (docs/fp8.md).
+Timed on the H200 in session 12 at head_dim 128, 16k tokens a batch
+(docs/benchmarks/h200-2026-12-01-s12/fp8.md, fp8-psmem.md): P in registers 374-614
+TFLOP/s, P in shared memory 481-799 (4k-16k, causal or not). BLOCK_N 256 with P V in the
+wgmma is compile-checked only (sm_90 on the CPU, no spills except causal on the
+persistent grid: 144 bytes). On a GPU, run ``pytest --gpu tests/test_fwd_hopper.py -k
+"fp8 or float8"`` and the ``fp8`` stage of scripts/gpu_session.sh;
+FLASHTILE_HOPPER_FWD=1 sends dense FP8 calls here ("auto" does not yet).
 """
 
 from __future__ import annotations
@@ -320,19 +327,20 @@ def _mma_tile(i, kv_base, turn_base, q_smem, k_smem, v_smem, o_smem, p_smem, q_r
               off_b, off_h, row0, n_blocks, n_full, seqlen_q, seqlen_k, diag_offset,
               qk_scale, lse_row0, v_descale_off, WG: gl.constexpr, IS_CAUSAL: gl.constexpr,
               HAS_V_DESCALE: gl.constexpr, PV_PER_TILE: gl.constexpr, P_SMEM: gl.constexpr,
-              PERSISTENT: gl.constexpr, OWN_O_SMEM: gl.constexpr):
+              PERSISTENT: gl.constexpr, O_IN_Q: gl.constexpr, O_IN_P: gl.constexpr):
     """Consumer warpgroup WG on rows row0 + 64 * WG + [0, 64) of the program's i-th tile,
     its K/V blocks counted in the ring from kv_base and its turns from turn_base.
 
     PERSISTENT: Q's buffer is handed back to the producer (q_empty) for the next tile as
-    soon as this tile's last S is done when O has a buffer of its own (OWN_O_SMEM), else
-    once O's TMA store has left it; O's store overlaps the next tile, waited for before
-    the next O is written."""
+    soon as this tile's last S is done, unless O leaves through it (O_IN_Q): then once
+    O's TMA store has left it. Otherwise O's store overlaps the next tile, waited for
+    before the next O is written, or before the next P_0 where O leaves through the
+    warpgroup's first P buffer (O_IN_P)."""
     STAGES: gl.constexpr = k_smem.type.shape[0]
     BLOCK_N: gl.constexpr = k_smem.type.shape[2]
     HEAD_DIM: gl.constexpr = k_smem.type.shape[4]
     IS_FP8: gl.constexpr = q_smem.dtype.is_fp8()
-    EARLY_Q_RELEASE: gl.constexpr = PERSISTENT and OWN_O_SMEM
+    EARLY_Q_RELEASE: gl.constexpr = PERSISTENT and not O_IN_Q
     p_dtype: gl.constexpr = v_smem.dtype
     # wgmma accumulators: 4 warps along M, instruction N = the whole tile width, K = 32
     # bytes of operands (16 for 16-bit inputs, 32 for FP8).
@@ -370,6 +378,8 @@ def _mma_tile(i, kv_base, turn_base, q_smem, k_smem, v_smem, o_smem, p_smem, q_r
         alpha_o = gl.convert_layout(alpha, o_row_layout)
         if P_SMEM:
             p_op = p_smem.index(2 * WG)
+            if PERSISTENT and O_IN_P:
+                tma.store_wait(0)  # the previous tile's O has left this buffer
             p_op.store(p.to(p_dtype))
             fence_async_shared()
         else:
@@ -423,7 +433,10 @@ def _mma_tile(i, kv_base, turn_base, q_smem, k_smem, v_smem, o_smem, p_smem, q_r
                    acc * gl.expand_dims(inv_l, 1))
     if EARLY_Q_RELEASE:
         tma.store_wait(0)  # the previous tile's O has left the buffer
-    o_tile = o_smem.index(WG)
+    if O_IN_P:
+        o_tile = o_smem.index(2 * WG)  # the warpgroup's first P buffer
+    else:
+        o_tile = o_smem.index(WG)
     o_tile.reshape([BLOCK_M_WG, HEAD_DIM]).store(out.to(o_smem.dtype))
     fence_async_shared()  # the generic-proxy writes above before the TMA engine reads
     tma.async_copy_shared_to_global(o_desc, [off_b, row0 + WG * BLOCK_M_WG, off_h, 0],
@@ -445,7 +458,7 @@ def _mma_partition(q_smem, k_smem, v_smem, o_smem, p_smem, q_ready, q_empty, k_r
                    HAS_Q_DESCALE: gl.constexpr, HAS_K_DESCALE: gl.constexpr,
                    HAS_V_DESCALE: gl.constexpr, PV_PER_TILE: gl.constexpr,
                    P_SMEM: gl.constexpr, PERSISTENT: gl.constexpr,
-                   OWN_O_SMEM: gl.constexpr):
+                   O_IN_Q: gl.constexpr, O_IN_P: gl.constexpr):
     """Consumer warpgroup WG: rows 64 * WG + [0, 64) of each tile of the program, in the
     producer's order (``_tile_at``)."""
     BLOCK_N: gl.constexpr = k_smem.type.shape[2]
@@ -467,10 +480,10 @@ def _mma_partition(q_smem, k_smem, v_smem, o_smem, p_smem, q_ready, q_empty, k_r
                   off_b, off_h, row0, n_blocks, n_full, seqlen_q, seqlen_k, diag_offset,
                   scale * LOG2E, off_bh * seqlen_q,  # lse: (batch, nheads, seqlen_q)
                   off_b * stride_vdesc_b + off_hkv * stride_vdesc_h, WG, IS_CAUSAL,
-                  HAS_V_DESCALE, PV_PER_TILE, P_SMEM, PERSISTENT, OWN_O_SMEM)
+                  HAS_V_DESCALE, PV_PER_TILE, P_SMEM, PERSISTENT, O_IN_Q, O_IN_P)
         kv_base += n_blocks
         turn_base += n_blocks + (n_blocks > 0).to(gl.int32)  # the last P V's turn
-    if PERSISTENT and OWN_O_SMEM:
+    if PERSISTENT and not O_IN_Q:
         tma.store_wait(0)
 
 
@@ -492,27 +505,36 @@ def _attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, Lse, QDescale, KDesc
                                        k_desc.layout)
     v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape,
                                        v_desc.layout)
-    # PERSISTENT: O gets a buffer of its own where shared memory has room (16-bit d64
-    # and d128; d256's 64 KiB would pass 227 KiB), so that Q's is free for the next tile
-    # once the last S is done and O's store overlaps the next tile.
-    O_BYTES: gl.constexpr = 2 * o_desc.block_type.nbytes
-    RING_BYTES: gl.constexpr = 2 * q_desc.block_type.nbytes + STAGES * (
-        k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-    OWN_O_SMEM: gl.constexpr = o_desc.dtype != q_desc.dtype or (
-        PERSISTENT and RING_BYTES + O_BYTES <= SMEM_BYTES - 1024)
-    if OWN_O_SMEM:  # FP8 q, 16-bit O: twice Q's bytes, a buffer of its own
-        o_smem = gl.allocate_shared_memory(o_desc.dtype, [2] + o_desc.block_type.shape,
-                                           o_desc.layout)
-    else:
-        # O leaves through each warpgroup's Q buffer: S_{n-1}, its last reader, has
-        # completed when O is stored.
-        o_smem = q_smem
     if P_SMEM:  # two P buffers per consumer warpgroup, in V's FP8 format
         p_smem = gl.allocate_shared_memory(
             v_desc.dtype, [4, BLOCK_M_WG, BLOCK_N],
             gl.NVMMASharedLayout.get_default_for([BLOCK_M_WG, BLOCK_N], v_desc.dtype))
     else:
         p_smem = q_smem  # not read: P stays in registers
+    # Where O is staged for its TMA store. A buffer of its own where shared memory has
+    # room and it is needed: FP8 (16-bit O, twice Q's bytes) and PERSISTENT (16-bit d64
+    # and d128; d256's 64 KiB would pass 227 KiB), so that Q's is free for the next tile
+    # once the last S is done and O's store overlaps the next tile. Else FP8 with P in
+    # shared memory where O does not fit (BLOCK_N 256 at d128): the warpgroup's first P
+    # buffer, the same bytes, free once the last P V is done. Else (16-bit) Q's buffer:
+    # S_{n-1}, its last reader, has completed when O is stored.
+    O_BYTES: gl.constexpr = 2 * o_desc.block_type.nbytes
+    P_BYTES: gl.constexpr = 4 * BLOCK_M_WG * BLOCK_N if P_SMEM else 0
+    USED_BYTES: gl.constexpr = 2 * q_desc.block_type.nbytes + STAGES * (
+        k_desc.block_type.nbytes + v_desc.block_type.nbytes) + P_BYTES
+    O_FITS: gl.constexpr = USED_BYTES + O_BYTES <= SMEM_BYTES - 1024
+    O_IN_P: gl.constexpr = P_SMEM and not O_FITS
+    O_IN_Q: gl.constexpr = o_desc.dtype == q_desc.dtype and not (PERSISTENT and O_FITS)
+    if O_IN_P:
+        gl.static_assert(o_desc.block_type.nbytes == BLOCK_M_WG * BLOCK_N,
+                         "O staged in P's buffers needs BLOCK_N == 2 * head_dim")
+        o_smem = p_smem._reinterpret(o_desc.dtype, [4] + o_desc.block_type.shape,
+                                     o_desc.layout)
+    elif O_IN_Q:
+        o_smem = q_smem
+    else:
+        o_smem = gl.allocate_shared_memory(o_desc.dtype, [2] + o_desc.block_type.shape,
+                                           o_desc.layout)
     q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
@@ -537,7 +559,8 @@ def _attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, Lse, QDescale, KDesc
                           stride_qdesc_b, stride_qdesc_h, stride_kdesc_b, stride_kdesc_h,
                           stride_vdesc_b, stride_vdesc_h, softmax_scale, n_tiles_m, Schedule,
                           schedule_row, 0, IS_CAUSAL, HAS_Q_DESCALE, HAS_K_DESCALE,
-                          HAS_V_DESCALE, PV_PER_TILE, P_SMEM, PERSISTENT, OWN_O_SMEM)),
+                          HAS_V_DESCALE, PV_PER_TILE, P_SMEM, PERSISTENT, O_IN_Q,
+                          O_IN_P)),
         (_load_partition, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty,
                            k_ready, k_empty, v_ready, v_empty, nheads, group_size, seqlen_q,
                            seqlen_k, diag_offset, n_tiles_m, Schedule, schedule_row,
@@ -548,7 +571,8 @@ def _attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, Lse, QDescale, KDesc
                           stride_qdesc_b, stride_qdesc_h, stride_kdesc_b, stride_kdesc_h,
                           stride_vdesc_b, stride_vdesc_h, softmax_scale, n_tiles_m, Schedule,
                           schedule_row, 1, IS_CAUSAL, HAS_Q_DESCALE, HAS_K_DESCALE,
-                          HAS_V_DESCALE, PV_PER_TILE, P_SMEM, PERSISTENT, OWN_O_SMEM)),
+                          HAS_V_DESCALE, PV_PER_TILE, P_SMEM, PERSISTENT, O_IN_Q,
+                          O_IN_P)),
     ], [1, 4], [PRODUCER_REGS, CONSUMER_REGS])
 
 
@@ -674,6 +698,7 @@ def forward(q, k, v, softmax_scale, diag_offset, causal, q_descale=None, k_desca
     scales = tuple(lse if x is None else x for x in descales)
     p_smem = fp8 and configs.hopper_fwd_fp8_p_smem()
     persistent = configs.hopper_fwd_persistent()
+    pv_per_tile = fp8 and configs.hopper_fwd_fp8_pv_per_tile(d)
     key = None
     if _launch.ready(q):
         # unsupported() has checked q's and k's (and 16-bit v's) addresses for TMA's
@@ -681,6 +706,7 @@ def forward(q, k, v, softmax_scale, diag_offset, causal, q_descale=None, k_desca
         # descales' strides are arguments and their addresses are specialised on.
         key = ("hopper_fwd", q.dtype, out_dtype, q.shape, k.shape, q.stride(), k.stride(),
                None if fp8 else v.stride(), causal, diag_offset, p_smem, persistent,
+               pv_per_tile,
                *map(_launch.layout, descales), _launch.misalignment(_launch.pointers(scales)))
         found = _launch.lookup(key)
         if found is not None:
@@ -693,8 +719,7 @@ def forward(q, k, v, softmax_scale, diag_offset, causal, q_descale=None, k_desca
     flags = dict(IS_CAUSAL=causal, STAGES=cfg.num_stages,
                  HAS_Q_DESCALE=q_descale is not None, HAS_K_DESCALE=k_descale is not None,
                  HAS_V_DESCALE=v_descale is not None,
-                 PV_PER_TILE=fp8 and d <= configs.HOPPER_FWD_FP8_PV_PER_TILE_MAX_D,
-                 P_SMEM=p_smem, PERSISTENT=persistent)
+                 PV_PER_TILE=pv_per_tile, P_SMEM=p_smem, PERSISTENT=persistent)
     configs.log_first_launch("hopper forward", q, d, cfg, flags)
     n_tiles_m = configs.cdiv(sq, cfg.block_m)
     if persistent:
