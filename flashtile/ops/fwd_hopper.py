@@ -505,12 +505,6 @@ def _attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, Lse, QDescale, KDesc
                                        k_desc.layout)
     v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape,
                                        v_desc.layout)
-    if P_SMEM:  # two P buffers per consumer warpgroup, in V's FP8 format
-        p_smem = gl.allocate_shared_memory(
-            v_desc.dtype, [4, BLOCK_M_WG, BLOCK_N],
-            gl.NVMMASharedLayout.get_default_for([BLOCK_M_WG, BLOCK_N], v_desc.dtype))
-    else:
-        p_smem = q_smem  # not read: P stays in registers
     # Where O is staged for its TMA store. A buffer of its own where shared memory has
     # room and it is needed: FP8 (16-bit O, twice Q's bytes) and PERSISTENT (16-bit d64
     # and d128; d256's 64 KiB would pass 227 KiB), so that Q's is free for the next tile
@@ -525,6 +519,15 @@ def _attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, Lse, QDescale, KDesc
     O_FITS: gl.constexpr = USED_BYTES + O_BYTES <= SMEM_BYTES - 1024
     O_IN_P: gl.constexpr = P_SMEM and not O_FITS
     O_IN_Q: gl.constexpr = o_desc.dtype == q_desc.dtype and not (PERSISTENT and O_FITS)
+    if not (O_IN_P or O_IN_Q):
+        o_smem = gl.allocate_shared_memory(o_desc.dtype, [2] + o_desc.block_type.shape,
+                                           o_desc.layout)
+    if P_SMEM:  # two P buffers per consumer warpgroup, in V's FP8 format
+        p_smem = gl.allocate_shared_memory(
+            v_desc.dtype, [4, BLOCK_M_WG, BLOCK_N],
+            gl.NVMMASharedLayout.get_default_for([BLOCK_M_WG, BLOCK_N], v_desc.dtype))
+    else:
+        p_smem = q_smem  # not read: P stays in registers
     if O_IN_P:
         gl.static_assert(o_desc.block_type.nbytes == BLOCK_M_WG * BLOCK_N,
                          "O staged in P's buffers needs BLOCK_N == 2 * head_dim")
@@ -532,9 +535,6 @@ def _attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, Lse, QDescale, KDesc
                                      o_desc.layout)
     elif O_IN_Q:
         o_smem = q_smem
-    else:
-        o_smem = gl.allocate_shared_memory(o_desc.dtype, [2] + o_desc.block_type.shape,
-                                           o_desc.layout)
     q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
