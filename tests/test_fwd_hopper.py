@@ -615,21 +615,32 @@ def test_fp8_switch_dispatch_on_cpu(switch, seqlen_q, varlen, used, monkeypatch)
         assert kw["diag_offset"] == 20 and kw["causal"]
 
 
-@pytest.mark.parametrize("name,choices,switch", [
-    ("FLASHTILE_HOPPER_FWD_FP8_P", ("regs", "smem"), "hopper_fwd_fp8_p_smem"),
-    ("FLASHTILE_HOPPER_FWD_SCHEDULE", ("tiles", "persistent"), "hopper_fwd_persistent")])
-def test_switches_reject_other_values(name, choices, switch, monkeypatch):
-    """The FP8 P switch and the grid switch: the first choice when unset or empty, the
-    second when named, a ValueError naming the choices otherwise."""
+def test_schedule_switch_rejects_other_values(monkeypatch):
+    """FLASHTILE_HOPPER_FWD_SCHEDULE: "tiles" when unset or empty, "persistent" when
+    named, a ValueError naming the choices otherwise."""
     from flashtile.ops import configs
 
-    monkeypatch.setenv(name, "shared")
-    with pytest.raises(ValueError, match=re.escape(f"{name} must be one of {choices}, "
-                                                   "got 'shared'")):
-        getattr(configs, switch)()
-    monkeypatch.setenv(name, choices[1])
-    assert getattr(configs, switch)()
-    monkeypatch.setenv(name, "")
-    assert not getattr(configs, switch)()
-    monkeypatch.delenv(name)
-    assert not getattr(configs, switch)()
+    monkeypatch.setenv("FLASHTILE_HOPPER_FWD_SCHEDULE", "lpt")
+    with pytest.raises(ValueError, match=re.escape(
+            "FLASHTILE_HOPPER_FWD_SCHEDULE must be one of ('tiles', 'persistent'), "
+            "got 'lpt'")):
+        configs.hopper_fwd_persistent()
+    monkeypatch.setenv("FLASHTILE_HOPPER_FWD_SCHEDULE", "persistent")
+    assert configs.hopper_fwd_persistent()
+    monkeypatch.setenv("FLASHTILE_HOPPER_FWD_SCHEDULE", "")
+    assert not configs.hopper_fwd_persistent()
+    monkeypatch.delenv("FLASHTILE_HOPPER_FWD_SCHEDULE")
+    assert not configs.hopper_fwd_persistent()
+
+
+def test_fp8_p_switch_rejects_other_values(monkeypatch):
+    from flashtile.ops import configs
+
+    monkeypatch.setenv("FLASHTILE_HOPPER_FWD_FP8_P", "shared")
+    with pytest.raises(ValueError, match="FLASHTILE_HOPPER_FWD_FP8_P must be one of "
+                       "\\('regs', 'smem'\\), got 'shared'"):
+        configs.hopper_fwd_fp8_p_smem()
+    monkeypatch.setenv("FLASHTILE_HOPPER_FWD_FP8_P", "smem")
+    assert configs.hopper_fwd_fp8_p_smem()
+    monkeypatch.delenv("FLASHTILE_HOPPER_FWD_FP8_P")
+    assert not configs.hopper_fwd_fp8_p_smem()

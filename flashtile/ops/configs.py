@@ -226,6 +226,23 @@ HOPPER_FWD_FP8 = {
 # FP8 P V summed tile by tile in fp32 (the portable kernel's PV_PER_TILE) up to this head
 # dim: the product's own accumulator is a second O in registers, 128 a thread at d256.
 HOPPER_FWD_FP8_PV_PER_TILE_MAX_D = 128
+HOPPER_FWD_FP8_P = ("regs", "smem")
+
+
+def hopper_fwd_fp8_p_smem() -> bool:
+    """FLASHTILE_HOPPER_FWD_FP8_P: how the Gluon forward's FP8 P reaches P V. "regs"
+    (the default, as 16-bit P): wgmma's A operand from registers, where ptxas waits for
+    the previous P V before the softmax; "smem": two shared buffers per warpgroup (16-32
+    KiB more), where the SASS keeps that wait after the softmax (FA3's in-warpgroup
+    overlap). Neither is timed yet: the GPU session compares them (the fp8 stage of
+    scripts/gpu_session.sh). Read when a launch plan is made."""
+    value = os.environ.get("FLASHTILE_HOPPER_FWD_FP8_P", "regs").strip() or "regs"
+    if value not in HOPPER_FWD_FP8_P:
+        raise ValueError(f"FLASHTILE_HOPPER_FWD_FP8_P must be one of {HOPPER_FWD_FP8_P}, "
+                         f"got {value!r}")
+    return value == "smem"
+
+
 HOPPER_FWD_FP8_PV = ("tile", "wgmma")
 
 
@@ -239,17 +256,6 @@ def hopper_fwd_fp8_pv_per_tile(head_dim: int) -> bool:
     plan is made."""
     mode = _env_choice("FLASHTILE_HOPPER_FWD_FP8_PV", HOPPER_FWD_FP8_PV)
     return mode == "tile" and head_dim <= HOPPER_FWD_FP8_PV_PER_TILE_MAX_D
-HOPPER_FWD_FP8_P = ("regs", "smem")
-
-
-def hopper_fwd_fp8_p_smem() -> bool:
-    """FLASHTILE_HOPPER_FWD_FP8_P: how the Gluon forward's FP8 P reaches P V. "regs"
-    (the default, as 16-bit P): wgmma's A operand from registers, where ptxas waits for
-    the previous P V before the softmax; "smem": two shared buffers per warpgroup (16-32
-    KiB more), where the SASS keeps that wait after the softmax (FA3's in-warpgroup
-    overlap). Neither is timed yet: the GPU session compares them (the fp8 stage of
-    scripts/gpu_session.sh). Read when a launch plan is made."""
-    return _env_choice("FLASHTILE_HOPPER_FWD_FP8_P", HOPPER_FWD_FP8_P) == "smem"
 
 
 def _env_choice(name: str, choices: tuple) -> str:
