@@ -31,10 +31,10 @@ The grid (FLASHTILE_HOPPER_FWD_SCHEDULE, ``configs.hopper_fwd_persistent``):
   full: head by head) dealt greedily to the least loaded program, as FA3's dynamic
   scheduler deals it with an atomic counter. The K/V ring and the consumers' turns
   count on across tiles, so the next tile's K and V load under the current one's end;
-  Q's buffer goes back to the producer (q_empty) once the tile's last S is done when O
-  has a shared buffer of its own (16-bit d64 and d128, where it fits; FP8 always), and
-  O's TMA store then runs under the next tile (d256: O leaves through Q's buffer, which
-  is handed back after the store). **Compile-checked only** (sm_90 on the CPU, no
+  Q's buffer goes back to the producer (q_empty) once the tile's last S is done unless
+  O leaves through it (16-bit d256: handed back after O's store); elsewhere O has a
+  buffer of its own (16-bit d64 and d128, FP8) or P's (FP8 BLOCK_N 256) and its TMA
+  store runs under the next tile. **Compile-checked only** (sm_90 on the CPU, no
   spills, both schedules); the GPU session compares it with "tiles".
 K/V rows past seqlen_k and Q rows past seqlen_q are zero-filled by TMA (the descriptors
 are 4-d, so a tile never reads the next sequence) and the TMA store of O drops rows past
