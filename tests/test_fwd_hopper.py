@@ -8,6 +8,8 @@ through flash_attn_func, backward included. CPU: which calls the kernel declines
 the switch's dispatch with the kernel replaced by a fake.
 """
 
+import re
+
 import pytest
 import torch
 
@@ -29,6 +31,13 @@ def on_hopper(test):
     for mark in (pytest.mark.gpu, _on_hopper, pytest.mark.timeout(60, method="thread")):
         test = mark(test)
     return test
+
+
+@pytest.fixture(params=["tiles", "persistent"])
+def schedule(request, monkeypatch):
+    """Both grids (configs.hopper_fwd_persistent), each its own plan key."""
+    monkeypatch.setenv("FLASHTILE_HOPPER_FWD_SCHEDULE", request.param)
+    return request.param
 
 
 def _kw(causal, diag_offset, softmax_scale):
@@ -68,7 +77,7 @@ MASKS = {"full": (False, None), "causal": (True, "bottom_right"),
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @on_hopper
-def test_matches_float64_reference(dtype, head_dim, shape, mask):
+def test_matches_float64_reference(dtype, head_dim, shape, mask, schedule):
     b, sq, sk, h, hkv = shape
     causal, align = MASKS[mask]
     diag_offset = sk - sq if align == "bottom_right" else 0
@@ -92,7 +101,7 @@ def test_strided_inputs():
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @on_hopper
-def test_launch_plan_equals_tritons_path(causal):
+def test_launch_plan_equals_tritons_path(causal, schedule):
     """After a layout's first call, a launch plan launches the kernel over fresh tensors
     (new addresses in the four tensor maps) and another softmax_scale: the same bits as
     Triton's own path, and the plan keeps no call's tensor alive."""
@@ -124,7 +133,7 @@ GEOMETRIES = {"full": (200, 300, False, 250), "causal_q<k": (200, 300, True, 290
 @pytest.mark.parametrize("where", ["k", "v"])
 @pytest.mark.parametrize("geometry", list(GEOMETRIES))
 @on_hopper
-def test_nan_and_empty_rows(geometry, where):
+def test_nan_and_empty_rows(geometry, where, schedule):
     """A NaN key makes exactly the rows that see it NaN (out and lse); a NaN value
     reaches at least its column in those rows; rows that see no key are 0 with lse -inf
     whatever the keys hold; the other head is untouched."""
@@ -147,6 +156,97 @@ def test_nan_and_empty_rows(geometry, where):
     else:
         assert torch.isnan(o0[seen, 3]).all() and torch.isfinite(l0[~empty]).all()
     assert torch.isfinite(out[0, :, 1]).all() and torch.isfinite(lse[0, 1][~empty]).all()
+
+
+# (batch, seqlen_q, seqlen_k, nheads, nheads_kv, causal alignment): causal tiles with
+# no key at all (seqlen_q > seqlen_k, bottom-right), ragged query and key tails, GQA.
+PERSISTENT_SHAPES = [(2, 513, 257, 4, 1, "bottom_right"), (1, 257, 777, 3, 1, "top_left"),
+                     (2, 1000, 1000, 4, 2, "bottom_right"), (1, 300, 1100, 5, 5, None)]
+
+
+@pytest.mark.parametrize("programs", [1, 3, 7])
+@pytest.mark.parametrize("shape", PERSISTENT_SHAPES,
+                         ids=lambda s: "b{}-q{}-k{}-h{}/{}-{}".format(*s))
+@pytest.mark.parametrize("head_dim,dtype,p", [
+    (64, torch.bfloat16, None), (128, torch.bfloat16, None), (256, torch.float16, None),
+    (128, torch.float8_e4m3fn, "regs"), (128, torch.float8_e4m3fn, "smem")],
+    ids=["d64-bf16", "d128-bf16", "d256-fp16", "d128-fp8-p-regs", "d128-fp8-p-smem"])
+@on_hopper
+def test_persistent_many_tiles_per_program(head_dim, dtype, p, shape, programs,
+                                           monkeypatch):
+    """The persistent grid with a few programs, each looping over many tiles of
+    different lengths (the K/V ring, the turns and Q's buffer carried from tile to tile,
+    tiles that see no key, O's store overlapping the next tile, d256 storing O through
+    Q's buffer): the float64 reference's numbers, as with one tile a program."""
+    from flashtile.ops import _launch
+
+    b, sq, sk, h, hkv, align = shape
+    causal = align is not None
+    diag_offset = sk - sq if align == "bottom_right" else 0
+    monkeypatch.setenv("FLASHTILE_HOPPER_FWD_SCHEDULE", "persistent")
+    monkeypatch.setattr(fwd_hopper, "_num_sms", lambda device: programs)
+    fwd_hopper._schedule_table.cache_clear()
+    _launch.clear()  # plans of another program count
+    try:
+        if p is None:
+            q, k, v = _inputs(b, sq, sk, h, hkv, head_dim, dtype)
+            out, lse = fwd_hopper.attn_fwd(q, k, v, **_kw(causal, diag_offset, 0.1))
+            _check(out, lse, q, k, v, causal, diag_offset, 0.1)
+        else:
+            monkeypatch.setenv("FLASHTILE_HOPPER_FWD_FP8_P", p)
+            (q, k, v), scales = _fp8_inputs(b, sq, sk, h, hkv, head_dim)
+            if causal and diag_offset != sk - sq:
+                pytest.skip("the FP8 bound assumes the bottom-right alignment")
+            out, lse = fwd_hopper.attn_fwd(q, k, v, **_fp8_kw(causal, q, k),
+                                           q_descale=scales[0], k_descale=scales[1],
+                                           v_descale=scales[2])
+            _fp8_check(out, lse, q, k, v, scales, causal)
+    finally:
+        fwd_hopper._schedule_table.cache_clear()
+        _launch.clear()
+
+
+@pytest.mark.parametrize("seqlen,batch", [(1024, 16), (4096, 4), (8192, 2), (16384, 1),
+                                          (1000, 3), (65536, 1)])
+@pytest.mark.parametrize("mask", ["full", "causal", "causal_q>k"])
+def test_persistent_schedule_covers_every_tile_once_and_balances(seqlen, batch, mask):
+    """The persistent grid's tile lists (CPU): every (query tile, batch-head) exactly
+    once, and the greedy list schedule's bound: no program has more work than the mean
+    plus the longest tile (its cost model: key blocks + TILE_OVERHEAD_BLOCKS)."""
+    n_bh, sk = batch * 16, seqlen
+    sq = seqlen + 300 if mask == "causal_q>k" else seqlen
+    diag_offset = None if mask == "full" else sk - sq
+    rows = fwd_hopper.schedule_rows(sq, sk, 128, 2, n_bh, 2, diag_offset, 128, 132)
+    n_tiles_m = -(-sq // 128)
+    assert sorted(t for r in rows for t in r) == list(range(n_tiles_m * n_bh))
+
+    def cost(t):
+        m = t % n_tiles_m
+        keys = sk if diag_offset is None else \
+            min(sk, max(min(m * 128 + 128, sq) + diag_offset, 0))
+        return -(-keys // 128) + fwd_hopper.TILE_OVERHEAD_BLOCKS
+
+    work = [sum(map(cost, r)) for r in rows]
+    longest = max(cost(t) for r in rows for t in r)
+    assert len(rows) == min(132, n_tiles_m * n_bh)
+    assert max(work) <= sum(work) / len(work) + longest
+
+
+def test_persistent_causal_order_is_longest_first_within_l2_groups():
+    """Causal, 4k keys at head_dim 128 in bfloat16 (2 MiB of K and V a head): groups of
+    16 heads (32 MiB), each program's tiles of one group from the most keys to the
+    fewest; full attention walks heads one by one, query tiles in order."""
+    rows = fwd_hopper.schedule_rows(4096, 4096, 128, 2, 64, 1, 0, 128, 132)
+    for r in rows:
+        groups = [t // 32 // 16 for t in r]
+        assert groups == sorted(groups)
+        for g in set(groups):
+            tiles = [t % 32 for t, x in zip(r, groups) if x == g]
+            assert tiles == sorted(tiles, reverse=True)
+    first = [r[0] for r in rows]  # the first wave: the 16 heads' longest tiles
+    assert sorted({t // 32 for t in first}) == list(range(16))
+    full = fwd_hopper.schedule_rows(4096, 4096, 128, 2, 64, 1, None, 128, 132)
+    assert [r[0] for r in full] == list(range(132))
 
 
 @on_hopper
@@ -288,7 +388,7 @@ def p_mode(request, monkeypatch):
 @pytest.mark.parametrize("shape", FP8_SHAPES, ids=lambda s: "b{}-q{}-k{}-h{}/{}".format(*s))
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 @on_hopper
-def test_float8_matches_float64_reference(head_dim, shape, causal, p_mode):
+def test_float8_matches_float64_reference(head_dim, shape, causal, p_mode, schedule):
     b, sq, sk, h, hkv = shape
     (q, k, v), scales = _fp8_inputs(b, sq, sk, h, hkv, head_dim)
     out, lse = fwd_hopper.attn_fwd(q, k, v, **_fp8_kw(causal, q, k), q_descale=scales[0],
@@ -296,6 +396,30 @@ def test_float8_matches_float64_reference(head_dim, shape, causal, p_mode):
     assert out.shape == q.shape and out.dtype == torch.bfloat16 and out.is_contiguous()
     assert lse.shape == (b, h, sq) and lse.dtype == torch.float32
     _fp8_check(out, lse, q, k, v, scales, causal)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("shape", FP8_SHAPES, ids=lambda s: "b{}-q{}-k{}-h{}/{}".format(*s))
+@on_hopper
+def test_float8_block_n_256_pv_in_wgmma(shape, causal, schedule, monkeypatch):
+    """FP8 at head_dim 128 with 256 keys a block, P through shared memory, P V summed in
+    the wgmma and O staged in P's buffers (FLASHTILE_HOPPER_FWD_FP8_PV=wgmma, the
+    config 128,256,4,2): the float64 reference's bound, on both grids."""
+    from flashtile.ops import _launch
+
+    monkeypatch.setenv("FLASHTILE_HOPPER_FWD_FP8_P", "smem")
+    monkeypatch.setenv("FLASHTILE_HOPPER_FWD_FP8_PV", "wgmma")
+    monkeypatch.setenv("FLASHTILE_HOPPER_FWD_CONFIG", "128,256,4,2")
+    _launch.clear()  # plans are keyed without the tile config
+    try:
+        b, sq, sk, h, hkv = shape
+        (q, k, v), scales = _fp8_inputs(b, sq, sk, h, hkv, 128)
+        out, lse = fwd_hopper.attn_fwd(q, k, v, **_fp8_kw(causal, q, k),
+                                       q_descale=scales[0], k_descale=scales[1],
+                                       v_descale=scales[2])
+        _fp8_check(out, lse, q, k, v, scales, causal)
+    finally:
+        _launch.clear()
 
 
 @pytest.mark.parametrize("dtype,out_dtype,descales", [
@@ -357,7 +481,7 @@ def test_fp8_nan_propagates(where, p_mode):
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @on_hopper
-def test_fp8_launch_plan_equals_tritons_path(causal, p_mode):
+def test_fp8_launch_plan_equals_tritons_path(causal, p_mode, schedule):
     """A second FP8 call goes through the launch plan with new q, k, v (a new V^T copy)
     and new descales in the slots: the same bits as Triton's own path."""
     from flashtile.ops import _launch
@@ -405,6 +529,20 @@ def test_fp8_switch_dispatches(monkeypatch):
 
 def _fp8_cpu(d=128, sq=40, dtype=E4M3):
     return tuple(x.to(dtype) for x in _inputs(1, sq, sq, 2, 2, d, torch.float32, "cpu"))
+
+
+def test_fp8_pv_switch(monkeypatch):
+    """FLASHTILE_HOPPER_FWD_FP8_PV: P V per tile up to head_dim 128 unless "wgmma"."""
+    from flashtile.ops import configs
+
+    assert configs.hopper_fwd_fp8_pv_per_tile(128)
+    assert not configs.hopper_fwd_fp8_pv_per_tile(256)
+    monkeypatch.setenv("FLASHTILE_HOPPER_FWD_FP8_PV", "wgmma")
+    assert not configs.hopper_fwd_fp8_pv_per_tile(64)
+    monkeypatch.setenv("FLASHTILE_HOPPER_FWD_FP8_PV", "fp32")
+    with pytest.raises(ValueError, match=re.escape(
+            "FLASHTILE_HOPPER_FWD_FP8_PV must be one of ('tile', 'wgmma'), got 'fp32'")):
+        configs.hopper_fwd_fp8_pv_per_tile(128)
 
 
 def test_fp8_declines_what_it_does_not_support(monkeypatch):
@@ -478,6 +616,24 @@ def test_fp8_switch_dispatch_on_cpu(switch, seqlen_q, varlen, used, monkeypatch)
     assert kw["out_dtype"] == torch.bfloat16
     if used == "hopper":
         assert kw["diag_offset"] == 20 and kw["causal"]
+
+
+def test_schedule_switch_rejects_other_values(monkeypatch):
+    """FLASHTILE_HOPPER_FWD_SCHEDULE: "tiles" when unset or empty, "persistent" when
+    named, a ValueError naming the choices otherwise."""
+    from flashtile.ops import configs
+
+    monkeypatch.setenv("FLASHTILE_HOPPER_FWD_SCHEDULE", "lpt")
+    with pytest.raises(ValueError, match=re.escape(
+            "FLASHTILE_HOPPER_FWD_SCHEDULE must be one of ('tiles', 'persistent'), "
+            "got 'lpt'")):
+        configs.hopper_fwd_persistent()
+    monkeypatch.setenv("FLASHTILE_HOPPER_FWD_SCHEDULE", "persistent")
+    assert configs.hopper_fwd_persistent()
+    monkeypatch.setenv("FLASHTILE_HOPPER_FWD_SCHEDULE", "")
+    assert not configs.hopper_fwd_persistent()
+    monkeypatch.delenv("FLASHTILE_HOPPER_FWD_SCHEDULE")
+    assert not configs.hopper_fwd_persistent()
 
 
 def test_fp8_p_switch_rejects_other_values(monkeypatch):

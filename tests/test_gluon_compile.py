@@ -22,7 +22,8 @@ pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1",
                                 reason="needs real Triton compilation (no interpreter)")
 
 
-def _compile(head_dim, causal, dtype=torch.bfloat16, descales=True, p_smem=False):
+def _compile(head_dim, causal, dtype=torch.bfloat16, descales=True, p_smem=False,
+             persistent=False):
     """The kernel a launch of ``fwd_hopper.forward`` compiles for these inputs (FP8: out
     in bfloat16, descales given or not, V through its keys-contiguous copy)."""
     from triton.runtime.jit import mangle_type
@@ -38,12 +39,12 @@ def _compile(head_dim, causal, dtype=torch.bfloat16, descales=True, p_smem=False
                  k_desc=mangle_type(fwd_hopper._descriptor(x, (1, cfg.block_n, 1, head_dim))),
                  v_desc=mangle_type(fwd_hopper._v_descriptor(x, cfg.block_n)),
                  o_desc=mangle_type(fwd_hopper._descriptor(out, (1, rows, 1, head_dim))),
-                 softmax_scale="fp32")
+                 softmax_scale="fp32", Schedule="*i32")
     has = fp8 and descales
     flags = dict(IS_CAUSAL=causal, STAGES=cfg.num_stages, HAS_Q_DESCALE=has,
                  HAS_K_DESCALE=has, HAS_V_DESCALE=has,
-                 PV_PER_TILE=fp8 and head_dim <= configs.HOPPER_FWD_FP8_PV_PER_TILE_MAX_D,
-                 P_SMEM=p_smem)
+                 PV_PER_TILE=fp8 and configs.hopper_fwd_fp8_pv_per_tile(head_dim),
+                 P_SMEM=p_smem, PERSISTENT=persistent)
     return compile_kernel(fwd_hopper._attn_fwd_hopper_kernel, flags,
                           num_warps=cfg.num_warps, types=types)
 
@@ -61,12 +62,25 @@ def _sass(compiled) -> str:
                               check=True).stdout
 
 
+SCHEDULES = [False, True]
+SCHEDULE_IDS = ["tiles", "persistent"]
+
+
+@pytest.mark.parametrize("persistent", SCHEDULES, ids=SCHEDULE_IDS)
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("head_dim", sorted(configs.HOPPER_FWD_16BIT))
-def test_hopper_forward_compiles_for_sm90(head_dim, causal):
-    ck = _compile(head_dim, causal)
+def test_hopper_forward_compiles_for_sm90(head_dim, causal, persistent):
+    """Both schedules (configs.hopper_fwd_persistent). Persistent: O gets a buffer of
+    its own where it fits (d64, d128: Q's buffer then goes back to the producer after
+    the last S), d256 keeps storing O through Q's."""
+    ck = _compile(head_dim, causal, persistent=persistent)
     res = resources(ck)
     assert res["shared_bytes"] <= configs.SM90_SMEM_BYTES, res
+    cfg = configs.HOPPER_FWD_16BIT[head_dim]
+    tile = 64 * head_dim * 2  # one warpgroup's 16-bit Q (or O) tile, bytes
+    ring = 2 * tile + cfg.num_stages * 2 * cfg.block_n * head_dim * 2
+    own_o = persistent and head_dim <= 128
+    assert ring + own_o * 2 * tile <= res["shared_bytes"] < ring + (own_o + 1) * 2 * tile
     assert res["stack_bytes"] == 0, res  # no spills under the 240-register cap
     ptx = ck.asm["ptx"]
     # 12 warps: the default partition's consumer warpgroup, the second consumer, and the
@@ -112,17 +126,19 @@ def _exp2_under_pv(sass: str) -> int:
     return best
 
 
+@pytest.mark.parametrize("persistent", SCHEDULES, ids=SCHEDULE_IDS)
 @pytest.mark.parametrize("p_smem", [False, True], ids=["p-regs", "p-smem"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("head_dim", sorted(configs.HOPPER_FWD_FP8))
-def test_hopper_fp8_forward_compiles_for_sm90(head_dim, causal, p_smem):
+def test_hopper_fp8_forward_compiles_for_sm90(head_dim, causal, p_smem, persistent):
     """The FP8 variants: both products on 8-bit wgmma (QGMMA in SASS), V^T and Q by TMA,
     O stored by TMA from its own bfloat16 buffer, P cast to e4m3 saturating; they fit
     shared memory without spilling, with P V summed per tile in fp32 (two fp32 O tiles)
     up to head_dim 128. P in registers is permuted there (no shared-memory round trip);
     P in shared memory keeps the whole softmax (BLOCK_N / 2 exp2 a thread) between the
     wait for S_j and the wait for P_{j-1} V_{j-1}, FA3's in-warpgroup overlap."""
-    ck = _compile(head_dim, causal, torch.float8_e4m3fn, p_smem=p_smem)
+    ck = _compile(head_dim, causal, torch.float8_e4m3fn, p_smem=p_smem,
+                  persistent=persistent)
     res = resources(ck)
     assert res["shared_bytes"] <= configs.SM90_SMEM_BYTES, res
     assert res["stack_bytes"] == 0, res
@@ -144,6 +160,31 @@ def test_hopper_fp8_forward_compiles_for_sm90(head_dim, causal, p_smem):
     else:
         assert from_registers and len(from_registers) < len(mma)
         assert "st.shared.v4" not in ptx and "ld.shared.v4" not in ptx
+
+
+@pytest.mark.parametrize("causal,persistent", [(False, False), (True, False), (False, True)],
+                         ids=["full-tiles", "causal-tiles", "full-persistent"])
+def test_hopper_fp8_forward_block_n_256_compiles_for_sm90(causal, persistent, monkeypatch):
+    """FP8 at head_dim 128 with 256 keys a block (half the per-block barriers, turns,
+    row reductions and O rescales of 128): only with P in shared memory and P V summed
+    in the wgmma (FLASHTILE_HOPPER_FWD_FP8_PV=wgmma); with P V per tile the second O
+    tile spills (336 bytes with P in registers, 616 in shared memory). O (2 x 16 KiB)
+    does not fit beside the ring and P's 64 KiB: it is staged in each warpgroup's first
+    P buffer (the same 16 KiB) after the last P V. Causal on the persistent grid spills
+    (144 bytes: the tile loop's state on top), so that pair is left out."""
+    monkeypatch.setenv("FLASHTILE_HOPPER_FWD_FP8_PV", "wgmma")
+    monkeypatch.setenv("FLASHTILE_HOPPER_FWD_CONFIG", "128,256,4,2")
+    ck = _compile(128, causal, torch.float8_e4m3fn, p_smem=True, persistent=persistent)
+    res = resources(ck)
+    ring = 2 * 64 * 128 + 2 * 2 * 256 * 128  # Q, then K and V^T: FP8, 1 byte each
+    p_buffers = 4 * 64 * 256
+    assert ring + p_buffers <= res["shared_bytes"] < ring + p_buffers + 2 * 64 * 128 * 2
+    assert res["shared_bytes"] <= configs.SM90_SMEM_BYTES, res
+    assert res["stack_bytes"] == 0, res
+    sass = _sass(ck)
+    assert "LDL" not in sass and "STL" not in sass and "QGMMA" in sass
+    assert "wgmma.mma_async.sync.aligned.m64n256k32.f32.e4m3.e4m3" in ck.asm["ptx"]
+    assert _exp2_under_pv(sass) >= 128  # the whole softmax under P_{j-1} V_{j-1}
 
 
 def test_hopper_fp8_forward_compiles_for_e5m2_without_descales():

@@ -244,6 +244,42 @@ def hopper_fwd_fp8_p_smem() -> bool:
     return value == "smem"
 
 
+HOPPER_FWD_FP8_PV = ("tile", "wgmma")
+
+
+def hopper_fwd_fp8_pv_per_tile(head_dim: int) -> bool:
+    """FLASHTILE_HOPPER_FWD_FP8_PV: how the Gluon forward sums FP8 P V. "tile" (the
+    default): per tile in fp32 up to HOPPER_FWD_FP8_PV_PER_TILE_MAX_D, as the portable
+    kernel does; "wgmma": in the wgmma's accumulator at every head dim (as at d256),
+    which frees a second O tile of registers: with P in shared memory, BLOCK_N 256 at
+    d128 then compiles without spills (FLASHTILE_HOPPER_FWD_CONFIG=128,256,4,2; O is
+    staged in P's buffers). Not timed: for the GPU session's A/B. Read when a launch
+    plan is made."""
+    mode = _env_choice("FLASHTILE_HOPPER_FWD_FP8_PV", HOPPER_FWD_FP8_PV)
+    return mode == "tile" and head_dim <= HOPPER_FWD_FP8_PV_PER_TILE_MAX_D
+
+
+def _env_choice(name: str, choices: tuple) -> str:
+    """The environment variable ``name``: one of ``choices``, the first when unset."""
+    value = os.environ.get(name, "").strip() or choices[0]
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {choices}, got {value!r}")
+    return value
+
+
+HOPPER_FWD_SCHEDULE = ("tiles", "persistent")
+
+
+def hopper_fwd_persistent() -> bool:
+    """FLASHTILE_HOPPER_FWD_SCHEDULE: how the Gluon forward's grid covers the (query
+    tile, batch-head) tiles. "tiles" (the default): one program a tile, causal tiles
+    longest first; "persistent": one program per SM looping over tiles (FA3), causal ones
+    longest first within groups of heads whose K and V fit L2, the next tile's Q, K and V
+    loading while the consumers finish the current one. Not timed yet: the GPU session
+    compares them. Read when a launch plan is made."""
+    return _env_choice("FLASHTILE_HOPPER_FWD_SCHEDULE", HOPPER_FWD_SCHEDULE) == "persistent"
+
+
 def hopper_fwd_config(head_dim: int, fp8: bool = False) -> TileConfig:
     """HOPPER_FWD_16BIT[head_dim] (HOPPER_FWD_FP8 for FP8 inputs), or
     FLASHTILE_HOPPER_FWD_CONFIG="128,BLOCK_N,4,STAGES" for sweeps (BLOCK_M and num_warps

@@ -6,8 +6,8 @@ q (batch, seqlen_q, nheads, head_dim), k/v (batch, seqlen_k, nheads_kv, head_dim
 (any ``diag_offset``) or not; writes ``out`` and the natural-log ``lse`` (batch, nheads,
 seqlen_q) exactly as ``flashtile.ops.fwd.attn_fwd`` does, so either can serve a call.
 
-One program computes a tile of BLOCK_M = 2 x 64 query rows of one (batch, head) in
-three warp-specialised partitions:
+A tile is BLOCK_M = 2 x 64 query rows of one (batch, head), computed in three
+warp-specialised partitions:
 - a producer warp loads the tile's Q once and streams K and V blocks through a ring of
   STAGES shared-memory buffers with TMA. Each buffer has a "ready" mbarrier (the TMA
   bytes landed) and an "empty" one (both consumers are done with it).
@@ -21,6 +21,21 @@ three warp-specialised partitions:
   before the softmax (sm_90 SASS; docs/benchmarks/NOTES.md section 17).
 - warp_specialize's register requests become setmaxnreg: the producer keeps 24
   registers per thread and each consumer gets 240 (S, P and O live in registers).
+The grid (FLASHTILE_HOPPER_FWD_SCHEDULE, ``configs.hopper_fwd_persistent``):
+- "tiles" (the default): one program per (query tile, batch * nheads), causal query
+  tiles longest first; the hardware hands out the programs, each with its own prologue
+  (barriers, Q and the first K's latency) and epilogue (O's store).
+- "persistent" (PERSISTENT, FA3's persistent kernel): one program per SM, each walking
+  its row of a tile list the host computes once per geometry (``schedule_rows``): FA3's
+  order (causal: longest first inside groups of heads whose K and V fit 32 MiB of L2;
+  full: head by head) dealt greedily to the least loaded program, as FA3's dynamic
+  scheduler deals it with an atomic counter. The K/V ring and the consumers' turns
+  count on across tiles, so the next tile's K and V load under the current one's end;
+  Q's buffer goes back to the producer (q_empty) once the tile's last S is done unless
+  O leaves through it (16-bit d256: handed back after O's store); elsewhere O has a
+  buffer of its own (16-bit d64 and d128, FP8) or P's (FP8 BLOCK_N 256) and its TMA
+  store runs under the next tile. **Compile-checked only** (sm_90 on the CPU, no
+  spills, both schedules); the GPU session compares it with "tiles".
 K/V rows past seqlen_k and Q rows past seqlen_q are zero-filled by TMA (the descriptors
 are 4-d, so a tile never reads the next sequence) and the TMA store of O drops rows past
 seqlen_q. Gluon kernels do not run in the Triton interpreter: CI compiles this one for
@@ -39,24 +54,32 @@ same kernel, with the numerics of the portable FP8 forward (flashtile.ops.fwd, d
 - PV_PER_TILE (head_dim <= 128): each P V starts from zero and is added to O in fp32,
   as the portable kernel does (the FP8 wgmma's accumulator keeps ~14 bits). At 256 the
   second O tile spilled (328 bytes); there P V accumulates in the wgmma, as there.
-- O (16-bit) leaves through a shared buffer of its own: Q's is half its size.
+  FLASHTILE_HOPPER_FWD_FP8_PV=wgmma (``configs.hopper_fwd_fp8_pv_per_tile``) does so at
+  every head dim: with P in shared memory that lets BLOCK_N be 256 at head_dim 128
+  without spills (FLASHTILE_HOPPER_FWD_CONFIG=128,256,4,2; per tile it spills 336-616
+  bytes), half the per-block barriers, turns, row reductions and O rescales.
+- O (16-bit) leaves through a shared buffer of its own (Q's is half its size), or, where
+  that does not fit beside the ring and P's buffers (BLOCK_N 256 at head_dim 128),
+  through each warpgroup's first P buffer (the same bytes), free after the last P V.
 - P_SMEM (FLASHTILE_HOPPER_FWD_FP8_P=smem; default "regs"): P_j reaches P V through two
   shared buffers per warpgroup instead of registers. With P in registers the SASS waits
   for P_{j-1} V_{j-1} before the softmax, as for 16-bit inputs (0-12 of the block's
   exp2 run under it); through shared memory the whole softmax runs under it (66 exp2 a
   thread at BLOCK_N 128), at the cost of P's stores (2 bytes each: the accumulator
   layout) and 16-32 KiB of shared memory. Which is faster is for the GPU to say.
-**The FP8 variants are compile-checked only** (sm_90 on the CPU: 8-bit wgmma, P from
-registers or shared memory, no spills; tests/test_gluon_compile.py). On a GPU, run
-``pytest --gpu tests/test_fwd_hopper.py -k "fp8 or float8"`` and the ``fp8`` stage
-of scripts/gpu_session.sh; FLASHTILE_HOPPER_FWD=1 sends dense FP8 calls here ("auto"
-does not until they are timed). Predicted, not measured: 800-950 TFLOP/s at head_dim
-128 from 8k tokens (docs/fp8.md).
+Timed on the H200 in session 12 at head_dim 128, 16k tokens a batch
+(docs/benchmarks/h200-2026-12-01-s12/fp8.md, fp8-psmem.md): P in registers 374-614
+TFLOP/s, P in shared memory 481-799 (4k-16k, causal or not). BLOCK_N 256 with P V in the
+wgmma is compile-checked only (sm_90 on the CPU, no spills except causal on the
+persistent grid: 144 bytes). On a GPU, run ``pytest --gpu tests/test_fwd_hopper.py -k
+"fp8 or float8"`` and the ``fp8`` stage of scripts/gpu_session.sh;
+FLASHTILE_HOPPER_FWD=1 sends dense FP8 calls here ("auto" does not yet).
 """
 
 from __future__ import annotations
 
 import functools
+import heapq
 
 import torch
 from triton.experimental import gluon
@@ -80,35 +103,101 @@ CONSUMER_REGS = gl.constexpr(240)
 # FP8: P is exp2(s - max + P_LOG2_OFFSET), in [0, 256], so that its small entries stay
 # normal e4m3 numbers when cast for P V (the portable kernel's offset, the same numerics).
 P_LOG2_OFFSET = gl.constexpr(_P_LOG2_OFFSET.value)
+# Shared memory one program may use (227 KiB on the H100/H200).
+SMEM_BYTES = gl.constexpr(configs.SM90_SMEM_BYTES)
 
 
 @gluon.jit
-def _load_partition(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready,
-                    k_empty, v_ready, v_empty, off_b, off_h, off_hkv, row0, n_blocks):
-    """Producer warp: Q once (one half per consumer), then K_j and V_j into the ring."""
+def _tile_count(Schedule, schedule_row, PERSISTENT: gl.constexpr):
+    """How many tiles this program computes: one, or (PERSISTENT) its row's count in the
+    host's schedule (``schedule_rows``)."""
+    if PERSISTENT:
+        count = gl.load(Schedule + gl.program_id(0) * schedule_row)
+    else:
+        count = 1
+    return count
+
+
+@gluon.jit
+def _tile_blocks(row0, seqlen_q, seqlen_k, diag_offset, BLOCK_N: gl.constexpr,
+                 IS_CAUSAL: gl.constexpr):
+    """(n_blocks, n_full) of the tile at row0: key blocks [0, n_blocks) are visible to
+    some row of the tile; [0, n_full) to every row and inside seqlen_k, so they skip the
+    mask. Divisions see non-negative values."""
+    hi = seqlen_k
+    n_full = seqlen_k // BLOCK_N
+    if IS_CAUSAL:
+        last_row = gl.minimum(row0 + 2 * BLOCK_M_WG, seqlen_q) - 1
+        hi = gl.minimum(hi, gl.maximum(last_row + diag_offset + 1, 0))
+        n_full = gl.minimum(n_full, gl.maximum(row0 + diag_offset + 1, 0) // BLOCK_N)
+    return gl.cdiv(hi, BLOCK_N), n_full
+
+
+@gluon.jit
+def _tile_at(i, Schedule, schedule_row, n_tiles_m, nheads, group_size, seqlen_q, seqlen_k,
+             diag_offset, BLOCK_N: gl.constexpr, PERSISTENT: gl.constexpr,
+             IS_CAUSAL: gl.constexpr):
+    """(off_bh, off_b, off_h, off_hkv, row0, n_blocks, n_full) of this program's i-th
+    tile: the grid's, or (PERSISTENT) entry i of its row in the host's schedule,
+    off_bh * n_tiles_m + query tile."""
+    if PERSISTENT:
+        t = gl.load(Schedule + gl.program_id(0) * schedule_row + 1 + i)
+        start_m = t % n_tiles_m
+        off_bh = t // n_tiles_m
+    else:
+        start_m = gl.program_id(0)
+        off_bh = gl.program_id(1)
+        if IS_CAUSAL:
+            # The last query tiles see the most keys: start them first, so the tail of
+            # the grid is short programs.
+            start_m = n_tiles_m - 1 - start_m
+    off_b = off_bh // nheads
+    off_h = off_bh % nheads
+    row0 = start_m * (2 * BLOCK_M_WG)
+    n_blocks, n_full = _tile_blocks(row0, seqlen_q, seqlen_k, diag_offset, BLOCK_N,
+                                    IS_CAUSAL)
+    return off_bh, off_b, off_h, off_h // group_size, row0, n_blocks, n_full
+
+
+@gluon.jit
+def _load_partition(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty,
+                    k_ready, k_empty, v_ready, v_empty, nheads, group_size, seqlen_q,
+                    seqlen_k, diag_offset, n_tiles_m, Schedule, schedule_row,
+                    IS_CAUSAL: gl.constexpr, PERSISTENT: gl.constexpr):
+    """Producer warp: per tile, Q once (one half per consumer), then K_j and V_j into the
+    ring. The ring's count runs on across a program's tiles (PERSISTENT), so the next
+    tile's K and V load while the consumers finish this one."""
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[1]
     STAGES: gl.constexpr = k_smem.type.shape[0]
-    for w in gl.static_range(2):
-        mbarrier.expect(q_ready.index(w), q_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(q_desc, [off_b, row0 + w * BLOCK_M_WG, off_h, 0],
-                                        q_ready.index(w), q_smem.index(w))
-    for j in range(n_blocks):
-        stage = j % STAGES
-        # A fresh mbarrier counts as having completed the phase before its first, so the
-        # first pass through the ring waits for nothing.
-        phase = ((j // STAGES) & 1) ^ 1
-        mbarrier.wait(k_empty.index(stage), phase)
-        mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [off_b, j * BLOCK_N, off_hkv, 0],
-                                        k_ready.index(stage), k_smem.index(stage))
-        mbarrier.wait(v_empty.index(stage), phase)
-        mbarrier.expect(v_ready.index(stage), v_desc.block_type.nbytes)
-        if v_desc.dtype.is_fp8():  # V^T: (batch, nheads_kv, head_dim, keys) boxes
-            coords = [off_b, off_hkv, 0, j * BLOCK_N]
-        else:
-            coords = [off_b, j * BLOCK_N, off_hkv, 0]
-        tma.async_copy_global_to_shared(v_desc, coords, v_ready.index(stage),
-                                        v_smem.index(stage))
+    kv_base = 0  # K/V blocks loaded for the program's earlier tiles
+    for i in range(_tile_count(Schedule, schedule_row, PERSISTENT)):
+        off_bh, off_b, off_h, off_hkv, row0, n_blocks, n_full = _tile_at(
+            i, Schedule, schedule_row, n_tiles_m, nheads, group_size, seqlen_q, seqlen_k,
+            diag_offset, BLOCK_N, PERSISTENT, IS_CAUSAL)
+        for w in gl.static_range(2):
+            if PERSISTENT:  # the previous tile's last S (and O store) done with Q
+                mbarrier.wait(q_empty.index(w), (i & 1) ^ 1)
+            mbarrier.expect(q_ready.index(w), q_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(q_desc, [off_b, row0 + w * BLOCK_M_WG, off_h, 0],
+                                            q_ready.index(w), q_smem.index(w))
+        for j in range(n_blocks):
+            stage = (kv_base + j) % STAGES
+            # A fresh mbarrier counts as having completed the phase before its first, so
+            # the first pass through the ring waits for nothing.
+            phase = (((kv_base + j) // STAGES) & 1) ^ 1
+            mbarrier.wait(k_empty.index(stage), phase)
+            mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(k_desc, [off_b, j * BLOCK_N, off_hkv, 0],
+                                            k_ready.index(stage), k_smem.index(stage))
+            mbarrier.wait(v_empty.index(stage), phase)
+            mbarrier.expect(v_ready.index(stage), v_desc.block_type.nbytes)
+            if v_desc.dtype.is_fp8():  # V^T: (batch, nheads_kv, head_dim, keys) boxes
+                coords = [off_b, off_hkv, 0, j * BLOCK_N]
+            else:
+                coords = [off_b, j * BLOCK_N, off_hkv, 0]
+            tma.async_copy_global_to_shared(v_desc, coords, v_ready.index(stage),
+                                            v_smem.index(stage))
+        kv_base += n_blocks
 
 
 @gluon.jit
@@ -170,10 +259,10 @@ def _v_operand(v_smem, stage, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr):
 
 
 @gluon.jit
-def _kv_block(j, q, k_smem, v_smem, p_smem, k_ready, k_empty, v_ready, v_empty, turn, acc,
-              p_op, alpha_o, m_i, l_i, s_init, o_init, offs_m, qk_scale, seqlen_k,
-              diag_offset, WG: gl.constexpr, MASKED: gl.constexpr, IS_CAUSAL: gl.constexpr,
-              PV_PER_TILE: gl.constexpr, P_SMEM: gl.constexpr):
+def _kv_block(j, kv_base, turn_base, q, k_smem, v_smem, p_smem, k_ready, k_empty, v_ready,
+              v_empty, turn, acc, p_op, alpha_o, m_i, l_i, s_init, o_init, offs_m, qk_scale,
+              seqlen_k, diag_offset, WG: gl.constexpr, MASKED: gl.constexpr,
+              IS_CAUSAL: gl.constexpr, PV_PER_TILE: gl.constexpr, P_SMEM: gl.constexpr):
     """Block j >= 1 of a consumer: S_j = Q K_j^T and P_{j-1} V_{j-1} issued in one
     turn, the softmax of S_j while P_{j-1} V_{j-1} runs, then O updated.
 
@@ -186,15 +275,19 @@ def _kv_block(j, q, k_smem, v_smem, p_smem, k_ready, k_empty, v_ready, v_empty, 
     P_SMEM (FP8): P_j goes to wgmma through shared memory, two buffers per warpgroup
     (P_{j-1} V_{j-1} reads the other), instead of registers: ptxas then keeps the wait
     for P_{j-1} V_{j-1} after the softmax (sm_90 SASS), the overlap that P in registers
-    loses (module docstring)."""
+    loses (module docstring).
+
+    kv_base and turn_base: the K/V blocks and turns of the program's earlier tiles (0
+    unless PERSISTENT), where the ring's and the turns' counts start for this tile."""
     STAGES: gl.constexpr = k_smem.type.shape[0]
     BLOCK_N: gl.constexpr = k_smem.type.shape[2]
     HEAD_DIM: gl.constexpr = k_smem.type.shape[4]
-    stage = j % STAGES
-    prev = (j - 1) % STAGES
-    mbarrier.wait(k_ready.index(stage), (j // STAGES) & 1)
-    mbarrier.wait(v_ready.index(prev), ((j - 1) // STAGES) & 1)
-    _take_turn(turn, j, WG)
+    c = kv_base + j
+    stage = c % STAGES
+    prev = (c - 1) % STAGES
+    mbarrier.wait(k_ready.index(stage), (c // STAGES) & 1)
+    mbarrier.wait(v_ready.index(prev), ((c - 1) // STAGES) & 1)
+    _take_turn(turn, turn_base + j, WG)
     k_t = k_smem.index(stage).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0))
     s = warpgroup_mma(q, k_t, s_init, use_acc=False, is_async=True)
     v_op = _v_operand(v_smem, prev, BLOCK_N, HEAD_DIM)
@@ -229,17 +322,25 @@ def _kv_block(j, q, k_smem, v_smem, p_smem, k_ready, k_empty, v_ready, v_empty, 
 
 
 @gluon.jit
-def _mma_partition(q_smem, k_smem, v_smem, o_smem, p_smem, q_ready, k_ready, k_empty,
-                   v_ready, v_empty, turn, o_desc, Lse, VDescale, off_b, off_h, row0,
-                   n_blocks, n_full, seqlen_q, seqlen_k, diag_offset, qk_scale, lse_row0,
-                   v_descale_off, WG: gl.constexpr, IS_CAUSAL: gl.constexpr,
-                   HAS_V_DESCALE: gl.constexpr, PV_PER_TILE: gl.constexpr,
-                   P_SMEM: gl.constexpr):
-    """Consumer warpgroup WG: rows row0 + 64 * WG + [0, 64) of the tile."""
+def _mma_tile(i, kv_base, turn_base, q_smem, k_smem, v_smem, o_smem, p_smem, q_ready,
+              q_empty, k_ready, k_empty, v_ready, v_empty, turn, o_desc, Lse, VDescale,
+              off_b, off_h, row0, n_blocks, n_full, seqlen_q, seqlen_k, diag_offset,
+              qk_scale, lse_row0, v_descale_off, WG: gl.constexpr, IS_CAUSAL: gl.constexpr,
+              HAS_V_DESCALE: gl.constexpr, PV_PER_TILE: gl.constexpr, P_SMEM: gl.constexpr,
+              PERSISTENT: gl.constexpr, O_IN_Q: gl.constexpr, O_IN_P: gl.constexpr):
+    """Consumer warpgroup WG on rows row0 + 64 * WG + [0, 64) of the program's i-th tile,
+    its K/V blocks counted in the ring from kv_base and its turns from turn_base.
+
+    PERSISTENT: Q's buffer is handed back to the producer (q_empty) for the next tile as
+    soon as this tile's last S is done, unless O leaves through it (O_IN_Q): then once
+    O's TMA store has left it. Otherwise O's store overlaps the next tile, waited for
+    before the next O is written, or before the next P_0 where O leaves through the
+    warpgroup's first P buffer (O_IN_P)."""
     STAGES: gl.constexpr = k_smem.type.shape[0]
     BLOCK_N: gl.constexpr = k_smem.type.shape[2]
     HEAD_DIM: gl.constexpr = k_smem.type.shape[4]
     IS_FP8: gl.constexpr = q_smem.dtype.is_fp8()
+    EARLY_Q_RELEASE: gl.constexpr = PERSISTENT and not O_IN_Q
     p_dtype: gl.constexpr = v_smem.dtype
     # wgmma accumulators: 4 warps along M, instruction N = the whole tile width, K = 32
     # bytes of operands (16 for 16-bit inputs, 32 for FP8).
@@ -258,17 +359,18 @@ def _mma_partition(q_smem, k_smem, v_smem, o_smem, p_smem, q_ready, k_ready, k_e
     acc = gl.zeros([BLOCK_M_WG, HEAD_DIM], gl.float32, o_layout)
     s_init = gl.zeros([BLOCK_M_WG, BLOCK_N], gl.float32, s_layout)  # ignored: use_acc=False
     o_init = acc  # likewise, for PV_PER_TILE's products
-    mbarrier.wait(q_ready.index(WG), 0)
+    mbarrier.wait(q_ready.index(WG), i & 1)
 
     if n_blocks > 0:
         # Block 0: S_0 alone (there is no P yet).
-        mbarrier.wait(k_ready.index(0), 0)
-        _take_turn(turn, 0, WG)
-        k_t = k_smem.index(0).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0))
+        first = kv_base % STAGES
+        mbarrier.wait(k_ready.index(first), (kv_base // STAGES) & 1)
+        _take_turn(turn, turn_base, WG)
+        k_t = k_smem.index(first).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0))
         s = warpgroup_mma(q, k_t, s_init, use_acc=False, is_async=True)
         mbarrier.arrive(turn.index(1 - WG), count=1)
         s = warpgroup_mma_wait(0, deps=(s,))
-        mbarrier.arrive(k_empty.index(0), count=1)
+        mbarrier.arrive(k_empty.index(first), count=1)
         # Masked whatever n_full says: once per tile, and no branch.
         p, alpha, m_i, l_i = _online_softmax(s, m_i, l_i, offs_m, 0, qk_scale, seqlen_k,
                                              diag_offset, True, IS_CAUSAL, IS_FP8)
@@ -276,6 +378,8 @@ def _mma_partition(q_smem, k_smem, v_smem, o_smem, p_smem, q_ready, k_ready, k_e
         alpha_o = gl.convert_layout(alpha, o_row_layout)
         if P_SMEM:
             p_op = p_smem.index(2 * WG)
+            if PERSISTENT and O_IN_P:
+                tma.store_wait(0)  # the previous tile's O has left this buffer
             p_op.store(p.to(p_dtype))
             fence_async_shared()
         else:
@@ -284,17 +388,20 @@ def _mma_partition(q_smem, k_smem, v_smem, o_smem, p_smem, q_ready, k_ready, k_e
         # diagonal, the ragged end) follow in a loop of their own: no branch per block.
         for j in range(1, n_full):
             acc, p_op, alpha_o, m_i, l_i = _kv_block(
-                j, q, k_smem, v_smem, p_smem, k_ready, k_empty, v_ready, v_empty, turn, acc,
-                p_op, alpha_o, m_i, l_i, s_init, o_init, offs_m, qk_scale, seqlen_k,
-                diag_offset, WG, False, IS_CAUSAL, PV_PER_TILE, P_SMEM)
+                j, kv_base, turn_base, q, k_smem, v_smem, p_smem, k_ready, k_empty, v_ready,
+                v_empty, turn, acc, p_op, alpha_o, m_i, l_i, s_init, o_init, offs_m, qk_scale,
+                seqlen_k, diag_offset, WG, False, IS_CAUSAL, PV_PER_TILE, P_SMEM)
         for j in range(gl.maximum(n_full, 1), n_blocks):
             acc, p_op, alpha_o, m_i, l_i = _kv_block(
-                j, q, k_smem, v_smem, p_smem, k_ready, k_empty, v_ready, v_empty, turn, acc,
-                p_op, alpha_o, m_i, l_i, s_init, o_init, offs_m, qk_scale, seqlen_k,
-                diag_offset, WG, True, IS_CAUSAL, PV_PER_TILE, P_SMEM)
-        last = (n_blocks - 1) % STAGES
-        mbarrier.wait(v_ready.index(last), ((n_blocks - 1) // STAGES) & 1)
-        _take_turn(turn, n_blocks, WG)
+                j, kv_base, turn_base, q, k_smem, v_smem, p_smem, k_ready, k_empty, v_ready,
+                v_empty, turn, acc, p_op, alpha_o, m_i, l_i, s_init, o_init, offs_m, qk_scale,
+                seqlen_k, diag_offset, WG, True, IS_CAUSAL, PV_PER_TILE, P_SMEM)
+        if EARLY_Q_RELEASE:  # every S of the tile is done: Q may take the next tile's
+            mbarrier.arrive(q_empty.index(WG), count=1)
+        last_kv = kv_base + n_blocks - 1
+        last = last_kv % STAGES
+        mbarrier.wait(v_ready.index(last), (last_kv // STAGES) & 1)
+        _take_turn(turn, turn_base + n_blocks, WG)
         v_op = _v_operand(v_smem, last, BLOCK_N, HEAD_DIM)
         if PV_PER_TILE:
             pv = warpgroup_mma(p_op, v_op, o_init, use_acc=False, is_async=True)
@@ -307,6 +414,8 @@ def _mma_partition(q_smem, k_smem, v_smem, o_smem, p_smem, q_ready, k_ready, k_e
         else:
             acc = warpgroup_mma_wait(0, deps=(acc,))
         mbarrier.arrive(v_empty.index(last), count=1)
+    elif EARLY_Q_RELEASE:  # no key for this tile: Q was not read
+        mbarrier.arrive(q_empty.index(WG), count=1)
 
     # Rows that saw no key (l == 0): out 0 and lse -inf, as flashtile.ops.fwd writes them,
     # even where a NaN value reached acc as 0 * NaN; a NaN that reached l stays NaN.
@@ -322,58 +431,95 @@ def _mma_partition(q_smem, k_smem, v_smem, o_smem, p_smem, q_ready, k_ready, k_e
     inv_l = gl.convert_layout(inv_l, o_row_layout)
     out = gl.where(gl.expand_dims(gl.convert_layout(empty, o_row_layout), 1), 0.0,
                    acc * gl.expand_dims(inv_l, 1))
-    o_tile = o_smem.index(WG)
+    if EARLY_Q_RELEASE:
+        tma.store_wait(0)  # the previous tile's O has left the buffer
+    if O_IN_P:
+        o_tile = o_smem.index(2 * WG)  # the warpgroup's first P buffer
+    else:
+        o_tile = o_smem.index(WG)
     o_tile.reshape([BLOCK_M_WG, HEAD_DIM]).store(out.to(o_smem.dtype))
     fence_async_shared()  # the generic-proxy writes above before the TMA engine reads
     tma.async_copy_shared_to_global(o_desc, [off_b, row0 + WG * BLOCK_M_WG, off_h, 0],
                                     o_tile)
     gl.store(Lse + lse_row0 + offs_m, lse, mask=offs_m < seqlen_q)
-    tma.store_wait(0)
+    if not EARLY_Q_RELEASE:
+        tma.store_wait(0)
+        if PERSISTENT:  # O left through Q's buffer: now the next tile's Q may come
+            mbarrier.arrive(q_empty.index(WG), count=1)
+
+
+@gluon.jit
+def _mma_partition(q_smem, k_smem, v_smem, o_smem, p_smem, q_ready, q_empty, k_ready,
+                   k_empty, v_ready, v_empty, turn, o_desc, Lse, QDescale, KDescale,
+                   VDescale, nheads, group_size, seqlen_q, seqlen_k, diag_offset,
+                   stride_qdesc_b, stride_qdesc_h, stride_kdesc_b, stride_kdesc_h,
+                   stride_vdesc_b, stride_vdesc_h, softmax_scale, n_tiles_m, Schedule,
+                   schedule_row, WG: gl.constexpr, IS_CAUSAL: gl.constexpr,
+                   HAS_Q_DESCALE: gl.constexpr, HAS_K_DESCALE: gl.constexpr,
+                   HAS_V_DESCALE: gl.constexpr, PV_PER_TILE: gl.constexpr,
+                   P_SMEM: gl.constexpr, PERSISTENT: gl.constexpr,
+                   O_IN_Q: gl.constexpr, O_IN_P: gl.constexpr):
+    """Consumer warpgroup WG: rows 64 * WG + [0, 64) of each tile of the program, in the
+    producer's order (``_tile_at``)."""
+    BLOCK_N: gl.constexpr = k_smem.type.shape[2]
+    kv_base = 0  # K/V blocks and turns of the program's earlier tiles
+    turn_base = 0
+    for i in range(_tile_count(Schedule, schedule_row, PERSISTENT)):
+        off_bh, off_b, off_h, off_hkv, row0, n_blocks, n_full = _tile_at(
+            i, Schedule, schedule_row, n_tiles_m, nheads, group_size, seqlen_q, seqlen_k,
+            diag_offset, BLOCK_N, PERSISTENT, IS_CAUSAL)
+        # FP8 descales of (batch, KV head): q's and k's multiply every score, so they join
+        # the exp2's scale (as in flashtile.ops.fwd); v's multiplies the output.
+        scale = softmax_scale
+        if HAS_Q_DESCALE:
+            scale *= gl.load(QDescale + off_b * stride_qdesc_b + off_hkv * stride_qdesc_h)
+        if HAS_K_DESCALE:
+            scale *= gl.load(KDescale + off_b * stride_kdesc_b + off_hkv * stride_kdesc_h)
+        _mma_tile(i, kv_base, turn_base, q_smem, k_smem, v_smem, o_smem, p_smem, q_ready,
+                  q_empty, k_ready, k_empty, v_ready, v_empty, turn, o_desc, Lse, VDescale,
+                  off_b, off_h, row0, n_blocks, n_full, seqlen_q, seqlen_k, diag_offset,
+                  scale * LOG2E, off_bh * seqlen_q,  # lse: (batch, nheads, seqlen_q)
+                  off_b * stride_vdesc_b + off_hkv * stride_vdesc_h, WG, IS_CAUSAL,
+                  HAS_V_DESCALE, PV_PER_TILE, P_SMEM, PERSISTENT, O_IN_Q, O_IN_P)
+        kv_base += n_blocks
+        turn_base += n_blocks + (n_blocks > 0).to(gl.int32)  # the last P V's turn
+    if PERSISTENT and not O_IN_Q:
+        tma.store_wait(0)
 
 
 @gluon.jit
 def _attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, Lse, QDescale, KDescale,
                             VDescale, seqlen_q, seqlen_k, nheads, group_size, diag_offset,
                             stride_qdesc_b, stride_qdesc_h, stride_kdesc_b, stride_kdesc_h,
-                            stride_vdesc_b, stride_vdesc_h, softmax_scale,
-                            IS_CAUSAL: gl.constexpr, STAGES: gl.constexpr,
+                            stride_vdesc_b, stride_vdesc_h, softmax_scale, n_tiles_m, Schedule,
+                            schedule_row, IS_CAUSAL: gl.constexpr, STAGES: gl.constexpr,
                             HAS_Q_DESCALE: gl.constexpr, HAS_K_DESCALE: gl.constexpr,
                             HAS_V_DESCALE: gl.constexpr, PV_PER_TILE: gl.constexpr,
-                            P_SMEM: gl.constexpr):
-    BLOCK_M: gl.constexpr = 2 * BLOCK_M_WG
+                            P_SMEM: gl.constexpr, PERSISTENT: gl.constexpr):
+    """One program a (query tile, batch-head) of the (n_tiles_m, batch * nheads) grid,
+    or (PERSISTENT) a program per SM walking its row of the host's Schedule."""
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[1]
-    start_m = gl.program_id(0)
-    if IS_CAUSAL:
-        # The last query tiles see the most keys: start them first, so the tail of the
-        # grid is short programs.
-        start_m = gl.num_programs(0) - 1 - start_m
-    off_bh = gl.program_id(1)
-    off_b = off_bh // nheads
-    off_h = off_bh % nheads
-    off_hkv = off_h // group_size
-    row0 = start_m * BLOCK_M
-
-    # Key blocks [0, n_blocks) are visible to some row of the tile; [0, n_full) to every
-    # row and inside seqlen_k, so they skip the mask. Divisions see non-negative values.
-    hi = seqlen_k
-    n_full = seqlen_k // BLOCK_N
-    if IS_CAUSAL:
-        last_row = gl.minimum(row0 + BLOCK_M, seqlen_q) - 1
-        hi = gl.minimum(hi, gl.maximum(last_row + diag_offset + 1, 0))
-        n_full = gl.minimum(n_full, gl.maximum(row0 + diag_offset + 1, 0) // BLOCK_N)
-    n_blocks = gl.cdiv(hi, BLOCK_N)
-
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [2] + q_desc.block_type.shape,
                                        q_desc.layout)
     k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape,
                                        k_desc.layout)
     v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape,
                                        v_desc.layout)
-    if o_desc.dtype == q_desc.dtype:
-        # O leaves through each warpgroup's Q buffer: S_{n-1}, its last reader, has
-        # completed when O is stored.
-        o_smem = q_smem
-    else:  # FP8 q, 16-bit O: twice Q's bytes, a buffer of its own
+    # Where O is staged for its TMA store. A buffer of its own where shared memory has
+    # room and it is needed: FP8 (16-bit O, twice Q's bytes) and PERSISTENT (16-bit d64
+    # and d128; d256's 64 KiB would pass 227 KiB), so that Q's is free for the next tile
+    # once the last S is done and O's store overlaps the next tile. Else FP8 with P in
+    # shared memory where O does not fit (BLOCK_N 256 at d128): the warpgroup's first P
+    # buffer, the same bytes, free once the last P V is done. Else (16-bit) Q's buffer:
+    # S_{n-1}, its last reader, has completed when O is stored.
+    O_BYTES: gl.constexpr = 2 * o_desc.block_type.nbytes
+    P_BYTES: gl.constexpr = 4 * BLOCK_M_WG * BLOCK_N if P_SMEM else 0
+    USED_BYTES: gl.constexpr = 2 * q_desc.block_type.nbytes + STAGES * (
+        k_desc.block_type.nbytes + v_desc.block_type.nbytes) + P_BYTES
+    O_FITS: gl.constexpr = USED_BYTES + O_BYTES <= SMEM_BYTES - 1024
+    O_IN_P: gl.constexpr = P_SMEM and not O_FITS
+    O_IN_Q: gl.constexpr = o_desc.dtype == q_desc.dtype and not (PERSISTENT and O_FITS)
+    if not (O_IN_P or O_IN_Q):
         o_smem = gl.allocate_shared_memory(o_desc.dtype, [2] + o_desc.block_type.shape,
                                            o_desc.layout)
     if P_SMEM:  # two P buffers per consumer warpgroup, in V's FP8 format
@@ -382,7 +528,15 @@ def _attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, Lse, QDescale, KDesc
             gl.NVMMASharedLayout.get_default_for([BLOCK_M_WG, BLOCK_N], v_desc.dtype))
     else:
         p_smem = q_smem  # not read: P stays in registers
+    if O_IN_P:
+        gl.static_assert(o_desc.block_type.nbytes == BLOCK_M_WG * BLOCK_N,
+                         "O staged in P's buffers needs BLOCK_N == 2 * head_dim")
+        o_smem = p_smem._reinterpret(o_desc.dtype, [4] + o_desc.block_type.shape,
+                                     o_desc.layout)
+    elif O_IN_Q:
+        o_smem = q_smem
     q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -390,6 +544,7 @@ def _attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, Lse, QDescale, KDesc
     v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(2):
         mbarrier.init(q_ready.index(i), count=1)
+        mbarrier.init(q_empty.index(i), count=1)  # its consumer warpgroup's
         mbarrier.init(turn.index(i), count=1)
     for i in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(i), count=1)
@@ -397,29 +552,27 @@ def _attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, Lse, QDescale, KDesc
         mbarrier.init(k_empty.index(i), count=2)  # one arrival per consumer warpgroup
         mbarrier.init(v_empty.index(i), count=2)
 
-    # FP8 descales of (batch, KV head): q's and k's multiply every score, so they join
-    # the exp2's scale (as in flashtile.ops.fwd); v's multiplies the output.
-    if HAS_Q_DESCALE:
-        softmax_scale *= gl.load(QDescale + off_b * stride_qdesc_b + off_hkv * stride_qdesc_h)
-    if HAS_K_DESCALE:
-        softmax_scale *= gl.load(KDescale + off_b * stride_kdesc_b + off_hkv * stride_kdesc_h)
-    v_descale_off = off_b * stride_vdesc_b + off_hkv * stride_vdesc_h
-    qk_scale = softmax_scale * LOG2E
-    lse_row0 = off_bh * seqlen_q  # lse is (batch, nheads, seqlen_q), contiguous
     gl.warp_specialize([
-        (_mma_partition, (q_smem, k_smem, v_smem, o_smem, p_smem, q_ready, k_ready,
-                          k_empty, v_ready, v_empty, turn, o_desc, Lse, VDescale, off_b, off_h,
-                          row0, n_blocks, n_full, seqlen_q, seqlen_k, diag_offset, qk_scale,
-                          lse_row0, v_descale_off, 0, IS_CAUSAL, HAS_V_DESCALE,
-                          PV_PER_TILE, P_SMEM)),
-        (_load_partition, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready,
-                           k_ready, k_empty, v_ready, v_empty, off_b, off_h, off_hkv, row0,
-                           n_blocks)),
-        (_mma_partition, (q_smem, k_smem, v_smem, o_smem, p_smem, q_ready, k_ready,
-                          k_empty, v_ready, v_empty, turn, o_desc, Lse, VDescale, off_b, off_h,
-                          row0, n_blocks, n_full, seqlen_q, seqlen_k, diag_offset, qk_scale,
-                          lse_row0, v_descale_off, 1, IS_CAUSAL, HAS_V_DESCALE,
-                          PV_PER_TILE, P_SMEM)),
+        (_mma_partition, (q_smem, k_smem, v_smem, o_smem, p_smem, q_ready, q_empty, k_ready,
+                          k_empty, v_ready, v_empty, turn, o_desc, Lse, QDescale, KDescale,
+                          VDescale, nheads, group_size, seqlen_q, seqlen_k, diag_offset,
+                          stride_qdesc_b, stride_qdesc_h, stride_kdesc_b, stride_kdesc_h,
+                          stride_vdesc_b, stride_vdesc_h, softmax_scale, n_tiles_m, Schedule,
+                          schedule_row, 0, IS_CAUSAL, HAS_Q_DESCALE, HAS_K_DESCALE,
+                          HAS_V_DESCALE, PV_PER_TILE, P_SMEM, PERSISTENT, O_IN_Q,
+                          O_IN_P)),
+        (_load_partition, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty,
+                           k_ready, k_empty, v_ready, v_empty, nheads, group_size, seqlen_q,
+                           seqlen_k, diag_offset, n_tiles_m, Schedule, schedule_row,
+                           IS_CAUSAL, PERSISTENT)),
+        (_mma_partition, (q_smem, k_smem, v_smem, o_smem, p_smem, q_ready, q_empty, k_ready,
+                          k_empty, v_ready, v_empty, turn, o_desc, Lse, QDescale, KDescale,
+                          VDescale, nheads, group_size, seqlen_q, seqlen_k, diag_offset,
+                          stride_qdesc_b, stride_qdesc_h, stride_kdesc_b, stride_kdesc_h,
+                          stride_vdesc_b, stride_vdesc_h, softmax_scale, n_tiles_m, Schedule,
+                          schedule_row, 1, IS_CAUSAL, HAS_Q_DESCALE, HAS_K_DESCALE,
+                          HAS_V_DESCALE, PV_PER_TILE, P_SMEM, PERSISTENT, O_IN_Q,
+                          O_IN_P)),
     ], [1, 4], [PRODUCER_REGS, CONSUMER_REGS])
 
 
@@ -523,7 +676,7 @@ def attn_fwd(q, k, v, *, attn_mask, alibi_slopes, softmax_scale, diag_offset, wi
 
 # The parameters a launch plan fills per call, in the kernel's order.
 _SLOTS = ("q_desc", "k_desc", "v_desc", "o_desc", "Lse", "QDescale", "KDescale",
-          "VDescale", "softmax_scale")
+          "VDescale", "softmax_scale", "Schedule")
 
 
 def forward(q, k, v, softmax_scale, diag_offset, causal, q_descale=None, k_descale=None,
@@ -544,40 +697,118 @@ def forward(q, k, v, softmax_scale, diag_offset, causal, q_descale=None, k_desca
     descales = (q_descale, k_descale, v_descale)
     scales = tuple(lse if x is None else x for x in descales)
     p_smem = fp8 and configs.hopper_fwd_fp8_p_smem()
+    persistent = configs.hopper_fwd_persistent()
+    pv_per_tile = fp8 and configs.hopper_fwd_fp8_pv_per_tile(d)
     key = None
     if _launch.ready(q):
         # unsupported() has checked q's and k's (and 16-bit v's) addresses for TMA's
         # 16-byte alignment; lse and FP8 v's copy are allocated here (aligned). The
         # descales' strides are arguments and their addresses are specialised on.
         key = ("hopper_fwd", q.dtype, out_dtype, q.shape, k.shape, q.stride(), k.stride(),
-               None if fp8 else v.stride(), causal, diag_offset, p_smem,
+               None if fp8 else v.stride(), causal, diag_offset, p_smem, persistent,
+               pv_per_tile,
                *map(_launch.layout, descales), _launch.misalignment(_launch.pointers(scales)))
         found = _launch.lookup(key)
         if found is not None:
             plan, boxes = found
             tensors = (q, k, _keys_contiguous_t(v) if fp8 else v, out)
-            plan((*map(_rebased, boxes, tensors), lse, *scales, softmax_scale))
+            schedule = _persistent_schedule(q, k, causal, diag_offset) if persistent else lse
+            plan((*map(_rebased, boxes, tensors), lse, *scales, softmax_scale, schedule))
             return out, lse
     cfg = configs.hopper_fwd_config(d, fp8=fp8)
     flags = dict(IS_CAUSAL=causal, STAGES=cfg.num_stages,
                  HAS_Q_DESCALE=q_descale is not None, HAS_K_DESCALE=k_descale is not None,
                  HAS_V_DESCALE=v_descale is not None,
-                 PV_PER_TILE=fp8 and d <= configs.HOPPER_FWD_FP8_PV_PER_TILE_MAX_D,
-                 P_SMEM=p_smem)
+                 PV_PER_TILE=pv_per_tile, P_SMEM=p_smem, PERSISTENT=persistent)
     configs.log_first_launch("hopper forward", q, d, cfg, flags)
-    grid = (configs.cdiv(sq, cfg.block_m), b * h)
+    n_tiles_m = configs.cdiv(sq, cfg.block_m)
+    if persistent:
+        schedule = _persistent_schedule(q, k, causal, diag_offset)
+        grid = (schedule.shape[0],)
+    else:
+        schedule = lse  # not read
+        grid = (n_tiles_m, b * h)
     rows = BLOCK_M_WG.value
     descs = (_descriptor(q, (1, rows, 1, d)), _descriptor(k, (1, cfg.block_n, 1, d)),
              _v_descriptor(v, cfg.block_n), _descriptor(out, (1, rows, 1, d)))
     strides = tuple(s for x in descales for s in ((0, 0) if x is None else x.stride()))
     plan = _launch.first_launch(
         _attn_fwd_hopper_kernel, grid,
-        (*descs, lse, *scales, sq, sk, h, h // hkv, diag_offset, *strides, softmax_scale),
+        (*descs, lse, *scales, sq, sk, h, h // hkv, diag_offset, *strides, softmax_scale,
+         n_tiles_m, schedule, schedule.stride(0) if persistent else 0),
         dict(flags, num_warps=cfg.num_warps), slots=_SLOTS if key is not None else None)
     if key is not None and plan is not None:
         # The descriptors without their tensors: a plan must not keep a call's memory alive.
         _launch.store(key, (plan, tuple(_rebased(x, None) for x in descs)))
     return out, lse
+
+
+# K and V bytes the persistent causal order keeps in L2 at once (FA3's tile scheduler
+# takes 32 MiB of the H100's 50 MiB L2 for K and V; the H200's is the same size).
+L2_KV_BYTES = 32 << 20
+# A tile's prologue and epilogue (Q's load, the first K's latency, O's store) in key
+# blocks, for the schedule's cost model: about one block's time at head_dim 128.
+TILE_OVERHEAD_BLOCKS = 1
+
+
+def schedule_rows(seqlen_q, seqlen_k, head_dim, element_size, n_bh, group_size,
+                  diag_offset, block_n, num_programs) -> list[list[int]]:
+    """The persistent forward's tiles per program: row p lists program p's tiles in
+    order, each off_bh * n_tiles_m + query tile; diag_offset None for full attention.
+
+    Tiles are dealt in FA3's order to whichever program has the least work so far (its
+    dynamic scheduler's greedy list schedule, computed here once per geometry instead of
+    with an atomic counter): batch-heads in groups whose K and V fit L2_KV_BYTES (causal;
+    full attention takes one head at a time, heads of one batch in turn), inside a group
+    the query tiles from the most keys to the fewest with the group's heads interleaved
+    (longest processing time first). A tile costs its key blocks plus
+    TILE_OVERHEAD_BLOCKS."""
+    block_m = 2 * BLOCK_M_WG.value
+    n_tiles_m = -(-seqlen_q // block_m)
+    if diag_offset is None:
+        heads = 1
+        blocks = [-(-seqlen_k // block_n)] * n_tiles_m
+    else:
+        kv_heads = max(1, L2_KV_BYTES // (seqlen_k * 2 * head_dim * element_size))
+        heads = min(n_bh, kv_heads * group_size)
+        # _tile_blocks' n_blocks per query tile (the keys its last row sees).
+        blocks = [-(-min(seqlen_k, max(min(m * block_m + block_m, seqlen_q) + diag_offset,
+                                       0)) // block_n) for m in range(n_tiles_m)]
+    tiles = sorted(range(n_tiles_m), key=lambda m: -blocks[m])  # stable: ties in order
+    rows = [[] for _ in range(min(num_programs, n_tiles_m * n_bh))]
+    load = [(0, p) for p in range(len(rows))]  # a heap of (work so far, program)
+    for first in range(0, n_bh, heads):
+        group = range(first, min(first + heads, n_bh))
+        for m in tiles:
+            for bh in group:
+                work, p = heapq.heappop(load)
+                rows[p].append(bh * n_tiles_m + m)
+                heapq.heappush(load, (work + blocks[m] + TILE_OVERHEAD_BLOCKS, p))
+    return rows
+
+
+def _persistent_schedule(q, k, causal, diag_offset) -> torch.Tensor:
+    """The persistent grid's tile lists for this call (``_schedule_table``)."""
+    b, sq, h, d = q.shape
+    sk, hkv = k.shape[1], k.shape[2]
+    block_n = configs.hopper_fwd_config(d, fp8=q.element_size() == 1).block_n
+    return _schedule_table(q.device, sq, sk, d, q.element_size(), b * h, h // hkv,
+                           diag_offset if causal else None, block_n)
+
+
+@functools.lru_cache(maxsize=None)  # a few KiB a geometry, made once
+def _schedule_table(device, *geometry) -> torch.Tensor:
+    """``schedule_rows`` for this device's SMs as the kernel reads it: int32 (programs,
+    1 + most tiles), each row its count and then its tiles (a few KiB a geometry)."""
+    rows = schedule_rows(*geometry, num_programs=_num_sms(device))
+    width = 1 + max(map(len, rows))
+    table = [[len(r), *r] + [0] * (width - 1 - len(r)) for r in rows]
+    return torch.tensor(table, dtype=torch.int32, device=device)
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _rebased(desc: TensorDescriptor, base) -> TensorDescriptor:
