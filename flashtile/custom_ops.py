@@ -10,9 +10,9 @@ and fused, fewer matrix products with dq summed by atomics (reproducible to roun
 ``deterministic`` (flash-attn's flag) True always takes the split path; False takes
 FLASHTILE_BWD's choice, read at each backward: "split" or "fused" (default DEFAULT_BWD).
 torch.use_deterministic_algorithms(True) counts as deterministic=True.
-FLASHTILE_HOPPER_BWD=1 (the default; ``flashtile._backend.hopper_bwd_mode``) sends the
-dense 16-bit backwards it supports on sm_90 to the Gluon kernel
-(flashtile/ops/bwd_hopper.py, atomic dQ), unless deterministic.
+FLASHTILE_HOPPER_BWD (``flashtile._backend.hopper_bwd_mode``; default "auto": from 1k
+queries and 1k keys) sends the dense 16-bit backwards it supports on sm_90 to the Gluon
+kernel (flashtile/ops/bwd_hopper.py, atomic dQ), unless deterministic.
 
 Dropout: ``dropout_p`` > 0 comes with ``philox``, the int64 [seed, offset] tensor the
 caller drew from PyTorch's generator (``flashtile.interface._philox``); it is saved for
@@ -163,10 +163,12 @@ def _attn_bwd_impl(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, l
     kw = _mask_kwargs(attn_mask, alibi_slopes, softmax_scale, diag_offset, window_left,
                       window_right, softcap)
     if select_backend(q.device, q.dtype) == "triton":
-        # FLASHTILE_HOPPER_BWD=1 (the default): the Gluon backward where it supports the
-        # call; its dQ atomics are not reproducible, so deterministic calls keep the
-        # portable one.
-        if hopper_bwd_mode() == "1" and not _deterministic(deterministic):
+        # FLASHTILE_HOPPER_BWD (default auto: from 1k queries and keys): the Gluon
+        # backward where it supports the call; its dQ atomics are not reproducible, so
+        # deterministic calls keep the portable one.
+        mode = hopper_bwd_mode()
+        if (mode == "1" or mode == "auto" and min(q.shape[1], k.shape[1]) >= 1024) \
+                and not _deterministic(deterministic):
             from flashtile.ops import bwd_hopper
 
             reason = bwd_hopper.unsupported(q, k, v, out, dout, dropout_p=dropout_p, **kw)

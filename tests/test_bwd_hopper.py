@@ -271,17 +271,21 @@ def test_declines_what_it_does_not_support(monkeypatch):
     assert "dout" in bwd_hopper.unsupported(q, k, v, out, odd)
 
 
-@pytest.mark.parametrize("switch,deterministic,head_dim,used", [
-    ("1", False, 64, "hopper"), ("1", False, 128, "hopper"), ("0", False, 128, "portable"),
-    ("", False, 128, "hopper"), ("1", True, 128, "portable"),
-    ("1", False, 96, "portable")])
-def test_switch_dispatch_on_cpu(switch, deterministic, head_dim, used, monkeypatch):
+@pytest.mark.parametrize("switch,deterministic,head_dim,seqlen_q,used", [
+    ("1", False, 64, 30, "hopper"), ("1", False, 128, 30, "hopper"),
+    ("0", False, 128, 1024, "portable"), ("", False, 128, 1024, "hopper"),
+    ("auto", False, 64, 1024, "hopper"), ("auto", False, 128, 1023, "portable"),
+    ("", False, 128, 30, "portable"), ("1", True, 128, 30, "portable"),
+    ("auto", True, 128, 1024, "portable"), ("1", False, 96, 30, "portable")])
+def test_switch_dispatch_on_cpu(switch, deterministic, head_dim, seqlen_q, used,
+                                monkeypatch):
     """With the kernels replaced by fakes: FLASHTILE_HOPPER_BWD=1 sends a supported dense
     backward to bwd_hopper.backward with the portable launcher's arguments (bottom-right
-    causal as diag_offset, the scale, dlse), and so does the unset default; "0" keeps
-    it on the portable backward, and so do deterministic calls and calls it declines
-    (head_dim 96: the real unsupported() runs there, with only its device check
-    bypassed)."""
+    causal as diag_offset, the scale, dlse); "auto" (also the unset default) does so
+    from 1k queries and 1k keys (seqlen_k is seqlen_q + 20 here) and keeps shorter calls
+    on the portable backward; "0" never sends it, and neither do deterministic calls or
+    calls it declines (head_dim 96: the real unsupported() runs there, with only its
+    device check bypassed)."""
     from flashtile.ops import fwd_hopper
 
     seen = {}
@@ -296,7 +300,8 @@ def test_switch_dispatch_on_cpu(switch, deterministic, head_dim, used, monkeypat
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
 
     monkeypatch.setattr(custom_ops, "select_backend", lambda *a, **kw: "torch")
-    q, k, v, dout = _inputs(1, 30, 50, 2, 1, head_dim, torch.bfloat16, "cpu")
+    q, k, v, dout = _inputs(1, seqlen_q, seqlen_q + 20, 2, 1, head_dim, torch.bfloat16,
+                            "cpu")
     qg, kg, vg = (x.clone().requires_grad_() for x in (q, k, v))
     out = flashtile.flash_attn_func(qg, kg, vg, causal=True, softmax_scale=0.25,
                                     deterministic=deterministic)  # the torch forward
@@ -315,7 +320,7 @@ def test_switch_dispatch_on_cpu(switch, deterministic, head_dim, used, monkeypat
 def test_switch_rejects_other_values(monkeypatch):
     from flashtile._backend import hopper_bwd_mode
 
-    monkeypatch.setenv("FLASHTILE_HOPPER_BWD", "auto")
-    with pytest.raises(ValueError, match="FLASHTILE_HOPPER_BWD must be '0' or '1', "
-                       "got 'auto'"):
+    monkeypatch.setenv("FLASHTILE_HOPPER_BWD", "yes")
+    with pytest.raises(ValueError, match="FLASHTILE_HOPPER_BWD must be 'auto', '0' or "
+                       "'1', got 'yes'"):
         hopper_bwd_mode()
