@@ -72,7 +72,9 @@ backward alone ~0.76x (~390 against ~513 TFLOP/s at d128, 4k). tests/test_gluon_
 compiles every variant and option for sm_90 on the CPU (shared memory, no local-memory
 stores inside the walks, each option visible in the SASS; ptxas keeps 48 bytes of
 scalars in local memory at head_dim 128, stored before the walk, up to 112 with sdp).
-The options and STAGES 3/4 are not timed yet: their GPU tests and A/B come next.
+The options sdp + dq_early + dq_unmasked together ran 0-3% slower than none (H200,
+session 12, NOTES.md section 22), so they stay off; dq_warp and STAGES 3/4 are not
+timed, and the options' own GPU tests have not run yet.
 """
 
 from __future__ import annotations

@@ -218,7 +218,7 @@ HOPPER_FWD_16BIT = {
 # FP8 (e4m3/e5m2) in the same kernel: half the bytes per K/V tile, and O gets a 16-bit
 # buffer of its own (2 x 64 rows), so the ring is deeper: d64 120 KiB, d128 176 KiB,
 # d256 192 KiB. d256 keeps 64 keys a block: O alone is 128 fp32 registers a thread.
-# Compile-checked on CPU only (tests/test_gluon_compile.py); not yet timed.
+# Timed at d128 only (H200, session 12: 640-799 TFLOP/s with P in shared memory).
 HOPPER_FWD_FP8 = {
     64: TileConfig(128, 128, 4, 6), 128: TileConfig(128, 128, 4, 4),
     256: TileConfig(128, 64, 4, 3),
@@ -253,8 +253,10 @@ def hopper_fwd_fp8_pv_per_tile(head_dim: int) -> bool:
     kernel does; "wgmma": in the wgmma's accumulator at every head dim (as at d256),
     which frees a second O tile of registers: with P in shared memory, BLOCK_N 256 at
     d128 then compiles without spills (FLASHTILE_HOPPER_FWD_CONFIG=128,256,4,2; O is
-    staged in P's buffers). Not timed: for the GPU session's A/B. Read when a launch
-    plan is made."""
+    staged in P's buffers). On the H200 (session 12, NOTES.md section 22) that pair ran
+    full attention at 686/867 TFLOP/s (4k/16k, against 668/803 for the default) and
+    causal at 433/749 (against 485/749); not the default: the FP8 accumulator keeps
+    about 14 bits, and causal 4k loses. Read when a launch plan is made."""
     mode = _env_choice("FLASHTILE_HOPPER_FWD_FP8_PV", HOPPER_FWD_FP8_PV)
     return mode == "tile" and head_dim <= HOPPER_FWD_FP8_PV_PER_TILE_MAX_D
 
@@ -275,8 +277,11 @@ def hopper_fwd_persistent() -> bool:
     tile, batch-head) tiles. "tiles" (the default): one program a tile, causal tiles
     longest first; "persistent": one program per SM looping over tiles (FA3), causal ones
     longest first within groups of heads whose K and V fit L2, the next tile's Q, K and V
-    loading while the consumers finish the current one. Not timed yet: the GPU session
-    compares them. Read when a launch plan is made."""
+    loading while the consumers finish the current one. On the H200 (session 12,
+    NOTES.md section 22, d128) persistent ran bf16 at 1.11-1.15x tiles at 1k, 1.07x
+    causal at 4k, level at 16k, and FP8 full attention 3% slower from 4k. Opt-in until
+    its GPU tests have run; its first call per geometry copies a tile list to the
+    device (not possible inside a CUDA-graph capture). Read when a launch plan is made."""
     return _env_choice("FLASHTILE_HOPPER_FWD_SCHEDULE", HOPPER_FWD_SCHEDULE) == "persistent"
 
 
