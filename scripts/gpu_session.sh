@@ -50,7 +50,8 @@ stamp() { echo "[$(date +%T)] $*"; }
 XDIST=$(python3 -c "import xdist" >/dev/null 2>&1 && n=$(nproc) && echo "-n $(( n < 16 ? n : 16 ))")
 # The decode table (and any sweep flags given) into $OUT/decode.txt and decode.json.
 decode_table() {
-  timeout "${DECODE_SECS:-100}" python3 -m flashtile.bench.decode "$@" "$OUT/decode.json" \
+  # 150 s: since session 12 the FP8 rows rotate enough cache copies to miss the L2 too.
+  timeout "${DECODE_SECS:-150}" python3 -m flashtile.bench.decode "$@" "$OUT/decode.json" \
     2>&1 | grep -v -i warn | grep -v "^{" | grep -v "^  return" | tee "$OUT/decode.txt" \
     | tail -30
 }
@@ -269,6 +270,10 @@ case "${1:-}" in
   host)
     # Host time per eager call (issue 15 item 1) and transformers with flashtile (issue 16).
     timeout 200 python3 -m flashtile bench host --out "$OUT/host" 2>&1 | tail -20
+    # The Gluon backward's host path (FLASHTILE_HOPPER_BWD=1 sends this 128-token call to
+    # it; auto keeps it on the split backward): session 12 saw 590 us against 380.
+    FLASHTILE_HOPPER_BWD=1 timeout 150 python3 -m flashtile bench host --out "$OUT/host-gluon-bwd" \
+      --profile "forward+backward" 2>&1 | grep -A30 "^| call\|cProfile of" | head -60
     timeout 350 python3 -m flashtile bench hf --out "$OUT/hf.json" 2>&1 | tail -14
     # A left-padded batch (the decode kernel with cache_leftpad since session 10).
     timeout 200 python3 -m flashtile bench hf --pad --batches 16 --out "$OUT/hf-pad.json" \
