@@ -122,7 +122,7 @@ def hopper_bwd_mode() -> str:
     backward (flashtile/ops/bwd_hopper.py) instead of the portable one. "auto" (the
     default): the calls it supports (head dims 64 and 128, causal or full, no dropout)
     with at least 1k queries and 1k keys, where forward+backward was timed at
-    1.09-1.17x the portable split backward (d64/d128, 1k-16k tokens, causal and full:
+    1.09-1.22x the portable split backward (d64/d128, 1k-16k tokens, causal and full:
     docs/benchmarks/NOTES.md section 22); shorter calls are host-bound, and its host
     path (six tensor maps, three launches) was not measured cheaper. "1": every call it
     supports; "0": never. Deterministic calls always keep the portable split backward
