@@ -44,7 +44,7 @@ from flashtile.ops.fwd import attn_fwd as triton_fwd
 
 BWD_PATHS = ("split", "fused")
 # The split path is the default: on the H200 the fused one ran forward+backward at
-# 0.58-0.83x the split one (d64/d128, 1k-16k tokens; NOTES.md section 22).
+# 0.57-0.86x the split one (d64/d128, 1k-16k tokens; NOTES.md section 22).
 DEFAULT_BWD = "split"
 
 
