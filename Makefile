@@ -33,9 +33,13 @@ bench: $(STAMP)
 
 # CPU: the torch path plus the Triton kernels through the interpreter; then the sm_90
 # and Gluon compile checks, which need real Triton compilation and so their own process.
+# Both spread over the CPU cores with pytest-xdist (at most 4 workers): on a 2-core
+# machine (session 12) 12 minutes with install, against 19.5 serial.
+CPU_WORKERS := $(shell n=$$(nproc 2>/dev/null || echo 1); echo $$(( n < 4 ? n : 4 )))
 test: $(STAMP)
-	TRITON_INTERPRET=1 $(VPY) -m pytest -q -p no:cacheprovider tests
-	$(VPY) -m pytest -q -p no:cacheprovider tests/test_sm90_compile.py tests/test_gluon_compile.py
+	TRITON_INTERPRET=1 $(VPY) -m pytest -q -p no:cacheprovider -n $(CPU_WORKERS) tests
+	$(VPY) -m pytest -q -p no:cacheprovider -n $(CPU_WORKERS) tests/test_sm90_compile.py \
+		tests/test_gluon_compile.py
 
 # GPU: the Makefile's .venv where there is one, else the system python3 (the GPU
 # machine: torch and Triton preinstalled, no venv, no network). pytest-xdist (in the
