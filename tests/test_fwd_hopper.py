@@ -185,7 +185,7 @@ def test_persistent_many_tiles_per_program(head_dim, dtype, p, shape, programs,
     diag_offset = sk - sq if align == "bottom_right" else 0
     monkeypatch.setenv("FLASHTILE_HOPPER_FWD_SCHEDULE", "persistent")
     monkeypatch.setattr(fwd_hopper, "_num_sms", lambda device: programs)
-    fwd_hopper._schedule_table.cache_clear()
+    fwd_hopper._SCHEDULES.clear()
     _launch.clear()  # plans of another program count
     try:
         if p is None:
@@ -202,7 +202,7 @@ def test_persistent_many_tiles_per_program(head_dim, dtype, p, shape, programs,
                                            v_descale=scales[2])
             _fp8_check(out, lse, q, k, v, scales, causal)
     finally:
-        fwd_hopper._schedule_table.cache_clear()
+        fwd_hopper._SCHEDULES.clear()
         _launch.clear()
 
 
@@ -619,21 +619,86 @@ def test_fp8_switch_dispatch_on_cpu(switch, seqlen_q, varlen, used, monkeypatch)
 
 
 def test_schedule_switch_rejects_other_values(monkeypatch):
-    """FLASHTILE_HOPPER_FWD_SCHEDULE: "tiles" when unset or empty, "persistent" when
-    named, a ValueError naming the choices otherwise."""
+    """FLASHTILE_HOPPER_FWD_SCHEDULE: "auto" when unset or empty (persistent for 16-bit
+    d128 only), "tiles" or "persistent" when named, a ValueError naming the choices
+    otherwise."""
     from flashtile.ops import configs
 
     monkeypatch.setenv("FLASHTILE_HOPPER_FWD_SCHEDULE", "lpt")
     with pytest.raises(ValueError, match=re.escape(
-            "FLASHTILE_HOPPER_FWD_SCHEDULE must be one of ('tiles', 'persistent'), "
-            "got 'lpt'")):
-        configs.hopper_fwd_persistent()
+            "FLASHTILE_HOPPER_FWD_SCHEDULE must be one of ('auto', 'tiles', "
+            "'persistent'), got 'lpt'")):
+        configs.hopper_fwd_persistent(128, False)
+    for value in ("", "auto", None):
+        if value is None:
+            monkeypatch.delenv("FLASHTILE_HOPPER_FWD_SCHEDULE")
+        else:
+            monkeypatch.setenv("FLASHTILE_HOPPER_FWD_SCHEDULE", value)
+        assert configs.hopper_fwd_persistent(128, False)
+        assert not configs.hopper_fwd_persistent(128, True)
+        assert not configs.hopper_fwd_persistent(64, False)
+        assert not configs.hopper_fwd_persistent(256, False)
     monkeypatch.setenv("FLASHTILE_HOPPER_FWD_SCHEDULE", "persistent")
-    assert configs.hopper_fwd_persistent()
-    monkeypatch.setenv("FLASHTILE_HOPPER_FWD_SCHEDULE", "")
-    assert not configs.hopper_fwd_persistent()
-    monkeypatch.delenv("FLASHTILE_HOPPER_FWD_SCHEDULE")
-    assert not configs.hopper_fwd_persistent()
+    assert configs.hopper_fwd_persistent(64, False) and configs.hopper_fwd_persistent(128, True)
+    monkeypatch.setenv("FLASHTILE_HOPPER_FWD_SCHEDULE", "tiles")
+    assert not configs.hopper_fwd_persistent(128, False)
+
+
+@on_hopper
+def test_graph_capture_of_a_new_geometry(monkeypatch):
+    """The default schedule (persistent at bf16 d128) captured in a CUDA graph for a
+    geometry no eager call of it made (the tiles grid, no copy inside the capture), then
+    after an eager call made its table (the persistent grid): each replay gives the
+    float64 reference's numbers for the inputs copied in."""
+    from flashtile.ops import _launch
+
+    monkeypatch.setattr(fwd_hopper, "_SCHEDULES", {})
+    _launch.clear()
+    try:
+        for warm_up in ("tiles", "auto"):
+            q, k, v = _inputs(2, 333, 517, 4, 2, 128, torch.bfloat16)
+            # The eager warm-up compiles the kernel (outside the capture, as graph users
+            # do); "tiles" leaves the persistent table unmade.
+            monkeypatch.setenv("FLASHTILE_HOPPER_FWD_SCHEDULE", warm_up)
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                fwd_hopper.attn_fwd(q, k, v, **_kw(True, 184, 0.1))
+            torch.cuda.current_stream().wait_stream(stream)
+            monkeypatch.delenv("FLASHTILE_HOPPER_FWD_SCHEDULE")
+            made = len(fwd_hopper._SCHEDULES)
+            assert made == (warm_up == "auto")
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out, lse = fwd_hopper.attn_fwd(q, k, v, **_kw(True, 184, 0.1))
+            assert len(fwd_hopper._SCHEDULES) == made
+            for x in (q, k, v):
+                x.copy_(torch.randn_like(x))
+            graph.replay()
+            torch.cuda.synchronize()
+            _check(out, lse, q, k, v, True, 184, 0.1)
+    finally:
+        _launch.clear()
+
+
+def test_persistent_schedule_is_not_made_inside_a_graph_capture(monkeypatch):
+    """A geometry's first persistent call inside a CUDA-graph capture gets no table (its
+    copy to the device would break the capture: the caller takes the tiles grid); a
+    table made before the capture is handed out inside it."""
+    q, k = torch.empty(2, 300, 4, 128), torch.empty(2, 500, 2, 128)
+    made = []
+    monkeypatch.setattr(fwd_hopper, "_schedule_table",
+                        lambda *key: made.append(key) or torch.zeros(3, 2))
+    monkeypatch.setattr(fwd_hopper, "_SCHEDULES", {})
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    assert fwd_hopper._persistent_schedule(q, k, True, 200) is None and made == []
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    table = fwd_hopper._persistent_schedule(q, k, True, 200)
+    assert len(made) == 1 and made[0][1:] == (300, 500, 128, 4, 8, 2, 200, 128)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    assert fwd_hopper._persistent_schedule(q, k, True, 200) is table and len(made) == 1
+    # Full attention (diag_offset not part of the geometry) is another table.
+    assert fwd_hopper._persistent_schedule(q, k, False, 200) is None
 
 
 def test_fp8_p_switch_rejects_other_values(monkeypatch):

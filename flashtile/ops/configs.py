@@ -269,20 +269,27 @@ def _env_choice(name: str, choices: tuple) -> str:
     return value
 
 
-HOPPER_FWD_SCHEDULE = ("tiles", "persistent")
+HOPPER_FWD_SCHEDULE = ("auto", "tiles", "persistent")
+# auto's persistent grid: the 16-bit head dims where it was timed ahead of "tiles".
+HOPPER_FWD_PERSISTENT_AUTO_D = (128,)
 
 
-def hopper_fwd_persistent() -> bool:
+def hopper_fwd_persistent(head_dim: int, fp8: bool) -> bool:
     """FLASHTILE_HOPPER_FWD_SCHEDULE: how the Gluon forward's grid covers the (query
-    tile, batch-head) tiles. "tiles" (the default): one program a tile, causal tiles
-    longest first; "persistent": one program per SM looping over tiles (FA3), causal ones
-    longest first within groups of heads whose K and V fit L2, the next tile's Q, K and V
-    loading while the consumers finish the current one. On the H200 (session 12,
+    tile, batch-head) tiles. "tiles": one program a tile, causal tiles longest first;
+    "persistent": one program per SM looping over tiles (FA3), causal ones longest first
+    within groups of heads whose K and V fit L2, the next tile's Q, K and V loading while
+    the consumers finish the current one. "auto" (the default): persistent for 16-bit
+    inputs at HOPPER_FWD_PERSISTENT_AUTO_D, tiles otherwise. On the H200 (session 12,
     NOTES.md section 22, d128) persistent ran bf16 at 1.11-1.15x tiles at 1k, 1.07x
-    causal at 4k, level at 16k, and FP8 full attention 3% slower from 4k. Opt-in until
-    its GPU tests have run; its first call per geometry copies a tile list to the
-    device (not possible inside a CUDA-graph capture). Read when a launch plan is made."""
-    return _env_choice("FLASHTILE_HOPPER_FWD_SCHEDULE", HOPPER_FWD_SCHEDULE) == "persistent"
+    causal at 4k, level at 16k, and FP8 full attention 3% slower from 4k; d64 and d256
+    were not timed. Its first call per geometry copies a tile list to the device, which
+    a CUDA-graph capture cannot do: such a call takes the tiles grid
+    (``fwd_hopper._persistent_schedule``). Read when a launch plan is made."""
+    mode = _env_choice("FLASHTILE_HOPPER_FWD_SCHEDULE", HOPPER_FWD_SCHEDULE)
+    if mode == "auto":
+        return not fp8 and head_dim in HOPPER_FWD_PERSISTENT_AUTO_D
+    return mode == "persistent"
 
 
 def hopper_fwd_config(head_dim: int, fp8: bool = False) -> TileConfig:

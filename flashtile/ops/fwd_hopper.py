@@ -22,7 +22,7 @@ warp-specialised partitions:
 - warp_specialize's register requests become setmaxnreg: the producer keeps 24
   registers per thread and each consumer gets 240 (S, P and O live in registers).
 The grid (FLASHTILE_HOPPER_FWD_SCHEDULE, ``configs.hopper_fwd_persistent``):
-- "tiles" (the default): one program per (query tile, batch * nheads), causal query
+- "tiles": one program per (query tile, batch * nheads), causal query
   tiles longest first; the hardware hands out the programs, each with its own prologue
   (barriers, Q and the first K's latency) and epilogue (O's store).
 - "persistent" (PERSISTENT, FA3's persistent kernel): one program per SM, each walking
@@ -37,7 +37,8 @@ The grid (FLASHTILE_HOPPER_FWD_SCHEDULE, ``configs.hopper_fwd_persistent``):
   store runs under the next tile. Compiled for sm_90 in CI (no spills, both
   schedules); timed on the H200 (session 12, NOTES.md section 22) at 1.11-1.15x
   "tiles" for bf16 at 1k, 1.07x causal at 4k, level at 16k, FP8 full attention 3%
-  slower; its own GPU tests have not run yet, so it stays opt-in.
+  slower; its GPU tests passed in session 13. "auto" (the default) takes it for 16-bit
+  d128 (``configs.HOPPER_FWD_PERSISTENT_AUTO_D``) and "tiles" elsewhere.
 K/V rows past seqlen_k and Q rows past seqlen_q are zero-filled by TMA (the descriptors
 are 4-d, so a tile never reads the next sequence) and the TMA store of O drops rows past
 seqlen_q. Gluon kernels do not run in the Triton interpreter: CI compiles this one for
@@ -81,6 +82,7 @@ from __future__ import annotations
 
 import functools
 import heapq
+from typing import Optional
 
 import torch
 from triton.experimental import gluon
@@ -698,7 +700,12 @@ def forward(q, k, v, softmax_scale, diag_offset, causal, q_descale=None, k_desca
     descales = (q_descale, k_descale, v_descale)
     scales = tuple(lse if x is None else x for x in descales)
     p_smem = fp8 and configs.hopper_fwd_fp8_p_smem()
-    persistent = configs.hopper_fwd_persistent()
+    persistent = configs.hopper_fwd_persistent(d, fp8)
+    schedule = lse  # the tiles grid reads no schedule (lse's address stands in)
+    if persistent:
+        schedule = _persistent_schedule(q, k, causal, diag_offset)
+        persistent = schedule is not None
+        schedule = lse if schedule is None else schedule
     pv_per_tile = fp8 and configs.hopper_fwd_fp8_pv_per_tile(d)
     key = None
     if _launch.ready(q):
@@ -713,7 +720,6 @@ def forward(q, k, v, softmax_scale, diag_offset, causal, q_descale=None, k_desca
         if found is not None:
             plan, boxes = found
             tensors = (q, k, _keys_contiguous_t(v) if fp8 else v, out)
-            schedule = _persistent_schedule(q, k, causal, diag_offset) if persistent else lse
             plan((*map(_rebased, boxes, tensors), lse, *scales, softmax_scale, schedule))
             return out, lse
     cfg = configs.hopper_fwd_config(d, fp8=fp8)
@@ -723,12 +729,7 @@ def forward(q, k, v, softmax_scale, diag_offset, causal, q_descale=None, k_desca
                  PV_PER_TILE=pv_per_tile, P_SMEM=p_smem, PERSISTENT=persistent)
     configs.log_first_launch("hopper forward", q, d, cfg, flags)
     n_tiles_m = configs.cdiv(sq, cfg.block_m)
-    if persistent:
-        schedule = _persistent_schedule(q, k, causal, diag_offset)
-        grid = (schedule.shape[0],)
-    else:
-        schedule = lse  # not read
-        grid = (n_tiles_m, b * h)
+    grid = (schedule.shape[0],) if persistent else (n_tiles_m, b * h)
     rows = BLOCK_M_WG.value
     descs = (_descriptor(q, (1, rows, 1, d)), _descriptor(k, (1, cfg.block_n, 1, d)),
              _v_descriptor(v, cfg.block_n), _descriptor(out, (1, rows, 1, d)))
@@ -788,16 +789,29 @@ def schedule_rows(seqlen_q, seqlen_k, head_dim, element_size, n_bh, group_size,
     return rows
 
 
-def _persistent_schedule(q, k, causal, diag_offset) -> torch.Tensor:
-    """The persistent grid's tile lists for this call (``_schedule_table``)."""
+# The persistent grid's tile tables by (device, geometry): a few KiB each, made once.
+_SCHEDULES: dict = {}
+
+
+def _persistent_schedule(q, k, causal, diag_offset) -> Optional[torch.Tensor]:
+    """The persistent grid's tile lists for this call (``_schedule_table``), or None
+    when the table is not made yet and a CUDA graph is being captured on the current
+    stream: copying it to the device there would break the capture, so that call takes
+    the tiles grid (a capture made after an eager call of the same geometry gets the
+    persistent one)."""
     b, sq, h, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
     block_n = configs.hopper_fwd_config(d, fp8=q.element_size() == 1).block_n
-    return _schedule_table(q.device, sq, sk, d, q.element_size(), b * h, h // hkv,
-                           diag_offset if causal else None, block_n)
+    key = (q.device, sq, sk, d, q.element_size(), b * h, h // hkv,
+           diag_offset if causal else None, block_n)
+    table = _SCHEDULES.get(key)
+    if table is None:
+        if torch.cuda.is_current_stream_capturing():
+            return None
+        table = _SCHEDULES[key] = _schedule_table(*key)
+    return table
 
 
-@functools.lru_cache(maxsize=None)  # a few KiB a geometry, made once
 def _schedule_table(device, *geometry) -> torch.Tensor:
     """``schedule_rows`` for this device's SMs as the kernel reads it: int32 (programs,
     1 + most tiles), each row its count and then its tiles (a few KiB a geometry)."""
