@@ -104,6 +104,26 @@ def test_launch_plan_equals_tritons_path(causal):
     assert torch.equal(grads[1], again[1]) and torch.equal(grads[2], again[2])
 
 
+@pytest.mark.parametrize("mask", ["full", "causal"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("split", [1, 2, 4])
+@on_hopper
+def test_gqa_head_split_matches_float64_reference(split, head_dim, mask, monkeypatch):
+    """A GQA group of 4 query heads walked by 1, 2 or 4 programs per (key block, KV
+    head), their dK and dV shares summed: the float64 reference's gradients."""
+    from flashtile.ops import _launch
+
+    monkeypatch.setattr(bwd_hopper, "head_split", lambda group, programs, sms: split)
+    _launch.clear()  # a plan of another split
+    try:
+        q, k, v, dout = _inputs(2, 700, 900, 8, 2, head_dim, torch.bfloat16)
+        causal = mask == "causal"
+        grads = _backward(q, k, v, dout, causal, 200, 0.1)
+        _check(grads, q, k, v, dout, causal, 200, 0.1)
+    finally:
+        _launch.clear()
+
+
 @on_hopper
 def test_empty_rows_get_zero_gradients():
     """Bottom-right causal with seqlen_q > seqlen_k: the first 200 rows see no key (lse
@@ -324,3 +344,17 @@ def test_switch_rejects_other_values(monkeypatch):
     with pytest.raises(ValueError, match="FLASHTILE_HOPPER_BWD must be 'auto', '0' or "
                        "'1', got 'yes'"):
         hopper_bwd_mode()
+
+
+def test_head_split_fills_the_grid():
+    """The smallest divisor of the group giving HEAD_SPLIT_WAVES waves, else the whole
+    group; MHA never splits."""
+    waves = bwd_hopper.HEAD_SPLIT_WAVES
+    assert bwd_hopper.head_split(1, 4, 132) == 1
+    # transformers' Llama-3.2-1B step: 32 key blocks x 8 KV heads = 256 programs.
+    assert bwd_hopper.head_split(4, 256, 132) == (4 if waves * 132 > 512 else 2)
+    assert bwd_hopper.head_split(4, waves * 132, 132) == 1
+    assert bwd_hopper.head_split(4, waves * 66, 132) == 2
+    assert bwd_hopper.head_split(7, waves * 66, 132) == 7  # 7 is prime: one a head
+    assert bwd_hopper.head_split(6, waves * 50, 132) == 3
+    assert bwd_hopper.head_split(8, 1, 132) == 8

@@ -284,14 +284,15 @@ def _early_release(sass: str) -> bool:
 # The FLASHTILE_HOPPER_BWD_OPTS variants the GPU A/B times (bwd_hopper's docstring), and
 # the local memory ptxas keeps for each (bytes, the worst of full and causal): scalars
 # stored before the walk, checked by _walk_local_stores. sdp at head_dim 128 keeps 88-112
-# (dP^T's accumulators pinned through the softmax), dq_warp 56-144. Not listed: dq_warp
+# (dP^T's accumulators pinned through the softmax), dq_warp 56-144 (d64: 8 before the
+# GQA head split of session 13 added two scalars, 16-24 after). Not listed: dq_warp
 # with sdp, which at head_dim 128 (causal) stores a word inside a walk.
 _BWD_OPTS_STACK = {
     ("sdp",): {64: 0, 128: 112},
     ("dq_early", "dq_unmasked"): {64: 0, 128: 48},
     ("sdp", "dq_early", "dq_unmasked"): {64: 0, 128: 112},
-    ("dq_warp",): {64: 8, 128: 80},
-    ("dq_warp", "dq_unmasked"): {64: 8, 128: 144},
+    ("dq_warp",): {64: 24, 128: 80},
+    ("dq_warp", "dq_unmasked"): {64: 24, 128: 144},
 }
 
 

@@ -12,7 +12,9 @@ j <= i + diag_offset) or full.
 
 One program owns BLOCK_N = 2 x 64 keys of one (batch, KV head) and walks every query
 block of every query head of the group (the group sum of dK/dV happens in registers, as
-in bwd.py), in three warp-specialised partitions:
+in bwd.py); where that grid would be small for the device (GQA, few KV heads, short
+sequences: ``head_split``), the group's heads are dealt to several programs whose dK/dV
+shares are summed after the kernel. Three warp-specialised partitions:
 - a producer warp loads the program's K and V once (one 64-key half per consumer) and
   streams Q and dO blocks through a ring of STAGES shared buffers with TMA; each stage
   has a "ready" mbarrier per tensor and one "empty" mbarrier (both consumers done).
@@ -103,9 +105,9 @@ DQ_PIECE = gl.constexpr(64)
 @gluon.jit
 def _load_partition(q_desc, k_desc, v_desc, do_desc, q_smem, k_smem, v_smem, do_smem,
                     kv_ready, q_ready, do_ready, qdo_empty, off_b, off_hkv, key0,
-                    group_size, m_lo, n_m):
+                    h0, n_heads, m_lo, n_m):
     """Producer warp: K and V once (one half per consumer), then Q_i and dO_i of every
-    (query head of the group, query block) into the ring."""
+    (query head h0 + [0, n_heads), query block) into the ring."""
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[1]
     STAGES: gl.constexpr = q_smem.type.shape[0]
     mbarrier.expect(kv_ready, 2 * k_desc.block_type.nbytes + 2 * v_desc.block_type.nbytes)
@@ -115,8 +117,8 @@ def _load_partition(q_desc, k_desc, v_desc, do_desc, q_smem, k_smem, v_smem, do_
                                         kv_ready, k_half)
         tma.async_copy_global_to_shared(v_desc, [off_b, key0 + w * BLOCK_N_WG, off_hkv, 0],
                                         kv_ready, v_smem.index(w))
-    for it in range(group_size * n_m):
-        off_h = off_hkv * group_size + it // n_m
+    for it in range(n_heads * n_m):
+        off_h = h0 + it // n_m
         row0 = (m_lo + it % n_m) * BLOCK_M
         stage = it % STAGES
         # A fresh mbarrier counts as having completed the phase before its first, so the
@@ -209,7 +211,7 @@ def _dq_partial(ds_all, k_all, dq_init, p_dq, row0, seqlen_q, ds_empty, dq_smem,
 
 
 @gluon.jit
-def _dq_writer_partition(dq_smem, dq_full, dq_empty, DQAccum, off_b, off_hkv, group_size,
+def _dq_writer_partition(dq_smem, dq_full, dq_empty, DQAccum, off_b, h0, n_heads,
                          m_lo, n_m, nheads, seqlen_q, dq_rows, DQ_UNMASKED: gl.constexpr):
     """The dQ writer warp (DQ_WARP): each query block's dQ_partial from dq_smem into the
     fp32 accumulator by relaxed atomics, four values an instruction (REDG.F32x4), 8 x 32
@@ -222,8 +224,8 @@ def _dq_writer_partition(dq_smem, dq_full, dq_empty, DQAccum, off_b, off_hkv, gr
     layout: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [1, 1], [1, 0])
     o_r = gl.arange(0, 8, layout=gl.SliceLayout(1, layout))                   # (8,)
     o_d = gl.arange(0, COLS, layout=gl.SliceLayout(0, layout))                # (32,)
-    bh0 = off_b * nheads + off_hkv * group_size
-    for it in range(group_size * n_m):
+    bh0 = off_b * nheads + h0
+    for it in range(n_heads * n_m):
         row0 = (m_lo + it % n_m) * BLOCK_M
         p_dq = DQAccum + ((bh0 + it // n_m).to(gl.int64) * dq_rows + row0) * HEAD_DIM
         mbarrier.wait(dq_full, it & 1)
@@ -249,7 +251,7 @@ def _mma_partition(args, WG: gl.constexpr, IS_CAUSAL: gl.constexpr, SDP: gl.cons
     DQ_UNMASKED)."""
     (q_smem, k_smem, v_smem, do_smem, ds_smem, kv_ready, q_ready, do_ready, qdo_empty,
      ds_full, ds_empty, dq_smem, dq_full, dq_empty, dk_desc, dv_desc, Lse, Delta, DQAccum,
-     off_b, off_hkv, key0, group_size, m_lo, n_m, nheads, seqlen_q, seqlen_k, dq_rows,
+     off_b, off_dkv, key0, h0, n_heads, m_lo, n_m, nheads, seqlen_q, seqlen_k, dq_rows,
      diag_offset, softmax_scale) = args
     STAGES: gl.constexpr = q_smem.type.shape[0]
     BLOCK_M: gl.constexpr = q_smem.type.shape[2]
@@ -264,9 +266,9 @@ def _mma_partition(args, WG: gl.constexpr, IS_CAUSAL: gl.constexpr, SDP: gl.cons
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, DQ_PIECE, 16])
     qk_scale = softmax_scale * LOG2E
 
-    # lse, delta and the dQ accumulator are (batch, nheads, seqlen_q, ...): the group's
+    # lse, delta and the dQ accumulator are (batch, nheads, seqlen_q, ...): the program's
     # first query head is row bh0 of their (batch * nheads) heads.
-    bh0 = off_b * nheads + off_hkv * group_size
+    bh0 = off_b * nheads + h0
     # K of both warpgroups (ds_smem: their dS^T): the 128 keys of the dQ product.
     k_all = k_smem.reshape([2 * BLOCK_N_WG, HEAD_DIM])                       # (128, D)
     k = k_all.slice(WG * BLOCK_N_WG, BLOCK_N_WG)                             # (64, D)
@@ -279,7 +281,7 @@ def _mma_partition(args, WG: gl.constexpr, IS_CAUSAL: gl.constexpr, SDP: gl.cons
     dq_init = gl.zeros([BLOCK_M, DQ_PIECE], gl.float32, dq_layout)  # ignored: use_acc=False
     mbarrier.wait(kv_ready, 0)
 
-    n_iter = group_size * n_m
+    n_iter = n_heads * n_m
     for it in range(n_iter):
         row0 = (m_lo + it % n_m) * BLOCK_M
         o_m = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))  # (M,)
@@ -363,29 +365,33 @@ def _mma_partition(args, WG: gl.constexpr, IS_CAUSAL: gl.constexpr, SDP: gl.cons
     v_out.reshape([BLOCK_N_WG, HEAD_DIM]).store(dv.to(dtype))
     fence_async_shared()  # the generic-proxy writes above before the TMA engine reads
     row = key0 + WG * BLOCK_N_WG
-    tma.async_copy_shared_to_global(dk_desc, [off_b, row, off_hkv, 0], k_out)
-    tma.async_copy_shared_to_global(dv_desc, [off_b, row, off_hkv, 0], v_out)
+    tma.async_copy_shared_to_global(dk_desc, [off_b, row, off_dkv, 0], k_out)
+    tma.async_copy_shared_to_global(dv_desc, [off_b, row, off_dkv, 0], v_out)
     tma.store_wait(0)
 
 
 @gluon.jit
 def _attn_bwd_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse, Delta,
-                            DQAccum, seqlen_q, seqlen_k, nheads, nheads_kv, dq_rows,
-                            diag_offset, softmax_scale, IS_CAUSAL: gl.constexpr,
+                            DQAccum, seqlen_q, seqlen_k, nheads, nheads_kv, head_split,
+                            dq_rows, diag_offset, softmax_scale, IS_CAUSAL: gl.constexpr,
                             STAGES: gl.constexpr, SDP: gl.constexpr,
                             DQ_EARLY: gl.constexpr, DQ_UNMASKED: gl.constexpr,
                             DQ_WARP: gl.constexpr):
     """dK, dV of 128 keys of one (batch, KV head), dQ added into DQAccum: fp32 (batch,
     nheads, dq_rows, head_dim), its first seqlen_q rows of each head zeroed by the
-    preprocess. SDP, DQ_EARLY, DQ_UNMASKED, DQ_WARP: the schedule options of the module
-    docstring."""
+    preprocess. head_split > 1 (GQA): the group's query heads are dealt to head_split
+    programs, each storing its share of dK and dV into head off_hkv * head_split + its
+    index of dk_desc/dv_desc (the launcher sums the shares). SDP, DQ_EARLY, DQ_UNMASKED,
+    DQ_WARP: the schedule options of the module docstring."""
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[1]
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
     key0 = gl.program_id(0) * (2 * BLOCK_N_WG)
     off_bh = gl.program_id(1)
-    off_b = off_bh // nheads_kv
-    off_hkv = off_bh % nheads_kv
-    group_size = nheads // nheads_kv
+    off_b = off_bh // (nheads_kv * head_split)
+    off_dkv = off_bh % (nheads_kv * head_split)  # the head of dK/dV this program stores
+    off_hkv = off_dkv // head_split
+    n_heads = nheads // nheads_kv // head_split  # query heads this program walks
+    h0 = off_hkv * (nheads // nheads_kv) + off_dkv % head_split * n_heads
     # Query blocks [m_lo, m_hi) hold a row that sees one of these keys: with causal, row
     # i sees key j when j <= i + diag_offset, so the first is key0 - diag_offset.
     m_lo = 0
@@ -434,17 +440,17 @@ def _attn_bwd_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, L
     # stay outside it: a tuple held in a variable turns constants into runtime values.
     mma_args = (q_smem, k_smem, v_smem, do_smem, ds_smem, kv_ready, q_ready, do_ready,
                 qdo_empty, ds_full, ds_empty, dq_smem, dq_full, dq_empty, dk_desc, dv_desc,
-                Lse, Delta, DQAccum, off_b, off_hkv, key0, group_size, m_lo, n_m, nheads,
+                Lse, Delta, DQAccum, off_b, off_dkv, key0, h0, n_heads, m_lo, n_m, nheads,
                 seqlen_q, seqlen_k, dq_rows, diag_offset, softmax_scale)
     load_args = (q_desc, k_desc, v_desc, do_desc, q_smem, k_smem, v_smem, do_smem, kv_ready,
-                 q_ready, do_ready, qdo_empty, off_b, off_hkv, key0, group_size, m_lo, n_m)
+                 q_ready, do_ready, qdo_empty, off_b, off_hkv, key0, h0, n_heads, m_lo, n_m)
     if DQ_WARP:  # the writer warp beside the producer's, in the warpgroup padded around it
         gl.warp_specialize([
             (_mma_partition, (mma_args, 0, IS_CAUSAL, SDP, DQ_EARLY, DQ_UNMASKED, DQ_WARP)),
             (_load_partition, load_args),
             (_mma_partition, (mma_args, 1, IS_CAUSAL, SDP, DQ_EARLY, DQ_UNMASKED, DQ_WARP)),
-            (_dq_writer_partition, (dq_smem, dq_full, dq_empty, DQAccum, off_b, off_hkv,
-                                    group_size, m_lo, n_m, nheads, seqlen_q, dq_rows,
+            (_dq_writer_partition, (dq_smem, dq_full, dq_empty, DQAccum, off_b, h0,
+                                    n_heads, m_lo, n_m, nheads, seqlen_q, dq_rows,
                                     DQ_UNMASKED)),
         ], [1, 4, 1], [PRODUCER_REGS, CONSUMER_REGS, PRODUCER_REGS])
     else:
@@ -500,18 +506,42 @@ _MAIN_SLOTS = ("q_desc", "k_desc", "v_desc", "do_desc", "dk_desc", "dv_desc", "L
 _CONVERT_SLOTS = ("DQAccum", "DQ", "softmax_scale")
 
 
+# GQA: below this many programs a wave (of the device's SMs) the backward's grid
+# splits each group's query heads among programs (``head_split``). One program a
+# (key block, KV head) walks the whole group: transformers' Llama-3.2-1B training step
+# (batch 1, 4k tokens, 32 query over 8 KV heads, 256 programs on 132 SMs) ran this
+# kernel at 0.55x cuDNN's backward (session 13, NOTES.md section 23).
+HEAD_SPLIT_WAVES = 4
+
+
+def head_split(group_size: int, programs: int, num_sms: int) -> int:
+    """The programs that share one (key block, KV head)'s group of ``group_size`` query
+    heads: the smallest divisor of the group that gives the grid of ``programs`` (at one
+    a group) HEAD_SPLIT_WAVES waves of ``num_sms``, else one a query head. Each stores
+    its share of dK and dV (16-bit, as flash-attn 2 stores GQA's per-head dK and dV
+    before summing them); the launcher sums the shares in fp32."""
+    for split in range(1, group_size):
+        if group_size % split == 0 and programs * split >= HEAD_SPLIT_WAVES * num_sms:
+            return split
+    return group_size
+
+
 def backward(dout, q, k, v, out, lse, dlse, softmax_scale, diag_offset, causal):
     """(dq, dk, dv) shaped like q, k, v in their dtype, for a call ``unsupported``
     accepted (the caller checks). lse and dlse (or None): (batch, nheads, seqlen_q) fp32.
     Three launches: the portable preprocess (delta, dq_accum zeroed), this module's
     kernel, the portable dQ conversion. After the first call of a layout, launch plans
     (``flashtile.ops._launch``) launch the compiled kernels directly, the six tensor maps
-    re-based as in fwd_hopper."""
+    re-based as in fwd_hopper. GQA with a small grid (``head_split``): dK and dV come
+    from the kernel's shares, summed by two more kernels."""
     b, sq, h, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
+    split = head_split(h // hkv, configs.cdiv(sk, 2 * BLOCK_N_WG.value) * b * hkv,
+                       fwd_hopper._num_sms(q.device))
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    dk = torch.empty(k.shape, dtype=k.dtype, device=q.device)
-    dv = torch.empty(v.shape, dtype=v.dtype, device=q.device)
+    # split > 1: the shares, each share's KV heads split times over (see the kernel).
+    dk_shares = torch.empty((b, sk, hkv * split, d), dtype=k.dtype, device=q.device)
+    dv_shares = torch.empty((b, sk, hkv * split, d), dtype=v.dtype, device=q.device)
     lse = lse.contiguous()
     has_dlse = dlse is not None
     dlse = dlse.contiguous() if has_dlse else lse  # lse: a never-read placeholder
@@ -527,7 +557,7 @@ def backward(dout, q, k, v, out, lse, dlse, softmax_scale, diag_offset, causal):
         # unsupported() checked q, k, v and dout for TMA's alignment; the preprocess
         # also reads out, dlse and lse through plain pointers: their alignment is keyed.
         key = ("hopper_bwd", q.dtype, q.shape, k.shape, q.stride(), k.stride(), v.stride(),
-               dout.stride(), out.stride(), causal, diag_offset, has_dlse,
+               dout.stride(), out.stride(), causal, diag_offset, has_dlse, split,
                _launch.misalignment(_launch.pointers((out, dout, dlse, lse))))
         plans = _launch.lookup(key)
         if plans is not None:
@@ -535,10 +565,10 @@ def backward(dout, q, k, v, out, lse, dlse, softmax_scale, diag_offset, causal):
             dq_accum = accumulator(dq_rows)
             pre((out.data_ptr(), dout.data_ptr(), dlse.data_ptr(), delta.data_ptr(),
                  dq_accum.data_ptr()))
-            main((*map(fwd_hopper._rebased, boxes, (q, k, v, dout, dk, dv)), lse.data_ptr(),
-                  delta.data_ptr(), dq_accum.data_ptr(), softmax_scale))
+            main((*map(fwd_hopper._rebased, boxes, (q, k, v, dout, dk_shares, dv_shares)),
+                  lse.data_ptr(), delta.data_ptr(), dq_accum.data_ptr(), softmax_scale))
             convert((dq_accum.data_ptr(), dq.data_ptr(), softmax_scale))
-            return dq, dk, dv
+            return dq, *_summed(dk_shares, dv_shares, split)
     cfg = configs.hopper_bwd_config(d)
     opts = configs.hopper_bwd_opts()
     dq_rows = configs.cdiv(sq, cfg.block_m) * cfg.block_m if "dq_unmasked" in opts else sq
@@ -556,10 +586,11 @@ def backward(dout, q, k, v, out, lse, dlse, softmax_scale, diag_offset, causal):
         _PRE_SLOTS if key is not None else None)
     descs = (_descriptor(q, cfg.block_m), _descriptor(k, BLOCK_N_WG.value),
              _descriptor(v, BLOCK_N_WG.value), _descriptor(dout, cfg.block_m),
-             _descriptor(dk, BLOCK_N_WG.value), _descriptor(dv, BLOCK_N_WG.value))
+             _descriptor(dk_shares, BLOCK_N_WG.value), _descriptor(dv_shares, BLOCK_N_WG.value))
     main = _launch.first_launch(
-        _attn_bwd_hopper_kernel, (configs.cdiv(sk, cfg.block_n), b * hkv),
-        (*descs, lse, delta, dq_accum, sq, sk, h, hkv, dq_rows, diag_offset, softmax_scale),
+        _attn_bwd_hopper_kernel, (configs.cdiv(sk, cfg.block_n), b * hkv * split),
+        (*descs, lse, delta, dq_accum, sq, sk, h, hkv, split, dq_rows, diag_offset,
+         softmax_scale),
         dict(flags, STAGES=cfg.num_stages, num_warps=cfg.num_warps),
         _MAIN_SLOTS if key is not None else None)
     convert = _launch.first_launch(
@@ -571,4 +602,14 @@ def backward(dout, q, k, v, out, lse, dlse, softmax_scale, diag_offset, causal):
         # The descriptors without their tensors: a plan must not keep a call's memory.
         boxes = tuple(fwd_hopper._rebased(x, None) for x in descs)
         _launch.store(key, (pre, (main, boxes, dq_rows), convert))
-    return dq, dk, dv
+    return dq, *_summed(dk_shares, dv_shares, split)
+
+
+def _summed(dk_shares, dv_shares, split):
+    """dk, dv from the kernel's shares: each (batch, seqlen_k, nheads_kv * split,
+    head_dim) summed over split (accumulated in fp32, one rounding), or as they are."""
+    if split == 1:
+        return dk_shares, dv_shares
+    b, sk, heads, d = dk_shares.shape
+    return tuple(x.view(b, sk, heads // split, split, d).sum(3)
+                 for x in (dk_shares, dv_shares))
