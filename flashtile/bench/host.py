@@ -364,7 +364,8 @@ def main(argv=None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--calls", type=int, default=50, help="calls per timed loop (each "
                    "enqueues up to ~8 launches; CUDA queues about a thousand)")
-    p.add_argument("--rounds", type=int, default=9, help="timed loops (median)")
+    p.add_argument("--rounds", type=int, default=9, help="rounds, each one timed "
+                   "loop of every variant of a row (median over rounds)")
     p.add_argument("--out", help="folder for host.md and host.json; default "
                    "bench-results/<date>-<device>/")
     p.add_argument("--profile", metavar="ROW", help="after the table, cProfile flashtile's "
