@@ -6,9 +6,21 @@ argument checks, dispatch and kernel launches; with short kernels that host time
 call's time. Here each call runs ``--calls`` times in a row after a long kernel
 (``torch.cuda._sleep``) was enqueued, so the GPU is busy for the whole loop and the
 loop's time is the host's alone. A call that waits for the GPU (a host read of a device
-tensor) then waits for the sleep to end: its row is marked "synced" and its time is
-meaningless, so a hidden sync cannot pass for a fast call. The time per call is the
-median over ``--rounds`` loops.
+tensor) then waits for the sleep to end: its row is marked "synced" (if any of its loops
+ended with the GPU idle) and its time is meaningless, so a hidden sync cannot pass for a
+fast call.
+
+The host's speed drifts: on the H200 machine two runs a minute apart timed the forward
+at 42.9 us beside cuDNN SDPA's 76.6, then at 26.3 beside 37.6, and forward+backward at
+572.8 beside 387.7, then 305.4 beside 327.6. Timed one variant's loops after the
+other's, such a drift between them moves (and here flips) the ratio that issue 15's
+claims rest on. So within a row the variants' loops are interleaved: after one untimed
+warm-up loop each, round r times one loop of every variant (flashtile with its launch
+plans, flashtile without them, cuDNN SDPA where the row has it), their order rotated by
+r so none is always first. The time per call is the median over the ``--rounds``
+rounds, and each flashtile row also gives the median over rounds of the per-round ratio
+flashtile / cuDNN: loops a few milliseconds apart share the host's speed, so the ratio
+holds where the absolute times drift.
 
 Rows (bf16, head_dim 128): flash_attn_func forward (1 x 128 tokens, 8 heads) and
 forward+backward (``out.backward``), flash_attn_varlen_func (two sequences), and
@@ -47,10 +59,12 @@ def _empty_kernel(X, n):
     pass
 
 
-def _busy_loop(fn, calls, sleep_cycles):
-    """Seconds per call of ``fn`` on the host while the GPU sleeps through the loop;
-    and whether the GPU was still busy when the loop ended (else a call waited)."""
-    torch.cuda._sleep(sleep_cycles)
+def _timed_loop(fn, calls, sleep_cycles):
+    """Host seconds per call over ``calls`` calls of ``fn`` in a row, and whether the GPU
+    was still busy when they ended (else a call waited for it). ``sleep_cycles``: a GPU
+    sleep enqueued first that keeps the GPU busy through the loop; 0: none (warm-up)."""
+    if sleep_cycles:
+        torch.cuda._sleep(sleep_cycles)
     done = torch.cuda.Event()
     done.record()
     start = time.perf_counter()
@@ -71,27 +85,6 @@ def _cycles_per_second(device):
     end.record()
     torch.cuda.synchronize(device)
     return 10_000_000 / (start.elapsed_time(end) / 1e3)
-
-
-def time_host(fn, calls, rounds, cycles_per_s):
-    """Median host microseconds per call over ``rounds`` busy loops, and whether every
-    loop kept the GPU busy (False: the call synchronised with the device)."""
-    for _ in range(3):  # compile, make launch plans, warm the allocator
-        fn()
-    torch.cuda.synchronize()
-    # Sleep for twice the loop's unhindered host time plus 20 ms.
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    guess = time.perf_counter() - start
-    torch.cuda.synchronize()
-    cycles = int((2 * guess + 0.02) * cycles_per_s)
-    per_call, busy = [], True
-    for _ in range(rounds):
-        seconds, kept_busy = _busy_loop(fn, calls, cycles)
-        per_call.append(seconds * 1e6)
-        busy &= kept_busy
-    return statistics.median(per_call), busy
 
 
 def _cases(device):
@@ -264,40 +257,92 @@ def _no_launch(*args):
     pass
 
 
-def run(calls=50, rounds=9, device=None):
-    """Rows of {"call", "provider", "host_us", "gpu_busy"} (host_us None: n/a, with
-    "error"). flashtile runs twice: with its launch plans and through Triton's own
-    launch path (``_launch.set_enabled(False)``), the A/B of issue 15."""
+def _variants(providers):
+    """A row's timed variants as (label, fn, plans): flashtile with its launch plans and
+    through Triton's own launch path (``_launch.set_enabled(False)``, the A/B of issue
+    15), every other provider once."""
+    variants = []
+    for provider, fn in providers.items():
+        variants.append((provider, fn, True))
+        if provider == "flashtile":
+            variants.append(("flashtile, no plans", fn, False))
+    return variants
+
+
+def time_row(call, providers, calls, rounds, cycles_per_s):
+    """Rows of {"call", "provider", "host_us", "gpu_busy"} for one call's providers
+    ({provider: fn}), the variants' loops interleaved in rotating order (module
+    docstring). Where the call has an "sdpa_cudnn" provider, flashtile's rows get
+    "vs_cudnn": the median over rounds of the per-round ratio of their host time to
+    cuDNN's (None if either raised). A variant whose call raises RuntimeError (e.g.
+    cuDNN SDPA refuses a shape) gets host_us None and "error" and leaves the rounds; the
+    others go on."""
     from flashtile.ops import _launch
 
+    variants = _variants(providers)
+    rows = {label: dict(call=call, provider=label) for label, _, _ in variants}
+    us = {label: [] for label in rows}  # host us per call, one a round
+    busy = dict.fromkeys(rows, True)
+    sleep_cycles, failed = {}, set()
+
+    def loop(label, fn, plans, n, cycles):
+        """One _timed_loop of the variant; None (the variant failed) if a call raised."""
+        previous = _launch.set_enabled(plans)
+        try:
+            return _timed_loop(fn, n, cycles)
+        except RuntimeError as err:
+            rows[label].update(host_us=None, error=str(err).splitlines()[0][:120])
+            failed.add(label)
+            return None
+        finally:
+            _launch.set_enabled(previous)
+
+    for label, fn, plans in variants:
+        # Compile, make launch plans, warm the allocator; then an unhindered loop sizes
+        # the variant's GPU sleep: twice the loop's host time plus 20 ms.
+        warm = loop(label, fn, plans, 3, 0) and loop(label, fn, plans, calls, 0)
+        if warm:
+            sleep_cycles[label] = int((2 * warm[0] * calls + 0.02) * cycles_per_s)
+    for r in range(rounds):
+        shift = r % len(variants)
+        for label, fn, plans in variants[shift:] + variants[:shift]:
+            if label in failed:
+                continue
+            timed = loop(label, fn, plans, calls, sleep_cycles[label])
+            if timed:
+                us[label].append(timed[0] * 1e6)
+                busy[label] &= timed[1]
+    for label in rows.keys() - failed:
+        rows[label].update(host_us=round(statistics.median(us[label]), 2),
+                           gpu_busy=busy[label])
+    if "sdpa_cudnn" in rows:
+        for label in rows.keys() & {"flashtile", "flashtile, no plans"}:
+            ratios = [a / b for a, b in zip(us[label], us["sdpa_cudnn"])]
+            rows[label]["vs_cudnn"] = (None if failed & {label, "sdpa_cudnn"} else
+                                       round(statistics.median(ratios), 3))
+    return list(rows.values())
+
+
+def run(calls=50, rounds=9, device=None):
+    """time_row's rows for every call of the table, in its order (host_us None: n/a,
+    with "error")."""
     device = torch.device(device or "cuda")
     cycles_per_s = _cycles_per_second(device)
-    rows = []
-    for name, providers in _cases(device).items():
-        for provider, fn in providers.items():
-            for plans in ((True, False) if provider == "flashtile" else (True,)):
-                label = provider if plans else "flashtile, no plans"
-                row = dict(call=name, provider=label)
-                previous = _launch.set_enabled(plans)
-                try:
-                    us, busy = time_host(fn, calls, rounds, cycles_per_s)
-                    row.update(host_us=round(us, 2), gpu_busy=busy)
-                except RuntimeError as err:  # e.g. cuDNN SDPA refuses a shape
-                    row.update(host_us=None, error=str(err).splitlines()[0][:120])
-                finally:
-                    _launch.set_enabled(previous)
-                rows.append(row)
-    return rows
+    return [row for call, providers in _cases(device).items()
+            for row in time_row(call, providers, calls, rounds, cycles_per_s)]
 
 
 def markdown(rows) -> str:
-    table = {}
+    table, vs_cudnn = {}, {}
     for r in rows:
         cell = ("n/a" if r["host_us"] is None else
                 f"{r['host_us']:.1f}" + ("" if r["gpu_busy"] else " (synced)"))
         table.setdefault(r["call"], {})[r["provider"]] = cell
-    lines = ["| call | flashtile (us) | flashtile, no plans (us) | cuDNN SDPA (us) |",
-             "| --- | ---: | ---: | ---: |"]
+        if r["provider"] == "flashtile" and "vs_cudnn" in r:
+            vs_cudnn[r["call"]] = "n/a" if r["vs_cudnn"] is None else f"{r['vs_cudnn']:.2f}"
+    lines = ["| call | flashtile (us) | flashtile, no plans (us) | cuDNN SDPA (us) "
+             "| flashtile / cuDNN (median of per-round ratios) |",
+             "| --- | ---: | ---: | ---: | ---: |"]
     bare = table.pop("bare Triton launch", {}).get("triton", "n/a")
     pieces = {call: cells.pop("piece") for call, cells in table.items() if "piece" in cells}
     for call, cells in table.items():
@@ -305,7 +350,7 @@ def markdown(rows) -> str:
             continue
         lines.append(f"| {call} | {cells.get('flashtile', '-')} | "
                      f"{cells.get('flashtile, no plans', '-')} | "
-                     f"{cells.get('sdpa_cudnn', '-')} |")
+                     f"{cells.get('sdpa_cudnn', '-')} | {vs_cudnn.get(call, '-')} |")
     text = "\n".join(lines) + "\n\nA bare Triton launch (Triton's own path, 2 " \
         f"arguments): {bare} us."
     if pieces:
@@ -319,7 +364,8 @@ def main(argv=None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--calls", type=int, default=50, help="calls per timed loop (each "
                    "enqueues up to ~8 launches; CUDA queues about a thousand)")
-    p.add_argument("--rounds", type=int, default=9, help="timed loops (median)")
+    p.add_argument("--rounds", type=int, default=9, help="rounds, each one timed "
+                   "loop of every variant of a row (median over rounds)")
     p.add_argument("--out", help="folder for host.md and host.json; default "
                    "bench-results/<date>-<device>/")
     p.add_argument("--profile", metavar="ROW", help="after the table, cProfile flashtile's "
