@@ -905,12 +905,18 @@ def test_bench_hf_profile_smoke(tmp_path, capsys):
                  "--new", "1", "--train-tokens", "8", "--reps", "1", "--profile", "3",
                  "--impls", "flashtile", "sdpa", "--out", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]
-    profiles = {r["impl"]: r["kernels"] for r in rows if r["task"] == "train step profile"}
+    profiles = {r["impl"]: r for r in rows if r["task"] == "train step profile"}
+    steps = {r["impl"]: r["ms"] for r in rows if r["task"] == "train step"}
     assert set(profiles) == {"flashtile", "sdpa"}
-    for top in profiles.values():
+    for impl, profile in profiles.items():
+        top = profile["kernels"]
         assert 1 <= len(top) <= 3 and all(ms > 0 and calls >= 1 for _, ms, calls in top)
         assert [ms for _, ms, _ in top] == sorted((ms for _, ms, _ in top), reverse=True)
+        # Every kernel's time, the top ones included; the timed step's ms beside it.
+        assert profile["kernel_ms"] >= sum(ms for _, ms, _ in top) * (1 - 1e-9)
+        assert profile["step_ms"] == steps[impl]
     assert all(r["vs_sdpa"] > 0 for r in rows if "tokens_s" in r)
-    assert "flashtile train step, top kernels" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "flashtile train step: kernels " in printed and "top kernels (ms, calls)" in printed
     assert main(["bench", "hf", "--device", "cpu", "--profile", "-1"]) == 2
     assert "--profile must be >= 0, got -1" in capsys.readouterr().err

@@ -19,7 +19,9 @@ same process state. The implementations take turns within each repetition (see
   tokens (batch 1), gradients freed between steps. ``--profile`` then runs one more
   step per implementation under torch.profiler and prints its ``--profile`` most
   expensive kernels (device time; CPU time on ``--device cpu``), to show where a gap
-  between implementations lies.
+  between implementations lies, and the device time of all its kernels beside the timed
+  step: the difference is time the GPU waited for the host (session 13: a backward 3.3
+  ms faster left the step's time unchanged, which only such idle time explains).
 
 Each measurement is the median of ``--reps`` runs after one untimed run of the same
 shapes (kernel compiles and autotuning happen there), the implementations alternating. Peak memory is
@@ -171,12 +173,17 @@ def run(args) -> list[dict]:
                          peak_gib=peak))
         print(f"  {impl} train step: {rows[-1]['ms']:.0f} ms", flush=True)
     if args.profile:
+        step_ms = {r["impl"]: r["ms"] for r in rows if r["task"] == "train step"}
         for impl in args.impls:
             model.set_attn_implementation(impl)
             model.train(True)
-            top = _profile(step, device, args.profile)
-            rows.append(dict(task="train step profile", impl=impl, kernels=top))
-            print(f"  {impl} train step, top kernels (ms, calls):", flush=True)
+            top, kernel_ms = _profile(step, device, args.profile)
+            rows.append(dict(task="train step profile", impl=impl, kernels=top,
+                             kernel_ms=kernel_ms, step_ms=step_ms[impl]))
+            print(f"  {impl} train step: kernels {kernel_ms:.1f} ms of the timed "
+                  f"{step_ms[impl]:.1f} ms step (the GPU idle ~"
+                  f"{step_ms[impl] - kernel_ms:.1f} ms); top kernels (ms, calls):",
+                  flush=True)
             for name, ms, calls in top:
                 print(f"    {ms:9.3f} {calls:5d}  {name[:100]}", flush=True)
     _ratios(rows)
@@ -184,8 +191,9 @@ def run(args) -> list[dict]:
 
 
 def _profile(fn, device, top):
-    """[(kernel name, total ms, calls)] of the ``top`` most expensive kernels of one
-    ``fn()`` under torch.profiler, by device time (host time on the CPU)."""
+    """([(kernel name, total ms, calls)] of the ``top`` most expensive kernels of one
+    ``fn()`` under torch.profiler by device time (host time on the CPU), and the ms of
+    all of them)."""
     from torch.profiler import ProfilerActivity, profile
     cuda = device == "cuda"
     activities = [ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]
@@ -198,7 +206,8 @@ def _profile(fn, device, top):
 
     events = [e for e in prof.key_averages() if spent(e) > 0]
     events.sort(key=spent, reverse=True)
-    return [(e.key, spent(e) / 1e3, e.count) for e in events[:top]]
+    return ([(e.key, spent(e) / 1e3, e.count) for e in events[:top]],
+            sum(map(spent, events)) / 1e3)
 
 
 def _left_pad(ids, mask, most, gen, pad_id=0):
