@@ -32,6 +32,7 @@
 #   bwd-ab       the Gluon backward's GPU tests, then the split, fused and Gluon
 #                backwards beside cuDNN (d64/d128, 1k-16k)                  (~9 min)
 #   hf-train     transformers' training step under each backward path       (~8 min)
+#   bwd-tiles    the Gluon backward's BLOCK_M/STAGES candidates beside cuDNN  (~6 min)
 #   wide         head_dim 256 and 512 beside the peers; d256 backward tiles; the fused
 #                backward against the split one                          (~10 min)
 #   serve [BACKEND] [KV]  flashtile serve (1B shape, dummy weights, attention BACKEND,
@@ -151,6 +152,21 @@ case "${1:-}" in
       flashtile-hopper-bwd sdpa-cudnn --modes fwd_bwd --headdim 64 128 --seqlens 1k 4k 16k \
       --no-progress --out bwd-ab --overwrite 2>&1 | grep "^|" | tail -14
     tar czf "$OUT/bwd-ab.tgz" bwd-ab
+    ;;
+  bwd-tiles)
+    # The Gluon backward's tile A/B (session 13's compile study: d64 with 128 query rows
+    # a block, and a third Q/dO stage at d64 and d128, compile with no local stores in
+    # the walks; d128 with 128 rows spills), beside cuDNN, 16k tokens a batch.
+    for run in 64:default 64:128,128,4,2 64:64,128,4,3 128:default 128:64,128,4,3; do
+      d=${run%%:*} cfg=${run#*:}
+      if [ "$cfg" = default ]; then unset FLASHTILE_HOPPER_BWD_CONFIG
+      else export FLASHTILE_HOPPER_BWD_CONFIG=$cfg; fi
+      timeout 100 python3 -m flashtile bench --providers flashtile-hopper-bwd sdpa-cudnn \
+        --modes fwd_bwd --headdim "$d" --seqlens 1k 4k --no-progress \
+        --out "bwd-tiles-$d-${cfg//,/_}" --overwrite 2>&1 | grep "^| [0-9]" | head -4 \
+        | sed "s|^|$cfg |"
+    done
+    unset FLASHTILE_HOPPER_BWD_CONFIG
     ;;
   hf-train)
     # transformers' training step (and a short generate) under each backward path:
