@@ -244,6 +244,29 @@ def hopper_fwd_fp8_p_smem() -> bool:
     return value == "smem"
 
 
+HOPPER_FWD_P = ("regs", "smem")
+# The 16-bit head dims whose P may go through shared memory: at d256 the ring leaves no
+# room for two 64 x 64 P buffers a warpgroup beside O's staging.
+HOPPER_FWD_P_SMEM_MAX_D = 128
+
+
+def hopper_fwd_p_smem(head_dim: int, fp8: bool) -> bool:
+    """How the Gluon forward's P reaches P V: FP8 inputs follow FLASHTILE_HOPPER_FWD_FP8_P
+    (``hopper_fwd_fp8_p_smem``); 16-bit ones FLASHTILE_HOPPER_FWD_P, "regs" (the
+    default: wgmma's A operand from registers) or "smem" (opt-in, head dims up to
+    HOPPER_FWD_P_SMEM_MAX_D; others keep registers): two shared buffers of P per
+    warpgroup, 32-64 KiB, as the FP8 default. With P in registers ptxas waits for
+    P_{j-1} V_{j-1} before block j's softmax (0-5 exp2 between the two waits, sm_90 SASS,
+    bf16 d64/d128); through shared memory the whole softmax (66 exp2 a thread) runs
+    under it, FA3's in-warpgroup overlap, which made FP8 1.26-1.40x faster (NOTES.md
+    section 22). Not yet run on a GPU for 16-bit (session 13). Read when a launch plan
+    is made."""
+    if fp8:
+        return hopper_fwd_fp8_p_smem()
+    mode = _env_choice("FLASHTILE_HOPPER_FWD_P", HOPPER_FWD_P)
+    return mode == "smem" and head_dim <= HOPPER_FWD_P_SMEM_MAX_D
+
+
 HOPPER_FWD_FP8_PV = ("tile", "wgmma")
 
 

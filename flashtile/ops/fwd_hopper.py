@@ -70,6 +70,10 @@ same kernel, with the numerics of the portable FP8 forward (flashtile.ops.fwd, d
   exp2 run under it); through shared memory the whole softmax runs under it (66 exp2 a
   thread at BLOCK_N 128), at the cost of P's stores (2 bytes each: the accumulator
   layout) and 16-32 KiB of shared memory.
+  16-bit inputs take it with FLASHTILE_HOPPER_FWD_P=smem (``configs.hopper_fwd_p_smem``,
+  opt-in, head dims 64 and 128): two 16-bit P buffers a warpgroup (32-64 KiB; at d128
+  O is then staged in the first P buffer, 224.4 of 227 KiB used), and the SASS moves from 0-5 exp2 under P_{j-1} V_{j-1} to 66 (session 13
+  compile study); not yet run on a GPU.
 Timed on the H200 in session 12 at head_dim 128, 16k tokens a batch
 (docs/benchmarks/h200-2026-12-01-s12/fp8.md, fp8-psmem.md): P in registers 374-614
 TFLOP/s, P in shared memory 481-799 (4k-16k, causal or not), hence the default. BLOCK_N
@@ -275,7 +279,7 @@ def _kv_block(j, kv_base, turn_base, q, k_smem, v_smem, p_smem, k_ready, k_empty
     bits); O lags one block behind so that the add is one FMA: O holds the blocks
     before j-1 scaled to m_{j-2}, alpha_o (block j-1's alpha) moves it to m_{j-1}.
 
-    P_SMEM (FP8): P_j goes to wgmma through shared memory, two buffers per warpgroup
+    P_SMEM: P_j goes to wgmma through shared memory, two buffers per warpgroup
     (P_{j-1} V_{j-1} reads the other), instead of registers: ptxas then keeps the wait
     for P_{j-1} V_{j-1} after the softmax (sm_90 SASS), the overlap that P in registers
     loses (module docstring).
@@ -516,7 +520,8 @@ def _attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, Lse, QDescale, KDesc
     # buffer, the same bytes, free once the last P V is done. Else (16-bit) Q's buffer:
     # S_{n-1}, its last reader, has completed when O is stored.
     O_BYTES: gl.constexpr = 2 * o_desc.block_type.nbytes
-    P_BYTES: gl.constexpr = 4 * BLOCK_M_WG * BLOCK_N if P_SMEM else 0
+    P_BYTES: gl.constexpr = 4 * BLOCK_M_WG * BLOCK_N * v_desc.dtype.primitive_bitwidth // 8 \
+        if P_SMEM else 0
     USED_BYTES: gl.constexpr = 2 * q_desc.block_type.nbytes + STAGES * (
         k_desc.block_type.nbytes + v_desc.block_type.nbytes) + P_BYTES
     O_FITS: gl.constexpr = USED_BYTES + O_BYTES <= SMEM_BYTES - 1024
@@ -525,15 +530,15 @@ def _attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, Lse, QDescale, KDesc
     if not (O_IN_P or O_IN_Q):
         o_smem = gl.allocate_shared_memory(o_desc.dtype, [2] + o_desc.block_type.shape,
                                            o_desc.layout)
-    if P_SMEM:  # two P buffers per consumer warpgroup, in V's FP8 format
+    if P_SMEM:  # two P buffers per consumer warpgroup, in V's format
         p_smem = gl.allocate_shared_memory(
             v_desc.dtype, [4, BLOCK_M_WG, BLOCK_N],
             gl.NVMMASharedLayout.get_default_for([BLOCK_M_WG, BLOCK_N], v_desc.dtype))
     else:
         p_smem = q_smem  # not read: P stays in registers
     if O_IN_P:
-        gl.static_assert(o_desc.block_type.nbytes == BLOCK_M_WG * BLOCK_N,
-                         "O staged in P's buffers needs BLOCK_N == 2 * head_dim")
+        gl.static_assert(o_desc.block_type.nbytes == P_BYTES // 4,
+                         "O staged in P's buffers needs a P buffer of O's bytes")
         o_smem = p_smem._reinterpret(o_desc.dtype, [4] + o_desc.block_type.shape,
                                      o_desc.layout)
     elif O_IN_Q:
@@ -699,7 +704,7 @@ def forward(q, k, v, softmax_scale, diag_offset, causal, q_descale=None, k_desca
     # Absent descales: lse's address stands in (never read: HAS_*_DESCALE is False).
     descales = (q_descale, k_descale, v_descale)
     scales = tuple(lse if x is None else x for x in descales)
-    p_smem = fp8 and configs.hopper_fwd_fp8_p_smem()
+    p_smem = configs.hopper_fwd_p_smem(d, fp8)
     persistent = configs.hopper_fwd_persistent(d, fp8)
     schedule = lse  # the tiles grid reads no schedule (lse's address stands in)
     if persistent:
