@@ -108,12 +108,15 @@ DQ_PIECE = gl.constexpr(64)
 def _load_partition(q_desc, k_desc, v_desc, do_desc, q_smem, k_smem, v_smem, do_smem,
                     kv_ready, q_ready, do_ready, qdo_empty, off_b, off_hkv, key0,
                     h0, n_heads, m_lo, n_m):
-    """Producer warp: K and V once (one half per consumer), then Q_i and dO_i of every
-    (query head h0 + [0, n_heads), query block) into the ring."""
+    """Producer warp: K and V once (in v_smem.type.shape[0] tiles of 64 keys: one half
+    per consumer here, one tile in bwd_hopper256), then Q_i and dO_i of every (query
+    head h0 + [0, n_heads), query block) into the ring."""
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[1]
     STAGES: gl.constexpr = q_smem.type.shape[0]
-    mbarrier.expect(kv_ready, 2 * k_desc.block_type.nbytes + 2 * v_desc.block_type.nbytes)
-    for w in gl.static_range(2):
+    KV_TILES: gl.constexpr = v_smem.type.shape[0]
+    mbarrier.expect(kv_ready, KV_TILES * (k_desc.block_type.nbytes
+                                          + v_desc.block_type.nbytes))
+    for w in gl.static_range(KV_TILES):
         k_half = k_smem.slice(w * BLOCK_N_WG, BLOCK_N_WG, dim=1)  # rows: keys
         tma.async_copy_global_to_shared(k_desc, [off_b, key0 + w * BLOCK_N_WG, off_hkv, 0],
                                         kv_ready, k_half)
@@ -373,6 +376,28 @@ def _mma_partition(args, WG: gl.constexpr, IS_CAUSAL: gl.constexpr, SDP: gl.cons
 
 
 @gluon.jit
+def _program_walk(BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, seqlen_q, nheads,
+                  nheads_kv, head_split, diag_offset, IS_CAUSAL: gl.constexpr):
+    """What this program owns and walks: its first key key0 (BLOCK_N keys), batch off_b,
+    the head off_dkv of dK/dV it stores (its KV head off_hkv's share with head_split),
+    query heads h0 + [0, n_heads), and query blocks m_lo + [0, n_m)."""
+    key0 = gl.program_id(0) * BLOCK_N
+    off_bh = gl.program_id(1)
+    off_b = off_bh // (nheads_kv * head_split)
+    off_dkv = off_bh % (nheads_kv * head_split)  # the head of dK/dV this program stores
+    off_hkv = off_dkv // head_split
+    n_heads = nheads // nheads_kv // head_split  # query heads this program walks
+    h0 = off_hkv * (nheads // nheads_kv) + off_dkv % head_split * n_heads
+    # Query blocks [m_lo, m_hi) hold a row that sees one of these keys: with causal, row
+    # i sees key j when j <= i + diag_offset, so the first is key0 - diag_offset.
+    m_lo = 0
+    if IS_CAUSAL:
+        m_lo = gl.maximum(key0 - diag_offset, 0) // BLOCK_M
+    n_m = gl.maximum(gl.cdiv(seqlen_q, BLOCK_M) - m_lo, 0)
+    return key0, off_b, off_dkv, off_hkv, h0, n_heads, m_lo, n_m
+
+
+@gluon.jit
 def _attn_bwd_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse, Delta,
                             DQAccum, seqlen_q, seqlen_k, nheads, nheads_kv, head_split,
                             dq_rows, diag_offset, softmax_scale, IS_CAUSAL: gl.constexpr,
@@ -387,19 +412,9 @@ def _attn_bwd_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, L
     DQ_WARP: the schedule options of the module docstring."""
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[1]
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
-    key0 = gl.program_id(0) * (2 * BLOCK_N_WG)
-    off_bh = gl.program_id(1)
-    off_b = off_bh // (nheads_kv * head_split)
-    off_dkv = off_bh % (nheads_kv * head_split)  # the head of dK/dV this program stores
-    off_hkv = off_dkv // head_split
-    n_heads = nheads // nheads_kv // head_split  # query heads this program walks
-    h0 = off_hkv * (nheads // nheads_kv) + off_dkv % head_split * n_heads
-    # Query blocks [m_lo, m_hi) hold a row that sees one of these keys: with causal, row
-    # i sees key j when j <= i + diag_offset, so the first is key0 - diag_offset.
-    m_lo = 0
-    if IS_CAUSAL:
-        m_lo = gl.maximum(key0 - diag_offset, 0) // BLOCK_M
-    n_m = gl.maximum(gl.cdiv(seqlen_q, BLOCK_M) - m_lo, 0)
+    key0, off_b, off_dkv, off_hkv, h0, n_heads, m_lo, n_m = _program_walk(
+        2 * BLOCK_N_WG, BLOCK_M, seqlen_q, nheads, nheads_kv, head_split, diag_offset,
+        IS_CAUSAL)
 
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [STAGES] + q_desc.block_type.shape,
                                        q_desc.layout)
