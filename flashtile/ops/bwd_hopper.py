@@ -8,7 +8,8 @@ delta = rowsum(dO * O) - dlse (the portable preprocess kernel), dQ summed over t
 blocks in fp32 by atomics, then scaled into dq by the portable conversion kernel. Dense
 layout only: q (batch, seqlen_q, nheads, head_dim), k/v (batch, seqlen_k, nheads_kv,
 head_dim), GQA/MQA; causal (any ``diag_offset``: key j is visible to row i when
-j <= i + diag_offset) or full.
+j <= i + diag_offset) or full. Head dims 64 and 128 here; 256 in bwd_hopper256 (its
+consumers split the head dim, not the keys), launched by this module's ``backward``.
 
 One program owns BLOCK_N = 2 x 64 keys of one (batch, KV head) and walks every query
 block of every query head of the group (the group sum of dK/dV happens in registers, as
@@ -478,15 +479,25 @@ def _attn_bwd_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, L
         ], [1, 4], [PRODUCER_REGS, CONSUMER_REGS])
 
 
+# Head dims with a kernel: this module's, and bwd_hopper256's at 256.
+HEAD_DIMS = (*sorted(configs.HOPPER_BWD_16BIT), 256)
+
+
 def unsupported(q, k, v, out, dout, *, softmax_scale=1.0, attn_mask=None,
                 alibi_slopes=None, window_left=-1, window_right=-1, softcap=0.0,
-                dropout_p=0.0, **_) -> str | None:
+                dropout_p=0.0, mode="1", **_) -> str | None:
     """Why this kernel cannot serve the backward of a dense call (None: it can). The
-    arguments are those of ``flashtile.ops.bwd.attn_bwd``, already validated."""
+    arguments are those of ``flashtile.ops.bwd.attn_bwd``, already validated; ``mode``
+    is FLASHTILE_HOPPER_BWD's (``flashtile._backend.hopper_bwd_mode``): head_dim 256
+    only under "1"."""
     if q.element_size() != 2:  # the forward kernel also takes FP8, which has no backward
         return f"dtype {q.dtype}: float16 or bfloat16 only"
-    if q.shape[-1] not in configs.HOPPER_BWD_16BIT:
-        return f"head_dim {q.shape[-1]}: one of {sorted(configs.HOPPER_BWD_16BIT)} only"
+    if q.shape[-1] not in HEAD_DIMS:
+        return f"head_dim {q.shape[-1]}: one of {list(HEAD_DIMS)} only"
+    if q.shape[-1] == 256 and mode != "1":
+        return ("head_dim 256: only with FLASHTILE_HOPPER_BWD=1 (its kernel, "
+                "flashtile.ops.bwd_hopper256, is not yet timed on a GPU; auto keeps the "
+                "portable backward)")
     # The forward kernel's conditions: device, dtype, features, TMA layouts of q, k, v.
     reason = fwd_hopper.unsupported(q, k, v, softmax_scale=softmax_scale,
                                     attn_mask=attn_mask, alibi_slopes=alibi_slopes,
@@ -509,7 +520,10 @@ def _descriptor(x, rows: int):
 
 def kernel_flags(head_dim: int, causal: bool, opts: frozenset[str]) -> dict:
     """The kernel's constexpr switches (but STAGES) for FLASHTILE_HOPPER_BWD_OPTS
-    ``opts`` (``configs.hopper_bwd_opts()``)."""
+    ``opts`` (``configs.hopper_bwd_opts()``); bwd_hopper256's kernel (head_dim 256) has
+    no options."""
+    if head_dim == 256:
+        return dict(IS_CAUSAL=causal)
     return dict(IS_CAUSAL=causal,
                 SDP="sdp" in opts,
                 DQ_EARLY="dq_early" in opts, DQ_UNMASKED="dq_unmasked" in opts,
@@ -553,7 +567,9 @@ def backward(dout, q, k, v, out, lse, dlse, softmax_scale, diag_offset, causal):
     from the kernel's shares, summed by two more kernels."""
     b, sq, h, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
-    split = head_split(h // hkv, configs.cdiv(sk, 2 * BLOCK_N_WG.value) * b * hkv,
+    # Keys a program: 128 (two warpgroups of 64), 64 at head_dim 256 (bwd_hopper256).
+    block_n = configs.HOPPER_BWD_D256.block_n if d == 256 else 2 * BLOCK_N_WG.value
+    split = head_split(h // hkv, configs.cdiv(sk, block_n) * b * hkv,
                        fwd_hopper._num_sms(q.device))
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     # split > 1: the shares, each share's KV heads split times over (see the kernel).
@@ -587,10 +603,10 @@ def backward(dout, q, k, v, out, lse, dlse, softmax_scale, diag_offset, causal):
             convert((dq_accum.data_ptr(), dq.data_ptr(), softmax_scale))
             return dq, *_summed(dk_shares, dv_shares, split)
     cfg = configs.hopper_bwd_config(d)
-    opts = configs.hopper_bwd_opts()
-    dq_rows = configs.cdiv(sq, cfg.block_m) * cfg.block_m if "dq_unmasked" in opts else sq
+    flags = kernel_flags(d, causal, configs.hopper_bwd_opts())
+    dq_rows = configs.cdiv(sq, cfg.block_m) * cfg.block_m if flags.get("DQ_UNMASKED") \
+        else sq
     dq_accum = accumulator(dq_rows)
-    flags = kernel_flags(d, causal, opts)
     configs.log_first_launch("hopper backward", q, d, cfg, flags)
     pre_m = configs.PREPROCESS_BLOCK_M
     row_grid = (configs.cdiv(sq, pre_m), b * h)
@@ -604,8 +620,12 @@ def backward(dout, q, k, v, out, lse, dlse, softmax_scale, diag_offset, causal):
     descs = (_descriptor(q, cfg.block_m), _descriptor(k, BLOCK_N_WG.value),
              _descriptor(v, BLOCK_N_WG.value), _descriptor(dout, cfg.block_m),
              _descriptor(dk_shares, BLOCK_N_WG.value), _descriptor(dv_shares, BLOCK_N_WG.value))
+    if d == 256:  # its own module, which imports this one's pieces
+        from flashtile.ops.bwd_hopper256 import _attn_bwd_hopper256_kernel as kernel
+    else:
+        kernel = _attn_bwd_hopper_kernel
     main = _launch.first_launch(
-        _attn_bwd_hopper_kernel, (configs.cdiv(sk, cfg.block_n), b * hkv * split),
+        kernel, (configs.cdiv(sk, cfg.block_n), b * hkv * split),
         (*descs, lse, delta, dq_accum, sq, sk, h, hkv, split, dq_rows, diag_offset,
          softmax_scale),
         dict(flags, STAGES=cfg.num_stages, num_warps=cfg.num_warps),
