@@ -7,9 +7,9 @@ as FLASHTILE_HOPPER_BWD=1 does), full and causal (bottom-right and top-left), GQ
 lengths off the tile sizes, seqlen_q != seqlen_k, batch > 1, a gradient of lse (dlse);
 rows that see no key get zero gradients; a NaN reaches the gradients it touches; the
 FLASHTILE_HOPPER_BWD switch through flash_attn_func (deterministic=True keeps the
-portable backward; head_dim 256 only under "1"). CPU: which calls the kernel declines, and the switch's dispatch with
-the kernel replaced by a fake. Test names with "hopper_bwd" are the memcheck slice
-(Makefile MEMCHECK_K).
+portable backward; head_dim 256 only under "1"). CPU: which calls the kernel declines,
+and the switch's dispatch with the kernel replaced by a fake. Test names with
+"hopper_bwd" are the memcheck slice (Makefile MEMCHECK_K).
 """
 
 import pytest

@@ -311,11 +311,12 @@ def hopper_fwd_config(head_dim: int, fp8: bool = False) -> TileConfig:
 # (sm_90 compile, 240-register cap); at d128 dK and dV alone hold 128 registers. Shared
 # memory: K, V 2 x 64 keys, stages x (Q + dO), dS^T 2 x 64 x BLOCK_M: d64 81 KiB, d128
 # 145 KiB. Head dim 256 has no entry here: dK and dV alone would take 256 of a consumer's
-# 240 registers; it has its own kernel (ops/bwd_hopper256.py, HOPPER_BWD_D256). Timed on the H200 in session 12 (0.78-0.84x cuDNN forward + backward). The
-# sm_90 compile of STAGES 1-4 x BLOCK_M 64/128 (causal): BLOCK_M 128 spills inside the
-# walk (d64: 64-472 bytes, d128: 752+, and past shared memory from 3 stages), STAGES 1
-# too at d128; STAGES 3 and 4 compile as clean as 2 (d64 99/115 KiB, d128 177/209 KiB)
-# and are the A/B's ring sweep (FLASHTILE_HOPPER_BWD_CONFIG="64,128,4,3").
+# 240 registers; it has its own kernel (ops/bwd_hopper256.py, HOPPER_BWD_D256). Timed
+# on the H200 in session 12 (0.78-0.84x cuDNN forward + backward). The sm_90 compile
+# of STAGES 1-4 x BLOCK_M 64/128 (causal): BLOCK_M 128 spills inside the walk (d64:
+# 64-472 bytes, d128: 752+, and past shared memory from 3 stages), STAGES 1 too at d128;
+# STAGES 3 and 4 compile as clean as 2 (d64 99/115 KiB, d128 177/209 KiB) and are the
+# A/B's ring sweep (FLASHTILE_HOPPER_BWD_CONFIG="64,128,4,3").
 HOPPER_BWD_16BIT = {64: TileConfig(64, 128, 4, 2), 128: TileConfig(64, 128, 4, 2)}
 
 
