@@ -83,8 +83,9 @@ def test_hopper_bwd_small(head_dim):
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("head_dim", [128, 256])
 @on_hopper
-def test_launch_plan_equals_tritons_path(causal):
+def test_launch_plan_equals_tritons_path(head_dim, causal):
     """After a layout's first call, launch plans run the three kernels over fresh tensors
     (new addresses in the six tensor maps) with another softmax_scale and a dlse: dk and
     dv are the bits of Triton's own path (no atomics there), dq meets the rule (its
@@ -93,7 +94,7 @@ def test_launch_plan_equals_tritons_path(causal):
 
     def call(seed, scale):
         torch.manual_seed(seed)
-        q, k, v, dout = _inputs(2, 300, 333, 4, 2, 128, torch.bfloat16)
+        q, k, v, dout = _inputs(2, 300, 333, 4, 2, head_dim, torch.bfloat16)
         dlse = torch.randn(2, 4, 300, device="cuda")
         return _backward(q, k, v, dout, causal, 33, scale, dlse), (q, k, v, dout, dlse)
 
