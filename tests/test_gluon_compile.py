@@ -229,11 +229,7 @@ def test_hopper_backward_compiles_for_sm90(head_dim, causal):
     assert res["stack_bytes"] <= (0 if head_dim == 64 else 48), res
     assert "HGMMA" in sass
     ptx = ck.asm["ptx"]
-    assert ck.metadata.num_warps == 12  # two consumer warpgroups + the producer's
-    assert "setmaxnreg.dec.sync.aligned.u32 \t24;" in ptx
-    assert "setmaxnreg.inc.sync.aligned.u32 \t240;" in ptx and ".maxnreg" in ptx
-    assert "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier" in ptx  # TMA loads
-    assert "cp.async.bulk.tensor.4d.global.shared::cta" in ptx  # TMA stores of dK, dV
+    _assert_backward_partitions(ck)
     mma = [line for line in ptx.splitlines() if "wgmma.mma_async" in line]
     # dV += P^T dO and dK += dS^T Q take their A operand from registers (a register
     # list, not a 64-bit descriptor); S^T, dP^T and dQ read both from shared memory.
@@ -241,6 +237,18 @@ def test_hopper_backward_compiles_for_sm90(head_dim, causal):
     assert mma and from_registers and len(from_registers) < len(mma)
     # dQ's partial sums: relaxed fp32 atomics, two values per instruction.
     assert "atom.global.gpu.relaxed.add.v2.f32" in ptx
+
+
+def _assert_backward_partitions(ck):
+    """The backward's warp specialisation: two consumer warpgroups beside the producer's
+    (12 warps), register reallocation (ptxas ignores setmaxnreg without a register cap
+    at entry: .maxnreg is set), TMA loads of Q, K, V, dO and TMA stores of dK, dV."""
+    ptx = ck.asm["ptx"]
+    assert ck.metadata.num_warps == 12
+    assert "setmaxnreg.dec.sync.aligned.u32 \t24;" in ptx
+    assert "setmaxnreg.inc.sync.aligned.u32 \t240;" in ptx and ".maxnreg" in ptx
+    assert "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier" in ptx
+    assert "cp.async.bulk.tensor.4d.global.shared::cta" in ptx
 
 
 def test_hopper_backward_compiles_for_fp16():
@@ -367,12 +375,8 @@ def test_hopper_backward_d256_compiles_for_sm90(causal, dtype):
     walks = _walk_local_stores(sass)
     assert len(walks) >= 2 and not any(walks), walks  # one walk per consumer at least
     assert "HGMMA" in sass
+    _assert_backward_partitions(ck)
     ptx = ck.asm["ptx"]
-    assert ck.metadata.num_warps == 12  # two consumer warpgroups + the producer's
-    assert "setmaxnreg.dec.sync.aligned.u32 \t24;" in ptx
-    assert "setmaxnreg.inc.sync.aligned.u32 \t240;" in ptx and ".maxnreg" in ptx
-    assert "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier" in ptx  # TMA loads
-    assert "cp.async.bulk.tensor.4d.global.shared::cta" in ptx  # TMA stores of dK, dV
     ab = "bf16.bf16" if dtype == torch.bfloat16 else "f16.f16"
     mma = [line for line in ptx.splitlines() if "wgmma.mma_async" in line]
     wide = [line for line in mma if f"m64n128k16.f32.{ab}" in line]

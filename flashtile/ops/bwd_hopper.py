@@ -167,6 +167,25 @@ def _lse2(p_lse, row0, seqlen_q, BLOCK_M: gl.constexpr, s_layout: gl.constexpr):
     return gl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
 
 
+@gluon.constexpr_function
+def _acc_layout(n):
+    """A wgmma accumulator of 64 rows and n columns: 4 warps along M, instruction N =
+    the whole tile width."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                     instr_shape=[16, n, 16])
+
+
+@gluon.jit
+def _p_t(s_t, o_n, o_m, seqlen_k, diag_offset, qk_scale, lse2, IS_CAUSAL: gl.constexpr):
+    """P^T from S^T (keys o_n as rows, query rows o_m as columns): keys past seqlen_k
+    and, with causal, keys past row + diag_offset masked; lse2 in base 2 (``_lse2``)."""
+    keep = gl.expand_dims(o_n < seqlen_k, 1)
+    if IS_CAUSAL:
+        keep = keep & (gl.expand_dims(o_n, 1) <= gl.expand_dims(o_m, 0) + diag_offset)
+    s_t = gl.where(keep, s_t, float("-inf"))
+    return gl.exp2(s_t * qk_scale - gl.expand_dims(lse2, 0))
+
+
 @gluon.jit
 def _dq_partial(ds_all, k_all, dq_init, p_dq, row0, seqlen_q, ds_empty, dq_smem, dq_full,
                 dq_empty, it, DQ_EARLY: gl.constexpr, DQ_UNMASKED: gl.constexpr,
@@ -263,13 +282,9 @@ def _mma_partition(args, WG: gl.constexpr, IS_CAUSAL: gl.constexpr, SDP: gl.cons
     BLOCK_M: gl.constexpr = q_smem.type.shape[2]
     HEAD_DIM: gl.constexpr = q_smem.type.shape[4]
     dtype: gl.constexpr = q_smem.dtype
-    # wgmma accumulators: 4 warps along M, instruction N = the whole tile width.
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_M, 16])
-    d_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 16])
-    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, DQ_PIECE, 16])
+    s_layout: gl.constexpr = _acc_layout(BLOCK_M)
+    d_layout: gl.constexpr = _acc_layout(HEAD_DIM)
+    dq_layout: gl.constexpr = _acc_layout(DQ_PIECE)
     qk_scale = softmax_scale * LOG2E
 
     # lse, delta and the dQ accumulator are (batch, nheads, seqlen_q, ...): the program's
@@ -320,11 +335,8 @@ def _mma_partition(args, WG: gl.constexpr, IS_CAUSAL: gl.constexpr, SDP: gl.cons
             lse2 = _lse2(Lse + p_row, row0, seqlen_q, BLOCK_M, s_layout)
         else:
             s_t = warpgroup_mma_wait(0, deps=(s_t,))
-        keep = gl.expand_dims(o_n < seqlen_k, 1)
-        if IS_CAUSAL:
-            keep = keep & (gl.expand_dims(o_n, 1) <= gl.expand_dims(o_m, 0) + diag_offset)
-        s_t = gl.where(keep, s_t, float("-inf"))
-        p_t = gl.exp2(s_t * qk_scale - gl.expand_dims(lse2, 0))              # (64, M)
+        p_t = _p_t(s_t, o_n, o_m, seqlen_k, diag_offset, qk_scale, lse2,
+                   IS_CAUSAL)                                                # (64, M)
 
         if not SDP:
             mbarrier.wait(do_ready.index(stage), phase)

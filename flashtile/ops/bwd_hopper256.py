@@ -63,8 +63,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from flashtile.ops._common import LOG2E
 from flashtile.ops.bwd_hopper import (BLOCK_N_WG, CONSUMER_REGS, DQ_PIECE, PRODUCER_REGS,
-                                      _a_operand, _load_partition, _lse2, _program_walk,
-                                      _row_vector)
+                                      _a_operand, _acc_layout, _load_partition, _lse2,
+                                      _p_t, _program_walk, _row_vector)
 
 
 @gluon.jit
@@ -103,13 +103,9 @@ def _mma256_partition(args, WG: gl.constexpr, IS_CAUSAL: gl.constexpr):
     HEAD_DIM: gl.constexpr = q_smem.type.shape[4]
     HALF: gl.constexpr = HEAD_DIM // 2
     dtype: gl.constexpr = q_smem.dtype
-    # wgmma accumulators: 4 warps along M, instruction N = the whole tile width.
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_M, 16])
-    h_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HALF, 16])
-    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, DQ_PIECE, 16])
+    s_layout: gl.constexpr = _acc_layout(BLOCK_M)
+    h_layout: gl.constexpr = _acc_layout(HALF)
+    dq_layout: gl.constexpr = _acc_layout(DQ_PIECE)
     qk_scale = softmax_scale * LOG2E
 
     bh0 = off_b * nheads + h0  # the first query head's row of lse, delta and dQ's heads
@@ -141,12 +137,8 @@ def _mma256_partition(args, WG: gl.constexpr, IS_CAUSAL: gl.constexpr):
             s_t = warpgroup_mma(k, q.permute((1, 0)), s_init, use_acc=False,
                                 is_async=True)                               # (64, M)
             s_t = warpgroup_mma_wait(0, deps=(s_t,))
-            keep = gl.expand_dims(o_n < seqlen_k, 1)
-            if IS_CAUSAL:
-                keep = keep & (gl.expand_dims(o_n, 1) <= gl.expand_dims(o_m, 0)
-                               + diag_offset)
-            s_t = gl.where(keep, s_t, float("-inf"))
-            p_t = gl.exp2(s_t * qk_scale - gl.expand_dims(lse2, 0))          # (64, M)
+            p_t = _p_t(s_t, o_n, o_m, seqlen_k, diag_offset, qk_scale, lse2,
+                       IS_CAUSAL)                                            # (64, M)
             p_op = _a_operand(p_t, h_layout, dtype)
             # P^T for warpgroup 1, from the operand's registers. It reads it with plain
             # loads (the generic proxy, as these stores): the mbarrier orders them.
