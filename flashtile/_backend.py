@@ -125,7 +125,8 @@ def hopper_bwd_mode() -> str:
     1.09-1.22x the portable split backward (d64/d128, 1k-16k tokens, causal and full:
     docs/benchmarks/NOTES.md section 22); shorter calls are host-bound, and its host
     path (six tensor maps, three launches) was not measured cheaper. "1": every call it
-    supports; "0": never. Deterministic calls always keep the portable split backward
+    supports, head_dim 256 too (flashtile/ops/bwd_hopper256.py, not yet timed, so not
+    under auto); "0": never. Deterministic calls always keep the portable split backward
     (its dQ atomics are not reproducible)."""
     value = getenv("FLASHTILE_HOPPER_BWD", "auto").strip() or "auto"
     if value not in ("auto", "0", "1"):

@@ -2,13 +2,14 @@
 
 GPU (``--gpu`` on an sm_90 device): dq, dk, dv against autograd through
 ``attention_naive`` in float64 with the rule every backward test uses (tests/utils.py),
-over head dims 64 and 128, full and causal (bottom-right and top-left), GQA/MQA, lengths
-off the tile sizes, seqlen_q != seqlen_k, batch > 1, a gradient of lse (dlse); rows that
-see no key get zero gradients; a NaN reaches the gradients it touches; the
+over head dims 64, 128 and 256 (bwd_hopper256's kernel, launched by bwd_hopper.backward
+as FLASHTILE_HOPPER_BWD=1 does), full and causal (bottom-right and top-left), GQA/MQA,
+lengths off the tile sizes, seqlen_q != seqlen_k, batch > 1, a gradient of lse (dlse);
+rows that see no key get zero gradients; a NaN reaches the gradients it touches; the
 FLASHTILE_HOPPER_BWD switch through flash_attn_func (deterministic=True keeps the
-portable backward). CPU: which calls the kernel declines, and the switch's dispatch with
-the kernel replaced by a fake. Test names with "hopper_bwd" are the memcheck slice
-(Makefile MEMCHECK_K).
+portable backward; head_dim 256 only under "1"). CPU: which calls the kernel declines,
+and the switch's dispatch with the kernel replaced by a fake. Test names with
+"hopper_bwd" are the memcheck slice (Makefile MEMCHECK_K).
 """
 
 import pytest
@@ -40,6 +41,10 @@ def _backward(q, k, v, dout, causal, diag_offset, scale, dlse=None):
     return bwd_hopper.backward(dout, q, k, v, out, lse, dlse, scale, diag_offset, causal)
 
 
+# bwd_hopper's head dims, and bwd_hopper256's.
+HEAD_DIMS = [64, 128, 256]
+
+
 def _check(grads, q, k, v, dout, causal, diag_offset, scale, dlse=None):
     (_, _, g64), (_, _, g_pt) = reference_pair(q, k, v, dout, dlse, softmax_scale=scale,
                                                causal=causal, diag_offset=diag_offset)
@@ -53,7 +58,7 @@ def _check(grads, q, k, v, dout, causal, diag_offset, scale, dlse=None):
 # masks (full, causal bottom-right and top-left).
 @pytest.mark.parametrize("mask", list(MASKS))
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "b{}-q{}-k{}-h{}/{}".format(*s))
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @on_hopper
 def test_matches_float64_reference(dtype, head_dim, shape, mask):
@@ -66,7 +71,7 @@ def test_matches_float64_reference(dtype, head_dim, shape, mask):
     _check(grads, q, k, v, dout, causal, diag_offset, scale)
 
 
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
 @on_hopper
 def test_hopper_bwd_small(head_dim):
     """The memcheck slice: GQA, causal with seqlen_q > seqlen_k (empty rows), ragged
@@ -78,8 +83,9 @@ def test_hopper_bwd_small(head_dim):
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("head_dim", [128, 256])
 @on_hopper
-def test_launch_plan_equals_tritons_path(causal):
+def test_launch_plan_equals_tritons_path(head_dim, causal):
     """After a layout's first call, launch plans run the three kernels over fresh tensors
     (new addresses in the six tensor maps) with another softmax_scale and a dlse: dk and
     dv are the bits of Triton's own path (no atomics there), dq meets the rule (its
@@ -88,7 +94,7 @@ def test_launch_plan_equals_tritons_path(causal):
 
     def call(seed, scale):
         torch.manual_seed(seed)
-        q, k, v, dout = _inputs(2, 300, 333, 4, 2, 128, torch.bfloat16)
+        q, k, v, dout = _inputs(2, 300, 333, 4, 2, head_dim, torch.bfloat16)
         dlse = torch.randn(2, 4, 300, device="cuda")
         return _backward(q, k, v, dout, causal, 33, scale, dlse), (q, k, v, dout, dlse)
 
@@ -105,7 +111,7 @@ def test_launch_plan_equals_tritons_path(causal):
 
 
 @pytest.mark.parametrize("mask", ["full", "causal"])
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
 @pytest.mark.parametrize("split", [1, 2, 4])
 @on_hopper
 def test_gqa_head_split_matches_float64_reference(split, head_dim, mask, monkeypatch):
@@ -124,29 +130,31 @@ def test_gqa_head_split_matches_float64_reference(split, head_dim, mask, monkeyp
         _launch.clear()
 
 
+@pytest.mark.parametrize("head_dim", [128, 256])
 @on_hopper
-def test_empty_rows_get_zero_gradients():
+def test_empty_rows_get_zero_gradients(head_dim):
     """Bottom-right causal with seqlen_q > seqlen_k: the first 200 rows see no key (lse
     -inf); their dq is exactly 0, never NaN, and they add nothing to dk and dv."""
-    q, k, v, dout = _inputs(1, 300, 100, 2, 2, 128, torch.bfloat16)
-    dq, dk, dv = _backward(q, k, v, dout, True, 100 - 300, 128 ** -0.5)
+    q, k, v, dout = _inputs(1, 300, 100, 2, 2, head_dim, torch.bfloat16)
+    dq, dk, dv = _backward(q, k, v, dout, True, 100 - 300, head_dim ** -0.5)
     assert (dq[:, :200] == 0).all()
     assert torch.isfinite(dk).all() and torch.isfinite(dv).all()
-    _check((dq, dk, dv), q, k, v, dout, True, 100 - 300, 128 ** -0.5)
+    _check((dq, dk, dv), q, k, v, dout, True, 100 - 300, head_dim ** -0.5)
 
 
 @pytest.mark.parametrize("where", ["q", "k", "v"])
+@pytest.mark.parametrize("head_dim", [64, 256])
 @on_hopper
-def test_nan_reaches_its_gradients(where):
+def test_nan_reaches_its_gradients(head_dim, where):
     """As tests/test_nan.py asks of every backward: the gradients a NaN reaches are NaN,
     those of the other head stay finite; dv does not depend on v."""
     sq, sk, key = 200, 300, 290
-    q, k, v, dout = _inputs(1, sq, sk, 2, 2, 64, torch.bfloat16)
+    q, k, v, dout = _inputs(1, sq, sk, 2, 2, head_dim, torch.bfloat16)
     ok = allowed_keys(sq, sk, sk - sq, -1, 0, q.device)
     seen_key = ok[:, key]
     row = int(seen_key.nonzero()[0])
     {"q": q, "k": k, "v": v}[where][0, row if where == "q" else key, 0, 3] = float("nan")
-    dq, dk, dv = _backward(q, k, v, dout, True, sk - sq, 64 ** -0.5)
+    dq, dk, dv = _backward(q, k, v, dout, True, sk - sq, head_dim ** -0.5)
     for g in (dq, dk, dv):
         assert torch.isfinite(g[0, :, 1]).all()
     rows = torch.arange(sq, device=q.device)
@@ -181,6 +189,27 @@ def test_switch_dispatches_through_flash_attn_func(monkeypatch):
     q96 = torch.randn(1, 64, 2, 96, dtype=torch.bfloat16, device="cuda", requires_grad=True)
     torch.autograd.grad(flashtile.flash_attn_func(q96, q96, q96).sum(), q96)
     assert calls == [1]
+
+
+@on_hopper
+def test_switch_sends_head_dim_256_only_under_1(monkeypatch):
+    """Head dim 256 through flash_attn_func: FLASHTILE_HOPPER_BWD=1 runs bwd_hopper256's
+    kernel and meets the gradient rule (GQA, causal, 1k+ tokens); auto, at the same
+    length, keeps the portable backward."""
+    calls = []
+    real = bwd_hopper.backward
+    monkeypatch.setattr(bwd_hopper, "backward",
+                        lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    q, k, v, dout = _inputs(1, 1100, 1030, 4, 2, 256, torch.bfloat16)
+    (_, _, g64), (_, _, g_pt) = reference_pair(q, k, v, dout, causal=True)
+    for mode, sent in (("1", [1]), ("auto", [1])):  # the calls so far: auto adds none
+        monkeypatch.setenv("FLASHTILE_HOPPER_BWD", mode)
+        qg, kg, vg = (x.clone().requires_grad_() for x in (q, k, v))
+        out = flashtile.flash_attn_func(qg, kg, vg, causal=True)
+        grads = torch.autograd.grad(out, (qg, kg, vg), dout)
+        assert calls == sent, mode
+        for name, g, r, p in zip(("dq", "dk", "dv"), grads, g64, g_pt):
+            assert_close_rule(name, g, r, p)
 
 
 # The schedule options (FLASHTILE_HOPPER_BWD_OPTS, bwd_hopper's docstring) the GPU A/B
@@ -278,9 +307,18 @@ def test_declines_what_it_does_not_support(monkeypatch):
     assert bwd_hopper.unsupported(q, k, v, out, dout) is None
     assert bwd_hopper.unsupported(q, k, v, out, dout, window_right=0) is None  # causal
     assert "dtype" in bwd_hopper.unsupported(*(x.float() for x in (q, k, v, out, dout)))
-    for d in (96, 256):
+    for d in (96, 512):
         assert f"head_dim {d}" in bwd_hopper.unsupported(
             *_inputs(1, 40, 40, 2, 2, d, torch.bfloat16, "cpu"), out)
+    # Head dim 256 (bwd_hopper256) only under FLASHTILE_HOPPER_BWD=1 until it is timed.
+    x256 = _inputs(1, 40, 40, 2, 2, 256, torch.bfloat16, "cpu")
+    assert bwd_hopper.unsupported(*x256, x256[0]) is None
+    assert bwd_hopper.unsupported(*x256, x256[0], mode="1") is None
+    assert bwd_hopper.unsupported(*x256, x256[0], mode="auto") == (
+        "head_dim 256: only with FLASHTILE_HOPPER_BWD=1 (its kernel, "
+        "flashtile.ops.bwd_hopper256, is not yet timed on a GPU; auto keeps the portable "
+        "backward)")
+    assert bwd_hopper.unsupported(q, k, v, out, dout, mode="auto") is None
     for extra in (dict(attn_mask=q), dict(alibi_slopes=q), dict(softcap=5.0),
                   dict(window_left=8), dict(window_right=3)):
         assert "causal or full" in bwd_hopper.unsupported(q, k, v, out, dout, **extra)
@@ -296,7 +334,10 @@ def test_declines_what_it_does_not_support(monkeypatch):
     ("0", False, 128, 1024, "portable"), ("", False, 128, 1024, "hopper"),
     ("auto", False, 64, 1024, "hopper"), ("auto", False, 128, 1023, "portable"),
     ("", False, 128, 30, "portable"), ("1", True, 128, 30, "portable"),
-    ("auto", True, 128, 1024, "portable"), ("1", False, 96, 30, "portable")])
+    ("auto", True, 128, 1024, "portable"), ("1", False, 96, 30, "portable"),
+    ("1", False, 256, 30, "hopper"), ("1", False, 256, 1024, "hopper"),
+    ("auto", False, 256, 1024, "portable"), ("", False, 256, 1024, "portable"),
+    ("1", True, 256, 30, "portable")])
 def test_switch_dispatch_on_cpu(switch, deterministic, head_dim, seqlen_q, used,
                                 monkeypatch):
     """With the kernels replaced by fakes: FLASHTILE_HOPPER_BWD=1 sends a supported dense
@@ -305,7 +346,8 @@ def test_switch_dispatch_on_cpu(switch, deterministic, head_dim, seqlen_q, used,
     from 1k queries and 1k keys (seqlen_k is seqlen_q + 20 here) and keeps shorter calls
     on the portable backward; "0" never sends it, and neither do deterministic calls or
     calls it declines (head_dim 96: the real unsupported() runs there, with only its
-    device check bypassed)."""
+    device check bypassed). Head dim 256 (bwd_hopper256) goes only under "1": auto
+    keeps it on the portable backward at any length until it is timed."""
     from flashtile.ops import fwd_hopper
 
     seen = {}

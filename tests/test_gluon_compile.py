@@ -216,12 +216,16 @@ def test_hopper_fp8_forward_compiles_for_e5m2_without_descales():
 
 def _compile_bwd(head_dim, causal, dtype=torch.bfloat16, opts=(), stages=None):
     """The kernel a launch of ``bwd_hopper.backward`` compiles for these inputs, with the
-    FLASHTILE_HOPPER_BWD_OPTS options ``opts`` and the table's STAGES unless given."""
+    FLASHTILE_HOPPER_BWD_OPTS options ``opts`` and the table's STAGES unless given (head
+    dim 256: bwd_hopper256's kernel, which has no options)."""
     from triton.runtime.jit import mangle_type
 
-    from flashtile.ops import bwd_hopper
+    from flashtile.ops import bwd_hopper, bwd_hopper256
 
-    cfg = configs.HOPPER_BWD_16BIT[head_dim]
+    if head_dim == 256:
+        cfg, kernel = configs.HOPPER_BWD_D256, bwd_hopper256._attn_bwd_hopper256_kernel
+    else:
+        cfg, kernel = configs.HOPPER_BWD_16BIT[head_dim], bwd_hopper._attn_bwd_hopper_kernel
     x = torch.empty(2, 300, 4, head_dim, dtype=dtype)  # the launcher's descriptors, on CPU
     q_type = mangle_type(bwd_hopper._descriptor(x, cfg.block_m))
     kv_type = mangle_type(bwd_hopper._descriptor(x, bwd_hopper.BLOCK_N_WG.value))
@@ -229,8 +233,7 @@ def _compile_bwd(head_dim, causal, dtype=torch.bfloat16, opts=(), stages=None):
                  dk_desc=kv_type, dv_desc=kv_type, softmax_scale="fp32")
     flags = dict(bwd_hopper.kernel_flags(head_dim, causal, frozenset(opts)),
                  STAGES=stages or cfg.num_stages)
-    return compile_kernel(bwd_hopper._attn_bwd_hopper_kernel, flags,
-                          num_warps=cfg.num_warps, types=types)
+    return compile_kernel(kernel, flags, num_warps=cfg.num_warps, types=types)
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
@@ -247,11 +250,7 @@ def test_hopper_backward_compiles_for_sm90(head_dim, causal):
     assert res["stack_bytes"] <= (0 if head_dim == 64 else 48), res
     assert "HGMMA" in sass
     ptx = ck.asm["ptx"]
-    assert ck.metadata.num_warps == 12  # two consumer warpgroups + the producer's
-    assert "setmaxnreg.dec.sync.aligned.u32 \t24;" in ptx
-    assert "setmaxnreg.inc.sync.aligned.u32 \t240;" in ptx and ".maxnreg" in ptx
-    assert "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier" in ptx  # TMA loads
-    assert "cp.async.bulk.tensor.4d.global.shared::cta" in ptx  # TMA stores of dK, dV
+    _assert_backward_partitions(ck)
     mma = [line for line in ptx.splitlines() if "wgmma.mma_async" in line]
     # dV += P^T dO and dK += dS^T Q take their A operand from registers (a register
     # list, not a 64-bit descriptor); S^T, dP^T and dQ read both from shared memory.
@@ -259,6 +258,18 @@ def test_hopper_backward_compiles_for_sm90(head_dim, causal):
     assert mma and from_registers and len(from_registers) < len(mma)
     # dQ's partial sums: relaxed fp32 atomics, two values per instruction.
     assert "atom.global.gpu.relaxed.add.v2.f32" in ptx
+
+
+def _assert_backward_partitions(ck):
+    """The backward's warp specialisation: two consumer warpgroups beside the producer's
+    (12 warps), register reallocation (ptxas ignores setmaxnreg without a register cap
+    at entry: .maxnreg is set), TMA loads of Q, K, V, dO and TMA stores of dK, dV."""
+    ptx = ck.asm["ptx"]
+    assert ck.metadata.num_warps == 12
+    assert "setmaxnreg.dec.sync.aligned.u32 \t24;" in ptx
+    assert "setmaxnreg.inc.sync.aligned.u32 \t240;" in ptx and ".maxnreg" in ptx
+    assert "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier" in ptx
+    assert "cp.async.bulk.tensor.4d.global.shared::cta" in ptx
 
 
 def test_hopper_backward_compiles_for_fp16():
@@ -364,3 +375,38 @@ def test_hopper_backward_stages_compile_for_sm90(head_dim, stages):
     assert res["shared_bytes"] <= configs.SM90_SMEM_BYTES, res
     assert res["stack_bytes"] <= (0 if head_dim == 64 else 56), res
     assert not any(_walk_local_stores(_sass(ck)))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_hopper_backward_d256_compiles_for_sm90(causal, dtype):
+    """bwd_hopper256 (head_dim 256, the consumers splitting the head dim): shared memory
+    is K, V, two stages of Q and dO, P^T and dS^T (208 KiB) plus barriers; nothing is
+    stored to local memory inside the walks (causal: ptxas keeps the shared-memory base,
+    4 bytes, stored before the walk, reloaded in it); setmaxnreg 24/240; dV += P^T dO and
+    dK += dS^T Q on 128-wide halves of the head dim, with the A operand from registers
+    but for warpgroup 0's dK (dS^T from shared memory, where warpgroup 1 stored it);
+    S^T, dP^T (the whole 256 contraction) and the four dQ pieces on 64-wide products."""
+    ck = _compile_bwd(256, causal, dtype)
+    res = resources(ck)
+    tiles = 2 * 64 * 256 * 2 + 2 * 2 * 64 * 256 * 2 + 2 * 64 * 64 * 2
+    assert tiles <= res["shared_bytes"] <= min(tiles + 1024, configs.SM90_SMEM_BYTES), res
+    assert res["stack_bytes"] <= (8 if causal else 0), res
+    sass = _sass(ck)
+    walks = _walk_local_stores(sass)
+    assert len(walks) >= 2 and not any(walks), walks  # one walk per consumer at least
+    assert "HGMMA" in sass
+    _assert_backward_partitions(ck)
+    ptx = ck.asm["ptx"]
+    ab = "bf16.bf16" if dtype == torch.bfloat16 else "f16.f16"
+    mma = [line for line in ptx.splitlines() if "wgmma.mma_async" in line]
+    wide = [line for line in mma if f"m64n128k16.f32.{ab}" in line]
+    narrow = [line for line in mma if f"m64n64k16.f32.{ab}" in line]
+    # K 16 a step: dV, dK over 64 queries, 4 steps each, in both warpgroups; S^T, dP^T
+    # over 256 head dims, 16 steps each; 4 dQ pieces over 64 keys, 4 steps each.
+    assert len(wide) == 2 * 2 * 4 and len(narrow) == 2 * 16 + 4 * 4 == len(mma) - 16
+    from_registers = [line for line in wide if line.count("{") == 2]
+    assert len(from_registers) == 3 * 4 and not any(line.count("{") == 2 for line in narrow)
+    # dQ's partial sums: relaxed fp32 atomics, two values per instruction, 32 values of
+    # each 64 x 64 piece a thread.
+    assert ptx.count("atom.global.gpu.relaxed.add.v2.f32") == 4 * 16

@@ -8,7 +8,8 @@ delta = rowsum(dO * O) - dlse (the portable preprocess kernel), dQ summed over t
 blocks in fp32 by atomics, then scaled into dq by the portable conversion kernel. Dense
 layout only: q (batch, seqlen_q, nheads, head_dim), k/v (batch, seqlen_k, nheads_kv,
 head_dim), GQA/MQA; causal (any ``diag_offset``: key j is visible to row i when
-j <= i + diag_offset) or full.
+j <= i + diag_offset) or full. Head dims 64 and 128 here; 256 in bwd_hopper256 (its
+consumers split the head dim, not the keys), launched by this module's ``backward``.
 
 One program owns BLOCK_N = 2 x 64 keys of one (batch, KV head) and walks every query
 block of every query head of the group (the group sum of dK/dV happens in registers, as
@@ -108,12 +109,15 @@ DQ_PIECE = gl.constexpr(64)
 def _load_partition(q_desc, k_desc, v_desc, do_desc, q_smem, k_smem, v_smem, do_smem,
                     kv_ready, q_ready, do_ready, qdo_empty, off_b, off_hkv, key0,
                     h0, n_heads, m_lo, n_m):
-    """Producer warp: K and V once (one half per consumer), then Q_i and dO_i of every
-    (query head h0 + [0, n_heads), query block) into the ring."""
+    """Producer warp: K and V once (in v_smem.type.shape[0] tiles of 64 keys: one half
+    per consumer here, one tile in bwd_hopper256), then Q_i and dO_i of every (query
+    head h0 + [0, n_heads), query block) into the ring."""
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[1]
     STAGES: gl.constexpr = q_smem.type.shape[0]
-    mbarrier.expect(kv_ready, 2 * k_desc.block_type.nbytes + 2 * v_desc.block_type.nbytes)
-    for w in gl.static_range(2):
+    KV_TILES: gl.constexpr = v_smem.type.shape[0]
+    mbarrier.expect(kv_ready, KV_TILES * (k_desc.block_type.nbytes
+                                          + v_desc.block_type.nbytes))
+    for w in gl.static_range(KV_TILES):
         k_half = k_smem.slice(w * BLOCK_N_WG, BLOCK_N_WG, dim=1)  # rows: keys
         tma.async_copy_global_to_shared(k_desc, [off_b, key0 + w * BLOCK_N_WG, off_hkv, 0],
                                         kv_ready, k_half)
@@ -161,6 +165,25 @@ def _lse2(p_lse, row0, seqlen_q, BLOCK_M: gl.constexpr, s_layout: gl.constexpr):
     NaN."""
     lse = _row_vector(p_lse, row0, seqlen_q, float("inf"), BLOCK_M, s_layout)
     return gl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
+
+
+@gluon.constexpr_function
+def _acc_layout(n):
+    """A wgmma accumulator of 64 rows and n columns: 4 warps along M, instruction N =
+    the whole tile width."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                     instr_shape=[16, n, 16])
+
+
+@gluon.jit
+def _p_t(s_t, o_n, o_m, seqlen_k, diag_offset, qk_scale, lse2, IS_CAUSAL: gl.constexpr):
+    """P^T from S^T (keys o_n as rows, query rows o_m as columns): keys past seqlen_k
+    and, with causal, keys past row + diag_offset masked; lse2 in base 2 (``_lse2``)."""
+    keep = gl.expand_dims(o_n < seqlen_k, 1)
+    if IS_CAUSAL:
+        keep = keep & (gl.expand_dims(o_n, 1) <= gl.expand_dims(o_m, 0) + diag_offset)
+    s_t = gl.where(keep, s_t, float("-inf"))
+    return gl.exp2(s_t * qk_scale - gl.expand_dims(lse2, 0))
 
 
 @gluon.jit
@@ -259,13 +282,9 @@ def _mma_partition(args, WG: gl.constexpr, IS_CAUSAL: gl.constexpr, SDP: gl.cons
     BLOCK_M: gl.constexpr = q_smem.type.shape[2]
     HEAD_DIM: gl.constexpr = q_smem.type.shape[4]
     dtype: gl.constexpr = q_smem.dtype
-    # wgmma accumulators: 4 warps along M, instruction N = the whole tile width.
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_M, 16])
-    d_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 16])
-    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, DQ_PIECE, 16])
+    s_layout: gl.constexpr = _acc_layout(BLOCK_M)
+    d_layout: gl.constexpr = _acc_layout(HEAD_DIM)
+    dq_layout: gl.constexpr = _acc_layout(DQ_PIECE)
     qk_scale = softmax_scale * LOG2E
 
     # lse, delta and the dQ accumulator are (batch, nheads, seqlen_q, ...): the program's
@@ -316,11 +335,8 @@ def _mma_partition(args, WG: gl.constexpr, IS_CAUSAL: gl.constexpr, SDP: gl.cons
             lse2 = _lse2(Lse + p_row, row0, seqlen_q, BLOCK_M, s_layout)
         else:
             s_t = warpgroup_mma_wait(0, deps=(s_t,))
-        keep = gl.expand_dims(o_n < seqlen_k, 1)
-        if IS_CAUSAL:
-            keep = keep & (gl.expand_dims(o_n, 1) <= gl.expand_dims(o_m, 0) + diag_offset)
-        s_t = gl.where(keep, s_t, float("-inf"))
-        p_t = gl.exp2(s_t * qk_scale - gl.expand_dims(lse2, 0))              # (64, M)
+        p_t = _p_t(s_t, o_n, o_m, seqlen_k, diag_offset, qk_scale, lse2,
+                   IS_CAUSAL)                                                # (64, M)
 
         if not SDP:
             mbarrier.wait(do_ready.index(stage), phase)
@@ -373,6 +389,28 @@ def _mma_partition(args, WG: gl.constexpr, IS_CAUSAL: gl.constexpr, SDP: gl.cons
 
 
 @gluon.jit
+def _program_walk(BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, seqlen_q, nheads,
+                  nheads_kv, head_split, diag_offset, IS_CAUSAL: gl.constexpr):
+    """What this program owns and walks: its first key key0 (BLOCK_N keys), batch off_b,
+    the head off_dkv of dK/dV it stores (its KV head off_hkv's share with head_split),
+    query heads h0 + [0, n_heads), and query blocks m_lo + [0, n_m)."""
+    key0 = gl.program_id(0) * BLOCK_N
+    off_bh = gl.program_id(1)
+    off_b = off_bh // (nheads_kv * head_split)
+    off_dkv = off_bh % (nheads_kv * head_split)  # the head of dK/dV this program stores
+    off_hkv = off_dkv // head_split
+    n_heads = nheads // nheads_kv // head_split  # query heads this program walks
+    h0 = off_hkv * (nheads // nheads_kv) + off_dkv % head_split * n_heads
+    # Query blocks [m_lo, m_hi) hold a row that sees one of these keys: with causal, row
+    # i sees key j when j <= i + diag_offset, so the first is key0 - diag_offset.
+    m_lo = 0
+    if IS_CAUSAL:
+        m_lo = gl.maximum(key0 - diag_offset, 0) // BLOCK_M
+    n_m = gl.maximum(gl.cdiv(seqlen_q, BLOCK_M) - m_lo, 0)
+    return key0, off_b, off_dkv, off_hkv, h0, n_heads, m_lo, n_m
+
+
+@gluon.jit
 def _attn_bwd_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse, Delta,
                             DQAccum, seqlen_q, seqlen_k, nheads, nheads_kv, head_split,
                             dq_rows, diag_offset, softmax_scale, IS_CAUSAL: gl.constexpr,
@@ -387,19 +425,9 @@ def _attn_bwd_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, L
     DQ_WARP: the schedule options of the module docstring."""
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[1]
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
-    key0 = gl.program_id(0) * (2 * BLOCK_N_WG)
-    off_bh = gl.program_id(1)
-    off_b = off_bh // (nheads_kv * head_split)
-    off_dkv = off_bh % (nheads_kv * head_split)  # the head of dK/dV this program stores
-    off_hkv = off_dkv // head_split
-    n_heads = nheads // nheads_kv // head_split  # query heads this program walks
-    h0 = off_hkv * (nheads // nheads_kv) + off_dkv % head_split * n_heads
-    # Query blocks [m_lo, m_hi) hold a row that sees one of these keys: with causal, row
-    # i sees key j when j <= i + diag_offset, so the first is key0 - diag_offset.
-    m_lo = 0
-    if IS_CAUSAL:
-        m_lo = gl.maximum(key0 - diag_offset, 0) // BLOCK_M
-    n_m = gl.maximum(gl.cdiv(seqlen_q, BLOCK_M) - m_lo, 0)
+    key0, off_b, off_dkv, off_hkv, h0, n_heads, m_lo, n_m = _program_walk(
+        2 * BLOCK_N_WG, BLOCK_M, seqlen_q, nheads, nheads_kv, head_split, diag_offset,
+        IS_CAUSAL)
 
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [STAGES] + q_desc.block_type.shape,
                                        q_desc.layout)
@@ -463,15 +491,25 @@ def _attn_bwd_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, L
         ], [1, 4], [PRODUCER_REGS, CONSUMER_REGS])
 
 
+# Head dims with a kernel: this module's, and bwd_hopper256's at 256.
+HEAD_DIMS = (*sorted(configs.HOPPER_BWD_16BIT), 256)
+
+
 def unsupported(q, k, v, out, dout, *, softmax_scale=1.0, attn_mask=None,
                 alibi_slopes=None, window_left=-1, window_right=-1, softcap=0.0,
-                dropout_p=0.0, **_) -> str | None:
+                dropout_p=0.0, mode="1", **_) -> str | None:
     """Why this kernel cannot serve the backward of a dense call (None: it can). The
-    arguments are those of ``flashtile.ops.bwd.attn_bwd``, already validated."""
+    arguments are those of ``flashtile.ops.bwd.attn_bwd``, already validated; ``mode``
+    is FLASHTILE_HOPPER_BWD's (``flashtile._backend.hopper_bwd_mode``): head_dim 256
+    only under "1"."""
     if q.element_size() != 2:  # the forward kernel also takes FP8, which has no backward
         return f"dtype {q.dtype}: float16 or bfloat16 only"
-    if q.shape[-1] not in configs.HOPPER_BWD_16BIT:
-        return f"head_dim {q.shape[-1]}: one of {sorted(configs.HOPPER_BWD_16BIT)} only"
+    if q.shape[-1] not in HEAD_DIMS:
+        return f"head_dim {q.shape[-1]}: one of {list(HEAD_DIMS)} only"
+    if q.shape[-1] == 256 and mode != "1":
+        return ("head_dim 256: only with FLASHTILE_HOPPER_BWD=1 (its kernel, "
+                "flashtile.ops.bwd_hopper256, is not yet timed on a GPU; auto keeps the "
+                "portable backward)")
     # The forward kernel's conditions: device, dtype, features, TMA layouts of q, k, v.
     reason = fwd_hopper.unsupported(q, k, v, softmax_scale=softmax_scale,
                                     attn_mask=attn_mask, alibi_slopes=alibi_slopes,
@@ -494,7 +532,10 @@ def _descriptor(x, rows: int):
 
 def kernel_flags(head_dim: int, causal: bool, opts: frozenset[str]) -> dict:
     """The kernel's constexpr switches (but STAGES) for FLASHTILE_HOPPER_BWD_OPTS
-    ``opts`` (``configs.hopper_bwd_opts()``)."""
+    ``opts`` (``configs.hopper_bwd_opts()``); bwd_hopper256's kernel (head_dim 256) has
+    no options."""
+    if head_dim == 256:
+        return dict(IS_CAUSAL=causal)
     return dict(IS_CAUSAL=causal,
                 SDP="sdp" in opts,
                 DQ_EARLY="dq_early" in opts, DQ_UNMASKED="dq_unmasked" in opts,
@@ -538,7 +579,9 @@ def backward(dout, q, k, v, out, lse, dlse, softmax_scale, diag_offset, causal):
     from the kernel's shares, summed by two more kernels."""
     b, sq, h, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
-    split = head_split(h // hkv, configs.cdiv(sk, 2 * BLOCK_N_WG.value) * b * hkv,
+    # Keys a program: 128 (two warpgroups of 64), 64 at head_dim 256 (bwd_hopper256).
+    block_n = configs.HOPPER_BWD_D256.block_n if d == 256 else 2 * BLOCK_N_WG.value
+    split = head_split(h // hkv, configs.cdiv(sk, block_n) * b * hkv,
                        fwd_hopper._num_sms(q.device))
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     # split > 1: the shares, each share's KV heads split times over (see the kernel).
@@ -572,10 +615,10 @@ def backward(dout, q, k, v, out, lse, dlse, softmax_scale, diag_offset, causal):
             convert((dq_accum.data_ptr(), dq.data_ptr(), softmax_scale))
             return dq, *_summed(dk_shares, dv_shares, split)
     cfg = configs.hopper_bwd_config(d)
-    opts = configs.hopper_bwd_opts()
-    dq_rows = configs.cdiv(sq, cfg.block_m) * cfg.block_m if "dq_unmasked" in opts else sq
+    flags = kernel_flags(d, causal, configs.hopper_bwd_opts())
+    dq_rows = configs.cdiv(sq, cfg.block_m) * cfg.block_m if flags.get("DQ_UNMASKED") \
+        else sq
     dq_accum = accumulator(dq_rows)
-    flags = kernel_flags(d, causal, opts)
     configs.log_first_launch("hopper backward", q, d, cfg, flags)
     pre_m = configs.PREPROCESS_BLOCK_M
     row_grid = (configs.cdiv(sq, pre_m), b * h)
@@ -589,8 +632,12 @@ def backward(dout, q, k, v, out, lse, dlse, softmax_scale, diag_offset, causal):
     descs = (_descriptor(q, cfg.block_m), _descriptor(k, BLOCK_N_WG.value),
              _descriptor(v, BLOCK_N_WG.value), _descriptor(dout, cfg.block_m),
              _descriptor(dk_shares, BLOCK_N_WG.value), _descriptor(dv_shares, BLOCK_N_WG.value))
+    if d == 256:  # its own module, which imports this one's pieces
+        from flashtile.ops.bwd_hopper256 import _attn_bwd_hopper256_kernel as kernel
+    else:
+        kernel = _attn_bwd_hopper_kernel
     main = _launch.first_launch(
-        _attn_bwd_hopper_kernel, (configs.cdiv(sk, cfg.block_n), b * hkv * split),
+        kernel, (configs.cdiv(sk, cfg.block_n), b * hkv * split),
         (*descs, lse, delta, dq_accum, sq, sk, h, hkv, split, dq_rows, diag_offset,
          softmax_scale),
         dict(flags, STAGES=cfg.num_stages, num_warps=cfg.num_warps),

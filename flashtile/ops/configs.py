@@ -333,18 +333,29 @@ def hopper_fwd_config(head_dim: int, fp8: bool = False) -> TileConfig:
 # d64, but there its S^T and dP^T tiles (64 fp32 registers each) spilled 336 bytes
 # (sm_90 compile, 240-register cap); at d128 dK and dV alone hold 128 registers. Shared
 # memory: K, V 2 x 64 keys, stages x (Q + dO), dS^T 2 x 64 x BLOCK_M: d64 81 KiB, d128
-# 145 KiB. Head dim 256 has no entry: dK and dV alone would take 256 of a consumer's 240
-# registers. Timed on the H200 in session 12 (0.78-0.84x cuDNN forward + backward). The
-# sm_90 compile of STAGES 1-4 x BLOCK_M 64/128 (causal): BLOCK_M 128 spills inside the
-# walk (d64: 64-472 bytes, d128: 752+, and past shared memory from 3 stages), STAGES 1
-# too at d128; STAGES 3 and 4 compile as clean as 2 (d64 99/115 KiB, d128 177/209 KiB)
-# and are the A/B's ring sweep (FLASHTILE_HOPPER_BWD_CONFIG="64,128,4,3").
+# 145 KiB. Head dim 256 has no entry here: dK and dV alone would take 256 of a consumer's
+# 240 registers; it has its own kernel (ops/bwd_hopper256.py, HOPPER_BWD_D256). Timed
+# on the H200 in session 12 (0.78-0.84x cuDNN forward + backward). The sm_90 compile
+# of STAGES 1-4 x BLOCK_M 64/128 (causal): BLOCK_M 128 spills inside the walk (d64:
+# 64-472 bytes, d128: 752+, and past shared memory from 3 stages), STAGES 1 too at d128;
+# STAGES 3 and 4 compile as clean as 2 (d64 99/115 KiB, d128 177/209 KiB) and are the
+# A/B's ring sweep (FLASHTILE_HOPPER_BWD_CONFIG="64,128,4,3").
 HOPPER_BWD_16BIT = {64: TileConfig(64, 128, 4, 2), 128: TileConfig(64, 128, 4, 2)}
+
+
+# Head dim 256 (ops/bwd_hopper256.py): 64 keys a program, the two consumer warpgroups
+# splitting the head dim; BLOCK_M 64 and 2 stages are what fits shared memory (K, V,
+# 2 x (Q + dO), P^T and dS^T: 208 KiB of 227; a third stage would need 272). Not swept:
+# FLASHTILE_HOPPER_BWD_CONFIG is the d64/d128 kernel's.
+HOPPER_BWD_D256 = TileConfig(64, 64, 4, 2)
 
 
 def hopper_bwd_config(head_dim: int) -> TileConfig:
     """HOPPER_BWD_16BIT[head_dim], or FLASHTILE_HOPPER_BWD_CONFIG="BLOCK_M,128,4,STAGES"
-    for sweeps (BLOCK_N and num_warps are fixed by the kernel's two warpgroups)."""
+    for sweeps (BLOCK_N and num_warps are fixed by the kernel's two warpgroups); head
+    dim 256: HOPPER_BWD_D256."""
+    if head_dim == 256:
+        return HOPPER_BWD_D256
     cfg = _from_env("hopper_bwd") or HOPPER_BWD_16BIT[head_dim]
     if (cfg.block_n, cfg.num_warps) != (128, 4) or cfg.block_m not in (64, 128) \
             or cfg.num_stages < 1:
