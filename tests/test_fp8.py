@@ -327,6 +327,66 @@ def test_kvcache_fp8_v_as_column_pairs_or_bytes(layout, fp8_backend, device, on_
                q.dtype, dtype=p_dtype)
 
 
+# (seqlen_q, nheads, nheads_kv): 4 and 8 query rows a KV head, the KEYS_M decode's range.
+KEYS_M_HEADS = [pytest.param((1, 8, 2), id="gqa4"), pytest.param((2, 4, 1), id="mqa-2-tokens")]
+
+
+@pytest.mark.parametrize("keys_m", ["0", "1"], ids=["rows_m", "keys_m"])
+@pytest.mark.parametrize("heads", KEYS_M_HEADS)
+@pytest.mark.parametrize("page,block_n", [(None, None), (16, None), (16, 32)],
+                         ids=["contiguous", "page16", "page16-tile32"])
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("backend", ["triton"], indirect=True)  # a Triton kernel layout
+def test_kvcache_keys_m_layout(keys_m, heads, page, block_n, num_splits, fp8_backend, device,
+                               on_gpu, monkeypatch):
+    """FLASHTILE_DECODE_FP8_KEYS_M=1 (keys on the products' M side: S^T = K Q^T, O^T =
+    V^T P^T) and the default layout both give attention over the dequantised cache:
+    odd lengths, a NaN value past a sequence's end that must reach nothing, a sequence
+    with no keys (out 0, lse -inf), one longer than its cache (NaN rows) and one with
+    a NaN key (its KV head's rows NaN). Pages of 16 keys, one a tile (the interpreter's
+    16-key tile) or two (32-key tiles); split and not."""
+    from flashtile.ops import configs, decode
+
+    monkeypatch.setenv("FLASHTILE_DECODE_FP8_KEYS_M", keys_m)
+    sq, h, hkv = heads
+    b, s, d = 5, 64, 32
+    k_cache, kd = _quantized((b, s, hkv, d), E4M3, device)
+    v_cache, vd = _quantized((b, s, hkv, d), E4M3, device)
+    lens = [37, 0, 61, s + 1, 20]
+    v_cache.view(torch.uint8)[0, 50, 0, 5] = 0x7F  # e4m3 NaN past sequence 0's end
+    k_cache.view(torch.uint8)[4, 7, 0, 3] = 0x7F   # a NaN key inside sequence 4
+    q = torch.randn(b, sq, h, d, device=device).to(_q_dtype(on_gpu))
+    assert decode.keys_m(q, k_cache, v_cache, False) == (keys_m == "1")
+    kw = dict(cache_seqlens=torch.tensor(lens, dtype=torch.int32, device=device),
+              causal=True, num_splits=num_splits, k_descale=kd, v_descale=vd,
+              return_lse=True)
+    if block_n:
+        cfg = configs.decode_config(q, d, sq * h // hkv, keys_m=keys_m == "1")
+        monkeypatch.setattr(configs, "_override", dict(configs._override))  # undone after
+        configs.set_override("decode", configs.TileConfig(cfg.block_m, block_n))
+    if page:
+        table = torch.randperm(b * s // page, device=device).view(b, s // page).int()
+        pools = [torch.empty(b * s // page, page, hkv, d, dtype=E4M3, device=device)
+                 for _ in range(2)]
+        for pool, cache in zip(pools, (k_cache, v_cache)):
+            pool.view(torch.uint8)[table.long()] = cache.view(torch.uint8).view(
+                b, s // page, page, hkv, d)
+        out, lse = flashtile.flash_attn_with_kvcache(q, *pools, block_table=table, **kw)
+    else:
+        out, lse = flashtile.flash_attn_with_kvcache(q, k_cache, v_cache, **kw)
+    p_dtype = torch.float16 if fp8_backend == "triton" else None
+    for i in (0, 2):
+        n = lens[i]
+        _check(out[i:i + 1], lse[i:i + 1], q[i:i + 1], k_cache[i:i + 1, :n],
+               v_cache[i:i + 1, :n], (None, kd[i:i + 1], vd[i:i + 1]), fp8_backend,
+               dict(causal=True), q.dtype, dtype=p_dtype)
+    assert (out[1] == 0).all() and (lse[1] == float("-inf")).all()
+    assert torch.isnan(out[3]).all() and torch.isnan(lse[3]).all()
+    group = h // hkv
+    assert torch.isnan(out[4, :, :group]).all() and torch.isnan(lse[4, :group]).all()
+    assert torch.isfinite(out[4, :, group:]).all() and torch.isfinite(lse[4, group:]).all()
+
+
 def test_kvcache_rotary_then_quantised(fp8_backend, device, on_gpu):
     """Rotary embedding turns the 16-bit new keys before they are quantised."""
     b, s, hkv, d = 2, 32, 2, 16

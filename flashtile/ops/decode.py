@@ -108,7 +108,7 @@ def _decode_kernel(
     SPLIT_PAGES: tl.constexpr, HAS_BATCH_IDX: tl.constexpr, HAS_LEFTPAD: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, LAUNCH_DEPENDENTS: tl.constexpr,
     HAS_Q_DESCALE: tl.constexpr, HAS_K_DESCALE: tl.constexpr, HAS_V_DESCALE: tl.constexpr,
-    V_PAIRS: tl.constexpr, PAIRS_ASM: tl.constexpr,
+    V_PAIRS: tl.constexpr, PAIRS_ASM: tl.constexpr, KEYS_M: tl.constexpr,
 ):
     # Pages looked up per key row (a vector of entries per tile), not per tile.
     ROW_PAGES: tl.constexpr = TILE_PAGES > 0 or (not PAGE_ALIGNED and SPLIT_PAGES == 0)
@@ -198,11 +198,23 @@ def _decode_kernel(
     # V_PAIRS: V's even and odd columns accumulate apart (see the V load below).
     acc = tl.zeros([BLOCK_M, BLOCK_DV // (1 + V_PAIRS)], dtype=tl.float32)
     acc_odd = tl.zeros([BLOCK_M, BLOCK_DV // (1 + V_PAIRS)], dtype=tl.float32)
+    if KEYS_M:
+        # Keys on the products' M side (configs.decode_fp8_keys_m): the accumulators
+        # transposed, (DV/2, M), query rows their N.
+        acc = tl.zeros([BLOCK_DV // 2, BLOCK_M], dtype=tl.float32)
+        acc_odd = tl.zeros([BLOCK_DV // 2, BLOCK_M], dtype=tl.float32)
     if V_PAIRS:
         # An FP8 V read as int16 words of two neighbouring columns (even, odd).
         VWords = VCache.to(tl.pointer_type(tl.int16))
         offs_w = tl.arange(0, BLOCK_DV // 2)
         m_w = offs_w < head_dim_v // 2
+        if KEYS_M:
+            # Word strides (even: v_pairs): a row's word address then takes 3
+            # instructions in the loop, not 7 with the signed int64 halving (sm_90
+            # SASS; 8 rows a thread a 128-key tile).
+            stride_vb = stride_vb // 2
+            stride_vn = stride_vn // 2
+            stride_vh = stride_vh // 2
     # The page(s) of a tile are loaded one tile ahead: the software pipeliner does not
     # run scalar loads ahead, and a K/V address waiting on its block-table entry in the
     # same iteration stalls every tile (NOTES.md section 4). The first tile's pages are
@@ -280,11 +292,19 @@ def _decode_kernel(
         p_k = KCache + row_k[:, None] + off_hkv * stride_kh
         b_k = tl.load(p_k + offs_d[None, :], mask=m_n[:, None] & m_d[None, :],
                       other=0.0).to(b_q.dtype)                             # (N, D)
-        qk = tl.dot(b_q, tl.trans(b_k), input_precision=INPUT_PRECISION)   # (M, N)
+        if KEYS_M:
+            qk = tl.dot(b_k, tl.trans(b_q), input_precision=INPUT_PRECISION)  # (N, M)
+        else:
+            qk = tl.dot(b_q, tl.trans(b_k), input_precision=INPUT_PRECISION)  # (M, N)
         if BLOCK_DT > 0:
             b_kt = tl.load(p_k + offs_dt[None, :], mask=m_n[:, None] & m_dt[None, :],
                            other=0.0).to(b_q.dtype)                        # (N, DT)
-            qk = tl.dot(b_qt, tl.trans(b_kt), qk, input_precision=INPUT_PRECISION)
+            if KEYS_M:
+                qk = tl.dot(b_kt, tl.trans(b_qt), qk, input_precision=INPUT_PRECISION)
+            else:
+                qk = tl.dot(b_qt, tl.trans(b_kt), qk, input_precision=INPUT_PRECISION)
+        if KEYS_M:
+            qk = tl.trans(qk)  # (M, N): a relabelling of registers, no data moves
         s = _scores_log2(qk, offs_t, offs_n, hi, diag_offset, window_left, window_right,
                          scale, softcap, alibi_slope, Q, 0, 0, m_row[:, None],
                          True, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI, False, False)
@@ -299,14 +319,31 @@ def _decode_kernel(
             # Triton's FP8 layout gives a thread. Read as 16-bit words, the tile is
             # copied into the operand layout as a bf16 V is (ldmatrix), each word is
             # two columns of one key, and the even and odd columns go to two products.
-            b_w = tl.load(VWords + (row_v[:, None] + off_hkv * stride_vh) // 2
-                          + offs_w[None, :], mask=m_n[:, None] & m_w[None, :],
-                          other=0)                                         # (N, DV/2)
-            b_ve, b_vo = _fp8_pairs_to_fp16(b_w, VCache.dtype.element_ty, PAIRS_ASM)
-            p16 = p.to(tl.float16)
-            acc = tl.dot(p16, b_ve, acc * alpha[:, None], input_precision=INPUT_PRECISION)
-            acc_odd = tl.dot(p16, b_vo, acc_odd * alpha[:, None],
+            if KEYS_M:
+                # O^T = V^T P^T: V's words the A operand (their columns its M), P^T
+                # the B operand, so the query rows are the product's N (8 a step, not
+                # 16): half the products and half the accumulator of M = rows.
+                # Loaded as V^T: a transpose of the loaded tile in registers would
+                # leave the words in a layout whose neighbours are not two keys.
+                b_wt = tl.load(VWords + row_v[None, :] + off_hkv * stride_vh
+                               + offs_w[:, None], mask=m_w[:, None] & m_n[None, :],
+                               other=0)                                    # (DV/2, N)
+                b_ve, b_vo = _fp8_pairs_to_fp16(b_wt, VCache.dtype.element_ty, PAIRS_ASM)
+                p16 = tl.trans(p.to(tl.float16))                           # (N, M)
+                acc = tl.dot(b_ve, p16, acc * alpha[None, :],
+                             input_precision=INPUT_PRECISION)              # (DV/2, M)
+                acc_odd = tl.dot(b_vo, p16, acc_odd * alpha[None, :],
+                                 input_precision=INPUT_PRECISION)
+            else:
+                b_w = tl.load(VWords + (row_v[:, None] + off_hkv * stride_vh) // 2
+                              + offs_w[None, :], mask=m_n[:, None] & m_w[None, :],
+                              other=0)                                     # (N, DV/2)
+                b_ve, b_vo = _fp8_pairs_to_fp16(b_w, VCache.dtype.element_ty, PAIRS_ASM)
+                p16 = p.to(tl.float16)
+                acc = tl.dot(p16, b_ve, acc * alpha[:, None],
                              input_precision=INPUT_PRECISION)
+                acc_odd = tl.dot(p16, b_vo, acc_odd * alpha[:, None],
+                                 input_precision=INPUT_PRECISION)
         else:
             if V_IS_K:
                 # V is a view of K's first columns (absorbed MLA's shared latent rows):
@@ -320,6 +357,9 @@ def _decode_kernel(
             acc = tl.dot(p.to(b_v.dtype), b_v, acc, input_precision=INPUT_PRECISION)
         m_i = m_new
 
+    if KEYS_M:
+        acc = tl.trans(acc)                                                # (M, DV/2)
+        acc_odd = tl.trans(acc_odd)
     if V_PAIRS:
         acc = tl.reshape(tl.join(acc, acc_odd), (BLOCK_M, BLOCK_DV))        # (M, DV)
     if LAUNCH_DEPENDENTS:
@@ -491,13 +531,23 @@ def _v_is_k(k_cache, v_cache) -> bool:
             == configs.decode_head_dim_tiles(k_cache.shape[-1])[0])
 
 
+def keys_m(q, k_cache, v_cache, v_is_k) -> bool:
+    """The decode kernel puts keys on its products' M side (KEYS_M): asked for
+    (configs.decode_fp8_keys_m), an FP8 V read as column pairs, and at most
+    configs.DECODE_FP8_KEYS_M_ROWS query rows per KV head."""
+    rows = q.shape[1] * (q.shape[2] // k_cache.shape[2])
+    return (rows <= configs.DECODE_FP8_KEYS_M_ROWS and v_pairs(v_cache, v_is_k)
+            and configs.decode_fp8_keys_m())
+
+
 def _tile(q, k_cache, v_cache, v_is_k, split=True) -> configs.TileConfig:
     """The decode tile of q (b, sq, h, d) over the caches: the query rows of one KV head
     (GQA packing), K's and V's head dims."""
     sq, h, d = q.shape[1:]
     return configs.decode_config(q, d, sq * (h // k_cache.shape[2]), split=split,
                                  fp8_cache=k_cache.element_size() == 1,
-                                 head_dim_v=v_cache.shape[-1], v_is_k=v_is_k)
+                                 head_dim_v=v_cache.shape[-1], v_is_k=v_is_k,
+                                 keys_m=keys_m(q, k_cache, v_cache, v_is_k))
 
 
 def paged_decode_warm_shapes(q, k_cache, v_cache, batch_sizes,
@@ -703,7 +753,8 @@ def attn_decode(q, k_cache, v_cache, *, cache_seqlens, block_table, cache_batch_
         HAS_BATCH_IDX=cache_batch_idx is not None, HAS_LEFTPAD=cache_leftpad is not None,
         LAUNCH_DEPENDENTS=early, HAS_Q_DESCALE=q_descale is not None,
         HAS_K_DESCALE=k_descale is not None, HAS_V_DESCALE=v_descale is not None,
-        V_PAIRS=v_pairs(v_cache, v_is_k), PAIRS_ASM=pairs_asm(q))
+        V_PAIRS=v_pairs(v_cache, v_is_k), PAIRS_ASM=pairs_asm(q),
+        KEYS_M=keys_m(q, k_cache, v_cache, v_is_k))
     configs.log_first_launch("decode", q, d, cfg, dict(
         switches, PAGE_SIZE=page_size if paged else None, SPLIT=num_splits > 1, PDL=pdl))
     decode = _launch.first_launch(
