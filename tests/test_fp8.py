@@ -327,8 +327,10 @@ def test_kvcache_fp8_v_as_column_pairs_or_bytes(layout, fp8_backend, device, on_
                q.dtype, dtype=p_dtype)
 
 
-# (seqlen_q, nheads, nheads_kv): 4 and 8 query rows a KV head, the KEYS_M decode's range.
-KEYS_M_HEADS = [pytest.param((1, 8, 2), id="gqa4"), pytest.param((2, 4, 1), id="mqa-2-tokens")]
+# (seqlen_q, nheads, nheads_kv, head_dim, head_dim_v): 4 and 8 query rows a KV head, the
+# KEYS_M decode's range; head dims that fill their tiles, and ones that do not.
+KEYS_M_HEADS = [pytest.param((1, 8, 2, 32, 32), id="gqa4-d32"),
+                pytest.param((2, 4, 1, 24, 30), id="mqa-2-tokens-d24-dv30")]
 
 
 @pytest.mark.parametrize("keys_m", ["0", "1"], ids=["rows_m", "keys_m"])
@@ -348,10 +350,10 @@ def test_kvcache_keys_m_layout(keys_m, heads, page, block_n, num_splits, fp8_bac
     from flashtile.ops import configs, decode
 
     monkeypatch.setenv("FLASHTILE_DECODE_FP8_KEYS_M", keys_m)
-    sq, h, hkv = heads
-    b, s, d = 5, 64, 32
+    sq, h, hkv, d, dv = heads
+    b, s = 5, 64
     k_cache, kd = _quantized((b, s, hkv, d), E4M3, device)
-    v_cache, vd = _quantized((b, s, hkv, d), E4M3, device)
+    v_cache, vd = _quantized((b, s, hkv, dv), E4M3, device)
     lens = [37, 0, 61, s + 1, 20]
     v_cache.view(torch.uint8)[0, 50, 0, 5] = 0x7F  # e4m3 NaN past sequence 0's end
     k_cache.view(torch.uint8)[4, 7, 0, 3] = 0x7F   # a NaN key inside sequence 4
@@ -366,11 +368,11 @@ def test_kvcache_keys_m_layout(keys_m, heads, page, block_n, num_splits, fp8_bac
         configs.set_override("decode", configs.TileConfig(cfg.block_m, block_n))
     if page:
         table = torch.randperm(b * s // page, device=device).view(b, s // page).int()
-        pools = [torch.empty(b * s // page, page, hkv, d, dtype=E4M3, device=device)
-                 for _ in range(2)]
+        pools = [torch.empty(b * s // page, page, hkv, x.shape[-1], dtype=E4M3,
+                             device=device) for x in (k_cache, v_cache)]
         for pool, cache in zip(pools, (k_cache, v_cache)):
             pool.view(torch.uint8)[table.long()] = cache.view(torch.uint8).view(
-                b, s // page, page, hkv, d)
+                b, s // page, page, hkv, cache.shape[-1])
         out, lse = flashtile.flash_attn_with_kvcache(q, *pools, block_table=table, **kw)
     else:
         out, lse = flashtile.flash_attn_with_kvcache(q, k_cache, v_cache, **kw)
@@ -663,11 +665,11 @@ def test_gpu_decode_long_fp8_cache(paged, device):
     kw = dict(cache_seqlens=seqlens, k_descale=kd, v_descale=vd, return_lse=True)
     if paged:
         table = torch.randperm(b * s // page, device=device).view(b, s // page).int()
-        pools = [torch.empty(b * s // page, page, hkv, d, dtype=E4M3, device=device)
-                 for _ in range(2)]
+        pools = [torch.empty(b * s // page, page, hkv, x.shape[-1], dtype=E4M3,
+                             device=device) for x in (k_cache, v_cache)]
         for pool, cache in zip(pools, (k_cache, v_cache)):
             pool.view(torch.uint8)[table.long()] = cache.view(torch.uint8).view(
-                b, s // page, page, hkv, d)
+                b, s // page, page, hkv, cache.shape[-1])
         out, lse = flashtile.flash_attn_with_kvcache(q, *pools, block_table=table, **kw)
     else:
         out, lse = flashtile.flash_attn_with_kvcache(q, k_cache, v_cache, **kw)
