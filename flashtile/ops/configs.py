@@ -533,11 +533,12 @@ def decode_fp8_keys_m() -> bool:
     query rows. "0" (the default): query rows on the products' M side, padded to 16
     rows (mma.sync's M), keys the N of QK^T and the reduction of PV. "1" (KEYS_M):
     keys on the M side, S^T = K Q^T and O^T = V^T P^T, the query rows padded to 8 (the
-    N step): half the HMMAs, half the softmax's exp2/max/sum and the accumulator, V's
-    word addresses from halved strides, and K/V copies masked by key rows alone when
-    the head dims fill their tiles. sm_90 SASS per 128-key tile, d128, bf16 q, e4m3
-    cache, 4 query rows: 519 instructions a thread against 722 (pages of 64: 636
-    against 829), 128 registers against 168 (tests/test_sm90_compile.py); not yet
+    N step): half the HMMAs, half the softmax's exp2/max/sum and the accumulator; and
+    each thread sums its own parts of P until the loop ends (no cross-warp sum per
+    tile), V's word addresses come from halved strides, K/V copies are masked by key
+    rows alone when the head dims fill their tiles. sm_90 SASS per 128-key tile, d128,
+    bf16 q, e4m3 cache, 4 query rows: 496 instructions a thread against 722 (pages of
+    64: 608 against 829), 128 registers against 168 (tests/test_sm90_compile.py); not yet
     timed (python -m flashtile.bench.decode --sweep-fp8). Read when a launch plan is
     made."""
     return _env_choice("FLASHTILE_DECODE_FP8_KEYS_M", DECODE_FP8_KEYS_M) == "1"

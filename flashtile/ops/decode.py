@@ -195,6 +195,8 @@ def _decode_kernel(
     # (a select on the output tile there made ptxas spill 8 bytes on sm_90).
     l_i = tl.full([BLOCK_M], 0.0, dtype=tl.float32) + tl.where(seq_bad, float("nan"), 0.0)
     bad_rows = tl.zeros([BLOCK_N], dtype=tl.int32)  # key rows behind a bad page
+    if KEYS_M:
+        l_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)  # l's parts, see below
     # V_PAIRS: V's even and odd columns accumulate apart (see the V load below).
     acc = tl.zeros([BLOCK_M, BLOCK_DV // (1 + V_PAIRS)], dtype=tl.float32)
     acc_odd = tl.zeros([BLOCK_M, BLOCK_DV // (1 + V_PAIRS)], dtype=tl.float32)
@@ -316,7 +318,14 @@ def _decode_kernel(
         m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.exp2(s - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
+        if KEYS_M:
+            # Each thread keeps its own parts of the rows' sums, rescaled as the
+            # accumulators are, and sums them once after the loop: no sum across the
+            # warps (shuffles, shared memory, two barriers) per tile. Still the fp32
+            # sum of the unrounded P, in another order.
+            l_acc = l_acc * alpha[:, None] + p
+        else:
+            l_i = l_i * alpha + tl.sum(p, 1)
         if V_PAIRS:
             # An FP8 V tile is the B operand of P @ V with the keys (its rows, a cache
             # row apart) the reduction: one byte per key and column is all that
@@ -362,6 +371,7 @@ def _decode_kernel(
         m_i = m_new
 
     if KEYS_M:
+        l_i += tl.sum(l_acc, 1)  # l_i: 0, or NaN for a sequence that reads nothing
         acc = tl.trans(acc)                                                # (M, DV/2)
         acc_odd = tl.trans(acc_odd)
     if V_PAIRS:
