@@ -355,7 +355,7 @@ def test_kvcache_keys_m_layout(keys_m, heads, page, block_n, num_splits, fp8_bac
     k_cache, kd = _quantized((b, s, hkv, d), E4M3, device)
     v_cache, vd = _quantized((b, s, hkv, dv), E4M3, device)
     lens = [37, 0, 61, s + 1, 20]
-    v_cache.view(torch.uint8)[0, 50, 0, 5] = 0x7F  # e4m3 NaN past sequence 0's end
+    v_cache.view(torch.uint8)[0, 37, 0, 5] = 0x7F  # e4m3 NaN: sequence 0's next key
     k_cache.view(torch.uint8)[4, 7, 0, 3] = 0x7F   # a NaN key inside sequence 4
     q = torch.randn(b, sq, h, d, device=device).to(_q_dtype(on_gpu))
     assert decode.keys_m(q, k_cache, v_cache, False) == (keys_m == "1")

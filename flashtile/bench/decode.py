@@ -371,7 +371,7 @@ if __name__ == "__main__":
                            tiles=("16,128,4,3", "16,128,4,4", "16,64,4,3", "16,64,4,5",
                                   "16,256,4,3"),
                            splits=(0,), page_sizes=(None, 64), fp8=True)
-        # The KEYS_M layout (keys on the products' M side, 8 query rows as N: 496
+        # The KEYS_M layout (keys on the products' M side, 8 query rows as N: 441
         # instructions a 128-key tile against 722, sm_90 SASS), the launcher's tile
         # (8 rows x 128 keys, 3 stages split, 4 unsplit) beside the default layout's in
         # the same run, then other depths and 256-key tiles.

@@ -111,6 +111,7 @@ def _decode_kernel(
     V_PAIRS: tl.constexpr, PAIRS_ASM: tl.constexpr, KEYS_M: tl.constexpr,
 ):
     # Pages looked up per key row (a vector of entries per tile), not per tile.
+    CLAMPED: tl.constexpr = KEYS_M and not PAGED
     ROW_PAGES: tl.constexpr = TILE_PAGES > 0 or (not PAGE_ALIGNED and SPLIT_PAGES == 0)
     split = tl.program_id(0)
     off_b = tl.program_id(1) // nheads_kv
@@ -288,15 +289,24 @@ def _decode_kernel(
             row_v = page.to(tl.int64) * stride_vb + (pos % PAGE_SIZE) * stride_vn
             page = _row_pages(block_row, leftpad + start_n + BLOCK_N, offs_n0, max_blocks,
                               PAGE_SIZE, TILE_PAGES)
+        elif KEYS_M:
+            # Rows past the split's last key read that key again instead of being
+            # masked: their scores are -inf (_scores_log2) and their P 0, and a key of
+            # the sequence holds no NaN that the sequence does not already see. The
+            # copies then need no mask (CLAMPED: a compare and two selects fewer each).
+            pos_c = leftpad + tl.minimum(offs_n, hi - 1)
+            row_k = cache_b.to(tl.int64) * stride_kb + pos_c * stride_kn
+            row_v = cache_b.to(tl.int64) * stride_vb + pos_c * stride_vn
         else:
             row_k = cache_b.to(tl.int64) * stride_kb + pos * stride_kn
             row_v = cache_b.to(tl.int64) * stride_vb + pos * stride_vn
         p_k = KCache + row_k[:, None] + off_hkv * stride_kh
-        m_k = m_n[:, None] & m_d[None, :]
+        # Key rows past the split read nothing (or, CLAMPED, its last key again).
+        m_k = (m_n | CLAMPED)[:, None] & m_d[None, :]
         if KEYS_M and EVEN_D:
             # Every column is in the head dim: the key rows alone mask the copies (a
             # select and a compare fewer per 16-byte copy, sm_90 SASS).
-            m_k = m_n[:, None]
+            m_k = (m_n | CLAMPED)[:, None]
         b_k = tl.load(p_k + offs_d[None, :], mask=m_k, other=0.0).to(b_q.dtype)  # (N, D)
         if KEYS_M:
             qk = tl.dot(b_k, tl.trans(b_q), input_precision=INPUT_PRECISION)  # (N, M)
@@ -338,7 +348,9 @@ def _decode_kernel(
                 # 16): half the products and half the accumulator of M = rows.
                 # Loaded as V^T: a transpose of the loaded tile in registers would
                 # leave the words in a layout whose neighbours are not two keys.
-                m_vt = m_n[None, :] if EVEN_DV else m_w[:, None] & m_n[None, :]
+                m_vt = (m_n | CLAMPED)[None, :]
+                if not EVEN_DV:
+                    m_vt = m_w[:, None] & m_vt
                 b_wt = tl.load(VWords + row_v[None, :] + off_hkv * stride_vh
                                + offs_w[:, None], mask=m_vt, other=0)      # (DV/2, N)
                 b_ve, b_vo = _fp8_pairs_to_fp16(b_wt, VCache.dtype.element_ty, PAIRS_ASM)
