@@ -327,6 +327,21 @@ def test_kvcache_fp8_v_as_column_pairs_or_bytes(layout, fp8_backend, device, on_
                q.dtype, dtype=p_dtype)
 
 
+def _decode_fp8_cache(q, k_cache, v_cache, page, **kw):
+    """flash_attn_with_kvcache over the FP8 caches (b, s, hkv, d), or with page a
+    page size over a pool holding their pages in a random order."""
+    if not page:
+        return flashtile.flash_attn_with_kvcache(q, k_cache, v_cache, **kw)
+    b, s, hkv = k_cache.shape[:3]
+    table = torch.randperm(b * s // page, device=q.device).view(b, s // page).int()
+    pools = [torch.empty(b * s // page, page, hkv, x.shape[-1], dtype=x.dtype,
+                         device=q.device) for x in (k_cache, v_cache)]
+    for pool, cache in zip(pools, (k_cache, v_cache)):
+        pool.view(torch.uint8)[table.long()] = cache.view(torch.uint8).view(
+            b, s // page, page, hkv, cache.shape[-1])
+    return flashtile.flash_attn_with_kvcache(q, *pools, block_table=table, **kw)
+
+
 # (seqlen_q, nheads, nheads_kv, head_dim, head_dim_v): 4 and 8 query rows a KV head, the
 # KEYS_M decode's range; head dims that fill their tiles, and ones that do not.
 KEYS_M_HEADS = [pytest.param((1, 8, 2, 32, 32), id="gqa4-d32"),
@@ -366,16 +381,7 @@ def test_kvcache_keys_m_layout(keys_m, heads, page, block_n, num_splits, fp8_bac
         cfg = configs.decode_config(q, d, sq * h // hkv, keys_m=keys_m == "1")
         monkeypatch.setattr(configs, "_override", dict(configs._override))  # undone after
         configs.set_override("decode", configs.TileConfig(cfg.block_m, block_n))
-    if page:
-        table = torch.randperm(b * s // page, device=device).view(b, s // page).int()
-        pools = [torch.empty(b * s // page, page, hkv, x.shape[-1], dtype=E4M3,
-                             device=device) for x in (k_cache, v_cache)]
-        for pool, cache in zip(pools, (k_cache, v_cache)):
-            pool.view(torch.uint8)[table.long()] = cache.view(torch.uint8).view(
-                b, s // page, page, hkv, cache.shape[-1])
-        out, lse = flashtile.flash_attn_with_kvcache(q, *pools, block_table=table, **kw)
-    else:
-        out, lse = flashtile.flash_attn_with_kvcache(q, k_cache, v_cache, **kw)
+    out, lse = _decode_fp8_cache(q, k_cache, v_cache, page, **kw)
     p_dtype = torch.float16 if fp8_backend == "triton" else None
     for i in (0, 2):
         n = lens[i]
@@ -654,25 +660,25 @@ def test_decode_bench_fp8_providers_match_their_reference(backend, device, on_gp
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("keys_m", ["0", "1"], ids=["rows_m", "keys_m"])
 @pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
-def test_gpu_decode_long_fp8_cache(paged, device):
-    """The decode table's shape: bf16 queries over an 8k-token e4m3 cache, split."""
+def test_gpu_decode_long_fp8_cache(paged, keys_m, device, monkeypatch, request):
+    """The decode table's shape: bf16 queries over an 8k-token e4m3 cache, split; in
+    both of the kernel's layouts (FLASHTILE_DECODE_FP8_KEYS_M: there with sm_90's
+    paired cvts on V^T's words)."""
+    from flashtile.ops import _launch
+
+    monkeypatch.setenv("FLASHTILE_DECODE_FP8_KEYS_M", keys_m)
+    _launch.clear()  # plans keep the layout they were made with: none from before,
+    request.addfinalizer(_launch.clear)  # and none of this one's after
     b, s, h, hkv, d, page = 4, 8192, 32, 8, 128, 64
     k_cache, kd = _quantized((b, s, hkv, d), E4M3, device)
     v_cache, vd = _quantized((b, s, hkv, d), E4M3, device)
     q = torch.randn(b, 1, h, d, device=device, dtype=torch.bfloat16)
     seqlens = torch.tensor([8192, 4097, 100, 6000], dtype=torch.int32, device=device)
-    kw = dict(cache_seqlens=seqlens, k_descale=kd, v_descale=vd, return_lse=True)
-    if paged:
-        table = torch.randperm(b * s // page, device=device).view(b, s // page).int()
-        pools = [torch.empty(b * s // page, page, hkv, x.shape[-1], dtype=E4M3,
-                             device=device) for x in (k_cache, v_cache)]
-        for pool, cache in zip(pools, (k_cache, v_cache)):
-            pool.view(torch.uint8)[table.long()] = cache.view(torch.uint8).view(
-                b, s // page, page, hkv, cache.shape[-1])
-        out, lse = flashtile.flash_attn_with_kvcache(q, *pools, block_table=table, **kw)
-    else:
-        out, lse = flashtile.flash_attn_with_kvcache(q, k_cache, v_cache, **kw)
+    out, lse = _decode_fp8_cache(q, k_cache, v_cache, page if paged else None,
+                                 cache_seqlens=seqlens, k_descale=kd, v_descale=vd,
+                                 return_lse=True)
     for i in range(b):
         n = int(seqlens[i])
         _check(out[i:i + 1], lse[i:i + 1], q[i:i + 1], k_cache[i:i + 1, :n],
