@@ -487,6 +487,17 @@ FP8_DECODE_TILE = {
              shuffle=8, prmt=32, shared=38, global_load=19, barrier=7, move=26, integer=236,
              other=6),  # 608
     ),
+    # Pages of 256 keys (a tile in one page), a split's 4 pages loaded before the loop:
+    # KEYS_M's rows past the split re-read its last key, unmasked, as in a contiguous
+    # cache (not where a tile spans pages: the page of each row would cost more).
+    "paged256": (
+        dict(fp8_widen=128, fp16_pack=8, hmma=64, exp2=18, fp32_arith=72, fp32_select=42,
+             shuffle=12, prmt=32, shared=59, global_load=19, barrier=14, move=89, integer=251,
+             other=6),  # 814
+        dict(fp8_widen=128, fp16_pack=4, hmma=32, exp2=10, fp32_arith=34, fp32_select=28,
+             shuffle=8, prmt=32, shared=40, global_load=19, barrier=9, move=22, integer=187,
+             other=2),  # 555
+    ),
 }
 
 
@@ -499,9 +510,10 @@ def test_fp8_decode_keys_m_tile_is_shorter(cache):
     rows padded as N, not 16 as M), about half the softmax's exp2, fp32 arithmetic and
     selects, no sum of P across the warps per tile (each thread keeps its own parts),
     no signed halving of V's word addresses, and K/V copies masked by their key rows
-    alone when the head dims fill their tiles (a contiguous cache: not at all, rows
-    past the split re-read its last key)."""
-    paged = cache == "paged64"
+    alone when the head dims fill their tiles (not at all in a contiguous cache or one
+    whose tiles lie in one page: rows past the split re-read its last key)."""
+    paged = cache != "contiguous"
+    page_size = 256 if cache == "paged256" else 64
     q = torch.empty(1, dtype=torch.bfloat16, device="meta")
     counts = []
     for keys_m in (False, True):
@@ -510,8 +522,8 @@ def test_fp8_decode_keys_m_tile_is_shorter(cache):
         compiled = compile_kernel(_decode_kernel, dict(
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=128, EVEN_D=True,
             MASK_LEFT=False, MASK_RIGHT=False, HAS_SOFTCAP=False, HAS_ALIBI=False,
-            PAGED=paged, PAGE_SIZE=64 if paged else 1, PAGE_ALIGNED=False,
-            TILE_PAGES=2 if paged else 0, SPLIT_PAGES=4 if paged else 0,
+            PAGED=paged, PAGE_SIZE=page_size if paged else 1, PAGE_ALIGNED=False,
+            TILE_PAGES=2 if cache == "paged64" else 0, SPLIT_PAGES=4 if paged else 0,
             HAS_BATCH_IDX=False, HAS_LEFTPAD=False, INPUT_PRECISION="ieee",
             LAUNCH_DEPENDENTS=True, HAS_Q_DESCALE=False, HAS_K_DESCALE=True,
             HAS_V_DESCALE=True, KEYS_M=keys_m),

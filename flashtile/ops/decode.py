@@ -111,7 +111,9 @@ def _decode_kernel(
     V_PAIRS: tl.constexpr, PAIRS_ASM: tl.constexpr, KEYS_M: tl.constexpr,
 ):
     # Pages looked up per key row (a vector of entries per tile), not per tile.
-    CLAMPED: tl.constexpr = KEYS_M and not PAGED
+    # KEYS_M: rows past the split's last key read that key again, unmasked (see the
+    # loop), where each key row's page is known without a lookup per row.
+    CLAMPED: tl.constexpr = KEYS_M and (not PAGED or (TILE_PAGES == 0 and (SPLIT_PAGES > 0 or PAGE_ALIGNED)))
     ROW_PAGES: tl.constexpr = TILE_PAGES > 0 or (not PAGE_ALIGNED and SPLIT_PAGES == 0)
     split = tl.program_id(0)
     off_b = tl.program_id(1) // nheads_kv
@@ -253,6 +255,16 @@ def _decode_kernel(
         offs_n = start_n + offs_n0
         m_n = offs_n < hi
         pos = leftpad + offs_n                                             # cache position
+        offs_nc = offs_n0
+        pos_c = pos
+        if CLAMPED:
+            # Rows past the split's last key read that key again instead of being
+            # masked: their scores are -inf (_scores_log2) and their P 0, and a key of
+            # the sequence holds no NaN that the sequence does not already see in this
+            # tile. The copies then need no mask (a compare and two selects fewer
+            # each, sm_90 SASS).
+            offs_nc = tl.minimum(offs_n, hi - 1) - start_n
+            pos_c = leftpad + start_n + offs_nc
         # Pages outside the pool: block 0 and NaN scores (_checked_page).
         scale = softmax_scale
         if SPLIT_PAGES > 0:
@@ -262,21 +274,21 @@ def _decode_kernel(
                 rows = tl.zeros_like(offs_n0)
                 for p in tl.static_range(TILE_PAGES):
                     page = _pick(split_pages, tile, p, TILE_PAGES, SPLIT_PAGES)
-                    rows = tl.where(offs_n0 // PAGE_SIZE == p, page, rows)
+                    rows = tl.where(offs_nc // PAGE_SIZE == p, page, rows)
                 rows, bad = _checked_rows(rows, cache_rows, m_n)
                 bad_rows |= bad
-                row_k = rows.to(tl.int64) * stride_kb + (pos % PAGE_SIZE) * stride_kn
-                row_v = rows.to(tl.int64) * stride_vb + (pos % PAGE_SIZE) * stride_vn
+                row_k = rows.to(tl.int64) * stride_kb + (pos_c % PAGE_SIZE) * stride_kn
+                row_v = rows.to(tl.int64) * stride_vb + (pos_c % PAGE_SIZE) * stride_vn
             else:
                 page = _pick(split_pages, start_n // PAGE_SIZE - first_page, 0, 1,
                              SPLIT_PAGES)
                 page, scale = _checked_page(page, cache_rows, softmax_scale)
-                in_page = start_n % PAGE_SIZE + offs_n0
+                in_page = start_n % PAGE_SIZE + offs_nc
                 row_k = page.to(tl.int64) * stride_kb + in_page * stride_kn
                 row_v = page.to(tl.int64) * stride_vb + in_page * stride_vn
         elif PAGE_ALIGNED:
             # The tile starts at a multiple of BLOCK_N, which divides PAGE_SIZE: one page.
-            in_page = start_n % PAGE_SIZE + offs_n0
+            in_page = start_n % PAGE_SIZE + offs_nc
             page, scale = _checked_page(page, cache_rows, softmax_scale)
             row_k = page.to(tl.int64) * stride_kb + in_page * stride_kn
             row_v = page.to(tl.int64) * stride_vb + in_page * stride_vn
@@ -289,17 +301,9 @@ def _decode_kernel(
             row_v = page.to(tl.int64) * stride_vb + (pos % PAGE_SIZE) * stride_vn
             page = _row_pages(block_row, leftpad + start_n + BLOCK_N, offs_n0, max_blocks,
                               PAGE_SIZE, TILE_PAGES)
-        elif KEYS_M:
-            # Rows past the split's last key read that key again instead of being
-            # masked: their scores are -inf (_scores_log2) and their P 0, and a key of
-            # the sequence holds no NaN that the sequence does not already see. The
-            # copies then need no mask (CLAMPED: a compare and two selects fewer each).
-            pos_c = leftpad + tl.minimum(offs_n, hi - 1)
+        else:
             row_k = cache_b.to(tl.int64) * stride_kb + pos_c * stride_kn
             row_v = cache_b.to(tl.int64) * stride_vb + pos_c * stride_vn
-        else:
-            row_k = cache_b.to(tl.int64) * stride_kb + pos * stride_kn
-            row_v = cache_b.to(tl.int64) * stride_vb + pos * stride_vn
         p_k = KCache + row_k[:, None] + off_hkv * stride_kh
         # Key rows past the split read nothing (or, CLAMPED, its last key again).
         m_k = (m_n | CLAMPED)[:, None] & m_d[None, :]
