@@ -102,19 +102,20 @@ def _decode_kernel(
     window_left, window_right, softmax_scale, softcap,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_DT: tl.constexpr, BLOCK_DV: tl.constexpr, V_IS_K: tl.constexpr,
-    EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, PAGED: tl.constexpr,
-    PAGE_SIZE: tl.constexpr, PAGE_ALIGNED: tl.constexpr, TILE_PAGES: tl.constexpr,
-    SPLIT_PAGES: tl.constexpr, HAS_BATCH_IDX: tl.constexpr, HAS_LEFTPAD: tl.constexpr,
+    EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr, MASK_LEFT: tl.constexpr,
+    MASK_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+    PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, PAGE_ALIGNED: tl.constexpr,
+    TILE_PAGES: tl.constexpr, SPLIT_PAGES: tl.constexpr, HAS_BATCH_IDX: tl.constexpr,
+    HAS_LEFTPAD: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, LAUNCH_DEPENDENTS: tl.constexpr,
     HAS_Q_DESCALE: tl.constexpr, HAS_K_DESCALE: tl.constexpr, HAS_V_DESCALE: tl.constexpr,
     V_PAIRS: tl.constexpr, PAIRS_ASM: tl.constexpr, KEYS_M: tl.constexpr,
 ):
     # Pages looked up per key row (a vector of entries per tile), not per tile.
-    # KEYS_M: rows past the split's last key read that key again, unmasked (see the
-    # loop), where each key row's page is known without a lookup per row.
-    CLAMPED: tl.constexpr = KEYS_M and (not PAGED or (TILE_PAGES == 0 and (SPLIT_PAGES > 0 or PAGE_ALIGNED)))
     ROW_PAGES: tl.constexpr = TILE_PAGES > 0 or (not PAGE_ALIGNED and SPLIT_PAGES == 0)
+    # KEYS_M: rows past the split's last key read that key again, unmasked (see the
+    # loop), where a tile lies in one page (or the cache is contiguous).
+    CLAMPED: tl.constexpr = KEYS_M and not (PAGED and ROW_PAGES)
     split = tl.program_id(0)
     off_b = tl.program_id(1) // nheads_kv
     off_hkv = tl.program_id(1) % nheads_kv
