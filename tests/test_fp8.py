@@ -395,6 +395,35 @@ def test_kvcache_keys_m_layout(keys_m, heads, page, block_n, num_splits, fp8_bac
     assert torch.isfinite(out[4, :, group:]).all() and torch.isfinite(lse[4, group:]).all()
 
 
+@pytest.mark.parametrize("keys_m", ["0", "1"], ids=["rows_m", "keys_m"])
+@pytest.mark.parametrize("backend", ["triton"], indirect=True)
+def test_kvcache_keys_m_with_every_score_feature(keys_m, fp8_backend, device, on_gpu,
+                                                 monkeypatch):
+    """Both decode layouts under a sliding window, softcap and ALiBi together (the
+    scores are masked and biased after KEYS_M's products turn back to (rows, keys)), two
+    query tokens of 4 heads over one KV head, split."""
+    from flashtile.ops import decode
+
+    monkeypatch.setenv("FLASHTILE_DECODE_FP8_KEYS_M", keys_m)
+    b, s, h, d = 2, 80, 4, 32
+    k_cache, kd = _quantized((b, s, 1, d), E5M2, device)
+    v_cache, vd = _quantized((b, s, 1, d), E5M2, device)
+    q = torch.randn(b, 2, h, d, device=device).to(_q_dtype(on_gpu))
+    assert decode.keys_m(q, k_cache, v_cache, False) == (keys_m == "1")
+    lens = [77, 29]
+    kw = dict(causal=True, window_size=(23, 0), softcap=4.0,
+              alibi_slopes=torch.rand(h, device=device) * 0.3)
+    out, lse = flashtile.flash_attn_with_kvcache(
+        q, k_cache, v_cache, cache_seqlens=torch.tensor(lens, dtype=torch.int32,
+                                                        device=device),
+        k_descale=kd, v_descale=vd, num_splits=3, return_lse=True, **kw)
+    p_dtype = torch.float16 if fp8_backend == "triton" else None
+    for i, n in enumerate(lens):
+        _check(out[i:i + 1], lse[i:i + 1], q[i:i + 1], k_cache[i:i + 1, :n],
+               v_cache[i:i + 1, :n], (None, kd[i:i + 1], vd[i:i + 1]), fp8_backend, kw,
+               q.dtype, dtype=p_dtype)
+
+
 def test_kvcache_rotary_then_quantised(fp8_backend, device, on_gpu):
     """Rotary embedding turns the 16-bit new keys before they are quantised."""
     b, s, hkv, d = 2, 32, 2, 16
