@@ -424,6 +424,28 @@ def test_kvcache_keys_m_with_every_score_feature(keys_m, fp8_backend, device, on
                q.dtype, dtype=p_dtype)
 
 
+def test_keys_m_switch_is_checked_and_bounded(monkeypatch):
+    """A mistyped FLASHTILE_DECODE_FP8_KEYS_M is an error naming the variable; "1"
+    takes the KEYS_M layout only for an FP8 V read as column pairs and at most 8 query
+    rows per KV head (its N), and then 8-row tiles."""
+    from flashtile.ops import decode
+
+    cache = torch.zeros(1, 16, 2, 32, dtype=torch.uint8).view(E4M3)
+    q4, q16 = torch.empty(1, 1, 8, 32), torch.empty(1, 2, 16, 32)
+    monkeypatch.setenv("FLASHTILE_DECODE_FP8_KEYS_M", "yes")
+    with pytest.raises(ValueError, match="FLASHTILE_DECODE_FP8_KEYS_M"):
+        decode.keys_m(q4, cache, cache, False)
+    monkeypatch.setenv("FLASHTILE_DECODE_FP8_KEYS_M", "1")
+    assert decode.keys_m(q4, cache, cache, False)
+    assert not decode.keys_m(q16, cache, cache, False)        # 16 rows per KV head
+    assert not decode.keys_m(q4, cache, cache[..., :31], False)  # odd V head dim: bytes
+    assert not decode.keys_m(q4, cache, cache, True)          # V read from K's tiles
+    assert decode._tile(q4, cache, cache, False).block_m == 8
+    monkeypatch.setenv("FLASHTILE_DECODE_FP8_KEYS_M", "0")
+    assert not decode.keys_m(q4, cache, cache, False)
+    assert decode._tile(q4, cache, cache, False).block_m == 16
+
+
 def test_kvcache_rotary_then_quantised(fp8_backend, device, on_gpu):
     """Rotary embedding turns the 16-bit new keys before they are quantised."""
     b, s, hkv, d = 2, 32, 2, 16

@@ -567,8 +567,8 @@ def keys_m(q, k_cache, v_cache, v_is_k) -> bool:
     (configs.decode_fp8_keys_m), an FP8 V read as column pairs, and at most
     configs.DECODE_FP8_KEYS_M_ROWS query rows per KV head."""
     rows = q.shape[1] * (q.shape[2] // k_cache.shape[2])
-    return (rows <= configs.DECODE_FP8_KEYS_M_ROWS and v_pairs(v_cache, v_is_k)
-            and configs.decode_fp8_keys_m())
+    return (configs.decode_fp8_keys_m() and rows <= configs.DECODE_FP8_KEYS_M_ROWS
+            and v_pairs(v_cache, v_is_k))
 
 
 def _tile(q, k_cache, v_cache, v_is_k, split=True) -> configs.TileConfig:
