@@ -358,7 +358,7 @@ def test_kvcache_keys_m_layout(keys_m, heads, page, block_n, num_splits, fp8_bac
                                on_gpu, monkeypatch):
     """FLASHTILE_DECODE_FP8_KEYS_M=1 (keys on the products' M side: S^T = K Q^T, O^T =
     V^T P^T) and the default layout both give attention over the dequantised cache:
-    odd lengths, a NaN value past a sequence's end that must reach nothing, a sequence
+    odd lengths, NaN values past two sequences' ends that must reach nothing, a sequence
     with no keys (out 0, lse -inf), one longer than its cache (NaN rows) and one with
     a NaN key (its KV head's rows NaN). Pages of 16 keys, one a tile (the interpreter's
     16-key tile) or two (32-key tiles); split and not."""
@@ -370,7 +370,8 @@ def test_kvcache_keys_m_layout(keys_m, heads, page, block_n, num_splits, fp8_bac
     k_cache, kd = _quantized((b, s, hkv, d), E4M3, device)
     v_cache, vd = _quantized((b, s, hkv, dv), E4M3, device)
     lens = [37, 0, 61, s + 1, 20]
-    v_cache.view(torch.uint8)[0, 37, 0, 5] = 0x7F  # e4m3 NaN: sequence 0's next key
+    for i in (0, 2):  # e4m3 NaN in every value past sequences 0 and 2
+        v_cache.view(torch.uint8)[i, lens[i]:] = 0x7F
     k_cache.view(torch.uint8)[4, 7, 0, 3] = 0x7F   # a NaN key inside sequence 4
     q = torch.randn(b, sq, h, d, device=device).to(_q_dtype(on_gpu))
     assert decode.keys_m(q, k_cache, v_cache, False) == (keys_m == "1")

@@ -535,15 +535,13 @@ def decode_fp8_keys_m() -> bool:
     keys on the M side, S^T = K Q^T and O^T = V^T P^T, the query rows padded to 8 (the
     N step): half the HMMAs, half the softmax's exp2/max/sum and the accumulator; and
     each thread sums its own parts of P until the loop ends (no cross-warp sum per
-    tile), V's word addresses come from halved strides, K/V copies are masked by key
-    rows alone when the head dims fill their tiles, and not at all in a contiguous
-    cache or pages that hold whole tiles (rows past the split re-read its last key).
-    sm_90 SASS per 128-key tile, d128, bf16 q, e4m3 cache, 4 query rows: 441
-    instructions a thread against 722 (pages of 64: 608 against 829; of 256: 555
-    against 814), 124 registers against 168
-    (tests/test_sm90_compile.py); not yet
-    timed (python -m flashtile.bench.decode --sweep-fp8). Read when a launch plan is
-    made."""
+    tile), V's word addresses come from halved strides, and K/V copies are not masked
+    (rows past the split re-read its last key) but with a left pad over pages (masked
+    by key rows alone when the head dims fill their tiles). sm_90 SASS per 128-key
+    tile, d128, bf16 q, e4m3 cache, 4 query rows: 441 instructions a thread against
+    722, pages of 64: 572 against 829 (586 against 833 unsplit), 124 registers against
+    168 (tests/test_sm90_compile.py); not yet timed (python -m flashtile.bench.decode
+    --sweep-fp8). Read when a launch plan is made."""
     return _env_choice("FLASHTILE_DECODE_FP8_KEYS_M", DECODE_FP8_KEYS_M) == "1"
 
 

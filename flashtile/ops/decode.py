@@ -69,6 +69,19 @@ def _row_pages(block_row, start, offs_n0, max_blocks, PAGE_SIZE: tl.constexpr,
 
 
 @triton.jit
+def _tile_pages(block_row, start, max_blocks, PAGE_SIZE: tl.constexpr,
+                TILE_PAGES: tl.constexpr):
+    """The TILE_PAGES pool blocks of the key rows from ``start`` (page-aligned), a
+    tuple of scalars (0 past the block table): _row_pages' lookups, kept apart."""
+    first = start // PAGE_SIZE
+    pages = ()
+    for p in tl.static_range(TILE_PAGES):
+        pages = pages + (tl.load(block_row + first + p, mask=first + p < max_blocks,
+                                 other=0),)
+    return pages
+
+
+@triton.jit
 def _pick(pages, index, FIRST: tl.constexpr, STEP: tl.constexpr, COUNT: tl.constexpr):
     """pages[FIRST + index * STEP] of a tuple of COUNT scalars, for a run-time index:
     a chain of selects on registers (one per candidate)."""
@@ -114,8 +127,11 @@ def _decode_kernel(
     # Pages looked up per key row (a vector of entries per tile), not per tile.
     ROW_PAGES: tl.constexpr = TILE_PAGES > 0 or (not PAGE_ALIGNED and SPLIT_PAGES == 0)
     # KEYS_M: rows past the split's last key read that key again, unmasked (see the
-    # loop), where a tile lies in one page (or the cache is contiguous).
-    CLAMPED: tl.constexpr = KEYS_M and not (PAGED and ROW_PAGES)
+    # loop), wherever a row's page needs no lookup of its own (not with a left pad).
+    CLAMPED: tl.constexpr = KEYS_M and not (PAGED and ROW_PAGES and TILE_PAGES == 0)
+    # Pages smaller than the tile, looked up a tile ahead: CLAMPED keeps them as
+    # scalars (_tile_pages) to give the rows past the split's end the last key's page.
+    PAGE_TUPLE: tl.constexpr = CLAMPED and PAGED and ROW_PAGES and SPLIT_PAGES == 0
     split = tl.program_id(0)
     off_b = tl.program_id(1) // nheads_kv
     off_hkv = tl.program_id(1) % nheads_kv
@@ -249,6 +265,8 @@ def _decode_kernel(
     elif PAGE_ALIGNED:
         page = tl.load(block_row + lo // PAGE_SIZE, mask=lo // PAGE_SIZE < max_blocks,
                        other=0)
+    elif PAGE_TUPLE:
+        page = _tile_pages(block_row, lo, max_blocks, PAGE_SIZE, TILE_PAGES)
     elif PAGED:
         page = _row_pages(block_row, leftpad + lo, offs_n0, max_blocks, PAGE_SIZE,
                           TILE_PAGES)
@@ -272,10 +290,15 @@ def _decode_kernel(
             if TILE_PAGES > 0:
                 # Pages smaller than the tile: the split starts on a page boundary.
                 tile = (start_n - split_lo) // BLOCK_N
+                last = (hi - 1 - start_n) // PAGE_SIZE  # the page of the last key
                 rows = tl.zeros_like(offs_n0)
                 for p in tl.static_range(TILE_PAGES):
-                    page = _pick(split_pages, tile, p, TILE_PAGES, SPLIT_PAGES)
-                    rows = tl.where(offs_nc // PAGE_SIZE == p, page, rows)
+                    picked = _pick(split_pages, tile, p, TILE_PAGES, SPLIT_PAGES)
+                    if CLAMPED and p > 0:
+                        # Past the last key's page, rows re-read that key: its page.
+                        picked = tl.where(p <= last, picked, page)
+                    page = picked
+                    rows = tl.where(offs_n0 // PAGE_SIZE == p, page, rows)
                 rows, bad = _checked_rows(rows, cache_rows, m_n)
                 bad_rows |= bad
                 row_k = rows.to(tl.int64) * stride_kb + (pos_c % PAGE_SIZE) * stride_kn
@@ -295,6 +318,21 @@ def _decode_kernel(
             row_v = page.to(tl.int64) * stride_vb + in_page * stride_vn
             next_n = start_n + BLOCK_N
             page = tl.load(block_row + next_n // PAGE_SIZE, mask=next_n < hi, other=0)
+        elif PAGE_TUPLE:
+            # No left pad: the tile starts on a page boundary. Pages past the one of
+            # the split's last key hold only rows that re-read that key: its page.
+            last = (hi - 1 - start_n) // PAGE_SIZE
+            rows = tl.zeros_like(offs_n0)
+            kept = page[0]
+            for p in tl.static_range(TILE_PAGES):
+                kept = tl.where(p <= last, page[p], kept)
+                rows = tl.where(offs_n0 // PAGE_SIZE == p, kept, rows)
+            rows, bad = _checked_rows(rows, cache_rows, m_n)
+            bad_rows |= bad
+            row_k = rows.to(tl.int64) * stride_kb + (pos_c % PAGE_SIZE) * stride_kn
+            row_v = rows.to(tl.int64) * stride_vb + (pos_c % PAGE_SIZE) * stride_vn
+            page = _tile_pages(block_row, start_n + BLOCK_N, max_blocks, PAGE_SIZE,
+                               TILE_PAGES)
         elif PAGED:
             page, bad = _checked_rows(page, cache_rows, m_n)
             bad_rows |= bad
