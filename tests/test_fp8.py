@@ -425,6 +425,36 @@ def test_kvcache_keys_m_with_every_score_feature(keys_m, fp8_backend, device, on
                q.dtype, dtype=p_dtype)
 
 
+@pytest.mark.parametrize("keys_m", ["0", "1"], ids=["rows_m", "keys_m"])
+@pytest.mark.parametrize("page", [None, 16], ids=["contiguous", "page16"])
+@pytest.mark.parametrize("backend", ["triton"], indirect=True)
+def test_kvcache_keys_m_with_leftpad(keys_m, page, fp8_backend, device, on_gpu,
+                                     monkeypatch):
+    """Both decode layouts with cache_leftpad (KEYS_M: unmasked re-reads of the last
+    key in a contiguous cache, masked rows where pages are looked up per row): NaN
+    values before each sequence's first key and after its last reach nothing."""
+    monkeypatch.setenv("FLASHTILE_DECODE_FP8_KEYS_M", keys_m)
+    b, s, h, hkv, d = 2, 64, 8, 2, 32
+    k_cache, kd = _quantized((b, s, hkv, d), E4M3, device)
+    v_cache, vd = _quantized((b, s, hkv, d), E4M3, device)
+    pads, lens = [5, 0], [43, 19]
+    for i in range(b):
+        v_cache.view(torch.uint8)[i, :pads[i]] = 0x7F
+        v_cache.view(torch.uint8)[i, lens[i]:] = 0x7F
+    q = torch.randn(b, 1, h, d, device=device).to(_q_dtype(on_gpu))
+    out, lse = _decode_fp8_cache(
+        q, k_cache, v_cache, page, num_splits=2, k_descale=kd, v_descale=vd,
+        cache_seqlens=torch.tensor(lens, dtype=torch.int32, device=device),
+        cache_leftpad=torch.tensor(pads, dtype=torch.int32, device=device),
+        return_lse=True)
+    p_dtype = torch.float16 if fp8_backend == "triton" else None
+    for i in range(b):
+        keys = slice(pads[i], lens[i])
+        _check(out[i:i + 1], lse[i:i + 1], q[i:i + 1], k_cache[i:i + 1, keys],
+               v_cache[i:i + 1, keys], (None, kd[i:i + 1], vd[i:i + 1]), fp8_backend, {},
+               q.dtype, dtype=p_dtype)
+
+
 def test_keys_m_switch_is_checked_and_bounded(monkeypatch):
     """A mistyped FLASHTILE_DECODE_FP8_KEYS_M is an error naming the variable; "1"
     takes the KEYS_M layout only for an FP8 V read as column pairs and at most 8 query
