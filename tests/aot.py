@@ -48,7 +48,7 @@ def compile_kernel(kernel, constexprs: dict, dtype: str = "bf16", arch: int = 90
     v_fp8 = str((types or {}).get("VCache", "")).startswith("*fp8")
     for name, default in (("BLOCK_DT", 0), ("V_IS_K", False),
                           ("V_PAIRS", v_fp8 and not constexprs.get("V_IS_K")),
-                          ("PAIRS_ASM", arch >= 90)):
+                          ("PAIRS_ASM", arch >= 90), ("KEYS_M", False)):
         if name in params and name not in constexprs:
             constexprs[name] = default
     # No dropout unless asked: the kernel every call with dropout_p == 0 compiles.
@@ -113,3 +113,45 @@ def tensor_core_ops(compiled) -> set:
     import re
 
     return set(re.findall(r"\b(QGMMA|HGMMA|HMMA)\b", _cuobjdump(compiled, "-sass")))
+
+
+# SASS opcodes by kind, for loop_instructions (the first that matches wins).
+_SASS_KINDS = (
+    ("fp8_widen", r"F2FP\.F16\.E(4M3|5M2)"),
+    ("fp16_pack", r"F2FP\."),
+    ("hmma", r"HMMA|HGMMA"),
+    ("exp2", r"MUFU\.EX2"),
+    ("fp32_arith", r"FMUL|FFMA|FADD"),
+    ("fp32_select", r"FMNMX|FSEL|FSETP"),
+    ("shuffle", r"SHFL"),
+    ("prmt", r"PRMT"),
+    ("shared", r"LDSM|LDS|STS|STSM"),
+    ("global_load", r"LDGSTS|LDG|LDGDEPBAR|DEPBAR"),
+    ("barrier", r"BAR\b|BAR\.|BSSY|BSYNC|WARPSYNC"),
+    ("move", r"(IMAD\.)?MOV|CS2R"),
+    ("integer", r"U?(IMAD|IADD3|LEA|SEL|ISETP|LOP3|SHF|VIADD|VIMNMX|IMNMX|PLOP3|P2R|R2P|"
+                r"R2UR|S2R|S2UR|SGXT|IABS)"),
+)
+
+
+def loop_instructions(compiled) -> dict:
+    """Instructions by kind (_SASS_KINDS, else "other") in the SASS of the kernel's
+    longest loop, the instructions from the target of its longest backward branch to
+    that branch: per thread per iteration of a kernel whose hot loop that is, such as
+    the decode's K/V tile loop."""
+    import re
+
+    sass = _cuobjdump(compiled, "-sass")
+    predicate = r"(?:@!?U?P\w+\s+)?"
+    code = [(int(a, 16), op) for a, op in
+            re.findall(r"/\*([0-9a-f]{4,})\*/\s+" + predicate + r"([A-Z][\w.]*)", sass)]
+    loops = [(int(t, 16), int(a, 16)) for a, t in
+             re.findall(r"/\*([0-9a-f]{4,})\*/\s+" + predicate + r"BRA\S*\s+0x([0-9a-f]+)",
+                        sass) if int(t, 16) < int(a, 16)]
+    lo, hi = max(loops, key=lambda span: span[1] - span[0])
+    counts: dict = {}
+    for addr, op in code:
+        if lo <= addr <= hi:
+            kind = next((k for k, pattern in _SASS_KINDS if re.match(pattern, op)), "other")
+            counts[kind] = counts.get(kind, 0) + 1
+    return counts

@@ -327,6 +327,156 @@ def test_kvcache_fp8_v_as_column_pairs_or_bytes(layout, fp8_backend, device, on_
                q.dtype, dtype=p_dtype)
 
 
+def _decode_fp8_cache(q, k_cache, v_cache, page, **kw):
+    """flash_attn_with_kvcache over the FP8 caches (b, s, hkv, d), or with page a
+    page size over a pool holding their pages in a random order."""
+    if not page:
+        return flashtile.flash_attn_with_kvcache(q, k_cache, v_cache, **kw)
+    b, s, hkv = k_cache.shape[:3]
+    table = torch.randperm(b * s // page, device=q.device).view(b, s // page).int()
+    pools = [torch.empty(b * s // page, page, hkv, x.shape[-1], dtype=x.dtype,
+                         device=q.device) for x in (k_cache, v_cache)]
+    for pool, cache in zip(pools, (k_cache, v_cache)):
+        pool.view(torch.uint8)[table.long()] = cache.view(torch.uint8).view(
+            b, s // page, page, hkv, cache.shape[-1])
+    return flashtile.flash_attn_with_kvcache(q, *pools, block_table=table, **kw)
+
+
+# (seqlen_q, nheads, nheads_kv, head_dim, head_dim_v): 4 and 8 query rows a KV head, the
+# KEYS_M decode's range; head dims that fill their tiles, and ones that do not.
+KEYS_M_HEADS = [pytest.param((1, 8, 2, 32, 32), id="gqa4-d32"),
+                pytest.param((2, 4, 1, 24, 30), id="mqa-2-tokens-d24-dv30")]
+
+
+@pytest.mark.parametrize("keys_m", ["0", "1"], ids=["rows_m", "keys_m"])
+@pytest.mark.parametrize("heads", KEYS_M_HEADS)
+@pytest.mark.parametrize("page,block_n", [(None, None), (16, None), (16, 32)],
+                         ids=["contiguous", "page16", "page16-tile32"])
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("backend", ["triton"], indirect=True)  # a Triton kernel layout
+def test_kvcache_keys_m_layout(keys_m, heads, page, block_n, num_splits, fp8_backend, device,
+                               on_gpu, monkeypatch):
+    """FLASHTILE_DECODE_FP8_KEYS_M=1 (keys on the products' M side: S^T = K Q^T, O^T =
+    V^T P^T) and the default layout both give attention over the dequantised cache:
+    odd lengths, NaN values past two sequences' ends that must reach nothing, a sequence
+    with no keys (out 0, lse -inf), one longer than its cache (NaN rows) and one with
+    a NaN key (its KV head's rows NaN). Pages of 16 keys, one a tile (the interpreter's
+    16-key tile) or two (32-key tiles); split and not."""
+    from flashtile.ops import configs, decode
+
+    monkeypatch.setenv("FLASHTILE_DECODE_FP8_KEYS_M", keys_m)
+    sq, h, hkv, d, dv = heads
+    b, s = 5, 64
+    k_cache, kd = _quantized((b, s, hkv, d), E4M3, device)
+    v_cache, vd = _quantized((b, s, hkv, dv), E4M3, device)
+    lens = [37, 0, 61, s + 1, 20]
+    for i in (0, 2):  # e4m3 NaN in every value past sequences 0 and 2
+        v_cache.view(torch.uint8)[i, lens[i]:] = 0x7F
+    k_cache.view(torch.uint8)[4, 7, 0, 3] = 0x7F   # a NaN key inside sequence 4
+    q = torch.randn(b, sq, h, d, device=device).to(_q_dtype(on_gpu))
+    assert decode.keys_m(q, k_cache, v_cache, False) == (keys_m == "1")
+    kw = dict(cache_seqlens=torch.tensor(lens, dtype=torch.int32, device=device),
+              causal=True, num_splits=num_splits, k_descale=kd, v_descale=vd,
+              return_lse=True)
+    if block_n:
+        cfg = configs.decode_config(q, d, sq * h // hkv, keys_m=keys_m == "1")
+        monkeypatch.setattr(configs, "_override", dict(configs._override))  # undone after
+        configs.set_override("decode", configs.TileConfig(cfg.block_m, block_n))
+    out, lse = _decode_fp8_cache(q, k_cache, v_cache, page, **kw)
+    p_dtype = torch.float16 if fp8_backend == "triton" else None
+    for i in (0, 2):
+        n = lens[i]
+        _check(out[i:i + 1], lse[i:i + 1], q[i:i + 1], k_cache[i:i + 1, :n],
+               v_cache[i:i + 1, :n], (None, kd[i:i + 1], vd[i:i + 1]), fp8_backend,
+               dict(causal=True), q.dtype, dtype=p_dtype)
+    assert (out[1] == 0).all() and (lse[1] == float("-inf")).all()
+    assert torch.isnan(out[3]).all() and torch.isnan(lse[3]).all()
+    group = h // hkv
+    assert torch.isnan(out[4, :, :group]).all() and torch.isnan(lse[4, :group]).all()
+    assert torch.isfinite(out[4, :, group:]).all() and torch.isfinite(lse[4, group:]).all()
+
+
+@pytest.mark.parametrize("keys_m", ["0", "1"], ids=["rows_m", "keys_m"])
+@pytest.mark.parametrize("backend", ["triton"], indirect=True)
+def test_kvcache_keys_m_with_every_score_feature(keys_m, fp8_backend, device, on_gpu,
+                                                 monkeypatch):
+    """Both decode layouts under a sliding window, softcap and ALiBi together (the
+    scores are masked and biased after KEYS_M's products turn back to (rows, keys)), two
+    query tokens of 4 heads over one KV head, split."""
+    from flashtile.ops import decode
+
+    monkeypatch.setenv("FLASHTILE_DECODE_FP8_KEYS_M", keys_m)
+    b, s, h, d = 2, 80, 4, 32
+    k_cache, kd = _quantized((b, s, 1, d), E5M2, device)
+    v_cache, vd = _quantized((b, s, 1, d), E5M2, device)
+    q = torch.randn(b, 2, h, d, device=device).to(_q_dtype(on_gpu))
+    assert decode.keys_m(q, k_cache, v_cache, False) == (keys_m == "1")
+    lens = [77, 29]
+    kw = dict(causal=True, window_size=(23, 0), softcap=4.0,
+              alibi_slopes=torch.rand(h, device=device) * 0.3)
+    out, lse = flashtile.flash_attn_with_kvcache(
+        q, k_cache, v_cache, cache_seqlens=torch.tensor(lens, dtype=torch.int32,
+                                                        device=device),
+        k_descale=kd, v_descale=vd, num_splits=3, return_lse=True, **kw)
+    p_dtype = torch.float16 if fp8_backend == "triton" else None
+    for i, n in enumerate(lens):
+        _check(out[i:i + 1], lse[i:i + 1], q[i:i + 1], k_cache[i:i + 1, :n],
+               v_cache[i:i + 1, :n], (None, kd[i:i + 1], vd[i:i + 1]), fp8_backend, kw,
+               q.dtype, dtype=p_dtype)
+
+
+@pytest.mark.parametrize("keys_m", ["0", "1"], ids=["rows_m", "keys_m"])
+@pytest.mark.parametrize("page", [None, 16], ids=["contiguous", "page16"])
+@pytest.mark.parametrize("backend", ["triton"], indirect=True)
+def test_kvcache_keys_m_with_leftpad(keys_m, page, fp8_backend, device, on_gpu,
+                                     monkeypatch):
+    """Both decode layouts with cache_leftpad (KEYS_M: unmasked re-reads of the last
+    key in a contiguous cache, masked rows where pages are looked up per row): NaN
+    values before each sequence's first key and after its last reach nothing."""
+    monkeypatch.setenv("FLASHTILE_DECODE_FP8_KEYS_M", keys_m)
+    b, s, h, hkv, d = 2, 64, 8, 2, 32
+    k_cache, kd = _quantized((b, s, hkv, d), E4M3, device)
+    v_cache, vd = _quantized((b, s, hkv, d), E4M3, device)
+    pads, lens = [5, 0], [43, 19]
+    for i in range(b):
+        v_cache.view(torch.uint8)[i, :pads[i]] = 0x7F
+        v_cache.view(torch.uint8)[i, lens[i]:] = 0x7F
+    q = torch.randn(b, 1, h, d, device=device).to(_q_dtype(on_gpu))
+    out, lse = _decode_fp8_cache(
+        q, k_cache, v_cache, page, num_splits=2, k_descale=kd, v_descale=vd,
+        cache_seqlens=torch.tensor(lens, dtype=torch.int32, device=device),
+        cache_leftpad=torch.tensor(pads, dtype=torch.int32, device=device),
+        return_lse=True)
+    p_dtype = torch.float16 if fp8_backend == "triton" else None
+    for i in range(b):
+        keys = slice(pads[i], lens[i])
+        _check(out[i:i + 1], lse[i:i + 1], q[i:i + 1], k_cache[i:i + 1, keys],
+               v_cache[i:i + 1, keys], (None, kd[i:i + 1], vd[i:i + 1]), fp8_backend, {},
+               q.dtype, dtype=p_dtype)
+
+
+def test_keys_m_switch_is_checked_and_bounded(monkeypatch):
+    """A mistyped FLASHTILE_DECODE_FP8_KEYS_M is an error naming the variable; "1"
+    takes the KEYS_M layout only for an FP8 V read as column pairs and at most 8 query
+    rows per KV head (its N), and then 8-row tiles."""
+    from flashtile.ops import decode
+
+    cache = torch.zeros(1, 16, 2, 32, dtype=torch.uint8).view(E4M3)
+    q4, q16 = torch.empty(1, 1, 8, 32), torch.empty(1, 2, 16, 32)
+    monkeypatch.setenv("FLASHTILE_DECODE_FP8_KEYS_M", "yes")
+    with pytest.raises(ValueError, match="FLASHTILE_DECODE_FP8_KEYS_M"):
+        decode.keys_m(q4, cache, cache, False)
+    monkeypatch.setenv("FLASHTILE_DECODE_FP8_KEYS_M", "1")
+    assert decode.keys_m(q4, cache, cache, False)
+    assert not decode.keys_m(q16, cache, cache, False)        # 16 rows per KV head
+    assert not decode.keys_m(q4, cache, cache[..., :31], False)  # odd V head dim: bytes
+    assert not decode.keys_m(q4, cache, cache, True)          # V read from K's tiles
+    assert decode._tile(q4, cache, cache, False).block_m == 8
+    monkeypatch.setenv("FLASHTILE_DECODE_FP8_KEYS_M", "0")
+    assert not decode.keys_m(q4, cache, cache, False)
+    assert decode._tile(q4, cache, cache, False).block_m == 16
+
+
 def test_kvcache_rotary_then_quantised(fp8_backend, device, on_gpu):
     """Rotary embedding turns the 16-bit new keys before they are quantised."""
     b, s, hkv, d = 2, 32, 2, 16
@@ -592,25 +742,25 @@ def test_decode_bench_fp8_providers_match_their_reference(backend, device, on_gp
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("keys_m", ["0", "1"], ids=["rows_m", "keys_m"])
 @pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
-def test_gpu_decode_long_fp8_cache(paged, device):
-    """The decode table's shape: bf16 queries over an 8k-token e4m3 cache, split."""
+def test_gpu_decode_long_fp8_cache(paged, keys_m, device, monkeypatch, request):
+    """The decode table's shape: bf16 queries over an 8k-token e4m3 cache, split; in
+    both of the kernel's layouts (FLASHTILE_DECODE_FP8_KEYS_M: there with sm_90's
+    paired cvts on V^T's words)."""
+    from flashtile.ops import _launch
+
+    monkeypatch.setenv("FLASHTILE_DECODE_FP8_KEYS_M", keys_m)
+    _launch.clear()  # plans keep the layout they were made with: none from before,
+    request.addfinalizer(_launch.clear)  # and none of this one's after
     b, s, h, hkv, d, page = 4, 8192, 32, 8, 128, 64
     k_cache, kd = _quantized((b, s, hkv, d), E4M3, device)
     v_cache, vd = _quantized((b, s, hkv, d), E4M3, device)
     q = torch.randn(b, 1, h, d, device=device, dtype=torch.bfloat16)
     seqlens = torch.tensor([8192, 4097, 100, 6000], dtype=torch.int32, device=device)
-    kw = dict(cache_seqlens=seqlens, k_descale=kd, v_descale=vd, return_lse=True)
-    if paged:
-        table = torch.randperm(b * s // page, device=device).view(b, s // page).int()
-        pools = [torch.empty(b * s // page, page, hkv, d, dtype=E4M3, device=device)
-                 for _ in range(2)]
-        for pool, cache in zip(pools, (k_cache, v_cache)):
-            pool.view(torch.uint8)[table.long()] = cache.view(torch.uint8).view(
-                b, s // page, page, hkv, d)
-        out, lse = flashtile.flash_attn_with_kvcache(q, *pools, block_table=table, **kw)
-    else:
-        out, lse = flashtile.flash_attn_with_kvcache(q, k_cache, v_cache, **kw)
+    out, lse = _decode_fp8_cache(q, k_cache, v_cache, page if paged else None,
+                                 cache_seqlens=seqlens, k_descale=kd, v_descale=vd,
+                                 return_lse=True)
     for i in range(b):
         n = int(seqlens[i])
         _check(out[i:i + 1], lse[i:i + 1], q[i:i + 1], k_cache[i:i + 1, :n],

@@ -16,7 +16,7 @@ from flashtile.ops.bwd import (_bwd_dkdv_kernel, _bwd_dq_convert_kernel, _bwd_dq
                                _bwd_preprocess_kernel)
 from flashtile.ops.decode import _append_kernel, _combine_kernel, _decode_kernel
 from flashtile.ops.fwd import _attn_fwd_kernel
-from tests.aot import compile_kernel, resources, tensor_core_ops
+from tests.aot import compile_kernel, loop_instructions, resources, tensor_core_ops
 
 # Under TRITON_INTERPRET=1 @triton.jit gives interpreted functions that cannot be
 # compiled; `make test` runs this file in a second pytest process without it.
@@ -463,6 +463,84 @@ def test_fp8_decode_compiles_for_sm90(q_dtype, cache_dtype, split):
     assert "cvt.bf16.f16" not in ptx and f"cvt.rn.f16x2.{fmt}" in ptx and "prmt.b32" in ptx
     assert re.findall(r"cp\.async\.\w+\.shared\.global \[[^]]*\], \[[^]]*\], (\w+)",
                       ptx) == ["0x10"] * ptx.count("cp.async.cg.shared.global")
+
+
+# sm_90 SASS instructions a thread per 128-key tile of the FP8 decode (tests/aot.py
+# loop_instructions), bf16 q, e4m3 cache, d128, 4 query rows (32 heads over 8): the
+# default layout (16 padded rows as the products' M) against KEYS_M (keys as M, 8 rows
+# as N; configs.decode_fp8_keys_m). Measured with Triton 3.6.0 (session 14).
+FP8_DECODE_TILE = {
+    # name: (split, page size (0: contiguous), TILE_PAGES, SPLIT_PAGES), counts
+    "contiguous": ((True, 0, 0, 0), (
+        dict(fp8_widen=128, fp16_pack=8, hmma=64, exp2=18, fp32_arith=72, fp32_select=42,
+             shuffle=12, prmt=32, shared=57, global_load=19, barrier=12, move=67, integer=185,
+             other=6),  # 722
+        dict(fp8_widen=128, fp16_pack=4, hmma=32, exp2=10, fp32_arith=34, fp32_select=28,
+             shuffle=8, prmt=32, shared=38, global_load=19, barrier=7, move=20, integer=79,
+             other=2),  # 441
+    )),
+    # Pages of 64 keys, two a tile, a split's 4 pages loaded before the loop.
+    "paged64": ((True, 64, 2, 4), (
+        dict(fp8_widen=128, fp16_pack=8, hmma=64, exp2=18, fp32_arith=72, fp32_select=42,
+             shuffle=12, prmt=32, shared=57, global_load=19, barrier=12, move=88, integer=270,
+             other=7),  # 829
+        dict(fp8_widen=128, fp16_pack=4, hmma=32, exp2=10, fp32_arith=34, fp32_select=28,
+             shuffle=8, prmt=32, shared=38, global_load=19, barrier=7, move=26, integer=201,
+             other=5),  # 572
+    )),
+    # The same pages unsplit: each tile's two pages looked up one tile ahead.
+    "paged64_unsplit": ((False, 64, 2, 0), (
+        dict(fp8_widen=128, fp16_pack=8, hmma=64, exp2=18, fp32_arith=72, fp32_select=42,
+             shuffle=12, prmt=32, shared=57, global_load=21, barrier=12, move=86, integer=270,
+             other=11),  # 833
+        dict(fp8_widen=128, fp16_pack=4, hmma=32, exp2=10, fp32_arith=34, fp32_select=28,
+             shuffle=8, prmt=32, shared=38, global_load=21, barrier=7, move=31, integer=205,
+             other=8),  # 586
+    )),
+    # Pages of 256 keys (a tile in one page), a split's 4 pages loaded before the loop.
+    "paged256": ((True, 256, 0, 4), (
+        dict(fp8_widen=128, fp16_pack=8, hmma=64, exp2=18, fp32_arith=72, fp32_select=42,
+             shuffle=12, prmt=32, shared=59, global_load=19, barrier=14, move=89, integer=251,
+             other=6),  # 814
+        dict(fp8_widen=128, fp16_pack=4, hmma=32, exp2=10, fp32_arith=34, fp32_select=28,
+             shuffle=8, prmt=32, shared=40, global_load=19, barrier=9, move=22, integer=187,
+             other=2),  # 555
+    )),
+}
+
+
+@pytest.mark.parametrize("cache", list(FP8_DECODE_TILE))
+def test_fp8_decode_keys_m_tile_is_shorter(cache):
+    """FLASHTILE_DECODE_FP8_KEYS_M=1's kernel (S^T = K Q^T, O^T = V^T P^T over FP8 V
+    column pairs) at the tile decode_config gives it: no spills, K and V still copied
+    asynchronously, V widened by paired cvts, and fewer instructions per key tile than
+    the default's, kind by kind as measured (FP8_DECODE_TILE): half the HMMAs (8 query
+    rows padded as N, not 16 as M), about half the softmax's exp2, fp32 arithmetic and
+    selects, no sum of P across the warps per tile (each thread keeps its own parts),
+    no signed halving of V's word addresses, and K/V copies not masked (rows past the
+    split re-read its last key)."""
+    (split, page_size, tile_pages, split_pages), expected = FP8_DECODE_TILE[cache]
+    q = torch.empty(1, dtype=torch.bfloat16, device="meta")
+    counts = []
+    for keys_m in (False, True):
+        cfg = configs.decode_config(q, 128, 4, split=split, fp8_cache=True, keys_m=keys_m)
+        assert (cfg.block_m, cfg.block_n) == ((8 if keys_m else 16), 128)
+        compiled = compile_kernel(_decode_kernel, dict(
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=128, EVEN_D=True,
+            MASK_LEFT=False, MASK_RIGHT=False, HAS_SOFTCAP=False, HAS_ALIBI=False,
+            PAGED=page_size > 0, PAGE_SIZE=page_size or 1, PAGE_ALIGNED=False,
+            TILE_PAGES=tile_pages, SPLIT_PAGES=split_pages, HAS_BATCH_IDX=False,
+            HAS_LEFTPAD=False, INPUT_PRECISION="ieee", LAUNCH_DEPENDENTS=split,
+            HAS_Q_DESCALE=False, HAS_K_DESCALE=True, HAS_V_DESCALE=True, KEYS_M=keys_m),
+            dtype="bf16", num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            types={"KCache": "*fp8e4nv", "VCache": "*fp8e4nv", "Out": "*bf16"})
+        assert resources(compiled)["stack_bytes"] == 0
+        assert compiled.asm["ttgir"].count("async_copy_global_to_local") >= 4
+        ptx = compiled.asm["ptx"]
+        assert "ld.shared.b8" not in ptx and "cvt.rn.f16x2.e4m3x2" in ptx
+        counts.append(loop_instructions(compiled))
+    assert tuple(counts) == expected
+    assert sum(counts[1].values()) < sum(counts[0].values())
 
 
 @pytest.mark.parametrize("cache_dtype, cvt", [("fp8e4nv", "e4m3x2"), ("fp8e5", "e5m2x2")])

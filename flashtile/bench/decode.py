@@ -215,14 +215,22 @@ def decode_markdown(rows, copy_gbps=None):
 def sweep_decode_tiles(shapes=((1, 8192), (8, 32768)),
                        tiles=("16,64,4,3", "16,128,4,3", "16,64,4,4"),
                        splits=(0, 1, 8, 32, 64), page_sizes=(None,), device="cuda",
-                       fp8=False):
-    """flashtile's decode over num_splits and tile candidates (page_size None: the
-    contiguous cache), each step rotating through cold input copies as the table
-    does: the data for the split heuristic and the tile choice. fp8: the caches in
-    float8_e4m3fn with descales (bf16 queries), GB/s counted in FP8 bytes."""
+                       fp8=False, env=None):
+    """flashtile's decode over num_splits and tile candidates (None: the launcher's
+    own tile; page_size None: the contiguous cache), each step rotating through cold
+    input copies as the table does: the data for the split heuristic and the tile
+    choice. fp8: the caches in float8_e4m3fn with descales (bf16 queries), GB/s
+    counted in FP8 bytes. env: environment variables set for the sweep (a kernel
+    variant such as FLASHTILE_DECODE_FP8_KEYS_M=1), removed after it."""
     import os
 
     import triton
+
+    from flashtile.ops import _launch
+
+    env = env or {}
+    os.environ.update(env)
+    label = "".join(f" {k}={v}" for k, v in env.items())
 
     size = 1 if fp8 else 2
     scales = {}
@@ -240,7 +248,12 @@ def sweep_decode_tiles(shapes=((1, 8192), (8, 32768)),
                 scales = dict(k_descale=ones, v_descale=ones)
             sets.append((q, seqlens, caches))
         for tile in tiles:
-            os.environ["FLASHTILE_DECODE_CONFIG"] = tile
+            if tile is None:
+                os.environ.pop("FLASHTILE_DECODE_CONFIG", None)
+            else:
+                os.environ["FLASHTILE_DECODE_CONFIG"] = tile
+            # Launch plans keep the tile (and the switches) they were made with.
+            _launch.clear()
             for ps in page_sizes:
                 for n in splits:
                     fns = [_kvcache_fn(q, seqlens, *caches[ps], num_splits=n, **scales)
@@ -251,13 +264,16 @@ def sweep_decode_tiles(shapes=((1, 8192), (8, 32768)),
                         gbps = round(kv_bytes(batch, seqlen_k, size) / ms / 1e6)
                     except Exception as e:
                         gbps = type(e).__name__
-                    results.append((batch, seqlen_k, tile, ps, n, gbps))
-                    print(f"decode sweep{' fp8' if fp8 else ''} b={batch} sk={seqlen_k} "
-                          f"tile={tile} "
+                    results.append((batch, seqlen_k, tile, ps, n, gbps, label.strip()))
+                    print(f"decode sweep{' fp8' if fp8 else ''}{label} b={batch} "
+                          f"sk={seqlen_k} tile={tile or 'default'} "
                           f"page={ps or 'contiguous'} splits={n}: {gbps} GB/s", flush=True)
         os.environ.pop("FLASHTILE_DECODE_CONFIG", None)
         del sets
         torch.cuda.empty_cache()
+    for name in env:
+        os.environ.pop(name, None)
+    _launch.clear()
     return results
 
 
@@ -355,6 +371,19 @@ if __name__ == "__main__":
                            tiles=("16,128,4,3", "16,128,4,4", "16,64,4,3", "16,64,4,5",
                                   "16,256,4,3"),
                            splits=(0,), page_sizes=(None, 64), fp8=True)
+        # The KEYS_M layout (keys on the products' M side, 8 query rows as N: 441
+        # instructions a 128-key tile against 722, sm_90 SASS), the launcher's tile
+        # (8 rows x 128 keys, 3 stages split, 4 unsplit) beside the default layout's in
+        # the same run, then other depths and 256-key tiles.
+        for env in ({}, {"FLASHTILE_DECODE_FP8_KEYS_M": "1"}):
+            sweep_decode_tiles(shapes=((8, 8192), (8, 32768), (32, 4096), (1, 131072),
+                                       (64, 2048)),
+                               tiles=(None,), splits=(0,), page_sizes=(None, 64),
+                               fp8=True, env=env)
+        sweep_decode_tiles(shapes=((8, 32768), (32, 4096)),
+                           tiles=("8,128,4,4", "8,128,4,5", "8,256,4,3"), splits=(0,),
+                           page_sizes=(None, 64), fp8=True,
+                           env={"FLASHTILE_DECODE_FP8_KEYS_M": "1"})
     if "--mla" in sys.argv:
         # Absorbed MLA decode alone (issue 17): the table below is not run.
         for r in run_mla_bench():

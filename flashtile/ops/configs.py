@@ -553,18 +553,45 @@ def log_first_launch(kernel: str, q, head_dim, cfg: TileConfig, flags=None) -> N
                     f"; {on}" if on else "")
 
 
+DECODE_FP8_KEYS_M = ("0", "1")
+# The most query rows (tokens x query heads per KV head) the KEYS_M decode takes: its
+# rows are the products' N, 8 a step (mma.sync m16n8k16); 16 rows as N compiled to
+# wgmma with keys as M and spilled nothing but ran 827 instructions a tile, more than
+# the default's 722 (sm_90 SASS, d128, bf16 q, e4m3 cache).
+DECODE_FP8_KEYS_M_ROWS = 8
+
+
+def decode_fp8_keys_m() -> bool:
+    """FLASHTILE_DECODE_FP8_KEYS_M: how the decode kernel lays out the products of an
+    FP8 cache read as column pairs (decode.v_pairs) for at most DECODE_FP8_KEYS_M_ROWS
+    query rows. "0" (the default): query rows on the products' M side, padded to 16
+    rows (mma.sync's M), keys the N of QK^T and the reduction of PV. "1" (KEYS_M):
+    keys on the M side, S^T = K Q^T and O^T = V^T P^T, the query rows padded to 8 (the
+    N step): half the HMMAs, half the softmax's exp2/max/sum and the accumulator; and
+    each thread sums its own parts of P until the loop ends (no cross-warp sum per
+    tile), V's word addresses come from halved strides, and K/V copies are not masked
+    (rows past the split re-read its last key) but with a left pad over pages (masked
+    by key rows alone when the head dims fill their tiles). sm_90 SASS per 128-key
+    tile, d128, bf16 q, e4m3 cache, 4 query rows: 441 instructions a thread against
+    722, pages of 64: 572 against 829 (586 against 833 unsplit), 124 registers against
+    168 (tests/test_sm90_compile.py); not yet timed (python -m flashtile.bench.decode
+    --sweep-fp8). Read when a launch plan is made."""
+    return _env_choice("FLASHTILE_DECODE_FP8_KEYS_M", DECODE_FP8_KEYS_M) == "1"
+
+
 def decode_config(q, head_dim, rows, split=True, fp8_cache=False, head_dim_v=None,
-                  v_is_k=False) -> TileConfig:
+                  v_is_k=False, keys_m=False) -> TileConfig:
     """Decode tile: rows = query tokens x query heads per KV head (GQA packing); split:
     whether the cache length is split across programs; fp8_cache: K/V in a float8
     dtype; head_dim_v: V's head dim (None: head_dim); v_is_k: V read from K's tiles
-    (a view of K's first columns)."""
+    (a view of K's first columns); keys_m: the kernel's KEYS_M layout (at most
+    DECODE_FP8_KEYS_M_ROWS rows, decode_fp8_keys_m): 8 rows a tile, not 16."""
     if "decode" in _override:
         return _override["decode"]
     env = _from_env("decode")
     if env is not None:
         return env
-    block_m = min(64, max(16, next_power_of_2(rows)))
+    block_m = min(64, max(DECODE_FP8_KEYS_M_ROWS if keys_m else 16, next_power_of_2(rows)))
     if q.device.type == "cpu":
         return TileConfig(block_m, 16)
     # Memory-bound: 64-key tiles with 4 warps keep enough loads in flight per SM; at

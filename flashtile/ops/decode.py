@@ -69,6 +69,19 @@ def _row_pages(block_row, start, offs_n0, max_blocks, PAGE_SIZE: tl.constexpr,
 
 
 @triton.jit
+def _tile_pages(block_row, start, max_blocks, PAGE_SIZE: tl.constexpr,
+                TILE_PAGES: tl.constexpr):
+    """The TILE_PAGES pool blocks of the key rows from ``start`` (page-aligned), a
+    tuple of scalars (0 past the block table): _row_pages' lookups, kept apart."""
+    first = start // PAGE_SIZE
+    pages = ()
+    for p in tl.static_range(TILE_PAGES):
+        pages = pages + (tl.load(block_row + first + p, mask=first + p < max_blocks,
+                                 other=0),)
+    return pages
+
+
+@triton.jit
 def _pick(pages, index, FIRST: tl.constexpr, STEP: tl.constexpr, COUNT: tl.constexpr):
     """pages[FIRST + index * STEP] of a tuple of COUNT scalars, for a run-time index:
     a chain of selects on registers (one per candidate)."""
@@ -102,16 +115,23 @@ def _decode_kernel(
     window_left, window_right, softmax_scale, softcap,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_DT: tl.constexpr, BLOCK_DV: tl.constexpr, V_IS_K: tl.constexpr,
-    EVEN_D: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, PAGED: tl.constexpr,
-    PAGE_SIZE: tl.constexpr, PAGE_ALIGNED: tl.constexpr, TILE_PAGES: tl.constexpr,
-    SPLIT_PAGES: tl.constexpr, HAS_BATCH_IDX: tl.constexpr, HAS_LEFTPAD: tl.constexpr,
+    EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr, MASK_LEFT: tl.constexpr,
+    MASK_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+    PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, PAGE_ALIGNED: tl.constexpr,
+    TILE_PAGES: tl.constexpr, SPLIT_PAGES: tl.constexpr, HAS_BATCH_IDX: tl.constexpr,
+    HAS_LEFTPAD: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, LAUNCH_DEPENDENTS: tl.constexpr,
     HAS_Q_DESCALE: tl.constexpr, HAS_K_DESCALE: tl.constexpr, HAS_V_DESCALE: tl.constexpr,
-    V_PAIRS: tl.constexpr, PAIRS_ASM: tl.constexpr,
+    V_PAIRS: tl.constexpr, PAIRS_ASM: tl.constexpr, KEYS_M: tl.constexpr,
 ):
     # Pages looked up per key row (a vector of entries per tile), not per tile.
     ROW_PAGES: tl.constexpr = TILE_PAGES > 0 or (not PAGE_ALIGNED and SPLIT_PAGES == 0)
+    # KEYS_M: rows past the split's last key read that key again, unmasked (see the
+    # loop), wherever a row's page needs no lookup of its own (not with a left pad).
+    CLAMPED: tl.constexpr = KEYS_M and not (PAGED and ROW_PAGES and TILE_PAGES == 0)
+    # Pages smaller than the tile, looked up a tile ahead: CLAMPED keeps them as
+    # scalars (_tile_pages) to give the rows past the split's end the last key's page.
+    PAGE_TUPLE: tl.constexpr = CLAMPED and PAGED and ROW_PAGES and SPLIT_PAGES == 0
     split = tl.program_id(0)
     off_b = tl.program_id(1) // nheads_kv
     off_hkv = tl.program_id(1) % nheads_kv
@@ -195,14 +215,28 @@ def _decode_kernel(
     # (a select on the output tile there made ptxas spill 8 bytes on sm_90).
     l_i = tl.full([BLOCK_M], 0.0, dtype=tl.float32) + tl.where(seq_bad, float("nan"), 0.0)
     bad_rows = tl.zeros([BLOCK_N], dtype=tl.int32)  # key rows behind a bad page
+    if KEYS_M:
+        l_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)  # l's parts, see below
     # V_PAIRS: V's even and odd columns accumulate apart (see the V load below).
     acc = tl.zeros([BLOCK_M, BLOCK_DV // (1 + V_PAIRS)], dtype=tl.float32)
     acc_odd = tl.zeros([BLOCK_M, BLOCK_DV // (1 + V_PAIRS)], dtype=tl.float32)
+    if KEYS_M:
+        # Keys on the products' M side (configs.decode_fp8_keys_m): the accumulators
+        # transposed, (DV/2, M), query rows their N.
+        acc = tl.zeros([BLOCK_DV // 2, BLOCK_M], dtype=tl.float32)
+        acc_odd = tl.zeros([BLOCK_DV // 2, BLOCK_M], dtype=tl.float32)
     if V_PAIRS:
         # An FP8 V read as int16 words of two neighbouring columns (even, odd).
         VWords = VCache.to(tl.pointer_type(tl.int16))
         offs_w = tl.arange(0, BLOCK_DV // 2)
         m_w = offs_w < head_dim_v // 2
+        if KEYS_M:
+            # Word strides (even: v_pairs): a row's word address then takes 3
+            # instructions in the loop, not 7 with the signed int64 halving (sm_90
+            # SASS; 8 rows a thread a 128-key tile).
+            stride_vb = stride_vb // 2
+            stride_vn = stride_vn // 2
+            stride_vh = stride_vh // 2
     # The page(s) of a tile are loaded one tile ahead: the software pipeliner does not
     # run scalar loads ahead, and a K/V address waiting on its block-table entry in the
     # same iteration stalls every tile (NOTES.md section 4). The first tile's pages are
@@ -231,6 +265,8 @@ def _decode_kernel(
     elif PAGE_ALIGNED:
         page = tl.load(block_row + lo // PAGE_SIZE, mask=lo // PAGE_SIZE < max_blocks,
                        other=0)
+    elif PAGE_TUPLE:
+        page = _tile_pages(block_row, lo, max_blocks, PAGE_SIZE, TILE_PAGES)
     elif PAGED:
         page = _row_pages(block_row, leftpad + lo, offs_n0, max_blocks, PAGE_SIZE,
                           TILE_PAGES)
@@ -238,35 +274,65 @@ def _decode_kernel(
         offs_n = start_n + offs_n0
         m_n = offs_n < hi
         pos = leftpad + offs_n                                             # cache position
+        offs_nc = offs_n0
+        pos_c = pos
+        if CLAMPED:
+            # Rows past the split's last key read that key again instead of being
+            # masked: their scores are -inf (_scores_log2) and their P 0, and a key of
+            # the sequence holds no NaN that the sequence does not already see in this
+            # tile. The copies then need no mask (a compare and two selects fewer
+            # each, sm_90 SASS).
+            offs_nc = tl.minimum(offs_n, hi - 1) - start_n
+            pos_c = leftpad + start_n + offs_nc
         # Pages outside the pool: block 0 and NaN scores (_checked_page).
         scale = softmax_scale
         if SPLIT_PAGES > 0:
             if TILE_PAGES > 0:
                 # Pages smaller than the tile: the split starts on a page boundary.
                 tile = (start_n - split_lo) // BLOCK_N
+                last = (hi - 1 - start_n) // PAGE_SIZE  # the page of the last key
                 rows = tl.zeros_like(offs_n0)
                 for p in tl.static_range(TILE_PAGES):
-                    page = _pick(split_pages, tile, p, TILE_PAGES, SPLIT_PAGES)
+                    picked = _pick(split_pages, tile, p, TILE_PAGES, SPLIT_PAGES)
+                    if CLAMPED and p > 0:
+                        # Past the last key's page, rows re-read that key: its page.
+                        picked = tl.where(p <= last, picked, page)
+                    page = picked
                     rows = tl.where(offs_n0 // PAGE_SIZE == p, page, rows)
                 rows, bad = _checked_rows(rows, cache_rows, m_n)
                 bad_rows |= bad
-                row_k = rows.to(tl.int64) * stride_kb + (pos % PAGE_SIZE) * stride_kn
-                row_v = rows.to(tl.int64) * stride_vb + (pos % PAGE_SIZE) * stride_vn
+                row_k = rows.to(tl.int64) * stride_kb + (pos_c % PAGE_SIZE) * stride_kn
+                row_v = rows.to(tl.int64) * stride_vb + (pos_c % PAGE_SIZE) * stride_vn
             else:
                 page = _pick(split_pages, start_n // PAGE_SIZE - first_page, 0, 1,
                              SPLIT_PAGES)
                 page, scale = _checked_page(page, cache_rows, softmax_scale)
-                in_page = start_n % PAGE_SIZE + offs_n0
+                in_page = start_n % PAGE_SIZE + offs_nc
                 row_k = page.to(tl.int64) * stride_kb + in_page * stride_kn
                 row_v = page.to(tl.int64) * stride_vb + in_page * stride_vn
         elif PAGE_ALIGNED:
             # The tile starts at a multiple of BLOCK_N, which divides PAGE_SIZE: one page.
-            in_page = start_n % PAGE_SIZE + offs_n0
+            in_page = start_n % PAGE_SIZE + offs_nc
             page, scale = _checked_page(page, cache_rows, softmax_scale)
             row_k = page.to(tl.int64) * stride_kb + in_page * stride_kn
             row_v = page.to(tl.int64) * stride_vb + in_page * stride_vn
             next_n = start_n + BLOCK_N
             page = tl.load(block_row + next_n // PAGE_SIZE, mask=next_n < hi, other=0)
+        elif PAGE_TUPLE:
+            # No left pad: the tile starts on a page boundary. Pages past the one of
+            # the split's last key hold only rows that re-read that key: its page.
+            last = (hi - 1 - start_n) // PAGE_SIZE
+            rows = tl.zeros_like(offs_n0)
+            kept = page[0]
+            for p in tl.static_range(TILE_PAGES):
+                kept = tl.where(p <= last, page[p], kept)
+                rows = tl.where(offs_n0 // PAGE_SIZE == p, kept, rows)
+            rows, bad = _checked_rows(rows, cache_rows, m_n)
+            bad_rows |= bad
+            row_k = rows.to(tl.int64) * stride_kb + (pos_c % PAGE_SIZE) * stride_kn
+            row_v = rows.to(tl.int64) * stride_vb + (pos_c % PAGE_SIZE) * stride_vn
+            page = _tile_pages(block_row, start_n + BLOCK_N, max_blocks, PAGE_SIZE,
+                               TILE_PAGES)
         elif PAGED:
             page, bad = _checked_rows(page, cache_rows, m_n)
             bad_rows |= bad
@@ -275,16 +341,29 @@ def _decode_kernel(
             page = _row_pages(block_row, leftpad + start_n + BLOCK_N, offs_n0, max_blocks,
                               PAGE_SIZE, TILE_PAGES)
         else:
-            row_k = cache_b.to(tl.int64) * stride_kb + pos * stride_kn
-            row_v = cache_b.to(tl.int64) * stride_vb + pos * stride_vn
+            row_k = cache_b.to(tl.int64) * stride_kb + pos_c * stride_kn
+            row_v = cache_b.to(tl.int64) * stride_vb + pos_c * stride_vn
         p_k = KCache + row_k[:, None] + off_hkv * stride_kh
-        b_k = tl.load(p_k + offs_d[None, :], mask=m_n[:, None] & m_d[None, :],
-                      other=0.0).to(b_q.dtype)                             # (N, D)
-        qk = tl.dot(b_q, tl.trans(b_k), input_precision=INPUT_PRECISION)   # (M, N)
+        # Key rows past the split read nothing (or, CLAMPED, its last key again).
+        m_k = (m_n | CLAMPED)[:, None] & m_d[None, :]
+        if KEYS_M and EVEN_D:
+            # Every column is in the head dim: the key rows alone mask the copies (a
+            # select and a compare fewer per 16-byte copy, sm_90 SASS).
+            m_k = (m_n | CLAMPED)[:, None]
+        b_k = tl.load(p_k + offs_d[None, :], mask=m_k, other=0.0).to(b_q.dtype)  # (N, D)
+        if KEYS_M:
+            qk = tl.dot(b_k, tl.trans(b_q), input_precision=INPUT_PRECISION)  # (N, M)
+        else:
+            qk = tl.dot(b_q, tl.trans(b_k), input_precision=INPUT_PRECISION)  # (M, N)
         if BLOCK_DT > 0:
             b_kt = tl.load(p_k + offs_dt[None, :], mask=m_n[:, None] & m_dt[None, :],
                            other=0.0).to(b_q.dtype)                        # (N, DT)
-            qk = tl.dot(b_qt, tl.trans(b_kt), qk, input_precision=INPUT_PRECISION)
+            if KEYS_M:
+                qk = tl.dot(b_kt, tl.trans(b_qt), qk, input_precision=INPUT_PRECISION)
+            else:
+                qk = tl.dot(b_qt, tl.trans(b_kt), qk, input_precision=INPUT_PRECISION)
+        if KEYS_M:
+            qk = tl.trans(qk)  # (M, N): a relabelling of registers, no data moves
         s = _scores_log2(qk, offs_t, offs_n, hi, diag_offset, window_left, window_right,
                          scale, softcap, alibi_slope, Q, 0, 0, m_row[:, None],
                          True, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI, False, False)
@@ -292,21 +371,47 @@ def _decode_kernel(
         m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.exp2(s - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
+        if KEYS_M:
+            # Each thread keeps its own parts of the rows' sums, rescaled as the
+            # accumulators are, and sums them once after the loop: no sum across the
+            # warps (shuffles, shared memory, two barriers) per tile. Still the fp32
+            # sum of the unrounded P, in another order.
+            l_acc = l_acc * alpha[:, None] + p
+        else:
+            l_i = l_i * alpha + tl.sum(p, 1)
         if V_PAIRS:
             # An FP8 V tile is the B operand of P @ V with the keys (its rows, a cache
             # row apart) the reduction: one byte per key and column is all that
             # Triton's FP8 layout gives a thread. Read as 16-bit words, the tile is
             # copied into the operand layout as a bf16 V is (ldmatrix), each word is
             # two columns of one key, and the even and odd columns go to two products.
-            b_w = tl.load(VWords + (row_v[:, None] + off_hkv * stride_vh) // 2
-                          + offs_w[None, :], mask=m_n[:, None] & m_w[None, :],
-                          other=0)                                         # (N, DV/2)
-            b_ve, b_vo = _fp8_pairs_to_fp16(b_w, VCache.dtype.element_ty, PAIRS_ASM)
-            p16 = p.to(tl.float16)
-            acc = tl.dot(p16, b_ve, acc * alpha[:, None], input_precision=INPUT_PRECISION)
-            acc_odd = tl.dot(p16, b_vo, acc_odd * alpha[:, None],
+            if KEYS_M:
+                # O^T = V^T P^T: V's words the A operand (their columns its M), P^T
+                # the B operand, so the query rows are the product's N (8 a step, not
+                # 16): half the products and half the accumulator of M = rows.
+                # Loaded as V^T: a transpose of the loaded tile in registers would
+                # leave the words in a layout whose neighbours are not two keys.
+                m_vt = (m_n | CLAMPED)[None, :]
+                if not EVEN_DV:
+                    m_vt = m_w[:, None] & m_vt
+                b_wt = tl.load(VWords + row_v[None, :] + off_hkv * stride_vh
+                               + offs_w[:, None], mask=m_vt, other=0)      # (DV/2, N)
+                b_ve, b_vo = _fp8_pairs_to_fp16(b_wt, VCache.dtype.element_ty, PAIRS_ASM)
+                p16 = tl.trans(p.to(tl.float16))                           # (N, M)
+                acc = tl.dot(b_ve, p16, acc * alpha[None, :],
+                             input_precision=INPUT_PRECISION)              # (DV/2, M)
+                acc_odd = tl.dot(b_vo, p16, acc_odd * alpha[None, :],
+                                 input_precision=INPUT_PRECISION)
+            else:
+                b_w = tl.load(VWords + (row_v[:, None] + off_hkv * stride_vh) // 2
+                              + offs_w[None, :], mask=m_n[:, None] & m_w[None, :],
+                              other=0)                                     # (N, DV/2)
+                b_ve, b_vo = _fp8_pairs_to_fp16(b_w, VCache.dtype.element_ty, PAIRS_ASM)
+                p16 = p.to(tl.float16)
+                acc = tl.dot(p16, b_ve, acc * alpha[:, None],
                              input_precision=INPUT_PRECISION)
+                acc_odd = tl.dot(p16, b_vo, acc_odd * alpha[:, None],
+                                 input_precision=INPUT_PRECISION)
         else:
             if V_IS_K:
                 # V is a view of K's first columns (absorbed MLA's shared latent rows):
@@ -320,6 +425,10 @@ def _decode_kernel(
             acc = tl.dot(p.to(b_v.dtype), b_v, acc, input_precision=INPUT_PRECISION)
         m_i = m_new
 
+    if KEYS_M:
+        l_i += tl.sum(l_acc, 1)  # l_i: 0, or NaN for a sequence that reads nothing
+        acc = tl.trans(acc)                                                # (M, DV/2)
+        acc_odd = tl.trans(acc_odd)
     if V_PAIRS:
         acc = tl.reshape(tl.join(acc, acc_odd), (BLOCK_M, BLOCK_DV))        # (M, DV)
     if LAUNCH_DEPENDENTS:
@@ -491,13 +600,23 @@ def _v_is_k(k_cache, v_cache) -> bool:
             == configs.decode_head_dim_tiles(k_cache.shape[-1])[0])
 
 
+def keys_m(q, k_cache, v_cache, v_is_k) -> bool:
+    """The decode kernel puts keys on its products' M side (KEYS_M): asked for
+    (configs.decode_fp8_keys_m), an FP8 V read as column pairs, and at most
+    configs.DECODE_FP8_KEYS_M_ROWS query rows per KV head."""
+    rows = q.shape[1] * (q.shape[2] // k_cache.shape[2])
+    return (configs.decode_fp8_keys_m() and rows <= configs.DECODE_FP8_KEYS_M_ROWS
+            and v_pairs(v_cache, v_is_k))
+
+
 def _tile(q, k_cache, v_cache, v_is_k, split=True) -> configs.TileConfig:
     """The decode tile of q (b, sq, h, d) over the caches: the query rows of one KV head
     (GQA packing), K's and V's head dims."""
     sq, h, d = q.shape[1:]
     return configs.decode_config(q, d, sq * (h // k_cache.shape[2]), split=split,
                                  fp8_cache=k_cache.element_size() == 1,
-                                 head_dim_v=v_cache.shape[-1], v_is_k=v_is_k)
+                                 head_dim_v=v_cache.shape[-1], v_is_k=v_is_k,
+                                 keys_m=keys_m(q, k_cache, v_cache, v_is_k))
 
 
 def paged_decode_warm_shapes(q, k_cache, v_cache, batch_sizes,
@@ -691,7 +810,7 @@ def attn_decode(q, k_cache, v_cache, *, cache_seqlens, block_table, cache_batch_
     block_d, block_dt = configs.decode_head_dim_tiles(d)
     block_dv = configs.padded_head_dim(dv)
     flags.update(BLOCK_D=block_d, BLOCK_DT=block_dt, EVEN_D=block_d + block_dt == d,
-                 BLOCK_DV=block_dv, V_IS_K=v_is_k)
+                 BLOCK_DV=block_dv, EVEN_DV=block_dv == dv, V_IS_K=v_is_k)
     page_aligned = paged and page_size % cfg.block_n == 0 and cache_leftpad is None
     # Pages smaller than the tile: whole pages per tile unless a left pad (0: per row).
     tile_pages = (cfg.block_n // page_size
@@ -703,7 +822,8 @@ def attn_decode(q, k_cache, v_cache, *, cache_seqlens, block_table, cache_batch_
         HAS_BATCH_IDX=cache_batch_idx is not None, HAS_LEFTPAD=cache_leftpad is not None,
         LAUNCH_DEPENDENTS=early, HAS_Q_DESCALE=q_descale is not None,
         HAS_K_DESCALE=k_descale is not None, HAS_V_DESCALE=v_descale is not None,
-        V_PAIRS=v_pairs(v_cache, v_is_k), PAIRS_ASM=pairs_asm(q))
+        V_PAIRS=v_pairs(v_cache, v_is_k), PAIRS_ASM=pairs_asm(q),
+        KEYS_M=keys_m(q, k_cache, v_cache, v_is_k))
     configs.log_first_launch("decode", q, d, cfg, dict(
         switches, PAGE_SIZE=page_size if paged else None, SPLIT=num_splits > 1, PDL=pdl))
     decode = _launch.first_launch(
