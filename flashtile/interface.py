@@ -32,6 +32,25 @@ def _allow_tf32(dtype) -> bool:
 
 # flash_attn_func's check of q, k and v reads their layouts only: once per combination.
 _check_qkv = V.once_per_layout(functools.partial(V.check_qkv, dtypes=V.WITH_FP8))
+# flash_attn_varlen_func's check reads the layouts of q, k, v and the cu_seqlens, and
+# the values of max_seqlen_q/k (their range) and nothing else: the layouts once per
+# combination, with max_seqlen 0, which is in range and read nowhere else in the check.
+_check_varlen_layouts = V.once_per_layout(
+    lambda q, k, v, cu_seqlens_q, cu_seqlens_k: V.check_varlen(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, 0, 0, dtypes=V.WITH_FP8))
+
+
+def _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
+    """V.check_varlen: (batch, h, hkv, d). An engine calls it in every layer of a
+    prefill step with the layouts of the layer before (issue 15), so when both
+    max_seqlen are ints in range (checked here, every call) the layouts' part comes from
+    the memo; any other max_seqlen (out of range, not an int, an int-like such as a
+    SymInt) takes the whole check, which raises what it raised before, in its order."""
+    if (type(max_seqlen_q) is int and type(max_seqlen_k) is int
+            and 0 <= max_seqlen_q <= V.MAX_OFFSET and 0 <= max_seqlen_k <= V.MAX_OFFSET):
+        return _check_varlen_layouts(q, k, v, cu_seqlens_q, cu_seqlens_k)
+    return V.check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                          dtypes=V.WITH_FP8)
 
 
 def _philox(q, dropout_p):
@@ -317,8 +336,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         if seqused_k is not None:
             V._fail(ValueError, "seqused_k", "None without block_table (packed k/v have "
                     "their lengths in cu_seqlens_k)", "a tensor")
-        batch, h, hkv, d = V.check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k,
-                                          max_seqlen_q, max_seqlen_k, dtypes=V.WITH_FP8)
+        batch, h, hkv, d = _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k,
+                                         max_seqlen_q, max_seqlen_k)
     fp8 = F8.check_fp8_args(q, k, v, batch, hkv, (q_descale, k_descale, v_descale),
                             out_dtype)
     if block_table is not None:

@@ -189,15 +189,17 @@ def misalignment(addresses):
 
 def out_with_lse(shape, dtype, n_lse, device):
     """(out, buf, lse_at): one allocation ``buf`` for a launch whose caller does not
-    return lse: a contiguous ``out`` of ``shape`` (4-d) and ``dtype``, a view of its
-    start, then ``n_lse`` float32 words for the kernel's lse at byte offset ``lse_at``,
-    16-byte aligned like an allocation of its own. An allocation is ~10 us of host time
-    on the H200, as much as a launch; the lse words cost out 4 bytes a row more."""
-    b, m, h, d = shape
+    return lse: a contiguous ``out`` of ``shape`` ((batch, m, h, d), or (m, h, d) for
+    packed varlen) and ``dtype``, a view of its start, then ``n_lse`` float32 words for
+    the kernel's lse at byte offset ``lse_at``, 16-byte aligned like an allocation of
+    its own. An allocation is ~10 us of host time on the H200, as much as a launch; the
+    lse words cost out 4 bytes a row more."""
+    m, h, d = shape[-3:]
+    strides = (m * h * d, h * d, d, 1)[4 - len(shape):]  # contiguous
     size = dtype.itemsize
-    lse_at = -(-b * m * h * d * size // 16) * 16
+    lse_at = -(-shape[0] * strides[0] * size // 16) * 16
     buf = torch.empty((lse_at + 4 * n_lse) // size, dtype=dtype, device=device)
-    return buf.as_strided(shape, (m * h * d, h * d, d, 1)), buf, lse_at
+    return buf.as_strided(shape, strides), buf, lse_at
 
 
 def lse_after(buf, lse_at, shape):

@@ -430,8 +430,7 @@ def attn_fwd(q, k, v, *, attn_mask, alibi_slopes, softmax_scale, diag_offset,
                 return out, lse if return_lse else None
         else:
             out, lse_buf, lse_at = _launch.out_with_lse(
-                (1, total_q, h, dv), out_dtype or dtype, h * total_q, device)
-            out = out[0]
+                (total_q, h, dv), out_dtype or dtype, h * total_q, device)
             lse = out  # a placeholder until lse's address replaces it, as below
     else:
         batch, longest_q, h, d = q_shape
@@ -474,14 +473,17 @@ def attn_fwd(q, k, v, *, attn_mask, alibi_slopes, softmax_scale, diag_offset,
     if _launch.ready(q):
         plain = (attn_mask is None and alibi_slopes is None and q_descale is None
                  and k_descale is None and v_descale is None and philox is None)
-        if plain and lse_at is not None and not varlen:
-            # The usual eager forward: q, k, v and out are the only tensors, the other
-            # slots hold q's address or lse's (after out's): 4 addresses, not 15.
+        if plain and lse_at is not None:
+            # The usual eager forward: q, k, v, out and (varlen) the index tensors are
+            # the only tensors, the other slots hold q's address or lse's (after out's):
+            # 4 addresses (dense) or 6 (packed varlen), not 15.
             pq, po = _data_ptr(q), _data_ptr(out)
             lp = po + lse_at
-            ptrs = (pq, _data_ptr(k), _data_ptr(v), po, lp, pq, pq, pq, pq, pq, pq,
+            index = _launch.pointers(tensors[7:11]) if varlen else (pq, pq, pq, pq)
+            ptrs = (pq, _data_ptr(k), _data_ptr(v), po, lp, pq, pq, *index,
                     lp, lp, lp, lp)
-            misaligned = (pq | ptrs[1] | ptrs[2] | lp) & 15 and _launch.misalignment(ptrs)
+            misaligned = ((pq | ptrs[1] | ptrs[2] | lp | index[0] | index[1] | index[2]
+                           | index[3]) & 15 and _launch.misalignment(ptrs))
         else:
             ptrs = _launch.pointers(tensors)
             if lse_at is not None:  # lse's address, in its slot and the placeholders'
@@ -507,8 +509,7 @@ def attn_fwd(q, k, v, *, attn_mask, alibi_slopes, softmax_scale, diag_offset,
             # Varlen: the grid covers the longest sequence of this call (at least one
             # block, so bad prefix sums still get their rows written as NaN).
             plan((*ptrs, *scalars),
-                 (max(1, configs.cdiv(longest_q, plan.cfg.block_m)), batch * h, 1)
-                 if varlen else None)
+                 (-(-longest_q // plan.cfg.block_m) or 1, batch * h, 1) if varlen else None)
             return out, lse if lse_at is None else None
     if lse_at is not None:  # Triton's own path takes lse as a tensor
         lse = _launch.lse_after(lse_buf, lse_at, (h, total_q) if varlen
