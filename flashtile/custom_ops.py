@@ -362,9 +362,10 @@ def _varlen_attn_fwd_impl(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
 
 def _varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                     alibi_slopes, softmax_scale, window_left, window_right, softcap,
-                    allow_tf32, block_table, seqused_k, dropout_p, philox, return_lse=True):
+                    allow_tf32, block_table, seqused_k, dropout_p, philox, return_lse=True,
+                    layout=None):
     """(out, lse) of either backend; return_lse=False may return None for lse, as
-    ``_forward``."""
+    ``_forward``. layout: as in ``varlen_attention``."""
     backend = select_backend(q.device, q.dtype)
     if (backend == "torch" or index_checks_enabled()) and can_read_indices(q):
         # Here, not in the caller: the op's own run time is the one place a compiled
@@ -384,7 +385,7 @@ def _varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
                           cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
                           max_seqlen_k=max_seqlen_k, block_table=block_table,
                           seqused_k=seqused_k, dropout_p=dropout_p, philox=philox,
-                          return_lse=return_lse)
+                          return_lse=return_lse, layout=layout)
     kw = _mask_kwargs(None, alibi_slopes, softmax_scale, 0, window_left, window_right,
                       softcap)
     out = q.new_zeros((*q.shape[:-1], v.shape[-1]))  # contiguous, as the fake says
@@ -514,10 +515,12 @@ _EAGER_VARLEN_ATTENTION = _eager_function(
     lambda ctx, dout, dlse: _varlen_backward(ctx, dout, dlse, bwd=_varlen_attn_bwd_impl))
 
 
-def varlen_attention(*args, return_lse=True):
+def varlen_attention(*args, return_lse=True, layout=None):
     """varlen (out, lse) with autograd; arguments as ``flashtile::varlen_attn_fwd``.
-    return_lse=False: the caller drops lse, which may then be None (as ``attention``)."""
+    return_lse=False: the caller drops lse, which may then be None (as ``attention``).
+    layout: None, or the id ``_validate.once_per_layout`` gave the layouts of q, k, v
+    and the cu_seqlens (``ops.fwd.attn_fwd``'s), for a packed call."""
     if _needs_call(args, return_lse):
         return _call(varlen_attn_fwd, _EAGER_VARLEN_ATTENTION, _varlen_attn_fwd_impl, args)
     # deterministic (args[15]) only matters to a backward.
-    return _varlen_forward(*args[:15], *args[16:], return_lse=False)
+    return _varlen_forward(*args[:15], *args[16:], return_lse=False, layout=layout)

@@ -41,16 +41,17 @@ _check_varlen_layouts = V.once_per_layout(
 
 
 def _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
-    """V.check_varlen: (batch, h, hkv, d). An engine calls it in every layer of a
+    """V.check_varlen: ((batch, h, hkv, d), the id of the checked layouts or None), the
+    id as once_per_layout's with_id gives it. An engine calls it in every layer of a
     prefill step with the layouts of the layer before (issue 15), so when both
     max_seqlen are ints in range (checked here, every call) the layouts' part comes from
     the memo; any other max_seqlen (out of range, not an int, an int-like such as a
     SymInt) takes the whole check, which raises what it raised before, in its order."""
     if (type(max_seqlen_q) is int and type(max_seqlen_k) is int
             and 0 <= max_seqlen_q <= V.MAX_OFFSET and 0 <= max_seqlen_k <= V.MAX_OFFSET):
-        return _check_varlen_layouts(q, k, v, cu_seqlens_q, cu_seqlens_k)
+        return _check_varlen_layouts.with_id(q, k, v, cu_seqlens_q, cu_seqlens_k)
     return V.check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                          dtypes=V.WITH_FP8)
+                          dtypes=V.WITH_FP8), None
 
 
 def _philox(q, dropout_p):
@@ -328,6 +329,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     also inside a torch.compile graph; while a CUDA graph is captured it is skipped.
     return_attn_probs is not available with a block_table.
     """
+    layout = None
     if block_table is not None:
         batch, h, hkv, d = V.check_paged_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k,
                                                 max_seqlen_q, max_seqlen_k, block_table,
@@ -336,8 +338,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         if seqused_k is not None:
             V._fail(ValueError, "seqused_k", "None without block_table (packed k/v have "
                     "their lengths in cu_seqlens_k)", "a tensor")
-        batch, h, hkv, d = _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k,
-                                         max_seqlen_q, max_seqlen_k)
+        (batch, h, hkv, d), layout = _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k,
+                                                   max_seqlen_q, max_seqlen_k)
     fp8 = F8.check_fp8_args(q, k, v, batch, hkv, (q_descale, k_descale, v_descale),
                             out_dtype)
     if block_table is not None:
@@ -384,7 +386,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
             q, k, v, cu_seqlens_q.contiguous(), cu_seqlens_k, max_seqlen_q, max_seqlen_k,
             alibi_slopes, float(softmax_scale), left, right,
             float(softcap), _allow_tf32(q.dtype), block_table, seqused_k, deterministic,
-            float(dropout_p), philox, return_lse=return_lse or return_attn_probs)
+            float(dropout_p), philox, return_lse=return_lse or return_attn_probs,
+            layout=layout)
     if return_attn_probs:
         if fp8 is not None:  # the probabilities of the real (dequantised) q and k
             q = F8.dequantize_packed(q, fp8[0][0], cu_seqlens_q)

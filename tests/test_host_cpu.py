@@ -78,3 +78,43 @@ def test_forward_plans_follow_layouts_and_options():
             call()
             call()
             assert len(_launch._plans) == n
+
+
+def test_varlen_forward_does_the_host_work_of_the_dense_one():
+    """Regression (issue 15): the packed varlen forward, called once per layer of every
+    prefill step by flashtile.engine, ran 42 of flashtile's own function calls and 2
+    other torch operators per call against the dense forward's 27 and 1 (its checks
+    on every call, a select of out, the generic address path). Now no more than the
+    dense forward's."""
+    rows = {r["call"]: r for r in host_cpu.run(["forward"], number=2, repeat=1)}
+    dense, varlen = rows["forward"], rows["varlen forward"]
+    assert varlen["flashtile_calls"] <= dense["flashtile_calls"]
+    assert [varlen[c] for c in ("launches", "allocations", "other_ops")] == \
+        [dense[c] for c in ("launches", "allocations", "other_ops")]
+
+
+def test_varlen_plans_follow_layouts_not_token_counts():
+    """The varlen forward's plan key holds the part of q, k and v's layouts that the id
+    of their checked layouts names, without the token counts: packed batches of other
+    sizes share one plan (an engine's every prefill step), another layout or option
+    makes its own, and the same call again finds its plan."""
+    import flashtile
+
+    q, k, v = (torch.randn(128, 8, 64, dtype=torch.float16) for _ in range(3))
+    q_heads_major = torch.randn(8, 128, 64, dtype=torch.float16).transpose(0, 1)
+
+    def cu(n):
+        return torch.tensor([0, n // 3, n], dtype=torch.int32)
+
+    def call(q, n, **kw):
+        return lambda: flashtile.flash_attn_varlen_func(q[:n], k[:n], v[:n], cu(n), cu(n),
+                                                        n, n, **{"causal": True, **kw})
+
+    calls = [(call(q, 128), 1), (call(q, 100), 1), (call(q, 37), 1),
+             (call(q_heads_major, 128), 2), (call(q, 128, causal=False), 3),
+             (call(q, 128, window_size=(16, 0)), 4), (call(q, 64), 4)]
+    with host_cpu.stubbed_launches():
+        for fn, plans in calls:
+            fn()
+            fn()
+            assert len(_launch._plans) == plans

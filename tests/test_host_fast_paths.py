@@ -66,3 +66,33 @@ def test_options_after_a_good_call_still_raise(kw, error, message):
                               softcap=0.0)
     with pytest.raises(error, match=message):
         flashtile.flash_attn_func(q, k, v, **{"causal": True, **kw})
+
+
+def test_varlen_checks_each_layout_once(monkeypatch):
+    """Regression (issue 15): flash_attn_varlen_func ran check_varlen in full on every
+    call, about a third of its eager host path on the CPU. Now a layout of q, k, v and
+    the cu_seqlens is checked at its first call; another layout (a token count, a
+    strided cu_seqlens), and any max_seqlen that is not an int in range, is checked in
+    full again."""
+    from flashtile import _validate as V
+    from flashtile import interface
+
+    checks = []
+    full_check = V.check_varlen
+    monkeypatch.setattr(V, "check_varlen",
+                        lambda *args, **kw: checks.append(args[5:7]) or full_check(*args, **kw))
+    monkeypatch.setenv("FLASHTILE_BACKEND", "torch")
+    interface._check_varlen_layouts.cache_clear()
+    q, k, v = (torch.randn(12, 2, 16) for _ in range(3))
+    cu = torch.tensor([0, 5, 12], dtype=torch.int32)
+    for max_seqlen in (7, 7, 9, 2**20):  # the values are no part of the layouts
+        flashtile.flash_attn_varlen_func(q, k, v, cu, cu, max_seqlen, max_seqlen)
+    assert len(checks) == 1
+    flashtile.flash_attn_varlen_func(q[:5], k[:5], v[:5], cu[:2], cu[:2], 5, 5)
+    strided = torch.stack([cu, cu], dim=1)[:, 0]
+    flashtile.flash_attn_varlen_func(q, k, v, strided, cu, 7, 7)
+    flashtile.flash_attn_varlen_func(q, k, v, strided, cu, 7, 7)
+    assert len(checks) == 3
+    with pytest.raises(ValueError, match="max_seqlen_k: expected an int from 0"):
+        flashtile.flash_attn_varlen_func(q, k, v, cu, cu, 7, -1)
+    assert checks[-1] == (7, -1)

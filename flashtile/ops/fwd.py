@@ -359,6 +359,14 @@ _FWD_SLOTS = ("Q", "K", "V", "Out", "Lse", "Mask", "Alibi", "CuSeqlensQ", "CuSeq
               "max_seqlen_q", "max_seqlen_k", "softmax_scale", "softcap", "dropout_p")
 
 
+# A varlen plan key leaves the batch and token counts out (the grid and the slots carry
+# them): one plan serves every packed batch of a layout. The id the caller's check gave
+# the layouts cannot stand in the key as a dense call's does (it holds the counts), but
+# it names the key's part for q, k and v: kept here per id, so a call of a checked
+# layout looks it up instead of reading shapes and strides again.
+_varlen_layouts: dict = {}
+
+
 # Keys of the FP8 V^T copy are padded to a multiple of this: every key tile of the tile
 # tables and of `flashtile tune`'s candidates divides it.
 FP8_V_PAD = 128
@@ -409,9 +417,10 @@ def attn_fwd(q, k, v, *, attn_mask, alibi_slopes, softmax_scale, diag_offset,
     philox, the int64 [seed, offset] device tensor of ``_common._dropout_setup``.
     return_lse=False: lse is None, its words kept after out's in out's allocation
     (``_launch.out_with_lse``: one allocation instead of two).
-    layout (dense): None, or an id the caller gives to one combination of the dtypes,
-    shapes, strides and devices of q, k and v, and to no other
-    (``_validate.once_per_layout``'s): the plan key holds it in their place.
+    layout: None, or an id the caller gives to one combination of the dtypes, shapes,
+    strides and devices of q, k and v (and, packed varlen, of the cu_seqlens), and to
+    no other (``_validate.once_per_layout``'s): the plan key holds it in their place
+    (dense) or what it names (varlen, ``_varlen_layouts``).
     """
     varlen = cu_seqlens_q is not None
     paged = block_table is not None
@@ -473,17 +482,18 @@ def attn_fwd(q, k, v, *, attn_mask, alibi_slopes, softmax_scale, diag_offset,
     if _launch.ready(q):
         plain = (attn_mask is None and alibi_slopes is None and q_descale is None
                  and k_descale is None and v_descale is None and philox is None)
-        if plain and lse_at is not None:
-            # The usual eager forward: q, k, v, out and (varlen) the index tensors are
-            # the only tensors, the other slots hold q's address or lse's (after out's):
-            # 4 addresses (dense) or 6 (packed varlen), not 15.
+        if plain and lse_at is not None and not paged and seqused_k is None:
+            # The usual eager forward: q, k, v, out and (packed varlen) the prefix sums
+            # are the only tensors, the other slots hold q's, cu_seqlens_q's or lse's
+            # address (lse's after out's): 4 or 6 addresses, not 15 (as ``tensors``).
             pq, po = _data_ptr(q), _data_ptr(out)
             lp = po + lse_at
-            index = _launch.pointers(tensors[7:11]) if varlen else (pq, pq, pq, pq)
-            ptrs = (pq, _data_ptr(k), _data_ptr(v), po, lp, pq, pq, *index,
+            pc = _data_ptr(cu_q) if varlen else pq
+            pck = pc if cu_seqlens_k is None else _data_ptr(cu_seqlens_k)
+            ptrs = (pq, _data_ptr(k), _data_ptr(v), po, lp, pq, pq, pc, pck, pc, pc,
                     lp, lp, lp, lp)
-            misaligned = ((pq | ptrs[1] | ptrs[2] | lp | index[0] | index[1] | index[2]
-                           | index[3]) & 15 and _launch.misalignment(ptrs))
+            misaligned = ((pq | ptrs[1] | ptrs[2] | lp | pc | pck) & 15
+                          and _launch.misalignment(ptrs))
         else:
             ptrs = _launch.pointers(tensors)
             if lse_at is not None:  # lse's address, in its slot and the placeholders'
@@ -491,11 +501,18 @@ def attn_fwd(q, k, v, *, attn_mask, alibi_slopes, softmax_scale, diag_offset,
                 tail = tuple(lp if x is out else p for x, p in zip(tensors[11:], ptrs[11:]))
                 ptrs = (*ptrs[:4], lp, *ptrs[5:11], *tail)
             misaligned = _launch.misalignment(ptrs)
-        # A varlen key leaves the batch and token counts out (the grid and the slots carry
-        # them): one plan per layout.
-        qkv = layout if layout is not None and not varlen else (
-            dtype, q_shape[1:] if varlen else q_shape, q.stride(),
-            k_shape[1:] if packed_k else k_shape, k.stride(), v.shape[-1], v.stride())
+        if varlen:
+            qkv = _varlen_layouts.get(layout)
+            if qkv is None:
+                qkv = (dtype, q_shape[1:], q.stride(), k_shape[1:] if packed_k else k_shape,
+                       k.stride(), v.shape[-1], v.stride())
+                if layout is not None:
+                    if len(_varlen_layouts) >= _launch.MAX_PLANS:
+                        _varlen_layouts.clear()
+                    _varlen_layouts[layout] = qkv
+        else:
+            qkv = layout if layout is not None else (
+                dtype, q_shape, q.stride(), k_shape, k.stride(), v.shape[-1], v.stride())
         key = ("fwd", qkv, out.dtype,
                plain or (_launch.layout(attn_mask), _launch.layout(alibi_slopes),
                          _launch.layout(q_descale), _launch.layout(k_descale),
