@@ -519,7 +519,7 @@ def varlen_attention(*args, return_lse=True, layout=None):
     """varlen (out, lse) with autograd; arguments as ``flashtile::varlen_attn_fwd``.
     return_lse=False: the caller drops lse, which may then be None (as ``attention``).
     layout: None, or the id ``_validate.once_per_layout`` gave the layouts of q, k, v
-    and the cu_seqlens (``ops.fwd.attn_fwd``'s), for a packed call."""
+    and the index tensors (``ops.fwd.attn_fwd``'s)."""
     if _needs_call(args, return_lse):
         return _call(varlen_attn_fwd, _EAGER_VARLEN_ATTENTION, _varlen_attn_fwd_impl, args)
     # deterministic (args[15]) only matters to a backward.

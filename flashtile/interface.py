@@ -32,26 +32,44 @@ def _allow_tf32(dtype) -> bool:
 
 # flash_attn_func's check of q, k and v reads their layouts only: once per combination.
 _check_qkv = V.once_per_layout(functools.partial(V.check_qkv, dtypes=V.WITH_FP8))
-# flash_attn_varlen_func's check reads the layouts of q, k, v and the cu_seqlens, and
-# the values of max_seqlen_q/k (their range) and nothing else: the layouts once per
-# combination, with max_seqlen 0, which is in range and read nowhere else in the check.
+# flash_attn_varlen_func's checks read the layouts of q, k, v and the index tensors, and
+# the values of max_seqlen_q/k (their range; paged, max_seqlen_k against the block
+# table's reach) and nothing else: the layouts once per combination, with max_seqlen 0,
+# which passes every check of a value, each value checked per call (_check_varlen).
 _check_varlen_layouts = V.once_per_layout(
     lambda q, k, v, cu_seqlens_q, cu_seqlens_k: V.check_varlen(
         q, k, v, cu_seqlens_q, cu_seqlens_k, 0, 0, dtypes=V.WITH_FP8))
+_check_paged_varlen_layouts = V.once_per_layout(
+    lambda q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, seqused_k:
+    V.check_paged_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, 0, 0, block_table,
+                         seqused_k, dtypes=V.WITH_FP8))
 
 
-def _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
-    """V.check_varlen: ((batch, h, hkv, d), the id of the checked layouts or None), the
-    id as once_per_layout's with_id gives it. An engine calls it in every layer of a
-    prefill step with the layouts of the layer before (issue 15), so when both
-    max_seqlen are ints in range (checked here, every call) the layouts' part comes from
-    the memo; any other max_seqlen (out of range, not an int, an int-like such as a
-    SymInt) takes the whole check, which raises what it raised before, in its order."""
-    if (type(max_seqlen_q) is int and type(max_seqlen_k) is int
-            and 0 <= max_seqlen_q <= V.MAX_OFFSET and 0 <= max_seqlen_k <= V.MAX_OFFSET):
-        return _check_varlen_layouts.with_id(q, k, v, cu_seqlens_q, cu_seqlens_k)
-    return V.check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                          dtypes=V.WITH_FP8), None
+def _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                  block_table, seqused_k):
+    """V.check_varlen, or V.check_paged_varlen with a block_table: ((batch, h, hkv, d),
+    the id of the checked layouts or None), the id as once_per_layout's with_id gives
+    it. An engine calls it in every layer of a prefill step with the layouts of the
+    layer before (issue 15), so when the values pass (both max_seqlen ints in range,
+    paged max_seqlen_k within the block table's reach) the layouts' part comes from the
+    memo; any other value (out of range, not an int, an int-like such as a SymInt)
+    takes the whole check, which raises what it raised before, in its order."""
+    in_range = (type(max_seqlen_q) is int and type(max_seqlen_k) is int
+                and 0 <= max_seqlen_q <= V.MAX_OFFSET and 0 <= max_seqlen_k <= V.MAX_OFFSET)
+    if block_table is None:
+        if in_range:
+            return _check_varlen_layouts.with_id(q, k, v, cu_seqlens_q, cu_seqlens_k)
+        return V.check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                              max_seqlen_k, dtypes=V.WITH_FP8), None
+    if in_range:
+        checked = _check_paged_varlen_layouts.with_id(q, k, v, cu_seqlens_q, cu_seqlens_k,
+                                                      block_table, seqused_k)
+        # The keys a block table row can name (what check_paged_varlen compares).
+        if max_seqlen_k <= block_table.shape[1] * k.shape[1]:
+            return checked
+    return V.check_paged_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                max_seqlen_k, block_table, seqused_k,
+                                dtypes=V.WITH_FP8), None
 
 
 def _philox(q, dropout_p):
@@ -329,17 +347,12 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     also inside a torch.compile graph; while a CUDA graph is captured it is skipped.
     return_attn_probs is not available with a block_table.
     """
-    layout = None
-    if block_table is not None:
-        batch, h, hkv, d = V.check_paged_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k,
-                                                max_seqlen_q, max_seqlen_k, block_table,
-                                                seqused_k, dtypes=V.WITH_FP8)
-    else:
-        if seqused_k is not None:
-            V._fail(ValueError, "seqused_k", "None without block_table (packed k/v have "
-                    "their lengths in cu_seqlens_k)", "a tensor")
-        (batch, h, hkv, d), layout = _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k,
-                                                   max_seqlen_q, max_seqlen_k)
+    if block_table is None and seqused_k is not None:
+        V._fail(ValueError, "seqused_k", "None without block_table (packed k/v have their "
+                "lengths in cu_seqlens_k)", "a tensor")
+    (batch, h, hkv, d), layout = _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k,
+                                               max_seqlen_q, max_seqlen_k, block_table,
+                                               seqused_k)
     fp8 = F8.check_fp8_args(q, k, v, batch, hkv, (q_descale, k_descale, v_descale),
                             out_dtype)
     if block_table is not None:

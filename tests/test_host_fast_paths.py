@@ -96,3 +96,32 @@ def test_varlen_checks_each_layout_once(monkeypatch):
     with pytest.raises(ValueError, match="max_seqlen_k: expected an int from 0"):
         flashtile.flash_attn_varlen_func(q, k, v, cu, cu, 7, -1)
     assert checks[-1] == (7, -1)
+
+
+def test_paged_varlen_checks_each_layout_once(monkeypatch):
+    """As the packed form: an engine's prefill over a paged pool (prefix-cache hits,
+    prompt chunks) checks each layout of q, the pool, the block table and the index
+    tensors once; max_seqlen_k against the block table's reach is checked every call."""
+    from flashtile import _validate as V
+    from flashtile import interface
+
+    checks = []
+    full_check = V.check_paged_varlen
+    monkeypatch.setattr(V, "check_paged_varlen",
+                        lambda *args, **kw: checks.append(args[5:7]) or full_check(*args, **kw))
+    monkeypatch.setenv("FLASHTILE_BACKEND", "torch")
+    interface._check_paged_varlen_layouts.cache_clear()
+    q = torch.randn(9, 2, 16)
+    pool = torch.randn(8, 16, 2, 16)
+    table = torch.arange(8, dtype=torch.int32).view(2, 4)  # 64 keys a sequence
+    cu_q = torch.tensor([0, 4, 9], dtype=torch.int32)
+    seqused_k = torch.tensor([20, 33], dtype=torch.int32)
+    with torch.no_grad():
+        for max_seqlen_k in (33, 33, 64):
+            flashtile.flash_attn_varlen_func(q, pool, pool, cu_q, None, 5, max_seqlen_k,
+                                             block_table=table, seqused_k=seqused_k)
+        assert len(checks) == 1
+        with pytest.raises(ValueError, match="max_seqlen_k: expected at most block_table"):
+            flashtile.flash_attn_varlen_func(q, pool, pool, cu_q, None, 5, 65,
+                                             block_table=table, seqused_k=seqused_k)
+    assert checks[-1] == (5, 65)

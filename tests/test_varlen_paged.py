@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import flashtile
+from flashtile import interface
 from flashtile.reference import attention_naive
 from tests.utils import assert_close_rule
 
@@ -268,11 +269,21 @@ BAD = {
 }
 
 
+@pytest.mark.parametrize("warm", [False, True], ids=["cold", "after_good_calls"])
 @pytest.mark.parametrize("case", list(BAD))
-def test_paged_varlen_rejects(case, device, index_checks):
+def test_paged_varlen_rejects(case, warm, device, index_checks, monkeypatch, on_gpu):
+    """Also after good calls with the same layouts (whose checks are remembered per
+    layout, issue 15), every time."""
+    if not on_gpu:  # the good calls' numbers are not the point: the quick backend
+        monkeypatch.setenv("FLASHTILE_BACKEND", "torch")
+    interface._check_paged_varlen_layouts.cache_clear()
     make, error, message = BAD[case]
-    with torch.no_grad(), pytest.raises(error, match=message):
-        flashtile.flash_attn_varlen_func(**make(device))
+    for _ in range(2):
+        with torch.no_grad():
+            if warm:
+                flashtile.flash_attn_varlen_func(**_good(device))
+            with pytest.raises(error, match=message):
+                flashtile.flash_attn_varlen_func(**make(device))
 
 
 def test_seqused_k_needs_block_table(device):

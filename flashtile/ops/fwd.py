@@ -418,7 +418,7 @@ def attn_fwd(q, k, v, *, attn_mask, alibi_slopes, softmax_scale, diag_offset,
     return_lse=False: lse is None, its words kept after out's in out's allocation
     (``_launch.out_with_lse``: one allocation instead of two).
     layout: None, or an id the caller gives to one combination of the dtypes, shapes,
-    strides and devices of q, k and v (and, packed varlen, of the cu_seqlens), and to
+    strides and devices of q, k and v (and, varlen, of the index tensors), and to
     no other (``_validate.once_per_layout``'s): the plan key holds it in their place
     (dense) or what it names (varlen, ``_varlen_layouts``).
     """
@@ -482,18 +482,23 @@ def attn_fwd(q, k, v, *, attn_mask, alibi_slopes, softmax_scale, diag_offset,
     if _launch.ready(q):
         plain = (attn_mask is None and alibi_slopes is None and q_descale is None
                  and k_descale is None and v_descale is None and philox is None)
-        if plain and lse_at is not None and not paged and seqused_k is None:
-            # The usual eager forward: q, k, v, out and (packed varlen) the prefix sums
-            # are the only tensors, the other slots hold q's, cu_seqlens_q's or lse's
-            # address (lse's after out's): 4 or 6 addresses, not 15 (as ``tensors``).
+        if plain and lse_at is not None:
+            # The usual eager forward: q, k, v, out and (varlen) the index tensors are
+            # the only tensors, the other slots hold q's, cu_seqlens_q's or lse's
+            # address (lse's after out's): 4 to 8 addresses, not 15 (as ``tensors``).
             pq, po = _data_ptr(q), _data_ptr(out)
             lp = po + lse_at
-            pc = _data_ptr(cu_q) if varlen else pq
-            pck = pc if cu_seqlens_k is None else _data_ptr(cu_seqlens_k)
-            ptrs = (pq, _data_ptr(k), _data_ptr(v), po, lp, pq, pq, pc, pck, pc, pc,
+            if varlen:
+                pc = _data_ptr(cu_q)
+                index = (pc, pc if cu_seqlens_k is None else _data_ptr(cu_seqlens_k),
+                         _data_ptr(block_table) if paged else pc,
+                         pc if seqused_k is None else _data_ptr(seqused_k))
+            else:
+                index = (pq, pq, pq, pq)
+            ptrs = (pq, _data_ptr(k), _data_ptr(v), po, lp, pq, pq, *index,
                     lp, lp, lp, lp)
-            misaligned = ((pq | ptrs[1] | ptrs[2] | lp | pc | pck) & 15
-                          and _launch.misalignment(ptrs))
+            misaligned = ((pq | ptrs[1] | ptrs[2] | lp | index[0] | index[1] | index[2]
+                           | index[3]) & 15 and _launch.misalignment(ptrs))
         else:
             ptrs = _launch.pointers(tensors)
             if lse_at is not None:  # lse's address, in its slot and the placeholders'
