@@ -164,13 +164,15 @@ def test_plan_varlen_takes_each_calls_max_seqlen(recorder):
 
 
 @pytest.mark.parametrize("return_lse", [True, False], ids=["lse", "no_lse"])
-@pytest.mark.parametrize("paged", [False, True], ids=["packed", "paged"])
-def test_plan_varlen_forward_serves_every_token_count(paged, return_lse, recorder):
+@pytest.mark.parametrize("keys", ["packed", "paged", "paged_seqused_k"])
+def test_plan_varlen_forward_serves_every_token_count(keys, return_lse, recorder):
     """An engine's steps pack a different number of tokens each time: the forward's plan
     is keyed without the counts and passes each call's own (total_q, total_k and the lse
     strides they make) exactly as Triton would; without lse, its words after out's in
-    out's allocation."""
+    out's allocation. Paged: the block table, and seqused_k where it replaces
+    cu_seqlens_k, in their slots (the plan's short address path names them itself)."""
     sizes = iter([(5, 7), (9, 2, 6), (9, 2, 6)])  # Triton, plan, Triton again
+    paged = keys != "packed"
 
     def make_inputs():
         lens = next(sizes)
@@ -182,12 +184,16 @@ def test_plan_varlen_forward_serves_every_token_count(paged, return_lse, recorde
                      table=torch.randperm(6)[:2 * len(lens)].view(len(lens), 2).int())
         else:
             t.update(k=torch.randn(n, 2, 16), v=torch.randn(n, 2, 16))
+        if keys == "paged_seqused_k":
+            t.update(seqused_k=torch.tensor(lens, dtype=torch.int32))
         return t
 
     def call(t):
+        seqused_k = t.get("seqused_k")
         out, lse = fwd.attn_fwd(t["q"], t["k"], t["v"], **_fwd_kw(
-            cu_seqlens_q=t["cu"], cu_seqlens_k=t["cu"], max_seqlen_q=9, max_seqlen_k=9,
-            block_table=t.get("table")), return_lse=return_lse)
+            cu_seqlens_q=t["cu"], cu_seqlens_k=t["cu"] if seqused_k is None else None,
+            max_seqlen_q=9, max_seqlen_k=9, block_table=t.get("table"),
+            seqused_k=seqused_k), return_lse=return_lse)
         if return_lse:
             return dict(out=out, lse=lse)
         assert lse is None and out.is_contiguous() and out.shape == (*t["q"].shape[:2], 16)
