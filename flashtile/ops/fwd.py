@@ -364,7 +364,7 @@ _FWD_SLOTS = ("Q", "K", "V", "Out", "Lse", "Mask", "Alibi", "CuSeqlensQ", "CuSeq
 # the layouts cannot stand in the key as a dense call's does (it holds the counts), but
 # it names the key's part for q, k and v: kept here per id, so a call of a checked
 # layout looks it up instead of reading shapes and strides again.
-_varlen_layouts: dict = {}
+_varlen_qkv_keys: dict = {}
 
 
 # Keys of the FP8 V^T copy are padded to a multiple of this: every key tile of the tile
@@ -420,7 +420,7 @@ def attn_fwd(q, k, v, *, attn_mask, alibi_slopes, softmax_scale, diag_offset,
     layout: None, or an id the caller gives to one combination of the dtypes, shapes,
     strides and devices of q, k and v (and, varlen, of the index tensors), and to
     no other (``_validate.once_per_layout``'s): the plan key holds it in their place
-    (dense) or what it names (varlen, ``_varlen_layouts``).
+    (dense) or what it names (varlen, ``_varlen_qkv_keys``).
     """
     varlen = cu_seqlens_q is not None
     paged = block_table is not None
@@ -507,14 +507,14 @@ def attn_fwd(q, k, v, *, attn_mask, alibi_slopes, softmax_scale, diag_offset,
                 ptrs = (*ptrs[:4], lp, *ptrs[5:11], *tail)
             misaligned = _launch.misalignment(ptrs)
         if varlen:
-            qkv = _varlen_layouts.get(layout)
+            qkv = _varlen_qkv_keys.get(layout)
             if qkv is None:
                 qkv = (dtype, q_shape[1:], q.stride(), k_shape[1:] if packed_k else k_shape,
                        k.stride(), v.shape[-1], v.stride())
                 if layout is not None:
-                    if len(_varlen_layouts) >= _launch.MAX_PLANS:
-                        _varlen_layouts.clear()
-                    _varlen_layouts[layout] = qkv
+                    if len(_varlen_qkv_keys) >= _launch.MAX_PLANS:
+                        _varlen_qkv_keys.clear()
+                    _varlen_qkv_keys[layout] = qkv
         else:
             qkv = layout if layout is not None else (
                 dtype, q_shape, q.stride(), k_shape, k.stride(), v.shape[-1], v.stride())
