@@ -10,7 +10,8 @@ import pytest
 import torch
 
 import flashtile
-from flashtile import _backend
+from flashtile import _backend, interface
+from flashtile import _validate as V
 
 
 @pytest.mark.parametrize("value", ["triton", " Torch ", "", "é-ünïcode"])
@@ -68,21 +69,24 @@ def test_options_after_a_good_call_still_raise(kw, error, message):
         flashtile.flash_attn_func(q, k, v, **{"causal": True, **kw})
 
 
+def _full_checks(monkeypatch, name, memo):
+    """(max_seqlen_q, max_seqlen_k) of every call of _validate's check ``name`` from now
+    on, the memo's layouts forgotten first; the PyTorch backend (no kernel to wait for)."""
+    calls = []
+    check = getattr(V, name)
+    monkeypatch.setattr(V, name, lambda *args, **kw: calls.append(args[5:7]) or check(*args, **kw))
+    monkeypatch.setenv("FLASHTILE_BACKEND", "torch")
+    memo.cache_clear()
+    return calls
+
+
 def test_varlen_checks_each_layout_once(monkeypatch):
     """Regression (issue 15): flash_attn_varlen_func ran check_varlen in full on every
     call, about a third of its eager host path on the CPU. Now a layout of q, k, v and
     the cu_seqlens is checked at its first call; another layout (a token count, a
     strided cu_seqlens), and any max_seqlen that is not an int in range, is checked in
     full again."""
-    from flashtile import _validate as V
-    from flashtile import interface
-
-    checks = []
-    full_check = V.check_varlen
-    monkeypatch.setattr(V, "check_varlen",
-                        lambda *args, **kw: checks.append(args[5:7]) or full_check(*args, **kw))
-    monkeypatch.setenv("FLASHTILE_BACKEND", "torch")
-    interface._check_varlen_layouts.cache_clear()
+    checks = _full_checks(monkeypatch, "check_varlen", interface._check_varlen_layouts)
     q, k, v = (torch.randn(12, 2, 16) for _ in range(3))
     cu = torch.tensor([0, 5, 12], dtype=torch.int32)
     for max_seqlen in (7, 7, 9, 2**20):  # the values are no part of the layouts
@@ -102,15 +106,8 @@ def test_paged_varlen_checks_each_layout_once(monkeypatch):
     """As the packed form: an engine's prefill over a paged pool (prefix-cache hits,
     prompt chunks) checks each layout of q, the pool, the block table and the index
     tensors once; max_seqlen_k against the block table's reach is checked every call."""
-    from flashtile import _validate as V
-    from flashtile import interface
-
-    checks = []
-    full_check = V.check_paged_varlen
-    monkeypatch.setattr(V, "check_paged_varlen",
-                        lambda *args, **kw: checks.append(args[5:7]) or full_check(*args, **kw))
-    monkeypatch.setenv("FLASHTILE_BACKEND", "torch")
-    interface._check_paged_varlen_layouts.cache_clear()
+    checks = _full_checks(monkeypatch, "check_paged_varlen",
+                          interface._check_paged_varlen_layouts)
     q = torch.randn(9, 2, 16)
     pool = torch.randn(8, 16, 2, 16)
     table = torch.arange(8, dtype=torch.int32).view(2, 4)  # 64 keys a sequence
