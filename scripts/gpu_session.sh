@@ -34,6 +34,7 @@
 #   hf-train     transformers' training step under each backward path       (~8 min)
 #   bwd-tiles    the Gluon backward's BLOCK_M/STAGES candidates beside cuDNN  (~6 min)
 #   p-smem       the Gluon forward with 16-bit P in shared memory: tests, timing (~5 min)
+#   bwd256       the head_dim 256 Gluon backward beside the portable one and cuDNN (~3 min)
 #   wide         head_dim 256 and 512 beside the peers; d256 backward tiles; the fused
 #                backward against the split one                          (~10 min)
 #   serve [BACKEND] [KV]  flashtile serve (1B shape, dummy weights, attention BACKEND,
@@ -166,6 +167,14 @@ case "${1:-}" in
         --no-progress --out "p-$p" --overwrite 2>&1 | grep "^| [0-9]" | head -12 \
         | sed "s|^|$p |"
     done
+    ;;
+  bwd256)
+    # The head_dim 256 Gluon backward (flashtile/ops/bwd_hopper256.py, session 13, opt-in
+    # FLASHTILE_HOPPER_BWD=1; its tests run in check): forward+backward beside the
+    # portable backward and cuDNN (issue 15 item 3: cuDNN's 413 TFLOP/s).
+    FLASHTILE_HOPPER_BWD=0 timeout 200 python3 -m flashtile bench --providers flashtile \
+      flashtile-hopper-bwd sdpa-cudnn sdpa-flash --modes fwd_bwd --headdim 256 \
+      --seqlens 1k 4k 8k --no-progress --out bwd256 --overwrite 2>&1 | grep "^| [0-9]"
     ;;
   bwd-tiles)
     # The Gluon backward's tile A/B (session 13's compile study: d64 with 128 query rows
