@@ -82,6 +82,17 @@ def _check(out, lse, q, k, v, descales, backend, kw, out_dtype, dtype=None):
     assert_within("lse", lse[seen], ref_lse[seen], lse_bound[seen])
 
 
+def _check_each_sequence(out, lse, q, k_cache, v_cache, lengths, descales, backend, kw,
+                         out_dtype, dtype=None):
+    """``_check`` of each batch row over its first ``lengths[i]`` cache rows (descales:
+    per batch row, or None)."""
+    for i, n in enumerate(lengths):
+        row = slice(i, i + 1)
+        _check(out[row], lse[row], q[row], k_cache[row, :n], v_cache[row, :n],
+               tuple(None if x is None else x[row] for x in descales), backend, kw,
+               out_dtype, dtype=dtype)
+
+
 # (batch, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim, options)
 DENSE = [
     pytest.param((2, 37, 53, 4, 2, 64, dict(causal=True)), id="gqa-causal-d64"),
@@ -269,11 +280,9 @@ def test_kvcache_16bit_queries(num_splits, paged, dtype, fp8_backend, device, on
             written = cache[i, seqlens[i]:seqlens[i] + 3]
             assert torch.equal(written.view(torch.uint8), quantised[i].view(torch.uint8))
     p_dtype = torch.float16 if fp8_backend == "triton" else None
-    for i in range(b):
-        n = int(seqlens[i]) + 3
-        _check(out[i:i + 1], lse[i:i + 1], q[i:i + 1], k_cache[i:i + 1, :n],
-               v_cache[i:i + 1, :n], (None, kd[i:i + 1], vd[i:i + 1]), fp8_backend,
-               dict(causal=True), q_dtype, dtype=p_dtype)
+    _check_each_sequence(out, lse, q, k_cache, v_cache, (seqlens + 3).tolist(),
+                         (None, kd, vd), fp8_backend, dict(causal=True), q_dtype,
+                         dtype=p_dtype)
 
 
 @FP8
@@ -294,9 +303,8 @@ def test_kvcache_fp8_queries(dtype, fp8_backend, device, on_gpu):
     for i in range(b):
         n = int(seqlens[i]) + 2
         assert torch.equal(k_cache[i, n - 2:n].view(torch.uint8), k_new[i].view(torch.uint8))
-        _check(out[i:i + 1], lse[i:i + 1], q[i:i + 1], k_cache[i:i + 1, :n],
-               v_cache[i:i + 1, :n], (qd[i:i + 1], kd[i:i + 1], vd[i:i + 1]),
-               fp8_backend, {}, out_dtype, dtype=p_dtype)
+    _check_each_sequence(out, lse, q, k_cache, v_cache, (seqlens + 2).tolist(),
+                         (qd, kd, vd), fp8_backend, {}, out_dtype, dtype=p_dtype)
 
 
 @pytest.mark.parametrize("layout", ["pairs", "odd-dv", "odd-address"])
@@ -320,11 +328,8 @@ def test_kvcache_fp8_v_as_column_pairs_or_bytes(layout, fp8_backend, device, on_
                                                  return_lse=True)
     assert out.shape == (b, 1, h, dv)
     p_dtype = torch.float16 if fp8_backend == "triton" else None
-    for i in range(b):
-        n = int(seqlens[i])
-        _check(out[i:i + 1], lse[i:i + 1], q[i:i + 1], k_cache[i:i + 1, :n],
-               v_cache[i:i + 1, :n], (None, kd[i:i + 1], vd[i:i + 1]), fp8_backend, {},
-               q.dtype, dtype=p_dtype)
+    _check_each_sequence(out, lse, q, k_cache, v_cache, seqlens.tolist(), (None, kd, vd),
+                         fp8_backend, {}, q.dtype, dtype=p_dtype)
 
 
 def _decode_fp8_cache(q, k_cache, v_cache, page, **kw):
@@ -761,11 +766,8 @@ def test_gpu_decode_long_fp8_cache(paged, keys_m, device, monkeypatch, request):
     out, lse = _decode_fp8_cache(q, k_cache, v_cache, page if paged else None,
                                  cache_seqlens=seqlens, k_descale=kd, v_descale=vd,
                                  return_lse=True)
-    for i in range(b):
-        n = int(seqlens[i])
-        _check(out[i:i + 1], lse[i:i + 1], q[i:i + 1], k_cache[i:i + 1, :n],
-               v_cache[i:i + 1, :n], (None, kd[i:i + 1], vd[i:i + 1]), "triton", {},
-               torch.bfloat16, dtype=torch.float16)
+    _check_each_sequence(out, lse, q, k_cache, v_cache, seqlens.tolist(), (None, kd, vd),
+                         "triton", {}, torch.bfloat16, dtype=torch.float16)
 
 
 @pytest.mark.gpu
@@ -783,11 +785,8 @@ def test_gpu_decode_bf16_rows_of_any_magnitude(device):
     seqlens = torch.tensor([1000, 517], dtype=torch.int32, device=device)
     out, lse = flashtile.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens,
                                                  k_descale=kd, v_descale=vd, return_lse=True)
-    for i in range(b):
-        n = int(seqlens[i])
-        _check(out[i:i + 1], lse[i:i + 1], q[i:i + 1], k_cache[i:i + 1, :n],
-               v_cache[i:i + 1, :n], (None, kd[i:i + 1], vd[i:i + 1]), "triton", {},
-               torch.bfloat16, dtype=torch.float16)
+    _check_each_sequence(out, lse, q, k_cache, v_cache, seqlens.tolist(), (None, kd, vd),
+                         "triton", {}, torch.bfloat16, dtype=torch.float16)
 
 
 @pytest.mark.gpu
