@@ -336,8 +336,10 @@ def hopper_fwd_config(head_dim: int, fp8: bool = False) -> TileConfig:
 # 145 KiB. Head dim 256 has no entry here: dK and dV alone would take 256 of a consumer's
 # 240 registers; it has its own kernel (ops/bwd_hopper256.py, HOPPER_BWD_D256). Timed
 # on the H200 in session 12 (0.78-0.84x cuDNN forward + backward). The sm_90 compile
-# of STAGES 1-4 x BLOCK_M 64/128 (causal): BLOCK_M 128 spills inside the walk (d64:
-# 64-472 bytes, d128: 752+, and past shared memory from 3 stages), STAGES 1 too at d128;
+# of STAGES 1-4 x BLOCK_M 64/128 (causal): BLOCK_M 128 spills inside the walk at d128
+# (752+ bytes, and past shared memory from 3 stages) and at d64 with 1 stage (472); at
+# d64 with 2 stages it keeps 64-80 bytes of scalars stored before the walks and none
+# inside them (session 13; stage bwd-tiles times it); STAGES 1 spills at d128 too;
 # STAGES 3 and 4 compile as clean as 2 (d64 99/115 KiB, d128 177/209 KiB) and are the
 # A/B's ring sweep (FLASHTILE_HOPPER_BWD_CONFIG="64,128,4,3").
 HOPPER_BWD_16BIT = {64: TileConfig(64, 128, 4, 2), 128: TileConfig(64, 128, 4, 2)}
