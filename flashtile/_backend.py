@@ -105,9 +105,8 @@ def hopper_fwd_mode() -> str:
     """FLASHTILE_HOPPER_FWD: where dense forwards on sm_90 go to the Gluon kernel
     (flashtile/ops/fwd_hopper.py) instead of the portable one, wherever it supports the
     call. "auto" (the default): the cells where it was timed faster
-    (``custom_ops._hopper_fwd_wins``: 16-bit at head dims 128 and 256 from 1k queries,
-    FP8 at head dim 128 from 4k); "1": every call it supports (head dim 64 too, where it
-    was 0.9-1.16x); "0": never."""
+    (``custom_ops._hopper_fwd_wins``: 16-bit at head dims 64, 128 and 256 from 1k
+    queries, FP8 at head dim 128 from 4k); "1": every call it supports; "0": never."""
     value = getenv("FLASHTILE_HOPPER_FWD", "auto")
     if value == "auto":
         return value

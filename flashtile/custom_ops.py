@@ -126,14 +126,16 @@ def _hopper_fwd_wins(q: Tensor) -> bool:
     """FLASHTILE_HOPPER_FWD=auto's cells, where the Gluon kernel was timed faster than
     the portable one:
     - 16-bit inputs at head dims 128 and 256 with at least 1k queries: 1.26-1.75x
-      (NOTES.md section 20). Shorter calls were not timed; head dim 64 was about even.
-      Its host path, with a launch plan, costs 57.6 us against the portable launcher's
-      41.0 at 1k queries (docs/benchmarks/host-h200.md, session 11).
+      (NOTES.md section 20); head dim 64 on the persistent grid (the default there since
+      session 13) 1.04-1.21x, causal or not, 1k-16k (NOTES.md section 23; on the tiles
+      grid it was about even). Shorter calls were not timed. Its host path, with a
+      launch plan, costs 57.6 us against the portable launcher's 41.0 at 1k queries
+      (docs/benchmarks/host-h200.md, session 11).
     - FP8 (flashtile.fp8) at head dim 128 with at least 4k queries: 1.17-1.24x, P through
       shared memory (NOTES.md section 22). Other head dims and shorter calls untimed."""
     if q.element_size() == 1:
         return q.shape[-1] == 128 and q.shape[1] >= 4096
-    return q.element_size() == 2 and q.shape[-1] >= 128 and q.shape[1] >= 1024
+    return q.element_size() == 2 and q.shape[-1] >= 64 and q.shape[1] >= 1024
 
 
 def _dense_dropout(q, dropout_p, philox):

@@ -326,13 +326,14 @@ def test_declines_what_it_does_not_support(monkeypatch):
 @pytest.mark.parametrize("switch,head_dim,seqlen_q,used", [
     ("1", 64, 30, "hopper"), ("0", 128, 1024, "portable"),
     ("auto", 128, 1024, "hopper"), ("auto", 256, 2000, "hopper"), ("", 128, 1024, "hopper"),
-    ("auto", 64, 4096, "portable"), ("auto", 128, 1023, "portable")])
+    ("auto", 64, 4096, "hopper"), ("auto", 64, 1023, "portable"),
+    ("auto", 128, 1023, "portable")])
 def test_switch_dispatch_on_cpu(switch, head_dim, seqlen_q, used, monkeypatch):
     """With the kernels replaced by fakes: FLASHTILE_HOPPER_FWD=1 sends a supported dense
     forward to fwd_hopper.forward with the portable launcher's arguments (bottom-right
     causal as diag_offset, window_right 0), "0" keeps it on the portable kernel, and
-    "auto" (also the unset default) takes the Gluon kernel at head dims 128 and 256 from
-    1k queries, the cells where it was timed faster."""
+    "auto" (also the unset default) takes the Gluon kernel at head dims 64, 128 and 256
+    from 1k queries, the cells where it was timed faster."""
     seen = {}
 
     def fake(name):
@@ -646,8 +647,8 @@ def test_fp8_switch_dispatch_on_cpu(switch, seqlen_q, varlen, used, monkeypatch)
 
 def test_schedule_switch_rejects_other_values(monkeypatch):
     """FLASHTILE_HOPPER_FWD_SCHEDULE: "auto" when unset or empty (persistent for 16-bit
-    d128 only), "tiles" or "persistent" when named, a ValueError naming the choices
-    otherwise."""
+    d64 and d128 only), "tiles" or "persistent" when named, a ValueError naming the
+    choices otherwise."""
     from flashtile.ops import configs
 
     monkeypatch.setenv("FLASHTILE_HOPPER_FWD_SCHEDULE", "lpt")
@@ -662,7 +663,7 @@ def test_schedule_switch_rejects_other_values(monkeypatch):
             monkeypatch.setenv("FLASHTILE_HOPPER_FWD_SCHEDULE", value)
         assert configs.hopper_fwd_persistent(128, False)
         assert not configs.hopper_fwd_persistent(128, True)
-        assert not configs.hopper_fwd_persistent(64, False)
+        assert configs.hopper_fwd_persistent(64, False)
         assert not configs.hopper_fwd_persistent(256, False)
     monkeypatch.setenv("FLASHTILE_HOPPER_FWD_SCHEDULE", "persistent")
     assert configs.hopper_fwd_persistent(64, False) and configs.hopper_fwd_persistent(128, True)

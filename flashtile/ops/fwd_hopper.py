@@ -38,7 +38,8 @@ The grid (FLASHTILE_HOPPER_FWD_SCHEDULE, ``configs.hopper_fwd_persistent``):
   schedules); timed on the H200 (session 12, NOTES.md section 22) at 1.11-1.15x
   "tiles" for bf16 at 1k, 1.07x causal at 4k, level at 16k, FP8 full attention 3%
   slower; its GPU tests passed in session 13. "auto" (the default) takes it for 16-bit
-  d128 (``configs.HOPPER_FWD_PERSISTENT_AUTO_D``) and "tiles" elsewhere.
+  d64 and d128 (``configs.HOPPER_FWD_PERSISTENT_AUTO_D``; d64 1.04-1.21x the portable
+  kernel, session 13) and "tiles" elsewhere.
 K/V rows past seqlen_k and Q rows past seqlen_q are zero-filled by TMA (the descriptors
 are 4-d, so a tile never reads the next sequence) and the TMA store of O drops rows past
 seqlen_q. Gluon kernels do not run in the Triton interpreter: CI compiles this one for
