@@ -118,15 +118,15 @@ def hopper_fwd_mode() -> str:
 
 def hopper_bwd_mode() -> str:
     """FLASHTILE_HOPPER_BWD: where dense 16-bit backwards on sm_90 go to the Gluon
-    backward (flashtile/ops/bwd_hopper.py) instead of the portable one. "auto" (the
-    default): the calls it supports (head dims 64 and 128, causal or full, no dropout)
-    with at least 1k queries and 1k keys, where forward+backward was timed at
-    1.09-1.22x the portable split backward (d64/d128, 1k-16k tokens, causal and full:
-    docs/benchmarks/NOTES.md section 22); shorter calls are host-bound, and its host
-    path (six tensor maps, three launches) was not measured cheaper. "1": every call it
-    supports, head_dim 256 too (flashtile/ops/bwd_hopper256.py, not yet timed, so not
-    under auto); "0": never. Deterministic calls always keep the portable split backward
-    (its dQ atomics are not reproducible)."""
+    backward (flashtile/ops/bwd_hopper.py; head_dim 256 in bwd_hopper256.py) instead of
+    the portable one. "auto" (the default): the calls it supports (head dims 64, 128
+    and 256, causal or full, no dropout) with at least 1k queries and 1k keys, where
+    forward+backward was timed at 1.09-1.22x the portable split backward at d64/d128
+    and 2.0-2.5x at d256 (1k-16k tokens, causal and full: docs/benchmarks/NOTES.md
+    sections 22 and 24); shorter calls are host-bound, and its host path (six tensor
+    maps, three launches) was not measured cheaper. "1": every call it supports; "0":
+    never. Deterministic calls always keep the portable split backward (its dQ atomics
+    are not reproducible)."""
     value = getenv("FLASHTILE_HOPPER_BWD", "auto").strip() or "auto"
     if value not in ("auto", "0", "1"):
         raise ValueError(f"FLASHTILE_HOPPER_BWD must be 'auto', '0' or '1', got {value!r}")

@@ -173,8 +173,7 @@ def _attn_bwd_impl(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, l
                 and not _deterministic(deterministic):
             from flashtile.ops import bwd_hopper
 
-            reason = bwd_hopper.unsupported(q, k, v, out, dout, dropout_p=dropout_p,
-                                            mode=mode, **kw)
+            reason = bwd_hopper.unsupported(q, k, v, out, dout, dropout_p=dropout_p, **kw)
             if reason is None:
                 return bwd_hopper.backward(dout, q, k, v, out, lse, dlse, softmax_scale,
                                            diag_offset, causal=window_right == 0)

@@ -2,14 +2,13 @@
 
 GPU (``--gpu`` on an sm_90 device): dq, dk, dv against autograd through
 ``attention_naive`` in float64 with the rule every backward test uses (tests/utils.py),
-over head dims 64, 128 and 256 (bwd_hopper256's kernel, launched by bwd_hopper.backward
-as FLASHTILE_HOPPER_BWD=1 does), full and causal (bottom-right and top-left), GQA/MQA,
-lengths off the tile sizes, seqlen_q != seqlen_k, batch > 1, a gradient of lse (dlse);
-rows that see no key get zero gradients; a NaN reaches the gradients it touches; the
-FLASHTILE_HOPPER_BWD switch through flash_attn_func (deterministic=True keeps the
-portable backward; head_dim 256 only under "1"). CPU: which calls the kernel declines,
-and the switch's dispatch with the kernel replaced by a fake. Test names with
-"hopper_bwd" are the memcheck slice (Makefile MEMCHECK_K).
+over head dims 64, 128 and 256 (bwd_hopper256's kernel, launched by bwd_hopper.backward),
+full and causal (bottom-right and top-left), GQA/MQA, lengths off the tile sizes,
+seqlen_q != seqlen_k, batch > 1, a gradient of lse (dlse); rows that see no key get zero
+gradients; a NaN reaches the gradients it touches; the FLASHTILE_HOPPER_BWD switch through
+flash_attn_func (deterministic=True keeps the portable backward). CPU: which calls the
+kernel declines, and the switch's dispatch with the kernel replaced by a fake. Test names
+with "hopper_bwd" are the memcheck slice (Makefile MEMCHECK_K).
 """
 
 import pytest
@@ -192,17 +191,16 @@ def test_switch_dispatches_through_flash_attn_func(monkeypatch):
 
 
 @on_hopper
-def test_switch_sends_head_dim_256_only_under_1(monkeypatch):
-    """Head dim 256 through flash_attn_func: FLASHTILE_HOPPER_BWD=1 runs bwd_hopper256's
-    kernel and meets the gradient rule (GQA, causal, 1k+ tokens); auto, at the same
-    length, keeps the portable backward."""
+def test_switch_sends_head_dim_256_under_1_and_auto(monkeypatch):
+    """Head dim 256 through flash_attn_func: FLASHTILE_HOPPER_BWD=1 and auto (from 1k
+    tokens) run bwd_hopper256's kernel and meet the gradient rule (GQA, causal)."""
     calls = []
     real = bwd_hopper.backward
     monkeypatch.setattr(bwd_hopper, "backward",
                         lambda *a, **kw: calls.append(1) or real(*a, **kw))
     q, k, v, dout = _inputs(1, 1100, 1030, 4, 2, 256, torch.bfloat16)
     (_, _, g64), (_, _, g_pt) = reference_pair(q, k, v, dout, causal=True)
-    for mode, sent in (("1", [1]), ("auto", [1])):  # the calls so far: auto adds none
+    for mode, sent in (("1", [1]), ("auto", [1, 1])):  # the calls so far
         monkeypatch.setenv("FLASHTILE_HOPPER_BWD", mode)
         qg, kg, vg = (x.clone().requires_grad_() for x in (q, k, v))
         out = flashtile.flash_attn_func(qg, kg, vg, causal=True)
@@ -310,15 +308,8 @@ def test_declines_what_it_does_not_support(monkeypatch):
     for d in (96, 512):
         assert f"head_dim {d}" in bwd_hopper.unsupported(
             *_inputs(1, 40, 40, 2, 2, d, torch.bfloat16, "cpu"), out)
-    # Head dim 256 (bwd_hopper256) only under FLASHTILE_HOPPER_BWD=1 until it is timed.
-    x256 = _inputs(1, 40, 40, 2, 2, 256, torch.bfloat16, "cpu")
+    x256 = _inputs(1, 40, 40, 2, 2, 256, torch.bfloat16, "cpu")  # bwd_hopper256
     assert bwd_hopper.unsupported(*x256, x256[0]) is None
-    assert bwd_hopper.unsupported(*x256, x256[0], mode="1") is None
-    assert bwd_hopper.unsupported(*x256, x256[0], mode="auto") == (
-        "head_dim 256: only with FLASHTILE_HOPPER_BWD=1 (its kernel, "
-        "flashtile.ops.bwd_hopper256, is not yet timed on a GPU; auto keeps the portable "
-        "backward)")
-    assert bwd_hopper.unsupported(q, k, v, out, dout, mode="auto") is None
     for extra in (dict(attn_mask=q), dict(alibi_slopes=q), dict(softcap=5.0),
                   dict(window_left=8), dict(window_right=3)):
         assert "causal or full" in bwd_hopper.unsupported(q, k, v, out, dout, **extra)
@@ -336,8 +327,8 @@ def test_declines_what_it_does_not_support(monkeypatch):
     ("", False, 128, 30, "portable"), ("1", True, 128, 30, "portable"),
     ("auto", True, 128, 1024, "portable"), ("1", False, 96, 30, "portable"),
     ("1", False, 256, 30, "hopper"), ("1", False, 256, 1024, "hopper"),
-    ("auto", False, 256, 1024, "portable"), ("", False, 256, 1024, "portable"),
-    ("1", True, 256, 30, "portable")])
+    ("auto", False, 256, 1024, "hopper"), ("", False, 256, 1024, "hopper"),
+    ("auto", False, 256, 1023, "portable"), ("1", True, 256, 30, "portable")])
 def test_switch_dispatch_on_cpu(switch, deterministic, head_dim, seqlen_q, used,
                                 monkeypatch):
     """With the kernels replaced by fakes: FLASHTILE_HOPPER_BWD=1 sends a supported dense
@@ -346,8 +337,7 @@ def test_switch_dispatch_on_cpu(switch, deterministic, head_dim, seqlen_q, used,
     from 1k queries and 1k keys (seqlen_k is seqlen_q + 20 here) and keeps shorter calls
     on the portable backward; "0" never sends it, and neither do deterministic calls or
     calls it declines (head_dim 96: the real unsupported() runs there, with only its
-    device check bypassed). Head dim 256 (bwd_hopper256) goes only under "1": auto
-    keeps it on the portable backward at any length until it is timed."""
+    device check bypassed). Head dim 256 (bwd_hopper256) follows the same rules."""
     from flashtile.ops import fwd_hopper
 
     seen = {}

@@ -497,19 +497,13 @@ HEAD_DIMS = (*sorted(configs.HOPPER_BWD_16BIT), 256)
 
 def unsupported(q, k, v, out, dout, *, softmax_scale=1.0, attn_mask=None,
                 alibi_slopes=None, window_left=-1, window_right=-1, softcap=0.0,
-                dropout_p=0.0, mode="1", **_) -> str | None:
+                dropout_p=0.0, **_) -> str | None:
     """Why this kernel cannot serve the backward of a dense call (None: it can). The
-    arguments are those of ``flashtile.ops.bwd.attn_bwd``, already validated; ``mode``
-    is FLASHTILE_HOPPER_BWD's (``flashtile._backend.hopper_bwd_mode``): head_dim 256
-    only under "1"."""
+    arguments are those of ``flashtile.ops.bwd.attn_bwd``, already validated."""
     if q.element_size() != 2:  # the forward kernel also takes FP8, which has no backward
         return f"dtype {q.dtype}: float16 or bfloat16 only"
     if q.shape[-1] not in HEAD_DIMS:
         return f"head_dim {q.shape[-1]}: one of {list(HEAD_DIMS)} only"
-    if q.shape[-1] == 256 and mode != "1":
-        return ("head_dim 256: only with FLASHTILE_HOPPER_BWD=1 (its kernel, "
-                "flashtile.ops.bwd_hopper256, is not yet timed on a GPU; auto keeps the "
-                "portable backward)")
     # The forward kernel's conditions: device, dtype, features, TMA layouts of q, k, v.
     reason = fwd_hopper.unsupported(q, k, v, softmax_scale=softmax_scale,
                                     attn_mask=attn_mask, alibi_slopes=alibi_slopes,

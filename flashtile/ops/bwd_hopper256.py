@@ -47,10 +47,11 @@ seqlen_q and where it is -inf (P = 0), dK/dV rows past seqlen_k dropped by the T
 store, dQ rows past seqlen_q by the atomics' mask. bwd_hopper's schedule options
 (FLASHTILE_HOPPER_BWD_OPTS) and STAGES sweep are its own: this kernel has none.
 
-Status: not yet run on a GPU. Reachable only with FLASHTILE_HOPPER_BWD=1 (auto keeps
-head_dim 256 on the portable split backward, 127 TFLOP/s forward+backward on the H200
-against cuDNN's 413, until this kernel is timed: see ``bwd_hopper.unsupported``).
-tests/test_gluon_compile.py compiles it for sm_90 on the CPU (Triton 3.6's ptxas): full
+Status: first run on the H200 in session 14 (docs/benchmarks/NOTES.md section 24): its
+GPU tests passed and memcheck found 0 errors; forward+backward 288-335 TFLOP/s full and
+236-327 causal (1k-8k tokens), 2.0-2.5x the portable split backward, 1.2-1.4x SDPA's
+flash backend, 0.78-0.85x cuDNN's; since then FLASHTILE_HOPPER_BWD's default (auto,
+from 1k tokens) runs it. tests/test_gluon_compile.py compiles it for sm_90 on the CPU (Triton 3.6's ptxas): full
 and causal, bf16 and fp16, 213,648 bytes of shared memory, no local-memory stores inside
 the walks (causal: ptxas keeps the shared-memory base, 4 bytes, stored before the walk
 and reloaded once a query block: 8 bytes of stack; full: none), HGMMA, setmaxnreg 24/240
