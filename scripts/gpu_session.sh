@@ -33,7 +33,6 @@
 #                backwards beside cuDNN (d64/d128, 1k-16k)                  (~9 min)
 #   hf-train     transformers' training step under each backward path       (~8 min)
 #   bwd-tiles    the Gluon backward's BLOCK_M/STAGES candidates beside cuDNN  (~6 min)
-#   p-smem       the Gluon forward with 16-bit P in shared memory: tests, timing (~5 min)
 #   bwd256       the head_dim 256 Gluon backward beside the portable one and cuDNN (~3 min)
 #   wide         head_dim 256 and 512 beside the peers; d256 backward tiles; the fused
 #                backward against the split one                          (~10 min)
@@ -155,23 +154,10 @@ case "${1:-}" in
       --no-progress --out bwd-ab --overwrite 2>&1 | grep "^|" | tail -14
     tar czf "$OUT/bwd-ab.tgz" bwd-ab
     ;;
-  p-smem)
-    # 16-bit P through shared memory in the Gluon forward (FLASHTILE_HOPPER_FWD_P=smem,
-    # session 13: the whole softmax under the previous P V in the SASS, as FP8's
-    # default): its GPU tests, then timed against P in registers and cuDNN.
-    timeout 150 python3 -m pytest -q -p no:cacheprovider --gpu $XDIST \
-      tests/test_fwd_hopper.py -k "p_in_shared or p_smem_small" 2>&1 | tail -2
-    for p in regs smem; do
-      FLASHTILE_HOPPER_FWD_P=$p timeout 120 python3 -m flashtile bench --providers \
-        flashtile-hopper sdpa-cudnn --modes fwd --headdim 64 128 --seqlens 1k 4k 16k \
-        --no-progress --out "p-$p" --overwrite 2>&1 | grep "^| [0-9]" | head -12 \
-        | sed "s|^|$p |"
-    done
-    ;;
   bwd256)
-    # The head_dim 256 Gluon backward (flashtile/ops/bwd_hopper256.py, session 13, opt-in
-    # FLASHTILE_HOPPER_BWD=1; its tests run in check): forward+backward beside the
-    # portable backward and cuDNN (issue 15 item 3: cuDNN's 413 TFLOP/s).
+    # The head_dim 256 Gluon backward (flashtile/ops/bwd_hopper256.py; auto's choice from
+    # 1k tokens since session 14): forward+backward beside the portable backward, cuDNN
+    # and SDPA-flash (issue 15 item 3: at least cuDNN's; session 14: 0.78-0.85x).
     FLASHTILE_HOPPER_BWD=0 timeout 200 python3 -m flashtile bench --providers flashtile \
       flashtile-hopper-bwd sdpa-cudnn sdpa-flash --modes fwd_bwd --headdim 256 \
       --seqlens 1k 4k 8k --no-progress --out bwd256 --overwrite 2>&1 | grep "^| [0-9]"

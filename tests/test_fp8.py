@@ -461,9 +461,9 @@ def test_kvcache_keys_m_with_leftpad(keys_m, page, fp8_backend, device, on_gpu,
 
 
 def test_keys_m_switch_is_checked_and_bounded(monkeypatch):
-    """A mistyped FLASHTILE_DECODE_FP8_KEYS_M is an error naming the variable; "1"
-    takes the KEYS_M layout only for an FP8 V read as column pairs and at most 8 query
-    rows per KV head (its N), and then 8-row tiles."""
+    """A mistyped FLASHTILE_DECODE_FP8_KEYS_M is an error naming the variable; "1" (the
+    default) takes the KEYS_M layout only for an FP8 V read as column pairs and at most
+    8 query rows per KV head (its N), and then 8-row tiles; "0" the rows-on-M layout."""
     from flashtile.ops import decode
 
     cache = torch.zeros(1, 16, 2, 32, dtype=torch.uint8).view(E4M3)
@@ -471,6 +471,8 @@ def test_keys_m_switch_is_checked_and_bounded(monkeypatch):
     monkeypatch.setenv("FLASHTILE_DECODE_FP8_KEYS_M", "yes")
     with pytest.raises(ValueError, match="FLASHTILE_DECODE_FP8_KEYS_M"):
         decode.keys_m(q4, cache, cache, False)
+    monkeypatch.delenv("FLASHTILE_DECODE_FP8_KEYS_M")
+    assert decode.keys_m(q4, cache, cache, False)
     monkeypatch.setenv("FLASHTILE_DECODE_FP8_KEYS_M", "1")
     assert decode.keys_m(q4, cache, cache, False)
     assert not decode.keys_m(q16, cache, cache, False)        # 16 rows per KV head

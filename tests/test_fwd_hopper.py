@@ -89,32 +89,6 @@ def test_matches_float64_reference(dtype, head_dim, shape, mask, schedule):
     _check(out, lse, q, k, v, causal, diag_offset, scale)
 
 
-@pytest.mark.parametrize("mask", list(MASKS))
-@pytest.mark.parametrize("shape", [SHAPES[0], SHAPES[1], SHAPES[3], SHAPES[5]],
-                         ids=lambda s: "b{}-q{}-k{}-h{}/{}".format(*s))
-@pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-@on_hopper
-def test_p_in_shared_memory_matches_float64_reference(dtype, head_dim, shape, mask,
-                                                      schedule, monkeypatch):
-    """FLASHTILE_HOPPER_FWD_P=smem (16-bit P through two shared buffers a warpgroup, O
-    staged in the first at d128): the float64 reference's numbers on both grids, with
-    ragged lengths, one query row, GQA and a walk over many blocks."""
-    monkeypatch.setenv("FLASHTILE_HOPPER_FWD_P", "smem")
-    test_matches_float64_reference(dtype, head_dim, shape, mask, schedule)
-
-
-@on_hopper
-def test_hopper_p_smem_small(monkeypatch):
-    """The memcheck slice's call of 16-bit P in shared memory: causal, ragged, GQA,
-    seqlen_q > seqlen_k (rows that see no key), on the persistent grid."""
-    monkeypatch.setenv("FLASHTILE_HOPPER_FWD_P", "smem")
-    monkeypatch.setenv("FLASHTILE_HOPPER_FWD_SCHEDULE", "persistent")
-    q, k, v = _inputs(2, 77, 45, 4, 2, 128, torch.bfloat16)
-    out, lse = fwd_hopper.attn_fwd(q, k, v, **_kw(True, 45 - 77, 0.3))
-    _check(out, lse, q, k, v, True, 45 - 77, 0.3)
-
-
 @on_hopper
 def test_strided_inputs():
     """q, k and v as views of packed qkv (head stride 3 x head_dim), a scale != 1/sqrt(d)."""
@@ -726,27 +700,6 @@ def test_persistent_schedule_is_not_made_inside_a_graph_capture(monkeypatch):
     assert fwd_hopper._persistent_schedule(q, k, True, 200) is table and len(made) == 1
     # Full attention (diag_offset not part of the geometry) is another table.
     assert fwd_hopper._persistent_schedule(q, k, False, 200) is None
-
-
-def test_p_switch_for_16_bit(monkeypatch):
-    """FLASHTILE_HOPPER_FWD_P: 16-bit P in registers unless "smem" (head dims up to
-    128; d256 keeps registers); FP8 follows FLASHTILE_HOPPER_FWD_FP8_P alone; anything
-    else a ValueError naming the choices."""
-    from flashtile.ops import configs
-
-    monkeypatch.delenv("FLASHTILE_HOPPER_FWD_P", raising=False)
-    monkeypatch.delenv("FLASHTILE_HOPPER_FWD_FP8_P", raising=False)
-    assert not configs.hopper_fwd_p_smem(128, False)
-    assert configs.hopper_fwd_p_smem(128, True)  # FP8's default
-    monkeypatch.setenv("FLASHTILE_HOPPER_FWD_P", "smem")
-    assert configs.hopper_fwd_p_smem(64, False) and configs.hopper_fwd_p_smem(128, False)
-    assert not configs.hopper_fwd_p_smem(256, False)
-    monkeypatch.setenv("FLASHTILE_HOPPER_FWD_FP8_P", "regs")
-    assert not configs.hopper_fwd_p_smem(128, True)
-    monkeypatch.setenv("FLASHTILE_HOPPER_FWD_P", "shared")
-    with pytest.raises(ValueError, match="FLASHTILE_HOPPER_FWD_P must be one of "
-                       "\\('regs', 'smem'\\), got 'shared'"):
-        configs.hopper_fwd_p_smem(128, False)
 
 
 def test_fp8_p_switch_rejects_other_values(monkeypatch):

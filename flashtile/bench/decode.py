@@ -365,25 +365,29 @@ if __name__ == "__main__":
                                   "16,64,4,4", "16,128,4,3"),
                            splits=(0,), page_sizes=(16, None))
     if "--sweep-fp8" in sys.argv:
-        # FP8 cache tiles (issue 17): 128-key tiles (the default up to 16 rows) at 3 and
-        # 4 stages against 64-key ones, split and unsplit shapes, contiguous and paged.
+        # FP8 cache tiles (issue 17) in the layout with query rows on the products' M
+        # side (FLASHTILE_DECODE_FP8_KEYS_M=0): 128-key tiles at 3 and 4 stages against
+        # 64-key ones, split and unsplit shapes, contiguous and paged.
+        rows_m = {"FLASHTILE_DECODE_FP8_KEYS_M": "0"}
         sweep_decode_tiles(shapes=((8, 32768), (32, 4096), (1, 131072)),
                            tiles=("16,128,4,3", "16,128,4,4", "16,64,4,3", "16,64,4,5",
                                   "16,256,4,3"),
-                           splits=(0,), page_sizes=(None, 64), fp8=True)
-        # The KEYS_M layout (keys on the products' M side, 8 query rows as N: 441
-        # instructions a 128-key tile against 722, sm_90 SASS), the launcher's tile
-        # (8 rows x 128 keys, 3 stages split, 4 unsplit) beside the default layout's in
-        # the same run, then other depths and 256-key tiles.
-        for env in ({}, {"FLASHTILE_DECODE_FP8_KEYS_M": "1"}):
+                           splits=(0,), page_sizes=(None, 64), fp8=True, env=rows_m)
+        # The default KEYS_M layout (keys on the products' M side, 8 query rows as N:
+        # 441 instructions a 128-key tile against 722, sm_90 SASS; 2-5% ahead in
+        # session 14), the launcher's tile beside the other layout's in the same run,
+        # then other depths and 256-key tiles, and split counts for 8 x 8k (its 83% of
+        # copy is the row below issue 17's 90%: 39 us a step, where fixed costs show).
+        for env in (rows_m, {}):
             sweep_decode_tiles(shapes=((8, 8192), (8, 32768), (32, 4096), (1, 131072),
                                        (64, 2048)),
                                tiles=(None,), splits=(0,), page_sizes=(None, 64),
                                fp8=True, env=env)
-        sweep_decode_tiles(shapes=((8, 32768), (32, 4096)),
+        sweep_decode_tiles(shapes=((8, 8192), (8, 32768), (32, 4096)),
                            tiles=("8,128,4,4", "8,128,4,5", "8,256,4,3"), splits=(0,),
-                           page_sizes=(None, 64), fp8=True,
-                           env={"FLASHTILE_DECODE_FP8_KEYS_M": "1"})
+                           page_sizes=(None, 64), fp8=True)
+        sweep_decode_tiles(shapes=((8, 8192),), tiles=(None, "8,256,4,3"),
+                           splits=(1, 2, 4, 8, 16), page_sizes=(None, 64), fp8=True)
     if "--mla" in sys.argv:
         # Absorbed MLA decode alone (issue 17): the table below is not run.
         for r in run_mla_bench():

@@ -244,29 +244,6 @@ def hopper_fwd_fp8_p_smem() -> bool:
     return value == "smem"
 
 
-HOPPER_FWD_P = ("regs", "smem")
-# The 16-bit head dims whose P may go through shared memory: at d256 the ring leaves no
-# room for two 64 x 64 P buffers a warpgroup beside O's staging.
-HOPPER_FWD_P_SMEM_MAX_D = 128
-
-
-def hopper_fwd_p_smem(head_dim: int, fp8: bool) -> bool:
-    """How the Gluon forward's P reaches P V: FP8 inputs follow FLASHTILE_HOPPER_FWD_FP8_P
-    (``hopper_fwd_fp8_p_smem``); 16-bit ones FLASHTILE_HOPPER_FWD_P, "regs" (the
-    default: wgmma's A operand from registers) or "smem" (opt-in, head dims up to
-    HOPPER_FWD_P_SMEM_MAX_D; others keep registers): two shared buffers of P per
-    warpgroup, 32-64 KiB, as the FP8 default. With P in registers ptxas waits for
-    P_{j-1} V_{j-1} before block j's softmax (0-5 exp2 between the two waits, sm_90 SASS,
-    bf16 d64/d128); through shared memory the whole softmax (66 exp2 a thread) runs
-    under it, FA3's in-warpgroup overlap, which made FP8 1.26-1.40x faster (NOTES.md
-    section 22). Not yet run on a GPU for 16-bit (session 13). Read when a launch plan
-    is made."""
-    if fp8:
-        return hopper_fwd_fp8_p_smem()
-    mode = _env_choice("FLASHTILE_HOPPER_FWD_P", HOPPER_FWD_P)
-    return mode == "smem" and head_dim <= HOPPER_FWD_P_SMEM_MAX_D
-
-
 HOPPER_FWD_FP8_PV = ("tile", "wgmma")
 
 
@@ -556,7 +533,7 @@ def log_first_launch(kernel: str, q, head_dim, cfg: TileConfig, flags=None) -> N
                     f"; {on}" if on else "")
 
 
-DECODE_FP8_KEYS_M = ("0", "1")
+DECODE_FP8_KEYS_M = ("1", "0")
 # The most query rows (tokens x query heads per KV head) the KEYS_M decode takes: its
 # rows are the products' N, 8 a step (mma.sync m16n8k16); 16 rows as N compiled to
 # wgmma with keys as M and spilled nothing but ran 827 instructions a tile, more than
@@ -567,18 +544,21 @@ DECODE_FP8_KEYS_M_ROWS = 8
 def decode_fp8_keys_m() -> bool:
     """FLASHTILE_DECODE_FP8_KEYS_M: how the decode kernel lays out the products of an
     FP8 cache read as column pairs (decode.v_pairs) for at most DECODE_FP8_KEYS_M_ROWS
-    query rows. "0" (the default): query rows on the products' M side, padded to 16
-    rows (mma.sync's M), keys the N of QK^T and the reduction of PV. "1" (KEYS_M):
-    keys on the M side, S^T = K Q^T and O^T = V^T P^T, the query rows padded to 8 (the
-    N step): half the HMMAs, half the softmax's exp2/max/sum and the accumulator; and
-    each thread sums its own parts of P until the loop ends (no cross-warp sum per
-    tile), V's word addresses come from halved strides, and K/V copies are not masked
-    (rows past the split re-read its last key) but with a left pad over pages (masked
-    by key rows alone when the head dims fill their tiles). sm_90 SASS per 128-key
-    tile, d128, bf16 q, e4m3 cache, 4 query rows: 441 instructions a thread against
-    722, pages of 64: 572 against 829 (586 against 833 unsplit), 124 registers against
-    168 (tests/test_sm90_compile.py); not yet timed (python -m flashtile.bench.decode
-    --sweep-fp8). Read when a launch plan is made."""
+    query rows. "1" (KEYS_M, the default since session 14): keys on the products' M
+    side, S^T = K Q^T and O^T = V^T P^T, the query rows padded to 8 (the N step): half
+    the HMMAs, half the softmax's exp2/max/sum and the accumulator; and each thread sums
+    its own parts of P until the loop ends (no cross-warp sum per tile), V's word
+    addresses come from halved strides, and K/V copies are not masked (rows past the
+    split re-read its last key) but with a left pad over pages (masked by key rows alone
+    when the head dims fill their tiles). "0": query rows on the M side, padded to 16
+    rows (mma.sync's M), keys the N of QK^T and the reduction of PV. sm_90 SASS per
+    128-key tile, d128, bf16 q, e4m3 cache, 4 query rows: 441 instructions a thread
+    against 722, pages of 64: 572 against 829 (586 against 833 unsplit), 124 registers
+    against 168 (tests/test_sm90_compile.py). H200, session 14 (`python -m
+    flashtile.bench.decode --sweep-fp8`, docs/benchmarks/h200-2026-12-02-s14): 2-5%
+    more bandwidth contiguous in every row (8x8k 3503 against 3422 GB/s, 8x32k 4105
+    against 3896, 32x4k 4012 against 3832, 1x128k 3839 against 3753, 64x2k 3927
+    against 3764) and 4-14% over pages of 64. Read when a launch plan is made."""
     return _env_choice("FLASHTILE_DECODE_FP8_KEYS_M", DECODE_FP8_KEYS_M) == "1"
 
 

@@ -71,10 +71,10 @@ same kernel, with the numerics of the portable FP8 forward (flashtile.ops.fwd, d
   exp2 run under it); through shared memory the whole softmax runs under it (66 exp2 a
   thread at BLOCK_N 128), at the cost of P's stores (2 bytes each: the accumulator
   layout) and 16-32 KiB of shared memory.
-  16-bit inputs take it with FLASHTILE_HOPPER_FWD_P=smem (``configs.hopper_fwd_p_smem``,
-  opt-in, head dims 64 and 128): two 16-bit P buffers a warpgroup (32-64 KiB; at d128
-  O is then staged in the first P buffer, 224.4 of 227 KiB used), and the SASS moves from 0-5 exp2 under P_{j-1} V_{j-1} to 66 (session 13
-  compile study); not yet run on a GPU.
+  16-bit inputs keep P in registers: through shared memory (two 16-bit buffers a
+  warpgroup, O staged in the first at d128; 66 exp2 under P_{j-1} V_{j-1} in the SASS
+  against 0-5) they ran 3-12% slower on the H200 (session 14, NOTES.md section 24): the
+  stores of P and the extra shared-memory traffic cost more than the overlap won.
 Timed on the H200 in session 12 at head_dim 128, 16k tokens a batch
 (docs/benchmarks/h200-2026-12-01-s12/fp8.md, fp8-psmem.md): P in registers 374-614
 TFLOP/s, P in shared memory 481-799 (4k-16k, causal or not), hence the default. BLOCK_N
@@ -705,7 +705,7 @@ def forward(q, k, v, softmax_scale, diag_offset, causal, q_descale=None, k_desca
     # Absent descales: lse's address stands in (never read: HAS_*_DESCALE is False).
     descales = (q_descale, k_descale, v_descale)
     scales = tuple(lse if x is None else x for x in descales)
-    p_smem = configs.hopper_fwd_p_smem(d, fp8)
+    p_smem = fp8 and configs.hopper_fwd_fp8_p_smem()
     persistent = configs.hopper_fwd_persistent(d, fp8)
     schedule = lse  # the tiles grid reads no schedule (lse's address stands in)
     if persistent:
