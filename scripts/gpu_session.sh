@@ -24,6 +24,8 @@
 #   host         flashtile bench host, flashtile bench hf (and --pad at batch 16) (~10 min)
 #   hopper       the Gluon forward's GPU tests (16-bit) and its timing     (~9 min)
 #   tp           the tensor-parallel driver's tests (2 GPUs)              (~4 min)
+#   ncu          the Gluon backward (d128; transformers' d64 GQA step), the d64 and FP8
+#                forwards, one launch each under Nsight Compute             (~4 min)
 #   fp32         accuracy and speed of fp32, IEEE products against tf32x3  (~8 min)
 #   dropout      flashtile with and without dropout beside SDPA's dropout backends (~4 min)
 #   mla          the absorbed MLA decode (576/512) against the copy ceiling    (~3 min)
@@ -319,6 +321,45 @@ case "${1:-}" in
     timeout 300 python3 -m flashtile bench --providers flashtile flashtile-hopper sdpa-cudnn \
       --modes fwd --headdim 64 128 256 --seqlens 1k 4k 8k 16k --out "$OUT/hopper-fwd" \
       2>&1 | grep "^|" | tail -40
+    ;;
+  ncu)
+    # Where the Gluon kernels' time goes (issue 15 items 2-3, issue 16, issue 17's FP8
+    # forward): one launch each under Nsight Compute (clocks left alone, METHOD.md), with
+    # the warp-stall, scheduler, pipe and memory sections and the top stall sites in
+    # the SASS. Cases: bwd-d128 (4 x 4k, 16 heads, full), bwd-hf (transformers' step:
+    # 1 x 4k, 32 over 8 heads, d64, causal), fwd-d64 (4 x 4k, 32 heads, full), fp8-d128
+    # (2 x 8k, 16 heads, e4m3, full). NCU_CASES picks some. ~1 min a case.
+    cat > /tmp/ncu_case.py <<'PY'
+import sys, torch, flashtile
+case = sys.argv[1]
+b, s, h, hkv, d, causal = {"bwd-d128": (4, 4096, 16, 16, 128, False),
+                           "bwd-hf": (1, 4096, 32, 8, 64, True),
+                           "fwd-d64": (4, 4096, 32, 32, 64, False),
+                           "fp8-d128": (2, 8192, 16, 16, 128, False)}[case]
+torch.manual_seed(0)
+mk = lambda n: torch.randn(b, s, n, d, device="cuda", dtype=torch.bfloat16)
+q, k, v = mk(h), mk(hkv), mk(hkv)
+if case.startswith("fp8"):
+    f8 = torch.float8_e4m3fn
+    ones = torch.ones(b, hkv, device="cuda")
+    flashtile.flash_attn_func(q.to(f8), k.to(f8), v.to(f8), causal=causal,
+                              q_descale=ones, k_descale=ones, v_descale=ones)
+else:
+    q, k, v = (x.requires_grad_() for x in (q, k, v))
+    flashtile.flash_attn_func(q, k, v, causal=causal).backward(torch.randn_like(q))
+torch.cuda.synchronize()
+PY
+    for c in ${NCU_CASES:-bwd-d128 bwd-hf fwd-d64 fp8-d128}; do
+      case $c in bwd-*) kern=_attn_bwd_hopper_kernel ;; *) kern=_attn_fwd_hopper_kernel ;; esac
+      stamp "ncu $c"
+      timeout 150 ncu --clock-control none -k "regex:$kern" -c 1 --import-source no \
+        --section SpeedOfLight --section ComputeWorkloadAnalysis \
+        --section MemoryWorkloadAnalysis --section SchedulerStats \
+        --section WarpStateStats --section Occupancy --section LaunchStats \
+        --section SourceCounters python3 /tmp/ncu_case.py "$c" > "$OUT/ncu-$c.txt" 2>&1
+      grep -E "Duration|Compute \(SM\) Throughput|Memory Throughput|Issue Slots Busy|No Eligible|Stall|Warp Cycles Per Issued|Registers Per|Shared Memory Config|Achieved Occupancy" \
+        "$OUT/ncu-$c.txt" | head -30
+    done
     ;;
   tp)
     # Tensor parallelism on 2 GPUs (nvidia-h200-x2): the driver's GPU tests, then generate.
