@@ -36,8 +36,8 @@
 #   hf-train     transformers' training step under each backward path       (~8 min)
 #   bwd-tiles    the Gluon backward's BLOCK_M/STAGES candidates beside cuDNN  (~6 min)
 #   bwd256       the head_dim 256 Gluon backward beside the portable one and cuDNN (~3 min)
-#   wide         head_dim 256 and 512 beside the peers; d256 backward tiles; the fused
-#                backward against the split one                          (~10 min)
+#   wide         head_dim 256 and 512, forward and forward+backward, beside the peers
+#                                                                         (~5 min)
 #   serve [BACKEND] [KV]  flashtile serve (1B shape, dummy weights, attention BACKEND,
 #                default flashtile, KV pool bytes KV e.g. 4GiB) and the bench serve rate
 #                sweep against it (~6 min; SERVE_PROMPTS, SERVE_RATES, SERVE_TIMEOUT;
@@ -200,20 +200,12 @@ case "${1:-}" in
     ;;
   wide)
     # head_dim 256 and 512 (issue 15 item 3, issue 17 item 3): forward and forward+backward
-    # beside the peers that take them, then the d256 backward tiles the AOT study proposes.
-    timeout 240 python3 -m flashtile bench --headdim 256 512 --seqlens 1k 4k --modes fwd \
-      fwd_bwd --no-progress --out wide --overwrite 2>&1 | grep "^|" | tail -24
-    for c in "32,32,8,2/64,32,8,2" "16,32,8,3/64,32,8,3" "64,32,8,1/128,32,8,2"; do
-      FLASHTILE_BWD_DKDV_CONFIG=${c%/*} FLASHTILE_BWD_DQ_CONFIG=${c#*/} timeout 60 python3 \
-        -m flashtile bench --headdim 256 --seqlens 4k --modes fwd_bwd --providers flashtile \
-        --no-progress --out "wide-${c//[,\/]/_}" --overwrite 2>&1 | grep "^|" | tail -2 \
-        | sed "s|^|$c |"
-    done
-    # The fused backward (deterministic=False, FLASHTILE_BWD=fused) against the split one.
-    timeout 200 python3 -m flashtile bench --providers flashtile flashtile-fusedbwd \
-      sdpa-cudnn --headdim 64 128 256 --seqlens 1k 4k 8k --modes fwd_bwd --no-progress \
-      --out bwd-ab --overwrite 2>&1 | grep "^|" | tail -20
-    tar czf "$OUT/wide.tgz" wide* bwd-ab
+    # beside the peers that take them (d256: the Gluon kernels under auto since session 14;
+    # d512: the portable ones). The portable d256 backward tiles and the fused-against-
+    # split A/B that this stage also ran are settled (NOTES.md sections 22 and 24).
+    timeout 300 python3 -m flashtile bench --headdim 256 512 --seqlens 1k 4k 16k --modes fwd \
+      fwd_bwd --no-progress --out wide --overwrite 2>&1 | grep "^|" | tail -36
+    tar czf "$OUT/wide.tgz" wide
     ;;
   dropout)
     # Attention dropout (issue 17 item 4): flashtile's Philox mask against SDPA's
