@@ -35,6 +35,7 @@
 #                backwards beside cuDNN (d64/d128, 1k-16k)                  (~9 min)
 #   hf-train     transformers' training step under each backward path       (~8 min)
 #   bwd-tiles    the Gluon backward's BLOCK_M/STAGES candidates beside cuDNN  (~6 min)
+#   fwd-tiles    the d64 Gluon forward's ring depths beside cuDNN              (~2 min)
 #   bwd256       the head_dim 256 Gluon backward beside the portable one and cuDNN (~3 min)
 #   wide         head_dim 256 and 512, forward and forward+backward, beside the peers
 #                                                                         (~5 min)
@@ -155,6 +156,20 @@ case "${1:-}" in
       flashtile-hopper-bwd sdpa-cudnn --modes fwd_bwd --headdim 64 128 --seqlens 1k 4k 16k \
       --no-progress --out bwd-ab --overwrite 2>&1 | grep "^|" | tail -14
     tar czf "$OUT/bwd-ab.tgz" bwd-ab
+    ;;
+  fwd-tiles)
+    # The d64 Gluon forward's ring (issue 15 item 2: d64 ran 0.81-0.98x cuDNN in session
+    # 14): 4 stages of 128 keys and of 64 keys compile without spills for sm_90 (164 and
+    # 99 KiB; 256 keys spill 168-288 bytes), beside the default 3 x 128 and cuDNN.
+    for cfg in default 128,128,4,4 128,64,4,4; do
+      unset FLASHTILE_HOPPER_FWD_CONFIG
+      [ "$cfg" = default ] || export FLASHTILE_HOPPER_FWD_CONFIG=$cfg
+      timeout 100 python3 -m flashtile bench --providers flashtile-hopper sdpa-cudnn \
+        --modes fwd --headdim 64 --seqlens 1k 4k 16k --no-progress \
+        --out "fwd-tiles-${cfg//,/_}" --overwrite 2>&1 | grep "^| [0-9]" | head -6 \
+        | sed "s|^|$cfg |"
+    done
+    unset FLASHTILE_HOPPER_FWD_CONFIG
     ;;
   bwd256)
     # The head_dim 256 Gluon backward (flashtile/ops/bwd_hopper256.py; auto's choice from
