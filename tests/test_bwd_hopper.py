@@ -213,7 +213,19 @@ def test_switch_sends_head_dim_256_under_1_and_auto(monkeypatch):
 # The schedule options (FLASHTILE_HOPPER_BWD_OPTS, bwd_hopper's docstring) the GPU A/B
 # times, alone and as timed together; tests/test_gluon_compile.py checks their SASS.
 OPTS = ["sdp", "dq_early", "dq_unmasked", "dq_warp", "sdp,dq_early,dq_unmasked",
-        "dq_warp,dq_unmasked"]
+        "dq_warp,dq_unmasked", "lse_ahead"]
+# dq_split (alone, with lse_ahead, with dq_unmasked) at the BLOCK_M the A/B times it at
+# (FLASHTILE_HOPPER_BWD_CONFIG; head_dim 64: 128 rows, each consumer 64 of them).
+SPLIT_CASES = [(64, "dq_split", "128,128,4,2"), (128, "dq_split", None),
+               (64, "lse_ahead,dq_split", "128,128,4,2"), (128, "lse_ahead,dq_split", None),
+               (128, "dq_split,dq_unmasked", None)]
+
+
+def _split_env(opts, config):
+    env = {"FLASHTILE_HOPPER_BWD_OPTS": opts}
+    if config is not None:
+        env["FLASHTILE_HOPPER_BWD_CONFIG"] = config
+    return env
 
 
 def _backward_twice(env, head_dim, causal, diag_offset, monkeypatch,
@@ -261,6 +273,26 @@ def test_hopper_bwd_options_small(opts, head_dim, monkeypatch):
                     monkeypatch, shape=(2, 77, 45, 4, 2))
 
 
+@pytest.mark.parametrize("mask", list(MASKS))
+@pytest.mark.parametrize("head_dim,opts,config", SPLIT_CASES, ids=lambda x: str(x))
+@on_hopper
+def test_dq_split_matches_float64_reference(head_dim, opts, config, mask, monkeypatch):
+    """dq_split: test_options_match_float64_reference's calls (its many query blocks
+    turn both dS^T buffers over many times; the last block's dQ shares read K before
+    dK is stored through it)."""
+    causal, align = MASKS[mask]
+    diag_offset = 300 - 333 if align == "bottom_right" else 0
+    _backward_twice(_split_env(opts, config), head_dim, causal, diag_offset, monkeypatch)
+
+
+@pytest.mark.parametrize("head_dim,opts,config", SPLIT_CASES, ids=lambda x: str(x))
+@on_hopper
+def test_hopper_bwd_dq_split_small(head_dim, opts, config, monkeypatch):
+    """The memcheck slice of dq_split: test_hopper_bwd_small's call."""
+    _backward_twice(_split_env(opts, config), head_dim, True, 45 - 77, monkeypatch,
+                    shape=(2, 77, 45, 4, 2))
+
+
 @pytest.mark.parametrize("stages", [3, 4])
 @pytest.mark.parametrize("head_dim", [64, 128])
 @on_hopper
@@ -278,19 +310,38 @@ def test_options_knob(monkeypatch):
 
     monkeypatch.delenv("FLASHTILE_HOPPER_BWD_OPTS", raising=False)
     assert configs.hopper_bwd_opts() == frozenset()
-    flags = bwd_hopper.kernel_flags(128, True, frozenset())
+    flags = bwd_hopper.kernel_flags(128, True, frozenset(), 64)
     assert flags == dict(IS_CAUSAL=True, SDP=False, DQ_EARLY=False, DQ_UNMASKED=False,
-                         DQ_WARP=False)
+                         DQ_WARP=False, LSE_AHEAD=False, DQ_SPLIT=False)
     monkeypatch.setenv("FLASHTILE_HOPPER_BWD_OPTS", " sdp, dq_warp ,")
     assert configs.hopper_bwd_opts() == {"sdp", "dq_warp"}
-    flags = bwd_hopper.kernel_flags(64, False, configs.hopper_bwd_opts())
+    flags = bwd_hopper.kernel_flags(64, False, configs.hopper_bwd_opts(), 64)
     assert flags == dict(IS_CAUSAL=False, SDP=True, DQ_EARLY=False, DQ_UNMASKED=False,
-                         DQ_WARP=True)
+                         DQ_WARP=True, LSE_AHEAD=False, DQ_SPLIT=False)
+    monkeypatch.setenv("FLASHTILE_HOPPER_BWD_OPTS", "lse_ahead,dq_split")
+    flags = bwd_hopper.kernel_flags(64, True, configs.hopper_bwd_opts(), 128)
+    assert flags["LSE_AHEAD"] and flags["DQ_SPLIT"] and not flags["DQ_WARP"]
     monkeypatch.setenv("FLASHTILE_HOPPER_BWD_OPTS", "sdp,pingpong")
     with pytest.raises(ValueError, match=r"FLASHTILE_HOPPER_BWD_OPTS must be a comma-"
-                       r"separated subset of .*'dq_warp'\), got 'sdp,pingpong' "
+                       r"separated subset of .*'dq_split'\), got 'sdp,pingpong' "
                        r"\(unknown: \['pingpong'\]\)"):
         configs.hopper_bwd_opts()
+
+
+def test_dq_split_refuses_what_it_cannot_split():
+    """dq_split shares every dQ product between the consumers: not with dq_early or
+    dq_warp (one consumer's whole product), and at head_dim 64 only with 128 rows a
+    block (64 a consumer; half of 64 head dims is half a swizzle atom of K)."""
+    for both in ("'dq_early', 'dq_split'", "'dq_split', 'dq_warp'"):
+        with pytest.raises(ValueError, match=r"dq_split .* goes without dq_early and "
+                           rf"dq_warp .*, got \[{both}\]"):
+            bwd_hopper.kernel_flags(128, False, frozenset(both.replace("'", "").split(
+                ", ")), 64)
+    with pytest.raises(ValueError, match=r"dq_split at head_dim 64 needs 128 query rows "
+                       r"a block \(FLASHTILE_HOPPER_BWD_CONFIG='128,128,4,2'\).* Got "
+                       r"BLOCK_M 64"):
+        bwd_hopper.kernel_flags(64, True, frozenset({"dq_split"}), 64)
+    assert bwd_hopper.kernel_flags(128, True, frozenset({"dq_split"}), 64)["DQ_SPLIT"]
 
 
 def test_declines_what_it_does_not_support(monkeypatch):

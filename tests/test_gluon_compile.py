@@ -193,10 +193,11 @@ def test_hopper_fp8_forward_compiles_for_e5m2_without_descales():
     assert resources(ck)["stack_bytes"] == 0
 
 
-def _compile_bwd(head_dim, causal, dtype=torch.bfloat16, opts=(), stages=None):
+def _compile_bwd(head_dim, causal, dtype=torch.bfloat16, opts=(), stages=None,
+                 block_m=None):
     """The kernel a launch of ``bwd_hopper.backward`` compiles for these inputs, with the
-    FLASHTILE_HOPPER_BWD_OPTS options ``opts`` and the table's STAGES unless given (head
-    dim 256: bwd_hopper256's kernel, which has no options)."""
+    FLASHTILE_HOPPER_BWD_OPTS options ``opts`` and the table's STAGES and BLOCK_M unless
+    given (head dim 256: bwd_hopper256's kernel, which has no options)."""
     from triton.runtime.jit import mangle_type
 
     from flashtile.ops import bwd_hopper, bwd_hopper256
@@ -205,12 +206,13 @@ def _compile_bwd(head_dim, causal, dtype=torch.bfloat16, opts=(), stages=None):
         cfg, kernel = configs.HOPPER_BWD_D256, bwd_hopper256._attn_bwd_hopper256_kernel
     else:
         cfg, kernel = configs.HOPPER_BWD_16BIT[head_dim], bwd_hopper._attn_bwd_hopper_kernel
+    block_m = block_m or cfg.block_m
     x = torch.empty(2, 300, 4, head_dim, dtype=dtype)  # the launcher's descriptors, on CPU
-    q_type = mangle_type(bwd_hopper._descriptor(x, cfg.block_m))
+    q_type = mangle_type(bwd_hopper._descriptor(x, block_m))
     kv_type = mangle_type(bwd_hopper._descriptor(x, bwd_hopper.BLOCK_N_WG.value))
     types = dict(q_desc=q_type, do_desc=q_type, k_desc=kv_type, v_desc=kv_type,
                  dk_desc=kv_type, dv_desc=kv_type, softmax_scale="fp32")
-    flags = dict(bwd_hopper.kernel_flags(head_dim, causal, frozenset(opts)),
+    flags = dict(bwd_hopper.kernel_flags(head_dim, causal, frozenset(opts), block_m),
                  STAGES=stages or cfg.num_stages)
     return compile_kernel(kernel, flags, num_warps=cfg.num_warps, types=types)
 
@@ -257,12 +259,10 @@ def test_hopper_backward_compiles_for_fp16():
     assert resources(ck)["stack_bytes"] <= 48
 
 
-def _walk_local_stores(sass: str) -> list[int]:
-    """STL (stores to local memory) inside each innermost loop of the SASS that holds
-    wgmma: the consumers' walks over the query blocks (and the mbarrier retry paths that
-    jump back into them). A tile that did not fit the registers is stored there every
-    query block; the scalars ptxas keeps in local memory are stored before the walk and
-    only reloaded in it."""
+def _walks(sass: str) -> list[list[str]]:
+    """The instructions of each innermost loop of the SASS that holds wgmma: the
+    consumers' walks over the query blocks (and the mbarrier retry paths that jump back
+    into them)."""
     line = r"/\*([0-9a-f]{4,})\*/\s+([^;]*);"  # /*address*/ instruction ;
     ins = [(int(a, 16), op) for a, op in re.findall(line, sass)]
     loops = []
@@ -271,10 +271,16 @@ def _walk_local_stores(sass: str) -> list[int]:
         if m and int(m.group(1), 16) < addr:
             body = [o for a, o in ins if int(m.group(1), 16) <= a <= addr]
             if any("HGMMA" in o for o in body):
-                loops.append((int(m.group(1), 16), addr,
-                              sum(o.startswith("STL") for o in body)))
-    return [n for lo, hi, n in loops
+                loops.append((int(m.group(1), 16), addr, body))
+    return [body for lo, hi, body in loops
             if not any((lo, hi) != (a, b) and lo <= a and b <= hi for a, b, _ in loops)]
+
+
+def _walk_local_stores(sass: str) -> list[int]:
+    """STL (stores to local memory) inside each walk (``_walks``). A tile that did not
+    fit the registers is stored there every query block; the scalars ptxas keeps in
+    local memory are stored before the walk and only reloaded in it."""
+    return [sum(o.startswith("STL") for o in body) for body in _walks(sass)]
 
 
 def _early_release(sass: str) -> bool:
@@ -336,11 +342,82 @@ def test_hopper_backward_options_compile_for_sm90(opts, head_dim, causal):
 
 def test_hopper_backward_default_has_no_option():
     """The default kernel: dQ atomics masked (a branch around each) and after the
-    product's last read of dS^T, S^T waited alone, no local stores in the walks."""
+    product's last read of dS^T, S^T waited alone, no local stores in the walks, lse's
+    load waited for before S^T's issue."""
     sass = _sass(_compile_bwd(128, True))
     assert "BSSY" in sass and not _early_release(sass)
     assert "WARPGROUP.DEPBAR.LE gsb0, 0x1" not in sass
     assert "REDG.E.ADD.F32x2" in sass and not any(_walk_local_stores(sass))
+    assert _loads_waited_before_mma(sass)
+
+
+def _loads_waited_before_mma(sass: str) -> int:
+    """Global loads (LDG) inside the walks (``_walks``) whose value an instruction reads
+    before the next wgmma issue: a load on the walk's path (lse, converted through
+    shared memory before S^T)."""
+    return sum(_waited_loads(body) for body in _walks(sass))
+
+
+def _waited_loads(ops: list[str]) -> int:
+    waited = 0
+    for i, op in enumerate(ops):
+        m = re.match(r"(?:@!?U?P\w+\s+)?LDG\S*\s+(R\d+),", op)
+        if not m:
+            continue
+        reg = re.compile(rf"\b{m.group(1)}\b")
+        for later in ops[i + 1:]:
+            if "HGMMA" in later:
+                break
+            # Read: named past the first operand, or anywhere in a store.
+            body = later.split(None, 1)[-1]
+            sources = body if later.lstrip("@!P0123456789 ").startswith("ST") \
+                else body.split(",", 1)[-1]
+            if "," in body and reg.search(sources):
+                waited += 1
+                break
+    return waited
+
+
+# The options of session 15 (bwd_hopper's docstring), each with the BLOCK_M it is timed
+# at (dq_split at head_dim 64 takes 128: each consumer 64 of the rows) and the local
+# memory ptxas keeps (bytes, the worst of full and causal; scalars stored before the
+# walk, checked by _walk_local_stores). Not listed: lse_ahead with sdp, which at head_dim
+# 128 (causal) stores 10-12 words a block inside the walks.
+_BWD_NEW_OPTS = {
+    (("lse_ahead",), 64, 64): 0,
+    (("lse_ahead",), 128, 64): 56,
+    (("dq_split",), 64, 128): 56,
+    (("dq_split",), 128, 64): 32,
+    (("lse_ahead", "dq_split"), 64, 128): 88,
+    (("lse_ahead", "dq_split"), 128, 64): 32,
+}
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("opts,head_dim,block_m", list(_BWD_NEW_OPTS),
+                         ids=lambda x: ",".join(x) if isinstance(x, tuple) else str(x))
+def test_hopper_backward_new_options_compile_for_sm90(opts, head_dim, block_m, causal):
+    """lse_ahead: no global load waited for inside a block before the next wgmma issue
+    (the default waits for lse's before S^T). dq_split: two dS^T buffers in shared
+    memory, each consumer half of the dQ atomics of the default (its share of every
+    block, not the whole product every other block), its dQ product queued behind dV
+    and dK (waited for with one group outstanding)."""
+    ck = _compile_bwd(head_dim, causal, opts=opts, block_m=block_m)
+    res = resources(ck)
+    assert res["shared_bytes"] <= configs.SM90_SMEM_BYTES, res
+    assert res["stack_bytes"] <= _BWD_NEW_OPTS[(opts, head_dim, block_m)], res
+    sass = _sass(ck)
+    walks = _walk_local_stores(sass)
+    assert len(walks) >= 2 and not any(walks), walks
+    assert (_loads_waited_before_mma(sass) == 0) == ("lse_ahead" in opts)
+    base = _compile_bwd(head_dim, causal, block_m=block_m)
+    if "dq_split" in opts:
+        ds_tile = 2 * 64 * block_m * 2  # 128 keys x BLOCK_M, 16-bit
+        assert res["shared_bytes"] >= resources(base)["shared_bytes"] + ds_tile
+        assert 2 * sass.count("REDG") == _sass(base).count("REDG")
+        assert "WARPGROUP.DEPBAR.LE gsb0, 0x1" in sass
+    else:
+        assert res["shared_bytes"] == resources(base)["shared_bytes"]
 
 
 # FLASHTILE_HOPPER_BWD_CONFIG="64,128,4,STAGES" values that compile without local stores

@@ -57,8 +57,42 @@ none by default, the schedule above) for the GPU A/B, all compile-checked on the
   (mbarriers dq_full / dq_empty). The atomics are the same in number of values; what
   leaves the consumers is their issue, at the price of 2 x 16-32 KiB of shared-memory
   traffic per query block (the tile written, then read) and 16-32 KiB of shared memory.
-Not FA3's: no ping-pong between the two consumers, no overlap of the softmax with the
-dV/dK products inside a warpgroup (spilled at head_dim 128), no bulk dQ reduce.
+- lse_ahead (LSE_AHEAD): lse and delta of query block it + 1 are loaded (one value a
+  thread each, masked off past the walk) during block it, so no global load is waited
+  for inside a block: by default lse's load is issued and waited for (its value stored
+  for the layout conversion) right before S^T's issue, an L2 round trip on every
+  block's path (delta's overlaps dP^T). ptxas then also issues most of the softmax's
+  exp2 before the dP^T wait, under dP^T (14-32 of a thread's 32 in the sm_90 SASS, 0-4
+  by default; one d128 consumer keeps them behind). As FA3, which has the producer copy
+  LSE and dPsum into shared memory beside Q and dO. With sdp it stores inside the walks
+  at d128 (causal): not an A/B variant.
+  Prediction (session 15, no GPU; a toy model of the two consumers sharing the tensor
+  cores, not kept): per block and program (d128, 64 rows, 128 keys) the five products
+  are 10.5 MFLOP, 2560 clocks at the SM's 4096 FLOP/clock, but ~393 TFLOP/s means
+  ~6000 clocks, so each consumer's serial chain (lse round trip ~500-1000 clocks with
+  the atomics loading the L2, two wgmma round trips, the exp2 behind them, the dV/dK
+  wait) is the bound, not the tensor cores. Taking 500-800 clocks off each chain:
+  backward +8-15% at d128, +15-25% at d64 (its blocks are half as long, the same
+  latency); forward + backward +5-10% / +10-18%.
+- dq_split (DQ_SPLIT): FA3's dQ split (AtomLayoutMdQ): both consumers compute a share
+  of every block's dQ_partial over all 128 keys, at head_dim 128 half of the head dims
+  each (m64n64k128), at head_dim 64 half of the rows each, which needs BLOCK_M 128
+  (FLASHTILE_HOPPER_BWD_CONFIG="128,128,4,2"; half of 64 head dims is half a swizzle
+  atom of K). dS^T gets two buffers (by block parity, +16 KiB at BLOCK_M 64, +32 at
+  128); one barrier a block (ds_full: both dS^T stored) replaces the hand-off, since a
+  consumer stores into a buffer only after its own and (through the previous block's
+  ds_full) the other's product on it completed. The dQ product is queued behind dV
+  and dK (three in flight, waited with one outstanding: Q and dO released, then dQ),
+  then 16 atomics a thread per block instead of 32 every other block. dK goes out
+  through K's buffer once both consumers' walks are done (ds_empty, two arrivals).
+  Prediction: the consumers' work per block becomes equal, but they meet every block,
+  so their softmax phases line up and leave the tensor cores idle together; the toy
+  model puts that at 0.8-0.9x alone and 0.92-1.05x with lse_ahead (backward, d128).
+  FA3 gets away with it through S and dP queued together and the LSE in shared
+  memory. Timed to test the dQ-split hypothesis itself: if it is within +-3% the dQ
+  hand-off is not the lever.
+Not FA3's: no ping-pong between the two consumers, no bulk dQ reduce; the softmax runs
+under dP^T only with lse_ahead, and not in every consumer (ptxas schedules it).
 
 Rows past seqlen_q and keys past seqlen_k are zero-filled by TMA; keys past seqlen_k are
 masked (a zero key still scores 0, and exp2(0 - lse) can overflow where lse is very
@@ -149,22 +183,33 @@ def _a_operand(x, acc_layout: gl.constexpr, dtype: gl.constexpr):
 
 
 @gluon.jit
-def _row_vector(ptr, row0, seqlen_q, other, BLOCK_M: gl.constexpr, s_layout: gl.constexpr):
-    """ptr[row0 + i] for i < BLOCK_M (``other`` past seqlen_q) in the layout of S^T's
-    columns: loaded one value per thread of the warpgroup, then converted."""
+def _row_flat(ptr, row0, seqlen_q, other, BLOCK_M: gl.constexpr):
+    """ptr[row0 + i] for i < BLOCK_M (``other`` past seqlen_q), one value per thread of
+    the warpgroup."""
     flat: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
     o_m = row0 + gl.arange(0, BLOCK_M, layout=flat)
-    x = gl.load(ptr + o_m, mask=o_m < seqlen_q, other=other)
+    return gl.load(ptr + o_m, mask=o_m < seqlen_q, other=other)
+
+
+@gluon.jit
+def _row_vector(ptr, row0, seqlen_q, other, BLOCK_M: gl.constexpr, s_layout: gl.constexpr):
+    """``_row_flat`` in the layout of S^T's columns (converted through shared memory)."""
+    x = _row_flat(ptr, row0, seqlen_q, other, BLOCK_M)
     return gl.convert_layout(x, gl.SliceLayout(0, s_layout))
 
 
 @gluon.jit
-def _lse2(p_lse, row0, seqlen_q, BLOCK_M: gl.constexpr, s_layout: gl.constexpr):
-    """lse * log2(e) of query rows row0 + [0, BLOCK_M) in the layout of S^T's columns;
-    +inf past seqlen_q and where lse = -inf (a row that saw no key): P = 0 there, not
+def _base2(lse):
+    """lse * log2(e), +inf where lse = -inf (a row that saw no key): P = 0 there, not
     NaN."""
-    lse = _row_vector(p_lse, row0, seqlen_q, float("inf"), BLOCK_M, s_layout)
     return gl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
+
+
+@gluon.jit
+def _lse2(p_lse, row0, seqlen_q, BLOCK_M: gl.constexpr, s_layout: gl.constexpr):
+    """``_base2`` of the lse of query rows row0 + [0, BLOCK_M) in the layout of S^T's
+    columns; +inf past seqlen_q."""
+    return _base2(_row_vector(p_lse, row0, seqlen_q, float("inf"), BLOCK_M, s_layout))
 
 
 @gluon.constexpr_function
@@ -187,6 +232,35 @@ def _p_t(s_t, o_n, o_m, seqlen_k, diag_offset, qk_scale, lse2, IS_CAUSAL: gl.con
 
 
 @gluon.jit
+def _dq_ptr(DQAccum, p_row, head, dq_rows, HEAD_DIM: gl.constexpr,
+            DQ_UNMASKED: gl.constexpr):
+    """The dQ accumulator's rows of query head ``head`` (of batch * nheads; p_row: its
+    offset in lse) as one pointer: heads seqlen_q rows apart, or dq_rows with
+    DQ_UNMASKED."""
+    if DQ_UNMASKED:
+        return DQAccum + head.to(gl.int64) * dq_rows * HEAD_DIM
+    return DQAccum + p_row * HEAD_DIM
+
+
+@gluon.jit
+def _dq_add(p_dq, dq, row0, col0, seqlen_q, HEAD_DIM: gl.constexpr,
+            DQ_UNMASKED: gl.constexpr):
+    """dq (a wgmma accumulator) added into rows row0 + [0, M), columns col0 + [0, N) of
+    the fp32 accumulator at p_dq (rows HEAD_DIM wide) by relaxed atomics: nothing reads
+    a reduction's result before the conversion kernel, so it needs no ordering.
+    DQ_UNMASKED: no row mask (the accumulator's rows reach a multiple of BLOCK_M)."""
+    dq_layout: gl.constexpr = dq.type.layout
+    o_dq_m = row0 + gl.arange(0, dq.type.shape[0], layout=gl.SliceLayout(1, dq_layout))
+    o_dq_d = col0 + gl.arange(0, dq.type.shape[1], layout=gl.SliceLayout(0, dq_layout))
+    o_dq = gl.expand_dims(o_dq_m, 1) * HEAD_DIM + gl.expand_dims(o_dq_d, 0)     # (M, N)
+    if DQ_UNMASKED:
+        gl.atomic_add(p_dq + o_dq, dq, sem="relaxed")
+    else:
+        gl.atomic_add(p_dq + o_dq, dq, mask=gl.expand_dims(o_dq_m < seqlen_q, 1),
+                      sem="relaxed")
+
+
+@gluon.jit
 def _dq_partial(ds_all, k_all, dq_init, p_dq, row0, seqlen_q, ds_empty, dq_smem, dq_full,
                 dq_empty, it, DQ_EARLY: gl.constexpr, DQ_UNMASKED: gl.constexpr,
                 DQ_WARP: gl.constexpr):
@@ -202,11 +276,7 @@ def _dq_partial(ds_all, k_all, dq_init, p_dq, row0, seqlen_q, ds_empty, dq_smem,
     to dq_smem (free once dq_empty has completed the phase of dQ product it - 1), for
     the writer warp (_dq_writer_partition), told by dq_full."""
     HEAD_DIM: gl.constexpr = k_all.type.shape[1]
-    BLOCK_M: gl.constexpr = dq_init.type.shape[0]
     DQ_PIECE: gl.constexpr = dq_init.type.shape[1]
-    dq_layout: gl.constexpr = dq_init.type.layout
-    o_dq_m = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, dq_layout))  # (M,)
-    o_dq_d = gl.arange(0, DQ_PIECE, layout=gl.SliceLayout(0, dq_layout))        # (64,)
     N_PIECES: gl.constexpr = HEAD_DIM // DQ_PIECE
     for piece in gl.static_range(N_PIECES):
         k_piece = k_all.slice(piece * DQ_PIECE, DQ_PIECE, dim=1)              # (128, 64)
@@ -220,15 +290,7 @@ def _dq_partial(ds_all, k_all, dq_init, p_dq, row0, seqlen_q, ds_empty, dq_smem,
                 mbarrier.wait(dq_empty, (it & 1) ^ 1)
             dq_smem.slice(piece * DQ_PIECE, DQ_PIECE, dim=1).store(dq)
         else:
-            o_dq = gl.expand_dims(o_dq_m, 1) * HEAD_DIM \
-                + gl.expand_dims(piece * DQ_PIECE + o_dq_d, 0)              # (M, 64)
-            # Relaxed: nothing reads a reduction's result before the conversion kernel,
-            # so it needs no ordering.
-            if DQ_UNMASKED:
-                gl.atomic_add(p_dq + o_dq, dq, sem="relaxed")
-            else:
-                gl.atomic_add(p_dq + o_dq, dq, mask=gl.expand_dims(o_dq_m < seqlen_q, 1),
-                              sem="relaxed")
+            _dq_add(p_dq, dq, row0, piece * DQ_PIECE, seqlen_q, HEAD_DIM, DQ_UNMASKED)
     if DQ_WARP:
         mbarrier.arrive(dq_full, count=1)  # the generic-proxy stores above, released
     elif not DQ_EARLY:
@@ -270,10 +332,11 @@ def _dq_writer_partition(dq_smem, dq_full, dq_empty, DQAccum, off_b, h0, n_heads
 @gluon.jit
 def _mma_partition(args, WG: gl.constexpr, IS_CAUSAL: gl.constexpr, SDP: gl.constexpr,
                    DQ_EARLY: gl.constexpr, DQ_UNMASKED: gl.constexpr,
-                   DQ_WARP: gl.constexpr):
+                   DQ_WARP: gl.constexpr, LSE_AHEAD: gl.constexpr,
+                   DQ_SPLIT: gl.constexpr):
     """Consumer warpgroup WG: keys key0 + 64 * WG + [0, 64) against every query block.
     dq_rows: the dQ accumulator's rows per head (seqlen_q, or rounded up to BLOCK_M with
-    DQ_UNMASKED)."""
+    DQ_UNMASKED). ds_smem: one dS^T buffer (128 keys, BLOCK_M), two with DQ_SPLIT."""
     (q_smem, k_smem, v_smem, do_smem, ds_smem, kv_ready, q_ready, do_ready, qdo_empty,
      ds_full, ds_empty, dq_smem, dq_full, dq_empty, dk_desc, dv_desc, Lse, Delta, DQAccum,
      off_b, off_dkv, key0, h0, n_heads, m_lo, n_m, nheads, seqlen_q, seqlen_k, dq_rows,
@@ -300,9 +363,25 @@ def _mma_partition(args, WG: gl.constexpr, IS_CAUSAL: gl.constexpr, SDP: gl.cons
     dv = gl.zeros([BLOCK_N_WG, HEAD_DIM], gl.float32, d_layout)
     s_init = gl.zeros([BLOCK_N_WG, BLOCK_M], gl.float32, s_layout)  # ignored: use_acc=False
     dq_init = gl.zeros([BLOCK_M, DQ_PIECE], gl.float32, dq_layout)  # ignored: use_acc=False
+    if DQ_SPLIT:
+        # This warpgroup's share of dQ_partial (FA3's split): 64 of the 128 query rows
+        # at BLOCK_M 128, else half of the head dims (a whole 128-byte swizzle atom of K
+        # from head_dim 128), over all 128 keys.
+        SPLIT_ROWS: gl.constexpr = BLOCK_M == 2 * BLOCK_N_WG
+        gl.static_assert(SPLIT_ROWS or HEAD_DIM >= 2 * DQ_PIECE,
+                         "dq_split: BLOCK_M 128, or head_dim 128 (half of 64 head dims "
+                         "is half a 128-byte swizzle atom of K)")
+        DQ_M: gl.constexpr = BLOCK_N_WG if SPLIT_ROWS else BLOCK_M
+        DQ_N: gl.constexpr = HEAD_DIM if SPLIT_ROWS else HEAD_DIM // 2
+        dq_share_init = gl.zeros([DQ_M, DQ_N], gl.float32, _acc_layout(DQ_N))
+        k_share = k_all if SPLIT_ROWS else k_all.slice(WG * DQ_N, DQ_N, dim=1)  # (128, N)
     mbarrier.wait(kv_ready, 0)
 
     n_iter = n_heads * n_m
+    if LSE_AHEAD:  # the first block's lse and delta (see the walk)
+        p_row0 = bh0.to(gl.int64) * seqlen_q
+        lse_next = _row_flat(Lse + p_row0, m_lo * BLOCK_M, seqlen_q, float("inf"), BLOCK_M)
+        delta_next = _row_flat(Delta + p_row0, m_lo * BLOCK_M, seqlen_q, 0.0, BLOCK_M)
     for it in range(n_iter):
         row0 = (m_lo + it % n_m) * BLOCK_M
         o_m = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))  # (M,)
@@ -314,7 +393,19 @@ def _mma_partition(args, WG: gl.constexpr, IS_CAUSAL: gl.constexpr, SDP: gl.cons
         # loaded in S^T's column layout, each thread would hold 16 values and their 16
         # 64-bit addresses (48 registers), which spilled at head_dim 128.
         p_row = (bh0 + it // n_m).to(gl.int64) * seqlen_q
-        if not SDP:
+        if LSE_AHEAD:
+            # This block's, loaded during the previous one: no global load latency on
+            # the walk's path (the load sat right before S^T's issue, its result needed
+            # to convert it); the next block's issued now, masked off past the walk.
+            lse2 = gl.convert_layout(_base2(lse_next), gl.SliceLayout(0, s_layout))
+            delta_flat = delta_next
+            nx = it + 1
+            p_row_nx = (bh0 + nx // n_m).to(gl.int64) * seqlen_q
+            rows_nx = gl.where(nx < n_iter, seqlen_q, 0)
+            row0_nx = (m_lo + nx % n_m) * BLOCK_M
+            lse_next = _row_flat(Lse + p_row_nx, row0_nx, rows_nx, float("inf"), BLOCK_M)
+            delta_next = _row_flat(Delta + p_row_nx, row0_nx, rows_nx, 0.0, BLOCK_M)
+        elif not SDP:
             lse2 = _lse2(Lse + p_row, row0, seqlen_q, BLOCK_M, s_layout)
         q = q_smem.index(stage).reshape([BLOCK_M, HEAD_DIM])                 # (M, D)
         b_do = do_smem.index(stage).reshape([BLOCK_M, HEAD_DIM])             # (M, D)
@@ -329,10 +420,11 @@ def _mma_partition(args, WG: gl.constexpr, IS_CAUSAL: gl.constexpr, SDP: gl.cons
             dp_t = warpgroup_mma(v, b_do.permute((1, 0)), s_init, use_acc=False,
                                  is_async=True)                              # (64, M)
             s_t = warpgroup_mma_wait(1, deps=(s_t,))
-            # lse after the products' issue: loaded before (as without SDP), it stayed
-            # live beside dP^T's pinned accumulators and ptxas spilled 200 bytes at
-            # head_dim 128, not 112 (scalars kept across the walk).
-            lse2 = _lse2(Lse + p_row, row0, seqlen_q, BLOCK_M, s_layout)
+            if not LSE_AHEAD:
+                # lse after the products' issue: loaded before (as without SDP), it
+                # stayed live beside dP^T's pinned accumulators and ptxas spilled 200
+                # bytes at head_dim 128, not 112 (scalars kept across the walk).
+                lse2 = _lse2(Lse + p_row, row0, seqlen_q, BLOCK_M, s_layout)
         else:
             s_t = warpgroup_mma_wait(0, deps=(s_t,))
         p_t = _p_t(s_t, o_n, o_m, seqlen_k, diag_offset, qk_scale, lse2,
@@ -348,35 +440,68 @@ def _mma_partition(args, WG: gl.constexpr, IS_CAUSAL: gl.constexpr, SDP: gl.cons
         # 128 (dK, dV: 128 registers; S^T/P^T, dP^T: 32 each; the operands 16 each).
         # The other consumer's products fill the tensor cores meanwhile.
         p_op = _a_operand(p_t, d_layout, dtype)
-        delta = _row_vector(Delta + p_row, row0, seqlen_q, 0.0, BLOCK_M, s_layout)
+        if LSE_AHEAD:
+            delta = gl.convert_layout(delta_flat, gl.SliceLayout(0, s_layout))
+        else:
+            delta = _row_vector(Delta + p_row, row0, seqlen_q, 0.0, BLOCK_M, s_layout)
         ds_t = p_t * (dp_t - gl.expand_dims(delta, 0))                       # (64, M)
         ds_op = _a_operand(ds_t, d_layout, dtype)
         dv = warpgroup_mma(p_op, b_do, dv, is_async=True)
         dk = warpgroup_mma(ds_op, q, dk, is_async=True)
-        # dQ_partial = dS K needs dS as the A operand, rows the queries: through shared
-        # memory, read transposed. Both warpgroups' dS^T (128 keys) go into one product,
-        # taken by the two in turn (owner it % 2): half the atomics of a product per
-        # warpgroup, as FA3 sums dQ over its 128 keys before reducing. ds_empty: the
-        # previous owner's product, the last reader of both buffers, has completed.
-        mbarrier.wait(ds_empty, (it & 1) ^ 1)
-        # From the operand's registers: no second 16-bit copy of dS^T.
-        ds_smem.slice(WG * BLOCK_N_WG, BLOCK_N_WG).store(ds_op)
-        fence_async_shared()  # the generic-proxy writes above before wgmma reads them
-        mbarrier.arrive(ds_full, count=1)
-        dv, dk = warpgroup_mma_wait(0, deps=(dv, dk))
-        mbarrier.arrive(qdo_empty.index(stage), count=1)  # Q and dO read for the last time
-        if it % 2 == WG:
+        if DQ_SPLIT:
+            # dS^T into buffer it % 2: its last readers, both dQ products of block it - 2,
+            # have completed. This warpgroup's in program order; the other's before it
+            # stored dS^T of block it - 1, which the ds_full wait of that block saw.
+            ds_buf = ds_smem.index(it % 2)                                   # (128, M)
+            ds_buf.slice(WG * BLOCK_N_WG, BLOCK_N_WG).store(ds_op)
+            fence_async_shared()  # the generic-proxy writes above before wgmma reads them
+            mbarrier.arrive(ds_full, count=1)
             mbarrier.wait(ds_full, it & 1)  # the other warpgroup's dS^T stored too
-            p_dq = DQAccum + p_row * HEAD_DIM
-            if DQ_UNMASKED:  # the accumulator's heads are dq_rows apart, not seqlen_q
-                p_dq = DQAccum + (bh0 + it // n_m).to(gl.int64) * dq_rows * HEAD_DIM
-            _dq_partial(ds_smem, k_all, dq_init, p_dq, row0, seqlen_q, ds_empty, dq_smem,
-                        dq_full, dq_empty, it, DQ_EARLY, DQ_UNMASKED, DQ_WARP)
+            if SPLIT_ROWS:
+                ds_share = ds_buf.slice(WG * BLOCK_N_WG, BLOCK_N_WG, dim=1)  # (128, 64)
+            else:
+                ds_share = ds_buf
+            # Queued behind dV and dK, as FA3: three products in flight.
+            dq = warpgroup_mma(ds_share.permute((1, 0)), k_share, dq_share_init,
+                               use_acc=False, is_async=True)                 # (DQ_M, DQ_N)
+            dv, dk = warpgroup_mma_wait(1, deps=(dv, dk))
+            mbarrier.arrive(qdo_empty.index(stage), count=1)  # Q and dO read the last time
+            dq = warpgroup_mma_wait(0, deps=(dq,))
+            p_dq = _dq_ptr(DQAccum, p_row, bh0 + it // n_m, dq_rows, HEAD_DIM, DQ_UNMASKED)
+            if SPLIT_ROWS:
+                _dq_add(p_dq, dq, row0 + WG * BLOCK_N_WG, 0, seqlen_q, HEAD_DIM,
+                        DQ_UNMASKED)
+            else:
+                _dq_add(p_dq, dq, row0, WG * DQ_N, seqlen_q, HEAD_DIM, DQ_UNMASKED)
+        else:
+            # dQ_partial = dS K needs dS as the A operand, rows the queries: through shared
+            # memory, read transposed. Both warpgroups' dS^T (128 keys) go into one product,
+            # taken by the two in turn (owner it % 2): half the atomics of a product per
+            # warpgroup, as FA3 sums dQ over its 128 keys before reducing. ds_empty: the
+            # previous owner's product, the last reader of both buffers, has completed.
+            mbarrier.wait(ds_empty, (it & 1) ^ 1)
+            # From the operand's registers: no second 16-bit copy of dS^T.
+            ds_smem.slice(WG * BLOCK_N_WG, BLOCK_N_WG).store(ds_op)
+            fence_async_shared()  # the generic-proxy writes above before wgmma reads them
+            mbarrier.arrive(ds_full, count=1)
+            dv, dk = warpgroup_mma_wait(0, deps=(dv, dk))
+            mbarrier.arrive(qdo_empty.index(stage), count=1)  # Q and dO read the last time
+            if it % 2 == WG:
+                mbarrier.wait(ds_full, it & 1)  # the other warpgroup's dS^T stored too
+                p_dq = _dq_ptr(DQAccum, p_row, bh0 + it // n_m, dq_rows, HEAD_DIM,
+                               DQ_UNMASKED)
+                _dq_partial(ds_smem, k_all, dq_init, p_dq, row0, seqlen_q, ds_empty,
+                            dq_smem, dq_full, dq_empty, it, DQ_EARLY, DQ_UNMASKED, DQ_WARP)
 
     # dK and dV leave through this warpgroup's K and V buffers once the last dQ product,
     # which reads both halves of K, has completed (a fresh barrier passes: no walk). TMA
-    # drops the rows past seqlen_k.
-    mbarrier.wait(ds_empty, (n_iter & 1) ^ 1)
+    # drops the rows past seqlen_k. DQ_SPLIT: both warpgroups' last products (ds_empty
+    # counts two arrivals, one a warpgroup after its walk).
+    if DQ_SPLIT:
+        mbarrier.arrive(ds_empty, count=1)
+        mbarrier.wait(ds_empty, 0)
+    else:
+        mbarrier.wait(ds_empty, (n_iter & 1) ^ 1)
     k_out = k_smem.slice(WG * BLOCK_N_WG, BLOCK_N_WG, dim=1)
     v_out = v_smem.index(WG)
     k.store((dk * softmax_scale).to(dtype))  # k_out's rows, through the 2-d view
@@ -416,13 +541,14 @@ def _attn_bwd_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, L
                             dq_rows, diag_offset, softmax_scale, IS_CAUSAL: gl.constexpr,
                             STAGES: gl.constexpr, SDP: gl.constexpr,
                             DQ_EARLY: gl.constexpr, DQ_UNMASKED: gl.constexpr,
-                            DQ_WARP: gl.constexpr):
+                            DQ_WARP: gl.constexpr, LSE_AHEAD: gl.constexpr,
+                            DQ_SPLIT: gl.constexpr):
     """dK, dV of 128 keys of one (batch, KV head), dQ added into DQAccum: fp32 (batch,
     nheads, dq_rows, head_dim), its first seqlen_q rows of each head zeroed by the
     preprocess. head_split > 1 (GQA): the group's query heads are dealt to head_split
     programs, each storing its share of dK and dV into head off_hkv * head_split + its
     index of dk_desc/dv_desc (the launcher sums the shares). SDP, DQ_EARLY, DQ_UNMASKED,
-    DQ_WARP: the schedule options of the module docstring."""
+    DQ_WARP, LSE_AHEAD, DQ_SPLIT: the schedule options of the module docstring."""
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[1]
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
     key0, off_b, off_dkv, off_hkv, h0, n_heads, m_lo, n_m = _program_walk(
@@ -440,7 +566,12 @@ def _attn_bwd_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, L
                                        v_desc.layout)
     ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for(
         [2 * BLOCK_N_WG, BLOCK_M], q_desc.dtype)
-    ds_smem = gl.allocate_shared_memory(q_desc.dtype, [2 * BLOCK_N_WG, BLOCK_M], ds_layout)
+    if DQ_SPLIT:  # two buffers, alternating by query block
+        ds_smem = gl.allocate_shared_memory(q_desc.dtype, [2, 2 * BLOCK_N_WG, BLOCK_M],
+                                            ds_layout)
+    else:
+        ds_smem = gl.allocate_shared_memory(q_desc.dtype, [2 * BLOCK_N_WG, BLOCK_M],
+                                            ds_layout)
     kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     do_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -457,7 +588,8 @@ def _attn_bwd_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, L
     dq_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     mbarrier.init(kv_ready, count=1)
     mbarrier.init(ds_full, count=2)  # both warpgroups stored their dS^T
-    mbarrier.init(ds_empty, count=1)  # the owner's dQ product has completed
+    # The owner's dQ product has completed; DQ_SPLIT: both warpgroups' walks are done.
+    mbarrier.init(ds_empty, count=2 if DQ_SPLIT else 1)
     if DQ_WARP:
         mbarrier.init(dq_full, count=1)  # the owner stored dQ_partial
         mbarrier.init(dq_empty, count=1)  # the writer read it
@@ -476,18 +608,22 @@ def _attn_bwd_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, L
                  q_ready, do_ready, qdo_empty, off_b, off_hkv, key0, h0, n_heads, m_lo, n_m)
     if DQ_WARP:  # the writer warp beside the producer's, in the warpgroup padded around it
         gl.warp_specialize([
-            (_mma_partition, (mma_args, 0, IS_CAUSAL, SDP, DQ_EARLY, DQ_UNMASKED, DQ_WARP)),
+            (_mma_partition, (mma_args, 0, IS_CAUSAL, SDP, DQ_EARLY, DQ_UNMASKED,
+                              DQ_WARP, LSE_AHEAD, DQ_SPLIT)),
             (_load_partition, load_args),
-            (_mma_partition, (mma_args, 1, IS_CAUSAL, SDP, DQ_EARLY, DQ_UNMASKED, DQ_WARP)),
+            (_mma_partition, (mma_args, 1, IS_CAUSAL, SDP, DQ_EARLY, DQ_UNMASKED,
+                              DQ_WARP, LSE_AHEAD, DQ_SPLIT)),
             (_dq_writer_partition, (dq_smem, dq_full, dq_empty, DQAccum, off_b, h0,
                                     n_heads, m_lo, n_m, nheads, seqlen_q, dq_rows,
                                     DQ_UNMASKED)),
         ], [1, 4, 1], [PRODUCER_REGS, CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
-            (_mma_partition, (mma_args, 0, IS_CAUSAL, SDP, DQ_EARLY, DQ_UNMASKED, DQ_WARP)),
+            (_mma_partition, (mma_args, 0, IS_CAUSAL, SDP, DQ_EARLY, DQ_UNMASKED,
+                              DQ_WARP, LSE_AHEAD, DQ_SPLIT)),
             (_load_partition, load_args),
-            (_mma_partition, (mma_args, 1, IS_CAUSAL, SDP, DQ_EARLY, DQ_UNMASKED, DQ_WARP)),
+            (_mma_partition, (mma_args, 1, IS_CAUSAL, SDP, DQ_EARLY, DQ_UNMASKED,
+                              DQ_WARP, LSE_AHEAD, DQ_SPLIT)),
         ], [1, 4], [PRODUCER_REGS, CONSUMER_REGS])
 
 
@@ -524,16 +660,26 @@ def _descriptor(x, rows: int):
     return fwd_hopper._descriptor(x, (1, rows, 1, x.shape[-1]))
 
 
-def kernel_flags(head_dim: int, causal: bool, opts: frozenset[str]) -> dict:
+def kernel_flags(head_dim: int, causal: bool, opts: frozenset[str], block_m: int) -> dict:
     """The kernel's constexpr switches (but STAGES) for FLASHTILE_HOPPER_BWD_OPTS
-    ``opts`` (``configs.hopper_bwd_opts()``); bwd_hopper256's kernel (head_dim 256) has
-    no options."""
+    ``opts`` (``configs.hopper_bwd_opts()``) at BLOCK_M ``block_m``; bwd_hopper256's
+    kernel (head_dim 256) has no options."""
     if head_dim == 256:
         return dict(IS_CAUSAL=causal)
+    if "dq_split" in opts and opts & {"dq_early", "dq_warp"}:
+        raise ValueError("FLASHTILE_HOPPER_BWD_OPTS: dq_split (each consumer its share "
+                         "of every dQ product) goes without dq_early and dq_warp (one "
+                         f"consumer's whole product), got {sorted(opts)}")
+    if "dq_split" in opts and head_dim < 2 * DQ_PIECE.value and block_m != 128:
+        raise ValueError("FLASHTILE_HOPPER_BWD_OPTS=dq_split at head_dim 64 needs 128 "
+                         "query rows a block (FLASHTILE_HOPPER_BWD_CONFIG='128,128,4,2'), "
+                         "each consumer taking 64 of them: half of the head dims would be "
+                         f"half a 128-byte swizzle atom of K. Got BLOCK_M {block_m}")
     return dict(IS_CAUSAL=causal,
                 SDP="sdp" in opts,
                 DQ_EARLY="dq_early" in opts, DQ_UNMASKED="dq_unmasked" in opts,
-                DQ_WARP="dq_warp" in opts)
+                DQ_WARP="dq_warp" in opts, LSE_AHEAD="lse_ahead" in opts,
+                DQ_SPLIT="dq_split" in opts)
 
 
 # The parameters each plan of the backward fills per call, in its kernel's order.
@@ -609,7 +755,7 @@ def backward(dout, q, k, v, out, lse, dlse, softmax_scale, diag_offset, causal):
             convert((dq_accum.data_ptr(), dq.data_ptr(), softmax_scale))
             return dq, *_summed(dk_shares, dv_shares, split)
     cfg = configs.hopper_bwd_config(d)
-    flags = kernel_flags(d, causal, configs.hopper_bwd_opts())
+    flags = kernel_flags(d, causal, configs.hopper_bwd_opts(), cfg.block_m)
     dq_rows = configs.cdiv(sq, cfg.block_m) * cfg.block_m if flags.get("DQ_UNMASKED") \
         else sq
     dq_accum = accumulator(dq_rows)

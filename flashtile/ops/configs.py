@@ -319,7 +319,9 @@ def hopper_fwd_config(head_dim: int, fp8: bool = False) -> TileConfig:
 # d64 with 2 stages it keeps 64-80 bytes of scalars stored before the walks and none
 # inside them (session 13; stage bwd-tiles times it); STAGES 1 spills at d128 too;
 # STAGES 3 and 4 compile as clean as 2 (d64 99/115 KiB, d128 177/209 KiB) and are the
-# A/B's ring sweep (FLASHTILE_HOPPER_BWD_CONFIG="64,128,4,3").
+# A/B's ring sweep (FLASHTILE_HOPPER_BWD_CONFIG="64,128,4,3"). The dq_split option
+# (FLASHTILE_HOPPER_BWD_OPTS) at d64 takes BLOCK_M 128 (each consumer 64 of the rows;
+# 161 KiB with its second dS^T buffer, no stores in the walks): stage bwd-opts2.
 HOPPER_BWD_16BIT = {64: TileConfig(64, 128, 4, 2), 128: TileConfig(64, 128, 4, 2)}
 
 
@@ -347,7 +349,7 @@ def hopper_bwd_config(head_dim: int) -> TileConfig:
 # Schedule variants of the Gluon backward, each a constexpr of its kernel, chosen by
 # FLASHTILE_HOPPER_BWD_OPTS (comma-separated; empty, the default: none) for the GPU
 # A/B; bwd_hopper's docstring says what each changes. Read when a launch plan is made.
-HOPPER_BWD_OPTS = ("sdp", "dq_early", "dq_unmasked", "dq_warp")
+HOPPER_BWD_OPTS = ("sdp", "dq_early", "dq_unmasked", "dq_warp", "lse_ahead", "dq_split")
 
 
 def hopper_bwd_opts() -> frozenset[str]:
