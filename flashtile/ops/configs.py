@@ -701,7 +701,9 @@ def _wide_key_decode_config(q, rows, block_m, split, v_is_k, fp8_cache) -> TileC
     (350-490 TFLOP/s) against 1403 today; b=32 x 4k (2 splits of 64 tiles, the combine
     reading 17 MB of fp32 partials): 80-120 us against 356; b=1 x 8k (64 splits of 4
     tiles, 17 MB of partials): 13-20 us against 41.8; b=1 x 32k (64 splits of 16
-    tiles): 25-35 us against 110. 16 heads keep their tile and times."""
+    tiles): 25-35 us against 110. 64 heads (the 64-row tile, 392 KB of shared memory
+    read a tile: 3060 cycles and more, 1.8-2.4 us for 4.5 MFLOP): b=64 x 8k (2 splits
+    of 128 tiles) 230-310 us, 240-320 TFLOP/s. 16 heads keep their tile and times."""
     if q.element_size() == 2 and not fp8_cache and rows > 32:
         if rows > 64 and v_is_k:
             return TileConfig(128, 32, 8, 2, dv_parts=2)
