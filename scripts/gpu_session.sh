@@ -28,7 +28,8 @@
 #                forwards, one launch each under Nsight Compute             (~4 min)
 #   fp32         accuracy and speed of fp32, IEEE products against tf32x3  (~8 min)
 #   dropout      flashtile with and without dropout beside SDPA's dropout backends (~4 min)
-#   mla          the absorbed MLA decode (576/512) against the copy ceiling    (~3 min)
+#   mla          the absorbed MLA decode (576/512): GPU tests, against the copy
+#                ceiling, its tiles by heads (16/64/128) A/B      (~7 min, at most 10)
 #   fp8          the Gluon FP8 forward's GPU tests, then FP8 (portable, Gluon, Gluon
 #                with P in shared memory) beside bf16 and cuDNN at d128   (~9 min)
 #   bwd-ab       the Gluon backward's GPU tests, then the split, fused and Gluon
@@ -267,9 +268,24 @@ case "${1:-}" in
     ;;
   mla)
     # Issue 17: the absorbed MLA decode (576/512, 16 and 128 heads, pages of 64) against
-    # the copy ceiling.
+    # the copy ceiling. First its GPU tests: 64 and 128 heads take wgmma tiles, 128 with
+    # V's columns in two programs (configs._wide_key_decode_config; not yet run on a GPU).
+    timeout 90 python3 -m pytest -q -p no:cacheprovider --gpu tests/test_mla_cache.py \
+      -k "gpu and absorbed" 2>&1 | tail -4 | tee "$OUT/mla-tests.txt"
     timeout 150 python3 -m flashtile.bench.decode --mla 2>&1 | grep "^| MLA\|^#" \
       | tee "$OUT/mla.txt"
+    # The tiles by rows, A/B (FLASHTILE_DECODE_CONFIG, fifth value dv_parts): at 128
+    # heads the default 128x32,8,2 in two V parts against the 64-row wgmma tile and the
+    # 32-row mma.sync tile of session 14 (its 4 stages unsplit: b=64 here runs 3); at 64
+    # heads (DeepSeek-V3 over two GPUs) the default 64-row tile against the 32-row one.
+    # One JSON line per shape, prefixed with heads and tile.
+    for run in "128 default" "128 64,32,8,3" "128 32,32,8,3" "64 default" "64 32,32,8,3"; do
+      read -r heads tile <<< "$run"
+      ( [ "$tile" = default ] || export FLASHTILE_DECODE_CONFIG=$tile
+        timeout 70 python3 -c "from flashtile.bench.decode import run_mla_bench as r
+r(heads=($heads,))" 2>&1 | grep "^{" | sed "s/^/$heads heads, $tile: /" ) \
+        | tee -a "$OUT/mla-tiles.txt"
+    done
     ;;
   fp8)
     # Issue 17: the FP8 forward beside bf16 and cuDNN (docs/fp8.md). The Gluon FP8

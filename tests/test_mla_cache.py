@@ -10,7 +10,7 @@ import torch
 
 import flashtile
 from flashtile.inference import apply_rotary
-from flashtile.ops import configs
+from flashtile.ops import configs, decode
 from flashtile.reference import attention_naive
 from tests.conftest import triton_available_here
 from tests.utils import assert_close_rule
@@ -171,6 +171,81 @@ def test_shared_latent_is_read_from_k_tiles(caplog, device, monkeypatch, on_gpu)
     own = flashtile.flash_attn_with_kvcache(q, k_cache, v_cache.clone(),
                                             cache_seqlens=seqlens)
     assert torch.equal(shared, own)
+
+
+@pytest.fixture
+def dv_parts_tile(request):
+    """The decode tile with V's columns in two programs (configs.TileConfig.dv_parts,
+    the GPU's tile past 64 rows at 576/512), forced: the CPU picks one part. 16 rows a
+    block, so 24 query rows make two row blocks of two parts each."""
+    configs.set_override("decode", configs.TileConfig(16, 16, 4, 2, dv_parts=2))
+    yield
+    configs.set_override("decode", None)
+
+
+@pytest.mark.parametrize("paged, num_splits", LAYOUTS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_v_columns_in_two_programs(dtype, paged, num_splits, dv_parts_tile, device,
+                                   on_gpu, monkeypatch):
+    """Absorbed MLA (576/512, V K's first 512 columns) with each program owning 256 of
+    V's columns and adding K's other 256 and its 64 rope columns to the scores: out and
+    lse against float64, three query tokens of 8 heads over one KV head (24 rows, two
+    row blocks), causal, an odd and a full sequence."""
+    if not triton_available_here(on_gpu):
+        pytest.skip("needs the Triton kernels")
+    monkeypatch.setenv("FLASHTILE_BACKEND", "triton")
+    b, s, h = 2, 48, 8
+    k_cache, v_cache = _caches(b, s, 1, 576, 512, True, dtype, device)
+    q = torch.randn(b, 3, h, 576, dtype=dtype, device=device)
+    seqlens = torch.tensor([19, 48], dtype=torch.int32, device=device)
+    out, lse, _, _ = _attend(q, k_cache, v_cache, paged, True, cache_seqlens=seqlens,
+                             causal=True, num_splits=num_splits)
+    _check(out, lse, q, k_cache, v_cache, seqlens, causal=True)
+
+
+def test_v_columns_in_two_programs_need_v_from_k(dv_parts_tile, device, on_gpu,
+                                                 monkeypatch):
+    """dv_parts > 1 (FLASHTILE_DECODE_CONFIG's fifth value) where V is not read from
+    K's tiles (a V of its own storage): a ValueError naming it, not a wrong result."""
+    if not triton_available_here(on_gpu):
+        pytest.skip("needs the Triton kernels")
+    monkeypatch.setenv("FLASHTILE_BACKEND", "triton")
+    k_cache, v_cache = _caches(1, 32, 1, 576, 512, False, torch.float32, device)
+    q = torch.randn(1, 1, 4, 576, dtype=torch.float32, device=device)
+    seqlens = torch.tensor([32], dtype=torch.int32, device=device)
+    with pytest.raises(ValueError, match=r"decode tile dv_parts: expected 1 unless "
+                                         r"v_cache is k_cache's first columns.*got 2"):
+        flashtile.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens)
+
+
+@pytest.mark.parametrize("heads, tile, splits", [
+    (16, configs.TileConfig(16, 32, 8, 3), 64),           # 2 programs an SM: as before
+    (64, configs.TileConfig(64, 32, 8, 3), 32),
+    (128, configs.TileConfig(128, 32, 8, 2, dv_parts=2), 16)])
+def test_absorbed_tiles_by_heads(heads, tile, splits):
+    """The GPU's 16-bit tile by query rows at 576/512 with V K's first columns
+    (configs._wide_key_decode_config), and the split count of batch 4 x 8k keys on 132
+    SMs: the wgmma tiles fill shared memory, so one program an SM, not two (128 heads:
+    V in two parts, two programs per split and sequence)."""
+    q = torch.empty(4, 1, heads, 576, dtype=torch.bfloat16, device="meta")
+    cfg = configs.decode_config(q, 576, heads, head_dim_v=512, v_is_k=True)
+    assert cfg == tile
+    programs = 4 * decode._row_programs(q, 1, cfg)
+    assert programs == (8 if heads == 128 else 4)
+    assert decode.split_plan(programs, 8192, cfg.block_n, 64, 0, 132, False,
+                             configs.decode_programs_per_sm(576, cfg))[0] == splits
+
+
+def test_decode_config_env_takes_dv_parts(monkeypatch):
+    """FLASHTILE_DECODE_CONFIG's fifth value is dv_parts; other kinds take four."""
+    monkeypatch.setenv("FLASHTILE_DECODE_CONFIG", "128,32,8,2,2")
+    q = torch.empty(1, dtype=torch.bfloat16, device="meta")
+    assert configs.decode_config(q, 576, 128) == configs.TileConfig(128, 32, 8, 2, 2)
+    monkeypatch.setenv("FLASHTILE_FWD_CONFIG", "64,64,4,2,2")
+    with pytest.raises(ValueError, match=r"FLASHTILE_FWD_CONFIG must be 'BLOCK_M,BLOCK_N"
+                                         r"\[,num_warps\[,num_stages\]\]' of integers, "
+                                         r"got '64,64,4,2,2'"):
+        configs.fwd_config(q, 64)
 
 
 @pytest.mark.parametrize("d, dv", [pytest.param(192, 128, id="d192-dv128"),
@@ -382,10 +457,13 @@ def test_error_paged_varlen_pool_shapes():
 @pytest.mark.gpu
 @pytest.mark.parametrize("num_splits", [0, 1], ids=["splits-heuristic", "unsplit"])
 @pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
-@pytest.mark.parametrize("seqlen_q, nheads", [(1, 16), (2, 128)])
+@pytest.mark.parametrize("seqlen_q, nheads", [(1, 16), (1, 64), (1, 128), (2, 128)])
 def test_gpu_absorbed_mla_decode(seqlen_q, nheads, paged, num_splits, device):
-    """DeepSeek's absorbed decode at its shape: 16 or 128 query heads over one latent
-    cache of 576 (512 + 64 rope) whose first 512 columns are V; bf16."""
+    """DeepSeek's absorbed decode at its shape: 16, 64 or 128 query heads over one
+    latent cache of 576 (512 + 64 rope) whose first 512 columns are V; bf16. The rows
+    (tokens x heads) pick the tile (configs._wide_key_decode_config): 16 rows mma.sync,
+    64 one 64-row wgmma program, 128 and 256 rows of 128 with V's columns in two
+    programs."""
     dtype, b, s = torch.bfloat16, 3, 1024
     k_cache, v_cache = _caches(b, s, 1, 576, 512, True, dtype, device)
     q = torch.randn(b, seqlen_q, nheads, 576, dtype=dtype, device=device)

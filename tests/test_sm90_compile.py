@@ -224,28 +224,33 @@ def test_append_compiles(paged, head_dims):
     assert resources(ck)["stack_bytes"] == 0
 
 
+@pytest.mark.parametrize("rows", [16, 64, 128], ids=lambda r: f"{r}rows")
 @pytest.mark.parametrize("split", [True, False], ids=["split", "unsplit"])
 @pytest.mark.parametrize("v_is_k", [True, False], ids=["v_view_of_k", "v_own"])
 @pytest.mark.parametrize("head_dims, dtype", [((576, 512), "bf16"), ((576, 512), "fp32"),
                                               ((192, 128), "bf16")],
                          ids=["d576-dv512-bf16", "d576-dv512-fp32", "d192-dv128-bf16"])
-def test_mla_decode_compiles_for_sm90(head_dims, dtype, v_is_k, split):
-    """Decode with V's head dim its own (MLA) at the tile decode_config picks: 576 as a
-    512 tile plus a 64 tail, V read from K's tiles when it is a view of them (absorbed
-    MLA) or loaded; within shared memory, no spills, K/V still copied asynchronously.
-    fp32 with IEEE products (the decode's, TF32 is never allowed there) at 576; at
-    192 the general fp32 decode tile (test_fp32_decode_tiles_do_not_spill)."""
+def test_mla_decode_compiles_for_sm90(head_dims, dtype, v_is_k, split, rows):
+    """Decode with V's head dim its own (MLA) at the tile decode_config picks for 16, 64
+    and 128 query rows (absorbed MLA's 16 and 128 heads): 576 as a 512 tile plus a 64
+    tail, V read from K's tiles when it is a view of them (absorbed MLA) or loaded;
+    within shared memory, no spills, K/V still copied asynchronously. 16-bit 576 past
+    32 rows: wgmma (HGMMA) products, no mma.sync (_wide_key_decode_config), V's columns
+    in parts where the config says. fp32 with IEEE products (the decode's, TF32 is
+    never allowed there) at 576; at 192 the general fp32 decode tile
+    (test_fp32_decode_tiles_do_not_spill)."""
     d, dv = head_dims
     if v_is_k and configs.padded_head_dim(dv) != configs.decode_head_dim_tiles(d)[0]:
         pytest.skip("V is read from K's tiles only when its tile is K's first")
     q = torch.empty(1, dtype=torch.bfloat16 if dtype == "bf16" else torch.float32,
                     device="meta")
-    cfg = configs.decode_config(q, d, 64, split=split, head_dim_v=dv, v_is_k=v_is_k)
+    cfg = configs.decode_config(q, d, rows, split=split, head_dim_v=dv, v_is_k=v_is_k)
     block_d, block_dt = configs.decode_head_dim_tiles(d)
     flags = {k: v for k, v in EVERYTHING.items() if k not in ("HAS_MASK", "MASK_IS_BOOL")}
     ck = compile_kernel(_decode_kernel, dict(
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d, BLOCK_DT=block_dt,
-        BLOCK_DV=configs.padded_head_dim(dv), V_IS_K=v_is_k, PAGED=True, PAGE_SIZE=64,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d // cfg.dv_parts,
+        BLOCK_DT=block_dt, BLOCK_DV=configs.padded_head_dim(dv) // cfg.dv_parts,
+        DV_PARTS=cfg.dv_parts, V_IS_K=v_is_k, PAGED=True, PAGE_SIZE=64,
         PAGE_ALIGNED=True, TILE_PAGES=0, SPLIT_PAGES=4 if split else 0,
         HAS_BATCH_IDX=False, HAS_LEFTPAD=False, LAUNCH_DEPENDENTS=split, **NO_DESCALE,
         **dict(flags, EVEN_D=True, INPUT_PRECISION="ieee" if dtype == "fp32" else "tf32")),
@@ -254,6 +259,9 @@ def test_mla_decode_compiles_for_sm90(head_dims, dtype, v_is_k, split):
     assert res["stack_bytes"] == 0 and res["shared_bytes"] <= configs.SM90_SMEM_BYTES, \
         (cfg, res)
     assert ck.asm["ttgir"].count("async_copy_global_to_local") >= 4, "decode not pipelined"
+    if d > configs.DECODE_MAX_BLOCK_D and dtype == "bf16" and rows > 32:
+        assert tensor_core_ops(ck) == {"HGMMA"}, cfg
+        assert cfg.dv_parts == (2 if v_is_k and rows > 64 else 1), cfg
 
 
 @pytest.mark.parametrize("split", [True, False], ids=["split", "unsplit"])

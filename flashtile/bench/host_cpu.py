@@ -94,8 +94,8 @@ def stubbed_launches():
                 put(module, name, _Kernel(obj))
     heuristic = decode.num_splits_heuristic
     put(decode, "num_splits_heuristic",
-        lambda work, capacity, block_n, num_sms: heuristic(work, capacity, block_n,
-                                                           H200_SMS))
+        lambda work, capacity, block_n, num_sms, per_sm=2: heuristic(
+            work, capacity, block_n, H200_SMS, per_sm))
     put(_launch, "ready", lambda x: True)
     put(_launch, "_device", lambda: 0)
     put(_launch, "_stream", lambda device: 0)

@@ -26,6 +26,9 @@ class TileConfig:
     block_n: int
     num_warps: int = 4
     num_stages: int = 1
+    # Decode over a wide key only (_wide_key_decode_config): V's columns in this many
+    # parts, one program each. Every other kernel takes 1.
+    dv_parts: int = 1
 
 
 # Tests set this to sweep tilings through the interpreter: {"fwd": TileConfig, ...}.
@@ -365,14 +368,20 @@ def hopper_bwd_opts() -> frozenset[str]:
 
 def _from_env(kind: str) -> TileConfig | None:
     # FLASHTILE_FWD_CONFIG="128,64,8,3" (BLOCK_M, BLOCK_N, num_warps, num_stages): for sweeps.
+    # FLASHTILE_DECODE_CONFIG may add dv_parts: "128,32,8,2,2".
     raw = os.environ.get(f"FLASHTILE_{kind.upper()}_CONFIG")
     if not raw:
         return None
+    values = raw.split(",")
+    decode = kind == "decode"
     try:
-        return TileConfig(*[int(x) for x in raw.split(",")])
+        if len(values) > (5 if decode else 4):
+            raise ValueError
+        return TileConfig(*[int(x) for x in values])
     except (TypeError, ValueError):
-        raise ValueError(f"FLASHTILE_{kind.upper()}_CONFIG must be 'BLOCK_M,BLOCK_N"
-                         f"[,num_warps[,num_stages]]' of integers, got {raw!r}") from None
+        more = "[,num_warps[,num_stages[,dv_parts]]]" if decode else "[,num_warps[,num_stages]]"
+        raise ValueError(f"FLASHTILE_{kind.upper()}_CONFIG must be 'BLOCK_M,BLOCK_N{more}' "
+                         f"of integers, got {raw!r}") from None
 
 
 def _pick(kind: str, q: torch.Tensor, head_dim: int, table16: dict, table32: dict, *,
@@ -591,7 +600,7 @@ def decode_config(q, head_dim, rows, split=True, fp8_cache=False, head_dim_v=Non
     # (Issue 17: five stages of 64-key FP8 tiles, 786 instructions a tile before the
     # kernel's V_PAIRS and fp16 widening, ran no faster than the bf16 cache, H200.)
     if head_dim > DECODE_MAX_BLOCK_D:
-        return _wide_key_decode_config(q, block_m, split, v_is_k)
+        return _wide_key_decode_config(q, rows, block_m, split, v_is_k, fp8_cache)
     # The wider of K's and V's head dims sizes the tiles (MLA: they differ).
     widest = padded_head_dim(max(head_dim, head_dim_v or head_dim))
     wide = widest * max(2, q.element_size()) > 256
@@ -625,17 +634,74 @@ _DECODE_FP32 = {
 }
 
 
-def _wide_key_decode_config(q, block_m, split, v_is_k) -> TileConfig:
-    """A key head dim past DECODE_MAX_BLOCK_D (absorbed MLA, 576 over a V of at most
-    512): the (rows, 512) fp32 accumulator over 8 warps, as at 512. Sized with
-    tests/aot.py for sm_90, paged, bf16 (fp32 16 keys): 32 rows x 32 keys with V read
-    from K's tiles hold 208 registers and 113 KB of shared memory at 3 stages, 150 KB at
-    4; with a V of its own, 4 stages of K and V take 248 KB (over the 227 KB an SM
-    has), 3 take 178 KB. 64 rows (half the re-reads of the cache at 128 query heads)
-    compile at 255 registers without spilling, too close to the limit for the variants
-    with more features; not yet timed."""
+def _wide_key_decode_config(q, rows, block_m, split, v_is_k, fp8_cache) -> TileConfig:
+    """A key head dim past DECODE_MAX_BLOCK_D (absorbed MLA: 576 over a V of 512 that is
+    K's first columns, every query head on one KV head), by rows (query tokens x heads
+    per KV head; block_m: decode_config's row block for them).
+
+    Up to 32 rows (16 heads: bound by the cache's bytes), FP8 caches and fp32: (rows,
+    512) fp32 accumulators over 8 warps with mma.sync (HMMA; wgmma takes 64 rows a
+    warpgroup). 32 rows x 32 keys with V from K's tiles hold 208 registers and 113 KB
+    of shared memory at 3 stages (150 KB at 4); with a V of its own, 4 stages of K and V
+    take 248 KB (over the 227 KB an SM has), 3 take 178 KB.
+
+    More rows, 16-bit (128 heads: bound by the products, 2 x 128 x 1088 flops per 1152
+    bytes of a key): wgmma, Q resident in shared memory, one program an SM. Triton
+    lays a dot whose result feeds another dot with every warp along M (warpsPerCTA
+    [8, 1]), so with 8 warps over 64 rows both warpgroups compute the same 64 x BLOCK_N
+    scores, as m64n16k16 products that each read 2.5 KB of Q and K from shared memory
+    for 16K multiply-adds; 4 warps spill (a (64, 512) fp32 accumulator is 256 registers
+    a thread). Past 64 rows, then: 128 rows over 8 warps (each warpgroup its own 64) and
+    V's 512 columns in two programs of 256 (dv_parts; K's other 256 columns and its 64
+    rope columns only add to the scores). Each program holds a (128, 256) accumulator
+    (128 registers a thread) and computes its rows' scores once; the two programs of a
+    row block both compute them, as the two warpgroups did. sm_90 SASS per 32-key tile,
+    bf16, paged, split (tests/aot.py):
+
+      tile (rows x keys, warps, stages, dv_parts)  64x32,8,3     128x32,8,2,2
+      wgmma per thread                             72 m64n16k16  36 m64n32k16
+                                                    2 m64n256k16   2 m64n256k16
+      instructions per thread                      813           637
+      shared memory read by wgmma, per program     392 KB        248 KB
+      programs per 128 rows                        2             2
+      registers, stack, shared memory (KiB)        255, 0, 180   248, 0, 216
+
+    33-64 rows (64 heads: DeepSeek-V3 over two GPUs) take the 64-row tile, one program:
+    padded to 128 rows in two parts they would compute 4x the scores, not 2x. It spills
+    16-120 bytes with a left pad, with split page lists of 16-key pages or with every
+    feature at once (255 registers); the 128-row tile spills in none of them (230-248).
+    Also compiled: 64 rows x 64 keys spill 88-120 bytes, 128 rows x 512 columns 2 KB,
+    64 rows over 4 warps 1.3 KB (80 bytes with dv_parts 2); 3 stages of 128 rows take
+    252 KB; 16-key tiles do not spill but read Q twice as often (m64n8k16).
+
+    PREDICTION (not yet timed), 128 heads, H200 at ~1.75 GHz: the 128-row tile is bound
+    by wgmma's reads of shared memory (an m64n32k16 reads 3 KB for 16 cycles of
+    products at 2048 multiply-adds a cycle: 192 B a cycle against 128): 248 KB / 128 B
+    = 1940 cycles a tile, the softmax and loop (637 instructions x 2 warps a scheduler)
+    partly beside it: 2000-2800 cycles, 1.1-1.6 us, for 128 x 32 x 1088 x 2 = 8.9 MFLOP
+    over the two programs. b=64 x 8k (128 programs, 256 tiles each): 300-420 us
+    (350-490 TFLOP/s) against 1403 today; b=32 x 4k (2 splits of 64 tiles, the combine
+    reading 17 MB of fp32 partials): 80-120 us against 356; b=1 x 8k (64 splits of 4
+    tiles, 17 MB of partials): 13-20 us against 41.8; b=1 x 32k (64 splits of 16
+    tiles): 25-35 us against 110. 64 heads (the 64-row tile, 392 KB of shared memory
+    read a tile: 3060 cycles and more, 1.8-2.4 us for 4.5 MFLOP): b=64 x 8k (2 splits
+    of 128 tiles) 230-310 us, 240-320 TFLOP/s. 16 heads keep their tile and times."""
+    if q.element_size() == 2 and not fp8_cache and rows > 32:
+        if rows > 64 and v_is_k:
+            return TileConfig(128, 32, 8, 2, dv_parts=2)
+        # Q 72 KB; 4 stages of K (V from K's tiles) 144 KB, 2 of K and V 136 KB.
+        return TileConfig(64, 32, 8, (3 if split else 4) if v_is_k else 2)
     stages = 4 if not split and v_is_k else 3
     return TileConfig(min(block_m, 32), 32 if q.element_size() <= 2 else 16, 8, stages)
+
+
+def decode_programs_per_sm(head_dim: int, cfg: TileConfig) -> int:
+    """Decode programs an SM holds at once, as the split heuristic plans them: 2, or 1
+    for a key past DECODE_MAX_BLOCK_D at 64 rows or more (Q resident in shared memory
+    beside the K stages: 180-216 KB, _wide_key_decode_config). A second wave of splits
+    would re-load Q (147 KB at 128 rows) and double the fp32 partials the combine reads
+    (b=1, 128 heads: 256 KB a split)."""
+    return 1 if head_dim > DECODE_MAX_BLOCK_D and cfg.block_m >= 64 else 2
 
 
 # ---- Tile study (`flashtile tune`): candidates, and the tuned cache `_pick` reads ----

@@ -14,7 +14,11 @@ V's head dim may differ from K's (MLA): its own tile for V, the accumulator and 
 output. A key head dim past 512 (absorbed MLA's 576 = 512 latent + 64 rope dims) is a
 512 tile plus a tail tile whose scores add (FlashMLA's split: a tile padded to 1024 would
 double registers and shared memory), and a V that is a view of K's first columns (the
-shared latent rows) is taken from K's tiles, so the cache is read once.
+shared latent rows) is taken from K's tiles, so the cache is read once. Past 64 query
+rows (absorbed MLA's 128 heads) V's columns are split across programs (DV_PARTS): each
+takes its part of K's tile as V and adds the other parts to its scores, so a 128-row
+tile's accumulator fits in registers and wgmma gets 64 rows a warpgroup
+(configs._wide_key_decode_config).
 
 Key j of sequence b lives at cache position ``cache_leftpad[b] + j``; with a
 ``block_table`` that position is looked up page by page, so pages may lie anywhere in
@@ -42,6 +46,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from flashtile._validate import _fail
 from flashtile.ops import _launch, configs
 from flashtile.ops._common import LN2, _checked_page, _checked_rows, _scores_log2
 from flashtile.ops._fp8 import _fp8_pairs_to_fp16, _fp16_rows, _load_descale, _quantize
@@ -123,6 +128,7 @@ def _decode_kernel(
     INPUT_PRECISION: tl.constexpr, LAUNCH_DEPENDENTS: tl.constexpr,
     HAS_Q_DESCALE: tl.constexpr, HAS_K_DESCALE: tl.constexpr, HAS_V_DESCALE: tl.constexpr,
     V_PAIRS: tl.constexpr, PAIRS_ASM: tl.constexpr, KEYS_M: tl.constexpr,
+    DV_PARTS: tl.constexpr,
 ):
     # Pages looked up per key row (a vector of entries per tile), not per tile.
     ROW_PAGES: tl.constexpr = TILE_PAGES > 0 or (not PAGE_ALIGNED and SPLIT_PAGES == 0)
@@ -136,6 +142,14 @@ def _decode_kernel(
     off_b = tl.program_id(1) // nheads_kv
     off_hkv = tl.program_id(1) % nheads_kv
     start_m = tl.program_id(2)
+    if DV_PARTS > 1:
+        # V's columns in DV_PARTS parts of BLOCK_DV, one a program: each part's programs
+        # compute the same scores (configs._wide_key_decode_config says why). V is K's
+        # first columns (V_IS_K), so the program's part of K is its V.
+        tl.static_assert(V_IS_K and BLOCK_DV == BLOCK_D and BLOCK_DT > 0 and not KEYS_M
+                         and not KCache.dtype.element_ty.is_fp8())
+        part = start_m % DV_PARTS
+        start_m = start_m // DV_PARTS
 
     # Row r of the tile is query token r // group_size of query head r % group_size.
     offs_r = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -144,6 +158,8 @@ def _decode_kernel(
     m_row = offs_r < seqlen_q * group_size
     offs_n0 = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
+    if DV_PARTS > 1:
+        offs_d += part * BLOCK_D  # K's tile that holds this program's V columns
     m_d = offs_d < head_dim
     # V's head dim (the accumulator's and the output's) may differ from K's: MLA.
     offs_dv = offs_d if BLOCK_DV == BLOCK_D else tl.arange(0, BLOCK_DV)
@@ -152,7 +168,7 @@ def _decode_kernel(
         # A key head dim past one power-of-two tile (absorbed MLA: 576 = 512 + 64) is
         # a BLOCK_D tile plus this tail tile, its scores the sum of two products, as in
         # FlashMLA: one padded 1024-wide tile would double the registers and bytes.
-        offs_dt = BLOCK_D + tl.arange(0, BLOCK_DT)
+        offs_dt = DV_PARTS * BLOCK_D + tl.arange(0, BLOCK_DT)
         m_dt = offs_dt < head_dim
 
     # Keys including the new_tokens just appended; cache positions [leftpad, stop).
@@ -179,6 +195,14 @@ def _decode_kernel(
     if BLOCK_DT > 0:
         b_qt = tl.load(p_q + offs_dt[None, :], mask=m_row[:, None] & m_dt[None, :],
                        other=0.0)                                          # (M, DT)
+    if DV_PARTS > 1:
+        # The other parts' tiles of q, in the order the loop adds their scores.
+        b_qo = ()
+        for j in tl.static_range(1, DV_PARTS):
+            offs_do = ((part + j) % DV_PARTS) * BLOCK_D + tl.arange(0, BLOCK_D)
+            b_qo = b_qo + (tl.load(p_q + offs_do[None, :],
+                                   mask=m_row[:, None] & (offs_do < head_dim)[None, :],
+                                   other=0.0),)                            # (M, D)
     # An FP8 cache is read as FP8 (half the bytes: decode is bound by them) and widened
     # in registers to fp16, exactly, whatever q's type: FP8 and fp16 q as they are, bf16
     # rows scaled into fp16 by a power of two each (_fp16_rows) that the scores' scale
@@ -355,6 +379,14 @@ def _decode_kernel(
             qk = tl.dot(b_k, tl.trans(b_q), input_precision=INPUT_PRECISION)  # (N, M)
         else:
             qk = tl.dot(b_q, tl.trans(b_k), input_precision=INPUT_PRECISION)  # (M, N)
+        if DV_PARTS > 1:
+            for j in tl.static_range(1, DV_PARTS):
+                offs_do = ((part + j) % DV_PARTS) * BLOCK_D + tl.arange(0, BLOCK_D)
+                b_ko = tl.load(p_k + offs_do[None, :],
+                               mask=m_n[:, None] & (offs_do < head_dim)[None, :],
+                               other=0.0).to(b_q.dtype)                    # (N, D)
+                qk = tl.dot(b_qo[j - 1], tl.trans(b_ko), qk,
+                            input_precision=INPUT_PRECISION)
         if BLOCK_DT > 0:
             b_kt = tl.load(p_k + offs_dt[None, :], mask=m_n[:, None] & m_dt[None, :],
                            other=0.0).to(b_q.dtype)                        # (N, DT)
@@ -447,8 +479,13 @@ def _decode_kernel(
         out *= v_descale  # linear: split partials scaled alike combine unchanged
     # Out/Lse are either the final (b, sq, h, d)/(b, h, sq) tensors (stride_os = 0) or
     # the fp32 per-split partials that _combine_kernel merges.
+    m_lse = m_row
+    if DV_PARTS > 1:
+        # One part stores lse. The parts add the score tiles in different orders, so
+        # their sums may differ in the last bits of fp32.
+        m_lse &= part == 0
     tl.store(Lse + split * stride_ls + off_b * stride_lb + offs_h * stride_lh + offs_t,
-             lse, mask=m_row)
+             lse, mask=m_lse)
     p_o = (Out + split * stride_os + off_b * stride_ob + offs_t[:, None] * stride_om
            + offs_h[:, None] * stride_oh + offs_dv[None, :])
     tl.store(p_o, out.to(Out.dtype.element_ty), mask=m_row[:, None] & m_dv[None, :])
@@ -507,24 +544,26 @@ MAX_SPLIT_PAGES = 16
 
 
 def num_splits_heuristic(work_items: int, max_seqlen_k: int, block_n: int,
-                         num_sms: int) -> int:
-    """Split the cache length into as many splits as keep every SM at two programs or
-    fewer, at least two key blocks per split (a split's fixed cost is its q load and
-    store). Rounding the split count up instead left some SMs with a third program of a
-    memory-bound grid: H200, 8 x 8k keys, 5 splits 3731 GB/s, 4 splits 3972 (NOTES.md
-    section 9)."""
+                         num_sms: int, per_sm: int = 2) -> int:
+    """Split the cache length into as many splits as keep every SM at per_sm programs
+    (configs.decode_programs_per_sm) or fewer, at least two key blocks per split (a
+    split's fixed cost is its q load and store). Rounding the split count up instead
+    left some SMs with a third program of a memory-bound grid: H200, 8 x 8k keys, 5
+    splits 3731 GB/s, 4 splits 3972 (NOTES.md section 9)."""
     if work_items >= num_sms:
         return 1
     max_splits = max(1, configs.cdiv(max_seqlen_k, 2 * block_n))
-    return max(1, min(2 * num_sms // work_items, max_splits, 128))
+    return max(1, min(per_sm * num_sms // work_items, max_splits, 128))
 
 
 def split_plan(work_items: int, capacity: int, block_n: int, page_size: int,
-               num_splits: int, num_sms: int, leftpad: bool) -> tuple[int, int, int]:
+               num_splits: int, num_sms: int, leftpad: bool,
+               per_sm: int = 2) -> tuple[int, int, int]:
     """(splits, keys per split, SPLIT_PAGES) of a decode launch of work_items programs
     per split over caches of capacity keys in block_n-key tiles; page_size 0: a
     contiguous cache; num_splits 0: num_splits_heuristic's; leftpad: a cache_leftpad is
-    given (its tiles look pages up per key row, never a page list).
+    given (its tiles look pages up per key row, never a page list); per_sm: as
+    num_splits_heuristic's.
 
     SPLIT_PAGES, the length of a short split's page list, is the pages a split spans
     rounded up to a power of two from 2 to MAX_SPLIT_PAGES: it follows the longest
@@ -538,7 +577,7 @@ def split_plan(work_items: int, capacity: int, block_n: int, page_size: int,
     split count for short caches with large pages (1 x 8 heads x 4k keys, 256-key
     pages: 16 splits instead of 32), and would not bound the span."""
     if num_splits <= 0:
-        num_splits = num_splits_heuristic(work_items, capacity, block_n, num_sms)
+        num_splits = num_splits_heuristic(work_items, capacity, block_n, num_sms, per_sm)
     keys_per_split = configs.cdiv(configs.cdiv(max(capacity, 1), num_splits),
                                  block_n) * block_n
     num_splits = max(1, configs.cdiv(capacity, keys_per_split))
@@ -609,6 +648,31 @@ def keys_m(q, k_cache, v_cache, v_is_k) -> bool:
             and v_pairs(v_cache, v_is_k))
 
 
+def _row_programs(q, hkv, cfg) -> int:
+    """Programs of a decode per split, batch entry and KV head: the blocks of query rows
+    times V's column parts (cfg.dv_parts)."""
+    return configs.cdiv(q.shape[1] * (q.shape[2] // hkv), cfg.block_m) * cfg.dv_parts
+
+
+def _check_dv_parts(cfg, head_dim, v_is_k, k_cache) -> None:
+    """V's columns split across programs (dv_parts > 1, FLASHTILE_DECODE_CONFIG's fifth
+    value) only where the kernel takes them: V read from K's tiles of a key past
+    DECODE_MAX_BLOCK_D, a 16-bit or fp32 cache (an FP8 one scales q's rows as a whole),
+    parts of a power of two of at least 16 columns."""
+    parts = cfg.dv_parts
+    if parts == 1:
+        return
+    if not (v_is_k and head_dim > configs.DECODE_MAX_BLOCK_D
+            and k_cache.element_size() > 1):
+        _fail(ValueError, "decode tile dv_parts", "1 unless v_cache is k_cache's first "
+              "columns, head_dim is past 512 (absorbed MLA) and the cache is not FP8",
+              f"{parts} ({cfg}, head_dim {head_dim}, v_cache "
+              f"{'a view of k_cache' if v_is_k else 'its own'}, {k_cache.dtype})")
+    if parts < 1 or parts & (parts - 1) or configs.DECODE_MAX_BLOCK_D // parts < 16:
+        _fail(ValueError, "decode tile dv_parts",
+              f"a power of two from 1 to {configs.DECODE_MAX_BLOCK_D // 16}", parts)
+
+
 def _tile(q, k_cache, v_cache, v_is_k, split=True) -> configs.TileConfig:
     """The decode tile of q (b, sq, h, d) over the caches: the query rows of one KV head
     (GQA packing), K's and V's head dims."""
@@ -630,12 +694,13 @@ def paged_decode_warm_shapes(q, k_cache, v_cache, batch_sizes,
     decodes eagerly runs these before serving, so that no decode step compiles."""
     hkv, page_size = k_cache.shape[2], k_cache.shape[1]
     cfg = _tile(q, k_cache, v_cache, _v_is_k(k_cache, v_cache))
-    rows = configs.cdiv(q.shape[1] * (q.shape[2] // hkv), cfg.block_m) * hkv
+    rows = _row_programs(q, hkv, cfg) * hkv
+    per_sm = configs.decode_programs_per_sm(q.shape[-1], cfg)
     shapes, seen = [], set()
     for b in batch_sizes:
         for width in widths:
             splits, _, split_pages = split_plan(b * rows, width * page_size, cfg.block_n,
-                                                page_size, 0, _num_sms(q), False)
+                                                page_size, 0, _num_sms(q), False, per_sm)
             variants = {("decode", splits > 1, split_pages)}
             if splits > 1:
                 variants.add(("combine", configs.next_power_of_2(splits)))
@@ -784,13 +849,14 @@ def attn_decode(q, k_cache, v_cache, *, cache_seqlens, block_table, cache_batch_
     group = h // hkv
     capacity = block_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1]
     cfg = _tile(q, k_cache, v_cache, v_is_k)
-    m_blocks = configs.cdiv(sq * group, cfg.block_m)
+    _check_dv_parts(cfg, d, v_is_k, k_cache)
+    m_blocks = _row_programs(q, hkv, cfg)
     # Page sizes are powers of two (validated), so a constexpr page size makes the
     # per-row lookup shifts and masks; one variant per page size in use.
     page_size = k_cache.shape[1] if paged else 1
     num_splits, keys_per_split, split_pages = split_plan(
         b * hkv * m_blocks, capacity, cfg.block_n, page_size if paged else 0, num_splits,
-        _num_sms(q), cache_leftpad is not None)
+        _num_sms(q), cache_leftpad is not None, configs.decode_programs_per_sm(d, cfg))
     out, lse, *pieces = _outputs(q, dv, out_dtype, num_splits, return_lse)
     lse_t, dst, dst_lse = _output_tensors(q, dv, num_splits, out, lse, *pieces)
     if num_splits == 1:
@@ -809,8 +875,11 @@ def attn_decode(q, k_cache, v_cache, *, cache_seqlens, block_table, cache_batch_
     flags.pop("MASK_IS_BOOL")
     block_d, block_dt = configs.decode_head_dim_tiles(d)
     block_dv = configs.padded_head_dim(dv)
-    flags.update(BLOCK_D=block_d, BLOCK_DT=block_dt, EVEN_D=block_d + block_dt == d,
-                 BLOCK_DV=block_dv, EVEN_DV=block_dv == dv, V_IS_K=v_is_k)
+    # dv_parts > 1: K's first tile in parts of V's columns, one of them each program's V.
+    parts = cfg.dv_parts
+    flags.update(BLOCK_D=block_d // parts, BLOCK_DT=block_dt, EVEN_D=block_d + block_dt == d,
+                 BLOCK_DV=block_dv // parts, EVEN_DV=block_dv == dv, V_IS_K=v_is_k,
+                 DV_PARTS=parts)
     page_aligned = paged and page_size % cfg.block_n == 0 and cache_leftpad is None
     # Pages smaller than the tile: whole pages per tile unless a left pad (0: per row).
     tile_pages = (cfg.block_n // page_size
