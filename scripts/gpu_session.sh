@@ -272,6 +272,8 @@ case "${1:-}" in
     # V's columns in two programs (configs._wide_key_decode_config; not yet run on a GPU).
     timeout 90 python3 -m pytest -q -p no:cacheprovider --gpu tests/test_mla_cache.py \
       -k "gpu and absorbed" 2>&1 | tail -4 | tee "$OUT/mla-tests.txt"
+    timeout 150 make memcheck MEMCHECK_K="gpu and absorbed" \
+      MEMCHECK_FILES=tests/test_mla_cache.py 2>&1 | tail -3 | tee -a "$OUT/mla-tests.txt"
     timeout 150 python3 -m flashtile.bench.decode --mla 2>&1 | grep "^| MLA\|^#" \
       | tee "$OUT/mla.txt"
     # The tiles by rows, A/B (FLASHTILE_DECODE_CONFIG, fifth value dv_parts): at 128
