@@ -27,7 +27,6 @@ and torch.func transforms get the op itself.
 from __future__ import annotations
 
 import functools
-import os
 from typing import Optional
 
 import torch
@@ -35,7 +34,7 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from flashtile import _torch_backend, reference
-from flashtile._backend import hopper_bwd_mode, hopper_fwd_mode, select_backend
+from flashtile._backend import getenv, hopper_bwd_mode, hopper_fwd_mode, select_backend
 from flashtile._validate import (MAX_OFFSET, can_read_indices, check_paged_varlen_values,
                                  check_varlen_values, index_checks_enabled, offset_reach)
 from flashtile.ops.bwd import attn_bwd as triton_bwd
@@ -50,7 +49,7 @@ DEFAULT_BWD = "split"
 
 def fused_backward(deterministic: bool) -> bool:
     """Whether a Triton backward takes the fused path (module docstring)."""
-    path = os.environ.get("FLASHTILE_BWD", "").strip().lower() or DEFAULT_BWD
+    path = getenv("FLASHTILE_BWD", "").strip().lower() or DEFAULT_BWD
     if path not in BWD_PATHS:
         raise ValueError(f"FLASHTILE_BWD must be one of {BWD_PATHS} (or unset: "
                          f"{DEFAULT_BWD!r}), got {path!r}")
@@ -162,8 +161,17 @@ def _attn_bwd_impl(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, l
              window_left: int, window_right: int, softcap: float, allow_tf32: bool,
              deterministic: bool = False, dropout_p: float = 0.0,
              philox: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
-    kw = _mask_kwargs(attn_mask, alibi_slopes, softmax_scale, diag_offset, window_left,
-                      window_right, softcap)
+    return _attn_backward(dout, q, k, v, out, lse, dlse, attn_mask, alibi_slopes,
+                          softmax_scale, diag_offset, window_left, window_right, softcap,
+                          allow_tf32, deterministic, dropout_p, philox, False)
+
+
+def _attn_backward(dout, q, k, v, out, lse, dlse, attn_mask, alibi_slopes, softmax_scale,
+                   diag_offset, window_left, window_right, softcap, allow_tf32,
+                   deterministic, dropout_p, philox, one_allocation):
+    """(dq, dk, dv) of either backend. one_allocation: the portable Triton backward's
+    gradients may share one allocation (``ops.bwd.attn_bwd``), which only the eager
+    autograd path allows: the op's outputs must not alias each other."""
     if select_backend(q.device, q.dtype) == "triton":
         # FLASHTILE_HOPPER_BWD (default auto: from 1k queries and keys): the Gluon
         # backward where it supports the call; its dQ atomics are not reproducible, so
@@ -174,16 +182,25 @@ def _attn_bwd_impl(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, l
             from flashtile.ops import bwd_hopper
 
             reason = bwd_hopper.unsupported(q, k, v, out, dout, dropout_p=dropout_p,
-                                            mode=mode, **kw)
+                                            mode=mode, **_mask_kwargs(
+                                                attn_mask, alibi_slopes, softmax_scale,
+                                                diag_offset, window_left, window_right,
+                                                softcap))
             if reason is None:
                 return bwd_hopper.backward(dout, q, k, v, out, lse, dlse, softmax_scale,
                                            diag_offset, causal=window_right == 0)
-        return triton_bwd(dout, q, k, v, out, lse, dlse, allow_tf32=allow_tf32,
-                          fused=fused_backward(deterministic), dropout_p=dropout_p,
-                          philox=philox, **kw)
+        # Keywords spelled out, not **_mask_kwargs: no dict built on the eager path.
+        return triton_bwd(dout, q, k, v, out, lse, dlse, attn_mask=attn_mask,
+                          alibi_slopes=alibi_slopes, softmax_scale=softmax_scale,
+                          diag_offset=diag_offset, window_left=window_left,
+                          window_right=window_right, softcap=softcap,
+                          allow_tf32=allow_tf32, fused=fused_backward(deterministic),
+                          dropout_p=dropout_p, philox=philox,
+                          one_allocation=one_allocation)
     grads = _torch_backend.attention_bwd(
         dout, q, k, v, out, lse, dlse, dropout=_dense_dropout(q, dropout_p, philox),
-        **kw)
+        **_mask_kwargs(attn_mask, alibi_slopes, softmax_scale, diag_offset, window_left,
+                       window_right, softcap))
     return tuple(g.contiguous() for g in grads)
 
 
@@ -201,6 +218,9 @@ def _(dout, q, k, v, out, lse, dlse, attn_mask, alibi_slopes, softmax_scale, dia
 
 _SCALARS = ("softmax_scale", "diag_offset", "window_left", "window_right", "softcap",
             "allow_tf32", "deterministic", "dropout_p")
+# None for attn_mask, alibi_slopes, each scalar and philox (a call that left the
+# trailing defaults out has fewer inputs: autograd drops trailing Nones).
+_NO_GRADS = (None,) * (3 + len(_SCALARS))
 
 
 def _setup_context(ctx, inputs, output):
@@ -210,7 +230,9 @@ def _setup_context(ctx, inputs, output):
     # the trailing defaults out.
     philox = inputs[5 + len(_SCALARS)] if len(inputs) > 5 + len(_SCALARS) else None
     ctx.save_for_backward(q, k, v, out, lse, attn_mask, alibi_slopes, philox)
-    ctx.scalars = dict(zip(_SCALARS, inputs[5:]))
+    # _SCALARS' values in order, positional for the backward; deterministic and
+    # dropout_p default to False and 0.0 where the call left them out.
+    ctx.scalars = (*inputs[5:5 + len(_SCALARS)], False, 0.0)[:len(_SCALARS)]
 
 
 def _kernel_ready(dout, out):
@@ -225,14 +247,19 @@ def _kernel_ready(dout, out):
     return dout
 
 
-def _backward(ctx, dout, dlse, bwd=attn_bwd):
+def _backward(ctx, dout, dlse):
+    """The op's backward: ``flashtile::attn_bwd``."""
     q, k, v, out, lse, attn_mask, alibi_slopes, philox = ctx.saved_tensors
-    dout = _kernel_ready(dout, out)
-    dq, dk, dv = bwd(dout, q, k, v, out, lse, dlse, attn_mask, alibi_slopes, **ctx.scalars,
-                     philox=philox)
-    # None for attn_mask, alibi_slopes, each scalar and philox (a call that left the
-    # trailing defaults out has fewer inputs: autograd drops trailing Nones).
-    return (dq, dk, dv) + (None,) * (3 + len(_SCALARS))
+    return attn_bwd(_kernel_ready(dout, out), q, k, v, out, lse, dlse, attn_mask,
+                    alibi_slopes, *ctx.scalars, philox) + _NO_GRADS
+
+
+def _eager_backward(ctx, dout, dlse):
+    """The eager autograd.Function's backward: the implementation itself, its
+    gradients in one allocation (``_attn_backward``)."""
+    q, k, v, out, lse, attn_mask, alibi_slopes, philox = ctx.saved_tensors
+    return _attn_backward(_kernel_ready(dout, out), q, k, v, out, lse, dlse, attn_mask,
+                          alibi_slopes, *ctx.scalars, philox, True) + _NO_GRADS
 
 
 attn_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -312,9 +339,8 @@ def _call(op, function, impl, args):
     return impl(*args)
 
 
-_EAGER_ATTENTION = _eager_function(
-    "_EagerAttention", _attn_fwd_impl, _setup_context,
-    lambda ctx, dout, dlse: _backward(ctx, dout, dlse, bwd=_attn_bwd_impl))
+_EAGER_ATTENTION = _eager_function("_EagerAttention", _attn_fwd_impl, _setup_context,
+                                   _eager_backward)
 
 
 def attention(q, k, v, attn_mask, alibi_slopes, softmax_scale, diag_offset, window_left,
@@ -434,6 +460,17 @@ def _varlen_attn_bwd_impl(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Te
                     softcap: float, allow_tf32: bool,
                     deterministic: bool = False, dropout_p: float = 0.0,
                     philox: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
+    return _varlen_attn_backward(dout, q, k, v, out, lse, dlse, cu_seqlens_q, cu_seqlens_k,
+                                 max_seqlen_q, max_seqlen_k, alibi_slopes, softmax_scale,
+                                 window_left, window_right, softcap, allow_tf32,
+                                 deterministic, dropout_p, philox, False)
+
+
+def _varlen_attn_backward(dout, q, k, v, out, lse, dlse, cu_seqlens_q, cu_seqlens_k,
+                          max_seqlen_q, max_seqlen_k, alibi_slopes, softmax_scale,
+                          window_left, window_right, softcap, allow_tf32, deterministic,
+                          dropout_p, philox, one_allocation):
+    """(dq, dk, dv) of either backend; one_allocation as in ``_attn_backward``."""
     kw = _mask_kwargs(None, alibi_slopes, softmax_scale, 0, window_left, window_right,
                       softcap)
     if select_backend(q.device, q.dtype) == "triton":
@@ -441,7 +478,7 @@ def _varlen_attn_bwd_impl(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Te
                           cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                           max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
                           fused=fused_backward(deterministic), dropout_p=dropout_p,
-                          philox=philox, **kw)
+                          philox=philox, one_allocation=one_allocation, **kw)
     dq, dk, dv = q.new_zeros(q.shape), k.new_zeros(k.shape), v.new_zeros(v.shape)
     for b, (qs, qe, ks, ke) in enumerate(_bounds(cu_seqlens_q, cu_seqlens_k)):
         if qe == qs or ke == ks:
@@ -496,7 +533,7 @@ def _varlen_setup_context(ctx, inputs, output):
     ctx.num_inputs = len(inputs)
 
 
-def _varlen_backward(ctx, dout, dlse, bwd=varlen_attn_bwd):
+def _varlen_backward(ctx, dout, dlse, bwd=varlen_attn_bwd, *one_allocation):
     if ctx.paged:
         # flash_attn_varlen_func refuses grad with a block_table before the forward; a
         # direct call of the op reaches this instead.
@@ -506,7 +543,7 @@ def _varlen_backward(ctx, dout, dlse, bwd=varlen_attn_bwd):
     max_q, max_k, *rest = ctx.scalars
     dout = _kernel_ready(dout, out)
     dq, dk, dv = bwd(dout, q, k, v, out, lse, dlse, cu_q, cu_k, max_q, max_k, alibi_slopes,
-                     *rest, ctx.deterministic, ctx.dropout_p, philox)
+                     *rest, ctx.deterministic, ctx.dropout_p, philox, *one_allocation)
     return (dq, dk, dv) + (None,) * (ctx.num_inputs - 3)
 
 
@@ -514,7 +551,7 @@ varlen_attn_fwd.register_autograd(_varlen_backward, setup_context=_varlen_setup_
 
 _EAGER_VARLEN_ATTENTION = _eager_function(
     "_EagerVarlenAttention", _varlen_attn_fwd_impl, _varlen_setup_context,
-    lambda ctx, dout, dlse: _varlen_backward(ctx, dout, dlse, bwd=_varlen_attn_bwd_impl))
+    lambda ctx, dout, dlse: _varlen_backward(ctx, dout, dlse, _varlen_attn_backward, True))
 
 
 def varlen_attention(*args, return_lse=True, layout=None):

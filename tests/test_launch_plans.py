@@ -121,7 +121,10 @@ def _fwd_kw(**kw):
     return {**base, **kw}
 
 
-def test_plan_forward_and_backward_match_triton(recorder):
+@pytest.mark.parametrize("one_allocation", [False, True], ids=["op", "eager"])
+def test_plan_forward_and_backward_match_triton(one_allocation, recorder):
+    """Both of the backward's allocations (the op's dq with the scratch in its tail, the
+    eager path's one for all) give the plan the addresses Triton's path is given."""
     def make_inputs():
         q, k, v = (torch.randn(2, 37, 4, 24) for _ in range(3))
         k, v = k[:, :, :2], v[:, :, :2]  # GQA, strided views
@@ -131,6 +134,7 @@ def test_plan_forward_and_backward_match_triton(recorder):
     def call(t):
         out, lse = fwd.attn_fwd(t["q"], t["k"], t["v"], **_fwd_kw(alibi_slopes=t["alibi"]))
         dq, dk, dv = bwd.attn_bwd(t["dout"], t["q"], t["k"], t["v"], out, lse, None,
+                                  one_allocation=one_allocation,
                                   **_fwd_kw(alibi_slopes=t["alibi"]))
         return dict(out=out, lse=lse, dq=dq, dk=dk, dv=dv)
 

@@ -35,6 +35,7 @@ from __future__ import annotations
 import math
 import os
 from functools import reduce
+from itertools import starmap
 from operator import or_
 
 import torch
@@ -187,25 +188,39 @@ def misalignment(addresses):
     return 0 if not reduce(or_, addresses) & 15 else tuple([p & 15 for p in addresses])
 
 
-def out_with_lse(shape, dtype, n_lse, device):
-    """(out, buf, lse_at): one allocation ``buf`` for a launch whose caller does not
-    return lse: a contiguous ``out`` of ``shape`` ((batch, m, h, d), or (m, h, d) for
-    packed varlen) and ``dtype``, a view of its start, then ``n_lse`` float32 words for
-    the kernel's lse at byte offset ``lse_at``, 16-byte aligned like an allocation of
-    its own. An allocation is ~10 us of host time on the H200, as much as a launch; the
-    lse words cost out 4 bytes a row more."""
-    m, h, d = shape[-3:]
-    strides = (m * h * d, h * d, d, 1)[4 - len(shape):]  # contiguous
+def carve(shapes, dtype, n_words, device):
+    """(views, buf, words_at): one allocation ``buf`` for contiguous tensors of
+    ``shapes`` ((batch, m, h, d), or (m, h, d) for packed varlen) in ``dtype``, its
+    views in that order, the first at buf's start, then ``n_words`` float32 words from
+    byte offset ``words_at``; each part 16-byte aligned like an allocation of its own.
+    An allocation is ~7-11 us of host time on the H200, as much as a launch; a view
+    ~1 us here. The views share buf's storage: only where that is allowed (not for
+    the outputs of one custom op, which must not alias each other)."""
     size = dtype.itemsize
-    lse_at = -(-shape[0] * strides[0] * size // 16) * 16
-    buf = torch.empty((lse_at + 4 * n_lse) // size, dtype=dtype, device=device)
-    return buf.as_strided(shape, strides), buf, lse_at
+    parts, at = (), 0
+    for shape in shapes:
+        m, h, d = shape[-3:]
+        strides = (m * h * d, h * d, d, 1)[4 - len(shape):]  # contiguous
+        parts += ((shape, strides, at // size),)
+        at += -(-shape[0] * strides[0] * size // 16) * 16
+    buf = torch.empty((at + 4 * n_words) // size, dtype=dtype, device=device)
+    return tuple(starmap(buf.as_strided, parts)), buf, at
+
+
+def out_with_lse(shape, dtype, n_lse, device):
+    """(out, buf, lse_at): ``carve``'s one allocation for a launch whose caller does not
+    return lse: out, then ``n_lse`` float32 words for the kernel's lse at byte offset
+    ``lse_at``. The lse words cost out 4 bytes a row more."""
+    (out,), buf, lse_at = carve((shape,), dtype, n_lse, device)
+    return out, buf, lse_at
 
 
 def lse_after(buf, lse_at, shape):
-    """The lse words of ``out_with_lse``'s allocation as a float32 tensor of ``shape``,
-    for Triton's own launch path (which takes tensors, not addresses). From ``buf``,
-    not from out's ``_base``: views made under torch.inference_mode have none."""
+    """The float32 words of a ``carve`` allocation from byte offset ``lse_at`` (lse's
+    after ``out_with_lse``'s out, the backward's delta after the gradients) as a tensor
+    of ``shape``, for Triton's own launch path (which takes tensors, not addresses).
+    From ``buf``, not from a view's ``_base``: views made under torch.inference_mode
+    have none."""
     start = lse_at // 4
     return buf.view(torch.float32)[start:start + math.prod(shape)].view(shape)
 
