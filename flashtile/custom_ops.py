@@ -318,25 +318,17 @@ _functorch_active = torch._C._are_functorch_transforms_active
 _dispatch_modes = torch._C._len_torch_dispatch_stack
 
 
-def _needs_call(args, return_lse) -> bool:
-    """Whether a forward must go through ``_call`` (op or autograd Function): it wants
-    lse, is not plain eager, or may need a gradient. Otherwise the caller runs the
-    implementation itself with lse dropped."""
-    q, k, v = args[:3]
-    return return_lse or not _plain_eager(args) or (torch.is_grad_enabled() and (
-        q.requires_grad or k.requires_grad or v.requires_grad))
-
-
-def _call(op, function, impl, args):
+def _call(op, function, args):
     """The op (compile, tracing, fake tensors, transforms), else the eager
-    autograd.Function when a gradient may be asked for, else the implementation alone:
-    a forward that needs no gradient does not pay autograd's bookkeeping."""
+    autograd.Function when a gradient may be asked for; None for a plain eager call
+    that needs no gradient, which the caller runs itself: it does not pay autograd's
+    bookkeeping, and may drop lse."""
     if not _plain_eager(args):
         return op(*args)
     if torch.is_grad_enabled() and (args[0].requires_grad or args[1].requires_grad
                                     or args[2].requires_grad):
         return function.apply_eager(*args)
-    return impl(*args)
+    return None
 
 
 _EAGER_ATTENTION = _eager_function("_EagerAttention", _attn_fwd_impl, _setup_context,
@@ -353,10 +345,12 @@ def attention(q, k, v, attn_mask, alibi_slopes, softmax_scale, diag_offset, wind
     the layouts of q, k and v (``ops.fwd.attn_fwd``'s), for a dense call."""
     args = (q, k, v, attn_mask, alibi_slopes, softmax_scale, diag_offset, window_left,
             window_right, softcap, allow_tf32, deterministic, dropout_p, philox)
-    if _needs_call(args, return_lse):
-        return _call(attn_fwd, _EAGER_ATTENTION, _attn_fwd_impl, args)
-    # What _call would do for a plain eager forward that needs no gradient, straight to
-    # the implementation: lse dropped (then possibly None).
+    result = _call(attn_fwd, _EAGER_ATTENTION, args)
+    if result is not None:
+        return result
+    if return_lse:
+        return _attn_fwd_impl(*args)
+    # lse dropped (then possibly None).
     return _forward(q, k, v, attn_mask, alibi_slopes, softmax_scale, diag_offset,
                     window_left, window_right, softcap, allow_tf32, dropout_p, philox,
                     return_lse=False, layout=layout)
@@ -559,7 +553,10 @@ def varlen_attention(*args, return_lse=True, layout=None):
     return_lse=False: the caller drops lse, which may then be None (as ``attention``).
     layout: None, or the id ``_validate.once_per_layout`` gave the layouts of q, k, v
     and the index tensors (``ops.fwd.attn_fwd``'s)."""
-    if _needs_call(args, return_lse):
-        return _call(varlen_attn_fwd, _EAGER_VARLEN_ATTENTION, _varlen_attn_fwd_impl, args)
+    result = _call(varlen_attn_fwd, _EAGER_VARLEN_ATTENTION, args)
+    if result is not None:
+        return result
+    if return_lse:
+        return _varlen_attn_fwd_impl(*args)
     # deterministic (args[15]) only matters to a backward.
     return _varlen_forward(*args[:15], *args[16:], return_lse=False, layout=layout)

@@ -27,6 +27,8 @@ from flashtile.ops._common import (LOG2E, _block_range, _dropout_keep, _dropout_
                                    _fill_nan_rows, _load_tile, _prefix_sums_bad,
                                    _scores_log2, _seq_bounds, _tanh)
 
+_data_ptr = torch.Tensor.data_ptr
+
 
 @triton.jit
 def _row_block(nheads, seqlen_q, head_dim, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
@@ -494,17 +496,6 @@ def attn_bwd(dout, q, k, v, out, lse, dlse, *, attn_mask, alibi_slopes, softmax_
         return dq.zero_(), dk.zero_(), dv.zero_()
     lse = lse.contiguous()
     dlse = dlse.contiguous() if dlse is not None else None
-    cu_q, cu_k = (cu_seqlens_q, cu_seqlens_k) if varlen else (q, q)
-    # The preprocess reads out, dout, dlse (lse as a placeholder) and writes delta (and
-    # zeroes dq_accum); the dK/dV kernel takes tensors[:8], dq_accum (q as a never-read
-    # placeholder when not fused), tensors[8:12] and philox (tensors[16]; lse as a
-    # never-read placeholder without dropout); the dQ kernel dq in dk's place. dq stands
-    # for delta and dq_accum, in dq's allocation: a plan is given their addresses, the
-    # first launch views of them.
-    tensors = (q, k, v, dout, lse, dq, dk, dv, q if attn_mask is None else attn_mask,
-               q if alibi_slopes is None else alibi_slopes, cu_q, cu_k, out,
-               lse if dlse is None else dlse, dq, dq if fused else q,
-               lse if philox is None else philox)
     scalars = (max_seqlen_q if varlen else 0, max_seqlen_k if varlen else 0,
                softmax_scale, softcap, dropout_p)
     # What follows a varlen call's packed row counts, in the slots' order: the dQ
@@ -517,10 +508,16 @@ def attn_bwd(dout, q, k, v, out, lse, dlse, *, attn_mask, alibi_slopes, softmax_
     row_grid = (configs.cdiv(rows, configs.PREPROCESS_BLOCK_M), (1 if varlen else batch) * h)
     key = None
     if _launch.ready(q):
-        p = list(_launch.pointers(tensors))
-        p[5] += delta_at
-        if fused:
-            p[15] += accum_at
+        # The addresses of ``tensors`` (below), each tensor's read once; delta and the
+        # dQ accumulator at their offsets in dq's allocation.
+        pq, pl, pb = _data_ptr(q), _data_ptr(lse), _data_ptr(dq)
+        p = (pq, _data_ptr(k), _data_ptr(v), _data_ptr(dout), pl, pb + delta_at,
+             _data_ptr(dk), _data_ptr(dv), pq if attn_mask is None else _data_ptr(attn_mask),
+             pq if alibi_slopes is None else _data_ptr(alibi_slopes),
+             _data_ptr(cu_seqlens_q) if varlen else pq,
+             _data_ptr(cu_seqlens_k) if varlen else pq, _data_ptr(out),
+             pl if dlse is None else _data_ptr(dlse), pb, pb + accum_at if fused else pq,
+             pl if philox is None else _data_ptr(philox))
         # A varlen key leaves the batch and token counts out (the grids and the slots
         # carry them): one set of plans per layout, as the forward's.
         key = ("bwd", q.dtype, q.shape[1:] if varlen else q.shape, q.stride(),
@@ -546,10 +543,20 @@ def attn_bwd(dout, q, k, v, out, lse, dlse, *, attn_mask, alibi_slopes, softmax_
                      (max(1, configs.cdiv(longest_q, last.cfg.block_m)), batch * h, 1)
                      if varlen else None)
             return dq, dk, dv
+    # The first launch of a variant: Triton's path takes tensors, so delta and the dQ
+    # accumulator as views of their words.
+    cu_q, cu_k = (cu_seqlens_q, cu_seqlens_k) if varlen else (q, q)
     delta = _launch.lse_after(buf, delta_at, lse.shape)
     dq_accum = _launch.lse_after(buf, accum_at, (1 if varlen else batch, h, rows, block_d)) \
-        if fused else q
-    tensors = (*tensors[:5], delta, *tensors[6:15], dq_accum, tensors[16])
+        if fused else None
+    # The preprocess reads out, dout, dlse (lse as a placeholder) and writes delta (and
+    # zeroes dq_accum); the dK/dV kernel takes tensors[:8], dq_accum (q as a never-read
+    # placeholder when not fused), tensors[8:12] and philox (tensors[16]; lse as a
+    # never-read placeholder without dropout); the dQ kernel dq in dk's place.
+    tensors = (q, k, v, dout, lse, delta, dk, dv, q if attn_mask is None else attn_mask,
+               q if alibi_slopes is None else alibi_slopes, cu_q, cu_k, out,
+               lse if dlse is None else dlse, dq, q if dq_accum is None else dq_accum,
+               lse if philox is None else philox)
     if varlen:
         # Packed tensors as a batch of one whose batch stride the kernels must not use.
         dout4, q4, k4, v4, out4, dq4, dk4, dv4 = (
