@@ -256,10 +256,20 @@ def _backward(ctx, dout, dlse):
 
 def _eager_backward(ctx, dout, dlse):
     """The eager autograd.Function's backward: the implementation itself, its
-    gradients in one allocation (``_attn_backward``)."""
+    gradients in one allocation where ``_one_allocation`` allows."""
     q, k, v, out, lse, attn_mask, alibi_slopes, philox = ctx.saved_tensors
     return _attn_backward(_kernel_ready(dout, out), q, k, v, out, lse, dlse, attn_mask,
-                          alibi_slopes, *ctx.scalars, philox, True) + _NO_GRADS
+                          alibi_slopes, *ctx.scalars, philox,
+                          _one_allocation(ctx, q, k, v)) + _NO_GRADS
+
+
+def _one_allocation(ctx, q, k, v):
+    """Whether an eager backward may return dq, dk and dv as views of one allocation:
+    only where none would keep the others' memory alive by itself, i.e. all three are
+    asked for (a gradient autograd drops is freed at once) and q, k and v are all
+    leaves (whose .grad keep all three) or none is (each flows on through the graph)."""
+    need = ctx.needs_input_grad
+    return need[0] and need[1] and need[2] and q.is_leaf == k.is_leaf == v.is_leaf
 
 
 attn_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -527,7 +537,9 @@ def _varlen_setup_context(ctx, inputs, output):
     ctx.num_inputs = len(inputs)
 
 
-def _varlen_backward(ctx, dout, dlse, bwd=varlen_attn_bwd, *one_allocation):
+def _varlen_backward(ctx, dout, dlse, eager=False):
+    """The op's backward (``flashtile::varlen_attn_bwd``), or with eager=True the eager
+    autograd.Function's (the implementation, as ``_eager_backward``)."""
     if ctx.paged:
         # flash_attn_varlen_func refuses grad with a block_table before the forward; a
         # direct call of the op reaches this instead.
@@ -535,17 +547,20 @@ def _varlen_backward(ctx, dout, dlse, bwd=varlen_attn_bwd, *one_allocation):
                                   "is forward only")
     q, k, v, out, lse, cu_q, cu_k, alibi_slopes, philox = ctx.saved_tensors
     max_q, max_k, *rest = ctx.scalars
-    dout = _kernel_ready(dout, out)
-    dq, dk, dv = bwd(dout, q, k, v, out, lse, dlse, cu_q, cu_k, max_q, max_k, alibi_slopes,
-                     *rest, ctx.deterministic, ctx.dropout_p, philox, *one_allocation)
-    return (dq, dk, dv) + (None,) * (ctx.num_inputs - 3)
+    args = (_kernel_ready(dout, out), q, k, v, out, lse, dlse, cu_q, cu_k, max_q, max_k,
+            alibi_slopes, *rest, ctx.deterministic, ctx.dropout_p, philox)
+    if eager:
+        grads = _varlen_attn_backward(*args, _one_allocation(ctx, q, k, v))
+    else:
+        grads = varlen_attn_bwd(*args)
+    return (*grads, *(None,) * (ctx.num_inputs - 3))
 
 
 varlen_attn_fwd.register_autograd(_varlen_backward, setup_context=_varlen_setup_context)
 
 _EAGER_VARLEN_ATTENTION = _eager_function(
     "_EagerVarlenAttention", _varlen_attn_fwd_impl, _varlen_setup_context,
-    lambda ctx, dout, dlse: _varlen_backward(ctx, dout, dlse, _varlen_attn_backward, True))
+    lambda ctx, dout, dlse: _varlen_backward(ctx, dout, dlse, eager=True))
 
 
 def varlen_attention(*args, return_lse=True, layout=None):

@@ -222,6 +222,9 @@ def test_eager_gradients_share_one_allocation_and_the_ops_do_not(backend, device
     out.backward(dout)
     for name, total, once in zip(("dq", "dk", "dv"), (qg.grad, kg.grad, vg.grad), first):
         assert torch.equal(total, 2 * once), name
+    inner = [x * 1 for x in (qg, kg, vg)]  # none a leaf: the gradients flow on
+    grads = torch.autograd.grad(flashtile.flash_attn_func(*inner, causal=True), inner, dout)
+    assert len({g.untyped_storage().data_ptr() for g in grads}) == 1
     op = custom_ops.attn_bwd(dout, q, k, v, out.detach(), lse.detach(), None, None, None,
                              40 ** -0.5, 29 - 37, -1, 0, 0.0, False)
     assert len({g.untyped_storage().data_ptr() for g in op}) == 3
@@ -229,3 +232,21 @@ def test_eager_gradients_share_one_allocation_and_the_ops_do_not(backend, device
     for grads in (first, op):
         for name, ours, r64, rpt in zip(("dq", "dk", "dv"), grads, g64, g_pt):
             assert_close_rule(name, ours, r64, rpt)
+
+
+@TRITON
+@pytest.mark.parametrize("case", ["only_q", "q_leaf_kv_computed"])
+def test_eager_gradients_apart_where_one_would_keep_the_others(case, backend, device):
+    """Where one gradient may outlive the others, each has its own allocation: k and v
+    need none (autograd drops dk and dv at once), or q is a leaf and k, v are not (its
+    .grad is kept, theirs flow on). Shared, q.grad would keep dk and dv's memory."""
+    q = torch.randn(1, 21, 2, 16, device=device, requires_grad=True)
+    if case == "only_q":
+        k, v = (torch.randn(1, 21, 2, 16, device=device) for _ in range(2))
+    else:
+        kv = torch.randn(1, 21, 2, 16, device=device, requires_grad=True)
+        k, v = kv * 1, kv * 2
+    flashtile.flash_attn_func(q, k, v, causal=True).sum().backward()
+    dq_bytes = q.numel() * q.element_size()
+    # dq's allocation also holds delta's words (2 x 21 fp32), nothing of dk or dv.
+    assert q.grad.untyped_storage().nbytes() == dq_bytes + 2 * 21 * 4
