@@ -20,6 +20,8 @@ def test_rows_use_plans_and_count_the_gpu_work():
     # backward allocates dq, dk, dv and delta as one (after the forward's out and lse).
     assert [(rows[c]["launches"], rows[c]["allocations"]) for c in rows] == [
         (1, 1), (4, 3), (1, 1), (2, 1), (2, 1), (3, 1)]
+    # Every launch of a warm call goes through a plan, the backward's three included.
+    assert [rows[c]["unplanned"] for c in rows] == [0] * len(rows)
 
 
 def test_stand_ins_are_restored():
