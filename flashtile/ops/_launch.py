@@ -188,31 +188,43 @@ def misalignment(addresses):
     return 0 if not reduce(or_, addresses) & 15 else tuple([p & 15 for p in addresses])
 
 
-def carve(shapes, dtype, n_words, device):
-    """(views, buf, words_at): one allocation ``buf`` for contiguous tensors of
-    ``shapes`` ((batch, m, h, d), or (m, h, d) for packed varlen) in ``dtype``, its
-    views in that order, the first at buf's start, then ``n_words`` float32 words from
-    byte offset ``words_at``; each part 16-byte aligned like an allocation of its own.
-    An allocation is ~7-11 us of host time on the H200, as much as a launch; a view
-    ~1 us here. The views share buf's storage: only where that is allowed (not for
-    the outputs of one custom op, which must not alias each other)."""
-    size = dtype.itemsize
-    parts, at = (), 0
-    for shape in shapes:
-        m, h, d = shape[-3:]
-        strides = (m * h * d, h * d, d, 1)[4 - len(shape):]  # contiguous
-        parts += ((shape, strides, at // size),)
-        at += -(-shape[0] * strides[0] * size // 16) * 16
-    buf = torch.empty((at + 4 * n_words) // size, dtype=dtype, device=device)
-    return tuple(starmap(buf.as_strided, parts)), buf, at
+def _contiguous(shape, size):
+    """(strides, nbytes): a contiguous tensor of ``shape`` ((batch, m, h, d), or
+    (m, h, d) for packed varlen) and ``size``-byte elements, its bytes rounded up to a
+    multiple of 16 (what follows it then starts aligned like an allocation of its
+    own)."""
+    m, h, d = shape[-3:]
+    strides = (m * h * d, h * d, d, 1)[4 - len(shape):]
+    return strides, -(-shape[0] * strides[0] * size // 16) * 16
 
 
 def out_with_lse(shape, dtype, n_lse, device):
-    """(out, buf, lse_at): ``carve``'s one allocation for a launch whose caller does not
-    return lse: out, then ``n_lse`` float32 words for the kernel's lse at byte offset
-    ``lse_at``. The lse words cost out 4 bytes a row more."""
-    (out,), buf, lse_at = carve((shape,), dtype, n_lse, device)
-    return out, buf, lse_at
+    """(out, buf, lse_at): one allocation ``buf`` for a launch whose caller does not
+    return lse: a contiguous ``out`` of ``shape`` and ``dtype``, a view of its start,
+    then ``n_lse`` float32 words for the kernel's lse at byte offset ``lse_at``, 16-byte
+    aligned. An allocation is ~7-11 us of host time on the H200, as much as a launch;
+    the lse words cost out 4 bytes a row more. (``carve`` for several tensors.)"""
+    size = dtype.itemsize
+    strides, lse_at = _contiguous(shape, size)
+    buf = torch.empty((lse_at + 4 * n_lse) // size, dtype=dtype, device=device)
+    return buf.as_strided(shape, strides), buf, lse_at
+
+
+def carve(shapes, dtype, n_words, device):
+    """(views, buf, words_at): ``out_with_lse`` for several tensors: one allocation
+    ``buf`` for contiguous tensors of ``shapes`` in ``dtype``, its views in that order
+    (the first at buf's start), then ``n_words`` float32 words from byte offset
+    ``words_at``; each part 16-byte aligned. A view costs ~1 us here, an allocation
+    several on the H200. The views share buf's storage: only where that is allowed
+    (not for the outputs of one custom op, which must not alias each other)."""
+    size = dtype.itemsize
+    views, at = [], 0
+    for shape in shapes:
+        strides, nbytes = _contiguous(shape, size)
+        views.append((shape, strides, at // size))
+        at += nbytes
+    buf = torch.empty((at + 4 * n_words) // size, dtype=dtype, device=device)
+    return tuple(starmap(buf.as_strided, views)), buf, at
 
 
 def lse_after(buf, lse_at, shape):
