@@ -218,10 +218,10 @@ def carve(shapes, dtype, n_words, device):
     several on the H200. The views share buf's storage: only where that is allowed
     (not for the outputs of one custom op, which must not alias each other)."""
     size = dtype.itemsize
-    views, at = [], 0
+    views, at = (), 0
     for shape in shapes:
         strides, nbytes = _contiguous(shape, size)
-        views.append((shape, strides, at // size))
+        views += ((shape, strides, at // size),)
         at += nbytes
     buf = torch.empty((at + 4 * n_words) // size, dtype=dtype, device=device)
     return tuple(starmap(buf.as_strided, views)), buf, at
