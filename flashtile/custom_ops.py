@@ -27,7 +27,6 @@ and torch.func transforms get the op itself.
 from __future__ import annotations
 
 import functools
-import os
 from typing import Optional
 
 import torch
@@ -35,7 +34,7 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from flashtile import _torch_backend, reference
-from flashtile._backend import hopper_bwd_mode, hopper_fwd_mode, select_backend
+from flashtile._backend import getenv, hopper_bwd_mode, hopper_fwd_mode, select_backend
 from flashtile._validate import (MAX_OFFSET, can_read_indices, check_paged_varlen_values,
                                  check_varlen_values, index_checks_enabled, offset_reach)
 from flashtile.ops.bwd import attn_bwd as triton_bwd
@@ -50,7 +49,7 @@ DEFAULT_BWD = "split"
 
 def fused_backward(deterministic: bool) -> bool:
     """Whether a Triton backward takes the fused path (module docstring)."""
-    path = os.environ.get("FLASHTILE_BWD", "").strip().lower() or DEFAULT_BWD
+    path = getenv("FLASHTILE_BWD", "").strip().lower() or DEFAULT_BWD
     if path not in BWD_PATHS:
         raise ValueError(f"FLASHTILE_BWD must be one of {BWD_PATHS} (or unset: "
                          f"{DEFAULT_BWD!r}), got {path!r}")
@@ -162,8 +161,17 @@ def _attn_bwd_impl(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, l
              window_left: int, window_right: int, softcap: float, allow_tf32: bool,
              deterministic: bool = False, dropout_p: float = 0.0,
              philox: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
-    kw = _mask_kwargs(attn_mask, alibi_slopes, softmax_scale, diag_offset, window_left,
-                      window_right, softcap)
+    return _attn_backward(dout, q, k, v, out, lse, dlse, attn_mask, alibi_slopes,
+                          softmax_scale, diag_offset, window_left, window_right, softcap,
+                          allow_tf32, deterministic, dropout_p, philox, False)
+
+
+def _attn_backward(dout, q, k, v, out, lse, dlse, attn_mask, alibi_slopes, softmax_scale,
+                   diag_offset, window_left, window_right, softcap, allow_tf32,
+                   deterministic, dropout_p, philox, one_allocation):
+    """(dq, dk, dv) of either backend. one_allocation: the portable Triton backward's
+    gradients may share one allocation (``ops.bwd.attn_bwd``), which only the eager
+    autograd path allows: the op's outputs must not alias each other."""
     if select_backend(q.device, q.dtype) == "triton":
         # FLASHTILE_HOPPER_BWD (default auto: from 1k queries and keys): the Gluon
         # backward where it supports the call; its dQ atomics are not reproducible, so
@@ -173,16 +181,26 @@ def _attn_bwd_impl(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, l
                 and not _deterministic(deterministic):
             from flashtile.ops import bwd_hopper
 
-            reason = bwd_hopper.unsupported(q, k, v, out, dout, dropout_p=dropout_p, **kw)
+            reason = bwd_hopper.unsupported(q, k, v, out, dout, dropout_p=dropout_p,
+                                            **_mask_kwargs(attn_mask, alibi_slopes,
+                                                           softmax_scale, diag_offset,
+                                                           window_left, window_right,
+                                                           softcap))
             if reason is None:
                 return bwd_hopper.backward(dout, q, k, v, out, lse, dlse, softmax_scale,
                                            diag_offset, causal=window_right == 0)
-        return triton_bwd(dout, q, k, v, out, lse, dlse, allow_tf32=allow_tf32,
-                          fused=fused_backward(deterministic), dropout_p=dropout_p,
-                          philox=philox, **kw)
+        # Keywords spelled out, not **_mask_kwargs: no dict built on the eager path.
+        return triton_bwd(dout, q, k, v, out, lse, dlse, attn_mask=attn_mask,
+                          alibi_slopes=alibi_slopes, softmax_scale=softmax_scale,
+                          diag_offset=diag_offset, window_left=window_left,
+                          window_right=window_right, softcap=softcap,
+                          allow_tf32=allow_tf32, fused=fused_backward(deterministic),
+                          dropout_p=dropout_p, philox=philox,
+                          one_allocation=one_allocation)
     grads = _torch_backend.attention_bwd(
         dout, q, k, v, out, lse, dlse, dropout=_dense_dropout(q, dropout_p, philox),
-        **kw)
+        **_mask_kwargs(attn_mask, alibi_slopes, softmax_scale, diag_offset, window_left,
+                       window_right, softcap))
     return tuple(g.contiguous() for g in grads)
 
 
@@ -200,6 +218,9 @@ def _(dout, q, k, v, out, lse, dlse, attn_mask, alibi_slopes, softmax_scale, dia
 
 _SCALARS = ("softmax_scale", "diag_offset", "window_left", "window_right", "softcap",
             "allow_tf32", "deterministic", "dropout_p")
+# None for attn_mask, alibi_slopes, each scalar and philox (a call that left the
+# trailing defaults out has fewer inputs: autograd drops trailing Nones).
+_NO_GRADS = (None,) * (3 + len(_SCALARS))
 
 
 def _setup_context(ctx, inputs, output):
@@ -209,7 +230,9 @@ def _setup_context(ctx, inputs, output):
     # the trailing defaults out.
     philox = inputs[5 + len(_SCALARS)] if len(inputs) > 5 + len(_SCALARS) else None
     ctx.save_for_backward(q, k, v, out, lse, attn_mask, alibi_slopes, philox)
-    ctx.scalars = dict(zip(_SCALARS, inputs[5:]))
+    # _SCALARS' values in order, positional for the backward; deterministic and
+    # dropout_p default to False and 0.0 where the call left them out.
+    ctx.scalars = (*inputs[5:5 + len(_SCALARS)], False, 0.0)[:len(_SCALARS)]
 
 
 def _kernel_ready(dout, out):
@@ -224,14 +247,29 @@ def _kernel_ready(dout, out):
     return dout
 
 
-def _backward(ctx, dout, dlse, bwd=attn_bwd):
+def _backward(ctx, dout, dlse):
+    """The op's backward: ``flashtile::attn_bwd``."""
     q, k, v, out, lse, attn_mask, alibi_slopes, philox = ctx.saved_tensors
-    dout = _kernel_ready(dout, out)
-    dq, dk, dv = bwd(dout, q, k, v, out, lse, dlse, attn_mask, alibi_slopes, **ctx.scalars,
-                     philox=philox)
-    # None for attn_mask, alibi_slopes, each scalar and philox (a call that left the
-    # trailing defaults out has fewer inputs: autograd drops trailing Nones).
-    return (dq, dk, dv) + (None,) * (3 + len(_SCALARS))
+    return attn_bwd(_kernel_ready(dout, out), q, k, v, out, lse, dlse, attn_mask,
+                    alibi_slopes, *ctx.scalars, philox) + _NO_GRADS
+
+
+def _eager_backward(ctx, dout, dlse):
+    """The eager autograd.Function's backward: the implementation itself, its
+    gradients in one allocation where ``_one_allocation`` allows."""
+    q, k, v, out, lse, attn_mask, alibi_slopes, philox = ctx.saved_tensors
+    return _attn_backward(_kernel_ready(dout, out), q, k, v, out, lse, dlse, attn_mask,
+                          alibi_slopes, *ctx.scalars, philox,
+                          _one_allocation(ctx, q, k, v)) + _NO_GRADS
+
+
+def _one_allocation(ctx, q, k, v):
+    """Whether an eager backward may return dq, dk and dv as views of one allocation:
+    only where none would keep the others' memory alive by itself, i.e. all three are
+    asked for (a gradient autograd drops is freed at once) and q, k and v are all
+    leaves (whose .grad keep all three) or none is (each flows on through the graph)."""
+    need = ctx.needs_input_grad
+    return need[0] and need[1] and need[2] and q.is_leaf == k.is_leaf == v.is_leaf
 
 
 attn_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -290,30 +328,21 @@ _functorch_active = torch._C._are_functorch_transforms_active
 _dispatch_modes = torch._C._len_torch_dispatch_stack
 
 
-def _needs_call(args, return_lse) -> bool:
-    """Whether a forward must go through ``_call`` (op or autograd Function): it wants
-    lse, is not plain eager, or may need a gradient. Otherwise the caller runs the
-    implementation itself with lse dropped."""
-    q, k, v = args[:3]
-    return return_lse or not _plain_eager(args) or (torch.is_grad_enabled() and (
-        q.requires_grad or k.requires_grad or v.requires_grad))
-
-
-def _call(op, function, impl, args):
+def _call(op, function, args):
     """The op (compile, tracing, fake tensors, transforms), else the eager
-    autograd.Function when a gradient may be asked for, else the implementation alone:
-    a forward that needs no gradient does not pay autograd's bookkeeping."""
+    autograd.Function when a gradient may be asked for; None for a plain eager call
+    that needs no gradient, which the caller runs itself: it does not pay autograd's
+    bookkeeping, and may drop lse."""
     if not _plain_eager(args):
         return op(*args)
     if torch.is_grad_enabled() and (args[0].requires_grad or args[1].requires_grad
                                     or args[2].requires_grad):
         return function.apply_eager(*args)
-    return impl(*args)
+    return None
 
 
-_EAGER_ATTENTION = _eager_function(
-    "_EagerAttention", _attn_fwd_impl, _setup_context,
-    lambda ctx, dout, dlse: _backward(ctx, dout, dlse, bwd=_attn_bwd_impl))
+_EAGER_ATTENTION = _eager_function("_EagerAttention", _attn_fwd_impl, _setup_context,
+                                   _eager_backward)
 
 
 def attention(q, k, v, attn_mask, alibi_slopes, softmax_scale, diag_offset, window_left,
@@ -326,10 +355,12 @@ def attention(q, k, v, attn_mask, alibi_slopes, softmax_scale, diag_offset, wind
     the layouts of q, k and v (``ops.fwd.attn_fwd``'s), for a dense call."""
     args = (q, k, v, attn_mask, alibi_slopes, softmax_scale, diag_offset, window_left,
             window_right, softcap, allow_tf32, deterministic, dropout_p, philox)
-    if _needs_call(args, return_lse):
-        return _call(attn_fwd, _EAGER_ATTENTION, _attn_fwd_impl, args)
-    # What _call would do for a plain eager forward that needs no gradient, straight to
-    # the implementation: lse dropped (then possibly None).
+    result = _call(attn_fwd, _EAGER_ATTENTION, args)
+    if result is not None:
+        return result
+    if return_lse:
+        return _attn_fwd_impl(*args)
+    # lse dropped (then possibly None).
     return _forward(q, k, v, attn_mask, alibi_slopes, softmax_scale, diag_offset,
                     window_left, window_right, softcap, allow_tf32, dropout_p, philox,
                     return_lse=False, layout=layout)
@@ -433,6 +464,17 @@ def _varlen_attn_bwd_impl(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Te
                     softcap: float, allow_tf32: bool,
                     deterministic: bool = False, dropout_p: float = 0.0,
                     philox: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
+    return _varlen_attn_backward(dout, q, k, v, out, lse, dlse, cu_seqlens_q, cu_seqlens_k,
+                                 max_seqlen_q, max_seqlen_k, alibi_slopes, softmax_scale,
+                                 window_left, window_right, softcap, allow_tf32,
+                                 deterministic, dropout_p, philox, False)
+
+
+def _varlen_attn_backward(dout, q, k, v, out, lse, dlse, cu_seqlens_q, cu_seqlens_k,
+                          max_seqlen_q, max_seqlen_k, alibi_slopes, softmax_scale,
+                          window_left, window_right, softcap, allow_tf32, deterministic,
+                          dropout_p, philox, one_allocation):
+    """(dq, dk, dv) of either backend; one_allocation as in ``_attn_backward``."""
     kw = _mask_kwargs(None, alibi_slopes, softmax_scale, 0, window_left, window_right,
                       softcap)
     if select_backend(q.device, q.dtype) == "triton":
@@ -440,7 +482,7 @@ def _varlen_attn_bwd_impl(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Te
                           cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                           max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
                           fused=fused_backward(deterministic), dropout_p=dropout_p,
-                          philox=philox, **kw)
+                          philox=philox, one_allocation=one_allocation, **kw)
     dq, dk, dv = q.new_zeros(q.shape), k.new_zeros(k.shape), v.new_zeros(v.shape)
     for b, (qs, qe, ks, ke) in enumerate(_bounds(cu_seqlens_q, cu_seqlens_k)):
         if qe == qs or ke == ks:
@@ -495,7 +537,9 @@ def _varlen_setup_context(ctx, inputs, output):
     ctx.num_inputs = len(inputs)
 
 
-def _varlen_backward(ctx, dout, dlse, bwd=varlen_attn_bwd):
+def _varlen_backward(ctx, dout, dlse, eager=False):
+    """The op's backward (``flashtile::varlen_attn_bwd``), or with eager=True the eager
+    autograd.Function's (the implementation, as ``_eager_backward``)."""
     if ctx.paged:
         # flash_attn_varlen_func refuses grad with a block_table before the forward; a
         # direct call of the op reaches this instead.
@@ -503,17 +547,20 @@ def _varlen_backward(ctx, dout, dlse, bwd=varlen_attn_bwd):
                                   "is forward only")
     q, k, v, out, lse, cu_q, cu_k, alibi_slopes, philox = ctx.saved_tensors
     max_q, max_k, *rest = ctx.scalars
-    dout = _kernel_ready(dout, out)
-    dq, dk, dv = bwd(dout, q, k, v, out, lse, dlse, cu_q, cu_k, max_q, max_k, alibi_slopes,
-                     *rest, ctx.deterministic, ctx.dropout_p, philox)
-    return (dq, dk, dv) + (None,) * (ctx.num_inputs - 3)
+    args = (_kernel_ready(dout, out), q, k, v, out, lse, dlse, cu_q, cu_k, max_q, max_k,
+            alibi_slopes, *rest, ctx.deterministic, ctx.dropout_p, philox)
+    if eager:
+        grads = _varlen_attn_backward(*args, _one_allocation(ctx, q, k, v))
+    else:
+        grads = varlen_attn_bwd(*args)
+    return (*grads, *(None,) * (ctx.num_inputs - 3))
 
 
 varlen_attn_fwd.register_autograd(_varlen_backward, setup_context=_varlen_setup_context)
 
 _EAGER_VARLEN_ATTENTION = _eager_function(
     "_EagerVarlenAttention", _varlen_attn_fwd_impl, _varlen_setup_context,
-    lambda ctx, dout, dlse: _varlen_backward(ctx, dout, dlse, bwd=_varlen_attn_bwd_impl))
+    lambda ctx, dout, dlse: _varlen_backward(ctx, dout, dlse, eager=True))
 
 
 def varlen_attention(*args, return_lse=True, layout=None):
@@ -521,7 +568,10 @@ def varlen_attention(*args, return_lse=True, layout=None):
     return_lse=False: the caller drops lse, which may then be None (as ``attention``).
     layout: None, or the id ``_validate.once_per_layout`` gave the layouts of q, k, v
     and the index tensors (``ops.fwd.attn_fwd``'s)."""
-    if _needs_call(args, return_lse):
-        return _call(varlen_attn_fwd, _EAGER_VARLEN_ATTENTION, _varlen_attn_fwd_impl, args)
+    result = _call(varlen_attn_fwd, _EAGER_VARLEN_ATTENTION, args)
+    if result is not None:
+        return result
+    if return_lse:
+        return _varlen_attn_fwd_impl(*args)
     # deterministic (args[15]) only matters to a backward.
     return _varlen_forward(*args[:15], *args[16:], return_lse=False, layout=layout)

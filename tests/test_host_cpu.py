@@ -16,9 +16,12 @@ def test_rows_use_plans_and_count_the_gpu_work():
     # What each call enqueues on the GPU: decode splits over the H200's SMs and
     # combines; the backward is three launches; an append is one more. Allocations:
     # a forward (dense or varlen) whose lse is not returned keeps it in out's; a split
-    # decode allocates out and its scratch (lse and the partials) as one.
+    # decode allocates out and its scratch (lse and the partials) as one; an eager
+    # backward allocates dq, dk, dv and delta as one (after the forward's out and lse).
     assert [(rows[c]["launches"], rows[c]["allocations"]) for c in rows] == [
-        (1, 1), (4, 6), (1, 1), (2, 1), (2, 1), (3, 1)]
+        (1, 1), (4, 3), (1, 1), (2, 1), (2, 1), (3, 1)]
+    # Every launch of a warm call goes through a plan, the backward's three included.
+    assert [rows[c]["unplanned"] for c in rows] == [0] * len(rows)
 
 
 def test_stand_ins_are_restored():

@@ -121,17 +121,30 @@ def _fwd_kw(**kw):
     return {**base, **kw}
 
 
-def test_plan_forward_and_backward_match_triton(recorder):
+@pytest.mark.parametrize("features", ["plain", "alibi", "mask_dlse_dropout"])
+@pytest.mark.parametrize("one_allocation", [False, True], ids=["op", "eager"])
+@pytest.mark.parametrize("fused", [False, True], ids=["split", "fused"])
+def test_plan_forward_and_backward_match_triton(fused, one_allocation, features,
+                                                recorder):
+    """Both of the backward's allocations (the op's dq with the scratch in its tail, the
+    eager path's one for all) give the plan, which is given addresses, what Triton's
+    path is given, in every slot (the optional tensors' and their placeholders')."""
     def make_inputs():
         q, k, v = (torch.randn(2, 37, 4, 24) for _ in range(3))
         k, v = k[:, :, :2], v[:, :, :2]  # GQA, strided views
-        dout = torch.randn(2, 37, 4, 24)
-        return dict(q=q, k=k, v=v, dout=dout, alibi=torch.rand(4))
+        return dict(q=q, k=k, v=v, dout=torch.randn(2, 37, 4, 24), alibi=torch.rand(4),
+                    mask=torch.randn(2, 4, 37, 37), dlse=torch.randn(2, 4, 37),
+                    philox=torch.tensor([7, 0]))
 
     def call(t):
-        out, lse = fwd.attn_fwd(t["q"], t["k"], t["v"], **_fwd_kw(alibi_slopes=t["alibi"]))
-        dq, dk, dv = bwd.attn_bwd(t["dout"], t["q"], t["k"], t["v"], out, lse, None,
-                                  **_fwd_kw(alibi_slopes=t["alibi"]))
+        opts = {"plain": {}, "alibi": dict(alibi_slopes=t["alibi"]),
+                "mask_dlse_dropout": dict(attn_mask=t["mask"], dropout_p=0.25,
+                                          philox=t["philox"])}[features]
+        out, lse = fwd.attn_fwd(t["q"], t["k"], t["v"], **_fwd_kw(**opts))
+        dlse = t["dlse"] if features == "mask_dlse_dropout" else None
+        dq, dk, dv = bwd.attn_bwd(t["dout"], t["q"], t["k"], t["v"], out, lse, dlse,
+                                  fused=fused, one_allocation=one_allocation,
+                                  **_fwd_kw(**opts))
         return dict(out=out, lse=lse, dq=dq, dk=dk, dv=dv)
 
     _check_plan_matches_triton(recorder, call, make_inputs)

@@ -45,6 +45,7 @@ _ALLOCATING = ("aten::empty", "aten::empty_like", "aten::empty_strided", "aten::
 
 class _Counter:
     launches = 0
+    unplanned = 0  # of them through Triton's own path (no launch plan)
 
 
 def _no_launch(*args):
@@ -73,6 +74,7 @@ class _Kernel:
     def __getitem__(self, grid):
         def run(*args, **kwargs):
             _Counter.launches += 1
+            _Counter.unplanned += 1
             return _Compiled()
         return run
 
@@ -155,15 +157,16 @@ def cases():
 
 
 def counts(fn) -> dict:
-    """Per call of ``fn``: kernel launches, torch operators (allocating ones apart,
-    views and in-place ops included; nested operators not counted), Python function
-    calls (cProfile's count, C functions included) and of those the calls of
-    flashtile's own functions (independent of the torch version)."""
+    """Per call of ``fn``: kernel launches (and of them those through Triton's own
+    path: none once the plans are made), torch operators (allocating ones apart, views
+    and in-place ops included; nested operators not counted), Python function calls
+    (cProfile's count, C functions included) and of those the calls of flashtile's own
+    functions (independent of the torch version)."""
     from torch.profiler import ProfilerActivity, profile
 
-    _Counter.launches = 0
+    _Counter.launches = _Counter.unplanned = 0
     fn()
-    launches = _Counter.launches
+    launches, unplanned = _Counter.launches, _Counter.unplanned
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         fn()
     ops = [e.name for e in prof.events() if e.name.startswith("aten::")
@@ -175,12 +178,14 @@ def counts(fn) -> dict:
     package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     own = sum(calls for (path, _, _), (_, calls, *_) in stats.stats.items()
               if path.startswith(package) and not path.startswith(_HERE))
-    return dict(launches=launches, allocations=allocs, other_ops=len(ops) - allocs,
+    return dict(launches=launches, unplanned=unplanned, allocations=allocs,
+                other_ops=len(ops) - allocs,
                 python_calls=stats.total_calls, flashtile_calls=own)
 
 
 def run(rows=None, number=2000, repeat=7):
-    """[{call, us, launches, allocations, other_ops, python_calls, flashtile_calls}]:
+    """[{call, us, launches, unplanned, allocations, other_ops, python_calls,
+    flashtile_calls}]:
     us is the best of ``repeat`` loops of ``number`` calls (the least disturbed by
     other processes)."""
     results = []

@@ -35,6 +35,7 @@ from __future__ import annotations
 import math
 import os
 from functools import reduce
+from itertools import starmap
 from operator import or_
 
 import torch
@@ -187,25 +188,51 @@ def misalignment(addresses):
     return 0 if not reduce(or_, addresses) & 15 else tuple([p & 15 for p in addresses])
 
 
+def _contiguous(shape, size):
+    """(strides, nbytes): a contiguous tensor of ``shape`` ((batch, m, h, d), or
+    (m, h, d) for packed varlen) and ``size``-byte elements, its bytes rounded up to a
+    multiple of 16 (what follows it then starts aligned like an allocation of its
+    own)."""
+    m, h, d = shape[-3:]
+    strides = (m * h * d, h * d, d, 1)[4 - len(shape):]
+    return strides, -(-shape[0] * strides[0] * size // 16) * 16
+
+
 def out_with_lse(shape, dtype, n_lse, device):
     """(out, buf, lse_at): one allocation ``buf`` for a launch whose caller does not
-    return lse: a contiguous ``out`` of ``shape`` ((batch, m, h, d), or (m, h, d) for
-    packed varlen) and ``dtype``, a view of its start, then ``n_lse`` float32 words for
-    the kernel's lse at byte offset ``lse_at``, 16-byte aligned like an allocation of
-    its own. An allocation is ~10 us of host time on the H200, as much as a launch; the
-    lse words cost out 4 bytes a row more."""
-    m, h, d = shape[-3:]
-    strides = (m * h * d, h * d, d, 1)[4 - len(shape):]  # contiguous
+    return lse: a contiguous ``out`` of ``shape`` and ``dtype``, a view of its start,
+    then ``n_lse`` float32 words for the kernel's lse at byte offset ``lse_at``, 16-byte
+    aligned. An allocation is ~7-11 us of host time on the H200, as much as a launch;
+    the lse words cost out 4 bytes a row more. (``carve`` for several tensors.)"""
     size = dtype.itemsize
-    lse_at = -(-shape[0] * strides[0] * size // 16) * 16
+    strides, lse_at = _contiguous(shape, size)
     buf = torch.empty((lse_at + 4 * n_lse) // size, dtype=dtype, device=device)
     return buf.as_strided(shape, strides), buf, lse_at
 
 
+def carve(shapes, dtype, n_words, device):
+    """(views, buf, words_at): ``out_with_lse`` for several tensors: one allocation
+    ``buf`` for contiguous tensors of ``shapes`` in ``dtype``, its views in that order
+    (the first at buf's start), then ``n_words`` float32 words from byte offset
+    ``words_at``; each part 16-byte aligned. A view costs ~1 us here, an allocation
+    several on the H200. The views share buf's storage: only where that is allowed
+    (not for the outputs of one custom op, which must not alias each other)."""
+    size = dtype.itemsize
+    views, at = (), 0
+    for shape in shapes:
+        strides, nbytes = _contiguous(shape, size)
+        views += ((shape, strides, at // size),)
+        at += nbytes
+    buf = torch.empty((at + 4 * n_words) // size, dtype=dtype, device=device)
+    return tuple(starmap(buf.as_strided, views)), buf, at
+
+
 def lse_after(buf, lse_at, shape):
-    """The lse words of ``out_with_lse``'s allocation as a float32 tensor of ``shape``,
-    for Triton's own launch path (which takes tensors, not addresses). From ``buf``,
-    not from out's ``_base``: views made under torch.inference_mode have none."""
+    """The float32 words of a ``carve`` allocation from byte offset ``lse_at`` (lse's
+    after ``out_with_lse``'s out, the backward's delta after the gradients) as a tensor
+    of ``shape``, for Triton's own launch path (which takes tensors, not addresses).
+    From ``buf``, not from a view's ``_base``: views made under torch.inference_mode
+    have none."""
     start = lse_at // 4
     return buf.view(torch.float32)[start:start + math.prod(shape)].view(shape)
 

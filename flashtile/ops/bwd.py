@@ -27,6 +27,8 @@ from flashtile.ops._common import (LOG2E, _block_range, _dropout_keep, _dropout_
                                    _fill_nan_rows, _load_tile, _prefix_sums_bad,
                                    _scores_log2, _seq_bounds, _tanh)
 
+_data_ptr = torch.Tensor.data_ptr
+
 
 @triton.jit
 def _row_block(nheads, seqlen_q, head_dim, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
@@ -443,7 +445,7 @@ _CONVERT_SLOTS = ("DQAccum", "DQ", "stride_acch", "seqlen_q", "softmax_scale")
 def attn_bwd(dout, q, k, v, out, lse, dlse, *, attn_mask, alibi_slopes, softmax_scale,
              diag_offset, window_left, window_right, softcap, allow_tf32,
              cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
-             fused=False, dropout_p=0.0, philox=None):
+             fused=False, dropout_p=0.0, philox=None, one_allocation=False):
     """Launch the backward. Returns (dq, dk, dv) shaped like q, k, v; v (so out, dout
     and dv) may have a head dim of its own.
 
@@ -456,6 +458,10 @@ def attn_bwd(dout, q, k, v, out, lse, dlse, *, attn_mask, alibi_slopes, softmax_
     features either way, dropout included: dropout_p and the forward's philox tensor
     regenerate its mask (``_common._dropout_setup``).
     Index values are checked by the kernels (bad prefix sums: NaN gradients).
+    Allocations (``_launch.carve``): dq's also holds the kernels' fp32 scratch (delta,
+    and the fused path's dQ accumulator); one_allocation=True puts dk and dv in it too,
+    for the eager autograd path, whose gradients may share a storage (a custom op's
+    outputs may not). The gradients are contiguous views either way.
     """
     varlen = cu_seqlens_q is not None
     h, d, hkv = q.shape[-2], q.shape[-1], k.shape[-2]
@@ -468,47 +474,50 @@ def attn_bwd(dout, q, k, v, out, lse, dlse, *, attn_mask, alibi_slopes, softmax_
         batch, longest_q, longest_k = cu_seqlens_q.shape[0] - 1, max_seqlen_q, max_seqlen_k
     else:
         batch, longest_q, longest_k = q.shape[0], q.shape[1], k.shape[1]
-    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    dk = torch.empty(k.shape, dtype=k.dtype, device=q.device)
-    dv = torch.empty(v.shape, dtype=v.dtype, device=q.device)
+    rows = q.shape[0] if varlen else q.shape[1]  # packed varlen rows: one long sequence
+    # delta has lse's (b, h, sq), or (h, total_q) packed; the fused dQ accumulator is
+    # (batch, h, rows, padded head_dim), or (1, h, total_q, ...) packed, zeroed by the
+    # preprocess. Their fp32 words follow the gradients: the accumulator's, then delta's.
+    n_delta = (1 if varlen else batch) * h * rows
+    block_d = configs.padded_head_dim(d)
+    n_accum = n_delta * block_d if fused else 0
+    if one_allocation:
+        (dq, dk, dv), buf, accum_at = _launch.carve((q.shape, k.shape, v.shape), q.dtype,
+                                                    n_accum + n_delta, q.device)
+    else:
+        (dq,), buf, accum_at = _launch.carve((q.shape,), q.dtype, n_accum + n_delta,
+                                             q.device)
+        dk = torch.empty(k.shape, dtype=k.dtype, device=q.device)
+        dv = torch.empty(v.shape, dtype=v.dtype, device=q.device)
+    delta_at = accum_at + 4 * n_accum
     # Dense without keys: no gradient. Varlen launches even then, so that prefix sums
     # which are not valid still make dq NaN.
     if not q.numel() or not batch or (not dk.numel() and not varlen):
         return dq.zero_(), dk.zero_(), dv.zero_()
     lse = lse.contiguous()
     dlse = dlse.contiguous() if dlse is not None else None
-    delta = torch.empty_like(lse)
-    # (batch, h, rows, padded head_dim), or (1, h, total_q, ...) packed; the preprocess
-    # zeroes it.
-    block_d = configs.padded_head_dim(d)
-    dq_accum = None
-    if fused:
-        dq_accum = torch.empty((1, h, q.shape[0], block_d) if varlen
-                               else (batch, h, q.shape[1], block_d),
-                               dtype=torch.float32, device=q.device)
-    cu_q, cu_k = (cu_seqlens_q, cu_seqlens_k) if varlen else (q, q)
-    # The preprocess reads out, dout, dlse (lse as a placeholder) and writes delta (and
-    # zeroes dq_accum); the dK/dV kernel takes tensors[:8], dq_accum (q as a never-read
-    # placeholder when not fused), tensors[8:12] and philox (tensors[16]; lse as a
-    # never-read placeholder without dropout); the dQ kernel dq in dk's place.
-    tensors = (q, k, v, dout, lse, delta, dk, dv, q if attn_mask is None else attn_mask,
-               q if alibi_slopes is None else alibi_slopes, cu_q, cu_k, out,
-               lse if dlse is None else dlse, dq, q if dq_accum is None else dq_accum,
-               lse if philox is None else philox)
     scalars = (max_seqlen_q if varlen else 0, max_seqlen_k if varlen else 0,
                softmax_scale, softcap, dropout_p)
     # What follows a varlen call's packed row counts, in the slots' order: the dQ
     # accumulator's head stride, lse's strides (a packed batch's lse is (h, total_q)),
     # total_q and total_k; then the rows the preprocess and the dQ conversion cover.
-    acc_strides = (0, 0) if dq_accum is None else \
-        (0 if varlen else dq_accum.stride(0), dq_accum.stride(1))
+    acc_strides = (0 if varlen else h * rows * block_d, rows * block_d) if fused \
+        else (0, 0)
     lse_strides = (0, lse.stride(0)) if varlen else lse.stride()[:2]
     totals = (q.shape[0], k.shape[0]) if varlen else (0, 0)
-    rows = q.shape[0] if varlen else q.shape[1]  # packed varlen rows: one long sequence
     row_grid = (configs.cdiv(rows, configs.PREPROCESS_BLOCK_M), (1 if varlen else batch) * h)
     key = None
     if _launch.ready(q):
-        p = _launch.pointers(tensors)
+        # The addresses of ``tensors`` (below), each tensor's read once; delta and the
+        # dQ accumulator at their offsets in dq's allocation.
+        pq, pl, pb = _data_ptr(q), _data_ptr(lse), _data_ptr(dq)
+        p = (pq, _data_ptr(k), _data_ptr(v), _data_ptr(dout), pl, pb + delta_at,
+             _data_ptr(dk), _data_ptr(dv), pq if attn_mask is None else _data_ptr(attn_mask),
+             pq if alibi_slopes is None else _data_ptr(alibi_slopes),
+             _data_ptr(cu_seqlens_q) if varlen else pq,
+             _data_ptr(cu_seqlens_k) if varlen else pq, _data_ptr(out),
+             pl if dlse is None else _data_ptr(dlse), pb, pb + accum_at if fused else pq,
+             pl if philox is None else _data_ptr(philox))
         # A varlen key leaves the batch and token counts out (the grids and the slots
         # carry them): one set of plans per layout, as the forward's.
         key = ("bwd", q.dtype, q.shape[1:] if varlen else q.shape, q.stride(),
@@ -534,6 +543,20 @@ def attn_bwd(dout, q, k, v, out, lse, dlse, *, attn_mask, alibi_slopes, softmax_
                      (max(1, configs.cdiv(longest_q, last.cfg.block_m)), batch * h, 1)
                      if varlen else None)
             return dq, dk, dv
+    # The first launch of a variant: Triton's path takes tensors, so delta and the dQ
+    # accumulator as views of their words.
+    cu_q, cu_k = (cu_seqlens_q, cu_seqlens_k) if varlen else (q, q)
+    delta = _launch.lse_after(buf, delta_at, lse.shape)
+    dq_accum = _launch.lse_after(buf, accum_at, (1 if varlen else batch, h, rows, block_d)) \
+        if fused else None
+    # The preprocess reads out, dout, dlse (lse as a placeholder) and writes delta (and
+    # zeroes dq_accum); the dK/dV kernel takes tensors[:8], dq_accum (q as a never-read
+    # placeholder when not fused), tensors[8:12] and philox (tensors[16]; lse as a
+    # never-read placeholder without dropout); the dQ kernel dq in dk's place.
+    tensors = (q, k, v, dout, lse, delta, dk, dv, q if attn_mask is None else attn_mask,
+               q if alibi_slopes is None else alibi_slopes, cu_q, cu_k, out,
+               lse if dlse is None else dlse, dq, q if dq_accum is None else dq_accum,
+               lse if philox is None else philox)
     if varlen:
         # Packed tensors as a batch of one whose batch stride the kernels must not use.
         dout4, q4, k4, v4, out4, dq4, dk4, dv4 = (
