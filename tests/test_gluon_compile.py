@@ -378,7 +378,7 @@ def _waited_loads(ops: list[str]) -> int:
     return waited
 
 
-# The options of session 15 (bwd_hopper's docstring), each with the BLOCK_M it is timed
+# The options of session 14 (bwd_hopper's docstring), each with the BLOCK_M it is timed
 # at (dq_split at head_dim 64 takes 128: each consumer 64 of the rows) and the local
 # memory ptxas keeps (bytes, the worst of full and causal; scalars stored before the
 # walk, checked by _walk_local_stores). Not listed: lse_ahead with sdp, which at head_dim
