@@ -287,9 +287,9 @@ def hopper_fwd_persistent(head_dim: int, fp8: bool) -> bool:
     NOTES.md section 22, d128) persistent ran bf16 at 1.11-1.15x tiles at 1k, 1.07x
     causal at 4k, level at 16k, and FP8 full attention 3% slower from 4k; at d64
     (session 13, section 23) persistent ran 1.04-1.21x the portable kernel, which tiles
-    had only matched; d256 was not timed. Its first call per geometry copies a tile list to the device, which
-    a CUDA-graph capture cannot do: such a call takes the tiles grid
-    (``fwd_hopper._persistent_schedule``). Read when a launch plan is made."""
+    had only matched; d256 was not timed. Its first call per geometry copies a tile
+    list to the device, which a CUDA-graph capture cannot do: such a call takes the
+    tiles grid (``fwd_hopper._persistent_schedule``). Read when a launch plan is made."""
     mode = _env_choice("FLASHTILE_HOPPER_FWD_SCHEDULE", HOPPER_FWD_SCHEDULE)
     if mode == "auto":
         return not fp8 and head_dim in HOPPER_FWD_PERSISTENT_AUTO_D
