@@ -66,12 +66,12 @@ none by default, the schedule above) for the GPU A/B, all compile-checked on the
   by default; one d128 consumer keeps them behind). As FA3, which has the producer copy
   LSE and dPsum into shared memory beside Q and dO. With sdp it stores inside the walks
   at d128 (causal): not an A/B variant.
-  Prediction (session 14, not yet run on a GPU; a toy model of the two consumers
-  sharing the tensor cores, not kept): per block and program (d128, 64 rows, 128
-  keys) the five products are 10.5 MFLOP, 2560 clocks at the SM's 4096 FLOP/clock,
-  but ~393 TFLOP/s means ~6000 clocks, so each consumer's serial chain (lse round trip ~500-1000 clocks with
-  the atomics loading the L2, two wgmma round trips, the exp2 behind them, the dV/dK
-  wait) is the bound, not the tensor cores. Taking 500-800 clocks off each chain:
+  Prediction (session 14, not yet run on a GPU; a toy model of the two consumers sharing
+  the tensor cores, not kept): per block and program (d128, 64 rows, 128 keys) the five
+  products are 10.5 MFLOP, 2560 clocks at the SM's 4096 FLOP/clock, but ~393 TFLOP/s
+  means ~6000 clocks, so each consumer's serial chain (lse round trip ~500-1000 clocks
+  with the atomics loading the L2, two wgmma round trips, the exp2 behind them, the
+  dV/dK wait) is the bound, not the tensor cores. Taking 500-800 clocks off each chain:
   backward +8-15% at d128, +15-25% at d64 (its blocks are half as long, the same
   latency); forward + backward +5-10% / +10-18%.
 - dq_split (DQ_SPLIT): FA3's dQ split (AtomLayoutMdQ): both consumers compute a share
