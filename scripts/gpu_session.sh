@@ -272,9 +272,9 @@ case "${1:-}" in
     # V's columns in two programs (configs._wide_key_decode_config; not yet run on a GPU).
     timeout 90 python3 -m pytest -q -p no:cacheprovider --gpu tests/test_mla_cache.py \
       -k "gpu and absorbed" 2>&1 | tail -4 | tee "$OUT/mla-tests.txt"
-    timeout 150 make memcheck MEMCHECK_K="gpu and absorbed" \
+    timeout 120 make memcheck MEMCHECK_K="gpu and absorbed" \
       MEMCHECK_FILES=tests/test_mla_cache.py 2>&1 | tail -3 | tee -a "$OUT/mla-tests.txt"
-    timeout 150 python3 -m flashtile.bench.decode --mla 2>&1 | grep "^| MLA\|^#" \
+    timeout 120 python3 -m flashtile.bench.decode --mla 2>&1 | grep "^| MLA\|^#" \
       | tee "$OUT/mla.txt"
     # The tiles by rows, A/B (FLASHTILE_DECODE_CONFIG, fifth value dv_parts): at 128
     # heads the default 128x32,8,2 in two V parts against the 64-row wgmma tile and the
@@ -284,7 +284,7 @@ case "${1:-}" in
     for run in "128 default" "128 64,32,8,3" "128 32,32,8,3" "64 default" "64 32,32,8,3"; do
       read -r heads tile <<< "$run"
       ( [ "$tile" = default ] || export FLASHTILE_DECODE_CONFIG=$tile
-        timeout 70 python3 -c "from flashtile.bench.decode import run_mla_bench as r
+        timeout 50 python3 -c "from flashtile.bench.decode import run_mla_bench as r
 r(heads=($heads,))" 2>&1 | grep "^{" | sed "s/^/$heads heads, $tile: /" ) \
         | tee -a "$OUT/mla-tiles.txt"
     done
