@@ -163,15 +163,34 @@ class _Identity(torch.autograd.Function):
         return dq, dk, dv
 
 
+class _CallInBackward(torch.autograd.Function):
+    """Identity whose backward first calls ``fn`` (where autograd runs a backward: on
+    the CUDA device's worker thread), so that its piece minus the identity Function's
+    is ``fn``'s host time there."""
+
+    @staticmethod
+    def forward(ctx, fn, q, k, v):
+        ctx.fn = fn
+        return q.detach(), k.detach(), v.detach()
+
+    @staticmethod
+    def backward(ctx, dq, dk, dv):
+        ctx.fn()
+        return None, dq, dk, dv
+
+
 def _pieces(q, k, v, qg, kg, vg, do, paged):
     """Rows that time the parts of a call the CPU harness (``flashtile.bench.host_cpu``)
     cannot: one CUDA allocation, the forward and paged decode launchers with and
     without their compiled launches, and the autograd engine's backward through a
     Python Function that launches nothing, beside the same through C++ view nodes (the
-    difference is the Python node's own cost).
+    difference is the Python node's own cost); the portable backward's launcher
+    (``ops.bwd.attn_bwd``) on the main thread, and inside such a Function's backward,
+    where autograd runs it (session 14 found ~70-100 us of the H200's eager backward
+    that the CPU harness's count of its Python does not explain).
     ``paged``: q, the pools, cache_seqlens and block_table of the paged decode row."""
     from flashtile.custom_ops import _gluon_fwd
-    from flashtile.ops import decode, fwd
+    from flashtile.ops import bwd, decode, fwd
 
     kw = dict(attn_mask=None, alibi_slopes=None, softmax_scale=HEAD_DIM ** -0.5,
               diag_offset=0, window_left=-1, window_right=0, softcap=0.0,
@@ -194,6 +213,15 @@ def _pieces(q, k, v, qg, kg, vg, do, paged):
 
     def paged_decode():
         return decode.attn_decode(qd, pool_k, pool_v, **decode_kw)
+
+    out, lse = forward()
+
+    def backward_launcher():
+        return bwd.attn_bwd(do, q, k, v, out, lse, None, **kw)
+
+    def backward_launcher_in_engine():
+        outs = _CallInBackward.apply(backward_launcher, qg, kg, vg)
+        torch.autograd.backward(outs, (do, do, do))
 
     # The Gluon forward (sm_90; FLASHTILE_HOPPER_FWD=auto takes it from 1k queries at
     # head dim 128) builds four TMA descriptors a call and has no launch plan: its
@@ -232,6 +260,10 @@ def _pieces(q, k, v, qg, kg, vg, do, paged):
             piece=without_launch(paged_decode)),
         "piece: autograd engine, identity Function backward": dict(piece=engine),
         "piece: autograd engine, the same through C++ view nodes": dict(piece=engine_cpp),
+        "piece: backward launcher (ops.bwd.attn_bwd), main thread": dict(
+            piece=backward_launcher),
+        "piece: the same inside the identity Function's backward": dict(
+            piece=backward_launcher_in_engine),
         **gluon,
     }
 
