@@ -301,15 +301,11 @@ def _early_release(sass: str) -> bool:
 # The FLASHTILE_HOPPER_BWD_OPTS variants the GPU A/B times (bwd_hopper's docstring), and
 # the local memory ptxas keeps for each (bytes, the worst of full and causal): scalars
 # stored before the walk, checked by _walk_local_stores. sdp at head_dim 128 keeps 88-112
-# (dP^T's accumulators pinned through the softmax), dq_warp 56-144 (d64: 8 before the
-# GQA head split of session 13 added two scalars, 16-24 after). Not listed: dq_warp
-# with sdp, which at head_dim 128 (causal) stores a word inside a walk.
+# (dP^T's accumulators pinned through the softmax).
 _BWD_OPTS_STACK = {
     ("sdp",): {64: 0, 128: 112},
     ("dq_early", "dq_unmasked"): {64: 0, 128: 48},
     ("sdp", "dq_early", "dq_unmasked"): {64: 0, 128: 112},
-    ("dq_warp",): {64: 24, 128: 80},
-    ("dq_warp", "dq_unmasked"): {64: 24, 128: 144},
 }
 
 
@@ -319,10 +315,8 @@ _BWD_OPTS_STACK = {
 def test_hopper_backward_options_compile_for_sm90(opts, head_dim, causal):
     """Each schedule option compiles for sm_90, fits shared memory, stores nothing to
     local memory inside the walks, and shows its change in the SASS: sdp waits for S^T
-    with dP^T in flight; dq_early releases dS^T before atomics (dq_warp does too, by
-    construction); dq_unmasked has no
-    branch around its REDGs; dq_warp issues four-value REDGs (the writer warp) and the
-    consumers none."""
+    with dP^T in flight; dq_early releases dS^T before atomics; dq_unmasked has no
+    branch around its REDGs."""
     ck = _compile_bwd(head_dim, causal, opts=opts)
     res = resources(ck)
     assert res["shared_bytes"] <= configs.SM90_SMEM_BYTES, res
@@ -331,13 +325,9 @@ def test_hopper_backward_options_compile_for_sm90(opts, head_dim, causal):
     walks = _walk_local_stores(sass)
     assert len(walks) >= 2 and not any(walks), walks  # one walk per consumer at least
     assert ("WARPGROUP.DEPBAR.LE gsb0, 0x1" in sass) == ("sdp" in opts)
-    if "dq_warp" not in opts:  # whose writer warp arrives, then adds the next block
-        assert _early_release(sass) == ("dq_early" in opts)
+    assert _early_release(sass) == ("dq_early" in opts)
     if "dq_unmasked" in opts:
         assert "REDG" in sass and "BSSY" not in sass
-    if "dq_warp" in opts:
-        assert "REDG.E.ADD.F32x4" in sass and "REDG.E.ADD.F32x2" not in sass
-        assert ck.metadata.num_warps == 12  # the writer shares the producer's warpgroup
 
 
 def test_hopper_backward_default_has_no_option():

@@ -50,13 +50,6 @@ none by default, the schedule above) for the GPU A/B, all compile-checked on the
 - dq_unmasked (DQ_UNMASKED): the dQ accumulator has seqlen_q rounded up to BLOCK_M rows,
   so the atomics need no row mask: a masked atomic is a branch (BSSY/BRA/BSYNC) around
   each REDG in the SASS, 64 of them in a d128 program's two dQ pieces.
-- dq_warp (DQ_WARP): FA3's dQ writer: the owner stores dQ_partial (fp32, swizzled so the
-  8 rows of one store hit distinct banks) to shared memory and goes on; a fourth
-  partition, one warp beside the producer (24 registers), adds it to the accumulator
-  with four-value atomics (REDG.F32x4), 8 x 32 values at a time, and frees the buffer
-  (mbarriers dq_full / dq_empty). The atomics are the same in number of values; what
-  leaves the consumers is their issue, at the price of 2 x 16-32 KiB of shared-memory
-  traffic per query block (the tile written, then read) and 16-32 KiB of shared memory.
 - lse_ahead (LSE_AHEAD): lse and delta of query block it + 1 are loaded (one value a
   thread each, masked off past the walk) during block it, so no global load is waited
   for inside a block: by default lse's load is issued and waited for (its value stored
@@ -91,6 +84,11 @@ none by default, the schedule above) for the GPU A/B, all compile-checked on the
   FA3 gets away with it through S and dP queued together and the LSE in shared
   memory. Timed to test the dQ-split hypothesis itself: if it is within +-3% the dQ
   hand-off is not the lever.
+Tried and removed: FA3's dQ writer warp (the dQ owner stored dQ_partial to shared
+memory; a fourth partition, one warp beside the producer, added it to the accumulator
+with four-value atomics) ran 2-13% slower than the default at d64 and d128 on the H200
+(session 14, NOTES.md section 24): the consumers issue fewer atomics, but every block's
+dQ tile is written to and read back from shared memory (2 x 16-32 KiB); removed.
 Not FA3's: no ping-pong between the two consumers, no bulk dQ reduce; the softmax runs
 under dP^T only with lse_ahead, and not in every consumer (ptxas schedules it).
 
@@ -110,10 +108,11 @@ compiles every variant and option for sm_90 on the CPU (shared memory, no local-
 stores inside the walks, each option visible in the SASS; ptxas keeps 48 bytes of
 scalars in local memory at head_dim 128, stored before the walk, up to 112 with sdp).
 The options sdp + dq_early + dq_unmasked together ran 0-3% slower than none (H200,
-session 12, NOTES.md section 22), so they stay off; dq_warp and STAGES 3/4 are not
-timed. Session 13 (section 23): the options' GPU tests passed; the GQA head split
-(``head_split``) passed its tests and memcheck and cut transformers' Llama-3.2-1B
-backward (32 query over 8 KV heads, 4k tokens, batch 1) from 0.55x to 0.72x cuDNN's.
+session 12, NOTES.md section 22), so they stay off. Session 13 (section 23): the
+options' GPU tests passed; the GQA head split (``head_split``) passed its tests and
+memcheck and cut transformers' Llama-3.2-1B backward (32 query over 8 KV heads, 4k tokens, batch 1) from 0.55x to 0.72x cuDNN's.
+Session 14 (section 24): 128 query rows at d64 and a third stage ran level with the
+default tiles.
 """
 
 from __future__ import annotations
@@ -261,9 +260,8 @@ def _dq_add(p_dq, dq, row0, col0, seqlen_q, HEAD_DIM: gl.constexpr,
 
 
 @gluon.jit
-def _dq_partial(ds_all, k_all, dq_init, p_dq, row0, seqlen_q, ds_empty, dq_smem, dq_full,
-                dq_empty, it, DQ_EARLY: gl.constexpr, DQ_UNMASKED: gl.constexpr,
-                DQ_WARP: gl.constexpr):
+def _dq_partial(ds_all, k_all, dq_init, p_dq, row0, seqlen_q, ds_empty,
+                DQ_EARLY: gl.constexpr, DQ_UNMASKED: gl.constexpr):
     """dQ_partial = dS K over the program's 128 keys, added into rows row0 + [0, M) of
     the fp32 accumulator at p_dq (head_dim wide), in pieces of 64 head dims (K's
     columns, a whole 128-byte swizzle atom each) addressed by 32-bit offsets from one
@@ -272,9 +270,7 @@ def _dq_partial(ds_all, k_all, dq_init, p_dq, row0, seqlen_q, ds_empty, dq_smem,
     are read for the last time: after the atomics, or with DQ_EARLY as soon as the last
     product has completed (the atomics read registers only). DQ_UNMASKED: the
     accumulator has rows up to a multiple of BLOCK_M, so no row mask (a masked atomic
-    is a branch around each REDG in the SASS). DQ_WARP: no atomics here; the pieces go
-    to dq_smem (free once dq_empty has completed the phase of dQ product it - 1), for
-    the writer warp (_dq_writer_partition), told by dq_full."""
+    is a branch around each REDG in the SASS)."""
     HEAD_DIM: gl.constexpr = k_all.type.shape[1]
     DQ_PIECE: gl.constexpr = dq_init.type.shape[1]
     N_PIECES: gl.constexpr = HEAD_DIM // DQ_PIECE
@@ -283,64 +279,24 @@ def _dq_partial(ds_all, k_all, dq_init, p_dq, row0, seqlen_q, ds_empty, dq_smem,
         dq = warpgroup_mma(ds_all.permute((1, 0)), k_piece, dq_init, use_acc=False,
                            is_async=True)                                    # (M, 64)
         dq = warpgroup_mma_wait(0, deps=(dq,))
-        if (DQ_EARLY or DQ_WARP) and piece == N_PIECES - 1:
+        if DQ_EARLY and piece == N_PIECES - 1:
             mbarrier.arrive(ds_empty, count=1)
-        if DQ_WARP:
-            if piece == 0:
-                mbarrier.wait(dq_empty, (it & 1) ^ 1)
-            dq_smem.slice(piece * DQ_PIECE, DQ_PIECE, dim=1).store(dq)
-        else:
-            _dq_add(p_dq, dq, row0, piece * DQ_PIECE, seqlen_q, HEAD_DIM, DQ_UNMASKED)
-    if DQ_WARP:
-        mbarrier.arrive(dq_full, count=1)  # the generic-proxy stores above, released
-    elif not DQ_EARLY:
+        _dq_add(p_dq, dq, row0, piece * DQ_PIECE, seqlen_q, HEAD_DIM, DQ_UNMASKED)
+    if not DQ_EARLY:
         mbarrier.arrive(ds_empty, count=1)
-
-
-@gluon.jit
-def _dq_writer_partition(dq_smem, dq_full, dq_empty, DQAccum, off_b, h0, n_heads,
-                         m_lo, n_m, nheads, seqlen_q, dq_rows, DQ_UNMASKED: gl.constexpr):
-    """The dQ writer warp (DQ_WARP): each query block's dQ_partial from dq_smem into the
-    fp32 accumulator by relaxed atomics, four values an instruction (REDG.F32x4), 8 x 32
-    values a load: 8 registers a thread, the warp running under the producer's 24 (a
-    slice of 8 rows keeps the swizzle's period, so its address is a constant offset)."""
-    BLOCK_M: gl.constexpr = dq_smem.type.shape[0]
-    HEAD_DIM: gl.constexpr = dq_smem.type.shape[1]
-    COLS: gl.constexpr = 32
-    # Per load, 4 rows of 8 threads x 4 consecutive values, twice: 8 x 32.
-    layout: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [1, 1], [1, 0])
-    o_r = gl.arange(0, 8, layout=gl.SliceLayout(1, layout))                   # (8,)
-    o_d = gl.arange(0, COLS, layout=gl.SliceLayout(0, layout))                # (32,)
-    bh0 = off_b * nheads + h0
-    for it in range(n_heads * n_m):
-        row0 = (m_lo + it % n_m) * BLOCK_M
-        p_dq = DQAccum + ((bh0 + it // n_m).to(gl.int64) * dq_rows + row0) * HEAD_DIM
-        mbarrier.wait(dq_full, it & 1)
-        for r in gl.static_range(0, BLOCK_M, 8):
-            for h in gl.static_range(0, HEAD_DIM, COLS):
-                dq = dq_smem.slice(r, 8).slice(h, COLS, dim=1).load(layout)    # (8, 32)
-                o_dq = gl.expand_dims(r + o_r, 1) * HEAD_DIM + gl.expand_dims(h + o_d, 0)
-                if DQ_UNMASKED:
-                    gl.atomic_add(p_dq + o_dq, dq, sem="relaxed")
-                else:
-                    gl.atomic_add(p_dq + o_dq, dq,
-                                  mask=gl.expand_dims(row0 + r + o_r < seqlen_q, 1),
-                                  sem="relaxed")
-        mbarrier.arrive(dq_empty, count=1)
 
 
 @gluon.jit
 def _mma_partition(args, WG: gl.constexpr, IS_CAUSAL: gl.constexpr, SDP: gl.constexpr,
                    DQ_EARLY: gl.constexpr, DQ_UNMASKED: gl.constexpr,
-                   DQ_WARP: gl.constexpr, LSE_AHEAD: gl.constexpr,
-                   DQ_SPLIT: gl.constexpr):
+                   LSE_AHEAD: gl.constexpr, DQ_SPLIT: gl.constexpr):
     """Consumer warpgroup WG: keys key0 + 64 * WG + [0, 64) against every query block.
     dq_rows: the dQ accumulator's rows per head (seqlen_q, or rounded up to BLOCK_M with
     DQ_UNMASKED). ds_smem: one dS^T buffer (128 keys, BLOCK_M), two with DQ_SPLIT."""
     (q_smem, k_smem, v_smem, do_smem, ds_smem, kv_ready, q_ready, do_ready, qdo_empty,
-     ds_full, ds_empty, dq_smem, dq_full, dq_empty, dk_desc, dv_desc, Lse, Delta, DQAccum,
-     off_b, off_dkv, key0, h0, n_heads, m_lo, n_m, nheads, seqlen_q, seqlen_k, dq_rows,
-     diag_offset, softmax_scale) = args
+     ds_full, ds_empty, dk_desc, dv_desc, Lse, Delta, DQAccum, off_b, off_dkv, key0, h0,
+     n_heads, m_lo, n_m, nheads, seqlen_q, seqlen_k, dq_rows, diag_offset,
+     softmax_scale) = args
     STAGES: gl.constexpr = q_smem.type.shape[0]
     BLOCK_M: gl.constexpr = q_smem.type.shape[2]
     HEAD_DIM: gl.constexpr = q_smem.type.shape[4]
@@ -491,7 +447,7 @@ def _mma_partition(args, WG: gl.constexpr, IS_CAUSAL: gl.constexpr, SDP: gl.cons
                 p_dq = _dq_ptr(DQAccum, p_row, bh0 + it // n_m, dq_rows, HEAD_DIM,
                                DQ_UNMASKED)
                 _dq_partial(ds_smem, k_all, dq_init, p_dq, row0, seqlen_q, ds_empty,
-                            dq_smem, dq_full, dq_empty, it, DQ_EARLY, DQ_UNMASKED, DQ_WARP)
+                            DQ_EARLY, DQ_UNMASKED)
 
     # dK and dV leave through this warpgroup's K and V buffers once the last dQ product,
     # which reads both halves of K, has completed (a fresh barrier passes: no walk). TMA
@@ -541,14 +497,13 @@ def _attn_bwd_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, L
                             dq_rows, diag_offset, softmax_scale, IS_CAUSAL: gl.constexpr,
                             STAGES: gl.constexpr, SDP: gl.constexpr,
                             DQ_EARLY: gl.constexpr, DQ_UNMASKED: gl.constexpr,
-                            DQ_WARP: gl.constexpr, LSE_AHEAD: gl.constexpr,
-                            DQ_SPLIT: gl.constexpr):
+                            LSE_AHEAD: gl.constexpr, DQ_SPLIT: gl.constexpr):
     """dK, dV of 128 keys of one (batch, KV head), dQ added into DQAccum: fp32 (batch,
     nheads, dq_rows, head_dim), its first seqlen_q rows of each head zeroed by the
     preprocess. head_split > 1 (GQA): the group's query heads are dealt to head_split
     programs, each storing its share of dK and dV into head off_hkv * head_split + its
     index of dk_desc/dv_desc (the launcher sums the shares). SDP, DQ_EARLY, DQ_UNMASKED,
-    DQ_WARP, LSE_AHEAD, DQ_SPLIT: the schedule options of the module docstring."""
+    LSE_AHEAD, DQ_SPLIT: the schedule options of the module docstring."""
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[1]
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
     key0, off_b, off_dkv, off_hkv, h0, n_heads, m_lo, n_m = _program_walk(
@@ -578,21 +533,10 @@ def _attn_bwd_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, L
     qdo_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     ds_full = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     ds_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    # DQ_WARP: dQ_partial of one query block, fp32, for the writer warp. Swizzled in
-    # pairs of columns (what a thread of the wgmma layout stores at once) by row, so
-    # that the 8 rows of one store instruction fall in different banks.
-    dq_smem = gl.allocate_shared_memory(
-        gl.float32, [BLOCK_M if DQ_WARP else 1, HEAD_DIM if DQ_WARP else 1],
-        gl.SwizzledSharedLayout(2, 1, 8, [1, 0]))
-    dq_full = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    dq_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     mbarrier.init(kv_ready, count=1)
     mbarrier.init(ds_full, count=2)  # both warpgroups stored their dS^T
     # The owner's dQ product has completed; DQ_SPLIT: both warpgroups' walks are done.
     mbarrier.init(ds_empty, count=2 if DQ_SPLIT else 1)
-    if DQ_WARP:
-        mbarrier.init(dq_full, count=1)  # the owner stored dQ_partial
-        mbarrier.init(dq_empty, count=1)  # the writer read it
     for i in gl.static_range(STAGES):
         mbarrier.init(q_ready.index(i), count=1)
         mbarrier.init(do_ready.index(i), count=1)
@@ -601,30 +545,18 @@ def _attn_bwd_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, L
     # The consumers' runtime arguments in one tuple; their constants (WG, the flags)
     # stay outside it: a tuple held in a variable turns constants into runtime values.
     mma_args = (q_smem, k_smem, v_smem, do_smem, ds_smem, kv_ready, q_ready, do_ready,
-                qdo_empty, ds_full, ds_empty, dq_smem, dq_full, dq_empty, dk_desc, dv_desc,
-                Lse, Delta, DQAccum, off_b, off_dkv, key0, h0, n_heads, m_lo, n_m, nheads,
-                seqlen_q, seqlen_k, dq_rows, diag_offset, softmax_scale)
+                qdo_empty, ds_full, ds_empty, dk_desc, dv_desc, Lse, Delta, DQAccum, off_b,
+                off_dkv, key0, h0, n_heads, m_lo, n_m, nheads, seqlen_q, seqlen_k, dq_rows,
+                diag_offset, softmax_scale)
     load_args = (q_desc, k_desc, v_desc, do_desc, q_smem, k_smem, v_smem, do_smem, kv_ready,
                  q_ready, do_ready, qdo_empty, off_b, off_hkv, key0, h0, n_heads, m_lo, n_m)
-    if DQ_WARP:  # the writer warp beside the producer's, in the warpgroup padded around it
-        gl.warp_specialize([
-            (_mma_partition, (mma_args, 0, IS_CAUSAL, SDP, DQ_EARLY, DQ_UNMASKED,
-                              DQ_WARP, LSE_AHEAD, DQ_SPLIT)),
-            (_load_partition, load_args),
-            (_mma_partition, (mma_args, 1, IS_CAUSAL, SDP, DQ_EARLY, DQ_UNMASKED,
-                              DQ_WARP, LSE_AHEAD, DQ_SPLIT)),
-            (_dq_writer_partition, (dq_smem, dq_full, dq_empty, DQAccum, off_b, h0,
-                                    n_heads, m_lo, n_m, nheads, seqlen_q, dq_rows,
-                                    DQ_UNMASKED)),
-        ], [1, 4, 1], [PRODUCER_REGS, CONSUMER_REGS, PRODUCER_REGS])
-    else:
-        gl.warp_specialize([
-            (_mma_partition, (mma_args, 0, IS_CAUSAL, SDP, DQ_EARLY, DQ_UNMASKED,
-                              DQ_WARP, LSE_AHEAD, DQ_SPLIT)),
-            (_load_partition, load_args),
-            (_mma_partition, (mma_args, 1, IS_CAUSAL, SDP, DQ_EARLY, DQ_UNMASKED,
-                              DQ_WARP, LSE_AHEAD, DQ_SPLIT)),
-        ], [1, 4], [PRODUCER_REGS, CONSUMER_REGS])
+    gl.warp_specialize([
+        (_mma_partition, (mma_args, 0, IS_CAUSAL, SDP, DQ_EARLY, DQ_UNMASKED, LSE_AHEAD,
+                          DQ_SPLIT)),
+        (_load_partition, load_args),
+        (_mma_partition, (mma_args, 1, IS_CAUSAL, SDP, DQ_EARLY, DQ_UNMASKED, LSE_AHEAD,
+                          DQ_SPLIT)),
+    ], [1, 4], [PRODUCER_REGS, CONSUMER_REGS])
 
 
 # Head dims with a kernel: this module's, and bwd_hopper256's at 256.
@@ -666,10 +598,10 @@ def kernel_flags(head_dim: int, causal: bool, opts: frozenset[str], block_m: int
     kernel (head_dim 256) has no options."""
     if head_dim == 256:
         return dict(IS_CAUSAL=causal)
-    if "dq_split" in opts and opts & {"dq_early", "dq_warp"}:
+    if {"dq_split", "dq_early"} <= opts:
         raise ValueError("FLASHTILE_HOPPER_BWD_OPTS: dq_split (each consumer its share "
-                         "of every dQ product) goes without dq_early and dq_warp (one "
-                         f"consumer's whole product), got {sorted(opts)}")
+                         "of every dQ product) goes without dq_early (one consumer's "
+                         f"whole product), got {sorted(opts)}")
     if "dq_split" in opts and head_dim < 2 * DQ_PIECE.value and block_m != 128:
         raise ValueError("FLASHTILE_HOPPER_BWD_OPTS=dq_split at head_dim 64 needs 128 "
                          "query rows a block (FLASHTILE_HOPPER_BWD_CONFIG='128,128,4,2'), "
@@ -678,7 +610,7 @@ def kernel_flags(head_dim: int, causal: bool, opts: frozenset[str], block_m: int
     return dict(IS_CAUSAL=causal,
                 SDP="sdp" in opts,
                 DQ_EARLY="dq_early" in opts, DQ_UNMASKED="dq_unmasked" in opts,
-                DQ_WARP="dq_warp" in opts, LSE_AHEAD="lse_ahead" in opts,
+                LSE_AHEAD="lse_ahead" in opts,
                 DQ_SPLIT="dq_split" in opts)
 
 
