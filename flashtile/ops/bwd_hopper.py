@@ -89,6 +89,16 @@ memory; a fourth partition, one warp beside the producer, added it to the accumu
 with four-value atomics) ran 2-13% slower than the default at d64 and d128 on the H200
 (session 14, NOTES.md section 24): the consumers issue fewer atomics, but every block's
 dQ tile is written to and read back from shared memory (2 x 16-32 KiB); removed.
+Tried at compile only (session 15): waiting for block it's dV and dK at block it + 1's
+S^T wait (FA3's order; one wgmma round trip fewer a block on each consumer's chain).
+Gluon carries them in flight across the walk's back edge (dK, dV made async products
+with warpgroup_mma_init), and Triton 3.6's ptxas (12.8) serializes every wgmma of the
+kernel, a wait after each (WARPGROUP.DEPBAR.LE gsb0, 0x0), at d64 already: C7515
+(accumulators reaching the waits from the zeros' moves), C7514 once the zeros come from
+one product (0 times K) feeding both, C7512 (register resources) with two such products,
+even with the dQ owner waiting before its product and only the dS^T hand-off between
+issue and wait. Not kept. Untried: the walk unrolled by two blocks, so that the first
+one's late wait falls inside the iteration (half the gain).
 Not FA3's: no ping-pong between the two consumers, no bulk dQ reduce; the softmax runs
 under dP^T only with lse_ahead, and not in every consumer (ptxas schedules it).
 
