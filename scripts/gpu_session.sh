@@ -201,11 +201,12 @@ case "${1:-}" in
   bwd-opts2)
     # Session 15's options of the Gluon backward (bwd_hopper's docstring has their
     # predictions), 16k tokens a batch, forward + backward. dq_split at d64 needs 128
-    # query rows a block, so d64 also times BLOCK_M 128 alone (session 13: +5% full,
-    # -1..-3% causal). cuDNN beside the default only: it does not change between runs.
-    for run in 64:default 64:lse_ahead 64:128/default 64:128/dq_split \
-        64:128/lse_ahead,dq_split 128:default 128:lse_ahead 128:dq_split \
-        128:lse_ahead,dq_split; do
+    # query rows a block, so d64 also times BLOCK_M 128 alone (session 14: +5% full,
+    # -1..-3% causal); dq_split with lse_ahead at d128 only (its prediction's), and
+    # dkv_late at d64 only (predicted +2-5% there, within the spread at d128).
+    # cuDNN beside the default only: it does not change between runs.
+    for run in 64:default 64:lse_ahead 64:dkv_late 64:128/default 64:128/dq_split \
+        128:default 128:lse_ahead 128:dq_split 128:lse_ahead,dq_split; do
       d=${run%%:*} v=${run#*:}
       opts=${v#128/} providers=flashtile-hopper-bwd
       unset FLASHTILE_HOPPER_BWD_CONFIG FLASHTILE_HOPPER_BWD_OPTS

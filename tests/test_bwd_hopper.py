@@ -212,7 +212,8 @@ def test_switch_sends_head_dim_256_under_1_and_auto(monkeypatch):
 
 # The schedule options (FLASHTILE_HOPPER_BWD_OPTS, bwd_hopper's docstring) the GPU A/B
 # times, alone and as timed together; tests/test_gluon_compile.py checks their SASS.
-OPTS = ["sdp", "dq_early", "dq_unmasked", "sdp,dq_early,dq_unmasked", "lse_ahead"]
+OPTS = ["sdp", "dq_early", "dq_unmasked", "sdp,dq_early,dq_unmasked", "lse_ahead", "dkv_late",
+        "lse_ahead,dkv_late"]
 # dq_split (alone, with lse_ahead, with dq_unmasked) at the BLOCK_M the A/B times it at
 # (FLASHTILE_HOPPER_BWD_CONFIG; head_dim 64: 128 rows, each consumer 64 of them).
 SPLIT_CASES = [(64, "dq_split", "128,128,4,2"), (128, "dq_split", None),
@@ -311,29 +312,34 @@ def test_options_knob(monkeypatch):
     assert configs.hopper_bwd_opts() == frozenset()
     flags = bwd_hopper.kernel_flags(128, True, frozenset(), 64)
     assert flags == dict(IS_CAUSAL=True, SDP=False, DQ_EARLY=False, DQ_UNMASKED=False,
-                         LSE_AHEAD=False, DQ_SPLIT=False)
+                         LSE_AHEAD=False, DQ_SPLIT=False, DKV_LATE=False)
     monkeypatch.setenv("FLASHTILE_HOPPER_BWD_OPTS", " sdp, dq_unmasked ,")
     assert configs.hopper_bwd_opts() == {"sdp", "dq_unmasked"}
     flags = bwd_hopper.kernel_flags(64, False, configs.hopper_bwd_opts(), 64)
     assert flags == dict(IS_CAUSAL=False, SDP=True, DQ_EARLY=False, DQ_UNMASKED=True,
-                         LSE_AHEAD=False, DQ_SPLIT=False)
+                         LSE_AHEAD=False, DQ_SPLIT=False, DKV_LATE=False)
     monkeypatch.setenv("FLASHTILE_HOPPER_BWD_OPTS", "lse_ahead,dq_split")
     flags = bwd_hopper.kernel_flags(64, True, configs.hopper_bwd_opts(), 128)
     assert flags["LSE_AHEAD"] and flags["DQ_SPLIT"] and not flags["SDP"]
+    monkeypatch.setenv("FLASHTILE_HOPPER_BWD_OPTS", "dkv_late")
+    flags = bwd_hopper.kernel_flags(128, True, configs.hopper_bwd_opts(), 64)
+    assert flags["DKV_LATE"] and not flags["DQ_SPLIT"]
     monkeypatch.setenv("FLASHTILE_HOPPER_BWD_OPTS", "sdp,pingpong")
     with pytest.raises(ValueError, match=r"FLASHTILE_HOPPER_BWD_OPTS must be a comma-"
-                       r"separated subset of .*'dq_split'\), got 'sdp,pingpong' "
+                       r"separated subset of .*'dkv_late'\), got 'sdp,pingpong' "
                        r"\(unknown: \['pingpong'\]\)"):
         configs.hopper_bwd_opts()
 
 
 def test_dq_split_refuses_what_it_cannot_split():
-    """dq_split shares every dQ product between the consumers: not with dq_early (one
-    consumer's whole product), and at head_dim 64 only with 128 rows a block (64 a
-    consumer; half of 64 head dims is half a swizzle atom of K)."""
-    with pytest.raises(ValueError, match=r"dq_split .* goes without dq_early .*, got "
-                       r"\['dq_early', 'dq_split'\]"):
-        bwd_hopper.kernel_flags(128, False, frozenset({"dq_early", "dq_split"}), 64)
+    """dq_split shares every dQ product between the consumers: not with dq_early or
+    dkv_late (one consumer's whole product), and at head_dim 64 only with 128 rows a
+    block (64 a consumer; half of 64 head dims is half a swizzle atom of K)."""
+    for both in ("'dq_early', 'dq_split'", "'dkv_late', 'dq_split'"):
+        with pytest.raises(ValueError, match=r"dq_split .* goes without dq_early and "
+                           rf"dkv_late .*, got \[{both}\]"):
+            bwd_hopper.kernel_flags(128, False, frozenset(both.replace("'", "").split(
+                ", ")), 64)
     with pytest.raises(ValueError, match=r"dq_split at head_dim 64 needs 128 query rows "
                        r"a block \(FLASHTILE_HOPPER_BWD_CONFIG='128,128,4,2'\).* Got "
                        r"BLOCK_M 64"):

@@ -301,11 +301,12 @@ def _early_release(sass: str) -> bool:
 # The FLASHTILE_HOPPER_BWD_OPTS variants the GPU A/B times (bwd_hopper's docstring), and
 # the local memory ptxas keeps for each (bytes, the worst of full and causal): scalars
 # stored before the walk, checked by _walk_local_stores. sdp at head_dim 128 keeps 88-112
-# (dP^T's accumulators pinned through the softmax).
+# (dP^T's accumulators pinned through the softmax), dkv_late 48-56.
 _BWD_OPTS_STACK = {
     ("sdp",): {64: 0, 128: 112},
     ("dq_early", "dq_unmasked"): {64: 0, 128: 48},
     ("sdp", "dq_early", "dq_unmasked"): {64: 0, 128: 112},
+    ("dkv_late",): {64: 0, 128: 56},
 }
 
 
@@ -316,7 +317,7 @@ def test_hopper_backward_options_compile_for_sm90(opts, head_dim, causal):
     """Each schedule option compiles for sm_90, fits shared memory, stores nothing to
     local memory inside the walks, and shows its change in the SASS: sdp waits for S^T
     with dP^T in flight; dq_early releases dS^T before atomics; dq_unmasked has no
-    branch around its REDGs."""
+    branch around its REDGs; dkv_late queues a dQ product behind dV and dK."""
     ck = _compile_bwd(head_dim, causal, opts=opts)
     res = resources(ck)
     assert res["shared_bytes"] <= configs.SM90_SMEM_BYTES, res
@@ -325,20 +326,39 @@ def test_hopper_backward_options_compile_for_sm90(opts, head_dim, causal):
     walks = _walk_local_stores(sass)
     assert len(walks) >= 2 and not any(walks), walks  # one walk per consumer at least
     assert ("WARPGROUP.DEPBAR.LE gsb0, 0x1" in sass) == ("sdp" in opts)
-    assert _early_release(sass) == ("dq_early" in opts)
+    # dkv_late arrives too before its first dQ piece's atomics: Q and dO released.
+    assert _early_release(sass) == bool({"dq_early", "dkv_late"} & set(opts))
     if "dq_unmasked" in opts:
         assert "REDG" in sass and "BSSY" not in sass
+    assert _dq_behind_dkv(sass) == ("dkv_late" in opts)
+
+
+def _dq_behind_dkv(sass: str) -> bool:
+    """Whether a product with its A operand in shared memory (S^T, dP^T, dQ) is issued
+    after dV or dK (A from registers) with no wgmma wait between: the dQ product queued
+    behind them (dkv_late). By default dV and dK are waited for first."""
+    ops = re.findall(r"/\*[0-9a-f]{4,}\*/\s+([^;]*);", sass)
+    in_flight = False
+    for op in ops:
+        if re.match(r"HGMMA\.\S+ R\d+, R\d+,", op):
+            in_flight = True
+        elif "WARPGROUP.DEPBAR" in op:
+            in_flight = False
+        elif re.match(r"HGMMA\.\S+ R\d+, gdesc", op) and in_flight:
+            return True
+    return False
 
 
 def test_hopper_backward_default_has_no_option():
     """The default kernel: dQ atomics masked (a branch around each) and after the
     product's last read of dS^T, S^T waited alone, no local stores in the walks, lse's
-    load waited for before S^T's issue."""
+    load waited for before S^T's issue, dV and dK waited for before the dQ product."""
     sass = _sass(_compile_bwd(128, True))
     assert "BSSY" in sass and not _early_release(sass)
     assert "WARPGROUP.DEPBAR.LE gsb0, 0x1" not in sass
     assert "REDG.E.ADD.F32x2" in sass and not any(_walk_local_stores(sass))
     assert _loads_waited_before_mma(sass)
+    assert not _dq_behind_dkv(sass)
 
 
 def _loads_waited_before_mma(sass: str) -> int:

@@ -84,21 +84,34 @@ none by default, the schedule above) for the GPU A/B, all compile-checked on the
   FA3 gets away with it through S and dP queued together and the LSE in shared
   memory. Timed to test the dQ-split hypothesis itself: if it is within +-3% the dQ
   hand-off is not the lever.
+- dkv_late (DKV_LATE): the dQ owner does not wait for dV and dK before its dQ product:
+  the first dQ piece is queued behind them and one wait covers the three, after which Q
+  and dO are released (one wgmma round trip fewer in the owner's blocks, every other
+  block of each consumer). The other consumer waits at the end of its block, as by
+  default. Not with dq_split (whose dQ product already queues behind dV and dK). The
+  sm_90 compile (session 15): no stores inside the walks alone, with lse_ahead or with
+  sdp, 0 bytes of local memory at d64 and 40-56 at d128 (104 with sdp); with dq_early
+  at d128 (causal) it stores inside the walks: not an A/B variant.
+  FA3's full form, the wait at block it + 1's S^T wait in every block, does not compile
+  to anything useful here: dK and dV then cross the walk's back edge in flight, and
+  Triton 3.6's ptxas (12.8) serializes every wgmma of the kernel, a wait after each
+  (WARPGROUP.DEPBAR.LE gsb0, 0x0), at d64 already: C7515 (accumulators reaching the
+  waits from the zeros' moves), C7514 once the zeros come from one product (0 times K)
+  feeding both, C7512 (register resources) with two such products, even with only the
+  dS^T hand-off between issue and wait (session 15). Waits inside an iteration compile
+  as planned, hence this form; untried: the walk unrolled by two blocks, which would
+  give the other consumer's blocks the same.
+  Prediction (session 15, not run on a GPU): a round trip is a wgmma's fixed latency,
+  150-300 clocks, saved in half of each consumer's blocks: 75-150 clocks a block of
+  ~6000 at d128 (lse_ahead's estimate) and ~3000 at d64, if the consumers' serial
+  chains are the bound and the owner is not held by the other's dS^T (ds_full) anyway:
+  backward +1-2.5% at d128, +2-5% at d64; forward + backward about 0.7x that. At d128
+  that is within the spread of earlier A/Bs (0-3%): the A/B can only settle d64.
 Tried and removed: FA3's dQ writer warp (the dQ owner stored dQ_partial to shared
 memory; a fourth partition, one warp beside the producer, added it to the accumulator
 with four-value atomics) ran 2-13% slower than the default at d64 and d128 on the H200
 (session 14, NOTES.md section 24): the consumers issue fewer atomics, but every block's
 dQ tile is written to and read back from shared memory (2 x 16-32 KiB); removed.
-Tried at compile only (session 15): waiting for block it's dV and dK at block it + 1's
-S^T wait (FA3's order; one wgmma round trip fewer a block on each consumer's chain).
-Gluon carries them in flight across the walk's back edge (dK, dV made async products
-with warpgroup_mma_init), and Triton 3.6's ptxas (12.8) serializes every wgmma of the
-kernel, a wait after each (WARPGROUP.DEPBAR.LE gsb0, 0x0), at d64 already: C7515
-(accumulators reaching the waits from the zeros' moves), C7514 once the zeros come from
-one product (0 times K) feeding both, C7512 (register resources) with two such products,
-even with the dQ owner waiting before its product and only the dS^T hand-off between
-issue and wait. Not kept. Untried: the walk unrolled by two blocks, so that the first
-one's late wait falls inside the iteration (half the gain).
 Not FA3's: no ping-pong between the two consumers, no bulk dQ reduce; the softmax runs
 under dP^T only with lse_ahead, and not in every consumer (ptxas schedules it).
 
@@ -131,7 +144,7 @@ import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
-    fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
+    fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_init, warpgroup_mma_wait)
 
 from flashtile.ops import _launch, bwd, configs, fwd_hopper
 from flashtile.ops._common import LOG2E
@@ -270,8 +283,8 @@ def _dq_add(p_dq, dq, row0, col0, seqlen_q, HEAD_DIM: gl.constexpr,
 
 
 @gluon.jit
-def _dq_partial(ds_all, k_all, dq_init, p_dq, row0, seqlen_q, ds_empty,
-                DQ_EARLY: gl.constexpr, DQ_UNMASKED: gl.constexpr):
+def _dq_partial(ds_all, k_all, dq_init, p_dq, row0, seqlen_q, ds_empty, dv, dk, qdo_free,
+                DQ_EARLY: gl.constexpr, DQ_UNMASKED: gl.constexpr, DKV_LATE: gl.constexpr):
     """dQ_partial = dS K over the program's 128 keys, added into rows row0 + [0, M) of
     the fp32 accumulator at p_dq (head_dim wide), in pieces of 64 head dims (K's
     columns, a whole 128-byte swizzle atom each) addressed by 32-bit offsets from one
@@ -280,7 +293,9 @@ def _dq_partial(ds_all, k_all, dq_init, p_dq, row0, seqlen_q, ds_empty,
     are read for the last time: after the atomics, or with DQ_EARLY as soon as the last
     product has completed (the atomics read registers only). DQ_UNMASKED: the
     accumulator has rows up to a multiple of BLOCK_M, so no row mask (a masked atomic
-    is a branch around each REDG in the SASS)."""
+    is a branch around each REDG in the SASS). DKV_LATE: dV and dK (returned) are still in
+    flight, queued ahead of the first product and waited with it, which frees Q and dO
+    (qdo_free)."""
     HEAD_DIM: gl.constexpr = k_all.type.shape[1]
     DQ_PIECE: gl.constexpr = dq_init.type.shape[1]
     N_PIECES: gl.constexpr = HEAD_DIM // DQ_PIECE
@@ -288,18 +303,24 @@ def _dq_partial(ds_all, k_all, dq_init, p_dq, row0, seqlen_q, ds_empty,
         k_piece = k_all.slice(piece * DQ_PIECE, DQ_PIECE, dim=1)              # (128, 64)
         dq = warpgroup_mma(ds_all.permute((1, 0)), k_piece, dq_init, use_acc=False,
                            is_async=True)                                    # (M, 64)
-        dq = warpgroup_mma_wait(0, deps=(dq,))
+        if DKV_LATE and piece == 0:
+            dq, dv, dk = warpgroup_mma_wait(0, deps=(dq, dv, dk))
+            mbarrier.arrive(qdo_free, count=1)  # Q and dO read the last time
+        else:
+            dq = warpgroup_mma_wait(0, deps=(dq,))
         if DQ_EARLY and piece == N_PIECES - 1:
             mbarrier.arrive(ds_empty, count=1)
         _dq_add(p_dq, dq, row0, piece * DQ_PIECE, seqlen_q, HEAD_DIM, DQ_UNMASKED)
     if not DQ_EARLY:
         mbarrier.arrive(ds_empty, count=1)
+    return dv, dk
 
 
 @gluon.jit
 def _mma_partition(args, WG: gl.constexpr, IS_CAUSAL: gl.constexpr, SDP: gl.constexpr,
                    DQ_EARLY: gl.constexpr, DQ_UNMASKED: gl.constexpr,
-                   LSE_AHEAD: gl.constexpr, DQ_SPLIT: gl.constexpr):
+                   LSE_AHEAD: gl.constexpr, DQ_SPLIT: gl.constexpr,
+                   DKV_LATE: gl.constexpr):
     """Consumer warpgroup WG: keys key0 + 64 * WG + [0, 64) against every query block.
     dq_rows: the dQ accumulator's rows per head (seqlen_q, or rounded up to BLOCK_M with
     DQ_UNMASKED). ds_smem: one dS^T buffer (128 keys, BLOCK_M), two with DQ_SPLIT."""
@@ -327,6 +348,9 @@ def _mma_partition(args, WG: gl.constexpr, IS_CAUSAL: gl.constexpr, SDP: gl.cons
                                              layout=gl.SliceLayout(1, s_layout))
     dk = gl.zeros([BLOCK_N_WG, HEAD_DIM], gl.float32, d_layout)
     dv = gl.zeros([BLOCK_N_WG, HEAD_DIM], gl.float32, d_layout)
+    if DKV_LATE:  # carried as the async products' type (see the walk's hand-off)
+        dk = warpgroup_mma_init(dk)
+        dv = warpgroup_mma_init(dv)
     s_init = gl.zeros([BLOCK_N_WG, BLOCK_M], gl.float32, s_layout)  # ignored: use_acc=False
     dq_init = gl.zeros([BLOCK_M, DQ_PIECE], gl.float32, dq_layout)  # ignored: use_acc=False
     if DQ_SPLIT:
@@ -450,19 +474,41 @@ def _mma_partition(args, WG: gl.constexpr, IS_CAUSAL: gl.constexpr, SDP: gl.cons
             ds_smem.slice(WG * BLOCK_N_WG, BLOCK_N_WG).store(ds_op)
             fence_async_shared()  # the generic-proxy writes above before wgmma reads them
             mbarrier.arrive(ds_full, count=1)
-            dv, dk = warpgroup_mma_wait(0, deps=(dv, dk))
-            mbarrier.arrive(qdo_empty.index(stage), count=1)  # Q and dO read the last time
-            if it % 2 == WG:
-                mbarrier.wait(ds_full, it & 1)  # the other warpgroup's dS^T stored too
-                p_dq = _dq_ptr(DQAccum, p_row, bh0 + it // n_m, dq_rows, HEAD_DIM,
-                               DQ_UNMASKED)
-                _dq_partial(ds_smem, k_all, dq_init, p_dq, row0, seqlen_q, ds_empty,
-                            DQ_EARLY, DQ_UNMASKED)
+            if DKV_LATE:
+                # The dQ owner waits for dV and dK with its first dQ product, queued behind
+                # them: one wgmma round trip fewer in its blocks.
+                if it % 2 == WG:
+                    mbarrier.wait(ds_full, it & 1)  # the other warpgroup's dS^T stored too
+                    p_dq = _dq_ptr(DQAccum, p_row, bh0 + it // n_m, dq_rows, HEAD_DIM,
+                                   DQ_UNMASKED)
+                    dv, dk = _dq_partial(ds_smem, k_all, dq_init, p_dq, row0, seqlen_q,
+                                         ds_empty, dv, dk, qdo_empty.index(stage), DQ_EARLY,
+                                         DQ_UNMASKED, DKV_LATE)
+                    # Waited; typed as they came in, as a branch must leave them in Gluon.
+                    dv = warpgroup_mma_init(dv)
+                    dk = warpgroup_mma_init(dk)
+                else:
+                    dv, dk = warpgroup_mma_wait(0, deps=(dv, dk))
+                    mbarrier.arrive(qdo_empty.index(stage), count=1)  # Q, dO read the last time
+                    dv = warpgroup_mma_init(dv)
+                    dk = warpgroup_mma_init(dk)
+            else:
+                dv, dk = warpgroup_mma_wait(0, deps=(dv, dk))
+                mbarrier.arrive(qdo_empty.index(stage), count=1)  # Q, dO read the last time
+                if it % 2 == WG:
+                    mbarrier.wait(ds_full, it & 1)  # the other warpgroup's dS^T stored too
+                    p_dq = _dq_ptr(DQAccum, p_row, bh0 + it // n_m, dq_rows, HEAD_DIM,
+                                   DQ_UNMASKED)
+                    _dq_partial(ds_smem, k_all, dq_init, p_dq, row0, seqlen_q, ds_empty,
+                                dv, dk, qdo_empty.index(stage), DQ_EARLY, DQ_UNMASKED,
+                                DKV_LATE)
 
     # dK and dV leave through this warpgroup's K and V buffers once the last dQ product,
     # which reads both halves of K, has completed (a fresh barrier passes: no walk). TMA
     # drops the rows past seqlen_k. DQ_SPLIT: both warpgroups' last products (ds_empty
     # counts two arrivals, one a warpgroup after its walk).
+    if DKV_LATE:  # back to tensors; every product of the walk has been waited for
+        dv, dk = warpgroup_mma_wait(0, deps=(dv, dk))
     if DQ_SPLIT:
         mbarrier.arrive(ds_empty, count=1)
         mbarrier.wait(ds_empty, 0)
@@ -507,13 +553,14 @@ def _attn_bwd_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, L
                             dq_rows, diag_offset, softmax_scale, IS_CAUSAL: gl.constexpr,
                             STAGES: gl.constexpr, SDP: gl.constexpr,
                             DQ_EARLY: gl.constexpr, DQ_UNMASKED: gl.constexpr,
-                            LSE_AHEAD: gl.constexpr, DQ_SPLIT: gl.constexpr):
+                            LSE_AHEAD: gl.constexpr, DQ_SPLIT: gl.constexpr,
+                            DKV_LATE: gl.constexpr):
     """dK, dV of 128 keys of one (batch, KV head), dQ added into DQAccum: fp32 (batch,
     nheads, dq_rows, head_dim), its first seqlen_q rows of each head zeroed by the
     preprocess. head_split > 1 (GQA): the group's query heads are dealt to head_split
     programs, each storing its share of dK and dV into head off_hkv * head_split + its
     index of dk_desc/dv_desc (the launcher sums the shares). SDP, DQ_EARLY, DQ_UNMASKED,
-    LSE_AHEAD, DQ_SPLIT: the schedule options of the module docstring."""
+    LSE_AHEAD, DQ_SPLIT, DKV_LATE: the schedule options of the module docstring."""
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[1]
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
     key0, off_b, off_dkv, off_hkv, h0, n_heads, m_lo, n_m = _program_walk(
@@ -562,10 +609,10 @@ def _attn_bwd_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, L
                  q_ready, do_ready, qdo_empty, off_b, off_hkv, key0, h0, n_heads, m_lo, n_m)
     gl.warp_specialize([
         (_mma_partition, (mma_args, 0, IS_CAUSAL, SDP, DQ_EARLY, DQ_UNMASKED, LSE_AHEAD,
-                          DQ_SPLIT)),
+                          DQ_SPLIT, DKV_LATE)),
         (_load_partition, load_args),
         (_mma_partition, (mma_args, 1, IS_CAUSAL, SDP, DQ_EARLY, DQ_UNMASKED, LSE_AHEAD,
-                          DQ_SPLIT)),
+                          DQ_SPLIT, DKV_LATE)),
     ], [1, 4], [PRODUCER_REGS, CONSUMER_REGS])
 
 
@@ -608,10 +655,10 @@ def kernel_flags(head_dim: int, causal: bool, opts: frozenset[str], block_m: int
     kernel (head_dim 256) has no options."""
     if head_dim == 256:
         return dict(IS_CAUSAL=causal)
-    if {"dq_split", "dq_early"} <= opts:
+    if "dq_split" in opts and opts & {"dq_early", "dkv_late"}:
         raise ValueError("FLASHTILE_HOPPER_BWD_OPTS: dq_split (each consumer its share "
-                         "of every dQ product) goes without dq_early (one consumer's "
-                         f"whole product), got {sorted(opts)}")
+                         "of every dQ product) goes without dq_early and dkv_late (one "
+                         f"consumer's whole product), got {sorted(opts)}")
     if "dq_split" in opts and head_dim < 2 * DQ_PIECE.value and block_m != 128:
         raise ValueError("FLASHTILE_HOPPER_BWD_OPTS=dq_split at head_dim 64 needs 128 "
                          "query rows a block (FLASHTILE_HOPPER_BWD_CONFIG='128,128,4,2'), "
@@ -621,7 +668,7 @@ def kernel_flags(head_dim: int, causal: bool, opts: frozenset[str], block_m: int
                 SDP="sdp" in opts,
                 DQ_EARLY="dq_early" in opts, DQ_UNMASKED="dq_unmasked" in opts,
                 LSE_AHEAD="lse_ahead" in opts,
-                DQ_SPLIT="dq_split" in opts)
+                DQ_SPLIT="dq_split" in opts, DKV_LATE="dkv_late" in opts)
 
 
 # The parameters each plan of the backward fills per call, in its kernel's order.

@@ -352,7 +352,8 @@ def hopper_bwd_config(head_dim: int) -> TileConfig:
 # Schedule variants of the Gluon backward, each a constexpr of its kernel, chosen by
 # FLASHTILE_HOPPER_BWD_OPTS (comma-separated; empty, the default: none) for the GPU
 # A/B; bwd_hopper's docstring says what each changes. Read when a launch plan is made.
-HOPPER_BWD_OPTS = ("sdp", "dq_early", "dq_unmasked", "lse_ahead", "dq_split")
+HOPPER_BWD_OPTS = ("sdp", "dq_early", "dq_unmasked", "lse_ahead", "dq_split",
+                   "dkv_late")
 
 
 def hopper_bwd_opts() -> frozenset[str]:
