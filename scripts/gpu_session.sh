@@ -189,14 +189,14 @@ case "${1:-}" in
     # 128 rows at d64 +5% full, -1..-3% causal; a third stage level (NOTES.md section 24).
     for run in 64:default 64:128,128,4,2 64:64,128,4,3 128:default 128:64,128,4,3; do
       d=${run%%:*} cfg=${run#*:}
-      unset FLASHTILE_HOPPER_BWD_CONFIG
+      unset FLASHTILE_HOPPER_BWD_CONFIG FLASHTILE_HOPPER_BWD_OPTS
       [ "$cfg" != default ] && export FLASHTILE_HOPPER_BWD_CONFIG=$cfg
       timeout 100 python3 -m flashtile bench --providers flashtile-hopper-bwd sdpa-cudnn \
         --modes fwd_bwd --headdim "$d" --seqlens 1k 4k --no-progress \
         --out "bwd-tiles-$d-${cfg//,/_}" --overwrite 2>&1 | grep "^| [0-9]" | head -4 \
         | sed "s|^|$cfg |"
     done
-    unset FLASHTILE_HOPPER_BWD_CONFIG
+    unset FLASHTILE_HOPPER_BWD_CONFIG FLASHTILE_HOPPER_BWD_OPTS
     ;;
   bwd-opts2)
     # Session 15's options of the Gluon backward (bwd_hopper's docstring has their
