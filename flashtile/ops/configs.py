@@ -686,7 +686,11 @@ def _wide_key_decode_config(q, rows, block_m, split, v_is_k, fp8_cache) -> TileC
     tiles, 17 MB of partials): 13-20 us against 41.8; b=1 x 32k (64 splits of 16
     tiles): 25-35 us against 110. 64 heads (the 64-row tile, 392 KB of shared memory
     read a tile: 3060 cycles and more, 1.8-2.4 us for 4.5 MFLOP): b=64 x 8k (2 splits
-    of 128 tiles) 230-310 us, 240-320 TFLOP/s. 16 heads keep their tile and times."""
+    of 128 tiles) 230-310 us, 240-320 TFLOP/s. 16 heads keep their tile and times.
+    MEASURED (H200, session 14, docs/benchmarks/h200-2026-12-02-s14/mla-wgmma.txt; its
+    GPU tests passed), 128 heads: b=64 x 8k 642 us (227.5 TFLOP/s), b=32 x 4k 176, b=1 x
+    8k 30.5, b=1 x 32k 61.5: 1.4-2.2x the 32-row tile, half to two thirds of the
+    prediction's speed; the stage `mla` has the A/B and the 64-head rows."""
     if q.element_size() == 2 and not fp8_cache and rows > 32:
         if rows > 64 and v_is_k:
             return TileConfig(128, 32, 8, 2, dv_parts=2)
