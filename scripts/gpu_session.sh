@@ -378,10 +378,19 @@ r(heads=($heads,))" 2>&1 | grep "^{" | sed "s/^/$heads heads, $tile: /" ) \
     # the warp-stall, scheduler, pipe and memory sections and the top stall sites in
     # the SASS. Cases: bwd-d128 (4 x 4k, 16 heads, full), bwd-hf (transformers' step:
     # 1 x 4k, 32 over 8 heads, d64, causal), fwd-d64 (4 x 4k, 32 heads, full), fp8-d128
-    # (2 x 8k, 16 heads, e4m3, full). NCU_CASES picks some. ~1 min a case.
+    # (2 x 8k, 16 heads, e4m3, full), mla-128 (the absorbed MLA decode at 128 heads,
+    # b=64 x 8k: 228 TFLOP/s in session 14 against a predicted 350-490). NCU_CASES picks
+    # some. ~1 min a case.
     cat > /tmp/ncu_case.py <<'PY'
 import sys, torch, flashtile
 case = sys.argv[1]
+if case == "mla-128":  # the absorbed MLA decode's 128-row wgmma tile, b=64 x 8k
+    from flashtile.bench.decode import MLA_DV, _mla_inputs
+    q, pool, table, seqlens, _ = _mla_inputs(64, 8192, 128, "cuda")
+    flashtile.flash_attn_with_kvcache(q, pool, pool[..., :MLA_DV], cache_seqlens=seqlens,
+                                      block_table=table)
+    torch.cuda.synchronize()
+    sys.exit()
 b, s, h, hkv, d, causal = {"bwd-d128": (4, 4096, 16, 16, 128, False),
                            "bwd-hf": (1, 4096, 32, 8, 64, True),
                            "fwd-d64": (4, 4096, 32, 32, 64, False),
@@ -399,8 +408,9 @@ else:
     flashtile.flash_attn_func(q, k, v, causal=causal).backward(torch.randn_like(q))
 torch.cuda.synchronize()
 PY
-    for c in ${NCU_CASES:-bwd-d128 bwd-hf fwd-d64 fp8-d128}; do
-      case $c in bwd-*) kern=_attn_bwd_hopper_kernel ;; *) kern=_attn_fwd_hopper_kernel ;; esac
+    for c in ${NCU_CASES:-bwd-d128 bwd-hf fwd-d64 fp8-d128 mla-128}; do
+      case $c in bwd-*) kern=_attn_bwd_hopper_kernel ;; mla-*) kern=_decode_kernel ;;
+        *) kern=_attn_fwd_hopper_kernel ;; esac
       stamp "ncu $c"
       timeout 150 ncu --clock-control none -k "regex:$kern" -c 1 --import-source no \
         --section SpeedOfLight --section ComputeWorkloadAnalysis \
