@@ -361,12 +361,12 @@ KEYS_M_HEADS = [pytest.param((1, 8, 2, 32, 32), id="gqa4-d32"),
 @pytest.mark.parametrize("backend", ["triton"], indirect=True)  # a Triton kernel layout
 def test_kvcache_keys_m_layout(keys_m, heads, page, block_n, num_splits, fp8_backend, device,
                                on_gpu, monkeypatch):
-    """FLASHTILE_DECODE_FP8_KEYS_M=1 (keys on the products' M side: S^T = K Q^T, O^T =
-    V^T P^T) and the default layout both give attention over the dequantised cache:
-    odd lengths, NaN values past two sequences' ends that must reach nothing, a sequence
-    with no keys (out 0, lse -inf), one longer than its cache (NaN rows) and one with
-    a NaN key (its KV head's rows NaN). Pages of 16 keys, one a tile (the interpreter's
-    16-key tile) or two (32-key tiles); split and not."""
+    """FLASHTILE_DECODE_FP8_KEYS_M=1 (the default: keys on the products' M side, S^T = K
+    Q^T, O^T = V^T P^T) and =0 (query rows on the M side) both give attention over the
+    dequantised cache: odd lengths, NaN values past two sequences' ends that must reach
+    nothing, a sequence with no keys (out 0, lse -inf), one longer than its cache (NaN
+    rows) and one with a NaN key (its KV head's rows NaN). Pages of 16 keys, one a tile
+    (the interpreter's 16-key tile) or two (32-key tiles); split and not."""
     from flashtile.ops import configs, decode
 
     monkeypatch.setenv("FLASHTILE_DECODE_FP8_KEYS_M", keys_m)

@@ -475,8 +475,9 @@ def test_fp8_decode_compiles_for_sm90(q_dtype, cache_dtype, split):
 
 # sm_90 SASS instructions a thread per 128-key tile of the FP8 decode (tests/aot.py
 # loop_instructions), bf16 q, e4m3 cache, d128, 4 query rows (32 heads over 8): the
-# default layout (16 padded rows as the products' M) against KEYS_M (keys as M, 8 rows
-# as N; configs.decode_fp8_keys_m). Measured with Triton 3.6.0 (session 14).
+# rows-on-M layout (16 padded rows as the products' M) against KEYS_M (keys as M, 8
+# rows as N; configs.decode_fp8_keys_m, the default since session 14). Measured with
+# Triton 3.6.0 (session 13).
 FP8_DECODE_TILE = {
     # name: (split, page size (0: contiguous), TILE_PAGES, SPLIT_PAGES), counts
     "contiguous": ((True, 0, 0, 0), (
@@ -522,7 +523,7 @@ def test_fp8_decode_keys_m_tile_is_shorter(cache):
     """FLASHTILE_DECODE_FP8_KEYS_M=1's kernel (S^T = K Q^T, O^T = V^T P^T over FP8 V
     column pairs) at the tile decode_config gives it: no spills, K and V still copied
     asynchronously, V widened by paired cvts, and fewer instructions per key tile than
-    the default's, kind by kind as measured (FP8_DECODE_TILE): half the HMMAs (8 query
+    the rows-on-M layout's, kind by kind as measured (FP8_DECODE_TILE): half the HMMAs (8 query
     rows padded as N, not 16 as M), about half the softmax's exp2, fp32 arithmetic and
     selects, no sum of P across the warps per tile (each thread keeps its own parts),
     no signed halving of V's word addresses, and K/V copies not masked (rows past the

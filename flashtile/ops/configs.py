@@ -549,7 +549,7 @@ DECODE_FP8_KEYS_M = ("1", "0")
 # The most query rows (tokens x query heads per KV head) the KEYS_M decode takes: its
 # rows are the products' N, 8 a step (mma.sync m16n8k16); 16 rows as N compiled to
 # wgmma with keys as M and spilled nothing but ran 827 instructions a tile, more than
-# the default's 722 (sm_90 SASS, d128, bf16 q, e4m3 cache).
+# the rows-on-M layout's 722 (sm_90 SASS, d128, bf16 q, e4m3 cache).
 DECODE_FP8_KEYS_M_ROWS = 8
 
 
