@@ -30,6 +30,25 @@ from flashtile.ops._common import (LOG2E, _block_range, _dropout_keep, _dropout_
 _data_ptr = torch.Tensor.data_ptr
 
 
+def _address(x):
+    """x's address, None for an absent optional operand (``_operands``)."""
+    return None if x is None else _data_ptr(x)
+
+
+def _operands(q, k, v, dout, lse, delta, dk, dv, attn_mask, alibi_slopes, cu_q, cu_k, out,
+              dlse, dq, dq_accum, philox):
+    """The backward kernels' operands in the launcher's slot order, as tensors (Triton's
+    path) or as their addresses (the launch plans). An absent optional operand (None)
+    takes a never-read placeholder: q for attn_mask, alibi_slopes, a dense call's
+    cu_seqlens and dq_accum (not fused), lse for dlse and philox (no dropout). The
+    preprocess reads out, dout, dlse and writes delta (and zeroes dq_accum); the dK/dV
+    kernel takes [:8], dq_accum, [8:12] and philox; the dQ kernel dq in dk's place."""
+    return (q, k, v, dout, lse, delta, dk, dv, q if attn_mask is None else attn_mask,
+            q if alibi_slopes is None else alibi_slopes, q if cu_q is None else cu_q,
+            q if cu_k is None else cu_k, out, lse if dlse is None else dlse, dq,
+            q if dq_accum is None else dq_accum, lse if philox is None else philox)
+
+
 @triton.jit
 def _row_block(nheads, seqlen_q, head_dim, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
     """Program (row block, batch x head) of the row-wise kernels: (off_b, off_h, offs_m,
@@ -508,16 +527,14 @@ def attn_bwd(dout, q, k, v, out, lse, dlse, *, attn_mask, alibi_slopes, softmax_
     row_grid = (configs.cdiv(rows, configs.PREPROCESS_BLOCK_M), (1 if varlen else batch) * h)
     key = None
     if _launch.ready(q):
-        # The addresses of ``tensors`` (below), each tensor's read once; delta and the
-        # dQ accumulator at their offsets in dq's allocation.
-        pq, pl, pb = _data_ptr(q), _data_ptr(lse), _data_ptr(dq)
-        p = (pq, _data_ptr(k), _data_ptr(v), _data_ptr(dout), pl, pb + delta_at,
-             _data_ptr(dk), _data_ptr(dv), pq if attn_mask is None else _data_ptr(attn_mask),
-             pq if alibi_slopes is None else _data_ptr(alibi_slopes),
-             _data_ptr(cu_seqlens_q) if varlen else pq,
-             _data_ptr(cu_seqlens_k) if varlen else pq, _data_ptr(out),
-             pl if dlse is None else _data_ptr(dlse), pb, pb + accum_at if fused else pq,
-             pl if philox is None else _data_ptr(philox))
+        # The operands' addresses, each tensor's read once; delta and the dQ
+        # accumulator at their offsets in dq's allocation.
+        pb = _data_ptr(dq)
+        p = _operands(_data_ptr(q), _data_ptr(k), _data_ptr(v), _data_ptr(dout),
+                      _data_ptr(lse), pb + delta_at, _data_ptr(dk), _data_ptr(dv),
+                      _address(attn_mask), _address(alibi_slopes), _address(cu_seqlens_q),
+                      _address(cu_seqlens_k), _data_ptr(out), _address(dlse), pb,
+                      pb + accum_at if fused else None, _address(philox))
         # A varlen key leaves the batch and token counts out (the grids and the slots
         # carry them): one set of plans per layout, as the forward's.
         key = ("bwd", q.dtype, q.shape[1:] if varlen else q.shape, q.stride(),
@@ -545,18 +562,11 @@ def attn_bwd(dout, q, k, v, out, lse, dlse, *, attn_mask, alibi_slopes, softmax_
             return dq, dk, dv
     # The first launch of a variant: Triton's path takes tensors, so delta and the dQ
     # accumulator as views of their words.
-    cu_q, cu_k = (cu_seqlens_q, cu_seqlens_k) if varlen else (q, q)
     delta = _launch.lse_after(buf, delta_at, lse.shape)
     dq_accum = _launch.lse_after(buf, accum_at, (1 if varlen else batch, h, rows, block_d)) \
         if fused else None
-    # The preprocess reads out, dout, dlse (lse as a placeholder) and writes delta (and
-    # zeroes dq_accum); the dK/dV kernel takes tensors[:8], dq_accum (q as a never-read
-    # placeholder when not fused), tensors[8:12] and philox (tensors[16]; lse as a
-    # never-read placeholder without dropout); the dQ kernel dq in dk's place.
-    tensors = (q, k, v, dout, lse, delta, dk, dv, q if attn_mask is None else attn_mask,
-               q if alibi_slopes is None else alibi_slopes, cu_q, cu_k, out,
-               lse if dlse is None else dlse, dq, q if dq_accum is None else dq_accum,
-               lse if philox is None else philox)
+    tensors = _operands(q, k, v, dout, lse, delta, dk, dv, attn_mask, alibi_slopes,
+                        cu_seqlens_q, cu_seqlens_k, out, dlse, dq, dq_accum, philox)
     if varlen:
         # Packed tensors as a batch of one whose batch stride the kernels must not use.
         dout4, q4, k4, v4, out4, dq4, dk4, dv4 = (
@@ -592,7 +602,7 @@ def attn_bwd(dout, q, k, v, out, lse, dlse, *, attn_mask, alibi_slopes, softmax_
         _bwd_dkdv_kernel,
         lambda cfg: (max(1, configs.cdiv(longest_k, cfg.block_n)), batch * hkv),
         pick(q, d_tiles, windowed, seqlen=longest, ieee=ieee), name, q, d,
-        *tensors[:8], tensors[15], mask, alibi, cu_q, cu_k, tensors[16],
+        *tensors[:8], tensors[15], mask, alibi, *tensors[10:12], tensors[16],
         *configs.strides(varlen, q4, k4, v4, dout4, dk4, dv4), *acc_strides,
         *configs.strides(varlen, lse3),
         *mask_strides, *alibi_strides, h, hkv, *sizes, *common,
@@ -613,7 +623,7 @@ def attn_bwd(dout, q, k, v, out, lse, dlse, *, attn_mask, alibi_slopes, softmax_
             lambda cfg: (max(1, configs.cdiv(longest_q, cfg.block_m)), batch * h),
             configs.bwd_dq_config(q, d_tiles, windowed, seqlen=longest, ieee=ieee),
             "backward dq", q, d,
-            *tensors[:6], dq, mask, alibi, cu_q, cu_k, tensors[16],
+            *tensors[:6], dq, mask, alibi, *tensors[10:12], tensors[16],
             *configs.strides(varlen, q4, k4, v4, dout4, dq4, lse3),
             *mask_strides, *alibi_strides, h, h // hkv, *sizes, *common,
             IS_VARLEN=varlen, HAS_DROPOUT=philox is not None,
