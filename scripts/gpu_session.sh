@@ -37,8 +37,8 @@
 #   hf-train     transformers' training step under each backward path       (~8 min)
 #   bwd-tiles    the Gluon backward's BLOCK_M/STAGES candidates beside cuDNN  (~6 min)
 #   fwd-tiles    the d64 Gluon forward's ring depths beside cuDNN              (~2 min)
-#   bwd-opts2    the Gluon backward's lse_ahead and dq_split options beside the
-#                default and cuDNN (BWD_OPTS2_HF=1: the Llama-1B training step too) (~5 min)
+#   bwd-opts2    the Gluon backward's options beside the default (lse_ahead), none and
+#                cuDNN (BWD_OPTS2_HF=1: the Llama-1B training step too)     (~4 min)
 #   bwd256       the head_dim 256 Gluon backward beside the portable one and cuDNN (~3 min)
 #   wide         head_dim 256 and 512, forward and forward+backward, beside the peers
 #                                                                         (~5 min)
@@ -199,32 +199,29 @@ case "${1:-}" in
     unset FLASHTILE_HOPPER_BWD_CONFIG FLASHTILE_HOPPER_BWD_OPTS
     ;;
   bwd-opts2)
-    # Session 15's options of the Gluon backward (bwd_hopper's docstring has their
-    # predictions), 16k tokens a batch, forward + backward. dq_split at d64 needs 128
-    # query rows a block, so d64 also times BLOCK_M 128 alone (session 14: +5% full,
-    # -1..-3% causal); dq_split with lse_ahead at d128 only (its prediction's), and
-    # dkv_late at d64 only (predicted +2-5% there, within the spread at d128).
-    # cuDNN beside the default only: it does not change between runs.
-    for run in 64:default 64:lse_ahead 64:dkv_late 64:128/default 64:128/dq_split \
-        128:default 128:lse_ahead 128:dq_split 128:lse_ahead,dq_split; do
+    # The Gluon backward's options beside the default (lse_ahead since session 15: +6-10%
+    # forward + backward at d64, +1-4% at d128; NOTES.md section 25) and none, 16k tokens
+    # a batch. dq_split at d64 needs 128 query rows a block. cuDNN beside each run: the
+    # clocks drift 3-6% between runs (session 15's fwd-tiles: cuDNN 454.7 then 481.2).
+    for run in 64:default 64:none 64:lse_ahead,dkv_late 64:128/lse_ahead,dq_split \
+        128:default 128:none 128:lse_ahead,dq_split; do
       d=${run%%:*} v=${run#*:}
-      opts=${v#128/} providers=flashtile-hopper-bwd
+      opts=${v#128/}
       unset FLASHTILE_HOPPER_BWD_CONFIG FLASHTILE_HOPPER_BWD_OPTS
       [ "$v" != "$opts" ] && export FLASHTILE_HOPPER_BWD_CONFIG=128,128,4,2
       [ "$opts" != default ] && export FLASHTILE_HOPPER_BWD_OPTS=$opts
-      [ "$v" = default ] && providers="$providers sdpa-cudnn"
-      timeout 90 python3 -m flashtile bench --providers $providers --modes fwd_bwd \
+      timeout 90 python3 -m flashtile bench --providers flashtile-hopper-bwd sdpa-cudnn \
+        --modes fwd_bwd \
         --headdim "$d" --seqlens 1k 4k --no-progress --out "bwd-opts2-$d-${v//[\/,]/_}" \
         --overwrite 2>&1 | grep "^| [0-9]" | head -4 | sed "s|^|$d $v |" \
         | tee -a "$OUT/bwd-opts2.txt"
     done
     unset FLASHTILE_HOPPER_BWD_CONFIG FLASHTILE_HOPPER_BWD_OPTS
     if [ "${BWD_OPTS2_HF:-0}" = 1 ]; then
-      # transformers' Llama-3.2-1B step (GQA 32/8, d64, 4k, causal): session 14's backward
-      # took 10.3 ms against cuDNN's 7.5; lse_ahead is the option predicted to help at d64.
-      FLASHTILE_HOPPER_BWD_OPTS=lse_ahead timeout 120 python3 -m flashtile bench hf \
-        --impls flashtile sdpa --batches 1 --new 2 --out "$OUT/hf-train-lse_ahead.json" \
-        2>&1 | grep "train step" | sed "s|^|lse_ahead |" | tee -a "$OUT/bwd-opts2.txt"
+      # transformers' Llama-3.2-1B step (GQA 32/8, d64, 4k, causal) with the default.
+      timeout 120 python3 -m flashtile bench hf --impls flashtile sdpa --batches 1 \
+        --new 2 --out "$OUT/hf-train.json" 2>&1 | grep "train step" \
+        | tee -a "$OUT/bwd-opts2.txt"
     fi
     ;;
   hf-train)

@@ -212,8 +212,8 @@ def test_switch_sends_head_dim_256_under_1_and_auto(monkeypatch):
 
 # The schedule options (FLASHTILE_HOPPER_BWD_OPTS, bwd_hopper's docstring) the GPU A/B
 # times, alone and as timed together; tests/test_gluon_compile.py checks their SASS.
-OPTS = ["sdp", "dq_early", "dq_unmasked", "sdp,dq_early,dq_unmasked", "lse_ahead", "dkv_late",
-        "lse_ahead,dkv_late"]
+OPTS = ["none", "sdp", "dq_early", "dq_unmasked", "sdp,dq_early,dq_unmasked", "lse_ahead",
+        "dkv_late", "lse_ahead,dkv_late"]
 # dq_split (alone, with lse_ahead, with dq_unmasked) at the BLOCK_M the A/B times it at
 # (FLASHTILE_HOPPER_BWD_CONFIG; head_dim 64: 128 rows, each consumer 64 of them).
 SPLIT_CASES = [(64, "dq_split", "128,128,4,2"), (128, "dq_split", None),
@@ -304,15 +304,21 @@ def test_stages_match_float64_reference(stages, head_dim, monkeypatch):
 
 def test_options_knob(monkeypatch):
     """FLASHTILE_HOPPER_BWD_OPTS: a comma-separated subset of the options (spaces and
-    empty items ignored; unset: none), each one constexpr of the kernel; anything else
-    is a ValueError naming the variable, the choices and the unknown items."""
+    empty items ignored; "none": none; unset: the default, lse_ahead), each one constexpr
+    of the kernel; anything else is a ValueError naming the variable, the choices and the
+    unknown items."""
     from flashtile.ops import configs
 
     monkeypatch.delenv("FLASHTILE_HOPPER_BWD_OPTS", raising=False)
-    assert configs.hopper_bwd_opts() == frozenset()
-    flags = bwd_hopper.kernel_flags(128, True, frozenset(), 64)
+    assert configs.hopper_bwd_opts() == {"lse_ahead"} == configs.HOPPER_BWD_DEFAULT_OPTS
+    flags = bwd_hopper.kernel_flags(128, True, configs.hopper_bwd_opts(), 64)
     assert flags == dict(IS_CAUSAL=True, SDP=False, DQ_EARLY=False, DQ_UNMASKED=False,
-                         LSE_AHEAD=False, DQ_SPLIT=False, DKV_LATE=False)
+                         LSE_AHEAD=True, DQ_SPLIT=False, DKV_LATE=False)
+    for none in ("none", " none ,", ""):
+        monkeypatch.setenv("FLASHTILE_HOPPER_BWD_OPTS", none)
+        assert configs.hopper_bwd_opts() == frozenset()
+    flags = bwd_hopper.kernel_flags(128, True, frozenset(), 64)
+    assert not any(v for k, v in flags.items() if k != "IS_CAUSAL")
     monkeypatch.setenv("FLASHTILE_HOPPER_BWD_OPTS", " sdp, dq_unmasked ,")
     assert configs.hopper_bwd_opts() == {"sdp", "dq_unmasked"}
     flags = bwd_hopper.kernel_flags(64, False, configs.hopper_bwd_opts(), 64)
@@ -325,8 +331,8 @@ def test_options_knob(monkeypatch):
     flags = bwd_hopper.kernel_flags(128, True, configs.hopper_bwd_opts(), 64)
     assert flags["DKV_LATE"] and not flags["DQ_SPLIT"]
     monkeypatch.setenv("FLASHTILE_HOPPER_BWD_OPTS", "sdp,pingpong")
-    with pytest.raises(ValueError, match=r"FLASHTILE_HOPPER_BWD_OPTS must be a comma-"
-                       r"separated subset of .*'dkv_late'\), got 'sdp,pingpong' "
+    with pytest.raises(ValueError, match=r"FLASHTILE_HOPPER_BWD_OPTS must be 'none' or a "
+                       r"comma-separated subset of .*'dkv_late'\), got 'sdp,pingpong' "
                        r"\(unknown: \['pingpong'\]\)"):
         configs.hopper_bwd_opts()
 

@@ -38,8 +38,9 @@ shares are summed after the kernel. Three warp-specialised partitions:
 - warp_specialize's register requests become setmaxnreg: 24 for the producer, 240 for
   each consumer (dK and dV accumulators, 64 x head_dim fp32 each, live across the walk).
 
-Schedule options, each a constexpr chosen by FLASHTILE_HOPPER_BWD_OPTS (comma-separated;
-none by default, the schedule above) for the GPU A/B, all compile-checked on the CPU:
+Schedule options, each a constexpr chosen by FLASHTILE_HOPPER_BWD_OPTS (comma-separated,
+"none" for the schedule above alone; lse_ahead by default since session 15) for the GPU
+A/B, all compile-checked on the CPU:
 - sdp (SDP): dP^T is issued right behind S^T, as FA3 does; the consumer waits for S^T
   alone (wgmma wait 1), computes P^T while dP^T runs, then waits for dP^T: one wgmma
   round trip fewer per query block and both products queued for the tensor cores. lse
@@ -52,7 +53,7 @@ none by default, the schedule above) for the GPU A/B, all compile-checked on the
   each REDG in the SASS, 64 of them in a d128 program's two dQ pieces.
 - lse_ahead (LSE_AHEAD): lse and delta of query block it + 1 are loaded (one value a
   thread each, masked off past the walk) during block it, so no global load is waited
-  for inside a block: by default lse's load is issued and waited for (its value stored
+  for inside a block: without it lse's load is issued and waited for (its value stored
   for the layout conversion) right before S^T's issue, an L2 round trip on every
   block's path (delta's overlaps dP^T). ptxas then also issues most of the softmax's
   exp2 before the dP^T wait, under dP^T (14-32 of a thread's 32 in the sm_90 SASS, 0-4
@@ -136,6 +137,11 @@ options' GPU tests passed; the GQA head split (``head_split``) passed its tests 
 memcheck and cut transformers' Llama-3.2-1B backward (32 query over 8 KV heads, 4k
 tokens, batch 1) from 0.55x to 0.72x cuDNN's. Session 14 (section 24): 128 query rows at
 d64 ran +5% full, -1 to -3% causal, a third stage level: the default tiles stay.
+Session 15 (section 25): lse_ahead ran forward + backward +6-10% at d64 and +1-4% at
+d128 (predicted +10-18% and +5-10%), so it is the default; dkv_late -1 to -2% at d64,
+dq_split -2 to -9% alone and level with lse_ahead alone when combined with it (d128). Nsight Compute (d128,
+4k, lse_ahead): one instruction issued every 4.6 cycles a scheduler, 0.25 of 3 warps
+eligible, no tile spills: a latency-bound chain, not the tensor cores.
 """
 
 from __future__ import annotations

@@ -350,20 +350,29 @@ def hopper_bwd_config(head_dim: int) -> TileConfig:
 
 
 # Schedule variants of the Gluon backward, each a constexpr of its kernel, chosen by
-# FLASHTILE_HOPPER_BWD_OPTS (comma-separated; empty, the default: none) for the GPU
-# A/B; bwd_hopper's docstring says what each changes. Read when a launch plan is made.
+# FLASHTILE_HOPPER_BWD_OPTS (comma-separated; "none" for none; unset: the default below)
+# for the GPU A/B; bwd_hopper's docstring says what each changes. Read when a launch plan
+# is made.
 HOPPER_BWD_OPTS = ("sdp", "dq_early", "dq_unmasked", "lse_ahead", "dq_split",
                    "dkv_late")
+# lse_ahead is the default since session 15: forward + backward +6-10% at head_dim 64,
+# +1-4% at 128 on the H200 (docs/benchmarks/NOTES.md section 25).
+HOPPER_BWD_DEFAULT_OPTS = frozenset({"lse_ahead"})
 
 
 def hopper_bwd_opts() -> frozenset[str]:
-    """The FLASHTILE_HOPPER_BWD_OPTS options of the Gluon backward, e.g. "sdp,dq_early"."""
-    raw = os.environ.get("FLASHTILE_HOPPER_BWD_OPTS", "")
+    """The FLASHTILE_HOPPER_BWD_OPTS options of the Gluon backward, e.g. "sdp,dq_early";
+    "none" for none, unset for HOPPER_BWD_DEFAULT_OPTS."""
+    raw = os.environ.get("FLASHTILE_HOPPER_BWD_OPTS")
+    if raw is None:
+        return HOPPER_BWD_DEFAULT_OPTS
     opts = frozenset(x.strip() for x in raw.split(",") if x.strip())
+    if opts == {"none"}:
+        return frozenset()
     unknown = sorted(opts.difference(HOPPER_BWD_OPTS))
     if unknown:
-        raise ValueError(f"FLASHTILE_HOPPER_BWD_OPTS must be a comma-separated subset of "
-                         f"{HOPPER_BWD_OPTS}, got {raw!r} (unknown: {unknown})")
+        raise ValueError(f"FLASHTILE_HOPPER_BWD_OPTS must be 'none' or a comma-separated "
+                         f"subset of {HOPPER_BWD_OPTS}, got {raw!r} (unknown: {unknown})")
     return opts
 
 
