@@ -262,19 +262,26 @@ def graph_or_eager(graph: dict | None, eager: dict | None) -> dict | None:
 
 
 def markdown(title: str, b: dict, top: int, step_ms: float | None = None,
-             eager: dict | None = None) -> str:
+             forward_ms: float | None = None, eager: dict | None = None) -> str:
     """One step's breakdown as text and a table: the top kernels of each section, the
-    rest of the section in one row, and the section's total. step_ms: the same step
-    timed without the profiler; eager: the eager forward's breakdown, for comparison."""
+    rest of the section in one row, and the section's total. step_ms, forward_ms: the
+    step and its forward timed without the profiler (CUPTI's tracing may widen the gaps
+    between kernels); eager: the eager forward's breakdown, for comparison."""
     h, d = b["host_us"], b["device_us"]
-    timed = f" ({step_ms:.3f} ms without the profiler)" if step_ms else ""
+    fwd = b["sections"]["forward"]
+
+    def unprofiled(ms):
+        return f" ({ms:.3f} ms without the profiler)" if ms else ""
+
     lines = [f"**{title}**: {b['steps']} steps under torch.profiler, {b['source']}", "",
-             f"Host: step {h['step'] / 1e3:.3f} ms{timed} = prepare "
+             f"Host: step {h['step'] / 1e3:.3f} ms{unprofiled(step_ms)} = prepare "
              f"{h['prepare'] / 1e3:.3f} + forward launch {h['forward'] / 1e3:.3f} + logits "
              f"and sampling launch {h['rest'] / 1e3:.3f} + wait {h['wait'] / 1e3:.3f}.",
              f"Device: first kernel {d['lead'] / 1e3:.3f} ms after the step starts; "
              f"kernels run {d['busy'] / 1e3:.3f} ms, idle {d['idle'] / 1e3:.3f} ms between "
-             f"them; the step ends {d['tail'] / 1e3:.3f} ms after the last one.", "",
+             f"them; the step ends {d['tail'] / 1e3:.3f} ms after the last one. The "
+             f"forward's kernels span {fwd['span_us'] / 1e3:.3f} ms{unprofiled(forward_ms)}.",
+             "",
              "| section | kernel | launches | us | of kernel time |",
              "| --- | --- | --- | --- | --- |"]
     for name in SECTIONS:

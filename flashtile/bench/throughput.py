@@ -178,7 +178,7 @@ def decode_step_markdown(results, top=0) -> str:
         if r.get("kernels"):
             title = f"{r['model']}, batch {r['batch']}, {r['context']} keys"
             lines += ["", step_kernels.markdown(title, r["kernels"], top, r["step_ms"],
-                                                r.get("kernels_eager"))]
+                                                r["forward_ms"], r.get("kernels_eager"))]
     return "\n".join(lines)
 
 
