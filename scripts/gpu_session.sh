@@ -21,6 +21,10 @@
 #   engine-peers the 1B shape's other rows: eager, sdpa, naive, transformers'
 #                generate and generate_batch (64 requests)                (~15 min)
 #   shapes       the 0.5B and 8B shapes, every row                        (~10 min)
+#   engine-kernels  the decode step kernel by kernel (torch.profiler: the graph replay's
+#                kernels, then logits, sampling and copies; host and device time): 0.5B
+#                at batch 1 and 256, 1B at 256, 8B at 1 and 32; then the decode kernel
+#                alone at the engine's shapes (bench.decode --engine)     (~4 min)
 #   host         flashtile bench host, flashtile bench hf (and --pad at batch 16) (~10 min)
 #   hopper       the Gluon forward's GPU tests (16-bit) and its timing     (~9 min)
 #   tp           the tensor-parallel driver's tests (2 GPUs)              (~4 min)
@@ -342,6 +346,25 @@ r(heads=($heads,))" 2>&1 | grep "^{" | sed "s/^/$heads heads, $tile: /" ) \
       --timeout 100 --out "$OUT/throughput-1b.json" 2>&1 | tail -40
     stamp done
     ;;
+  engine-kernels)
+    # Issue 14 (the 0.5B shape at 29% of its roofline): where a decode step's time goes.
+    # One process per model, each building its engine first (dummy weights, warm-up
+    # compiles, CUDA graphs: ~30-60 s), then 10 timed steps and 3 profiled ones a batch
+    # (and 3 eager ones beside them); the limits keep the worst case inside one 10-minute
+    # call. kernels.md: every table; kernels-MODEL.json: the whole breakdowns (every
+    # kernel, full names).
+    for run in "qwen2.5-0.5b:1 256" "llama-3.2-1b:256" "llama-3-8b:1 32"; do
+      model=${run%%:*}
+      stamp "kernels $model"
+      timeout 170 python3 -m flashtile.bench.throughput --decode-step --models "$model" \
+        --decode-batches ${run#*:} --decode-reps 10 --kernels 10 --timeout 160 \
+        --out "$OUT/kernels-$model.json" 2>&1 | grep -v -i warn | tee -a "$OUT/kernels.md"
+    done
+    stamp engine-decode-rows
+    timeout 75 python3 -m flashtile.bench.decode --engine "$OUT/decode-engine.json" 2>&1 \
+      | grep "^|\|^#" | tee "$OUT/decode-engine.txt"
+    stamp done
+    ;;
   shapes)
     # The 0.5B and 8B shapes, every row (transformers' rows: 64 requests).
     timeout 580 python3 -m flashtile.bench.throughput --models qwen2.5-0.5b llama-3-8b \
@@ -447,7 +470,7 @@ import PRESETS; json.dump(PRESETS['llama-3.2-1b'], open('/tmp/llama1b/config.jso
     kill "$server"
     ;;
   *)
-    echo "usage: $0 check|memcheck|sweep [SECONDS]|extra|short|decode|splits|pdl|engine|engine-peers|shapes|host|hopper|tp|fp32|wide|serve [BACKEND] [KV]" >&2
+    echo "usage: $0 check|memcheck|sweep [SECONDS]|extra|short|decode|splits|pdl|engine|engine-peers|engine-kernels|shapes|host|hopper|tp|fp32|wide|serve [BACKEND] [KV]" >&2
     exit 2
     ;;
 esac

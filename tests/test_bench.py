@@ -762,3 +762,26 @@ def test_flashtile_variants_are_not_its_peers():
     assert report.best_peer(by) == ("sdpa-cudnn", 120.0)
     del by["sdpa-cudnn"], by["sdpa-flash-dropout"]
     assert report.best_peer(by) == (None, None)
+
+
+def test_engine_decode_rows_inputs_and_table():
+    """The engine rows' inputs at the 0.5B shape's heads (14 over 2, d64): a paged pool
+    whose block table recovers each sequence's cache, the launch plan read from the
+    launcher's own helpers, and one table row per shape."""
+    from flashtile.bench import decode
+
+    q, k, v, _ = decode._decode_inputs(3, 128, "cpu", 14, 2, 64)
+    pool_k, pool_v, table = decode._paged_pool(k, v, decode.ENGINE_PAGE)
+    assert q.shape == (3, 1, 14, 64) and pool_k.shape == (6, decode.ENGINE_PAGE, 2, 64)
+    assert torch.equal(pool_k[table.long()].reshape(k.shape), k)
+    assert torch.equal(pool_v[table.long()].reshape(v.shape), v)
+    cfg, programs, splits = decode._decode_launch(q, pool_k, pool_v, table)
+    assert cfg.block_m == 16 and programs == 3 * 2 * splits  # 7 heads a KV head: 16 rows
+    row = dict(model="qwen2.5-0.5b", heads=14, kv_heads=2, head_dim=64, batch=1,
+               seqlen_k=1024, cache_gb=0.000524, copies=360, tile="16x64,4,3",
+               programs=16, splits=8, us=5.0, gbps=105)
+    text = decode.engine_decode_markdown([row], copy_gbps=4200.0)
+    assert "| qwen2.5-0.5b | 14 / 2, 64 | 1 | 1024 | 0.001 | 360 | 16x64,4,3 | 16 (8) | 2 " \
+        "| 5.0 | 105 | 2% |" in text
+    header, rule = text.splitlines()[:2]
+    assert header.count("|") == rule.count("|")

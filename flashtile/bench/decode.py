@@ -13,6 +13,11 @@ other layer's cache and weights pass through the L2 in between). So each provide
 step runs over enough copies of the inputs, in turn, to move three times the L2 per
 round, and the time per step is the round's over the copies. ``warm_l2=True`` times
 one copy (what tables before 2026-11-29's session 6 show).
+
+A second table times the engine's decode calls (``run_engine_decode_rows``: flashtile
+paged at the engine's page size, the 0.5B, 1B and 8B shapes' heads at batch 1 and 256
+over 1k keys) with the tile and split count the launcher picks;
+``python3 -m flashtile.bench.decode --engine`` runs it alone.
 """
 
 from __future__ import annotations
@@ -29,8 +34,8 @@ NHEADS, NHEADS_KV, HEAD_DIM = 32, 8, 128
 PAGE_SIZES = (64, 16)
 
 
-def kv_bytes(batch, seqlen_k, element_size=2):
-    return 2 * batch * seqlen_k * NHEADS_KV * HEAD_DIM * element_size
+def kv_bytes(batch, seqlen_k, element_size=2, nheads_kv=NHEADS_KV, head_dim=HEAD_DIM):
+    return 2 * batch * seqlen_k * nheads_kv * head_dim * element_size
 
 
 def provider_bytes(name, batch, seqlen_k):
@@ -38,10 +43,11 @@ def provider_bytes(name, batch, seqlen_k):
     return kv_bytes(batch, seqlen_k, 1 if "fp8" in name else 2)
 
 
-def _decode_inputs(batch, seqlen_k, device):
+def _decode_inputs(batch, seqlen_k, device, nheads=NHEADS, nheads_kv=NHEADS_KV,
+                   head_dim=HEAD_DIM):
     """bf16 q (one token per sequence), a full contiguous K/V cache, its int32 lengths."""
-    q = torch.randn(batch, 1, NHEADS, HEAD_DIM, device=device, dtype=torch.bfloat16)
-    k = torch.randn(batch, seqlen_k, NHEADS_KV, HEAD_DIM, device=device,
+    q = torch.randn(batch, 1, nheads, head_dim, device=device, dtype=torch.bfloat16)
+    k = torch.randn(batch, seqlen_k, nheads_kv, head_dim, device=device,
                     dtype=torch.bfloat16)
     v = torch.randn_like(k)
     seqlens = torch.full((batch,), seqlen_k, dtype=torch.int32, device=device)
@@ -90,7 +96,7 @@ def _paged_pool(k, v, page_size):
     pages = seqlen_k // page_size
     perm = torch.randperm(batch * pages, device=k.device).to(torch.int32)
     block_table = perm.view(batch, pages)
-    shape = (batch * pages, page_size, NHEADS_KV, HEAD_DIM)
+    shape = (batch * pages, page_size, *k.shape[2:])
     pool_k = torch.empty(shape, device=k.device, dtype=k.dtype)
     pool_v = torch.empty_like(pool_k)
     pool_k[block_table.long()] = k.view(batch, pages, *shape[1:])
@@ -107,13 +113,15 @@ def _kvcache_fn(q, seqlens, k_cache, v_cache, block_table=None, num_splits=0, **
                                                      num_splits=num_splits, **fp8)
 
 
-def cache_copies(batch, seqlen_k, device, element_size=1) -> int:
+def cache_copies(batch, seqlen_k, device, element_size=1, nheads_kv=NHEADS_KV,
+                 head_dim=HEAD_DIM) -> int:
     """Input copies whose K/V together are at least three times the L2, counted in the
     smallest cache a provider reads (the FP8 one: 1 byte an element) so that no
     provider's round fits in the L2 (sessions up to 12 counted bf16 bytes: batch 1 x 8k
     rotated 6 copies, 100 MB of FP8 cache, 1.7 times the H200's L2)."""
     l2 = torch.cuda.get_device_properties(device).L2_cache_size
-    return max(1, math.ceil(3 * l2 / kv_bytes(batch, seqlen_k, element_size)))
+    return max(1, math.ceil(3 * l2 / kv_bytes(batch, seqlen_k, element_size, nheads_kv,
+                                              head_dim)))
 
 
 def in_turn(fns):
@@ -209,6 +217,82 @@ def decode_markdown(rows, copy_gbps=None):
         lines.append(f"| {r['batch']} | {r['seqlen_k']} | {r['cache_gb']:.2f} | "
                      f"{r.get('copies', 1)} | "
                      + " | ".join(cells + pct + [ratio] + overhead) + " |")
+    return "\n".join(lines)
+
+
+# The engine's decode calls (flashtile.engine: pages of 64 keys, one query token per
+# sequence): Qwen2.5-0.5B (14 query heads over 2 KV heads), Llama-3.2-1B (32/8) and
+# Llama-3-8B (32/8, d128), at `bench throughput --decode-step`'s batches of 1k keys.
+ENGINE_SHAPES = (("qwen2.5-0.5b", 14, 2, 64), ("llama-3.2-1b", 32, 8, 64),
+                 ("llama-3-8b", 32, 8, 128))
+ENGINE_BATCHES = ((1, 1024), (256, 1024))
+ENGINE_PAGE = 64
+
+
+def _decode_launch(q, k_cache, v_cache, block_table):
+    """(tile, programs, splits) of a paged decode launch as attn_decode plans it with the
+    split heuristic (the tile's rows are query heads per KV head, GQA packing)."""
+    from flashtile.ops import configs
+    from flashtile.ops import decode as ops
+
+    hkv, d = k_cache.shape[2], q.shape[-1]
+    cfg = ops._tile(q, k_cache, v_cache, False)
+    work = q.shape[0] * hkv * ops._row_programs(q, hkv, cfg)
+    splits = ops.split_plan(work, block_table.shape[1] * k_cache.shape[1], cfg.block_n,
+                            k_cache.shape[1], 0, ops._num_sms(q), False,
+                            configs.decode_programs_per_sm(d, cfg))[0]
+    if splits == 1:
+        cfg = ops._tile(q, k_cache, v_cache, False, split=False)
+    return cfg, work * splits, splits
+
+
+def run_engine_decode_rows(device="cuda"):
+    """flashtile's paged decode at the engine's shapes (ENGINE_SHAPES x ENGINE_BATCHES)
+    over cold input copies, each checked against the contiguous cache's output first."""
+    import flashtile
+
+    rows = []
+    for model, h, hkv, d in ENGINE_SHAPES:
+        for batch, seqlen_k in ENGINE_BATCHES:
+            nbytes = kv_bytes(batch, seqlen_k, 2, hkv, d)
+            fns = []
+            for i in range(cache_copies(batch, seqlen_k, device, 2, hkv, d)):
+                q, k, v, seqlens = _decode_inputs(batch, seqlen_k, device, h, hkv, d)
+                pool = _paged_pool(k, v, ENGINE_PAGE)
+                fns.append(_kvcache_fn(q, seqlens, *pool))
+                if i == 0:
+                    err = (fns[0]().float() - flashtile.flash_attn_func(q, k, v).float()
+                           ).abs().max().item()
+                    if not err < 2e-2:
+                        raise RuntimeError(f"engine decode {model} b={batch}: max error "
+                                           f"{err:.3g}")
+                    cfg, programs, splits = _decode_launch(q, *pool)
+                del k, v
+            us = median(time_rounds({"engine": fns})["engine"])
+            row = dict(model=model, heads=h, kv_heads=hkv, head_dim=d, batch=batch,
+                       seqlen_k=seqlen_k, cache_gb=nbytes / 1e9, copies=len(fns),
+                       tile=f"{cfg.block_m}x{cfg.block_n},{cfg.num_warps},{cfg.num_stages}",
+                       programs=programs, splits=splits, us=round(us, 2),
+                       gbps=round(nbytes / us / 1e3))
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+            del fns
+            torch.cuda.empty_cache()
+    return rows
+
+
+def engine_decode_markdown(rows, copy_gbps=None):
+    """One row per engine shape and batch: the tile (query rows x keys, warps, stages),
+    the programs of the decode kernel over its splits (a split decode is two kernels:
+    the decode and the combine), the time, the bandwidth and its share of the copy's."""
+    lines = ["| model | heads / KV heads, d | batch | seqlen_k | KV GB | copies | tile "
+             "| programs (splits) | kernels | us | GB/s | % of copy |", "|---" * 12 + "|"]
+    for r in rows:
+        pct = f"{100 * r['gbps'] / copy_gbps:.0f}%" if copy_gbps else "n/a"
+        lines.append(f"| {r['model']} | {r['heads']} / {r['kv_heads']}, {r['head_dim']} "
+                     f"| {r['batch']} | {r['seqlen_k']} | {r['cache_gb']:.3f} "
+                     f"| {r['copies']} | {r['tile']} | {r['programs']} ({r['splits']}) "
+                     f"| {1 + (r['splits'] > 1)} | {r['us']:.1f} | {r['gbps']} | {pct} |")
     return "\n".join(lines)
 
 
@@ -395,10 +479,21 @@ if __name__ == "__main__":
                   f"{r['us']} us | {r['gbps']} GB/s ({100 * r['gbps'] / copy:.0f}% of copy) "
                   f"| {r['tflops']} TFLOP/s |")
         sys.exit(0)
-    rows = run_decode_bench(warm_l2="--warm-l2" in sys.argv)
-    md = decode_markdown(rows, copy)
-    print(md)
     json_out = [a for a in sys.argv[1:] if a.endswith(".json")]
-    if json_out:
-        with open(json_out[0], "w") as f:
-            json.dump(dict(copy_gbps=copy, rows=rows), f, indent=1)
+
+    def save(**tables):
+        if json_out:
+            with open(json_out[0], "w") as f:
+                json.dump(dict(copy_gbps=copy, **tables), f, indent=1)
+
+    # --engine: the engine's shapes alone. Otherwise they follow the table, which is
+    # printed and saved first: a caller's time limit that ends the run in the engine
+    # rows (the decode stage's 150 s) loses only them.
+    rows = []
+    if "--engine" not in sys.argv:
+        rows = run_decode_bench(warm_l2="--warm-l2" in sys.argv)
+        print(decode_markdown(rows, copy))
+        save(rows=rows)
+    engine_rows = run_engine_decode_rows()
+    print(engine_decode_markdown(engine_rows, copy))
+    save(rows=rows, engine_rows=engine_rows)

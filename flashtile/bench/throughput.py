@@ -34,6 +34,8 @@ import subprocess
 import sys
 import tempfile
 
+from flashtile.bench import step_kernels
+
 PRESETS = {
     # Real shapes of public checkpoints (their config.json values), random weights.
     "qwen2.5-0.5b": dict(
@@ -162,9 +164,25 @@ def _child(args, argv, provider, model_dir):
     return result
 
 
-def _decode_step_table(args, argv):
+def decode_step_markdown(results, top=0) -> str:
+    """The decode-step table, then, for rows profiled with --kernels, each one's kernels
+    (the ``top`` of each section: step_kernels.markdown)."""
     lines = ["| model | batch | context | weights GB | KV GB | floor ms | step ms | forward ms "
              "| step of floor | forward of floor |", "|" + " --- |" * 10]
+    for r in results:
+        lines.append(f"| {r['model']} | {r['batch']} | {r['context']} | {r['weight_gb']:.2f} "
+                     f"| {r['kv_gb']:.2f} | {r['floor_ms']:.3f} | {r['step_ms']:.3f} "
+                     f"| {r['forward_ms']:.3f} | {100 * r['step_frac']:.0f}% "
+                     f"| {100 * r['forward_frac']:.0f}% |")
+    for r in results:
+        if r.get("kernels"):
+            title = f"{r['model']}, batch {r['batch']}, {r['context']} keys"
+            lines += ["", step_kernels.markdown(title, r["kernels"], top, r["step_ms"],
+                                                r["forward_ms"], r.get("kernels_eager"))]
+    return "\n".join(lines)
+
+
+def _decode_step_table(args, argv):
     results = []
     for name in args.models:
         with tempfile.TemporaryDirectory() as d:
@@ -174,11 +192,7 @@ def _decode_step_table(args, argv):
         for r in rows:
             r["model"] = name
             results.append(r)
-            lines.append(f"| {name} | {r['batch']} | {r['context']} | {r['weight_gb']:.2f} "
-                         f"| {r['kv_gb']:.2f} | {r['floor_ms']:.3f} | {r['step_ms']:.3f} "
-                         f"| {r['forward_ms']:.3f} | {100 * r['step_frac']:.0f}% "
-                         f"| {100 * r['forward_frac']:.0f}% |")
-    print("\n".join(lines))
+    print(decode_step_markdown(results, args.kernels))
     with open(args.out, "w") as f:
         json.dump(dict(argv=argv or sys.argv[1:], decode_steps=results), f, indent=1)
     return 0
@@ -208,6 +222,11 @@ def main(argv=None):
     p.add_argument("--decode-batches", type=int, nargs="+", default=[1, 32, 256])
     p.add_argument("--context", type=int, default=1024)
     p.add_argument("--decode-reps", type=int, default=30)
+    p.add_argument("--kernels", type=int, default=0, metavar="N",
+                   help="with --decode-step: then profile each batch size's step "
+                        "(torch.profiler) and print its N most expensive kernels of the "
+                        "forward and of the rest of the step, and where the step's time "
+                        "goes on the host and the device (flashtile/bench/step_kernels.py)")
     p.add_argument("--out", default="throughput.json")
     p.add_argument("--profile", metavar="PREFIX",
                    help="cProfile each engine run into PREFIX-PROVIDER.txt")

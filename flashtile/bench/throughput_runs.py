@@ -11,6 +11,7 @@ import logging
 import os
 import sys
 import time
+from contextlib import contextmanager
 
 from flashtile.bench.throughput import kv_bytes_per_token, workload
 
@@ -120,6 +121,97 @@ def _engine(args, cfg, requests, backend, eager):
                 trace=trace.summary() if trace else None)
 
 
+@contextmanager
+def _decoding(llm, cfg, bs, context):
+    """bs sequences of ``context`` random tokens in the engine's pool, as if prefilled:
+    the scheduled step [(sequence, 1)] that decodes each one's last token (a step
+    changes no sequence, so it can be run again). Freed after."""
+    import torch
+    from flashtile.engine import SamplingParams
+    from flashtile.engine.sequence import Sequence
+    seqs = [Sequence(torch.randint(cfg["vocab_size"], (context,)).tolist(),
+                     SamplingParams(temperature=0.0, max_tokens=1)) for _ in range(bs)]
+    blocks = llm.block_manager
+    for seq in seqs:
+        if not blocks.allocate(seq):
+            raise RuntimeError(f"the pool cannot hold {bs} x {context} tokens")
+        seq.num_computed_tokens = context - 1  # as if prefilled: decode the last
+    try:
+        yield [(seq, 1) for seq in seqs]
+    finally:
+        for seq in seqs:
+            blocks.free(seq)
+
+
+@contextmanager
+def _eager(runner):
+    """The runner's decode steps eager while the context lasts: a step takes a CUDA
+    graph only where the runner lists one of its size (its _graph_list)."""
+    graphs, runner._graph_list = runner._graph_list, []
+    try:
+        yield
+    finally:
+        runner._graph_list = graphs
+
+
+def _time_step(runner, scheduled, reps):
+    """Median ms of the whole engine step and of its forward alone (CUDA events around
+    the forward on CUDA, the host clock on the CPU), over reps after 5 untimed."""
+    import torch
+    cuda = runner.device.type == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    step_ms, fwd_ms = [], []
+    for i in range(reps + 5):
+        sync()
+        t0 = time.perf_counter()
+        runner.execute(scheduled)  # ends by reading the sampled ids: synchronous
+        step = time.perf_counter() - t0
+        inputs = runner.prepare(scheduled)
+        if cuda:
+            ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
+            ev[0].record()
+            runner.forward(inputs)
+            ev[1].record()
+            sync()
+            fwd = ev[0].elapsed_time(ev[1])
+        else:
+            t1 = time.perf_counter()
+            runner.forward(inputs)
+            fwd = 1e3 * (time.perf_counter() - t1)
+        if i >= 5:
+            step_ms.append(1e3 * step)
+            fwd_ms.append(fwd)
+    return sorted(step_ms)[len(step_ms) // 2], sorted(fwd_ms)[len(fwd_ms) // 2]
+
+
+def _kernel_breakdowns(llm, cfg, args, rows):
+    """--kernels: each batch size's decode step under torch.profiler, kernel by kernel
+    (step_kernels), into its row as ``kernels``. Where the runner replays CUDA graphs,
+    eager steps run beside them in the same session (``kernels_eager``, the forward's
+    launch cost by comparison); if the profiler saw no kernel of the graph replay, the
+    eager breakdown takes ``kernels``' place and says so."""
+    from flashtile.bench import step_kernels
+    runner = llm.runner
+    cuda = runner.device.type == "cuda"
+    graphs = bool(runner._graph_list)
+    with step_kernels.session(cuda) as prof, step_kernels.annotated(runner):
+        for row in rows:
+            with _decoding(llm, cfg, row["batch"], args.context) as scheduled:
+                step_kernels.run_steps(runner, scheduled, str(row["batch"]))
+                if graphs:
+                    with _eager(runner):
+                        step_kernels.run_steps(runner, scheduled, f"{row['batch']}-eager")
+    ranges, kernels = step_kernels.profile_events(prof, cuda)
+    source = ("CUDA graph replay" if graphs else "eager forward") if cuda \
+        else "CPU operators (self time)"
+    for row in rows:
+        bs = row["batch"]
+        main = step_kernels.summarize(ranges, kernels, str(bs), source)
+        eager = step_kernels.summarize(ranges, kernels, f"{bs}-eager", "eager forward")
+        row["kernels"] = step_kernels.graph_or_eager(main, eager)
+        row["kernels_eager"] = eager
+
+
 def _decode_steps(args, cfg):
     """One decode step of B sequences with --context keys each, against the bytes it must
     read (every weight once, every live key and value once) at the copy bandwidth.
@@ -127,48 +219,26 @@ def _decode_steps(args, cfg):
     Timed two ways: the whole engine step as the engine runs it (inputs, graph replay,
     logits, sampling, reading the tokens back), and the forward alone (CUDA events around
     the graph replay). The pool's keys are zeros: the timing does not depend on them.
+    With --kernels, each batch size's step is then profiled kernel by kernel.
     """
-    import torch
-    from flashtile.engine import LLM, SamplingParams
-    from flashtile.engine.sequence import Sequence
+    from flashtile.engine import LLM
     sizes = args.decode_batches
     llm = LLM(model=args.model_dir, dtype="bfloat16", load_format="dummy",
               max_num_seqs=max(sizes), max_model_len=args.context + 16, seed=0)
-    runner, blocks = llm.runner, llm.block_manager
+    runner = llm.runner
     weight_bytes = sum(p.numel() * p.element_size() for p in
                        {id(p): p for p in runner.model.parameters()}.values())
     rows = []
     for bs in sizes:
-        seqs = [Sequence(torch.randint(cfg["vocab_size"], (args.context,)).tolist(),
-                         SamplingParams(temperature=0.0, max_tokens=1)) for _ in range(bs)]
-        for seq in seqs:
-            if not blocks.allocate(seq):
-                raise RuntimeError(f"the pool cannot hold {bs} x {args.context} tokens")
-            seq.num_computed_tokens = args.context - 1  # as if prefilled: decode the last
-        scheduled = [(seq, 1) for seq in seqs]
-        step_ms, fwd_ms = [], []
-        for i in range(args.decode_reps + 5):
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            runner.execute(scheduled)  # ends by reading the sampled ids: synchronous
-            step = time.perf_counter() - t0
-            inputs = runner.prepare(scheduled)
-            ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
-            ev[0].record()
-            runner.forward(inputs)
-            ev[1].record()
-            torch.cuda.synchronize()
-            if i >= 5:
-                step_ms.append(1e3 * step)
-                fwd_ms.append(ev[0].elapsed_time(ev[1]))
-        for seq in seqs:
-            blocks.free(seq)
+        with _decoding(llm, cfg, bs, args.context) as scheduled:
+            step, fwd = _time_step(runner, scheduled, args.decode_reps)
         kv = bs * args.context * kv_bytes_per_token(cfg)
         floor_ms = 1e3 * (weight_bytes + kv) / (args.copy_gbs * 1e9)
-        step, fwd = sorted(step_ms)[len(step_ms) // 2], sorted(fwd_ms)[len(fwd_ms) // 2]
         rows.append(dict(batch=bs, context=args.context, weight_gb=weight_bytes / 1e9,
                          kv_gb=kv / 1e9, floor_ms=floor_ms, step_ms=step, forward_ms=fwd,
                          step_frac=floor_ms / step, forward_frac=floor_ms / fwd))
+    if args.kernels:
+        _kernel_breakdowns(llm, cfg, args, rows)
     return rows
 
 
