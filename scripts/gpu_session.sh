@@ -357,7 +357,8 @@ r(heads=($heads,))" 2>&1 | grep "^{" | sed "s/^/$heads heads, $tile: /" ) \
       model=${run%%:*}
       stamp "kernels $model"
       timeout 170 python3 -m flashtile.bench.throughput --decode-step --models "$model" \
-        --decode-batches ${run#*:} --decode-reps 10 --kernels 10 --timeout 160 \
+        --decode-batches ${run#*:} --prefill-seqs 8 --decode-reps 10 --kernels 10 \
+        --timeout 160 \
         --out "$OUT/kernels-$model.json" 2>&1 | grep -v -i warn | tee -a "$OUT/kernels.md"
     done
     stamp engine-decode-rows

@@ -3,6 +3,8 @@
 import argparse
 import subprocess
 
+import pytest
+
 from flashtile.bench import throughput
 
 
@@ -129,11 +131,17 @@ def test_decode_step_kernels_on_a_tiny_model(tmp_path, monkeypatch):
                hidden_act="silu", torch_dtype="bfloat16")
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     args = argparse.Namespace(model_dir=str(tmp_path), decode_batches=[1, 3], context=40,
-                              decode_reps=2, copy_gbs=100.0, kernels=3)
+                              decode_reps=2, copy_gbs=100.0, matmul_tflops=1.0, kernels=3,
+                              prefill_seqs=2)
     try:
         rows = throughput_runs._decode_steps(args, cfg)
     finally:
         torch.set_num_threads(threads)
+    assert [r["batch"] for r in rows] == [1, 3, "prefill 2x40"]
+    assert [r["prefill"] for r in rows] == [False, False, True]
+    # The prompt step against the roofline's prompt rule: 2 x parameters FLOPs a token.
+    assert rows[2]["kv_gb"] == 0 and rows[2]["floor_ms"] == pytest.approx(
+        1e3 * 2 * throughput.param_count(cfg) * 2 * 40 / 1e12)
     for r in rows:
         b = r["kernels"]
         assert b["source"] == "CPU operators (self time)" and r["kernels_eager"] is None
@@ -154,8 +162,9 @@ def test_decode_step_kernels_on_a_tiny_model(tmp_path, monkeypatch):
         assert min(h["prepare"], h["forward"], h["wait"]) > 0 and h["rest"] >= 0
         assert abs(sum(d.values()) - h["step"]) < 1e-3 * h["step"]
         assert d["busy"] <= h["step"]
-    r["model"] = "tiny"
-    text = throughput.decode_step_markdown([r], top=3)
+    for r in rows:
+        r["model"] = "tiny"
+    text = throughput.decode_step_markdown([rows[1]], top=3)
     table = [ln for ln in text.splitlines() if ln.startswith("| forward") or
              ln.startswith("| rest")]
     for section in ("forward", "rest"):
@@ -164,3 +173,6 @@ def test_decode_step_kernels_on_a_tiny_model(tmp_path, monkeypatch):
         assert len([ln for ln in lines if "other kernels" not in ln and "**all**" not in ln]) <= 3
     assert (f"**tiny, batch 3, 40 keys**: {step_kernels.STEPS} steps under torch.profiler"
             in text)
+    text = throughput.decode_step_markdown(rows[1:], top=3)
+    assert "| tiny | prefill 2x40 | 40 |" in text
+    assert f"**tiny, a prompt step of 2 x 40 tokens**: {step_kernels.STEPS} steps" in text

@@ -76,6 +76,37 @@ def short_name(name: str, width: int = 72) -> str:
     return head[:width]
 
 
+FLOOR_KERNELS = 240  # about a graphed decode step's kernels (10 a layer, 24 layers)
+
+
+def graph_kernel_us(kernels: int = FLOOR_KERNELS, reps: int = 20) -> float:
+    """Microseconds a kernel of a CUDA graph of ``kernels`` one-element adds, replayed
+    back to back (median of ``reps`` replays): what each kernel of a graphed decode step
+    costs however little it does, the floor under a small model's step (NOTES.md
+    section 25: the 0.5B shape's batch-1 forward, ~250 kernels, takes 4x its bytes)."""
+    import torch
+    x = torch.zeros(1, device="cuda")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm up off the capture, as torch's docs ask
+        x.add_(1)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(kernels):
+            x.add_(1)
+    graph.replay()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return 1e3 * sorted(times)[reps // 2] / kernels
+
+
 @contextmanager
 def annotated(runner):
     """The runner's prepare, forward and wait each inside a record_function range while

@@ -174,9 +174,16 @@ def decode_step_markdown(results, top=0) -> str:
                      f"| {r['kv_gb']:.2f} | {r['floor_ms']:.3f} | {r['step_ms']:.3f} "
                      f"| {r['forward_ms']:.3f} | {100 * r['step_frac']:.0f}% "
                      f"| {100 * r['forward_frac']:.0f}% |")
+    floors = {r["model"]: r["graph_kernel_us"] for r in results if "graph_kernel_us" in r}
+    for model, us in floors.items():
+        lines.append(f"\n{model}'s process: a CUDA graph of {step_kernels.FLOOR_KERNELS} "
+                     f"one-element kernels replays at {us:.2f} us a kernel (the launch "
+                     f"floor of each of a graphed step's kernels)")
     for r in results:
         if r.get("kernels"):
-            title = f"{r['model']}, batch {r['batch']}, {r['context']} keys"
+            title = (f"{r['model']}, a prompt step of {r['seqs']} x {r['context']} tokens"
+                     if r.get("prefill") else
+                     f"{r['model']}, batch {r['batch']}, {r['context']} keys")
             lines += ["", step_kernels.markdown(title, r["kernels"], top, r["step_ms"],
                                                 r["forward_ms"], r.get("kernels_eager"))]
     return "\n".join(lines)
@@ -222,6 +229,9 @@ def main(argv=None):
     p.add_argument("--decode-batches", type=int, nargs="+", default=[1, 32, 256])
     p.add_argument("--context", type=int, default=1024)
     p.add_argument("--decode-reps", type=int, default=30)
+    p.add_argument("--prefill-seqs", type=int, default=0, metavar="P",
+                   help="with --decode-step: also time a prompt step of P prompts of "
+                        "--context tokens (8 x 1024: the engine's default step budget)")
     p.add_argument("--kernels", type=int, default=0, metavar="N",
                    help="with --decode-step: then profile each batch size's step "
                         "(torch.profiler) and print its N most expensive kernels of the "

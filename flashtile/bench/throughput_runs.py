@@ -13,7 +13,7 @@ import sys
 import time
 from contextlib import contextmanager
 
-from flashtile.bench.throughput import kv_bytes_per_token, workload
+from flashtile.bench.throughput import kv_bytes_per_token, param_count, workload
 
 
 def _print_compile(repr, compile, **_):
@@ -122,10 +122,11 @@ def _engine(args, cfg, requests, backend, eager):
 
 
 @contextmanager
-def _decoding(llm, cfg, bs, context):
+def _decoding(llm, cfg, bs, context, prefill=False):
     """bs sequences of ``context`` random tokens in the engine's pool, as if prefilled:
     the scheduled step [(sequence, 1)] that decodes each one's last token (a step
-    changes no sequence, so it can be run again). Freed after."""
+    changes no sequence, so it can be run again); ``prefill``: the step [(sequence,
+    context)] that computes each one's whole prompt instead. Freed after."""
     import torch
     from flashtile.engine import SamplingParams
     from flashtile.engine.sequence import Sequence
@@ -135,9 +136,10 @@ def _decoding(llm, cfg, bs, context):
     for seq in seqs:
         if not blocks.allocate(seq):
             raise RuntimeError(f"the pool cannot hold {bs} x {context} tokens")
-        seq.num_computed_tokens = context - 1  # as if prefilled: decode the last
+        if not prefill:
+            seq.num_computed_tokens = context - 1  # as if prefilled: decode the last
     try:
-        yield [(seq, 1) for seq in seqs]
+        yield [(seq, context if prefill else 1) for seq in seqs]
     finally:
         for seq in seqs:
             blocks.free(seq)
@@ -196,9 +198,10 @@ def _kernel_breakdowns(llm, cfg, args, rows):
     graphs = bool(runner._graph_list)
     with step_kernels.session(cuda) as prof, step_kernels.annotated(runner):
         for row in rows:
-            with _decoding(llm, cfg, row["batch"], args.context) as scheduled:
+            with _decoding(llm, cfg, row["seqs"], args.context,
+                           row["prefill"]) as scheduled:
                 step_kernels.run_steps(runner, scheduled, str(row["batch"]))
-                if graphs:
+                if graphs and not row["prefill"]:  # prompts run eagerly anyway
                     with _eager(runner):
                         step_kernels.run_steps(runner, scheduled, f"{row['batch']}-eager")
     ranges, kernels = step_kernels.profile_events(prof, cuda)
@@ -219,26 +222,45 @@ def _decode_steps(args, cfg):
     Timed two ways: the whole engine step as the engine runs it (inputs, graph replay,
     logits, sampling, reading the tokens back), and the forward alone (CUDA events around
     the graph replay). The pool's keys are zeros: the timing does not depend on them.
-    With --kernels, each batch size's step is then profiled kernel by kernel.
+    With --prefill-seqs P, a prompt step too: P prompts of --context tokens computed in
+    one step, against the roofline's prompt rule (2 x parameters FLOPs a token at the
+    matrix rate). With --kernels, each step is then profiled kernel by kernel, and on
+    CUDA the launch floor of a graph's kernel is measured (step_kernels.graph_kernel_us).
     """
     from flashtile.engine import LLM
     sizes = args.decode_batches
     llm = LLM(model=args.model_dir, dtype="bfloat16", load_format="dummy",
-              max_num_seqs=max(sizes), max_model_len=args.context + 16, seed=0)
+              max_num_seqs=max(sizes + [args.prefill_seqs]),
+              max_num_batched_tokens=max(8192, args.prefill_seqs * args.context),
+              max_model_len=args.context + 16, seed=0)
     runner = llm.runner
     weight_bytes = sum(p.numel() * p.element_size() for p in
                        {id(p): p for p in runner.model.parameters()}.values())
     rows = []
-    for bs in sizes:
-        with _decoding(llm, cfg, bs, args.context) as scheduled:
+    steps = [(bs, False) for bs in sizes] + ([(args.prefill_seqs, True)]
+                                             if args.prefill_seqs else [])
+    for bs, prefill in steps:
+        with _decoding(llm, cfg, bs, args.context, prefill) as scheduled:
             step, fwd = _time_step(runner, scheduled, args.decode_reps)
-        kv = bs * args.context * kv_bytes_per_token(cfg)
-        floor_ms = 1e3 * (weight_bytes + kv) / (args.copy_gbs * 1e9)
-        rows.append(dict(batch=bs, context=args.context, weight_gb=weight_bytes / 1e9,
-                         kv_gb=kv / 1e9, floor_ms=floor_ms, step_ms=step, forward_ms=fwd,
-                         step_frac=floor_ms / step, forward_frac=floor_ms / fwd))
+        if prefill:
+            kv = 0
+            flops = 2 * param_count(cfg) * bs * args.context
+            floor_ms = 1e3 * flops / (args.matmul_tflops * 1e12)
+        else:
+            kv = bs * args.context * kv_bytes_per_token(cfg)
+            floor_ms = 1e3 * (weight_bytes + kv) / (args.copy_gbs * 1e9)
+        rows.append(dict(batch=f"prefill {bs}x{args.context}" if prefill else bs,
+                         seqs=bs, prefill=prefill, context=args.context,
+                         weight_gb=weight_bytes / 1e9, kv_gb=kv / 1e9, floor_ms=floor_ms,
+                         step_ms=step, forward_ms=fwd, step_frac=floor_ms / step,
+                         forward_frac=floor_ms / fwd))
     if args.kernels:
         _kernel_breakdowns(llm, cfg, args, rows)
+        if runner.device.type == "cuda":
+            from flashtile.bench import step_kernels
+            floor = step_kernels.graph_kernel_us()
+            for row in rows:
+                row["graph_kernel_us"] = floor
     return rows
 
 
