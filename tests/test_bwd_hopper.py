@@ -213,12 +213,17 @@ def test_switch_sends_head_dim_256_under_1_and_auto(monkeypatch):
 # The schedule options (FLASHTILE_HOPPER_BWD_OPTS, bwd_hopper's docstring) the GPU A/B
 # times, alone and as timed together; tests/test_gluon_compile.py checks their SASS.
 OPTS = ["none", "sdp", "dq_early", "dq_unmasked", "sdp,dq_early,dq_unmasked", "lse_ahead",
-        "dkv_late", "lse_ahead,dkv_late"]
+        "dkv_late", "lse_ahead,dkv_late", "lse_ahead,dq_tma", "dq_tma,dkv_late"]
 # dq_split (alone, with lse_ahead, with dq_unmasked) at the BLOCK_M the A/B times it at
 # (FLASHTILE_HOPPER_BWD_CONFIG; head_dim 64: 128 rows, each consumer 64 of them).
 SPLIT_CASES = [(64, "dq_split", "128,128,4,2"), (128, "dq_split", None),
                (64, "lse_ahead,dq_split", "128,128,4,2"), (128, "lse_ahead,dq_split", None),
-               (128, "dq_split,dq_unmasked", None)]
+               (128, "dq_split,dq_unmasked", None),
+               # dq_tma with dq_split (each consumer's share through its own tile), and
+               # the 128-row block's whole (128, 64) tiles without it.
+               (64, "lse_ahead,dq_split,dq_tma", "128,128,4,2"),
+               (128, "lse_ahead,dq_split,dq_tma", None),
+               (64, "lse_ahead,dq_tma", "128,128,4,2")]
 
 
 def _split_env(opts, config):
@@ -313,7 +318,7 @@ def test_options_knob(monkeypatch):
     assert configs.hopper_bwd_opts() == {"lse_ahead"} == configs.HOPPER_BWD_DEFAULT_OPTS
     flags = bwd_hopper.kernel_flags(128, True, configs.hopper_bwd_opts(), 64)
     assert flags == dict(IS_CAUSAL=True, SDP=False, DQ_EARLY=False, DQ_UNMASKED=False,
-                         LSE_AHEAD=True, DQ_SPLIT=False, DKV_LATE=False)
+                         LSE_AHEAD=True, DQ_SPLIT=False, DKV_LATE=False, DQ_TMA=False)
     for none in ("none", " none ,", ""):
         monkeypatch.setenv("FLASHTILE_HOPPER_BWD_OPTS", none)
         assert configs.hopper_bwd_opts() == frozenset()
@@ -323,16 +328,19 @@ def test_options_knob(monkeypatch):
     assert configs.hopper_bwd_opts() == {"sdp", "dq_unmasked"}
     flags = bwd_hopper.kernel_flags(64, False, configs.hopper_bwd_opts(), 64)
     assert flags == dict(IS_CAUSAL=False, SDP=True, DQ_EARLY=False, DQ_UNMASKED=True,
-                         LSE_AHEAD=False, DQ_SPLIT=False, DKV_LATE=False)
+                         LSE_AHEAD=False, DQ_SPLIT=False, DKV_LATE=False, DQ_TMA=False)
     monkeypatch.setenv("FLASHTILE_HOPPER_BWD_OPTS", "lse_ahead,dq_split")
     flags = bwd_hopper.kernel_flags(64, True, configs.hopper_bwd_opts(), 128)
     assert flags["LSE_AHEAD"] and flags["DQ_SPLIT"] and not flags["SDP"]
     monkeypatch.setenv("FLASHTILE_HOPPER_BWD_OPTS", "dkv_late")
     flags = bwd_hopper.kernel_flags(128, True, configs.hopper_bwd_opts(), 64)
     assert flags["DKV_LATE"] and not flags["DQ_SPLIT"]
+    monkeypatch.setenv("FLASHTILE_HOPPER_BWD_OPTS", "lse_ahead,dq_split,dq_tma")
+    flags = bwd_hopper.kernel_flags(128, True, configs.hopper_bwd_opts(), 64)
+    assert flags["DQ_TMA"] and flags["DQ_SPLIT"] and not flags["DQ_UNMASKED"]
     monkeypatch.setenv("FLASHTILE_HOPPER_BWD_OPTS", "sdp,pingpong")
     with pytest.raises(ValueError, match=r"FLASHTILE_HOPPER_BWD_OPTS must be 'none' or a "
-                       r"comma-separated subset of .*'dkv_late'\), got 'sdp,pingpong' "
+                       r"comma-separated subset of .*'dq_tma'\), got 'sdp,pingpong' "
                        r"\(unknown: \['pingpong'\]\)"):
         configs.hopper_bwd_opts()
 
@@ -351,6 +359,33 @@ def test_dq_split_refuses_what_it_cannot_split():
                        r"BLOCK_M 64"):
         bwd_hopper.kernel_flags(64, True, frozenset({"dq_split"}), 64)
     assert bwd_hopper.kernel_flags(128, True, frozenset({"dq_split"}), 64)["DQ_SPLIT"]
+
+
+def test_dq_tma_refuses_the_atomics_options():
+    """dq_tma replaces the dQ atomics: not with dq_early and dq_unmasked, which change
+    them (its reduce-adds already release dS^T's buffer first and drop the rows past
+    seqlen_q)."""
+    for other in ("dq_early", "dq_unmasked"):
+        with pytest.raises(ValueError, match=r"dq_tma \(dQ added by TMA reduce-adds\) goes "
+                           rf"without dq_early and dq_unmasked .*, got \[.*'{other}'"):
+            bwd_hopper.kernel_flags(64, True, frozenset({"dq_tma", other}), 64)
+    assert bwd_hopper.kernel_flags(64, True, frozenset({"dq_tma"}), 64)["DQ_TMA"]
+
+
+def test_dq_tma_tile_and_descriptor():
+    """dq_tma's tensor map: (1, 1, rows, 64) fp32 boxes over the accumulator, rows the
+    block's, or a consumer's 64 with dq_split at BLOCK_M 128; 128-byte swizzled."""
+    dq_accum = torch.empty(2, 4, 333, 128, dtype=torch.float32)
+    for opts, block_m, rows in ((frozenset({"dq_tma"}), 64, 64),
+                                (frozenset({"dq_tma"}), 128, 128),
+                                (frozenset({"dq_tma", "dq_split"}), 128, 64),
+                                (frozenset({"dq_tma", "dq_split"}), 64, 64)):
+        flags = bwd_hopper.kernel_flags(128, False, opts, block_m)
+        assert bwd_hopper.dq_tile_rows(flags, block_m) == rows
+        desc = bwd_hopper._dq_descriptor(dq_accum, rows)
+        assert list(desc.block_shape) == [1, 1, rows, 64]
+        assert list(desc.shape) == [2, 4, 333, 128]
+        assert desc.layout.swizzle_byte_width == 128 and desc.layout.element_bitwidth == 32
 
 
 def test_declines_what_it_does_not_support(monkeypatch):

@@ -216,6 +216,10 @@ def _compile_bwd(head_dim, causal, dtype=torch.bfloat16, opts=None, stages=None,
     opts = configs.HOPPER_BWD_DEFAULT_OPTS if opts is None else frozenset(opts)
     flags = dict(bwd_hopper.kernel_flags(head_dim, causal, opts, block_m),
                  STAGES=stages or cfg.num_stages)
+    if flags.get("DQ_TMA"):  # the accumulator's tensor map, not its address
+        dq_accum = torch.empty(2, 4, 300, head_dim, dtype=torch.float32)
+        types["DQAccum"] = mangle_type(bwd_hopper._dq_descriptor(
+            dq_accum, bwd_hopper.dq_tile_rows(flags, block_m)))
     return compile_kernel(kernel, flags, num_warps=cfg.num_warps, types=types)
 
 
@@ -434,6 +438,49 @@ def test_hopper_backward_new_options_compile_for_sm90(opts, head_dim, block_m, c
         assert "WARPGROUP.DEPBAR.LE gsb0, 0x1" in sass
     else:
         assert res["shared_bytes"] == resources(base)["shared_bytes"]
+
+
+# dq_tma (session 16), alone with the default's lse_ahead and with dq_split, at the BLOCK_M
+# each is timed or tested at, and the local memory ptxas keeps (bytes, the worst of full
+# and causal; scalars stored before the walks, reloaded in them). At head_dim 128 the
+# walk's TMA coordinates take 24-64 bytes more than the atomics' (56) without dq_split,
+# 32 fewer with it.
+_BWD_TMA_OPTS = {
+    (("lse_ahead", "dq_tma"), 64, 64): 0,
+    (("lse_ahead", "dq_tma"), 128, 64): 120,
+    (("lse_ahead", "dq_tma"), 64, 128): 128,
+    (("dq_tma", "dkv_late"), 128, 64): 104,
+    (("lse_ahead", "dq_split", "dq_tma"), 64, 128): 48,
+    (("lse_ahead", "dq_split", "dq_tma"), 128, 64): 24,
+}
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("opts,head_dim,block_m", list(_BWD_TMA_OPTS),
+                         ids=lambda x: ",".join(x) if isinstance(x, tuple) else str(x))
+def test_hopper_backward_dq_tma_compiles_for_sm90(opts, head_dim, block_m, causal):
+    """dq_tma: dQ_partial leaves through shared memory and TMA reduce-adds
+    (cp.reduce.async.bulk.tensor .add, UTMAREDG in SASS), not atomics: no REDG or
+    atom.global is left, each consumer has its own fp32 tiles (a 64-dim piece each, or
+    its dq_split share) beside the atomics' shared memory, and nothing is stored to local
+    memory inside the walks."""
+    ck = _compile_bwd(head_dim, causal, opts=opts, block_m=block_m)
+    res = resources(ck)
+    assert res["shared_bytes"] <= configs.SM90_SMEM_BYTES, res
+    assert res["stack_bytes"] <= _BWD_TMA_OPTS[(opts, head_dim, block_m)], res
+    atomics = [o for o in opts if o != "dq_tma"]
+    base = resources(_compile_bwd(head_dim, causal, opts=atomics, block_m=block_m))
+    split = "dq_split" in opts
+    rows = 64 if split else block_m
+    tiles = 2 if split else 2 * head_dim // 64
+    assert res["shared_bytes"] == base["shared_bytes"] + tiles * rows * 64 * 4
+    sass = _sass(ck)
+    walks = _walk_local_stores(sass)
+    assert len(walks) >= 2 and not any(walks), walks
+    assert "UTMAREDG.4D.ADD" in sass and not re.search(r"\bREDG\.", sass)
+    ptx = ck.asm["ptx"]
+    assert "cp.reduce.async.bulk.tensor.4d.global.shared::cta.add" in ptx
+    assert "atom.global" not in ptx and "red.global" not in ptx
 
 
 # FLASHTILE_HOPPER_BWD_CONFIG="64,128,4,STAGES" values that compile without local stores
