@@ -405,6 +405,7 @@ def _waited_loads(ops: list[str]) -> int:
 # 128 (causal) stores 10-12 words a block inside the walks.
 _BWD_NEW_OPTS = {
     (("lse_ahead",), 64, 64): 0,
+    (("lse_ahead", "sdp"), 64, 64): 0,  # session 16: timed at d64 only (d128 stores)
     (("lse_ahead",), 128, 64): 56,
     (("dq_split",), 64, 128): 56,
     (("dq_split",), 128, 64): 32,
@@ -430,6 +431,8 @@ def test_hopper_backward_new_options_compile_for_sm90(opts, head_dim, block_m, c
     walks = _walk_local_stores(sass)
     assert len(walks) >= 2 and not any(walks), walks
     assert (_loads_waited_before_mma(sass) == 0) == ("lse_ahead" in opts)
+    if "sdp" in opts:  # S^T waited for alone, dP^T in flight
+        assert "WARPGROUP.DEPBAR.LE gsb0, 0x1" in sass
     base = _compile_bwd(head_dim, causal, opts=(), block_m=block_m)
     if "dq_split" in opts:
         ds_tile = 2 * 64 * block_m * 2  # 128 keys x BLOCK_M, 16-bit
@@ -481,6 +484,52 @@ def test_hopper_backward_dq_tma_compiles_for_sm90(opts, head_dim, block_m, causa
     ptx = ck.asm["ptx"]
     assert "cp.reduce.async.bulk.tensor.4d.global.shared::cta.add" in ptx
     assert "atom.global" not in ptx and "red.global" not in ptx
+
+
+# pipe (session 16) at head_dim 64 with the default's lse_ahead, by STAGES and causal:
+# the most words a walk stores to local memory (3 stages, causal: ptxas stores and
+# reloads 2 inside the walk) and the local memory it keeps (bytes).
+_BWD_PIPE = {(2, False): (0, 0), (2, True): (0, 16), (3, False): (0, 16),
+             (3, True): (2, 48)}
+
+
+@pytest.mark.parametrize("stages,causal", list(_BWD_PIPE),
+                         ids=lambda x: str(x) if isinstance(x, int) else
+                         ("causal" if x else "full"))
+def test_hopper_backward_pipe_compiles_for_sm90(stages, causal):
+    """pipe: block it's S^T and dP^T, then block it - 1's dV and dK (A operands from
+    registers) queued before the first wait, which leaves three groups outstanding
+    (WARPGROUP.DEPBAR.LE gsb0, 0x3; the default never waits so); no wgmma is serialized
+    (ptxas's C7512/C7513 put a wait after every HGMMA: 64 at least, here 10) and the
+    shared memory is the default's."""
+    ck = _compile_bwd(64, causal, opts=("lse_ahead", "pipe"), stages=stages)
+    res = resources(ck)
+    most_stores, stack = _BWD_PIPE[(stages, causal)]
+    assert res["stack_bytes"] <= stack, res
+    base = _compile_bwd(64, causal, stages=stages)
+    assert res["shared_bytes"] == resources(base)["shared_bytes"]
+    sass = _sass(ck)
+    walks = _walk_local_stores(sass)
+    assert len(walks) >= 2 and max(walks) <= most_stores, walks
+    assert sass.count("WARPGROUP.DEPBAR") <= 12
+    assert _queued_before_first_wait(sass) and not _queued_before_first_wait(_sass(base))
+
+
+def _queued_before_first_wait(sass: str) -> bool:
+    """Whether a wgmma wait with three groups outstanding follows, with no wait between,
+    products with A from shared memory (S^T, dP^T) and then from registers (dV, dK)."""
+    ops = re.findall(r"/\*[0-9a-f]{4,}\*/\s+([^;]*);", sass)
+    shared = registers = False
+    for op in ops:
+        if re.match(r"HGMMA\.\S+ R\d+, gdesc", op):
+            shared, registers = True, False
+        elif re.match(r"HGMMA\.\S+ R\d+, R\d+,", op):
+            registers = registers or shared
+        elif "WARPGROUP.DEPBAR.LE gsb0, 0x3" in op and registers:
+            return True
+        elif "WARPGROUP.DEPBAR" in op:
+            shared = registers = False
+    return False
 
 
 # FLASHTILE_HOPPER_BWD_CONFIG="64,128,4,STAGES" values that compile without local stores

@@ -134,6 +134,30 @@ A/B, all compile-checked on the CPU:
   2-9% alone, its consumers meeting every block, and the atomics it doubled per block
   are what dq_tma removes. If lse_ahead + dq_tma is within +-2% of lse_ahead, the
   atomics were not on the chain and the remaining gap is the chain's wgmma round trips.
+- pipe (PIPE): software pipelining across query blocks without a product in flight
+  across the walk's back edge: block it issues S^T and dP^T, then block it - 1's dV and
+  dK from the P^T and dS^T operands it left in registers (and its stage of the ring,
+  released only now), and waits for S^T with three products queued; the previous
+  block's products run under this block's softmax and dS. Block 0 issues them with zero
+  operands against its own stage (adds 0; an Inf or NaN there gives NaN where the real
+  product gives it too, or Inf); the walk's end issues the last block's. Implies sdp's
+  order. Head dim 64 and BLOCK_M 64 only: at d128 (dK and dV 128 registers) and at
+  BLOCK_M 128 ptxas serializes every wgmma (C7512) and spills 240-792 bytes. Not with
+  sdp, dq_split or dkv_late. The sm_90 compile (d64, lse_ahead): 10 wgmma waits (no
+  serialization), no stores inside the walks, 0-16 bytes of local memory (3 stages:
+  16-48, and 2 words stored and reloaded inside the causal walk). This block's P^T and
+  dS^T are cast to 16 bits only after the previous block's products are waited for:
+  cast before, they are written into the registers those products read, and ptxas
+  serializes every wgmma of the kernel (C7513). ptxas places the exp2 after the dP^T
+  wait (0 of 32 under it, 14-32 by default), under the previous block's dV and dK.
+  Prediction (session 16, not run on a GPU): a d64 block is ~3,600 clocks a consumer
+  (backward ~350 TFLOP/s); the dV/dK round trip (8 HGMMA, ~250 clocks, ~350 with its
+  latency) leaves the chain, dP^T's ~130 under the exp2 come back: 4-8% of the
+  chain, half of it as lse_ahead got half of its prediction: backward +2-5% at d64,
+  forward + backward +1.5-3.5%. The risk is the ring: with 2 stages block it - 1's
+  stage frees only after block it's dS, ~200-700 clocks before block it + 1 needs it,
+  about one TMA load's latency; 3 stages (FLASHTILE_HOPPER_BWD_CONFIG=64,128,4,3) lift
+  that. If 3 stages beat 2 by more than the noise, the ring is what limits pipe.
 Tried and removed: FA3's dQ writer warp (the dQ owner stored dQ_partial to shared
 memory; a fourth partition, one warp beside the producer, added it to the accumulator
 with four-value atomics) ran 2-13% slower than the default at d64 and d128 on the H200
@@ -392,13 +416,14 @@ def _dq_partial(ds_all, k_all, dq_init, p_dq, row0, seqlen_q, ds_empty, dv, dk, 
 def _mma_partition(args, dq_smem, WG: gl.constexpr, IS_CAUSAL: gl.constexpr,
                    SDP: gl.constexpr, DQ_EARLY: gl.constexpr, DQ_UNMASKED: gl.constexpr,
                    LSE_AHEAD: gl.constexpr, DQ_SPLIT: gl.constexpr,
-                   DKV_LATE: gl.constexpr, DQ_TMA: gl.constexpr):
+                   DKV_LATE: gl.constexpr, DQ_TMA: gl.constexpr, PIPE: gl.constexpr):
     """Consumer warpgroup WG: keys key0 + 64 * WG + [0, 64) against every query block.
     dq_rows: the dQ accumulator's rows per head (seqlen_q, or rounded up to BLOCK_M with
     DQ_UNMASKED). ds_smem: one dS^T buffer (128 keys, BLOCK_M), two with DQ_SPLIT.
     DQ_TMA: DQAccum is the accumulator's tensor map and dq_smem holds each warpgroup's
     dQ tiles on their way to its TMA reduce-adds (one a 64-dim piece, the first half of
-    them warpgroup 0's); unused otherwise."""
+    them warpgroup 0's); unused otherwise. PIPE: block it - 1's dV and dK are issued in
+    block it, behind its S^T and dP^T (the module docstring's option pipe)."""
     (q_smem, k_smem, v_smem, do_smem, ds_smem, kv_ready, q_ready, do_ready, qdo_empty,
      ds_full, ds_empty, dk_desc, dv_desc, Lse, Delta, DQAccum, off_b, off_dkv, key0, h0,
      n_heads, m_lo, n_m, nheads, seqlen_q, seqlen_k, dq_rows, diag_offset,
@@ -443,6 +468,12 @@ def _mma_partition(args, dq_smem, WG: gl.constexpr, IS_CAUSAL: gl.constexpr,
     mbarrier.wait(kv_ready, 0)
 
     n_iter = n_heads * n_m
+    if PIPE:
+        # The previous block's P^T and dS^T, the A operands of its dV and dK: zeros
+        # before the first block (its products then add 0 times the first block's Q and
+        # dO, read from its stage).
+        p_prev = _a_operand(s_init, d_layout, dtype)
+        ds_prev = p_prev
     if LSE_AHEAD:  # the first block's lse and delta (see the walk)
         p_row0 = bh0.to(gl.int64) * seqlen_q
         lse_next = _row_flat(Lse + p_row0, m_lo * BLOCK_M, seqlen_q, float("inf"), BLOCK_M)
@@ -478,7 +509,22 @@ def _mma_partition(args, dq_smem, WG: gl.constexpr, IS_CAUSAL: gl.constexpr,
         mbarrier.wait(q_ready.index(stage), phase)
         s_t = warpgroup_mma(k, q.permute((1, 0)), s_init, use_acc=False,
                             is_async=True)                                   # (64, M)
-        if SDP:
+        if PIPE:
+            # dP^T behind S^T (as with SDP), then the previous block's dV and dK from
+            # the operands it left in registers and its stage of the ring (which it has
+            # not released): the tensor cores hold three products while this block's
+            # softmax and dS run, and no product is in flight across the walk's back
+            # edge (what made ptxas serialize FA3's form, see dkv_late).
+            mbarrier.wait(do_ready.index(stage), phase)
+            dp_t = warpgroup_mma(v, b_do.permute((1, 0)), s_init, use_acc=False,
+                                 is_async=True)                              # (64, M)
+            stage_prev = gl.where(it > 0, (it + STAGES - 1) % STAGES, stage)
+            dv = warpgroup_mma(p_prev, do_smem.index(stage_prev).reshape(
+                [BLOCK_M, HEAD_DIM]), dv, is_async=True)
+            dk = warpgroup_mma(ds_prev, q_smem.index(stage_prev).reshape(
+                [BLOCK_M, HEAD_DIM]), dk, is_async=True)
+            s_t = warpgroup_mma_wait(3, deps=(s_t,))
+        elif SDP:
             # dP^T queued behind S^T, as FA3: the softmax below runs while dP^T does,
             # and the tensor cores see both products at once.
             mbarrier.wait(do_ready.index(stage), phase)
@@ -495,24 +541,38 @@ def _mma_partition(args, dq_smem, WG: gl.constexpr, IS_CAUSAL: gl.constexpr,
         p_t = _p_t(s_t, o_n, o_m, seqlen_k, diag_offset, qk_scale, lse2,
                    IS_CAUSAL)                                                # (64, M)
 
-        if not SDP:
+        if not (SDP or PIPE):
             mbarrier.wait(do_ready.index(stage), phase)
             dp_t = warpgroup_mma(v, b_do.permute((1, 0)), s_init, use_acc=False,
                                  is_async=True)                              # (64, M)
-        dp_t = warpgroup_mma_wait(0, deps=(dp_t,))
+        dp_t = warpgroup_mma_wait(2 if PIPE else 0, deps=(dp_t,))
         # dV's product is issued after dP^T completes, not beside it: its P^T operand
         # and accumulators held in flight through dS spilled 104-128 bytes at head_dim
         # 128 (dK, dV: 128 registers; S^T/P^T, dP^T: 32 each; the operands 16 each).
         # The other consumer's products fill the tensor cores meanwhile.
-        p_op = _a_operand(p_t, d_layout, dtype)
+        if not PIPE:
+            p_op = _a_operand(p_t, d_layout, dtype)
         if LSE_AHEAD:
             delta = gl.convert_layout(delta_flat, gl.SliceLayout(0, s_layout))
         else:
             delta = _row_vector(Delta + p_row, row0, seqlen_q, 0.0, BLOCK_M, s_layout)
         ds_t = p_t * (dp_t - gl.expand_dims(delta, 0))                       # (64, M)
-        ds_op = _a_operand(ds_t, d_layout, dtype)
-        dv = warpgroup_mma(p_op, b_do, dv, is_async=True)
-        dk = warpgroup_mma(ds_op, q, dk, is_async=True)
+        if PIPE:
+            # The previous block's dV and dK (queued first, done by now): its stage of
+            # the ring free (none before the first block). P^T and dS^T become this
+            # block's operands only after the wait (a dependency of it): they take the
+            # registers of the previous ones, which ptxas must not see written while a
+            # product reads them (C7513: it would serialize every wgmma of the kernel).
+            dv, dk, p_t, ds_t = warpgroup_mma_wait(0, deps=(dv, dk, p_t, ds_t))
+            mbarrier.arrive(qdo_empty.index(stage_prev), count=1, pred=it > 0)
+            p_op = _a_operand(p_t, d_layout, dtype)
+            p_prev = p_op
+            ds_op = _a_operand(ds_t, d_layout, dtype)
+            ds_prev = ds_op
+        else:
+            ds_op = _a_operand(ds_t, d_layout, dtype)
+            dv = warpgroup_mma(p_op, b_do, dv, is_async=True)
+            dk = warpgroup_mma(ds_op, q, dk, is_async=True)
         if DQ_SPLIT:
             # dS^T into buffer it % 2: its last readers, both dQ products of block it - 2,
             # have completed. This warpgroup's in program order; the other's before it
@@ -579,8 +639,9 @@ def _mma_partition(args, dq_smem, WG: gl.constexpr, IS_CAUSAL: gl.constexpr,
                     dv = warpgroup_mma_init(dv)
                     dk = warpgroup_mma_init(dk)
             else:
-                dv, dk = warpgroup_mma_wait(0, deps=(dv, dk))
-                mbarrier.arrive(qdo_empty.index(stage), count=1)  # Q, dO read the last time
+                if not PIPE:  # (PIPE: waited above, block it - 1's)
+                    dv, dk = warpgroup_mma_wait(0, deps=(dv, dk))
+                    mbarrier.arrive(qdo_empty.index(stage), count=1)  # Q, dO read last
                 if it % 2 == WG:
                     mbarrier.wait(ds_full, it & 1)  # the other warpgroup's dS^T stored too
                     p_dq = DQAccum if DQ_TMA else _dq_ptr(
@@ -589,6 +650,15 @@ def _mma_partition(args, dq_smem, WG: gl.constexpr, IS_CAUSAL: gl.constexpr,
                                 dv, dk, qdo_empty.index(stage), dq_smem, off_b,
                                 h0 + it // n_m, WG, DQ_EARLY, DQ_UNMASKED, DKV_LATE, DQ_TMA)
 
+    if PIPE:
+        if n_iter > 0:  # the last block's dV and dK
+            stage_last = (n_iter - 1) % STAGES
+            dv = warpgroup_mma(p_prev, do_smem.index(stage_last).reshape(
+                [BLOCK_M, HEAD_DIM]), dv, is_async=True)
+            dk = warpgroup_mma(ds_prev, q_smem.index(stage_last).reshape(
+                [BLOCK_M, HEAD_DIM]), dk, is_async=True)
+            dv, dk = warpgroup_mma_wait(0, deps=(dv, dk))
+            mbarrier.arrive(qdo_empty.index(stage_last), count=1)
     # dK and dV leave through this warpgroup's K and V buffers once the last dQ product,
     # which reads both halves of K, has completed (a fresh barrier passes: no walk). TMA
     # drops the rows past seqlen_k. DQ_SPLIT: both warpgroups' last products (ds_empty
@@ -640,14 +710,15 @@ def _attn_bwd_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, L
                             STAGES: gl.constexpr, SDP: gl.constexpr,
                             DQ_EARLY: gl.constexpr, DQ_UNMASKED: gl.constexpr,
                             LSE_AHEAD: gl.constexpr, DQ_SPLIT: gl.constexpr,
-                            DKV_LATE: gl.constexpr, DQ_TMA: gl.constexpr):
+                            DKV_LATE: gl.constexpr, DQ_TMA: gl.constexpr,
+                            PIPE: gl.constexpr):
     """dK, dV of 128 keys of one (batch, KV head), dQ added into DQAccum: fp32 (batch,
     nheads, dq_rows, head_dim), its first seqlen_q rows of each head zeroed by the
     preprocess (DQ_TMA: its tensor map, ``_dq_descriptor``). head_split > 1 (GQA): the
     group's query heads are dealt to head_split programs, each storing its share of dK
     and dV into head off_hkv * head_split + its index of dk_desc/dv_desc (the launcher
-    sums the shares). SDP, DQ_EARLY, DQ_UNMASKED, LSE_AHEAD, DQ_SPLIT, DKV_LATE, DQ_TMA:
-    the schedule options of the module docstring."""
+    sums the shares). SDP, DQ_EARLY, DQ_UNMASKED, LSE_AHEAD, DQ_SPLIT, DKV_LATE, DQ_TMA,
+    PIPE: the schedule options of the module docstring."""
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[1]
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
     key0, off_b, off_dkv, off_hkv, h0, n_heads, m_lo, n_m = _program_walk(
@@ -705,10 +776,10 @@ def _attn_bwd_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, L
                  q_ready, do_ready, qdo_empty, off_b, off_hkv, key0, h0, n_heads, m_lo, n_m)
     gl.warp_specialize([
         (_mma_partition, (mma_args, dq_smem, 0, IS_CAUSAL, SDP, DQ_EARLY, DQ_UNMASKED,
-                          LSE_AHEAD, DQ_SPLIT, DKV_LATE, DQ_TMA)),
+                          LSE_AHEAD, DQ_SPLIT, DKV_LATE, DQ_TMA, PIPE)),
         (_load_partition, load_args),
         (_mma_partition, (mma_args, dq_smem, 1, IS_CAUSAL, SDP, DQ_EARLY, DQ_UNMASKED,
-                          LSE_AHEAD, DQ_SPLIT, DKV_LATE, DQ_TMA)),
+                          LSE_AHEAD, DQ_SPLIT, DKV_LATE, DQ_TMA, PIPE)),
     ], [1, 4], [PRODUCER_REGS, CONSUMER_REGS])
 
 
@@ -776,6 +847,17 @@ def kernel_flags(head_dim: int, causal: bool, opts: frozenset[str], block_m: int
                          "query rows a block (FLASHTILE_HOPPER_BWD_CONFIG='128,128,4,2'), "
                          "each consumer taking 64 of them: half of the head dims would be "
                          f"half a 128-byte swizzle atom of K. Got BLOCK_M {block_m}")
+    if "pipe" in opts and opts & {"sdp", "dq_split", "dkv_late"}:
+        raise ValueError("FLASHTILE_HOPPER_BWD_OPTS: pipe (the previous block's dV and dK "
+                         "behind this block's S^T and dP^T) goes without sdp (which it "
+                         "includes), dq_split and dkv_late (other hand-offs), got "
+                         f"{sorted(opts)}")
+    if "pipe" in opts and (head_dim != 64 or block_m != 64):
+        raise ValueError("FLASHTILE_HOPPER_BWD_OPTS=pipe needs head_dim 64 and 64 query "
+                         "rows a block: the operands and products it keeps in flight beside "
+                         "dK and dV do not fit 240 registers at head_dim 128 or BLOCK_M 128 "
+                         "(ptxas serializes every wgmma and spills), got head_dim "
+                         f"{head_dim}, BLOCK_M {block_m}")
     if "dq_tma" in opts and opts & {"dq_early", "dq_unmasked"}:
         raise ValueError("FLASHTILE_HOPPER_BWD_OPTS: dq_tma (dQ added by TMA reduce-adds) "
                          "goes without dq_early and dq_unmasked (options of the atomics "
@@ -785,7 +867,7 @@ def kernel_flags(head_dim: int, causal: bool, opts: frozenset[str], block_m: int
                 DQ_EARLY="dq_early" in opts, DQ_UNMASKED="dq_unmasked" in opts,
                 LSE_AHEAD="lse_ahead" in opts,
                 DQ_SPLIT="dq_split" in opts, DKV_LATE="dkv_late" in opts,
-                DQ_TMA="dq_tma" in opts)
+                DQ_TMA="dq_tma" in opts, PIPE="pipe" in opts)
 
 
 # The parameters each plan of the backward fills per call, in its kernel's order.
