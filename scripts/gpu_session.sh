@@ -41,8 +41,10 @@
 #   hf-train     transformers' training step under each backward path       (~8 min)
 #   bwd-tiles    the Gluon backward's BLOCK_M/STAGES candidates beside cuDNN  (~6 min)
 #   fwd-tiles    the d64 Gluon forward's ring depths beside cuDNN              (~2 min)
-#   bwd-opts2    the Gluon backward's options beside the default (lse_ahead), none and
-#                cuDNN (BWD_OPTS2_HF=1: the Llama-1B training step too)     (~4 min)
+#   bwd-opts2    the Gluon backward's new options' GPU tests (BWD_OPTS2_TESTS=0: not),
+#                then the options beside the default (lse_ahead), none and cuDNN
+#                (BWD_OPTS2_HF=1: the Llama-1B training step too, three ways)
+#                                          (~7 min; with HF and without tests ~7)
 #   bwd256       the head_dim 256 Gluon backward beside the portable one and cuDNN (~3 min)
 #   wide         head_dim 256 and 512, forward and forward+backward, beside the peers
 #                                                                         (~5 min)
@@ -203,29 +205,46 @@ case "${1:-}" in
     unset FLASHTILE_HOPPER_BWD_CONFIG FLASHTILE_HOPPER_BWD_OPTS
     ;;
   bwd-opts2)
-    # The Gluon backward's options beside the default (lse_ahead since session 15: +6-10%
-    # forward + backward at d64, +1-4% at d128; NOTES.md section 25) and none, 16k tokens
-    # a batch. dq_split at d64 needs 128 query rows a block. cuDNN beside each run: the
-    # clocks drift 3-6% between runs (session 15's fwd-tiles: cuDNN 454.7 then 481.2).
-    for run in 64:default 64:none 64:lse_ahead,dkv_late 64:128/lse_ahead,dq_split \
-        128:default 128:none 128:lse_ahead,dq_split; do
+    # The Gluon backward's options beside the default (lse_ahead since session 15) and
+    # none, 16k tokens a batch, cuDNN beside each run (the clocks drift 3-6% between runs).
+    # Session 16's: dq_tma (dQ by TMA reduce-adds), pipe (block it - 1's dV/dK behind
+    # block it's S^T/dP^T; d64 only; also with 3 stages), sdp with lse_ahead at d64,
+    # dq_split with dq_tma at d128 (bwd_hopper's docstring has the predictions). Session
+    # 15 settled dkv_late and dq_split alone. Their GPU tests first (~3 min; skip with
+    # BWD_OPTS2_TESTS=0 once they passed): a broken option would time garbage.
+    if [ "${BWD_OPTS2_TESTS:-1}" = 1 ]; then
+      stamp bwd-opts2-tests
+      timeout 300 python3 -m pytest -q -p no:cacheprovider $XDIST --gpu \
+        tests/test_bwd_hopper.py -k "dq_tma or pipe or (lse_ahead and sdp)" 2>&1 \
+        | tail -2 | tee "$OUT/bwd-opts2-tests.txt"
+    fi
+    # d:OPTS, or d:CFG/OPTS with CFG an FLASHTILE_HOPPER_BWD_CONFIG (commas as dots).
+    for run in 64:default 64:none 64:lse_ahead,dq_tma 64:lse_ahead,sdp 64:lse_ahead,pipe \
+        64:64.128.4.3/lse_ahead,pipe 128:default 128:none 128:lse_ahead,dq_tma \
+        128:lse_ahead,dq_split,dq_tma; do
       d=${run%%:*} v=${run#*:}
-      opts=${v#128/}
+      opts=${v#*/}
       unset FLASHTILE_HOPPER_BWD_CONFIG FLASHTILE_HOPPER_BWD_OPTS
-      [ "$v" != "$opts" ] && export FLASHTILE_HOPPER_BWD_CONFIG=128,128,4,2
+      [ "$v" != "$opts" ] && export FLASHTILE_HOPPER_BWD_CONFIG=$(echo "${v%%/*}" | tr . ,)
       [ "$opts" != default ] && export FLASHTILE_HOPPER_BWD_OPTS=$opts
       timeout 90 python3 -m flashtile bench --providers flashtile-hopper-bwd sdpa-cudnn \
         --modes fwd_bwd \
-        --headdim "$d" --seqlens 1k 4k --no-progress --out "bwd-opts2-$d-${v//[\/,]/_}" \
+        --headdim "$d" --seqlens 1k 4k --no-progress --out "bwd-opts2-$d-${v//[\/,.]/_}" \
         --overwrite 2>&1 | grep "^| [0-9]" | head -4 | sed "s|^|$d $v |" \
         | tee -a "$OUT/bwd-opts2.txt"
     done
     unset FLASHTILE_HOPPER_BWD_CONFIG FLASHTILE_HOPPER_BWD_OPTS
     if [ "${BWD_OPTS2_HF:-0}" = 1 ]; then
-      # transformers' Llama-3.2-1B step (GQA 32/8, d64, 4k, causal) with the default.
-      timeout 120 python3 -m flashtile bench hf --impls flashtile sdpa --batches 1 \
-        --new 2 --out "$OUT/hf-train.json" 2>&1 | grep "train step" \
-        | tee -a "$OUT/bwd-opts2.txt"
+      # transformers' Llama-3.2-1B step (GQA 32/8, d64, 4k, causal): the default and the
+      # d64 candidates.
+      for opts in default lse_ahead,dq_tma lse_ahead,pipe; do
+        unset FLASHTILE_HOPPER_BWD_OPTS
+        [ "$opts" != default ] && export FLASHTILE_HOPPER_BWD_OPTS=$opts
+        timeout 120 python3 -m flashtile bench hf --impls flashtile sdpa --batches 1 \
+          --new 2 --out "$OUT/hf-train-${opts//,/_}.json" 2>&1 | grep "train step" \
+          | sed "s|^|$opts |" | tee -a "$OUT/bwd-opts2.txt"
+      done
+      unset FLASHTILE_HOPPER_BWD_OPTS
     fi
     ;;
   hf-train)

@@ -213,12 +213,22 @@ def test_switch_sends_head_dim_256_under_1_and_auto(monkeypatch):
 # The schedule options (FLASHTILE_HOPPER_BWD_OPTS, bwd_hopper's docstring) the GPU A/B
 # times, alone and as timed together; tests/test_gluon_compile.py checks their SASS.
 OPTS = ["none", "sdp", "dq_early", "dq_unmasked", "sdp,dq_early,dq_unmasked", "lse_ahead",
-        "dkv_late", "lse_ahead,dkv_late"]
+        "dkv_late", "lse_ahead,dkv_late", "lse_ahead,dq_tma", "dq_tma,dkv_late",
+        "lse_ahead,sdp"]
 # dq_split (alone, with lse_ahead, with dq_unmasked) at the BLOCK_M the A/B times it at
 # (FLASHTILE_HOPPER_BWD_CONFIG; head_dim 64: 128 rows, each consumer 64 of them).
 SPLIT_CASES = [(64, "dq_split", "128,128,4,2"), (128, "dq_split", None),
                (64, "lse_ahead,dq_split", "128,128,4,2"), (128, "lse_ahead,dq_split", None),
-               (128, "dq_split,dq_unmasked", None)]
+               (128, "dq_split,dq_unmasked", None),
+               # dq_tma with dq_split (each consumer's share through its own tile), and
+               # the 128-row block's whole (128, 64) tiles without it.
+               (64, "lse_ahead,dq_split,dq_tma", "128,128,4,2"),
+               (128, "lse_ahead,dq_split,dq_tma", None),
+               (64, "lse_ahead,dq_tma", "128,128,4,2")]
+# pipe (head_dim 64, BLOCK_M 64 only): with and without lse_ahead, with 3 stages (the
+# previous block's stage freed later: a different ring turnover), with dq_tma.
+PIPE_CASES = [("lse_ahead,pipe", None), ("pipe", None), ("lse_ahead,pipe", "64,128,4,3"),
+              ("lse_ahead,pipe,dq_tma", None)]
 
 
 def _split_env(opts, config):
@@ -293,6 +303,28 @@ def test_hopper_bwd_dq_split_small(head_dim, opts, config, monkeypatch):
                     shape=(2, 77, 45, 4, 2))
 
 
+@pytest.mark.parametrize("mask", list(MASKS))
+@pytest.mark.parametrize("opts,config", PIPE_CASES, ids=lambda x: str(x))
+@on_hopper
+def test_pipe_matches_float64_reference(opts, config, mask, monkeypatch):
+    """pipe at head_dim 64: test_options_match_float64_reference's calls (many query
+    blocks and heads a walk: the previous block's dV and dK read its stage of the ring
+    after this block's loads; the first block's zero products; the last block's after
+    the walk)."""
+    causal, align = MASKS[mask]
+    diag_offset = 300 - 333 if align == "bottom_right" else 0
+    _backward_twice(_split_env(opts, config), 64, causal, diag_offset, monkeypatch)
+
+
+@pytest.mark.parametrize("opts,config", PIPE_CASES, ids=lambda x: str(x))
+@on_hopper
+def test_hopper_bwd_pipe_small(opts, config, monkeypatch):
+    """The memcheck slice of pipe: test_hopper_bwd_small's call (a walk of two blocks,
+    and programs whose causal walk is empty)."""
+    _backward_twice(_split_env(opts, config), 64, True, 45 - 77, monkeypatch,
+                    shape=(2, 77, 45, 4, 2))
+
+
 @pytest.mark.parametrize("stages", [3, 4])
 @pytest.mark.parametrize("head_dim", [64, 128])
 @on_hopper
@@ -313,7 +345,8 @@ def test_options_knob(monkeypatch):
     assert configs.hopper_bwd_opts() == {"lse_ahead"} == configs.HOPPER_BWD_DEFAULT_OPTS
     flags = bwd_hopper.kernel_flags(128, True, configs.hopper_bwd_opts(), 64)
     assert flags == dict(IS_CAUSAL=True, SDP=False, DQ_EARLY=False, DQ_UNMASKED=False,
-                         LSE_AHEAD=True, DQ_SPLIT=False, DKV_LATE=False)
+                         LSE_AHEAD=True, DQ_SPLIT=False, DKV_LATE=False, DQ_TMA=False,
+                         PIPE=False)
     for none in ("none", " none ,", ""):
         monkeypatch.setenv("FLASHTILE_HOPPER_BWD_OPTS", none)
         assert configs.hopper_bwd_opts() == frozenset()
@@ -323,16 +356,20 @@ def test_options_knob(monkeypatch):
     assert configs.hopper_bwd_opts() == {"sdp", "dq_unmasked"}
     flags = bwd_hopper.kernel_flags(64, False, configs.hopper_bwd_opts(), 64)
     assert flags == dict(IS_CAUSAL=False, SDP=True, DQ_EARLY=False, DQ_UNMASKED=True,
-                         LSE_AHEAD=False, DQ_SPLIT=False, DKV_LATE=False)
+                         LSE_AHEAD=False, DQ_SPLIT=False, DKV_LATE=False, DQ_TMA=False,
+                         PIPE=False)
     monkeypatch.setenv("FLASHTILE_HOPPER_BWD_OPTS", "lse_ahead,dq_split")
     flags = bwd_hopper.kernel_flags(64, True, configs.hopper_bwd_opts(), 128)
     assert flags["LSE_AHEAD"] and flags["DQ_SPLIT"] and not flags["SDP"]
     monkeypatch.setenv("FLASHTILE_HOPPER_BWD_OPTS", "dkv_late")
     flags = bwd_hopper.kernel_flags(128, True, configs.hopper_bwd_opts(), 64)
     assert flags["DKV_LATE"] and not flags["DQ_SPLIT"]
+    monkeypatch.setenv("FLASHTILE_HOPPER_BWD_OPTS", "lse_ahead,dq_split,dq_tma")
+    flags = bwd_hopper.kernel_flags(128, True, configs.hopper_bwd_opts(), 64)
+    assert flags["DQ_TMA"] and flags["DQ_SPLIT"] and not flags["DQ_UNMASKED"]
     monkeypatch.setenv("FLASHTILE_HOPPER_BWD_OPTS", "sdp,pingpong")
     with pytest.raises(ValueError, match=r"FLASHTILE_HOPPER_BWD_OPTS must be 'none' or a "
-                       r"comma-separated subset of .*'dkv_late'\), got 'sdp,pingpong' "
+                       r"comma-separated subset of .*'pipe'\), got 'sdp,pingpong' "
                        r"\(unknown: \['pingpong'\]\)"):
         configs.hopper_bwd_opts()
 
@@ -351,6 +388,49 @@ def test_dq_split_refuses_what_it_cannot_split():
                        r"BLOCK_M 64"):
         bwd_hopper.kernel_flags(64, True, frozenset({"dq_split"}), 64)
     assert bwd_hopper.kernel_flags(128, True, frozenset({"dq_split"}), 64)["DQ_SPLIT"]
+
+
+def test_pipe_refuses_what_it_cannot_pipeline():
+    """pipe: head_dim 64 and BLOCK_M 64 only (registers), not with sdp, dq_split or
+    dkv_late."""
+    for other, block_m in (("sdp", 64), ("dq_split", 128), ("dkv_late", 64)):
+        with pytest.raises(ValueError, match=r"pipe \(the previous block's dV and dK .*\) "
+                           rf"goes without sdp .*, got \[.*'{other}'"):
+            bwd_hopper.kernel_flags(64, True, frozenset({"pipe", other}), block_m)
+    for head_dim, block_m in ((128, 64), (64, 128)):
+        with pytest.raises(ValueError, match=r"pipe needs head_dim 64 and 64 query rows a "
+                           rf"block: .*, got head_dim {head_dim}, BLOCK_M {block_m}"):
+            bwd_hopper.kernel_flags(head_dim, False, frozenset({"pipe"}), block_m)
+    flags = bwd_hopper.kernel_flags(64, True, frozenset({"pipe", "lse_ahead", "dq_tma"}),
+                                    64)
+    assert flags["PIPE"] and flags["DQ_TMA"] and not flags["SDP"]
+
+
+def test_dq_tma_refuses_the_atomics_options():
+    """dq_tma replaces the dQ atomics: not with dq_early and dq_unmasked, which change
+    them (its reduce-adds already release dS^T's buffer first and drop the rows past
+    seqlen_q)."""
+    for other in ("dq_early", "dq_unmasked"):
+        with pytest.raises(ValueError, match=r"dq_tma \(dQ added by TMA reduce-adds\) goes "
+                           rf"without dq_early and dq_unmasked .*, got \[.*'{other}'"):
+            bwd_hopper.kernel_flags(64, True, frozenset({"dq_tma", other}), 64)
+    assert bwd_hopper.kernel_flags(64, True, frozenset({"dq_tma"}), 64)["DQ_TMA"]
+
+
+def test_dq_tma_tile_and_descriptor():
+    """dq_tma's tensor map: (1, 1, rows, 64) fp32 boxes over the accumulator, rows the
+    block's, or a consumer's 64 with dq_split at BLOCK_M 128; 128-byte swizzled."""
+    dq_accum = torch.empty(2, 4, 333, 128, dtype=torch.float32)
+    for opts, block_m, rows in ((frozenset({"dq_tma"}), 64, 64),
+                                (frozenset({"dq_tma"}), 128, 128),
+                                (frozenset({"dq_tma", "dq_split"}), 128, 64),
+                                (frozenset({"dq_tma", "dq_split"}), 64, 64)):
+        flags = bwd_hopper.kernel_flags(128, False, opts, block_m)
+        assert bwd_hopper.dq_tile_rows(flags, block_m) == rows
+        desc = bwd_hopper._dq_descriptor(dq_accum, rows)
+        assert list(desc.block_shape) == [1, 1, rows, 64]
+        assert list(desc.shape) == [2, 4, 333, 128]
+        assert desc.layout.swizzle_byte_width == 128 and desc.layout.element_bitwidth == 32
 
 
 def test_declines_what_it_does_not_support(monkeypatch):

@@ -216,6 +216,10 @@ def _compile_bwd(head_dim, causal, dtype=torch.bfloat16, opts=None, stages=None,
     opts = configs.HOPPER_BWD_DEFAULT_OPTS if opts is None else frozenset(opts)
     flags = dict(bwd_hopper.kernel_flags(head_dim, causal, opts, block_m),
                  STAGES=stages or cfg.num_stages)
+    if flags.get("DQ_TMA"):  # the accumulator's tensor map, not its address
+        dq_accum = torch.empty(2, 4, 300, head_dim, dtype=torch.float32)
+        types["DQAccum"] = mangle_type(bwd_hopper._dq_descriptor(
+            dq_accum, bwd_hopper.dq_tile_rows(flags, block_m)))
     return compile_kernel(kernel, flags, num_warps=cfg.num_warps, types=types)
 
 
@@ -401,6 +405,7 @@ def _waited_loads(ops: list[str]) -> int:
 # 128 (causal) stores 10-12 words a block inside the walks.
 _BWD_NEW_OPTS = {
     (("lse_ahead",), 64, 64): 0,
+    (("lse_ahead", "sdp"), 64, 64): 0,  # session 16: timed at d64 only (d128 stores)
     (("lse_ahead",), 128, 64): 56,
     (("dq_split",), 64, 128): 56,
     (("dq_split",), 128, 64): 32,
@@ -426,6 +431,8 @@ def test_hopper_backward_new_options_compile_for_sm90(opts, head_dim, block_m, c
     walks = _walk_local_stores(sass)
     assert len(walks) >= 2 and not any(walks), walks
     assert (_loads_waited_before_mma(sass) == 0) == ("lse_ahead" in opts)
+    if "sdp" in opts:  # S^T waited for alone, dP^T in flight
+        assert "WARPGROUP.DEPBAR.LE gsb0, 0x1" in sass
     base = _compile_bwd(head_dim, causal, opts=(), block_m=block_m)
     if "dq_split" in opts:
         ds_tile = 2 * 64 * block_m * 2  # 128 keys x BLOCK_M, 16-bit
@@ -434,6 +441,95 @@ def test_hopper_backward_new_options_compile_for_sm90(opts, head_dim, block_m, c
         assert "WARPGROUP.DEPBAR.LE gsb0, 0x1" in sass
     else:
         assert res["shared_bytes"] == resources(base)["shared_bytes"]
+
+
+# dq_tma (session 16), alone with the default's lse_ahead and with dq_split, at the BLOCK_M
+# each is timed or tested at, and the local memory ptxas keeps (bytes, the worst of full
+# and causal; scalars stored before the walks, reloaded in them). At head_dim 128 the
+# walk's TMA coordinates take 24-64 bytes more than the atomics' (56) without dq_split,
+# 32 fewer with it.
+_BWD_TMA_OPTS = {
+    (("lse_ahead", "dq_tma"), 64, 64): 0,
+    (("lse_ahead", "dq_tma"), 128, 64): 120,
+    (("lse_ahead", "dq_tma"), 64, 128): 128,
+    (("dq_tma", "dkv_late"), 128, 64): 104,
+    (("lse_ahead", "dq_split", "dq_tma"), 64, 128): 48,
+    (("lse_ahead", "dq_split", "dq_tma"), 128, 64): 24,
+}
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("opts,head_dim,block_m", list(_BWD_TMA_OPTS),
+                         ids=lambda x: ",".join(x) if isinstance(x, tuple) else str(x))
+def test_hopper_backward_dq_tma_compiles_for_sm90(opts, head_dim, block_m, causal):
+    """dq_tma: dQ_partial leaves through shared memory and TMA reduce-adds
+    (cp.reduce.async.bulk.tensor .add, UTMAREDG in SASS), not atomics: no REDG or
+    atom.global is left, each consumer has its own fp32 tiles (a 64-dim piece each, or
+    its dq_split share) beside the atomics' shared memory, and nothing is stored to local
+    memory inside the walks."""
+    ck = _compile_bwd(head_dim, causal, opts=opts, block_m=block_m)
+    res = resources(ck)
+    assert res["shared_bytes"] <= configs.SM90_SMEM_BYTES, res
+    assert res["stack_bytes"] <= _BWD_TMA_OPTS[(opts, head_dim, block_m)], res
+    atomics = [o for o in opts if o != "dq_tma"]
+    base = resources(_compile_bwd(head_dim, causal, opts=atomics, block_m=block_m))
+    split = "dq_split" in opts
+    rows = 64 if split else block_m
+    tiles = 2 if split else 2 * head_dim // 64
+    assert res["shared_bytes"] == base["shared_bytes"] + tiles * rows * 64 * 4
+    sass = _sass(ck)
+    walks = _walk_local_stores(sass)
+    assert len(walks) >= 2 and not any(walks), walks
+    assert "UTMAREDG.4D.ADD" in sass and not re.search(r"\bREDG\.", sass)
+    ptx = ck.asm["ptx"]
+    assert "cp.reduce.async.bulk.tensor.4d.global.shared::cta.add" in ptx
+    assert "atom.global" not in ptx and "red.global" not in ptx
+
+
+# pipe (session 16) at head_dim 64 with the default's lse_ahead, by STAGES and causal:
+# the most words a walk stores to local memory (3 stages, causal: ptxas stores and
+# reloads 2 inside the walk) and the local memory it keeps (bytes).
+_BWD_PIPE = {(2, False): (0, 0), (2, True): (0, 16), (3, False): (0, 16),
+             (3, True): (2, 48)}
+
+
+@pytest.mark.parametrize("stages,causal", list(_BWD_PIPE),
+                         ids=lambda x: str(x) if isinstance(x, int) else
+                         ("causal" if x else "full"))
+def test_hopper_backward_pipe_compiles_for_sm90(stages, causal):
+    """pipe: block it's S^T and dP^T, then block it - 1's dV and dK (A operands from
+    registers) queued before the first wait, which leaves three groups outstanding
+    (WARPGROUP.DEPBAR.LE gsb0, 0x3; the default never waits so); no wgmma is serialized
+    (ptxas's C7512/C7513 put a wait after every HGMMA: 64 at least, here 10) and the
+    shared memory is the default's."""
+    ck = _compile_bwd(64, causal, opts=("lse_ahead", "pipe"), stages=stages)
+    res = resources(ck)
+    most_stores, stack = _BWD_PIPE[(stages, causal)]
+    assert res["stack_bytes"] <= stack, res
+    base = _compile_bwd(64, causal, stages=stages)
+    assert res["shared_bytes"] == resources(base)["shared_bytes"]
+    sass = _sass(ck)
+    walks = _walk_local_stores(sass)
+    assert len(walks) >= 2 and max(walks) <= most_stores, walks
+    assert sass.count("WARPGROUP.DEPBAR") <= 12
+    assert _queued_before_first_wait(sass) and not _queued_before_first_wait(_sass(base))
+
+
+def _queued_before_first_wait(sass: str) -> bool:
+    """Whether a wgmma wait with three groups outstanding follows, with no wait between,
+    products with A from shared memory (S^T, dP^T) and then from registers (dV, dK)."""
+    ops = re.findall(r"/\*[0-9a-f]{4,}\*/\s+([^;]*);", sass)
+    shared = registers = False
+    for op in ops:
+        if re.match(r"HGMMA\.\S+ R\d+, gdesc", op):
+            shared, registers = True, False
+        elif re.match(r"HGMMA\.\S+ R\d+, R\d+,", op):
+            registers = registers or shared
+        elif "WARPGROUP.DEPBAR.LE gsb0, 0x3" in op and registers:
+            return True
+        elif "WARPGROUP.DEPBAR" in op:
+            shared = registers = False
+    return False
 
 
 # FLASHTILE_HOPPER_BWD_CONFIG="64,128,4,STAGES" values that compile without local stores

@@ -30,11 +30,13 @@ shares are summed after the kernel. Three warp-specialised partitions:
   (relaxed, two values an instruction: atom.global.relaxed.add.v2.f32) straight from
   the wgmma accumulator layout: one reduction per 128 keys, as the portable fused
   backward's and FA3's.
-  Triton 3.6's Gluon exposes no TMA reduce (its hopper ``tma`` module has loads, stores
+  Triton 3.6's Gluon wraps no TMA reduce (its hopper ``tma`` module has loads, stores
   and store_wait only, blackwell's adds gather/scatter; ``desc.atomic_add`` is
-  triton.language's), nor a shared-memory address that inline PTX (``cp.reduce.async.
-  bulk``) could take: ``gl.inline_asm_elementwise`` reads register tensors only. So
-  FA3's bulk reduce-add from shared memory is not reachable here.
+  triton.language's), nor gives a shared-memory address that inline PTX (``cp.reduce.
+  async.bulk``) could take: ``gl.inline_asm_elementwise`` reads register tensors only.
+  Its op builder binds the tensor form, though (``create_async_tma_reduce``): option
+  dq_tma below reaches FA3's reduce-add of a shared tile through a wrapper of it
+  (``_tma_reduce_add``, session 16).
 - warp_specialize's register requests become setmaxnreg: 24 for the producer, 240 for
   each consumer (dK and dV accumulators, 64 x head_dim fp32 each, live across the walk).
 
@@ -108,6 +110,54 @@ A/B, all compile-checked on the CPU:
   chains are the bound and the owner is not held by the other's dS^T (ds_full) anyway:
   backward +1-2.5% at d128, +2-5% at d64; forward + backward about 0.7x that. At d128
   that is within the spread of earlier A/Bs (0-3%): the A/B can only settle d64.
+- dq_tma (DQ_TMA): dQ_partial leaves as FA3's does, without its writer warp: the owner
+  (with dq_split each consumer, its share) stores each 64-dim piece, fp32, into a tile
+  of its own in shared memory and issues a TMA reduce-add of it into the accumulator
+  (cp.reduce.async.bulk.tensor .add; DQAccum is then the accumulator's tensor map,
+  ``_dq_descriptor``), waited for (the tile read) only before the tile's next use two
+  blocks later. ds_empty is arrived on when the last product has completed (as
+  dq_early). Not with dq_early or dq_unmasked (the atomics' options; the TMA drops the
+  rows past seqlen_q). Shared memory: + 2 x 16 KiB at d64 (113 KiB), + 4 x 16 KiB at
+  d128 (209 KiB; with dq_split + 2 x 16 KiB, 193 KiB). The sm_90 compile: no REDG left,
+  16 STS.64 a piece a thread and one UTMAREDG (two 32-column messages); no stores inside
+  the walks; at d128 ptxas keeps 80-120 bytes of scalars in local memory (56 with the
+  atomics), 16-24 with dq_split.
+  Why: a piece's 16 REDG.F32x2 a thread each touch 8 rows, 32 bytes a row: 512 sector
+  requests from each consumer's L1 a piece, 1,024 in a d128 owner block, plus a branch
+  a REDG for the row mask; the next product writing the same registers waits until the
+  REDGs have read them. Nsight Compute (session 15): the L2 61% busy at d128 (DRAM 4.6%)
+  and 31% of the stall samples on L1TEX at d64 (transformers' step), most plausibly the
+  atomics. The TMA engine adds whole 128-byte lines from one instruction.
+  Prediction (session 16, not run on a GPU): backward +4-10% at d128 and +3-8% at d64,
+  forward + backward about 0.7x that (+3-7% / +2-6%); with dq_split at d128 (FA3's dQ
+  path, both consumers every block) level with lse_ahead + dq_tma to +4%: dq_split lost
+  2-9% alone, its consumers meeting every block, and the atomics it doubled per block
+  are what dq_tma removes. If lse_ahead + dq_tma is within +-2% of lse_ahead, the
+  atomics were not on the chain and the remaining gap is the chain's wgmma round trips.
+- pipe (PIPE): software pipelining across query blocks without a product in flight
+  across the walk's back edge: block it issues S^T and dP^T, then block it - 1's dV and
+  dK from the P^T and dS^T operands it left in registers (and its stage of the ring,
+  released only now), and waits for S^T with three products queued; the previous
+  block's products run under this block's softmax and dS. Block 0 issues them with zero
+  operands against its own stage (adds 0; an Inf or NaN there gives NaN where the real
+  product gives it too, or Inf); the walk's end issues the last block's. Implies sdp's
+  order. Head dim 64 and BLOCK_M 64 only: at d128 (dK and dV 128 registers) and at
+  BLOCK_M 128 ptxas serializes every wgmma (C7512) and spills 240-792 bytes. Not with
+  sdp, dq_split or dkv_late. The sm_90 compile (d64, lse_ahead): 10 wgmma waits (no
+  serialization), no stores inside the walks, 0-16 bytes of local memory (3 stages:
+  16-48, and 2 words stored and reloaded inside the causal walk). This block's P^T and
+  dS^T are cast to 16 bits only after the previous block's products are waited for:
+  cast before, they are written into the registers those products read, and ptxas
+  serializes every wgmma of the kernel (C7513). ptxas places the exp2 after the dP^T
+  wait (0 of 32 under it, 14-32 by default), under the previous block's dV and dK.
+  Prediction (session 16, not run on a GPU): a d64 block is ~3,600 clocks a consumer
+  (backward ~350 TFLOP/s); the dV/dK round trip (8 HGMMA, ~250 clocks, ~350 with its
+  latency) leaves the chain, dP^T's ~130 under the exp2 come back: 4-8% of the
+  chain, half of it as lse_ahead got half of its prediction: backward +2-5% at d64,
+  forward + backward +1.5-3.5%. The risk is the ring: with 2 stages block it - 1's
+  stage frees only after block it's dS, ~200-700 clocks before block it + 1 needs it,
+  about one TMA load's latency; 3 stages (FLASHTILE_HOPPER_BWD_CONFIG=64,128,4,3) lift
+  that. If 3 stages beat 2 by more than the noise, the ring is what limits pipe.
 Tried and removed: FA3's dQ writer warp (the dQ owner stored dQ_partial to shared
 memory; a fourth partition, one warp beside the producer, added it to the accumulator
 with four-value atomics) ran 2-13% slower than the default at d64 and d128 on the H200
@@ -147,10 +197,13 @@ eligible, no tile spills: a latency-bound chain, not the tensor cores.
 from __future__ import annotations
 
 import torch
+from triton._C.libtriton import ir
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language._core import builtin
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_init, warpgroup_mma_wait)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from flashtile.ops import _launch, bwd, configs, fwd_hopper
 from flashtile.ops._common import LOG2E
@@ -288,9 +341,36 @@ def _dq_add(p_dq, dq, row0, col0, seqlen_q, HEAD_DIM: gl.constexpr,
                       sem="relaxed")
 
 
+@builtin
+def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
+    """TMA's reduce-add (cp.reduce.async.bulk.tensor, .add) of the shared tile ``src``
+    into the box of ``tensor_desc`` at ``coord``; waited for as a TMA store is
+    (tma.store_wait: the engine has read ``src``). Triton 3.6 binds the operation
+    (GluonOpBuilder.create_async_tma_reduce, which its tl.tensor_descriptor.atomic_add
+    also reaches) but its Gluon hopper.tma module wraps only the copies: this is
+    tma.async_copy_shared_to_global's wrapper with the reduction kind."""
+    coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+    _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD,
+                                              tensor_desc.handle, coord, src.handle)
+
+
+@gluon.jit
+def _dq_reduce(dq_desc, dq_buf, dq, off_b, head, row0, col0):
+    """dq (a wgmma accumulator, M x N) added into rows row0 + [0, M), columns col0 +
+    [0, N) of query head ``head`` of batch off_b of the fp32 accumulator behind dq_desc
+    (box (1, 1, M, N)) by a TMA reduce-add through dq_buf (this warpgroup's shared
+    tile, free: the caller waited for its previous reduce): 16 two-value shared stores a
+    thread where the atomics take 16 REDGs and their row-mask branches; the TMA drops
+    the rows past the accumulator's."""
+    dq_buf.reshape(dq.type.shape).store(dq)
+    fence_async_shared()  # the generic-proxy writes above before the TMA engine reads
+    _tma_reduce_add(dq_desc, [off_b, head, row0, col0], dq_buf)
+
+
 @gluon.jit
 def _dq_partial(ds_all, k_all, dq_init, p_dq, row0, seqlen_q, ds_empty, dv, dk, qdo_free,
-                DQ_EARLY: gl.constexpr, DQ_UNMASKED: gl.constexpr, DKV_LATE: gl.constexpr):
+                dq_smem, off_b, head, WG: gl.constexpr, DQ_EARLY: gl.constexpr,
+                DQ_UNMASKED: gl.constexpr, DKV_LATE: gl.constexpr, DQ_TMA: gl.constexpr):
     """dQ_partial = dS K over the program's 128 keys, added into rows row0 + [0, M) of
     the fp32 accumulator at p_dq (head_dim wide), in pieces of 64 head dims (K's
     columns, a whole 128-byte swizzle atom each) addressed by 32-bit offsets from one
@@ -301,10 +381,16 @@ def _dq_partial(ds_all, k_all, dq_init, p_dq, row0, seqlen_q, ds_empty, dv, dk, 
     accumulator has rows up to a multiple of BLOCK_M, so no row mask (a masked atomic
     is a branch around each REDG in the SASS). DKV_LATE: dV and dK (returned) are still in
     flight, queued ahead of the first product and waited with it, which frees Q and dO
-    (qdo_free)."""
+    (qdo_free). DQ_TMA: p_dq is the accumulator's tensor map, each piece goes through
+    warpgroup WG's tile of dq_smem for it and a TMA reduce-add (``_dq_reduce``) into
+    query head ``head`` of batch off_b, and ds_empty is arrived on as with DQ_EARLY."""
     HEAD_DIM: gl.constexpr = k_all.type.shape[1]
     DQ_PIECE: gl.constexpr = dq_init.type.shape[1]
     N_PIECES: gl.constexpr = HEAD_DIM // DQ_PIECE
+    if DQ_TMA:
+        # This warpgroup's reduces of its previous dQ (two blocks back) have read its
+        # tiles: long done, the wait only orders the stores below after them.
+        tma.store_wait(0)
     for piece in gl.static_range(N_PIECES):
         k_piece = k_all.slice(piece * DQ_PIECE, DQ_PIECE, dim=1)              # (128, 64)
         dq = warpgroup_mma(ds_all.permute((1, 0)), k_piece, dq_init, use_acc=False,
@@ -314,22 +400,30 @@ def _dq_partial(ds_all, k_all, dq_init, p_dq, row0, seqlen_q, ds_empty, dv, dk, 
             mbarrier.arrive(qdo_free, count=1)  # Q and dO read the last time
         else:
             dq = warpgroup_mma_wait(0, deps=(dq,))
-        if DQ_EARLY and piece == N_PIECES - 1:
+        if (DQ_EARLY or DQ_TMA) and piece == N_PIECES - 1:
             mbarrier.arrive(ds_empty, count=1)
-        _dq_add(p_dq, dq, row0, piece * DQ_PIECE, seqlen_q, HEAD_DIM, DQ_UNMASKED)
-    if not DQ_EARLY:
+        if DQ_TMA:
+            _dq_reduce(p_dq, dq_smem.index(WG * N_PIECES + piece), dq, off_b, head, row0,
+                       piece * DQ_PIECE)
+        else:
+            _dq_add(p_dq, dq, row0, piece * DQ_PIECE, seqlen_q, HEAD_DIM, DQ_UNMASKED)
+    if not (DQ_EARLY or DQ_TMA):
         mbarrier.arrive(ds_empty, count=1)
     return dv, dk
 
 
 @gluon.jit
-def _mma_partition(args, WG: gl.constexpr, IS_CAUSAL: gl.constexpr, SDP: gl.constexpr,
-                   DQ_EARLY: gl.constexpr, DQ_UNMASKED: gl.constexpr,
+def _mma_partition(args, dq_smem, WG: gl.constexpr, IS_CAUSAL: gl.constexpr,
+                   SDP: gl.constexpr, DQ_EARLY: gl.constexpr, DQ_UNMASKED: gl.constexpr,
                    LSE_AHEAD: gl.constexpr, DQ_SPLIT: gl.constexpr,
-                   DKV_LATE: gl.constexpr):
+                   DKV_LATE: gl.constexpr, DQ_TMA: gl.constexpr, PIPE: gl.constexpr):
     """Consumer warpgroup WG: keys key0 + 64 * WG + [0, 64) against every query block.
     dq_rows: the dQ accumulator's rows per head (seqlen_q, or rounded up to BLOCK_M with
-    DQ_UNMASKED). ds_smem: one dS^T buffer (128 keys, BLOCK_M), two with DQ_SPLIT."""
+    DQ_UNMASKED). ds_smem: one dS^T buffer (128 keys, BLOCK_M), two with DQ_SPLIT.
+    DQ_TMA: DQAccum is the accumulator's tensor map and dq_smem holds each warpgroup's
+    dQ tiles on their way to its TMA reduce-adds (one a 64-dim piece, the first half of
+    them warpgroup 0's); unused otherwise. PIPE: block it - 1's dV and dK are issued in
+    block it, behind its S^T and dP^T (the module docstring's option pipe)."""
     (q_smem, k_smem, v_smem, do_smem, ds_smem, kv_ready, q_ready, do_ready, qdo_empty,
      ds_full, ds_empty, dk_desc, dv_desc, Lse, Delta, DQAccum, off_b, off_dkv, key0, h0,
      n_heads, m_lo, n_m, nheads, seqlen_q, seqlen_k, dq_rows, diag_offset,
@@ -374,6 +468,12 @@ def _mma_partition(args, WG: gl.constexpr, IS_CAUSAL: gl.constexpr, SDP: gl.cons
     mbarrier.wait(kv_ready, 0)
 
     n_iter = n_heads * n_m
+    if PIPE:
+        # The previous block's P^T and dS^T, the A operands of its dV and dK: zeros
+        # before the first block (its products then add 0 times the first block's Q and
+        # dO, read from its stage).
+        p_prev = _a_operand(s_init, d_layout, dtype)
+        ds_prev = p_prev
     if LSE_AHEAD:  # the first block's lse and delta (see the walk)
         p_row0 = bh0.to(gl.int64) * seqlen_q
         lse_next = _row_flat(Lse + p_row0, m_lo * BLOCK_M, seqlen_q, float("inf"), BLOCK_M)
@@ -409,7 +509,22 @@ def _mma_partition(args, WG: gl.constexpr, IS_CAUSAL: gl.constexpr, SDP: gl.cons
         mbarrier.wait(q_ready.index(stage), phase)
         s_t = warpgroup_mma(k, q.permute((1, 0)), s_init, use_acc=False,
                             is_async=True)                                   # (64, M)
-        if SDP:
+        if PIPE:
+            # dP^T behind S^T (as with SDP), then the previous block's dV and dK from
+            # the operands it left in registers and its stage of the ring (which it has
+            # not released): the tensor cores hold three products while this block's
+            # softmax and dS run, and no product is in flight across the walk's back
+            # edge (what made ptxas serialize FA3's form, see dkv_late).
+            mbarrier.wait(do_ready.index(stage), phase)
+            dp_t = warpgroup_mma(v, b_do.permute((1, 0)), s_init, use_acc=False,
+                                 is_async=True)                              # (64, M)
+            stage_prev = gl.where(it > 0, (it + STAGES - 1) % STAGES, stage)
+            dv = warpgroup_mma(p_prev, do_smem.index(stage_prev).reshape(
+                [BLOCK_M, HEAD_DIM]), dv, is_async=True)
+            dk = warpgroup_mma(ds_prev, q_smem.index(stage_prev).reshape(
+                [BLOCK_M, HEAD_DIM]), dk, is_async=True)
+            s_t = warpgroup_mma_wait(3, deps=(s_t,))
+        elif SDP:
             # dP^T queued behind S^T, as FA3: the softmax below runs while dP^T does,
             # and the tensor cores see both products at once.
             mbarrier.wait(do_ready.index(stage), phase)
@@ -426,24 +541,38 @@ def _mma_partition(args, WG: gl.constexpr, IS_CAUSAL: gl.constexpr, SDP: gl.cons
         p_t = _p_t(s_t, o_n, o_m, seqlen_k, diag_offset, qk_scale, lse2,
                    IS_CAUSAL)                                                # (64, M)
 
-        if not SDP:
+        if not (SDP or PIPE):
             mbarrier.wait(do_ready.index(stage), phase)
             dp_t = warpgroup_mma(v, b_do.permute((1, 0)), s_init, use_acc=False,
                                  is_async=True)                              # (64, M)
-        dp_t = warpgroup_mma_wait(0, deps=(dp_t,))
+        dp_t = warpgroup_mma_wait(2 if PIPE else 0, deps=(dp_t,))
         # dV's product is issued after dP^T completes, not beside it: its P^T operand
         # and accumulators held in flight through dS spilled 104-128 bytes at head_dim
         # 128 (dK, dV: 128 registers; S^T/P^T, dP^T: 32 each; the operands 16 each).
         # The other consumer's products fill the tensor cores meanwhile.
-        p_op = _a_operand(p_t, d_layout, dtype)
+        if not PIPE:
+            p_op = _a_operand(p_t, d_layout, dtype)
         if LSE_AHEAD:
             delta = gl.convert_layout(delta_flat, gl.SliceLayout(0, s_layout))
         else:
             delta = _row_vector(Delta + p_row, row0, seqlen_q, 0.0, BLOCK_M, s_layout)
         ds_t = p_t * (dp_t - gl.expand_dims(delta, 0))                       # (64, M)
-        ds_op = _a_operand(ds_t, d_layout, dtype)
-        dv = warpgroup_mma(p_op, b_do, dv, is_async=True)
-        dk = warpgroup_mma(ds_op, q, dk, is_async=True)
+        if PIPE:
+            # The previous block's dV and dK (queued first, done by now): its stage of
+            # the ring free (none before the first block). P^T and dS^T become this
+            # block's operands only after the wait (a dependency of it): they take the
+            # registers of the previous ones, which ptxas must not see written while a
+            # product reads them (C7513: it would serialize every wgmma of the kernel).
+            dv, dk, p_t, ds_t = warpgroup_mma_wait(0, deps=(dv, dk, p_t, ds_t))
+            mbarrier.arrive(qdo_empty.index(stage_prev), count=1, pred=it > 0)
+            p_op = _a_operand(p_t, d_layout, dtype)
+            p_prev = p_op
+            ds_op = _a_operand(ds_t, d_layout, dtype)
+            ds_prev = ds_op
+        else:
+            ds_op = _a_operand(ds_t, d_layout, dtype)
+            dv = warpgroup_mma(p_op, b_do, dv, is_async=True)
+            dk = warpgroup_mma(ds_op, q, dk, is_async=True)
         if DQ_SPLIT:
             # dS^T into buffer it % 2: its last readers, both dQ products of block it - 2,
             # have completed. This warpgroup's in program order; the other's before it
@@ -463,12 +592,22 @@ def _mma_partition(args, WG: gl.constexpr, IS_CAUSAL: gl.constexpr, SDP: gl.cons
             dv, dk = warpgroup_mma_wait(1, deps=(dv, dk))
             mbarrier.arrive(qdo_empty.index(stage), count=1)  # Q and dO read the last time
             dq = warpgroup_mma_wait(0, deps=(dq,))
-            p_dq = _dq_ptr(DQAccum, p_row, bh0 + it // n_m, dq_rows, HEAD_DIM, DQ_UNMASKED)
-            if SPLIT_ROWS:
-                _dq_add(p_dq, dq, row0 + WG * BLOCK_N_WG, 0, seqlen_q, HEAD_DIM,
-                        DQ_UNMASKED)
+            if DQ_TMA:
+                tma.store_wait(0)  # the tile's previous reduce (block it - 1) has read it
+                if SPLIT_ROWS:
+                    _dq_reduce(DQAccum, dq_smem.index(WG), dq, off_b, h0 + it // n_m,
+                               row0 + WG * BLOCK_N_WG, 0)
+                else:
+                    _dq_reduce(DQAccum, dq_smem.index(WG), dq, off_b, h0 + it // n_m,
+                               row0, WG * DQ_N)
             else:
-                _dq_add(p_dq, dq, row0, WG * DQ_N, seqlen_q, HEAD_DIM, DQ_UNMASKED)
+                p_dq = _dq_ptr(DQAccum, p_row, bh0 + it // n_m, dq_rows, HEAD_DIM,
+                               DQ_UNMASKED)
+                if SPLIT_ROWS:
+                    _dq_add(p_dq, dq, row0 + WG * BLOCK_N_WG, 0, seqlen_q, HEAD_DIM,
+                            DQ_UNMASKED)
+                else:
+                    _dq_add(p_dq, dq, row0, WG * DQ_N, seqlen_q, HEAD_DIM, DQ_UNMASKED)
         else:
             # dQ_partial = dS K needs dS as the A operand, rows the queries: through shared
             # memory, read transposed. Both warpgroups' dS^T (128 keys) go into one product,
@@ -485,11 +624,12 @@ def _mma_partition(args, WG: gl.constexpr, IS_CAUSAL: gl.constexpr, SDP: gl.cons
                 # them: one wgmma round trip fewer in its blocks.
                 if it % 2 == WG:
                     mbarrier.wait(ds_full, it & 1)  # the other warpgroup's dS^T stored too
-                    p_dq = _dq_ptr(DQAccum, p_row, bh0 + it // n_m, dq_rows, HEAD_DIM,
-                                   DQ_UNMASKED)
+                    p_dq = DQAccum if DQ_TMA else _dq_ptr(
+                        DQAccum, p_row, bh0 + it // n_m, dq_rows, HEAD_DIM, DQ_UNMASKED)
                     dv, dk = _dq_partial(ds_smem, k_all, dq_init, p_dq, row0, seqlen_q,
-                                         ds_empty, dv, dk, qdo_empty.index(stage), DQ_EARLY,
-                                         DQ_UNMASKED, DKV_LATE)
+                                         ds_empty, dv, dk, qdo_empty.index(stage), dq_smem,
+                                         off_b, h0 + it // n_m, WG, DQ_EARLY, DQ_UNMASKED,
+                                         DKV_LATE, DQ_TMA)
                     # Waited; typed as they came in, as a branch must leave them in Gluon.
                     dv = warpgroup_mma_init(dv)
                     dk = warpgroup_mma_init(dk)
@@ -499,16 +639,26 @@ def _mma_partition(args, WG: gl.constexpr, IS_CAUSAL: gl.constexpr, SDP: gl.cons
                     dv = warpgroup_mma_init(dv)
                     dk = warpgroup_mma_init(dk)
             else:
-                dv, dk = warpgroup_mma_wait(0, deps=(dv, dk))
-                mbarrier.arrive(qdo_empty.index(stage), count=1)  # Q, dO read the last time
+                if not PIPE:  # (PIPE: waited above, block it - 1's)
+                    dv, dk = warpgroup_mma_wait(0, deps=(dv, dk))
+                    mbarrier.arrive(qdo_empty.index(stage), count=1)  # Q, dO read last
                 if it % 2 == WG:
                     mbarrier.wait(ds_full, it & 1)  # the other warpgroup's dS^T stored too
-                    p_dq = _dq_ptr(DQAccum, p_row, bh0 + it // n_m, dq_rows, HEAD_DIM,
-                                   DQ_UNMASKED)
+                    p_dq = DQAccum if DQ_TMA else _dq_ptr(
+                        DQAccum, p_row, bh0 + it // n_m, dq_rows, HEAD_DIM, DQ_UNMASKED)
                     _dq_partial(ds_smem, k_all, dq_init, p_dq, row0, seqlen_q, ds_empty,
-                                dv, dk, qdo_empty.index(stage), DQ_EARLY, DQ_UNMASKED,
-                                DKV_LATE)
+                                dv, dk, qdo_empty.index(stage), dq_smem, off_b,
+                                h0 + it // n_m, WG, DQ_EARLY, DQ_UNMASKED, DKV_LATE, DQ_TMA)
 
+    if PIPE:
+        if n_iter > 0:  # the last block's dV and dK
+            stage_last = (n_iter - 1) % STAGES
+            dv = warpgroup_mma(p_prev, do_smem.index(stage_last).reshape(
+                [BLOCK_M, HEAD_DIM]), dv, is_async=True)
+            dk = warpgroup_mma(ds_prev, q_smem.index(stage_last).reshape(
+                [BLOCK_M, HEAD_DIM]), dk, is_async=True)
+            dv, dk = warpgroup_mma_wait(0, deps=(dv, dk))
+            mbarrier.arrive(qdo_empty.index(stage_last), count=1)
     # dK and dV leave through this warpgroup's K and V buffers once the last dQ product,
     # which reads both halves of K, has completed (a fresh barrier passes: no walk). TMA
     # drops the rows past seqlen_k. DQ_SPLIT: both warpgroups' last products (ds_empty
@@ -560,13 +710,15 @@ def _attn_bwd_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, L
                             STAGES: gl.constexpr, SDP: gl.constexpr,
                             DQ_EARLY: gl.constexpr, DQ_UNMASKED: gl.constexpr,
                             LSE_AHEAD: gl.constexpr, DQ_SPLIT: gl.constexpr,
-                            DKV_LATE: gl.constexpr):
+                            DKV_LATE: gl.constexpr, DQ_TMA: gl.constexpr,
+                            PIPE: gl.constexpr):
     """dK, dV of 128 keys of one (batch, KV head), dQ added into DQAccum: fp32 (batch,
     nheads, dq_rows, head_dim), its first seqlen_q rows of each head zeroed by the
-    preprocess. head_split > 1 (GQA): the group's query heads are dealt to head_split
-    programs, each storing its share of dK and dV into head off_hkv * head_split + its
-    index of dk_desc/dv_desc (the launcher sums the shares). SDP, DQ_EARLY, DQ_UNMASKED,
-    LSE_AHEAD, DQ_SPLIT, DKV_LATE: the schedule options of the module docstring."""
+    preprocess (DQ_TMA: its tensor map, ``_dq_descriptor``). head_split > 1 (GQA): the
+    group's query heads are dealt to head_split programs, each storing its share of dK
+    and dV into head off_hkv * head_split + its index of dk_desc/dv_desc (the launcher
+    sums the shares). SDP, DQ_EARLY, DQ_UNMASKED, LSE_AHEAD, DQ_SPLIT, DKV_LATE, DQ_TMA,
+    PIPE: the schedule options of the module docstring."""
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[1]
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
     key0, off_b, off_dkv, off_hkv, h0, n_heads, m_lo, n_m = _program_walk(
@@ -590,6 +742,15 @@ def _attn_bwd_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, L
     else:
         ds_smem = gl.allocate_shared_memory(q_desc.dtype, [2 * BLOCK_N_WG, BLOCK_M],
                                             ds_layout)
+    if DQ_TMA:
+        # dQ_partial's tiles on their way to the TMA reduce-add, (DQ_M, 64) fp32 each:
+        # one a warpgroup with DQ_SPLIT (its share), else one a 64-dim piece a warpgroup
+        # (each owns its tiles: a TMA's completion is tracked by the thread issuing it).
+        dq_tiles: gl.constexpr = 2 if DQ_SPLIT else 2 * (HEAD_DIM // DQ_PIECE)
+        dq_smem = gl.allocate_shared_memory(
+            gl.float32, [dq_tiles] + DQAccum.block_type.shape, DQAccum.layout)
+    else:
+        dq_smem = ds_smem  # a placeholder: the atomics need no buffer
     kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     do_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -614,11 +775,11 @@ def _attn_bwd_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, L
     load_args = (q_desc, k_desc, v_desc, do_desc, q_smem, k_smem, v_smem, do_smem, kv_ready,
                  q_ready, do_ready, qdo_empty, off_b, off_hkv, key0, h0, n_heads, m_lo, n_m)
     gl.warp_specialize([
-        (_mma_partition, (mma_args, 0, IS_CAUSAL, SDP, DQ_EARLY, DQ_UNMASKED, LSE_AHEAD,
-                          DQ_SPLIT, DKV_LATE)),
+        (_mma_partition, (mma_args, dq_smem, 0, IS_CAUSAL, SDP, DQ_EARLY, DQ_UNMASKED,
+                          LSE_AHEAD, DQ_SPLIT, DKV_LATE, DQ_TMA, PIPE)),
         (_load_partition, load_args),
-        (_mma_partition, (mma_args, 1, IS_CAUSAL, SDP, DQ_EARLY, DQ_UNMASKED, LSE_AHEAD,
-                          DQ_SPLIT, DKV_LATE)),
+        (_mma_partition, (mma_args, dq_smem, 1, IS_CAUSAL, SDP, DQ_EARLY, DQ_UNMASKED,
+                          LSE_AHEAD, DQ_SPLIT, DKV_LATE, DQ_TMA, PIPE)),
     ], [1, 4], [PRODUCER_REGS, CONSUMER_REGS])
 
 
@@ -655,6 +816,22 @@ def _descriptor(x, rows: int):
     return fwd_hopper._descriptor(x, (1, rows, 1, x.shape[-1]))
 
 
+def _dq_descriptor(dq_accum, rows: int) -> TensorDescriptor:
+    """dq_tma: a tensor map over the fp32 dQ accumulator (batch, nheads, dq_rows,
+    head_dim) in (1, 1, rows, 64) boxes, one dQ_partial tile (``dq_tile_rows``),
+    128-byte swizzled (Triton sends each box as two 32-column messages); the reduce-adds
+    drop rows past dq_rows."""
+    box = [1, 1, rows, DQ_PIECE.value]
+    return TensorDescriptor(dq_accum, list(dq_accum.shape), list(dq_accum.stride()), box,
+                            gl.NVMMASharedLayout.get_default_for(box, gl.float32))
+
+
+def dq_tile_rows(flags: dict, block_m: int) -> int:
+    """The rows of a dQ_partial tile (``kernel_flags``' flags at BLOCK_M ``block_m``):
+    a block's, or a consumer's 64 with DQ_SPLIT at BLOCK_M 128."""
+    return BLOCK_N_WG.value if flags.get("DQ_SPLIT") and block_m == 128 else block_m
+
+
 def kernel_flags(head_dim: int, causal: bool, opts: frozenset[str], block_m: int) -> dict:
     """The kernel's constexpr switches (but STAGES) for FLASHTILE_HOPPER_BWD_OPTS
     ``opts`` (``configs.hopper_bwd_opts()``) at BLOCK_M ``block_m``; bwd_hopper256's
@@ -670,11 +847,27 @@ def kernel_flags(head_dim: int, causal: bool, opts: frozenset[str], block_m: int
                          "query rows a block (FLASHTILE_HOPPER_BWD_CONFIG='128,128,4,2'), "
                          "each consumer taking 64 of them: half of the head dims would be "
                          f"half a 128-byte swizzle atom of K. Got BLOCK_M {block_m}")
+    if "pipe" in opts and opts & {"sdp", "dq_split", "dkv_late"}:
+        raise ValueError("FLASHTILE_HOPPER_BWD_OPTS: pipe (the previous block's dV and dK "
+                         "behind this block's S^T and dP^T) goes without sdp (which it "
+                         "includes), dq_split and dkv_late (other hand-offs), got "
+                         f"{sorted(opts)}")
+    if "pipe" in opts and (head_dim != 64 or block_m != 64):
+        raise ValueError("FLASHTILE_HOPPER_BWD_OPTS=pipe needs head_dim 64 and 64 query "
+                         "rows a block: the operands and products it keeps in flight beside "
+                         "dK and dV do not fit 240 registers at head_dim 128 or BLOCK_M 128 "
+                         "(ptxas serializes every wgmma and spills), got head_dim "
+                         f"{head_dim}, BLOCK_M {block_m}")
+    if "dq_tma" in opts and opts & {"dq_early", "dq_unmasked"}:
+        raise ValueError("FLASHTILE_HOPPER_BWD_OPTS: dq_tma (dQ added by TMA reduce-adds) "
+                         "goes without dq_early and dq_unmasked (options of the atomics "
+                         f"it replaces), got {sorted(opts)}")
     return dict(IS_CAUSAL=causal,
                 SDP="sdp" in opts,
                 DQ_EARLY="dq_early" in opts, DQ_UNMASKED="dq_unmasked" in opts,
                 LSE_AHEAD="lse_ahead" in opts,
-                DQ_SPLIT="dq_split" in opts, DKV_LATE="dkv_late" in opts)
+                DQ_SPLIT="dq_split" in opts, DKV_LATE="dkv_late" in opts,
+                DQ_TMA="dq_tma" in opts, PIPE="pipe" in opts)
 
 
 # The parameters each plan of the backward fills per call, in its kernel's order.
@@ -741,12 +934,14 @@ def backward(dout, q, k, v, out, lse, dlse, softmax_scale, diag_offset, causal):
                _launch.misalignment(_launch.pointers((out, dout, dlse, lse))))
         plans = _launch.lookup(key)
         if plans is not None:
-            pre, (main, boxes, dq_rows), convert = plans
+            pre, (main, boxes, dq_rows, dq_box), convert = plans
             dq_accum = accumulator(dq_rows)
             pre((out.data_ptr(), dout.data_ptr(), dlse.data_ptr(), delta.data_ptr(),
                  dq_accum.data_ptr()))
+            dq_arg = dq_accum.data_ptr() if dq_box is None \
+                else fwd_hopper._rebased(dq_box, dq_accum)
             main((*map(fwd_hopper._rebased, boxes, (q, k, v, dout, dk_shares, dv_shares)),
-                  lse.data_ptr(), delta.data_ptr(), dq_accum.data_ptr(), softmax_scale))
+                  lse.data_ptr(), delta.data_ptr(), dq_arg, softmax_scale))
             convert((dq_accum.data_ptr(), dq.data_ptr(), softmax_scale))
             return dq, *_summed(dk_shares, dv_shares, split)
     cfg = configs.hopper_bwd_config(d)
@@ -771,9 +966,12 @@ def backward(dout, q, k, v, out, lse, dlse, softmax_scale, diag_offset, causal):
         from flashtile.ops.bwd_hopper256 import _attn_bwd_hopper256_kernel as kernel
     else:
         kernel = _attn_bwd_hopper_kernel
+    # dq_tma: the kernel takes the accumulator's tensor map, not its address.
+    dq_arg = _dq_descriptor(dq_accum, dq_tile_rows(flags, cfg.block_m)) \
+        if flags.get("DQ_TMA") else dq_accum
     main = _launch.first_launch(
         kernel, (configs.cdiv(sk, cfg.block_n), b * hkv * split),
-        (*descs, lse, delta, dq_accum, sq, sk, h, hkv, split, dq_rows, diag_offset,
+        (*descs, lse, delta, dq_arg, sq, sk, h, hkv, split, dq_rows, diag_offset,
          softmax_scale),
         dict(flags, STAGES=cfg.num_stages, num_warps=cfg.num_warps),
         _MAIN_SLOTS if key is not None else None)
@@ -785,7 +983,8 @@ def backward(dout, q, k, v, out, lse, dlse, softmax_scale, diag_offset, causal):
     if key is not None and None not in (pre, main, convert):
         # The descriptors without their tensors: a plan must not keep a call's memory.
         boxes = tuple(fwd_hopper._rebased(x, None) for x in descs)
-        _launch.store(key, (pre, (main, boxes, dq_rows), convert))
+        dq_box = fwd_hopper._rebased(dq_arg, None) if dq_arg is not dq_accum else None
+        _launch.store(key, (pre, (main, boxes, dq_rows, dq_box), convert))
     return dq, *_summed(dk_shares, dv_shares, split)
 
 

@@ -354,7 +354,7 @@ def hopper_bwd_config(head_dim: int) -> TileConfig:
 # for the GPU A/B; bwd_hopper's docstring says what each changes. Read when a launch plan
 # is made.
 HOPPER_BWD_OPTS = ("sdp", "dq_early", "dq_unmasked", "lse_ahead", "dq_split",
-                   "dkv_late")
+                   "dkv_late", "dq_tma", "pipe")
 # lse_ahead is the default since session 15: forward + backward +6-10% at head_dim 64,
 # +1-4% at 128 on the H200 (docs/benchmarks/NOTES.md section 25).
 HOPPER_BWD_DEFAULT_OPTS = frozenset({"lse_ahead"})
