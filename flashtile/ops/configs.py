@@ -700,7 +700,13 @@ def _wide_key_decode_config(q, rows, block_m, split, v_is_k, fp8_cache) -> TileC
     MEASURED (H200, session 14, docs/benchmarks/h200-2026-12-02-s14/mla-wgmma.txt; its
     GPU tests passed), 128 heads: b=64 x 8k 642 us (227.5 TFLOP/s), b=32 x 4k 176, b=1 x
     8k 30.5, b=1 x 32k 61.5: 1.4-2.2x the 32-row tile, half to two thirds of the
-    prediction's speed; the stage `mla` has the A/B and the 64-head rows."""
+    prediction's speed; the stage `mla` has the A/B and the 64-head rows. Why (sm_90
+    SASS of the 128-row tile, session 15): Q and two K stages fill shared memory, so
+    tile i+1's K copies are issued at the end of tile i and waited for at the top of
+    i+1, their latency hidden only under P V; Q K^T is three dots drained one after
+    another; both warpgroups softmax at once behind a bar.sync; and the scores are
+    computed twice. ops/decode_mla_hopper.py (FLASHTILE_DECODE_MLA=gluon) takes that
+    shape without those."""
     if q.element_size() == 2 and not fp8_cache and rows > 32:
         if rows > 64 and v_is_k:
             return TileConfig(128, 32, 8, 2, dv_parts=2)
@@ -717,10 +723,11 @@ DECODE_MLA_HOPPER_MIN_ROWS = 32
 DECODE_MLA = ("triton", "gluon")
 # (64 rows, keys a tile, the default partition's 4 warps, ring stages). 32 keys: a
 # stage is 36 KiB beside Q's 72 KiB and P's 8 KiB, so 4 stages take 225 KiB of the 227;
-# 64 keys would fit 2, and the consumers need 3 (decode_mla_hopper._own_tile releases a
-# tile only after it waited for the second one after it). m64n32k16 reads 3 KiB of
-# shared memory for 16 cycles of products (Q's 2 KiB each time): S is bound by shared
-# memory at 1.5x its product time, P V (m64n256k16) by its products.
+# 64 keys would fit 2 stages only, and with 2 a tile's copies start once both
+# warpgroups are done with the tile before it: their latency would stall the next S
+# (the portable kernel's trouble), so 3 at least. m64n32k16 reads 3 KiB of shared
+# memory for 16 cycles of products (Q's 2 KiB each time): S is bound by shared memory
+# at 1.5x its product time, P V (m64n256k16) by its products.
 HOPPER_MLA_DECODE = TileConfig(64, 32, 4, 4)
 
 

@@ -46,6 +46,18 @@ window other than causal, fewer than 33 query rows per KV head) go to the portab
 kernel (``unsupported``). Gluon kernels do not run in the Triton interpreter: CI
 compiles this one for sm_90 (tests/test_gluon_compile.py); tests/test_mla_cache.py
 checks it on a GPU. Selected with FLASHTILE_DECODE_MLA=gluon (configs.decode_mla_kernel).
+
+PREDICTION (session 15, before any GPU run; H200 at ~1.75 GHz): a 32-key tile is 1376
+cycles of tensor-core work per program (S: 36 m64n32k16, bound by their 3 KiB reads of
+shared memory at 128 B a cycle, 864; P V: four m64n256k16, 512), the chain through the
+softmax (S_t, softmax, hand-over: ~1300) fits under it: ~1500 cycles a tile. 128 heads,
+b=64 x 8k (128 programs of 256 tiles): ~220 us if nothing else binds, but both row
+blocks of a sequence read its K (5.4 TB/s out of L2 at that pace): 250-350 us, 420-585
+TFLOP/s, against 633 us for the portable kernel; 3 stages the same or up to 10% slower.
+b=32 x 4k (2 splits): 65-90 us (175); b=1 x 8k (64 splits of 4 tiles, 17 MB of fp32
+partials for the combine): 14-22 us of GPU time (30), where the host's ~30-40 us a call
+may show instead; b=1 x 32k: 22-30 us (61). 64 heads, b=64 x 8k (2 splits): 115-170 us,
+430-640 TFLOP/s (356 us).
 """
 
 from __future__ import annotations
