@@ -103,6 +103,18 @@ def _split_keys(CacheSeqlens, off_b, split, keys_per_split, new_tokens, capacity
 
 
 @gluon.jit
+def _program(CacheSeqlens, keys_per_split, new_tokens, capacity, BLOCK_N: gl.constexpr):
+    """(split, batch entry, first query row, lo, hi, n_tiles, seqlen_k, seq_bad) of this
+    program (``_split_keys``)."""
+    split = gl.program_id(0)
+    off_b = gl.program_id(1)
+    lo, hi, n_tiles, seqlen_k, seq_bad = _split_keys(CacheSeqlens, off_b, split,
+                                                     keys_per_split, new_tokens, capacity,
+                                                     BLOCK_N)
+    return split, off_b, gl.program_id(2) * BLOCK_M, lo, hi, n_tiles, seqlen_k, seq_bad
+
+
+@gluon.jit
 def _tile_page(block_row, start_n, max_blocks, PAGE_SIZE: gl.constexpr):
     """The block-table entry of the tile at key start_n (0 past the table's width)."""
     index = start_n // PAGE_SIZE
@@ -120,12 +132,8 @@ def _load_partition(q_lat_desc, q_rope_desc, k_lat_desc, k_rope_desc, q_lat, q_r
     tile's buffer so that its latency hides there."""
     BLOCK_N: gl.constexpr = k_lat_desc.block_type.shape[1]
     STAGES: gl.constexpr = k_lat.type.shape[0]
-    split = gl.program_id(0)
-    off_b = gl.program_id(1)
-    row0 = gl.program_id(2) * BLOCK_M
-    lo, hi, n_tiles, seqlen_k, seq_bad = _split_keys(CacheSeqlens, off_b, split,
-                                                     keys_per_split, new_tokens, capacity,
-                                                     BLOCK_N)
+    split, off_b, row0, lo, hi, n_tiles, seqlen_k, seq_bad = _program(
+        CacheSeqlens, keys_per_split, new_tokens, capacity, BLOCK_N)
     mbarrier.expect(q_ready.index(0),
                     q_lat_desc.block_type.nbytes + q_rope_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(q_lat_desc, [off_b, row0, 0], q_ready.index(0),
@@ -280,15 +288,16 @@ def _own_tile(t, acc, m_i, l_i, q_lat, q_rope, k_lat, k_rope, p_smem, m_smem, k_
 
 
 @gluon.jit
-def _mma_partition(q_lat, q_rope, k_lat, k_rope, p_smem, m_smem, l_smem, q_ready, k_ready,
-                   k_empty, p_ready, p_empty, l_ready, Out, Lse, BlockTable, CacheSeqlens,
-                   stride_os, stride_ob, stride_om, stride_oh, stride_ls, stride_lb,
-                   stride_lh, stride_block_table_b, max_blocks, cache_rows, nheads,
-                   seqlen_q, keys_per_split, new_tokens, capacity, softmax_scale,
-                   WG: gl.constexpr, IS_CAUSAL: gl.constexpr, PAGED: gl.constexpr,
+def _mma_partition(args, WG: gl.constexpr, IS_CAUSAL: gl.constexpr, PAGED: gl.constexpr,
                    PAGE_SIZE: gl.constexpr):
     """Consumer warpgroup WG: the tiles t % 2 == WG of the split in full, the others'
-    P V on its half of O (columns 256 * WG ...), then out and lse."""
+    P V on its half of O (columns 256 * WG ...), then out and lse. ``args``: the
+    kernel's shared buffers, barriers and arguments both consumers take."""
+    (q_lat, q_rope, k_lat, k_rope, p_smem, m_smem, l_smem, q_ready, k_ready, k_empty,
+     p_ready, p_empty, l_ready, Out, Lse, BlockTable, CacheSeqlens, stride_os, stride_ob,
+     stride_om, stride_oh, stride_ls, stride_lb, stride_lh, stride_block_table_b,
+     max_blocks, cache_rows, nheads, seqlen_q, keys_per_split, new_tokens, capacity,
+     softmax_scale) = args
     STAGES: gl.constexpr = k_lat.type.shape[0]
     BLOCK_N: gl.constexpr = k_lat.type.shape[2]
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(
@@ -299,12 +308,8 @@ def _mma_partition(q_lat, q_rope, k_lat, k_rope, p_smem, m_smem, l_smem, q_ready
     col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
     o_row_layout: gl.constexpr = gl.SliceLayout(1, o_layout)
 
-    split = gl.program_id(0)
-    off_b = gl.program_id(1)
-    row0 = gl.program_id(2) * BLOCK_M
-    lo, hi, n_tiles, seqlen_k, seq_bad = _split_keys(CacheSeqlens, off_b, split,
-                                                     keys_per_split, new_tokens, capacity,
-                                                     BLOCK_N)
+    split, off_b, row0, lo, hi, n_tiles, seqlen_k, seq_bad = _program(
+        CacheSeqlens, keys_per_split, new_tokens, capacity, BLOCK_N)
     diag_offset = seqlen_k - seqlen_q  # bottom-right, as flash_attn_func
     # Row r is query token r // nheads of head r % nheads (one KV head).
     offs_r = row0 + gl.arange(0, BLOCK_M, layout=row_layout)
@@ -422,23 +427,18 @@ def _mla_decode_hopper_kernel(q_lat_desc, q_rope_desc, k_lat_desc, k_rope_desc, 
         mbarrier.init(p_ready.index(i), count=1)  # the owner's
         mbarrier.init(p_empty.index(i), count=1)  # the other warpgroup's
 
+    consumer = (q_lat, q_rope, k_lat, k_rope, p_smem, m_smem, l_smem, q_ready, k_ready,
+                k_empty, p_ready, p_empty, l_ready, Out, Lse, BlockTable, CacheSeqlens,
+                stride_os, stride_ob, stride_om, stride_oh, stride_ls, stride_lb, stride_lh,
+                stride_block_table_b, max_blocks, cache_rows, nheads, seqlen_q,
+                keys_per_split, new_tokens, capacity, softmax_scale)
     gl.warp_specialize([
-        (_mma_partition, (q_lat, q_rope, k_lat, k_rope, p_smem, m_smem, l_smem, q_ready,
-                          k_ready, k_empty, p_ready, p_empty, l_ready, Out, Lse, BlockTable,
-                          CacheSeqlens, stride_os, stride_ob, stride_om, stride_oh, stride_ls,
-                          stride_lb, stride_lh, stride_block_table_b, max_blocks, cache_rows,
-                          nheads, seqlen_q, keys_per_split, new_tokens, capacity,
-                          softmax_scale, 0, IS_CAUSAL, PAGED, PAGE_SIZE)),
+        (_mma_partition, (consumer, 0, IS_CAUSAL, PAGED, PAGE_SIZE)),
         (_load_partition, (q_lat_desc, q_rope_desc, k_lat_desc, k_rope_desc, q_lat, q_rope,
                            k_lat, k_rope, q_ready, k_ready, k_empty, BlockTable,
                            CacheSeqlens, stride_block_table_b, max_blocks, cache_rows,
                            keys_per_split, new_tokens, capacity, PAGED, PAGE_SIZE)),
-        (_mma_partition, (q_lat, q_rope, k_lat, k_rope, p_smem, m_smem, l_smem, q_ready,
-                          k_ready, k_empty, p_ready, p_empty, l_ready, Out, Lse, BlockTable,
-                          CacheSeqlens, stride_os, stride_ob, stride_om, stride_oh, stride_ls,
-                          stride_lb, stride_lh, stride_block_table_b, max_blocks, cache_rows,
-                          nheads, seqlen_q, keys_per_split, new_tokens, capacity,
-                          softmax_scale, 1, IS_CAUSAL, PAGED, PAGE_SIZE)),
+        (_mma_partition, (consumer, 1, IS_CAUSAL, PAGED, PAGE_SIZE)),
     ], [1, 4], [PRODUCER_REGS, CONSUMER_REGS])
 
 
