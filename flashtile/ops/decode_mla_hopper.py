@@ -25,9 +25,11 @@ query rows (heads) of one sequence and a split of its keys, with three partition
   and take the key tiles in turn: warpgroup j % 2 computes S_j = Q K_j^T once (all 576
   columns, one chain of wgmma), its online softmax, and hands P_j (bf16) and the new
   row maximum to the other through shared memory; both then add P_j V_j to their half
-  of O (V_j: K_j's first 512 columns, already in shared memory). While one warpgroup
-  runs its softmax the other's S_{j+1} and both warpgroups' P V products keep the
-  tensor cores busy; each issues its next S before it waits for the other's P.
+  of O (V_j: K_j's first 512 columns, already in shared memory). A warpgroup issues
+  S_j and P_{j-1} V_{j-1} back to back once P_{j-1} has arrived, and runs the softmax
+  of S_j while both warpgroups' P_{j-1} V_{j-1} keep the tensor cores busy; the tile's
+  time is then its products' (S bound by shared memory, see PREDICTION), as long as
+  the softmax and the hand-over take less than the two P V.
   Each warpgroup sums the rows of its own tiles' P (rescaled by every tile's alpha);
   the two sums are added once at the end.
 Shared memory at BLOCK_N 32: Q 72 KiB, 36 KiB a stage, P 2 x 4 KiB: 4 stages 225 KiB.
