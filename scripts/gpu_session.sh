@@ -32,8 +32,9 @@
 #                forwards, one launch each under Nsight Compute             (~4 min)
 #   fp32         accuracy and speed of fp32, IEEE products against tf32x3  (~8 min)
 #   dropout      flashtile with and without dropout beside SDPA's dropout backends (~4 min)
-#   mla          the absorbed MLA decode (576/512): GPU tests, against the copy
-#                ceiling, its tiles by heads (16/64/128) A/B      (~7 min, at most 10)
+#   mla          the absorbed MLA decode (576/512): GPU tests (the Gluon kernel's too),
+#                against the copy ceiling, the Gluon kernel and tiles by heads (64/128)
+#                A/B                                               (~8 min, at most 10)
 #   fp8          the Gluon FP8 forward's GPU tests, then FP8 (portable, Gluon, Gluon
 #                with P in shared memory) beside bf16 and cuDNN at d128   (~9 min)
 #   bwd-ab       the Gluon backward's GPU tests, then the split, fused and Gluon
@@ -284,22 +285,36 @@ case "${1:-}" in
   mla)
     # Issue 17: the absorbed MLA decode (576/512, 16 and 128 heads, pages of 64) against
     # the copy ceiling. First its GPU tests: 64 and 128 heads take wgmma tiles, 128 with
-    # V's columns in two programs (configs._wide_key_decode_config; not yet run on a GPU).
-    timeout 90 python3 -m pytest -q -p no:cacheprovider --gpu tests/test_mla_cache.py \
+    # V's columns in two programs (configs._wide_key_decode_config), and the Gluon
+    # kernel (FLASHTILE_DECODE_MLA=gluon, ops/decode_mla_hopper.py: not yet run on a
+    # GPU) at both ring depths timed below, NaN past the sequences, bad indices;
+    # memcheck over all but the Gluon numerics grid (its bad-index test is in).
+    timeout 240 python3 -m pytest -q -p no:cacheprovider --gpu tests/test_mla_cache.py \
       -k "gpu and absorbed" 2>&1 | tail -4 | tee "$OUT/mla-tests.txt"
-    timeout 120 make memcheck MEMCHECK_K="gpu and absorbed" \
+    timeout 180 make memcheck MEMCHECK_K="gpu and absorbed and not mla_decode_gluon" \
       MEMCHECK_FILES=tests/test_mla_cache.py 2>&1 | tail -3 | tee -a "$OUT/mla-tests.txt"
     timeout 120 python3 -m flashtile.bench.decode --mla 2>&1 | grep "^| MLA\|^#" \
       | tee "$OUT/mla.txt"
-    # The tiles by rows, A/B (FLASHTILE_DECODE_CONFIG, fifth value dv_parts): at 128
-    # heads the default 128x32,8,2 in two V parts against the 64-row wgmma tile and the
-    # 32-row mma.sync tile of session 14 (its 4 stages unsplit: b=64 here runs 3); at 64
-    # heads (DeepSeek-V3 over two GPUs) the default 64-row tile against the 32-row one.
-    # One JSON line per shape, prefixed with heads and tile.
-    for run in "128 default" "128 64,32,8,3" "128 32,32,8,3" "64 default" "64 32,32,8,3"; do
+    # The kernels by heads, A/B (mla.txt has the default at 128): "gluon" is
+    # FLASHTILE_DECODE_MLA=gluon, "gluon:CFG" with FLASHTILE_HOPPER_MLA_DECODE_CONFIG=CFG
+    # (64 rows, 32 keys, 4 warps, STAGES: 4 the default, 3 a stage less of latency
+    # cover), other tiles FLASHTILE_DECODE_CONFIG (fifth value dv_parts): 128x16 with 4
+    # stages is the portable kernel with its K copies 2 tiles ahead, not at the end of
+    # the tile before (the SASS reading of issue 17: the exposed latency, or the reads
+    # of Q from shared memory at m64n16k16?). 64 heads: DeepSeek-V3 over two GPUs. One
+    # JSON line per shape, prefixed with heads and kernel. (Session 15 timed the 64-row
+    # and 32-row portable tiles at 128 heads and the 32-row one at 64: mla-tiles.txt.)
+    for run in "128 gluon" "128 gluon:64,32,4,3" "128 128,16,8,4,2" "64 default" \
+        "64 gluon"; do
       read -r heads tile <<< "$run"
-      ( [ "$tile" = default ] || export FLASHTILE_DECODE_CONFIG=$tile
-        timeout 50 python3 -c "from flashtile.bench.decode import run_mla_bench as r
+      ( case $tile in
+          default) ;;
+          gluon) export FLASHTILE_DECODE_MLA=gluon ;;
+          gluon:*) export FLASHTILE_DECODE_MLA=gluon \
+                     FLASHTILE_HOPPER_MLA_DECODE_CONFIG=${tile#gluon:} ;;
+          *) export FLASHTILE_DECODE_CONFIG=$tile ;;
+        esac
+        timeout 80 python3 -c "from flashtile.bench.decode import run_mla_bench as r
 r(heads=($heads,))" 2>&1 | grep "^{" | sed "s/^/$heads heads, $tile: /" ) \
         | tee -a "$OUT/mla-tiles.txt"
     done
@@ -419,13 +434,17 @@ r(heads=($heads,))" 2>&1 | grep "^{" | sed "s/^/$heads heads, $tile: /" ) \
     # the SASS. Cases: bwd-d128 (4 x 4k, 16 heads, full), bwd-hf (transformers' step:
     # 1 x 4k, 32 over 8 heads, d64, causal), fwd-d64 (4 x 4k, 32 heads, full), fp8-d128
     # (2 x 8k, 16 heads, e4m3, full), mla-128 (the absorbed MLA decode at 128 heads,
-    # b=64 x 8k: 228 TFLOP/s in session 14 against a predicted 350-490). NCU_CASES picks
-    # some. ~1 min a case.
+    # b=64 x 8k: 228 TFLOP/s in session 14 against a predicted 350-490), mla-128-gluon
+    # (the same on the Gluon kernel, FLASHTILE_DECODE_MLA=gluon; not in the default
+    # list). NCU_CASES picks some. ~1 min a case.
     cat > /tmp/ncu_case.py <<'PY'
 import sys, torch, flashtile
 case = sys.argv[1]
-if case == "mla-128":  # the absorbed MLA decode's 128-row wgmma tile, b=64 x 8k
+if case.startswith("mla-128"):  # the absorbed MLA decode at 128 heads, b=64 x 8k
+    import os
     from flashtile.bench.decode import MLA_DV, _mla_inputs
+    if case == "mla-128-gluon":  # the Gluon kernel (ops/decode_mla_hopper.py)
+        os.environ["FLASHTILE_DECODE_MLA"] = "gluon"
     q, pool, table, seqlens, _ = _mla_inputs(64, 8192, 128, "cuda")
     flashtile.flash_attn_with_kvcache(q, pool, pool[..., :MLA_DV], cache_seqlens=seqlens,
                                       block_table=table)
@@ -449,7 +468,8 @@ else:
 torch.cuda.synchronize()
 PY
     for c in ${NCU_CASES:-bwd-d128 bwd-hf fwd-d64 fp8-d128 mla-128}; do
-      case $c in bwd-*) kern=_attn_bwd_hopper_kernel ;; mla-*) kern=_decode_kernel ;;
+      case $c in bwd-*) kern=_attn_bwd_hopper_kernel ;; mla-*-gluon) kern=_mla_decode_hopper ;;
+        mla-*) kern=_decode_kernel ;;
         *) kern=_attn_fwd_hopper_kernel ;; esac
       stamp "ncu $c"
       timeout 150 ncu --clock-control none -k "regex:$kern" -c 1 --import-source no \

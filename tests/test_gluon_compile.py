@@ -193,6 +193,76 @@ def test_hopper_fp8_forward_compiles_for_e5m2_without_descales():
     assert resources(ck)["stack_bytes"] == 0
 
 
+def _compile_mla(stages, causal, paged, dtype=torch.bfloat16):
+    """The kernel a launch of ``decode_mla_hopper.attn_decode`` compiles: q (b, 1, 128,
+    576), a pool of 64-key pages (or contiguous caches) of 576 columns, V its first 512;
+    the tile of configs.hopper_mla_decode_config with ``stages`` ring stages."""
+    from triton.runtime.jit import mangle_type
+
+    from flashtile.ops import decode_mla_hopper as mla
+
+    q = torch.empty(2, 1, 128, 576, dtype=dtype)  # the launcher's descriptors, on CPU
+    cache = torch.empty(64, 64, 1, 576, dtype=dtype)
+    descs = mla.descriptors(q, cache, configs.hopper_mla_decode_config().block_n)
+    names = ("q_lat_desc", "q_rope_desc", "k_lat_desc", "k_rope_desc")
+    types = dict(zip(names, map(mangle_type, descs)), softmax_scale="fp32",
+                 Out="*bf16" if dtype == torch.bfloat16 else "*fp16")
+    return compile_kernel(mla._mla_decode_hopper_kernel,
+                          dict(STAGES=stages, IS_CAUSAL=causal, PAGED=paged,
+                               PAGE_SIZE=64 if paged else 1), num_warps=4, types=types)
+
+
+def _longest_s_chain(sass: str) -> int:
+    """The most m64n32k16 wgmma (S = Q K^T) the SASS issues between two waits."""
+    best = run = 0
+    for line in sass.splitlines():
+        if "HGMMA.64x32x16" in line:
+            run += 1
+            best = max(best, run)
+        elif "WARPGROUP.DEPBAR" in line:
+            run = 0
+    return best
+
+
+@pytest.mark.parametrize("paged", [True, False], ids=["paged", "contiguous"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("stages", sorted({3, configs.HOPPER_MLA_DECODE.num_stages}))
+def test_hopper_mla_decode_compiles_for_sm90(stages, causal, paged):
+    """The Gluon absorbed-MLA decode (ops/decode_mla_hopper.py) at the ring depths the
+    mla stage times: within shared memory (Q 72 KiB, 36 KiB a stage, P 8 KiB), no
+    spills under the 240-register cap (Q's descriptors are not loop invariants there:
+    as such they took 72 registers and spilled), both products on wgmma from shared
+    memory, S = Q K^T one chain of 36 m64n32k16 (ptxas serialized every wgmma when a
+    product was in flight across the loop's back edge, C7514), and the softmax of S_t
+    under the other warpgroup's P_{t-1} V_{t-1} (at least BLOCK_N / 2 exp2 a thread
+    between the wait for S_t alone and the wait for that P V)."""
+    ck = _compile_mla(stages, causal, paged)
+    res = resources(ck)
+    used = 64 * 576 * 2 + stages * 32 * 576 * 2 + 2 * 64 * 32 * 2
+    assert used <= res["shared_bytes"] <= min(used + 2048, configs.SM90_SMEM_BYTES), res
+    assert res["stack_bytes"] == 0, res
+    assert ck.metadata.num_warps == 12
+    ptx = ck.asm["ptx"]
+    assert "setmaxnreg.dec.sync.aligned.u32 \t24;" in ptx
+    assert "setmaxnreg.inc.sync.aligned.u32 \t240;" in ptx and ".maxnreg" in ptx
+    assert "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier" in ptx  # Q
+    assert "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier" in ptx  # K tiles
+    mma = [line for line in ptx.splitlines() if "wgmma.mma_async" in line]
+    assert any("m64n32k16.f32.bf16.bf16" in line for line in mma)
+    assert any("m64n256k16.f32.bf16.bf16" in line for line in mma)
+    assert all(line.count("{") == 1 for line in mma)  # A from shared memory: P too
+    sass = _sass(ck)
+    assert "HGMMA" in sass and "LDL" not in sass and "STL" not in sass
+    assert _longest_s_chain(sass) == 576 // 16
+    assert _exp2_under_pv(sass) >= configs.HOPPER_MLA_DECODE.block_n // 2
+
+
+def test_hopper_mla_decode_compiles_for_fp16():
+    ck = _compile_mla(configs.HOPPER_MLA_DECODE.num_stages, False, True, torch.float16)
+    assert "wgmma.mma_async.sync.aligned.m64n256k16.f32.f16.f16" in ck.asm["ptx"]
+    assert resources(ck)["stack_bytes"] == 0
+
+
 def _compile_bwd(head_dim, causal, dtype=torch.bfloat16, opts=None, stages=None,
                  block_m=None):
     """The kernel a launch of ``bwd_hopper.backward`` compiles for these inputs, with the

@@ -37,32 +37,32 @@ def _caches(b, s, hkv, d, dv, shared, dtype, device):
     return k_cache, torch.randn(b, s, hkv, dv, dtype=dtype, device=device)
 
 
-def _pool(k_cache, v_cache, shared):
-    """The same rows in a pool of PAGE_SIZE pages in random order (v a view of k's
+def _pool(k_cache, v_cache, shared, page_size=PAGE_SIZE):
+    """The same rows in a pool of page_size pages in random order (v a view of k's
     when shared, as in the contiguous caches), and the block table."""
     b, s, hkv, d = k_cache.shape
-    per_seq, n_blocks = s // PAGE_SIZE, b * s // PAGE_SIZE + 3  # 3 blocks nobody uses
+    per_seq, n_blocks = s // page_size, b * s // page_size + 3  # 3 blocks nobody uses
     gen = torch.Generator().manual_seed(3)
     block_table = torch.randperm(n_blocks, generator=gen)[:b * per_seq].view(b, per_seq)
-    pool_k, pool_v = _caches(n_blocks, PAGE_SIZE, hkv, d, v_cache.shape[-1], shared,
+    pool_k, pool_v = _caches(n_blocks, page_size, hkv, d, v_cache.shape[-1], shared,
                              k_cache.dtype, k_cache.device)
     for i in range(b):
         for j in range(per_seq):
-            rows = slice(j * PAGE_SIZE, (j + 1) * PAGE_SIZE)
+            rows = slice(j * page_size, (j + 1) * page_size)
             pool_k[block_table[i, j]] = k_cache[i, rows]
             if not shared:
                 pool_v[block_table[i, j]] = v_cache[i, rows]
     return pool_k, pool_v, block_table.to(torch.int32).to(k_cache.device)
 
 
-def _attend(q, k_cache, v_cache, paged, shared, **kw):
+def _attend(q, k_cache, v_cache, paged, shared, page_size=PAGE_SIZE, **kw):
     """flash_attn_with_kvcache over the caches, or over a pool of their pages:
     (out, lse, the caches' rows afterwards as (b, s, hkv, d) tensors)."""
     if not paged:
         out, lse = flashtile.flash_attn_with_kvcache(q, k_cache, v_cache, return_lse=True,
                                                      **kw)
         return out, lse, k_cache, v_cache
-    pool_k, pool_v, table = _pool(k_cache, v_cache, shared)
+    pool_k, pool_v, table = _pool(k_cache, v_cache, shared, page_size)
     out, lse = flashtile.flash_attn_with_kvcache(q, pool_k, pool_v, block_table=table,
                                                  return_lse=True, **kw)
     k_rows, v_rows = (pool[table.long()].flatten(1, 2) for pool in (pool_k, pool_v))
@@ -246,6 +246,55 @@ def test_decode_config_env_takes_dv_parts(monkeypatch):
                                          r"\[,num_warps\[,num_stages\]\]' of integers, "
                                          r"got '64,64,4,2,2'"):
         configs.fwd_config(q, 64)
+
+
+def test_hopper_mla_decode_config_env(monkeypatch):
+    """FLASHTILE_HOPPER_MLA_DECODE_CONFIG picks the Gluon kernel's keys a tile and ring
+    depth; its rows and warps are the kernel's, and fewer than 3 stages are refused.
+    FLASHTILE_DECODE_MLA names a kernel or is refused."""
+    assert configs.hopper_mla_decode_config() == configs.HOPPER_MLA_DECODE
+    monkeypatch.setenv("FLASHTILE_HOPPER_MLA_DECODE_CONFIG", "64,32,4,3")
+    assert configs.hopper_mla_decode_config() == configs.TileConfig(64, 32, 4, 3)
+    for bad in ("128,32,4,4", "64,32,8,4", "64,48,4,4", "64,32,4,2"):
+        monkeypatch.setenv("FLASHTILE_HOPPER_MLA_DECODE_CONFIG", bad)
+        with pytest.raises(ValueError, match="'64,BLOCK_N,4,STAGES'"):
+            configs.hopper_mla_decode_config()
+    assert configs.decode_mla_kernel() == "triton"
+    monkeypatch.setenv("FLASHTILE_DECODE_MLA", "cuda")
+    with pytest.raises(ValueError, match="FLASHTILE_DECODE_MLA must be one of"):
+        configs.decode_mla_kernel()
+
+
+def test_gluon_mla_takes_only_the_absorbed_shape(monkeypatch):
+    """decode_mla_hopper.unsupported: the absorbed shape (576/512, one KV head, V the
+    cache's first 512 columns, more than 32 query rows), 16-bit, pages a multiple of
+    the tile, TMA-ready strides, no feature but causal; anything else is named and
+    goes to the portable kernel. (The device check is stood in for: this runs on CPU.)"""
+    from flashtile.ops import decode_mla_hopper as mla
+    monkeypatch.setattr(mla, "_on_hopper", lambda device: True)
+    q = torch.empty(2, 1, 128, 576, dtype=torch.bfloat16)
+    pool = torch.empty(8, 64, 1, 576, dtype=torch.bfloat16)
+    table = torch.zeros(2, 4, dtype=torch.int32)
+    kw = dict(v_is_k=True, block_table=table, cache_batch_idx=None, cache_leftpad=None,
+              alibi_slopes=None, window_left=-1, window_right=-1, softcap=0.0,
+              descales=(None, None, None))
+    assert mla.unsupported(q, pool, pool[..., :512], **kw) is None
+    assert mla.unsupported(q, pool, pool[..., :512], **dict(kw, window_right=0)) is None
+    assert mla.unsupported(q, pool[:2], pool[:2, ..., :512], **dict(kw, block_table=None)) \
+        is None
+    cases = [
+        ((q[:, :, :16], pool, pool[..., :512]), {}, "16 query rows"),
+        ((q, pool, pool[..., :512]), dict(v_is_k=False), "first 512 columns"),
+        ((q, pool.view(32, 16, 1, 576), pool[..., :512]), {}, "page size 16"),
+        ((q, pool.to(torch.float8_e4m3fn), pool[..., :512]), {}, "float16 or bfloat16"),
+        ((q[..., :512], pool[..., :512], pool[..., :512]), {}, "absorbed MLA shape"),
+        ((q, pool, pool[..., :512]), dict(cache_leftpad=table[:, 0]), "cache_leftpad"),
+        ((q, pool, pool[..., :512]), dict(window_right=4), "window"),
+        ((torch.empty(2, 128, 2, 576, dtype=torch.bfloat16).transpose(1, 2), pool,
+          pool[..., :512]), {}, "h heads apart"),
+    ]
+    for args, change, reason in cases:
+        assert reason in mla.unsupported(*args, **dict(kw, **change)), reason
 
 
 @pytest.mark.parametrize("d, dv", [pytest.param(192, 128, id="d192-dv128"),
@@ -477,6 +526,107 @@ def test_gpu_absorbed_mla_decode(seqlen_q, nheads, paged, num_splits, device):
         o_pt, _ = attention_naive(*qkv, upcast=False, **kw_ref)
         assert_close_rule(f"out[{i}]", out[i:i + 1], o64, o_pt)
         torch.testing.assert_close(lse[i:i + 1].double(), l64, rtol=1e-3, atol=1e-3)
+
+
+# The Gluon absorbed decode's ring depths (FLASHTILE_HOPPER_MLA_DECODE_CONFIG), as the
+# mla stage of scripts/gpu_session.sh times them.
+GLUON_MLA_TILES = ["64,32,4,4", "64,32,4,3"]
+
+
+@pytest.fixture
+def gluon_mla(monkeypatch):
+    """FLASHTILE_DECODE_MLA=gluon; yields the list of calls the Gluon kernel took."""
+    from flashtile.ops import _launch, decode_mla_hopper
+    monkeypatch.setenv("FLASHTILE_DECODE_MLA", "gluon")
+    calls, real = [], decode_mla_hopper.attn_decode
+
+    def spy(*args, **kw):
+        calls.append(args[0].shape)
+        return real(*args, **kw)
+
+    monkeypatch.setattr(decode_mla_hopper, "attn_decode", spy)
+    _launch.clear()
+    yield calls
+    _launch.clear()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_splits", [0, 1, 3], ids=["splits-heuristic", "unsplit",
+                                                       "split3"])
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged64"])
+@pytest.mark.parametrize("seqlen_q, nheads", [(1, 48), (1, 64), (1, 128), (2, 128)])
+@pytest.mark.parametrize("tile", GLUON_MLA_TILES)
+def test_gpu_absorbed_mla_decode_gluon(tile, seqlen_q, nheads, paged, num_splits, device,
+                                       gluon_mla, monkeypatch):
+    """The Gluon kernel (ops/decode_mla_hopper.py) at DeepSeek's absorbed shape, bf16,
+    causal: 48 heads (one 64-row block, 16 rows padded), 64, 128 (two blocks) and two
+    tokens of 128 (four), over pages of 64 keys or contiguous caches. The cache rows
+    past each sequence hold NaN: the last tile's keys past the sequence must count for
+    nothing (their V rows are zeroed before P V). Lengths 3 (one partial tile), 517 (a
+    partial last tile) and 1024 (whole tiles); three splits leave the short sequences
+    empty splits."""
+    monkeypatch.setenv("FLASHTILE_HOPPER_MLA_DECODE_CONFIG", tile)
+    dtype, b, s = torch.bfloat16, 3, 1024
+    k_cache, v_cache = _caches(b, s, 1, 576, 512, True, dtype, device)
+    seqlens = torch.tensor([1 + seqlen_q, 517, 1024], dtype=torch.int32, device=device)
+    for i, n in enumerate(seqlens.tolist()):
+        k_cache[i, n:] = float("nan")
+    q = torch.randn(b, seqlen_q, nheads, 576, dtype=dtype, device=device)
+    kw = dict(causal=True, softmax_scale=192 ** -0.5)
+    out, lse, _, _ = _attend(q, k_cache, v_cache, paged, True, page_size=64,
+                             cache_seqlens=seqlens, num_splits=num_splits, **kw)
+    assert gluon_mla, "the Gluon kernel did not take the call"
+    for i, n in enumerate(seqlens.tolist()):
+        qkv = (q[i:i + 1], k_cache[i:i + 1, :n], v_cache[i:i + 1, :n])
+        o64, l64 = attention_naive(*(x.double() for x in qkv), **kw)
+        o_pt, _ = attention_naive(*qkv, upcast=False, **kw)
+        assert_close_rule(f"out[{i}]", out[i:i + 1], o64, o_pt)
+        torch.testing.assert_close(lse[i:i + 1].double(), l64, rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_splits", [1, 3], ids=["unsplit", "split3"])
+def test_gpu_absorbed_gluon_bad_indices(num_splits, device, gluon_mla):
+    """As the portable kernel (tests/test_index_safety.py), the Gluon kernel reads no
+    index on the host: a block-table entry outside the pool is not followed and the
+    rows that see its keys are NaN; a key count past the block table's capacity makes
+    its sequence's rows NaN; the other sequence stays exact. The lead runs this under
+    compute-sanitizer too (make memcheck, MEMCHECK_K)."""
+    dtype, b, s, h = torch.bfloat16, 3, 256, 128
+    k_cache, v_cache = _caches(b, s, 1, 576, 512, True, dtype, device)
+    q = torch.randn(b, 1, h, 576, dtype=dtype, device=device)
+    pool, _, table = _pool(k_cache, v_cache, True, 64)
+    table[1, 2] = pool.shape[0] + 5  # sequence 1: its third page outside the pool
+    seqlens = torch.tensor([s, s, 100 * s], dtype=torch.int32, device=device)
+    out, lse = flashtile.flash_attn_with_kvcache(
+        q, pool, pool[..., :512], block_table=table, cache_seqlens=seqlens,
+        num_splits=num_splits, return_lse=True)
+    assert gluon_mla
+    for i in (1, 2):
+        assert torch.isnan(out[i]).all() and torch.isnan(lse[i]).all(), i
+    qkv = (q[:1], k_cache[:1], v_cache[:1])
+    o64, l64 = attention_naive(*(x.double() for x in qkv))
+    assert_close_rule("out[0]", out[:1], o64, attention_naive(*qkv, upcast=False)[0])
+    torch.testing.assert_close(lse[:1].double(), l64, rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.gpu
+def test_gpu_absorbed_gluon_leaves_other_calls_to_triton(device, gluon_mla):
+    """With FLASHTILE_DECODE_MLA=gluon, calls the Gluon kernel does not take (16 heads,
+    pages of 16 keys) still decode, on the portable kernel."""
+    dtype, b, s = torch.bfloat16, 2, 256
+    k_cache, v_cache = _caches(b, s, 1, 576, 512, True, dtype, device)
+    seqlens = torch.tensor([100, 256], dtype=torch.int32, device=device)
+    for heads, paged in ((16, False), (128, True)):
+        q = torch.randn(b, 1, heads, 576, dtype=dtype, device=device)
+        out, _, _, _ = _attend(q, k_cache, v_cache, paged, True, page_size=16,
+                               cache_seqlens=seqlens)
+        for i, n in enumerate(seqlens.tolist()):
+            qkv = (q[i:i + 1], k_cache[i:i + 1, :n], v_cache[i:i + 1, :n])
+            o64, _ = attention_naive(*(x.double() for x in qkv))
+            assert_close_rule(f"out[{i}]", out[i:i + 1],
+                              o64, attention_naive(*qkv, upcast=False)[0])
+    assert not gluon_mla
 
 
 @pytest.mark.gpu

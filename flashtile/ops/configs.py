@@ -9,6 +9,7 @@ sequences still cross several tiles and both mask-range computations get exercis
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from dataclasses import dataclass
@@ -699,7 +700,13 @@ def _wide_key_decode_config(q, rows, block_m, split, v_is_k, fp8_cache) -> TileC
     MEASURED (H200, session 14, docs/benchmarks/h200-2026-12-02-s14/mla-wgmma.txt; its
     GPU tests passed), 128 heads: b=64 x 8k 642 us (227.5 TFLOP/s), b=32 x 4k 176, b=1 x
     8k 30.5, b=1 x 32k 61.5: 1.4-2.2x the 32-row tile, half to two thirds of the
-    prediction's speed; the stage `mla` has the A/B and the 64-head rows."""
+    prediction's speed; the stage `mla` has the A/B and the 64-head rows. Why (sm_90
+    SASS of the 128-row tile, session 15): Q and two K stages fill shared memory, so
+    tile i+1's K copies are issued at the end of tile i and waited for at the top of
+    i+1, their latency hidden only under P V; Q K^T is three dots drained one after
+    another; both warpgroups softmax at once behind a bar.sync; and the scores are
+    computed twice. ops/decode_mla_hopper.py (FLASHTILE_DECODE_MLA=gluon) takes that
+    shape without those."""
     if q.element_size() == 2 and not fp8_cache and rows > 32:
         if rows > 64 and v_is_k:
             return TileConfig(128, 32, 8, 2, dv_parts=2)
@@ -707,6 +714,48 @@ def _wide_key_decode_config(q, rows, block_m, split, v_is_k, fp8_cache) -> TileC
         return TileConfig(64, 32, 8, (3 if split else 4) if v_is_k else 2)
     stages = 4 if not split and v_is_k else 3
     return TileConfig(min(block_m, 32), 32 if q.element_size() <= 2 else 16, 8, stages)
+
+
+# The Gluon absorbed-MLA decode (ops/decode_mla_hopper.py): past this many query rows
+# per KV head (the portable kernel's wgmma tiles start there too; 32 rows or fewer are
+# bound by the cache's bytes, not the products).
+DECODE_MLA_HOPPER_MIN_ROWS = 32
+DECODE_MLA = ("triton", "gluon")
+# (64 rows, keys a tile, the default partition's 4 warps, ring stages). 32 keys: a
+# stage is 36 KiB beside Q's 72 KiB and P's 8 KiB, so 4 stages take 225 KiB of the 227;
+# 64 keys would fit 2 stages only, and with 2 a tile's copies start once both
+# warpgroups are done with the tile before it: their latency would stall the next S
+# (the portable kernel's trouble), so 3 at least. m64n32k16 reads 3 KiB of shared
+# memory for 16 cycles of products (Q's 2 KiB each time): S is bound by shared memory
+# at 1.5x its product time, P V (m64n256k16) by its products.
+HOPPER_MLA_DECODE = TileConfig(64, 32, 4, 4)
+
+
+def decode_mla_kernel() -> str:
+    """FLASHTILE_DECODE_MLA: which kernel serves the absorbed MLA decode (576/512, V the
+    cache's first 512 columns, more than DECODE_MLA_HOPPER_MIN_ROWS query rows per KV
+    head) on an H100/H200. "triton" (the default until the Gluon kernel is timed): the
+    portable kernel's wgmma tiles (_wide_key_decode_config); "gluon": the FlashMLA-style
+    kernel of ops/decode_mla_hopper.py (its ``unsupported`` sends what it does not take
+    back to the portable kernel). Read on every decode call."""
+    return _env_choice("FLASHTILE_DECODE_MLA", DECODE_MLA)
+
+
+def hopper_mla_decode_config() -> TileConfig:
+    """HOPPER_MLA_DECODE, or FLASHTILE_HOPPER_MLA_DECODE_CONFIG="64,BLOCK_N,4,STAGES"
+    for sweeps (64 rows and 4 warps are fixed by the kernel's warpgroups). Read on every
+    call of that kernel (parsed once per value)."""
+    return _hopper_mla_decode_config(os.environ.get("FLASHTILE_HOPPER_MLA_DECODE_CONFIG"))
+
+
+@functools.lru_cache(maxsize=8)
+def _hopper_mla_decode_config(raw) -> TileConfig:
+    cfg = _from_env("hopper_mla_decode") or HOPPER_MLA_DECODE
+    if (cfg.block_m, cfg.num_warps) != (64, 4) or cfg.block_n not in (16, 32, 64) \
+            or cfg.num_stages < 3:
+        raise ValueError("FLASHTILE_HOPPER_MLA_DECODE_CONFIG must be '64,BLOCK_N,4,STAGES' "
+                         f"with BLOCK_N 16, 32 or 64 and STAGES >= 3, got {cfg}")
+    return cfg
 
 
 def decode_programs_per_sm(head_dim: int, cfg: TileConfig) -> int:

@@ -804,6 +804,21 @@ def attn_decode(q, k_cache, v_cache, *, cache_seqlens, block_table, cache_batch_
         return out, lse if return_lse else None
     paged = block_table is not None
     descales = (q_descale, k_descale, v_descale)
+    if d > configs.DECODE_MAX_BLOCK_D and q.is_cuda and configs.decode_mla_kernel() == "gluon":
+        # The Gluon kernel for the absorbed MLA shape where it applies (A/B: not yet
+        # the default, configs.decode_mla_kernel).
+        from flashtile.ops import decode_mla_hopper
+        if decode_mla_hopper.unsupported(
+                q, k_cache, v_cache, v_is_k=_v_is_k(k_cache, v_cache),
+                block_table=block_table, cache_batch_idx=cache_batch_idx,
+                cache_leftpad=cache_leftpad, alibi_slopes=alibi_slopes,
+                window_left=window_left, window_right=window_right, softcap=softcap,
+                descales=descales) is None:
+            return decode_mla_hopper.attn_decode(
+                q, k_cache, cache_seqlens=cache_seqlens, block_table=block_table,
+                softmax_scale=softmax_scale, causal=window_right == 0,
+                num_splits=num_splits, new_tokens=new_tokens, out_dtype=out_dtype,
+                return_lse=return_lse)
     scaled = q_descale is not None or k_descale is not None or v_descale is not None
     # The kernel's tensors but out and lse (allocated once the split count is known):
     # absent index tensors get cache_seqlens as a never-read placeholder, alibi q, a
@@ -914,8 +929,21 @@ def attn_decode(q, k_cache, v_cache, *, cache_seqlens, block_table, cache_batch_
         if key is not None:
             _launch.store(key, (decode,))
         return out, lse
+    combine = launch_combine(q, dv, num_splits, dst, dst_lse, out, lse_t, pdl,
+                             key is not None)
+    if key is not None:
+        _launch.store(key, (num_splits, decode, combine))
+    return out, lse
+
+
+def launch_combine(q, dv, num_splits, dst, dst_lse, out, lse_t, pdl, planned):
+    """Merge a split decode's partials (dst (splits, b, sq, h, dv) fp32 and dst_lse
+    (splits, b, h, sq)) into out and lse_t with _combine_kernel, a programmatic
+    dependent launch when pdl (combine_pdl); returns its plan when planned."""
+    b, sq, h = q.shape[:3]
     block_s = configs.next_power_of_2(num_splits)
-    combine = _launch.first_launch(
+    block_dv = configs.padded_head_dim(dv)
+    return _launch.first_launch(
         _combine_kernel, (b * sq * h,),
         (dst, dst_lse, out, lse_t, *dst.stride()[:4], *dst_lse.stride()[:3],
          out.stride(0), out.stride(1), out.stride(2), lse_t.stride(0), lse_t.stride(1),
@@ -924,10 +952,7 @@ def attn_decode(q, k_cache, v_cache, *, cache_seqlens, block_table, cache_batch_
         # reductions. H200, 32 splits x d128 alone: 1.66 us, 4 warps 2.69 (NOTES 9).
         dict(BLOCK_S=block_s, BLOCK_D=block_dv, USE_PDL=pdl, launch_pdl=pdl,
              num_warps=_combine_warps(block_s * block_dv)),
-        _COMBINE_SLOTS if key is not None else None)
-    if key is not None:
-        _launch.store(key, (num_splits, decode, combine))
-    return out, lse
+        _COMBINE_SLOTS if planned else None)
 
 
 @triton.jit
