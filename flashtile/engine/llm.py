@@ -227,11 +227,11 @@ class LLM:
         step, scheduled = self._in_flight
         self._in_flight = None
         token_ids, logprobs = self.runner.wait(step)
-        stepped, by_seq = [], self._by_seq
-        for seq, token in self.scheduler.completed(scheduled, token_ids, logprobs):
-            request = by_seq[seq.seq_id]
-            stepped.append(request)
-            if request.detok is not None:  # else there is no text, nor stop strings
+        got = self.scheduler.completed(scheduled, token_ids, logprobs)
+        by_seq = self._by_seq
+        stepped = [by_seq[seq.seq_id] for seq, _ in got]
+        if self.tokenizer is not None:  # else there is no text, nor stop strings
+            for request, (seq, token) in zip(stepped, got):
                 stop = request.add_text([token], final=seq.is_finished)
                 if stop is not None:
                     request.stop_reason = stop
@@ -239,8 +239,8 @@ class LLM:
                         seq.finish_reason = "stop"
                     else:
                         self.scheduler.finish(seq, "stop")
-            if seq.is_finished:
-                self._forget(request)
+        for request in [r for r in stepped if r.seq.is_finished]:
+            self._forget(request)
         return stepped
 
     # ---- offline API ------------------------------------------------------------------

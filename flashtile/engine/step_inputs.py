@@ -105,7 +105,7 @@ class StepInputsMixin:
         256): everything is built as flat Python lists of ints, packed into one int64 and
         one int32 buffer, and moved in one copy each.
         """
-        if all(n == 1 for _, n in scheduled):
+        if {n for _, n in scheduled} == {1}:
             return self.upload(self._host_decode(scheduled))
         return self.upload(self._host_prefill(scheduled))
 
@@ -116,22 +116,35 @@ class StepInputsMixin:
         tokens still in flight gathered on the device."""
         if host.graph_bs is not None:
             dev64, dev32 = self._to_graph_inputs(host.longs, host.ints, host.graph_bs)
+            # Views of a graph's static inputs stay valid: the last step's serve the next
+            # one of the same layout (most decode steps) without a dozen slicings.
+            layout = (host.width, host.batch, *host.o64.items(), *host.o32.items())
+            buffers, last, t = self._graph_views
+            if buffers is not dev64 or last != layout:
+                t = self._views(dev64, dev32, host)
+                self._graph_views = dev64, layout, t
         else:
-            dev64 = self._to_device(host.longs, torch.int64)
-            dev32 = self._to_device(host.ints, torch.int32)
-        t = {name: dev64[o:o + n] for name, (o, n) in host.o64.items()}
-        t.update((name, dev32[o:o + n]) for name, (o, n) in host.o32.items())
+            t = self._views(self._to_device(host.longs, torch.int64),
+                            self._to_device(host.ints, torch.int32), host)
         self._gather_ids(t["input_ids"], t["dst"], t["src"])
         meta = AttentionMetadata(
             cu_seqlens_q=t["cu_seqlens_q"], cu_seqlens_k=t["cu_seqlens_k"],
             max_seqlen_q=host.max_seqlen_q, max_seqlen_k=max(host.key_lens),
             slot_mapping=t["slot_mapping"], cache_seqlens=t["cache_seqlens"],
-            block_tables=t["block_tables"].view(-1, host.width)[:host.batch],
+            block_tables=t["block_tables"],
             is_decode=host.is_decode, has_context=host.has_context,
             query_lens=host.query_lens, key_lens=host.key_lens, key_slots=t.get("key_slots"))
         return StepInputs(input_ids=t["input_ids"], positions=t["positions"], meta=meta,
                           logits_indices=t.get("logits_indices"),
                           sample_rows=host.sample_rows, host=host, graph_bs=host.graph_bs)
+
+    @staticmethod
+    def _views(dev64, dev32, host: HostStep) -> dict:
+        """The step's index tensors: views of its device buffers (block_tables 2-D)."""
+        t = {name: dev64[o:o + n] for name, (o, n) in host.o64.items()}
+        t.update((name, dev32[o:o + n]) for name, (o, n) in host.o32.items())
+        t["block_tables"] = t["block_tables"].view(-1, host.width)[:host.batch]
+        return t
 
     def _host_prefill(self, scheduled) -> HostStep:
         """A step with some sequence computing more than one token: every run packed at a
