@@ -73,7 +73,7 @@ class ModelRunner(StepInputsMixin, CudaGraphsMixin):
         self.block_manager = None
         self._greedy_seqs = self._greedy_tensors = None  # see run
         self._graph_views = None, None, None  # see upload
-        self.graphs, self.static, self._graph_list = {}, {}, []
+        self.graphs, self.static, self._staging, self._graph_list = {}, {}, {}, []
         self._last_tokens = None
         use_graphs = self.device.type == "cuda" and not config.enforce_eager
         if self.device.type == "cuda":
