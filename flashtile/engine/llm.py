@@ -28,7 +28,7 @@ from flashtile.engine.outputs import CompletionOutput, RequestMetrics, RequestOu
 from flashtile.engine.runner import LaunchedStep
 from flashtile.engine.sampling_params import RequestOutputKind, SamplingParams
 from flashtile.engine.scheduler import ScheduledStep, Scheduler
-from flashtile.engine.sequence import Sequence
+from flashtile.engine.sequence import Sequence, SequenceStatus
 from flashtile.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from flashtile.engine.workers import start_runner
 
@@ -239,7 +239,8 @@ class LLM:
                         seq.finish_reason = "stop"
                     else:
                         self.scheduler.finish(seq, "stop")
-        for request in [r for r in stepped if r.seq.is_finished]:
+        finished = SequenceStatus.FINISHED  # r.seq.is_finished, without 256 calls
+        for request in [r for r in stepped if r.seq.status is finished]:
             self._forget(request)
         return stepped
 

@@ -84,7 +84,9 @@ class Scheduler:
             if budget <= 0:
                 break
             computed = seq.num_computed_tokens
-            n = min(len(seq.token_ids) - computed, budget)
+            n = len(seq.token_ids) - computed
+            if n > budget:
+                n = budget
             # Most decode steps fit in the last page: no call for them.
             if computed + n > len(seq.block_table) * ps and not self._ensure_slots(seq, n):
                 break  # seq preempted itself: it was the last running sequence

@@ -15,6 +15,7 @@ in two copies.
 
 from __future__ import annotations
 
+import bisect
 import itertools
 from array import array
 from dataclasses import dataclass
@@ -42,6 +43,7 @@ class HostStep:
     batch: int           # sequences in the step
     width: int           # block table columns
     max_seqlen_q: int
+    max_seqlen_k: int
     is_decode: bool
     has_context: bool
     query_lens: list
@@ -129,7 +131,7 @@ class StepInputsMixin:
         self._gather_ids(t["input_ids"], t["dst"], t["src"])
         meta = AttentionMetadata(
             cu_seqlens_q=t["cu_seqlens_q"], cu_seqlens_k=t["cu_seqlens_k"],
-            max_seqlen_q=host.max_seqlen_q, max_seqlen_k=max(host.key_lens),
+            max_seqlen_q=host.max_seqlen_q, max_seqlen_k=host.max_seqlen_k,
             slot_mapping=t["slot_mapping"], cache_seqlens=t["cache_seqlens"],
             block_tables=t["block_tables"],
             is_decode=host.is_decode, has_context=host.has_context,
@@ -190,7 +192,8 @@ class StepInputsMixin:
         o32 = dict(zip(("cu_seqlens_q", "cu_seqlens_k", "cache_seqlens", "block_tables"),
                        o32))
         return HostStep(longs, ints, o64, o32, batch=bs, width=width,
-                        max_seqlen_q=_round_up(max(qlens), 16), is_decode=False,
+                        max_seqlen_q=_round_up(max(qlens), 16), max_seqlen_k=max(klens),
+                        is_decode=False,
                         has_context=has_context, query_lens=qlens, key_lens=klens,
                         sample_rows=sample_rows)
 
@@ -202,7 +205,8 @@ class StepInputsMixin:
         (session 15's profile)."""
         bs, ps = len(scheduled), self.page_size
         seqs = [seq for seq, _ in scheduled]
-        graph_bs = next((g for g in self._graph_list if g >= bs), None)
+        i = bisect.bisect_left(self._graph_list, bs)
+        graph_bs = self._graph_list[i] if i < len(self._graph_list) else None
         if graph_bs is None:
             rows, width = bs, _round_up(max(len(seq.block_table) for seq in seqs), 16)
         else:
@@ -242,10 +246,11 @@ class StepInputsMixin:
             o64["logits_indices"] = (3 * rows, s)
         o32 = dict(cache_seqlens=(0, bs), block_tables=(rows, rows * width),
                    cu_seqlens_q=(tail, bs + 1), cu_seqlens_k=(tail + bs + 1, bs + 1))
-        key_lens = ints[:bs].tolist()
+        max_seqlen_k = int(pos.max()) + 1
         return HostStep(longs, ints, o64, o32, batch=bs, width=width, max_seqlen_q=1,
-                        is_decode=True, has_context=max(key_lens) > 1, query_lens=[1] * bs,
-                        key_lens=key_lens, sample_rows=sample_rows.tolist(),
+                        max_seqlen_k=max_seqlen_k, is_decode=True,
+                        has_context=max_seqlen_k > 1, query_lens=[1] * bs,
+                        key_lens=ints[:bs].tolist(), sample_rows=sample_rows.tolist(),
                         graph_bs=graph_bs)
 
     def _block_table_rows(self, seqs, out: np.ndarray):
