@@ -112,7 +112,8 @@ def main():
         runner.upload = _timed(parts, "prepare: upload", runner.upload)
         runner.launch = _timed(parts, "launch (prepare, forward, sampling)", runner.launch)
         sched.launched = _timed(parts, "scheduler.launched", sched.launched)
-        llm._complete = _timed(parts, "_complete (scheduler.completed, text)", llm._complete)
+        llm._complete = _timed(parts, "_complete (scheduler.completed, text)",
+                               llm._complete)
         prof = cProfile.Profile() if args.profile else None
         if prof:
             prof.enable()

@@ -1,12 +1,13 @@
 """A step's inputs: the packed index buffers and the AttentionMetadata every layer reads.
 
 Per step the scheduler hands over (sequence, number of new tokens) pairs. ``prepare``
-builds the step once, on the host, as flat lists of ints packed into one int64 and one
-int32 buffer (a HostStep), and ``upload`` copies them to the device (pinned memory on
-CUDA, without blocking) and makes the AttentionMetadata. Input tokens still in flight
-(placeholders, see sequence.py) are gathered on the device from the last launched step's
-sampled ids, so a step can be launched before the previous one's tokens reach the host
-(asynchronous scheduling, llm.py).
+builds the step once, on the host, as one int64 and one int32 buffer (a HostStep: a
+prefill's from flat lists of ints, a decode step's with numpy over a few values read per
+sequence and the block manager's table rows), and ``upload`` copies them to the device
+(pinned memory on CUDA, without blocking) and makes the AttentionMetadata. Input tokens
+still in flight (placeholders, see sequence.py) are gathered on the device from the last
+launched step's sampled ids, so a step can be launched before the previous one's tokens
+reach the host (asynchronous scheduling, llm.py).
 
 A pure decode step (one new token per sequence) is laid out as the CUDA graphs' static
 inputs (cuda_graphs.py), padded to the graph's batch size, so that a replay takes them
@@ -36,6 +37,7 @@ class HostStep:
 
     longs: array         # int64 runs: input_ids, positions, slot_mapping, logits_indices,
     #                      key_slots, and the in-flight tokens' dst/src gather indices
+    #                      (an array.array, or a numpy array for a decode step)
     ints: array          # int32 runs: cu_seqlens_q/k, cache_seqlens, block_tables
     o64: dict            # run name -> (offset, length) in longs; logits_indices and
     #                      key_slots absent when None
@@ -104,8 +106,8 @@ class StepInputsMixin:
         """Inputs of one step; scheduled: [(sequence, new tokens)] in batch order.
 
         Host cost matters here (a decode step of a 1B model is ~4 ms of GPU time at batch
-        256): everything is built as flat Python lists of ints, packed into one int64 and
-        one int32 buffer, and moved in one copy each.
+        256): everything is packed into one int64 and one int32 buffer, moved in one copy
+        each.
         """
         if {n for _, n in scheduled} == {1}:
             return self.upload(self._host_decode(scheduled))
@@ -219,7 +221,8 @@ class StepInputsMixin:
         s = 0 if all_sample else len(sample_rows)
         dst = (ids < 0).nonzero()[0]  # in flight: read on the device
         n = len(dst)
-        # int64: input_ids | positions | slot_mapping (rows each) | logits_indices | dst | src
+        # int64: input_ids | positions | slot_mapping (rows each) | logits_indices
+        # | dst | src
         longs = np.zeros(3 * rows + s + 2 * n, dtype=np.int64)
         longs[:bs] = ids
         longs[dst] = 0
