@@ -242,14 +242,14 @@ class StepInputsMixin:
         slots[bs:] = -1
         ints[tail:tail + bs + 1] = np.arange(bs + 1)
         ints[tail + bs + 1] = 0
-        ints[tail + bs + 2:] = ints[:bs].cumsum()
+        np.add.accumulate(ints[:bs], out=ints[tail + bs + 2:])
         o64 = dict(input_ids=(0, bs), positions=(rows, bs), slot_mapping=(2 * rows, bs),
                    dst=(3 * rows + s, n), src=(3 * rows + s + n, n))
         if not all_sample:
             o64["logits_indices"] = (3 * rows, s)
         o32 = dict(cache_seqlens=(0, bs), block_tables=(rows, rows * width),
                    cu_seqlens_q=(tail, bs + 1), cu_seqlens_k=(tail + bs + 1, bs + 1))
-        max_seqlen_k = int(pos.max()) + 1
+        max_seqlen_k = int(np.maximum.reduce(pos)) + 1
         return HostStep(longs, ints, o64, o32, batch=bs, width=width, max_seqlen_q=1,
                         max_seqlen_k=max_seqlen_k, is_decode=True,
                         has_context=max_seqlen_k > 1, query_lens=[1] * bs,
