@@ -2,11 +2,13 @@
 
 A decode step of Qwen2.5-0.5B at batch 256 takes the H200 ~2.3 ms; everything else a step
 does (schedule, input preparation, sampling tensors, bookkeeping, detokenisation) is host
-work, 1.45 ms of launch time per step in session 15's trace. This measures that work alone
-on any machine: a dummy checkpoint, BATCH requests decoding with PROMPT-token prompts, the
-time of ``LLM._step()`` (what ``generate`` runs; ``--server``: ``LLM.step()``, which also
-builds a RequestOutput per request) over the decode steps, split into its parts, and a
-cProfile of them (--profile).
+work (runner.launch alone took 1.45 ms a step in session 15's trace). This measures that
+work alone on any machine: a dummy checkpoint, BATCH requests decoding with PROMPT-token
+prompts, the time of ``LLM._step()`` (what ``generate`` runs; ``--server``:
+``LLM.step()``, which also builds a RequestOutput per request) over the decode steps,
+split into its parts, and a cProfile of them (--profile). What a CPU run leaves out: the
+CUDA calls (pinned copies, kernel launches, the graph replay), which only the GPU's trace
+and profile show.
 
 As on the GPU by default: asynchronous scheduling, and decode steps laid out for the CUDA
 graphs of batch sizes 1, 2, 4, ... max_num_seqs (static inputs on the CPU, a replay that
