@@ -18,6 +18,9 @@
 #                dependent launch early, late and off; split counts at batch 1 and 8
 #                                                                           (~8 min)
 #   engine       the engine's GPU tests; every engine row of the 1B shape, traced (~6 min)
+#   engine-host  the engine's GPU tests (graph decode through the pinned staging
+#                buffers), scripts/engine_host.py on this host's CPU (batch 1, 32, 256),
+#                the 0.5B shape's graphs row traced, then again under cProfile (~6 min)
 #   engine-peers the 1B shape's other rows: eager, sdpa, naive, transformers'
 #                generate and generate_batch (64 requests)                (~15 min)
 #   shapes       the 0.5B and 8B shapes, every row                        (~10 min)
@@ -382,6 +385,27 @@ r(heads=($heads,))" 2>&1 | grep "^{" | sed "s/^/$heads heads, $tile: /" ) \
       --timeout 100 --out "$OUT/throughput-1b.json" 2>&1 | tail -40
     stamp done
     ;;
+  engine-host)
+    stamp engine-tests
+    timeout 150 python3 -m pytest -q -p no:cacheprovider --gpu tests/test_engine_gpu.py \
+      2>&1 | tail -3 | tee "$OUT/engine-tests.txt"
+    stamp engine-host-cpu
+    # The host's work of a decode step, the forward stubbed (CPU only): this host's
+    # figures beside the development machine's.
+    for b in 1 32 256; do
+      timeout 60 python3 scripts/engine_host.py --batch $b 2>&1 | grep -v -i warn
+    done | tee "$OUT/engine-host-cpu.txt"
+    stamp trace
+    # Host launch per decode step (session 15: 1.45 ms at batch <=256, GPU 2.29 ms).
+    timeout 200 python3 -m flashtile.bench.throughput --models qwen2.5-0.5b --providers \
+      engine-flashtile-graphs --trace --timeout 150 --out "$OUT/throughput-05b.json" \
+      2>&1 | tail -16 | tee "$OUT/trace-qwen05b.txt"
+    stamp cprofile
+    timeout 200 python3 -m flashtile.bench.throughput --models qwen2.5-0.5b --providers \
+      engine-flashtile-graphs --profile "$OUT/cprofile" --timeout 150 \
+      --out "$OUT/throughput-05b-profiled.json" 2>&1 | tail -3
+    stamp done
+    ;;
   engine-kernels)
     # Issue 14 (the 0.5B shape at 29% of its roofline): where a decode step's time goes.
     # One process per model, each building its engine first (dummy weights, warm-up
@@ -512,7 +536,7 @@ import PRESETS; json.dump(PRESETS['llama-3.2-1b'], open('/tmp/llama1b/config.jso
     kill "$server"
     ;;
   *)
-    echo "usage: $0 check|memcheck|sweep [SECONDS]|extra|short|decode|splits|pdl|engine|engine-peers|engine-kernels|shapes|host|hopper|tp|fp32|wide|serve [BACKEND] [KV]" >&2
+    echo "usage: $0 check|memcheck|sweep [SECONDS]|extra|short|decode|splits|pdl|engine|engine-host|engine-peers|engine-kernels|shapes|host|hopper|tp|fp32|wide|serve [BACKEND] [KV]" >&2
     exit 2
     ;;
 esac

@@ -447,6 +447,88 @@ def _staggered(llm, prompts, params, arrivals):
     return [done[i] for i in range(len(prompts))]
 
 
+def _decode_reference(scheduled, rows, width, page_size, scratch):
+    """A decode step rebuilt from its sequences alone, one row at a time, in the layout
+    _host_decode documents: the packed (longs, ints) and the runs by name."""
+    ids, pos, slots, seqlens, tables, sample, dst, src = ([] for _ in range(8))
+    for b, (seq, _) in enumerate(scheduled):
+        p, table = seq.num_computed_tokens, seq.block_table
+        token = seq.token_ids[p]
+        if token < 0:  # in flight
+            dst.append(b)
+            src.append(-1 - token)
+            token = 0
+        ids.append(token)
+        pos.append(p)
+        slots.append(table[p // page_size] * page_size + p % page_size)
+        seqlens.append(p + 1)
+        tables += table + [scratch] * (width - len(table))
+        if p + 1 == len(seq.token_ids):
+            sample.append(b)
+    bs, pad = len(scheduled), rows - len(scheduled)
+    logits_indices = sample if len(sample) < bs else []
+    longs = (ids + [0] * pad + pos + [0] * pad + slots + [-1] * pad + logits_indices
+             + dst + src)
+    cu_k = list(itertools.accumulate(seqlens, initial=0))
+    ints = seqlens + [1] * pad + tables + [scratch] * (width * pad) + list(range(bs + 1)) \
+        + cu_k
+    runs = dict(input_ids=ids, positions=pos, slot_mapping=slots, dst=dst, src=src,
+                cache_seqlens=seqlens, block_tables=tables, cu_seqlens_k=cu_k)
+    if logits_indices:
+        runs["logits_indices"] = logits_indices
+    return longs, ints, runs
+
+
+@pytest.mark.parametrize("graphs", [True, False], ids=["graphs", "eager"])
+def test_decode_inputs_equal_a_rebuild(checkpoint, graphs):
+    """Decode steps gather their block tables from BlockManager.tables, rows kept as
+    tables change, and build the rest with numpy: each step's buffers equal a rebuild
+    from the sequences, row by row, through preemptions (rows freed and reused),
+    prefix-cache hits (rows starting with shared pages), sequences ending mid-batch
+    and pages added; so do the buffers built from the lists (block_manager None, the
+    warm-up's way)."""
+    path, _ = checkpoint
+    shared = _prompts([20], seed=8)[0]  # one full page in common
+    prompts = _prompts([3, 41, 9, 30, 17], seed=1) + [shared + [4, 5], shared + [6]]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+              for n in (20, 9, 14, 20, 5, 18, 12)]
+    llm = _llm(path, max_num_seqs=8, max_num_batched_tokens=16,
+               kv_cache_memory=6 * 16 * BYTES_PER_TOKEN)
+    runner, bm = llm.runner, llm.block_manager
+    if graphs:
+        _fake_graphs(llm, [1, 2, 4, 8])
+    host_decode, batches, cached = runner._host_decode, [], []
+
+    def spy(scheduled):
+        bm.check_invariants()  # the rows equal the lists
+        host = host_decode(scheduled)
+        runner.block_manager = None
+        from_lists = host_decode(scheduled)
+        runner.block_manager = bm
+        rows = host.graph_bs or host.batch
+        longs, ints, runs = _decode_reference(scheduled, rows, host.width, runner.page_size,
+                                              runner.scratch_block)
+        for h in (host, from_lists):
+            assert (h.longs.tolist(), h.ints.tolist()) == (longs, ints)
+            got = {name: h.longs[o:o + n].tolist() for name, (o, n) in h.o64.items()}
+            got.update((name, h.ints[o:o + n].tolist()) for name, (o, n) in h.o32.items())
+            got["block_tables"] = got["block_tables"][:len(scheduled) * host.width]
+            del got["cu_seqlens_q"]
+            assert got == runs
+        batches.append(tuple(seq.seq_id for seq, _ in scheduled))
+        cached.extend(seq.num_cached_tokens for seq, _ in scheduled)
+        return host
+
+    runner._host_decode = spy
+    arrivals = {0: [0, 1, 5], 3: [2, 3], 5: [4], 7: [6]}
+    _staggered(llm, prompts, params, arrivals)
+    assert llm.scheduler.num_preemptions > 0 and max(cached) >= 16
+    assert len(set(batches)) > 5  # sequences joined and left between decode steps
+    _assert_pool_empty(llm)
+    assert sorted(bm._free_rows) == list(range(len(bm.tables)))
+    assert (bm.tables == bm.num_blocks).all()
+
+
 def test_warm_up_runs_every_step_kind(checkpoint, monkeypatch):
     """ModelRunner.warm_up (run on CUDA before serving, so that no kernel compiles while
     serving) goes through fresh prefill, paged prefill beside a decode, and decode, with

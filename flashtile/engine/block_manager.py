@@ -18,6 +18,12 @@ sequence another prompt's keys.
 A page whose last reference goes keeps its hash and contents in the free list, which is
 ordered by reuse: pages holding nothing cached first, then cached ones oldest-freed
 first, so taking a page from the front evicts the least recently used cached page.
+
+Every sequence holding pages also has a row of ``tables``, one int32 array: its block
+table, then ``num_blocks`` (the runner's scratch page, one past the pool's) in the
+columns past its end. Rows change only where tables do (a new sequence, a page added, a
+sequence freed), so a decode step gathers its block tables from here in one numpy
+operation instead of rebuilding every row from the lists (step_inputs.py).
 """
 
 from __future__ import annotations
@@ -26,6 +32,8 @@ import array
 import hashlib
 import itertools
 from collections import OrderedDict
+
+import numpy as np
 
 from flashtile._validate import _fail
 from flashtile.engine.sequence import Sequence
@@ -84,6 +92,10 @@ class BlockManager:
         self._cached: dict[int, int] = {}  # hash -> block id of a registered page
         self._versions = itertools.count(1)
         self._seqs: dict[int, Sequence] = {}  # sequences holding pages, for check_invariants
+        # Block table rows (see the module's doc), grown as needed; seq.table_row indexes
+        # them, and a freed sequence's row goes back to _free_rows.
+        self.tables = np.full((0, 0), num_blocks, dtype=np.int32)
+        self._free_rows: list[int] = []
 
     @property
     def num_free_blocks(self) -> int:
@@ -143,7 +155,28 @@ class BlockManager:
         seq.block_table = hits + [self._take_free() for _ in range(new)]
         seq.num_cached_tokens = seq.num_computed_tokens = len(hits) * self.page_size
         self._seqs[seq.seq_id] = seq
+        if not self._free_rows:
+            held = len(self.tables)
+            self._grow(rows=2 * held or 16)
+            self._free_rows = list(range(len(self.tables) - 1, held - 1, -1))
+        seq.table_row = self._free_rows.pop()
+        self._write_row(seq, 0)
         return True
+
+    def _grow(self, rows: int = 0, width: int = 0):
+        """Make tables at least rows x width, new entries num_blocks."""
+        old = self.tables
+        rows, width = max(rows, old.shape[0]), max(width, old.shape[1])
+        if (rows, width) != old.shape:
+            self.tables = np.full((rows, width), self.num_blocks, dtype=np.int32)
+            self.tables[:old.shape[0], :old.shape[1]] = old
+
+    def _write_row(self, seq: Sequence, start: int):
+        """Copy seq.block_table[start:] into its row of tables."""
+        table = seq.block_table
+        if len(table) > self.tables.shape[1]:
+            self._grow(width=max(len(table), 2 * self.tables.shape[1]))
+        self.tables[seq.table_row, start:len(table)] = table[start:]
 
     def _take_free(self) -> int:
         block_id, _ = self._free.popitem(last=False)
@@ -171,6 +204,7 @@ class BlockManager:
         if need > len(self._free):
             return False
         table.extend(self._take_free() for _ in range(need))
+        self._write_row(seq, len(table) - need)
         return True
 
     def commit(self, seq: Sequence, num_tokens: int | None = None):
@@ -212,9 +246,12 @@ class BlockManager:
                 self._free[block_id] = None
                 if block.hash is None:  # nothing worth keeping: reuse it first
                     self._free.move_to_end(block_id, last=False)
+        if self._seqs.pop(seq.seq_id, None) is not None:
+            self.tables[seq.table_row, :len(seq.block_table)] = self.num_blocks
+            self._free_rows.append(seq.table_row)
+            seq.table_row = None
         seq.block_table = []
         seq.num_cached_tokens = seq.num_computed_tokens = 0
-        self._seqs.pop(seq.seq_id, None)
 
     def check_invariants(self):
         """Raise RuntimeError if the bookkeeping is inconsistent (for tests)."""
@@ -222,8 +259,10 @@ class BlockManager:
             raise RuntimeError(f"BlockManager invariant broken: {what}")
 
         refs = [0] * self.num_blocks
+        rows = np.full_like(self.tables, self.num_blocks)
         for seq in self._seqs.values():
             table = seq.block_table
+            rows[seq.table_row, :len(table)] = table
             if len(set(table)) != len(table):
                 bad(f"seq {seq.seq_id} lists a page twice: {table}")
             if len(table) * self.page_size < seq.num_computed_tokens:
@@ -246,3 +285,8 @@ class BlockManager:
         for h, block_id in self._cached.items():
             if self.blocks[block_id].hash != h:
                 bad(f"cache entry {h:#x} points at block {block_id} of another hash")
+        if not np.array_equal(rows, self.tables):
+            bad("the rows of tables differ from the sequences' block tables")
+        held = [seq.table_row for seq in self._seqs.values()]
+        if sorted(held + self._free_rows) != list(range(len(self.tables))):
+            bad(f"table rows held {sorted(held)}, free {sorted(self._free_rows)}")

@@ -28,7 +28,7 @@ from flashtile.engine.outputs import CompletionOutput, RequestMetrics, RequestOu
 from flashtile.engine.runner import LaunchedStep
 from flashtile.engine.sampling_params import RequestOutputKind, SamplingParams
 from flashtile.engine.scheduler import ScheduledStep, Scheduler
-from flashtile.engine.sequence import Sequence
+from flashtile.engine.sequence import Sequence, SequenceStatus
 from flashtile.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from flashtile.engine.workers import start_runner
 
@@ -108,6 +108,7 @@ class LLM:
         self.runner = start_runner(self.config)
         self.block_manager = BlockManager(self.runner.num_blocks, self.config.page_size,
                                           self.config.enable_prefix_caching)
+        self.runner.block_manager = self.block_manager
         self.scheduler = Scheduler(self.config, self.block_manager, eos)
         # The launched step whose tokens are not read yet (asynchronous scheduling): the
         # runner's LaunchedStep and the scheduler's ScheduledStep.
@@ -226,19 +227,21 @@ class LLM:
         step, scheduled = self._in_flight
         self._in_flight = None
         token_ids, logprobs = self.runner.wait(step)
-        stepped = []
-        for seq, token in self.scheduler.completed(scheduled, token_ids, logprobs):
-            request = self._by_seq[seq.seq_id]
-            stop = request.add_text([token], final=seq.is_finished)
-            if stop is not None:
-                request.stop_reason = stop
-                if seq.is_finished:  # a stop string outranks the length limit (vLLM)
-                    seq.finish_reason = "stop"
-                else:
-                    self.scheduler.finish(seq, "stop")
-            stepped.append(request)
-            if seq.is_finished:
-                self._forget(request)
+        got = self.scheduler.completed(scheduled, token_ids, logprobs)
+        by_seq = self._by_seq
+        stepped = [by_seq[seq.seq_id] for seq, _ in got]
+        if self.tokenizer is not None:  # else there is no text, nor stop strings
+            for request, (seq, token) in zip(stepped, got):
+                stop = request.add_text([token], final=seq.is_finished)
+                if stop is not None:
+                    request.stop_reason = stop
+                    if seq.is_finished:  # a stop string outranks the length limit (vLLM)
+                        seq.finish_reason = "stop"
+                    else:
+                        self.scheduler.finish(seq, "stop")
+        finished = SequenceStatus.FINISHED  # r.seq.is_finished, without 256 calls
+        for request in [r for r in stepped if r.seq.status is finished]:
+            self._forget(request)
         return stepped
 
     # ---- offline API ------------------------------------------------------------------
@@ -281,8 +284,9 @@ class LLM:
         bar = _progress(len(ids)) if use_tqdm else None
         start, generated = time.perf_counter(), 0
         while len(done) < len(ids):
-            for request in self._step():
-                generated += 1
+            stepped = self._step()
+            generated += len(stepped)
+            for request in stepped:
                 if request.seq.is_finished and request.request_id in wanted:
                     done[request.request_id] = request.output()
                     if bar is not None:

@@ -68,7 +68,12 @@ class ModelRunner(StepInputsMixin, CudaGraphsMixin):
         for i, attn in enumerate(self.model.attention_layers()):
             attn.k_cache, attn.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
         self.scratch_block = self.num_blocks
-        self.graphs, self.static, self._graph_list = {}, {}, []
+        # The BlockManager over this pool whose table rows decode steps gather (LLM sets
+        # it; its rows end in num_blocks, the scratch block). None: from the lists.
+        self.block_manager = None
+        self._greedy_seqs = self._greedy_tensors = None  # see run
+        self._graph_views = None, None, None  # see upload
+        self.graphs, self.static, self._staging, self._graph_list = {}, {}, {}, []
         self._last_tokens = None
         use_graphs = self.device.type == "cuda" and not config.enforce_eager
         if self.device.type == "cuda":
@@ -209,8 +214,17 @@ class ModelRunner(StepInputsMixin, CudaGraphsMixin):
             self.forward(inputs)
             self._last_tokens = None
             return LaunchedStep(seqs, None, None, None, False)
-        tensors = SamplingTensors.from_seqs(seqs, self.device,
-                                            self.config.model_config.vocab_size)
+        if seqs == self._greedy_seqs:  # list equality: identity, one C loop
+            tensors = self._greedy_tensors
+        else:
+            tensors = SamplingTensors.from_seqs(seqs, self.device,
+                                                self.config.model_config.vocab_size)
+            # An all-greedy step's tensors depend on nothing but its sequences' parameters,
+            # fixed per request: the next step of the same sequences (most decode steps)
+            # reuses them without reading 2 x 256 parameter sets again.
+            plain = tensors.all_greedy and tensors.token_ids is None
+            self._greedy_seqs, self._greedy_tensors = (seqs, tensors) if plain else \
+                (None, None)
         logits = self.model.compute_logits(self.forward(inputs))  # the sampler upcasts
         tokens, logprobs = self.sampler(logits, tensors)  # logprobs None: none asked
         if self.model.tp.size > 1 and self.config.async_scheduling:

@@ -37,7 +37,7 @@ class ScheduledStep:
     """A launched step, as ``Scheduler.completed`` needs it."""
 
     scheduled: list  # (sequence, tokens computed) pairs
-    starts: list     # each sequence's num_computed_tokens before the step
+    filled: list     # (sequence, its computed tokens) for each sequence that filled a page
     sampled: list    # (sequence, index of its placeholder in token_ids) per sampled row
 
 
@@ -75,26 +75,24 @@ class Scheduler:
 
     def schedule(self) -> list[tuple[Sequence, int]]:
         """The step's (sequence, tokens to compute) pairs; may be empty after preemption."""
-        budget = self.max_num_batched_tokens
+        budget, ps = self.max_num_batched_tokens, self.block_manager.page_size
         scheduled = []
-        preempted = False
-        i = 0
-        ensure_slots = self.block_manager.ensure_slots
-        while i < len(self.running) and budget > 0:
-            seq = self.running[i]
-            n = min(len(seq.token_ids) - seq.num_computed_tokens, budget)
-            while not ensure_slots(seq, n):
-                preempted = True
-                victim = self.running.pop()  # the newest (admission order)
-                self._preempt(victim)
-                if victim is seq:
-                    break
-            else:
-                scheduled.append((seq, n))
-                budget -= n
-                i += 1
-                continue
-            break  # seq preempted itself: it was the last running sequence
+        num_preemptions = self.num_preemptions
+        # Preemption pops from the end of the list being iterated, which ends the loop
+        # before the popped sequences.
+        for seq in self.running:
+            if budget <= 0:
+                break
+            computed = seq.num_computed_tokens
+            n = len(seq.token_ids) - computed
+            if n > budget:
+                n = budget
+            # Most decode steps fit in the last page: no call for them.
+            if computed + n > len(seq.block_table) * ps and not self._ensure_slots(seq, n):
+                break  # seq preempted itself: it was the last running sequence
+            scheduled.append((seq, n))
+            budget -= n
+        preempted = self.num_preemptions > num_preemptions
         while not preempted and self.waiting and budget > 0 \
                 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
@@ -108,6 +106,16 @@ class Scheduler:
             budget -= n
         return scheduled
 
+    def _ensure_slots(self, seq: Sequence, n: int) -> bool:
+        """Pages for seq's next n tokens, preempting the newest running sequences while the
+        pool is short of them; False when that preempted seq itself."""
+        while not self.block_manager.ensure_slots(seq, n):
+            victim = self.running.pop()  # the newest (admission order)
+            self._preempt(victim)
+            if victim is seq:
+                return False
+        return True
+
     def _preempt(self, seq: Sequence):
         self.block_manager.free(seq)  # also resets num_computed_tokens: recompute
         seq.status = SequenceStatus.WAITING
@@ -120,19 +128,23 @@ class Scheduler:
         sequence.py), so that the next step can be scheduled before this one's tokens
         are known. A sequence whose placeholder reaches its length limit leaves the
         running list now (its end is known; it keeps its pages until ``completed``)."""
-        starts = []
+        ps, filled = self.block_manager.page_size, []
         for seq, n in scheduled:
-            starts.append(seq.num_computed_tokens)
-            seq.num_computed_tokens += n
+            start = seq.num_computed_tokens
+            seq.num_computed_tokens = end = start + n
+            if end // ps != start // ps:
+                filled.append((seq, end))
         sampled, ending = [], set()
         for row, seq in enumerate(sampled_seqs):
-            sampled.append((seq, len(seq.token_ids)))
-            seq.token_ids.append(-1 - row)
-            if len(seq.token_ids) >= seq.max_num_tokens:
+            tokens = seq.token_ids
+            index = len(tokens)
+            sampled.append((seq, index))
+            tokens.append(-1 - row)
+            if index >= seq.max_num_tokens - 1:
                 ending.add(seq)
         if ending:
             self.running = [s for s in self.running if s not in ending]
-        return ScheduledStep(scheduled, starts, sampled)
+        return ScheduledStep(scheduled, filled, sampled)
 
     def completed(self, step: ScheduledStep, token_ids, logprobs
                   ) -> list[tuple[Sequence, int]]:
@@ -141,17 +153,17 @@ class Scheduler:
         placeholders, finish sequences at an end-of-sequence or stop token, max_tokens or
         max_model_len. A sequence finished (or aborted) while the step ran gets nothing:
         its token is discarded. Returns (sequence, token) for each token received."""
-        ps, commit = self.block_manager.page_size, self.block_manager.commit
-        for (seq, n), start in zip(step.scheduled, step.starts):
+        for seq, end in step.filled:
             # Preempted or finished while the step ran: its pages are gone.
-            if (start + n) // ps != start // ps and seq.status is SequenceStatus.RUNNING:
-                commit(seq, start + n)
+            if seq.status is SequenceStatus.RUNNING:
+                self.block_manager.commit(seq, end)
         got = []
         for (seq, index), token, logprob in zip(step.sampled, token_ids, logprobs):
-            if seq.is_finished:
+            if seq.status is SequenceStatus.FINISHED:  # seq.is_finished, without a call
                 continue
-            seq.resolve(index, token, logprob if seq.sampling_params.logprobs is not None
-                        else None)
+            if logprob is not None and seq.sampling_params.logprobs is None:
+                logprob = None  # computed for another row of the step
+            seq.resolve(index, token, logprob)
             got.append((seq, token))
             if token in seq.stop_ids:
                 self.finish(seq, "stop")

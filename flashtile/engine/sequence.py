@@ -60,6 +60,8 @@ class Sequence:
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0
         self.block_table: list[int] = []
+        # Its row of BlockManager.tables, while it holds pages.
+        self.table_row: int | None = None
         self.sampling_params = sampling_params if sampling_params is not None \
             else SamplingParams()
         self.arrival_time = time.time() if arrival_time is None else arrival_time

@@ -1,12 +1,13 @@
 """A step's inputs: the packed index buffers and the AttentionMetadata every layer reads.
 
 Per step the scheduler hands over (sequence, number of new tokens) pairs. ``prepare``
-builds the step once, on the host, as flat lists of ints packed into one int64 and one
-int32 buffer (a HostStep), and ``upload`` copies them to the device (pinned memory on
-CUDA, without blocking) and makes the AttentionMetadata. Input tokens still in flight
-(placeholders, see sequence.py) are gathered on the device from the last launched step's
-sampled ids, so a step can be launched before the previous one's tokens reach the host
-(asynchronous scheduling, llm.py).
+builds the step once, on the host, as one int64 and one int32 buffer (a HostStep: a
+prefill's from flat lists of ints, a decode step's with numpy over a few values read per
+sequence and the block manager's table rows), and ``upload`` copies them to the device
+(pinned memory on CUDA, without blocking) and makes the AttentionMetadata. Input tokens
+still in flight (placeholders, see sequence.py) are gathered on the device from the last
+launched step's sampled ids, so a step can be launched before the previous one's tokens
+reach the host (asynchronous scheduling, llm.py).
 
 A pure decode step (one new token per sequence) is laid out as the CUDA graphs' static
 inputs (cuda_graphs.py), padded to the graph's batch size, so that a replay takes them
@@ -15,11 +16,13 @@ in two copies.
 
 from __future__ import annotations
 
+import bisect
 import itertools
 from array import array
 from dataclasses import dataclass
 from typing import Optional
 
+import numpy as np
 import torch
 
 from flashtile.engine.attention import AttentionMetadata
@@ -34,6 +37,7 @@ class HostStep:
 
     longs: array         # int64 runs: input_ids, positions, slot_mapping, logits_indices,
     #                      key_slots, and the in-flight tokens' dst/src gather indices
+    #                      (an array.array, or a numpy array for a decode step)
     ints: array          # int32 runs: cu_seqlens_q/k, cache_seqlens, block_tables
     o64: dict            # run name -> (offset, length) in longs; logits_indices and
     #                      key_slots absent when None
@@ -41,6 +45,7 @@ class HostStep:
     batch: int           # sequences in the step
     width: int           # block table columns
     max_seqlen_q: int
+    max_seqlen_k: int
     is_decode: bool
     has_context: bool
     query_lens: list
@@ -94,17 +99,17 @@ def _extend_slots(out: list, table: list, start: int, end: int, page_size: int):
 
 class StepInputsMixin:
     """ModelRunner's step-input building. Reads the runner's config, device, page_size,
-    scratch_block, _graph_list and _last_tokens, and writes decode steps into the graphs'
-    static inputs (CudaGraphsMixin._to_graph_inputs)."""
+    scratch_block, block_manager, _graph_list and _last_tokens, and writes decode steps
+    into the graphs' static inputs (CudaGraphsMixin._to_graph_inputs)."""
 
     def prepare(self, scheduled) -> StepInputs:
         """Inputs of one step; scheduled: [(sequence, new tokens)] in batch order.
 
         Host cost matters here (a decode step of a 1B model is ~4 ms of GPU time at batch
-        256): everything is built as flat Python lists of ints, packed into one int64 and
-        one int32 buffer, and moved in one copy each.
+        256): everything is packed into one int64 and one int32 buffer, moved in one copy
+        each.
         """
-        if all(n == 1 for _, n in scheduled):
+        if {n for _, n in scheduled} == {1}:
             return self.upload(self._host_decode(scheduled))
         return self.upload(self._host_prefill(scheduled))
 
@@ -115,22 +120,35 @@ class StepInputsMixin:
         tokens still in flight gathered on the device."""
         if host.graph_bs is not None:
             dev64, dev32 = self._to_graph_inputs(host.longs, host.ints, host.graph_bs)
+            # Views of a graph's static inputs stay valid: the last step's serve the next
+            # one of the same layout (most decode steps) without a dozen slicings.
+            layout = (host.width, host.batch, *host.o64.items(), *host.o32.items())
+            buffers, last, t = self._graph_views
+            if buffers is not dev64 or last != layout:
+                t = self._views(dev64, dev32, host)
+                self._graph_views = dev64, layout, t
         else:
-            dev64 = self._to_device(host.longs, torch.int64)
-            dev32 = self._to_device(host.ints, torch.int32)
-        t = {name: dev64[o:o + n] for name, (o, n) in host.o64.items()}
-        t.update((name, dev32[o:o + n]) for name, (o, n) in host.o32.items())
+            t = self._views(self._to_device(host.longs, torch.int64),
+                            self._to_device(host.ints, torch.int32), host)
         self._gather_ids(t["input_ids"], t["dst"], t["src"])
         meta = AttentionMetadata(
             cu_seqlens_q=t["cu_seqlens_q"], cu_seqlens_k=t["cu_seqlens_k"],
-            max_seqlen_q=host.max_seqlen_q, max_seqlen_k=max(host.key_lens),
+            max_seqlen_q=host.max_seqlen_q, max_seqlen_k=host.max_seqlen_k,
             slot_mapping=t["slot_mapping"], cache_seqlens=t["cache_seqlens"],
-            block_tables=t["block_tables"].view(-1, host.width)[:host.batch],
+            block_tables=t["block_tables"],
             is_decode=host.is_decode, has_context=host.has_context,
             query_lens=host.query_lens, key_lens=host.key_lens, key_slots=t.get("key_slots"))
         return StepInputs(input_ids=t["input_ids"], positions=t["positions"], meta=meta,
                           logits_indices=t.get("logits_indices"),
                           sample_rows=host.sample_rows, host=host, graph_bs=host.graph_bs)
+
+    @staticmethod
+    def _views(dev64, dev32, host: HostStep) -> dict:
+        """The step's index tensors: views of its device buffers (block_tables 2-D)."""
+        t = {name: dev64[o:o + n] for name, (o, n) in host.o64.items()}
+        t.update((name, dev32[o:o + n]) for name, (o, n) in host.o32.items())
+        t["block_tables"] = t["block_tables"].view(-1, host.width)[:host.batch]
+        return t
 
     def _host_prefill(self, scheduled) -> HostStep:
         """A step with some sequence computing more than one token: every run packed at a
@@ -176,64 +194,85 @@ class StepInputsMixin:
         o32 = dict(zip(("cu_seqlens_q", "cu_seqlens_k", "cache_seqlens", "block_tables"),
                        o32))
         return HostStep(longs, ints, o64, o32, batch=bs, width=width,
-                        max_seqlen_q=_round_up(max(qlens), 16), is_decode=False,
+                        max_seqlen_q=_round_up(max(qlens), 16), max_seqlen_k=max(klens),
+                        is_decode=False,
                         has_context=has_context, query_lens=qlens, key_lens=klens,
                         sample_rows=sample_rows)
 
     def _host_decode(self, scheduled) -> HostStep:
         """A step of one new token per sequence (the common case), laid out as the CUDA
         graphs' static inputs, padded to the graph's batch size, so that a replay takes
-        them in two copies."""
+        them in two copies. Three reads per sequence, then numpy: at batch 256 a loop
+        over the sequences building every row cost ~0.8 ms per step on the H200's host
+        (session 15's profile)."""
         bs, ps = len(scheduled), self.page_size
-        graph_bs = next((g for g in self._graph_list if g >= bs), None)
+        seqs = [seq for seq, _ in scheduled]
+        i = bisect.bisect_left(self._graph_list, bs)
+        graph_bs = self._graph_list[i] if i < len(self._graph_list) else None
         if graph_bs is None:
-            rows, width = bs, _round_up(max(len(seq.block_table) for seq, _ in scheduled),
-                                        16)
+            rows, width = bs, _round_up(max(len(seq.block_table) for seq in seqs), 16)
         else:
             rows, width = graph_bs, self.config.blocks_per_seq
-        pad = [self.scratch_block] * width
-        ids, pos, slots, seqlens, tables, sample_rows = [], [], [], [], [], []
-        dst, src = [], []
-        for b, (seq, _) in enumerate(scheduled):
-            p = seq.num_computed_tokens
-            table = seq.block_table
-            token = seq.token_ids[p]
-            if token < 0:  # in flight: read it on the device
-                dst.append(b)
-                src.append(-1 - token)
-                token = 0
-            ids.append(token)
-            pos.append(p)
-            slots.append(table[p // ps] * ps + p % ps)
-            seqlens.append(p + 1)
-            tables += table
-            tables += pad[len(table):]
-            if p + 1 == len(seq.token_ids):
-                sample_rows.append(b)
-        extra = rows - bs  # padding rows: write nothing (slot -1), read one scratch key
-        longs = array("q", ids + [0] * extra)
-        longs += array("q", pos + [0] * extra)
-        longs += array("q", slots + [-1] * extra)
+        pos, ids, ends = np.array([[seq.num_computed_tokens for seq in seqs],
+                                   [seq.token_ids[seq.num_computed_tokens] for seq in seqs],
+                                   [len(seq.token_ids) for seq in seqs]], dtype=np.int64)
+        sample_rows = (pos + 1 == ends).nonzero()[0]
         all_sample = len(sample_rows) == bs
-        if not all_sample:
-            longs += array("q", sample_rows)
-        longs += array("q", dst)
-        longs += array("q", src)
-        ints = array("i", seqlens + [1] * extra)
-        ints += array("i", tables + pad * extra)
-        ints += array("i", range(bs + 1))
-        ints += array("i", itertools.accumulate(seqlens, initial=0))
         s = 0 if all_sample else len(sample_rows)
-        start, n, tail = 3 * rows + s, len(dst), rows * (1 + width)
+        dst = (ids < 0).nonzero()[0]  # in flight: read on the device
+        n = len(dst)
+        # int64: input_ids | positions | slot_mapping (rows each) | logits_indices
+        # | dst | src
+        longs = np.zeros(3 * rows + s + 2 * n, dtype=np.int64)
+        longs[:bs] = ids
+        longs[dst] = 0
+        longs[rows:rows + bs] = pos
+        longs[3 * rows:3 * rows + s] = sample_rows[:s]
+        longs[3 * rows + s:3 * rows + s + n] = dst
+        np.subtract(-1, ids[dst], out=longs[3 * rows + s + n:])
+        # int32: cache_seqlens (rows) | block_tables (rows x width) | cu_seqlens_q | _k
+        tail = rows * (1 + width)
+        ints = np.empty(tail + 2 * (bs + 1), dtype=np.int32)
+        ints[:bs] = pos + 1
+        ints[bs:rows] = 1  # padding rows: write nothing (slot -1), read one scratch key
+        tables = ints[rows:tail].reshape(rows, width)
+        self._block_table_rows(seqs, tables)
+        slots = longs[2 * rows:3 * rows]
+        slots[:bs] = tables[np.arange(bs), pos // ps] * ps + pos % ps
+        slots[bs:] = -1
+        ints[tail:tail + bs + 1] = np.arange(bs + 1)
+        ints[tail + bs + 1] = 0
+        np.add.accumulate(ints[:bs], out=ints[tail + bs + 2:])
         o64 = dict(input_ids=(0, bs), positions=(rows, bs), slot_mapping=(2 * rows, bs),
-                   dst=(start, n), src=(start + n, n))
+                   dst=(3 * rows + s, n), src=(3 * rows + s + n, n))
         if not all_sample:
             o64["logits_indices"] = (3 * rows, s)
         o32 = dict(cache_seqlens=(0, bs), block_tables=(rows, rows * width),
                    cu_seqlens_q=(tail, bs + 1), cu_seqlens_k=(tail + bs + 1, bs + 1))
+        max_seqlen_k = int(np.maximum.reduce(pos)) + 1
         return HostStep(longs, ints, o64, o32, batch=bs, width=width, max_seqlen_q=1,
-                        is_decode=True, has_context=max(seqlens) > 1, query_lens=[1] * bs,
-                        key_lens=seqlens, sample_rows=sample_rows, graph_bs=graph_bs)
+                        max_seqlen_k=max_seqlen_k, is_decode=True,
+                        has_context=max_seqlen_k > 1, query_lens=[1] * bs,
+                        key_lens=ints[:bs].tolist(), sample_rows=sample_rows.tolist(),
+                        graph_bs=graph_bs)
+
+    def _block_table_rows(self, seqs, out: np.ndarray):
+        """Write the sequences' block tables into the first rows of out (rows x width),
+        the scratch block everywhere else: gathered from the block manager's rows
+        (block_manager.py) when it holds every sequence, else from the lists (warm-up's
+        sequences, tests' own block managers)."""
+        bm, bs, width = self.block_manager, len(seqs), out.shape[1]
+        held = [seq.table_row for seq in seqs]
+        if bm is not None and None not in held:
+            w = min(width, bm.tables.shape[1])
+            out[:bs, :w] = bm.tables.take(held, axis=0)[:, :w]
+            out[:bs, w:] = self.scratch_block
+        else:
+            lens = np.array([len(seq.block_table) for seq in seqs])
+            out[:bs] = self.scratch_block
+            out[:bs][np.arange(width) < lens[:, None]] = list(
+                itertools.chain.from_iterable(seq.block_table for seq in seqs))
+        out[bs:] = self.scratch_block
 
     def _gather_ids(self, input_ids, dst, src):
         """input_ids[dst] = the last launched step's sampled tokens[src]: the tokens still
