@@ -214,7 +214,7 @@ case "${1:-}" in
     # Session 16's: dq_tma (dQ by TMA reduce-adds), pipe (block it - 1's dV/dK behind
     # block it's S^T/dP^T; d64 only; also with 3 stages), sdp with lse_ahead at d64,
     # dq_split with dq_tma at d128 (bwd_hopper's docstring has the predictions). Session
-    # 15 settled dkv_late and dq_split alone. Their GPU tests first (~3 min; skip with
+    # 15 settled dq_split alone. Their GPU tests first (~3 min; skip with
     # BWD_OPTS2_TESTS=0 once they passed): a broken option would time garbage.
     if [ "${BWD_OPTS2_TESTS:-1}" = 1 ]; then
       stamp bwd-opts2-tests

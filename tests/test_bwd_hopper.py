@@ -101,7 +101,7 @@ def test_launch_plan_equals_tritons_path(head_dim, causal):
     call(0, 0.1)  # Triton's path, then the plans are stored
     grads, (q, k, v, dout, dlse) = call(1, 0.2)  # the plans
     stored = [p for p in _launch._plans.values() if isinstance(p, tuple) and len(p) == 3
-              and isinstance(p[1], tuple)]  # (pre, (main, boxes, dq_rows), convert)
+              and isinstance(p[1], tuple)]  # (pre, (main, boxes, dq_box), convert)
     assert len(stored) == 1 and all(box.base is None for box in stored[0][1][1])
     _check(grads, q, k, v, dout, causal, 33, 0.2, dlse)
     _launch.clear()
@@ -212,14 +212,11 @@ def test_switch_sends_head_dim_256_under_1_and_auto(monkeypatch):
 
 # The schedule options (FLASHTILE_HOPPER_BWD_OPTS, bwd_hopper's docstring) the GPU A/B
 # times, alone and as timed together; tests/test_gluon_compile.py checks their SASS.
-OPTS = ["none", "sdp", "dq_early", "dq_unmasked", "sdp,dq_early,dq_unmasked", "lse_ahead",
-        "dkv_late", "lse_ahead,dkv_late", "lse_ahead,dq_tma", "dq_tma,dkv_late",
-        "lse_ahead,sdp"]
-# dq_split (alone, with lse_ahead, with dq_unmasked) at the BLOCK_M the A/B times it at
+OPTS = ["none", "sdp", "lse_ahead", "lse_ahead,dq_tma", "lse_ahead,sdp"]
+# dq_split (alone, with lse_ahead) at the BLOCK_M the A/B times it at
 # (FLASHTILE_HOPPER_BWD_CONFIG; head_dim 64: 128 rows, each consumer 64 of them).
 SPLIT_CASES = [(64, "dq_split", "128,128,4,2"), (128, "dq_split", None),
                (64, "lse_ahead,dq_split", "128,128,4,2"), (128, "lse_ahead,dq_split", None),
-               (128, "dq_split,dq_unmasked", None),
                # dq_tma with dq_split (each consumer's share through its own tile), and
                # the 128-row block's whole (128, 64) tiles without it.
                (64, "lse_ahead,dq_split,dq_tma", "128,128,4,2"),
@@ -240,8 +237,7 @@ def _split_env(opts, config):
 
 def _backward_twice(env, head_dim, causal, diag_offset, monkeypatch,
                     shape=(2, 333, 300, 4, 2)):
-    """Under the environment ``env``: Triton's path, then the launch plan (which keeps
-    the accumulator's rows, dq_rows) on fresh inputs with a dlse and a scale != 1/sqrt(d);
+    """Under the environment ``env``: Triton's path, then the launch plan on fresh inputs with a dlse and a scale != 1/sqrt(d);
     both meet the rule. Plans made under ``env`` are dropped afterwards."""
     from flashtile.ops import _launch
 
@@ -264,8 +260,8 @@ def _backward_twice(env, head_dim, causal, diag_offset, monkeypatch,
 @pytest.mark.parametrize("opts", OPTS)
 @on_hopper
 def test_options_match_float64_reference(opts, head_dim, mask, monkeypatch):
-    """GQA, seqlen_q (333) off the 64-row blocks: dq_unmasked's atomics of the rows past
-    it land in the accumulator's padding; seqlen_q > seqlen_k, so bottom-right causal
+    """GQA, seqlen_q (333) off the 64-row blocks: the atomics and reduce-adds of the
+    rows past it are dropped; seqlen_q > seqlen_k, so bottom-right causal
     has rows that see no key; many query blocks, so the dQ hand-off (dS^T's buffer)
     turns over many times between the two consumers."""
     causal, align = MASKS[mask]
@@ -344,29 +340,24 @@ def test_options_knob(monkeypatch):
     monkeypatch.delenv("FLASHTILE_HOPPER_BWD_OPTS", raising=False)
     assert configs.hopper_bwd_opts() == {"lse_ahead"} == configs.HOPPER_BWD_DEFAULT_OPTS
     flags = bwd_hopper.kernel_flags(128, True, configs.hopper_bwd_opts(), 64)
-    assert flags == dict(IS_CAUSAL=True, SDP=False, DQ_EARLY=False, DQ_UNMASKED=False,
-                         LSE_AHEAD=True, DQ_SPLIT=False, DKV_LATE=False, DQ_TMA=False,
-                         PIPE=False)
+    assert flags == dict(IS_CAUSAL=True, SDP=False, LSE_AHEAD=True, DQ_SPLIT=False,
+                         DQ_TMA=False, PIPE=False)
     for none in ("none", " none ,", ""):
         monkeypatch.setenv("FLASHTILE_HOPPER_BWD_OPTS", none)
         assert configs.hopper_bwd_opts() == frozenset()
     flags = bwd_hopper.kernel_flags(128, True, frozenset(), 64)
     assert not any(v for k, v in flags.items() if k != "IS_CAUSAL")
-    monkeypatch.setenv("FLASHTILE_HOPPER_BWD_OPTS", " sdp, dq_unmasked ,")
-    assert configs.hopper_bwd_opts() == {"sdp", "dq_unmasked"}
+    monkeypatch.setenv("FLASHTILE_HOPPER_BWD_OPTS", " sdp, dq_tma ,")
+    assert configs.hopper_bwd_opts() == {"sdp", "dq_tma"}
     flags = bwd_hopper.kernel_flags(64, False, configs.hopper_bwd_opts(), 64)
-    assert flags == dict(IS_CAUSAL=False, SDP=True, DQ_EARLY=False, DQ_UNMASKED=True,
-                         LSE_AHEAD=False, DQ_SPLIT=False, DKV_LATE=False, DQ_TMA=False,
-                         PIPE=False)
+    assert flags == dict(IS_CAUSAL=False, SDP=True, LSE_AHEAD=False, DQ_SPLIT=False,
+                         DQ_TMA=True, PIPE=False)
     monkeypatch.setenv("FLASHTILE_HOPPER_BWD_OPTS", "lse_ahead,dq_split")
     flags = bwd_hopper.kernel_flags(64, True, configs.hopper_bwd_opts(), 128)
     assert flags["LSE_AHEAD"] and flags["DQ_SPLIT"] and not flags["SDP"]
-    monkeypatch.setenv("FLASHTILE_HOPPER_BWD_OPTS", "dkv_late")
-    flags = bwd_hopper.kernel_flags(128, True, configs.hopper_bwd_opts(), 64)
-    assert flags["DKV_LATE"] and not flags["DQ_SPLIT"]
     monkeypatch.setenv("FLASHTILE_HOPPER_BWD_OPTS", "lse_ahead,dq_split,dq_tma")
     flags = bwd_hopper.kernel_flags(128, True, configs.hopper_bwd_opts(), 64)
-    assert flags["DQ_TMA"] and flags["DQ_SPLIT"] and not flags["DQ_UNMASKED"]
+    assert flags["DQ_TMA"] and flags["DQ_SPLIT"] and not flags["PIPE"]
     monkeypatch.setenv("FLASHTILE_HOPPER_BWD_OPTS", "sdp,pingpong")
     with pytest.raises(ValueError, match=r"FLASHTILE_HOPPER_BWD_OPTS must be 'none' or a "
                        r"comma-separated subset of .*'pipe'\), got 'sdp,pingpong' "
@@ -375,14 +366,8 @@ def test_options_knob(monkeypatch):
 
 
 def test_dq_split_refuses_what_it_cannot_split():
-    """dq_split shares every dQ product between the consumers: not with dq_early or
-    dkv_late (one consumer's whole product), and at head_dim 64 only with 128 rows a
-    block (64 a consumer; half of 64 head dims is half a swizzle atom of K)."""
-    for both in ("'dq_early', 'dq_split'", "'dkv_late', 'dq_split'"):
-        with pytest.raises(ValueError, match=r"dq_split .* goes without dq_early and "
-                           rf"dkv_late .*, got \[{both}\]"):
-            bwd_hopper.kernel_flags(128, False, frozenset(both.replace("'", "").split(
-                ", ")), 64)
+    """dq_split shares every dQ product between the consumers: at head_dim 64 only with
+    128 rows a block (64 a consumer; half of 64 head dims is half a swizzle atom of K)."""
     with pytest.raises(ValueError, match=r"dq_split at head_dim 64 needs 128 query rows "
                        r"a block \(FLASHTILE_HOPPER_BWD_CONFIG='128,128,4,2'\).* Got "
                        r"BLOCK_M 64"):
@@ -391,9 +376,8 @@ def test_dq_split_refuses_what_it_cannot_split():
 
 
 def test_pipe_refuses_what_it_cannot_pipeline():
-    """pipe: head_dim 64 and BLOCK_M 64 only (registers), not with sdp, dq_split or
-    dkv_late."""
-    for other, block_m in (("sdp", 64), ("dq_split", 128), ("dkv_late", 64)):
+    """pipe: head_dim 64 and BLOCK_M 64 only (registers), not with sdp or dq_split."""
+    for other, block_m in (("sdp", 64), ("dq_split", 128)):
         with pytest.raises(ValueError, match=r"pipe \(the previous block's dV and dK .*\) "
                            rf"goes without sdp .*, got \[.*'{other}'"):
             bwd_hopper.kernel_flags(64, True, frozenset({"pipe", other}), block_m)
@@ -404,17 +388,6 @@ def test_pipe_refuses_what_it_cannot_pipeline():
     flags = bwd_hopper.kernel_flags(64, True, frozenset({"pipe", "lse_ahead", "dq_tma"}),
                                     64)
     assert flags["PIPE"] and flags["DQ_TMA"] and not flags["SDP"]
-
-
-def test_dq_tma_refuses_the_atomics_options():
-    """dq_tma replaces the dQ atomics: not with dq_early and dq_unmasked, which change
-    them (its reduce-adds already release dS^T's buffer first and drop the rows past
-    seqlen_q)."""
-    for other in ("dq_early", "dq_unmasked"):
-        with pytest.raises(ValueError, match=r"dq_tma \(dQ added by TMA reduce-adds\) goes "
-                           rf"without dq_early and dq_unmasked .*, got \[.*'{other}'"):
-            bwd_hopper.kernel_flags(64, True, frozenset({"dq_tma", other}), 64)
-    assert bwd_hopper.kernel_flags(64, True, frozenset({"dq_tma"}), 64)["DQ_TMA"]
 
 
 def test_dq_tma_tile_and_descriptor():

@@ -363,7 +363,8 @@ def _walk_local_stores(sass: str) -> list[int]:
 
 def _early_release(sass: str) -> bool:
     """Whether an mbarrier arrive precedes dQ atomics with no wgmma between: dS^T's
-    buffer released before the atomics of the last dQ piece (dq_early)."""
+    buffer released before the atomics of the last dQ piece, which the schedule does
+    after them."""
     ops = re.findall(r"/\*[0-9a-f]{4,}\*/\s+([^;]*);", sass)
     arrived = False
     for op in ops:
@@ -379,12 +380,9 @@ def _early_release(sass: str) -> bool:
 # The FLASHTILE_HOPPER_BWD_OPTS variants the GPU A/B times (bwd_hopper's docstring), and
 # the local memory ptxas keeps for each (bytes, the worst of full and causal): scalars
 # stored before the walk, checked by _walk_local_stores. sdp at head_dim 128 keeps 88-112
-# (dP^T's accumulators pinned through the softmax), dkv_late 48-56.
+# (dP^T's accumulators pinned through the softmax).
 _BWD_OPTS_STACK = {
     ("sdp",): {64: 0, 128: 112},
-    ("dq_early", "dq_unmasked"): {64: 0, 128: 48},
-    ("sdp", "dq_early", "dq_unmasked"): {64: 0, 128: 112},
-    ("dkv_late",): {64: 0, 128: 56},
 }
 
 
@@ -394,8 +392,7 @@ _BWD_OPTS_STACK = {
 def test_hopper_backward_options_compile_for_sm90(opts, head_dim, causal):
     """Each schedule option compiles for sm_90, fits shared memory, stores nothing to
     local memory inside the walks, and shows its change in the SASS: sdp waits for S^T
-    with dP^T in flight; dq_early releases dS^T before atomics; dq_unmasked has no
-    branch around its REDGs; dkv_late queues a dQ product behind dV and dK."""
+    with dP^T in flight."""
     ck = _compile_bwd(head_dim, causal, opts=opts)
     res = resources(ck)
     assert res["shared_bytes"] <= configs.SM90_SMEM_BYTES, res
@@ -404,17 +401,13 @@ def test_hopper_backward_options_compile_for_sm90(opts, head_dim, causal):
     walks = _walk_local_stores(sass)
     assert len(walks) >= 2 and not any(walks), walks  # one walk per consumer at least
     assert ("WARPGROUP.DEPBAR.LE gsb0, 0x1" in sass) == ("sdp" in opts)
-    # dkv_late arrives too before its first dQ piece's atomics: Q and dO released.
-    assert _early_release(sass) == bool({"dq_early", "dkv_late"} & set(opts))
-    if "dq_unmasked" in opts:
-        assert "REDG" in sass and "BSSY" not in sass
-    assert _dq_behind_dkv(sass) == ("dkv_late" in opts)
+    assert not _early_release(sass) and not _dq_behind_dkv(sass)
 
 
 def _dq_behind_dkv(sass: str) -> bool:
     """Whether a product with its A operand in shared memory (S^T, dP^T, dQ) is issued
     after dV or dK (A from registers) with no wgmma wait between: the dQ product queued
-    behind them (dkv_late). By default dV and dK are waited for first."""
+    behind them (FA3's order). Here dV and dK are waited for first."""
     ops = re.findall(r"/\*[0-9a-f]{4,}\*/\s+([^;]*);", sass)
     in_flight = False
     for op in ops:
@@ -522,7 +515,6 @@ _BWD_TMA_OPTS = {
     (("lse_ahead", "dq_tma"), 64, 64): 0,
     (("lse_ahead", "dq_tma"), 128, 64): 120,
     (("lse_ahead", "dq_tma"), 64, 128): 128,
-    (("dq_tma", "dkv_late"), 128, 64): 104,
     (("lse_ahead", "dq_split", "dq_tma"), 64, 128): 48,
     (("lse_ahead", "dq_split", "dq_tma"), 128, 64): 24,
 }

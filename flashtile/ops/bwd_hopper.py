@@ -47,12 +47,6 @@ A/B, all compile-checked on the CPU:
   alone (wgmma wait 1), computes P^T while dP^T runs, then waits for dP^T: one wgmma
   round trip fewer per query block and both products queued for the tensor cores. lse
   is then loaded after the issue (loaded before, ptxas spilled 200 bytes at d128).
-- dq_early (DQ_EARLY): the dQ owner releases dS^T's buffer (ds_empty) as soon as its
-  last dQ product has completed, before that piece's atomics (registers only), so the
-  other consumer can store its next dS^T sooner.
-- dq_unmasked (DQ_UNMASKED): the dQ accumulator has seqlen_q rounded up to BLOCK_M rows,
-  so the atomics need no row mask: a masked atomic is a branch (BSSY/BRA/BSYNC) around
-  each REDG in the SASS, 64 of them in a d128 program's two dQ pieces.
 - lse_ahead (LSE_AHEAD): lse and delta of query block it + 1 are loaded (one value a
   thread each, masked off past the walk) during block it, so no global load is waited
   for inside a block: without it lse's load is issued and waited for (its value stored
@@ -87,41 +81,17 @@ A/B, all compile-checked on the CPU:
   FA3 gets away with it through S and dP queued together and the LSE in shared
   memory. Timed to test the dQ-split hypothesis itself: if it is within +-3% the dQ
   hand-off is not the lever.
-- dkv_late (DKV_LATE): the dQ owner does not wait for dV and dK before its dQ product:
-  the first dQ piece is queued behind them and one wait covers the three, after which Q
-  and dO are released (one wgmma round trip fewer in the owner's blocks, every other
-  block of each consumer). The other consumer waits at the end of its block, as by
-  default. Not with dq_split (whose dQ product already queues behind dV and dK). The
-  sm_90 compile (session 15): no stores inside the walks alone, with lse_ahead or with
-  sdp, 0 bytes of local memory at d64 and 40-56 at d128 (104 with sdp); with dq_early
-  at d128 (causal) it stores inside the walks: not an A/B variant.
-  FA3's full form, the wait at block it + 1's S^T wait in every block, does not compile
-  to anything useful here: dK and dV then cross the walk's back edge in flight, and
-  Triton 3.6's ptxas (12.8) serializes every wgmma of the kernel, a wait after each
-  (WARPGROUP.DEPBAR.LE gsb0, 0x0), at d64 already: C7515 (accumulators reaching the
-  waits from the zeros' moves), C7514 once the zeros come from one product (0 times K)
-  feeding both, C7512 (register resources) with two such products, even with only the
-  dS^T hand-off between issue and wait (session 15). Waits inside an iteration compile
-  as planned, hence this form; untried: the walk unrolled by two blocks, which would
-  give the other consumer's blocks the same.
-  Prediction (session 15, not run on a GPU): a round trip is a wgmma's fixed latency,
-  150-300 clocks, saved in half of each consumer's blocks: 75-150 clocks a block of
-  ~6000 at d128 (lse_ahead's estimate) and ~3000 at d64, if the consumers' serial
-  chains are the bound and the owner is not held by the other's dS^T (ds_full) anyway:
-  backward +1-2.5% at d128, +2-5% at d64; forward + backward about 0.7x that. At d128
-  that is within the spread of earlier A/Bs (0-3%): the A/B can only settle d64.
 - dq_tma (DQ_TMA): dQ_partial leaves as FA3's does, without its writer warp: the owner
   (with dq_split each consumer, its share) stores each 64-dim piece, fp32, into a tile
   of its own in shared memory and issues a TMA reduce-add of it into the accumulator
   (cp.reduce.async.bulk.tensor .add; DQAccum is then the accumulator's tensor map,
   ``_dq_descriptor``), waited for (the tile read) only before the tile's next use two
-  blocks later. ds_empty is arrived on when the last product has completed (as
-  dq_early). Not with dq_early or dq_unmasked (the atomics' options; the TMA drops the
-  rows past seqlen_q). Shared memory: + 2 x 16 KiB at d64 (113 KiB), + 4 x 16 KiB at
-  d128 (209 KiB; with dq_split + 2 x 16 KiB, 193 KiB). The sm_90 compile: no REDG left,
-  16 STS.64 a piece a thread and one UTMAREDG (two 32-column messages); no stores inside
-  the walks; at d128 ptxas keeps 80-120 bytes of scalars in local memory (56 with the
-  atomics), 16-24 with dq_split.
+  blocks later. ds_empty is arrived on when the last product has completed (the
+  reduce-adds read the tile, not dS^T); the TMA drops the rows past seqlen_q. Shared
+  memory: + 2 x 16 KiB at d64 (113 KiB), + 4 x 16 KiB at d128 (209 KiB; with dq_split +
+  2 x 16 KiB, 193 KiB). The sm_90 compile: no REDG left, 16 STS.64 a piece a thread and
+  one UTMAREDG (two 32-column messages); no stores inside the walks; at d128 ptxas keeps
+  80-120 bytes of scalars in local memory (56 with the atomics), 16-24 with dq_split.
   Why: a piece's 16 REDG.F32x2 a thread each touch 8 rows, 32 bytes a row: 512 sector
   requests from each consumer's L1 a piece, 1,024 in a d128 owner block, plus a branch
   a REDG for the row mask; the next product writing the same registers waits until the
@@ -143,13 +113,16 @@ A/B, all compile-checked on the CPU:
   product gives it too, or Inf); the walk's end issues the last block's. Implies sdp's
   order. Head dim 64 and BLOCK_M 64 only: at d128 (dK and dV 128 registers) and at
   BLOCK_M 128 ptxas serializes every wgmma (C7512) and spills 240-792 bytes. Not with
-  sdp, dq_split or dkv_late. The sm_90 compile (d64, lse_ahead): 10 wgmma waits (no
-  serialization), no stores inside the walks, 0-16 bytes of local memory (3 stages:
-  16-48, and 2 words stored and reloaded inside the causal walk). This block's P^T and
-  dS^T are cast to 16 bits only after the previous block's products are waited for:
-  cast before, they are written into the registers those products read, and ptxas
-  serializes every wgmma of the kernel (C7513). ptxas places the exp2 after the dP^T
-  wait (0 of 32 under it, 14-32 by default), under the previous block's dV and dK.
+  sdp or dq_split. FA3's form, dK and dV in flight across the back edge (waited at block
+  it + 1's S^T), made Triton 3.6's ptxas (12.8) serialize every wgmma of the kernel, a
+  wait after each, at d64 already (C7512-C7515, session 15). The sm_90 compile (d64,
+  lse_ahead): 10 wgmma waits (no serialization), no stores inside the walks, 0-16 bytes
+  of local memory (3 stages: 16-48, and 2 words stored and reloaded inside the causal
+  walk). This block's P^T and dS^T are cast to 16 bits only after the previous block's
+  products are waited for: cast before, they are written into the registers those
+  products read, and ptxas serializes every wgmma of the kernel (C7513). ptxas places
+  the exp2 after the dP^T wait (0 of 32 under it, 14-32 by default), under the previous
+  block's dV and dK.
   Prediction (session 16, not run on a GPU): a d64 block is ~3,600 clocks a consumer
   (backward ~350 TFLOP/s); the dV/dK round trip (8 HGMMA, ~250 clocks, ~350 with its
   latency) leaves the chain, dP^T's ~130 under the exp2 come back: 4-8% of the
@@ -158,19 +131,28 @@ A/B, all compile-checked on the CPU:
   stage frees only after block it's dS, ~200-700 clocks before block it + 1 needs it,
   about one TMA load's latency; 3 stages (FLASHTILE_HOPPER_BWD_CONFIG=64,128,4,3) lift
   that. If 3 stages beat 2 by more than the noise, the ring is what limits pipe.
-Tried and removed: FA3's dQ writer warp (the dQ owner stored dQ_partial to shared
-memory; a fourth partition, one warp beside the producer, added it to the accumulator
-with four-value atomics) ran 2-13% slower than the default at d64 and d128 on the H200
-(session 14, NOTES.md section 24): the consumers issue fewer atomics, but every block's
-dQ tile is written to and read back from shared memory (2 x 16-32 KiB); removed.
-Not FA3's: no ping-pong between the two consumers, no bulk dQ reduce; the softmax runs
-under dP^T only with lse_ahead, and not in every consumer (ptxas schedules it).
+Tried and removed (H200, the sections of docs/benchmarks/NOTES.md):
+- FA3's dQ writer warp (the dQ owner stored dQ_partial to shared memory; a fourth
+  partition, one warp beside the producer, added it to the accumulator with four-value
+  atomics) ran 2-13% slower than the default at d64 and d128 (session 14, section 24):
+  the consumers issue fewer atomics, but every block's dQ tile is written to and read
+  back from shared memory (2 x 16-32 KiB).
+- dq_early (the dQ owner released dS^T's buffer before its last dQ piece's atomics)
+  and dq_unmasked (the accumulator's rows rounded up to BLOCK_M, so the atomics needed
+  no row mask, a branch around each REDG) ran, with sdp, 0-3% slower than none
+  (session 12, section 22).
+- dkv_late (the dQ owner's first dQ product queued behind dV and dK, one wait for the
+  three) ran forward + backward -1 to -2% at d64 against +2-5% predicted (session 15,
+  section 25).
+Not FA3's: no ping-pong between the two consumers, no bulk dQ reduce but with dq_tma; the
+softmax runs under dP^T only with lse_ahead, and not in every consumer (ptxas
+schedules it).
 
 Rows past seqlen_q and keys past seqlen_k are zero-filled by TMA; keys past seqlen_k are
 masked (a zero key still scores 0, and exp2(0 - lse) can overflow where lse is very
 negative, making 0 * inf in dQ); rows past seqlen_q read lse = +inf, so their P is 0;
 dK/dV rows past seqlen_k are dropped by the TMA store, dQ rows past seqlen_q by the
-atomics' mask (dq_unmasked: they add dS = 0 times K into the accumulator's padding).
+atomics' mask (dq_tma: by the TMA reduce-add).
 Rows that saw no key (lse = -inf) read +inf too: zero gradients.
 
 Status (FLASHTILE_HOPPER_BWD, flashtile._backend.hopper_bwd_mode, says where this is the
@@ -181,17 +163,17 @@ backward alone ~0.76x (~390 against ~513 TFLOP/s at d128, 4k). tests/test_gluon_
 compiles every variant and option for sm_90 on the CPU (shared memory, no local-memory
 stores inside the walks, each option visible in the SASS; ptxas keeps 48 bytes of
 scalars in local memory at head_dim 128, stored before the walk, up to 112 with sdp).
-The options sdp + dq_early + dq_unmasked together ran 0-3% slower than none (H200,
-session 12, NOTES.md section 22), so they stay off. Session 13 (section 23): the
-options' GPU tests passed; the GQA head split (``head_split``) passed its tests and
-memcheck and cut transformers' Llama-3.2-1B backward (32 query over 8 KV heads, 4k
-tokens, batch 1) from 0.55x to 0.72x cuDNN's. Session 14 (section 24): 128 query rows at
-d64 ran +5% full, -1 to -3% causal, a third stage level: the default tiles stay.
-Session 15 (section 25): lse_ahead ran forward + backward +6-10% at d64 and +1-4% at
-d128 (predicted +10-18% and +5-10%), so it is the default; dkv_late -1 to -2% at d64,
-dq_split -2 to -9% alone and level with lse_ahead alone when combined with it (d128). Nsight Compute (d128,
-4k, lse_ahead): one instruction issued every 4.6 cycles a scheduler, 0.25 of 3 warps
-eligible, no tile spills: a latency-bound chain, not the tensor cores.
+Session 12's options (NOTES.md section 22) ran 0-3% slower than none: sdp stays off.
+Session 13 (section 23): the options' GPU tests passed; the GQA head split
+(``head_split``) passed its tests and memcheck and cut transformers' Llama-3.2-1B
+backward (32 query over 8 KV heads, 4k tokens, batch 1) from 0.55x to 0.72x cuDNN's.
+Session 14 (section 24): 128 query rows at d64 ran +5% full, -1 to -3% causal, a third
+stage level: the default tiles stay. Session 15 (section 25): lse_ahead ran forward +
+backward +6-10% at d64 and +1-4% at d128 (predicted +10-18% and +5-10%), so it is the
+default; dq_split -2 to -9% alone and level with lse_ahead alone when combined with it
+(d128). Nsight Compute (d128, 4k, lse_ahead): one instruction issued every 4.6 cycles
+a scheduler, 0.25 of 3 warps eligible, no tile spills: a latency-bound chain, not the
+tensor cores.
 """
 
 from __future__ import annotations
@@ -202,7 +184,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language._core import builtin
 from triton.experimental.gluon.language.nvidia.hopper import (
-    fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_init, warpgroup_mma_wait)
+    fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from flashtile.ops import _launch, bwd, configs, fwd_hopper
@@ -313,32 +295,16 @@ def _p_t(s_t, o_n, o_m, seqlen_k, diag_offset, qk_scale, lse2, IS_CAUSAL: gl.con
 
 
 @gluon.jit
-def _dq_ptr(DQAccum, p_row, head, dq_rows, HEAD_DIM: gl.constexpr,
-            DQ_UNMASKED: gl.constexpr):
-    """The dQ accumulator's rows of query head ``head`` (of batch * nheads; p_row: its
-    offset in lse) as one pointer: heads seqlen_q rows apart, or dq_rows with
-    DQ_UNMASKED."""
-    if DQ_UNMASKED:
-        return DQAccum + head.to(gl.int64) * dq_rows * HEAD_DIM
-    return DQAccum + p_row * HEAD_DIM
-
-
-@gluon.jit
-def _dq_add(p_dq, dq, row0, col0, seqlen_q, HEAD_DIM: gl.constexpr,
-            DQ_UNMASKED: gl.constexpr):
+def _dq_add(p_dq, dq, row0, col0, seqlen_q, HEAD_DIM: gl.constexpr):
     """dq (a wgmma accumulator) added into rows row0 + [0, M), columns col0 + [0, N) of
     the fp32 accumulator at p_dq (rows HEAD_DIM wide) by relaxed atomics: nothing reads
-    a reduction's result before the conversion kernel, so it needs no ordering.
-    DQ_UNMASKED: no row mask (the accumulator's rows reach a multiple of BLOCK_M)."""
+    a reduction's result before the conversion kernel, so it needs no ordering."""
     dq_layout: gl.constexpr = dq.type.layout
     o_dq_m = row0 + gl.arange(0, dq.type.shape[0], layout=gl.SliceLayout(1, dq_layout))
     o_dq_d = col0 + gl.arange(0, dq.type.shape[1], layout=gl.SliceLayout(0, dq_layout))
     o_dq = gl.expand_dims(o_dq_m, 1) * HEAD_DIM + gl.expand_dims(o_dq_d, 0)     # (M, N)
-    if DQ_UNMASKED:
-        gl.atomic_add(p_dq + o_dq, dq, sem="relaxed")
-    else:
-        gl.atomic_add(p_dq + o_dq, dq, mask=gl.expand_dims(o_dq_m < seqlen_q, 1),
-                      sem="relaxed")
+    gl.atomic_add(p_dq + o_dq, dq, mask=gl.expand_dims(o_dq_m < seqlen_q, 1),
+                  sem="relaxed")
 
 
 @builtin
@@ -368,22 +334,18 @@ def _dq_reduce(dq_desc, dq_buf, dq, off_b, head, row0, col0):
 
 
 @gluon.jit
-def _dq_partial(ds_all, k_all, dq_init, p_dq, row0, seqlen_q, ds_empty, dv, dk, qdo_free,
-                dq_smem, off_b, head, WG: gl.constexpr, DQ_EARLY: gl.constexpr,
-                DQ_UNMASKED: gl.constexpr, DKV_LATE: gl.constexpr, DQ_TMA: gl.constexpr):
+def _dq_partial(ds_all, k_all, dq_init, p_dq, row0, seqlen_q, ds_empty, dq_smem, off_b,
+                head, WG: gl.constexpr, DQ_TMA: gl.constexpr):
     """dQ_partial = dS K over the program's 128 keys, added into rows row0 + [0, M) of
     the fp32 accumulator at p_dq (head_dim wide), in pieces of 64 head dims (K's
     columns, a whole 128-byte swizzle atom each) addressed by 32-bit offsets from one
     pointer: at head_dim 128 the whole (64, 128) fp32 tile with 64-bit addresses, beside
     dK and dV, spilled under the 240-register cap. Arrives on ds_empty once dS^T and K
-    are read for the last time: after the atomics, or with DQ_EARLY as soon as the last
-    product has completed (the atomics read registers only). DQ_UNMASKED: the
-    accumulator has rows up to a multiple of BLOCK_M, so no row mask (a masked atomic
-    is a branch around each REDG in the SASS). DKV_LATE: dV and dK (returned) are still in
-    flight, queued ahead of the first product and waited with it, which frees Q and dO
-    (qdo_free). DQ_TMA: p_dq is the accumulator's tensor map, each piece goes through
-    warpgroup WG's tile of dq_smem for it and a TMA reduce-add (``_dq_reduce``) into
-    query head ``head`` of batch off_b, and ds_empty is arrived on as with DQ_EARLY."""
+    are read for the last time: after the atomics. DQ_TMA: p_dq is the accumulator's
+    tensor map, each piece goes through warpgroup WG's tile of dq_smem for it and a TMA
+    reduce-add (``_dq_reduce``) into query head ``head`` of batch off_b, and ds_empty is
+    arrived on as soon as the last product has completed (the reduce-adds read the
+    tile, not dS^T or K)."""
     HEAD_DIM: gl.constexpr = k_all.type.shape[1]
     DQ_PIECE: gl.constexpr = dq_init.type.shape[1]
     N_PIECES: gl.constexpr = HEAD_DIM // DQ_PIECE
@@ -395,39 +357,31 @@ def _dq_partial(ds_all, k_all, dq_init, p_dq, row0, seqlen_q, ds_empty, dv, dk, 
         k_piece = k_all.slice(piece * DQ_PIECE, DQ_PIECE, dim=1)              # (128, 64)
         dq = warpgroup_mma(ds_all.permute((1, 0)), k_piece, dq_init, use_acc=False,
                            is_async=True)                                    # (M, 64)
-        if DKV_LATE and piece == 0:
-            dq, dv, dk = warpgroup_mma_wait(0, deps=(dq, dv, dk))
-            mbarrier.arrive(qdo_free, count=1)  # Q and dO read the last time
-        else:
-            dq = warpgroup_mma_wait(0, deps=(dq,))
-        if (DQ_EARLY or DQ_TMA) and piece == N_PIECES - 1:
+        dq = warpgroup_mma_wait(0, deps=(dq,))
+        if DQ_TMA and piece == N_PIECES - 1:
             mbarrier.arrive(ds_empty, count=1)
         if DQ_TMA:
             _dq_reduce(p_dq, dq_smem.index(WG * N_PIECES + piece), dq, off_b, head, row0,
                        piece * DQ_PIECE)
         else:
-            _dq_add(p_dq, dq, row0, piece * DQ_PIECE, seqlen_q, HEAD_DIM, DQ_UNMASKED)
-    if not (DQ_EARLY or DQ_TMA):
+            _dq_add(p_dq, dq, row0, piece * DQ_PIECE, seqlen_q, HEAD_DIM)
+    if not DQ_TMA:
         mbarrier.arrive(ds_empty, count=1)
-    return dv, dk
 
 
 @gluon.jit
 def _mma_partition(args, dq_smem, WG: gl.constexpr, IS_CAUSAL: gl.constexpr,
-                   SDP: gl.constexpr, DQ_EARLY: gl.constexpr, DQ_UNMASKED: gl.constexpr,
-                   LSE_AHEAD: gl.constexpr, DQ_SPLIT: gl.constexpr,
-                   DKV_LATE: gl.constexpr, DQ_TMA: gl.constexpr, PIPE: gl.constexpr):
+                   SDP: gl.constexpr, LSE_AHEAD: gl.constexpr, DQ_SPLIT: gl.constexpr,
+                   DQ_TMA: gl.constexpr, PIPE: gl.constexpr):
     """Consumer warpgroup WG: keys key0 + 64 * WG + [0, 64) against every query block.
-    dq_rows: the dQ accumulator's rows per head (seqlen_q, or rounded up to BLOCK_M with
-    DQ_UNMASKED). ds_smem: one dS^T buffer (128 keys, BLOCK_M), two with DQ_SPLIT.
+    ds_smem: one dS^T buffer (128 keys, BLOCK_M), two with DQ_SPLIT.
     DQ_TMA: DQAccum is the accumulator's tensor map and dq_smem holds each warpgroup's
     dQ tiles on their way to its TMA reduce-adds (one a 64-dim piece, the first half of
     them warpgroup 0's); unused otherwise. PIPE: block it - 1's dV and dK are issued in
     block it, behind its S^T and dP^T (the module docstring's option pipe)."""
     (q_smem, k_smem, v_smem, do_smem, ds_smem, kv_ready, q_ready, do_ready, qdo_empty,
      ds_full, ds_empty, dk_desc, dv_desc, Lse, Delta, DQAccum, off_b, off_dkv, key0, h0,
-     n_heads, m_lo, n_m, nheads, seqlen_q, seqlen_k, dq_rows, diag_offset,
-     softmax_scale) = args
+     n_heads, m_lo, n_m, nheads, seqlen_q, seqlen_k, diag_offset, softmax_scale) = args
     STAGES: gl.constexpr = q_smem.type.shape[0]
     BLOCK_M: gl.constexpr = q_smem.type.shape[2]
     HEAD_DIM: gl.constexpr = q_smem.type.shape[4]
@@ -448,9 +402,6 @@ def _mma_partition(args, dq_smem, WG: gl.constexpr, IS_CAUSAL: gl.constexpr,
                                              layout=gl.SliceLayout(1, s_layout))
     dk = gl.zeros([BLOCK_N_WG, HEAD_DIM], gl.float32, d_layout)
     dv = gl.zeros([BLOCK_N_WG, HEAD_DIM], gl.float32, d_layout)
-    if DKV_LATE:  # carried as the async products' type (see the walk's hand-off)
-        dk = warpgroup_mma_init(dk)
-        dv = warpgroup_mma_init(dv)
     s_init = gl.zeros([BLOCK_N_WG, BLOCK_M], gl.float32, s_layout)  # ignored: use_acc=False
     dq_init = gl.zeros([BLOCK_M, DQ_PIECE], gl.float32, dq_layout)  # ignored: use_acc=False
     if DQ_SPLIT:
@@ -514,7 +465,7 @@ def _mma_partition(args, dq_smem, WG: gl.constexpr, IS_CAUSAL: gl.constexpr,
             # the operands it left in registers and its stage of the ring (which it has
             # not released): the tensor cores hold three products while this block's
             # softmax and dS run, and no product is in flight across the walk's back
-            # edge (what made ptxas serialize FA3's form, see dkv_late).
+            # edge (what made ptxas serialize FA3's form, see the module docstring's pipe).
             mbarrier.wait(do_ready.index(stage), phase)
             dp_t = warpgroup_mma(v, b_do.permute((1, 0)), s_init, use_acc=False,
                                  is_async=True)                              # (64, M)
@@ -601,13 +552,11 @@ def _mma_partition(args, dq_smem, WG: gl.constexpr, IS_CAUSAL: gl.constexpr,
                     _dq_reduce(DQAccum, dq_smem.index(WG), dq, off_b, h0 + it // n_m,
                                row0, WG * DQ_N)
             else:
-                p_dq = _dq_ptr(DQAccum, p_row, bh0 + it // n_m, dq_rows, HEAD_DIM,
-                               DQ_UNMASKED)
+                p_dq = DQAccum + p_row * HEAD_DIM
                 if SPLIT_ROWS:
-                    _dq_add(p_dq, dq, row0 + WG * BLOCK_N_WG, 0, seqlen_q, HEAD_DIM,
-                            DQ_UNMASKED)
+                    _dq_add(p_dq, dq, row0 + WG * BLOCK_N_WG, 0, seqlen_q, HEAD_DIM)
                 else:
-                    _dq_add(p_dq, dq, row0, WG * DQ_N, seqlen_q, HEAD_DIM, DQ_UNMASKED)
+                    _dq_add(p_dq, dq, row0, WG * DQ_N, seqlen_q, HEAD_DIM)
         else:
             # dQ_partial = dS K needs dS as the A operand, rows the queries: through shared
             # memory, read transposed. Both warpgroups' dS^T (128 keys) go into one product,
@@ -619,36 +568,14 @@ def _mma_partition(args, dq_smem, WG: gl.constexpr, IS_CAUSAL: gl.constexpr,
             ds_smem.slice(WG * BLOCK_N_WG, BLOCK_N_WG).store(ds_op)
             fence_async_shared()  # the generic-proxy writes above before wgmma reads them
             mbarrier.arrive(ds_full, count=1)
-            if DKV_LATE:
-                # The dQ owner waits for dV and dK with its first dQ product, queued behind
-                # them: one wgmma round trip fewer in its blocks.
-                if it % 2 == WG:
-                    mbarrier.wait(ds_full, it & 1)  # the other warpgroup's dS^T stored too
-                    p_dq = DQAccum if DQ_TMA else _dq_ptr(
-                        DQAccum, p_row, bh0 + it // n_m, dq_rows, HEAD_DIM, DQ_UNMASKED)
-                    dv, dk = _dq_partial(ds_smem, k_all, dq_init, p_dq, row0, seqlen_q,
-                                         ds_empty, dv, dk, qdo_empty.index(stage), dq_smem,
-                                         off_b, h0 + it // n_m, WG, DQ_EARLY, DQ_UNMASKED,
-                                         DKV_LATE, DQ_TMA)
-                    # Waited; typed as they came in, as a branch must leave them in Gluon.
-                    dv = warpgroup_mma_init(dv)
-                    dk = warpgroup_mma_init(dk)
-                else:
-                    dv, dk = warpgroup_mma_wait(0, deps=(dv, dk))
-                    mbarrier.arrive(qdo_empty.index(stage), count=1)  # Q, dO read the last time
-                    dv = warpgroup_mma_init(dv)
-                    dk = warpgroup_mma_init(dk)
-            else:
-                if not PIPE:  # (PIPE: waited above, block it - 1's)
-                    dv, dk = warpgroup_mma_wait(0, deps=(dv, dk))
-                    mbarrier.arrive(qdo_empty.index(stage), count=1)  # Q, dO read last
-                if it % 2 == WG:
-                    mbarrier.wait(ds_full, it & 1)  # the other warpgroup's dS^T stored too
-                    p_dq = DQAccum if DQ_TMA else _dq_ptr(
-                        DQAccum, p_row, bh0 + it // n_m, dq_rows, HEAD_DIM, DQ_UNMASKED)
-                    _dq_partial(ds_smem, k_all, dq_init, p_dq, row0, seqlen_q, ds_empty,
-                                dv, dk, qdo_empty.index(stage), dq_smem, off_b,
-                                h0 + it // n_m, WG, DQ_EARLY, DQ_UNMASKED, DKV_LATE, DQ_TMA)
+            if not PIPE:  # (PIPE: waited above, block it - 1's)
+                dv, dk = warpgroup_mma_wait(0, deps=(dv, dk))
+                mbarrier.arrive(qdo_empty.index(stage), count=1)  # Q, dO read last
+            if it % 2 == WG:
+                mbarrier.wait(ds_full, it & 1)  # the other warpgroup's dS^T stored too
+                p_dq = DQAccum if DQ_TMA else DQAccum + p_row * HEAD_DIM
+                _dq_partial(ds_smem, k_all, dq_init, p_dq, row0, seqlen_q, ds_empty,
+                            dq_smem, off_b, h0 + it // n_m, WG, DQ_TMA)
 
     if PIPE:
         if n_iter > 0:  # the last block's dV and dK
@@ -663,8 +590,6 @@ def _mma_partition(args, dq_smem, WG: gl.constexpr, IS_CAUSAL: gl.constexpr,
     # which reads both halves of K, has completed (a fresh barrier passes: no walk). TMA
     # drops the rows past seqlen_k. DQ_SPLIT: both warpgroups' last products (ds_empty
     # counts two arrivals, one a warpgroup after its walk).
-    if DKV_LATE:  # back to tensors; every product of the walk has been waited for
-        dv, dk = warpgroup_mma_wait(0, deps=(dv, dk))
     if DQ_SPLIT:
         mbarrier.arrive(ds_empty, count=1)
         mbarrier.wait(ds_empty, 0)
@@ -708,17 +633,16 @@ def _attn_bwd_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, L
                             DQAccum, seqlen_q, seqlen_k, nheads, nheads_kv, head_split,
                             dq_rows, diag_offset, softmax_scale, IS_CAUSAL: gl.constexpr,
                             STAGES: gl.constexpr, SDP: gl.constexpr,
-                            DQ_EARLY: gl.constexpr, DQ_UNMASKED: gl.constexpr,
                             LSE_AHEAD: gl.constexpr, DQ_SPLIT: gl.constexpr,
-                            DKV_LATE: gl.constexpr, DQ_TMA: gl.constexpr,
-                            PIPE: gl.constexpr):
+                            DQ_TMA: gl.constexpr, PIPE: gl.constexpr):
     """dK, dV of 128 keys of one (batch, KV head), dQ added into DQAccum: fp32 (batch,
-    nheads, dq_rows, head_dim), its first seqlen_q rows of each head zeroed by the
-    preprocess (DQ_TMA: its tensor map, ``_dq_descriptor``). head_split > 1 (GQA): the
+    nheads, seqlen_q, head_dim), zeroed by the preprocess (DQ_TMA: its tensor map,
+    ``_dq_descriptor``). head_split > 1 (GQA): the
     group's query heads are dealt to head_split programs, each storing its share of dK
     and dV into head off_hkv * head_split + its index of dk_desc/dv_desc (the launcher
-    sums the shares). SDP, DQ_EARLY, DQ_UNMASKED, LSE_AHEAD, DQ_SPLIT, DKV_LATE, DQ_TMA,
-    PIPE: the schedule options of the module docstring."""
+    sums the shares). dq_rows: seqlen_q, unused here (bwd_hopper256's kernel, which
+    reads it, takes the same arguments). SDP, LSE_AHEAD, DQ_SPLIT, DQ_TMA, PIPE: the schedule
+    options of the module docstring."""
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[1]
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
     key0, off_b, off_dkv, off_hkv, h0, n_heads, m_lo, n_m = _program_walk(
@@ -770,16 +694,16 @@ def _attn_bwd_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, L
     # stay outside it: a tuple held in a variable turns constants into runtime values.
     mma_args = (q_smem, k_smem, v_smem, do_smem, ds_smem, kv_ready, q_ready, do_ready,
                 qdo_empty, ds_full, ds_empty, dk_desc, dv_desc, Lse, Delta, DQAccum, off_b,
-                off_dkv, key0, h0, n_heads, m_lo, n_m, nheads, seqlen_q, seqlen_k, dq_rows,
+                off_dkv, key0, h0, n_heads, m_lo, n_m, nheads, seqlen_q, seqlen_k,
                 diag_offset, softmax_scale)
     load_args = (q_desc, k_desc, v_desc, do_desc, q_smem, k_smem, v_smem, do_smem, kv_ready,
                  q_ready, do_ready, qdo_empty, off_b, off_hkv, key0, h0, n_heads, m_lo, n_m)
     gl.warp_specialize([
-        (_mma_partition, (mma_args, dq_smem, 0, IS_CAUSAL, SDP, DQ_EARLY, DQ_UNMASKED,
-                          LSE_AHEAD, DQ_SPLIT, DKV_LATE, DQ_TMA, PIPE)),
+        (_mma_partition, (mma_args, dq_smem, 0, IS_CAUSAL, SDP, LSE_AHEAD, DQ_SPLIT,
+                          DQ_TMA, PIPE)),
         (_load_partition, load_args),
-        (_mma_partition, (mma_args, dq_smem, 1, IS_CAUSAL, SDP, DQ_EARLY, DQ_UNMASKED,
-                          LSE_AHEAD, DQ_SPLIT, DKV_LATE, DQ_TMA, PIPE)),
+        (_mma_partition, (mma_args, dq_smem, 1, IS_CAUSAL, SDP, LSE_AHEAD, DQ_SPLIT,
+                          DQ_TMA, PIPE)),
     ], [1, 4], [PRODUCER_REGS, CONSUMER_REGS])
 
 
@@ -817,10 +741,10 @@ def _descriptor(x, rows: int):
 
 
 def _dq_descriptor(dq_accum, rows: int) -> TensorDescriptor:
-    """dq_tma: a tensor map over the fp32 dQ accumulator (batch, nheads, dq_rows,
+    """dq_tma: a tensor map over the fp32 dQ accumulator (batch, nheads, seqlen_q,
     head_dim) in (1, 1, rows, 64) boxes, one dQ_partial tile (``dq_tile_rows``),
     128-byte swizzled (Triton sends each box as two 32-column messages); the reduce-adds
-    drop rows past dq_rows."""
+    drop rows past seqlen_q."""
     box = [1, 1, rows, DQ_PIECE.value]
     return TensorDescriptor(dq_accum, list(dq_accum.shape), list(dq_accum.stride()), box,
                             gl.NVMMASharedLayout.get_default_for(box, gl.float32))
@@ -838,19 +762,15 @@ def kernel_flags(head_dim: int, causal: bool, opts: frozenset[str], block_m: int
     kernel (head_dim 256) has no options."""
     if head_dim == 256:
         return dict(IS_CAUSAL=causal)
-    if "dq_split" in opts and opts & {"dq_early", "dkv_late"}:
-        raise ValueError("FLASHTILE_HOPPER_BWD_OPTS: dq_split (each consumer its share "
-                         "of every dQ product) goes without dq_early and dkv_late (one "
-                         f"consumer's whole product), got {sorted(opts)}")
     if "dq_split" in opts and head_dim < 2 * DQ_PIECE.value and block_m != 128:
         raise ValueError("FLASHTILE_HOPPER_BWD_OPTS=dq_split at head_dim 64 needs 128 "
                          "query rows a block (FLASHTILE_HOPPER_BWD_CONFIG='128,128,4,2'), "
                          "each consumer taking 64 of them: half of the head dims would be "
                          f"half a 128-byte swizzle atom of K. Got BLOCK_M {block_m}")
-    if "pipe" in opts and opts & {"sdp", "dq_split", "dkv_late"}:
+    if "pipe" in opts and opts & {"sdp", "dq_split"}:
         raise ValueError("FLASHTILE_HOPPER_BWD_OPTS: pipe (the previous block's dV and dK "
                          "behind this block's S^T and dP^T) goes without sdp (which it "
-                         "includes), dq_split and dkv_late (other hand-offs), got "
+                         "includes) and dq_split (another hand-off), got "
                          f"{sorted(opts)}")
     if "pipe" in opts and (head_dim != 64 or block_m != 64):
         raise ValueError("FLASHTILE_HOPPER_BWD_OPTS=pipe needs head_dim 64 and 64 query "
@@ -858,16 +778,8 @@ def kernel_flags(head_dim: int, causal: bool, opts: frozenset[str], block_m: int
                          "dK and dV do not fit 240 registers at head_dim 128 or BLOCK_M 128 "
                          "(ptxas serializes every wgmma and spills), got head_dim "
                          f"{head_dim}, BLOCK_M {block_m}")
-    if "dq_tma" in opts and opts & {"dq_early", "dq_unmasked"}:
-        raise ValueError("FLASHTILE_HOPPER_BWD_OPTS: dq_tma (dQ added by TMA reduce-adds) "
-                         "goes without dq_early and dq_unmasked (options of the atomics "
-                         f"it replaces), got {sorted(opts)}")
-    return dict(IS_CAUSAL=causal,
-                SDP="sdp" in opts,
-                DQ_EARLY="dq_early" in opts, DQ_UNMASKED="dq_unmasked" in opts,
-                LSE_AHEAD="lse_ahead" in opts,
-                DQ_SPLIT="dq_split" in opts, DKV_LATE="dkv_late" in opts,
-                DQ_TMA="dq_tma" in opts, PIPE="pipe" in opts)
+    return dict(IS_CAUSAL=causal, SDP="sdp" in opts, LSE_AHEAD="lse_ahead" in opts,
+                DQ_SPLIT="dq_split" in opts, DQ_TMA="dq_tma" in opts, PIPE="pipe" in opts)
 
 
 # The parameters each plan of the backward fills per call, in its kernel's order.
@@ -919,11 +831,9 @@ def backward(dout, q, k, v, out, lse, dlse, softmax_scale, diag_offset, causal):
     has_dlse = dlse is not None
     dlse = dlse.contiguous() if has_dlse else lse  # lse: a never-read placeholder
     delta = torch.empty_like(lse)
-    # Rows head_dim wide: the kernel's atomics and the conversion address them so. With
-    # dq_unmasked, dq_rows rounds seqlen_q up to BLOCK_M: the atomics of rows past
-    # seqlen_q (which add dS = 0 times K) land there, never read, not zeroed.
-    def accumulator(dq_rows):
-        return torch.empty((b, h, dq_rows, d), dtype=torch.float32, device=q.device)
+    # Rows head_dim wide: the kernel's atomics and the conversion address them so.
+    def accumulator():
+        return torch.empty((b, h, sq, d), dtype=torch.float32, device=q.device)
 
     key = None
     if _launch.ready(q):
@@ -934,8 +844,8 @@ def backward(dout, q, k, v, out, lse, dlse, softmax_scale, diag_offset, causal):
                _launch.misalignment(_launch.pointers((out, dout, dlse, lse))))
         plans = _launch.lookup(key)
         if plans is not None:
-            pre, (main, boxes, dq_rows, dq_box), convert = plans
-            dq_accum = accumulator(dq_rows)
+            pre, (main, boxes, dq_box), convert = plans
+            dq_accum = accumulator()
             pre((out.data_ptr(), dout.data_ptr(), dlse.data_ptr(), delta.data_ptr(),
                  dq_accum.data_ptr()))
             dq_arg = dq_accum.data_ptr() if dq_box is None \
@@ -946,9 +856,7 @@ def backward(dout, q, k, v, out, lse, dlse, softmax_scale, diag_offset, causal):
             return dq, *_summed(dk_shares, dv_shares, split)
     cfg = configs.hopper_bwd_config(d)
     flags = kernel_flags(d, causal, configs.hopper_bwd_opts(), cfg.block_m)
-    dq_rows = configs.cdiv(sq, cfg.block_m) * cfg.block_m if flags.get("DQ_UNMASKED") \
-        else sq
-    dq_accum = accumulator(dq_rows)
+    dq_accum = accumulator()
     configs.log_first_launch("hopper backward", q, d, cfg, flags)
     pre_m = configs.PREPROCESS_BLOCK_M
     row_grid = (configs.cdiv(sq, pre_m), b * h)
@@ -971,8 +879,7 @@ def backward(dout, q, k, v, out, lse, dlse, softmax_scale, diag_offset, causal):
         if flags.get("DQ_TMA") else dq_accum
     main = _launch.first_launch(
         kernel, (configs.cdiv(sk, cfg.block_n), b * hkv * split),
-        (*descs, lse, delta, dq_arg, sq, sk, h, hkv, split, dq_rows, diag_offset,
-         softmax_scale),
+        (*descs, lse, delta, dq_arg, sq, sk, h, hkv, split, sq, diag_offset, softmax_scale),
         dict(flags, STAGES=cfg.num_stages, num_warps=cfg.num_warps),
         _MAIN_SLOTS if key is not None else None)
     convert = _launch.first_launch(
@@ -984,7 +891,7 @@ def backward(dout, q, k, v, out, lse, dlse, softmax_scale, diag_offset, causal):
         # The descriptors without their tensors: a plan must not keep a call's memory.
         boxes = tuple(fwd_hopper._rebased(x, None) for x in descs)
         dq_box = fwd_hopper._rebased(dq_arg, None) if dq_arg is not dq_accum else None
-        _launch.store(key, (pre, (main, boxes, dq_rows, dq_box), convert))
+        _launch.store(key, (pre, (main, boxes, dq_box), convert))
     return dq, *_summed(dk_shares, dv_shares, split)
 
 

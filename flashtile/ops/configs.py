@@ -354,15 +354,14 @@ def hopper_bwd_config(head_dim: int) -> TileConfig:
 # FLASHTILE_HOPPER_BWD_OPTS (comma-separated; "none" for none; unset: the default below)
 # for the GPU A/B; bwd_hopper's docstring says what each changes. Read when a launch plan
 # is made.
-HOPPER_BWD_OPTS = ("sdp", "dq_early", "dq_unmasked", "lse_ahead", "dq_split",
-                   "dkv_late", "dq_tma", "pipe")
+HOPPER_BWD_OPTS = ("sdp", "lse_ahead", "dq_split", "dq_tma", "pipe")
 # lse_ahead is the default since session 15: forward + backward +6-10% at head_dim 64,
 # +1-4% at 128 on the H200 (docs/benchmarks/NOTES.md section 25).
 HOPPER_BWD_DEFAULT_OPTS = frozenset({"lse_ahead"})
 
 
 def hopper_bwd_opts() -> frozenset[str]:
-    """The FLASHTILE_HOPPER_BWD_OPTS options of the Gluon backward, e.g. "sdp,dq_early";
+    """The FLASHTILE_HOPPER_BWD_OPTS options of the Gluon backward, e.g. "sdp,lse_ahead";
     "none" for none, unset for HOPPER_BWD_DEFAULT_OPTS."""
     raw = os.environ.get("FLASHTILE_HOPPER_BWD_OPTS")
     if raw is None:
