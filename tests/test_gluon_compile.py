@@ -468,7 +468,7 @@ def _waited_loads(ops: list[str]) -> int:
 # 128 (causal) stores 10-12 words a block inside the walks.
 _BWD_NEW_OPTS = {
     (("lse_ahead",), 64, 64): 0,
-    (("lse_ahead", "sdp"), 64, 64): 0,  # session 16: timed at d64 only (d128 stores)
+    (("lse_ahead", "sdp"), 64, 64): 0,  # session 15: timed at d64 only (d128 stores)
     (("lse_ahead",), 128, 64): 56,
     (("dq_split",), 64, 128): 56,
     (("dq_split",), 128, 64): 32,
@@ -506,7 +506,7 @@ def test_hopper_backward_new_options_compile_for_sm90(opts, head_dim, block_m, c
         assert res["shared_bytes"] == resources(base)["shared_bytes"]
 
 
-# dq_tma (session 16), alone with the default's lse_ahead and with dq_split, at the BLOCK_M
+# dq_tma (session 15), alone with the default's lse_ahead and with dq_split, at the BLOCK_M
 # each is timed or tested at, and the local memory ptxas keeps (bytes, the worst of full
 # and causal; scalars stored before the walks, reloaded in them). At head_dim 128 the
 # walk's TMA coordinates take 24-64 bytes more than the atomics' (56) without dq_split,
@@ -548,7 +548,7 @@ def test_hopper_backward_dq_tma_compiles_for_sm90(opts, head_dim, block_m, causa
     assert "atom.global" not in ptx and "red.global" not in ptx
 
 
-# pipe (session 16) at head_dim 64 with the default's lse_ahead, by STAGES and causal:
+# pipe (session 15) at head_dim 64 with the default's lse_ahead, by STAGES and causal:
 # the most words a walk stores to local memory (3 stages, causal: ptxas stores and
 # reloads 2 inside the walk) and the local memory it keeps (bytes).
 _BWD_PIPE = {(2, False): (0, 0), (2, True): (0, 16), (3, False): (0, 16),

@@ -228,10 +228,12 @@ def _decode_steps(args, cfg):
     CUDA the launch floor of a graph's kernel is measured (step_kernels.graph_kernel_us).
     """
     from flashtile.engine import LLM
+    from flashtile.engine.config import EngineConfig
     sizes = args.decode_batches
     llm = LLM(model=args.model_dir, dtype="bfloat16", load_format="dummy",
               max_num_seqs=max(sizes + [args.prefill_seqs]),
-              max_num_batched_tokens=max(8192, args.prefill_seqs * args.context),
+              max_num_batched_tokens=max(EngineConfig.max_num_batched_tokens,
+                                         args.prefill_seqs * args.context),
               max_model_len=args.context + 16, seed=0)
     runner = llm.runner
     weight_bytes = sum(p.numel() * p.element_size() for p in

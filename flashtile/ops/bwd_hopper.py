@@ -36,7 +36,7 @@ shares are summed after the kernel. Three warp-specialised partitions:
   async.bulk``) could take: ``gl.inline_asm_elementwise`` reads register tensors only.
   Its op builder binds the tensor form, though (``create_async_tma_reduce``): option
   dq_tma below reaches FA3's reduce-add of a shared tile through a wrapper of it
-  (``_tma_reduce_add``, session 16).
+  (``_tma_reduce_add``, session 15).
 - warp_specialize's register requests become setmaxnreg: 24 for the producer, 240 for
   each consumer (dK and dV accumulators, 64 x head_dim fp32 each, live across the walk).
 
@@ -98,7 +98,7 @@ A/B, all compile-checked on the CPU:
   REDGs have read them. Nsight Compute (session 15): the L2 61% busy at d128 (DRAM 4.6%)
   and 31% of the stall samples on L1TEX at d64 (transformers' step), most plausibly the
   atomics. The TMA engine adds whole 128-byte lines from one instruction.
-  Prediction (session 16, not run on a GPU): backward +4-10% at d128 and +3-8% at d64,
+  Prediction (session 15, not run on a GPU): backward +4-10% at d128 and +3-8% at d64,
   forward + backward about 0.7x that (+3-7% / +2-6%); with dq_split at d128 (FA3's dQ
   path, both consumers every block) level with lse_ahead + dq_tma to +4%: dq_split lost
   2-9% alone, its consumers meeting every block, and the atomics it doubled per block
@@ -123,7 +123,7 @@ A/B, all compile-checked on the CPU:
   products read, and ptxas serializes every wgmma of the kernel (C7513). ptxas places
   the exp2 after the dP^T wait (0 of 32 under it, 14-32 by default), under the previous
   block's dV and dK.
-  Prediction (session 16, not run on a GPU): a d64 block is ~3,600 clocks a consumer
+  Prediction (session 15, not run on a GPU): a d64 block is ~3,600 clocks a consumer
   (backward ~350 TFLOP/s); the dV/dK round trip (8 HGMMA, ~250 clocks, ~350 with its
   latency) leaves the chain, dP^T's ~130 under the exp2 come back: 4-8% of the
   chain, half of it as lse_ahead got half of its prediction: backward +2-5% at d64,
