@@ -55,6 +55,22 @@ def test_cuda_graph_decode_equals_eager(checkpoint, monkeypatch, backend):
     assert bm.num_free_blocks == bm.num_blocks
 
 
+def test_torch_backend_decodes_eagerly(checkpoint, monkeypatch):
+    """FLASHTILE_BACKEND=torch reads sequence lengths on the host, which a CUDA graph
+    capture forbids: the engine then decodes eagerly, with the graphed engine's tokens."""
+    path, _ = checkpoint
+    kw = dict(dtype="float32", device="cuda", max_model_len=64, max_num_seqs=4,
+              kv_cache_memory=2**26)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    prompts = _prompts([5, 17])
+    graphed = _generate(LLM(str(path), **kw), prompts, params)
+    monkeypatch.setenv("FLASHTILE_BACKEND", "torch")
+    llm = LLM(str(path), **kw)
+    assert llm.runner.graphs == {}
+    assert [o.token_ids for o in _generate(llm, prompts, params)] == \
+        [o.token_ids for o in graphed]
+
+
 def test_greedy_equals_transformers_on_cuda(checkpoint):
     path, model = checkpoint
     prompts = _prompts([1, 9, 30, 61])

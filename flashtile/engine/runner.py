@@ -23,6 +23,7 @@ from typing import Optional
 
 import torch
 
+from flashtile._backend import select_backend
 from flashtile._validate import _fail
 from flashtile.engine.attention import AttentionMetadata
 from flashtile.engine.config import EngineConfig
@@ -75,7 +76,10 @@ class ModelRunner(StepInputsMixin, CudaGraphsMixin):
         self._graph_views = None, None, None  # see upload
         self.graphs, self.static, self._staging, self._graph_list = {}, {}, {}, []
         self._last_tokens = None
-        use_graphs = self.device.type == "cuda" and not config.enforce_eager
+        # flashtile's PyTorch path (FLASHTILE_BACKEND=torch) reads each sequence's length
+        # on the host, which a graph capture forbids: that path decodes eagerly.
+        use_graphs = self.device.type == "cuda" and not config.enforce_eager and not (
+            config.attention_backend == "flashtile" and select_backend(self.device) == "torch")
         if self.device.type == "cuda":
             self.warm_up(decode=not use_graphs)
         if use_graphs:
