@@ -413,13 +413,14 @@ r(heads=($heads,))" 2>&1 | grep "^{" | sed "s/^/$heads heads, $tile: /" ) \
     # compiles, CUDA graphs: ~30-60 s), then 10 timed steps and 3 profiled ones a batch
     # (and 3 eager ones beside them); the limits keep the worst case inside one 10-minute
     # call. kernels.md: every table; kernels-MODEL.json: the whole breakdowns (every
-    # kernel, full names).
+    # kernel, full names); host-MODEL-BATCH.txt: cProfile of each row's eager forwards
+    # (session 16: the 0.5B prompt step's host, ~1.2 ms a layer, was its bottleneck).
     for run in "qwen2.5-0.5b:1 256" "llama-3.2-1b:256" "llama-3-8b:1 32"; do
       model=${run%%:*}
       stamp "kernels $model"
       timeout 170 python3 -m flashtile.bench.throughput --decode-step --models "$model" \
         --decode-batches ${run#*:} --prefill-seqs 8 --decode-reps 10 --kernels 10 \
-        --timeout 160 \
+        --timeout 160 --profile "$OUT/host-$model" \
         --out "$OUT/kernels-$model.json" 2>&1 | grep -v -i warn | tee -a "$OUT/kernels.md"
     done
     stamp engine-decode-rows

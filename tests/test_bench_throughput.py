@@ -134,13 +134,16 @@ def test_decode_step_kernels_on_a_tiny_model(tmp_path, monkeypatch, on_gpu):
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     args = argparse.Namespace(model_dir=str(tmp_path), decode_batches=[1, 3], context=40,
                               decode_reps=2, copy_gbs=100.0, matmul_tflops=1.0, kernels=3,
-                              prefill_seqs=2)
+                              prefill_seqs=2, profile=str(tmp_path / "host"))
     try:
         rows = throughput_runs._decode_steps(args, cfg)
     finally:
         torch.set_num_threads(threads)
     assert [r["batch"] for r in rows] == [1, 3, "prefill 2x40"]
     assert [r["prefill"] for r in rows] == [False, False, True]
+    for batch in ("1", "3", "prefill 2x40"):  # --profile: each row's eager forwards
+        text = (tmp_path / f"host-{batch}.txt").read_text()
+        assert "5 eager forwards" in text and "model.py" in text
     # The prompt step against the roofline's prompt rule: 2 x parameters FLOPs a token.
     assert rows[2]["kv_gb"] == 0 and rows[2]["floor_ms"] == pytest.approx(
         1e3 * 2 * throughput.param_count(cfg) * 2 * 40 / 1e12)

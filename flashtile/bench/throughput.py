@@ -239,7 +239,8 @@ def main(argv=None):
                         "goes on the host and the device (flashtile/bench/step_kernels.py)")
     p.add_argument("--out", default="throughput.json")
     p.add_argument("--profile", metavar="PREFIX",
-                   help="cProfile each engine run into PREFIX-PROVIDER.txt")
+                   help="cProfile each engine run into PREFIX-PROVIDER.txt; with "
+                        "--decode-step, each row's eager forward into PREFIX-BATCH.txt")
     p.add_argument("--trace", action="store_true",
                    help="CUDA events around each engine step: GPU time, GPU idle time and "
                         "host launch time by step kind (decode by batch size, prompt)")

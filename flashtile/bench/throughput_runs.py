@@ -186,6 +186,31 @@ def _time_step(runner, scheduled, reps):
     return sorted(step_ms)[len(step_ms) // 2], sorted(fwd_ms)[len(fwd_ms) // 2]
 
 
+def _profile_forward(runner, scheduled, path, reps=5):
+    """--profile with --decode-step: ``reps`` eager forwards of the step under cProfile,
+    its 30 functions of most own time into ``path``: where an eager step's host time
+    goes (a prompt step's host was the bottleneck of the 0.5B shape, NOTES.md section
+    26). The device is synchronised before and after, so only host work is counted."""
+    import cProfile
+    import pstats
+
+    import torch
+    sync = torch.cuda.synchronize if runner.device.type == "cuda" else (lambda: None)
+    with _eager(runner):
+        inputs = runner.prepare(scheduled)
+        runner.forward(inputs)  # any first-call work stays out of the profile
+        sync()
+        profiler = cProfile.Profile()
+        profiler.enable()
+        for _ in range(reps):
+            runner.forward(inputs)
+        profiler.disable()
+        sync()
+    with open(path, "w") as f:
+        f.write(f"# {reps} eager forwards of the step, cProfile, by own time\n")
+        pstats.Stats(profiler, stream=f).sort_stats("tottime").print_stats(30)
+
+
 def _kernel_breakdowns(llm, cfg, args, rows):
     """--kernels: each batch size's decode step under torch.profiler, kernel by kernel
     (step_kernels), into its row as ``kernels``. Where the runner replays CUDA graphs,
@@ -256,6 +281,11 @@ def _decode_steps(args, cfg):
                          weight_gb=weight_bytes / 1e9, kv_gb=kv / 1e9, floor_ms=floor_ms,
                          step_ms=step, forward_ms=fwd, step_frac=floor_ms / step,
                          forward_frac=floor_ms / fwd))
+    if getattr(args, "profile", None):
+        for row in rows:
+            with _decoding(llm, cfg, row["seqs"], args.context,
+                           row["prefill"]) as scheduled:
+                _profile_forward(runner, scheduled, f"{args.profile}-{row['batch']}.txt")
     if args.kernels:
         _kernel_breakdowns(llm, cfg, args, rows)
         if runner.device.type == "cuda":
