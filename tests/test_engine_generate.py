@@ -701,6 +701,6 @@ def test_fused_rope_store_gives_the_same_tokens(checkpoint, monkeypatch, kw):
     prompts = _prompts([5, 23, 40], seed=4)
     prompts.append(prompts[1][:16] + [7, 8])  # a prefix-cache hit
     want = _tokens(_llm(path, **kw).generate(prompts, GREEDY, use_tqdm=False))
-    monkeypatch.setattr(model, "fused_rope_store", lambda q: True)
+    monkeypatch.setattr(model, "use_kernels", lambda x: True)
     llm = _llm(path, max_num_batched_tokens=32, **kw)  # chunked prefill beside decodes
     assert _tokens(llm.generate(prompts, GREEDY, use_tqdm=False)) == want
