@@ -510,12 +510,18 @@ def test_plan_decode_and_varlen_equal_triton_path_on_gpu(paged, device):
                                                   max_seqlen, causal=True, return_lse=True)
         return (*out, k_cache, v_cache, *varlen)
 
+    _assert_plans_equal_triton_path(run, (0, 60), (1, 64))
+
+
+def _assert_plans_equal_triton_path(run, first, again):
+    """run(*first) through Triton makes the plans; run(*again) through them gives the
+    bits Triton's path gives for the same arguments."""
     _launch.clear()
-    run(0, 60)  # through Triton: plans made
-    planned = run(1, 64)
+    run(*first)
+    planned = run(*again)
     previous = _launch.set_enabled(False)
     try:
-        for a, b in zip(planned, run(1, 64)):
+        for a, b in zip(planned, run(*again)):
             assert torch.equal(a, b)
     finally:
         _launch.set_enabled(previous)
@@ -532,15 +538,7 @@ def test_plan_engine_elementwise_equals_triton_path_on_gpu(device):
         out = _engine_layer(inputs)
         return (*out.values(), inputs["k_cache"], inputs["v_cache"])
 
-    _launch.clear()
-    run(0, 5)  # through Triton: plans made
-    planned = run(1, 300)
-    previous = _launch.set_enabled(False)
-    try:
-        for a, b in zip(planned, run(1, 300)):
-            assert torch.equal(a, b)
-    finally:
-        _launch.set_enabled(previous)
+    _assert_plans_equal_triton_path(run, (0, 5), (1, 300))
 
 
 def test_fp32_precision_switch(monkeypatch):

@@ -12,7 +12,10 @@ slice of the heads, of the MLP's intermediate features and of the vocabulary; th
 attention and the KV cache of a rank cover its own heads only.
 
 The numerics follow transformers' modules (RMSNorm in fp32 then cast before the weight
-multiply, rotary tables in fp32), so fp32 logits agree to rounding.
+multiply, rotary tables in fp32), so fp32 logits agree to rounding. On CUDA the
+elementwise work (RMSNorm with the residual add, SiLU-and-multiply, the rotary embedding
+with the cache write) runs in flashtile's Triton kernels (engine/layernorm.py,
+activation.py, rope_store.py), elsewhere in their PyTorch references (``elementwise``).
 """
 
 from __future__ import annotations
