@@ -28,6 +28,11 @@
 #                kernels, then logits, sampling and copies; host and device time): 0.5B
 #                at batch 1 and 256, 1B at 256, 8B at 1 and 32; then the decode kernel
 #                alone at the engine's shapes (bench.decode --engine)     (~4 min)
+#   engine-fused the engine's elementwise Triton kernels (RMSNorm, SiLU-and-multiply,
+#                rotary + cache write): their GPU tests and the engine's, their memcheck
+#                slice, then the 0.5B decode-step bench (batches 1 and 256, a prompt step
+#                of 8 x 1024) with FLASHTILE_ENGINE_FUSED=compile and with the kernels,
+#                the step and forward ms beside each other                  (~8 min)
 #   host         flashtile bench host, flashtile bench hf (and --pad at batch 16) (~10 min)
 #   hopper       the Gluon forward's GPU tests (16-bit) and its timing     (~9 min)
 #   tp           the tensor-parallel driver's tests (2 GPUs)              (~4 min)
@@ -428,6 +433,47 @@ r(heads=($heads,))" 2>&1 | grep "^{" | sed "s/^/$heads heads, $tile: /" ) \
       | grep "^|\|^#" | tee "$OUT/decode-engine.txt"
     stamp done
     ;;
+  engine-fused)
+    # Session 16: RMSNorm(+residual), SiLU-and-multiply (engine/layernorm.py,
+    # activation.py) and rope_store retiled to blocks of heads, launched through plans,
+    # in place of torch.compile(dynamic=True)'s functions (23-51 us of host a call on the
+    # development machine; inductor's silu at ~37% of the copy bandwidth). Session 16's
+    # profile of the old path: prompt step of 8 x 1024 forward 27.2 ms (kernels 16.4 ms;
+    # silu 3.6 ms, rope_store 1.9 ms, norms 0.69 ms); batch 256 step 2.1 ms (silu 141 us,
+    # rope_store 86 us, norms 96 us). SKIP_TESTS=1: the tests already ran (check).
+    stamp engine-fused-tests
+    [ -n "${SKIP_TESTS:-}" ] || timeout 150 python3 -m pytest -q -p no:cacheprovider $XDIST \
+      --gpu tests/test_engine_elementwise.py tests/test_engine_attention.py \
+      tests/test_engine_gpu.py tests/test_launch_plans.py 2>&1 | tail -3 \
+      | tee "$OUT/engine-fused-tests.txt"
+    stamp memcheck-fused
+    timeout 120 make memcheck MEMCHECK_K="elementwise" \
+      MEMCHECK_FILES="tests/test_engine_elementwise.py tests/test_launch_plans.py" 2>&1 \
+      | tail -3 | tee -a "$OUT/engine-fused-tests.txt"
+    # One process per mode (the choice is read when the model is built), each building
+    # its engine (dummy weights, warm-up, CUDA graphs), 10 timed steps and 3 profiled.
+    # The limits keep the stage inside one 10-minute call (tests 150 + memcheck 120 +
+    # 2 x 150 s at worst).
+    for mode in compile triton; do
+      stamp "decode step, FLASHTILE_ENGINE_FUSED=$mode"
+      FLASHTILE_ENGINE_FUSED=$mode timeout 150 python3 -m flashtile.bench.throughput \
+        --decode-step --models qwen2.5-0.5b --decode-batches 1 256 --prefill-seqs 8 \
+        --decode-reps 10 --kernels 10 --timeout 140 --out "$OUT/fused-$mode.json" 2>&1 \
+        | grep -v -i warn > "$OUT/fused-$mode.md"
+      grep -i "^| qwen\|rms\|silu\|rope\|triton_p" "$OUT/fused-$mode.md" | cut -c1-150
+    done
+    python3 - "$OUT/fused-compile.json" "$OUT/fused-triton.json" <<'PY'
+import json, sys
+rows = [{str(r["batch"]): r for r in json.load(open(p))["decode_steps"]} for p in sys.argv[1:]]
+print("| step | compile step ms | kernels step ms | compile forward ms | kernels forward ms |")
+print("| --- | --- | --- | --- | --- |")
+for k in rows[0]:
+    a, b = rows[0][k], rows[1].get(k, {})
+    print(f"| {k} | {a['step_ms']:.3f} | {b.get('step_ms', float('nan')):.3f} "
+          f"| {a['forward_ms']:.3f} | {b.get('forward_ms', float('nan')):.3f} |")
+PY
+    stamp done
+    ;;
   shapes)
     # The 0.5B and 8B shapes, every row (transformers' rows: 64 requests).
     timeout 580 python3 -m flashtile.bench.throughput --models qwen2.5-0.5b llama-3-8b \
@@ -538,7 +584,7 @@ import PRESETS; json.dump(PRESETS['llama-3.2-1b'], open('/tmp/llama1b/config.jso
     kill "$server"
     ;;
   *)
-    echo "usage: $0 check|memcheck|sweep [SECONDS]|extra|short|decode|splits|pdl|engine|engine-host|engine-peers|engine-kernels|shapes|host|hopper|tp|fp32|wide|serve [BACKEND] [KV]" >&2
+    echo "usage: $0 check|memcheck|sweep [SECONDS]|extra|short|decode|splits|pdl|engine|engine-host|engine-peers|engine-kernels|engine-fused|shapes|host|hopper|tp|fp32|wide|serve [BACKEND] [KV]" >&2
     exit 2
     ;;
 esac

@@ -73,32 +73,3 @@ def test_attention_backends_match_reference(backend, window_left, new, device):
                           torch.arange(n - new, n), window_left)
         torch.testing.assert_close(out[b * new:(b + 1) * new].double(), want,
                                    atol=1e-5, rtol=1e-5)
-
-
-@pytest.mark.parametrize("head_dim", [16, 24])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_rope_and_store_equals_its_reference(backend, device, dtype, head_dim):
-    """The fused rotary + cache write against the PyTorch path: q and k rotated alike,
-    k and v stored at each slot, nothing written for a negative slot (graph padding);
-    q/k/v are strided views of one fused projection, as the model passes them."""
-    from flashtile.engine.rope_store import rope_and_store, rope_and_store_reference
-    if backend == "torch":
-        pytest.skip("a Triton kernel: the interpreter or the GPU")
-    torch.manual_seed(1)
-    t, h, hkv, ps, blocks = 7, 4, 2, 4, 5
-    qkv = torch.randn(t, (h + 2 * hkv) * head_dim, dtype=dtype, device=device)
-    q, k, v = (x.view(t, -1, head_dim) for x in qkv.split(
-        [h * head_dim, hkv * head_dim, hkv * head_dim], dim=-1))
-    angles = torch.rand(t, head_dim // 2, device=device) * 6
-    cos, sin = angles.cos(), angles.sin()
-    slots = torch.tensor([3, 0, -1, 17, 9, -1, 12], device=device)
-    caches = [torch.randn(blocks, ps, hkv, head_dim, dtype=dtype, device=device)
-              for _ in range(2)]
-    expected = [c.clone() for c in caches]
-    q_ref, k_ref = rope_and_store_reference(q, k, v, cos, sin, slots, *expected)
-    q_out, k_out = rope_and_store(q, k, v, cos, sin, slots, *caches)
-    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-3, rtol=2e-3)
-    torch.testing.assert_close(q_out, q_ref, **tol)
-    torch.testing.assert_close(k_out, k_ref, **tol)
-    for got, want in zip(caches, expected):
-        torch.testing.assert_close(got, want, **tol)

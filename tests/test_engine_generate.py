@@ -692,15 +692,17 @@ def test_prefill_inputs_start_16_byte_aligned(checkpoint, batch):
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                     reason="the fused kernel on CPU needs the interpreter (make test)")
 @pytest.mark.parametrize("kw", [{}, dict(attention_backend="naive")], ids=["flashtile", "naive"])
-def test_fused_rope_store_gives_the_same_tokens(checkpoint, monkeypatch, kw):
-    """The CUDA path's layer (one kernel for the rotary embedding and the cache write,
-    engine/rope_store.py) forced on through the interpreter: the same greedy tokens as
-    the PyTorch path, with chunked prefill beside decodes and a shared prefix."""
+def test_elementwise_kernels_give_the_same_tokens(checkpoint, monkeypatch, kw):
+    """The CUDA path's layers (the Triton kernels of RMSNorm with the residual add,
+    SiLU-and-multiply, and the rotary embedding with the cache write: engine/layernorm.py,
+    activation.py, rope_store.py) forced on through the interpreter: the same greedy
+    tokens as the PyTorch path, with chunked prefill beside decodes and a shared
+    prefix."""
     import flashtile.engine.model as model
     path, _ = checkpoint
     prompts = _prompts([5, 23, 40], seed=4)
     prompts.append(prompts[1][:16] + [7, 8])  # a prefix-cache hit
     want = _tokens(_llm(path, **kw).generate(prompts, GREEDY, use_tqdm=False))
-    monkeypatch.setattr(model, "fused_rope_store", lambda q: True)
+    monkeypatch.setattr(model, "use_kernels", lambda x: True)
     llm = _llm(path, max_num_batched_tokens=32, **kw)  # chunked prefill beside decodes
     assert _tokens(llm.generate(prompts, GREEDY, use_tqdm=False)) == want

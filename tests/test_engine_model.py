@@ -50,12 +50,33 @@ def test_logits_match_transformers(tmp_path, case):
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                     reason="Triton kernels on CPU tensors need TRITON_INTERPRET=1")
+@pytest.mark.parametrize("elementwise", ["reference", "kernels"])
 @pytest.mark.parametrize("case", ["mistral-window", "qwen3-sharded"])
-def test_logits_match_transformers_triton_kernels(tmp_path, case, monkeypatch):
+def test_logits_match_transformers_triton_kernels(tmp_path, case, elementwise,
+                                                  monkeypatch):
     """The same steps through flashtile's Triton kernels (interpreted): paged decode over
-    the pool with its scratch block, varlen prefill, windows, head_dim 24."""
+    the pool with its scratch block, varlen prefill, windows, head_dim 24; "kernels":
+    the CUDA path's RMSNorm (Qwen3's per-head q/k norm over the fused projection's
+    views too), SiLU-and-multiply and rotary + cache-write kernels as well."""
+    import flashtile.engine.model as model
     monkeypatch.setenv("FLASHTILE_BACKEND", "triton")
+    if elementwise == "kernels":
+        monkeypatch.setattr(model, "use_kernels", lambda x: True)
     _check_logits(tmp_path, case)
+
+
+def test_elementwise_choice_is_read_at_build(monkeypatch):
+    """FLASHTILE_ENGINE_FUSED picks the layers' elementwise functions when a model is
+    built: the Triton kernels by default, the torch.compile'd references with
+    "compile"; another value is refused with the choices."""
+    from flashtile.engine.model import ELEMENTWISE, elementwise
+    monkeypatch.delenv("FLASHTILE_ENGINE_FUSED", raising=False)
+    assert elementwise() is ELEMENTWISE["triton"]
+    monkeypatch.setenv("FLASHTILE_ENGINE_FUSED", "compile")
+    assert elementwise() is ELEMENTWISE["compile"]
+    monkeypatch.setenv("FLASHTILE_ENGINE_FUSED", "inductor")
+    with pytest.raises(ValueError, match="'compile', 'triton'.*'inductor'"):
+        elementwise()
 
 
 @torch.no_grad()

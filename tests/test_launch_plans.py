@@ -18,12 +18,14 @@ import pytest
 import torch
 
 import flashtile
+from flashtile.engine import activation, layernorm, rope_store
 from flashtile.ops import _launch, bwd, configs, decode, fwd
 
 KERNELS = {
     (fwd, "_attn_fwd_kernel"), (bwd, "_bwd_preprocess_kernel"), (bwd, "_bwd_dkdv_kernel"),
     (bwd, "_bwd_dq_kernel"), (bwd, "_bwd_dq_convert_kernel"), (decode, "_decode_kernel"), (decode, "_combine_kernel"),
-    (decode, "_append_kernel"),
+    (decode, "_append_kernel"), (layernorm, "_rms_norm_kernel"),
+    (activation, "_silu_and_mul_kernel"), (rope_store, "_rope_store_kernel"),
 }
 
 
@@ -353,6 +355,59 @@ def test_plans_of_flash_attn_with_kvcache_follow_each_layout(recorder, monkeypat
         _check_plan_matches_triton(recorder, call, make)
 
 
+def _engine_inputs(t, device="cpu", dtype=torch.float32):
+    """A layer's tensors for the engine's elementwise launchers at t tokens: q/k/v views
+    of one fused projection (4 q and 2 kv heads of 16), hidden size 24, MLP width 40."""
+    f = dict(device=device, dtype=dtype)
+    q, k, v = (x.view(t, -1, 16) for x in torch.randn(t, 128, **f).split([64, 32, 32], -1))
+    angles = torch.rand(t, 8, device=device)
+    return dict(x=torch.randn(t, 24, **f), res=torch.randn(t, 24, **f),
+                w=torch.randn(24, **f), wh=torch.randn(16, **f),
+                gate_up=torch.randn(t, 80, **f), q=q, k=k, v=v, cos=angles.cos(),
+                sin=angles.sin(), slots=torch.arange(t, device=device) * 3 - 1,
+                k_cache=torch.randn(t + 1, 4, 2, 16, **f),  # slots up to 3 t - 1
+                v_cache=torch.randn(t + 1, 4, 2, 16, **f))
+
+
+def _engine_layer(t):
+    """Every engine launcher once, each output by name."""
+    normed, summed = layernorm.add_rms_norm(t["x"], t["res"], t["w"], 1e-6)
+    q_rot, k_rot = rope_store.rope_and_store(t["q"], t["k"], t["v"], t["cos"], t["sin"],
+                                             t["slots"], t["k_cache"], t["v_cache"])
+    q_free, k_free = rope_store.rope_and_store(t["q"], t["k"], t["v"], t["cos"], t["sin"],
+                                               None, None, None)
+    return dict(normed=normed, summed=summed, plain=layernorm.rms_norm(t["x"], t["w"], 1e-6),
+                q_normed=layernorm.rms_norm(t["q"], t["wh"], 1e-5),
+                act=activation.silu_and_mul(t["gate_up"]), q_rot=q_rot, k_rot=k_rot,
+                q_free=q_free, k_free=k_free)
+
+
+def test_plan_engine_elementwise_serves_every_token_count(recorder):
+    """The engine's RMSNorm (plain, with the residual, per head over a strided view),
+    SiLU-and-multiply and rotary + cache-write launchers (with the pool and without):
+    a plan made at one token count serves another, passing each call's row count and
+    grid and, for the tensors, exactly what Triton's path is given."""
+    sizes = iter([5, 9, 9])  # Triton, plan, Triton again
+    _check_plan_matches_triton(recorder, _engine_layer, lambda: _engine_inputs(next(sizes)))
+
+
+def test_plan_engine_elementwise_is_remade_for_new_layouts(recorder):
+    """Triton compiles an unaligned pointer and other strides into other kernels: a
+    new launch through Triton each."""
+    gate_up = torch.randn(4, 80)
+    activation.silu_and_mul(gate_up)
+    activation.silu_and_mul(torch.randn(6, 80))
+    assert _count(recorder, "triton") == 1 and _count(recorder, "plan") == 1
+    activation.silu_and_mul(torch.randn(4 * 80 + 1)[1:].view(4, 80))  # 4 bytes past
+    activation.silu_and_mul(torch.randn(4, 96)[:, :80])
+    assert _count(recorder, "triton") == 3
+    x, w = torch.randn(4, 24), torch.randn(24)
+    layernorm.rms_norm(x, w, 1e-6)
+    layernorm.rms_norm(torch.randn(4, 32)[:, :24], w, 1e-6)
+    layernorm.rms_norm(x, w, 1e-5)  # eps is held in the plan
+    assert _count(recorder, "triton") == 6
+
+
 def _count(recorder, path):
     return sum(e[0] == path for e in recorder)
 
@@ -455,15 +510,35 @@ def test_plan_decode_and_varlen_equal_triton_path_on_gpu(paged, device):
                                                   max_seqlen, causal=True, return_lse=True)
         return (*out, k_cache, v_cache, *varlen)
 
+    _assert_plans_equal_triton_path(run, (0, 60), (1, 64))
+
+
+def _assert_plans_equal_triton_path(run, first, again):
+    """run(*first) through Triton makes the plans; run(*again) through them gives the
+    bits Triton's path gives for the same arguments."""
     _launch.clear()
-    run(0, 60)  # through Triton: plans made
-    planned = run(1, 64)
+    run(*first)
+    planned = run(*again)
     previous = _launch.set_enabled(False)
     try:
-        for a, b in zip(planned, run(1, 64)):
+        for a, b in zip(planned, run(*again)):
             assert torch.equal(a, b)
     finally:
         _launch.set_enabled(previous)
+
+
+@pytest.mark.gpu
+def test_plan_engine_elementwise_equals_triton_path_on_gpu(device):
+    """The engine's elementwise launchers give the same bits through plans as through
+    Triton's path, on fresh tensors of another token count than the plans were made
+    with (the pool writes included)."""
+    def run(seed, t):
+        torch.manual_seed(seed)
+        inputs = _engine_inputs(t, device, torch.bfloat16)
+        out = _engine_layer(inputs)
+        return (*out.values(), inputs["k_cache"], inputs["v_cache"])
+
+    _assert_plans_equal_triton_path(run, (0, 5), (1, 300))
 
 
 def test_fp32_precision_switch(monkeypatch):

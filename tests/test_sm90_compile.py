@@ -337,14 +337,55 @@ def test_tf32x3_compiles_to_tensor_core_products(kind):
     assert "HGMMA" in sass or "HMMA" in sass
 
 
-@pytest.mark.parametrize("head_dim", [64, 128])
-def test_engine_rope_store_compiles(head_dim):
-    """The engine's fused rotary + cache write (engine/rope_store.py): compiles for
-    sm_90, without spills."""
+def _engine_kernel(name):
+    """(kernel, constexprs, num_warps, types) of an engine elementwise kernel at a
+    model's shape, with the tiles its launcher takes on the GPU. The names say the
+    shape: Qwen2.5-0.5B (hidden 896, MLP 4864, 14/2 heads of 64), Llama-3-8B (4096,
+    14336, 32/8 heads of 128), Qwen3's per-head norm (32 heads of 128 a token)."""
+    from flashtile.engine.activation import _silu_and_mul_kernel
+    from flashtile.engine.layernorm import _rms_norm_kernel
     from flashtile.engine.rope_store import _rope_store_kernel
-    ck = compile_kernel(_rope_store_kernel, dict(HALF=head_dim // 2, BLOCK_H=head_dim // 2),
-                        num_warps=1, types=dict(Cos="*fp32", Sin="*fp32", Slots="*i64"))
+    cuda = torch.device("cuda")
+    kind, *shape = name.split("_")
+    if kind in ("norm", "addnorm", "headnorm"):
+        n = int(shape[0])
+        block_n, rows, warps = configs.rms_norm_tile(n, cuda)
+        return (_rms_norm_kernel, dict(N=n, INNER=32 if kind == "headnorm" else 1,
+                                       BLOCK_N=block_n, ROWS=rows,
+                                       HAS_RESIDUAL=kind == "addnorm"),
+                warps, dict(eps="fp32"))
+    if kind == "silu":
+        n = int(shape[0])
+        block_n, warps = configs.silu_and_mul_tile(n, cuda)
+        return _silu_and_mul_kernel, dict(N=n, BLOCK_N=block_n), warps, {}
+    h, hkv, d = map(int, shape[0].split("x"))
+    one_head = shape[1:] == ["1"]
+    block_half, heads_q, heads_kv, warps = configs.rope_store_tile(
+        h, hkv, d // 2, cuda, 1 if one_head else None)
+    return (_rope_store_kernel, dict(NUM_HEADS=h, NUM_KV_HEADS=hkv, HALF=d // 2,
+                                     BLOCK_HALF=block_half, HEADS_Q=heads_q,
+                                     HEADS_KV=heads_kv, STORE=True),
+            warps, dict(Cos="*fp32", Sin="*fp32", Slots="*i64"))
+
+
+@pytest.mark.parametrize("name", ["norm_896", "addnorm_896", "addnorm_4096", "headnorm_128",
+                                  "silu_4864", "silu_14336", "rope_14x2x64",
+                                  "rope_32x8x128", "rope_14x2x64_1"])
+def test_engine_elementwise_kernels_compile_vectorised(name):
+    """The engine's elementwise kernels (engine/layernorm.py, activation.py,
+    rope_store.py) compile for sm_90 without spills, and (but for the one-head rotary
+    schedule kept for the A/B, rope_..._1) move bf16 in 16-byte vectors: the reason
+    they replaced torch.compile's kernels, whose symbolic shapes hid the alignment and
+    gave scalar loads."""
+    kernel, constexprs, warps, types = _engine_kernel(name)
+    ck = compile_kernel(kernel, constexprs, num_warps=warps, types=types)
     assert resources(ck)["stack_bytes"] == 0
+    accesses = set(re.findall(r"\b(?:ld|st)\.global[.\w]*", ck.asm["ptx"]))
+    if name.startswith("silu") or name.endswith("_4096"):
+        # Rows of whole 16-byte vectors per thread: nothing narrower anywhere.
+        assert accesses == {"ld.global.v4.b32", "st.global.v4.b32"}, accesses
+    elif not name.endswith("_1"):
+        assert {"ld.global.v4.b32", "st.global.v4.b32"} <= accesses, accesses
 
 
 @pytest.mark.parametrize("dtype,precision", [("bf16", "tf32"), ("fp32", "tf32"),

@@ -3,10 +3,17 @@
 Unfused, a decode step's layer launches one kernel for the rotary embedding (compiled)
 and two for the cache writes (``index_put_`` of k and of v); at batch 1 of a 1B model
 each is a few microseconds against ~30 us for the layer's weights, so kernel count is
-a visible part of the step (docs/benchmarks/NOTES.md section 15). Here one program per
-(token, head) rotates its q or k head in fp32 (GPT-NeoX halves, as ``rotate_halves``),
-writes it to a new q or k tensor, and for a kv head stores the rotated k and the v into
+a visible part of the step (docs/benchmarks/NOTES.md section 15). Here a program takes a
+block of q heads or a block of kv heads of one token (a 2D tile of heads x half the head
+dim, cos/sin loaded once), rotates them in fp32 (GPT-NeoX halves, as ``rotate_halves``),
+writes them to a new q or k tensor, and for kv heads stores the rotated k and the v into
 the pool at the token's slot. A negative slot (CUDA-graph padding rows) writes nothing.
+Without a pool (``k_cache`` None: the runner's sizing forward) it only rotates.
+
+Until session 16 a program took one head of one token with one warp: 80 us a layer for a
+prompt step of 8 x 1024 tokens of Qwen2.5-0.5B on the H200 (~40 MB, 12% of the copy
+bandwidth), cos/sin read once per head. ``heads_per_program=1`` launches that schedule
+again, for the engine's A/B (FLASHTILE_ENGINE_FUSED=compile).
 
 ``rope_and_store`` is the launcher (CUDA tensors, or CPU ones under the Triton
 interpreter); ``rope_and_store_reference`` is the same in PyTorch, the path the engine
@@ -20,64 +27,125 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from flashtile.ops import _launch, configs
+
+
+@triton.jit
+def _rotate_heads(Src, Dst, stride_sh, o_h, m_h, o_d, m_d, b_cos, b_sin,
+                  HALF: tl.constexpr):
+    """Rotate the heads o_h ([HEADS], m_h their mask) of one token: Src's at head
+    stride stride_sh, written to Dst's contiguous heads of 2 * HALF. Returns the rotated
+    halves ([HEADS, BLOCK_HALF] each) in Dst's dtype."""
+    m = m_h[:, None] & m_d[None, :]                                         # [HEADS, BLOCK_HALF]
+    p_s = Src + o_h[:, None] * stride_sh + o_d[None, :]
+    b_x1 = tl.load(p_s, mask=m, other=0.0).to(tl.float32)
+    b_x2 = tl.load(p_s + HALF, mask=m, other=0.0).to(tl.float32)
+    b_r1 = (b_x1 * b_cos - b_x2 * b_sin).to(Dst.dtype.element_ty)
+    b_r2 = (b_x2 * b_cos + b_x1 * b_sin).to(Dst.dtype.element_ty)
+    p_d = Dst + o_h[:, None] * (2 * HALF) + o_d[None, :]
+    tl.store(p_d, b_r1, mask=m)
+    tl.store(p_d + HALF, b_r2, mask=m)
+    return b_r1, b_r2
+
 
 @triton.jit
 def _rope_store_kernel(
     Q, K, V, Cos, Sin, Slots, KCache, VCache, QOut, KOut,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ct,
-    stride_cache_slot, stride_cache_h, num_heads,
-    HALF: tl.constexpr, BLOCK_H: tl.constexpr,
+    stride_cache_slot, stride_cache_h,
+    NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HALF: tl.constexpr,
+    BLOCK_HALF: tl.constexpr, HEADS_Q: tl.constexpr, HEADS_KV: tl.constexpr,
+    STORE: tl.constexpr,
 ):
+    """Program (t, j): token t; j < Q_BLOCKS: q heads [j * HEADS_Q, ...), else kv heads
+    [(j - Q_BLOCKS) * HEADS_KV, ...) (rotated k, and with STORE the pool writes of k and
+    v at the token's slot). QOut (T, NUM_HEADS, 2 HALF) and KOut contiguous."""
     t = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)
-    offs = tl.arange(0, BLOCK_H)
-    m = offs < HALF
-    c = tl.load(Cos + t * stride_ct + offs, mask=m, other=0.0)
-    s = tl.load(Sin + t * stride_ct + offs, mask=m, other=0.0)
-    if head < num_heads:
-        src = Q + t * stride_qt + head * stride_qh
-        dst = QOut + (t * num_heads + head) * (2 * HALF)
+    j = tl.program_id(1)
+    o_d = tl.arange(0, BLOCK_HALF)                                          # [BLOCK_HALF]
+    m_d = o_d < HALF
+    b_cos = tl.load(Cos + t * stride_ct + o_d, mask=m_d, other=0.0)[None, :]
+    b_sin = tl.load(Sin + t * stride_ct + o_d, mask=m_d, other=0.0)[None, :]
+    Q_BLOCKS: tl.constexpr = (NUM_HEADS + HEADS_Q - 1) // HEADS_Q
+    if j < Q_BLOCKS:
+        # Names of their own in each branch: the compiler refuses one name bound to
+        # tiles of two shapes (HEADS_Q, HEADS_KV) by the two sides of an if.
+        o_hq = j * HEADS_Q + tl.arange(0, HEADS_Q)                          # [HEADS_Q]
+        _rotate_heads(Q + t * stride_qt, QOut + t * (NUM_HEADS * 2 * HALF), stride_qh,
+                      o_hq, o_hq < NUM_HEADS, o_d, m_d, b_cos, b_sin, HALF)
     else:
-        src = K + t * stride_kt + (head - num_heads) * stride_kh
-        dst = KOut + (t * (tl.num_programs(1) - num_heads) + head - num_heads) * (2 * HALF)
-    x1 = tl.load(src + offs, mask=m, other=0.0).to(tl.float32)
-    x2 = tl.load(src + HALF + offs, mask=m, other=0.0).to(tl.float32)
-    r1 = (x1 * c - x2 * s).to(QOut.dtype.element_ty)
-    r2 = (x2 * c + x1 * s).to(QOut.dtype.element_ty)
-    tl.store(dst + offs, r1, mask=m)
-    tl.store(dst + HALF + offs, r2, mask=m)
-    if head >= num_heads:
-        slot = tl.load(Slots + t)
-        if slot >= 0:
-            hk = head - num_heads
-            at = slot * stride_cache_slot + hk * stride_cache_h
-            tl.store(KCache + at + offs, r1, mask=m)
-            tl.store(KCache + at + HALF + offs, r2, mask=m)
-            v = V + t * stride_vt + hk * stride_vh
-            tl.store(VCache + at + offs, tl.load(v + offs, mask=m), mask=m)
-            tl.store(VCache + at + HALF + offs, tl.load(v + HALF + offs, mask=m), mask=m)
+        o_h = (j - Q_BLOCKS) * HEADS_KV + tl.arange(0, HEADS_KV)            # [HEADS_KV]
+        m_h = o_h < NUM_KV_HEADS
+        b_r1, b_r2 = _rotate_heads(K + t * stride_kt, KOut + t * (NUM_KV_HEADS * 2 * HALF),
+                                   stride_kh, o_h, m_h, o_d, m_d, b_cos, b_sin, HALF)
+        if STORE:
+            slot = tl.load(Slots + t)
+            if slot >= 0:
+                m = m_h[:, None] & m_d[None, :]                             # [HEADS_KV, BLOCK_HALF]
+                o_c = slot * stride_cache_slot + o_h[:, None] * stride_cache_h + o_d[None, :]
+                tl.store(KCache + o_c, b_r1.to(KCache.dtype.element_ty), mask=m)
+                tl.store(KCache + o_c + HALF, b_r2.to(KCache.dtype.element_ty), mask=m)
+                p_v = V + t * stride_vt + o_h[:, None] * stride_vh + o_d[None, :]
+                tl.store(VCache + o_c, tl.load(p_v, mask=m), mask=m)
+                tl.store(VCache + o_c + HALF, tl.load(p_v + HALF, mask=m), mask=m)
+
+
+# The kernel parameters a call of a plan fills, in this order (``_launch``).
+_SLOTS = ("Q", "K", "V", "Cos", "Sin", "Slots", "KCache", "VCache", "QOut", "KOut")
 
 
 def rope_and_store(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor,
-                   slot_mapping: Tensor, k_cache: Tensor, v_cache: Tensor
+                   slot_mapping: Tensor | None, k_cache: Tensor | None,
+                   v_cache: Tensor | None, heads_per_program: int | None = None
                    ) -> tuple[Tensor, Tensor]:
     """q (T, H, d), k/v (T, Hkv, d), each with a unit last stride (views of the fused
-    projection are fine); cos/sin (T, d / 2) fp32 per token; slot_mapping (T,) int64;
-    k_cache/v_cache (num_blocks, page_size, Hkv, d) contiguous. Returns the rotated q
-    (T, H, d) and k (T, Hkv, d), contiguous; writes rotated k and v at each slot >= 0."""
+    projection are fine); cos/sin (T, d / 2) fp32 per token with a unit last stride;
+    slot_mapping (T,) int64; k_cache/v_cache (num_blocks, page_size, Hkv, d) contiguous,
+    or None (then nothing is stored and slot_mapping is not read). Returns the rotated q
+    (T, H, d) and k (T, Hkv, d), contiguous; writes rotated k and v at each slot >= 0.
+    heads_per_program: a power of two, or None for configs.rope_store_tile's choice."""
     t, h, d = q.shape
     hkv = k.shape[1]
-    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
-        raise ValueError("k_cache/v_cache: expected contiguous pools, got strides "
-                         f"{k_cache.stride()} and {v_cache.stride()}")
     q_out = torch.empty((t, h, d), dtype=q.dtype, device=q.device)
     k_out = torch.empty((t, hkv, d), dtype=k.dtype, device=k.device)
-    if t:
-        _rope_store_kernel[(t, h + hkv)](
-            q, k, v, cos, sin, slot_mapping, k_cache, v_cache, q_out, k_out,
-            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-            cos.stride(0), k_cache.stride(1), k_cache.stride(2), h,
-            HALF=d // 2, BLOCK_H=triton.next_power_of_2(d // 2), num_warps=1)
+    if not t:
+        return q_out, k_out
+    store = k_cache is not None
+    # Without a pool, q and q_out stand in for the tensors the kernel then never reads.
+    tensors = (q, k, v, cos, sin, slot_mapping if store else q, k_cache if store else q_out,
+               v_cache if store else q_out, q_out, k_out)
+    key = None
+    if _launch.ready(q):
+        p = _launch.pointers(tensors)
+        # q_out and k_out are left out of the alignment: fresh allocations are aligned.
+        key = ("rope_store", q.dtype, q.shape[1:], q.stride(), k.shape[1:], k.stride(),
+               v.stride(), cos.dtype, cos.stride(), store and (
+                   slot_mapping.dtype, k_cache.dtype, k_cache.stride(), v_cache.dtype),
+               heads_per_program, _launch.misalignment(p[:8]))
+        found = _launch.lookup(key)
+        if found is not None:
+            blocks, plan = found
+            plan(p, (t, blocks, 1))
+            return q_out, k_out
+    if store and not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("k_cache/v_cache: expected contiguous pools, got strides "
+                         f"{k_cache.stride()} and {v_cache.stride()}")
+    if not all(x.stride(-1) == 1 for x in (q, k, v, cos, sin)):
+        raise ValueError("q, k, v, cos, sin: expected a unit last stride each, got "
+                         f"{[x.stride() for x in (q, k, v, cos, sin)]}")
+    block_half, heads_q, heads_kv, warps = configs.rope_store_tile(h, hkv, d // 2, q.device,
+                                                                   heads_per_program)
+    blocks = configs.cdiv(h, heads_q) + configs.cdiv(hkv, heads_kv)
+    plan = _launch.first_launch(
+        _rope_store_kernel, (t, blocks),
+        (*tensors, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0),
+         v.stride(1), cos.stride(0), k_cache.stride(1) if store else 0,
+         k_cache.stride(2) if store else 0),
+        dict(NUM_HEADS=h, NUM_KV_HEADS=hkv, HALF=d // 2, BLOCK_HALF=block_half,
+             HEADS_Q=heads_q, HEADS_KV=heads_kv, STORE=store, num_warps=warps),
+        _SLOTS if key is not None else None)
+    if key is not None:
+        _launch.store(key, (blocks, plan))
     return q_out, k_out
 
 
@@ -88,9 +156,13 @@ def rotate_halves(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(x.dtype)
 
 
-def rope_and_store_reference(q, k, v, cos, sin, slot_mapping, k_cache, v_cache):
-    """rope_and_store in PyTorch: the same results and the same cache writes."""
+def rope_and_store_reference(q, k, v, cos, sin, slot_mapping, k_cache, v_cache,
+                             heads_per_program=None):
+    """rope_and_store in PyTorch: the same results and the same cache writes
+    (heads_per_program, a schedule, has no meaning here)."""
     q, k = rotate_halves(q, cos, sin), rotate_halves(k, cos, sin)
+    if k_cache is None:
+        return q, k
     keep = slot_mapping >= 0
     flat = (-1, *k_cache.shape[2:])
     k_cache.view(flat)[slot_mapping[keep]] = k[keep]

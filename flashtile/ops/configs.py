@@ -93,6 +93,61 @@ def decode_head_dim_tiles(head_dim: int) -> tuple[int, int]:
         return padded_head_dim(head_dim), 0
     return DECODE_MAX_BLOCK_D, padded_head_dim(head_dim - DECODE_MAX_BLOCK_D)
 
+
+# The engine's elementwise kernels (engine/layernorm.py, activation.py, rope_store.py) are
+# bound by memory: a program's tile of each operand is ELEMENTWISE_TILE elements, and its
+# warps give each thread ELEMENTWISE_PER_THREAD of them (one 16-byte vector of a 16-bit
+# dtype). On CPU (the interpreter) the tile is small, so that the tests' short rows span
+# several column blocks, row blocks and head blocks.
+ELEMENTWISE_TILE = 2048
+ELEMENTWISE_TILE_INTERPRETER = 128
+ELEMENTWISE_PER_THREAD = 8
+# A row of RMSNorm stays whole in registers (one pass over memory): up to 16 warps, so
+# up to 64 fp32 values a thread at hidden size 32k.
+ELEMENTWISE_MAX_WARPS = 16
+
+
+def _elementwise_tile(device: torch.device) -> int:
+    return ELEMENTWISE_TILE_INTERPRETER if device.type == "cpu" else ELEMENTWISE_TILE
+
+
+def elementwise_warps(elements: int) -> int:
+    """Warps of a program holding ``elements`` of each operand."""
+    return max(1, min(ELEMENTWISE_MAX_WARPS, elements // (32 * ELEMENTWISE_PER_THREAD)))
+
+
+def rms_norm_tile(n: int, device: torch.device) -> tuple[int, int, int]:
+    """(BLOCK_N, ROWS, num_warps) of RMSNorm over rows of n: the whole row (padded to a
+    power of two) and as many rows as fill a tile (per-head norms of head_dim 64-128
+    take 16-32 rows a program, hidden sizes one or two)."""
+    block_n = next_power_of_2(n)
+    rows = max(1, _elementwise_tile(device) // block_n)
+    return block_n, rows, elementwise_warps(block_n * rows)
+
+
+def silu_and_mul_tile(n: int, device: torch.device) -> tuple[int, int]:
+    """(BLOCK_N, num_warps) of SiLU-and-multiply over rows of n outputs: one row's
+    column block a program."""
+    block_n = min(next_power_of_2(n), _elementwise_tile(device))
+    return block_n, elementwise_warps(block_n)
+
+
+def rope_store_tile(heads: int, kv_heads: int, half: int, device: torch.device,
+                    heads_per_program: int | None = None) -> tuple[int, int, int, int]:
+    """(BLOCK_HALF, HEADS_Q, HEADS_KV, num_warps) of the rotary + cache-write kernel: a
+    program rotates HEADS_Q q heads or HEADS_KV kv heads of one token, as many as fill a
+    tile of (heads, 2 halves) (Qwen2.5-0.5B's 14 q heads of 64 and its 2 kv heads: one
+    program each a token); the warps are sized for the q programs' tile of one half
+    (its loads and stores are one half at a time).
+    heads_per_program: a power of two to take instead (1: one head a program, the
+    schedule before session 16, kept for the engine's A/B)."""
+    block_half = next_power_of_2(half)
+    most = heads_per_program or 1 << (max(1, _elementwise_tile(device) // (2 * block_half))
+                                      .bit_length() - 1)
+    heads_q = min(next_power_of_2(heads), most)
+    heads_kv = min(next_power_of_2(kv_heads), most)
+    return block_half, heads_q, heads_kv, elementwise_warps(heads_q * block_half)
+
 _INTERPRETER = {
     "fwd": TileConfig(16, 32),
     "bwd_dkdv": TileConfig(32, 16),  # (BLOCK_M over queries, BLOCK_N over keys)
