@@ -458,7 +458,8 @@ r(heads=($heads,))" 2>&1 | grep "^{" | sed "s/^/$heads heads, $tile: /" ) \
       stamp "decode step, FLASHTILE_ENGINE_FUSED=$mode"
       FLASHTILE_ENGINE_FUSED=$mode timeout 150 python3 -m flashtile.bench.throughput \
         --decode-step --models qwen2.5-0.5b --decode-batches 1 256 --prefill-seqs 8 \
-        --decode-reps 10 --kernels 10 --timeout 140 --out "$OUT/fused-$mode.json" 2>&1 \
+        --decode-reps 10 --kernels 10 --timeout 140 --out "$OUT/fused-$mode.json" \
+        --profile "$OUT/host-$mode" 2>&1 \
         | grep -v -i warn > "$OUT/fused-$mode.md"
       grep -i "^| qwen\|rms\|silu\|rope\|triton_p" "$OUT/fused-$mode.md" | cut -c1-150
     done
