@@ -947,3 +947,108 @@ def clear_tuned() -> str:
     path.unlink(missing_ok=True)
     reload_tuned()
     return str(path)
+
+
+# ---- Skinny GEMMs of decode batches (engine/skinny_linear.py) ----
+
+@dataclass(frozen=True)
+class SkinnyConfig:
+    """Tiles of ``engine/skinny_linear.py``: BLOCK_N output columns a program, BLOCK_K
+    of the reduction a step, the reduction split over ``split_k`` programs."""
+    block_n: int
+    block_k: int
+    split_k: int = 1
+    num_warps: int = 4
+    num_stages: int = 4
+
+
+# Under the interpreter: tiles smaller than the tests' shapes (K 96/224, N 40-130), so
+# that every test crosses several column tiles, reduction steps and a masked tail.
+_SKINNY_INTERPRETER = SkinnyConfig(16, 32, 1, 4, 1)
+# A row's bytes of one reduction step: 256 elements of 16 bits (BLOCK_K 256), so a
+# 16-row W tile is 8 KB a stage and a 4-stage pipeline keeps 24-32 KB of W in flight a
+# program; K 896 is then four steps, all in flight at once.
+SKINNY_STEP_BYTES = 512
+# Elements of one x tile (BLOCK_M x BLOCK_K) in a program's registers: 16 x 256, 32 x
+# 256, 64 x 128. Wider, the rmsnorm variant spilled at 4 warps (sm_90 AOT: 64 x 256 held
+# 520 bytes of stack; 64 x 128 takes 226 registers, 32 x 256 255, neither spills).
+SKINNY_X_TILE_ELEMENTS = 8192
+# Shared memory the pipeline's stages may take: under the 227 KiB a program may have,
+# with room for a second resident program of the small tiles and Triton's own scratch.
+SKINNY_SMEM_BUDGET = 160 * 1024
+SKINNY_MAX_STAGES = 4
+SKINNY_MAX_SPLIT = 8
+
+
+def skinny_block_m(m: int) -> int:
+    """The rows tile of ``m`` rows: tl.dot takes at least 16; padded rows are masked."""
+    return max(16, next_power_of_2(m))
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _skinny_from_env() -> SkinnyConfig | None:
+    # FLASHTILE_SKINNY_LINEAR_CONFIG="16,256,3,4,4" (BLOCK_N, BLOCK_K, split_k,
+    # num_warps, num_stages): one tile for every call, for the bench's A/B runs.
+    raw = os.environ.get("FLASHTILE_SKINNY_LINEAR_CONFIG")
+    if not raw:
+        return None
+    try:
+        values = [int(v) for v in raw.split(",")]
+        if not 2 <= len(values) <= 5:
+            raise ValueError
+        return SkinnyConfig(*values)
+    except ValueError:
+        raise ValueError("FLASHTILE_SKINNY_LINEAR_CONFIG must be 'BLOCK_N,BLOCK_K[,split_k"
+                         f"[,num_warps[,num_stages]]]' of integers, got {raw!r}") from None
+
+
+def skinny_linear_config(x: torch.Tensor, m: int, n: int, k: int,
+                         x_tiles: int = 1) -> SkinnyConfig:
+    """The tiles of a skinny GEMM of ``m`` rows (at most 64), ``n`` outputs and a
+    reduction of ``k``; ``x_tiles`` x-shaped tiles loaded a step (2 for SiLU-and-multiply's
+    gate and up, and for RMSNorm's x and residual). Chosen when a launch plan is made, never by timing at call time (a CUDA-graph
+    capture must not benchmark). The rule, by the bytes each program moves (predictions
+    for the H200, to be measured with ``python -m flashtile.bench.skinny``):
+
+    - BLOCK_N = the rows tile (16, 32 or 64 by the M bucket): every program re-reads x
+      (BLOCK_M x K) from the L2 besides its own BLOCK_N x K of W, so this keeps x's
+      bytes at most W's; at M <= 16 it gives most programs (qkv at 0.5B: 72, gate_up
+      608), and many small resident programs keep more of W in flight than a few wide
+      ones (one DRAM round trip holds K 896's four steps);
+    - BLOCK_K = SKINNY_STEP_BYTES of a row, at most SKINNY_X_TILE_ELEMENTS / BLOCK_M;
+      stages as many as fit SKINNY_SMEM_BUDGET up
+      to 4 (x tiles counted at the padded rows), halving BLOCK_K below two stages;
+    - split_k only where a program would need more than two pipeline lengths of steps
+      (K past ~2k, the down projections) and the columns give fewer programs than 3/4
+      of the SMs (0.5B's N 896 at 56): enough splits to reach the SMs, each at least a
+      pipeline length. Splitting costs a partial store, an atomic and a reload (about
+      two L2 round trips), which a short reduction does not win back.
+    """
+    if "skinny_linear" in _override:
+        return _override["skinny_linear"]
+    env = _skinny_from_env()
+    if env is not None:
+        return env
+    if x.device.type == "cpu":
+        return _SKINNY_INTERPRETER
+    size = x.element_size()
+    block_m = skinny_block_m(m)
+    block_n = block_m
+    block_k = min(SKINNY_STEP_BYTES // size, SKINNY_X_TILE_ELEMENTS // block_m)
+    while True:
+        stage_bytes = (block_n + block_m * x_tiles) * block_k * size
+        stages = min(SKINNY_MAX_STAGES, SKINNY_SMEM_BUDGET // stage_bytes)
+        if stages >= 2 or block_k <= 32:
+            break
+        block_k //= 2
+    stages = max(stages, 1)
+    programs, steps = cdiv(n, block_n), cdiv(k, block_k)
+    sms = _sm_count(x.device.index if x.device.index is not None else 0)
+    split = 1
+    if programs < sms * 3 // 4 and steps > 2 * stages:
+        split = min(cdiv(sms, programs), steps // stages, SKINNY_MAX_SPLIT)
+    return SkinnyConfig(block_n, block_k, split, 4, stages)
