@@ -175,7 +175,8 @@ def _skinny_linear_kernel(
             # The last of the tile: every partial in split order (.cg: from the L2,
             # where the other programs' stores are), whichever program came last.
             acc = tl.load(Partials + o_part, mask=m_mn, other=0.0, cache_modifier=".cg")
-            for s in tl.static_range(1, SPLIT_K):
+            # A loop, not unrolled: 8 splits' tiles hoisted at once spilled (sm_90 AOT).
+            for s in range(1, SPLIT_K):
                 acc += tl.load(Partials + s * M * N + o_part, mask=m_mn, other=0.0,
                                cache_modifier=".cg")
             tl.atomic_xchg(Counters + pid_n, 0)  # zero for the next call
