@@ -302,3 +302,63 @@ def test_gpu_cuda_graph_replay():
         out, ref = outs[op], skinny_linear(x, w, **kw)
         for a, b in zip(*[(r,) if isinstance(r, torch.Tensor) else r for r in (out, ref)]):
             assert torch.equal(a, b), op
+
+
+# ---- flashtile.bench.skinny on CPU: its shapes, checks and tables ----
+
+def test_bench_shapes_are_the_models_layers():
+    from flashtile.bench import skinny
+
+    assert skinny.shapes("qwen2.5-0.5b") == {
+        "qkv": (1152, 896, "rmsnorm", True, True, False), "o": (896, 896, None, False, False, True),
+        "gate_up": (9728, 896, "rmsnorm", True, False, False),
+        "down": (896, 4864, "silu_mul", False, False, False)}
+    one_b = skinny.shapes("llama-3.2-1b")
+    assert one_b["qkv"][:2] == (3072, 2048) and not one_b["qkv"][4]
+    assert one_b["down"][:2] == (2048, 8192) and one_b["gate_up"][:2] == (16384, 2048)
+
+
+def test_bench_checks_each_provider(runs_triton, on_gpu):
+    """The bench's providers at a small shape through the interpreter (fp32): each
+    passes the check it runs before timing; a wrong one (the bias twice) fails it."""
+    if on_gpu:
+        pytest.skip("the CPU form of the bench's checks")
+    from flashtile.bench import skinny
+    from flashtile.engine.skinny_linear import prologue_reference
+
+    for op_shape in ((72, 96, "rmsnorm", True, True, False), (40, 96, "silu_mul", False,
+                                                                False, True)):
+        kw, weights = skinny.make_call(op_shape, 3, "cpu", dtype=torch.float32)
+        w = weights()
+        fns = skinny.providers(kw, prologue_reference)
+        unfused = fns["unfused"](w)
+        for name, fn in fns.items():
+            skinny.check(name, fn, w, kw, unfused)
+    kw, weights = skinny.make_call((72, 96, None, False, True, False), 2, "cpu",
+                                   dtype=torch.float32)
+    w = weights()
+    fns = skinny.providers(kw, prologue_reference)
+    wrong = lambda w: fns["fused"](w) + w["bias"]
+    with pytest.raises(RuntimeError, match="fused: max error"):
+        skinny.check("fused", wrong, w, kw, fns["unfused"](w))
+
+
+def test_bench_tables():
+    """The markdown: a line per row; a layer's sum once its four products are timed
+    (o counted as F.linear / plain), with the weight bytes at the copy bandwidth."""
+    from flashtile.bench import skinny
+
+    rows = []
+    for op, (unfused, fused, linear, plain) in {"qkv": (6, 3, 5, 2.5), "o": (5, 2, 4, 2),
+                                                "gate_up": (9, 5, 7, 4.5),
+                                                "down": (8, 4, 7, 3.5)}.items():
+        rows.append(dict(model="m", op=op, m=1, n=8, k=8, weight_mb=1.0,
+                         unfused=dict(us=unfused), fused=dict(us=fused, gbps=500),
+                         linear=dict(us=linear), plain=dict(us=plain)))
+    rows.append(dict(model="m", op="qkv", m=4, n=8, k=8, weight_mb=1.0,
+                     fused=dict(error="RuntimeError: x")))
+    table = skinny.markdown(rows, copy_gbps=4000)
+    assert "| m | o | 1 | 8 x 8 | 1.0 | 5.00 | 2.00 | 0.40 | 500 | 12% |" in table
+    assert "| m | 1 | 27.00 | 14.00 | 0.52 | 1.00 |" in table
+    assert "| m | qkv | 4 | 8 x 8 | 1.0 | n/a | n/a | n/a | n/a | n/a |" in table
+    assert list(skinny.layer_sums(rows)) == [("m", 1)]

@@ -356,14 +356,14 @@ def skinny_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *,
     return result
 
 
-def skinny_linear_reference(x: Tensor, weight: Tensor, bias: Tensor | None = None, *,
-                            prologue: str | None = None, norm_weight: Tensor | None = None,
-                            eps: float = 1e-6, norm_residual: Tensor | None = None,
-                            residual: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
-    """``skinny_linear`` as the unfused PyTorch ops, in the engine's order and dtypes
-    (engine/model.py: the RMSNorm's fp32 statistics and its cast before the weight
-    multiply, F.silu(gate) * up, F.linear, then the residual add). Statistics in fp32,
-    or in float64 for float64 inputs (tests' upcast reference). Any row count."""
+def prologue_reference(x: Tensor, prologue: str | None = None,
+                       norm_weight: Tensor | None = None, eps: float = 1e-6,
+                       norm_residual: Tensor | None = None
+                       ) -> tuple[Tensor, Tensor | None]:
+    """(the product's input, x + norm_residual or None): ``skinny_linear``'s prologue as
+    engine/model.py computes it (the RMSNorm's fp32 statistics and its cast before the
+    weight multiply; F.silu(gate) * up). Statistics in fp32, or in float64 for float64
+    inputs (the tests' upcast reference)."""
     x_sum = None
     if prologue == "rmsnorm":
         if norm_residual is not None:
@@ -377,6 +377,16 @@ def skinny_linear_reference(x: Tensor, weight: Tensor, bias: Tensor | None = Non
         x = F.silu(gate) * up
     elif prologue is not None:
         raise ValueError(f"prologue: expected one of {PROLOGUES}, got {prologue!r}")
+    return x, x_sum
+
+
+def skinny_linear_reference(x: Tensor, weight: Tensor, bias: Tensor | None = None, *,
+                            prologue: str | None = None, norm_weight: Tensor | None = None,
+                            eps: float = 1e-6, norm_residual: Tensor | None = None,
+                            residual: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
+    """``skinny_linear`` as the unfused PyTorch ops in the engine's order and dtypes:
+    ``prologue_reference``, F.linear, then the residual add. Any row count."""
+    x, x_sum = prologue_reference(x, prologue, norm_weight, eps, norm_residual)
     y = F.linear(x, weight, bias)
     if residual is not None:
         y = y + residual
