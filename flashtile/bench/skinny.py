@@ -18,10 +18,11 @@ residual add), ``down`` (SiLU-and-multiply). Each timed call is validated first 
 a float64 reference (STYLE.md's rule: at most twice the unfused sequence's error plus
 one bf16 unit of the largest output).
 
-Timing: a graph of back-to-back calls, each on its own copy of the weights (at least 20,
-and enough that the copies are three times the L2: in a decode step every layer's
-weights come from memory, not from the L2), replayed ``--reps`` times; the median replay
-over the calls is the time per call. Bandwidth counts the weight bytes (W and bias):
+Timing: back-to-back calls in a CUDA graph, each on its own copy of the weights (at
+least 20, and enough that the copies are three times the L2: in a decode step every
+layer's weights come from memory, not from the L2), the median replay per call; the
+providers in turn, ``--rounds`` times, the median round kept (bench.decode's
+``time_rounds``). Bandwidth counts the weight bytes (W and bias):
 what a decode step must read. The per-layer table sums a layer's products as the engine
 would run them: unfused (norm + qkv, o, norm + gate_up, SiLU-and-mul + down) against
 fused (qkv, plain o, gate_up, down; the o row's residual add lives in the next norm).
@@ -35,7 +36,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import statistics
 import sys
 
 import torch
@@ -44,7 +44,8 @@ import torch.nn.functional as F
 OPS = ("qkv", "o", "gate_up", "down")
 PROVIDERS = ("unfused", "fused", "linear", "plain")
 DEFAULT_MODELS = ("qwen2.5-0.5b", "llama-3.2-1b")
-MIN_CALLS = 20  # calls a graph holds at least
+MIN_CALLS = 20  # weight copies a round calls at least
+REP_MS = 25  # a round's graph holds about this long of calls (do_bench_cudagraph's rep)
 
 
 def shapes(model: str) -> dict:
@@ -74,7 +75,9 @@ def make_call(op_shape, m, device, dtype=torch.bfloat16, seed=0):
     """(inputs shared by the calls, a function of one weight copy -> its kwargs)."""
     n, k, prologue, add, bias, residual = op_shape
     g = torch.Generator(device=device).manual_seed(seed)
-    rnd = lambda *s, scale=1.0: (torch.randn(*s, generator=g, device=device) * scale).to(dtype)
+
+    def rnd(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g, device=device) * scale).to(dtype)
     shared = dict(x=rnd(m, 2 * k if prologue == "silu_mul" else k))
     if prologue == "rmsnorm":
         shared.update(norm_weight=rnd(k, scale=0.1) + 1, eps=1e-6)
@@ -100,8 +103,8 @@ def providers(kw, unfused_prologue):
     def unfused(w):
         h = x
         if prologue is not None:
-            h, _ = unfused_prologue(x, prologue, kw.get("norm_weight"), kw.get("eps", 1e-6),
-                                    kw.get("norm_residual"))
+            h, _ = unfused_prologue(x, prologue, kw.get("norm_weight"),
+                                    kw.get("eps", 1e-6), kw.get("norm_residual"))
         y = F.linear(h, w["weight"], w.get("bias"))
         return y if residual is None else y + residual
 
@@ -109,14 +112,16 @@ def providers(kw, unfused_prologue):
         out = skinny_linear(**kw, **w)
         return out[0] if isinstance(out, tuple) else out
 
-    plain_x = x[:, :w_k(kw)] if prologue == "silu_mul" else x
+    plain_x = plain_input(kw)
     return dict(unfused=unfused, fused=fused,
                 linear=lambda w: F.linear(plain_x, w["weight"]),
                 plain=lambda w: skinny_linear(plain_x, w["weight"]))
 
 
-def w_k(kw):
-    return kw["x"].shape[1] // (2 if kw["prologue"] == "silu_mul" else 1)
+def plain_input(kw):
+    """The input of the product alone (linear, plain): x, or gate's half of it."""
+    x = kw["x"]
+    return x[:, :x.shape[1] // 2] if kw["prologue"] == "silu_mul" else x
 
 
 def check(name, fn, w, kw, unfused_out):
@@ -126,51 +131,28 @@ def check(name, fn, w, kw, unfused_out):
 
     out = fn(w).double()
     if name in ("linear", "plain"):
-        x = kw["x"][:, :w_k(kw)]
+        x = plain_input(kw)
         exact = F.linear(x.double(), w["weight"].double())
         peer = F.linear(x, w["weight"]).double()
     else:
-        d64 = {k: v.double() if isinstance(v, torch.Tensor) else v for k, v in {**kw, **w}.items()}
+        d64 = {k: v.double() if isinstance(v, torch.Tensor) else v
+               for k, v in {**kw, **w}.items()}
         exact = skinny_linear_reference(**d64)
         exact = exact[0] if isinstance(exact, tuple) else exact
         peer = unfused_out.double()
     err, err_peer = ((t - exact).abs().max().item() for t in (out, peer))
     floor = torch.finfo(torch.bfloat16).eps * exact.abs().max().item()
     if not err <= 2 * err_peer + floor:
-        raise RuntimeError(f"{name}: max error {err:.3g} against the unfused {err_peer:.3g}")
+        raise RuntimeError(f"{name}: max error {err:.3g}, PyTorch's {err_peer:.3g}")
     return err
 
 
-def graph_us(calls, reps: int) -> float:
-    """Microseconds per call: a CUDA graph of ``calls`` back to back, its median replay
-    over ``reps`` divided by the calls. Warmed on a side stream first (compiles, launch
-    plans, cuBLAS handles), as torch's CUDA-graph notes ask."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for call in calls:
-            call()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for call in calls:
-            call()
-    for _ in range(3):
-        graph.replay()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    del graph
-    return 1e3 * statistics.median(times) / len(calls)
+def run_row(model, op, op_shape, m, unfused_prologue, rounds, device="cuda"):
+    """One product at one row count: each provider checked, then all timed in turn
+    (bench.decode's ``time_rounds``: a CUDA graph of the calls over every weight copy,
+    the median replay per call), the median round kept."""
+    from flashtile.bench.decode import median, time_rounds
 
-
-def run_row(model, op, op_shape, m, unfused_prologue, reps, device="cuda"):
     n, k = op_shape[:2]
     kw, weights = make_call(op_shape, m, device)
     w_bytes = 2 * (n * k + (n if op_shape[4] else 0))
@@ -181,14 +163,22 @@ def run_row(model, op, op_shape, m, unfused_prologue, reps, device="cuda"):
     row = dict(model=model, op=op, m=m, n=n, k=k, weight_mb=round(w_bytes / 1e6, 2),
                calls=copies)
     unfused_out = fns["unfused"](ws[0])
+    runnable = {}
     for name, fn in fns.items():
         try:
-            err = check(name, fn, ws[0], kw, unfused_out)
-            us = graph_us([lambda w=w, fn=fn: fn(w) for w in ws], reps)
-            row[name] = dict(us=round(us, 2), gbps=round(w_bytes / us / 1e3), err=float(f"{err:.3g}"))
+            row[name] = dict(err=float(f"{check(name, fn, ws[0], kw, unfused_out):.3g}"))
+            runnable[name] = [lambda w=w, fn=fn: fn(w) for w in ws]
         except Exception as e:  # a provider that fails a row: recorded, the run goes on
             row[name] = dict(error=f"{type(e).__name__}: {str(e)[:120]}")
-    del ws
+    try:
+        for name, us in time_rounds(runnable, rounds, rep=REP_MS).items():
+            t = median(us)
+            row[name].update(us=round(t, 2), gbps=round(w_bytes / t / 1e3),
+                             rounds_us=[round(u, 2) for u in us])
+    except Exception as e:
+        for name in runnable:
+            row[name]["error"] = f"{type(e).__name__}: {str(e)[:120]}"
+    del ws, runnable
     torch.cuda.empty_cache()
     return row
 
@@ -209,7 +199,8 @@ def markdown(rows, copy_gbps=None) -> str:
         pct = f"{100 * fused['gbps'] / copy_gbps:.0f}%" if copy_gbps and "gbps" in fused \
             else "n/a"
         lines.append(
-            f"| {r['model']} | {r['op']} | {r['m']} | {r['n']} x {r['k']} | {r['weight_mb']} "
+            f"| {r['model']} | {r['op']} | {r['m']} | {r['n']} x {r['k']} "
+            f"| {r['weight_mb']} "
             f"| {fmt(_us(r, 'unfused'))} | {fmt(_us(r, 'fused'))} "
             f"| {ratio(_us(r, 'fused'), _us(r, 'unfused'))} | {fused.get('gbps', 'n/a')} "
             f"| {pct} | {fmt(_us(r, 'linear'))} | {fmt(_us(r, 'plain'))} "
@@ -236,7 +227,8 @@ def layer_sums(rows) -> dict:
     for key, ops in by.items():
         if set(ops) != set(OPS):
             continue
-        pick = {op: ("linear", "plain") if op == "o" else ("unfused", "fused") for op in OPS}
+        pick = {op: ("linear", "plain") if op == "o" else ("unfused", "fused")
+                for op in OPS}
         unfused = [_us(ops[op], pick[op][0]) for op in OPS]
         fused = [_us(ops[op], pick[op][1]) for op in OPS]
         if None in unfused or None in fused:
@@ -246,12 +238,14 @@ def layer_sums(rows) -> dict:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m flashtile.bench.skinny", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m flashtile.bench.skinny",
+                                description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", nargs="+", default=list(DEFAULT_MODELS))
     p.add_argument("--ops", nargs="+", default=list(OPS), choices=OPS)
     p.add_argument("--rows", nargs="+", type=int, default=[1, 4, 16, 64])
-    p.add_argument("--reps", type=int, default=30)
+    p.add_argument("--rounds", type=int, default=3,
+                   help="timed rounds (all providers in turn each round); the median kept")
     p.add_argument("--out", default=None, help="write the rows as JSON here")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -267,7 +261,7 @@ def main(argv=None) -> int:
         layer = shapes(model)
         for op in args.ops:
             for m in args.rows:
-                row = run_row(model, op, layer[op], m, unfused_prologue, args.reps)
+                row = run_row(model, op, layer[op], m, unfused_prologue, args.rounds)
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     print(markdown(rows, copy))

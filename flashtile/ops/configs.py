@@ -969,10 +969,11 @@ _SKINNY_INTERPRETER = SkinnyConfig(16, 32, 1, 4, 1)
 # 16-row W tile is 8 KB a stage and a 4-stage pipeline keeps 24-32 KB of W in flight a
 # program; K 896 is then four steps, all in flight at once.
 SKINNY_STEP_BYTES = 512
-# Elements of one x tile (BLOCK_M x BLOCK_K) in a program's registers: 16 x 256, 32 x
-# 256, 64 x 128. Wider, the rmsnorm variant spilled at 4 warps (sm_90 AOT: 64 x 256 held
-# 520 bytes of stack; 64 x 128 takes 226 registers, 32 x 256 255, neither spills).
-SKINNY_X_TILE_ELEMENTS = 8192
+# Bytes of one x tile (BLOCK_M x BLOCK_K) in a program's registers: 16-bit 16 x 256,
+# 32 x 256, 64 x 128. Wider, the rmsnorm variant spilled at 4 warps (sm_90 AOT: 64 x 256
+# held 520 bytes of stack; 64 x 128 takes 226 registers, 32 x 256 255, neither spills).
+# fp32 (IEEE products, not the engine's dtype): 64 x 64 still spills 56 bytes.
+SKINNY_X_TILE_BYTES = 16384
 # Shared memory the pipeline's stages may take: under the 227 KiB a program may have,
 # with room for a second resident program of the small tiles and Triton's own scratch.
 SKINNY_SMEM_BUDGET = 160 * 1024
@@ -1010,8 +1011,8 @@ def skinny_linear_config(x: torch.Tensor, m: int, n: int, k: int,
                          x_tiles: int = 1) -> SkinnyConfig:
     """The tiles of a skinny GEMM of ``m`` rows (at most 64), ``n`` outputs and a
     reduction of ``k``; ``x_tiles`` x-shaped tiles loaded a step (2 for SiLU-and-multiply's
-    gate and up, and for RMSNorm's x and residual). Chosen when a launch plan is made, never by timing at call time (a CUDA-graph
-    capture must not benchmark). The rule, by the bytes each program moves (predictions
+    gate and up, and for RMSNorm's x and residual). Chosen when a launch plan is made,
+    never by timing at call time (a CUDA-graph capture must not benchmark). The rule, by the bytes each program moves (predictions
     for the H200, to be measured with ``python -m flashtile.bench.skinny``):
 
     - BLOCK_N = the rows tile (16, 32 or 64 by the M bucket): every program re-reads x
@@ -1019,7 +1020,7 @@ def skinny_linear_config(x: torch.Tensor, m: int, n: int, k: int,
       bytes at most W's; at M <= 16 it gives most programs (qkv at 0.5B: 72, gate_up
       608), and many small resident programs keep more of W in flight than a few wide
       ones (one DRAM round trip holds K 896's four steps);
-    - BLOCK_K = SKINNY_STEP_BYTES of a row, at most SKINNY_X_TILE_ELEMENTS / BLOCK_M;
+    - BLOCK_K = SKINNY_STEP_BYTES of a row, at most SKINNY_X_TILE_BYTES in BLOCK_M rows;
       stages as many as fit SKINNY_SMEM_BUDGET up
       to 4 (x tiles counted at the padded rows), halving BLOCK_K below two stages;
     - split_k only where a program would need more than two pipeline lengths of steps
@@ -1038,7 +1039,7 @@ def skinny_linear_config(x: torch.Tensor, m: int, n: int, k: int,
     size = x.element_size()
     block_m = skinny_block_m(m)
     block_n = block_m
-    block_k = min(SKINNY_STEP_BYTES // size, SKINNY_X_TILE_ELEMENTS // block_m)
+    block_k = min(SKINNY_STEP_BYTES, SKINNY_X_TILE_BYTES // block_m) // size
     while True:
         stage_bytes = (block_n + block_m * x_tiles) * block_k * size
         stages = min(SKINNY_MAX_STAGES, SKINNY_SMEM_BUDGET // stage_bytes)
