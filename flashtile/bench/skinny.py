@@ -18,11 +18,10 @@ residual add), ``down`` (SiLU-and-multiply). Each timed call is validated first 
 a float64 reference (STYLE.md's rule: at most twice the unfused sequence's error plus
 one bf16 unit of the largest output).
 
-Timing: back-to-back calls in a CUDA graph, each on its own copy of the weights (at
+Timing: a CUDA graph of back-to-back calls, each on its own copy of the weights (at
 least 20, and enough that the copies are three times the L2: in a decode step every
-layer's weights come from memory, not from the L2), the median replay per call; the
-providers in turn, ``--rounds`` times, the median round kept (bench.decode's
-``time_rounds``). Bandwidth counts the weight bytes (W and bias):
+layer's weights come from memory, not from the L2), its median replay of 30 per call;
+the providers in turn, ``--rounds`` times, the median round kept. Bandwidth counts the weight bytes (W and bias):
 what a decode step must read. The per-layer table sums a layer's products as the engine
 would run them: unfused (norm + qkv, o, norm + gate_up, SiLU-and-mul + down) against
 fused (qkv, plain o, gate_up, down; the o row's residual add lives in the next norm).
@@ -44,8 +43,8 @@ import torch.nn.functional as F
 OPS = ("qkv", "o", "gate_up", "down")
 PROVIDERS = ("unfused", "fused", "linear", "plain")
 DEFAULT_MODELS = ("qwen2.5-0.5b", "llama-3.2-1b")
-MIN_CALLS = 20  # weight copies a round calls at least
-REP_MS = 25  # a round's graph holds about this long of calls (do_bench_cudagraph's rep)
+MIN_CALLS = 20  # weight copies a graph calls at least
+REPS = 30  # replays of a graph
 
 
 def shapes(model: str) -> dict:
@@ -148,10 +147,11 @@ def check(name, fn, w, kw, unfused_out):
 
 
 def run_row(model, op, op_shape, m, unfused_prologue, rounds, device="cuda"):
-    """One product at one row count: each provider checked, then all timed in turn
-    (bench.decode's ``time_rounds``: a CUDA graph of the calls over every weight copy,
-    the median replay per call), the median round kept."""
-    from flashtile.bench.decode import median, time_rounds
+    """One product at one row count: each provider checked, then timed in turn
+    ``rounds`` times (each a CUDA graph of one call per weight copy, its median replay
+    per call: step_kernels.graph_us), the median round kept."""
+    from flashtile.bench.decode import median
+    from flashtile.bench.step_kernels import graph_us
 
     n, k = op_shape[:2]
     kw, weights = make_call(op_shape, m, device)
@@ -171,7 +171,11 @@ def run_row(model, op, op_shape, m, unfused_prologue, rounds, device="cuda"):
         except Exception as e:  # a provider that fails a row: recorded, the run goes on
             row[name] = dict(error=f"{type(e).__name__}: {str(e)[:120]}")
     try:
-        for name, us in time_rounds(runnable, rounds, rep=REP_MS).items():
+        timed = {name: [] for name in runnable}
+        for _ in range(rounds):  # in turn: no provider gains from its place in a round
+            for name, calls in runnable.items():
+                timed[name].append(graph_us(calls, REPS))
+        for name, us in timed.items():
             t = median(us)
             row[name].update(us=round(t, 2), gbps=round(w_bytes / t / 1e3),
                              rounds_us=[round(u, 2) for u in us])
