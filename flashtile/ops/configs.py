@@ -965,17 +965,20 @@ class SkinnyConfig:
 # Under the interpreter: tiles smaller than the tests' shapes (K 96/224, N 40-130), so
 # that every test crosses several column tiles, reduction steps and a masked tail.
 _SKINNY_INTERPRETER = SkinnyConfig(16, 32, 1, 4, 1)
-# A row's bytes of one reduction step: 256 elements of 16 bits (BLOCK_K 256), so a
-# 16-row W tile is 8 KB a stage and a 4-stage pipeline keeps 24-32 KB of W in flight a
-# program; K 896 is then four steps, all in flight at once.
-SKINNY_STEP_BYTES = 512
-# Bytes of one x tile (BLOCK_M x BLOCK_K) in a program's registers: 16-bit 16 x 256,
-# 32 x 256, 64 x 128. Wider, the rmsnorm variant spilled at 4 warps (sm_90 AOT: 64 x 256
-# held 520 bytes of stack; 64 x 128 takes 226 registers, 32 x 256 255, neither spills).
-# fp32 (IEEE products, not the engine's dtype): 64 x 64 still spills 56 bytes.
-SKINNY_X_TILE_BYTES = 16384
+# By rows tile (the M bucket: 16, 32, 64): (BLOCK_N, BLOCK_K of 16-bit inputs, warps).
+# - BLOCK_N = the rows tile: each program reads its BLOCK_N x K of W from memory and
+#   all of x (BLOCK_M x K; twice with rmsnorm, whose statistics pass reads it first)
+#   from the L2, so x's bytes stay at most W's. At M <= 16 it also gives the most
+#   programs (0.5B's qkv 72, gate_up 608): many small resident programs keep more of W
+#   in flight than a few wide ones.
+# - BLOCK_K: 512 bytes of a row a step, so K 896 is four steps, all in flight in a
+#   4-stage pipeline (a 16 x 256 W tile is 8 KB); 64 rows take 128, since the x tile
+#   lives in registers: 64 x 256 spilled 520 bytes in the rmsnorm variant at 4 warps
+#   (sm_90 AOT), 64 x 128 takes 226 registers and 32 x 256 255, neither spilling.
+#   fp32 (IEEE products; not the engine's dtype) halves BLOCK_K (64 x 64 spills 56 B).
+SKINNY_TILES = {16: (16, 256, 4), 32: (32, 256, 4), 64: (64, 128, 4)}
 # Shared memory the pipeline's stages may take: under the 227 KiB a program may have,
-# with room for a second resident program of the small tiles and Triton's own scratch.
+# with room for Triton's own scratch (and a second resident program of small tiles).
 SKINNY_SMEM_BUDGET = 160 * 1024
 SKINNY_MAX_STAGES = 4
 SKINNY_MAX_SPLIT = 8
@@ -1012,21 +1015,16 @@ def skinny_linear_config(x: torch.Tensor, m: int, n: int, k: int,
     """The tiles of a skinny GEMM of ``m`` rows (at most 64), ``n`` outputs and a
     reduction of ``k``; ``x_tiles`` x-shaped tiles loaded a step (2 for SiLU-and-multiply's
     gate and up, and for RMSNorm's x and residual). Chosen when a launch plan is made,
-    never by timing at call time (a CUDA-graph capture must not benchmark). The rule, by the bytes each program moves (predictions
-    for the H200, to be measured with ``python -m flashtile.bench.skinny``):
+    never by timing at call time (a CUDA-graph capture must not benchmark). Predictions
+    for the H200, to be measured with ``python -m flashtile.bench.skinny``:
 
-    - BLOCK_N = the rows tile (16, 32 or 64 by the M bucket): every program re-reads x
-      (BLOCK_M x K) from the L2 besides its own BLOCK_N x K of W, so this keeps x's
-      bytes at most W's; at M <= 16 it gives most programs (qkv at 0.5B: 72, gate_up
-      608), and many small resident programs keep more of W in flight than a few wide
-      ones (one DRAM round trip holds K 896's four steps);
-    - BLOCK_K = SKINNY_STEP_BYTES of a row, at most SKINNY_X_TILE_BYTES in BLOCK_M rows;
-      stages as many as fit SKINNY_SMEM_BUDGET up
-      to 4 (x tiles counted at the padded rows), halving BLOCK_K below two stages;
-    - split_k only where a program would need more than two pipeline lengths of steps
-      (K past ~2k, the down projections) and the columns give fewer programs than 3/4
-      of the SMs (0.5B's N 896 at 56): enough splits to reach the SMs, each at least a
-      pipeline length. Splitting costs a partial store, an atomic and a reload (about
+    - BLOCK_N, BLOCK_K and warps from SKINNY_TILES by the rows tile;
+    - stages: as many as SKINNY_SMEM_BUDGET holds, up to 4 (x tiles counted at the
+      padded rows);
+    - split_k only where a program would stream more than two pipeline lengths of steps
+      (K past ~2k: the down projections) and the columns give fewer programs than 3/4
+      of the SMs (0.5B's N 896: 56): enough splits to reach the SMs, each at least a
+      pipeline length. A split costs a partial store, an atomic and a reload (about
       two L2 round trips), which a short reduction does not win back.
     """
     if "skinny_linear" in _override:
@@ -1038,18 +1036,13 @@ def skinny_linear_config(x: torch.Tensor, m: int, n: int, k: int,
         return _SKINNY_INTERPRETER
     size = x.element_size()
     block_m = skinny_block_m(m)
-    block_n = block_m
-    block_k = min(SKINNY_STEP_BYTES, SKINNY_X_TILE_BYTES // block_m) // size
-    while True:
-        stage_bytes = (block_n + block_m * x_tiles) * block_k * size
-        stages = min(SKINNY_MAX_STAGES, SKINNY_SMEM_BUDGET // stage_bytes)
-        if stages >= 2 or block_k <= 32:
-            break
-        block_k //= 2
-    stages = max(stages, 1)
+    block_n, block_k, warps = SKINNY_TILES[block_m]
+    block_k = block_k * 2 // max(size, 2)
+    stage_bytes = (block_n + block_m * x_tiles) * block_k * size
+    stages = max(1, min(SKINNY_MAX_STAGES, SKINNY_SMEM_BUDGET // stage_bytes))
     programs, steps = cdiv(n, block_n), cdiv(k, block_k)
     sms = _sm_count(x.device.index if x.device.index is not None else 0)
     split = 1
     if programs < sms * 3 // 4 and steps > 2 * stages:
         split = min(cdiv(sms, programs), steps // stages, SKINNY_MAX_SPLIT)
-    return SkinnyConfig(block_n, block_k, split, 4, stages)
+    return SkinnyConfig(block_n, block_k, split, warps, stages)
