@@ -62,7 +62,9 @@ def _float64(kw):
 
 def check_against_reference(x, w, kw):
     """ours vs float64 within 2x torch's error at the dtype plus one unit in the last
-    place; the x + norm_residual output, a plain rounded add, exactly."""
+    place (the float64 reference's RMSNorm statistics are fp32, as engine/layernorm.py's
+    reference computes them); the x + norm_residual output, a plain rounded add,
+    exactly."""
     ours = skinny_linear(x, w, **kw)
     torch_out = skinny_linear_reference(x, w, **kw)
     exact = skinny_linear_reference(x.double(), w.double(), **_float64(kw))
@@ -165,14 +167,16 @@ def test_prologue_rounding_matches_eager(runs_triton, device, dtype):
 
 
 def test_reference_is_the_engine_sequence():
-    """skinny_linear_reference is what engine/model.py's modules compute (eager, CPU):
-    RMSNorm (with its residual add) then F.linear; SiLU-and-multiply then F.linear."""
+    """skinny_linear_reference is what engine/model.py's modules compute on CPU (their
+    PyTorch path): RMSNorm with its residual add, then F.linear; the MLP's
+    SiLU-and-multiply, then F.linear."""
     from flashtile.engine import model
 
     torch.manual_seed(1)
+    fused = model.ELEMENTWISE["triton"]  # on CPU tensors: the PyTorch references
     for dtype in (torch.float32, torch.bfloat16):
         x, w, kw = make_inputs(3, 24, 32, dtype, "cpu", "add_rmsnorm", "bias")
-        norm = model.RMSNorm(32, kw["eps"]).to(dtype)
+        norm = model.RMSNorm(32, kw["eps"], fused).to(dtype)
         norm.weight.data.copy_(kw["norm_weight"])
         h, x_sum = norm(x, kw["norm_residual"])
         y, ref_sum = skinny_linear_reference(x, w, **kw)
@@ -180,7 +184,7 @@ def test_reference_is_the_engine_sequence():
         assert torch.equal(y, torch.nn.functional.linear(h, w, kw["bias"]))
         g = torch.randn(3, 64).to(dtype)
         assert torch.equal(skinny_linear_reference(g, w, prologue="silu_mul"),
-                           torch.nn.functional.linear(model._silu_and_mul(g), w))
+                           torch.nn.functional.linear(fused.silu_and_mul(g), w))
 
 
 def _bad_calls():
@@ -329,20 +333,19 @@ def test_bench_checks_each_provider(runs_triton, on_gpu):
     if on_gpu:
         pytest.skip("the CPU form of the bench's checks")
     from flashtile.bench import skinny
-    from flashtile.engine.skinny_linear import prologue_reference
 
     for op_shape in ((72, 96, "rmsnorm", True, True, False), (40, 96, "silu_mul", False,
                                                                 False, True)):
         kw, weights = skinny.make_call(op_shape, 3, "cpu", dtype=torch.float32)
         w = weights()
-        fns = skinny.providers(kw, prologue_reference)
+        fns = skinny.providers(kw)
         unfused = fns["unfused"](w)
         for name, fn in fns.items():
             skinny.check(name, fn, w, kw, unfused)
     kw, weights = skinny.make_call((72, 96, None, False, True, False), 2, "cpu",
                                    dtype=torch.float32)
     w = weights()
-    fns = skinny.providers(kw, prologue_reference)
+    fns = skinny.providers(kw)
     wrong = lambda w: fns["fused"](w) + w["bias"]
     with pytest.raises(RuntimeError, match="fused: max error"):
         skinny.check("fused", wrong, w, kw, fns["unfused"](w))

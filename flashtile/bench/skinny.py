@@ -5,9 +5,9 @@
 For each model's layer (random bf16 weights at its shapes), each of its four products
 at each row count, four providers, each timed in a CUDA graph (the engine's setting):
 
-- ``unfused``: what the engine runs today: the elementwise part compiled by
-  torch.compile (one kernel, as engine/model.py's ``_fused_on_cuda``), then F.linear
-  (cuBLAS), then an eager residual add where the product has one;
+- ``unfused``: what the engine runs today: its elementwise kernel (engine/layernorm.py's
+  add_rms_norm, activation.py's silu_and_mul), then F.linear (cuBLAS), then an eager
+  residual add where the product has one;
 - ``fused``: ``skinny_linear`` with that part as its prologue or epilogue;
 - ``linear`` and ``plain``: F.linear and ``skinny_linear`` alone (the GEMM without the
   fusion: whether our kernel alone is nearer its bytes than cuBLAS's).
@@ -61,15 +61,6 @@ def shapes(model: str) -> dict:
             "down": (h, inter, "silu_mul", False, False, False)}
 
 
-def _unfused_prologue():
-    """The engine's elementwise kernel before a product (its RMSNorm with the residual
-    add, or SiLU-and-multiply), compiled once for every shape (dynamic=True) as
-    engine/model.py's ``_fused_on_cuda`` does."""
-    from flashtile.engine.skinny_linear import prologue_reference
-
-    return torch.compile(prologue_reference, dynamic=True)
-
-
 def make_call(op_shape, m, device, dtype=torch.bfloat16, seed=0):
     """(inputs shared by the calls, a function of one weight copy -> its kwargs)."""
     n, k, prologue, add, bias, residual = op_shape
@@ -93,17 +84,22 @@ def make_call(op_shape, m, device, dtype=torch.bfloat16, seed=0):
     return dict(prologue=prologue, **shared), weights
 
 
-def providers(kw, unfused_prologue):
+def providers(kw):
     """{provider: fn(weights) -> y} for one product's shared inputs ``kw``."""
+    from flashtile.engine import activation, layernorm
     from flashtile.engine.skinny_linear import skinny_linear
 
     prologue, x, residual = kw["prologue"], kw["x"], kw.get("residual")
 
     def unfused(w):
         h = x
-        if prologue is not None:
-            h, _ = unfused_prologue(x, prologue, kw.get("norm_weight"),
-                                    kw.get("eps", 1e-6), kw.get("norm_residual"))
+        if prologue == "silu_mul":
+            h = activation.silu_and_mul(x)
+        elif prologue == "rmsnorm" and "norm_residual" in kw:
+            h = layernorm.add_rms_norm(x, kw["norm_residual"], kw["norm_weight"],
+                                       kw["eps"])[0]
+        elif prologue == "rmsnorm":
+            h = layernorm.rms_norm(x, kw["norm_weight"], kw["eps"])
         y = F.linear(h, w["weight"], w.get("bias"))
         return y if residual is None else y + residual
 
@@ -146,7 +142,7 @@ def check(name, fn, w, kw, unfused_out):
     return err
 
 
-def run_row(model, op, op_shape, m, unfused_prologue, rounds, device="cuda"):
+def run_row(model, op, op_shape, m, rounds, device="cuda"):
     """One product at one row count: each provider checked, then timed in turn
     ``rounds`` times (each a CUDA graph of one call per weight copy, its median replay
     per call: step_kernels.graph_us), the median round kept."""
@@ -159,7 +155,7 @@ def run_row(model, op, op_shape, m, unfused_prologue, rounds, device="cuda"):
     l2 = torch.cuda.get_device_properties(device).L2_cache_size
     copies = max(MIN_CALLS, math.ceil(3 * l2 / w_bytes))
     ws = [weights() for _ in range(copies)]
-    fns = providers(kw, unfused_prologue)
+    fns = providers(kw)
     row = dict(model=model, op=op, m=m, n=n, k=k, weight_mb=round(w_bytes / 1e6, 2),
                calls=copies)
     unfused_out = fns["unfused"](ws[0])
@@ -259,13 +255,12 @@ def main(argv=None) -> int:
 
     copy = ceilings(torch.device("cuda"))[0]["copy_bytes_per_s"] / 1e9
     print(f"# device copy {copy:.0f} GB/s ({torch.cuda.get_device_name()})", flush=True)
-    unfused_prologue = _unfused_prologue()
     rows = []
     for model in args.models:
         layer = shapes(model)
         for op in args.ops:
             for m in args.rows:
-                row = run_row(model, op, layer[op], m, unfused_prologue, args.rounds)
+                row = run_row(model, op, layer[op], m, args.rounds)
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     print(markdown(rows, copy))

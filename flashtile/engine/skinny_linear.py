@@ -8,7 +8,7 @@ cuBLAS's skinny GEMMs at latency (o_proj 4.5 us for 0.4 us of bytes; down 5.3 us
 1.7 us split-K reduce) with no way to fuse a norm or an activation into them
 (docs/benchmarks/NOTES.md section 26). Here:
 
-- prologue ``"rmsnorm"``: x's rows normalised as engine/model.py's ``_rms_norm`` (fp32
+- prologue ``"rmsnorm"``: x's rows normalised as engine/layernorm.py's RMSNorm (fp32
   statistics, the normalised row cast to x's dtype before the norm weight multiplies it,
   that product rounded to x's dtype), optionally after ``x + norm_residual`` (rounded to
   x's dtype, as the unfused add), whose sum is then returned too: the next layer's
@@ -32,14 +32,12 @@ counters at zero); calls that split must not run concurrently on two streams.
 
 Rounding against the unfused PyTorch sequence (``skinny_linear_reference``):
 
-- rmsnorm: the same roundings; the fp32 sum of squares is added in another order and
-  ``rsqrt`` is the GPU's approximate one (as torch.compile's kernel, the engine's CUDA
-  path, uses), so the normalised value can differ in fp32's last bits and, rarely, in
-  the 16-bit rounding that follows. With ``norm_residual`` the statistics are of the
-  rounded sum, as eager PyTorch and transformers compute them (the engine's compiled
-  ``add_rms_norm`` keeps the sum in fp32 for its statistics);
+- rmsnorm: the same roundings (engine/layernorm.py's: statistics of the rounded sum
+  x + norm_residual); the fp32 sum of squares is added in another order and ``rsqrt``
+  is the GPU's approximate one, so the normalised value can differ in fp32's last bits
+  and, rarely, in the 16-bit rounding that follows;
 - silu_mul: ``silu(gate)`` is rounded to x's dtype before the multiply by up, as
-  eager ``F.silu(gate) * up`` in 16 bits does (torch.compile's kernel keeps it in fp32).
+  eager ``F.silu(gate) * up`` in 16 bits does (and engine/activation.py's kernel).
   ``exp`` is the GPU's fast one here and ``expf`` in PyTorch: a 16-bit result can differ
   by one unit in the last place where the fp32 value lies within exp's error of a
   rounding boundary;
@@ -62,6 +60,7 @@ from torch import Tensor
 
 from flashtile import _backend
 from flashtile import _validate as V
+from flashtile.engine import activation, layernorm
 from flashtile.ops import _launch, configs
 
 PROLOGUES = (None, "rmsnorm", "silu_mul")
@@ -282,7 +281,7 @@ def skinny_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *,
         weight: (N, K) in x's dtype, rows contiguous: an nn.Linear's weight.
         bias: (N,) or None.
         prologue: None; ``"rmsnorm"`` (x's rows RMS-normalised with ``norm_weight``
-            and ``eps`` first, as engine/model.py's RMSNorm); ``"silu_mul"``
+            and ``eps`` first, as engine/layernorm.py's); ``"silu_mul"``
             (``silu(gate) * up`` first).
         norm_weight: (K,), with ``prologue="rmsnorm"`` only.
         eps: the RMSNorm epsilon.
@@ -363,20 +362,16 @@ def prologue_reference(x: Tensor, prologue: str | None = None,
                        norm_residual: Tensor | None = None
                        ) -> tuple[Tensor, Tensor | None]:
     """(the product's input, x + norm_residual or None): ``skinny_linear``'s prologue as
-    engine/model.py computes it (the RMSNorm's fp32 statistics and its cast before the
-    weight multiply; F.silu(gate) * up). Statistics in fp32, or in float64 for float64
-    inputs (the tests' upcast reference)."""
+    the engine computes it on CPU (engine/layernorm.py's and activation.py's PyTorch
+    references, whose numerics their CUDA kernels share)."""
     x_sum = None
     if prologue == "rmsnorm":
-        if norm_residual is not None:
-            x = x_sum = x + norm_residual
-        dtype = x.dtype
-        h = x.to(torch.promote_types(dtype, torch.float32))
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-        x = norm_weight * h.to(dtype)
+        if norm_residual is None:
+            x = layernorm.rms_norm_reference(x, norm_weight, eps)
+        else:
+            x, x_sum = layernorm.add_rms_norm_reference(x, norm_residual, norm_weight, eps)
     elif prologue == "silu_mul":
-        gate, up = x.chunk(2, dim=-1)
-        x = F.silu(gate) * up
+        x = activation.silu_and_mul_reference(x)
     elif prologue is not None:
         raise ValueError(f"prologue: expected one of {PROLOGUES}, got {prologue!r}")
     return x, x_sum
