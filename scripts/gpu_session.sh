@@ -33,6 +33,12 @@
 #                slice, then the 0.5B decode-step bench (batches 1 and 256, a prompt step
 #                of 8 x 1024) with FLASHTILE_ENGINE_FUSED=compile and with the kernels,
 #                the step and forward ms beside each other                  (~8 min)
+#   skinny       engine/skinny_linear.py (the fused skinny GEMMs of decode batches): its
+#                GPU tests, their memcheck, then flashtile.bench.skinny (0.5B and 1B
+#                layers, M 1/4/16/64, fused against the unfused engine sequence and
+#                F.linear); SKINNY_CONFIGS="16,256,1,4,4 ..." adds an A/B run per tile
+#                (SKINNY_ARGS: the bench's flags for it, e.g. --ops down --rows 1 16)
+#                                                                          (~7 min)
 #   host         flashtile bench host, flashtile bench hf (and --pad at batch 16) (~10 min)
 #   hopper       the Gluon forward's GPU tests (16-bit) and its timing     (~9 min)
 #   tp           the tensor-parallel driver's tests (2 GPUs)              (~4 min)
@@ -481,6 +487,31 @@ PY
       --providers engine-flashtile-graphs engine-sdpa engine-naive hf-generate-batch \
       hf-generate --timeout 120 --out "$OUT/throughput-shapes.json" 2>&1 | tail -24
     ;;
+  skinny)
+    # Issue 14's small-batch forward (NOTES.md section 26: 0.95 ms at batch 1 against
+    # 0.24 of weight bytes, 11 kernels a layer): the prototype of the fused skinny GEMMs.
+    # Tests first (a wrong kernel would time garbage; SKIP_TESTS=1 once they passed),
+    # then memcheck over the engine shapes in 16 bits, plans, the graph and every split-K
+    # case (the split's atomics and partials); the warm Triton cache keeps it short.
+    if [ -z "${SKIP_TESTS:-}" ]; then
+      stamp skinny-tests
+      timeout 150 python3 -m pytest -q -p no:cacheprovider --gpu $XDIST \
+        tests/test_skinny_linear.py 2>&1 | tail -3 | tee "$OUT/skinny-tests.txt"
+      stamp skinny-memcheck
+      timeout 150 make memcheck MEMCHECK_K="(gpu and not float32) or split_k" \
+        MEMCHECK_FILES=tests/test_skinny_linear.py 2>&1 | tail -3 \
+        | tee -a "$OUT/skinny-tests.txt"
+    fi
+    stamp skinny-bench
+    timeout 270 python3 -m flashtile.bench.skinny --out "$OUT/skinny.json" 2>&1 \
+      | grep "^|\|^#\|rror" | tee "$OUT/skinny.txt"
+    for cfg in ${SKINNY_CONFIGS:-}; do
+      FLASHTILE_SKINNY_LINEAR_CONFIG=$cfg timeout 150 python3 -m flashtile.bench.skinny \
+        ${SKINNY_ARGS:-} 2>&1 | grep "^| [a-z]" | grep -v "^| model" | sed "s/^/$cfg /" \
+        | tee -a "$OUT/skinny-ab.txt"
+    done
+    stamp done
+    ;;
   host)
     # Host time per eager call (issue 15 item 1) and transformers with flashtile (issue 16).
     timeout 200 python3 -m flashtile bench host --out "$OUT/host" 2>&1 | tail -20
@@ -585,7 +616,7 @@ import PRESETS; json.dump(PRESETS['llama-3.2-1b'], open('/tmp/llama1b/config.jso
     kill "$server"
     ;;
   *)
-    echo "usage: $0 check|memcheck|sweep [SECONDS]|extra|short|decode|splits|pdl|engine|engine-host|engine-peers|engine-kernels|engine-fused|shapes|host|hopper|tp|fp32|wide|serve [BACKEND] [KV]" >&2
+    echo "usage: $0 check|memcheck|sweep [SECONDS]|extra|short|decode|splits|pdl|engine|engine-host|engine-peers|engine-kernels|engine-fused|shapes|skinny|host|hopper|tp|fp32|wide|serve [BACKEND] [KV]" >&2
     exit 2
     ;;
 esac

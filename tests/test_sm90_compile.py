@@ -634,3 +634,50 @@ def test_dropout_compiles_for_sm90(kind, head_dim):
     calls = cfg.block_m * cfg.block_n // (4 * 32 * cfg.num_warps)
     mul_hi = ck.asm["ptx"].count("mul.hi.u32")
     assert 0 < mul_hi <= 3 * 20 * calls, (mul_hi, calls)
+
+
+def _skinny_variants():
+    """The engine's four products of the 0.5B and 1B layers (hidden, intermediate, q
+    and kv widths) at decode batches 1, 32 and 64, with the tiles
+    configs.skinny_linear_config gives them on a 132-SM H200: each distinct kernel once."""
+    calls = {"qkv": ("rmsnorm", True, True, False), "o": (None, False, False, True),
+             "gate_up": ("rmsnorm", True, False, False), "down": ("silu_mul", False, False,
+                                                                  False)}
+    seen = {}
+    for hidden, inter, q, kv in ((896, 4864, 896, 128), (2048, 8192, 2048, 512)):
+        shapes = {"qkv": (q + 2 * kv, hidden), "o": (hidden, q),
+                  "gate_up": (2 * inter, hidden), "down": (hidden, inter)}
+        for op, (n, k) in shapes.items():
+            prologue, add, bias, residual = calls[op]
+            for m in (1, 32, 64):
+                yield op, prologue, add, bias, residual, m, n, k
+
+
+@pytest.mark.parametrize("op,prologue,add,bias,residual,m,n,k",
+                         list(_skinny_variants()),
+                         ids=lambda v: v if isinstance(v, str) else None)
+def test_skinny_linear_compiles_for_sm90(op, prologue, add, bias, residual, m, n, k,
+                                         monkeypatch):
+    """engine/skinny_linear.py at its table's tiles: no spills, within shared memory,
+    tensor-core products, and x and W through the software pipeline (async copies: the
+    memory-bound loop keeps steps in flight); a split-K variant counts its programs in
+    with one atomic and resets the counter with another."""
+    from flashtile.engine.skinny_linear import _PROLOGUE_CODES, _skinny_linear_kernel
+
+    monkeypatch.setattr(configs, "_sm_count", lambda index: 132)
+    x = torch.empty(0, dtype=torch.bfloat16, device="meta")
+    cfg = configs.skinny_linear_config(x, m, n, k, 2 if add or prologue == "silu_mul" else 1)
+    ck = compile_kernel(_skinny_linear_kernel, dict(
+        PROLOGUE=_PROLOGUE_CODES[prologue], HAS_NORM_RESIDUAL=add, HAS_BIAS=bias,
+        HAS_RESIDUAL=residual, BLOCK_M=configs.skinny_block_m(m), BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k, INPUT_PRECISION="tf32"),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        types=dict(Partials="*fp32", Counters="*i32", eps="fp32", M="i32", N="i32",
+                   K="i32", K_SPLIT="i32"))
+    res = resources(ck)
+    assert res["stack_bytes"] == 0 and res["shared_bytes"] <= configs.SM90_SMEM_BYTES, \
+        (cfg, res)
+    assert tensor_core_ops(ck) & {"HMMA", "HGMMA"}, cfg
+    ttgir = ck.asm["ttgir"]
+    assert ttgir.count("async_copy_global_to_local") >= 2, cfg
+    assert ttgir.count("tt.atomic_rmw") == (2 if cfg.split_k > 1 else 0), cfg

@@ -86,15 +86,23 @@ def graph_kernel_us(kernels: int = FLOOR_KERNELS, reps: int = 20) -> float:
     section 25: the 0.5B shape's batch-1 forward, ~250 kernels, takes 4x its bytes)."""
     import torch
     x = torch.zeros(1, device="cuda")
+    return graph_us([lambda: x.add_(1)] * kernels, reps)
+
+
+def graph_us(calls, reps: int = 20) -> float:
+    """Microseconds per call of a CUDA graph of ``calls`` (functions of no argument) run
+    back to back: the median of ``reps`` replays over the calls."""
+    import torch
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):  # warm up off the capture, as torch's docs ask
-        x.add_(1)
+        for call in calls:
+            call()
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        for _ in range(kernels):
-            x.add_(1)
+        for call in calls:
+            call()
     graph.replay()
     times = []
     for _ in range(reps):
@@ -104,7 +112,7 @@ def graph_kernel_us(kernels: int = FLOOR_KERNELS, reps: int = 20) -> float:
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end))
-    return 1e3 * sorted(times)[reps // 2] / kernels
+    return 1e3 * sorted(times)[reps // 2] / len(calls)
 
 
 @contextmanager
