@@ -487,6 +487,27 @@ PY
       --providers engine-flashtile-graphs engine-sdpa engine-naive hf-generate-batch \
       hf-generate --timeout 120 --out "$OUT/throughput-shapes.json" 2>&1 | tail -24
     ;;
+  engine-skinny)
+    # The engine's layers through skinny_linear (FLASHTILE_ENGINE_SKINNY=64: steps of at
+    # most 64 tokens) against the default, decode steps of the 0.5B and 1B shapes in
+    # CUDA graphs; run after `skinny` showed the kernels right and faster. Prediction
+    # (session 16): 0.5B batch 1 forward 0.95 -> ~0.65-0.7 ms, 1B ~0.97 -> ~0.85 ms.
+    stamp engine-skinny-tests
+    [ -n "${SKIP_TESTS:-}" ] || timeout 120 python3 -m pytest -q -p no:cacheprovider --gpu \
+      tests/test_engine_gpu.py -k "skinny or graph" 2>&1 | tail -2 \
+      | tee "$OUT/engine-skinny.txt"
+    for run in "qwen2.5-0.5b:1 16 64" "llama-3.2-1b:1 64"; do
+      model=${run%%:*}
+      for rows in 0 64; do
+        stamp "decode step $model, FLASHTILE_ENGINE_SKINNY=$rows"
+        FLASHTILE_ENGINE_SKINNY=$rows timeout 110 python3 -m flashtile.bench.throughput \
+          --decode-step --models "$model" --decode-batches ${run#*:} --decode-reps 20 \
+          --timeout 100 --out "$OUT/skinny-$model-$rows.json" 2>&1 | grep "^| [a-z]" \
+          | sed "s/^/skinny=$rows /" | tee -a "$OUT/engine-skinny.txt"
+      done
+    done
+    stamp done
+    ;;
   skinny)
     # Issue 14's small-batch forward (NOTES.md section 26: 0.95 ms at batch 1 against
     # 0.24 of weight bytes, 11 kernels a layer): the prototype of the fused skinny GEMMs.
