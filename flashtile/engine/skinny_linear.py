@@ -244,17 +244,17 @@ _SLOTS = ("X", "W", "Bias", "Residual", "NormWeight", "NormResidual", "XSum", "O
 _workspaces: dict = {}  # device -> (fp32 partials, int32 counters kept at zero)
 
 
-_reserved: set = set()  # devices whose workspace reserve_workspace fixed
+# Workspaces a larger one replaced: never freed, since a CUDA graph captured with one
+# keeps its address (a few, each at least twice its predecessor).
+_retired: list = []
 
 
 def reserve_workspace(device: torch.device, rows: int, n: int):
-    """Allocate ``device``'s split-K workspace for every call of at most ``rows`` rows and
-    ``n`` outputs, and keep it: call before capturing CUDA graphs that split. A graph
-    holds the workspace's address, so a later call that needed a larger one must not
-    reallocate it under the graph: it raises instead."""
-    device = torch.device(device)
-    _workspace(device, configs.SKINNY_MAX_SPLIT * rows * n, configs.cdiv(n, 16))
-    _reserved.add(device)
+    """Size ``device``'s split-K workspace for every call of at most ``rows`` rows and
+    ``n`` outputs: before capturing CUDA graphs, so that no call of theirs needs a larger
+    one (one cannot be allocated during a capture)."""
+    _workspace(torch.device(device), configs.SKINNY_MAX_SPLIT * rows * n,
+               configs.cdiv(n, 16))
 
 
 def _workspace(device: torch.device, partials: int, counters: int):
@@ -266,11 +266,8 @@ def _workspace(device: torch.device, partials: int, counters: int):
                 "skinny_linear: a split-K layout's first call came inside a CUDA graph "
                 "capture, which cannot allocate its workspace; call it once before "
                 "capturing (the engine's warm-up forwards do)")
-        if device in _reserved:
-            raise RuntimeError(
-                f"skinny_linear: a call needs {partials} partials and {counters} counters, "
-                f"more than reserve_workspace reserved on {device}; CUDA graphs may hold "
-                "that workspace, so it is not reallocated: reserve more rows or outputs")
+        if ws is not None:
+            _retired.append(ws)
         partials = max(partials, 0 if ws is None else ws[0].numel())
         counters = max(counters, 0 if ws is None else ws[1].numel())
         ws = (torch.empty(configs.next_power_of_2(partials), dtype=torch.float32,
