@@ -301,7 +301,7 @@ ENGINE_CALLS = {"qkv": ("add_rmsnorm", "bias"), "o": ("none", "residual"),
 @pytest.mark.parametrize("dtype", GPU_DTYPES, ids=str)
 def test_gpu_engine_shapes(dtype, op, m):
     """The 0.5B layer's four products at the table's tiles (down splits K at M <= 64;
-    at 128 and 256 rows qkv, o and down split, gate_up takes 128 and 256 columns)."""
+    past 64 rows, in row tiles, every product but gate_up at 256 rows splits K)."""
     n, k = SHAPES_05B[op]
     x, w, kw = make_inputs(m, n, k, dtype, "cuda", *ENGINE_CALLS[op])
     check_against_reference(x, w, kw)
