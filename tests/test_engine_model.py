@@ -75,15 +75,17 @@ def test_logits_match_transformers_triton_kernels(tmp_path, case, elementwise,
 
 def test_skinny_choice_is_read_at_build(monkeypatch):
     """FLASHTILE_ENGINE_SKINNY: the most tokens a step may have to take the skinny
-    layers, 0 (the default) for never; outside 0..64 it is refused."""
+    layers, 0 (the default) for never; up to 256 (skinny_linear's row tiles); outside
+    0..256 it is refused."""
     from flashtile.engine.model import skinny_rows
     monkeypatch.delenv("FLASHTILE_ENGINE_SKINNY", raising=False)
     assert skinny_rows() == 0
-    monkeypatch.setenv("FLASHTILE_ENGINE_SKINNY", "32")
-    assert skinny_rows() == 32
-    for bad in ("65", "-1", "all"):
+    for rows in (32, 256):
+        monkeypatch.setenv("FLASHTILE_ENGINE_SKINNY", str(rows))
+        assert skinny_rows() == rows
+    for bad in ("257", "-1", "all"):
         monkeypatch.setenv("FLASHTILE_ENGINE_SKINNY", bad)
-        with pytest.raises(ValueError, match=f"from 0 to 64.*{bad}"):
+        with pytest.raises(ValueError, match=f"from 0 to 256.*{bad}"):
             skinny_rows()
 
 

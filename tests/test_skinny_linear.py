@@ -126,13 +126,35 @@ def test_split_k(runs_triton, device, tiles, dtype, m, prologue, epilogue, cfg):
     check_against_reference(x, w, kw)
 
 
+@pytest.mark.parametrize("split", [1, 2], ids=["whole_k", "split2"])
+@pytest.mark.parametrize("prologue,epilogue", [("add_rmsnorm", "bias_residual"),
+                                               ("rmsnorm", "bias"),
+                                               ("silu_mul", "bias_residual"),
+                                               ("none", "residual")])
+@pytest.mark.parametrize("m", [65, 100, 256])
+@pytest.mark.parametrize("dtype", CPU_DTYPES, ids=str)
+def test_row_tiles(runs_triton, device, tiles, dtype, m, prologue, epilogue, split):
+    """Past 64 rows, tiles of 64 along a grid dimension: 65 (a last tile of one row),
+    100, 256 (four full tiles). Each row tile normalises its own rows, the first column
+    tile's programs write its rows of x + norm_residual (compared exactly: a row tile
+    left unwritten or another tile's rows are caught), and a split counts in on its row
+    tile's counters (one counter for all the row tiles would let a program sum the
+    partials before the other tiles' splits stored theirs). K 96 is three steps of 32:
+    split 2 leaves the last split one step."""
+    tiles(configs.SkinnyConfig(16, 32, split))
+    x, w, kw = make_inputs(m, 40, 96, dtype, device, prologue, epilogue)
+    check_against_reference(x, w, kw)
+
+
+@pytest.mark.parametrize("m", [4, 256])
 @pytest.mark.parametrize("dtype", CPU_DTYPES, ids=str)
 def test_split_k_is_deterministic_and_leaves_counters_at_zero(runs_triton, device, tiles,
-                                                              dtype):
+                                                              dtype, m):
     """The last program sums the partials in split order: calls give the same bits;
-    each call resets its counters, so the next call (another shape too) is right."""
+    each call resets its counters (at 256 rows, those of four row tiles), so the next
+    call (another shape too) is right."""
     tiles(configs.SkinnyConfig(16, 32, 3))
-    x, w, kw = make_inputs(4, 72, 224, dtype, device, "silu_mul", "bias")
+    x, w, kw = make_inputs(m, 72, 224, dtype, device, "silu_mul", "bias")
     first = skinny_linear(x, w, **kw)
     assert torch.equal(skinny_linear(x, w, **kw), first)
     counters = sl._workspaces[x.device][1]
@@ -143,18 +165,22 @@ def test_split_k_is_deterministic_and_leaves_counters_at_zero(runs_triton, devic
 
 
 def test_workspace_is_never_freed(runs_triton, device, tiles, monkeypatch):
-    """reserve_workspace sizes the split-K workspace before CUDA graphs capture it; a
-    later call that needs more gets a new one, and the old one stays allocated (a graph
-    keeps its address), its counters at zero."""
+    """reserve_workspace sizes the split-K workspace before CUDA graphs capture it: calls
+    up to MAX_ROWS rows reuse it (four row tiles take four counters per column tile:
+    sized for one, the 256-row call would reallocate). A later call that needs more
+    gets a new one, and the old one stays allocated (a graph keeps its address), its
+    counters at zero."""
     monkeypatch.setattr(sl, "_workspaces", {})
     monkeypatch.setattr(sl, "_retired", [])
     tiles(configs.SkinnyConfig(16, 32, 3))
-    sl.reserve_workspace(device, rows=4, n=72)
+    sl.reserve_workspace(device, rows=sl.MAX_ROWS, n=72)
     first = sl._workspaces[torch.device(device)]
-    x, w, kw = make_inputs(4, 72, 224, torch.float32, device, "silu_mul", "bias")
-    check_against_reference(x, w, kw)
-    assert sl._workspaces[torch.device(device)] is first
-    x, w, kw = make_inputs(64, 130, 224, torch.float32, device, "add_rmsnorm", "residual")
+    for m in (4, sl.MAX_ROWS):
+        x, w, kw = make_inputs(m, 72, 224, torch.float32, device, "silu_mul", "bias")
+        check_against_reference(x, w, kw)
+        assert sl._workspaces[torch.device(device)] is first
+    x, w, kw = make_inputs(sl.MAX_ROWS, 130, 224, torch.float32, device, "add_rmsnorm",
+                           "residual")
     check_against_reference(x, w, kw)
     assert sl._retired == [first] and sl._workspaces[torch.device(device)] is not first
     assert not first[1].any()
@@ -209,7 +235,7 @@ def _bad_calls():
     f32 = lambda *s: torch.randn(*s)
     x, w = f32(3, 8), f32(5, 8)
     yield "x: expected a 2-d", ValueError, (f32(3, 1, 8), w), {}
-    yield r"x\.shape\[0\]: expected at most 64", ValueError, (f32(65, 8), w), {}
+    yield r"x\.shape\[0\]: expected at most 256", ValueError, (f32(257, 8), w), {}
     yield r"x\.shape\[1\]: expected weight\.shape\[1\] = 8", ValueError, (f32(3, 9), w), {}
     yield r"x\.shape\[1\]: expected 2 \* weight\.shape\[1\]", ValueError, (x, w), \
         dict(prologue="silu_mul")
@@ -270,11 +296,12 @@ ENGINE_CALLS = {"qkv": ("add_rmsnorm", "bias"), "o": ("none", "residual"),
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m", [1, 4, 16, 64])
+@pytest.mark.parametrize("m", [1, 4, 16, 64, 128, 256])
 @pytest.mark.parametrize("op", list(SHAPES_05B))
 @pytest.mark.parametrize("dtype", GPU_DTYPES, ids=str)
 def test_gpu_engine_shapes(dtype, op, m):
-    """The 0.5B layer's four products at the table's tiles (down splits K at M <= 64)."""
+    """The 0.5B layer's four products at the table's tiles (down splits K at M <= 64;
+    past 64 rows, in row tiles, every product but gate_up at 256 rows splits K)."""
     n, k = SHAPES_05B[op]
     x, w, kw = make_inputs(m, n, k, dtype, "cuda", *ENGINE_CALLS[op])
     check_against_reference(x, w, kw)
@@ -308,10 +335,12 @@ def test_gpu_plan_replays_the_first_launch(op):
 
 
 @pytest.mark.gpu
-def test_gpu_cuda_graph_replay():
+@pytest.mark.parametrize("m", [2, 256])
+def test_gpu_cuda_graph_replay(m):
     """Captured after a warm-up call (as the engine's graphs are), replayed over new
-    inputs copied in: the down projection (split K) and the fused norm + qkv."""
-    calls = {op: make_inputs(2, *SHAPES_05B[op], torch.bfloat16, "cuda", *ENGINE_CALLS[op])
+    inputs copied in: the down projection (split K) and the fused norm + qkv (split K
+    too at 256 rows, over four row tiles)."""
+    calls = {op: make_inputs(m, *SHAPES_05B[op], torch.bfloat16, "cuda", *ENGINE_CALLS[op])
              for op in ("down", "qkv")}
     for x, w, kw in calls.values():
         skinny_linear(x, w, **kw)

@@ -638,18 +638,17 @@ def test_dropout_compiles_for_sm90(kind, head_dim):
 
 def _skinny_variants():
     """The engine's four products of the 0.5B and 1B layers (hidden, intermediate, q
-    and kv widths) at decode batches 1, 32 and 64, with the tiles
-    configs.skinny_linear_config gives them on a 132-SM H200: each distinct kernel once."""
+    and kv widths) at decode batches 1, 32, 64, 128 and 256 (two and four row tiles),
+    with the tiles configs.skinny_linear_config gives them on a 132-SM H200."""
     calls = {"qkv": ("rmsnorm", True, True, False), "o": (None, False, False, True),
              "gate_up": ("rmsnorm", True, False, False), "down": ("silu_mul", False, False,
                                                                   False)}
-    seen = {}
     for hidden, inter, q, kv in ((896, 4864, 896, 128), (2048, 8192, 2048, 512)):
         shapes = {"qkv": (q + 2 * kv, hidden), "o": (hidden, q),
                   "gate_up": (2 * inter, hidden), "down": (hidden, inter)}
         for op, (n, k) in shapes.items():
             prologue, add, bias, residual = calls[op]
-            for m in (1, 32, 64):
+            for m in (1, 32, 64, 128, 256):
                 yield op, prologue, add, bias, residual, m, n, k
 
 
@@ -659,7 +658,8 @@ def _skinny_variants():
 def test_skinny_linear_compiles_for_sm90(op, prologue, add, bias, residual, m, n, k,
                                          monkeypatch):
     """engine/skinny_linear.py at its table's tiles: no spills, within shared memory,
-    tensor-core products, and x and W through the software pipeline (async copies: the
+    tensor-core products (wgmma for 64-row tiles: the rate configs.py's wide tiles
+    count on), and x and W through the software pipeline (async copies: the
     memory-bound loop keeps steps in flight); a split-K variant counts its programs in
     with one atomic and resets the counter with another."""
     from flashtile.engine.skinny_linear import _PROLOGUE_CODES, _skinny_linear_kernel
@@ -677,7 +677,8 @@ def test_skinny_linear_compiles_for_sm90(op, prologue, add, bias, residual, m, n
     res = resources(ck)
     assert res["stack_bytes"] == 0 and res["shared_bytes"] <= configs.SM90_SMEM_BYTES, \
         (cfg, res)
-    assert tensor_core_ops(ck) & {"HMMA", "HGMMA"}, cfg
+    assert tensor_core_ops(ck) & ({"HGMMA"} if configs.skinny_block_m(m) == 64
+                                  else {"HMMA", "HGMMA"}), cfg
     ttgir = ck.asm["ttgir"]
     assert ttgir.count("async_copy_global_to_local") >= 2, cfg
     assert ttgir.count("tt.atomic_rmw") == (2 if cfg.split_k > 1 else 0), cfg

@@ -1,9 +1,11 @@
 """Skinny GEMMs of decode batches: engine/skinny_linear.py against the sequences it fuses.
 
-``python -m flashtile.bench.skinny [--models ...] [--rows 1 4 16 64] [--out FILE.json]``
+``python -m flashtile.bench.skinny [--models ...] [--rows 1 4 16 64 128 256] [--out FILE.json]``
 
 For each model's layer (random bf16 weights at its shapes), each of its four products
-at each row count, four providers, each timed in a CUDA graph (the engine's setting):
+at each row count (1-64: small decode batches, one row tile; 128 and 256: the batches of
+a throughput run, two and four row tiles), four providers, each timed in a CUDA graph
+(the engine's setting):
 
 - ``unfused``: what the engine runs today: its elementwise kernel (engine/layernorm.py's
   add_rms_norm, activation.py's silu_and_mul), then F.linear (cuBLAS), then an eager
@@ -243,7 +245,7 @@ def main(argv=None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", nargs="+", default=list(DEFAULT_MODELS))
     p.add_argument("--ops", nargs="+", default=list(OPS), choices=OPS)
-    p.add_argument("--rows", nargs="+", type=int, default=[1, 4, 16, 64])
+    p.add_argument("--rows", nargs="+", type=int, default=[1, 4, 16, 64, 128, 256])
     p.add_argument("--rounds", type=int, default=3,
                    help="timed rounds (all providers in turn each round); the median kept")
     p.add_argument("--out", default=None, help="write the rows as JSON here")

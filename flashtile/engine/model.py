@@ -291,9 +291,9 @@ class Backbone(nn.Module):
 
 def skinny_rows() -> int:
     """FLASHTILE_ENGINE_SKINNY, read when a model is built: steps of at most this many
-    tokens (decode batches; at most 64) run each layer through skinny_linear's fused
-    products (DecoderLayer._skinny) on CUDA. 0, the default until the GPU A/B of session
-    17 says otherwise: never."""
+    tokens (decode batches; at most skinny_linear.MAX_ROWS, 256) run each layer through
+    skinny_linear's fused products (DecoderLayer._skinny) on CUDA. 0, the default until
+    the GPU A/B of session 17 says otherwise: never."""
     raw = os.environ.get("FLASHTILE_ENGINE_SKINNY", "0")
     rows = int(raw) if raw.strip().isdigit() else -1
     if not 0 <= rows <= MAX_ROWS:

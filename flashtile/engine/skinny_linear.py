@@ -1,6 +1,6 @@
 """Skinny linear layers of decode batches, with the elementwise work around them fused in.
 
-``skinny_linear`` computes ``y = prologue(x) @ weight^T (+ bias) (+ residual)`` for 1-64
+``skinny_linear`` computes ``y = prologue(x) @ weight^T (+ bias) (+ residual)`` for 1-256
 rows in one kernel. A decode step of a small model is made of such products and of the
 elementwise kernels between them: the Qwen2.5-0.5B shape at batch 1 runs 11 kernels a
 layer in 34 us against 7 us of weight bytes, each graphed kernel at least 1.3 us, and
@@ -12,21 +12,25 @@ cuBLAS's skinny GEMMs at latency (o_proj 4.5 us for 0.4 us of bytes; down 5.3 us
   statistics, the normalised row cast to x's dtype before the norm weight multiplies it,
   that product rounded to x's dtype), optionally after ``x + norm_residual`` (rounded to
   x's dtype, as the unfused add), whose sum is then returned too: the next layer's
-  residual stream. Each program computes its rows' statistics over all of K (x is a few
-  KB at decode batches and in the L2), then streams its slice of W;
+  residual stream. Each program computes its rows' statistics over all of K (x is at
+  most a few hundred KB at decode batches and in the L2), then streams its slice of W;
 - prologue ``"silu_mul"``: x is (M, 2K), gate then up (as the fused gate_up projection
   writes them), and the product's input is ``silu(gate) * up``, computed on the fly;
 - epilogue: ``+ bias``, then ``+ residual``, each rounded to the output dtype where the
   unfused sequence rounds (F.linear's output, then the add).
 
-Tiling for the memory-bound regime: a program per BLOCK_N columns of W (BLOCK_N 16-64,
+Tiling for the memory-bound regime: a program per BLOCK_N columns of W (BLOCK_N 16-256,
 configs.skinny_linear_config), the rows padded to 16 (or 32, 64) in one tl.dot, K
-streamed in BLOCK_K steps through Triton's software pipeline. Where the columns give too
-few programs for a long reduction (the down projection at N 896, K 4864), the reduction
-is split over SPLIT_K programs: each stores its fp32 partial tile, then counts itself in
-with an atomic; the last of a tile to arrive sums the partials in split order (the
-result does not depend on which program arrives last), applies the epilogue once and
-resets the counter to zero for the next call. The partials and counters are a
+streamed in BLOCK_K steps through Triton's software pipeline. Past 64 rows (the decode
+batches of a throughput run) the rows come in tiles of 64, a program per (row tile,
+column tile): the row tiles of a column tile are adjacent in the launch order, so they
+run together and W's tile comes from memory once and from the L2 for the others. Where
+the tiles give too few programs for a long reduction (the down projection at N 896,
+K 4864), the reduction is split over SPLIT_K programs: each stores its fp32 partial
+tile, then counts itself in with an atomic (a counter per row tile and column tile); the
+last of a tile to arrive sums the partials in split order (the result does not depend
+on which program arrives last), applies the epilogue once and resets the counter to
+zero for the next call. The partials and counters are a
 workspace per device, shared by consecutive calls on one stream (each call leaves the
 counters at zero); calls that split must not run concurrently on two streams.
 
@@ -65,9 +69,10 @@ from flashtile.ops import _launch, configs
 
 PROLOGUES = (None, "rmsnorm", "silu_mul")
 _PROLOGUE_CODES = {None: 0, "rmsnorm": 1, "silu_mul": 2}
-# Decode batches: the rows tile is at most 64 (configs.skinny_block_m); a prompt's
-# thousands of rows are a compute-bound GEMM, cuBLAS's regime.
-MAX_ROWS = 64
+# Decode batches, up to the engine's default max_num_seqs: rows in tiles of at most 64
+# (configs.skinny_block_m); a prompt's thousands of rows are a compute-bound GEMM whose
+# tiles want both dimensions wide, cuBLAS's regime.
+MAX_ROWS = 256
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -108,16 +113,18 @@ def _skinny_linear_kernel(
     HAS_RESIDUAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, INPUT_PRECISION: tl.constexpr,
 ):
-    """Out[:, cols] = prologue(X)[:, ks] @ W[cols, ks]^T (+ epilogue) for the BLOCK_N
-    columns of program_id(0) and the K_SPLIT-long slice ks of program_id(1).
-    PROLOGUE: 0 none, 1 rmsnorm (NormWeight; with HAS_NORM_RESIDUAL, X + NormResidual,
-    which the programs of the first column tile store to XSum), 2 silu_mul (X holds gate
-    then up, K each). SPLIT_K > 1: partial tiles through Partials, Counters per column
-    tile (the module docstring)."""
+    """Out[rows, cols] = prologue(X)[rows, ks] @ W[cols, ks]^T (+ epilogue) for the
+    BLOCK_M rows of program_id(0), the BLOCK_N columns of program_id(1) and the
+    K_SPLIT-long slice ks of program_id(2). PROLOGUE: 0 none, 1 rmsnorm (NormWeight;
+    with HAS_NORM_RESIDUAL, X + NormResidual, which the programs of the first column
+    tile store to XSum, each its rows), 2 silu_mul (X holds gate then up, K each).
+    SPLIT_K > 1: partial tiles through Partials, Counters per row tile and column tile
+    (the module docstring)."""
     dtype = X.dtype.element_ty
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    offs_m = tl.arange(0, BLOCK_M)
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     m_m = offs_m < M
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_n = offs_n < N
@@ -146,7 +153,7 @@ def _skinny_linear_kernel(
             b_h = _load_x(X, NormResidual, offs_m, offs_k, m_mk, stride_xm, stride_nrm,
                           HAS_NORM_RESIDUAL)                            # (BLOCK_M, BLOCK_K)
             if HAS_NORM_RESIDUAL:
-                if pid_n == 0:  # the residual stream, written once
+                if pid_n == 0:  # the residual stream, written once (per row tile)
                     tl.store(XSum + offs_m[:, None] * K + offs_k[None, :], b_h, mask=m_mk)
             b_g = tl.load(NormWeight + offs_k, mask=m_k, other=0.0)     # (BLOCK_K,)
             b_x = (b_h.to(tl.float32) * b_rstd[:, None]).to(dtype)
@@ -169,7 +176,8 @@ def _skinny_linear_kernel(
         tl.store(Partials + pid_k * M * N + o_part, acc, mask=m_mn)
         # Every thread's partial is stored before the one atomic releases them.
         tl.debug_barrier()
-        arrived = tl.atomic_add(Counters + pid_n, 1, sem="acq_rel")
+        p_count = Counters + pid_m * tl.num_programs(1) + pid_n
+        arrived = tl.atomic_add(p_count, 1, sem="acq_rel")
         if arrived == SPLIT_K - 1:
             # The last of the tile: every partial in split order (.cg: from the L2,
             # where the other programs' stores are), whichever program came last.
@@ -178,7 +186,7 @@ def _skinny_linear_kernel(
             for s in range(1, SPLIT_K):
                 acc += tl.load(Partials + s * M * N + o_part, mask=m_mn, other=0.0,
                                cache_modifier=".cg")
-            tl.atomic_xchg(Counters + pid_n, 0)  # zero for the next call
+            tl.atomic_xchg(p_count, 0)  # zero for the next call
             _epilogue(acc, Bias, Residual, Out, offs_m, offs_n, m_m, m_n, N, stride_rm,
                       HAS_BIAS, HAS_RESIDUAL)
     else:
@@ -253,8 +261,11 @@ def reserve_workspace(device: torch.device, rows: int, n: int):
     """Size ``device``'s split-K workspace for every call of at most ``rows`` rows and
     ``n`` outputs: before capturing CUDA graphs, so that no call of theirs needs a larger
     one (one cannot be allocated during a capture)."""
+    # Partials: at most SKINNY_MAX_SPLIT splits of the (rows, n) output; counters: one
+    # per row tile and column tile, at the narrowest BLOCK_N (16, tl.dot's least).
+    row_tiles = configs.cdiv(rows, configs.skinny_block_m(rows))
     _workspace(torch.device(device), configs.SKINNY_MAX_SPLIT * rows * n,
-               configs.cdiv(n, 16))
+               row_tiles * configs.cdiv(n, 16))
 
 
 def _workspace(device: torch.device, partials: int, counters: int):
@@ -288,10 +299,10 @@ def skinny_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *,
                   prologue: str | None = None, norm_weight: Tensor | None = None,
                   eps: float = 1e-6, norm_residual: Tensor | None = None,
                   residual: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
-    """``prologue(x) @ weight^T (+ bias) (+ residual)`` in one kernel, for 1-64 rows.
+    """``prologue(x) @ weight^T (+ bias) (+ residual)`` in one kernel, for 1-256 rows.
 
     Args:
-        x: (M, K), or (M, 2K) with ``prologue="silu_mul"`` (gate then up); M <= 64;
+        x: (M, K), or (M, 2K) with ``prologue="silu_mul"`` (gate then up); M <= 256;
             float16, bfloat16 or float32, rows contiguous (any row stride).
         weight: (N, K) in x's dtype, rows contiguous: an nn.Linear's weight.
         bias: (N,) or None.
@@ -340,9 +351,11 @@ def skinny_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *,
         key = ("skinny_linear", layout, _launch.misalignment(p))
         plan = _launch.lookup(key)
         if plan is not None:
-            # The grid is (column tiles, splits): the workspace a split plan needs.
-            programs, split = plan.grid[:2]
-            ws = (x, x) if split == 1 else _workspace(device, split * m * n, programs)
+            # The grid is (row tiles, column tiles, splits): the workspace a split plan
+            # needs.
+            row_tiles, col_tiles, split = plan.grid
+            ws = (x, x) if split == 1 else _workspace(device, split * m * n,
+                                                      row_tiles * col_tiles)
             plan((*p, (x_sum if x_sum is not None else x).data_ptr(), out.data_ptr(),
                   ws[0].data_ptr(), ws[1].data_ptr(), eps))
             return result
@@ -351,8 +364,11 @@ def skinny_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *,
     steps = configs.cdiv(k, cfg.block_k)
     steps_per_split = configs.cdiv(steps, cfg.split_k)
     split = configs.cdiv(steps, steps_per_split)  # no split left without a step
-    grid = (configs.cdiv(n, cfg.block_n), split)
-    ws = (x, x) if split == 1 else _workspace(device, split * m * n, grid[0])
+    block_m = configs.skinny_block_m(m)
+    # Row tiles first: a column tile's row tiles launch together and share its W tile
+    # through the L2.
+    grid = (configs.cdiv(m, block_m), configs.cdiv(n, cfg.block_n), split)
+    ws = (x, x) if split == 1 else _workspace(device, split * m * n, grid[0] * grid[1])
     kwargs = dict(
         X=inputs[0], W=inputs[1], Bias=inputs[2], Residual=inputs[3],
         NormWeight=inputs[4], NormResidual=inputs[5],
@@ -362,7 +378,7 @@ def skinny_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *,
         stride_rm=inputs[3].stride(0), stride_nrm=inputs[5].stride(0),
         PROLOGUE=_PROLOGUE_CODES[prologue], HAS_NORM_RESIDUAL=norm_residual is not None,
         HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None,
-        BLOCK_M=configs.skinny_block_m(m), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         SPLIT_K=split, INPUT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     plan = _launch.first_launch(_skinny_linear_kernel, grid, (), kwargs,

@@ -977,6 +977,24 @@ _SKINNY_INTERPRETER = SkinnyConfig(16, 32, 1, 4, 1)
 #   (sm_90 AOT), 64 x 128 takes 226 registers and 32 x 256 255, neither spilling.
 #   fp32 (IEEE products; not the engine's dtype) halves BLOCK_K (64 x 64 spills 56 B).
 SKINNY_TILES = {16: (16, 256, 4), 32: (32, 256, 4), 64: (64, 128, 4)}
+# Past 64 rows (batches 65-256 of the throughput workload): row tiles of 64 along a grid
+# dimension, and the widest of these (BLOCK_N, BLOCK_K, warps) whose programs, split-K
+# included (the rule below), still fill 3/4 of the SMs, else the narrowest. On sm_90 a
+# 64-row tile at 4 or 8 warps is a wgmma (m64nNk16, a warpgroup per 64 x 128 of the
+# output; Triton 3.6, HGMMA in the SASS), the prologue's tile its register operand.
+# - Widest first: each program reads BLOCK_N x K of W but f x BLOCK_M x K of x from the
+#   L2, f = 4 with the residual add (x and norm_residual, in the statistics pass and
+#   the product's), 2 with silu_mul, so the L2 bytes per FLOP go as
+#   1/BLOCK_M + f/BLOCK_N (0.5B's gate_up at 256 rows: 139 MB at 256 columns, 209 at
+#   128, 349 at 64), and a split re-reads x only in the statistics pass.
+# - 64 rows, not 128 at 8 warps (which fits: 128 x 128 x 64 takes 193 registers): at
+#   f = 4, rows cost f times what columns cost (64 x 256: 0.031 B/FLOP, 128 x 128 0.039).
+# - 256 columns take 8 warps (two warpgroups side by side, <= 188 registers): at 4 warps
+#   the 64 x 256 fp32 accumulator is 128 registers a thread, and the split and silu_mul
+#   variants spilled 16-136 bytes (sm_90 AOT). 128 and 64 fit 4 warps (<= 226).
+# - BLOCK_K 64: a 256-column step is 40-48 KB, so 3-4 stages fit the budget (1 at 128).
+SKINNY_ROWS_TILE = 64
+SKINNY_WIDE_TILES = ((256, 64, 8), (128, 64, 4), (64, 64, 4))
 # Shared memory the pipeline's stages may take: under the 227 KiB a program may have,
 # with room for Triton's own scratch (and a second resident program of small tiles).
 SKINNY_SMEM_BUDGET = 160 * 1024
@@ -985,8 +1003,9 @@ SKINNY_MAX_SPLIT = 8
 
 
 def skinny_block_m(m: int) -> int:
-    """The rows tile of ``m`` rows: tl.dot takes at least 16; padded rows are masked."""
-    return max(16, next_power_of_2(m))
+    """The rows tile of ``m`` rows: tl.dot takes at least 16; padded rows are masked;
+    past SKINNY_ROWS_TILE rows, tiles of that many (the last one masked)."""
+    return min(max(16, next_power_of_2(m)), SKINNY_ROWS_TILE)
 
 
 @functools.lru_cache(maxsize=None)
@@ -1012,20 +1031,23 @@ def _skinny_from_env() -> SkinnyConfig | None:
 
 def skinny_linear_config(x: torch.Tensor, m: int, n: int, k: int,
                          x_tiles: int = 1) -> SkinnyConfig:
-    """The tiles of a skinny GEMM of ``m`` rows (at most 64), ``n`` outputs and a
+    """The tiles of a skinny GEMM of ``m`` rows (at most 256), ``n`` outputs and a
     reduction of ``k``; ``x_tiles`` x-shaped tiles loaded a step (2 for SiLU-and-multiply's
     gate and up, and for RMSNorm's x and residual). Chosen when a launch plan is made,
     never by timing at call time (a CUDA-graph capture must not benchmark). Predictions
     for the H200, to be measured with ``python -m flashtile.bench.skinny``:
 
-    - BLOCK_N, BLOCK_K and warps from SKINNY_TILES by the rows tile;
+    - BLOCK_N, BLOCK_K and warps from SKINNY_TILES by the rows tile; past 64 rows
+      (several row tiles), SKINNY_WIDE_TILES' widest whose programs, with the split
+      below, fill 3/4 of the SMs;
     - stages: as many as SKINNY_SMEM_BUDGET holds, up to 4 (x tiles counted at the
       padded rows);
     - split_k only where a program would stream more than two pipeline lengths of steps
-      (K past ~2k: the down projections) and the columns give fewer programs than 3/4
-      of the SMs (0.5B's N 896: 56): enough splits to reach the SMs, each at least a
-      pipeline length. A split costs a partial store, an atomic and a reload (about
-      two L2 round trips), which a short reduction does not win back.
+      (K past ~2k: the down projections; past 64 rows K 896 too, at BLOCK_K 64) and the
+      tiles give fewer programs than 3/4 of the SMs (0.5B's N 896: 56): enough splits
+      to reach the SMs, each at least a pipeline length. A split costs a partial
+      store, an atomic and a reload (about two L2 round trips), which a short
+      reduction does not win back.
     """
     if "skinny_linear" in _override:
         return _override["skinny_linear"]
@@ -1036,13 +1058,18 @@ def skinny_linear_config(x: torch.Tensor, m: int, n: int, k: int,
         return _SKINNY_INTERPRETER
     size = x.element_size()
     block_m = skinny_block_m(m)
-    block_n, block_k, warps = SKINNY_TILES[block_m]
-    block_k = block_k * 2 // max(size, 2)
-    stage_bytes = (block_n + block_m * x_tiles) * block_k * size
-    stages = max(1, min(SKINNY_MAX_STAGES, SKINNY_SMEM_BUDGET // stage_bytes))
-    programs, steps = cdiv(n, block_n), cdiv(k, block_k)
+    row_tiles = cdiv(m, block_m)
     sms = _sm_count(x.device.index if x.device.index is not None else 0)
-    split = 1
-    if programs < sms * 3 // 4 and steps > 2 * stages:
-        split = min(cdiv(sms, programs), steps // stages, SKINNY_MAX_SPLIT)
+    fill = sms * 3 // 4
+    for block_n, block_k, warps in (SKINNY_TILES[block_m],) if row_tiles == 1 \
+            else SKINNY_WIDE_TILES:
+        block_k = block_k * 2 // max(size, 2)
+        stage_bytes = (block_n + block_m * x_tiles) * block_k * size
+        stages = max(1, min(SKINNY_MAX_STAGES, SKINNY_SMEM_BUDGET // stage_bytes))
+        programs, steps = row_tiles * cdiv(n, block_n), cdiv(k, block_k)
+        split = 1
+        if programs < fill and steps > 2 * stages:
+            split = min(cdiv(sms, programs), steps // stages, SKINNY_MAX_SPLIT)
+        if programs * split >= fill:
+            break
     return SkinnyConfig(block_n, block_k, split, warps, stages)
