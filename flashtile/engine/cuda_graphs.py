@@ -66,7 +66,7 @@ class CudaGraphsMixin:
                                          self.config.model_config.hidden_size,
                                          dtype=self.dtype, device=self.device)
         pool = None
-        if getattr(self.model, "skinny_rows", 0):
+        if self.model.skinny_rows:
             # The graphs keep the address of skinny_linear's split-K workspace: one
             # workspace for them all, sized before the first capture.
             reserve_workspace(self.device, self.model.skinny_rows,
