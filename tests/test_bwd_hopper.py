@@ -16,6 +16,7 @@ import torch
 
 import flashtile
 from flashtile import custom_ops
+from flashtile.ops import configs
 from flashtile.reference import allowed_keys
 from tests.utils import assert_close_rule, reference_pair
 
@@ -325,23 +326,48 @@ def test_hopper_bwd_pipe_small(opts, config, monkeypatch):
 @pytest.mark.parametrize("head_dim", [64, 128])
 @on_hopper
 def test_stages_match_float64_reference(stages, head_dim, monkeypatch):
-    """The STAGES sweep of the A/B (FLASHTILE_HOPPER_BWD_CONFIG): a deeper Q/dO ring."""
-    _backward_twice({"FLASHTILE_HOPPER_BWD_CONFIG": f"64,128,4,{stages}"}, head_dim, True,
-                    0, monkeypatch)
+    """The STAGES sweep of the A/B (FLASHTILE_HOPPER_BWD_CONFIG): a deeper Q/dO ring,
+    with the default's options where they fit shared memory, else (head_dim 128, whose
+    three stages beside dq_tma's tiles do not) with the atomics' lse_ahead, after the
+    default refused with check_fits' error instead of a compile error."""
+    env = {"FLASHTILE_HOPPER_BWD_CONFIG": f"64,128,4,{stages}"}
+    flags = bwd_hopper.kernel_flags(head_dim, True, configs.HOPPER_BWD_DEFAULT_OPTS, 64)
+    if bwd_hopper.smem_bytes(head_dim, 64, stages, flags) > configs.SM90_SMEM_BYTES:
+        with pytest.raises(ValueError, match=r"needs \d+ bytes of shared memory"):
+            _backward_twice(env, head_dim, True, 0, monkeypatch)
+        env["FLASHTILE_HOPPER_BWD_OPTS"] = "lse_ahead"
+    _backward_twice(env, head_dim, True, 0, monkeypatch)
+
+
+def test_oversized_configs_are_refused():
+    """check_fits: a STAGES / options pair past a Hopper program's shared memory is a
+    ValueError naming both knobs and the bytes (no GPU needed); the table's tiles fit
+    with the default options, and the deeper rings the A/B sweeps fit without dq_tma."""
+    default = configs.HOPPER_BWD_DEFAULT_OPTS
+    for head_dim, cfg in configs.HOPPER_BWD_16BIT.items():
+        bwd_hopper.check_fits(head_dim, cfg, bwd_hopper.kernel_flags(head_dim, True,
+                                                                     default, cfg.block_m))
+    three = configs.TileConfig(64, 128, 4, 3)
+    for head_dim in (64, 128):
+        bwd_hopper.check_fits(head_dim, three, bwd_hopper.kernel_flags(
+            head_dim, True, frozenset({"lse_ahead"}), 64))
+    with pytest.raises(ValueError, match=r"FLASHTILE_HOPPER_BWD_CONFIG=64,128,4,3 with "
+                       r"FLASHTILE_HOPPER_BWD_OPTS=dq_tma,lse_ahead at head_dim 128 needs "
+                       r"245760 bytes of shared memory, more than the 232448"):
+        bwd_hopper.check_fits(128, three, bwd_hopper.kernel_flags(128, False, default, 64))
 
 
 def test_options_knob(monkeypatch):
     """FLASHTILE_HOPPER_BWD_OPTS: a comma-separated subset of the options (spaces and
-    empty items ignored; "none": none; unset: the default, lse_ahead), each one constexpr
+    empty items ignored; "none": none; unset: the default, lse_ahead and dq_tma), each one constexpr
     of the kernel; anything else is a ValueError naming the variable, the choices and the
     unknown items."""
-    from flashtile.ops import configs
-
     monkeypatch.delenv("FLASHTILE_HOPPER_BWD_OPTS", raising=False)
-    assert configs.hopper_bwd_opts() == {"lse_ahead"} == configs.HOPPER_BWD_DEFAULT_OPTS
+    assert configs.hopper_bwd_opts() == {"lse_ahead", "dq_tma"} \
+        == configs.HOPPER_BWD_DEFAULT_OPTS
     flags = bwd_hopper.kernel_flags(128, True, configs.hopper_bwd_opts(), 64)
     assert flags == dict(IS_CAUSAL=True, SDP=False, LSE_AHEAD=True, DQ_SPLIT=False,
-                         DQ_TMA=False, PIPE=False)
+                         DQ_TMA=True, PIPE=False)
     for none in ("none", " none ,", ""):
         monkeypatch.setenv("FLASHTILE_HOPPER_BWD_OPTS", none)
         assert configs.hopper_bwd_opts() == frozenset()

@@ -296,13 +296,16 @@ def _compile_bwd(head_dim, causal, dtype=torch.bfloat16, opts=None, stages=None,
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("head_dim", sorted(configs.HOPPER_BWD_16BIT))
 def test_hopper_backward_compiles_for_sm90(head_dim, causal):
-    ck = _compile_bwd(head_dim, causal)
+    """The atomics' schedule (lse_ahead alone, the default until dq_tma joined it in
+    session 17; test_hopper_backward_dq_tma_compiles_for_sm90 compiles the default)."""
+    ck = _compile_bwd(head_dim, causal, opts=("lse_ahead",))
     res = resources(ck)
     assert res["shared_bytes"] <= configs.SM90_SMEM_BYTES, res
+    _assert_smem_model(res, head_dim, causal, ("lse_ahead",))
     sass = _sass(ck)
     # No tile spills under the 240-register cap. At head_dim 128 ptxas keeps a dozen
-    # 4-byte scalars (addresses, tile coordinates) in local memory, 56 bytes with the
-    # default's lse_ahead (48 without), a few of them reloaded per query block; the
+    # 4-byte scalars (addresses, tile coordinates) in local memory, 56 bytes with
+    # lse_ahead (48 without), a few of them reloaded per query block; the
     # smallest tile, a 16-bit 64 x 64 operand, is 64 bytes a thread, and spilling one
     # would show as a larger stack. Nothing is stored inside the walks.
     assert res["stack_bytes"] <= (0 if head_dim == 64 else 56), res
@@ -317,6 +320,18 @@ def test_hopper_backward_compiles_for_sm90(head_dim, causal):
     assert mma and from_registers and len(from_registers) < len(mma)
     # dQ's partial sums: relaxed fp32 atomics, two values per instruction.
     assert "atom.global.gpu.relaxed.add.v2.f32" in ptx
+
+
+def _assert_smem_model(res, head_dim, causal, opts, block_m=64, stages=None):
+    """bwd_hopper.smem_bytes (what check_fits refuses by) is the compiled kernel's
+    shared memory less at most 2 KiB of barriers and layout-conversion scratch (656
+    bytes at BLOCK_M 64, 1,120 at 128)."""
+    from flashtile.ops import bwd_hopper
+
+    flags = bwd_hopper.kernel_flags(head_dim, causal, frozenset(opts), block_m)
+    stages = stages or configs.HOPPER_BWD_16BIT[head_dim].num_stages
+    model = bwd_hopper.smem_bytes(head_dim, block_m, stages, flags)
+    assert model <= res["shared_bytes"] <= model + 2048, (model, res)
 
 
 def _assert_backward_partitions(ck):
@@ -334,7 +349,7 @@ def _assert_backward_partitions(ck):
 def test_hopper_backward_compiles_for_fp16():
     ck = _compile_bwd(128, True, torch.float16)
     assert "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16" in ck.asm["ptx"]
-    assert resources(ck)["stack_bytes"] <= 56
+    assert resources(ck)["stack_bytes"] <= _BWD_TMA_OPTS[(("lse_ahead", "dq_tma"), 128, 64)]
 
 
 def _walks(sass: str) -> list[list[str]]:
@@ -420,9 +435,9 @@ def _dq_behind_dkv(sass: str) -> bool:
     return False
 
 
-@pytest.mark.parametrize("opts", [None, ()], ids=["default", "none"])
-def test_hopper_backward_default_has_only_lse_ahead(opts):
-    """The default kernel (lse_ahead) and the one with no option: dQ atomics masked (a
+@pytest.mark.parametrize("opts", [("lse_ahead",), ()], ids=["lse_ahead", "none"])
+def test_hopper_backward_atomics_schedules(opts):
+    """The atomics' kernels (lse_ahead, the default before dq_tma, and no option): dQ atomics masked (a
     branch around each) and after the product's last read of dS^T, S^T waited alone, no
     local stores in the walks, dV and dK waited for before the dQ product; lse's load
     waited for before S^T's issue only without lse_ahead."""
@@ -539,6 +554,7 @@ def test_hopper_backward_dq_tma_compiles_for_sm90(opts, head_dim, block_m, causa
     rows = 64 if split else block_m
     tiles = 2 if split else 2 * head_dim // 64
     assert res["shared_bytes"] == base["shared_bytes"] + tiles * rows * 64 * 4
+    _assert_smem_model(res, head_dim, causal, opts, block_m)
     sass = _sass(ck)
     walks = _walk_local_stores(sass)
     assert len(walks) >= 2 and not any(walks), walks
@@ -563,12 +579,12 @@ def test_hopper_backward_pipe_compiles_for_sm90(stages, causal):
     registers) queued before the first wait, which leaves three groups outstanding
     (WARPGROUP.DEPBAR.LE gsb0, 0x3; the default never waits so); no wgmma is serialized
     (ptxas's C7512/C7513 put a wait after every HGMMA: 64 at least, here 10) and the
-    shared memory is the default's."""
+    shared memory is lse_ahead's alone."""
     ck = _compile_bwd(64, causal, opts=("lse_ahead", "pipe"), stages=stages)
     res = resources(ck)
     most_stores, stack = _BWD_PIPE[(stages, causal)]
     assert res["stack_bytes"] <= stack, res
-    base = _compile_bwd(64, causal, stages=stages)
+    base = _compile_bwd(64, causal, opts=("lse_ahead",), stages=stages)
     assert res["shared_bytes"] == resources(base)["shared_bytes"]
     sass = _sass(ck)
     walks = _walk_local_stores(sass)
@@ -596,14 +612,18 @@ def _queued_before_first_wait(sass: str) -> bool:
 
 # FLASHTILE_HOPPER_BWD_CONFIG="64,128,4,STAGES" values that compile without local stores
 # in the walks (BLOCK_M 128 stores 64-472 bytes a thread inside them at head_dim 64,
-# STAGES 1 stores 8 at 128; both never timed): the STAGES sweep of the GPU A/B. With the
-# default's lse_ahead, 3 stages at 128 keep 64 bytes of scalars, stored before the walks.
+# STAGES 1 stores 8 at 128; both never timed): the STAGES sweep of the GPU A/B, with the
+# default's options at head_dim 64 and lse_ahead alone at 128 (dq_tma's tiles leave no
+# room for a third stage there: check_fits refuses it). With lse_ahead, 3 stages at 128
+# keep 64 bytes of scalars, stored before the walks.
 @pytest.mark.parametrize("stages", [3, 4])
 @pytest.mark.parametrize("head_dim", sorted(configs.HOPPER_BWD_16BIT))
 def test_hopper_backward_stages_compile_for_sm90(head_dim, stages):
-    ck = _compile_bwd(head_dim, True, stages=stages)
+    opts = configs.HOPPER_BWD_DEFAULT_OPTS if head_dim == 64 else ("lse_ahead",)
+    ck = _compile_bwd(head_dim, True, opts=opts, stages=stages)
     res = resources(ck)
     assert res["shared_bytes"] <= configs.SM90_SMEM_BYTES, res
+    _assert_smem_model(res, head_dim, True, opts, stages=stages)
     assert res["stack_bytes"] <= (0 if head_dim == 64 else 64), res
     assert not any(_walk_local_stores(_sass(ck)))
 

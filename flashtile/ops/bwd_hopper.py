@@ -41,8 +41,8 @@ shares are summed after the kernel. Three warp-specialised partitions:
   each consumer (dK and dV accumulators, 64 x head_dim fp32 each, live across the walk).
 
 Schedule options, each a constexpr chosen by FLASHTILE_HOPPER_BWD_OPTS (comma-separated,
-"none" for the schedule above alone; lse_ahead by default since session 15) for the GPU
-A/B, all compile-checked on the CPU:
+"none" for the schedule above alone; lse_ahead by default since session 15, dq_tma
+with it since session 17) for the GPU A/B, all compile-checked on the CPU:
 - sdp (SDP): dP^T is issued right behind S^T, as FA3 does; the consumer waits for S^T
   alone (wgmma wait 1), computes P^T while dP^T runs, then waits for dP^T: one wgmma
   round trip fewer per query block and both products queued for the tensor cores. lse
@@ -104,6 +104,10 @@ A/B, all compile-checked on the CPU:
   2-9% alone, its consumers meeting every block, and the atomics it doubled per block
   are what dq_tma removes. If lse_ahead + dq_tma is within +-2% of lse_ahead, the
   atomics were not on the chain and the remaining gap is the chain's wgmma round trips.
+  Measured (session 17, NOTES.md section 27): forward + backward +6-10% at d128
+  (16k tokens: 1k 401 -> 434, 4k 451 -> 495 TFLOP/s; causal +6-7%), +1-3% at d64;
+  transformers' d64 training step 98 -> 89 ms. The default since. Its tiles leave no
+  room for a third Q/dO stage at d128 (``check_fits``).
 - pipe (PIPE): software pipelining across query blocks without a product in flight
   across the walk's back edge: block it issues S^T and dP^T, then block it - 1's dV and
   dK from the P^T and dS^T operands it left in registers (and its stage of the ring,
@@ -782,6 +786,39 @@ def kernel_flags(head_dim: int, causal: bool, opts: frozenset[str], block_m: int
                 DQ_SPLIT="dq_split" in opts, DQ_TMA="dq_tma" in opts, PIPE="pipe" in opts)
 
 
+def smem_bytes(head_dim: int, block_m: int, stages: int, flags: dict) -> int:
+    """The shared memory the kernel allocates at 16 bits (its barriers and a few hundred
+    bytes of layout-conversion scratch aside): the Q and dO ring, K and V, dS^T (two
+    with DQ_SPLIT) and DQ_TMA's fp32 dQ_partial tiles (``_attn_bwd_hopper_kernel``).
+    tests/test_gluon_compile.py holds it to the compiled kernel's figure."""
+    bits16 = 2
+    ring = 2 * stages * block_m * head_dim * bits16
+    k_v = 2 * (2 * BLOCK_N_WG.value) * head_dim * bits16
+    ds = (2 if flags.get("DQ_SPLIT") else 1) * 2 * BLOCK_N_WG.value * block_m * bits16
+    dq = 0
+    if flags.get("DQ_TMA"):
+        tiles = 2 if flags.get("DQ_SPLIT") else 2 * (head_dim // DQ_PIECE.value)
+        dq = tiles * dq_tile_rows(flags, block_m) * DQ_PIECE.value * 4
+    return ring + k_v + ds + dq
+
+
+def check_fits(head_dim: int, cfg, flags: dict) -> None:
+    """A ValueError naming the knobs when FLASHTILE_HOPPER_BWD_CONFIG's STAGES and
+    BLOCK_M with FLASHTILE_HOPPER_BWD_OPTS's options need more shared memory than a
+    Hopper program has (``smem_bytes``), instead of Triton's OutOfResources at compile
+    time: at head_dim 128, dq_tma's four 16 KiB tiles leave room for two stages of Q and
+    dO, not three."""
+    need = smem_bytes(head_dim, cfg.block_m, cfg.num_stages, flags)
+    if need > configs.SM90_SMEM_BYTES:
+        opts = sorted(k.lower() for k, v in flags.items() if v and k != "IS_CAUSAL")
+        raise ValueError(
+            f"FLASHTILE_HOPPER_BWD_CONFIG={cfg.block_m},{cfg.block_n},{cfg.num_warps},"
+            f"{cfg.num_stages} with FLASHTILE_HOPPER_BWD_OPTS={','.join(opts) or 'none'} "
+            f"at head_dim {head_dim} needs {need} bytes of shared memory, more than the "
+            f"{configs.SM90_SMEM_BYTES} a Hopper program has: fewer STAGES, BLOCK_M 64 or "
+            "fewer options")
+
+
 # The parameters each plan of the backward fills per call, in its kernel's order.
 _PRE_SLOTS = ("Out", "DOut", "DLse", "Delta", "DQAccum")
 _MAIN_SLOTS = ("q_desc", "k_desc", "v_desc", "do_desc", "dk_desc", "dv_desc", "Lse",
@@ -856,6 +893,8 @@ def backward(dout, q, k, v, out, lse, dlse, softmax_scale, diag_offset, causal):
             return dq, *_summed(dk_shares, dv_shares, split)
     cfg = configs.hopper_bwd_config(d)
     flags = kernel_flags(d, causal, configs.hopper_bwd_opts(), cfg.block_m)
+    if d != 256:  # bwd_hopper256's tiles are fixed and fit (configs.HOPPER_BWD_D256)
+        check_fits(d, cfg, flags)
     dq_accum = accumulator()
     configs.log_first_launch("hopper backward", q, d, cfg, flags)
     pre_m = configs.PREPROCESS_BLOCK_M

@@ -411,8 +411,9 @@ def hopper_bwd_config(head_dim: int) -> TileConfig:
 # is made.
 HOPPER_BWD_OPTS = ("sdp", "lse_ahead", "dq_split", "dq_tma", "pipe")
 # lse_ahead is the default since session 15: forward + backward +6-10% at head_dim 64,
-# +1-4% at 128 on the H200 (docs/benchmarks/NOTES.md section 25).
-HOPPER_BWD_DEFAULT_OPTS = frozenset({"lse_ahead"})
+# +1-4% at 128 on the H200 (docs/benchmarks/NOTES.md section 25); dq_tma since session
+# 17: +6-10% at 128, +1-3% at 64, transformers' d64 training step 98 -> 89 ms (section 27).
+HOPPER_BWD_DEFAULT_OPTS = frozenset({"lse_ahead", "dq_tma"})
 
 
 def hopper_bwd_opts() -> frozenset[str]:
