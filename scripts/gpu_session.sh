@@ -33,13 +33,6 @@
 #                slice, then the 0.5B decode-step bench (batches 1 and 256, a prompt step
 #                of 8 x 1024) with FLASHTILE_ENGINE_FUSED=compile and with the kernels,
 #                the step and forward ms beside each other                  (~8 min)
-#   skinny       engine/skinny_linear.py (the fused skinny GEMMs of decode batches): its
-#                GPU tests, their memcheck, then flashtile.bench.skinny (0.5B and 1B
-#                layers, M 1/4/16/64/128/256, fused against the unfused engine
-#                sequence and F.linear); SKINNY_CONFIGS="16,256,1,4,4 ..." adds an A/B
-#                run per tile (SKINNY_ARGS: the bench's flags for it, e.g. --ops down
-#                --rows 1 16)
-#                                                                          (~7 min)
 #   host         flashtile bench host, flashtile bench hf (and --pad at batch 16) (~10 min)
 #   hopper       the Gluon forward's GPU tests (16-bit) and its timing     (~9 min)
 #   tp           the tensor-parallel driver's tests (2 GPUs)              (~4 min)
@@ -488,59 +481,6 @@ PY
       --providers engine-flashtile-graphs engine-sdpa engine-naive hf-generate-batch \
       hf-generate --timeout 120 --out "$OUT/throughput-shapes.json" 2>&1 | tail -24
     ;;
-  engine-skinny)
-    # The engine's layers through skinny_linear (FLASHTILE_ENGINE_SKINNY=N: steps of at
-    # most N tokens) against the default, decode steps of the 0.5B and 1B shapes in
-    # CUDA graphs; run after `skinny` showed the kernels right and faster. The 0.5B runs
-    # batch 256 too, with N = 256 as a third mode (row tiles of 64: the throughput
-    # run's batches). Prediction (session 16): 0.5B batch 1 forward 0.95 -> ~0.65-0.7
-    # ms, 1B ~0.97 -> ~0.85 ms; (session 17) 0.5B batch 256 forward 2.10 ms at N 0 and
-    # 64 -> ~2.05 (1.9-2.3) at N 256: the four fused products ~38 (31-50) us a layer
-    # against cuBLAS's 30.5 plus 10 of norms and SiLU-and-mul, bound by the L2 bytes of
-    # the prologues' x re-reads (configs.py's SKINNY_WIDE_TILES).
-    # Bounded at 120 + 5 x 95 s: five processes, each building its engine (~45 s).
-    stamp engine-skinny-tests
-    [ -n "${SKIP_TESTS:-}" ] || timeout 120 python3 -m pytest -q -p no:cacheprovider --gpu \
-      tests/test_engine_gpu.py -k "skinny or graph" 2>&1 | tail -2 \
-      | tee "$OUT/engine-skinny.txt"
-    for run in "qwen2.5-0.5b:1 16 64 256:0 64 256" "llama-3.2-1b:1 64:0 64"; do
-      model=${run%%:*} batches=${run#*:}
-      modes=${batches#*:} batches=${batches%%:*}
-      for rows in $modes; do
-        stamp "decode step $model, FLASHTILE_ENGINE_SKINNY=$rows"
-        FLASHTILE_ENGINE_SKINNY=$rows timeout 95 python3 -m flashtile.bench.throughput \
-          --decode-step --models "$model" --decode-batches $batches --decode-reps 20 \
-          --timeout 85 --out "$OUT/skinny-$model-$rows.json" 2>&1 | grep "^| [a-z]" \
-          | sed "s/^/skinny=$rows /" | tee -a "$OUT/engine-skinny.txt"
-      done
-    done
-    stamp done
-    ;;
-  skinny)
-    # Issue 14's small-batch forward (NOTES.md section 26: 0.95 ms at batch 1 against
-    # 0.24 of weight bytes, 11 kernels a layer): the prototype of the fused skinny GEMMs.
-    # Tests first (a wrong kernel would time garbage; SKIP_TESTS=1 once they passed),
-    # then memcheck over the engine shapes in 16 bits, plans, the graph and every split-K
-    # case (the split's atomics and partials); the warm Triton cache keeps it short.
-    if [ -z "${SKIP_TESTS:-}" ]; then
-      stamp skinny-tests
-      timeout 150 python3 -m pytest -q -p no:cacheprovider --gpu $XDIST \
-        tests/test_skinny_linear.py 2>&1 | tail -3 | tee "$OUT/skinny-tests.txt"
-      stamp skinny-memcheck
-      timeout 150 make memcheck MEMCHECK_K="(gpu and not float32) or split_k" \
-        MEMCHECK_FILES=tests/test_skinny_linear.py 2>&1 | tail -3 \
-        | tee -a "$OUT/skinny-tests.txt"
-    fi
-    stamp skinny-bench
-    timeout 270 python3 -m flashtile.bench.skinny --out "$OUT/skinny.json" 2>&1 \
-      | grep "^|\|^#\|rror" | tee "$OUT/skinny.txt"
-    for cfg in ${SKINNY_CONFIGS:-}; do
-      FLASHTILE_SKINNY_LINEAR_CONFIG=$cfg timeout 150 python3 -m flashtile.bench.skinny \
-        ${SKINNY_ARGS:-} 2>&1 | grep "^| [a-z]" | grep -v "^| model" | sed "s/^/$cfg /" \
-        | tee -a "$OUT/skinny-ab.txt"
-    done
-    stamp done
-    ;;
   host)
     # Host time per eager call (issue 15 item 1) and transformers with flashtile (issue 16).
     timeout 200 python3 -m flashtile bench host --out "$OUT/host" 2>&1 | tail -20
@@ -645,7 +585,7 @@ import PRESETS; json.dump(PRESETS['llama-3.2-1b'], open('/tmp/llama1b/config.jso
     kill "$server"
     ;;
   *)
-    echo "usage: $0 check|memcheck|sweep [SECONDS]|extra|short|decode|splits|pdl|engine|engine-host|engine-peers|engine-kernels|engine-fused|shapes|skinny|host|hopper|tp|fp32|wide|serve [BACKEND] [KV]" >&2
+    echo "usage: $0 check|memcheck|sweep [SECONDS]|extra|short|decode|splits|pdl|engine|engine-host|engine-peers|engine-kernels|engine-fused|shapes|host|hopper|tp|fp32|wide|serve [BACKEND] [KV]" >&2
     exit 2
     ;;
 esac

@@ -34,7 +34,6 @@ from flashtile.engine.config import ModelConfig
 from flashtile.engine.parallel import SINGLE, MergedColumnParallelLinear, ParallelGroup, \
     ParallelLMHead, QKVParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from flashtile.engine.rope_store import rope_and_store, rotate_halves
-from flashtile.engine.skinny_linear import MAX_ROWS, skinny_linear
 
 
 def _fused_on_cuda(fn):
@@ -198,11 +197,7 @@ class SelfAttention(nn.Module):
                               backend=backend)
 
     def forward(self, x, cos, sin, meta: AttentionMetadata):
-        return self.o_proj(self.attend(self.qkv_proj(x), cos, sin, meta))
-
-    def attend(self, qkv, cos, sin, meta: AttentionMetadata):
-        """The attention of the fused projection's output qkv, (T, heads * head_dim)."""
-        q, k, v = qkv.split(self.sizes, dim=-1)
+        q, k, v = self.qkv_proj(x).split(self.sizes, dim=-1)
         q = q.view(-1, self.heads, self.head_dim)
         k = k.view(-1, self.kv_heads, self.head_dim)
         v = v.view(-1, self.kv_heads, self.head_dim)
@@ -213,7 +208,7 @@ class SelfAttention(nn.Module):
         # otherwise: a decode step at small batch pays per kernel).
         q, k, stored = self.fused.rope(q, k, v, cos, sin, meta.slot_mapping, attn.k_cache,
                                        attn.v_cache)
-        return attn(q, k, v, meta, stored=stored).flatten(1)
+        return self.o_proj(attn(q, k, v, meta, stored=stored).flatten(1))
 
 
 class MLP(nn.Module):
@@ -239,14 +234,9 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, fused)
         self.mlp = MLP(config, fused, tp)
 
-    # Steps of at most this many tokens take _skinny (CausalLM sets it, skinny_rows).
-    skinny_rows = 0
-
     def forward(self, x, residual, cos, sin, meta):
         """x: the previous layer's output; residual: the stream before it (None at the
         first layer). Returns the same pair: each add is fused into the next norm."""
-        if x.shape[0] <= self.skinny_rows and use_kernels(x):
-            return self._skinny(x, residual, cos, sin, meta)
         if residual is None:
             x, residual = self.input_layernorm(x), x
         else:
@@ -254,27 +244,6 @@ class DecoderLayer(nn.Module):
         x = self.self_attn(x, cos, sin, meta)
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
-
-    def _skinny(self, x, residual, cos, sin, meta):
-        """forward in four of skinny_linear's kernels instead of eight (four products,
-        two norms with their residual adds, SiLU-and-multiply, cuBLAS's split-K
-        reduce): the norms in the prologues of qkv and gate_up, SiLU-and-multiply in
-        down's. The roundings are forward's (skinny_linear's docstring)."""
-        attn, mlp = self.self_attn, self.mlp
-        norm = self.input_layernorm
-        qkv = skinny_linear(x, attn.qkv_proj.weight, attn.qkv_proj.bias, prologue="rmsnorm",
-                            norm_weight=norm.weight, eps=norm.eps, norm_residual=residual)
-        if residual is None:
-            residual = x
-        else:
-            qkv, residual = qkv
-        o = skinny_linear(attn.attend(qkv, cos, sin, meta), attn.o_proj.weight,
-                          attn.o_proj.bias)
-        norm = self.post_attention_layernorm
-        gate_up, residual = skinny_linear(o, mlp.gate_up_proj.weight, prologue="rmsnorm",
-                                          norm_weight=norm.weight, eps=norm.eps,
-                                          norm_residual=residual)
-        return skinny_linear(gate_up, mlp.down_proj.weight, prologue="silu_mul"), residual
 
 
 class Backbone(nn.Module):
@@ -289,19 +258,6 @@ class Backbone(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, fused)
 
 
-def skinny_rows() -> int:
-    """FLASHTILE_ENGINE_SKINNY, read when a model is built: steps of at most this many
-    tokens (decode batches; at most skinny_linear.MAX_ROWS, 256) run each layer through
-    skinny_linear's fused products (DecoderLayer._skinny) on CUDA. 0, the default until
-    the GPU A/B of session 17 says otherwise: never."""
-    raw = os.environ.get("FLASHTILE_ENGINE_SKINNY", "0")
-    rows = int(raw) if raw.strip().isdigit() else -1
-    if not 0 <= rows <= MAX_ROWS:
-        raise ValueError(f"FLASHTILE_ENGINE_SKINNY must be an int from 0 to {MAX_ROWS} "
-                         f"(the most rows skinny_linear takes), got {raw!r}")
-    return rows
-
-
 class CausalLM(nn.Module):
     """Parameter names match the checkpoints' (``model.layers.N.self_attn...``) except the
     fused ``qkv_proj`` and ``gate_up_proj`` (engine/loader.py maps them). tp: the ranks
@@ -314,9 +270,6 @@ class CausalLM(nn.Module):
         self.config, self.tp = config, tp
         self.fused = elementwise()
         self.model = Backbone(config, backend, self.fused, tp)
-        self.skinny_rows = skinny_rows() if tp.size == 1 else 0  # no all-reduce in it
-        for layer in self.model.layers:
-            layer.skinny_rows = self.skinny_rows
         self.rotary = Rotary(config, max_len)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp)
         self.tie_weights()
@@ -324,14 +277,6 @@ class CausalLM(nn.Module):
     def tie_weights(self):
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-
-    def skinny_outputs(self) -> int:
-        """The most outputs of a product DecoderLayer._skinny computes (the split-K
-        workspace's size, skinny_linear.reserve_workspace)."""
-        layer = self.model.layers[0]
-        return max(w.shape[0] for w in (
-            layer.self_attn.qkv_proj.weight, layer.self_attn.o_proj.weight,
-            layer.mlp.gate_up_proj.weight, layer.mlp.down_proj.weight))
 
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn.attn for layer in self.model.layers]
