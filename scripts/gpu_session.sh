@@ -31,8 +31,7 @@
 #   engine-fused the engine's elementwise Triton kernels (RMSNorm, SiLU-and-multiply,
 #                rotary + cache write): their GPU tests and the engine's, their memcheck
 #                slice, then the 0.5B decode-step bench (batches 1 and 256, a prompt step
-#                of 8 x 1024) with FLASHTILE_ENGINE_FUSED=compile and with the kernels,
-#                the step and forward ms beside each other                  (~8 min)
+#                of 8 x 1024) with its kernel profile                       (~6 min)
 #   host         flashtile bench host, flashtile bench hf (and --pad at batch 16) (~10 min)
 #   hopper       the Gluon forward's GPU tests (16-bit) and its timing     (~9 min)
 #   tp           the tensor-parallel driver's tests (2 GPUs)              (~4 min)
@@ -434,13 +433,12 @@ r(heads=($heads,))" 2>&1 | grep "^{" | sed "s/^/$heads heads, $tile: /" ) \
     stamp done
     ;;
   engine-fused)
-    # Session 16: RMSNorm(+residual), SiLU-and-multiply (engine/layernorm.py,
-    # activation.py) and rope_store retiled to blocks of heads, launched through plans,
-    # in place of torch.compile(dynamic=True)'s functions (23-51 us of host a call on the
-    # development machine; inductor's silu at ~37% of the copy bandwidth). Session 16's
-    # profile of the old path: prompt step of 8 x 1024 forward 27.2 ms (kernels 16.4 ms;
-    # silu 3.6 ms, rope_store 1.9 ms, norms 0.69 ms); batch 256 step 2.1 ms (silu 141 us,
-    # rope_store 86 us, norms 96 us). SKIP_TESTS=1: the tests already ran (check).
+    # The engine's elementwise Triton kernels: RMSNorm(+residual), SiLU-and-multiply
+    # (engine/layernorm.py, activation.py) and rope_store's blocks of heads, launched
+    # through plans. Session 17's A/B against the torch.compile'd references they
+    # replaced (since removed): 0.5B prompt step of 8 x 1024 25.7 -> 17.7 ms (silu 3610
+    # -> 1426 us, rope 1926 -> 293 us), decode steps at batch 1 and 256 level.
+    # SKIP_TESTS=1: the tests already ran (check).
     stamp engine-fused-tests
     [ -n "${SKIP_TESTS:-}" ] || timeout 150 python3 -m pytest -q -p no:cacheprovider $XDIST \
       --gpu tests/test_engine_elementwise.py tests/test_engine_attention.py \
@@ -450,29 +448,14 @@ r(heads=($heads,))" 2>&1 | grep "^{" | sed "s/^/$heads heads, $tile: /" ) \
     timeout 120 make memcheck MEMCHECK_K="elementwise" \
       MEMCHECK_FILES="tests/test_engine_elementwise.py tests/test_launch_plans.py" 2>&1 \
       | tail -3 | tee -a "$OUT/engine-fused-tests.txt"
-    # One process per mode (the choice is read when the model is built), each building
-    # its engine (dummy weights, warm-up, CUDA graphs), 10 timed steps and 3 profiled.
-    # The limits keep the stage inside one 10-minute call (tests 150 + memcheck 120 +
-    # 2 x 150 s at worst).
-    for mode in compile triton; do
-      stamp "decode step, FLASHTILE_ENGINE_FUSED=$mode"
-      FLASHTILE_ENGINE_FUSED=$mode timeout 150 python3 -m flashtile.bench.throughput \
-        --decode-step --models qwen2.5-0.5b --decode-batches 1 256 --prefill-seqs 8 \
-        --decode-reps 10 --kernels 10 --timeout 140 --out "$OUT/fused-$mode.json" \
-        --profile "$OUT/host-$mode" 2>&1 \
-        | grep -v -i warn > "$OUT/fused-$mode.md"
-      grep -i "^| qwen\|rms\|silu\|rope\|triton_p" "$OUT/fused-$mode.md" | cut -c1-150
-    done
-    python3 - "$OUT/fused-compile.json" "$OUT/fused-triton.json" <<'PY'
-import json, sys
-rows = [{str(r["batch"]): r for r in json.load(open(p))["decode_steps"]} for p in sys.argv[1:]]
-print("| step | compile step ms | kernels step ms | compile forward ms | kernels forward ms |")
-print("| --- | --- | --- | --- | --- |")
-for k in rows[0]:
-    a, b = rows[0][k], rows[1].get(k, {})
-    print(f"| {k} | {a['step_ms']:.3f} | {b.get('step_ms', float('nan')):.3f} "
-          f"| {a['forward_ms']:.3f} | {b.get('forward_ms', float('nan')):.3f} |")
-PY
+    # One process building its engine (dummy weights, warm-up, CUDA graphs), then 10
+    # timed steps and 3 profiled ones a batch; bounded at 150 + 120 + 150 s in all.
+    stamp decode-step
+    timeout 150 python3 -m flashtile.bench.throughput --decode-step --models qwen2.5-0.5b \
+      --decode-batches 1 256 --prefill-seqs 8 --decode-reps 10 --kernels 10 --timeout 140 \
+      --out "$OUT/fused.json" --profile "$OUT/host-fused" 2>&1 \
+      | grep -v -i warn > "$OUT/fused.md"
+    grep -i "^| qwen\|rms\|silu\|rope\|triton_p" "$OUT/fused.md" | cut -c1-150
     stamp done
     ;;
   shapes)

@@ -65,20 +65,6 @@ def test_logits_match_transformers_triton_kernels(tmp_path, case, elementwise,
     _check_logits(tmp_path, case)
 
 
-def test_elementwise_choice_is_read_at_build(monkeypatch):
-    """FLASHTILE_ENGINE_FUSED picks the layers' elementwise functions when a model is
-    built: the Triton kernels by default, the torch.compile'd references with
-    "compile"; another value is refused with the choices."""
-    from flashtile.engine.model import ELEMENTWISE, elementwise
-    monkeypatch.delenv("FLASHTILE_ENGINE_FUSED", raising=False)
-    assert elementwise() is ELEMENTWISE["triton"]
-    monkeypatch.setenv("FLASHTILE_ENGINE_FUSED", "compile")
-    assert elementwise() is ELEMENTWISE["compile"]
-    monkeypatch.setenv("FLASHTILE_ENGINE_FUSED", "inductor")
-    with pytest.raises(ValueError, match="'compile', 'triton'.*'inductor'"):
-        elementwise()
-
-
 @torch.no_grad()
 def _check_logits(tmp_path, case):
     hf = make_checkpoint(tmp_path, case)

@@ -13,7 +13,7 @@ Without a pool (``k_cache`` None: the runner's sizing forward) it only rotates.
 Until session 16 a program took one head of one token with one warp: 80 us a layer for a
 prompt step of 8 x 1024 tokens of Qwen2.5-0.5B on the H200 (~40 MB, 12% of the copy
 bandwidth), cos/sin read once per head. ``heads_per_program=1`` launches that schedule
-again, for the engine's A/B (FLASHTILE_ENGINE_FUSED=compile).
+again.
 
 ``rope_and_store`` is the launcher (CUDA tensors, or CPU ones under the Triton
 interpreter); ``rope_and_store_reference`` is the same in PyTorch, the path the engine
