@@ -359,9 +359,7 @@ def _engine_kernel(name):
         block_n, warps = configs.silu_and_mul_tile(n, cuda)
         return _silu_and_mul_kernel, dict(N=n, BLOCK_N=block_n), warps, {}
     h, hkv, d = map(int, shape[0].split("x"))
-    one_head = shape[1:] == ["1"]
-    block_half, heads_q, heads_kv, warps = configs.rope_store_tile(
-        h, hkv, d // 2, cuda, 1 if one_head else None)
+    block_half, heads_q, heads_kv, warps = configs.rope_store_tile(h, hkv, d // 2, cuda)
     return (_rope_store_kernel, dict(NUM_HEADS=h, NUM_KV_HEADS=hkv, HALF=d // 2,
                                      BLOCK_HALF=block_half, HEADS_Q=heads_q,
                                      HEADS_KV=heads_kv, STORE=True),
@@ -370,13 +368,12 @@ def _engine_kernel(name):
 
 @pytest.mark.parametrize("name", ["norm_896", "addnorm_896", "addnorm_4096", "headnorm_128",
                                   "silu_4864", "silu_14336", "rope_14x2x64",
-                                  "rope_32x8x128", "rope_14x2x64_1"])
+                                  "rope_32x8x128"])
 def test_engine_elementwise_kernels_compile_vectorised(name):
     """The engine's elementwise kernels (engine/layernorm.py, activation.py,
-    rope_store.py) compile for sm_90 without spills, and (but for the one-head rotary
-    schedule kept for the A/B, rope_..._1) move bf16 in 16-byte vectors: the reason
-    they replaced torch.compile's kernels, whose symbolic shapes hid the alignment and
-    gave scalar loads."""
+    rope_store.py) compile for sm_90 without spills and move bf16 in 16-byte vectors:
+    the reason they replaced torch.compile's kernels, whose symbolic shapes hid the
+    alignment and gave scalar loads."""
     kernel, constexprs, warps, types = _engine_kernel(name)
     ck = compile_kernel(kernel, constexprs, num_warps=warps, types=types)
     assert resources(ck)["stack_bytes"] == 0
@@ -384,7 +381,7 @@ def test_engine_elementwise_kernels_compile_vectorised(name):
     if name.startswith("silu") or name.endswith("_4096"):
         # Rows of whole 16-byte vectors per thread: nothing narrower anywhere.
         assert accesses == {"ld.global.v4.b32", "st.global.v4.b32"}, accesses
-    elif not name.endswith("_1"):
+    else:
         assert {"ld.global.v4.b32", "st.global.v4.b32"} <= accesses, accesses
 
 

@@ -132,18 +132,15 @@ def silu_and_mul_tile(n: int, device: torch.device) -> tuple[int, int]:
     return block_n, elementwise_warps(block_n)
 
 
-def rope_store_tile(heads: int, kv_heads: int, half: int, device: torch.device,
-                    heads_per_program: int | None = None) -> tuple[int, int, int, int]:
+def rope_store_tile(heads: int, kv_heads: int, half: int,
+                    device: torch.device) -> tuple[int, int, int, int]:
     """(BLOCK_HALF, HEADS_Q, HEADS_KV, num_warps) of the rotary + cache-write kernel: a
     program rotates HEADS_Q q heads or HEADS_KV kv heads of one token, as many as fill a
     tile of (heads, 2 halves) (Qwen2.5-0.5B's 14 q heads of 64 and its 2 kv heads: one
     program each a token); the warps are sized for the q programs' tile of one half
-    (its loads and stores are one half at a time).
-    heads_per_program: a power of two to take instead (1: one head a program, the
-    schedule before session 16, kept for the engine's A/B)."""
+    (its loads and stores are one half at a time)."""
     block_half = next_power_of_2(half)
-    most = heads_per_program or 1 << (max(1, _elementwise_tile(device) // (2 * block_half))
-                                      .bit_length() - 1)
+    most = 1 << (max(1, _elementwise_tile(device) // (2 * block_half)).bit_length() - 1)
     heads_q = min(next_power_of_2(heads), most)
     heads_kv = min(next_power_of_2(kv_heads), most)
     return block_half, heads_q, heads_kv, elementwise_warps(heads_q * block_half)
