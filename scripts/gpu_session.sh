@@ -31,15 +31,7 @@
 #   engine-fused the engine's elementwise Triton kernels (RMSNorm, SiLU-and-multiply,
 #                rotary + cache write): their GPU tests and the engine's, their memcheck
 #                slice, then the 0.5B decode-step bench (batches 1 and 256, a prompt step
-#                of 8 x 1024) with FLASHTILE_ENGINE_FUSED=compile and with the kernels,
-#                the step and forward ms beside each other                  (~8 min)
-#   skinny       engine/skinny_linear.py (the fused skinny GEMMs of decode batches): its
-#                GPU tests, their memcheck, then flashtile.bench.skinny (0.5B and 1B
-#                layers, M 1/4/16/64/128/256, fused against the unfused engine
-#                sequence and F.linear); SKINNY_CONFIGS="16,256,1,4,4 ..." adds an A/B
-#                run per tile (SKINNY_ARGS: the bench's flags for it, e.g. --ops down
-#                --rows 1 16)
-#                                                                          (~7 min)
+#                of 8 x 1024) with its kernel profile                       (~6 min)
 #   host         flashtile bench host, flashtile bench hf (and --pad at batch 16) (~10 min)
 #   hopper       the Gluon forward's GPU tests (16-bit) and its timing     (~9 min)
 #   tp           the tensor-parallel driver's tests (2 GPUs)              (~4 min)
@@ -441,13 +433,12 @@ r(heads=($heads,))" 2>&1 | grep "^{" | sed "s/^/$heads heads, $tile: /" ) \
     stamp done
     ;;
   engine-fused)
-    # Session 16: RMSNorm(+residual), SiLU-and-multiply (engine/layernorm.py,
-    # activation.py) and rope_store retiled to blocks of heads, launched through plans,
-    # in place of torch.compile(dynamic=True)'s functions (23-51 us of host a call on the
-    # development machine; inductor's silu at ~37% of the copy bandwidth). Session 16's
-    # profile of the old path: prompt step of 8 x 1024 forward 27.2 ms (kernels 16.4 ms;
-    # silu 3.6 ms, rope_store 1.9 ms, norms 0.69 ms); batch 256 step 2.1 ms (silu 141 us,
-    # rope_store 86 us, norms 96 us). SKIP_TESTS=1: the tests already ran (check).
+    # The engine's elementwise Triton kernels: RMSNorm(+residual), SiLU-and-multiply
+    # (engine/layernorm.py, activation.py) and rope_store's blocks of heads, launched
+    # through plans. Session 17's A/B against the torch.compile'd references they
+    # replaced (since removed): 0.5B prompt step of 8 x 1024 25.7 -> 17.7 ms (silu 3610
+    # -> 1426 us, rope 1926 -> 293 us), decode steps at batch 1 and 256 level.
+    # SKIP_TESTS=1: the tests already ran (check).
     stamp engine-fused-tests
     [ -n "${SKIP_TESTS:-}" ] || timeout 150 python3 -m pytest -q -p no:cacheprovider $XDIST \
       --gpu tests/test_engine_elementwise.py tests/test_engine_attention.py \
@@ -457,29 +448,14 @@ r(heads=($heads,))" 2>&1 | grep "^{" | sed "s/^/$heads heads, $tile: /" ) \
     timeout 120 make memcheck MEMCHECK_K="elementwise" \
       MEMCHECK_FILES="tests/test_engine_elementwise.py tests/test_launch_plans.py" 2>&1 \
       | tail -3 | tee -a "$OUT/engine-fused-tests.txt"
-    # One process per mode (the choice is read when the model is built), each building
-    # its engine (dummy weights, warm-up, CUDA graphs), 10 timed steps and 3 profiled.
-    # The limits keep the stage inside one 10-minute call (tests 150 + memcheck 120 +
-    # 2 x 150 s at worst).
-    for mode in compile triton; do
-      stamp "decode step, FLASHTILE_ENGINE_FUSED=$mode"
-      FLASHTILE_ENGINE_FUSED=$mode timeout 150 python3 -m flashtile.bench.throughput \
-        --decode-step --models qwen2.5-0.5b --decode-batches 1 256 --prefill-seqs 8 \
-        --decode-reps 10 --kernels 10 --timeout 140 --out "$OUT/fused-$mode.json" \
-        --profile "$OUT/host-$mode" 2>&1 \
-        | grep -v -i warn > "$OUT/fused-$mode.md"
-      grep -i "^| qwen\|rms\|silu\|rope\|triton_p" "$OUT/fused-$mode.md" | cut -c1-150
-    done
-    python3 - "$OUT/fused-compile.json" "$OUT/fused-triton.json" <<'PY'
-import json, sys
-rows = [{str(r["batch"]): r for r in json.load(open(p))["decode_steps"]} for p in sys.argv[1:]]
-print("| step | compile step ms | kernels step ms | compile forward ms | kernels forward ms |")
-print("| --- | --- | --- | --- | --- |")
-for k in rows[0]:
-    a, b = rows[0][k], rows[1].get(k, {})
-    print(f"| {k} | {a['step_ms']:.3f} | {b.get('step_ms', float('nan')):.3f} "
-          f"| {a['forward_ms']:.3f} | {b.get('forward_ms', float('nan')):.3f} |")
-PY
+    # One process building its engine (dummy weights, warm-up, CUDA graphs), then 10
+    # timed steps and 3 profiled ones a batch; bounded at 150 + 120 + 150 s in all.
+    stamp decode-step
+    timeout 150 python3 -m flashtile.bench.throughput --decode-step --models qwen2.5-0.5b \
+      --decode-batches 1 256 --prefill-seqs 8 --decode-reps 10 --kernels 10 --timeout 140 \
+      --out "$OUT/fused.json" --profile "$OUT/host-fused" 2>&1 \
+      | grep -v -i warn > "$OUT/fused.md"
+    grep -i "^| qwen\|rms\|silu\|rope\|triton_p" "$OUT/fused.md" | cut -c1-150
     stamp done
     ;;
   shapes)
@@ -487,59 +463,6 @@ PY
     timeout 580 python3 -m flashtile.bench.throughput --models qwen2.5-0.5b llama-3-8b \
       --providers engine-flashtile-graphs engine-sdpa engine-naive hf-generate-batch \
       hf-generate --timeout 120 --out "$OUT/throughput-shapes.json" 2>&1 | tail -24
-    ;;
-  engine-skinny)
-    # The engine's layers through skinny_linear (FLASHTILE_ENGINE_SKINNY=N: steps of at
-    # most N tokens) against the default, decode steps of the 0.5B and 1B shapes in
-    # CUDA graphs; run after `skinny` showed the kernels right and faster. The 0.5B runs
-    # batch 256 too, with N = 256 as a third mode (row tiles of 64: the throughput
-    # run's batches). Prediction (session 16): 0.5B batch 1 forward 0.95 -> ~0.65-0.7
-    # ms, 1B ~0.97 -> ~0.85 ms; (session 17) 0.5B batch 256 forward 2.10 ms at N 0 and
-    # 64 -> ~2.05 (1.9-2.3) at N 256: the four fused products ~38 (31-50) us a layer
-    # against cuBLAS's 30.5 plus 10 of norms and SiLU-and-mul, bound by the L2 bytes of
-    # the prologues' x re-reads (configs.py's SKINNY_WIDE_TILES).
-    # Bounded at 120 + 5 x 95 s: five processes, each building its engine (~45 s).
-    stamp engine-skinny-tests
-    [ -n "${SKIP_TESTS:-}" ] || timeout 120 python3 -m pytest -q -p no:cacheprovider --gpu \
-      tests/test_engine_gpu.py -k "skinny or graph" 2>&1 | tail -2 \
-      | tee "$OUT/engine-skinny.txt"
-    for run in "qwen2.5-0.5b:1 16 64 256:0 64 256" "llama-3.2-1b:1 64:0 64"; do
-      model=${run%%:*} batches=${run#*:}
-      modes=${batches#*:} batches=${batches%%:*}
-      for rows in $modes; do
-        stamp "decode step $model, FLASHTILE_ENGINE_SKINNY=$rows"
-        FLASHTILE_ENGINE_SKINNY=$rows timeout 95 python3 -m flashtile.bench.throughput \
-          --decode-step --models "$model" --decode-batches $batches --decode-reps 20 \
-          --timeout 85 --out "$OUT/skinny-$model-$rows.json" 2>&1 | grep "^| [a-z]" \
-          | sed "s/^/skinny=$rows /" | tee -a "$OUT/engine-skinny.txt"
-      done
-    done
-    stamp done
-    ;;
-  skinny)
-    # Issue 14's small-batch forward (NOTES.md section 26: 0.95 ms at batch 1 against
-    # 0.24 of weight bytes, 11 kernels a layer): the prototype of the fused skinny GEMMs.
-    # Tests first (a wrong kernel would time garbage; SKIP_TESTS=1 once they passed),
-    # then memcheck over the engine shapes in 16 bits, plans, the graph and every split-K
-    # case (the split's atomics and partials); the warm Triton cache keeps it short.
-    if [ -z "${SKIP_TESTS:-}" ]; then
-      stamp skinny-tests
-      timeout 150 python3 -m pytest -q -p no:cacheprovider --gpu $XDIST \
-        tests/test_skinny_linear.py 2>&1 | tail -3 | tee "$OUT/skinny-tests.txt"
-      stamp skinny-memcheck
-      timeout 150 make memcheck MEMCHECK_K="(gpu and not float32) or split_k" \
-        MEMCHECK_FILES=tests/test_skinny_linear.py 2>&1 | tail -3 \
-        | tee -a "$OUT/skinny-tests.txt"
-    fi
-    stamp skinny-bench
-    timeout 270 python3 -m flashtile.bench.skinny --out "$OUT/skinny.json" 2>&1 \
-      | grep "^|\|^#\|rror" | tee "$OUT/skinny.txt"
-    for cfg in ${SKINNY_CONFIGS:-}; do
-      FLASHTILE_SKINNY_LINEAR_CONFIG=$cfg timeout 150 python3 -m flashtile.bench.skinny \
-        ${SKINNY_ARGS:-} 2>&1 | grep "^| [a-z]" | grep -v "^| model" | sed "s/^/$cfg /" \
-        | tee -a "$OUT/skinny-ab.txt"
-    done
-    stamp done
     ;;
   host)
     # Host time per eager call (issue 15 item 1) and transformers with flashtile (issue 16).
@@ -645,7 +568,7 @@ import PRESETS; json.dump(PRESETS['llama-3.2-1b'], open('/tmp/llama1b/config.jso
     kill "$server"
     ;;
   *)
-    echo "usage: $0 check|memcheck|sweep [SECONDS]|extra|short|decode|splits|pdl|engine|engine-host|engine-peers|engine-kernels|engine-fused|shapes|skinny|host|hopper|tp|fp32|wide|serve [BACKEND] [KV]" >&2
+    echo "usage: $0 check|memcheck|sweep [SECONDS]|extra|short|decode|splits|pdl|engine|engine-host|engine-peers|engine-kernels|engine-fused|shapes|host|hopper|tp|fp32|wide|serve [BACKEND] [KV]" >&2
     exit 2
     ;;
 esac

@@ -130,13 +130,11 @@ def _rotate64(x, cos, sin):
     return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
 
 
-@pytest.mark.parametrize("schedule", [None, 1], ids=["head_blocks", "one_head"])
 @pytest.mark.parametrize("pool", [True, False], ids=["pool", "no_pool"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(32, 8, 128), (14, 2, 64), (5, 3, 32),
                                                      (3, 1, 24)])
-def test_rope_and_store_equals_reference(heads, kv_heads, head_dim, dtype, pool, schedule,
-                                         device):
+def test_rope_and_store_equals_reference(heads, kv_heads, head_dim, dtype, pool, device):
     """GQA and many heads, head blocks with masked heads (5 and 3 heads in blocks of 4
     under the interpreter), views of one fused projection, slot -1 rows (CUDA-graph
     padding) that write nothing, and the pool-free rotation (the runner's sizing
@@ -153,8 +151,7 @@ def test_rope_and_store_equals_reference(heads, kv_heads, head_dim, dtype, pool,
     caches = [torch.randn(blocks, ps, kv_heads, d, dtype=dtype, device=device)
               for _ in range(2)] if pool else [None, None]
     before = [c.clone() for c in caches] if pool else None
-    q_out, k_out = rope_and_store(q, k, v, cos, sin, slots, *caches,
-                                  heads_per_program=schedule)
+    q_out, k_out = rope_and_store(q, k, v, cos, sin, slots, *caches)
     _check("rotated q", q_out, _rotate64(q, cos, sin), rotate_halves(q, cos, sin))
     _check("rotated k", k_out, _rotate64(k, cos, sin), rotate_halves(k, cos, sin))
     if not pool:

@@ -55,25 +55,6 @@ def test_cuda_graph_decode_equals_eager(checkpoint, monkeypatch, backend):
     assert bm.num_free_blocks == bm.num_blocks
 
 
-def test_skinny_layers_generate_like_the_default(checkpoint, monkeypatch):
-    """FLASHTILE_ENGINE_SKINNY=64: prompts and decode graphs of at most 64 tokens run
-    each layer in skinny_linear's four fused products (the split-K workspace reserved
-    before the captures); tokens and logprobs as the default layers give."""
-    path, _ = checkpoint
-    kw = dict(dtype="float32", device="cuda", max_model_len=128, max_num_seqs=8,
-              kv_cache_memory=2**28)
-    params = [SamplingParams(temperature=0, max_tokens=n, logprobs=0, ignore_eos=True)
-              for n in (20, 9, 5)]
-    prompts = _prompts([3, 40, 77])
-    want = _generate(LLM(str(path), **kw), prompts, params)
-    monkeypatch.setenv("FLASHTILE_ENGINE_SKINNY", "64")
-    llm = LLM(str(path), **kw)
-    assert llm.runner.model.skinny_rows == 64 and sorted(llm.runner.graphs) == [1, 2, 4, 8]
-    for w, g in zip(want, _generate(llm, prompts, params)):
-        assert w.token_ids == g.token_ids
-        torch.testing.assert_close(w.logprobs, g.logprobs, atol=1e-4, rtol=0)
-
-
 def test_torch_backend_decodes_eagerly(checkpoint, monkeypatch):
     """FLASHTILE_BACKEND=torch reads sequence lengths on the host, which a CUDA graph
     capture forbids: the engine then decodes eagerly, with the graphed engine's tokens."""

@@ -50,8 +50,8 @@ def test_logits_match_transformers(tmp_path, case):
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                     reason="Triton kernels on CPU tensors need TRITON_INTERPRET=1")
-@pytest.mark.parametrize("elementwise", ["reference", "kernels", "skinny"])
-@pytest.mark.parametrize("case", ["mistral-window", "qwen3-sharded", "qwen2-bias"])
+@pytest.mark.parametrize("elementwise", ["reference", "kernels"])
+@pytest.mark.parametrize("case", ["mistral-window", "qwen3-sharded"])
 def test_logits_match_transformers_triton_kernels(tmp_path, case, elementwise,
                                                   monkeypatch):
     """The same steps through flashtile's Triton kernels (interpreted): paged decode over
@@ -59,48 +59,10 @@ def test_logits_match_transformers_triton_kernels(tmp_path, case, elementwise,
     the CUDA path's RMSNorm (Qwen3's per-head q/k norm over the fused projection's
     views too), SiLU-and-multiply and rotary + cache-write kernels as well."""
     import flashtile.engine.model as model
-    from flashtile.engine import skinny_linear as sl
     monkeypatch.setenv("FLASHTILE_BACKEND", "triton")
-    if elementwise != "reference":
+    if elementwise == "kernels":
         monkeypatch.setattr(model, "use_kernels", lambda x: True)
-    if elementwise == "skinny":  # every step here has at most 45 tokens: all of them
-        monkeypatch.setenv("FLASHTILE_ENGINE_SKINNY", "64")
-        calls = []
-        monkeypatch.setattr(model, "skinny_linear",
-                            lambda *a, **kw: calls.append(1) or sl.skinny_linear(*a, **kw))
     _check_logits(tmp_path, case)
-    if elementwise == "skinny":
-        assert len(calls) >= 4 * 2 * 5  # 4 products a layer, 2 layers, 6 forwards
-
-
-def test_skinny_choice_is_read_at_build(monkeypatch):
-    """FLASHTILE_ENGINE_SKINNY: the most tokens a step may have to take the skinny
-    layers, 0 (the default) for never; up to 256 (skinny_linear's row tiles); outside
-    0..256 it is refused."""
-    from flashtile.engine.model import skinny_rows
-    monkeypatch.delenv("FLASHTILE_ENGINE_SKINNY", raising=False)
-    assert skinny_rows() == 0
-    for rows in (32, 256):
-        monkeypatch.setenv("FLASHTILE_ENGINE_SKINNY", str(rows))
-        assert skinny_rows() == rows
-    for bad in ("257", "-1", "all"):
-        monkeypatch.setenv("FLASHTILE_ENGINE_SKINNY", bad)
-        with pytest.raises(ValueError, match=f"from 0 to 256.*{bad}"):
-            skinny_rows()
-
-
-def test_elementwise_choice_is_read_at_build(monkeypatch):
-    """FLASHTILE_ENGINE_FUSED picks the layers' elementwise functions when a model is
-    built: the Triton kernels by default, the torch.compile'd references with
-    "compile"; another value is refused with the choices."""
-    from flashtile.engine.model import ELEMENTWISE, elementwise
-    monkeypatch.delenv("FLASHTILE_ENGINE_FUSED", raising=False)
-    assert elementwise() is ELEMENTWISE["triton"]
-    monkeypatch.setenv("FLASHTILE_ENGINE_FUSED", "compile")
-    assert elementwise() is ELEMENTWISE["compile"]
-    monkeypatch.setenv("FLASHTILE_ENGINE_FUSED", "inductor")
-    with pytest.raises(ValueError, match="'compile', 'triton'.*'inductor'"):
-        elementwise()
 
 
 @torch.no_grad()

@@ -359,9 +359,7 @@ def _engine_kernel(name):
         block_n, warps = configs.silu_and_mul_tile(n, cuda)
         return _silu_and_mul_kernel, dict(N=n, BLOCK_N=block_n), warps, {}
     h, hkv, d = map(int, shape[0].split("x"))
-    one_head = shape[1:] == ["1"]
-    block_half, heads_q, heads_kv, warps = configs.rope_store_tile(
-        h, hkv, d // 2, cuda, 1 if one_head else None)
+    block_half, heads_q, heads_kv, warps = configs.rope_store_tile(h, hkv, d // 2, cuda)
     return (_rope_store_kernel, dict(NUM_HEADS=h, NUM_KV_HEADS=hkv, HALF=d // 2,
                                      BLOCK_HALF=block_half, HEADS_Q=heads_q,
                                      HEADS_KV=heads_kv, STORE=True),
@@ -370,13 +368,12 @@ def _engine_kernel(name):
 
 @pytest.mark.parametrize("name", ["norm_896", "addnorm_896", "addnorm_4096", "headnorm_128",
                                   "silu_4864", "silu_14336", "rope_14x2x64",
-                                  "rope_32x8x128", "rope_14x2x64_1"])
+                                  "rope_32x8x128"])
 def test_engine_elementwise_kernels_compile_vectorised(name):
     """The engine's elementwise kernels (engine/layernorm.py, activation.py,
-    rope_store.py) compile for sm_90 without spills, and (but for the one-head rotary
-    schedule kept for the A/B, rope_..._1) move bf16 in 16-byte vectors: the reason
-    they replaced torch.compile's kernels, whose symbolic shapes hid the alignment and
-    gave scalar loads."""
+    rope_store.py) compile for sm_90 without spills and move bf16 in 16-byte vectors:
+    the reason they replaced torch.compile's kernels, whose symbolic shapes hid the
+    alignment and gave scalar loads."""
     kernel, constexprs, warps, types = _engine_kernel(name)
     ck = compile_kernel(kernel, constexprs, num_warps=warps, types=types)
     assert resources(ck)["stack_bytes"] == 0
@@ -384,7 +381,7 @@ def test_engine_elementwise_kernels_compile_vectorised(name):
     if name.startswith("silu") or name.endswith("_4096"):
         # Rows of whole 16-byte vectors per thread: nothing narrower anywhere.
         assert accesses == {"ld.global.v4.b32", "st.global.v4.b32"}, accesses
-    elif not name.endswith("_1"):
+    else:
         assert {"ld.global.v4.b32", "st.global.v4.b32"} <= accesses, accesses
 
 
@@ -634,51 +631,3 @@ def test_dropout_compiles_for_sm90(kind, head_dim):
     calls = cfg.block_m * cfg.block_n // (4 * 32 * cfg.num_warps)
     mul_hi = ck.asm["ptx"].count("mul.hi.u32")
     assert 0 < mul_hi <= 3 * 20 * calls, (mul_hi, calls)
-
-
-def _skinny_variants():
-    """The engine's four products of the 0.5B and 1B layers (hidden, intermediate, q
-    and kv widths) at decode batches 1, 32, 64, 128 and 256 (two and four row tiles),
-    with the tiles configs.skinny_linear_config gives them on a 132-SM H200."""
-    calls = {"qkv": ("rmsnorm", True, True, False), "o": (None, False, False, True),
-             "gate_up": ("rmsnorm", True, False, False), "down": ("silu_mul", False, False,
-                                                                  False)}
-    for hidden, inter, q, kv in ((896, 4864, 896, 128), (2048, 8192, 2048, 512)):
-        shapes = {"qkv": (q + 2 * kv, hidden), "o": (hidden, q),
-                  "gate_up": (2 * inter, hidden), "down": (hidden, inter)}
-        for op, (n, k) in shapes.items():
-            prologue, add, bias, residual = calls[op]
-            for m in (1, 32, 64, 128, 256):
-                yield op, prologue, add, bias, residual, m, n, k
-
-
-@pytest.mark.parametrize("op,prologue,add,bias,residual,m,n,k",
-                         list(_skinny_variants()),
-                         ids=lambda v: v if isinstance(v, str) else None)
-def test_skinny_linear_compiles_for_sm90(op, prologue, add, bias, residual, m, n, k,
-                                         monkeypatch):
-    """engine/skinny_linear.py at its table's tiles: no spills, within shared memory,
-    tensor-core products (wgmma for 64-row tiles: the rate configs.py's wide tiles
-    count on), and x and W through the software pipeline (async copies: the
-    memory-bound loop keeps steps in flight); a split-K variant counts its programs in
-    with one atomic and resets the counter with another."""
-    from flashtile.engine.skinny_linear import _PROLOGUE_CODES, _skinny_linear_kernel
-
-    monkeypatch.setattr(configs, "_sm_count", lambda index: 132)
-    x = torch.empty(0, dtype=torch.bfloat16, device="meta")
-    cfg = configs.skinny_linear_config(x, m, n, k, 2 if add or prologue == "silu_mul" else 1)
-    ck = compile_kernel(_skinny_linear_kernel, dict(
-        PROLOGUE=_PROLOGUE_CODES[prologue], HAS_NORM_RESIDUAL=add, HAS_BIAS=bias,
-        HAS_RESIDUAL=residual, BLOCK_M=configs.skinny_block_m(m), BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k, INPUT_PRECISION="tf32"),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        types=dict(Partials="*fp32", Counters="*i32", eps="fp32", M="i32", N="i32",
-                   K="i32", K_SPLIT="i32"))
-    res = resources(ck)
-    assert res["stack_bytes"] == 0 and res["shared_bytes"] <= configs.SM90_SMEM_BYTES, \
-        (cfg, res)
-    assert tensor_core_ops(ck) & ({"HGMMA"} if configs.skinny_block_m(m) == 64
-                                  else {"HMMA", "HGMMA"}), cfg
-    ttgir = ck.asm["ttgir"]
-    assert ttgir.count("async_copy_global_to_local") >= 2, cfg
-    assert ttgir.count("tt.atomic_rmw") == (2 if cfg.split_k > 1 else 0), cfg

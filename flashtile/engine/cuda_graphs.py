@@ -18,7 +18,6 @@ import logging
 import torch
 
 from flashtile.engine.attention import AttentionMetadata
-from flashtile.engine.skinny_linear import reserve_workspace
 
 log = logging.getLogger("flashtile.engine")
 
@@ -66,11 +65,6 @@ class CudaGraphsMixin:
                                          self.config.model_config.hidden_size,
                                          dtype=self.dtype, device=self.device)
         pool = None
-        if self.model.skinny_rows:
-            # The graphs keep the address of skinny_linear's split-K workspace: one
-            # workspace for them all, sized before the first capture.
-            reserve_workspace(self.device, self.model.skinny_rows,
-                              self.model.skinny_outputs())
         for bs in reversed(self._graph_sizes()):
             args, out = self._static_inputs(bs), self.static_hidden[:bs]
             out.copy_(self.model(*args))  # warm-up

@@ -15,15 +15,12 @@ The numerics follow transformers' modules (RMSNorm in fp32 then cast before the 
 multiply, rotary tables in fp32), so fp32 logits agree to rounding. On CUDA the
 elementwise work (RMSNorm with the residual add, SiLU-and-multiply, the rotary embedding
 with the cache write) runs in flashtile's Triton kernels (engine/layernorm.py,
-activation.py, rope_store.py), elsewhere in their PyTorch references (``elementwise``).
+activation.py, rope_store.py), elsewhere in their PyTorch references (``use_kernels``).
 """
 
 from __future__ import annotations
 
 import math
-import os
-from dataclasses import dataclass
-from typing import Callable
 
 import torch
 from torch import nn
@@ -34,21 +31,6 @@ from flashtile.engine.config import ModelConfig
 from flashtile.engine.parallel import SINGLE, MergedColumnParallelLinear, ParallelGroup, \
     ParallelLMHead, QKVParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from flashtile.engine.rope_store import rope_and_store, rotate_halves
-from flashtile.engine.skinny_linear import MAX_ROWS, skinny_linear
-
-
-def _fused_on_cuda(fn):
-    """fn compiled by torch.compile for CUDA tensors, eager elsewhere (the "compile"
-    choice of FLASHTILE_ENGINE_FUSED, ``elementwise``).
-
-    Eager, RMSNorm, the rotary embedding and SiLU-and-multiply are 6-10 elementwise
-    kernels each; compiled, each is one fused kernel. dynamic=True: one compile serves
-    every token count (the CUDA graphs' warm-up forwards compile before any capture)."""
-    compiled = torch.compile(fn, dynamic=True)
-
-    def run(*args):
-        return compiled(*args) if args[0].is_cuda else fn(*args)
-    return run
 
 
 def use_kernels(x) -> bool:
@@ -64,78 +46,33 @@ def _kernel_on_cuda(kernel, reference):
     return run
 
 
-def _rotary_qk(q, k, cos, sin):
-    return rotate_halves(q, cos, sin), rotate_halves(k, cos, sin)
+# Triton kernels launched through plans (engine/layernorm.py, activation.py): one launch
+# and a few microseconds of host time a call. The torch.compile'd references they
+# replaced took 23-51 us of host time a call, and on the H200 a 0.5B prompt step of
+# 8 x 1024 tokens 25.7 ms against the kernels' 17.7 ms.
+rms_norm = _kernel_on_cuda(layernorm.rms_norm, layernorm.rms_norm_reference)
+add_rms_norm = _kernel_on_cuda(layernorm.add_rms_norm, layernorm.add_rms_norm_reference)
+silu_and_mul = _kernel_on_cuda(activation.silu_and_mul, activation.silu_and_mul_reference)
 
 
-_rotary_qk_compiled = _fused_on_cuda(_rotary_qk)
-
-
-def _rope_kernels(q, k, v, cos, sin, slot_mapping, k_cache, v_cache):
+def rope(q, k, v, cos, sin, slot_mapping, k_cache, v_cache):
     """(q, k, stored): rotated q and k, and whether k and v are in the pool already."""
     if use_kernels(q):
         return (*rope_and_store(q, k, v, cos, sin, slot_mapping, k_cache, v_cache),
                 k_cache is not None)
-    return *_rotary_qk(q, k, cos, sin), False
-
-
-def _rope_compiled(q, k, v, cos, sin, slot_mapping, k_cache, v_cache):
-    """_rope_kernels as before session 16: rope_store's kernel one head a program where
-    there is a pool, the compiled rotation without one."""
-    if use_kernels(q) and k_cache is not None:
-        return (*rope_and_store(q, k, v, cos, sin, slot_mapping, k_cache, v_cache,
-                                heads_per_program=1), True)
-    return *_rotary_qk_compiled(q, k, cos, sin), False
-
-
-@dataclass(frozen=True)
-class Elementwise:
-    """The elementwise functions a model's layers call (``elementwise`` picks them)."""
-    rms_norm: Callable
-    add_rms_norm: Callable
-    silu_and_mul: Callable
-    rope: Callable  # (q, k, v, cos, sin, slot_mapping, k_cache, v_cache) -> (q, k, stored)
-
-
-ELEMENTWISE = {
-    # Triton kernels launched through plans (engine/layernorm.py, activation.py,
-    # rope_store.py): one launch each and a few microseconds of host time a call.
-    "triton": Elementwise(_kernel_on_cuda(layernorm.rms_norm, layernorm.rms_norm_reference),
-                          _kernel_on_cuda(layernorm.add_rms_norm,
-                                          layernorm.add_rms_norm_reference),
-                          _kernel_on_cuda(activation.silu_and_mul,
-                                          activation.silu_and_mul_reference),
-                          _rope_kernels),
-    # The PyTorch references compiled by torch.compile(dynamic=True): the engine until
-    # session 16, 23-51 us of host time a call and inductor's unvectorised kernels.
-    "compile": Elementwise(_fused_on_cuda(layernorm.rms_norm_reference),
-                           _fused_on_cuda(layernorm.add_rms_norm_reference),
-                           _fused_on_cuda(activation.silu_and_mul_reference),
-                           _rope_compiled),
-}
-
-
-def elementwise() -> Elementwise:
-    """The functions FLASHTILE_ENGINE_FUSED names, read when a model is built: "triton"
-    (the default) or "compile" (the torch.compile'd path, kept only for the GPU A/B of
-    session 17; it goes once that is measured)."""
-    mode = os.environ.get("FLASHTILE_ENGINE_FUSED", "triton")
-    if mode not in ELEMENTWISE:
-        raise ValueError(f"FLASHTILE_ENGINE_FUSED must be one of {sorted(ELEMENTWISE)}, got "
-                         f"{mode!r}; unset it for the Triton kernels")
-    return ELEMENTWISE[mode]
+    return rotate_halves(q, cos, sin), rotate_halves(k, cos, sin), False
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float, fused: Elementwise):
+    def __init__(self, dim: int, eps: float):
         super().__init__()
-        self.eps, self.fused = eps, fused
+        self.eps = eps
         self.weight = nn.Parameter(torch.empty(dim))
 
     def forward(self, x, residual=None):
         if residual is None:
-            return self.fused.rms_norm(x, self.weight, self.eps)
-        return self.fused.add_rms_norm(x, residual, self.weight, self.eps)
+            return rms_norm(x, self.weight, self.eps)
+        return add_rms_norm(x, residual, self.weight, self.eps)
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -178,11 +115,9 @@ class Rotary(nn.Module):
 
 
 class SelfAttention(nn.Module):
-    def __init__(self, config: ModelConfig, backend: str, fused: Elementwise,
-                 tp: ParallelGroup = SINGLE):
+    def __init__(self, config: ModelConfig, backend: str, tp: ParallelGroup = SINGLE):
         super().__init__()
         d = config.head_dim
-        self.fused = fused
         self.qkv_proj = QKVParallelLinear(config.hidden_size, config.num_attention_heads,
                                           config.num_key_value_heads, d, config.qkv_bias, tp)
         h, hkv = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads  # this rank's
@@ -191,18 +126,14 @@ class SelfAttention(nn.Module):
         self.o_proj = RowParallelLinear(config.num_attention_heads * d, config.hidden_size,
                                         bias=False, tp=tp)
         if config.qk_norm:
-            self.q_norm = RMSNorm(d, config.rms_norm_eps, fused)
-            self.k_norm = RMSNorm(d, config.rms_norm_eps, fused)
+            self.q_norm = RMSNorm(d, config.rms_norm_eps)
+            self.k_norm = RMSNorm(d, config.rms_norm_eps)
         window = config.sliding_window
         self.attn = Attention(h, hkv, d, window_left=window - 1 if window else -1,
                               backend=backend)
 
     def forward(self, x, cos, sin, meta: AttentionMetadata):
-        return self.o_proj(self.attend(self.qkv_proj(x), cos, sin, meta))
-
-    def attend(self, qkv, cos, sin, meta: AttentionMetadata):
-        """The attention of the fused projection's output qkv, (T, heads * head_dim)."""
-        q, k, v = qkv.split(self.sizes, dim=-1)
+        q, k, v = self.qkv_proj(x).split(self.sizes, dim=-1)
         q = q.view(-1, self.heads, self.head_dim)
         k = k.view(-1, self.kv_heads, self.head_dim)
         v = v.view(-1, self.kv_heads, self.head_dim)
@@ -211,42 +142,34 @@ class SelfAttention(nn.Module):
         attn = self.attn
         # On CUDA one kernel for the rotary embedding and this layer's cache write (three
         # otherwise: a decode step at small batch pays per kernel).
-        q, k, stored = self.fused.rope(q, k, v, cos, sin, meta.slot_mapping, attn.k_cache,
-                                       attn.v_cache)
-        return attn(q, k, v, meta, stored=stored).flatten(1)
+        q, k, stored = rope(q, k, v, cos, sin, meta.slot_mapping, attn.k_cache, attn.v_cache)
+        return self.o_proj(attn(q, k, v, meta, stored=stored).flatten(1))
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig, fused: Elementwise, tp: ParallelGroup = SINGLE):
+    def __init__(self, config: ModelConfig, tp: ParallelGroup = SINGLE):
         super().__init__()
-        self.fused = fused
         self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size,
                                                        config.intermediate_size, tp)
         self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size,
                                            bias=False, tp=tp)
 
     def forward(self, x):
-        return self.down_proj(self.fused.silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, backend: str, fused: Elementwise,
-                 tp: ParallelGroup = SINGLE):
+    def __init__(self, config: ModelConfig, backend: str, tp: ParallelGroup = SINGLE):
         super().__init__()
         eps = config.rms_norm_eps
-        self.input_layernorm = RMSNorm(config.hidden_size, eps, fused)
-        self.self_attn = SelfAttention(config, backend, fused, tp)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, fused)
-        self.mlp = MLP(config, fused, tp)
-
-    # Steps of at most this many tokens take _skinny (CausalLM sets it, skinny_rows).
-    skinny_rows = 0
+        self.input_layernorm = RMSNorm(config.hidden_size, eps)
+        self.self_attn = SelfAttention(config, backend, tp)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps)
+        self.mlp = MLP(config, tp)
 
     def forward(self, x, residual, cos, sin, meta):
         """x: the previous layer's output; residual: the stream before it (None at the
         first layer). Returns the same pair: each add is fused into the next norm."""
-        if x.shape[0] <= self.skinny_rows and use_kernels(x):
-            return self._skinny(x, residual, cos, sin, meta)
         if residual is None:
             x, residual = self.input_layernorm(x), x
         else:
@@ -255,68 +178,28 @@ class DecoderLayer(nn.Module):
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
 
-    def _skinny(self, x, residual, cos, sin, meta):
-        """forward in four of skinny_linear's kernels instead of eight (four products,
-        two norms with their residual adds, SiLU-and-multiply, cuBLAS's split-K
-        reduce): the norms in the prologues of qkv and gate_up, SiLU-and-multiply in
-        down's. The roundings are forward's (skinny_linear's docstring)."""
-        attn, mlp = self.self_attn, self.mlp
-        norm = self.input_layernorm
-        qkv = skinny_linear(x, attn.qkv_proj.weight, attn.qkv_proj.bias, prologue="rmsnorm",
-                            norm_weight=norm.weight, eps=norm.eps, norm_residual=residual)
-        if residual is None:
-            residual = x
-        else:
-            qkv, residual = qkv
-        o = skinny_linear(attn.attend(qkv, cos, sin, meta), attn.o_proj.weight,
-                          attn.o_proj.bias)
-        norm = self.post_attention_layernorm
-        gate_up, residual = skinny_linear(o, mlp.gate_up_proj.weight, prologue="rmsnorm",
-                                          norm_weight=norm.weight, eps=norm.eps,
-                                          norm_residual=residual)
-        return skinny_linear(gate_up, mlp.down_proj.weight, prologue="silu_mul"), residual
-
 
 class Backbone(nn.Module):
     """Hugging Face's ``model.*`` submodule: embeddings, layers, final norm."""
 
-    def __init__(self, config: ModelConfig, backend: str, fused: Elementwise,
-                 tp: ParallelGroup = SINGLE):
+    def __init__(self, config: ModelConfig, backend: str, tp: ParallelGroup = SINGLE):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
-        self.layers = nn.ModuleList(DecoderLayer(config, backend, fused, tp)
+        self.layers = nn.ModuleList(DecoderLayer(config, backend, tp)
                                     for _ in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, fused)
-
-
-def skinny_rows() -> int:
-    """FLASHTILE_ENGINE_SKINNY, read when a model is built: steps of at most this many
-    tokens (decode batches; at most skinny_linear.MAX_ROWS, 256) run each layer through
-    skinny_linear's fused products (DecoderLayer._skinny) on CUDA. 0, the default until
-    the GPU A/B of session 17 says otherwise: never."""
-    raw = os.environ.get("FLASHTILE_ENGINE_SKINNY", "0")
-    rows = int(raw) if raw.strip().isdigit() else -1
-    if not 0 <= rows <= MAX_ROWS:
-        raise ValueError(f"FLASHTILE_ENGINE_SKINNY must be an int from 0 to {MAX_ROWS} "
-                         f"(the most rows skinny_linear takes), got {raw!r}")
-    return rows
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
 class CausalLM(nn.Module):
     """Parameter names match the checkpoints' (``model.layers.N.self_attn...``) except the
     fused ``qkv_proj`` and ``gate_up_proj`` (engine/loader.py maps them). tp: the ranks
-    the model is split over (engine/parallel.py); every rank computes the full logits.
-    The elementwise functions are read from FLASHTILE_ENGINE_FUSED here (``elementwise``)."""
+    the model is split over (engine/parallel.py); every rank computes the full logits."""
 
     def __init__(self, config: ModelConfig, max_len: int, backend: str = "flashtile",
                  tp: ParallelGroup = SINGLE):
         super().__init__()
         self.config, self.tp = config, tp
-        self.fused = elementwise()
-        self.model = Backbone(config, backend, self.fused, tp)
-        self.skinny_rows = skinny_rows() if tp.size == 1 else 0  # no all-reduce in it
-        for layer in self.model.layers:
-            layer.skinny_rows = self.skinny_rows
+        self.model = Backbone(config, backend, tp)
         self.rotary = Rotary(config, max_len)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp)
         self.tie_weights()
@@ -324,14 +207,6 @@ class CausalLM(nn.Module):
     def tie_weights(self):
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-
-    def skinny_outputs(self) -> int:
-        """The most outputs of a product DecoderLayer._skinny computes (the split-K
-        workspace's size, skinny_linear.reserve_workspace)."""
-        layer = self.model.layers[0]
-        return max(w.shape[0] for w in (
-            layer.self_attn.qkv_proj.weight, layer.self_attn.o_proj.weight,
-            layer.mlp.gate_up_proj.weight, layer.mlp.down_proj.weight))
 
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn.attn for layer in self.model.layers]

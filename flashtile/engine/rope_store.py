@@ -12,8 +12,7 @@ Without a pool (``k_cache`` None: the runner's sizing forward) it only rotates.
 
 Until session 16 a program took one head of one token with one warp: 80 us a layer for a
 prompt step of 8 x 1024 tokens of Qwen2.5-0.5B on the H200 (~40 MB, 12% of the copy
-bandwidth), cos/sin read once per head. ``heads_per_program=1`` launches that schedule
-again, for the engine's A/B (FLASHTILE_ENGINE_FUSED=compile).
+bandwidth), cos/sin read once per head.
 
 ``rope_and_store`` is the launcher (CUDA tensors, or CPU ones under the Triton
 interpreter); ``rope_and_store_reference`` is the same in PyTorch, the path the engine
@@ -96,14 +95,12 @@ _SLOTS = ("Q", "K", "V", "Cos", "Sin", "Slots", "KCache", "VCache", "QOut", "KOu
 
 def rope_and_store(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor,
                    slot_mapping: Tensor | None, k_cache: Tensor | None,
-                   v_cache: Tensor | None, heads_per_program: int | None = None
-                   ) -> tuple[Tensor, Tensor]:
+                   v_cache: Tensor | None) -> tuple[Tensor, Tensor]:
     """q (T, H, d), k/v (T, Hkv, d), each with a unit last stride (views of the fused
     projection are fine); cos/sin (T, d / 2) fp32 per token with a unit last stride;
     slot_mapping (T,) int64; k_cache/v_cache (num_blocks, page_size, Hkv, d) contiguous,
     or None (then nothing is stored and slot_mapping is not read). Returns the rotated q
-    (T, H, d) and k (T, Hkv, d), contiguous; writes rotated k and v at each slot >= 0.
-    heads_per_program: a power of two, or None for configs.rope_store_tile's choice."""
+    (T, H, d) and k (T, Hkv, d), contiguous; writes rotated k and v at each slot >= 0."""
     t, h, d = q.shape
     hkv = k.shape[1]
     q_out = torch.empty((t, h, d), dtype=q.dtype, device=q.device)
@@ -121,7 +118,7 @@ def rope_and_store(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor,
         key = ("rope_store", q.dtype, q.shape[1:], q.stride(), k.shape[1:], k.stride(),
                v.stride(), cos.dtype, cos.stride(), store and (
                    slot_mapping.dtype, k_cache.dtype, k_cache.stride(), v_cache.dtype),
-               heads_per_program, _launch.misalignment(p[:8]))
+               _launch.misalignment(p[:8]))
         found = _launch.lookup(key)
         if found is not None:
             blocks, plan = found
@@ -133,8 +130,7 @@ def rope_and_store(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor,
     if not all(x.stride(-1) == 1 for x in (q, k, v, cos, sin)):
         raise ValueError("q, k, v, cos, sin: expected a unit last stride each, got "
                          f"{[x.stride() for x in (q, k, v, cos, sin)]}")
-    block_half, heads_q, heads_kv, warps = configs.rope_store_tile(h, hkv, d // 2, q.device,
-                                                                   heads_per_program)
+    block_half, heads_q, heads_kv, warps = configs.rope_store_tile(h, hkv, d // 2, q.device)
     blocks = configs.cdiv(h, heads_q) + configs.cdiv(hkv, heads_kv)
     plan = _launch.first_launch(
         _rope_store_kernel, (t, blocks),
@@ -156,10 +152,8 @@ def rotate_halves(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(x.dtype)
 
 
-def rope_and_store_reference(q, k, v, cos, sin, slot_mapping, k_cache, v_cache,
-                             heads_per_program=None):
-    """rope_and_store in PyTorch: the same results and the same cache writes
-    (heads_per_program, a schedule, has no meaning here)."""
+def rope_and_store_reference(q, k, v, cos, sin, slot_mapping, k_cache, v_cache):
+    """rope_and_store in PyTorch: the same results and the same cache writes."""
     q, k = rotate_halves(q, cos, sin), rotate_halves(k, cos, sin)
     if k_cache is None:
         return q, k

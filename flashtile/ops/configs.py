@@ -132,18 +132,15 @@ def silu_and_mul_tile(n: int, device: torch.device) -> tuple[int, int]:
     return block_n, elementwise_warps(block_n)
 
 
-def rope_store_tile(heads: int, kv_heads: int, half: int, device: torch.device,
-                    heads_per_program: int | None = None) -> tuple[int, int, int, int]:
+def rope_store_tile(heads: int, kv_heads: int, half: int,
+                    device: torch.device) -> tuple[int, int, int, int]:
     """(BLOCK_HALF, HEADS_Q, HEADS_KV, num_warps) of the rotary + cache-write kernel: a
     program rotates HEADS_Q q heads or HEADS_KV kv heads of one token, as many as fill a
     tile of (heads, 2 halves) (Qwen2.5-0.5B's 14 q heads of 64 and its 2 kv heads: one
     program each a token); the warps are sized for the q programs' tile of one half
-    (its loads and stores are one half at a time).
-    heads_per_program: a power of two to take instead (1: one head a program, the
-    schedule before session 16, kept for the engine's A/B)."""
+    (its loads and stores are one half at a time)."""
     block_half = next_power_of_2(half)
-    most = heads_per_program or 1 << (max(1, _elementwise_tile(device) // (2 * block_half))
-                                      .bit_length() - 1)
+    most = 1 << (max(1, _elementwise_tile(device) // (2 * block_half)).bit_length() - 1)
     heads_q = min(next_power_of_2(heads), most)
     heads_kv = min(next_power_of_2(kv_heads), most)
     return block_half, heads_q, heads_kv, elementwise_warps(heads_q * block_half)
@@ -948,129 +945,3 @@ def clear_tuned() -> str:
     path.unlink(missing_ok=True)
     reload_tuned()
     return str(path)
-
-
-# ---- Skinny GEMMs of decode batches (engine/skinny_linear.py) ----
-
-@dataclass(frozen=True)
-class SkinnyConfig:
-    """Tiles of ``engine/skinny_linear.py``: BLOCK_N output columns a program, BLOCK_K
-    of the reduction a step, the reduction split over ``split_k`` programs."""
-    block_n: int
-    block_k: int
-    split_k: int = 1
-    num_warps: int = 4
-    num_stages: int = 4
-
-
-# Under the interpreter: tiles smaller than the tests' shapes (K 96/224, N 40-130), so
-# that every test crosses several column tiles, reduction steps and a masked tail.
-_SKINNY_INTERPRETER = SkinnyConfig(16, 32, 1, 4, 1)
-# By rows tile (the M bucket: 16, 32, 64): (BLOCK_N, BLOCK_K of 16-bit inputs, warps).
-# - BLOCK_N = the rows tile: each program reads its BLOCK_N x K of W from memory and
-#   all of x (BLOCK_M x K; twice with rmsnorm, whose statistics pass reads it first)
-#   from the L2, so x's bytes stay at most W's. At M <= 16 it also gives the most
-#   programs (0.5B's qkv 72, gate_up 608): many small resident programs keep more of W
-#   in flight than a few wide ones.
-# - BLOCK_K: 512 bytes of a row a step, so K 896 is four steps, all in flight in a
-#   4-stage pipeline (a 16 x 256 W tile is 8 KB); 64 rows take 128, since the x tile
-#   lives in registers: 64 x 256 spilled 520 bytes in the rmsnorm variant at 4 warps
-#   (sm_90 AOT), 64 x 128 takes 226 registers and 32 x 256 255, neither spilling.
-#   fp32 (IEEE products; not the engine's dtype) halves BLOCK_K (64 x 64 spills 56 B).
-SKINNY_TILES = {16: (16, 256, 4), 32: (32, 256, 4), 64: (64, 128, 4)}
-# Past 64 rows (batches 65-256 of the throughput workload): row tiles of 64 along a grid
-# dimension, and the widest of these (BLOCK_N, BLOCK_K, warps) whose programs, split-K
-# included (the rule below), still fill 3/4 of the SMs, else the narrowest. On sm_90 a
-# 64-row tile at 4 or 8 warps is a wgmma (m64nNk16, a warpgroup per 64 x 128 of the
-# output; Triton 3.6, HGMMA in the SASS), the prologue's tile its register operand.
-# - Widest first: each program reads BLOCK_N x K of W but f x BLOCK_M x K of x from the
-#   L2, f = 4 with the residual add (x and norm_residual, in the statistics pass and
-#   the product's), 2 with silu_mul, so the L2 bytes per FLOP go as
-#   1/BLOCK_M + f/BLOCK_N (0.5B's gate_up at 256 rows: 139 MB at 256 columns, 209 at
-#   128, 349 at 64), and a split re-reads x only in the statistics pass.
-# - 64 rows, not 128 at 8 warps (which fits: 128 x 128 x 64 takes 193 registers): at
-#   f = 4, rows cost f times what columns cost (64 x 256: 0.031 B/FLOP, 128 x 128 0.039).
-# - 256 columns take 8 warps (two warpgroups side by side, <= 188 registers): at 4 warps
-#   the 64 x 256 fp32 accumulator is 128 registers a thread, and the split and silu_mul
-#   variants spilled 16-136 bytes (sm_90 AOT). 128 and 64 fit 4 warps (<= 226).
-# - BLOCK_K 64: a 256-column step is 40-48 KB, so 3-4 stages fit the budget (1 at 128).
-SKINNY_ROWS_TILE = 64
-SKINNY_WIDE_TILES = ((256, 64, 8), (128, 64, 4), (64, 64, 4))
-# Shared memory the pipeline's stages may take: under the 227 KiB a program may have,
-# with room for Triton's own scratch (and a second resident program of small tiles).
-SKINNY_SMEM_BUDGET = 160 * 1024
-SKINNY_MAX_STAGES = 4
-SKINNY_MAX_SPLIT = 8
-
-
-def skinny_block_m(m: int) -> int:
-    """The rows tile of ``m`` rows: tl.dot takes at least 16; padded rows are masked;
-    past SKINNY_ROWS_TILE rows, tiles of that many (the last one masked)."""
-    return min(max(16, next_power_of_2(m)), SKINNY_ROWS_TILE)
-
-
-@functools.lru_cache(maxsize=None)
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
-def _skinny_from_env() -> SkinnyConfig | None:
-    # FLASHTILE_SKINNY_LINEAR_CONFIG="16,256,3,4,4" (BLOCK_N, BLOCK_K, split_k,
-    # num_warps, num_stages): one tile for every call, for the bench's A/B runs.
-    raw = os.environ.get("FLASHTILE_SKINNY_LINEAR_CONFIG")
-    if not raw:
-        return None
-    try:
-        values = [int(v) for v in raw.split(",")]
-        if not 2 <= len(values) <= 5:
-            raise ValueError
-        return SkinnyConfig(*values)
-    except ValueError:
-        raise ValueError("FLASHTILE_SKINNY_LINEAR_CONFIG must be 'BLOCK_N,BLOCK_K[,split_k"
-                         f"[,num_warps[,num_stages]]]' of integers, got {raw!r}") from None
-
-
-def skinny_linear_config(x: torch.Tensor, m: int, n: int, k: int,
-                         x_tiles: int = 1) -> SkinnyConfig:
-    """The tiles of a skinny GEMM of ``m`` rows (at most 256), ``n`` outputs and a
-    reduction of ``k``; ``x_tiles`` x-shaped tiles loaded a step (2 for SiLU-and-multiply's
-    gate and up, and for RMSNorm's x and residual). Chosen when a launch plan is made,
-    never by timing at call time (a CUDA-graph capture must not benchmark). Predictions
-    for the H200, to be measured with ``python -m flashtile.bench.skinny``:
-
-    - BLOCK_N, BLOCK_K and warps from SKINNY_TILES by the rows tile; past 64 rows
-      (several row tiles), SKINNY_WIDE_TILES' widest whose programs, with the split
-      below, fill 3/4 of the SMs;
-    - stages: as many as SKINNY_SMEM_BUDGET holds, up to 4 (x tiles counted at the
-      padded rows);
-    - split_k only where a program would stream more than two pipeline lengths of steps
-      (K past ~2k: the down projections; past 64 rows K 896 too, at BLOCK_K 64) and the
-      tiles give fewer programs than 3/4 of the SMs (0.5B's N 896: 56): enough splits
-      to reach the SMs, each at least a pipeline length. A split costs a partial
-      store, an atomic and a reload (about two L2 round trips), which a short
-      reduction does not win back.
-    """
-    if "skinny_linear" in _override:
-        return _override["skinny_linear"]
-    env = _skinny_from_env()
-    if env is not None:
-        return env
-    if x.device.type == "cpu":
-        return _SKINNY_INTERPRETER
-    size = x.element_size()
-    block_m = skinny_block_m(m)
-    row_tiles = cdiv(m, block_m)
-    sms = _sm_count(x.device.index if x.device.index is not None else 0)
-    fill = sms * 3 // 4
-    for block_n, block_k, warps in (SKINNY_TILES[block_m],) if row_tiles == 1 \
-            else SKINNY_WIDE_TILES:
-        block_k = block_k * 2 // max(size, 2)
-        stage_bytes = (block_n + block_m * x_tiles) * block_k * size
-        stages = max(1, min(SKINNY_MAX_STAGES, SKINNY_SMEM_BUDGET // stage_bytes))
-        programs, steps = row_tiles * cdiv(n, block_n), cdiv(k, block_k)
-        split = 1
-        if programs < fill and steps > 2 * stages:
-            split = min(cdiv(sms, programs), steps // stages, SKINNY_MAX_SPLIT)
-        if programs * split >= fill:
-            break
-    return SkinnyConfig(block_n, block_k, split, warps, stages)
