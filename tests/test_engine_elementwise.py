@@ -182,3 +182,57 @@ def test_kernels_refuse_bad_layouts_naming_the_argument(device):
         rope_and_store(q, q, q, torch.ones(2, 4, device=device),
                        torch.zeros(2, 4, device=device),
                        torch.zeros(2, dtype=torch.long, device=device), pool, pool)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_nan_and_inf_inputs_propagate(dtype, device):
+    """A NaN or Inf in the input never becomes a plausible number: RMSNorm's row with a
+    NaN is NaN throughout (so is the mean of its squares; with the residual add, the sum
+    keeps the NaN at its place), a row with an Inf is PyTorch's (x / Inf: zeros, and
+    NaN at the Inf), and the other rows equal the clean result;
+    SiLU-and-multiply's NaN stays at its element; rotary's NaN reaches the rotated pair
+    (x1, x2) it is part of and the cache row it is stored into, nothing else."""
+    rows, n = 4, 96
+    weight = _weight(n, dtype, device)
+    x = torch.randn(rows, n, dtype=dtype, device=device)
+    clean = rms_norm(x, weight, EPS)
+    keep = torch.tensor([0, 2, 3], device=device)
+    for bad in (float("nan"), float("inf")):
+        y = x.clone()
+        y[1, 5] = bad
+        out = rms_norm(y, weight, EPS)
+        if bad != bad:
+            assert out[1].isnan().all()
+        else:
+            assert out[1, 5].isnan() and out[1].isnan().sum() == 1
+            assert (out[1].nan_to_num() == 0).all()
+        assert torch.equal(out[keep], clean[keep]), bad
+    y = x.clone()
+    y[2, 7] = float("nan")
+    residual = torch.randn_like(x)
+    out, summed = add_rms_norm(y, residual, weight, EPS)
+    assert summed[2, 7].isnan() and summed.isnan().sum() == 1
+    assert out[2].isnan().all() and not out[[0, 1, 3]].isnan().any()
+
+    gate_up = torch.randn(3, 2 * n, dtype=dtype, device=device)
+    gate_up[0, 4] = float("nan")       # gate of output (0, 4)
+    gate_up[2, n + 9] = float("nan")   # up of output (2, 9)
+    out = silu_and_mul(gate_up)
+    nan = out.isnan()
+    assert nan[0, 4] and nan[2, 9] and nan.sum() == 2
+
+    t, heads, kv_heads, d = 3, 4, 2, 32
+    q = torch.randn(t, heads, d, dtype=dtype, device=device)
+    k = torch.randn(t, kv_heads, d, dtype=dtype, device=device)
+    v = torch.randn(t, kv_heads, d, dtype=dtype, device=device)
+    q[1, 2, 3] = float("nan")  # the pair (3, 3 + d/2) of token 1, head 2
+    v[2, 1, 0] = float("nan")
+    angles = torch.rand(t, d // 2, device=device)
+    caches = [torch.zeros(2, 4, kv_heads, d, dtype=dtype, device=device) for _ in range(2)]
+    slots = torch.tensor([0, 1, 5], device=device)
+    q_out, k_out = rope_and_store(q, k, v, angles.cos(), angles.sin(), slots, *caches)
+    nan = q_out.isnan()
+    assert nan[1, 2, 3] and nan[1, 2, 3 + d // 2] and nan.sum() == 2
+    assert not k_out.isnan().any()
+    v_rows = caches[1].view(-1, kv_heads, d)
+    assert v_rows[5, 1, 0].isnan() and v_rows.isnan().sum() == 1
