@@ -749,9 +749,9 @@ def _dq_descriptor(dq_accum, rows: int) -> TensorDescriptor:
     head_dim) in (1, 1, rows, 64) boxes, one dQ_partial tile (``dq_tile_rows``),
     128-byte swizzled (Triton sends each box as two 32-column messages); the reduce-adds
     drop rows past seqlen_q."""
-    box = [1, 1, rows, DQ_PIECE.value]
-    return TensorDescriptor(dq_accum, list(dq_accum.shape), list(dq_accum.stride()), box,
-                            gl.NVMMASharedLayout.get_default_for(box, gl.float32))
+    box = (1, 1, rows, DQ_PIECE.value)
+    return TensorDescriptor(dq_accum, list(dq_accum.shape), list(dq_accum.stride()),
+                            list(box), fwd_hopper._smem_layout(box, gl.float32))
 
 
 def dq_tile_rows(flags: dict, block_m: int) -> int:
