@@ -6,7 +6,7 @@
 #   check        make test-gpu                                             (~15 min)
 #   memcheck     the memcheck slice warmed, then make memcheck             (~5 min)
 #   verify       check then memcheck in one call (the suite warms the cache) (~15 min)
-#   sweep SECS   the default `flashtile bench` sweep for SECS seconds, --resume from
+#   sweep SECS   the `flashtile bench` sweep (SWEEP_ARGS: its grid) for SECS seconds, --resume from
 #                bench-h200/ (carry it back in: a sweep spans several calls)
 #   extra        bench --accuracy, tune for head_dim 128                  (~6 min)
 #   short        the short-sequence rows of the sweep beside cuDNN, flash and Flex,
@@ -134,8 +134,10 @@ case "${1:-}" in
   sweep)
     stamp "sweep for ${2:-500} s"
     # SIGTERM at the limit: the bench writes its tables and plots of what it measured.
+    # SWEEP_ARGS: the grid, the same in every call of one sweep (issue 15's full table:
+    # --headdim 64 96 128 256 --providers flashtile sdpa-cudnn sdpa-flash flex).
     timeout "${2:-500}" python3 -m flashtile bench --resume --no-progress \
-      --out bench-h200 2>&1 | grep -v "^|" | tail -80 > "$OUT/sweep-log.txt"
+      --out bench-h200 ${SWEEP_ARGS:-} 2>&1 | grep -v "^|" | tail -80 > "$OUT/sweep-log.txt"
     tar czf "$OUT/bench.tgz" bench-h200
     stamp "done: $(python3 -c "import json; print(len(json.load(open('bench-h200/results.json'))['results']))") cells"
     ;;
