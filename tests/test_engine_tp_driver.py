@@ -170,7 +170,14 @@ def test_pool_too_small_is_a_value_error_on_every_rank(tmp_path):
 
 
 @pytest.mark.timeout(120)
-def test_dead_worker_raises_in_rank_0(tmp_path):
+@pytest.mark.parametrize("watcher", [True, False], ids=["watched", "unwatched"])
+def test_dead_worker_raises_in_rank_0(tmp_path, monkeypatch, watcher):
+    """A killed worker fails the next step with its exit code, stops the engine, and
+    every later call says a rank failed. Unwatched: the monitor thread never marks the
+    dead worker (it lost the race to the failing step, as it may), and the step's own
+    failure path must say so."""
+    if not watcher:
+        monkeypatch.setattr(workers.Workers, "_watch", lambda self: None)
     hf_config("llama").save_pretrained(tmp_path)
     llm = LLM(str(tmp_path), tensor_parallel_size=2, load_format="dummy", **LLM_KW)
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)

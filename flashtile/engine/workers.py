@@ -118,7 +118,10 @@ class Workers:
             raise RuntimeError("LLM(tensor_parallel_size > 1) starts its own process group, "
                                "but torch.distributed is already initialised in this process")
         size, self.backend = config.tensor_parallel_size, _backend(config)
-        self.processes, self.closed, self.dead = [], False, None
+        # failed: a step failed and stopped the workers (set before the stop, so the
+        # message of a later call does not depend on whether the watcher thread saw a
+        # killed worker exit first).
+        self.processes, self.closed, self.dead, self.failed = [], False, None, False
         self._group, self._monitor = False, None
         ctx = mp.get_context("spawn")
         timeout = datetime.timedelta(seconds=TIMEOUT_S)
@@ -161,8 +164,8 @@ class Workers:
         as a WorkerError (rank 0's own error is raised as it is)."""
         if self.closed:
             raise WorkerError("the tensor-parallel workers are stopped (" + (
-                "a rank failed" if self.dead is not None or self.channel.errors
-                else "shutdown() was called") + ")")
+                "a rank failed" if self.failed or self.dead is not None
+                or self.channel.errors else "shutdown() was called") + ")")
         try:
             yield
         except BaseException as err:
@@ -170,12 +173,14 @@ class Workers:
             # Rank 0 raises a bad input's error itself (every rank does).
             if not isinstance(err, (ValueError, TypeError, WorkerError)):
                 message = self._failure()
+            self.failed = True
             self.shutdown(kill=True)
             if message is None:
                 raise
             raise WorkerError(message) from err
         if self.dead is not None:  # NCCL: the watcher aborted the group under this step
             message = self.channel.failure(self.dead)
+            self.failed = True
             self.shutdown(kill=True)
             raise WorkerError(message)
 
