@@ -442,7 +442,7 @@ def test_num_splits_heuristic(work_items, seqlen_k, expected):
 def test_pdl_switch_is_checked(monkeypatch):
     """A mistyped FLASHTILE_DECODE_PDL is an error naming the variable, not silently on;
     off CUDA (or before Hopper) nothing is a dependent launch."""
-    from flashtile.ops.decode import combine_pdl
+    from flashtile.ops.combine import combine_pdl
 
     q = torch.empty(1, 1, 1, 16)
     monkeypatch.setenv("FLASHTILE_DECODE_PDL", "off")

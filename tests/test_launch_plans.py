@@ -19,11 +19,11 @@ import torch
 
 import flashtile
 from flashtile.engine import activation, layernorm, rope_store
-from flashtile.ops import _launch, bwd, configs, decode, fwd
+from flashtile.ops import _launch, bwd, combine, configs, decode, fwd
 
 KERNELS = {
     (fwd, "_attn_fwd_kernel"), (bwd, "_bwd_preprocess_kernel"), (bwd, "_bwd_dkdv_kernel"),
-    (bwd, "_bwd_dq_kernel"), (bwd, "_bwd_dq_convert_kernel"), (decode, "_decode_kernel"), (decode, "_combine_kernel"),
+    (bwd, "_bwd_dq_kernel"), (bwd, "_bwd_dq_convert_kernel"), (decode, "_decode_kernel"), (combine, "_combine_kernel"),
     (decode, "_append_kernel"), (layernorm, "_rms_norm_kernel"),
     (activation, "_silu_and_mul_kernel"), (rope_store, "_rope_store_kernel"),
 }

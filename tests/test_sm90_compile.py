@@ -11,10 +11,11 @@ import re
 import pytest
 import torch
 
-from flashtile.ops import configs, decode
+from flashtile.ops import combine, configs, decode
 from flashtile.ops.bwd import (_bwd_dkdv_kernel, _bwd_dq_convert_kernel, _bwd_dq_kernel,
                                _bwd_preprocess_kernel)
-from flashtile.ops.decode import _append_kernel, _combine_kernel, _decode_kernel
+from flashtile.ops.combine import _combine_kernel
+from flashtile.ops.decode import _append_kernel, _decode_kernel
 from flashtile.ops.fwd import _attn_fwd_kernel
 from tests.aot import compile_kernel, loop_instructions, resources, tensor_core_ops
 
@@ -426,7 +427,7 @@ def test_head_dim_512_tiles_do_not_spill(kind, dtype, precision):
         (cfg, res)
     if kind == "decode":  # and the combine of its splits, at the largest split count
         ck = compile_kernel(_combine_kernel, dict(BLOCK_S=128, BLOCK_D=512, USE_PDL=True),
-                            dtype=dtype, num_warps=decode._combine_warps(128 * 512))
+                            dtype=dtype, num_warps=combine._combine_warps(128 * 512))
         assert resources(ck)["stack_bytes"] == 0
 
 

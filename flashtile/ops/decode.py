@@ -5,10 +5,10 @@ The rows of a tile are the (query token, query head) pairs that share one KV hea
 with GQA each K/V tile is read from memory once for the whole group. When batch * KV
 heads cannot fill the GPU, the cache length is split across programs (Dao et al.,
 Flash-Decoding, 2023); each split writes its normalized partial output and lse, and
-``_combine_kernel`` merges them exactly through the lse. On Hopper the combine kernel is
-a programmatic dependent launch: its programs are scheduled while the decode programs
-finish and wait (griddepcontrol) for their results, which hides part of the second
-launch's cost (batch 1 x 8k keys on the H200: 11.9 -> 11.4 us, NOTES.md section 9).
+``flashtile.ops.combine`` merges them exactly through the lse. On Hopper its combine
+kernel is a programmatic dependent launch: its programs are scheduled while the decode
+programs finish and wait (griddepcontrol) for their results, which hides part of the
+second launch's cost (batch 1 x 8k keys on the H200: 11.9 -> 11.4 us, NOTES.md section 9).
 
 V's head dim may differ from K's (MLA): its own tile for V, the accumulator and the
 output. A key head dim past 512 (absorbed MLA's 576 = 512 latent + 64 rope dims) is a
@@ -39,15 +39,14 @@ row of the program when its pages are looked up per key row.
 """
 
 import functools
-import os
 
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+from triton.language.extra.cuda import gdc_launch_dependents
 
 from flashtile._validate import _fail
-from flashtile.ops import _launch, configs
+from flashtile.ops import _launch, combine, configs
 from flashtile.ops._common import LN2, _checked_page, _checked_rows, _scores_log2
 from flashtile.ops._fp8 import _fp8_pairs_to_fp16, _fp16_rows, _load_descale, _quantize
 
@@ -478,7 +477,7 @@ def _decode_kernel(
     if HAS_V_DESCALE:
         out *= v_descale  # linear: split partials scaled alike combine unchanged
     # Out/Lse are either the final (b, sq, h, d)/(b, h, sq) tensors (stride_os = 0) or
-    # the fp32 per-split partials that _combine_kernel merges.
+    # the fp32 per-split partials that combine._combine_kernel merges.
     m_lse = m_row
     if DV_PARTS > 1:
         # One part stores lse. The parts add the score tiles in different orders, so
@@ -489,53 +488,6 @@ def _decode_kernel(
     p_o = (Out + split * stride_os + off_b * stride_ob + offs_t[:, None] * stride_om
            + offs_h[:, None] * stride_oh + offs_dv[None, :])
     tl.store(p_o, out.to(Out.dtype.element_ty), mask=m_row[:, None] & m_dv[None, :])
-
-
-# The split count and the partial lse's split stride (splits x batch x heads) follow the
-# batch and the cache length: unspecialised, one variant per BLOCK_S (as _decode_kernel).
-# A split count known to be a multiple of 16 would save a few predicates of the split
-# mask (sm_90 PTX), not a load.
-@triton.jit(do_not_specialize=["stride_lps", "num_splits"])
-def _combine_kernel(OutPartial, LsePartial, Out, Lse,
-                    stride_ps, stride_pb, stride_pm, stride_ph,
-                    stride_lps, stride_lpb, stride_lph,
-                    stride_ob, stride_om, stride_oh, stride_lb, stride_lh,
-                    num_splits, nheads, seqlen_q, head_dim,
-                    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, USE_PDL: tl.constexpr):
-    """out = sum_s out_s * exp(lse_s - lse), lse = logsumexp_s lse_s, one row per program."""
-    if USE_PDL:
-        # Launched before the decode grid finished: wait until its partials are visible.
-        gdc_wait()
-    row = tl.program_id(0)
-    off_h = row % nheads
-    off_t = (row // nheads) % seqlen_q
-    off_b = row // (nheads * seqlen_q)
-    offs_s = tl.arange(0, BLOCK_S)
-    offs_d = tl.arange(0, BLOCK_D)
-    m_s = offs_s < num_splits
-    lse_s = tl.load(LsePartial + offs_s * stride_lps + off_b * stride_lpb + off_h * stride_lph
-                    + off_t, mask=m_s, other=float("-inf"))                # (S,)
-    m = tl.max(lse_s, 0)
-    m_safe = tl.where(m == float("-inf"), 0.0, m)
-    w = tl.exp(lse_s - m_safe)                                              # (S,)
-    total = tl.sum(w, 0)
-    b_o = tl.load(OutPartial + offs_s[:, None] * stride_ps + off_b * stride_pb
-                  + off_t * stride_pm + off_h * stride_ph + offs_d[None, :],
-                  mask=m_s[:, None] & (offs_d[None, :] < head_dim), other=0.0)  # (S, D)
-    # == 0, not > 0: a NaN partial lse makes total NaN and must come out NaN.
-    total_safe = tl.where(total == 0.0, 1.0, total)
-    out = tl.sum(b_o * w[:, None], 0) / total_safe
-    lse = tl.where(total == 0.0, float("-inf"), m_safe + tl.log(total_safe))
-    tl.store(Out + off_b * stride_ob + off_t * stride_om + off_h * stride_oh + offs_d,
-             out.to(Out.dtype.element_ty), mask=offs_d < head_dim)
-    tl.store(Lse + off_b * stride_lb + off_h * stride_lh + off_t, lse)
-
-
-def _combine_warps(elements: int) -> int:
-    """Warps of the combine for a (splits, head_dim) tile: one up to 32 x 128 (the
-    common decode; PDL's early launch wants it small), then enough that each thread
-    holds at most 128 of its fp32 partials (sm_90 AOT: one warp at 32 x 512 spills)."""
-    return 1 if elements <= 32 * 128 else min(16, max(4, elements // (128 * 32)))
 
 
 # Splits spanning at most this many pages (a power of two) load their page list before
@@ -600,18 +552,6 @@ def _gpu_traits(device: torch.device) -> tuple[int, int]:
 
 def _num_sms(q) -> int:
     return _gpu_traits(q.device)[1] if q.is_cuda else 1
-
-
-def combine_pdl(q) -> tuple[bool, bool]:
-    """(combine is a programmatic dependent launch, decode signals it early): Hopper and
-    later. FLASHTILE_DECODE_PDL=0 turns it off, =late keeps the dependent launch but
-    signals only when the decode grid ends (A/B timing)."""
-    mode = os.environ.get("FLASHTILE_DECODE_PDL", "1").strip().lower()
-    if mode not in ("0", "1", "late"):
-        raise ValueError(f"FLASHTILE_DECODE_PDL must be '0', '1' or 'late', got {mode!r}")
-    if not (q.is_cuda and _gpu_traits(q.device)[0] >= 9) or mode == "0":
-        return False, False
-    return True, mode == "1"
 
 
 def v_pairs(v_cache, v_is_k) -> bool:
@@ -714,7 +654,6 @@ def paged_decode_warm_shapes(q, k_cache, v_cache, batch_sizes,
 _DECODE_SLOTS = ("Q", "KCache", "VCache", "Out", "Lse", "BlockTable", "CacheSeqlens",
                  "CacheBatchIdx", "CacheLeftpad", "Alibi", "QDescale", "KDescale",
                  "VDescale", "softmax_scale", "softcap")
-_COMBINE_SLOTS = ("OutPartial", "LsePartial", "Out", "Lse")
 
 
 def _f32_words(n: int) -> int:
@@ -899,7 +838,7 @@ def attn_decode(q, k_cache, v_cache, *, cache_seqlens, block_table, cache_batch_
     # Pages smaller than the tile: whole pages per tile unless a left pad (0: per row).
     tile_pages = (cfg.block_n // page_size
                   if paged and not page_aligned and cache_leftpad is None else 0)
-    pdl, early = combine_pdl(q) if num_splits > 1 else (False, False)
+    pdl, early = combine.combine_pdl(q) if num_splits > 1 else (False, False)
     switches = dict(
         flags, PAGED=paged, PAGE_SIZE=page_size, PAGE_ALIGNED=page_aligned,
         TILE_PAGES=tile_pages, SPLIT_PAGES=split_pages,
@@ -929,30 +868,11 @@ def attn_decode(q, k_cache, v_cache, *, cache_seqlens, block_table, cache_batch_
         if key is not None:
             _launch.store(key, (decode,))
         return out, lse
-    combine = launch_combine(q, dv, num_splits, dst, dst_lse, out, lse_t, pdl,
-                             key is not None)
+    merge = combine.launch_combine(q, dv, num_splits, dst, dst_lse, out, lse_t, pdl,
+                                   key is not None)
     if key is not None:
-        _launch.store(key, (num_splits, decode, combine))
+        _launch.store(key, (num_splits, decode, merge))
     return out, lse
-
-
-def launch_combine(q, dv, num_splits, dst, dst_lse, out, lse_t, pdl, planned):
-    """Merge a split decode's partials (dst (splits, b, sq, h, dv) fp32 and dst_lse
-    (splits, b, h, sq)) into out and lse_t with _combine_kernel, a programmatic
-    dependent launch when pdl (combine_pdl); returns its plan when planned."""
-    b, sq, h = q.shape[:3]
-    block_s = configs.next_power_of_2(num_splits)
-    block_dv = configs.padded_head_dim(dv)
-    return _launch.first_launch(
-        _combine_kernel, (b * sq * h,),
-        (dst, dst_lse, out, lse_t, *dst.stride()[:4], *dst_lse.stride()[:3],
-         out.stride(0), out.stride(1), out.stride(2), lse_t.stride(0), lse_t.stride(1),
-         num_splits, h, sq, dv),
-        # One warp while its tile fits in 128 registers a thread: no cross-warp
-        # reductions. H200, 32 splits x d128 alone: 1.66 us, 4 warps 2.69 (NOTES 9).
-        dict(BLOCK_S=block_s, BLOCK_D=block_dv, USE_PDL=pdl, launch_pdl=pdl,
-             num_warps=_combine_warps(block_s * block_dv)),
-        _COMBINE_SLOTS if planned else None)
 
 
 @triton.jit
