@@ -785,3 +785,23 @@ def test_engine_decode_rows_inputs_and_table():
         "| 5.0 | 105 | 2% |" in text
     header, rule = text.splitlines()[:2]
     assert header.count("|") == rule.count("|")
+
+
+def test_combine_ab_calls_and_table(monkeypatch):
+    """--combine-ab: each mode's calls set FLASHTILE_DECODE_COMBINE before they run (a
+    CUDA graph keeps what its capture saw), and the table gives both modes' time and
+    bandwidth per case, with fused over kernel time."""
+    from flashtile.bench import decode
+
+    monkeypatch.delenv("FLASHTILE_DECODE_COMBINE", raising=False)
+    seen = []
+    calls = decode._in_combine_mode("fused", [lambda: seen.append(
+        os.environ["FLASHTILE_DECODE_COMBINE"])])
+    calls[0]()
+    assert seen == ["fused"]
+    row = dict(case="engine qwen2.5-0.5b b=1 sk=1024", splits=8,
+               kernel=dict(us=5.0, gbps=105), fused=dict(us=4.0, gbps=131))
+    text = decode.combine_ab_markdown([row])
+    assert "| engine qwen2.5-0.5b b=1 sk=1024 | 8 | 5.0 (105) | 4.0 (131) | 0.800 |" in text
+    header, rule = text.splitlines()[:2]
+    assert header.count("|") == rule.count("|")
