@@ -320,49 +320,57 @@ def _in_combine_mode(mode, fns):
     return [wrap(fn) for fn in fns]
 
 
+def _combine_ab_row(label, nbytes, splits, fns, ref):
+    """One case of run_combine_ab: both modes' outputs checked (against ref, or the
+    fused against the kernel's), then timed in the same rounds."""
+    steps = {mode: _in_combine_mode(mode, fns) for mode in COMBINE_MODES}
+    outs = {mode: steps[mode][0]() for mode in COMBINE_MODES}
+    for mode, out in outs.items():
+        err = (out.float() - (outs["kernel"] if ref is None else ref).float()).abs().max()
+        if not err.item() < 2e-2:
+            raise RuntimeError(f"{label} {mode}: max error {err.item():.3g}")
+    times = time_rounds(steps)
+    row = dict(case=label, splits=splits)
+    for mode in COMBINE_MODES:
+        us = median(times[mode])
+        row[mode] = dict(us=round(us, 2), gbps=round(nbytes / us / 1e3),
+                         rounds_us=[round(t, 2) for t in times[mode]])
+    print(json.dumps(row), flush=True)
+    return row
+
+
 def run_combine_ab(shapes=SHAPES, device="cuda"):
     """Split decode's two merges side by side (FLASHTILE_DECODE_COMBINE=kernel: the
     combine kernel, =fused: the decode kernel's last program of each row block): the
     default table's flashtile providers and the engine rows, each over cold input
-    copies, both modes' results checked, timed in the same rounds (`time_rounds`).
-    Rows: (kind, shape, splits) and each mode's microseconds and GB/s."""
+    copies, both modes' results checked and timed in the same rounds (`time_rounds`).
+    Rows: the case, its split count (engine rows) and each mode's us and GB/s."""
     import os
 
     previous = os.environ.get("FLASHTILE_DECODE_COMBINE")
-    cases = []  # (label, nbytes, splits, fns, ref)
-    for batch, seqlen_k in shapes:
-        copies = cache_copies(batch, seqlen_k, device)
-        sets = [_providers(batch, seqlen_k, device) for _ in range(copies)]
-        refs = sets[0][0]
-        for name in sets[0][1]:
-            if name.startswith("flashtile"):
-                cases.append((f"{name} b={batch} sk={seqlen_k}",
-                              provider_bytes(name, batch, seqlen_k), "",
-                              [p[name] for _, p in sets], refs["fp8" if "fp8" in name else ""]))
-    for model, h, hkv, d in ENGINE_SHAPES:
-        for batch, seqlen_k in ENGINE_BATCHES:
-            fns, _cfg, _programs, splits = _engine_steps(model, h, hkv, d, batch, seqlen_k,
-                                                         device)
-            cases.append((f"engine {model} b={batch} sk={seqlen_k}",
-                          kv_bytes(batch, seqlen_k, 2, hkv, d), splits, fns, None))
     rows = []
     try:
-        for label, nbytes, splits, fns, ref in cases:
-            steps = {mode: _in_combine_mode(mode, fns) for mode in COMBINE_MODES}
-            outs = {mode: steps[mode][0]() for mode in COMBINE_MODES}
-            for mode, out in outs.items():
-                want = outs["kernel"] if ref is None else ref
-                err = (out.float() - want.float()).abs().max().item()
-                if not err < 2e-2:
-                    raise RuntimeError(f"{label} {mode}: max error {err:.3g}")
-            times = time_rounds(steps)
-            row = dict(case=label, splits=splits)
-            for mode in COMBINE_MODES:
-                us = median(times[mode])
-                row[mode] = dict(us=round(us, 2), gbps=round(nbytes / us / 1e3),
-                                 rounds_us=[round(t, 2) for t in times[mode]])
-            rows.append(row)
-            print(json.dumps(row), flush=True)
+        for batch, seqlen_k in shapes:
+            sets = [_providers(batch, seqlen_k, device)
+                    for _ in range(cache_copies(batch, seqlen_k, device))]
+            refs = sets[0][0]
+            for name in sets[0][1]:
+                if name.startswith("flashtile"):
+                    rows.append(_combine_ab_row(
+                        f"{name} b={batch} sk={seqlen_k}",
+                        provider_bytes(name, batch, seqlen_k), "",
+                        [p[name] for _, p in sets], refs["fp8" if "fp8" in name else ""]))
+            del sets, refs
+            torch.cuda.empty_cache()
+        for model, h, hkv, d in ENGINE_SHAPES:
+            for batch, seqlen_k in ENGINE_BATCHES:
+                fns, _cfg, _programs, splits = _engine_steps(model, h, hkv, d, batch,
+                                                             seqlen_k, device)
+                rows.append(_combine_ab_row(f"engine {model} b={batch} sk={seqlen_k}",
+                                            kv_bytes(batch, seqlen_k, 2, hkv, d), splits,
+                                            fns, None))
+                del fns
+                torch.cuda.empty_cache()
     finally:
         if previous is None:
             os.environ.pop("FLASHTILE_DECODE_COMBINE", None)
