@@ -99,7 +99,7 @@ def test_paged_equals_contiguous(page_size, leftpad, decode_tile, backend, devic
                                atol=1e-5 if not on_gpu else 1e-2)
 
 
-def test_num_splits_agree(device, on_gpu, monkeypatch):
+def test_num_splits_agree(device, on_gpu, monkeypatch, decode_combine):
     if not on_gpu and os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("needs the Triton kernels")
     monkeypatch.setenv("FLASHTILE_BACKEND", "triton")
@@ -123,7 +123,7 @@ def test_num_splits_agree(device, on_gpu, monkeypatch):
 @pytest.mark.parametrize("leftpad", [False, True], ids=["", "leftpad"])
 @pytest.mark.parametrize("page_size", [16, 64])
 def test_paged_splits_equal_contiguous(page_size, leftpad, page_list, decode_tile, backend,
-                                       device, on_gpu, monkeypatch):
+                                       device, on_gpu, monkeypatch, decode_combine):
     """Split counts from 2 to 16 over a paged cache (pages below, at and above the key
     tile; shifted off the page boundaries by a left pad) equal the unsplit contiguous
     cache: each split starts its page lookups at its own first key. A short split loads
@@ -442,7 +442,7 @@ def test_num_splits_heuristic(work_items, seqlen_k, expected):
 def test_pdl_switch_is_checked(monkeypatch):
     """A mistyped FLASHTILE_DECODE_PDL is an error naming the variable, not silently on;
     off CUDA (or before Hopper) nothing is a dependent launch."""
-    from flashtile.ops.decode import combine_pdl
+    from flashtile.ops.combine import combine_pdl
 
     q = torch.empty(1, 1, 1, 16)
     monkeypatch.setenv("FLASHTILE_DECODE_PDL", "off")

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import flashtile
-from flashtile.ops import configs, decode
+from flashtile.ops import combine, configs, decode
 from flashtile.reference import attention_naive
 from tests.utils import assert_close_rule
 
@@ -34,7 +34,7 @@ def _span(keys_per_split, page_size):
         "tile_pages-6of8"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 def test_rounded_page_list_matches_float64(page_size, block_n, capacity, num_splits, dtype,
-                                           device, on_gpu):
+                                           device, on_gpu, decode_combine):
     """Paged split decode with a page list longer than the split's pages equals the
     float64 oracle. The block table is tight (the last split's list reaches past the
     row: those entries must not be read, which only memcheck can see, on the GPU) and
@@ -153,12 +153,12 @@ def test_no_compile_after_warm_shapes(device):
         run(b, width)
     dev = torch.cuda.current_device()
     counts = [len(k.device_caches[dev][0]) for k in (decode._decode_kernel,
-                                                     decode._combine_kernel)]
+                                                     combine._combine_kernel)]
     for b in (1, 2, 3, 5, 7, 11, 16, 33, 64):
         for width in widths:
             run(b, width)
     assert [len(k.device_caches[dev][0]) for k in (decode._decode_kernel,
-                                                   decode._combine_kernel)] == counts
+                                                   combine._combine_kernel)] == counts
 
 
 @pytest.mark.parametrize("head_dim", [64, 128, 256])

@@ -5,10 +5,15 @@ The rows of a tile are the (query token, query head) pairs that share one KV hea
 with GQA each K/V tile is read from memory once for the whole group. When batch * KV
 heads cannot fill the GPU, the cache length is split across programs (Dao et al.,
 Flash-Decoding, 2023); each split writes its normalized partial output and lse, and
-``_combine_kernel`` merges them exactly through the lse. On Hopper the combine kernel is
-a programmatic dependent launch: its programs are scheduled while the decode programs
-finish and wait (griddepcontrol) for their results, which hides part of the second
-launch's cost (batch 1 x 8k keys on the H200: 11.9 -> 11.4 us, NOTES.md section 9).
+``flashtile.ops.combine`` merges them exactly through the lse. On Hopper its combine
+kernel is a programmatic dependent launch: its programs are scheduled while the decode
+programs finish and wait (griddepcontrol) for their results, which hides part of the
+second launch's cost (batch 1 x 8k keys on the H200: 11.9 -> 11.4 us, NOTES.md section 9).
+With FLASHTILE_DECODE_COMBINE=fused the last split program of each row block merges
+them instead (FUSED_COMBINE), and a split decode is one launch. Not where V's columns lie
+in several programs (DV_PARTS > 1) or a row block's partials are wide (more than 4 fp32 a
+thread a split: configs.decode_merge_tile), nor for the Gluon MLA kernel: those keep the
+combine kernel.
 
 V's head dim may differ from K's (MLA): its own tile for V, the accumulator and the
 output. A key head dim past 512 (absorbed MLA's 576 = 512 latent + 64 rope dims) is a
@@ -39,7 +44,6 @@ row of the program when its pages are looked up per key row.
 """
 
 import functools
-import os
 
 import torch
 import triton
@@ -47,8 +51,9 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from flashtile._validate import _fail
-from flashtile.ops import _launch, configs
+from flashtile.ops import _launch, combine, configs
 from flashtile.ops._common import LN2, _checked_page, _checked_rows, _scores_log2
+from flashtile.ops.combine import _merge_rows
 from flashtile.ops._fp8 import _fp8_pairs_to_fp16, _fp16_rows, _load_descale, _quantize
 
 
@@ -96,6 +101,26 @@ def _pick(pages, index, FIRST: tl.constexpr, STEP: tl.constexpr, COUNT: tl.const
     return page
 
 
+@triton.jit
+def _block_rows(first, ROWS: tl.constexpr, off_hkv, group_size, seqlen_q):
+    """(query tokens, query heads, mask) of the ROWS tile rows from row ``first`` of KV
+    head off_hkv: row r is query token r // group_size of query head r % group_size."""
+    offs_r = first + tl.arange(0, ROWS)
+    return (offs_r // group_size, off_hkv * group_size + offs_r % group_size,
+            offs_r < seqlen_q * group_size)
+
+
+@triton.jit
+def _out_offsets(off_b, offs_t, offs_h, offs_dv, stride_ob, stride_om, stride_oh,
+                 stride_lb, stride_lh):
+    """Offsets of rows' lse (M,) in a (b, h, sq) lse and of their out (M, DV) in a
+    (b, sq, h, dv) out (lse unit stride along sq, out along dv)."""
+    o_lse = off_b * stride_lb + offs_h * stride_lh + offs_t
+    o_out = (off_b * stride_ob + offs_t[:, None] * stride_om + offs_h[:, None] * stride_oh
+             + offs_dv[None, :])
+    return o_lse, o_out
+
+
 # Integers that follow the batch (the partial lse's split stride) or the cache's and the
 # block table's sizes, not the model: Triton would compile one variant for 1, one for a
 # multiple of 16 and one for any other value, which an eager engine met mid-serving.
@@ -105,7 +130,7 @@ def _pick(pages, index, FIRST: tl.constexpr, STEP: tl.constexpr, COUNT: tl.const
                                "cache_rows", "capacity"])
 def _decode_kernel(
     Q, KCache, VCache, Out, Lse, BlockTable, CacheSeqlens, CacheBatchIdx, CacheLeftpad,
-    Alibi, QDescale, KDescale, VDescale,
+    Alibi, QDescale, KDescale, VDescale, OutFinal, LseFinal, Counters,
     stride_qb, stride_qm, stride_qh,
     stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh,
@@ -128,7 +153,8 @@ def _decode_kernel(
     INPUT_PRECISION: tl.constexpr, LAUNCH_DEPENDENTS: tl.constexpr,
     HAS_Q_DESCALE: tl.constexpr, HAS_K_DESCALE: tl.constexpr, HAS_V_DESCALE: tl.constexpr,
     V_PAIRS: tl.constexpr, PAIRS_ASM: tl.constexpr, KEYS_M: tl.constexpr,
-    DV_PARTS: tl.constexpr, USE_PDL: tl.constexpr,
+    DV_PARTS: tl.constexpr, USE_PDL: tl.constexpr, FUSED_COMBINE: tl.constexpr,
+    MERGE_M: tl.constexpr, MERGE_S: tl.constexpr,
 ):
     if USE_PDL:
         # A dependent launch (attn_decode's launch_pdl): q and the cache may be the
@@ -155,11 +181,8 @@ def _decode_kernel(
         part = start_m % DV_PARTS
         start_m = start_m // DV_PARTS
 
-    # Row r of the tile is query token r // group_size of query head r % group_size.
-    offs_r = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_t = offs_r // group_size
-    offs_h = off_hkv * group_size + offs_r % group_size
-    m_row = offs_r < seqlen_q * group_size
+    offs_t, offs_h, m_row = _block_rows(start_m * BLOCK_M, BLOCK_M, off_hkv, group_size,
+                                        seqlen_q)
     offs_n0 = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     if DV_PARTS > 1:
@@ -482,64 +505,49 @@ def _decode_kernel(
     if HAS_V_DESCALE:
         out *= v_descale  # linear: split partials scaled alike combine unchanged
     # Out/Lse are either the final (b, sq, h, d)/(b, h, sq) tensors (stride_os = 0) or
-    # the fp32 per-split partials that _combine_kernel merges.
+    # the fp32 per-split partials that the combine merges (flashtile.ops.combine).
     m_lse = m_row
     if DV_PARTS > 1:
         # One part stores lse. The parts add the score tiles in different orders, so
         # their sums may differ in the last bits of fp32.
         m_lse &= part == 0
-    tl.store(Lse + split * stride_ls + off_b * stride_lb + offs_h * stride_lh + offs_t,
-             lse, mask=m_lse)
-    p_o = (Out + split * stride_os + off_b * stride_ob + offs_t[:, None] * stride_om
-           + offs_h[:, None] * stride_oh + offs_dv[None, :])
-    tl.store(p_o, out.to(Out.dtype.element_ty), mask=m_row[:, None] & m_dv[None, :])
-
-
-# The split count and the partial lse's split stride (splits x batch x heads) follow the
-# batch and the cache length: unspecialised, one variant per BLOCK_S (as _decode_kernel).
-# A split count known to be a multiple of 16 would save a few predicates of the split
-# mask (sm_90 PTX), not a load.
-@triton.jit(do_not_specialize=["stride_lps", "num_splits"])
-def _combine_kernel(OutPartial, LsePartial, Out, Lse,
-                    stride_ps, stride_pb, stride_pm, stride_ph,
-                    stride_lps, stride_lpb, stride_lph,
-                    stride_ob, stride_om, stride_oh, stride_lb, stride_lh,
-                    num_splits, nheads, seqlen_q, head_dim,
-                    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, USE_PDL: tl.constexpr):
-    """out = sum_s out_s * exp(lse_s - lse), lse = logsumexp_s lse_s, one row per program."""
-    if USE_PDL:
-        # Launched before the decode grid finished: wait until its partials are visible.
-        gdc_wait()
-    row = tl.program_id(0)
-    off_h = row % nheads
-    off_t = (row // nheads) % seqlen_q
-    off_b = row // (nheads * seqlen_q)
-    offs_s = tl.arange(0, BLOCK_S)
-    offs_d = tl.arange(0, BLOCK_D)
-    m_s = offs_s < num_splits
-    lse_s = tl.load(LsePartial + offs_s * stride_lps + off_b * stride_lpb + off_h * stride_lph
-                    + off_t, mask=m_s, other=float("-inf"))                # (S,)
-    m = tl.max(lse_s, 0)
-    m_safe = tl.where(m == float("-inf"), 0.0, m)
-    w = tl.exp(lse_s - m_safe)                                              # (S,)
-    total = tl.sum(w, 0)
-    b_o = tl.load(OutPartial + offs_s[:, None] * stride_ps + off_b * stride_pb
-                  + off_t * stride_pm + off_h * stride_ph + offs_d[None, :],
-                  mask=m_s[:, None] & (offs_d[None, :] < head_dim), other=0.0)  # (S, D)
-    # == 0, not > 0: a NaN partial lse makes total NaN and must come out NaN.
-    total_safe = tl.where(total == 0.0, 1.0, total)
-    out = tl.sum(b_o * w[:, None], 0) / total_safe
-    lse = tl.where(total == 0.0, float("-inf"), m_safe + tl.log(total_safe))
-    tl.store(Out + off_b * stride_ob + off_t * stride_om + off_h * stride_oh + offs_d,
-             out.to(Out.dtype.element_ty), mask=offs_d < head_dim)
-    tl.store(Lse + off_b * stride_lb + off_h * stride_lh + off_t, lse)
-
-
-def _combine_warps(elements: int) -> int:
-    """Warps of the combine for a (splits, head_dim) tile: one up to 32 x 128 (the
-    common decode; PDL's early launch wants it small), then enough that each thread
-    holds at most 128 of its fp32 partials (sm_90 AOT: one warp at 32 x 512 spills)."""
-    return 1 if elements <= 32 * 128 else min(16, max(4, elements // (128 * 32)))
+    o_lse, o_out = _out_offsets(off_b, offs_t, offs_h, offs_dv, stride_ob, stride_om,
+                                stride_oh, stride_lb, stride_lh)
+    m_out = m_row[:, None] & m_dv[None, :]
+    tl.store(Lse + split * stride_ls + o_lse, lse, mask=m_lse)
+    tl.store(Out + split * stride_os + o_out, out.to(Out.dtype.element_ty), mask=m_out)
+    if FUSED_COMBINE:
+        # The split programs of this row block count themselves on its counter; the last
+        # merges every split's partials into OutFinal/LseFinal (flashtile.ops.combine),
+        # then resets the counter for the next call (or graph replay). The barrier:
+        # every thread's stores are issued before the one atomic, whose release (and the
+        # last program's acquire) orders them before the last program's loads.
+        tl.static_assert(DV_PARTS == 1 and not LAUNCH_DEPENDENTS)
+        tl.debug_barrier()
+        p_count = Counters + tl.program_id(1) * tl.num_programs(2) + start_m
+        if tl.atomic_add(p_count, 1, sem="acq_rel") == tl.num_programs(0) - 1:
+            # The block's rows that hold queries, up to MERGE_M (the tile's padding rows
+            # would take registers), under names of their own (a name keeps its shape in
+            # Triton), V's columns from an arange of their own (not the accumulator's
+            # layout: fp32 d256 spilled 5 KB with it, sm_90). The final out and lse are
+            # contiguous as the partials are but for their split dimension (_outputs):
+            # the same strides.
+            offs_ft, offs_fh, m_frow = _block_rows(start_m * BLOCK_M, MERGE_M, off_hkv,
+                                                   group_size, seqlen_q)
+            offs_fdv = tl.arange(0, BLOCK_DV)
+            o_flse, o_fout = _out_offsets(off_b, offs_ft, offs_fh, offs_fdv, stride_ob,
+                                          stride_om, stride_oh, stride_lb, stride_lh)
+            m_fout = m_frow[:, None] & (offs_fdv < head_dim_v)[None, :]
+            # Splits past the sequence's last key are empty, (0, -inf): weight 0, so
+            # leaving them out changes no bit. At least one: a sequence that reads
+            # nothing has NaN in every split.
+            splits = tl.maximum(tl.cdiv(seqlen_k, keys_per_split), 1)
+            b_out, b_lse = _merge_rows(Lse, Out, o_flse, o_fout, m_frow, m_fout, stride_ls,
+                                       stride_os, splits, MERGE_S)
+            tl.store(LseFinal + o_flse, b_lse, mask=m_frow)
+            tl.store(OutFinal + o_fout, b_out.to(OutFinal.dtype.element_ty), mask=m_fout)
+            # Relaxed: the next call's programs start after this grid has ended.
+            tl.atomic_xchg(p_count, 0, sem="relaxed")
 
 
 # Splits spanning at most this many pages (a power of two) load their page list before
@@ -604,18 +612,6 @@ def _gpu_traits(device: torch.device) -> tuple[int, int]:
 
 def _num_sms(q) -> int:
     return _gpu_traits(q.device)[1] if q.is_cuda else 1
-
-
-def combine_pdl(q) -> tuple[bool, bool]:
-    """(combine is a programmatic dependent launch, decode signals it early): Hopper and
-    later. FLASHTILE_DECODE_PDL=0 turns it off, =late keeps the dependent launch but
-    signals only when the decode grid ends (A/B timing)."""
-    mode = os.environ.get("FLASHTILE_DECODE_PDL", "1").strip().lower()
-    if mode not in ("0", "1", "late"):
-        raise ValueError(f"FLASHTILE_DECODE_PDL must be '0', '1' or 'late', got {mode!r}")
-    if not (q.is_cuda and _gpu_traits(q.device)[0] >= 9) or mode == "0":
-        return False, False
-    return True, mode == "1"
 
 
 def v_pairs(v_cache, v_is_k) -> bool:
@@ -717,8 +713,7 @@ def paged_decode_warm_shapes(q, k_cache, v_cache, batch_sizes,
 # The kernel parameters a call of a decode plan fills, in this order (``_launch``).
 _DECODE_SLOTS = ("Q", "KCache", "VCache", "Out", "Lse", "BlockTable", "CacheSeqlens",
                  "CacheBatchIdx", "CacheLeftpad", "Alibi", "QDescale", "KDescale",
-                 "VDescale", "softmax_scale", "softcap")
-_COMBINE_SLOTS = ("OutPartial", "LsePartial", "Out", "Lse")
+                 "VDescale", "OutFinal", "LseFinal", "Counters", "softmax_scale", "softcap")
 
 
 def _f32_words(n: int) -> int:
@@ -780,8 +775,9 @@ def attn_decode(q, k_cache, v_cache, *, cache_seqlens, block_table, cache_batch_
                 softcap, num_splits, allow_tf32, new_tokens=0, q_descale=None,
                 k_descale=None, v_descale=None, out_dtype=None, return_lse=True,
                 layout=None, launch_pdl=False):
-    """Launch the decode kernel (and the combine kernel when split). Shapes, dtypes and
-    devices validated by the caller; index values are checked by the kernel.
+    """Launch the decode kernel (and, split, the combine kernel unless the decode kernel
+    merges its splits itself: combine.combine_mode). Shapes, dtypes and devices
+    validated by the caller; index values are checked by the kernel.
 
     q (b, sq, h, d); k_cache (b_cache, max_seqlen, hkv, d), or with block_table
     (num_blocks, page_size, hkv, d); v_cache likewise with its own head dim dv (MLA),
@@ -826,6 +822,7 @@ def attn_decode(q, k_cache, v_cache, *, cache_seqlens, block_table, cache_batch_
                 num_splits=num_splits, new_tokens=new_tokens, out_dtype=out_dtype,
                 return_lse=return_lse)
     scaled = q_descale is not None or k_descale is not None or v_descale is not None
+    fused = combine.combine_mode() == "fused"
     # The kernel's tensors but out and lse (allocated once the split count is known):
     # absent index tensors get cache_seqlens as a never-read placeholder, alibi q, a
     # descale lse (at launch).
@@ -848,22 +845,36 @@ def attn_decode(q, k_cache, v_cache, *, cache_seqlens, block_table, cache_batch_
         key = ("decode", layout, out_dtype, v_is_k, _launch.layout(alibi_slopes),
                scaled and tuple(_launch.layout(x) for x in descales),
                window_left, window_right, softcap > 0, num_splits, allow_tf32,
-               launch_pdl, _launch.misalignment(p + scale_ptrs))
+               launch_pdl, fused, _launch.misalignment(p + scale_ptrs))
+        # (decode,) unsplit; (splits, decode, combine) merged by the combine kernel;
+        # (splits, decode, counters it needs) merged by the decode kernel itself.
         plans = _launch.lookup(key)
+        counters = p[4]  # cache_seqlens: a never-read placeholder unless fused
+        merged_here = plans is not None and type(plans[-1]) is int
+        if merged_here:
+            counters = combine.split_counters(q, plans[2])
+            if counters is None:  # a capture past the graph counters: two kernels
+                plans = key = None
+            else:
+                counters = counters.data_ptr()
         if plans is not None:
-            split = len(plans) == 3
+            split = len(plans) > 1
             out, lse, buf, lse_at, dst_at, dst_lse_at = _outputs(
                 q, dv, out_dtype, plans[0] if split else 1, return_lse)
             o, base = out.data_ptr(), buf.data_ptr()
             lse_ptr = base + lse_at
             scales = tuple(lse_ptr if x == 0 else x for x in scale_ptrs) if scaled \
                 else (lse_ptr, lse_ptr, lse_ptr)
+            finals = (o, lse_ptr, counters)
             if not split:  # the kernel writes out and lse itself
-                plans[0]((*p[:3], o, lse_ptr, *p[3:], *scales, softmax_scale, softcap))
+                plans[0]((*p[:3], o, lse_ptr, *p[3:], *scales, *finals, softmax_scale,
+                          softcap))
                 return out, lse
             dst, dst_lse = base + dst_at, base + dst_lse_at
-            plans[1]((*p[:3], dst, dst_lse, *p[3:], *scales, softmax_scale, softcap))
-            plans[2]((dst, dst_lse, o, lse_ptr))
+            plans[1]((*p[:3], dst, dst_lse, *p[3:], *scales, *finals, softmax_scale,
+                      softcap))
+            if not merged_here:
+                plans[2]((dst, dst_lse, o, lse_ptr))
             return out, lse
     else:
         v_is_k = _v_is_k(k_cache, v_cache)
@@ -905,7 +916,18 @@ def attn_decode(q, k_cache, v_cache, *, cache_seqlens, block_table, cache_batch_
     # Pages smaller than the tile: whole pages per tile unless a left pad (0: per row).
     tile_pages = (cfg.block_n // page_size
                   if paged and not page_aligned and cache_leftpad is None else 0)
-    pdl, early = combine_pdl(q) if num_splits > 1 else (False, False)
+    # The decode kernel merges its own splits (FLASHTILE_DECODE_COMBINE=fused) where
+    # configs.decode_merge_tile has a tile for it (not for V's columns in parts, nor for
+    # a row block's partials past 4 fp32 a thread), unless a CUDA graph capture needs
+    # more counters than eager calls have made (combine.split_counters): else the kernel.
+    merge_tile = configs.decode_merge_tile(q, sq * group, cfg, block_dv) \
+        if fused and num_splits > 1 else None
+    fused, counters = merge_tile is not None, cache_seqlens  # a never-read placeholder
+    if fused:
+        counters = combine.split_counters(q, b * hkv * m_blocks)
+        if counters is None:  # no plan either: the key says fused
+            counters, fused, key = cache_seqlens, False, None
+    pdl, early = combine.combine_pdl(q) if num_splits > 1 and not fused else (False, False)
     switches = dict(
         flags, PAGED=paged, PAGE_SIZE=page_size, PAGE_ALIGNED=page_aligned,
         TILE_PAGES=tile_pages, SPLIT_PAGES=split_pages,
@@ -913,14 +935,15 @@ def attn_decode(q, k_cache, v_cache, *, cache_seqlens, block_table, cache_batch_
         LAUNCH_DEPENDENTS=early, HAS_Q_DESCALE=q_descale is not None,
         HAS_K_DESCALE=k_descale is not None, HAS_V_DESCALE=v_descale is not None,
         V_PAIRS=v_pairs(v_cache, v_is_k), PAIRS_ASM=pairs_asm(q),
-        KEYS_M=keys_m(q, k_cache, v_cache, v_is_k),
+        KEYS_M=keys_m(q, k_cache, v_cache, v_is_k), FUSED_COMBINE=fused,
+        MERGE_M=merge_tile[0] if fused else 1, MERGE_S=merge_tile[1] if fused else 1,
         USE_PDL=launch_pdl and _launch.pdl_supported(q.device))
     configs.log_first_launch("decode", q, d, cfg, dict(
         switches, PAGE_SIZE=page_size if paged else None, SPLIT=num_splits > 1, PDL=pdl))
     decode = _launch.first_launch(
         _decode_kernel, (num_splits, b * hkv, m_blocks),
         (*inputs[:3], dst, dst_lse, *inputs[3:],
-         *(lse_t if x is None else x for x in descales),
+         *(lse_t if x is None else x for x in descales), out, lse_t, counters,
          q.stride(0), q.stride(1), q.stride(2),
          k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
          v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -932,34 +955,16 @@ def attn_decode(q, k_cache, v_cache, *, cache_seqlens, block_table, cache_batch_
         dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
              num_stages=cfg.num_stages, launch_pdl=switches["USE_PDL"], **switches),
         _DECODE_SLOTS if key is not None else None)
-    if num_splits == 1:
+    if num_splits == 1 or fused:
         if key is not None:
-            _launch.store(key, (decode,))
+            _launch.store(key, (num_splits, decode, b * hkv * m_blocks) if fused
+                          else (decode,))
         return out, lse
-    combine = launch_combine(q, dv, num_splits, dst, dst_lse, out, lse_t, pdl,
-                             key is not None)
+    merge = combine.launch_combine(q, dv, num_splits, dst, dst_lse, out, lse_t, pdl,
+                                   key is not None)
     if key is not None:
-        _launch.store(key, (num_splits, decode, combine))
+        _launch.store(key, (num_splits, decode, merge))
     return out, lse
-
-
-def launch_combine(q, dv, num_splits, dst, dst_lse, out, lse_t, pdl, planned):
-    """Merge a split decode's partials (dst (splits, b, sq, h, dv) fp32 and dst_lse
-    (splits, b, h, sq)) into out and lse_t with _combine_kernel, a programmatic
-    dependent launch when pdl (combine_pdl); returns its plan when planned."""
-    b, sq, h = q.shape[:3]
-    block_s = configs.next_power_of_2(num_splits)
-    block_dv = configs.padded_head_dim(dv)
-    return _launch.first_launch(
-        _combine_kernel, (b * sq * h,),
-        (dst, dst_lse, out, lse_t, *dst.stride()[:4], *dst_lse.stride()[:3],
-         out.stride(0), out.stride(1), out.stride(2), lse_t.stride(0), lse_t.stride(1),
-         num_splits, h, sq, dv),
-        # One warp while its tile fits in 128 registers a thread: no cross-warp
-        # reductions. H200, 32 splits x d128 alone: 1.66 us, 4 warps 2.69 (NOTES 9).
-        dict(BLOCK_S=block_s, BLOCK_D=block_dv, USE_PDL=pdl, launch_pdl=pdl,
-             num_warps=_combine_warps(block_s * block_dv)),
-        _COMBINE_SLOTS if planned else None)
 
 
 @triton.jit

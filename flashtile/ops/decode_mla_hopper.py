@@ -73,7 +73,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from flashtile.ops import _launch, configs
+from flashtile.ops import _launch, combine, configs
 from flashtile.ops._common import LN2, LOG2E
 
 # Query rows of a program: one warpgroup's wgmma M, shared by both consumers.
@@ -549,7 +549,7 @@ def attn_decode(q, k_cache, *, cache_seqlens, block_table, softmax_scale, causal
                                      cache_seqlens))))
         plans = _launch.lookup(key)
         if plans is not None:
-            splits, plan, boxes, combine = plans
+            splits, plan, boxes, merge = plans
             out, lse, buf, lse_at, dst_at, dst_lse_at = decode._outputs(
                 q, dv, out_dtype, splits, return_lse)
             base = buf.data_ptr()
@@ -557,13 +557,13 @@ def attn_decode(q, k_cache, *, cache_seqlens, block_table, softmax_scale, causal
             table = block_table.data_ptr() if paged else cache_seqlens.data_ptr()
             descs = (_rebased(boxes[0], q), _rebased(boxes[1], q),
                      _rebased(boxes[2], k_cache), _rebased(boxes[3], k_cache))
-            if not combine:  # unsplit: the kernel writes out and lse itself
+            if not merge:  # unsplit: the kernel writes out and lse itself
                 plan((*descs, out.data_ptr(), lse_ptr, table, cache_seqlens.data_ptr(),
                       softmax_scale))
             else:
                 dst, dst_lse = base + dst_at, base + dst_lse_at
                 plan((*descs, dst, dst_lse, table, cache_seqlens.data_ptr(), softmax_scale))
-                combine((dst, dst_lse, out.data_ptr(), lse_ptr))
+                merge((dst, dst_lse, out.data_ptr(), lse_ptr))
             return out, lse
     rows = sq * h
     m_blocks = configs.cdiv(rows, BLOCK_M.value)
@@ -592,12 +592,12 @@ def attn_decode(q, k_cache, *, cache_seqlens, block_table, softmax_scale, causal
          block_table.shape[1] if paged else 0, k_cache.shape[0], h, sq, keys_per_split,
          new_tokens, capacity, softmax_scale),
         dict(flags, num_warps=4), _SLOTS if key is not None else None)
-    combine = None
+    merge = None
     if num_splits > 1:
-        combine = decode.launch_combine(q, dv, num_splits, dst, dst_lse, out, lse_t,
-                                        decode.combine_pdl(q)[0], key is not None)
-    if key is not None and plan is not None and (combine is not None or num_splits == 1):
+        merge = combine.launch_combine(q, dv, num_splits, dst, dst_lse, out, lse_t,
+                                       combine.combine_pdl(q)[0], key is not None)
+    if key is not None and plan is not None and (merge is not None or num_splits == 1):
         # The descriptors without their tensors: a plan must not keep a call's memory alive.
         _launch.store(key, (num_splits, plan, tuple(_rebased(x, None) for x in descs),
-                            combine or False))
+                            merge or False))
     return out, lse
