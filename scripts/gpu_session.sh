@@ -470,12 +470,12 @@ r(heads=($heads,))" 2>&1 | grep "^{" | sed "s/^/$heads heads, $tile: /" ) \
     # launches; predicted batch 1 0.97 -> 0.93-0.95 ms), FLASHTILE_DECODE_COMBINE=fused
     # (the split-KV combine inside the decode kernel), both, and cuBLASLt preferred for
     # the GEMMs (TORCH_BLAS_PREFER_CUBLASLT=1, no code). Their GPU tests run in `check`.
-    # ~50 s a process (engine build, graphs, 20 steps a batch).
+    # ~50 s a process (engine build, graphs, 20 steps a batch); bounded at 5 x 80 + 150 s.
     for env in "X=0" "FLASHTILE_ENGINE_PDL=1" "FLASHTILE_DECODE_COMBINE=fused" \
         "FLASHTILE_ENGINE_PDL=1 FLASHTILE_DECODE_COMBINE=fused" "TORCH_BLAS_PREFER_CUBLASLT=1"; do
       stamp "decode step, $env"
-      env $env timeout 100 python3 -m flashtile.bench.throughput --decode-step \
-        --models qwen2.5-0.5b --decode-batches 1 16 256 --decode-reps 20 --timeout 90 \
+      env $env timeout 80 python3 -m flashtile.bench.throughput --decode-step \
+        --models qwen2.5-0.5b --decode-batches 1 16 256 --decode-reps 20 --timeout 75 \
         --out "$OUT/ab-${env//[ =]/_}.json" 2>&1 | grep "^| qwen" | sed "s|^|$env |" \
         | tee -a "$OUT/engine-ab.txt"
     done
@@ -483,7 +483,7 @@ r(heads=($heads,))" 2>&1 | grep "^{" | sed "s/^/$heads heads, $tile: /" ) \
     # with the fused combine, in one process (predicted: (1, 8k) about even, FP8 (8, 8k)
     # 83% -> 85-86% of copy).
     stamp decode-combine-ab
-    timeout 200 python3 -m flashtile.bench.decode --combine-ab 2>&1 | grep "^|\|^#" \
+    timeout 150 python3 -m flashtile.bench.decode --combine-ab 2>    timeout 200 python3 -m flashtile.bench.decode --combine-ab 2>&11 | grep "^|\|^#" \
       | tee "$OUT/decode-combine-ab.txt" | tail -24
     stamp done
     ;;
