@@ -483,7 +483,7 @@ r(heads=($heads,))" 2>&1 | grep "^{" | sed "s/^/$heads heads, $tile: /" ) \
     # with the fused combine, in one process (predicted: (1, 8k) about even, FP8 (8, 8k)
     # 83% -> 85-86% of copy).
     stamp decode-combine-ab
-    timeout 150 python3 -m flashtile.bench.decode --combine-ab 2>    timeout 200 python3 -m flashtile.bench.decode --combine-ab 2>&11 | grep "^|\|^#" \
+    timeout 150 python3 -m flashtile.bench.decode --combine-ab 2>&1 | grep "^|\|^#" \
       | tee "$OUT/decode-combine-ab.txt" | tail -24
     stamp done
     ;;
