@@ -25,8 +25,8 @@
 #                generate and generate_batch (64 requests)                (~15 min)
 #   shapes       the 0.5B and 8B shapes, every row                        (~10 min)
 #   engine-ab    the 0.5B decode step under session 17's opt-ins (engine PDL, fused
-#                split-KV combine, both) and TORCH_BLAS_PREFER_CUBLASLT=1, then the
-#                decode table with and without the fused combine        (~8 min)
+#                split-KV combine, both) and TORCH_BLAS_PREFER_CUBLASLT=1   (~5 min)
+#   combine-ab   the decode table with the combine kernel and the fused combine (~5-8 min)
 #   engine-kernels  the decode step kernel by kernel (torch.profiler: the graph replay's
 #                kernels, then logits, sampling and copies; host and device time): 0.5B
 #                at batch 1 and 256, 1B at 256, 8B at 1 and 32; then the decode kernel
@@ -479,13 +479,14 @@ r(heads=($heads,))" 2>&1 | grep "^{" | sed "s/^/$heads heads, $tile: /" ) \
         --out "$OUT/ab-${env//[ =]/_}.json" 2>&1 | grep "^| qwen" | sed "s|^|$env |" \
         | tee -a "$OUT/engine-ab.txt"
     done
-    # The decode table's rows and the engine's decode rows with the combine kernel and
-    # with the fused combine, in one process (predicted: (1, 8k) about even, FP8 (8, 8k)
-    # 83% -> 85-86% of copy).
-    stamp decode-combine-ab
-    timeout 150 python3 -m flashtile.bench.decode --combine-ab 2>&1 | grep "^|\|^#" \
-      | tee "$OUT/decode-combine-ab.txt" | tail -24
     stamp done
+    ;;
+  combine-ab)
+    # The decode table's rows and the engine's decode rows with the combine kernel and
+    # with the fused combine (FLASHTILE_DECODE_COMBINE=fused), in one process; predicted
+    # (1, 8k) about even, FP8 (8, 8k) 83% -> 85-86% of copy.              (~5-8 min)
+    timeout 500 python3 -m flashtile.bench.decode --combine-ab 2>&1 | grep "^|\|^#" \
+      | tee "$OUT/decode-combine-ab.txt" | tail -30
     ;;
   shapes)
     # The 0.5B and 8B shapes, every row (transformers' rows: 64 requests).
