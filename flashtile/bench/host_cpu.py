@@ -82,7 +82,7 @@ class _Kernel:
 @contextlib.contextmanager
 def stubbed_launches():
     """The stand-ins of the module docstring, for the duration of the block."""
-    from flashtile.ops import _launch, bwd, decode, fwd
+    from flashtile.ops import _launch, bwd, combine, decode, fwd
 
     saved = []
 
@@ -90,7 +90,7 @@ def stubbed_launches():
         saved.append((owner, name, getattr(owner, name)))
         setattr(owner, name, value)
 
-    for module in (fwd, bwd, decode):
+    for module in (fwd, bwd, decode, combine):
         for name, obj in list(vars(module).items()):
             if hasattr(obj, "fn") and hasattr(obj, "__getitem__"):  # a Triton kernel
                 put(module, name, _Kernel(obj))
