@@ -793,7 +793,10 @@ def test_combine_ab_calls_and_table(monkeypatch):
     bandwidth per case, with fused over kernel time."""
     from flashtile.bench import decode
 
-    monkeypatch.delenv("FLASHTILE_DECODE_COMBINE", raising=False)
+    # setenv, not delenv: the calls below write os.environ themselves, and only a
+    # variable monkeypatch has set is put back afterwards (a leaked "fused" changes
+    # every later decode in this worker).
+    monkeypatch.setenv("FLASHTILE_DECODE_COMBINE", "kernel")
     seen = []
     calls = decode._in_combine_mode("fused", [lambda: seen.append(
         os.environ["FLASHTILE_DECODE_COMBINE"])])
