@@ -207,7 +207,7 @@ def split_counters(q, n: int):
     if q.is_cuda and torch.cuda.is_current_stream_capturing():
         counters = _counters.get((device, None))
         return counters if counters is not None and counters.numel() >= n else None
-    stream = torch._C._cuda_getCurrentRawStream(device) if q.is_cuda else 0
+    stream = _launch._stream(device) if q.is_cuda else 0
     counters = _counters.get((device, stream))
     if counters is not None and counters.numel() >= n:
         return counters
