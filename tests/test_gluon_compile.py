@@ -480,14 +480,16 @@ def _waited_loads(ops: list[str]) -> int:
 # at (dq_split at head_dim 64 takes 128: each consumer 64 of the rows) and the local
 # memory ptxas keeps (bytes, the worst of full and causal; scalars stored before the
 # walk, checked by _walk_local_stores). Not listed: lse_ahead with sdp, which at head_dim
-# 128 (causal) stores 10-12 words a block inside the walks.
+# 128 (causal) stores 10-12 words a block inside the walks. dq_split at head_dim 64: the
+# GPU image's ptxas keeps 8 bytes more than this machine's (64 and 96 in session 18's
+# check), still scalars stored before the walks.
 _BWD_NEW_OPTS = {
     (("lse_ahead",), 64, 64): 0,
     (("lse_ahead", "sdp"), 64, 64): 0,  # session 15: timed at d64 only (d128 stores)
     (("lse_ahead",), 128, 64): 56,
-    (("dq_split",), 64, 128): 56,
+    (("dq_split",), 64, 128): 64,
     (("dq_split",), 128, 64): 32,
-    (("lse_ahead", "dq_split"), 64, 128): 88,
+    (("lse_ahead", "dq_split"), 64, 128): 96,
     (("lse_ahead", "dq_split"), 128, 64): 32,
 }
 
