@@ -248,7 +248,7 @@ def test_plan_varlen_backward_serves_every_batch_and_token_count(fused, recorder
 
 @pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
 @pytest.mark.parametrize("num_splits", [1, 4])
-def test_plan_decode_and_append_match_triton(paged, num_splits, recorder, decode_combine):
+def test_plan_decode_and_append_match_triton(paged, num_splits, recorder):
     def make_inputs():
         if paged:
             cache = dict(k_cache=torch.randn(9, 16, 2, 16), v_cache=torch.randn(9, 16, 2, 16),
@@ -272,23 +272,15 @@ def test_plan_decode_and_append_match_triton(paged, num_splits, recorder, decode
         return dict(out=out, lse=lse)
 
     _check_plan_matches_triton(recorder, call, make_inputs)
-    # Split, the fused combine is the decode kernel's: one launch.
-    combined = num_splits > 1 and decode_combine == "kernel"
     assert [e[1] for e in recorder] == ["_append_kernel", "_decode_kernel"] + (
-        ["_combine_kernel"] if combined else [])
+        ["_combine_kernel"] if num_splits > 1 else [])
 
 
-@pytest.mark.parametrize("launcher", ["fwd", "fwd_dropout", "decode", "decode_split",
-                                      "decode_split_fused"])
-def test_plan_without_lse_matches_triton_and_writes_lse_after_out(launcher, recorder,
-                                                                 monkeypatch):
+@pytest.mark.parametrize("launcher", ["fwd", "fwd_dropout", "decode", "decode_split"])
+def test_plan_without_lse_matches_triton_and_writes_lse_after_out(launcher, recorder):
     """return_lse=False: lse's words after out's in one allocation. The plan passes the
     kernels what Triton's path does, lse at out's address plus out's bytes rounded up
-    to 16 (inside out's allocation) for the unsplit launches; split, the fused
-    combine's decode kernel gets out and lse where the combine kernel would."""
-    monkeypatch.setenv("FLASHTILE_DECODE_COMBINE", "fused" if "fused" in launcher
-                       else "kernel")
-
+    to 16 (inside out's allocation) for the unsplit launches."""
     def make_inputs():
         return dict(q=torch.randn(2, 5, 4, 24), k=torch.randn(2, 64, 2, 24),
                     v=torch.randn(2, 64, 2, 24),
@@ -306,10 +298,10 @@ def test_plan_without_lse_matches_triton_and_writes_lse_after_out(launcher, reco
                 t["q"], t["k"], t["v"], cache_seqlens=t["seqlens"], block_table=None,
                 cache_batch_idx=None, cache_leftpad=None, alibi_slopes=None,
                 softmax_scale=0.25, window_left=-1, window_right=0, softcap=0.0,
-                num_splits=3 if "split" in launcher else 1, allow_tf32=False,
+                num_splits=3 if launcher == "decode_split" else 1, allow_tf32=False,
                 return_lse=False)
         assert lse is None and out.is_contiguous() and out.shape == (2, 5, 4, 24)
-        if "split" in launcher:  # lse in the scratch of the partials
+        if launcher == "decode_split":  # lse in the scratch of the partials
             return dict(out=out)
         lse_at = -(-out.numel() * out.element_size() // 16) * 16
         assert out.untyped_storage().nbytes() >= lse_at + 4 * 2 * 4 * 5

@@ -27,8 +27,7 @@ Plans are used for CUDA tensors with Triton's NVIDIA launcher only; the interpre
 Triton's own path on every call. Tile choices are part of a plan: ``configs`` clears
 the plans when its overrides or tuned table change; the FLASHTILE_*_CONFIG and
 FLASHTILE_DECODE_PDL environment variables are read when a plan is made, so set them
-before the first call (or call ``clear()``). (FLASHTILE_DECODE_COMBINE is read on every
-decode call: part of the decode plans' key.)
+before the first call (or call ``clear()``).
 """
 
 from __future__ import annotations
