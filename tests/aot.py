@@ -49,7 +49,7 @@ def compile_kernel(kernel, constexprs: dict, dtype: str = "bf16", arch: int = 90
     for name, default in (("BLOCK_DT", 0), ("V_IS_K", False),
                           ("V_PAIRS", v_fp8 and not constexprs.get("V_IS_K")),
                           ("PAIRS_ASM", arch >= 90), ("KEYS_M", False),
-                          ("DV_PARTS", 1), ("USE_PDL", False)):
+                          ("DV_PARTS", 1)):
         if name in params and name not in constexprs:
             constexprs[name] = default
     # No dropout unless asked: the kernel every call with dropout_p == 0 compiles.

@@ -785,4 +785,3 @@ def test_engine_decode_rows_inputs_and_table():
         "| 5.0 | 105 | 2% |" in text
     header, rule = text.splitlines()[:2]
     assert header.count("|") == rule.count("|")
-

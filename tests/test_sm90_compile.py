@@ -386,37 +386,6 @@ def test_engine_elementwise_kernels_compile_vectorised(name):
         assert {"ld.global.v4.b32", "st.global.v4.b32"} <= accesses, accesses
 
 
-# The engine's paged decode of Qwen2.5-0.5B (14/2 heads of 64, pages of 64, split).
-ENGINE_DECODE = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_D=64, PAGED=True, PAGE_SIZE=64,
-                     PAGE_ALIGNED=True, TILE_PAGES=0, SPLIT_PAGES=2, HAS_BATCH_IDX=False,
-                     HAS_LEFTPAD=False, LAUNCH_DEPENDENTS=True, **NO_DESCALE,
-                     **{k: v for k, v in PLAIN.items() if k not in ("HAS_MASK", "MASK_IS_BOOL")})
-
-
-@pytest.mark.parametrize("pdl", [True, False], ids=["pdl", "no_pdl"])
-@pytest.mark.parametrize("name", ["norm_896", "addnorm_896", "headnorm_128", "silu_4864",
-                                  "rope_14x2x64", "decode"])
-def test_engine_pdl_waits_before_the_first_read(name, pdl):
-    """FLASHTILE_ENGINE_PDL (engine/model.py, engine_pdl): with USE_PDL a kernel is a
-    dependent launch whose first global read comes after griddepcontrol.wait, since
-    everything it reads may be the previous kernel's writes; without it, no wait.
-    rope_store then signals its dependent (the decode kernel) at once."""
-    if name == "decode":
-        kernel, constexprs, warps, types = _decode_kernel, ENGINE_DECODE, 4, {}
-    else:
-        kernel, constexprs, warps, types = _engine_kernel(name)
-    ck = compile_kernel(kernel, dict(constexprs, USE_PDL=pdl), num_warps=warps,
-                        num_stages=3 if name == "decode" else 1, types=types)
-    ptx = ck.asm["ptx"]
-    assert ("griddepcontrol.wait" in ptx) == pdl
-    if pdl:
-        assert ptx.index("griddepcontrol.wait") < ptx.index("ld.global"), \
-            "reads before the wait"
-    if name.startswith("rope"):
-        assert ("griddepcontrol.launch_dependents" in ptx) == pdl
-    assert resources(ck)["stack_bytes"] == 0
-
-
 @pytest.mark.parametrize("dtype,precision", [("bf16", "tf32"), ("fp32", "tf32"),
                                              ("fp32", "ieee")])
 @pytest.mark.parametrize("kind", ["fwd", "bwd_dkdv", "bwd_dq", "decode"])

@@ -76,15 +76,6 @@ def ready(x: torch.Tensor) -> bool:
                 or getattr(runtime.launch_exit_hook, "calls", runtime.launch_exit_hook))
 
 
-def pdl_supported(device: torch.device) -> bool:
-    """Whether a kernel on ``device`` may be a programmatic dependent launch (Triton's
-    ``launch_pdl``, with ``gdc_wait`` at the kernel's top): NVIDIA Hopper or later
-    (griddepcontrol is sm_90 PTX), compiled, not interpreted. Asked when a launcher
-    makes a plan, not per call."""
-    return (device.type == "cuda" and _NVIDIA and not knobs.runtime.interpret
-            and torch.cuda.get_device_capability(device)[0] >= 9)
-
-
 def _device() -> int:
     return torch._C._cuda_getDevice()
 

@@ -43,7 +43,7 @@ import functools
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+from triton.language.extra.cuda import gdc_launch_dependents
 
 from flashtile._validate import _fail
 from flashtile.ops import _launch, combine, configs
@@ -127,12 +127,8 @@ def _decode_kernel(
     INPUT_PRECISION: tl.constexpr, LAUNCH_DEPENDENTS: tl.constexpr,
     HAS_Q_DESCALE: tl.constexpr, HAS_K_DESCALE: tl.constexpr, HAS_V_DESCALE: tl.constexpr,
     V_PAIRS: tl.constexpr, PAIRS_ASM: tl.constexpr, KEYS_M: tl.constexpr,
-    DV_PARTS: tl.constexpr, USE_PDL: tl.constexpr,
+    DV_PARTS: tl.constexpr,
 ):
-    if USE_PDL:
-        # A dependent launch (attn_decode's launch_pdl): q and the cache may be the
-        # previous kernel's writes, so nothing is read before its grid is done.
-        gdc_wait()
     # Pages looked up per key row (a vector of entries per tile), not per tile.
     ROW_PAGES: tl.constexpr = TILE_PAGES > 0 or (not PAGE_ALIGNED and SPLIT_PAGES == 0)
     # KEYS_M: rows past the split's last key read that key again, unmasked (see the
@@ -718,7 +714,7 @@ def attn_decode(q, k_cache, v_cache, *, cache_seqlens, block_table, cache_batch_
                 cache_leftpad, alibi_slopes, softmax_scale, window_left, window_right,
                 softcap, num_splits, allow_tf32, new_tokens=0, q_descale=None,
                 k_descale=None, v_descale=None, out_dtype=None, return_lse=True,
-                layout=None, launch_pdl=False):
+                layout=None):
     """Launch the decode kernel (and the combine kernel when split). Shapes, dtypes and
     devices validated by the caller; index values are checked by the kernel.
 
@@ -738,8 +734,6 @@ def attn_decode(q, k_cache, v_cache, *, cache_seqlens, block_table, cache_batch_
     strides and devices of q, k_cache, v_cache, block_table, cache_batch_idx and
     cache_leftpad and of new_tokens, and to no other (``_validate.once_per_layout``'s):
     the plan key holds it in their place (fewer values to read and hash per call).
-    launch_pdl: the decode kernel is a programmatic dependent launch of the kernel before
-    it (Hopper and later; the engine's, after its rope_store), waiting at its top.
     """
     b, sq, h, d = q.shape
     hkv, dv = k_cache.shape[2], v_cache.shape[-1]
@@ -787,7 +781,7 @@ def attn_decode(q, k_cache, v_cache, *, cache_seqlens, block_table, cache_batch_
         key = ("decode", layout, out_dtype, v_is_k, _launch.layout(alibi_slopes),
                scaled and tuple(_launch.layout(x) for x in descales),
                window_left, window_right, softcap > 0, num_splits, allow_tf32,
-               launch_pdl, _launch.misalignment(p + scale_ptrs))
+               _launch.misalignment(p + scale_ptrs))
         plans = _launch.lookup(key)
         if plans is not None:
             split = len(plans) == 3
@@ -852,8 +846,7 @@ def attn_decode(q, k_cache, v_cache, *, cache_seqlens, block_table, cache_batch_
         LAUNCH_DEPENDENTS=early, HAS_Q_DESCALE=q_descale is not None,
         HAS_K_DESCALE=k_descale is not None, HAS_V_DESCALE=v_descale is not None,
         V_PAIRS=v_pairs(v_cache, v_is_k), PAIRS_ASM=pairs_asm(q),
-        KEYS_M=keys_m(q, k_cache, v_cache, v_is_k),
-        USE_PDL=launch_pdl and _launch.pdl_supported(q.device))
+        KEYS_M=keys_m(q, k_cache, v_cache, v_is_k))
     configs.log_first_launch("decode", q, d, cfg, dict(
         switches, PAGE_SIZE=page_size if paged else None, SPLIT=num_splits > 1, PDL=pdl))
     decode = _launch.first_launch(
@@ -869,7 +862,7 @@ def attn_decode(q, k_cache, v_cache, *, cache_seqlens, block_table, cache_batch_
          hkv, group, sq, d, dv, keys_per_split, k_cache.shape[0], capacity, new_tokens,
          window_left, window_right, softmax_scale, softcap),
         dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
-             num_stages=cfg.num_stages, launch_pdl=switches["USE_PDL"], **switches),
+             num_stages=cfg.num_stages, **switches),
         _DECODE_SLOTS if key is not None else None)
     if num_splits == 1:
         if key is not None:
