@@ -24,9 +24,8 @@
 #   engine-peers the 1B shape's other rows: eager, sdpa, naive, transformers'
 #                generate and generate_batch (64 requests)                (~15 min)
 #   shapes       the 0.5B and 8B shapes, every row                        (~10 min)
-#   engine-ab    the 0.5B decode step under session 17's opt-ins (engine PDL, fused
-#                split-KV combine, both) and TORCH_BLAS_PREFER_CUBLASLT=1   (~5 min)
-#   combine-ab   the decode table with the combine kernel and the fused combine (~5-8 min)
+#   engine-ab    the 0.5B decode step as it is and with TORCH_BLAS_PREFER_CUBLASLT=1
+#                                                                           (~2 min)
 #   engine-kernels  the decode step kernel by kernel (torch.profiler: the graph replay's
 #                kernels, then logits, sampling and copies; host and device time): 0.5B
 #                at batch 1 and 256, 1B at 256, 8B at 1 and 32; then the decode kernel
@@ -464,15 +463,11 @@ r(heads=($heads,))" 2>&1 | grep "^{" | sed "s/^/$heads heads, $tile: /" ) \
     stamp done
     ;;
   engine-ab)
-    # Session 17's opt-ins for issue 14's small-batch forward, each in its own process
-    # (the engine reads its switches when it builds), the 0.5B decode step at batches 1,
-    # 16 and 256: the default, FLASHTILE_ENGINE_PDL=1 (the engine's kernels as dependent
-    # launches; predicted batch 1 0.97 -> 0.93-0.95 ms), FLASHTILE_DECODE_COMBINE=fused
-    # (the split-KV combine inside the decode kernel), both, and cuBLASLt preferred for
-    # the GEMMs (TORCH_BLAS_PREFER_CUBLASLT=1, no code). Their GPU tests run in `check`.
-    # ~50 s a process (engine build, graphs, 20 steps a batch); bounded at 5 x 80 + 150 s.
-    for env in "X=0" "FLASHTILE_ENGINE_PDL=1" "FLASHTILE_DECODE_COMBINE=fused" \
-        "FLASHTILE_ENGINE_PDL=1 FLASHTILE_DECODE_COMBINE=fused" "TORCH_BLAS_PREFER_CUBLASLT=1"; do
+    # Issue 14's small-batch forward, the 0.5B decode step at batches 1, 16 and 256 in
+    # two processes (PyTorch reads the variable when it starts): the default and
+    # cuBLASLt preferred for the GEMMs (TORCH_BLAS_PREFER_CUBLASLT=1, no code).
+    # ~50 s a process (engine build, graphs, 20 steps a batch); bounded at 2 x 80 s.
+    for env in "X=0" "TORCH_BLAS_PREFER_CUBLASLT=1"; do
       stamp "decode step, $env"
       env $env timeout 80 python3 -m flashtile.bench.throughput --decode-step \
         --models qwen2.5-0.5b --decode-batches 1 16 256 --decode-reps 20 --timeout 75 \
@@ -480,13 +475,6 @@ r(heads=($heads,))" 2>&1 | grep "^{" | sed "s/^/$heads heads, $tile: /" ) \
         | tee -a "$OUT/engine-ab.txt"
     done
     stamp done
-    ;;
-  combine-ab)
-    # The decode table's rows and the engine's decode rows with the combine kernel and
-    # with the fused combine (FLASHTILE_DECODE_COMBINE=fused), in one process; predicted
-    # (1, 8k) about even, FP8 (8, 8k) 83% -> 85-86% of copy.              (~5-8 min)
-    timeout 500 python3 -m flashtile.bench.decode --combine-ab 2>&1 | grep "^|\|^#" \
-      | tee "$OUT/decode-combine-ab.txt" | tail -30
     ;;
   shapes)
     # The 0.5B and 8B shapes, every row (transformers' rows: 64 requests).

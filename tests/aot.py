@@ -17,9 +17,9 @@ from triton.experimental.gluon._runtime import GluonASTSource
 
 _FLOAT_SCALARS = {"softmax_scale", "softcap", "dropout_p"}
 _FP32_POINTERS = {"Lse", "Delta", "DLse", "Alibi", "LsePartial", "OutPartial", "DQAccum",
-                  "QDescale", "KDescale", "VDescale", "LseFinal"}
+                  "QDescale", "KDescale", "VDescale"}
 _INT32_POINTERS = {"BlockTable", "CacheSeqlens", "CacheBatchIdx", "CacheLeftpad",
-                   "CuSeqlensQ", "CuSeqlensK", "SequsedK", "Counters"}
+                   "CuSeqlensQ", "CuSeqlensK", "SequsedK"}
 _INT64_POINTERS = {"Philox"}  # dropout's [seed, offset]
 
 
@@ -44,14 +44,12 @@ def compile_kernel(kernel, constexprs: dict, dtype: str = "bf16", arch: int = 90
         if dv_name in params and dv_name not in constexprs and d_name in constexprs:
             constexprs[dv_name] = constexprs[d_name]
     # The decode kernel's key head dim in one tile (no tail), V loaded on its own (FP8
-    # V as int16 column pairs where the launcher allows it, widened with sm_90's cvt),
-    # split partials merged by the combine kernel.
+    # V as int16 column pairs where the launcher allows it, widened with sm_90's cvt).
     v_fp8 = str((types or {}).get("VCache", "")).startswith("*fp8")
     for name, default in (("BLOCK_DT", 0), ("V_IS_K", False),
                           ("V_PAIRS", v_fp8 and not constexprs.get("V_IS_K")),
                           ("PAIRS_ASM", arch >= 90), ("KEYS_M", False),
-                          ("DV_PARTS", 1), ("USE_PDL", False), ("FUSED_COMBINE", False),
-                          ("MERGE_M", 1), ("MERGE_S", 1)):
+                          ("DV_PARTS", 1)):
         if name in params and name not in constexprs:
             constexprs[name] = default
     # No dropout unless asked: the kernel every call with dropout_p == 0 compiles.

@@ -54,21 +54,6 @@ def backend(request, monkeypatch, on_gpu):
     return request.param
 
 
-@pytest.fixture(params=["kernel", "fused"], ids=["combine_kernel", "combine_fused"])
-def decode_combine(request, monkeypatch):
-    """Run a split-decode test with each way of merging the splits
-    (FLASHTILE_DECODE_COMBINE): the combine kernel, and the decode kernel's last program
-    of each row block (where its tile allows: flashtile.ops.configs.decode_merge_tile).
-    A test's unsplit case (its num_splits parameter 1) and its PyTorch-backend case run
-    once."""
-    params = getattr(getattr(request.node, "callspec", None), "params", {})
-    if request.param == "fused" and (params.get("num_splits") == 1
-                                     or params.get("backend") == "torch"):
-        pytest.skip("no Triton splits to combine")
-    monkeypatch.setenv("FLASHTILE_DECODE_COMBINE", request.param)
-    return request.param
-
-
 @pytest.fixture
 def index_checks():
     """flashtile.set_index_checks(True) for one test: bad index values raise ValueError

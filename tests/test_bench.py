@@ -785,35 +785,3 @@ def test_engine_decode_rows_inputs_and_table():
         "| 5.0 | 105 | 2% |" in text
     header, rule = text.splitlines()[:2]
     assert header.count("|") == rule.count("|")
-
-
-def test_combine_ab_calls_and_table(monkeypatch):
-    """--combine-ab: each mode's calls set FLASHTILE_DECODE_COMBINE before they run (a
-    CUDA graph keeps what its capture saw), and the table gives both modes' time and
-    bandwidth per case, with fused over kernel time."""
-    from flashtile.bench import decode
-
-    # setenv, not delenv: the calls below write os.environ themselves, and only a
-    # variable monkeypatch has set is put back afterwards (a leaked "fused" changes
-    # every later decode in this worker).
-    monkeypatch.setenv("FLASHTILE_DECODE_COMBINE", "kernel")
-    seen = []
-    calls = decode._in_combine_mode("fused", [lambda: seen.append(
-        os.environ["FLASHTILE_DECODE_COMBINE"])])
-    calls[0]()
-    assert seen == ["fused"]
-    monkeypatch.setattr(decode, "time_rounds", lambda steps: {"kernel": [5.0, 5.2, 4.9],
-                                                              "fused": [4.1, 4.0, 3.9]})
-    out = torch.ones(2)
-    row = decode._combine_ab_row("engine qwen2.5-0.5b b=1 sk=1024", 524288, 8,
-                                 [lambda: out], None)
-    assert row["kernel"]["us"] == 5.0 and row["fused"] == dict(us=4.0, gbps=131,
-                                                              rounds_us=[4.1, 4.0, 3.9])
-    def wrong_when_fused():
-        return out + (os.environ["FLASHTILE_DECODE_COMBINE"] == "fused")
-    with pytest.raises(RuntimeError, match="x fused: max error 1"):
-        decode._combine_ab_row("x", 1, 8, [wrong_when_fused], None)
-    text = decode.combine_ab_markdown([row])
-    assert "| engine qwen2.5-0.5b b=1 sk=1024 | 8 | 5.0 (105) | 4.0 (131) | 0.800 |" in text
-    header, rule = text.splitlines()[:2]
-    assert header.count("|") == rule.count("|")

@@ -99,7 +99,7 @@ def test_paged_equals_contiguous(page_size, leftpad, decode_tile, backend, devic
                                atol=1e-5 if not on_gpu else 1e-2)
 
 
-def test_num_splits_agree(device, on_gpu, monkeypatch, decode_combine):
+def test_num_splits_agree(device, on_gpu, monkeypatch):
     if not on_gpu and os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("needs the Triton kernels")
     monkeypatch.setenv("FLASHTILE_BACKEND", "triton")
@@ -123,7 +123,7 @@ def test_num_splits_agree(device, on_gpu, monkeypatch, decode_combine):
 @pytest.mark.parametrize("leftpad", [False, True], ids=["", "leftpad"])
 @pytest.mark.parametrize("page_size", [16, 64])
 def test_paged_splits_equal_contiguous(page_size, leftpad, page_list, decode_tile, backend,
-                                       device, on_gpu, monkeypatch, decode_combine):
+                                       device, on_gpu, monkeypatch):
     """Split counts from 2 to 16 over a paged cache (pages below, at and above the key
     tile; shifted off the page boundaries by a left pad) equal the unsplit contiguous
     cache: each split starts its page lookups at its own first key. A short split loads

@@ -92,8 +92,7 @@ def _check_decode(q, k_cache, v_cache, seqlens, block_table=None, **kw):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("num_splits", [1, 3])
-def test_decode_outputs_are_right_and_their_own(num_splits, dtype, backend, device,
-                                                decode_combine):
+def test_decode_outputs_are_right_and_their_own(num_splits, dtype, backend, device):
     """With and without lse, split and not: out and lse against float64, and a second
     call with other inputs leaves the first call's outputs as they were (nothing of an
     output is shared with a later call)."""

@@ -34,7 +34,7 @@ def _span(keys_per_split, page_size):
         "tile_pages-6of8"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 def test_rounded_page_list_matches_float64(page_size, block_n, capacity, num_splits, dtype,
-                                           device, on_gpu, decode_combine):
+                                           device, on_gpu):
     """Paged split decode with a page list longer than the split's pages equals the
     float64 oracle. The block table is tight (the last split's list reaches past the
     row: those entries must not be read, which only memcheck can see, on the GPU) and

@@ -155,38 +155,3 @@ def test_async_scheduling_equals_sync_with_cuda_graphs(checkpoint):
         assert s.token_ids == a.token_ids and s.finish_reason == a.finish_reason
         torch.testing.assert_close(s.logprobs, a.logprobs, atol=1e-4, rtol=0)
     assert LLM(str(path), **kw).config.async_scheduling  # the default on CUDA
-
-
-@pytest.mark.skipif(not torch.cuda.is_available()
-                    or torch.cuda.get_device_capability()[0] < 9,
-                    reason="programmatic dependent launch needs Hopper or later")
-def test_engine_pdl_equals_ordinary_launches(checkpoint, monkeypatch):
-    """FLASHTILE_ENGINE_PDL=1 (engine/model.py, engine_pdl): RMSNorm, SiLU-and-multiply,
-    rope_store and the paged decode as programmatic dependent launches, in the decode
-    CUDA graphs (batch 3 replays the graph of 4) and eagerly in prefill, give the tokens
-    and logprobs of ordinary launches bit for bit: the same arithmetic, each kernel
-    reading only after the kernel before it has finished (a read before gdc_wait, or a
-    lost dependency edge in the graph, would read stale activations or keys)."""
-    from flashtile.engine import activation, layernorm, rope_store
-    from flashtile.ops import decode
-    path, _ = checkpoint
-    kw = dict(dtype="bfloat16", device="cuda", max_model_len=128, max_num_seqs=8,
-              max_num_batched_tokens=64, kv_cache_memory=2**28)
-    params = [SamplingParams(temperature=0, max_tokens=n, logprobs=0, ignore_eos=True)
-              for n in (24, 12, 6)]
-    prompts = _prompts([3, 40, 77])
-    runs = {}
-    for flag in ("0", "1"):
-        monkeypatch.setenv("FLASHTILE_ENGINE_PDL", flag)
-        llm = LLM(str(path), **kw)
-        assert llm.runner.graphs
-        assert {a.pdl for a in llm.runner.model.attention_layers()} == {flag == "1"}
-        runs[flag] = _generate(llm, prompts, params)
-    dev = torch.cuda.current_device()
-    for kernel in (layernorm._rms_norm_kernel, activation._silu_and_mul_kernel,
-                   rope_store._rope_store_kernel, decode._decode_kernel):
-        compiled = kernel.device_caches[dev][0].values()
-        assert any(c.metadata.launch_pdl for c in compiled), kernel.fn.__name__
-    for a, b in zip(runs["0"], runs["1"]):
-        assert a.token_ids == b.token_ids
-        assert a.logprobs == b.logprobs

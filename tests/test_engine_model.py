@@ -16,7 +16,7 @@ import torch
 
 from flashtile.engine.block_manager import BlockManager
 from flashtile.engine.config import EngineConfig, ModelConfig
-from flashtile.engine.model import engine_pdl, rope_inv_freq
+from flashtile.engine.model import rope_inv_freq
 from flashtile.engine.runner import ModelRunner
 from flashtile.engine.sampling_params import SamplingParams
 from flashtile.engine.sequence import Sequence
@@ -50,26 +50,19 @@ def test_logits_match_transformers(tmp_path, case):
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                     reason="Triton kernels on CPU tensors need TRITON_INTERPRET=1")
-@pytest.mark.parametrize("elementwise", ["reference", "kernels", "kernels_pdl"])
+@pytest.mark.parametrize("elementwise", ["reference", "kernels"])
 @pytest.mark.parametrize("case", ["mistral-window", "qwen3-sharded"])
 def test_logits_match_transformers_triton_kernels(tmp_path, case, elementwise,
                                                   monkeypatch):
     """The same steps through flashtile's Triton kernels (interpreted): paged decode over
     the pool with its scratch block, varlen prefill, windows, head_dim 24; "kernels":
     the CUDA path's RMSNorm (Qwen3's per-head q/k norm over the fused projection's
-    views too), SiLU-and-multiply and rotary + cache-write kernels as well;
-    "kernels_pdl": the layers as FLASHTILE_ENGINE_PDL=1 sets them, decode calling the
-    decode launcher itself (the interpreter has no dependent launches: same numbers)."""
+    views too), SiLU-and-multiply and rotary + cache-write kernels as well."""
     import flashtile.engine.model as model
-    import flashtile.engine.runner as runner
     monkeypatch.setenv("FLASHTILE_BACKEND", "triton")
-    if elementwise != "reference":
+    if elementwise == "kernels":
         monkeypatch.setattr(model, "use_kernels", lambda x: True)
-    pdl = elementwise == "kernels_pdl"
-    monkeypatch.setattr(runner, "engine_pdl", lambda device: pdl)
-    m = _check_logits(tmp_path, case).model
-    assert {a.pdl for a in m.attention_layers()} == {pdl}
-    assert {x.pdl for x in m.modules() if isinstance(x, model.RMSNorm)} == {pdl}
+    _check_logits(tmp_path, case)
 
 
 @torch.no_grad()
@@ -120,29 +113,6 @@ def _check_logits(tmp_path, case):
     # execute: the same step, sampled greedily, read back synchronously.
     sampled, tokens, _ = runner.execute([(s, 1) for s in seqs])
     assert sampled == seqs and tokens == want.argmax(-1).tolist()
-    return runner
-
-
-def test_engine_pdl_switch(monkeypatch):
-    """FLASHTILE_ENGINE_PDL: '0' (the default, also when empty) or '1', and dependent
-    launches only where the device has them (never the CPU); any other value is a
-    ValueError naming the variable, the choices and the value."""
-    import flashtile.engine.model as model
-    cpu = torch.device("cpu")
-    monkeypatch.delenv("FLASHTILE_ENGINE_PDL", raising=False)
-    assert engine_pdl(cpu) is False
-    monkeypatch.setenv("FLASHTILE_ENGINE_PDL", " 1 ")
-    assert engine_pdl(cpu) is False
-    monkeypatch.setattr(model._launch, "pdl_supported", lambda device: True)
-    assert engine_pdl(cpu) is True
-    for off in ("0", ""):
-        monkeypatch.setenv("FLASHTILE_ENGINE_PDL", off)
-        assert engine_pdl(cpu) is False
-    for bad in ("yes", "2", "on"):
-        monkeypatch.setenv("FLASHTILE_ENGINE_PDL", bad)
-        with pytest.raises(ValueError, match=rf"FLASHTILE_ENGINE_PDL: expected '0' .*"
-                                             rf"'1' .*got '{bad}'"):
-            engine_pdl(cpu)
 
 
 @torch.no_grad()

@@ -248,8 +248,7 @@ def _q_dtype(on_gpu):
 @FP8
 @pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
 @pytest.mark.parametrize("num_splits", [1, 3])
-def test_kvcache_16bit_queries(num_splits, paged, dtype, fp8_backend, device, on_gpu,
-                               decode_combine):
+def test_kvcache_16bit_queries(num_splits, paged, dtype, fp8_backend, device, on_gpu):
     """16-bit queries over an FP8 cache: the new k/v are quantised into the cache bit for
     bit as quantize(k, k_descale), and the output is attention over the dequantised
     cache, P rounded to fp16 (the decode kernel computes in fp16 over an FP8 cache)."""
@@ -361,7 +360,7 @@ KEYS_M_HEADS = [pytest.param((1, 8, 2, 32, 32), id="gqa4-d32"),
 @pytest.mark.parametrize("num_splits", [1, 3])
 @pytest.mark.parametrize("backend", ["triton"], indirect=True)  # a Triton kernel layout
 def test_kvcache_keys_m_layout(keys_m, heads, page, block_n, num_splits, fp8_backend, device,
-                               on_gpu, monkeypatch, decode_combine):
+                               on_gpu, monkeypatch):
     """FLASHTILE_DECODE_FP8_KEYS_M=1 (the default: keys on the products' M side, S^T = K
     Q^T, O^T = V^T P^T) and =0 (query rows on the M side) both give attention over the
     dequantised cache: odd lengths, NaN values past two sequences' ends that must reach
@@ -435,7 +434,7 @@ def test_kvcache_keys_m_with_every_score_feature(keys_m, fp8_backend, device, on
 @pytest.mark.parametrize("page", [None, 16], ids=["contiguous", "page16"])
 @pytest.mark.parametrize("backend", ["triton"], indirect=True)
 def test_kvcache_keys_m_with_leftpad(keys_m, page, fp8_backend, device, on_gpu,
-                                     monkeypatch, decode_combine):
+                                     monkeypatch):
     """Both decode layouts with cache_leftpad (KEYS_M: unmasked re-reads of the last
     key in a contiguous cache, masked rows where pages are looked up per row): NaN
     values before each sequence's first key and after its last reach nothing."""

@@ -227,8 +227,7 @@ def _cache(device, dtype, paged):
 @pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
 @pytest.mark.parametrize("seqlen", [49, -1, 2**31 - 1], ids=["past_capacity", "negative",
                                                              "int32_max"])
-def test_bad_index_kvcache_seqlens(seqlen, paged, num_splits, triton, device, dtype,
-                                   decode_combine):
+def test_bad_index_kvcache_seqlens(seqlen, paged, num_splits, triton, device, dtype):
     q, k_cache, v_cache, extra = _cache(device, dtype, paged)
     kw = dict(causal=True, num_splits=num_splits, return_lse=True, **extra)
     good_out, good_lse = flashtile.flash_attn_with_kvcache(
@@ -284,7 +283,7 @@ def test_bad_index_kvcache_block_table(entry, triton, device, dtype):
 @pytest.mark.parametrize("change", ["batch_idx_past_cache", "batch_idx_negative",
                                     "leftpad_past_seqlen", "leftpad_negative"])
 def test_bad_index_kvcache_batch_idx_and_leftpad(change, num_splits, triton, device,
-                                                 dtype, decode_combine):
+                                                 dtype):
     q, k_cache, v_cache, _ = _cache(device, dtype, paged=False)
     good = dict(cache_batch_idx=_cu([1, 0], device), cache_leftpad=_cu([2, 5], device))
     bad = dict(good)

@@ -248,7 +248,7 @@ def test_plan_varlen_backward_serves_every_batch_and_token_count(fused, recorder
 
 @pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
 @pytest.mark.parametrize("num_splits", [1, 4])
-def test_plan_decode_and_append_match_triton(paged, num_splits, recorder, decode_combine):
+def test_plan_decode_and_append_match_triton(paged, num_splits, recorder):
     def make_inputs():
         if paged:
             cache = dict(k_cache=torch.randn(9, 16, 2, 16), v_cache=torch.randn(9, 16, 2, 16),
@@ -272,23 +272,15 @@ def test_plan_decode_and_append_match_triton(paged, num_splits, recorder, decode
         return dict(out=out, lse=lse)
 
     _check_plan_matches_triton(recorder, call, make_inputs)
-    # Split, the fused combine is the decode kernel's: one launch.
-    combined = num_splits > 1 and decode_combine == "kernel"
     assert [e[1] for e in recorder] == ["_append_kernel", "_decode_kernel"] + (
-        ["_combine_kernel"] if combined else [])
+        ["_combine_kernel"] if num_splits > 1 else [])
 
 
-@pytest.mark.parametrize("launcher", ["fwd", "fwd_dropout", "decode", "decode_split",
-                                      "decode_split_fused"])
-def test_plan_without_lse_matches_triton_and_writes_lse_after_out(launcher, recorder,
-                                                                 monkeypatch):
+@pytest.mark.parametrize("launcher", ["fwd", "fwd_dropout", "decode", "decode_split"])
+def test_plan_without_lse_matches_triton_and_writes_lse_after_out(launcher, recorder):
     """return_lse=False: lse's words after out's in one allocation. The plan passes the
     kernels what Triton's path does, lse at out's address plus out's bytes rounded up
-    to 16 (inside out's allocation) for the unsplit launches; split, the fused
-    combine's decode kernel gets out and lse where the combine kernel would."""
-    monkeypatch.setenv("FLASHTILE_DECODE_COMBINE", "fused" if "fused" in launcher
-                       else "kernel")
-
+    to 16 (inside out's allocation) for the unsplit launches."""
     def make_inputs():
         return dict(q=torch.randn(2, 5, 4, 24), k=torch.randn(2, 64, 2, 24),
                     v=torch.randn(2, 64, 2, 24),
@@ -306,10 +298,10 @@ def test_plan_without_lse_matches_triton_and_writes_lse_after_out(launcher, reco
                 t["q"], t["k"], t["v"], cache_seqlens=t["seqlens"], block_table=None,
                 cache_batch_idx=None, cache_leftpad=None, alibi_slopes=None,
                 softmax_scale=0.25, window_left=-1, window_right=0, softcap=0.0,
-                num_splits=3 if "split" in launcher else 1, allow_tf32=False,
+                num_splits=3 if launcher == "decode_split" else 1, allow_tf32=False,
                 return_lse=False)
         assert lse is None and out.is_contiguous() and out.shape == (2, 5, 4, 24)
-        if "split" in launcher:  # lse in the scratch of the partials
+        if launcher == "decode_split":  # lse in the scratch of the partials
             return dict(out=out)
         lse_at = -(-out.numel() * out.element_size() // 16) * 16
         assert out.untyped_storage().nbytes() >= lse_at + 4 * 2 * 4 * 5
@@ -379,17 +371,16 @@ def _engine_inputs(t, device="cpu", dtype=torch.float32):
                 v_cache=torch.randn(t + 1, 4, 2, 16, **f))
 
 
-def _engine_layer(t, pdl=False):
+def _engine_layer(t):
     """Every engine launcher once, each output by name."""
-    normed, summed = layernorm.add_rms_norm(t["x"], t["res"], t["w"], 1e-6, pdl)
+    normed, summed = layernorm.add_rms_norm(t["x"], t["res"], t["w"], 1e-6)
     q_rot, k_rot = rope_store.rope_and_store(t["q"], t["k"], t["v"], t["cos"], t["sin"],
-                                             t["slots"], t["k_cache"], t["v_cache"], pdl)
+                                             t["slots"], t["k_cache"], t["v_cache"])
     q_free, k_free = rope_store.rope_and_store(t["q"], t["k"], t["v"], t["cos"], t["sin"],
-                                               None, None, None, pdl)
-    return dict(normed=normed, summed=summed,
-                plain=layernorm.rms_norm(t["x"], t["w"], 1e-6, pdl),
-                q_normed=layernorm.rms_norm(t["q"], t["wh"], 1e-5, pdl),
-                act=activation.silu_and_mul(t["gate_up"], pdl), q_rot=q_rot, k_rot=k_rot,
+                                               None, None, None)
+    return dict(normed=normed, summed=summed, plain=layernorm.rms_norm(t["x"], t["w"], 1e-6),
+                q_normed=layernorm.rms_norm(t["q"], t["wh"], 1e-5),
+                act=activation.silu_and_mul(t["gate_up"]), q_rot=q_rot, k_rot=k_rot,
                 q_free=q_free, k_free=k_free)
 
 
@@ -400,45 +391,6 @@ def test_plan_engine_elementwise_serves_every_token_count(recorder):
     grid and, for the tensors, exactly what Triton's path is given."""
     sizes = iter([5, 9, 9])  # Triton, plan, Triton again
     _check_plan_matches_triton(recorder, _engine_layer, lambda: _engine_inputs(next(sizes)))
-
-
-def test_plan_engine_pdl_follows_the_flag_and_the_device(recorder, monkeypatch):
-    """The engine's launchers' pdl and the decode's launch_pdl (FLASHTILE_ENGINE_PDL,
-    engine/model.py): part of each plan key (the other value launches through Triton
-    again), and the kernel's USE_PDL and Triton's launch_pdl option follow it where the
-    device takes dependent launches (_launch.pdl_supported), never elsewhere."""
-    options = []
-    first, supported = _launch.first_launch, _launch.pdl_supported
-
-    def spy(kernel, grid, args, kwargs, slots=None):
-        options.append((kernel.name, kwargs["USE_PDL"], kwargs["launch_pdl"]))
-        return first(kernel, grid, args, kwargs, slots)
-
-    monkeypatch.setattr(_launch, "first_launch", spy)
-    t = _engine_inputs(5)
-    q, cache = torch.randn(2, 1, 4, 16), torch.randn(9, 16, 2, 16)
-    table = torch.randperm(9)[:8].view(2, 4).to(torch.int32)
-    seqlens = torch.tensor([5, 40], dtype=torch.int32)
-
-    def layer(pdl):
-        options.clear()
-        _engine_layer(t, pdl)
-        decode.attn_decode(q, cache, cache, cache_seqlens=seqlens, block_table=table,
-                           cache_batch_idx=None, cache_leftpad=None, alibi_slopes=None,
-                           softmax_scale=0.25, window_left=-1, window_right=0, softcap=0.0,
-                           num_splits=1, allow_tf32=False, launch_pdl=pdl)
-        return {name for name, *_ in options}, {tuple(o[1:]) for o in options}
-
-    kernels = {"_rms_norm_kernel", "_rope_store_kernel", "_silu_and_mul_kernel",
-               "_decode_kernel"}
-    monkeypatch.setattr(_launch, "pdl_supported", lambda device: True)
-    assert layer(True) == (kernels, {(True, True)})
-    assert layer(False) == (kernels, {(False, False)})
-    assert layer(True) == (set(), set())  # both plans kept: no launch through Triton
-    monkeypatch.setattr(_launch, "pdl_supported", lambda device: False)
-    _launch.clear()
-    assert layer(True) == (kernels, {(False, False)})
-    assert not supported(torch.device("cpu"))
 
 
 def test_plan_engine_elementwise_is_remade_for_new_layouts(recorder):

@@ -84,7 +84,7 @@ def _check(out, lse, q, k_cache, v_cache, seqlens, causal):
 @pytest.mark.parametrize("d, dv, h, hkv, shared", CASES)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_kvcache_value_head_dim(backend, dtype, d, dv, h, hkv, shared, paged, num_splits,
-                                device, decode_combine):
+                                device):
     """Two query tokens (causal), an odd and a full sequence of a 48-key cache."""
     b, s = 2, 48
     k_cache, v_cache = _caches(b, s, hkv, d, dv, shared, dtype, device)
@@ -186,7 +186,7 @@ def dv_parts_tile(request):
 @pytest.mark.parametrize("paged, num_splits", LAYOUTS)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_v_columns_in_two_programs(dtype, paged, num_splits, dv_parts_tile, device,
-                                   on_gpu, monkeypatch, decode_combine):
+                                   on_gpu, monkeypatch):
     """Absorbed MLA (576/512, V K's first 512 columns) with each program owning 256 of
     V's columns and adding K's other 256 and its 64 rope columns to the scores: out and
     lse against float64, three query tokens of 8 heads over one KV head (24 rows, two

@@ -213,8 +213,7 @@ def test_sdpa_mask_nan_and_empty_rows(kind, backend, device):
 
 @pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
 @pytest.mark.parametrize("num_splits", [1, 3])
-def test_kvcache_nan_only_within_each_sequence(paged, num_splits, backend, device,
-                                              decode_combine):
+def test_kvcache_nan_only_within_each_sequence(paged, num_splits, backend, device):
     """A NaN key inside sequence 0 poisons it; a NaN past sequence 1's end (stale cache,
     an unused page) or before its cache_leftpad reaches nothing."""
     b, s, hkv, d = 2, 64, 1, 16

@@ -246,36 +246,28 @@ def _decode_launch(q, k_cache, v_cache, block_table):
     return cfg, work * splits, splits
 
 
-def _engine_steps(model, h, hkv, d, batch, seqlen_k, device):
-    """(calls over cold input copies, decode tile, programs, splits) of flashtile's
-    paged decode at an engine shape, the first copy checked against the contiguous
-    cache's output."""
-    import flashtile
-
-    fns = []
-    for i in range(cache_copies(batch, seqlen_k, device, 2, hkv, d)):
-        q, k, v, seqlens = _decode_inputs(batch, seqlen_k, device, h, hkv, d)
-        pool = _paged_pool(k, v, ENGINE_PAGE)
-        fns.append(_kvcache_fn(q, seqlens, *pool))
-        if i == 0:
-            err = (fns[0]().float() - flashtile.flash_attn_func(q, k, v).float()
-                   ).abs().max().item()
-            if not err < 2e-2:
-                raise RuntimeError(f"engine decode {model} b={batch}: max error {err:.3g}")
-            cfg, programs, splits = _decode_launch(q, *pool)
-        del k, v
-    return fns, cfg, programs, splits
-
-
 def run_engine_decode_rows(device="cuda"):
     """flashtile's paged decode at the engine's shapes (ENGINE_SHAPES x ENGINE_BATCHES)
     over cold input copies, each checked against the contiguous cache's output first."""
+    import flashtile
+
     rows = []
     for model, h, hkv, d in ENGINE_SHAPES:
         for batch, seqlen_k in ENGINE_BATCHES:
             nbytes = kv_bytes(batch, seqlen_k, 2, hkv, d)
-            fns, cfg, programs, splits = _engine_steps(model, h, hkv, d, batch, seqlen_k,
-                                                       device)
+            fns = []
+            for i in range(cache_copies(batch, seqlen_k, device, 2, hkv, d)):
+                q, k, v, seqlens = _decode_inputs(batch, seqlen_k, device, h, hkv, d)
+                pool = _paged_pool(k, v, ENGINE_PAGE)
+                fns.append(_kvcache_fn(q, seqlens, *pool))
+                if i == 0:
+                    err = (fns[0]().float() - flashtile.flash_attn_func(q, k, v).float()
+                           ).abs().max().item()
+                    if not err < 2e-2:
+                        raise RuntimeError(f"engine decode {model} b={batch}: max error "
+                                           f"{err:.3g}")
+                    cfg, programs, splits = _decode_launch(q, *pool)
+                del k, v
             us = median(time_rounds({"engine": fns})["engine"])
             row = dict(model=model, heads=h, kv_heads=hkv, head_dim=d, batch=batch,
                        seqlen_k=seqlen_k, cache_gb=nbytes / 1e9, copies=len(fns),
@@ -301,92 +293,6 @@ def engine_decode_markdown(rows, copy_gbps=None):
                      f"| {r['batch']} | {r['seqlen_k']} | {r['cache_gb']:.3f} "
                      f"| {r['copies']} | {r['tile']} | {r['programs']} ({r['splits']}) "
                      f"| {1 + (r['splits'] > 1)} | {r['us']:.1f} | {r['gbps']} | {pct} |")
-    return "\n".join(lines)
-
-
-COMBINE_MODES = ("kernel", "fused")
-
-
-def _in_combine_mode(mode, fns):
-    """The calls with FLASHTILE_DECODE_COMBINE=mode set before each: read when a call is
-    made, so a CUDA graph keeps the mode it was captured in."""
-    import os
-
-    def wrap(fn):
-        def run():
-            os.environ["FLASHTILE_DECODE_COMBINE"] = mode
-            return fn()
-        return run
-    return [wrap(fn) for fn in fns]
-
-
-def _combine_ab_row(label, nbytes, splits, fns, ref):
-    """One case of run_combine_ab: both modes' outputs checked (against ref, or the
-    fused against the kernel's), then timed in the same rounds."""
-    steps = {mode: _in_combine_mode(mode, fns) for mode in COMBINE_MODES}
-    outs = {mode: steps[mode][0]() for mode in COMBINE_MODES}
-    for mode, out in outs.items():
-        err = (out.float() - (outs["kernel"] if ref is None else ref).float()).abs().max()
-        if not err.item() < 2e-2:
-            raise RuntimeError(f"{label} {mode}: max error {err.item():.3g}")
-    times = time_rounds(steps)
-    row = dict(case=label, splits=splits)
-    for mode in COMBINE_MODES:
-        us = median(times[mode])
-        row[mode] = dict(us=round(us, 2), gbps=round(nbytes / us / 1e3),
-                         rounds_us=[round(t, 2) for t in times[mode]])
-    print(json.dumps(row), flush=True)
-    return row
-
-
-def run_combine_ab(shapes=SHAPES, device="cuda"):
-    """Split decode's two merges side by side (FLASHTILE_DECODE_COMBINE=kernel: the
-    combine kernel, =fused: the decode kernel's last program of each row block): the
-    default table's flashtile providers and the engine rows, each over cold input
-    copies, both modes' results checked and timed in the same rounds (`time_rounds`).
-    Rows: the case, its split count (engine rows) and each mode's us and GB/s."""
-    import os
-
-    previous = os.environ.get("FLASHTILE_DECODE_COMBINE")
-    rows = []
-    try:
-        for batch, seqlen_k in shapes:
-            sets = [_providers(batch, seqlen_k, device)
-                    for _ in range(cache_copies(batch, seqlen_k, device))]
-            refs = sets[0][0]
-            for name in sets[0][1]:
-                if name.startswith("flashtile"):
-                    rows.append(_combine_ab_row(
-                        f"{name} b={batch} sk={seqlen_k}",
-                        provider_bytes(name, batch, seqlen_k), "",
-                        [p[name] for _, p in sets], refs["fp8" if "fp8" in name else ""]))
-            del sets, refs
-            torch.cuda.empty_cache()
-        for model, h, hkv, d in ENGINE_SHAPES:
-            for batch, seqlen_k in ENGINE_BATCHES:
-                fns, _cfg, _programs, splits = _engine_steps(model, h, hkv, d, batch,
-                                                             seqlen_k, device)
-                rows.append(_combine_ab_row(f"engine {model} b={batch} sk={seqlen_k}",
-                                            kv_bytes(batch, seqlen_k, 2, hkv, d), splits,
-                                            fns, None))
-                del fns
-                torch.cuda.empty_cache()
-    finally:
-        if previous is None:
-            os.environ.pop("FLASHTILE_DECODE_COMBINE", None)
-        else:
-            os.environ["FLASHTILE_DECODE_COMBINE"] = previous
-    return rows
-
-
-def combine_ab_markdown(rows):
-    """One row per case: each merge's time and bandwidth, fused time over kernel's."""
-    lines = ["| case | splits | kernel us (GB/s) | fused us (GB/s) | fused / kernel time |",
-             "|---" * 5 + "|"]
-    for r in rows:
-        k, f = r["kernel"], r["fused"]
-        lines.append(f"| {r['case']} | {r['splits']} | {k['us']:.1f} ({k['gbps']}) "
-                     f"| {f['us']:.1f} ({f['gbps']}) | {f['us'] / k['us']:.3f} |")
     return "\n".join(lines)
 
 
@@ -566,11 +472,6 @@ if __name__ == "__main__":
                            page_sizes=(None, 64), fp8=True)
         sweep_decode_tiles(shapes=((8, 8192),), tiles=(None, "8,256,4,3"),
                            splits=(1, 2, 4, 8, 16), page_sizes=(None, 64), fp8=True)
-    if "--combine-ab" in sys.argv:
-        # Split decode merged by the combine kernel and by the decode kernel itself
-        # (FLASHTILE_DECODE_COMBINE), the table's flashtile rows and the engine rows.
-        print(combine_ab_markdown(run_combine_ab()))
-        sys.exit(0)
     if "--mla" in sys.argv:
         # Absorbed MLA decode alone (issue 17): the table below is not run.
         for r in run_mla_bench():

@@ -14,8 +14,6 @@ the row stride is specialised by Triton (a multiple of 16 at the engine's shapes
 gate, up and the output move in 16-byte vectors; a call is a plan lookup and a launch
 (ops/_launch.py).
 
-With ``pdl`` the kernel is a programmatic dependent launch on Hopper, as layernorm.py's.
-
 ``silu_and_mul`` takes CUDA tensors (or CPU ones under the Triton interpreter);
 ``silu_and_mul_reference`` is the same in PyTorch, the engine's path on CPU.
 """
@@ -27,19 +25,14 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 from torch import Tensor
-from triton.language.extra.cuda import gdc_wait
 
 from flashtile.ops import _launch, configs
 
 
 @triton.jit
-def _silu_and_mul_kernel(X, Out, stride_xt, N: tl.constexpr, BLOCK_N: tl.constexpr,
-                         USE_PDL: tl.constexpr):
+def _silu_and_mul_kernel(X, Out, stride_xt, N: tl.constexpr, BLOCK_N: tl.constexpr):
     """Program (t, j): columns [j * BLOCK_N, (j + 1) * BLOCK_N) of row t. Out is
     contiguous rows of N."""
-    if USE_PDL:
-        # A dependent launch: x is the previous kernel's (the gate/up GEMM's) output.
-        gdc_wait()
     t = tl.program_id(0).to(tl.int64)
     o_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)               # [BLOCK_N]
     m_n = o_n < N
@@ -56,10 +49,9 @@ def _silu_and_mul_kernel(X, Out, stride_xt, N: tl.constexpr, BLOCK_N: tl.constex
 _SLOTS = ("X", "Out")
 
 
-def silu_and_mul(x: Tensor, pdl: bool = False) -> Tensor:
+def silu_and_mul(x: Tensor) -> Tensor:
     """silu(x[:, :n]) * x[:, n:] for x (T, 2n) with a unit last stride (any row
-    stride); returns (T, n) contiguous in x's dtype. pdl: a programmatic dependent
-    launch where the GPU has them (Hopper and later; ignored elsewhere)."""
+    stride); returns (T, n) contiguous in x's dtype."""
     if x.dim() != 2 or x.shape[1] % 2 or x.stride(1) != 1:
         raise ValueError("x: expected (tokens, 2 * n) with a unit last stride (gate | up), "
                          f"got shape {tuple(x.shape)} strides {x.stride()}")
@@ -70,18 +62,16 @@ def silu_and_mul(x: Tensor, pdl: bool = False) -> Tensor:
     key = None
     if _launch.ready(x):
         # out is left out of the alignment: a fresh allocation is aligned.
-        key = ("silu_and_mul", x.dtype, n, x.stride(0), pdl, x.data_ptr() & 15)
+        key = ("silu_and_mul", x.dtype, n, x.stride(0), x.data_ptr() & 15)
         found = _launch.lookup(key)
         if found is not None:
             block_n, plan = found
             plan((x.data_ptr(), out.data_ptr()), (t, configs.cdiv(n, block_n), 1))
             return out
     block_n, warps = configs.silu_and_mul_tile(n, x.device)
-    pdl = pdl and _launch.pdl_supported(x.device)
     plan = _launch.first_launch(
         _silu_and_mul_kernel, (t, configs.cdiv(n, block_n)), (x, out, x.stride(0)),
-        dict(N=n, BLOCK_N=block_n, USE_PDL=pdl, launch_pdl=pdl, num_warps=warps),
-        _SLOTS if key is not None else None)
+        dict(N=n, BLOCK_N=block_n, num_warps=warps), _SLOTS if key is not None else None)
     if key is not None:
         _launch.store(key, (block_n, plan))
     return out

@@ -30,7 +30,6 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 import flashtile
-from flashtile.ops import decode
 
 
 @dataclass
@@ -110,9 +109,6 @@ class Attention(nn.Module):
         self.backend = backend
         self.k_cache: Optional[Tensor] = None
         self.v_cache: Optional[Tensor] = None
-        # flashtile's decode kernel as a dependent launch of rope_store (model.engine_pdl;
-        # set by CausalLM.set_pdl only where the flashtile backend runs Triton).
-        self.pdl = False
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, meta: AttentionMetadata,
                 stored: bool = False) -> Tensor:
@@ -142,16 +138,6 @@ class Attention(nn.Module):
         return self._prefill_loop(q, k, v, meta)
 
     def _decode(self, q, meta):
-        if self.pdl:
-            # The launcher itself, which takes launch_pdl: the arguments are what
-            # flash_attn_with_kvcache below passes it for the runner's tensors (int32
-            # contiguous cache_seqlens and block tables, q from rope_store).
-            return decode.attn_decode(
-                q[:, None], self.k_cache, self.v_cache, cache_seqlens=meta.cache_seqlens,
-                block_table=meta.block_tables, cache_batch_idx=None, cache_leftpad=None,
-                alibi_slopes=None, softmax_scale=self.scale, window_left=self.window_left,
-                window_right=0, softcap=0.0, num_splits=0, allow_tf32=False,
-                return_lse=False, launch_pdl=True)[0][:, 0]
         if self.backend == "flashtile":
             out = flashtile.flash_attn_with_kvcache(
                 q[:, None], self.k_cache, self.v_cache, cache_seqlens=meta.cache_seqlens,

@@ -15,10 +15,6 @@ host against 16 ms of kernels (session 16). Here a call is a plan lookup and one
 loads are 16-byte vectors and a row stays in registers: one read of x (and the residual),
 one write of each output.
 
-With ``pdl`` (the engine's FLASHTILE_ENGINE_PDL, engine/model.py) the kernel is a
-programmatic dependent launch on Hopper: it may be scheduled while the kernel before it
-finishes, and waits for that grid (``gdc_wait``) before its first read.
-
 ``rms_norm`` and ``add_rms_norm`` take CUDA tensors (or CPU ones under the Triton
 interpreter); ``rms_norm_reference`` and ``add_rms_norm_reference`` are the same in
 PyTorch, the engine's path on CPU.
@@ -30,7 +26,6 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
-from triton.language.extra.cuda import gdc_wait
 
 from flashtile.ops import _launch, configs
 
@@ -40,16 +35,13 @@ def _rms_norm_kernel(
     X, Residual, Weight, Out, ResidualOut, n_rows,
     stride_xo, stride_xi, stride_ro, stride_ri, eps,
     N: tl.constexpr, INNER: tl.constexpr, BLOCK_N: tl.constexpr, ROWS: tl.constexpr,
-    HAS_RESIDUAL: tl.constexpr, USE_PDL: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
 ):
     """ROWS rows of N a program. Row r of x is at (r // INNER) * stride_xo + (r % INNER)
     * stride_xi: INNER = 1 for hidden states (T, N), the heads a token for a per-head
     norm (Qwen3's q/k norm over a strided view (T, INNER, N) of the fused projection).
     Out and ResidualOut are contiguous rows of N. n_rows changes every step: not
     specialised (one variant serves every token count)."""
-    if USE_PDL:
-        # A dependent launch: x and the residual are the previous kernel's outputs.
-        gdc_wait()
     o_r = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)        # [ROWS]
     o_n = tl.arange(0, BLOCK_N)                                             # [BLOCK_N]
     m_n = o_n < N
@@ -100,8 +92,7 @@ def _rows(x: Tensor) -> tuple[int, int, int]:
     return x.shape[1], x.stride(0), x.stride(1)
 
 
-def _rms_norm(x: Tensor, residual: Tensor | None, weight: Tensor, eps: float,
-              pdl: bool):
+def _rms_norm(x: Tensor, residual: Tensor | None, weight: Tensor, eps: float):
     """(normed, x + residual or None): the launcher of both public functions."""
     n = x.shape[-1]
     stream = x.dtype if residual is None else torch.promote_types(x.dtype, residual.dtype)
@@ -119,7 +110,7 @@ def _rms_norm(x: Tensor, residual: Tensor | None, weight: Tensor, eps: float,
         p = _launch.pointers(tensors)
         # out and summed are left out of the alignment: fresh allocations are aligned.
         key = ("rms_norm", x.dtype, x.shape[1:], x.stride(), _launch.layout(residual),
-               weight.dtype, weight.shape, weight.stride(), eps, pdl,
+               weight.dtype, weight.shape, weight.stride(), eps,
                _launch.misalignment(p[:3]))
         found = _launch.lookup(key)
         if found is not None:
@@ -130,34 +121,30 @@ def _rms_norm(x: Tensor, residual: Tensor | None, weight: Tensor, eps: float,
     inner, stride_xo, stride_xi = _rows(x)
     _, stride_ro, stride_ri = _rows(x if residual is None else residual)
     block_n, rows, warps = configs.rms_norm_tile(n, x.device)
-    pdl = pdl and _launch.pdl_supported(x.device)
     plan = _launch.first_launch(
         _rms_norm_kernel, (configs.cdiv(n_rows, rows),),
         (*tensors, n_rows, stride_xo, stride_xi, stride_ro, stride_ri, eps),
         dict(N=n, INNER=inner, BLOCK_N=block_n, ROWS=rows,
-             HAS_RESIDUAL=residual is not None, USE_PDL=pdl, launch_pdl=pdl,
-             num_warps=warps),
+             HAS_RESIDUAL=residual is not None, num_warps=warps),
         _SLOTS if key is not None else None)
     if key is not None:
         _launch.store(key, (rows, plan))
     return out, summed
 
 
-def rms_norm(x: Tensor, weight: Tensor, eps: float, pdl: bool = False) -> Tensor:
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     """RMSNorm of x's rows. x (T, n), or (T, heads, n) for a per-head norm (either may
-    be a strided view with a unit last stride); weight (n,); eps the variance epsilon;
-    pdl: a programmatic dependent launch where the GPU has them (Hopper and later;
-    ignored elsewhere). Returns a contiguous tensor of x's shape in the promotion of
-    x's and weight's dtypes (x's in the engine)."""
-    return _rms_norm(x, None, weight, eps, pdl)[0]
+    be a strided view with a unit last stride); weight (n,); eps the variance epsilon.
+    Returns a contiguous tensor of x's shape in the promotion of x's and weight's dtypes
+    (x's in the engine)."""
+    return _rms_norm(x, None, weight, eps)[0]
 
 
-def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float,
-                 pdl: bool = False) -> tuple[Tensor, Tensor]:
+def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float
+                 ) -> tuple[Tensor, Tensor]:
     """(rms_norm(x + residual), x + residual) in one pass; residual has x's shape. The
-    sum is rounded to the stream's dtype before it is normalised, as the unfused add.
-    pdl: as rms_norm's."""
-    return _rms_norm(x, residual, weight, eps, pdl)
+    sum is rounded to the stream's dtype before it is normalised, as the unfused add."""
+    return _rms_norm(x, residual, weight, eps)
 
 
 def rms_norm_reference(x: Tensor, weight: Tensor, eps: float) -> Tensor:

@@ -16,8 +16,6 @@ multiply, rotary tables in fp32), so fp32 logits agree to rounding. On CUDA the
 elementwise work (RMSNorm with the residual add, SiLU-and-multiply, the rotary embedding
 with the cache write) runs in flashtile's Triton kernels (engine/layernorm.py,
 activation.py, rope_store.py), elsewhere in their PyTorch references (``use_kernels``).
-With FLASHTILE_ENGINE_PDL=1 on Hopper they, and flashtile's decode attention, are
-programmatic dependent launches (``engine_pdl``).
 """
 
 from __future__ import annotations
@@ -27,15 +25,12 @@ import math
 import torch
 from torch import nn
 
-from flashtile._backend import getenv
-from flashtile._validate import _fail
 from flashtile.engine import activation, layernorm
 from flashtile.engine.attention import Attention, AttentionMetadata
 from flashtile.engine.config import ModelConfig
 from flashtile.engine.parallel import SINGLE, MergedColumnParallelLinear, ParallelGroup, \
     ParallelLMHead, QKVParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from flashtile.engine.rope_store import rope_and_store, rotate_halves
-from flashtile.ops import _launch
 
 
 def use_kernels(x) -> bool:
@@ -45,30 +40,9 @@ def use_kernels(x) -> bool:
     return x.is_cuda
 
 
-def engine_pdl(device: torch.device) -> bool:
-    """Whether the model on ``device`` launches its own kernels (RMSNorm with and
-    without the residual, SiLU-and-multiply, rope_store, and flashtile's paged decode)
-    as programmatic dependent launches: FLASHTILE_ENGINE_PDL=1 on Hopper or later.
-
-    Each such kernel may be scheduled while the kernel before it finishes and waits for
-    that grid (``gdc_wait``, its first statement) before reading anything, so its launch
-    latency overlaps the previous kernel's tail, as flashtile's split-KV combine does
-    (0.3-0.5 us a boundary on the H200, docs/benchmarks/NOTES.md section 9). After a
-    kernel that knows nothing of it (the cuBLAS GEMMs) the launch is still legal: that
-    kernel's end is its signal. CUDA graphs keep the dependencies as programmatic edges
-    (CUDA 12.3 and later). Default 0 until the GPU has timed it. Read once, when the
-    runner builds its model (``CausalLM.set_pdl``), never per step; each launcher's
-    plan key holds the flag it is given."""
-    value = getenv("FLASHTILE_ENGINE_PDL", "0").strip() or "0"
-    if value not in ("0", "1"):
-        _fail(ValueError, "FLASHTILE_ENGINE_PDL", "'0' (off, the default) or '1' "
-              "(programmatic dependent launches of the engine's kernels)", repr(value))
-    return value == "1" and _launch.pdl_supported(device)
-
-
 def _kernel_on_cuda(kernel, reference):
-    def run(*args, pdl=False):
-        return kernel(*args, pdl=pdl) if use_kernels(args[0]) else reference(*args)
+    def run(*args):
+        return kernel(*args) if use_kernels(args[0]) else reference(*args)
     return run
 
 
@@ -81,10 +55,10 @@ add_rms_norm = _kernel_on_cuda(layernorm.add_rms_norm, layernorm.add_rms_norm_re
 silu_and_mul = _kernel_on_cuda(activation.silu_and_mul, activation.silu_and_mul_reference)
 
 
-def rope(q, k, v, cos, sin, slot_mapping, k_cache, v_cache, pdl=False):
+def rope(q, k, v, cos, sin, slot_mapping, k_cache, v_cache):
     """(q, k, stored): rotated q and k, and whether k and v are in the pool already."""
     if use_kernels(q):
-        return (*rope_and_store(q, k, v, cos, sin, slot_mapping, k_cache, v_cache, pdl),
+        return (*rope_and_store(q, k, v, cos, sin, slot_mapping, k_cache, v_cache),
                 k_cache is not None)
     return rotate_halves(q, cos, sin), rotate_halves(k, cos, sin), False
 
@@ -94,12 +68,11 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.empty(dim))
-        self.pdl = False  # CausalLM.set_pdl
 
     def forward(self, x, residual=None):
         if residual is None:
-            return rms_norm(x, self.weight, self.eps, pdl=self.pdl)
-        return add_rms_norm(x, residual, self.weight, self.eps, pdl=self.pdl)
+            return rms_norm(x, self.weight, self.eps)
+        return add_rms_norm(x, residual, self.weight, self.eps)
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -158,7 +131,6 @@ class SelfAttention(nn.Module):
         window = config.sliding_window
         self.attn = Attention(h, hkv, d, window_left=window - 1 if window else -1,
                               backend=backend)
-        self.pdl = False  # CausalLM.set_pdl
 
     def forward(self, x, cos, sin, meta: AttentionMetadata):
         q, k, v = self.qkv_proj(x).split(self.sizes, dim=-1)
@@ -170,8 +142,7 @@ class SelfAttention(nn.Module):
         attn = self.attn
         # On CUDA one kernel for the rotary embedding and this layer's cache write (three
         # otherwise: a decode step at small batch pays per kernel).
-        q, k, stored = rope(q, k, v, cos, sin, meta.slot_mapping, attn.k_cache, attn.v_cache,
-                            self.pdl)
+        q, k, stored = rope(q, k, v, cos, sin, meta.slot_mapping, attn.k_cache, attn.v_cache)
         return self.o_proj(attn(q, k, v, meta, stored=stored).flatten(1))
 
 
@@ -182,10 +153,9 @@ class MLP(nn.Module):
                                                        config.intermediate_size, tp)
         self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size,
                                            bias=False, tp=tp)
-        self.pdl = False  # CausalLM.set_pdl
 
     def forward(self, x):
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x), pdl=self.pdl))
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -237,18 +207,6 @@ class CausalLM(nn.Module):
     def tie_weights(self):
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-
-    def set_pdl(self, kernels: bool, decode: bool) -> None:
-        """Launch the layers' elementwise kernels (kernels) and, with the flashtile
-        backend on Triton (decode: not FLASHTILE_BACKEND=torch), its decode attention
-        too as programmatic dependent launches (engine_pdl). Before the first forward
-        on the GPU: the launchers' plans and the CUDA graphs keep what they were made
-        with."""
-        for module in self.modules():
-            if isinstance(module, Attention):
-                module.pdl = kernels and decode and module.backend == "flashtile"
-            elif isinstance(module, (RMSNorm, SelfAttention, MLP)):
-                module.pdl = kernels
 
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn.attn for layer in self.model.layers]

@@ -14,12 +14,6 @@ Until session 16 a program took one head of one token with one warp: 80 us a lay
 prompt step of 8 x 1024 tokens of Qwen2.5-0.5B on the H200 (~40 MB, 12% of the copy
 bandwidth), cos/sin read once per head.
 
-With ``pdl`` (the engine's FLASHTILE_ENGINE_PDL, engine/model.py) the kernel is a
-programmatic dependent launch on Hopper, as layernorm.py's, and lets the kernel after it
-(the engine's decode attention, itself a dependent launch) be scheduled at once: that
-kernel's own ``gdc_wait`` holds its reads until this grid has finished and its stores
-are visible, so the early signal moves only its launch, never its reads.
-
 ``rope_and_store`` is the launcher (CUDA tensors, or CPU ones under the Triton
 interpreter); ``rope_and_store_reference`` is the same in PyTorch, the path the engine
 takes elsewhere (its CPU runs, whose logits are compared with transformers').
@@ -31,7 +25,6 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from flashtile.ops import _launch, configs
 
@@ -61,18 +54,11 @@ def _rope_store_kernel(
     stride_cache_slot, stride_cache_h,
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HALF: tl.constexpr,
     BLOCK_HALF: tl.constexpr, HEADS_Q: tl.constexpr, HEADS_KV: tl.constexpr,
-    STORE: tl.constexpr, USE_PDL: tl.constexpr,
+    STORE: tl.constexpr,
 ):
     """Program (t, j): token t; j < Q_BLOCKS: q heads [j * HEADS_Q, ...), else kv heads
     [(j - Q_BLOCKS) * HEADS_KV, ...) (rotated k, and with STORE the pool writes of k and
     v at the token's slot). QOut (T, NUM_HEADS, 2 HALF) and KOut contiguous."""
-    if USE_PDL:
-        # q, k, v are the previous kernel's (the qkv GEMM's) output: wait for its grid.
-        gdc_wait()
-        # The next kernel may be placed now: every program of this grid is running
-        # by the time all have signalled, and the dependent's gdc_wait still waits for
-        # this grid's end and stores (PTX ISA, griddepcontrol).
-        gdc_launch_dependents()
     t = tl.program_id(0).to(tl.int64)
     j = tl.program_id(1)
     o_d = tl.arange(0, BLOCK_HALF)                                          # [BLOCK_HALF]
@@ -109,14 +95,12 @@ _SLOTS = ("Q", "K", "V", "Cos", "Sin", "Slots", "KCache", "VCache", "QOut", "KOu
 
 def rope_and_store(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor,
                    slot_mapping: Tensor | None, k_cache: Tensor | None,
-                   v_cache: Tensor | None, pdl: bool = False) -> tuple[Tensor, Tensor]:
+                   v_cache: Tensor | None) -> tuple[Tensor, Tensor]:
     """q (T, H, d), k/v (T, Hkv, d), each with a unit last stride (views of the fused
     projection are fine); cos/sin (T, d / 2) fp32 per token with a unit last stride;
     slot_mapping (T,) int64; k_cache/v_cache (num_blocks, page_size, Hkv, d) contiguous,
     or None (then nothing is stored and slot_mapping is not read). Returns the rotated q
-    (T, H, d) and k (T, Hkv, d), contiguous; writes rotated k and v at each slot >= 0.
-    pdl: a programmatic dependent launch where the GPU has them (Hopper and later;
-    ignored elsewhere)."""
+    (T, H, d) and k (T, Hkv, d), contiguous; writes rotated k and v at each slot >= 0."""
     t, h, d = q.shape
     hkv = k.shape[1]
     q_out = torch.empty((t, h, d), dtype=q.dtype, device=q.device)
@@ -134,7 +118,7 @@ def rope_and_store(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor,
         key = ("rope_store", q.dtype, q.shape[1:], q.stride(), k.shape[1:], k.stride(),
                v.stride(), cos.dtype, cos.stride(), store and (
                    slot_mapping.dtype, k_cache.dtype, k_cache.stride(), v_cache.dtype),
-               pdl, _launch.misalignment(p[:8]))
+               _launch.misalignment(p[:8]))
         found = _launch.lookup(key)
         if found is not None:
             blocks, plan = found
@@ -148,15 +132,13 @@ def rope_and_store(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor,
                          f"{[x.stride() for x in (q, k, v, cos, sin)]}")
     block_half, heads_q, heads_kv, warps = configs.rope_store_tile(h, hkv, d // 2, q.device)
     blocks = configs.cdiv(h, heads_q) + configs.cdiv(hkv, heads_kv)
-    pdl = pdl and _launch.pdl_supported(q.device)
     plan = _launch.first_launch(
         _rope_store_kernel, (t, blocks),
         (*tensors, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0),
          v.stride(1), cos.stride(0), k_cache.stride(1) if store else 0,
          k_cache.stride(2) if store else 0),
         dict(NUM_HEADS=h, NUM_KV_HEADS=hkv, HALF=d // 2, BLOCK_HALF=block_half,
-             HEADS_Q=heads_q, HEADS_KV=heads_kv, STORE=store, USE_PDL=pdl,
-             launch_pdl=pdl, num_warps=warps),
+             HEADS_Q=heads_q, HEADS_KV=heads_kv, STORE=store, num_warps=warps),
         _SLOTS if key is not None else None)
     if key is not None:
         _launch.store(key, (blocks, plan))

@@ -29,7 +29,6 @@ from flashtile.engine.attention import AttentionMetadata
 from flashtile.engine.config import EngineConfig
 from flashtile.engine.cuda_graphs import CudaGraphsMixin
 from flashtile.engine.loader import build_model
-from flashtile.engine.model import engine_pdl
 from flashtile.engine.sampler import Sampler, SamplingTensors
 from flashtile.engine.sequence import Sequence
 from flashtile.engine.step_inputs import HostStep, StepInputs, StepInputsMixin, \
@@ -59,13 +58,6 @@ class ModelRunner(StepInputsMixin, CudaGraphsMixin):
         self.device, self.dtype = config.torch_device, config.torch_dtype
         self.page_size = config.page_size
         self.model = build_model(config)
-        # flashtile's PyTorch path (FLASHTILE_BACKEND=torch) reads each sequence's length
-        # on the host, which a graph capture forbids: that path decodes eagerly.
-        cuda = self.device.type == "cuda"
-        torch_path = cuda and config.attention_backend == "flashtile" and \
-            select_backend(self.device) == "torch"
-        # Before any forward: plans and graphs keep the launches they are made with.
-        self.model.set_pdl(engine_pdl(self.device), decode=not torch_path)
         self.sampler = Sampler(seed=config.seed)
         self.num_blocks = self._pool_blocks()
         mc = config.model_config
@@ -84,8 +76,11 @@ class ModelRunner(StepInputsMixin, CudaGraphsMixin):
         self._graph_views = None, None, None  # see upload
         self.graphs, self.static, self._staging, self._graph_list = {}, {}, {}, []
         self._last_tokens = None
-        use_graphs = cuda and not config.enforce_eager and not torch_path
-        if cuda:
+        # flashtile's PyTorch path (FLASHTILE_BACKEND=torch) reads each sequence's length
+        # on the host, which a graph capture forbids: that path decodes eagerly.
+        use_graphs = self.device.type == "cuda" and not config.enforce_eager and not (
+            config.attention_backend == "flashtile" and select_backend(self.device) == "torch")
+        if self.device.type == "cuda":
             self.warm_up(decode=not use_graphs)
         if use_graphs:
             self._capture_graphs()

@@ -27,8 +27,7 @@ Plans are used for CUDA tensors with Triton's NVIDIA launcher only; the interpre
 Triton's own path on every call. Tile choices are part of a plan: ``configs`` clears
 the plans when its overrides or tuned table change; the FLASHTILE_*_CONFIG and
 FLASHTILE_DECODE_PDL environment variables are read when a plan is made, so set them
-before the first call (or call ``clear()``). (FLASHTILE_DECODE_COMBINE is read on every
-decode call: part of the decode plans' key.)
+before the first call (or call ``clear()``).
 """
 
 from __future__ import annotations
@@ -75,15 +74,6 @@ def ready(x: torch.Tensor) -> bool:
     runtime = knobs.runtime
     return not (getattr(runtime.launch_enter_hook, "calls", runtime.launch_enter_hook)
                 or getattr(runtime.launch_exit_hook, "calls", runtime.launch_exit_hook))
-
-
-def pdl_supported(device: torch.device) -> bool:
-    """Whether a kernel on ``device`` may be a programmatic dependent launch (Triton's
-    ``launch_pdl``, with ``gdc_wait`` at the kernel's top): NVIDIA Hopper or later
-    (griddepcontrol is sm_90 PTX), compiled, not interpreted. Asked when a launcher
-    makes a plan, not per call."""
-    return (device.type == "cuda" and _NVIDIA and not knobs.runtime.interpret
-            and torch.cuda.get_device_capability(device)[0] >= 9)
 
 
 def _device() -> int:

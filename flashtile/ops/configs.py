@@ -810,38 +810,6 @@ def _hopper_mla_decode_config(raw) -> TileConfig:
     return cfg
 
 
-# The fused combine (combine._merge_rows) merges a row block's splits in its last program,
-# MERGE_S splits' partials (rows x V's head dim, fp32) in one load: L2 round trips, not
-# bandwidth, bound it (b=1 x 8k keys x 8 KV heads: 33 splits of 4 rows x 128, 2 KB each,
-# for each of 8 programs, against the combine kernel's 32 programs of a row each). At
-# most DECODE_MERGE_FP32 fp32 a thread a split (a 16-bit d128 tile of 4 rows over 4
-# warps), DECODE_MERGE_REGISTERS of them in flight. Larger row blocks keep the combine
-# kernel, which spreads the merge over a program per row: 8 rows x 128 would take 4
-# groups of 8 splits (and spilled 8 bytes at 8, sm_90 AOT), MLA's 512-column V more.
-# fp32 q (products on FFMA, their operands in registers): 4 registers of them (d128: one
-# split at a time), as sm_90 AOT put 8 or more at d128 and d256 in a ptxas mode of 32 or
-# 255 registers and 0.2-5 KB of stack where 4 spilled nothing. (fp32 decode is checked,
-# not timed.)
-DECODE_MERGE_FP32 = 4
-DECODE_MERGE_REGISTERS = 64
-DECODE_MERGE_REGISTERS_FMA = 4
-DECODE_MERGE_MAX_SPLITS = 16
-
-
-def decode_merge_tile(q, rows: int, cfg: TileConfig, block_dv: int) -> tuple[int, int] | None:
-    """(MERGE_M, MERGE_S) of the fused combine for a decode of q with rows query rows
-    per KV head (padded V head dim block_dv) at the decode tile cfg: the rows of a block
-    it merges (the block's, up to the rows there are: a 16-row tile of 4 rows holds 12
-    of padding) and the splits it loads at once; None where it does not serve (V's
-    columns in parts, or a split's tile past DECODE_MERGE_FP32 a thread)."""
-    merge_m = min(cfg.block_m, next_power_of_2(rows))
-    per_thread = merge_m * block_dv // (32 * cfg.num_warps)  # powers of two (or 0)
-    if cfg.dv_parts > 1 or per_thread > DECODE_MERGE_FP32:
-        return None
-    budget = DECODE_MERGE_REGISTERS_FMA if q.element_size() == 4 else DECODE_MERGE_REGISTERS
-    return merge_m, max(1, min(DECODE_MERGE_MAX_SPLITS, budget // max(per_thread, 1)))
-
-
 def decode_programs_per_sm(head_dim: int, cfg: TileConfig) -> int:
     """Decode programs an SM holds at once, as the split heuristic plans them: 2, or 1
     for a key past DECODE_MAX_BLOCK_D at 64 rows or more (Q resident in shared memory

@@ -9,11 +9,6 @@ Flash-Decoding, 2023); each split writes its normalized partial output and lse, 
 kernel is a programmatic dependent launch: its programs are scheduled while the decode
 programs finish and wait (griddepcontrol) for their results, which hides part of the
 second launch's cost (batch 1 x 8k keys on the H200: 11.9 -> 11.4 us, NOTES.md section 9).
-With FLASHTILE_DECODE_COMBINE=fused the last split program of each row block merges
-them instead (FUSED_COMBINE), and a split decode is one launch. Not where V's columns lie
-in several programs (DV_PARTS > 1) or a row block's partials are wide (more than 4 fp32 a
-thread a split: configs.decode_merge_tile), nor for the Gluon MLA kernel: those keep the
-combine kernel.
 
 V's head dim may differ from K's (MLA): its own tile for V, the accumulator and the
 output. A key head dim past 512 (absorbed MLA's 576 = 512 latent + 64 rope dims) is a
@@ -48,12 +43,11 @@ import functools
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+from triton.language.extra.cuda import gdc_launch_dependents
 
 from flashtile._validate import _fail
 from flashtile.ops import _launch, combine, configs
 from flashtile.ops._common import LN2, _checked_page, _checked_rows, _scores_log2
-from flashtile.ops.combine import _merge_rows
 from flashtile.ops._fp8 import _fp8_pairs_to_fp16, _fp16_rows, _load_descale, _quantize
 
 
@@ -101,26 +95,6 @@ def _pick(pages, index, FIRST: tl.constexpr, STEP: tl.constexpr, COUNT: tl.const
     return page
 
 
-@triton.jit
-def _block_rows(first, ROWS: tl.constexpr, off_hkv, group_size, seqlen_q):
-    """(query tokens, query heads, mask) of the ROWS tile rows from row ``first`` of KV
-    head off_hkv: row r is query token r // group_size of query head r % group_size."""
-    offs_r = first + tl.arange(0, ROWS)
-    return (offs_r // group_size, off_hkv * group_size + offs_r % group_size,
-            offs_r < seqlen_q * group_size)
-
-
-@triton.jit
-def _out_offsets(off_b, offs_t, offs_h, offs_dv, stride_ob, stride_om, stride_oh,
-                 stride_lb, stride_lh):
-    """Offsets of rows' lse (M,) in a (b, h, sq) lse and of their out (M, DV) in a
-    (b, sq, h, dv) out (lse unit stride along sq, out along dv)."""
-    o_lse = off_b * stride_lb + offs_h * stride_lh + offs_t
-    o_out = (off_b * stride_ob + offs_t[:, None] * stride_om + offs_h[:, None] * stride_oh
-             + offs_dv[None, :])
-    return o_lse, o_out
-
-
 # Integers that follow the batch (the partial lse's split stride) or the cache's and the
 # block table's sizes, not the model: Triton would compile one variant for 1, one for a
 # multiple of 16 and one for any other value, which an eager engine met mid-serving.
@@ -130,7 +104,7 @@ def _out_offsets(off_b, offs_t, offs_h, offs_dv, stride_ob, stride_om, stride_oh
                                "cache_rows", "capacity"])
 def _decode_kernel(
     Q, KCache, VCache, Out, Lse, BlockTable, CacheSeqlens, CacheBatchIdx, CacheLeftpad,
-    Alibi, QDescale, KDescale, VDescale, OutFinal, LseFinal, Counters,
+    Alibi, QDescale, KDescale, VDescale,
     stride_qb, stride_qm, stride_qh,
     stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh,
@@ -153,13 +127,8 @@ def _decode_kernel(
     INPUT_PRECISION: tl.constexpr, LAUNCH_DEPENDENTS: tl.constexpr,
     HAS_Q_DESCALE: tl.constexpr, HAS_K_DESCALE: tl.constexpr, HAS_V_DESCALE: tl.constexpr,
     V_PAIRS: tl.constexpr, PAIRS_ASM: tl.constexpr, KEYS_M: tl.constexpr,
-    DV_PARTS: tl.constexpr, USE_PDL: tl.constexpr, FUSED_COMBINE: tl.constexpr,
-    MERGE_M: tl.constexpr, MERGE_S: tl.constexpr,
+    DV_PARTS: tl.constexpr,
 ):
-    if USE_PDL:
-        # A dependent launch (attn_decode's launch_pdl): q and the cache may be the
-        # previous kernel's writes, so nothing is read before its grid is done.
-        gdc_wait()
     # Pages looked up per key row (a vector of entries per tile), not per tile.
     ROW_PAGES: tl.constexpr = TILE_PAGES > 0 or (not PAGE_ALIGNED and SPLIT_PAGES == 0)
     # KEYS_M: rows past the split's last key read that key again, unmasked (see the
@@ -181,8 +150,11 @@ def _decode_kernel(
         part = start_m % DV_PARTS
         start_m = start_m // DV_PARTS
 
-    offs_t, offs_h, m_row = _block_rows(start_m * BLOCK_M, BLOCK_M, off_hkv, group_size,
-                                        seqlen_q)
+    # Row r of the tile is query token r // group_size of query head r % group_size.
+    offs_r = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_t = offs_r // group_size
+    offs_h = off_hkv * group_size + offs_r % group_size
+    m_row = offs_r < seqlen_q * group_size
     offs_n0 = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     if DV_PARTS > 1:
@@ -505,49 +477,17 @@ def _decode_kernel(
     if HAS_V_DESCALE:
         out *= v_descale  # linear: split partials scaled alike combine unchanged
     # Out/Lse are either the final (b, sq, h, d)/(b, h, sq) tensors (stride_os = 0) or
-    # the fp32 per-split partials that the combine merges (flashtile.ops.combine).
+    # the fp32 per-split partials that combine._combine_kernel merges.
     m_lse = m_row
     if DV_PARTS > 1:
         # One part stores lse. The parts add the score tiles in different orders, so
         # their sums may differ in the last bits of fp32.
         m_lse &= part == 0
-    o_lse, o_out = _out_offsets(off_b, offs_t, offs_h, offs_dv, stride_ob, stride_om,
-                                stride_oh, stride_lb, stride_lh)
-    m_out = m_row[:, None] & m_dv[None, :]
-    tl.store(Lse + split * stride_ls + o_lse, lse, mask=m_lse)
-    tl.store(Out + split * stride_os + o_out, out.to(Out.dtype.element_ty), mask=m_out)
-    if FUSED_COMBINE:
-        # The split programs of this row block count themselves on its counter; the last
-        # merges every split's partials into OutFinal/LseFinal (flashtile.ops.combine),
-        # then resets the counter for the next call (or graph replay). The barrier:
-        # every thread's stores are issued before the one atomic, whose release (and the
-        # last program's acquire) orders them before the last program's loads.
-        tl.static_assert(DV_PARTS == 1 and not LAUNCH_DEPENDENTS)
-        tl.debug_barrier()
-        p_count = Counters + tl.program_id(1) * tl.num_programs(2) + start_m
-        if tl.atomic_add(p_count, 1, sem="acq_rel") == tl.num_programs(0) - 1:
-            # The block's rows that hold queries, up to MERGE_M (the tile's padding rows
-            # would take registers), under names of their own (a name keeps its shape in
-            # Triton), V's columns from an arange of their own (not the accumulator's
-            # layout: fp32 d256 spilled 5 KB with it, sm_90). The final out and lse are
-            # contiguous as the partials are but for their split dimension (_outputs):
-            # the same strides.
-            offs_ft, offs_fh, m_frow = _block_rows(start_m * BLOCK_M, MERGE_M, off_hkv,
-                                                   group_size, seqlen_q)
-            offs_fdv = tl.arange(0, BLOCK_DV)
-            o_flse, o_fout = _out_offsets(off_b, offs_ft, offs_fh, offs_fdv, stride_ob,
-                                          stride_om, stride_oh, stride_lb, stride_lh)
-            m_fout = m_frow[:, None] & (offs_fdv < head_dim_v)[None, :]
-            # Splits past the sequence's last key are empty, (0, -inf): weight 0, so
-            # leaving them out changes no bit. At least one: a sequence that reads
-            # nothing has NaN in every split.
-            splits = tl.maximum(tl.cdiv(seqlen_k, keys_per_split), 1)
-            b_out, b_lse = _merge_rows(Lse, Out, o_flse, o_fout, m_frow, m_fout, stride_ls,
-                                       stride_os, splits, MERGE_S)
-            tl.store(LseFinal + o_flse, b_lse, mask=m_frow)
-            tl.store(OutFinal + o_fout, b_out.to(OutFinal.dtype.element_ty), mask=m_fout)
-            # Relaxed: the next call's programs start after this grid has ended.
-            tl.atomic_xchg(p_count, 0, sem="relaxed")
+    tl.store(Lse + split * stride_ls + off_b * stride_lb + offs_h * stride_lh + offs_t,
+             lse, mask=m_lse)
+    p_o = (Out + split * stride_os + off_b * stride_ob + offs_t[:, None] * stride_om
+           + offs_h[:, None] * stride_oh + offs_dv[None, :])
+    tl.store(p_o, out.to(Out.dtype.element_ty), mask=m_row[:, None] & m_dv[None, :])
 
 
 # Splits spanning at most this many pages (a power of two) load their page list before
@@ -713,7 +653,7 @@ def paged_decode_warm_shapes(q, k_cache, v_cache, batch_sizes,
 # The kernel parameters a call of a decode plan fills, in this order (``_launch``).
 _DECODE_SLOTS = ("Q", "KCache", "VCache", "Out", "Lse", "BlockTable", "CacheSeqlens",
                  "CacheBatchIdx", "CacheLeftpad", "Alibi", "QDescale", "KDescale",
-                 "VDescale", "OutFinal", "LseFinal", "Counters", "softmax_scale", "softcap")
+                 "VDescale", "softmax_scale", "softcap")
 
 
 def _f32_words(n: int) -> int:
@@ -774,10 +714,9 @@ def attn_decode(q, k_cache, v_cache, *, cache_seqlens, block_table, cache_batch_
                 cache_leftpad, alibi_slopes, softmax_scale, window_left, window_right,
                 softcap, num_splits, allow_tf32, new_tokens=0, q_descale=None,
                 k_descale=None, v_descale=None, out_dtype=None, return_lse=True,
-                layout=None, launch_pdl=False):
-    """Launch the decode kernel (and, split, the combine kernel unless the decode kernel
-    merges its splits itself: combine.combine_mode). Shapes, dtypes and devices
-    validated by the caller; index values are checked by the kernel.
+                layout=None):
+    """Launch the decode kernel (and the combine kernel when split). Shapes, dtypes and
+    devices validated by the caller; index values are checked by the kernel.
 
     q (b, sq, h, d); k_cache (b_cache, max_seqlen, hkv, d), or with block_table
     (num_blocks, page_size, hkv, d); v_cache likewise with its own head dim dv (MLA),
@@ -795,8 +734,6 @@ def attn_decode(q, k_cache, v_cache, *, cache_seqlens, block_table, cache_batch_
     strides and devices of q, k_cache, v_cache, block_table, cache_batch_idx and
     cache_leftpad and of new_tokens, and to no other (``_validate.once_per_layout``'s):
     the plan key holds it in their place (fewer values to read and hash per call).
-    launch_pdl: the decode kernel is a programmatic dependent launch of the kernel before
-    it (Hopper and later; the engine's, after its rope_store), waiting at its top.
     """
     b, sq, h, d = q.shape
     hkv, dv = k_cache.shape[2], v_cache.shape[-1]
@@ -822,7 +759,6 @@ def attn_decode(q, k_cache, v_cache, *, cache_seqlens, block_table, cache_batch_
                 num_splits=num_splits, new_tokens=new_tokens, out_dtype=out_dtype,
                 return_lse=return_lse)
     scaled = q_descale is not None or k_descale is not None or v_descale is not None
-    fused = combine.combine_mode() == "fused"
     # The kernel's tensors but out and lse (allocated once the split count is known):
     # absent index tensors get cache_seqlens as a never-read placeholder, alibi q, a
     # descale lse (at launch).
@@ -845,36 +781,22 @@ def attn_decode(q, k_cache, v_cache, *, cache_seqlens, block_table, cache_batch_
         key = ("decode", layout, out_dtype, v_is_k, _launch.layout(alibi_slopes),
                scaled and tuple(_launch.layout(x) for x in descales),
                window_left, window_right, softcap > 0, num_splits, allow_tf32,
-               launch_pdl, fused, _launch.misalignment(p + scale_ptrs))
-        # (decode,) unsplit; (splits, decode, combine) merged by the combine kernel;
-        # (splits, decode, counters it needs) merged by the decode kernel itself.
+               _launch.misalignment(p + scale_ptrs))
         plans = _launch.lookup(key)
-        counters = p[4]  # cache_seqlens: a never-read placeholder unless fused
-        merged_here = plans is not None and type(plans[-1]) is int
-        if merged_here:
-            counters = combine.split_counters(q, plans[2])
-            if counters is None:  # a capture past the graph counters: two kernels
-                plans = key = None
-            else:
-                counters = counters.data_ptr()
         if plans is not None:
-            split = len(plans) > 1
+            split = len(plans) == 3
             out, lse, buf, lse_at, dst_at, dst_lse_at = _outputs(
                 q, dv, out_dtype, plans[0] if split else 1, return_lse)
             o, base = out.data_ptr(), buf.data_ptr()
             lse_ptr = base + lse_at
             scales = tuple(lse_ptr if x == 0 else x for x in scale_ptrs) if scaled \
                 else (lse_ptr, lse_ptr, lse_ptr)
-            finals = (o, lse_ptr, counters)
             if not split:  # the kernel writes out and lse itself
-                plans[0]((*p[:3], o, lse_ptr, *p[3:], *scales, *finals, softmax_scale,
-                          softcap))
+                plans[0]((*p[:3], o, lse_ptr, *p[3:], *scales, softmax_scale, softcap))
                 return out, lse
             dst, dst_lse = base + dst_at, base + dst_lse_at
-            plans[1]((*p[:3], dst, dst_lse, *p[3:], *scales, *finals, softmax_scale,
-                      softcap))
-            if not merged_here:
-                plans[2]((dst, dst_lse, o, lse_ptr))
+            plans[1]((*p[:3], dst, dst_lse, *p[3:], *scales, softmax_scale, softcap))
+            plans[2]((dst, dst_lse, o, lse_ptr))
             return out, lse
     else:
         v_is_k = _v_is_k(k_cache, v_cache)
@@ -916,18 +838,7 @@ def attn_decode(q, k_cache, v_cache, *, cache_seqlens, block_table, cache_batch_
     # Pages smaller than the tile: whole pages per tile unless a left pad (0: per row).
     tile_pages = (cfg.block_n // page_size
                   if paged and not page_aligned and cache_leftpad is None else 0)
-    # The decode kernel merges its own splits (FLASHTILE_DECODE_COMBINE=fused) where
-    # configs.decode_merge_tile has a tile for it (not for V's columns in parts, nor for
-    # a row block's partials past 4 fp32 a thread), unless a CUDA graph capture needs
-    # more counters than eager calls have made (combine.split_counters): else the kernel.
-    merge_tile = configs.decode_merge_tile(q, sq * group, cfg, block_dv) \
-        if fused and num_splits > 1 else None
-    fused, counters = merge_tile is not None, cache_seqlens  # a never-read placeholder
-    if fused:
-        counters = combine.split_counters(q, b * hkv * m_blocks)
-        if counters is None:  # no plan either: the key says fused
-            counters, fused, key = cache_seqlens, False, None
-    pdl, early = combine.combine_pdl(q) if num_splits > 1 and not fused else (False, False)
+    pdl, early = combine.combine_pdl(q) if num_splits > 1 else (False, False)
     switches = dict(
         flags, PAGED=paged, PAGE_SIZE=page_size, PAGE_ALIGNED=page_aligned,
         TILE_PAGES=tile_pages, SPLIT_PAGES=split_pages,
@@ -935,15 +846,13 @@ def attn_decode(q, k_cache, v_cache, *, cache_seqlens, block_table, cache_batch_
         LAUNCH_DEPENDENTS=early, HAS_Q_DESCALE=q_descale is not None,
         HAS_K_DESCALE=k_descale is not None, HAS_V_DESCALE=v_descale is not None,
         V_PAIRS=v_pairs(v_cache, v_is_k), PAIRS_ASM=pairs_asm(q),
-        KEYS_M=keys_m(q, k_cache, v_cache, v_is_k), FUSED_COMBINE=fused,
-        MERGE_M=merge_tile[0] if fused else 1, MERGE_S=merge_tile[1] if fused else 1,
-        USE_PDL=launch_pdl and _launch.pdl_supported(q.device))
+        KEYS_M=keys_m(q, k_cache, v_cache, v_is_k))
     configs.log_first_launch("decode", q, d, cfg, dict(
         switches, PAGE_SIZE=page_size if paged else None, SPLIT=num_splits > 1, PDL=pdl))
     decode = _launch.first_launch(
         _decode_kernel, (num_splits, b * hkv, m_blocks),
         (*inputs[:3], dst, dst_lse, *inputs[3:],
-         *(lse_t if x is None else x for x in descales), out, lse_t, counters,
+         *(lse_t if x is None else x for x in descales),
          q.stride(0), q.stride(1), q.stride(2),
          k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
          v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -953,12 +862,11 @@ def attn_decode(q, k_cache, v_cache, *, cache_seqlens, block_table, cache_batch_
          hkv, group, sq, d, dv, keys_per_split, k_cache.shape[0], capacity, new_tokens,
          window_left, window_right, softmax_scale, softcap),
         dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
-             num_stages=cfg.num_stages, launch_pdl=switches["USE_PDL"], **switches),
+             num_stages=cfg.num_stages, **switches),
         _DECODE_SLOTS if key is not None else None)
-    if num_splits == 1 or fused:
+    if num_splits == 1:
         if key is not None:
-            _launch.store(key, (num_splits, decode, b * hkv * m_blocks) if fused
-                          else (decode,))
+            _launch.store(key, (decode,))
         return out, lse
     merge = combine.launch_combine(q, dv, num_splits, dst, dst_lse, out, lse_t, pdl,
                                    key is not None)
