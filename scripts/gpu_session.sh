@@ -24,8 +24,6 @@
 #   engine-peers the 1B shape's other rows: eager, sdpa, naive, transformers'
 #                generate and generate_batch (64 requests)                (~15 min)
 #   shapes       the 0.5B and 8B shapes, every row                        (~10 min)
-#   engine-ab    the 0.5B decode step as it is and with TORCH_BLAS_PREFER_CUBLASLT=1
-#                                                                           (~2 min)
 #   engine-kernels  the decode step kernel by kernel (torch.profiler: the graph replay's
 #                kernels, then logits, sampling and copies; host and device time): 0.5B
 #                at batch 1 and 256, 1B at 256, 8B at 1 and 32; then the decode kernel
@@ -460,20 +458,6 @@ r(heads=($heads,))" 2>&1 | grep "^{" | sed "s/^/$heads heads, $tile: /" ) \
       --out "$OUT/fused.json" --profile "$OUT/host-fused" 2>&1 \
       | grep -v -i warn > "$OUT/fused.md"
     grep -i "^| qwen\|rms\|silu\|rope\|triton_p" "$OUT/fused.md" | cut -c1-150
-    stamp done
-    ;;
-  engine-ab)
-    # Issue 14's small-batch forward, the 0.5B decode step at batches 1, 16 and 256 in
-    # two processes (PyTorch reads the variable when it starts): the default and
-    # cuBLASLt preferred for the GEMMs (TORCH_BLAS_PREFER_CUBLASLT=1, no code).
-    # ~50 s a process (engine build, graphs, 20 steps a batch); bounded at 2 x 80 s.
-    for env in "X=0" "TORCH_BLAS_PREFER_CUBLASLT=1"; do
-      stamp "decode step, $env"
-      env $env timeout 80 python3 -m flashtile.bench.throughput --decode-step \
-        --models qwen2.5-0.5b --decode-batches 1 16 256 --decode-reps 20 --timeout 75 \
-        --out "$OUT/ab-${env//[ =]/_}.json" 2>&1 | grep "^| qwen" | sed "s|^|$env |" \
-        | tee -a "$OUT/engine-ab.txt"
-    done
     stamp done
     ;;
   shapes)
