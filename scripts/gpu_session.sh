@@ -28,6 +28,10 @@
 #                kernels, then logits, sampling and copies; host and device time): 0.5B
 #                at batch 1 and 256, 1B at 256, 8B at 1 and 32; then the decode kernel
 #                alone at the engine's shapes (bench.decode --engine)     (~4 min)
+#   engine-decode-sweep  the decode kernel at the engine's shapes (0.5B, 1B, 8B; batch 1,
+#                16, 64, 256 and the 8B's 32 over 1k keys, pages of 64) over tiles and
+#                split counts, then the launcher's choice against the fastest a shape
+#                (bench.decode --sweep-engine)                              (~3-4 min)
 #   engine-fused the engine's elementwise Triton kernels (RMSNorm, SiLU-and-multiply,
 #                rotary + cache write): their GPU tests and the engine's, their memcheck
 #                slice, then the 0.5B decode-step bench (batches 1 and 256, a prompt step
@@ -434,6 +438,18 @@ r(heads=($heads,))" 2>&1 | grep "^{" | sed "s/^/$heads heads, $tile: /" ) \
       | grep "^|\|^#" | tee "$OUT/decode-engine.txt"
     stamp done
     ;;
+  engine-decode-sweep)
+    # The decode tiles and split counts for the engine's shapes: 0.5B batch 256's decode
+    # is 46% of that forward at ~80% of the copy bandwidth (session 16), where the 1B's
+    # batch 256 is at 99%. A line a cell (us, GB/s, % of 4,240 GB/s), a summary row a
+    # shape as it ends, the table at the end; the json is rewritten after each shape,
+    # so the limit loses only the shapes not reached (the least useful come last).
+    stamp engine-decode-sweep
+    timeout 230 python3 -m flashtile.bench.decode --sweep-engine \
+      "$OUT/decode-sweep-engine.json" 2>&1 | grep -v -i warn \
+      | tee "$OUT/decode-sweep-engine.txt" | grep "^|\|^#"
+    stamp done
+    ;;
   engine-fused)
     # The engine's elementwise Triton kernels: RMSNorm(+residual), SiLU-and-multiply
     # (engine/layernorm.py, activation.py) and rope_store's blocks of heads, launched
@@ -570,7 +586,7 @@ import PRESETS; json.dump(PRESETS['llama-3.2-1b'], open('/tmp/llama1b/config.jso
     kill "$server"
     ;;
   *)
-    echo "usage: $0 check|memcheck|sweep [SECONDS]|extra|short|decode|splits|pdl|engine|engine-host|engine-peers|engine-kernels|engine-fused|shapes|host|hopper|tp|fp32|wide|serve [BACKEND] [KV]" >&2
+    echo "usage: $0 check|memcheck|sweep [SECONDS]|extra|short|decode|splits|pdl|engine|engine-host|engine-peers|engine-kernels|engine-decode-sweep|engine-fused|shapes|host|hopper|tp|fp32|wide|serve [BACKEND] [KV]" >&2
     exit 2
     ;;
 esac

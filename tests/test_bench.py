@@ -713,6 +713,89 @@ def test_decode_markdown_table():
     assert header.count("|") == rule.count("|")
 
 
+def test_engine_decode_sweep_plan_fits_one_call():
+    """--sweep-engine's grid as the H200 (132 SMs) launches it: the launcher's own cell
+    first at each shape (the 0.5B's batch 256 unsplit on 16x64,4,4; batch 1 in 8
+    splits), 128-key tiles and split counts among the candidates, no cell launching
+    what another does, and few enough kernel variants to compile (~1 s each) for one
+    device call of 4 minutes."""
+    from flashtile.bench import decode
+
+    plan, variants = decode.engine_sweep_plan(132)
+    assert [(p[0], p[4]) for p in plan] == list(decode.ENGINE_SWEEP_SHAPES)
+    by_shape = {(p[0], p[4]): p[-1] for p in plan}
+    big, one = by_shape["qwen2.5-0.5b", 256], by_shape["qwen2.5-0.5b", 1]
+    assert big[0]["tile"] is None and (decode._tile_label(big[0]["cfg"]), big[0]["splits"],
+                                       big[0]["programs"]) == ("16x64,4,4", 1, 512)
+    assert one[0]["tile"] is None and one[0]["splits"] == 8
+    assert {c["cfg"].block_n for c in big} == {64, 128}
+    assert {c["splits"] for c in big} == {1, 2}  # one wave unsplit: split 2 tried
+    assert {c["splits"] for c in one} == {1, 2, 3, 4, 8}
+    assert {c["splits"] for c in by_shape["llama-3.2-1b", 256]} == {1}  # four waves
+    for cells in by_shape.values():
+        launched = [(c["cfg"], c["splits"]) for c in cells]
+        assert len(set(launched)) == len(launched)
+    assert sum(len(c) for c in by_shape.values()) <= 240
+    assert len(variants) <= 60
+
+
+def test_engine_decode_sweep_rows_and_summary(monkeypatch, capsys):
+    """--sweep-engine on CPU at a tiny grid: the PyTorch path computes each cell, its
+    output checked against attention_naive (here made wrong for one tile); a stand-in
+    timer gives 8-warp tiles half the others' time (a round over the two input copies)
+    and fails 128-key tiles. One row per planned cell, failed cells kept with their
+    errors, and per shape the default against the fastest cell in the summary and its
+    markdown."""
+    from flashtile.bench import decode
+
+    call = flashtile.flash_attn_with_kvcache
+
+    def wrong_for_one_tile(*args, **kwargs):
+        out = call(*args, **kwargs)
+        cfg = configs._override.get("decode")
+        return out + 1 if cfg is not None and cfg.num_stages == 3 and cfg.num_warps == 4 \
+            else out
+    monkeypatch.setattr(flashtile, "flash_attn_with_kvcache", wrong_for_one_tile)
+
+    def bench(fn):
+        fn()
+        cfg = configs._override.get("decode")
+        if cfg is not None and cfg.block_n == 128:
+            raise RuntimeError("out of resources")
+        return 0.002 if cfg is not None and cfg.num_warps == 8 else 0.004  # ms
+
+    saved = []
+    rows, summary = decode.sweep_engine_decode(
+        (("qwen2.5-0.5b", 2), ("llama-3-8b", 1)), seqlen_k=128, device="cpu", copies=2,
+        num_sms=132, bench=bench, rounds=3, on_shape=lambda r, s: saved.append(len(s)),
+        tiles={64: ((64, 8, 3), (128, 4, 2)), 128: ((64, 4, 3),)},
+        split_tiles=((64, 8, 3),), splits=(0, 1, 2))
+    assert saved == [1, 2] and "decode" not in configs._override  # the override undone
+    cells = [(r["head_dim"], r["tile"], r["num_splits"], r["splits"], r["default"])
+             for r in rows]
+    assert cells == [  # the 0.5B's then the 8B's; split 2 tried: each under one wave
+        (64, "16x64,4,4", 0, 1, True), (64, "16x64,8,3", 0, 1, False),
+        (64, "16x128,4,2", 0, 1, False), (64, "16x64,8,3", 2, 2, False),
+        (128, "16x64,4,4", 0, 1, True), (128, "16x64,4,3", 0, 1, False),
+        (128, "16x64,8,3", 2, 2, False)]
+    assert rows[0]["us"] == 2.0 and rows[0]["gbps"] == 66 and rows[0]["copies"] == 2
+    assert rows[2]["error"] == "RuntimeError: out of resources" and "gbps" not in rows[2]
+    assert rows[5]["error"].startswith("RuntimeError: wrong result, max error 1")
+    assert summary[0]["best"] == dict(tile="16x64,8,3", splits=1, us=1.0, gbps=131, pct=3.1)
+    assert summary[1]["ratio"] == 2.0 and summary[1]["best"]["splits"] == 2
+    out = capsys.readouterr().out
+    assert "engine sweep qwen2.5-0.5b b=2 d=64 tile=16x64,4,4 (default) splits=0->1 " \
+        "programs=4: 2.0 us 66 GB/s (2% of copy)" in out
+    assert "tile=16x128,4,2 splits=0->1 programs=4: RuntimeError: out of resources" in out
+    text = decode.engine_sweep_markdown(summary)
+    assert "| qwen2.5-0.5b | 14 / 2, 64 | 2 | 16x64,4,4 (1) | 66 (2%) | 16x64,8,3 (1) " \
+        "| 131 (3%) | 2.000 |" in text
+    assert "| llama-3-8b | 32 / 8, 128 | 1 | 16x64,4,4 (1) | 262 (6%) | 16x64,8,3 (2) " \
+        "| 524 (12%) | 2.000 |" in text
+    header, rule = text.splitlines()[:2]
+    assert header.count("|") == rule.count("|")
+
+
 def test_mla_bench_inputs_and_reference():
     """The MLA decode bench's inputs: a latent pool in random page order whose block
     table recovers each sequence, and a float32 reference the decode meets (here on the
