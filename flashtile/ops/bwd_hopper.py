@@ -338,18 +338,43 @@ def _dq_reduce(dq_desc, dq_buf, dq, off_b, head, row0, col0):
 
 
 @gluon.jit
+def _dq_piece(ds_all, k_piece, dq_init, p_dq, dq_tile, row0, col0, seqlen_q, ds_empty,
+              off_b, head, HEAD_DIM: gl.constexpr, LAST: gl.constexpr,
+              DQ_TMA: gl.constexpr):
+    """One piece of dQ_partial = dS K: dS (``ds_all``, dS^T read transposed, M x keys)
+    times ``k_piece`` (keys x 64: K's columns col0 + [0, 64)), added into rows row0 +
+    [0, M), columns col0 + [0, 64) of the fp32 accumulator: by atomics at p_dq (rows
+    HEAD_DIM wide), or with DQ_TMA through ``dq_tile`` (free: the caller waited for its
+    previous reduce) by a TMA reduce-add into query head ``head`` of batch off_b of the
+    accumulator's tensor map p_dq (``_dq_reduce``). LAST: the product is the caller's
+    last read of dS^T and K, so ds_empty is arrived on once it has completed (DQ_TMA: the
+    reduce-add reads the tile, not dS^T or K) or after its atomics. bwd_hopper256's
+    consumers take their dQ pieces through here too."""
+    dq = warpgroup_mma(ds_all.permute((1, 0)), k_piece, dq_init, use_acc=False,
+                       is_async=True)                                        # (M, 64)
+    dq = warpgroup_mma_wait(0, deps=(dq,))
+    if DQ_TMA:
+        if LAST:
+            mbarrier.arrive(ds_empty, count=1)
+        _dq_reduce(p_dq, dq_tile, dq, off_b, head, row0, col0)
+    else:
+        _dq_add(p_dq, dq, row0, col0, seqlen_q, HEAD_DIM)
+        if LAST:
+            mbarrier.arrive(ds_empty, count=1)
+
+
+@gluon.jit
 def _dq_partial(ds_all, k_all, dq_init, p_dq, row0, seqlen_q, ds_empty, dq_smem, off_b,
                 head, WG: gl.constexpr, DQ_TMA: gl.constexpr):
     """dQ_partial = dS K over the program's 128 keys, added into rows row0 + [0, M) of
     the fp32 accumulator at p_dq (head_dim wide), in pieces of 64 head dims (K's
-    columns, a whole 128-byte swizzle atom each) addressed by 32-bit offsets from one
-    pointer: at head_dim 128 the whole (64, 128) fp32 tile with 64-bit addresses, beside
-    dK and dV, spilled under the 240-register cap. Arrives on ds_empty once dS^T and K
-    are read for the last time: after the atomics. DQ_TMA: p_dq is the accumulator's
-    tensor map, each piece goes through warpgroup WG's tile of dq_smem for it and a TMA
-    reduce-add (``_dq_reduce``) into query head ``head`` of batch off_b, and ds_empty is
-    arrived on as soon as the last product has completed (the reduce-adds read the
-    tile, not dS^T or K)."""
+    columns, a whole 128-byte swizzle atom each; ``_dq_piece``) addressed by 32-bit
+    offsets from one pointer: at head_dim 128 the whole (64, 128) fp32 tile with 64-bit
+    addresses, beside dK and dV, spilled under the 240-register cap. Arrives on ds_empty
+    once dS^T and K are read for the last time: after the atomics. DQ_TMA: p_dq is the
+    accumulator's tensor map, each piece goes through warpgroup WG's tile of dq_smem for
+    it and a TMA reduce-add (``_dq_reduce``) into query head ``head`` of batch off_b, and
+    ds_empty is arrived on as soon as the last product has completed."""
     HEAD_DIM: gl.constexpr = k_all.type.shape[1]
     DQ_PIECE: gl.constexpr = dq_init.type.shape[1]
     N_PIECES: gl.constexpr = HEAD_DIM // DQ_PIECE
@@ -358,19 +383,10 @@ def _dq_partial(ds_all, k_all, dq_init, p_dq, row0, seqlen_q, ds_empty, dq_smem,
         # tiles: long done, the wait only orders the stores below after them.
         tma.store_wait(0)
     for piece in gl.static_range(N_PIECES):
-        k_piece = k_all.slice(piece * DQ_PIECE, DQ_PIECE, dim=1)              # (128, 64)
-        dq = warpgroup_mma(ds_all.permute((1, 0)), k_piece, dq_init, use_acc=False,
-                           is_async=True)                                    # (M, 64)
-        dq = warpgroup_mma_wait(0, deps=(dq,))
-        if DQ_TMA and piece == N_PIECES - 1:
-            mbarrier.arrive(ds_empty, count=1)
-        if DQ_TMA:
-            _dq_reduce(p_dq, dq_smem.index(WG * N_PIECES + piece), dq, off_b, head, row0,
-                       piece * DQ_PIECE)
-        else:
-            _dq_add(p_dq, dq, row0, piece * DQ_PIECE, seqlen_q, HEAD_DIM)
-    if not DQ_TMA:
-        mbarrier.arrive(ds_empty, count=1)
+        _dq_piece(ds_all, k_all.slice(piece * DQ_PIECE, DQ_PIECE, dim=1), dq_init, p_dq,
+                  dq_smem.index(WG * N_PIECES + piece) if DQ_TMA else dq_smem, row0,
+                  piece * DQ_PIECE, seqlen_q, ds_empty, off_b, head, HEAD_DIM,
+                  piece == N_PIECES - 1, DQ_TMA)
 
 
 @gluon.jit
