@@ -107,7 +107,8 @@ with it since session 17) for the GPU A/B, all compile-checked on the CPU:
   Measured (session 17, NOTES.md section 27): forward + backward +6-10% at d128
   (16k tokens: 1k 401 -> 434, 4k 451 -> 495 TFLOP/s; causal +6-7%), +1-3% at d64;
   transformers' d64 training step 98 -> 89 ms. The default since. Its tiles leave no
-  room for a third Q/dO stage at d128 (``check_fits``).
+  room for a third Q/dO stage at d128 (``check_fits``). bwd_hopper256 takes the option
+  too (session 18), its tiles in the Q/dO ring (no room is left there for tiles).
 - pipe (PIPE): software pipelining across query blocks without a product in flight
   across the walk's back edge: block it issues S^T and dP^T, then block it - 1's dV and
   dK from the P^T and dS^T operands it left in registers (and its stage of the ring,
@@ -764,7 +765,12 @@ def _dq_descriptor(dq_accum, rows: int) -> TensorDescriptor:
     """dq_tma: a tensor map over the fp32 dQ accumulator (batch, nheads, seqlen_q,
     head_dim) in (1, 1, rows, 64) boxes, one dQ_partial tile (``dq_tile_rows``),
     128-byte swizzled (Triton sends each box as two 32-column messages); the reduce-adds
-    drop rows past seqlen_q."""
+    drop rows past seqlen_q. Head dim 256 (bwd_hopper256's kernel): over the (1, batch *
+    nheads, seqlen_q, 256) view, since that kernel names a (batch, query head) pair by
+    one coordinate: with two, ptxas stored and reloaded 2 words a block inside warpgroup
+    1's causal walk (sm_90 compile)."""
+    if dq_accum.shape[-1] == 256:
+        dq_accum = dq_accum.view(1, -1, *dq_accum.shape[2:])
     box = (1, 1, rows, DQ_PIECE.value)
     return TensorDescriptor(dq_accum, list(dq_accum.shape), list(dq_accum.stride()),
                             list(box), fwd_hopper._smem_layout(box, gl.float32))
@@ -778,10 +784,11 @@ def dq_tile_rows(flags: dict, block_m: int) -> int:
 
 def kernel_flags(head_dim: int, causal: bool, opts: frozenset[str], block_m: int) -> dict:
     """The kernel's constexpr switches (but STAGES) for FLASHTILE_HOPPER_BWD_OPTS
-    ``opts`` (``configs.hopper_bwd_opts()``) at BLOCK_M ``block_m``; bwd_hopper256's
-    kernel (head_dim 256) has no options."""
+    ``opts`` (``configs.hopper_bwd_opts()``) at BLOCK_M ``block_m``. bwd_hopper256's
+    kernel (head_dim 256) takes dq_tma alone (its docstring): the other options change a
+    schedule it does not have, and the default's lse_ahead is passed over there."""
     if head_dim == 256:
-        return dict(IS_CAUSAL=causal)
+        return dict(IS_CAUSAL=causal, DQ_TMA="dq_tma" in opts)
     if "dq_split" in opts and head_dim < 2 * DQ_PIECE.value and block_m != 128:
         raise ValueError("FLASHTILE_HOPPER_BWD_OPTS=dq_split at head_dim 64 needs 128 "
                          "query rows a block (FLASHTILE_HOPPER_BWD_CONFIG='128,128,4,2'), "

@@ -410,6 +410,8 @@ HOPPER_BWD_OPTS = ("sdp", "lse_ahead", "dq_split", "dq_tma", "pipe")
 # lse_ahead is the default since session 15: forward + backward +6-10% at head_dim 64,
 # +1-4% at 128 on the H200 (docs/benchmarks/NOTES.md section 25); dq_tma since session
 # 17: +6-10% at 128, +1-3% at 64, transformers' d64 training step 98 -> 89 ms (section 27).
+# dq_tma is also bwd_hopper256's one option (head_dim 256; session 18, compile-checked
+# only until stage bwd256-tma times it against that kernel's atomics).
 HOPPER_BWD_DEFAULT_OPTS = frozenset({"lse_ahead", "dq_tma"})
 
 
