@@ -204,8 +204,8 @@ case "${1:-}" in
       --seqlens 1k 4k 8k --no-progress --out bwd256 --overwrite 2>&1 | grep "^| [0-9]"
     ;;
   bwd256-tma)
-    # bwd_hopper256's dQ by TMA reduce-adds through tiles in the Q/dO ring (dq_tma, in
-    # FLASHTILE_HOPPER_BWD_OPTS' default since session 18) against its relaxed atomics;
+    # bwd_hopper256's dQ by TMA reduce-adds through tiles in the Q/dO ring (dq_tma, opt-in
+    # at d256 since session 18: configs.HOPPER_BWD256_DEFAULT_OPTS) against its atomics;
     # never run on a GPU before this stage, so the d256 GPU tests first (both paths, the
     # GQA head split, empty rows, NaN, launch plans). Then forward+backward, 16k tokens
     # a batch, cuDNN beside each run (the clocks drift 3-6% between runs). Prediction

@@ -43,7 +43,8 @@ would need 272. dK and dV leave through K's and V's buffers once the last produc
 reads them (each warpgroup's last dQ, behind its S^T or dP^T) has completed: ds_empty's
 last phase. dq_tma adds none (its tiles are the block's Q and dO buffers).
 
-dq_tma (DQ_TMA; FLASHTILE_HOPPER_BWD_OPTS' option, in its default): each dQ piece leaves
+dq_tma (DQ_TMA; FLASHTILE_HOPPER_BWD_OPTS' option, opt-in at this head dim until timed:
+configs.HOPPER_BWD256_DEFAULT_OPTS): each dQ piece leaves
 as bwd_hopper's dq_tma (``_dq_piece``): stored (fp32, 16 two-value shared stores a
 thread) into a 64 x 64 tile and added into the accumulator by one TMA reduce-add
 (cp.reduce.async.bulk.tensor .add, two 32-column messages), in place of 16 REDG.F32x2 a
