@@ -280,6 +280,34 @@ def test_hopper_bwd_options_small(opts, head_dim, monkeypatch):
                     monkeypatch, shape=(2, 77, 45, 4, 2))
 
 
+# bwd_hopper256's dQ paths (its docstring): TMA reduce-adds through tiles in the block's
+# Q and dO buffers (dq_tma, in the default) and relaxed atomics (options without it; the
+# others do not apply at head_dim 256).
+D256_OPTS = ["lse_ahead,dq_tma", "lse_ahead"]
+
+
+@pytest.mark.parametrize("mask", list(MASKS))
+@pytest.mark.parametrize("opts", D256_OPTS)
+@on_hopper
+def test_d256_dq_paths_match_float64_reference(opts, mask, monkeypatch):
+    """test_options_match_float64_reference's calls at head_dim 256: GQA with the heads
+    split (two programs a KV head: each writes dQ of its own query heads), the rows past
+    seqlen_q dropped, many query blocks, so each stage of the Q/dO ring holds dQ tiles
+    and is reloaded many times over (dq_tma)."""
+    causal, align = MASKS[mask]
+    diag_offset = 300 - 333 if align == "bottom_right" else 0
+    _backward_twice({"FLASHTILE_HOPPER_BWD_OPTS": opts}, 256, causal, diag_offset,
+                    monkeypatch)
+
+
+@pytest.mark.parametrize("opts", D256_OPTS)
+@on_hopper
+def test_hopper_bwd_d256_dq_paths_small(opts, monkeypatch):
+    """The memcheck slice of bwd_hopper256's dQ paths: test_hopper_bwd_small's call."""
+    _backward_twice({"FLASHTILE_HOPPER_BWD_OPTS": opts}, 256, True, 45 - 77, monkeypatch,
+                    shape=(2, 77, 45, 4, 2))
+
+
 @pytest.mark.parametrize("mask", list(MASKS))
 @pytest.mark.parametrize("head_dim,opts,config", SPLIT_CASES, ids=lambda x: str(x))
 @on_hopper
@@ -364,7 +392,11 @@ def test_options_knob(monkeypatch):
     unknown items."""
     monkeypatch.delenv("FLASHTILE_HOPPER_BWD_OPTS", raising=False)
     assert configs.hopper_bwd_opts() == {"lse_ahead", "dq_tma"} \
-        == configs.HOPPER_BWD_DEFAULT_OPTS
+        == configs.HOPPER_BWD_DEFAULT_OPTS == configs.hopper_bwd_opts(64)
+    # head_dim 256: its atomics until its dq_tma is timed (configs).
+    assert configs.hopper_bwd_opts(256) == frozenset() == configs.HOPPER_BWD256_DEFAULT_OPTS
+    assert bwd_hopper.kernel_flags(256, True, configs.hopper_bwd_opts(256), 64) \
+        == dict(IS_CAUSAL=True, DQ_TMA=False)
     flags = bwd_hopper.kernel_flags(128, True, configs.hopper_bwd_opts(), 64)
     assert flags == dict(IS_CAUSAL=True, SDP=False, LSE_AHEAD=True, DQ_SPLIT=False,
                          DQ_TMA=True, PIPE=False)
@@ -384,6 +416,13 @@ def test_options_knob(monkeypatch):
     monkeypatch.setenv("FLASHTILE_HOPPER_BWD_OPTS", "lse_ahead,dq_split,dq_tma")
     flags = bwd_hopper.kernel_flags(128, True, configs.hopper_bwd_opts(), 64)
     assert flags["DQ_TMA"] and flags["DQ_SPLIT"] and not flags["PIPE"]
+    # bwd_hopper256 takes dq_tma alone (the default's lse_ahead is passed over there).
+    assert bwd_hopper.kernel_flags(256, True, configs.HOPPER_BWD_DEFAULT_OPTS, 64) \
+        == dict(IS_CAUSAL=True, DQ_TMA=True)
+    assert bwd_hopper.kernel_flags(256, False, frozenset({"lse_ahead", "sdp"}), 64) \
+        == dict(IS_CAUSAL=False, DQ_TMA=False)
+    monkeypatch.setenv("FLASHTILE_HOPPER_BWD_OPTS", "lse_ahead,dq_tma")
+    assert configs.hopper_bwd_opts(256) == {"lse_ahead", "dq_tma"}
     monkeypatch.setenv("FLASHTILE_HOPPER_BWD_OPTS", "sdp,pingpong")
     with pytest.raises(ValueError, match=r"FLASHTILE_HOPPER_BWD_OPTS must be 'none' or a "
                        r"comma-separated subset of .*'pipe'\), got 'sdp,pingpong' "
@@ -418,7 +457,8 @@ def test_pipe_refuses_what_it_cannot_pipeline():
 
 def test_dq_tma_tile_and_descriptor():
     """dq_tma's tensor map: (1, 1, rows, 64) fp32 boxes over the accumulator, rows the
-    block's, or a consumer's 64 with dq_split at BLOCK_M 128; 128-byte swizzled."""
+    block's, or a consumer's 64 with dq_split at BLOCK_M 128; 128-byte swizzled. At
+    head_dim 256 over the accumulator's (1, batch * nheads, seqlen_q, 256) view."""
     dq_accum = torch.empty(2, 4, 333, 128, dtype=torch.float32)
     for opts, block_m, rows in ((frozenset({"dq_tma"}), 64, 64),
                                 (frozenset({"dq_tma"}), 128, 128),
@@ -430,6 +470,10 @@ def test_dq_tma_tile_and_descriptor():
         assert list(desc.block_shape) == [1, 1, rows, 64]
         assert list(desc.shape) == [2, 4, 333, 128]
         assert desc.layout.swizzle_byte_width == 128 and desc.layout.element_bitwidth == 32
+    # bwd_hopper256's: (batch, query head) pairs as one dimension, 64 x 64 boxes.
+    desc = bwd_hopper._dq_descriptor(torch.empty(2, 4, 333, 256), 64)
+    assert list(desc.shape) == [1, 8, 333, 256] and list(desc.block_shape) == [1, 1, 64, 64]
+    assert list(desc.strides) == [8 * 333 * 256, 333 * 256, 256, 1]
 
 
 def test_declines_what_it_does_not_support(monkeypatch):

@@ -268,7 +268,7 @@ def _compile_bwd(head_dim, causal, dtype=torch.bfloat16, opts=None, stages=None,
     """The kernel a launch of ``bwd_hopper.backward`` compiles for these inputs, with the
     FLASHTILE_HOPPER_BWD_OPTS options ``opts`` (None: the default's, () for none) and
     the table's STAGES and BLOCK_M unless given (head dim 256: bwd_hopper256's kernel,
-    which has no options)."""
+    which takes dq_tma alone)."""
     from triton.runtime.jit import mangle_type
 
     from flashtile.ops import bwd_hopper, bwd_hopper256
@@ -630,29 +630,74 @@ def test_hopper_backward_stages_compile_for_sm90(head_dim, stages):
     assert not any(_walk_local_stores(_sass(ck)))
 
 
+# bwd_hopper256's shared memory: K, V, two stages of Q and dO, P^T and dS^T (208 KiB),
+# plus barriers and layout-conversion scratch; dq_tma's tiles live in the Q/dO ring.
+_D256_TILES = 2 * 64 * 256 * 2 + 2 * 2 * 64 * 256 * 2 + 2 * 64 * 64 * 2
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_hopper_backward_d256_compiles_for_sm90(causal, dtype):
-    """bwd_hopper256 (head_dim 256, the consumers splitting the head dim): shared memory
-    is K, V, two stages of Q and dO, P^T and dS^T (208 KiB) plus barriers; nothing is
-    stored to local memory inside the walks (causal: ptxas keeps the shared-memory base,
-    4 bytes, stored before the walk, reloaded in it); setmaxnreg 24/240; dV += P^T dO and
-    dK += dS^T Q on 128-wide halves of the head dim, with the A operand from registers
-    but for warpgroup 0's dK (dS^T from shared memory, where warpgroup 1 stored it);
-    S^T, dP^T (the whole 256 contraction) and the four dQ pieces on 64-wide products."""
-    ck = _compile_bwd(256, causal, dtype)
+    """bwd_hopper256 (head_dim 256, the consumers splitting the head dim) with dQ by
+    atomics (FLASHTILE_HOPPER_BWD_OPTS without dq_tma): shared memory is K, V, two
+    stages of Q and dO, P^T and dS^T (208 KiB) plus barriers; nothing is stored to local
+    memory inside the walks (causal: ptxas keeps the shared-memory base, 4 bytes, stored
+    before the walk, reloaded in it); setmaxnreg 24/240; the products of
+    ``_assert_d256_products``."""
+    ck = _compile_bwd(256, causal, dtype, opts=())
     res = resources(ck)
-    tiles = 2 * 64 * 256 * 2 + 2 * 2 * 64 * 256 * 2 + 2 * 64 * 64 * 2
-    assert tiles <= res["shared_bytes"] <= min(tiles + 1024, configs.SM90_SMEM_BYTES), res
+    assert _D256_TILES <= res["shared_bytes"] \
+        <= min(_D256_TILES + 1024, configs.SM90_SMEM_BYTES), res
     assert res["stack_bytes"] <= (8 if causal else 0), res
     sass = _sass(ck)
     walks = _walk_local_stores(sass)
     assert len(walks) >= 2 and not any(walks), walks  # one walk per consumer at least
-    assert "HGMMA" in sass
     _assert_backward_partitions(ck)
+    _assert_d256_products(ck, dtype)
+    # dQ's partial sums: relaxed fp32 atomics, two values per instruction, 32 values of
+    # each 64 x 64 piece a thread.
+    assert ck.asm["ptx"].count("atom.global.gpu.relaxed.add.v2.f32") == 4 * 16
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_hopper_backward_d256_dq_tma_compiles_for_sm90(causal, dtype):
+    """bwd_hopper256 with dq_tma (the default's): each 64 x 64 dQ piece leaves by a TMA
+    reduce-add (cp.reduce.async.bulk.tensor .add, UTMAREDG in SASS; 4 a block, 2 a
+    consumer) from a tile in the block's Q or dO buffer, so the shared memory is the
+    atomics' (208 KiB and barriers) and within the limit; no REDG or atom.global is
+    left; nothing is stored to local memory inside the walks, and ptxas keeps no local
+    memory at all on this machine (8 bytes allowed: the GPU image's ptxas kept 8 more
+    than this one's for dq_split in session 18's check; a spilled tile would be 64 or
+    more); the products are the atomics' kernel's."""
+    ck = _compile_bwd(256, causal, dtype, opts=("dq_tma",))
+    res = resources(ck)
+    assert _D256_TILES <= res["shared_bytes"] \
+        <= min(_D256_TILES + 1024, configs.SM90_SMEM_BYTES), res
+    assert res["stack_bytes"] <= 8, res
+    sass = _sass(ck)
+    walks = _walk_local_stores(sass)
+    assert len(walks) >= 2 and not any(walks), walks
+    assert sass.count("UTMAREDG.4D.ADD") == 4 and not re.search(r"\bREDG\.", sass)
     ptx = ck.asm["ptx"]
+    assert ptx.count("cp.reduce.async.bulk.tensor.4d.global.shared::cta.add") == 4
+    assert "atom.global" not in ptx and "red.global" not in ptx
+    # The stage goes back to the producer only after the reduce-adds have read it: one
+    # bulk wait (cp.async.bulk.wait_group.read) a consumer inside its walk, one after it,
+    # and warpgroup 0's for its dK and dV stores.
+    assert ptx.count("cp.async.bulk.wait_group.read") == 5
+    _assert_backward_partitions(ck)
+    _assert_d256_products(ck, dtype)
+
+
+def _assert_d256_products(ck, dtype):
+    """bwd_hopper256's products: dV += P^T dO and dK += dS^T Q on 128-wide halves of the
+    head dim, with the A operand from registers but for warpgroup 0's dK (dS^T from
+    shared memory, where warpgroup 1 stored it); S^T, dP^T (the whole 256 contraction)
+    and the four dQ pieces on 64-wide products."""
+    assert "HGMMA" in _sass(ck)
     ab = "bf16.bf16" if dtype == torch.bfloat16 else "f16.f16"
-    mma = [line for line in ptx.splitlines() if "wgmma.mma_async" in line]
+    mma = [line for line in ck.asm["ptx"].splitlines() if "wgmma.mma_async" in line]
     wide = [line for line in mma if f"m64n128k16.f32.{ab}" in line]
     narrow = [line for line in mma if f"m64n64k16.f32.{ab}" in line]
     # K 16 a step: dV, dK over 64 queries, 4 steps each, in both warpgroups; S^T, dP^T
@@ -660,6 +705,3 @@ def test_hopper_backward_d256_compiles_for_sm90(causal, dtype):
     assert len(wide) == 2 * 2 * 4 and len(narrow) == 2 * 16 + 4 * 4 == len(mma) - 16
     from_registers = [line for line in wide if line.count("{") == 2]
     assert len(from_registers) == 3 * 4 and not any(line.count("{") == 2 for line in narrow)
-    # dQ's partial sums: relaxed fp32 atomics, two values per instruction, 32 values of
-    # each 64 x 64 piece a thread.
-    assert ptx.count("atom.global.gpu.relaxed.add.v2.f32") == 4 * 16

@@ -107,7 +107,8 @@ with it since session 17) for the GPU A/B, all compile-checked on the CPU:
   Measured (session 17, NOTES.md section 27): forward + backward +6-10% at d128
   (16k tokens: 1k 401 -> 434, 4k 451 -> 495 TFLOP/s; causal +6-7%), +1-3% at d64;
   transformers' d64 training step 98 -> 89 ms. The default since. Its tiles leave no
-  room for a third Q/dO stage at d128 (``check_fits``).
+  room for a third Q/dO stage at d128 (``check_fits``). bwd_hopper256 takes the option
+  too (session 18), its tiles in the Q/dO ring (no room is left there for tiles).
 - pipe (PIPE): software pipelining across query blocks without a product in flight
   across the walk's back edge: block it issues S^T and dP^T, then block it - 1's dV and
   dK from the P^T and dS^T operands it left in registers (and its stage of the ring,
@@ -338,18 +339,43 @@ def _dq_reduce(dq_desc, dq_buf, dq, off_b, head, row0, col0):
 
 
 @gluon.jit
+def _dq_piece(ds_all, k_piece, dq_init, p_dq, dq_tile, row0, col0, seqlen_q, ds_empty,
+              off_b, head, HEAD_DIM: gl.constexpr, LAST: gl.constexpr,
+              DQ_TMA: gl.constexpr):
+    """One piece of dQ_partial = dS K: dS (``ds_all``, dS^T read transposed, M x keys)
+    times ``k_piece`` (keys x 64: K's columns col0 + [0, 64)), added into rows row0 +
+    [0, M), columns col0 + [0, 64) of the fp32 accumulator: by atomics at p_dq (rows
+    HEAD_DIM wide), or with DQ_TMA through ``dq_tile`` (free: the caller waited for its
+    previous reduce) by a TMA reduce-add into query head ``head`` of batch off_b of the
+    accumulator's tensor map p_dq (``_dq_reduce``). LAST: the product is the caller's
+    last read of dS^T and K, so ds_empty is arrived on once it has completed (DQ_TMA: the
+    reduce-add reads the tile, not dS^T or K) or after its atomics. bwd_hopper256's
+    consumers take their dQ pieces through here too."""
+    dq = warpgroup_mma(ds_all.permute((1, 0)), k_piece, dq_init, use_acc=False,
+                       is_async=True)                                        # (M, 64)
+    dq = warpgroup_mma_wait(0, deps=(dq,))
+    if DQ_TMA:
+        if LAST:
+            mbarrier.arrive(ds_empty, count=1)
+        _dq_reduce(p_dq, dq_tile, dq, off_b, head, row0, col0)
+    else:
+        _dq_add(p_dq, dq, row0, col0, seqlen_q, HEAD_DIM)
+        if LAST:
+            mbarrier.arrive(ds_empty, count=1)
+
+
+@gluon.jit
 def _dq_partial(ds_all, k_all, dq_init, p_dq, row0, seqlen_q, ds_empty, dq_smem, off_b,
                 head, WG: gl.constexpr, DQ_TMA: gl.constexpr):
     """dQ_partial = dS K over the program's 128 keys, added into rows row0 + [0, M) of
     the fp32 accumulator at p_dq (head_dim wide), in pieces of 64 head dims (K's
-    columns, a whole 128-byte swizzle atom each) addressed by 32-bit offsets from one
-    pointer: at head_dim 128 the whole (64, 128) fp32 tile with 64-bit addresses, beside
-    dK and dV, spilled under the 240-register cap. Arrives on ds_empty once dS^T and K
-    are read for the last time: after the atomics. DQ_TMA: p_dq is the accumulator's
-    tensor map, each piece goes through warpgroup WG's tile of dq_smem for it and a TMA
-    reduce-add (``_dq_reduce``) into query head ``head`` of batch off_b, and ds_empty is
-    arrived on as soon as the last product has completed (the reduce-adds read the
-    tile, not dS^T or K)."""
+    columns, a whole 128-byte swizzle atom each; ``_dq_piece``) addressed by 32-bit
+    offsets from one pointer: at head_dim 128 the whole (64, 128) fp32 tile with 64-bit
+    addresses, beside dK and dV, spilled under the 240-register cap. Arrives on ds_empty
+    once dS^T and K are read for the last time: after the atomics. DQ_TMA: p_dq is the
+    accumulator's tensor map, each piece goes through warpgroup WG's tile of dq_smem for
+    it and a TMA reduce-add (``_dq_reduce``) into query head ``head`` of batch off_b, and
+    ds_empty is arrived on as soon as the last product has completed."""
     HEAD_DIM: gl.constexpr = k_all.type.shape[1]
     DQ_PIECE: gl.constexpr = dq_init.type.shape[1]
     N_PIECES: gl.constexpr = HEAD_DIM // DQ_PIECE
@@ -358,19 +384,10 @@ def _dq_partial(ds_all, k_all, dq_init, p_dq, row0, seqlen_q, ds_empty, dq_smem,
         # tiles: long done, the wait only orders the stores below after them.
         tma.store_wait(0)
     for piece in gl.static_range(N_PIECES):
-        k_piece = k_all.slice(piece * DQ_PIECE, DQ_PIECE, dim=1)              # (128, 64)
-        dq = warpgroup_mma(ds_all.permute((1, 0)), k_piece, dq_init, use_acc=False,
-                           is_async=True)                                    # (M, 64)
-        dq = warpgroup_mma_wait(0, deps=(dq,))
-        if DQ_TMA and piece == N_PIECES - 1:
-            mbarrier.arrive(ds_empty, count=1)
-        if DQ_TMA:
-            _dq_reduce(p_dq, dq_smem.index(WG * N_PIECES + piece), dq, off_b, head, row0,
-                       piece * DQ_PIECE)
-        else:
-            _dq_add(p_dq, dq, row0, piece * DQ_PIECE, seqlen_q, HEAD_DIM)
-    if not DQ_TMA:
-        mbarrier.arrive(ds_empty, count=1)
+        _dq_piece(ds_all, k_all.slice(piece * DQ_PIECE, DQ_PIECE, dim=1), dq_init, p_dq,
+                  dq_smem.index(WG * N_PIECES + piece) if DQ_TMA else dq_smem, row0,
+                  piece * DQ_PIECE, seqlen_q, ds_empty, off_b, head, HEAD_DIM,
+                  piece == N_PIECES - 1, DQ_TMA)
 
 
 @gluon.jit
@@ -748,7 +765,12 @@ def _dq_descriptor(dq_accum, rows: int) -> TensorDescriptor:
     """dq_tma: a tensor map over the fp32 dQ accumulator (batch, nheads, seqlen_q,
     head_dim) in (1, 1, rows, 64) boxes, one dQ_partial tile (``dq_tile_rows``),
     128-byte swizzled (Triton sends each box as two 32-column messages); the reduce-adds
-    drop rows past seqlen_q."""
+    drop rows past seqlen_q. Head dim 256 (bwd_hopper256's kernel): over the (1, batch *
+    nheads, seqlen_q, 256) view, since that kernel names a (batch, query head) pair by
+    one coordinate: with two, ptxas stored and reloaded 2 words a block inside warpgroup
+    1's causal walk (sm_90 compile)."""
+    if dq_accum.shape[-1] == 256:
+        dq_accum = dq_accum.view(1, -1, *dq_accum.shape[2:])
     box = (1, 1, rows, DQ_PIECE.value)
     return TensorDescriptor(dq_accum, list(dq_accum.shape), list(dq_accum.stride()),
                             list(box), fwd_hopper._smem_layout(box, gl.float32))
@@ -762,10 +784,11 @@ def dq_tile_rows(flags: dict, block_m: int) -> int:
 
 def kernel_flags(head_dim: int, causal: bool, opts: frozenset[str], block_m: int) -> dict:
     """The kernel's constexpr switches (but STAGES) for FLASHTILE_HOPPER_BWD_OPTS
-    ``opts`` (``configs.hopper_bwd_opts()``) at BLOCK_M ``block_m``; bwd_hopper256's
-    kernel (head_dim 256) has no options."""
+    ``opts`` (``configs.hopper_bwd_opts()``) at BLOCK_M ``block_m``. bwd_hopper256's
+    kernel (head_dim 256) takes dq_tma alone (its docstring): the other options change a
+    schedule it does not have, and the default's lse_ahead is passed over there."""
     if head_dim == 256:
-        return dict(IS_CAUSAL=causal)
+        return dict(IS_CAUSAL=causal, DQ_TMA="dq_tma" in opts)
     if "dq_split" in opts and head_dim < 2 * DQ_PIECE.value and block_m != 128:
         raise ValueError("FLASHTILE_HOPPER_BWD_OPTS=dq_split at head_dim 64 needs 128 "
                          "query rows a block (FLASHTILE_HOPPER_BWD_CONFIG='128,128,4,2'), "
@@ -892,7 +915,7 @@ def backward(dout, q, k, v, out, lse, dlse, softmax_scale, diag_offset, causal):
             convert((dq_accum.data_ptr(), dq.data_ptr(), softmax_scale))
             return dq, *_summed(dk_shares, dv_shares, split)
     cfg = configs.hopper_bwd_config(d)
-    flags = kernel_flags(d, causal, configs.hopper_bwd_opts(), cfg.block_m)
+    flags = kernel_flags(d, causal, configs.hopper_bwd_opts(d), cfg.block_m)
     if d != 256:  # bwd_hopper256's tiles are fixed and fit (configs.HOPPER_BWD_D256)
         check_fits(d, cfg, flags)
     dq_accum = accumulator()
