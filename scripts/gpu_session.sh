@@ -63,7 +63,7 @@
 #   wide         head_dim 256 and 512, forward and forward+backward, beside the peers
 #                                                                         (~5 min)
 #   d512-tiles   head_dim 512 (in parts of 256 columns): its GPU tests (D512_TESTS=0:
-#                not), then the default tiles beside candidates, flashtile alone (~6 min)
+#                not), then the default tiles beside candidates, flashtile alone (~7 min)
 #   serve [BACKEND] [KV]  flashtile serve (1B shape, dummy weights, attention BACKEND,
 #                default flashtile, KV pool bytes KV e.g. 4GiB) and the bench serve rate
 #                sweep against it (~6 min; SERVE_PROMPTS, SERVE_RATES, SERVE_TIMEOUT;
@@ -311,11 +311,12 @@ case "${1:-}" in
     # the forward's 128 x 16 (Q read from shared memory twice as often a key), the dK/dV
     # tile 64 x 16 (1.7x fewer instructions a product and no duplicated scores, but 64 B
     # of scalars on the stack outside the walks), dQ's 64 x 16 over 8 warps (wgmma, 8 B
-    # of stack causal) and the fused backward. `wide` times the peers.
+    # of stack causal), dQ's 32 x 16 over 4 warps (two programs an SM where the
+    # default's 130 KiB fit one) and the fused backward. `wide` times the peers.
     [ "${D512_TESTS:-1}" = 0 ] || timeout 300 python3 -m pytest -q -p no:cacheprovider \
       tests/test_head_dim_512.py -k "fwd_bwd or features or dropout" 2>&1 | tail -3
     for run in fwd:default fwd:128,16,8,2 bwd:default bwd_dkdv:64,16,8,2 bwd_dq:64,16,8,2 \
-        bwd:fused; do
+        bwd_dq:32,16,4,2 bwd:fused; do
       kind=${run%%:*} cfg=${run#*:} mode=fwd_bwd
       unset FLASHTILE_FWD_CONFIG FLASHTILE_BWD_DKDV_CONFIG FLASHTILE_BWD_DQ_CONFIG FLASHTILE_BWD
       [ "$kind" = fwd ] && mode=fwd

@@ -124,9 +124,12 @@ def test_fused_backward_tiles_do_not_spill(table, head_dim, causal):
     entries, dtype, products = FUSED_TABLES[table]
     assert configs.fused_bwd_has_tiles(4 if dtype == "fp32" else 2, head_dim)
     cfg = entries[head_dim]
+    parts = configs.head_dim_parts(head_dim)  # 512: 2 programs of 256 columns
+    part = configs.part_columns(head_dim, parts)
     ck = compile_kernel(_bwd_dkdv_kernel, dict(
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=head_dim, IS_VARLEN=False,
-        ATOMIC_DQ=True, **dict(PLAIN, MASK_RIGHT=causal, INPUT_PRECISION=products)),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=part, BLOCK_DV=part,
+        DV_PARTS=parts, IS_VARLEN=False, ATOMIC_DQ=True,
+        **dict(PLAIN, MASK_RIGHT=causal, INPUT_PRECISION=products)),
         dtype=dtype, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     res = resources(ck)
     assert res["stack_bytes"] == 0 and res["shared_bytes"] <= configs.SM90_SMEM_BYTES, res
