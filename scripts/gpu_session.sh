@@ -62,6 +62,8 @@
 #                by atomics and by TMA reduce-adds (dq_tma) beside cuDNN      (~5 min)
 #   wide         head_dim 256 and 512, forward and forward+backward, beside the peers
 #                                                                         (~5 min)
+#   d512-tiles   head_dim 512 (in parts of 256 columns): its GPU tests (D512_TESTS=0:
+#                not), then the default tiles beside candidates, flashtile alone (~7 min)
 #   serve [BACKEND] [KV]  flashtile serve (1B shape, dummy weights, attention BACKEND,
 #                default flashtile, KV pool bytes KV e.g. 4GiB) and the bench serve rate
 #                sweep against it (~6 min; SERVE_PROMPTS, SERVE_RATES, SERVE_TIMEOUT;
@@ -302,6 +304,32 @@ case "${1:-}" in
     timeout 300 python3 -m flashtile bench --headdim 256 512 --seqlens 1k 4k 16k --modes fwd \
       fwd_bwd --no-progress --out wide --overwrite 2>&1 | grep "^|" | tail -36
     tar czf "$OUT/wide.tgz" wide
+    ;;
+  d512-tiles)
+    # Head dim 512 in 2 programs of 256 columns (configs.head_dim_parts, issue 17 item
+    # 3), 16k tokens a batch. The defaults compile without spills for sm_90; beside them
+    # the forward's 128 x 16 (Q read from shared memory twice as often a key), the dK/dV
+    # tile 64 x 16 (1.7x fewer instructions a product and no duplicated scores, but 64 B
+    # of scalars on the stack outside the walks), dQ's 64 x 16 over 8 warps (wgmma, 8 B
+    # of stack causal), dQ's 32 x 16 over 4 warps (two programs an SM where the
+    # default's 130 KiB fit one) and the fused backward. `wide` times the peers.
+    [ "${D512_TESTS:-1}" = 0 ] || timeout 300 python3 -m pytest -q -p no:cacheprovider \
+      tests/test_head_dim_512.py -k "fwd_bwd or features or dropout" 2>&1 | tail -3
+    for run in fwd:default fwd:128,16,8,2 bwd:default bwd_dkdv:64,16,8,2 bwd_dq:64,16,8,2 \
+        bwd_dq:32,16,4,2 bwd:fused; do
+      kind=${run%%:*} cfg=${run#*:} mode=fwd_bwd
+      unset FLASHTILE_FWD_CONFIG FLASHTILE_BWD_DKDV_CONFIG FLASHTILE_BWD_DQ_CONFIG FLASHTILE_BWD
+      [ "$kind" = fwd ] && mode=fwd
+      case $cfg in
+        default) ;;
+        fused) export FLASHTILE_BWD=fused ;;
+        *) export "FLASHTILE_${kind^^}_CONFIG=$cfg" ;;
+      esac
+      timeout 120 python3 -m flashtile bench --providers flashtile --modes $mode \
+        --headdim 512 --seqlens 1k 4k 16k --no-progress --out "d512-tiles-${run//[:,]/_}" \
+        --overwrite 2>&1 | grep "^| [0-9]" | head -6 | sed "s|^|$run |"
+    done
+    unset FLASHTILE_FWD_CONFIG FLASHTILE_BWD_DKDV_CONFIG FLASHTILE_BWD_DQ_CONFIG FLASHTILE_BWD
     ;;
   dropout)
     # Attention dropout (issue 17 item 4): flashtile's Philox mask against SDPA's
@@ -607,7 +635,7 @@ import PRESETS; json.dump(PRESETS['llama-3.2-1b'], open('/tmp/llama1b/config.jso
     kill "$server"
     ;;
   *)
-    echo "usage: $0 check|memcheck|sweep [SECONDS]|extra|short|decode|splits|pdl|engine|engine-host|engine-peers|engine-kernels|engine-decode-sweep|engine-fused|shapes|host|hopper|tp|fp32|wide|serve [BACKEND] [KV]" >&2
+    echo "usage: $0 check|memcheck|sweep [SECONDS]|extra|short|decode|splits|pdl|engine|engine-host|engine-peers|engine-kernels|engine-decode-sweep|engine-fused|shapes|host|hopper|tp|fp32|wide|d512-tiles|serve [BACKEND] [KV]" >&2
     exit 2
     ;;
 esac

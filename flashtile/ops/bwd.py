@@ -16,6 +16,12 @@ of the reductions varies from run to run, so dq differs in its last bits.
 
 ``delta = rowsum(dO * O) - dlse`` (preprocess kernel) folds the gradient of the lse, when
 the caller used it, into dS = P * (dP - delta).
+
+Head dims past 256 (``configs.head_dim_parts``): each key block's (dK/dV) and query
+block's (dQ) gradients are computed by DV_PARTS programs, each owning its part of the
+columns of dK, dV (and the fused path's share of dQ) or dQ, and computing S and dP over
+the whole head dims, its part of each operand's columns first (``_other_parts``): the
+accumulators of one program stay those of a head dim of 256.
 """
 
 import torch
@@ -102,24 +108,53 @@ def _load_lse_log2(p_lse, offs, n):
 
 
 @triton.jit
-def _dkdv_block(dk, dv, b_k, b_v, p_q, p_do, p_lse, p_delta, p_dq, start, stop,
-                offs_n, offs_m0, offs_d, offs_dv, seqlen_q, seqlen_k, head_dim,
+def _other_parts(ptrs, offs_rows, n_rows, offs_cols, n_cols, part,
+                 CHECK_ROWS: tl.constexpr, EVEN: tl.constexpr, COLS: tl.constexpr,
+                 DV_PARTS: tl.constexpr):
+    """The tiles of the other parts' columns of the (rows, COLS) tile at ptrs (this
+    program's part, columns offs_cols): DV_PARTS - 1 of them, of parts part + 1, part +
+    2, ... (mod DV_PARTS), in a tuple (empty at one part)."""
+    tiles = ()
+    for j in tl.static_range(1, DV_PARTS):
+        shift = ((part + j) % DV_PARTS - part) * COLS
+        tiles = tiles + (_load_tile(ptrs + shift, offs_rows, n_rows, offs_cols + shift,
+                                    n_cols, CHECK_ROWS, EVEN),)
+    return tiles
+
+
+@triton.jit
+def _dot_parts(acc, a, b, INPUT_PRECISION: tl.constexpr, DV_PARTS: tl.constexpr):
+    """acc + the sum of a[j] @ b[j]^T over the other parts' tiles (_other_parts): the
+    rest of a product over the whole head dim."""
+    for j in tl.static_range(DV_PARTS - 1):
+        acc = tl.dot(a[j], tl.trans(b[j]), acc, input_precision=INPUT_PRECISION)
+    return acc
+
+
+@triton.jit
+def _dkdv_block(dk, dv, b_k, b_v, b_ko, b_vo, p_q, p_do, p_lse, p_delta, p_dq, start,
+                stop, offs_n, offs_m0, offs_d, offs_dv, seqlen_q, seqlen_k, head_dim,
                 head_dim_v, stride_qm, stride_dom, diag_offset, window_left, window_right,
                 softmax_scale, softcap, alibi_slope, p_mask, stride_mask_m, stride_mask_n,
-                drop_seed, drop_offset, drop_row0, key0, dropout_p,
-                BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
+                drop_seed, drop_offset, drop_row0, key0, dropout_p, part,
+                BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+                ACC_D: tl.constexpr, EVEN_D: tl.constexpr,
                 EVEN_DV: tl.constexpr, BOUNDARY: tl.constexpr,
                 MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
                 HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
                 HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr,
                 INPUT_PRECISION: tl.constexpr, ATOMIC_DQ: tl.constexpr,
-                HAS_DROPOUT: tl.constexpr):
-    # Transposed tile: rows are this program's keys, cols the query block.
+                HAS_DROPOUT: tl.constexpr, DV_PARTS: tl.constexpr):
+    # Transposed tile: rows are this program's keys, cols the query block. b_k, b_v:
+    # this program's part of the keys' columns; b_ko, b_vo: the other parts' (resident).
     for start_m in tl.range(start, stop, BLOCK_M):
         offs_m = start_m + offs_m0
         b_q = _load_tile(p_q + start_m * stride_qm, offs_m, seqlen_q, offs_d, head_dim,
                          BOUNDARY, EVEN_D)                                    # (M, D)
         qk_t = tl.dot(b_k, tl.trans(b_q), input_precision=INPUT_PRECISION)   # (N, M)
+        qk_t = _dot_parts(qk_t, b_ko, _other_parts(
+            p_q + start_m * stride_qm, offs_m, seqlen_q, offs_d, head_dim, part, BOUNDARY,
+            EVEN_D, BLOCK_D, DV_PARTS), INPUT_PRECISION, DV_PARTS)
         if HAS_DROPOUT:
             # Drawn right after the q k^T product is issued, so that the integer work
             # can overlap it; sm_90 d128 dense spills 272 B causal (264 B not) here vs
@@ -143,6 +178,9 @@ def _dkdv_block(dk, dv, b_k, b_v, p_q, p_do, p_lse, p_delta, p_dq, start, stop,
         else:
             dv = tl.dot(p_t.to(b_do.dtype), b_do, dv, input_precision=INPUT_PRECISION)
         dp_t = tl.dot(b_v, tl.trans(b_do), input_precision=INPUT_PRECISION)  # (N, M)
+        dp_t = _dot_parts(dp_t, b_vo, _other_parts(
+            p_do + start_m * stride_dom, offs_m, seqlen_q, offs_dv, head_dim_v, part,
+            BOUNDARY, EVEN_DV, BLOCK_DV, DV_PARTS), INPUT_PRECISION, DV_PARTS)
         if HAS_DROPOUT:
             dp_t = tl.where(keep_t, dp_t * (1.0 / (1.0 - dropout_p)), 0.0)
         delta = tl.load(p_delta + offs_m, mask=offs_m < seqlen_q, other=0.0)
@@ -154,15 +192,16 @@ def _dkdv_block(dk, dv, b_k, b_v, p_q, p_do, p_lse, p_delta, p_dq, start, stop,
         dk = tl.dot(b_ds_t, b_q, dk, input_precision=INPUT_PRECISION)
         if ATOMIC_DQ:
             # Keys past seqlen_k were loaded as zero rows of K: they add nothing.
+            # This part's columns of dQ: dS times this part's columns of K.
             b_dq = tl.dot(tl.trans(b_ds_t), b_k, input_precision=INPUT_PRECISION)  # (M, D)
             # Relaxed: nothing reads a reduction's result, so it needs no ordering (the
-            # default, acq_rel, fences each one). Accumulator rows are BLOCK_D wide
+            # default, acq_rel, fences each one). Accumulator rows are ACC_D wide
             # (the padding gets zeros), so only the edge ranges mask rows.
             if BOUNDARY:
-                tl.atomic_add(p_dq + start_m * BLOCK_D, b_dq, sem="relaxed",
+                tl.atomic_add(p_dq + start_m * ACC_D, b_dq, sem="relaxed",
                               mask=offs_m[:, None] < seqlen_q)
             else:
-                tl.atomic_add(p_dq + start_m * BLOCK_D, b_dq, sem="relaxed")
+                tl.atomic_add(p_dq + start_m * ACC_D, b_dq, sem="relaxed")
     return dk, dv
 
 
@@ -199,13 +238,25 @@ def _bwd_dkdv_kernel(
     MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_MASK: tl.constexpr,
     MASK_IS_BOOL: tl.constexpr, INPUT_PRECISION: tl.constexpr, IS_VARLEN: tl.constexpr,
-    ATOMIC_DQ: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    ATOMIC_DQ: tl.constexpr, HAS_DROPOUT: tl.constexpr, DV_PARTS: tl.constexpr,
 ):
     """dK, dV of one key block of one KV head; with ATOMIC_DQ also every query row's
     share of dQ from these keys, added into DQAccum: fp32 (batch, nheads, rows,
-    BLOCK_D), zeroed by the preprocess. Its row stride is BLOCK_D, a constant: the
-    addresses of the atomics cost no pointer tile held across the loop."""
+    BLOCK_D * DV_PARTS), zeroed by the preprocess. Its row stride is a constant: the
+    addresses of the atomics cost no pointer tile held across the loop.
+
+    DV_PARTS > 1: the key block's programs split the columns, BLOCK_D of dK (and of
+    dQ's share) and BLOCK_DV of dV each (configs.head_dim_parts); each computes the
+    scores and dP over the whole head dims."""
     start_n = tl.program_id(0)
+    part = 0
+    if DV_PARTS > 1:
+        # A key block's parts are neighbours in the grid: they stream the same Q and
+        # dO tiles at about the same time, from L2.
+        part = start_n % DV_PARTS
+        start_n = start_n // DV_PARTS
+    # The accumulator's row: every part's columns (the padded head dim of q).
+    ACC_D: tl.constexpr = BLOCK_D * DV_PARTS
     off_bh = tl.program_id(1)
     off_b = off_bh // nheads_kv
     off_hkv = off_bh % nheads_kv
@@ -214,17 +265,17 @@ def _bwd_dkdv_kernel(
         batch = tl.num_programs(1) // nheads_kv
         if _varlen_bad(CuSeqlensQ, CuSeqlensK, batch, total_q, total_k, max_seqlen_q,
                        max_seqlen_k) > 0:
-            chunk = off_b * tl.num_programs(0) + start_n
+            chunk = off_b * tl.num_programs(0) + tl.program_id(0)
             n_chunks = batch * tl.num_programs(0)
             _fill_nan_rows(DK + off_hkv * stride_dkh, stride_dkn, total_k, head_dim,
-                           chunk, n_chunks, BLOCK_N, BLOCK_D)
+                           chunk, n_chunks, BLOCK_N, ACC_D)
             _fill_nan_rows(DV + off_hkv * stride_dvh, stride_dvn, total_k, head_dim_v,
-                           chunk, n_chunks, BLOCK_N, BLOCK_DV)
+                           chunk, n_chunks, BLOCK_N, BLOCK_DV * DV_PARTS)
             if ATOMIC_DQ:  # no program adds to dQ now: every one saw the same bad sums
                 for g in range(0, group_size):
                     _fill_nan_rows(DQAccum + (off_hkv * group_size + g) * stride_acch,
-                                   BLOCK_D, total_q, head_dim, chunk, n_chunks, BLOCK_M,
-                                   BLOCK_D)
+                                   ACC_D, total_q, head_dim, chunk, n_chunks, BLOCK_M,
+                                   ACC_D)
             return
     q_start, k_start, seqlen_q, seqlen_k, diag_offset = _seq_bounds(
         CuSeqlensQ, CuSeqlensK, off_b, seqlen_q, seqlen_k, diag_offset, IS_VARLEN)
@@ -237,17 +288,25 @@ def _bwd_dkdv_kernel(
     # V's, dO's and dV's head dim (MLA: 128 beside 192). offs_d itself where the
     # tiles match, so equal-dim calls compile the IR they had before.
     offs_dv = offs_d if BLOCK_DV == BLOCK_D else tl.arange(0, BLOCK_DV)
+    if DV_PARTS > 1:  # this program's columns
+        offs_d += part * BLOCK_D
+        offs_dv += part * BLOCK_DV
     Q += off_b * stride_qb + q_start * stride_qm
     DOut += off_b * stride_dob + q_start * stride_dom
     K += off_b * stride_kb + k_start * stride_kn
     V += off_b * stride_vb + k_start * stride_vn
     DK += off_b * stride_dkb + k_start * stride_dkn
     DV += off_b * stride_dvb + k_start * stride_dvn
-    DQAccum += off_b * stride_accb + q_start * BLOCK_D
+    DQAccum += off_b * stride_accb + q_start * ACC_D
     p_k = K + off_hkv * stride_kh + offs_n[:, None] * stride_kn + offs_d[None, :]
     p_v = V + off_hkv * stride_vh + offs_n[:, None] * stride_vn + offs_dv[None, :]
     b_k = _load_tile(p_k, offs_n, seqlen_k, offs_d, head_dim, True, EVEN_D)   # (N, D)
     b_v = _load_tile(p_v, offs_n, seqlen_k, offs_dv, head_dim_v, True, EVEN_DV)  # (N, DV)
+    # The other parts' columns of K and V, for the scores and dP (empty at one part).
+    b_ko = _other_parts(p_k, offs_n, seqlen_k, offs_d, head_dim, part, True, EVEN_D,
+                        BLOCK_D, DV_PARTS)
+    b_vo = _other_parts(p_v, offs_n, seqlen_k, offs_dv, head_dim_v, part, True, EVEN_DV,
+                        BLOCK_DV, DV_PARTS)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
 
@@ -261,7 +320,7 @@ def _bwd_dkdv_kernel(
         # Delta shares lse's layout.
         p_lse = Lse + off_b * stride_lb + off_h * stride_lh + q_start
         p_delta = Delta + off_b * stride_lb + off_h * stride_lh + q_start
-        p_dq = DQAccum + off_h * stride_acch + offs_m0[:, None] * BLOCK_D + offs_d[None, :]
+        p_dq = DQAccum + off_h * stride_acch + offs_m0[:, None] * ACC_D + offs_d[None, :]
         alibi_slope = 0.0
         if HAS_ALIBI:
             alibi_slope = tl.load(Alibi + off_b * stride_alibi_b + off_h * stride_alibi_h)
@@ -277,14 +336,15 @@ def _bwd_dkdv_kernel(
             start = lo if span == 0 else (mid_lo if span == 1 else mid_hi)
             stop = mid_lo if span == 0 else (mid_hi if span == 1 else hi)
             dk, dv = _dkdv_block(
-                dk, dv, b_k, b_v, p_q, p_do, p_lse, p_delta, p_dq, start, stop, offs_n,
-                offs_m0, offs_d, offs_dv, seqlen_q, seqlen_k, head_dim, head_dim_v,
+                dk, dv, b_k, b_v, b_ko, b_vo, p_q, p_do, p_lse, p_delta, p_dq, start, stop,
+                offs_n, offs_m0, offs_d, offs_dv, seqlen_q, seqlen_k, head_dim, head_dim_v,
                 stride_qm, stride_dom,
                 diag_offset, window_left, window_right, softmax_scale, softcap,
                 alibi_slope, p_mask, stride_mask_m, stride_mask_n, drop_seed, drop_offset,
-                drop_row0, start_n * BLOCK_N, dropout_p, BLOCK_M, BLOCK_D, EVEN_D, EVEN_DV,
-                span != 1, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_MASK,
-                MASK_IS_BOOL, INPUT_PRECISION, ATOMIC_DQ, HAS_DROPOUT)
+                drop_row0, start_n * BLOCK_N, dropout_p, part, BLOCK_M, BLOCK_D, BLOCK_DV,
+                ACC_D, EVEN_D, EVEN_DV, span != 1, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP,
+                HAS_ALIBI, HAS_MASK, MASK_IS_BOOL, INPUT_PRECISION, ATOMIC_DQ, HAS_DROPOUT,
+                DV_PARTS)
 
     m_tile = (offs_n[:, None] < seqlen_k) & (offs_d[None, :] < head_dim)
     p_dk = DK + off_hkv * stride_dkh + offs_n[:, None] * stride_dkn + offs_d[None, :]
@@ -302,17 +362,21 @@ def _bwd_dkdv_kernel(
 
 
 @triton.jit
-def _dq_block(dq, b_q, b_do, lse_log2, delta, p_k, p_v, start, stop,
+def _dq_block(dq, b_q, b_do, b_qo, b_doo, lse_log2, delta, p_k, p_v, start, stop,
               offs_m, offs_n0, offs_d, offs_dv, seqlen_q, seqlen_k, head_dim, head_dim_v,
               stride_kn, stride_vn, diag_offset, window_left, window_right,
               softmax_scale, softcap, alibi_slope, p_mask, stride_mask_m, stride_mask_n,
-              drop_seed, drop_offset, drop_row_start, dropout_p,
-              BLOCK_N: tl.constexpr, EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr,
+              drop_seed, drop_offset, drop_row_start, dropout_p, part,
+              BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+              EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr,
               BOUNDARY: tl.constexpr,
               MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
               HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
               HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr,
-              INPUT_PRECISION: tl.constexpr, HAS_DROPOUT: tl.constexpr):
+              INPUT_PRECISION: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+              DV_PARTS: tl.constexpr):
+    # b_q, b_do: this program's part of the rows' columns; b_qo, b_doo: the other
+    # parts' (resident). K and V tiles are read in the same parts.
     for start_n in tl.range(start, stop, BLOCK_N):
         offs_n = start_n + offs_n0
         b_k = _load_tile(p_k + start_n * stride_kn, offs_n, seqlen_k, offs_d, head_dim,
@@ -320,6 +384,9 @@ def _dq_block(dq, b_q, b_do, lse_log2, delta, p_k, p_v, start, stop,
         b_v = _load_tile(p_v + start_n * stride_vn, offs_n, seqlen_k, offs_dv,
                          head_dim_v, BOUNDARY, EVEN_DV)                     # (N, DV)
         qk = tl.dot(b_q, tl.trans(b_k), input_precision=INPUT_PRECISION)   # (M, N)
+        qk = _dot_parts(qk, b_qo, _other_parts(
+            p_k + start_n * stride_kn, offs_n, seqlen_k, offs_d, head_dim, part, BOUNDARY,
+            EVEN_D, BLOCK_D, DV_PARTS), INPUT_PRECISION, DV_PARTS)
         m_mask = (offs_m[:, None] < seqlen_q) & (offs_n[None, :] < seqlen_k)
         s = _scores_log2(qk, offs_m, offs_n, seqlen_k, diag_offset, window_left,
                          window_right, softmax_scale, softcap, alibi_slope, p_mask,
@@ -327,6 +394,9 @@ def _dq_block(dq, b_q, b_do, lse_log2, delta, p_k, p_v, start, stop,
                          MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_MASK, MASK_IS_BOOL)
         p = tl.exp2(s - lse_log2[:, None])                                 # (M, N)
         dp = tl.dot(b_do, tl.trans(b_v), input_precision=INPUT_PRECISION)  # (M, N)
+        dp = _dot_parts(dp, b_doo, _other_parts(
+            p_v + start_n * stride_vn, offs_n, seqlen_k, offs_dv, head_dim_v, part,
+            BOUNDARY, EVEN_DV, BLOCK_DV, DV_PARTS), INPUT_PRECISION, DV_PARTS)
         if HAS_DROPOUT:  # as in _dkdv_block
             keep = _dropout_keep(drop_seed, drop_offset, drop_row_start, start_n,
                                  dropout_p, offs_m.shape[0], BLOCK_N, False)  # (M, N)
@@ -359,9 +429,16 @@ def _bwd_dq_kernel(
     MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_MASK: tl.constexpr,
     MASK_IS_BOOL: tl.constexpr, INPUT_PRECISION: tl.constexpr, IS_VARLEN: tl.constexpr,
-    HAS_DROPOUT: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, DV_PARTS: tl.constexpr,
 ):
+    """dQ of one query block of one head. DV_PARTS > 1: the block's programs split
+    dQ's columns, BLOCK_D each (configs.head_dim_parts); each computes the scores and
+    dP over the whole head dims."""
     start_m = tl.program_id(0)
+    part = 0
+    if DV_PARTS > 1:  # a row block's parts are neighbours: the same K/V tiles, from L2
+        part = start_m % DV_PARTS
+        start_m = start_m // DV_PARTS
     off_bh = tl.program_id(1)
     off_b = off_bh // nheads
     off_h = off_bh % nheads
@@ -370,9 +447,9 @@ def _bwd_dq_kernel(
         batch = tl.num_programs(1) // nheads
         if _varlen_bad(CuSeqlensQ, CuSeqlensK, batch, total_q, total_k, max_seqlen_q,
                        max_seqlen_k) > 0:
-            chunk = off_b * tl.num_programs(0) + start_m
+            chunk = off_b * tl.num_programs(0) + tl.program_id(0)
             _fill_nan_rows(DQ + off_h * stride_dqh, stride_dqm, total_q, head_dim, chunk,
-                           batch * tl.num_programs(0), BLOCK_M, BLOCK_D)
+                           batch * tl.num_programs(0), BLOCK_M, BLOCK_D * DV_PARTS)
             return
     q_start, k_start, seqlen_q, seqlen_k, diag_offset = _seq_bounds(
         CuSeqlensQ, CuSeqlensK, off_b, seqlen_q, seqlen_k, diag_offset, IS_VARLEN)
@@ -385,6 +462,9 @@ def _bwd_dq_kernel(
     # V's and dO's head dim. offs_d itself where the tiles match, so equal-dim calls
     # compile the IR they had before.
     offs_dv = offs_d if BLOCK_DV == BLOCK_D else tl.arange(0, BLOCK_DV)
+    if DV_PARTS > 1:  # this program's columns
+        offs_d += part * BLOCK_D
+        offs_dv += part * BLOCK_DV
     Q += off_b * stride_qb + q_start * stride_qm
     DOut += off_b * stride_dob + q_start * stride_dom
     DQ += off_b * stride_dqb + q_start * stride_dqm
@@ -395,6 +475,11 @@ def _bwd_dq_kernel(
     b_q = _load_tile(p_q, offs_m, seqlen_q, offs_d, head_dim, True, EVEN_D)    # (M, D)
     b_do = _load_tile(p_do, offs_m, seqlen_q, offs_dv, head_dim_v, True,
                       EVEN_DV)                                                 # (M, DV)
+    # The other parts' columns of q and dO, for the scores and dP (empty at one part).
+    b_qo = _other_parts(p_q, offs_m, seqlen_q, offs_d, head_dim, part, True, EVEN_D,
+                        BLOCK_D, DV_PARTS)
+    b_doo = _other_parts(p_do, offs_m, seqlen_q, offs_dv, head_dim_v, part, True, EVEN_DV,
+                         BLOCK_DV, DV_PARTS)
     p_lse = off_b * stride_lb + off_h * stride_lh + q_start  # Delta shares lse's layout
     lse_log2 = _load_lse_log2(Lse + p_lse, offs_m, seqlen_q)                 # (M,)
     delta = tl.load(Delta + p_lse + offs_m, mask=offs_m < seqlen_q, other=0.0)
@@ -418,14 +503,15 @@ def _bwd_dq_kernel(
     for span in tl.static_range(3):
         start = lo if span == 0 else (mid_lo if span == 1 else mid_hi)
         stop = mid_lo if span == 0 else (mid_hi if span == 1 else hi)
-        dq = _dq_block(dq, b_q, b_do, lse_log2, delta, p_k, p_v, start, stop, offs_m,
-                       offs_n0, offs_d, offs_dv, seqlen_q, seqlen_k, head_dim, head_dim_v,
-                       stride_kn, stride_vn, diag_offset, window_left, window_right,
-                       softmax_scale, softcap, alibi_slope, p_mask, stride_mask_m,
-                       stride_mask_n, drop_seed, drop_offset, drop_row_start, dropout_p,
-                       BLOCK_N, EVEN_D, EVEN_DV, span != 1, MASK_LEFT, MASK_RIGHT,
-                       HAS_SOFTCAP, HAS_ALIBI, HAS_MASK, MASK_IS_BOOL, INPUT_PRECISION,
-                       HAS_DROPOUT)
+        dq = _dq_block(dq, b_q, b_do, b_qo, b_doo, lse_log2, delta, p_k, p_v, start,
+                       stop, offs_m, offs_n0, offs_d, offs_dv, seqlen_q, seqlen_k,
+                       head_dim, head_dim_v, stride_kn, stride_vn, diag_offset,
+                       window_left, window_right, softmax_scale, softcap, alibi_slope,
+                       p_mask, stride_mask_m, stride_mask_n, drop_seed, drop_offset,
+                       drop_row_start, dropout_p, part, BLOCK_N, BLOCK_D, BLOCK_DV,
+                       EVEN_D, EVEN_DV, span != 1, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP,
+                       HAS_ALIBI, HAS_MASK, MASK_IS_BOOL, INPUT_PRECISION, HAS_DROPOUT,
+                       DV_PARTS)
 
     p_dq = DQ + off_h * stride_dqh + offs_m[:, None] * stride_dqm + offs_d[None, :]
     tl.store(p_dq, (dq * softmax_scale).to(DQ.dtype.element_ty),
@@ -498,7 +584,12 @@ def attn_bwd(dout, q, k, v, out, lse, dlse, *, attn_mask, alibi_slopes, softmax_
     # (batch, h, rows, padded head_dim), or (1, h, total_q, ...) packed, zeroed by the
     # preprocess. Their fp32 words follow the gradients: the accumulator's, then delta's.
     n_delta = (1 if varlen else batch) * h * rows
-    block_d = configs.padded_head_dim(d)
+    # Past 256 columns the kernels split the head dims across programs (the tiles'
+    # dv_parts, configs.head_dim_parts); each part's columns are BLOCK_D of q's head dim
+    # and BLOCK_DV of v's, and the accumulator's row holds every part's.
+    parts = configs.head_dim_parts(d_tiles)
+    part_d, part_dv = configs.part_columns(d, parts), configs.part_columns(d_v, parts)
+    block_d = part_d * parts
     n_accum = n_delta * block_d if fused else 0
     if one_allocation:
         (dq, dk, dv), buf, accum_at = _launch.carve((q.shape, k.shape, v.shape), q.dtype,
@@ -551,13 +642,13 @@ def attn_bwd(dout, q, k, v, out, lse, dlse, *, attn_mask, alibi_slopes, softmax_
             pre((p[12], p[3], p[13], p[5], p[15], acc_strides[1], rows), (*row_grid, 1))
             dkdv((*p[:8], p[15], *p[8:12], p[16], acc_strides[1], *lse_strides, *totals,
                   *scalars),
-                 (max(1, configs.cdiv(longest_k, dkdv.cfg.block_n)), batch * hkv, 1)
+                 (max(1, configs.cdiv(longest_k, dkdv.cfg.block_n)) * parts, batch * hkv, 1)
                  if varlen else None)
             if fused:
                 last((p[15], p[14], acc_strides[1], rows, softmax_scale), (*row_grid, 1))
             else:
                 last((*p[:6], p[14], *p[8:12], p[16], *lse_strides, *totals, *scalars),
-                     (max(1, configs.cdiv(longest_q, last.cfg.block_m)), batch * h, 1)
+                     (max(1, configs.cdiv(longest_q, last.cfg.block_m)) * parts, batch * h, 1)
                      if varlen else None)
             return dq, dk, dv
     # The first launch of a variant: Triton's path takes tensors, so delta and the dQ
@@ -587,8 +678,8 @@ def attn_bwd(dout, q, k, v, out, lse, dlse, *, attn_mask, alibi_slopes, softmax_
     mask, mask_strides, alibi, alibi_strides, flags = configs.feature_args(
         attn_mask, alibi_slopes, q, window_left=window_left, window_right=window_right,
         softcap=softcap, allow_tf32=allow_tf32, head_dim=d)
-    flags.update(BLOCK_DV=configs.padded_head_dim(d_v),
-                 EVEN_DV=configs.padded_head_dim(d_v) == d_v)
+    flags.update(BLOCK_D=part_d, EVEN_D=part_d * parts == d, BLOCK_DV=part_dv,
+                 EVEN_DV=part_dv * parts == d_v, DV_PARTS=parts)
     windowed, longest = window_left >= 0 or window_right >= 0, max(longest_q, longest_k)
     ieee = flags["INPUT_PRECISION"] == "ieee"
     # Varlen kernels read each sequence's lengths from cu_seqlens; seqlen_q/k unused.
@@ -600,7 +691,7 @@ def attn_bwd(dout, q, k, v, out, lse, dlse, *, attn_mask, alibi_slopes, softmax_
                   else (configs.bwd_dkdv_config, "backward dk/dv"))
     dkdv = configs.launch(
         _bwd_dkdv_kernel,
-        lambda cfg: (max(1, configs.cdiv(longest_k, cfg.block_n)), batch * hkv),
+        lambda cfg: (max(1, configs.cdiv(longest_k, cfg.block_n)) * parts, batch * hkv),
         pick(q, d_tiles, windowed, seqlen=longest, ieee=ieee), name, q, d,
         *tensors[:8], tensors[15], mask, alibi, *tensors[10:12], tensors[16],
         *configs.strides(varlen, q4, k4, v4, dout4, dk4, dv4), *acc_strides,
@@ -620,7 +711,7 @@ def attn_bwd(dout, q, k, v, out, lse, dlse, *, attn_mask, alibi_slopes, softmax_
     else:
         last = configs.launch(
             _bwd_dq_kernel,
-            lambda cfg: (max(1, configs.cdiv(longest_q, cfg.block_m)), batch * h),
+            lambda cfg: (max(1, configs.cdiv(longest_q, cfg.block_m)) * parts, batch * h),
             configs.bwd_dq_config(q, d_tiles, windowed, seqlen=longest, ieee=ieee),
             "backward dq", q, d,
             *tensors[:6], dq, mask, alibi, *tensors[10:12], tensors[16],

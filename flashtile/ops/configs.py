@@ -9,6 +9,7 @@ sequences still cross several tiles and both mask-range computations get exercis
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import os
@@ -27,8 +28,9 @@ class TileConfig:
     block_n: int
     num_warps: int = 4
     num_stages: int = 1
-    # Decode over a wide key only (_wide_key_decode_config): V's columns in this many
-    # parts, one program each. Every other kernel takes 1.
+    # V's columns (the output's, and the backward's gradient columns) in this many
+    # parts, one program each: set by _pick from the head dim (head_dim_parts) for the
+    # forward and backward, by _wide_key_decode_config for the decode over a wide key.
     dv_parts: int = 1
 
 
@@ -64,6 +66,31 @@ def strides(varlen: bool, *tensors) -> tuple:
 def padded_head_dim(head_dim: int) -> int:
     # tl.dot needs K >= 16 and power-of-two tiles; the padding is masked on load/store.
     return max(16, next_power_of_2(head_dim))
+
+
+# The widest fp32 accumulator a forward or backward program holds, in columns. Past it
+# (head dims 257-512) the head dim's columns are split across programs (head_dim_parts):
+# a (64, 512) fp32 accumulator over 4 warps is 256 registers a thread, so one program
+# of the whole width took 32-row tiles (mma.sync, not wgmma, on Hopper) and still ran
+# at 144-155 TFLOP/s forward, 52-58 forward+backward on the H200 (docs/benchmarks/
+# h200-2026-12-02-s18/wide.md), below a naive matmul-softmax-matmul at 109-129.
+MAX_PART_COLUMNS = 256
+
+
+def head_dim_parts(head_dim: int) -> int:
+    """Programs that share one block of rows (or keys) of a head, each holding 1/parts
+    of the accumulators' columns: the forward's O and its part of V, the backward's dK
+    and dV (its part of Q and dO) and dQ (its part of K). Each program recomputes the
+    scores (and dP) over the whole head dim: at 2 parts 1.5x the forward's products and
+    1.5-1.67x the backward's, for tiles that hold what a head dim of 256 holds."""
+    return max(1, padded_head_dim(head_dim) // MAX_PART_COLUMNS)
+
+
+def part_columns(head_dim: int, parts: int) -> int:
+    """The columns of one part of a head dim (its tile, BLOCK_D or BLOCK_DV): at least
+    16 (tl.dot's smallest K), so a narrow head dim beside a wide one (d 16, dv 512)
+    gets parts past its padding, masked as padding is."""
+    return max(16, padded_head_dim(head_dim) // parts)
 
 
 # The rowsum(dO * O) preprocess holds two (BLOCK_M, head_dim) fp32 tiles per program;
@@ -155,18 +182,40 @@ _INTERPRETER = {
 # Hopper (sm90) fp16/bf16, keyed by padded head dim. d64/d128 entries are the best of
 # the sweep on an H200 (docs/benchmarks/NOTES.md, run 2); 16/32 follow d64, 256 and 512
 # are sized to compile without spilling (sm_90 AOT, tests/test_sm90_compile.py).
+#
+# Head dim 512 (and 257-511, padded to it) runs in 2 programs of 256 columns each
+# (head_dim_parts): the tiles below are one part's. sm_90 AOT, bf16, registers
+# full/causal, stack bytes, shared memory, against the whole-width tiles they replace
+# (which held (rows, 512) fp32 accumulators: 32 rows, mma.sync; H200 144-155 TFLOP/s
+# forward, 52-58 forward+backward, docs/benchmarks/h200-2026-12-02-s18/wide.md):
+#   forward 128 x 32, 8 warps, 2 stages: 228/254, 0, 224 KiB; wgmma, each warpgroup its
+#     own 64 rows (m64n32 for Q K^T over all 512 columns, m64n256 for P V's part), 415
+#     instructions a 32-key tile. Was 32 x 32, 4 warps, 2: 255/255, 0, 98 KiB. 64 rows
+#     spill over 4 warps (96-1144 B: the part's accumulator alone is 128 registers a
+#     thread) and over 8 compute every score twice (Triton lays a dot that feeds a dot
+#     with every warp along M: 2 warpgroups on 64 rows); 64-key tiles spill or pass
+#     227 KiB; 128 x 16 does not spill but reads Q from shared memory twice as often.
+#   dK/dV 32 queries x 16 keys, 8 warps, 2 stages: 182/254, 0, 97 KiB, mma.sync (64
+#     keys, the least wgmma takes, spill 24-2320 B at every query block and warp count
+#     tried, 1-3 stages). Was 32 x 16, 8, 1: 215/237, 0, 128 KiB, no copies in flight
+#     (loads through registers). 64 x 16 (8, 2) runs 1.7x fewer instructions a
+#     product, scores not duplicated, but keeps 64 B of scalars on the stack (reloaded
+#     per query head, never in the walks): FLASHTILE_BWD_DKDV_CONFIG, stage d512-tiles.
+#   dQ 32 x 32, 4 warps, 2 stages: 183/184, 0, 130 KiB, mma.sync, scores not duplicated.
+#     Was 32 x 16, 8, 1: 232/236, 0, 96 KiB. 64 x 16 (8, 2; wgmma) spills 8 B causal.
+#   fused 16 x 16, 8 warps, 2 stages: 166/248, 0, 80 KiB. Was 16 x 16, 8, 1: 236/254.
 _FWD_16BIT = {
     16: TileConfig(128, 64, 8, 3), 32: TileConfig(128, 64, 8, 3),
     64: TileConfig(128, 64, 8, 3), 128: TileConfig(128, 128, 8, 3),
     256: TileConfig(64, 32, 4, 2),
-    512: TileConfig(32, 32, 4, 2),
+    512: TileConfig(128, 32, 8, 2),
 }
 # Causal/windowed: the masked diagonal blocks cost more with large tiles at d64.
 _FWD_16BIT_CAUSAL = {
     16: TileConfig(64, 64, 4, 3), 32: TileConfig(64, 64, 4, 3),
     64: TileConfig(64, 64, 4, 3), 128: TileConfig(128, 64, 8, 3),
     256: TileConfig(64, 32, 4, 2),
-    512: TileConfig(32, 32, 4, 2),
+    512: TileConfig(128, 32, 8, 2),
 }
 _FWD_32BIT = {
     16: TileConfig(64, 64, 4, 2), 32: TileConfig(64, 64, 4, 2),
@@ -188,19 +237,24 @@ _BWD_DKDV_16BIT = {  # (BLOCK_M over queries, BLOCK_N over keys)
     16: TileConfig(32, 64, 4, 3), 32: TileConfig(32, 64, 4, 3),
     64: TileConfig(32, 64, 4, 3), 128: TileConfig(64, 128, 8, 2),
     256: TileConfig(32, 64, 8, 1),
-    512: TileConfig(32, 16, 8, 1),
+    512: TileConfig(32, 16, 8, 2),
 }
 _BWD_DQ_16BIT = {
     16: TileConfig(64, 64, 4, 3), 32: TileConfig(64, 64, 4, 3),
     64: TileConfig(64, 64, 4, 3), 128: TileConfig(128, 64, 8, 3),
     256: TileConfig(64, 32, 8, 1),
-    512: TileConfig(32, 16, 8, 1),
+    512: TileConfig(32, 32, 4, 2),
 }
+# fp32 at head dim 512, in parts too: 2 stages, whose copies go to shared memory without
+# registers (the 1-stage tiles' register-staged loads of the other part spilled 8-952 B
+# in parts: TF32 dK/dV causal, IEEE dK/dV and dQ). Registers full/causal at 16 x 16, 8
+# warps: TF32 dK/dV 190/158, dQ 156/160; IEEE dK/dV 140/108, dQ 80/80. The forward's
+# 32 x 16, 8 warps: TF32 1 stage 124/148; IEEE 2 stages 126/128 (1 stage: 8 B causal).
 _BWD_32BIT = {
     16: TileConfig(32, 32, 4, 1), 32: TileConfig(32, 32, 4, 1),
     64: TileConfig(32, 32, 4, 1), 128: TileConfig(32, 32, 4, 1),
     256: TileConfig(16, 16, 4, 1),
-    512: TileConfig(16, 16, 8, 1),
+    512: TileConfig(16, 16, 8, 2),
 }
 # fp32 with IEEE products (no TF32): the products are FFMA, not tensor-core instructions,
 # and the fp32 tables' tiles, sized for TF32, spilled (sm_90 AOT: the d128 forward's 64x32
@@ -210,32 +264,32 @@ _FWD_IEEE = {
     16: TileConfig(64, 32, 8, 2), 32: TileConfig(64, 32, 8, 2),
     64: TileConfig(64, 32, 8, 2), 128: TileConfig(32, 16, 4, 2),
     256: TileConfig(16, 16, 4, 2),
-    512: TileConfig(32, 16, 8, 1),
+    512: TileConfig(32, 16, 8, 2),
 }
 _BWD_DKDV_IEEE = {
     16: TileConfig(32, 32, 8, 1), 32: TileConfig(32, 32, 8, 1),
     64: TileConfig(32, 32, 8, 1), 128: TileConfig(32, 32, 8, 1),
     256: TileConfig(16, 16, 8, 1),
-    512: TileConfig(16, 16, 8, 1),
+    512: TileConfig(16, 16, 8, 2),
 }
 _BWD_DQ_IEEE = {
     16: TileConfig(32, 32, 8, 1), 32: TileConfig(32, 32, 8, 1),
     64: TileConfig(32, 32, 8, 1), 128: TileConfig(16, 16, 4, 1),
     256: TileConfig(16, 16, 8, 1),
-    512: TileConfig(16, 16, 8, 1),
+    512: TileConfig(16, 16, 8, 2),
 }
 # The fused backward (ops/bwd.py: the dK/dV kernel also adds its share of dQ), (BLOCK_M
 # over queries, BLOCK_N over keys). Not yet timed on a GPU: sized with tests/aot.py
 # (sm_90, causal and not) as the largest tiles that compile without spilling; bf16
 # registers causal/full: d16 238/232, d32 252/248, d64 254/228, d128 254/242 (123 KB
-# of shared memory), d256 255/204, d512 254/236. The dK/dV accumulators stay in
-# registers and the dQ product adds its own, so the query block is narrower than the
-# split kernel's: 32 queries spill at d128 (32,64,8,2: 24 B causal), d256 (32,32,8,2:
-# 160 B) and d512 (32,16,8,1: 232 B).
+# of shared memory), d256 255/204, d512 (in parts, 2 stages) 248/166. The dK/dV
+# accumulators stay in registers and the dQ product adds its own, so the query block is
+# narrower than the split kernel's: 32 queries spill at d128 (32,64,8,2: 24 B causal),
+# d256 (32,32,8,2: 160 B) and d512 (32,16,8,2 in parts: 8-48 B).
 _BWD_FUSED_16BIT = {
     16: TileConfig(64, 128, 8, 2), 32: TileConfig(64, 128, 8, 2),
     64: TileConfig(32, 128, 8, 2), 128: TileConfig(16, 128, 8, 2),
-    256: TileConfig(16, 32, 8, 2), 512: TileConfig(16, 16, 8, 1),
+    256: TileConfig(16, 32, 8, 2), 512: TileConfig(16, 16, 8, 2),
 }
 # fp32 stops at head_dim 128 (FUSED_BWD_FP32_MAX_HEAD_DIM): beyond, every fused tile we
 # compiled spilled (IEEE 16,16,8,1: 16 B at d256, 168 B at d512; TF32 8 B at d512;
@@ -454,6 +508,16 @@ def _from_env(kind: str) -> TileConfig | None:
 
 def _pick(kind: str, q: torch.Tensor, head_dim: int, table16: dict, table32: dict, *,
           causal_like: bool = False, seqlen: int | None = None, ieee_table=None):
+    """The tile of _pick_tile, its dv_parts set from the head dim (head_dim_parts): the
+    tables, tuned entries and FLASHTILE_*_CONFIG give the tile of one program."""
+    cfg = _pick_tile(kind, q, head_dim, table16, table32, causal_like=causal_like,
+                     seqlen=seqlen, ieee_table=ieee_table)
+    parts = head_dim_parts(head_dim)
+    return cfg if cfg.dv_parts == parts else dataclasses.replace(cfg, dv_parts=parts)
+
+
+def _pick_tile(kind: str, q: torch.Tensor, head_dim: int, table16: dict, table32: dict, *,
+               causal_like: bool = False, seqlen: int | None = None, ieee_table=None):
     """ieee_table: the table for fp32 inputs with IEEE products (None: not that case).
     `flashtile tune` times fp32 with TF32 only, so its results skip that case."""
     if kind in _override:
@@ -513,11 +577,11 @@ def smaller(cfg: TileConfig) -> TileConfig | None:
     (an attn_mask tile or head_dim 256 add buffers): one pipeline stage less, then a
     narrower key block."""
     if cfg.num_stages > 1:
-        return TileConfig(cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages - 1)
+        return dataclasses.replace(cfg, num_stages=cfg.num_stages - 1)
     if max(cfg.block_m, cfg.block_n) > 16:
         if cfg.block_n >= cfg.block_m:
-            return TileConfig(cfg.block_m, cfg.block_n // 2, cfg.num_warps, 1)
-        return TileConfig(cfg.block_m // 2, cfg.block_n, cfg.num_warps, 1)
+            return dataclasses.replace(cfg, block_n=cfg.block_n // 2, num_stages=1)
+        return dataclasses.replace(cfg, block_m=cfg.block_m // 2, num_stages=1)
     return None
 
 
@@ -852,10 +916,12 @@ def smem_bytes(kind: str, cfg: TileConfig, head_dim: int, element_size: int) -> 
     num_stages times, the resident tiles once (fwd: Q resident, K/V streamed; dK/dV: K/V
     resident, Q/dO streamed; dQ: Q/dO resident, K/V streamed; fused: as dK/dV, plus K
     in the dQ product's layout and the fp32 dQ block on its way to the atomics). Triton
-    adds some scratch of its own, so a tile near the limit may still step down."""
+    adds some scratch of its own, so a tile near the limit may still step down. Past
+    256 columns (head_dim_parts) the forward streams V's part only; the backward reads
+    every operand whole."""
     d = padded_head_dim(head_dim)
     resident, streamed = {
-        "fwd": (cfg.block_m, 2 * cfg.block_n),
+        "fwd": (cfg.block_m, cfg.block_n + cfg.block_n // head_dim_parts(head_dim)),
         "bwd_dkdv": (2 * cfg.block_n, 2 * cfg.block_m),
         "bwd_dq": (2 * cfg.block_m, 2 * cfg.block_n),
         "bwd_fused": (3 * cfg.block_n + 2 * cfg.block_m, 2 * cfg.block_m),

@@ -4,6 +4,11 @@ Algorithm: Dao et al., FlashAttention-2 (2023), Algorithm 1, in base 2: scores a
 scaled by log2(e) once so every exponential is an ``exp2``. Writes ``out`` and the
 natural-log ``lse`` per row; nothing of size seqlen_q x seqlen_k touches memory.
 
+Head dims past 256 (``configs.head_dim_parts``): a row block's output is computed by
+DV_PARTS programs, each holding the accumulator of its part of V's columns and computing
+the scores over q and k's whole head dim (at 2 parts, 1.5x the products, for tiles of
+what a head dim of 256 holds: 128 rows and wgmma on Hopper instead of 32 and mma.sync).
+
 Varlen with a block table (PAGED): K/V are a paged pool (num_blocks, page_size, hkv, d)
 and key j of sequence b is row ``j % page_size`` of block ``block_table[b, j //
 page_size]`` (vLLM's PagedAttention layout, flash-attn's ``block_table``). Key tiles start
@@ -196,7 +201,7 @@ def _attn_fwd_kernel(
     IS_VARLEN: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
     SEQUSED_K: tl.constexpr, HAS_Q_DESCALE: tl.constexpr, HAS_K_DESCALE: tl.constexpr,
     HAS_V_DESCALE: tl.constexpr, V_KEYS_CONTIGUOUS: tl.constexpr,
-    HAS_DROPOUT: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, DV_PARTS: tl.constexpr,
 ):
     # FP8 q, k, v (one format): both products run on the FP8 tensor cores.
     IS_FP8: tl.constexpr = Q.dtype.element_ty.is_fp8()
@@ -205,10 +210,21 @@ def _attn_fwd_kernel(
     # transposing V tiles through registers (varlen), it spilled 24-300 bytes on sm_90.
     PV_PER_TILE: tl.constexpr = IS_FP8 and V_KEYS_CONTIGUOUS and BLOCK_DV <= 128
     start_m = tl.program_id(0)
+    part = 0
+    if DV_PARTS > 1:
+        # V's and the output's columns in DV_PARTS parts of BLOCK_DV, one a program,
+        # each computing its rows' scores over q and k's whole head dim
+        # (configs.head_dim_parts says why). A row block's parts are neighbours in the
+        # grid: they read the same K tiles at about the same time, from L2.
+        part = start_m % DV_PARTS
+        start_m = start_m // DV_PARTS
     if REVERSE_M:
         # With a causal or window mask the last query blocks see the most keys: start
         # them first so the tail of the grid is short programs.
-        start_m = tl.num_programs(0) - 1 - start_m
+        if DV_PARTS > 1:
+            start_m = tl.num_programs(0) // DV_PARTS - 1 - start_m
+        else:
+            start_m = tl.num_programs(0) - 1 - start_m
     off_bh = tl.program_id(1)
     off_b = off_bh // nheads
     off_h = off_bh % nheads
@@ -227,7 +243,7 @@ def _attn_fwd_kernel(
             chunk = off_b * tl.num_programs(0) + tl.program_id(0)
             n_chunks = tl.num_programs(1) // nheads * tl.num_programs(0)
             _fill_nan_rows(Out + off_h * stride_oh, stride_om, total_q, head_dim_v, chunk,
-                           n_chunks, BLOCK_M, BLOCK_DV)
+                           n_chunks, BLOCK_M, BLOCK_DV * DV_PARTS)
             _fill_nan_rows(Lse + off_h * stride_lh, 1, total_q, 1, chunk, n_chunks,
                            BLOCK_M, 1)
             return
@@ -255,6 +271,8 @@ def _attn_fwd_kernel(
     # V's head dim, the output's (MLA: 128 beside 192). offs_d itself where the tiles
     # match, so equal-dim calls compile the IR they had before.
     offs_dv = offs_d if BLOCK_DV == BLOCK_D else tl.arange(0, BLOCK_DV)
+    if DV_PARTS > 1:
+        offs_dv += part * BLOCK_DV
 
     Q += off_b * stride_qb + q_start * stride_qm
     Out += off_b * stride_ob + q_start * stride_om
@@ -344,7 +362,11 @@ def _attn_fwd_kernel(
         out *= 1.0 / (1.0 - dropout_p)
 
     m_row = offs_m < seqlen_q
-    tl.store(Lse + off_b * stride_lb + off_h * stride_lh + q_start + offs_m, lse, mask=m_row)
+    m_lse = m_row
+    if DV_PARTS > 1:  # every part computed the same lse: the first writes it
+        m_lse = m_row & (part == 0)
+    tl.store(Lse + off_b * stride_lb + off_h * stride_lh + q_start + offs_m, lse,
+             mask=m_lse)
     p_o = Out + off_h * stride_oh + offs_m[:, None] * stride_om + offs_dv[None, :]
     tl.store(p_o, out.to(Out.dtype.element_ty),
              mask=m_row[:, None] & (offs_dv[None, :] < head_dim_v))
@@ -531,7 +553,8 @@ def attn_fwd(q, k, v, *, attn_mask, alibi_slopes, softmax_scale, diag_offset,
             # Varlen: the grid covers the longest sequence of this call (at least one
             # block, so bad prefix sums still get their rows written as NaN).
             plan((*ptrs, *scalars),
-                 (-(-longest_q // plan.cfg.block_m) or 1, batch * h, 1) if varlen else None)
+                 ((-(-longest_q // plan.cfg.block_m) or 1) * plan.cfg.dv_parts, batch * h, 1)
+                 if varlen else None)
             return out, lse if lse_at is None else None
     if lse_at is not None:  # Triton's own path takes lse as a tensor
         lse = _launch.lse_after(lse_buf, lse_at, (h, total_q) if varlen
@@ -549,9 +572,11 @@ def attn_fwd(q, k, v, *, attn_mask, alibi_slopes, softmax_scale, diag_offset,
         raise ValueError(f"FP8 forward tiles: BLOCK_N must divide {FP8_V_PAD} (V's copy is "
                          f"padded to it), got {cfg}")
     # V's head dim, the accumulator's and the output's: its own tile (equal to BLOCK_D,
-    # the same compiled kernel, when dv == d).
-    block_dv = configs.padded_head_dim(dv)
-    flags.update(BLOCK_DV=block_dv, EVEN_DV=block_dv == dv)
+    # the same compiled kernel, when dv == d), a part of it past 256 columns
+    # (configs.head_dim_parts: the accumulator in cfg.dv_parts programs).
+    block_dv = configs.part_columns(dv, cfg.dv_parts)
+    flags.update(BLOCK_DV=block_dv, EVEN_DV=block_dv * cfg.dv_parts == dv,
+                 DV_PARTS=cfg.dv_parts)
     if fp8:
         for name, real in (("D", d), ("DV", dv)):
             if flags[f"BLOCK_{name}"] < configs.FP8_MIN_BLOCK_D:
@@ -574,7 +599,7 @@ def attn_fwd(q, k, v, *, attn_mask, alibi_slopes, softmax_scale, diag_offset,
                             for s in ((0, 0) if x is None else x.stride()))
     plan = configs.launch(
         _attn_fwd_kernel,
-        lambda cfg: (max(1, configs.cdiv(longest_q, cfg.block_m)), batch * h),
+        lambda cfg: (max(1, configs.cdiv(longest_q, cfg.block_m)) * cfg.dv_parts, batch * h),
         cfg, "forward", q, d,
         *tensors[:5], mask, alibi, *tensors[7:],
         *strides, *mask_strides, *alibi_strides, *descale_strides,
