@@ -768,6 +768,7 @@ def test_engine_decode_sweep_rows_and_summary(monkeypatch, capsys):
     rows, summary = decode.sweep_engine_decode(
         (("qwen2.5-0.5b", 2), ("llama-3-8b", 1)), seqlen_k=128, device="cpu", copies=2,
         num_sms=132, bench=bench, rounds=3, on_shape=lambda r, s: saved.append(len(s)),
+        copy_gbps=4240.0,
         tiles={64: ((64, 8, 3), (128, 4, 2)), 128: ((64, 4, 3),)},
         split_tiles=((64, 8, 3),), splits=(0, 1, 2))
     assert saved == [1, 2] and "decode" not in configs._override  # the override undone
@@ -787,7 +788,7 @@ def test_engine_decode_sweep_rows_and_summary(monkeypatch, capsys):
     assert "engine sweep qwen2.5-0.5b b=2 d=64 tile=16x64,4,4 (default) splits=0->1 " \
         "programs=4: 2.0 us 66 GB/s (2% of copy)" in out
     assert "tile=16x128,4,2 splits=0->1 programs=4: RuntimeError: out of resources" in out
-    text = decode.engine_sweep_markdown(summary)
+    text = decode.engine_sweep_markdown(summary, 4240.0)
     assert "| qwen2.5-0.5b | 14 / 2, 64 | 2 | 16x64,4,4 (1) | 66 (2%) | 16x64,8,3 (1) " \
         "| 131 (3%) | 2.000 |" in text
     assert "| llama-3-8b | 32 / 8, 128 | 1 | 16x64,4,4 (1) | 262 (6%) | 16x64,8,3 (2) " \

@@ -379,7 +379,6 @@ ENGINE_SWEEP_SHAPES = (("qwen2.5-0.5b", 256), ("llama-3-8b", 32), ("llama-3.2-1b
                        ("llama-3-8b", 16), ("qwen2.5-0.5b", 1), ("llama-3.2-1b", 1),
                        ("llama-3-8b", 1))
 ENGINE_SWEEP_KEYS = 1024
-COPY_GBPS = 4240  # the H200's device copy (bench.machine, sessions 13-17): the yardstick
 # Tile candidates (block_n, warps, stages; block_m is the rule's, 16 rows for 7 or 4
 # query heads a KV head) by head dim, timed at the heuristic's split count. sm_90 builds
 # of the engine's unsplit variant (tests/aot.py; bf16, pages of 64, causal), registers /
@@ -473,7 +472,7 @@ def _tile_label(cfg) -> str:
 
 
 def sweep_engine_decode(shapes=ENGINE_SWEEP_SHAPES, seqlen_k=ENGINE_SWEEP_KEYS,
-                        device="cuda", rep=20, copy_gbps=COPY_GBPS, bench=None,
+                        device="cuda", rep=20, copy_gbps=None, bench=None,
                         copies=None, num_sms=None, rounds=3, on_shape=None, **grid):
     """flashtile's paged decode as the engine calls it (flash_attn_with_kvcache over a
     pool of 64-key pages in random order, causal) at the engine's shapes, over tile
@@ -485,8 +484,9 @@ def sweep_engine_decode(shapes=ENGINE_SWEEP_SHAPES, seqlen_k=ENGINE_SWEEP_KEYS,
 
     bench: fn -> ms of one call (None: do_bench_cudagraph with rep ms); copies: the
     input copies of every shape (None: cache_copies'); num_sms: the SMs the launcher
-    plans for (None: the device's); on_shape: called with (rows, summary) after each
-    shape (to save what is done before a time limit ends the run). Prints a line per
+    plans for (None: the device's); copy_gbps: the yardstick of the % columns (None: the
+    device's copy bandwidth, measured now); on_shape: called with (rows, summary) after
+    each shape (to save what is done before a time limit ends the run). Prints a line per
     cell and per shape; returns (rows, summary): rows one dict per cell (error: why a
     cell did not run), summary one per shape."""
     import time
@@ -501,6 +501,10 @@ def sweep_engine_decode(shapes=ENGINE_SWEEP_SHAPES, seqlen_k=ENGINE_SWEEP_KEYS,
             return triton.testing.do_bench_cudagraph(fn, rep=rep, return_mode="median")
     if num_sms is None:
         num_sms = torch.cuda.get_device_properties(device).multi_processor_count
+    if copy_gbps is None:
+        from flashtile.bench.machine import ceilings
+
+        copy_gbps = ceilings(torch.device(device))[0]["copy_bytes_per_s"] / 1e9
     plan, variants = engine_sweep_plan(num_sms, shapes, seqlen_k, **grid)
     print(f"# engine decode sweep: {sum(len(p[-1]) for p in plan)} cells, "
           f"{len(variants)} kernel variants to compile", flush=True)
@@ -590,12 +594,12 @@ def _confirm_best(timed, ms_per_call, rounds, nbytes, copy_gbps):
     return dict(out, ratio=round(out["default"]["us"] / out["best"]["us"], 3))
 
 
-def engine_sweep_markdown(summary, copy_gbps=COPY_GBPS):
+def engine_sweep_markdown(summary, copy_gbps):
     """One row per shape: the launcher's tile and split count, the fastest cell's, each
     one's GB/s and share of copy_gbps, and default time over best time (> 1: the best
     is faster)."""
     lines = [f"| model | heads / KV heads, d | batch | default tile (splits) "
-             f"| default GB/s (% of {copy_gbps:,}) | best tile (splits) | best GB/s "
+             f"| default GB/s (% of {copy_gbps:,.0f}) | best tile (splits) | best GB/s "
              f"| default / best time |", "|---" * 8 + "|"]
     for s in summary:
         shape = (f"| {s['model']} | {s['heads']} / {s['kv_heads']}, {s['head_dim']} "
@@ -739,7 +743,8 @@ if __name__ == "__main__":
                     json.dump(dict(copy_gbps=copy, engine_sweep=rows,
                                    engine_sweep_summary=summary), f, indent=1)
 
-        print(engine_sweep_markdown(sweep_engine_decode(on_shape=save_sweep)[1]))
+        print(engine_sweep_markdown(
+            sweep_engine_decode(copy_gbps=copy, on_shape=save_sweep)[1], copy))
         sys.exit(0)
 
     def save(**tables):
