@@ -221,10 +221,7 @@ def _attn_fwd_kernel(
     if REVERSE_M:
         # With a causal or window mask the last query blocks see the most keys: start
         # them first so the tail of the grid is short programs.
-        if DV_PARTS > 1:
-            start_m = tl.num_programs(0) // DV_PARTS - 1 - start_m
-        else:
-            start_m = tl.num_programs(0) - 1 - start_m
+        start_m = tl.num_programs(0) // DV_PARTS - 1 - start_m
     off_bh = tl.program_id(1)
     off_b = off_bh // nheads
     off_h = off_bh % nheads
