@@ -58,8 +58,6 @@
 #                (BWD_OPTS2_HF=1: the Llama-1B training step too, three ways)
 #                                          (~7 min; with HF and without tests ~7)
 #   bwd256       the head_dim 256 Gluon backward beside the portable one and cuDNN (~3 min)
-#   bwd256-tma   bwd_hopper256's dQ paths: their GPU tests, then forward+backward with dQ
-#                by atomics and by TMA reduce-adds (dq_tma) beside cuDNN      (~5 min)
 #   wide         head_dim 256 and 512, forward and forward+backward, beside the peers
 #                                                                         (~5 min)
 #   d512-tiles   head_dim 512 (in parts of 256 columns): its GPU tests (D512_TESTS=0:
@@ -205,25 +203,6 @@ case "${1:-}" in
     FLASHTILE_HOPPER_BWD=0 timeout 200 python3 -m flashtile bench --providers flashtile \
       flashtile-hopper-bwd sdpa-cudnn sdpa-flash --modes fwd_bwd --headdim 256 \
       --seqlens 1k 4k 8k --no-progress --out bwd256 --overwrite 2>&1 | grep "^| [0-9]"
-    ;;
-  bwd256-tma)
-    # bwd_hopper256's dQ by TMA reduce-adds through tiles in the Q/dO ring (dq_tma, opt-in
-    # at d256 since session 18: configs.HOPPER_BWD256_DEFAULT_OPTS) against its atomics;
-    # never run on a GPU before this stage, so the d256 GPU tests first (both paths, the
-    # GQA head split, empty rows, NaN, launch plans). Then forward+backward, 16k tokens
-    # a batch, cuDNN beside each run (the clocks drift 3-6% between runs). Prediction
-    # (bwd_hopper256's docstring): dq_tma +5-12% over the atomics; within +-2% at every
-    # length would say the atomics are not a bound at d256.
-    stamp bwd256-tma-tests
-    timeout 90 python3 -m pytest -q -p no:cacheprovider $XDIST --gpu tests/test_bwd_hopper.py \
-      -k "d256 or (256 and (gqa or empty_rows or nan or launch_plan))" 2>&1 | tail -2 \
-      | tee "$OUT/bwd256-tma-tests.txt"
-    for opts in lse_ahead lse_ahead,dq_tma; do
-      FLASHTILE_HOPPER_BWD_OPTS=$opts timeout 105 python3 -m flashtile bench --providers \
-        flashtile-hopper-bwd sdpa-cudnn --modes fwd_bwd --headdim 256 --seqlens 1k 4k 16k \
-        --no-progress --out "bwd256-tma-${opts//,/_}" --overwrite 2>&1 | grep "^| [0-9]" \
-        | sed "s|^|$opts |" | tee -a "$OUT/bwd256-tma.txt"
-    done
     ;;
   bwd-tiles)
     # The Gluon backward's tile A/B (session 13's compile study: d64 with 128 query rows

@@ -392,11 +392,10 @@ def test_options_knob(monkeypatch):
     unknown items."""
     monkeypatch.delenv("FLASHTILE_HOPPER_BWD_OPTS", raising=False)
     assert configs.hopper_bwd_opts() == {"lse_ahead", "dq_tma"} \
-        == configs.HOPPER_BWD_DEFAULT_OPTS == configs.hopper_bwd_opts(64)
-    # head_dim 256: its atomics until its dq_tma is timed (configs).
-    assert configs.hopper_bwd_opts(256) == frozenset() == configs.HOPPER_BWD256_DEFAULT_OPTS
-    assert bwd_hopper.kernel_flags(256, True, configs.hopper_bwd_opts(256), 64) \
-        == dict(IS_CAUSAL=True, DQ_TMA=False)
+        == configs.HOPPER_BWD_DEFAULT_OPTS
+    # head_dim 256: dq_tma by default too (bwd_hopper256 takes it alone).
+    assert bwd_hopper.kernel_flags(256, True, configs.hopper_bwd_opts(), 64) \
+        == dict(IS_CAUSAL=True, DQ_TMA=True)
     flags = bwd_hopper.kernel_flags(128, True, configs.hopper_bwd_opts(), 64)
     assert flags == dict(IS_CAUSAL=True, SDP=False, LSE_AHEAD=True, DQ_SPLIT=False,
                          DQ_TMA=True, PIPE=False)
@@ -421,8 +420,9 @@ def test_options_knob(monkeypatch):
         == dict(IS_CAUSAL=True, DQ_TMA=True)
     assert bwd_hopper.kernel_flags(256, False, frozenset({"lse_ahead", "sdp"}), 64) \
         == dict(IS_CAUSAL=False, DQ_TMA=False)
-    monkeypatch.setenv("FLASHTILE_HOPPER_BWD_OPTS", "lse_ahead,dq_tma")
-    assert configs.hopper_bwd_opts(256) == {"lse_ahead", "dq_tma"}
+    monkeypatch.setenv("FLASHTILE_HOPPER_BWD_OPTS", "lse_ahead")
+    assert bwd_hopper.kernel_flags(256, False, configs.hopper_bwd_opts(), 64) \
+        == dict(IS_CAUSAL=False, DQ_TMA=False)
     monkeypatch.setenv("FLASHTILE_HOPPER_BWD_OPTS", "sdp,pingpong")
     with pytest.raises(ValueError, match=r"FLASHTILE_HOPPER_BWD_OPTS must be 'none' or a "
                        r"comma-separated subset of .*'pipe'\), got 'sdp,pingpong' "

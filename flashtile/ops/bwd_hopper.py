@@ -915,7 +915,7 @@ def backward(dout, q, k, v, out, lse, dlse, softmax_scale, diag_offset, causal):
             convert((dq_accum.data_ptr(), dq.data_ptr(), softmax_scale))
             return dq, *_summed(dk_shares, dv_shares, split)
     cfg = configs.hopper_bwd_config(d)
-    flags = kernel_flags(d, causal, configs.hopper_bwd_opts(d), cfg.block_m)
+    flags = kernel_flags(d, causal, configs.hopper_bwd_opts(), cfg.block_m)
     if d != 256:  # bwd_hopper256's tiles are fixed and fit (configs.HOPPER_BWD_D256)
         check_fits(d, cfg, flags)
     dq_accum = accumulator()

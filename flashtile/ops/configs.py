@@ -465,19 +465,18 @@ HOPPER_BWD_OPTS = ("sdp", "lse_ahead", "dq_split", "dq_tma", "pipe")
 # +1-4% at 128 on the H200 (docs/benchmarks/NOTES.md section 25); dq_tma since session
 # 17: +6-10% at 128, +1-3% at 64, transformers' d64 training step 98 -> 89 ms (section 27).
 HOPPER_BWD_DEFAULT_OPTS = frozenset({"lse_ahead", "dq_tma"})
-# bwd_hopper256 (head_dim 256) takes dq_tma alone. Its dq_tma (session 18) reuses the
-# block's Q and dO buffers for the fp32 tiles and is compile-checked only: its atomics
-# stay the default until the GPU tests pass and stage bwd256-tma times the two.
-HOPPER_BWD256_DEFAULT_OPTS = frozenset()
+# bwd_hopper256 (head_dim 256) takes dq_tma alone; there dq_tma (session 18, its fp32
+# tiles in the block's own Q and dO buffers) took forward + backward +24-36% over the
+# atomics, to 1.00-1.11x cuDNN (session 19, NOTES.md section 29).
 
 
-def hopper_bwd_opts(head_dim: int = 128) -> frozenset[str]:
+def hopper_bwd_opts() -> frozenset[str]:
     """The FLASHTILE_HOPPER_BWD_OPTS options of the Gluon backward, e.g. "sdp,lse_ahead";
-    "none" for none, unset for the head dim's default (HOPPER_BWD_DEFAULT_OPTS, at 256
-    HOPPER_BWD256_DEFAULT_OPTS)."""
+    "none" for none, unset for the default (HOPPER_BWD_DEFAULT_OPTS). Each kernel takes
+    the options it has (bwd_hopper.kernel_flags)."""
     raw = os.environ.get("FLASHTILE_HOPPER_BWD_OPTS")
     if raw is None:
-        return HOPPER_BWD256_DEFAULT_OPTS if head_dim == 256 else HOPPER_BWD_DEFAULT_OPTS
+        return HOPPER_BWD_DEFAULT_OPTS
     opts = frozenset(x.strip() for x in raw.split(",") if x.strip())
     if opts == {"none"}:
         return frozenset()
