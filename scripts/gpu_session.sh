@@ -52,12 +52,13 @@
 #                backwards beside cuDNN (d64/d128, 1k-16k)                  (~9 min)
 #   hf-train     transformers' training step under each backward path       (~8 min)
 #   bwd-tiles    the Gluon backward's BLOCK_M/STAGES candidates beside cuDNN  (~6 min)
-#   fwd-tiles    the d64 Gluon forward's ring depths beside cuDNN              (~2 min)
+#   fwd-3wg      the d64 Gluon forward with three consumer warpgroups (BLOCK_M 192): its
+#                GPU tests (FWD3_TESTS=0: not), then 3 and 4 ring stages beside the default
+#                (two consumers) and cuDNN                                  (~4 min)
 #   bwd-opts2    the Gluon backward's new options' GPU tests (BWD_OPTS2_TESTS=0: not),
 #                then the options beside the default (lse_ahead), none and cuDNN
 #                (BWD_OPTS2_HF=1: the Llama-1B training step too, three ways)
 #                                          (~7 min; with HF and without tests ~7)
-#   bwd256       the head_dim 256 Gluon backward beside the portable one and cuDNN (~3 min)
 #   wide         head_dim 256 and 512, forward and forward+backward, beside the peers
 #                                                                         (~5 min)
 #   d512-tiles   head_dim 512 (in parts of 256 columns): its GPU tests (D512_TESTS=0:
@@ -182,98 +183,26 @@ case "${1:-}" in
       --no-progress --out bwd-ab --overwrite 2>&1 | grep "^|" | tail -14
     tar czf "$OUT/bwd-ab.tgz" bwd-ab
     ;;
-  fwd-tiles)
-    # The d64 Gluon forward's ring (issue 15 item 2: d64 ran 0.81-0.98x cuDNN in session
-    # 14): 4 stages of 128 keys and of 64 keys compile without spills for sm_90 (164 and
-    # 99 KiB; 256 keys spill 168-288 bytes), beside the default 3 x 128 and cuDNN.
-    for cfg in default 128,128,4,4 128,64,4,4; do
+  fwd-3wg)
+    # The d64 Gluon forward with three consumer warpgroups of 64 rows (BLOCK_M 192, FA3's
+    # tile at this head dim; issue 15 item 2: d64 ran 0.81-0.98x cuDNN). Session 15's
+    # Nsight Compute had the d64 forward's schedulers idle 56% of cycles with no warp
+    # eligible: a third consumer adds warps to hide the latency, and each consumer's
+    # softmax runs under two others' products. Never run on a GPU before this stage: its
+    # tests first (a deadlock fails a test after 60 s). Prediction (session 19): +5-12%
+    # full from 4k, +0-8% at 1k (192-row tiles leave 1024 rows ragged), causal 1k level.
+    [ "${FWD3_TESTS:-1}" = 0 ] || timeout 200 python3 -m pytest -q -p no:cacheprovider \
+      $XDIST --gpu tests/test_fwd_hopper.py -k "three_consumers or m192" 2>&1 | tail -2 \
+      | tee "$OUT/fwd-3wg-tests.txt"
+    for cfg in default 192,128,4,3 192,128,4,4; do
       unset FLASHTILE_HOPPER_FWD_CONFIG
       [ "$cfg" = default ] || export FLASHTILE_HOPPER_FWD_CONFIG=$cfg
       timeout 100 python3 -m flashtile bench --providers flashtile-hopper sdpa-cudnn \
         --modes fwd --headdim 64 --seqlens 1k 4k 16k --no-progress \
-        --out "fwd-tiles-${cfg//,/_}" --overwrite 2>&1 | grep "^| [0-9]" | head -6 \
-        | sed "s|^|$cfg |"
+        --out "fwd-3wg-${cfg//,/_}" --overwrite 2>&1 | grep "^| [0-9]" | head -6 \
+        | sed "s|^|$cfg |" | tee -a "$OUT/fwd-3wg.txt"
     done
     unset FLASHTILE_HOPPER_FWD_CONFIG
-    ;;
-  bwd256)
-    # The head_dim 256 Gluon backward (flashtile/ops/bwd_hopper256.py; auto's choice from
-    # 1k tokens since session 14): forward+backward beside the portable backward, cuDNN
-    # and SDPA-flash (issue 15 item 3: at least cuDNN's; session 14: 0.78-0.85x).
-    FLASHTILE_HOPPER_BWD=0 timeout 200 python3 -m flashtile bench --providers flashtile \
-      flashtile-hopper-bwd sdpa-cudnn sdpa-flash --modes fwd_bwd --headdim 256 \
-      --seqlens 1k 4k 8k --no-progress --out bwd256 --overwrite 2>&1 | grep "^| [0-9]"
-    ;;
-  bwd-tiles)
-    # The Gluon backward's tile A/B (session 13's compile study: d64 with 128 query rows
-    # a block, and a third Q/dO stage at d64 and d128, compile with no local stores in
-    # the walks; d128 with 128 rows spills), beside cuDNN, 16k tokens a batch. Session 14:
-    # 128 rows at d64 +5% full, -1..-3% causal; a third stage level (NOTES.md section 24).
-    for run in 64:default 64:128,128,4,2 64:64,128,4,3 128:default 128:64,128,4,3; do
-      d=${run%%:*} cfg=${run#*:}
-      unset FLASHTILE_HOPPER_BWD_CONFIG FLASHTILE_HOPPER_BWD_OPTS
-      [ "$cfg" != default ] && export FLASHTILE_HOPPER_BWD_CONFIG=$cfg
-      timeout 100 python3 -m flashtile bench --providers flashtile-hopper-bwd sdpa-cudnn \
-        --modes fwd_bwd --headdim "$d" --seqlens 1k 4k --no-progress \
-        --out "bwd-tiles-$d-${cfg//,/_}" --overwrite 2>&1 | grep "^| [0-9]" | head -4 \
-        | sed "s|^|$cfg |"
-    done
-    unset FLASHTILE_HOPPER_BWD_CONFIG FLASHTILE_HOPPER_BWD_OPTS
-    ;;
-  bwd-opts2)
-    # The Gluon backward's options beside the default (lse_ahead since session 15) and
-    # none, 16k tokens a batch, cuDNN beside each run (the clocks drift 3-6% between runs).
-    # Session 16's: dq_tma (dQ by TMA reduce-adds), pipe (block it - 1's dV/dK behind
-    # block it's S^T/dP^T; d64 only; also with 3 stages), sdp with lse_ahead at d64,
-    # dq_split with dq_tma at d128 (bwd_hopper's docstring has the predictions). Session
-    # 15 settled dq_split alone. Their GPU tests first (~3 min; skip with
-    # BWD_OPTS2_TESTS=0 once they passed): a broken option would time garbage.
-    if [ "${BWD_OPTS2_TESTS:-1}" = 1 ]; then
-      stamp bwd-opts2-tests
-      timeout 300 python3 -m pytest -q -p no:cacheprovider $XDIST --gpu \
-        tests/test_bwd_hopper.py -k "dq_tma or pipe or (lse_ahead and sdp)" 2>&1 \
-        | tail -2 | tee "$OUT/bwd-opts2-tests.txt"
-    fi
-    # d:OPTS, or d:CFG/OPTS with CFG an FLASHTILE_HOPPER_BWD_CONFIG (commas as dots).
-    for run in 64:default 64:none 64:lse_ahead,dq_tma 64:lse_ahead,sdp 64:lse_ahead,pipe \
-        64:64.128.4.3/lse_ahead,pipe 128:default 128:none 128:lse_ahead,dq_tma \
-        128:lse_ahead,dq_split,dq_tma; do
-      d=${run%%:*} v=${run#*:}
-      opts=${v#*/}
-      unset FLASHTILE_HOPPER_BWD_CONFIG FLASHTILE_HOPPER_BWD_OPTS
-      [ "$v" != "$opts" ] && export FLASHTILE_HOPPER_BWD_CONFIG=$(echo "${v%%/*}" | tr . ,)
-      [ "$opts" != default ] && export FLASHTILE_HOPPER_BWD_OPTS=$opts
-      timeout 90 python3 -m flashtile bench --providers flashtile-hopper-bwd sdpa-cudnn \
-        --modes fwd_bwd \
-        --headdim "$d" --seqlens 1k 4k --no-progress --out "bwd-opts2-$d-${v//[\/,.]/_}" \
-        --overwrite 2>&1 | grep "^| [0-9]" | head -4 | sed "s|^|$d $v |" \
-        | tee -a "$OUT/bwd-opts2.txt"
-    done
-    unset FLASHTILE_HOPPER_BWD_CONFIG FLASHTILE_HOPPER_BWD_OPTS
-    if [ "${BWD_OPTS2_HF:-0}" = 1 ]; then
-      # transformers' Llama-3.2-1B step (GQA 32/8, d64, 4k, causal): the default and the
-      # d64 candidates.
-      for opts in default lse_ahead,dq_tma lse_ahead,pipe; do
-        unset FLASHTILE_HOPPER_BWD_OPTS
-        [ "$opts" != default ] && export FLASHTILE_HOPPER_BWD_OPTS=$opts
-        timeout 120 python3 -m flashtile bench hf --impls flashtile sdpa --batches 1 \
-          --new 2 --out "$OUT/hf-train-${opts//,/_}.json" 2>&1 | grep "train step" \
-          | sed "s|^|$opts |" | tee -a "$OUT/bwd-opts2.txt"
-      done
-      unset FLASHTILE_HOPPER_BWD_OPTS
-    fi
-    ;;
-  hf-train)
-    # transformers' training step (and a short generate) under each backward path:
-    # the portable split backward (FLASHTILE_HOPPER_BWD=0) and the Gluon one (the
-    # default on sm_90; issue 16). The fused one lost to the split one in session 12.
-    for env in FLASHTILE_HOPPER_BWD=0 FLASHTILE_HOPPER_BWD=1; do
-      env $env timeout 170 python3 -m flashtile bench hf --impls flashtile sdpa --batches 1 \
-        --new 8 --out "$OUT/hf-train-${env#*=}.json" 2>&1 | grep "train step" | sed "s|^|$env |"
-    done
-    # Where the step's time goes: its 15 most expensive kernels per implementation.
-    timeout 150 python3 -m flashtile bench hf --impls flashtile sdpa --batches 1 --new 2 \
-      --reps 1 --profile 15 --out "$OUT/hf-train-profile.json" 2>&1 | grep -A16 "top kernels"
     ;;
   wide)
     # head_dim 256 and 512 (issue 15 item 3, issue 17 item 3): forward and forward+backward

@@ -89,6 +89,29 @@ def test_matches_float64_reference(dtype, head_dim, shape, mask, schedule):
     _check(out, lse, q, k, v, causal, diag_offset, scale)
 
 
+@pytest.mark.parametrize("stages", [3, 4])
+@pytest.mark.parametrize("mask", list(MASKS))
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "b{}-q{}-k{}-h{}/{}".format(*s))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@on_hopper
+def test_three_consumers_match_float64_reference(dtype, shape, mask, stages, schedule,
+                                                 monkeypatch):
+    """BLOCK_M 192 at head_dim 64 (FLASHTILE_HOPPER_FWD_CONFIG=192,128,4,STAGES): three
+    consumer warpgroups taking turns in a cycle, query tiles of 192 rows (lengths off
+    them: 1000, 257, 513, 1, 128, 4099), on both grids: test_matches_float64_reference's
+    rule."""
+    from flashtile.ops import _launch
+
+    monkeypatch.setenv("FLASHTILE_HOPPER_FWD_CONFIG", f"192,128,4,{stages}")
+    _launch.clear()  # plans are keyed without the tile config
+    fwd_hopper._SCHEDULES.clear()
+    try:
+        test_matches_float64_reference(dtype, 64, shape, mask, schedule)
+    finally:
+        _launch.clear()
+        fwd_hopper._SCHEDULES.clear()
+
+
 @on_hopper
 def test_strided_inputs():
     """q, k and v as views of packed qkv (head stride 3 x head_dim), a scale != 1/sqrt(d)."""
@@ -130,10 +153,24 @@ GEOMETRIES = {"full": (200, 300, False, 250), "causal_q<k": (200, 300, True, 290
               "causal_q>k": (300, 200, True, 20)}
 
 
+@pytest.fixture(params=["128", "192"], ids=["m128", "m192"])
+def d64_block_m(request, monkeypatch):
+    """The d64 tile's BLOCK_M: the table's two consumers, or three (192)."""
+    from flashtile.ops import _launch
+
+    if request.param == "192":
+        monkeypatch.setenv("FLASHTILE_HOPPER_FWD_CONFIG", "192,128,4,3")
+    _launch.clear()
+    fwd_hopper._SCHEDULES.clear()
+    yield int(request.param)
+    _launch.clear()
+    fwd_hopper._SCHEDULES.clear()
+
+
 @pytest.mark.parametrize("where", ["k", "v"])
 @pytest.mark.parametrize("geometry", list(GEOMETRIES))
 @on_hopper
-def test_nan_and_empty_rows(geometry, where, schedule):
+def test_nan_and_empty_rows(geometry, where, schedule, d64_block_m):
     """A NaN key makes exactly the rows that see it NaN (out and lse); a NaN value
     reaches at least its column in those rows; rows that see no key are 0 with lse -inf
     whatever the keys hold; the other head is untouched."""
@@ -169,8 +206,10 @@ PERSISTENT_SHAPES = [(2, 513, 257, 4, 1, "bottom_right"), (1, 257, 777, 3, 1, "t
                          ids=lambda s: "b{}-q{}-k{}-h{}/{}-{}".format(*s))
 @pytest.mark.parametrize("head_dim,dtype,p", [
     (64, torch.bfloat16, None), (128, torch.bfloat16, None), (256, torch.float16, None),
-    (128, torch.float8_e4m3fn, "regs"), (128, torch.float8_e4m3fn, "smem")],
-    ids=["d64-bf16", "d128-bf16", "d256-fp16", "d128-fp8-p-regs", "d128-fp8-p-smem"])
+    (128, torch.float8_e4m3fn, "regs"), (128, torch.float8_e4m3fn, "smem"),
+    (64, torch.float16, "m192")],
+    ids=["d64-bf16", "d128-bf16", "d256-fp16", "d128-fp8-p-regs", "d128-fp8-p-smem",
+         "d64-fp16-m192"])
 @on_hopper
 def test_persistent_many_tiles_per_program(head_dim, dtype, p, shape, programs,
                                            monkeypatch):
@@ -187,8 +226,10 @@ def test_persistent_many_tiles_per_program(head_dim, dtype, p, shape, programs,
     monkeypatch.setattr(fwd_hopper, "_num_sms", lambda device: programs)
     fwd_hopper._SCHEDULES.clear()
     _launch.clear()  # plans of another program count
+    if p == "m192":  # three consumer warpgroups (BLOCK_M 192), 16-bit
+        monkeypatch.setenv("FLASHTILE_HOPPER_FWD_CONFIG", "192,128,4,3")
     try:
-        if p is None:
+        if p in (None, "m192"):
             q, k, v = _inputs(b, sq, sk, h, hkv, head_dim, dtype)
             out, lse = fwd_hopper.attn_fwd(q, k, v, **_kw(causal, diag_offset, 0.1))
             _check(out, lse, q, k, v, causal, diag_offset, 0.1)
@@ -209,21 +250,24 @@ def test_persistent_many_tiles_per_program(head_dim, dtype, p, shape, programs,
 @pytest.mark.parametrize("seqlen,batch", [(1024, 16), (4096, 4), (8192, 2), (16384, 1),
                                           (1000, 3), (65536, 1)])
 @pytest.mark.parametrize("mask", ["full", "causal", "causal_q>k"])
-def test_persistent_schedule_covers_every_tile_once_and_balances(seqlen, batch, mask):
+@pytest.mark.parametrize("block_m", [128, 192])
+def test_persistent_schedule_covers_every_tile_once_and_balances(seqlen, batch, mask,
+                                                                 block_m):
     """The persistent grid's tile lists (CPU): every (query tile, batch-head) exactly
     once, and the greedy list schedule's bound: no program has more work than the mean
-    plus the longest tile (its cost model: key blocks + TILE_OVERHEAD_BLOCKS)."""
+    plus the longest tile (its cost model: key blocks + TILE_OVERHEAD_BLOCKS); query
+    tiles of two consumers' rows or three's."""
     n_bh, sk = batch * 16, seqlen
     sq = seqlen + 300 if mask == "causal_q>k" else seqlen
     diag_offset = None if mask == "full" else sk - sq
-    rows = fwd_hopper.schedule_rows(sq, sk, 128, 2, n_bh, 2, diag_offset, 128, 132)
-    n_tiles_m = -(-sq // 128)
+    rows = fwd_hopper.schedule_rows(sq, sk, 128, 2, n_bh, 2, diag_offset, block_m, 128, 132)
+    n_tiles_m = -(-sq // block_m)
     assert sorted(t for r in rows for t in r) == list(range(n_tiles_m * n_bh))
 
     def cost(t):
         m = t % n_tiles_m
         keys = sk if diag_offset is None else \
-            min(sk, max(min(m * 128 + 128, sq) + diag_offset, 0))
+            min(sk, max(min(m * block_m + block_m, sq) + diag_offset, 0))
         return -(-keys // 128) + fwd_hopper.TILE_OVERHEAD_BLOCKS
 
     work = [sum(map(cost, r)) for r in rows]
@@ -236,7 +280,7 @@ def test_persistent_causal_order_is_longest_first_within_l2_groups():
     """Causal, 4k keys at head_dim 128 in bfloat16 (2 MiB of K and V a head): groups of
     16 heads (32 MiB), each program's tiles of one group from the most keys to the
     fewest; full attention walks heads one by one, query tiles in order."""
-    rows = fwd_hopper.schedule_rows(4096, 4096, 128, 2, 64, 1, 0, 128, 132)
+    rows = fwd_hopper.schedule_rows(4096, 4096, 128, 2, 64, 1, 0, 128, 128, 132)
     for r in rows:
         groups = [t // 32 // 16 for t in r]
         assert groups == sorted(groups)
@@ -245,7 +289,7 @@ def test_persistent_causal_order_is_longest_first_within_l2_groups():
             assert tiles == sorted(tiles, reverse=True)
     first = [r[0] for r in rows]  # the first wave: the 16 heads' longest tiles
     assert sorted({t // 32 for t in first}) == list(range(16))
-    full = fwd_hopper.schedule_rows(4096, 4096, 128, 2, 64, 1, None, 128, 132)
+    full = fwd_hopper.schedule_rows(4096, 4096, 128, 2, 64, 1, None, 128, 128, 132)
     assert [r[0] for r in full] == list(range(132))
 
 
@@ -695,7 +739,7 @@ def test_persistent_schedule_is_not_made_inside_a_graph_capture(monkeypatch):
     assert fwd_hopper._persistent_schedule(q, k, True, 200) is None and made == []
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     table = fwd_hopper._persistent_schedule(q, k, True, 200)
-    assert len(made) == 1 and made[0][1:] == (300, 500, 128, 4, 8, 2, 200, 128)
+    assert len(made) == 1 and made[0][1:] == (300, 500, 128, 4, 8, 2, 200, 128, 128)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     assert fwd_hopper._persistent_schedule(q, k, True, 200) is table and len(made) == 1
     # Full attention (diag_offset not part of the geometry) is another table.

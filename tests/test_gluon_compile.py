@@ -44,7 +44,7 @@ def _compile(head_dim, causal, dtype=torch.bfloat16, descales=True, p_smem=False
     flags = dict(IS_CAUSAL=causal, STAGES=cfg.num_stages, HAS_Q_DESCALE=has,
                  HAS_K_DESCALE=has, HAS_V_DESCALE=has,
                  PV_PER_TILE=fp8 and configs.hopper_fwd_fp8_pv_per_tile(head_dim),
-                 P_SMEM=p_smem, PERSISTENT=persistent)
+                 P_SMEM=p_smem, PERSISTENT=persistent, NUM_WG=cfg.block_m // rows)
     return compile_kernel(fwd_hopper._attn_fwd_hopper_kernel, flags,
                           num_warps=cfg.num_warps, types=types)
 
@@ -102,6 +102,62 @@ def test_hopper_forward_compiles_for_sm90(head_dim, causal, persistent):
     assert "st.shared.v4" not in ptx and "ld.shared.v4" not in ptx
     sass = _sass(ck)
     assert "HGMMA" in sass and "LDL" not in sass and "STL" not in sass
+
+
+@pytest.mark.parametrize("stages", [3, 4])
+@pytest.mark.parametrize("persistent", SCHEDULES, ids=SCHEDULE_IDS)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_hopper_forward_three_consumers_compile_for_sm90(causal, persistent, stages,
+                                                        monkeypatch):
+    """BLOCK_M 192 at head_dim 64 (FLASHTILE_HOPPER_FWD_CONFIG=192,128,4,STAGES): three
+    consumer warpgroups of 64 rows taking turns in a cycle, FA3's tile at this head dim.
+    16 warps (the producer warp padded to a warpgroup); register reallocation 24 /
+    160 (three consumers' 160 and the producer's 24 a thread fit 64K registers), with no
+    spills under that cap: S (64 fp32), O (32) and P (32) a thread. Shared memory: Q 3 x
+    8 KiB, the K/V ring, and (persistent) O's 3 x 8 KiB."""
+    monkeypatch.setenv("FLASHTILE_HOPPER_FWD_CONFIG", f"192,128,4,{stages}")
+    ck = _compile(64, causal, persistent=persistent)
+    res = resources(ck)
+    tile = 64 * 64 * 2
+    ring = 3 * tile + stages * 2 * 128 * 64 * 2
+    assert ring + persistent * 3 * tile <= res["shared_bytes"] \
+        < ring + (persistent + 1) * 3 * tile, res
+    assert res["shared_bytes"] <= configs.SM90_SMEM_BYTES, res
+    # Persistent: ptxas keeps one 4-byte scalar of the tile loop in local memory, stored
+    # and reloaded once a tile, never inside the key-block walks (a spilled S, O or P
+    # tile would be 128 bytes or more and stored every block).
+    assert res["stack_bytes"] <= (8 if persistent else 0), res
+    assert ck.metadata.num_warps == 16
+    ptx = ck.asm["ptx"]
+    assert "setmaxnreg.dec.sync.aligned.u32 \t24;" in ptx
+    assert "setmaxnreg.inc.sync.aligned.u32 \t160;" in ptx and ".maxnreg" in ptx
+    assert "setmaxnreg.inc.sync.aligned.u32 \t240;" not in ptx
+    # Each consumer's products: Q K^T from shared memory, P V with P from registers.
+    mma = [line for line in ptx.splitlines() if "wgmma.mma_async" in line]
+    from_registers = [line for line in mma if line.count("{") == 2]
+    assert mma and from_registers and len(from_registers) < len(mma)
+    sass = _sass(ck)
+    assert "HGMMA" in sass
+    walks = _walks(sass)
+    assert len(walks) >= 3 and not any(op.startswith(("STL", "LDL")) for body in walks
+                                       for op in body), walks
+    if not persistent:
+        assert "LDL" not in sass and "STL" not in sass
+
+
+def test_hopper_forward_config_knob(monkeypatch):
+    """FLASHTILE_HOPPER_FWD_CONFIG: BLOCK_M 128, or 192 for 16-bit inputs at head_dim 64
+    only; anything else names the variable, the rule, the value and the head dim."""
+    monkeypatch.setenv("FLASHTILE_HOPPER_FWD_CONFIG", "192,128,4,3")
+    assert configs.hopper_fwd_config(64) == configs.TileConfig(192, 128, 4, 3)
+    for head_dim, fp8 in ((128, False), (256, False), (64, True)):
+        with pytest.raises(ValueError, match=r"FLASHTILE_HOPPER_FWD_CONFIG must be "
+                           r"'BLOCK_M,BLOCK_N,4,STAGES' with BLOCK_M 128 \(or 192 for "
+                           rf"16-bit inputs at head_dim 64\).*for head_dim {head_dim}"):
+            configs.hopper_fwd_config(head_dim, fp8=fp8)
+    monkeypatch.setenv("FLASHTILE_HOPPER_FWD_CONFIG", "64,128,4,3")
+    with pytest.raises(ValueError, match="BLOCK_M 128"):
+        configs.hopper_fwd_config(64)
 
 
 def test_hopper_forward_compiles_for_fp16():

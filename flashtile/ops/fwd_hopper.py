@@ -6,8 +6,8 @@ q (batch, seqlen_q, nheads, head_dim), k/v (batch, seqlen_k, nheads_kv, head_dim
 (any ``diag_offset``) or not; writes ``out`` and the natural-log ``lse`` (batch, nheads,
 seqlen_q) exactly as ``flashtile.ops.fwd.attn_fwd`` does, so either can serve a call.
 
-A tile is BLOCK_M = 2 x 64 query rows of one (batch, head), computed in three
-warp-specialised partitions:
+A tile is BLOCK_M = 2 x 64 query rows of one (batch, head) (or 3 x 64: below), computed
+in three warp-specialised partitions:
 - a producer warp loads the tile's Q once and streams K and V blocks through a ring of
   STAGES shared-memory buffers with TMA. Each buffer has a "ready" mbarrier (the TMA
   bytes landed) and an "empty" one (both consumers are done with it).
@@ -21,6 +21,14 @@ warp-specialised partitions:
   before the softmax (sm_90 SASS; docs/benchmarks/NOTES.md section 17).
 - warp_specialize's register requests become setmaxnreg: the producer keeps 24
   registers per thread and each consumer gets 240 (S, P and O live in registers).
+Three consumers (NUM_WG 3, FLASHTILE_HOPPER_FWD_CONFIG="192,128,4,STAGES", 16-bit
+head_dim 64 only: FA3's tile there) take their turns in a cycle, 160 registers each
+(S 64, O 32 and P 32 fp32-register equivalents a thread at d64). Session 15's Nsight
+Compute had the d64 forward's schedulers with no eligible warp 56% of the cycles: a
+third consumer brings four more warps, and each softmax runs under two other
+consumers' products instead of one. The sm_90 compile: no spills (tiles grid; the
+persistent one keeps one 4-byte tile-loop scalar in local memory, outside the walks);
+the two-consumer SASS is unchanged by it. Not run on a GPU yet (stage fwd-3wg).
 The grid (FLASHTILE_HOPPER_FWD_SCHEDULE, ``configs.hopper_fwd_persistent``):
 - "tiles": one program per (query tile, batch * nheads), causal query
   tiles longest first; the hardware hands out the programs, each with its own prologue
@@ -108,6 +116,9 @@ BLOCK_M_WG = gl.constexpr(64)
 # and the softmax. 24 + 240 + 240 (the default partition's share) fit 64K registers.
 PRODUCER_REGS = gl.constexpr(24)
 CONSUMER_REGS = gl.constexpr(240)
+# Three consumers (BLOCK_M 192, 16-bit head_dim 64 only): 24 + 3 x 160 a thread's
+# warpgroup share fit the same 64K registers; S (64 fp32), O (32) and P (32) at d64.
+CONSUMER_REGS_3WG = gl.constexpr(160)
 # FP8: P is exp2(s - max + P_LOG2_OFFSET), in [0, 256], so that its small entries stay
 # normal e4m3 numbers when cast for P V (the portable kernel's offset, the same numerics).
 P_LOG2_OFFSET = gl.constexpr(_P_LOG2_OFFSET.value)
@@ -127,15 +138,15 @@ def _tile_count(Schedule, schedule_row, PERSISTENT: gl.constexpr):
 
 
 @gluon.jit
-def _tile_blocks(row0, seqlen_q, seqlen_k, diag_offset, BLOCK_N: gl.constexpr,
-                 IS_CAUSAL: gl.constexpr):
+def _tile_blocks(row0, seqlen_q, seqlen_k, diag_offset, BLOCK_M: gl.constexpr,
+                 BLOCK_N: gl.constexpr, IS_CAUSAL: gl.constexpr):
     """(n_blocks, n_full) of the tile at row0: key blocks [0, n_blocks) are visible to
     some row of the tile; [0, n_full) to every row and inside seqlen_k, so they skip the
     mask. Divisions see non-negative values."""
     hi = seqlen_k
     n_full = seqlen_k // BLOCK_N
     if IS_CAUSAL:
-        last_row = gl.minimum(row0 + 2 * BLOCK_M_WG, seqlen_q) - 1
+        last_row = gl.minimum(row0 + BLOCK_M, seqlen_q) - 1
         hi = gl.minimum(hi, gl.maximum(last_row + diag_offset + 1, 0))
         n_full = gl.minimum(n_full, gl.maximum(row0 + diag_offset + 1, 0) // BLOCK_N)
     return gl.cdiv(hi, BLOCK_N), n_full
@@ -143,8 +154,8 @@ def _tile_blocks(row0, seqlen_q, seqlen_k, diag_offset, BLOCK_N: gl.constexpr,
 
 @gluon.jit
 def _tile_at(i, Schedule, schedule_row, n_tiles_m, nheads, group_size, seqlen_q, seqlen_k,
-             diag_offset, BLOCK_N: gl.constexpr, PERSISTENT: gl.constexpr,
-             IS_CAUSAL: gl.constexpr):
+             diag_offset, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+             PERSISTENT: gl.constexpr, IS_CAUSAL: gl.constexpr):
     """(off_bh, off_b, off_h, off_hkv, row0, n_blocks, n_full) of this program's i-th
     tile: the grid's, or (PERSISTENT) entry i of its row in the host's schedule,
     off_bh * n_tiles_m + query tile."""
@@ -161,8 +172,8 @@ def _tile_at(i, Schedule, schedule_row, n_tiles_m, nheads, group_size, seqlen_q,
             start_m = n_tiles_m - 1 - start_m
     off_b = off_bh // nheads
     off_h = off_bh % nheads
-    row0 = start_m * (2 * BLOCK_M_WG)
-    n_blocks, n_full = _tile_blocks(row0, seqlen_q, seqlen_k, diag_offset, BLOCK_N,
+    row0 = start_m * BLOCK_M
+    n_blocks, n_full = _tile_blocks(row0, seqlen_q, seqlen_k, diag_offset, BLOCK_M, BLOCK_N,
                                     IS_CAUSAL)
     return off_bh, off_b, off_h, off_h // group_size, row0, n_blocks, n_full
 
@@ -172,17 +183,18 @@ def _load_partition(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_e
                     k_ready, k_empty, v_ready, v_empty, nheads, group_size, seqlen_q,
                     seqlen_k, diag_offset, n_tiles_m, Schedule, schedule_row,
                     IS_CAUSAL: gl.constexpr, PERSISTENT: gl.constexpr):
-    """Producer warp: per tile, Q once (one half per consumer), then K_j and V_j into the
+    """Producer warp: per tile, Q once (one part per consumer), then K_j and V_j into the
     ring. The ring's count runs on across a program's tiles (PERSISTENT), so the next
     tile's K and V load while the consumers finish this one."""
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[1]
     STAGES: gl.constexpr = k_smem.type.shape[0]
+    NUM_WG: gl.constexpr = q_smem.type.shape[0]
     kv_base = 0  # K/V blocks loaded for the program's earlier tiles
     for i in range(_tile_count(Schedule, schedule_row, PERSISTENT)):
         off_bh, off_b, off_h, off_hkv, row0, n_blocks, n_full = _tile_at(
             i, Schedule, schedule_row, n_tiles_m, nheads, group_size, seqlen_q, seqlen_k,
-            diag_offset, BLOCK_N, PERSISTENT, IS_CAUSAL)
-        for w in gl.static_range(2):
+            diag_offset, NUM_WG * BLOCK_M_WG, BLOCK_N, PERSISTENT, IS_CAUSAL)
+        for w in gl.static_range(NUM_WG):
             if PERSISTENT:  # the previous tile's last S (and O store) done with Q
                 mbarrier.wait(q_empty.index(w), (i & 1) ^ 1)
             mbarrier.expect(q_ready.index(w), q_desc.block_type.nbytes)
@@ -210,9 +222,21 @@ def _load_partition(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_e
 
 @gluon.jit
 def _take_turn(turn, t, WG: gl.constexpr):
-    # Warpgroup 0 issues first: its first wait is on the phase before the barrier's
-    # first, which counts as complete; turn t of either waits for the other's turn t-1.
-    mbarrier.wait(turn.index(WG), (t & 1) ^ (1 - WG))
+    # The consumers issue in a cycle, warpgroup 0 first: its first wait is on the phase
+    # before the barrier's first, which counts as complete. Turn t of warpgroup WG waits
+    # for the previous one's turn t (warpgroup 0: the last one's turn t - 1), which
+    # arrives on WG's barrier (_pass_turn).
+    if WG == 0:
+        mbarrier.wait(turn.index(WG), (t & 1) ^ 1)
+    else:
+        mbarrier.wait(turn.index(WG), t & 1)
+
+
+@gluon.jit
+def _pass_turn(turn, WG: gl.constexpr):
+    """The next consumer in the cycle may issue its products."""
+    NUM_WG: gl.constexpr = turn.type.shape[0]
+    mbarrier.arrive(turn.index((WG + 1) % NUM_WG), count=1)
 
 
 @gluon.jit
@@ -303,7 +327,7 @@ def _kv_block(j, kv_base, turn_base, q, k_smem, v_smem, p_smem, k_ready, k_empty
         pv = warpgroup_mma(p_op, v_op, o_init, use_acc=False, is_async=True)
     else:
         acc = warpgroup_mma(p_op, v_op, acc, is_async=True)
-    mbarrier.arrive(turn.index(1 - WG), count=1)
+    _pass_turn(turn, WG)
     s = warpgroup_mma_wait(1, deps=(s,))  # S_j done; P_{j-1} V_{j-1} may still run
     mbarrier.arrive(k_empty.index(stage), count=1)
     p, alpha, m_i, l_i = _online_softmax(s, m_i, l_i, offs_m, j * BLOCK_N, qk_scale,
@@ -376,7 +400,7 @@ def _mma_tile(i, kv_base, turn_base, q_smem, k_smem, v_smem, o_smem, p_smem, q_r
         _take_turn(turn, turn_base, WG)
         k_t = k_smem.index(first).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0))
         s = warpgroup_mma(q, k_t, s_init, use_acc=False, is_async=True)
-        mbarrier.arrive(turn.index(1 - WG), count=1)
+        _pass_turn(turn, WG)
         s = warpgroup_mma_wait(0, deps=(s,))
         mbarrier.arrive(k_empty.index(first), count=1)
         # Masked whatever n_full says: once per tile, and no branch.
@@ -415,7 +439,7 @@ def _mma_tile(i, kv_base, turn_base, q_smem, k_smem, v_smem, o_smem, p_smem, q_r
             pv = warpgroup_mma(p_op, v_op, o_init, use_acc=False, is_async=True)
         else:
             acc = warpgroup_mma(p_op, v_op, acc, is_async=True)
-        mbarrier.arrive(turn.index(1 - WG), count=1)
+        _pass_turn(turn, WG)
         if PV_PER_TILE:
             pv = warpgroup_mma_wait(0, deps=(pv,))
             acc = acc * gl.expand_dims(alpha_o, 1) + pv
@@ -457,25 +481,26 @@ def _mma_tile(i, kv_base, turn_base, q_smem, k_smem, v_smem, o_smem, p_smem, q_r
 
 
 @gluon.jit
-def _mma_partition(q_smem, k_smem, v_smem, o_smem, p_smem, q_ready, q_empty, k_ready,
-                   k_empty, v_ready, v_empty, turn, o_desc, Lse, QDescale, KDescale,
-                   VDescale, nheads, group_size, seqlen_q, seqlen_k, diag_offset,
-                   stride_qdesc_b, stride_qdesc_h, stride_kdesc_b, stride_kdesc_h,
-                   stride_vdesc_b, stride_vdesc_h, softmax_scale, n_tiles_m, Schedule,
-                   schedule_row, WG: gl.constexpr, IS_CAUSAL: gl.constexpr,
+def _mma_partition(args, WG: gl.constexpr, IS_CAUSAL: gl.constexpr,
                    HAS_Q_DESCALE: gl.constexpr, HAS_K_DESCALE: gl.constexpr,
                    HAS_V_DESCALE: gl.constexpr, PV_PER_TILE: gl.constexpr,
                    P_SMEM: gl.constexpr, PERSISTENT: gl.constexpr,
                    O_IN_Q: gl.constexpr, O_IN_P: gl.constexpr):
     """Consumer warpgroup WG: rows 64 * WG + [0, 64) of each tile of the program, in the
     producer's order (``_tile_at``)."""
+    (q_smem, k_smem, v_smem, o_smem, p_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
+     v_empty, turn, o_desc, Lse, QDescale, KDescale, VDescale, nheads, group_size,
+     seqlen_q, seqlen_k, diag_offset, stride_qdesc_b, stride_qdesc_h, stride_kdesc_b,
+     stride_kdesc_h, stride_vdesc_b, stride_vdesc_h, softmax_scale, n_tiles_m, Schedule,
+     schedule_row) = args
     BLOCK_N: gl.constexpr = k_smem.type.shape[2]
+    NUM_WG: gl.constexpr = q_smem.type.shape[0]
     kv_base = 0  # K/V blocks and turns of the program's earlier tiles
     turn_base = 0
     for i in range(_tile_count(Schedule, schedule_row, PERSISTENT)):
         off_bh, off_b, off_h, off_hkv, row0, n_blocks, n_full = _tile_at(
             i, Schedule, schedule_row, n_tiles_m, nheads, group_size, seqlen_q, seqlen_k,
-            diag_offset, BLOCK_N, PERSISTENT, IS_CAUSAL)
+            diag_offset, NUM_WG * BLOCK_M_WG, BLOCK_N, PERSISTENT, IS_CAUSAL)
         # FP8 descales of (batch, KV head): q's and k's multiply every score, so they join
         # the exp2's scale (as in flashtile.ops.fwd); v's multiplies the output.
         scale = softmax_scale
@@ -503,11 +528,16 @@ def _attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, Lse, QDescale, KDesc
                             schedule_row, IS_CAUSAL: gl.constexpr, STAGES: gl.constexpr,
                             HAS_Q_DESCALE: gl.constexpr, HAS_K_DESCALE: gl.constexpr,
                             HAS_V_DESCALE: gl.constexpr, PV_PER_TILE: gl.constexpr,
-                            P_SMEM: gl.constexpr, PERSISTENT: gl.constexpr):
+                            P_SMEM: gl.constexpr, PERSISTENT: gl.constexpr,
+                            NUM_WG: gl.constexpr):
     """One program a (query tile, batch-head) of the (n_tiles_m, batch * nheads) grid,
-    or (PERSISTENT) a program per SM walking its row of the host's Schedule."""
+    or (PERSISTENT) a program per SM walking its row of the host's Schedule. NUM_WG
+    consumer warpgroups of 64 rows each: 2, or 3 for 16-bit inputs with P in registers
+    (BLOCK_M 192, FA3's tile at head_dim 64)."""
+    gl.static_assert(NUM_WG == 2 or (NUM_WG == 3 and not P_SMEM),
+                     "2 consumer warpgroups, or 3 with P in registers")
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[1]
-    q_smem = gl.allocate_shared_memory(q_desc.dtype, [2] + q_desc.block_type.shape,
+    q_smem = gl.allocate_shared_memory(q_desc.dtype, [NUM_WG] + q_desc.block_type.shape,
                                        q_desc.layout)
     k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape,
                                        k_desc.layout)
@@ -520,16 +550,16 @@ def _attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, Lse, QDescale, KDesc
     # shared memory where O does not fit (BLOCK_N 256 at d128): the warpgroup's first P
     # buffer, the same bytes, free once the last P V is done. Else (16-bit) Q's buffer:
     # S_{n-1}, its last reader, has completed when O is stored.
-    O_BYTES: gl.constexpr = 2 * o_desc.block_type.nbytes
+    O_BYTES: gl.constexpr = NUM_WG * o_desc.block_type.nbytes
     P_BYTES: gl.constexpr = 4 * BLOCK_M_WG * BLOCK_N * v_desc.dtype.primitive_bitwidth // 8 \
         if P_SMEM else 0
-    USED_BYTES: gl.constexpr = 2 * q_desc.block_type.nbytes + STAGES * (
+    USED_BYTES: gl.constexpr = NUM_WG * q_desc.block_type.nbytes + STAGES * (
         k_desc.block_type.nbytes + v_desc.block_type.nbytes) + P_BYTES
     O_FITS: gl.constexpr = USED_BYTES + O_BYTES <= SMEM_BYTES - 1024
     O_IN_P: gl.constexpr = P_SMEM and not O_FITS
     O_IN_Q: gl.constexpr = o_desc.dtype == q_desc.dtype and not (PERSISTENT and O_FITS)
     if not (O_IN_P or O_IN_Q):
-        o_smem = gl.allocate_shared_memory(o_desc.dtype, [2] + o_desc.block_type.shape,
+        o_smem = gl.allocate_shared_memory(o_desc.dtype, [NUM_WG] + o_desc.block_type.shape,
                                            o_desc.layout)
     if P_SMEM:  # two P buffers per consumer warpgroup, in V's format
         p_smem = gl.allocate_shared_memory(
@@ -544,45 +574,61 @@ def _attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, Lse, QDescale, KDesc
                                      o_desc.layout)
     elif O_IN_Q:
         o_smem = q_smem
-    q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    q_ready = gl.allocate_shared_memory(gl.int64, [NUM_WG, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [NUM_WG, 1], mbarrier.MBarrierLayout())
+    turn = gl.allocate_shared_memory(gl.int64, [NUM_WG, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(2):
+    for i in gl.static_range(NUM_WG):
         mbarrier.init(q_ready.index(i), count=1)
         mbarrier.init(q_empty.index(i), count=1)  # its consumer warpgroup's
         mbarrier.init(turn.index(i), count=1)
     for i in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(i), count=1)
         mbarrier.init(v_ready.index(i), count=1)
-        mbarrier.init(k_empty.index(i), count=2)  # one arrival per consumer warpgroup
-        mbarrier.init(v_empty.index(i), count=2)
+        mbarrier.init(k_empty.index(i), count=NUM_WG)  # one arrival per consumer
+        mbarrier.init(v_empty.index(i), count=NUM_WG)
 
-    gl.warp_specialize([
-        (_mma_partition, (q_smem, k_smem, v_smem, o_smem, p_smem, q_ready, q_empty, k_ready,
-                          k_empty, v_ready, v_empty, turn, o_desc, Lse, QDescale, KDescale,
-                          VDescale, nheads, group_size, seqlen_q, seqlen_k, diag_offset,
-                          stride_qdesc_b, stride_qdesc_h, stride_kdesc_b, stride_kdesc_h,
-                          stride_vdesc_b, stride_vdesc_h, softmax_scale, n_tiles_m, Schedule,
-                          schedule_row, 0, IS_CAUSAL, HAS_Q_DESCALE, HAS_K_DESCALE,
-                          HAS_V_DESCALE, PV_PER_TILE, P_SMEM, PERSISTENT, O_IN_Q,
-                          O_IN_P)),
-        (_load_partition, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty,
-                           k_ready, k_empty, v_ready, v_empty, nheads, group_size, seqlen_q,
-                           seqlen_k, diag_offset, n_tiles_m, Schedule, schedule_row,
-                           IS_CAUSAL, PERSISTENT)),
-        (_mma_partition, (q_smem, k_smem, v_smem, o_smem, p_smem, q_ready, q_empty, k_ready,
-                          k_empty, v_ready, v_empty, turn, o_desc, Lse, QDescale, KDescale,
-                          VDescale, nheads, group_size, seqlen_q, seqlen_k, diag_offset,
-                          stride_qdesc_b, stride_qdesc_h, stride_kdesc_b, stride_kdesc_h,
-                          stride_vdesc_b, stride_vdesc_h, softmax_scale, n_tiles_m, Schedule,
-                          schedule_row, 1, IS_CAUSAL, HAS_Q_DESCALE, HAS_K_DESCALE,
-                          HAS_V_DESCALE, PV_PER_TILE, P_SMEM, PERSISTENT, O_IN_Q,
-                          O_IN_P)),
-    ], [1, 4], [PRODUCER_REGS, CONSUMER_REGS])
+    # The consumers' runtime arguments in one tuple; their constants (WG, the flags)
+    # stay outside it: a tuple held in a variable turns constants into runtime values.
+    mma_args = (q_smem, k_smem, v_smem, o_smem, p_smem, q_ready, q_empty, k_ready, k_empty,
+                v_ready, v_empty, turn, o_desc, Lse, QDescale, KDescale, VDescale, nheads,
+                group_size, seqlen_q, seqlen_k, diag_offset, stride_qdesc_b, stride_qdesc_h,
+                stride_kdesc_b, stride_kdesc_h, stride_vdesc_b, stride_vdesc_h,
+                softmax_scale, n_tiles_m, Schedule, schedule_row)
+    # Two calls, not one list built by NUM_WG: the frontend takes the partition list as
+    # a literal only.
+    if NUM_WG == 3:
+        gl.warp_specialize([
+            (_mma_partition, (mma_args, 0, IS_CAUSAL, HAS_Q_DESCALE, HAS_K_DESCALE,
+                              HAS_V_DESCALE, PV_PER_TILE, P_SMEM, PERSISTENT, O_IN_Q,
+                              O_IN_P)),
+            (_load_partition, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready,
+                               q_empty, k_ready, k_empty, v_ready, v_empty, nheads,
+                               group_size, seqlen_q, seqlen_k, diag_offset, n_tiles_m,
+                               Schedule, schedule_row, IS_CAUSAL, PERSISTENT)),
+            (_mma_partition, (mma_args, 1, IS_CAUSAL, HAS_Q_DESCALE, HAS_K_DESCALE,
+                              HAS_V_DESCALE, PV_PER_TILE, P_SMEM, PERSISTENT, O_IN_Q,
+                              O_IN_P)),
+            (_mma_partition, (mma_args, 2, IS_CAUSAL, HAS_Q_DESCALE, HAS_K_DESCALE,
+                              HAS_V_DESCALE, PV_PER_TILE, P_SMEM, PERSISTENT, O_IN_Q,
+                              O_IN_P)),
+        ], [1, 4, 4], [PRODUCER_REGS, CONSUMER_REGS_3WG, CONSUMER_REGS_3WG])
+    else:
+        gl.warp_specialize([
+            (_mma_partition, (mma_args, 0, IS_CAUSAL, HAS_Q_DESCALE, HAS_K_DESCALE,
+                              HAS_V_DESCALE, PV_PER_TILE, P_SMEM, PERSISTENT, O_IN_Q,
+                              O_IN_P)),
+            (_load_partition, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready,
+                               q_empty, k_ready, k_empty, v_ready, v_empty, nheads,
+                               group_size, seqlen_q, seqlen_k, diag_offset, n_tiles_m,
+                               Schedule, schedule_row, IS_CAUSAL, PERSISTENT)),
+            (_mma_partition, (mma_args, 1, IS_CAUSAL, HAS_Q_DESCALE, HAS_K_DESCALE,
+                              HAS_V_DESCALE, PV_PER_TILE, P_SMEM, PERSISTENT, O_IN_Q,
+                              O_IN_P)),
+        ], [1, 4], [PRODUCER_REGS, CONSUMER_REGS])
 
 
 _GL_DTYPES = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16,
@@ -732,7 +778,8 @@ def forward(q, k, v, softmax_scale, diag_offset, causal, q_descale=None, k_desca
     flags = dict(IS_CAUSAL=causal, STAGES=cfg.num_stages,
                  HAS_Q_DESCALE=q_descale is not None, HAS_K_DESCALE=k_descale is not None,
                  HAS_V_DESCALE=v_descale is not None,
-                 PV_PER_TILE=pv_per_tile, P_SMEM=p_smem, PERSISTENT=persistent)
+                 PV_PER_TILE=pv_per_tile, P_SMEM=p_smem, PERSISTENT=persistent,
+                 NUM_WG=cfg.block_m // BLOCK_M_WG.value)
     configs.log_first_launch("hopper forward", q, d, cfg, flags)
     n_tiles_m = configs.cdiv(sq, cfg.block_m)
     grid = (schedule.shape[0],) if persistent else (n_tiles_m, b * h)
@@ -760,7 +807,7 @@ TILE_OVERHEAD_BLOCKS = 1
 
 
 def schedule_rows(seqlen_q, seqlen_k, head_dim, element_size, n_bh, group_size,
-                  diag_offset, block_n, num_programs) -> list[list[int]]:
+                  diag_offset, block_m, block_n, num_programs) -> list[list[int]]:
     """The persistent forward's tiles per program: row p lists program p's tiles in
     order, each off_bh * n_tiles_m + query tile; diag_offset None for full attention.
 
@@ -771,7 +818,6 @@ def schedule_rows(seqlen_q, seqlen_k, head_dim, element_size, n_bh, group_size,
     the query tiles from the most keys to the fewest with the group's heads interleaved
     (longest processing time first). A tile costs its key blocks plus
     TILE_OVERHEAD_BLOCKS."""
-    block_m = 2 * BLOCK_M_WG.value
     n_tiles_m = -(-seqlen_q // block_m)
     if diag_offset is None:
         heads = 1
@@ -807,9 +853,9 @@ def _persistent_schedule(q, k, causal, diag_offset) -> Optional[torch.Tensor]:
     persistent one)."""
     b, sq, h, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
-    block_n = configs.hopper_fwd_config(d, fp8=q.element_size() == 1).block_n
+    cfg = configs.hopper_fwd_config(d, fp8=q.element_size() == 1)
     key = (q.device, sq, sk, d, q.element_size(), b * h, h // hkv,
-           diag_offset if causal else None, block_n)
+           diag_offset if causal else None, cfg.block_m, cfg.block_n)
     table = _SCHEDULES.get(key)
     if table is None:
         if torch.cuda.is_current_stream_capturing():
