@@ -21,8 +21,6 @@
 #   engine-host  the engine's GPU tests (graph decode through the pinned staging
 #                buffers), scripts/engine_host.py on this host's CPU (batch 1, 32, 256),
 #                the 0.5B shape's graphs row traced, then again under cProfile (~6 min)
-#   engine-peers the 1B shape's other rows: eager, sdpa, naive, transformers'
-#                generate and generate_batch (64 requests)                (~15 min)
 #   shapes       the 0.5B and 8B shapes, every row                        (~10 min)
 #   engine-kernels  the decode step kernel by kernel (torch.profiler: the graph replay's
 #                kernels, then logits, sampling and copies; host and device time): 0.5B
@@ -50,15 +48,13 @@
 #                with P in shared memory) beside bf16 and cuDNN at d128   (~9 min)
 #   bwd-ab       the Gluon backward's GPU tests, then the split, fused and Gluon
 #                backwards beside cuDNN (d64/d128, 1k-16k)                  (~9 min)
-#   hf-train     transformers' training step under each backward path       (~8 min)
-#   bwd-tiles    the Gluon backward's BLOCK_M/STAGES candidates beside cuDNN  (~6 min)
 #   fwd-3wg      the d64 Gluon forward with three consumer warpgroups (BLOCK_M 192): its
 #                GPU tests (FWD3_TESTS=0: not), then 3 and 4 ring stages beside the default
 #                (two consumers) and cuDNN                                  (~4 min)
-#   bwd-opts2    the Gluon backward's new options' GPU tests (BWD_OPTS2_TESTS=0: not),
-#                then the options beside the default (lse_ahead), none and cuDNN
-#                (BWD_OPTS2_HF=1: the Llama-1B training step too, three ways)
-#                                          (~7 min; with HF and without tests ~7)
+#   bwd-lse      the Gluon backward's lse_smem option: its GPU tests (BWD_LSE_TESTS=0: not),
+#                then forward+backward with lse_ahead (the default's) and with lse_smem,
+#                dq_tma with both, beside cuDNN, d64/d128 at 1k/4k (BWD_LSE_HF=1: the
+#                Llama-1B training step too, both ways)        (~5 min; with HF ~8)
 #   wide         head_dim 256 and 512, forward and forward+backward, beside the peers
 #                                                                         (~5 min)
 #   d512-tiles   head_dim 512 (in parts of 256 columns): its GPU tests (D512_TESTS=0:
@@ -203,6 +199,28 @@ case "${1:-}" in
         | sed "s|^|$cfg |" | tee -a "$OUT/fwd-3wg.txt"
     done
     unset FLASHTILE_HOPPER_FWD_CONFIG
+    ;;
+  bwd-lse)
+    # lse and delta brought with Q and dO by the producer (option lse_smem, session 19;
+    # bwd_hopper's docstring): no layout conversion or global load in the walks, three
+    # warpgroup barriers a block fewer. Never run on a GPU before this stage: its tests
+    # first. Prediction: backward +3-8% at d64, +1-4% at d128 (forward + backward ~0.7x).
+    [ "${BWD_LSE_TESTS:-1}" = 0 ] || timeout 150 python3 -m pytest -q -p no:cacheprovider \
+      $XDIST --gpu tests/test_bwd_hopper.py -k "lse_smem" 2>&1 | tail -2 \
+      | tee "$OUT/bwd-lse-tests.txt"
+    for opts in lse_ahead,dq_tma lse_smem,dq_tma; do
+      FLASHTILE_HOPPER_BWD_OPTS=$opts timeout 150 python3 -m flashtile bench --providers \
+        flashtile-hopper-bwd sdpa-cudnn --modes fwd_bwd --headdim 64 128 --seqlens 1k 4k \
+        --no-progress --out "bwd-lse-${opts//,/_}" --overwrite 2>&1 | grep "^| [0-9]" \
+        | head -8 | sed "s|^|$opts |" | tee -a "$OUT/bwd-lse.txt"
+    done
+    if [ "${BWD_LSE_HF:-0}" = 1 ]; then
+      for opts in lse_ahead,dq_tma lse_smem,dq_tma; do
+        FLASHTILE_HOPPER_BWD_OPTS=$opts timeout 120 python3 -m flashtile bench hf --impls \
+          flashtile sdpa --batches 1 --new 2 --out "$OUT/hf-train-${opts//,/_}.json" 2>&1 \
+          | grep -i "train" | sed "s|^|$opts |" | tee -a "$OUT/bwd-lse.txt"
+      done
+    fi
     ;;
   wide)
     # head_dim 256 and 512 (issue 15 item 3, issue 17 item 3): forward and forward+backward
@@ -543,7 +561,7 @@ import PRESETS; json.dump(PRESETS['llama-3.2-1b'], open('/tmp/llama1b/config.jso
     kill "$server"
     ;;
   *)
-    echo "usage: $0 check|memcheck|sweep [SECONDS]|extra|short|decode|splits|pdl|engine|engine-host|engine-peers|engine-kernels|engine-decode-sweep|engine-fused|shapes|host|hopper|tp|fp32|wide|d512-tiles|serve [BACKEND] [KV]" >&2
+    echo "usage: $0 STAGE (the list above; sweep [SECONDS], serve [BACKEND] [KV])" >&2
     exit 2
     ;;
 esac

@@ -102,7 +102,7 @@ def test_launch_plan_equals_tritons_path(head_dim, causal):
     call(0, 0.1)  # Triton's path, then the plans are stored
     grads, (q, k, v, dout, dlse) = call(1, 0.2)  # the plans
     stored = [p for p in _launch._plans.values() if isinstance(p, tuple) and len(p) == 3
-              and isinstance(p[1], tuple)]  # (pre, (main, boxes, dq_box), convert)
+              and isinstance(p[1], tuple)]  # (pre, (main, boxes, dq_box, rows_box), convert)
     assert len(stored) == 1 and all(box.base is None for box in stored[0][1][1])
     _check(grads, q, k, v, dout, causal, 33, 0.2, dlse)
     _launch.clear()
@@ -126,6 +126,40 @@ def test_gqa_head_split_matches_float64_reference(split, head_dim, mask, monkeyp
         causal = mask == "causal"
         grads = _backward(q, k, v, dout, causal, 200, 0.1)
         _check(grads, q, k, v, dout, causal, 200, 0.1)
+    finally:
+        _launch.clear()
+
+
+@pytest.mark.parametrize("split", [1, 2])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@on_hopper
+def test_hopper_bwd_lse_smem_edges(head_dim, split, monkeypatch):
+    """lse_smem (lse and delta from flat tensor maps, rows past seqlen_q masked in the
+    consumers): empty rows (bottom-right causal, seqlen_q > seqlen_k) get zero dq, never
+    NaN, though the rows after the last query block read the next head's lse (-inf
+    there too); the GQA head split; an lse handed over at an address that is not 16-byte
+    aligned (copied for the tensor map) gives the same bits as an aligned one, through
+    Triton's path and the launch plan."""
+    from flashtile.ops import _launch, fwd
+
+    monkeypatch.setenv("FLASHTILE_HOPPER_BWD_OPTS", "lse_smem,dq_tma")
+    monkeypatch.setattr(bwd_hopper, "head_split", lambda group, programs, sms: split)
+    _launch.clear()
+    try:
+        q, k, v, dout = _inputs(2, 301, 100, 4, 2, head_dim, torch.bfloat16)
+        scale = head_dim ** -0.5
+        out, lse = fwd.attn_fwd(q, k, v, **_kw(True, 100 - 301, scale))
+        grads = bwd_hopper.backward(dout, q, k, v, out, lse, None, scale, 100 - 301, True)
+        assert (grads[0][:, :201] == 0).all()
+        _check(grads, q, k, v, dout, True, 100 - 301, scale)
+        shifted = torch.empty(lse.numel() + 1, device="cuda")[1:].view(lse.shape)
+        shifted.copy_(lse)
+        assert shifted.data_ptr() % 16 != 0
+        for _ in range(2):  # Triton's path (a new layout key), then its plan
+            again = bwd_hopper.backward(dout, q, k, v, out, shifted, None, scale, 100 - 301,
+                                        True)
+            assert torch.equal(again[1], grads[1]) and torch.equal(again[2], grads[2])
+            _check(again, q, k, v, dout, True, 100 - 301, scale)
     finally:
         _launch.clear()
 
@@ -213,7 +247,8 @@ def test_switch_sends_head_dim_256_under_1_and_auto(monkeypatch):
 
 # The schedule options (FLASHTILE_HOPPER_BWD_OPTS, bwd_hopper's docstring) the GPU A/B
 # times, alone and as timed together; tests/test_gluon_compile.py checks their SASS.
-OPTS = ["none", "sdp", "lse_ahead", "lse_ahead,dq_tma", "lse_ahead,sdp"]
+OPTS = ["none", "sdp", "lse_ahead", "lse_ahead,dq_tma", "lse_ahead,sdp", "lse_smem,dq_tma",
+        "lse_smem"]
 # dq_split (alone, with lse_ahead) at the BLOCK_M the A/B times it at
 # (FLASHTILE_HOPPER_BWD_CONFIG; head_dim 64: 128 rows, each consumer 64 of them).
 SPLIT_CASES = [(64, "dq_split", "128,128,4,2"), (128, "dq_split", None),
@@ -398,7 +433,7 @@ def test_options_knob(monkeypatch):
         == dict(IS_CAUSAL=True, DQ_TMA=True)
     flags = bwd_hopper.kernel_flags(128, True, configs.hopper_bwd_opts(), 64)
     assert flags == dict(IS_CAUSAL=True, SDP=False, LSE_AHEAD=True, DQ_SPLIT=False,
-                         DQ_TMA=True, PIPE=False)
+                         DQ_TMA=True, PIPE=False, LSE_SMEM=False)
     for none in ("none", " none ,", ""):
         monkeypatch.setenv("FLASHTILE_HOPPER_BWD_OPTS", none)
         assert configs.hopper_bwd_opts() == frozenset()
@@ -408,7 +443,10 @@ def test_options_knob(monkeypatch):
     assert configs.hopper_bwd_opts() == {"sdp", "dq_tma"}
     flags = bwd_hopper.kernel_flags(64, False, configs.hopper_bwd_opts(), 64)
     assert flags == dict(IS_CAUSAL=False, SDP=True, LSE_AHEAD=False, DQ_SPLIT=False,
-                         DQ_TMA=True, PIPE=False)
+                         DQ_TMA=True, PIPE=False, LSE_SMEM=False)
+    # lse_smem brings lse and delta with Q and dO: lse_ahead has nothing left to do.
+    flags = bwd_hopper.kernel_flags(64, False, frozenset({"lse_ahead", "lse_smem"}), 64)
+    assert flags["LSE_SMEM"] and not flags["LSE_AHEAD"]
     monkeypatch.setenv("FLASHTILE_HOPPER_BWD_OPTS", "lse_ahead,dq_split")
     flags = bwd_hopper.kernel_flags(64, True, configs.hopper_bwd_opts(), 128)
     assert flags["LSE_AHEAD"] and flags["DQ_SPLIT"] and not flags["SDP"]
@@ -425,7 +463,7 @@ def test_options_knob(monkeypatch):
         == dict(IS_CAUSAL=False, DQ_TMA=False)
     monkeypatch.setenv("FLASHTILE_HOPPER_BWD_OPTS", "sdp,pingpong")
     with pytest.raises(ValueError, match=r"FLASHTILE_HOPPER_BWD_OPTS must be 'none' or a "
-                       r"comma-separated subset of .*'pipe'\), got 'sdp,pingpong' "
+                       r"comma-separated subset of .*'lse_smem'\), got 'sdp,pingpong' "
                        r"\(unknown: \['pingpong'\]\)"):
         configs.hopper_bwd_opts()
 

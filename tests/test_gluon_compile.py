@@ -346,6 +346,10 @@ def _compile_bwd(head_dim, causal, dtype=torch.bfloat16, opts=None, stages=None,
         dq_accum = torch.empty(2, 4, 300, head_dim, dtype=torch.float32)
         types["DQAccum"] = mangle_type(bwd_hopper._dq_descriptor(
             dq_accum, bwd_hopper.dq_tile_rows(flags, block_m)))
+    if flags.get("LSE_SMEM"):  # lse and delta: flat tensor maps
+        rows = mangle_type(bwd_hopper._rows_descriptor(
+            torch.empty(2, 4, 300, dtype=torch.float32), block_m))
+        types.update(Lse=rows, Delta=rows)
     return compile_kernel(kernel, flags, num_warps=cfg.num_warps, types=types)
 
 
@@ -620,6 +624,40 @@ def test_hopper_backward_dq_tma_compiles_for_sm90(opts, head_dim, block_m, causa
     ptx = ck.asm["ptx"]
     assert "cp.reduce.async.bulk.tensor.4d.global.shared::cta.add" in ptx
     assert "atom.global" not in ptx and "red.global" not in ptx
+
+
+# lse_smem (session 19) with dq_tma: the local memory ptxas keeps (bytes, scalars stored
+# before the walks), by head dim and causal; lse_ahead + dq_tma keeps 0 / 80-120.
+_BWD_LSE_SMEM_STACK = {(64, False): 0, (64, True): 0, (128, False): 112, (128, True): 136}
+
+
+@pytest.mark.parametrize("head_dim,causal", list(_BWD_LSE_SMEM_STACK),
+                         ids=lambda x: str(x) if isinstance(x, int) else
+                         ("causal" if x else "full"))
+def test_hopper_backward_lse_smem_compiles_for_sm90(head_dim, causal):
+    """lse_smem: lse and delta come with Q and dO (1-d TMA loads of BLOCK_M fp32 values
+    on the same mbarriers, 2 x STAGES x 256 bytes more shared memory) and each consumer
+    reads its columns from shared memory: no global load and no layout conversion in
+    the walks, so three fewer warpgroup barriers (BAR.SYNC) a block than lse_ahead's
+    walk; no local stores inside the walks."""
+    opts = ("lse_smem", "dq_tma")
+    ck = _compile_bwd(head_dim, causal, opts=opts)
+    res = resources(ck)
+    assert res["shared_bytes"] <= configs.SM90_SMEM_BYTES, res
+    assert res["stack_bytes"] <= _BWD_LSE_SMEM_STACK[(head_dim, causal)], res
+    _assert_smem_model(res, head_dim, causal, opts)  # smem_bytes counts the lse rings
+    ptx = ck.asm["ptx"]
+    assert ptx.count("cp.async.bulk.tensor.1d.shared::cluster.global.mbarrier") == 2
+    sass = _sass(ck)
+    walks = _walks(sass)
+    assert len(walks) >= 2 and not any(_walk_local_stores(sass)), walks
+    assert not any("LDG" in op for op in walks[0]) and any("LDS" in op for op in walks[0])
+
+    def barriers(body):
+        return sum(op.startswith("BAR.SYNC") for op in body)
+
+    lse_ahead = _walks(_sass(_compile_bwd(head_dim, causal, opts=("lse_ahead", "dq_tma"))))
+    assert barriers(walks[0]) <= barriers(lse_ahead[0]) - 3, (walks[0], lse_ahead[0])
 
 
 # pipe (session 15) at head_dim 64 with the default's lse_ahead, by STAGES and causal:

@@ -136,6 +136,22 @@ with it since session 17) for the GPU A/B, all compile-checked on the CPU:
   stage frees only after block it's dS, ~200-700 clocks before block it + 1 needs it,
   about one TMA load's latency; 3 stages (FLASHTILE_HOPPER_BWD_CONFIG=64,128,4,3) lift
   that. If 3 stages beat 2 by more than the noise, the ring is what limits pipe.
+- lse_smem (LSE_SMEM; supersedes lse_ahead): lse and delta come as FA3 brings them,
+  with Q and dO: the producer loads each block's BLOCK_M values of both by TMA (1-d
+  tensor maps over the flat (batch * nheads * seqlen_q) tensors, ``_rows_descriptor``:
+  a 3-d map would need seqlen_q * 4 bytes to be a multiple of 16) into rings beside Q's
+  and dO's, on the same mbarriers; each consumer reads the values of its own columns
+  from shared memory (8 LDS.64 a thread) while S^T (lse) or dP^T (delta) runs, and
+  masks the rows past seqlen_q (they hold the next head's values). Without it each
+  block converts both from one value a thread to S^T's column layout through shared
+  memory: two warpgroup barriers (BAR.SYNC) each, delta's between dP^T's completion and
+  dS, on the chain that session 15's Nsight Compute found bound by waits (37% of the
+  d128 stall samples at a barrier). The sm_90 compile: 3 of 11 (d64) and 12 (d128)
+  barriers a block gone, no global load in the walks, 2 x STAGES x BLOCK_M x 4 bytes
+  more shared memory, 0 (d64) and 112-136 (d128) bytes of scalars in local memory
+  stored before the walks (lse_ahead: 0 and 80-120). An lse that is not 16-byte aligned
+  is copied first (``_aligned``). Prediction (session 19, not run on a GPU): backward
+  +3-8% at d64, +1-4% at d128 over lse_ahead (forward + backward about 0.7x that).
 Tried and removed (H200, the sections of docs/benchmarks/NOTES.md):
 - FA3's dQ writer warp (the dQ owner stored dQ_partial to shared memory; a fourth
   partition, one warp beside the producer, added it to the accumulator with four-value
@@ -208,12 +224,30 @@ DQ_PIECE = gl.constexpr(64)
 
 
 @gluon.jit
-def _load_partition(q_desc, k_desc, v_desc, do_desc, q_smem, k_smem, v_smem, do_smem,
-                    kv_ready, q_ready, do_ready, qdo_empty, off_b, off_hkv, key0,
-                    h0, n_heads, m_lo, n_m):
+def _load_block(desc, coords, bar, smem, rows_desc, flat, rows_ring, stage,
+                WITH_ROWS: gl.constexpr):
+    """One TMA load of a Q or dO block into its ring stage, with (WITH_ROWS) the block's
+    lse or delta values from the flat position ``flat`` into stage ``stage`` of
+    ``rows_ring``, on the same mbarrier."""
+    if WITH_ROWS:
+        mbarrier.expect(bar, desc.block_type.nbytes + rows_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(rows_desc, [flat], bar, rows_ring.index(stage))
+    else:
+        mbarrier.expect(bar, desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(desc, coords, bar, smem)
+
+
+@gluon.jit
+def _load_partition(args, LSE_SMEM: gl.constexpr):
     """Producer warp: K and V once (in v_smem.type.shape[0] tiles of 64 keys: one half
     per consumer here, one tile in bwd_hopper256), then Q_i and dO_i of every (query
-    head h0 + [0, n_heads), query block) into the ring."""
+    head h0 + [0, n_heads), query block) into the ring. LSE_SMEM: the block's lse rows
+    with Q (on q_ready) and its delta rows with dO (on do_ready), from flat
+    (batch * nheads * seqlen_q) tensor maps, into their rings (lse_smem, delta_smem;
+    unused otherwise)."""
+    (q_desc, k_desc, v_desc, do_desc, q_smem, k_smem, v_smem, do_smem, kv_ready, q_ready,
+     do_ready, qdo_empty, off_b, off_hkv, key0, h0, n_heads, m_lo, n_m, lse_desc,
+     delta_desc, lse_smem, delta_smem, seqlen_q, nheads) = args
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[1]
     STAGES: gl.constexpr = q_smem.type.shape[0]
     KV_TILES: gl.constexpr = v_smem.type.shape[0]
@@ -232,12 +266,13 @@ def _load_partition(q_desc, k_desc, v_desc, do_desc, q_smem, k_smem, v_smem, do_
         # A fresh mbarrier counts as having completed the phase before its first, so the
         # first pass through the ring waits for nothing.
         mbarrier.wait(qdo_empty.index(stage), ((it // STAGES) & 1) ^ 1)
-        mbarrier.expect(q_ready.index(stage), q_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(q_desc, [off_b, row0, off_h, 0],
-                                        q_ready.index(stage), q_smem.index(stage))
-        mbarrier.expect(do_ready.index(stage), do_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(do_desc, [off_b, row0, off_h, 0],
-                                        do_ready.index(stage), do_smem.index(stage))
+        # LSE_SMEM: rows past seqlen_q are the next head's (or zeros past the end): the
+        # consumers mask them.
+        flat = (off_b * nheads + off_h) * seqlen_q + row0
+        _load_block(q_desc, [off_b, row0, off_h, 0], q_ready.index(stage),
+                    q_smem.index(stage), lse_desc, flat, lse_smem, stage, LSE_SMEM)
+        _load_block(do_desc, [off_b, row0, off_h, 0], do_ready.index(stage),
+                    do_smem.index(stage), delta_desc, flat, delta_smem, stage, LSE_SMEM)
 
 
 @gluon.jit
@@ -393,16 +428,18 @@ def _dq_partial(ds_all, k_all, dq_init, p_dq, row0, seqlen_q, ds_empty, dq_smem,
 @gluon.jit
 def _mma_partition(args, dq_smem, WG: gl.constexpr, IS_CAUSAL: gl.constexpr,
                    SDP: gl.constexpr, LSE_AHEAD: gl.constexpr, DQ_SPLIT: gl.constexpr,
-                   DQ_TMA: gl.constexpr, PIPE: gl.constexpr):
+                   DQ_TMA: gl.constexpr, PIPE: gl.constexpr, LSE_SMEM: gl.constexpr):
     """Consumer warpgroup WG: keys key0 + 64 * WG + [0, 64) against every query block.
     ds_smem: one dS^T buffer (128 keys, BLOCK_M), two with DQ_SPLIT.
     DQ_TMA: DQAccum is the accumulator's tensor map and dq_smem holds each warpgroup's
     dQ tiles on their way to its TMA reduce-adds (one a 64-dim piece, the first half of
     them warpgroup 0's); unused otherwise. PIPE: block it - 1's dV and dK are issued in
-    block it, behind its S^T and dP^T (the module docstring's option pipe)."""
+    block it, behind its S^T and dP^T (the module docstring's option pipe). LSE_SMEM:
+    lse and delta come with Q and dO in lse_smem and delta_smem (the option lse_smem)."""
     (q_smem, k_smem, v_smem, do_smem, ds_smem, kv_ready, q_ready, do_ready, qdo_empty,
      ds_full, ds_empty, dk_desc, dv_desc, Lse, Delta, DQAccum, off_b, off_dkv, key0, h0,
-     n_heads, m_lo, n_m, nheads, seqlen_q, seqlen_k, diag_offset, softmax_scale) = args
+     n_heads, m_lo, n_m, nheads, seqlen_q, seqlen_k, diag_offset, softmax_scale, lse_smem,
+     delta_smem) = args
     STAGES: gl.constexpr = q_smem.type.shape[0]
     BLOCK_M: gl.constexpr = q_smem.type.shape[2]
     HEAD_DIM: gl.constexpr = q_smem.type.shape[4]
@@ -473,7 +510,7 @@ def _mma_partition(args, dq_smem, WG: gl.constexpr, IS_CAUSAL: gl.constexpr,
             row0_nx = (m_lo + nx % n_m) * BLOCK_M
             lse_next = _row_flat(Lse + p_row_nx, row0_nx, rows_nx, float("inf"), BLOCK_M)
             delta_next = _row_flat(Delta + p_row_nx, row0_nx, rows_nx, 0.0, BLOCK_M)
-        elif not SDP:
+        elif not (SDP or LSE_SMEM):
             lse2 = _lse2(Lse + p_row, row0, seqlen_q, BLOCK_M, s_layout)
         q = q_smem.index(stage).reshape([BLOCK_M, HEAD_DIM])                 # (M, D)
         b_do = do_smem.index(stage).reshape([BLOCK_M, HEAD_DIM])             # (M, D)
@@ -481,6 +518,11 @@ def _mma_partition(args, dq_smem, WG: gl.constexpr, IS_CAUSAL: gl.constexpr,
         mbarrier.wait(q_ready.index(stage), phase)
         s_t = warpgroup_mma(k, q.permute((1, 0)), s_init, use_acc=False,
                             is_async=True)                                   # (64, M)
+        if LSE_SMEM:
+            # The block's lse landed with Q: read while S^T runs, each thread its own
+            # columns (no layout conversion, so no barrier); rows past seqlen_q +inf.
+            lse2 = gl.where(o_m < seqlen_q, _base2(lse_smem.index(stage).load(
+                gl.SliceLayout(0, s_layout))), float("inf"))
         if PIPE:
             # dP^T behind S^T (as with SDP), then the previous block's dV and dK from
             # the operands it left in registers and its stage of the ring (which it has
@@ -503,7 +545,7 @@ def _mma_partition(args, dq_smem, WG: gl.constexpr, IS_CAUSAL: gl.constexpr,
             dp_t = warpgroup_mma(v, b_do.permute((1, 0)), s_init, use_acc=False,
                                  is_async=True)                              # (64, M)
             s_t = warpgroup_mma_wait(1, deps=(s_t,))
-            if not LSE_AHEAD:
+            if not (LSE_AHEAD or LSE_SMEM):
                 # lse after the products' issue: loaded before (as without SDP), it
                 # stayed live beside dP^T's pinned accumulators and ptxas spilled 200
                 # bytes at head_dim 128, not 112 (scalars kept across the walk).
@@ -517,6 +559,9 @@ def _mma_partition(args, dq_smem, WG: gl.constexpr, IS_CAUSAL: gl.constexpr,
             mbarrier.wait(do_ready.index(stage), phase)
             dp_t = warpgroup_mma(v, b_do.permute((1, 0)), s_init, use_acc=False,
                                  is_async=True)                              # (64, M)
+        if LSE_SMEM:  # delta landed with dO: read while dP^T runs; rows past seqlen_q 0
+            delta = gl.where(o_m < seqlen_q, delta_smem.index(stage).load(
+                gl.SliceLayout(0, s_layout)), 0.0)
         dp_t = warpgroup_mma_wait(2 if PIPE else 0, deps=(dp_t,))
         # dV's product is issued after dP^T completes, not beside it: its P^T operand
         # and accumulators held in flight through dS spilled 104-128 bytes at head_dim
@@ -526,7 +571,7 @@ def _mma_partition(args, dq_smem, WG: gl.constexpr, IS_CAUSAL: gl.constexpr,
             p_op = _a_operand(p_t, d_layout, dtype)
         if LSE_AHEAD:
             delta = gl.convert_layout(delta_flat, gl.SliceLayout(0, s_layout))
-        else:
+        elif not LSE_SMEM:
             delta = _row_vector(Delta + p_row, row0, seqlen_q, 0.0, BLOCK_M, s_layout)
         ds_t = p_t * (dp_t - gl.expand_dims(delta, 0))                       # (64, M)
         if PIPE:
@@ -655,7 +700,8 @@ def _attn_bwd_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, L
                             dq_rows, diag_offset, softmax_scale, IS_CAUSAL: gl.constexpr,
                             STAGES: gl.constexpr, SDP: gl.constexpr,
                             LSE_AHEAD: gl.constexpr, DQ_SPLIT: gl.constexpr,
-                            DQ_TMA: gl.constexpr, PIPE: gl.constexpr):
+                            DQ_TMA: gl.constexpr, PIPE: gl.constexpr,
+                            LSE_SMEM: gl.constexpr):
     """dK, dV of 128 keys of one (batch, KV head), dQ added into DQAccum: fp32 (batch,
     nheads, seqlen_q, head_dim), zeroed by the preprocess (DQ_TMA: its tensor map,
     ``_dq_descriptor``). head_split > 1 (GQA): the
@@ -696,6 +742,15 @@ def _attn_bwd_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, L
             gl.float32, [dq_tiles] + DQAccum.block_type.shape, DQAccum.layout)
     else:
         dq_smem = ds_smem  # a placeholder: the atomics need no buffer
+    if LSE_SMEM:  # Lse and Delta are flat tensor maps: a ring of BLOCK_M rows each
+        lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES] + Lse.block_type.shape,
+                                             Lse.layout)
+        delta_smem = gl.allocate_shared_memory(gl.float32,
+                                               [STAGES] + Delta.block_type.shape,
+                                               Delta.layout)
+    else:
+        lse_smem = ds_smem  # placeholders: lse and delta are read from global memory
+        delta_smem = ds_smem
     kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     do_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -716,15 +771,16 @@ def _attn_bwd_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, L
     mma_args = (q_smem, k_smem, v_smem, do_smem, ds_smem, kv_ready, q_ready, do_ready,
                 qdo_empty, ds_full, ds_empty, dk_desc, dv_desc, Lse, Delta, DQAccum, off_b,
                 off_dkv, key0, h0, n_heads, m_lo, n_m, nheads, seqlen_q, seqlen_k,
-                diag_offset, softmax_scale)
+                diag_offset, softmax_scale, lse_smem, delta_smem)
     load_args = (q_desc, k_desc, v_desc, do_desc, q_smem, k_smem, v_smem, do_smem, kv_ready,
-                 q_ready, do_ready, qdo_empty, off_b, off_hkv, key0, h0, n_heads, m_lo, n_m)
+                 q_ready, do_ready, qdo_empty, off_b, off_hkv, key0, h0, n_heads, m_lo, n_m,
+                 Lse, Delta, lse_smem, delta_smem, seqlen_q, nheads)
     gl.warp_specialize([
         (_mma_partition, (mma_args, dq_smem, 0, IS_CAUSAL, SDP, LSE_AHEAD, DQ_SPLIT,
-                          DQ_TMA, PIPE)),
-        (_load_partition, load_args),
+                          DQ_TMA, PIPE, LSE_SMEM)),
+        (_load_partition, (load_args, LSE_SMEM)),
         (_mma_partition, (mma_args, dq_smem, 1, IS_CAUSAL, SDP, LSE_AHEAD, DQ_SPLIT,
-                          DQ_TMA, PIPE)),
+                          DQ_TMA, PIPE, LSE_SMEM)),
     ], [1, 4], [PRODUCER_REGS, CONSUMER_REGS])
 
 
@@ -776,6 +832,16 @@ def _dq_descriptor(dq_accum, rows: int) -> TensorDescriptor:
                             list(box), fwd_hopper._smem_layout(box, gl.float32))
 
 
+def _rows_descriptor(x, rows: int) -> TensorDescriptor:
+    """lse_smem: a tensor map over x (batch, nheads, seqlen_q) fp32, contiguous and
+    16-byte aligned, flattened, in boxes of ``rows`` values: one query block's lse or
+    delta from any row (a 3-d map would need seqlen_q * 4 bytes to be a multiple of 16).
+    No swizzle: a box is one row of ``rows`` values that the consumers read by column."""
+    flat = x.view(-1)
+    return TensorDescriptor(flat, [flat.numel()], [1], [rows], gl.NVMMASharedLayout(
+        swizzle_byte_width=0, element_bitwidth=32, rank=1))
+
+
 def dq_tile_rows(flags: dict, block_m: int) -> int:
     """The rows of a dQ_partial tile (``kernel_flags``' flags at BLOCK_M ``block_m``):
     a block's, or a consumer's 64 with DQ_SPLIT at BLOCK_M 128."""
@@ -805,17 +871,24 @@ def kernel_flags(head_dim: int, causal: bool, opts: frozenset[str], block_m: int
                          "dK and dV do not fit 240 registers at head_dim 128 or BLOCK_M 128 "
                          "(ptxas serializes every wgmma and spills), got head_dim "
                          f"{head_dim}, BLOCK_M {block_m}")
-    return dict(IS_CAUSAL=causal, SDP="sdp" in opts, LSE_AHEAD="lse_ahead" in opts,
-                DQ_SPLIT="dq_split" in opts, DQ_TMA="dq_tma" in opts, PIPE="pipe" in opts)
+    # lse_smem brings lse and delta with Q and dO: lse_ahead's loads have nothing to do.
+    lse_smem = "lse_smem" in opts
+    return dict(IS_CAUSAL=causal, SDP="sdp" in opts,
+                LSE_AHEAD="lse_ahead" in opts and not lse_smem,
+                DQ_SPLIT="dq_split" in opts, DQ_TMA="dq_tma" in opts, PIPE="pipe" in opts,
+                LSE_SMEM=lse_smem)
 
 
 def smem_bytes(head_dim: int, block_m: int, stages: int, flags: dict) -> int:
     """The shared memory the kernel allocates at 16 bits (its barriers and a few hundred
-    bytes of layout-conversion scratch aside): the Q and dO ring, K and V, dS^T (two
-    with DQ_SPLIT) and DQ_TMA's fp32 dQ_partial tiles (``_attn_bwd_hopper_kernel``).
+    bytes of layout-conversion scratch aside): the Q and dO ring (LSE_SMEM: with lse and
+    delta rows), K and V, dS^T (two with DQ_SPLIT) and DQ_TMA's fp32 dQ_partial tiles
+    (``_attn_bwd_hopper_kernel``).
     tests/test_gluon_compile.py holds it to the compiled kernel's figure."""
     bits16 = 2
     ring = 2 * stages * block_m * head_dim * bits16
+    if flags.get("LSE_SMEM"):  # lse and delta rows beside Q and dO, fp32
+        ring += 2 * stages * block_m * 4
     k_v = 2 * (2 * BLOCK_N_WG.value) * head_dim * bits16
     ds = (2 if flags.get("DQ_SPLIT") else 1) * 2 * BLOCK_N_WG.value * block_m * bits16
     dq = 0
@@ -904,14 +977,20 @@ def backward(dout, q, k, v, out, lse, dlse, softmax_scale, diag_offset, causal):
                _launch.misalignment(_launch.pointers((out, dout, dlse, lse))))
         plans = _launch.lookup(key)
         if plans is not None:
-            pre, (main, boxes, dq_box), convert = plans
+            pre, (main, boxes, dq_box, rows_box), convert = plans
             dq_accum = accumulator()
             pre((out.data_ptr(), dout.data_ptr(), dlse.data_ptr(), delta.data_ptr(),
                  dq_accum.data_ptr()))
             dq_arg = dq_accum.data_ptr() if dq_box is None \
                 else fwd_hopper._rebased(dq_box, dq_accum)
+            if rows_box is None:
+                lse_arg, delta_arg = lse.data_ptr(), delta.data_ptr()
+            else:  # lse_smem: the flat tensor maps (lse's alignment is in the key)
+                lse = _aligned(lse)
+                lse_arg, delta_arg = (fwd_hopper._rebased(rows_box, x.view(-1))
+                                      for x in (lse, delta))
             main((*map(fwd_hopper._rebased, boxes, (q, k, v, dout, dk_shares, dv_shares)),
-                  lse.data_ptr(), delta.data_ptr(), dq_arg, softmax_scale))
+                  lse_arg, delta_arg, dq_arg, softmax_scale))
             convert((dq_accum.data_ptr(), dq.data_ptr(), softmax_scale))
             return dq, *_summed(dk_shares, dv_shares, split)
     cfg = configs.hopper_bwd_config(d)
@@ -939,9 +1018,14 @@ def backward(dout, q, k, v, out, lse, dlse, softmax_scale, diag_offset, causal):
     # dq_tma: the kernel takes the accumulator's tensor map, not its address.
     dq_arg = _dq_descriptor(dq_accum, dq_tile_rows(flags, cfg.block_m)) \
         if flags.get("DQ_TMA") else dq_accum
+    lse_arg, delta_arg = lse, delta
+    if flags.get("LSE_SMEM"):
+        lse = _aligned(lse)
+        lse_arg, delta_arg = (_rows_descriptor(x, cfg.block_m) for x in (lse, delta))
     main = _launch.first_launch(
         kernel, (configs.cdiv(sk, cfg.block_n), b * hkv * split),
-        (*descs, lse, delta, dq_arg, sq, sk, h, hkv, split, sq, diag_offset, softmax_scale),
+        (*descs, lse_arg, delta_arg, dq_arg, sq, sk, h, hkv, split, sq, diag_offset,
+         softmax_scale),
         dict(flags, STAGES=cfg.num_stages, num_warps=cfg.num_warps),
         _MAIN_SLOTS if key is not None else None)
     convert = _launch.first_launch(
@@ -953,8 +1037,15 @@ def backward(dout, q, k, v, out, lse, dlse, softmax_scale, diag_offset, causal):
         # The descriptors without their tensors: a plan must not keep a call's memory.
         boxes = tuple(fwd_hopper._rebased(x, None) for x in descs)
         dq_box = fwd_hopper._rebased(dq_arg, None) if dq_arg is not dq_accum else None
-        _launch.store(key, (pre, (main, boxes, dq_box), convert))
+        rows_box = fwd_hopper._rebased(lse_arg, None) if lse_arg is not lse else None
+        _launch.store(key, (pre, (main, boxes, dq_box, rows_box), convert))
     return dq, *_summed(dk_shares, dv_shares, split)
+
+
+def _aligned(lse):
+    """lse where a tensor map may read it: itself, or a copy where its address is not
+    16-byte aligned (a forward may hand it over as a view into a larger allocation)."""
+    return lse if lse.data_ptr() % 16 == 0 else lse.clone()
 
 
 def _summed(dk_shares, dv_shares, split):

@@ -315,10 +315,13 @@ def _attn_bwd_hopper256_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc
                 dk_desc, dv_desc, Lse, Delta, DQAccum, off_b, off_dkv, key0, h0, n_heads,
                 m_lo, n_m, nheads, seqlen_q, seqlen_k, dq_rows, diag_offset,
                 softmax_scale)
+    # lse and delta stay in global memory here: the producer's tensor-map slots take
+    # placeholders (LSE_SMEM False).
     load_args = (q_desc, k_desc, v_desc, do_desc, q_smem, k_smem, v_smem, do_smem, kv_ready,
-                 q_ready, do_ready, qdo_empty, off_b, off_hkv, key0, h0, n_heads, m_lo, n_m)
+                 q_ready, do_ready, qdo_empty, off_b, off_hkv, key0, h0, n_heads, m_lo, n_m,
+                 q_desc, q_desc, q_smem, q_smem, seqlen_q, nheads)
     gl.warp_specialize([
         (_mma256_partition, (mma_args, 0, IS_CAUSAL, DQ_TMA)),
-        (_load_partition, load_args),
+        (_load_partition, (load_args, False)),
         (_mma256_partition, (mma_args, 1, IS_CAUSAL, DQ_TMA)),
     ], [1, 4], [PRODUCER_REGS, CONSUMER_REGS])
