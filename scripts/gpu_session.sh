@@ -48,9 +48,9 @@
 #                with P in shared memory) beside bf16 and cuDNN at d128   (~9 min)
 #   bwd-ab       the Gluon backward's GPU tests, then the split, fused and Gluon
 #                backwards beside cuDNN (d64/d128, 1k-16k)                  (~9 min)
-#   fwd-3wg      the d64 Gluon forward with three consumer warpgroups (BLOCK_M 192): its
-#                GPU tests (FWD3_TESTS=0: not), then 3 and 4 ring stages beside the default
-#                (two consumers) and cuDNN                                  (~4 min)
+#   fwd-3wg      the Gluon forward with three consumer warpgroups (BLOCK_M 192; d64 with
+#                128 keys a block, d128 with 64): its GPU tests (FWD3_TESTS=0: not), then
+#                3 and 4 ring stages beside the default (two consumers) and cuDNN (~6 min)
 #   bwd-lse      the Gluon backward's lse_smem option: its GPU tests (BWD_LSE_TESTS=0: not),
 #                then forward+backward with lse_ahead (the default's) and with lse_smem,
 #                dq_tma with both, beside cuDNN, d64/d128 at 1k/4k (BWD_LSE_HF=1: the
@@ -185,17 +185,20 @@ case "${1:-}" in
     # Nsight Compute had the d64 forward's schedulers idle 56% of cycles with no warp
     # eligible: a third consumer adds warps to hide the latency, and each consumer's
     # softmax runs under two others' products. Never run on a GPU before this stage: its
-    # tests first (a deadlock fails a test after 60 s). Prediction (session 19): +5-12%
-    # full from 4k, +0-8% at 1k (192-row tiles leave 1024 rows ragged), causal 1k level.
+    # tests first (a deadlock fails a test after 60 s). Prediction (session 19): d64
+    # +5-12% full from 4k, +0-8% at 1k (192-row tiles leave 1024 rows ragged), causal 1k
+    # level; d128 (64 keys a block: twice the turns a key) -3 to +5%.
     [ "${FWD3_TESTS:-1}" = 0 ] || timeout 200 python3 -m pytest -q -p no:cacheprovider \
       $XDIST --gpu tests/test_fwd_hopper.py -k "three_consumers or m192" 2>&1 | tail -2 \
       | tee "$OUT/fwd-3wg-tests.txt"
-    for cfg in default 192,128,4,3 192,128,4,4; do
+    for run in 64:default 64:192,128,4,3 64:192,128,4,4 128:default 128:192,64,4,3 \
+        128:192,64,4,4; do
+      d=${run%%:*} cfg=${run#*:}
       unset FLASHTILE_HOPPER_FWD_CONFIG
       [ "$cfg" = default ] || export FLASHTILE_HOPPER_FWD_CONFIG=$cfg
       timeout 100 python3 -m flashtile bench --providers flashtile-hopper sdpa-cudnn \
-        --modes fwd --headdim 64 --seqlens 1k 4k 16k --no-progress \
-        --out "fwd-3wg-${cfg//,/_}" --overwrite 2>&1 | grep "^| [0-9]" | head -6 \
+        --modes fwd --headdim $d --seqlens 1k 4k 16k --no-progress \
+        --out "fwd-3wg-$d-${cfg//,/_}" --overwrite 2>&1 | grep "^| [0-9]" | head -6 \
         | sed "s|^|$cfg |" | tee -a "$OUT/fwd-3wg.txt"
     done
     unset FLASHTILE_HOPPER_FWD_CONFIG

@@ -104,22 +104,29 @@ def test_hopper_forward_compiles_for_sm90(head_dim, causal, persistent):
     assert "HGMMA" in sass and "LDL" not in sass and "STL" not in sass
 
 
+# Three consumers' tiles (BLOCK_M 192): head_dim 64 with 128 keys a block (FA3's tile),
+# head_dim 128 with 64 (128 keys spill 240-320 bytes under 160 registers).
+THREE_CONSUMERS = {64: 128, 128: 64}
+
+
 @pytest.mark.parametrize("stages", [3, 4])
 @pytest.mark.parametrize("persistent", SCHEDULES, ids=SCHEDULE_IDS)
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_hopper_forward_three_consumers_compile_for_sm90(causal, persistent, stages,
-                                                        monkeypatch):
-    """BLOCK_M 192 at head_dim 64 (FLASHTILE_HOPPER_FWD_CONFIG=192,128,4,STAGES): three
-    consumer warpgroups of 64 rows taking turns in a cycle, FA3's tile at this head dim.
-    16 warps (the producer warp padded to a warpgroup); register reallocation 24 /
-    160 (three consumers' 160 and the producer's 24 a thread fit 64K registers), with no
-    spills under that cap: S (64 fp32), O (32) and P (32) a thread. Shared memory: Q 3 x
-    8 KiB, the K/V ring, and (persistent) O's 3 x 8 KiB."""
-    monkeypatch.setenv("FLASHTILE_HOPPER_FWD_CONFIG", f"192,128,4,{stages}")
-    ck = _compile(64, causal, persistent=persistent)
+@pytest.mark.parametrize("head_dim", sorted(THREE_CONSUMERS))
+def test_hopper_forward_three_consumers_compile_for_sm90(head_dim, causal, persistent,
+                                                        stages, monkeypatch):
+    """BLOCK_M 192 (FLASHTILE_HOPPER_FWD_CONFIG=192,BLOCK_N,4,STAGES): three consumer
+    warpgroups of 64 rows taking turns in a cycle. 16 warps (the producer warp padded
+    to a warpgroup); register reallocation 24 / 160 (three consumers' 160 and the
+    producer's 24 a thread fit 64K registers), with no spills under that cap: S, O and
+    P a thread (d64: 64 + 32 + 32; d128 at 64 keys: 32 + 64 + 16). Shared memory: Q 3 x
+    d x 128 bytes, the K/V ring, and (persistent) O's 3 x d x 128 bytes."""
+    block_n = THREE_CONSUMERS[head_dim]
+    monkeypatch.setenv("FLASHTILE_HOPPER_FWD_CONFIG", f"192,{block_n},4,{stages}")
+    ck = _compile(head_dim, causal, persistent=persistent)
     res = resources(ck)
-    tile = 64 * 64 * 2
-    ring = 3 * tile + stages * 2 * 128 * 64 * 2
+    tile = 64 * head_dim * 2
+    ring = 3 * tile + stages * 2 * block_n * head_dim * 2
     assert ring + persistent * 3 * tile <= res["shared_bytes"] \
         < ring + (persistent + 1) * 3 * tile, res
     assert res["shared_bytes"] <= configs.SM90_SMEM_BYTES, res
@@ -153,8 +160,11 @@ def test_hopper_forward_config_knob(monkeypatch):
     for head_dim, fp8 in ((128, False), (256, False), (64, True)):
         with pytest.raises(ValueError, match=r"FLASHTILE_HOPPER_FWD_CONFIG must be "
                            r"'BLOCK_M,BLOCK_N,4,STAGES' with BLOCK_M 128 \(or 192 for "
-                           rf"16-bit inputs at head_dim 64\).*for head_dim {head_dim}"):
+                           r"16-bit inputs at head_dim 64, or 128 with BLOCK_N <= 64\)"
+                           rf".*for head_dim {head_dim}"):
             configs.hopper_fwd_config(head_dim, fp8=fp8)
+    monkeypatch.setenv("FLASHTILE_HOPPER_FWD_CONFIG", "192,64,4,4")
+    assert configs.hopper_fwd_config(128) == configs.TileConfig(192, 64, 4, 4)
     monkeypatch.setenv("FLASHTILE_HOPPER_FWD_CONFIG", "64,128,4,3")
     with pytest.raises(ValueError, match="BLOCK_M 128"):
         configs.hopper_fwd_config(64)

@@ -21,9 +21,10 @@ in three warp-specialised partitions:
   before the softmax (sm_90 SASS; docs/benchmarks/NOTES.md section 17).
 - warp_specialize's register requests become setmaxnreg: the producer keeps 24
   registers per thread and each consumer gets 240 (S, P and O live in registers).
-Three consumers (NUM_WG 3, FLASHTILE_HOPPER_FWD_CONFIG="192,128,4,STAGES", 16-bit
-head_dim 64 only: FA3's tile there) take their turns in a cycle, 160 registers each
-(S 64, O 32 and P 32 fp32-register equivalents a thread at d64). Session 15's Nsight
+Three consumers (NUM_WG 3, FLASHTILE_HOPPER_FWD_CONFIG="192,BLOCK_N,4,STAGES", 16-bit:
+head_dim 64 with 128 keys a block, FA3's tile there, or 128 with 64) take their turns
+in a cycle, 160 registers each (S, O and P a thread: d64 64 + 32 + 32, d128 32 + 64 +
+16; d128 with 128 keys spills 240-320 bytes). Session 15's Nsight
 Compute had the d64 forward's schedulers with no eligible warp 56% of the cycles: a
 third consumer brings four more warps, and each softmax runs under two other
 consumers' products instead of one. The sm_90 compile: no spills (tiles grid; the
@@ -116,8 +117,8 @@ BLOCK_M_WG = gl.constexpr(64)
 # and the softmax. 24 + 240 + 240 (the default partition's share) fit 64K registers.
 PRODUCER_REGS = gl.constexpr(24)
 CONSUMER_REGS = gl.constexpr(240)
-# Three consumers (BLOCK_M 192, 16-bit head_dim 64 only): 24 + 3 x 160 a thread's
-# warpgroup share fit the same 64K registers; S (64 fp32), O (32) and P (32) at d64.
+# Three consumers (BLOCK_M 192, 16-bit, configs.hopper_fwd_config): 24 + 3 x 160 a
+# thread's warpgroup share fit the same 64K registers.
 CONSUMER_REGS_3WG = gl.constexpr(160)
 # FP8: P is exp2(s - max + P_LOG2_OFFSET), in [0, 256], so that its small entries stay
 # normal e4m3 numbers when cast for P V (the portable kernel's offset, the same numerics).
@@ -533,7 +534,7 @@ def _attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, Lse, QDescale, KDesc
     """One program a (query tile, batch-head) of the (n_tiles_m, batch * nheads) grid,
     or (PERSISTENT) a program per SM walking its row of the host's Schedule. NUM_WG
     consumer warpgroups of 64 rows each: 2, or 3 for 16-bit inputs with P in registers
-    (BLOCK_M 192, FA3's tile at head_dim 64)."""
+    (BLOCK_M 192, the module docstring)."""
     gl.static_assert(NUM_WG == 2 or (NUM_WG == 3 and not P_SMEM),
                      "2 consumer warpgroups, or 3 with P in registers")
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[1]
