@@ -49,8 +49,9 @@
 #   bwd-ab       the Gluon backward's GPU tests, then the split, fused and Gluon
 #                backwards beside cuDNN (d64/d128, 1k-16k)                  (~9 min)
 #   fwd-3wg      the Gluon forward with three consumer warpgroups (BLOCK_M 192; d64 with
-#                128 keys a block, d128 with 64): its GPU tests (FWD3_TESTS=0: not), then
-#                3 and 4 ring stages beside the default (two consumers) and cuDNN (~6 min)
+#                128 keys a block, d128 with 64, FP8 d128 with 128): its GPU tests
+#                (FWD3_TESTS=0: not), then ring depths beside the default (two consumers)
+#                and cuDNN (FP8: and BLOCK_N 256)                           (~8 min)
 #   bwd-lse      the Gluon backward's lse_smem option: its GPU tests (BWD_LSE_TESTS=0: not),
 #                then forward+backward with lse_ahead (the default's) and with lse_smem,
 #                dq_tma with both, beside cuDNN, d64/d128 at 1k/4k (BWD_LSE_HF=1: the
@@ -187,21 +188,29 @@ case "${1:-}" in
     # softmax runs under two others' products. Never run on a GPU before this stage: its
     # tests first (a deadlock fails a test after 60 s). Prediction (session 19): d64
     # +5-12% full from 4k, +0-8% at 1k (192-row tiles leave 1024 rows ragged), causal 1k
-    # level; d128 (64 keys a block: twice the turns a key) -3 to +5%.
+    # level; d128 (64 keys a block: twice the turns a key) -3 to +5%; FP8 d128 (its
+    # softmax is twice the share of a tile's time, as at d64) 16k full 850-950 against
+    # the default's ~800 and BLOCK_N 256's 867.
     [ "${FWD3_TESTS:-1}" = 0 ] || timeout 200 python3 -m pytest -q -p no:cacheprovider \
       $XDIST --gpu tests/test_fwd_hopper.py -k "three_consumers or m192" 2>&1 | tail -2 \
       | tee "$OUT/fwd-3wg-tests.txt"
     for run in 64:default 64:192,128,4,3 64:192,128,4,4 128:default 128:192,64,4,3 \
-        128:192,64,4,4; do
-      d=${run%%:*} cfg=${run#*:}
-      unset FLASHTILE_HOPPER_FWD_CONFIG
+        128:192,64,4,4 fp8:default fp8:128,256,4,2 fp8:192,128,4,2 fp8:192,128,4,3; do
+      d=${run%%:*} cfg=${run#*:} prov=flashtile-hopper
+      unset FLASHTILE_HOPPER_FWD_CONFIG FLASHTILE_HOPPER_FWD_FP8_PV
       [ "$cfg" = default ] || export FLASHTILE_HOPPER_FWD_CONFIG=$cfg
-      timeout 100 python3 -m flashtile bench --providers flashtile-hopper sdpa-cudnn \
+      # FP8 at d128 (issue 17: 1000 TFLOP/s): BLOCK_N 256 and three consumers sum P V in
+      # the wgmma (the option FLASHTILE_HOPPER_FWD_FP8_PV=wgmma).
+      if [ "$d" = fp8 ]; then
+        d=128 prov=flashtile-hopper-fp8
+        [ "$cfg" = default ] || export FLASHTILE_HOPPER_FWD_FP8_PV=wgmma
+      fi
+      timeout 100 python3 -m flashtile bench --providers $prov sdpa-cudnn \
         --modes fwd --headdim $d --seqlens 1k 4k 16k --no-progress \
         --out "fwd-3wg-$d-${cfg//,/_}" --overwrite 2>&1 | grep "^| [0-9]" | head -6 \
-        | sed "s|^|$cfg |" | tee -a "$OUT/fwd-3wg.txt"
+        | sed "s|^|$run |" | tee -a "$OUT/fwd-3wg.txt"
     done
-    unset FLASHTILE_HOPPER_FWD_CONFIG
+    unset FLASHTILE_HOPPER_FWD_CONFIG FLASHTILE_HOPPER_FWD_FP8_PV
     ;;
   bwd-lse)
     # lse and delta brought with Q and dO by the producer (option lse_smem, session 19;

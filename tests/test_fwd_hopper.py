@@ -468,6 +468,33 @@ def test_float8_block_n_256_pv_in_wgmma(shape, causal, schedule, monkeypatch):
         _launch.clear()
 
 
+@pytest.mark.parametrize("stages", [2, 3])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("shape", FP8_SHAPES, ids=lambda s: "b{}-q{}-k{}-h{}/{}".format(*s))
+@on_hopper
+def test_float8_three_consumers(shape, causal, stages, schedule, monkeypatch):
+    """FP8 at head_dim 128 with three consumer warpgroups (192,128,4,STAGES), P through
+    shared memory and P V summed in the wgmma: the float64 reference's FP8 bound, on
+    both grids."""
+    from flashtile.ops import _launch
+
+    monkeypatch.setenv("FLASHTILE_HOPPER_FWD_FP8_P", "smem")
+    monkeypatch.setenv("FLASHTILE_HOPPER_FWD_FP8_PV", "wgmma")
+    monkeypatch.setenv("FLASHTILE_HOPPER_FWD_CONFIG", f"192,128,4,{stages}")
+    _launch.clear()  # plans are keyed without the tile config
+    fwd_hopper._SCHEDULES.clear()
+    try:
+        b, sq, sk, h, hkv = shape
+        (q, k, v), scales = _fp8_inputs(b, sq, sk, h, hkv, 128)
+        out, lse = fwd_hopper.attn_fwd(q, k, v, **_fp8_kw(causal, q, k),
+                                       q_descale=scales[0], k_descale=scales[1],
+                                       v_descale=scales[2])
+        _fp8_check(out, lse, q, k, v, scales, causal)
+    finally:
+        _launch.clear()
+        fwd_hopper._SCHEDULES.clear()
+
+
 @pytest.mark.parametrize("dtype,out_dtype,descales", [
     (E4M3, torch.float16, True), (torch.float8_e5m2, torch.bfloat16, True),
     (E4M3, torch.bfloat16, False)], ids=["e4m3-fp16-out", "e5m2", "no-descale"])

@@ -152,6 +152,35 @@ def test_hopper_forward_three_consumers_compile_for_sm90(head_dim, causal, persi
         assert "LDL" not in sass and "STL" not in sass
 
 
+@pytest.mark.parametrize("causal,persistent", [(False, False), (True, False), (False, True)],
+                         ids=["full-tiles", "causal-tiles", "full-persistent"])
+def test_hopper_fp8_forward_three_consumers_compile_for_sm90(causal, persistent,
+                                                            monkeypatch):
+    """FP8 at head_dim 128 with three consumers (192,128,4,3) and P V summed in the
+    wgmma (FLASHTILE_HOPPER_FWD_FP8_PV=wgmma; per tile, the second O spills 270-300
+    bytes under 160 registers): P through six shared buffers, the whole softmax under
+    the previous P V, no spills (persistent: the tile loop's 4-byte scalar, outside the
+    walks), within shared memory with O in a buffer of its own. Causal on the persistent
+    grid spills inside the walks (72 bytes: the tile loop's state on top), as BLOCK_N
+    256's does, so that pair is left out (FP8 takes the tiles grid by default)."""
+    monkeypatch.setenv("FLASHTILE_HOPPER_FWD_FP8_PV", "wgmma")
+    monkeypatch.setenv("FLASHTILE_HOPPER_FWD_CONFIG", "192,128,4,3")
+    ck = _compile(128, causal, torch.float8_e4m3fn, p_smem=True, persistent=persistent)
+    res = resources(ck)
+    ring = 3 * 64 * 128 + 3 * 2 * 128 * 128  # Q, then K and V^T: FP8, 1 byte each
+    p_buffers, o_tiles = 6 * 64 * 128, 3 * 64 * 128 * 2
+    assert ring + p_buffers + o_tiles <= res["shared_bytes"] <= configs.SM90_SMEM_BYTES
+    assert res["stack_bytes"] <= (8 if persistent else 0), res
+    assert ck.metadata.num_warps == 16
+    assert "setmaxnreg.inc.sync.aligned.u32 \t160;" in ck.asm["ptx"]
+    sass = _sass(ck)
+    assert "QGMMA" in sass
+    walks = _walks(sass)
+    assert len(walks) >= 3 and not any(op.startswith(("STL", "LDL")) for body in walks
+                                       for op in body), walks
+    assert _exp2_under_pv(sass) >= 64  # a consumer's whole softmax under its P V
+
+
 def test_hopper_forward_config_knob(monkeypatch):
     """FLASHTILE_HOPPER_FWD_CONFIG: BLOCK_M 128, or 192 for 16-bit inputs at head_dim 64
     only; anything else names the variable, the rule, the value and the head dim."""
@@ -160,11 +189,17 @@ def test_hopper_forward_config_knob(monkeypatch):
     for head_dim, fp8 in ((128, False), (256, False), (64, True)):
         with pytest.raises(ValueError, match=r"FLASHTILE_HOPPER_FWD_CONFIG must be "
                            r"'BLOCK_M,BLOCK_N,4,STAGES' with BLOCK_M 128 \(or 192 for "
-                           r"16-bit inputs at head_dim 64, or 128 with BLOCK_N <= 64\)"
-                           rf".*for head_dim {head_dim}"):
+                           r"16-bit inputs at head_dim 64, or 128 with BLOCK_N <= 64; FP8 "
+                           rf"at head_dim 128 .*for head_dim {head_dim}"):
             configs.hopper_fwd_config(head_dim, fp8=fp8)
     monkeypatch.setenv("FLASHTILE_HOPPER_FWD_CONFIG", "192,64,4,4")
     assert configs.hopper_fwd_config(128) == configs.TileConfig(192, 64, 4, 4)
+    # FP8: three consumers only with P V in the wgmma (no second O in registers).
+    monkeypatch.setenv("FLASHTILE_HOPPER_FWD_CONFIG", "192,128,4,3")
+    with pytest.raises(ValueError, match="FLASHTILE_HOPPER_FWD_FP8_PV=wgmma"):
+        configs.hopper_fwd_config(128, fp8=True)
+    monkeypatch.setenv("FLASHTILE_HOPPER_FWD_FP8_PV", "wgmma")
+    assert configs.hopper_fwd_config(128, fp8=True) == configs.TileConfig(192, 128, 4, 3)
     monkeypatch.setenv("FLASHTILE_HOPPER_FWD_CONFIG", "64,128,4,3")
     with pytest.raises(ValueError, match="BLOCK_M 128"):
         configs.hopper_fwd_config(64)
@@ -433,7 +468,7 @@ def _walks(sass: str) -> list[list[str]]:
         m = re.search(r"\bBRA 0x([0-9a-f]+)", op)
         if m and int(m.group(1), 16) < addr:
             body = [o for a, o in ins if int(m.group(1), 16) <= a <= addr]
-            if any("HGMMA" in o for o in body):
+            if any("HGMMA" in o or "QGMMA" in o for o in body):  # 16-bit or FP8
                 loops.append((int(m.group(1), 16), addr, body))
     return [body for lo, hi, body in loops
             if not any((lo, hi) != (a, b) and lo <= a and b <= hi for a, b, _ in loops)]

@@ -406,19 +406,24 @@ def hopper_fwd_persistent(head_dim: int, fp8: bool) -> bool:
 def hopper_fwd_config(head_dim: int, fp8: bool = False) -> TileConfig:
     """HOPPER_FWD_16BIT[head_dim] (HOPPER_FWD_FP8 for FP8 inputs), or
     FLASHTILE_HOPPER_FWD_CONFIG="BLOCK_M,BLOCK_N,4,STAGES" for sweeps: BLOCK_M is 64
-    rows per consumer warpgroup, 128 (two) or, for 16-bit inputs, 192 (three: FA3's
-    tile at head_dim 64; at 128 with at most 64 keys a block, which fit the three
-    consumers' 160 registers, 128 keys spill); num_warps is the default partition's
-    warpgroup."""
+    rows per consumer warpgroup, 128 (two) or 192 (three, each with 160 registers:
+    16-bit at head_dim 64, FA3's tile there, and at 128 with at most 64 keys a block,
+    since 128 keys spill; FP8 at head_dim 128 with P V summed in the wgmma); num_warps
+    is the default partition's warpgroup."""
     cfg = _from_env("hopper_fwd") or (HOPPER_FWD_FP8 if fp8 else HOPPER_FWD_16BIT)[head_dim]
-    three = cfg.block_m == 192 and not fp8 and (
-        head_dim == 64 or (head_dim == 128 and cfg.block_n <= 64))
-    if not (cfg.block_m == 128 or three) or cfg.num_warps != 4 \
+    if fp8:  # S 64 and O 64 registers: P V summed in the wgmma, no second O
+        three = head_dim == 128 and cfg.block_n <= 128 \
+            and not hopper_fwd_fp8_pv_per_tile(head_dim)
+    else:
+        three = head_dim == 64 or (head_dim == 128 and cfg.block_n <= 64)
+    if not (cfg.block_m == 128 or (cfg.block_m == 192 and three)) or cfg.num_warps != 4 \
             or cfg.block_n not in (16, 32, 64, 128, 256) or cfg.num_stages < 1:
         raise ValueError("FLASHTILE_HOPPER_FWD_CONFIG must be 'BLOCK_M,BLOCK_N,4,STAGES' with "
                          "BLOCK_M 128 (or 192 for 16-bit inputs at head_dim 64, or 128 with "
-                         "BLOCK_N <= 64), BLOCK_N a power of two from 16 to 256 and STAGES "
-                         f">= 1, got {cfg} for head_dim {head_dim}{' FP8' if fp8 else ''}")
+                         "BLOCK_N <= 64; FP8 at head_dim 128 with BLOCK_N <= 128 and "
+                         "FLASHTILE_HOPPER_FWD_FP8_PV=wgmma), BLOCK_N a power of two from 16 "
+                         f"to 256 and STAGES >= 1, got {cfg} for head_dim {head_dim}"
+                         f"{' FP8' if fp8 else ''}")
     return cfg
 
 

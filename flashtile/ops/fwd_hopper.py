@@ -24,7 +24,10 @@ in three warp-specialised partitions:
 Three consumers (NUM_WG 3, FLASHTILE_HOPPER_FWD_CONFIG="192,BLOCK_N,4,STAGES", 16-bit:
 head_dim 64 with 128 keys a block, FA3's tile there, or 128 with 64) take their turns
 in a cycle, 160 registers each (S, O and P a thread: d64 64 + 32 + 32, d128 32 + 64 +
-16; d128 with 128 keys spills 240-320 bytes). Session 15's Nsight
+16; d128 with 128 keys spills 240-320 bytes). FP8 at head_dim 128 takes three too, with
+128 keys a block and P V summed in the wgmma (FLASHTILE_HOPPER_FWD_FP8_PV=wgmma: per
+tile the second O spills): its softmax is twice the share of a tile's time, as at
+16-bit d64; P through six shared buffers. Session 15's Nsight
 Compute had the d64 forward's schedulers with no eligible warp 56% of the cycles: a
 third consumer brings four more warps, and each softmax runs under two other
 consumers' products instead of one. The sm_90 compile: no spills (tiles grid; the
@@ -535,8 +538,7 @@ def _attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, Lse, QDescale, KDesc
     or (PERSISTENT) a program per SM walking its row of the host's Schedule. NUM_WG
     consumer warpgroups of 64 rows each: 2, or 3 for 16-bit inputs with P in registers
     (BLOCK_M 192, the module docstring)."""
-    gl.static_assert(NUM_WG == 2 or (NUM_WG == 3 and not P_SMEM),
-                     "2 consumer warpgroups, or 3 with P in registers")
+    gl.static_assert(NUM_WG == 2 or NUM_WG == 3, "2 or 3 consumer warpgroups")
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[1]
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [NUM_WG] + q_desc.block_type.shape,
                                        q_desc.layout)
@@ -552,8 +554,8 @@ def _attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, Lse, QDescale, KDesc
     # buffer, the same bytes, free once the last P V is done. Else (16-bit) Q's buffer:
     # S_{n-1}, its last reader, has completed when O is stored.
     O_BYTES: gl.constexpr = NUM_WG * o_desc.block_type.nbytes
-    P_BYTES: gl.constexpr = 4 * BLOCK_M_WG * BLOCK_N * v_desc.dtype.primitive_bitwidth // 8 \
-        if P_SMEM else 0
+    P_BYTES: gl.constexpr = 2 * NUM_WG * BLOCK_M_WG * BLOCK_N \
+        * v_desc.dtype.primitive_bitwidth // 8 if P_SMEM else 0
     USED_BYTES: gl.constexpr = NUM_WG * q_desc.block_type.nbytes + STAGES * (
         k_desc.block_type.nbytes + v_desc.block_type.nbytes) + P_BYTES
     O_FITS: gl.constexpr = USED_BYTES + O_BYTES <= SMEM_BYTES - 1024
@@ -564,14 +566,14 @@ def _attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, Lse, QDescale, KDesc
                                            o_desc.layout)
     if P_SMEM:  # two P buffers per consumer warpgroup, in V's format
         p_smem = gl.allocate_shared_memory(
-            v_desc.dtype, [4, BLOCK_M_WG, BLOCK_N],
+            v_desc.dtype, [2 * NUM_WG, BLOCK_M_WG, BLOCK_N],
             gl.NVMMASharedLayout.get_default_for([BLOCK_M_WG, BLOCK_N], v_desc.dtype))
     else:
         p_smem = q_smem  # not read: P stays in registers
     if O_IN_P:
-        gl.static_assert(o_desc.block_type.nbytes == P_BYTES // 4,
+        gl.static_assert(o_desc.block_type.nbytes == P_BYTES // (2 * NUM_WG),
                          "O staged in P's buffers needs a P buffer of O's bytes")
-        o_smem = p_smem._reinterpret(o_desc.dtype, [4] + o_desc.block_type.shape,
+        o_smem = p_smem._reinterpret(o_desc.dtype, [2 * NUM_WG] + o_desc.block_type.shape,
                                      o_desc.layout)
     elif O_IN_Q:
         o_smem = q_smem
