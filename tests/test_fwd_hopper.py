@@ -451,21 +451,7 @@ def test_float8_block_n_256_pv_in_wgmma(shape, causal, schedule, monkeypatch):
     """FP8 at head_dim 128 with 256 keys a block, P through shared memory, P V summed in
     the wgmma and O staged in P's buffers (FLASHTILE_HOPPER_FWD_FP8_PV=wgmma, the
     config 128,256,4,2): the float64 reference's bound, on both grids."""
-    from flashtile.ops import _launch
-
-    monkeypatch.setenv("FLASHTILE_HOPPER_FWD_FP8_P", "smem")
-    monkeypatch.setenv("FLASHTILE_HOPPER_FWD_FP8_PV", "wgmma")
-    monkeypatch.setenv("FLASHTILE_HOPPER_FWD_CONFIG", "128,256,4,2")
-    _launch.clear()  # plans are keyed without the tile config
-    try:
-        b, sq, sk, h, hkv = shape
-        (q, k, v), scales = _fp8_inputs(b, sq, sk, h, hkv, 128)
-        out, lse = fwd_hopper.attn_fwd(q, k, v, **_fp8_kw(causal, q, k),
-                                       q_descale=scales[0], k_descale=scales[1],
-                                       v_descale=scales[2])
-        _fp8_check(out, lse, q, k, v, scales, causal)
-    finally:
-        _launch.clear()
+    _fp8_pv_in_wgmma("128,256,4,2", shape, causal, monkeypatch)
 
 
 @pytest.mark.parametrize("stages", [2, 3])
@@ -476,12 +462,19 @@ def test_float8_three_consumers(shape, causal, stages, schedule, monkeypatch):
     """FP8 at head_dim 128 with three consumer warpgroups (192,128,4,STAGES), P through
     shared memory and P V summed in the wgmma: the float64 reference's FP8 bound, on
     both grids."""
+    _fp8_pv_in_wgmma(f"192,128,4,{stages}", shape, causal, monkeypatch)
+
+
+def _fp8_pv_in_wgmma(config, shape, causal, monkeypatch):
+    """An FP8 d128 call with P in shared memory, P V summed in the wgmma and the tile
+    ``config`` (FLASHTILE_HOPPER_FWD_CONFIG) against the FP8 bound; plans and persistent
+    schedules (keyed without the tile config) cleared before and after."""
     from flashtile.ops import _launch
 
     monkeypatch.setenv("FLASHTILE_HOPPER_FWD_FP8_P", "smem")
     monkeypatch.setenv("FLASHTILE_HOPPER_FWD_FP8_PV", "wgmma")
-    monkeypatch.setenv("FLASHTILE_HOPPER_FWD_CONFIG", f"192,128,4,{stages}")
-    _launch.clear()  # plans are keyed without the tile config
+    monkeypatch.setenv("FLASHTILE_HOPPER_FWD_CONFIG", config)
+    _launch.clear()
     fwd_hopper._SCHEDULES.clear()
     try:
         b, sq, sk, h, hkv = shape
