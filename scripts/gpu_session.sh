@@ -51,7 +51,7 @@
 #   fwd-3wg      the Gluon forward with three consumer warpgroups (BLOCK_M 192; d64 with
 #                128 keys a block, d128 with 64, FP8 d128 with 128): its GPU tests
 #                (FWD3_TESTS=0: not), then ring depths beside the default (two consumers)
-#                and cuDNN (FP8: and BLOCK_N 256)                           (~8 min)
+#                and cuDNN (FP8: and BLOCK_N 256); d256 on the persistent grid (~9 min)
 #   bwd-lse      the Gluon backward's lse_smem option: its GPU tests (BWD_LSE_TESTS=0: not),
 #                then forward+backward with lse_ahead (the default's) and with lse_smem,
 #                dq_tma with both, beside cuDNN, d64/d128 at 1k/4k (BWD_LSE_HF=1: the
@@ -196,11 +196,18 @@ case "${1:-}" in
     [ "${FWD3_TESTS:-1}" = 0 ] || timeout 200 python3 -m pytest -q -p no:cacheprovider \
       $XDIST --gpu tests/test_fwd_hopper.py -k "three_consumers or m192" 2>&1 | tail -2 \
       | tee "$OUT/fwd-3wg-tests.txt"
+    # 256:persistent: the persistent grid at d256 (auto takes it at d64/d128 only, where
+    # it gained 11-15% at 1k; d256 causal 1k is 0.97x cuDNN): predicted causal 1k +5-12%.
     for run in 64:default 64:192,128,4,3 64:192,128,4,4 128:default 128:192,64,4,3 \
-        128:192,64,4,4 fp8:default fp8:128,256,4,2 fp8:192,128,4,2 fp8:192,128,4,3; do
+        128:192,64,4,4 fp8:default fp8:128,256,4,2 fp8:192,128,4,2 fp8:192,128,4,3 \
+        256:default 256:persistent; do
       d=${run%%:*} cfg=${run#*:} prov=flashtile-hopper
-      unset FLASHTILE_HOPPER_FWD_CONFIG FLASHTILE_HOPPER_FWD_FP8_PV
-      [ "$cfg" = default ] || export FLASHTILE_HOPPER_FWD_CONFIG=$cfg
+      unset FLASHTILE_HOPPER_FWD_CONFIG FLASHTILE_HOPPER_FWD_FP8_PV FLASHTILE_HOPPER_FWD_SCHEDULE
+      if [ "$cfg" = persistent ]; then
+        export FLASHTILE_HOPPER_FWD_SCHEDULE=persistent
+      elif [ "$cfg" != default ]; then
+        export FLASHTILE_HOPPER_FWD_CONFIG=$cfg
+      fi
       # FP8 at d128 (issue 17: 1000 TFLOP/s): BLOCK_N 256 and three consumers sum P V in
       # the wgmma (the option FLASHTILE_HOPPER_FWD_FP8_PV=wgmma).
       if [ "$d" = fp8 ]; then
@@ -212,7 +219,7 @@ case "${1:-}" in
         --out "fwd-3wg-$d-${cfg//,/_}" --overwrite 2>&1 | grep "^| [0-9]" | head -6 \
         | sed "s|^|$run |" | tee -a "$OUT/fwd-3wg.txt"
     done
-    unset FLASHTILE_HOPPER_FWD_CONFIG FLASHTILE_HOPPER_FWD_FP8_PV
+    unset FLASHTILE_HOPPER_FWD_CONFIG FLASHTILE_HOPPER_FWD_FP8_PV FLASHTILE_HOPPER_FWD_SCHEDULE
     ;;
   bwd-lse)
     # lse and delta brought with Q and dO by the producer (option lse_smem, session 19;
