@@ -27,10 +27,10 @@ in a cycle, 160 registers each (S, O and P a thread: d64 64 + 32 + 32, d128 32 +
 16; d128 with 128 keys spills 240-320 bytes). FP8 at head_dim 128 takes three too, with
 128 keys a block and P V summed in the wgmma (FLASHTILE_HOPPER_FWD_FP8_PV=wgmma: per
 tile the second O spills): its softmax is twice the share of a tile's time, as at
-16-bit d64; P through six shared buffers. Session 15's Nsight
-Compute had the d64 forward's schedulers with no eligible warp 56% of the cycles: a
-third consumer brings four more warps, and each softmax runs under two other
-consumers' products instead of one. The sm_90 compile: no spills (tiles grid; the
+16-bit d64; P through six shared buffers. Session 15's Nsight Compute had the d64
+forward's schedulers with no eligible warp 56% of the cycles: a third consumer brings
+four more warps, and each softmax runs under two other consumers' products instead of
+one. The sm_90 compile: no spills (tiles grid; the
 persistent one keeps one 4-byte tile-loop scalar in local memory, outside the walks);
 the two-consumer SASS is unchanged by it. Not run on a GPU yet (stage fwd-3wg).
 The grid (FLASHTILE_HOPPER_FWD_SCHEDULE, ``configs.hopper_fwd_persistent``):
@@ -536,8 +536,8 @@ def _attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, Lse, QDescale, KDesc
                             NUM_WG: gl.constexpr):
     """One program a (query tile, batch-head) of the (n_tiles_m, batch * nheads) grid,
     or (PERSISTENT) a program per SM walking its row of the host's Schedule. NUM_WG
-    consumer warpgroups of 64 rows each: 2, or 3 for 16-bit inputs with P in registers
-    (BLOCK_M 192, the module docstring)."""
+    consumer warpgroups of 64 rows each: 2, or 3 (BLOCK_M 192, where the module
+    docstring and configs.hopper_fwd_config allow it)."""
     gl.static_assert(NUM_WG == 2 or NUM_WG == 3, "2 or 3 consumer warpgroups")
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[1]
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [NUM_WG] + q_desc.block_type.shape,
