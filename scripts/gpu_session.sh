@@ -183,28 +183,22 @@ case "${1:-}" in
     tar czf "$OUT/bwd-ab.tgz" bwd-ab
     ;;
   fwd-3wg)
-    # The d64 Gluon forward with three consumer warpgroups of 64 rows (BLOCK_M 192, FA3's
-    # tile at this head dim; issue 15 item 2: d64 ran 0.81-0.98x cuDNN). Session 15's
-    # Nsight Compute had the d64 forward's schedulers idle 56% of cycles with no warp
-    # eligible: a third consumer adds warps to hide the latency, and each consumer's
-    # softmax runs under two others' products. Never run on a GPU before this stage: its
-    # tests first (a deadlock fails a test after 60 s). Prediction (session 19): d64
-    # +5-12% full from 4k, +0-8% at 1k (192-row tiles leave 1024 rows ragged), causal 1k
-    # level; d128 (64 keys a block: twice the turns a key) -3 to +5%; FP8 d128 (its
-    # softmax is twice the share of a tile's time, as at d64) 16k full 850-950 against
-    # the default's ~800 and BLOCK_N 256's 867.
+    # The Gluon forward with three consumer warpgroups of 64 rows (BLOCK_M 192, FA3's
+    # d64 tile) beside two, and d256 on the persistent grid. Session 20 (NOTES.md section
+    # 30): d64 +3-11% from 8k (auto takes it there since), -11..-21% causal at 1k-4k;
+    # d128 192 x 64 -2..-17%; FP8 192 x 128 864 at 16k against BLOCK_N 256's 876;
+    # d256 persistent +5-8% causal at 1k-4k (auto takes it there), -7% at 16k.
     [ "${FWD3_TESTS:-1}" = 0 ] || timeout 200 python3 -m pytest -q -p no:cacheprovider \
       $XDIST --gpu tests/test_fwd_hopper.py -k "three_consumers or m192" 2>&1 | tail -2 \
       | tee "$OUT/fwd-3wg-tests.txt"
-    # 256:persistent: the persistent grid at d256 (auto takes it at d64/d128 only, where
-    # it gained 11-15% at 1k; d256 causal 1k is 0.97x cuDNN): predicted causal 1k +5-12%.
-    for run in 64:default 64:192,128,4,3 64:192,128,4,4 128:default 128:192,64,4,3 \
-        128:192,64,4,4 fp8:default fp8:128,256,4,2 fp8:192,128,4,2 fp8:192,128,4,3 \
-        256:default 256:persistent; do
+    # default: auto's choice (d64: 192 rows from 8k; d256: persistent up to 4k).
+    for run in 64:default 64:128,128,4,3 64:192,128,4,3 64:192,128,4,4 128:default \
+        128:192,64,4,3 128:192,64,4,4 fp8:default fp8:128,256,4,2 fp8:192,128,4,2 \
+        fp8:192,128,4,3 256:default 256:tiles 256:persistent; do
       d=${run%%:*} cfg=${run#*:} prov=flashtile-hopper
       unset FLASHTILE_HOPPER_FWD_CONFIG FLASHTILE_HOPPER_FWD_FP8_PV FLASHTILE_HOPPER_FWD_SCHEDULE
-      if [ "$cfg" = persistent ]; then
-        export FLASHTILE_HOPPER_FWD_SCHEDULE=persistent
+      if [ "$cfg" = persistent ] || [ "$cfg" = tiles ]; then
+        export FLASHTILE_HOPPER_FWD_SCHEDULE=$cfg
       elif [ "$cfg" != default ]; then
         export FLASHTILE_HOPPER_FWD_CONFIG=$cfg
       fi
@@ -224,8 +218,8 @@ case "${1:-}" in
   bwd-lse)
     # lse and delta brought with Q and dO by the producer (option lse_smem, session 19;
     # bwd_hopper's docstring): no layout conversion or global load in the walks, three
-    # warpgroup barriers a block fewer. Never run on a GPU before this stage: its tests
-    # first. Prediction: backward +3-8% at d64, +1-4% at d128 (forward + backward ~0.7x).
+    # warpgroup barriers a block fewer. Session 20: forward + backward +3-5% at d64,
+    # +2-4% at d128 over lse_ahead (NOTES.md section 30); its tests first.
     [ "${BWD_LSE_TESTS:-1}" = 0 ] || timeout 150 python3 -m pytest -q -p no:cacheprovider \
       $XDIST --gpu tests/test_bwd_hopper.py -k "lse_smem" 2>&1 | tail -2 \
       | tee "$OUT/bwd-lse-tests.txt"

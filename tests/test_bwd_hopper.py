@@ -134,32 +134,31 @@ def test_gqa_head_split_matches_float64_reference(split, head_dim, mask, monkeyp
 @pytest.mark.parametrize("head_dim", [64, 128])
 @on_hopper
 def test_hopper_bwd_lse_smem_edges(head_dim, split, monkeypatch):
-    """lse_smem (lse and delta from flat tensor maps, rows past seqlen_q masked in the
-    consumers): empty rows (bottom-right causal, seqlen_q > seqlen_k) get zero dq, never
-    NaN, though the rows after the last query block read the next head's lse (-inf
-    there too); the GQA head split; an lse handed over at an address that is not 16-byte
-    aligned (copied for the tensor map) gives the same bits as an aligned one, through
-    Triton's path and the launch plan."""
+    """lse_smem (lse and delta from (batch * nheads, seqlen_q) tensor maps, rows past
+    seqlen_q, zeros from the map, masked in the consumers): empty rows (bottom-right
+    causal, seqlen_q > seqlen_k) get zero dq, never NaN; the GQA head split; an lse
+    handed over at an address that is not 16-byte aligned (copied for the tensor map)
+    gives the same bits as an aligned one, through Triton's path and the launch plan."""
     from flashtile.ops import _launch, fwd
 
     monkeypatch.setenv("FLASHTILE_HOPPER_BWD_OPTS", "lse_smem,dq_tma")
     monkeypatch.setattr(bwd_hopper, "head_split", lambda group, programs, sms: split)
     _launch.clear()
     try:
-        q, k, v, dout = _inputs(2, 301, 100, 4, 2, head_dim, torch.bfloat16)
+        q, k, v, dout = _inputs(2, 300, 100, 4, 2, head_dim, torch.bfloat16)
         scale = head_dim ** -0.5
-        out, lse = fwd.attn_fwd(q, k, v, **_kw(True, 100 - 301, scale))
-        grads = bwd_hopper.backward(dout, q, k, v, out, lse, None, scale, 100 - 301, True)
-        assert (grads[0][:, :201] == 0).all()
-        _check(grads, q, k, v, dout, True, 100 - 301, scale)
+        out, lse = fwd.attn_fwd(q, k, v, **_kw(True, 100 - 300, scale))
+        grads = bwd_hopper.backward(dout, q, k, v, out, lse, None, scale, 100 - 300, True)
+        assert (grads[0][:, :200] == 0).all()
+        _check(grads, q, k, v, dout, True, 100 - 300, scale)
         shifted = torch.empty(lse.numel() + 1, device="cuda")[1:].view(lse.shape)
         shifted.copy_(lse)
         assert shifted.data_ptr() % 16 != 0
         for _ in range(2):  # Triton's path (a new layout key), then its plan
-            again = bwd_hopper.backward(dout, q, k, v, out, shifted, None, scale, 100 - 301,
+            again = bwd_hopper.backward(dout, q, k, v, out, shifted, None, scale, 100 - 300,
                                         True)
             assert torch.equal(again[1], grads[1]) and torch.equal(again[2], grads[2])
-            _check(again, q, k, v, dout, True, 100 - 301, scale)
+            _check(again, q, k, v, dout, True, 100 - 300, scale)
     finally:
         _launch.clear()
 
@@ -296,23 +295,27 @@ def _backward_twice(env, head_dim, causal, diag_offset, monkeypatch,
 @pytest.mark.parametrize("opts", OPTS)
 @on_hopper
 def test_options_match_float64_reference(opts, head_dim, mask, monkeypatch):
-    """GQA, seqlen_q (333) off the 64-row blocks: the atomics and reduce-adds of the
-    rows past it are dropped; seqlen_q > seqlen_k, so bottom-right causal
-    has rows that see no key; many query blocks, so the dQ hand-off (dS^T's buffer)
-    turns over many times between the two consumers."""
+    """GQA, seqlen_q (333; 332 under lse_smem, which needs a multiple of 4) off the
+    64-row blocks: the atomics and reduce-adds of the rows past it are dropped;
+    seqlen_q > seqlen_k, so bottom-right causal has rows that see no key; many query
+    blocks, so the dQ hand-off (dS^T's buffer) turns over many times between the two
+    consumers."""
     causal, align = MASKS[mask]
-    diag_offset = 300 - 333 if align == "bottom_right" else 0
+    sq = 332 if "lse_smem" in opts else 333
+    diag_offset = 300 - sq if align == "bottom_right" else 0
     _backward_twice({"FLASHTILE_HOPPER_BWD_OPTS": opts}, head_dim, causal, diag_offset,
-                    monkeypatch)
+                    monkeypatch, shape=(2, sq, 300, 4, 2))
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("opts", OPTS)
 @on_hopper
 def test_hopper_bwd_options_small(opts, head_dim, monkeypatch):
-    """The memcheck slice of the options: test_hopper_bwd_small's call."""
-    _backward_twice({"FLASHTILE_HOPPER_BWD_OPTS": opts}, head_dim, True, 45 - 77,
-                    monkeypatch, shape=(2, 77, 45, 4, 2))
+    """The memcheck slice of the options: test_hopper_bwd_small's call (76 query rows
+    under lse_smem, which needs a multiple of 4; 77 runs it as lse_ahead)."""
+    sq = 76 if "lse_smem" in opts else 77
+    _backward_twice({"FLASHTILE_HOPPER_BWD_OPTS": opts}, head_dim, True, 45 - sq,
+                    monkeypatch, shape=(2, sq, 45, 4, 2))
 
 
 # bwd_hopper256's dQ paths (its docstring): TMA reduce-adds through tiles in the block's
@@ -447,6 +450,12 @@ def test_options_knob(monkeypatch):
     # lse_smem brings lse and delta with Q and dO: lse_ahead has nothing left to do.
     flags = bwd_hopper.kernel_flags(64, False, frozenset({"lse_ahead", "lse_smem"}), 64)
     assert flags["LSE_SMEM"] and not flags["LSE_AHEAD"]
+    # ... where seqlen_q is a multiple of 4: a TMA load's innermost coordinate must fall
+    # on 16 bytes. Other lengths run lse_ahead.
+    for sq, smem in ((300, True), (301, False), (302, False), (4, True)):
+        flags = bwd_hopper.kernel_flags(64, False, frozenset({"lse_smem", "dq_tma"}), 64, sq)
+        assert (flags["LSE_SMEM"], flags["LSE_AHEAD"], flags["DQ_TMA"]) == (smem, not smem,
+                                                                           True)
     monkeypatch.setenv("FLASHTILE_HOPPER_BWD_OPTS", "lse_ahead,dq_split")
     flags = bwd_hopper.kernel_flags(64, True, configs.hopper_bwd_opts(), 128)
     assert flags["LSE_AHEAD"] and flags["DQ_SPLIT"] and not flags["SDP"]

@@ -114,6 +114,19 @@ def test_three_consumers_match_float64_reference(dtype, head_dim, block_n, stage
         fwd_hopper._SCHEDULES.clear()
 
 
+@pytest.mark.parametrize("mask", ["full", "causal"])
+@on_hopper
+def test_long_d64_takes_three_consumers(mask, schedule):
+    """Unset FLASHTILE_HOPPER_FWD_CONFIG, 16-bit d64 from 8k queries and keys runs three
+    consumers (configs.HOPPER_FWD_D64_THREE): 8200 rows (off the 192-row tiles) against
+    the float64 reference, on both grids."""
+    from flashtile.ops import configs
+
+    assert configs.hopper_fwd_config(64, False, 8200, 8200).block_m == 192
+    test_matches_float64_reference(torch.bfloat16, 64, (1, 8200, 8200, 2, 1), mask,
+                                   schedule)
+
+
 @on_hopper
 def test_strided_inputs():
     """q, k and v as views of packed qkv (head stride 3 x head_dim), a scale != 1/sqrt(d)."""
@@ -704,7 +717,10 @@ def test_schedule_switch_rejects_other_values(monkeypatch):
         assert configs.hopper_fwd_persistent(128, False)
         assert not configs.hopper_fwd_persistent(128, True)
         assert configs.hopper_fwd_persistent(64, False)
-        assert not configs.hopper_fwd_persistent(256, False)
+        # d256: persistent up to 4k queries (it lost 7% causal at 16k).
+        assert configs.hopper_fwd_persistent(256, False, 4096)
+        assert not configs.hopper_fwd_persistent(256, False, 4097)
+        assert not configs.hopper_fwd_persistent(256, True, 1024)
     monkeypatch.setenv("FLASHTILE_HOPPER_FWD_SCHEDULE", "persistent")
     assert configs.hopper_fwd_persistent(64, False) and configs.hopper_fwd_persistent(128, True)
     monkeypatch.setenv("FLASHTILE_HOPPER_FWD_SCHEDULE", "tiles")

@@ -183,9 +183,22 @@ def test_hopper_fp8_forward_three_consumers_compile_for_sm90(causal, persistent,
 
 def test_hopper_forward_config_knob(monkeypatch):
     """FLASHTILE_HOPPER_FWD_CONFIG: BLOCK_M 128, or 192 for 16-bit inputs at head_dim 64
-    only; anything else names the variable, the rule, the value and the head dim."""
+    only; anything else names the variable, the rule, the value and the head dim.
+    Unset: the table, and 192 at 16-bit d64 from 8k queries and keys."""
+    # Unset: three consumers at 16-bit d64 where both lengths reach 8k, else the table.
+    monkeypatch.delenv("FLASHTILE_HOPPER_FWD_CONFIG", raising=False)
+    three, two = configs.TileConfig(192, 128, 4, 3), configs.HOPPER_FWD_16BIT[64]
+    assert configs.hopper_fwd_config(64, False, 8192, 8192) == three
+    assert configs.hopper_fwd_config(64, False, 8192, 8191) == two
+    assert configs.hopper_fwd_config(64, False, 4096, 16384) == two
+    assert configs.hopper_fwd_config(64) == two
+    assert configs.hopper_fwd_config(64, True, 16384, 16384) == configs.HOPPER_FWD_FP8[64]
+    assert configs.hopper_fwd_config(128, False, 16384, 16384) == configs.HOPPER_FWD_16BIT[128]
     monkeypatch.setenv("FLASHTILE_HOPPER_FWD_CONFIG", "192,128,4,3")
     assert configs.hopper_fwd_config(64) == configs.TileConfig(192, 128, 4, 3)
+    monkeypatch.setenv("FLASHTILE_HOPPER_FWD_CONFIG", "128,128,4,3")  # the knob wins
+    assert configs.hopper_fwd_config(64, False, 16384, 16384) == two
+    monkeypatch.setenv("FLASHTILE_HOPPER_FWD_CONFIG", "192,128,4,3")
     for head_dim, fp8 in ((128, False), (256, False), (64, True)):
         with pytest.raises(ValueError, match=r"FLASHTILE_HOPPER_FWD_CONFIG must be "
                            r"'BLOCK_M,BLOCK_N,4,STAGES' with BLOCK_M 128 \(or 192 for "
@@ -680,8 +693,8 @@ _BWD_LSE_SMEM_STACK = {(64, False): 0, (64, True): 0, (128, False): 112, (128, T
                          ids=lambda x: str(x) if isinstance(x, int) else
                          ("causal" if x else "full"))
 def test_hopper_backward_lse_smem_compiles_for_sm90(head_dim, causal):
-    """lse_smem: lse and delta come with Q and dO (1-d TMA loads of BLOCK_M fp32 values
-    on the same mbarriers, 2 x STAGES x 256 bytes more shared memory) and each consumer
+    """lse_smem: lse and delta come with Q and dO (TMA loads of a row of BLOCK_M fp32
+    values on the same mbarriers, 2 x STAGES x 256 bytes more shared memory) and each consumer
     reads its columns from shared memory: no global load and no layout conversion in
     the walks, so three fewer warpgroup barriers (BAR.SYNC) a block than lse_ahead's
     walk; no local stores inside the walks."""
@@ -692,7 +705,9 @@ def test_hopper_backward_lse_smem_compiles_for_sm90(head_dim, causal):
     assert res["stack_bytes"] <= _BWD_LSE_SMEM_STACK[(head_dim, causal)], res
     _assert_smem_model(res, head_dim, causal, opts)  # smem_bytes counts the lse rings
     ptx = ck.asm["ptx"]
-    assert ptx.count("cp.async.bulk.tensor.1d.shared::cluster.global.mbarrier") == 2
+    # Rank-2 maps of one row: rank-1 loads stopped the GPU with an illegal instruction.
+    assert ptx.count("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier") == 2
+    assert "cp.async.bulk.tensor.1d" not in ptx
     sass = _sass(ck)
     walks = _walks(sass)
     assert len(walks) >= 2 and not any(_walk_local_stores(sass)), walks

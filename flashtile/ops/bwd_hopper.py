@@ -137,12 +137,14 @@ with it since session 17) for the GPU A/B, all compile-checked on the CPU:
   about one TMA load's latency; 3 stages (FLASHTILE_HOPPER_BWD_CONFIG=64,128,4,3) lift
   that. If 3 stages beat 2 by more than the noise, the ring is what limits pipe.
 - lse_smem (LSE_SMEM; supersedes lse_ahead): lse and delta come as FA3 brings them,
-  with Q and dO: the producer loads each block's BLOCK_M values of both by TMA (1-d
-  tensor maps over the flat (batch * nheads * seqlen_q) tensors, ``_rows_descriptor``:
-  a 3-d map would need seqlen_q * 4 bytes to be a multiple of 16) into rings beside Q's
-  and dO's, on the same mbarriers; each consumer reads the values of its own columns
-  from shared memory (8 LDS.64 a thread) while S^T (lse) or dP^T (delta) runs, and
-  masks the rows past seqlen_q (they hold the next head's values). Without it each
+  with Q and dO: the producer loads each block's BLOCK_M values of both by TMA (tensor
+  maps over the (batch * nheads, seqlen_q) tensors, ``_rows_descriptor``) into rings
+  beside Q's and dO's, on the same mbarriers; each consumer reads the values of its own
+  columns from shared memory (8 LDS.64 a thread) while S^T (lse) or dP^T (delta) runs,
+  and masks the rows past seqlen_q. A TMA load's innermost coordinate must fall on 16
+  bytes (session 20: coordinate 5 of an fp32 map stopped the H200 with an illegal
+  instruction, 0 and 8 loaded), so lse_smem needs seqlen_q a multiple of 4 (rows 16
+  bytes apart); other lengths run lse_ahead (``kernel_flags``). Without it each
   block converts both from one value a thread to S^T's column layout through shared
   memory: two warpgroup barriers (BAR.SYNC) each, delta's between dP^T's completion and
   dS, on the chain that session 15's Nsight Compute found bound by waits (37% of the
@@ -150,8 +152,9 @@ with it since session 17) for the GPU A/B, all compile-checked on the CPU:
   barriers a block gone, no global load in the walks, 2 x STAGES x BLOCK_M x 4 bytes
   more shared memory, 0 (d64) and 112-136 (d128) bytes of scalars in local memory
   stored before the walks (lse_ahead: 0 and 80-120). An lse that is not 16-byte aligned
-  is copied first (``_aligned``). Prediction (session 19, not run on a GPU): backward
-  +3-8% at d64, +1-4% at d128 over lse_ahead (forward + backward about 0.7x that).
+  is copied first (``_aligned``). Prediction (session 19): backward +3-8% at d64, +1-4%
+  at d128 over lse_ahead (forward + backward about 0.7x that); measured (session 20,
+  NOTES.md section 30, forward + backward at 1k and 4k): +3-5% at d64, +2-4% at d128.
 Tried and removed (H200, the sections of docs/benchmarks/NOTES.md):
 - FA3's dQ writer warp (the dQ owner stored dQ_partial to shared memory; a fourth
   partition, one warp beside the producer, added it to the accumulator with four-value
@@ -224,14 +227,14 @@ DQ_PIECE = gl.constexpr(64)
 
 
 @gluon.jit
-def _load_block(desc, coords, bar, smem, rows_desc, flat, rows_ring, stage,
+def _load_block(desc, coords, bar, smem, rows_desc, rows_coords, rows_ring, stage,
                 WITH_ROWS: gl.constexpr):
     """One TMA load of a Q or dO block into its ring stage, with (WITH_ROWS) the block's
-    lse or delta values from the flat position ``flat`` into stage ``stage`` of
-    ``rows_ring``, on the same mbarrier."""
+    lse or delta values at ``rows_coords`` into stage ``stage`` of ``rows_ring``, on the
+    same mbarrier."""
     if WITH_ROWS:
         mbarrier.expect(bar, desc.block_type.nbytes + rows_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(rows_desc, [flat], bar, rows_ring.index(stage))
+        tma.async_copy_global_to_shared(rows_desc, rows_coords, bar, rows_ring.index(stage))
     else:
         mbarrier.expect(bar, desc.block_type.nbytes)
     tma.async_copy_global_to_shared(desc, coords, bar, smem)
@@ -242,8 +245,8 @@ def _load_partition(args, LSE_SMEM: gl.constexpr):
     """Producer warp: K and V once (in v_smem.type.shape[0] tiles of 64 keys: one half
     per consumer here, one tile in bwd_hopper256), then Q_i and dO_i of every (query
     head h0 + [0, n_heads), query block) into the ring. LSE_SMEM: the block's lse rows
-    with Q (on q_ready) and its delta rows with dO (on do_ready), from flat
-    (batch * nheads * seqlen_q) tensor maps, into their rings (lse_smem, delta_smem;
+    with Q (on q_ready) and its delta rows with dO (on do_ready), from
+    (batch * nheads, seqlen_q) tensor maps, into their rings (lse_smem, delta_smem;
     unused otherwise)."""
     (q_desc, k_desc, v_desc, do_desc, q_smem, k_smem, v_smem, do_smem, kv_ready, q_ready,
      do_ready, qdo_empty, off_b, off_hkv, key0, h0, n_heads, m_lo, n_m, lse_desc,
@@ -266,13 +269,13 @@ def _load_partition(args, LSE_SMEM: gl.constexpr):
         # A fresh mbarrier counts as having completed the phase before its first, so the
         # first pass through the ring waits for nothing.
         mbarrier.wait(qdo_empty.index(stage), ((it // STAGES) & 1) ^ 1)
-        # LSE_SMEM: rows past seqlen_q are the next head's (or zeros past the end): the
-        # consumers mask them.
-        flat = (off_b * nheads + off_h) * seqlen_q + row0
+        # LSE_SMEM: rows past seqlen_q are zeros (out of the map): the consumers mask
+        # them.
+        rows = [off_b * nheads + off_h, row0]
         _load_block(q_desc, [off_b, row0, off_h, 0], q_ready.index(stage),
-                    q_smem.index(stage), lse_desc, flat, lse_smem, stage, LSE_SMEM)
+                    q_smem.index(stage), lse_desc, rows, lse_smem, stage, LSE_SMEM)
         _load_block(do_desc, [off_b, row0, off_h, 0], do_ready.index(stage),
-                    do_smem.index(stage), delta_desc, flat, delta_smem, stage, LSE_SMEM)
+                    do_smem.index(stage), delta_desc, rows, delta_smem, stage, LSE_SMEM)
 
 
 @gluon.jit
@@ -521,7 +524,8 @@ def _mma_partition(args, dq_smem, WG: gl.constexpr, IS_CAUSAL: gl.constexpr,
         if LSE_SMEM:
             # The block's lse landed with Q: read while S^T runs, each thread its own
             # columns (no layout conversion, so no barrier); rows past seqlen_q +inf.
-            lse2 = gl.where(o_m < seqlen_q, _base2(lse_smem.index(stage).load(
+            lse_row = lse_smem.index(stage).reshape([BLOCK_M])
+            lse2 = gl.where(o_m < seqlen_q, _base2(lse_row.load(
                 gl.SliceLayout(0, s_layout))), float("inf"))
         if PIPE:
             # dP^T behind S^T (as with SDP), then the previous block's dV and dK from
@@ -560,8 +564,9 @@ def _mma_partition(args, dq_smem, WG: gl.constexpr, IS_CAUSAL: gl.constexpr,
             dp_t = warpgroup_mma(v, b_do.permute((1, 0)), s_init, use_acc=False,
                                  is_async=True)                              # (64, M)
         if LSE_SMEM:  # delta landed with dO: read while dP^T runs; rows past seqlen_q 0
-            delta = gl.where(o_m < seqlen_q, delta_smem.index(stage).load(
-                gl.SliceLayout(0, s_layout)), 0.0)
+            delta_row = delta_smem.index(stage).reshape([BLOCK_M])
+            delta = gl.where(o_m < seqlen_q, delta_row.load(gl.SliceLayout(0, s_layout)),
+                             0.0)
         dp_t = warpgroup_mma_wait(2 if PIPE else 0, deps=(dp_t,))
         # dV's product is issued after dP^T completes, not beside it: its P^T operand
         # and accumulators held in flight through dS spilled 104-128 bytes at head_dim
@@ -834,12 +839,13 @@ def _dq_descriptor(dq_accum, rows: int) -> TensorDescriptor:
 
 def _rows_descriptor(x, rows: int) -> TensorDescriptor:
     """lse_smem: a tensor map over x (batch, nheads, seqlen_q) fp32, contiguous and
-    16-byte aligned, flattened, in boxes of ``rows`` values: one query block's lse or
-    delta from any row (a 3-d map would need seqlen_q * 4 bytes to be a multiple of 16).
-    No swizzle: a box is one row of ``rows`` values that the consumers read by column."""
-    flat = x.view(-1)
-    return TensorDescriptor(flat, [flat.numel()], [1], [rows], gl.NVMMASharedLayout(
-        swizzle_byte_width=0, element_bitwidth=32, rank=1))
+    16-byte aligned, seqlen_q a multiple of 4, as (batch * nheads, seqlen_q), in boxes
+    of one row of ``rows`` values: a query block's lse or delta. No swizzle: the
+    consumers read the row by column."""
+    b, h, sq = x.shape
+    return TensorDescriptor(x.view(b * h, sq), [b * h, sq], [sq, 1], [1, rows],
+                            gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32,
+                                                 rank=2))
 
 
 def dq_tile_rows(flags: dict, block_m: int) -> int:
@@ -848,9 +854,11 @@ def dq_tile_rows(flags: dict, block_m: int) -> int:
     return BLOCK_N_WG.value if flags.get("DQ_SPLIT") and block_m == 128 else block_m
 
 
-def kernel_flags(head_dim: int, causal: bool, opts: frozenset[str], block_m: int) -> dict:
+def kernel_flags(head_dim: int, causal: bool, opts: frozenset[str], block_m: int,
+                 seqlen_q: int = 0) -> dict:
     """The kernel's constexpr switches (but STAGES) for FLASHTILE_HOPPER_BWD_OPTS
-    ``opts`` (``configs.hopper_bwd_opts()``) at BLOCK_M ``block_m``. bwd_hopper256's
+    ``opts`` (``configs.hopper_bwd_opts()``) at BLOCK_M ``block_m``; lse_smem runs as
+    lse_ahead where ``seqlen_q`` is not a multiple of 4 (the module docstring). bwd_hopper256's
     kernel (head_dim 256) takes dq_tma alone (its docstring): the other options change a
     schedule it does not have, and the default's lse_ahead is passed over there."""
     if head_dim == 256:
@@ -872,6 +880,8 @@ def kernel_flags(head_dim: int, causal: bool, opts: frozenset[str], block_m: int
                          "(ptxas serializes every wgmma and spills), got head_dim "
                          f"{head_dim}, BLOCK_M {block_m}")
     # lse_smem brings lse and delta with Q and dO: lse_ahead's loads have nothing to do.
+    if "lse_smem" in opts and seqlen_q % 4:
+        opts = opts - {"lse_smem"} | {"lse_ahead"}
     lse_smem = "lse_smem" in opts
     return dict(IS_CAUSAL=causal, SDP="sdp" in opts,
                 LSE_AHEAD="lse_ahead" in opts and not lse_smem,
@@ -987,14 +997,14 @@ def backward(dout, q, k, v, out, lse, dlse, softmax_scale, diag_offset, causal):
                 lse_arg, delta_arg = lse.data_ptr(), delta.data_ptr()
             else:  # lse_smem: the flat tensor maps (lse's alignment is in the key)
                 lse = _aligned(lse)
-                lse_arg, delta_arg = (fwd_hopper._rebased(rows_box, x.view(-1))
+                lse_arg, delta_arg = (fwd_hopper._rebased(rows_box, x.view(-1, sq))
                                       for x in (lse, delta))
             main((*map(fwd_hopper._rebased, boxes, (q, k, v, dout, dk_shares, dv_shares)),
                   lse_arg, delta_arg, dq_arg, softmax_scale))
             convert((dq_accum.data_ptr(), dq.data_ptr(), softmax_scale))
             return dq, *_summed(dk_shares, dv_shares, split)
     cfg = configs.hopper_bwd_config(d)
-    flags = kernel_flags(d, causal, configs.hopper_bwd_opts(), cfg.block_m)
+    flags = kernel_flags(d, causal, configs.hopper_bwd_opts(), cfg.block_m, sq)
     if d != 256:  # bwd_hopper256's tiles are fixed and fit (configs.HOPPER_BWD_D256)
         check_fits(d, cfg, flags)
     dq_accum = accumulator()

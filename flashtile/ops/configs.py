@@ -323,6 +323,13 @@ HOPPER_FWD_16BIT = {
     64: TileConfig(128, 128, 4, 3), 128: TileConfig(128, 128, 4, 2),
     256: TileConfig(128, 64, 4, 2),
 }
+# d64 with three consumer warpgroups (BLOCK_M 192, FA3's tile there) where both lengths
+# reach HOPPER_FWD_THREE_MIN_SEQLEN. On the H200 (session 20, NOTES.md section 30,
+# beside two consumers in one run) it ran full attention +11% at 8k and +5% at 16k,
+# causal +3% and +8%; at 1k and 4k it lost (causal -21% and -11%: 192-row tiles leave
+# ragged, unbalanced grids), full +3% at 4k.
+HOPPER_FWD_D64_THREE = TileConfig(192, 128, 4, 3)
+HOPPER_FWD_THREE_MIN_SEQLEN = 8192
 
 
 # FP8 (e4m3/e5m2) in the same kernel: half the bytes per K/V tile, and O gets a 16-bit
@@ -380,37 +387,49 @@ def _env_choice(name: str, choices: tuple) -> str:
 
 
 HOPPER_FWD_SCHEDULE = ("auto", "tiles", "persistent")
-# auto's persistent grid: the 16-bit head dims where it was timed ahead of "tiles".
+# auto's persistent grid: the 16-bit head dims where it was timed ahead of "tiles", and
+# d256 up to HOPPER_FWD_PERSISTENT_D256_MAX_SEQLEN queries.
 HOPPER_FWD_PERSISTENT_AUTO_D = (64, 128)
+HOPPER_FWD_PERSISTENT_D256_MAX_SEQLEN = 4096
 
 
-def hopper_fwd_persistent(head_dim: int, fp8: bool) -> bool:
+def hopper_fwd_persistent(head_dim: int, fp8: bool, seqlen_q: int = 0) -> bool:
     """FLASHTILE_HOPPER_FWD_SCHEDULE: how the Gluon forward's grid covers the (query
     tile, batch-head) tiles. "tiles": one program a tile, causal tiles longest first;
     "persistent": one program per SM looping over tiles (FA3), causal ones longest first
     within groups of heads whose K and V fit L2, the next tile's Q, K and V loading while
     the consumers finish the current one. "auto" (the default): persistent for 16-bit
-    inputs at HOPPER_FWD_PERSISTENT_AUTO_D, tiles otherwise. On the H200 (session 12,
+    inputs at HOPPER_FWD_PERSISTENT_AUTO_D, and at d256 up to
+    HOPPER_FWD_PERSISTENT_D256_MAX_SEQLEN queries, tiles otherwise. On the H200 (session 12,
     NOTES.md section 22, d128) persistent ran bf16 at 1.11-1.15x tiles at 1k, 1.07x
     causal at 4k, level at 16k, and FP8 full attention 3% slower from 4k; at d64
     (session 13, section 23) persistent ran 1.04-1.21x the portable kernel, which tiles
-    had only matched; d256 was not timed. Its first call per geometry copies a tile
+    had only matched; at d256 (session 20, section 30) causal +5% at 1k and +8% at 4k,
+    full +2% and +4%, but causal -7% at 16k. Its first call per geometry copies a tile
     list to the device, which a CUDA-graph capture cannot do: such a call takes the
     tiles grid (``fwd_hopper._persistent_schedule``). Read when a launch plan is made."""
     mode = _env_choice("FLASHTILE_HOPPER_FWD_SCHEDULE", HOPPER_FWD_SCHEDULE)
     if mode == "auto":
-        return not fp8 and head_dim in HOPPER_FWD_PERSISTENT_AUTO_D
+        return not fp8 and (head_dim in HOPPER_FWD_PERSISTENT_AUTO_D or (
+            head_dim == 256 and seqlen_q <= HOPPER_FWD_PERSISTENT_D256_MAX_SEQLEN))
     return mode == "persistent"
 
 
-def hopper_fwd_config(head_dim: int, fp8: bool = False) -> TileConfig:
-    """HOPPER_FWD_16BIT[head_dim] (HOPPER_FWD_FP8 for FP8 inputs), or
+def hopper_fwd_config(head_dim: int, fp8: bool = False, seqlen_q: int = 0,
+                      seqlen_k: int = 0) -> TileConfig:
+    """HOPPER_FWD_16BIT[head_dim] (HOPPER_FWD_FP8 for FP8 inputs; HOPPER_FWD_D64_THREE
+    at 16-bit d64 where ``seqlen_q`` and ``seqlen_k`` reach
+    HOPPER_FWD_THREE_MIN_SEQLEN), or
     FLASHTILE_HOPPER_FWD_CONFIG="BLOCK_M,BLOCK_N,4,STAGES" for sweeps: BLOCK_M is 64
     rows per consumer warpgroup, 128 (two) or 192 (three, each with 160 registers:
     16-bit at head_dim 64, FA3's tile there, and at 128 with at most 64 keys a block,
     since 128 keys spill; FP8 at head_dim 128 with P V summed in the wgmma); num_warps
     is the default partition's warpgroup."""
-    cfg = _from_env("hopper_fwd") or (HOPPER_FWD_FP8 if fp8 else HOPPER_FWD_16BIT)[head_dim]
+    cfg = _from_env("hopper_fwd")
+    if cfg is None and not fp8 and head_dim == 64 \
+            and min(seqlen_q, seqlen_k) >= HOPPER_FWD_THREE_MIN_SEQLEN:
+        cfg = HOPPER_FWD_D64_THREE
+    cfg = cfg or (HOPPER_FWD_FP8 if fp8 else HOPPER_FWD_16BIT)[head_dim]
     if fp8:  # S 64 and O 64 registers: P V summed in the wgmma, no second O
         three = head_dim == 128 and cfg.block_n <= 128 \
             and not hopper_fwd_fp8_pv_per_tile(head_dim)

@@ -32,7 +32,10 @@ forward's schedulers with no eligible warp 56% of the cycles: a third consumer b
 four more warps, and each softmax runs under two other consumers' products instead of
 one. The sm_90 compile: no spills (tiles grid; the
 persistent one keeps one 4-byte tile-loop scalar in local memory, outside the walks);
-the two-consumer SASS is unchanged by it. Not run on a GPU yet (stage fwd-3wg).
+the two-consumer SASS is unchanged by it. On the H200 (session 20, NOTES.md section
+30) d64 gained from 8k tokens a sequence (+3-11%) and lost at 1k-4k causal, so auto
+takes it at d64 from 8k (``configs.hopper_fwd_config``); d128 with 64 keys lost 2-17%
+and FP8 (864 TFLOP/s at 16k) stayed below BLOCK_N 256 (876): opt-in there.
 The grid (FLASHTILE_HOPPER_FWD_SCHEDULE, ``configs.hopper_fwd_persistent``):
 - "tiles": one program per (query tile, batch * nheads), causal query
   tiles longest first; the hardware hands out the programs, each with its own prologue
@@ -755,7 +758,7 @@ def forward(q, k, v, softmax_scale, diag_offset, causal, q_descale=None, k_desca
     descales = (q_descale, k_descale, v_descale)
     scales = tuple(lse if x is None else x for x in descales)
     p_smem = fp8 and configs.hopper_fwd_fp8_p_smem()
-    persistent = configs.hopper_fwd_persistent(d, fp8)
+    persistent = configs.hopper_fwd_persistent(d, fp8, sq)
     schedule = lse  # the tiles grid reads no schedule (lse's address stands in)
     if persistent:
         schedule = _persistent_schedule(q, k, causal, diag_offset)
@@ -777,7 +780,7 @@ def forward(q, k, v, softmax_scale, diag_offset, causal, q_descale=None, k_desca
             tensors = (q, k, _keys_contiguous_t(v) if fp8 else v, out)
             plan((*map(_rebased, boxes, tensors), lse, *scales, softmax_scale, schedule))
             return out, lse
-    cfg = configs.hopper_fwd_config(d, fp8=fp8)
+    cfg = configs.hopper_fwd_config(d, fp8, sq, sk)
     flags = dict(IS_CAUSAL=causal, STAGES=cfg.num_stages,
                  HAS_Q_DESCALE=q_descale is not None, HAS_K_DESCALE=k_descale is not None,
                  HAS_V_DESCALE=v_descale is not None,
@@ -856,7 +859,7 @@ def _persistent_schedule(q, k, causal, diag_offset) -> Optional[torch.Tensor]:
     persistent one)."""
     b, sq, h, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
-    cfg = configs.hopper_fwd_config(d, fp8=q.element_size() == 1)
+    cfg = configs.hopper_fwd_config(d, q.element_size() == 1, sq, sk)
     key = (q.device, sq, sk, d, q.element_size(), b * h, h // hkv,
            diag_offset if causal else None, cfg.block_m, cfg.block_n)
     table = _SCHEDULES.get(key)
