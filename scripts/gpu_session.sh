@@ -26,10 +26,6 @@
 #                kernels, then logits, sampling and copies; host and device time): 0.5B
 #                at batch 1 and 256, 1B at 256, 8B at 1 and 32; then the decode kernel
 #                alone at the engine's shapes (bench.decode --engine)     (~4 min)
-#   engine-decode-sweep  the decode kernel at the engine's shapes (0.5B, 1B, 8B; batch 1,
-#                16, 64, 256 and the 8B's 32 over 1k keys, pages of 64) over tiles and
-#                split counts, then the launcher's choice against the fastest a shape
-#                (bench.decode --sweep-engine)                              (~3-4 min)
 #   engine-fused the engine's elementwise Triton kernels (RMSNorm, SiLU-and-multiply,
 #                rotary + cache write): their GPU tests and the engine's, their memcheck
 #                slice, then the 0.5B decode-step bench (batches 1 and 256, a prompt step
@@ -426,18 +422,6 @@ r(heads=($heads,))" 2>&1 | grep "^{" | sed "s/^/$heads heads, $tile: /" ) \
     stamp engine-decode-rows
     timeout 75 python3 -m flashtile.bench.decode --engine "$OUT/decode-engine.json" 2>&1 \
       | grep "^|\|^#" | tee "$OUT/decode-engine.txt"
-    stamp done
-    ;;
-  engine-decode-sweep)
-    # The decode tiles and split counts for the engine's shapes: 0.5B batch 256's decode
-    # is 46% of that forward at ~80% of the copy bandwidth (session 16), where the 1B's
-    # batch 256 is at 99%. A line a cell (us, GB/s, % of 4,240 GB/s), a summary row a
-    # shape as it ends, the table at the end; the json is rewritten after each shape,
-    # so the limit loses only the shapes not reached (the least useful come last).
-    stamp engine-decode-sweep
-    timeout 230 python3 -m flashtile.bench.decode --sweep-engine \
-      "$OUT/decode-sweep-engine.json" 2>&1 | grep -v -i warn \
-      | tee "$OUT/decode-sweep-engine.txt" | grep "^|\|^#"
     stamp done
     ;;
   engine-fused)

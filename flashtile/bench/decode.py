@@ -17,9 +17,9 @@ one copy (what tables before 2026-11-29's session 6 show).
 A second table times the engine's decode calls (``run_engine_decode_rows``: flashtile
 paged at the engine's page size, the 0.5B, 1B and 8B shapes' heads at batch 1 and 256
 over 1k keys) with the tile and split count the launcher picks;
-``python3 -m flashtile.bench.decode --engine`` runs it alone. ``--sweep-engine``
-(``sweep_engine_decode``) times those calls over tile candidates and split counts at the
-batches the engine meets, the launcher's choice against the fastest per shape.
+``python3 -m flashtile.bench.decode --engine`` runs it alone. (A sweep of those calls
+over tiles and split counts, session 19, found the launcher's choice within 7% of the
+fastest cell at every engine shape and was removed: docs/benchmarks/NOTES.md section 29.)
 """
 
 from __future__ import annotations
@@ -233,11 +233,9 @@ ENGINE_BATCHES = ((1, 1024), (256, 1024))
 ENGINE_PAGE = 64
 
 
-def _decode_launch(q, k_cache, v_cache, block_table, num_splits=0, num_sms=None):
-    """(tile, programs, splits) of a paged decode launch as attn_decode plans it with
-    num_splits (0: the split heuristic; the tile's rows are query heads per KV head, GQA
-    packing) on num_sms SMs (None: q's device's). Tensors on the meta device give the
-    plan of a GPU without one (num_sms given)."""
+def _decode_launch(q, k_cache, v_cache, block_table):
+    """(tile, programs, splits) of a paged decode launch as attn_decode plans it (the
+    split heuristic; the tile's rows are query heads per KV head, GQA packing)."""
     from flashtile.ops import configs
     from flashtile.ops import decode as ops
 
@@ -245,7 +243,7 @@ def _decode_launch(q, k_cache, v_cache, block_table, num_splits=0, num_sms=None)
     cfg = ops._tile(q, k_cache, v_cache, False)
     work = q.shape[0] * hkv * ops._row_programs(q, hkv, cfg)
     splits = ops.split_plan(work, block_table.shape[1] * k_cache.shape[1], cfg.block_n,
-                            k_cache.shape[1], num_splits, num_sms or ops._num_sms(q), False,
+                            k_cache.shape[1], 0, ops._num_sms(q), False,
                             configs.decode_programs_per_sm(d, cfg))[0]
     if splits == 1:
         cfg = ops._tile(q, k_cache, v_cache, False, split=False)
@@ -367,253 +365,6 @@ def sweep_decode_tiles(shapes=((1, 8192), (8, 32768)),
     return results
 
 
-# ---- The engine's decode tiles and split counts (--sweep-engine) ----
-
-# ENGINE_SHAPES' models at the batches the engine meets over 1k keys (`bench throughput
-# --decode-step`) and the 8B's batch 32 (issue 14's step), in the order they matter: the
-# 0.5B's batch 256 first (its decode, 46% of that forward, at ~80% of the copy
-# bandwidth), so that a time limit cuts the least useful rows.
-ENGINE_SWEEP_SHAPES = (("qwen2.5-0.5b", 256), ("llama-3-8b", 32), ("llama-3.2-1b", 64),
-                       ("llama-3-8b", 64), ("llama-3.2-1b", 256), ("llama-3-8b", 256),
-                       ("qwen2.5-0.5b", 64), ("qwen2.5-0.5b", 16), ("llama-3.2-1b", 16),
-                       ("llama-3-8b", 16), ("qwen2.5-0.5b", 1), ("llama-3.2-1b", 1),
-                       ("llama-3-8b", 1))
-ENGINE_SWEEP_KEYS = 1024
-# Tile candidates (block_n, warps, stages; block_m is the rule's, 16 rows for 7 or 4
-# query heads a KV head) by head dim, timed at the heuristic's split count. sm_90 builds
-# of the engine's unsplit variant (tests/aot.py; bf16, pages of 64, causal), registers /
-# shared KB / instructions a thread in the key loop:
-# d64: 64,2,3 166/36/576; 64,2,4 161/52/601; 64,4,2 80/20/354; 64,4,3 72/36/375;
-#   64,4,4 (the rule's) 72/52/376; 64,4,5 72/68/377; 64,8,3 59/36/261; 64,8,4 57/52/262;
-#   64,8,5 57/68/262; 128,4,2 102/38/612; 128,4,3 125/70/623; 128,4,4 121/102/624;
-#   128,8,2 110/38/371; 128,8,3 109/70/386; 128,8,4 112/102/388. No spills. Left out:
-#   2 warps over 128 keys (168-219 registers, 1,130 instructions a tile) and 64,2,5.
-# d128: 64,4,2 155/38/491; 64,4,3 127/70/503; 64,4,4 (the rule's) 127/102/505; 64,4,5
-#   127/134/525; 64,8,3 100/70/326; 64,8,4 100/102/328; 64,8,5 100/134/330; 128,4,2
-#   128/72/882; 128,8,2 79/72/542; 128,8,3 79/136/557. Left out: 2 warps (187-255
-#   registers) and 128-key tiles past 3 stages (200 KB and more: one program an SM).
-ENGINE_SWEEP_TILES = {
-    64: ((64, 2, 3), (64, 2, 4), (64, 4, 2), (64, 4, 3), (64, 4, 4), (64, 4, 5),
-         (64, 8, 3), (64, 8, 4), (64, 8, 5), (128, 4, 2), (128, 4, 3), (128, 4, 4),
-         (128, 8, 2), (128, 8, 3), (128, 8, 4)),
-    128: ((64, 4, 2), (64, 4, 3), (64, 4, 4), (64, 4, 5), (64, 8, 3), (64, 8, 4),
-          (64, 8, 5), (128, 4, 2), (128, 8, 2), (128, 8, 3)),
-}
-# Tiles also timed at other split counts: every split count whose split spans another
-# power of two of pages (SPLIT_PAGES 2, 4, 8 at 1k keys) is a variant of its own to
-# compile, so only these four, the rule's split tile (64,4,3) first. Split counts where
-# the heuristic splits (small batches), and 2 where an unsplit grid is under one wave
-# of ENGINE_SWEEP_WAVE programs an SM (a split doubles the programs).
-ENGINE_SWEEP_SPLIT_TILES = ((64, 4, 3), (64, 8, 3), (128, 4, 2), (128, 8, 2))
-ENGINE_SWEEP_SPLITS = (0, 1, 2, 3, 4, 8)
-ENGINE_SWEEP_WAVE = 4  # the rule's d64 tile: 53 KB of shared memory, 4 programs an SM
-
-
-def engine_sweep_plan(num_sms, shapes=ENGINE_SWEEP_SHAPES, seqlen_k=ENGINE_SWEEP_KEYS,
-                      tiles=ENGINE_SWEEP_TILES, split_tiles=ENGINE_SWEEP_SPLIT_TILES,
-                      splits=ENGINE_SWEEP_SPLITS, models=ENGINE_SHAPES):
-    """The engine sweep's cells as attn_decode would launch them on num_sms SMs (worked
-    out on the meta device, no GPU), and the kernel variants they compile.
-
-    Returns (plan, variants): plan is [(model, h, hkv, d, batch, cells)], cells a list of
-    dicts (tile: the candidate (block_n, warps, stages) or None for the launcher's own,
-    num_splits asked, cfg: the TileConfig launched, splits: the split count launched,
-    programs: the decode grid), the launcher's own first, a cell launching what an
-    earlier one does left out; variants is the set of decode variants ((head dim, tile,
-    SPLIT_PAGES): what Triton compiles apart here) and combine variants (head dim,
-    its BLOCK_S)."""
-    from flashtile.ops import configs
-    from flashtile.ops import decode as ops
-
-    heads = {m: (h, hkv, d) for m, h, hkv, d in models}
-    pages = seqlen_k // ENGINE_PAGE
-    plan, variants = [], set()
-    try:
-        for model, batch in shapes:
-            h, hkv, d = heads[model]
-            q = torch.empty(batch, 1, h, d, device="meta", dtype=torch.bfloat16)
-            pool = torch.empty(batch * pages, ENGINE_PAGE, hkv, d, device="meta",
-                               dtype=q.dtype)
-            table = torch.empty(batch, pages, device="meta", dtype=torch.int32)
-
-            def launch(tile, n):
-                configs.set_override("decode", None)
-                if tile is not None:
-                    block_m = ops._tile(q, pool, pool, False).block_m
-                    configs.set_override("decode", configs.TileConfig(block_m, *tile))
-                cfg, programs, s = _decode_launch(q, pool, pool, table, n, num_sms)
-                return dict(tile=tile, num_splits=n, cfg=cfg, splits=s, programs=programs)
-
-            default = launch(None, 0)
-            asked = [(tile, 0) for tile in tiles[d]] if default["splits"] == 1 else []
-            if default["splits"] > 1 or default["programs"] < ENGINE_SWEEP_WAVE * num_sms:
-                more = splits if default["splits"] > 1 else (2,)
-                asked += [(tile, n) for tile in split_tiles for n in more]
-            cells, seen = [default], {(default["cfg"], default["splits"])}
-            for tile, n in asked:
-                cell = launch(tile, n)
-                if (cell["cfg"], cell["splits"]) not in seen:
-                    seen.add((cell["cfg"], cell["splits"]))
-                    cells.append(cell)
-            for c in cells:
-                split_pages = ops.split_plan(1, seqlen_k, c["cfg"].block_n, ENGINE_PAGE,
-                                             c["splits"], 1, False)[2]
-                variants.add(("decode", d, c["cfg"], split_pages))
-                if c["splits"] > 1:
-                    variants.add(("combine", d, configs.next_power_of_2(c["splits"])))
-            plan.append((model, h, hkv, d, batch, cells))
-    finally:
-        configs.set_override("decode", None)
-    return plan, variants
-
-
-def _tile_label(cfg) -> str:
-    return f"{cfg.block_m}x{cfg.block_n},{cfg.num_warps},{cfg.num_stages}"
-
-
-def sweep_engine_decode(shapes=ENGINE_SWEEP_SHAPES, seqlen_k=ENGINE_SWEEP_KEYS,
-                        device="cuda", rep=20, copy_gbps=None, bench=None,
-                        copies=None, num_sms=None, rounds=3, on_shape=None, **grid):
-    """flashtile's paged decode as the engine calls it (flash_attn_with_kvcache over a
-    pool of 64-key pages in random order, causal) at the engine's shapes, over tile
-    candidates and split counts (engine_sweep_plan; grid: its tiles, split_tiles,
-    splits), each cell a CUDA graph over cold input copies (cache_copies) as the decode
-    table times them, its output checked against attention_naive first. Then each
-    shape's default and fastest cells again, in turn, rounds times (the fastest of many
-    noisy cells is biased up): their medians make the summary.
-
-    bench: fn -> ms of one call (None: do_bench_cudagraph with rep ms); copies: the
-    input copies of every shape (None: cache_copies'); num_sms: the SMs the launcher
-    plans for (None: the device's); copy_gbps: the yardstick of the % columns (None: the
-    device's copy bandwidth, measured now); on_shape: called with (rows, summary) after
-    each shape (to save what is done before a time limit ends the run). Prints a line per
-    cell and per shape; returns (rows, summary): rows one dict per cell (error: why a
-    cell did not run), summary one per shape."""
-    import time
-
-    import triton
-
-    from flashtile.ops import configs
-    from flashtile.reference import attention_naive
-
-    if bench is None:
-        def bench(fn):
-            return triton.testing.do_bench_cudagraph(fn, rep=rep, return_mode="median")
-    if num_sms is None:
-        num_sms = torch.cuda.get_device_properties(device).multi_processor_count
-    if copy_gbps is None:
-        from flashtile.bench.machine import ceilings
-
-        copy_gbps = ceilings(torch.device(device))[0]["copy_bytes_per_s"] / 1e9
-    plan, variants = engine_sweep_plan(num_sms, shapes, seqlen_k, **grid)
-    print(f"# engine decode sweep: {sum(len(p[-1]) for p in plan)} cells, "
-          f"{len(variants)} kernel variants to compile", flush=True)
-    rows, summary = [], []
-    start = time.time()
-    try:
-        for model, h, hkv, d, batch, cells in plan:
-            nbytes = kv_bytes(batch, seqlen_k, 2, hkv, d)
-            n_copies = copies or cache_copies(batch, seqlen_k, device, 2, hkv, d)
-            inputs = []
-            for i in range(n_copies):
-                q, k, v, seqlens = _decode_inputs(batch, seqlen_k, device, h, hkv, d)
-                inputs.append((q, seqlens, _paged_pool(k, v, ENGINE_PAGE)))
-                if i == 0:
-                    ref = attention_naive(q, k, v)[0]
-                del k, v
-
-            def calls(cell):
-                """The cell's call over each input copy, its tile in force (a launch
-                plan keeps the tile it was made with: set_override drops them)."""
-                configs.set_override("decode", cell["cfg"] if cell["tile"] else None)
-                return [_kvcache_fn(q, seqlens, *pool, num_splits=cell["num_splits"],
-                                    causal=True) for q, seqlens, pool in inputs]
-
-            def ms_per_call(cell):
-                fns = calls(cell)
-                return bench(in_turn(fns)) / len(fns)
-
-            shape = dict(model=model, heads=h, kv_heads=hkv, head_dim=d, batch=batch,
-                         seqlen_k=seqlen_k)
-            timed = []
-            for cell in cells:
-                row = dict(shape, copies=n_copies, default=cell["tile"] is None,
-                           tile=_tile_label(cell["cfg"]), num_splits=cell["num_splits"],
-                           splits=cell["splits"], programs=cell["programs"])
-                try:
-                    err = (calls(cell)[0]().double() - ref).abs().max().item()
-                    if not err < 2e-2:
-                        raise RuntimeError(f"wrong result, max error {err:.3g}")
-                    ms = ms_per_call(cell)
-                    row.update(us=round(ms * 1e3, 2), gbps=round(nbytes / ms / 1e6),
-                               pct=round(100 * nbytes / ms / 1e6 / copy_gbps, 1))
-                    timed.append((cell, row))
-                    text = (f"{row['us']:.1f} us {row['gbps']} GB/s "
-                            f"({row['pct']:.0f}% of copy)")
-                except Exception as e:  # a tile that cannot run here: say why, go on
-                    row["error"] = f"{type(e).__name__}: {str(e)[:80]}"
-                    text = row["error"]
-                rows.append(row)
-                print(f"engine sweep {model} b={batch} d={d} tile={row['tile']}"
-                      f"{' (default)' if row['default'] else ''} splits={row['num_splits']}"
-                      f"->{row['splits']} programs={row['programs']}: {text}", flush=True)
-            summary.append(dict(shape, **_confirm_best(timed, ms_per_call, rounds, nbytes,
-                                                       copy_gbps)))
-            print(engine_sweep_markdown(summary[-1:], copy_gbps).splitlines()[-1]
-                  + f" {time.time() - start:.0f} s", flush=True)
-            if on_shape is not None:
-                on_shape(rows, summary)
-            del inputs, ref
-            if torch.device(device).type == "cuda":
-                torch.cuda.empty_cache()
-    finally:
-        configs.set_override("decode", None)
-    return rows, summary
-
-
-def _confirm_best(timed, ms_per_call, rounds, nbytes, copy_gbps):
-    """A shape's default cell and its fastest ((cell, row) pairs, the default first if
-    it ran) timed again in turn, rounds times: each one's tile, split count, median us,
-    GB/s and share of copy_gbps, and default time over best time."""
-    if not timed or not timed[0][1]["default"]:
-        return dict(error="the default did not run")
-    pair = [timed[0], max(timed, key=lambda t: t[1]["gbps"])]
-    if pair[1] is pair[0]:
-        pair.pop()
-    times = [[] for _ in pair]
-    for _round in range(rounds):
-        for i, (cell, _row) in enumerate(pair):
-            times[i].append(ms_per_call(cell))
-    out = {}
-    for name, (_cell, row), ms in zip(("default", "best"), pair, times):
-        gbps = nbytes / median(ms) / 1e6
-        out[name] = dict(tile=row["tile"], splits=row["splits"],
-                         us=round(median(ms) * 1e3, 2), gbps=round(gbps),
-                         pct=round(100 * gbps / copy_gbps, 1))
-    out.setdefault("best", out["default"])
-    return dict(out, ratio=round(out["default"]["us"] / out["best"]["us"], 3))
-
-
-def engine_sweep_markdown(summary, copy_gbps):
-    """One row per shape: the launcher's tile and split count, the fastest cell's, each
-    one's GB/s and share of copy_gbps, and default time over best time (> 1: the best
-    is faster)."""
-    lines = [f"| model | heads / KV heads, d | batch | default tile (splits) "
-             f"| default GB/s (% of {copy_gbps:,.0f}) | best tile (splits) | best GB/s "
-             f"| default / best time |", "|---" * 8 + "|"]
-    for s in summary:
-        shape = (f"| {s['model']} | {s['heads']} / {s['kv_heads']}, {s['head_dim']} "
-                 f"| {s['batch']} |")
-        if "error" in s:
-            lines.append(f"{shape} {s['error']} | | | | |")
-            continue
-        a, b = s["default"], s["best"]
-        lines.append(f"{shape} {a['tile']} ({a['splits']}) | {a['gbps']} ({a['pct']:.0f}%) "
-                     f"| {b['tile']} ({b['splits']}) | {b['gbps']} ({b['pct']:.0f}%) "
-                     f"| {s['ratio']:.3f} |")
-    return "\n".join(lines)
-
-
 # Absorbed MLA decode (DeepSeek-V3): query heads over one latent KV head of 576 dims (512
 # latent + 64 rope), values the first 512 of the same rows; pages of 64 keys. 128 heads is
 # the model's, 16 one GPU's share under 8-way tensor parallelism.
@@ -733,20 +484,6 @@ if __name__ == "__main__":
                   f"| {r['tflops']} TFLOP/s |")
         sys.exit(0)
     json_out = [a for a in sys.argv[1:] if a.endswith(".json")]
-    if "--sweep-engine" in sys.argv:
-        # The engine's shapes over decode tiles and split counts (engine_sweep_plan),
-        # then a row a shape: the launcher's choice against the fastest cell. The json
-        # is rewritten after each shape.
-        def save_sweep(rows, summary):
-            if json_out:
-                with open(json_out[0], "w") as f:
-                    json.dump(dict(copy_gbps=copy, engine_sweep=rows,
-                                   engine_sweep_summary=summary), f, indent=1)
-
-        print(engine_sweep_markdown(
-            sweep_engine_decode(copy_gbps=copy, on_shape=save_sweep)[1], copy))
-        sys.exit(0)
-
     def save(**tables):
         if json_out:
             with open(json_out[0], "w") as f:
