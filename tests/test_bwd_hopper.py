@@ -452,7 +452,7 @@ def test_options_knob(monkeypatch):
     assert flags["LSE_SMEM"] and not flags["LSE_AHEAD"]
     # ... where seqlen_q is a multiple of 4: a TMA load's innermost coordinate must fall
     # on 16 bytes. Other lengths run lse_ahead.
-    for sq, smem in ((300, True), (301, False), (302, False), (4, True)):
+    for sq, smem in ((300, True), (301, False), (302, False), (64, True), (60, False)):
         flags = bwd_hopper.kernel_flags(64, False, frozenset({"lse_smem", "dq_tma"}), 64, sq)
         assert (flags["LSE_SMEM"], flags["LSE_AHEAD"], flags["DQ_TMA"]) == (smem, not smem,
                                                                            True)

@@ -144,9 +144,9 @@ with it since session 17) for the GPU A/B, all compile-checked on the CPU:
   and masks the rows past seqlen_q. A TMA load's innermost coordinate must fall on 16
   bytes (session 20: coordinate 5 of an fp32 map stopped the H200 with an illegal
   instruction, 0 and 8 loaded), so lse_smem needs seqlen_q a multiple of 4 (rows 16
-  bytes apart); other lengths run lse_ahead (``kernel_flags``). Without it each
-  block converts both from one value a thread to S^T's column layout through shared
-  memory: two warpgroup barriers (BAR.SYNC) each, delta's between dP^T's completion and
+  bytes apart) and at least BLOCK_M; other lengths run lse_ahead (``kernel_flags``).
+  Without it each block converts both from one value a thread to S^T's column layout
+  through shared memory: two warpgroup barriers (BAR.SYNC) each, delta's between dP^T's completion and
   dS, on the chain that session 15's Nsight Compute found bound by waits (37% of the
   d128 stall samples at a barrier). The sm_90 compile: 3 of 11 (d64) and 12 (d128)
   barriers a block gone, no global load in the walks, 2 x STAGES x BLOCK_M x 4 bytes
@@ -855,12 +855,14 @@ def dq_tile_rows(flags: dict, block_m: int) -> int:
 
 
 def kernel_flags(head_dim: int, causal: bool, opts: frozenset[str], block_m: int,
-                 seqlen_q: int = 0) -> dict:
+                 seqlen_q: int | None = None) -> dict:
     """The kernel's constexpr switches (but STAGES) for FLASHTILE_HOPPER_BWD_OPTS
     ``opts`` (``configs.hopper_bwd_opts()``) at BLOCK_M ``block_m``; lse_smem runs as
-    lse_ahead where ``seqlen_q`` is not a multiple of 4 (the module docstring). bwd_hopper256's
-    kernel (head_dim 256) takes dq_tma alone (its docstring): the other options change a
-    schedule it does not have, and the default's lse_ahead is passed over there."""
+    lse_ahead where ``seqlen_q`` (None: any that suits it) is not a multiple of 4 (the
+    module docstring) or is shorter than a block (a box wider than its tensor's innermost
+    dimension, never tried on the GPU). bwd_hopper256's kernel (head_dim 256) takes
+    dq_tma alone (its docstring): the other options change a schedule it does not have,
+    and the default's lse_ahead is passed over there."""
     if head_dim == 256:
         return dict(IS_CAUSAL=causal, DQ_TMA="dq_tma" in opts)
     if "dq_split" in opts and head_dim < 2 * DQ_PIECE.value and block_m != 128:
@@ -880,7 +882,8 @@ def kernel_flags(head_dim: int, causal: bool, opts: frozenset[str], block_m: int
                          "(ptxas serializes every wgmma and spills), got head_dim "
                          f"{head_dim}, BLOCK_M {block_m}")
     # lse_smem brings lse and delta with Q and dO: lse_ahead's loads have nothing to do.
-    if "lse_smem" in opts and seqlen_q % 4:
+    short = seqlen_q is not None and (seqlen_q % 4 or seqlen_q < block_m)
+    if "lse_smem" in opts and short:
         opts = opts - {"lse_smem"} | {"lse_ahead"}
     lse_smem = "lse_smem" in opts
     return dict(IS_CAUSAL=causal, SDP="sdp" in opts,
