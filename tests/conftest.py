@@ -1,5 +1,6 @@
 import os
 import sys
+import time
 
 import pytest
 import torch
@@ -72,19 +73,27 @@ def _seed():
 
 
 # A test that breaks its process's CUDA context (an illegal instruction or address is
-# sticky: every later CUDA call of the process fails) ends its pytest-xdist worker once
-# its reports are sent: xdist then names it as the test the worker crashed in and hands
-# the worker's remaining tests to a fresh one. Without this, each later test of that
-# worker errors at setup (session 20's check: 2,270 tests of one worker lost to one
-# faulting kernel). Serial runs (memcheck) are left as they are.
+# sticky: every later CUDA call of the process fails; a deadlocked kernel holds the GPU
+# for good) ends its pytest-xdist worker once its reports are sent: xdist then names it
+# as the test the worker crashed in and hands the worker's remaining tests to a fresh
+# one. Without this, each later test of that worker errors at setup (session 20's
+# check: 2,270 tests of one worker lost to one faulting kernel). Serial runs (memcheck)
+# are left as they are.
 _FAILED = pytest.StashKey[bool]()
 
 
-def _cuda_context_broken() -> bool:
-    """Whether this process's CUDA context is unusable (checked after a failed test)."""
+def _cuda_context_broken(wait_s: float = 10.0) -> bool:
+    """Whether this process's CUDA context is unusable (checked after a failed test): a
+    sticky fault, or work still running after ``wait_s`` (a kernel that deadlocked,
+    which a blocking synchronize would wait on forever)."""
     if not torch.cuda.is_available() or not torch.cuda.is_initialized():
         return False
+    deadline = time.monotonic() + wait_s
     try:
+        while not torch.cuda.current_stream().query():
+            if time.monotonic() > deadline:
+                return True
+            time.sleep(0.01)
         torch.cuda.synchronize()
     except RuntimeError:  # torch.AcceleratorError is one; it names the fault
         return True
