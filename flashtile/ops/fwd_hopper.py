@@ -186,13 +186,13 @@ def _tile_at(i, Schedule, schedule_row, n_tiles_m, nheads, group_size, seqlen_q,
 
 
 @gluon.jit
-def _load_partition(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty,
-                    k_ready, k_empty, v_ready, v_empty, nheads, group_size, seqlen_q,
-                    seqlen_k, diag_offset, n_tiles_m, Schedule, schedule_row,
-                    IS_CAUSAL: gl.constexpr, PERSISTENT: gl.constexpr):
+def _load_partition(args, IS_CAUSAL: gl.constexpr, PERSISTENT: gl.constexpr):
     """Producer warp: per tile, Q once (one part per consumer), then K_j and V_j into the
     ring. The ring's count runs on across a program's tiles (PERSISTENT), so the next
     tile's K and V load while the consumers finish this one."""
+    (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty,
+     v_ready, v_empty, nheads, group_size, seqlen_q, seqlen_k, diag_offset, n_tiles_m,
+     Schedule, schedule_row) = args
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[1]
     STAGES: gl.constexpr = k_smem.type.shape[0]
     NUM_WG: gl.constexpr = q_smem.type.shape[0]
@@ -597,24 +597,26 @@ def _attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, Lse, QDescale, KDesc
         mbarrier.init(k_empty.index(i), count=NUM_WG)  # one arrival per consumer
         mbarrier.init(v_empty.index(i), count=NUM_WG)
 
-    # The consumers' runtime arguments in one tuple; their constants (WG, the flags)
-    # stay outside it: a tuple held in a variable turns constants into runtime values.
+    # The partitions' runtime arguments in one tuple each; their constants (WG, the
+    # flags) stay outside it: a tuple held in a variable turns constants into runtime
+    # values.
+    load_args = (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready,
+                 k_empty, v_ready, v_empty, nheads, group_size, seqlen_q, seqlen_k,
+                 diag_offset, n_tiles_m, Schedule, schedule_row)
     mma_args = (q_smem, k_smem, v_smem, o_smem, p_smem, q_ready, q_empty, k_ready, k_empty,
                 v_ready, v_empty, turn, o_desc, Lse, QDescale, KDescale, VDescale, nheads,
                 group_size, seqlen_q, seqlen_k, diag_offset, stride_qdesc_b, stride_qdesc_h,
                 stride_kdesc_b, stride_kdesc_h, stride_vdesc_b, stride_vdesc_h,
                 softmax_scale, n_tiles_m, Schedule, schedule_row)
     # Two calls, not one list built by NUM_WG: the frontend takes the partition list as
-    # a literal only.
+    # a literal only (and a partition, function and arguments, cannot be held in a
+    # variable).
     if NUM_WG == 3:
         gl.warp_specialize([
             (_mma_partition, (mma_args, 0, IS_CAUSAL, HAS_Q_DESCALE, HAS_K_DESCALE,
                               HAS_V_DESCALE, PV_PER_TILE, P_SMEM, PERSISTENT, O_IN_Q,
                               O_IN_P)),
-            (_load_partition, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready,
-                               q_empty, k_ready, k_empty, v_ready, v_empty, nheads,
-                               group_size, seqlen_q, seqlen_k, diag_offset, n_tiles_m,
-                               Schedule, schedule_row, IS_CAUSAL, PERSISTENT)),
+            (_load_partition, (load_args, IS_CAUSAL, PERSISTENT)),
             (_mma_partition, (mma_args, 1, IS_CAUSAL, HAS_Q_DESCALE, HAS_K_DESCALE,
                               HAS_V_DESCALE, PV_PER_TILE, P_SMEM, PERSISTENT, O_IN_Q,
                               O_IN_P)),
@@ -627,10 +629,7 @@ def _attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, Lse, QDescale, KDesc
             (_mma_partition, (mma_args, 0, IS_CAUSAL, HAS_Q_DESCALE, HAS_K_DESCALE,
                               HAS_V_DESCALE, PV_PER_TILE, P_SMEM, PERSISTENT, O_IN_Q,
                               O_IN_P)),
-            (_load_partition, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready,
-                               q_empty, k_ready, k_empty, v_ready, v_empty, nheads,
-                               group_size, seqlen_q, seqlen_k, diag_offset, n_tiles_m,
-                               Schedule, schedule_row, IS_CAUSAL, PERSISTENT)),
+            (_load_partition, (load_args, IS_CAUSAL, PERSISTENT)),
             (_mma_partition, (mma_args, 1, IS_CAUSAL, HAS_Q_DESCALE, HAS_K_DESCALE,
                               HAS_V_DESCALE, PV_PER_TILE, P_SMEM, PERSISTENT, O_IN_Q,
                               O_IN_P)),
