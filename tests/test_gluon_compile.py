@@ -404,7 +404,7 @@ def _compile_bwd(head_dim, causal, dtype=torch.bfloat16, opts=None, stages=None,
         dq_accum = torch.empty(2, 4, 300, head_dim, dtype=torch.float32)
         types["DQAccum"] = mangle_type(bwd_hopper._dq_descriptor(
             dq_accum, bwd_hopper.dq_tile_rows(flags, block_m)))
-    if flags.get("LSE_SMEM"):  # lse and delta: flat tensor maps
+    if flags.get("LSE_SMEM"):  # lse and delta: (batch * nheads, seqlen_q) tensor maps
         rows = mangle_type(bwd_hopper._rows_descriptor(
             torch.empty(2, 4, 300, dtype=torch.float32), block_m))
         types.update(Lse=rows, Delta=rows)

@@ -747,7 +747,7 @@ def _attn_bwd_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, L
             gl.float32, [dq_tiles] + DQAccum.block_type.shape, DQAccum.layout)
     else:
         dq_smem = ds_smem  # a placeholder: the atomics need no buffer
-    if LSE_SMEM:  # Lse and Delta are flat tensor maps: a ring of BLOCK_M rows each
+    if LSE_SMEM:  # Lse and Delta are tensor maps of rows: a ring of BLOCK_M values each
         lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES] + Lse.block_type.shape,
                                              Lse.layout)
         delta_smem = gl.allocate_shared_memory(gl.float32,
@@ -998,7 +998,7 @@ def backward(dout, q, k, v, out, lse, dlse, softmax_scale, diag_offset, causal):
                 else fwd_hopper._rebased(dq_box, dq_accum)
             if rows_box is None:
                 lse_arg, delta_arg = lse.data_ptr(), delta.data_ptr()
-            else:  # lse_smem: the flat tensor maps (lse's alignment is in the key)
+            else:  # lse_smem: row maps (lse's alignment is in the key)
                 lse = _aligned(lse)
                 lse_arg, delta_arg = (fwd_hopper._rebased(rows_box, x.view(-1, sq))
                                       for x in (lse, delta))
