@@ -418,23 +418,27 @@ def test_oversized_configs_are_refused():
         bwd_hopper.check_fits(head_dim, three, bwd_hopper.kernel_flags(
             head_dim, True, frozenset({"lse_ahead"}), 64))
     with pytest.raises(ValueError, match=r"FLASHTILE_HOPPER_BWD_CONFIG=64,128,4,3 with "
-                       r"FLASHTILE_HOPPER_BWD_OPTS=dq_tma,lse_ahead at head_dim 128 needs "
-                       r"245760 bytes of shared memory, more than the 232448"):
+                       r"FLASHTILE_HOPPER_BWD_OPTS=dq_tma,lse_smem at head_dim 128 needs "
+                       r"247296 bytes of shared memory, more than the 232448"):
         bwd_hopper.check_fits(128, three, bwd_hopper.kernel_flags(128, False, default, 64))
 
 
 def test_options_knob(monkeypatch):
     """FLASHTILE_HOPPER_BWD_OPTS: a comma-separated subset of the options (spaces and
-    empty items ignored; "none": none; unset: the default, lse_ahead and dq_tma), each one constexpr
+    empty items ignored; "none": none; unset: the default, lse_smem and dq_tma), each one constexpr
     of the kernel; anything else is a ValueError naming the variable, the choices and the
     unknown items."""
     monkeypatch.delenv("FLASHTILE_HOPPER_BWD_OPTS", raising=False)
-    assert configs.hopper_bwd_opts() == {"lse_ahead", "dq_tma"} \
+    assert configs.hopper_bwd_opts() == {"lse_smem", "dq_tma"} \
         == configs.HOPPER_BWD_DEFAULT_OPTS
     # head_dim 256: dq_tma by default too (bwd_hopper256 takes it alone).
     assert bwd_hopper.kernel_flags(256, True, configs.hopper_bwd_opts(), 64) \
         == dict(IS_CAUSAL=True, DQ_TMA=True)
     flags = bwd_hopper.kernel_flags(128, True, configs.hopper_bwd_opts(), 64)
+    assert flags == dict(IS_CAUSAL=True, SDP=False, LSE_AHEAD=False, DQ_SPLIT=False,
+                         DQ_TMA=True, PIPE=False, LSE_SMEM=True)
+    # ... and lse_ahead where lse_smem cannot run (seqlen_q 301: not a multiple of 4).
+    flags = bwd_hopper.kernel_flags(128, True, configs.hopper_bwd_opts(), 64, 301)
     assert flags == dict(IS_CAUSAL=True, SDP=False, LSE_AHEAD=True, DQ_SPLIT=False,
                          DQ_TMA=True, PIPE=False, LSE_SMEM=False)
     for none in ("none", " none ,", ""):

@@ -467,7 +467,8 @@ def _assert_backward_partitions(ck):
 def test_hopper_backward_compiles_for_fp16():
     ck = _compile_bwd(128, True, torch.float16)
     assert "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16" in ck.asm["ptx"]
-    assert resources(ck)["stack_bytes"] <= _BWD_TMA_OPTS[(("lse_ahead", "dq_tma"), 128, 64)]
+    # the default's options (lse_smem, dq_tma)
+    assert resources(ck)["stack_bytes"] <= _BWD_LSE_SMEM_STACK[(128, True)]
 
 
 def _walks(sass: str) -> list[list[str]]:

@@ -42,7 +42,8 @@ shares are summed after the kernel. Three warp-specialised partitions:
 
 Schedule options, each a constexpr chosen by FLASHTILE_HOPPER_BWD_OPTS (comma-separated,
 "none" for the schedule above alone; lse_ahead by default since session 15, dq_tma
-with it since session 17) for the GPU A/B, all compile-checked on the CPU:
+with it since session 17, lse_smem in lse_ahead's place since session 21) for the GPU
+A/B, all compile-checked on the CPU:
 - sdp (SDP): dP^T is issued right behind S^T, as FA3 does; the consumer waits for S^T
   alone (wgmma wait 1), computes P^T while dP^T runs, then waits for dP^T: one wgmma
   round trip fewer per query block and both products queued for the tensor cores. lse
