@@ -105,7 +105,7 @@ def hopper_fwd_mode() -> str:
     """FLASHTILE_HOPPER_FWD: where dense forwards on sm_90 go to the Gluon kernel
     (flashtile/ops/fwd_hopper.py) instead of the portable one, wherever it supports the
     call. "auto" (the default): the cells where it was timed faster
-    (``custom_ops._hopper_fwd_wins``: 16-bit at head dims 64, 128 and 256 from 1k
+    (``custom_ops._hopper_fwd_wins``: 16-bit at head dims 64, 128 and 256 from 128
     queries, FP8 at head dim 128 from 4k); "1": every call it supports; "0": never."""
     value = getenv("FLASHTILE_HOPPER_FWD", "auto")
     if value == "auto":
@@ -120,12 +120,12 @@ def hopper_bwd_mode() -> str:
     """FLASHTILE_HOPPER_BWD: where dense 16-bit backwards on sm_90 go to the Gluon
     backward (flashtile/ops/bwd_hopper.py; head_dim 256 in bwd_hopper256.py) instead of
     the portable one. "auto" (the default): the calls it supports (head dims 64, 128
-    and 256, causal or full, no dropout) with at least 1k queries and 1k keys, where
-    forward+backward was timed at 1.09-1.22x the portable split backward at d64/d128
-    and 2.0-2.5x at d256 (1k-16k tokens, causal and full: docs/benchmarks/NOTES.md
-    sections 22 and 24); shorter calls are host-bound, and its host path (six tensor
-    maps, three launches) was not measured cheaper. "1": every call it supports; "0":
-    never. Deterministic calls always keep the portable split backward (its dQ atomics
+    and 256, causal or full, no dropout) where both lengths reach
+    ``configs.HOPPER_BWD_AUTO_MIN_SEQLEN`` (512 at d64/d128, 128 at d256): forward+
+    backward was timed at 1.09-1.22x the portable split backward at d64/d128 and
+    2.0-2.5x at d256 from 1k tokens (docs/benchmarks/NOTES.md sections 22 and 24), and
+    1.2-1.5x (d64/d128 at 512) and 2.5-3x (d256 from 128) below (section 32); d64/d128
+    lost at 128 and 256 tokens. "1": every call it supports; "0": never. Deterministic calls always keep the portable split backward (its dQ atomics
     are not reproducible)."""
     value = getenv("FLASHTILE_HOPPER_BWD", "auto").strip() or "auto"
     if value not in ("auto", "0", "1"):

@@ -10,8 +10,8 @@ and fused, fewer matrix products with dq summed by atomics (reproducible to roun
 ``deterministic`` (flash-attn's flag) True always takes the split path; False takes
 FLASHTILE_BWD's choice, read at each backward: "split" or "fused" (default DEFAULT_BWD).
 torch.use_deterministic_algorithms(True) counts as deterministic=True.
-FLASHTILE_HOPPER_BWD (``flashtile._backend.hopper_bwd_mode``; default "auto": from 1k
-queries and 1k keys) sends the dense 16-bit backwards it supports on sm_90 to the Gluon
+FLASHTILE_HOPPER_BWD (``flashtile._backend.hopper_bwd_mode``; default "auto": from
+configs.HOPPER_BWD_AUTO_MIN_SEQLEN queries and keys) sends the dense 16-bit backwards it supports on sm_90 to the Gluon
 kernel (flashtile/ops/bwd_hopper.py, atomic dQ), unless deterministic.
 
 Dropout: ``dropout_p`` > 0 comes with ``philox``, the int64 [seed, offset] tensor the
@@ -37,6 +37,7 @@ from flashtile import _torch_backend, reference
 from flashtile._backend import getenv, hopper_bwd_mode, hopper_fwd_mode, select_backend
 from flashtile._validate import (MAX_OFFSET, can_read_indices, check_paged_varlen_values,
                                  check_varlen_values, index_checks_enabled, offset_reach)
+from flashtile.ops import configs
 from flashtile.ops.bwd import attn_bwd as triton_bwd
 from flashtile.ops.fwd import attn_fwd as triton_fwd
 
@@ -93,7 +94,7 @@ def _forward(q, k, v, attn_mask, alibi_slopes, softmax_scale, diag_offset, windo
                         attn_mask, alibi_slopes, softmax_scale, diag_offset,
                         window_left, window_right, softcap)) is None:
                 return fwd_hopper.forward(q, k, v, softmax_scale, diag_offset,
-                                          causal=window_right == 0)
+                                          causal=window_right == 0, return_lse=return_lse)
         # Keywords spelled out, not **_mask_kwargs: no dict built on the eager path.
         return triton_fwd(q, k, v, attn_mask=attn_mask, alibi_slopes=alibi_slopes,
                           softmax_scale=softmax_scale, diag_offset=diag_offset,
@@ -124,17 +125,22 @@ def _gluon_fwd(required: bool = False):
 def _hopper_fwd_wins(q: Tensor) -> bool:
     """FLASHTILE_HOPPER_FWD=auto's cells, where the Gluon kernel was timed faster than
     the portable one:
-    - 16-bit inputs at head dims 128 and 256 with at least 1k queries: 1.26-1.75x
-      (NOTES.md section 20); head dim 64 on the persistent grid (the default there since
-      session 13) 1.04-1.21x, causal or not, 1k-16k (NOTES.md section 23; on the tiles
-      grid it was about even). Shorter calls were not timed. Its host path, with a
-      launch plan, costs 57.6 us against the portable launcher's 41.0 at 1k queries
-      (docs/benchmarks/host-h200.md, session 11).
+    - 16-bit inputs at head dims 64, 128 and 256 from configs.HOPPER_FWD_AUTO_MIN_SEQLEN
+      queries: 1.26-1.75x at d128/d256 from 1k (NOTES.md section 20), d64 on the
+      persistent grid 1.04-1.21x (section 23), 128-512 queries 1.1-1.7x (section 32).
     - FP8 (flashtile.fp8) at head dim 128 with at least 4k queries: 1.17-1.24x, P through
       shared memory (NOTES.md section 22). Other head dims and shorter calls untimed."""
     if q.element_size() == 1:
         return q.shape[-1] == 128 and q.shape[1] >= 4096
-    return q.element_size() == 2 and q.shape[-1] >= 64 and q.shape[1] >= 1024
+    return q.element_size() == 2 and q.shape[-1] >= 64 \
+        and q.shape[1] >= configs.HOPPER_FWD_AUTO_MIN_SEQLEN
+
+
+def _hopper_bwd_wins(q: Tensor, k: Tensor) -> bool:
+    """FLASHTILE_HOPPER_BWD=auto's cells: both lengths from
+    configs.HOPPER_BWD_AUTO_MIN_SEQLEN of the head dim (NOTES.md sections 22, 24, 32)."""
+    least = configs.HOPPER_BWD_AUTO_MIN_SEQLEN.get(q.shape[-1])
+    return least is not None and min(q.shape[1], k.shape[1]) >= least
 
 
 def _dense_dropout(q, dropout_p, philox):
@@ -173,11 +179,11 @@ def _attn_backward(dout, q, k, v, out, lse, dlse, attn_mask, alibi_slopes, softm
     gradients may share one allocation (``ops.bwd.attn_bwd``), which only the eager
     autograd path allows: the op's outputs must not alias each other."""
     if select_backend(q.device, q.dtype) == "triton":
-        # FLASHTILE_HOPPER_BWD (default auto: from 1k queries and keys): the Gluon
-        # backward where it supports the call; its dQ atomics are not reproducible, so
+        # FLASHTILE_HOPPER_BWD (default auto: _hopper_bwd_wins): the Gluon backward
+        # where it supports the call; its dQ atomics are not reproducible, so
         # deterministic calls keep the portable one.
         mode = hopper_bwd_mode()
-        if (mode == "1" or mode == "auto" and min(q.shape[1], k.shape[1]) >= 1024) \
+        if (mode == "1" or mode == "auto" and _hopper_bwd_wins(q, k)) \
                 and not _deterministic(deterministic):
             from flashtile.ops import bwd_hopper
 

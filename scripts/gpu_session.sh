@@ -9,6 +9,10 @@
 #   sweep SECS   the `flashtile bench` sweep (SWEEP_ARGS: its grid) for SECS seconds, --resume from
 #                bench-h200/ (carry it back in: a sweep spans several calls)
 #   extra        bench --accuracy, tune for head_dim 128                  (~6 min)
+#   short-gluon  the Gluon kernels forced below 1k tokens beside auto and cuDNN; the
+#                Gluon forward's host cost, profiled                       (~9 min)
+#   host-fwd     flashtile bench host with the Gluon forward (auto) and the portable one (~3 min)
+#   short-auto   plan tests, their memcheck slice, the short rows as auto runs them (~8 min)
 #   short        the short-sequence rows of the sweep beside cuDNN, flash and Flex,
 #                and the decode table with the small-page tile sweep     (~5 min)
 #   decode       the decode/paged GPU tests, their memcheck slice, the decode table
@@ -339,6 +343,51 @@ r(heads=($heads,))" 2>&1 | grep "^{" | sed "s/^/$heads heads, $tile: /" ) \
       bench --providers flashtile-hopper-fp8 --modes fwd --headdim 128 --seqlens 4k 16k \
       --no-progress --out fp8-psmem --overwrite 2>&1 | grep "^|" | tail -6
     tar czf "$OUT/fp8.tgz" fp8 fp8-psmem
+    ;;
+  short-gluon)
+    # Below 1k tokens auto keeps the portable kernels: the Gluon forward and backward
+    # forced there (FLASHTILE_HOPPER_FWD/BWD=1) beside auto and cuDNN, 128 to 1k tokens
+    # (16k tokens a batch), then the host cost of the Gluon forward's call (128 tokens).
+    for sw in auto 1; do
+      stamp "switch $sw"
+      FLASHTILE_HOPPER_FWD=$sw FLASHTILE_HOPPER_BWD=$sw timeout 260 python3 -m flashtile bench \
+        --seqlens ${SHORT_SEQLENS:-128 256 512 1k} --headdim ${SHORT_D:-64 128 256} --no-progress \
+        --providers flashtile sdpa-cudnn --out short-$sw --overwrite 2>&1 | grep -v "^|" | tail -3
+      grep "^|" short-$sw/results.md | tee "$OUT/short-$sw.txt" | tail -20
+    done
+    tar czf "$OUT/short.tgz" short-auto short-1
+    FLASHTILE_HOPPER_FWD=1 timeout 120 python3 -m flashtile bench host --out "$OUT/host-gluon" \
+      --profile forward 2>&1 | grep -A30 "^| call\|cProfile of" | head -45
+    ;;
+  host-fwd)
+    # Host time per eager call with the Gluon forward at 128 tokens (auto since session
+    # 22) beside the portable one (FLASHTILE_HOPPER_FWD=0), each beside cuDNN.
+    for sw in auto 0; do
+      FLASHTILE_HOPPER_FWD=$sw timeout ${HOST_SECS:-90} python3 -m flashtile bench host \
+        --out "$OUT/host-$sw" 2>&1 | grep "^| " | tee "$OUT/host-$sw.txt" | head -24
+    done
+    ;;
+  short-auto)
+    # The launch plans' and Gluon kernels' tests (warm), their plan slice under
+    # compute-sanitizer, then the short rows as auto takes them beside cuDNN: 128 to 1k
+    # tokens at 16k tokens a batch, and 1k tokens at batch 1 (host time shows).
+    FILES="tests/test_fwd_hopper.py tests/test_bwd_hopper.py tests/test_launch_plans.py tests/test_mla_cache.py"
+    stamp tests
+    timeout 150 python3 -m pytest -q -p no:cacheprovider $XDIST --gpu $FILES -k "plan or switch" \
+      2>&1 | tail -2 | tee "$OUT/plan-tests.txt"
+    stamp memcheck
+    PYTHONPATH=. timeout 200 compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m \
+      pytest -q -p no:cacheprovider --gpu $FILES -k "plan" 2>&1 | tail -3 \
+      | tee "$OUT/memcheck-plan.txt"
+    stamp bench
+    timeout 170 python3 -m flashtile bench --seqlens 128 256 512 1k --headdim 64 128 256 \
+      --no-progress --providers flashtile sdpa-cudnn --out short-auto --overwrite 2>&1 \
+      | grep -v "^|" | tail -2
+    timeout 70 python3 -m flashtile bench --seqlens 1k --tokens 1024 --headdim 64 128 \
+      --no-progress --providers flashtile sdpa-cudnn --out batch1 --overwrite 2>&1 \
+      | grep -v "^|" | tail -2
+    tar czf "$OUT/short-auto.tgz" short-auto batch1
+    stamp done
     ;;
   short)
     timeout 240 python3 -m flashtile bench --seqlens 512 1k 2k --no-progress \

@@ -336,6 +336,18 @@ def test_memory_plot_on_a_log_scale(tmp_path):
         results, {}, dict(dtype="bfloat16", tokens=16384, head_budget=2048))
 
 
+def test_bench_tokens_sets_the_batch(tmp_path):
+    """--tokens: tokens per batch, batch = tokens // seqlen (at least 1), recorded in
+    the run's settings."""
+    out = tmp_path / "out"
+    assert cli.main(["bench", "--quick", "--device", "cpu", "--seqlens", "32", "48",
+                     "--tokens", "64", "--repeats", "1", "--causal", "true", "--modes",
+                     "fwd", "--no-progress", "--out", str(out)]) == 0
+    data = json.loads((out / "results.json").read_text())
+    assert data["settings"]["tokens"] == 64
+    assert {(r["seqlen"], r["batch"]) for r in data["results"]} == {(32, 2), (48, 1)}
+
+
 def test_bench_command_quick(tmp_path, capsys):
     out = tmp_path / "out"
     rc = cli.main(["bench", "--quick", "--device", "cpu", "--seqlens", "32", "--repeats",

@@ -91,6 +91,7 @@ def test_launch_plan_equals_tritons_path(head_dim, causal):
     dv are the bits of Triton's own path (no atomics there), dq meets the rule (its
     atomics add in another order each run), and the plans keep no call's tensor alive."""
     from flashtile.ops import _launch
+    from tests.test_launch_plans import keeps_no_tensor
 
     def call(seed, scale):
         torch.manual_seed(seed)
@@ -101,9 +102,9 @@ def test_launch_plan_equals_tritons_path(head_dim, causal):
     _launch.clear()
     call(0, 0.1)  # Triton's path, then the plans are stored
     grads, (q, k, v, dout, dlse) = call(1, 0.2)  # the plans
-    stored = [p for p in _launch._plans.values() if isinstance(p, tuple) and len(p) == 3
-              and isinstance(p[1], tuple)]  # (pre, (main, boxes, dq_box, rows_box), convert)
-    assert len(stored) == 1 and all(box.base is None for box in stored[0][1][1])
+    stored = [p for p in _launch._plans.values() if isinstance(p, tuple) and len(p) == 5]
+    assert len(stored) == 1  # (pre, main, convert, dq_tma, lse_smem)
+    assert all(map(keeps_no_tensor, stored[0][:3]))
     _check(grads, q, k, v, dout, causal, 33, 0.2, dlse)
     _launch.clear()
     again, _ = call(1, 0.2)
@@ -557,21 +558,25 @@ def test_declines_what_it_does_not_support(monkeypatch):
 @pytest.mark.parametrize("switch,deterministic,head_dim,seqlen_q,used", [
     ("1", False, 64, 30, "hopper"), ("1", False, 128, 30, "hopper"),
     ("0", False, 128, 1024, "portable"), ("", False, 128, 1024, "hopper"),
-    ("auto", False, 64, 1024, "hopper"), ("auto", False, 128, 1023, "portable"),
+    ("auto", False, 64, 1024, "hopper"), ("auto", False, 128, 511, "portable"),
+    ("auto", False, 64, 512, "hopper"), ("auto", False, 64, 300, "portable"),
+    ("auto", False, 128, 512, "hopper"),
     ("", False, 128, 30, "portable"), ("1", True, 128, 30, "portable"),
     ("auto", True, 128, 1024, "portable"), ("1", False, 96, 30, "portable"),
     ("1", False, 256, 30, "hopper"), ("1", False, 256, 1024, "hopper"),
     ("auto", False, 256, 1024, "hopper"), ("", False, 256, 1024, "hopper"),
-    ("auto", False, 256, 1023, "portable"), ("1", True, 256, 30, "portable")])
+    ("auto", False, 256, 128, "hopper"), ("auto", False, 256, 127, "portable"),
+    ("1", True, 256, 30, "portable")])
 def test_switch_dispatch_on_cpu(switch, deterministic, head_dim, seqlen_q, used,
                                 monkeypatch):
     """With the kernels replaced by fakes: FLASHTILE_HOPPER_BWD=1 sends a supported dense
     backward to bwd_hopper.backward with the portable launcher's arguments (bottom-right
     causal as diag_offset, the scale, dlse); "auto" (also the unset default) does so
-    from 1k queries and 1k keys (seqlen_k is seqlen_q + 20 here) and keeps shorter calls
-    on the portable backward; "0" never sends it, and neither do deterministic calls or
-    calls it declines (head_dim 96: the real unsupported() runs there, with only its
-    device check bypassed). Head dim 256 (bwd_hopper256) follows the same rules."""
+    where both lengths (seqlen_k is seqlen_q + 20 here) reach
+    configs.HOPPER_BWD_AUTO_MIN_SEQLEN (512 at head dims 64 and 128, 128 at 256) and
+    keeps shorter calls on the portable backward; "0" never sends it, and neither do
+    deterministic calls or calls it declines (head_dim 96: the real unsupported() runs
+    there, with only its device check bypassed)."""
     from flashtile.ops import fwd_hopper
 
     seen = {}

@@ -16,6 +16,7 @@ import inspect
 
 import pytest
 import torch
+import triton
 
 import flashtile
 from flashtile.engine import activation, layernorm, rope_store
@@ -445,6 +446,107 @@ def test_plans_forget_tiles_when_the_override_changes(recorder):
         configs.set_override("fwd", None)
     assert _count(recorder, "triton") == 2
     assert recorder[1][3][fwd._attn_fwd_kernel.arg_names.index("BLOCK_N")] == 16
+
+
+def keeps_no_tensor(plan) -> bool:
+    """A plan holds no call's tensor, nor a descriptor over one (a leak, and memory a
+    CUDA graph thinks free)."""
+    held = [*plan.template, *(a for _, f in plan.maps for a in getattr(f, "args", ()))]
+    return not any(isinstance(x, torch.Tensor) or getattr(x, "base", None) is not None
+                   for x in held)
+
+
+class _FakeUtils:
+    """The driver's ``fill_tma_descriptor``: a tuple of its arguments stands for the
+    tensor map it encodes."""
+
+    @staticmethod
+    def fill_tma_descriptor(ptr, swizzle, elem_size, elem_type, block, shape, strides,
+                            padding):
+        return ("map", ptr, swizzle, elem_size, elem_type, tuple(block), tuple(shape),
+                tuple(strides), padding)
+
+
+class _FakeDriver:
+    utils = _FakeUtils()
+
+
+def _descriptor_kernel(monkeypatch, wrapped):
+    """A compiled kernel of five parameters and a constexpr, two of them host tensor
+    descriptors, behind Triton's own descriptor wrapper (``wrapped``) or a plain
+    launcher; the raw launches land in the returned list."""
+    from triton.backends.nvidia import driver as nvidia
+
+    monkeypatch.setattr(triton.runtime.driver, "_active", _FakeDriver())
+    received = []
+
+    def raw(*args):
+        received.append(args)
+
+    names = ["a_desc", "X", "n", "b_desc", "scale", "FLAG"]
+    signature = dict(zip(names, ["tensordesc<bf16[1,64,1,64]>", "*fp32", "i32",
+                                 "tensordesc<fp32[64,16]>", "fp32", "constexpr"]))
+    metas = [dict(swizzle=3, elem_size=2, elem_type=10, block_size=[1, 64, 1, 64],
+                  fp4_padded=False),
+             dict(swizzle=2, elem_size=4, elem_type=7, block_size=[64, 16],
+                  fp4_padded=False)]
+    launch = nvidia.wrap_handle_tensordesc(raw, signature, metas) if wrapped else raw
+
+    class Run:
+        launch_cooperative_grid = launch_pdl = False
+        global_scratch_size = profile_scratch_size = 0
+
+    Run.launch = staticmethod(launch)
+
+    class Compiled:
+        packed_metadata = function = None
+        run = Run()
+
+    class Kernel:
+        arg_names = names
+
+    return Compiled(), Kernel(), launch, received
+
+
+def _descriptors(a, b):
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    from triton.experimental.gluon import language as gl
+
+    def desc(x, box, dtype):
+        return TensorDescriptor(x, list(x.shape), list(x.stride()), box,
+                                gl.NVMMASharedLayout.get_default_for(box, dtype))
+
+    return desc(a, [1, 64, 1, 64], gl.bfloat16), desc(b, [64, 16], gl.float32)
+
+
+@pytest.mark.parametrize("wrapped", [True, False], ids=["tritons-wrapper", "plain"])
+def test_plan_encodes_tensor_maps_as_tritons_wrapper(wrapped, monkeypatch):
+    """A plan of a kernel that takes host tensor descriptors (the Gluon kernels) takes
+    each descriptor slot's tensor and must hand the compiled launcher exactly what
+    Triton's wrapper would for descriptors over those tensors: the map encoded from the
+    new address, the shape and strides, every other argument in place. Behind Triton
+    3.6's wrapper the plan calls the launcher under it; behind anything else it keeps
+    the launcher and re-bases the descriptors. Either way it keeps no call's tensor."""
+    monkeypatch.setattr(_launch, "_device", lambda: 0)
+    monkeypatch.setattr(_launch, "_stream", lambda device: 5)
+    compiled, kernel, launch, received = _descriptor_kernel(monkeypatch, wrapped)
+    a, b, x = torch.empty(2, 100, 3, 64), torch.empty(64, 48), torch.empty(4)
+    first = _descriptors(a, b)
+    plan = _launch.make(compiled, kernel, (first[0], x, 7, first[1], 0.5),
+                        dict(FLAG=True), (3, 2), ("a_desc", "X", "b_desc", "scale"))
+    assert (plan.launch is not launch) == wrapped
+    assert keeps_no_tensor(plan)
+    a2, b2, x2 = torch.empty_like(a), torch.empty_like(b), torch.empty_like(x)
+    plan((a2, x2.data_ptr(), b2, 0.25))
+    planned = received.pop()
+    head = (None, False, False, None, None, None, None, None, None)
+    launch(3, 2, 1, 5, *head, *_descriptors(a2, b2)[:1], x2.data_ptr(), 7,
+           _descriptors(a2, b2)[1], 0.25, True)
+    through_triton = received.pop()
+    assert planned == through_triton
+    if wrapped:  # the maps encoded from the new addresses, the shapes and strides after
+        assert planned[13][:2] == ("map", a2.data_ptr())
+        assert planned[14:22] == (2, 100, 3, 64, 19200, 192, 64, 1)
 
 
 def test_no_plans_without_cuda():

@@ -175,6 +175,10 @@ def add_bench(commands):
                    help="default: 64 128 (CPU: 64)")
     p.add_argument("--seqlens", type=seqlen, nargs="+",
                    help="e.g. 512 1k 16k; default 512..64k on CUDA, 128..4k on CPU")
+    p.add_argument("--tokens", type=positive_int,
+                   help="tokens per batch (batch = tokens // seqlen, at least 1); default "
+                        "16384 on CUDA: --tokens 1024 --seqlens 1k times batch 1, where an "
+                        "eager call's host time shows")
     p.add_argument("--providers", nargs="+", choices=list(registry.PROVIDERS),
                    metavar="PROVIDER",
                    help=f"default: all of {', '.join(registry.ALL)}")
@@ -207,6 +211,8 @@ def build_sweep(args, device) -> registry.Sweep:
         changes["head_dims"] = tuple(args.headdim)
     if args.seqlens:
         changes["seqlens"] = tuple(args.seqlens)
+    if args.tokens:
+        changes["tokens"] = args.tokens
     if args.providers:
         changes["providers"] = tuple(dict.fromkeys(args.providers))
     if args.causal:

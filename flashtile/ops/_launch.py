@@ -32,6 +32,7 @@ before the first call (or call ``clear()``).
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from functools import reduce
@@ -39,6 +40,7 @@ from itertools import starmap
 from operator import or_
 
 import torch
+import triton
 from triton import knobs
 
 _plans: dict = {}
@@ -109,14 +111,16 @@ class Plan:
     filled by slice (a kernel's per-call parameters sit together: its tensors, then its
     floats). ``grid``: the grid of the recorded launch; a caller whose grid depends on
     per-call values passes its own. ``cfg``: the tile config the launch used (after any
-    step-down for shared memory).
+    step-down for shared memory). ``maps``: (argument index, encode) of each tensor
+    descriptor slot: a call passes the tensor there, and ``encode(tensor)`` makes what
+    the launcher takes (``make``).
     """
 
-    __slots__ = ("launch", "head", "template", "runs", "grid", "cfg", "device")
+    __slots__ = ("launch", "head", "template", "runs", "grid", "cfg", "device", "maps")
 
-    def __init__(self, launch, head, template, slots, grid, cfg, device):
+    def __init__(self, launch, head, template, slots, grid, cfg, device, maps=()):
         self.launch, self.head, self.template = launch, head, template
-        self.grid, self.cfg, self.device = grid, cfg, device
+        self.grid, self.cfg, self.device, self.maps = grid, cfg, device, maps
         runs = []  # [args slice, values slice] of each run of consecutive slots
         for j, i in enumerate(slots):
             if runs and runs[-1][0].stop == i and runs[-1][1].stop == j:
@@ -130,6 +134,8 @@ class Plan:
         args = self.template.copy()
         for to, take in self.runs:
             args[to] = values[take]
+        for at, encode in self.maps:
+            args[at] = encode(args[at])
         g = self.grid if grid is None else grid
         self.launch(g[0], g[1], g[2], _stream(self.device), *self.head, *args)
 
@@ -150,11 +156,12 @@ def make(compiled, kernel, args, kwargs, grid, slots, cfg=None):
         return None  # a parameter left to its default: not recorded here
     template = [*args, *(kwargs[n] for n in names[len(args):])]
     slot_index = tuple(names.index(n) for n in slots)
+    maps = tuple((i, template[i]) for i in slot_index if _is_descriptor(template[i]))
     for i in slot_index:
         # Every call fills these: the first call's tensors must not be kept alive here
         # (a leak, and under torch.compile's CUDA graphs memory the graph thinks free).
         template[i] = None
-    if any(isinstance(a, torch.Tensor) for a in template):
+    if any(isinstance(a, torch.Tensor) or _is_descriptor(a) for a in template):
         return None  # a tensor outside the slots would launch with a stale address
     if launcher.global_scratch_size or launcher.profile_scratch_size:
         # Scratch memory is allocated per launch by the launcher's Python wrapper.
@@ -165,8 +172,82 @@ def make(compiled, kernel, args, kwargs, grid, slots, cfg=None):
         head = (compiled.function, launcher.launch_cooperative_grid, launcher.launch_pdl,
                 None, None, compiled.packed_metadata, None, None, None)
     grid = tuple(grid) + (1,) * (3 - len(grid))
-    return Plan(launch, head, template, slot_index, grid, cfg, _device())
+    direct = _tensormap_launch(launch, template, slot_index, maps) if maps else None
+    if direct is not None:
+        launch, template, slot_index, maps = direct
+    else:  # Triton's wrapper encodes the tensor maps from descriptors over the tensors
+        maps = tuple((i, functools.partial(rebased, rebased(desc, None))) for i, desc in maps)
+    return Plan(launch, head, template, slot_index, grid, cfg, _device(), maps)
 
+
+def _is_descriptor(x) -> bool:
+    return type(x).__name__ == "TensorDescriptor"
+
+
+def rebased(desc, base):
+    """Host tensor descriptor ``desc`` over another tensor ``base`` of the same shape,
+    strides and dtype, without ``TensorDescriptor``'s checks (a plan's key fixes what
+    they checked)."""
+    copy = object.__new__(type(desc))
+    copy.__dict__.update(desc.__dict__, base=base)
+    return copy
+
+
+def _tensormap_launch(launch, template, slot_index, maps):
+    """For a kernel that takes host tensor descriptors (the Gluon kernels' TMA), Triton
+    3.6's launcher is a Python wrapper (``wrap_handle_tensordesc``'s ``inner``) that
+    walks every argument and encodes each descriptor's tensor map from its
+    TensorDescriptor on every launch: most of the 26 us by which a Gluon forward's
+    launcher (47 us) exceeded the portable kernel's (20) on the H200 (session 22). Here
+    the plan calls the compiled launcher under it, each descriptor expanded as the
+    wrapper expands it (the tensor map, then the shape and strides, which the plan's key
+    fixes) and the map encoded from the call's tensor by the driver function the
+    wrapper calls: (launch, template, slot indices, maps) over the expanded argument
+    list. None where the wrapper is not the one known here (another Triton): the plan
+    then keeps Triton's wrapper."""
+    try:
+        from triton.backends.nvidia import driver as nvidia
+        code = launch.__code__
+        if launch.__qualname__ != "wrap_handle_tensordesc.<locals>.inner" \
+                or launch.__module__ != nvidia.__name__:
+            return None
+        free = dict(zip(code.co_freevars, (c.cell_contents for c in launch.__closure__)))
+        raw, indices, metas = (free["launcher"], free["tensordesc_indices"],
+                               free["tensordesc_meta"])
+        fill = triton.runtime.driver.active.utils.fill_tma_descriptor
+        to_host = nvidia.TMA_DTYPE_DEVICE_TO_HOST
+        expand = nvidia.make_tensordesc_arg
+    except (AttributeError, KeyError, ImportError, TypeError):
+        return None
+    descs = dict(maps)
+    order = sorted(indices)
+    if order != sorted(descs) or len(metas) != len(order):
+        return None
+    meta_of = dict(zip(order, metas))
+    out, position, encoders = [], [], []
+    for i, x in enumerate(template):
+        position.append(len(out))
+        if i not in descs:
+            out.append(x)
+            continue
+        desc, meta = descs[i], meta_of[i]
+        if not isinstance(meta, dict) or meta.get("fp4_padded"):
+            return None
+        shape, strides = list(desc.shape), list(desc.strides)
+        # The wrapper's own expansion of this first call's descriptor must be ours.
+        if list(expand(desc, meta)[1:]) != shape + strides:
+            return None
+        encoders.append((len(out), functools.partial(
+            _encode, fill, meta["swizzle"], meta["elem_size"], to_host[meta["elem_type"]],
+            meta["block_size"], shape, strides, 1 if desc.padding == "nan" else 0)))
+        out += [None, *shape, *strides]
+    return raw, out, tuple(position[i] for i in slot_index), tuple(encoders)
+
+
+def _encode(fill, swizzle, elem_size, elem_type, block, shape, strides, padding, tensor):
+    """The tensor map of ``tensor`` (the plan's key fixes everything else)."""
+    return fill(tensor.data_ptr(), swizzle, elem_size, elem_type, block, shape, strides,
+                padding)
 
 def layout(x):
     """An optional tensor's part of a key: None, or its dtype and strides."""

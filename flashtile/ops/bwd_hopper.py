@@ -961,8 +961,8 @@ def backward(dout, q, k, v, out, lse, dlse, softmax_scale, diag_offset, causal):
     accepted (the caller checks). lse and dlse (or None): (batch, nheads, seqlen_q) fp32.
     Three launches: the portable preprocess (delta, dq_accum zeroed), this module's
     kernel, the portable dQ conversion. After the first call of a layout, launch plans
-    (``flashtile.ops._launch``) launch the compiled kernels directly, the six tensor maps
-    re-based as in fwd_hopper. GQA with a small grid (``head_split``): dK and dV come
+    (``flashtile.ops._launch``) launch the compiled kernels directly, encoding the six
+    tensor maps from the call's tensors. GQA with a small grid (``head_split``): dK and dV come
     from the kernel's shares, summed by two more kernels."""
     b, sq, h, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
@@ -991,20 +991,17 @@ def backward(dout, q, k, v, out, lse, dlse, softmax_scale, diag_offset, causal):
                _launch.misalignment(_launch.pointers((out, dout, dlse, lse))))
         plans = _launch.lookup(key)
         if plans is not None:
-            pre, (main, boxes, dq_box, rows_box), convert = plans
+            pre, main, convert, dq_tma, lse_smem = plans
             dq_accum = accumulator()
             pre((out.data_ptr(), dout.data_ptr(), dlse.data_ptr(), delta.data_ptr(),
                  dq_accum.data_ptr()))
-            dq_arg = dq_accum.data_ptr() if dq_box is None \
-                else fwd_hopper._rebased(dq_box, dq_accum)
-            if rows_box is None:
-                lse_arg, delta_arg = lse.data_ptr(), delta.data_ptr()
-            else:  # lse_smem: row maps (lse's alignment is in the key)
-                lse = _aligned(lse)
-                lse_arg, delta_arg = (fwd_hopper._rebased(rows_box, x.view(-1, sq))
-                                      for x in (lse, delta))
-            main((*map(fwd_hopper._rebased, boxes, (q, k, v, dout, dk_shares, dv_shares)),
-                  lse_arg, delta_arg, dq_arg, softmax_scale))
+            # Tensor map slots take the tensor (the plan encodes the map), others its
+            # address; lse_smem's row maps read lse where a map may (its alignment is in
+            # the key).
+            lse = _aligned(lse) if lse_smem else lse
+            rows = (lse, delta) if lse_smem else (lse.data_ptr(), delta.data_ptr())
+            main((q, k, v, dout, dk_shares, dv_shares, *rows,
+                  dq_accum if dq_tma else dq_accum.data_ptr(), softmax_scale))
             convert((dq_accum.data_ptr(), dq.data_ptr(), softmax_scale))
             return dq, *_summed(dk_shares, dv_shares, split)
     cfg = configs.hopper_bwd_config(d)
@@ -1048,11 +1045,8 @@ def backward(dout, q, k, v, out, lse, dlse, softmax_scale, diag_offset, causal):
          softmax_scale),
         dict(BLOCK_M=pre_m, BLOCK_D=d), _CONVERT_SLOTS if key is not None else None)
     if key is not None and None not in (pre, main, convert):
-        # The descriptors without their tensors: a plan must not keep a call's memory.
-        boxes = tuple(fwd_hopper._rebased(x, None) for x in descs)
-        dq_box = fwd_hopper._rebased(dq_arg, None) if dq_arg is not dq_accum else None
-        rows_box = fwd_hopper._rebased(lse_arg, None) if lse_arg is not lse else None
-        _launch.store(key, (pre, (main, boxes, dq_box, rows_box), convert))
+        _launch.store(key, (pre, main, convert, bool(flags.get("DQ_TMA")),
+                            bool(flags.get("LSE_SMEM"))))
     return dq, *_summed(dk_shares, dv_shares, split)
 
 

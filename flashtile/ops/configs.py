@@ -386,6 +386,20 @@ def _env_choice(name: str, choices: tuple) -> str:
     return value
 
 
+# FLASHTILE_HOPPER_FWD=auto's cells (flashtile.custom_ops._hopper_fwd_wins): 16-bit
+# inputs at head dims 64, 128 and 256 from this many queries. On the H200 (session 22,
+# NOTES.md section 32; 16k tokens a batch, beside cuDNN in the same run) the Gluon
+# forward ran 128-512 queries at 1.1-1.7x the portable kernel (d128 full at 512: 0.58x
+# -> 0.97x cuDNN), level only at d64 causal 512; from 1k it was the default since
+# sessions 10-13. Shorter query blocks were not timed (a 128-row tile would idle).
+HOPPER_FWD_AUTO_MIN_SEQLEN = 128
+# FLASHTILE_HOPPER_BWD=auto (custom_ops._hopper_bwd_wins): the Gluon backward where both
+# lengths reach this, by head dim. Session 22 (same run): forward+backward at 512 tokens
+# 1.23-1.48x the portable backward at d64/d128, 2.5-3x at d256 from 128; at 128 and 256
+# tokens d64/d128 lost up to 32% (their key blocks are too few for its prologue).
+HOPPER_BWD_AUTO_MIN_SEQLEN = {64: 512, 128: 512, 256: 128}
+
+
 HOPPER_FWD_SCHEDULE = ("auto", "tiles", "persistent")
 # auto's persistent grid: the 16-bit head dims where it was timed ahead of "tiles", and
 # d256 up to HOPPER_FWD_PERSISTENT_D256_MAX_SEQLEN queries.

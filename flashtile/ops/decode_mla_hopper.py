@@ -514,13 +514,6 @@ def descriptors(q, k_cache, block_n: int) -> tuple:
             desc(k_cache, k_shape, k_strides, [1, block_n, 1, ROPE.value]))
 
 
-def _rebased(desc: TensorDescriptor, base) -> TensorDescriptor:
-    """``desc`` over another tensor of the same shape, strides and dtype, without
-    ``TensorDescriptor``'s checks (a plan's key fixes what they checked)."""
-    copy = object.__new__(TensorDescriptor)
-    copy.__dict__.update(desc.__dict__, base=base)
-    return copy
-
 
 # The parameters a launch plan fills per call, in the kernel's order.
 _SLOTS = ("q_lat_desc", "q_rope_desc", "k_lat_desc", "k_rope_desc", "Out", "Lse",
@@ -549,14 +542,13 @@ def attn_decode(q, k_cache, *, cache_seqlens, block_table, softmax_scale, causal
                                      cache_seqlens))))
         plans = _launch.lookup(key)
         if plans is not None:
-            splits, plan, boxes, merge = plans
+            splits, plan, merge = plans
             out, lse, buf, lse_at, dst_at, dst_lse_at = decode._outputs(
                 q, dv, out_dtype, splits, return_lse)
             base = buf.data_ptr()
             lse_ptr = base + lse_at
             table = block_table.data_ptr() if paged else cache_seqlens.data_ptr()
-            descs = (_rebased(boxes[0], q), _rebased(boxes[1], q),
-                     _rebased(boxes[2], k_cache), _rebased(boxes[3], k_cache))
+            descs = (q, q, k_cache, k_cache)  # the plan encodes their tensor maps
             if not merge:  # unsplit: the kernel writes out and lse itself
                 plan((*descs, out.data_ptr(), lse_ptr, table, cache_seqlens.data_ptr(),
                       softmax_scale))
@@ -597,7 +589,5 @@ def attn_decode(q, k_cache, *, cache_seqlens, block_table, softmax_scale, causal
         merge = combine.launch_combine(q, dv, num_splits, dst, dst_lse, out, lse_t,
                                        combine.combine_pdl(q)[0], key is not None)
     if key is not None and plan is not None and (merge is not None or num_splits == 1):
-        # The descriptors without their tensors: a plan must not keep a call's memory alive.
-        _launch.store(key, (num_splits, plan, tuple(_rebased(x, None) for x in descs),
-                            merge or False))
+        _launch.store(key, (num_splits, plan, merge or False))
     return out, lse

@@ -677,13 +677,22 @@ def unsupported(q, k, v, *, softmax_scale=1.0, attn_mask=None, alibi_slopes=None
     if q.numel() == 0 or k.numel() == 0:
         return "an empty q or k (TMA descriptors need every size >= 1)"
     # FP8 v is read through its keys-contiguous copy, which the launcher allocates.
-    for x in (q, k) if fp8 else (q, k, v):
-        # TMA: a 16-byte aligned base and strides, unit inner stride; a zero stride (an
-        # expanded tensor) is not a tensor map.
-        if x.data_ptr() % 16 or x.stride(-1) != 1 or any(
-                s <= 0 or s * x.element_size() % 16 for s in x.stride()[:-1]):
-            return "TMA needs 16-byte aligned data and strides, and a contiguous last dim"
+    # TMA: a 16-byte aligned base and strides, unit inner stride.
+    size = q.element_size()
+    if (q.data_ptr() | k.data_ptr() | (0 if fp8 else v.data_ptr())) & 15 \
+            or not (_tma_strides(q.stride(), size) and _tma_strides(k.stride(), size)
+                    and (fp8 or _tma_strides(v.stride(), size))):
+        return "TMA needs 16-byte aligned data and strides, and a contiguous last dim"
     return None
+
+
+@functools.lru_cache(maxsize=4096)
+def _tma_strides(strides: tuple, element_size: int) -> bool:
+    """Strides a tensor map takes: unit inner stride, the others positive multiples of
+    16 bytes (a zero stride, an expanded tensor, is not a tensor map). Cached: the
+    layouts of a process are few, and the check runs on every call."""
+    return strides[-1] == 1 and all(s > 0 and s * element_size % 16 == 0
+                                    for s in strides[:-1])
 
 
 @functools.lru_cache(maxsize=None)
@@ -740,45 +749,56 @@ _SLOTS = ("q_desc", "k_desc", "v_desc", "o_desc", "Lse", "QDescale", "KDescale",
 
 
 def forward(q, k, v, softmax_scale, diag_offset, causal, q_descale=None, k_descale=None,
-            v_descale=None, out_dtype=None):
+            v_descale=None, out_dtype=None, return_lse=True):
     """``attn_fwd`` without its check, for a caller that has had ``unsupported`` answer
     None for these tensors (flashtile's custom ops do). After the first call of a
     layout, a launch plan (``flashtile.ops._launch``) launches the compiled kernel
-    directly: Triton's own path binds and specialises the arguments and validates four
-    tensor descriptors on every call, 4x the portable kernel's planned host time at 1k
-    queries (docs/benchmarks/host-h200.md, session 11)."""
+    directly, encoding the four tensor maps from the call's tensors: Triton's own path
+    binds and specialises the arguments and validates four tensor descriptors on every
+    call, 4x the portable kernel's planned host time at 1k queries
+    (docs/benchmarks/host-h200.md, session 11). return_lse=False: lse is written into
+    out's allocation (one allocation less) and None is returned for it."""
     b, sq, h, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
     fp8 = q.element_size() == 1
     out_dtype = (out_dtype or torch.bfloat16) if fp8 else q.dtype
-    out = torch.empty((b, sq, h, d), dtype=out_dtype, device=q.device)
-    lse = torch.empty((b, h, sq), dtype=torch.float32, device=q.device)
-    # Absent descales: lse's address stands in (never read: HAS_*_DESCALE is False).
+    if return_lse:
+        out = torch.empty((b, sq, h, d), dtype=out_dtype, device=q.device)
+        lse = torch.empty((b, h, sq), dtype=torch.float32, device=q.device)
+        lse_ptr = lse.data_ptr()
+    else:
+        out, buf, lse_at = _launch.out_with_lse((b, sq, h, d), out_dtype, b * h * sq,
+                                                q.device)
+        lse, lse_ptr = None, buf.data_ptr() + lse_at
     descales = (q_descale, k_descale, v_descale)
-    scales = tuple(lse if x is None else x for x in descales)
     p_smem = fp8 and configs.hopper_fwd_fp8_p_smem()
     persistent = configs.hopper_fwd_persistent(d, fp8, sq)
-    schedule = lse  # the tiles grid reads no schedule (lse's address stands in)
-    if persistent:
-        schedule = _persistent_schedule(q, k, causal, diag_offset)
-        persistent = schedule is not None
-        schedule = lse if schedule is None else schedule
     pv_per_tile = fp8 and configs.hopper_fwd_fp8_pv_per_tile(d)
     key = None
     if _launch.ready(q):
         # unsupported() has checked q's and k's (and 16-bit v's) addresses for TMA's
-        # 16-byte alignment; lse and FP8 v's copy are allocated here (aligned). The
+        # 16-byte alignment; out, lse and FP8 v's copy are allocated here (aligned). The
         # descales' strides are arguments and their addresses are specialised on.
+        # Absent descales: lse's address stands in (never read: HAS_*_DESCALE is False).
+        scales = tuple(lse_ptr if x is None else x.data_ptr() for x in descales)
         key = ("hopper_fwd", q.dtype, out_dtype, q.shape, k.shape, q.stride(), k.stride(),
                None if fp8 else v.stride(), causal, diag_offset, p_smem, persistent,
-               pv_per_tile,
-               *map(_launch.layout, descales), _launch.misalignment(_launch.pointers(scales)))
+               pv_per_tile, *map(_launch.layout, descales), _launch.misalignment(scales))
         found = _launch.lookup(key)
         if found is not None:
-            plan, boxes = found
-            tensors = (q, k, _keys_contiguous_t(v) if fp8 else v, out)
-            plan((*map(_rebased, boxes, tensors), lse, *scales, softmax_scale, schedule))
+            plan, schedule = found  # the plan encodes the tensor maps from the tensors
+            plan((q, k, _keys_contiguous_t(v) if fp8 else v, out, lse_ptr, *scales,
+                  softmax_scale, lse_ptr if schedule is False else schedule.data_ptr()))
             return out, lse
+    if lse is None:  # Triton's own launch takes tensors
+        lse = _launch.lse_after(buf, lse_at, (b, h, sq))
+    scales = tuple(lse if x is None else x for x in descales)
+    schedule = lse  # the tiles grid reads no schedule (lse's address stands in)
+    if persistent:
+        schedule = _persistent_schedule(q, k, causal, diag_offset)
+        if schedule is None:  # capturing a CUDA graph: the tiles grid, and no plan
+            persistent, key = False, None
+        schedule = lse if schedule is None else schedule
     cfg = configs.hopper_fwd_config(d, fp8, sq, sk)
     flags = dict(IS_CAUSAL=causal, STAGES=cfg.num_stages,
                  HAS_Q_DESCALE=q_descale is not None, HAS_K_DESCALE=k_descale is not None,
@@ -798,9 +818,10 @@ def forward(q, k, v, softmax_scale, diag_offset, causal, q_descale=None, k_desca
          n_tiles_m, schedule, schedule.stride(0) if persistent else 0),
         dict(flags, num_warps=cfg.num_warps), slots=_SLOTS if key is not None else None)
     if key is not None and plan is not None:
-        # The descriptors without their tensors: a plan must not keep a call's memory alive.
-        _launch.store(key, (plan, tuple(_rebased(x, None) for x in descs)))
-    return out, lse
+        # The schedule itself, not its address: the plan keeps it alive. (False, not
+        # None, for the tiles grid: store() drops a tuple holding None.)
+        _launch.store(key, (plan, schedule if persistent else False))
+    return out, lse if return_lse else None
 
 
 # K and V bytes the persistent causal order keeps in L2 at once (FA3's tile scheduler
@@ -882,12 +903,3 @@ def _schedule_table(device, *geometry) -> torch.Tensor:
 def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
-
-def _rebased(desc: TensorDescriptor, base) -> TensorDescriptor:
-    """``desc`` over another tensor of the same shape, strides and dtype, without
-    ``TensorDescriptor``'s checks (a plan's key fixes what they checked): Triton's
-    launcher reads the base's address, the shape, strides and padding of a descriptor
-    and encodes its tensor map on every launch."""
-    copy = object.__new__(TensorDescriptor)
-    copy.__dict__.update(desc.__dict__, base=base)
-    return copy
