@@ -223,9 +223,9 @@ def _pieces(q, k, v, qg, kg, vg, do, paged):
         outs = _CallInBackward.apply(backward_launcher, qg, kg, vg)
         torch.autograd.backward(outs, (do, do, do))
 
-    # The Gluon forward (sm_90; FLASHTILE_HOPPER_FWD=auto takes it from 1k queries at
-    # head dim 128) builds four TMA descriptors a call and has no launch plan: its
-    # launcher beside the portable one's at 1k queries.
+    # The Gluon forward (sm_90; FLASHTILE_HOPPER_FWD=auto takes it from 128 queries at
+    # head dim 128; its plans encode four tensor maps a call): its launcher beside the
+    # portable one's at 1k queries.
     q1k, k1k, v1k = (torch.randn(1, 1024, NHEADS, HEAD_DIM, dtype=q.dtype, device=q.device)
                      for _ in range(3))
     gluon = {}

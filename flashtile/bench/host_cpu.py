@@ -13,7 +13,9 @@ other torch operators, and Python function calls.
 
 Stand-ins (restored on exit): each Triton kernel is an object that takes the launch
 and returns a compiled kernel whose launcher does nothing, so launch plans are made
-and used as on the GPU; ``_launch.ready`` accepts CPU tensors; the current device and
+and used as on the GPU (a Gluon kernel's behind Triton's descriptor wrapper, its tensor
+maps "encoded" by a fake driver); the device counts as sm_90, so forwards take the
+Gluon kernel where the H200 does; ``_launch.ready`` accepts CPU tensors; the current device and
 stream are 0; the split-KV heuristic sees the H200's 132 SMs (on the GPU it asks the
 device), so the decode rows split and combine as they do there. TRITON_INTERPRET=1 is
 set for the run so that CPU tensors select the Triton backend (the interpreter itself
@@ -66,7 +68,9 @@ class _Compiled:
 
 class _Kernel:
     """Stands for a JITFunction: ``kernel[grid](...)`` counts a launch, returns a
-    compiled kernel."""
+    compiled kernel. For a kernel that takes tensor descriptors (the Gluon kernels) the
+    compiled kernel's launcher is Triton's own descriptor wrapper around the no-op, as
+    on the GPU, so that plans take the same path as there (``_launch._tensormap_launch``)."""
 
     def __init__(self, real):
         self.arg_names = list(inspect.signature(real.fn).parameters)
@@ -75,14 +79,49 @@ class _Kernel:
         def run(*args, **kwargs):
             _Counter.launches += 1
             _Counter.unplanned += 1
-            return _Compiled()
+            bound = [*args, *(kwargs[n] for n in self.arg_names[len(args):])]
+            descs = [x for x in bound if type(x).__name__ == "TensorDescriptor"]
+            return _described(self.arg_names, bound) if descs else _Compiled()
         return run
+
+
+def _described(names, bound):
+    """A compiled kernel whose launcher is Triton's descriptor wrapper over the no-op,
+    with each descriptor's metadata (the fake driver's encoder ignores its values)."""
+    from triton.backends.nvidia import driver as nvidia
+
+    is_desc = [type(x).__name__ == "TensorDescriptor" for x in bound]
+    signature = {n: "tensordesc" if d else "i32" for n, d in zip(names, is_desc)}
+    metas = [dict(swizzle=3, elem_size=x.base.element_size(), elem_type=6,
+                  block_size=list(x.block_shape), fp4_padded=False)
+             for x, d in zip(bound, is_desc) if d]
+
+    class Run(_Launcher):
+        launch = staticmethod(nvidia.wrap_handle_tensordesc(_no_launch, signature, metas))
+
+    compiled = _Compiled()
+    compiled.run = Run()
+    return compiled
+
+
+class _FakeUtils:
+    """The driver's tensor-map encoder, as cheap as a C call can be."""
+
+    @staticmethod
+    def fill_tma_descriptor(*args):
+        return args
+
+
+class _FakeDriver:
+    utils = _FakeUtils()
 
 
 @contextlib.contextmanager
 def stubbed_launches():
     """The stand-ins of the module docstring, for the duration of the block."""
-    from flashtile.ops import _launch, bwd, combine, decode, fwd
+    import triton
+
+    from flashtile.ops import _launch, bwd, combine, decode, fwd, fwd_hopper
 
     saved = []
 
@@ -90,7 +129,7 @@ def stubbed_launches():
         saved.append((owner, name, getattr(owner, name)))
         setattr(owner, name, value)
 
-    for module in (fwd, bwd, decode, combine):
+    for module in (fwd, bwd, decode, combine, fwd_hopper):
         for name, obj in list(vars(module).items()):
             if hasattr(obj, "fn") and hasattr(obj, "__getitem__"):  # a Triton kernel
                 put(module, name, _Kernel(obj))
@@ -98,6 +137,12 @@ def stubbed_launches():
     put(decode, "num_splits_heuristic",
         lambda work, capacity, block_n, num_sms, per_sm=2: heuristic(
             work, capacity, block_n, H200_SMS, per_sm))
+    # The forward's route on the H200: the Gluon kernel (16-bit, head dim 128, from 128
+    # queries), its persistent grid over 132 SMs.
+    put(fwd_hopper, "_on_hopper", lambda device: True)
+    put(fwd_hopper, "_num_sms", lambda device: H200_SMS)
+    put(torch.cuda, "is_current_stream_capturing", lambda: False)  # a CPU build has none
+    put(triton.runtime.driver, "_active", _FakeDriver())
     put(_launch, "ready", lambda x: True)
     put(_launch, "_device", lambda: 0)
     put(_launch, "_stream", lambda device: 0)

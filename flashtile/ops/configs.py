@@ -379,8 +379,14 @@ def hopper_fwd_fp8_pv_per_tile(head_dim: int) -> bool:
 
 
 def _env_choice(name: str, choices: tuple) -> str:
-    """The environment variable ``name``: one of ``choices``, the first when unset."""
-    value = os.environ.get(name, "").strip() or choices[0]
+    """The environment variable ``name``: one of ``choices``, the first when unset
+    (read at each call, the fast way: the Gluon forward reads one per call)."""
+    from flashtile._backend import getenv
+
+    value = getenv(name, "")
+    if not value:
+        return choices[0]
+    value = value.strip() or choices[0]
     if value not in choices:
         raise ValueError(f"{name} must be one of {choices}, got {value!r}")
     return value

@@ -780,10 +780,14 @@ def forward(q, k, v, softmax_scale, diag_offset, causal, q_descale=None, k_desca
         # 16-byte alignment; out, lse and FP8 v's copy are allocated here (aligned). The
         # descales' strides are arguments and their addresses are specialised on.
         # Absent descales: lse's address stands in (never read: HAS_*_DESCALE is False).
-        scales = tuple(lse_ptr if x is None else x.data_ptr() for x in descales)
-        key = ("hopper_fwd", q.dtype, out_dtype, q.shape, k.shape, q.stride(), k.stride(),
-               None if fp8 else v.stride(), causal, diag_offset, p_smem, persistent,
-               pv_per_tile, *map(_launch.layout, descales), _launch.misalignment(scales))
+        if fp8:
+            scales = tuple(lse_ptr if x is None else x.data_ptr() for x in descales)
+            fp8_key = (out_dtype, v.shape, p_smem, pv_per_tile,
+                       *map(_launch.layout, descales), _launch.misalignment(scales))
+        else:  # 16-bit: the key's FP8 part is constant
+            scales, fp8_key = (lse_ptr, lse_ptr, lse_ptr), None
+        key = ("hopper_fwd", q.dtype, q.shape, k.shape, q.stride(), k.stride(),
+               None if fp8 else v.stride(), causal, diag_offset, persistent, fp8_key)
         found = _launch.lookup(key)
         if found is not None:
             plan, schedule = found  # the plan encodes the tensor maps from the tensors
