@@ -22,6 +22,10 @@ multiple of 16 (Triton compiles aligned and unaligned pointers into different ke
 the outputs a launcher allocates itself are always aligned). Per-call integers (a
 varlen batch's max_seqlen) are ``do_not_specialize`` kernel parameters.
 
+A kernel's host tensor descriptors (the Gluon kernels' TMA) are slots too: a call
+passes the tensor, and the plan encodes its tensor map (``_tensormap_launch``), every
+other part of the descriptor being fixed by the key.
+
 Plans are used for CUDA tensors with Triton's NVIDIA launcher only; the interpreter
 (``TRITON_INTERPRET=1``), CPU tensors and launch hooks (a profiler such as proton) take
 Triton's own path on every call. Tile choices are part of a plan: ``configs`` clears
@@ -248,6 +252,7 @@ def _encode(fill, swizzle, elem_size, elem_type, block, shape, strides, padding,
     """The tensor map of ``tensor`` (the plan's key fixes everything else)."""
     return fill(tensor.data_ptr(), swizzle, elem_size, elem_type, block, shape, strides,
                 padding)
+
 
 def layout(x):
     """An optional tensor's part of a key: None, or its dtype and strides."""
