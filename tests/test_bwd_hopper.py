@@ -227,7 +227,7 @@ def test_switch_dispatches_through_flash_attn_func(monkeypatch):
 
 @on_hopper
 def test_switch_sends_head_dim_256_under_1_and_auto(monkeypatch):
-    """Head dim 256 through flash_attn_func: FLASHTILE_HOPPER_BWD=1 and auto (from 1k
+    """Head dim 256 through flash_attn_func: FLASHTILE_HOPPER_BWD=1 and auto (at 1.1k
     tokens) run bwd_hopper256's kernel and meet the gradient rule (GQA, causal)."""
     calls = []
     real = bwd_hopper.backward

@@ -85,7 +85,7 @@ Status: first run on the H200 in session 14 (docs/benchmarks/NOTES.md section 24
 GPU tests passed and memcheck found 0 errors; forward+backward 288-335 TFLOP/s full and
 236-327 causal (1k-8k tokens), 2.0-2.5x the portable split backward, 1.2-1.4x SDPA's
 flash backend, 0.78-0.85x cuDNN's; since then FLASHTILE_HOPPER_BWD's default (auto,
-from 1k tokens) runs it. tests/test_gluon_compile.py compiles it for sm_90 on the CPU
+from 1k tokens, from 128 since session 22) runs it. tests/test_gluon_compile.py compiles it for sm_90 on the CPU
 (Triton 3.6's ptxas): full and causal, bf16 and fp16, 213,648 bytes of shared memory
 with and without dq_tma, no local-memory stores inside the walks, HGMMA, setmaxnreg
 24/240 (.maxnreg 168 at entry). The atomics: 32 REDG.F32x2 a thread a block; causal,
