@@ -13,6 +13,8 @@
 #                Gluon forward's host cost, profiled                       (~9 min)
 #   host-fwd     flashtile bench host with the Gluon forward (auto) and the portable one (~3 min)
 #   short-auto   plan tests, their memcheck slice, the short rows as auto runs them (~8 min)
+#   bwd-split    transformers' Llama-1B attention, forward+backward at GQA head splits 1/2/4
+#                beside cuDNN (issue 16)                                   (~2 min)
 #   short        the short-sequence rows of the sweep beside cuDNN, flash and Flex,
 #                and the decode table with the small-page tile sweep     (~5 min)
 #   decode       the decode/paged GPU tests, their memcheck slice, the decode table
@@ -388,6 +390,37 @@ r(heads=($heads,))" 2>&1 | grep "^{" | sed "s/^/$heads heads, $tile: /" ) \
       | grep -v "^|" | tail -2
     tar czf "$OUT/short-auto.tgz" short-auto batch1
     stamp done
+    ;;
+  bwd-split)
+    # transformers' Llama-3.2-1B attention (issue 16): batch 1, 4k tokens, 32 query over
+    # 8 KV heads, head_dim 64, causal; forward+backward with the Gluon backward's GQA
+    # head split forced to 1, 2 and 4 (FLASHTILE_HOPPER_BWD_HEAD_SPLIT; auto takes 4
+    # there), beside cuDNN's SDPA (enable_gqa) in the same process. ms, median.
+    timeout 200 python3 - <<'PY' 2>&1 | grep -v -i warn | tee "$OUT/bwd-split.txt"
+import os, torch, triton.testing, flashtile
+from torch.nn.attention import SDPBackend, sdpa_kernel
+torch.manual_seed(0)
+q = torch.randn(1, 4096, 32, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+k, v = (torch.randn(1, 4096, 8, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        for _ in "kv")
+do = torch.randn_like(q)
+def ours():
+    torch.autograd.grad(flashtile.flash_attn_func(q, k, v, causal=True), (q, k, v), do)
+qt, kt, vt, dot = (x.detach().transpose(1, 2).contiguous().requires_grad_() for x in (q, k, v, do))
+def cudnn():
+    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+        out = torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=True,
+                                                               enable_gqa=True)
+    torch.autograd.grad(out, (qt, kt, vt), dot)
+for rnd in range(2):
+    for split in ("1", "2", "4", "auto"):
+        os.environ["FLASHTILE_HOPPER_BWD_HEAD_SPLIT"] = split
+        print(f"round {rnd} split {split}: {triton.testing.do_bench(ours, warmup=50, rep=300):.4f} ms")
+    try:
+        print(f"round {rnd} cudnn: {triton.testing.do_bench(cudnn, warmup=50, rep=300):.4f} ms")
+    except RuntimeError as err:  # no cuDNN GQA: the heads repeated is not the same work
+        print(f"round {rnd} cudnn: n/a ({str(err)[:120]})")
+PY
     ;;
   short)
     timeout 240 python3 -m flashtile bench --seqlens 512 1k 2k --no-progress \

@@ -968,8 +968,8 @@ def backward(dout, q, k, v, out, lse, dlse, softmax_scale, diag_offset, causal):
     sk, hkv = k.shape[1], k.shape[2]
     # Keys a program: 128 (two warpgroups of 64), 64 at head_dim 256 (bwd_hopper256).
     block_n = configs.HOPPER_BWD_D256.block_n if d == 256 else 2 * BLOCK_N_WG.value
-    split = head_split(h // hkv, configs.cdiv(sk, block_n) * b * hkv,
-                       fwd_hopper._num_sms(q.device))
+    split = configs.hopper_bwd_head_split(h // hkv) or head_split(
+        h // hkv, configs.cdiv(sk, block_n) * b * hkv, fwd_hopper._num_sms(q.device))
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     # split > 1: the shares, each share's KV heads split times over (see the kernel).
     dk_shares = torch.empty((b, sk, hkv * split, d), dtype=k.dtype, device=q.device)

@@ -541,6 +541,29 @@ def hopper_bwd_opts() -> frozenset[str]:
     return opts
 
 
+def hopper_bwd_head_split(group_size: int) -> int | None:
+    """FLASHTILE_HOPPER_BWD_HEAD_SPLIT: how many programs share a GQA group's query heads
+    in the Gluon backward (``bwd_hopper.head_split``), for the GPU A/B: unset or "auto"
+    (None: the launcher's rule), or a positive divisor of the group size (a larger
+    number is clamped to the group). Anything else is a ValueError naming the
+    variable. Read at each call; the split is part of the launch plans' key."""
+    raw = (os.environ.get("FLASHTILE_HOPPER_BWD_HEAD_SPLIT") or "auto").strip()
+    if raw == "auto":
+        return None
+    try:
+        split = int(raw)
+        if split < 1:
+            raise ValueError
+    except ValueError:
+        raise ValueError("FLASHTILE_HOPPER_BWD_HEAD_SPLIT must be 'auto' or a positive "
+                         f"integer, got {raw!r}") from None
+    split = min(split, group_size)
+    if group_size % split:
+        raise ValueError(f"FLASHTILE_HOPPER_BWD_HEAD_SPLIT={split} does not divide the GQA "
+                         f"group of {group_size} query heads")
+    return split
+
+
 def _from_env(kind: str) -> TileConfig | None:
     # FLASHTILE_FWD_CONFIG="128,64,8,3" (BLOCK_M, BLOCK_N, num_warps, num_stages): for sweeps.
     # FLASHTILE_DECODE_CONFIG may add dv_parts: "128,32,8,2,2".
