@@ -15,6 +15,8 @@
 #   short-auto   plan tests, their memcheck slice, the short rows as auto runs them (~8 min)
 #   bwd-split    transformers' Llama-1B attention, forward+backward at GQA head splits 1/2/4
 #                beside cuDNN (issue 16)                                   (~2 min)
+#   fwd-short-tiles  the d64 forward at 256-2k tokens: key blocks, ring depths, the
+#                tiles grid, beside the default and cuDNN                  (~6 min)
 #   short        the short-sequence rows of the sweep beside cuDNN, flash and Flex,
 #                and the decode table with the small-page tile sweep     (~5 min)
 #   decode       the decode/paged GPU tests, their memcheck slice, the decode table
@@ -421,6 +423,23 @@ for rnd in range(2):
     except RuntimeError as err:  # no cuDNN GQA: the heads repeated is not the same work
         print(f"round {rnd} cudnn: n/a ({str(err)[:120]})")
 PY
+    ;;
+  fwd-short-tiles)
+    # The d64 forward below 2k tokens (issue 15: 0.71-0.90x cuDNN there, session 22):
+    # the default tile (128 x 128, 3 stages, persistent) beside other key blocks, ring
+    # depths and the tiles grid, flashtile alone; cuDNN once. TFLOP/s rows of each run.
+    run_tiles() {  # $1: a label; the environment carries the variant
+      timeout 100 python3 -m flashtile bench --seqlens 256 512 1k 2k --headdim 64 \
+        --modes fwd --no-progress --providers ${TILES_PROVIDERS:-flashtile} \
+        --out "tiles-$1" --overwrite >/dev/null 2>&1
+      grep "^| 64 " "tiles-$1/results.md" | head -8 | sed "s/^/$1 /" \
+        | tee -a "$OUT/fwd-short-tiles.txt"
+    }
+    TILES_PROVIDERS="flashtile sdpa-cudnn" run_tiles default
+    for cfg in 128,64,4,2 128,64,4,4 128,128,4,2 128,128,4,4; do
+      FLASHTILE_HOPPER_FWD_CONFIG=$cfg run_tiles "$cfg"
+    done
+    FLASHTILE_HOPPER_FWD_SCHEDULE=tiles run_tiles tiles-grid
     ;;
   short)
     timeout 240 python3 -m flashtile bench --seqlens 512 1k 2k --no-progress \
