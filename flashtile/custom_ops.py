@@ -35,8 +35,9 @@ from torch.autograd.function import once_differentiable
 
 from flashtile import _torch_backend, reference
 from flashtile._backend import getenv, hopper_bwd_mode, hopper_fwd_mode, select_backend
-from flashtile._validate import (MAX_OFFSET, can_read_indices, check_paged_varlen_values,
-                                 check_varlen_values, index_checks_enabled, offset_reach)
+from flashtile._validate import (MAX_LAYOUTS, MAX_OFFSET, can_read_indices,
+                                 check_paged_varlen_values, check_varlen_values,
+                                 index_checks_enabled, offset_reach)
 from flashtile.ops import configs
 from flashtile.ops.bwd import attn_bwd as triton_bwd
 from flashtile.ops.fwd import attn_fwd as triton_fwd
@@ -89,10 +90,9 @@ def _forward(q, k, v, attn_mask, alibi_slopes, softmax_scale, diag_offset, windo
         mode = hopper_fwd_mode()
         if mode == "1" or (mode == "auto" and _hopper_fwd_wins(q)):
             fwd_hopper = _gluon_fwd(required=mode == "1")
-            if fwd_hopper is not None and fwd_hopper.unsupported(
-                    q, k, v, dropout_p=dropout_p, **_mask_kwargs(
-                        attn_mask, alibi_slopes, softmax_scale, diag_offset,
-                        window_left, window_right, softcap)) is None:
+            if fwd_hopper is not None and _gluon_serves(
+                    fwd_hopper, q, k, v, layout, attn_mask, alibi_slopes, softmax_scale,
+                    diag_offset, window_left, window_right, softcap, dropout_p):
                 return fwd_hopper.forward(q, k, v, softmax_scale, diag_offset,
                                           causal=window_right == 0, return_lse=return_lse)
         # Keywords spelled out, not **_mask_kwargs: no dict built on the eager path.
@@ -120,6 +120,29 @@ def _gluon_fwd(required: bool = False):
             raise
         return None
     return fwd_hopper
+
+
+# fwd_hopper.layout_unsupported's answer per layout id (``attention``'s layout): a
+# plain call whose q, k and v have a layout met before checks only their addresses.
+_GLUON_LAYOUTS: dict = {}
+
+
+def _gluon_serves(fwd_hopper, q, k, v, layout, attn_mask, alibi_slopes, softmax_scale,
+                  diag_offset, window_left, window_right, softcap, dropout_p) -> bool:
+    """``fwd_hopper.unsupported(...) is None``, its layout checks remembered per layout
+    id for plain calls (the eager forward's host time, issue 15)."""
+    plain = attn_mask is None and alibi_slopes is None and softcap <= 0 \
+        and window_left < 0 and window_right <= 0 and dropout_p <= 0 and softmax_scale > 0
+    if layout is None or not plain:
+        return fwd_hopper.unsupported(q, k, v, dropout_p=dropout_p, **_mask_kwargs(
+            attn_mask, alibi_slopes, softmax_scale, diag_offset, window_left,
+            window_right, softcap)) is None
+    serves = _GLUON_LAYOUTS.get(layout)
+    if serves is None:
+        if len(_GLUON_LAYOUTS) >= MAX_LAYOUTS:
+            _GLUON_LAYOUTS.clear()
+        serves = _GLUON_LAYOUTS[layout] = fwd_hopper.layout_unsupported(q, k, v) is None
+    return serves and not fwd_hopper.misaligned(q, k, v)
 
 
 def _hopper_fwd_wins(q: Tensor) -> bool:

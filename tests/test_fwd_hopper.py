@@ -377,7 +377,11 @@ def test_switch_dispatch_on_cpu(switch, head_dim, seqlen_q, used, monkeypatch):
         return attn_fwd
 
     monkeypatch.setattr(custom_ops, "select_backend", lambda *a, **kw: "triton")
+    # What the dispatch consults: the whole check, or its per-layout part (remembered
+    # per layout id) and the addresses.
     monkeypatch.setattr(fwd_hopper, "unsupported", lambda *a, **kw: None)
+    monkeypatch.setattr(fwd_hopper, "layout_unsupported", lambda *a: None)
+    monkeypatch.setattr(custom_ops, "_GLUON_LAYOUTS", {})
     hopper = fake("hopper")
     monkeypatch.setattr(fwd_hopper, "forward", lambda q, k, v, softmax_scale, diag_offset,
                         causal, return_lse=True: hopper(q, k, v, diag_offset=diag_offset,
@@ -388,6 +392,42 @@ def test_switch_dispatch_on_cpu(switch, head_dim, seqlen_q, used, monkeypatch):
                                        torch.bfloat16, "cpu"), causal=True)
     assert list(seen) == [used]
     assert seen[used]["diag_offset"] == 20 and seen[used]["window_right"] == 0
+
+
+def test_gluon_route_remembers_layouts_not_addresses(monkeypatch):
+    """An eager forward's route to the Gluon kernel checks each layout once (the answer
+    kept per layout id) and every call's addresses: a q of a known layout 4 bytes off
+    16 goes to the portable kernel, an aligned one back to the Gluon kernel, and a
+    refused layout (head_dim 96) is refused again without a new check."""
+    seen, checked = [], []
+
+    def fake(name):
+        def attn_fwd(q, k, v, **kw):
+            seen.append(name)
+            b, sq, h, d = q.shape
+            return q.new_zeros(q.shape), q.new_zeros((b, h, sq), dtype=torch.float32)
+        return attn_fwd
+
+    real = fwd_hopper.layout_unsupported
+    monkeypatch.setattr(custom_ops, "select_backend", lambda *a, **kw: "triton")
+    monkeypatch.setattr(fwd_hopper, "_on_hopper", lambda device: True)
+    monkeypatch.setattr(fwd_hopper, "layout_unsupported",
+                        lambda *a: checked.append(1) or real(*a))
+    monkeypatch.setattr(custom_ops, "_GLUON_LAYOUTS", {})
+    hopper = fake("hopper")
+    monkeypatch.setattr(fwd_hopper, "forward", lambda q, k, v, *a, **kw: hopper(q, k, v))
+    monkeypatch.setattr(custom_ops, "triton_fwd", fake("portable"))
+    q, k, v = _inputs(1, 200, 200, 2, 2, 128, torch.bfloat16, "cpu")
+    buf = torch.empty(q.numel() + 2, dtype=q.dtype)
+    off = buf[2:].view(q.shape).copy_(q)  # the same layout, 4 bytes past 16
+    assert off.data_ptr() % 16 == 4 and off.stride() == q.stride()
+    for x in (q, off, q):
+        flashtile.flash_attn_func(x, k, v, causal=True)
+    q96, k96, v96 = _inputs(1, 200, 200, 2, 2, 96, torch.bfloat16, "cpu")
+    for _ in range(2):
+        flashtile.flash_attn_func(q96, k96, v96)
+    assert seen == ["hopper", "portable", "hopper", "portable", "portable"]
+    assert len(checked) == 2
 
 
 def test_switch_rejects_other_values(monkeypatch):

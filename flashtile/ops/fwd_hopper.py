@@ -655,35 +655,51 @@ def unsupported(q, k, v, *, softmax_scale=1.0, attn_mask=None, alibi_slopes=None
     """Why this kernel cannot serve the call (None: it can). The arguments are those of
     ``flashtile.ops.fwd.attn_fwd`` for a dense call, already validated (FP8: q, k, v in
     one float8 dtype, descales checked by ``flashtile.fp8``)."""
-    if not _on_hopper(q.device):
-        return "it needs an sm_90 (Hopper) CUDA device"
     if not softmax_scale > 0:
         return f"softmax_scale {softmax_scale}: > 0 only (the row max is taken unscaled)"
-    if q.dtype not in _GL_DTYPES:
-        return f"dtype {q.dtype}: float16, bfloat16 or float8 (e4m3fn, e5m2) only"
-    fp8 = q.element_size() == 1
-    if fp8 and (out_dtype or torch.bfloat16) not in _FP8_OUT_DTYPES:
+    if q.element_size() == 1 and (out_dtype or torch.bfloat16) not in _FP8_OUT_DTYPES:
         return f"out_dtype {out_dtype}: bfloat16 or float16 only for float8 inputs"
-    table = configs.HOPPER_FWD_FP8 if fp8 else configs.HOPPER_FWD_16BIT
-    if q.shape[-1] not in table:
-        return f"head_dim {q.shape[-1]}: one of {sorted(table)} only"
-    if v.shape[-1] != q.shape[-1]:
-        return f"value head_dim {v.shape[-1]} != query head_dim {q.shape[-1]} (one tile)"
     if attn_mask is not None or alibi_slopes is not None or softcap > 0 \
             or window_left >= 0 or window_right > 0:
         return "causal or full attention only (no attn_mask, ALiBi, softcap or window)"
     if dropout_p > 0:
         return "dropout_p > 0 (no dropout mask in this kernel)"
+    return layout_unsupported(q, k, v) or (_TMA if misaligned(q, k, v) else None)
+
+
+_TMA = "TMA needs 16-byte aligned data and strides, and a contiguous last dim"
+
+
+def layout_unsupported(q, k, v) -> str | None:
+    """``unsupported``'s checks of what a layout fixes (dtype, shapes, strides, device),
+    for a plain call (causal or full, softmax_scale > 0, no mask, ALiBi, softcap, window
+    or dropout): a caller may remember the answer per layout and check only
+    ``misaligned`` per call."""
+    if not _on_hopper(q.device):
+        return "it needs an sm_90 (Hopper) CUDA device"
+    if q.dtype not in _GL_DTYPES:
+        return f"dtype {q.dtype}: float16, bfloat16 or float8 (e4m3fn, e5m2) only"
+    fp8 = q.element_size() == 1
+    table = configs.HOPPER_FWD_FP8 if fp8 else configs.HOPPER_FWD_16BIT
+    if q.shape[-1] not in table:
+        return f"head_dim {q.shape[-1]}: one of {sorted(table)} only"
+    if v.shape[-1] != q.shape[-1]:
+        return f"value head_dim {v.shape[-1]} != query head_dim {q.shape[-1]} (one tile)"
     if q.numel() == 0 or k.numel() == 0:
         return "an empty q or k (TMA descriptors need every size >= 1)"
     # FP8 v is read through its keys-contiguous copy, which the launcher allocates.
-    # TMA: a 16-byte aligned base and strides, unit inner stride.
+    # TMA: strides of 16 bytes, unit inner stride (and aligned data: ``misaligned``).
     size = q.element_size()
-    if (q.data_ptr() | k.data_ptr() | (0 if fp8 else v.data_ptr())) & 15 \
-            or not (_tma_strides(q.stride(), size) and _tma_strides(k.stride(), size)
-                    and (fp8 or _tma_strides(v.stride(), size))):
-        return "TMA needs 16-byte aligned data and strides, and a contiguous last dim"
+    if not (_tma_strides(q.stride(), size) and _tma_strides(k.stride(), size)
+            and (fp8 or _tma_strides(v.stride(), size))):
+        return _TMA
     return None
+
+
+def misaligned(q, k, v) -> bool:
+    """Whether a tensor map cannot start at q's, k's or (16-bit) v's address."""
+    return bool((q.data_ptr() | k.data_ptr()
+                 | (0 if q.element_size() == 1 else v.data_ptr())) & 15)
 
 
 @functools.lru_cache(maxsize=4096)
