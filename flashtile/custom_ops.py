@@ -92,7 +92,7 @@ def _forward(q, k, v, attn_mask, alibi_slopes, softmax_scale, diag_offset, windo
             fwd_hopper = _gluon_fwd(required=mode == "1")
             if fwd_hopper is not None and _gluon_serves(
                     fwd_hopper, q, k, v, layout, attn_mask, alibi_slopes, softmax_scale,
-                    diag_offset, window_left, window_right, softcap, dropout_p):
+                    window_left, window_right, softcap, dropout_p):
                 return fwd_hopper.forward(q, k, v, softmax_scale, diag_offset,
                                           causal=window_right == 0, return_lse=return_lse)
         # Keywords spelled out, not **_mask_kwargs: no dict built on the eager path.
@@ -122,21 +122,24 @@ def _gluon_fwd(required: bool = False):
     return fwd_hopper
 
 
-# fwd_hopper.layout_unsupported's answer per layout id (``attention``'s layout): a
-# plain call whose q, k and v have a layout met before checks only their addresses.
+# fwd_hopper.layout_unsupported's answer per layout id (``attention``'s layout): a call
+# whose q, k and v have a layout met before checks only its options and addresses.
 _GLUON_LAYOUTS: dict = {}
 
 
 def _gluon_serves(fwd_hopper, q, k, v, layout, attn_mask, alibi_slopes, softmax_scale,
-                  diag_offset, window_left, window_right, softcap, dropout_p) -> bool:
+                  window_left, window_right, softcap, dropout_p) -> bool:
     """``fwd_hopper.unsupported(...) is None``, its layout checks remembered per layout
-    id for plain calls (the eager forward's host time, issue 15)."""
-    plain = attn_mask is None and alibi_slopes is None and softcap <= 0 \
-        and window_left < 0 and window_right <= 0 and dropout_p <= 0 and softmax_scale > 0
-    if layout is None or not plain:
-        return fwd_hopper.unsupported(q, k, v, dropout_p=dropout_p, **_mask_kwargs(
-            attn_mask, alibi_slopes, softmax_scale, diag_offset, window_left,
-            window_right, softcap)) is None
+    id (the eager forward's host time, issue 15)."""
+    # Keywords spelled out, not **_mask_kwargs: no dict built on the eager path.
+    if fwd_hopper.options_unsupported(
+            q, softmax_scale=softmax_scale, attn_mask=attn_mask, alibi_slopes=alibi_slopes,
+            window_left=window_left, window_right=window_right, softcap=softcap,
+            dropout_p=dropout_p) is not None:
+        return False
+    if layout is None:
+        return fwd_hopper.layout_unsupported(q, k, v) is None \
+            and not fwd_hopper.misaligned(q, k, v)
     serves = _GLUON_LAYOUTS.get(layout)
     if serves is None:
         if len(_GLUON_LAYOUTS) >= MAX_LAYOUTS:

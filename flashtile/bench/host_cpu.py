@@ -79,18 +79,20 @@ class _Kernel:
         def run(*args, **kwargs):
             _Counter.launches += 1
             _Counter.unplanned += 1
+            from flashtile.ops import _launch
+
             bound = [*args, *(kwargs[n] for n in self.arg_names[len(args):])]
-            descs = [x for x in bound if type(x).__name__ == "TensorDescriptor"]
-            return _described(self.arg_names, bound) if descs else _Compiled()
+            is_desc = [_launch._is_descriptor(x) for x in bound]
+            return _described(self.arg_names, bound, is_desc) if any(is_desc) \
+                else _Compiled()
         return run
 
 
-def _described(names, bound):
+def _described(names, bound, is_desc):
     """A compiled kernel whose launcher is Triton's descriptor wrapper over the no-op,
     with each descriptor's metadata (the fake driver's encoder ignores its values)."""
     from triton.backends.nvidia import driver as nvidia
 
-    is_desc = [type(x).__name__ == "TensorDescriptor" for x in bound]
     signature = {n: "tensordesc" if d else "i32" for n, d in zip(names, is_desc)}
     metas = [dict(swizzle=3, elem_size=x.base.element_size(), elem_type=6,
                   block_size=list(x.block_shape), fp4_padded=False)

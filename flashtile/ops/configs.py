@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from flashtile._backend import getenv
 from flashtile.ops import _launch
 
 logger = logging.getLogger("flashtile")
@@ -380,13 +381,9 @@ def hopper_fwd_fp8_pv_per_tile(head_dim: int) -> bool:
 
 def _env_choice(name: str, choices: tuple) -> str:
     """The environment variable ``name``: one of ``choices``, the first when unset
-    (read at each call, the fast way: the Gluon forward reads one per call)."""
-    from flashtile._backend import getenv
-
-    value = getenv(name, "")
-    if not value:
-        return choices[0]
-    value = value.strip() or choices[0]
+    (read at each call through ``getenv``, the fast way: the Gluon forward reads one per
+    call)."""
+    value = getenv(name, "").strip() or choices[0]
     if value not in choices:
         raise ValueError(f"{name} must be one of {choices}, got {value!r}")
     return value
@@ -547,7 +544,7 @@ def hopper_bwd_head_split(group_size: int) -> int | None:
     (None: the launcher's rule), or a positive divisor of the group size (a larger
     number is clamped to the group). Anything else is a ValueError naming the
     variable. Read at each call; the split is part of the launch plans' key."""
-    raw = (os.environ.get("FLASHTILE_HOPPER_BWD_HEAD_SPLIT") or "auto").strip()
+    raw = getenv("FLASHTILE_HOPPER_BWD_HEAD_SPLIT", "").strip() or "auto"
     if raw == "auto":
         return None
     try:

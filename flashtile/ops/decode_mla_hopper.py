@@ -514,7 +514,6 @@ def descriptors(q, k_cache, block_n: int) -> tuple:
             desc(k_cache, k_shape, k_strides, [1, block_n, 1, ROPE.value]))
 
 
-
 # The parameters a launch plan fills per call, in the kernel's order.
 _SLOTS = ("q_lat_desc", "q_rope_desc", "k_lat_desc", "k_rope_desc", "Out", "Lse",
           "BlockTable", "CacheSeqlens", "softmax_scale")

@@ -654,7 +654,19 @@ def unsupported(q, k, v, *, softmax_scale=1.0, attn_mask=None, alibi_slopes=None
                 out_dtype=None, **_) -> str | None:
     """Why this kernel cannot serve the call (None: it can). The arguments are those of
     ``flashtile.ops.fwd.attn_fwd`` for a dense call, already validated (FP8: q, k, v in
-    one float8 dtype, descales checked by ``flashtile.fp8``)."""
+    one float8 dtype, descales checked by ``flashtile.fp8``). Three parts: the call's
+    options, what q's, k's and v's layout fixes (a caller may remember that answer per
+    layout), and their addresses."""
+    return options_unsupported(
+        q, softmax_scale=softmax_scale, attn_mask=attn_mask, alibi_slopes=alibi_slopes,
+        window_left=window_left, window_right=window_right, softcap=softcap,
+        dropout_p=dropout_p, out_dtype=out_dtype) \
+        or layout_unsupported(q, k, v) or (_TMA if misaligned(q, k, v) else None)
+
+
+def options_unsupported(q, *, softmax_scale, attn_mask, alibi_slopes, window_left,
+                        window_right, softcap, dropout_p, out_dtype=None) -> str | None:
+    """``unsupported``'s checks of the call's options."""
     if not softmax_scale > 0:
         return f"softmax_scale {softmax_scale}: > 0 only (the row max is taken unscaled)"
     if q.element_size() == 1 and (out_dtype or torch.bfloat16) not in _FP8_OUT_DTYPES:
@@ -664,17 +676,16 @@ def unsupported(q, k, v, *, softmax_scale=1.0, attn_mask=None, alibi_slopes=None
         return "causal or full attention only (no attn_mask, ALiBi, softcap or window)"
     if dropout_p > 0:
         return "dropout_p > 0 (no dropout mask in this kernel)"
-    return layout_unsupported(q, k, v) or (_TMA if misaligned(q, k, v) else None)
+    return None
 
 
 _TMA = "TMA needs 16-byte aligned data and strides, and a contiguous last dim"
 
 
 def layout_unsupported(q, k, v) -> str | None:
-    """``unsupported``'s checks of what a layout fixes (dtype, shapes, strides, device),
-    for a plain call (causal or full, softmax_scale > 0, no mask, ALiBi, softcap, window
-    or dropout): a caller may remember the answer per layout and check only
-    ``misaligned`` per call."""
+    """``unsupported``'s checks of what a layout fixes (dtype, shapes, strides, device):
+    a caller may remember the answer per layout and check only ``options_unsupported``
+    and ``misaligned`` per call."""
     if not _on_hopper(q.device):
         return "it needs an sm_90 (Hopper) CUDA device"
     if q.dtype not in _GL_DTYPES:
