@@ -121,12 +121,14 @@ def hopper_bwd_mode() -> str:
     backward (flashtile/ops/bwd_hopper.py; head_dim 256 in bwd_hopper256.py) instead of
     the portable one. "auto" (the default): the calls it supports (head dims 64, 128
     and 256, causal or full, no dropout) where both lengths reach
-    ``configs.HOPPER_BWD_AUTO_MIN_SEQLEN`` (512 at d64/d128, 128 at d256): forward+
+    ``configs.HOPPER_BWD_AUTO_MIN_SEQLEN`` (256 at d64/d128, 128 at d256): forward+
     backward was timed at 1.09-1.22x the portable split backward at d64/d128 and
     2.0-2.5x at d256 from 1k tokens (docs/benchmarks/NOTES.md sections 22 and 24), and
     1.2-1.5x (d64/d128 at 512) and 2.5-3x (d256 from 128) below (section 32); d64/d128
-    lost at 128 and 256 tokens. "1": every call it supports; "0": never. Deterministic calls always keep the portable split backward (its dQ atomics
-    are not reproducible)."""
+    lost at 128 and 256 tokens then; since its plans encode their tensor maps it wins at
+    256 by 8-33% (section 33). "1": every call it supports; "0": never. Deterministic
+    calls always keep the portable split backward (its dQ atomics are not
+    reproducible)."""
     value = getenv("FLASHTILE_HOPPER_BWD", "auto").strip() or "auto"
     if value not in ("auto", "0", "1"):
         raise ValueError(f"FLASHTILE_HOPPER_BWD must be 'auto', '0' or '1', got {value!r}")

@@ -558,9 +558,9 @@ def test_declines_what_it_does_not_support(monkeypatch):
 @pytest.mark.parametrize("switch,deterministic,head_dim,seqlen_q,used", [
     ("1", False, 64, 30, "hopper"), ("1", False, 128, 30, "hopper"),
     ("0", False, 128, 1024, "portable"), ("", False, 128, 1024, "hopper"),
-    ("auto", False, 64, 1024, "hopper"), ("auto", False, 128, 511, "portable"),
-    ("auto", False, 64, 512, "hopper"), ("auto", False, 64, 300, "portable"),
-    ("auto", False, 128, 512, "hopper"),
+    ("auto", False, 64, 1024, "hopper"), ("auto", False, 128, 511, "hopper"),
+    ("auto", False, 64, 256, "hopper"), ("auto", False, 64, 255, "portable"),
+    ("auto", False, 128, 256, "hopper"), ("auto", False, 128, 200, "portable"),
     ("", False, 128, 30, "portable"), ("1", True, 128, 30, "portable"),
     ("auto", True, 128, 1024, "portable"), ("1", False, 96, 30, "portable"),
     ("1", False, 256, 30, "hopper"), ("1", False, 256, 1024, "hopper"),
@@ -573,7 +573,7 @@ def test_switch_dispatch_on_cpu(switch, deterministic, head_dim, seqlen_q, used,
     backward to bwd_hopper.backward with the portable launcher's arguments (bottom-right
     causal as diag_offset, the scale, dlse); "auto" (also the unset default) does so
     where both lengths (seqlen_k is seqlen_q + 20 here) reach
-    configs.HOPPER_BWD_AUTO_MIN_SEQLEN (512 at head dims 64 and 128, 128 at 256) and
+    configs.HOPPER_BWD_AUTO_MIN_SEQLEN (256 at head dims 64 and 128, 128 at 256) and
     keeps shorter calls on the portable backward; "0" never sends it, and neither do
     deterministic calls or calls it declines (head_dim 96: the real unsupported() runs
     there, with only its device check bypassed)."""

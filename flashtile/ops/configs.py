@@ -399,8 +399,10 @@ HOPPER_FWD_AUTO_MIN_SEQLEN = 128
 # FLASHTILE_HOPPER_BWD=auto (custom_ops._hopper_bwd_wins): the Gluon backward where both
 # lengths reach this, by head dim. Session 22 (same run): forward+backward at 512 tokens
 # 1.23-1.48x the portable backward at d64/d128, 2.5-3x at d256 from 128; at 128 and 256
-# tokens d64/d128 lost up to 32% (their key blocks are too few for its prologue).
-HOPPER_BWD_AUTO_MIN_SEQLEN = {64: 512, 128: 512, 256: 128}
+# tokens d64/d128 lost up to 32%. Session 23 (section 33), its launch plan now encoding
+# the tensor maps itself: at 256 tokens it won every d64/d128 cell by 8-33% (d128 full
+# 0.75 -> 1.00x cuDNN); at 128 it won full by 4-8% and lost causal by 15%, so 256.
+HOPPER_BWD_AUTO_MIN_SEQLEN = {64: 256, 128: 256, 256: 128}
 
 
 HOPPER_FWD_SCHEDULE = ("auto", "tiles", "persistent")
