@@ -506,21 +506,43 @@ def test_seqlen_argument():
             seqlen(bad)
 
 
-def test_accuracy_table():
+def test_accuracy_table(monkeypatch):
+    """Every (precision, inputs) row; n/a with a reason where a path cannot run on the
+    CPU (TF32, SDPA's efficient backend); the fp32-tf32x3 row runs flashtile with
+    FLASHTILE_FP32_PRECISION=tf32x3 and restores the variable after it."""
+    from flashtile.ops import configs
+
+    monkeypatch.delenv("FLASHTILE_FP32_PRECISION", raising=False)
+    modes = []
+    real = accuracy._flashtile
+
+    def recording(q, k, v, causal):
+        if q.dtype == torch.float32:
+            modes.append(configs.fp32_products())
+        return real(q, k, v, causal)
+
+    monkeypatch.setattr(accuracy, "_flashtile", recording)
     rows = accuracy.accuracy_table(CPU, shape=(1, 40, 2, 16), repeats=1)
     assert [(r.precision, r.inputs) for r in rows] == [
         (p, kind) for kind in accuracy.INPUT_KINDS for p, _, _ in accuracy.PRECISIONS]
+    # fp32 then fp32-tf32x3 per input kind (TF32 is skipped on CPU); each row's paths
+    # call flashtile twice (the error, then the timing with repeats=1 and its warm-up).
+    assert "tf32x3" in modes and "ieee" in modes
+    assert modes[0] == "ieee" and modes[-1] == "tf32x3"
+    assert "FLASHTILE_FP32_PRECISION" not in os.environ
     for r in rows:
         if r.precision == "tf32":  # CPU: n/a with a reason, not a crash
             assert r.flashtile.max_abs is None and "no TF32" in r.flashtile.reason
             continue
+        assert r.sdpa_efficient.max_abs is None and "CUDA only" in r.sdpa_efficient.reason
         for path in (r.flashtile, r.sdpa_math):
             assert path.reason is None and path.ms > 0
             assert 0 <= path.max_abs < 0.1 and 0 <= path.rel < 0.05
-        if r.precision == "fp32":  # exact fp32 products: near float64
+        if r.precision.startswith("fp32"):  # fp32 accuracy: near float64
             assert r.flashtile.rel < 1e-5
     text = accuracy.markdown(rows, (1, 40, 2, 16), "CPU")
     assert "| fp32 | outliers |" in text and "no TF32 on CPU" in text
+    assert "| fp32-tf32x3 | normal |" in text and "sdpa-efficient ms" in text
 
 
 def test_accuracy_command(tmp_path, monkeypatch, capsys):
@@ -529,7 +551,7 @@ def test_accuracy_command(tmp_path, monkeypatch, capsys):
                      str(tmp_path)]) == 0
     assert "| bf16 | normal |" in capsys.readouterr().out
     data = json.loads((tmp_path / "accuracy.json").read_text())
-    assert data["shape"] == [1, 24, 2, 16] and len(data["rows"]) == 12  # 6 precisions
+    assert data["shape"] == [1, 24, 2, 16] and len(data["rows"]) == 14  # 7 precisions
 
 
 def test_info_prints_versions_and_caches_ceilings(monkeypatch, capsys):

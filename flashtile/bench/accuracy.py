@@ -1,12 +1,20 @@
 """``flashtile bench --accuracy``: how close flashtile and PyTorch come to exact attention.
 
-For each precision (fp32, TF32, fp16, bf16, FP8 e4m3 and e5m2) and two input kinds
-(standard normal q/k/v; the same with 5% of the q and k entries multiplied by 20, so a
-few scores dominate their rows), the forward output of flashtile and of PyTorch's SDPA
-math backend at the same dtype is compared with attention computed in float64 from the
-same (rounded) inputs: max |out - ref| and ||out - ref|| / ||ref||, with each path's
-median time. A row that cannot run here (TF32 on a CPU) or a path that raises is "n/a"
+For each precision (fp32, fp32 through flashtile's tf32x3 products, TF32, fp16, bf16,
+FP8 e4m3 and e5m2) and two input kinds (standard normal q/k/v; the same with 5% of the q
+and k entries multiplied by 20, so a few scores dominate their rows), the forward output
+of flashtile and of PyTorch's SDPA math and efficient backends at the same dtype is
+compared with attention computed in float64 from the same (rounded) inputs: max |out -
+ref| and ||out - ref|| / ||ref||, with each path's median time. A row that cannot run
+here (TF32 on a CPU; SDPA's efficient backend is CUDA's) or a path that raises is "n/a"
 with a reason.
+
+Why the efficient column: it is PyTorch's fastest fp32 backend, and on sm_80 and later
+its fp32 products are CUTLASS's 3xTF32 (OpMultiplyAddFastF32 in its DefaultGemmType:
+each product as three TF32 tensor-core products of the operands' rounded high and low
+parts), the scheme FLASHTILE_FP32_PRECISION=tf32x3 asks of Triton. So "fp32-tf32x3"
+against sdpa-efficient compares the same accuracy class, and "fp32" (IEEE products,
+flashtile's default) against sdpa-math the exact one.
 
 FP8 rows: q, k, v quantised with a scale per (batch, head) (flashtile.fp8.quantize), the
 reference is float64 attention of the dequantised inputs, so the error is the kernel's
@@ -17,7 +25,9 @@ rounded to bf16, the alternative to an FP8 kernel.
 
 from __future__ import annotations
 
+import contextlib
 import math
+import os
 from dataclasses import asdict, dataclass
 
 import torch
@@ -27,8 +37,10 @@ from flashtile import fp8 as F8
 from flashtile.bench.run import time_step
 from flashtile.reference import attention_naive, sdpa_math_bshd
 
-# (label, dtype, torch.get_float32_matmul_precision during the row)
-PRECISIONS = (("fp32", torch.float32, "highest"), ("tf32", torch.float32, "high"),
+# (label, dtype, torch.get_float32_matmul_precision during the row). "fp32-tf32x3":
+# flashtile with FLASHTILE_FP32_PRECISION=tf32x3 for the row; the SDPA paths as for fp32.
+PRECISIONS = (("fp32", torch.float32, "highest"), ("fp32-tf32x3", torch.float32, "highest"),
+              ("tf32", torch.float32, "high"),
               ("fp16", torch.float16, "highest"), ("bf16", torch.bfloat16, "highest"),
               ("fp8-e4m3", torch.float8_e4m3fn, "highest"),
               ("fp8-e5m2", torch.float8_e5m2, "highest"))
@@ -53,6 +65,7 @@ class AccuracyRow:
     inputs: str
     flashtile: PathResult
     sdpa_math: PathResult
+    sdpa_efficient: PathResult
 
 
 def make_qkv(kind: str, shape, seed: int = 0):
@@ -79,6 +92,38 @@ def _flashtile(q, k, v, causal):
 
 def _sdpa_math(q, k, v, causal):
     return sdpa_math_bshd(causal)(q, k, v)
+
+
+def _sdpa_efficient(q, k, v, causal):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel(SDPBackend.EFFICIENT_ATTENTION):
+        out = torch.nn.functional.scaled_dot_product_attention(
+            *(x.transpose(1, 2) for x in (q, k, v)), is_causal=causal)
+    return out.transpose(1, 2)
+
+
+@contextlib.contextmanager
+def _fp32_products(mode: str | None):
+    """FLASHTILE_FP32_PRECISION=mode for one row (None: as set). Launch plans keep the
+    mode they were made with (configs.fp32_products), so they are dropped on the way in
+    and out."""
+    if mode is None:
+        yield
+        return
+    from flashtile.ops import _launch
+
+    before = os.environ.get("FLASHTILE_FP32_PRECISION")
+    os.environ["FLASHTILE_FP32_PRECISION"] = mode
+    _launch.clear()
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["FLASHTILE_FP32_PRECISION"]
+        else:
+            os.environ["FLASHTILE_FP32_PRECISION"] = before
+        _launch.clear()
 
 
 def _fp8_paths(q64, k64, v64, dtype, device):
@@ -116,6 +161,14 @@ def _skip_reason(label: str, device) -> str | None:
     return None
 
 
+def _efficient_skip(dtype, device) -> str | None:
+    if device.type != "cuda":
+        return "sdpa-efficient: CUDA only"
+    if F8.is_fp8(dtype):
+        return "sdpa-efficient: no FP8"
+    return None
+
+
 def accuracy_table(device, shape=None, causal: bool = False, repeats: int = 3,
                    precisions=PRECISIONS, kinds=INPUT_KINDS) -> list[AccuracyRow]:
     device = torch.device(device)
@@ -127,7 +180,7 @@ def accuracy_table(device, shape=None, causal: bool = False, repeats: int = 3,
             skip = _skip_reason(label, device)
             if skip is not None:
                 rows.append(AccuracyRow(label, kind, PathResult(reason=skip),
-                                        PathResult(reason=skip)))
+                                        PathResult(reason=skip), PathResult(reason=skip)))
                 continue
             if F8.is_fp8(dtype):
                 (q, k, v), exact, ours_fn, theirs_fn = _fp8_paths(q64, k64, v64, dtype,
@@ -141,11 +194,15 @@ def accuracy_table(device, shape=None, causal: bool = False, repeats: int = 3,
             before = torch.get_float32_matmul_precision()
             torch.set_float32_matmul_precision(precision)
             try:
-                ours = _run_path(ours_fn, q, k, v, ref, causal, device, repeats)
+                with _fp32_products("tf32x3" if label == "fp32-tf32x3" else None):
+                    ours = _run_path(ours_fn, q, k, v, ref, causal, device, repeats)
                 theirs = _run_path(theirs_fn, q, k, v, ref, causal, device, repeats)
+                skip = _efficient_skip(dtype, device)
+                efficient = PathResult(reason=skip) if skip else _run_path(
+                    _sdpa_efficient, q, k, v, ref, causal, device, repeats)
             finally:
                 torch.set_float32_matmul_precision(before)
-            rows.append(AccuracyRow(label, kind, ours, theirs))
+            rows.append(AccuracyRow(label, kind, ours, theirs, efficient))
             del q, k, v, ref
     return rows
 
@@ -162,19 +219,24 @@ def markdown(rows: list[AccuracyRow], shape, device_name: str) -> str:
         f"(batch, seqlen, nheads, head_dim), forward; rel = ||out - ref|| / ||ref||)",
         "",
         "| precision | inputs | flashtile max abs | flashtile rel | flashtile ms "
-        "| sdpa-math max abs | sdpa-math rel | sdpa-math ms | note |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---|",
+        "| sdpa-math max abs | sdpa-math rel | sdpa-math ms "
+        "| sdpa-efficient max abs | sdpa-efficient rel | sdpa-efficient ms | note |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for r in rows:
         cols = []
-        for p in (r.flashtile, r.sdpa_math):
+        paths = (r.flashtile, r.sdpa_math, r.sdpa_efficient)
+        for p in paths:
             cols += [_fmt(p.max_abs, ".2e"), _fmt(p.rel, ".2e"), _fmt(p.ms, ".3g")]
-        notes = dict.fromkeys(p.reason for p in (r.flashtile, r.sdpa_math) if p.reason)
+        notes = dict.fromkeys(p.reason for p in paths if p.reason)
         lines.append(f"| {r.precision} | {r.inputs} | " + " | ".join(cols)
                      + f" | {'; '.join(notes)} |")
     lines += ["", f"outliers: {OUTLIER_FRACTION:.0%} of the q and k entries x "
               f"{OUTLIER_SCALE:g}. sdpa-math: torch SDPA with the MATH backend forced, "
-              "same dtype. TF32: torch.set_float32_matmul_precision('high') for that row. "
+              "same dtype; sdpa-efficient: its EFFICIENT_ATTENTION backend (fp32 as "
+              "3xTF32 on sm_80+). fp32-tf32x3: flashtile with "
+              "FLASHTILE_FP32_PRECISION=tf32x3. "
+              "TF32: torch.set_float32_matmul_precision('high') for that row. "
               "fp8-*: q, k, v quantised per (batch, head) with flash-attn 3's descales, "
               "reference and sdpa-math on the dequantised inputs (sdpa-math rounded to "
               "bf16: PyTorch's SDPA has no FP8 path), flashtile's output in fp32."]
