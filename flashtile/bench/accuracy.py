@@ -27,14 +27,13 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 from dataclasses import asdict, dataclass
 
 import torch
 
 import flashtile
 from flashtile import fp8 as F8
-from flashtile.bench.run import time_step
+from flashtile.bench.run import env_var, time_step
 from flashtile.reference import attention_naive, sdpa_math_bshd
 
 # (label, dtype, torch.get_float32_matmul_precision during the row). "fp32-tf32x3":
@@ -113,17 +112,12 @@ def _fp32_products(mode: str | None):
         return
     from flashtile.ops import _launch
 
-    before = os.environ.get("FLASHTILE_FP32_PRECISION")
-    os.environ["FLASHTILE_FP32_PRECISION"] = mode
-    _launch.clear()
-    try:
-        yield
-    finally:
-        if before is None:
-            del os.environ["FLASHTILE_FP32_PRECISION"]
-        else:
-            os.environ["FLASHTILE_FP32_PRECISION"] = before
+    with env_var("FLASHTILE_FP32_PRECISION", mode):
         _launch.clear()
+        try:
+            yield
+        finally:
+            _launch.clear()
 
 
 def _fp8_paths(q64, k64, v64, dtype, device):

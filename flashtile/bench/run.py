@@ -15,9 +15,11 @@ goes on; after a failure on CUDA the allocator's cache is emptied.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import itertools
 import logging
+import os
 import statistics
 import sys
 import time
@@ -27,6 +29,21 @@ import torch
 
 from flashtile.bench import registry
 from flashtile.bench.registry import Cell
+
+
+@contextlib.contextmanager
+def env_var(name: str, value: str):
+    """os.environ[name] = value for the block, then the previous value (or none)."""
+    before = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ[name]
+        else:
+            os.environ[name] = before
+
 
 logger = logging.getLogger("flashtile")
 MiB = 2**20

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 from dataclasses import dataclass
 
 import torch
@@ -138,15 +137,8 @@ def _smem_limit(device) -> int | None:
 @contextlib.contextmanager
 def _backward_path(kind):
     """FLASHTILE_BWD set to the backward that runs ``kind``'s kernel, for one trial."""
-    before = os.environ.get("FLASHTILE_BWD")
-    os.environ["FLASHTILE_BWD"] = "fused" if kind == "bwd_fused" else "split"
-    try:
+    with run.env_var("FLASHTILE_BWD", "fused" if kind == "bwd_fused" else "split"):
         yield
-    finally:
-        if before is None:
-            del os.environ["FLASHTILE_BWD"]
-        else:
-            os.environ["FLASHTILE_BWD"] = before
 
 
 def _trial(kind, cfg, defaults, check, cell, device, repeats) -> Trial:
