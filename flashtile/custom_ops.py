@@ -11,8 +11,9 @@ and fused, fewer matrix products with dq summed by atomics (reproducible to roun
 FLASHTILE_BWD's choice, read at each backward: "split" or "fused" (default DEFAULT_BWD).
 torch.use_deterministic_algorithms(True) counts as deterministic=True.
 FLASHTILE_HOPPER_BWD (``flashtile._backend.hopper_bwd_mode``; default "auto": from
-configs.HOPPER_BWD_AUTO_MIN_SEQLEN queries and keys) sends the dense 16-bit backwards it supports on sm_90 to the Gluon
-kernel (flashtile/ops/bwd_hopper.py, atomic dQ), unless deterministic.
+configs.HOPPER_BWD_AUTO_MIN_SEQLEN queries and keys) sends the dense 16-bit backwards it
+supports on sm_90 to the Gluon kernel (flashtile/ops/bwd_hopper.py, atomic dQ), unless
+deterministic.
 
 Dropout: ``dropout_p`` > 0 comes with ``philox``, the int64 [seed, offset] tensor the
 caller drew from PyTorch's generator (``flashtile.interface._philox``); it is saved for
@@ -164,7 +165,7 @@ def _hopper_fwd_wins(q: Tensor) -> bool:
 
 def _hopper_bwd_wins(q: Tensor, k: Tensor) -> bool:
     """FLASHTILE_HOPPER_BWD=auto's cells: both lengths from
-    configs.HOPPER_BWD_AUTO_MIN_SEQLEN of the head dim (NOTES.md sections 22, 24, 32)."""
+    configs.HOPPER_BWD_AUTO_MIN_SEQLEN of the head dim (NOTES.md sections 22, 24, 32, 33)."""
     least = configs.HOPPER_BWD_AUTO_MIN_SEQLEN.get(q.shape[-1])
     return least is not None and min(q.shape[1], k.shape[1]) >= least
 
