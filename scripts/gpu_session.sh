@@ -168,22 +168,23 @@ case "${1:-}" in
     # for sm_90 without spills or with the fewest (sized on CPU in session 23: fwd d64
     # 128,32,8,2 205 registers, d128 128,32,8,2 48 bytes of stack against the default's
     # 104; bwd d64 dq 64,32,4,1 HGMMA without spills, dkdv 64,16,4,1).
-    timeout 100 python3 -m flashtile bench --accuracy --out fp32-acc --overwrite 2>&1 \
+    timeout 150 python3 -m flashtile bench --accuracy --out fp32-acc --overwrite 2>&1 \
       | grep "^| fp32\|^| tf32\|^| precision" | tee "$OUT/fp32-acc.txt"
-    timeout 130 python3 -m flashtile bench --dtype fp32 --headdim 64 128 --seqlens 2k 8k \
+    timeout 110 python3 -m flashtile bench --dtype fp32 --headdim 64 128 --seqlens 2k 8k \
       --no-progress --providers sdpa-efficient sdpa-math flex --out fp32-peers --overwrite \
       >/dev/null 2>&1; grep "^| [0-9]" fp32-peers/results.md | head -16 | tee "$OUT/fp32-peers.txt"
-    fp32_run() {  # $1: a label, $2: head dims, $3: modes; the environment carries the tiles
-      FLASHTILE_FP32_PRECISION=tf32x3 timeout 80 python3 -m flashtile bench --dtype fp32 \
+    fp32_run() {  # $1: a label, $2: head dims, $3: modes, $4: seconds; the environment
+      # carries the tiles. The limits keep the stage inside one 10-minute call.
+      FLASHTILE_FP32_PRECISION=tf32x3 timeout $4 python3 -m flashtile bench --dtype fp32 \
         --headdim $2 --seqlens 2k 8k --modes $3 --no-progress --providers flashtile \
         --out "fp32-$1" --overwrite >/dev/null 2>&1
       grep "^| [0-9]" "fp32-$1/results.md" | head -8 | sed "s/^/$1 /" | tee -a "$OUT/fp32-tiles.txt"
     }
-    fp32_run default "64 128" "fwd fwd_bwd"
-    FLASHTILE_FWD_CONFIG=128,32,8,2 fp32_run fwd-128x32 "64 128" fwd
-    FLASHTILE_FWD_CONFIG=32,32,4,2 fp32_run fwd-32x32 64 fwd
+    fp32_run default "64 128" "fwd fwd_bwd" 90
+    FLASHTILE_FWD_CONFIG=128,32,8,2 fp32_run fwd-128x32 "64 128" fwd 70
+    FLASHTILE_FWD_CONFIG=32,32,4,2 fp32_run fwd-32x32 64 fwd 50
     FLASHTILE_BWD_DQ_CONFIG=64,32,4,1 FLASHTILE_BWD_DKDV_CONFIG=64,16,4,1 \
-      fp32_run bwd-64 64 fwd_bwd
+      fp32_run bwd-64 64 fwd_bwd 70
     tar czf "$OUT/fp32.tgz" fp32-*
     ;;
   bwd-ab)
