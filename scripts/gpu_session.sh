@@ -44,6 +44,8 @@
 #   ncu          the Gluon backward (d128; transformers' d64 GQA step), the d64 and FP8
 #                forwards, one launch each under Nsight Compute             (~4 min)
 #   fp32         tf32x3's accuracy, the fp32 peers, tf32x3 on its tiles and candidates (~8 min)
+#   fp32-split   study: K and V split into TF32 high/low parts once a call against Triton's
+#                tf32x3 in one minimal kernel (scripts/study_fp32_split.py)     (~2 min)
 #   dropout      flashtile with and without dropout beside SDPA's dropout backends (~4 min)
 #   mla          the absorbed MLA decode (576/512): GPU tests (the Gluon kernel's too),
 #                against the copy ceiling, the Gluon kernel and tiles by heads (64/128)
@@ -186,6 +188,10 @@ case "${1:-}" in
     FLASHTILE_BWD_DQ_CONFIG=64,32,4,1 FLASHTILE_BWD_DKDV_CONFIG=64,16,4,1 \
       fp32_run bwd-64 64 fwd_bwd 70
     tar czf "$OUT/fp32.tgz" fp32-*
+    ;;
+  fp32-split)
+    timeout 240 python3 scripts/study_fp32_split.py 2>&1 | grep -v "^\s*$" \
+      | tee "$OUT/fp32-split.txt"
     ;;
   bwd-ab)
     # The backwards (issue 15 item 3): the Gluon one (never run on a GPU before this
