@@ -237,10 +237,18 @@ def sdpa_math_bshd(causal):
     torch's own error at a dtype, the yardstick of the accuracy rule below. (Its causal
     mask is top-left aligned: the callers use seqlen_q == seqlen_k, where that is
     flash-attn's bottom-right.)"""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.attention import SDPBackend
+
+    return sdpa_bshd(causal, SDPBackend.MATH)
+
+
+def sdpa_bshd(causal, backend):
+    """PyTorch's SDPA forced to ``backend`` (an SDPBackend), on (batch, seqlen, heads,
+    dim) inputs; the causal mask as in ``sdpa_math_bshd``."""
+    from torch.nn.attention import sdpa_kernel
 
     def attn(q, k, v):
-        with sdpa_kernel(SDPBackend.MATH):
+        with sdpa_kernel(backend):
             out = torch.nn.functional.scaled_dot_product_attention(
                 *(x.transpose(1, 2) for x in (q, k, v)), is_causal=causal)
         return out.transpose(1, 2)

@@ -34,7 +34,7 @@ import torch
 import flashtile
 from flashtile import fp8 as F8
 from flashtile.bench.run import env_var, time_step
-from flashtile.reference import attention_naive, sdpa_math_bshd
+from flashtile.reference import attention_naive, sdpa_bshd, sdpa_math_bshd
 
 # (label, dtype, torch.get_float32_matmul_precision during the row). "fp32-tf32x3":
 # flashtile with FLASHTILE_FP32_PRECISION=tf32x3 for the row; the SDPA paths as for fp32.
@@ -94,12 +94,9 @@ def _sdpa_math(q, k, v, causal):
 
 
 def _sdpa_efficient(q, k, v, causal):
-    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.attention import SDPBackend
 
-    with sdpa_kernel(SDPBackend.EFFICIENT_ATTENTION):
-        out = torch.nn.functional.scaled_dot_product_attention(
-            *(x.transpose(1, 2) for x in (q, k, v)), is_causal=causal)
-    return out.transpose(1, 2)
+    return sdpa_bshd(causal, SDPBackend.EFFICIENT_ATTENTION)(q, k, v)
 
 
 @contextlib.contextmanager
