@@ -84,18 +84,19 @@ bwd_hopper's schedule options (FLASHTILE_HOPPER_BWD_OPTS) this kernel takes dq_t
 Status: first run on the H200 in session 14 (docs/benchmarks/NOTES.md section 24): its
 GPU tests passed and memcheck found 0 errors; forward+backward 288-335 TFLOP/s full and
 236-327 causal (1k-8k tokens), 2.0-2.5x the portable split backward, 1.2-1.4x SDPA's
-flash backend, 0.78-0.85x cuDNN's; since then FLASHTILE_HOPPER_BWD's default (auto,
-from 1k tokens, from 128 since session 22) runs it. tests/test_gluon_compile.py compiles it for sm_90 on the CPU
-(Triton 3.6's ptxas): full and causal, bf16 and fp16, 213,648 bytes of shared memory
-with and without dq_tma, no local-memory stores inside the walks, HGMMA, setmaxnreg
-24/240 (.maxnreg 168 at entry). The atomics: 32 REDG.F32x2 a thread a block; causal,
-ptxas keeps the shared-memory base, 4 bytes, stored before the walk and reloaded once a
-query block (8 bytes of stack; full: none). dq_tma: no REDG, 4 UTMAREDG, no local
-memory at all. tests/test_bwd_hopper.py has its GPU tests (both dQ paths). Session 19
-(NOTES.md section 29): dq_tma GPU-correct, memcheck clean; forward+backward at 16k tokens
-a batch 387-454 TFLOP/s full and 293-454 causal against the atomics' 289-335 and 236-340
-(+24-36%), 1.06-1.11x and 1.00-1.07x cuDNN in the same runs. The atomics were the bound:
-at 256 columns each dQ piece is 32 REDG.F32x2 a thread, twice bwd_hopper's at d128.
+flash backend, 0.78-0.85x cuDNN's; since then FLASHTILE_HOPPER_BWD's default (auto, from
+1k tokens, from 128 since session 22) runs it. tests/test_gluon_compile.py compiles it
+for sm_90 on the CPU (Triton 3.6's ptxas): full and causal, bf16 and fp16, 213,648 bytes
+of shared memory with and without dq_tma, no local-memory stores inside the walks,
+HGMMA, setmaxnreg 24/240 (.maxnreg 168 at entry). The atomics: 32 REDG.F32x2 a thread a
+block; causal, ptxas keeps the shared-memory base, 4 bytes, stored before the walk and
+reloaded once a query block (8 bytes of stack; full: none). dq_tma: no REDG, 4 UTMAREDG,
+no local memory at all. tests/test_bwd_hopper.py has its GPU tests (both dQ paths).
+Session 19 (NOTES.md section 29): dq_tma GPU-correct, memcheck clean; forward+backward
+at 16k tokens a batch 387-454 TFLOP/s full and 293-454 causal against the atomics'
+289-335 and 236-340 (+24-36%), 1.06-1.11x and 1.00-1.07x cuDNN in the same runs. The
+atomics were the bound: at 256 columns each dQ piece is 32 REDG.F32x2 a thread, twice
+bwd_hopper's at d128.
 """
 
 from __future__ import annotations
