@@ -25,8 +25,9 @@ def _tf32_allowed() -> bool:
 
 
 def _allow_tf32(dtype) -> bool:
-    # fp32 is exact (IEEE products) unless the user allowed TF32 the PyTorch way:
-    # torch.set_float32_matmul_precision("high") or ("medium").
+    # fp32 keeps fp32's accuracy (tf32x3 products, or IEEE ones: configs.fp32_products)
+    # unless the user allowed TF32 the PyTorch way: set_float32_matmul_precision("high")
+    # or ("medium").
     return dtype == torch.float32 and _tf32_allowed()
 
 

@@ -43,9 +43,8 @@
 #   tp           the tensor-parallel driver's tests (2 GPUs)              (~4 min)
 #   ncu          the Gluon backward (d128; transformers' d64 GQA step), the d64 and FP8
 #                forwards, one launch each under Nsight Compute             (~4 min)
-#   fp32         tf32x3's accuracy, the fp32 peers, tf32x3 on its tiles and candidates (~8 min)
-#   fp32-split   study: K and V split into TF32 high/low parts once a call against Triton's
-#                tf32x3 in one minimal kernel (scripts/study_fp32_split.py)     (~2 min)
+#   fp32         the accuracy table's fp32 rows, fp32 beside SDPA efficient, backward tile
+#                candidates (FP32_BWD="DKDV:DQ ...")                      (~4 min + 1 a pair)
 #   dropout      flashtile with and without dropout beside SDPA's dropout backends (~4 min)
 #   mla          the absorbed MLA decode (576/512): GPU tests (the Gluon kernel's too),
 #                against the copy ceiling, the Gluon kernel and tiles by heads (64/128)
@@ -161,37 +160,28 @@ case "${1:-}" in
     tar czf "$OUT/extra.tgz" extra
     ;;
   fp32)
-    # fp32 (issue 15 item 5). Session 23 timed the IEEE default: 11.7 TFLOP/s forward and
-    # 5.3 forward+backward at d64, against SDPA efficient's 35 (NOTES.md section 33).
-    # SDPA efficient's fp32 is CUTLASS's 3xTF32 (flashtile/bench/accuracy.py), so the
-    # same accuracy class as tf32x3 (three TF32 products a product): the accuracy table
-    # (its fp32-tf32x3 row beside sdpa-efficient's column), the peers once,
-    # then flashtile with tf32x3 on the fp32 tables' tiles and on candidates that compile
-    # for sm_90 without spills or with the fewest (sized on CPU in session 23: fwd d64
-    # 128,32,8,2 205 registers, d128 128,32,8,2 48 bytes of stack against the default's
-    # 104; bwd d64 dq 64,32,4,1 HGMMA without spills, dkdv 64,16,4,1).
+    # fp32 (issue 15 item 5). Since session 24 fp32 multiplies as tf32x3 by default (three
+    # TF32 products a product, SDPA efficient's scheme; FLASHTILE_FP32_PRECISION=ieee for
+    # exact products), with its own forward tiles (configs._FWD_TF32X3; NOTES.md section
+    # 34). The accuracy table's fp32 rows, flashtile beside SDPA efficient in one run, then
+    # backward tile candidates (FP32_BWD: "DKDV:DQ" pairs of FLASHTILE_BWD_*_CONFIG values;
+    # the split backward is the default, so the fused tables do not apply) at d64/d128.
     timeout 150 python3 -m flashtile bench --accuracy --out fp32-acc --overwrite 2>&1 \
       | grep "^| fp32\|^| tf32\|^| precision" | tee "$OUT/fp32-acc.txt"
-    timeout 110 python3 -m flashtile bench --dtype fp32 --headdim 64 128 --seqlens 2k 8k \
-      --no-progress --providers sdpa-efficient sdpa-math flex --out fp32-peers --overwrite \
-      >/dev/null 2>&1; grep "^| [0-9]" fp32-peers/results.md | head -16 | tee "$OUT/fp32-peers.txt"
-    fp32_run() {  # $1: a label, $2: head dims, $3: modes, $4: seconds; the environment
-      # carries the tiles. The limits keep the stage inside one 10-minute call.
-      FLASHTILE_FP32_PRECISION=tf32x3 timeout $4 python3 -m flashtile bench --dtype fp32 \
-        --headdim $2 --seqlens 2k 8k --modes $3 --no-progress --providers flashtile \
-        --out "fp32-$1" --overwrite >/dev/null 2>&1
-      grep "^| [0-9]" "fp32-$1/results.md" | head -8 | sed "s/^/$1 /" | tee -a "$OUT/fp32-tiles.txt"
-    }
-    fp32_run default "64 128" "fwd fwd_bwd" 90
-    FLASHTILE_FWD_CONFIG=128,32,8,2 fp32_run fwd-128x32 "64 128" fwd 70
-    FLASHTILE_FWD_CONFIG=32,32,4,2 fp32_run fwd-32x32 64 fwd 50
-    FLASHTILE_BWD_DQ_CONFIG=64,32,4,1 FLASHTILE_BWD_DKDV_CONFIG=64,16,4,1 \
-      fp32_run bwd-64 64 fwd_bwd 70
-    tar czf "$OUT/fp32.tgz" fp32-*
-    ;;
-  fp32-split)
-    timeout 240 python3 scripts/study_fp32_split.py 2>&1 | grep -v "^\s*$" \
-      | tee "$OUT/fp32-split.txt"
+    timeout 150 python3 -m flashtile bench --dtype fp32 --headdim 64 128 --seqlens 2k 8k \
+      --no-progress --providers flashtile sdpa-efficient --out fp32-default --overwrite \
+      >/dev/null 2>&1; grep "^| [0-9]" fp32-default/results.md | head -16 \
+      | tee "$OUT/fp32-default.txt"
+    for pair in ${FP32_BWD:-}; do
+      for d in 64 128; do
+        FLASHTILE_BWD_DKDV_CONFIG=${pair%:*} FLASHTILE_BWD_DQ_CONFIG=${pair#*:} timeout 50 \
+          python3 -m flashtile bench --dtype fp32 --headdim $d --seqlens 2k 8k --modes fwd_bwd \
+          --no-progress --providers flashtile --out fp32-bwd --overwrite >/dev/null 2>&1
+        # a "|" delimiter: the labels hold commas and colons, never a "|"
+        grep "^| [0-9]" fp32-bwd/results.md | head -4 | sed "s|^|$pair |" \
+          | tee -a "$OUT/fp32-bwd.txt"
+      done
+    done
     ;;
   bwd-ab)
     # The backwards (issue 15 item 3): the Gluon one (never run on a GPU before this

@@ -508,8 +508,8 @@ def test_seqlen_argument():
 
 def test_accuracy_table(monkeypatch):
     """Every (precision, inputs) row; n/a with a reason where a path cannot run on the
-    CPU (TF32, SDPA's efficient backend); the fp32-tf32x3 row runs flashtile with
-    FLASHTILE_FP32_PRECISION=tf32x3 and restores the variable after it."""
+    CPU (TF32, SDPA's efficient backend); the fp32-ieee row runs flashtile with
+    FLASHTILE_FP32_PRECISION=ieee and restores the variable after it."""
     from flashtile.ops import configs
 
     monkeypatch.delenv("FLASHTILE_FP32_PRECISION", raising=False)
@@ -525,10 +525,10 @@ def test_accuracy_table(monkeypatch):
     rows = accuracy.accuracy_table(CPU, shape=(1, 40, 2, 16), repeats=1)
     assert [(r.precision, r.inputs) for r in rows] == [
         (p, kind) for kind in accuracy.INPUT_KINDS for p, _, _ in accuracy.PRECISIONS]
-    # fp32 then fp32-tf32x3 per input kind (TF32 is skipped on CPU); each row's paths
+    # fp32 (tf32x3, the default) then fp32-ieee per input kind (TF32 is skipped on CPU); each row's paths
     # call flashtile twice (the error, then the timing with repeats=1 and its warm-up).
     assert "tf32x3" in modes and "ieee" in modes
-    assert modes[0] == "ieee" and modes[-1] == "tf32x3"
+    assert modes[0] == "tf32x3" and modes[-1] == "ieee"
     assert "FLASHTILE_FP32_PRECISION" not in os.environ
     for r in rows:
         if r.precision == "tf32":  # CPU: n/a with a reason, not a crash
@@ -542,7 +542,7 @@ def test_accuracy_table(monkeypatch):
             assert r.flashtile.rel < 1e-5
     text = accuracy.markdown(rows, (1, 40, 2, 16), "CPU")
     assert "| fp32 | outliers |" in text and "no TF32 on CPU" in text
-    assert "| fp32-tf32x3 | normal |" in text and "sdpa-efficient ms" in text
+    assert "| fp32-ieee | normal |" in text and "sdpa-efficient ms" in text
 
 
 def test_accuracy_command(tmp_path, monkeypatch, capsys):

@@ -646,9 +646,10 @@ def test_plan_engine_elementwise_equals_triton_path_on_gpu(device):
 
 
 def test_fp32_precision_switch(monkeypatch):
-    """FLASHTILE_FP32_PRECISION picks the fp32 products when TF32 is off ("ieee" by
-    default, "tf32x3" on request; anything else is refused), and the tile table: IEEE
-    products take the spill-free IEEE tables, tensor-core products the fp32 ones."""
+    """FLASHTILE_FP32_PRECISION picks the fp32 products when TF32 is off ("tf32x3" by
+    default, "ieee" on request; anything else is refused), and the tile table: IEEE
+    products take the spill-free IEEE tables, tf32x3 its own forward table and the fp32
+    backward tables, TF32 the fp32 ones."""
     import torch
 
     from flashtile.ops import configs
@@ -657,12 +658,17 @@ def test_fp32_precision_switch(monkeypatch):
                                               softcap=0.0, allow_tf32=tf32,
                                               head_dim=128)[4]["INPUT_PRECISION"]
     monkeypatch.delenv("FLASHTILE_FP32_PRECISION", raising=False)
-    assert flags(False) == "ieee" and flags(True) == "tf32"
-    monkeypatch.setenv("FLASHTILE_FP32_PRECISION", "tf32x3")
     assert flags(False) == "tf32x3" and flags(True) == "tf32"
+    monkeypatch.setenv("FLASHTILE_FP32_PRECISION", "ieee")
+    assert flags(False) == "ieee" and flags(True) == "tf32"
     monkeypatch.setenv("FLASHTILE_FP32_PRECISION", "fast")
     with pytest.raises(ValueError, match="FLASHTILE_FP32_PRECISION"):
         flags(False)
-    assert configs.fwd_config(q, 128, ieee=True) == configs._FWD_IEEE[128]
-    assert configs.fwd_config(q, 128, ieee=False) == configs._FWD_32BIT[128]
-    assert configs.bwd_dq_config(q.half(), 128, ieee=True) == configs._BWD_DQ_16BIT[128]
+    assert configs.fwd_config(q, 128, products="ieee") == configs._FWD_IEEE[128]
+    assert configs.fwd_config(q, 128, products="tf32") == configs._FWD_32BIT[128]
+    assert configs.fwd_config(q, 64, products="tf32x3") == configs._FWD_TF32X3[64]
+    assert configs._FWD_TF32X3[64] != configs._FWD_32BIT[64]
+    assert configs.bwd_dq_config(q, 128, products="tf32x3") == configs._BWD_32BIT[128]
+    assert configs.bwd_dq_config(q, 128, products="ieee") == configs._BWD_DQ_IEEE[128]
+    assert (configs.bwd_dq_config(q.half(), 128, products="ieee")
+            == configs._BWD_DQ_16BIT[128])

@@ -1,6 +1,6 @@
 """``flashtile bench --accuracy``: how close flashtile and PyTorch come to exact attention.
 
-For each precision (fp32, fp32 through flashtile's tf32x3 products, TF32, fp16, bf16,
+For each precision (fp32, fp32 through flashtile's IEEE products, TF32, fp16, bf16,
 FP8 e4m3 and e5m2) and two input kinds (standard normal q/k/v; the same with 5% of the q
 and k entries multiplied by 20, so a few scores dominate their rows), the forward output
 of flashtile and of PyTorch's SDPA math and efficient backends at the same dtype is
@@ -12,9 +12,9 @@ with a reason.
 Why the efficient column: it is PyTorch's fastest fp32 backend, and on sm_80 and later
 its fp32 products are CUTLASS's 3xTF32 (OpMultiplyAddFastF32 in its DefaultGemmType:
 each product as three TF32 tensor-core products of the operands' rounded high and low
-parts), the scheme FLASHTILE_FP32_PRECISION=tf32x3 asks of Triton. So "fp32-tf32x3"
-against sdpa-efficient compares the same accuracy class, and "fp32" (IEEE products,
-flashtile's default) against sdpa-math the exact one.
+parts), flashtile's default fp32 products (configs.fp32_products). So "fp32" against
+sdpa-efficient compares the same accuracy class, and "fp32-ieee" (IEEE products,
+FLASHTILE_FP32_PRECISION=ieee) against sdpa-math the exact one.
 
 FP8 rows: q, k, v quantised with a scale per (batch, head) (flashtile.fp8.quantize), the
 reference is float64 attention of the dequantised inputs, so the error is the kernel's
@@ -36,9 +36,9 @@ from flashtile import fp8 as F8
 from flashtile.bench.run import env_var, time_step
 from flashtile.reference import attention_naive, sdpa_bshd, sdpa_math_bshd
 
-# (label, dtype, torch.get_float32_matmul_precision during the row). "fp32-tf32x3":
-# flashtile with FLASHTILE_FP32_PRECISION=tf32x3 for the row; the SDPA paths as for fp32.
-PRECISIONS = (("fp32", torch.float32, "highest"), ("fp32-tf32x3", torch.float32, "highest"),
+# (label, dtype, torch.get_float32_matmul_precision during the row). "fp32-ieee":
+# flashtile with FLASHTILE_FP32_PRECISION=ieee for the row; the SDPA paths as for fp32.
+PRECISIONS = (("fp32", torch.float32, "highest"), ("fp32-ieee", torch.float32, "highest"),
               ("tf32", torch.float32, "high"),
               ("fp16", torch.float16, "highest"), ("bf16", torch.bfloat16, "highest"),
               ("fp8-e4m3", torch.float8_e4m3fn, "highest"),
@@ -185,7 +185,7 @@ def accuracy_table(device, shape=None, causal: bool = False, repeats: int = 3,
             before = torch.get_float32_matmul_precision()
             torch.set_float32_matmul_precision(precision)
             try:
-                with _fp32_products("tf32x3" if label == "fp32-tf32x3" else None):
+                with _fp32_products("ieee" if label == "fp32-ieee" else None):
                     ours = _run_path(ours_fn, q, k, v, ref, causal, device, repeats)
                 theirs = _run_path(theirs_fn, q, k, v, ref, causal, device, repeats)
                 skip = _efficient_skip(dtype, device)
@@ -225,8 +225,8 @@ def markdown(rows: list[AccuracyRow], shape, device_name: str) -> str:
     lines += ["", f"outliers: {OUTLIER_FRACTION:.0%} of the q and k entries x "
               f"{OUTLIER_SCALE:g}. sdpa-math: torch SDPA with the MATH backend forced, "
               "same dtype; sdpa-efficient: its EFFICIENT_ATTENTION backend (fp32 as "
-              "3xTF32 on sm_80+). fp32-tf32x3: flashtile with "
-              "FLASHTILE_FP32_PRECISION=tf32x3. "
+              "3xTF32 on sm_80+, as flashtile's fp32 by default). fp32-ieee: "
+              "flashtile with FLASHTILE_FP32_PRECISION=ieee. "
               "TF32: torch.set_float32_matmul_precision('high') for that row. "
               "fp8-*: q, k, v quantised per (batch, head) with flash-attn 3's descales, "
               "reference and sdpa-math on the dequantised inputs (sdpa-math rounded to "

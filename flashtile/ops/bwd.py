@@ -681,7 +681,7 @@ def attn_bwd(dout, q, k, v, out, lse, dlse, *, attn_mask, alibi_slopes, softmax_
     flags.update(BLOCK_D=part_d, EVEN_D=part_d * parts == d, BLOCK_DV=part_dv,
                  EVEN_DV=part_dv * parts == d_v, DV_PARTS=parts)
     windowed, longest = window_left >= 0 or window_right >= 0, max(longest_q, longest_k)
-    ieee = flags["INPUT_PRECISION"] == "ieee"
+    products = flags["INPUT_PRECISION"]
     # Varlen kernels read each sequence's lengths from cu_seqlens; seqlen_q/k unused.
     sizes = (0, 0, d, d_v) if varlen else (longest_q, longest_k, d, d_v)
     totals = (q.shape[0], k.shape[0]) if varlen else (0, 0)
@@ -692,7 +692,7 @@ def attn_bwd(dout, q, k, v, out, lse, dlse, *, attn_mask, alibi_slopes, softmax_
     dkdv = configs.launch(
         _bwd_dkdv_kernel,
         lambda cfg: (max(1, configs.cdiv(longest_k, cfg.block_n)) * parts, batch * hkv),
-        pick(q, d_tiles, windowed, seqlen=longest, ieee=ieee), name, q, d,
+        pick(q, d_tiles, windowed, seqlen=longest, products=products), name, q, d,
         *tensors[:8], tensors[15], mask, alibi, *tensors[10:12], tensors[16],
         *configs.strides(varlen, q4, k4, v4, dout4, dk4, dv4), *acc_strides,
         *configs.strides(varlen, lse3),
@@ -712,7 +712,7 @@ def attn_bwd(dout, q, k, v, out, lse, dlse, *, attn_mask, alibi_slopes, softmax_
         last = configs.launch(
             _bwd_dq_kernel,
             lambda cfg: (max(1, configs.cdiv(longest_q, cfg.block_m)) * parts, batch * h),
-            configs.bwd_dq_config(q, d_tiles, windowed, seqlen=longest, ieee=ieee),
+            configs.bwd_dq_config(q, d_tiles, windowed, seqlen=longest, products=products),
             "backward dq", q, d,
             *tensors[:6], dq, mask, alibi, *tensors[10:12], tensors[16],
             *configs.strides(varlen, q4, k4, v4, dout4, dq4, lse3),

@@ -224,6 +224,12 @@ _FWD_32BIT = {
     256: TileConfig(32, 32, 4, 1),
     512: TileConfig(32, 16, 8, 1),
 }
+# fp32 as tf32x3 (the default fp32 products, fp32_products): timed on the H200 (NOTES.md
+# section 34, fp32 forward TFLOP/s at 2k/8k, full and causal): d64 128 x 64, 8 warps, 3
+# stages 58.0-59.9 / 50.3-55.7 against the fp32 table's 64 x 32's 38.4-38.9 / 36.2-38.1
+# (no spills for sm_90); d128 128 x 32, 1 stage 40.8 / 36.8-40.4 against 64 x 32's 25
+# (both spill: 64-88 B against 88-176 B). The other head dims keep the fp32 table's.
+_FWD_TF32X3 = {**_FWD_32BIT, 64: TileConfig(128, 64, 8, 3), 128: TileConfig(128, 32, 8, 1)}
 # FP8 (e4m3/e5m2, forward only), keyed by padded head dim, at least FP8_MIN_BLOCK_D.
 # Sized on CPU with tests/aot.py for sm_90: no spills with the dense path's V^T copy
 # nor the varlen path's register transposition, causal or not
@@ -582,69 +588,83 @@ def _from_env(kind: str) -> TileConfig | None:
 
 
 def _pick(kind: str, q: torch.Tensor, head_dim: int, table16: dict, table32: dict, *,
-          causal_like: bool = False, seqlen: int | None = None, ieee_table=None):
+          causal_like: bool = False, seqlen: int | None = None, products_table=None):
     """The tile of _pick_tile, its dv_parts set from the head dim (head_dim_parts): the
     tables, tuned entries and FLASHTILE_*_CONFIG give the tile of one program."""
     cfg = _pick_tile(kind, q, head_dim, table16, table32, causal_like=causal_like,
-                     seqlen=seqlen, ieee_table=ieee_table)
+                     seqlen=seqlen, products_table=products_table)
     parts = head_dim_parts(head_dim)
     return cfg if cfg.dv_parts == parts else dataclasses.replace(cfg, dv_parts=parts)
 
 
 def _pick_tile(kind: str, q: torch.Tensor, head_dim: int, table16: dict, table32: dict, *,
-               causal_like: bool = False, seqlen: int | None = None, ieee_table=None):
-    """ieee_table: the table for fp32 inputs with IEEE products (None: not that case).
-    `flashtile tune` times fp32 with TF32 only, so its results skip that case."""
+               causal_like: bool = False, seqlen: int | None = None,
+               products_table=None):
+    """products_table: the table for fp32 inputs whose products are not TF32 (IEEE's,
+    or tf32x3's where it has its own; None: not that case). `flashtile tune` times fp32
+    with TF32 only, so its results skip that case."""
     if kind in _override:
         return _override[kind]
     env = _from_env(kind)
     if env is not None:
         return env
-    ieee = ieee_table is not None and q.element_size() == 4
-    if seqlen is not None and not ieee:  # `flashtile tune` results for this device
+    own = products_table is not None and q.element_size() == 4
+    if seqlen is not None and not own:  # `flashtile tune` results for this device
         tuned = tuned_config(kind, q, head_dim, causal_like, seqlen)
         if tuned is not None:
             return tuned
     if q.device.type == "cpu":
         return _INTERPRETER[kind]
-    table = ieee_table if ieee else table32 if q.element_size() == 4 else table16
+    table = products_table if own else table32 if q.element_size() == 4 else table16
     return table[padded_head_dim(head_dim)]
 
 
 # seqlen (the longer of seqlen_q and seqlen_k) and causal_like (causal or windowed) pick
 # a tuned entry; a caller that passes no seqlen gets the static tables.
-# ieee=True (INPUT_PRECISION "ieee") with fp32 inputs selects the IEEE tables; tensor-core
-# products (TF32, tf32x3) take the fp32 tables.
-def fwd_config(q, head_dim, causal_like=False, *, seqlen=None, ieee=False
+# products: the kernel's INPUT_PRECISION. With fp32 inputs "ieee" selects the IEEE tables,
+# "tf32x3" its own tables where it has them (the forward; the backward takes the fp32
+# tables, as "tf32" does, without tuned entries: `flashtile tune` times TF32 only).
+def _products_table(products: str, ieee: dict, tf32x3: dict | None, table32: dict):
+    if products == "ieee":
+        return ieee
+    if products == "tf32x3":
+        return tf32x3 or table32
+    return None
+
+
+def fwd_config(q, head_dim, causal_like=False, *, seqlen=None, products="tf32"
                ) -> TileConfig:
     if q.element_size() == 1:
         return _pick("fwd", q, max(head_dim, FP8_MIN_BLOCK_D), _FWD_FP8, _FWD_FP8,
                      causal_like=causal_like, seqlen=seqlen)
     return _pick("fwd", q, head_dim, _FWD_16BIT_CAUSAL if causal_like else _FWD_16BIT,
                  _FWD_32BIT, causal_like=causal_like, seqlen=seqlen,
-                 ieee_table=_FWD_IEEE if ieee else None)
+                 products_table=_products_table(products, _FWD_IEEE, _FWD_TF32X3,
+                                                _FWD_32BIT))
 
 
-def bwd_dkdv_config(q, head_dim, causal_like=False, *, seqlen=None, ieee=False
+def bwd_dkdv_config(q, head_dim, causal_like=False, *, seqlen=None, products="tf32"
                     ) -> TileConfig:
     return _pick("bwd_dkdv", q, head_dim, _BWD_DKDV_16BIT, _BWD_32BIT,
                  causal_like=causal_like, seqlen=seqlen,
-                 ieee_table=_BWD_DKDV_IEEE if ieee else None)
+                 products_table=_products_table(products, _BWD_DKDV_IEEE, None,
+                                                _BWD_32BIT))
 
 
-def bwd_dq_config(q, head_dim, causal_like=False, *, seqlen=None, ieee=False
+def bwd_dq_config(q, head_dim, causal_like=False, *, seqlen=None, products="tf32"
                   ) -> TileConfig:
     return _pick("bwd_dq", q, head_dim, _BWD_DQ_16BIT, _BWD_32BIT,
                  causal_like=causal_like, seqlen=seqlen,
-                 ieee_table=_BWD_DQ_IEEE if ieee else None)
+                 products_table=_products_table(products, _BWD_DQ_IEEE, None, _BWD_32BIT))
 
 
-def bwd_fused_config(q, head_dim, causal_like=False, *, seqlen=None, ieee=False
+def bwd_fused_config(q, head_dim, causal_like=False, *, seqlen=None, products="tf32"
                      ) -> TileConfig:
     """Only where ``fused_bwd_has_tiles``: the fp32 tables stop at head_dim 128."""
     return _pick("bwd_fused", q, head_dim, _BWD_FUSED_16BIT, _BWD_FUSED_32BIT,
                  causal_like=causal_like, seqlen=seqlen,
-                 ieee_table=_BWD_FUSED_IEEE if ieee else None)
+                 products_table=_products_table(products, _BWD_FUSED_IEEE, None,
+                                                _BWD_FUSED_32BIT))
 
 
 def smaller(cfg: TileConfig) -> TileConfig | None:
@@ -688,14 +708,15 @@ def launch(kernel, grid_fn, cfg: TileConfig, name: str, q, head_dim, *args, slot
 
 
 def fp32_products() -> str:
-    """How fp32 inputs multiply when TF32 is not allowed: "ieee" (exact products, FFMA;
-    the default), or "tf32x3" with FLASHTILE_FP32_PRECISION=tf32x3 (each product as
-    three TF32 tensor-core products of the operands' high and low parts, cuBLAS's fp32
-    emulation: about fp32's accuracy at tensor-core speed; to be measured against
-    "ieee" on the GPU before it can be the default). Read when a launch plan is made
+    """How fp32 inputs multiply when TF32 is not allowed: "tf32x3" (the default: each
+    product as three TF32 tensor-core products of the operands' high and low parts,
+    cuBLAS's fp32 emulation and SDPA efficient's fp32; on the H200 as accurate as IEEE
+    products and 3-5x faster, NOTES.md section 34), or "ieee" with
+    FLASHTILE_FP32_PRECISION=ieee (exact products, FFMA). Read when a launch plan is made
     (ops/_launch.py), like the FLASHTILE_*_CONFIG variables: set it before the first
-    call, or call ``_launch.clear()`` after changing it."""
-    mode = os.environ.get("FLASHTILE_FP32_PRECISION", "ieee")
+    call, or call ``_launch.clear()`` after changing it. The CPU interpreter multiplies in
+    fp32 either way."""
+    mode = os.environ.get("FLASHTILE_FP32_PRECISION", "tf32x3")
     if mode not in ("ieee", "tf32x3"):
         raise ValueError("FLASHTILE_FP32_PRECISION must be 'ieee' or 'tf32x3', got "
                          f"{mode!r}")

@@ -564,7 +564,7 @@ def attn_fwd(q, k, v, *, attn_mask, alibi_slopes, softmax_scale, diag_offset,
     # Tiles for the wider of the two head dims: the register tiles grow with either.
     cfg = configs.fwd_config(q, max(d, dv), causal_like=windowed,
                              seqlen=max(longest_q, longest_k),
-                             ieee=flags["INPUT_PRECISION"] == "ieee")
+                             products=flags["INPUT_PRECISION"])
     if fp8 and not varlen and FP8_V_PAD % cfg.block_n:
         raise ValueError(f"FP8 forward tiles: BLOCK_N must divide {FP8_V_PAD} (V's copy is "
                          f"padded to it), got {cfg}")
