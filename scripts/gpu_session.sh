@@ -44,7 +44,8 @@
 #   ncu          the Gluon backward (d128; transformers' d64 GQA step), the d64 and FP8
 #                forwards, one launch each under Nsight Compute             (~4 min)
 #   fp32         the accuracy table's fp32 rows, fp32 beside SDPA efficient, backward tile
-#                candidates (FP32_BWD="DKDV:DQ ...")                      (~4 min + 1 a pair)
+#                candidates (FP32_BWD="DKDV:DQ ...", FP32_FUSED="default BM,BN,W,S ...")
+#                                                              (~4 min + ~1 a candidate)
 #   dropout      flashtile with and without dropout beside SDPA's dropout backends (~4 min)
 #   mla          the absorbed MLA decode (576/512): GPU tests (the Gluon kernel's too),
 #                against the copy ceiling, the Gluon kernel and tiles by heads (64/128)
@@ -164,8 +165,10 @@ case "${1:-}" in
     # TF32 products a product, SDPA efficient's scheme; FLASHTILE_FP32_PRECISION=ieee for
     # exact products), with its own forward tiles (configs._FWD_TF32X3; NOTES.md section
     # 34). The accuracy table's fp32 rows, flashtile beside SDPA efficient in one run, then
-    # backward tile candidates (FP32_BWD: "DKDV:DQ" pairs of FLASHTILE_BWD_*_CONFIG values;
-    # the split backward is the default, so the fused tables do not apply) at d64/d128.
+    # backward tile candidates at d64/d128: FP32_BWD, "DKDV:DQ" pairs of the split
+    # backward's FLASHTILE_BWD_*_CONFIG values (the default path); FP32_FUSED, tiles of
+    # the fused one (FLASHTILE_BWD=fused: 5 products a block against the split's 7, so 15
+    # TF32 products against 21 under tf32x3), "default" for its table's.
     timeout 150 python3 -m flashtile bench --accuracy --out fp32-acc --overwrite 2>&1 \
       | grep "^| fp32\|^| tf32\|^| precision" | tee "$OUT/fp32-acc.txt"
     timeout 150 python3 -m flashtile bench --dtype fp32 --headdim 64 128 --seqlens 2k 8k \
@@ -174,11 +177,23 @@ case "${1:-}" in
       | tee "$OUT/fp32-default.txt"
     for pair in ${FP32_BWD:-}; do
       for d in 64 128; do
+        rm -rf fp32-bwd  # a run that times out leaves no rows rather than the last ones
         FLASHTILE_BWD_DKDV_CONFIG=${pair%:*} FLASHTILE_BWD_DQ_CONFIG=${pair#*:} timeout 50 \
           python3 -m flashtile bench --dtype fp32 --headdim $d --seqlens 2k 8k --modes fwd_bwd \
           --no-progress --providers flashtile --out fp32-bwd --overwrite >/dev/null 2>&1
         # a "|" delimiter: the labels hold commas and colons, never a "|"
         grep "^| [0-9]" fp32-bwd/results.md | head -4 | sed "s|^|$pair |" \
+          | tee -a "$OUT/fp32-bwd.txt"
+      done
+    done
+    for tile in ${FP32_FUSED:-}; do
+      for d in 64 128; do
+        rm -rf fp32-fused
+        ( [ "$tile" = default ] || export FLASHTILE_BWD_FUSED_CONFIG=$tile
+          FLASHTILE_BWD=fused timeout 50 python3 -m flashtile bench --dtype fp32 --headdim $d \
+            --seqlens 2k 8k --modes fwd_bwd --no-progress --providers flashtile \
+            --out fp32-fused --overwrite >/dev/null 2>&1 )
+        grep "^| [0-9]" fp32-fused/results.md | head -4 | sed "s|^|fused:$tile |" \
           | tee -a "$OUT/fp32-bwd.txt"
       done
     done
