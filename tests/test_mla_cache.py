@@ -259,10 +259,18 @@ def test_hopper_mla_decode_config_env(monkeypatch):
         monkeypatch.setenv("FLASHTILE_HOPPER_MLA_DECODE_CONFIG", bad)
         with pytest.raises(ValueError, match="'64,BLOCK_N,4,STAGES'"):
             configs.hopper_mla_decode_config()
-    assert configs.decode_mla_kernel() == "triton"
+    least = configs.DECODE_MLA_GLUON_MIN_KEYS
+    assert configs.decode_mla_kernel(1, least) == "gluon"  # auto, the default
+    assert configs.decode_mla_kernel(4, least // 4) == "gluon"
+    assert configs.decode_mla_kernel(1, least - 1) == "triton"
+    assert configs.decode_mla_kernel(3, least // 4) == "triton"
+    for forced in ("gluon", "triton"):
+        monkeypatch.setenv("FLASHTILE_DECODE_MLA", forced)
+        assert configs.decode_mla_kernel(1, 64) == configs.decode_mla_kernel(64, least) \
+            == forced
     monkeypatch.setenv("FLASHTILE_DECODE_MLA", "cuda")
     with pytest.raises(ValueError, match="FLASHTILE_DECODE_MLA must be one of"):
-        configs.decode_mla_kernel()
+        configs.decode_mla_kernel(1, least)
 
 
 def test_gluon_mla_takes_only_the_absorbed_shape(monkeypatch):
@@ -582,6 +590,31 @@ def test_gpu_absorbed_mla_decode_gluon(tile, seqlen_q, nheads, paged, num_splits
         o_pt, _ = attention_naive(*qkv, upcast=False, **kw)
         assert_close_rule(f"out[{i}]", out[i:i + 1], o64, o_pt)
         torch.testing.assert_close(lse[i:i + 1].double(), l64, rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged64"])
+def test_gpu_absorbed_mla_auto_route(paged, device, gluon_mla, monkeypatch):
+    """FLASHTILE_DECODE_MLA=auto (the default): the Gluon kernel takes the absorbed
+    decode from batch x capacity DECODE_MLA_GLUON_MIN_KEYS keys, the portable kernel
+    below; both exact against float64 on keys that fill a fraction of the capacity."""
+    monkeypatch.delenv("FLASHTILE_DECODE_MLA")  # the fixture's spy stays
+    calls = gluon_mla
+    dtype, b = torch.bfloat16, 2
+    for s, gluon in ((configs.DECODE_MLA_GLUON_MIN_KEYS // b, True),
+                     (configs.DECODE_MLA_GLUON_MIN_KEYS // b - 64, False)):
+        calls.clear()
+        k_cache, v_cache = _caches(b, s, 1, 576, 512, True, dtype, device)
+        seqlens = torch.tensor([300, 1000], dtype=torch.int32, device=device)
+        q = torch.randn(b, 1, 64, 576, dtype=dtype, device=device)
+        out, _, _, _ = _attend(q, k_cache, v_cache, paged, True, page_size=64,
+                               cache_seqlens=seqlens)
+        assert bool(calls) == gluon, (s, calls)
+        for i, n in enumerate(seqlens.tolist()):
+            qkv = (q[i:i + 1], k_cache[i:i + 1, :n], v_cache[i:i + 1, :n])
+            o64, _ = attention_naive(*(x.double() for x in qkv))
+            assert_close_rule(f"out[{i}]", out[i:i + 1],
+                              o64, attention_naive(*qkv, upcast=False)[0])
 
 
 @pytest.mark.gpu

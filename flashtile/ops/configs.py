@@ -937,7 +937,13 @@ def _wide_key_decode_config(q, rows, block_m, split, v_is_k, fp8_cache) -> TileC
 # per KV head (the portable kernel's wgmma tiles start there too; 32 rows or fewer are
 # bound by the cache's bytes, not the products).
 DECODE_MLA_HOPPER_MIN_ROWS = 32
-DECODE_MLA = ("triton", "gluon")
+DECODE_MLA = ("auto", "triton", "gluon")
+# auto's Gluon cells: batch x the cache's capacity in keys (what the host knows; the
+# split plan counts the same). On the H200 (session 25, NOTES.md section 35; bf16, pages
+# of 64, us Gluon / portable) 128 heads: b1 x 8k 32.1 / 30.5, b1 x 32k 44.7 / 61.2,
+# b32 x 4k 102 / 175, b64 x 8k 344 / 631; 64 heads: b1 x 8k 31.1 / 24.0, b1 x 32k
+# 38.0 / 39.0, b32 x 4k 64.4 / 98.3, b64 x 8k 194 / 341. So from 32k keys in all.
+DECODE_MLA_GLUON_MIN_KEYS = 32768
 # (64 rows, keys a tile, the default partition's 4 warps, ring stages). 32 keys: a
 # stage is 36 KiB beside Q's 72 KiB and P's 8 KiB, so 4 stages take 225 KiB of the 227;
 # 64 keys would fit 2 stages only, and with 2 a tile's copies start once both
@@ -948,14 +954,20 @@ DECODE_MLA = ("triton", "gluon")
 HOPPER_MLA_DECODE = TileConfig(64, 32, 4, 4)
 
 
-def decode_mla_kernel() -> str:
+def decode_mla_kernel(batch: int, capacity: int) -> str:
     """FLASHTILE_DECODE_MLA: which kernel serves the absorbed MLA decode (576/512, V the
     cache's first 512 columns, more than DECODE_MLA_HOPPER_MIN_ROWS query rows per KV
-    head) on an H100/H200. "triton" (the default until the Gluon kernel is timed): the
-    portable kernel's wgmma tiles (_wide_key_decode_config); "gluon": the FlashMLA-style
-    kernel of ops/decode_mla_hopper.py (its ``unsupported`` sends what it does not take
-    back to the portable kernel). Read on every decode call."""
-    return _env_choice("FLASHTILE_DECODE_MLA", DECODE_MLA)
+    head) on an H100/H200. "triton": the portable kernel's wgmma tiles
+    (_wide_key_decode_config); "gluon": the FlashMLA-style kernel of
+    ops/decode_mla_hopper.py (its ``unsupported`` sends what it does not take back to
+    the portable kernel); "auto" (the default): gluon where batch x capacity (keys a
+    sequence's block table or cache row holds) reaches DECODE_MLA_GLUON_MIN_KEYS, where
+    it was timed 1.0-1.8x the portable kernel; below, at one sequence of 8k keys, it
+    lost by 5-23%. Read on every decode call."""
+    mode = _env_choice("FLASHTILE_DECODE_MLA", DECODE_MLA)
+    if mode == "auto":
+        return "gluon" if batch * capacity >= DECODE_MLA_GLUON_MIN_KEYS else "triton"
+    return mode
 
 
 def hopper_mla_decode_config() -> TileConfig:

@@ -743,9 +743,11 @@ def attn_decode(q, k_cache, v_cache, *, cache_seqlens, block_table, cache_batch_
         return out, lse if return_lse else None
     paged = block_table is not None
     descales = (q_descale, k_descale, v_descale)
-    if d > configs.DECODE_MAX_BLOCK_D and q.is_cuda and configs.decode_mla_kernel() == "gluon":
-        # The Gluon kernel for the absorbed MLA shape where it applies (A/B: not yet
-        # the default, configs.decode_mla_kernel).
+    if d > configs.DECODE_MAX_BLOCK_D and q.is_cuda and configs.decode_mla_kernel(
+            b, block_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1]
+    ) == "gluon":
+        # The Gluon kernel for the absorbed MLA shape where it applies and wins
+        # (configs.decode_mla_kernel).
         from flashtile.ops import decode_mla_hopper
         if decode_mla_hopper.unsupported(
                 q, k_cache, v_cache, v_is_k=_v_is_k(k_cache, v_cache),

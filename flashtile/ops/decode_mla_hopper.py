@@ -47,7 +47,8 @@ its own, pages smaller than the tile, a left pad, cache_batch_idx, ALiBi, softca
 window other than causal, fewer than 33 query rows per KV head) go to the portable
 kernel (``unsupported``). Gluon kernels do not run in the Triton interpreter: CI
 compiles this one for sm_90 (tests/test_gluon_compile.py); tests/test_mla_cache.py
-checks it on a GPU. Selected with FLASHTILE_DECODE_MLA=gluon (configs.decode_mla_kernel).
+checks it on a GPU. The default from batch x capacity 32k keys (FLASHTILE_DECODE_MLA=auto;
+=gluon or =triton force one kernel; configs.decode_mla_kernel).
 
 PREDICTION (session 15, before any GPU run; H200 at ~1.75 GHz): a 32-key tile is 1376
 cycles of tensor-core work per program (S: 36 m64n32k16, bound by their 3 KiB reads of
@@ -60,6 +61,12 @@ b=32 x 4k (2 splits): 65-90 us (175); b=1 x 8k (64 splits of 4 tiles, 17 MB of f
 partials for the combine): 14-22 us of GPU time (30), where the host's ~30-40 us a call
 may show instead; b=1 x 32k: 22-30 us (61). 64 heads, b=64 x 8k (2 splits): 115-170 us,
 430-640 TFLOP/s (356 us).
+MEASURED (H200, session 25, bench.decode beside the portable kernel, its GPU tests and
+memcheck clean; NOTES.md section 35): 128 heads b=64 x 8k 344 us (425 TFLOP/s, 1.83x),
+b=32 x 4k 102 (1.72x), b=1 x 32k 44.7 (1.37x), b=1 x 8k 32.1 (0.95x: the split's fp32
+partials and the combine, not the tiles); 64 heads b=64 x 8k 194 us (377 TFLOP/s,
+1.76x), b=32 x 4k 64.4 (1.53x), b=1 x 32k 38.0 (1.03x), b=1 x 8k 31.1 (0.77x). The b=64
+rows are within the prediction; 3 stages ran level with 4.
 """
 
 from __future__ import annotations
