@@ -552,6 +552,13 @@ def can_read_indices(q) -> bool:
                 or (q.is_cuda and torch.cuda.is_current_stream_capturing()))
 
 
+def cache_capacity(k_cache, block_table) -> int:
+    """Keys a sequence's cache holds: its block table's pages, or its cache row."""
+    if block_table is None:
+        return k_cache.shape[1]
+    return block_table.shape[1] * k_cache.shape[1]
+
+
 def check_index_values(k_cache, block_table, cache_seqlens, cache_batch_idx, cache_leftpad,
                        sn, seqlens_name="cache_seqlens"):
     """Every index the kernel will follow, with one host sync: a wrong index must be an
@@ -559,8 +566,7 @@ def check_index_values(k_cache, block_table, cache_seqlens, cache_batch_idx, cac
     seqlens_name: what the caller calls the key counts, for the message."""
     if not cache_seqlens.numel():  # batch 0: nothing is read (aminmax refuses empties)
         return
-    capacity = (block_table.shape[1] * k_cache.shape[1] if block_table is not None
-                else k_cache.shape[1])
+    capacity = cache_capacity(k_cache, block_table)
     stats = list(torch.aminmax(cache_seqlens))
     if cache_leftpad is not None:
         stats += [cache_leftpad.min(), (cache_seqlens - cache_leftpad).min()]

@@ -45,7 +45,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents
 
-from flashtile._validate import _fail
+from flashtile._validate import _fail, cache_capacity
 from flashtile.ops import _launch, combine, configs
 from flashtile.ops._common import LN2, _checked_page, _checked_rows, _scores_log2
 from flashtile.ops._fp8 import _fp8_pairs_to_fp16, _fp16_rows, _load_descale, _quantize
@@ -744,8 +744,7 @@ def attn_decode(q, k_cache, v_cache, *, cache_seqlens, block_table, cache_batch_
     paged = block_table is not None
     descales = (q_descale, k_descale, v_descale)
     if d > configs.DECODE_MAX_BLOCK_D and q.is_cuda and configs.decode_mla_kernel(
-            b, block_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1]
-    ) == "gluon":
+            b, cache_capacity(k_cache, block_table)) == "gluon":
         # The Gluon kernel for the absorbed MLA shape where it applies and wins
         # (configs.decode_mla_kernel).
         from flashtile.ops import decode_mla_hopper
@@ -803,7 +802,7 @@ def attn_decode(q, k_cache, v_cache, *, cache_seqlens, block_table, cache_batch_
     else:
         v_is_k = _v_is_k(k_cache, v_cache)
     group = h // hkv
-    capacity = block_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1]
+    capacity = cache_capacity(k_cache, block_table)
     cfg = _tile(q, k_cache, v_cache, v_is_k)
     _check_dv_parts(cfg, d, v_is_k, k_cache)
     m_blocks = _row_programs(q, hkv, cfg)
@@ -977,7 +976,7 @@ def append_kv(k, v, k_cache, v_cache, *, cache_seqlens, block_table, cache_batch
         if plan is not None:
             plan(p)
             return
-    capacity = block_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1]
+    capacity = cache_capacity(k_cache, block_table)
     block_d, block_dv = configs.padded_head_dim(d), configs.padded_head_dim(dv)
     block_t = min(configs.append_block_t(max(block_d, block_dv)), configs.next_power_of_2(n))
     plan = _launch.first_launch(

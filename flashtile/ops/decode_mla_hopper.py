@@ -80,6 +80,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from flashtile._validate import cache_capacity
 from flashtile.ops import _launch, combine, configs
 from flashtile.ops._common import LN2, LOG2E
 
@@ -566,7 +567,7 @@ def attn_decode(q, k_cache, *, cache_seqlens, block_table, softmax_scale, causal
     rows = sq * h
     m_blocks = configs.cdiv(rows, BLOCK_M.value)
     page_size = k_cache.shape[1] if paged else 0
-    capacity = block_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1]
+    capacity = cache_capacity(k_cache, block_table)
     # One program an SM (shared memory): the split heuristic plans one a SM.
     num_splits, keys_per_split, _ = decode.split_plan(
         b * m_blocks, capacity, cfg.block_n, page_size, num_splits, decode._num_sms(q),
