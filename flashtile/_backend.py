@@ -105,8 +105,8 @@ def hopper_fwd_mode() -> str:
     """FLASHTILE_HOPPER_FWD: where dense forwards on sm_90 go to the Gluon kernel
     (flashtile/ops/fwd_hopper.py) instead of the portable one, wherever it supports the
     call. "auto" (the default): the cells where it was timed faster
-    (``custom_ops._hopper_fwd_wins``: 16-bit at head dims 64, 128 and 256 from 128
-    queries, FP8 at head dim 128 from 4k); "1": every call it supports; "0": never."""
+    (``custom_ops._hopper_fwd_wins``: 16-bit at head dims 64, 96 (in d128's tiles), 128
+    and 256 from 128 queries, FP8 at head dim 128 from 4k); "1": every call it supports; "0": never."""
     value = getenv("FLASHTILE_HOPPER_FWD", "auto")
     if value == "auto":
         return value
@@ -119,9 +119,9 @@ def hopper_fwd_mode() -> str:
 def hopper_bwd_mode() -> str:
     """FLASHTILE_HOPPER_BWD: where dense 16-bit backwards on sm_90 go to the Gluon
     backward (flashtile/ops/bwd_hopper.py; head_dim 256 in bwd_hopper256.py) instead of
-    the portable one. "auto" (the default): the calls it supports (head dims 64, 128
-    and 256, causal or full, no dropout) where both lengths reach
-    ``configs.HOPPER_BWD_AUTO_MIN_SEQLEN`` (256 at d64/d128, 128 at d256): forward+
+    the portable one. "auto" (the default): the calls it supports (head dims 64, 96 (in
+    d128's tiles), 128 and 256, causal or full, no dropout) where both lengths reach
+    ``configs.HOPPER_BWD_AUTO_MIN_SEQLEN`` (256 at d64/d96/d128, 128 at d256): forward+
     backward was timed at 1.09-1.22x the portable split backward at d64/d128 and
     2.0-2.5x at d256 from 1k tokens (docs/benchmarks/NOTES.md sections 22 and 24), and
     1.2-1.5x (d64/d128 at 512) and 2.5-3x (d256 from 128) below (section 32); d64/d128

@@ -154,7 +154,8 @@ def _hopper_fwd_wins(q: Tensor) -> bool:
     the portable one:
     - 16-bit inputs at head dims 64, 128 and 256 from configs.HOPPER_FWD_AUTO_MIN_SEQLEN
       queries: 1.26-1.75x at d128/d256 from 1k (NOTES.md section 20), d64 on the
-      persistent grid 1.04-1.21x (section 23), 128-512 queries 1.1-1.7x (section 32).
+      persistent grid 1.04-1.21x (section 23), 128-512 queries 1.1-1.7x (section 32);
+      d96 in d128's tile (configs.HOPPER_WIDER) 1.17-1.57x from 1k (section 36).
     - FP8 (flashtile.fp8) at head dim 128 with at least 4k queries: 1.17-1.24x, P through
       shared memory (NOTES.md section 22). Other head dims and shorter calls untimed."""
     if q.element_size() == 1:

@@ -64,6 +64,9 @@
 #                Llama-1B training step too, both ways)        (~5 min; with HF ~8)
 #   wide         head_dim 256 and 512, forward and forward+backward, beside the peers
 #                                                                         (~5 min)
+#   d96          head_dim 96 in d128's Gluon tiles: its GPU tests and memcheck slice, then
+#                forward and forward+backward (portable, Gluon forward, Gluon both)
+#                beside cuDNN                                             (~8 min)
 #   d512-tiles   head_dim 512 (in parts of 256 columns): its GPU tests (D512_TESTS=0:
 #                not), then the default tiles beside candidates, flashtile alone (~7 min)
 #   serve [BACKEND] [KV]  flashtile serve (1B shape, dummy weights, attention BACKEND,
@@ -277,6 +280,25 @@ case "${1:-}" in
     timeout 300 python3 -m flashtile bench --headdim 256 512 --seqlens 1k 4k 16k --modes fwd \
       fwd_bwd --no-progress --out wide --overwrite 2>&1 | grep "^|" | tail -36
     tar czf "$OUT/wide.tgz" wide
+    ;;
+  d96)
+    # head_dim 96 in d128's Gluon tiles (configs.HOPPER_WIDER): the GPU tests of both
+    # kernels at d96 and the wider-tile tests, their memcheck slice, then forward and
+    # forward+backward: today's default (portable), the Gluon forward forced, and with
+    # FLASHTILE_HOPPER_FWD=1 the Gluon backward too, beside cuDNN in each run.
+    timeout 200 python3 -m pytest -q -p no:cacheprovider --gpu $XDIST tests/test_fwd_hopper.py \
+      tests/test_bwd_hopper.py -k "96 or wider" 2>&1 | tail -3 | tee "$OUT/d96-tests.txt"
+    timeout 150 make memcheck MEMCHECK_K="wider or (small and 96)" \
+      MEMCHECK_FILES="tests/test_fwd_hopper.py tests/test_bwd_hopper.py" 2>&1 | tail -3 \
+      | tee "$OUT/d96-memcheck.txt"
+    D96_SEQLENS=${D96_SEQLENS:-1k 2k 4k 8k 16k}
+    timeout 150 python3 -m flashtile bench --providers flashtile flashtile-hopper sdpa-cudnn \
+      --headdim 96 --seqlens $D96_SEQLENS --modes fwd fwd_bwd --no-progress --out d96-a \
+      --overwrite 2>&1 | grep "^|" | tail -50
+    FLASHTILE_HOPPER_FWD=1 timeout 150 python3 -m flashtile bench --providers flashtile \
+      flashtile-hopper-bwd sdpa-cudnn --headdim 96 --seqlens $D96_SEQLENS --modes fwd_bwd \
+      --no-progress --out d96-b --overwrite 2>&1 | grep "^|" | tail -30
+    tar czf "$OUT/d96.tgz" d96-a d96-b
     ;;
   d512-tiles)
     # Head dim 512 in 2 programs of 256 columns (configs.head_dim_parts, issue 17 item

@@ -41,8 +41,8 @@ def _backward(q, k, v, dout, causal, diag_offset, scale, dlse=None):
     return bwd_hopper.backward(dout, q, k, v, out, lse, dlse, scale, diag_offset, causal)
 
 
-# bwd_hopper's head dims, and bwd_hopper256's.
-HEAD_DIMS = [64, 128, 256]
+# bwd_hopper's head dims (96 in 128's tile), and bwd_hopper256's.
+HEAD_DIMS = [64, 96, 128, 256]
 
 
 def _check(grads, q, k, v, dout, causal, diag_offset, scale, dlse=None):
@@ -69,6 +69,22 @@ def test_matches_float64_reference(dtype, head_dim, shape, mask):
     scale = head_dim ** -0.5
     grads = _backward(q, k, v, dout, causal, diag_offset, scale)
     _check(grads, q, k, v, dout, causal, diag_offset, scale)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@on_hopper
+def test_hopper_bwd_wider_tile_reads_and_writes_only_head_dim(causal):
+    """d96 in d128's tile: q, k, v and dout as the first 96 columns of 128-wide tensors
+    whose other 32 hold NaN (inside the boxes, outside the tensor maps: read as zeros),
+    GQA, ragged lengths; dk and dv stored in their own 96 columns (memcheck), twice (the
+    second call through the launch plans)."""
+    for _ in range(2):
+        wide = torch.randn(4, 2, 300, 4, 128, dtype=torch.bfloat16, device="cuda")
+        wide[..., 96:] = float("nan")
+        q, dout = wide[0, ..., :96], wide[1, ..., :96]
+        k, v = wide[2, :, :200, :2, :96], wide[3, :, :200, :2, :96]
+        grads = _backward(q, k, v, dout, causal, -100, 0.3)
+        _check(grads, q, k, v, dout, causal, -100, 0.3)
 
 
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
@@ -204,7 +220,7 @@ def test_nan_reaches_its_gradients(head_dim, where):
 def test_switch_dispatches_through_flash_attn_func(monkeypatch):
     """FLASHTILE_HOPPER_BWD=1: flash_attn_func's backward runs the Gluon kernel where it
     supports the call (head_dim 128) and meets the gradient rule; deterministic=True and
-    head_dim 96 keep the portable backward."""
+    head_dim 80 keep the portable backward."""
     calls = []
     real = bwd_hopper.backward
     monkeypatch.setattr(bwd_hopper, "backward",
@@ -220,8 +236,8 @@ def test_switch_dispatches_through_flash_attn_func(monkeypatch):
         assert_close_rule(name, g, r, p)
     out = flashtile.flash_attn_func(qg, kg, vg, causal=True, deterministic=True)
     torch.autograd.grad(out, (qg, kg, vg), dout)
-    q96 = torch.randn(1, 64, 2, 96, dtype=torch.bfloat16, device="cuda", requires_grad=True)
-    torch.autograd.grad(flashtile.flash_attn_func(q96, q96, q96).sum(), q96)
+    q80 = torch.randn(1, 64, 2, 80, dtype=torch.bfloat16, device="cuda", requires_grad=True)
+    torch.autograd.grad(flashtile.flash_attn_func(q80, q80, q80).sum(), q80)
     assert calls == [1]
 
 
@@ -540,9 +556,11 @@ def test_declines_what_it_does_not_support(monkeypatch):
     assert bwd_hopper.unsupported(q, k, v, out, dout) is None
     assert bwd_hopper.unsupported(q, k, v, out, dout, window_right=0) is None  # causal
     assert "dtype" in bwd_hopper.unsupported(*(x.float() for x in (q, k, v, out, dout)))
-    for d in (96, 512):
-        assert f"head_dim {d}" in bwd_hopper.unsupported(
+    for d in (80, 512):
+        assert f"head_dim {d}: one of [64, 96, 128, 256]" in bwd_hopper.unsupported(
             *_inputs(1, 40, 40, 2, 2, d, torch.bfloat16, "cpu"), out)
+    x96 = _inputs(1, 40, 40, 2, 2, 96, torch.bfloat16, "cpu")  # in d128's tile
+    assert bwd_hopper.unsupported(*x96, x96[0]) is None and bwd_hopper.tile_dim(96) == 128
     x256 = _inputs(1, 40, 40, 2, 2, 256, torch.bfloat16, "cpu")  # bwd_hopper256
     assert bwd_hopper.unsupported(*x256, x256[0]) is None
     for extra in (dict(attn_mask=q), dict(alibi_slopes=q), dict(softcap=5.0),
@@ -562,7 +580,9 @@ def test_declines_what_it_does_not_support(monkeypatch):
     ("auto", False, 64, 256, "hopper"), ("auto", False, 64, 255, "portable"),
     ("auto", False, 128, 256, "hopper"), ("auto", False, 128, 200, "portable"),
     ("", False, 128, 30, "portable"), ("1", True, 128, 30, "portable"),
-    ("auto", True, 128, 1024, "portable"), ("1", False, 96, 30, "portable"),
+    ("auto", True, 128, 1024, "portable"), ("1", False, 80, 30, "portable"),
+    ("1", False, 96, 30, "hopper"), ("auto", False, 96, 1024, "hopper"),
+    ("auto", False, 96, 255, "portable"),
     ("1", False, 256, 30, "hopper"), ("1", False, 256, 1024, "hopper"),
     ("auto", False, 256, 1024, "hopper"), ("", False, 256, 1024, "hopper"),
     ("auto", False, 256, 128, "hopper"), ("auto", False, 256, 127, "portable"),
@@ -575,8 +595,9 @@ def test_switch_dispatch_on_cpu(switch, deterministic, head_dim, seqlen_q, used,
     where both lengths (seqlen_k is seqlen_q + 20 here) reach
     configs.HOPPER_BWD_AUTO_MIN_SEQLEN (256 at head dims 64 and 128, 128 at 256) and
     keeps shorter calls on the portable backward; "0" never sends it, and neither do
-    deterministic calls or calls it declines (head_dim 96: the real unsupported() runs
-    there, with only its device check bypassed)."""
+    deterministic calls or calls it declines (head_dim 80: the real unsupported() runs
+    there, with only its device check bypassed); head_dim 96 runs in 128's tile, from
+    256 under auto."""
     from flashtile.ops import fwd_hopper
 
     seen = {}

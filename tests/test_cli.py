@@ -44,11 +44,11 @@ def test_run_scaling_measures_both_paths(monkeypatch):
             assert flash.mib is not None and naive.mib is not None
     # Naive is skipped, saying why, where its score matrices would not fit.
     monkeypatch.setattr(demo, "_free_bytes", lambda device: 10**4)
-    scaling = dataclasses.replace(TINY_SCALING, seqlens=(512,))
+    scaling = dataclasses.replace(TINY_SCALING, seqlens=(256,))
     [(_, flash, naive)] = demo.run_scaling(scaling, device="cpu")
-    assert flash.ms > 0 and naive.skipped == "needs ~8 MiB" and naive.ms is None
-    assert demo.format_point(512, flash, naive).endswith(
-        f"| needs ~8 MiB | {flash.ms:.0f} | skipped |")
+    assert flash.ms > 0 and naive.skipped == "needs ~2 MiB" and naive.ms is None
+    assert demo.format_point(256, flash, naive).endswith(
+        f"| needs ~2 MiB | {flash.ms:.0f} | skipped |")
     with pytest.raises(ValueError, match="repeats: expected an int >= 1, got 0"):
         demo.run_scaling(TINY_SCALING, device="cpu", repeats=0)
 

@@ -74,7 +74,7 @@ MASKS = {"full": (False, None), "causal": (True, "bottom_right"),
 
 @pytest.mark.parametrize("mask", list(MASKS))
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "b{}-q{}-k{}-h{}/{}".format(*s))
-@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("head_dim", [64, 96, 128, 256])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @on_hopper
 def test_matches_float64_reference(dtype, head_dim, shape, mask, schedule):
@@ -135,6 +135,26 @@ def test_strided_inputs():
     assert fwd_hopper.unsupported(q, k, v) is None
     out, lse = fwd_hopper.attn_fwd(q, k, v, **_kw(True, 0, 0.3))
     _check(out, lse, q, k, v, True, 0, 0.3)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@on_hopper
+def test_wider_tile_reads_and_writes_only_head_dim(causal, schedule):
+    """d96 in d128's tile (configs.HOPPER_WIDER): q, k and v as the first 96
+    columns of 128-wide tensors whose other 32 hold NaN, which the boxes' extra columns
+    cover but the tensor maps exclude (zero-filled); out lands in its own 96 columns
+    (memcheck: nothing past them), by the launch plan on the second call too."""
+    from flashtile.ops import configs
+
+    assert configs.hopper_fwd_tile_dim(96) == 128
+    for _ in range(2):
+        wide = torch.randn(3, 2, 300, 4, 128, dtype=torch.bfloat16, device="cuda")
+        wide[..., 96:] = float("nan")
+        q, k, v = wide[..., :96].unbind(0)
+        assert fwd_hopper.unsupported(q, k, v) is None
+        out, lse = fwd_hopper.attn_fwd(q, k, v, **_kw(causal, 0, 0.3))
+        assert out.shape == q.shape and out.is_contiguous()
+        _check(out, lse, q, k, v, causal, 0, 0.3)
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
@@ -311,7 +331,7 @@ def test_persistent_causal_order_is_longest_first_within_l2_groups():
 @on_hopper
 def test_switch_dispatches_and_backward_follows(monkeypatch):
     """FLASHTILE_HOPPER_FWD=1: flash_attn_func's forward runs the Gluon kernel where it
-    supports the call (head_dim 128) and the portable one elsewhere (head_dim 96); the
+    supports the call (head_dim 128) and the portable one elsewhere (head_dim 80); the
     backward takes the Gluon forward's out and lse and meets the gradient rule."""
     calls = []
     real = fwd_hopper.forward
@@ -327,7 +347,7 @@ def test_switch_dispatches_and_backward_follows(monkeypatch):
     assert_close_rule("out", out.detach(), o64, o_pt)
     for name, g, r, p in zip(("dq", "dk", "dv"), grads, g64, g_pt):
         assert_close_rule(name, g, r, p)
-    flashtile.flash_attn_func(*_inputs(1, 64, 64, 2, 2, 96, torch.bfloat16))
+    flashtile.flash_attn_func(*_inputs(1, 64, 64, 2, 2, 80, torch.bfloat16))
     assert calls == [1]
 
 
@@ -340,8 +360,11 @@ def test_declines_what_it_does_not_support(monkeypatch):
     assert fwd_hopper.unsupported(q, k, v) is None
     assert fwd_hopper.unsupported(q, k, v, window_right=0) is None  # causal
     assert "dtype" in fwd_hopper.unsupported(*(x.float() for x in (q, k, v)))
-    assert "head_dim" in fwd_hopper.unsupported(*_inputs(1, 40, 40, 2, 2, 96,
-                                                         torch.bfloat16, "cpu"))
+    assert "head_dim 80: one of [64, 96, 128, 256]" in fwd_hopper.unsupported(
+        *_inputs(1, 40, 40, 2, 2, 80, torch.bfloat16, "cpu"))
+    # d96 runs in d128's tile (16-bit only: test_fp8_declines_what_it_does_not_support).
+    assert fwd_hopper.unsupported(*_inputs(1, 40, 40, 2, 2, 96, torch.bfloat16, "cpu")) \
+        is None
     assert "softmax_scale" in fwd_hopper.unsupported(q, k, v, softmax_scale=-0.1)
     for extra in (dict(attn_mask=q), dict(alibi_slopes=q), dict(softcap=5.0),
                   dict(window_left=8), dict(window_right=3)):
@@ -351,8 +374,8 @@ def test_declines_what_it_does_not_support(monkeypatch):
     assert "TMA" in fwd_hopper.unsupported(odd, k, v)
     assert "TMA" in fwd_hopper.unsupported(q, k.expand(1, 40, 2, 64).as_strided(
         k.shape, (0, 128, 64, 1)), v)
-    with pytest.raises(ValueError, match="fwd_hopper cannot run this call: head_dim 96"):
-        fwd_hopper.attn_fwd(*_inputs(1, 40, 40, 2, 2, 96, torch.bfloat16, "cpu"),
+    with pytest.raises(ValueError, match="fwd_hopper cannot run this call: head_dim 80"):
+        fwd_hopper.attn_fwd(*_inputs(1, 40, 40, 2, 2, 80, torch.bfloat16, "cpu"),
                             **_kw(False, 0, 0.1))
 
 
@@ -360,13 +383,15 @@ def test_declines_what_it_does_not_support(monkeypatch):
     ("1", 64, 30, "hopper"), ("0", 128, 1024, "portable"),
     ("auto", 128, 1024, "hopper"), ("auto", 256, 2000, "hopper"), ("", 128, 1024, "hopper"),
     ("auto", 64, 4096, "hopper"), ("auto", 64, 128, "hopper"), ("auto", 256, 300, "hopper"),
-    ("auto", 64, 127, "portable"), ("auto", 128, 100, "portable")])
+    ("auto", 64, 127, "portable"), ("auto", 128, 100, "portable"),
+    ("1", 96, 1024, "hopper"), ("auto", 96, 1024, "hopper"), ("auto", 96, 127, "portable")])
 def test_switch_dispatch_on_cpu(switch, head_dim, seqlen_q, used, monkeypatch):
     """With the kernels replaced by fakes: FLASHTILE_HOPPER_FWD=1 sends a supported dense
     forward to fwd_hopper.forward with the portable launcher's arguments (bottom-right
     causal as diag_offset, window_right 0), "0" keeps it on the portable kernel, and
     "auto" (also the unset default) takes the Gluon kernel at head dims 64, 128 and 256
-    from 128 queries, the cells where it was timed faster."""
+    from 128 queries, the cells where it was timed faster, and d96 (in d128's tile)
+    likewise."""
     seen = {}
 
     def fake(name):
@@ -398,7 +423,7 @@ def test_gluon_route_remembers_layouts_not_addresses(monkeypatch):
     """An eager forward's route to the Gluon kernel checks each layout once (the answer
     kept per layout id) and every call's addresses: a q of a known layout 4 bytes off
     16 goes to the portable kernel, an aligned one back to the Gluon kernel, and a
-    refused layout (head_dim 96) is refused again without a new check."""
+    refused layout (head_dim 80) is refused again without a new check."""
     seen, checked = [], []
 
     def fake(name):
@@ -423,9 +448,9 @@ def test_gluon_route_remembers_layouts_not_addresses(monkeypatch):
     assert off.data_ptr() % 16 == 4 and off.stride() == q.stride()
     for x in (q, off, q):
         flashtile.flash_attn_func(x, k, v, causal=True)
-    q96, k96, v96 = _inputs(1, 200, 200, 2, 2, 96, torch.bfloat16, "cpu")
+    q80, k80, v80 = _inputs(1, 200, 200, 2, 2, 80, torch.bfloat16, "cpu")
     for _ in range(2):
-        flashtile.flash_attn_func(q96, k96, v96)
+        flashtile.flash_attn_func(q80, k80, v80)
     assert seen == ["hopper", "portable", "hopper", "portable", "portable"]
     assert len(checked) == 2
 

@@ -37,7 +37,7 @@ def _compile(head_dim, causal, dtype=torch.bfloat16, descales=True, p_smem=False
     out = torch.empty(x.shape, dtype=torch.bfloat16 if fp8 else dtype)
     types = dict(q_desc=mangle_type(fwd_hopper._descriptor(x, (1, rows, 1, head_dim))),
                  k_desc=mangle_type(fwd_hopper._descriptor(x, (1, cfg.block_n, 1, head_dim))),
-                 v_desc=mangle_type(fwd_hopper._v_descriptor(x, cfg.block_n)),
+                 v_desc=mangle_type(fwd_hopper._v_descriptor(x, cfg.block_n, head_dim)),
                  o_desc=mangle_type(fwd_hopper._descriptor(out, (1, rows, 1, head_dim))),
                  softmax_scale="fp32", Schedule="*i32")
     has = fp8 and descales
@@ -393,8 +393,8 @@ def _compile_bwd(head_dim, causal, dtype=torch.bfloat16, opts=None, stages=None,
         cfg, kernel = configs.HOPPER_BWD_16BIT[head_dim], bwd_hopper._attn_bwd_hopper_kernel
     block_m = block_m or cfg.block_m
     x = torch.empty(2, 300, 4, head_dim, dtype=dtype)  # the launcher's descriptors, on CPU
-    q_type = mangle_type(bwd_hopper._descriptor(x, block_m))
-    kv_type = mangle_type(bwd_hopper._descriptor(x, bwd_hopper.BLOCK_N_WG.value))
+    q_type = mangle_type(bwd_hopper._descriptor(x, block_m, head_dim))
+    kv_type = mangle_type(bwd_hopper._descriptor(x, bwd_hopper.BLOCK_N_WG.value, head_dim))
     types = dict(q_desc=q_type, do_desc=q_type, k_desc=kv_type, v_desc=kv_type,
                  dk_desc=kv_type, dv_desc=kv_type, softmax_scale="fp32")
     opts = configs.HOPPER_BWD_DEFAULT_OPTS if opts is None else frozenset(opts)

@@ -8,8 +8,9 @@ delta = rowsum(dO * O) - dlse (the portable preprocess kernel), dQ summed over t
 blocks in fp32 by atomics, then scaled into dq by the portable conversion kernel. Dense
 layout only: q (batch, seqlen_q, nheads, head_dim), k/v (batch, seqlen_k, nheads_kv,
 head_dim), GQA/MQA; causal (any ``diag_offset``: key j is visible to row i when
-j <= i + diag_offset) or full. Head dims 64 and 128 here; 256 in bwd_hopper256 (its
-consumers split the head dim, not the keys), launched by this module's ``backward``.
+j <= i + diag_offset) or full. Head dims 64 and 128 here (96 in 128's tiles:
+``tile_dim``); 256 in bwd_hopper256 (its consumers split the head dim, not the keys),
+launched by this module's ``backward``.
 
 One program owns BLOCK_N = 2 x 64 keys of one (batch, KV head) and walks every query
 block of every query head of the group (the group sum of dK/dV happens in registers, as
@@ -794,6 +795,13 @@ def _attn_bwd_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, L
 HEAD_DIMS = (*sorted(configs.HOPPER_BWD_16BIT), 256)
 
 
+def tile_dim(head_dim: int) -> int | None:
+    """The head dim of the kernel that serves ``head_dim``: itself, or the wider tile
+    configs.HOPPER_WIDER runs it in (its tensor maps read zeros past head_dim and store
+    nothing there; the dQ accumulator is the tile's width), None where none does."""
+    return head_dim if head_dim in HEAD_DIMS else configs.HOPPER_WIDER.get(head_dim)
+
+
 def unsupported(q, k, v, out, dout, *, softmax_scale=1.0, attn_mask=None,
                 alibi_slopes=None, window_left=-1, window_right=-1, softcap=0.0,
                 dropout_p=0.0, **_) -> str | None:
@@ -801,8 +809,9 @@ def unsupported(q, k, v, out, dout, *, softmax_scale=1.0, attn_mask=None,
     arguments are those of ``flashtile.ops.bwd.attn_bwd``, already validated."""
     if q.element_size() != 2:  # the forward kernel also takes FP8, which has no backward
         return f"dtype {q.dtype}: float16 or bfloat16 only"
-    if q.shape[-1] not in HEAD_DIMS:
-        return f"head_dim {q.shape[-1]}: one of {list(HEAD_DIMS)} only"
+    if tile_dim(q.shape[-1]) is None:
+        dims = sorted([*HEAD_DIMS, *configs.HOPPER_WIDER])
+        return f"head_dim {q.shape[-1]}: one of {dims} only"
     # The forward kernel's conditions: device, dtype, features, TMA layouts of q, k, v.
     reason = fwd_hopper.unsupported(q, k, v, softmax_scale=softmax_scale,
                                     attn_mask=attn_mask, alibi_slopes=alibi_slopes,
@@ -817,10 +826,10 @@ def unsupported(q, k, v, out, dout, *, softmax_scale=1.0, attn_mask=None,
     return None
 
 
-def _descriptor(x, rows: int):
+def _descriptor(x, rows: int, tile_d: int):
     """fwd_hopper's tensor map over (batch, seqlen, heads, head_dim) in (1, rows, 1,
-    head_dim) boxes."""
-    return fwd_hopper._descriptor(x, (1, rows, 1, x.shape[-1]))
+    tile_d) boxes (tile_d >= head_dim: ``tile_dim``)."""
+    return fwd_hopper._descriptor(x, (1, rows, 1, tile_d))
 
 
 def _dq_descriptor(dq_accum, rows: int) -> TensorDescriptor:
@@ -966,8 +975,9 @@ def backward(dout, q, k, v, out, lse, dlse, softmax_scale, diag_offset, causal):
     from the kernel's shares, summed by two more kernels."""
     b, sq, h, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
+    tile_d = tile_dim(d)
     # Keys a program: 128 (two warpgroups of 64), 64 at head_dim 256 (bwd_hopper256).
-    block_n = configs.HOPPER_BWD_D256.block_n if d == 256 else 2 * BLOCK_N_WG.value
+    block_n = configs.HOPPER_BWD_D256.block_n if tile_d == 256 else 2 * BLOCK_N_WG.value
     split = configs.hopper_bwd_head_split(h // hkv) or head_split(
         h // hkv, configs.cdiv(sk, block_n) * b * hkv, fwd_hopper._num_sms(q.device))
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -978,9 +988,10 @@ def backward(dout, q, k, v, out, lse, dlse, softmax_scale, diag_offset, causal):
     has_dlse = dlse is not None
     dlse = dlse.contiguous() if has_dlse else lse  # lse: a never-read placeholder
     delta = torch.empty_like(lse)
-    # Rows head_dim wide: the kernel's atomics and the conversion address them so.
+    # Rows tile_d wide: the kernel's atomics and the conversion address them so (a wider
+    # tile's extra columns sum zeros: K's columns past d are read as 0).
     def accumulator():
-        return torch.empty((b, h, sq, d), dtype=torch.float32, device=q.device)
+        return torch.empty((b, h, sq, tile_d), dtype=torch.float32, device=q.device)
 
     key = None
     if _launch.ready(q):
@@ -1004,10 +1015,10 @@ def backward(dout, q, k, v, out, lse, dlse, softmax_scale, diag_offset, causal):
                   dq_accum if dq_tma else dq_accum.data_ptr(), softmax_scale))
             convert((dq_accum.data_ptr(), dq.data_ptr(), softmax_scale))
             return dq, *_summed(dk_shares, dv_shares, split)
-    cfg = configs.hopper_bwd_config(d)
-    flags = kernel_flags(d, causal, configs.hopper_bwd_opts(), cfg.block_m, sq)
-    if d != 256:  # bwd_hopper256's tiles are fixed and fit (configs.HOPPER_BWD_D256)
-        check_fits(d, cfg, flags)
+    cfg = configs.hopper_bwd_config(tile_d)
+    flags = kernel_flags(tile_d, causal, configs.hopper_bwd_opts(), cfg.block_m, sq)
+    if tile_d != 256:  # bwd_hopper256's tiles are fixed and fit (configs.HOPPER_BWD_D256)
+        check_fits(tile_d, cfg, flags)
     dq_accum = accumulator()
     configs.log_first_launch("hopper backward", q, d, cfg, flags)
     pre_m = configs.PREPROCESS_BLOCK_M
@@ -1017,12 +1028,14 @@ def backward(dout, q, k, v, out, lse, dlse, softmax_scale, diag_offset, causal):
         bwd._bwd_preprocess_kernel, row_grid,
         (out, dout, dlse, delta, dq_accum, *configs.strides(False, out, dout),
          *dq_accum.stride()[:2], h, sq, d),
-        dict(BLOCK_M=pre_m, BLOCK_D=d, BLOCK_DV=d, HAS_DLSE=has_dlse, ZERO_DQ=True),
+        dict(BLOCK_M=pre_m, BLOCK_D=tile_d, BLOCK_DV=tile_d, HAS_DLSE=has_dlse,
+             ZERO_DQ=True),
         _PRE_SLOTS if key is not None else None)
-    descs = (_descriptor(q, cfg.block_m), _descriptor(k, BLOCK_N_WG.value),
-             _descriptor(v, BLOCK_N_WG.value), _descriptor(dout, cfg.block_m),
-             _descriptor(dk_shares, BLOCK_N_WG.value), _descriptor(dv_shares, BLOCK_N_WG.value))
-    if d == 256:  # its own module, which imports this one's pieces
+    keys = BLOCK_N_WG.value
+    descs = tuple(_descriptor(x, rows, tile_d) for x, rows in (
+        (q, cfg.block_m), (k, keys), (v, keys), (dout, cfg.block_m), (dk_shares, keys),
+        (dv_shares, keys)))
+    if tile_d == 256:  # its own module, which imports this one's pieces
         from flashtile.ops.bwd_hopper256 import _attn_bwd_hopper256_kernel as kernel
     else:
         kernel = _attn_bwd_hopper_kernel
@@ -1043,7 +1056,7 @@ def backward(dout, q, k, v, out, lse, dlse, softmax_scale, diag_offset, causal):
         bwd._bwd_dq_convert_kernel, row_grid,
         (dq_accum, dq, *dq_accum.stride()[:2], *configs.strides(False, dq), h, sq, d,
          softmax_scale),
-        dict(BLOCK_M=pre_m, BLOCK_D=d), _CONVERT_SLOTS if key is not None else None)
+        dict(BLOCK_M=pre_m, BLOCK_D=tile_d), _CONVERT_SLOTS if key is not None else None)
     if key is not None and None not in (pre, main, convert):
         _launch.store(key, (pre, main, convert, bool(flags.get("DQ_TMA")),
                             bool(flags.get("LSE_SMEM"))))

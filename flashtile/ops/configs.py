@@ -337,6 +337,25 @@ HOPPER_FWD_16BIT = {
 # ragged, unbalanced grids), full +3% at 4k.
 HOPPER_FWD_D64_THREE = TileConfig(192, 128, 4, 3)
 HOPPER_FWD_THREE_MIN_SEQLEN = 8192
+# 16-bit head dims the Gluon forward and backward run in a wider one's tile: their tensor
+# maps keep the tensors' true head_dim and only the boxes are wider, so TMA zero-fills
+# the columns past it on load (adding nothing to Q K^T, dS K or the dK/dV sums, making
+# O's extra columns 0) and drops them on store; the compiled kernels are the wider
+# dim's. Gluon's tiles must be powers of two, so this is the only way d96 gets a Hopper
+# kernel; it pays 4/3 of d96's matrix work, as cuDNN appears to (its d96 forward runs
+# at 0.75x its d128 TFLOP/s, session 25).
+HOPPER_WIDER = {96: 128}
+# On the H200 (session 26, NOTES.md section 36; beside cuDNN in one run, 1k-16k) d96 ran
+# forward 1.17-1.57x the portable kernel (0.90-1.03x cuDNN) and forward+backward
+# 1.25-1.36x (0.90-0.95x cuDNN), so auto takes both from the d128 thresholds.
+
+
+def hopper_fwd_tile_dim(head_dim: int, fp8: bool = False) -> int | None:
+    """The head dim of the Gluon forward's tile for ``head_dim`` (itself, or
+    HOPPER_WIDER's for 16-bit inputs), None where it has none."""
+    if head_dim in (HOPPER_FWD_FP8 if fp8 else HOPPER_FWD_16BIT):
+        return head_dim
+    return None if fp8 else HOPPER_WIDER.get(head_dim)
 
 
 # FP8 (e4m3/e5m2) in the same kernel: half the bytes per K/V tile, and O gets a 16-bit
@@ -408,7 +427,8 @@ HOPPER_FWD_AUTO_MIN_SEQLEN = 128
 # tokens d64/d128 lost up to 32%. Session 23 (section 33), its launch plan now encoding
 # the tensor maps itself: at 256 tokens it won every d64/d128 cell by 8-33% (d128 full
 # 0.75 -> 1.00x cuDNN); at 128 it won full by 4-8% and lost causal by 15%, so 256.
-HOPPER_BWD_AUTO_MIN_SEQLEN = {64: 256, 128: 256, 256: 128}
+# d96 runs d128's kernel (HOPPER_WIDER) and takes its threshold; timed from 1k (session 26).
+HOPPER_BWD_AUTO_MIN_SEQLEN = {64: 256, 96: 256, 128: 256, 256: 128}
 
 
 HOPPER_FWD_SCHEDULE = ("auto", "tiles", "persistent")

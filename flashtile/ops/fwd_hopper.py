@@ -5,6 +5,9 @@ softmax of FlashAttention-2 in base 2 (``flashtile.ops.fwd``). Dense layout only
 q (batch, seqlen_q, nheads, head_dim), k/v (batch, seqlen_k, nheads_kv, head_dim); causal
 (any ``diag_offset``) or not; writes ``out`` and the natural-log ``lse`` (batch, nheads,
 seqlen_q) exactly as ``flashtile.ops.fwd.attn_fwd`` does, so either can serve a call.
+Head dims 64, 128 and 256; 96 in d128's tiles (``configs.HOPPER_WIDER``: the tensor maps
+keep head_dim 96 and their boxes are 128 wide, so TMA reads zeros past it and stores
+nothing there).
 
 A tile is BLOCK_M = 2 x 64 query rows of one (batch, head) (or 3 x 64: below), computed
 in three warp-specialised partitions:
@@ -691,9 +694,10 @@ def layout_unsupported(q, k, v) -> str | None:
     if q.dtype not in _GL_DTYPES:
         return f"dtype {q.dtype}: float16, bfloat16 or float8 (e4m3fn, e5m2) only"
     fp8 = q.element_size() == 1
-    table = configs.HOPPER_FWD_FP8 if fp8 else configs.HOPPER_FWD_16BIT
-    if q.shape[-1] not in table:
-        return f"head_dim {q.shape[-1]}: one of {sorted(table)} only"
+    if configs.hopper_fwd_tile_dim(q.shape[-1], fp8) is None:
+        table = configs.HOPPER_FWD_FP8 if fp8 else configs.HOPPER_FWD_16BIT
+        dims = sorted(table) if fp8 else sorted([*table, *configs.HOPPER_WIDER])
+        return f"head_dim {q.shape[-1]}: one of {dims} only"
     if v.shape[-1] != q.shape[-1]:
         return f"value head_dim {v.shape[-1]} != query head_dim {q.shape[-1]} (one tile)"
     if q.numel() == 0 or k.numel() == 0:
@@ -743,8 +747,8 @@ def _keys_contiguous_t(v):
     return keys_contiguous(v, FP8_V_PAD).permute(0, 2, 3, 1)
 
 
-def _v_descriptor(v, block_n: int) -> TensorDescriptor:
-    d = v.shape[-1]
+def _v_descriptor(v, block_n: int, d: int) -> TensorDescriptor:
+    """V's tensor map in boxes of ``block_n`` keys and the tile's head dim ``d``."""
     if v.element_size() != 1:
         return _descriptor(v, (1, block_n, 1, d))
     return _descriptor(_keys_contiguous_t(v), (1, 1, d, block_n))
@@ -789,6 +793,7 @@ def forward(q, k, v, softmax_scale, diag_offset, causal, q_descale=None, k_desca
     sk, hkv = k.shape[1], k.shape[2]
     fp8 = q.element_size() == 1
     out_dtype = (out_dtype or torch.bfloat16) if fp8 else q.dtype
+    tile_d = configs.hopper_fwd_tile_dim(d, fp8)  # the kernel's (boxes past d read 0)
     if return_lse:
         out = torch.empty((b, sq, h, d), dtype=out_dtype, device=q.device)
         lse = torch.empty((b, h, sq), dtype=torch.float32, device=q.device)
@@ -799,8 +804,8 @@ def forward(q, k, v, softmax_scale, diag_offset, causal, q_descale=None, k_desca
         lse, lse_ptr = None, buf.data_ptr() + lse_at
     descales = (q_descale, k_descale, v_descale)
     p_smem = fp8 and configs.hopper_fwd_fp8_p_smem()
-    persistent = configs.hopper_fwd_persistent(d, fp8, sq)
-    pv_per_tile = fp8 and configs.hopper_fwd_fp8_pv_per_tile(d)
+    persistent = configs.hopper_fwd_persistent(tile_d, fp8, sq)
+    pv_per_tile = fp8 and configs.hopper_fwd_fp8_pv_per_tile(tile_d)
     key = None
     if _launch.ready(q):
         # unsupported() has checked q's and k's (and 16-bit v's) addresses for TMA's
@@ -830,7 +835,7 @@ def forward(q, k, v, softmax_scale, diag_offset, causal, q_descale=None, k_desca
         if schedule is None:  # capturing a CUDA graph: the tiles grid, and no plan
             persistent, key = False, None
         schedule = lse if schedule is None else schedule
-    cfg = configs.hopper_fwd_config(d, fp8, sq, sk)
+    cfg = configs.hopper_fwd_config(tile_d, fp8, sq, sk)
     flags = dict(IS_CAUSAL=causal, STAGES=cfg.num_stages,
                  HAS_Q_DESCALE=q_descale is not None, HAS_K_DESCALE=k_descale is not None,
                  HAS_V_DESCALE=v_descale is not None,
@@ -840,8 +845,9 @@ def forward(q, k, v, softmax_scale, diag_offset, causal, q_descale=None, k_desca
     n_tiles_m = configs.cdiv(sq, cfg.block_m)
     grid = (schedule.shape[0],) if persistent else (n_tiles_m, b * h)
     rows = BLOCK_M_WG.value
-    descs = (_descriptor(q, (1, rows, 1, d)), _descriptor(k, (1, cfg.block_n, 1, d)),
-             _v_descriptor(v, cfg.block_n), _descriptor(out, (1, rows, 1, d)))
+    descs = (_descriptor(q, (1, rows, 1, tile_d)),
+             _descriptor(k, (1, cfg.block_n, 1, tile_d)),
+             _v_descriptor(v, cfg.block_n, tile_d), _descriptor(out, (1, rows, 1, tile_d)))
     strides = tuple(s for x in descales for s in ((0, 0) if x is None else x.stride()))
     plan = _launch.first_launch(
         _attn_fwd_hopper_kernel, grid,
@@ -910,7 +916,8 @@ def _persistent_schedule(q, k, causal, diag_offset) -> Optional[torch.Tensor]:
     persistent one)."""
     b, sq, h, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
-    cfg = configs.hopper_fwd_config(d, q.element_size() == 1, sq, sk)
+    fp8 = q.element_size() == 1
+    cfg = configs.hopper_fwd_config(configs.hopper_fwd_tile_dim(d, fp8), fp8, sq, sk)
     key = (q.device, sq, sk, d, q.element_size(), b * h, h // hkv,
            diag_offset if causal else None, cfg.block_m, cfg.block_n)
     table = _SCHEDULES.get(key)
