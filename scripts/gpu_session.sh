@@ -3,7 +3,8 @@
 # machine goes back 30 s after a call, so chain stages in one call where they fit).
 # Run from the repo root on the device: `bash scripts/gpu_session.sh STAGE [SECONDS]`;
 # outputs go to $OUT (at most 8 files come back: folders travel as tarballs).
-#   check        make test-gpu                                             (~15 min)
+#   check [1|2]  make test-gpu: the whole suite, or its test files a-f (1) or g-z (2),
+#                a call each since session 26                        (~10 min each)
 #   memcheck     the memcheck slice warmed, then make memcheck             (~5 min)
 #   verify       check then memcheck in one call (the suite warms the cache) (~15 min)
 #   sweep SECS   the `flashtile bench` sweep (SWEEP_ARGS: its grid) for SECS seconds, --resume from
@@ -117,10 +118,17 @@ case "${1:-}" in
   check)
     # The suite grew in session 8 (nn, hf, fp8, fused backward, head_dim 512, index
     # safety): the GPU tests and the memcheck slice each get a call of their own.
-    # Session 19: 4,251 tests in 489 s; session 19's opt-ins add ~200 (the three-
-    # consumer forward, lse_smem), hence 585 s of the call's 600.
-    stamp test-gpu
-    timeout 585 make test-gpu GPU_LOG="$OUT/gpu-tests.txt" 2>&1 | tail -3
+    # Session 19: 4,251 tests in 489 s; session 26: ~5,100, 99% in 585 s on a cold
+    # machine, so `check 1` (test files a-f) and `check 2` (g-z) split it in two calls
+    # (no part: the whole suite, as before).
+    case "${2:-}" in
+      1) tests=$(ls tests/test_[a-f]*.py) ;;
+      2) tests=$(ls tests/test_[g-z]*.py) ;;
+      *) tests=tests ;;
+    esac
+    stamp "test-gpu ${2:-all}"
+    timeout 585 make test-gpu GPU_TESTS="$tests" GPU_LOG="$OUT/gpu-tests${2:+-$2}.txt" \
+      2>&1 | tail -3
     stamp done
     ;;
   verify)

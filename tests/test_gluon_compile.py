@@ -181,6 +181,27 @@ def test_hopper_fp8_forward_three_consumers_compile_for_sm90(causal, persistent,
     assert _exp2_under_pv(sass) >= 64  # a consumer's whole softmax under its P V
 
 
+def test_wider_head_dims_launch_the_wider_kernel():
+    """configs.HOPPER_WIDER: the tensor maps over d96 tensors in d128 boxes have the
+    kernel-argument types of d128's, so a d96 launch compiles (and the tests above
+    check) exactly the d128 kernels, forward and backward; only the maps' shapes,
+    runtime values, differ."""
+    from triton.runtime.jit import mangle_type
+
+    from flashtile.ops import bwd_hopper, fwd_hopper
+
+    for d, tile in configs.HOPPER_WIDER.items():
+        assert configs.hopper_fwd_tile_dim(d) == tile and bwd_hopper.tile_dim(d) == tile
+        narrow, wide = (torch.empty(2, 300, 4, x, dtype=torch.bfloat16) for x in (d, tile))
+        for box in ((1, 64, 1, tile), (1, 128, 1, tile)):
+            assert mangle_type(fwd_hopper._descriptor(narrow, box)) == \
+                mangle_type(fwd_hopper._descriptor(wide, box))
+        assert mangle_type(fwd_hopper._v_descriptor(narrow, 128, tile)) == \
+            mangle_type(fwd_hopper._v_descriptor(wide, 128, tile))
+        assert mangle_type(bwd_hopper._descriptor(narrow, 64, tile)) == \
+            mangle_type(bwd_hopper._descriptor(wide, 64, tile))
+
+
 def test_hopper_forward_config_knob(monkeypatch):
     """FLASHTILE_HOPPER_FWD_CONFIG: BLOCK_M 128, or 192 for 16-bit inputs at head_dim 64
     only; anything else names the variable, the rule, the value and the head dim.

@@ -12,6 +12,7 @@ silently fell back elsewhere fails.
 
 import collections
 import copy
+import inspect
 import json
 import os
 import sys
@@ -535,10 +536,22 @@ def test_generate_batch(family, device, calls):
     want = [_generate(model, ref, torch.tensor([p], device=device), None)[0].tolist()
             for p in prompts]
     _use(model, "flashtile")
+    # A small paged cache: left to size itself, transformers 5.25 fills most free memory
+    # (on CPU 33 s of zeroing). Newer versions take the sizes in a ContinuousBatchingConfig
+    # of their own, older ones read them from the GenerationConfig.
+    sizes = dict(num_blocks=16, max_batch_tokens=64)
     config = transformers.GenerationConfig(max_new_tokens=NEW, do_sample=False,
                                            eos_token_id=-1, pad_token_id=0)
+    kwargs = {}
+    cb_config = getattr(transformers, "ContinuousBatchingConfig", None)
+    if cb_config is not None and set(sizes) <= set(inspect.signature(cb_config).parameters) \
+            and "continuous_batching_config" in inspect.signature(model.generate_batch).parameters:
+        kwargs["continuous_batching_config"] = cb_config(**sizes)
+    else:
+        for name, value in sizes.items():
+            setattr(config, name, value)
     calls.clear()
-    out = model.generate_batch(prompts, generation_config=config)
+    out = model.generate_batch(prompts, generation_config=config, **kwargs)
     got = [out[k].generated_tokens for k in sorted(out, key=lambda k: int(k.split("_")[-1]))]
     assert got == want
     assert set(calls) == {"flash_attn_varlen_func"}, dict(calls)
