@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from flashtile.engine.block_manager import BlockManager
-from flashtile.engine.sampler import (Sampler, SamplingTensors, apply_min_p,
+from flashtile.engine.sampler import (Sampler, SamplingTensors,
+                                      apply_frequency_presence_penalties, apply_min_p,
                                       apply_repetition_penalty, apply_top_k_top_p, step_seed)
 from flashtile.engine.sampling_params import SamplingParams
 from flashtile.engine.sequence import Sequence, SequenceStatus
@@ -32,6 +33,13 @@ from flashtile.engine.sequence import Sequence, SequenceStatus
     (dict(min_p=-0.1), ValueError, "min_p"),
     (dict(min_p=1.1), ValueError, "min_p"),
     (dict(repetition_penalty=0.0), ValueError, "repetition_penalty"),
+    (dict(presence_penalty=2.5), ValueError, "presence_penalty: expected a number in [-2, 2]"),
+    (dict(frequency_penalty=math.nan), ValueError, "frequency_penalty: expected a finite"),
+    (dict(frequency_penalty="1"), TypeError, "frequency_penalty: expected a float"),
+    (dict(logit_bias=[1, 2]), TypeError, "logit_bias: expected a dict"),
+    (dict(logit_bias={-1: 1.0}), ValueError, "logit_bias: expected token ids >= 0"),
+    (dict(logit_bias={"3": 1.0}), TypeError, "logit_bias: expected an int"),
+    (dict(logit_bias={3: 101}), ValueError, "logit_bias[3]: expected a bias in [-100, 100]"),
     (dict(seed=True), TypeError, "seed: expected an int or None"),
     (dict(seed="1"), TypeError, "seed"),
     (dict(stop=[""]), ValueError, "stop[0]"),
@@ -412,6 +420,48 @@ def test_processors_match_hugging_face():
     x = apply_min_p(apply_top_k_top_p(x, t.top_ks, t.top_ps), t.min_ps)
     for row, seq in enumerate(seqs):
         torch.testing.assert_close(x[row], _hf_processed(logits[row], seq))
+
+
+def test_penalties_and_bias_follow_the_openai_rule():
+    """Rows mixing logit_bias, repetition, frequency and presence penalties (and none),
+    outputs with repeated tokens: the sampler's processing equals the rule written out
+    per row (bias, then Hugging Face's repetition penalty, then minus frequency x count
+    and presence x seen over the output only); greedy takes its argmax."""
+    g = torch.Generator().manual_seed(4)
+    params = [SamplingParams(temperature=0, frequency_penalty=0.7),
+              SamplingParams(temperature=0, presence_penalty=-1.5, logit_bias={3: 2.5}),
+              SamplingParams(temperature=0),
+              SamplingParams(temperature=0, frequency_penalty=2, presence_penalty=1,
+                             repetition_penalty=1.3, logit_bias={0: -100, 31: 7})]
+    seqs = []
+    for i, p in enumerate(params):
+        seq = Sequence(torch.randint(32, (4,), generator=g).tolist(), p)
+        for t in [5, 9, 5, 5, 2 * i, 9]:  # repeats: counts of 3, 2 and 1
+            seq.append_token(t)
+        seqs.append(seq)
+    logits = torch.randn(len(seqs), 32, generator=g) * 2
+    t = SamplingTensors.from_seqs(seqs, "cpu", 32)
+    assert t.adjusts_logits and t.reads_token_ids
+    tokens, _ = Sampler()(logits, t)
+    for row, seq in enumerate(seqs):
+        p, want = seq.sampling_params, logits[row].clone()
+        for token, bias in (p.logit_bias or {}).items():
+            want[token] += bias
+        for token in set(seq.token_ids):
+            if p.repetition_penalty != 1:
+                want[token] = want[token] / p.repetition_penalty if want[token] > 0 \
+                    else want[token] * p.repetition_penalty
+        out = seq.completion_token_ids
+        for token in set(out):
+            want[token] -= p.frequency_penalty * out.count(token) + p.presence_penalty
+        assert tokens[row] == want.argmax(), row
+        x = logits.scatter_add(1, t.bias_ids, t.bias_values)
+        x = apply_repetition_penalty(x, t.token_ids, t.repetition_penalties)
+        x = apply_frequency_presence_penalties(x, t.output_ids, t.output_weights,
+                                               t.frequency_penalties, t.presence_penalties)
+        torch.testing.assert_close(x[row], want)
+    plain = SamplingTensors.from_seqs(seqs[2:3], "cpu", 32)
+    assert not plain.adjusts_logits and plain.output_ids is None and plain.bias_ids is None
 
 
 @pytest.mark.parametrize("params", _MIXED[1:7], ids=lambda p: (

@@ -78,6 +78,52 @@ def test_greedy_equals_transformers(checkpoint):
     _assert_pool_empty(llm)
 
 
+class _OpenAIPenalties:
+    """The reference for logit_bias and the frequency and presence penalties: OpenAI's
+    formula, as a transformers logits processor over one prompt's continuation (its
+    output tokens only: the prompt does not count)."""
+
+    def __init__(self, n_prompt, params):
+        self.n_prompt, self.p = n_prompt, params
+
+    def __call__(self, input_ids, scores):
+        scores = scores.clone()
+        for token, bias in (self.p.logit_bias or {}).items():
+            scores[:, token] += bias
+        out = input_ids[0, self.n_prompt:].tolist()
+        for token in set(out):
+            scores[:, token] -= self.p.frequency_penalty * out.count(token) \
+                + self.p.presence_penalty
+        return scores
+
+
+def test_penalties_and_logit_bias_equal_transformers_with_openai_rule(checkpoint):
+    """Greedy requests with frequency/presence penalties and a logit bias, batched with a
+    plain one: each equals transformers' greedy generate with the OpenAI rule as a logits
+    processor, and the penalised ones differ from plain greedy (the feature acts)."""
+    from transformers import LogitsProcessorList
+
+    path, model = checkpoint
+    prompts = _prompts([3, 8, 5])
+    base = dict(temperature=0, max_tokens=12)
+    params = [SamplingParams(frequency_penalty=1.5, presence_penalty=0.5, **base),
+              SamplingParams(presence_penalty=2.0, logit_bias={11: 4.0, 12: -100}, **base),
+              SamplingParams(**base)]
+    outs = _tokens(_llm(path).generate(prompts, params, use_tqdm=False))
+    for prompt, p, got in zip(prompts, params, outs):
+        ids = torch.tensor([prompt])
+        want = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                              max_new_tokens=12, pad_token_id=0,
+                              logits_processor=LogitsProcessorList(
+                                  [_OpenAIPenalties(len(prompt), p)]))
+        assert got == want[0, len(prompt):].tolist()
+        if p.adjusts_logits:
+            assert got != hf_greedy(model, prompt, 12) and 12 not in got
+    forced = _llm(path).generate(prompts[:1], SamplingParams(
+        logit_bias={7: 100}, max_tokens=5, ignore_eos=True), use_tqdm=False)
+    assert _tokens(forced) == [[7] * 5]  # +100 outweighs every other logit here
+
+
 def test_batch_invariance_with_chunks_staggering_and_preemption(checkpoint):
     path, _ = checkpoint
     prompts = _prompts([3, 41, 9, 30, 17], seed=1)
@@ -318,6 +364,8 @@ def test_bad_input_errors(checkpoint, tmp_path):
             llm.generate([empty], GREEDY, use_tqdm=False)
     with pytest.raises(ValueError, match=rf"token ids in \[0, {VOCAB}\)"):
         llm.generate([[1, VOCAB]], GREEDY, use_tqdm=False)
+    with pytest.raises(ValueError, match=rf"logit_bias: expected token ids in \[0, {VOCAB}\)"):
+        llm.generate([[1, 2]], SamplingParams(logit_bias={VOCAB: 1.0}), use_tqdm=False)
     with pytest.raises(ValueError, match="max_model_len: expected an int from 1"):
         _llm(path, max_model_len=100000)
     assert not llm.has_unfinished_requests()  # a refused batch queues nothing

@@ -4,9 +4,8 @@ No HTTP here (server.py has the aiohttp application).
 
 Beyond OpenAI, vLLM's extensions: ``top_k``, ``min_p``, ``repetition_penalty``,
 ``stop_token_ids``, ``ignore_eos``, ``skip_special_tokens``. Not supported (400): ``n`` >
-1, ``echo``, ``best_of`` > 1, ``suffix``, ``logit_bias``, presence/frequency penalties,
-tools, and the top alternatives of logprobs (completions' ``top_logprobs`` field is null;
-chat's ``top_logprobs`` must be 0).
+1, ``echo``, ``best_of`` > 1, ``suffix``, tools, and the top alternatives of logprobs
+(completions' ``top_logprobs`` field is null; chat's ``top_logprobs`` must be 0).
 """
 
 from __future__ import annotations
@@ -17,12 +16,12 @@ import re
 from flashtile.engine.sampling_params import RequestOutputKind, SamplingParams
 
 SAMPLING_FIELDS = ("n", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
-                   "seed", "stop", "stop_token_ids", "ignore_eos", "skip_special_tokens")
+                   "presence_penalty", "frequency_penalty", "seed", "stop",
+                   "stop_token_ids", "ignore_eos", "skip_special_tokens")
 # Field -> the values that mean "off"; anything else asks for what the engine lacks.
 UNSUPPORTED = {"echo": (None, False), "best_of": (None, 1), "suffix": (None, ""),
-               "logit_bias": (None, {}), "presence_penalty": (None, 0),
-               "frequency_penalty": (None, 0), "tools": (None, []),
-               "tool_choice": (None, "none"), "response_format": (None, {"type": "text"})}
+               "tools": (None, []), "tool_choice": (None, "none"),
+               "response_format": (None, {"type": "text"})}
 
 
 class RequestError(Exception):
@@ -139,10 +138,24 @@ def chat_logprobs(body):
     return 0 if want else None
 
 
+def logit_bias(body):
+    """``logit_bias``: JSON's {"token id": bias} (keys are strings there) as {int: bias},
+    or None."""
+    bias = body.get("logit_bias")
+    if bias is None:
+        return None
+    if not isinstance(bias, dict) or not all(
+            isinstance(k, str) and k.isdecimal() for k in bias):
+        raise RequestError("logit_bias: expected an object mapping token ids (decimal "
+                           f"strings) to biases, got {json.dumps(bias)[:80]}", "logit_bias")
+    return {int(k): v for k, v in bias.items()}
+
+
 def sampling_params(body, logprobs, max_tokens, stream: bool) -> SamplingParams:
     """The request's SamplingParams; a field sent as null takes its default. The engine
     returns a streamed request's outputs as deltas, a whole one's once at the end."""
     kw = {k: body[k] for k in SAMPLING_FIELDS if body.get(k) is not None}
+    kw["logit_bias"] = logit_bias(body)
     kind = RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
     try:
         return SamplingParams(logprobs=logprobs, max_tokens=max_tokens, output_kind=kind,

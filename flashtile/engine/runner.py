@@ -47,8 +47,9 @@ class LaunchedStep:
     tokens: Optional[torch.Tensor]   # (S,) int64 sampled ids; on CUDA pinned host memory,
     logprobs: Optional[torch.Tensor]  # (S,) float32   valid once ``done`` has fired
     done: Optional[torch.cuda.Event]
-    # Some row has a repetition penalty: the next step's sampling reads every token of
-    # its sequence on the host, so this step must be waited for before it is prepared.
+    # Some row has a penalty that reads its tokens (repetition, frequency, presence): the
+    # next step's sampling reads them on the host, so this step must be waited for
+    # before it is prepared.
     host_needs_tokens: bool
 
 
@@ -226,7 +227,7 @@ class ModelRunner(StepInputsMixin, CudaGraphsMixin):
             # An all-greedy step's tensors depend on nothing but its sequences' parameters,
             # fixed per request: the next step of the same sequences (most decode steps)
             # reuses them without reading 2 x 256 parameter sets again.
-            plain = tensors.all_greedy and tensors.token_ids is None
+            plain = tensors.all_greedy and not tensors.adjusts_logits
             self._greedy_seqs, self._greedy_tensors = (seqs, tensors) if plain else \
                 (None, None)
         logits = self.model.compute_logits(self.forward(inputs))  # the sampler upcasts
@@ -243,7 +244,7 @@ class ModelRunner(StepInputsMixin, CudaGraphsMixin):
                     logprobs, non_blocking=True)
             done = torch.cuda.Event()
             done.record()
-        return LaunchedStep(seqs, tokens, logprobs, done, tensors.token_ids is not None)
+        return LaunchedStep(seqs, tokens, logprobs, done, tensors.reads_token_ids)
 
     @torch.inference_mode()
     def follow(self, host: HostStep):

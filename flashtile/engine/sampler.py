@@ -1,7 +1,8 @@
 """Sampler: the next token of every row of a batch, drawn on the device without a sync.
 
-Each row (one sequence's last position) goes through Hugging Face's order: repetition
-penalty, temperature, top-k, top-p, min-p; then one token is drawn by the Gumbel-max
+Each row (one sequence's last position) goes through vLLM's order: logit bias, the
+repetition, frequency and presence penalties, then Hugging Face's temperature, top-k,
+top-p, min-p; then one token is drawn by the Gumbel-max
 trick, ``argmax(probs / E)`` with E ~ Exp(1) per vocabulary entry, which draws from
 ``probs`` exactly like ``torch.multinomial`` but as element-wise work and an argmax, so
 no value has to reach the host (gpt-fast, nano-vllm). Greedy rows take the argmax of the
@@ -58,6 +59,12 @@ class SamplingTensors:
     token_ids: (B, L) int64, each row's prompt and output ids for the repetition penalty,
         padded by repeating the row's first id (a repeat rewrites the same value); None
         when no row has a penalty.
+    output_ids, output_weights: (B, L) int64 and float32, each row's output ids so far for
+        the frequency and presence penalties, padded with id 0 at weight 0 (their count
+        adds nothing); frequency_penalties, presence_penalties: (B,) float32. All four
+        None when no row has either penalty.
+    bias_ids, bias_values: (B, K) int64 and float32, each row's logit_bias, padded with
+        id 0 at bias 0; None when no row has one.
     seeded_rows: host pairs (row, step_seed) of the non-greedy seeded rows.
     The do_* / *_greedy flags are host booleans, so that forward skips unused work without
     reading device values; want_logprobs: some row asked for logprobs (else the sampler
@@ -77,6 +84,23 @@ class SamplingTensors:
     do_top_p: bool
     do_min_p: bool
     want_logprobs: bool = True
+    output_ids: torch.Tensor | None = None
+    output_weights: torch.Tensor | None = None
+    frequency_penalties: torch.Tensor | None = None
+    presence_penalties: torch.Tensor | None = None
+    bias_ids: torch.Tensor | None = None
+    bias_values: torch.Tensor | None = None
+
+    @property
+    def reads_token_ids(self) -> bool:
+        """Whether some row's penalty reads the tokens of its sequence (so the host must
+        know the token in flight before the next step's tensors are built)."""
+        return self.token_ids is not None or self.output_ids is not None
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether some row's logits change (a penalty or a bias) before the choice."""
+        return self.reads_token_ids or self.bias_ids is not None
 
     @classmethod
     def plain_greedy(cls, rows: int, device, vocab_size: int, want_logprobs: bool = True
@@ -103,7 +127,7 @@ class SamplingTensors:
         device = torch.device(device)
         params = [s.sampling_params for s in seqs]
         want_logprobs = any(p.logprobs is not None for p in params)
-        if all(p.greedy and p.repetition_penalty == 1.0 for p in params):
+        if all(p.greedy and not p.adjusts_logits for p in params):
             return cls.plain_greedy(len(seqs), device, vocab_size, want_logprobs)
         greedy = [p.greedy for p in params]
         top_ks = [vocab_size if g or not 0 < p.top_k < vocab_size else p.top_k
@@ -128,6 +152,25 @@ class SamplingTensors:
                     for s, x in zip(seqs, penalties)]
             width = max(map(len, rows))
             token_ids = put([r + [r[0]] * (width - len(r)) for r in rows], torch.int64)
+        counted = {}
+        if any(p.frequency_penalty or p.presence_penalty for p in params):
+            # Rows without either penalty count nothing: no ids, one zero-weight pad.
+            outs = [s.completion_token_ids if p.frequency_penalty or p.presence_penalty
+                    else [] for s, p in zip(seqs, params)]
+            width = max(1, max(map(len, outs)))
+            counted = dict(
+                output_ids=put([o + [0] * (width - len(o)) for o in outs], torch.int64),
+                output_weights=put([[1.0] * len(o) + [0.0] * (width - len(o)) for o in outs],
+                                   torch.float32),
+                frequency_penalties=put([p.frequency_penalty for p in params], torch.float32),
+                presence_penalties=put([p.presence_penalty for p in params], torch.float32))
+        biased = {}
+        if any(p.logit_bias for p in params):
+            biases = [list((p.logit_bias or {}).items()) for p in params]
+            width = max(map(len, biases))
+            pads = [b + [(0, 0.0)] * (width - len(b)) for b in biases]
+            biased = dict(bias_ids=put([[t for t, _ in b] for b in pads], torch.int64),
+                          bias_values=put([[v for _, v in b] for b in pads], torch.float32))
         seeded = [(i, step_seed(p.seed, s.num_completion_tokens))
                   for i, (s, p, g) in enumerate(zip(seqs, params, greedy))
                   if p.seed is not None and not g]
@@ -136,7 +179,7 @@ class SamplingTensors:
                    token_ids=token_ids, seeded_rows=seeded, all_greedy=all(greedy),
                    any_greedy=any(greedy), do_top_k=any(k < vocab_size for k in top_ks),
                    do_top_p=any(p < 1.0 for p in top_ps), do_min_p=any(p > 0 for p in min_ps),
-                   want_logprobs=want_logprobs)
+                   want_logprobs=want_logprobs, **counted, **biased)
 
 
 def apply_repetition_penalty(logits, token_ids, penalties):
@@ -145,6 +188,16 @@ def apply_repetition_penalty(logits, token_ids, penalties):
     seen = logits.gather(1, token_ids)
     p = penalties[:, None]
     return logits.scatter(1, token_ids, torch.where(seen > 0, seen / p, seen * p))
+
+
+def apply_frequency_presence_penalties(logits, output_ids, output_weights,
+                                       frequency_penalties, presence_penalties):
+    """Subtract from each row's logits frequency_penalty x (times the token occurs in the
+    output so far) + presence_penalty x (whether it occurs): OpenAI's and vLLM's rule.
+    Out of place."""
+    counts = torch.zeros_like(logits).scatter_add_(1, output_ids, output_weights)
+    return logits - frequency_penalties[:, None] * counts \
+        - presence_penalties[:, None] * (counts > 0).to(logits.dtype)
 
 
 def apply_top_k_top_p(logits, top_ks=None, top_ps=None):
@@ -202,14 +255,20 @@ class Sampler(nn.Module):
         if logits.dim() != 2 or logits.shape[0] != t.temperatures.shape[0]:
             _fail(ValueError, "logits", f"shape ({t.temperatures.shape[0]}, vocab_size), one "
                   "row per SamplingTensors row", f"shape {tuple(logits.shape)}")
-        if t.all_greedy and t.token_ids is None and not t.want_logprobs:
+        if t.all_greedy and not t.adjusts_logits and not t.want_logprobs:
             # fp32 holds every 16-bit logit exactly: the argmax of the raw logits is the
             # same, without writing and reading an fp32 copy of (B, vocab).
             return logits.argmax(dim=-1), None
         raw = logits.float()
         x = raw
+        if t.bias_ids is not None:
+            x = x.scatter_add(1, t.bias_ids, t.bias_values)
         if t.token_ids is not None:
             x = apply_repetition_penalty(x, t.token_ids, t.repetition_penalties)
+        if t.output_ids is not None:
+            x = apply_frequency_presence_penalties(
+                x, t.output_ids, t.output_weights, t.frequency_penalties,
+                t.presence_penalties)
         if t.all_greedy:
             tokens = x.argmax(dim=-1)
         else:

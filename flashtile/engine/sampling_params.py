@@ -60,6 +60,12 @@ class SamplingParams:
     min_p: drop tokens whose probability is below min_p times the top token's, in [0, 1].
     repetition_penalty: > 0; divides positive logits and multiplies negative ones of every
         token in the prompt or the output so far (Hugging Face / vLLM meaning); 1 is off.
+    presence_penalty: in [-2, 2]; subtracted from the logit of every token the output so
+        far contains (OpenAI / vLLM meaning: the prompt does not count); 0 is off.
+    frequency_penalty: in [-2, 2]; subtracted from a token's logit once per time the output
+        so far contains it; 0 is off.
+    logit_bias: {token id: bias in [-100, 100]} added to those logits before any other
+        processing (OpenAI's meaning; -100 all but bans a token, 100 all but forces it).
     seed: makes this request's draws reproducible whatever batch it runs in.
     stop: strings that end the completion (not included in the text).
     stop_token_ids: token ids that end the completion.
@@ -88,6 +94,9 @@ class SamplingParams:
     logprobs: int | None = None
     skip_special_tokens: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] | None = None
 
     def __post_init__(self):
         _check_int("n", self.n)
@@ -111,6 +120,12 @@ class SamplingParams:
         if self.repetition_penalty <= 0:
             _fail(ValueError, "repetition_penalty", "a number > 0 (1 is off)",
                   self.repetition_penalty)
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = _check_float(name, getattr(self, name))
+            if not -2 <= value <= 2:
+                _fail(ValueError, name, "a number in [-2, 2] (0 is off)", value)
+            setattr(self, name, value)
+        self.logit_bias = self._bias_dict(self.logit_bias)
         _check_int("seed", self.seed, allow_none=True)
         self.stop = self._stop_list(self.stop)
         self.stop_token_ids = self._stop_token_id_list(self.stop_token_ids)
@@ -137,6 +152,31 @@ class SamplingParams:
             if not s:
                 _fail(ValueError, f"stop[{i}]", "a non-empty string", repr(s))
         return stops
+
+    @staticmethod
+    def _bias_dict(bias):
+        """logit_bias as {int token id >= 0: float bias in [-100, 100]}; None or {}: None.
+        (The model's vocabulary bounds the ids: LLM checks them when the request comes.)"""
+        if bias is None:
+            return None
+        if not isinstance(bias, dict):
+            _fail(TypeError, "logit_bias", "a dict {token id: bias} or None", repr(bias)[:80])
+        out = {}
+        for token, value in bias.items():
+            _check_int("logit_bias", token)
+            if token < 0:
+                _fail(ValueError, "logit_bias", "token ids >= 0", token)
+            value = _check_float(f"logit_bias[{token}]", value)
+            if not -100 <= value <= 100:
+                _fail(ValueError, f"logit_bias[{token}]", "a bias in [-100, 100]", value)
+            out[int(token)] = value
+        return out or None
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether a penalty or a bias changes the logits before the token is chosen."""
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 \
+            or self.frequency_penalty != 0.0 or self.logit_bias is not None
 
     @staticmethod
     def _stop_token_id_list(ids):
