@@ -20,7 +20,7 @@ from flashtile.engine.sequence import Sequence, SequenceStatus
 # ---------------------------------------------------------------- SamplingParams
 
 @pytest.mark.parametrize("kwargs, exc, words", [
-    (dict(n=2), ValueError, "n: expected 1"),
+    (dict(n=0), ValueError, "n: expected an int >= 1"),
     (dict(temperature=-0.5), ValueError, "temperature"),
     (dict(temperature=math.nan), ValueError, "temperature: expected a finite"),
     (dict(temperature=math.inf), ValueError, "temperature: expected a finite"),

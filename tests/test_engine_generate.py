@@ -5,6 +5,7 @@ pages; stop conditions; bad input. CUDA-graph cases are marked gpu."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import os
@@ -122,6 +123,36 @@ def test_penalties_and_logit_bias_equal_transformers_with_openai_rule(checkpoint
     forced = _llm(path).generate(prompts[:1], SamplingParams(
         logit_bias={7: 100}, max_tokens=5, ignore_eos=True), use_tqdm=False)
     assert _tokens(forced) == [[7] * 5]  # +100 outweighs every other logit here
+
+
+def test_n_completions_per_prompt(checkpoint):
+    """SamplingParams(n=k) in generate: k completions per prompt in one RequestOutput,
+    indexed 0..k-1, in prompt order beside n=1 prompts; greedy ones all equal
+    transformers' greedy; seeded ones equal single requests seeded seed + i (and differ);
+    add_request takes one completion only; every page returns to the pool."""
+    path, model = checkpoint
+    prompts = _prompts([4, 9, 6], seed=3)
+    llm = _llm(path)
+    sampled = SamplingParams(temperature=1.0, seed=5, n=3, max_tokens=8, ignore_eos=True)
+    outs = llm.generate(prompts, [SamplingParams(temperature=0, max_tokens=8, n=2),
+                                  SamplingParams(temperature=0, max_tokens=8), sampled],
+                        use_tqdm=False)
+    assert [len(o.outputs) for o in outs] == [2, 1, 3]
+    assert [c.index for o in outs for c in o.outputs] == [0, 1, 0, 0, 1, 2]
+    assert [o.prompt_token_ids for o in outs] == prompts
+    for o, p in zip(outs[:2], prompts):
+        assert all(c.token_ids == hf_greedy(model, p, 8) for c in o.outputs)
+    singles = llm.generate([prompts[2]] * 3, [dataclasses.replace(sampled, n=1, seed=5 + i)
+                                              for i in range(3)], use_tqdm=False)
+    got = [c.token_ids for c in outs[2].outputs]
+    assert got == [s.outputs[0].token_ids for s in singles] and len(set(map(tuple, got))) > 1
+    m = outs[2].metrics
+    assert m.arrival_time <= m.first_token_time <= m.finish_time
+    with pytest.raises(ValueError, match="n: expected 1 for one request"):
+        llm.add_request(prompts[0], sampled)
+    with pytest.raises(ValueError, match="n: expected an int >= 1"):
+        SamplingParams(n=0)
+    _assert_pool_empty(llm)
 
 
 def test_batch_invariance_with_chunks_staggering_and_preemption(checkpoint):

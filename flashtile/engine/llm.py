@@ -16,6 +16,7 @@ rank 0 (scheduler, tokenizer, sampler) and starts the other N - 1 (engine/worker
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import os
 import time
@@ -129,6 +130,9 @@ class LLM:
             params = SamplingParams()
         if not isinstance(params, SamplingParams):
             _fail(TypeError, "sampling_params", "a SamplingParams", type(params).__name__)
+        if params.n != 1:
+            _fail(ValueError, "n", "1 for one request (LLM.generate and LLM.chat take n > 1)",
+                  params.n)
         if isinstance(prompt, str):
             if not prompt:
                 _fail(ValueError, "prompt", "a non-empty string or token id list", "''")
@@ -279,8 +283,14 @@ class LLM:
             params = list(sampling_params)
         else:
             params = [sampling_params] * len(items)
-        requests = [self._make_request(p, sp, prompt_text=text)
-                    for (p, text), sp in zip(items, params)]
+        # n > 1: one request per completion (seed + i where seeded), merged below.
+        groups, requests = [], []
+        for (p, text), sp in zip(items, params):
+            children = [sp] if sp is None or sp.n == 1 else [
+                dataclasses.replace(sp, n=1, seed=None if sp.seed is None else sp.seed + i)
+                for i in range(sp.n)]
+            groups.append(range(len(requests), len(requests) + len(children)))
+            requests += [self._make_request(p, c, prompt_text=text) for c in children]
         ids = [self._add(r) for r in requests]
         wanted = set(ids)
         done: dict[str, RequestOutput] = {}
@@ -302,7 +312,24 @@ class LLM:
             self._complete()
         if bar is not None:
             bar.close()
-        return [done[i] for i in ids]
+        return [_merged([done[ids[i]] for i in group]) for group in groups]
+
+
+def _merged(outputs: list[RequestOutput]) -> RequestOutput:
+    """The n completions of one prompt (one request each) as one RequestOutput: the
+    first request's, its outputs indexed 0..n-1, its metrics spanning them all."""
+    if len(outputs) == 1:
+        return outputs[0]
+    first = outputs[0]
+    for i, out in enumerate(outputs):
+        out.outputs[0].index = i
+    metrics = [o.metrics for o in outputs]
+    first_tokens = [m.first_token_time for m in metrics if m.first_token_time is not None]
+    first.outputs = [o.outputs[0] for o in outputs]
+    first.metrics = RequestMetrics(min(m.arrival_time for m in metrics),
+                                   min(first_tokens, default=None),
+                                   max(m.finish_time for m in metrics))
+    return first
 
 
 def _progress(total):

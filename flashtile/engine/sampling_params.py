@@ -52,7 +52,8 @@ class RequestOutputKind(enum.Enum):
 class SamplingParams:
     """Decoding options of one request.
 
-    n: completions per prompt; only 1 is supported.
+    n: completions per prompt (LLM.generate and LLM.chat; add_request and the server take
+        1): each an independent draw, seeded seed + i when seed is given.
     temperature: 0 (below 1e-5) is greedy; higher flattens the distribution.
     top_p: keep the smallest set of most likely tokens whose probability reaches top_p,
         in (0, 1]; 1 keeps all.
@@ -100,9 +101,8 @@ class SamplingParams:
 
     def __post_init__(self):
         _check_int("n", self.n)
-        if self.n != 1:
-            _fail(ValueError, "n", "1 (one completion per request)", self.n,
-                  "Send the prompt several times, with different seeds, for more")
+        if self.n < 1:
+            _fail(ValueError, "n", "an int >= 1 (completions per prompt)", self.n)
         self.temperature = _check_float("temperature", self.temperature)
         if self.temperature < 0:
             _fail(ValueError, "temperature", "a number >= 0 (0 is greedy)", self.temperature)
