@@ -186,6 +186,44 @@ def test_stream_order_and_done(server, llm, chat):
     _assert_idle(llm)
 
 
+@pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
+def test_n_completions_are_choices(server, llm, chat):
+    """n = 3 with a seed, two prompts (completions) or one conversation (chat): choice
+    i * n + j is LLM.generate's completion j of prompt i, whole and streamed (each
+    choice's role first in chat), and usage counts each prompt once."""
+    sampled = dict(temperature=1.0, seed=11, max_tokens=6, ignore_eos=True)
+    if chat:
+        messages = [{"role": "user", "content": "Hello"}]
+        want = llm.chat(messages, SamplingParams(n=3, **sampled), use_tqdm=False)
+        body = dict(messages=messages, n=3, **sampled)
+    else:
+        want = llm.generate(["Hello world", "The capital"], SamplingParams(n=3, **sampled),
+                            use_tqdm=False)
+        body = dict(prompt=["Hello world", "The capital"], n=3, **sampled)
+    texts = [c.text for w in want for c in w.outputs]
+    assert len(set(texts)) > 1  # seeded seed + j: different draws
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    status, whole = post(server, path, body)
+    assert status == 200 and [c["index"] for c in whole["choices"]] == list(range(len(texts)))
+    got = [c["message"]["content"] if chat else c["text"] for c in whole["choices"]]
+    assert got == texts
+    prompt_tokens = sum(len(w.prompt_token_ids) for w in want)
+    assert whole["usage"] == {"prompt_tokens": prompt_tokens, "completion_tokens": 6 * len(texts),
+                              "total_tokens": prompt_tokens + 6 * len(texts)}
+    events = run(_events(server.url + path, dict(body, stream=True,
+                                                 stream_options={"include_usage": True})))
+    assert events[-1] == "[DONE]" and events[-2]["usage"] == whole["usage"]
+    streamed, roles = [""] * len(texts), []
+    for e in events[:-2]:
+        for c in e["choices"]:
+            if chat and "role" in c["delta"]:
+                roles.append(c["index"])
+                assert not streamed[c["index"]]  # the role before any content
+            streamed[c["index"]] += c["delta"]["content"] if chat else c["text"]
+    assert streamed == texts and sorted(roles) == (list(range(len(texts))) if chat else [])
+    _assert_idle(llm)
+
+
 def test_concurrent_clients_get_their_own_answers(server, llm):
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(3, VOCAB, (n,), generator=g).tolist()
@@ -277,7 +315,7 @@ BAD = [  # (path, body (dict, or raw bytes), status, param, code)
     ("/v1/completions", dict(prompt="Hi", temperature="hot"), 400, "temperature", None),
     ("/v1/completions", dict(prompt="Hi", top_p=0), 400, "top_p", None),
     ("/v1/completions", dict(prompt="Hi", max_tokens=0), 400, "max_tokens", None),
-    ("/v1/completions", dict(prompt="Hi", n=2), 400, "n", None),
+    ("/v1/completions", dict(prompt="Hi", n=0), 400, "n", None),
     ("/v1/completions", dict(prompt="Hi", stop=[""]), 400, "stop", None),
     ("/v1/completions", dict(prompt="Hi", echo=True), 400, "echo", None),
     ("/v1/completions", dict(prompt="Hi", presence_penalty=3), 400, "presence_penalty",

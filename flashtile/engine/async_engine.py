@@ -67,12 +67,17 @@ class AsyncEngine:
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
 
     async def add(self, prompts, params: SamplingParams) -> "RequestStream":
-        """Queue prompts (token id lists) with one SamplingParams; ValueError if the
-        engine refuses one (then none of them runs)."""
+        """Queue prompts (token id lists) with one SamplingParams, n requests a prompt
+        (SamplingParams.completions): the stream's index of completion j of prompt i is
+        i * n + j, OpenAI's choice index. ValueError if the engine refuses one (then none
+        of them runs)."""
         if not self.running:
             raise RuntimeError("the engine loop is not running")
+        children = params.completions()
+        prompts = [p for p in prompts for _ in children]
+        params = children * (len(prompts) // len(children))
         ids = [uuid.uuid4().hex for _ in prompts]
-        stream = RequestStream(self, ids, params.output_kind, self.stream_interval)
+        stream = RequestStream(self, ids, params[0].output_kind, self.stream_interval)
         for i, rid in enumerate(ids):
             self._streams[rid] = (stream, i)
         try:
@@ -84,8 +89,8 @@ class AsyncEngine:
         return stream
 
     def _add_all(self, ids, prompts, params):
-        for rid, prompt in zip(ids, prompts):
-            self.llm.add_request(prompt, params, request_id=rid)
+        for rid, prompt, p in zip(ids, prompts, params):
+            self.llm.add_request(prompt, p, request_id=rid)
 
     def abort_later(self, ids):
         """Abort requests after whatever engine call is running (no wait)."""

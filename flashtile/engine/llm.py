@@ -16,7 +16,6 @@ rank 0 (scheduler, tokenizer, sampler) and starts the other N - 1 (engine/worker
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import os
 import time
@@ -131,8 +130,8 @@ class LLM:
         if not isinstance(params, SamplingParams):
             _fail(TypeError, "sampling_params", "a SamplingParams", type(params).__name__)
         if params.n != 1:
-            _fail(ValueError, "n", "1 for one request (LLM.generate and LLM.chat take n > 1)",
-                  params.n)
+            _fail(ValueError, "n", "1 for one request (SamplingParams.completions splits "
+                  "n > 1; LLM.generate and LLM.chat take it)", params.n)
         if isinstance(prompt, str):
             if not prompt:
                 _fail(ValueError, "prompt", "a non-empty string or token id list", "''")
@@ -283,12 +282,10 @@ class LLM:
             params = list(sampling_params)
         else:
             params = [sampling_params] * len(items)
-        # n > 1: one request per completion (seed + i where seeded), merged below.
+        # n > 1: one request per completion (SamplingParams.completions), merged below.
         groups, requests = [], []
         for (p, text), sp in zip(items, params):
-            children = [sp] if sp is None or sp.n == 1 else [
-                dataclasses.replace(sp, n=1, seed=None if sp.seed is None else sp.seed + i)
-                for i in range(sp.n)]
+            children = [sp] if sp is None else sp.completions()
             groups.append(range(len(requests), len(requests) + len(children)))
             requests += [self._make_request(p, c, prompt_text=text) for c in children]
         ids = [self._add(r) for r in requests]

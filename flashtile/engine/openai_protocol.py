@@ -3,9 +3,10 @@ prompts and SamplingParams, and the response, chunk, usage, logprobs and error b
 No HTTP here (server.py has the aiohttp application).
 
 Beyond OpenAI, vLLM's extensions: ``top_k``, ``min_p``, ``repetition_penalty``,
-``stop_token_ids``, ``ignore_eos``, ``skip_special_tokens``. Not supported (400): ``n`` >
-1, ``echo``, ``best_of`` > 1, ``suffix``, tools, and the top alternatives of logprobs
-(completions' ``top_logprobs`` field is null; chat's ``top_logprobs`` must be 0).
+``stop_token_ids``, ``ignore_eos``, ``skip_special_tokens``. ``n`` completions of prompt i
+are choices i * n + j. Not supported (400): ``echo``, ``best_of`` > 1, ``suffix``, tools,
+and the top alternatives of logprobs (completions' ``top_logprobs`` field is null; chat's
+``top_logprobs`` must be 0).
 """
 
 from __future__ import annotations
@@ -206,9 +207,10 @@ def logprobs_body(chat, token_ids, logprobs, offset, tokenizer) -> dict:
             "text_offset": offsets}
 
 
-def usage(outputs) -> dict:
-    """usage over the whole RequestOutputs of a request's prompts."""
-    return usage_body(sum(len(o.prompt_token_ids) for o in outputs),
+def usage(outputs, n: int = 1) -> dict:
+    """usage over the whole RequestOutputs of a request's prompts, n completions each
+    (in a row: a prompt counts once)."""
+    return usage_body(sum(len(o.prompt_token_ids) for o in outputs[::n]),
                       sum(len(o.outputs[0].token_ids) for o in outputs))
 
 

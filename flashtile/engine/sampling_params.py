@@ -8,6 +8,7 @@ what ``LLM.step`` returns for the request (RequestOutputKind).
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import math
 import numbers
@@ -52,8 +53,8 @@ class RequestOutputKind(enum.Enum):
 class SamplingParams:
     """Decoding options of one request.
 
-    n: completions per prompt (LLM.generate and LLM.chat; add_request and the server take
-        1): each an independent draw, seeded seed + i when seed is given.
+    n: completions per prompt (LLM.generate, LLM.chat and the server; add_request takes
+        1): each its own request (``completions``), seeded seed + i when seed is given.
     temperature: 0 (below 1e-5) is greedy; higher flattens the distribution.
     top_p: keep the smallest set of most likely tokens whose probability reaches top_p,
         in (0, 1]; 1 keeps all.
@@ -171,6 +172,15 @@ class SamplingParams:
                 _fail(ValueError, f"logit_bias[{token}]", "a bias in [-100, 100]", value)
             out[int(token)] = value
         return out or None
+
+    def completions(self) -> list[SamplingParams]:
+        """The parameters of each of the n completions of a prompt, one request each
+        (vLLM's fan-out): n = 1, and seed + i where a seed is given, so the draws differ
+        and each is reproducible alone."""
+        if self.n == 1:
+            return [self]
+        return [dataclasses.replace(self, n=1, seed=None if self.seed is None else
+                                    self.seed + i) for i in range(self.n)]
 
     @property
     def adjusts_logits(self) -> bool:

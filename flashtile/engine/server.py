@@ -148,9 +148,9 @@ class OpenAIServer:
         try:
             if stream_mode:
                 return await self._stream(request, stream, head, chat, include_usage,
-                                          params.logprobs is not None)
+                                          params.logprobs is not None, params.n)
             final = {index: out async for index, out in stream}  # FINAL_ONLY: one each
-            outs = [final[i] for i in range(len(prompts))]
+            outs = [final[i] for i in range(len(prompts) * params.n)]
             choices = []
             for i, o in enumerate(outs):
                 c = o.outputs[0]
@@ -158,18 +158,18 @@ class OpenAIServer:
                                              self.tokenizer),
                                 "finish_reason": c.finish_reason})
             return web.json_response({**head, "choices": choices,
-                                      "usage": api.usage(outs)})
+                                      "usage": api.usage(outs, params.n)})
         finally:
             stream.close()
 
-    async def _stream(self, request, stream, head, chat, include_usage, logprobs):
+    async def _stream(self, request, stream, head, chat, include_usage, logprobs, n):
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                            "Cache-Control": "no-cache"})
         await resp.prepare(request)
         head = {**head, "object": "chat.completion.chunk" if chat else "text_completion"}
         try:
             try:
-                await self._chunks(resp, stream, head, chat, include_usage, logprobs)
+                await self._chunks(resp, stream, head, chat, include_usage, logprobs, n)
             except ConnectionResetError:
                 raise
             except Exception as err:  # headers are sent: report it in the stream
@@ -182,17 +182,18 @@ class OpenAIServer:
             pass
         return resp
 
-    async def _chunks(self, resp, stream, head, chat, include_usage, logprobs):
-        """The token chunks: per wake-up one write with one chunk per prompt that
-        progressed (several steps' tokens in one chunk when the loop fell behind)."""
+    async def _chunks(self, resp, stream, head, chat, include_usage, logprobs, n):
+        """The token chunks: per wake-up one write with one chunk per choice that
+        progressed (several steps' tokens in one chunk when the loop fell behind); n
+        choices a prompt."""
         chunks = api.ChunkFormat(head, chat, include_usage)
-        sent = {}  # prompt index -> (characters, completion tokens, prompt tokens)
+        sent = {}  # choice index -> (characters, completion tokens, prompt tokens)
         while stream.pending:
             parts = []
             for index, out in (await stream.next_outputs()).items():
                 c = out.outputs[0]
-                if chat and not sent:  # OpenAI: the role comes first, alone
-                    role = {"index": 0, "delta": {"role": "assistant", "content": ""},
+                if chat and index not in sent:  # OpenAI: a choice's role first, alone
+                    role = {"index": index, "delta": {"role": "assistant", "content": ""},
                             "logprobs": None, "finish_reason": None}
                     extra = {"usage": None} if include_usage else {}
                     parts.append(api.sse({**head, "choices": [role], **extra}))
@@ -200,8 +201,9 @@ class OpenAIServer:
                 parts.append(chunks.chunk(
                     index, c.text, c.token_ids, c.logprobs if logprobs else None, chars,
                     c.finish_reason if out.finished else None, self.tokenizer))
+                # The prompt counts once in usage, not once per completion.
                 sent[index] = (chars + len(c.text), ntok + len(c.token_ids),
-                               len(out.prompt_token_ids))
+                               len(out.prompt_token_ids) if index % n == 0 else 0)
             await resp.write(b"".join(parts))
         if include_usage:
             _, completion, prompt = (sum(x) for x in zip(*sent.values()))
