@@ -49,6 +49,7 @@ from flashtile.engine.sequence import Sequence, SequenceStatus
     (dict(max_tokens=0), ValueError, "max_tokens: expected an int >= 1"),
     (dict(max_tokens=1.0), TypeError, "max_tokens"),
     (dict(logprobs=-1), ValueError, "logprobs"),
+    (dict(logprobs=21), ValueError, "logprobs: expected None or an int in [0, 20]"),
     (dict(ignore_eos=1), TypeError, "ignore_eos: expected a bool"),
 ], ids=lambda x: x if isinstance(x, str) else None)
 def test_sampling_params_rejects(kwargs, exc, words):

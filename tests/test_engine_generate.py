@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from flashtile.engine import LLM, SamplingParams
+from flashtile.engine.sampling_params import RequestOutputKind
 from flashtile.engine.block_manager import BlockManager
 from flashtile.engine.runner import ModelRunner
 from flashtile.engine.scheduler import Scheduler
@@ -152,6 +153,51 @@ def test_n_completions_per_prompt(checkpoint):
         llm.add_request(prompts[0], sampled)
     with pytest.raises(ValueError, match="n: expected an int >= 1"):
         SamplingParams(n=0)
+    _assert_pool_empty(llm)
+
+
+def test_top_logprobs_are_the_models(checkpoint):
+    """SamplingParams.logprobs = k: at each generated position the k most likely tokens
+    and their logprobs under transformers' distribution (most likely first; greedy's
+    chosen token is the first), k per request in one batch; logprobs=0 and None give
+    no alternatives; DELTA outputs carry each step's alternatives."""
+    path, model = checkpoint
+    prompts = _prompts([5, 11, 7], seed=4)
+    base = dict(max_tokens=6, ignore_eos=True)
+    params = [SamplingParams(temperature=0, logprobs=3, **base),
+              SamplingParams(temperature=1.0, seed=2, logprobs=5, **base),
+              SamplingParams(temperature=0, logprobs=0, **base)]
+    llm = _llm(path)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    for out, p in zip(outs, params):
+        c = out.outputs[0]
+        ids = torch.tensor([out.prompt_token_ids + c.token_ids])
+        with torch.no_grad():
+            lp = model(ids).logits[0].double().log_softmax(-1)
+        want = lp[len(out.prompt_token_ids) - 1:-1]  # the distribution of each output
+        torch.testing.assert_close(torch.tensor(c.logprobs, dtype=torch.float64),
+                                   want.gather(1, torch.tensor(c.token_ids)[:, None])[:, 0],
+                                   atol=1e-4, rtol=0)
+        if not p.logprobs:
+            assert c.top_logprobs is None
+            continue
+        assert len(c.top_logprobs) == len(c.token_ids)
+        for row, alt, token in zip(want, c.top_logprobs, c.token_ids):
+            values, top_ids = row.topk(p.logprobs)
+            assert list(alt) == top_ids.tolist()
+            torch.testing.assert_close(torch.tensor(list(alt.values()), dtype=torch.float64),
+                                       values, atol=1e-4, rtol=0)
+            if p.greedy:
+                assert next(iter(alt)) == token
+    delta = dataclasses.replace(params[0], output_kind=RequestOutputKind.DELTA)
+    llm.add_request(prompts[0], delta)
+    steps = []
+    while llm.has_unfinished_requests():
+        steps += [o.outputs[0] for o in llm.step()]
+    got, whole = [a for s in steps for a in s.top_logprobs], outs[0].outputs[0].top_logprobs
+    assert [list(a) for a in got] == [list(a) for a in whole]  # alone: fp32 rounding apart
+    torch.testing.assert_close([list(a.values()) for a in got],
+                               [list(a.values()) for a in whole], atol=1e-5, rtol=0)
     _assert_pool_empty(llm)
 
 

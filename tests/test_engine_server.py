@@ -224,6 +224,45 @@ def test_n_completions_are_choices(server, llm, chat):
     _assert_idle(llm)
 
 
+@pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
+def test_top_logprobs_in_both_shapes(server, llm, chat):
+    """logprobs=k (completions) and top_logprobs=k (chat): OpenAI's shapes of
+    LLM.generate's alternatives, whole and streamed, with the token strings."""
+    want = llm.generate(["Hello world"], SamplingParams(**_greedy(max_tokens=5,
+                                                                  logprobs=3)),
+                        use_tqdm=False)[0].outputs[0]
+    text = [{llm.tokenizer.decode([t], False): v for t, v in alt.items()}
+            for alt in want.top_logprobs]
+    if chat:  # the same prompt through /v1/completions' string, so compare the shape
+        body = dict(messages=[{"role": "user", "content": "Hello"}], logprobs=True,
+                    top_logprobs=3, **_greedy(max_tokens=5))
+        _, whole = post(server, "/v1/chat/completions", body)
+        content = whole["choices"][0]["logprobs"]["content"]
+        assert len(content) == 5
+        for entry in content:
+            alts = entry["top_logprobs"]
+            assert len(alts) == 3 and alts[0]["token"] == entry["token"]
+            assert alts[0]["logprob"] == pytest.approx(entry["logprob"], abs=1e-5)
+            assert all(a["bytes"] == list(a["token"].encode()) for a in alts)
+            assert [a["logprob"] for a in alts] == sorted((a["logprob"] for a in alts),
+                                                          reverse=True)
+        events = run(_events(server.url + "/v1/chat/completions", dict(body, stream=True)))
+        streamed = [e for ev in events[:-1] for c in ev["choices"] if c["logprobs"]
+                    for e in c["logprobs"]["content"]]
+        assert [e["top_logprobs"] for e in streamed] == [e["top_logprobs"] for e in content]
+    else:
+        body = dict(prompt="Hello world", logprobs=3, **_greedy(max_tokens=5))
+        _, whole = post(server, "/v1/completions", body)
+        got = whole["choices"][0]["logprobs"]["top_logprobs"]
+        assert [list(a) for a in got] == [list(a) for a in text]
+        for g, w in zip(got, text):
+            assert list(g.values()) == pytest.approx(list(w.values()), abs=1e-5)
+        events = run(_events(server.url + "/v1/completions", dict(body, stream=True)))
+        streamed = [a for e in events[:-1] for a in e["choices"][0]["logprobs"]["top_logprobs"]]
+        assert streamed == got
+    _assert_idle(llm)
+
+
 def test_concurrent_clients_get_their_own_answers(server, llm):
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(3, VOCAB, (n,), generator=g).tolist()
@@ -327,6 +366,10 @@ BAD = [  # (path, body (dict, or raw bytes), status, param, code)
     ("/v1/completions", dict(prompt="Hi", logit_bias={str(VOCAB): 1}), 400, "logit_bias",
      None),
     ("/v1/completions", dict(prompt="Hi", logprobs=-1), 400, "logprobs", None),
+    ("/v1/completions", dict(prompt="Hi", logprobs=21), 400, "logprobs", None),
+    ("/v1/chat/completions", dict(messages=[{"role": "user", "content": "Hi"}],
+                                  logprobs=True, top_logprobs=21), 400, "top_logprobs",
+     None),
     ("/v1/completions", dict(prompt="Hi", stream="yes"), 400, "stream", None),
     ("/v1/completions", dict(prompt="Hi", stream_options={"include_usage": True}), 400,
      "stream_options", None),

@@ -80,14 +80,15 @@ class _Request:
             self.stop_reason = seq.last_token  # vLLM: None for end-of-sequence tokens
         start = self.sent_tokens if delta else 0
         token_ids = seq.completion_token_ids_from(start)
-        logprobs = (seq.output_logprobs[start:]
-                    if seq.sampling_params.logprobs is not None else None)
+        k = seq.sampling_params.logprobs
+        logprobs = seq.output_logprobs[start:] if k is not None else None
+        top = seq.output_top_logprobs[start:] if k else None
         if delta:
             text, self.sent_chars = text[self.sent_chars:], len(text)
             self.sent_tokens += len(token_ids)
         completion = CompletionOutput(
             index=0, text=text, token_ids=token_ids, finish_reason=reason,
-            stop_reason=self.stop_reason, logprobs=logprobs)
+            stop_reason=self.stop_reason, logprobs=logprobs, top_logprobs=top)
         return RequestOutput(
             request_id=self.request_id, prompt=self.prompt,
             prompt_token_ids=self.prompt_token_ids, outputs=[completion],

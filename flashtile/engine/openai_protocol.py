@@ -4,9 +4,9 @@ No HTTP here (server.py has the aiohttp application).
 
 Beyond OpenAI, vLLM's extensions: ``top_k``, ``min_p``, ``repetition_penalty``,
 ``stop_token_ids``, ``ignore_eos``, ``skip_special_tokens``. ``n`` completions of prompt i
-are choices i * n + j. Not supported (400): ``echo``, ``best_of`` > 1, ``suffix``, tools,
-and the top alternatives of logprobs (completions' ``top_logprobs`` field is null; chat's
-``top_logprobs`` must be 0).
+are choices i * n + j; ``logprobs`` (completions) and ``top_logprobs`` (chat) up to
+MAX_LOGPROBS alternatives. Not supported (400): ``echo``, ``best_of`` > 1, ``suffix``,
+tools.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import re
 
-from flashtile.engine.sampling_params import RequestOutputKind, SamplingParams
+from flashtile.engine.sampling_params import MAX_LOGPROBS, RequestOutputKind, SamplingParams
 
 SAMPLING_FIELDS = ("n", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
                    "presence_penalty", "frequency_penalty", "seed", "stop",
@@ -117,26 +117,27 @@ def stream_flags(body) -> tuple[bool, bool]:
 
 
 def completion_logprobs(body):
-    """/v1/completions' ``logprobs``: null or an int >= 0 (the engine's SamplingParams
-    value; only the chosen token's logprob is returned)."""
+    """/v1/completions' ``logprobs``: null or an int k in [0, MAX_LOGPROBS] (the
+    engine's SamplingParams value: the chosen token's logprob and k alternatives)."""
     logprobs = body.get("logprobs")
-    if logprobs is not None and (not is_token(logprobs) or logprobs < 0):
-        raise RequestError(f"logprobs: expected null or an int >= 0, got "
-                           f"{json.dumps(logprobs)}", "logprobs")
+    if logprobs is not None and (not is_token(logprobs)
+                                 or not 0 <= logprobs <= MAX_LOGPROBS):
+        raise RequestError(f"logprobs: expected null or an int in [0, {MAX_LOGPROBS}], "
+                           f"got {json.dumps(logprobs)}", "logprobs")
     return logprobs
 
 
 def chat_logprobs(body):
-    """/v1/chat/completions' ``logprobs`` (a bool) and ``top_logprobs`` (0 or null), as
-    SamplingParams' logprobs: 0 or None."""
+    """/v1/chat/completions' ``logprobs`` (a bool) and ``top_logprobs`` (null, or an int
+    in [0, MAX_LOGPROBS] with logprobs true), as SamplingParams' logprobs."""
     want, top = body.get("logprobs"), body.get("top_logprobs")
     if want is not None and not isinstance(want, bool):
         raise RequestError(f"logprobs: expected a bool, got {json.dumps(want)}", "logprobs")
-    if top not in (None, 0):
-        raise RequestError(f"top_logprobs: expected 0 or null (flashtile returns the "
-                           f"chosen token's logprob only), got {json.dumps(top)}",
-                           "top_logprobs")
-    return 0 if want else None
+    if top is not None and (not want or not is_token(top)
+                            or not 0 <= top <= MAX_LOGPROBS):
+        raise RequestError(f"top_logprobs: expected null, or an int in [0, {MAX_LOGPROBS}] "
+                           f"with logprobs true, got {json.dumps(top)}", "top_logprobs")
+    return (top or 0) if want else None
 
 
 def logit_bias(body):
@@ -177,13 +178,15 @@ def check_fits(prompt, params, param, limit):
 
 
 # ---- responses ------------------------------------------------------------------------
-def choice(chat, index, text, token_ids, logprobs, offset, tokenizer, delta=False) -> dict:
+def choice(chat, index, text, token_ids, logprobs, offset, tokenizer, delta=False,
+           top=None) -> dict:
     """One entry of ``choices`` without its finish_reason: the text (a message, or a
     delta when streamed) of the tokens ``token_ids`` and, when ``logprobs`` is not None,
-    their logprobs; ``offset``: the characters of the completion before ``text``."""
+    their logprobs (``top``: each position's alternatives, or None); ``offset``: the
+    characters of the completion before ``text``."""
     lp = None
     if logprobs is not None:
-        lp = logprobs_body(chat, token_ids, logprobs, offset, tokenizer)
+        lp = logprobs_body(chat, token_ids, logprobs, offset, tokenizer, top)
     if chat:
         key = "delta" if delta else "message"
         message = {"content": text} if delta else {"role": "assistant", "content": text}
@@ -191,19 +194,31 @@ def choice(chat, index, text, token_ids, logprobs, offset, tokenizer, delta=Fals
     return {"index": index, "text": text, "logprobs": lp}
 
 
-def logprobs_body(chat, token_ids, logprobs, offset, tokenizer) -> dict:
+def _token_str(t, tokenizer) -> str:
+    return tokenizer.decode([t], skip_special_tokens=False) if tokenizer is not None \
+        else f"token_id:{t}"
+
+
+def logprobs_body(chat, token_ids, logprobs, offset, tokenizer, top=None) -> dict:
     """OpenAI's shapes: chat {"content": [{token, logprob, bytes, top_logprobs}]},
-    completions {tokens, token_logprobs, top_logprobs, text_offset}."""
-    tokens = [tokenizer.decode([t], skip_special_tokens=False)
-              if tokenizer is not None else f"token_id:{t}" for t in token_ids]
+    completions {tokens, token_logprobs, top_logprobs, text_offset}; ``top``: per
+    position {token id: logprob} of the alternatives, or None."""
+    tokens = [_token_str(t, tokenizer) for t in token_ids]
+    alternatives = [[(_token_str(t, tokenizer), v) for t, v in alt.items()] for alt in top] \
+        if top is not None else None
     if chat:
-        return {"content": [{"token": s, "logprob": lp, "bytes": list(s.encode()),
-                             "top_logprobs": []} for s, lp in zip(tokens, logprobs)]}
+        return {"content": [
+            {"token": s, "logprob": lp, "bytes": list(s.encode()), "top_logprobs": [
+                {"token": a, "logprob": v, "bytes": list(a.encode())}
+                for a, v in (alternatives[i] if alternatives else [])]}
+            for i, (s, lp) in enumerate(zip(tokens, logprobs))]}
     offsets = []
     for s in tokens:
         offsets.append(offset)
         offset += len(s)
-    return {"tokens": tokens, "token_logprobs": list(logprobs), "top_logprobs": None,
+    # OpenAI's legacy shape: a {token string: logprob} object per position.
+    return {"tokens": tokens, "token_logprobs": list(logprobs),
+            "top_logprobs": [dict(a) for a in alternatives] if alternatives else None,
             "text_offset": offsets}
 
 
@@ -241,11 +256,12 @@ class ChunkFormat:
         self.chat = chat
 
     def chunk(self, index, text, token_ids, logprobs, offset, finish_reason,
-              tokenizer) -> bytes:
-        """The chunk of prompt ``index``'s new ``text`` and ``token_ids`` (their
-        ``logprobs`` or None; ``offset``: the characters streamed before)."""
+              tokenizer, top=None) -> bytes:
+        """The chunk of choice ``index``'s new ``text`` and ``token_ids`` (their
+        ``logprobs`` or None, ``top`` their alternatives or None; ``offset``: the
+        characters streamed before)."""
         lp = "null" if logprobs is None else json.dumps(
-            logprobs_body(self.chat, token_ids, logprobs, offset, tokenizer),
+            logprobs_body(self.chat, token_ids, logprobs, offset, tokenizer, top),
             ensure_ascii=False)
         reason = "null" if finish_reason is None else _json_str(finish_reason)
         return (self.start + self.choice % (index, _json_str(text), lp, reason)

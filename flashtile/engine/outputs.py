@@ -19,6 +19,8 @@ class CompletionOutput:
     logprobs: the log-probability of each generated token under the model's raw
         distribution, when SamplingParams.logprobs is not None (vLLM returns a dict per
         token; here the chosen token's value alone).
+    top_logprobs: per generated token, {token id: logprob} of the k most likely tokens
+        (most likely first) when SamplingParams.logprobs = k > 0, else None.
     """
 
     index: int
@@ -27,6 +29,7 @@ class CompletionOutput:
     finish_reason: Optional[str] = None
     stop_reason: Union[str, int, None] = None
     logprobs: Optional[list] = None
+    top_logprobs: Optional[list] = None
 
     def finished(self) -> bool:
         return self.finish_reason is not None
@@ -59,5 +62,7 @@ class RequestOutput:
             mine.token_ids = mine.token_ids + new.token_ids
             if mine.logprobs is not None:
                 mine.logprobs = mine.logprobs + new.logprobs
+            if mine.top_logprobs is not None:
+                mine.top_logprobs = mine.top_logprobs + new.top_logprobs
             mine.finish_reason, mine.stop_reason = new.finish_reason, new.stop_reason
         self.finished, self.metrics = next_output.finished, next_output.metrics

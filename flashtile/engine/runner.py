@@ -51,6 +51,9 @@ class LaunchedStep:
     # next step's sampling reads them on the host, so this step must be waited for
     # before it is prepared.
     host_needs_tokens: bool
+    # (ids, logprobs), each (S, k): the k most likely tokens of every row, where some
+    # row asked for k alternatives (SamplingParams.logprobs > 0).
+    top: Optional[tuple] = None
 
 
 class ModelRunner(StepInputsMixin, CudaGraphsMixin):
@@ -232,6 +235,10 @@ class ModelRunner(StepInputsMixin, CudaGraphsMixin):
                 (None, None)
         logits = self.model.compute_logits(self.forward(inputs))  # the sampler upcasts
         tokens, logprobs = self.sampler(logits, tensors)  # logprobs None: none asked
+        top = None
+        if tensors.top_logprobs:  # the raw distribution's, as the chosen token's logprob
+            values, ids = logits.float().log_softmax(dim=-1).topk(tensors.top_logprobs)
+            top = (ids, values)
         if self.model.tp.size > 1 and self.config.async_scheduling:
             self.model.tp.broadcast(tokens)  # the other ranks' next step may read them
         self._last_tokens = tokens  # the next step's in-flight input ids come from here
@@ -242,9 +249,12 @@ class ModelRunner(StepInputsMixin, CudaGraphsMixin):
             if logprobs is not None:
                 logprobs = torch.empty_like(logprobs, device="cpu", pin_memory=True).copy_(
                     logprobs, non_blocking=True)
+            if top is not None:
+                top = tuple(torch.empty_like(x, device="cpu", pin_memory=True).copy_(
+                    x, non_blocking=True) for x in top)
             done = torch.cuda.Event()
             done.record()
-        return LaunchedStep(seqs, tokens, logprobs, done, tensors.reads_token_ids)
+        return LaunchedStep(seqs, tokens, logprobs, done, tensors.reads_token_ids, top)
 
     @torch.inference_mode()
     def follow(self, host: HostStep):
@@ -276,7 +286,10 @@ class ModelRunner(StepInputsMixin, CudaGraphsMixin):
         tokens = step.tokens.tolist()
         if step.logprobs is None:  # no request of the step asked for logprobs
             return tokens, [None] * len(tokens)
-        return tokens, step.logprobs.tolist()
+        if step.top is None:
+            return tokens, step.logprobs.tolist()
+        # (logprob, alternative ids, their logprobs) per row: Sequence.resolve keeps them.
+        return tokens, list(zip(step.logprobs.tolist(), *(x.tolist() for x in step.top)))
 
     def shutdown(self):
         """Release what outlives this object: nothing in one process (the pool and the

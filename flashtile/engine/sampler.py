@@ -68,7 +68,8 @@ class SamplingTensors:
     seeded_rows: host pairs (row, step_seed) of the non-greedy seeded rows.
     The do_* / *_greedy flags are host booleans, so that forward skips unused work without
     reading device values; want_logprobs: some row asked for logprobs (else the sampler
-    skips the logsumexp over the vocabulary and returns None for them).
+    skips the logsumexp over the vocabulary and returns None for them); top_logprobs: the
+    most alternatives a row asked for (SamplingParams.logprobs; 0: none).
     """
 
     temperatures: torch.Tensor
@@ -90,6 +91,7 @@ class SamplingTensors:
     presence_penalties: torch.Tensor | None = None
     bias_ids: torch.Tensor | None = None
     bias_values: torch.Tensor | None = None
+    top_logprobs: int = 0
 
     @property
     def reads_token_ids(self) -> bool:
@@ -103,12 +105,12 @@ class SamplingTensors:
         return self.reads_token_ids or self.bias_ids is not None
 
     @classmethod
-    def plain_greedy(cls, rows: int, device, vocab_size: int, want_logprobs: bool = True
-                     ) -> SamplingTensors:
+    def plain_greedy(cls, rows: int, device, vocab_size: int, want_logprobs: bool = True,
+                     top_logprobs: int = 0) -> SamplingTensors:
         """The tensors of ``rows`` greedy rows without penalties (the common case: offline
         generation, benchmarks), made once per batch size and device: the sampler reads
         nothing of them but the flags, and nothing writes them."""
-        key = (rows, torch.device(device), vocab_size, want_logprobs)
+        key = (rows, torch.device(device), vocab_size, want_logprobs, top_logprobs)
         t = _GREEDY.get(key)
         if t is None:
             zeros = torch.zeros(rows, device=device)
@@ -117,7 +119,8 @@ class SamplingTensors:
                 temperatures=zeros, top_ps=ones, min_ps=zeros, repetition_penalties=ones,
                 top_ks=torch.full((rows,), vocab_size, dtype=torch.int64, device=device),
                 token_ids=None, seeded_rows=[], all_greedy=True, any_greedy=True,
-                do_top_k=False, do_top_p=False, do_min_p=False, want_logprobs=want_logprobs)
+                do_top_k=False, do_top_p=False, do_min_p=False, want_logprobs=want_logprobs,
+                top_logprobs=top_logprobs)
         return t
 
     @classmethod
@@ -127,8 +130,9 @@ class SamplingTensors:
         device = torch.device(device)
         params = [s.sampling_params for s in seqs]
         want_logprobs = any(p.logprobs is not None for p in params)
+        top = max(p.logprobs or 0 for p in params)
         if all(p.greedy and not p.adjusts_logits for p in params):
-            return cls.plain_greedy(len(seqs), device, vocab_size, want_logprobs)
+            return cls.plain_greedy(len(seqs), device, vocab_size, want_logprobs, top)
         greedy = [p.greedy for p in params]
         top_ks = [vocab_size if g or not 0 < p.top_k < vocab_size else p.top_k
                   for p, g in zip(params, greedy)]
@@ -179,7 +183,7 @@ class SamplingTensors:
                    token_ids=token_ids, seeded_rows=seeded, all_greedy=all(greedy),
                    any_greedy=any(greedy), do_top_k=any(k < vocab_size for k in top_ks),
                    do_top_p=any(p < 1.0 for p in top_ps), do_min_p=any(p > 0 for p in min_ps),
-                   want_logprobs=want_logprobs, **counted, **biased)
+                   want_logprobs=want_logprobs, top_logprobs=top, **counted, **biased)
 
 
 def apply_repetition_penalty(logits, token_ids, penalties):

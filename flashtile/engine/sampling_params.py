@@ -20,6 +20,9 @@ from flashtile._validate import _fail
 # temperature overflows float32 (a logit of 40 / 1e-38 is inf) and the draw would be an
 # argmax anyway.
 GREEDY_TEMPERATURE = 1e-5
+# The most alternatives SamplingParams.logprobs may ask for at each position (vLLM's
+# default max_logprobs, OpenAI chat's top_logprobs bound).
+MAX_LOGPROBS = 20
 
 
 def _check_int(name, value, allow_none=False):
@@ -73,9 +76,9 @@ class SamplingParams:
     stop_token_ids: token ids that end the completion.
     max_tokens: most tokens to generate (>= 1); None: until max_model_len.
     ignore_eos: keep generating past the end-of-sequence token.
-    logprobs: None: no log-probabilities; an int k >= 0: return the log-probability of
-        each chosen token (the raw model distribution's, vLLM's default). The top-k
-        alternatives are not returned.
+    logprobs: None: no log-probabilities; an int k in [0, MAX_LOGPROBS]: return the
+        log-probability of each chosen token (the raw model distribution's, vLLM's
+        default) and, for k > 0, those of the k most likely tokens at each position.
     skip_special_tokens: leave special tokens out of the detokenised text.
     output_kind: what LLM.step returns for the request (RequestOutputKind): CUMULATIVE
         (default), DELTA or FINAL_ONLY. LLM.generate returns whole completions whatever
@@ -135,8 +138,9 @@ class SamplingParams:
             _fail(ValueError, "max_tokens", "an int >= 1 (or None: up to max_model_len)",
                   self.max_tokens)
         _check_int("logprobs", self.logprobs, allow_none=True)
-        if self.logprobs is not None and self.logprobs < 0:
-            _fail(ValueError, "logprobs", "None or an int >= 0", self.logprobs)
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            _fail(ValueError, "logprobs", f"None or an int in [0, {MAX_LOGPROBS}]",
+                  self.logprobs)
         for name in ("ignore_eos", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 _fail(TypeError, name, "a bool", repr(getattr(self, name)))

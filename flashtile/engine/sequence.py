@@ -69,6 +69,9 @@ class Sequence:
         self.finish_time: float | None = None
         self.finish_reason: str | None = None
         self.output_logprobs: list[float] = []
+        # Per generated token, {token id: logprob} of the SamplingParams.logprobs most
+        # likely tokens (only when that is > 0).
+        self.output_top_logprobs: list[dict[int, float]] = []
         # Set by Scheduler.add: the token count at which the sequence ends (max_tokens or
         # max_model_len) and the ids that end it (end-of-sequence unless ignore_eos, and
         # stop_token_ids), so that a step checks one int and one set per sequence.
@@ -126,7 +129,7 @@ class Sequence:
             self.first_token_time = time.time()
         self.token_ids.append(int(token_id))
         if logprob is not None:
-            self.output_logprobs.append(float(logprob))
+            self._keep_logprobs(logprob)
 
     def resolve(self, index: int, token_id: int, logprob: float | None = None):
         """Put the value of the placeholder at token_ids[index] (see the module's doc)."""
@@ -134,7 +137,17 @@ class Sequence:
             self.first_token_time = time.time()
         self.token_ids[index] = token_id
         if logprob is not None:
-            self.output_logprobs.append(logprob)
+            self._keep_logprobs(logprob)
+
+    def _keep_logprobs(self, logprob):
+        """logprob: the chosen token's, or (it, alternative ids, their logprobs) from a
+        step where some request asked for alternatives (ModelRunner.wait)."""
+        if isinstance(logprob, tuple):
+            logprob, ids, values = logprob
+            k = self.sampling_params.logprobs
+            if k:
+                self.output_top_logprobs.append(dict(zip(ids[:k], values[:k])))
+        self.output_logprobs.append(float(logprob))
 
     def finish(self, reason: str):
         """Mark the request done: reason "stop", "length" or "abort"."""

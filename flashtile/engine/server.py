@@ -155,7 +155,7 @@ class OpenAIServer:
             for i, o in enumerate(outs):
                 c = o.outputs[0]
                 choices.append({**api.choice(chat, i, c.text, c.token_ids, c.logprobs, 0,
-                                             self.tokenizer),
+                                             self.tokenizer, top=c.top_logprobs),
                                 "finish_reason": c.finish_reason})
             return web.json_response({**head, "choices": choices,
                                       "usage": api.usage(outs, params.n)})
@@ -200,7 +200,8 @@ class OpenAIServer:
                 chars, ntok, _ = sent.get(index, (0, 0, 0))
                 parts.append(chunks.chunk(
                     index, c.text, c.token_ids, c.logprobs if logprobs else None, chars,
-                    c.finish_reason if out.finished else None, self.tokenizer))
+                    c.finish_reason if out.finished else None, self.tokenizer,
+                    c.top_logprobs if logprobs else None))
                 # The prompt counts once in usage, not once per completion.
                 sent[index] = (chars + len(c.text), ntok + len(c.token_ids),
                                len(out.prompt_token_ids) if index % n == 0 else 0)
