@@ -155,3 +155,34 @@ def test_async_scheduling_equals_sync_with_cuda_graphs(checkpoint):
         assert s.token_ids == a.token_ids and s.finish_reason == a.finish_reason
         torch.testing.assert_close(s.logprobs, a.logprobs, atol=1e-4, rtol=0)
     assert LLM(str(path), **kw).config.async_scheduling  # the default on CUDA
+
+
+def test_sampling_options_with_graphs_and_async_equal_eager_sync(checkpoint):
+    """Penalties (repetition, frequency, presence), a logit bias, n = 2 seeded and top-k
+    logprobs on CUDA: the default engine (CUDA-graph decode, asynchronous scheduling,
+    which must wait for the tokens a penalty reads) gives the tokens and alternatives of
+    an eager, synchronous one."""
+    path, _ = checkpoint
+    kw = dict(dtype="float32", device="cuda", max_model_len=128, max_num_seqs=8,
+              kv_cache_memory=2**28)
+    params = [SamplingParams(temperature=0, frequency_penalty=1.0, presence_penalty=0.5,
+                             logit_bias={5: 3.0}, max_tokens=16, logprobs=3,
+                             ignore_eos=True),
+              SamplingParams(temperature=0.9, seed=7, n=2, repetition_penalty=1.2,
+                             max_tokens=12, logprobs=2, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)]
+    prompts = _prompts([5, 30, 12])
+    runs = []
+    for eager in (True, False):
+        llm = LLM(str(path), enforce_eager=eager, async_scheduling=not eager, **kw)
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        runs.append([c for o in outs for c in o.outputs])
+        bm = llm.block_manager
+        assert bm.num_free_blocks == bm.num_blocks
+    assert [len(r) for r in runs] == [4, 4]
+    for e, g in zip(*runs):
+        assert e.token_ids == g.token_ids
+        assert (e.top_logprobs is None) == (g.top_logprobs is None)
+        for a, b in zip(e.top_logprobs or [], g.top_logprobs or []):
+            assert list(a) == list(b)
+            torch.testing.assert_close(list(a.values()), list(b.values()), atol=1e-4, rtol=0)
