@@ -73,9 +73,7 @@ class AsyncEngine:
         of them runs)."""
         if not self.running:
             raise RuntimeError("the engine loop is not running")
-        children = params.completions()
-        prompts = [p for p in prompts for _ in children]
-        params = children * (len(prompts) // len(children))
+        prompts, params = zip(*[(p, c) for p in prompts for c in params.completions()])
         ids = [uuid.uuid4().hex for _ in prompts]
         stream = RequestStream(self, ids, params[0].output_kind, self.stream_interval)
         for i, rid in enumerate(ids):

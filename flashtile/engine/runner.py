@@ -237,8 +237,11 @@ class ModelRunner(StepInputsMixin, CudaGraphsMixin):
         tokens, logprobs = self.sampler(logits, tensors)  # logprobs None: none asked
         top = None
         if tensors.top_logprobs:  # the raw distribution's, as the chosen token's logprob
-            values, ids = logits.float().log_softmax(dim=-1).topk(tensors.top_logprobs)
-            top = (ids, values)
+            # log Z = the chosen token's logit - its logprob (the sampler's): no second
+            # fp32 copy and log_softmax of the (rows, vocab) logits.
+            values, ids = logits.topk(tensors.top_logprobs)
+            log_z = logits.gather(1, tokens[:, None]).float() - logprobs[:, None]
+            top = (ids, values.float() - log_z)
         if self.model.tp.size > 1 and self.config.async_scheduling:
             self.model.tp.broadcast(tokens)  # the other ranks' next step may read them
         self._last_tokens = tokens  # the next step's in-flight input ids come from here
