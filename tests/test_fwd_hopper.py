@@ -114,16 +114,17 @@ def test_three_consumers_match_float64_reference(dtype, head_dim, block_n, stage
         fwd_hopper._SCHEDULES.clear()
 
 
-@pytest.mark.parametrize("mask", ["full", "causal"])
+@pytest.mark.parametrize("mask,seqlen", [("full", 2100), ("full", 8200), ("causal", 8200)])
 @on_hopper
-def test_long_d64_takes_three_consumers(mask, schedule):
-    """Unset FLASHTILE_HOPPER_FWD_CONFIG, 16-bit d64 from 8k queries and keys runs three
-    consumers (configs.HOPPER_FWD_D64_THREE): 8200 rows (off the 192-row tiles) against
-    the float64 reference, on both grids."""
+def test_long_d64_takes_three_consumers(mask, seqlen, schedule):
+    """Unset FLASHTILE_HOPPER_FWD_CONFIG, 16-bit d64 from 8k queries and keys (causal)
+    or 2k (full) runs three consumers (configs.HOPPER_FWD_D64_THREE): lengths off the
+    192-row tiles against the float64 reference, on both grids."""
     from flashtile.ops import configs
 
-    assert configs.hopper_fwd_config(64, False, 8200, 8200).block_m == 192
-    test_matches_float64_reference(torch.bfloat16, 64, (1, 8200, 8200, 2, 1), mask,
+    causal = MASKS[mask][0]
+    assert configs.hopper_fwd_config(64, False, seqlen, seqlen, causal).block_m == 192
+    test_matches_float64_reference(torch.bfloat16, 64, (1, seqlen, seqlen, 2, 1), mask,
                                    schedule)
 
 

@@ -331,12 +331,13 @@ HOPPER_FWD_16BIT = {
     256: TileConfig(128, 64, 4, 2),
 }
 # d64 with three consumer warpgroups (BLOCK_M 192, FA3's tile there) where both lengths
-# reach HOPPER_FWD_THREE_MIN_SEQLEN. On the H200 (session 20, NOTES.md section 30,
+# reach HOPPER_FWD_THREE_MIN_SEQLEN[causal]. On the H200 (session 20, NOTES.md section 30,
 # beside two consumers in one run) it ran full attention +11% at 8k and +5% at 16k,
-# causal +3% and +8%; at 1k and 4k it lost (causal -21% and -11%: 192-row tiles leave
-# ragged, unbalanced grids), full +3% at 4k.
+# causal +3% and +8%; at 1k and 4k causal lost (-21% and -11%: 192-row tiles leave
+# ragged, unbalanced grids), full -2.5% at 1k. Session 27 (section 37, two alternating
+# runs): full attention +6% at 2k and 4k, causal -13% at 2k and -7% at 4k.
 HOPPER_FWD_D64_THREE = TileConfig(192, 128, 4, 3)
-HOPPER_FWD_THREE_MIN_SEQLEN = 8192
+HOPPER_FWD_THREE_MIN_SEQLEN = {False: 2048, True: 8192}
 # 16-bit head dims the Gluon forward and backward run in a wider one's tile: their tensor
 # maps keep the tensors' true head_dim and only the boxes are wider, so TMA zero-fills
 # the columns past it on load (adding nothing to Q K^T, dS K or the dK/dV sums, making
@@ -461,10 +462,10 @@ def hopper_fwd_persistent(head_dim: int, fp8: bool, seqlen_q: int = 0) -> bool:
 
 
 def hopper_fwd_config(head_dim: int, fp8: bool = False, seqlen_q: int = 0,
-                      seqlen_k: int = 0) -> TileConfig:
+                      seqlen_k: int = 0, causal: bool = True) -> TileConfig:
     """HOPPER_FWD_16BIT[head_dim] (HOPPER_FWD_FP8 for FP8 inputs; HOPPER_FWD_D64_THREE
     at 16-bit d64 where ``seqlen_q`` and ``seqlen_k`` reach
-    HOPPER_FWD_THREE_MIN_SEQLEN), or
+    HOPPER_FWD_THREE_MIN_SEQLEN[causal]), or
     FLASHTILE_HOPPER_FWD_CONFIG="BLOCK_M,BLOCK_N,4,STAGES" for sweeps: BLOCK_M is 64
     rows per consumer warpgroup, 128 (two) or 192 (three, each with 160 registers:
     16-bit at head_dim 64, FA3's tile there, and at 128 with at most 64 keys a block,
@@ -472,7 +473,7 @@ def hopper_fwd_config(head_dim: int, fp8: bool = False, seqlen_q: int = 0,
     is the default partition's warpgroup."""
     cfg = _from_env("hopper_fwd")
     if cfg is None and not fp8 and head_dim == 64 \
-            and min(seqlen_q, seqlen_k) >= HOPPER_FWD_THREE_MIN_SEQLEN:
+            and min(seqlen_q, seqlen_k) >= HOPPER_FWD_THREE_MIN_SEQLEN[bool(causal)]:
         cfg = HOPPER_FWD_D64_THREE
     cfg = cfg or (HOPPER_FWD_FP8 if fp8 else HOPPER_FWD_16BIT)[head_dim]
     if fp8:  # S 64 and O 64 registers: P V summed in the wgmma, no second O

@@ -835,7 +835,7 @@ def forward(q, k, v, softmax_scale, diag_offset, causal, q_descale=None, k_desca
         if schedule is None:  # capturing a CUDA graph: the tiles grid, and no plan
             persistent, key = False, None
         schedule = lse if schedule is None else schedule
-    cfg = configs.hopper_fwd_config(tile_d, fp8, sq, sk)
+    cfg = configs.hopper_fwd_config(tile_d, fp8, sq, sk, causal)
     flags = dict(IS_CAUSAL=causal, STAGES=cfg.num_stages,
                  HAS_Q_DESCALE=q_descale is not None, HAS_K_DESCALE=k_descale is not None,
                  HAS_V_DESCALE=v_descale is not None,
@@ -917,7 +917,8 @@ def _persistent_schedule(q, k, causal, diag_offset) -> Optional[torch.Tensor]:
     b, sq, h, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
     fp8 = q.element_size() == 1
-    cfg = configs.hopper_fwd_config(configs.hopper_fwd_tile_dim(d, fp8), fp8, sq, sk)
+    cfg = configs.hopper_fwd_config(configs.hopper_fwd_tile_dim(d, fp8), fp8, sq, sk,
+                                    causal)
     key = (q.device, sq, sk, d, q.element_size(), b * h, h // hkv,
            diag_offset if causal else None, cfg.block_m, cfg.block_n)
     table = _SCHEDULES.get(key)
