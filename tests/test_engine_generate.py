@@ -201,6 +201,68 @@ def test_top_logprobs_are_the_models(checkpoint):
     _assert_pool_empty(llm)
 
 
+def _check_prompt_logprobs(model, out, k, atol=1e-4):
+    """out.prompt_logprobs against transformers' log_softmax: None at position 0, then
+    the prompt token's logprob first and the k most likely tokens' after it."""
+    ids = out.prompt_token_ids
+    assert len(out.prompt_logprobs) == len(ids) and out.prompt_logprobs[0] is None
+    with torch.no_grad():
+        lp = model(torch.tensor([ids])).logits[0].double().log_softmax(-1)
+    for pos in range(1, len(ids)):
+        entry, row = out.prompt_logprobs[pos], lp[pos - 1]
+        token = ids[pos]
+        assert next(iter(entry)) == token
+        torch.testing.assert_close(entry[token], row[token].item(), atol=atol, rtol=0)
+        values, top = row.topk(k) if k else (row[:0], torch.tensor([], dtype=torch.long))
+        assert set(entry) == {token, *top.tolist()}
+        for t, v in zip(top.tolist(), values.tolist()):
+            torch.testing.assert_close(entry[t], v, atol=atol, rtol=0)
+
+
+def test_prompt_logprobs_are_the_models(checkpoint):
+    """SamplingParams.prompt_logprobs = k: each prompt token's logprob given the tokens
+    before it and the k most likely tokens there (transformers' distribution), through
+    chunked prefill (16 tokens a step), beside requests without them, a prompt whose
+    prefix is cached (computed anyway), preemption (recomputed), a one-token prompt, and
+    the first DELTA output only; the completions equal those without prompt logprobs."""
+    path, model = checkpoint
+    prompts = _prompts([23, 40, 1, 9], seed=5)
+    base = dict(temperature=0, max_tokens=8, ignore_eos=True)
+    ks = [3, 0, 2, None]
+    params = [SamplingParams(prompt_logprobs=k, logprobs=1 if k == 3 else None, **base)
+              for k in ks]
+    plain = _tokens(_llm(path).generate(prompts, SamplingParams(**base), use_tqdm=False))
+    llm = _llm(path, max_num_batched_tokens=16, kv_cache_memory=6 * 16 * BYTES_PER_TOKEN)
+    llm.generate([prompts[1]], SamplingParams(**base), use_tqdm=False)  # cache its pages
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert _tokens(outs) == plain
+    for out, k in zip(outs, ks):
+        if k is None:
+            assert out.prompt_logprobs is None
+        else:
+            _check_prompt_logprobs(model, out, k)
+    _assert_pool_empty(llm)
+    # Preemption: two sequences that grow past the six-page pool together.
+    long = _prompts([30, 31], seed=6)
+    grow = SamplingParams(prompt_logprobs=1, **{**base, "max_tokens": 30})
+    outs = llm.generate(long, grow, use_tqdm=False)
+    assert llm.scheduler.num_preemptions > 0
+    for out in outs:
+        _check_prompt_logprobs(model, out, 1)
+    _assert_pool_empty(llm)
+    delta = SamplingParams(prompt_logprobs=0, output_kind=RequestOutputKind.DELTA, **base)
+    llm.add_request(prompts[0], delta)
+    steps = []
+    while llm.has_unfinished_requests():
+        steps += llm.step()
+    assert [o.prompt_logprobs is not None for o in steps] == [True] + [False] * (
+        len(steps) - 1)
+    _check_prompt_logprobs(model, steps[0], 0)
+    with pytest.raises(ValueError, match=r"prompt_logprobs: expected None or an int in "
+                       r"\[0, 20\], got 21"):
+        SamplingParams(prompt_logprobs=21)
+
+
 def test_batch_invariance_with_chunks_staggering_and_preemption(checkpoint):
     path, _ = checkpoint
     prompts = _prompts([3, 41, 9, 30, 17], seed=1)

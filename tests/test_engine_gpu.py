@@ -186,3 +186,27 @@ def test_sampling_options_with_graphs_and_async_equal_eager_sync(checkpoint):
         for a, b in zip(e.top_logprobs or [], g.top_logprobs or []):
             assert list(a) == list(b)
             torch.testing.assert_close(list(a.values()), list(b.values()), atol=1e-4, rtol=0)
+
+
+@pytest.mark.gpu
+def test_prompt_logprobs_with_graphs_and_async_equal_transformers(checkpoint):
+    """SamplingParams.prompt_logprobs on CUDA (fp32): chunked prefill beside graphed
+    decodes and asynchronous scheduling give transformers' prompt distribution, and the
+    completions equal those of requests without prompt logprobs."""
+    from tests.test_engine_generate import _check_prompt_logprobs
+
+    path, model = checkpoint
+    kw = dict(dtype="float32", device="cuda", max_model_len=128, max_num_seqs=8,
+              max_num_batched_tokens=32, kv_cache_memory=2**28)
+    base = dict(temperature=0, max_tokens=8, ignore_eos=True)
+    prompts = _prompts([70, 5, 33], seed=3)
+    llm = LLM(str(path), **kw)
+    plain = llm.generate(prompts, SamplingParams(**base), use_tqdm=False)
+    outs = llm.generate(prompts, [SamplingParams(prompt_logprobs=k, **base)
+                                  for k in (2, 0, None)], use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in plain]
+    assert outs[2].prompt_logprobs is None
+    for out, k in zip(outs[:2], (2, 0)):
+        _check_prompt_logprobs(model, out, k, atol=1e-3)  # CUDA's fp32 products
+    bm = llm.block_manager
+    assert bm.num_free_blocks == bm.num_blocks

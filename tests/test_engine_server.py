@@ -263,6 +263,57 @@ def test_top_logprobs_in_both_shapes(server, llm, chat):
     _assert_idle(llm)
 
 
+@pytest.mark.parametrize("logprobs", [None, 0, 2], ids=["text", "lp0", "lp2"])
+def test_echo_puts_the_prompt_first(server, llm, logprobs):
+    """echo=true (completions): each choice's text is its prompt (a string as sent,
+    token ids decoded) then the completion; with logprobs, the prompt tokens' logprobs
+    (the engine's prompt_logprobs: the first null) then the completion's, and their
+    alternatives where asked; whole and streamed; n choices each echo their prompt."""
+    prompts = ["Hello world", [5, 9, 14, 3]]
+    sp = SamplingParams(**_greedy(max_tokens=4, logprobs=logprobs,
+                                  prompt_logprobs=logprobs))
+    want = llm.generate(prompts, sp, use_tqdm=False)
+    texts = ["Hello world", llm.tokenizer.decode(prompts[1], skip_special_tokens=False)]
+    body = dict(prompt=prompts, echo=True, n=2, **_greedy(max_tokens=4))
+    if logprobs is not None:
+        body["logprobs"] = logprobs
+    _, whole = post(server, "/v1/completions", body)
+    events = run(_events(server.url + "/v1/completions", dict(body, stream=True)))
+    streamed = {}
+    for ev in events[:-1]:
+        for c in ev["choices"]:
+            streamed.setdefault(c["index"], []).append(c)
+    assert sorted(streamed) == [0, 1, 2, 3]
+    for c in whole["choices"]:
+        i, out = c["index"] // 2, want[c["index"] // 2]
+        ids = out.prompt_token_ids + out.outputs[0].token_ids
+        assert c["text"] == texts[i] + out.outputs[0].text
+        assert "".join(x["text"] for x in streamed[c["index"]]) == c["text"]
+        if logprobs is None:
+            assert c["logprobs"] is None
+            continue
+        lp = c["logprobs"]
+        assert lp["tokens"] == [llm.tokenizer.decode([t], False) for t in ids]
+        assert lp["token_logprobs"][0] is None
+        wanted = [out.prompt_logprobs[j][t] for j, t in
+                  enumerate(out.prompt_token_ids) if j] + out.outputs[0].logprobs
+        assert lp["token_logprobs"][1:] == pytest.approx(wanted, abs=1e-5)
+        assert lp["text_offset"][0] == 0 and lp["text_offset"] == sorted(lp["text_offset"])
+        if logprobs:
+            top = lp["top_logprobs"]
+            assert top[0] is None and len(top) == len(ids)
+            for j, t in enumerate(out.prompt_token_ids[1:], 1):
+                assert llm.tokenizer.decode([t], False) in top[j]
+                assert logprobs <= len(top[j]) <= logprobs + 1
+        else:
+            assert lp["top_logprobs"] is None
+        flat = {k: [v for x in streamed[c["index"]] for v in x["logprobs"][k]]
+                for k in ("tokens", "text_offset")}
+        assert flat == {k: lp[k] for k in flat}
+    assert whole["usage"]["prompt_tokens"] == sum(len(o.prompt_token_ids) for o in want)
+    _assert_idle(llm)
+
+
 def test_concurrent_clients_get_their_own_answers(server, llm):
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(3, VOCAB, (n,), generator=g).tolist()
@@ -356,7 +407,11 @@ BAD = [  # (path, body (dict, or raw bytes), status, param, code)
     ("/v1/completions", dict(prompt="Hi", max_tokens=0), 400, "max_tokens", None),
     ("/v1/completions", dict(prompt="Hi", n=0), 400, "n", None),
     ("/v1/completions", dict(prompt="Hi", stop=[""]), 400, "stop", None),
-    ("/v1/completions", dict(prompt="Hi", echo=True), 400, "echo", None),
+    ("/v1/completions", dict(prompt="Hi", echo="yes"), 400, "echo", None),
+    ("/v1/chat/completions", dict(messages=[{"role": "user", "content": "Hi"}], echo=True),
+     400, "echo", None),
+    ("/v1/completions", dict(prompt="Hi", best_of=2), 400, "best_of", None),
+    ("/v1/completions", dict(prompt="Hi", suffix="!"), 400, "suffix", None),
     ("/v1/completions", dict(prompt="Hi", presence_penalty=3), 400, "presence_penalty",
      None),
     ("/v1/completions", dict(prompt="Hi", frequency_penalty="x"), 400, "frequency_penalty",

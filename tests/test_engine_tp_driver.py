@@ -12,6 +12,8 @@ gpu.
 
 from __future__ import annotations
 
+import dataclasses
+
 import multiprocessing
 import os
 import pickle
@@ -79,7 +81,9 @@ def test_tp2_generate_equals_one_process(tmp_path, monkeypatch, name):
     greedy = SamplingParams(temperature=0, max_tokens=8, logprobs=0, ignore_eos=True)
     seeded = SamplingParams(temperature=0.9, top_k=40, seed=11, max_tokens=8, logprobs=0,
                             ignore_eos=True)
-    params = [greedy] * 5 + [seeded]
+    # Prompt logprobs on one prompt: the LM head's gather over its chunks' rows.
+    scored = dataclasses.replace(greedy, prompt_logprobs=2)
+    params = [greedy, greedy, scored, greedy, greedy, seeded]
     cached = []
     allocate = BlockManager.allocate
 
@@ -93,7 +97,7 @@ def test_tp2_generate_equals_one_process(tmp_path, monkeypatch, name):
     try:
         for llm in (one, two):
             # Twice: the second time every prompt of two full pages or more hits the cache.
-            runs[llm] = [o.outputs[0] for _ in range(2)
+            runs[llm] = [o for _ in range(2)
                          for o in llm.generate(prompts, params, use_tqdm=False)]
     finally:
         two.shutdown()
@@ -101,9 +105,18 @@ def test_tp2_generate_equals_one_process(tmp_path, monkeypatch, name):
     assert max(cached) == 32
     assert max(_MeasuredChannel.sizes) > 2 * capacity or capacity == CAPACITY
     for want, got in zip(runs[one], runs[two], strict=True):
-        assert got.token_ids == want.token_ids
-        torch.testing.assert_close(got.logprobs, want.logprobs, atol=1e-5, rtol=0)
-    assert len({tuple(o.token_ids) for o in runs[two]}) > 3
+        assert got.outputs[0].token_ids == want.outputs[0].token_ids
+        torch.testing.assert_close(got.outputs[0].logprobs, want.outputs[0].logprobs,
+                                   atol=1e-5, rtol=0)
+        assert (got.prompt_logprobs is None) == (want.prompt_logprobs is None)
+        if want.prompt_logprobs is not None:
+            assert [list(x or ()) for x in got.prompt_logprobs] == \
+                [list(x or ()) for x in want.prompt_logprobs]
+            torch.testing.assert_close([list((x or {}).values()) for x in got.prompt_logprobs],
+                                       [list((x or {}).values()) for x in want.prompt_logprobs],
+                                       atol=1e-5, rtol=0)
+    assert sum(o.prompt_logprobs is not None for o in runs[two]) == 2
+    assert len({tuple(o.outputs[0].token_ids) for o in runs[two]}) > 3
 
 
 @pytest.mark.timeout(120)

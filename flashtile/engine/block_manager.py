@@ -107,8 +107,8 @@ class BlockManager:
 
     def _match_prefix(self, seq: Sequence) -> list[int]:
         """Ids of the registered pages holding seq's leading full pages."""
-        if not self.enable_prefix_caching:
-            return []
+        if not self.enable_prefix_caching or seq.needs_prompt_logprobs:
+            return []  # prompt logprobs come from the steps that compute the prompt
         ps, hits = self.page_size, []
         parent_hash, parent_version = None, 0
         # The last token is never taken from the cache: the step that computes it produces

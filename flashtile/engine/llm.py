@@ -47,6 +47,7 @@ class _Request:
         # The prompt's ids, copied once: every output of the request refers to this list.
         self.prompt_token_ids = seq.prompt_token_ids
         self.sent_chars = self.sent_tokens = 0  # what delta outputs have carried so far
+        self.sent_prompt_logprobs = False
 
     def add_text(self, new_tokens, final: bool = False) -> Optional[str]:
         """Detokenise the new tokens (final: the last ones); the stop string they
@@ -83,9 +84,14 @@ class _Request:
         k = seq.sampling_params.logprobs
         logprobs = seq.output_logprobs[start:] if k is not None else None
         top = seq.output_top_logprobs[start:] if k else None
+        prompt_logprobs = seq.prompt_logprobs
         if delta:
             text, self.sent_chars = text[self.sent_chars:], len(text)
             self.sent_tokens += len(token_ids)
+            if self.sent_prompt_logprobs:
+                prompt_logprobs = None
+            elif prompt_logprobs is not None:
+                self.sent_prompt_logprobs = True
         completion = CompletionOutput(
             index=0, text=text, token_ids=token_ids, finish_reason=reason,
             stop_reason=self.stop_reason, logprobs=logprobs, top_logprobs=top)
@@ -93,7 +99,8 @@ class _Request:
             request_id=self.request_id, prompt=self.prompt,
             prompt_token_ids=self.prompt_token_ids, outputs=[completion],
             finished=seq.is_finished,
-            metrics=RequestMetrics(seq.arrival_time, seq.first_token_time, seq.finish_time))
+            metrics=RequestMetrics(seq.arrival_time, seq.first_token_time, seq.finish_time),
+            prompt_logprobs=prompt_logprobs)
 
 
 class LLM:

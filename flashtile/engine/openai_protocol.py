@@ -5,8 +5,10 @@ No HTTP here (server.py has the aiohttp application).
 Beyond OpenAI, vLLM's extensions: ``top_k``, ``min_p``, ``repetition_penalty``,
 ``stop_token_ids``, ``ignore_eos``, ``skip_special_tokens``. ``n`` completions of prompt i
 are choices i * n + j; ``logprobs`` (completions) and ``top_logprobs`` (chat) up to
-MAX_LOGPROBS alternatives. Not supported (400): ``echo``, ``best_of`` > 1, ``suffix``,
-tools.
+MAX_LOGPROBS alternatives. ``echo`` (completions) puts the prompt before each choice's
+text and, with ``logprobs``, the prompt tokens' logprobs before the completion's (the
+first one null, as OpenAI's), from the engine's prompt logprobs. Not supported (400):
+``echo`` in chat, ``best_of`` > 1, ``suffix``, tools.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ SAMPLING_FIELDS = ("n", "temperature", "top_p", "top_k", "min_p", "repetition_pe
                    "presence_penalty", "frequency_penalty", "seed", "stop",
                    "stop_token_ids", "ignore_eos", "skip_special_tokens")
 # Field -> the values that mean "off"; anything else asks for what the engine lacks.
-UNSUPPORTED = {"echo": (None, False), "best_of": (None, 1), "suffix": (None, ""),
+UNSUPPORTED = {"best_of": (None, 1), "suffix": (None, ""),
                "tools": (None, []), "tool_choice": (None, "none"),
                "response_format": (None, {"type": "text"})}
 
@@ -127,6 +129,34 @@ def completion_logprobs(body):
     return logprobs
 
 
+def echo_flag(body, chat: bool) -> bool:
+    """``echo``: a bool; completions only."""
+    echo = body.get("echo")
+    if echo is not None and not isinstance(echo, bool):
+        raise RequestError(f"echo: expected a bool, got {json.dumps(echo)[:80]}", "echo")
+    if echo and chat:
+        raise RequestError("echo: expected false or null in chat completions (flashtile "
+                           "echoes prompts in /v1/completions), got true", "echo")
+    return bool(echo)
+
+
+def echoed(prompt_text, out, logprobs: bool):
+    """(text, token ids, logprobs, alternatives) of choice ``out`` (a RequestOutput
+    whose prompt_logprobs the engine computed when logprobs is true) with the prompt
+    before its completion: the prompt's first token has no logprob (None), each later
+    one its own and, where the completion has alternatives, those of its position."""
+    c = out.outputs[0]
+    text, ids = prompt_text + c.text, out.prompt_token_ids + c.token_ids
+    if not logprobs:
+        return text, ids, None, None
+    prompt = out.prompt_logprobs
+    lps = [None] + [p[t] for p, t in zip(prompt[1:], out.prompt_token_ids[1:])]
+    top = None
+    if c.top_logprobs is not None:
+        top = [None] + [dict(p) for p in prompt[1:]] + c.top_logprobs
+    return text, ids, lps + c.logprobs, top
+
+
 def chat_logprobs(body):
     """/v1/chat/completions' ``logprobs`` (a bool) and ``top_logprobs`` (null, or an int
     in [0, MAX_LOGPROBS] with logprobs true), as SamplingParams' logprobs."""
@@ -153,7 +183,8 @@ def logit_bias(body):
     return {int(k): v for k, v in bias.items()}
 
 
-def sampling_params(body, logprobs, max_tokens, stream: bool) -> SamplingParams:
+def sampling_params(body, logprobs, max_tokens, stream: bool,
+                    prompt_logprobs=None) -> SamplingParams:
     """The request's SamplingParams; a field sent as null takes its default. The engine
     returns a streamed request's outputs as deltas, a whole one's once at the end."""
     kw = {k: body[k] for k in SAMPLING_FIELDS if body.get(k) is not None}
@@ -161,7 +192,7 @@ def sampling_params(body, logprobs, max_tokens, stream: bool) -> SamplingParams:
     kind = RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
     try:
         return SamplingParams(logprobs=logprobs, max_tokens=max_tokens, output_kind=kind,
-                              **kw)
+                              prompt_logprobs=prompt_logprobs, **kw)
     except (TypeError, ValueError) as err:
         raise RequestError(str(err), param_of(err)) from None
 
@@ -199,12 +230,20 @@ def _token_str(t, tokenizer) -> str:
         else f"token_id:{t}"
 
 
+def offset_after(offset, token_ids, tokenizer) -> int:
+    """completions' text_offset after ``token_ids``: it counts the characters of each
+    token's own string, as logprobs_body does (a streamed choice's next chunk starts
+    there, so its offsets equal the whole response's)."""
+    return offset + sum(len(_token_str(t, tokenizer)) for t in token_ids)
+
+
 def logprobs_body(chat, token_ids, logprobs, offset, tokenizer, top=None) -> dict:
     """OpenAI's shapes: chat {"content": [{token, logprob, bytes, top_logprobs}]},
     completions {tokens, token_logprobs, top_logprobs, text_offset}; ``top``: per
     position {token id: logprob} of the alternatives, or None."""
     tokens = [_token_str(t, tokenizer) for t in token_ids]
-    alternatives = [[(_token_str(t, tokenizer), v) for t, v in alt.items()] for alt in top] \
+    alternatives = [None if alt is None else [(_token_str(t, tokenizer), v)
+                                              for t, v in alt.items()] for alt in top] \
         if top is not None else None
     if chat:
         return {"content": [
@@ -218,7 +257,8 @@ def logprobs_body(chat, token_ids, logprobs, offset, tokenizer, top=None) -> dic
         offset += len(s)
     # OpenAI's legacy shape: a {token string: logprob} object per position.
     return {"tokens": tokens, "token_logprobs": list(logprobs),
-            "top_logprobs": [dict(a) for a in alternatives] if alternatives else None,
+            "top_logprobs": [None if a is None else dict(a) for a in alternatives]
+            if alternatives else None,
             "text_offset": offsets}
 
 

@@ -46,12 +46,18 @@ class RequestMetrics:
 
 @dataclass
 class RequestOutput:
+    """One request's output. prompt_logprobs (SamplingParams.prompt_logprobs set): per
+    prompt position, None at position 0, then {the prompt token: its logprob, then the k
+    most likely tokens: theirs} (vLLM's shape, floats for its Logprob objects); a DELTA
+    request carries it in its first output only."""
+
     request_id: str
     prompt: Optional[str]
     prompt_token_ids: list
     outputs: list = field(default_factory=list)
     finished: bool = False
     metrics: Optional[RequestMetrics] = None
+    prompt_logprobs: Optional[list] = None
 
     def add(self, next_output: "RequestOutput"):
         """Append the next delta output of the same request (RequestOutputKind.DELTA) to
@@ -66,3 +72,5 @@ class RequestOutput:
                 mine.top_logprobs = mine.top_logprobs + new.top_logprobs
             mine.finish_reason, mine.stop_reason = new.finish_reason, new.stop_reason
         self.finished, self.metrics = next_output.finished, next_output.metrics
+        if self.prompt_logprobs is None:
+            self.prompt_logprobs = next_output.prompt_logprobs

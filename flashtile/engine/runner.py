@@ -54,6 +54,10 @@ class LaunchedStep:
     # (ids, logprobs), each (S, k): the k most likely tokens of every row, where some
     # row asked for k alternatives (SamplingParams.logprobs > 0).
     top: Optional[tuple] = None
+    # SamplingParams.prompt_logprobs: ([(sequence, first position, count)], logprobs
+    # (R,), then (ids, logprobs), each (R, k), or None) for the prompt positions the
+    # step predicted; stored into the sequences by ``wait``.
+    prompt: Optional[tuple] = None
 
 
 class ModelRunner(StepInputsMixin, CudaGraphsMixin):
@@ -202,11 +206,38 @@ class ModelRunner(StepInputsMixin, CudaGraphsMixin):
     @torch.inference_mode()
     def forward(self, inputs: StepInputs) -> torch.Tensor:
         """Hidden states of the step's rows that sample, (S, hidden_size)."""
+        return self._sampled(self._hidden(inputs), inputs)
+
+    def _hidden(self, inputs: StepInputs) -> torch.Tensor:
+        """Hidden states of every row of the step (a replayed graph's real rows)."""
         if inputs.graph_bs is not None:
-            hidden = self._replay(inputs.graph_bs)[:len(inputs.meta.query_lens)]
-        else:
-            hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
+            return self._replay(inputs.graph_bs)[:len(inputs.meta.query_lens)]
+        return self.model(inputs.input_ids, inputs.positions, inputs.meta)
+
+    @staticmethod
+    def _sampled(hidden: torch.Tensor, inputs: StepInputs) -> torch.Tensor:
         return hidden if inputs.logits_indices is None else hidden[inputs.logits_indices]
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, inputs: StepInputs):
+        """(logprobs (R,), top) of the prompt tokens that the step's rows prompt_rows
+        predict, top (ids, logprobs) each (R, k) for the most alternatives a sequence
+        asked for (None for 0); None without such rows. The LM head runs over at most
+        max_num_seqs rows at a time: the activation peak that the pool was sized
+        beside (``_free_cuda_bytes``). Every rank of a tensor-parallel group runs it
+        (compute_logits gathers the vocabulary slices)."""
+        rows, targets = inputs.prompt_rows, inputs.prompt_targets
+        if rows is None:
+            return None
+        k, chunk = inputs.host.prompt_top, self.config.max_num_seqs
+        parts = []
+        for i in range(0, len(rows), chunk):
+            logits = self.model.compute_logits(hidden[rows[i:i + chunk]]).float()
+            log_z = logits.logsumexp(dim=-1, keepdim=True)
+            lp = logits.gather(1, targets[i:i + chunk, None]) - log_z
+            top = logits.topk(k) if k else None
+            parts.append((lp.squeeze(1), *((top.indices, top.values - log_z) if k else ())))
+        out = [torch.cat(x) for x in zip(*parts)]
+        return out[0], (tuple(out[1:]) if k else None)
 
     def launch(self, scheduled) -> LaunchedStep:
         """Queue one step: inputs, forward, sampling, and on CUDA the copy of the sampled
@@ -218,10 +249,17 @@ class ModelRunner(StepInputsMixin, CudaGraphsMixin):
         """launch's work after prepare. Under tensor parallelism ``follow`` is the other
         ranks' side of it: the same collectives, in the same order."""
         seqs = [scheduled[b][0] for b in inputs.sample_rows]
+        hidden = self._hidden(inputs)
+        prompt = self._prompt_logprobs(hidden, inputs)
+        if prompt is not None:
+            spans = [(scheduled[b][0], start, count)
+                     for b, start, count in inputs.host.prompt_spans]
+            prompt = (spans, *self._to_host(prompt[0]),
+                      *(() if prompt[1] is None else self._to_host(*prompt[1])))
+        hidden = self._sampled(hidden, inputs)
         if not seqs:
-            self.forward(inputs)
             self._last_tokens = None
-            return LaunchedStep(seqs, None, None, None, False)
+            return LaunchedStep(seqs, None, None, self._event(), False, prompt=prompt)
         if seqs == self._greedy_seqs:  # list equality: identity, one C loop
             tensors = self._greedy_tensors
         else:
@@ -233,7 +271,7 @@ class ModelRunner(StepInputsMixin, CudaGraphsMixin):
             plain = tensors.all_greedy and not tensors.adjusts_logits
             self._greedy_seqs, self._greedy_tensors = (seqs, tensors) if plain else \
                 (None, None)
-        logits = self.model.compute_logits(self.forward(inputs))  # the sampler upcasts
+        logits = self.model.compute_logits(hidden)  # the sampler upcasts
         tokens, logprobs = self.sampler(logits, tensors)  # logprobs None: none asked
         top = None
         if tensors.top_logprobs:  # the raw distribution's, as the chosen token's logprob
@@ -245,19 +283,29 @@ class ModelRunner(StepInputsMixin, CudaGraphsMixin):
         if self.model.tp.size > 1 and self.config.async_scheduling:
             self.model.tp.broadcast(tokens)  # the other ranks' next step may read them
         self._last_tokens = tokens  # the next step's in-flight input ids come from here
-        done = None
-        if self.device.type == "cuda":
-            tokens = torch.empty_like(tokens, device="cpu", pin_memory=True).copy_(
-                tokens, non_blocking=True)
-            if logprobs is not None:
-                logprobs = torch.empty_like(logprobs, device="cpu", pin_memory=True).copy_(
-                    logprobs, non_blocking=True)
-            if top is not None:
-                top = tuple(torch.empty_like(x, device="cpu", pin_memory=True).copy_(
-                    x, non_blocking=True) for x in top)
-            done = torch.cuda.Event()
-            done.record()
-        return LaunchedStep(seqs, tokens, logprobs, done, tensors.reads_token_ids, top)
+        (tokens,) = self._to_host(tokens)
+        if logprobs is not None:
+            (logprobs,) = self._to_host(logprobs)
+        if top is not None:
+            top = self._to_host(*top)
+        return LaunchedStep(seqs, tokens, logprobs, self._event(), tensors.reads_token_ids,
+                            top, prompt)
+
+    def _to_host(self, *tensors) -> tuple:
+        """On CUDA, copies into pinned host memory queued without waiting (valid once
+        the step's event fires); elsewhere the tensors themselves."""
+        if self.device.type != "cuda":
+            return tensors
+        return tuple(torch.empty_like(x, device="cpu", pin_memory=True).copy_(
+            x, non_blocking=True) for x in tensors)
+
+    def _event(self) -> Optional[torch.cuda.Event]:
+        """An event after the step's queued work (None off CUDA)."""
+        if self.device.type != "cuda":
+            return None
+        done = torch.cuda.Event()
+        done.record()
+        return done
 
     @torch.inference_mode()
     def follow(self, host: HostStep):
@@ -266,7 +314,9 @@ class ModelRunner(StepInputsMixin, CudaGraphsMixin):
         rows that sample, and, with asynchronous scheduling, the sampled tokens
         broadcast by rank 0, which the next step's in-flight input ids are read from."""
         inputs = self.upload(host)
-        hidden = self.forward(inputs)
+        hidden = self._hidden(inputs)
+        self._prompt_logprobs(hidden, inputs)
+        hidden = self._sampled(hidden, inputs)
         self._last_tokens = None
         if inputs.sample_rows:
             self.model.compute_logits(hidden)
@@ -281,11 +331,20 @@ class ModelRunner(StepInputsMixin, CudaGraphsMixin):
         return (step.seqs, *self.wait(step))
 
     def wait(self, step: LaunchedStep) -> tuple[list[int], list]:
-        """A launched step's sampled token ids and logprobs on the host, once done."""
+        """A launched step's sampled token ids and logprobs on the host, once done;
+        the prompt logprobs it computed are stored into their sequences."""
+        if step.done is not None and (step.seqs or step.prompt is not None):
+            step.done.synchronize()
+        if step.prompt is not None:
+            spans, lp, *top = step.prompt
+            lp, top = lp.tolist(), [x.tolist() for x in top]
+            i = 0
+            for seq, start, count in spans:
+                seq.keep_prompt_logprobs(start, lp[i:i + count],
+                                         *(x[i:i + count] for x in top))
+                i += count
         if not step.seqs:
             return [], []
-        if step.done is not None:
-            step.done.synchronize()
         tokens = step.tokens.tolist()
         if step.logprobs is None:  # no request of the step asked for logprobs
             return tokens, [None] * len(tokens)

@@ -79,6 +79,10 @@ class SamplingParams:
     logprobs: None: no log-probabilities; an int k in [0, MAX_LOGPROBS]: return the
         log-probability of each chosen token (the raw model distribution's, vLLM's
         default) and, for k > 0, those of the k most likely tokens at each position.
+    prompt_logprobs: None, or an int k in [0, MAX_LOGPROBS]: the log-probability of each
+        prompt token given the tokens before it (RequestOutput.prompt_logprobs; vLLM's
+        meaning), with the k most likely tokens at each position. Such a request takes
+        no prefix-cache hit until its prompt's logprobs are computed.
     skip_special_tokens: leave special tokens out of the detokenised text.
     output_kind: what LLM.step returns for the request (RequestOutputKind): CUMULATIVE
         (default), DELTA or FINAL_ONLY. LLM.generate returns whole completions whatever
@@ -102,6 +106,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[int, float] | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self):
         _check_int("n", self.n)
@@ -137,10 +142,11 @@ class SamplingParams:
         if self.max_tokens is not None and self.max_tokens < 1:
             _fail(ValueError, "max_tokens", "an int >= 1 (or None: up to max_model_len)",
                   self.max_tokens)
-        _check_int("logprobs", self.logprobs, allow_none=True)
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
-            _fail(ValueError, "logprobs", f"None or an int in [0, {MAX_LOGPROBS}]",
-                  self.logprobs)
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            _check_int(name, value, allow_none=True)
+            if value is not None and not 0 <= value <= MAX_LOGPROBS:
+                _fail(ValueError, name, f"None or an int in [0, {MAX_LOGPROBS}]", value)
         for name in ("ignore_eos", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 _fail(TypeError, name, "a bool", repr(getattr(self, name)))

@@ -72,6 +72,14 @@ class Sequence:
         # Per generated token, {token id: logprob} of the SamplingParams.logprobs most
         # likely tokens (only when that is > 0).
         self.output_top_logprobs: list[dict[int, float]] = []
+        # SamplingParams.prompt_logprobs: per prompt position, {its token: logprob, then
+        # the k most likely tokens: logprob} (None at position 0, which nothing
+        # predicts); prompt_logprobs_end: positions before it are filled. Recomputing
+        # after a preemption writes the same values again.
+        self.prompt_logprobs: list | None = None
+        self.prompt_logprobs_end = 1
+        if self.sampling_params.prompt_logprobs is not None:
+            self.prompt_logprobs = [None] * len(token_ids)
         # Set by Scheduler.add: the token count at which the sequence ends (max_tokens or
         # max_model_len) and the ids that end it (end-of-sequence unless ignore_eos, and
         # stop_token_ids), so that a step checks one int and one set per sequence.
@@ -138,6 +146,27 @@ class Sequence:
         self.token_ids[index] = token_id
         if logprob is not None:
             self._keep_logprobs(logprob)
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Whether some prompt position still lacks its logprobs (the steps computing
+        them must run, not come from the prefix cache)."""
+        return self.prompt_logprobs is not None \
+            and self.prompt_logprobs_end < self.num_prompt_tokens
+
+    def keep_prompt_logprobs(self, start: int, logprobs, ids=None, values=None):
+        """The logprobs of prompt positions start + 1 ... start + len(logprobs) (each
+        predicted by the position before it), with their k alternatives (ids, values
+        per position, most likely first) when asked for."""
+        k = self.sampling_params.prompt_logprobs
+        for j, lp in enumerate(logprobs):
+            pos = start + 1 + j
+            entry = {self.token_ids[pos]: lp}
+            if k:
+                for t, v in zip(ids[j][:k], values[j][:k]):
+                    entry.setdefault(t, v)
+            self.prompt_logprobs[pos] = entry
+        self.prompt_logprobs_end = max(self.prompt_logprobs_end, start + 1 + len(logprobs))
 
     def _keep_logprobs(self, logprob):
         """logprob: the chosen token's, or (it, alternative ids, their logprobs) from a

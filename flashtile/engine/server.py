@@ -79,19 +79,29 @@ class OpenAIServer:
     async def completions(self, request):
         body = await self._body(request)
         flags = api.stream_flags(body)
-        # OpenAI's default: 16 tokens.
-        params = api.sampling_params(body, api.completion_logprobs(body),
-                                     api.first(body, "max_tokens", default=16), flags[0])
-        prompts = api.parse_prompts(body)
+        logprobs, echo = api.completion_logprobs(body), api.echo_flag(body, chat=False)
+        # OpenAI's default: 16 tokens. echo with logprobs: the prompt's, k alternatives.
+        params = api.sampling_params(body, logprobs,
+                                     api.first(body, "max_tokens", default=16), flags[0],
+                                     prompt_logprobs=logprobs if echo else None)
+        prompts = texts = api.parse_prompts(body)
+        if echo and self.tokenizer is None:
+            raise RequestError("echo: expected a model with tokenizer.json (the prompt is "
+                               "echoed as text), got none", "echo")
         if any(isinstance(p, str) for p in prompts):
             prompts = await asyncio.to_thread(self._encode, prompts)
         for p in prompts:
             api.check_fits(p, params, "prompt", self.max_model_len)
-        return await self._respond(request, flags, prompts, params, chat=False)
+        if echo:  # a prompt sent as text is echoed as sent, token ids decoded
+            texts = [t if isinstance(t, str) else self.tokenizer.decode(
+                t, skip_special_tokens=False) for t in texts]
+        return await self._respond(request, flags, prompts, params, chat=False,
+                                   echo=texts if echo else None)
 
     async def chat_completions(self, request):
         body = await self._body(request)
         flags = api.stream_flags(body)
+        api.echo_flag(body, chat=True)
         # OpenAI's default: no limit but the context (max_tokens=None: up to max_model_len).
         params = api.sampling_params(body, api.chat_logprobs(body), api.first(
             body, "max_completion_tokens", "max_tokens"), flags[0])
@@ -136,7 +146,8 @@ class OpenAIServer:
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     # ---- responses --------------------------------------------------------------------
-    async def _respond(self, request, flags, prompts, params, chat: bool):
+    async def _respond(self, request, flags, prompts, params, chat: bool, echo=None):
+        """echo: each prompt's text, put before its choices' (completions' echo)."""
         stream_mode, include_usage = flags
         try:
             stream = await self.engine.add(prompts, params)
@@ -148,28 +159,33 @@ class OpenAIServer:
         try:
             if stream_mode:
                 return await self._stream(request, stream, head, chat, include_usage,
-                                          params.logprobs is not None, params.n)
+                                          params.logprobs is not None, params.n, echo)
             final = {index: out async for index, out in stream}  # FINAL_ONLY: one each
             outs = [final[i] for i in range(len(prompts) * params.n)]
             choices = []
             for i, o in enumerate(outs):
                 c = o.outputs[0]
-                choices.append({**api.choice(chat, i, c.text, c.token_ids, c.logprobs, 0,
-                                             self.tokenizer, top=c.top_logprobs),
+                text, ids, lps, top = (c.text, c.token_ids, c.logprobs, c.top_logprobs) \
+                    if echo is None else api.echoed(echo[i // params.n], o,
+                                                     params.logprobs is not None)
+                choices.append({**api.choice(chat, i, text, ids, lps, 0, self.tokenizer,
+                                             top=top),
                                 "finish_reason": c.finish_reason})
             return web.json_response({**head, "choices": choices,
                                       "usage": api.usage(outs, params.n)})
         finally:
             stream.close()
 
-    async def _stream(self, request, stream, head, chat, include_usage, logprobs, n):
+    async def _stream(self, request, stream, head, chat, include_usage, logprobs, n,
+                      echo=None):
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                            "Cache-Control": "no-cache"})
         await resp.prepare(request)
         head = {**head, "object": "chat.completion.chunk" if chat else "text_completion"}
         try:
             try:
-                await self._chunks(resp, stream, head, chat, include_usage, logprobs, n)
+                await self._chunks(resp, stream, head, chat, include_usage, logprobs, n,
+                                   echo)
             except ConnectionResetError:
                 raise
             except Exception as err:  # headers are sent: report it in the stream
@@ -182,12 +198,15 @@ class OpenAIServer:
             pass
         return resp
 
-    async def _chunks(self, resp, stream, head, chat, include_usage, logprobs, n):
+    async def _chunks(self, resp, stream, head, chat, include_usage, logprobs, n,
+                      echo=None):
         """The token chunks: per wake-up one write with one chunk per choice that
         progressed (several steps' tokens in one chunk when the loop fell behind); n
-        choices a prompt."""
+        choices a prompt; with echo, a choice's first chunk starts with its prompt."""
         chunks = api.ChunkFormat(head, chat, include_usage)
-        sent = {}  # choice index -> (characters, completion tokens, prompt tokens)
+        # choice index -> (characters: text_offset's count with completions' logprobs,
+        # completion tokens, prompt tokens)
+        sent = {}
         while stream.pending:
             parts = []
             for index, out in (await stream.next_outputs()).items():
@@ -198,12 +217,17 @@ class OpenAIServer:
                     extra = {"usage": None} if include_usage else {}
                     parts.append(api.sse({**head, "choices": [role], **extra}))
                 chars, ntok, _ = sent.get(index, (0, 0, 0))
+                text, ids, lps, top = c.text, c.token_ids, c.logprobs, c.top_logprobs
+                if echo is not None and index not in sent:
+                    text, ids, lps, top = api.echoed(echo[index // n], out, logprobs)
                 parts.append(chunks.chunk(
-                    index, c.text, c.token_ids, c.logprobs if logprobs else None, chars,
+                    index, text, ids, lps if logprobs else None, chars,
                     c.finish_reason if out.finished else None, self.tokenizer,
-                    c.top_logprobs if logprobs else None))
+                    top if logprobs else None))
                 # The prompt counts once in usage, not once per completion.
-                sent[index] = (chars + len(c.text), ntok + len(c.token_ids),
+                chars = api.offset_after(chars, ids, self.tokenizer) \
+                    if logprobs and not chat else chars + len(text)
+                sent[index] = (chars, ntok + len(c.token_ids),
                                len(out.prompt_token_ids) if index % n == 0 else 0)
             await resp.write(b"".join(parts))
         if include_usage:

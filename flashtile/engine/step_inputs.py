@@ -17,6 +17,7 @@ in two copies.
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import itertools
 from array import array
 from dataclasses import dataclass
@@ -52,6 +53,12 @@ class HostStep:
     key_lens: list
     sample_rows: list    # indices into the step's sequences that sample
     graph_bs: Optional[int] = None  # a decode step replayed in this batch size's graph
+    # SamplingParams.prompt_logprobs: (sequence index, first position, count) per
+    # sequence whose prompt positions first..first+count-1 predict prompt tokens this
+    # step (rows prompt_rows, targets prompt_targets in longs), and the most
+    # alternatives one asks for.
+    prompt_spans: list = dataclasses.field(default_factory=list)
+    prompt_top: int = 0
 
 
 @dataclass
@@ -64,6 +71,8 @@ class StepInputs:
     sample_rows: list            # indices into the step's sequences that sample
     host: HostStep               # what these were made from
     graph_bs: Optional[int] = None  # a decode step replayed in this batch size's graph
+    prompt_rows: Optional[torch.Tensor] = None     # (R,) hidden rows that predict prompt
+    prompt_targets: Optional[torch.Tensor] = None  # (R,) tokens (HostStep.prompt_spans)
 
 
 def _packed(segments, typecode: str):
@@ -110,7 +119,9 @@ class StepInputsMixin:
         each.
         """
         if {n for _, n in scheduled} == {1}:
-            return self.upload(self._host_decode(scheduled))
+            host = self._host_decode(scheduled)
+            if host is not None:
+                return self.upload(host)
         return self.upload(self._host_prefill(scheduled))
 
     @torch.inference_mode()  # decode steps write into the graphs' static (inference) inputs
@@ -140,7 +151,9 @@ class StepInputsMixin:
             query_lens=host.query_lens, key_lens=host.key_lens, key_slots=t.get("key_slots"))
         return StepInputs(input_ids=t["input_ids"], positions=t["positions"], meta=meta,
                           logits_indices=t.get("logits_indices"),
-                          sample_rows=host.sample_rows, host=host, graph_bs=host.graph_bs)
+                          sample_rows=host.sample_rows, host=host, graph_bs=host.graph_bs,
+                          prompt_rows=t.get("prompt_rows"),
+                          prompt_targets=t.get("prompt_targets"))
 
     @staticmethod
     def _views(dev64, dev32, host: HostStep) -> dict:
@@ -160,10 +173,17 @@ class StepInputsMixin:
         pad = [self.scratch_block] * width
         ids, pos, slots, tables, qlens, klens = [], [], [], [], [], []
         sample_rows, logits_indices, dst, src = [], [], [], []
+        prompt_rows, prompt_targets, prompt_spans = [], [], []
         for b, (seq, n) in enumerate(scheduled):
             start = seq.num_computed_tokens
             end = start + n
             table = seq.block_table
+            if seq.prompt_logprobs is not None:  # positions that predict prompt tokens
+                last = min(end, seq.num_prompt_tokens - 1)
+                if start < last:
+                    prompt_rows += range(len(ids), len(ids) + last - start)
+                    prompt_targets += seq.token_ids[start + 1:last + 1]
+                    prompt_spans.append((b, start, last - start))
             ids += seq.token_ids[start:end]
             if ids[-1] < 0:  # the last token is in flight: read it on the device
                 dst.append(len(ids) - 1)
@@ -184,27 +204,33 @@ class StepInputsMixin:
             for seq, n in scheduled:
                 _extend_slots(key_slots, seq.block_table, 0,
                               seq.num_computed_tokens + n, ps)
-        longs, o64 = _packed((ids, pos, slots, logits_indices, key_slots, dst, src), "q")
+        longs, o64 = _packed((ids, pos, slots, logits_indices, key_slots, dst, src,
+                              prompt_rows, prompt_targets), "q")
         ints, o32 = _packed((itertools.accumulate(qlens, initial=0),
                              itertools.accumulate(klens, initial=0), klens, tables), "i")
         o64 = dict(zip(("input_ids", "positions", "slot_mapping", "logits_indices",
-                        "key_slots", "dst", "src"), o64))
+                        "key_slots", "dst", "src", "prompt_rows", "prompt_targets"), o64))
         if not key_slots:
             del o64["key_slots"]
+        if not prompt_rows:
+            del o64["prompt_rows"], o64["prompt_targets"]
         o32 = dict(zip(("cu_seqlens_q", "cu_seqlens_k", "cache_seqlens", "block_tables"),
                        o32))
         return HostStep(longs, ints, o64, o32, batch=bs, width=width,
                         max_seqlen_q=_round_up(max(qlens), 16), max_seqlen_k=max(klens),
                         is_decode=False,
                         has_context=has_context, query_lens=qlens, key_lens=klens,
-                        sample_rows=sample_rows)
+                        sample_rows=sample_rows, prompt_spans=prompt_spans,
+                        prompt_top=max((scheduled[b][0].sampling_params.prompt_logprobs
+                                        for b, _, _ in prompt_spans), default=0))
 
-    def _host_decode(self, scheduled) -> HostStep:
+    def _host_decode(self, scheduled) -> Optional[HostStep]:
         """A step of one new token per sequence (the common case), laid out as the CUDA
         graphs' static inputs, padded to the graph's batch size, so that a replay takes
         them in two copies. Three reads per sequence, then numpy: at batch 256 a loop
         over the sequences building every row cost ~0.8 ms per step on the H200's host
-        (session 15's profile)."""
+        (session 15's profile). None where a prompt chunk's token has prompt logprobs to
+        compute (``_host_prefill`` lays those out)."""
         bs, ps = len(scheduled), self.page_size
         seqs = [seq for seq, _ in scheduled]
         i = bisect.bisect_left(self._graph_list, bs)
@@ -218,6 +244,9 @@ class StepInputsMixin:
                                    [len(seq.token_ids) for seq in seqs]], dtype=np.int64)
         sample_rows = (pos + 1 == ends).nonzero()[0]
         all_sample = len(sample_rows) == bs
+        if not all_sample and any(seqs[i].prompt_logprobs is not None
+                                  for i in (pos + 1 != ends).nonzero()[0]):
+            return None  # a prompt position's logprobs: the prefill layout has them
         s = 0 if all_sample else len(sample_rows)
         dst = (ids < 0).nonzero()[0]  # in flight: read on the device
         n = len(dst)
