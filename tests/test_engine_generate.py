@@ -382,6 +382,51 @@ def test_stop_conditions(checkpoint, tmp_path):
     assert out.token_ids == ids[:1] and out.finish_reason == "length"
 
 
+def test_min_tokens_and_the_stop_string_kept(checkpoint, tmp_path):
+    """min_tokens: the end-of-sequence and stop ids are never drawn before it and stop
+    strings not looked for (transformers' min_new_tokens gives the same tokens);
+    include_stop_str_in_output keeps the stop string; min_tokens > max_tokens is a
+    ValueError naming it."""
+    path, model = checkpoint
+    llm = _llm(path)
+    prompt = "The capital of France is"
+    free = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=24,
+                                               ignore_eos=True), use_tqdm=False)[0]
+    text, ids = free.outputs[0].text, free.outputs[0].token_ids
+    stop = text[len(text) // 2:len(text) // 2 + 2]
+    out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=24, stop=[stop],
+                                              ignore_eos=True, include_stop_str_in_output=True),
+                       use_tqdm=False)[0].outputs[0]
+    assert out.text == text[:text.index(stop) + len(stop)] and out.stop_reason == stop
+    # A stop string completed before min_tokens tokens does not end the completion.
+    first = next(i for i in range(1, 25) if stop in llm.tokenizer.decode(ids[:i]))
+    out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=24, stop=[stop],
+                                              ignore_eos=True, min_tokens=24),
+                       use_tqdm=False)[0].outputs[0]
+    assert first < 24 and out.token_ids == ids and out.finish_reason == "length"
+    # The end-of-sequence id (generation_config.json) and a stop id, masked until 6 tokens.
+    eos_dir = tmp_path / "eos"
+    shutil.copytree(path, eos_dir)
+    (eos_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": ids[3]}))
+    eos_llm = _llm(eos_dir)
+    params = SamplingParams(temperature=0, max_tokens=24, min_tokens=6,
+                            stop_token_ids=[ids[1]])
+    got = eos_llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
+    eos = model.generation_config.eos_token_id
+    model.generation_config.eos_token_id = [ids[3], ids[1]]
+    try:
+        want = model.generate(torch.tensor([free.prompt_token_ids]), do_sample=False,
+                               max_new_tokens=24, min_new_tokens=6, pad_token_id=0)
+    finally:
+        model.generation_config.eos_token_id = eos
+    want = want[0, len(free.prompt_token_ids):].tolist()
+    assert got == want and got[:6] != ids[:6]
+    assert not {ids[1], ids[3]} & set(got[:6])
+    with pytest.raises(ValueError, match=r"min_tokens: expected an int in \[0, "
+                       r"max_tokens=4\], got 5"):
+        SamplingParams(max_tokens=4, min_tokens=5)
+
+
 def test_streamed_text_is_never_taken_back(checkpoint):
     path, _ = checkpoint
     llm = _llm(path)

@@ -158,10 +158,11 @@ def test_async_scheduling_equals_sync_with_cuda_graphs(checkpoint):
 
 
 def test_sampling_options_with_graphs_and_async_equal_eager_sync(checkpoint):
-    """Penalties (repetition, frequency, presence), a logit bias, n = 2 seeded and top-k
-    logprobs on CUDA: the default engine (CUDA-graph decode, asynchronous scheduling,
-    which must wait for the tokens a penalty reads) gives the tokens and alternatives of
-    an eager, synchronous one."""
+    """Penalties (repetition, frequency, presence), a logit bias, n = 2 seeded, top-k
+    logprobs and min_tokens (half the vocabulary as stop ids, masked for 6 tokens) on
+    CUDA: the default engine (CUDA-graph decode, asynchronous scheduling, which must
+    wait for the tokens a penalty reads) gives the tokens and alternatives of an eager,
+    synchronous one."""
     path, _ = checkpoint
     kw = dict(dtype="float32", device="cuda", max_model_len=128, max_num_seqs=8,
               kv_cache_memory=2**28)
@@ -170,7 +171,8 @@ def test_sampling_options_with_graphs_and_async_equal_eager_sync(checkpoint):
                              ignore_eos=True),
               SamplingParams(temperature=0.9, seed=7, n=2, repetition_penalty=1.2,
                              max_tokens=12, logprobs=2, ignore_eos=True),
-              SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)]
+              SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, min_tokens=6,
+                             stop_token_ids=list(range(3, VOCAB, 2)))]
     prompts = _prompts([5, 30, 12])
     runs = []
     for eager in (True, False):

@@ -51,7 +51,7 @@ class _Request:
 
     def add_text(self, new_tokens, final: bool = False) -> Optional[str]:
         """Detokenise the new tokens (final: the last ones); the stop string they
-        complete, if any."""
+        complete, if any (none before SamplingParams.min_tokens tokens)."""
         if self.detok is None:
             return None
         new = self.detok.add(new_tokens, final)
@@ -59,12 +59,18 @@ class _Request:
             return None
         start = len(self.text)
         self.text += new
+        seq, params = self.seq, self.seq.sampling_params
+        # Tokens known so far (a placeholder of the next step in flight is not one).
+        if params.min_tokens and \
+                seq.num_completion_tokens - (seq.token_ids[-1] < 0) < params.min_tokens:
+            return None
         hits = [(self.text.find(s, max(0, start - len(s) + 1)), s) for s in self.stops]
         hits = [(i, s) for i, s in hits if i >= 0]
         if not hits:
             return None
         end, stop = min(hits)
-        self.text = self.text[:end]  # vLLM: the stop string is not part of the text
+        # vLLM: the stop string is not part of the text unless asked for.
+        self.text = self.text[:end + (len(stop) if params.include_stop_str_in_output else 0)]
         return stop
 
     def output(self, delta: bool = False) -> RequestOutput:

@@ -63,8 +63,9 @@ class SamplingTensors:
         the frequency and presence penalties, padded with id 0 at weight 0 (their count
         adds nothing); frequency_penalties, presence_penalties: (B,) float32. All four
         None when no row has either penalty.
-    bias_ids, bias_values: (B, K) int64 and float32, each row's logit_bias, padded with
-        id 0 at bias 0; None when no row has one.
+    bias_ids, bias_values: (B, K) int64 and float32, each row's logit_bias and, while it
+        has fewer than min_tokens tokens, -inf at its stop ids, padded with id 0 at bias
+        0; None when no row has either.
     seeded_rows: host pairs (row, step_seed) of the non-greedy seeded rows.
     The do_* / *_greedy flags are host booleans, so that forward skips unused work without
     reading device values; want_logprobs: some row asked for logprobs (else the sampler
@@ -169,8 +170,13 @@ class SamplingTensors:
                 frequency_penalties=put([p.frequency_penalty for p in params], torch.float32),
                 presence_penalties=put([p.presence_penalty for p in params], torch.float32))
         biased = {}
-        if any(p.logit_bias for p in params):
-            biases = [list((p.logit_bias or {}).items()) for p in params]
+        # min_tokens: the ids that would end a row are -inf until it has that many tokens.
+        banned = [s.stop_ids if s.num_completion_tokens < p.min_tokens else ()
+                  for s, p in zip(seqs, params)]
+        if any(p.logit_bias for p in params) or any(banned):
+            biases = [list((p.logit_bias or {}).items())
+                      + [(t, float("-inf")) for t in b if t < vocab_size]  # ids it can draw
+                      for p, b in zip(params, banned)]
             width = max(map(len, biases))
             pads = [b + [(0, 0.0)] * (width - len(b)) for b in biases]
             biased = dict(bias_ids=put([[t for t, _ in b] for b in pads], torch.int64),

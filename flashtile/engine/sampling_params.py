@@ -75,6 +75,11 @@ class SamplingParams:
     stop: strings that end the completion (not included in the text).
     stop_token_ids: token ids that end the completion.
     max_tokens: most tokens to generate (>= 1); None: until max_model_len.
+    min_tokens: tokens generated before the end-of-sequence token, stop_token_ids or a
+        stop string may end the completion (vLLM's meaning: until then those tokens are
+        never drawn and stop strings are not looked for); at most max_tokens.
+    include_stop_str_in_output: keep the stop string that ended the completion at the
+        end of its text.
     ignore_eos: keep generating past the end-of-sequence token.
     logprobs: None: no log-probabilities; an int k in [0, MAX_LOGPROBS]: return the
         log-probability of each chosen token (the raw model distribution's, vLLM's
@@ -107,6 +112,8 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     logit_bias: dict[int, float] | None = None
     prompt_logprobs: int | None = None
+    min_tokens: int = 0
+    include_stop_str_in_output: bool = False
 
     def __post_init__(self):
         _check_int("n", self.n)
@@ -142,12 +149,17 @@ class SamplingParams:
         if self.max_tokens is not None and self.max_tokens < 1:
             _fail(ValueError, "max_tokens", "an int >= 1 (or None: up to max_model_len)",
                   self.max_tokens)
+        _check_int("min_tokens", self.min_tokens)
+        if self.min_tokens < 0 or (self.max_tokens is not None
+                                   and self.min_tokens > self.max_tokens):
+            _fail(ValueError, "min_tokens", f"an int in [0, max_tokens={self.max_tokens}]",
+                  self.min_tokens)
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             _check_int(name, value, allow_none=True)
             if value is not None and not 0 <= value <= MAX_LOGPROBS:
                 _fail(ValueError, name, f"None or an int in [0, {MAX_LOGPROBS}]", value)
-        for name in ("ignore_eos", "skip_special_tokens"):
+        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
                 _fail(TypeError, name, "a bool", repr(getattr(self, name)))
         if not isinstance(self.output_kind, RequestOutputKind):
@@ -194,9 +206,11 @@ class SamplingParams:
 
     @property
     def adjusts_logits(self) -> bool:
-        """Whether a penalty or a bias changes the logits before the token is chosen."""
+        """Whether a penalty, a bias or min_tokens changes the logits before the token
+        is chosen."""
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 \
-            or self.frequency_penalty != 0.0 or self.logit_bias is not None
+            or self.frequency_penalty != 0.0 or self.logit_bias is not None \
+            or self.min_tokens > 0
 
     @staticmethod
     def _stop_token_id_list(ids):

@@ -165,7 +165,8 @@ class Scheduler:
                 logprob = None  # computed for another row of the step
             seq.resolve(index, token, logprob)
             got.append((seq, token))
-            if token in seq.stop_ids:
+            if token in seq.stop_ids \
+                    and index - seq.num_prompt_tokens >= seq.sampling_params.min_tokens:
                 self.finish(seq, "stop")
             elif index + 1 >= seq.max_num_tokens:
                 self.finish(seq, "length")
