@@ -336,17 +336,26 @@ def test_prefix_cache_hit_equals_miss(checkpoint, monkeypatch):
         torch.testing.assert_close(hit.logprobs, miss.logprobs, atol=1e-5, rtol=0)
 
 
+STOP_PROMPT = "The capital of France is"
+
+
+def _free_run(llm):
+    """STOP_PROMPT's 24 greedy tokens without a stop: (output, text, ids, a stop string
+    of two characters from the middle of the text)."""
+    free = llm.generate(STOP_PROMPT, SamplingParams(temperature=0, max_tokens=24,
+                                                    ignore_eos=True), use_tqdm=False)[0]
+    text, ids = free.outputs[0].text, free.outputs[0].token_ids
+    return free, text, ids, text[len(text) // 2:len(text) // 2 + 2]
+
+
 def test_stop_conditions(checkpoint, tmp_path):
     path, _ = checkpoint
     llm = _llm(path)
-    prompt = "The capital of France is"
-    free = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=24,
-                                               ignore_eos=True), use_tqdm=False)[0]
-    text, ids = free.outputs[0].text, free.outputs[0].token_ids
+    prompt = STOP_PROMPT
+    free, text, ids, stop = _free_run(llm)
     assert free.outputs[0].finish_reason == "length" and len(ids) == 24 and text
     assert free.prompt == prompt and free.prompt_token_ids == llm.tokenizer.encode(prompt)
 
-    stop = text[len(text) // 2:len(text) // 2 + 2]
     out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=24, stop=[stop],
                                               ignore_eos=True), use_tqdm=False)[0].outputs[0]
     assert out.text == text[:text.index(stop)] and out.finish_reason == "stop"
@@ -389,11 +398,8 @@ def test_min_tokens_and_the_stop_string_kept(checkpoint, tmp_path):
     ValueError naming it."""
     path, model = checkpoint
     llm = _llm(path)
-    prompt = "The capital of France is"
-    free = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=24,
-                                               ignore_eos=True), use_tqdm=False)[0]
-    text, ids = free.outputs[0].text, free.outputs[0].token_ids
-    stop = text[len(text) // 2:len(text) // 2 + 2]
+    prompt = STOP_PROMPT
+    free, text, ids, stop = _free_run(llm)
     out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=24, stop=[stop],
                                               ignore_eos=True, include_stop_str_in_output=True),
                        use_tqdm=False)[0].outputs[0]
