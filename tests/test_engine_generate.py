@@ -433,6 +433,40 @@ def test_min_tokens_and_the_stop_string_kept(checkpoint, tmp_path):
         SamplingParams(max_tokens=4, min_tokens=5)
 
 
+def test_allowed_token_ids(checkpoint):
+    """allowed_token_ids: greedy takes the most likely allowed id under transformers'
+    logits at each position, sampling draws only allowed ids, and a row without a list
+    in the same batch is unchanged; an empty list or an id past the vocabulary is a
+    ValueError naming the argument."""
+    path, model = checkpoint
+    llm = _llm(path)
+    prompts = _prompts([7, 12, 9], seed=8)
+    allowed = [4, 17, 33, 60, 99]
+    base = dict(max_tokens=8, ignore_eos=True)
+    plain = llm.generate(prompts[2], SamplingParams(temperature=0, **base),
+                         use_tqdm=False)[0].outputs[0].token_ids
+    outs = llm.generate(prompts, [
+        SamplingParams(temperature=0, allowed_token_ids=allowed, logprobs=0, **base),
+        SamplingParams(temperature=1.0, seed=3, allowed_token_ids=allowed, **base),
+        SamplingParams(temperature=0, **base)], use_tqdm=False)
+    greedy = outs[0].outputs[0]
+    ids = torch.tensor([outs[0].prompt_token_ids + greedy.token_ids])
+    with torch.no_grad():
+        logits = model(ids).logits[0, len(outs[0].prompt_token_ids) - 1:-1]
+    assert greedy.token_ids == [allowed[i] for i in logits[:, allowed].argmax(-1).tolist()]
+    # logprobs stay the raw distribution's
+    torch.testing.assert_close(greedy.logprobs, logits.double().log_softmax(-1).gather(
+        1, torch.tensor(greedy.token_ids)[:, None])[:, 0].tolist(), atol=1e-4, rtol=0)
+    assert set(outs[1].outputs[0].token_ids) <= set(allowed)
+    assert outs[2].outputs[0].token_ids == plain
+    with pytest.raises(ValueError, match=r"allowed_token_ids: expected a non-empty list"):
+        SamplingParams(allowed_token_ids=[])
+    with pytest.raises(ValueError, match=rf"allowed_token_ids: expected token ids in \[0, "
+                       rf"{VOCAB}\), got {VOCAB}"):
+        llm.generate(prompts[0], SamplingParams(allowed_token_ids=[1, VOCAB]), use_tqdm=False)
+    _assert_pool_empty(llm)
+
+
 def test_streamed_text_is_never_taken_back(checkpoint):
     path, _ = checkpoint
     llm = _llm(path)

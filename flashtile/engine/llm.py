@@ -163,6 +163,9 @@ class LLM:
         if params.logit_bias and max(params.logit_bias) >= vocab:
             _fail(ValueError, "logit_bias", f"token ids in [0, {vocab})",
                   max(params.logit_bias))
+        if params.allowed_token_ids and max(params.allowed_token_ids) >= vocab:
+            _fail(ValueError, "allowed_token_ids", f"token ids in [0, {vocab})",
+                  max(params.allowed_token_ids))
         if params.stop and self.tokenizer is None:
             _fail(ValueError, "stop", "no stop strings (the model has no tokenizer.json)",
                   params.stop)

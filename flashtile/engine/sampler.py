@@ -1,7 +1,8 @@
 """Sampler: the next token of every row of a batch, drawn on the device without a sync.
 
 Each row (one sequence's last position) goes through vLLM's order: logit bias, the
-repetition, frequency and presence penalties, then Hugging Face's temperature, top-k,
+repetition, frequency and presence penalties, allowed_token_ids, then Hugging Face's
+temperature, top-k,
 top-p, min-p; then one token is drawn by the Gumbel-max
 trick, ``argmax(probs / E)`` with E ~ Exp(1) per vocabulary entry, which draws from
 ``probs`` exactly like ``torch.multinomial`` but as element-wise work and an argmax, so
@@ -66,6 +67,9 @@ class SamplingTensors:
     bias_ids, bias_values: (B, K) int64 and float32, each row's logit_bias and, while it
         has fewer than min_tokens tokens, -inf at its stop ids, padded with id 0 at bias
         0; None when no row has either.
+    allowed_ids, restricted: (B, K) int64 and (B,) bool: the ids each row may draw
+        (allowed_token_ids), padded by repeating its first, and whether it has such a
+        list (a row without one draws from every id); None when no row has one.
     seeded_rows: host pairs (row, step_seed) of the non-greedy seeded rows.
     The do_* / *_greedy flags are host booleans, so that forward skips unused work without
     reading device values; want_logprobs: some row asked for logprobs (else the sampler
@@ -93,6 +97,8 @@ class SamplingTensors:
     bias_ids: torch.Tensor | None = None
     bias_values: torch.Tensor | None = None
     top_logprobs: int = 0
+    allowed_ids: torch.Tensor | None = None
+    restricted: torch.Tensor | None = None
 
     @property
     def reads_token_ids(self) -> bool:
@@ -103,7 +109,8 @@ class SamplingTensors:
     @property
     def adjusts_logits(self) -> bool:
         """Whether some row's logits change (a penalty or a bias) before the choice."""
-        return self.reads_token_ids or self.bias_ids is not None
+        return self.reads_token_ids or self.bias_ids is not None \
+            or self.allowed_ids is not None
 
     @classmethod
     def plain_greedy(cls, rows: int, device, vocab_size: int, want_logprobs: bool = True,
@@ -181,6 +188,13 @@ class SamplingTensors:
             pads = [b + [(0, 0.0)] * (width - len(b)) for b in biases]
             biased = dict(bias_ids=put([[t for t, _ in b] for b in pads], torch.int64),
                           bias_values=put([[v for _, v in b] for b in pads], torch.float32))
+        if any(p.allowed_token_ids for p in params):
+            lists = [p.allowed_token_ids or [0] for p in params]
+            width = max(map(len, lists))
+            biased["allowed_ids"] = put([a + [a[0]] * (width - len(a)) for a in lists],
+                                        torch.int64)
+            biased["restricted"] = put([p.allowed_token_ids is not None for p in params],
+                                       torch.bool)
         seeded = [(i, step_seed(p.seed, s.num_completion_tokens))
                   for i, (s, p, g) in enumerate(zip(seqs, params, greedy))
                   if p.seed is not None and not g]
@@ -279,6 +293,9 @@ class Sampler(nn.Module):
             x = apply_frequency_presence_penalties(
                 x, t.output_ids, t.output_weights, t.frequency_penalties,
                 t.presence_penalties)
+        if t.allowed_ids is not None:
+            keep = torch.zeros_like(x, dtype=torch.bool).scatter_(1, t.allowed_ids, True)
+            x = x.masked_fill(~keep & t.restricted[:, None], float("-inf"))
         if t.all_greedy:
             tokens = x.argmax(dim=-1)
         else:

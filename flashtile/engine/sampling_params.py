@@ -80,6 +80,8 @@ class SamplingParams:
         never drawn and stop strings are not looked for); at most max_tokens.
     include_stop_str_in_output: keep the stop string that ended the completion at the
         end of its text.
+    allowed_token_ids: only these ids may be drawn (vLLM's meaning; after the bias and
+        penalties, before temperature and the truncations); None: any.
     ignore_eos: keep generating past the end-of-sequence token.
     logprobs: None: no log-probabilities; an int k in [0, MAX_LOGPROBS]: return the
         log-probability of each chosen token (the raw model distribution's, vLLM's
@@ -114,6 +116,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     min_tokens: int = 0
     include_stop_str_in_output: bool = False
+    allowed_token_ids: list[int] | None = None
 
     def __post_init__(self):
         _check_int("n", self.n)
@@ -145,6 +148,12 @@ class SamplingParams:
         _check_int("seed", self.seed, allow_none=True)
         self.stop = self._stop_list(self.stop)
         self.stop_token_ids = self._stop_token_id_list(self.stop_token_ids)
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = self._token_id_list(self.allowed_token_ids,
+                                                         "allowed_token_ids")
+            if not self.allowed_token_ids:
+                _fail(ValueError, "allowed_token_ids", "a non-empty list of token ids or "
+                      "None", "[]")
         _check_int("max_tokens", self.max_tokens, allow_none=True)
         if self.max_tokens is not None and self.max_tokens < 1:
             _fail(ValueError, "max_tokens", "an int >= 1 (or None: up to max_model_len)",
@@ -206,21 +215,25 @@ class SamplingParams:
 
     @property
     def adjusts_logits(self) -> bool:
-        """Whether a penalty, a bias or min_tokens changes the logits before the token
-        is chosen."""
+        """Whether a penalty, a bias, min_tokens or allowed_token_ids changes the logits
+        before the token is chosen."""
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 \
             or self.frequency_penalty != 0.0 or self.logit_bias is not None \
-            or self.min_tokens > 0
+            or self.min_tokens > 0 or self.allowed_token_ids is not None
 
     @staticmethod
     def _stop_token_id_list(ids):
+        return SamplingParams._token_id_list(ids, "stop_token_ids")
+
+    @staticmethod
+    def _token_id_list(ids, name):
         if isinstance(ids, (str, bytes)) or (ids is not None and not hasattr(ids, "__iter__")):
-            _fail(TypeError, "stop_token_ids", "a list of ints or None", repr(ids))
+            _fail(TypeError, name, "a list of ints or None", repr(ids))
         ids = list(ids or [])
         for i, t in enumerate(ids):
-            _check_int(f"stop_token_ids[{i}]", t)
+            _check_int(f"{name}[{i}]", t)
             if t < 0:
-                _fail(ValueError, f"stop_token_ids[{i}]", "a token id >= 0", t)
+                _fail(ValueError, f"{name}[{i}]", "a token id >= 0", t)
         return [int(t) for t in ids]
 
     @property
