@@ -179,7 +179,8 @@ class SamplingTensors:
         biased = {}
         # min_tokens: the ids that would end a row are -inf until it has that many tokens.
         banned = [s.stop_ids if s.num_completion_tokens < p.min_tokens else ()
-                  for s, p in zip(seqs, params)]
+                  for s, p in zip(seqs, params)] \
+            if any(p.min_tokens for p in params) else [()] * len(params)
         if any(p.logit_bias for p in params) or any(banned):
             biases = [list((p.logit_bias or {}).items())
                       + [(t, float("-inf")) for t in b if t < vocab_size]  # ids it can draw
