@@ -36,11 +36,8 @@ def _runner(path, **kw):
 
 def _logits(runner, scheduled, all_rows=False):
     inputs = runner.prepare(scheduled)
-    if all_rows:
-        hidden = runner.model(inputs.input_ids, inputs.positions, inputs.meta)
-    else:
-        hidden = runner.forward(inputs)
-    return runner.model.compute_logits(hidden)
+    hidden = runner.forward(inputs)  # every row
+    return runner.model.compute_logits(hidden if all_rows else runner._sampled(hidden, inputs))
 
 
 @pytest.mark.parametrize("case", sorted(CASES))

@@ -205,11 +205,9 @@ class ModelRunner(StepInputsMixin, CudaGraphsMixin):
     # ---- forward and sampling ---------------------------------------------------------
     @torch.inference_mode()
     def forward(self, inputs: StepInputs) -> torch.Tensor:
-        """Hidden states of the step's rows that sample, (S, hidden_size)."""
-        return self._sampled(self._hidden(inputs), inputs)
-
-    def _hidden(self, inputs: StepInputs) -> torch.Tensor:
-        """Hidden states of every row of the step (a replayed graph's real rows)."""
+        """Hidden states of every row of the step (a replayed graph's real rows);
+        ``_sampled`` picks those that sample. (bench/step_kernels.py times this method
+        as the step's forward.)"""
         if inputs.graph_bs is not None:
             return self._replay(inputs.graph_bs)[:len(inputs.meta.query_lens)]
         return self.model(inputs.input_ids, inputs.positions, inputs.meta)
@@ -249,7 +247,7 @@ class ModelRunner(StepInputsMixin, CudaGraphsMixin):
         """launch's work after prepare. Under tensor parallelism ``follow`` is the other
         ranks' side of it: the same collectives, in the same order."""
         seqs = [scheduled[b][0] for b in inputs.sample_rows]
-        hidden = self._hidden(inputs)
+        hidden = self.forward(inputs)
         prompt = self._prompt_logprobs(hidden, inputs)
         if prompt is not None:
             spans = [(scheduled[b][0], start, count)
@@ -314,7 +312,7 @@ class ModelRunner(StepInputsMixin, CudaGraphsMixin):
         rows that sample, and, with asynchronous scheduling, the sampled tokens
         broadcast by rank 0, which the next step's in-flight input ids are read from."""
         inputs = self.upload(host)
-        hidden = self._hidden(inputs)
+        hidden = self.forward(inputs)
         self._prompt_logprobs(hidden, inputs)
         hidden = self._sampled(hidden, inputs)
         self._last_tokens = None
