@@ -9,7 +9,10 @@ are choices i * n + j; ``logprobs`` (completions) and ``top_logprobs`` (chat) up
 MAX_LOGPROBS alternatives. ``echo`` (completions) puts the prompt before each choice's
 text and, with ``logprobs``, the prompt tokens' logprobs before the completion's (the
 first one null, as OpenAI's), from the engine's prompt logprobs. Not supported (400):
-``echo`` in chat, ``best_of`` > 1, ``suffix``, tools.
+``echo`` in chat, ``best_of`` > 1, ``suffix``, ``response_format``, ``tool_choice``
+"required" or naming a function. ``tools`` with ``tool_choice`` "auto" (chat, a server
+started with ``--tool-call-parser``): the chat template shows the tools to the model and
+its calls come back as ``tool_calls`` (tool_parsers.py); "none" leaves the tools out.
 """
 
 from __future__ import annotations
@@ -25,7 +28,6 @@ SAMPLING_FIELDS = ("n", "temperature", "top_p", "top_k", "min_p", "repetition_pe
                    "include_stop_str_in_output", "allowed_token_ids")
 # Field -> the values that mean "off"; anything else asks for what the engine lacks.
 UNSUPPORTED = {"best_of": (None, 1), "suffix": (None, ""),
-               "tools": (None, []), "tool_choice": (None, "none"),
                "response_format": (None, {"type": "text"})}
 
 
@@ -94,8 +96,57 @@ def parse_messages(body) -> list[dict]:
         elif content is not None and not isinstance(content, str):
             raise RequestError(f"messages[{i}].content: expected a string or a list of "
                                f"text parts, got {json.dumps(content)[:80]}", "messages")
-        out.append({**m, "content": content})
+        message = {**m, "content": content}
+        if m.get("tool_calls") is not None:
+            message["tool_calls"] = _template_tool_calls(m["tool_calls"], i)
+        out.append(message)
     return out
+
+
+def _template_tool_calls(calls, i):
+    """An assistant message's tool_calls for the chat template: OpenAI sends each
+    call's arguments as a JSON string; templates (Qwen's, Hermes') write them with
+    tojson, so they get the object (vLLM does the same)."""
+    if not isinstance(calls, list) or not all(
+            isinstance(c, dict) and isinstance(c.get("function"), dict) for c in calls):
+        raise RequestError(f"messages[{i}].tool_calls: expected a list of {{id, type, "
+                           f"function: {{name, arguments}}}}, got {json.dumps(calls)[:80]}",
+                           "messages")
+    out = []
+    for c in calls:
+        args = c["function"].get("arguments")
+        if isinstance(args, str):
+            try:
+                args = json.loads(args)
+            except ValueError:
+                raise RequestError(f"messages[{i}].tool_calls: expected arguments as a "
+                                   f"JSON object string, got {args[:80]!r}",
+                                   "messages") from None
+        out.append({**c, "function": {**c["function"], "arguments": args}})
+    return out
+
+
+def parse_tools(body, parser) -> list | None:
+    """The request's ``tools`` (OpenAI's [{type: function, function: {name, ...}}]) for
+    the chat template, or None: without tools, with tool_choice "none", or (400) where
+    the server has no tool-call parser or the choice forces a call."""
+    tools, choice = body.get("tools"), body.get("tool_choice")
+    if choice not in (None, "auto", "none"):
+        raise RequestError("tool_choice: expected \"auto\" or \"none\" (flashtile does not "
+                           f"force calls), got {json.dumps(choice)[:80]}", "tool_choice")
+    if tools is None or choice == "none":
+        return None
+    if not isinstance(tools, list) or not all(
+            isinstance(t, dict) and t.get("type") == "function"
+            and isinstance(t.get("function"), dict)
+            and isinstance(t["function"].get("name"), str) for t in tools):
+        raise RequestError("tools: expected a list of {type: function, function: {name, "
+                           f"description, parameters}}, got {json.dumps(tools)[:80]}", "tools")
+    if parser is None:
+        raise RequestError("tools: expected none (start the server with "
+                           "--tool-call-parser hermes to use them), got "
+                           f"{len(tools)}", "tools")
+    return tools or None
 
 
 def check_unsupported(body):

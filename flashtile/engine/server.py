@@ -47,6 +47,7 @@ except ImportError:  # aiohttp is the engine extra's; flashtile's other commands
 from flashtile.engine import openai_protocol as api
 from flashtile.engine.async_engine import AsyncEngine
 from flashtile.engine.openai_protocol import RequestError, error_body
+from flashtile.engine.tool_parsers import TOOL_CALL_PARSERS, get_parser
 
 log = logging.getLogger("flashtile.engine")
 
@@ -56,8 +57,9 @@ MAX_BODY_BYTES = 64 * 2**20  # a 128k-token prompt as a JSON id list is ~1 MB
 class OpenAIServer:
     """The HTTP handlers over one AsyncEngine."""
 
-    def __init__(self, engine: AsyncEngine, model_name: str):
+    def __init__(self, engine: AsyncEngine, model_name: str, tool_call_parser=None):
         self.engine, self.model_name = engine, model_name
+        self.tool_parser = get_parser(tool_call_parser)
         self.llm = engine.llm
         self.tokenizer = engine.llm.tokenizer
         self.max_model_len = engine.llm.config.max_model_len
@@ -106,12 +108,14 @@ class OpenAIServer:
         params = api.sampling_params(body, api.chat_logprobs(body), api.first(
             body, "max_completion_tokens", "max_tokens"), flags[0])
         messages = api.parse_messages(body)
+        tools = api.parse_tools(body, self.tool_parser)
         if self.tokenizer is None:
             raise RequestError("messages: expected a model with tokenizer.json and a chat "
                                "template, got none; use /v1/completions", "messages")
-        prompt = await asyncio.to_thread(self._render, messages)
+        prompt = await asyncio.to_thread(self._render, messages, tools)
         api.check_fits(prompt, params, "messages", self.max_model_len)
-        return await self._respond(request, flags, [prompt], params, chat=True)
+        return await self._respond(request, flags, [prompt], params, chat=True,
+                                   tools=tools is not None)
 
     # ---- request helpers --------------------------------------------------------------
     async def _body(self, request) -> dict:
@@ -135,20 +139,24 @@ class OpenAIServer:
                                "tokenizer.json), got a string", "prompt")
         return [self.tokenizer.encode(p) if isinstance(p, str) else p for p in prompts]
 
-    def _render(self, messages):
+    def _render(self, messages, tools=None):
         import jinja2
 
+        extra = {} if tools is None else {"tools": tools}
         try:
-            text = self.tokenizer.render_chat(messages, add_generation_prompt=True)
+            text = self.tokenizer.render_chat(messages, add_generation_prompt=True, **extra)
         except jinja2.TemplateError as err:
             raise RequestError(f"messages: the chat template refused them: {err}",
                                "messages") from None
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     # ---- responses --------------------------------------------------------------------
-    async def _respond(self, request, flags, prompts, params, chat: bool, echo=None):
-        """echo: each prompt's text, put before its choices' (completions' echo)."""
+    async def _respond(self, request, flags, prompts, params, chat: bool, echo=None,
+                       tools: bool = False):
+        """echo: each prompt's text, put before its choices' (completions' echo); tools:
+        the answers' tool calls are parsed out (the server's tool-call parser)."""
         stream_mode, include_usage = flags
+        parser = self.tool_parser if tools else None
         try:
             stream = await self.engine.add(prompts, params)
         except ValueError as err:
@@ -159,7 +167,8 @@ class OpenAIServer:
         try:
             if stream_mode:
                 return await self._stream(request, stream, head, chat, include_usage,
-                                          params.logprobs is not None, params.n, echo)
+                                          params.logprobs is not None, params.n, echo,
+                                          parser)
             final = {index: out async for index, out in stream}  # FINAL_ONLY: one each
             outs = [final[i] for i in range(len(prompts) * params.n)]
             choices = []
@@ -168,16 +177,22 @@ class OpenAIServer:
                 text, ids, lps, top = (c.text, c.token_ids, c.logprobs, c.top_logprobs) \
                     if echo is None else api.echoed(echo[i // params.n], o,
                                                      params.logprobs is not None)
-                choices.append({**api.choice(chat, i, text, ids, lps, 0, self.tokenizer,
-                                             top=top),
-                                "finish_reason": c.finish_reason})
+                body = {**api.choice(chat, i, text, ids, lps, 0, self.tokenizer, top=top),
+                        "finish_reason": c.finish_reason}
+                if parser is not None:
+                    content, calls = parser.parse(c.text)
+                    body["message"]["content"] = content
+                    if calls:
+                        body["message"]["tool_calls"] = calls
+                        body["finish_reason"] = "tool_calls"
+                choices.append(body)
             return web.json_response({**head, "choices": choices,
                                       "usage": api.usage(outs, params.n)})
         finally:
             stream.close()
 
     async def _stream(self, request, stream, head, chat, include_usage, logprobs, n,
-                      echo=None):
+                      echo=None, parser=None):
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                            "Cache-Control": "no-cache"})
         await resp.prepare(request)
@@ -185,7 +200,7 @@ class OpenAIServer:
         try:
             try:
                 await self._chunks(resp, stream, head, chat, include_usage, logprobs, n,
-                                   echo)
+                                   echo, parser)
             except ConnectionResetError:
                 raise
             except Exception as err:  # headers are sent: report it in the stream
@@ -199,10 +214,13 @@ class OpenAIServer:
         return resp
 
     async def _chunks(self, resp, stream, head, chat, include_usage, logprobs, n,
-                      echo=None):
+                      echo=None, parser=None):
         """The token chunks: per wake-up one write with one chunk per choice that
         progressed (several steps' tokens in one chunk when the loop fell behind); n
-        choices a prompt; with echo, a choice's first chunk starts with its prompt."""
+        choices a prompt; with echo, a choice's first chunk starts with its prompt. With
+        a tool-call parser, text that may start a call is held back, and a choice whose
+        answer holds calls ends with one chunk of them (finish_reason "tool_calls")."""
+        calls_of = {}  # choice index -> its ToolCallStream
         chunks = api.ChunkFormat(head, chat, include_usage)
         # choice index -> (characters: text_offset's count with completions' logprobs,
         # completion tokens, prompt tokens)
@@ -220,10 +238,24 @@ class OpenAIServer:
                 text, ids, lps, top = c.text, c.token_ids, c.logprobs, c.top_logprobs
                 if echo is not None and index not in sent:
                     text, ids, lps, top = api.echoed(echo[index // n], out, logprobs)
+                reason = c.finish_reason if out.finished else None
+                calls = None
+                if parser is not None:
+                    tool_stream = calls_of.setdefault(index, parser.stream())
+                    text = tool_stream.feed(text)
+                    if out.finished:
+                        rest, calls = tool_stream.finish()
+                        text += rest
+                        reason = None if calls else reason
                 parts.append(chunks.chunk(
-                    index, text, ids, lps if logprobs else None, chars,
-                    c.finish_reason if out.finished else None, self.tokenizer,
-                    top if logprobs else None))
+                    index, text, ids, lps if logprobs else None, chars, reason,
+                    self.tokenizer, top if logprobs else None))
+                if calls:
+                    parts.append(api.sse({**head, "choices": [{
+                        "index": index, "delta": {"tool_calls": [
+                            {"index": j, **call} for j, call in enumerate(calls)]},
+                        "logprobs": None, "finish_reason": "tool_calls"}],
+                        **({"usage": None} if include_usage else {})}))
                 # The prompt counts once in usage, not once per completion.
                 chars = api.offset_after(chars, ids, self.tokenizer) \
                     if logprobs and not chat else chars + len(text)
@@ -245,9 +277,11 @@ def freeze_gc_heap():
     gc.freeze()
 
 
-def build_app(engine: AsyncEngine, model_name: str):
-    """The aiohttp application; starts the engine loop on startup, stops it on cleanup."""
-    server = OpenAIServer(engine, model_name)
+def build_app(engine: AsyncEngine, model_name: str, tool_call_parser=None):
+    """The aiohttp application; starts the engine loop on startup, stops it on cleanup.
+    tool_call_parser: the name of the parser of the models' tool calls (tool_parsers.py),
+    or None: requests with tools get a 400."""
+    server = OpenAIServer(engine, model_name, tool_call_parser)
 
     @web.middleware
     async def errors(request, handler):
@@ -318,6 +352,12 @@ def add_serve(commands):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="processes (GPUs) to split the model over")
+    p.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
+                   help="how the model writes tool calls (hermes: Hermes, Qwen2.5, Qwen3); "
+                   "without it, chat requests with tools get a 400")
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="accepted for vLLM's command lines: --tool-call-parser enables "
+                   "tool_choice \"auto\"")
     p.add_argument("--stream-interval", type=int, default=1,
                    help="tokens per streamed chunk after the first (default 1); more "
                    "cost the server less host time per token")
@@ -350,8 +390,8 @@ def _serve(args) -> int:
           f"({engine.llm.runner.num_blocks} KV pages of {engine.llm.config.page_size} "
           f"tokens, max_model_len {engine.llm.config.max_model_len})", flush=True)
     try:
-        web.run_app(build_app(engine, name), host=args.host, port=args.port,
-                    handler_cancellation=True, print=None)
+        web.run_app(build_app(engine, name, args.tool_call_parser), host=args.host,
+                    port=args.port, handler_cancellation=True, print=None)
     except OSError as err:  # the port is taken, the host is not this machine's
         print(f"flashtile serve: {err}", file=sys.stderr)
         return 1
