@@ -314,6 +314,27 @@ def test_echo_puts_the_prompt_first(server, llm, logprobs):
     _assert_idle(llm)
 
 
+def test_tokenize_and_detokenize(server, llm):
+    """vLLM's /tokenize (a prompt, with or without special tokens, or messages through
+    the chat template) and /detokenize give the tokenizer's own answers."""
+    tok = llm.tokenizer
+    status, out = post(server, "/tokenize", {"prompt": "Hello world"})
+    assert status == 200
+    assert out == {"count": len(out["tokens"]), "max_model_len": MAX_MODEL_LEN,
+                   "tokens": tok.encode("Hello world")}
+    _, plain = post(server, "/tokenize", {"prompt": "Hello world",
+                                          "add_special_tokens": False})
+    assert plain["tokens"] == tok.encode("Hello world", add_special_tokens=False)
+    assert plain["tokens"] != out["tokens"]  # the template's tokenizer adds <s>
+    messages = [{"role": "user", "content": "Hello"}]
+    for flag in (True, False):
+        _, chat = post(server, "/tokenize", {"messages": messages,
+                                             "add_generation_prompt": flag})
+        assert chat["tokens"] == tok.apply_chat_template(messages, flag)
+    status, back = post(server, "/detokenize", {"tokens": out["tokens"]})
+    assert status == 200 and back == {"prompt": tok.decode(out["tokens"])}
+
+
 def test_concurrent_clients_get_their_own_answers(server, llm):
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(3, VOCAB, (n,), generator=g).tolist()
@@ -417,6 +438,13 @@ BAD = [  # (path, body (dict, or raw bytes), status, param, code)
      "include_stop_str_in_output", None),
     ("/v1/completions", dict(prompt="Hi", allowed_token_ids=[]), 400, "allowed_token_ids",
      None),
+    ("/tokenize", dict(prompt=3), 400, "prompt", None),
+    ("/tokenize", dict(prompt="Hi", add_special_tokens="no"), 400, "add_special_tokens",
+     None),
+    ("/tokenize", dict(messages=[{"role": "user", "content": "Hi"}],
+                       add_generation_prompt=1), 400, "add_generation_prompt", None),
+    ("/detokenize", dict(tokens=[1, VOCAB]), 400, "tokens", None),
+    ("/detokenize", dict(tokens="Hi"), 400, "tokens", None),
     ("/v1/completions", dict(prompt="Hi", allowed_token_ids=[VOCAB]), 400,
      "allowed_token_ids", None),
     ("/v1/completions", dict(prompt="Hi", suffix="!"), 400, "suffix", None),

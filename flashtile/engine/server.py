@@ -117,6 +117,45 @@ class OpenAIServer:
         return await self._respond(request, flags, [prompt], params, chat=True,
                                    tools=tools is not None)
 
+    async def tokenize(self, request):
+        """vLLM's /tokenize: {prompt, add_special_tokens (default true)} or {messages,
+        add_generation_prompt (default true)} -> {count, max_model_len, tokens}."""
+        body = await self._body(request)
+        if self.tokenizer is None:
+            raise RequestError("prompt: expected a model with tokenizer.json, got none",
+                               "prompt")
+        if "messages" in body:
+            messages = api.parse_messages(body)
+            flag = body.get("add_generation_prompt", True)
+            if not isinstance(flag, bool):
+                raise RequestError("add_generation_prompt: expected a bool, got "
+                                   f"{json.dumps(flag)[:80]}", "add_generation_prompt")
+            tokens = await asyncio.to_thread(self._render, messages, None, flag)
+        else:
+            prompt, special = body.get("prompt"), body.get("add_special_tokens", True)
+            if not isinstance(prompt, str):
+                raise RequestError(f"prompt: expected a string, got {json.dumps(prompt)[:80]}",
+                                   "prompt")
+            if not isinstance(special, bool):
+                raise RequestError("add_special_tokens: expected a bool, got "
+                                   f"{json.dumps(special)[:80]}", "add_special_tokens")
+            tokens = self.tokenizer.encode(prompt, add_special_tokens=special)
+        return web.json_response({"count": len(tokens), "max_model_len": self.max_model_len,
+                                  "tokens": tokens})
+
+    async def detokenize(self, request):
+        """vLLM's /detokenize: {tokens} -> {prompt}."""
+        body = await self._body(request)
+        tokens, vocab = body.get("tokens"), self.llm.config.model_config.vocab_size
+        if not isinstance(tokens, list) or not all(
+                api.is_token(t) and 0 <= t < vocab for t in tokens):
+            raise RequestError(f"tokens: expected a list of token ids in [0, {vocab}), got "
+                               f"{json.dumps(tokens)[:80]}", "tokens")
+        if self.tokenizer is None:
+            raise RequestError("tokens: expected a model with tokenizer.json, got none",
+                               "tokens")
+        return web.json_response({"prompt": self.tokenizer.decode(tokens)})
+
     # ---- request helpers --------------------------------------------------------------
     async def _body(self, request) -> dict:
         try:
@@ -139,12 +178,12 @@ class OpenAIServer:
                                "tokenizer.json), got a string", "prompt")
         return [self.tokenizer.encode(p) if isinstance(p, str) else p for p in prompts]
 
-    def _render(self, messages, tools=None):
+    def _render(self, messages, tools=None, add_generation_prompt=True):
         import jinja2
 
         extra = {} if tools is None else {"tools": tools}
         try:
-            text = self.tokenizer.render_chat(messages, add_generation_prompt=True, **extra)
+            text = self.tokenizer.render_chat(messages, add_generation_prompt, **extra)
         except jinja2.TemplateError as err:
             raise RequestError(f"messages: the chat template refused them: {err}",
                                "messages") from None
@@ -305,6 +344,8 @@ def build_app(engine: AsyncEngine, model_name: str, tool_call_parser=None):
     app.router.add_get("/v1/models", server.models)
     app.router.add_post("/v1/completions", server.completions)
     app.router.add_post("/v1/chat/completions", server.chat_completions)
+    app.router.add_post("/tokenize", server.tokenize)
+    app.router.add_post("/detokenize", server.detokenize)
 
     async def start(app):
         await engine.start()
