@@ -178,6 +178,7 @@ def test_top_logprobs_are_the_models(checkpoint):
         torch.testing.assert_close(torch.tensor(c.logprobs, dtype=torch.float64),
                                    want.gather(1, torch.tensor(c.token_ids)[:, None])[:, 0],
                                    atol=1e-4, rtol=0)
+        assert c.cumulative_logprob == pytest.approx(sum(c.logprobs), abs=1e-9)
         if not p.logprobs:
             assert c.top_logprobs is None
             continue
@@ -194,6 +195,9 @@ def test_top_logprobs_are_the_models(checkpoint):
     steps = []
     while llm.has_unfinished_requests():
         steps += [o.outputs[0] for o in llm.step()]
+    assert steps[-1].cumulative_logprob == pytest.approx(outs[0].outputs[0].cumulative_logprob,
+                                                        abs=1e-4)
+    assert llm.get_tokenizer() is llm.tokenizer
     got, whole = [a for s in steps for a in s.top_logprobs], outs[0].outputs[0].top_logprobs
     assert [list(a) for a in got] == [list(a) for a in whole]  # alone: fp32 rounding apart
     torch.testing.assert_close([list(a.values()) for a in got],

@@ -100,7 +100,8 @@ class _Request:
                 self.sent_prompt_logprobs = True
         completion = CompletionOutput(
             index=0, text=text, token_ids=token_ids, finish_reason=reason,
-            stop_reason=self.stop_reason, logprobs=logprobs, top_logprobs=top)
+            stop_reason=self.stop_reason, logprobs=logprobs, top_logprobs=top,
+            cumulative_logprob=seq.cumulative_logprob if k is not None else None)
         return RequestOutput(
             request_id=self.request_id, prompt=self.prompt,
             prompt_token_ids=self.prompt_token_ids, outputs=[completion],
@@ -130,6 +131,10 @@ class LLM:
         self._requests: dict[str, _Request] = {}
         self._by_seq: dict[int, _Request] = {}
         self._ids = itertools.count()
+
+    def get_tokenizer(self):
+        """The model's Tokenizer (vLLM's method), or None without tokenizer.json."""
+        return self.tokenizer
 
     def shutdown(self):
         """Stop the worker processes of a tensor-parallel engine, destroy its process group

@@ -21,6 +21,7 @@ class CompletionOutput:
         token; here the chosen token's value alone).
     top_logprobs: per generated token, {token id: logprob} of the k most likely tokens
         (most likely first) when SamplingParams.logprobs = k > 0, else None.
+    cumulative_logprob: the sum of ``logprobs`` (None without them), vLLM's field.
     """
 
     index: int
@@ -30,6 +31,7 @@ class CompletionOutput:
     stop_reason: Union[str, int, None] = None
     logprobs: Optional[list] = None
     top_logprobs: Optional[list] = None
+    cumulative_logprob: Optional[float] = None
 
     def finished(self) -> bool:
         return self.finish_reason is not None
@@ -70,6 +72,8 @@ class RequestOutput:
                 mine.logprobs = mine.logprobs + new.logprobs
             if mine.top_logprobs is not None:
                 mine.top_logprobs = mine.top_logprobs + new.top_logprobs
+            if mine.cumulative_logprob is not None:
+                mine.cumulative_logprob = new.cumulative_logprob
             mine.finish_reason, mine.stop_reason = new.finish_reason, new.stop_reason
         self.finished, self.metrics = next_output.finished, next_output.metrics
         if self.prompt_logprobs is None:

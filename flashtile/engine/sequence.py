@@ -69,6 +69,7 @@ class Sequence:
         self.finish_time: float | None = None
         self.finish_reason: str | None = None
         self.output_logprobs: list[float] = []
+        self.cumulative_logprob = 0.0  # their sum
         # Per generated token, {token id: logprob} of the SamplingParams.logprobs most
         # likely tokens (only when that is > 0).
         self.output_top_logprobs: list[dict[int, float]] = []
@@ -177,6 +178,7 @@ class Sequence:
             if k:
                 self.output_top_logprobs.append(dict(zip(ids[:k], values[:k])))
         self.output_logprobs.append(float(logprob))
+        self.cumulative_logprob += self.output_logprobs[-1]
 
     def finish(self, reason: str):
         """Mark the request done: reason "stop", "length" or "abort"."""
