@@ -165,12 +165,10 @@ class LLM:
                                     for t in token_ids):
             _fail(ValueError, "prompt", f"a non-empty list of token ids in [0, {vocab})",
                   repr(token_ids[:8]) + ("..." if len(token_ids) > 8 else ""))
-        if params.logit_bias and max(params.logit_bias) >= vocab:
-            _fail(ValueError, "logit_bias", f"token ids in [0, {vocab})",
-                  max(params.logit_bias))
-        if params.allowed_token_ids and max(params.allowed_token_ids) >= vocab:
-            _fail(ValueError, "allowed_token_ids", f"token ids in [0, {vocab})",
-                  max(params.allowed_token_ids))
+        for name in ("logit_bias", "allowed_token_ids"):  # SamplingParams checked >= 0
+            ids = getattr(params, name)
+            if ids and max(ids) >= vocab:
+                _fail(ValueError, name, f"token ids in [0, {vocab})", max(ids))
         if params.stop and self.tokenizer is None:
             _fail(ValueError, "stop", "no stop strings (the model has no tokenizer.json)",
                   params.stop)

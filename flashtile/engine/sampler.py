@@ -2,8 +2,7 @@
 
 Each row (one sequence's last position) goes through vLLM's order: logit bias, the
 repetition, frequency and presence penalties, allowed_token_ids, then Hugging Face's
-temperature, top-k,
-top-p, min-p; then one token is drawn by the Gumbel-max
+temperature, top-k, top-p, min-p; then one token is drawn by the Gumbel-max
 trick, ``argmax(probs / E)`` with E ~ Exp(1) per vocabulary entry, which draws from
 ``probs`` exactly like ``torch.multinomial`` but as element-wise work and an argmax, so
 no value has to reach the host (gpt-fast, nano-vllm). Greedy rows take the argmax of the

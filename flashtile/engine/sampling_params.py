@@ -147,7 +147,7 @@ class SamplingParams:
         self.logit_bias = self._bias_dict(self.logit_bias)
         _check_int("seed", self.seed, allow_none=True)
         self.stop = self._stop_list(self.stop)
-        self.stop_token_ids = self._stop_token_id_list(self.stop_token_ids)
+        self.stop_token_ids = self._token_id_list(self.stop_token_ids, "stop_token_ids")
         if self.allowed_token_ids is not None:
             self.allowed_token_ids = self._token_id_list(self.allowed_token_ids,
                                                          "allowed_token_ids")
@@ -220,10 +220,6 @@ class SamplingParams:
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 \
             or self.frequency_penalty != 0.0 or self.logit_bias is not None \
             or self.min_tokens > 0 or self.allowed_token_ids is not None
-
-    @staticmethod
-    def _stop_token_id_list(ids):
-        return SamplingParams._token_id_list(ids, "stop_token_ids")
 
     @staticmethod
     def _token_id_list(ids, name):

@@ -75,10 +75,9 @@ class Sequence:
         self.output_top_logprobs: list[dict[int, float]] = []
         # SamplingParams.prompt_logprobs: per prompt position, {its token: logprob, then
         # the k most likely tokens: logprob} (None at position 0, which nothing
-        # predicts); prompt_logprobs_end: positions before it are filled. Recomputing
-        # after a preemption writes the same values again.
+        # predicts). Filled in position order; recomputing after a preemption writes the
+        # same values again.
         self.prompt_logprobs: list | None = None
-        self.prompt_logprobs_end = 1
         if self.sampling_params.prompt_logprobs is not None:
             self.prompt_logprobs = [None] * len(token_ids)
         # Set by Scheduler.add: the token count at which the sequence ends (max_tokens or
@@ -152,8 +151,9 @@ class Sequence:
     def needs_prompt_logprobs(self) -> bool:
         """Whether some prompt position still lacks its logprobs (the steps computing
         them must run, not come from the prefix cache)."""
-        return self.prompt_logprobs is not None \
-            and self.prompt_logprobs_end < self.num_prompt_tokens
+        # Positions fill in order: the last prompt position is filled last.
+        return self.prompt_logprobs is not None and self.num_prompt_tokens > 1 \
+            and self.prompt_logprobs[self.num_prompt_tokens - 1] is None
 
     def keep_prompt_logprobs(self, start: int, logprobs, ids=None, values=None):
         """The logprobs of prompt positions start + 1 ... start + len(logprobs) (each
@@ -167,7 +167,6 @@ class Sequence:
                 for t, v in zip(ids[j][:k], values[j][:k]):
                     entry.setdefault(t, v)
             self.prompt_logprobs[pos] = entry
-        self.prompt_logprobs_end = max(self.prompt_logprobs_end, start + 1 + len(logprobs))
 
     def _keep_logprobs(self, logprob):
         """logprob: the chosen token's, or (it, alternative ids, their logprobs) from a

@@ -260,6 +260,7 @@ class OpenAIServer:
         a tool-call parser, text that may start a call is held back, and a choice whose
         answer holds calls ends with one chunk of them (finish_reason "tool_calls")."""
         calls_of = {}  # choice index -> its ToolCallStream
+        usage = {"usage": None} if include_usage else {}  # in each chunk sse() writes
         chunks = api.ChunkFormat(head, chat, include_usage)
         # choice index -> (characters: text_offset's count with completions' logprobs,
         # completion tokens, prompt tokens)
@@ -271,8 +272,7 @@ class OpenAIServer:
                 if chat and index not in sent:  # OpenAI: a choice's role first, alone
                     role = {"index": index, "delta": {"role": "assistant", "content": ""},
                             "logprobs": None, "finish_reason": None}
-                    extra = {"usage": None} if include_usage else {}
-                    parts.append(api.sse({**head, "choices": [role], **extra}))
+                    parts.append(api.sse({**head, "choices": [role], **usage}))
                 chars, ntok, _ = sent.get(index, (0, 0, 0))
                 text, ids, lps, top = c.text, c.token_ids, c.logprobs, c.top_logprobs
                 if echo is not None and index not in sent:
@@ -280,7 +280,9 @@ class OpenAIServer:
                 reason = c.finish_reason if out.finished else None
                 calls = None
                 if parser is not None:
-                    tool_stream = calls_of.setdefault(index, parser.stream())
+                    tool_stream = calls_of.get(index)
+                    if tool_stream is None:
+                        tool_stream = calls_of[index] = parser.stream()
                     text = tool_stream.feed(text)
                     if out.finished:
                         rest, calls = tool_stream.finish()
@@ -294,7 +296,7 @@ class OpenAIServer:
                         "index": index, "delta": {"tool_calls": [
                             {"index": j, **call} for j, call in enumerate(calls)]},
                         "logprobs": None, "finish_reason": "tool_calls"}],
-                        **({"usage": None} if include_usage else {})}))
+                        **usage}))
                 # The prompt counts once in usage, not once per completion.
                 chars = api.offset_after(chars, ids, self.tokenizer) \
                     if logprobs and not chat else chars + len(text)
