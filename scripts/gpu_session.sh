@@ -63,6 +63,8 @@
 #                then forward+backward with lse_ahead (the default's) and with lse_smem,
 #                dq_tma with both, beside cuDNN, d64/d128 at 1k/4k (BWD_LSE_HF=1: the
 #                Llama-1B training step too, both ways)        (~5 min; with HF ~8)
+#   bwd-ring     the Gluon backward's ds_ring option: its GPU tests and memcheck slice,
+#                then forward+backward with and without it beside cuDNN, d64/d128 (~6 min)
 #   wide         head_dim 256 and 512, forward and forward+backward, beside the peers
 #                                                                         (~5 min)
 #   d96          head_dim 96 in d128's Gluon tiles: its GPU tests and memcheck slice, then
@@ -279,6 +281,27 @@ case "${1:-}" in
           | grep -i "train" | sed "s|^|$opts |" | tee -a "$OUT/bwd-lse.txt"
       done
     fi
+    ;;
+  bwd-ring)
+    # The Gluon backward's ds_ring option (dS^T in two buffers: the consumer that did not
+    # own the previous block's dQ product no longer waits for it; session 28): its GPU
+    # tests and memcheck slice (BWD_RING_TESTS=0: not), then forward + backward with the
+    # default's options and with ds_ring added, alternating twice, cuDNN beside.
+    if [ "${BWD_RING_TESTS:-1}" != 0 ]; then
+      timeout 200 python3 -m pytest -q -p no:cacheprovider $XDIST --gpu \
+        tests/test_bwd_hopper.py -k "ds_ring" 2>&1 | tail -2 | tee "$OUT/bwd-ring-tests.txt"
+      timeout 120 make memcheck MEMCHECK_K="hopper_bwd_options_small and ds_ring" \
+        MEMCHECK_FILES=tests/test_bwd_hopper.py 2>&1 | tail -2 \
+        | tee "$OUT/bwd-ring-memcheck.txt"
+    fi
+    for round in 1 2; do
+      for opts in lse_smem,dq_tma lse_smem,dq_tma,ds_ring; do
+        FLASHTILE_HOPPER_BWD_OPTS=$opts timeout 150 python3 -m flashtile bench --providers \
+          flashtile sdpa-cudnn --modes fwd_bwd --headdim 64 128 --seqlens 1k 4k 16k \
+          --no-progress --out "bwd-ring-$opts" --overwrite 2>&1 | grep "sdpa-cudnn |" \
+          | sed "s|^|$round $opts |" | tee -a "$OUT/bwd-ring.txt"
+      done
+    done
     ;;
   wide)
     # head_dim 256 and 512 (issue 15 item 3, issue 17 item 3): forward and forward+backward

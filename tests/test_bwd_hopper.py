@@ -264,7 +264,7 @@ def test_switch_sends_head_dim_256_under_1_and_auto(monkeypatch):
 # The schedule options (FLASHTILE_HOPPER_BWD_OPTS, bwd_hopper's docstring) the GPU A/B
 # times, alone and as timed together; tests/test_gluon_compile.py checks their SASS.
 OPTS = ["none", "sdp", "lse_ahead", "lse_ahead,dq_tma", "lse_ahead,sdp", "lse_smem,dq_tma",
-        "lse_smem"]
+        "lse_smem", "lse_smem,dq_tma,ds_ring", "lse_ahead,ds_ring"]
 # dq_split (alone, with lse_ahead) at the BLOCK_M the A/B times it at
 # (FLASHTILE_HOPPER_BWD_CONFIG; head_dim 64: 128 rows, each consumer 64 of them).
 SPLIT_CASES = [(64, "dq_split", "128,128,4,2"), (128, "dq_split", None),
@@ -435,29 +435,29 @@ def test_oversized_configs_are_refused():
         bwd_hopper.check_fits(head_dim, three, bwd_hopper.kernel_flags(
             head_dim, True, frozenset({"lse_ahead"}), 64))
     with pytest.raises(ValueError, match=r"FLASHTILE_HOPPER_BWD_CONFIG=64,128,4,3 with "
-                       r"FLASHTILE_HOPPER_BWD_OPTS=dq_tma,lse_smem at head_dim 128 needs "
-                       r"247296 bytes of shared memory, more than the 232448"):
+                       r"FLASHTILE_HOPPER_BWD_OPTS=dq_tma,ds_ring,lse_smem at head_dim 128 "
+                       r"needs 263680 bytes of shared memory, more than the 232448"):
         bwd_hopper.check_fits(128, three, bwd_hopper.kernel_flags(128, False, default, 64))
 
 
 def test_options_knob(monkeypatch):
     """FLASHTILE_HOPPER_BWD_OPTS: a comma-separated subset of the options (spaces and
-    empty items ignored; "none": none; unset: the default, lse_smem and dq_tma), each one constexpr
-    of the kernel; anything else is a ValueError naming the variable, the choices and the
+    empty items ignored; "none": none; unset: the default, lse_smem, dq_tma and
+    ds_ring), each one constexpr of the kernel; anything else is a ValueError naming the variable, the choices and the
     unknown items."""
     monkeypatch.delenv("FLASHTILE_HOPPER_BWD_OPTS", raising=False)
-    assert configs.hopper_bwd_opts() == {"lse_smem", "dq_tma"} \
+    assert configs.hopper_bwd_opts() == {"lse_smem", "dq_tma", "ds_ring"} \
         == configs.HOPPER_BWD_DEFAULT_OPTS
     # head_dim 256: dq_tma by default too (bwd_hopper256 takes it alone).
     assert bwd_hopper.kernel_flags(256, True, configs.hopper_bwd_opts(), 64) \
         == dict(IS_CAUSAL=True, DQ_TMA=True)
     flags = bwd_hopper.kernel_flags(128, True, configs.hopper_bwd_opts(), 64)
     assert flags == dict(IS_CAUSAL=True, SDP=False, LSE_AHEAD=False, DQ_SPLIT=False,
-                         DQ_TMA=True, PIPE=False, LSE_SMEM=True)
+                         DQ_TMA=True, PIPE=False, LSE_SMEM=True, DS_RING=True)
     # ... and lse_ahead where lse_smem cannot run (seqlen_q 301: not a multiple of 4).
     flags = bwd_hopper.kernel_flags(128, True, configs.hopper_bwd_opts(), 64, 301)
     assert flags == dict(IS_CAUSAL=True, SDP=False, LSE_AHEAD=True, DQ_SPLIT=False,
-                         DQ_TMA=True, PIPE=False, LSE_SMEM=False)
+                         DQ_TMA=True, PIPE=False, LSE_SMEM=False, DS_RING=True)
     for none in ("none", " none ,", ""):
         monkeypatch.setenv("FLASHTILE_HOPPER_BWD_OPTS", none)
         assert configs.hopper_bwd_opts() == frozenset()
@@ -467,7 +467,7 @@ def test_options_knob(monkeypatch):
     assert configs.hopper_bwd_opts() == {"sdp", "dq_tma"}
     flags = bwd_hopper.kernel_flags(64, False, configs.hopper_bwd_opts(), 64)
     assert flags == dict(IS_CAUSAL=False, SDP=True, LSE_AHEAD=False, DQ_SPLIT=False,
-                         DQ_TMA=True, PIPE=False, LSE_SMEM=False)
+                         DQ_TMA=True, PIPE=False, LSE_SMEM=False, DS_RING=False)
     # lse_smem brings lse and delta with Q and dO: lse_ahead has nothing left to do.
     flags = bwd_hopper.kernel_flags(64, False, frozenset({"lse_ahead", "lse_smem"}), 64)
     assert flags["LSE_SMEM"] and not flags["LSE_AHEAD"]
@@ -493,7 +493,7 @@ def test_options_knob(monkeypatch):
         == dict(IS_CAUSAL=False, DQ_TMA=False)
     monkeypatch.setenv("FLASHTILE_HOPPER_BWD_OPTS", "sdp,pingpong")
     with pytest.raises(ValueError, match=r"FLASHTILE_HOPPER_BWD_OPTS must be 'none' or a "
-                       r"comma-separated subset of .*'lse_smem'\), got 'sdp,pingpong' "
+                       r"comma-separated subset of .*'ds_ring'\), got 'sdp,pingpong' "
                        r"\(unknown: \['pingpong'\]\)"):
         configs.hopper_bwd_opts()
 
@@ -506,6 +506,15 @@ def test_dq_split_refuses_what_it_cannot_split():
                        r"BLOCK_M 64"):
         bwd_hopper.kernel_flags(64, True, frozenset({"dq_split"}), 64)
     assert bwd_hopper.kernel_flags(128, True, frozenset({"dq_split"}), 64)["DQ_SPLIT"]
+
+
+def test_ds_ring_refuses_dq_split():
+    """ds_ring (dS^T in two buffers) is the single-owner hand-off's: not with dq_split."""
+    with pytest.raises(ValueError, match=r"ds_ring \(dS\^T in two buffers\) goes without "
+                       r"dq_split .*, got \['dq_split', 'ds_ring'\]"):
+        bwd_hopper.kernel_flags(128, True, frozenset({"ds_ring", "dq_split"}), 64)
+    flags = bwd_hopper.kernel_flags(64, True, frozenset({"ds_ring", "lse_smem"}), 64)
+    assert flags["DS_RING"] and flags["LSE_SMEM"] and not flags["DQ_SPLIT"]
 
 
 def test_pipe_refuses_what_it_cannot_pipeline():

@@ -761,6 +761,24 @@ def test_hopper_backward_lse_smem_compiles_for_sm90(head_dim, causal):
     assert barriers(walks[0]) <= barriers(lse_ahead[0]) - 3, (walks[0], lse_ahead[0])
 
 
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("head_dim", sorted(configs.HOPPER_BWD_16BIT))
+def test_hopper_backward_ds_ring_compiles_for_sm90(head_dim, causal):
+    """ds_ring (the default's, with lse_smem and dq_tma): a second dS^T buffer (16 KiB: d128 still fits,
+    230,912 bytes of 232,448) and a full and an empty mbarrier for each (four where one
+    buffer has two), the local memory of lse_smem's walks or less, no stores in the
+    walks."""
+    opts = ("lse_smem", "dq_tma", "ds_ring")
+    ck = _compile_bwd(head_dim, causal, opts=opts)
+    res = resources(ck)
+    assert res["shared_bytes"] <= configs.SM90_SMEM_BYTES, res
+    assert res["stack_bytes"] <= _BWD_LSE_SMEM_STACK[(head_dim, causal)], res
+    _assert_smem_model(res, head_dim, causal, opts)
+    base = resources(_compile_bwd(head_dim, causal, opts=opts[:2]))
+    assert res["shared_bytes"] - base["shared_bytes"] == 2 * 64 * 64 * 2 + 16  # + 2 barriers
+    assert not any(_walk_local_stores(_sass(ck)))
+
+
 # pipe (session 15) at head_dim 64 with the default's lse_ahead, by STAGES and causal:
 # the most words a walk stores to local memory (3 stages, causal: ptxas stores and
 # reloads 2 inside the walk) and the local memory it keeps (bytes).

@@ -43,8 +43,8 @@ shares are summed after the kernel. Three warp-specialised partitions:
 
 Schedule options, each a constexpr chosen by FLASHTILE_HOPPER_BWD_OPTS (comma-separated,
 "none" for the schedule above alone; lse_ahead by default since session 15, dq_tma
-with it since session 17, lse_smem in lse_ahead's place since session 21) for the GPU
-A/B, all compile-checked on the CPU:
+with it since session 17, lse_smem in lse_ahead's place since session 21, ds_ring since
+session 28) for the GPU A/B, all compile-checked on the CPU:
 - sdp (SDP): dP^T is issued right behind S^T, as FA3 does; the consumer waits for S^T
   alone (wgmma wait 1), computes P^T while dP^T runs, then waits for dP^T: one wgmma
   round trip fewer per query block and both products queued for the tensor cores. lse
@@ -157,6 +157,21 @@ A/B, all compile-checked on the CPU:
   is copied first (``_aligned``). Prediction (session 19): backward +3-8% at d64, +1-4%
   at d128 over lse_ahead (forward + backward about 0.7x that); measured (session 20,
   NOTES.md section 30, forward + backward at 1k and 4k): +3-5% at d64, +2-4% at d128.
+- ds_ring (DS_RING): dS^T in two buffers, block it's in buffer it % 2, each with its
+  own full and empty mbarriers. The single buffer ties the consumers together every
+  block: the one that did not own block it - 1's dQ product may store block it's dS^T
+  only once that product has completed, so it waits out the owner's product (and, with
+  dq_tma, its stores to the tile) on its own chain. With two buffers a store waits for
+  block it - 2's product, which (owner = it % 2 = the buffer) this consumer's partner
+  issued a whole block earlier; what stays is the owner's wait for its partner's dS^T.
+  Not with dq_split (two buffers of its own, one hand-off a block). +16 KiB at BLOCK_M
+  64 (d64 129 KiB, d128 with dq_tma 225 KiB). Session 28's three consumers (192 keys,
+  the hand-off among three, each product 1.5x as long) ran forward + backward 4-12%
+  slower at d64 (NOTES.md section 38), whether or not their lse spilled: the coupling
+  is the suspect. Prediction: backward +2-6% at d64, +1-4% at d128 (forward + backward
+  about 0.7x that); if within +-1%, the hand-off is not on the chain. Measured (session
+  28, forward + backward): d64 full +2-3%, causal +0-1%, d128 level; in the default
+  since.
 Tried and removed (H200, the sections of docs/benchmarks/NOTES.md):
 - FA3's dQ writer warp (the dQ owner stored dQ_partial to shared memory; a fourth
   partition, one warp beside the producer, added it to the accumulator with four-value
@@ -433,9 +448,11 @@ def _dq_partial(ds_all, k_all, dq_init, p_dq, row0, seqlen_q, ds_empty, dq_smem,
 @gluon.jit
 def _mma_partition(args, dq_smem, WG: gl.constexpr, IS_CAUSAL: gl.constexpr,
                    SDP: gl.constexpr, LSE_AHEAD: gl.constexpr, DQ_SPLIT: gl.constexpr,
-                   DQ_TMA: gl.constexpr, PIPE: gl.constexpr, LSE_SMEM: gl.constexpr):
+                   DQ_TMA: gl.constexpr, PIPE: gl.constexpr, LSE_SMEM: gl.constexpr,
+                   DS_RING: gl.constexpr):
     """Consumer warpgroup WG: keys key0 + 64 * WG + [0, 64) against every query block.
-    ds_smem: one dS^T buffer (128 keys, BLOCK_M), two with DQ_SPLIT.
+    ds_smem: one dS^T buffer (128 keys, BLOCK_M), two with DQ_SPLIT or DS_RING (then
+    ds_full and ds_empty are two barriers, one a buffer).
     DQ_TMA: DQAccum is the accumulator's tensor map and dq_smem holds each warpgroup's
     dQ tiles on their way to its TMA reduce-adds (one a 64-dim piece, the first half of
     them warpgroup 0's); unused otherwise. PIPE: block it - 1's dV and dK are issued in
@@ -636,18 +653,31 @@ def _mma_partition(args, dq_smem, WG: gl.constexpr, IS_CAUSAL: gl.constexpr,
             # taken by the two in turn (owner it % 2): half the atomics of a product per
             # warpgroup, as FA3 sums dQ over its 128 keys before reducing. ds_empty: the
             # previous owner's product, the last reader of both buffers, has completed.
-            mbarrier.wait(ds_empty, (it & 1) ^ 1)
+            # DS_RING: buffer it % 2, last read by block it - 2's product (the k-th use of
+            # a buffer waits for k completions of its empty barrier, then for k + 1 of its
+            # full one).
+            if DS_RING:
+                ds_buf = ds_smem.index(it % 2)
+                ds_full_b = ds_full.index(it % 2)
+                ds_empty_b = ds_empty.index(it % 2)
+                ds_phase = (it // 2) & 1
+            else:
+                ds_buf = ds_smem
+                ds_full_b = ds_full
+                ds_empty_b = ds_empty
+                ds_phase = it & 1
+            mbarrier.wait(ds_empty_b, ds_phase ^ 1)
             # From the operand's registers: no second 16-bit copy of dS^T.
-            ds_smem.slice(WG * BLOCK_N_WG, BLOCK_N_WG).store(ds_op)
+            ds_buf.slice(WG * BLOCK_N_WG, BLOCK_N_WG).store(ds_op)
             fence_async_shared()  # the generic-proxy writes above before wgmma reads them
-            mbarrier.arrive(ds_full, count=1)
+            mbarrier.arrive(ds_full_b, count=1)
             if not PIPE:  # (PIPE: waited above, block it - 1's)
                 dv, dk = warpgroup_mma_wait(0, deps=(dv, dk))
                 mbarrier.arrive(qdo_empty.index(stage), count=1)  # Q, dO read last
             if it % 2 == WG:
-                mbarrier.wait(ds_full, it & 1)  # the other warpgroup's dS^T stored too
+                mbarrier.wait(ds_full_b, ds_phase)  # the other warpgroup's dS^T stored too
                 p_dq = DQAccum if DQ_TMA else DQAccum + p_row * HEAD_DIM
-                _dq_partial(ds_smem, k_all, dq_init, p_dq, row0, seqlen_q, ds_empty,
+                _dq_partial(ds_buf, k_all, dq_init, p_dq, row0, seqlen_q, ds_empty_b,
                             dq_smem, off_b, h0 + it // n_m, WG, DQ_TMA)
 
     if PIPE:
@@ -666,6 +696,9 @@ def _mma_partition(args, dq_smem, WG: gl.constexpr, IS_CAUSAL: gl.constexpr,
     if DQ_SPLIT:
         mbarrier.arrive(ds_empty, count=1)
         mbarrier.wait(ds_empty, 0)
+    elif DS_RING:  # each buffer's last product: buffer b served blocks b, b + 2, ...
+        for b in gl.static_range(2):
+            mbarrier.wait(ds_empty.index(b), (((n_iter + 1 - b) // 2) & 1) ^ 1)
     else:
         mbarrier.wait(ds_empty, (n_iter & 1) ^ 1)
     k_out = k_smem.slice(WG * BLOCK_N_WG, BLOCK_N_WG, dim=1)
@@ -708,15 +741,15 @@ def _attn_bwd_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, L
                             STAGES: gl.constexpr, SDP: gl.constexpr,
                             LSE_AHEAD: gl.constexpr, DQ_SPLIT: gl.constexpr,
                             DQ_TMA: gl.constexpr, PIPE: gl.constexpr,
-                            LSE_SMEM: gl.constexpr):
+                            LSE_SMEM: gl.constexpr, DS_RING: gl.constexpr):
     """dK, dV of 128 keys of one (batch, KV head), dQ added into DQAccum: fp32 (batch,
     nheads, seqlen_q, head_dim), zeroed by the preprocess (DQ_TMA: its tensor map,
     ``_dq_descriptor``). head_split > 1 (GQA): the
     group's query heads are dealt to head_split programs, each storing its share of dK
     and dV into head off_hkv * head_split + its index of dk_desc/dv_desc (the launcher
     sums the shares). dq_rows: seqlen_q, unused here (bwd_hopper256's kernel, which
-    reads it, takes the same arguments). SDP, LSE_AHEAD, DQ_SPLIT, DQ_TMA, PIPE: the schedule
-    options of the module docstring."""
+    reads it, takes the same arguments). SDP, LSE_AHEAD, DQ_SPLIT, DQ_TMA, PIPE, LSE_SMEM,
+    DS_RING: the schedule options of the module docstring."""
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[1]
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
     key0, off_b, off_dkv, off_hkv, h0, n_heads, m_lo, n_m = _program_walk(
@@ -734,7 +767,7 @@ def _attn_bwd_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, L
                                        v_desc.layout)
     ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for(
         [2 * BLOCK_N_WG, BLOCK_M], q_desc.dtype)
-    if DQ_SPLIT:  # two buffers, alternating by query block
+    if DQ_SPLIT or DS_RING:  # two buffers, alternating by query block
         ds_smem = gl.allocate_shared_memory(q_desc.dtype, [2, 2 * BLOCK_N_WG, BLOCK_M],
                                             ds_layout)
     else:
@@ -762,12 +795,19 @@ def _attn_bwd_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, L
     q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     do_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     qdo_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    ds_full = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    ds_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     mbarrier.init(kv_ready, count=1)
-    mbarrier.init(ds_full, count=2)  # both warpgroups stored their dS^T
-    # The owner's dQ product has completed; DQ_SPLIT: both warpgroups' walks are done.
-    mbarrier.init(ds_empty, count=2 if DQ_SPLIT else 1)
+    if DS_RING:  # a full and an empty barrier for each dS^T buffer
+        ds_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        ds_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        for b in gl.static_range(2):
+            mbarrier.init(ds_full.index(b), count=2)
+            mbarrier.init(ds_empty.index(b), count=1)
+    else:
+        ds_full = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        ds_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        mbarrier.init(ds_full, count=2)  # both warpgroups stored their dS^T
+        # The owner's dQ product has completed; DQ_SPLIT: both warpgroups' walks are done.
+        mbarrier.init(ds_empty, count=2 if DQ_SPLIT else 1)
     for i in gl.static_range(STAGES):
         mbarrier.init(q_ready.index(i), count=1)
         mbarrier.init(do_ready.index(i), count=1)
@@ -784,10 +824,10 @@ def _attn_bwd_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, L
                  Lse, Delta, lse_smem, delta_smem, seqlen_q, nheads)
     gl.warp_specialize([
         (_mma_partition, (mma_args, dq_smem, 0, IS_CAUSAL, SDP, LSE_AHEAD, DQ_SPLIT,
-                          DQ_TMA, PIPE, LSE_SMEM)),
+                          DQ_TMA, PIPE, LSE_SMEM, DS_RING)),
         (_load_partition, (load_args, LSE_SMEM)),
         (_mma_partition, (mma_args, dq_smem, 1, IS_CAUSAL, SDP, LSE_AHEAD, DQ_SPLIT,
-                          DQ_TMA, PIPE, LSE_SMEM)),
+                          DQ_TMA, PIPE, LSE_SMEM, DS_RING)),
     ], [1, 4], [PRODUCER_REGS, CONSUMER_REGS])
 
 
@@ -885,6 +925,10 @@ def kernel_flags(head_dim: int, causal: bool, opts: frozenset[str], block_m: int
                          "behind this block's S^T and dP^T) goes without sdp (which it "
                          "includes) and dq_split (another hand-off), got "
                          f"{sorted(opts)}")
+    if "ds_ring" in opts and "dq_split" in opts:
+        raise ValueError("FLASHTILE_HOPPER_BWD_OPTS: ds_ring (dS^T in two buffers) goes "
+                         "without dq_split (which has two of its own and another hand-off), "
+                         f"got {sorted(opts)}")
     if "pipe" in opts and (head_dim != 64 or block_m != 64):
         raise ValueError("FLASHTILE_HOPPER_BWD_OPTS=pipe needs head_dim 64 and 64 query "
                          "rows a block: the operands and products it keeps in flight beside "
@@ -899,13 +943,13 @@ def kernel_flags(head_dim: int, causal: bool, opts: frozenset[str], block_m: int
     return dict(IS_CAUSAL=causal, SDP="sdp" in opts,
                 LSE_AHEAD="lse_ahead" in opts and not lse_smem,
                 DQ_SPLIT="dq_split" in opts, DQ_TMA="dq_tma" in opts, PIPE="pipe" in opts,
-                LSE_SMEM=lse_smem)
+                LSE_SMEM=lse_smem, DS_RING="ds_ring" in opts)
 
 
 def smem_bytes(head_dim: int, block_m: int, stages: int, flags: dict) -> int:
     """The shared memory the kernel allocates at 16 bits (its barriers and a few hundred
     bytes of layout-conversion scratch aside): the Q and dO ring (LSE_SMEM: with lse and
-    delta rows), K and V, dS^T (two with DQ_SPLIT) and DQ_TMA's fp32 dQ_partial tiles
+    delta rows), K and V, dS^T (two with DQ_SPLIT or DS_RING) and DQ_TMA's fp32 dQ_partial tiles
     (``_attn_bwd_hopper_kernel``).
     tests/test_gluon_compile.py holds it to the compiled kernel's figure."""
     bits16 = 2
@@ -913,7 +957,8 @@ def smem_bytes(head_dim: int, block_m: int, stages: int, flags: dict) -> int:
     if flags.get("LSE_SMEM"):  # lse and delta rows beside Q and dO, fp32
         ring += 2 * stages * block_m * 4
     k_v = 2 * (2 * BLOCK_N_WG.value) * head_dim * bits16
-    ds = (2 if flags.get("DQ_SPLIT") else 1) * 2 * BLOCK_N_WG.value * block_m * bits16
+    ds = (2 if flags.get("DQ_SPLIT") or flags.get("DS_RING") else 1) * 2 \
+        * BLOCK_N_WG.value * block_m * bits16
     dq = 0
     if flags.get("DQ_TMA"):
         tiles = 2 if flags.get("DQ_SPLIT") else 2 * (head_dim // DQ_PIECE.value)
