@@ -620,7 +620,12 @@ def test_chunk_format_is_json_dumps_of_the_chunk(llm, chat, include_usage):
     for index, text, ids, logprobs, offset, reason, tokenizer in cases:
         choice = api.choice(chat, index, text, ids, logprobs, offset, tokenizer, delta=True)
         want = api.sse({**head, "choices": [{**choice, "finish_reason": reason}], **extra})
-        assert fmt.chunk(index, text, ids, logprobs, offset, reason, tokenizer) == want
+        body, after = fmt.chunk(index, text, ids, logprobs, offset, reason, tokenizer)
+        assert body == want
+        # The next chunk's offset: completions' logprobs count the token strings.
+        lp = choice["logprobs"]
+        assert after == (lp["text_offset"][-1] + len(lp["tokens"][-1])
+                         if lp and not chat and ids else offset + len(text))
 
 
 def test_stream_interval_sends_fewer_larger_chunks(llm):

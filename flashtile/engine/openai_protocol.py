@@ -283,13 +283,6 @@ def _token_str(t, tokenizer) -> str:
         else f"token_id:{t}"
 
 
-def offset_after(offset, token_ids, tokenizer) -> int:
-    """completions' text_offset after ``token_ids``: it counts the characters of each
-    token's own string, as logprobs_body does (a streamed choice's next chunk starts
-    there, so its offsets equal the whole response's)."""
-    return offset + sum(len(_token_str(t, tokenizer)) for t in token_ids)
-
-
 def logprobs_body(chat, token_ids, logprobs, offset, tokenizer, top=None) -> dict:
     """OpenAI's shapes: chat {"content": [{token, logprob, bytes, top_logprobs}]},
     completions {tokens, token_logprobs, top_logprobs, text_offset}; ``top``: per
@@ -349,16 +342,21 @@ class ChunkFormat:
         self.chat = chat
 
     def chunk(self, index, text, token_ids, logprobs, offset, finish_reason,
-              tokenizer, top=None) -> bytes:
+              tokenizer, top=None) -> tuple[bytes, int]:
         """The chunk of choice ``index``'s new ``text`` and ``token_ids`` (their
         ``logprobs`` or None, ``top`` their alternatives or None; ``offset``: the
-        characters streamed before)."""
-        lp = "null" if logprobs is None else json.dumps(
-            logprobs_body(self.chat, token_ids, logprobs, offset, tokenizer, top),
-            ensure_ascii=False)
+        characters streamed before), and the offset the choice's next chunk starts at.
+        With completions' logprobs that counts each token's own string, as text_offset
+        does (so a stream's offsets equal the whole response's), else the text's."""
+        lp, after = "null", offset + len(text)
+        if logprobs is not None:
+            body = logprobs_body(self.chat, token_ids, logprobs, offset, tokenizer, top)
+            lp = json.dumps(body, ensure_ascii=False)
+            if not self.chat:
+                after = offset + sum(map(len, body["tokens"]))
         reason = "null" if finish_reason is None else _json_str(finish_reason)
         return (self.start + self.choice % (index, _json_str(text), lp, reason)
-                + self.end).encode()
+                + self.end).encode(), after
 
 
 # json.dumps(s, ensure_ascii=False) of a str s, without JSONEncoder's dispatch.

@@ -288,9 +288,10 @@ class OpenAIServer:
                         rest, calls = tool_stream.finish()
                         text += rest
                         reason = None if calls else reason
-                parts.append(chunks.chunk(
+                body, after = chunks.chunk(
                     index, text, ids, lps if logprobs else None, chars, reason,
-                    self.tokenizer, top if logprobs else None))
+                    self.tokenizer, top if logprobs else None)
+                parts.append(body)
                 if calls:
                     parts.append(api.sse({**head, "choices": [{
                         "index": index, "delta": {"tool_calls": [
@@ -298,9 +299,7 @@ class OpenAIServer:
                         "logprobs": None, "finish_reason": "tool_calls"}],
                         **usage}))
                 # The prompt counts once in usage, not once per completion.
-                chars = api.offset_after(chars, ids, self.tokenizer) \
-                    if logprobs and not chat else chars + len(text)
-                sent[index] = (chars, ntok + len(c.token_ids),
+                sent[index] = (after, ntok + len(c.token_ids),
                                len(out.prompt_token_ids) if index % n == 0 else 0)
             await resp.write(b"".join(parts))
         if include_usage:
