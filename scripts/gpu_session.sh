@@ -63,8 +63,8 @@
 #                then forward+backward with lse_ahead (the default's) and with lse_smem,
 #                dq_tma with both, beside cuDNN, d64/d128 at 1k/4k (BWD_LSE_HF=1: the
 #                Llama-1B training step too, both ways)        (~5 min; with HF ~8)
-#   bwd-ring     the Gluon backward's ds_ring option: its GPU tests and memcheck slice,
-#                then forward+backward with and without it beside cuDNN, d64/d128 (~6 min)
+#   bwd-pipe     the Gluon backward's pipe option on the default's: its GPU tests and
+#                memcheck slice, then forward+backward with and without it, d64 (~5 min)
 #   wide         head_dim 256 and 512, forward and forward+backward, beside the peers
 #                                                                         (~5 min)
 #   d96          head_dim 96 in d128's Gluon tiles: its GPU tests and memcheck slice, then
@@ -282,24 +282,25 @@ case "${1:-}" in
       done
     fi
     ;;
-  bwd-ring)
-    # The Gluon backward's ds_ring option (dS^T in two buffers: the consumer that did not
-    # own the previous block's dQ product no longer waits for it; session 28): its GPU
-    # tests and memcheck slice (BWD_RING_TESTS=0: not), then forward + backward with the
-    # default's options and with ds_ring added, alternating twice, cuDNN beside.
-    if [ "${BWD_RING_TESTS:-1}" != 0 ]; then
+  bwd-pipe)
+    # The Gluon backward's pipe option (d64: block it - 1's dV and dK behind block it's
+    # S^T and dP^T; GPU-correct since session 17, never timed) on today's default options
+    # (lse_smem, dq_tma, ds_ring; the sm_90 compile keeps no local memory): its GPU tests
+    # and memcheck slice (BWD_PIPE_TESTS=0: not), then forward + backward with and
+    # without it, alternating twice, cuDNN beside.
+    if [ "${BWD_PIPE_TESTS:-1}" != 0 ]; then
       timeout 200 python3 -m pytest -q -p no:cacheprovider $XDIST --gpu \
-        tests/test_bwd_hopper.py -k "ds_ring" 2>&1 | tail -2 | tee "$OUT/bwd-ring-tests.txt"
-      timeout 120 make memcheck MEMCHECK_K="hopper_bwd_options_small and ds_ring" \
+        tests/test_bwd_hopper.py -k "pipe" 2>&1 | tail -2 | tee "$OUT/bwd-pipe-tests.txt"
+      timeout 120 make memcheck MEMCHECK_K="hopper_bwd_pipe_small" \
         MEMCHECK_FILES=tests/test_bwd_hopper.py 2>&1 | tail -2 \
-        | tee "$OUT/bwd-ring-memcheck.txt"
+        | tee "$OUT/bwd-pipe-memcheck.txt"
     fi
     for round in 1 2; do
-      for opts in lse_smem,dq_tma lse_smem,dq_tma,ds_ring; do
+      for opts in lse_smem,dq_tma,ds_ring lse_smem,dq_tma,ds_ring,pipe; do
         FLASHTILE_HOPPER_BWD_OPTS=$opts timeout 150 python3 -m flashtile bench --providers \
-          flashtile sdpa-cudnn --modes fwd_bwd --headdim 64 128 --seqlens 1k 4k 16k \
-          --no-progress --out "bwd-ring-$opts" --overwrite 2>&1 | grep "sdpa-cudnn |" \
-          | sed "s|^|$round $opts |" | tee -a "$OUT/bwd-ring.txt"
+          flashtile sdpa-cudnn --modes fwd_bwd --headdim 64 --seqlens 1k 4k 16k \
+          --no-progress --out "bwd-pipe-$opts" --overwrite 2>&1 | grep "sdpa-cudnn |" \
+          | sed "s|^|$round $opts |" | tee -a "$OUT/bwd-pipe.txt"
       done
     done
     ;;

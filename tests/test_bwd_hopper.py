@@ -275,9 +275,10 @@ SPLIT_CASES = [(64, "dq_split", "128,128,4,2"), (128, "dq_split", None),
                (128, "lse_ahead,dq_split,dq_tma", None),
                (64, "lse_ahead,dq_tma", "128,128,4,2")]
 # pipe (head_dim 64, BLOCK_M 64 only): with and without lse_ahead, with 3 stages (the
-# previous block's stage freed later: a different ring turnover), with dq_tma.
+# previous block's stage freed later: a different ring turnover), with dq_tma, and with
+# today's default options (session 28's A/B candidate).
 PIPE_CASES = [("lse_ahead,pipe", None), ("pipe", None), ("lse_ahead,pipe", "64,128,4,3"),
-              ("lse_ahead,pipe,dq_tma", None)]
+              ("lse_ahead,pipe,dq_tma", None), ("lse_smem,dq_tma,ds_ring,pipe", None)]
 
 
 def _split_env(opts, config):
