@@ -546,6 +546,17 @@ def test_generate_input_forms_and_chat(checkpoint):
     assert out.prompt == hf.apply_chat_template(conv, add_generation_prompt=True,
                                                 tokenize=False)
     assert len(llm.chat([conv, conv], params[0], use_tqdm=False)) == 2
+    # vLLM's keywords: continue_final_message and chat_template_kwargs (template
+    # variables, as transformers' keyword arguments are).
+    begun = [*conv, {"role": "assistant", "content": "I am"}]
+    out = llm.chat(begun, params[0], use_tqdm=False, add_generation_prompt=False,
+                   continue_final_message=True, chat_template_kwargs={"bos_token": "Hey"})[0]
+    assert out.prompt == hf.apply_chat_template(
+        begun, add_generation_prompt=False, continue_final_message=True, tokenize=False,
+        bos_token="Hey")
+    assert out.prompt.startswith("Hey") and out.prompt.endswith("I am")
+    with pytest.raises(TypeError, match="chat_template_kwargs: expected a dict"):
+        llm.chat(conv, params[0], use_tqdm=False, chat_template_kwargs=["x"])
 
 
 def test_abort_frees_pages(checkpoint):

@@ -184,6 +184,29 @@ def test_chat_template_matches_transformers(tokenizers_pair, add_generation_prom
             hf.apply_chat_template(conv, tokenize=True, **kw)["input_ids"]
 
 
+def test_continue_final_message_matches_transformers(tokenizers_pair):
+    """continue_final_message: the text ends inside the last message, as transformers
+    cuts it (the test template trims content, so the cut also drops the space before
+    its tag); with add_generation_prompt, or a last message without text, a ValueError
+    naming it."""
+    ours, hf = tokenizers_pair
+    for tail in ("The capital is ", "Paris", " spaced  "):
+        conv = [*CONVERSATIONS[1], {"role": "assistant", "content": tail}]
+        kw = dict(add_generation_prompt=False, continue_final_message=True)
+        assert ours.apply_chat_template(conv, tokenize=False, **kw) == \
+            hf.apply_chat_template(conv, tokenize=False, **kw)
+        assert ours.apply_chat_template(conv, **kw) == \
+            hf.apply_chat_template(conv, tokenize=True, **kw)["input_ids"]
+    conv = [{"role": "user", "content": "Hi"}]
+    with pytest.raises(ValueError, match="continue_final_message: expected "
+                       "add_generation_prompt=False beside it"):
+        ours.apply_chat_template(conv, continue_final_message=True)
+    with pytest.raises(ValueError, match="continue_final_message: expected a last message "
+                       "with text content, got None"):
+        ours.apply_chat_template([{"role": "assistant", "content": None}],
+                                 add_generation_prompt=False, continue_final_message=True)
+
+
 def test_chat_template_raise_exception_and_jinja_file(tokenizers_pair, tmp_path):
     import jinja2
     ours, hf = tokenizers_pair

@@ -335,6 +335,32 @@ def test_tokenize_and_detokenize(server, llm):
     assert status == 200 and back == {"prompt": tok.decode(out["tokens"])}
 
 
+def test_chat_template_extras(server, llm):
+    """vLLM's chat extras: continue_final_message (the last message left open for the
+    model to continue, add_generation_prompt false beside it) and chat_template_kwargs
+    (template variables: here the bos_token the template writes) reach the template, in
+    /tokenize and in chat completions, whose answer continues that prompt."""
+    tok = llm.tokenizer
+    messages = [{"role": "user", "content": "The capital of France?"},
+                {"role": "assistant", "content": "The capital is "}]
+    extras = dict(add_generation_prompt=False, continue_final_message=True)
+    _, out = post(server, "/tokenize", {"messages": messages, **extras})
+    want = tok.apply_chat_template(messages, **extras)
+    assert out["tokens"] == want
+    assert tok.decode(want, skip_special_tokens=False).endswith("The capital is")
+    _, swapped = post(server, "/tokenize", {"messages": messages[:1],
+                                            "chat_template_kwargs": {"bos_token": "Hey"}})
+    assert swapped["tokens"] == tok.apply_chat_template(messages[:1], bos_token="Hey")
+    assert swapped["tokens"] != tok.apply_chat_template(messages[:1])
+    status, chat = post(server, "/v1/chat/completions",
+                        dict(messages=messages, **extras, **_greedy(max_tokens=5)))
+    assert status == 200, chat
+    expected = llm.generate([want], SamplingParams(**_greedy(max_tokens=5)),
+                            use_tqdm=False)[0]
+    assert chat["choices"][0]["message"]["content"] == expected.outputs[0].text
+    assert chat["usage"]["prompt_tokens"] == len(want)
+
+
 def test_concurrent_clients_get_their_own_answers(server, llm):
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(3, VOCAB, (n,), generator=g).tolist()
@@ -443,6 +469,21 @@ BAD = [  # (path, body (dict, or raw bytes), status, param, code)
      None),
     ("/tokenize", dict(messages=[{"role": "user", "content": "Hi"}],
                        add_generation_prompt=1), 400, "add_generation_prompt", None),
+    ("/tokenize", dict(messages=[{"role": "user", "content": "Hi"}],
+                       continue_final_message=True), 400, "continue_final_message", None),
+    ("/v1/chat/completions", dict(messages=[{"role": "user", "content": "Hi"}],
+                                  continue_final_message="yes"), 400,
+     "continue_final_message", None),
+    ("/v1/chat/completions", dict(messages=[{"role": "assistant", "content": None}],
+                                  add_generation_prompt=False,
+                                  continue_final_message=True), 400,
+     "continue_final_message", None),
+    ("/v1/chat/completions", dict(messages=[{"role": "user", "content": "Hi"}],
+                                  chat_template_kwargs=["x"]), 400, "chat_template_kwargs",
+     None),
+    ("/v1/chat/completions", dict(messages=[{"role": "user", "content": "Hi"}],
+                                  chat_template_kwargs={"add_generation_prompt": False}),
+     400, "chat_template_kwargs", None),
     ("/detokenize", dict(tokens=[1, VOCAB]), 400, "tokens", None),
     ("/detokenize", dict(tokens="Hi"), 400, "tokens", None),
     ("/v1/completions", dict(prompt="Hi", allowed_token_ids=[VOCAB]), 400,

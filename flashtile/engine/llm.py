@@ -281,16 +281,29 @@ class LLM:
         return self._run([(p, None) for p in prompts], sampling_params, use_tqdm)
 
     def chat(self, messages, sampling_params=None, use_tqdm: bool = True,
-             add_generation_prompt: bool = True, **template_kwargs) -> list[RequestOutput]:
+             add_generation_prompt: bool = True, continue_final_message: bool = False,
+             tools=None, chat_template_kwargs: dict | None = None,
+             **template_kwargs) -> list[RequestOutput]:
         """Generate replies to one conversation (a list of {"role", "content"}) or a list
-        of conversations, through the model's chat template."""
+        of conversations, through the model's chat template. vLLM's arguments:
+        continue_final_message (the last message is continued: with
+        add_generation_prompt=False), tools (OpenAI's tool schemas, for the template),
+        chat_template_kwargs (more template variables, e.g. Qwen3's enable_thinking);
+        other keywords are template variables too."""
         if self.tokenizer is None:
             _fail(ValueError, "chat", "a model directory with tokenizer.json", "none")
+        if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, dict):
+            _fail(TypeError, "chat_template_kwargs", "a dict of template variables or None",
+                  type(chat_template_kwargs).__name__)
+        variables = {**(chat_template_kwargs or {}), **template_kwargs}
+        if tools is not None:
+            variables["tools"] = tools
         conversations = messages if messages and isinstance(messages[0], (list, tuple)) \
             else [messages]
         items = []
         for conv in conversations:
-            text = self.tokenizer.render_chat(conv, add_generation_prompt, **template_kwargs)
+            text = self.tokenizer.render_chat(conv, add_generation_prompt,
+                                              continue_final_message, **variables)
             items.append((self.tokenizer.encode(text, add_special_tokens=False), text))
         return self._run(items, sampling_params, use_tqdm)
 

@@ -4,7 +4,8 @@ No HTTP here (server.py has the aiohttp application).
 
 Beyond OpenAI, vLLM's extensions: ``top_k``, ``min_p``, ``repetition_penalty``,
 ``stop_token_ids``, ``ignore_eos``, ``skip_special_tokens``, ``min_tokens``,
-``include_stop_str_in_output``, ``allowed_token_ids``. ``n`` completions of prompt i
+``include_stop_str_in_output``, ``allowed_token_ids``; in chat ``add_generation_prompt``,
+``continue_final_message`` and ``chat_template_kwargs``. ``n`` completions of prompt i
 are choices i * n + j; ``logprobs`` (completions) and ``top_logprobs`` (chat) up to
 MAX_LOGPROBS alternatives. ``echo`` (completions) puts the prompt before each choice's
 text and, with ``logprobs``, the prompt tokens' logprobs before the completion's (the
@@ -101,6 +102,34 @@ def parse_messages(body) -> list[dict]:
             message["tool_calls"] = _template_tool_calls(m["tool_calls"], i)
         out.append(message)
     return out
+
+
+# Template variables a request sets through its own fields, not chat_template_kwargs.
+_TEMPLATE_FIELDS = ("messages", "add_generation_prompt", "continue_final_message", "tools")
+
+
+def chat_template_args(body) -> dict:
+    """vLLM's chat extras: add_generation_prompt (default true), continue_final_message
+    (default false; the last message is continued, so add_generation_prompt must be
+    false beside it) and chat_template_kwargs (more template variables, e.g.
+    enable_thinking), as Tokenizer.render_chat's keywords."""
+    out = {}
+    for name, default in (("add_generation_prompt", True), ("continue_final_message", False)):
+        value = body.get(name)
+        if value is not None and not isinstance(value, bool):
+            raise RequestError(f"{name}: expected a bool, got {json.dumps(value)[:80]}", name)
+        out[name] = default if value is None else value
+    if out["add_generation_prompt"] and out["continue_final_message"]:
+        raise RequestError("continue_final_message: expected add_generation_prompt false "
+                           "beside it (the last message is continued, not answered), got "
+                           "both true", "continue_final_message")
+    extra = body.get("chat_template_kwargs")
+    if extra is not None and (not isinstance(extra, dict)
+                              or any(k in _TEMPLATE_FIELDS for k in extra)):
+        raise RequestError("chat_template_kwargs: expected an object of template variables "
+                           f"other than {', '.join(_TEMPLATE_FIELDS)}, got "
+                           f"{json.dumps(extra)[:80]}", "chat_template_kwargs")
+    return {**out, **(extra or {})}
 
 
 def _template_tool_calls(calls, i):

@@ -109,28 +109,27 @@ class OpenAIServer:
             body, "max_completion_tokens", "max_tokens"), flags[0])
         messages = api.parse_messages(body)
         tools = api.parse_tools(body, self.tool_parser)
+        template = api.chat_template_args(body)
         if self.tokenizer is None:
             raise RequestError("messages: expected a model with tokenizer.json and a chat "
                                "template, got none; use /v1/completions", "messages")
-        prompt = await asyncio.to_thread(self._render, messages, tools)
+        prompt = await asyncio.to_thread(self._render, messages, tools, template)
         api.check_fits(prompt, params, "messages", self.max_model_len)
         return await self._respond(request, flags, [prompt], params, chat=True,
                                    tools=tools is not None)
 
     async def tokenize(self, request):
         """vLLM's /tokenize: {prompt, add_special_tokens (default true)} or {messages,
-        add_generation_prompt (default true)} -> {count, max_model_len, tokens}."""
+        add_generation_prompt (default true), continue_final_message,
+        chat_template_kwargs} -> {count, max_model_len, tokens}."""
         body = await self._body(request)
         if self.tokenizer is None:
             raise RequestError("prompt: expected a model with tokenizer.json, got none",
                                "prompt")
         if "messages" in body:
             messages = api.parse_messages(body)
-            flag = body.get("add_generation_prompt", True)
-            if not isinstance(flag, bool):
-                raise RequestError("add_generation_prompt: expected a bool, got "
-                                   f"{json.dumps(flag)[:80]}", "add_generation_prompt")
-            tokens = await asyncio.to_thread(self._render, messages, None, flag)
+            tokens = await asyncio.to_thread(self._render, messages, None,
+                                             api.chat_template_args(body))
         else:
             prompt, special = body.get("prompt"), body.get("add_special_tokens", True)
             if not isinstance(prompt, str):
@@ -178,15 +177,20 @@ class OpenAIServer:
                                "tokenizer.json), got a string", "prompt")
         return [self.tokenizer.encode(p) if isinstance(p, str) else p for p in prompts]
 
-    def _render(self, messages, tools=None, add_generation_prompt=True):
+    def _render(self, messages, tools=None, template=None):
+        """The conversation's prompt ids; template: chat_template_args' keywords."""
         import jinja2
 
-        extra = {} if tools is None else {"tools": tools}
+        template = dict(template or {})
+        if tools is not None:
+            template["tools"] = tools
         try:
-            text = self.tokenizer.render_chat(messages, add_generation_prompt, **extra)
+            text = self.tokenizer.render_chat(messages, **template)
         except jinja2.TemplateError as err:
             raise RequestError(f"messages: the chat template refused them: {err}",
                                "messages") from None
+        except ValueError as err:  # continue_final_message's
+            raise RequestError(str(err), api.param_of(err)) from None
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     # ---- responses --------------------------------------------------------------------

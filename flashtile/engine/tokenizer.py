@@ -107,8 +107,13 @@ class Tokenizer:
     def convert_ids_to_tokens(self, token_ids) -> list:
         return [self._tok.id_to_token(i) for i in token_ids]
 
-    def render_chat(self, messages, add_generation_prompt: bool = True, **kwargs) -> str:
-        """The chat template's text for one conversation (a list of {"role", "content"})."""
+    def render_chat(self, messages, add_generation_prompt: bool = True,
+                    continue_final_message: bool = False, **kwargs) -> str:
+        """The chat template's text for one conversation (a list of {"role", "content"}).
+        continue_final_message (transformers' and vLLM's flag): the text ends inside the
+        last message, for the model to continue it (say, an assistant reply begun by the
+        caller); the template's closing of that message is cut off, found as
+        transformers finds it, by a tag appended to the content."""
         if not self.chat_template:
             _fail(ValueError, "chat_template", "a chat template in tokenizer_config.json "
                   "or chat_template.jinja", "none", "Pass the prompt as text instead")
@@ -117,15 +122,42 @@ class Tokenizer:
             _fail(TypeError, "messages", "a list of dicts with 'role' and 'content'",
                   type(messages).__name__)
         messages = [{k: v for k, v in m.items() if v is not None} for m in messages]
+        if continue_final_message:
+            if add_generation_prompt:
+                _fail(ValueError, "continue_final_message", "add_generation_prompt=False "
+                      "beside it (the last message is continued, not answered)",
+                      "add_generation_prompt=True")
+            final = messages[-1].get("content") if messages else None
+            if not isinstance(final, str):
+                _fail(ValueError, "continue_final_message", "a last message with text "
+                      "content", repr(final)[:80])
+            messages[-1] = {**messages[-1], "content": final + _CONTINUE_TAG}
         variables = {**self.special_tokens, **kwargs}
-        return _compile(self.chat_template).render(
+        text = _compile(self.chat_template).render(
             messages=messages, add_generation_prompt=add_generation_prompt, **variables)
+        if continue_final_message:
+            tag = _CONTINUE_TAG.strip()
+            if tag not in text:
+                _fail(ValueError, "continue_final_message", "a chat template that writes "
+                      "the last message's content", "one that leaves it out")
+            at = text.rindex(tag)
+            # A template that trims the content trims the tag's space: cut the
+            # whitespace the trim left before it too (as transformers does).
+            text = text[:at] if text.startswith(_CONTINUE_TAG, at) else text[:at].rstrip()
+        return text
 
     def apply_chat_template(self, messages, add_generation_prompt: bool = True,
-                            tokenize: bool = True, **kwargs):
+                            tokenize: bool = True, continue_final_message: bool = False,
+                            **kwargs):
         """Token ids (or the text, tokenize=False) of the rendered conversation."""
-        text = self.render_chat(messages, add_generation_prompt, **kwargs)
+        text = self.render_chat(messages, add_generation_prompt, continue_final_message,
+                                **kwargs)
         return self.encode(text, add_special_tokens=False) if tokenize else text
+
+
+# continue_final_message's marker (transformers' own): appended to the last message's
+# content, then the rendered text is cut where it appears.
+_CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
 
 
 class IncrementalDetokenizer:
