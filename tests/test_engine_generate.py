@@ -471,6 +471,38 @@ def test_allowed_token_ids(checkpoint):
     _assert_pool_empty(llm)
 
 
+def test_truncate_prompt_tokens(checkpoint):
+    """truncate_prompt_tokens=k (vLLM's left truncation): a request keeps its prompt's
+    last k tokens, as if sent alone: the same completion, prompt_token_ids and (a text
+    prompt) the kept tokens' text; shorter prompts are untouched, -1 keeps max_model_len
+    tokens, and a prompt longer than max_model_len fits once truncated; 0 is a
+    ValueError naming the argument."""
+    path, _ = checkpoint
+    llm = _llm(path)
+    long, short = _prompts([40, 5], seed=9)
+    base = dict(temperature=0, max_tokens=6, ignore_eos=True)
+    want = llm.generate([long[-12:], short], SamplingParams(**base), use_tqdm=False)
+    outs = llm.generate([long, short], SamplingParams(truncate_prompt_tokens=12, **base),
+                        use_tqdm=False)
+    assert [o.prompt_token_ids for o in outs] == [long[-12:], short]
+    assert _tokens(outs) == _tokens(want)
+    text = llm.tokenizer.decode(long)
+    out = llm.generate(text, SamplingParams(truncate_prompt_tokens=12, **base),
+                       use_tqdm=False)[0]
+    assert out.prompt_token_ids == llm.tokenizer.encode(text)[-12:]
+    assert out.prompt == llm.tokenizer.decode(out.prompt_token_ids, skip_special_tokens=False)
+    limit = llm.config.max_model_len
+    huge = (long * (limit // len(long) + 2))[:limit + 7]
+    out = llm.generate(huge, SamplingParams(truncate_prompt_tokens=limit - 6, **base),
+                       use_tqdm=False)[0]
+    assert out.prompt_token_ids == huge[-(limit - 6):] and len(out.outputs[0].token_ids) == 6
+    assert SamplingParams(truncate_prompt_tokens=-1).truncate(huge, limit) == huge[-limit:]
+    with pytest.raises(ValueError, match=r"truncate_prompt_tokens: expected None, -1 "
+                       r"\(max_model_len\) or an int >= 1, got 0"):
+        SamplingParams(truncate_prompt_tokens=0)
+    _assert_pool_empty(llm)
+
+
 def test_streamed_text_is_never_taken_back(checkpoint):
     path, _ = checkpoint
     llm = _llm(path)

@@ -335,6 +335,29 @@ def test_tokenize_and_detokenize(server, llm):
     assert status == 200 and back == {"prompt": tok.decode(out["tokens"])}
 
 
+def test_truncate_prompt_tokens(server, llm):
+    """truncate_prompt_tokens (vLLM's field): a prompt longer than the context keeps its
+    last k tokens and is answered as those alone would be; echo shows the kept text;
+    in chat the rendered conversation is cut the same way."""
+    g = torch.Generator().manual_seed(11)
+    long = torch.randint(3, VOCAB, (MAX_MODEL_LEN + 20,), generator=g).tolist()
+    status, out = post(server, "/v1/completions", dict(
+        prompt=long, truncate_prompt_tokens=10, echo=True, **_greedy(max_tokens=4)))
+    assert status == 200, out
+    want = llm.generate([long[-10:]], SamplingParams(**_greedy(max_tokens=4)),
+                        use_tqdm=False)[0]
+    kept = llm.tokenizer.decode(long[-10:], skip_special_tokens=False)
+    assert out["choices"][0]["text"] == kept + want.outputs[0].text
+    assert out["usage"]["prompt_tokens"] == 10
+    messages = [{"role": "user", "content": "The capital of France?"}]
+    status, chat = post(server, "/v1/chat/completions", dict(
+        messages=messages, truncate_prompt_tokens=5, **_greedy(max_tokens=3)))
+    assert status == 200 and chat["usage"]["prompt_tokens"] == 5
+    want = llm.generate([llm.tokenizer.apply_chat_template(messages)[-5:]],
+                        SamplingParams(**_greedy(max_tokens=3)), use_tqdm=False)[0]
+    assert chat["choices"][0]["message"]["content"] == want.outputs[0].text
+
+
 def test_chat_template_extras(server, llm):
     """vLLM's chat extras: continue_final_message (the last message left open for the
     model to continue, add_generation_prompt false beside it) and chat_template_kwargs
@@ -484,6 +507,8 @@ BAD = [  # (path, body (dict, or raw bytes), status, param, code)
     ("/v1/chat/completions", dict(messages=[{"role": "user", "content": "Hi"}],
                                   chat_template_kwargs={"add_generation_prompt": False}),
      400, "chat_template_kwargs", None),
+    ("/v1/completions", dict(prompt="Hi", truncate_prompt_tokens=0), 400,
+     "truncate_prompt_tokens", None),
     ("/detokenize", dict(tokens=[1, VOCAB]), 400, "tokens", None),
     ("/detokenize", dict(tokens="Hi"), 400, "tokens", None),
     ("/v1/completions", dict(prompt="Hi", allowed_token_ids=[VOCAB]), 400,

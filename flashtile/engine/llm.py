@@ -160,6 +160,11 @@ class LLM:
             prompt_text, token_ids = prompt, self.tokenizer.encode(prompt)
         else:
             token_ids = list(prompt)
+        kept = params.truncate(token_ids, self.config.max_model_len)
+        if len(kept) < len(token_ids):
+            token_ids = kept
+            if self.tokenizer is not None:  # the text of what the model sees
+                prompt_text = self.tokenizer.decode(kept, skip_special_tokens=False)
         vocab = self.config.model_config.vocab_size
         if not token_ids or not all(isinstance(t, int) and 0 <= t < vocab
                                     for t in token_ids):

@@ -91,6 +91,9 @@ class SamplingParams:
         meaning), with the k most likely tokens at each position. Such a request takes
         no prefix-cache hit until its prompt's logprobs are computed.
     skip_special_tokens: leave special tokens out of the detokenised text.
+    truncate_prompt_tokens: None, or keep only the prompt's last k tokens (vLLM's left
+        truncation; -1: max_model_len). RequestOutput.prompt is then the kept tokens'
+        text.
     output_kind: what LLM.step returns for the request (RequestOutputKind): CUMULATIVE
         (default), DELTA or FINAL_ONLY. LLM.generate returns whole completions whatever
         it is.
@@ -117,6 +120,7 @@ class SamplingParams:
     min_tokens: int = 0
     include_stop_str_in_output: bool = False
     allowed_token_ids: list[int] | None = None
+    truncate_prompt_tokens: int | None = None
 
     def __post_init__(self):
         _check_int("n", self.n)
@@ -168,11 +172,25 @@ class SamplingParams:
             _check_int(name, value, allow_none=True)
             if value is not None and not 0 <= value <= MAX_LOGPROBS:
                 _fail(ValueError, name, f"None or an int in [0, {MAX_LOGPROBS}]", value)
+        k = self.truncate_prompt_tokens
+        _check_int("truncate_prompt_tokens", k, allow_none=True)
+        if k is not None and k != -1 and k < 1:
+            _fail(ValueError, "truncate_prompt_tokens", "None, -1 (max_model_len) or an "
+                  "int >= 1", k)
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
                 _fail(TypeError, name, "a bool", repr(getattr(self, name)))
         if not isinstance(self.output_kind, RequestOutputKind):
             _fail(TypeError, "output_kind", "a RequestOutputKind", repr(self.output_kind))
+
+    def truncate(self, token_ids: list, max_model_len: int) -> list:
+        """The prompt ids the request keeps: the last truncate_prompt_tokens of them
+        (-1: max_model_len), or all."""
+        k = self.truncate_prompt_tokens
+        if k is None:
+            return token_ids
+        k = max_model_len if k == -1 else k
+        return token_ids[-k:] if len(token_ids) > k else token_ids
 
     @staticmethod
     def _stop_list(stop):

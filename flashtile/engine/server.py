@@ -92,11 +92,14 @@ class OpenAIServer:
                                "echoed as text), got none", "echo")
         if any(isinstance(p, str) for p in prompts):
             prompts = await asyncio.to_thread(self._encode, prompts)
+        prompts = [params.truncate(p, self.max_model_len) for p in prompts]
         for p in prompts:
             api.check_fits(p, params, "prompt", self.max_model_len)
-        if echo:  # a prompt sent as text is echoed as sent, token ids decoded
-            texts = [t if isinstance(t, str) else self.tokenizer.decode(
-                t, skip_special_tokens=False) for t in texts]
+        if echo:  # a prompt sent as text is echoed as sent (truncated: what is kept),
+            # token ids decoded
+            cut = params.truncate_prompt_tokens is not None
+            texts = [t if isinstance(t, str) and not cut else self.tokenizer.decode(
+                p, skip_special_tokens=False) for t, p in zip(texts, prompts)]
         return await self._respond(request, flags, prompts, params, chat=False,
                                    echo=texts if echo else None)
 
@@ -114,6 +117,7 @@ class OpenAIServer:
             raise RequestError("messages: expected a model with tokenizer.json and a chat "
                                "template, got none; use /v1/completions", "messages")
         prompt = await asyncio.to_thread(self._render, messages, tools, template)
+        prompt = params.truncate(prompt, self.max_model_len)
         api.check_fits(prompt, params, "messages", self.max_model_len)
         return await self._respond(request, flags, [prompt], params, chat=True,
                                    tools=tools is not None)
