@@ -358,6 +358,66 @@ def test_truncate_prompt_tokens(server, llm):
     assert chat["choices"][0]["message"]["content"] == want.outputs[0].text
 
 
+async def _metrics(url) -> tuple[str, dict]:
+    """/metrics' content type and samples: {name{labels}: value}."""
+    async with aiohttp.ClientSession() as session:
+        async with session.get(url + "/metrics") as r:
+            assert r.status == 200
+            ctype, text = r.headers["Content-Type"], await r.text()
+    samples = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            samples[name] = float(value)
+    return ctype, samples
+
+
+def test_metrics(server, llm):
+    """vLLM's /metrics under its names: token and request counters grow by what the
+    requests sent in between used (usage's figures), each histogram counts them once
+    (the +Inf bucket equal to _count, buckets non-decreasing), the gauges read an idle
+    engine; Prometheus' text content type."""
+    lab = f'model_name="{MODEL}"'
+    ctype, before = run(_metrics(server.url))
+    assert ctype.startswith("text/plain; version=0.0.4")
+    outs = [post(server, "/v1/completions", dict(prompt=p, **_greedy(max_tokens=m)))[1]
+            for p, m in (("Hello world", 5), ("The capital of France", 3))]
+    _assert_idle(llm)
+    _, after = run(_metrics(server.url))
+
+    def grew(name):
+        return after[f"vllm:{name}{{{lab}}}"] - before.get(f"vllm:{name}{{{lab}}}", 0)
+
+    assert grew("prompt_tokens_total") == sum(o["usage"]["prompt_tokens"] for o in outs)
+    assert grew("generation_tokens_total") == 8
+    key = f'vllm:request_success_total{{finished_reason="length",{lab}}}'
+    assert after[key] - before.get(key, 0) == 2
+    for h in ("time_to_first_token_seconds", "e2e_request_latency_seconds",
+              "request_time_per_output_token_seconds", "request_prompt_tokens",
+              "request_generation_tokens"):
+        assert grew(f"{h}_count") == 2, h
+        buckets = [v for k, v in after.items() if k.startswith(f"vllm:{h}_bucket")]
+        assert buckets == sorted(buckets) and buckets[-1] == after[f"vllm:{h}_count{{{lab}}}"]
+    assert grew("request_generation_tokens_sum") == 8
+    assert after[f"vllm:num_requests_running{{{lab}}}"] == 0
+    assert after[f"vllm:num_requests_waiting{{{lab}}}"] == 0
+    assert after[f"vllm:kv_cache_usage_perc{{{lab}}}"] == 0
+    assert grew("prefix_cache_queries_total") >= grew("prefix_cache_hits_total") >= 0
+
+
+def test_metrics_escape_the_model_name():
+    """A label value keeps its quotes, backslashes and newlines escaped; token buckets
+    go 1, 2, 5, 10, ... up to max_model_len."""
+    from flashtile.engine import metrics
+
+    assert metrics._label('a "b"\\c\nd') == 'a \\"b\\"\\\\c\\nd'
+    assert metrics.token_buckets(64) == (1, 2, 5, 10, 20, 50)
+    h = metrics.Histogram((1.0, 2.0))
+    for x in (0.5, 1.0, 1.5, 9.0):
+        h.observe(x)
+    assert h.counts == [2, 1, 1] and h.sum == 12.0
+
+
 def test_chat_template_extras(server, llm):
     """vLLM's chat extras: continue_final_message (the last message left open for the
     model to continue, add_generation_prompt false beside it) and chat_template_kwargs

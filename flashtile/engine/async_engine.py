@@ -86,6 +86,12 @@ class AsyncEngine:
         self._wake.set()
         return stream
 
+    async def metrics(self, model_name: str) -> str:
+        """The engine's Prometheus metrics, read in its thread between steps."""
+        from flashtile.engine.metrics import render
+
+        return await self._call(render, self.llm, model_name)
+
     def _add_all(self, ids, prompts, params):
         for rid, prompt, p in zip(ids, prompts, params):
             self.llm.add_request(prompt, p, request_id=rid)

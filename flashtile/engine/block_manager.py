@@ -87,6 +87,9 @@ class BlockManager:
         self.num_blocks = num_blocks
         self.page_size = page_size
         self.enable_prefix_caching = enable_prefix_caching
+        # Prefix-cache lookups in tokens (vLLM's metrics): queried at each allocation
+        # with caching on, and found cached.
+        self.queried_tokens = self.hit_tokens = 0
         self.blocks = [Block(i) for i in range(num_blocks)]
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self._cached: dict[int, int] = {}  # hash -> block id of a registered page
@@ -146,6 +149,9 @@ class BlockManager:
         hits = self._match_prefix(seq)
         if self._pages_short(seq, hits):
             return False
+        if self.enable_prefix_caching:
+            self.queried_tokens += seq.num_tokens
+            self.hit_tokens += len(hits) * self.page_size
         for block_id in hits:
             block = self.blocks[block_id]
             if block.ref_count == 0:

@@ -24,6 +24,7 @@ from typing import Optional
 from flashtile._validate import _fail
 from flashtile.engine.block_manager import BlockManager
 from flashtile.engine.config import EngineConfig
+from flashtile.engine.metrics import EngineStats
 from flashtile.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from flashtile.engine.runner import LaunchedStep
 from flashtile.engine.sampling_params import RequestOutputKind, SamplingParams
@@ -125,6 +126,7 @@ class LLM:
                                           self.config.enable_prefix_caching)
         self.runner.block_manager = self.block_manager
         self.scheduler = Scheduler(self.config, self.block_manager, eos)
+        self.stats = EngineStats(self.config.max_model_len)  # serve's /metrics
         # The launched step whose tokens are not read yet (asynchronous scheduling): the
         # runner's LaunchedStep and the scheduler's ScheduledStep.
         self._in_flight: Optional[tuple[LaunchedStep, ScheduledStep]] = None
@@ -203,6 +205,8 @@ class LLM:
             self._forget(request)
 
     def _forget(self, request: _Request):
+        """A request has finished or was aborted: recorded in stats, dropped here."""
+        self.stats.record(request.seq)
         del self._requests[request.request_id]
         del self._by_seq[request.seq.seq_id]
 

@@ -71,6 +71,12 @@ class OpenAIServer:
                                type="internal_server_error")
         return web.Response(status=200)
 
+    async def metrics(self, request):
+        """vLLM's /metrics: Prometheus' text format under vLLM's metric names."""
+        text = await self.engine.metrics(self.model_name)
+        return web.Response(body=text.encode(), headers={
+            "Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
+
     async def models(self, request):
         return web.json_response({"object": "list", "data": [{
             "id": self.model_name, "object": "model", "created": self.created,
@@ -351,6 +357,7 @@ def build_app(engine: AsyncEngine, model_name: str, tool_call_parser=None):
     app = web.Application(middlewares=[errors], client_max_size=MAX_BODY_BYTES)
     app.router.add_get("/health", server.health)
     app.router.add_get("/v1/models", server.models)
+    app.router.add_get("/metrics", server.metrics)
     app.router.add_post("/v1/completions", server.completions)
     app.router.add_post("/v1/chat/completions", server.chat_completions)
     app.router.add_post("/tokenize", server.tokenize)
