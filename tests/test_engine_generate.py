@@ -471,6 +471,56 @@ def test_allowed_token_ids(checkpoint):
     _assert_pool_empty(llm)
 
 
+def test_bad_words(checkpoint):
+    """bad_words (vLLM's rule): a one-token word never comes, and a word of two tokens
+    never gets its second token right after its first. The logit bias pushes both
+    words' first tokens, so the rule fires at every other step; the tokens equal
+    transformers' greedy decoding with the same bias and the rule applied by hand."""
+    path, model = checkpoint
+    llm = _llm(path)
+    tok = llm.tokenizer
+    two, one = tok.encode("zz", add_special_tokens=False), \
+        tok.encode("you", add_special_tokens=False)
+    assert len(two) == 2 and two[0] == two[1] and len(one) == 1  # the tiny tokenizer's
+    bias = {two[0]: 30.0, one[0]: 30.0}
+    prompt = _prompts([9], seed=4)[0]
+    out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True,
+                                              logit_bias=bias, bad_words=["zz", "you"]),
+                       use_tqdm=False)[0].outputs[0].token_ids
+    ids = list(prompt)
+    for _ in range(8):
+        with torch.no_grad():
+            logits = model(torch.tensor([ids])).logits[0, -1].double()
+        for t, b in bias.items():
+            logits[t] += b
+        logits[one[0]] = float("-inf")
+        if ids[-1] == two[0] and len(ids) > len(prompt):  # completion tokens only
+            logits[two[1]] = float("-inf")
+        ids.append(int(logits.argmax()))
+    assert out == ids[len(prompt):]
+    assert one[0] not in out and out.count(two[0]) >= 3  # the bias made the rule fire
+    with pytest.raises(ValueError, match=r"bad_words\[1\]: expected a non-empty string"):
+        SamplingParams(bad_words=["zz", ""])
+    _assert_pool_empty(llm)
+
+
+def test_bad_words_ids_take_the_spaced_form():
+    """Tokenizer.bad_words_ids: a word and, unless it starts with a space, its spaced
+    form where that has as many tokens and another first one (vLLM's rule); the
+    sampler bars a word's last token only after the rest of it."""
+    from flashtile.engine.sampler import bad_word_bans
+    from flashtile.engine.tokenizer import Tokenizer
+
+    vocab = {"ab": [5, 6], " ab": [7, 6], "c": [8], " c": [9, 8], " d": [3]}
+    fake = Tokenizer.__new__(Tokenizer)
+    fake.encode = lambda text, add_special_tokens=True: vocab[text]
+    assert fake.bad_words_ids(["ab", "c", " d"]) == [(5, 6), (7, 6), (8,), (3,)]
+    words = [(5, 6), (8,)]
+    assert bad_word_bans([1, 5], words) == [6, 8]
+    assert bad_word_bans([5, 1], words) == [8]
+    assert bad_word_bans([], words) == [8]
+
+
 def test_truncate_prompt_tokens(checkpoint):
     """truncate_prompt_tokens=k (vLLM's left truncation): a request keeps its prompt's
     last k tokens, as if sent alone: the same completion, prompt_token_ids and (a text

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from flashtile.engine import LLM, SamplingParams
-from tests.engine_utils import VOCAB, hf_greedy, make_checkpoint
+from tests.engine_utils import VOCAB, hf_greedy, make_checkpoint, make_tokenizer
 
 pytestmark = pytest.mark.gpu
 
@@ -157,13 +157,21 @@ def test_async_scheduling_equals_sync_with_cuda_graphs(checkpoint):
     assert LLM(str(path), **kw).config.async_scheduling  # the default on CUDA
 
 
-def test_sampling_options_with_graphs_and_async_equal_eager_sync(checkpoint):
+def test_sampling_options_with_graphs_and_async_equal_eager_sync(checkpoint, tmp_path):
     """Penalties (repetition, frequency, presence), a logit bias, n = 2 seeded, top-k
-    logprobs and min_tokens (half the vocabulary as stop ids, masked for 6 tokens) on
-    CUDA: the default engine (CUDA-graph decode, asynchronous scheduling, which must
-    wait for the tokens a penalty reads) gives the tokens and alternatives of an eager,
-    synchronous one."""
-    path, _ = checkpoint
+    logprobs, min_tokens (half the vocabulary as stop ids, masked for 6 tokens) and bad
+    words (one of two tokens, its first pushed by a bias, so its bans read the tokens
+    in flight) on CUDA: the default engine (CUDA-graph decode, asynchronous scheduling,
+    which must wait for the tokens a penalty or a bad word reads) gives the tokens and
+    alternatives of an eager, synchronous one."""
+    import shutil
+
+    from flashtile.engine.tokenizer import Tokenizer
+
+    path = tmp_path / "with-tokenizer"  # bad words need one; the module's has none
+    shutil.copytree(checkpoint[0], path)
+    make_tokenizer(path)
+    zz = Tokenizer(str(path)).encode("zz", add_special_tokens=False)  # two tokens
     kw = dict(dtype="float32", device="cuda", max_model_len=128, max_num_seqs=8,
               kv_cache_memory=2**28)
     params = [SamplingParams(temperature=0, frequency_penalty=1.0, presence_penalty=0.5,
@@ -172,8 +180,10 @@ def test_sampling_options_with_graphs_and_async_equal_eager_sync(checkpoint):
               SamplingParams(temperature=0.9, seed=7, n=2, repetition_penalty=1.2,
                              max_tokens=12, logprobs=2, ignore_eos=True),
               SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, min_tokens=6,
-                             stop_token_ids=list(range(3, VOCAB, 2)))]
-    prompts = _prompts([5, 30, 12])
+                             stop_token_ids=list(range(3, VOCAB, 2))),
+              SamplingParams(temperature=0, max_tokens=10, ignore_eos=True,
+                             bad_words=["zz"], logit_bias={zz[0]: 30.0})]
+    prompts = _prompts([5, 30, 12, 7])
     runs = []
     for eager in (True, False):
         llm = LLM(str(path), enforce_eager=eager, async_scheduling=not eager, **kw)
@@ -181,7 +191,9 @@ def test_sampling_options_with_graphs_and_async_equal_eager_sync(checkpoint):
         runs.append([c for o in outs for c in o.outputs])
         bm = llm.block_manager
         assert bm.num_free_blocks == bm.num_blocks
-    assert [len(r) for r in runs] == [4, 4]
+    assert [len(r) for r in runs] == [5, 5]
+    barred = runs[0][-1].token_ids  # the bias pushed "zz"'s first token, the rule held
+    assert barred.count(zz[0]) >= 3 and (zz[0], zz[1]) not in zip(barred, barred[1:])
     for e, g in zip(*runs):
         assert e.token_ids == g.token_ids
         assert (e.top_logprobs is None) == (g.top_logprobs is None)

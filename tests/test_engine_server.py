@@ -569,6 +569,7 @@ BAD = [  # (path, body (dict, or raw bytes), status, param, code)
      400, "chat_template_kwargs", None),
     ("/v1/completions", dict(prompt="Hi", truncate_prompt_tokens=0), 400,
      "truncate_prompt_tokens", None),
+    ("/v1/completions", dict(prompt="Hi", bad_words=["x", ""]), 400, "bad_words", None),
     ("/detokenize", dict(tokens=[1, VOCAB]), 400, "tokens", None),
     ("/detokenize", dict(tokens="Hi"), 400, "tokens", None),
     ("/v1/completions", dict(prompt="Hi", allowed_token_ids=[VOCAB]), 400,

@@ -176,10 +176,13 @@ class LLM:
             ids = getattr(params, name)
             if ids and max(ids) >= vocab:
                 _fail(ValueError, name, f"token ids in [0, {vocab})", max(ids))
-        if params.stop and self.tokenizer is None:
-            _fail(ValueError, "stop", "no stop strings (the model has no tokenizer.json)",
-                  params.stop)
+        for name in ("stop", "bad_words"):
+            if getattr(params, name) and self.tokenizer is None:
+                _fail(ValueError, name, f"no {name} (the model has no tokenizer.json)",
+                      getattr(params, name))
         seq = Sequence(token_ids, params)
+        if params.bad_words:
+            seq.bad_words_ids = self.tokenizer.bad_words_ids(params.bad_words)
         self.scheduler.check(seq)  # before queueing anything of a batch
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
         if request_id in self._requests:

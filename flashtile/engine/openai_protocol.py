@@ -4,7 +4,8 @@ No HTTP here (server.py has the aiohttp application).
 
 Beyond OpenAI, vLLM's extensions: ``top_k``, ``min_p``, ``repetition_penalty``,
 ``stop_token_ids``, ``ignore_eos``, ``skip_special_tokens``, ``min_tokens``,
-``include_stop_str_in_output``, ``allowed_token_ids``, ``truncate_prompt_tokens``; in chat ``add_generation_prompt``,
+``include_stop_str_in_output``, ``allowed_token_ids``, ``truncate_prompt_tokens``,
+``bad_words``; in chat ``add_generation_prompt``,
 ``continue_final_message`` and ``chat_template_kwargs``. ``n`` completions of prompt i
 are choices i * n + j; ``logprobs`` (completions) and ``top_logprobs`` (chat) up to
 MAX_LOGPROBS alternatives. ``echo`` (completions) puts the prompt before each choice's
@@ -27,7 +28,7 @@ SAMPLING_FIELDS = ("n", "temperature", "top_p", "top_k", "min_p", "repetition_pe
                    "presence_penalty", "frequency_penalty", "seed", "stop",
                    "stop_token_ids", "ignore_eos", "skip_special_tokens", "min_tokens",
                    "include_stop_str_in_output", "allowed_token_ids",
-                   "truncate_prompt_tokens")
+                   "truncate_prompt_tokens", "bad_words")
 # Field -> the values that mean "off"; anything else asks for what the engine lacks.
 UNSUPPORTED = {"best_of": (None, 1), "suffix": (None, ""),
                "response_format": (None, {"type": "text"})}

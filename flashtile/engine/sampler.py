@@ -63,13 +63,16 @@ class SamplingTensors:
         the frequency and presence penalties, padded with id 0 at weight 0 (their count
         adds nothing); frequency_penalties, presence_penalties: (B,) float32. All four
         None when no row has either penalty.
-    bias_ids, bias_values: (B, K) int64 and float32, each row's logit_bias and, while it
-        has fewer than min_tokens tokens, -inf at its stop ids, padded with id 0 at bias
-        0; None when no row has either.
+    bias_ids, bias_values: (B, K) int64 and float32, each row's logit_bias, -inf at its
+        stop ids while it has fewer than min_tokens tokens and at the tokens that would
+        complete one of its bad words, padded with id 0 at bias 0; None when no row has
+        any.
     allowed_ids, restricted: (B, K) int64 and (B,) bool: the ids each row may draw
         (allowed_token_ids), padded by repeating its first, and whether it has such a
         list (a row without one draws from every id); None when no row has one.
     seeded_rows: host pairs (row, step_seed) of the non-greedy seeded rows.
+    reads_tail: some row has a bad word of several tokens (its bans read its last
+        tokens on the host).
     The do_* / *_greedy flags are host booleans, so that forward skips unused work without
     reading device values; want_logprobs: some row asked for logprobs (else the sampler
     skips the logsumexp over the vocabulary and returns None for them); top_logprobs: the
@@ -98,12 +101,15 @@ class SamplingTensors:
     top_logprobs: int = 0
     allowed_ids: torch.Tensor | None = None
     restricted: torch.Tensor | None = None
+    # A row's bad word of several tokens: its bans depend on the row's last tokens.
+    reads_tail: bool = False
 
     @property
     def reads_token_ids(self) -> bool:
-        """Whether some row's penalty reads the tokens of its sequence (so the host must
-        know the token in flight before the next step's tensors are built)."""
-        return self.token_ids is not None or self.output_ids is not None
+        """Whether some row's penalty or bad words read the tokens of its sequence (so
+        the host must know the token in flight before the next step's tensors are
+        built)."""
+        return self.token_ids is not None or self.output_ids is not None or self.reads_tail
 
     @property
     def adjusts_logits(self) -> bool:
@@ -176,10 +182,13 @@ class SamplingTensors:
                 frequency_penalties=put([p.frequency_penalty for p in params], torch.float32),
                 presence_penalties=put([p.presence_penalty for p in params], torch.float32))
         biased = {}
-        # min_tokens: the ids that would end a row are -inf until it has that many tokens.
-        banned = [s.stop_ids if s.num_completion_tokens < p.min_tokens else ()
-                  for s, p in zip(seqs, params)] \
-            if any(p.min_tokens for p in params) else [()] * len(params)
+        # -inf: min_tokens' ids that would end a row until it has that many tokens, and
+        # bad_words' tokens that would complete a bad word.
+        banned = [[]] * len(params)
+        if any(p.min_tokens or p.bad_words for p in params):
+            banned = [[*(s.stop_ids if s.num_completion_tokens < p.min_tokens else ()),
+                       *bad_word_bans(s.completion_token_ids, s.bad_words_ids)]
+                      for s, p in zip(seqs, params)]
         if any(p.logit_bias for p in params) or any(banned):
             biases = [list((p.logit_bias or {}).items())
                       + [(t, float("-inf")) for t in b if t < vocab_size]  # ids it can draw
@@ -201,9 +210,21 @@ class SamplingTensors:
         return cls(temperatures=floats[0], top_ps=floats[1], min_ps=floats[2],
                    repetition_penalties=floats[3], top_ks=put(top_ks, torch.int64),
                    token_ids=token_ids, seeded_rows=seeded, all_greedy=all(greedy),
+                   reads_tail=any(len(w) > 1 for s in seqs for w in s.bad_words_ids),
                    any_greedy=any(greedy), do_top_k=any(k < vocab_size for k in top_ks),
                    do_top_p=any(p < 1.0 for p in top_ps), do_min_p=any(p > 0 for p in min_ps),
                    want_logprobs=want_logprobs, top_logprobs=top, **counted, **biased)
+
+
+def bad_word_bans(completion: list, bad_words_ids) -> list[int]:
+    """The last token of each bad word whose other tokens end ``completion`` (vLLM's
+    rule; a one-token word: always)."""
+    bans = []
+    for word in bad_words_ids:
+        head = len(word) - 1
+        if head == 0 or (len(completion) >= head and tuple(completion[-head:]) == word[:-1]):
+            bans.append(word[-1])
+    return bans
 
 
 def apply_repetition_penalty(logits, token_ids, penalties):

@@ -91,6 +91,10 @@ class SamplingParams:
         meaning), with the k most likely tokens at each position. Such a request takes
         no prefix-cache hit until its prompt's logprobs are computed.
     skip_special_tokens: leave special tokens out of the detokenised text.
+    bad_words: words never to be generated (vLLM's meaning): each is tokenised, also
+        with a leading space where that gives other ids of the same length, and a
+        word's last token is barred where the tokens before it end the completion (a
+        one-token word: always). Needs the model's tokenizer.
     truncate_prompt_tokens: None, or keep only the prompt's last k tokens (vLLM's left
         truncation; -1: max_model_len). RequestOutput.prompt is then the kept tokens'
         text.
@@ -121,6 +125,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     allowed_token_ids: list[int] | None = None
     truncate_prompt_tokens: int | None = None
+    bad_words: list[str] | None = None
 
     def __post_init__(self):
         _check_int("n", self.n)
@@ -150,7 +155,8 @@ class SamplingParams:
             setattr(self, name, value)
         self.logit_bias = self._bias_dict(self.logit_bias)
         _check_int("seed", self.seed, allow_none=True)
-        self.stop = self._stop_list(self.stop)
+        self.stop = self._str_list("stop", self.stop)
+        self.bad_words = self._str_list("bad_words", self.bad_words) or None
         self.stop_token_ids = self._token_id_list(self.stop_token_ids, "stop_token_ids")
         if self.allowed_token_ids is not None:
             self.allowed_token_ids = self._token_id_list(self.allowed_token_ids,
@@ -193,15 +199,17 @@ class SamplingParams:
         return token_ids[-k:] if len(token_ids) > k else token_ids
 
     @staticmethod
-    def _stop_list(stop):
-        stops = [stop] if isinstance(stop, str) else list(stop or [])
-        for i, s in enumerate(stops):
+    def _str_list(name, value):
+        """stop or bad_words: a string or a list of non-empty strings, as a list."""
+        items = [value] if isinstance(value, str) else list(value or [])
+        for i, s in enumerate(items):
             if not isinstance(s, str):
-                _fail(TypeError, f"stop[{i}]", "a str", f"{type(s).__name__} {s!r}")
-            # "" occurs at every position: the completion would end before it starts.
+                _fail(TypeError, f"{name}[{i}]", "a str", f"{type(s).__name__} {s!r}")
+            # "" occurs at every position: a stop would end the completion before it
+            # starts, and a bad word of no tokens bars nothing.
             if not s:
-                _fail(ValueError, f"stop[{i}]", "a non-empty string", repr(s))
-        return stops
+                _fail(ValueError, f"{name}[{i}]", "a non-empty string", repr(s))
+        return items
 
     @staticmethod
     def _bias_dict(bias):
@@ -233,11 +241,12 @@ class SamplingParams:
 
     @property
     def adjusts_logits(self) -> bool:
-        """Whether a penalty, a bias, min_tokens or allowed_token_ids changes the logits
+        """Whether a penalty, a bias, min_tokens, allowed_token_ids or bad_words changes the logits
         before the token is chosen."""
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 \
             or self.frequency_penalty != 0.0 or self.logit_bias is not None \
-            or self.min_tokens > 0 or self.allowed_token_ids is not None
+            or self.min_tokens > 0 or self.allowed_token_ids is not None \
+            or self.bad_words is not None
 
     @staticmethod
     def _token_id_list(ids, name):

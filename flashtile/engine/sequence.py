@@ -85,6 +85,9 @@ class Sequence:
         # stop_token_ids), so that a step checks one int and one set per sequence.
         self.max_num_tokens: int | None = None
         self.stop_ids: frozenset[int] = frozenset()
+        # SamplingParams.bad_words as token id tuples (set by LLM, which has the
+        # tokenizer).
+        self.bad_words_ids: list[tuple[int, ...]] = []
 
     def __len__(self):
         return len(self.token_ids)

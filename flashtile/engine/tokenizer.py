@@ -104,6 +104,20 @@ class Tokenizer:
     def decode(self, token_ids, skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
 
+    def bad_words_ids(self, words) -> list[tuple[int, ...]]:
+        """SamplingParams.bad_words as token id tuples, vLLM's way: each word as given
+        and, where it does not start with a space, with one, if that gives the same
+        number of tokens and another first one (the word after a space, mid-text)."""
+        out = []
+        for word in words:
+            ids = tuple(self.encode(word, add_special_tokens=False))
+            out.append(ids)
+            if not word.startswith(" "):
+                spaced = tuple(self.encode(" " + word, add_special_tokens=False))
+                if len(spaced) == len(ids) and spaced[0] != ids[0]:
+                    out.append(spaced)
+        return out
+
     def convert_ids_to_tokens(self, token_ids) -> list:
         return [self._tok.id_to_token(i) for i in token_ids]
 
