@@ -639,6 +639,9 @@ def test_generate_input_forms_and_chat(checkpoint):
     assert out.prompt.startswith("Hey") and out.prompt.endswith("I am")
     with pytest.raises(TypeError, match="chat_template_kwargs: expected a dict"):
         llm.chat(conv, params[0], use_tqdm=False, chat_template_kwargs=["x"])
+    out = llm.chat(conv, params[0], use_tqdm=False,
+                   chat_template="{% for m in messages %}<{{ m['content'] }}>{% endfor %}")[0]
+    assert out.prompt == "<How are you?>"  # vLLM's chat_template: instead of the model's
 
 
 def test_abort_frees_pages(checkpoint):

@@ -667,6 +667,17 @@ def test_serve_command(llm, monkeypatch, capsys, tmp_path):
     assert "model: expected a directory with config.json" in capsys.readouterr().err
     assert main(["serve", llm.config.model, "--stream-interval", "0"]) == 2
     assert "stream_interval: expected an int >= 1, got 0" in capsys.readouterr().err
+    # --chat-template: a file's template (or the text itself) replaces the model's.
+    template = tmp_path / "t.jinja"
+    template.write_text("{% for m in messages %}[{{ m['content'] }}]{% endfor %}")
+    assert main(["serve", llm.config.model, "--device", "cpu", "--dtype", "float32",
+                 "--max-model-len", "48", "--page-size", "16", "--kv-cache-memory", "64KiB",
+                 "--chat-template", str(template)]) == 0
+    assert engines[-1].llm.tokenizer.render_chat([{"role": "user", "content": "Hi"}]) \
+        == "[Hi]"
+    assert main(["serve", llm.config.model, "--chat-template", "no/such/file"]) == 2
+    assert "chat_template: expected a Jinja template or the path of a file holding " \
+        "one, got 'no/such/file'" in capsys.readouterr().err
 
 
 def test_a_model_without_tokenizer_serves_token_ids(llm, tmp_path):

@@ -295,13 +295,14 @@ class LLM:
     def chat(self, messages, sampling_params=None, use_tqdm: bool = True,
              add_generation_prompt: bool = True, continue_final_message: bool = False,
              tools=None, chat_template_kwargs: dict | None = None,
-             **template_kwargs) -> list[RequestOutput]:
+             chat_template: str | None = None, **template_kwargs) -> list[RequestOutput]:
         """Generate replies to one conversation (a list of {"role", "content"}) or a list
         of conversations, through the model's chat template. vLLM's arguments:
         continue_final_message (the last message is continued: with
         add_generation_prompt=False), tools (OpenAI's tool schemas, for the template),
-        chat_template_kwargs (more template variables, e.g. Qwen3's enable_thinking);
-        other keywords are template variables too."""
+        chat_template_kwargs (more template variables, e.g. Qwen3's enable_thinking),
+        chat_template (a Jinja template to use instead of the model's); other keywords
+        are template variables too."""
         if self.tokenizer is None:
             _fail(ValueError, "chat", "a model directory with tokenizer.json", "none")
         if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, dict):
@@ -315,7 +316,8 @@ class LLM:
         items = []
         for conv in conversations:
             text = self.tokenizer.render_chat(conv, add_generation_prompt,
-                                              continue_final_message, **variables)
+                                              continue_final_message, chat_template,
+                                              **variables)
             items.append((self.tokenizer.encode(text, add_special_tokens=False), text))
         return self._run(items, sampling_params, use_tqdm)
 

@@ -44,9 +44,11 @@ try:
 except ImportError:  # aiohttp is the engine extra's; flashtile's other commands run without
     web = None
 
+from flashtile._validate import _fail
 from flashtile.engine import openai_protocol as api
 from flashtile.engine.async_engine import AsyncEngine
 from flashtile.engine.openai_protocol import RequestError, error_body
+from flashtile.engine.tokenizer import load_chat_template
 from flashtile.engine.tool_parsers import TOOL_CALL_PARSERS, get_parser
 
 log = logging.getLogger("flashtile.engine")
@@ -415,6 +417,9 @@ def add_serve(commands):
     p.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="accepted for vLLM's command lines: --tool-call-parser enables "
                    "tool_choice \"auto\"")
+    p.add_argument("--chat-template", default=None,
+                   help="a Jinja chat template, or the path of a file holding one, "
+                   "instead of the model's")
     p.add_argument("--stream-interval", type=int, default=1,
                    help="tokens per streamed chunk after the first (default 1); more "
                    "cost the server less host time per token")
@@ -437,7 +442,14 @@ def _serve(args) -> int:
               seed=args.seed, tensor_parallel_size=args.tensor_parallel_size)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     try:
+        template = None if args.chat_template is None \
+            else load_chat_template(args.chat_template)
         engine = AsyncEngine(lambda: LLM(args.model, **kw), args.stream_interval)
+        if template is not None:
+            if engine.llm.tokenizer is None:
+                _fail(ValueError, "chat_template", "a model with tokenizer.json beside it",
+                      "none")
+            engine.llm.tokenizer.chat_template = template
     except ValueError as err:  # a bad checkpoint or engine option: say which
         print(f"flashtile serve: {err}", file=sys.stderr)
         return 2

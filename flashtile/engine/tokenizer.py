@@ -73,6 +73,17 @@ def _find_chat_template(model_dir, config):
     return template
 
 
+def load_chat_template(value: str) -> str:
+    """vLLM's --chat-template: a file's path (its text), else the template itself."""
+    if os.path.isfile(value):
+        with open(value, encoding="utf-8") as f:
+            return f.read()
+    if "{" not in value:  # neither a file nor Jinja: most likely a mistyped path
+        _fail(ValueError, "chat_template", "a Jinja template or the path of a file "
+              "holding one", repr(value)[:80])
+    return value
+
+
 class Tokenizer:
     """tokenizer.json + tokenizer_config.json of a checkpoint directory."""
 
@@ -122,13 +133,16 @@ class Tokenizer:
         return [self._tok.id_to_token(i) for i in token_ids]
 
     def render_chat(self, messages, add_generation_prompt: bool = True,
-                    continue_final_message: bool = False, **kwargs) -> str:
+                    continue_final_message: bool = False, chat_template: str | None = None,
+                    **kwargs) -> str:
         """The chat template's text for one conversation (a list of {"role", "content"}).
         continue_final_message (transformers' and vLLM's flag): the text ends inside the
         last message, for the model to continue it (say, an assistant reply begun by the
         caller); the template's closing of that message is cut off, found as
-        transformers finds it, by a tag appended to the content."""
-        if not self.chat_template:
+        transformers finds it, by a tag appended to the content. chat_template: this
+        template instead of the model's."""
+        chat_template = chat_template or self.chat_template
+        if not chat_template:
             _fail(ValueError, "chat_template", "a chat template in tokenizer_config.json "
                   "or chat_template.jinja", "none", "Pass the prompt as text instead")
         if not isinstance(messages, (list, tuple)) or not all(
@@ -147,7 +161,7 @@ class Tokenizer:
                       "content", repr(final)[:80])
             messages[-1] = {**messages[-1], "content": final + _CONTINUE_TAG}
         variables = {**self.special_tokens, **kwargs}
-        text = _compile(self.chat_template).render(
+        text = _compile(chat_template).render(
             messages=messages, add_generation_prompt=add_generation_prompt, **variables)
         if continue_final_message:
             tag = _CONTINUE_TAG.strip()
