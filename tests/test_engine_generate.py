@@ -619,6 +619,16 @@ def test_generate_input_forms_and_chat(checkpoint):
     assert _tokens(by_text) == _tokens(by_ids) and [len(t) for t in _tokens(by_ids)] == [3, 5]
     assert _tokens(llm.generate(texts[1], params[1], use_tqdm=False)) == _tokens(by_ids)[1:]
     assert _tokens(llm.generate(ids[0], params[0], use_tqdm=False)) == _tokens(by_ids)[:1]
+    # vLLM's prompt dicts: TokensPrompt (with its text, or without) and TextPrompt.
+    by_dicts = llm.generate([{"prompt_token_ids": ids[0], "prompt": texts[0]},
+                             {"prompt": texts[1]}], params, use_tqdm=False)
+    assert _tokens(by_dicts) == _tokens(by_ids)
+    assert [o.prompt for o in by_dicts] == texts
+    one = llm.generate({"prompt_token_ids": ids[1]}, params[1], use_tqdm=False)
+    assert _tokens(one) == _tokens(by_ids)[1:] and one[0].prompt is None
+    with pytest.raises(ValueError, match=r"prompt: expected a dict with 'prompt' \(text\) "
+                       r"or 'prompt_token_ids'.*got keys \['multi_modal_data', 'prompt'\]"):
+        llm.generate({"prompt": "x", "multi_modal_data": {}}, use_tqdm=False)
 
     conv = [{"role": "user", "content": "How are you?"}]
     out = llm.chat(conv, params[0], use_tqdm=False)[0]

@@ -153,6 +153,8 @@ class LLM:
         if params.n != 1:
             _fail(ValueError, "n", "1 for one request (SamplingParams.completions splits "
                   "n > 1; LLM.generate and LLM.chat take it)", params.n)
+        if isinstance(prompt, dict):  # vLLM's TextPrompt / TokensPrompt
+            prompt, prompt_text = _prompt_of(prompt)
         if isinstance(prompt, str):
             if not prompt:
                 _fail(ValueError, "prompt", "a non-empty string or token id list", "''")
@@ -285,10 +287,12 @@ class LLM:
     # ---- offline API ------------------------------------------------------------------
     def generate(self, prompts, sampling_params=None, use_tqdm: bool = True,
                  ) -> list[RequestOutput]:
-        """Complete prompts: a string, a token id list, or a list of either. One
-        SamplingParams for all, or a list with one per prompt. Outputs in prompt order."""
-        if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts
-                                        and isinstance(prompts[0], int)):
+        """Complete prompts: a string, a token id list, vLLM's {"prompt": text} or
+        {"prompt_token_ids": ids} (with an optional "prompt", its text), or a list of
+        those. One SamplingParams for all, or a list with one per prompt. Outputs in
+        prompt order."""
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, (list, tuple))
+                                                and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         return self._run([(p, None) for p in prompts], sampling_params, use_tqdm)
 
@@ -374,6 +378,19 @@ def _merged(outputs: list[RequestOutput]) -> RequestOutput:
                                    min(first_tokens, default=None),
                                    max(m.finish_time for m in metrics))
     return first
+
+
+def _prompt_of(prompt: dict):
+    """vLLM's prompt dicts: (the token ids, the text given beside them) of a TokensPrompt
+    {"prompt_token_ids", optional "prompt"}, (the text, None) of a TextPrompt
+    {"prompt"}; other keys (multi-modal data, ...) are refused."""
+    other = sorted(set(prompt) - {"prompt", "prompt_token_ids"})
+    if other or not prompt:
+        _fail(ValueError, "prompt", "a dict with 'prompt' (text) or 'prompt_token_ids' "
+              "(and optionally the text)", f"keys {sorted(prompt)}")
+    if "prompt_token_ids" in prompt:
+        return prompt["prompt_token_ids"], prompt.get("prompt")
+    return prompt["prompt"], None
 
 
 def _progress(total):
