@@ -318,7 +318,7 @@ def test_prefix_cache_hit_equals_miss(checkpoint, monkeypatch):
     shared = _prompts([37], seed=3)[0]
     prompts = [shared + [5, 6], shared + [7]]  # two full pages in common
     params = SamplingParams(temperature=0, max_tokens=6, logprobs=0, ignore_eos=True)
-    cached = []
+    cached, reported = [], []
     allocate = BlockManager.allocate
 
     def spy(self, seq):
@@ -331,10 +331,11 @@ def test_prefix_cache_hit_equals_miss(checkpoint, monkeypatch):
     for caching in (True, False):
         llm = _llm(path, enable_prefix_caching=caching)
         # One at a time, so the second prompt can hit the pages the first one wrote.
-        runs[caching] = [llm.generate([p], params, use_tqdm=False)[0].outputs[0]
-                         for p in prompts]
+        outs = [llm.generate([p], params, use_tqdm=False)[0] for p in prompts]
+        runs[caching] = [o.outputs[0] for o in outs]
+        reported += [o.num_cached_tokens for o in outs]  # RequestOutput's, as vLLM's
         _assert_pool_empty(llm)
-    assert cached == [0, 32, 0, 0]
+    assert cached == [0, 32, 0, 0] == reported
     for hit, miss in zip(runs[True], runs[False]):
         assert hit.token_ids == miss.token_ids
         torch.testing.assert_close(hit.logprobs, miss.logprobs, atol=1e-5, rtol=0)

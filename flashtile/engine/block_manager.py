@@ -160,6 +160,8 @@ class BlockManager:
         new = seq.num_blocks(self.page_size) - len(hits)
         seq.block_table = hits + [self._take_free() for _ in range(new)]
         seq.num_cached_tokens = seq.num_computed_tokens = len(hits) * self.page_size
+        if seq.prefix_hit_tokens is None:
+            seq.prefix_hit_tokens = seq.num_cached_tokens
         self._seqs[seq.seq_id] = seq
         if not self._free_rows:
             held = len(self.tables)

@@ -108,7 +108,7 @@ class _Request:
             prompt_token_ids=self.prompt_token_ids, outputs=[completion],
             finished=seq.is_finished,
             metrics=RequestMetrics(seq.arrival_time, seq.first_token_time, seq.finish_time),
-            prompt_logprobs=prompt_logprobs)
+            prompt_logprobs=prompt_logprobs, num_cached_tokens=seq.prefix_hit_tokens or 0)
 
 
 class LLM:

@@ -51,7 +51,8 @@ class RequestOutput:
     """One request's output. prompt_logprobs (SamplingParams.prompt_logprobs set): per
     prompt position, None at position 0, then {the prompt token: its logprob, then the k
     most likely tokens: theirs} (vLLM's shape, floats for its Logprob objects); a DELTA
-    request carries it in its first output only."""
+    request carries it in its first output only. num_cached_tokens: the prompt tokens
+    its pages took from the prefix cache instead of computing them (vLLM's field)."""
 
     request_id: str
     prompt: Optional[str]
@@ -60,6 +61,7 @@ class RequestOutput:
     finished: bool = False
     metrics: Optional[RequestMetrics] = None
     prompt_logprobs: Optional[list] = None
+    num_cached_tokens: int = 0
 
     def add(self, next_output: "RequestOutput"):
         """Append the next delta output of the same request (RequestOutputKind.DELTA) to

@@ -59,6 +59,10 @@ class Sequence:
         self.num_prompt_tokens = len(token_ids)
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0
+        # The tokens its first allocation took from the prefix cache (None before it;
+        # RequestOutput.num_cached_tokens, as vLLM reports it: kept through preemption
+        # and the freeing at the end, which reset num_cached_tokens).
+        self.prefix_hit_tokens: int | None = None
         self.block_table: list[int] = []
         # Its row of BlockManager.tables, while it holds pages.
         self.table_row: int | None = None
