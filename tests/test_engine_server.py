@@ -405,6 +405,30 @@ def test_metrics(server, llm):
     assert grew("prefix_cache_queries_total") >= grew("prefix_cache_hits_total") >= 0
 
 
+def test_prompt_tokens_details(server, llm):
+    """--enable-prompt-tokens-details (vLLM's flag): usage.prompt_tokens_details.
+    cached_tokens is what the prefix cache gave: nothing to a new prompt, its two full
+    pages (32 tokens) to one sharing them, whole and in a stream's usage chunk; without
+    the flag usage has no such field."""
+    g = torch.Generator().manual_seed(5)
+    shared = torch.randint(3, VOCAB, (40,), generator=g).tolist()
+    with ServerThread(build_app(AsyncEngine(lambda: llm), MODEL, None, True)) as s:
+        status, first = run(_request(s.url + "/v1/completions",
+                                     dict(prompt=shared, **_greedy(max_tokens=3))))
+        assert status == 200
+        assert first["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+        _, again = run(_request(s.url + "/v1/completions",
+                                dict(prompt=shared[:-1] + [7], **_greedy(max_tokens=3))))
+        assert again["usage"]["prompt_tokens_details"] == {"cached_tokens": 32}
+        events = run(_events(s.url + "/v1/completions", dict(
+            prompt=shared[:-2] + [8], stream=True, stream_options={"include_usage": True},
+            **_greedy(max_tokens=3))))
+        assert events[-2]["usage"]["prompt_tokens_details"] == {"cached_tokens": 32}
+    _, plain = post(server, "/v1/completions", dict(prompt=shared, **_greedy()))
+    assert "prompt_tokens_details" not in plain["usage"]
+    _assert_idle(llm)
+
+
 def test_metrics_escape_the_model_name():
     """A label value keeps its quotes, backslashes and newlines escaped; token buckets
     go 1, 2, 5, 10, ... up to max_model_len."""

@@ -339,16 +339,22 @@ def logprobs_body(chat, token_ids, logprobs, offset, tokenizer, top=None) -> dic
             "text_offset": offsets}
 
 
-def usage(outputs, n: int = 1) -> dict:
+def usage(outputs, n: int = 1, details: bool = False) -> dict:
     """usage over the whole RequestOutputs of a request's prompts, n completions each
-    (in a row: a prompt counts once)."""
+    (in a row: a prompt counts once); details: with prompt_tokens_details."""
+    cached = sum(o.num_cached_tokens for o in outputs[::n]) if details else None
     return usage_body(sum(len(o.prompt_token_ids) for o in outputs[::n]),
-                      sum(len(o.outputs[0].token_ids) for o in outputs))
+                      sum(len(o.outputs[0].token_ids) for o in outputs), cached)
 
 
-def usage_body(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+def usage_body(prompt_tokens: int, completion_tokens: int, cached_tokens=None) -> dict:
+    """OpenAI's usage; cached_tokens (not None: --enable-prompt-tokens-details, vLLM's
+    flag): the prompt tokens taken from the prefix cache, as prompt_tokens_details."""
+    body = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens}
+    if cached_tokens is not None:
+        body["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    return body
 
 
 def sse(data) -> bytes:

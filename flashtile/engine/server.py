@@ -59,8 +59,10 @@ MAX_BODY_BYTES = 64 * 2**20  # a 128k-token prompt as a JSON id list is ~1 MB
 class OpenAIServer:
     """The HTTP handlers over one AsyncEngine."""
 
-    def __init__(self, engine: AsyncEngine, model_name: str, tool_call_parser=None):
+    def __init__(self, engine: AsyncEngine, model_name: str, tool_call_parser=None,
+                 enable_prompt_tokens_details: bool = False):
         self.engine, self.model_name = engine, model_name
+        self.details = enable_prompt_tokens_details
         self.tool_parser = get_parser(tool_call_parser)
         self.llm = engine.llm
         self.tokenizer = engine.llm.tokenizer
@@ -242,7 +244,7 @@ class OpenAIServer:
                         body["finish_reason"] = "tool_calls"
                 choices.append(body)
             return web.json_response({**head, "choices": choices,
-                                      "usage": api.usage(outs, params.n)})
+                                      "usage": api.usage(outs, params.n, self.details)})
         finally:
             stream.close()
 
@@ -289,7 +291,7 @@ class OpenAIServer:
                     role = {"index": index, "delta": {"role": "assistant", "content": ""},
                             "logprobs": None, "finish_reason": None}
                     parts.append(api.sse({**head, "choices": [role], **usage}))
-                chars, ntok, _ = sent.get(index, (0, 0, 0))
+                chars, ntok = sent.get(index, (0, 0))[:2]
                 text, ids, lps, top = c.text, c.token_ids, c.logprobs, c.top_logprobs
                 if echo is not None and index not in sent:
                     text, ids, lps, top = api.echoed(echo[index // n], out, logprobs)
@@ -315,13 +317,15 @@ class OpenAIServer:
                         "logprobs": None, "finish_reason": "tool_calls"}],
                         **usage}))
                 # The prompt counts once in usage, not once per completion.
+                first = index % n == 0
                 sent[index] = (after, ntok + len(c.token_ids),
-                               len(out.prompt_token_ids) if index % n == 0 else 0)
+                               len(out.prompt_token_ids) if first else 0,
+                               out.num_cached_tokens if first else 0)
             await resp.write(b"".join(parts))
         if include_usage:
-            _, completion, prompt = (sum(x) for x in zip(*sent.values()))
-            await resp.write(api.sse({**head, "choices": [],
-                                      "usage": api.usage_body(prompt, completion)}))
+            _, completion, prompt, cached = (sum(x) for x in zip(*sent.values()))
+            await resp.write(api.sse({**head, "choices": [], "usage": api.usage_body(
+                prompt, completion, cached if self.details else None)}))
 
 
 def freeze_gc_heap():
@@ -333,11 +337,14 @@ def freeze_gc_heap():
     gc.freeze()
 
 
-def build_app(engine: AsyncEngine, model_name: str, tool_call_parser=None):
+def build_app(engine: AsyncEngine, model_name: str, tool_call_parser=None,
+              enable_prompt_tokens_details: bool = False):
     """The aiohttp application; starts the engine loop on startup, stops it on cleanup.
     tool_call_parser: the name of the parser of the models' tool calls (tool_parsers.py),
-    or None: requests with tools get a 400."""
-    server = OpenAIServer(engine, model_name, tool_call_parser)
+    or None: requests with tools get a 400. enable_prompt_tokens_details: usage says
+    how many prompt tokens came from the prefix cache (vLLM's flag)."""
+    server = OpenAIServer(engine, model_name, tool_call_parser,
+                          enable_prompt_tokens_details)
 
     @web.middleware
     async def errors(request, handler):
@@ -417,6 +424,9 @@ def add_serve(commands):
     p.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="accepted for vLLM's command lines: --tool-call-parser enables "
                    "tool_choice \"auto\"")
+    p.add_argument("--enable-prompt-tokens-details", action="store_true",
+                   help="usage.prompt_tokens_details.cached_tokens: the prompt tokens "
+                   "taken from the prefix cache")
     p.add_argument("--chat-template", default=None,
                    help="a Jinja chat template, or the path of a file holding one, "
                    "instead of the model's")
@@ -459,7 +469,8 @@ def _serve(args) -> int:
           f"({engine.llm.runner.num_blocks} KV pages of {engine.llm.config.page_size} "
           f"tokens, max_model_len {engine.llm.config.max_model_len})", flush=True)
     try:
-        web.run_app(build_app(engine, name, args.tool_call_parser), host=args.host,
+        web.run_app(build_app(engine, name, args.tool_call_parser,
+                              args.enable_prompt_tokens_details), host=args.host,
                     port=args.port, handler_cancellation=True, print=None)
     except OSError as err:  # the port is taken, the host is not this machine's
         print(f"flashtile serve: {err}", file=sys.stderr)
