@@ -5,8 +5,8 @@ No HTTP here (server.py has the aiohttp application).
 Beyond OpenAI, vLLM's extensions: ``top_k``, ``min_p``, ``repetition_penalty``,
 ``stop_token_ids``, ``ignore_eos``, ``skip_special_tokens``, ``min_tokens``,
 ``include_stop_str_in_output``, ``allowed_token_ids``, ``truncate_prompt_tokens``,
-``bad_words``; in chat ``add_generation_prompt``,
-``continue_final_message`` and ``chat_template_kwargs``. ``n`` completions of prompt i
+``bad_words``; in chat ``add_generation_prompt``, ``continue_final_message`` and
+``chat_template_kwargs``. ``n`` completions of prompt i
 are choices i * n + j; ``logprobs`` (completions) and ``top_logprobs`` (chat) up to
 MAX_LOGPROBS alternatives. ``echo`` (completions) puts the prompt before each choice's
 text and, with ``logprobs``, the prompt tokens' logprobs before the completion's (the
@@ -106,8 +106,11 @@ def parse_messages(body) -> list[dict]:
     return out
 
 
-# Template variables a request sets through its own fields, not chat_template_kwargs.
-_TEMPLATE_FIELDS = ("messages", "add_generation_prompt", "continue_final_message", "tools")
+# Template variables a request sets through its own fields, not chat_template_kwargs;
+# and chat_template, which would replace the server's template (vLLM takes a request's
+# only under --trust-request-chat-template).
+_TEMPLATE_FIELDS = ("messages", "add_generation_prompt", "continue_final_message", "tools",
+                    "chat_template")
 
 
 def chat_template_args(body) -> dict:

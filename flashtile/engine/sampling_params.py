@@ -241,8 +241,8 @@ class SamplingParams:
 
     @property
     def adjusts_logits(self) -> bool:
-        """Whether a penalty, a bias, min_tokens, allowed_token_ids or bad_words changes the logits
-        before the token is chosen."""
+        """Whether a penalty, a bias, min_tokens, allowed_token_ids or bad_words changes
+        the logits before the token is chosen."""
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 \
             or self.frequency_penalty != 0.0 or self.logit_bias is not None \
             or self.min_tokens > 0 or self.allowed_token_ids is not None \
