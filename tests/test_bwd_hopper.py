@@ -264,7 +264,8 @@ def test_switch_sends_head_dim_256_under_1_and_auto(monkeypatch):
 # The schedule options (FLASHTILE_HOPPER_BWD_OPTS, bwd_hopper's docstring) the GPU A/B
 # times, alone and as timed together; tests/test_gluon_compile.py checks their SASS.
 OPTS = ["none", "sdp", "lse_ahead", "lse_ahead,dq_tma", "lse_ahead,sdp", "lse_smem,dq_tma",
-        "lse_smem", "lse_smem,dq_tma,ds_ring", "lse_ahead,ds_ring"]
+        "lse_smem", "lse_smem,dq_tma,ds_ring", "lse_ahead,ds_ring",
+        "lse_smem,dq_tma,ds_ring,sdp"]
 # dq_split (alone, with lse_ahead) at the BLOCK_M the A/B times it at
 # (FLASHTILE_HOPPER_BWD_CONFIG; head_dim 64: 128 rows, each consumer 64 of them).
 SPLIT_CASES = [(64, "dq_split", "128,128,4,2"), (128, "dq_split", None),
