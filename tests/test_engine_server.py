@@ -183,6 +183,16 @@ def test_stream_order_and_done(server, llm, chat):
     events = run(_events(server.url + path, dict(body, stream=True)))
     assert events[-1] == "[DONE]" and 2 + chat <= len(events) <= 11 + chat
     assert all("usage" not in c for c in events[:-1])
+    # continuous_usage_stats (vLLM's): each token chunk carries its choice's usage so
+    # far, up to the whole response's; the closing usage chunk stays.
+    events = run(_events(server.url + path, dict(body, stream=True, stream_options={
+        "include_usage": True, "continuous_usage_stats": True})))
+    chunks = events[1 + chat:-2]
+    so_far = [c["usage"]["completion_tokens"] for c in chunks]
+    assert so_far == sorted(so_far) and so_far[-1] == whole["usage"]["completion_tokens"]
+    assert all(c["usage"]["prompt_tokens"] == whole["usage"]["prompt_tokens"]
+               for c in chunks)
+    assert chunks[-1]["usage"] == whole["usage"] == events[-2]["usage"]
     _assert_idle(llm)
 
 
@@ -616,6 +626,9 @@ BAD = [  # (path, body (dict, or raw bytes), status, param, code)
                                   logprobs=True, top_logprobs=21), 400, "top_logprobs",
      None),
     ("/v1/completions", dict(prompt="Hi", stream="yes"), 400, "stream", None),
+    ("/v1/completions", dict(prompt="Hi", stream=True,
+                             stream_options={"continuous_usage_stats": "yes"}), 400,
+     "stream_options", None),
     ("/v1/completions", dict(prompt="Hi", stream_options={"include_usage": True}), 400,
      "stream_options", None),
     ("/v1/completions", dict(prompt=""), 400, "prompt", None),

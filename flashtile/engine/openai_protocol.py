@@ -5,8 +5,9 @@ No HTTP here (server.py has the aiohttp application).
 Beyond OpenAI, vLLM's extensions: ``top_k``, ``min_p``, ``repetition_penalty``,
 ``stop_token_ids``, ``ignore_eos``, ``skip_special_tokens``, ``min_tokens``,
 ``include_stop_str_in_output``, ``allowed_token_ids``, ``truncate_prompt_tokens``,
-``bad_words``; in chat ``add_generation_prompt``, ``continue_final_message`` and
-``chat_template_kwargs``. ``n`` completions of prompt i
+``bad_words``, ``stream_options.continuous_usage_stats``; in chat
+``add_generation_prompt``, ``continue_final_message`` and ``chat_template_kwargs``. ``n``
+completions of prompt i
 are choices i * n + j; ``logprobs`` (completions) and ``top_logprobs`` (chat) up to
 MAX_LOGPROBS alternatives. ``echo`` (completions) puts the prompt before each choice's
 text and, with ``logprobs``, the prompt tokens' logprobs before the completion's (the
@@ -191,18 +192,22 @@ def check_unsupported(body):
                                f"{json.dumps(body[name])[:80]}", name)
 
 
-def stream_flags(body) -> tuple[bool, bool]:
-    """(stream, include_usage) from ``stream`` and ``stream_options``."""
+def stream_flags(body) -> tuple[bool, bool, bool]:
+    """(stream, include_usage, continuous_usage_stats) from ``stream`` and
+    ``stream_options`` (continuous_usage_stats, vLLM's: every chunk carries its choice's
+    usage so far)."""
     stream, options = body.get("stream"), body.get("stream_options")
     if stream is not None and not isinstance(stream, bool):
         raise RequestError(f"stream: expected a bool, got {json.dumps(stream)}", "stream")
     if options is None:
-        return bool(stream), False
-    usage = options.get("include_usage", False) if isinstance(options, dict) else None
-    if not stream or not isinstance(usage, bool):
-        raise RequestError("stream_options: expected {include_usage: bool} with "
-                           f"stream=true, got {json.dumps(options)[:80]}", "stream_options")
-    return True, usage
+        return bool(stream), False, False
+    flags = [options.get(k, False) for k in ("include_usage", "continuous_usage_stats")] \
+        if isinstance(options, dict) else [None]
+    if not stream or not all(isinstance(f, bool) for f in flags):
+        raise RequestError("stream_options: expected {include_usage: bool, "
+                           "continuous_usage_stats: bool} with stream=true, got "
+                           f"{json.dumps(options)[:80]}", "stream_options")
+    return True, *flags
 
 
 def completion_logprobs(body):
@@ -382,10 +387,11 @@ class ChunkFormat:
         self.chat = chat
 
     def chunk(self, index, text, token_ids, logprobs, offset, finish_reason,
-              tokenizer, top=None) -> tuple[bytes, int]:
+              tokenizer, top=None, usage=None) -> tuple[bytes, int]:
         """The chunk of choice ``index``'s new ``text`` and ``token_ids`` (their
         ``logprobs`` or None, ``top`` their alternatives or None; ``offset``: the
-        characters streamed before), and the offset the choice's next chunk starts at.
+        characters streamed before; ``usage``: a usage body for this chunk, else null
+        with include_usage), and the offset the choice's next chunk starts at.
         With completions' logprobs that counts each token's own string, as text_offset
         does (so a stream's offsets equal the whole response's), else the text's."""
         lp, after = "null", offset + len(text)
@@ -395,8 +401,9 @@ class ChunkFormat:
             if not self.chat:
                 after = offset + sum(map(len, body["tokens"]))
         reason = "null" if finish_reason is None else _json_str(finish_reason)
+        end = self.end if usage is None else f'], "usage": {json.dumps(usage)}}}\n\n'
         return (self.start + self.choice % (index, _json_str(text), lp, reason)
-                + self.end).encode(), after
+                + end).encode(), after
 
 
 # json.dumps(s, ensure_ascii=False) of a str s, without JSONEncoder's dispatch.

@@ -212,7 +212,7 @@ class OpenAIServer:
                        tools: bool = False):
         """echo: each prompt's text, put before its choices' (completions' echo); tools:
         the answers' tool calls are parsed out (the server's tool-call parser)."""
-        stream_mode, include_usage = flags
+        stream_mode, include_usage, continuous = flags
         parser = self.tool_parser if tools else None
         try:
             stream = await self.engine.add(prompts, params)
@@ -223,7 +223,8 @@ class OpenAIServer:
                 "created": int(time.time()), "model": self.model_name}
         try:
             if stream_mode:
-                return await self._stream(request, stream, head, chat, include_usage,
+                return await self._stream(request, stream, head, chat,
+                                          (include_usage, continuous),
                                           params.logprobs is not None, params.n, echo,
                                           parser)
             final = {index: out async for index, out in stream}  # FINAL_ONLY: one each
@@ -248,7 +249,7 @@ class OpenAIServer:
         finally:
             stream.close()
 
-    async def _stream(self, request, stream, head, chat, include_usage, logprobs, n,
+    async def _stream(self, request, stream, head, chat, usage_flags, logprobs, n,
                       echo=None, parser=None):
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                            "Cache-Control": "no-cache"})
@@ -256,7 +257,7 @@ class OpenAIServer:
         head = {**head, "object": "chat.completion.chunk" if chat else "text_completion"}
         try:
             try:
-                await self._chunks(resp, stream, head, chat, include_usage, logprobs, n,
+                await self._chunks(resp, stream, head, chat, usage_flags, logprobs, n,
                                    echo, parser)
             except ConnectionResetError:
                 raise
@@ -270,13 +271,16 @@ class OpenAIServer:
             pass
         return resp
 
-    async def _chunks(self, resp, stream, head, chat, include_usage, logprobs, n,
+    async def _chunks(self, resp, stream, head, chat, usage_flags, logprobs, n,
                       echo=None, parser=None):
         """The token chunks: per wake-up one write with one chunk per choice that
         progressed (several steps' tokens in one chunk when the loop fell behind); n
         choices a prompt; with echo, a choice's first chunk starts with its prompt. With
         a tool-call parser, text that may start a call is held back, and a choice whose
-        answer holds calls ends with one chunk of them (finish_reason "tool_calls")."""
+        answer holds calls ends with one chunk of them (finish_reason "tool_calls").
+        usage_flags: (include_usage: a closing usage chunk, continuous_usage_stats: each
+        token chunk with its choice's usage so far)."""
+        include_usage, continuous = usage_flags
         calls_of = {}  # choice index -> its ToolCallStream
         usage = {"usage": None} if include_usage else {}  # in each chunk sse() writes
         chunks = api.ChunkFormat(head, chat, include_usage)
@@ -306,9 +310,11 @@ class OpenAIServer:
                         rest, calls = tool_stream.finish()
                         text += rest
                         reason = None if calls else reason
+                so_far = api.usage_body(len(out.prompt_token_ids), ntok + len(c.token_ids)) \
+                    if continuous else None
                 body, after = chunks.chunk(
                     index, text, ids, lps if logprobs else None, chars, reason,
-                    self.tokenizer, top if logprobs else None)
+                    self.tokenizer, top if logprobs else None, so_far)
                 parts.append(body)
                 if calls:
                     parts.append(api.sse({**head, "choices": [{
