@@ -7,9 +7,8 @@ Beyond OpenAI, vLLM's extensions: ``top_k``, ``min_p``, ``repetition_penalty``,
 ``include_stop_str_in_output``, ``allowed_token_ids``, ``truncate_prompt_tokens``,
 ``bad_words``, ``stream_options.continuous_usage_stats``; in chat
 ``add_generation_prompt``, ``continue_final_message`` and ``chat_template_kwargs``. ``n``
-completions of prompt i
-are choices i * n + j; ``logprobs`` (completions) and ``top_logprobs`` (chat) up to
-MAX_LOGPROBS alternatives. ``echo`` (completions) puts the prompt before each choice's
+completions of prompt i are choices i * n + j; ``logprobs`` (completions) and
+``top_logprobs`` (chat) up to MAX_LOGPROBS alternatives. ``echo`` (completions) puts the prompt before each choice's
 text and, with ``logprobs``, the prompt tokens' logprobs before the completion's (the
 first one null, as OpenAI's), from the engine's prompt logprobs. Not supported (400):
 ``echo`` in chat, ``best_of`` > 1, ``suffix``, ``response_format``, ``tool_choice``
