@@ -522,6 +522,48 @@ def test_bad_words_ids_take_the_spaced_form():
     assert bad_word_bans([], words) == [8]
 
 
+def test_beam_search_equals_transformers(checkpoint):
+    """LLM.beam_search (vLLM's): without an end-of-sequence token (ignore_eos; None for
+    transformers) the beam_width best beams are transformers' num_beams beams, token for
+    token and best first, their cumulative logprobs equal to its scores times the
+    length; beam_width 1 is greedy; a beam width past MAX_LOGPROBS / 2 is refused."""
+    from flashtile.engine import BeamSearchParams
+
+    path, model = checkpoint
+    llm = _llm(path)
+    prompts = _prompts([6, 11], seed=12)
+    outs = llm.beam_search([{"prompt_token_ids": p} for p in prompts],
+                           BeamSearchParams(beam_width=3, max_tokens=5, ignore_eos=True))
+    for prompt, out in zip(prompts, outs):
+        ids = torch.tensor([prompt])
+        hf = model.generate(ids, attention_mask=torch.ones_like(ids), num_beams=3,
+                            num_return_sequences=3, do_sample=False, max_new_tokens=5,
+                            eos_token_id=None, pad_token_id=0, length_penalty=0.0,
+                            return_dict_in_generate=True, output_scores=True)
+        assert [b.tokens for b in out.sequences] == hf.sequences.tolist()
+        torch.testing.assert_close([b.cum_logprob for b in out.sequences],
+                                   hf.sequences_scores.tolist(), atol=1e-4, rtol=0)
+        assert all(b.finish_reason == "length" and b.text is not None for b in out.sequences)
+        assert [len(b.logprobs) for b in out.sequences] == [5] * 3
+    greedy = llm.generate(prompts, GREEDY, use_tqdm=False)
+    ones = llm.beam_search(prompts, BeamSearchParams(beam_width=1, max_tokens=10,
+                                                     ignore_eos=True))
+    assert [o.sequences[0].tokens[len(p):] for o, p in zip(ones, prompts)] == \
+        _tokens(greedy)
+    # An end-of-sequence token ends a beam ("stop"); made here of the greedy first
+    # token, so the best beam of step one finishes at once, ranked by its score without
+    # that token in the length.
+    first = _tokens(greedy)[0][0]
+    llm.scheduler.eos_token_ids = frozenset({first})
+    out = llm.beam_search(prompts[0], BeamSearchParams(beam_width=2, max_tokens=3))[0]
+    stopped = [b for b in out.sequences if b.finish_reason == "stop"]
+    assert [b.tokens for b in stopped] == [prompts[0] + [first]]
+    assert all(b.tokens[-1] != first for b in out.sequences if b not in stopped)
+    with pytest.raises(ValueError, match=r"beam_width: expected an int in \[1, 10\]"):
+        BeamSearchParams(beam_width=11, max_tokens=4)
+    _assert_pool_empty(llm)
+
+
 def test_truncate_prompt_tokens(checkpoint):
     """truncate_prompt_tokens=k (vLLM's left truncation): a request keeps its prompt's
     last k tokens, as if sent alone: the same completion, prompt_token_ids and (a text

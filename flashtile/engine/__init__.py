@@ -9,7 +9,8 @@ dependencies (safetensors, tokenizers) do not import them.
 import importlib
 
 _EXPORTS = {"LLM": "llm", "SamplingParams": "sampling_params", "RequestOutput": "outputs",
-            "CompletionOutput": "outputs", "RequestMetrics": "outputs"}
+            "CompletionOutput": "outputs", "RequestMetrics": "outputs",
+            "BeamSearchParams": "beam_search"}
 __all__ = list(_EXPORTS)
 
 

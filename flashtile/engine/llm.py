@@ -296,6 +296,13 @@ class LLM:
             prompts = [prompts]
         return self._run([(p, None) for p in prompts], sampling_params, use_tqdm)
 
+    def beam_search(self, prompts, params):
+        """vLLM's beam search (flashtile.engine.beam_search): a BeamSearchOutput per
+        prompt (a string, token ids or a prompt dict), its beam_width best beams."""
+        from flashtile.engine.beam_search import beam_search
+
+        return beam_search(self, prompts, params)
+
     def chat(self, messages, sampling_params=None, use_tqdm: bool = True,
              add_generation_prompt: bool = True, continue_final_message: bool = False,
              tools=None, chat_template_kwargs: dict | None = None,
