@@ -266,15 +266,9 @@ def test_switch_sends_head_dim_256_under_1_and_auto(monkeypatch):
 OPTS = ["none", "sdp", "lse_ahead", "lse_ahead,dq_tma", "lse_ahead,sdp", "lse_smem,dq_tma",
         "lse_smem", "lse_smem,dq_tma,ds_ring", "lse_ahead,ds_ring",
         "lse_smem,dq_tma,ds_ring,sdp"]
-# dq_split (alone, with lse_ahead) at the BLOCK_M the A/B times it at
-# (FLASHTILE_HOPPER_BWD_CONFIG; head_dim 64: 128 rows, each consumer 64 of them).
-SPLIT_CASES = [(64, "dq_split", "128,128,4,2"), (128, "dq_split", None),
-               (64, "lse_ahead,dq_split", "128,128,4,2"), (128, "lse_ahead,dq_split", None),
-               # dq_tma with dq_split (each consumer's share through its own tile), and
-               # the 128-row block's whole (128, 64) tiles without it.
-               (64, "lse_ahead,dq_split,dq_tma", "128,128,4,2"),
-               (128, "lse_ahead,dq_split,dq_tma", None),
-               (64, "lse_ahead,dq_tma", "128,128,4,2")]
+# 128 query rows a block at head_dim 64 (FLASHTILE_HOPPER_BWD_CONFIG; session 14's
+# tile A/B): the block's whole (128, 64) dQ tiles through the reduce-adds.
+BLOCK_M_128_CASES = [(64, "lse_ahead,dq_tma", "128,128,4,2")]
 # pipe (head_dim 64, BLOCK_M 64 only): with and without lse_ahead, with 3 stages (the
 # previous block's stage freed later: a different ring turnover), with dq_tma, and with
 # today's default options (session 28's A/B candidate).
@@ -366,21 +360,19 @@ def test_hopper_bwd_d256_dq_paths_small(opts, monkeypatch):
 
 
 @pytest.mark.parametrize("mask", list(MASKS))
-@pytest.mark.parametrize("head_dim,opts,config", SPLIT_CASES, ids=lambda x: str(x))
+@pytest.mark.parametrize("head_dim,opts,config", BLOCK_M_128_CASES, ids=lambda x: str(x))
 @on_hopper
-def test_dq_split_matches_float64_reference(head_dim, opts, config, mask, monkeypatch):
-    """dq_split: test_options_match_float64_reference's calls (its many query blocks
-    turn both dS^T buffers over many times; the last block's dQ shares read K before
-    dK is stored through it)."""
+def test_block_m_128_matches_float64_reference(head_dim, opts, config, mask, monkeypatch):
+    """128 query rows a block: test_options_match_float64_reference's calls."""
     causal, align = MASKS[mask]
     diag_offset = 300 - 333 if align == "bottom_right" else 0
     _backward_twice(_split_env(opts, config), head_dim, causal, diag_offset, monkeypatch)
 
 
-@pytest.mark.parametrize("head_dim,opts,config", SPLIT_CASES, ids=lambda x: str(x))
+@pytest.mark.parametrize("head_dim,opts,config", BLOCK_M_128_CASES, ids=lambda x: str(x))
 @on_hopper
-def test_hopper_bwd_dq_split_small(head_dim, opts, config, monkeypatch):
-    """The memcheck slice of dq_split: test_hopper_bwd_small's call."""
+def test_hopper_bwd_block_m_128_small(head_dim, opts, config, monkeypatch):
+    """The memcheck slice of 128 rows a block: test_hopper_bwd_small's call."""
     _backward_twice(_split_env(opts, config), head_dim, True, 45 - 77, monkeypatch,
                     shape=(2, 77, 45, 4, 2))
 
@@ -454,12 +446,12 @@ def test_options_knob(monkeypatch):
     assert bwd_hopper.kernel_flags(256, True, configs.hopper_bwd_opts(), 64) \
         == dict(IS_CAUSAL=True, DQ_TMA=True)
     flags = bwd_hopper.kernel_flags(128, True, configs.hopper_bwd_opts(), 64)
-    assert flags == dict(IS_CAUSAL=True, SDP=False, LSE_AHEAD=False, DQ_SPLIT=False,
-                         DQ_TMA=True, PIPE=False, LSE_SMEM=True, DS_RING=True)
+    assert flags == dict(IS_CAUSAL=True, SDP=False, LSE_AHEAD=False, DQ_TMA=True,
+                         PIPE=False, LSE_SMEM=True, DS_RING=True)
     # ... and lse_ahead where lse_smem cannot run (seqlen_q 301: not a multiple of 4).
     flags = bwd_hopper.kernel_flags(128, True, configs.hopper_bwd_opts(), 64, 301)
-    assert flags == dict(IS_CAUSAL=True, SDP=False, LSE_AHEAD=True, DQ_SPLIT=False,
-                         DQ_TMA=True, PIPE=False, LSE_SMEM=False, DS_RING=True)
+    assert flags == dict(IS_CAUSAL=True, SDP=False, LSE_AHEAD=True, DQ_TMA=True,
+                         PIPE=False, LSE_SMEM=False, DS_RING=True)
     for none in ("none", " none ,", ""):
         monkeypatch.setenv("FLASHTILE_HOPPER_BWD_OPTS", none)
         assert configs.hopper_bwd_opts() == frozenset()
@@ -468,8 +460,8 @@ def test_options_knob(monkeypatch):
     monkeypatch.setenv("FLASHTILE_HOPPER_BWD_OPTS", " sdp, dq_tma ,")
     assert configs.hopper_bwd_opts() == {"sdp", "dq_tma"}
     flags = bwd_hopper.kernel_flags(64, False, configs.hopper_bwd_opts(), 64)
-    assert flags == dict(IS_CAUSAL=False, SDP=True, LSE_AHEAD=False, DQ_SPLIT=False,
-                         DQ_TMA=True, PIPE=False, LSE_SMEM=False, DS_RING=False)
+    assert flags == dict(IS_CAUSAL=False, SDP=True, LSE_AHEAD=False, DQ_TMA=True,
+                         PIPE=False, LSE_SMEM=False, DS_RING=False)
     # lse_smem brings lse and delta with Q and dO: lse_ahead has nothing left to do.
     flags = bwd_hopper.kernel_flags(64, False, frozenset({"lse_ahead", "lse_smem"}), 64)
     assert flags["LSE_SMEM"] and not flags["LSE_AHEAD"]
@@ -479,12 +471,13 @@ def test_options_knob(monkeypatch):
         flags = bwd_hopper.kernel_flags(64, False, frozenset({"lse_smem", "dq_tma"}), 64, sq)
         assert (flags["LSE_SMEM"], flags["LSE_AHEAD"], flags["DQ_TMA"]) == (smem, not smem,
                                                                            True)
-    monkeypatch.setenv("FLASHTILE_HOPPER_BWD_OPTS", "lse_ahead,dq_split")
-    flags = bwd_hopper.kernel_flags(64, True, configs.hopper_bwd_opts(), 128)
-    assert flags["LSE_AHEAD"] and flags["DQ_SPLIT"] and not flags["SDP"]
-    monkeypatch.setenv("FLASHTILE_HOPPER_BWD_OPTS", "lse_ahead,dq_split,dq_tma")
+    monkeypatch.setenv("FLASHTILE_HOPPER_BWD_OPTS", "lse_ahead,dq_tma")
     flags = bwd_hopper.kernel_flags(128, True, configs.hopper_bwd_opts(), 64)
-    assert flags["DQ_TMA"] and flags["DQ_SPLIT"] and not flags["PIPE"]
+    assert flags["DQ_TMA"] and flags["LSE_AHEAD"] and not flags["PIPE"]
+    # dq_split was removed in session 28 (its A/B lost): now an unknown option.
+    monkeypatch.setenv("FLASHTILE_HOPPER_BWD_OPTS", "lse_ahead,dq_split")
+    with pytest.raises(ValueError, match=r"\(unknown: \['dq_split'\]\)"):
+        configs.hopper_bwd_opts()
     # bwd_hopper256 takes dq_tma alone (the default's lse_ahead is passed over there).
     assert bwd_hopper.kernel_flags(256, True, configs.HOPPER_BWD_DEFAULT_OPTS, 64) \
         == dict(IS_CAUSAL=True, DQ_TMA=True)
@@ -500,31 +493,11 @@ def test_options_knob(monkeypatch):
         configs.hopper_bwd_opts()
 
 
-def test_dq_split_refuses_what_it_cannot_split():
-    """dq_split shares every dQ product between the consumers: at head_dim 64 only with
-    128 rows a block (64 a consumer; half of 64 head dims is half a swizzle atom of K)."""
-    with pytest.raises(ValueError, match=r"dq_split at head_dim 64 needs 128 query rows "
-                       r"a block \(FLASHTILE_HOPPER_BWD_CONFIG='128,128,4,2'\).* Got "
-                       r"BLOCK_M 64"):
-        bwd_hopper.kernel_flags(64, True, frozenset({"dq_split"}), 64)
-    assert bwd_hopper.kernel_flags(128, True, frozenset({"dq_split"}), 64)["DQ_SPLIT"]
-
-
-def test_ds_ring_refuses_dq_split():
-    """ds_ring (dS^T in two buffers) is the single-owner hand-off's: not with dq_split."""
-    with pytest.raises(ValueError, match=r"ds_ring \(dS\^T in two buffers\) goes without "
-                       r"dq_split .*, got \['dq_split', 'ds_ring'\]"):
-        bwd_hopper.kernel_flags(128, True, frozenset({"ds_ring", "dq_split"}), 64)
-    flags = bwd_hopper.kernel_flags(64, True, frozenset({"ds_ring", "lse_smem"}), 64)
-    assert flags["DS_RING"] and flags["LSE_SMEM"] and not flags["DQ_SPLIT"]
-
-
 def test_pipe_refuses_what_it_cannot_pipeline():
-    """pipe: head_dim 64 and BLOCK_M 64 only (registers), not with sdp or dq_split."""
-    for other, block_m in (("sdp", 64), ("dq_split", 128)):
-        with pytest.raises(ValueError, match=r"pipe \(the previous block's dV and dK .*\) "
-                           rf"goes without sdp .*, got \[.*'{other}'"):
-            bwd_hopper.kernel_flags(64, True, frozenset({"pipe", other}), block_m)
+    """pipe: head_dim 64 and BLOCK_M 64 only (registers), not with sdp."""
+    with pytest.raises(ValueError, match=r"pipe \(the previous block's dV and dK .*\) "
+                       r"goes without sdp .*, got \['pipe', 'sdp'\]"):
+        bwd_hopper.kernel_flags(64, True, frozenset({"pipe", "sdp"}), 64)
     for head_dim, block_m in ((128, 64), (64, 128)):
         with pytest.raises(ValueError, match=r"pipe needs head_dim 64 and 64 query rows a "
                            rf"block: .*, got head_dim {head_dim}, BLOCK_M {block_m}"):
@@ -536,15 +509,10 @@ def test_pipe_refuses_what_it_cannot_pipeline():
 
 def test_dq_tma_tile_and_descriptor():
     """dq_tma's tensor map: (1, 1, rows, 64) fp32 boxes over the accumulator, rows the
-    block's, or a consumer's 64 with dq_split at BLOCK_M 128; 128-byte swizzled. At
-    head_dim 256 over the accumulator's (1, batch * nheads, seqlen_q, 256) view."""
+    block's; 128-byte swizzled. At head_dim 256 over the accumulator's (1, batch *
+    nheads, seqlen_q, 256) view."""
     dq_accum = torch.empty(2, 4, 333, 128, dtype=torch.float32)
-    for opts, block_m, rows in ((frozenset({"dq_tma"}), 64, 64),
-                                (frozenset({"dq_tma"}), 128, 128),
-                                (frozenset({"dq_tma", "dq_split"}), 128, 64),
-                                (frozenset({"dq_tma", "dq_split"}), 64, 64)):
-        flags = bwd_hopper.kernel_flags(128, False, opts, block_m)
-        assert bwd_hopper.dq_tile_rows(flags, block_m) == rows
+    for rows in (64, 128):
         desc = bwd_hopper._dq_descriptor(dq_accum, rows)
         assert list(desc.block_shape) == [1, 1, rows, 64]
         assert list(desc.shape) == [2, 4, 333, 128]

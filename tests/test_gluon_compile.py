@@ -431,7 +431,7 @@ def _compile_bwd(head_dim, causal, dtype=torch.bfloat16, opts=None, stages=None,
     if flags.get("DQ_TMA"):  # the accumulator's tensor map, not its address
         dq_accum = torch.empty(2, 4, 300, head_dim, dtype=torch.float32)
         types["DQAccum"] = mangle_type(bwd_hopper._dq_descriptor(
-            dq_accum, bwd_hopper.dq_tile_rows(flags, block_m)))
+            dq_accum, block_m))
     if flags.get("LSE_SMEM"):  # lse and delta: (batch * nheads, seqlen_q) tensor maps
         rows = mangle_type(bwd_hopper._rows_descriptor(
             torch.empty(2, 4, 300, dtype=torch.float32), block_m))
@@ -526,15 +526,10 @@ def _walk_local_stores(sass: str) -> list[int]:
 # Where the walks store a few words to local memory since session 28 branched over the
 # softmax's mask in blocks that need none (bwd_hopper._p_t): (options, head dim, BLOCK_M,
 # causal) -> the most stores in one walk. The default's d128 causal walks are among them
-# and still ran forward + backward 4-6% faster (NOTES.md section 38); the others are
-# opt-ins no default runs. lse_ahead with dq_split at d64 stored 1-3 before, on the GPU
-# image's ptxas only (session 23).
+# and still ran forward + backward 4-6% faster (NOTES.md section 38); sdp's is an opt-in
+# no default runs.
 _WALK_STORES = {
     (("sdp",), 128, 64, False): 1,
-    (("dq_split",), 128, 64, False): 3,
-    (("lse_ahead", "dq_split"), 64, 128, False): 5,
-    (("lse_ahead", "dq_split", "dq_tma"), 64, 128, False): 2,
-    (("lse_ahead", "dq_split", "dq_tma"), 64, 128, True): 1,
     (("lse_smem", "dq_tma", "ds_ring"), 128, 64, True): 6,
 }
 
@@ -645,21 +640,14 @@ def _waited_loads(ops: list[str]) -> int:
 
 
 # The options of session 14 (bwd_hopper's docstring), each with the BLOCK_M it is timed
-# at (dq_split at head_dim 64 takes 128: each consumer 64 of the rows) and the local
-# memory ptxas keeps (bytes, the worst of full and causal; scalars stored before the
-# walk, checked by _walk_local_stores and _WALK_STORES). Not listed: lse_ahead with sdp,
-# which at head_dim 128 (causal) stores 10-12 words a block inside the walks. dq_split
-# at head_dim 64: the GPU image's ptxas keeps 8 bytes more than this machine's (64 and
-# 96 in session 18's check), still scalars stored before the walks; session 28's mask
-# branch added 8-24 bytes to the dq_split rows.
+# at and the local memory ptxas keeps (bytes, the worst of full and causal; scalars
+# stored before the walk, checked by _walk_local_stores and _WALK_STORES). Not listed:
+# lse_ahead with sdp, which at head_dim 128 (causal) stores 10-12 words a block inside
+# the walks.
 _BWD_NEW_OPTS = {
     (("lse_ahead",), 64, 64): 0,
     (("lse_ahead", "sdp"), 64, 64): 0,  # session 15: timed at d64 only (d128 stores)
     (("lse_ahead",), 128, 64): 56,
-    (("dq_split",), 64, 128): 96,
-    (("dq_split",), 128, 64): 56,
-    (("lse_ahead", "dq_split"), 64, 128): 112,
-    (("lse_ahead", "dq_split"), 128, 64): 32,
 }
 
 
@@ -668,10 +656,7 @@ _BWD_NEW_OPTS = {
                          ids=lambda x: ",".join(x) if isinstance(x, tuple) else str(x))
 def test_hopper_backward_new_options_compile_for_sm90(opts, head_dim, block_m, causal):
     """lse_ahead: no global load waited for inside a block before the next wgmma issue
-    (the default waits for lse's before S^T). dq_split: two dS^T buffers in shared
-    memory, each consumer half of the dQ atomics of the default (its share of every
-    block, not the whole product every other block), its dQ product queued behind dV
-    and dK (waited for with one group outstanding)."""
+    (the schedule without it waits for lse's before S^T), and the same shared memory."""
     ck = _compile_bwd(head_dim, causal, opts=opts, block_m=block_m)
     res = resources(ck)
     assert res["shared_bytes"] <= configs.SM90_SMEM_BYTES, res
@@ -684,26 +669,17 @@ def test_hopper_backward_new_options_compile_for_sm90(opts, head_dim, block_m, c
     if "sdp" in opts:  # S^T waited for alone, dP^T in flight
         assert "WARPGROUP.DEPBAR.LE gsb0, 0x1" in sass
     base = _compile_bwd(head_dim, causal, opts=(), block_m=block_m)
-    if "dq_split" in opts:
-        ds_tile = 2 * 64 * block_m * 2  # 128 keys x BLOCK_M, 16-bit
-        assert res["shared_bytes"] >= resources(base)["shared_bytes"] + ds_tile
-        assert 2 * sass.count("REDG") == _sass(base).count("REDG")
-        assert "WARPGROUP.DEPBAR.LE gsb0, 0x1" in sass
-    else:
-        assert res["shared_bytes"] == resources(base)["shared_bytes"]
+    assert res["shared_bytes"] == resources(base)["shared_bytes"]
 
 
-# dq_tma (session 15), alone with the default's lse_ahead and with dq_split, at the BLOCK_M
-# each is timed or tested at, and the local memory ptxas keeps (bytes, the worst of full
-# and causal; scalars stored before the walks, reloaded in them). At head_dim 128 the
-# walk's TMA coordinates take 24-64 bytes more than the atomics' (56) without dq_split,
-# 32 fewer with it.
+# dq_tma (session 15) with lse_ahead, at the BLOCK_M each is timed or tested at, and the
+# local memory ptxas keeps (bytes, the worst of full and causal; scalars stored before
+# the walks, reloaded in them). At head_dim 128 the walk's TMA coordinates take 24-64
+# bytes more than the atomics' (56).
 _BWD_TMA_OPTS = {
     (("lse_ahead", "dq_tma"), 64, 64): 0,
     (("lse_ahead", "dq_tma"), 128, 64): 120,
     (("lse_ahead", "dq_tma"), 64, 128): 128,
-    (("lse_ahead", "dq_split", "dq_tma"), 64, 128): 64,
-    (("lse_ahead", "dq_split", "dq_tma"), 128, 64): 24,
 }
 
 
@@ -713,19 +689,17 @@ _BWD_TMA_OPTS = {
 def test_hopper_backward_dq_tma_compiles_for_sm90(opts, head_dim, block_m, causal):
     """dq_tma: dQ_partial leaves through shared memory and TMA reduce-adds
     (cp.reduce.async.bulk.tensor .add, UTMAREDG in SASS), not atomics: no REDG or
-    atom.global is left, each consumer has its own fp32 tiles (a 64-dim piece each, or
-    its dq_split share) beside the atomics' shared memory, and nothing is stored to local
-    memory inside the walks."""
+    atom.global is left, each consumer has its own fp32 tiles (a 64-dim piece each)
+    beside the atomics' shared memory, and nothing is stored to local memory inside the
+    walks."""
     ck = _compile_bwd(head_dim, causal, opts=opts, block_m=block_m)
     res = resources(ck)
     assert res["shared_bytes"] <= configs.SM90_SMEM_BYTES, res
     assert res["stack_bytes"] <= _BWD_TMA_OPTS[(opts, head_dim, block_m)], res
     atomics = [o for o in opts if o != "dq_tma"]
     base = resources(_compile_bwd(head_dim, causal, opts=atomics, block_m=block_m))
-    split = "dq_split" in opts
-    rows = 64 if split else block_m
-    tiles = 2 if split else 2 * head_dim // 64
-    assert res["shared_bytes"] == base["shared_bytes"] + tiles * rows * 64 * 4
+    tiles = 2 * head_dim // 64
+    assert res["shared_bytes"] == base["shared_bytes"] + tiles * block_m * 64 * 4
     _assert_smem_model(res, head_dim, causal, opts, block_m)
     sass = _sass(ck)
     walks = _walk_local_stores(sass)
@@ -894,8 +868,8 @@ def test_hopper_backward_d256_dq_tma_compiles_for_sm90(causal, dtype):
     atomics' (208 KiB and barriers) and within the limit; no REDG or atom.global is
     left; nothing is stored to local memory inside the walks, and ptxas keeps no local
     memory at all on this machine (8 bytes allowed: the GPU image's ptxas kept 8 more
-    than this one's for dq_split in session 18's check; a spilled tile would be 64 or
-    more); the products are the atomics' kernel's."""
+    than this one's for a d64 option in session 18's check; a spilled tile would be 64
+    or more); the products are the atomics' kernel's."""
     ck = _compile_bwd(256, causal, dtype, opts=("dq_tma",))
     res = resources(ck)
     assert _D256_TILES <= res["shared_bytes"] \

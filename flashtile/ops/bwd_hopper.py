@@ -66,34 +66,17 @@ session 28) for the GPU A/B, all compile-checked on the CPU:
   dV/dK wait) is the bound, not the tensor cores. Taking 500-800 clocks off each chain:
   backward +8-15% at d128, +15-25% at d64 (its blocks are half as long, the same
   latency); forward + backward +5-10% / +10-18%.
-- dq_split (DQ_SPLIT): FA3's dQ split (AtomLayoutMdQ): both consumers compute a share
-  of every block's dQ_partial over all 128 keys, at head_dim 128 half of the head dims
-  each (m64n64k128), at head_dim 64 half of the rows each, which needs BLOCK_M 128
-  (FLASHTILE_HOPPER_BWD_CONFIG="128,128,4,2"; half of 64 head dims is half a swizzle
-  atom of K). dS^T gets two buffers (by block parity, +16 KiB at BLOCK_M 64, +32 at
-  128); one barrier a block (ds_full: both dS^T stored) replaces the hand-off, since a
-  consumer stores into a buffer only after its own and (through the previous block's
-  ds_full) the other's product on it completed. The dQ product is queued behind dV
-  and dK (three in flight, waited with one outstanding: Q and dO released, then dQ),
-  then 16 atomics a thread per block instead of 32 every other block. dK goes out
-  through K's buffer once both consumers' walks are done (ds_empty, two arrivals).
-  Prediction: the consumers' work per block becomes equal, but they meet every block,
-  so their softmax phases line up and leave the tensor cores idle together; the toy
-  model puts that at 0.8-0.9x alone and 0.92-1.05x with lse_ahead (backward, d128).
-  FA3 gets away with it through S and dP queued together and the LSE in shared
-  memory. Timed to test the dQ-split hypothesis itself: if it is within +-3% the dQ
-  hand-off is not the lever.
 - dq_tma (DQ_TMA): dQ_partial leaves as FA3's does, without its writer warp: the owner
-  (with dq_split each consumer, its share) stores each 64-dim piece, fp32, into a tile
+  stores each 64-dim piece, fp32, into a tile
   of its own in shared memory and issues a TMA reduce-add of it into the accumulator
   (cp.reduce.async.bulk.tensor .add; DQAccum is then the accumulator's tensor map,
   ``_dq_descriptor``), waited for (the tile read) only before the tile's next use two
   blocks later. ds_empty is arrived on when the last product has completed (the
   reduce-adds read the tile, not dS^T); the TMA drops the rows past seqlen_q. Shared
-  memory: + 2 x 16 KiB at d64 (113 KiB), + 4 x 16 KiB at d128 (209 KiB; with dq_split +
-  2 x 16 KiB, 193 KiB). The sm_90 compile: no REDG left, 16 STS.64 a piece a thread and
-  one UTMAREDG (two 32-column messages); no stores inside the walks; at d128 ptxas keeps
-  80-120 bytes of scalars in local memory (56 with the atomics), 16-24 with dq_split.
+  memory: + 2 x 16 KiB at d64 (113 KiB), + 4 x 16 KiB at d128 (209 KiB). The sm_90
+  compile: no REDG left, 16 STS.64 a piece a thread and one UTMAREDG (two 32-column
+  messages); no stores inside the walks; at d128 ptxas keeps 80-120 bytes of scalars in
+  local memory (56 with the atomics).
   Why: a piece's 16 REDG.F32x2 a thread each touch 8 rows, 32 bytes a row: 512 sector
   requests from each consumer's L1 a piece, 1,024 in a d128 owner block, plus a branch
   a REDG for the row mask; the next product writing the same registers waits until the
@@ -101,10 +84,8 @@ session 28) for the GPU A/B, all compile-checked on the CPU:
   and 31% of the stall samples on L1TEX at d64 (transformers' step), most plausibly the
   atomics. The TMA engine adds whole 128-byte lines from one instruction.
   Prediction (session 15, not run on a GPU): backward +4-10% at d128 and +3-8% at d64,
-  forward + backward about 0.7x that (+3-7% / +2-6%); with dq_split at d128 (FA3's dQ
-  path, both consumers every block) level with lse_ahead + dq_tma to +4%: dq_split lost
-  2-9% alone, its consumers meeting every block, and the atomics it doubled per block
-  are what dq_tma removes. If lse_ahead + dq_tma is within +-2% of lse_ahead, the
+  forward + backward about 0.7x that (+3-7% / +2-6%). If lse_ahead + dq_tma is within
+  +-2% of lse_ahead, the
   atomics were not on the chain and the remaining gap is the chain's wgmma round trips.
   Measured (session 17, NOTES.md section 27): forward + backward +6-10% at d128
   (16k tokens: 1k 401 -> 434, 4k 451 -> 495 TFLOP/s; causal +6-7%), +1-3% at d64;
@@ -120,7 +101,7 @@ session 28) for the GPU A/B, all compile-checked on the CPU:
   product gives it too, or Inf); the walk's end issues the last block's. Implies sdp's
   order. Head dim 64 and BLOCK_M 64 only: at d128 (dK and dV 128 registers) and at
   BLOCK_M 128 ptxas serializes every wgmma (C7512) and spills 240-792 bytes. Not with
-  sdp or dq_split. FA3's form, dK and dV in flight across the back edge (waited at block
+  sdp. FA3's form, dK and dV in flight across the back edge (waited at block
   it + 1's S^T), made Triton 3.6's ptxas (12.8) serialize every wgmma of the kernel, a
   wait after each, at d64 already (C7512-C7515, session 15). The sm_90 compile (d64,
   lse_ahead): 10 wgmma waits (no serialization), no stores inside the walks, 0-16 bytes
@@ -164,8 +145,7 @@ session 28) for the GPU A/B, all compile-checked on the CPU:
   dq_tma, its stores to the tile) on its own chain. With two buffers a store waits for
   block it - 2's product, which (owner = it % 2 = the buffer) this consumer's partner
   issued a whole block earlier; what stays is the owner's wait for its partner's dS^T.
-  Not with dq_split (two buffers of its own, one hand-off a block). +16 KiB at BLOCK_M
-  64 (d64 129 KiB, d128 with dq_tma 225 KiB). Session 28's three consumers (192 keys,
+  +16 KiB at BLOCK_M 64 (d64 129 KiB, d128 with dq_tma 225 KiB). Session 28's three consumers (192 keys,
   the hand-off among three, each product 1.5x as long) ran forward + backward 4-12%
   slower at d64 (NOTES.md section 38), whether or not their lse spilled: the coupling
   is the suspect. Prediction: backward +2-6% at d64, +1-4% at d128 (forward + backward
@@ -173,6 +153,11 @@ session 28) for the GPU A/B, all compile-checked on the CPU:
   28, forward + backward): d64 full +2-3%, causal +0-1%, d128 level; in the default
   since.
 Tried and removed (H200, the sections of docs/benchmarks/NOTES.md):
+- dq_split, FA3's dQ split (AtomLayoutMdQ): both consumers a share of every block's dQ
+  product (half the head dims at d128, half the rows at d64 with BLOCK_M 128), two dS^T
+  buffers, one barrier a block: -2 to -9% alone, level with lse_ahead when combined
+  (d128, session 15, section 25): the consumers meet every block, so their softmax
+  phases line up. Removed in session 28.
 - FA3's dQ writer warp (the dQ owner stored dQ_partial to shared memory; a fourth
   partition, one warp beside the producer, added it to the accumulator with four-value
   atomics) ran 2-13% slower than the default at d64 and d128 (session 14, section 24):
@@ -211,8 +196,7 @@ backward (32 query over 8 KV heads, 4k tokens, batch 1) from 0.55x to 0.72x cuDN
 Session 14 (section 24): 128 query rows at d64 ran +5% full, -1 to -3% causal, a third
 stage level: the default tiles stay. Session 15 (section 25): lse_ahead ran forward +
 backward +6-10% at d64 and +1-4% at d128 (predicted +10-18% and +5-10%), so it is the
-default; dq_split -2 to -9% alone and level with lse_ahead alone when combined with it
-(d128). Nsight Compute (d128, 4k, lse_ahead): one instruction issued every 4.6 cycles
+default. Nsight Compute (d128, 4k, lse_ahead): one instruction issued every 4.6 cycles
 a scheduler, 0.25 of 3 warps eligible, no tile spills: a latency-bound chain, not the
 tensor cores.
 """
@@ -452,12 +436,11 @@ def _dq_partial(ds_all, k_all, dq_init, p_dq, row0, seqlen_q, ds_empty, dq_smem,
 
 @gluon.jit
 def _mma_partition(args, dq_smem, WG: gl.constexpr, IS_CAUSAL: gl.constexpr,
-                   SDP: gl.constexpr, LSE_AHEAD: gl.constexpr, DQ_SPLIT: gl.constexpr,
-                   DQ_TMA: gl.constexpr, PIPE: gl.constexpr, LSE_SMEM: gl.constexpr,
-                   DS_RING: gl.constexpr):
+                   SDP: gl.constexpr, LSE_AHEAD: gl.constexpr, DQ_TMA: gl.constexpr,
+                   PIPE: gl.constexpr, LSE_SMEM: gl.constexpr, DS_RING: gl.constexpr):
     """Consumer warpgroup WG: keys key0 + 64 * WG + [0, 64) against every query block.
-    ds_smem: one dS^T buffer (128 keys, BLOCK_M), two with DQ_SPLIT or DS_RING (then
-    ds_full and ds_empty are two barriers, one a buffer).
+    ds_smem: one dS^T buffer (128 keys, BLOCK_M), two with DS_RING (then ds_full and
+    ds_empty are two barriers, one a buffer).
     DQ_TMA: DQAccum is the accumulator's tensor map and dq_smem holds each warpgroup's
     dQ tiles on their way to its TMA reduce-adds (one a 64-dim piece, the first half of
     them warpgroup 0's); unused otherwise. PIPE: block it - 1's dV and dK are issued in
@@ -489,18 +472,6 @@ def _mma_partition(args, dq_smem, WG: gl.constexpr, IS_CAUSAL: gl.constexpr,
     dv = gl.zeros([BLOCK_N_WG, HEAD_DIM], gl.float32, d_layout)
     s_init = gl.zeros([BLOCK_N_WG, BLOCK_M], gl.float32, s_layout)  # ignored: use_acc=False
     dq_init = gl.zeros([BLOCK_M, DQ_PIECE], gl.float32, dq_layout)  # ignored: use_acc=False
-    if DQ_SPLIT:
-        # This warpgroup's share of dQ_partial (FA3's split): 64 of the 128 query rows
-        # at BLOCK_M 128, else half of the head dims (a whole 128-byte swizzle atom of K
-        # from head_dim 128), over all 128 keys.
-        SPLIT_ROWS: gl.constexpr = BLOCK_M == 2 * BLOCK_N_WG
-        gl.static_assert(SPLIT_ROWS or HEAD_DIM >= 2 * DQ_PIECE,
-                         "dq_split: BLOCK_M 128, or head_dim 128 (half of 64 head dims "
-                         "is half a 128-byte swizzle atom of K)")
-        DQ_M: gl.constexpr = BLOCK_N_WG if SPLIT_ROWS else BLOCK_M
-        DQ_N: gl.constexpr = HEAD_DIM if SPLIT_ROWS else HEAD_DIM // 2
-        dq_share_init = gl.zeros([DQ_M, DQ_N], gl.float32, _acc_layout(DQ_N))
-        k_share = k_all if SPLIT_ROWS else k_all.slice(WG * DQ_N, DQ_N, dim=1)  # (128, N)
     mbarrier.wait(kv_ready, 0)
 
     n_iter = n_heads * n_m
@@ -628,71 +599,37 @@ def _mma_partition(args, dq_smem, WG: gl.constexpr, IS_CAUSAL: gl.constexpr,
             ds_op = _a_operand(ds_t, d_layout, dtype)
             dv = warpgroup_mma(p_op, b_do, dv, is_async=True)
             dk = warpgroup_mma(ds_op, q, dk, is_async=True)
-        if DQ_SPLIT:
-            # dS^T into buffer it % 2: its last readers, both dQ products of block it - 2,
-            # have completed. This warpgroup's in program order; the other's before it
-            # stored dS^T of block it - 1, which the ds_full wait of that block saw.
-            ds_buf = ds_smem.index(it % 2)                                   # (128, M)
-            ds_buf.slice(WG * BLOCK_N_WG, BLOCK_N_WG).store(ds_op)
-            fence_async_shared()  # the generic-proxy writes above before wgmma reads them
-            mbarrier.arrive(ds_full, count=1)
-            mbarrier.wait(ds_full, it & 1)  # the other warpgroup's dS^T stored too
-            if SPLIT_ROWS:
-                ds_share = ds_buf.slice(WG * BLOCK_N_WG, BLOCK_N_WG, dim=1)  # (128, 64)
-            else:
-                ds_share = ds_buf
-            # Queued behind dV and dK, as FA3: three products in flight.
-            dq = warpgroup_mma(ds_share.permute((1, 0)), k_share, dq_share_init,
-                               use_acc=False, is_async=True)                 # (DQ_M, DQ_N)
-            dv, dk = warpgroup_mma_wait(1, deps=(dv, dk))
-            mbarrier.arrive(qdo_empty.index(stage), count=1)  # Q and dO read the last time
-            dq = warpgroup_mma_wait(0, deps=(dq,))
-            if DQ_TMA:
-                tma.store_wait(0)  # the tile's previous reduce (block it - 1) has read it
-                if SPLIT_ROWS:
-                    _dq_reduce(DQAccum, dq_smem.index(WG), dq, off_b, h0 + it // n_m,
-                               row0 + WG * BLOCK_N_WG, 0)
-                else:
-                    _dq_reduce(DQAccum, dq_smem.index(WG), dq, off_b, h0 + it // n_m,
-                               row0, WG * DQ_N)
-            else:
-                p_dq = DQAccum + p_row * HEAD_DIM
-                if SPLIT_ROWS:
-                    _dq_add(p_dq, dq, row0 + WG * BLOCK_N_WG, 0, seqlen_q, HEAD_DIM)
-                else:
-                    _dq_add(p_dq, dq, row0, WG * DQ_N, seqlen_q, HEAD_DIM)
+        # dQ_partial = dS K needs dS as the A operand, rows the queries: through shared
+        # memory, read transposed. Both warpgroups' dS^T (128 keys) go into one product,
+        # taken by the two in turn (owner it % 2): half the atomics of a product per
+        # warpgroup, as FA3 sums dQ over its 128 keys before reducing. ds_empty: the
+        # previous owner's product, the last reader of both buffers, has completed.
+        # DS_RING: buffer it % 2, last read by block it - 2's product (the k-th use of
+        # a buffer waits for k completions of its empty barrier, then for k + 1 of its
+        # full one).
+        if DS_RING:
+            ds_buf = ds_smem.index(it % 2)
+            ds_full_b = ds_full.index(it % 2)
+            ds_empty_b = ds_empty.index(it % 2)
+            ds_phase = (it // 2) & 1
         else:
-            # dQ_partial = dS K needs dS as the A operand, rows the queries: through shared
-            # memory, read transposed. Both warpgroups' dS^T (128 keys) go into one product,
-            # taken by the two in turn (owner it % 2): half the atomics of a product per
-            # warpgroup, as FA3 sums dQ over its 128 keys before reducing. ds_empty: the
-            # previous owner's product, the last reader of both buffers, has completed.
-            # DS_RING: buffer it % 2, last read by block it - 2's product (the k-th use of
-            # a buffer waits for k completions of its empty barrier, then for k + 1 of its
-            # full one).
-            if DS_RING:
-                ds_buf = ds_smem.index(it % 2)
-                ds_full_b = ds_full.index(it % 2)
-                ds_empty_b = ds_empty.index(it % 2)
-                ds_phase = (it // 2) & 1
-            else:
-                ds_buf = ds_smem
-                ds_full_b = ds_full
-                ds_empty_b = ds_empty
-                ds_phase = it & 1
-            mbarrier.wait(ds_empty_b, ds_phase ^ 1)
-            # From the operand's registers: no second 16-bit copy of dS^T.
-            ds_buf.slice(WG * BLOCK_N_WG, BLOCK_N_WG).store(ds_op)
-            fence_async_shared()  # the generic-proxy writes above before wgmma reads them
-            mbarrier.arrive(ds_full_b, count=1)
-            if not PIPE:  # (PIPE: waited above, block it - 1's)
-                dv, dk = warpgroup_mma_wait(0, deps=(dv, dk))
-                mbarrier.arrive(qdo_empty.index(stage), count=1)  # Q, dO read last
-            if it % 2 == WG:
-                mbarrier.wait(ds_full_b, ds_phase)  # the other warpgroup's dS^T stored too
-                p_dq = DQAccum if DQ_TMA else DQAccum + p_row * HEAD_DIM
-                _dq_partial(ds_buf, k_all, dq_init, p_dq, row0, seqlen_q, ds_empty_b,
-                            dq_smem, off_b, h0 + it // n_m, WG, DQ_TMA)
+            ds_buf = ds_smem
+            ds_full_b = ds_full
+            ds_empty_b = ds_empty
+            ds_phase = it & 1
+        mbarrier.wait(ds_empty_b, ds_phase ^ 1)
+        # From the operand's registers: no second 16-bit copy of dS^T.
+        ds_buf.slice(WG * BLOCK_N_WG, BLOCK_N_WG).store(ds_op)
+        fence_async_shared()  # the generic-proxy writes above before wgmma reads them
+        mbarrier.arrive(ds_full_b, count=1)
+        if not PIPE:  # (PIPE: waited above, block it - 1's)
+            dv, dk = warpgroup_mma_wait(0, deps=(dv, dk))
+            mbarrier.arrive(qdo_empty.index(stage), count=1)  # Q, dO read last
+        if it % 2 == WG:
+            mbarrier.wait(ds_full_b, ds_phase)  # the other warpgroup's dS^T stored too
+            p_dq = DQAccum if DQ_TMA else DQAccum + p_row * HEAD_DIM
+            _dq_partial(ds_buf, k_all, dq_init, p_dq, row0, seqlen_q, ds_empty_b,
+                        dq_smem, off_b, h0 + it // n_m, WG, DQ_TMA)
 
     if PIPE:
         if n_iter > 0:  # the last block's dV and dK
@@ -705,12 +642,8 @@ def _mma_partition(args, dq_smem, WG: gl.constexpr, IS_CAUSAL: gl.constexpr,
             mbarrier.arrive(qdo_empty.index(stage_last), count=1)
     # dK and dV leave through this warpgroup's K and V buffers once the last dQ product,
     # which reads both halves of K, has completed (a fresh barrier passes: no walk). TMA
-    # drops the rows past seqlen_k. DQ_SPLIT: both warpgroups' last products (ds_empty
-    # counts two arrivals, one a warpgroup after its walk).
-    if DQ_SPLIT:
-        mbarrier.arrive(ds_empty, count=1)
-        mbarrier.wait(ds_empty, 0)
-    elif DS_RING:  # each buffer's last product: buffer b served blocks b, b + 2, ...
+    # drops the rows past seqlen_k.
+    if DS_RING:  # each buffer's last product: buffer b served blocks b, b + 2, ...
         for b in gl.static_range(2):
             mbarrier.wait(ds_empty.index(b), (((n_iter + 1 - b) // 2) & 1) ^ 1)
     else:
@@ -753,7 +686,7 @@ def _attn_bwd_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, L
                             DQAccum, seqlen_q, seqlen_k, nheads, nheads_kv, head_split,
                             dq_rows, diag_offset, softmax_scale, IS_CAUSAL: gl.constexpr,
                             STAGES: gl.constexpr, SDP: gl.constexpr,
-                            LSE_AHEAD: gl.constexpr, DQ_SPLIT: gl.constexpr,
+                            LSE_AHEAD: gl.constexpr,
                             DQ_TMA: gl.constexpr, PIPE: gl.constexpr,
                             LSE_SMEM: gl.constexpr, DS_RING: gl.constexpr):
     """dK, dV of 128 keys of one (batch, KV head), dQ added into DQAccum: fp32 (batch,
@@ -762,8 +695,8 @@ def _attn_bwd_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, L
     group's query heads are dealt to head_split programs, each storing its share of dK
     and dV into head off_hkv * head_split + its index of dk_desc/dv_desc (the launcher
     sums the shares). dq_rows: seqlen_q, unused here (bwd_hopper256's kernel, which
-    reads it, takes the same arguments). SDP, LSE_AHEAD, DQ_SPLIT, DQ_TMA, PIPE, LSE_SMEM,
-    DS_RING: the schedule options of the module docstring."""
+    reads it, takes the same arguments). SDP, LSE_AHEAD, DQ_TMA, PIPE, LSE_SMEM, DS_RING:
+    the schedule options of the module docstring."""
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[1]
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
     key0, off_b, off_dkv, off_hkv, h0, n_heads, m_lo, n_m = _program_walk(
@@ -781,17 +714,17 @@ def _attn_bwd_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, L
                                        v_desc.layout)
     ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for(
         [2 * BLOCK_N_WG, BLOCK_M], q_desc.dtype)
-    if DQ_SPLIT or DS_RING:  # two buffers, alternating by query block
+    if DS_RING:  # two buffers, alternating by query block
         ds_smem = gl.allocate_shared_memory(q_desc.dtype, [2, 2 * BLOCK_N_WG, BLOCK_M],
                                             ds_layout)
     else:
         ds_smem = gl.allocate_shared_memory(q_desc.dtype, [2 * BLOCK_N_WG, BLOCK_M],
                                             ds_layout)
     if DQ_TMA:
-        # dQ_partial's tiles on their way to the TMA reduce-add, (DQ_M, 64) fp32 each:
-        # one a warpgroup with DQ_SPLIT (its share), else one a 64-dim piece a warpgroup
-        # (each owns its tiles: a TMA's completion is tracked by the thread issuing it).
-        dq_tiles: gl.constexpr = 2 if DQ_SPLIT else 2 * (HEAD_DIM // DQ_PIECE)
+        # dQ_partial's tiles on their way to the TMA reduce-add, (BLOCK_M, 64) fp32 each:
+        # one a 64-dim piece a warpgroup (each owns its tiles: a TMA's completion is
+        # tracked by the thread issuing it).
+        dq_tiles: gl.constexpr = 2 * (HEAD_DIM // DQ_PIECE)
         dq_smem = gl.allocate_shared_memory(
             gl.float32, [dq_tiles] + DQAccum.block_type.shape, DQAccum.layout)
     else:
@@ -820,8 +753,7 @@ def _attn_bwd_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, L
         ds_full = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         ds_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         mbarrier.init(ds_full, count=2)  # both warpgroups stored their dS^T
-        # The owner's dQ product has completed; DQ_SPLIT: both warpgroups' walks are done.
-        mbarrier.init(ds_empty, count=2 if DQ_SPLIT else 1)
+        mbarrier.init(ds_empty, count=1)  # the owner's dQ product has completed
     for i in gl.static_range(STAGES):
         mbarrier.init(q_ready.index(i), count=1)
         mbarrier.init(do_ready.index(i), count=1)
@@ -837,11 +769,11 @@ def _attn_bwd_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, L
                  q_ready, do_ready, qdo_empty, off_b, off_hkv, key0, h0, n_heads, m_lo, n_m,
                  Lse, Delta, lse_smem, delta_smem, seqlen_q, nheads)
     gl.warp_specialize([
-        (_mma_partition, (mma_args, dq_smem, 0, IS_CAUSAL, SDP, LSE_AHEAD, DQ_SPLIT,
-                          DQ_TMA, PIPE, LSE_SMEM, DS_RING)),
+        (_mma_partition, (mma_args, dq_smem, 0, IS_CAUSAL, SDP, LSE_AHEAD, DQ_TMA, PIPE,
+                          LSE_SMEM, DS_RING)),
         (_load_partition, (load_args, LSE_SMEM)),
-        (_mma_partition, (mma_args, dq_smem, 1, IS_CAUSAL, SDP, LSE_AHEAD, DQ_SPLIT,
-                          DQ_TMA, PIPE, LSE_SMEM, DS_RING)),
+        (_mma_partition, (mma_args, dq_smem, 1, IS_CAUSAL, SDP, LSE_AHEAD, DQ_TMA, PIPE,
+                          LSE_SMEM, DS_RING)),
     ], [1, 4], [PRODUCER_REGS, CONSUMER_REGS])
 
 
@@ -888,7 +820,7 @@ def _descriptor(x, rows: int, tile_d: int):
 
 def _dq_descriptor(dq_accum, rows: int) -> TensorDescriptor:
     """dq_tma: a tensor map over the fp32 dQ accumulator (batch, nheads, seqlen_q,
-    head_dim) in (1, 1, rows, 64) boxes, one dQ_partial tile (``dq_tile_rows``),
+    head_dim) in (1, 1, rows, 64) boxes, one dQ_partial tile (a query block's rows),
     128-byte swizzled (Triton sends each box as two 32-column messages); the reduce-adds
     drop rows past seqlen_q. Head dim 256 (bwd_hopper256's kernel): over the (1, batch *
     nheads, seqlen_q, 256) view, since that kernel names a (batch, query head) pair by
@@ -912,12 +844,6 @@ def _rows_descriptor(x, rows: int) -> TensorDescriptor:
                                                  rank=2))
 
 
-def dq_tile_rows(flags: dict, block_m: int) -> int:
-    """The rows of a dQ_partial tile (``kernel_flags``' flags at BLOCK_M ``block_m``):
-    a block's, or a consumer's 64 with DQ_SPLIT at BLOCK_M 128."""
-    return BLOCK_N_WG.value if flags.get("DQ_SPLIT") and block_m == 128 else block_m
-
-
 def kernel_flags(head_dim: int, causal: bool, opts: frozenset[str], block_m: int,
                  seqlen_q: int | None = None) -> dict:
     """The kernel's constexpr switches (but STAGES) for FLASHTILE_HOPPER_BWD_OPTS
@@ -929,20 +855,10 @@ def kernel_flags(head_dim: int, causal: bool, opts: frozenset[str], block_m: int
     and the default's lse_ahead is passed over there."""
     if head_dim == 256:
         return dict(IS_CAUSAL=causal, DQ_TMA="dq_tma" in opts)
-    if "dq_split" in opts and head_dim < 2 * DQ_PIECE.value and block_m != 128:
-        raise ValueError("FLASHTILE_HOPPER_BWD_OPTS=dq_split at head_dim 64 needs 128 "
-                         "query rows a block (FLASHTILE_HOPPER_BWD_CONFIG='128,128,4,2'), "
-                         "each consumer taking 64 of them: half of the head dims would be "
-                         f"half a 128-byte swizzle atom of K. Got BLOCK_M {block_m}")
-    if "pipe" in opts and opts & {"sdp", "dq_split"}:
+    if "pipe" in opts and "sdp" in opts:
         raise ValueError("FLASHTILE_HOPPER_BWD_OPTS: pipe (the previous block's dV and dK "
                          "behind this block's S^T and dP^T) goes without sdp (which it "
-                         "includes) and dq_split (another hand-off), got "
-                         f"{sorted(opts)}")
-    if "ds_ring" in opts and "dq_split" in opts:
-        raise ValueError("FLASHTILE_HOPPER_BWD_OPTS: ds_ring (dS^T in two buffers) goes "
-                         "without dq_split (which has two of its own and another hand-off), "
-                         f"got {sorted(opts)}")
+                         f"includes), got {sorted(opts)}")
     if "pipe" in opts and (head_dim != 64 or block_m != 64):
         raise ValueError("FLASHTILE_HOPPER_BWD_OPTS=pipe needs head_dim 64 and 64 query "
                          "rows a block: the operands and products it keeps in flight beside "
@@ -956,14 +872,14 @@ def kernel_flags(head_dim: int, causal: bool, opts: frozenset[str], block_m: int
     lse_smem = "lse_smem" in opts
     return dict(IS_CAUSAL=causal, SDP="sdp" in opts,
                 LSE_AHEAD="lse_ahead" in opts and not lse_smem,
-                DQ_SPLIT="dq_split" in opts, DQ_TMA="dq_tma" in opts, PIPE="pipe" in opts,
-                LSE_SMEM=lse_smem, DS_RING="ds_ring" in opts)
+                DQ_TMA="dq_tma" in opts, PIPE="pipe" in opts, LSE_SMEM=lse_smem,
+                DS_RING="ds_ring" in opts)
 
 
 def smem_bytes(head_dim: int, block_m: int, stages: int, flags: dict) -> int:
     """The shared memory the kernel allocates at 16 bits (its barriers and a few hundred
     bytes of layout-conversion scratch aside): the Q and dO ring (LSE_SMEM: with lse and
-    delta rows), K and V, dS^T (two with DQ_SPLIT or DS_RING) and DQ_TMA's fp32 dQ_partial tiles
+    delta rows), K and V, dS^T (two with DS_RING) and DQ_TMA's fp32 dQ_partial tiles
     (``_attn_bwd_hopper_kernel``).
     tests/test_gluon_compile.py holds it to the compiled kernel's figure."""
     bits16 = 2
@@ -971,12 +887,10 @@ def smem_bytes(head_dim: int, block_m: int, stages: int, flags: dict) -> int:
     if flags.get("LSE_SMEM"):  # lse and delta rows beside Q and dO, fp32
         ring += 2 * stages * block_m * 4
     k_v = 2 * (2 * BLOCK_N_WG.value) * head_dim * bits16
-    ds = (2 if flags.get("DQ_SPLIT") or flags.get("DS_RING") else 1) * 2 \
-        * BLOCK_N_WG.value * block_m * bits16
+    ds = (2 if flags.get("DS_RING") else 1) * 2 * BLOCK_N_WG.value * block_m * bits16
     dq = 0
     if flags.get("DQ_TMA"):
-        tiles = 2 if flags.get("DQ_SPLIT") else 2 * (head_dim // DQ_PIECE.value)
-        dq = tiles * dq_tile_rows(flags, block_m) * DQ_PIECE.value * 4
+        dq = 2 * (head_dim // DQ_PIECE.value) * block_m * DQ_PIECE.value * 4
     return ring + k_v + ds + dq
 
 
@@ -1099,7 +1013,7 @@ def backward(dout, q, k, v, out, lse, dlse, softmax_scale, diag_offset, causal):
     else:
         kernel = _attn_bwd_hopper_kernel
     # dq_tma: the kernel takes the accumulator's tensor map, not its address.
-    dq_arg = _dq_descriptor(dq_accum, dq_tile_rows(flags, cfg.block_m)) \
+    dq_arg = _dq_descriptor(dq_accum, cfg.block_m) \
         if flags.get("DQ_TMA") else dq_accum
     lse_arg, delta_arg = lse, delta
     if flags.get("LSE_SMEM"):

@@ -506,9 +506,7 @@ def hopper_fwd_config(head_dim: int, fp8: bool = False, seqlen_q: int = 0,
 # d64 with 2 stages it keeps 64-80 bytes of scalars stored before the walks and none
 # inside them (session 13; stage bwd-tiles times it); STAGES 1 spills at d128 too;
 # STAGES 3 and 4 compile as clean as 2 (d64 99/115 KiB, d128 177/209 KiB) and are the
-# A/B's ring sweep (FLASHTILE_HOPPER_BWD_CONFIG="64,128,4,3"). The dq_split option
-# (FLASHTILE_HOPPER_BWD_OPTS) at d64 takes BLOCK_M 128 (each consumer 64 of the rows;
-# 161 KiB with its second dS^T buffer, no stores in the walks): stage bwd-opts2.
+# A/B's ring sweep (FLASHTILE_HOPPER_BWD_CONFIG="64,128,4,3").
 HOPPER_BWD_16BIT = {64: TileConfig(64, 128, 4, 2), 128: TileConfig(64, 128, 4, 2)}
 
 
@@ -537,8 +535,7 @@ def hopper_bwd_config(head_dim: int) -> TileConfig:
 # FLASHTILE_HOPPER_BWD_OPTS (comma-separated; "none" for none; unset: the default below)
 # for the GPU A/B; bwd_hopper's docstring says what each changes. Read when a launch plan
 # is made.
-HOPPER_BWD_OPTS = ("sdp", "lse_ahead", "dq_split", "dq_tma", "pipe", "lse_smem",
-                   "ds_ring")
+HOPPER_BWD_OPTS = ("sdp", "lse_ahead", "dq_tma", "pipe", "lse_smem", "ds_ring")
 # lse_ahead is the default since session 15: forward + backward +6-10% at head_dim 64,
 # +1-4% at 128 on the H200 (docs/benchmarks/NOTES.md section 25); dq_tma since session
 # 17: +6-10% at 128, +1-3% at 64, transformers' d64 training step 98 -> 89 ms (section 27);
