@@ -452,6 +452,34 @@ def test_metrics_escape_the_model_name():
     assert h.counts == [2, 1, 1] and h.sum == 12.0
 
 
+def test_beam_search_requests(server, llm):
+    """vLLM's use_beam_search: n beams a prompt come back as its n choices, best first,
+    the LLM's own beam search's (a batch of two prompts in completions, a conversation
+    in chat); usage counts every returned beam's tokens."""
+    from flashtile.engine import BeamSearchParams
+
+    g = torch.Generator().manual_seed(9)
+    prompts = [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in (5, 9)]
+    status, out = post(server, "/v1/completions", dict(
+        prompt=prompts, use_beam_search=True, n=3, max_tokens=4, ignore_eos=True,
+        length_penalty=0.5))
+    assert status == 200, out
+    want = llm.beam_search([{"prompt_token_ids": p} for p in prompts], BeamSearchParams(
+        beam_width=3, max_tokens=4, ignore_eos=True, length_penalty=0.5))
+    assert [c["text"] for c in out["choices"]] == [b.text for r in want for b in r.sequences]
+    assert [c["index"] for c in out["choices"]] == list(range(6))
+    assert out["usage"]["completion_tokens"] == 6 * 4
+    messages = [{"role": "user", "content": "The capital of France?"}]
+    status, chat = post(server, "/v1/chat/completions", dict(
+        messages=messages, use_beam_search=True, n=2, max_tokens=3))
+    assert status == 200, chat
+    want = llm.beam_search({"prompt_token_ids": llm.tokenizer.apply_chat_template(messages)},
+                           BeamSearchParams(beam_width=2, max_tokens=3))[0]
+    assert [c["message"]["content"] for c in chat["choices"]] == \
+        [b.text for b in want.sequences]
+    _assert_idle(llm)
+
+
 def test_chat_template_extras(server, llm):
     """vLLM's chat extras: continue_final_message (the last message left open for the
     model to continue, add_generation_prompt false beside it) and chat_template_kwargs
@@ -607,6 +635,17 @@ BAD = [  # (path, body (dict, or raw bytes), status, param, code)
     ("/v1/completions", dict(prompt="Hi", truncate_prompt_tokens=0), 400,
      "truncate_prompt_tokens", None),
     ("/v1/completions", dict(prompt="Hi", bad_words=["x", ""]), 400, "bad_words", None),
+    ("/v1/completions", dict(prompt="Hi", use_beam_search="yes"), 400, "use_beam_search",
+     None),
+    ("/v1/completions", dict(prompt="Hi", use_beam_search=True, stream=True), 400,
+     "use_beam_search", None),
+    ("/v1/completions", dict(prompt="Hi", use_beam_search=True, logprobs=1), 400,
+     "use_beam_search", None),
+    ("/v1/completions", dict(prompt="Hi", use_beam_search=True, stop=["x"]), 400,
+     "use_beam_search", None),
+    ("/v1/completions", dict(prompt="Hi", use_beam_search=True, n=11), 400, "n", None),
+    ("/v1/completions", dict(prompt="Hi", use_beam_search=True, length_penalty="x"), 400,
+     "length_penalty", None),
     ("/detokenize", dict(tokens=[1, VOCAB]), 400, "tokens", None),
     ("/detokenize", dict(tokens="Hi"), 400, "tokens", None),
     ("/v1/completions", dict(prompt="Hi", allowed_token_ids=[VOCAB]), 400,

@@ -74,54 +74,82 @@ def score(beam: BeamSearchSequence, eos_token_ids, length_penalty: float) -> flo
     return beam.cum_logprob / n ** length_penalty
 
 
-def beam_search(llm, prompts, params: BeamSearchParams) -> list[BeamSearchOutput]:
-    """The beams of each prompt (a string, token ids, or vLLM's prompt dicts)."""
-    if not isinstance(params, BeamSearchParams):
-        _fail(TypeError, "params", "a BeamSearchParams", type(params).__name__)
-    if isinstance(prompts, (str, dict)) or (isinstance(prompts, (list, tuple)) and prompts
-                                            and isinstance(prompts[0], int)):
-        prompts = [prompts]
-    eos = frozenset() if params.ignore_eos else llm.scheduler.eos_token_ids
-    width = params.beam_width
-    step = SamplingParams(max_tokens=1, logprobs=2 * width, temperature=params.temperature,
-                          ignore_eos=True)
-    starts = [_token_ids(llm, p) for p in prompts]  # the first step checks them
-    live = [[BeamSearchSequence(p)] for p in starts]
-    done = [[] for _ in starts]
-    limit = llm.config.max_model_len
-    for _ in range(params.max_tokens):
-        flat = [(i, b) for i, beams in enumerate(live) for b in beams]
-        if not flat:
-            break
-        outs = llm.generate([b.tokens for _, b in flat], step, use_tqdm=False)
-        candidates = [[] for _ in live]
-        for (i, beam), out in zip(flat, outs):
+class BeamSearch:
+    """The beams of a batch of prompts (token id lists) between steps: ``prompts()`` are
+    the live beams to extend by one token (with ``step_params``), ``advance(outputs)``
+    takes their RequestOutputs, ``results()`` the best beams once no beam is live or
+    max_tokens steps have run. LLM.beam_search drives it with ``generate``, the server
+    with the asynchronous engine."""
+
+    def __init__(self, prompts, params: BeamSearchParams, eos_token_ids, max_model_len,
+                 output_kind=None):
+        if not isinstance(params, BeamSearchParams):
+            _fail(TypeError, "params", "a BeamSearchParams", type(params).__name__)
+        self.params, self.limit = params, max_model_len
+        self.eos = frozenset() if params.ignore_eos else frozenset(eos_token_ids)
+        kind = {} if output_kind is None else {"output_kind": output_kind}
+        self.step_params = SamplingParams(max_tokens=1, logprobs=2 * params.beam_width,
+                                          temperature=params.temperature, ignore_eos=True,
+                                          **kind)
+        self.starts = [list(p) for p in prompts]
+        self.live = [[BeamSearchSequence(p)] for p in self.starts]
+        self.done = [[] for _ in self.starts]
+        self.steps = 0
+        self._flat = []
+
+    def prompts(self) -> list:
+        """The live beams' tokens, to extend by one token; [] when the search is over."""
+        self._flat = [(i, b) for i, beams in enumerate(self.live) for b in beams] \
+            if self.steps < self.params.max_tokens else []
+        return [b.tokens for _, b in self._flat]
+
+    def advance(self, outputs):
+        """The outputs of ``prompts()``' requests, in order: every beam's 2 x beam_width
+        candidates; an end-of-sequence one is finished, the beam_width best of the
+        others go on (those at max_model_len finished too)."""
+        self.steps += 1
+        width = self.params.beam_width
+        candidates = [[] for _ in self.live]
+        for (i, beam), out in zip(self._flat, outputs):
             top = out.outputs[0].top_logprobs[0]
             for token, logprob in top.items():
                 child = BeamSearchSequence(beam.tokens + [token], beam.logprobs + [top],
                                            beam.cum_logprob + logprob)
-                if token in eos:
+                if token in self.eos:
                     child.finish_reason = "stop"
-                    done[i].append(child)
+                    self.done[i].append(child)
                 else:
                     candidates[i].append(child)
         for i, cands in enumerate(candidates):
             cands.sort(key=lambda b: b.cum_logprob, reverse=True)  # one length: raw order
-            live[i] = cands[:width]
-            full = [b for b in live[i] if len(b.tokens) >= limit]  # at max_model_len
-            if full:
-                live[i] = [b for b in live[i] if len(b.tokens) < limit]
-                done[i] += full
-    results = []
-    for beams, finished, prompt in zip(live, done, starts):
-        best = sorted(finished + beams, reverse=True,
-                      key=lambda b: score(b, eos, params.length_penalty))[:width]
-        for b in best:
-            b.finish_reason = b.finish_reason or "length"
-            if llm.tokenizer is not None:
-                b.text = llm.tokenizer.decode(b.tokens[len(prompt):])
-        results.append(BeamSearchOutput(best))
-    return results
+            self.live[i] = [b for b in cands[:width] if len(b.tokens) < self.limit]
+            self.done[i] += [b for b in cands[:width] if len(b.tokens) >= self.limit]
+
+    def results(self, tokenizer=None) -> list[BeamSearchOutput]:
+        """Each prompt's beam_width best beams, best first, their text decoded."""
+        out = []
+        for beams, finished, prompt in zip(self.live, self.done, self.starts):
+            best = sorted(finished + beams, reverse=True,
+                          key=lambda b: score(b, self.eos, self.params.length_penalty))
+            best = best[:self.params.beam_width]
+            for b in best:
+                b.finish_reason = b.finish_reason or "length"
+                if tokenizer is not None:
+                    b.text = tokenizer.decode(b.tokens[len(prompt):])
+            out.append(BeamSearchOutput(best))
+        return out
+
+
+def beam_search(llm, prompts, params: BeamSearchParams) -> list[BeamSearchOutput]:
+    """The beams of each prompt (a string, token ids, or vLLM's prompt dicts)."""
+    if isinstance(prompts, (str, dict)) or (isinstance(prompts, (list, tuple)) and prompts
+                                            and isinstance(prompts[0], int)):
+        prompts = [prompts]
+    search = BeamSearch([_token_ids(llm, p) for p in prompts], params,
+                        llm.scheduler.eos_token_ids, llm.config.max_model_len)
+    while batch := search.prompts():  # the first step checks the prompts
+        search.advance(llm.generate(batch, search.step_params, use_tqdm=False))
+    return search.results(llm.tokenizer)
 
 
 def _token_ids(llm, prompt) -> list:

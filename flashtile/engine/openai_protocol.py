@@ -5,7 +5,8 @@ No HTTP here (server.py has the aiohttp application).
 Beyond OpenAI, vLLM's extensions: ``top_k``, ``min_p``, ``repetition_penalty``,
 ``stop_token_ids``, ``ignore_eos``, ``skip_special_tokens``, ``min_tokens``,
 ``include_stop_str_in_output``, ``allowed_token_ids``, ``truncate_prompt_tokens``,
-``bad_words``, ``stream_options.continuous_usage_stats``; in chat
+``bad_words``, ``stream_options.continuous_usage_stats``, ``use_beam_search`` (n beams,
+``length_penalty``); in chat
 ``add_generation_prompt``, ``continue_final_message`` and ``chat_template_kwargs``. ``n``
 completions of prompt i are choices i * n + j; ``logprobs`` (completions) and
 ``top_logprobs`` (chat) up to MAX_LOGPROBS alternatives. ``echo`` (completions) puts the prompt before each choice's
@@ -286,6 +287,40 @@ def sampling_params(body, logprobs, max_tokens, stream: bool,
                               prompt_logprobs=prompt_logprobs, **kw)
     except (TypeError, ValueError) as err:
         raise RequestError(str(err), param_of(err)) from None
+
+
+def beam_search_params(body, params, stream: bool, echo: bool, longest_prompt: int,
+                       max_model_len: int):
+    """vLLM's ``use_beam_search`` (with ``length_penalty``): the BeamSearchParams of the
+    request's n beams a prompt, its max_tokens (null: up to max_model_len), ignore_eos
+    and temperature; None without it. Refused beside it, rather than ignored: stream,
+    logprobs and echo (the beams are known at the end, without their logprobs), stop
+    strings and ids, penalties and other logit changes (the search ranks raw logprobs)."""
+    from flashtile.engine.beam_search import BeamSearchParams
+
+    flag = body.get("use_beam_search")
+    if flag is not None and not isinstance(flag, bool):
+        raise RequestError(f"use_beam_search: expected a bool, got {json.dumps(flag)[:80]}",
+                           "use_beam_search")
+    if not flag:
+        return None
+    if stream or echo or params.logprobs is not None or params.stop \
+            or params.stop_token_ids or params.adjusts_logits:
+        raise RequestError("use_beam_search: expected a request without stream, echo, "
+                           "logprobs, stop, stop_token_ids, penalties, logit_bias, "
+                           "min_tokens, allowed_token_ids or bad_words beside it",
+                           "use_beam_search")
+    penalty = body.get("length_penalty", 1.0)
+    if isinstance(penalty, bool) or not isinstance(penalty, (int, float)):
+        raise RequestError(f"length_penalty: expected a number, got "
+                           f"{json.dumps(penalty)[:80]}", "length_penalty")
+    if params.n > MAX_LOGPROBS // 2:
+        raise RequestError(f"n: expected an int in [1, {MAX_LOGPROBS // 2}] with "
+                           f"use_beam_search (the beams of a prompt), got {params.n}", "n")
+    return BeamSearchParams(beam_width=params.n,
+                            max_tokens=params.max_tokens or max_model_len - longest_prompt,
+                            ignore_eos=params.ignore_eos, temperature=params.temperature,
+                            length_penalty=float(penalty))
 
 
 def check_fits(prompt, params, param, limit):

@@ -110,6 +110,10 @@ class OpenAIServer:
             cut = params.truncate_prompt_tokens is not None
             texts = [t if isinstance(t, str) and not cut else self.tokenizer.decode(
                 p, skip_special_tokens=False) for t, p in zip(texts, prompts)]
+        beam = api.beam_search_params(body, params, flags[0], echo,
+                                      max(map(len, prompts)), self.max_model_len)
+        if beam is not None:
+            return await self._beam_respond(prompts, beam, chat=False)
         return await self._respond(request, flags, prompts, params, chat=False,
                                    echo=texts if echo else None)
 
@@ -129,6 +133,10 @@ class OpenAIServer:
         prompt = await asyncio.to_thread(self._render, messages, tools, template)
         prompt = params.truncate(prompt, self.max_model_len)
         api.check_fits(prompt, params, "messages", self.max_model_len)
+        beam = api.beam_search_params(body, params, flags[0], False, len(prompt),
+                                      self.max_model_len)
+        if beam is not None:
+            return await self._beam_respond([prompt], beam, chat=True)
         return await self._respond(request, flags, [prompt], params, chat=True,
                                    tools=tools is not None)
 
@@ -248,6 +256,38 @@ class OpenAIServer:
                                       "usage": api.usage(outs, params.n, self.details)})
         finally:
             stream.close()
+
+    async def _beam_respond(self, prompts, beam, chat: bool):
+        """use_beam_search: each prompt's beams (BeamSearch over the engine, one request
+        a live beam a step) as its n choices, best first."""
+        from flashtile.engine.beam_search import BeamSearch
+        from flashtile.engine.sampling_params import RequestOutputKind
+
+        search = BeamSearch(prompts, beam, self.llm.scheduler.eos_token_ids,
+                            self.max_model_len, RequestOutputKind.FINAL_ONLY)
+        while batch := search.prompts():
+            try:
+                stream = await self.engine.add(batch, search.step_params)
+            except ValueError as err:
+                raise RequestError(str(err), api.param_of(err)) from None
+            try:
+                final = {index: out async for index, out in stream}
+            finally:
+                stream.close()
+            search.advance([final[i] for i in range(len(batch))])
+        choices, generated = [], 0
+        for prompt, result in zip(prompts, search.results(self.tokenizer)):
+            for b in result.sequences:
+                ids = b.tokens[len(prompt):]
+                generated += len(ids)
+                choices.append({**api.choice(chat, len(choices), b.text or "", ids, None, 0,
+                                             self.tokenizer),
+                                "finish_reason": b.finish_reason})
+        return web.json_response({
+            "id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
+            "object": "chat.completion" if chat else "text_completion",
+            "created": int(time.time()), "model": self.model_name, "choices": choices,
+            "usage": api.usage_body(sum(map(len, prompts)), generated)})
 
     async def _stream(self, request, stream, head, chat, usage_flags, logprobs, n,
                       echo=None, parser=None):
