@@ -1,5 +1,6 @@
 """Beam search over an LLM, as vLLM's ``LLM.beam_search`` does it: no engine change, one
-``generate`` call a step. Every live beam asks for one token with the 2 x beam_width
+batch of one-token requests a step (``generate`` offline, the asynchronous engine in the
+server's ``use_beam_search``). Every live beam asks for one token with the 2 x beam_width
 most likely next tokens' logprobs (the raw distribution's); each becomes a candidate
 beam, a candidate ending in an end-of-sequence token is finished, and the beam_width
 best of the others go on. The prefix cache makes a step cost little more than the new
