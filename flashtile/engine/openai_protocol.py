@@ -6,16 +6,16 @@ Beyond OpenAI, vLLM's extensions: ``top_k``, ``min_p``, ``repetition_penalty``,
 ``stop_token_ids``, ``ignore_eos``, ``skip_special_tokens``, ``min_tokens``,
 ``include_stop_str_in_output``, ``allowed_token_ids``, ``truncate_prompt_tokens``,
 ``bad_words``, ``stream_options.continuous_usage_stats``, ``use_beam_search`` (n beams,
-``length_penalty``); in chat
-``add_generation_prompt``, ``continue_final_message`` and ``chat_template_kwargs``. ``n``
-completions of prompt i are choices i * n + j; ``logprobs`` (completions) and
-``top_logprobs`` (chat) up to MAX_LOGPROBS alternatives. ``echo`` (completions) puts the prompt before each choice's
-text and, with ``logprobs``, the prompt tokens' logprobs before the completion's (the
-first one null, as OpenAI's), from the engine's prompt logprobs. Not supported (400):
-``echo`` in chat, ``best_of`` > 1, ``suffix``, ``response_format``, ``tool_choice``
-"required" or naming a function. ``tools`` with ``tool_choice`` "auto" (chat, a server
-started with ``--tool-call-parser``): the chat template shows the tools to the model and
-its calls come back as ``tool_calls`` (tool_parsers.py); "none" leaves the tools out.
+``length_penalty``); in chat ``add_generation_prompt``, ``continue_final_message`` and
+``chat_template_kwargs``. ``n`` completions of prompt i are choices i * n + j;
+``logprobs`` (completions) and ``top_logprobs`` (chat) up to MAX_LOGPROBS alternatives.
+``echo`` (completions) puts the prompt before each choice's text and, with ``logprobs``,
+the prompt tokens' logprobs before the completion's (the first one null, as OpenAI's),
+from the engine's prompt logprobs. Not supported (400): ``echo`` in chat, ``best_of`` >
+1, ``suffix``, ``response_format``, ``tool_choice`` "required" or naming a function.
+``tools`` with ``tool_choice`` "auto" (chat, a server started with
+``--tool-call-parser``): the chat template shows the tools to the model and its calls
+come back as ``tool_calls`` (tool_parsers.py); "none" leaves the tools out.
 """
 
 from __future__ import annotations
@@ -116,19 +116,15 @@ _TEMPLATE_FIELDS = ("messages", "add_generation_prompt", "continue_final_message
 
 def chat_template_args(body) -> dict:
     """vLLM's chat extras: add_generation_prompt (default true), continue_final_message
-    (default false; the last message is continued, so add_generation_prompt must be
-    false beside it) and chat_template_kwargs (more template variables, e.g.
-    enable_thinking), as Tokenizer.render_chat's keywords."""
+    (default false; Tokenizer.render_chat refuses it beside add_generation_prompt, a
+    400 through the server's _render) and chat_template_kwargs (more template variables,
+    e.g. enable_thinking), as Tokenizer.render_chat's keywords."""
     out = {}
     for name, default in (("add_generation_prompt", True), ("continue_final_message", False)):
         value = body.get(name)
         if value is not None and not isinstance(value, bool):
             raise RequestError(f"{name}: expected a bool, got {json.dumps(value)[:80]}", name)
         out[name] = default if value is None else value
-    if out["add_generation_prompt"] and out["continue_final_message"]:
-        raise RequestError("continue_final_message: expected add_generation_prompt false "
-                           "beside it (the last message is continued, not answered), got "
-                           "both true", "continue_final_message")
     extra = body.get("chat_template_kwargs")
     if extra is not None and (not isinstance(extra, dict)
                               or any(k in _TEMPLATE_FIELDS for k in extra)):

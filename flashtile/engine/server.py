@@ -222,13 +222,8 @@ class OpenAIServer:
         the answers' tool calls are parsed out (the server's tool-call parser)."""
         stream_mode, include_usage, continuous = flags
         parser = self.tool_parser if tools else None
-        try:
-            stream = await self.engine.add(prompts, params)
-        except ValueError as err:
-            raise RequestError(str(err), api.param_of(err)) from None
-        head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
-                "object": "chat.completion" if chat else "text_completion",
-                "created": int(time.time()), "model": self.model_name}
+        stream = await self._add(prompts, params)
+        head = self._head(chat)
         try:
             if stream_mode:
                 return await self._stream(request, stream, head, chat,
@@ -257,6 +252,19 @@ class OpenAIServer:
         finally:
             stream.close()
 
+    async def _add(self, prompts, params):
+        """The engine's stream of the prompts' requests; its refusal as a 400."""
+        try:
+            return await self.engine.add(prompts, params)
+        except ValueError as err:
+            raise RequestError(str(err), api.param_of(err)) from None
+
+    def _head(self, chat: bool) -> dict:
+        """What every response (and chunk) of one request starts with."""
+        return {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
+                "object": "chat.completion" if chat else "text_completion",
+                "created": int(time.time()), "model": self.model_name}
+
     async def _beam_respond(self, prompts, beam, chat: bool):
         """use_beam_search: each prompt's beams (BeamSearch over the engine, one request
         a live beam a step) as its n choices, best first."""
@@ -266,10 +274,7 @@ class OpenAIServer:
         search = BeamSearch(prompts, beam, self.llm.scheduler.eos_token_ids,
                             self.max_model_len, RequestOutputKind.FINAL_ONLY)
         while batch := search.prompts():
-            try:
-                stream = await self.engine.add(batch, search.step_params)
-            except ValueError as err:
-                raise RequestError(str(err), api.param_of(err)) from None
+            stream = await self._add(batch, search.step_params)
             try:
                 final = {index: out async for index, out in stream}
             finally:
@@ -283,11 +288,8 @@ class OpenAIServer:
                 choices.append({**api.choice(chat, len(choices), b.text or "", ids, None, 0,
                                              self.tokenizer),
                                 "finish_reason": b.finish_reason})
-        return web.json_response({
-            "id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
-            "object": "chat.completion" if chat else "text_completion",
-            "created": int(time.time()), "model": self.model_name, "choices": choices,
-            "usage": api.usage_body(sum(map(len, prompts)), generated)})
+        return web.json_response({**self._head(chat), "choices": choices,
+                                  "usage": api.usage_body(sum(map(len, prompts)), generated)})
 
     async def _stream(self, request, stream, head, chat, usage_flags, logprobs, n,
                       echo=None, parser=None):
@@ -325,7 +327,7 @@ class OpenAIServer:
         usage = {"usage": None} if include_usage else {}  # in each chunk sse() writes
         chunks = api.ChunkFormat(head, chat, include_usage)
         # choice index -> (characters: text_offset's count with completions' logprobs,
-        # completion tokens, prompt tokens)
+        # completion tokens, prompt tokens, prompt tokens from the prefix cache)
         sent = {}
         while stream.pending:
             parts = []
