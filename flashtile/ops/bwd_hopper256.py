@@ -188,8 +188,13 @@ def _mma256_partition(args, WG: gl.constexpr, IS_CAUSAL: gl.constexpr,
             if DQ_TMA:
                 _release_previous_stage(qdo_empty, it, STAGES)
             s_t = warpgroup_mma_wait(0, deps=(s_t,))
+            # The mask only where the program's keys cross seqlen_k or (causal) the
+            # block's first row does not see its last key (bwd_hopper's walk).
+            masked = key0 + BLOCK_N_WG - 1 >= seqlen_k
+            if IS_CAUSAL:
+                masked = masked | (key0 + BLOCK_N_WG - 1 > row0 + diag_offset)
             p_t = _p_t(s_t, o_n, o_m, seqlen_k, diag_offset, qk_scale, lse2,
-                       IS_CAUSAL)                                            # (64, M)
+                       IS_CAUSAL, masked)                                    # (64, M)
             p_op = _a_operand(p_t, h_layout, dtype)
             # P^T for warpgroup 1, from the operand's registers. It reads it with plain
             # loads (the generic proxy, as these stores): the mbarrier orders them.
