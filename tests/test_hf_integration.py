@@ -909,8 +909,9 @@ def test_bench_hf_needs_cuda(capsys):
 
 @pytest.mark.skipif(TF < version.parse("4.56"), reason="flashtile bench hf needs 4.56")
 def test_bench_hf_profile_smoke(tmp_path, capsys):
-    """--profile N: one more training step per implementation under torch.profiler,
-    its N most expensive kernels (host time on the CPU) printed and kept in the JSON;
+    """--profile N: one more training step and generate per implementation under
+    torch.profiler, their N most expensive kernels (host time on the CPU) printed and
+    kept in the JSON, generate's with the host time inside the attention function;
     the timed rows and their ratios are unchanged by them. --profile -1 is refused."""
     from flashtile.cli import main
     out = tmp_path / "hf.json"
@@ -929,7 +930,16 @@ def test_bench_hf_profile_smoke(tmp_path, capsys):
         assert profile["kernel_ms"] >= sum(ms for _, ms, _ in top) * (1 - 1e-9)
         assert profile["step_ms"] == steps[impl]
     assert all(r["vs_sdpa"] > 0 for r in rows if "tokens_s" in r)
+    # One generate per implementation, with the host time inside the attention
+    # function: one call a layer a forward (the tiny model has 2 layers, 1 new token).
+    generated = {r["impl"]: r for r in rows if r["task"] == "generate profile"}
+    timed = {r["impl"]: r["ms"] for r in rows if r["task"] == "generate"}
+    assert set(generated) == {"flashtile", "sdpa"}
+    for impl, profile in generated.items():
+        assert 1 <= len(profile["kernels"]) <= 3 and profile["ms"] == timed[impl]
+        assert profile["attention_calls"] == 2 and profile["attention_host_us"] > 0
     printed = capsys.readouterr().out
     assert "flashtile train step: kernels " in printed and "top kernels (ms, calls)" in printed
+    assert "inside the attention function (2 calls)" in printed
     assert main(["bench", "hf", "--device", "cpu", "--profile", "-1"]) == 2
     assert "--profile must be >= 0, got -1" in capsys.readouterr().err

@@ -22,6 +22,10 @@ same process state. The implementations take turns within each repetition (see
   between implementations lies, and the device time of all its kernels beside the timed
   step: the difference is time the GPU waited for the host (session 13: a backward 3.3
   ms faster left the step's time unchanged, which only such idle time explains).
+  ``--profile`` does the same for one more ``generate`` per batch and implementation,
+  and reports the host time a call spent inside transformers' attention function
+  (counted in a separate, unprofiled call): at small batches decode is host-bound, and
+  that is the part of the host time that is the implementation's own.
 
 Each measurement is the median of ``--reps`` runs after one untimed run of the same
 shapes (kernel compiles and autotuning happen there), the implementations alternating. Peak memory is
@@ -64,7 +68,8 @@ def _parser():
                         "tokens shorter")
     p.add_argument("--profile", type=int, default=0, metavar="N",
                    help="after the timings, the N most expensive kernels of one training "
-                        "step per implementation (torch.profiler)")
+                        "step and one generate per implementation (torch.profiler), and "
+                        "generate's host time inside the attention function")
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
                    help="cpu: a smoke run with a tiny model (numbers mean nothing)")
     p.add_argument("--out", default="bench-hf.json")
@@ -149,6 +154,7 @@ def run(args) -> list[dict]:
                                min_new_tokens=new, do_sample=False, pad_token_id=0)
 
         prefill, total = timed(lambda: generate(1)), timed(lambda: generate(args.new))
+        generated = len(rows)
         for impl in args.impls:
             (prefill_s, _), (total_s, peak) = prefill[impl], total[impl]
             decode_s = total_s - prefill_s  # noise can make it <= 0 on tiny runs
@@ -160,6 +166,12 @@ def run(args) -> list[dict]:
                                               if decode_s > 0 and args.new > 1 else None),
                              peak_gib=peak))
             print(f"  {impl} generate batch {batch}: {rows[-1]['ms']:.0f} ms", flush=True)
+        if args.profile:
+            for row in rows[generated:]:
+                model.set_attn_implementation(row["impl"])
+                model.train(False)
+                rows.append(_profiled(lambda: generate(args.new), row, device,
+                                      args.profile))
     ids = torch.randint(config.vocab_size, (1, args.train_tokens), generator=gen)
     ids = ids.to(device)
 
@@ -184,10 +196,71 @@ def run(args) -> list[dict]:
                   f"{step_ms[impl]:.1f} ms step (the GPU idle ~"
                   f"{step_ms[impl] - kernel_ms:.1f} ms); top kernels (ms, calls):",
                   flush=True)
-            for name, ms, calls in top:
-                print(f"    {ms:9.3f} {calls:5d}  {name[:100]}", flush=True)
+            _print_top(top)
     _ratios(rows)
     return rows
+
+
+def _print_top(top):
+    for name, ms, calls in top:
+        print(f"    {ms:9.3f} {calls:5d}  {name[:100]}", flush=True)
+
+
+def _profiled(generate, row, device, top):
+    """The ``generate profile`` row of a timed generate ``row``: one more call with the
+    host time spent inside transformers' attention function counted (``_attention_host``),
+    then one under torch.profiler for its ``top`` most expensive kernels and the device
+    time of all of them. Decode in generate is host-bound at small batches: the kernels'
+    total beside the timed call shows how much, and the attention function's host time
+    per call is the part of the host time that is the implementation's own."""
+    with _attention_host(row["impl"]) as spent:
+        generate()
+        _sync(device)
+    kernels, kernel_ms = _profile(generate, device, top)
+    calls, seconds = spent
+    found = dict(task="generate profile", impl=row["impl"], batch=row["batch"],
+                 kernels=kernels, kernel_ms=kernel_ms, ms=row["ms"],
+                 attention_calls=calls,
+                 attention_host_us=1e6 * seconds / calls if calls else None)
+    host = (f"; {found['attention_host_us']:.1f} us of host time a call inside the "
+            f"attention function ({calls} calls)" if calls else "")
+    print(f"  {row['impl']} generate batch {row['batch']}: kernels {kernel_ms:.1f} ms of "
+          f"the timed {row['ms']:.1f} ms{host}; top kernels (ms, calls):", flush=True)
+    _print_top(kernels)
+    return found
+
+
+class _attention_host:
+    """Inside the block, the registered attention function of ``impl`` (transformers'
+    AttentionInterface; "eager" has none: nothing is counted) is wrapped to add its
+    calls and wall time (perf_counter, no sync) to the [calls, seconds] the block gets;
+    the registration is restored on exit."""
+
+    def __init__(self, impl):
+        import transformers
+        # (a private table, as flashtile.integrations.transformers.register reads it;
+        # without it nothing is counted)
+        self.mapping = getattr(transformers.AttentionInterface, "_global_mapping", {})
+        self.impl, self.spent = impl, [0, 0.0]
+
+    def __enter__(self):
+        self.saved = self.mapping.get(self.impl)
+        if self.saved is not None:
+            fn, spent = self.saved, self.spent
+
+            def counted(*args, **kwargs):
+                start = time.perf_counter()
+                try:
+                    return fn(*args, **kwargs)
+                finally:
+                    spent[0] += 1
+                    spent[1] += time.perf_counter() - start
+            self.mapping[self.impl] = counted
+        return self.spent
+
+    def __exit__(self, *exc):
+        if self.saved is not None:
+            self.mapping[self.impl] = self.saved
 
 
 def _profile(fn, device, top):
