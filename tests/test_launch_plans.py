@@ -96,12 +96,13 @@ def _roles(named):
     return {x.data_ptr(): name for name, x in named.items() if isinstance(x, torch.Tensor)}
 
 
-def _check_plan_matches_triton(recorder, call, make_inputs):
-    """call(inputs) -> outputs (dict). First call: through Triton, plan made; second
-    call with new tensors: through the plan; third, plans cleared, the same tensors
-    through Triton: the plan's arguments must be Triton's, role for role."""
+def _check_plan_matches_triton(recorder, call, make_inputs, first=True):
+    """call(inputs) -> outputs (dict). First call: through Triton, plan made (first=False:
+    any path); second call with new tensors: through the plan; third, plans cleared,
+    the same tensors through Triton: the plan's arguments must be Triton's, role for
+    role."""
     call(make_inputs())
-    assert recorder and all(e[0] == "triton" for e in recorder)
+    assert recorder and (not first or all(e[0] == "triton" for e in recorder))
     recorder.clear()
     inputs = make_inputs()
     planned = call(inputs)
@@ -351,11 +352,119 @@ def test_plans_of_flash_attn_with_kvcache_follow_each_layout(recorder, monkeypat
             block_table=t["table"], causal=True, num_splits=3, return_lse=True)
         return dict(out=out, lse=lse)
 
-    for make in (contiguous(), contiguous(wide=True), contiguous(q_t=True),
-                 contiguous(append=True), contiguous(wide=True, append=True), paged(),
-                 paged(table_t=True), paged(append=True), paged(table_t=True, append=True)):
+    # (make_inputs, whether its first call goes through Triton). A wide cache's strides
+    # differ from the plain one's within what Triton compiles on: its decode takes the
+    # plain layout's plans, relocated (test_plan_follows_a_growing_contiguous_cache),
+    # with Triton's arguments all the same (checked on its second call). So does q_t's,
+    # whose q keeps the plain strides (contiguous() leaves a transposed size-1 dim be)
+    # but whose plans the wide call's clear() removed.
+    for make, first in ((contiguous(), True), (contiguous(wide=True), False),
+                        (contiguous(q_t=True), False), (contiguous(append=True), True),
+                        (contiguous(wide=True, append=True), False), (paged(), True),
+                        (paged(table_t=True), True), (paged(append=True), True),
+                        (paged(table_t=True, append=True), True)):
         recorder.clear()
-        _check_plan_matches_triton(recorder, call, make)
+        _check_plan_matches_triton(recorder, call, make, first=first)
+
+
+def _growing(splits=1, leftpad=False):
+    """make_inputs of decodes over a contiguous cache one key longer each call, in
+    transformers' layout: (b, hkv, capacity, d) concatenated, read as (b, capacity, hkv,
+    d), so that the capacity and the batch and head strides change every call."""
+    capacity = iter(range(40, 400))
+
+    def make():
+        n = next(capacity)
+        k, v = (torch.randn(2, 2, n, 16).transpose(1, 2) for _ in "kv")
+        return dict(q=torch.randn(2, 1, 4, 16), k_cache=k, v_cache=v,
+                    seqlens=torch.tensor([n - 3, n], dtype=torch.int32),
+                    leftpad=torch.tensor([2, 0], dtype=torch.int32) if leftpad else None)
+    return make
+
+
+def _decode_call(num_splits=1, return_lse=True):
+    def call(t):
+        out, lse = decode.attn_decode(
+            t["q"], t["k_cache"], t["v_cache"], cache_seqlens=t["seqlens"],
+            block_table=None, cache_batch_idx=None, cache_leftpad=t["leftpad"],
+            alibi_slopes=None, softmax_scale=0.25, window_left=-1, window_right=0,
+            softcap=0.0, num_splits=num_splits, allow_tf32=False, return_lse=return_lse)
+        return dict(out=out) if lse is None else dict(out=out, lse=lse)
+    return call
+
+
+@pytest.mark.parametrize("leftpad", [False, True])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_plan_follows_a_growing_contiguous_cache(num_splits, leftpad, recorder):
+    """A cache one key longer than the last call's (transformers' DynamicCache) takes
+    the last plans of its layout with the new capacity, strides and keys per split in
+    place of the recorded ones: no launch through Triton, Triton's arguments all the
+    same, split or not."""
+    _check_plan_matches_triton(recorder, _decode_call(num_splits), _growing(leftpad=leftpad))
+    assert [e[1] for e in recorder] == ["_decode_kernel"] + (
+        ["_combine_kernel"] if num_splits > 1 else [])
+
+
+def test_plan_of_a_growing_cache_is_remade_when_the_split_count_changes(recorder,
+                                                                        monkeypatch):
+    """The relocated plans launch the split count they were made with: a capacity for
+    which the heuristic picks another count goes through Triton (new plans, which the
+    next longer cache then takes)."""
+    monkeypatch.setattr(decode, "num_splits_heuristic",
+                        lambda work, capacity, *args: 2 if capacity < 43 else 3)
+    make, call = _growing(), _decode_call(num_splits=0)
+    paths = []
+    for _ in range(5):  # capacities 40-44: 2, 2, 2, 3, 3 splits
+        recorder.clear()
+        call(make())
+        paths.append({e[0] for e in recorder})
+    assert paths == [{"triton"}, {"plan"}, {"plan"}, {"triton"}, {"plan"}]
+    assert recorder[0][2][0] == 3  # the decode's grid: 3 splits
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+def test_bound_decode_passes_what_attn_decode_plans_pass(splits, recorder, monkeypatch):
+    """decode.bind after a call: its launches take a later call's tensors of the same
+    layout (a longer cache too, through the relocated plans) and pass what
+    attn_decode's plans pass, split or not; an address aligned otherwise is left to
+    attn_decode (None)."""
+    monkeypatch.setattr(decode, "num_splits_heuristic", lambda *args: splits)
+    make, call = _growing(), _decode_call(num_splits=0, return_lse=False)
+    first = make()
+    call(first)
+    bound = decode.bind(first["q"], first["k_cache"], first["v_cache"],
+                        cache_seqlens=first["seqlens"], cache_leftpad=None,
+                        softmax_scale=0.25, window_left=-1, window_right=0, softcap=0.0)
+    assert bound is not None
+    same = dict(first, q=first["q"].clone(), k_cache=first["k_cache"] * 1,
+                v_cache=first["v_cache"] * 1)
+    for t in (first, same):
+        recorder.clear()
+        out = bound(t["q"], t["k_cache"], t["v_cache"], t["seqlens"], None)
+        bound_log = list(recorder)
+        recorder.clear()
+        planned = call(t)
+        assert [e[1] for e in bound_log] == ["_decode_kernel"] + (
+            ["_combine_kernel"] if splits > 1 else [])
+        assert {e[0] for e in bound_log} == {"plan"}
+        assert [e[:3] for e in bound_log] == [e[:3] for e in recorder]
+        for b, p in zip(bound_log, recorder):
+            # The decode kernel's 13 tensors, the combine's 4.
+            pointers = set(range(13 if b[1] == "_decode_kernel" else 4))
+            assert _canon(b, _roles({**t, "out": out}), pointers) == \
+                _canon(p, _roles({**t, **planned}), pointers)
+    longer = make()
+    later = decode.bind(longer["q"], longer["k_cache"], longer["v_cache"],
+                        cache_seqlens=longer["seqlens"], cache_leftpad=None,
+                        softmax_scale=0.25, window_left=-1, window_right=0, softcap=0.0)
+    recorder.clear()
+    assert later is not None and later(longer["q"], longer["k_cache"], longer["v_cache"],
+                                       longer["seqlens"], None) is not None
+    assert {e[0] for e in recorder} == {"plan"}
+    buf = torch.randn(first["q"].numel() + 1)
+    unaligned = buf[1:].view(first["q"].shape)
+    assert bound(unaligned, first["k_cache"], first["v_cache"], first["seqlens"],
+                 None) is None
 
 
 def _engine_inputs(t, device="cpu", dtype=torch.float32):
@@ -615,6 +724,35 @@ def test_plan_decode_and_varlen_equal_triton_path_on_gpu(paged, device):
         return (*out, k_cache, v_cache, *varlen)
 
     _assert_plans_equal_triton_path(run, (0, 60), (1, 64))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_splits", [0, 1, 4])
+def test_plan_of_a_growing_cache_equals_triton_path_on_gpu(num_splits, device):
+    """A decode over a cache one key longer than the last (transformers' layout, read
+    transposed) through the relocated plans, and through decode.bind's launch, gives
+    Triton's bits; fresh tensors each call."""
+    def run(seed, keys):
+        gen = torch.Generator(device=device).manual_seed(seed)
+        f16 = dict(device=device, dtype=torch.float16, generator=gen)
+        q = torch.randn(3, 1, 8, 64, **f16)
+        k, v = (torch.randn(3, 2, keys, 64, **f16).transpose(1, 2) for _ in "kv")
+        seqlens = torch.tensor([keys, keys - 5, 1], dtype=torch.int32, device=device)
+        kw = dict(cache_seqlens=seqlens, block_table=None, cache_batch_idx=None,
+                  cache_leftpad=None, alibi_slopes=None, softmax_scale=0.125,
+                  window_left=-1, window_right=0, softcap=0.0)
+        out = decode.attn_decode(q, k, v, **kw, num_splits=num_splits, allow_tf32=False,
+                                 return_lse=False)[0]
+        if num_splits:
+            return (out,)
+        bound = decode.bind(q, k, v, cache_seqlens=seqlens, cache_leftpad=None,
+                            softmax_scale=0.125, window_left=-1, window_right=0,
+                            softcap=0.0)
+        again = out if bound is None else bound(q, k, v, seqlens, None)
+        assert again is not None and (bound is not None) == _launch._enabled["on"]
+        return out, again
+
+    _assert_plans_equal_triton_path(run, (0, 1000), (1, 1001))
 
 
 def _assert_plans_equal_triton_path(run, first, again):

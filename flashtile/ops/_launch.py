@@ -22,6 +22,11 @@ multiple of 16 (Triton compiles aligned and unaligned pointers into different ke
 the outputs a launcher allocates itself are always aligned). Per-call integers (a
 varlen batch's max_seqlen) are ``do_not_specialize`` kernel parameters.
 
+A key may hold an integer only up to what Triton compiles on (``spec_class``) where the
+launcher replaces the recorded value in a copy of the plan (``Plan.with_args``): the
+decode launcher does so for a contiguous cache that grows between calls (its capacity
+and strides; ``flashtile.ops.decode._find_plans``).
+
 A kernel's host tensor descriptors (the Gluon kernels' TMA) are slots too: a call
 passes the tensor, and the plan encodes its tensor map (``_tensormap_launch``), every
 other part of the descriptor being fixed by the key.
@@ -133,6 +138,19 @@ class Plan:
             else:
                 runs.append((slice(i, i + 1), slice(j, j + 1)))
         self.runs = tuple(runs)
+
+    def with_args(self, changes):
+        """A copy of this plan whose recorded arguments at the given indices (kernel
+        parameter order; a kernel without tensor descriptors) hold other values:
+        {index: value}. For integers a key fixes only up to what Triton specialises on
+        (``spec_class``), such as the strides of a cache that grows between calls."""
+        copy = object.__new__(Plan)
+        for name in Plan.__slots__:
+            setattr(copy, name, getattr(self, name))
+        copy.template = list(self.template)
+        for i, value in changes.items():
+            copy.template[i] = value
+        return copy
 
     def __call__(self, values, grid=None):
         args = self.template.copy()
@@ -272,6 +290,13 @@ def misalignment(addresses):
     into another kernel than one whose address is not. 0 when all are aligned (the
     usual case, one OR), else each address modulo 16."""
     return 0 if not reduce(or_, addresses) & 15 else tuple([p & 15 for p in addresses])
+
+
+def spec_class(n: int) -> tuple:
+    """What Triton 3.6 compiles an integer argument on: equal to 1, divisible by 16, and
+    32 or 64 bits; with its parity (the decode kernel's V_PAIRS reads it). Two values of
+    one class launch the same compiled kernel."""
+    return n == 1, n % 16 == 0, n % 2 == 0, -2**31 <= n < 2**31
 
 
 def _contiguous(shape, size):

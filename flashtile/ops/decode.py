@@ -710,6 +710,174 @@ def _output_tensors(q, dv, num_splits, out, lse, buf, lse_at, dst_at, dst_lse_at
     return lse, dst, dst_lse.view(num_splits, b, h, sq)
 
 
+def _plan_key(q, k_cache, v_cache, block_table, cache_batch_idx, cache_leftpad,
+              alibi_slopes, descales, scaled, window_left, window_right, softcap,
+              num_splits, allow_tf32, new_tokens, out_dtype, v_is_k, layout, addresses):
+    """attn_decode's launch-plan key (``layout``: its argument, None to build it here)."""
+    if layout is None:
+        paged = block_table is not None
+        layout = (q.dtype, k_cache.dtype, q.shape, q.stride(), k_cache.shape,
+                  k_cache.stride(), v_cache.shape[-1], v_cache.stride(),
+                  paged and (block_table.shape, block_table.stride(0)),
+                  cache_batch_idx is None, cache_leftpad is None, new_tokens)
+    # out and lse are left out of the alignment: _outputs aligns them.
+    return ("decode", layout, out_dtype, v_is_k, _launch.layout(alibi_slopes),
+            scaled and tuple(_launch.layout(x) for x in descales),
+            window_left, window_right, softcap > 0, num_splits, allow_tf32,
+            _launch.misalignment(addresses))
+
+
+# A contiguous cache that grows between calls (transformers' DynamicCache concatenates
+# each step's keys, so every decode step sees a new capacity and new batch and head
+# strides) would miss its plans on every step: a launch through Triton and a new plan,
+# twice a step in transformers' generate (~38 us a layer on this CPU's harness, where
+# Triton's own launch costs nothing). Its plans are found again instead from the last
+# ones made for the same layout up to those integers (the "family"), whose recorded
+# arguments take the call's strides, capacity and keys per split (``_find_plans``).
+_GROWING = ("stride_kb", "stride_kn", "stride_kh", "stride_vb", "stride_vn", "stride_vh",
+            "keys_per_split", "capacity")
+
+
+def _family(key, q, k_cache, v_cache, cache_batch_idx, cache_leftpad, new_tokens):
+    """The key of a contiguous-cache call's plans up to the capacity and the cache
+    strides (each kept as what Triton compiles on, ``_launch.spec_class``)."""
+    spec = _launch.spec_class
+    layout = (q.dtype, k_cache.dtype, q.shape, q.stride(), k_cache.shape[0],
+              k_cache.shape[2:], tuple(map(spec, k_cache.stride())), v_cache.shape[0],
+              v_cache.shape[2:], tuple(map(spec, v_cache.stride())),
+              cache_batch_idx is None, cache_leftpad is None, new_tokens)
+    # key[1], the exact layout (or the caller's id for it), is replaced; the rest holds.
+    return ("decode family", layout, *key[2:])
+
+
+def _split(q, k_cache, v_cache, v_is_k, cache_leftpad, num_splits):
+    """(splits, keys per split) of a contiguous-cache call (attn_decode's split_plan)."""
+    cfg = _tile(q, k_cache, v_cache, v_is_k)
+    hkv = k_cache.shape[2]
+    splits, keys_per_split, _ = split_plan(
+        q.shape[0] * hkv * _row_programs(q, hkv, cfg), k_cache.shape[1], cfg.block_n, 0,
+        num_splits, _num_sms(q), cache_leftpad is not None,
+        configs.decode_programs_per_sm(q.shape[-1], cfg))
+    return splits, keys_per_split
+
+
+def _store(key, plans, splits, q, k_cache, v_cache, block_table, cache_batch_idx,
+           cache_leftpad, new_tokens):
+    """``_launch.store``, and for a contiguous cache also as its family's plans, with the
+    split count they launch (``_find_plans``)."""
+    _launch.store(key, plans)
+    if block_table is None and all(x is not None for x in plans):
+        _launch.store(_family(key, q, k_cache, v_cache, cache_batch_idx, cache_leftpad,
+                              new_tokens), (plans, splits))
+
+
+def _find_plans(key, q, k_cache, v_cache, block_table, cache_batch_idx, cache_leftpad,
+                new_tokens, num_splits):
+    """The plans stored under ``key``; else, for a contiguous cache, its family's with
+    the recorded strides, capacity and keys per split replaced by this call's, where
+    the call launches the same split count (then stored under ``key``); else None (a
+    launch through Triton makes them)."""
+    plans = _launch.lookup(key)
+    if plans is not None or block_table is not None:
+        return plans
+    found = _launch.lookup(_family(key, q, k_cache, v_cache, cache_batch_idx,
+                                   cache_leftpad, new_tokens))
+    if found is None:
+        return None
+    family, splits = found
+    again, keys_per_split = _split(q, k_cache, v_cache, key[3], cache_leftpad, num_splits)
+    if again != splits:
+        return None
+    names = _decode_kernel.arg_names
+    values = (*k_cache.stride()[:3], *v_cache.stride()[:3], keys_per_split,
+              k_cache.shape[1])
+    decode = family[-2 if splits > 1 else 0].with_args(
+        {names.index(n): x for n, x in zip(_GROWING, values)})
+    plans = (splits, decode, family[2]) if splits > 1 else (decode,)
+    _launch.store(key, plans)
+    return plans
+
+
+def _run_plans(plans, q, dv, out_dtype, return_lse, p, scale_ptrs, softmax_scale,
+               softcap):
+    """(out, lse) of a call whose plans were found: the outputs allocated (``_outputs``),
+    the decode kernel launched on the addresses ``p`` of attn_decode's inputs and the
+    descales' ``scale_ptrs`` (() when none is given), then the combine when split."""
+    split = len(plans) == 3
+    out, lse, buf, lse_at, dst_at, dst_lse_at = _outputs(
+        q, dv, out_dtype, plans[0] if split else 1, return_lse)
+    o, base = out.data_ptr(), buf.data_ptr()
+    lse_ptr = base + lse_at
+    scales = tuple(lse_ptr if x == 0 else x for x in scale_ptrs) if scale_ptrs \
+        else (lse_ptr, lse_ptr, lse_ptr)
+    if not split:  # the kernel writes out and lse itself
+        plans[0]((*p[:3], o, lse_ptr, *p[3:], *scales, softmax_scale, softcap))
+        return out, lse
+    dst, dst_lse = base + dst_at, base + dst_lse_at
+    plans[1]((*p[:3], dst, dst_lse, *p[3:], *scales, softmax_scale, softcap))
+    plans[2]((dst, dst_lse, o, lse_ptr))
+    return out, lse
+
+
+class Bound:
+    """attn_decode's plan path bound to one key, for eager callers that repeat a call
+    signature many times in a row (transformers' layers in a decode step: the same
+    shapes, strides, dtypes, options and stream): ``bound(q, k_cache, v_cache,
+    cache_seqlens, cache_leftpad)`` returns out, or None when the call's addresses are
+    aligned otherwise than the bound key's or another CUDA device is current (then
+    attn_decode decides). The caller guarantees the rest of the key: everything
+    attn_decode's key reads but the addresses (``bind``'s docstring)."""
+
+    __slots__ = ("plans", "device", "misaligned", "shared", "dv", "out_dtype",
+                 "softmax_scale", "softcap")
+
+    def __init__(self, plans, device, misaligned, shared, dv, out_dtype, softmax_scale,
+                 softcap):
+        self.plans, self.device, self.misaligned = plans, device, misaligned
+        # Whether K and V had one address (V read from K's tiles is part of the key).
+        self.shared, self.dv, self.out_dtype = shared, dv, out_dtype
+        self.softmax_scale, self.softcap = softmax_scale, softcap
+
+    def __call__(self, q, k_cache, v_cache, cache_seqlens, cache_leftpad):
+        # attn_decode's inputs for a call without block table, batch index, alibi or
+        # descales: cache_seqlens and q stand for the absent ones (never read).
+        p = _launch.pointers((q, k_cache, v_cache, cache_seqlens, cache_seqlens,
+                              cache_seqlens,
+                              cache_seqlens if cache_leftpad is None else cache_leftpad, q))
+        if (_launch.misalignment(p) != self.misaligned or (p[1] == p[2]) != self.shared
+                or _launch._device() != self.device):
+            return None
+        return _run_plans(self.plans, q, self.dv, self.out_dtype, False, p, (),
+                          self.softmax_scale, self.softcap)[0]
+
+
+def bind(q, k_cache, v_cache, *, cache_seqlens, cache_leftpad, softmax_scale,
+         window_left, window_right, softcap) -> Bound | None:
+    """A ``Bound`` for calls like ``attn_decode(q, k_cache, v_cache,
+    cache_seqlens=cache_seqlens, cache_leftpad=cache_leftpad, block_table=None,
+    cache_batch_idx=None, alibi_slopes=None, softmax_scale=softmax_scale,
+    window_left=window_left, window_right=window_right, softcap=softcap, num_splits=0,
+    allow_tf32=False, return_lse=False)`` just made, whose plans it finds: None where
+    there are none (the interpreter, the Gluon MLA kernel's route, a Triton without
+    plans). Its calls must have the same shapes, strides, dtypes and devices as this one
+    (q, k_cache, v_cache and cache_leftpad's), the same options, and run on the same
+    stream, eagerly and outside a CUDA graph capture: what the key holds and a bound
+    call does not read again."""
+    if not _launch.ready(q) or (q.shape[-1] > configs.DECODE_MAX_BLOCK_D and q.is_cuda):
+        return None
+    p = _launch.pointers((q, k_cache, v_cache, cache_seqlens, cache_seqlens, cache_seqlens,
+                          cache_seqlens if cache_leftpad is None else cache_leftpad, q))
+    v_is_k = p[1] == p[2] and _v_is_k(k_cache, v_cache)
+    key = _plan_key(q, k_cache, v_cache, None, None, cache_leftpad, None, (None,) * 3,
+                    False, window_left, window_right, softcap, 0, False, 0, q.dtype,
+                    v_is_k, None, p)
+    plans = _find_plans(key, q, k_cache, v_cache, None, None, cache_leftpad, 0, 0)
+    if plans is None:
+        return None
+    return Bound(plans, _launch._device(), key[-1], p[1] == p[2], v_cache.shape[-1],
+                 q.dtype, softmax_scale, softcap)
+
+
 def attn_decode(q, k_cache, v_cache, *, cache_seqlens, block_table, cache_batch_idx,
                 cache_leftpad, alibi_slopes, softmax_scale, window_left, window_right,
                 softcap, num_splits, allow_tf32, new_tokens=0, q_descale=None,
@@ -773,32 +941,15 @@ def attn_decode(q, k_cache, v_cache, *, cache_seqlens, block_table, cache_batch_
         scale_ptrs = tuple(0 if x is None else x.data_ptr() for x in descales) \
             if scaled else ()
         v_is_k = p[1] == p[2] and _v_is_k(k_cache, v_cache)
-        if layout is None:
-            layout = (q.dtype, k_cache.dtype, q.shape, q.stride(), k_cache.shape,
-                      k_cache.stride(), dv, v_cache.stride(),
-                      paged and (block_table.shape, block_table.stride(0)),
-                      cache_batch_idx is None, cache_leftpad is None, new_tokens)
-        # out and lse are left out of the alignment: _outputs aligns them.
-        key = ("decode", layout, out_dtype, v_is_k, _launch.layout(alibi_slopes),
-               scaled and tuple(_launch.layout(x) for x in descales),
-               window_left, window_right, softcap > 0, num_splits, allow_tf32,
-               _launch.misalignment(p + scale_ptrs))
-        plans = _launch.lookup(key)
+        key = _plan_key(q, k_cache, v_cache, block_table, cache_batch_idx, cache_leftpad,
+                        alibi_slopes, descales, scaled, window_left, window_right, softcap,
+                        num_splits, allow_tf32, new_tokens, out_dtype, v_is_k, layout,
+                        p + scale_ptrs)
+        plans = _find_plans(key, q, k_cache, v_cache, block_table, cache_batch_idx,
+                            cache_leftpad, new_tokens, num_splits)
         if plans is not None:
-            split = len(plans) == 3
-            out, lse, buf, lse_at, dst_at, dst_lse_at = _outputs(
-                q, dv, out_dtype, plans[0] if split else 1, return_lse)
-            o, base = out.data_ptr(), buf.data_ptr()
-            lse_ptr = base + lse_at
-            scales = tuple(lse_ptr if x == 0 else x for x in scale_ptrs) if scaled \
-                else (lse_ptr, lse_ptr, lse_ptr)
-            if not split:  # the kernel writes out and lse itself
-                plans[0]((*p[:3], o, lse_ptr, *p[3:], *scales, softmax_scale, softcap))
-                return out, lse
-            dst, dst_lse = base + dst_at, base + dst_lse_at
-            plans[1]((*p[:3], dst, dst_lse, *p[3:], *scales, softmax_scale, softcap))
-            plans[2]((dst, dst_lse, o, lse_ptr))
-            return out, lse
+            return _run_plans(plans, q, dv, out_dtype, return_lse, p, scale_ptrs,
+                              softmax_scale, softcap)
     else:
         v_is_k = _v_is_k(k_cache, v_cache)
     group = h // hkv
@@ -867,12 +1018,14 @@ def attn_decode(q, k_cache, v_cache, *, cache_seqlens, block_table, cache_batch_
         _DECODE_SLOTS if key is not None else None)
     if num_splits == 1:
         if key is not None:
-            _launch.store(key, (decode,))
+            _store(key, (decode,), 1, q, k_cache, v_cache, block_table,
+                   cache_batch_idx, cache_leftpad, new_tokens)
         return out, lse
     merge = combine.launch_combine(q, dv, num_splits, dst, dst_lse, out, lse_t, pdl,
                                    key is not None)
     if key is not None:
-        _launch.store(key, (num_splits, decode, merge))
+        _store(key, (num_splits, decode, merge), num_splits, q, k_cache, v_cache,
+               block_table, cache_batch_idx, cache_leftpad, new_tokens)
     return out, lse
 
 

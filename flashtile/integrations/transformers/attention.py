@@ -16,6 +16,7 @@ from flashtile.custom_ops import _plain_eager
 from flashtile.integrations.transformers._notes import _note
 from flashtile.integrations.transformers.masks import marked_leftpad, tensor_version
 from flashtile.interface import _attention, _philox
+from flashtile.ops import decode
 from flashtile.ops.decode import attn_decode
 
 
@@ -176,7 +177,7 @@ def _dense(q, k, v, causal, sliding_window, opts):
 
 
 # The last decode call's (signature, cache_seqlens, softmax_scale, window_left,
-# window_right).
+# window_right, decode.Bound or None).
 _last_decode = [None]
 
 
@@ -209,7 +210,11 @@ def _decode(q, k, v, causal, window, softmax_scale, softcap, cache_leftpad=None)
     if (not capturing and last is not None and last[0] == signature
             and not V.index_checks_enabled() and _plain_eager((q, k, v))
             and select_backend(q.device, q.dtype) == "triton"):
-        _, cache_seqlens, scale, left, right = last
+        _, cache_seqlens, scale, left, right, bound = last
+        if bound is not None:  # the plans, launched without a key built and looked up
+            out = bound(q, k, v, cache_seqlens, cache_leftpad)
+            if out is not None:
+                return out
         return attn_decode(q, k, v, cache_seqlens=cache_seqlens, block_table=None,
                            cache_batch_idx=None, cache_leftpad=cache_leftpad,
                            alibi_slopes=None, softmax_scale=scale, window_left=left,
@@ -222,7 +227,10 @@ def _decode(q, k, v, causal, window, softmax_scale, softcap, cache_leftpad=None)
         left, right = V.check_flash_options(0.0, softmax_scale, softcap, window, causal)
         scale = float(1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None
                       else softmax_scale)
-        _last_decode[0] = (signature, cache_seqlens, scale, left, right)
+        bound = decode.bind(q, k, v, cache_seqlens=cache_seqlens,
+                            cache_leftpad=cache_leftpad, softmax_scale=scale,
+                            window_left=left, window_right=right, softcap=float(softcap))
+        _last_decode[0] = (signature, cache_seqlens, scale, left, right, bound)
     return out
 
 
