@@ -63,9 +63,6 @@
 #                then forward+backward with lse_ahead (the default's) and with lse_smem,
 #                dq_tma with both, beside cuDNN, d64/d128 at 1k/4k (BWD_LSE_HF=1: the
 #                Llama-1B training step too, both ways)        (~5 min; with HF ~8)
-#   bwd-opts3    the Gluon backward's pipe and sdp options on the default's: their GPU
-#                tests and memcheck slices, then forward+backward beside the default
-#                (d64; sdp also d128 full)                                  (~9 min)
 #   wide         head_dim 256 and 512, forward and forward+backward, beside the peers
 #                                                                         (~5 min)
 #   d96          head_dim 96 in d128's Gluon tiles: its GPU tests and memcheck slice, then
@@ -282,37 +279,6 @@ case "${1:-}" in
           | grep -i "train" | sed "s|^|$opts |" | tee -a "$OUT/bwd-lse.txt"
       done
     fi
-    ;;
-  bwd-opts3)
-    # Two opt-in schedules of the Gluon backward on today's default options (lse_smem,
-    # dq_tma, ds_ring, the mask branch; session 28): pipe (d64: block it - 1's dV and dK
-    # behind block it's S^T and dP^T; GPU-correct since session 17, never timed) and sdp
-    # (dP^T issued behind S^T; 0-3% slower in session 12, before all of those). Their
-    # sm_90 compiles keep no local memory in the walks but sdp's at d128 causal (24
-    # stores a walk): sdp is timed at d64 and d128 full. Their GPU tests and memcheck
-    # slices (BWD3_TESTS=0: not), then forward + backward, alternating twice.
-    if [ "${BWD3_TESTS:-1}" != 0 ]; then
-      timeout 200 python3 -m pytest -q -p no:cacheprovider $XDIST --gpu \
-        tests/test_bwd_hopper.py -k "ds_ring" 2>&1 | tail -2 | tee "$OUT/bwd-opts3-tests.txt"
-      timeout 120 make memcheck MEMCHECK_K="(hopper_bwd_pipe_small or \
-        hopper_bwd_options_small) and ds_ring" MEMCHECK_FILES=tests/test_bwd_hopper.py \
-        2>&1 | tail -2 | tee "$OUT/bwd-opts3-memcheck.txt"
-    fi
-    base=lse_smem,dq_tma,ds_ring
-    for round in 1 2; do
-      for opts in $base $base,sdp $base,pipe; do
-        FLASHTILE_HOPPER_BWD_OPTS=$opts timeout 100 python3 -m flashtile bench --providers \
-          flashtile sdpa-cudnn --modes fwd_bwd --headdim 64 --seqlens 1k 4k 16k \
-          --no-progress --out "bwd-opts3" --overwrite 2>&1 | grep "sdpa-cudnn |" \
-          | sed "s|^|$round $opts |" | tee -a "$OUT/bwd-opts3.txt"
-      done
-      for opts in $base $base,sdp; do
-        FLASHTILE_HOPPER_BWD_OPTS=$opts timeout 100 python3 -m flashtile bench --providers \
-          flashtile sdpa-cudnn --modes fwd_bwd --headdim 128 --causal false --seqlens 1k \
-          4k 16k --no-progress --out "bwd-opts3" --overwrite 2>&1 | grep "sdpa-cudnn |" \
-          | sed "s|^|$round $opts |" | tee -a "$OUT/bwd-opts3.txt"
-      done
-    done
     ;;
   wide)
     # head_dim 256 and 512 (issue 15 item 3, issue 17 item 3): forward and forward+backward

@@ -263,19 +263,11 @@ def test_switch_sends_head_dim_256_under_1_and_auto(monkeypatch):
 
 # The schedule options (FLASHTILE_HOPPER_BWD_OPTS, bwd_hopper's docstring) the GPU A/B
 # times, alone and as timed together; tests/test_gluon_compile.py checks their SASS.
-OPTS = ["none", "sdp", "lse_ahead", "lse_ahead,dq_tma", "lse_ahead,sdp", "lse_smem,dq_tma",
-        "lse_smem", "lse_smem,dq_tma,ds_ring", "lse_ahead,ds_ring",
-        "lse_smem,dq_tma,ds_ring,sdp"]
+OPTS = ["none", "lse_ahead", "lse_ahead,dq_tma", "lse_smem,dq_tma", "lse_smem",
+        "lse_smem,dq_tma,ds_ring", "lse_ahead,ds_ring"]
 # 128 query rows a block at head_dim 64 (FLASHTILE_HOPPER_BWD_CONFIG; session 14's
 # tile A/B): the block's whole (128, 64) dQ tiles through the reduce-adds.
 BLOCK_M_128_CASES = [(64, "lse_ahead,dq_tma", "128,128,4,2")]
-# pipe (head_dim 64, BLOCK_M 64 only): with and without lse_ahead, with 3 stages (the
-# previous block's stage freed later: a different ring turnover), with dq_tma, and with
-# today's default options (session 28's A/B candidate).
-PIPE_CASES = [("lse_ahead,pipe", None), ("pipe", None), ("lse_ahead,pipe", "64,128,4,3"),
-              ("lse_ahead,pipe,dq_tma", None), ("lse_smem,dq_tma,ds_ring,pipe", None)]
-
-
 def _split_env(opts, config):
     env = {"FLASHTILE_HOPPER_BWD_OPTS": opts}
     if config is not None:
@@ -377,28 +369,6 @@ def test_hopper_bwd_block_m_128_small(head_dim, opts, config, monkeypatch):
                     shape=(2, 77, 45, 4, 2))
 
 
-@pytest.mark.parametrize("mask", list(MASKS))
-@pytest.mark.parametrize("opts,config", PIPE_CASES, ids=lambda x: str(x))
-@on_hopper
-def test_pipe_matches_float64_reference(opts, config, mask, monkeypatch):
-    """pipe at head_dim 64: test_options_match_float64_reference's calls (many query
-    blocks and heads a walk: the previous block's dV and dK read its stage of the ring
-    after this block's loads; the first block's zero products; the last block's after
-    the walk)."""
-    causal, align = MASKS[mask]
-    diag_offset = 300 - 333 if align == "bottom_right" else 0
-    _backward_twice(_split_env(opts, config), 64, causal, diag_offset, monkeypatch)
-
-
-@pytest.mark.parametrize("opts,config", PIPE_CASES, ids=lambda x: str(x))
-@on_hopper
-def test_hopper_bwd_pipe_small(opts, config, monkeypatch):
-    """The memcheck slice of pipe: test_hopper_bwd_small's call (a walk of two blocks,
-    and programs whose causal walk is empty)."""
-    _backward_twice(_split_env(opts, config), 64, True, 45 - 77, monkeypatch,
-                    shape=(2, 77, 45, 4, 2))
-
-
 @pytest.mark.parametrize("stages", [3, 4])
 @pytest.mark.parametrize("head_dim", [64, 128])
 @on_hopper
@@ -446,22 +416,22 @@ def test_options_knob(monkeypatch):
     assert bwd_hopper.kernel_flags(256, True, configs.hopper_bwd_opts(), 64) \
         == dict(IS_CAUSAL=True, DQ_TMA=True)
     flags = bwd_hopper.kernel_flags(128, True, configs.hopper_bwd_opts(), 64)
-    assert flags == dict(IS_CAUSAL=True, SDP=False, LSE_AHEAD=False, DQ_TMA=True,
-                         PIPE=False, LSE_SMEM=True, DS_RING=True)
+    assert flags == dict(IS_CAUSAL=True, LSE_AHEAD=False, DQ_TMA=True, LSE_SMEM=True,
+                         DS_RING=True)
     # ... and lse_ahead where lse_smem cannot run (seqlen_q 301: not a multiple of 4).
     flags = bwd_hopper.kernel_flags(128, True, configs.hopper_bwd_opts(), 64, 301)
-    assert flags == dict(IS_CAUSAL=True, SDP=False, LSE_AHEAD=True, DQ_TMA=True,
-                         PIPE=False, LSE_SMEM=False, DS_RING=True)
+    assert flags == dict(IS_CAUSAL=True, LSE_AHEAD=True, DQ_TMA=True, LSE_SMEM=False,
+                         DS_RING=True)
     for none in ("none", " none ,", ""):
         monkeypatch.setenv("FLASHTILE_HOPPER_BWD_OPTS", none)
         assert configs.hopper_bwd_opts() == frozenset()
     flags = bwd_hopper.kernel_flags(128, True, frozenset(), 64)
     assert not any(v for k, v in flags.items() if k != "IS_CAUSAL")
-    monkeypatch.setenv("FLASHTILE_HOPPER_BWD_OPTS", " sdp, dq_tma ,")
-    assert configs.hopper_bwd_opts() == {"sdp", "dq_tma"}
+    monkeypatch.setenv("FLASHTILE_HOPPER_BWD_OPTS", " ds_ring, dq_tma ,")
+    assert configs.hopper_bwd_opts() == {"ds_ring", "dq_tma"}
     flags = bwd_hopper.kernel_flags(64, False, configs.hopper_bwd_opts(), 64)
-    assert flags == dict(IS_CAUSAL=False, SDP=True, LSE_AHEAD=False, DQ_TMA=True,
-                         PIPE=False, LSE_SMEM=False, DS_RING=False)
+    assert flags == dict(IS_CAUSAL=False, LSE_AHEAD=False, DQ_TMA=True, LSE_SMEM=False,
+                         DS_RING=True)
     # lse_smem brings lse and delta with Q and dO: lse_ahead has nothing left to do.
     flags = bwd_hopper.kernel_flags(64, False, frozenset({"lse_ahead", "lse_smem"}), 64)
     assert flags["LSE_SMEM"] and not flags["LSE_AHEAD"]
@@ -473,38 +443,26 @@ def test_options_knob(monkeypatch):
                                                                            True)
     monkeypatch.setenv("FLASHTILE_HOPPER_BWD_OPTS", "lse_ahead,dq_tma")
     flags = bwd_hopper.kernel_flags(128, True, configs.hopper_bwd_opts(), 64)
-    assert flags["DQ_TMA"] and flags["LSE_AHEAD"] and not flags["PIPE"]
-    # dq_split was removed in session 28 (its A/B lost): now an unknown option.
-    monkeypatch.setenv("FLASHTILE_HOPPER_BWD_OPTS", "lse_ahead,dq_split")
-    with pytest.raises(ValueError, match=r"\(unknown: \['dq_split'\]\)"):
-        configs.hopper_bwd_opts()
+    assert flags["DQ_TMA"] and flags["LSE_AHEAD"] and not flags["LSE_SMEM"]
+    # dq_split (session 28), sdp and pipe (session 29) were removed, their A/Bs lost:
+    # now unknown options.
+    for gone in ("dq_split", "sdp", "pipe"):
+        monkeypatch.setenv("FLASHTILE_HOPPER_BWD_OPTS", f"lse_ahead,{gone}")
+        with pytest.raises(ValueError, match=rf"\(unknown: \['{gone}'\]\)"):
+            configs.hopper_bwd_opts()
     # bwd_hopper256 takes dq_tma alone (the default's lse_ahead is passed over there).
     assert bwd_hopper.kernel_flags(256, True, configs.HOPPER_BWD_DEFAULT_OPTS, 64) \
         == dict(IS_CAUSAL=True, DQ_TMA=True)
-    assert bwd_hopper.kernel_flags(256, False, frozenset({"lse_ahead", "sdp"}), 64) \
+    assert bwd_hopper.kernel_flags(256, False, frozenset({"lse_ahead", "ds_ring"}), 64) \
         == dict(IS_CAUSAL=False, DQ_TMA=False)
     monkeypatch.setenv("FLASHTILE_HOPPER_BWD_OPTS", "lse_ahead")
     assert bwd_hopper.kernel_flags(256, False, configs.hopper_bwd_opts(), 64) \
         == dict(IS_CAUSAL=False, DQ_TMA=False)
-    monkeypatch.setenv("FLASHTILE_HOPPER_BWD_OPTS", "sdp,pingpong")
+    monkeypatch.setenv("FLASHTILE_HOPPER_BWD_OPTS", "ds_ring,pingpong")
     with pytest.raises(ValueError, match=r"FLASHTILE_HOPPER_BWD_OPTS must be 'none' or a "
-                       r"comma-separated subset of .*'ds_ring'\), got 'sdp,pingpong' "
+                       r"comma-separated subset of .*'ds_ring'\), got 'ds_ring,pingpong' "
                        r"\(unknown: \['pingpong'\]\)"):
         configs.hopper_bwd_opts()
-
-
-def test_pipe_refuses_what_it_cannot_pipeline():
-    """pipe: head_dim 64 and BLOCK_M 64 only (registers), not with sdp."""
-    with pytest.raises(ValueError, match=r"pipe \(the previous block's dV and dK .*\) "
-                       r"goes without sdp .*, got \['pipe', 'sdp'\]"):
-        bwd_hopper.kernel_flags(64, True, frozenset({"pipe", "sdp"}), 64)
-    for head_dim, block_m in ((128, 64), (64, 128)):
-        with pytest.raises(ValueError, match=r"pipe needs head_dim 64 and 64 query rows a "
-                           rf"block: .*, got head_dim {head_dim}, BLOCK_M {block_m}"):
-            bwd_hopper.kernel_flags(head_dim, False, frozenset({"pipe"}), block_m)
-    flags = bwd_hopper.kernel_flags(64, True, frozenset({"pipe", "lse_ahead", "dq_tma"}),
-                                    64)
-    assert flags["PIPE"] and flags["DQ_TMA"] and not flags["SDP"]
 
 
 def test_dq_tma_tile_and_descriptor():

@@ -526,10 +526,8 @@ def _walk_local_stores(sass: str) -> list[int]:
 # Where the walks store a few words to local memory since session 28 branched over the
 # softmax's mask in blocks that need none (bwd_hopper._p_t): (options, head dim, BLOCK_M,
 # causal) -> the most stores in one walk. The default's d128 causal walks are among them
-# and still ran forward + backward 4-6% faster (NOTES.md section 38); sdp's is an opt-in
-# no default runs.
+# and still ran forward + backward 4-6% faster (NOTES.md section 38).
 _WALK_STORES = {
-    (("sdp",), 128, 64, False): 1,
     (("lse_smem", "dq_tma", "ds_ring"), 128, 64, True): 6,
 }
 
@@ -552,34 +550,6 @@ def _early_release(sass: str) -> bool:
         elif "REDG" in op and arrived:
             return True
     return False
-
-
-# The FLASHTILE_HOPPER_BWD_OPTS variants the GPU A/B times (bwd_hopper's docstring), and
-# the local memory ptxas keeps for each (bytes, the worst of full and causal): scalars
-# stored before the walk, checked by _walk_local_stores and _WALK_STORES). sdp at head_dim
-# 128 keeps 88-112 (dP^T's accumulators pinned through the softmax).
-_BWD_OPTS_STACK = {
-    ("sdp",): {64: 0, 128: 112},
-}
-
-
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("head_dim", sorted(configs.HOPPER_BWD_16BIT))
-@pytest.mark.parametrize("opts", list(_BWD_OPTS_STACK), ids=",".join)
-def test_hopper_backward_options_compile_for_sm90(opts, head_dim, causal):
-    """Each schedule option compiles for sm_90, fits shared memory, stores nothing to
-    local memory inside the walks, and shows its change in the SASS: sdp waits for S^T
-    with dP^T in flight."""
-    ck = _compile_bwd(head_dim, causal, opts=opts)
-    res = resources(ck)
-    assert res["shared_bytes"] <= configs.SM90_SMEM_BYTES, res
-    assert res["stack_bytes"] <= _BWD_OPTS_STACK[opts][head_dim], res
-    sass = _sass(ck)
-    walks = _walk_local_stores(sass)
-    assert len(walks) >= 2, walks  # one walk per consumer at least
-    assert max(walks) <= _walk_stores_allowed(opts, head_dim, 64, causal), walks
-    assert ("WARPGROUP.DEPBAR.LE gsb0, 0x1" in sass) == ("sdp" in opts)
-    assert not _early_release(sass) and not _dq_behind_dkv(sass)
 
 
 def _dq_behind_dkv(sass: str) -> bool:
@@ -641,12 +611,9 @@ def _waited_loads(ops: list[str]) -> int:
 
 # The options of session 14 (bwd_hopper's docstring), each with the BLOCK_M it is timed
 # at and the local memory ptxas keeps (bytes, the worst of full and causal; scalars
-# stored before the walk, checked by _walk_local_stores and _WALK_STORES). Not listed:
-# lse_ahead with sdp, which at head_dim 128 (causal) stores 10-12 words a block inside
-# the walks.
+# stored before the walk, checked by _walk_local_stores and _WALK_STORES).
 _BWD_NEW_OPTS = {
     (("lse_ahead",), 64, 64): 0,
-    (("lse_ahead", "sdp"), 64, 64): 0,  # session 15: timed at d64 only (d128 stores)
     (("lse_ahead",), 128, 64): 56,
 }
 
@@ -666,8 +633,6 @@ def test_hopper_backward_new_options_compile_for_sm90(opts, head_dim, block_m, c
     assert len(walks) >= 2, walks
     assert max(walks) <= _walk_stores_allowed(opts, head_dim, block_m, causal), walks
     assert (_loads_waited_before_mma(sass) == 0) == ("lse_ahead" in opts)
-    if "sdp" in opts:  # S^T waited for alone, dP^T in flight
-        assert "WARPGROUP.DEPBAR.LE gsb0, 0x1" in sass
     base = _compile_bwd(head_dim, causal, opts=(), block_m=block_m)
     assert res["shared_bytes"] == resources(base)["shared_bytes"]
 
@@ -764,52 +729,6 @@ def test_hopper_backward_ds_ring_compiles_for_sm90(head_dim, causal):
     assert res["shared_bytes"] - base["shared_bytes"] == 2 * 64 * 64 * 2 + 16  # + 2 barriers
     assert max(_walk_local_stores(_sass(ck))) <= _walk_stores_allowed(opts, head_dim, 64,
                                                                       causal)
-
-
-# pipe (session 15) at head_dim 64 with the default's lse_ahead, by STAGES and causal:
-# the most words a walk stores to local memory (3 stages, causal: ptxas stores and
-# reloads 2 inside the walk) and the local memory it keeps (bytes).
-_BWD_PIPE = {(2, False): (0, 0), (2, True): (0, 16), (3, False): (0, 16),
-             (3, True): (2, 48)}
-
-
-@pytest.mark.parametrize("stages,causal", list(_BWD_PIPE),
-                         ids=lambda x: str(x) if isinstance(x, int) else
-                         ("causal" if x else "full"))
-def test_hopper_backward_pipe_compiles_for_sm90(stages, causal):
-    """pipe: block it's S^T and dP^T, then block it - 1's dV and dK (A operands from
-    registers) queued before the first wait, which leaves three groups outstanding
-    (WARPGROUP.DEPBAR.LE gsb0, 0x3; the default never waits so); no wgmma is serialized
-    (ptxas's C7512/C7513 put a wait after every HGMMA: 64 at least, here 10) and the
-    shared memory is lse_ahead's alone."""
-    ck = _compile_bwd(64, causal, opts=("lse_ahead", "pipe"), stages=stages)
-    res = resources(ck)
-    most_stores, stack = _BWD_PIPE[(stages, causal)]
-    assert res["stack_bytes"] <= stack, res
-    base = _compile_bwd(64, causal, opts=("lse_ahead",), stages=stages)
-    assert res["shared_bytes"] == resources(base)["shared_bytes"]
-    sass = _sass(ck)
-    walks = _walk_local_stores(sass)
-    assert len(walks) >= 2 and max(walks) <= most_stores, walks
-    assert sass.count("WARPGROUP.DEPBAR") <= 12
-    assert _queued_before_first_wait(sass) and not _queued_before_first_wait(_sass(base))
-
-
-def _queued_before_first_wait(sass: str) -> bool:
-    """Whether a wgmma wait with three groups outstanding follows, with no wait between,
-    products with A from shared memory (S^T, dP^T) and then from registers (dV, dK)."""
-    ops = re.findall(r"/\*[0-9a-f]{4,}\*/\s+([^;]*);", sass)
-    shared = registers = False
-    for op in ops:
-        if re.match(r"HGMMA\.\S+ R\d+, gdesc", op):
-            shared, registers = True, False
-        elif re.match(r"HGMMA\.\S+ R\d+, R\d+,", op):
-            registers = registers or shared
-        elif "WARPGROUP.DEPBAR.LE gsb0, 0x3" in op and registers:
-            return True
-        elif "WARPGROUP.DEPBAR" in op:
-            shared = registers = False
-    return False
 
 
 # FLASHTILE_HOPPER_BWD_CONFIG="64,128,4,STAGES" values that compile without local stores

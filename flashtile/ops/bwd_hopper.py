@@ -45,10 +45,6 @@ Schedule options, each a constexpr chosen by FLASHTILE_HOPPER_BWD_OPTS (comma-se
 "none" for the schedule above alone; lse_ahead by default since session 15, dq_tma
 with it since session 17, lse_smem in lse_ahead's place since session 21, ds_ring since
 session 28) for the GPU A/B, all compile-checked on the CPU:
-- sdp (SDP): dP^T is issued right behind S^T, as FA3 does; the consumer waits for S^T
-  alone (wgmma wait 1), computes P^T while dP^T runs, then waits for dP^T: one wgmma
-  round trip fewer per query block and both products queued for the tensor cores. lse
-  is then loaded after the issue (loaded before, ptxas spilled 200 bytes at d128).
 - lse_ahead (LSE_AHEAD): lse and delta of query block it + 1 are loaded (one value a
   thread each, masked off past the walk) during block it, so no global load is waited
   for inside a block: without it lse's load is issued and waited for (its value stored
@@ -56,8 +52,7 @@ session 28) for the GPU A/B, all compile-checked on the CPU:
   block's path (delta's overlaps dP^T). ptxas then also issues most of the softmax's
   exp2 before the dP^T wait, under dP^T (14-32 of a thread's 32 in the sm_90 SASS, 0-4
   by default; one d128 consumer keeps them behind). As FA3, which has the producer copy
-  LSE and dPsum into shared memory beside Q and dO. With sdp it stores inside the walks
-  at d128 (causal): not an A/B variant.
+  LSE and dPsum into shared memory beside Q and dO.
   Prediction (session 14, not yet run on a GPU; a toy model of the two consumers sharing
   the tensor cores, not kept): per block and program (d128, 64 rows, 128 keys) the five
   products are 10.5 MFLOP, 2560 clocks at the SM's 4096 FLOP/clock, but ~393 TFLOP/s
@@ -92,33 +87,6 @@ session 28) for the GPU A/B, all compile-checked on the CPU:
   transformers' d64 training step 98 -> 89 ms. The default since. Its tiles leave no
   room for a third Q/dO stage at d128 (``check_fits``). bwd_hopper256 takes the option
   too (session 18), its tiles in the Q/dO ring (no room is left there for tiles).
-- pipe (PIPE): software pipelining across query blocks without a product in flight
-  across the walk's back edge: block it issues S^T and dP^T, then block it - 1's dV and
-  dK from the P^T and dS^T operands it left in registers (and its stage of the ring,
-  released only now), and waits for S^T with three products queued; the previous
-  block's products run under this block's softmax and dS. Block 0 issues them with zero
-  operands against its own stage (adds 0; an Inf or NaN there gives NaN where the real
-  product gives it too, or Inf); the walk's end issues the last block's. Implies sdp's
-  order. Head dim 64 and BLOCK_M 64 only: at d128 (dK and dV 128 registers) and at
-  BLOCK_M 128 ptxas serializes every wgmma (C7512) and spills 240-792 bytes. Not with
-  sdp. FA3's form, dK and dV in flight across the back edge (waited at block
-  it + 1's S^T), made Triton 3.6's ptxas (12.8) serialize every wgmma of the kernel, a
-  wait after each, at d64 already (C7512-C7515, session 15). The sm_90 compile (d64,
-  lse_ahead): 10 wgmma waits (no serialization), no stores inside the walks, 0-16 bytes
-  of local memory (3 stages: 16-48, and 2 words stored and reloaded inside the causal
-  walk). This block's P^T and dS^T are cast to 16 bits only after the previous block's
-  products are waited for: cast before, they are written into the registers those
-  products read, and ptxas serializes every wgmma of the kernel (C7513). ptxas places
-  the exp2 after the dP^T wait (0 of 32 under it, 14-32 by default), under the previous
-  block's dV and dK.
-  Prediction (session 15, not run on a GPU): a d64 block is ~3,600 clocks a consumer
-  (backward ~350 TFLOP/s); the dV/dK round trip (8 HGMMA, ~250 clocks, ~350 with its
-  latency) leaves the chain, dP^T's ~130 under the exp2 come back: 4-8% of the
-  chain, half of it as lse_ahead got half of its prediction: backward +2-5% at d64,
-  forward + backward +1.5-3.5%. The risk is the ring: with 2 stages block it - 1's
-  stage frees only after block it's dS, ~200-700 clocks before block it + 1 needs it,
-  about one TMA load's latency; 3 stages (FLASHTILE_HOPPER_BWD_CONFIG=64,128,4,3) lift
-  that. If 3 stages beat 2 by more than the noise, the ring is what limits pipe.
 - lse_smem (LSE_SMEM; supersedes lse_ahead): lse and delta come as FA3 brings them,
   with Q and dO: the producer loads each block's BLOCK_M values of both by TMA (tensor
   maps over the (batch * nheads, seqlen_q) tensors, ``_rows_descriptor``) into rings
@@ -153,6 +121,21 @@ session 28) for the GPU A/B, all compile-checked on the CPU:
   28, forward + backward): d64 full +2-3%, causal +0-1%, d128 level; in the default
   since.
 Tried and removed (H200, the sections of docs/benchmarks/NOTES.md):
+- sdp, FA3's order: dP^T issued right behind S^T, the consumer waiting for S^T alone
+  (wgmma wait 1) and computing P^T while dP^T runs. 0-3% slower than none in session
+  12 (section 22); on session 28's default (lse_smem, dq_tma, ds_ring, the mask branch)
+  -1 to -2% at d64 and level at d128 full (session 29, section 39); at d128 causal
+  ptxas stored 24 words a walk. Removed in session 29.
+- pipe, software pipelining across query blocks: block it issued S^T and dP^T, then
+  block it - 1's dV and dK from the operands it had left in registers (block 0 with zero
+  operands against its own stage, the walk's end the last block's), so three products
+  were queued under each softmax. d64 and BLOCK_M 64 only (at d128 or BLOCK_M 128
+  ptxas serialized every wgmma, C7512, and spilled); FA3's form, dK and dV in flight
+  across the back edge, made ptxas 12.8 serialize every wgmma at d64 already (session
+  15); P^T and dS^T had to be cast only after the previous products' wait (C7513).
+  Predicted +1.5-3.5% forward + backward; measured -1.7 to +1.5% (session 18, section
+  28) and, on session 28's default, -4% at 1k, -2% at 4k, level at 16k (session 29).
+  Removed in session 29.
 - dq_split, FA3's dQ split (AtomLayoutMdQ): both consumers a share of every block's dQ
   product (half the head dims at d128, half the rows at d64 with BLOCK_M 128), two dS^T
   buffers, one barrier a block: -2 to -9% alone, level with lse_ahead when combined
@@ -188,8 +171,8 @@ memcheck found 0 errors; forward + backward 0.78-0.84x cuDNN's at head dims 64/1
 backward alone ~0.76x (~390 against ~513 TFLOP/s at d128, 4k). tests/test_gluon_compile.py
 compiles every variant and option for sm_90 on the CPU (shared memory, no local-memory
 stores inside the walks, each option visible in the SASS; ptxas keeps 48 bytes of
-scalars in local memory at head_dim 128, stored before the walk, up to 112 with sdp).
-Session 12's options (NOTES.md section 22) ran 0-3% slower than none: sdp stays off.
+scalars in local memory at head_dim 128, stored before the walk). Session 12's options
+(NOTES.md section 22) ran 0-3% slower than none.
 Session 13 (section 23): the options' GPU tests passed; the GQA head split
 (``head_split``) passed its tests and memcheck and cut transformers' Llama-3.2-1B
 backward (32 query over 8 KV heads, 4k tokens, batch 1) from 0.55x to 0.72x cuDNN's.
@@ -436,16 +419,15 @@ def _dq_partial(ds_all, k_all, dq_init, p_dq, row0, seqlen_q, ds_empty, dq_smem,
 
 @gluon.jit
 def _mma_partition(args, dq_smem, WG: gl.constexpr, IS_CAUSAL: gl.constexpr,
-                   SDP: gl.constexpr, LSE_AHEAD: gl.constexpr, DQ_TMA: gl.constexpr,
-                   PIPE: gl.constexpr, LSE_SMEM: gl.constexpr, DS_RING: gl.constexpr):
+                   LSE_AHEAD: gl.constexpr, DQ_TMA: gl.constexpr, LSE_SMEM: gl.constexpr,
+                   DS_RING: gl.constexpr):
     """Consumer warpgroup WG: keys key0 + 64 * WG + [0, 64) against every query block.
     ds_smem: one dS^T buffer (128 keys, BLOCK_M), two with DS_RING (then ds_full and
     ds_empty are two barriers, one a buffer).
     DQ_TMA: DQAccum is the accumulator's tensor map and dq_smem holds each warpgroup's
     dQ tiles on their way to its TMA reduce-adds (one a 64-dim piece, the first half of
-    them warpgroup 0's); unused otherwise. PIPE: block it - 1's dV and dK are issued in
-    block it, behind its S^T and dP^T (the module docstring's option pipe). LSE_SMEM:
-    lse and delta come with Q and dO in lse_smem and delta_smem (the option lse_smem)."""
+    them warpgroup 0's); unused otherwise. LSE_SMEM: lse and delta come with Q and dO
+    in lse_smem and delta_smem (the option lse_smem)."""
     (q_smem, k_smem, v_smem, do_smem, ds_smem, kv_ready, q_ready, do_ready, qdo_empty,
      ds_full, ds_empty, dk_desc, dv_desc, Lse, Delta, DQAccum, off_b, off_dkv, key0, h0,
      n_heads, m_lo, n_m, nheads, seqlen_q, seqlen_k, diag_offset, softmax_scale, lse_smem,
@@ -475,12 +457,6 @@ def _mma_partition(args, dq_smem, WG: gl.constexpr, IS_CAUSAL: gl.constexpr,
     mbarrier.wait(kv_ready, 0)
 
     n_iter = n_heads * n_m
-    if PIPE:
-        # The previous block's P^T and dS^T, the A operands of its dV and dK: zeros
-        # before the first block (its products then add 0 times the first block's Q and
-        # dO, read from its stage).
-        p_prev = _a_operand(s_init, d_layout, dtype)
-        ds_prev = p_prev
     if LSE_AHEAD:  # the first block's lse and delta (see the walk)
         p_row0 = bh0.to(gl.int64) * seqlen_q
         lse_next = _row_flat(Lse + p_row0, m_lo * BLOCK_M, seqlen_q, float("inf"), BLOCK_M)
@@ -508,7 +484,7 @@ def _mma_partition(args, dq_smem, WG: gl.constexpr, IS_CAUSAL: gl.constexpr,
             row0_nx = (m_lo + nx % n_m) * BLOCK_M
             lse_next = _row_flat(Lse + p_row_nx, row0_nx, rows_nx, float("inf"), BLOCK_M)
             delta_next = _row_flat(Delta + p_row_nx, row0_nx, rows_nx, 0.0, BLOCK_M)
-        elif not (SDP or LSE_SMEM):
+        elif not LSE_SMEM:
             lse2 = _lse2(Lse + p_row, row0, seqlen_q, BLOCK_M, s_layout)
         q = q_smem.index(stage).reshape([BLOCK_M, HEAD_DIM])                 # (M, D)
         b_do = do_smem.index(stage).reshape([BLOCK_M, HEAD_DIM])             # (M, D)
@@ -522,35 +498,7 @@ def _mma_partition(args, dq_smem, WG: gl.constexpr, IS_CAUSAL: gl.constexpr,
             lse_row = lse_smem.index(stage).reshape([BLOCK_M])
             lse2 = gl.where(o_m < seqlen_q, _base2(lse_row.load(
                 gl.SliceLayout(0, s_layout))), float("inf"))
-        if PIPE:
-            # dP^T behind S^T (as with SDP), then the previous block's dV and dK from
-            # the operands it left in registers and its stage of the ring (which it has
-            # not released): the tensor cores hold three products while this block's
-            # softmax and dS run, and no product is in flight across the walk's back
-            # edge (what made ptxas serialize FA3's form, see the module docstring's pipe).
-            mbarrier.wait(do_ready.index(stage), phase)
-            dp_t = warpgroup_mma(v, b_do.permute((1, 0)), s_init, use_acc=False,
-                                 is_async=True)                              # (64, M)
-            stage_prev = gl.where(it > 0, (it + STAGES - 1) % STAGES, stage)
-            dv = warpgroup_mma(p_prev, do_smem.index(stage_prev).reshape(
-                [BLOCK_M, HEAD_DIM]), dv, is_async=True)
-            dk = warpgroup_mma(ds_prev, q_smem.index(stage_prev).reshape(
-                [BLOCK_M, HEAD_DIM]), dk, is_async=True)
-            s_t = warpgroup_mma_wait(3, deps=(s_t,))
-        elif SDP:
-            # dP^T queued behind S^T, as FA3: the softmax below runs while dP^T does,
-            # and the tensor cores see both products at once.
-            mbarrier.wait(do_ready.index(stage), phase)
-            dp_t = warpgroup_mma(v, b_do.permute((1, 0)), s_init, use_acc=False,
-                                 is_async=True)                              # (64, M)
-            s_t = warpgroup_mma_wait(1, deps=(s_t,))
-            if not (LSE_AHEAD or LSE_SMEM):
-                # lse after the products' issue: loaded before (as without SDP), it
-                # stayed live beside dP^T's pinned accumulators and ptxas spilled 200
-                # bytes at head_dim 128, not 112 (scalars kept across the walk).
-                lse2 = _lse2(Lse + p_row, row0, seqlen_q, BLOCK_M, s_layout)
-        else:
-            s_t = warpgroup_mma_wait(0, deps=(s_t,))
+        s_t = warpgroup_mma_wait(0, deps=(s_t,))
         # This warpgroup's keys need a mask only where they cross seqlen_k or, with
         # causal, where the block's first row does not see its last key: the other
         # blocks branch over it (session 28: forward + backward causal +4-6% at d64
@@ -563,42 +511,27 @@ def _mma_partition(args, dq_smem, WG: gl.constexpr, IS_CAUSAL: gl.constexpr,
         p_t = _p_t(s_t, o_n, o_m, seqlen_k, diag_offset, qk_scale, lse2, IS_CAUSAL,
                    masked)                                                   # (64, M)
 
-        if not (SDP or PIPE):
-            mbarrier.wait(do_ready.index(stage), phase)
-            dp_t = warpgroup_mma(v, b_do.permute((1, 0)), s_init, use_acc=False,
-                                 is_async=True)                              # (64, M)
+        mbarrier.wait(do_ready.index(stage), phase)
+        dp_t = warpgroup_mma(v, b_do.permute((1, 0)), s_init, use_acc=False,
+                             is_async=True)                                  # (64, M)
         if LSE_SMEM:  # delta landed with dO: read while dP^T runs; rows past seqlen_q 0
             delta_row = delta_smem.index(stage).reshape([BLOCK_M])
             delta = gl.where(o_m < seqlen_q, delta_row.load(gl.SliceLayout(0, s_layout)),
                              0.0)
-        dp_t = warpgroup_mma_wait(2 if PIPE else 0, deps=(dp_t,))
+        dp_t = warpgroup_mma_wait(0, deps=(dp_t,))
         # dV's product is issued after dP^T completes, not beside it: its P^T operand
         # and accumulators held in flight through dS spilled 104-128 bytes at head_dim
         # 128 (dK, dV: 128 registers; S^T/P^T, dP^T: 32 each; the operands 16 each).
         # The other consumer's products fill the tensor cores meanwhile.
-        if not PIPE:
-            p_op = _a_operand(p_t, d_layout, dtype)
+        p_op = _a_operand(p_t, d_layout, dtype)
         if LSE_AHEAD:
             delta = gl.convert_layout(delta_flat, gl.SliceLayout(0, s_layout))
         elif not LSE_SMEM:
             delta = _row_vector(Delta + p_row, row0, seqlen_q, 0.0, BLOCK_M, s_layout)
         ds_t = p_t * (dp_t - gl.expand_dims(delta, 0))                       # (64, M)
-        if PIPE:
-            # The previous block's dV and dK (queued first, done by now): its stage of
-            # the ring free (none before the first block). P^T and dS^T become this
-            # block's operands only after the wait (a dependency of it): they take the
-            # registers of the previous ones, which ptxas must not see written while a
-            # product reads them (C7513: it would serialize every wgmma of the kernel).
-            dv, dk, p_t, ds_t = warpgroup_mma_wait(0, deps=(dv, dk, p_t, ds_t))
-            mbarrier.arrive(qdo_empty.index(stage_prev), count=1, pred=it > 0)
-            p_op = _a_operand(p_t, d_layout, dtype)
-            p_prev = p_op
-            ds_op = _a_operand(ds_t, d_layout, dtype)
-            ds_prev = ds_op
-        else:
-            ds_op = _a_operand(ds_t, d_layout, dtype)
-            dv = warpgroup_mma(p_op, b_do, dv, is_async=True)
-            dk = warpgroup_mma(ds_op, q, dk, is_async=True)
+        ds_op = _a_operand(ds_t, d_layout, dtype)
+        dv = warpgroup_mma(p_op, b_do, dv, is_async=True)
+        dk = warpgroup_mma(ds_op, q, dk, is_async=True)
         # dQ_partial = dS K needs dS as the A operand, rows the queries: through shared
         # memory, read transposed. Both warpgroups' dS^T (128 keys) go into one product,
         # taken by the two in turn (owner it % 2): half the atomics of a product per
@@ -622,24 +555,14 @@ def _mma_partition(args, dq_smem, WG: gl.constexpr, IS_CAUSAL: gl.constexpr,
         ds_buf.slice(WG * BLOCK_N_WG, BLOCK_N_WG).store(ds_op)
         fence_async_shared()  # the generic-proxy writes above before wgmma reads them
         mbarrier.arrive(ds_full_b, count=1)
-        if not PIPE:  # (PIPE: waited above, block it - 1's)
-            dv, dk = warpgroup_mma_wait(0, deps=(dv, dk))
-            mbarrier.arrive(qdo_empty.index(stage), count=1)  # Q, dO read last
+        dv, dk = warpgroup_mma_wait(0, deps=(dv, dk))
+        mbarrier.arrive(qdo_empty.index(stage), count=1)  # Q, dO read last
         if it % 2 == WG:
             mbarrier.wait(ds_full_b, ds_phase)  # the other warpgroup's dS^T stored too
             p_dq = DQAccum if DQ_TMA else DQAccum + p_row * HEAD_DIM
             _dq_partial(ds_buf, k_all, dq_init, p_dq, row0, seqlen_q, ds_empty_b,
                         dq_smem, off_b, h0 + it // n_m, WG, DQ_TMA)
 
-    if PIPE:
-        if n_iter > 0:  # the last block's dV and dK
-            stage_last = (n_iter - 1) % STAGES
-            dv = warpgroup_mma(p_prev, do_smem.index(stage_last).reshape(
-                [BLOCK_M, HEAD_DIM]), dv, is_async=True)
-            dk = warpgroup_mma(ds_prev, q_smem.index(stage_last).reshape(
-                [BLOCK_M, HEAD_DIM]), dk, is_async=True)
-            dv, dk = warpgroup_mma_wait(0, deps=(dv, dk))
-            mbarrier.arrive(qdo_empty.index(stage_last), count=1)
     # dK and dV leave through this warpgroup's K and V buffers once the last dQ product,
     # which reads both halves of K, has completed (a fresh barrier passes: no walk). TMA
     # drops the rows past seqlen_k.
@@ -685,18 +608,17 @@ def _program_walk(BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, seqlen_q, nheads
 def _attn_bwd_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse, Delta,
                             DQAccum, seqlen_q, seqlen_k, nheads, nheads_kv, head_split,
                             dq_rows, diag_offset, softmax_scale, IS_CAUSAL: gl.constexpr,
-                            STAGES: gl.constexpr, SDP: gl.constexpr,
-                            LSE_AHEAD: gl.constexpr,
-                            DQ_TMA: gl.constexpr, PIPE: gl.constexpr,
-                            LSE_SMEM: gl.constexpr, DS_RING: gl.constexpr):
+                            STAGES: gl.constexpr, LSE_AHEAD: gl.constexpr,
+                            DQ_TMA: gl.constexpr, LSE_SMEM: gl.constexpr,
+                            DS_RING: gl.constexpr):
     """dK, dV of 128 keys of one (batch, KV head), dQ added into DQAccum: fp32 (batch,
     nheads, seqlen_q, head_dim), zeroed by the preprocess (DQ_TMA: its tensor map,
     ``_dq_descriptor``). head_split > 1 (GQA): the
     group's query heads are dealt to head_split programs, each storing its share of dK
     and dV into head off_hkv * head_split + its index of dk_desc/dv_desc (the launcher
     sums the shares). dq_rows: seqlen_q, unused here (bwd_hopper256's kernel, which
-    reads it, takes the same arguments). SDP, LSE_AHEAD, DQ_TMA, PIPE, LSE_SMEM, DS_RING:
-    the schedule options of the module docstring."""
+    reads it, takes the same arguments). LSE_AHEAD, DQ_TMA, LSE_SMEM, DS_RING: the
+    schedule options of the module docstring."""
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[1]
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
     key0, off_b, off_dkv, off_hkv, h0, n_heads, m_lo, n_m = _program_walk(
@@ -769,11 +691,11 @@ def _attn_bwd_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, L
                  q_ready, do_ready, qdo_empty, off_b, off_hkv, key0, h0, n_heads, m_lo, n_m,
                  Lse, Delta, lse_smem, delta_smem, seqlen_q, nheads)
     gl.warp_specialize([
-        (_mma_partition, (mma_args, dq_smem, 0, IS_CAUSAL, SDP, LSE_AHEAD, DQ_TMA, PIPE,
-                          LSE_SMEM, DS_RING)),
+        (_mma_partition, (mma_args, dq_smem, 0, IS_CAUSAL, LSE_AHEAD, DQ_TMA, LSE_SMEM,
+                          DS_RING)),
         (_load_partition, (load_args, LSE_SMEM)),
-        (_mma_partition, (mma_args, dq_smem, 1, IS_CAUSAL, SDP, LSE_AHEAD, DQ_TMA, PIPE,
-                          LSE_SMEM, DS_RING)),
+        (_mma_partition, (mma_args, dq_smem, 1, IS_CAUSAL, LSE_AHEAD, DQ_TMA, LSE_SMEM,
+                          DS_RING)),
     ], [1, 4], [PRODUCER_REGS, CONSUMER_REGS])
 
 
@@ -855,25 +777,13 @@ def kernel_flags(head_dim: int, causal: bool, opts: frozenset[str], block_m: int
     and the default's lse_ahead is passed over there."""
     if head_dim == 256:
         return dict(IS_CAUSAL=causal, DQ_TMA="dq_tma" in opts)
-    if "pipe" in opts and "sdp" in opts:
-        raise ValueError("FLASHTILE_HOPPER_BWD_OPTS: pipe (the previous block's dV and dK "
-                         "behind this block's S^T and dP^T) goes without sdp (which it "
-                         f"includes), got {sorted(opts)}")
-    if "pipe" in opts and (head_dim != 64 or block_m != 64):
-        raise ValueError("FLASHTILE_HOPPER_BWD_OPTS=pipe needs head_dim 64 and 64 query "
-                         "rows a block: the operands and products it keeps in flight beside "
-                         "dK and dV do not fit 240 registers at head_dim 128 or BLOCK_M 128 "
-                         "(ptxas serializes every wgmma and spills), got head_dim "
-                         f"{head_dim}, BLOCK_M {block_m}")
     # lse_smem brings lse and delta with Q and dO: lse_ahead's loads have nothing to do.
     short = seqlen_q is not None and (seqlen_q % 4 or seqlen_q < block_m)
     if "lse_smem" in opts and short:
         opts = opts - {"lse_smem"} | {"lse_ahead"}
     lse_smem = "lse_smem" in opts
-    return dict(IS_CAUSAL=causal, SDP="sdp" in opts,
-                LSE_AHEAD="lse_ahead" in opts and not lse_smem,
-                DQ_TMA="dq_tma" in opts, PIPE="pipe" in opts, LSE_SMEM=lse_smem,
-                DS_RING="ds_ring" in opts)
+    return dict(IS_CAUSAL=causal, LSE_AHEAD="lse_ahead" in opts and not lse_smem,
+                DQ_TMA="dq_tma" in opts, LSE_SMEM=lse_smem, DS_RING="ds_ring" in opts)
 
 
 def smem_bytes(head_dim: int, block_m: int, stages: int, flags: dict) -> int:

@@ -535,7 +535,7 @@ def hopper_bwd_config(head_dim: int) -> TileConfig:
 # FLASHTILE_HOPPER_BWD_OPTS (comma-separated; "none" for none; unset: the default below)
 # for the GPU A/B; bwd_hopper's docstring says what each changes. Read when a launch plan
 # is made.
-HOPPER_BWD_OPTS = ("sdp", "lse_ahead", "dq_tma", "pipe", "lse_smem", "ds_ring")
+HOPPER_BWD_OPTS = ("lse_ahead", "dq_tma", "lse_smem", "ds_ring")
 # lse_ahead is the default since session 15: forward + backward +6-10% at head_dim 64,
 # +1-4% at 128 on the H200 (docs/benchmarks/NOTES.md section 25); dq_tma since session
 # 17: +6-10% at 128, +1-3% at 64, transformers' d64 training step 98 -> 89 ms (section 27);
@@ -551,7 +551,7 @@ HOPPER_BWD_DEFAULT_OPTS = frozenset({"lse_smem", "dq_tma", "ds_ring"})
 
 
 def hopper_bwd_opts() -> frozenset[str]:
-    """The FLASHTILE_HOPPER_BWD_OPTS options of the Gluon backward, e.g. "sdp,lse_ahead";
+    """The FLASHTILE_HOPPER_BWD_OPTS options of the Gluon backward, e.g. "lse_ahead,dq_tma";
     "none" for none, unset for the default (HOPPER_BWD_DEFAULT_OPTS). Each kernel takes
     the options it has (bwd_hopper.kernel_flags)."""
     raw = os.environ.get("FLASHTILE_HOPPER_BWD_OPTS")
