@@ -418,8 +418,8 @@ def test_metrics(server, llm):
 def test_prompt_tokens_details(server, llm):
     """--enable-prompt-tokens-details (vLLM's flag): usage.prompt_tokens_details.
     cached_tokens is what the prefix cache gave: nothing to a new prompt, its two full
-    pages (32 tokens) to one sharing them, whole and in a stream's usage chunk; without
-    the flag usage has no such field."""
+    pages (32 tokens) to one sharing them, whole, in a stream's usage chunk and to beam
+    search's prompts; without the flag usage has no such field."""
     g = torch.Generator().manual_seed(5)
     shared = torch.randint(3, VOCAB, (40,), generator=g).tolist()
     with ServerThread(build_app(AsyncEngine(lambda: llm), MODEL, None, True)) as s:
@@ -434,6 +434,12 @@ def test_prompt_tokens_details(server, llm):
             prompt=shared[:-2] + [8], stream=True, stream_options={"include_usage": True},
             **_greedy(max_tokens=3))))
         assert events[-2]["usage"]["prompt_tokens_details"] == {"cached_tokens": 32}
+        # use_beam_search: what the cache gave the prompts (their first step), here two
+        # prompts sharing the two pages (the first step's requests run as one batch).
+        _, beams = run(_request(s.url + "/v1/completions", dict(
+            prompt=[shared[:-3] + [9], shared[:-4] + [10, 11]], use_beam_search=True, n=2,
+            max_tokens=2)))
+        assert beams["usage"]["prompt_tokens_details"] == {"cached_tokens": 64}
     _, plain = post(server, "/v1/completions", dict(prompt=shared, **_greedy()))
     assert "prompt_tokens_details" not in plain["usage"]
     _assert_idle(llm)

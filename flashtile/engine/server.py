@@ -267,19 +267,27 @@ class OpenAIServer:
 
     async def _beam_respond(self, prompts, beam, chat: bool):
         """use_beam_search: each prompt's beams (BeamSearch over the engine, one request
-        a live beam a step) as its n choices, best first."""
+        a live beam a step) as its n choices, best first. With --enable-prompt-tokens-
+        details, cached_tokens counts what the prefix cache gave the prompts themselves:
+        the first step's requests, one a prompt (the later steps' prompts are beams)."""
         from flashtile.engine.beam_search import BeamSearch
         from flashtile.engine.sampling_params import RequestOutputKind
 
         search = BeamSearch(prompts, beam, self.llm.scheduler.eos_token_ids,
                             self.max_model_len, RequestOutputKind.FINAL_ONLY)
+        cached = 0 if self.details else None
+        first = True
         while batch := search.prompts():
             stream = await self._add(batch, search.step_params)
             try:
                 final = {index: out async for index, out in stream}
             finally:
                 stream.close()
-            search.advance([final[i] for i in range(len(batch))])
+            outputs = [final[i] for i in range(len(batch))]
+            if first and cached is not None:
+                cached = sum(out.num_cached_tokens for out in outputs)
+            first = False
+            search.advance(outputs)
         choices, generated = [], 0
         for prompt, result in zip(prompts, search.results(self.tokenizer)):
             for b in result.sequences:
@@ -289,7 +297,8 @@ class OpenAIServer:
                                              self.tokenizer),
                                 "finish_reason": b.finish_reason})
         return web.json_response({**self._head(chat), "choices": choices,
-                                  "usage": api.usage_body(sum(map(len, prompts)), generated)})
+                                  "usage": api.usage_body(sum(map(len, prompts)), generated,
+                                                          cached)})
 
     async def _stream(self, request, stream, head, chat, usage_flags, logprobs, n,
                       echo=None, parser=None):
