@@ -726,6 +726,61 @@ def test_plan_decode_and_varlen_equal_triton_path_on_gpu(paged, device):
     _assert_plans_equal_triton_path(run, (0, 60), (1, 64))
 
 
+@pytest.mark.parametrize("head_dim", [16, 24])
+def test_transformers_decode_steps_follow_a_growing_cache(head_dim, recorder, monkeypatch):
+    """transformers' decode memo (integrations.transformers.attention._decode) over a
+    DynamicCache: a step's first layer goes through flash_attn_with_kvcache, its later
+    layers through the bound plans. At head_dim 16 the cache's strides (S * 16) stay
+    multiples of 16: the next steps' first layers, one key longer, skip the validation
+    and launch relocated plans. At head_dim 24 they are multiples of 16 at even lengths
+    only: each step's first layer is validated again, and after the two first steps
+    (one of each parity) its decode finds relocated plans, not Triton's path. Either
+    way the plans pass Triton's arguments."""
+    hf_attention = pytest.importorskip("flashtile.integrations.transformers.attention")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # CPU tensors take the Triton path
+    monkeypatch.delenv("FLASHTILE_BACKEND", raising=False)
+    validated = []
+    original = flashtile.flash_attn_with_kvcache
+    monkeypatch.setattr(flashtile, "flash_attn_with_kvcache",
+                        lambda *a, **k: validated.append(a[1].shape[1]) or original(*a, **k))
+    monkeypatch.setattr(hf_attention, "_last_decode", [None])
+    module = type("Attn", (torch.nn.Module,), {"is_causal": True})()
+    q = torch.randn(2, 4, 1, head_dim)
+
+    def layer(keys, seed):
+        g = torch.Generator().manual_seed(seed)
+        k, v = (torch.randn(2, 2, keys, head_dim, generator=g) for _ in "kv")
+        with torch.no_grad():
+            hf_attention.attention_forward(module, q, k, v, None, scaling=0.2)
+        return k, v
+
+    through_triton = []
+    for keys in range(40, 46):
+        recorder.clear()
+        for seed in range(3):  # three layers a step
+            layer(keys, seed)
+        assert {e[0] for e in recorder[2:]} == {"plan"}  # the later layers: bound plans
+        through_triton.append(_count(recorder, "triton") > 0)
+    assert validated == ([40] if head_dim == 16 else list(range(40, 46)))
+    assert through_triton == [True] + [head_dim == 24] + [False] * 4
+    # The last step's first layer, again: its plans' arguments are Triton's.
+    recorder.clear()
+    k, v = layer(45, 7)
+    plan_log = list(recorder)
+    recorder.clear()
+    _launch.clear()
+    seqlens = torch.full((2,), 45, dtype=torch.int32)
+    decode.attn_decode(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                       cache_seqlens=seqlens, block_table=None, cache_batch_idx=None,
+                       cache_leftpad=None, alibi_slopes=None, softmax_scale=0.2,
+                       window_left=-1, window_right=0, softcap=0.0, num_splits=0,
+                       allow_tf32=False, return_lse=False)
+    assert {e[0] for e in plan_log} == {"plan"} and {e[0] for e in recorder} == {"triton"}
+    assert [e[1] for e in plan_log] == [e[1] for e in recorder]
+    for p, t in zip(plan_log, recorder):  # past the tensors (addresses: per call)
+        assert p[3][13:] == t[3][13:], p[1]
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("num_splits", [0, 1, 4])
 def test_plan_of_a_growing_cache_equals_triton_path_on_gpu(num_splits, device):

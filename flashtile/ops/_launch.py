@@ -292,6 +292,7 @@ def misalignment(addresses):
     return 0 if not reduce(or_, addresses) & 15 else tuple([p & 15 for p in addresses])
 
 
+@functools.lru_cache(maxsize=4096)  # a few strides a call, a few us of host time uncached
 def spec_class(n: int) -> tuple:
     """What Triton 3.6 compiles an integer argument on: equal to 1, divisible by 16, and
     32 or 64 bits; with its parity (the decode kernel's V_PAIRS reads it). Two values of

@@ -750,25 +750,27 @@ def _family(key, q, k_cache, v_cache, cache_batch_idx, cache_leftpad, new_tokens
     return ("decode family", layout, *key[2:])
 
 
-def _split(q, k_cache, v_cache, v_is_k, cache_leftpad, num_splits):
-    """(splits, keys per split) of a contiguous-cache call (attn_decode's split_plan)."""
+def _split_args(q, k_cache, v_cache, v_is_k):
+    """split_plan's arguments for a contiguous-cache call but the capacity, num_splits
+    and leftpad (attn_decode's): (work items, keys a tile, SMs, programs an SM)."""
     cfg = _tile(q, k_cache, v_cache, v_is_k)
     hkv = k_cache.shape[2]
-    splits, keys_per_split, _ = split_plan(
-        q.shape[0] * hkv * _row_programs(q, hkv, cfg), k_cache.shape[1], cfg.block_n, 0,
-        num_splits, _num_sms(q), cache_leftpad is not None,
-        configs.decode_programs_per_sm(q.shape[-1], cfg))
-    return splits, keys_per_split
+    return (q.shape[0] * hkv * _row_programs(q, hkv, cfg), cfg.block_n, _num_sms(q),
+            configs.decode_programs_per_sm(q.shape[-1], cfg))
 
 
 def _store(key, plans, splits, q, k_cache, v_cache, block_table, cache_batch_idx,
            cache_leftpad, new_tokens):
-    """``_launch.store``, and for a contiguous cache also as its family's plans, with the
-    split count they launch (``_find_plans``)."""
+    """``_launch.store``, and for a contiguous cache also as its family's plans, with
+    the split count they launch, split_plan's other arguments and the positions of the
+    arguments a relocation replaces (``_find_plans``)."""
     _launch.store(key, plans)
     if block_table is None and all(x is not None for x in plans):
+        names = _decode_kernel.arg_names
         _launch.store(_family(key, q, k_cache, v_cache, cache_batch_idx, cache_leftpad,
-                              new_tokens), (plans, splits))
+                              new_tokens),
+                      (plans, splits, _split_args(q, k_cache, v_cache, key[3]),
+                       tuple(names.index(n) for n in _GROWING)))
 
 
 def _find_plans(key, q, k_cache, v_cache, block_table, cache_batch_idx, cache_leftpad,
@@ -784,15 +786,14 @@ def _find_plans(key, q, k_cache, v_cache, block_table, cache_batch_idx, cache_le
                                    cache_leftpad, new_tokens))
     if found is None:
         return None
-    family, splits = found
-    again, keys_per_split = _split(q, k_cache, v_cache, key[3], cache_leftpad, num_splits)
+    family, splits, (work, block_n, num_sms, per_sm), at = found
+    capacity = k_cache.shape[1]
+    again, keys_per_split, _ = split_plan(work, capacity, block_n, 0, num_splits, num_sms,
+                                          cache_leftpad is not None, per_sm)
     if again != splits:
         return None
-    names = _decode_kernel.arg_names
-    values = (*k_cache.stride()[:3], *v_cache.stride()[:3], keys_per_split,
-              k_cache.shape[1])
-    decode = family[-2 if splits > 1 else 0].with_args(
-        {names.index(n): x for n, x in zip(_GROWING, values)})
+    decode = family[-2 if splits > 1 else 0].with_args(dict(zip(at, (
+        *k_cache.stride()[:3], *v_cache.stride()[:3], keys_per_split, capacity))))
     plans = (splits, decode, family[2]) if splits > 1 else (decode,)
     _launch.store(key, plans)
     return plans

@@ -16,7 +16,7 @@ from flashtile.custom_ops import _plain_eager
 from flashtile.integrations.transformers._notes import _note
 from flashtile.integrations.transformers.masks import marked_leftpad, tensor_version
 from flashtile.interface import _attention, _philox
-from flashtile.ops import decode
+from flashtile.ops import _launch, decode
 from flashtile.ops.decode import attn_decode
 
 
@@ -197,7 +197,13 @@ def _decode(q, k, v, causal, window, softmax_scale, softcap, cache_leftpad=None)
     send elsewhere, or one during CUDA-graph capture (whose tensors must not outlive
     it here), takes flash_attn_with_kvcache. So does a call torch.compile traces: the
     memo is host state of eager calls, which a graph must neither query (the stream)
-    nor keep (its tensor in a global)."""
+    nor keep (its tensor in a global).
+
+    The next step's first layer differs from the memo in the cache's length and
+    strides alone (transformers' DynamicCache grows by concatenation): ``_grown`` checks
+    what flash_attn_with_kvcache's validation could find new there (the cache's 32-bit
+    reach), and the step binds the decode's plans relocated to the longer cache
+    (``decode.bind``) on a fresh cache_seqlens, without that validation's host time."""
     if torch.compiler.is_compiling():
         return _kvcache(q, k, v, causal, window, softmax_scale, softcap, cache_leftpad)[0]
     cuda = q.is_cuda
@@ -207,10 +213,19 @@ def _decode(q, k, v, causal, window, softmax_scale, softcap, cache_leftpad=None)
                  softmax_scale, softcap, cache_leftpad is not None,
                  torch._C._cuda_getCurrentRawStream(q.device.index) if cuda else None)
     last = _last_decode[0]
-    if (not capturing and last is not None and last[0] == signature
+    same = last is not None and last[0] == signature
+    if (not capturing and (same or _grown(last, signature, k, v))
             and not V.index_checks_enabled() and _plain_eager((q, k, v))
             and select_backend(q.device, q.dtype) == "triton"):
         _, cache_seqlens, scale, left, right, bound = last
+        if not same:
+            cache_seqlens = torch.full((q.shape[0],), k.shape[1], dtype=torch.int32,
+                                       device=q.device)
+            bound = decode.bind(q, k, v, cache_seqlens=cache_seqlens,
+                                cache_leftpad=cache_leftpad, softmax_scale=scale,
+                                window_left=left, window_right=right,
+                                softcap=float(softcap))
+            _last_decode[0] = (signature, cache_seqlens, scale, left, right, bound)
         if bound is not None:  # the plans, launched without a key built and looked up
             out = bound(q, k, v, cache_seqlens, cache_leftpad)
             if out is not None:
@@ -232,6 +247,35 @@ def _decode(q, k, v, causal, window, softmax_scale, softcap, cache_leftpad=None)
                             window_left=left, window_right=right, softcap=float(softcap))
         _last_decode[0] = (signature, cache_seqlens, scale, left, right, bound)
     return out
+
+
+# The signature's places of k's and v's shapes (each followed by its strides).
+_CACHES = (4, 8)
+
+
+def _grown(last, signature, k, v) -> bool:
+    """Whether ``signature`` is the memo's but for a cache of another length (k and v
+    alike) whose strides Triton compiles as the memo's (``_launch.spec_class``), whose
+    elements 32-bit offsets reach, and whose decode found plans (the memo's Bound)."""
+    if last is None or last[5] is None:
+        return False
+    old = last[0]
+    places = {at + i for at in _CACHES for i in (0, 1)}
+    if any(a != b for i, (a, b) in enumerate(zip(old, signature)) if i not in places):
+        return False
+    spec = _launch.spec_class
+    for at in _CACHES:
+        if any(a != b for i, (a, b) in enumerate(zip(old[at], signature[at])) if i != 1) \
+                or any(spec(a) != spec(b) for a, b in zip(old[at + 1], signature[at + 1])):
+            return False
+    if k.shape[1] != v.shape[1]:
+        return False
+    try:
+        V.check_offsets(k, "k_cache")
+        V.check_offsets(v, "v_cache")
+    except ValueError:  # flash_attn_with_kvcache raises it, in its own words
+        return False
+    return True
 
 
 def _kvcache(q, k, v, causal, window, softmax_scale, softcap, cache_leftpad):
