@@ -40,6 +40,10 @@
 #                slice, then the 0.5B decode-step bench (batches 1 and 256, a prompt step
 #                of 8 x 1024) with its kernel profile                       (~6 min)
 #   host         flashtile bench host, flashtile bench hf (and --pad at batch 16) (~10 min)
+#   hf-gen       issue 16's row after session 29's decode plans for a growing cache: their
+#                GPU tests (plans against Triton's path, transformers' decode memo), then
+#                flashtile bench hf with --profile (generate at batch 1 and 16: kernels
+#                and the host time inside the attention function)          (~5 min)
 #   hopper       the Gluon forward's GPU tests (16-bit) and its timing     (~9 min)
 #   tp           the tensor-parallel driver's tests (2 GPUs)              (~4 min)
 #   ncu          the Gluon backward (d128; transformers' d64 GQA step), the d64 and FP8
@@ -626,6 +630,16 @@ PY
     # A left-padded batch (the decode kernel with cache_leftpad since session 10).
     timeout 200 python3 -m flashtile bench hf --pad --batches 16 --out "$OUT/hf-pad.json" \
       2>&1 | tail -6
+    ;;
+  hf-gen)
+    # Session 29: transformers' generate ran 0.94x (batch 1) and 0.86x (batch 16) sdpa's
+    # tokens/s; every decode step missed its plans twice (the cache's capacity was in
+    # their key). Prediction: batch 1 1.0-1.1x, batch 16 0.95-1.1x (NOTES.md section 39).
+    timeout 150 python3 -m pytest -q -p no:cacheprovider --gpu tests/test_launch_plans.py \
+      tests/test_hf_integration.py -k "plan or decode or generate" 2>&1 | tail -2 \
+      | tee "$OUT/hf-gen-tests.txt"
+    timeout 300 python3 -m flashtile bench hf --impls flashtile sdpa --profile 10 \
+      --out "$OUT/hf-gen.json" 2>&1 | grep -v "^\s*$" | tail -60 | tee "$OUT/hf-gen.txt"
     ;;
   hopper)
     # The Gluon forward: GPU tests against float64 (the FP8 ones run in stage fp8), then
