@@ -40,6 +40,9 @@
 #                slice, then the 0.5B decode-step bench (batches 1 and 256, a prompt step
 #                of 8 x 1024) with its kernel profile                       (~6 min)
 #   host         flashtile bench host, flashtile bench hf (and --pad at batch 16) (~10 min)
+#   fwd-q2       the Gluon forward's second Q set on the persistent grid (session 29): its
+#                GPU tests and memcheck slice, then forward d64/d128 at 1k-16k with one
+#                and two sets, alternating twice, beside cuDNN              (~6 min)
 #   hf-gen       issue 16's row after session 29's decode plans for a growing cache: their
 #                GPU tests (plans against Triton's path, transformers' decode memo), then
 #                flashtile bench hf with --profile (generate at batch 1 and 16: kernels
@@ -630,6 +633,25 @@ PY
     # A left-padded batch (the decode kernel with cache_leftpad since session 10).
     timeout 200 python3 -m flashtile bench hf --pad --batches 16 --out "$OUT/hf-pad.json" \
       2>&1 | tail -6
+    ;;
+  fwd-q2)
+    # FLASHTILE_HOPPER_FWD_Q_BUFFERS=2: tile i's Q in set i % 2, so the producer loads the
+    # next tile's Q, and behind it its first K and V, once it has issued this tile's last
+    # K and V, not once this tile's last S is done. The d64 forward loses ~2 blocks a
+    # tile against 16k's rate (1k 388 -> 16k 476 TFLOP/s, 8 blocks a tile at 1k); if up
+    # to one of them is that wait, prediction: +3-8% at 1k, +1-3% at 4k, level at 16k.
+    timeout 200 python3 -m pytest -q -p no:cacheprovider $XDIST --gpu \
+      tests/test_fwd_hopper.py -k "twoq" 2>&1 | tail -2 | tee "$OUT/fwd-q2-tests.txt"
+    timeout 150 make memcheck MEMCHECK_K="persistent_many_tiles and twoq" \
+      MEMCHECK_FILES=tests/test_fwd_hopper.py 2>&1 | tail -2 | tee "$OUT/fwd-q2-memcheck.txt"
+    for round in 1 2; do
+      for q in 1 2; do
+        FLASHTILE_HOPPER_FWD_Q_BUFFERS=$q timeout 100 python3 -m flashtile bench \
+          --providers flashtile sdpa-cudnn --modes fwd --headdim 64 128 --seqlens 1k 4k \
+          16k --no-progress --out fwd-q2 --overwrite 2>&1 | grep "sdpa-cudnn |" \
+          | sed "s|^|$round q$q |" | tee -a "$OUT/fwd-q2.txt"
+      done
+    done
     ;;
   hf-gen)
     # Session 29: transformers' generate ran 0.94x (batch 1) and 0.86x (batch 16) sdpa's

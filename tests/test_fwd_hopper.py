@@ -243,16 +243,18 @@ PERSISTENT_SHAPES = [(2, 513, 257, 4, 1, "bottom_right"), (1, 257, 777, 3, 1, "t
 @pytest.mark.parametrize("head_dim,dtype,p", [
     (64, torch.bfloat16, None), (128, torch.bfloat16, None), (256, torch.float16, None),
     (128, torch.float8_e4m3fn, "regs"), (128, torch.float8_e4m3fn, "smem"),
-    (64, torch.float16, "m192")],
+    (64, torch.float16, "m192"), (64, torch.bfloat16, "twoq"), (128, torch.float16, "twoq"),
+    (64, torch.bfloat16, "m192-twoq")],
     ids=["d64-bf16", "d128-bf16", "d256-fp16", "d128-fp8-p-regs", "d128-fp8-p-smem",
-         "d64-fp16-m192"])
+         "d64-fp16-m192", "d64-bf16-twoq", "d128-fp16-twoq", "d64-bf16-m192-twoq"])
 @on_hopper
 def test_persistent_many_tiles_per_program(head_dim, dtype, p, shape, programs,
                                            monkeypatch):
     """The persistent grid with a few programs, each looping over many tiles of
     different lengths (the K/V ring, the turns and Q's buffer carried from tile to tile,
     tiles that see no key, O's store overlapping the next tile, d256 storing O through
-    Q's buffer): the float64 reference's numbers, as with one tile a program."""
+    Q's buffer; twoq: two Q sets, tile i's in set i % 2): the float64 reference's numbers,
+    as with one tile a program."""
     from flashtile.ops import _launch
 
     b, sq, sk, h, hkv, align = shape
@@ -262,10 +264,11 @@ def test_persistent_many_tiles_per_program(head_dim, dtype, p, shape, programs,
     monkeypatch.setattr(fwd_hopper, "_num_sms", lambda device: programs)
     fwd_hopper._SCHEDULES.clear()
     _launch.clear()  # plans of another program count
-    if p == "m192":  # three consumer warpgroups (BLOCK_M 192), 16-bit
+    if p in ("m192", "m192-twoq"):  # three consumer warpgroups (BLOCK_M 192), 16-bit
         monkeypatch.setenv("FLASHTILE_HOPPER_FWD_CONFIG", "192,128,4,3")
+    monkeypatch.setenv("FLASHTILE_HOPPER_FWD_Q_BUFFERS", "2" if p and "twoq" in p else "1")
     try:
-        if p in (None, "m192"):
+        if p in (None, "m192", "twoq", "m192-twoq"):
             q, k, v = _inputs(b, sq, sk, h, hkv, head_dim, dtype)
             out, lse = fwd_hopper.attn_fwd(q, k, v, **_kw(causal, diag_offset, 0.1))
             _check(out, lse, q, k, v, causal, diag_offset, 0.1)

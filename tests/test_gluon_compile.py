@@ -23,7 +23,7 @@ pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1",
 
 
 def _compile(head_dim, causal, dtype=torch.bfloat16, descales=True, p_smem=False,
-             persistent=False):
+             persistent=False, q_bufs=1):
     """The kernel a launch of ``fwd_hopper.forward`` compiles for these inputs (FP8: out
     in bfloat16, descales given or not, V through its keys-contiguous copy)."""
     from triton.runtime.jit import mangle_type
@@ -44,7 +44,8 @@ def _compile(head_dim, causal, dtype=torch.bfloat16, descales=True, p_smem=False
     flags = dict(IS_CAUSAL=causal, STAGES=cfg.num_stages, HAS_Q_DESCALE=has,
                  HAS_K_DESCALE=has, HAS_V_DESCALE=has,
                  PV_PER_TILE=fp8 and configs.hopper_fwd_fp8_pv_per_tile(head_dim),
-                 P_SMEM=p_smem, PERSISTENT=persistent, NUM_WG=cfg.block_m // rows)
+                 P_SMEM=p_smem, PERSISTENT=persistent, NUM_WG=cfg.block_m // rows,
+                 Q_BUFS=q_bufs)
     return compile_kernel(fwd_hopper._attn_fwd_hopper_kernel, flags,
                           num_warps=cfg.num_warps, types=types)
 
@@ -102,6 +103,54 @@ def test_hopper_forward_compiles_for_sm90(head_dim, causal, persistent):
     assert "st.shared.v4" not in ptx and "ld.shared.v4" not in ptx
     sass = _sass(ck)
     assert "HGMMA" in sass and "LDL" not in sass and "STL" not in sass
+
+
+@pytest.mark.parametrize("config", [None, "192,128,4,3"], ids=["two", "three"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_hopper_forward_two_q_sets_compile_for_sm90(head_dim, causal, config, monkeypatch):
+    """Q_BUFS 2 (FLASHTILE_HOPPER_FWD_Q_BUFFERS, the persistent grid): one more Q set
+    beside the ring and O's own buffer (d128's two consumers at 229,376 bytes of
+    232,448), the launcher's fit rule says so, twice the Q barriers; the same local
+    memory as one set (the tile loop's scalar with three consumers, no spill in the
+    walks)."""
+    from flashtile.ops import fwd_hopper
+
+    if config is not None:
+        if head_dim != 64:
+            pytest.skip("three consumers take 128 keys at d64 only")
+        monkeypatch.setenv("FLASHTILE_HOPPER_FWD_CONFIG", config)
+    cfg = configs.hopper_fwd_config(head_dim)
+    assert fwd_hopper._q_buffers(2, head_dim, cfg) == 2
+    one = resources(_compile(head_dim, causal, persistent=True))
+    ck = _compile(head_dim, causal, persistent=True, q_bufs=2)
+    res = resources(ck)
+    q_set = cfg.block_m * head_dim * 2
+    barriers = 2 * (cfg.block_m // 64) * 8
+    # (the barriers' bytes up to alignment)
+    assert 0 <= res["shared_bytes"] - one["shared_bytes"] - q_set <= barriers, (res, one)
+    assert res["shared_bytes"] <= configs.SM90_SMEM_BYTES, res
+    assert res["stack_bytes"] <= one["stack_bytes"], (res, one)
+    walks = _walks(_sass(ck))
+    assert len(walks) >= 2 and not any(op.startswith(("STL", "LDL")) for body in walks
+                                       for op in body)
+
+
+def test_two_q_sets_only_where_they_fit(monkeypatch):
+    """FLASHTILE_HOPPER_FWD_Q_BUFFERS: "1" (unset) or "2", else a ValueError naming it;
+    two sets only where they fit beside the ring and O (not d256's 128 x 64 tiles)."""
+    from flashtile.ops import fwd_hopper
+
+    monkeypatch.delenv("FLASHTILE_HOPPER_FWD_Q_BUFFERS", raising=False)
+    assert configs.hopper_fwd_q_buffers() == 1
+    monkeypatch.setenv("FLASHTILE_HOPPER_FWD_Q_BUFFERS", "2")
+    assert configs.hopper_fwd_q_buffers() == 2
+    monkeypatch.setenv("FLASHTILE_HOPPER_FWD_Q_BUFFERS", "3")
+    with pytest.raises(ValueError, match=r"FLASHTILE_HOPPER_FWD_Q_BUFFERS must be one of "
+                       r"\('1', '2'\), got '3'"):
+        configs.hopper_fwd_q_buffers()
+    assert fwd_hopper._q_buffers(2, 256, configs.HOPPER_FWD_16BIT[256]) == 1
+    assert fwd_hopper._q_buffers(1, 64, configs.HOPPER_FWD_16BIT[64]) == 1
 
 
 # Three consumers' tiles (BLOCK_M 192): head_dim 64 with 128 keys a block (FA3's tile),

@@ -461,6 +461,22 @@ def hopper_fwd_persistent(head_dim: int, fp8: bool, seqlen_q: int = 0) -> bool:
     return mode == "persistent"
 
 
+# Q buffer sets of the Gluon forward's persistent grid (fwd_hopper._load_partition): 1,
+# or 2 so that the next tile's Q and first K and V load during this tile. Session 29:
+# compiled for sm_90 (d64 and d128, two and three consumers), not yet run on a GPU.
+HOPPER_FWD_Q_BUFFERS = ("1", "2")
+
+
+def hopper_fwd_q_buffers() -> int:
+    """FLASHTILE_HOPPER_FWD_Q_BUFFERS: "1" (the default) or "2", the Q buffer sets the
+    Gluon forward's persistent grid keeps, for the GPU A/B. With one, the producer loads
+    the next tile's Q only once this tile's last S is done, and that tile's first K and
+    V only after it; with two, as soon as it has issued this tile's last K and V. Taken
+    where shared memory holds the second set beside O's own buffer (16-bit inputs:
+    ``fwd_hopper._q_buffers``). Read at each call (part of the launch plan's key)."""
+    return int(_env_choice("FLASHTILE_HOPPER_FWD_Q_BUFFERS", HOPPER_FWD_Q_BUFFERS))
+
+
 def hopper_fwd_config(head_dim: int, fp8: bool = False, seqlen_q: int = 0,
                       seqlen_k: int = 0, causal: bool = True) -> TileConfig:
     """HOPPER_FWD_16BIT[head_dim] (HOPPER_FWD_FP8 for FP8 inputs; HOPPER_FWD_D64_THREE

@@ -52,7 +52,11 @@ The grid (FLASHTILE_HOPPER_FWD_SCHEDULE, ``configs.hopper_fwd_persistent``):
   Q's buffer goes back to the producer (q_empty) once the tile's last S is done unless
   O leaves through it (16-bit d256: handed back after O's store); elsewhere O has a
   buffer of its own (16-bit d64 and d128, FP8) or P's (FP8 BLOCK_N 256) and its TMA
-  store runs under the next tile. Compiled for sm_90 in CI (no spills, both
+  store runs under the next tile. FLASHTILE_HOPPER_FWD_Q_BUFFERS=2 (Q_BUFS; 16-bit
+  where it fits, ``_q_buffers``) gives Q two buffer sets, tile i's in set i % 2: the
+  producer then loads the next tile's Q, and its first K and V behind it, as soon as it
+  has issued this tile's last K and V, rather than once this tile's last S is done
+  (session 29: compiled, not yet timed). Compiled for sm_90 in CI (no spills, both
   schedules); timed on the H200 (session 12, NOTES.md section 22) at 1.11-1.15x
   "tiles" for bf16 at 1k, 1.07x causal at 4k, level at 16k, FP8 full attention 3%
   slower; its GPU tests passed in session 13. "auto" (the default) takes it for 16-bit
@@ -189,27 +193,32 @@ def _tile_at(i, Schedule, schedule_row, n_tiles_m, nheads, group_size, seqlen_q,
 
 
 @gluon.jit
-def _load_partition(args, IS_CAUSAL: gl.constexpr, PERSISTENT: gl.constexpr):
+def _load_partition(args, IS_CAUSAL: gl.constexpr, PERSISTENT: gl.constexpr,
+                    Q_BUFS: gl.constexpr):
     """Producer warp: per tile, Q once (one part per consumer), then K_j and V_j into the
     ring. The ring's count runs on across a program's tiles (PERSISTENT), so the next
-    tile's K and V load while the consumers finish this one."""
+    tile's K and V load while the consumers finish this one. Q_BUFS 2 (PERSISTENT):
+    tile i's Q goes to buffer set i % 2, so the next tile's Q, and behind it its first
+    K and V, load as soon as the producer gets there (the ring's last blocks of this
+    tile issued), not once this tile's last S is done."""
     (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty,
      v_ready, v_empty, nheads, group_size, seqlen_q, seqlen_k, diag_offset, n_tiles_m,
      Schedule, schedule_row) = args
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[1]
     STAGES: gl.constexpr = k_smem.type.shape[0]
-    NUM_WG: gl.constexpr = q_smem.type.shape[0]
+    NUM_WG: gl.constexpr = q_smem.type.shape[0] // Q_BUFS
     kv_base = 0  # K/V blocks loaded for the program's earlier tiles
     for i in range(_tile_count(Schedule, schedule_row, PERSISTENT)):
         off_bh, off_b, off_h, off_hkv, row0, n_blocks, n_full = _tile_at(
             i, Schedule, schedule_row, n_tiles_m, nheads, group_size, seqlen_q, seqlen_k,
             diag_offset, NUM_WG * BLOCK_M_WG, BLOCK_N, PERSISTENT, IS_CAUSAL)
         for w in gl.static_range(NUM_WG):
-            if PERSISTENT:  # the previous tile's last S (and O store) done with Q
-                mbarrier.wait(q_empty.index(w), (i & 1) ^ 1)
-            mbarrier.expect(q_ready.index(w), q_desc.block_type.nbytes)
+            q_at = (i % Q_BUFS) * NUM_WG + w
+            if PERSISTENT:  # that buffer's previous tile's last S (and O store) done
+                mbarrier.wait(q_empty.index(q_at), ((i // Q_BUFS) & 1) ^ 1)
+            mbarrier.expect(q_ready.index(q_at), q_desc.block_type.nbytes)
             tma.async_copy_global_to_shared(q_desc, [off_b, row0 + w * BLOCK_M_WG, off_h, 0],
-                                            q_ready.index(w), q_smem.index(w))
+                                            q_ready.index(q_at), q_smem.index(q_at))
         for j in range(n_blocks):
             stage = (kv_base + j) % STAGES
             # A fresh mbarrier counts as having completed the phase before its first, so
@@ -369,7 +378,8 @@ def _mma_tile(i, kv_base, turn_base, q_smem, k_smem, v_smem, o_smem, p_smem, q_r
               off_b, off_h, row0, n_blocks, n_full, seqlen_q, seqlen_k, diag_offset,
               qk_scale, lse_row0, v_descale_off, WG: gl.constexpr, IS_CAUSAL: gl.constexpr,
               HAS_V_DESCALE: gl.constexpr, PV_PER_TILE: gl.constexpr, P_SMEM: gl.constexpr,
-              PERSISTENT: gl.constexpr, O_IN_Q: gl.constexpr, O_IN_P: gl.constexpr):
+              PERSISTENT: gl.constexpr, O_IN_Q: gl.constexpr, O_IN_P: gl.constexpr,
+              Q_BUFS: gl.constexpr):
     """Consumer warpgroup WG on rows row0 + 64 * WG + [0, 64) of the program's i-th tile,
     its K/V blocks counted in the ring from kv_base and its turns from turn_base.
 
@@ -394,14 +404,16 @@ def _mma_tile(i, kv_base, turn_base, q_smem, k_smem, v_smem, o_smem, p_smem, q_r
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
     o_row_layout: gl.constexpr = gl.SliceLayout(1, o_layout)
 
-    q = q_smem.index(WG).reshape([BLOCK_M_WG, HEAD_DIM])
+    # Q_BUFS 2: tile i's Q in buffer set i % 2 (``_load_partition``).
+    q_at = (i % Q_BUFS) * (q_smem.type.shape[0] // Q_BUFS) + WG
+    q = q_smem.index(q_at).reshape([BLOCK_M_WG, HEAD_DIM])
     offs_m = row0 + WG * BLOCK_M_WG + gl.arange(0, BLOCK_M_WG, layout=row_layout)
     m_i = gl.full([BLOCK_M_WG], float("-inf"), gl.float32, row_layout)
     l_i = gl.zeros([BLOCK_M_WG], gl.float32, row_layout)
     acc = gl.zeros([BLOCK_M_WG, HEAD_DIM], gl.float32, o_layout)
     s_init = gl.zeros([BLOCK_M_WG, BLOCK_N], gl.float32, s_layout)  # ignored: use_acc=False
     o_init = acc  # likewise, for PV_PER_TILE's products
-    mbarrier.wait(q_ready.index(WG), i & 1)
+    mbarrier.wait(q_ready.index(q_at), (i // Q_BUFS) & 1)
 
     if n_blocks > 0:
         # Block 0: S_0 alone (there is no P yet).
@@ -439,7 +451,7 @@ def _mma_tile(i, kv_base, turn_base, q_smem, k_smem, v_smem, o_smem, p_smem, q_r
                 v_empty, turn, acc, p_op, alpha_o, m_i, l_i, s_init, o_init, offs_m, qk_scale,
                 seqlen_k, diag_offset, WG, True, IS_CAUSAL, PV_PER_TILE, P_SMEM)
         if EARLY_Q_RELEASE:  # every S of the tile is done: Q may take the next tile's
-            mbarrier.arrive(q_empty.index(WG), count=1)
+            mbarrier.arrive(q_empty.index(q_at), count=1)
         last_kv = kv_base + n_blocks - 1
         last = last_kv % STAGES
         mbarrier.wait(v_ready.index(last), (last_kv // STAGES) & 1)
@@ -457,7 +469,7 @@ def _mma_tile(i, kv_base, turn_base, q_smem, k_smem, v_smem, o_smem, p_smem, q_r
             acc = warpgroup_mma_wait(0, deps=(acc,))
         mbarrier.arrive(v_empty.index(last), count=1)
     elif EARLY_Q_RELEASE:  # no key for this tile: Q was not read
-        mbarrier.arrive(q_empty.index(WG), count=1)
+        mbarrier.arrive(q_empty.index(q_at), count=1)
 
     # Rows that saw no key (l == 0): out 0 and lse -inf, as flashtile.ops.fwd writes them,
     # even where a NaN value reached acc as 0 * NaN; a NaN that reached l stays NaN.
@@ -495,7 +507,7 @@ def _mma_partition(args, WG: gl.constexpr, IS_CAUSAL: gl.constexpr,
                    HAS_Q_DESCALE: gl.constexpr, HAS_K_DESCALE: gl.constexpr,
                    HAS_V_DESCALE: gl.constexpr, PV_PER_TILE: gl.constexpr,
                    P_SMEM: gl.constexpr, PERSISTENT: gl.constexpr,
-                   O_IN_Q: gl.constexpr, O_IN_P: gl.constexpr):
+                   O_IN_Q: gl.constexpr, O_IN_P: gl.constexpr, Q_BUFS: gl.constexpr):
     """Consumer warpgroup WG: rows 64 * WG + [0, 64) of each tile of the program, in the
     producer's order (``_tile_at``)."""
     (q_smem, k_smem, v_smem, o_smem, p_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
@@ -504,7 +516,7 @@ def _mma_partition(args, WG: gl.constexpr, IS_CAUSAL: gl.constexpr,
      stride_kdesc_h, stride_vdesc_b, stride_vdesc_h, softmax_scale, n_tiles_m, Schedule,
      schedule_row) = args
     BLOCK_N: gl.constexpr = k_smem.type.shape[2]
-    NUM_WG: gl.constexpr = q_smem.type.shape[0]
+    NUM_WG: gl.constexpr = q_smem.type.shape[0] // Q_BUFS
     kv_base = 0  # K/V blocks and turns of the program's earlier tiles
     turn_base = 0
     for i in range(_tile_count(Schedule, schedule_row, PERSISTENT)):
@@ -523,7 +535,7 @@ def _mma_partition(args, WG: gl.constexpr, IS_CAUSAL: gl.constexpr,
                   off_b, off_h, row0, n_blocks, n_full, seqlen_q, seqlen_k, diag_offset,
                   scale * LOG2E, off_bh * seqlen_q,  # lse: (batch, nheads, seqlen_q)
                   off_b * stride_vdesc_b + off_hkv * stride_vdesc_h, WG, IS_CAUSAL,
-                  HAS_V_DESCALE, PV_PER_TILE, P_SMEM, PERSISTENT, O_IN_Q, O_IN_P)
+                  HAS_V_DESCALE, PV_PER_TILE, P_SMEM, PERSISTENT, O_IN_Q, O_IN_P, Q_BUFS)
         kv_base += n_blocks
         turn_base += n_blocks + (n_blocks > 0).to(gl.int32)  # the last P V's turn
     if PERSISTENT and not O_IN_Q:
@@ -539,14 +551,19 @@ def _attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, Lse, QDescale, KDesc
                             HAS_Q_DESCALE: gl.constexpr, HAS_K_DESCALE: gl.constexpr,
                             HAS_V_DESCALE: gl.constexpr, PV_PER_TILE: gl.constexpr,
                             P_SMEM: gl.constexpr, PERSISTENT: gl.constexpr,
-                            NUM_WG: gl.constexpr):
+                            NUM_WG: gl.constexpr, Q_BUFS: gl.constexpr):
     """One program a (query tile, batch-head) of the (n_tiles_m, batch * nheads) grid,
     or (PERSISTENT) a program per SM walking its row of the host's Schedule. NUM_WG
     consumer warpgroups of 64 rows each: 2, or 3 (BLOCK_M 192, where the module
-    docstring and configs.hopper_fwd_config allow it)."""
+    docstring and configs.hopper_fwd_config allow it). Q_BUFS: 1, or 2 (PERSISTENT with
+    O in a buffer of its own: the next tile's Q loads during this one,
+    ``_load_partition``)."""
     gl.static_assert(NUM_WG == 2 or NUM_WG == 3, "2 or 3 consumer warpgroups")
+    gl.static_assert(Q_BUFS == 1 or (Q_BUFS == 2 and PERSISTENT),
+                     "a second Q buffer set serves the persistent grid only")
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[1]
-    q_smem = gl.allocate_shared_memory(q_desc.dtype, [NUM_WG] + q_desc.block_type.shape,
+    q_smem = gl.allocate_shared_memory(q_desc.dtype,
+                                       [Q_BUFS * NUM_WG] + q_desc.block_type.shape,
                                        q_desc.layout)
     k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape,
                                        k_desc.layout)
@@ -562,11 +579,13 @@ def _attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, Lse, QDescale, KDesc
     O_BYTES: gl.constexpr = NUM_WG * o_desc.block_type.nbytes
     P_BYTES: gl.constexpr = 2 * NUM_WG * BLOCK_M_WG * BLOCK_N \
         * v_desc.dtype.primitive_bitwidth // 8 if P_SMEM else 0
-    USED_BYTES: gl.constexpr = NUM_WG * q_desc.block_type.nbytes + STAGES * (
+    USED_BYTES: gl.constexpr = Q_BUFS * NUM_WG * q_desc.block_type.nbytes + STAGES * (
         k_desc.block_type.nbytes + v_desc.block_type.nbytes) + P_BYTES
     O_FITS: gl.constexpr = USED_BYTES + O_BYTES <= SMEM_BYTES - 1024
     O_IN_P: gl.constexpr = P_SMEM and not O_FITS
     O_IN_Q: gl.constexpr = o_desc.dtype == q_desc.dtype and not (PERSISTENT and O_FITS)
+    gl.static_assert(Q_BUFS == 1 or not (O_IN_Q or O_IN_P),
+                     "a second Q buffer set needs O in a buffer of its own")
     if not (O_IN_P or O_IN_Q):
         o_smem = gl.allocate_shared_memory(o_desc.dtype, [NUM_WG] + o_desc.block_type.shape,
                                            o_desc.layout)
@@ -583,8 +602,10 @@ def _attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, Lse, QDescale, KDesc
                                      o_desc.layout)
     elif O_IN_Q:
         o_smem = q_smem
-    q_ready = gl.allocate_shared_memory(gl.int64, [NUM_WG, 1], mbarrier.MBarrierLayout())
-    q_empty = gl.allocate_shared_memory(gl.int64, [NUM_WG, 1], mbarrier.MBarrierLayout())
+    q_ready = gl.allocate_shared_memory(gl.int64, [Q_BUFS * NUM_WG, 1],
+                                        mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [Q_BUFS * NUM_WG, 1],
+                                        mbarrier.MBarrierLayout())
     turn = gl.allocate_shared_memory(gl.int64, [NUM_WG, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -594,6 +615,9 @@ def _attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, Lse, QDescale, KDesc
         mbarrier.init(q_ready.index(i), count=1)
         mbarrier.init(q_empty.index(i), count=1)  # its consumer warpgroup's
         mbarrier.init(turn.index(i), count=1)
+    for i in gl.static_range(NUM_WG, Q_BUFS * NUM_WG):  # the second Q set's
+        mbarrier.init(q_ready.index(i), count=1)
+        mbarrier.init(q_empty.index(i), count=1)
     for i in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(i), count=1)
         mbarrier.init(v_ready.index(i), count=1)
@@ -618,24 +642,24 @@ def _attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, Lse, QDescale, KDesc
         gl.warp_specialize([
             (_mma_partition, (mma_args, 0, IS_CAUSAL, HAS_Q_DESCALE, HAS_K_DESCALE,
                               HAS_V_DESCALE, PV_PER_TILE, P_SMEM, PERSISTENT, O_IN_Q,
-                              O_IN_P)),
-            (_load_partition, (load_args, IS_CAUSAL, PERSISTENT)),
+                              O_IN_P, Q_BUFS)),
+            (_load_partition, (load_args, IS_CAUSAL, PERSISTENT, Q_BUFS)),
             (_mma_partition, (mma_args, 1, IS_CAUSAL, HAS_Q_DESCALE, HAS_K_DESCALE,
                               HAS_V_DESCALE, PV_PER_TILE, P_SMEM, PERSISTENT, O_IN_Q,
-                              O_IN_P)),
+                              O_IN_P, Q_BUFS)),
             (_mma_partition, (mma_args, 2, IS_CAUSAL, HAS_Q_DESCALE, HAS_K_DESCALE,
                               HAS_V_DESCALE, PV_PER_TILE, P_SMEM, PERSISTENT, O_IN_Q,
-                              O_IN_P)),
+                              O_IN_P, Q_BUFS)),
         ], [1, 4, 4], [PRODUCER_REGS, CONSUMER_REGS_3WG, CONSUMER_REGS_3WG])
     else:
         gl.warp_specialize([
             (_mma_partition, (mma_args, 0, IS_CAUSAL, HAS_Q_DESCALE, HAS_K_DESCALE,
                               HAS_V_DESCALE, PV_PER_TILE, P_SMEM, PERSISTENT, O_IN_Q,
-                              O_IN_P)),
-            (_load_partition, (load_args, IS_CAUSAL, PERSISTENT)),
+                              O_IN_P, Q_BUFS)),
+            (_load_partition, (load_args, IS_CAUSAL, PERSISTENT, Q_BUFS)),
             (_mma_partition, (mma_args, 1, IS_CAUSAL, HAS_Q_DESCALE, HAS_K_DESCALE,
                               HAS_V_DESCALE, PV_PER_TILE, P_SMEM, PERSISTENT, O_IN_Q,
-                              O_IN_P)),
+                              O_IN_P, Q_BUFS)),
         ], [1, 4], [PRODUCER_REGS, CONSUMER_REGS])
 
 
@@ -805,6 +829,7 @@ def forward(q, k, v, softmax_scale, diag_offset, causal, q_descale=None, k_desca
     descales = (q_descale, k_descale, v_descale)
     p_smem = fp8 and configs.hopper_fwd_fp8_p_smem()
     persistent = configs.hopper_fwd_persistent(tile_d, fp8, sq)
+    q_bufs = configs.hopper_fwd_q_buffers() if persistent and not fp8 else 1
     pv_per_tile = fp8 and configs.hopper_fwd_fp8_pv_per_tile(tile_d)
     key = None
     if _launch.ready(q):
@@ -819,7 +844,8 @@ def forward(q, k, v, softmax_scale, diag_offset, causal, q_descale=None, k_desca
         else:  # 16-bit: the key's FP8 part is constant
             scales, fp8_key = (lse_ptr, lse_ptr, lse_ptr), None
         key = ("hopper_fwd", q.dtype, q.shape, k.shape, q.stride(), k.stride(),
-               None if fp8 else v.stride(), causal, diag_offset, persistent, fp8_key)
+               None if fp8 else v.stride(), causal, diag_offset, persistent, q_bufs,
+               fp8_key)
         found = _launch.lookup(key)
         if found is not None:
             plan, schedule = found  # the plan encodes the tensor maps from the tensors
@@ -836,11 +862,14 @@ def forward(q, k, v, softmax_scale, diag_offset, causal, q_descale=None, k_desca
             persistent, key = False, None
         schedule = lse if schedule is None else schedule
     cfg = configs.hopper_fwd_config(tile_d, fp8, sq, sk, causal)
+    if not persistent:  # (a CUDA-graph capture takes the tiles grid)
+        q_bufs = 1
     flags = dict(IS_CAUSAL=causal, STAGES=cfg.num_stages,
                  HAS_Q_DESCALE=q_descale is not None, HAS_K_DESCALE=k_descale is not None,
                  HAS_V_DESCALE=v_descale is not None,
                  PV_PER_TILE=pv_per_tile, P_SMEM=p_smem, PERSISTENT=persistent,
-                 NUM_WG=cfg.block_m // BLOCK_M_WG.value)
+                 NUM_WG=cfg.block_m // BLOCK_M_WG.value,
+                 Q_BUFS=_q_buffers(q_bufs, tile_d, cfg))
     configs.log_first_launch("hopper forward", q, d, cfg, flags)
     n_tiles_m = configs.cdiv(sq, cfg.block_m)
     grid = (schedule.shape[0],) if persistent else (n_tiles_m, b * h)
@@ -859,6 +888,17 @@ def forward(q, k, v, softmax_scale, diag_offset, causal, q_descale=None, k_desca
         # None, for the tiles grid: store() drops a tuple holding None.)
         _launch.store(key, (plan, schedule if persistent else False))
     return out, lse if return_lse else None
+
+
+def _q_buffers(requested: int, tile_d: int, cfg) -> int:
+    """The kernel's Q_BUFS for a 16-bit persistent launch that asks for ``requested``
+    Q buffer sets: 2 where two sets, the K/V ring and O's own buffer fit shared memory
+    (the kernel's O_FITS, which a second set must not turn off), else 1."""
+    if requested == 1:
+        return 1
+    q_set = cfg.block_m * tile_d * 2  # one Q set; O's buffer is as large
+    ring = cfg.num_stages * 2 * cfg.block_n * tile_d * 2
+    return 2 if 3 * q_set + ring <= configs.SM90_SMEM_BYTES - 1024 else 1
 
 
 # K and V bytes the persistent causal order keeps in L2 at once (FA3's tile scheduler
