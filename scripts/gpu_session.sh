@@ -43,6 +43,10 @@
 #   fwd-q2       the Gluon forward's second Q set on the persistent grid (session 29): its
 #                GPU tests and memcheck slice, then forward d64/d128 at 1k-16k with one
 #                and two sets, alternating twice, beside cuDNN              (~6 min)
+#   bwd-lpt      the Gluon backward's lpt option (causal grid longest walk first): its GPU
+#                tests and memcheck slice, then causal forward+backward at 4k tokens a
+#                batch (where its L2 rule takes it) and the Llama-1B training step, with
+#                and without, alternating twice                            (~7 min)
 #   hf-gen       issue 16's row after session 29's decode plans for a growing cache: their
 #                GPU tests (plans against Triton's path, transformers' decode memo), then
 #                flashtile bench hf with --profile (generate at batch 1 and 16: kernels
@@ -650,6 +654,29 @@ PY
           --providers flashtile sdpa-cudnn --modes fwd --headdim 64 128 --seqlens 1k 4k \
           16k --no-progress --out fwd-q2 --overwrite 2>&1 | grep "sdpa-cudnn |" \
           | sed "s|^|$round q$q |" | tee -a "$OUT/fwd-q2.txt"
+      done
+    done
+    ;;
+  bwd-lpt)
+    # lpt (session 29): the grid (heads, key blocks), so every head's first key block, a
+    # causal walk's longest, starts first; by default the last head's longest walks start
+    # in the last wave. Taken where every head's Q and dO fit 40 MiB (bwd_hopper.lpt_fits):
+    # 4k tokens a batch here (the bench's 16k-token batches do not), and transformers'
+    # 4k-token step. Prediction: causal backward +2-8%, the step -0.2 to -0.6 ms.
+    timeout 200 python3 -m pytest -q -p no:cacheprovider $XDIST --gpu \
+      tests/test_bwd_hopper.py -k "lpt" 2>&1 | tail -2 | tee "$OUT/bwd-lpt-tests.txt"
+    timeout 150 make memcheck MEMCHECK_K="lpt and small" \
+      MEMCHECK_FILES=tests/test_bwd_hopper.py 2>&1 | tail -2 | tee "$OUT/bwd-lpt-memcheck.txt"
+    base=lse_smem,dq_tma,ds_ring
+    for round in 1 2; do
+      for opts in $base $base,lpt; do
+        FLASHTILE_HOPPER_BWD_OPTS=$opts timeout 100 python3 -m flashtile bench --providers \
+          flashtile sdpa-cudnn --modes fwd_bwd --headdim 64 128 --causal true --tokens 4096 \
+          --seqlens 1k 4k --no-progress --out bwd-lpt --overwrite 2>&1 \
+          | grep "sdpa-cudnn |" | sed "s|^|$round $opts |" | tee -a "$OUT/bwd-lpt.txt"
+        FLASHTILE_HOPPER_BWD_OPTS=$opts timeout 120 python3 -m flashtile bench hf --impls \
+          flashtile sdpa --batches 1 --new 2 --out "$OUT/hf-lpt-$round-${opts//,/_}.json" \
+          2>&1 | grep -i "train" | sed "s|^|$round $opts |" | tee -a "$OUT/bwd-lpt.txt"
       done
     done
     ;;

@@ -264,7 +264,7 @@ def test_switch_sends_head_dim_256_under_1_and_auto(monkeypatch):
 # The schedule options (FLASHTILE_HOPPER_BWD_OPTS, bwd_hopper's docstring) the GPU A/B
 # times, alone and as timed together; tests/test_gluon_compile.py checks their SASS.
 OPTS = ["none", "lse_ahead", "lse_ahead,dq_tma", "lse_smem,dq_tma", "lse_smem",
-        "lse_smem,dq_tma,ds_ring", "lse_ahead,ds_ring"]
+        "lse_smem,dq_tma,ds_ring", "lse_ahead,ds_ring", "lse_smem,dq_tma,ds_ring,lpt"]
 # 128 query rows a block at head_dim 64 (FLASHTILE_HOPPER_BWD_CONFIG; session 14's
 # tile A/B): the block's whole (128, 64) dQ tiles through the reduce-adds.
 BLOCK_M_128_CASES = [(64, "lse_ahead,dq_tma", "128,128,4,2")]
@@ -326,7 +326,7 @@ def test_hopper_bwd_options_small(opts, head_dim, monkeypatch):
 # bwd_hopper256's dQ paths (its docstring): TMA reduce-adds through tiles in the block's
 # Q and dO buffers (dq_tma, in the default) and relaxed atomics (options without it; the
 # others do not apply at head_dim 256).
-D256_OPTS = ["lse_ahead,dq_tma", "lse_ahead"]
+D256_OPTS = ["lse_ahead,dq_tma", "lse_ahead", "dq_tma,lpt"]
 
 
 @pytest.mark.parametrize("mask", list(MASKS))
@@ -414,14 +414,14 @@ def test_options_knob(monkeypatch):
         == configs.HOPPER_BWD_DEFAULT_OPTS
     # head_dim 256: dq_tma by default too (bwd_hopper256 takes it alone).
     assert bwd_hopper.kernel_flags(256, True, configs.hopper_bwd_opts(), 64) \
-        == dict(IS_CAUSAL=True, DQ_TMA=True)
+        == dict(IS_CAUSAL=True, DQ_TMA=True, LPT=False)
     flags = bwd_hopper.kernel_flags(128, True, configs.hopper_bwd_opts(), 64)
     assert flags == dict(IS_CAUSAL=True, LSE_AHEAD=False, DQ_TMA=True, LSE_SMEM=True,
-                         DS_RING=True)
+                         DS_RING=True, LPT=False)
     # ... and lse_ahead where lse_smem cannot run (seqlen_q 301: not a multiple of 4).
     flags = bwd_hopper.kernel_flags(128, True, configs.hopper_bwd_opts(), 64, 301)
     assert flags == dict(IS_CAUSAL=True, LSE_AHEAD=True, DQ_TMA=True, LSE_SMEM=False,
-                         DS_RING=True)
+                         DS_RING=True, LPT=False)
     for none in ("none", " none ,", ""):
         monkeypatch.setenv("FLASHTILE_HOPPER_BWD_OPTS", none)
         assert configs.hopper_bwd_opts() == frozenset()
@@ -431,7 +431,7 @@ def test_options_knob(monkeypatch):
     assert configs.hopper_bwd_opts() == {"ds_ring", "dq_tma"}
     flags = bwd_hopper.kernel_flags(64, False, configs.hopper_bwd_opts(), 64)
     assert flags == dict(IS_CAUSAL=False, LSE_AHEAD=False, DQ_TMA=True, LSE_SMEM=False,
-                         DS_RING=True)
+                         DS_RING=True, LPT=False)
     # lse_smem brings lse and delta with Q and dO: lse_ahead has nothing left to do.
     flags = bwd_hopper.kernel_flags(64, False, frozenset({"lse_ahead", "lse_smem"}), 64)
     assert flags["LSE_SMEM"] and not flags["LSE_AHEAD"]
@@ -452,17 +452,32 @@ def test_options_knob(monkeypatch):
             configs.hopper_bwd_opts()
     # bwd_hopper256 takes dq_tma alone (the default's lse_ahead is passed over there).
     assert bwd_hopper.kernel_flags(256, True, configs.HOPPER_BWD_DEFAULT_OPTS, 64) \
-        == dict(IS_CAUSAL=True, DQ_TMA=True)
+        == dict(IS_CAUSAL=True, DQ_TMA=True, LPT=False)
     assert bwd_hopper.kernel_flags(256, False, frozenset({"lse_ahead", "ds_ring"}), 64) \
-        == dict(IS_CAUSAL=False, DQ_TMA=False)
+        == dict(IS_CAUSAL=False, DQ_TMA=False, LPT=False)
     monkeypatch.setenv("FLASHTILE_HOPPER_BWD_OPTS", "lse_ahead")
     assert bwd_hopper.kernel_flags(256, False, configs.hopper_bwd_opts(), 64) \
-        == dict(IS_CAUSAL=False, DQ_TMA=False)
+        == dict(IS_CAUSAL=False, DQ_TMA=False, LPT=False)
     monkeypatch.setenv("FLASHTILE_HOPPER_BWD_OPTS", "ds_ring,pingpong")
     with pytest.raises(ValueError, match=r"FLASHTILE_HOPPER_BWD_OPTS must be 'none' or a "
-                       r"comma-separated subset of .*'ds_ring'\), got 'ds_ring,pingpong' "
+                       r"comma-separated subset of .*'lpt'\), got 'ds_ring,pingpong' "
                        r"\(unknown: \['pingpong'\]\)"):
         configs.hopper_bwd_opts()
+
+
+def test_lpt_option_and_its_l2_rule():
+    """lpt: the grid (heads, key blocks) for causal attention only (a full walk is as long
+    at every key block), both kernels; backward takes it where every head's Q and dO fit
+    LPT_QDO_BYTES: transformers' Llama-3.2-1B step (32 heads x 4k, d64, bf16) does,
+    16k tokens of the same heads do not."""
+    opts = frozenset({"lse_smem", "dq_tma", "ds_ring", "lpt"})
+    assert bwd_hopper.kernel_flags(64, True, opts, 64)["LPT"]
+    assert not bwd_hopper.kernel_flags(64, False, opts, 64)["LPT"]
+    assert bwd_hopper.kernel_flags(256, True, opts, 64) == dict(IS_CAUSAL=True,
+                                                                DQ_TMA=True, LPT=True)
+    assert bwd_hopper.lpt_fits(1, 32, 4096, 64, 2)
+    assert not bwd_hopper.lpt_fits(1, 32, 16384, 64, 2)
+    assert not bwd_hopper.lpt_fits(16, 16, 1024, 128, 2)
 
 
 def test_dq_tma_tile_and_descriptor():

@@ -858,6 +858,23 @@ def test_hopper_backward_d256_dq_tma_compiles_for_sm90(causal, dtype):
     _assert_d256_products(ck, dtype)
 
 
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_hopper_backward_lpt_compiles_for_sm90(head_dim):
+    """lpt (causal): only the program ids swap roles (key block from the grid's y, the
+    head from x), so the kernel keeps the default's shared memory, local memory and
+    walks' stores."""
+    default = None if head_dim == 256 else tuple(sorted(configs.HOPPER_BWD_DEFAULT_OPTS))
+    opts = ("dq_tma", "lpt") if head_dim == 256 else (*default, "lpt")
+    ck = _compile_bwd(head_dim, True, opts=opts)
+    base = _compile_bwd(head_dim, True, opts=default)
+    res, was = resources(ck), resources(base)
+    assert res["shared_bytes"] == was["shared_bytes"], (res, was)
+    assert res["stack_bytes"] <= was["stack_bytes"], (res, was)
+    assert max(_walk_local_stores(_sass(ck))) <= max(_walk_local_stores(_sass(base)))
+    ptx = ck.asm["ptx"]
+    assert "%ctaid.x" in ptx and "%ctaid.y" in ptx
+
+
 def _assert_d256_products(ck, dtype):
     """bwd_hopper256's products: dV += P^T dO and dK += dS^T Q on 128-wide halves of the
     head dim, with the A operand from registers but for warpgroup 0's dK (dS^T from

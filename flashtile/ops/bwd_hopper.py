@@ -120,6 +120,19 @@ session 28) for the GPU A/B, all compile-checked on the CPU:
   about 0.7x that); if within +-1%, the hand-off is not on the chain. Measured (session
   28, forward + backward): d64 full +2-3%, causal +0-1%, d128 level; in the default
   since.
+- lpt (LPT; session 29, compiled, not yet run on a GPU): the grid (heads, key blocks)
+  instead of (key blocks, heads), for causal attention. The hardware hands programs out
+  in grid order; a causal walk is longest at a head's first key block (it sees every
+  query block) and shortest at its last, so by default the last head's longest walks
+  start in the last wave and the others wait for them (greedy list scheduling: up to
+  the longest program past the average; transformers' Llama-3.2-1B step at 4k, 1,024
+  programs of 2-64 query blocks on 132 SMs: up to ~64 of an SM's ~256 blocks). With
+  lpt every head's first key block goes first, longest first overall (Graham's LPT
+  order), and the last wave holds the shortest walks. The price is L2: the first wave
+  reads every head's Q and dO at once, where the default order's waves share one
+  head's; ``backward`` takes lpt only where all of them fit LPT_QDO_BYTES (the
+  training step's 32 heads x 4k x 64 x 2 x 2 bytes = 32 MiB do). Prediction: causal
+  backward +2-8% at 1k-4k, level at 16k (dropped there by the L2 rule).
 Tried and removed (H200, the sections of docs/benchmarks/NOTES.md):
 - sdp, FA3's order: dP^T issued right behind S^T, the consumer waiting for S^T alone
   (wgmma wait 1) and computing P^T while dP^T runs. 0-3% slower than none in session
@@ -584,12 +597,20 @@ def _mma_partition(args, dq_smem, WG: gl.constexpr, IS_CAUSAL: gl.constexpr,
 
 @gluon.jit
 def _program_walk(BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, seqlen_q, nheads,
-                  nheads_kv, head_split, diag_offset, IS_CAUSAL: gl.constexpr):
+                  nheads_kv, head_split, diag_offset, IS_CAUSAL: gl.constexpr,
+                  LPT: gl.constexpr):
     """What this program owns and walks: its first key key0 (BLOCK_N keys), batch off_b,
     the head off_dkv of dK/dV it stores (its KV head off_hkv's share with head_split),
-    query heads h0 + [0, n_heads), and query blocks m_lo + [0, n_m)."""
-    key0 = gl.program_id(0) * BLOCK_N
-    off_bh = gl.program_id(1)
+    query heads h0 + [0, n_heads), and query blocks m_lo + [0, n_m). The grid is (key
+    blocks, heads), or with LPT (heads, key blocks): the hardware hands programs out
+    in grid order, so every head's first key block, a causal walk's longest, goes first
+    (the option lpt of the module docstring)."""
+    if LPT:
+        key0 = gl.program_id(1) * BLOCK_N
+        off_bh = gl.program_id(0)
+    else:
+        key0 = gl.program_id(0) * BLOCK_N
+        off_bh = gl.program_id(1)
     off_b = off_bh // (nheads_kv * head_split)
     off_dkv = off_bh % (nheads_kv * head_split)  # the head of dK/dV this program stores
     off_hkv = off_dkv // head_split
@@ -610,20 +631,20 @@ def _attn_bwd_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, L
                             dq_rows, diag_offset, softmax_scale, IS_CAUSAL: gl.constexpr,
                             STAGES: gl.constexpr, LSE_AHEAD: gl.constexpr,
                             DQ_TMA: gl.constexpr, LSE_SMEM: gl.constexpr,
-                            DS_RING: gl.constexpr):
+                            DS_RING: gl.constexpr, LPT: gl.constexpr):
     """dK, dV of 128 keys of one (batch, KV head), dQ added into DQAccum: fp32 (batch,
     nheads, seqlen_q, head_dim), zeroed by the preprocess (DQ_TMA: its tensor map,
     ``_dq_descriptor``). head_split > 1 (GQA): the
     group's query heads are dealt to head_split programs, each storing its share of dK
     and dV into head off_hkv * head_split + its index of dk_desc/dv_desc (the launcher
     sums the shares). dq_rows: seqlen_q, unused here (bwd_hopper256's kernel, which
-    reads it, takes the same arguments). LSE_AHEAD, DQ_TMA, LSE_SMEM, DS_RING: the
+    reads it, takes the same arguments). LSE_AHEAD, DQ_TMA, LSE_SMEM, DS_RING, LPT: the
     schedule options of the module docstring."""
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[1]
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
     key0, off_b, off_dkv, off_hkv, h0, n_heads, m_lo, n_m = _program_walk(
         2 * BLOCK_N_WG, BLOCK_M, seqlen_q, nheads, nheads_kv, head_split, diag_offset,
-        IS_CAUSAL)
+        IS_CAUSAL, LPT)
 
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [STAGES] + q_desc.block_type.shape,
                                        q_desc.layout)
@@ -766,6 +787,18 @@ def _rows_descriptor(x, rows: int) -> TensorDescriptor:
                                                  rank=2))
 
 
+# lpt: every head's Q and dO at once, which the first wave's programs (one a head and key
+# block) read, must stay in L2 (the H200's 50 MB; the forward's persistent order keeps
+# 32 MiB of K and V there, as FA3's), else each Q/dO block would come from DRAM once a
+# program where the default order (a head's key blocks side by side) reads it about once.
+LPT_QDO_BYTES = 40 << 20
+
+
+def lpt_fits(batch: int, nheads: int, seqlen_q: int, head_dim: int, itemsize: int) -> bool:
+    """Whether every head's Q and dO fit LPT_QDO_BYTES: where lpt applies."""
+    return batch * nheads * seqlen_q * head_dim * 2 * itemsize <= LPT_QDO_BYTES
+
+
 def kernel_flags(head_dim: int, causal: bool, opts: frozenset[str], block_m: int,
                  seqlen_q: int | None = None) -> dict:
     """The kernel's constexpr switches (but STAGES) for FLASHTILE_HOPPER_BWD_OPTS
@@ -773,17 +806,20 @@ def kernel_flags(head_dim: int, causal: bool, opts: frozenset[str], block_m: int
     lse_ahead where ``seqlen_q`` (None: any that suits it) is not a multiple of 4 (the
     module docstring) or is shorter than a block (a box wider than its tensor's innermost
     dimension, never tried on the GPU). bwd_hopper256's kernel (head_dim 256) takes
-    dq_tma alone (its docstring): the other options change a schedule it does not have,
-    and the default's lse_ahead is passed over there."""
+    dq_tma and lpt alone (its docstring): the other options change a schedule it does
+    not have, and the default's lse_ahead is passed over there. lpt applies to causal
+    attention only (and ``backward`` drops it where ``lpt_fits`` says no)."""
+    lpt = "lpt" in opts and causal  # (full attention: every walk is as long)
     if head_dim == 256:
-        return dict(IS_CAUSAL=causal, DQ_TMA="dq_tma" in opts)
+        return dict(IS_CAUSAL=causal, DQ_TMA="dq_tma" in opts, LPT=lpt)
     # lse_smem brings lse and delta with Q and dO: lse_ahead's loads have nothing to do.
     short = seqlen_q is not None and (seqlen_q % 4 or seqlen_q < block_m)
     if "lse_smem" in opts and short:
         opts = opts - {"lse_smem"} | {"lse_ahead"}
     lse_smem = "lse_smem" in opts
     return dict(IS_CAUSAL=causal, LSE_AHEAD="lse_ahead" in opts and not lse_smem,
-                DQ_TMA="dq_tma" in opts, LSE_SMEM=lse_smem, DS_RING="ds_ring" in opts)
+                DQ_TMA="dq_tma" in opts, LSE_SMEM=lse_smem, DS_RING="ds_ring" in opts,
+                LPT=lpt)
 
 
 def smem_bytes(head_dim: int, block_m: int, stages: int, flags: dict) -> int:
@@ -900,6 +936,7 @@ def backward(dout, q, k, v, out, lse, dlse, softmax_scale, diag_offset, causal):
             return dq, *_summed(dk_shares, dv_shares, split)
     cfg = configs.hopper_bwd_config(tile_d)
     flags = kernel_flags(tile_d, causal, configs.hopper_bwd_opts(), cfg.block_m, sq)
+    flags["LPT"] = flags["LPT"] and lpt_fits(b, h, sq, tile_d, q.element_size())
     if tile_d != 256:  # bwd_hopper256's tiles are fixed and fit (configs.HOPPER_BWD_D256)
         check_fits(tile_d, cfg, flags)
     dq_accum = accumulator()
@@ -929,8 +966,9 @@ def backward(dout, q, k, v, out, lse, dlse, softmax_scale, diag_offset, causal):
     if flags.get("LSE_SMEM"):
         lse = _aligned(lse)
         lse_arg, delta_arg = (_rows_descriptor(x, cfg.block_m) for x in (lse, delta))
+    grid = (configs.cdiv(sk, cfg.block_n), b * hkv * split)
     main = _launch.first_launch(
-        kernel, (configs.cdiv(sk, cfg.block_n), b * hkv * split),
+        kernel, grid[::-1] if flags["LPT"] else grid,
         (*descs, lse_arg, delta_arg, dq_arg, sq, sk, h, hkv, split, sq, diag_offset,
          softmax_scale),
         dict(flags, STAGES=cfg.num_stages, num_warps=cfg.num_warps),

@@ -78,8 +78,9 @@ Rows past seqlen_q, keys past seqlen_k, rows that saw no key (lse = -inf) and Na
 handled as in bwd_hopper: keys past seqlen_k masked in S^T, lse read as +inf past
 seqlen_q and where it is -inf (P = 0), dK/dV rows past seqlen_k dropped by the TMA
 store, dQ rows past seqlen_q by the atomics' mask (dq_tma: by the TMA reduce-add). Of
-bwd_hopper's schedule options (FLASHTILE_HOPPER_BWD_OPTS) this kernel takes dq_tma alone
-(the others change a schedule it does not have); its STAGES sweep is bwd_hopper's own.
+bwd_hopper's schedule options (FLASHTILE_HOPPER_BWD_OPTS) this kernel takes dq_tma and
+lpt (its grid's order) alone (the others change a schedule it does not have); its STAGES
+sweep is bwd_hopper's own.
 
 Status: first run on the H200 in session 14 (docs/benchmarks/NOTES.md section 24): its
 GPU tests passed and memcheck found 0 errors; forward+backward 288-335 TFLOP/s full and
@@ -272,7 +273,7 @@ def _attn_bwd_hopper256_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc
                                Delta, DQAccum, seqlen_q, seqlen_k, nheads, nheads_kv,
                                head_split, dq_rows, diag_offset, softmax_scale,
                                IS_CAUSAL: gl.constexpr, STAGES: gl.constexpr,
-                               DQ_TMA: gl.constexpr):
+                               DQ_TMA: gl.constexpr, LPT: gl.constexpr):
     """dK, dV of 64 keys of one (batch, KV head) at head_dim 256, dQ added into DQAccum:
     fp32 (batch, nheads, dq_rows, head_dim), zeroed by the preprocess (DQ_TMA: its tensor
     map, bwd_hopper's ``_dq_descriptor``). The arguments are bwd_hopper's kernel's
@@ -280,7 +281,7 @@ def _attn_bwd_hopper256_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[1]
     key0, off_b, off_dkv, off_hkv, h0, n_heads, m_lo, n_m = _program_walk(
         BLOCK_N_WG, BLOCK_M, seqlen_q, nheads, nheads_kv, head_split, diag_offset,
-        IS_CAUSAL)
+        IS_CAUSAL, LPT)
 
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [STAGES] + q_desc.block_type.shape,
                                        q_desc.layout)
