@@ -468,16 +468,20 @@ def test_options_knob(monkeypatch):
 def test_lpt_option_and_its_l2_rule():
     """lpt: the grid (heads, key blocks) for causal attention only (a full walk is as long
     at every key block), both kernels; backward takes it where every head's Q and dO fit
-    LPT_QDO_BYTES: transformers' Llama-3.2-1B step (32 heads x 4k, d64, bf16) does,
-    16k tokens of the same heads do not."""
+    LPT_QDO_BYTES (transformers' Llama-3.2-1B step, 32 heads x 4k, d64, bf16, does; 16k
+    tokens of the same heads do not) and the key blocks fit the grid's y."""
     opts = frozenset({"lse_smem", "dq_tma", "ds_ring", "lpt"})
     assert bwd_hopper.kernel_flags(64, True, opts, 64)["LPT"]
     assert not bwd_hopper.kernel_flags(64, False, opts, 64)["LPT"]
     assert bwd_hopper.kernel_flags(256, True, opts, 64) == dict(IS_CAUSAL=True,
                                                                 DQ_TMA=True, LPT=True)
-    assert bwd_hopper.lpt_fits(1, 32, 4096, 64, 2)
-    assert not bwd_hopper.lpt_fits(1, 32, 16384, 64, 2)
-    assert not bwd_hopper.lpt_fits(16, 16, 1024, 128, 2)
+    assert bwd_hopper.lpt_fits(1, 32, 4096, 4096, 64, 2, 128)
+    assert not bwd_hopper.lpt_fits(1, 32, 16384, 16384, 64, 2, 128)
+    assert not bwd_hopper.lpt_fits(16, 16, 1024, 1024, 128, 2, 128)
+    # The key blocks go to the grid's y: at most 65535 of them (9M keys would not).
+    assert bwd_hopper.lpt_fits(1, 8, 4096, 65535 * 128, 64, 2, 128)
+    assert not bwd_hopper.lpt_fits(1, 8, 4096, 65535 * 128 + 1, 64, 2, 128)
+    assert not bwd_hopper.lpt_fits(1, 8, 4096, 9_000_000, 64, 2, 128)
 
 
 def test_dq_tma_tile_and_descriptor():

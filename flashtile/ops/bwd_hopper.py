@@ -131,7 +131,8 @@ session 28) for the GPU A/B, all compile-checked on the CPU:
   order), and the last wave holds the shortest walks. The price is L2: the first wave
   reads every head's Q and dO at once, where the default order's waves share one
   head's; ``backward`` takes lpt only where all of them fit LPT_QDO_BYTES (the
-  training step's 32 heads x 4k x 64 x 2 x 2 bytes = 32 MiB do). Prediction: causal
+  training step's 32 heads x 4k x 64 x 2 x 2 bytes = 32 MiB do) and the key blocks fit
+  the grid's y (65535: ``lpt_fits``). Prediction: causal
   backward +2-8% at 1k-4k, level at 16k (dropped there by the L2 rule).
 Tried and removed (H200, the sections of docs/benchmarks/NOTES.md):
 - sdp, FA3's order: dP^T issued right behind S^T, the consumer waiting for S^T alone
@@ -208,6 +209,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from flashtile import _validate as V
 from flashtile.ops import _launch, bwd, configs, fwd_hopper
 from flashtile.ops._common import LOG2E
 
@@ -794,9 +796,12 @@ def _rows_descriptor(x, rows: int) -> TensorDescriptor:
 LPT_QDO_BYTES = 40 << 20
 
 
-def lpt_fits(batch: int, nheads: int, seqlen_q: int, head_dim: int, itemsize: int) -> bool:
-    """Whether every head's Q and dO fit LPT_QDO_BYTES: where lpt applies."""
-    return batch * nheads * seqlen_q * head_dim * 2 * itemsize <= LPT_QDO_BYTES
+def lpt_fits(batch: int, nheads: int, seqlen_q: int, seqlen_k: int, head_dim: int,
+             itemsize: int, block_n: int) -> bool:
+    """Where lpt applies: every head's Q and dO fit LPT_QDO_BYTES, and the key blocks fit
+    the grid's y dimension (lpt puts them there; CUDA stops it at 65535)."""
+    return (batch * nheads * seqlen_q * head_dim * 2 * itemsize <= LPT_QDO_BYTES
+            and configs.cdiv(seqlen_k, block_n) <= V.MAX_GRID_Y)
 
 
 def kernel_flags(head_dim: int, causal: bool, opts: frozenset[str], block_m: int,
@@ -936,7 +941,8 @@ def backward(dout, q, k, v, out, lse, dlse, softmax_scale, diag_offset, causal):
             return dq, *_summed(dk_shares, dv_shares, split)
     cfg = configs.hopper_bwd_config(tile_d)
     flags = kernel_flags(tile_d, causal, configs.hopper_bwd_opts(), cfg.block_m, sq)
-    flags["LPT"] = flags["LPT"] and lpt_fits(b, h, sq, tile_d, q.element_size())
+    flags["LPT"] = flags["LPT"] and lpt_fits(b, h, sq, sk, tile_d, q.element_size(),
+                                             cfg.block_n)
     if tile_d != 256:  # bwd_hopper256's tiles are fixed and fit (configs.HOPPER_BWD_D256)
         check_fits(tile_d, cfg, flags)
     dq_accum = accumulator()
