@@ -276,7 +276,6 @@ class OpenAIServer:
         search = BeamSearch(prompts, beam, self.llm.scheduler.eos_token_ids,
                             self.max_model_len, RequestOutputKind.FINAL_ONLY)
         cached = 0 if self.details else None
-        first = True
         while batch := search.prompts():
             stream = await self._add(batch, search.step_params)
             try:
@@ -284,9 +283,8 @@ class OpenAIServer:
             finally:
                 stream.close()
             outputs = [final[i] for i in range(len(batch))]
-            if first and cached is not None:
+            if search.steps == 0 and cached is not None:  # the prompts' own requests
                 cached = sum(out.num_cached_tokens for out in outputs)
-            first = False
             search.advance(outputs)
         choices, generated = [], 0
         for prompt, result in zip(prompts, search.results(self.tokenizer)):

@@ -820,6 +820,15 @@ def _run_plans(plans, q, dv, out_dtype, return_lse, p, scale_ptrs, softmax_scale
     return out, lse
 
 
+def _plain_pointers(q, k_cache, v_cache, cache_seqlens, cache_leftpad) -> tuple:
+    """The addresses of attn_decode's inputs for a call without block table, batch
+    index, alibi or descales: cache_seqlens and q stand for the absent ones (never
+    read), as in attn_decode."""
+    return _launch.pointers((q, k_cache, v_cache, cache_seqlens, cache_seqlens,
+                             cache_seqlens,
+                             cache_seqlens if cache_leftpad is None else cache_leftpad, q))
+
+
 class Bound:
     """attn_decode's plan path bound to one key, for eager callers that repeat a call
     signature many times in a row (transformers' layers in a decode step: the same
@@ -840,11 +849,7 @@ class Bound:
         self.softmax_scale, self.softcap = softmax_scale, softcap
 
     def __call__(self, q, k_cache, v_cache, cache_seqlens, cache_leftpad):
-        # attn_decode's inputs for a call without block table, batch index, alibi or
-        # descales: cache_seqlens and q stand for the absent ones (never read).
-        p = _launch.pointers((q, k_cache, v_cache, cache_seqlens, cache_seqlens,
-                              cache_seqlens,
-                              cache_seqlens if cache_leftpad is None else cache_leftpad, q))
+        p = _plain_pointers(q, k_cache, v_cache, cache_seqlens, cache_leftpad)
         if (_launch.misalignment(p) != self.misaligned or (p[1] == p[2]) != self.shared
                 or _launch._device() != self.device):
             return None
@@ -866,8 +871,7 @@ def bind(q, k_cache, v_cache, *, cache_seqlens, cache_leftpad, softmax_scale,
     call does not read again."""
     if not _launch.ready(q) or (q.shape[-1] > configs.DECODE_MAX_BLOCK_D and q.is_cuda):
         return None
-    p = _launch.pointers((q, k_cache, v_cache, cache_seqlens, cache_seqlens, cache_seqlens,
-                          cache_seqlens if cache_leftpad is None else cache_leftpad, q))
+    p = _plain_pointers(q, k_cache, v_cache, cache_seqlens, cache_leftpad)
     v_is_k = p[1] == p[2] and _v_is_k(k_cache, v_cache)
     key = _plan_key(q, k_cache, v_cache, None, None, cache_leftpad, None, (None,) * 3,
                     False, window_left, window_right, softcap, 0, False, 0, q.dtype,

@@ -221,11 +221,8 @@ def _decode(q, k, v, causal, window, softmax_scale, softcap, cache_leftpad=None)
         if not same:
             cache_seqlens = torch.full((q.shape[0],), k.shape[1], dtype=torch.int32,
                                        device=q.device)
-            bound = decode.bind(q, k, v, cache_seqlens=cache_seqlens,
-                                cache_leftpad=cache_leftpad, softmax_scale=scale,
-                                window_left=left, window_right=right,
-                                softcap=float(softcap))
-            _last_decode[0] = (signature, cache_seqlens, scale, left, right, bound)
+            bound = _remember(signature, q, k, v, cache_seqlens, cache_leftpad, scale,
+                              left, right, softcap)
         if bound is not None:  # the plans, launched without a key built and looked up
             out = bound(q, k, v, cache_seqlens, cache_leftpad)
             if out is not None:
@@ -242,11 +239,20 @@ def _decode(q, k, v, causal, window, softmax_scale, softcap, cache_leftpad=None)
         left, right = V.check_flash_options(0.0, softmax_scale, softcap, window, causal)
         scale = float(1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None
                       else softmax_scale)
-        bound = decode.bind(q, k, v, cache_seqlens=cache_seqlens,
-                            cache_leftpad=cache_leftpad, softmax_scale=scale,
-                            window_left=left, window_right=right, softcap=float(softcap))
-        _last_decode[0] = (signature, cache_seqlens, scale, left, right, bound)
+        _remember(signature, q, k, v, cache_seqlens, cache_leftpad, scale, left, right,
+                  softcap)
     return out
+
+
+def _remember(signature, q, k, v, cache_seqlens, cache_leftpad, scale, left, right,
+              softcap):
+    """The memo of ``signature``'s calls, with the decode's plans bound to it
+    (``decode.bind``; None where there are none); returns the Bound."""
+    bound = decode.bind(q, k, v, cache_seqlens=cache_seqlens, cache_leftpad=cache_leftpad,
+                        softmax_scale=scale, window_left=left, window_right=right,
+                        softcap=float(softcap))
+    _last_decode[0] = (signature, cache_seqlens, scale, left, right, bound)
+    return bound
 
 
 # The signature's places of k's and v's shapes (each followed by its strides).
