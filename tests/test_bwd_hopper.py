@@ -631,13 +631,18 @@ def test_head_split_knob(monkeypatch):
 def test_head_split_knob_reaches_the_kernel(split, monkeypatch):
     """The knob's split runs (its own launch plans) and meets the gradient rule: the
     GQA group of 4 at 1 (one program walks all four heads), 2 and 4."""
-    from flashtile.ops import _launch
+    from flashtile.ops import _launch, bwd
 
     monkeypatch.setenv("FLASHTILE_HOPPER_BWD_HEAD_SPLIT", str(split))
     seen = []
-    real = bwd_hopper._summed
-    monkeypatch.setattr(bwd_hopper, "_summed", lambda dk, dv, s: seen.append(s) or real(
-        dk, dv, s))
+    real = _launch.first_launch
+
+    def spy(kernel, grid, args, kwargs, slots=None):
+        if kernel is bwd._bwd_dq_convert_kernel:  # its launch sums the shares
+            seen.append(kwargs["SHARES"])
+        return real(kernel, grid, args, kwargs, slots)
+
+    monkeypatch.setattr(_launch, "first_launch", spy)
     _launch.clear()
     q, k, v, dout = _inputs(1, 300, 300, 8, 2, 64, torch.bfloat16)
     _check(_backward(q, k, v, dout, True, 0, 0.125), q, k, v, dout, True, 0, 0.125)

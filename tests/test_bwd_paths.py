@@ -250,3 +250,41 @@ def test_eager_gradients_apart_where_one_would_keep_the_others(case, backend, de
     dq_bytes = q.numel() * q.element_size()
     # dq's allocation also holds delta's words (2 x 21 fp32), nothing of dk or dv.
     assert q.grad.untyped_storage().nbytes() == dq_bytes + 2 * 21 * 4
+
+
+@TRITON
+@pytest.mark.parametrize("shares", [1, 2, 4])
+@pytest.mark.parametrize("head_dim", [64, 40])
+def test_dq_convert_sums_head_split_shares(shares, head_dim, backend, device, on_gpu):
+    """bwd_hopper's GQA head split leaves dK and dV in shares (batch, seqlen_k, nheads_kv
+    x shares, head_dim); the dQ conversion's launch sums them (fp32, one rounding) in the
+    grid rows past its dq programs, and still converts every row of dq. Odd sizes: rows
+    off the 32-row block, a head_dim narrower than its tile (40 in 64)."""
+    from flashtile.ops import bwd, configs
+
+    dtype = torch.bfloat16 if on_gpu else torch.float16
+    b, sq, h, hkv, sk = 2, 45, 6, 3, 37
+    tile = configs.next_power_of_2(head_dim)
+    dq_accum = torch.randn(b, h, sq, tile, device=device)
+    dq = torch.full((b, sq, h, head_dim), float("nan"), dtype=dtype, device=device)
+    dk_shares, dv_shares = (torch.randn(b, sk, hkv * shares, head_dim, dtype=dtype,
+                                        device=device) for _ in range(2))
+    dk, dv = (torch.full((b, sk, hkv, head_dim), float("nan"), dtype=dtype, device=device)
+              for _ in range(2))
+    kv_rows = b * sk * hkv if shares > 1 else 0
+    bwd._bwd_dq_convert_kernel[bwd.convert_grid(b, h, sq, kv_rows)](
+        dq_accum, dq, dk_shares, dv_shares, dk, dv, *dq_accum.stride()[:2],
+        *configs.strides(False, dq), b, h, sq, head_dim, kv_rows, 0.3,
+        BLOCK_M=configs.PREPROCESS_BLOCK_M, BLOCK_D=tile, SHARES=shares)
+    want_dq = (dq_accum[..., :head_dim] * 0.3).transpose(1, 2).to(dtype)
+    assert torch.equal(dq, want_dq)
+    if shares == 1:  # nothing to sum: dk and dv untouched
+        assert dk.isnan().all() and dv.isnan().all()
+        return
+    for name, got, x in (("dk", dk, dk_shares), ("dv", dv, dv_shares)):
+        want = x.double().view(b, sk, hkv, shares, head_dim).sum(3)
+        # fp32 sums of `shares` 16-bit values, rounded once: within half an ulp of the
+        # float64 sum's rounding, so at most one ulp from it.
+        torch.testing.assert_close(got.double(), want.to(dtype).double(),
+                                   rtol=2 ** -7 if dtype == torch.bfloat16 else 2 ** -10,
+                                   atol=1e-6, msg=name)

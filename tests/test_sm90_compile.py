@@ -147,8 +147,14 @@ def test_preprocess_and_dq_conversion_compile():
                         dtype="fp16")
     assert resources(ck)["stack_bytes"] == 0
     ck = compile_kernel(_bwd_dq_convert_kernel,
-                        dict(BLOCK_M=configs.PREPROCESS_BLOCK_M, BLOCK_D=512), dtype="bf16")
+                        dict(BLOCK_M=configs.PREPROCESS_BLOCK_M, BLOCK_D=512, SHARES=1),
+                        dtype="bf16")
     assert resources(ck)["stack_bytes"] == 0
+    for block_d, shares in ((64, 4), (128, 8), (256, 2)):  # bwd_hopper's head split
+        ck = compile_kernel(_bwd_dq_convert_kernel,
+                            dict(BLOCK_M=configs.PREPROCESS_BLOCK_M, BLOCK_D=block_d,
+                                 SHARES=shares), dtype="bf16")
+        assert resources(ck)["stack_bytes"] == 0
 
 
 @pytest.mark.parametrize("paged,page_size,aligned,tile_pages,split_pages",

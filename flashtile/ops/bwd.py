@@ -518,12 +518,10 @@ def _bwd_dq_kernel(
              mask=(offs_m[:, None] < seqlen_q) & (offs_d[None, :] < head_dim))
 
 
-@triton.jit(do_not_specialize=["stride_acch", "seqlen_q"])
-def _bwd_dq_convert_kernel(DQAccum, DQ, stride_accb, stride_acch,
-                           stride_dqb, stride_dqm, stride_dqh,
-                           nheads, seqlen_q, head_dim, softmax_scale,
-                           BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
-    """dq = DQAccum * softmax_scale in dq's dtype and layout (the fused backward)."""
+@triton.jit
+def _dq_convert(DQAccum, DQ, stride_accb, stride_acch, stride_dqb, stride_dqm, stride_dqh,
+                nheads, seqlen_q, head_dim, softmax_scale, BLOCK_M: tl.constexpr,
+                BLOCK_D: tl.constexpr):
     off_b, off_h, offs_m, offs_d, m_tile = _row_block(nheads, seqlen_q, head_dim, BLOCK_M,
                                                       BLOCK_D)
     b_dq = tl.load(DQAccum + off_b * stride_accb + off_h * stride_acch
@@ -531,6 +529,59 @@ def _bwd_dq_convert_kernel(DQAccum, DQ, stride_accb, stride_acch,
     tl.store(DQ + off_b * stride_dqb + off_h * stride_dqh + offs_m[:, None] * stride_dqm
              + offs_d[None, :], (b_dq * softmax_scale).to(DQ.dtype.element_ty),
              mask=m_tile)
+
+
+@triton.jit
+def _shares_sum(DKShares, DVShares, DK, DV, block, kv_rows, head_dim,
+                BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, SHARES: tl.constexpr):
+    """Rows [block * BLOCK_M, +BLOCK_M) of dk and dv, (kv_rows, head_dim) contiguous: each
+    the fp32 sum of its SHARES shares, which lie side by side in a row of the shares'
+    (kv_rows, SHARES * head_dim) (bwd_hopper's GQA head split), rounded once."""
+    rows = block.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    tile = (rows[:, None] < kv_rows) & (offs_d[None, :] < head_dim)
+    p_share = rows[:, None] * (SHARES * head_dim) + offs_d[None, :]
+    dk = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    for share in tl.static_range(SHARES):
+        dk += tl.load(DKShares + p_share + share * head_dim, mask=tile).to(tl.float32)
+        dv += tl.load(DVShares + p_share + share * head_dim, mask=tile).to(tl.float32)
+    p_out = rows[:, None] * head_dim + offs_d[None, :]
+    tl.store(DK + p_out, dk.to(DK.dtype.element_ty), mask=tile)
+    tl.store(DV + p_out, dv.to(DV.dtype.element_ty), mask=tile)
+
+
+@triton.jit(do_not_specialize=["stride_acch", "seqlen_q"])
+def _bwd_dq_convert_kernel(DQAccum, DQ, DKShares, DVShares, DK, DV, stride_accb,
+                           stride_acch, stride_dqb, stride_dqm, stride_dqh,
+                           batch, nheads, seqlen_q, head_dim, kv_rows, softmax_scale,
+                           BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+                           SHARES: tl.constexpr):
+    """dq = DQAccum * softmax_scale in dq's dtype and layout (the fused backward and
+    bwd_hopper). SHARES > 1 (bwd_hopper's GQA head split): the grid's rows past batch x
+    nheads also sum dK's and dV's shares into dk and dv (``_shares_sum``): one launch
+    where the conversion and two torch reductions took three."""
+    if SHARES == 1:  # DKShares, DVShares, DK, DV: never read (None, or dk's shares)
+        _dq_convert(DQAccum, DQ, stride_accb, stride_acch, stride_dqb, stride_dqm,
+                    stride_dqh, nheads, seqlen_q, head_dim, softmax_scale, BLOCK_M, BLOCK_D)
+    else:
+        past = tl.program_id(1) - batch * nheads
+        if past < 0:
+            _dq_convert(DQAccum, DQ, stride_accb, stride_acch, stride_dqb, stride_dqm,
+                        stride_dqh, nheads, seqlen_q, head_dim, softmax_scale, BLOCK_M,
+                        BLOCK_D)
+        else:
+            _shares_sum(DKShares, DVShares, DK, DV,
+                        past * tl.num_programs(0) + tl.program_id(0), kv_rows, head_dim,
+                        BLOCK_M, BLOCK_D, SHARES)
+
+
+def convert_grid(batch: int, nheads: int, seqlen_q: int, kv_rows: int = 0) -> tuple:
+    """``_bwd_dq_convert_kernel``'s grid: a program a PREPROCESS_BLOCK_M rows of a head's
+    dq, then (kv_rows > 0) enough grid rows of programs for kv_rows rows of dk and dv."""
+    blocks = configs.cdiv(seqlen_q, configs.PREPROCESS_BLOCK_M)
+    extra = configs.cdiv(configs.cdiv(kv_rows, configs.PREPROCESS_BLOCK_M), blocks)
+    return (blocks, batch * nheads + extra)
 
 
 # The kernel parameters a call of each backward plan fills, in this order (``_launch``).
@@ -704,9 +755,10 @@ def attn_bwd(dout, q, k, v, out, lse, dlse, *, attn_mask, alibi_slopes, softmax_
     if fused:
         last = _launch.first_launch(
             _bwd_dq_convert_kernel, row_grid,
-            (dq_accum, dq, *acc_strides, *configs.strides(varlen, dq4), h, rows, d,
+            (dq_accum, dq, None, None, None, None, *acc_strides,
+             *configs.strides(varlen, dq4), 1 if varlen else batch, h, rows, d, 0,
              softmax_scale),
-            dict(BLOCK_M=pre_m, BLOCK_D=block_d),
+            dict(BLOCK_M=pre_m, BLOCK_D=block_d, SHARES=1),
             _CONVERT_SLOTS if key is not None else None)
     else:
         last = configs.launch(

@@ -16,7 +16,7 @@ One program owns BLOCK_N = 2 x 64 keys of one (batch, KV head) and walks every q
 block of every query head of the group (the group sum of dK/dV happens in registers, as
 in bwd.py); where that grid would be small for the device (GQA, few KV heads, short
 sequences: ``head_split``), the group's heads are dealt to several programs whose dK/dV
-shares are summed after the kernel. Three warp-specialised partitions:
+shares the dQ conversion's launch sums after the kernel. Three warp-specialised partitions:
 - a producer warp loads the program's K and V once (one 64-key half per consumer) and
   streams Q and dO blocks through a ring of STAGES shared buffers with TMA; each stage
   has a "ready" mbarrier per tensor and one "empty" mbarrier (both consumers done).
@@ -638,8 +638,8 @@ def _attn_bwd_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, L
     nheads, seqlen_q, head_dim), zeroed by the preprocess (DQ_TMA: its tensor map,
     ``_dq_descriptor``). head_split > 1 (GQA): the
     group's query heads are dealt to head_split programs, each storing its share of dK
-    and dV into head off_hkv * head_split + its index of dk_desc/dv_desc (the launcher
-    sums the shares). dq_rows: seqlen_q, unused here (bwd_hopper256's kernel, which
+    and dV into head off_hkv * head_split + its index of dk_desc/dv_desc (the dQ conversion's
+    launch sums the shares). dq_rows: seqlen_q, unused here (bwd_hopper256's kernel, which
     reads it, takes the same arguments). LSE_AHEAD, DQ_TMA, LSE_SMEM, DS_RING, LPT: the
     schedule options of the module docstring."""
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[1]
@@ -866,7 +866,7 @@ def check_fits(head_dim: int, cfg, flags: dict) -> None:
 _PRE_SLOTS = ("Out", "DOut", "DLse", "Delta", "DQAccum")
 _MAIN_SLOTS = ("q_desc", "k_desc", "v_desc", "do_desc", "dk_desc", "dv_desc", "Lse",
                "Delta", "DQAccum", "softmax_scale")
-_CONVERT_SLOTS = ("DQAccum", "DQ", "softmax_scale")
+_CONVERT_SLOTS = ("DQAccum", "DQ", "DKShares", "DVShares", "DK", "DV", "softmax_scale")
 
 
 # GQA: below this many programs a wave (of the device's SMs) the backward's grid
@@ -882,7 +882,8 @@ def head_split(group_size: int, programs: int, num_sms: int) -> int:
     heads: the smallest divisor of the group that gives the grid of ``programs`` (at one
     a group) HEAD_SPLIT_WAVES waves of ``num_sms``, else one a query head. Each stores
     its share of dK and dV (16-bit, as flash-attn 2 stores GQA's per-head dK and dV
-    before summing them); the launcher sums the shares in fp32."""
+    before summing them); the dQ conversion's launch sums the shares in fp32 (one
+    rounding)."""
     for split in range(1, group_size):
         if group_size % split == 0 and programs * split >= HEAD_SPLIT_WAVES * num_sms:
             return split
@@ -895,8 +896,8 @@ def backward(dout, q, k, v, out, lse, dlse, softmax_scale, diag_offset, causal):
     Three launches: the portable preprocess (delta, dq_accum zeroed), this module's
     kernel, the portable dQ conversion. After the first call of a layout, launch plans
     (``flashtile.ops._launch``) launch the compiled kernels directly, encoding the six
-    tensor maps from the call's tensors. GQA with a small grid (``head_split``): dK and dV come
-    from the kernel's shares, summed by two more kernels."""
+    tensor maps from the call's tensors. GQA with a small grid (``head_split``): dK and dV
+    are the kernel's shares, summed by the dQ conversion's launch (``bwd.convert_grid``)."""
     b, sq, h, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
     tile_d = tile_dim(d)
@@ -905,9 +906,13 @@ def backward(dout, q, k, v, out, lse, dlse, softmax_scale, diag_offset, causal):
     split = configs.hopper_bwd_head_split(h // hkv) or head_split(
         h // hkv, configs.cdiv(sk, block_n) * b * hkv, fwd_hopper._num_sms(q.device))
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    # split > 1: the shares, each share's KV heads split times over (see the kernel).
+    # split > 1: the shares, each share's KV heads split times over (see the kernel),
+    # summed into dk and dv by the dQ conversion's launch; else dK and dV themselves.
     dk_shares = torch.empty((b, sk, hkv * split, d), dtype=k.dtype, device=q.device)
     dv_shares = torch.empty((b, sk, hkv * split, d), dtype=v.dtype, device=q.device)
+    dk, dv = (dk_shares, dv_shares) if split == 1 else (
+        torch.empty(k.shape, dtype=k.dtype, device=q.device),
+        torch.empty(v.shape, dtype=v.dtype, device=q.device))
     lse = lse.contiguous()
     has_dlse = dlse is not None
     dlse = dlse.contiguous() if has_dlse else lse  # lse: a never-read placeholder
@@ -937,8 +942,9 @@ def backward(dout, q, k, v, out, lse, dlse, softmax_scale, diag_offset, causal):
             rows = (lse, delta) if lse_smem else (lse.data_ptr(), delta.data_ptr())
             main((q, k, v, dout, dk_shares, dv_shares, *rows,
                   dq_accum if dq_tma else dq_accum.data_ptr(), softmax_scale))
-            convert((dq_accum.data_ptr(), dq.data_ptr(), softmax_scale))
-            return dq, *_summed(dk_shares, dv_shares, split)
+            convert((dq_accum.data_ptr(), dq.data_ptr(), dk_shares.data_ptr(),
+                     dv_shares.data_ptr(), dk.data_ptr(), dv.data_ptr(), softmax_scale))
+            return dq, dk, dv
     cfg = configs.hopper_bwd_config(tile_d)
     flags = kernel_flags(tile_d, causal, configs.hopper_bwd_opts(), cfg.block_m, sq)
     flags["LPT"] = flags["LPT"] and lpt_fits(b, h, sq, sk, tile_d, q.element_size(),
@@ -979,15 +985,18 @@ def backward(dout, q, k, v, out, lse, dlse, softmax_scale, diag_offset, causal):
          softmax_scale),
         dict(flags, STAGES=cfg.num_stages, num_warps=cfg.num_warps),
         _MAIN_SLOTS if key is not None else None)
+    # dq from the accumulator; with split > 1 the same launch sums dK's and dV's shares.
+    kv_rows = b * sk * hkv if split > 1 else 0
     convert = _launch.first_launch(
-        bwd._bwd_dq_convert_kernel, row_grid,
-        (dq_accum, dq, *dq_accum.stride()[:2], *configs.strides(False, dq), h, sq, d,
-         softmax_scale),
-        dict(BLOCK_M=pre_m, BLOCK_D=tile_d), _CONVERT_SLOTS if key is not None else None)
+        bwd._bwd_dq_convert_kernel, bwd.convert_grid(b, h, sq, kv_rows),
+        (dq_accum, dq, dk_shares, dv_shares, dk, dv, *dq_accum.stride()[:2],
+         *configs.strides(False, dq), b, h, sq, d, kv_rows, softmax_scale),
+        dict(BLOCK_M=pre_m, BLOCK_D=tile_d, SHARES=split),
+        _CONVERT_SLOTS if key is not None else None)
     if key is not None and None not in (pre, main, convert):
         _launch.store(key, (pre, main, convert, bool(flags.get("DQ_TMA")),
                             bool(flags.get("LSE_SMEM"))))
-    return dq, *_summed(dk_shares, dv_shares, split)
+    return dq, dk, dv
 
 
 def _aligned(lse):
@@ -996,11 +1005,3 @@ def _aligned(lse):
     return lse if lse.data_ptr() % 16 == 0 else lse.clone()
 
 
-def _summed(dk_shares, dv_shares, split):
-    """dk, dv from the kernel's shares: each (batch, seqlen_k, nheads_kv * split,
-    head_dim) summed over split (accumulated in fp32, one rounding), or as they are."""
-    if split == 1:
-        return dk_shares, dv_shares
-    b, sk, heads, d = dk_shares.shape
-    return tuple(x.view(b, sk, heads // split, split, d).sum(3)
-                 for x in (dk_shares, dv_shares))
