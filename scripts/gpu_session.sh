@@ -51,6 +51,9 @@
 #                GPU tests (plans against Triton's path, transformers' decode memo), then
 #                flashtile bench hf with --profile (generate at batch 1 and 16: kernels
 #                and the host time inside the attention function)          (~5 min)
+#   hf-train     issue 16's training step after session 30's share sums in the dQ
+#                conversion: the head split's GPU tests, then flashtile bench hf's step
+#                (5 repetitions, the kernels under the profiler)            (~4 min)
 #   hopper       the Gluon forward's GPU tests (16-bit) and its timing     (~9 min)
 #   tp           the tensor-parallel driver's tests (2 GPUs)              (~4 min)
 #   ncu          the Gluon backward (d128; transformers' d64 GQA step), the d64 and FP8
@@ -698,6 +701,22 @@ PY
     timeout 300 python3 -u -m flashtile bench hf --impls flashtile sdpa --profile 10 \
       --out "$OUT/hf-gen.json" 2>&1 | grep --line-buffered -v "^\s*$" | tee "$OUT/hf-gen.txt" \
       | tail -60  # tee first: a run cut short still leaves its lines (session 30)
+    ;;
+  hf-train)
+    # Session 30: with the GQA head split the dQ conversion's launch also sums dK's and
+    # dV's shares (two torch reductions a layer gone, their bytes the same). Session 29:
+    # the 4k-token step 86.2 against sdpa's 86.2 ms, our kernels 0.8 ms over cuDNN's,
+    # ~0.5 of it the small kernels. Prediction: the step -0.05 to -0.15 ms, the share sums'
+    # two reductions (~7 us each a layer) gone from the profile, the conversion ~5 us
+    # longer a layer. (HF_TRAIN_TESTS=0: not; `check 1` and `check 2` run them)
+    if [ "${HF_TRAIN_TESTS:-1}" != 0 ]; then
+      timeout 200 python3 -m pytest -q -p no:cacheprovider $XDIST --gpu \
+        tests/test_bwd_hopper.py tests/test_bwd_paths.py -k "split or shares or gqa" 2>&1 \
+        | tail -2 | tee "$OUT/hf-train-tests.txt"
+    fi
+    timeout 300 python3 -u -m flashtile bench hf --impls flashtile sdpa --batches 1 --new 2 \
+      --reps 5 --profile 24 --out "$OUT/hf-train.json" 2>&1 \
+      | grep --line-buffered -v "^\s*$" | tee "$OUT/hf-train.txt" | tail -70
     ;;
   hopper)
     # The Gluon forward: GPU tests against float64 (the FP8 ones run in stage fp8), then
