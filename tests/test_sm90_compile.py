@@ -150,7 +150,8 @@ def test_preprocess_and_dq_conversion_compile():
                         dict(BLOCK_M=configs.PREPROCESS_BLOCK_M, BLOCK_D=512, SHARES=1),
                         dtype="bf16")
     assert resources(ck)["stack_bytes"] == 0
-    for block_d, shares in ((64, 4), (128, 8), (256, 2)):  # bwd_hopper's head split
+    # bwd_hopper's head split: Llama's group of 4, and MQA's wide groups at d256
+    for block_d, shares in ((64, 4), (128, 32), (256, 64)):
         ck = compile_kernel(_bwd_dq_convert_kernel,
                             dict(BLOCK_M=configs.PREPROCESS_BLOCK_M, BLOCK_D=block_d,
                                  SHARES=shares), dtype="bf16")

@@ -532,23 +532,20 @@ def _dq_convert(DQAccum, DQ, stride_accb, stride_acch, stride_dqb, stride_dqm, s
 
 
 @triton.jit
-def _shares_sum(DKShares, DVShares, DK, DV, block, kv_rows, head_dim,
-                BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, SHARES: tl.constexpr):
-    """Rows [block * BLOCK_M, +BLOCK_M) of dk and dv, (kv_rows, head_dim) contiguous: each
-    the fp32 sum of its SHARES shares, which lie side by side in a row of the shares'
-    (kv_rows, SHARES * head_dim) (bwd_hopper's GQA head split), rounded once."""
+def _shares_sum(Shares, Out, block, kv_rows, head_dim, BLOCK_M: tl.constexpr,
+                BLOCK_D: tl.constexpr, SHARES: tl.constexpr):
+    """Rows [block * BLOCK_M, +BLOCK_M) of Out, (kv_rows, head_dim) contiguous: each the
+    fp32 sum of its SHARES shares, which lie side by side in a row of Shares' (kv_rows,
+    SHARES * head_dim) (bwd_hopper's GQA head split), rounded once."""
     rows = block.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     tile = (rows[:, None] < kv_rows) & (offs_d[None, :] < head_dim)
-    p_share = rows[:, None] * (SHARES * head_dim) + offs_d[None, :]
-    dk = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    dv = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    for share in tl.static_range(SHARES):
-        dk += tl.load(DKShares + p_share + share * head_dim, mask=tile).to(tl.float32)
-        dv += tl.load(DVShares + p_share + share * head_dim, mask=tile).to(tl.float32)
-    p_out = rows[:, None] * head_dim + offs_d[None, :]
-    tl.store(DK + p_out, dk.to(DK.dtype.element_ty), mask=tile)
-    tl.store(DV + p_out, dv.to(DV.dtype.element_ty), mask=tile)
+    p_share = Shares + rows[:, None] * (SHARES * head_dim) + offs_d[None, :]
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    for share in range(SHARES):  # not unrolled: a wide group would hoist every load
+        acc += tl.load(p_share + share * head_dim, mask=tile).to(tl.float32)
+    tl.store(Out + rows[:, None] * head_dim + offs_d[None, :],
+             acc.to(Out.dtype.element_ty), mask=tile)
 
 
 @triton.jit(do_not_specialize=["stride_acch", "seqlen_q"])
@@ -571,9 +568,9 @@ def _bwd_dq_convert_kernel(DQAccum, DQ, DKShares, DVShares, DK, DV, stride_accb,
                         stride_dqh, nheads, seqlen_q, head_dim, softmax_scale, BLOCK_M,
                         BLOCK_D)
         else:
-            _shares_sum(DKShares, DVShares, DK, DV,
-                        past * tl.num_programs(0) + tl.program_id(0), kv_rows, head_dim,
-                        BLOCK_M, BLOCK_D, SHARES)
+            block = past * tl.num_programs(0) + tl.program_id(0)
+            _shares_sum(DKShares, DK, block, kv_rows, head_dim, BLOCK_M, BLOCK_D, SHARES)
+            _shares_sum(DVShares, DV, block, kv_rows, head_dim, BLOCK_M, BLOCK_D, SHARES)
 
 
 def convert_grid(batch: int, nheads: int, seqlen_q: int, kv_rows: int = 0) -> tuple:
