@@ -51,6 +51,11 @@
 #                GPU tests (plans against Triton's path, transformers' decode memo), then
 #                flashtile bench hf with --profile (generate at batch 1 and 16: kernels
 #                and the host time inside the attention function)          (~5 min)
+#   fwd-intra    the Gluon forward's intra-warpgroup overlap (INTRA_WG, session 30): its
+#                GPU tests and memcheck slice (INTRA_TESTS=0: not), then the forward at
+#                d64/d128, 1k-16k, full and causal, with and without, alternating twice,
+#                beside cuDNN; FP8 d128 with P in registers and in shared memory, with
+#                and without (~8 min; ~11 with the tests: after check 1, skip them)
 #   hf-train     issue 16's training step after session 30's share sums in the dQ
 #                conversion: the head split's GPU tests, then flashtile bench hf's step
 #                (5 repetitions, the kernels under the profiler)            (~4 min)
@@ -118,6 +123,30 @@ gpu_suite() {
   timeout 240 make test-gpu GPU_LOG="$OUT/gpu-tests.txt" 2>&1 | tail -3
   stamp memcheck
   timeout 250 make memcheck 2>&1 | tail -4 | tee "$OUT/memcheck.txt"
+}
+# An opt-in's GPU tests (pytest -k $2 in test file $3) and memcheck slice ($4) into
+# $OUT/$1-tests.txt and $1-memcheck.txt; skipped where $5 is 0 (check 1 ran them).
+option_tests() {
+  [ "${5:-1}" = 0 ] && return
+  timeout 200 python3 -m pytest -q -p no:cacheprovider $XDIST --gpu "$3" -k "$2" 2>&1 \
+    | tail -2 | tee "$OUT/$1-tests.txt"
+  timeout 150 make memcheck MEMCHECK_K="$4" MEMCHECK_FILES="$3" 2>&1 | tail -2 \
+    | tee "$OUT/$1-memcheck.txt"
+}
+# An A/B of an environment switch: `ab NAME VAR "VALUES" BENCH_ARGS...` runs `flashtile
+# bench BENCH_ARGS` under VAR=each value in turn, two rounds, each row tagged with its
+# round and value, into $OUT/NAME.txt (the rows that carry cuDNN's column); AB_SECS
+# (130) a run.
+ab() {
+  local name=$1 var=$2 values=$3 round value
+  shift 3
+  for round in 1 2; do
+    for value in $values; do
+      env "$var=$value" timeout "${AB_SECS:-130}" python3 -m flashtile bench "$@" --no-progress \
+        --out "$name" --overwrite 2>&1 | grep "sdpa-cudnn |" \
+        | sed "s|^|$round $var=$value |" | tee -a "$OUT/$name.txt"
+    done
+  done
 }
 # The decode/paged/merge GPU tests and their memcheck slice.
 decode_tests() {
@@ -647,20 +676,10 @@ PY
     # K and V, not once this tile's last S is done. The d64 forward loses ~2 blocks a
     # tile against 16k's rate (1k 388 -> 16k 476 TFLOP/s, 8 blocks a tile at 1k); if up
     # to one of them is that wait, prediction: +3-8% at 1k, +1-3% at 4k, level at 16k.
-    if [ "${Q2_TESTS:-1}" != 0 ]; then  # (Q2_TESTS=0: not; `check 1` runs them too)
-      timeout 200 python3 -m pytest -q -p no:cacheprovider $XDIST --gpu \
-        tests/test_fwd_hopper.py -k "twoq" 2>&1 | tail -2 | tee "$OUT/fwd-q2-tests.txt"
-    fi
-    timeout 150 make memcheck MEMCHECK_K="persistent_many_tiles and twoq" \
-      MEMCHECK_FILES=tests/test_fwd_hopper.py 2>&1 | tail -2 | tee "$OUT/fwd-q2-memcheck.txt"
-    for round in 1 2; do
-      for q in 1 2; do
-        FLASHTILE_HOPPER_FWD_Q_BUFFERS=$q timeout 100 python3 -m flashtile bench \
-          --providers flashtile sdpa-cudnn --modes fwd --headdim 64 128 --seqlens 1k 4k \
-          16k --no-progress --out fwd-q2 --overwrite 2>&1 | grep "sdpa-cudnn |" \
-          | sed "s|^|$round q$q |" | tee -a "$OUT/fwd-q2.txt"
-      done
-    done
+    option_tests fwd-q2 twoq tests/test_fwd_hopper.py "persistent_many_tiles and twoq" \
+      "${Q2_TESTS:-1}"  # (Q2_TESTS=0: not; `check 1` runs them too)
+    ab fwd-q2 FLASHTILE_HOPPER_FWD_Q_BUFFERS "1 2" --providers flashtile sdpa-cudnn \
+      --modes fwd --headdim 64 128 --seqlens 1k 4k 16k
     ;;
   bwd-lpt)
     # lpt (session 29): the grid (heads, key blocks), so every head's first key block, a
@@ -701,6 +720,30 @@ PY
     timeout 300 python3 -u -m flashtile bench hf --impls flashtile sdpa --profile 10 \
       --out "$OUT/hf-gen.json" 2>&1 | grep --line-buffered -v "^\s*$" | tee "$OUT/hf-gen.txt" \
       | tail -60  # tee first: a run cut short still leaves its lines (session 30)
+    ;;
+  fwd-intra)
+    # INTRA_WG (FLASHTILE_HOPPER_FWD_INTRA_WG=1): a wait on V_{j-1}'s ready barrier (complete
+    # already) before each consumer's wait for P_{j-1} V_{j-1}, a block boundary that keeps
+    # ptxas from hoisting that wait above the softmax: in the sm_90 SASS all of a block's
+    # exp2 then run under the consumer's own P V (0-5 of 66 without). FA3's ablation (d128,
+    # H100) puts this overlap at 582 -> 661 TFLOP/s. Prediction: 16-bit forward d64 and
+    # d128 +5-14% (d256, not timed here: +2-6%), the three consumers of d64 (default from
+    # 2k full, 8k causal; a few scalars in local memory with it) 0-8%; FP8 d128, P in registers
+    # from 508-614 to 800-950, above P through shared memory (817-876), which had this
+    # overlap already. Level anywhere says the softmax was not on the critical path.
+    option_tests fwd-intra intra tests/test_fwd_hopper.py "persistent_many_tiles and intra" \
+      "${INTRA_TESTS:-1}"  # (INTRA_TESTS=0: not; `check 1` runs them too)
+    ab fwd-intra FLASHTILE_HOPPER_FWD_INTRA_WG "0 1" --providers flashtile sdpa-cudnn \
+      --modes fwd --headdim 64 128 --seqlens 1k 4k 16k --causal both
+    for p in regs smem; do
+      for intra in 0 1; do
+        FLASHTILE_HOPPER_FWD=0 FLASHTILE_HOPPER_FWD_FP8_P=$p FLASHTILE_HOPPER_FWD_INTRA_WG=$intra \
+          timeout 60 python3 -m flashtile bench --providers flashtile-hopper-fp8 --modes fwd \
+          --headdim 128 --seqlens 4k 16k --causal both --no-progress --out fwd-intra-fp8 \
+          --overwrite 2>&1 | grep -E "^\| (head_dim|128) " | sed "s|^|$p intra$intra |" \
+          | tee -a "$OUT/fwd-intra-fp8.txt"
+      done
+    done
     ;;
   hf-train)
     # Session 30: with the GQA head split the dQ conversion's launch also sums dK's and

@@ -114,6 +114,31 @@ def test_three_consumers_match_float64_reference(dtype, head_dim, block_n, stage
         fwd_hopper._SCHEDULES.clear()
 
 
+@pytest.mark.parametrize("mask", list(MASKS))
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "b{}-q{}-k{}-h{}/{}".format(*s))
+@pytest.mark.parametrize("head_dim,config", [(64, None), (96, None), (128, None),
+                                             (256, None), (64, "192,128,4,3")],
+                         ids=["d64", "d96", "d128", "d256", "d64-m192"])
+@on_hopper
+def test_intra_wg_matches_float64_reference(head_dim, config, shape, mask, schedule,
+                                            monkeypatch):
+    """FLASHTILE_HOPPER_FWD_INTRA_WG=1 (each consumer's softmax under its own previous
+    P V, the extra wait on V's ready barrier): test_matches_float64_reference's rule on
+    both grids, two consumers and three."""
+    from flashtile.ops import _launch
+
+    monkeypatch.setenv("FLASHTILE_HOPPER_FWD_INTRA_WG", "1")
+    if config is not None:
+        monkeypatch.setenv("FLASHTILE_HOPPER_FWD_CONFIG", config)
+    _launch.clear()  # plans are keyed without the tile config
+    fwd_hopper._SCHEDULES.clear()
+    try:
+        test_matches_float64_reference(torch.bfloat16, head_dim, shape, mask, schedule)
+    finally:
+        _launch.clear()
+        fwd_hopper._SCHEDULES.clear()
+
+
 @pytest.mark.parametrize("mask,seqlen", [("full", 2100), ("full", 8200), ("causal", 8200)])
 @on_hopper
 def test_long_d64_takes_three_consumers(mask, seqlen, schedule):
@@ -244,17 +269,19 @@ PERSISTENT_SHAPES = [(2, 513, 257, 4, 1, "bottom_right"), (1, 257, 777, 3, 1, "t
     (64, torch.bfloat16, None), (128, torch.bfloat16, None), (256, torch.float16, None),
     (128, torch.float8_e4m3fn, "regs"), (128, torch.float8_e4m3fn, "smem"),
     (64, torch.float16, "m192"), (64, torch.bfloat16, "twoq"), (128, torch.float16, "twoq"),
-    (64, torch.bfloat16, "m192-twoq")],
+    (64, torch.bfloat16, "m192-twoq"), (64, torch.bfloat16, "intra"),
+    (128, torch.bfloat16, "twoq-intra"), (64, torch.float16, "m192-intra")],
     ids=["d64-bf16", "d128-bf16", "d256-fp16", "d128-fp8-p-regs", "d128-fp8-p-smem",
-         "d64-fp16-m192", "d64-bf16-twoq", "d128-fp16-twoq", "d64-bf16-m192-twoq"])
+         "d64-fp16-m192", "d64-bf16-twoq", "d128-fp16-twoq", "d64-bf16-m192-twoq",
+         "d64-bf16-intra", "d128-bf16-twoq-intra", "d64-fp16-m192-intra"])
 @on_hopper
 def test_persistent_many_tiles_per_program(head_dim, dtype, p, shape, programs,
                                            monkeypatch):
     """The persistent grid with a few programs, each looping over many tiles of
     different lengths (the K/V ring, the turns and Q's buffer carried from tile to tile,
     tiles that see no key, O's store overlapping the next tile, d256 storing O through
-    Q's buffer; twoq: two Q sets, tile i's in set i % 2): the float64 reference's numbers,
-    as with one tile a program."""
+    Q's buffer; twoq: two Q sets, tile i's in set i % 2; intra: INTRA_WG's extra wait):
+    the float64 reference's numbers, as with one tile a program."""
     from flashtile.ops import _launch
 
     b, sq, sk, h, hkv, align = shape
@@ -264,11 +291,12 @@ def test_persistent_many_tiles_per_program(head_dim, dtype, p, shape, programs,
     monkeypatch.setattr(fwd_hopper, "_num_sms", lambda device: programs)
     fwd_hopper._SCHEDULES.clear()
     _launch.clear()  # plans of another program count
-    if p in ("m192", "m192-twoq"):  # three consumer warpgroups (BLOCK_M 192), 16-bit
+    if p and p.startswith("m192"):  # three consumer warpgroups (BLOCK_M 192), 16-bit
         monkeypatch.setenv("FLASHTILE_HOPPER_FWD_CONFIG", "192,128,4,3")
     monkeypatch.setenv("FLASHTILE_HOPPER_FWD_Q_BUFFERS", "2" if p and "twoq" in p else "1")
+    monkeypatch.setenv("FLASHTILE_HOPPER_FWD_INTRA_WG", "1" if p and "intra" in p else "0")
     try:
-        if p in (None, "m192", "twoq", "m192-twoq"):
+        if p not in ("regs", "smem"):
             q, k, v = _inputs(b, sq, sk, h, hkv, head_dim, dtype)
             out, lse = fwd_hopper.attn_fwd(q, k, v, **_kw(causal, diag_offset, 0.1))
             _check(out, lse, q, k, v, causal, diag_offset, 0.1)

@@ -23,7 +23,7 @@ pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1",
 
 
 def _compile(head_dim, causal, dtype=torch.bfloat16, descales=True, p_smem=False,
-             persistent=False, q_bufs=1):
+             persistent=False, q_bufs=1, intra_wg=False):
     """The kernel a launch of ``fwd_hopper.forward`` compiles for these inputs (FP8: out
     in bfloat16, descales given or not, V through its keys-contiguous copy)."""
     from triton.runtime.jit import mangle_type
@@ -45,7 +45,7 @@ def _compile(head_dim, causal, dtype=torch.bfloat16, descales=True, p_smem=False
                  HAS_K_DESCALE=has, HAS_V_DESCALE=has,
                  PV_PER_TILE=fp8 and configs.hopper_fwd_fp8_pv_per_tile(head_dim),
                  P_SMEM=p_smem, PERSISTENT=persistent, NUM_WG=cfg.block_m // rows,
-                 Q_BUFS=q_bufs)
+                 Q_BUFS=q_bufs, INTRA_WG=intra_wg)
     return compile_kernel(fwd_hopper._attn_fwd_hopper_kernel, flags,
                           num_warps=cfg.num_warps, types=types)
 
@@ -151,6 +151,61 @@ def test_two_q_sets_only_where_they_fit(monkeypatch):
         configs.hopper_fwd_q_buffers()
     assert fwd_hopper._q_buffers(2, 256, configs.HOPPER_FWD_16BIT[256]) == 1
     assert fwd_hopper._q_buffers(1, 64, configs.HOPPER_FWD_16BIT[64]) == 1
+
+
+def _exp2_under_each_pv(sass: str) -> list[int]:
+    """The exp2 (MUFU.EX2) between each wait for S_j (WARPGROUP.DEPBAR.LE gsb0, 0x1:
+    P_{j-1} V_{j-1} may still run) and the next wait for every product (0x0): the
+    softmax a consumer computes under its own previous P V."""
+    counts, n = [], None
+    for op in re.findall(r"/\*[0-9a-f]{4,}\*/\s+([^;]*);", sass):
+        if "WARPGROUP.DEPBAR.LE gsb0, 0x1" in op:
+            n = 0
+        elif "WARPGROUP.DEPBAR.LE gsb0, 0x0" in op:
+            if n is not None:
+                counts.append(n)
+            n = None
+        elif n is not None and op.startswith("MUFU.EX2"):
+            n += 1
+    return counts
+
+
+@pytest.mark.parametrize("config", [None, "192,128,4,3"], ids=["two", "three"])
+@pytest.mark.parametrize("persistent", SCHEDULES, ids=SCHEDULE_IDS)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("head_dim", sorted(configs.HOPPER_FWD_16BIT))
+def test_intra_wg_softmax_runs_under_the_previous_pv(head_dim, causal, persistent, config,
+                                                     monkeypatch):
+    """INTRA_WG (FLASHTILE_HOPPER_FWD_INTRA_WG=1): in every block of every walk, unmasked
+    and masked, all of the block's exp2 (BLOCK_N / 2 a thread for P, 2 for alpha) issue
+    after the wait for S_j and before the wait for P_{j-1} V_{j-1}, as the source orders
+    them (without it ptxas waits for the product in the row max: 0-14 of them, session
+    30). Two consumers: no local memory in the walks; three (d64 at 160 registers a
+    thread): a few scalars go to local memory in two of the three consumers' walks
+    (sm_90, session 30), the GPU A/B's to weigh."""
+    if config is not None:
+        if head_dim != 64:
+            pytest.skip("three consumers take 128 keys at d64 only")
+        monkeypatch.setenv("FLASHTILE_HOPPER_FWD_CONFIG", config)
+    block_n = configs.hopper_fwd_config(head_dim).block_n
+    sass = _sass(_compile(head_dim, causal, persistent=persistent, intra_wg=True))
+    under = _exp2_under_each_pv(sass)
+    assert len(under) >= 4 and all(n == block_n // 2 + 2 for n in under), under
+    if config is None:
+        assert not any(op.startswith(("STL", "LDL")) for body in _walks(sass)
+                       for op in body)
+
+
+def test_intra_wg_knob(monkeypatch):
+    """FLASHTILE_HOPPER_FWD_INTRA_WG: "0" (unset) or "1", else a ValueError naming it."""
+    monkeypatch.delenv("FLASHTILE_HOPPER_FWD_INTRA_WG", raising=False)
+    assert configs.hopper_fwd_intra_wg() is False
+    monkeypatch.setenv("FLASHTILE_HOPPER_FWD_INTRA_WG", "1")
+    assert configs.hopper_fwd_intra_wg() is True
+    monkeypatch.setenv("FLASHTILE_HOPPER_FWD_INTRA_WG", "yes")
+    with pytest.raises(ValueError, match=r"FLASHTILE_HOPPER_FWD_INTRA_WG must be one of "
+                       r"\('0', '1'\), got 'yes'"):
+        configs.hopper_fwd_intra_wg()
 
 
 # Three consumers' tiles (BLOCK_M 192): head_dim 64 with 128 keys a block (FA3's tile),
@@ -305,16 +360,7 @@ def _exp2_under_pv(sass: str) -> int:
     """The most exp2 (MUFU.EX2) the SASS runs between a block's wait for S_j alone
     (``DEPBAR.LE gsb0, 0x1``: P_{j-1} V_{j-1} may still run) and its wait for P V
     (``0x0``): the softmax work that overlaps the warpgroup's own P V."""
-    best, count, inside = 0, 0, False
-    for line in sass.splitlines():
-        if "WARPGROUP.DEPBAR.LE gsb0, 0x1" in line:
-            inside, count = True, 0
-        elif "WARPGROUP.DEPBAR.LE gsb0, 0x0" in line:
-            best = max(best, count) if inside else best
-            inside = False
-        elif inside and "MUFU.EX2" in line:
-            count += 1
-    return best
+    return max(_exp2_under_each_pv(sass), default=0)
 
 
 @pytest.mark.parametrize("persistent", SCHEDULES, ids=SCHEDULE_IDS)

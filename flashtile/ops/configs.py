@@ -477,6 +477,21 @@ def hopper_fwd_q_buffers() -> int:
     return int(_env_choice("FLASHTILE_HOPPER_FWD_Q_BUFFERS", HOPPER_FWD_Q_BUFFERS))
 
 
+# The Gluon forward's intra-warpgroup overlap (fwd_hopper._kv_block's INTRA_WG): "0" (the
+# default until timed) or "1". Session 30: sm_90 SASS only, all of a block's exp2 under
+# P_{j-1} V_{j-1} with it against 0-5 without (FA3's ablation, d128 on an H100: 582 ->
+# 661 TFLOP/s with this overlap); not yet run on a GPU.
+HOPPER_FWD_INTRA_WG = ("0", "1")
+
+
+def hopper_fwd_intra_wg() -> bool:
+    """FLASHTILE_HOPPER_FWD_INTRA_WG: "1" makes each consumer of the Gluon forward wait
+    for P_{j-1} V_{j-1} only after block j's softmax, in the SASS as in the source (the
+    kernel's INTRA_WG); "0" (the default) leaves ptxas's order, which waits for it
+    before the exp2. Read at each call (part of the launch plan's key)."""
+    return _env_choice("FLASHTILE_HOPPER_FWD_INTRA_WG", HOPPER_FWD_INTRA_WG) == "1"
+
+
 def hopper_fwd_config(head_dim: int, fp8: bool = False, seqlen_q: int = 0,
                       seqlen_k: int = 0, causal: bool = True) -> TileConfig:
     """HOPPER_FWD_16BIT[head_dim] (HOPPER_FWD_FP8 for FP8 inputs; HOPPER_FWD_D64_THREE

@@ -19,9 +19,12 @@ in three warp-specialised partitions:
   products (FA3's ping-pong). In block j a consumer issues S_j = Q K_j^T and
   O += P_{j-1} V_{j-1} back to back (asynchronous wgmma, P from registers) and waits
   for S_j only, to compute its softmax while P_{j-1} V_{j-1} runs (FA3's
-  intra-warpgroup overlap). ptxas (Triton 3.6) undoes that second overlap: it writes
-  P_j into the registers P_{j-1} V_{j-1} still reads and so waits for that product
-  before the softmax (sm_90 SASS; docs/benchmarks/NOTES.md section 17).
+  intra-warpgroup overlap). ptxas (Triton 3.6) undoes that second overlap: its
+  scheduler hoists the wait for P_{j-1} V_{j-1} (WARPGROUP.DEPBAR, no register
+  operands) into the row max, before the exp2 (sm_90 SASS; docs/benchmarks/NOTES.md
+  sections 17 and 40). FLASHTILE_HOPPER_FWD_INTRA_WG=1 (INTRA_WG, ``_kv_block``) puts a
+  block boundary before that wait, and all of the block's exp2 then run under the
+  product (session 30: SASS only, not yet timed).
 - warp_specialize's register requests become setmaxnreg: the producer keeps 24
   registers per thread and each consumer gets 240 (S, P and O live in registers).
 Three consumers (NUM_WG 3, FLASHTILE_HOPPER_FWD_CONFIG="192,BLOCK_N,4,STAGES", 16-bit:
@@ -313,7 +316,8 @@ def _v_operand(v_smem, stage, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr):
 def _kv_block(j, kv_base, turn_base, q, k_smem, v_smem, p_smem, k_ready, k_empty, v_ready,
               v_empty, turn, acc, p_op, alpha_o, m_i, l_i, s_init, o_init, offs_m, qk_scale,
               seqlen_k, diag_offset, WG: gl.constexpr, MASKED: gl.constexpr,
-              IS_CAUSAL: gl.constexpr, PV_PER_TILE: gl.constexpr, P_SMEM: gl.constexpr):
+              IS_CAUSAL: gl.constexpr, PV_PER_TILE: gl.constexpr, P_SMEM: gl.constexpr,
+              INTRA_WG: gl.constexpr):
     """Block j >= 1 of a consumer: S_j = Q K_j^T and P_{j-1} V_{j-1} issued in one
     turn, the softmax of S_j while P_{j-1} V_{j-1} runs, then O updated.
 
@@ -327,6 +331,14 @@ def _kv_block(j, kv_base, turn_base, q, k_smem, v_smem, p_smem, k_ready, k_empty
     (P_{j-1} V_{j-1} reads the other), instead of registers: ptxas then keeps the wait
     for P_{j-1} V_{j-1} after the softmax (sm_90 SASS), the overlap that P in registers
     loses (module docstring).
+
+    INTRA_WG: before the wait for P_{j-1} V_{j-1}, a second wait for V_{j-1}'s ready
+    barrier, which completed before that product was issued and cannot move on until
+    this warpgroup releases V_{j-1} (v_empty, after the wait): it returns at once, but
+    its try-wait loop is a block boundary that ptxas does not hoist the product's wait
+    (WARPGROUP.DEPBAR) across. Without it ptxas issues that wait in the middle of the
+    row max, before the exp2 (0-5 of a block's 66 under the product, sm_90 SASS); with
+    it all 66 run under P_{j-1} V_{j-1}: FA3's intra-warpgroup overlap.
 
     kv_base and turn_base: the K/V blocks and turns of the program's earlier tiles (0
     unless PERSISTENT), where the ring's and the turns' counts start for this tile."""
@@ -358,6 +370,8 @@ def _kv_block(j, kv_base, turn_base, q, k_smem, v_smem, p_smem, k_ready, k_empty
         p_next = p_smem.index(2 * WG + j % 2)
         p_next.store(p.to(p_op.dtype))
         fence_async_shared()  # the generic-proxy writes before wgmma reads them
+    if INTRA_WG:  # complete already: a block boundary (docstring)
+        mbarrier.wait(v_ready.index(prev), ((c - 1) // STAGES) & 1)
     if PV_PER_TILE:
         pv = warpgroup_mma_wait(0, deps=(pv,))
         mbarrier.arrive(v_empty.index(prev), count=1)
@@ -379,7 +393,7 @@ def _mma_tile(i, kv_base, turn_base, q_smem, k_smem, v_smem, o_smem, p_smem, q_r
               qk_scale, lse_row0, v_descale_off, WG: gl.constexpr, IS_CAUSAL: gl.constexpr,
               HAS_V_DESCALE: gl.constexpr, PV_PER_TILE: gl.constexpr, P_SMEM: gl.constexpr,
               PERSISTENT: gl.constexpr, O_IN_Q: gl.constexpr, O_IN_P: gl.constexpr,
-              Q_BUFS: gl.constexpr):
+              Q_BUFS: gl.constexpr, INTRA_WG: gl.constexpr):
     """Consumer warpgroup WG on rows row0 + 64 * WG + [0, 64) of the program's i-th tile,
     its K/V blocks counted in the ring from kv_base and its turns from turn_base.
 
@@ -444,12 +458,14 @@ def _mma_tile(i, kv_base, turn_base, q_smem, k_smem, v_smem, o_smem, p_smem, q_r
             acc, p_op, alpha_o, m_i, l_i = _kv_block(
                 j, kv_base, turn_base, q, k_smem, v_smem, p_smem, k_ready, k_empty, v_ready,
                 v_empty, turn, acc, p_op, alpha_o, m_i, l_i, s_init, o_init, offs_m, qk_scale,
-                seqlen_k, diag_offset, WG, False, IS_CAUSAL, PV_PER_TILE, P_SMEM)
+                seqlen_k, diag_offset, WG, False, IS_CAUSAL, PV_PER_TILE, P_SMEM,
+                INTRA_WG)
         for j in range(gl.maximum(n_full, 1), n_blocks):
             acc, p_op, alpha_o, m_i, l_i = _kv_block(
                 j, kv_base, turn_base, q, k_smem, v_smem, p_smem, k_ready, k_empty, v_ready,
                 v_empty, turn, acc, p_op, alpha_o, m_i, l_i, s_init, o_init, offs_m, qk_scale,
-                seqlen_k, diag_offset, WG, True, IS_CAUSAL, PV_PER_TILE, P_SMEM)
+                seqlen_k, diag_offset, WG, True, IS_CAUSAL, PV_PER_TILE, P_SMEM,
+                INTRA_WG)
         if EARLY_Q_RELEASE:  # every S of the tile is done: Q may take the next tile's
             mbarrier.arrive(q_empty.index(q_at), count=1)
         last_kv = kv_base + n_blocks - 1
@@ -507,7 +523,8 @@ def _mma_partition(args, WG: gl.constexpr, IS_CAUSAL: gl.constexpr,
                    HAS_Q_DESCALE: gl.constexpr, HAS_K_DESCALE: gl.constexpr,
                    HAS_V_DESCALE: gl.constexpr, PV_PER_TILE: gl.constexpr,
                    P_SMEM: gl.constexpr, PERSISTENT: gl.constexpr,
-                   O_IN_Q: gl.constexpr, O_IN_P: gl.constexpr, Q_BUFS: gl.constexpr):
+                   O_IN_Q: gl.constexpr, O_IN_P: gl.constexpr, Q_BUFS: gl.constexpr,
+                   INTRA_WG: gl.constexpr):
     """Consumer warpgroup WG: rows 64 * WG + [0, 64) of each tile of the program, in the
     producer's order (``_tile_at``)."""
     (q_smem, k_smem, v_smem, o_smem, p_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
@@ -535,7 +552,8 @@ def _mma_partition(args, WG: gl.constexpr, IS_CAUSAL: gl.constexpr,
                   off_b, off_h, row0, n_blocks, n_full, seqlen_q, seqlen_k, diag_offset,
                   scale * LOG2E, off_bh * seqlen_q,  # lse: (batch, nheads, seqlen_q)
                   off_b * stride_vdesc_b + off_hkv * stride_vdesc_h, WG, IS_CAUSAL,
-                  HAS_V_DESCALE, PV_PER_TILE, P_SMEM, PERSISTENT, O_IN_Q, O_IN_P, Q_BUFS)
+                  HAS_V_DESCALE, PV_PER_TILE, P_SMEM, PERSISTENT, O_IN_Q, O_IN_P, Q_BUFS,
+                  INTRA_WG)
         kv_base += n_blocks
         turn_base += n_blocks + (n_blocks > 0).to(gl.int32)  # the last P V's turn
     if PERSISTENT and not O_IN_Q:
@@ -551,7 +569,8 @@ def _attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, Lse, QDescale, KDesc
                             HAS_Q_DESCALE: gl.constexpr, HAS_K_DESCALE: gl.constexpr,
                             HAS_V_DESCALE: gl.constexpr, PV_PER_TILE: gl.constexpr,
                             P_SMEM: gl.constexpr, PERSISTENT: gl.constexpr,
-                            NUM_WG: gl.constexpr, Q_BUFS: gl.constexpr):
+                            NUM_WG: gl.constexpr, Q_BUFS: gl.constexpr,
+                            INTRA_WG: gl.constexpr):
     """One program a (query tile, batch-head) of the (n_tiles_m, batch * nheads) grid,
     or (PERSISTENT) a program per SM walking its row of the host's Schedule. NUM_WG
     consumer warpgroups of 64 rows each: 2, or 3 (BLOCK_M 192, where the module
@@ -642,24 +661,24 @@ def _attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, Lse, QDescale, KDesc
         gl.warp_specialize([
             (_mma_partition, (mma_args, 0, IS_CAUSAL, HAS_Q_DESCALE, HAS_K_DESCALE,
                               HAS_V_DESCALE, PV_PER_TILE, P_SMEM, PERSISTENT, O_IN_Q,
-                              O_IN_P, Q_BUFS)),
+                              O_IN_P, Q_BUFS, INTRA_WG)),
             (_load_partition, (load_args, IS_CAUSAL, PERSISTENT, Q_BUFS)),
             (_mma_partition, (mma_args, 1, IS_CAUSAL, HAS_Q_DESCALE, HAS_K_DESCALE,
                               HAS_V_DESCALE, PV_PER_TILE, P_SMEM, PERSISTENT, O_IN_Q,
-                              O_IN_P, Q_BUFS)),
+                              O_IN_P, Q_BUFS, INTRA_WG)),
             (_mma_partition, (mma_args, 2, IS_CAUSAL, HAS_Q_DESCALE, HAS_K_DESCALE,
                               HAS_V_DESCALE, PV_PER_TILE, P_SMEM, PERSISTENT, O_IN_Q,
-                              O_IN_P, Q_BUFS)),
+                              O_IN_P, Q_BUFS, INTRA_WG)),
         ], [1, 4, 4], [PRODUCER_REGS, CONSUMER_REGS_3WG, CONSUMER_REGS_3WG])
     else:
         gl.warp_specialize([
             (_mma_partition, (mma_args, 0, IS_CAUSAL, HAS_Q_DESCALE, HAS_K_DESCALE,
                               HAS_V_DESCALE, PV_PER_TILE, P_SMEM, PERSISTENT, O_IN_Q,
-                              O_IN_P, Q_BUFS)),
+                              O_IN_P, Q_BUFS, INTRA_WG)),
             (_load_partition, (load_args, IS_CAUSAL, PERSISTENT, Q_BUFS)),
             (_mma_partition, (mma_args, 1, IS_CAUSAL, HAS_Q_DESCALE, HAS_K_DESCALE,
                               HAS_V_DESCALE, PV_PER_TILE, P_SMEM, PERSISTENT, O_IN_Q,
-                              O_IN_P, Q_BUFS)),
+                              O_IN_P, Q_BUFS, INTRA_WG)),
         ], [1, 4], [PRODUCER_REGS, CONSUMER_REGS])
 
 
@@ -830,6 +849,7 @@ def forward(q, k, v, softmax_scale, diag_offset, causal, q_descale=None, k_desca
     p_smem = fp8 and configs.hopper_fwd_fp8_p_smem()
     persistent = configs.hopper_fwd_persistent(tile_d, fp8, sq)
     q_bufs = configs.hopper_fwd_q_buffers() if persistent and not fp8 else 1
+    intra_wg = configs.hopper_fwd_intra_wg()
     pv_per_tile = fp8 and configs.hopper_fwd_fp8_pv_per_tile(tile_d)
     key = None
     if _launch.ready(q):
@@ -845,7 +865,7 @@ def forward(q, k, v, softmax_scale, diag_offset, causal, q_descale=None, k_desca
             scales, fp8_key = (lse_ptr, lse_ptr, lse_ptr), None
         key = ("hopper_fwd", q.dtype, q.shape, k.shape, q.stride(), k.stride(),
                None if fp8 else v.stride(), causal, diag_offset, persistent, q_bufs,
-               fp8_key)
+               intra_wg, fp8_key)
         found = _launch.lookup(key)
         if found is not None:
             plan, schedule = found  # the plan encodes the tensor maps from the tensors
@@ -869,7 +889,7 @@ def forward(q, k, v, softmax_scale, diag_offset, causal, q_descale=None, k_desca
                  HAS_V_DESCALE=v_descale is not None,
                  PV_PER_TILE=pv_per_tile, P_SMEM=p_smem, PERSISTENT=persistent,
                  NUM_WG=cfg.block_m // BLOCK_M_WG.value,
-                 Q_BUFS=_q_buffers(q_bufs, tile_d, cfg))
+                 Q_BUFS=_q_buffers(q_bufs, tile_d, cfg), INTRA_WG=intra_wg)
     configs.log_first_launch("hopper forward", q, d, cfg, flags)
     n_tiles_m = configs.cdiv(sq, cfg.block_m)
     grid = (schedule.shape[0],) if persistent else (n_tiles_m, b * h)
