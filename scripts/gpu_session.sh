@@ -51,11 +51,12 @@
 #                GPU tests (plans against Triton's path, transformers' decode memo), then
 #                flashtile bench hf with --profile (generate at batch 1 and 16: kernels
 #                and the host time inside the attention function)          (~5 min)
-#   fwd-intra    the Gluon forward's intra-warpgroup overlap (INTRA_WG, session 30): its
-#                GPU tests and memcheck slice (INTRA_TESTS=0: not), then the forward at
-#                d64/d128, 1k-16k, full and causal, with and without, alternating twice,
-#                beside cuDNN; FP8 d128 with P in registers and in shared memory, with
-#                and without (~8 min; ~11 with the tests: after check 1, skip them)
+#   fwd-intra    the Gluon forward's softmax opt-ins (session 30: INTRA_WG, TREE_MAX):
+#                their GPU tests and memcheck slice (INTRA_TESTS=0: not), then the
+#                forward at d64/d128, 1k-16k, full and causal, under the four settings
+#                (AB_ROUNDS=1) beside cuDNN; FP8 d128 with P in registers and in shared
+#                memory, with both and without (~8 min; ~11 with the tests: after
+#                check 1, skip them)
 #   hf-train     issue 16's training step after session 30's share sums in the dQ
 #                conversion: the head split's GPU tests, then flashtile bench hf's step
 #                (5 repetitions, the kernels under the profiler)            (~4 min)
@@ -133,18 +134,18 @@ option_tests() {
   timeout 150 make memcheck MEMCHECK_K="$4" MEMCHECK_FILES="$3" 2>&1 | tail -2 \
     | tee "$OUT/$1-memcheck.txt"
 }
-# An A/B of an environment switch: `ab NAME VAR "VALUES" BENCH_ARGS...` runs `flashtile
-# bench BENCH_ARGS` under VAR=each value in turn, two rounds, each row tagged with its
-# round and value, into $OUT/NAME.txt (the rows that carry cuDNN's column); AB_SECS
-# (130) a run.
+# An A/B of environment settings: `ab NAME "SETS" BENCH_ARGS...` runs `flashtile bench
+# BENCH_ARGS` under each set in turn (a set: VAR=value[,VAR=value...]), AB_ROUNDS rounds
+# (2), each row tagged with its round and set, into $OUT/NAME.txt (the rows that carry
+# cuDNN's column); AB_SECS (130) a run.
 ab() {
-  local name=$1 var=$2 values=$3 round value
-  shift 3
-  for round in 1 2; do
-    for value in $values; do
-      env "$var=$value" timeout "${AB_SECS:-130}" python3 -m flashtile bench "$@" --no-progress \
-        --out "$name" --overwrite 2>&1 | grep "sdpa-cudnn |" \
-        | sed "s|^|$round $var=$value |" | tee -a "$OUT/$name.txt"
+  local name=$1 sets=$2 round set
+  shift 2
+  for round in $(seq "${AB_ROUNDS:-2}"); do
+    for set in $sets; do
+      env ${set//,/ } timeout "${AB_SECS:-130}" python3 -m flashtile bench "$@" \
+        --no-progress --out "$name" --overwrite 2>&1 | grep "sdpa-cudnn |" \
+        | sed "s|^|$round $set |" | tee -a "$OUT/$name.txt"
     done
   done
 }
@@ -678,7 +679,8 @@ PY
     # to one of them is that wait, prediction: +3-8% at 1k, +1-3% at 4k, level at 16k.
     option_tests fwd-q2 twoq tests/test_fwd_hopper.py "persistent_many_tiles and twoq" \
       "${Q2_TESTS:-1}"  # (Q2_TESTS=0: not; `check 1` runs them too)
-    ab fwd-q2 FLASHTILE_HOPPER_FWD_Q_BUFFERS "1 2" --providers flashtile sdpa-cudnn \
+    ab fwd-q2 "FLASHTILE_HOPPER_FWD_Q_BUFFERS=1 FLASHTILE_HOPPER_FWD_Q_BUFFERS=2" \
+      --providers flashtile sdpa-cudnn \
       --modes fwd --headdim 64 128 --seqlens 1k 4k 16k
     ;;
   bwd-lpt)
@@ -722,27 +724,32 @@ PY
       | tail -60  # tee first: a run cut short still leaves its lines (session 30)
     ;;
   fwd-intra)
-    # INTRA_WG (FLASHTILE_HOPPER_FWD_INTRA_WG=1): a wait on V_{j-1}'s ready barrier (complete
-    # already) before each consumer's wait for P_{j-1} V_{j-1}, a block boundary that keeps
-    # ptxas from hoisting that wait above the softmax: in the sm_90 SASS all of a block's
-    # exp2 then run under the consumer's own P V (0-5 of 66 without). FA3's ablation (d128,
-    # H100) puts this overlap at 582 -> 661 TFLOP/s. Prediction: 16-bit forward d64 and
-    # d128 +5-14% (d256, not timed here: +2-6%), the three consumers of d64 (default from
-    # 2k full, 8k causal; a few scalars in local memory with it) 0-8%; FP8 d128, P in registers
-    # from 508-614 to 800-950, above P through shared memory (817-876), which had this
-    # overlap already. Level anywhere says the softmax was not on the critical path.
-    option_tests fwd-intra intra tests/test_fwd_hopper.py "persistent_many_tiles and intra" \
-      "${INTRA_TESTS:-1}"  # (INTRA_TESTS=0: not; `check 1` runs them too)
-    ab fwd-intra FLASHTILE_HOPPER_FWD_INTRA_WG "0 1" --providers flashtile sdpa-cudnn \
+    # Two opt-ins of the Gluon forward's softmax (session 30, sm_90 SASS only):
+    # INTRA_WG (FLASHTILE_HOPPER_FWD_INTRA_WG=1): a wait on V_{j-1}'s ready barrier
+    # (complete already) before each consumer's wait for P_{j-1} V_{j-1}, a block
+    # boundary that keeps ptxas from hoisting that wait above the softmax: all of a
+    # block's exp2 then run under the consumer's own P V (0-5 of 66 without). FA3's
+    # ablation (d128, H100): 582 -> 661 TFLOP/s with this overlap.
+    # TREE_MAX (FLASHTILE_HOPPER_FWD_TREE_MAX=1): the row max pairwise, the dependent
+    # chain before a block's first exp2 36 -> 10 deep (~100 cycles of a ~1,200-cycle
+    # block pair, when MUFU waits on it).
+    # Prediction: d64 and d128 forward, two consumers: intra +5-14%, tree +2-6%, both
+    # +7-18%; three consumers (d64 from 2k full, 8k causal; intra puts 56-72 bytes on the
+    # stack there, tree none) intra 0-8%, tree +2-6%. FP8 d128 with P in registers, intra:
+    # 508-614 -> 800-950, above P in shared memory (817-876, which had the overlap). Level
+    # anywhere: the softmax's latency was not on the critical path.
+    option_tests fwd-intra "intra or tree" tests/test_fwd_hopper.py \
+      "persistent_many_tiles and (intra or tree)" "${INTRA_TESTS:-1}"  # (0: check 1 ran them)
+    on="FLASHTILE_HOPPER_FWD_INTRA_WG" tr="FLASHTILE_HOPPER_FWD_TREE_MAX"
+    AB_ROUNDS=${AB_ROUNDS:-1} AB_SECS=${AB_SECS:-110} ab fwd-intra \
+      "$on=0,$tr=0 $on=1,$tr=0 $on=0,$tr=1 $on=1,$tr=1" --providers flashtile sdpa-cudnn \
       --modes fwd --headdim 64 128 --seqlens 1k 4k 16k --causal both
-    for p in regs smem; do
-      for intra in 0 1; do
-        FLASHTILE_HOPPER_FWD=0 FLASHTILE_HOPPER_FWD_FP8_P=$p FLASHTILE_HOPPER_FWD_INTRA_WG=$intra \
-          timeout 60 python3 -m flashtile bench --providers flashtile-hopper-fp8 --modes fwd \
-          --headdim 128 --seqlens 4k 16k --causal both --no-progress --out fwd-intra-fp8 \
-          --overwrite 2>&1 | grep -E "^\| (head_dim|128) " | sed "s|^|$p intra$intra |" \
-          | tee -a "$OUT/fwd-intra-fp8.txt"
-      done
+    for set in "regs $on=0,$tr=0" "regs $on=1,$tr=1" "smem $on=0,$tr=0" "smem $on=1,$tr=1"; do
+      p=${set%% *} envs=${set#* }
+      env FLASHTILE_HOPPER_FWD=0 FLASHTILE_HOPPER_FWD_FP8_P=$p ${envs//,/ } timeout 60 \
+        python3 -m flashtile bench --providers flashtile-hopper-fp8 --modes fwd --headdim 128 \
+        --seqlens 4k 16k --causal both --no-progress --out fwd-intra-fp8 --overwrite 2>&1 \
+        | grep -E "^\| (head_dim|128) " | sed "s|^|$set |" | tee -a "$OUT/fwd-intra-fp8.txt"
     done
     ;;
   hf-train)

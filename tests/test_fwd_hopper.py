@@ -119,15 +119,18 @@ def test_three_consumers_match_float64_reference(dtype, head_dim, block_n, stage
 @pytest.mark.parametrize("head_dim,config", [(64, None), (96, None), (128, None),
                                              (256, None), (64, "192,128,4,3")],
                          ids=["d64", "d96", "d128", "d256", "d64-m192"])
+@pytest.mark.parametrize("opts", ["intra", "tree", "intra-tree"])
 @on_hopper
-def test_intra_wg_matches_float64_reference(head_dim, config, shape, mask, schedule,
-                                            monkeypatch):
+def test_softmax_options_match_float64_reference(opts, head_dim, config, shape, mask,
+                                                 schedule, monkeypatch):
     """FLASHTILE_HOPPER_FWD_INTRA_WG=1 (each consumer's softmax under its own previous
-    P V, the extra wait on V's ready barrier): test_matches_float64_reference's rule on
+    P V, the extra wait on V's ready barrier) and FLASHTILE_HOPPER_FWD_TREE_MAX=1 (the
+    row max pairwise), alone and together: test_matches_float64_reference's rule on
     both grids, two consumers and three."""
     from flashtile.ops import _launch
 
-    monkeypatch.setenv("FLASHTILE_HOPPER_FWD_INTRA_WG", "1")
+    monkeypatch.setenv("FLASHTILE_HOPPER_FWD_INTRA_WG", "1" if "intra" in opts else "0")
+    monkeypatch.setenv("FLASHTILE_HOPPER_FWD_TREE_MAX", "1" if "tree" in opts else "0")
     if config is not None:
         monkeypatch.setenv("FLASHTILE_HOPPER_FWD_CONFIG", config)
     _launch.clear()  # plans are keyed without the tile config
@@ -270,18 +273,21 @@ PERSISTENT_SHAPES = [(2, 513, 257, 4, 1, "bottom_right"), (1, 257, 777, 3, 1, "t
     (128, torch.float8_e4m3fn, "regs"), (128, torch.float8_e4m3fn, "smem"),
     (64, torch.float16, "m192"), (64, torch.bfloat16, "twoq"), (128, torch.float16, "twoq"),
     (64, torch.bfloat16, "m192-twoq"), (64, torch.bfloat16, "intra"),
-    (128, torch.bfloat16, "twoq-intra"), (64, torch.float16, "m192-intra")],
+    (128, torch.bfloat16, "twoq-intra-tree"), (64, torch.float16, "m192-intra-tree"),
+    (128, torch.float8_e4m3fn, "regs-intra-tree")],
     ids=["d64-bf16", "d128-bf16", "d256-fp16", "d128-fp8-p-regs", "d128-fp8-p-smem",
          "d64-fp16-m192", "d64-bf16-twoq", "d128-fp16-twoq", "d64-bf16-m192-twoq",
-         "d64-bf16-intra", "d128-bf16-twoq-intra", "d64-fp16-m192-intra"])
+         "d64-bf16-intra", "d128-bf16-twoq-intra-tree", "d64-fp16-m192-intra-tree",
+         "d128-fp8-p-regs-intra-tree"])
 @on_hopper
 def test_persistent_many_tiles_per_program(head_dim, dtype, p, shape, programs,
                                            monkeypatch):
     """The persistent grid with a few programs, each looping over many tiles of
     different lengths (the K/V ring, the turns and Q's buffer carried from tile to tile,
     tiles that see no key, O's store overlapping the next tile, d256 storing O through
-    Q's buffer; twoq: two Q sets, tile i's in set i % 2; intra: INTRA_WG's extra wait):
-    the float64 reference's numbers, as with one tile a program."""
+    Q's buffer; twoq: two Q sets, tile i's in set i % 2; intra: INTRA_WG's extra wait;
+    tree: TREE_MAX's row max): the float64 reference's numbers, as with one tile a
+    program."""
     from flashtile.ops import _launch
 
     b, sq, sk, h, hkv, align = shape
@@ -295,13 +301,14 @@ def test_persistent_many_tiles_per_program(head_dim, dtype, p, shape, programs,
         monkeypatch.setenv("FLASHTILE_HOPPER_FWD_CONFIG", "192,128,4,3")
     monkeypatch.setenv("FLASHTILE_HOPPER_FWD_Q_BUFFERS", "2" if p and "twoq" in p else "1")
     monkeypatch.setenv("FLASHTILE_HOPPER_FWD_INTRA_WG", "1" if p and "intra" in p else "0")
+    monkeypatch.setenv("FLASHTILE_HOPPER_FWD_TREE_MAX", "1" if p and "tree" in p else "0")
     try:
-        if p not in ("regs", "smem"):
+        if dtype.itemsize == 2:
             q, k, v = _inputs(b, sq, sk, h, hkv, head_dim, dtype)
             out, lse = fwd_hopper.attn_fwd(q, k, v, **_kw(causal, diag_offset, 0.1))
             _check(out, lse, q, k, v, causal, diag_offset, 0.1)
         else:
-            monkeypatch.setenv("FLASHTILE_HOPPER_FWD_FP8_P", p)
+            monkeypatch.setenv("FLASHTILE_HOPPER_FWD_FP8_P", p.split("-")[0])
             (q, k, v), scales = _fp8_inputs(b, sq, sk, h, hkv, head_dim)
             if causal and diag_offset != sk - sq:
                 pytest.skip("the FP8 bound assumes the bottom-right alignment")

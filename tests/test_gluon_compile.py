@@ -23,7 +23,7 @@ pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1",
 
 
 def _compile(head_dim, causal, dtype=torch.bfloat16, descales=True, p_smem=False,
-             persistent=False, q_bufs=1, intra_wg=False):
+             persistent=False, q_bufs=1, intra_wg=False, tree_max=False):
     """The kernel a launch of ``fwd_hopper.forward`` compiles for these inputs (FP8: out
     in bfloat16, descales given or not, V through its keys-contiguous copy)."""
     from triton.runtime.jit import mangle_type
@@ -45,7 +45,7 @@ def _compile(head_dim, causal, dtype=torch.bfloat16, descales=True, p_smem=False
                  HAS_K_DESCALE=has, HAS_V_DESCALE=has,
                  PV_PER_TILE=fp8 and configs.hopper_fwd_fp8_pv_per_tile(head_dim),
                  P_SMEM=p_smem, PERSISTENT=persistent, NUM_WG=cfg.block_m // rows,
-                 Q_BUFS=q_bufs, INTRA_WG=intra_wg)
+                 Q_BUFS=q_bufs, INTRA_WG=intra_wg, TREE_MAX=tree_max)
     return compile_kernel(fwd_hopper._attn_fwd_hopper_kernel, flags,
                           num_warps=cfg.num_warps, types=types)
 
@@ -196,16 +196,60 @@ def test_intra_wg_softmax_runs_under_the_previous_pv(head_dim, causal, persisten
                        for op in body)
 
 
-def test_intra_wg_knob(monkeypatch):
-    """FLASHTILE_HOPPER_FWD_INTRA_WG: "0" (unset) or "1", else a ValueError naming it."""
-    monkeypatch.delenv("FLASHTILE_HOPPER_FWD_INTRA_WG", raising=False)
-    assert configs.hopper_fwd_intra_wg() is False
-    monkeypatch.setenv("FLASHTILE_HOPPER_FWD_INTRA_WG", "1")
-    assert configs.hopper_fwd_intra_wg() is True
-    monkeypatch.setenv("FLASHTILE_HOPPER_FWD_INTRA_WG", "yes")
-    with pytest.raises(ValueError, match=r"FLASHTILE_HOPPER_FWD_INTRA_WG must be one of "
-                       r"\('0', '1'\), got 'yes'"):
-        configs.hopper_fwd_intra_wg()
+def _max_chain_depths(sass: str) -> list[int]:
+    """For each block of each walk: the longest chain of dependent FMNMX and SHFL.BFLY
+    (each reading the one before) between the wait for S_j and the block's first exp2:
+    the row max's latency before any exp2 can start."""
+    ins = re.findall(r"/\*[0-9a-f]{4,}\*/\s+([^;]*);", sass)
+    depths, i = [], 0
+    while i < len(ins):
+        if "WARPGROUP.DEPBAR.LE gsb0, 0x1" in ins[i]:
+            depth, best = {}, 0
+            i += 1
+            while i < len(ins) and not ins[i].startswith("MUFU.EX2"):
+                m = re.match(r"(?:FMNMX|SHFL\.BFLY)\S*\s+(?:PT, )?(R\d+), (R\d+), "
+                             r"(R\d+|0x[0-9a-f]+)", ins[i])
+                if m:
+                    d, a, b = m.groups()
+                    depth[d] = 1 + max(depth.get(a, 0), depth.get(b, 0))
+                    best = max(best, depth[d])
+                i += 1
+            depths.append(best)
+        i += 1
+    return depths
+
+
+@pytest.mark.parametrize("intra_wg", [False, True], ids=["", "intra"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("head_dim", sorted(configs.HOPPER_FWD_16BIT))
+def test_tree_max_shortens_the_row_max_chain(head_dim, causal, intra_wg):
+    """TREE_MAX (FLASHTILE_HOPPER_FWD_TREE_MAX=1): in every block the dependent
+    FMNMX/shuffle chain before the first exp2 is at most 14 deep and shorter than
+    gl.max's one chain a row (sm_90, session 30: 36 -> 9-10 at 128 keys a block, 19-20
+    -> 8-14 at d256's 64); no local memory in the walks. The persistent grid; with and
+    without INTRA_WG."""
+    kw = dict(persistent=True, intra_wg=intra_wg)
+    tree = _sass(_compile(head_dim, causal, tree_max=True, **kw))
+    chain = _max_chain_depths(_sass(_compile(head_dim, causal, **kw)))
+    depths = _max_chain_depths(tree)
+    assert len(depths) >= 4 and max(depths) <= 14 and max(depths) < min(chain), (
+        depths, chain)
+    assert not any(op.startswith(("STL", "LDL")) for body in _walks(tree) for op in body)
+
+
+@pytest.mark.parametrize("name,read", [
+    ("FLASHTILE_HOPPER_FWD_INTRA_WG", configs.hopper_fwd_intra_wg),
+    ("FLASHTILE_HOPPER_FWD_TREE_MAX", configs.hopper_fwd_tree_max)])
+def test_softmax_schedule_knobs(name, read, monkeypatch):
+    """The forward's softmax switches: "0" (unset) or "1", else a ValueError naming the
+    variable."""
+    monkeypatch.delenv(name, raising=False)
+    assert read() is False
+    monkeypatch.setenv(name, "1")
+    assert read() is True
+    monkeypatch.setenv(name, "yes")
+    with pytest.raises(ValueError, match=name + r" must be one of \('0', '1'\), got 'yes'"):
+        read()
 
 
 # Three consumers' tiles (BLOCK_M 192): head_dim 64 with 128 keys a block (FA3's tile),

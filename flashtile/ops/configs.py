@@ -492,6 +492,19 @@ def hopper_fwd_intra_wg() -> bool:
     return _env_choice("FLASHTILE_HOPPER_FWD_INTRA_WG", HOPPER_FWD_INTRA_WG) == "1"
 
 
+# The Gluon forward's row max as a tree (fwd_hopper._online_softmax's TREE_MAX): "0" (the
+# default until timed) or "1". Session 30: sm_90 SASS only, the dependent FMNMX/shuffle
+# chain before a block's first exp2 36 -> 10 deep; not yet run on a GPU.
+HOPPER_FWD_TREE_MAX = ("0", "1")
+
+
+def hopper_fwd_tree_max() -> bool:
+    """FLASHTILE_HOPPER_FWD_TREE_MAX: "1" reduces the Gluon forward's row max pairwise
+    (the kernel's TREE_MAX), "0" (the default) in gl.max's one chain a row. Read at each
+    call (part of the launch plan's key)."""
+    return _env_choice("FLASHTILE_HOPPER_FWD_TREE_MAX", HOPPER_FWD_TREE_MAX) == "1"
+
+
 def hopper_fwd_config(head_dim: int, fp8: bool = False, seqlen_q: int = 0,
                       seqlen_k: int = 0, causal: bool = True) -> TileConfig:
     """HOPPER_FWD_16BIT[head_dim] (HOPPER_FWD_FP8 for FP8 inputs; HOPPER_FWD_D64_THREE

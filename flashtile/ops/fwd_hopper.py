@@ -24,7 +24,9 @@ in three warp-specialised partitions:
   operands) into the row max, before the exp2 (sm_90 SASS; docs/benchmarks/NOTES.md
   sections 17 and 40). FLASHTILE_HOPPER_FWD_INTRA_WG=1 (INTRA_WG, ``_kv_block``) puts a
   block boundary before that wait, and all of the block's exp2 then run under the
-  product (session 30: SASS only, not yet timed).
+  product (session 30: SASS only, not yet timed). FLASHTILE_HOPPER_FWD_TREE_MAX=1
+  (TREE_MAX, ``_online_softmax``) takes the row max pairwise: 10 dependent steps before
+  the first exp2 where gl.max's chain takes 36 (likewise not yet timed).
 - warp_specialize's register requests become setmaxnreg: the producer keeps 24
   registers per thread and each consumer gets 240 (S, P and O live in registers).
 Three consumers (NUM_WG 3, FLASHTILE_HOPPER_FWD_CONFIG="192,BLOCK_N,4,STAGES", 16-bit:
@@ -263,12 +265,19 @@ def _pass_turn(turn, WG: gl.constexpr):
 
 @gluon.jit
 def _online_softmax(s, m_i, l_i, offs_m, start_n, qk_scale, seqlen_k, diag_offset,
-                    MASKED: gl.constexpr, IS_CAUSAL: gl.constexpr, IS_FP8: gl.constexpr):
+                    MASKED: gl.constexpr, IS_CAUSAL: gl.constexpr, IS_FP8: gl.constexpr,
+                    TREE_MAX: gl.constexpr):
     """One block of the online softmax in base 2: s (64, N) raw q.k products ->
     (p, alpha, m_i, l_i), m_i in scaled units. softmax_scale > 0 (the launcher's
     condition), so the row max of the raw scores scales to that of the scaled ones and
     each score costs one FFMA and one exp2, as in FA3. FP8: P in [0, 2**P_LOG2_OFFSET]
-    (see P_LOG2_OFFSET)."""
+    (see P_LOG2_OFFSET).
+
+    TREE_MAX: the row max as a tree. A thread holds 2 rows x BLOCK_N / 4 columns of S,
+    and gl.max reduces each row's in one dependent chain (FMNMX after FMNMX, the rows one
+    after the other in ptxas's schedule: 36 deep before the first exp2 at BLOCK_N 128,
+    sm_90 SASS); reducing the columns axis by axis of a (64, 2, 2, 2, BLOCK_N / 64, 8)
+    view gives pairwise levels, 10 deep. The same maximum (max is exact in any order)."""
     if MASKED:  # the ragged last block, or one crossing the causal diagonal
         # Built here, not once per tile: 32 registers a thread that the unmasked blocks
         # would otherwise keep live.
@@ -278,7 +287,15 @@ def _online_softmax(s, m_i, l_i, offs_m, start_n, qk_scale, seqlen_k, diag_offse
             keep = keep & (gl.expand_dims(offs_n, 0) <=
                            gl.expand_dims(offs_m, 1) + diag_offset)
         s = gl.where(keep, s, float("-inf"))
-    m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)                        # (64,)
+    if TREE_MAX:
+        # Columns c = 64a + 32b + 16c' + 8g + e: the first four axes in-thread (pairwise
+        # levels), the last across 4 lanes (in-thread pairs, then the shuffles).
+        s6 = gl.reshape(s, [s.shape[0], 2, 2, 2, s.shape[1] // 64, 8])
+        row_max = gl.max(gl.max(gl.max(gl.max(gl.max(s6, 4), 3), 2), 1), 1)
+        row_max = gl.convert_layout(row_max, m_i.type.layout)  # the same lanes: no move
+    else:
+        row_max = gl.max(s, 1)
+    m_new = gl.maximum(m_i, row_max * qk_scale)                             # (64,)
     # A row that has seen no key keeps m = -inf; subtract 0 then, never -inf - -inf.
     m_sub = gl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = gl.exp2(m_i - m_sub)
@@ -317,7 +334,7 @@ def _kv_block(j, kv_base, turn_base, q, k_smem, v_smem, p_smem, k_ready, k_empty
               v_empty, turn, acc, p_op, alpha_o, m_i, l_i, s_init, o_init, offs_m, qk_scale,
               seqlen_k, diag_offset, WG: gl.constexpr, MASKED: gl.constexpr,
               IS_CAUSAL: gl.constexpr, PV_PER_TILE: gl.constexpr, P_SMEM: gl.constexpr,
-              INTRA_WG: gl.constexpr):
+              INTRA_WG: gl.constexpr, TREE_MAX: gl.constexpr):
     """Block j >= 1 of a consumer: S_j = Q K_j^T and P_{j-1} V_{j-1} issued in one
     turn, the softmax of S_j while P_{j-1} V_{j-1} runs, then O updated.
 
@@ -363,7 +380,7 @@ def _kv_block(j, kv_base, turn_base, q, k_smem, v_smem, p_smem, k_ready, k_empty
     mbarrier.arrive(k_empty.index(stage), count=1)
     p, alpha, m_i, l_i = _online_softmax(s, m_i, l_i, offs_m, j * BLOCK_N, qk_scale,
                                          seqlen_k, diag_offset, MASKED, IS_CAUSAL,
-                                         p_op.dtype.is_fp8())
+                                         p_op.dtype.is_fp8(), TREE_MAX)
     alpha = gl.convert_layout(alpha, alpha_o.type.layout)
     if P_SMEM:
         # Buffer j % 2 was last read by P_{j-2} V_{j-2}, complete since block j-1.
@@ -393,7 +410,7 @@ def _mma_tile(i, kv_base, turn_base, q_smem, k_smem, v_smem, o_smem, p_smem, q_r
               qk_scale, lse_row0, v_descale_off, WG: gl.constexpr, IS_CAUSAL: gl.constexpr,
               HAS_V_DESCALE: gl.constexpr, PV_PER_TILE: gl.constexpr, P_SMEM: gl.constexpr,
               PERSISTENT: gl.constexpr, O_IN_Q: gl.constexpr, O_IN_P: gl.constexpr,
-              Q_BUFS: gl.constexpr, INTRA_WG: gl.constexpr):
+              Q_BUFS: gl.constexpr, INTRA_WG: gl.constexpr, TREE_MAX: gl.constexpr):
     """Consumer warpgroup WG on rows row0 + 64 * WG + [0, 64) of the program's i-th tile,
     its K/V blocks counted in the ring from kv_base and its turns from turn_base.
 
@@ -441,7 +458,8 @@ def _mma_tile(i, kv_base, turn_base, q_smem, k_smem, v_smem, o_smem, p_smem, q_r
         mbarrier.arrive(k_empty.index(first), count=1)
         # Masked whatever n_full says: once per tile, and no branch.
         p, alpha, m_i, l_i = _online_softmax(s, m_i, l_i, offs_m, 0, qk_scale, seqlen_k,
-                                             diag_offset, True, IS_CAUSAL, IS_FP8)
+                                             diag_offset, True, IS_CAUSAL, IS_FP8,
+                                             TREE_MAX)
         # Block 0's alpha is 0 (or NaN with NaN scores): O is 0 before it either way.
         alpha_o = gl.convert_layout(alpha, o_row_layout)
         if P_SMEM:
@@ -459,13 +477,13 @@ def _mma_tile(i, kv_base, turn_base, q_smem, k_smem, v_smem, o_smem, p_smem, q_r
                 j, kv_base, turn_base, q, k_smem, v_smem, p_smem, k_ready, k_empty, v_ready,
                 v_empty, turn, acc, p_op, alpha_o, m_i, l_i, s_init, o_init, offs_m, qk_scale,
                 seqlen_k, diag_offset, WG, False, IS_CAUSAL, PV_PER_TILE, P_SMEM,
-                INTRA_WG)
+                INTRA_WG, TREE_MAX)
         for j in range(gl.maximum(n_full, 1), n_blocks):
             acc, p_op, alpha_o, m_i, l_i = _kv_block(
                 j, kv_base, turn_base, q, k_smem, v_smem, p_smem, k_ready, k_empty, v_ready,
                 v_empty, turn, acc, p_op, alpha_o, m_i, l_i, s_init, o_init, offs_m, qk_scale,
                 seqlen_k, diag_offset, WG, True, IS_CAUSAL, PV_PER_TILE, P_SMEM,
-                INTRA_WG)
+                INTRA_WG, TREE_MAX)
         if EARLY_Q_RELEASE:  # every S of the tile is done: Q may take the next tile's
             mbarrier.arrive(q_empty.index(q_at), count=1)
         last_kv = kv_base + n_blocks - 1
@@ -524,7 +542,7 @@ def _mma_partition(args, WG: gl.constexpr, IS_CAUSAL: gl.constexpr,
                    HAS_V_DESCALE: gl.constexpr, PV_PER_TILE: gl.constexpr,
                    P_SMEM: gl.constexpr, PERSISTENT: gl.constexpr,
                    O_IN_Q: gl.constexpr, O_IN_P: gl.constexpr, Q_BUFS: gl.constexpr,
-                   INTRA_WG: gl.constexpr):
+                   INTRA_WG: gl.constexpr, TREE_MAX: gl.constexpr):
     """Consumer warpgroup WG: rows 64 * WG + [0, 64) of each tile of the program, in the
     producer's order (``_tile_at``)."""
     (q_smem, k_smem, v_smem, o_smem, p_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
@@ -553,7 +571,7 @@ def _mma_partition(args, WG: gl.constexpr, IS_CAUSAL: gl.constexpr,
                   scale * LOG2E, off_bh * seqlen_q,  # lse: (batch, nheads, seqlen_q)
                   off_b * stride_vdesc_b + off_hkv * stride_vdesc_h, WG, IS_CAUSAL,
                   HAS_V_DESCALE, PV_PER_TILE, P_SMEM, PERSISTENT, O_IN_Q, O_IN_P, Q_BUFS,
-                  INTRA_WG)
+                  INTRA_WG, TREE_MAX)
         kv_base += n_blocks
         turn_base += n_blocks + (n_blocks > 0).to(gl.int32)  # the last P V's turn
     if PERSISTENT and not O_IN_Q:
@@ -570,7 +588,7 @@ def _attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, Lse, QDescale, KDesc
                             HAS_V_DESCALE: gl.constexpr, PV_PER_TILE: gl.constexpr,
                             P_SMEM: gl.constexpr, PERSISTENT: gl.constexpr,
                             NUM_WG: gl.constexpr, Q_BUFS: gl.constexpr,
-                            INTRA_WG: gl.constexpr):
+                            INTRA_WG: gl.constexpr, TREE_MAX: gl.constexpr):
     """One program a (query tile, batch-head) of the (n_tiles_m, batch * nheads) grid,
     or (PERSISTENT) a program per SM walking its row of the host's Schedule. NUM_WG
     consumer warpgroups of 64 rows each: 2, or 3 (BLOCK_M 192, where the module
@@ -661,24 +679,24 @@ def _attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, Lse, QDescale, KDesc
         gl.warp_specialize([
             (_mma_partition, (mma_args, 0, IS_CAUSAL, HAS_Q_DESCALE, HAS_K_DESCALE,
                               HAS_V_DESCALE, PV_PER_TILE, P_SMEM, PERSISTENT, O_IN_Q,
-                              O_IN_P, Q_BUFS, INTRA_WG)),
+                              O_IN_P, Q_BUFS, INTRA_WG, TREE_MAX)),
             (_load_partition, (load_args, IS_CAUSAL, PERSISTENT, Q_BUFS)),
             (_mma_partition, (mma_args, 1, IS_CAUSAL, HAS_Q_DESCALE, HAS_K_DESCALE,
                               HAS_V_DESCALE, PV_PER_TILE, P_SMEM, PERSISTENT, O_IN_Q,
-                              O_IN_P, Q_BUFS, INTRA_WG)),
+                              O_IN_P, Q_BUFS, INTRA_WG, TREE_MAX)),
             (_mma_partition, (mma_args, 2, IS_CAUSAL, HAS_Q_DESCALE, HAS_K_DESCALE,
                               HAS_V_DESCALE, PV_PER_TILE, P_SMEM, PERSISTENT, O_IN_Q,
-                              O_IN_P, Q_BUFS, INTRA_WG)),
+                              O_IN_P, Q_BUFS, INTRA_WG, TREE_MAX)),
         ], [1, 4, 4], [PRODUCER_REGS, CONSUMER_REGS_3WG, CONSUMER_REGS_3WG])
     else:
         gl.warp_specialize([
             (_mma_partition, (mma_args, 0, IS_CAUSAL, HAS_Q_DESCALE, HAS_K_DESCALE,
                               HAS_V_DESCALE, PV_PER_TILE, P_SMEM, PERSISTENT, O_IN_Q,
-                              O_IN_P, Q_BUFS, INTRA_WG)),
+                              O_IN_P, Q_BUFS, INTRA_WG, TREE_MAX)),
             (_load_partition, (load_args, IS_CAUSAL, PERSISTENT, Q_BUFS)),
             (_mma_partition, (mma_args, 1, IS_CAUSAL, HAS_Q_DESCALE, HAS_K_DESCALE,
                               HAS_V_DESCALE, PV_PER_TILE, P_SMEM, PERSISTENT, O_IN_Q,
-                              O_IN_P, Q_BUFS, INTRA_WG)),
+                              O_IN_P, Q_BUFS, INTRA_WG, TREE_MAX)),
         ], [1, 4], [PRODUCER_REGS, CONSUMER_REGS])
 
 
@@ -850,6 +868,7 @@ def forward(q, k, v, softmax_scale, diag_offset, causal, q_descale=None, k_desca
     persistent = configs.hopper_fwd_persistent(tile_d, fp8, sq)
     q_bufs = configs.hopper_fwd_q_buffers() if persistent and not fp8 else 1
     intra_wg = configs.hopper_fwd_intra_wg()
+    tree_max = configs.hopper_fwd_tree_max()
     pv_per_tile = fp8 and configs.hopper_fwd_fp8_pv_per_tile(tile_d)
     key = None
     if _launch.ready(q):
@@ -865,7 +884,7 @@ def forward(q, k, v, softmax_scale, diag_offset, causal, q_descale=None, k_desca
             scales, fp8_key = (lse_ptr, lse_ptr, lse_ptr), None
         key = ("hopper_fwd", q.dtype, q.shape, k.shape, q.stride(), k.stride(),
                None if fp8 else v.stride(), causal, diag_offset, persistent, q_bufs,
-               intra_wg, fp8_key)
+               intra_wg, tree_max, fp8_key)
         found = _launch.lookup(key)
         if found is not None:
             plan, schedule = found  # the plan encodes the tensor maps from the tensors
@@ -889,7 +908,8 @@ def forward(q, k, v, softmax_scale, diag_offset, causal, q_descale=None, k_desca
                  HAS_V_DESCALE=v_descale is not None,
                  PV_PER_TILE=pv_per_tile, P_SMEM=p_smem, PERSISTENT=persistent,
                  NUM_WG=cfg.block_m // BLOCK_M_WG.value,
-                 Q_BUFS=_q_buffers(q_bufs, tile_d, cfg), INTRA_WG=intra_wg)
+                 Q_BUFS=_q_buffers(q_bufs, tile_d, cfg), INTRA_WG=intra_wg,
+                 TREE_MAX=tree_max)
     configs.log_first_launch("hopper forward", q, d, cfg, flags)
     n_tiles_m = configs.cdiv(sq, cfg.block_m)
     grid = (schedule.shape[0],) if persistent else (n_tiles_m, b * h)
