@@ -57,6 +57,10 @@
 #                (AB_ROUNDS=1) beside cuDNN; FP8 d128 with P in registers and in shared
 #                memory, with both and without (~8 min; ~11 with the tests: after
 #                check 1, skip them)
+#   bwd-sdp      the Gluon backward's sdp at d64 with its block boundary (session 30): its
+#                GPU tests (SDP_TESTS=0: not), then forward+backward at d64, 1k-16k,
+#                full and causal, default and +sdp, alternating twice, beside cuDNN; the
+#                training step with each                                    (~7 min)
 #   hf-train     issue 16's training step after session 30's share sums in the dQ
 #                conversion: the head split's GPU tests, then flashtile bench hf's step
 #                (5 repetitions, the kernels under the profiler)            (~4 min)
@@ -750,6 +754,23 @@ PY
         python3 -m flashtile bench --providers flashtile-hopper-fp8 --modes fwd --headdim 128 \
         --seqlens 4k 16k --causal both --no-progress --out fwd-intra-fp8 --overwrite 2>&1 \
         | grep -E "^\| (head_dim|128) " | sed "s|^|$set |" | tee -a "$OUT/fwd-intra-fp8.txt"
+    done
+    ;;
+  bwd-sdp)
+    # sdp (FLASHTILE_HOPPER_BWD_OPTS=...,sdp; d64 only): dP^T issued right behind S^T and
+    # waited for after P^T's exp2, with a re-wait on dO's ready barrier as the block
+    # boundary that keeps ptxas from hoisting that wait (sm_90: 32 of 32 exp2 under dP^T,
+    # 10-21 in session 29's sdp, which ran -1 to -2%). Prediction: forward+backward d64
+    # -1 to +4%; the training step (d64 GQA) level to -0.5 ms. Level or worse: the two
+    # free-running consumers already fill the tensor cores during each other's softmax.
+    option_tests bwd-sdp sdp tests/test_bwd_hopper.py "sdp and small" "${SDP_TESTS:-1}"
+    base=FLASHTILE_HOPPER_BWD_OPTS=lse_smem,dq_tma,ds_ring
+    ab bwd-sdp "$base $base,sdp" --providers flashtile sdpa-cudnn --modes fwd_bwd \
+      --headdim 64 --seqlens 1k 4k 16k --causal both
+    for set in "$base" "$base,sdp"; do
+      env "$set" timeout 120 python3 -m flashtile bench hf --impls flashtile sdpa --batches 1 \
+        --new 2 --reps 3 --out "$OUT/hf-sdp.json" 2>&1 | grep -i "train" \
+        | sed "s|^|$set |" | tee -a "$OUT/bwd-sdp.txt"
     done
     ;;
   hf-train)

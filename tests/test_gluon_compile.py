@@ -751,6 +751,27 @@ def _waited_loads(ops: list[str]) -> int:
 # The options of session 14 (bwd_hopper's docstring), each with the BLOCK_M it is timed
 # at and the local memory ptxas keeps (bytes, the worst of full and causal; scalars
 # stored before the walk, checked by _walk_local_stores and _WALK_STORES).
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("base", [("lse_smem", "dq_tma", "ds_ring"), ("lse_ahead",)],
+                         ids=["default", "lse_ahead"])
+def test_sdp_runs_the_exp2_under_dp(base, causal):
+    """sdp (head dim 64): every block's P^T exp2 (32 a thread; 31 with lse_ahead) between
+    the wait for S^T and the wait for dP^T (10-21 without the block boundary, session
+    30), no local memory in the walks, the same shared memory; at
+    head dim 128 kernel_flags leaves it out (the kernel the default's)."""
+    from flashtile.ops import bwd_hopper
+
+    ck = _compile_bwd(64, causal, opts=(*base, "sdp"))
+    sass = _sass(ck)
+    under = _exp2_under_each_pv(sass)
+    assert len(under) >= 2 and all(n >= 31 for n in under), under  # (lse_ahead: 31)
+    assert not any(op.startswith(("STL", "LDL")) for body in _walks(sass) for op in body)
+    assert resources(ck)["shared_bytes"] == resources(
+        _compile_bwd(64, causal, opts=base))["shared_bytes"]
+    assert bwd_hopper.kernel_flags(64, causal, frozenset({*base, "sdp"}), 64)["SDP"]
+    assert not bwd_hopper.kernel_flags(128, causal, frozenset({*base, "sdp"}), 64)["SDP"]
+
+
 _BWD_NEW_OPTS = {
     (("lse_ahead",), 64, 64): 0,
     (("lse_ahead",), 128, 64): 56,

@@ -579,7 +579,7 @@ def hopper_bwd_config(head_dim: int) -> TileConfig:
 # FLASHTILE_HOPPER_BWD_OPTS (comma-separated; "none" for none; unset: the default below)
 # for the GPU A/B; bwd_hopper's docstring says what each changes. Read when a launch plan
 # is made.
-HOPPER_BWD_OPTS = ("lse_ahead", "dq_tma", "lse_smem", "ds_ring", "lpt")
+HOPPER_BWD_OPTS = ("lse_ahead", "dq_tma", "lse_smem", "ds_ring", "lpt", "sdp")
 # lse_ahead is the default since session 15: forward + backward +6-10% at head_dim 64,
 # +1-4% at 128 on the H200 (docs/benchmarks/NOTES.md section 25); dq_tma since session
 # 17: +6-10% at 128, +1-3% at 64, transformers' d64 training step 98 -> 89 ms (section 27);
