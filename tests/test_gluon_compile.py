@@ -170,32 +170,6 @@ def _exp2_under_each_pv(sass: str) -> list[int]:
     return counts
 
 
-@pytest.mark.parametrize("config", [None, "192,128,4,3"], ids=["two", "three"])
-@pytest.mark.parametrize("persistent", SCHEDULES, ids=SCHEDULE_IDS)
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("head_dim", sorted(configs.HOPPER_FWD_16BIT))
-def test_intra_wg_softmax_runs_under_the_previous_pv(head_dim, causal, persistent, config,
-                                                     monkeypatch):
-    """INTRA_WG (FLASHTILE_HOPPER_FWD_INTRA_WG=1): in every block of every walk, unmasked
-    and masked, all of the block's exp2 (BLOCK_N / 2 a thread for P, 2 for alpha) issue
-    after the wait for S_j and before the wait for P_{j-1} V_{j-1}, as the source orders
-    them (without it ptxas waits for the product in the row max: 0-14 of them, session
-    30). Two consumers: no local memory in the walks; three (d64 at 160 registers a
-    thread): a few scalars go to local memory in two of the three consumers' walks
-    (sm_90, session 30), the GPU A/B's to weigh."""
-    if config is not None:
-        if head_dim != 64:
-            pytest.skip("three consumers take 128 keys at d64 only")
-        monkeypatch.setenv("FLASHTILE_HOPPER_FWD_CONFIG", config)
-    block_n = configs.hopper_fwd_config(head_dim).block_n
-    sass = _sass(_compile(head_dim, causal, persistent=persistent, intra_wg=True))
-    under = _exp2_under_each_pv(sass)
-    assert len(under) >= 4 and all(n == block_n // 2 + 2 for n in under), under
-    if config is None:
-        assert not any(op.startswith(("STL", "LDL")) for body in _walks(sass)
-                       for op in body)
-
-
 def _max_chain_depths(sass: str) -> list[int]:
     """For each block of each walk: the longest chain of dependent FMNMX and SHFL.BFLY
     (each reading the one before) between the wait for S_j and the block's first exp2:
@@ -219,22 +193,43 @@ def _max_chain_depths(sass: str) -> list[int]:
     return depths
 
 
-@pytest.mark.parametrize("intra_wg", [False, True], ids=["", "intra"])
+@pytest.mark.parametrize("config", [None, "192,128,4,3"], ids=["two", "three"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("head_dim", sorted(configs.HOPPER_FWD_16BIT))
-def test_tree_max_shortens_the_row_max_chain(head_dim, causal, intra_wg):
-    """TREE_MAX (FLASHTILE_HOPPER_FWD_TREE_MAX=1): in every block the dependent
-    FMNMX/shuffle chain before the first exp2 is at most 14 deep and shorter than
-    gl.max's one chain a row (sm_90, session 30: 36 -> 9-10 at 128 keys a block, 19-20
-    -> 8-14 at d256's 64); no local memory in the walks. The persistent grid; with and
-    without INTRA_WG."""
-    kw = dict(persistent=True, intra_wg=intra_wg)
-    tree = _sass(_compile(head_dim, causal, tree_max=True, **kw))
-    chain = _max_chain_depths(_sass(_compile(head_dim, causal, **kw)))
-    depths = _max_chain_depths(tree)
-    assert len(depths) >= 4 and max(depths) <= 14 and max(depths) < min(chain), (
-        depths, chain)
-    assert not any(op.startswith(("STL", "LDL")) for body in _walks(tree) for op in body)
+def test_softmax_options_in_the_sass(head_dim, causal, config, monkeypatch):
+    """INTRA_WG and TREE_MAX together (FLASHTILE_HOPPER_FWD_INTRA_WG=1,
+    FLASHTILE_HOPPER_FWD_TREE_MAX=1), the persistent grid, unmasked and masked walks:
+    every block's exp2 (BLOCK_N / 2 a thread for P, 2 for alpha) issue between the wait
+    for S_j and the wait for P_{j-1} V_{j-1} (INTRA_WG's block boundary), and the
+    dependent FMNMX/shuffle chain before the first is at most 14 deep (TREE_MAX: 9-14
+    on sm_90 in session 30). Two consumers: no local memory in the walks; three (d64 at
+    160 registers a thread): INTRA_WG puts a few scalars in local memory in two of the
+    three consumers' walks (56-72 bytes of stack), the GPU A/B's to weigh."""
+    if config is not None:
+        if head_dim != 64:
+            pytest.skip("three consumers take 128 keys at d64 only")
+        monkeypatch.setenv("FLASHTILE_HOPPER_FWD_CONFIG", config)
+    block_n = configs.hopper_fwd_config(head_dim).block_n
+    sass = _sass(_compile(head_dim, causal, persistent=True, intra_wg=True, tree_max=True))
+    under, depths = _exp2_under_each_pv(sass), _max_chain_depths(sass)
+    assert len(under) >= 4 and all(n == block_n // 2 + 2 for n in under), under
+    assert len(depths) >= 4 and max(depths) <= 14, depths
+    if config is None:
+        assert not any(op.startswith(("STL", "LDL")) for body in _walks(sass)
+                       for op in body)
+
+
+def test_each_softmax_option_does_its_own_part():
+    """At d64 (the persistent grid, full attention) each switch alone: INTRA_WG moves
+    the wait (every exp2 under P V) but leaves gl.max's chain (over 30 deep); TREE_MAX
+    shortens the chain (at most 14) but leaves ptxas's wait before the exp2 (at most a
+    few under P V: 0-5 in session 30)."""
+    intra = _sass(_compile(64, False, persistent=True, intra_wg=True))
+    assert all(n == 66 for n in _exp2_under_each_pv(intra))
+    assert min(_max_chain_depths(intra)) > 30
+    tree = _sass(_compile(64, False, persistent=True, tree_max=True))
+    assert max(_max_chain_depths(tree)) <= 14
+    assert max(_exp2_under_each_pv(tree)) <= 16
 
 
 @pytest.mark.parametrize("name,read", [
@@ -752,19 +747,18 @@ def _waited_loads(ops: list[str]) -> int:
 # at and the local memory ptxas keeps (bytes, the worst of full and causal; scalars
 # stored before the walk, checked by _walk_local_stores and _WALK_STORES).
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("base", [("lse_smem", "dq_tma", "ds_ring"), ("lse_ahead",)],
-                         ids=["default", "lse_ahead"])
-def test_sdp_runs_the_exp2_under_dp(base, causal):
-    """sdp (head dim 64): every block's P^T exp2 (32 a thread; 31 with lse_ahead) between
-    the wait for S^T and the wait for dP^T (10-21 without the block boundary, session
-    30), no local memory in the walks, the same shared memory; at
+def test_sdp_runs_the_exp2_under_dp(causal):
+    """sdp (head dim 64) on the default's options: every block's P^T exp2 (32 a thread;
+    31 with lse_ahead) between the wait for S^T and the wait for dP^T (10-21 without the
+    block boundary, session 30), no local memory in the walks, the same shared memory; at
     head dim 128 kernel_flags leaves it out (the kernel the default's)."""
     from flashtile.ops import bwd_hopper
 
+    base = ("lse_smem", "dq_tma", "ds_ring")  # the default's options
     ck = _compile_bwd(64, causal, opts=(*base, "sdp"))
     sass = _sass(ck)
     under = _exp2_under_each_pv(sass)
-    assert len(under) >= 2 and all(n >= 31 for n in under), under  # (lse_ahead: 31)
+    assert len(under) >= 2 and all(n == 32 for n in under), under
     assert not any(op.startswith(("STL", "LDL")) for body in _walks(sass) for op in body)
     assert resources(ck)["shared_bytes"] == resources(
         _compile_bwd(64, causal, opts=base))["shared_bytes"]
