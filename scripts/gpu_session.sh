@@ -139,18 +139,29 @@ option_tests() {
     | tee "$OUT/$1-memcheck.txt"
 }
 # An A/B of environment settings: `ab NAME "SETS" BENCH_ARGS...` runs `flashtile bench
-# BENCH_ARGS` under each set in turn (a set: VAR=value[,VAR=value...]), AB_ROUNDS rounds
-# (2), each row tagged with its round and set, into $OUT/NAME.txt (the rows that carry
-# cuDNN's column); AB_SECS (130) a run.
+# BENCH_ARGS` under each set in turn (a set: VAR=value[+VAR=value...]; "+", as values
+# such as FLASHTILE_HOPPER_BWD_OPTS's hold commas), AB_ROUNDS rounds (2), each row tagged
+# with its round and set, into $OUT/NAME.txt (the rows that carry cuDNN's column);
+# AB_SECS (130) a run.
 ab() {
   local name=$1 sets=$2 round set
   shift 2
   for round in $(seq "${AB_ROUNDS:-2}"); do
     for set in $sets; do
-      env ${set//,/ } timeout "${AB_SECS:-130}" python3 -m flashtile bench "$@" \
+      env ${set//+/ } timeout "${AB_SECS:-130}" python3 -m flashtile bench "$@" \
         --no-progress --out "$name" --overwrite 2>&1 | grep "sdpa-cudnn |" \
         | sed "s|^|$round $set |" | tee -a "$OUT/$name.txt"
     done
+  done
+}
+# transformers' training step (flashtile bench hf at batch 1, 3 repetitions, sdpa beside)
+# under each of ab's SETS in turn: `train_steps NAME "SETS"`, into $OUT/NAME.txt.
+train_steps() {
+  local name=$1 set
+  for set in $2; do
+    env ${set//+/ } timeout 120 python3 -m flashtile bench hf --impls flashtile sdpa \
+      --batches 1 --new 2 --reps 3 --out "$OUT/hf-$name.json" 2>&1 | grep -i "train" \
+      | sed "s|^|$set |" | tee -a "$OUT/$name.txt"
   done
 }
 # The decode/paged/merge GPU tests and their memcheck slice.
@@ -693,25 +704,12 @@ PY
     # in the last wave. Taken where every head's Q and dO fit 40 MiB (bwd_hopper.lpt_fits):
     # 4k tokens a batch here (the bench's 16k-token batches do not), and transformers'
     # 4k-token step. Prediction: causal backward +2-8%, the step -0.2 to -0.6 ms.
-    # (LPT_TESTS=0: not; `check 1` runs them too)
-    if [ "${LPT_TESTS:-1}" != 0 ]; then
-      timeout 200 python3 -m pytest -q -p no:cacheprovider $XDIST --gpu \
-        tests/test_bwd_hopper.py -k "lpt" 2>&1 | tail -2 | tee "$OUT/bwd-lpt-tests.txt"
-    fi
-    timeout 150 make memcheck MEMCHECK_K="lpt and small" \
-      MEMCHECK_FILES=tests/test_bwd_hopper.py 2>&1 | tail -2 | tee "$OUT/bwd-lpt-memcheck.txt"
-    base=lse_smem,dq_tma,ds_ring
-    for round in 1 2; do
-      for opts in $base $base,lpt; do
-        FLASHTILE_HOPPER_BWD_OPTS=$opts timeout 100 python3 -m flashtile bench --providers \
-          flashtile sdpa-cudnn --modes fwd_bwd --headdim 64 128 --causal true --tokens 4096 \
-          --seqlens 1k 4k --no-progress --out bwd-lpt --overwrite 2>&1 \
-          | grep "sdpa-cudnn |" | sed "s|^|$round $opts |" | tee -a "$OUT/bwd-lpt.txt"
-        FLASHTILE_HOPPER_BWD_OPTS=$opts timeout 120 python3 -m flashtile bench hf --impls \
-          flashtile sdpa --batches 1 --new 2 --out "$OUT/hf-lpt-$round-${opts//,/_}.json" \
-          2>&1 | grep -i "train" | sed "s|^|$round $opts |" | tee -a "$OUT/bwd-lpt.txt"
-      done
-    done
+    option_tests bwd-lpt lpt tests/test_bwd_hopper.py "lpt and small" \
+      "${LPT_TESTS:-1}"  # (LPT_TESTS=0: not; `check 1` runs them too)
+    base=FLASHTILE_HOPPER_BWD_OPTS=lse_smem,dq_tma,ds_ring
+    AB_SECS=100 ab bwd-lpt "$base $base,lpt" --providers flashtile sdpa-cudnn --modes \
+      fwd_bwd --headdim 64 128 --causal true --tokens 4096 --seqlens 1k 4k
+    train_steps bwd-lpt "$base $base,lpt $base $base,lpt"
     ;;
   hf-gen)
     # Session 29: transformers' generate ran 0.94x (batch 1) and 0.86x (batch 16) sdpa's
@@ -746,11 +744,11 @@ PY
       "persistent_many_tiles and (intra or tree)" "${INTRA_TESTS:-1}"  # (0: check 1 ran them)
     on="FLASHTILE_HOPPER_FWD_INTRA_WG" tr="FLASHTILE_HOPPER_FWD_TREE_MAX"
     AB_ROUNDS=${AB_ROUNDS:-1} AB_SECS=${AB_SECS:-110} ab fwd-intra \
-      "$on=0,$tr=0 $on=1,$tr=0 $on=0,$tr=1 $on=1,$tr=1" --providers flashtile sdpa-cudnn \
+      "$on=0+$tr=0 $on=1+$tr=0 $on=0+$tr=1 $on=1+$tr=1" --providers flashtile sdpa-cudnn \
       --modes fwd --headdim 64 128 --seqlens 1k 4k 16k --causal both
-    for set in "regs $on=0,$tr=0" "regs $on=1,$tr=1" "smem $on=0,$tr=0" "smem $on=1,$tr=1"; do
+    for set in "regs $on=0+$tr=0" "regs $on=1+$tr=1" "smem $on=0+$tr=0" "smem $on=1+$tr=1"; do
       p=${set%% *} envs=${set#* }
-      env FLASHTILE_HOPPER_FWD=0 FLASHTILE_HOPPER_FWD_FP8_P=$p ${envs//,/ } timeout 60 \
+      env FLASHTILE_HOPPER_FWD=0 FLASHTILE_HOPPER_FWD_FP8_P=$p ${envs//+/ } timeout 60 \
         python3 -m flashtile bench --providers flashtile-hopper-fp8 --modes fwd --headdim 128 \
         --seqlens 4k 16k --causal both --no-progress --out fwd-intra-fp8 --overwrite 2>&1 \
         | grep -E "^\| (head_dim|128) " | sed "s|^|$set |" | tee -a "$OUT/fwd-intra-fp8.txt"
@@ -767,11 +765,7 @@ PY
     base=FLASHTILE_HOPPER_BWD_OPTS=lse_smem,dq_tma,ds_ring
     ab bwd-sdp "$base $base,sdp" --providers flashtile sdpa-cudnn --modes fwd_bwd \
       --headdim 64 --seqlens 1k 4k 16k --causal both
-    for set in "$base" "$base,sdp"; do
-      env "$set" timeout 120 python3 -m flashtile bench hf --impls flashtile sdpa --batches 1 \
-        --new 2 --reps 3 --out "$OUT/hf-sdp.json" 2>&1 | grep -i "train" \
-        | sed "s|^|$set |" | tee -a "$OUT/bwd-sdp.txt"
-    done
+    train_steps bwd-sdp "$base $base,sdp"
     ;;
   hf-train)
     # Session 30: with the GQA head split the dQ conversion's launch also sums dK's and
