@@ -33,6 +33,19 @@ def on_hopper(test):
     return test
 
 
+@pytest.fixture
+def fresh_plans():
+    """Launch plans and persistent schedules dropped before and after the test: it
+    changes what they are keyed without (the tile config, the program count)."""
+    from flashtile.ops import _launch
+
+    _launch.clear()
+    fwd_hopper._SCHEDULES.clear()
+    yield
+    _launch.clear()
+    fwd_hopper._SCHEDULES.clear()
+
+
 @pytest.fixture(params=["tiles", "persistent"])
 def schedule(request, monkeypatch):
     """Both grids (configs.hopper_fwd_persistent), each its own plan key."""
@@ -96,22 +109,14 @@ def test_matches_float64_reference(dtype, head_dim, shape, mask, schedule):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @on_hopper
 def test_three_consumers_match_float64_reference(dtype, head_dim, block_n, stages, shape,
-                                                 mask, schedule, monkeypatch):
+                                                 mask, schedule, monkeypatch, fresh_plans):
     """BLOCK_M 192 (FLASHTILE_HOPPER_FWD_CONFIG=192,BLOCK_N,4,STAGES, the sm_90 compile
     test's tiles; the other ring depths the bench times are validated there): three
     consumer warpgroups taking turns in a cycle, query tiles of 192 rows (lengths off
     them: 1000, 257, 513, 1, 128, 4099), on both grids: test_matches_float64_reference's
     rule."""
-    from flashtile.ops import _launch
-
     monkeypatch.setenv("FLASHTILE_HOPPER_FWD_CONFIG", f"192,{block_n},4,{stages}")
-    _launch.clear()  # plans are keyed without the tile config
-    fwd_hopper._SCHEDULES.clear()
-    try:
-        test_matches_float64_reference(dtype, head_dim, shape, mask, schedule)
-    finally:
-        _launch.clear()
-        fwd_hopper._SCHEDULES.clear()
+    test_matches_float64_reference(dtype, head_dim, shape, mask, schedule)
 
 
 @pytest.mark.parametrize("mask", list(MASKS))
@@ -122,27 +127,19 @@ def test_three_consumers_match_float64_reference(dtype, head_dim, block_n, stage
 @pytest.mark.parametrize("opts", ["intra", "tree", "intra-tree"])
 @on_hopper
 def test_softmax_options_match_float64_reference(opts, head_dim, config, shape, mask,
-                                                 schedule, monkeypatch):
+                                                 schedule, monkeypatch, fresh_plans):
     """FLASHTILE_HOPPER_FWD_INTRA_WG=1 (each consumer's softmax under its own previous
     P V, the extra wait on V's ready barrier) and FLASHTILE_HOPPER_FWD_TREE_MAX=1 (the
     row max pairwise), together on every shape, head dim and consumer count, alone on
     two shapes at d64 and d128 (three consumers too): test_matches_float64_reference's
     rule on both grids."""
-    from flashtile.ops import _launch
-
     if opts != "intra-tree" and (shape not in SHAPES[:2] or head_dim not in (64, 128)):
         pytest.skip("each switch alone on two shapes at d64 and d128; together on all")
     monkeypatch.setenv("FLASHTILE_HOPPER_FWD_INTRA_WG", "1" if "intra" in opts else "0")
     monkeypatch.setenv("FLASHTILE_HOPPER_FWD_TREE_MAX", "1" if "tree" in opts else "0")
     if config is not None:
         monkeypatch.setenv("FLASHTILE_HOPPER_FWD_CONFIG", config)
-    _launch.clear()  # plans are keyed without the tile config
-    fwd_hopper._SCHEDULES.clear()
-    try:
-        test_matches_float64_reference(torch.bfloat16, head_dim, shape, mask, schedule)
-    finally:
-        _launch.clear()
-        fwd_hopper._SCHEDULES.clear()
+    test_matches_float64_reference(torch.bfloat16, head_dim, shape, mask, schedule)
 
 
 @pytest.mark.parametrize("mask,seqlen", [("full", 2100), ("full", 8200), ("causal", 8200)])
@@ -221,17 +218,11 @@ GEOMETRIES = {"full": (200, 300, False, 250), "causal_q<k": (200, 300, True, 290
 
 
 @pytest.fixture(params=["128", "192"], ids=["m128", "m192"])
-def d64_block_m(request, monkeypatch):
+def d64_block_m(request, monkeypatch, fresh_plans):
     """The d64 tile's BLOCK_M: the table's two consumers, or three (192)."""
-    from flashtile.ops import _launch
-
     if request.param == "192":
         monkeypatch.setenv("FLASHTILE_HOPPER_FWD_CONFIG", "192,128,4,3")
-    _launch.clear()
-    fwd_hopper._SCHEDULES.clear()
-    yield int(request.param)
-    _launch.clear()
-    fwd_hopper._SCHEDULES.clear()
+    return int(request.param)
 
 
 @pytest.mark.parametrize("where", ["k", "v"])
@@ -284,44 +275,36 @@ PERSISTENT_SHAPES = [(2, 513, 257, 4, 1, "bottom_right"), (1, 257, 777, 3, 1, "t
          "d128-fp8-p-regs-intra-tree"])
 @on_hopper
 def test_persistent_many_tiles_per_program(head_dim, dtype, p, shape, programs,
-                                           monkeypatch):
+                                           monkeypatch, fresh_plans):
     """The persistent grid with a few programs, each looping over many tiles of
     different lengths (the K/V ring, the turns and Q's buffer carried from tile to tile,
     tiles that see no key, O's store overlapping the next tile, d256 storing O through
     Q's buffer; twoq: two Q sets, tile i's in set i % 2; intra: INTRA_WG's extra wait;
     tree: TREE_MAX's row max): the float64 reference's numbers, as with one tile a
     program."""
-    from flashtile.ops import _launch
-
     b, sq, sk, h, hkv, align = shape
     causal = align is not None
     diag_offset = sk - sq if align == "bottom_right" else 0
     monkeypatch.setenv("FLASHTILE_HOPPER_FWD_SCHEDULE", "persistent")
     monkeypatch.setattr(fwd_hopper, "_num_sms", lambda device: programs)
-    fwd_hopper._SCHEDULES.clear()
-    _launch.clear()  # plans of another program count
     if p and p.startswith("m192"):  # three consumer warpgroups (BLOCK_M 192), 16-bit
         monkeypatch.setenv("FLASHTILE_HOPPER_FWD_CONFIG", "192,128,4,3")
     monkeypatch.setenv("FLASHTILE_HOPPER_FWD_Q_BUFFERS", "2" if p and "twoq" in p else "1")
     monkeypatch.setenv("FLASHTILE_HOPPER_FWD_INTRA_WG", "1" if p and "intra" in p else "0")
     monkeypatch.setenv("FLASHTILE_HOPPER_FWD_TREE_MAX", "1" if p and "tree" in p else "0")
-    try:
-        if dtype.itemsize == 2:
-            q, k, v = _inputs(b, sq, sk, h, hkv, head_dim, dtype)
-            out, lse = fwd_hopper.attn_fwd(q, k, v, **_kw(causal, diag_offset, 0.1))
-            _check(out, lse, q, k, v, causal, diag_offset, 0.1)
-        else:
-            monkeypatch.setenv("FLASHTILE_HOPPER_FWD_FP8_P", p.split("-")[0])
-            (q, k, v), scales = _fp8_inputs(b, sq, sk, h, hkv, head_dim)
-            if causal and diag_offset != sk - sq:
-                pytest.skip("the FP8 bound assumes the bottom-right alignment")
-            out, lse = fwd_hopper.attn_fwd(q, k, v, **_fp8_kw(causal, q, k),
-                                           q_descale=scales[0], k_descale=scales[1],
-                                           v_descale=scales[2])
-            _fp8_check(out, lse, q, k, v, scales, causal)
-    finally:
-        fwd_hopper._SCHEDULES.clear()
-        _launch.clear()
+    if dtype.itemsize == 2:
+        q, k, v = _inputs(b, sq, sk, h, hkv, head_dim, dtype)
+        out, lse = fwd_hopper.attn_fwd(q, k, v, **_kw(causal, diag_offset, 0.1))
+        _check(out, lse, q, k, v, causal, diag_offset, 0.1)
+    else:
+        monkeypatch.setenv("FLASHTILE_HOPPER_FWD_FP8_P", p.split("-")[0])
+        (q, k, v), scales = _fp8_inputs(b, sq, sk, h, hkv, head_dim)
+        if causal and diag_offset != sk - sq:
+            pytest.skip("the FP8 bound assumes the bottom-right alignment")
+        out, lse = fwd_hopper.attn_fwd(q, k, v, **_fp8_kw(causal, q, k),
+                                       q_descale=scales[0], k_descale=scales[1],
+                                       v_descale=scales[2])
+        _fp8_check(out, lse, q, k, v, scales, causal)
 
 
 @pytest.mark.parametrize("seqlen,batch", [(1024, 16), (4096, 4), (8192, 2), (16384, 1),
@@ -568,7 +551,7 @@ def test_float8_matches_float64_reference(head_dim, shape, causal, p_mode, sched
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("shape", FP8_SHAPES, ids=lambda s: "b{}-q{}-k{}-h{}/{}".format(*s))
 @on_hopper
-def test_float8_block_n_256_pv_in_wgmma(shape, causal, schedule, monkeypatch):
+def test_float8_block_n_256_pv_in_wgmma(shape, causal, schedule, monkeypatch, fresh_plans):
     """FP8 at head_dim 128 with 256 keys a block, P through shared memory, P V summed in
     the wgmma and O staged in P's buffers (FLASHTILE_HOPPER_FWD_FP8_PV=wgmma, the
     config 128,256,4,2): the float64 reference's bound, on both grids."""
@@ -579,7 +562,7 @@ def test_float8_block_n_256_pv_in_wgmma(shape, causal, schedule, monkeypatch):
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("shape", FP8_SHAPES, ids=lambda s: "b{}-q{}-k{}-h{}/{}".format(*s))
 @on_hopper
-def test_float8_three_consumers(shape, causal, stages, schedule, monkeypatch):
+def test_float8_three_consumers(shape, causal, stages, schedule, monkeypatch, fresh_plans):
     """FP8 at head_dim 128 with three consumer warpgroups (192,128,4,STAGES), P through
     shared memory and P V summed in the wgmma: the float64 reference's FP8 bound, on
     both grids."""
@@ -588,25 +571,16 @@ def test_float8_three_consumers(shape, causal, stages, schedule, monkeypatch):
 
 def _fp8_pv_in_wgmma(config, shape, causal, monkeypatch):
     """An FP8 d128 call with P in shared memory, P V summed in the wgmma and the tile
-    ``config`` (FLASHTILE_HOPPER_FWD_CONFIG) against the FP8 bound; plans and persistent
-    schedules (keyed without the tile config) cleared before and after."""
-    from flashtile.ops import _launch
-
+    ``config`` (FLASHTILE_HOPPER_FWD_CONFIG) against the FP8 bound (the caller takes
+    fresh_plans: plans and schedules are keyed without the tile config)."""
     monkeypatch.setenv("FLASHTILE_HOPPER_FWD_FP8_P", "smem")
     monkeypatch.setenv("FLASHTILE_HOPPER_FWD_FP8_PV", "wgmma")
     monkeypatch.setenv("FLASHTILE_HOPPER_FWD_CONFIG", config)
-    _launch.clear()
-    fwd_hopper._SCHEDULES.clear()
-    try:
-        b, sq, sk, h, hkv = shape
-        (q, k, v), scales = _fp8_inputs(b, sq, sk, h, hkv, 128)
-        out, lse = fwd_hopper.attn_fwd(q, k, v, **_fp8_kw(causal, q, k),
-                                       q_descale=scales[0], k_descale=scales[1],
-                                       v_descale=scales[2])
-        _fp8_check(out, lse, q, k, v, scales, causal)
-    finally:
-        _launch.clear()
-        fwd_hopper._SCHEDULES.clear()
+    b, sq, sk, h, hkv = shape
+    (q, k, v), scales = _fp8_inputs(b, sq, sk, h, hkv, 128)
+    out, lse = fwd_hopper.attn_fwd(q, k, v, **_fp8_kw(causal, q, k), q_descale=scales[0],
+                                   k_descale=scales[1], v_descale=scales[2])
+    _fp8_check(out, lse, q, k, v, scales, causal)
 
 
 @pytest.mark.parametrize("dtype,out_dtype,descales", [
