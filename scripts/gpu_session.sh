@@ -51,19 +51,12 @@
 #                GPU tests (plans against Triton's path, transformers' decode memo), then
 #                flashtile bench hf with --profile (generate at batch 1 and 16: kernels
 #                and the host time inside the attention function)          (~5 min)
-#   fwd-intra    the Gluon forward's softmax opt-ins (session 30: INTRA_WG, TREE_MAX):
-#                their GPU tests and memcheck slice (INTRA_TESTS=0: not), then the
-#                forward at d64/d128, 1k-16k, full and causal, under the four settings
-#                (AB_ROUNDS=1) beside cuDNN; FP8 d128 with P in registers and in shared
-#                memory, with both and without (~8 min; ~11 with the tests: after
-#                check 1, skip them)
-#   bwd-sdp      the Gluon backward's sdp at d64 with its block boundary (session 30): its
-#                GPU tests (SDP_TESTS=0: not), then forward+backward at d64, 1k-16k,
-#                full and causal, default and +sdp, alternating twice, beside cuDNN; the
-#                training step with each                                    (~7 min)
-#   hf-train     issue 16's training step after session 30's share sums in the dQ
-#                conversion: the head split's GPU tests, then flashtile bench hf's step
-#                (5 repetitions, the kernels under the profiler)            (~4 min)
+#   fwd-tree     the Gluon forward's tree row max (session 31: auto takes it with three
+#                consumers): its GPU tests and memcheck slice (TREE_TESTS=0: not), then
+#                the forward at d64 2k-32k and d128 4k-16k, full and causal, with it off
+#                and as auto takes it, alternating twice, beside cuDNN      (~7 min)
+#   hf-train     issue 16's training step (the head split's GPU tests, then flashtile
+#                bench hf's step: 5 repetitions, the kernels under the profiler) (~4 min)
 #   hopper       the Gluon forward's GPU tests (16-bit) and its timing     (~9 min)
 #   tp           the tensor-parallel driver's tests (2 GPUs)              (~4 min)
 #   ncu          the Gluon backward (d128; transformers' d64 GQA step), the d64 and FP8
@@ -725,55 +718,27 @@ PY
       --out "$OUT/hf-gen.json" 2>&1 | grep --line-buffered -v "^\s*$" | tee "$OUT/hf-gen.txt" \
       | tail -60  # tee first: a run cut short still leaves its lines (session 30)
     ;;
-  fwd-intra)
-    # Two opt-ins of the Gluon forward's softmax (session 30, sm_90 SASS only):
-    # INTRA_WG (FLASHTILE_HOPPER_FWD_INTRA_WG=1): a wait on V_{j-1}'s ready barrier
-    # (complete already) before each consumer's wait for P_{j-1} V_{j-1}, a block
-    # boundary that keeps ptxas from hoisting that wait above the softmax: all of a
-    # block's exp2 then run under the consumer's own P V (0-5 of 66 without). FA3's
-    # ablation (d128, H100): 582 -> 661 TFLOP/s with this overlap.
-    # TREE_MAX (FLASHTILE_HOPPER_FWD_TREE_MAX=1): the row max pairwise, the dependent
-    # chain before a block's first exp2 36 -> 10 deep (~100 cycles of a ~1,200-cycle
-    # block pair, when MUFU waits on it).
-    # Prediction: d64 and d128 forward, two consumers: intra +5-14%, tree +2-6%, both
-    # +7-18%; three consumers (d64 from 2k full, 8k causal; intra puts 56-72 bytes on the
-    # stack there, tree none) intra 0-8%, tree +2-6%. FP8 d128 with P in registers, intra:
-    # 508-614 -> 800-950, above P in shared memory (817-876, which had the overlap). Level
-    # anywhere: the softmax's latency was not on the critical path.
-    option_tests fwd-intra "intra or tree" tests/test_fwd_hopper.py \
-      "persistent_many_tiles and (intra or tree)" "${INTRA_TESTS:-1}"  # (0: check 1 ran them)
-    on="FLASHTILE_HOPPER_FWD_INTRA_WG" tr="FLASHTILE_HOPPER_FWD_TREE_MAX"
-    AB_ROUNDS=${AB_ROUNDS:-1} AB_SECS=${AB_SECS:-110} ab fwd-intra \
-      "$on=0+$tr=0 $on=1+$tr=0 $on=0+$tr=1 $on=1+$tr=1" --providers flashtile sdpa-cudnn \
-      --modes fwd --headdim 64 128 --seqlens 1k 4k 16k --causal both
-    for set in "regs $on=0+$tr=0" "regs $on=1+$tr=1" "smem $on=0+$tr=0" "smem $on=1+$tr=1"; do
-      p=${set%% *} envs=${set#* }
-      env FLASHTILE_HOPPER_FWD=0 FLASHTILE_HOPPER_FWD_FP8_P=$p ${envs//+/ } timeout 60 \
-        python3 -m flashtile bench --providers flashtile-hopper-fp8 --modes fwd --headdim 128 \
-        --seqlens 4k 16k --causal both --no-progress --out fwd-intra-fp8 --overwrite 2>&1 \
-        | grep -E "^\| (head_dim|128) " | sed "s|^|$set |" | tee -a "$OUT/fwd-intra-fp8.txt"
-    done
-    ;;
-  bwd-sdp)
-    # sdp (FLASHTILE_HOPPER_BWD_OPTS=...,sdp; d64 only): dP^T issued right behind S^T and
-    # waited for after P^T's exp2, with a re-wait on dO's ready barrier as the block
-    # boundary that keeps ptxas from hoisting that wait (sm_90: 32 of 32 exp2 under dP^T,
-    # 10-21 in session 29's sdp, which ran -1 to -2%). Prediction: forward+backward d64
-    # -1 to +4%; the training step (d64 GQA) level to -0.5 ms. Level or worse: the two
-    # free-running consumers already fill the tensor cores during each other's softmax.
-    option_tests bwd-sdp sdp tests/test_bwd_hopper.py "sdp and small" "${SDP_TESTS:-1}"
-    base=FLASHTILE_HOPPER_BWD_OPTS=lse_smem,dq_tma,ds_ring
-    ab bwd-sdp "$base $base,sdp" --providers flashtile sdpa-cudnn --modes fwd_bwd \
-      --headdim 64 --seqlens 1k 4k 16k --causal both
-    train_steps bwd-sdp "$base $base,sdp"
+  fwd-tree)
+    # TREE_MAX (fwd_hopper._online_softmax): the row max pairwise, 10 dependent steps
+    # before a block's first exp2 where gl.max's chain takes 36. Session 31 (NOTES.md
+    # section 41): the three-consumer d64 tiles +2-7%, two consumers -3-8% at d64 and
+    # level at d128, FP8 -4-7%; auto takes it for three 16-bit consumers (d64 from 2k
+    # full, 8k causal). The off-default variants' tests: test_tree_max_off_its_default
+    # and the persistent grid's tree and flat-max cases.
+    option_tests fwd-tree "tree or flat" tests/test_fwd_hopper.py \
+      "persistent_many_tiles and (tree or flat)" "${TREE_TESTS:-1}"
+    tr=FLASHTILE_HOPPER_FWD_TREE_MAX
+    ab fwd-tree "$tr=0 $tr=auto" --providers flashtile sdpa-cudnn --modes fwd \
+      --headdim 64 --seqlens 2k 8k 32k --causal both
+    AB_SECS=100 ab fwd-tree "$tr=0 $tr=auto" --providers flashtile sdpa-cudnn --modes fwd \
+      --headdim 128 --seqlens 4k 16k --causal both
     ;;
   hf-train)
-    # Session 30: with the GQA head split the dQ conversion's launch also sums dK's and
-    # dV's shares (two torch reductions a layer gone, their bytes the same). Session 29:
-    # the 4k-token step 86.2 against sdpa's 86.2 ms, our kernels 0.8 ms over cuDNN's,
-    # ~0.5 of it the small kernels. Prediction: the step -0.05 to -0.15 ms, the share sums'
-    # two reductions (~7 us each a layer) gone from the profile, the conversion ~5 us
-    # longer a layer. (HF_TRAIN_TESTS=0: not; `check 1` and `check 2` run them)
+    # Session 31, after the share sums moved into the dQ conversion's launch: the 4k-token
+    # step 91.7 against sdpa's 91.3 ms (1.00x; this host's steps ran 86-92 ms), the
+    # attention kernels 0.38 ms over cuDNN's (backward 7.68 against 7.45 ms, forward 3.03
+    # against 2.88; NOTES.md section 41). (HF_TRAIN_TESTS=0: not; `check 1` and `check 2`
+    # run the tests)
     if [ "${HF_TRAIN_TESTS:-1}" != 0 ]; then
       timeout 200 python3 -m pytest -q -p no:cacheprovider $XDIST --gpu \
         tests/test_bwd_hopper.py tests/test_bwd_paths.py -k "split or shares or gqa" 2>&1 \

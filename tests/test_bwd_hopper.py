@@ -264,8 +264,7 @@ def test_switch_sends_head_dim_256_under_1_and_auto(monkeypatch):
 # The schedule options (FLASHTILE_HOPPER_BWD_OPTS, bwd_hopper's docstring) the GPU A/B
 # times, alone and as timed together; tests/test_gluon_compile.py checks their SASS.
 OPTS = ["none", "lse_ahead", "lse_ahead,dq_tma", "lse_smem,dq_tma", "lse_smem",
-        "lse_smem,dq_tma,ds_ring", "lse_ahead,ds_ring", "lse_smem,dq_tma,ds_ring,lpt",
-        "lse_smem,dq_tma,ds_ring,sdp", "lse_ahead,sdp"]
+        "lse_smem,dq_tma,ds_ring", "lse_ahead,ds_ring", "lse_smem,dq_tma,ds_ring,lpt"]
 # 128 query rows a block at head_dim 64 (FLASHTILE_HOPPER_BWD_CONFIG; session 14's
 # tile A/B): the block's whole (128, 64) dQ tiles through the reduce-adds.
 BLOCK_M_128_CASES = [(64, "lse_ahead,dq_tma", "128,128,4,2")]
@@ -418,11 +417,11 @@ def test_options_knob(monkeypatch):
         == dict(IS_CAUSAL=True, DQ_TMA=True, LPT=False)
     flags = bwd_hopper.kernel_flags(128, True, configs.hopper_bwd_opts(), 64)
     assert flags == dict(IS_CAUSAL=True, LSE_AHEAD=False, DQ_TMA=True, LSE_SMEM=True,
-                         DS_RING=True, LPT=False, SDP=False)
+                         DS_RING=True, LPT=False)
     # ... and lse_ahead where lse_smem cannot run (seqlen_q 301: not a multiple of 4).
     flags = bwd_hopper.kernel_flags(128, True, configs.hopper_bwd_opts(), 64, 301)
     assert flags == dict(IS_CAUSAL=True, LSE_AHEAD=True, DQ_TMA=True, LSE_SMEM=False,
-                         DS_RING=True, LPT=False, SDP=False)
+                         DS_RING=True, LPT=False)
     for none in ("none", " none ,", ""):
         monkeypatch.setenv("FLASHTILE_HOPPER_BWD_OPTS", none)
         assert configs.hopper_bwd_opts() == frozenset()
@@ -432,7 +431,7 @@ def test_options_knob(monkeypatch):
     assert configs.hopper_bwd_opts() == {"ds_ring", "dq_tma"}
     flags = bwd_hopper.kernel_flags(64, False, configs.hopper_bwd_opts(), 64)
     assert flags == dict(IS_CAUSAL=False, LSE_AHEAD=False, DQ_TMA=True, LSE_SMEM=False,
-                         DS_RING=True, LPT=False, SDP=False)
+                         DS_RING=True, LPT=False)
     # lse_smem brings lse and delta with Q and dO: lse_ahead has nothing left to do.
     flags = bwd_hopper.kernel_flags(64, False, frozenset({"lse_ahead", "lse_smem"}), 64)
     assert flags["LSE_SMEM"] and not flags["LSE_AHEAD"]
@@ -445,9 +444,9 @@ def test_options_knob(monkeypatch):
     monkeypatch.setenv("FLASHTILE_HOPPER_BWD_OPTS", "lse_ahead,dq_tma")
     flags = bwd_hopper.kernel_flags(128, True, configs.hopper_bwd_opts(), 64)
     assert flags["DQ_TMA"] and flags["LSE_AHEAD"] and not flags["LSE_SMEM"]
-    # dq_split (session 28) and pipe (session 29) were removed, their A/Bs lost: now
-    # unknown options (sdp, removed in session 29, is back with a block boundary).
-    for gone in ("dq_split", "pipe"):
+    # dq_split (session 28), pipe (session 29) and sdp (session 31) were removed, their
+    # A/Bs lost: now unknown options.
+    for gone in ("dq_split", "pipe", "sdp"):
         monkeypatch.setenv("FLASHTILE_HOPPER_BWD_OPTS", f"lse_ahead,{gone}")
         with pytest.raises(ValueError, match=rf"\(unknown: \['{gone}'\]\)"):
             configs.hopper_bwd_opts()
@@ -461,7 +460,7 @@ def test_options_knob(monkeypatch):
         == dict(IS_CAUSAL=False, DQ_TMA=False, LPT=False)
     monkeypatch.setenv("FLASHTILE_HOPPER_BWD_OPTS", "ds_ring,pingpong")
     with pytest.raises(ValueError, match=r"FLASHTILE_HOPPER_BWD_OPTS must be 'none' or a "
-                       r"comma-separated subset of .*'sdp'\), got 'ds_ring,pingpong' "
+                       r"comma-separated subset of .*'lpt'\), got 'ds_ring,pingpong' "
                        r"\(unknown: \['pingpong'\]\)"):
         configs.hopper_bwd_opts()
 

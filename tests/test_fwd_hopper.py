@@ -121,22 +121,19 @@ def test_three_consumers_match_float64_reference(dtype, head_dim, block_n, stage
 
 @pytest.mark.parametrize("mask", list(MASKS))
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "b{}-q{}-k{}-h{}/{}".format(*s))
-@pytest.mark.parametrize("head_dim,config", [(64, None), (96, None), (128, None),
-                                             (256, None), (64, "192,128,4,3")],
-                         ids=["d64", "d96", "d128", "d256", "d64-m192"])
-@pytest.mark.parametrize("opts", ["intra", "tree", "intra-tree"])
+@pytest.mark.parametrize("head_dim,config,tree", [
+    (64, None, "1"), (96, None, "1"), (128, None, "1"), (256, None, "1"),
+    (64, "192,128,4,3", "0")], ids=["d64-tree", "d96-tree", "d128-tree", "d256-tree",
+                                    "d64-m192-flat-max"])
 @on_hopper
-def test_softmax_options_match_float64_reference(opts, head_dim, config, shape, mask,
-                                                 schedule, monkeypatch, fresh_plans):
-    """FLASHTILE_HOPPER_FWD_INTRA_WG=1 (each consumer's softmax under its own previous
-    P V, the extra wait on V's ready barrier) and FLASHTILE_HOPPER_FWD_TREE_MAX=1 (the
-    row max pairwise), together on every shape, head dim and consumer count, alone on
-    two shapes at d64 and d128 (three consumers too): test_matches_float64_reference's
-    rule on both grids."""
-    if opts != "intra-tree" and (shape not in SHAPES[:2] or head_dim not in (64, 128)):
-        pytest.skip("each switch alone on two shapes at d64 and d128; together on all")
-    monkeypatch.setenv("FLASHTILE_HOPPER_FWD_INTRA_WG", "1" if "intra" in opts else "0")
-    monkeypatch.setenv("FLASHTILE_HOPPER_FWD_TREE_MAX", "1" if "tree" in opts else "0")
+def test_tree_max_off_its_default_matches_float64_reference(tree, head_dim, config, shape,
+                                                            mask, schedule, monkeypatch,
+                                                            fresh_plans):
+    """FLASHTILE_HOPPER_FWD_TREE_MAX against its default (auto: the row max pairwise
+    with three consumers only): "1" with two consumers, "0" with three, on every shape
+    and head dim: test_matches_float64_reference's rule on both grids (the defaults
+    run there and in test_three_consumers_match_float64_reference)."""
+    monkeypatch.setenv("FLASHTILE_HOPPER_FWD_TREE_MAX", tree)
     if config is not None:
         monkeypatch.setenv("FLASHTILE_HOPPER_FWD_CONFIG", config)
     test_matches_float64_reference(torch.bfloat16, head_dim, shape, mask, schedule)
@@ -266,22 +263,20 @@ PERSISTENT_SHAPES = [(2, 513, 257, 4, 1, "bottom_right"), (1, 257, 777, 3, 1, "t
     (64, torch.bfloat16, None), (128, torch.bfloat16, None), (256, torch.float16, None),
     (128, torch.float8_e4m3fn, "regs"), (128, torch.float8_e4m3fn, "smem"),
     (64, torch.float16, "m192"), (64, torch.bfloat16, "twoq"), (128, torch.float16, "twoq"),
-    (64, torch.bfloat16, "m192-twoq"), (64, torch.bfloat16, "intra"),
-    (128, torch.bfloat16, "twoq-intra-tree"), (64, torch.float16, "m192-intra-tree"),
-    (128, torch.float8_e4m3fn, "regs-intra-tree")],
+    (64, torch.bfloat16, "m192-twoq"), (128, torch.bfloat16, "twoq-tree"),
+    (64, torch.float16, "m192-flat"), (128, torch.float8_e4m3fn, "regs-tree")],
     ids=["d64-bf16", "d128-bf16", "d256-fp16", "d128-fp8-p-regs", "d128-fp8-p-smem",
          "d64-fp16-m192", "d64-bf16-twoq", "d128-fp16-twoq", "d64-bf16-m192-twoq",
-         "d64-bf16-intra", "d128-bf16-twoq-intra-tree", "d64-fp16-m192-intra-tree",
-         "d128-fp8-p-regs-intra-tree"])
+         "d128-bf16-twoq-tree", "d64-fp16-m192-flat-max", "d128-fp8-p-regs-tree"])
 @on_hopper
 def test_persistent_many_tiles_per_program(head_dim, dtype, p, shape, programs,
                                            monkeypatch, fresh_plans):
     """The persistent grid with a few programs, each looping over many tiles of
     different lengths (the K/V ring, the turns and Q's buffer carried from tile to tile,
     tiles that see no key, O's store overlapping the next tile, d256 storing O through
-    Q's buffer; twoq: two Q sets, tile i's in set i % 2; intra: INTRA_WG's extra wait;
-    tree: TREE_MAX's row max): the float64 reference's numbers, as with one tile a
-    program."""
+    Q's buffer; twoq: two Q sets, tile i's in set i % 2; tree: TREE_MAX's row max where
+    its default leaves gl.max's, flat: gl.max's where three consumers take the tree):
+    the float64 reference's numbers, as with one tile a program."""
     b, sq, sk, h, hkv, align = shape
     causal = align is not None
     diag_offset = sk - sq if align == "bottom_right" else 0
@@ -290,8 +285,8 @@ def test_persistent_many_tiles_per_program(head_dim, dtype, p, shape, programs,
     if p and p.startswith("m192"):  # three consumer warpgroups (BLOCK_M 192), 16-bit
         monkeypatch.setenv("FLASHTILE_HOPPER_FWD_CONFIG", "192,128,4,3")
     monkeypatch.setenv("FLASHTILE_HOPPER_FWD_Q_BUFFERS", "2" if p and "twoq" in p else "1")
-    monkeypatch.setenv("FLASHTILE_HOPPER_FWD_INTRA_WG", "1" if p and "intra" in p else "0")
-    monkeypatch.setenv("FLASHTILE_HOPPER_FWD_TREE_MAX", "1" if p and "tree" in p else "0")
+    monkeypatch.setenv("FLASHTILE_HOPPER_FWD_TREE_MAX",
+                       "1" if p and "tree" in p else "0" if p and "flat" in p else "auto")
     if dtype.itemsize == 2:
         q, k, v = _inputs(b, sq, sk, h, hkv, head_dim, dtype)
         out, lse = fwd_hopper.attn_fwd(q, k, v, **_kw(causal, diag_offset, 0.1))

@@ -23,9 +23,10 @@ pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1",
 
 
 def _compile(head_dim, causal, dtype=torch.bfloat16, descales=True, p_smem=False,
-             persistent=False, q_bufs=1, intra_wg=False, tree_max=False):
+             persistent=False, q_bufs=1, tree_max="auto"):
     """The kernel a launch of ``fwd_hopper.forward`` compiles for these inputs (FP8: out
-    in bfloat16, descales given or not, V through its keys-contiguous copy)."""
+    in bfloat16, descales given or not, V through its keys-contiguous copy; tree_max:
+    FLASHTILE_HOPPER_FWD_TREE_MAX's value)."""
     from triton.runtime.jit import mangle_type
 
     from flashtile.ops import fwd_hopper
@@ -45,7 +46,8 @@ def _compile(head_dim, causal, dtype=torch.bfloat16, descales=True, p_smem=False
                  HAS_K_DESCALE=has, HAS_V_DESCALE=has,
                  PV_PER_TILE=fp8 and configs.hopper_fwd_fp8_pv_per_tile(head_dim),
                  P_SMEM=p_smem, PERSISTENT=persistent, NUM_WG=cfg.block_m // rows,
-                 Q_BUFS=q_bufs, INTRA_WG=intra_wg, TREE_MAX=tree_max)
+                 Q_BUFS=q_bufs,
+                 TREE_MAX=configs.hopper_fwd_tree_max(tree_max, cfg.block_m // rows, fp8))
     return compile_kernel(fwd_hopper._attn_fwd_hopper_kernel, flags,
                           num_warps=cfg.num_warps, types=types)
 
@@ -196,55 +198,42 @@ def _max_chain_depths(sass: str) -> list[int]:
 @pytest.mark.parametrize("config", [None, "192,128,4,3"], ids=["two", "three"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("head_dim", sorted(configs.HOPPER_FWD_16BIT))
-def test_softmax_options_in_the_sass(head_dim, causal, config, monkeypatch):
-    """INTRA_WG and TREE_MAX together (FLASHTILE_HOPPER_FWD_INTRA_WG=1,
-    FLASHTILE_HOPPER_FWD_TREE_MAX=1), the persistent grid, unmasked and masked walks:
-    every block's exp2 (BLOCK_N / 2 a thread for P, 2 for alpha) issue between the wait
-    for S_j and the wait for P_{j-1} V_{j-1} (INTRA_WG's block boundary), and the
-    dependent FMNMX/shuffle chain before the first is at most 14 deep (TREE_MAX: 9-14
-    on sm_90 in session 30). Two consumers: no local memory in the walks; three (d64 at
-    160 registers a thread): INTRA_WG puts a few scalars in local memory in two of the
-    three consumers' walks (56-72 bytes of stack), the GPU A/B's to weigh."""
+def test_tree_max_in_the_sass(head_dim, causal, config, monkeypatch):
+    """TREE_MAX (FLASHTILE_HOPPER_FWD_TREE_MAX=1; auto takes it with three consumers),
+    the persistent grid, unmasked and masked walks: the dependent FMNMX/shuffle chain
+    before a block's first exp2 is at most 14 deep (9-14 on sm_90 in session 30; gl.max's
+    one chain a row: over 30), with no local memory in the walks."""
     if config is not None:
         if head_dim != 64:
             pytest.skip("three consumers take 128 keys at d64 only")
         monkeypatch.setenv("FLASHTILE_HOPPER_FWD_CONFIG", config)
-    block_n = configs.hopper_fwd_config(head_dim).block_n
-    sass = _sass(_compile(head_dim, causal, persistent=True, intra_wg=True, tree_max=True))
-    under, depths = _exp2_under_each_pv(sass), _max_chain_depths(sass)
-    assert len(under) >= 4 and all(n == block_n // 2 + 2 for n in under), under
+    sass = _sass(_compile(head_dim, causal, persistent=True, tree_max="1"))
+    depths = _max_chain_depths(sass)
     assert len(depths) >= 4 and max(depths) <= 14, depths
-    if config is None:
-        assert not any(op.startswith(("STL", "LDL")) for body in _walks(sass)
-                       for op in body)
+    assert not any(op.startswith(("STL", "LDL")) for body in _walks(sass) for op in body)
+    if config is None and head_dim == 64 and not causal:  # the default's chain, beside it
+        flat = _max_chain_depths(_sass(_compile(64, False, persistent=True)))
+        assert min(flat) > 30, flat
 
 
-def test_each_softmax_option_does_its_own_part():
-    """At d64 (the persistent grid, full attention) each switch alone: INTRA_WG moves
-    the wait (every exp2 under P V) but leaves gl.max's chain (over 30 deep); TREE_MAX
-    shortens the chain (at most 14) but leaves ptxas's wait before the exp2 (at most a
-    few under P V: 0-5 in session 30)."""
-    intra = _sass(_compile(64, False, persistent=True, intra_wg=True))
-    assert all(n == 66 for n in _exp2_under_each_pv(intra))
-    assert min(_max_chain_depths(intra)) > 30
-    tree = _sass(_compile(64, False, persistent=True, tree_max=True))
-    assert max(_max_chain_depths(tree)) <= 14
-    assert max(_exp2_under_each_pv(tree)) <= 16
-
-
-@pytest.mark.parametrize("name,read", [
-    ("FLASHTILE_HOPPER_FWD_INTRA_WG", configs.hopper_fwd_intra_wg),
-    ("FLASHTILE_HOPPER_FWD_TREE_MAX", configs.hopper_fwd_tree_max)])
-def test_softmax_schedule_knobs(name, read, monkeypatch):
-    """The forward's softmax switches: "0" (unset) or "1", else a ValueError naming the
-    variable."""
+def test_tree_max_knob(monkeypatch):
+    """FLASHTILE_HOPPER_FWD_TREE_MAX: "auto" (unset), "0" or "1", else a ValueError
+    naming the variable; auto is the tree for three 16-bit consumers only."""
+    name = "FLASHTILE_HOPPER_FWD_TREE_MAX"
     monkeypatch.delenv(name, raising=False)
-    assert read() is False
-    monkeypatch.setenv(name, "1")
-    assert read() is True
+    choice = configs.hopper_fwd_tree_max_choice()
+    assert choice == "auto"
+    assert [configs.hopper_fwd_tree_max(choice, n, fp8) for n, fp8 in
+            [(2, False), (3, False), (2, True), (3, True)]] == [False, True, False, False]
+    for value, taken in (("0", False), ("1", True)):
+        monkeypatch.setenv(name, value)
+        choice = configs.hopper_fwd_tree_max_choice()
+        assert all(configs.hopper_fwd_tree_max(choice, n, fp8) is taken
+                   for n in (2, 3) for fp8 in (False, True))
     monkeypatch.setenv(name, "yes")
-    with pytest.raises(ValueError, match=name + r" must be one of \('0', '1'\), got 'yes'"):
-        read()
+    with pytest.raises(ValueError, match=name + r" must be one of \('auto', '0', '1'\), "
+                                              r"got 'yes'"):
+        configs.hopper_fwd_tree_max_choice()
 
 
 # Three consumers' tiles (BLOCK_M 192): head_dim 64 with 128 keys a block (FA3's tile),
@@ -746,26 +735,6 @@ def _waited_loads(ops: list[str]) -> int:
 # The options of session 14 (bwd_hopper's docstring), each with the BLOCK_M it is timed
 # at and the local memory ptxas keeps (bytes, the worst of full and causal; scalars
 # stored before the walk, checked by _walk_local_stores and _WALK_STORES).
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_sdp_runs_the_exp2_under_dp(causal):
-    """sdp (head dim 64) on the default's options: every block's P^T exp2 (32 a thread;
-    31 with lse_ahead) between the wait for S^T and the wait for dP^T (10-21 without the
-    block boundary, session 30), no local memory in the walks, the same shared memory; at
-    head dim 128 kernel_flags leaves it out (the kernel the default's)."""
-    from flashtile.ops import bwd_hopper
-
-    base = ("lse_smem", "dq_tma", "ds_ring")  # the default's options
-    ck = _compile_bwd(64, causal, opts=(*base, "sdp"))
-    sass = _sass(ck)
-    under = _exp2_under_each_pv(sass)
-    assert len(under) >= 2 and all(n == 32 for n in under), under
-    assert not any(op.startswith(("STL", "LDL")) for body in _walks(sass) for op in body)
-    assert resources(ck)["shared_bytes"] == resources(
-        _compile_bwd(64, causal, opts=base))["shared_bytes"]
-    assert bwd_hopper.kernel_flags(64, causal, frozenset({*base, "sdp"}), 64)["SDP"]
-    assert not bwd_hopper.kernel_flags(128, causal, frozenset({*base, "sdp"}), 64)["SDP"]
-
-
 _BWD_NEW_OPTS = {
     (("lse_ahead",), 64, 64): 0,
     (("lse_ahead",), 128, 64): 56,

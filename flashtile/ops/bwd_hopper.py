@@ -135,18 +135,13 @@ session 28) for the GPU A/B, all compile-checked on the CPU:
   the grid's y (65535: ``lpt_fits``). Prediction: causal
   backward +2-8% at 1k-4k, level at 16k (dropped there by the L2 rule). Session 30
   (section 40): one noisy round at 4k, below the default's warm run; not shown to win.
-- sdp (SDP; head dim 64 only), FA3's order: dP^T issued right behind S^T, the consumer
-  waiting for S^T alone (wgmma wait 1) and computing P^T while dP^T runs. Without more,
-  ptxas hoists dP^T's wait (no register operands) into P^T's exp2: 10-21 of a thread's
-  32 ran under dP^T, and that sdp ran 0-3% slower than none (sessions 12 and 29,
-  sections 22 and 39; removed in session 29). Re-added in session 30 with a second wait
-  on dO's ready barrier before dP^T's wait: complete already, and it cannot move on
-  before this consumer's qdo_empty arrival, so it returns at once, but its try-wait
-  loop is a block boundary ptxas does not hoist the wait across (as the forward's
-  INTRA_WG): all 32 under dP^T, no local memory. At d128 the same walks' local memory
-  grows (91 -> 138 operations full, 127 -> 320 causal), so it is not taken there. Not
-  yet timed.
 Tried and removed (H200, the sections of docs/benchmarks/NOTES.md):
+- sdp (head dim 64), FA3's order: dP^T issued right behind S^T, the consumer waiting
+  for S^T alone and computing P^T while dP^T runs. ptxas hoists dP^T's wait (no register
+  operands) into P^T's exp2 (10-21 of a thread's 32 under dP^T); a second wait on dO's
+  completed ready barrier before it, a block boundary, put all 32 under dP^T. Both ran
+  0-4% slower than none at d64, the training step level (sessions 12, 29 and 31,
+  sections 22, 39 and 41): the other consumer's products already fill the tensor cores.
 - pipe, software pipelining across query blocks: block it issued S^T and dP^T, then
   block it - 1's dV and dK from the operands it had left in registers (block 0 with zero
   operands against its own stage, the walk's end the last block's), so three products
@@ -176,7 +171,7 @@ Tried and removed (H200, the sections of docs/benchmarks/NOTES.md):
   section 25).
 Not FA3's: no ping-pong between the two consumers, no bulk dQ reduce but with dq_tma; the
 softmax runs under dP^T only with lse_ahead, and not in every consumer (ptxas
-schedules it), or wholly with sdp at d64.
+schedules it).
 
 Rows past seqlen_q and keys past seqlen_k are zero-filled by TMA; keys past seqlen_k are
 masked (a zero key still scores 0, and exp2(0 - lse) can overflow where lse is very
@@ -442,7 +437,7 @@ def _dq_partial(ds_all, k_all, dq_init, p_dq, row0, seqlen_q, ds_empty, dq_smem,
 @gluon.jit
 def _mma_partition(args, dq_smem, WG: gl.constexpr, IS_CAUSAL: gl.constexpr,
                    LSE_AHEAD: gl.constexpr, DQ_TMA: gl.constexpr, LSE_SMEM: gl.constexpr,
-                   DS_RING: gl.constexpr, SDP: gl.constexpr):
+                   DS_RING: gl.constexpr):
     """Consumer warpgroup WG: keys key0 + 64 * WG + [0, 64) against every query block.
     ds_smem: one dS^T buffer (128 keys, BLOCK_M), two with DS_RING (then ds_full and
     ds_empty are two barriers, one a buffer).
@@ -514,17 +509,13 @@ def _mma_partition(args, dq_smem, WG: gl.constexpr, IS_CAUSAL: gl.constexpr,
         mbarrier.wait(q_ready.index(stage), phase)
         s_t = warpgroup_mma(k, q.permute((1, 0)), s_init, use_acc=False,
                             is_async=True)                                   # (64, M)
-        if SDP:  # dP^T right behind S^T: it runs under P^T's exp2
-            mbarrier.wait(do_ready.index(stage), phase)
-            dp_t = warpgroup_mma(v, b_do.permute((1, 0)), s_init, use_acc=False,
-                                 is_async=True)                              # (64, M)
         if LSE_SMEM:
             # The block's lse landed with Q: read while S^T runs, each thread its own
             # columns (no layout conversion, so no barrier); rows past seqlen_q +inf.
             lse_row = lse_smem.index(stage).reshape([BLOCK_M])
             lse2 = gl.where(o_m < seqlen_q, _base2(lse_row.load(
                 gl.SliceLayout(0, s_layout))), float("inf"))
-        s_t = warpgroup_mma_wait(1 if SDP else 0, deps=(s_t,))
+        s_t = warpgroup_mma_wait(0, deps=(s_t,))
         # This warpgroup's keys need a mask only where they cross seqlen_k or, with
         # causal, where the block's first row does not see its last key: the other
         # blocks branch over it (session 28: forward + backward causal +4-6% at d64
@@ -537,17 +528,13 @@ def _mma_partition(args, dq_smem, WG: gl.constexpr, IS_CAUSAL: gl.constexpr,
         p_t = _p_t(s_t, o_n, o_m, seqlen_k, diag_offset, qk_scale, lse2, IS_CAUSAL,
                    masked)                                                   # (64, M)
 
-        if not SDP:
-            mbarrier.wait(do_ready.index(stage), phase)
-            dp_t = warpgroup_mma(v, b_do.permute((1, 0)), s_init, use_acc=False,
-                                 is_async=True)                              # (64, M)
+        mbarrier.wait(do_ready.index(stage), phase)
+        dp_t = warpgroup_mma(v, b_do.permute((1, 0)), s_init, use_acc=False,
+                             is_async=True)                                  # (64, M)
         if LSE_SMEM:  # delta landed with dO: read while dP^T runs; rows past seqlen_q 0
             delta_row = delta_smem.index(stage).reshape([BLOCK_M])
             delta = gl.where(o_m < seqlen_q, delta_row.load(gl.SliceLayout(0, s_layout)),
                              0.0)
-        if SDP:  # complete already, and stays so until qdo_empty: a block boundary that
-            # keeps ptxas from hoisting dP^T's wait above P^T's exp2 (module docstring)
-            mbarrier.wait(do_ready.index(stage), phase)
         dp_t = warpgroup_mma_wait(0, deps=(dp_t,))
         # dV's product is issued after dP^T completes, not beside it: its P^T operand
         # and accumulators held in flight through dS spilled 104-128 bytes at head_dim
@@ -648,14 +635,14 @@ def _attn_bwd_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, L
                             dq_rows, diag_offset, softmax_scale, IS_CAUSAL: gl.constexpr,
                             STAGES: gl.constexpr, LSE_AHEAD: gl.constexpr,
                             DQ_TMA: gl.constexpr, LSE_SMEM: gl.constexpr,
-                            DS_RING: gl.constexpr, LPT: gl.constexpr, SDP: gl.constexpr):
+                            DS_RING: gl.constexpr, LPT: gl.constexpr):
     """dK, dV of 128 keys of one (batch, KV head), dQ added into DQAccum: fp32 (batch,
     nheads, seqlen_q, head_dim), zeroed by the preprocess (DQ_TMA: its tensor map,
     ``_dq_descriptor``). head_split > 1 (GQA): the
     group's query heads are dealt to head_split programs, each storing its share of dK
     and dV into head off_hkv * head_split + its index of dk_desc/dv_desc (the dQ conversion's
     launch sums the shares). dq_rows: seqlen_q, unused here (bwd_hopper256's kernel, which
-    reads it, takes the same arguments). LSE_AHEAD, DQ_TMA, LSE_SMEM, DS_RING, LPT, SDP:
+    reads it, takes the same arguments). LSE_AHEAD, DQ_TMA, LSE_SMEM, DS_RING, LPT:
     the schedule options of the module docstring."""
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[1]
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
@@ -730,10 +717,10 @@ def _attn_bwd_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, L
                  Lse, Delta, lse_smem, delta_smem, seqlen_q, nheads)
     gl.warp_specialize([
         (_mma_partition, (mma_args, dq_smem, 0, IS_CAUSAL, LSE_AHEAD, DQ_TMA, LSE_SMEM,
-                          DS_RING, SDP)),
+                          DS_RING)),
         (_load_partition, (load_args, LSE_SMEM)),
         (_mma_partition, (mma_args, dq_smem, 1, IS_CAUSAL, LSE_AHEAD, DQ_TMA, LSE_SMEM,
-                          DS_RING, SDP)),
+                          DS_RING)),
     ], [1, 4], [PRODUCER_REGS, CONSUMER_REGS])
 
 
@@ -828,8 +815,7 @@ def kernel_flags(head_dim: int, causal: bool, opts: frozenset[str], block_m: int
     dimension, never tried on the GPU). bwd_hopper256's kernel (head_dim 256) takes
     dq_tma and lpt alone (its docstring): the other options change a schedule it does
     not have, and the default's lse_ahead is passed over there. lpt applies to causal
-    attention only (and ``backward`` drops it where ``lpt_fits`` says no); sdp to head
-    dim 64 only (at 128 its walks keep more in local memory: the module docstring)."""
+    attention only (and ``backward`` drops it where ``lpt_fits`` says no)."""
     lpt = "lpt" in opts and causal  # (full attention: every walk is as long)
     if head_dim == 256:
         return dict(IS_CAUSAL=causal, DQ_TMA="dq_tma" in opts, LPT=lpt)
@@ -840,7 +826,7 @@ def kernel_flags(head_dim: int, causal: bool, opts: frozenset[str], block_m: int
     lse_smem = "lse_smem" in opts
     return dict(IS_CAUSAL=causal, LSE_AHEAD="lse_ahead" in opts and not lse_smem,
                 DQ_TMA="dq_tma" in opts, LSE_SMEM=lse_smem, DS_RING="ds_ring" in opts,
-                LPT=lpt, SDP="sdp" in opts and head_dim == 64)
+                LPT=lpt)
 
 
 def smem_bytes(head_dim: int, block_m: int, stages: int, flags: dict) -> int:

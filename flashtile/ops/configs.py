@@ -477,32 +477,26 @@ def hopper_fwd_q_buffers() -> int:
     return int(_env_choice("FLASHTILE_HOPPER_FWD_Q_BUFFERS", HOPPER_FWD_Q_BUFFERS))
 
 
-# The Gluon forward's intra-warpgroup overlap (fwd_hopper._kv_block's INTRA_WG): "0" (the
-# default until timed) or "1". Session 30: sm_90 SASS only, all of a block's exp2 under
-# P_{j-1} V_{j-1} with it against 0-5 without (FA3's ablation, d128 on an H100: 582 ->
-# 661 TFLOP/s with this overlap); not yet run on a GPU.
-HOPPER_FWD_INTRA_WG = ("0", "1")
+# The Gluon forward's row max as a tree (fwd_hopper._online_softmax's TREE_MAX): "auto"
+# (three consumer warpgroups of 16-bit inputs), "0" or "1". Session 31 on the H200
+# (NOTES.md section 41, two rounds beside cuDNN): the three-consumer d64 tiles ran 2-7%
+# faster with it (2k-32k full, 8k-32k causal), two consumers 3-8% slower at d64 and
+# level at d128, FP8 (three consumers, P in shared memory) 4-7% slower.
+HOPPER_FWD_TREE_MAX = ("auto", "0", "1")
 
 
-def hopper_fwd_intra_wg() -> bool:
-    """FLASHTILE_HOPPER_FWD_INTRA_WG: "1" makes each consumer of the Gluon forward wait
-    for P_{j-1} V_{j-1} only after block j's softmax, in the SASS as in the source (the
-    kernel's INTRA_WG); "0" (the default) leaves ptxas's order, which waits for it
-    before the exp2. Read at each call (part of the launch plan's key)."""
-    return _env_choice("FLASHTILE_HOPPER_FWD_INTRA_WG", HOPPER_FWD_INTRA_WG) == "1"
+def hopper_fwd_tree_max_choice() -> str:
+    """FLASHTILE_HOPPER_FWD_TREE_MAX, read at each call (part of the launch plan's key;
+    ``hopper_fwd_tree_max`` turns it into the kernel's switch)."""
+    return _env_choice("FLASHTILE_HOPPER_FWD_TREE_MAX", HOPPER_FWD_TREE_MAX)
 
 
-# The Gluon forward's row max as a tree (fwd_hopper._online_softmax's TREE_MAX): "0" (the
-# default until timed) or "1". Session 30: sm_90 SASS only, the dependent FMNMX/shuffle
-# chain before a block's first exp2 36 -> 10 deep; not yet run on a GPU.
-HOPPER_FWD_TREE_MAX = ("0", "1")
-
-
-def hopper_fwd_tree_max() -> bool:
-    """FLASHTILE_HOPPER_FWD_TREE_MAX: "1" reduces the Gluon forward's row max pairwise
-    (the kernel's TREE_MAX), "0" (the default) in gl.max's one chain a row. Read at each
-    call (part of the launch plan's key)."""
-    return _env_choice("FLASHTILE_HOPPER_FWD_TREE_MAX", HOPPER_FWD_TREE_MAX) == "1"
+def hopper_fwd_tree_max(choice: str, num_wg: int, fp8: bool) -> bool:
+    """Whether the Gluon forward reduces its row max pairwise (the kernel's TREE_MAX) for
+    ``choice`` (``hopper_fwd_tree_max_choice``) at ``num_wg`` consumer warpgroups:
+    "auto" where three 16-bit consumers share the tensor cores (see
+    HOPPER_FWD_TREE_MAX)."""
+    return choice == "1" or (choice == "auto" and num_wg == 3 and not fp8)
 
 
 def hopper_fwd_config(head_dim: int, fp8: bool = False, seqlen_q: int = 0,
@@ -579,7 +573,7 @@ def hopper_bwd_config(head_dim: int) -> TileConfig:
 # FLASHTILE_HOPPER_BWD_OPTS (comma-separated; "none" for none; unset: the default below)
 # for the GPU A/B; bwd_hopper's docstring says what each changes. Read when a launch plan
 # is made.
-HOPPER_BWD_OPTS = ("lse_ahead", "dq_tma", "lse_smem", "ds_ring", "lpt", "sdp")
+HOPPER_BWD_OPTS = ("lse_ahead", "dq_tma", "lse_smem", "ds_ring", "lpt")
 # lse_ahead is the default since session 15: forward + backward +6-10% at head_dim 64,
 # +1-4% at 128 on the H200 (docs/benchmarks/NOTES.md section 25); dq_tma since session
 # 17: +6-10% at 128, +1-3% at 64, transformers' d64 training step 98 -> 89 ms (section 27);

@@ -22,11 +22,13 @@ in three warp-specialised partitions:
   intra-warpgroup overlap). ptxas (Triton 3.6) undoes that second overlap: its
   scheduler hoists the wait for P_{j-1} V_{j-1} (WARPGROUP.DEPBAR, no register
   operands) into the row max, before the exp2 (sm_90 SASS; docs/benchmarks/NOTES.md
-  sections 17 and 40). FLASHTILE_HOPPER_FWD_INTRA_WG=1 (INTRA_WG, ``_kv_block``) puts a
-  block boundary before that wait, and all of the block's exp2 then run under the
-  product (session 30: SASS only, not yet timed). FLASHTILE_HOPPER_FWD_TREE_MAX=1
-  (TREE_MAX, ``_online_softmax``) takes the row max pairwise: 10 dependent steps before
-  the first exp2 where gl.max's chain takes 36 (likewise not yet timed).
+  sections 17 and 40). A block boundary before that wait (a second wait on V_{j-1}'s
+  completed ready barrier) restored it in the SASS, all 66 exp2 under the product, and
+  ran 2-10% slower on the H200 (session 31, NOTES.md section 41): the other consumer's
+  products already fill the tensor cores during a softmax. TREE_MAX
+  (``_online_softmax``) takes the row max pairwise: 10 dependent steps before the first
+  exp2 where gl.max's chain takes 36; the three-consumer tiles gain 2-7% with it, two
+  consumers and FP8 lose 3-8% (``configs.hopper_fwd_tree_max``).
 - warp_specialize's register requests become setmaxnreg: the producer keeps 24
   registers per thread and each consumer gets 240 (S, P and O live in registers).
 Three consumers (NUM_WG 3, FLASHTILE_HOPPER_FWD_CONFIG="192,BLOCK_N,4,STAGES", 16-bit:
@@ -334,7 +336,7 @@ def _kv_block(j, kv_base, turn_base, q, k_smem, v_smem, p_smem, k_ready, k_empty
               v_empty, turn, acc, p_op, alpha_o, m_i, l_i, s_init, o_init, offs_m, qk_scale,
               seqlen_k, diag_offset, WG: gl.constexpr, MASKED: gl.constexpr,
               IS_CAUSAL: gl.constexpr, PV_PER_TILE: gl.constexpr, P_SMEM: gl.constexpr,
-              INTRA_WG: gl.constexpr, TREE_MAX: gl.constexpr):
+              TREE_MAX: gl.constexpr):
     """Block j >= 1 of a consumer: S_j = Q K_j^T and P_{j-1} V_{j-1} issued in one
     turn, the softmax of S_j while P_{j-1} V_{j-1} runs, then O updated.
 
@@ -348,14 +350,6 @@ def _kv_block(j, kv_base, turn_base, q, k_smem, v_smem, p_smem, k_ready, k_empty
     (P_{j-1} V_{j-1} reads the other), instead of registers: ptxas then keeps the wait
     for P_{j-1} V_{j-1} after the softmax (sm_90 SASS), the overlap that P in registers
     loses (module docstring).
-
-    INTRA_WG: before the wait for P_{j-1} V_{j-1}, a second wait for V_{j-1}'s ready
-    barrier, which completed before that product was issued and cannot move on until
-    this warpgroup releases V_{j-1} (v_empty, after the wait): it returns at once, but
-    its try-wait loop is a block boundary that ptxas does not hoist the product's wait
-    (WARPGROUP.DEPBAR) across. Without it ptxas issues that wait in the middle of the
-    row max, before the exp2 (0-5 of a block's 66 under the product, sm_90 SASS); with
-    it all 66 run under P_{j-1} V_{j-1}: FA3's intra-warpgroup overlap.
 
     kv_base and turn_base: the K/V blocks and turns of the program's earlier tiles (0
     unless PERSISTENT), where the ring's and the turns' counts start for this tile."""
@@ -387,8 +381,6 @@ def _kv_block(j, kv_base, turn_base, q, k_smem, v_smem, p_smem, k_ready, k_empty
         p_next = p_smem.index(2 * WG + j % 2)
         p_next.store(p.to(p_op.dtype))
         fence_async_shared()  # the generic-proxy writes before wgmma reads them
-    if INTRA_WG:  # complete already: a block boundary (docstring)
-        mbarrier.wait(v_ready.index(prev), ((c - 1) // STAGES) & 1)
     if PV_PER_TILE:
         pv = warpgroup_mma_wait(0, deps=(pv,))
         mbarrier.arrive(v_empty.index(prev), count=1)
@@ -410,7 +402,7 @@ def _mma_tile(i, kv_base, turn_base, q_smem, k_smem, v_smem, o_smem, p_smem, q_r
               qk_scale, lse_row0, v_descale_off, WG: gl.constexpr, IS_CAUSAL: gl.constexpr,
               HAS_V_DESCALE: gl.constexpr, PV_PER_TILE: gl.constexpr, P_SMEM: gl.constexpr,
               PERSISTENT: gl.constexpr, O_IN_Q: gl.constexpr, O_IN_P: gl.constexpr,
-              Q_BUFS: gl.constexpr, INTRA_WG: gl.constexpr, TREE_MAX: gl.constexpr):
+              Q_BUFS: gl.constexpr, TREE_MAX: gl.constexpr):
     """Consumer warpgroup WG on rows row0 + 64 * WG + [0, 64) of the program's i-th tile,
     its K/V blocks counted in the ring from kv_base and its turns from turn_base.
 
@@ -477,13 +469,13 @@ def _mma_tile(i, kv_base, turn_base, q_smem, k_smem, v_smem, o_smem, p_smem, q_r
                 j, kv_base, turn_base, q, k_smem, v_smem, p_smem, k_ready, k_empty, v_ready,
                 v_empty, turn, acc, p_op, alpha_o, m_i, l_i, s_init, o_init, offs_m, qk_scale,
                 seqlen_k, diag_offset, WG, False, IS_CAUSAL, PV_PER_TILE, P_SMEM,
-                INTRA_WG, TREE_MAX)
+                TREE_MAX)
         for j in range(gl.maximum(n_full, 1), n_blocks):
             acc, p_op, alpha_o, m_i, l_i = _kv_block(
                 j, kv_base, turn_base, q, k_smem, v_smem, p_smem, k_ready, k_empty, v_ready,
                 v_empty, turn, acc, p_op, alpha_o, m_i, l_i, s_init, o_init, offs_m, qk_scale,
                 seqlen_k, diag_offset, WG, True, IS_CAUSAL, PV_PER_TILE, P_SMEM,
-                INTRA_WG, TREE_MAX)
+                TREE_MAX)
         if EARLY_Q_RELEASE:  # every S of the tile is done: Q may take the next tile's
             mbarrier.arrive(q_empty.index(q_at), count=1)
         last_kv = kv_base + n_blocks - 1
@@ -542,7 +534,7 @@ def _mma_partition(args, WG: gl.constexpr, IS_CAUSAL: gl.constexpr,
                    HAS_V_DESCALE: gl.constexpr, PV_PER_TILE: gl.constexpr,
                    P_SMEM: gl.constexpr, PERSISTENT: gl.constexpr,
                    O_IN_Q: gl.constexpr, O_IN_P: gl.constexpr, Q_BUFS: gl.constexpr,
-                   INTRA_WG: gl.constexpr, TREE_MAX: gl.constexpr):
+                   TREE_MAX: gl.constexpr):
     """Consumer warpgroup WG: rows 64 * WG + [0, 64) of each tile of the program, in the
     producer's order (``_tile_at``)."""
     (q_smem, k_smem, v_smem, o_smem, p_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
@@ -571,7 +563,7 @@ def _mma_partition(args, WG: gl.constexpr, IS_CAUSAL: gl.constexpr,
                   scale * LOG2E, off_bh * seqlen_q,  # lse: (batch, nheads, seqlen_q)
                   off_b * stride_vdesc_b + off_hkv * stride_vdesc_h, WG, IS_CAUSAL,
                   HAS_V_DESCALE, PV_PER_TILE, P_SMEM, PERSISTENT, O_IN_Q, O_IN_P, Q_BUFS,
-                  INTRA_WG, TREE_MAX)
+                  TREE_MAX)
         kv_base += n_blocks
         turn_base += n_blocks + (n_blocks > 0).to(gl.int32)  # the last P V's turn
     if PERSISTENT and not O_IN_Q:
@@ -588,7 +580,7 @@ def _attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, Lse, QDescale, KDesc
                             HAS_V_DESCALE: gl.constexpr, PV_PER_TILE: gl.constexpr,
                             P_SMEM: gl.constexpr, PERSISTENT: gl.constexpr,
                             NUM_WG: gl.constexpr, Q_BUFS: gl.constexpr,
-                            INTRA_WG: gl.constexpr, TREE_MAX: gl.constexpr):
+                            TREE_MAX: gl.constexpr):
     """One program a (query tile, batch-head) of the (n_tiles_m, batch * nheads) grid,
     or (PERSISTENT) a program per SM walking its row of the host's Schedule. NUM_WG
     consumer warpgroups of 64 rows each: 2, or 3 (BLOCK_M 192, where the module
@@ -679,24 +671,24 @@ def _attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, Lse, QDescale, KDesc
         gl.warp_specialize([
             (_mma_partition, (mma_args, 0, IS_CAUSAL, HAS_Q_DESCALE, HAS_K_DESCALE,
                               HAS_V_DESCALE, PV_PER_TILE, P_SMEM, PERSISTENT, O_IN_Q,
-                              O_IN_P, Q_BUFS, INTRA_WG, TREE_MAX)),
+                              O_IN_P, Q_BUFS, TREE_MAX)),
             (_load_partition, (load_args, IS_CAUSAL, PERSISTENT, Q_BUFS)),
             (_mma_partition, (mma_args, 1, IS_CAUSAL, HAS_Q_DESCALE, HAS_K_DESCALE,
                               HAS_V_DESCALE, PV_PER_TILE, P_SMEM, PERSISTENT, O_IN_Q,
-                              O_IN_P, Q_BUFS, INTRA_WG, TREE_MAX)),
+                              O_IN_P, Q_BUFS, TREE_MAX)),
             (_mma_partition, (mma_args, 2, IS_CAUSAL, HAS_Q_DESCALE, HAS_K_DESCALE,
                               HAS_V_DESCALE, PV_PER_TILE, P_SMEM, PERSISTENT, O_IN_Q,
-                              O_IN_P, Q_BUFS, INTRA_WG, TREE_MAX)),
+                              O_IN_P, Q_BUFS, TREE_MAX)),
         ], [1, 4, 4], [PRODUCER_REGS, CONSUMER_REGS_3WG, CONSUMER_REGS_3WG])
     else:
         gl.warp_specialize([
             (_mma_partition, (mma_args, 0, IS_CAUSAL, HAS_Q_DESCALE, HAS_K_DESCALE,
                               HAS_V_DESCALE, PV_PER_TILE, P_SMEM, PERSISTENT, O_IN_Q,
-                              O_IN_P, Q_BUFS, INTRA_WG, TREE_MAX)),
+                              O_IN_P, Q_BUFS, TREE_MAX)),
             (_load_partition, (load_args, IS_CAUSAL, PERSISTENT, Q_BUFS)),
             (_mma_partition, (mma_args, 1, IS_CAUSAL, HAS_Q_DESCALE, HAS_K_DESCALE,
                               HAS_V_DESCALE, PV_PER_TILE, P_SMEM, PERSISTENT, O_IN_Q,
-                              O_IN_P, Q_BUFS, INTRA_WG, TREE_MAX)),
+                              O_IN_P, Q_BUFS, TREE_MAX)),
         ], [1, 4], [PRODUCER_REGS, CONSUMER_REGS])
 
 
@@ -867,8 +859,7 @@ def forward(q, k, v, softmax_scale, diag_offset, causal, q_descale=None, k_desca
     p_smem = fp8 and configs.hopper_fwd_fp8_p_smem()
     persistent = configs.hopper_fwd_persistent(tile_d, fp8, sq)
     q_bufs = configs.hopper_fwd_q_buffers() if persistent and not fp8 else 1
-    intra_wg = configs.hopper_fwd_intra_wg()
-    tree_max = configs.hopper_fwd_tree_max()
+    tree_choice = configs.hopper_fwd_tree_max_choice()
     pv_per_tile = fp8 and configs.hopper_fwd_fp8_pv_per_tile(tile_d)
     key = None
     if _launch.ready(q):
@@ -884,7 +875,7 @@ def forward(q, k, v, softmax_scale, diag_offset, causal, q_descale=None, k_desca
             scales, fp8_key = (lse_ptr, lse_ptr, lse_ptr), None
         key = ("hopper_fwd", q.dtype, q.shape, k.shape, q.stride(), k.stride(),
                None if fp8 else v.stride(), causal, diag_offset, persistent, q_bufs,
-               intra_wg, tree_max, fp8_key)
+               tree_choice, fp8_key)
         found = _launch.lookup(key)
         if found is not None:
             plan, schedule = found  # the plan encodes the tensor maps from the tensors
@@ -903,13 +894,13 @@ def forward(q, k, v, softmax_scale, diag_offset, causal, q_descale=None, k_desca
     cfg = configs.hopper_fwd_config(tile_d, fp8, sq, sk, causal)
     if not persistent:  # (a CUDA-graph capture takes the tiles grid)
         q_bufs = 1
+    num_wg = cfg.block_m // BLOCK_M_WG.value
     flags = dict(IS_CAUSAL=causal, STAGES=cfg.num_stages,
                  HAS_Q_DESCALE=q_descale is not None, HAS_K_DESCALE=k_descale is not None,
                  HAS_V_DESCALE=v_descale is not None,
                  PV_PER_TILE=pv_per_tile, P_SMEM=p_smem, PERSISTENT=persistent,
-                 NUM_WG=cfg.block_m // BLOCK_M_WG.value,
-                 Q_BUFS=_q_buffers(q_bufs, tile_d, cfg), INTRA_WG=intra_wg,
-                 TREE_MAX=tree_max)
+                 NUM_WG=num_wg, Q_BUFS=_q_buffers(q_bufs, tile_d, cfg),
+                 TREE_MAX=configs.hopper_fwd_tree_max(tree_choice, num_wg, fp8))
     configs.log_first_launch("hopper forward", q, d, cfg, flags)
     n_tiles_m = configs.cdiv(sq, cfg.block_m)
     grid = (schedule.shape[0],) if persistent else (n_tiles_m, b * h)
