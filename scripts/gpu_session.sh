@@ -723,7 +723,7 @@ PY
     # before a block's first exp2 where gl.max's chain takes 36. Session 31 (NOTES.md
     # section 41): the three-consumer d64 tiles +2-7%, two consumers -3-8% at d64 and
     # level at d128, FP8 -4-7%; auto takes it for three 16-bit consumers (d64 from 2k
-    # full, 8k causal). The off-default variants' tests: test_tree_max_off_its_default
+    # full, 4k causal). The off-default variants' tests: test_tree_max_off_its_default
     # and the persistent grid's tree and flat-max cases.
     option_tests fwd-tree "tree or flat" tests/test_fwd_hopper.py \
       "persistent_many_tiles and (tree or flat)" "${TREE_TESTS:-1}"

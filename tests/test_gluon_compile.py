@@ -337,20 +337,20 @@ def test_wider_head_dims_launch_the_wider_kernel():
 def test_hopper_forward_config_knob(monkeypatch):
     """FLASHTILE_HOPPER_FWD_CONFIG: BLOCK_M 128, or 192 for 16-bit inputs at head_dim 64
     only; anything else names the variable, the rule, the value and the head dim.
-    Unset: the table, and 192 at 16-bit d64 from 8k queries and keys (causal) or 2k
+    Unset: the table, and 192 at 16-bit d64 from 4k queries and keys (causal) or 2k
     (full attention)."""
-    # Unset: three consumers at 16-bit d64 where both lengths reach 8k (causal) or 2k
+    # Unset: three consumers at 16-bit d64 where both lengths reach 4k (causal) or 2k
     # (full), else the table.
     monkeypatch.delenv("FLASHTILE_HOPPER_FWD_CONFIG", raising=False)
     three, two = configs.TileConfig(192, 128, 4, 3), configs.HOPPER_FWD_16BIT[64]
-    assert configs.hopper_fwd_config(64, False, 8192, 8192) == three
-    assert configs.hopper_fwd_config(64, False, 8192, 8191) == two
-    assert configs.hopper_fwd_config(64, False, 4096, 16384) == two
+    assert configs.hopper_fwd_config(64, False, 4096, 4096) == three
+    assert configs.hopper_fwd_config(64, False, 4096, 4095) == two
+    assert configs.hopper_fwd_config(64, False, 2048, 16384) == two
     assert configs.hopper_fwd_config(64, False, 8192, 8192, causal=False) == three
     assert configs.hopper_fwd_config(64, False, 2048, 2048, causal=False) == three
     assert configs.hopper_fwd_config(64, False, 2048, 2047, causal=False) == two
     assert configs.hopper_fwd_config(64, False, 1024, 16384, causal=False) == two
-    assert configs.hopper_fwd_config(64, False, 4096, 4096, causal=True) == two
+    assert configs.hopper_fwd_config(64, False, 2048, 2048, causal=True) == two
     assert configs.hopper_fwd_config(64) == two
     assert configs.hopper_fwd_config(64, True, 16384, 16384) == configs.HOPPER_FWD_FP8[64]
     assert configs.hopper_fwd_config(128, False, 16384, 16384) == configs.HOPPER_FWD_16BIT[128]

@@ -335,9 +335,11 @@ HOPPER_FWD_16BIT = {
 # beside two consumers in one run) it ran full attention +11% at 8k and +5% at 16k,
 # causal +3% and +8%; at 1k and 4k causal lost (-21% and -11%: 192-row tiles leave
 # ragged, unbalanced grids), full -2.5% at 1k. Session 27 (section 37, two alternating
-# runs): full attention +6% at 2k and 4k, causal -13% at 2k and -7% at 4k.
+# runs): full attention +6% at 2k and 4k, causal -13% at 2k and -7% at 4k. Session 31
+# (section 41), with the tree row max three consumers take (HOPPER_FWD_TREE_MAX): causal
+# -15% at 1k, -3% at 2k, +1.5% at 4k in both of two alternating rounds, so causal from 4k.
 HOPPER_FWD_D64_THREE = TileConfig(192, 128, 4, 3)
-HOPPER_FWD_THREE_MIN_SEQLEN = {False: 2048, True: 8192}
+HOPPER_FWD_THREE_MIN_SEQLEN = {False: 2048, True: 4096}
 # 16-bit head dims the Gluon forward and backward run in a wider one's tile: their tensor
 # maps keep the tensors' true head_dim and only the boxes are wider, so TMA zero-fills
 # the columns past it on load (adding nothing to Q K^T, dS K or the dK/dV sums, making
