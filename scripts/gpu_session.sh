@@ -55,6 +55,11 @@
 #                consumers): its GPU tests and memcheck slice (TREE_TESTS=0: not), then
 #                the forward at d64 2k-32k and d128 4k-16k, full and causal, with it off
 #                and as auto takes it, alternating twice, beside cuDNN      (~7 min)
+#   fwd-own      the Gluon forward's OWN_WALK (session 31, opt-in: each consumer's causal
+#                walk ends at its own rows' last key block): its GPU tests and memcheck
+#                slice (OWN_TESTS=0: not), then causal forward at d64 (1k-16k; three
+#                consumers at 2k forced too) and d256 (1k-16k) with and without,
+#                alternating twice, beside cuDNN; the training step with each (~8 min)
 #   hf-train     issue 16's training step (the head split's GPU tests, then flashtile
 #                bench hf's step: 5 repetitions, the kernels under the profiler) (~4 min)
 #   hopper       the Gluon forward's GPU tests (16-bit) and its timing     (~9 min)
@@ -732,6 +737,23 @@ PY
       --headdim 64 --seqlens 2k 8k 32k --causal both
     AB_SECS=100 ab fwd-tree "$tr=0 $tr=auto" --providers flashtile sdpa-cudnn --modes fwd \
       --headdim 128 --seqlens 4k 16k --causal both
+    ;;
+  fwd-own)
+    # OWN_WALK (fwd_hopper._mma_tile): with 192-row tiles of 128-key blocks (d64 causal
+    # from 4k) the first consumer computes a block of fully masked scores every tile and
+    # the second every second tile; at d256 (64-key blocks) the first, every tile. With
+    # it they keep only the protocol there (barrier waits, releases, turns). Work saved:
+    # d64 three consumers ~3% of the products at 4k, ~10% at 1k; d256 ~1.5% at 4k, ~6%
+    # at 1k. Prediction: d64 causal 4k-8k +1-3%, 16k +0-1%; three consumers forced at 2k
+    # level with two (-3% today); d256 causal 1k +2-5%, 4k +1-2%; full attention
+    # unchanged (the flag is causal only); the training step level to -0.1 ms.
+    option_tests fwd-own own tests/test_fwd_hopper.py "own" "${OWN_TESTS:-1}"
+    ow=FLASHTILE_HOPPER_FWD_OWN_WALK cf=FLASHTILE_HOPPER_FWD_CONFIG=192,128,4,3
+    ab fwd-own "$ow=0 $ow=1" --providers flashtile sdpa-cudnn --modes fwd --headdim 64 256 \
+      --seqlens 1k 4k 16k --causal true
+    AB_SECS=60 ab fwd-own "$ow=0+$cf $ow=1+$cf" --providers flashtile sdpa-cudnn --modes \
+      fwd --headdim 64 --seqlens 2k --causal true
+    train_steps fwd-own "$ow=0 $ow=1 $ow=0 $ow=1"
     ;;
   hf-train)
     # Session 31, after the share sums moved into the dQ conversion's launch: the 4k-token

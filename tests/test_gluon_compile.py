@@ -23,7 +23,7 @@ pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1",
 
 
 def _compile(head_dim, causal, dtype=torch.bfloat16, descales=True, p_smem=False,
-             persistent=False, q_bufs=1, tree_max="auto"):
+             persistent=False, q_bufs=1, tree_max="auto", own_walk=False):
     """The kernel a launch of ``fwd_hopper.forward`` compiles for these inputs (FP8: out
     in bfloat16, descales given or not, V through its keys-contiguous copy; tree_max:
     FLASHTILE_HOPPER_FWD_TREE_MAX's value)."""
@@ -46,7 +46,7 @@ def _compile(head_dim, causal, dtype=torch.bfloat16, descales=True, p_smem=False
                  HAS_K_DESCALE=has, HAS_V_DESCALE=has,
                  PV_PER_TILE=fp8 and configs.hopper_fwd_fp8_pv_per_tile(head_dim),
                  P_SMEM=p_smem, PERSISTENT=persistent, NUM_WG=cfg.block_m // rows,
-                 Q_BUFS=q_bufs,
+                 Q_BUFS=q_bufs, OWN_WALK=own_walk,
                  TREE_MAX=configs.hopper_fwd_tree_max(tree_max, cfg.block_m // rows, fp8))
     return compile_kernel(fwd_hopper._attn_fwd_hopper_kernel, flags,
                           num_warps=cfg.num_warps, types=types)
@@ -214,6 +214,40 @@ def test_tree_max_in_the_sass(head_dim, causal, config, monkeypatch):
     if config is None and head_dim == 64 and not causal:  # the default's chain, beside it
         flat = _max_chain_depths(_sass(_compile(64, False, persistent=True)))
         assert min(flat) > 30, flat
+
+
+@pytest.mark.parametrize("persistent", SCHEDULES, ids=SCHEDULE_IDS)
+@pytest.mark.parametrize("head_dim,config", [(64, "192,128,4,3"), (256, None)],
+                         ids=["d64-three", "d256"])
+def test_own_walk_keeps_the_walks(head_dim, config, persistent, monkeypatch):
+    """OWN_WALK (FLASHTILE_HOPPER_FWD_OWN_WALK=1, causal), where it ends consumers' walks
+    early (three consumers; d256's 64-key blocks): every walk issues the products and
+    exp2 of the default's (the skip loop adds only barrier waits, on the retry paths),
+    with no local memory in them."""
+    if config is not None:
+        monkeypatch.setenv("FLASHTILE_HOPPER_FWD_CONFIG", config)
+
+    def counts(sass):
+        return [(sum("GMMA" in op for op in body), sum(op.startswith("MUFU.EX2")
+                                                       for op in body))
+                for body in _walks(sass)]
+
+    own = _sass(_compile(head_dim, True, persistent=persistent, own_walk=True))
+    assert counts(own) == counts(_sass(_compile(head_dim, True, persistent=persistent)))
+    assert len(counts(own)) >= 4
+    assert not any(op.startswith(("STL", "LDL")) for body in _walks(own) for op in body)
+
+
+def test_own_walk_knob(monkeypatch):
+    """FLASHTILE_HOPPER_FWD_OWN_WALK: "0" (unset) or "1", else a ValueError naming it."""
+    name = "FLASHTILE_HOPPER_FWD_OWN_WALK"
+    monkeypatch.delenv(name, raising=False)
+    assert configs.hopper_fwd_own_walk() is False
+    monkeypatch.setenv(name, "1")
+    assert configs.hopper_fwd_own_walk() is True
+    monkeypatch.setenv(name, "2")
+    with pytest.raises(ValueError, match=name + r" must be one of \('0', '1'\), got '2'"):
+        configs.hopper_fwd_own_walk()
 
 
 def test_tree_max_knob(monkeypatch):

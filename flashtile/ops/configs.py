@@ -501,6 +501,21 @@ def hopper_fwd_tree_max(choice: str, num_wg: int, fp8: bool) -> bool:
     return choice == "1" or (choice == "auto" and num_wg == 3 and not fp8)
 
 
+# Each consumer of the Gluon forward's causal tiles walks its own rows' key blocks
+# (fwd_hopper._mma_tile's OWN_WALK): "0" (the default until timed) or "1". Session 31:
+# sm_90 SASS only: with three consumers (192-row tiles of 128-key blocks) the first
+# skips a block of fully masked scores every tile and the second every second tile; at
+# d256 (64-key blocks) the first, every tile. Not yet run on a GPU.
+HOPPER_FWD_OWN_WALK = ("0", "1")
+
+
+def hopper_fwd_own_walk() -> bool:
+    """FLASHTILE_HOPPER_FWD_OWN_WALK: "1" ends each consumer's causal walk at its own
+    rows' last key block (the kernel's OWN_WALK), "0" (the default) at the tile's.
+    Read at each call (part of the launch plan's key)."""
+    return _env_choice("FLASHTILE_HOPPER_FWD_OWN_WALK", HOPPER_FWD_OWN_WALK) == "1"
+
+
 def hopper_fwd_config(head_dim: int, fp8: bool = False, seqlen_q: int = 0,
                       seqlen_k: int = 0, causal: bool = True) -> TileConfig:
     """HOPPER_FWD_16BIT[head_dim] (HOPPER_FWD_FP8 for FP8 inputs; HOPPER_FWD_D64_THREE

@@ -403,9 +403,17 @@ def _mma_tile(i, kv_base, turn_base, q_smem, k_smem, v_smem, o_smem, p_smem, q_r
               qk_scale, lse_row0, v_descale_off, WG: gl.constexpr, IS_CAUSAL: gl.constexpr,
               HAS_V_DESCALE: gl.constexpr, PV_PER_TILE: gl.constexpr, P_SMEM: gl.constexpr,
               PERSISTENT: gl.constexpr, O_IN_Q: gl.constexpr, O_IN_P: gl.constexpr,
-              Q_BUFS: gl.constexpr, TREE_MAX: gl.constexpr):
+              Q_BUFS: gl.constexpr, TREE_MAX: gl.constexpr, OWN_WALK: gl.constexpr):
     """Consumer warpgroup WG on rows row0 + 64 * WG + [0, 64) of the program's i-th tile,
     its K/V blocks counted in the ring from kv_base and its turns from turn_base.
+
+    OWN_WALK (causal): the warpgroup computes the key blocks its own 64 rows see, not
+    the tile's (n_blocks and n_full by the tile's first and last rows). With 192-row
+    tiles of 128-key blocks the first warpgroup would compute a block of fully masked
+    scores every tile and the second every second tile; with 128-row tiles of 64-key
+    blocks (d256) the first, every tile; 128 rows over 128 keys lose nothing.
+    Past its own walk it keeps the protocol: it waits for each remaining block's K and
+    V, releases them and passes its turns on, so the others issue back to back.
 
     PERSISTENT: Q's buffer is handed back to the producer (q_empty) for the next tile as
     soon as this tile's last S is done, unless O leaves through it (O_IN_Q): then once
@@ -439,6 +447,11 @@ def _mma_tile(i, kv_base, turn_base, q_smem, k_smem, v_smem, o_smem, p_smem, q_r
     o_init = acc  # likewise, for PV_PER_TILE's products
     mbarrier.wait(q_ready.index(q_at), (i // Q_BUFS) & 1)
 
+    n_tile = n_blocks
+    if OWN_WALK:  # this warpgroup's rows' walk (at least block 0, as the tile's)
+        n_blocks, n_full = _tile_blocks(row0 + WG * BLOCK_M_WG, seqlen_q, seqlen_k,
+                                        diag_offset, BLOCK_M_WG, BLOCK_N, IS_CAUSAL)
+        n_blocks = gl.minimum(gl.maximum(n_blocks, 1), n_tile)
     if n_blocks > 0:
         # Block 0: S_0 alone (there is no P yet).
         first = kv_base % STAGES
@@ -495,6 +508,15 @@ def _mma_tile(i, kv_base, turn_base, q_smem, k_smem, v_smem, o_smem, p_smem, q_r
         else:
             acc = warpgroup_mma_wait(0, deps=(acc,))
         mbarrier.arrive(v_empty.index(last), count=1)
+        if OWN_WALK:
+            for j in range(n_blocks, n_tile):  # the tile's blocks past this warpgroup's
+                c = kv_base + j
+                mbarrier.wait(k_ready.index(c % STAGES), (c // STAGES) & 1)
+                mbarrier.arrive(k_empty.index(c % STAGES), count=1)
+                mbarrier.wait(v_ready.index(c % STAGES), (c // STAGES) & 1)
+                mbarrier.arrive(v_empty.index(c % STAGES), count=1)
+                _take_turn(turn, turn_base + j + 1, WG)
+                _pass_turn(turn, WG)
     elif EARLY_Q_RELEASE:  # no key for this tile: Q was not read
         mbarrier.arrive(q_empty.index(q_at), count=1)
 
@@ -535,7 +557,7 @@ def _mma_partition(args, WG: gl.constexpr, IS_CAUSAL: gl.constexpr,
                    HAS_V_DESCALE: gl.constexpr, PV_PER_TILE: gl.constexpr,
                    P_SMEM: gl.constexpr, PERSISTENT: gl.constexpr,
                    O_IN_Q: gl.constexpr, O_IN_P: gl.constexpr, Q_BUFS: gl.constexpr,
-                   TREE_MAX: gl.constexpr):
+                   TREE_MAX: gl.constexpr, OWN_WALK: gl.constexpr):
     """Consumer warpgroup WG: rows 64 * WG + [0, 64) of each tile of the program, in the
     producer's order (``_tile_at``)."""
     (q_smem, k_smem, v_smem, o_smem, p_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
@@ -564,7 +586,7 @@ def _mma_partition(args, WG: gl.constexpr, IS_CAUSAL: gl.constexpr,
                   scale * LOG2E, off_bh * seqlen_q,  # lse: (batch, nheads, seqlen_q)
                   off_b * stride_vdesc_b + off_hkv * stride_vdesc_h, WG, IS_CAUSAL,
                   HAS_V_DESCALE, PV_PER_TILE, P_SMEM, PERSISTENT, O_IN_Q, O_IN_P, Q_BUFS,
-                  TREE_MAX)
+                  TREE_MAX, OWN_WALK)
         kv_base += n_blocks
         turn_base += n_blocks + (n_blocks > 0).to(gl.int32)  # the last P V's turn
     if PERSISTENT and not O_IN_Q:
@@ -581,7 +603,7 @@ def _attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, Lse, QDescale, KDesc
                             HAS_V_DESCALE: gl.constexpr, PV_PER_TILE: gl.constexpr,
                             P_SMEM: gl.constexpr, PERSISTENT: gl.constexpr,
                             NUM_WG: gl.constexpr, Q_BUFS: gl.constexpr,
-                            TREE_MAX: gl.constexpr):
+                            TREE_MAX: gl.constexpr, OWN_WALK: gl.constexpr):
     """One program a (query tile, batch-head) of the (n_tiles_m, batch * nheads) grid,
     or (PERSISTENT) a program per SM walking its row of the host's Schedule. NUM_WG
     consumer warpgroups of 64 rows each: 2, or 3 (BLOCK_M 192, where the module
@@ -672,24 +694,24 @@ def _attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, Lse, QDescale, KDesc
         gl.warp_specialize([
             (_mma_partition, (mma_args, 0, IS_CAUSAL, HAS_Q_DESCALE, HAS_K_DESCALE,
                               HAS_V_DESCALE, PV_PER_TILE, P_SMEM, PERSISTENT, O_IN_Q,
-                              O_IN_P, Q_BUFS, TREE_MAX)),
+                              O_IN_P, Q_BUFS, TREE_MAX, OWN_WALK)),
             (_load_partition, (load_args, IS_CAUSAL, PERSISTENT, Q_BUFS)),
             (_mma_partition, (mma_args, 1, IS_CAUSAL, HAS_Q_DESCALE, HAS_K_DESCALE,
                               HAS_V_DESCALE, PV_PER_TILE, P_SMEM, PERSISTENT, O_IN_Q,
-                              O_IN_P, Q_BUFS, TREE_MAX)),
+                              O_IN_P, Q_BUFS, TREE_MAX, OWN_WALK)),
             (_mma_partition, (mma_args, 2, IS_CAUSAL, HAS_Q_DESCALE, HAS_K_DESCALE,
                               HAS_V_DESCALE, PV_PER_TILE, P_SMEM, PERSISTENT, O_IN_Q,
-                              O_IN_P, Q_BUFS, TREE_MAX)),
+                              O_IN_P, Q_BUFS, TREE_MAX, OWN_WALK)),
         ], [1, 4, 4], [PRODUCER_REGS, CONSUMER_REGS_3WG, CONSUMER_REGS_3WG])
     else:
         gl.warp_specialize([
             (_mma_partition, (mma_args, 0, IS_CAUSAL, HAS_Q_DESCALE, HAS_K_DESCALE,
                               HAS_V_DESCALE, PV_PER_TILE, P_SMEM, PERSISTENT, O_IN_Q,
-                              O_IN_P, Q_BUFS, TREE_MAX)),
+                              O_IN_P, Q_BUFS, TREE_MAX, OWN_WALK)),
             (_load_partition, (load_args, IS_CAUSAL, PERSISTENT, Q_BUFS)),
             (_mma_partition, (mma_args, 1, IS_CAUSAL, HAS_Q_DESCALE, HAS_K_DESCALE,
                               HAS_V_DESCALE, PV_PER_TILE, P_SMEM, PERSISTENT, O_IN_Q,
-                              O_IN_P, Q_BUFS, TREE_MAX)),
+                              O_IN_P, Q_BUFS, TREE_MAX, OWN_WALK)),
         ], [1, 4], [PRODUCER_REGS, CONSUMER_REGS])
 
 
@@ -861,6 +883,7 @@ def forward(q, k, v, softmax_scale, diag_offset, causal, q_descale=None, k_desca
     persistent = configs.hopper_fwd_persistent(tile_d, fp8, sq)
     q_bufs = configs.hopper_fwd_q_buffers() if persistent and not fp8 else 1
     tree_choice = configs.hopper_fwd_tree_max_choice()
+    own_walk = causal and configs.hopper_fwd_own_walk()
     pv_per_tile = fp8 and configs.hopper_fwd_fp8_pv_per_tile(tile_d)
     key = None
     if _launch.ready(q):
@@ -876,7 +899,7 @@ def forward(q, k, v, softmax_scale, diag_offset, causal, q_descale=None, k_desca
             scales, fp8_key = (lse_ptr, lse_ptr, lse_ptr), None
         key = ("hopper_fwd", q.dtype, q.shape, k.shape, q.stride(), k.stride(),
                None if fp8 else v.stride(), causal, diag_offset, persistent, q_bufs,
-               tree_choice, fp8_key)
+               tree_choice, own_walk, fp8_key)
         found = _launch.lookup(key)
         if found is not None:
             plan, schedule = found  # the plan encodes the tensor maps from the tensors
@@ -901,7 +924,8 @@ def forward(q, k, v, softmax_scale, diag_offset, causal, q_descale=None, k_desca
                  HAS_V_DESCALE=v_descale is not None,
                  PV_PER_TILE=pv_per_tile, P_SMEM=p_smem, PERSISTENT=persistent,
                  NUM_WG=num_wg, Q_BUFS=_q_buffers(q_bufs, tile_d, cfg),
-                 TREE_MAX=configs.hopper_fwd_tree_max(tree_choice, num_wg, fp8))
+                 TREE_MAX=configs.hopper_fwd_tree_max(tree_choice, num_wg, fp8),
+                 OWN_WALK=own_walk)
     configs.log_first_launch("hopper forward", q, d, cfg, flags)
     n_tiles_m = configs.cdiv(sq, cfg.block_m)
     grid = (schedule.shape[0],) if persistent else (n_tiles_m, b * h)
