@@ -269,7 +269,7 @@ def _pass_turn(turn, WG: gl.constexpr):
 @gluon.jit
 def _online_softmax(s, m_i, l_i, offs_m, start_n, qk_scale, seqlen_k, diag_offset,
                     MASKED: gl.constexpr, IS_CAUSAL: gl.constexpr, IS_FP8: gl.constexpr,
-                    TREE_MAX: gl.constexpr):
+                    TREE_MAX: gl.constexpr, ONE_BOUND: gl.constexpr):
     """One block of the online softmax in base 2: s (64, N) raw q.k products ->
     (p, alpha, m_i, l_i), m_i in scaled units. softmax_scale > 0 (the launcher's
     condition), so the row max of the raw scores scales to that of the scaled ones and
@@ -282,13 +282,26 @@ def _online_softmax(s, m_i, l_i, offs_m, start_n, qk_scale, seqlen_k, diag_offse
     sm_90 SASS); reducing the columns axis by axis of a (64, 2, 2, 2, BLOCK_N / 64, 8)
     view gives pairwise levels, 10 deep. The same maximum (max is exact in any order)."""
     if MASKED:  # the ragged last block, or one crossing the causal diagonal
-        # Built here, not once per tile: 32 registers a thread that the unmasked blocks
-        # would otherwise keep live.
+        # Built here, from start_n: block-invariant column offsets would be hoisted out
+        # of the walk, registers the unmasked blocks would keep live.
         offs_n = start_n + gl.arange(0, s.shape[1], layout=gl.SliceLayout(0, s.type.layout))
-        keep = gl.expand_dims(offs_n < seqlen_k, 0)
-        if IS_CAUSAL:
-            keep = keep & (gl.expand_dims(offs_n, 0) <=
-                           gl.expand_dims(offs_m, 1) + diag_offset)
+        if ONE_BOUND:
+            # Key n kept where n <= min(row + diag_offset, seqlen_k - 1): one compare and
+            # one select a score, where the two conditions apart take two selects and a
+            # second compare (sm_90: 90-140 fewer instructions a masked block). Its row
+            # bound lives through the walk: three consumers at 160 registers a thread
+            # spill 40 bytes with it, so they keep the conditions apart.
+            last = seqlen_k - 1
+            if IS_CAUSAL:
+                last = gl.minimum(offs_m + diag_offset, last)
+                keep = gl.expand_dims(offs_n, 0) <= gl.expand_dims(last, 1)
+            else:
+                keep = gl.expand_dims(offs_n <= last, 0)
+        else:
+            keep = gl.expand_dims(offs_n < seqlen_k, 0)
+            if IS_CAUSAL:
+                keep = keep & (gl.expand_dims(offs_n, 0) <=
+                               gl.expand_dims(offs_m, 1) + diag_offset)
         s = gl.where(keep, s, float("-inf"))
     if TREE_MAX:
         # Columns c = 64a + 32b + 16c' + 8g + e: the first four axes in-thread (pairwise
@@ -375,7 +388,8 @@ def _kv_block(j, kv_base, turn_base, q, k_smem, v_smem, p_smem, k_ready, k_empty
     mbarrier.arrive(k_empty.index(stage), count=1)
     p, alpha, m_i, l_i = _online_softmax(s, m_i, l_i, offs_m, j * BLOCK_N, qk_scale,
                                          seqlen_k, diag_offset, MASKED, IS_CAUSAL,
-                                         p_op.dtype.is_fp8(), TREE_MAX)
+                                         p_op.dtype.is_fp8(), TREE_MAX,
+                                         turn.type.shape[0] == 2)
     alpha = gl.convert_layout(alpha, alpha_o.type.layout)
     if P_SMEM:
         # Buffer j % 2 was last read by P_{j-2} V_{j-2}, complete since block j-1.
@@ -465,7 +479,7 @@ def _mma_tile(i, kv_base, turn_base, q_smem, k_smem, v_smem, o_smem, p_smem, q_r
         # Masked whatever n_full says: once per tile, and no branch.
         p, alpha, m_i, l_i = _online_softmax(s, m_i, l_i, offs_m, 0, qk_scale, seqlen_k,
                                              diag_offset, True, IS_CAUSAL, IS_FP8,
-                                             TREE_MAX)
+                                             TREE_MAX, turn.type.shape[0] == 2)
         # Block 0's alpha is 0 (or NaN with NaN scores): O is 0 before it either way.
         alpha_o = gl.convert_layout(alpha, o_row_layout)
         if P_SMEM:
