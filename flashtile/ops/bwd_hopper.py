@@ -336,9 +336,14 @@ def _p_t(s_t, o_n, o_m, seqlen_k, diag_offset, qk_scale, lse2, IS_CAUSAL: gl.con
     and the mask's compares and selects (two or three instructions a score, on the
     consumer's chain) are branched over."""
     if masked:
-        keep = gl.expand_dims(o_n < seqlen_k, 1)
         if IS_CAUSAL:
-            keep = keep & (gl.expand_dims(o_n, 1) <= gl.expand_dims(o_m, 0) + diag_offset)
+            # Query row m sees key n where m >= n - diag_offset and n < seqlen_k: one
+            # bound a key (past seqlen_k none is met), so one compare and one select a
+            # score, where the two conditions apart take two of each.
+            first = gl.where(o_n < seqlen_k, o_n - diag_offset, 2147483647)
+            keep = gl.expand_dims(o_m, 0) >= gl.expand_dims(first, 1)
+        else:
+            keep = gl.expand_dims(o_n < seqlen_k, 1)
         s_t = gl.where(keep, s_t, float("-inf"))
     return gl.exp2(s_t * qk_scale - gl.expand_dims(lse2, 0))
 
