@@ -60,6 +60,9 @@
 #                slice (OWN_TESTS=0: not), then causal forward at d64 (1k-16k; three
 #                consumers at 2k forced too) and d256 (1k-16k) with and without,
 #                alternating twice, beside cuDNN; the training step with each (~8 min)
+#   masks        the one-bound masks (session 31, CPU only then): causal forward and
+#                forward+backward at d64/d128, 1k-4k, beside cuDNN, to set beside session
+#                31's rows (NOTES.md section 41; ratios to cuDNN compare)       (~3 min)
 #   hf-train     issue 16's training step (the head split's GPU tests, then flashtile
 #                bench hf's step: 5 repetitions, the kernels under the profiler) (~4 min)
 #   hopper       the Gluon forward's GPU tests (16-bit) and its timing     (~9 min)
@@ -737,6 +740,16 @@ PY
       --headdim 64 --seqlens 2k 8k 32k --causal both
     AB_SECS=100 ab fwd-tree "$tr=0 $tr=auto" --providers flashtile sdpa-cudnn --modes fwd \
       --headdim 128 --seqlens 4k 16k --causal both
+    ;;
+  masks)
+    # The masked blocks' mask as one bound a row (forward, two consumers) and a key
+    # (backward P^T, causal): the same scores, 27-110 (forward) and 33-68 (backward)
+    # fewer instructions a masked walk in the sm_90 SASS. Session 31 before them (the
+    # same cells, flashtile / cuDNN): forward d64 causal 1k 0.79, 2k 0.84 (two
+    # consumers), d128 causal 1k 0.99. Prediction: d64 causal forward 1k-2k +2-5% (to
+    # 0.82-0.88x), forward+backward causal 1k +1-3%, 4k +0-1%.
+    AB_ROUNDS=1 AB_SECS=150 ab masks "X=0" --providers flashtile sdpa-cudnn --modes fwd \
+      fwd_bwd --headdim 64 128 --seqlens 1k 2k 4k --causal true
     ;;
   fwd-own)
     # OWN_WALK (fwd_hopper._mma_tile): with 192-row tiles of 128-key blocks (d64 causal
