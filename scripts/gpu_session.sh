@@ -743,7 +743,7 @@ PY
     ;;
   masks)
     # The masked blocks' mask as one bound a row (forward, two consumers) and a key
-    # (backward P^T, causal): the same scores, 27-110 (forward) and 33-68 (backward)
+    # (backward P^T, causal): the same scores, 12-110 (forward) and 33-68 (backward)
     # fewer instructions a masked walk in the sm_90 SASS. Session 31 before them (the
     # same cells, flashtile / cuDNN): forward d64 causal 1k 0.79, 2k 0.84 (two
     # consumers), d128 causal 1k 0.99. Prediction: d64 causal forward 1k-2k +2-5% (to
