@@ -51,10 +51,6 @@
 #                GPU tests (plans against Triton's path, transformers' decode memo), then
 #                flashtile bench hf with --profile (generate at batch 1 and 16: kernels
 #                and the host time inside the attention function)          (~5 min)
-#   fwd-tree     the Gluon forward's tree row max (session 31: auto takes it with three
-#                consumers): its GPU tests and memcheck slice (TREE_TESTS=0: not), then
-#                the forward at d64 2k-32k and d128 4k-16k, full and causal, with it off
-#                and as auto takes it, alternating twice, beside cuDNN      (~7 min)
 #   fwd-own      the Gluon forward's OWN_WALK (session 31, opt-in: each consumer's causal
 #                walk ends at its own rows' last key block): its GPU tests and memcheck
 #                slice (OWN_TESTS=0: not), then causal forward at d64 (1k-16k; three
@@ -726,29 +722,15 @@ PY
       --out "$OUT/hf-gen.json" 2>&1 | grep --line-buffered -v "^\s*$" | tee "$OUT/hf-gen.txt" \
       | tail -60  # tee first: a run cut short still leaves its lines (session 30)
     ;;
-  fwd-tree)
-    # TREE_MAX (fwd_hopper._online_softmax): the row max pairwise, 10 dependent steps
-    # before a block's first exp2 where gl.max's chain takes 36. Session 31 (NOTES.md
-    # section 41): the three-consumer d64 tiles +2-7%, two consumers -3-8% at d64 and
-    # level at d128, FP8 -4-7%; auto takes it for three 16-bit consumers (d64 from 2k
-    # full, 4k causal). The off-default variants' tests: test_tree_max_off_its_default
-    # and the persistent grid's tree and flat-max cases.
-    option_tests fwd-tree "tree or flat" tests/test_fwd_hopper.py \
-      "persistent_many_tiles and (tree or flat)" "${TREE_TESTS:-1}"
-    tr=FLASHTILE_HOPPER_FWD_TREE_MAX
-    ab fwd-tree "$tr=0 $tr=auto" --providers flashtile sdpa-cudnn --modes fwd \
-      --headdim 64 --seqlens 2k 8k 32k --causal both
-    AB_SECS=100 ab fwd-tree "$tr=0 $tr=auto" --providers flashtile sdpa-cudnn --modes fwd \
-      --headdim 128 --seqlens 4k 16k --causal both
-    ;;
   masks)
     # The masked blocks' mask as one bound a row (forward, two consumers) and a key
     # (backward P^T, causal): the same scores, 12-110 (forward) and 33-68 (backward)
     # fewer instructions a masked walk in the sm_90 SASS. Session 31 before them (the
     # same cells, flashtile / cuDNN): forward d64 causal 1k 0.79, 2k 0.84 (two
     # consumers), d128 causal 1k 0.99. Prediction: d64 causal forward 1k-2k +2-5% (to
-    # 0.82-0.88x), forward+backward causal 1k +1-3%, 4k +0-1%.
-    AB_ROUNDS=1 AB_SECS=150 ab masks "X=0" --providers flashtile sdpa-cudnn --modes fwd \
+    # 0.82-0.88x), forward+backward causal 1k +1-3%, 4k +0-1%. (One set, the default's
+    # own value: ab tags the rows.)
+    AB_ROUNDS=1 AB_SECS=150 ab masks "FLASHTILE_HOPPER_FWD_TREE_MAX=auto" --providers flashtile sdpa-cudnn --modes fwd \
       fwd_bwd --headdim 64 128 --seqlens 1k 2k 4k --causal true
     ;;
   fwd-own)

@@ -525,10 +525,12 @@ def _mma_tile(i, kv_base, turn_base, q_smem, k_smem, v_smem, o_smem, p_smem, q_r
         if OWN_WALK:
             for j in range(n_blocks, n_tile):  # the tile's blocks past this warpgroup's
                 c = kv_base + j
-                mbarrier.wait(k_ready.index(c % STAGES), (c // STAGES) & 1)
-                mbarrier.arrive(k_empty.index(c % STAGES), count=1)
-                mbarrier.wait(v_ready.index(c % STAGES), (c // STAGES) & 1)
-                mbarrier.arrive(v_empty.index(c % STAGES), count=1)
+                stage = c % STAGES
+                phase = (c // STAGES) & 1
+                mbarrier.wait(k_ready.index(stage), phase)
+                mbarrier.arrive(k_empty.index(stage), count=1)
+                mbarrier.wait(v_ready.index(stage), phase)
+                mbarrier.arrive(v_empty.index(stage), count=1)
                 _take_turn(turn, turn_base + j + 1, WG)
                 _pass_turn(turn, WG)
     elif EARLY_Q_RELEASE:  # no key for this tile: Q was not read
