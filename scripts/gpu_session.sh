@@ -40,9 +40,6 @@
 #                slice, then the 0.5B decode-step bench (batches 1 and 256, a prompt step
 #                of 8 x 1024) with its kernel profile                       (~6 min)
 #   host         flashtile bench host, flashtile bench hf (and --pad at batch 16) (~10 min)
-#   fwd-q2       the Gluon forward's second Q set on the persistent grid (session 29): its
-#                GPU tests and memcheck slice, then forward d64/d128 at 1k-16k with one
-#                and two sets, alternating twice, beside cuDNN              (~6 min)
 #   bwd-lpt      the Gluon backward's lpt option (causal grid longest walk first): its GPU
 #                tests and memcheck slice, then causal forward+backward at 4k tokens a
 #                batch (where its L2 rule takes it) and the Llama-1B training step, with
@@ -51,14 +48,6 @@
 #                GPU tests (plans against Triton's path, transformers' decode memo), then
 #                flashtile bench hf with --profile (generate at batch 1 and 16: kernels
 #                and the host time inside the attention function)          (~5 min)
-#   fwd-own      the Gluon forward's OWN_WALK (session 31, opt-in: each consumer's causal
-#                walk ends at its own rows' last key block): its GPU tests and memcheck
-#                slice (OWN_TESTS=0: not), then causal forward at d64 (1k-16k; three
-#                consumers at 2k forced too) and d256 (1k-16k) with and without,
-#                alternating twice, beside cuDNN; the training step with each (~8 min)
-#   masks        the one-bound masks (session 31, CPU only then): causal forward and
-#                forward+backward at d64/d128, 1k-4k, beside cuDNN, to set beside session
-#                31's rows (NOTES.md section 41; ratios to cuDNN compare)       (~3 min)
 #   hf-train     issue 16's training step (the head split's GPU tests, then flashtile
 #                bench hf's step: 5 repetitions, the kernels under the profiler) (~4 min)
 #   hopper       the Gluon forward's GPU tests (16-bit) and its timing     (~9 min)
@@ -683,18 +672,6 @@ PY
     timeout 200 python3 -m flashtile bench hf --pad --batches 16 --out "$OUT/hf-pad.json" \
       2>&1 | tail -6
     ;;
-  fwd-q2)
-    # FLASHTILE_HOPPER_FWD_Q_BUFFERS=2: tile i's Q in set i % 2, so the producer loads the
-    # next tile's Q, and behind it its first K and V, once it has issued this tile's last
-    # K and V, not once this tile's last S is done. The d64 forward loses ~2 blocks a
-    # tile against 16k's rate (1k 388 -> 16k 476 TFLOP/s, 8 blocks a tile at 1k); if up
-    # to one of them is that wait, prediction: +3-8% at 1k, +1-3% at 4k, level at 16k.
-    option_tests fwd-q2 twoq tests/test_fwd_hopper.py "persistent_many_tiles and twoq" \
-      "${Q2_TESTS:-1}"  # (Q2_TESTS=0: not; `check 1` runs them too)
-    ab fwd-q2 "FLASHTILE_HOPPER_FWD_Q_BUFFERS=1 FLASHTILE_HOPPER_FWD_Q_BUFFERS=2" \
-      --providers flashtile sdpa-cudnn \
-      --modes fwd --headdim 64 128 --seqlens 1k 4k 16k
-    ;;
   bwd-lpt)
     # lpt (session 29): the grid (heads, key blocks), so every head's first key block, a
     # causal walk's longest, starts first; by default the last head's longest walks start
@@ -721,34 +698,6 @@ PY
     timeout 300 python3 -u -m flashtile bench hf --impls flashtile sdpa --profile 10 \
       --out "$OUT/hf-gen.json" 2>&1 | grep --line-buffered -v "^\s*$" | tee "$OUT/hf-gen.txt" \
       | tail -60  # tee first: a run cut short still leaves its lines (session 30)
-    ;;
-  masks)
-    # The masked blocks' mask as one bound a row (forward, two consumers) and a key
-    # (backward P^T, causal): the same scores, 12-110 (forward) and 33-68 (backward)
-    # fewer instructions a masked walk in the sm_90 SASS. Session 31 before them (the
-    # same cells, flashtile / cuDNN): forward d64 causal 1k 0.79, 2k 0.84 (two
-    # consumers), d128 causal 1k 0.99. Prediction: d64 causal forward 1k-2k +2-5% (to
-    # 0.82-0.88x), forward+backward causal 1k +1-3%, 4k +0-1%. (One set, the default's
-    # own value: ab tags the rows.)
-    AB_ROUNDS=1 AB_SECS=150 ab masks "FLASHTILE_HOPPER_FWD_TREE_MAX=auto" --providers flashtile sdpa-cudnn --modes fwd \
-      fwd_bwd --headdim 64 128 --seqlens 1k 2k 4k --causal true
-    ;;
-  fwd-own)
-    # OWN_WALK (fwd_hopper._mma_tile): with 192-row tiles of 128-key blocks (d64 causal
-    # from 4k) the first consumer computes a block of fully masked scores every tile and
-    # the second every second tile; at d256 (64-key blocks) the first, every tile. With
-    # it they keep only the protocol there (barrier waits, releases, turns). Work saved:
-    # d64 three consumers ~3% of the products at 4k, ~10% at 1k; d256 ~1.5% at 4k, ~6%
-    # at 1k. Prediction: d64 causal 4k-8k +1-3%, 16k +0-1%; three consumers forced at 2k
-    # level with two (-3% today); d256 causal 1k +2-5%, 4k +1-2%; full attention
-    # unchanged (the flag is causal only); the training step level to -0.1 ms.
-    option_tests fwd-own own tests/test_fwd_hopper.py "own" "${OWN_TESTS:-1}"
-    ow=FLASHTILE_HOPPER_FWD_OWN_WALK cf=FLASHTILE_HOPPER_FWD_CONFIG=192,128,4,3
-    ab fwd-own "$ow=0 $ow=1" --providers flashtile sdpa-cudnn --modes fwd --headdim 64 256 \
-      --seqlens 1k 4k 16k --causal true
-    AB_SECS=60 ab fwd-own "$ow=0+$cf $ow=1+$cf" --providers flashtile sdpa-cudnn --modes \
-      fwd --headdim 64 --seqlens 2k --causal true
-    train_steps fwd-own "$ow=0 $ow=1 $ow=0 $ow=1"
     ;;
   hf-train)
     # Session 31, after the share sums moved into the dQ conversion's launch: the 4k-token

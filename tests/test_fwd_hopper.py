@@ -145,13 +145,12 @@ def test_tree_max_off_its_default_matches_float64_reference(tree, head_dim, conf
                                              (256, None)],
                          ids=["d64-m192", "d64", "d128", "d256"])
 @on_hopper
-def test_own_walk_matches_float64_reference(head_dim, config, shape, mask, schedule,
-                                            monkeypatch, fresh_plans):
-    """FLASHTILE_HOPPER_FWD_OWN_WALK=1: each consumer walks its own rows' key blocks and
-    keeps the protocol for the tile's others (three consumers and d256 end early; the
-    first rows of seqlen_q > seqlen_k see no key at all): test_matches_float64_reference's
-    rule on both grids."""
-    monkeypatch.setenv("FLASHTILE_HOPPER_FWD_OWN_WALK", "1")
+def test_causal_consumers_walk_their_own_blocks(head_dim, config, shape, mask, schedule,
+                                                monkeypatch, fresh_plans):
+    """Causal: each consumer walks its own rows' key blocks and keeps the protocol for
+    the tile's others (three consumers and d256 end early; the first rows of
+    seqlen_q > seqlen_k see no key at all): test_matches_float64_reference's rule on
+    both grids, three consumers forced at every shape."""
     if config is not None:
         monkeypatch.setenv("FLASHTILE_HOPPER_FWD_CONFIG", config)
     test_matches_float64_reference(torch.bfloat16, head_dim, shape, mask, schedule)
@@ -280,25 +279,24 @@ PERSISTENT_SHAPES = [(2, 513, 257, 4, 1, "bottom_right"), (1, 257, 777, 3, 1, "t
 @pytest.mark.parametrize("head_dim,dtype,p", [
     (64, torch.bfloat16, None), (128, torch.bfloat16, None), (256, torch.float16, None),
     (128, torch.float8_e4m3fn, "regs"), (128, torch.float8_e4m3fn, "smem"),
-    (64, torch.float16, "m192"), (64, torch.bfloat16, "twoq"), (128, torch.float16, "twoq"),
-    (64, torch.bfloat16, "m192-twoq"), (128, torch.bfloat16, "twoq-tree"),
+    (64, torch.float16, "m192"), (64, torch.bfloat16, "oneq"), (128, torch.float16, "twoq"),
+    (64, torch.bfloat16, "m192-oneq"), (128, torch.bfloat16, "twoq-tree"),
     (64, torch.float16, "m192-flat"), (128, torch.float8_e4m3fn, "regs-tree"),
-    (64, torch.bfloat16, "m192-own"), (256, torch.float16, "own"),
-    (256, torch.float8_e4m3fn, "smem-own")],
+    (256, torch.float8_e4m3fn, "smem")],
     ids=["d64-bf16", "d128-bf16", "d256-fp16", "d128-fp8-p-regs", "d128-fp8-p-smem",
-         "d64-fp16-m192", "d64-bf16-twoq", "d128-fp16-twoq", "d64-bf16-m192-twoq",
+         "d64-fp16-m192", "d64-bf16-oneq", "d128-fp16-twoq", "d64-bf16-m192-oneq",
          "d128-bf16-twoq-tree", "d64-fp16-m192-flat-max", "d128-fp8-p-regs-tree",
-         "d64-bf16-m192-own-walk", "d256-fp16-own-walk", "d256-fp8-p-smem-own-walk"])
+         "d256-fp8-p-smem"])
 @on_hopper
 def test_persistent_many_tiles_per_program(head_dim, dtype, p, shape, programs,
                                            monkeypatch, fresh_plans):
     """The persistent grid with a few programs, each looping over many tiles of
     different lengths (the K/V ring, the turns and Q's buffer carried from tile to tile,
     tiles that see no key, O's store overlapping the next tile, d256 storing O through
-    Q's buffer; twoq: two Q sets, tile i's in set i % 2; tree: TREE_MAX's row max where
-    its default leaves gl.max's, flat: gl.max's where three consumers take the tree;
-    own: OWN_WALK, each consumer's walk its own rows'): the float64 reference's numbers,
-    as with one tile a program."""
+    Q's buffer; Q in two sets, tile i's in set i % 2, at d64 and twoq, in one at oneq;
+    tree: TREE_MAX's row max where its default leaves gl.max's, flat: gl.max's where
+    three consumers take the tree): the float64 reference's numbers, as with one tile a
+    program."""
     b, sq, sk, h, hkv, align = shape
     causal = align is not None
     diag_offset = sk - sq if align == "bottom_right" else 0
@@ -306,10 +304,10 @@ def test_persistent_many_tiles_per_program(head_dim, dtype, p, shape, programs,
     monkeypatch.setattr(fwd_hopper, "_num_sms", lambda device: programs)
     if p and p.startswith("m192"):  # three consumer warpgroups (BLOCK_M 192), 16-bit
         monkeypatch.setenv("FLASHTILE_HOPPER_FWD_CONFIG", "192,128,4,3")
-    monkeypatch.setenv("FLASHTILE_HOPPER_FWD_Q_BUFFERS", "2" if p and "twoq" in p else "1")
+    monkeypatch.setenv("FLASHTILE_HOPPER_FWD_Q_BUFFERS",
+                       "2" if p and "twoq" in p else "1" if p and "oneq" in p else "auto")
     monkeypatch.setenv("FLASHTILE_HOPPER_FWD_TREE_MAX",
                        "1" if p and "tree" in p else "0" if p and "flat" in p else "auto")
-    monkeypatch.setenv("FLASHTILE_HOPPER_FWD_OWN_WALK", "1" if p and "own" in p else "0")
     if dtype.itemsize == 2:
         q, k, v = _inputs(b, sq, sk, h, hkv, head_dim, dtype)
         out, lse = fwd_hopper.attn_fwd(q, k, v, **_kw(causal, diag_offset, 0.1))

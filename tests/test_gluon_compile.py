@@ -23,9 +23,10 @@ pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1",
 
 
 def _compile(head_dim, causal, dtype=torch.bfloat16, descales=True, p_smem=False,
-             persistent=False, q_bufs=1, tree_max="auto", own_walk=False):
+             persistent=False, q_bufs=None, tree_max="auto"):
     """The kernel a launch of ``fwd_hopper.forward`` compiles for these inputs (FP8: out
-    in bfloat16, descales given or not, V through its keys-contiguous copy; tree_max:
+    in bfloat16, descales given or not, V through its keys-contiguous copy; q_bufs: the
+    Q sets asked for, None for the launcher's default; tree_max:
     FLASHTILE_HOPPER_FWD_TREE_MAX's value)."""
     from triton.runtime.jit import mangle_type
 
@@ -42,11 +43,13 @@ def _compile(head_dim, causal, dtype=torch.bfloat16, descales=True, p_smem=False
                  o_desc=mangle_type(fwd_hopper._descriptor(out, (1, rows, 1, head_dim))),
                  softmax_scale="fp32", Schedule="*i32")
     has = fp8 and descales
+    if q_bufs is None:  # as the launcher asks: two sets at d64's persistent grid
+        q_bufs = configs.hopper_fwd_q_buffers(head_dim) if persistent and not fp8 else 1
     flags = dict(IS_CAUSAL=causal, STAGES=cfg.num_stages, HAS_Q_DESCALE=has,
                  HAS_K_DESCALE=has, HAS_V_DESCALE=has,
                  PV_PER_TILE=fp8 and configs.hopper_fwd_fp8_pv_per_tile(head_dim),
                  P_SMEM=p_smem, PERSISTENT=persistent, NUM_WG=cfg.block_m // rows,
-                 Q_BUFS=q_bufs, OWN_WALK=own_walk,
+                 Q_BUFS=fwd_hopper._q_buffers(q_bufs, head_dim, cfg),
                  TREE_MAX=configs.hopper_fwd_tree_max(tree_max, cfg.block_m // rows, fp8))
     return compile_kernel(fwd_hopper._attn_fwd_hopper_kernel, flags,
                           num_warps=cfg.num_warps, types=types)
@@ -75,13 +78,14 @@ SCHEDULE_IDS = ["tiles", "persistent"]
 def test_hopper_forward_compiles_for_sm90(head_dim, causal, persistent):
     """Both schedules (configs.hopper_fwd_persistent). Persistent: O gets a buffer of
     its own where it fits (d64, d128: Q's buffer then goes back to the producer after
-    the last S), d256 keeps storing O through Q's."""
+    the last S), d256 keeps storing O through Q's; d64 keeps two Q sets."""
     ck = _compile(head_dim, causal, persistent=persistent)
     res = resources(ck)
     assert res["shared_bytes"] <= configs.SM90_SMEM_BYTES, res
     cfg = configs.HOPPER_FWD_16BIT[head_dim]
     tile = 64 * head_dim * 2  # one warpgroup's 16-bit Q (or O) tile, bytes
-    ring = 2 * tile + cfg.num_stages * 2 * cfg.block_n * head_dim * 2
+    q_sets = 2 if persistent and head_dim == 64 else 1
+    ring = q_sets * 2 * tile + cfg.num_stages * 2 * cfg.block_n * head_dim * 2
     own_o = persistent and head_dim <= 128
     assert ring + own_o * 2 * tile <= res["shared_bytes"] < ring + (own_o + 1) * 2 * tile
     assert res["stack_bytes"] == 0, res  # no spills under the 240-register cap
@@ -124,7 +128,7 @@ def test_hopper_forward_two_q_sets_compile_for_sm90(head_dim, causal, config, mo
         monkeypatch.setenv("FLASHTILE_HOPPER_FWD_CONFIG", config)
     cfg = configs.hopper_fwd_config(head_dim)
     assert fwd_hopper._q_buffers(2, head_dim, cfg) == 2
-    one = resources(_compile(head_dim, causal, persistent=True))
+    one = resources(_compile(head_dim, causal, persistent=True, q_bufs=1))
     ck = _compile(head_dim, causal, persistent=True, q_bufs=2)
     res = resources(ck)
     q_set = cfg.block_m * head_dim * 2
@@ -139,20 +143,25 @@ def test_hopper_forward_two_q_sets_compile_for_sm90(head_dim, causal, config, mo
 
 
 def test_two_q_sets_only_where_they_fit(monkeypatch):
-    """FLASHTILE_HOPPER_FWD_Q_BUFFERS: "1" (unset) or "2", else a ValueError naming it;
-    two sets only where they fit beside the ring and O (not d256's 128 x 64 tiles)."""
+    """FLASHTILE_HOPPER_FWD_Q_BUFFERS: "auto" (unset: two sets at head_dim 64, one
+    elsewhere), "1" or "2", else a ValueError naming it; two sets only where they fit
+    beside the ring and O (not d256's 128 x 64 tiles)."""
     from flashtile.ops import fwd_hopper
 
-    monkeypatch.delenv("FLASHTILE_HOPPER_FWD_Q_BUFFERS", raising=False)
-    assert configs.hopper_fwd_q_buffers() == 1
-    monkeypatch.setenv("FLASHTILE_HOPPER_FWD_Q_BUFFERS", "2")
-    assert configs.hopper_fwd_q_buffers() == 2
-    monkeypatch.setenv("FLASHTILE_HOPPER_FWD_Q_BUFFERS", "3")
-    with pytest.raises(ValueError, match=r"FLASHTILE_HOPPER_FWD_Q_BUFFERS must be one of "
-                       r"\('1', '2'\), got '3'"):
-        configs.hopper_fwd_q_buffers()
+    name = "FLASHTILE_HOPPER_FWD_Q_BUFFERS"
+    monkeypatch.delenv(name, raising=False)
+    assert [configs.hopper_fwd_q_buffers(d) for d in (64, 128, 256)] == [2, 1, 1]
+    monkeypatch.setenv(name, "2")
+    assert configs.hopper_fwd_q_buffers(128) == 2
+    monkeypatch.setenv(name, "1")
+    assert configs.hopper_fwd_q_buffers(64) == 1
+    monkeypatch.setenv(name, "3")
+    with pytest.raises(ValueError, match=name + r" must be one of \('auto', '1', '2'\), "
+                       r"got '3'"):
+        configs.hopper_fwd_q_buffers(64)
     assert fwd_hopper._q_buffers(2, 256, configs.HOPPER_FWD_16BIT[256]) == 1
     assert fwd_hopper._q_buffers(1, 64, configs.HOPPER_FWD_16BIT[64]) == 1
+    assert fwd_hopper._q_buffers(2, 64, configs.HOPPER_FWD_16BIT[64]) == 2
 
 
 def _exp2_under_each_pv(sass: str) -> list[int]:
@@ -219,11 +228,11 @@ def test_tree_max_in_the_sass(head_dim, causal, config, monkeypatch):
 @pytest.mark.parametrize("persistent", SCHEDULES, ids=SCHEDULE_IDS)
 @pytest.mark.parametrize("head_dim,config", [(64, "192,128,4,3"), (256, None)],
                          ids=["d64-three", "d256"])
-def test_own_walk_keeps_the_walks(head_dim, config, persistent, monkeypatch):
-    """OWN_WALK (FLASHTILE_HOPPER_FWD_OWN_WALK=1, causal), where it ends consumers' walks
-    early (three consumers; d256's 64-key blocks): every walk issues the products and
-    exp2 of the default's (the skip loop adds only barrier waits, on the retry paths),
-    with no local memory in them."""
+def test_causal_walks_end_per_consumer(head_dim, config, persistent, monkeypatch):
+    """Causal consumers walk their own rows' key blocks and only keep the protocol for
+    the tile's others (three consumers; d256's 64-key blocks): the causal kernel's walks
+    issue the products and exp2 of full attention's (that loop of barrier waits holds
+    none), with no local memory in them."""
     if config is not None:
         monkeypatch.setenv("FLASHTILE_HOPPER_FWD_CONFIG", config)
 
@@ -232,22 +241,10 @@ def test_own_walk_keeps_the_walks(head_dim, config, persistent, monkeypatch):
                                                        for op in body))
                 for body in _walks(sass)]
 
-    own = _sass(_compile(head_dim, True, persistent=persistent, own_walk=True))
-    assert counts(own) == counts(_sass(_compile(head_dim, True, persistent=persistent)))
-    assert len(counts(own)) >= 4
-    assert not any(op.startswith(("STL", "LDL")) for body in _walks(own) for op in body)
-
-
-def test_own_walk_knob(monkeypatch):
-    """FLASHTILE_HOPPER_FWD_OWN_WALK: "0" (unset) or "1", else a ValueError naming it."""
-    name = "FLASHTILE_HOPPER_FWD_OWN_WALK"
-    monkeypatch.delenv(name, raising=False)
-    assert configs.hopper_fwd_own_walk() is False
-    monkeypatch.setenv(name, "1")
-    assert configs.hopper_fwd_own_walk() is True
-    monkeypatch.setenv(name, "2")
-    with pytest.raises(ValueError, match=name + r" must be one of \('0', '1'\), got '2'"):
-        configs.hopper_fwd_own_walk()
+    causal = _sass(_compile(head_dim, True, persistent=persistent))
+    assert counts(causal) == counts(_sass(_compile(head_dim, False, persistent=persistent)))
+    assert len(counts(causal)) >= 4
+    assert not any(op.startswith(("STL", "LDL")) for body in _walks(causal) for op in body)
 
 
 def test_tree_max_knob(monkeypatch):
@@ -286,13 +283,15 @@ def test_hopper_forward_three_consumers_compile_for_sm90(head_dim, causal, persi
     to a warpgroup); register reallocation 24 / 160 (three consumers' 160 and the
     producer's 24 a thread fit 64K registers), with no spills under that cap: S, O and
     P a thread (d64: 64 + 32 + 32; d128 at 64 keys: 32 + 64 + 16). Shared memory: Q 3 x
-    d x 128 bytes, the K/V ring, and (persistent) O's 3 x d x 128 bytes."""
+    d x 128 bytes (twice on d64's persistent grid: two Q sets), the K/V ring, and
+    (persistent) O's 3 x d x 128 bytes."""
     block_n = THREE_CONSUMERS[head_dim]
     monkeypatch.setenv("FLASHTILE_HOPPER_FWD_CONFIG", f"192,{block_n},4,{stages}")
     ck = _compile(head_dim, causal, persistent=persistent)
     res = resources(ck)
     tile = 64 * head_dim * 2
-    ring = 3 * tile + stages * 2 * block_n * head_dim * 2
+    q_sets = 2 if persistent and head_dim == 64 else 1
+    ring = q_sets * 3 * tile + stages * 2 * block_n * head_dim * 2
     assert ring + persistent * 3 * tile <= res["shared_bytes"] \
         < ring + (persistent + 1) * 3 * tile, res
     assert res["shared_bytes"] <= configs.SM90_SMEM_BYTES, res

@@ -463,20 +463,26 @@ def hopper_fwd_persistent(head_dim: int, fp8: bool, seqlen_q: int = 0) -> bool:
     return mode == "persistent"
 
 
-# Q buffer sets of the Gluon forward's persistent grid (fwd_hopper._load_partition): 1,
-# or 2 so that the next tile's Q and first K and V load during this tile. Session 29:
-# compiled for sm_90 (d64 and d128, two and three consumers), not yet run on a GPU.
-HOPPER_FWD_Q_BUFFERS = ("1", "2")
+# Q buffer sets of the Gluon forward's persistent grid (fwd_hopper._load_partition):
+# "auto" (two at head_dim 64), "1", or "2" so that the next tile's Q and first K and V
+# load during this tile. Session 32 on the H200 (NOTES.md section 42, two rounds beside
+# cuDNN): d64 +3-5% at 1k (full and causal), level at 4k and 16k; d128 mixed (-2 to
+# +5%), causal 16k 2-3% slower.
+HOPPER_FWD_Q_BUFFERS = ("auto", "1", "2")
 
 
-def hopper_fwd_q_buffers() -> int:
-    """FLASHTILE_HOPPER_FWD_Q_BUFFERS: "1" (the default) or "2", the Q buffer sets the
-    Gluon forward's persistent grid keeps, for the GPU A/B. With one, the producer loads
-    the next tile's Q only once this tile's last S is done, and that tile's first K and
-    V only after it; with two, as soon as it has issued this tile's last K and V. Taken
-    where shared memory holds the second set beside O's own buffer (16-bit inputs:
-    ``fwd_hopper._q_buffers``). Read at each call (part of the launch plan's key)."""
-    return int(_env_choice("FLASHTILE_HOPPER_FWD_Q_BUFFERS", HOPPER_FWD_Q_BUFFERS))
+def hopper_fwd_q_buffers(head_dim: int) -> int:
+    """FLASHTILE_HOPPER_FWD_Q_BUFFERS ("auto", "1" or "2"): the Q buffer sets the Gluon
+    forward's persistent grid asks for at ``head_dim`` (the kernel's tile width); auto
+    is two at 64, one elsewhere. With one, the producer loads the next tile's Q only
+    once this tile's last S is done, and that tile's first K and V only after it; with
+    two, as soon as it has issued this tile's last K and V. Taken where shared memory
+    holds the second set beside O's own buffer (16-bit inputs: ``fwd_hopper._q_buffers``).
+    Read at each call (part of the launch plan's key)."""
+    choice = _env_choice("FLASHTILE_HOPPER_FWD_Q_BUFFERS", HOPPER_FWD_Q_BUFFERS)
+    if choice == "auto":
+        return 2 if head_dim <= 64 else 1
+    return int(choice)
 
 
 # The Gluon forward's row max as a tree (fwd_hopper._online_softmax's TREE_MAX): "auto"
@@ -499,21 +505,6 @@ def hopper_fwd_tree_max(choice: str, num_wg: int, fp8: bool) -> bool:
     "auto" where three 16-bit consumers share the tensor cores (see
     HOPPER_FWD_TREE_MAX)."""
     return choice == "1" or (choice == "auto" and num_wg == 3 and not fp8)
-
-
-# Each consumer of the Gluon forward's causal tiles walks its own rows' key blocks
-# (fwd_hopper._mma_tile's OWN_WALK): "0" (the default until timed) or "1". Session 31:
-# sm_90 SASS only: with three consumers (192-row tiles of 128-key blocks) the first
-# skips a block of fully masked scores every tile and the second every second tile; at
-# d256 (64-key blocks) the first, every tile. Not yet run on a GPU.
-HOPPER_FWD_OWN_WALK = ("0", "1")
-
-
-def hopper_fwd_own_walk() -> bool:
-    """FLASHTILE_HOPPER_FWD_OWN_WALK: "1" ends each consumer's causal walk at its own
-    rows' last key block (the kernel's OWN_WALK), "0" (the default) at the tile's.
-    Read at each call (part of the launch plan's key)."""
-    return _env_choice("FLASHTILE_HOPPER_FWD_OWN_WALK", HOPPER_FWD_OWN_WALK) == "1"
 
 
 def hopper_fwd_config(head_dim: int, fp8: bool = False, seqlen_q: int = 0,

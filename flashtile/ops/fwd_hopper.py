@@ -60,11 +60,11 @@ The grid (FLASHTILE_HOPPER_FWD_SCHEDULE, ``configs.hopper_fwd_persistent``):
   Q's buffer goes back to the producer (q_empty) once the tile's last S is done unless
   O leaves through it (16-bit d256: handed back after O's store); elsewhere O has a
   buffer of its own (16-bit d64 and d128, FP8) or P's (FP8 BLOCK_N 256) and its TMA
-  store runs under the next tile. FLASHTILE_HOPPER_FWD_Q_BUFFERS=2 (Q_BUFS; 16-bit
-  where it fits, ``_q_buffers``) gives Q two buffer sets, tile i's in set i % 2: the
+  store runs under the next tile. At d64 (FLASHTILE_HOPPER_FWD_Q_BUFFERS, Q_BUFS; 16-bit
+  where it fits, ``_q_buffers``) Q has two buffer sets, tile i's in set i % 2: the
   producer then loads the next tile's Q, and its first K and V behind it, as soon as it
   has issued this tile's last K and V, rather than once this tile's last S is done
-  (session 29: compiled, not yet timed). Compiled for sm_90 in CI (no spills, both
+  (session 32: d64 +3-5% at 1k, level from 4k; d128 mixed). Compiled for sm_90 in CI (no spills, both
   schedules); timed on the H200 (session 12, NOTES.md section 22) at 1.11-1.15x
   "tiles" for bf16 at 1k, 1.07x causal at 4k, level at 16k, FP8 full attention 3%
   slower; its GPU tests passed in session 13. "auto" (the default) takes it for 16-bit
@@ -417,17 +417,19 @@ def _mma_tile(i, kv_base, turn_base, q_smem, k_smem, v_smem, o_smem, p_smem, q_r
               qk_scale, lse_row0, v_descale_off, WG: gl.constexpr, IS_CAUSAL: gl.constexpr,
               HAS_V_DESCALE: gl.constexpr, PV_PER_TILE: gl.constexpr, P_SMEM: gl.constexpr,
               PERSISTENT: gl.constexpr, O_IN_Q: gl.constexpr, O_IN_P: gl.constexpr,
-              Q_BUFS: gl.constexpr, TREE_MAX: gl.constexpr, OWN_WALK: gl.constexpr):
+              Q_BUFS: gl.constexpr, TREE_MAX: gl.constexpr):
     """Consumer warpgroup WG on rows row0 + 64 * WG + [0, 64) of the program's i-th tile,
     its K/V blocks counted in the ring from kv_base and its turns from turn_base.
 
-    OWN_WALK (causal): the warpgroup computes the key blocks its own 64 rows see, not
-    the tile's (n_blocks and n_full by the tile's first and last rows). With 192-row
-    tiles of 128-key blocks the first warpgroup would compute a block of fully masked
-    scores every tile and the second every second tile; with 128-row tiles of 64-key
-    blocks (d256) the first, every tile; 128 rows over 128 keys lose nothing.
-    Past its own walk it keeps the protocol: it waits for each remaining block's K and
-    V, releases them and passes its turns on, so the others issue back to back.
+    Causal: the warpgroup computes the key blocks its own 64 rows see, not the tile's
+    (n_blocks and n_full by the tile's first and last rows). With 192-row tiles of
+    128-key blocks the first warpgroup would compute a block of fully masked scores
+    every tile and the second every second tile; with 128-row tiles of 64-key blocks
+    (d256) the first, every tile; 128 rows over 128 keys lose nothing. Past its own
+    walk it keeps the protocol: it waits for each remaining block's K and V, releases
+    them and passes its turns on, so the others issue back to back. (Session 32 on the
+    H200, against walking the tile's blocks: d64 causal 4k +3-5%, d256 causal 1k
+    +7-11% and 4k +4-5%; NOTES.md section 42.)
 
     PERSISTENT: Q's buffer is handed back to the producer (q_empty) for the next tile as
     soon as this tile's last S is done, unless O leaves through it (O_IN_Q): then once
@@ -462,10 +464,14 @@ def _mma_tile(i, kv_base, turn_base, q_smem, k_smem, v_smem, o_smem, p_smem, q_r
     mbarrier.wait(q_ready.index(q_at), (i // Q_BUFS) & 1)
 
     n_tile = n_blocks
-    if OWN_WALK:  # this warpgroup's rows' walk (at least block 0, as the tile's)
+    if IS_CAUSAL:  # this warpgroup's rows' walk (at least block 0, as the tile's)
         n_blocks, n_full = _tile_blocks(row0 + WG * BLOCK_M_WG, seqlen_q, seqlen_k,
                                         diag_offset, BLOCK_M_WG, BLOCK_N, IS_CAUSAL)
         n_blocks = gl.minimum(gl.maximum(n_blocks, 1), n_tile)
+        # Rows all past seqlen_q: n_blocks is clamped by the last real row, n_full by the
+        # first of these (d128's third consumer at q 1 counts 2 full 64-key blocks), and
+        # a full block past n_blocks is one the producer never loads.
+        n_full = gl.minimum(n_full, n_blocks)
     if n_blocks > 0:
         # Block 0: S_0 alone (there is no P yet).
         first = kv_base % STAGES
@@ -522,7 +528,7 @@ def _mma_tile(i, kv_base, turn_base, q_smem, k_smem, v_smem, o_smem, p_smem, q_r
         else:
             acc = warpgroup_mma_wait(0, deps=(acc,))
         mbarrier.arrive(v_empty.index(last), count=1)
-        if OWN_WALK:
+        if IS_CAUSAL:
             for j in range(n_blocks, n_tile):  # the tile's blocks past this warpgroup's
                 c = kv_base + j
                 stage = c % STAGES
@@ -573,7 +579,7 @@ def _mma_partition(args, WG: gl.constexpr, IS_CAUSAL: gl.constexpr,
                    HAS_V_DESCALE: gl.constexpr, PV_PER_TILE: gl.constexpr,
                    P_SMEM: gl.constexpr, PERSISTENT: gl.constexpr,
                    O_IN_Q: gl.constexpr, O_IN_P: gl.constexpr, Q_BUFS: gl.constexpr,
-                   TREE_MAX: gl.constexpr, OWN_WALK: gl.constexpr):
+                   TREE_MAX: gl.constexpr):
     """Consumer warpgroup WG: rows 64 * WG + [0, 64) of each tile of the program, in the
     producer's order (``_tile_at``)."""
     (q_smem, k_smem, v_smem, o_smem, p_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
@@ -602,7 +608,7 @@ def _mma_partition(args, WG: gl.constexpr, IS_CAUSAL: gl.constexpr,
                   scale * LOG2E, off_bh * seqlen_q,  # lse: (batch, nheads, seqlen_q)
                   off_b * stride_vdesc_b + off_hkv * stride_vdesc_h, WG, IS_CAUSAL,
                   HAS_V_DESCALE, PV_PER_TILE, P_SMEM, PERSISTENT, O_IN_Q, O_IN_P, Q_BUFS,
-                  TREE_MAX, OWN_WALK)
+                  TREE_MAX)
         kv_base += n_blocks
         turn_base += n_blocks + (n_blocks > 0).to(gl.int32)  # the last P V's turn
     if PERSISTENT and not O_IN_Q:
@@ -619,7 +625,7 @@ def _attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, Lse, QDescale, KDesc
                             HAS_V_DESCALE: gl.constexpr, PV_PER_TILE: gl.constexpr,
                             P_SMEM: gl.constexpr, PERSISTENT: gl.constexpr,
                             NUM_WG: gl.constexpr, Q_BUFS: gl.constexpr,
-                            TREE_MAX: gl.constexpr, OWN_WALK: gl.constexpr):
+                            TREE_MAX: gl.constexpr):
     """One program a (query tile, batch-head) of the (n_tiles_m, batch * nheads) grid,
     or (PERSISTENT) a program per SM walking its row of the host's Schedule. NUM_WG
     consumer warpgroups of 64 rows each: 2, or 3 (BLOCK_M 192, where the module
@@ -710,24 +716,24 @@ def _attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, Lse, QDescale, KDesc
         gl.warp_specialize([
             (_mma_partition, (mma_args, 0, IS_CAUSAL, HAS_Q_DESCALE, HAS_K_DESCALE,
                               HAS_V_DESCALE, PV_PER_TILE, P_SMEM, PERSISTENT, O_IN_Q,
-                              O_IN_P, Q_BUFS, TREE_MAX, OWN_WALK)),
+                              O_IN_P, Q_BUFS, TREE_MAX)),
             (_load_partition, (load_args, IS_CAUSAL, PERSISTENT, Q_BUFS)),
             (_mma_partition, (mma_args, 1, IS_CAUSAL, HAS_Q_DESCALE, HAS_K_DESCALE,
                               HAS_V_DESCALE, PV_PER_TILE, P_SMEM, PERSISTENT, O_IN_Q,
-                              O_IN_P, Q_BUFS, TREE_MAX, OWN_WALK)),
+                              O_IN_P, Q_BUFS, TREE_MAX)),
             (_mma_partition, (mma_args, 2, IS_CAUSAL, HAS_Q_DESCALE, HAS_K_DESCALE,
                               HAS_V_DESCALE, PV_PER_TILE, P_SMEM, PERSISTENT, O_IN_Q,
-                              O_IN_P, Q_BUFS, TREE_MAX, OWN_WALK)),
+                              O_IN_P, Q_BUFS, TREE_MAX)),
         ], [1, 4, 4], [PRODUCER_REGS, CONSUMER_REGS_3WG, CONSUMER_REGS_3WG])
     else:
         gl.warp_specialize([
             (_mma_partition, (mma_args, 0, IS_CAUSAL, HAS_Q_DESCALE, HAS_K_DESCALE,
                               HAS_V_DESCALE, PV_PER_TILE, P_SMEM, PERSISTENT, O_IN_Q,
-                              O_IN_P, Q_BUFS, TREE_MAX, OWN_WALK)),
+                              O_IN_P, Q_BUFS, TREE_MAX)),
             (_load_partition, (load_args, IS_CAUSAL, PERSISTENT, Q_BUFS)),
             (_mma_partition, (mma_args, 1, IS_CAUSAL, HAS_Q_DESCALE, HAS_K_DESCALE,
                               HAS_V_DESCALE, PV_PER_TILE, P_SMEM, PERSISTENT, O_IN_Q,
-                              O_IN_P, Q_BUFS, TREE_MAX, OWN_WALK)),
+                              O_IN_P, Q_BUFS, TREE_MAX)),
         ], [1, 4], [PRODUCER_REGS, CONSUMER_REGS])
 
 
@@ -897,9 +903,8 @@ def forward(q, k, v, softmax_scale, diag_offset, causal, q_descale=None, k_desca
     descales = (q_descale, k_descale, v_descale)
     p_smem = fp8 and configs.hopper_fwd_fp8_p_smem()
     persistent = configs.hopper_fwd_persistent(tile_d, fp8, sq)
-    q_bufs = configs.hopper_fwd_q_buffers() if persistent and not fp8 else 1
+    q_bufs = configs.hopper_fwd_q_buffers(tile_d) if persistent and not fp8 else 1
     tree_choice = configs.hopper_fwd_tree_max_choice()
-    own_walk = causal and configs.hopper_fwd_own_walk()
     pv_per_tile = fp8 and configs.hopper_fwd_fp8_pv_per_tile(tile_d)
     key = None
     if _launch.ready(q):
@@ -915,7 +920,7 @@ def forward(q, k, v, softmax_scale, diag_offset, causal, q_descale=None, k_desca
             scales, fp8_key = (lse_ptr, lse_ptr, lse_ptr), None
         key = ("hopper_fwd", q.dtype, q.shape, k.shape, q.stride(), k.stride(),
                None if fp8 else v.stride(), causal, diag_offset, persistent, q_bufs,
-               tree_choice, own_walk, fp8_key)
+               tree_choice, fp8_key)
         found = _launch.lookup(key)
         if found is not None:
             plan, schedule = found  # the plan encodes the tensor maps from the tensors
@@ -940,8 +945,7 @@ def forward(q, k, v, softmax_scale, diag_offset, causal, q_descale=None, k_desca
                  HAS_V_DESCALE=v_descale is not None,
                  PV_PER_TILE=pv_per_tile, P_SMEM=p_smem, PERSISTENT=persistent,
                  NUM_WG=num_wg, Q_BUFS=_q_buffers(q_bufs, tile_d, cfg),
-                 TREE_MAX=configs.hopper_fwd_tree_max(tree_choice, num_wg, fp8),
-                 OWN_WALK=own_walk)
+                 TREE_MAX=configs.hopper_fwd_tree_max(tree_choice, num_wg, fp8))
     configs.log_first_launch("hopper forward", q, d, cfg, flags)
     n_tiles_m = configs.cdiv(sq, cfg.block_m)
     grid = (schedule.shape[0],) if persistent else (n_tiles_m, b * h)
