@@ -51,7 +51,8 @@
 #   hf-train     issue 16's training step (the head split's GPU tests, then flashtile
 #                bench hf's step: 5 repetitions, the kernels under the profiler) (~4 min)
 #   hopper       the Gluon forward's GPU tests (16-bit) and its timing     (~9 min)
-#   tp           the tensor-parallel driver's tests (2 GPUs)              (~4 min)
+#   tp           the tensor-parallel driver's tests (2 GPUs), then the 8B shape's
+#                throughput over two GPUs and one                          (~8 min)
 #   ncu          the Gluon backward (d128; transformers' d64 GQA step), the d64 and FP8
 #                forwards, one launch each under Nsight Compute             (~4 min)
 #   fp32         the accuracy table's fp32 rows, fp32 beside SDPA efficient, backward tile
@@ -778,9 +779,18 @@ PY
     done
     ;;
   tp)
-    # Tensor parallelism on 2 GPUs (nvidia-h200-x2): the driver's GPU tests, then generate.
+    # Tensor parallelism on 2 GPUs (nvidia-h200-x2): the driver's GPU tests (two ranks
+    # equal one process, eager and CUDA graphs), then the 8B shape's throughput over two
+    # GPUs beside one (session 16 on one: 8,665 output tokens/s, 16.7 s, 66% of its
+    # roofline). Prediction: 1.5-1.8x one GPU's tokens/s (the all-reduces, two a layer,
+    # and the unsplit sampler keep it under 2x), 50-65% of the two-GPU roofline.
     timeout 300 python3 -m pytest -q -p no:cacheprovider --gpu tests/test_engine_tp_driver.py \
       tests/test_engine_tp.py 2>&1 | tail -4 | tee "$OUT/tp-tests.txt"
+    for n in 2 1; do
+      timeout 140 python3 -m flashtile.bench.throughput --models llama-3-8b --providers \
+        engine-flashtile-graphs --tensor-parallel-size $n --timeout 130 \
+        --out "$OUT/tp$n.json" 2>&1 | tail -4 | tee -a "$OUT/tp-throughput.txt"
+    done
     ;;
   serve)
     # Random weights at the 1B shape: the directory needs only config.json.

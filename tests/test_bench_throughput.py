@@ -181,3 +181,47 @@ def test_decode_step_kernels_on_a_tiny_model(tmp_path, monkeypatch, on_gpu):
     text = throughput.decode_step_markdown(rows[1:], top=3)
     assert "| tiny | prefill 2x40 | 40 |" in text
     assert f"**tiny, a prompt step of 2 x 40 tokens**: {step_kernels.STEPS} steps" in text
+
+
+# ---- --tensor-parallel-size: the engine's providers over N GPUs
+
+def test_tensor_parallel_rows_count_every_gpu_in_the_roofline(monkeypatch, tmp_path):
+    """The child gets the flag (argv is passed on); the row names the split and its
+    roofline is the workload's on two devices' bandwidth and matrix rate."""
+    import json
+
+    seen = []
+
+    def child(args, argv, provider, model_dir):
+        seen.append(argv)
+        return dict(wall_s=10.0, output_tokens=5000, input_tokens=4000, requests=8,
+                    peak_gib=1.0)
+
+    monkeypatch.setattr(throughput, "_child", child)
+    out = tmp_path / "tp.json"
+    argv = ["--models", "qwen2.5-0.5b", "--providers", "engine-flashtile-graphs",
+            "--num-requests", "8", "--tensor-parallel-size", "2", "--out", str(out)]
+    assert throughput.main(argv) == 0
+    assert seen == [argv]
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["provider"] == "engine-flashtile-graphs (tp 2)"
+    assert row["tensor_parallel_size"] == 2
+    cfg = throughput.PRESETS["qwen2.5-0.5b"]
+    requests = throughput.workload(8, 100, 1024, cfg["vocab_size"], 0)
+    two = throughput.roofline_seconds(cfg, requests, 2 * 4239.0, 2 * 786.0, 256)
+    one = throughput.roofline_seconds(cfg, requests, 4239.0, 786.0, 256)
+    assert two < one
+    assert row["roofline_frac"] == pytest.approx(two / 10.0)
+
+
+@pytest.mark.parametrize("extra", [["--providers", "hf-generate", "engine-sdpa"],
+                                   ["--decode-step"], ["--tensor-parallel-size", "0"]])
+def test_tensor_parallel_size_is_refused_where_it_does_not_apply(extra, capsys):
+    argv = ["--tensor-parallel-size", "2"] + extra
+    with pytest.raises(SystemExit):
+        throughput.main(argv)
+    err = capsys.readouterr().err
+    if extra[0] == "--tensor-parallel-size":
+        assert "--tensor-parallel-size: expected an integer >= 1, got 0" in err
+    else:
+        assert "--tensor-parallel-size 2: the engine's providers only" in err

@@ -22,6 +22,10 @@ Providers:
 The roofline is the time the workload's decode steps would take if each step read the weights
 once and every live sequence's KV cache once at the device's copy bandwidth, plus the prompt
 FLOPs (2 * parameters per token) at the matrix rate: ``roofline_seconds`` below.
+
+``--tensor-parallel-size N`` splits the engine's model over N GPUs (``LLM``'s
+tensor_parallel_size; the transformers providers run on one and are refused with it). The
+roofline then counts N devices' bandwidth and matrix rate, and no time for the all-reduces.
 """
 
 from __future__ import annotations
@@ -112,10 +116,11 @@ def roofline_seconds(cfg, requests, copy_gbs, matmul_tflops, max_num_seqs, dtype
     return seconds
 
 
-def _row(model, provider, res, roofline):
+def _row(model, provider, res, roofline, tp=1):
     tps = res["output_tokens"] / res["wall_s"]
     total = (res["output_tokens"] + res["input_tokens"]) / res["wall_s"]
-    return dict(model=model, provider=provider, requests=res["requests"],
+    return dict(model=model, provider=provider + (f" (tp {tp})" if tp > 1 else ""),
+                tensor_parallel_size=tp, requests=res["requests"],
                 output_tok_s=tps, total_tok_s=total, wall_s=res["wall_s"],
                 peak_gib=res["peak_gib"],
                 vs_hf=None,  # set once the model's generate_batch row is known
@@ -214,6 +219,8 @@ def main(argv=None):
     p.add_argument("--min-len", type=int, default=100)
     p.add_argument("--max-len", type=int, default=1024)
     p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
+                   help="GPUs the engine's model is split over (its providers only)")
     p.add_argument("--hf-requests", type=int, default=64,
                    help="transformers runs this many of the requests (it is slow)")
     p.add_argument("--hf-batch", type=int, default=32)
@@ -247,6 +254,14 @@ def main(argv=None):
     p.add_argument("--one", help=argparse.SUPPRESS)
     p.add_argument("--model-dir", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    tp = args.tensor_parallel_size
+    if tp < 1:
+        p.error(f"--tensor-parallel-size: expected an integer >= 1, got {tp}")
+    if tp > 1 and (args.decode_step or any(x.startswith("hf-") for x in args.providers)):
+        p.error(f"--tensor-parallel-size {tp}: the engine's providers only (transformers "
+                "runs on one GPU, and --decode-step times one process's step); got "
+                f"--providers {' '.join(args.providers)}"
+                + (" --decode-step" if args.decode_step else ""))
     if args.one:
         from flashtile.bench.throughput_runs import run_one
         return run_one(args)
@@ -257,10 +272,11 @@ def main(argv=None):
         cfg = PRESETS[name]
         requests = workload(args.num_requests, args.min_len, args.max_len, cfg["vocab_size"],
                             args.seed)
-        roof = roofline_seconds(cfg, requests, args.copy_gbs, args.matmul_tflops,
+        roof = roofline_seconds(cfg, requests, tp * args.copy_gbs, tp * args.matmul_tflops,
                                 args.max_num_seqs)
         print(f"{name}: {param_count(cfg) / 1e9:.2f} B parameters, roofline "
-              f"{roof:.1f} s for {len(requests)} requests", flush=True)
+              f"{roof:.1f} s for {len(requests)} requests"
+              + (f" on {tp} GPUs" if tp > 1 else ""), flush=True)
         hf_tps = None
         with tempfile.TemporaryDirectory() as d:
             with open(os.path.join(d, "config.json"), "w") as f:
@@ -273,7 +289,7 @@ def main(argv=None):
                 part_roof = roof if res["requests"] == len(requests) else 0
                 if prov == "hf-generate-batch":
                     hf_tps = res["output_tokens"] / res["wall_s"]
-                row = _row(name, prov, res, part_roof)
+                row = _row(name, prov, res, part_roof, tp)
                 rows.append(row)
                 note = " (under cProfile)" if res.get("profiled") else ""
                 print(f"  {prov}: {row['output_tok_s']:.0f} output tok/s, "

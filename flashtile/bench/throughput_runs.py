@@ -84,7 +84,8 @@ def _engine(args, cfg, requests, backend, eager):
     began = time.perf_counter()
     llm = LLM(model=args.model_dir, dtype="bfloat16", load_format="dummy",
               attention_backend=backend, enforce_eager=eager, max_num_seqs=args.max_num_seqs,
-              max_model_len=2 * args.max_len + 16, seed=0)
+              max_model_len=2 * args.max_len + 16, seed=0,
+              tensor_parallel_size=args.tensor_parallel_size)
     params = [SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=n)
               for _, n in requests]
     prompts = [p for p, _ in requests]
@@ -117,6 +118,7 @@ def _engine(args, cfg, requests, backend, eager):
             pstats.Stats(profiler, stream=f).sort_stats("tottime").print_stats(40)
     produced = sum(len(o.outputs[0].token_ids) for o in outs)
     return dict(wall_s=wall, output_tokens=produced, profiled=bool(args.profile),
+                # (rank 0's device under tensor parallelism: each rank holds 1/N)
                 peak_gib=torch.cuda.max_memory_allocated() / 2**30,
                 trace=trace.summary() if trace else None)
 
