@@ -141,27 +141,33 @@ def test_tree_max_off_its_default_matches_float64_reference(tree, head_dim, conf
 
 @pytest.mark.parametrize("mask", ["causal", "causal_top_left"])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "b{}-q{}-k{}-h{}/{}".format(*s))
-@pytest.mark.parametrize("head_dim,config", [(64, "192,128,4,3"), (64, None), (128, None),
-                                             (256, None)],
-                         ids=["d64-m192", "d64", "d128", "d256"])
+@pytest.mark.parametrize("head_dim,config", [(64, "192,128,4,3"), (128, "192,64,4,4"),
+                                             (64, None), (128, None), (256, None)],
+                         ids=["d64-m192", "d128-m192", "d64", "d128", "d256"])
 @on_hopper
 def test_causal_consumers_walk_their_own_blocks(head_dim, config, shape, mask, schedule,
                                                 monkeypatch, fresh_plans):
     """Causal: each consumer walks its own rows' key blocks and keeps the protocol for
     the tile's others (three consumers and d256 end early; the first rows of
     seqlen_q > seqlen_k see no key at all): test_matches_float64_reference's rule on
-    both grids, three consumers forced at every shape."""
+    both grids, three consumers forced at every shape. d128-m192 at q 1, top-left: the
+    third consumer's rows all lie past seqlen_q, where its first row alone counted two
+    full 64-key blocks against one block to walk, and it walked one the producer never
+    loads (session 32, before n_full was clamped to n_blocks)."""
     if config is not None:
         monkeypatch.setenv("FLASHTILE_HOPPER_FWD_CONFIG", config)
     test_matches_float64_reference(torch.bfloat16, head_dim, shape, mask, schedule)
 
 
-@pytest.mark.parametrize("mask,seqlen", [("full", 2100), ("full", 8200), ("causal", 4100)])
+@pytest.mark.parametrize("mask,seqlen", [("full", 2100), ("full", 8200), ("causal", 4100),
+                                         ("full", 4096), ("causal", 4096)])
 @on_hopper
 def test_long_d64_takes_three_consumers(mask, seqlen, schedule):
     """Unset FLASHTILE_HOPPER_FWD_CONFIG, 16-bit d64 from 4k queries and keys (causal)
     or 2k (full) runs three consumers (configs.HOPPER_FWD_D64_THREE): lengths off the
-    192-row tiles against the float64 reference, on both grids."""
+    192-row tiles against the float64 reference, on both grids. At 4,096 the last tile's
+    second and third warpgroups lie wholly past seqlen_q (block 0 only, then the
+    protocol: _mma_tile's OWN_BLOCKS)."""
     from flashtile.ops import configs
 
     causal = MASKS[mask][0]

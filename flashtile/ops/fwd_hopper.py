@@ -429,7 +429,9 @@ def _mma_tile(i, kv_base, turn_base, q_smem, k_smem, v_smem, o_smem, p_smem, q_r
     walk it keeps the protocol: it waits for each remaining block's K and V, releases
     them and passes its turns on, so the others issue back to back. (Session 32 on the
     H200, against walking the tile's blocks: d64 causal 4k +3-5%, d256 causal 1k
-    +7-11% and 4k +4-5%; NOTES.md section 42.)
+    +7-11% and 4k +4-5%; NOTES.md section 42.) A warpgroup whose rows all lie past
+    seqlen_q computes block 0 only and keeps the protocol for the rest (causal, and
+    full attention's three consumers: OWN_BLOCKS).
 
     PERSISTENT: Q's buffer is handed back to the producer (q_empty) for the next tile as
     soon as this tile's last S is done, unless O leaves through it (O_IN_Q): then once
@@ -463,14 +465,28 @@ def _mma_tile(i, kv_base, turn_base, q_smem, k_smem, v_smem, o_smem, p_smem, q_r
     o_init = acc  # likewise, for PV_PER_TILE's products
     mbarrier.wait(q_ready.index(q_at), (i // Q_BUFS) & 1)
 
+    # A walk of the warpgroup's own: causal, and full attention's 192-row tiles, whose
+    # last tile at a power-of-two length has one or two warpgroups wholly past seqlen_q.
+    # (Full 128-row tiles have one only where seqlen_q % 128 is 1-64: their walks keep
+    # the tile's, and their SASS the loop below's absence.)
+    OWN_BLOCKS: gl.constexpr = IS_CAUSAL or turn.type.shape[0] == 3
     n_tile = n_blocks
+    row0_wg = row0 + WG * BLOCK_M_WG
     if IS_CAUSAL:  # this warpgroup's rows' walk (at least block 0, as the tile's)
-        n_blocks, n_full = _tile_blocks(row0 + WG * BLOCK_M_WG, seqlen_q, seqlen_k,
-                                        diag_offset, BLOCK_M_WG, BLOCK_N, IS_CAUSAL)
+        n_blocks, n_full = _tile_blocks(row0_wg, seqlen_q, seqlen_k, diag_offset,
+                                        BLOCK_M_WG, BLOCK_N, IS_CAUSAL)
         n_blocks = gl.minimum(gl.maximum(n_blocks, 1), n_tile)
-        # Rows all past seqlen_q: n_blocks is clamped by the last real row, n_full by the
-        # first of these (d128's third consumer at q 1 counts 2 full 64-key blocks), and
-        # a full block past n_blocks is one the producer never loads.
+    if OWN_BLOCKS:
+        if row0_wg >= seqlen_q:
+            # Every row past seqlen_q: block 0 only, whose output the TMA store and the
+            # lse mask drop. _tile_blocks clamps the last row to seqlen_q - 1, so such a
+            # warpgroup would walk the tile's whole causal (or full) length: at 4k
+            # causal d64, two of 66 warpgroups walking 32 blocks each, ~6% of the
+            # products; 2k and 4k full, ~3%.
+            n_blocks = gl.minimum(n_blocks, 1)
+        # n_full counts from the first row, n_blocks to the last real one: rows all past
+        # seqlen_q would count full blocks beyond n_blocks (d128's third consumer at q 1:
+        # 2 full 64-key blocks against 1), blocks the producer never loads for it.
         n_full = gl.minimum(n_full, n_blocks)
     if n_blocks > 0:
         # Block 0: S_0 alone (there is no P yet).
@@ -528,8 +544,10 @@ def _mma_tile(i, kv_base, turn_base, q_smem, k_smem, v_smem, o_smem, p_smem, q_r
         else:
             acc = warpgroup_mma_wait(0, deps=(acc,))
         mbarrier.arrive(v_empty.index(last), count=1)
-        if IS_CAUSAL:
-            for j in range(n_blocks, n_tile):  # the tile's blocks past this warpgroup's
+        if OWN_BLOCKS:
+            # The tile's blocks past this warpgroup's own (causal walks, rows past
+            # seqlen_q): only the protocol, so the other warpgroups issue back to back.
+            for j in range(n_blocks, n_tile):
                 c = kv_base + j
                 stage = c % STAGES
                 phase = (c // STAGES) & 1
