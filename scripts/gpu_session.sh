@@ -48,6 +48,9 @@
 #                GPU tests (plans against Triton's path, transformers' decode memo), then
 #                flashtile bench hf with --profile (generate at batch 1 and 16: kernels
 #                and the host time inside the attention function)          (~5 min)
+#   past-rows    the Gluon forward's warpgroups wholly past seqlen_q (session 32): their
+#                GPU tests and memcheck slice, d64 forward 2k-16k beside cuDNN in two
+#                rounds, transformers' training step twice                 (~8 min)
 #   hf-train     issue 16's training step (the head split's GPU tests, then flashtile
 #                bench hf's step: 5 repetitions, the kernels under the profiler) (~4 min)
 #   hopper       the Gluon forward's GPU tests (16-bit) and its timing     (~9 min)
@@ -699,6 +702,19 @@ PY
     timeout 300 python3 -u -m flashtile bench hf --impls flashtile sdpa --profile 10 \
       --out "$OUT/hf-gen.json" 2>&1 | grep --line-buffered -v "^\s*$" | tee "$OUT/hf-gen.txt" \
       | tail -60  # tee first: a run cut short still leaves its lines (session 30)
+    ;;
+  past-rows)
+    # Session 32 (after its device time): warpgroups wholly past seqlen_q (the last
+    # 192-row tile of a power-of-two length) compute block 0 only (_mma_tile's
+    # OWN_BLOCKS). No switch to A/B: the ratios to cuDNN against session 32's same cells
+    # (d64 causal 4k 0.96-0.99, full 4k 0.99, causal 16k 1.06, full 16k 1.07). Prediction:
+    # causal 4k +3-5%, full 2k/4k +2-3%, 8k-16k +0-1.5%; the step's forward -0.05 to
+    # -0.15 ms. (PAST_TESTS=0: not; `check 1` runs them too)
+    option_tests past-rows "three_consumers or long_d64 or causal_consumers" \
+      tests/test_fwd_hopper.py "three_consumers and bf16 or long_d64 and 4096" "${PAST_TESTS:-1}"
+    AB_SECS=120 ab past-rows "X=0" --providers flashtile sdpa-cudnn --modes fwd --headdim 64 \
+      --seqlens 2k 4k 8k 16k --causal both
+    train_steps past-rows "X=0 X=0"
     ;;
   hf-train)
     # Session 31, after the share sums moved into the dQ conversion's launch: the 4k-token
