@@ -50,7 +50,8 @@
 #                and the host time inside the attention function)          (~5 min)
 #   past-rows    the Gluon forward's warpgroups wholly past seqlen_q (session 32): their
 #                GPU tests and memcheck slice, d64 forward 2k-16k beside cuDNN in two
-#                rounds, transformers' training step twice                 (~8 min)
+#                rounds, three consumers against two at 1k-2k, transformers' training
+#                step twice                                                (~10 min)
 #   hf-train     issue 16's training step (the head split's GPU tests, then flashtile
 #                bench hf's step: 5 repetitions, the kernels under the profiler) (~4 min)
 #   hopper       the Gluon forward's GPU tests (16-bit) and its timing     (~9 min)
@@ -714,6 +715,13 @@ PY
       tests/test_fwd_hopper.py "three_consumers and bf16 or long_d64 and 4096" "${PAST_TESTS:-1}"
     AB_SECS=120 ab past-rows "X=0" --providers flashtile sdpa-cudnn --modes fwd --headdim 64 \
       --seqlens 2k 4k 8k 16k --causal both
+    # Three consumers below their thresholds (full 2k, causal 4k), where 192-row tiles
+    # wasted most: 1,024 = 5 x 192 + 64, so two of 18 warpgroups walked for nothing
+    # (~11% of the products full, ~22% causal). Before: three against two at 1k full
+    # -2.5% (session 20), causal 1k -11.7% and 2k -1.1% (session 32). Prediction: 1k
+    # full +2-6%, causal 1k -4 to +4%, 2k +2-5%: where three win, lower the threshold.
+    AB_SECS=90 ab past-rows-3 "X=0 FLASHTILE_HOPPER_FWD_CONFIG=192,128,4,3" --providers \
+      flashtile sdpa-cudnn --modes fwd --headdim 64 --seqlens 1k 2k --causal both
     train_steps past-rows "X=0 X=0"
     ;;
   hf-train)
