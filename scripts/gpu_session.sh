@@ -52,6 +52,9 @@
 #                GPU tests and memcheck slice, d64 forward 2k-16k beside cuDNN in two
 #                rounds, three consumers against two at 1k-2k, transformers' training
 #                step twice                                                (~10 min)
+#   bwd-skip     the Gluon backward's skip_masked option (session 32): its GPU tests and
+#                memcheck slice, causal forward+backward d64/d128 at 1k and 4k with and
+#                without, two rounds; transformers' step with each, twice   (~8 min)
 #   hf-train     issue 16's training step (the head split's GPU tests, then flashtile
 #                bench hf's step: 5 repetitions, the kernels under the profiler) (~4 min)
 #   hopper       the Gluon forward's GPU tests (16-bit) and its timing     (~9 min)
@@ -723,6 +726,18 @@ PY
     AB_SECS=90 ab past-rows-3 "X=0 FLASHTILE_HOPPER_FWD_CONFIG=192,128,4,3" --providers \
       flashtile sdpa-cudnn --modes fwd --headdim 64 --seqlens 1k 2k --causal both
     train_steps past-rows "X=0 X=0"
+    ;;
+  bwd-skip)
+    # skip_masked (session 32): the second consumer skips the causal walk's first query
+    # block, whose rows see none of its keys (~1.5% of the backward's products at 4k,
+    # ~6% at 1k). Prediction: causal forward+backward +0.5-1.5% at 4k, +2-4% at 1k; the
+    # training step -0.05 to -0.1 ms. (SKIP_TESTS=0: not; `check 1` runs them too)
+    option_tests bwd-skip skip_masked tests/test_bwd_hopper.py "options_small and skip" \
+      "${SKIP_TESTS:-1}"
+    base=FLASHTILE_HOPPER_BWD_OPTS=lse_smem,dq_tma,ds_ring
+    AB_SECS=100 ab bwd-skip "$base $base,skip_masked" --providers flashtile sdpa-cudnn \
+      --modes fwd_bwd --headdim 64 128 --causal true --seqlens 1k 4k
+    train_steps bwd-skip "$base $base,skip_masked $base $base,skip_masked"
     ;;
   hf-train)
     # Session 31, after the share sums moved into the dQ conversion's launch: the 4k-token

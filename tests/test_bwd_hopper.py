@@ -264,7 +264,8 @@ def test_switch_sends_head_dim_256_under_1_and_auto(monkeypatch):
 # The schedule options (FLASHTILE_HOPPER_BWD_OPTS, bwd_hopper's docstring) the GPU A/B
 # times, alone and as timed together; tests/test_gluon_compile.py checks their SASS.
 OPTS = ["none", "lse_ahead", "lse_ahead,dq_tma", "lse_smem,dq_tma", "lse_smem",
-        "lse_smem,dq_tma,ds_ring", "lse_ahead,ds_ring", "lse_smem,dq_tma,ds_ring,lpt"]
+        "lse_smem,dq_tma,ds_ring", "lse_ahead,ds_ring", "lse_smem,dq_tma,ds_ring,lpt",
+        "lse_smem,dq_tma,ds_ring,skip_masked", "lse_ahead,skip_masked"]
 # 128 query rows a block at head_dim 64 (FLASHTILE_HOPPER_BWD_CONFIG; session 14's
 # tile A/B): the block's whole (128, 64) dQ tiles through the reduce-adds.
 BLOCK_M_128_CASES = [(64, "lse_ahead,dq_tma", "128,128,4,2")]
@@ -417,11 +418,11 @@ def test_options_knob(monkeypatch):
         == dict(IS_CAUSAL=True, DQ_TMA=True, LPT=False)
     flags = bwd_hopper.kernel_flags(128, True, configs.hopper_bwd_opts(), 64)
     assert flags == dict(IS_CAUSAL=True, LSE_AHEAD=False, DQ_TMA=True, LSE_SMEM=True,
-                         DS_RING=True, LPT=False)
+                         DS_RING=True, LPT=False, SKIP_MASKED=False)
     # ... and lse_ahead where lse_smem cannot run (seqlen_q 301: not a multiple of 4).
     flags = bwd_hopper.kernel_flags(128, True, configs.hopper_bwd_opts(), 64, 301)
     assert flags == dict(IS_CAUSAL=True, LSE_AHEAD=True, DQ_TMA=True, LSE_SMEM=False,
-                         DS_RING=True, LPT=False)
+                         DS_RING=True, LPT=False, SKIP_MASKED=False)
     for none in ("none", " none ,", ""):
         monkeypatch.setenv("FLASHTILE_HOPPER_BWD_OPTS", none)
         assert configs.hopper_bwd_opts() == frozenset()
@@ -431,7 +432,7 @@ def test_options_knob(monkeypatch):
     assert configs.hopper_bwd_opts() == {"ds_ring", "dq_tma"}
     flags = bwd_hopper.kernel_flags(64, False, configs.hopper_bwd_opts(), 64)
     assert flags == dict(IS_CAUSAL=False, LSE_AHEAD=False, DQ_TMA=True, LSE_SMEM=False,
-                         DS_RING=True, LPT=False)
+                         DS_RING=True, LPT=False, SKIP_MASKED=False)
     # lse_smem brings lse and delta with Q and dO: lse_ahead has nothing left to do.
     flags = bwd_hopper.kernel_flags(64, False, frozenset({"lse_ahead", "lse_smem"}), 64)
     assert flags["LSE_SMEM"] and not flags["LSE_AHEAD"]
@@ -460,9 +461,23 @@ def test_options_knob(monkeypatch):
         == dict(IS_CAUSAL=False, DQ_TMA=False, LPT=False)
     monkeypatch.setenv("FLASHTILE_HOPPER_BWD_OPTS", "ds_ring,pingpong")
     with pytest.raises(ValueError, match=r"FLASHTILE_HOPPER_BWD_OPTS must be 'none' or a "
-                       r"comma-separated subset of .*'lpt'\), got 'ds_ring,pingpong' "
+                       r"comma-separated subset of .*'skip_masked'\), got "
+                       r"'ds_ring,pingpong' "
                        r"\(unknown: \['pingpong'\]\)"):
         configs.hopper_bwd_opts()
+
+
+def test_skip_masked_is_causal_only():
+    """skip_masked: a causal walk's first query block, which no row of sees the second
+    consumer's keys, skipped there (and a consumer's keys all past seqlen_k); full
+    attention's kernels are left alone, as is bwd_hopper256's."""
+    opts = frozenset({"lse_smem", "dq_tma", "ds_ring", "skip_masked"})
+    assert bwd_hopper.kernel_flags(64, True, opts, 64)["SKIP_MASKED"]
+    assert bwd_hopper.kernel_flags(128, True, opts, 64)["SKIP_MASKED"]
+    assert not bwd_hopper.kernel_flags(64, False, opts, 64)["SKIP_MASKED"]
+    assert "SKIP_MASKED" not in bwd_hopper.kernel_flags(256, True, opts, 64)
+    assert not bwd_hopper.kernel_flags(64, True, configs.HOPPER_BWD_DEFAULT_OPTS,
+                                       64)["SKIP_MASKED"]
 
 
 def test_lpt_option_and_its_l2_rule():

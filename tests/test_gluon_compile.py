@@ -765,6 +765,21 @@ def _waited_loads(ops: list[str]) -> int:
     return waited
 
 
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_hopper_backward_skip_masked_compiles_for_sm90(head_dim):
+    """skip_masked (causal; session 32) beside the default it joins: the same shared
+    memory, no more local memory and no more stores in the walks (the skip arm, a zero
+    dS^T stored and the protocol, sits in the walk loop beside the block's products)."""
+    opts = tuple(sorted(configs.HOPPER_BWD_DEFAULT_OPTS)) + ("skip_masked",)
+    ck, base = _compile_bwd(head_dim, True, opts=opts), _compile_bwd(head_dim, True)
+    res, ref = resources(ck), resources(base)
+    assert res["shared_bytes"] == ref["shared_bytes"], (res, ref)
+    assert res["stack_bytes"] <= ref["stack_bytes"], (res, ref)
+    skip_stores = _walk_local_stores(_sass(ck))
+    assert len(skip_stores) >= 2
+    assert max(skip_stores) <= max(_walk_local_stores(_sass(base))), skip_stores
+
+
 # The options of session 14 (bwd_hopper's docstring), each with the BLOCK_M it is timed
 # at and the local memory ptxas keeps (bytes, the worst of full and causal; scalars
 # stored before the walk, checked by _walk_local_stores and _WALK_STORES).

@@ -135,6 +135,15 @@ session 28) for the GPU A/B, all compile-checked on the CPU:
   the grid's y (65535: ``lpt_fits``). Prediction: causal
   backward +2-8% at 1k-4k, level at 16k (dropped there by the L2 rule). Session 30
   (section 40): one noisy round at 4k, below the default's warm run; not shown to win.
+- skip_masked (SKIP_MASKED; session 32, compiled, not yet run on a GPU): a causal
+  program's walk starts at the query block holding row key0 - diag_offset for both
+  consumers, and no row of that block sees a key of the second consumer (keys key0 + 64
+  on): its S^T, dP^T, dV and dK products there are fully masked, once per query head.
+  With the option that consumer waits for the block's Q and dO, releases them, stores a
+  zero dS^T for the block's dQ product (which it still takes in its turns) and skips its
+  four products; so does a consumer whose keys all lie past seqlen_k. Work saved: ~1.5%
+  of the backward's products at 4k causal, ~6% at 1k. Prediction: causal forward +
+  backward +0.5-1.5% at 4k, +2-4% at 1k; full attention unchanged.
 Tried and removed (H200, the sections of docs/benchmarks/NOTES.md):
 - sdp (head dim 64), FA3's order: dP^T issued right behind S^T, the consumer waiting
   for S^T alone and computing P^T while dP^T runs. ptxas hoists dP^T's wait (no register
@@ -440,16 +449,131 @@ def _dq_partial(ds_all, k_all, dq_init, p_dq, row0, seqlen_q, ds_empty, dq_smem,
 
 
 @gluon.jit
+def _ds_slot(ds_smem, ds_full, ds_empty, it, DS_RING: gl.constexpr):
+    """Block it's dS^T buffer, its full and empty barriers and their phase.
+
+    dQ_partial = dS K needs dS as the A operand, rows the queries: through shared
+    memory, read transposed. Both warpgroups' dS^T (128 keys) go into one product, taken
+    by the two in turn (owner it % 2): half the atomics of a product per warpgroup, as
+    FA3 sums dQ over its 128 keys before reducing. ds_empty: the previous owner's
+    product, the last reader of both buffers, has completed. DS_RING: buffer it % 2,
+    last read by block it - 2's product (the k-th use of a buffer waits for k
+    completions of its empty barrier, then for k + 1 of its full one)."""
+    if DS_RING:
+        return ds_smem.index(it % 2), ds_full.index(it % 2), ds_empty.index(it % 2), \
+            (it // 2) & 1
+    else:
+        return ds_smem, ds_full, ds_empty, it & 1
+
+
+@gluon.jit
+def _key_block(k, v, q_smem, do_smem, lse_smem, delta_smem, q_ready, do_ready, qdo_empty,
+               ds_smem, ds_full, ds_empty, it, stage, phase, s_init, o_n, o_m, row0, key0,
+               seqlen_q, seqlen_k, diag_offset, qk_scale, lse2, delta_flat, Delta, p_row,
+               dk, dv, WG: gl.constexpr, IS_CAUSAL: gl.constexpr, LSE_AHEAD: gl.constexpr,
+               LSE_SMEM: gl.constexpr, DS_RING: gl.constexpr):
+    """Query block ``row0`` (the walk's it-th) of warpgroup WG: S^T, P^T, dP^T and dS^T
+    of its 64 keys, dV and dK accumulated, its dS^T handed to the block's dQ product
+    (``_ds_slot``), the stage's Q and dO released. lse2 (LSE_SMEM: read here) and
+    delta_flat (LSE_AHEAD) as the walk has them."""
+    BLOCK_M: gl.constexpr = q_smem.type.shape[2]
+    HEAD_DIM: gl.constexpr = q_smem.type.shape[4]
+    dtype: gl.constexpr = q_smem.dtype
+    s_layout: gl.constexpr = _acc_layout(BLOCK_M)
+    d_layout: gl.constexpr = _acc_layout(HEAD_DIM)
+    q = q_smem.index(stage).reshape([BLOCK_M, HEAD_DIM])                 # (M, D)
+    b_do = do_smem.index(stage).reshape([BLOCK_M, HEAD_DIM])             # (M, D)
+
+    mbarrier.wait(q_ready.index(stage), phase)
+    s_t = warpgroup_mma(k, q.permute((1, 0)), s_init, use_acc=False,
+                        is_async=True)                                   # (64, M)
+    if LSE_SMEM:
+        # The block's lse landed with Q: read while S^T runs, each thread its own
+        # columns (no layout conversion, so no barrier); rows past seqlen_q +inf.
+        lse_row = lse_smem.index(stage).reshape([BLOCK_M])
+        lse2 = gl.where(o_m < seqlen_q, _base2(lse_row.load(
+            gl.SliceLayout(0, s_layout))), float("inf"))
+    s_t = warpgroup_mma_wait(0, deps=(s_t,))
+    # This warpgroup's keys need a mask only where they cross seqlen_k or, with
+    # causal, where the block's first row does not see its last key: the other
+    # blocks branch over it (session 28: forward + backward causal +4-6% at d64
+    # and d128 from 4k, though at d128 ptxas then stores a few words inside the
+    # causal walks).
+    last_key = key0 + WG * BLOCK_N_WG + BLOCK_N_WG - 1
+    masked = last_key >= seqlen_k
+    if IS_CAUSAL:
+        masked = masked | (last_key > row0 + diag_offset)
+    p_t = _p_t(s_t, o_n, o_m, seqlen_k, diag_offset, qk_scale, lse2, IS_CAUSAL,
+               masked)                                                   # (64, M)
+
+    mbarrier.wait(do_ready.index(stage), phase)
+    dp_t = warpgroup_mma(v, b_do.permute((1, 0)), s_init, use_acc=False,
+                         is_async=True)                                  # (64, M)
+    if LSE_SMEM:  # delta landed with dO: read while dP^T runs; rows past seqlen_q 0
+        delta_row = delta_smem.index(stage).reshape([BLOCK_M])
+        delta = gl.where(o_m < seqlen_q, delta_row.load(gl.SliceLayout(0, s_layout)),
+                         0.0)
+    dp_t = warpgroup_mma_wait(0, deps=(dp_t,))
+    # dV's product is issued after dP^T completes, not beside it: its P^T operand
+    # and accumulators held in flight through dS spilled 104-128 bytes at head_dim
+    # 128 (dK, dV: 128 registers; S^T/P^T, dP^T: 32 each; the operands 16 each).
+    # The other consumer's products fill the tensor cores meanwhile.
+    p_op = _a_operand(p_t, d_layout, dtype)
+    if LSE_AHEAD:
+        delta = gl.convert_layout(delta_flat, gl.SliceLayout(0, s_layout))
+    elif not LSE_SMEM:
+        delta = _row_vector(Delta + p_row, row0, seqlen_q, 0.0, BLOCK_M, s_layout)
+    ds_t = p_t * (dp_t - gl.expand_dims(delta, 0))                       # (64, M)
+    ds_op = _a_operand(ds_t, d_layout, dtype)
+    dv = warpgroup_mma(p_op, b_do, dv, is_async=True)
+    dk = warpgroup_mma(ds_op, q, dk, is_async=True)
+    # (selected here, not before S^T: held through the block, ptxas kept 16 more bytes
+    # of d128's walk in local memory)
+    ds_buf, ds_full_b, ds_empty_b, ds_phase = _ds_slot(ds_smem, ds_full, ds_empty, it,
+                                                       DS_RING)
+    mbarrier.wait(ds_empty_b, ds_phase ^ 1)
+    # From the operand's registers: no second 16-bit copy of dS^T.
+    ds_buf.slice(WG * BLOCK_N_WG, BLOCK_N_WG).store(ds_op)
+    fence_async_shared()  # the generic-proxy writes above before wgmma reads them
+    mbarrier.arrive(ds_full_b, count=1)
+    dv, dk = warpgroup_mma_wait(0, deps=(dv, dk))
+    mbarrier.arrive(qdo_empty.index(stage), count=1)  # Q, dO read last
+    return dk, dv
+
+
+@gluon.jit
+def _skip_key_block(q_ready, do_ready, qdo_empty, ds_smem, ds_full, ds_empty, it, stage,
+                    phase, WG: gl.constexpr, DS_RING: gl.constexpr):
+    """A query block none of whose rows sees a key of warpgroup WG (SKIP_MASKED): its
+    dS^T is zero, so the warpgroup stores zeros for the block's dQ product and keeps
+    the protocol, without its four products. It waits for the block's Q and dO first:
+    they land only after the producer saw the stage's previous use released by both
+    warpgroups, so this release counts for this block."""
+    mbarrier.wait(q_ready.index(stage), phase)
+    mbarrier.wait(do_ready.index(stage), phase)
+    mbarrier.arrive(qdo_empty.index(stage), count=1)
+    ds_buf, ds_full_b, ds_empty_b, ds_phase = _ds_slot(ds_smem, ds_full, ds_empty, it,
+                                                       DS_RING)
+    BLOCK_M: gl.constexpr = ds_buf.type.shape[1]
+    zero_ds = gl.zeros([BLOCK_N_WG, BLOCK_M], ds_buf.dtype, _acc_layout(BLOCK_M))
+    mbarrier.wait(ds_empty_b, ds_phase ^ 1)
+    ds_buf.slice(WG * BLOCK_N_WG, BLOCK_N_WG).store(zero_ds)
+    fence_async_shared()  # the generic-proxy writes above before wgmma reads them
+    mbarrier.arrive(ds_full_b, count=1)
+
+
+@gluon.jit
 def _mma_partition(args, dq_smem, WG: gl.constexpr, IS_CAUSAL: gl.constexpr,
                    LSE_AHEAD: gl.constexpr, DQ_TMA: gl.constexpr, LSE_SMEM: gl.constexpr,
-                   DS_RING: gl.constexpr):
+                   DS_RING: gl.constexpr, SKIP_MASKED: gl.constexpr):
     """Consumer warpgroup WG: keys key0 + 64 * WG + [0, 64) against every query block.
     ds_smem: one dS^T buffer (128 keys, BLOCK_M), two with DS_RING (then ds_full and
     ds_empty are two barriers, one a buffer).
     DQ_TMA: DQAccum is the accumulator's tensor map and dq_smem holds each warpgroup's
     dQ tiles on their way to its TMA reduce-adds (one a 64-dim piece, the first half of
     them warpgroup 0's); unused otherwise. LSE_SMEM: lse and delta come with Q and dO
-    in lse_smem and delta_smem (the option lse_smem)."""
+    in lse_smem and delta_smem (the option lse_smem). SKIP_MASKED: blocks where no row
+    sees a key of the warpgroup skip its products (the option skip_masked)."""
     (q_smem, k_smem, v_smem, do_smem, ds_smem, kv_ready, q_ready, do_ready, qdo_empty,
      ds_full, ds_empty, dk_desc, dv_desc, Lse, Delta, DQAccum, off_b, off_dkv, key0, h0,
      n_heads, m_lo, n_m, nheads, seqlen_q, seqlen_k, diag_offset, softmax_scale, lse_smem,
@@ -508,77 +632,33 @@ def _mma_partition(args, dq_smem, WG: gl.constexpr, IS_CAUSAL: gl.constexpr,
             delta_next = _row_flat(Delta + p_row_nx, row0_nx, rows_nx, 0.0, BLOCK_M)
         elif not LSE_SMEM:
             lse2 = _lse2(Lse + p_row, row0, seqlen_q, BLOCK_M, s_layout)
-        q = q_smem.index(stage).reshape([BLOCK_M, HEAD_DIM])                 # (M, D)
-        b_do = do_smem.index(stage).reshape([BLOCK_M, HEAD_DIM])             # (M, D)
-
-        mbarrier.wait(q_ready.index(stage), phase)
-        s_t = warpgroup_mma(k, q.permute((1, 0)), s_init, use_acc=False,
-                            is_async=True)                                   # (64, M)
         if LSE_SMEM:
-            # The block's lse landed with Q: read while S^T runs, each thread its own
-            # columns (no layout conversion, so no barrier); rows past seqlen_q +inf.
-            lse_row = lse_smem.index(stage).reshape([BLOCK_M])
-            lse2 = gl.where(o_m < seqlen_q, _base2(lse_row.load(
-                gl.SliceLayout(0, s_layout))), float("inf"))
-        s_t = warpgroup_mma_wait(0, deps=(s_t,))
-        # This warpgroup's keys need a mask only where they cross seqlen_k or, with
-        # causal, where the block's first row does not see its last key: the other
-        # blocks branch over it (session 28: forward + backward causal +4-6% at d64
-        # and d128 from 4k, though at d128 ptxas then stores a few words inside the
-        # causal walks).
-        last_key = key0 + WG * BLOCK_N_WG + BLOCK_N_WG - 1
-        masked = last_key >= seqlen_k
-        if IS_CAUSAL:
-            masked = masked | (last_key > row0 + diag_offset)
-        p_t = _p_t(s_t, o_n, o_m, seqlen_k, diag_offset, qk_scale, lse2, IS_CAUSAL,
-                   masked)                                                   # (64, M)
-
-        mbarrier.wait(do_ready.index(stage), phase)
-        dp_t = warpgroup_mma(v, b_do.permute((1, 0)), s_init, use_acc=False,
-                             is_async=True)                                  # (64, M)
-        if LSE_SMEM:  # delta landed with dO: read while dP^T runs; rows past seqlen_q 0
-            delta_row = delta_smem.index(stage).reshape([BLOCK_M])
-            delta = gl.where(o_m < seqlen_q, delta_row.load(gl.SliceLayout(0, s_layout)),
-                             0.0)
-        dp_t = warpgroup_mma_wait(0, deps=(dp_t,))
-        # dV's product is issued after dP^T completes, not beside it: its P^T operand
-        # and accumulators held in flight through dS spilled 104-128 bytes at head_dim
-        # 128 (dK, dV: 128 registers; S^T/P^T, dP^T: 32 each; the operands 16 each).
-        # The other consumer's products fill the tensor cores meanwhile.
-        p_op = _a_operand(p_t, d_layout, dtype)
-        if LSE_AHEAD:
-            delta = gl.convert_layout(delta_flat, gl.SliceLayout(0, s_layout))
-        elif not LSE_SMEM:
-            delta = _row_vector(Delta + p_row, row0, seqlen_q, 0.0, BLOCK_M, s_layout)
-        ds_t = p_t * (dp_t - gl.expand_dims(delta, 0))                       # (64, M)
-        ds_op = _a_operand(ds_t, d_layout, dtype)
-        dv = warpgroup_mma(p_op, b_do, dv, is_async=True)
-        dk = warpgroup_mma(ds_op, q, dk, is_async=True)
-        # dQ_partial = dS K needs dS as the A operand, rows the queries: through shared
-        # memory, read transposed. Both warpgroups' dS^T (128 keys) go into one product,
-        # taken by the two in turn (owner it % 2): half the atomics of a product per
-        # warpgroup, as FA3 sums dQ over its 128 keys before reducing. ds_empty: the
-        # previous owner's product, the last reader of both buffers, has completed.
-        # DS_RING: buffer it % 2, last read by block it - 2's product (the k-th use of
-        # a buffer waits for k completions of its empty barrier, then for k + 1 of its
-        # full one).
-        if DS_RING:
-            ds_buf = ds_smem.index(it % 2)
-            ds_full_b = ds_full.index(it % 2)
-            ds_empty_b = ds_empty.index(it % 2)
-            ds_phase = (it // 2) & 1
+            lse2 = None  # _key_block reads it from the stage once Q has landed
+        if not LSE_AHEAD:
+            delta_flat = None
+        if SKIP_MASKED:
+            first_key = key0 + WG * BLOCK_N_WG
+            dead = first_key >= seqlen_k
+            if IS_CAUSAL:
+                dead = dead | (first_key > row0 + (BLOCK_M - 1) + diag_offset)
+            if dead:
+                _skip_key_block(q_ready, do_ready, qdo_empty, ds_smem, ds_full, ds_empty, it,
+                                stage, phase, WG, DS_RING)
+            else:
+                dk, dv = _key_block(
+                    k, v, q_smem, do_smem, lse_smem, delta_smem, q_ready, do_ready,
+                    qdo_empty, ds_smem, ds_full, ds_empty, it, stage, phase, s_init, o_n,
+                    o_m, row0, key0, seqlen_q, seqlen_k, diag_offset, qk_scale, lse2,
+                    delta_flat, Delta, p_row, dk, dv, WG, IS_CAUSAL, LSE_AHEAD, LSE_SMEM,
+                    DS_RING)
         else:
-            ds_buf = ds_smem
-            ds_full_b = ds_full
-            ds_empty_b = ds_empty
-            ds_phase = it & 1
-        mbarrier.wait(ds_empty_b, ds_phase ^ 1)
-        # From the operand's registers: no second 16-bit copy of dS^T.
-        ds_buf.slice(WG * BLOCK_N_WG, BLOCK_N_WG).store(ds_op)
-        fence_async_shared()  # the generic-proxy writes above before wgmma reads them
-        mbarrier.arrive(ds_full_b, count=1)
-        dv, dk = warpgroup_mma_wait(0, deps=(dv, dk))
-        mbarrier.arrive(qdo_empty.index(stage), count=1)  # Q, dO read last
+            dk, dv = _key_block(
+                k, v, q_smem, do_smem, lse_smem, delta_smem, q_ready, do_ready, qdo_empty,
+                ds_smem, ds_full, ds_empty, it, stage, phase, s_init, o_n, o_m, row0, key0,
+                seqlen_q, seqlen_k, diag_offset, qk_scale, lse2, delta_flat, Delta, p_row,
+                dk, dv, WG, IS_CAUSAL, LSE_AHEAD, LSE_SMEM, DS_RING)
+        ds_buf, ds_full_b, ds_empty_b, ds_phase = _ds_slot(ds_smem, ds_full, ds_empty, it,
+                                                           DS_RING)
         if it % 2 == WG:
             mbarrier.wait(ds_full_b, ds_phase)  # the other warpgroup's dS^T stored too
             p_dq = DQAccum if DQ_TMA else DQAccum + p_row * HEAD_DIM
@@ -640,7 +720,8 @@ def _attn_bwd_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, L
                             dq_rows, diag_offset, softmax_scale, IS_CAUSAL: gl.constexpr,
                             STAGES: gl.constexpr, LSE_AHEAD: gl.constexpr,
                             DQ_TMA: gl.constexpr, LSE_SMEM: gl.constexpr,
-                            DS_RING: gl.constexpr, LPT: gl.constexpr):
+                            DS_RING: gl.constexpr, LPT: gl.constexpr,
+                            SKIP_MASKED: gl.constexpr):
     """dK, dV of 128 keys of one (batch, KV head), dQ added into DQAccum: fp32 (batch,
     nheads, seqlen_q, head_dim), zeroed by the preprocess (DQ_TMA: its tensor map,
     ``_dq_descriptor``). head_split > 1 (GQA): the
@@ -722,10 +803,10 @@ def _attn_bwd_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, L
                  Lse, Delta, lse_smem, delta_smem, seqlen_q, nheads)
     gl.warp_specialize([
         (_mma_partition, (mma_args, dq_smem, 0, IS_CAUSAL, LSE_AHEAD, DQ_TMA, LSE_SMEM,
-                          DS_RING)),
+                          DS_RING, SKIP_MASKED)),
         (_load_partition, (load_args, LSE_SMEM)),
         (_mma_partition, (mma_args, dq_smem, 1, IS_CAUSAL, LSE_AHEAD, DQ_TMA, LSE_SMEM,
-                          DS_RING)),
+                          DS_RING, SKIP_MASKED)),
     ], [1, 4], [PRODUCER_REGS, CONSUMER_REGS])
 
 
@@ -819,8 +900,9 @@ def kernel_flags(head_dim: int, causal: bool, opts: frozenset[str], block_m: int
     module docstring) or is shorter than a block (a box wider than its tensor's innermost
     dimension, never tried on the GPU). bwd_hopper256's kernel (head_dim 256) takes
     dq_tma and lpt alone (its docstring): the other options change a schedule it does
-    not have, and the default's lse_ahead is passed over there. lpt applies to causal
-    attention only (and ``backward`` drops it where ``lpt_fits`` says no)."""
+    not have, and the default's lse_ahead is passed over there. lpt and skip_masked
+    apply to causal attention only (``backward`` drops lpt where ``lpt_fits`` says
+    no)."""
     lpt = "lpt" in opts and causal  # (full attention: every walk is as long)
     if head_dim == 256:
         return dict(IS_CAUSAL=causal, DQ_TMA="dq_tma" in opts, LPT=lpt)
@@ -831,7 +913,7 @@ def kernel_flags(head_dim: int, causal: bool, opts: frozenset[str], block_m: int
     lse_smem = "lse_smem" in opts
     return dict(IS_CAUSAL=causal, LSE_AHEAD="lse_ahead" in opts and not lse_smem,
                 DQ_TMA="dq_tma" in opts, LSE_SMEM=lse_smem, DS_RING="ds_ring" in opts,
-                LPT=lpt)
+                LPT=lpt, SKIP_MASKED="skip_masked" in opts and causal)
 
 
 def smem_bytes(head_dim: int, block_m: int, stages: int, flags: dict) -> int:

@@ -581,7 +581,7 @@ def hopper_bwd_config(head_dim: int) -> TileConfig:
 # FLASHTILE_HOPPER_BWD_OPTS (comma-separated; "none" for none; unset: the default below)
 # for the GPU A/B; bwd_hopper's docstring says what each changes. Read when a launch plan
 # is made.
-HOPPER_BWD_OPTS = ("lse_ahead", "dq_tma", "lse_smem", "ds_ring", "lpt")
+HOPPER_BWD_OPTS = ("lse_ahead", "dq_tma", "lse_smem", "ds_ring", "lpt", "skip_masked")
 # lse_ahead is the default since session 15: forward + backward +6-10% at head_dim 64,
 # +1-4% at 128 on the H200 (docs/benchmarks/NOTES.md section 25); dq_tma since session
 # 17: +6-10% at 128, +1-3% at 64, transformers' d64 training step 98 -> 89 ms (section 27);
@@ -589,7 +589,9 @@ HOPPER_BWD_OPTS = ("lse_ahead", "dq_tma", "lse_smem", "ds_ring", "lpt")
 # 128 over lse_ahead (section 30). Where lse_smem cannot run (kernel_flags: seqlen_q not a
 # multiple of 4, or shorter than a block) lse_ahead runs in its place. ds_ring (dS^T in
 # two buffers) since session 28: +2-3% at 64 (full attention; causal +0-1%), level at 128
-# (section 38), whose 225 KiB it still fits.
+# (section 38), whose 225 KiB it still fits. skip_masked (session 32, compiled, not yet run
+# on a GPU): the second consumer skips the causal walk's first query block, whose rows see
+# none of its keys.
 HOPPER_BWD_DEFAULT_OPTS = frozenset({"lse_smem", "dq_tma", "ds_ring"})
 # bwd_hopper256 (head_dim 256) takes dq_tma and lpt alone; there dq_tma (session 18, its fp32
 # tiles in the block's own Q and dO buffers) took forward + backward +24-36% over the
