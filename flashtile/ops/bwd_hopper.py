@@ -636,21 +636,15 @@ def _mma_partition(args, dq_smem, WG: gl.constexpr, IS_CAUSAL: gl.constexpr,
             lse2 = None  # _key_block reads it from the stage once Q has landed
         if not LSE_AHEAD:
             delta_flat = None
-        if SKIP_MASKED:
+        dead = False  # (a constant without SKIP_MASKED: the branch below is then static)
+        if SKIP_MASKED:  # no row of the block sees a key of this warpgroup
             first_key = key0 + WG * BLOCK_N_WG
             dead = first_key >= seqlen_k
             if IS_CAUSAL:
                 dead = dead | (first_key > row0 + (BLOCK_M - 1) + diag_offset)
-            if dead:
-                _skip_key_block(q_ready, do_ready, qdo_empty, ds_smem, ds_full, ds_empty, it,
-                                stage, phase, WG, DS_RING)
-            else:
-                dk, dv = _key_block(
-                    k, v, q_smem, do_smem, lse_smem, delta_smem, q_ready, do_ready,
-                    qdo_empty, ds_smem, ds_full, ds_empty, it, stage, phase, s_init, o_n,
-                    o_m, row0, key0, seqlen_q, seqlen_k, diag_offset, qk_scale, lse2,
-                    delta_flat, Delta, p_row, dk, dv, WG, IS_CAUSAL, LSE_AHEAD, LSE_SMEM,
-                    DS_RING)
+        if dead:
+            _skip_key_block(q_ready, do_ready, qdo_empty, ds_smem, ds_full, ds_empty, it,
+                            stage, phase, WG, DS_RING)
         else:
             dk, dv = _key_block(
                 k, v, q_smem, do_smem, lse_smem, delta_smem, q_ready, do_ready, qdo_empty,

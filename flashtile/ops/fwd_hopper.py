@@ -350,7 +350,7 @@ def _kv_block(j, kv_base, turn_base, q, k_smem, v_smem, p_smem, k_ready, k_empty
               v_empty, turn, acc, p_op, alpha_o, m_i, l_i, s_init, o_init, offs_m, qk_scale,
               seqlen_k, diag_offset, WG: gl.constexpr, MASKED: gl.constexpr,
               IS_CAUSAL: gl.constexpr, PV_PER_TILE: gl.constexpr, P_SMEM: gl.constexpr,
-              TREE_MAX: gl.constexpr):
+              TREE_MAX: gl.constexpr, ONE_BOUND: gl.constexpr):
     """Block j >= 1 of a consumer: S_j = Q K_j^T and P_{j-1} V_{j-1} issued in one
     turn, the softmax of S_j while P_{j-1} V_{j-1} runs, then O updated.
 
@@ -388,8 +388,7 @@ def _kv_block(j, kv_base, turn_base, q, k_smem, v_smem, p_smem, k_ready, k_empty
     mbarrier.arrive(k_empty.index(stage), count=1)
     p, alpha, m_i, l_i = _online_softmax(s, m_i, l_i, offs_m, j * BLOCK_N, qk_scale,
                                          seqlen_k, diag_offset, MASKED, IS_CAUSAL,
-                                         p_op.dtype.is_fp8(), TREE_MAX,
-                                         turn.type.shape[0] == 2)
+                                         p_op.dtype.is_fp8(), TREE_MAX, ONE_BOUND)
     alpha = gl.convert_layout(alpha, alpha_o.type.layout)
     if P_SMEM:
         # Buffer j % 2 was last read by P_{j-2} V_{j-2}, complete since block j-1.
@@ -465,11 +464,14 @@ def _mma_tile(i, kv_base, turn_base, q_smem, k_smem, v_smem, o_smem, p_smem, q_r
     o_init = acc  # likewise, for PV_PER_TILE's products
     mbarrier.wait(q_ready.index(q_at), (i // Q_BUFS) & 1)
 
+    NUM_WG: gl.constexpr = turn.type.shape[0]  # consumer warpgroups, one turn each
+    # The masked blocks' one-bound mask (``_online_softmax``) with two consumers only.
+    ONE_BOUND: gl.constexpr = NUM_WG == 2
     # A walk of the warpgroup's own: causal, and full attention's 192-row tiles, whose
     # last tile at a power-of-two length has one or two warpgroups wholly past seqlen_q.
     # (Full 128-row tiles have one only where seqlen_q % 128 is 1-64: their walks keep
     # the tile's, and their SASS the loop below's absence.)
-    OWN_BLOCKS: gl.constexpr = IS_CAUSAL or turn.type.shape[0] == 3
+    OWN_BLOCKS: gl.constexpr = IS_CAUSAL or NUM_WG == 3
     n_tile = n_blocks
     row0_wg = row0 + WG * BLOCK_M_WG
     if IS_CAUSAL:  # this warpgroup's rows' walk (at least block 0, as the tile's)
@@ -501,7 +503,7 @@ def _mma_tile(i, kv_base, turn_base, q_smem, k_smem, v_smem, o_smem, p_smem, q_r
         # Masked whatever n_full says: once per tile, and no branch.
         p, alpha, m_i, l_i = _online_softmax(s, m_i, l_i, offs_m, 0, qk_scale, seqlen_k,
                                              diag_offset, True, IS_CAUSAL, IS_FP8,
-                                             TREE_MAX, turn.type.shape[0] == 2)
+                                             TREE_MAX, ONE_BOUND)
         # Block 0's alpha is 0 (or NaN with NaN scores): O is 0 before it either way.
         alpha_o = gl.convert_layout(alpha, o_row_layout)
         if P_SMEM:
@@ -519,13 +521,13 @@ def _mma_tile(i, kv_base, turn_base, q_smem, k_smem, v_smem, o_smem, p_smem, q_r
                 j, kv_base, turn_base, q, k_smem, v_smem, p_smem, k_ready, k_empty, v_ready,
                 v_empty, turn, acc, p_op, alpha_o, m_i, l_i, s_init, o_init, offs_m, qk_scale,
                 seqlen_k, diag_offset, WG, False, IS_CAUSAL, PV_PER_TILE, P_SMEM,
-                TREE_MAX)
+                TREE_MAX, ONE_BOUND)
         for j in range(gl.maximum(n_full, 1), n_blocks):
             acc, p_op, alpha_o, m_i, l_i = _kv_block(
                 j, kv_base, turn_base, q, k_smem, v_smem, p_smem, k_ready, k_empty, v_ready,
                 v_empty, turn, acc, p_op, alpha_o, m_i, l_i, s_init, o_init, offs_m, qk_scale,
                 seqlen_k, diag_offset, WG, True, IS_CAUSAL, PV_PER_TILE, P_SMEM,
-                TREE_MAX)
+                TREE_MAX, ONE_BOUND)
         if EARLY_Q_RELEASE:  # every S of the tile is done: Q may take the next tile's
             mbarrier.arrive(q_empty.index(q_at), count=1)
         last_kv = kv_base + n_blocks - 1
