@@ -48,13 +48,6 @@
 #                GPU tests (plans against Triton's path, transformers' decode memo), then
 #                flashtile bench hf with --profile (generate at batch 1 and 16: kernels
 #                and the host time inside the attention function)          (~5 min)
-#   past-rows    the Gluon forward's warpgroups wholly past seqlen_q (session 32): their
-#                GPU tests and memcheck slice, d64 forward 2k-16k beside cuDNN in two
-#                rounds, three consumers against two at 1k-2k, transformers' training
-#                step twice                                                (~10 min)
-#   bwd-skip     the Gluon backward's skip_masked option (session 32): its GPU tests and
-#                memcheck slice, causal forward+backward d64/d128 at 1k and 4k with and
-#                without, two rounds; transformers' step with each, twice   (~8 min)
 #   hf-train     issue 16's training step (the head split's GPU tests, then flashtile
 #                bench hf's step: 5 repetitions, the kernels under the profiler) (~4 min)
 #   hopper       the Gluon forward's GPU tests (16-bit) and its timing     (~9 min)
@@ -706,38 +699,6 @@ PY
     timeout 300 python3 -u -m flashtile bench hf --impls flashtile sdpa --profile 10 \
       --out "$OUT/hf-gen.json" 2>&1 | grep --line-buffered -v "^\s*$" | tee "$OUT/hf-gen.txt" \
       | tail -60  # tee first: a run cut short still leaves its lines (session 30)
-    ;;
-  past-rows)
-    # Session 32 (after its device time): warpgroups wholly past seqlen_q (the last
-    # 192-row tile of a power-of-two length) compute block 0 only (_mma_tile's
-    # OWN_BLOCKS). No switch to A/B: the ratios to cuDNN against session 32's same cells
-    # (d64 causal 4k 0.96-0.99, full 4k 0.99, causal 16k 1.06, full 16k 1.07). Prediction:
-    # causal 4k +3-5%, full 2k/4k +2-3%, 8k-16k +0-1.5%; the step's forward -0.05 to
-    # -0.15 ms. (PAST_TESTS=0: not; `check 1` runs them too)
-    option_tests past-rows "three_consumers or long_d64 or causal_consumers" \
-      tests/test_fwd_hopper.py "three_consumers and bf16 or long_d64 and 4096" "${PAST_TESTS:-1}"
-    AB_SECS=120 ab past-rows "X=0" --providers flashtile sdpa-cudnn --modes fwd --headdim 64 \
-      --seqlens 2k 4k 8k 16k --causal both
-    # Three consumers below their thresholds (full 2k, causal 4k), where 192-row tiles
-    # wasted most: 1,024 = 5 x 192 + 64, so two of 18 warpgroups walked for nothing
-    # (~11% of the products full, ~22% causal). Before: three against two at 1k full
-    # -2.5% (session 20), causal 1k -11.7% and 2k -1.1% (session 32). Prediction: 1k
-    # full +2-6%, causal 1k -4 to +4%, 2k +2-5%: where three win, lower the threshold.
-    AB_SECS=90 ab past-rows-3 "X=0 FLASHTILE_HOPPER_FWD_CONFIG=192,128,4,3" --providers \
-      flashtile sdpa-cudnn --modes fwd --headdim 64 --seqlens 1k 2k --causal both
-    train_steps past-rows "X=0 X=0"
-    ;;
-  bwd-skip)
-    # skip_masked (session 32): the second consumer skips the causal walk's first query
-    # block, whose rows see none of its keys (~1.5% of the backward's products at 4k,
-    # ~6% at 1k). Prediction: causal forward+backward +0.5-1.5% at 4k, +2-4% at 1k; the
-    # training step -0.05 to -0.1 ms. (SKIP_TESTS=0: not; `check 1` runs them too)
-    option_tests bwd-skip skip_masked tests/test_bwd_hopper.py "options_small and skip" \
-      "${SKIP_TESTS:-1}"
-    base=FLASHTILE_HOPPER_BWD_OPTS=lse_smem,dq_tma,ds_ring
-    AB_SECS=100 ab bwd-skip "$base $base,skip_masked" --providers flashtile sdpa-cudnn \
-      --modes fwd_bwd --headdim 64 128 --causal true --seqlens 1k 4k
-    train_steps bwd-skip "$base $base,skip_masked $base $base,skip_masked"
     ;;
   hf-train)
     # Session 31, after the share sums moved into the dQ conversion's launch: the 4k-token

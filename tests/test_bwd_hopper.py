@@ -412,7 +412,10 @@ def test_options_knob(monkeypatch):
     unknown items."""
     monkeypatch.delenv("FLASHTILE_HOPPER_BWD_OPTS", raising=False)
     assert configs.hopper_bwd_opts() == {"lse_smem", "dq_tma", "ds_ring"} \
-        == configs.HOPPER_BWD_DEFAULT_OPTS
+        == configs.HOPPER_BWD_DEFAULT_OPTS == configs.hopper_bwd_opts(64) \
+        == configs.hopper_bwd_opts(256)
+    # head_dim 128's tile (and 96's, which runs in it) adds skip_masked (session 33).
+    assert configs.hopper_bwd_opts(128) == {"lse_smem", "dq_tma", "ds_ring", "skip_masked"}
     # head_dim 256: dq_tma by default too (bwd_hopper256 takes it alone).
     assert bwd_hopper.kernel_flags(256, True, configs.hopper_bwd_opts(), 64) \
         == dict(IS_CAUSAL=True, DQ_TMA=True, LPT=False)
@@ -467,16 +470,21 @@ def test_options_knob(monkeypatch):
         configs.hopper_bwd_opts()
 
 
-def test_skip_masked_is_causal_only():
+def test_skip_masked_is_causal_only(monkeypatch):
     """skip_masked: a causal walk's first query block, which no row of sees the second
     consumer's keys, skipped there (and a consumer's keys all past seqlen_k); full
     attention's kernels are left alone, as is bwd_hopper256's."""
+    monkeypatch.delenv("FLASHTILE_HOPPER_BWD_OPTS", raising=False)
     opts = frozenset({"lse_smem", "dq_tma", "ds_ring", "skip_masked"})
     assert bwd_hopper.kernel_flags(64, True, opts, 64)["SKIP_MASKED"]
     assert bwd_hopper.kernel_flags(128, True, opts, 64)["SKIP_MASKED"]
     assert not bwd_hopper.kernel_flags(64, False, opts, 64)["SKIP_MASKED"]
     assert "SKIP_MASKED" not in bwd_hopper.kernel_flags(256, True, opts, 64)
-    assert not bwd_hopper.kernel_flags(64, True, configs.HOPPER_BWD_DEFAULT_OPTS,
+    assert not bwd_hopper.kernel_flags(64, True, configs.hopper_bwd_opts(64),
+                                       64)["SKIP_MASKED"]
+    # The default at head_dim 128 alone (session 33: +2-4% there, -3% at 64's 1k).
+    assert bwd_hopper.kernel_flags(128, True, configs.hopper_bwd_opts(128), 64)["SKIP_MASKED"]
+    assert not bwd_hopper.kernel_flags(128, False, configs.hopper_bwd_opts(128),
                                        64)["SKIP_MASKED"]
 
 

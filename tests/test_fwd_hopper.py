@@ -159,15 +159,16 @@ def test_causal_consumers_walk_their_own_blocks(head_dim, config, shape, mask, s
     test_matches_float64_reference(torch.bfloat16, head_dim, shape, mask, schedule)
 
 
-@pytest.mark.parametrize("mask,seqlen", [("full", 2100), ("full", 8200), ("causal", 4100),
-                                         ("full", 4096), ("causal", 4096)])
+@pytest.mark.parametrize("mask,seqlen", [("full", 1100), ("full", 8200), ("causal", 2100),
+                                         ("causal", 4100), ("full", 1024), ("full", 4096),
+                                         ("causal", 4096)])
 @on_hopper
 def test_long_d64_takes_three_consumers(mask, seqlen, schedule):
-    """Unset FLASHTILE_HOPPER_FWD_CONFIG, 16-bit d64 from 4k queries and keys (causal)
-    or 2k (full) runs three consumers (configs.HOPPER_FWD_D64_THREE): lengths off the
-    192-row tiles against the float64 reference, on both grids. At 4,096 the last tile's
-    second and third warpgroups lie wholly past seqlen_q (block 0 only, then the
-    protocol: _mma_tile's OWN_BLOCKS)."""
+    """Unset FLASHTILE_HOPPER_FWD_CONFIG, 16-bit d64 from 2k queries and keys (causal)
+    or 1k (full) runs three consumers (configs.HOPPER_FWD_D64_THREE): lengths off the
+    192-row tiles against the float64 reference, on both grids. At 1,024 and 4,096 the
+    last tile's second and third warpgroups lie wholly past seqlen_q (block 0 only, then
+    the protocol: _mma_tile's OWN_BLOCKS)."""
     from flashtile.ops import configs
 
     causal = MASKS[mask][0]

@@ -370,20 +370,20 @@ def test_wider_head_dims_launch_the_wider_kernel():
 def test_hopper_forward_config_knob(monkeypatch):
     """FLASHTILE_HOPPER_FWD_CONFIG: BLOCK_M 128, or 192 for 16-bit inputs at head_dim 64
     only; anything else names the variable, the rule, the value and the head dim.
-    Unset: the table, and 192 at 16-bit d64 from 4k queries and keys (causal) or 2k
+    Unset: the table, and 192 at 16-bit d64 from 2k queries and keys (causal) or 1k
     (full attention)."""
-    # Unset: three consumers at 16-bit d64 where both lengths reach 4k (causal) or 2k
+    # Unset: three consumers at 16-bit d64 where both lengths reach 2k (causal) or 1k
     # (full), else the table.
     monkeypatch.delenv("FLASHTILE_HOPPER_FWD_CONFIG", raising=False)
     three, two = configs.TileConfig(192, 128, 4, 3), configs.HOPPER_FWD_16BIT[64]
-    assert configs.hopper_fwd_config(64, False, 4096, 4096) == three
-    assert configs.hopper_fwd_config(64, False, 4096, 4095) == two
-    assert configs.hopper_fwd_config(64, False, 2048, 16384) == two
+    assert configs.hopper_fwd_config(64, False, 2048, 2048) == three
+    assert configs.hopper_fwd_config(64, False, 2048, 2047) == two
+    assert configs.hopper_fwd_config(64, False, 1024, 16384) == two
     assert configs.hopper_fwd_config(64, False, 8192, 8192, causal=False) == three
-    assert configs.hopper_fwd_config(64, False, 2048, 2048, causal=False) == three
-    assert configs.hopper_fwd_config(64, False, 2048, 2047, causal=False) == two
-    assert configs.hopper_fwd_config(64, False, 1024, 16384, causal=False) == two
-    assert configs.hopper_fwd_config(64, False, 2048, 2048, causal=True) == two
+    assert configs.hopper_fwd_config(64, False, 1024, 1024, causal=False) == three
+    assert configs.hopper_fwd_config(64, False, 1024, 1023, causal=False) == two
+    assert configs.hopper_fwd_config(64, False, 512, 16384, causal=False) == two
+    assert configs.hopper_fwd_config(64, False, 1024, 1024, causal=True) == two
     assert configs.hopper_fwd_config(64) == two
     assert configs.hopper_fwd_config(64, True, 16384, 16384) == configs.HOPPER_FWD_FP8[64]
     assert configs.hopper_fwd_config(128, False, 16384, 16384) == configs.HOPPER_FWD_16BIT[128]
@@ -581,7 +581,8 @@ def _compile_bwd(head_dim, causal, dtype=torch.bfloat16, opts=None, stages=None,
     kv_type = mangle_type(bwd_hopper._descriptor(x, bwd_hopper.BLOCK_N_WG.value, head_dim))
     types = dict(q_desc=q_type, do_desc=q_type, k_desc=kv_type, v_desc=kv_type,
                  dk_desc=kv_type, dv_desc=kv_type, softmax_scale="fp32")
-    opts = configs.HOPPER_BWD_DEFAULT_OPTS if opts is None else frozenset(opts)
+    opts = configs.HOPPER_BWD_DEFAULT_BY_DIM.get(head_dim, configs.HOPPER_BWD_DEFAULT_OPTS) \
+        if opts is None else frozenset(opts)
     flags = dict(bwd_hopper.kernel_flags(head_dim, causal, opts, block_m),
                  STAGES=stages or cfg.num_stages)
     if flags.get("DQ_TMA"):  # the accumulator's tensor map, not its address
@@ -767,11 +768,13 @@ def _waited_loads(ops: list[str]) -> int:
 
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_hopper_backward_skip_masked_compiles_for_sm90(head_dim):
-    """skip_masked (causal; session 32) beside the default it joins: the same shared
-    memory, no more local memory and no more stores in the walks (the skip arm, a zero
-    dS^T stored and the protocol, sits in the walk loop beside the block's products)."""
-    opts = tuple(sorted(configs.HOPPER_BWD_DEFAULT_OPTS)) + ("skip_masked",)
-    ck, base = _compile_bwd(head_dim, True, opts=opts), _compile_bwd(head_dim, True)
+    """skip_masked (causal; session 32; head_dim 128's default since session 33) beside
+    the options it joins: the same shared memory, no more local memory and no more
+    stores in the walks (the skip arm, a zero dS^T stored and the protocol, sits in the
+    walk loop beside the block's products)."""
+    base_opts = tuple(sorted(configs.HOPPER_BWD_DEFAULT_OPTS))
+    ck = _compile_bwd(head_dim, True, opts=base_opts + ("skip_masked",))
+    base = _compile_bwd(head_dim, True, opts=base_opts)
     res, ref = resources(ck), resources(base)
     assert res["shared_bytes"] == ref["shared_bytes"], (res, ref)
     assert res["stack_bytes"] <= ref["stack_bytes"], (res, ref)

@@ -135,15 +135,18 @@ session 28) for the GPU A/B, all compile-checked on the CPU:
   the grid's y (65535: ``lpt_fits``). Prediction: causal
   backward +2-8% at 1k-4k, level at 16k (dropped there by the L2 rule). Session 30
   (section 40): one noisy round at 4k, below the default's warm run; not shown to win.
-- skip_masked (SKIP_MASKED; session 32, compiled, not yet run on a GPU): a causal
+- skip_masked (SKIP_MASKED; session 32; the default at head_dim 128 since session 33): a causal
   program's walk starts at the query block holding row key0 - diag_offset for both
   consumers, and no row of that block sees a key of the second consumer (keys key0 + 64
   on): its S^T, dP^T, dV and dK products there are fully masked, once per query head.
   With the option that consumer waits for the block's Q and dO, releases them, stores a
   zero dS^T for the block's dQ product (which it still takes in its turns) and skips its
   four products; so does a consumer whose keys all lie past seqlen_k. Work saved: ~1.5%
-  of the backward's products at 4k causal, ~6% at 1k. Prediction: causal forward +
-  backward +0.5-1.5% at 4k, +2-4% at 1k; full attention unchanged.
+  of the backward's products at 4k causal, ~6% at 1k. Predicted causal forward +
+  backward +0.5-1.5% at 4k, +2-4% at 1k. Measured (section 43, two alternating rounds):
+  head_dim 128 +0.5-4% at 1k-16k; head_dim 64 -3% at 1k, level at 4k (its walk loops,
+  holding both arms, cost more than the skipped block saves), so the default at 128
+  alone (configs.HOPPER_BWD_DEFAULT_BY_DIM).
 Tried and removed (H200, the sections of docs/benchmarks/NOTES.md):
 - sdp (head dim 64), FA3's order: dP^T issued right behind S^T, the consumer waiting
   for S^T alone and computing P^T while dP^T runs. ptxas hoists dP^T's wait (no register
@@ -1029,7 +1032,7 @@ def backward(dout, q, k, v, out, lse, dlse, softmax_scale, diag_offset, causal):
                      dv_shares.data_ptr(), dk.data_ptr(), dv.data_ptr(), softmax_scale))
             return dq, dk, dv
     cfg = configs.hopper_bwd_config(tile_d)
-    flags = kernel_flags(tile_d, causal, configs.hopper_bwd_opts(), cfg.block_m, sq)
+    flags = kernel_flags(tile_d, causal, configs.hopper_bwd_opts(tile_d), cfg.block_m, sq)
     flags["LPT"] = flags["LPT"] and lpt_fits(b, h, sq, sk, tile_d, q.element_size(),
                                              cfg.block_n)
     if tile_d != 256:  # bwd_hopper256's tiles are fixed and fit (configs.HOPPER_BWD_D256)

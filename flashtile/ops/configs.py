@@ -338,8 +338,11 @@ HOPPER_FWD_16BIT = {
 # runs): full attention +6% at 2k and 4k, causal -13% at 2k and -7% at 4k. Session 31
 # (section 41), with the tree row max three consumers take (HOPPER_FWD_TREE_MAX): causal
 # -15% at 1k, -3% at 2k, +1.5% at 4k in both of two alternating rounds, so causal from 4k.
+# Session 33 (section 43), once warpgroups wholly past seqlen_q stopped walking (a
+# 192-row tile rarely divides a power-of-two length: 1,024 = 5 x 192 + 64): full +1.7% at
+# 1k, causal +1.9% at 2k and -6% at 1k, both rounds each, so full from 1k, causal from 2k.
 HOPPER_FWD_D64_THREE = TileConfig(192, 128, 4, 3)
-HOPPER_FWD_THREE_MIN_SEQLEN = {False: 2048, True: 4096}
+HOPPER_FWD_THREE_MIN_SEQLEN = {False: 1024, True: 2048}
 # 16-bit head dims the Gluon forward and backward run in a wider one's tile: their tensor
 # maps keep the tensors' true head_dim and only the boxes are wider, so TMA zero-fills
 # the columns past it on load (adding nothing to Q K^T, dS K or the dK/dV sums, making
@@ -589,22 +592,26 @@ HOPPER_BWD_OPTS = ("lse_ahead", "dq_tma", "lse_smem", "ds_ring", "lpt", "skip_ma
 # 128 over lse_ahead (section 30). Where lse_smem cannot run (kernel_flags: seqlen_q not a
 # multiple of 4, or shorter than a block) lse_ahead runs in its place. ds_ring (dS^T in
 # two buffers) since session 28: +2-3% at 64 (full attention; causal +0-1%), level at 128
-# (section 38), whose 225 KiB it still fits. skip_masked (session 32, compiled, not yet run
-# on a GPU): the second consumer skips the causal walk's first query block, whose rows see
-# none of its keys.
+# (section 38), whose 225 KiB it still fits. skip_masked (the second consumer skips the
+# causal walk's first query block, whose rows see none of its keys) since session 33 at
+# head_dim 128 alone (HOPPER_BWD_DEFAULT_BY_DIM): causal forward + backward +0.5-4% at
+# 1k-16k there, two alternating rounds each, to 0.93-1.02x cuDNN; at 64 it lost 3% at 1k
+# and was level at 4k (NOTES.md section 43).
 HOPPER_BWD_DEFAULT_OPTS = frozenset({"lse_smem", "dq_tma", "ds_ring"})
+HOPPER_BWD_DEFAULT_BY_DIM = {128: HOPPER_BWD_DEFAULT_OPTS | {"skip_masked"}}
 # bwd_hopper256 (head_dim 256) takes dq_tma and lpt alone; there dq_tma (session 18, its fp32
 # tiles in the block's own Q and dO buffers) took forward + backward +24-36% over the
 # atomics, to 1.00-1.11x cuDNN (session 19, NOTES.md section 29).
 
 
-def hopper_bwd_opts() -> frozenset[str]:
+def hopper_bwd_opts(head_dim: int | None = None) -> frozenset[str]:
     """The FLASHTILE_HOPPER_BWD_OPTS options of the Gluon backward, e.g. "lse_ahead,dq_tma";
-    "none" for none, unset for the default (HOPPER_BWD_DEFAULT_OPTS). Each kernel takes
-    the options it has (bwd_hopper.kernel_flags)."""
+    "none" for none, unset for the default of the kernel's tile ``head_dim``
+    (HOPPER_BWD_DEFAULT_BY_DIM, else HOPPER_BWD_DEFAULT_OPTS). Each kernel takes the
+    options it has (bwd_hopper.kernel_flags)."""
     raw = os.environ.get("FLASHTILE_HOPPER_BWD_OPTS")
     if raw is None:
-        return HOPPER_BWD_DEFAULT_OPTS
+        return HOPPER_BWD_DEFAULT_BY_DIM.get(head_dim, HOPPER_BWD_DEFAULT_OPTS)
     opts = frozenset(x.strip() for x in raw.split(",") if x.strip())
     if opts == {"none"}:
         return frozenset()

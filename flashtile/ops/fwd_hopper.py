@@ -44,8 +44,8 @@ one. The sm_90 compile: no spills (tiles grid; the
 persistent one keeps one 4-byte tile-loop scalar in local memory, outside the walks);
 the two-consumer SASS is unchanged by it. On the H200 (session 20, NOTES.md section
 30) d64 gained from 8k tokens a sequence (+3-11%) and lost at 1k-4k causal; with the tree
-row max (session 31) auto takes it at d64 from 2k full and 4k causal
-(``configs.hopper_fwd_config``); d128 with 64 keys lost 2-17%
+row max (session 31) and warpgroups past seqlen_q idle (session 33) auto takes it at
+d64 from 1k full and 2k causal (``configs.hopper_fwd_config``); d128 with 64 keys lost 2-17%
 and FP8 (864 TFLOP/s at 16k) stayed below BLOCK_N 256 (876): opt-in there.
 The grid (FLASHTILE_HOPPER_FWD_SCHEDULE, ``configs.hopper_fwd_persistent``):
 - "tiles": one program per (query tile, batch * nheads), causal query
