@@ -48,6 +48,9 @@
 #                GPU tests (plans against Triton's path, transformers' decode memo), then
 #                flashtile bench hf with --profile (generate at batch 1 and 16: kernels
 #                and the host time inside the attention function)          (~5 min)
+#   engine-overlap  FLASHTILE_ENGINE_DECODE_OVERLAP (session 33): its GPU tests, the 0.5B
+#                decode step at batch 1-256 off / halves / halves offset in two rounds,
+#                then the 0.5B and 1B throughput with each                 (~9 min)
 #   hf-train     issue 16's training step (the head split's GPU tests, then flashtile
 #                bench hf's step: 5 repetitions, the kernels under the profiler) (~4 min)
 #   hopper       the Gluon forward's GPU tests (16-bit) and its timing     (~9 min)
@@ -699,6 +702,30 @@ PY
     timeout 300 python3 -u -m flashtile bench hf --impls flashtile sdpa --profile 10 \
       --out "$OUT/hf-gen.json" 2>&1 | grep --line-buffered -v "^\s*$" | tee "$OUT/hf-gen.txt" \
       | tail -60  # tee first: a run cut short still leaves its lines (session 30)
+    ;;
+  engine-overlap)
+    # Decode graphs of 32+ sequences split in two halves on two streams (session 33,
+    # engine/cuda_graphs.py). Prediction: 0.5B forward at batch 256 2.04 -> 1.5-1.8 ms
+    # with offset, 1.8-2.0 without (halves started together run the same kernels side
+    # by side); batch 32-128 -5 to -20%; batch 1 unchanged (not split). Throughput: 0.5B
+    # +8-20% (34% -> 37-41% of the roofline), 1B +3-10%. If neither variant beats off,
+    # the GPU does not co-schedule the branches' kernels: remove it.
+    timeout 150 python3 -m pytest -q -p no:cacheprovider --gpu tests/test_engine_gpu.py \
+      -k "overlap or cuda_graph" 2>&1 | tail -2 | tee "$OUT/overlap-tests.txt"
+    for round in 1 2; do
+      for set in 0 32 32,offset; do
+        FLASHTILE_ENGINE_DECODE_OVERLAP=$set timeout 150 python3 -m flashtile.bench.throughput \
+          --decode-step --models qwen2.5-0.5b --decode-batches 1 32 64 128 256 \
+          --decode-reps 20 --timeout 140 --out "/tmp/overlap-step.json" 2>&1 \
+          | grep "^| qwen" | sed "s|^|$round $set |" | tee -a "$OUT/overlap-step.txt"
+      done
+    done
+    for set in 0 32,offset 32; do
+      FLASHTILE_ENGINE_DECODE_OVERLAP=$set timeout 100 python3 -m flashtile.bench.throughput \
+        --models qwen2.5-0.5b llama-3.2-1b --providers engine-flashtile-graphs --timeout 90 \
+        --out "/tmp/overlap-tp.json" 2>&1 | grep "^| " | sed "s|^|$set |" \
+        | tee -a "$OUT/overlap-throughput.txt"
+    done
     ;;
   hf-train)
     # Session 31, after the share sums moved into the dQ conversion's launch: the 4k-token

@@ -31,28 +31,50 @@ def _generate(llm, prompts, params):
     return [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
 
 
-@pytest.mark.parametrize("backend", ["flashtile", "sdpa", "naive"])
-def test_cuda_graph_decode_equals_eager(checkpoint, monkeypatch, backend):
-    path, _ = checkpoint
+def _graphs_equal_eager(path, monkeypatch, lengths, max_tokens, replayed, env=None,
+                        **kw):
+    """Greedy generation with decode CUDA graphs (env: variables set before the graphed
+    engine is built) gives the eager engine's tokens and logprobs, replays at least the
+    ``replayed`` batch sizes, and frees every block. Returns the graphed LLM."""
     kw = dict(dtype="float32", device="cuda", max_model_len=128, max_num_seqs=8,
-              kv_cache_memory=2**28, attention_backend=backend)
-    # Batch 3 replays the graph of 4 (one padding row), then 2 and 1 as requests end.
+              kv_cache_memory=2**28, **kw)
     params = [SamplingParams(temperature=0, max_tokens=n, logprobs=0, ignore_eos=True)
-              for n in (24, 12, 6)]
-    prompts = _prompts([3, 40, 77])
+              for n in max_tokens]
+    prompts = _prompts(lengths)
     eager = _generate(LLM(str(path), enforce_eager=True, **kw), prompts, params)
+    for name, value in (env or {}).items():
+        monkeypatch.setenv(name, value)
     llm = LLM(str(path), **kw)
     assert sorted(llm.runner.graphs) == [1, 2, 4, 8]
     replays = []
     replay = llm.runner._replay
     monkeypatch.setattr(llm.runner, "_replay", lambda bs: replays.append(bs) or replay(bs))
     graphed = _generate(llm, prompts, params)
-    assert {4, 2, 1} <= set(replays)
+    assert set(replayed) <= set(replays)
     for e, g in zip(eager, graphed):
         assert e.token_ids == g.token_ids
         torch.testing.assert_close(e.logprobs, g.logprobs, atol=1e-4, rtol=0)
     bm = llm.block_manager
     assert bm.num_free_blocks == bm.num_blocks
+    return llm
+
+
+@pytest.mark.parametrize("backend", ["flashtile", "sdpa", "naive"])
+def test_cuda_graph_decode_equals_eager(checkpoint, monkeypatch, backend):
+    # Batch 3 replays the graph of 4 (one padding row), then 2 and 1 as requests end.
+    _graphs_equal_eager(checkpoint[0], monkeypatch, [3, 40, 77], (24, 12, 6), {4, 2, 1},
+                        attention_backend=backend)
+
+
+@pytest.mark.parametrize("overlap", ["2", "4,offset"])
+def test_decode_overlap_graphs_equal_eager(checkpoint, monkeypatch, overlap):
+    """FLASHTILE_ENGINE_DECODE_OVERLAP: graphs whose batch's two halves run on two streams
+    (a branch each; with offset the second waits for the first's layer-0 attention)
+    replay the eager engine's tokens and logprobs."""
+    llm = _graphs_equal_eager(checkpoint[0], monkeypatch, [3, 40, 77, 5, 64],
+                              (24, 12, 6, 18, 9), {8, 4, 2},
+                              env={"FLASHTILE_ENGINE_DECODE_OVERLAP": overlap})
+    assert llm.runner._side_stream is not None
 
 
 def test_torch_backend_decodes_eagerly(checkpoint, monkeypatch):
