@@ -746,6 +746,12 @@ def test_decode_bench_fp8_providers_match_their_reference(backend, device, on_gp
         out = providers[name]()
         assert out.dtype == torch.bfloat16
         torch.testing.assert_close(out.float(), refs["fp8"].float(), rtol=0, atol=2e-2)
+    # copy-fp8: K's FP8 bytes into a buffer of their own, read plus written as many
+    # bytes as the FP8 providers read.
+    copied = providers["copy-fp8"]()
+    assert copied.dtype == torch.uint8 and copied.numel() == 2 * 128 * decode.NHEADS_KV \
+        * decode.HEAD_DIM
+    assert 2 * copied.numel() == decode.provider_bytes("copy-fp8", 2, 128)
 
 
 @pytest.mark.gpu

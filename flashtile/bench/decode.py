@@ -4,7 +4,9 @@ bf16, 32 query heads over 8 KV heads, head_dim 128. Effective bandwidth = bytes 
 V read / time, beside the device-copy ceiling and PyTorch SDPA (enable_gqa) in the same
 run. The flashtile-fp8 providers read the same cache in float8_e4m3fn (bf16 queries,
 k_descale/v_descale given): their bytes, and so their GB/s, are counted in FP8 bytes,
-half the bf16 cache's. Every provider is timed as a replayed CUDA graph (triton.testing.do_bench_cudagraph)
+half the bf16 cache's. copy-fp8 copies K's FP8 bytes into another buffer, moving (read
+plus written) as many bytes as flashtile-fp8 reads: the copy ceiling at this size, with a
+kernel's ramp and tail, where the device-copy ceiling is a 1 GiB copy's. Every provider is timed as a replayed CUDA graph (triton.testing.do_bench_cudagraph)
 so Python launch overhead, which a serving engine also captures away, is not counted.
 
 A cache smaller than the L2 (batch 1 x 8k keys: 34 MB against the H200's 60 MB) would
@@ -86,10 +88,17 @@ def _providers(batch, seqlen_k, device):
            for size, pool in paged.items()},
         "flashtile-fp8": _kvcache_fn(q, seqlens, k8, v8, **fp8),
         "flashtile-fp8-paged64": _kvcache_fn(q, seqlens, *pool8, **fp8),
+        "copy-fp8": _copy_fn(k8.view(torch.uint8)),
         "sdpa-cudnn": sdpa(SDPBackend.CUDNN_ATTENTION),
         "sdpa-flash": sdpa(SDPBackend.FLASH_ATTENTION),
         "sdpa-efficient": sdpa(SDPBackend.EFFICIENT_ATTENTION),
     }
+
+
+def _copy_fn(src):
+    """A copy of src into a buffer of its own (no attention: nothing to check)."""
+    dst = torch.empty_like(src)
+    return lambda: dst.copy_(src)
 
 
 def _paged_pool(k, v, page_size):
@@ -172,6 +181,9 @@ def run_decode_bench(shapes=SHAPES, device="cuda", warm_l2=False, rounds=3):
         for name, fn in providers.items():
             try:
                 out = fn()
+                if name.startswith("copy"):
+                    runnable[name] = [p[name] for _, p in sets]
+                    continue
                 if name.startswith("sdpa"):
                     out = out.transpose(1, 2)
                 ref = refs["fp8" if "fp8" in name else ""]
