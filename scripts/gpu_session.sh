@@ -49,8 +49,8 @@
 #                flashtile bench hf with --profile (generate at batch 1 and 16: kernels
 #                and the host time inside the attention function)          (~5 min)
 #   engine-overlap  FLASHTILE_ENGINE_DECODE_OVERLAP (session 33): its GPU tests, the 0.5B
-#                decode step at batch 1-256 off / halves / halves offset in two rounds,
-#                then the 0.5B and 1B throughput with each                 (~9 min)
+#                decode step at batch 1-256 off / halves / halves offset in two rounds
+#                (~6 min); engine-overlap-tp: the 0.5B and 1B throughput with each (~5 min)
 #   hf-train     issue 16's training step (the head split's GPU tests, then flashtile
 #                bench hf's step: 5 repetitions, the kernels under the profiler) (~4 min)
 #   hopper       the Gluon forward's GPU tests (16-bit) and its timing     (~9 min)
@@ -714,15 +714,19 @@ PY
       -k "overlap or cuda_graph" 2>&1 | tail -2 | tee "$OUT/overlap-tests.txt"
     for round in 1 2; do
       for set in 0 32 32,offset; do
-        FLASHTILE_ENGINE_DECODE_OVERLAP=$set timeout 150 python3 -m flashtile.bench.throughput \
+        FLASHTILE_ENGINE_DECODE_OVERLAP=$set timeout 90 python3 -m flashtile.bench.throughput \
           --decode-step --models qwen2.5-0.5b --decode-batches 1 32 64 128 256 \
-          --decode-reps 20 --timeout 140 --out "/tmp/overlap-step.json" 2>&1 \
+          --decode-reps 20 --timeout 85 --out "/tmp/overlap-step.json" 2>&1 \
           | grep "^| qwen" | sed "s|^|$round $set |" | tee -a "$OUT/overlap-step.txt"
       done
     done
+    ;;
+  engine-overlap-tp)
+    # The workload (256 requests, 100-1024 tokens each way) with each form of the
+    # overlap; predictions in engine-overlap.
     for set in 0 32,offset 32; do
-      FLASHTILE_ENGINE_DECODE_OVERLAP=$set timeout 100 python3 -m flashtile.bench.throughput \
-        --models qwen2.5-0.5b llama-3.2-1b --providers engine-flashtile-graphs --timeout 90 \
+      FLASHTILE_ENGINE_DECODE_OVERLAP=$set timeout 180 python3 -m flashtile.bench.throughput \
+        --models qwen2.5-0.5b llama-3.2-1b --providers engine-flashtile-graphs --timeout 85 \
         --out "/tmp/overlap-tp.json" 2>&1 | grep "^| " | sed "s|^|$set |" \
         | tee -a "$OUT/overlap-throughput.txt"
     done
