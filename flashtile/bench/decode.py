@@ -6,8 +6,9 @@ run. The flashtile-fp8 providers read the same cache in float8_e4m3fn (bf16 quer
 k_descale/v_descale given): their bytes, and so their GB/s, are counted in FP8 bytes,
 half the bf16 cache's. copy-fp8 copies K's FP8 bytes into another buffer, moving (read
 plus written) as many bytes as flashtile-fp8 reads: the copy ceiling at this size, with a
-kernel's ramp and tail, where the device-copy ceiling is a 1 GiB copy's. Every provider is timed as a replayed CUDA graph (triton.testing.do_bench_cudagraph)
-so Python launch overhead, which a serving engine also captures away, is not counted.
+kernel's ramp and tail, where the device-copy ceiling is a 1 GiB copy's. Every
+provider is timed as a replayed CUDA graph (triton.testing.do_bench_cudagraph) so
+Python launch overhead, which a serving engine also captures away, is not counted.
 
 A cache smaller than the L2 (batch 1 x 8k keys: 34 MB against the H200's 60 MB) would
 be read from the L2 the previous replay left warm, which no serving step sees (every
