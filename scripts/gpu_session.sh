@@ -51,6 +51,9 @@
 #   engine-overlap  FLASHTILE_ENGINE_DECODE_OVERLAP (session 33): its GPU tests, the 0.5B
 #                decode step at batch 1-256 off / halves / halves offset in two rounds
 #                (~6 min); engine-overlap-tp: the 0.5B and 1B throughput with each (~5 min)
+#   bwd-peel     the Gluon backward's skip_peel option (session 33): its GPU tests and
+#                memcheck slice, causal forward+backward d64 at 1k and 4k against the
+#                default and skip_masked, two rounds; transformers' step with each (~8 min)
 #   hf-train     issue 16's training step (the head split's GPU tests, then flashtile
 #                bench hf's step: 5 repetitions, the kernels under the profiler) (~4 min)
 #   hopper       the Gluon forward's GPU tests (16-bit) and its timing     (~9 min)
@@ -730,6 +733,19 @@ PY
         --out "/tmp/overlap-tp.json" 2>&1 | grep "^| " | sed "s|^|$set |" \
         | tee -a "$OUT/overlap-throughput.txt"
     done
+    ;;
+  bwd-peel)
+    # skip_peel (session 33): skip_masked's skips (which lost 3% at d64 1k: the branch
+    # in the walk's loop reshaped its hot path) with the dead blocks in a loop of their
+    # own, so the computing loop is the default's. Prediction: d64 causal forward +
+    # backward +1-3% at 1k, level to +1% at 4k; the training step level to -0.1 ms.
+    # (PEEL_TESTS=0: not)
+    option_tests bwd-peel "skip_peel" tests/test_bwd_hopper.py \
+      "options_small and skip_peel or skip_peel_walks" "${PEEL_TESTS:-1}"
+    base=FLASHTILE_HOPPER_BWD_OPTS=lse_smem,dq_tma,ds_ring
+    AB_SECS=100 ab bwd-peel "$base $base,skip_peel $base,skip_masked" --providers \
+      flashtile sdpa-cudnn --modes fwd_bwd --headdim 64 --causal true --seqlens 1k 4k
+    train_steps bwd-peel "$base $base,skip_peel $base $base,skip_peel"
     ;;
   hf-train)
     # Session 31, after the share sums moved into the dQ conversion's launch: the 4k-token

@@ -147,6 +147,16 @@ session 28) for the GPU A/B, all compile-checked on the CPU:
   head_dim 128 +0.5-4% at 1k-16k; head_dim 64 -3% at 1k, level at 4k (its walk loops,
   holding both arms, cost more than the skipped block saves), so the default at 128
   alone (configs.HOPPER_BWD_DEFAULT_BY_DIM).
+- skip_peel (SKIP_MASKED 2; session 33, compiled, not yet run on a GPU): skip_masked's
+  skips with the dead blocks out of the loop that computes. With one query head a
+  program (no GQA, or GQA split to one head a program, as transformers' Llama-3.2-1B
+  step is) they are the walk's first n_dead blocks (1, or all of them past seqlen_k),
+  walked by a loop of their own first; with more heads a program the walk keeps
+  skip_masked's branch. sm_90 SASS at head_dim 64: the computing walk loops run 563
+  and 560 instructions a block against the default's 564 and 552 (skip_masked's 604
+  and 633). At 128 the three walk forms keep 240 bytes of local memory (8 stores in
+  the walks), so it is for 64. Prediction: d64 causal forward + backward +1-3% at 1k,
+  level to +1% at 4k.
 Tried and removed (H200, the sections of docs/benchmarks/NOTES.md):
 - sdp (head dim 64), FA3's order: dP^T issued right behind S^T, the consumer waiting
   for S^T alone and computing P^T while dP^T runs. ptxas hoists dP^T's wait (no register
@@ -566,6 +576,68 @@ def _skip_key_block(q_ready, do_ready, qdo_empty, ds_smem, ds_full, ds_empty, it
 
 
 @gluon.jit
+def _walk_block(it, dead, dk, dv, lse_next, delta_next, walk, WG: gl.constexpr,
+                IS_CAUSAL: gl.constexpr, LSE_AHEAD: gl.constexpr, DQ_TMA: gl.constexpr,
+                LSE_SMEM: gl.constexpr, DS_RING: gl.constexpr):
+    """The walk's it-th block for warpgroup WG: its keys' part (``_key_block``, or
+    ``_skip_key_block`` where ``dead``: no row sees them), then, every second block, the
+    block's dQ product. Returns dk, dv and, with LSE_AHEAD, the next block's lse and
+    delta (loaded here, a block ahead). walk: _mma_partition's operands."""
+    (k, k_all, v, q_smem, do_smem, lse_smem, delta_smem, q_ready, do_ready, qdo_empty,
+     ds_smem, ds_full, ds_empty, dq_smem, DQAccum, Lse, Delta, s_init, dq_init, o_n, key0,
+     bh0, off_b, h0, m_lo, n_m, n_iter, seqlen_q, seqlen_k, diag_offset, qk_scale) = walk
+    BLOCK_M: gl.constexpr = q_smem.type.shape[2]
+    HEAD_DIM: gl.constexpr = q_smem.type.shape[4]
+    STAGES: gl.constexpr = q_smem.type.shape[0]
+    s_layout: gl.constexpr = _acc_layout(BLOCK_M)
+    row0 = (m_lo + it % n_m) * BLOCK_M
+    o_m = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))  # (M,)
+    stage = it % STAGES
+    phase = (it // STAGES) & 1
+    # lse and delta: BLOCK_M fp32 each, loaded here (not by TMA: a row of lse is
+    # seqlen_q * 4 bytes, a 16-byte multiple only when seqlen_q is a multiple of 4),
+    # one value per thread, then spread to the columns of S^T through shared memory:
+    # loaded in S^T's column layout, each thread would hold 16 values and their 16
+    # 64-bit addresses (48 registers), which spilled at head_dim 128.
+    p_row = (bh0 + it // n_m).to(gl.int64) * seqlen_q
+    if LSE_AHEAD:
+        # This block's, loaded during the previous one: no global load latency on
+        # the walk's path (the load sat right before S^T's issue, its result needed
+        # to convert it); the next block's issued now, masked off past the walk.
+        lse2 = gl.convert_layout(_base2(lse_next), gl.SliceLayout(0, s_layout))
+        delta_flat = delta_next
+        nx = it + 1
+        p_row_nx = (bh0 + nx // n_m).to(gl.int64) * seqlen_q
+        rows_nx = gl.where(nx < n_iter, seqlen_q, 0)
+        row0_nx = (m_lo + nx % n_m) * BLOCK_M
+        lse_next = _row_flat(Lse + p_row_nx, row0_nx, rows_nx, float("inf"), BLOCK_M)
+        delta_next = _row_flat(Delta + p_row_nx, row0_nx, rows_nx, 0.0, BLOCK_M)
+    elif not LSE_SMEM:
+        lse2 = _lse2(Lse + p_row, row0, seqlen_q, BLOCK_M, s_layout)
+    if LSE_SMEM:
+        lse2 = None  # _key_block reads it from the stage once Q has landed
+    if not LSE_AHEAD:
+        delta_flat = None
+    if dead:
+        _skip_key_block(q_ready, do_ready, qdo_empty, ds_smem, ds_full, ds_empty, it,
+                        stage, phase, WG, DS_RING)
+    else:
+        dk, dv = _key_block(
+            k, v, q_smem, do_smem, lse_smem, delta_smem, q_ready, do_ready, qdo_empty,
+            ds_smem, ds_full, ds_empty, it, stage, phase, s_init, o_n, o_m, row0, key0,
+            seqlen_q, seqlen_k, diag_offset, qk_scale, lse2, delta_flat, Delta, p_row,
+            dk, dv, WG, IS_CAUSAL, LSE_AHEAD, LSE_SMEM, DS_RING)
+    ds_buf, ds_full_b, ds_empty_b, ds_phase = _ds_slot(ds_smem, ds_full, ds_empty, it,
+                                                       DS_RING)
+    if it % 2 == WG:
+        mbarrier.wait(ds_full_b, ds_phase)  # the other warpgroup's dS^T stored too
+        p_dq = DQAccum if DQ_TMA else DQAccum + p_row * HEAD_DIM
+        _dq_partial(ds_buf, k_all, dq_init, p_dq, row0, seqlen_q, ds_empty_b,
+                    dq_smem, off_b, h0 + it // n_m, WG, DQ_TMA)
+    return dk, dv, lse_next, delta_next
+
+
+@gluon.jit
 def _mma_partition(args, dq_smem, WG: gl.constexpr, IS_CAUSAL: gl.constexpr,
                    LSE_AHEAD: gl.constexpr, DQ_TMA: gl.constexpr, LSE_SMEM: gl.constexpr,
                    DS_RING: gl.constexpr, SKIP_MASKED: gl.constexpr):
@@ -606,61 +678,53 @@ def _mma_partition(args, dq_smem, WG: gl.constexpr, IS_CAUSAL: gl.constexpr,
     mbarrier.wait(kv_ready, 0)
 
     n_iter = n_heads * n_m
+    lse_next = 0  # (LSE_AHEAD: the next block's lse and delta, loaded a block ahead)
+    delta_next = 0
     if LSE_AHEAD:  # the first block's lse and delta (see the walk)
         p_row0 = bh0.to(gl.int64) * seqlen_q
         lse_next = _row_flat(Lse + p_row0, m_lo * BLOCK_M, seqlen_q, float("inf"), BLOCK_M)
         delta_next = _row_flat(Delta + p_row0, m_lo * BLOCK_M, seqlen_q, 0.0, BLOCK_M)
-    for it in range(n_iter):
-        row0 = (m_lo + it % n_m) * BLOCK_M
-        o_m = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))  # (M,)
-        stage = it % STAGES
-        phase = (it // STAGES) & 1
-        # lse and delta: BLOCK_M fp32 each, loaded here (not by TMA: a row of lse is
-        # seqlen_q * 4 bytes, a 16-byte multiple only when seqlen_q is a multiple of 4),
-        # one value per thread, then spread to the columns of S^T through shared memory:
-        # loaded in S^T's column layout, each thread would hold 16 values and their 16
-        # 64-bit addresses (48 registers), which spilled at head_dim 128.
-        p_row = (bh0 + it // n_m).to(gl.int64) * seqlen_q
-        if LSE_AHEAD:
-            # This block's, loaded during the previous one: no global load latency on
-            # the walk's path (the load sat right before S^T's issue, its result needed
-            # to convert it); the next block's issued now, masked off past the walk.
-            lse2 = gl.convert_layout(_base2(lse_next), gl.SliceLayout(0, s_layout))
-            delta_flat = delta_next
-            nx = it + 1
-            p_row_nx = (bh0 + nx // n_m).to(gl.int64) * seqlen_q
-            rows_nx = gl.where(nx < n_iter, seqlen_q, 0)
-            row0_nx = (m_lo + nx % n_m) * BLOCK_M
-            lse_next = _row_flat(Lse + p_row_nx, row0_nx, rows_nx, float("inf"), BLOCK_M)
-            delta_next = _row_flat(Delta + p_row_nx, row0_nx, rows_nx, 0.0, BLOCK_M)
-        elif not LSE_SMEM:
-            lse2 = _lse2(Lse + p_row, row0, seqlen_q, BLOCK_M, s_layout)
-        if LSE_SMEM:
-            lse2 = None  # _key_block reads it from the stage once Q has landed
-        if not LSE_AHEAD:
-            delta_flat = None
-        dead = False  # (a constant without SKIP_MASKED: the branch below is then static)
-        if SKIP_MASKED:  # no row of the block sees a key of this warpgroup
-            first_key = key0 + WG * BLOCK_N_WG
-            dead = first_key >= seqlen_k
-            if IS_CAUSAL:
-                dead = dead | (first_key > row0 + (BLOCK_M - 1) + diag_offset)
-        if dead:
-            _skip_key_block(q_ready, do_ready, qdo_empty, ds_smem, ds_full, ds_empty, it,
-                            stage, phase, WG, DS_RING)
+    first_key = key0 + WG * BLOCK_N_WG
+    # The walk's runtime operands in one tuple (the constants stay out: see the kernel).
+    walk = (k, k_all, v, q_smem, do_smem, lse_smem, delta_smem, q_ready, do_ready,
+            qdo_empty, ds_smem, ds_full, ds_empty, dq_smem, DQAccum, Lse, Delta, s_init,
+            dq_init, o_n, key0, bh0, off_b, h0, m_lo, n_m, n_iter, seqlen_q, seqlen_k,
+            diag_offset, qk_scale)
+    if SKIP_MASKED == 2:
+        # skip_peel: the blocks no row of which sees a key of this warpgroup (the first
+        # of a causal walk's, or all of them past seqlen_k) in a loop of their own before
+        # the walk, so that the loop that computes holds one arm (skip_masked's branch
+        # inside it reshaped d64's hot walk: NOTES.md 43). With one query head a program
+        # (no GQA, or its head split at one head a program) the dead blocks are the
+        # walk's first n_dead; with more, each head's first n_dead, by a branch.
+        n_dead = 0
+        if IS_CAUSAL:
+            n_dead = (first_key > m_lo * BLOCK_M + (BLOCK_M - 1) + diag_offset).to(gl.int32)
+        n_dead = gl.where(first_key >= seqlen_k, n_m, n_dead)
+        if n_heads == 1:
+            for part in gl.static_range(2):  # the dead blocks [0, n_dead), then the rest
+                lo = 0 if part == 0 else n_dead
+                hi = n_dead if part == 0 else n_iter
+                for it in range(lo, hi):
+                    dk, dv, lse_next, delta_next = _walk_block(
+                        it, part == 0, dk, dv, lse_next, delta_next, walk, WG, IS_CAUSAL,
+                        LSE_AHEAD, DQ_TMA, LSE_SMEM, DS_RING)
         else:
-            dk, dv = _key_block(
-                k, v, q_smem, do_smem, lse_smem, delta_smem, q_ready, do_ready, qdo_empty,
-                ds_smem, ds_full, ds_empty, it, stage, phase, s_init, o_n, o_m, row0, key0,
-                seqlen_q, seqlen_k, diag_offset, qk_scale, lse2, delta_flat, Delta, p_row,
-                dk, dv, WG, IS_CAUSAL, LSE_AHEAD, LSE_SMEM, DS_RING)
-        ds_buf, ds_full_b, ds_empty_b, ds_phase = _ds_slot(ds_smem, ds_full, ds_empty, it,
-                                                           DS_RING)
-        if it % 2 == WG:
-            mbarrier.wait(ds_full_b, ds_phase)  # the other warpgroup's dS^T stored too
-            p_dq = DQAccum if DQ_TMA else DQAccum + p_row * HEAD_DIM
-            _dq_partial(ds_buf, k_all, dq_init, p_dq, row0, seqlen_q, ds_empty_b,
-                        dq_smem, off_b, h0 + it // n_m, WG, DQ_TMA)
+            for it in range(n_iter):
+                dk, dv, lse_next, delta_next = _walk_block(
+                    it, it % n_m < n_dead, dk, dv, lse_next, delta_next, walk, WG,
+                    IS_CAUSAL, LSE_AHEAD, DQ_TMA, LSE_SMEM, DS_RING)
+    else:
+        for it in range(n_iter):
+            dead = False  # (a constant without SKIP_MASKED: its branch is then static)
+            if SKIP_MASKED:  # no row of the block sees a key of this warpgroup
+                dead = first_key >= seqlen_k
+                if IS_CAUSAL:
+                    row0 = (m_lo + it % n_m) * BLOCK_M
+                    dead = dead | (first_key > row0 + (BLOCK_M - 1) + diag_offset)
+            dk, dv, lse_next, delta_next = _walk_block(
+                it, dead, dk, dv, lse_next, delta_next, walk, WG, IS_CAUSAL, LSE_AHEAD,
+                DQ_TMA, LSE_SMEM, DS_RING)
 
     # dK and dV leave through this warpgroup's K and V buffers once the last dQ product,
     # which reads both halves of K, has completed (a fresh barrier passes: no walk). TMA
@@ -910,7 +974,8 @@ def kernel_flags(head_dim: int, causal: bool, opts: frozenset[str], block_m: int
     lse_smem = "lse_smem" in opts
     return dict(IS_CAUSAL=causal, LSE_AHEAD="lse_ahead" in opts and not lse_smem,
                 DQ_TMA="dq_tma" in opts, LSE_SMEM=lse_smem, DS_RING="ds_ring" in opts,
-                LPT=lpt, SKIP_MASKED="skip_masked" in opts and causal)
+                LPT=lpt, SKIP_MASKED=causal and (2 if "skip_peel" in opts
+                                                 else "skip_masked" in opts))
 
 
 def smem_bytes(head_dim: int, block_m: int, stages: int, flags: dict) -> int:

@@ -584,7 +584,8 @@ def hopper_bwd_config(head_dim: int) -> TileConfig:
 # FLASHTILE_HOPPER_BWD_OPTS (comma-separated; "none" for none; unset: the default below)
 # for the GPU A/B; bwd_hopper's docstring says what each changes. Read when a launch plan
 # is made.
-HOPPER_BWD_OPTS = ("lse_ahead", "dq_tma", "lse_smem", "ds_ring", "lpt", "skip_masked")
+HOPPER_BWD_OPTS = ("lse_ahead", "dq_tma", "lse_smem", "ds_ring", "lpt", "skip_masked",
+                   "skip_peel")
 # lse_ahead is the default since session 15: forward + backward +6-10% at head_dim 64,
 # +1-4% at 128 on the H200 (docs/benchmarks/NOTES.md section 25); dq_tma since session
 # 17: +6-10% at 128, +1-3% at 64, transformers' d64 training step 98 -> 89 ms (section 27);
@@ -596,7 +597,8 @@ HOPPER_BWD_OPTS = ("lse_ahead", "dq_tma", "lse_smem", "ds_ring", "lpt", "skip_ma
 # causal walk's first query block, whose rows see none of its keys) since session 33 at
 # head_dim 128 alone (HOPPER_BWD_DEFAULT_BY_DIM): causal forward + backward +0.5-4% at
 # 1k-16k there, two alternating rounds each, to 0.93-1.02x cuDNN; at 64 it lost 3% at 1k
-# and was level at 4k (NOTES.md section 43).
+# and was level at 4k (NOTES.md section 43). skip_peel (session 33, untimed): the same
+# skips outside the walk's loop, for head_dim 64.
 HOPPER_BWD_DEFAULT_OPTS = frozenset({"lse_smem", "dq_tma", "ds_ring"})
 HOPPER_BWD_DEFAULT_BY_DIM = {128: HOPPER_BWD_DEFAULT_OPTS | {"skip_masked"}}
 # bwd_hopper256 (head_dim 256) takes dq_tma and lpt alone; there dq_tma (session 18, its fp32
