@@ -805,7 +805,9 @@ class _EagerGraph:
     splits the batch, one after the other here)."""
 
     def __init__(self, runner, bs):
-        self.replay = runner._decode_body(bs)
+        from flashtile.engine.cuda_graphs import decode_overlap
+
+        self.replay = runner._decode_body(bs, decode_overlap())
 
 
 def _fake_graphs(llm, sizes):

@@ -102,13 +102,12 @@ class CudaGraphsMixin:
             is_decode=True, has_context=True, query_lens=[1] * bs, key_lens=[1] * bs)
         return longs[:bs], longs[bs:2 * bs], meta
 
-    def _decode_body(self, bs: int):
+    def _decode_body(self, bs: int, overlap: Optional[tuple[int, bool]]):
         """The work batch size bs's graph captures, as a function: the model over the
-        graph's static inputs into static_hidden[:bs]; with FLASHTILE_ENGINE_DECODE_OVERLAP
-        at this size, over the two halves of the batch, the second on a side stream
-        (in order, off CUDA)."""
+        graph's static inputs into static_hidden[:bs]; with ``overlap``
+        (``decode_overlap()``) at this size, over the two halves of the batch, the second
+        on a side stream (in order, off CUDA)."""
         args, out = self._static_inputs(bs), self.static_hidden[:bs]
-        overlap = decode_overlap()
         if overlap is None or bs < overlap[0]:
             return lambda: out.copy_(self.model(*args))
         if self.model.tp.size > 1:
@@ -150,9 +149,9 @@ class CudaGraphsMixin:
         self.static_hidden = torch.zeros(self.config.max_num_seqs,
                                          self.config.model_config.hidden_size,
                                          dtype=self.dtype, device=self.device)
-        pool = None
+        pool, overlap = None, decode_overlap()
         for bs in reversed(self._graph_sizes()):
-            body = self._decode_body(bs)
+            body = self._decode_body(bs, overlap)
             body()  # warm-up (the side stream's cuBLAS handle too)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
@@ -162,7 +161,7 @@ class CudaGraphsMixin:
         self._graph_list = sorted(self.graphs)
         torch.cuda.synchronize()
         log.info("captured decode CUDA graphs for batch sizes %s%s", self._graph_list,
-                 f" ({OVERLAP_ENV}={getenv(OVERLAP_ENV, '')})" if decode_overlap() else "")
+                 f" ({OVERLAP_ENV}={getenv(OVERLAP_ENV, '')})" if overlap else "")
 
     def _to_graph_inputs(self, longs, ints, graph_bs: int):
         """Copy a decode step's host buffers into the static inputs of its graph, through

@@ -653,7 +653,6 @@ def _mma_partition(args, dq_smem, WG: gl.constexpr, IS_CAUSAL: gl.constexpr,
      ds_full, ds_empty, dk_desc, dv_desc, Lse, Delta, DQAccum, off_b, off_dkv, key0, h0,
      n_heads, m_lo, n_m, nheads, seqlen_q, seqlen_k, diag_offset, softmax_scale, lse_smem,
      delta_smem) = args
-    STAGES: gl.constexpr = q_smem.type.shape[0]
     BLOCK_M: gl.constexpr = q_smem.type.shape[2]
     HEAD_DIM: gl.constexpr = q_smem.type.shape[4]
     dtype: gl.constexpr = q_smem.dtype

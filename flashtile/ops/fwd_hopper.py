@@ -64,10 +64,10 @@ The grid (FLASHTILE_HOPPER_FWD_SCHEDULE, ``configs.hopper_fwd_persistent``):
   where it fits, ``_q_buffers``) Q has two buffer sets, tile i's in set i % 2: the
   producer then loads the next tile's Q, and its first K and V behind it, as soon as it
   has issued this tile's last K and V, rather than once this tile's last S is done
-  (session 32: d64 +3-5% at 1k, level from 4k; d128 mixed). Compiled for sm_90 in CI (no spills, both
-  schedules); timed on the H200 (session 12, NOTES.md section 22) at 1.11-1.15x
-  "tiles" for bf16 at 1k, 1.07x causal at 4k, level at 16k, FP8 full attention 3%
-  slower; its GPU tests passed in session 13. "auto" (the default) takes it for 16-bit
+  (session 32: d64 +3-5% at 1k, level from 4k; d128 mixed). Compiled for sm_90 in CI
+  (no spills, both schedules); timed on the H200 (session 12, NOTES.md section 22) at
+  1.11-1.15x "tiles" for bf16 at 1k, 1.07x causal at 4k, level at 16k, FP8 full
+  attention 3% slower; its GPU tests passed in session 13. "auto" (the default) takes it for 16-bit
   d64 and d128 (``configs.HOPPER_FWD_PERSISTENT_AUTO_D``; d64 1.04-1.21x the portable
   kernel, session 13) and "tiles" elsewhere.
 K/V rows past seqlen_k and Q rows past seqlen_q are zero-filled by TMA (the descriptors
