@@ -54,6 +54,8 @@
 #   bwd-peel     the Gluon backward's skip_peel option (session 33): its GPU tests and
 #                memcheck slice, causal forward+backward d64 at 1k and 4k against the
 #                default and skip_masked, two rounds; transformers' step with each (~8 min)
+#   fp8-swap     the Gluon FP8 forward's P in "swap" order (session 34): its GPU tests and
+#                memcheck slice, FP8 d128 4k-16k smem against swap, two rounds (~7 min)
 #   hf-train     issue 16's training step (the head split's GPU tests, then flashtile
 #                bench hf's step: 5 repetitions, the kernels under the profiler) (~4 min)
 #   hopper       the Gluon forward's GPU tests (16-bit) and its timing     (~9 min)
@@ -733,6 +735,27 @@ PY
         --out "/tmp/overlap-tp.json" 2>&1 | grep "^| " | sed "s|^|$set |" \
         | tee -a "$OUT/overlap-throughput.txt"
     done
+    ;;
+  fp8-swap)
+    # FLASHTILE_HOPPER_FWD_FP8_P=swap (session 34, NOTES.md section 44): FP8 P leaves
+    # for its shared buffer in 8-byte stores (V's copy in the same key order), a walk
+    # block 3-6% fewer instructions (d128 482 against 507). Its GPU tests (the FP8
+    # float64 grid, 256-key blocks, the persistent grid) and their memcheck slice, then
+    # smem against swap. Prediction: FP8 d128 forward +1-4%. (SWAP_TESTS=0: not)
+    option_tests fp8-swap "swap" tests/test_fwd_hopper.py "fp8 and swap" "${SWAP_TESTS:-1}"
+    AB_SECS=120 ab fp8-swap "FLASHTILE_HOPPER_FWD_FP8_P=smem FLASHTILE_HOPPER_FWD_FP8_P=swap" \
+      --providers flashtile-hopper-fp8 sdpa-cudnn --modes fwd --headdim 128 \
+      --seqlens 4k 8k 16k --causal both
+    # V's copy alone, each order (the timed rows include it): 2 x 8k keys x 16 heads of
+    # 128, FP8 (33.5 MB each way), us, median.
+    timeout 60 python3 - <<'PY' 2>&1 | grep -v -i warn | tee -a "$OUT/fp8-swap.txt"
+import torch, triton.testing
+from flashtile.ops.fwd import FP8_V_PAD, keys_contiguous
+v = torch.randn(2, 8192, 16, 128, device="cuda").to(torch.float8_e4m3fn)
+for swap in (False, True, False, True):
+    us = 1e3 * triton.testing.do_bench(lambda: keys_contiguous(v, FP8_V_PAD, swap), rep=200)
+    print(f"V copy swap32={swap}: {us:.1f} us")
+PY
     ;;
   bwd-peel)
     # skip_peel (session 33): skip_masked's skips (which lost 3% at d64 1k: the branch

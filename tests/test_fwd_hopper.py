@@ -289,11 +289,12 @@ PERSISTENT_SHAPES = [(2, 513, 257, 4, 1, "bottom_right"), (1, 257, 777, 3, 1, "t
     (64, torch.float16, "m192"), (64, torch.bfloat16, "oneq"), (128, torch.float16, "twoq"),
     (64, torch.bfloat16, "m192-oneq"), (128, torch.bfloat16, "twoq-tree"),
     (64, torch.float16, "m192-flat"), (128, torch.float8_e4m3fn, "regs-tree"),
-    (256, torch.float8_e4m3fn, "smem")],
+    (256, torch.float8_e4m3fn, "smem"), (128, torch.float8_e4m3fn, "swap"),
+    (256, torch.float8_e4m3fn, "swap")],
     ids=["d64-bf16", "d128-bf16", "d256-fp16", "d128-fp8-p-regs", "d128-fp8-p-smem",
          "d64-fp16-m192", "d64-bf16-oneq", "d128-fp16-twoq", "d64-bf16-m192-oneq",
          "d128-bf16-twoq-tree", "d64-fp16-m192-flat-max", "d128-fp8-p-regs-tree",
-         "d256-fp8-p-smem"])
+         "d256-fp8-p-smem", "d128-fp8-p-swap", "d256-fp8-p-swap"])
 @on_hopper
 def test_persistent_many_tiles_per_program(head_dim, dtype, p, shape, programs,
                                            monkeypatch, fresh_plans):
@@ -547,9 +548,9 @@ FP8_SHAPES = [(2, 1000, 1000, 4, 4), (1, 257, 513, 8, 2), (2, 513, 257, 4, 1),
               (1, 1, 777, 4, 4), (1, 4099, 4099, 2, 1)]
 
 
-@pytest.fixture(params=["regs", "smem"], ids=["p-regs", "p-smem"])
+@pytest.fixture(params=["regs", "smem", "swap"], ids=["p-regs", "p-smem", "p-swap"])
 def p_mode(request, monkeypatch):
-    """Both ways P reaches P V (configs.hopper_fwd_fp8_p_smem), each its own plan key."""
+    """The ways P reaches P V (configs.hopper_fwd_fp8_p_smem), each its own plan key."""
     monkeypatch.setenv("FLASHTILE_HOPPER_FWD_FP8_P", request.param)
     return request.param
 
@@ -573,12 +574,15 @@ def test_float8_matches_float64_reference(head_dim, shape, causal, p_mode, sched
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("shape", FP8_SHAPES, ids=lambda s: "b{}-q{}-k{}-h{}/{}".format(*s))
+@pytest.mark.parametrize("p", ["smem", "swap"])
 @on_hopper
-def test_float8_block_n_256_pv_in_wgmma(shape, causal, schedule, monkeypatch, fresh_plans):
-    """FP8 at head_dim 128 with 256 keys a block, P through shared memory, P V summed in
-    the wgmma and O staged in P's buffers (FLASHTILE_HOPPER_FWD_FP8_PV=wgmma, the
-    config 128,256,4,2): the float64 reference's bound, on both grids."""
-    _fp8_pv_in_wgmma("128,256,4,2", shape, causal, monkeypatch)
+def test_float8_block_n_256_pv_in_wgmma(shape, causal, p, schedule, monkeypatch,
+                                        fresh_plans):
+    """FP8 at head_dim 128 with 256 keys a block, P through shared memory (in the keys'
+    order or swapped), P V summed in the wgmma and O staged in P's buffers
+    (FLASHTILE_HOPPER_FWD_FP8_PV=wgmma, the config 128,256,4,2): the float64
+    reference's bound, on both grids."""
+    _fp8_pv_in_wgmma("128,256,4,2", shape, causal, monkeypatch, p)
 
 
 @pytest.mark.parametrize("stages", [2, 3])
@@ -592,11 +596,12 @@ def test_float8_three_consumers(shape, causal, stages, schedule, monkeypatch, fr
     _fp8_pv_in_wgmma(f"192,128,4,{stages}", shape, causal, monkeypatch)
 
 
-def _fp8_pv_in_wgmma(config, shape, causal, monkeypatch):
-    """An FP8 d128 call with P in shared memory, P V summed in the wgmma and the tile
-    ``config`` (FLASHTILE_HOPPER_FWD_CONFIG) against the FP8 bound (the caller takes
-    fresh_plans: plans and schedules are keyed without the tile config)."""
-    monkeypatch.setenv("FLASHTILE_HOPPER_FWD_FP8_P", "smem")
+def _fp8_pv_in_wgmma(config, shape, causal, monkeypatch, p="smem"):
+    """An FP8 d128 call with P in shared memory (FLASHTILE_HOPPER_FWD_FP8_P=p), P V
+    summed in the wgmma and the tile ``config`` (FLASHTILE_HOPPER_FWD_CONFIG) against the
+    FP8 bound (the caller takes fresh_plans: plans and schedules are keyed without the
+    tile config)."""
+    monkeypatch.setenv("FLASHTILE_HOPPER_FWD_FP8_P", p)
     monkeypatch.setenv("FLASHTILE_HOPPER_FWD_FP8_PV", "wgmma")
     monkeypatch.setenv("FLASHTILE_HOPPER_FWD_CONFIG", config)
     b, sq, sk, h, hkv = shape
@@ -893,9 +898,45 @@ def test_fp8_p_switch_rejects_other_values(monkeypatch):
 
     monkeypatch.setenv("FLASHTILE_HOPPER_FWD_FP8_P", "shared")
     with pytest.raises(ValueError, match="FLASHTILE_HOPPER_FWD_FP8_P must be one of "
-                       "\\('regs', 'smem'\\), got 'shared'"):
+                       "\\('regs', 'smem', 'swap'\\), got 'shared'"):
         configs.hopper_fwd_fp8_p_smem()
     monkeypatch.setenv("FLASHTILE_HOPPER_FWD_FP8_P", "regs")
-    assert not configs.hopper_fwd_fp8_p_smem()
+    assert configs.hopper_fwd_fp8_p_smem() == 0
+    monkeypatch.setenv("FLASHTILE_HOPPER_FWD_FP8_P", "swap")
+    assert configs.hopper_fwd_fp8_p_smem() == 2
     monkeypatch.delenv("FLASHTILE_HOPPER_FWD_FP8_P")
-    assert configs.hopper_fwd_fp8_p_smem()  # the default, timed faster
+    assert configs.hopper_fwd_fp8_p_smem() == 1  # the default, timed faster than regs
+
+
+@pytest.mark.parametrize("seqlen_k", [1, 31, 32, 33, 100, 128, 129, 300])
+def test_fp8_v_copy_in_swap_order(seqlen_k):
+    """fwd.keys_contiguous's swap32 (CPU): within each 32 keys, key 8j + 2q + r sits at
+    8q + 2j + r, the copy reaches the next multiple of 32 with zeros in the places of
+    keys a partial last 32 lacks and in the padding; P with its columns in the kernel's
+    order (fwd_hopper._p_stored's reshape and permute, here in torch) times that copy is
+    P V."""
+    from flashtile.ops.fwd import FP8_V_PAD, keys_contiguous
+
+    v = (torch.randn(2, seqlen_k, 3, 16) * 4).to(torch.float8_e4m3fn)
+    swapped = keys_contiguous(v, FP8_V_PAD, swap32=True)
+    n32 = -(-seqlen_k // 32) * 32
+    assert swapped.shape == (2, n32, 3, 16) and swapped.stride(1) == 1
+    expected = torch.zeros(2, n32, 3, 16, dtype=torch.uint8)
+    for key in range(seqlen_k):
+        c = key % 32
+        expected[:, key - c + 8 * (c // 2 % 4) + 2 * (c // 8) + c % 2] = \
+            v.view(torch.uint8)[:, key]
+    assert torch.equal(swapped.view(torch.uint8), expected)
+    padded = swapped.permute(0, 2, 3, 1).view(torch.uint8)  # the storage's full rows
+    whole = torch.as_strided(padded, (2, 3, 16, -(-seqlen_k // FP8_V_PAD) * FP8_V_PAD),
+                             padded.stride())
+    assert not whole[..., n32:].any()
+    p = torch.rand(5, n32, dtype=torch.float64)
+    p[:, seqlen_k:] = 0  # masked scores
+    p_stored = p.reshape(5, n32 // 32, 4, 4, 2).permute(0, 1, 3, 2, 4).reshape(5, n32)
+    v64 = torch.nn.functional.pad(v.double(), (0, 0, 0, 0, 0, n32 - seqlen_k))
+    torch.testing.assert_close(torch.einsum("mn,bnhd->bmhd", p_stored, swapped.double()),
+                               torch.einsum("mn,bnhd->bmhd", p, v64), rtol=1e-12, atol=0)
+    in_order = keys_contiguous(v, FP8_V_PAD)  # the other ways P goes: v's own order
+    assert in_order.shape == v.shape
+    assert torch.equal(in_order.view(torch.uint8), v.view(torch.uint8))

@@ -425,7 +425,7 @@ def _exp2_under_pv(sass: str) -> int:
 
 
 @pytest.mark.parametrize("persistent", SCHEDULES, ids=SCHEDULE_IDS)
-@pytest.mark.parametrize("p_smem", [False, True], ids=["p-regs", "p-smem"])
+@pytest.mark.parametrize("p_smem", [0, 1, 2], ids=["p-regs", "p-smem", "p-swap"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("head_dim", sorted(configs.HOPPER_FWD_FP8))
 def test_hopper_fp8_forward_compiles_for_sm90(head_dim, causal, p_smem, persistent):
@@ -434,7 +434,9 @@ def test_hopper_fp8_forward_compiles_for_sm90(head_dim, causal, p_smem, persiste
     shared memory without spilling, with P V summed per tile in fp32 (two fp32 O tiles)
     up to head_dim 128. P in registers is permuted there (no shared-memory round trip);
     P in shared memory keeps the whole softmax (BLOCK_N / 2 exp2 a thread) between the
-    wait for S_j and the wait for P_{j-1} V_{j-1}, FA3's in-warpgroup overlap."""
+    wait for S_j and the wait for P_{j-1} V_{j-1}, FA3's in-warpgroup overlap. P's
+    stores a walk block: 2 bytes each in the keys' order (BLOCK_N / 4 of them a
+    thread), 8 bytes each in the "swap" order (BLOCK_N / 16, fwd_hopper._p_stored)."""
     ck = _compile(head_dim, causal, torch.float8_e4m3fn, p_smem=p_smem,
                   persistent=persistent)
     res = resources(ck)
@@ -454,7 +456,13 @@ def test_hopper_fp8_forward_compiles_for_sm90(head_dim, causal, p_smem, persiste
     assert "LDL" not in sass and "STL" not in sass
     if p_smem:
         assert not from_registers
-        assert _exp2_under_pv(sass) >= configs.HOPPER_FWD_FP8[head_dim].block_n // 2
+        block_n = configs.HOPPER_FWD_FP8[head_dim].block_n
+        assert _exp2_under_pv(sass) >= block_n // 2
+        # The walks that compute (those storing O by stmatrix hold a tile's end).
+        stores = [[op.split()[0] for op in body if op.startswith("STS")]
+                  for body in _walks(sass) if not any("STSM" in op for op in body)]
+        width, count = ("STS.U16", block_n // 4) if p_smem == 1 else ("STS.64", block_n // 16)
+        assert stores and all(ops == [width] * count for ops in stores), stores
     else:
         assert from_registers and len(from_registers) < len(mma)
         assert "st.shared.v4" not in ptx and "ld.shared.v4" not in ptx

@@ -375,22 +375,25 @@ HOPPER_FWD_FP8 = {
 # FP8 P V summed tile by tile in fp32 (the portable kernel's PV_PER_TILE) up to this head
 # dim: the product's own accumulator is a second O in registers, 128 a thread at d256.
 HOPPER_FWD_FP8_PV_PER_TILE_MAX_D = 128
-HOPPER_FWD_FP8_P = ("regs", "smem")
+HOPPER_FWD_FP8_P = ("regs", "smem", "swap")
 
 
-def hopper_fwd_fp8_p_smem() -> bool:
-    """FLASHTILE_HOPPER_FWD_FP8_P: how the Gluon forward's FP8 P reaches P V. "smem"
-    (the default): two shared buffers per warpgroup (16-32 KiB more), where the SASS
-    keeps the wait for the previous P V after the softmax (FA3's in-warpgroup overlap);
-    "regs" (as 16-bit P): wgmma's A operand from registers, where ptxas waits for the
-    previous P V before the softmax. At d128 on the H200, smem ran at 1.26-1.40x regs
-    (640-799 against 508-614 TFLOP/s, 4k-16k tokens; NOTES.md section 22). Read when a
-    launch plan is made."""
+def hopper_fwd_fp8_p_smem() -> int:
+    """FLASHTILE_HOPPER_FWD_FP8_P: how the Gluon forward's FP8 P reaches P V (the
+    kernel's P_SMEM). "smem" (the default, 1): two shared buffers per warpgroup (16-32
+    KiB more), where the SASS keeps the wait for the previous P V after the softmax
+    (FA3's in-warpgroup overlap); "regs" (0, as 16-bit P): wgmma's A operand from
+    registers, where ptxas waits for the previous P V before the softmax. At d128 on the
+    H200, smem ran at 1.26-1.40x regs (640-799 against 508-614 TFLOP/s, 4k-16k tokens;
+    NOTES.md section 22). "swap" (2, opt-in): as smem, with each 32 keys of P and of V's
+    copy in the order that gives a thread 8 adjacent bytes of P (fwd_hopper._p_stored):
+    one 8-byte store where smem takes four of 2 bytes. Read when a launch plan is
+    made."""
     value = os.environ.get("FLASHTILE_HOPPER_FWD_FP8_P", "smem").strip() or "smem"
     if value not in HOPPER_FWD_FP8_P:
         raise ValueError(f"FLASHTILE_HOPPER_FWD_FP8_P must be one of {HOPPER_FWD_FP8_P}, "
                          f"got {value!r}")
-    return value == "smem"
+    return {"regs": 0, "smem": 1, "swap": 2}[value]
 
 
 HOPPER_FWD_FP8_PV = ("tile", "wgmma")

@@ -391,7 +391,7 @@ _varlen_qkv_keys: dict = {}
 FP8_V_PAD = 128
 
 
-def keys_contiguous(v, block_n):
+def keys_contiguous(v, block_n, swap32=False):
     """Dense v (batch, seqlen, nheads, head_dim) copied so that consecutive keys are
     adjacent (stride 1 along seqlen), same shape: the layout the FP8 P @ V product reads
     (the FP8 wgmma takes its B operand K-major only, and K is the key axis there). The
@@ -400,13 +400,34 @@ def keys_contiguous(v, block_n):
     aligned. One read and one write of v: 2 x 33.5 MB for batch 2, 8k keys, 16 heads of
     128, some 20-45 us beside the ~1.1 ms of that attention at 1000 TFLOP/s (2-4%, twice
     that causal). The bytes are moved as uint8: not every torch build has FP8 copy and
-    fill kernels."""
+    fill kernels.
+
+    swap32 (the Gluon forward's FP8 P in "swap" order, ``fwd_hopper._p_stored``): within
+    each 32 keys, key 8j + 2q + r (j, q < 4, r < 2) is stored at 8q + 2j + r, the order
+    P's columns take there. The view then holds keys in that order, up to the next
+    multiple of 32 (a partial last 32's keys are spread over all of it; its other places
+    hold zeros)."""
     batch, seqlen, nheads, head_dim = v.shape
     padded = configs.cdiv(seqlen, block_n) * block_n
     vt = torch.empty((batch, nheads, head_dim, padded), dtype=v.dtype, device=v.device)
     raw = vt.view(torch.uint8)
-    raw[..., :seqlen].copy_(v.view(torch.uint8).permute(0, 2, 3, 1))
-    raw[..., seqlen:].zero_()
+    src = v.view(torch.uint8).permute(0, 2, 3, 1)
+    if not swap32:
+        raw[..., :seqlen].copy_(src)
+        raw[..., seqlen:].zero_()
+    else:
+        whole = seqlen // 32 * 32
+        if whole:  # the whole 32s: (group, j, q, r) of v's keys into (group, q, j, r)
+            groups = (whole // 32, 4, 4, 2)
+            raw[..., :whole].unflatten(-1, groups).transpose(-3, -2).copy_(
+                src[..., :whole].unflatten(-1, groups))
+        raw[..., whole:].zero_()
+        if whole < seqlen:  # the last, partial 32: copied in order, then swapped
+            tail = raw[..., whole:whole + 32]
+            tail[..., :seqlen - whole].copy_(src[..., whole:])
+            tail.copy_(tail.unflatten(-1, (4, 4, 2)).transpose(-3, -2).contiguous()
+                       .view(tail.shape))
+        seqlen = whole + (32 if whole < seqlen else 0)
     return vt.permute(0, 3, 1, 2)[:, :seqlen]
 
 

@@ -105,6 +105,10 @@ same kernel, with the numerics of the portable FP8 forward (flashtile.ops.fwd, d
   warpgroup, O staged in the first at d128; 66 exp2 under P_{j-1} V_{j-1} in the SASS
   against 0-5) they ran 3-12% slower on the H200 (session 14, NOTES.md section 24): the
   stores of P and the extra shared-memory traffic cost more than the overlap won.
+  P_SMEM 2 ("swap", opt-in; ``_p_stored``): each 32 keys of P, and of V's copy, in an
+  order where a thread's eight FP8 values of P are adjacent, so P leaves in 8-byte
+  stores (a quarter of the store instructions, half the shared-memory wavefronts; a
+  walk block 3-6% fewer instructions in the sm_90 SASS, d128 482 against 507).
 Timed on the H200 in session 12 at head_dim 128, 16k tokens a batch
 (docs/benchmarks/h200-2026-12-01-s12/fp8.md, fp8-psmem.md): P in registers 374-614
 TFLOP/s, P in shared memory 481-799 (4k-16k, causal or not), hence the default. BLOCK_N
@@ -334,6 +338,23 @@ def _p_operand(p, acc, dtype: gl.constexpr):
 
 
 @gluon.jit
+def _p_stored(p, dtype: gl.constexpr, P_SMEM: gl.constexpr):
+    """P (fp32, the S layout) cast to V's type for its shared buffer. P_SMEM 2 ("swap",
+    FP8): within each 32 keys, column 8j + 2q + r goes to 8q + 2j + r. A thread's
+    accumulator holds columns 8j + 2q + {0, 1} of its rows (q = lane % 4), so in that
+    order its eight FP8 values of each 32 are adjacent: one 8-byte store (sm_90 SASS,
+    d128: 8 STS.64 a block, the casts packing in pairs) where the keys' order takes 32
+    stores of 2 bytes. A view, no data movement; V's copy holds its keys in the same
+    order (``fwd.keys_contiguous``'s swap32), so P V is unchanged."""
+    p = p.to(dtype)
+    if P_SMEM == 2:
+        M: gl.constexpr = p.type.shape[0]
+        N: gl.constexpr = p.type.shape[1]
+        p = p.reshape([M, N // 32, 4, 4, 2]).permute((0, 1, 3, 2, 4)).reshape([M, N])
+    return p
+
+
+@gluon.jit
 def _v_operand(v_smem, stage, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr):
     """V_stage as the (BLOCK_N, HEAD_DIM) B operand of P V. FP8 V arrives as V^T
     (HEAD_DIM, BLOCK_N), keys contiguous: the K-major B operand that 8-bit wgmma needs
@@ -393,7 +414,7 @@ def _kv_block(j, kv_base, turn_base, q, k_smem, v_smem, p_smem, k_ready, k_empty
     if P_SMEM:
         # Buffer j % 2 was last read by P_{j-2} V_{j-2}, complete since block j-1.
         p_next = p_smem.index(2 * WG + j % 2)
-        p_next.store(p.to(p_op.dtype))
+        p_next.store(_p_stored(p, p_op.dtype, P_SMEM))
         fence_async_shared()  # the generic-proxy writes before wgmma reads them
     if PV_PER_TILE:
         pv = warpgroup_mma_wait(0, deps=(pv,))
@@ -510,7 +531,7 @@ def _mma_tile(i, kv_base, turn_base, q_smem, k_smem, v_smem, o_smem, p_smem, q_r
             p_op = p_smem.index(2 * WG)
             if PERSISTENT and O_IN_P:
                 tma.store_wait(0)  # the previous tile's O has left this buffer
-            p_op.store(p.to(p_dtype))
+            p_op.store(_p_stored(p, p_dtype, P_SMEM))
             fence_async_shared()
         else:
             p_op = _p_operand(p, acc, p_dtype)
@@ -858,18 +879,19 @@ def _descriptor(x, box) -> TensorDescriptor:
                             _smem_layout(tuple(box), _GL_DTYPES[x.dtype]))
 
 
-def _keys_contiguous_t(v):
+def _keys_contiguous_t(v, p_smem: int):
     """FP8 v through the portable kernel's keys-contiguous copy (the K-major B operand
     8-bit wgmma needs for P V), viewed (batch, nheads_kv, head_dim, seqlen_k): keys
-    contiguous, rows padded to FP8_V_PAD keys (16-byte strides, as TMA needs)."""
-    return keys_contiguous(v, FP8_V_PAD).permute(0, 2, 3, 1)
+    contiguous, rows padded to FP8_V_PAD keys (16-byte strides, as TMA needs); each 32
+    keys in P's "swap" order where the kernel stores P so (p_smem 2, ``_p_stored``)."""
+    return keys_contiguous(v, FP8_V_PAD, swap32=p_smem == 2).permute(0, 2, 3, 1)
 
 
-def _v_descriptor(v, block_n: int, d: int) -> TensorDescriptor:
+def _v_descriptor(v, block_n: int, d: int, p_smem: int = 1) -> TensorDescriptor:
     """V's tensor map in boxes of ``block_n`` keys and the tile's head dim ``d``."""
     if v.element_size() != 1:
         return _descriptor(v, (1, block_n, 1, d))
-    return _descriptor(_keys_contiguous_t(v), (1, 1, d, block_n))
+    return _descriptor(_keys_contiguous_t(v, p_smem), (1, 1, d, block_n))
 
 
 def attn_fwd(q, k, v, *, attn_mask, alibi_slopes, softmax_scale, diag_offset, window_left,
@@ -944,7 +966,7 @@ def forward(q, k, v, softmax_scale, diag_offset, causal, q_descale=None, k_desca
         found = _launch.lookup(key)
         if found is not None:
             plan, schedule = found  # the plan encodes the tensor maps from the tensors
-            plan((q, k, _keys_contiguous_t(v) if fp8 else v, out, lse_ptr, *scales,
+            plan((q, k, _keys_contiguous_t(v, p_smem) if fp8 else v, out, lse_ptr, *scales,
                   softmax_scale, lse_ptr if schedule is False else schedule.data_ptr()))
             return out, lse
     if lse is None:  # Triton's own launch takes tensors
@@ -972,7 +994,7 @@ def forward(q, k, v, softmax_scale, diag_offset, causal, q_descale=None, k_desca
     rows = BLOCK_M_WG.value
     descs = (_descriptor(q, (1, rows, 1, tile_d)),
              _descriptor(k, (1, cfg.block_n, 1, tile_d)),
-             _v_descriptor(v, cfg.block_n, tile_d), _descriptor(out, (1, rows, 1, tile_d)))
+             _v_descriptor(v, cfg.block_n, tile_d, p_smem), _descriptor(out, (1, rows, 1, tile_d)))
     strides = tuple(s for x in descales for s in ((0, 0) if x is None else x.stride()))
     plan = _launch.first_launch(
         _attn_fwd_hopper_kernel, grid,
