@@ -54,6 +54,8 @@
 #   bwd-peel     the Gluon backward's skip_peel option (session 33): its GPU tests and
 #                memcheck slice, causal forward+backward d64 at 1k and 4k against the
 #                default and skip_masked, two rounds; transformers' step with each (~8 min)
+#   fwd-packed   the Gluon forward's packed P (session 34): the forward's GPU test file with
+#                it on, a memcheck slice, d64/d128/d256 1k-16k off against on (~9 min)
 #   fp8-swap     the Gluon FP8 forward's P in "swap" order (session 34): its GPU tests and
 #                memcheck slice, FP8 d128 4k-16k smem against swap, two rounds (~7 min)
 #   hf-train     issue 16's training step (the head split's GPU tests, then flashtile
@@ -735,6 +737,23 @@ PY
         --out "/tmp/overlap-tp.json" 2>&1 | grep "^| " | sed "s|^|$set |" \
         | tee -a "$OUT/overlap-throughput.txt"
     done
+    ;;
+  fwd-packed)
+    # FLASHTILE_HOPPER_FWD_P_PACKED=1 (session 34, NOTES.md section 44): 16-bit P
+    # carried to the next block's P V in packed registers, so the walks lose ptxas's 32
+    # PRMT a block (64 masked) on the way to P V's issue: d64 459 -> 427, d128 501 ->
+    # 469 instructions a block. The whole forward test file with it on (its own tests
+    # check bit-equality with the default), a memcheck slice, then off against on.
+    # Prediction: d64 forward +2-5% (1k-4k, two consumers: causal 1k, the weakest cell),
+    # d128 +1-4%, d256 +0-2%; level where three consumers run persistent (not packed).
+    FLASHTILE_HOPPER_FWD_P_PACKED=1 timeout 300 python3 -m pytest -q -p no:cacheprovider \
+      $XDIST --gpu tests/test_fwd_hopper.py 2>&1 | tail -2 | tee "$OUT/fwd-packed-tests.txt"
+    FLASHTILE_HOPPER_FWD_P_PACKED=1 timeout 150 make memcheck \
+      MEMCHECK_K="packed_p_matches and (b1-q257 or b1-q1-)" \
+      MEMCHECK_FILES=tests/test_fwd_hopper.py 2>&1 | tail -2 | tee "$OUT/fwd-packed-memcheck.txt"
+    AB_SECS=120 ab fwd-packed "FLASHTILE_HOPPER_FWD_P_PACKED=0 FLASHTILE_HOPPER_FWD_P_PACKED=1" \
+      --providers flashtile sdpa-cudnn --modes fwd --headdim 64 128 256 --seqlens 1k 4k 16k \
+      --causal both
     ;;
   fp8-swap)
     # FLASHTILE_HOPPER_FWD_FP8_P=swap (session 34, NOTES.md section 44): FP8 P leaves

@@ -139,6 +139,34 @@ def test_tree_max_off_its_default_matches_float64_reference(tree, head_dim, conf
     test_matches_float64_reference(torch.bfloat16, head_dim, shape, mask, schedule)
 
 
+@pytest.mark.parametrize("mask", list(MASKS))
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "b{}-q{}-k{}-h{}/{}".format(*s))
+@pytest.mark.parametrize("head_dim,config,dtype", [
+    (64, None, torch.bfloat16), (96, None, torch.float16), (128, None, torch.bfloat16),
+    (128, None, torch.float16), (256, None, torch.bfloat16),
+    (64, "192,128,4,3", torch.float16)],
+    ids=["d64-bf16", "d96-fp16", "d128-bf16", "d128-fp16", "d256-bf16", "d64-m192-fp16"])
+@on_hopper
+def test_packed_p_matches_float64_reference(head_dim, config, dtype, shape, mask, schedule,
+                                            monkeypatch, fresh_plans):
+    """FLASHTILE_HOPPER_FWD_P_PACKED=1 (P carried between blocks in packed registers;
+    three consumers take it on the tiles grid only): test_matches_float64_reference's
+    rule, and bit for bit the default's out and lse (the same casts and products)."""
+    if config is not None:
+        monkeypatch.setenv("FLASHTILE_HOPPER_FWD_CONFIG", config)
+    b, sq, sk, h, hkv = shape
+    causal, align = MASKS[mask]
+    diag_offset = sk - sq if align == "bottom_right" else 0
+    q, k, v = _inputs(b, sq, sk, h, hkv, head_dim, dtype)
+    kw = _kw(causal, diag_offset, head_dim ** -0.5)
+    out, lse = fwd_hopper.attn_fwd(q, k, v, **kw)
+    monkeypatch.setenv("FLASHTILE_HOPPER_FWD_P_PACKED", "1")
+    packed_out, packed_lse = fwd_hopper.attn_fwd(q, k, v, **kw)
+    _check(packed_out, packed_lse, q, k, v, causal, diag_offset, head_dim ** -0.5)
+    assert torch.equal(packed_out, out) and torch.equal(packed_lse.isnan(), lse.isnan())
+    assert torch.equal(packed_lse.nan_to_num(), lse.nan_to_num())
+
+
 @pytest.mark.parametrize("mask", ["causal", "causal_top_left"])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "b{}-q{}-k{}-h{}/{}".format(*s))
 @pytest.mark.parametrize("head_dim,config", [(64, "192,128,4,3"), (128, "192,64,4,4"),
@@ -891,6 +919,24 @@ def test_persistent_schedule_is_not_made_inside_a_graph_capture(monkeypatch):
     assert fwd_hopper._persistent_schedule(q, k, True, 200) is table and len(made) == 1
     # Full attention (diag_offset not part of the geometry) is another table.
     assert fwd_hopper._persistent_schedule(q, k, False, 200) is None
+
+
+def test_packed_p_switch(monkeypatch):
+    """FLASHTILE_HOPPER_FWD_P_PACKED: "0" (the default) or "1", which packs 16-bit P in
+    registers except with three consumers on the persistent grid (they spill)."""
+    from flashtile.ops import configs
+
+    monkeypatch.delenv("FLASHTILE_HOPPER_FWD_P_PACKED", raising=False)
+    assert configs.hopper_fwd_p_packed_choice() == "0"
+    monkeypatch.setenv("FLASHTILE_HOPPER_FWD_P_PACKED", "yes")
+    with pytest.raises(ValueError, match="FLASHTILE_HOPPER_FWD_P_PACKED must be one of "
+                       "\\('0', '1'\\), got 'yes'"):
+        configs.hopper_fwd_p_packed_choice()
+    assert not configs.hopper_fwd_p_packed("0", 2, False, False)
+    assert configs.hopper_fwd_p_packed("1", 2, True, False)
+    assert configs.hopper_fwd_p_packed("1", 3, False, False)
+    assert not configs.hopper_fwd_p_packed("1", 3, True, False)
+    assert not configs.hopper_fwd_p_packed("1", 2, False, True)  # FP8: P's own modes
 
 
 def test_fp8_p_switch_rejects_other_values(monkeypatch):

@@ -23,11 +23,11 @@ pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1",
 
 
 def _compile(head_dim, causal, dtype=torch.bfloat16, descales=True, p_smem=False,
-             persistent=False, q_bufs=None, tree_max="auto"):
+             persistent=False, q_bufs=None, tree_max="auto", packed="0"):
     """The kernel a launch of ``fwd_hopper.forward`` compiles for these inputs (FP8: out
     in bfloat16, descales given or not, V through its keys-contiguous copy; q_bufs: the
-    Q sets asked for, None for the launcher's default; tree_max:
-    FLASHTILE_HOPPER_FWD_TREE_MAX's value)."""
+    Q sets asked for, None for the launcher's default; tree_max and packed:
+    FLASHTILE_HOPPER_FWD_TREE_MAX's and FLASHTILE_HOPPER_FWD_P_PACKED's values)."""
     from triton.runtime.jit import mangle_type
 
     from flashtile.ops import fwd_hopper
@@ -50,7 +50,9 @@ def _compile(head_dim, causal, dtype=torch.bfloat16, descales=True, p_smem=False
                  PV_PER_TILE=fp8 and configs.hopper_fwd_fp8_pv_per_tile(head_dim),
                  P_SMEM=p_smem, PERSISTENT=persistent, NUM_WG=cfg.block_m // rows,
                  Q_BUFS=fwd_hopper._q_buffers(q_bufs, head_dim, cfg),
-                 TREE_MAX=configs.hopper_fwd_tree_max(tree_max, cfg.block_m // rows, fp8))
+                 TREE_MAX=configs.hopper_fwd_tree_max(tree_max, cfg.block_m // rows, fp8),
+                 P_PACKED=configs.hopper_fwd_p_packed(packed, cfg.block_m // rows,
+                                                      persistent, fp8))
     return compile_kernel(fwd_hopper._attn_fwd_hopper_kernel, flags,
                           num_warps=cfg.num_warps, types=types)
 
@@ -109,6 +111,42 @@ def test_hopper_forward_compiles_for_sm90(head_dim, causal, persistent):
     assert "st.shared.v4" not in ptx and "ld.shared.v4" not in ptx
     sass = _sass(ck)
     assert "HGMMA" in sass and "LDL" not in sass and "STL" not in sass
+
+
+def _computing_walks(sass: str) -> list[list[str]]:
+    """``_walks`` less the loops that hold a tile's end (O's stmatrix stores)."""
+    return [body for body in _walks(sass) if not any("STSM" in op for op in body)]
+
+
+@pytest.mark.parametrize("persistent", SCHEDULES, ids=SCHEDULE_IDS)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("head_dim,config", [(64, None), (128, None), (256, None),
+                                             (64, "192,128,4,3")],
+                         ids=["d64", "d128", "d256", "d64-three"])
+def test_packed_p_leaves_no_prmt_in_the_walks(head_dim, config, causal, persistent,
+                                              monkeypatch):
+    """FLASHTILE_HOPPER_FWD_P_PACKED=1: P crosses the walk's loop edge in packed 32-bit
+    registers, so the walks re-pack nothing (no PRMT; the operand's form has 32 a block
+    at d64, 16 at d256) and still take P V's A operand from registers, without spills.
+    Three consumers on the persistent grid keep the operand (configs.hopper_fwd_p_packed:
+    packed, they spill), and their PRMT."""
+    if config:
+        monkeypatch.setenv("FLASHTILE_HOPPER_FWD_CONFIG", config)
+    ck = _compile(head_dim, causal, persistent=persistent, packed="1")
+    assert resources(ck)["stack_bytes"] <= (8 if config and persistent else 0)
+    mma = [line for line in ck.asm["ptx"].splitlines() if "wgmma.mma_async" in line]
+    assert any(line.count("{") == 2 for line in mma)  # P V's A from registers
+    walks = _computing_walks(_sass(ck))
+    prmt = [sum(op.startswith("PRMT") for op in body) for body in walks]
+    assert walks and not any(op.startswith(("STL", "LDL")) for body in walks for op in body)
+    if config and persistent:
+        assert min(prmt) > 0, prmt
+    else:
+        assert not any(prmt), prmt
+    if head_dim == 64 and not config and not (causal or persistent):  # the operand's form
+        unpacked = _computing_walks(_sass(_compile(64, False)))
+        assert min(sum(op.startswith("PRMT") for op in body) for body in unpacked) == 32
+        assert all(len(a) >= len(b) + 20 for a, b in zip(unpacked, walks))
 
 
 @pytest.mark.parametrize("config", [None, "192,128,4,3"], ids=["two", "three"])

@@ -513,6 +513,29 @@ def hopper_fwd_tree_max(choice: str, num_wg: int, fp8: bool) -> bool:
     return choice == "1" or (choice == "auto" and num_wg == 3 and not fp8)
 
 
+# FLASHTILE_HOPPER_FWD_P_PACKED: "1" carries 16-bit P from its block to the next (where
+# its P V issues) in packed 32-bit registers (fwd_hopper._p_operand's P_PACKED), "0" (the
+# default until the H200 has run it) as the operand's 64 16-bit values, which ptxas
+# re-packs with 32 PRMT a block (64 in the masked walks). sm_90 SASS, walk block
+# instructions: d64 459 -> 427, d128 501 -> 469 (persistent, full); masked d64 635 ->
+# 571. Three consumers on the persistent grid (160 registers) spill 16-24 bytes with it
+# (the third consumer's walk 2 local stores a block), so they keep the operand there.
+HOPPER_FWD_P_PACKED = ("0", "1")
+
+
+def hopper_fwd_p_packed_choice() -> str:
+    """FLASHTILE_HOPPER_FWD_P_PACKED, read at each call (part of the launch plan's key;
+    ``hopper_fwd_p_packed`` turns it into the kernel's switch)."""
+    return _env_choice("FLASHTILE_HOPPER_FWD_P_PACKED", HOPPER_FWD_P_PACKED)
+
+
+def hopper_fwd_p_packed(choice: str, num_wg: int, persistent: bool, fp8: bool) -> bool:
+    """Whether the Gluon forward carries P packed (the kernel's P_PACKED) for ``choice``:
+    16-bit P in registers, not three consumers on the persistent grid (see
+    HOPPER_FWD_P_PACKED)."""
+    return choice == "1" and not fp8 and not (persistent and num_wg == 3)
+
+
 def hopper_fwd_config(head_dim: int, fp8: bool = False, seqlen_q: int = 0,
                       seqlen_k: int = 0, causal: bool = True) -> TileConfig:
     """HOPPER_FWD_16BIT[head_dim] (HOPPER_FWD_FP8 for FP8 inputs; HOPPER_FWD_D64_THREE

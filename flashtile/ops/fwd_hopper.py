@@ -28,7 +28,10 @@ in three warp-specialised partitions:
   products already fill the tensor cores during a softmax. TREE_MAX
   (``_online_softmax``) takes the row max pairwise: 10 dependent steps before the first
   exp2 where gl.max's chain takes 36; the three-consumer tiles gain 2-7% with it, two
-  consumers and FP8 lose 3-8% (``configs.hopper_fwd_tree_max``).
+  consumers and FP8 lose 3-8% (``configs.hopper_fwd_tree_max``). P_j crosses the
+  walk's loop edge to its P V: P_PACKED (opt-in, ``configs.hopper_fwd_p_packed``)
+  carries it in the 32-bit registers the casts fill (``_p_operand``), where the operand
+  form leaves ptxas a PRMT per register at the top of every block.
 - warp_specialize's register requests become setmaxnreg: the producer keeps 24
   registers per thread and each consumer gets 240 (S, P and O live in registers).
 Three consumers (NUM_WG 3, FLASHTILE_HOPPER_FWD_CONFIG="192,BLOCK_N,4,STAGES", 16-bit:
@@ -329,12 +332,49 @@ def _online_softmax(s, m_i, l_i, offs_m, start_n, qk_scale, seqlen_k, diag_offse
 
 
 @gluon.jit
-def _p_operand(p, acc, dtype: gl.constexpr):
+def _p_operand(p, acc, dtype: gl.constexpr, P_PACKED: gl.constexpr):
     """P (fp32, the S layout) as wgmma's A operand for O += P V, from registers: cast to
-    V's type, 32 bits per register (two 16-bit values, or four FP8 ones)."""
-    layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc.type.layout,
-                                               k_width=32 // dtype.primitive_bitwidth)
-    return gl.convert_layout(p.to(dtype), layout)
+    V's type, 32 bits per register (two 16-bit values, or four FP8 ones).
+
+    P_PACKED (16-bit): P_j waits for its P V in block j + 1, so it crosses the walk's loop
+    edge. As the operand it crosses as 64 16-bit values, which ptxas re-packs with a PRMT
+    per register at the top of every block, on the way to P V's issue (32 a block, 64 in
+    the masked walks; sm_90 SASS). Packed here by the cast itself (two fp32 to one
+    32-bit register, ``cvt.rn.bf16x2.f32`` as ``p.to`` emits it) it crosses as 32 int32
+    and ``_pv_operand`` makes the operand of them with no instruction."""
+    if P_PACKED:
+        M: gl.constexpr = p.type.shape[0]
+        N: gl.constexpr = p.type.shape[1]
+        lo, hi = p.reshape([M, N // 2, 2]).split()  # columns 2i and 2i + 1: one thread's
+        # cvt packs its first source into the upper half.
+        cvt: gl.constexpr = "cvt.rn.bf16x2.f32 $0, $2, $1;" if dtype == gl.bfloat16 \
+            else "cvt.rn.f16x2.f32 $0, $2, $1;"
+        op = gl.inline_asm_elementwise(cvt, "=r,f,f", [lo, hi], dtype=gl.int32,
+                                       is_pure=True, pack=1)
+    else:
+        layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc.type.layout,
+                                                   k_width=32 // dtype.primitive_bitwidth)
+        op = gl.convert_layout(p.to(dtype), layout)
+    return op
+
+
+@gluon.jit
+def _pv_operand(p_op, acc, dtype: gl.constexpr, P_PACKED: gl.constexpr):
+    """P V's A operand from what ``_p_operand`` made (or a shared P buffer): P_PACKED's
+    registers split into their 16-bit halves and viewed as the operand, which packs them
+    back: the same registers (no instruction in the SASS)."""
+    if P_PACKED:
+        lo, hi = gl.inline_asm_elementwise("mov.b32 {$0, $1}, $2;", "=h,=h,r", [p_op],
+                                           dtype=(gl.int16, gl.int16), is_pure=True, pack=1)
+        p = gl.join(lo.to(dtype, bitcast=True), hi.to(dtype, bitcast=True))
+        M: gl.constexpr = p.type.shape[0]
+        N: gl.constexpr = p.type.shape[1] * 2
+        layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc.type.layout,
+                                                   k_width=2)
+        op = gl.convert_layout(p.reshape([M, N]), layout)
+    else:
+        op = p_op
+    return op
 
 
 @gluon.jit
@@ -371,7 +411,7 @@ def _kv_block(j, kv_base, turn_base, q, k_smem, v_smem, p_smem, k_ready, k_empty
               v_empty, turn, acc, p_op, alpha_o, m_i, l_i, s_init, o_init, offs_m, qk_scale,
               seqlen_k, diag_offset, WG: gl.constexpr, MASKED: gl.constexpr,
               IS_CAUSAL: gl.constexpr, PV_PER_TILE: gl.constexpr, P_SMEM: gl.constexpr,
-              TREE_MAX: gl.constexpr, ONE_BOUND: gl.constexpr):
+              P_PACKED: gl.constexpr, TREE_MAX: gl.constexpr, ONE_BOUND: gl.constexpr):
     """Block j >= 1 of a consumer: S_j = Q K_j^T and P_{j-1} V_{j-1} issued in one
     turn, the softmax of S_j while P_{j-1} V_{j-1} runs, then O updated.
 
@@ -400,6 +440,7 @@ def _kv_block(j, kv_base, turn_base, q, k_smem, v_smem, p_smem, k_ready, k_empty
     k_t = k_smem.index(stage).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0))
     s = warpgroup_mma(q, k_t, s_init, use_acc=False, is_async=True)
     v_op = _v_operand(v_smem, prev, BLOCK_N, HEAD_DIM)
+    p_op = _pv_operand(p_op, acc, v_smem.dtype, P_PACKED)
     if PV_PER_TILE:
         pv = warpgroup_mma(p_op, v_op, o_init, use_acc=False, is_async=True)
     else:
@@ -409,12 +450,12 @@ def _kv_block(j, kv_base, turn_base, q, k_smem, v_smem, p_smem, k_ready, k_empty
     mbarrier.arrive(k_empty.index(stage), count=1)
     p, alpha, m_i, l_i = _online_softmax(s, m_i, l_i, offs_m, j * BLOCK_N, qk_scale,
                                          seqlen_k, diag_offset, MASKED, IS_CAUSAL,
-                                         p_op.dtype.is_fp8(), TREE_MAX, ONE_BOUND)
+                                         v_smem.dtype.is_fp8(), TREE_MAX, ONE_BOUND)
     alpha = gl.convert_layout(alpha, alpha_o.type.layout)
     if P_SMEM:
         # Buffer j % 2 was last read by P_{j-2} V_{j-2}, complete since block j-1.
         p_next = p_smem.index(2 * WG + j % 2)
-        p_next.store(_p_stored(p, p_op.dtype, P_SMEM))
+        p_next.store(_p_stored(p, v_smem.dtype, P_SMEM))
         fence_async_shared()  # the generic-proxy writes before wgmma reads them
     if PV_PER_TILE:
         pv = warpgroup_mma_wait(0, deps=(pv,))
@@ -426,7 +467,7 @@ def _kv_block(j, kv_base, turn_base, q, k_smem, v_smem, p_smem, k_ready, k_empty
         # O holds sum_{i<j} exp2(s_i - m_{j-1}) v_i: move it to the new maximum.
         acc = acc * gl.expand_dims(alpha, 1)
     if not P_SMEM:
-        p_next = _p_operand(p, acc, p_op.dtype)
+        p_next = _p_operand(p, acc, v_smem.dtype, P_PACKED)
     return acc, p_next, alpha, m_i, l_i
 
 
@@ -437,7 +478,7 @@ def _mma_tile(i, kv_base, turn_base, q_smem, k_smem, v_smem, o_smem, p_smem, q_r
               qk_scale, lse_row0, v_descale_off, WG: gl.constexpr, IS_CAUSAL: gl.constexpr,
               HAS_V_DESCALE: gl.constexpr, PV_PER_TILE: gl.constexpr, P_SMEM: gl.constexpr,
               PERSISTENT: gl.constexpr, O_IN_Q: gl.constexpr, O_IN_P: gl.constexpr,
-              Q_BUFS: gl.constexpr, TREE_MAX: gl.constexpr):
+              Q_BUFS: gl.constexpr, TREE_MAX: gl.constexpr, P_PACKED: gl.constexpr):
     """Consumer warpgroup WG on rows row0 + 64 * WG + [0, 64) of the program's i-th tile,
     its K/V blocks counted in the ring from kv_base and its turns from turn_base.
 
@@ -534,7 +575,7 @@ def _mma_tile(i, kv_base, turn_base, q_smem, k_smem, v_smem, o_smem, p_smem, q_r
             p_op.store(_p_stored(p, p_dtype, P_SMEM))
             fence_async_shared()
         else:
-            p_op = _p_operand(p, acc, p_dtype)
+            p_op = _p_operand(p, acc, p_dtype, P_PACKED)
         # Blocks every row sees in full skip the mask; the masked ones (the causal
         # diagonal, the ragged end) follow in a loop of their own: no branch per block.
         for j in range(1, n_full):
@@ -542,13 +583,13 @@ def _mma_tile(i, kv_base, turn_base, q_smem, k_smem, v_smem, o_smem, p_smem, q_r
                 j, kv_base, turn_base, q, k_smem, v_smem, p_smem, k_ready, k_empty, v_ready,
                 v_empty, turn, acc, p_op, alpha_o, m_i, l_i, s_init, o_init, offs_m, qk_scale,
                 seqlen_k, diag_offset, WG, False, IS_CAUSAL, PV_PER_TILE, P_SMEM,
-                TREE_MAX, ONE_BOUND)
+                P_PACKED, TREE_MAX, ONE_BOUND)
         for j in range(gl.maximum(n_full, 1), n_blocks):
             acc, p_op, alpha_o, m_i, l_i = _kv_block(
                 j, kv_base, turn_base, q, k_smem, v_smem, p_smem, k_ready, k_empty, v_ready,
                 v_empty, turn, acc, p_op, alpha_o, m_i, l_i, s_init, o_init, offs_m, qk_scale,
                 seqlen_k, diag_offset, WG, True, IS_CAUSAL, PV_PER_TILE, P_SMEM,
-                TREE_MAX, ONE_BOUND)
+                P_PACKED, TREE_MAX, ONE_BOUND)
         if EARLY_Q_RELEASE:  # every S of the tile is done: Q may take the next tile's
             mbarrier.arrive(q_empty.index(q_at), count=1)
         last_kv = kv_base + n_blocks - 1
@@ -556,6 +597,7 @@ def _mma_tile(i, kv_base, turn_base, q_smem, k_smem, v_smem, o_smem, p_smem, q_r
         mbarrier.wait(v_ready.index(last), (last_kv // STAGES) & 1)
         _take_turn(turn, turn_base + n_blocks, WG)
         v_op = _v_operand(v_smem, last, BLOCK_N, HEAD_DIM)
+        p_op = _pv_operand(p_op, acc, p_dtype, P_PACKED)
         if PV_PER_TILE:
             pv = warpgroup_mma(p_op, v_op, o_init, use_acc=False, is_async=True)
         else:
@@ -620,7 +662,7 @@ def _mma_partition(args, WG: gl.constexpr, IS_CAUSAL: gl.constexpr,
                    HAS_V_DESCALE: gl.constexpr, PV_PER_TILE: gl.constexpr,
                    P_SMEM: gl.constexpr, PERSISTENT: gl.constexpr,
                    O_IN_Q: gl.constexpr, O_IN_P: gl.constexpr, Q_BUFS: gl.constexpr,
-                   TREE_MAX: gl.constexpr):
+                   TREE_MAX: gl.constexpr, P_PACKED: gl.constexpr):
     """Consumer warpgroup WG: rows 64 * WG + [0, 64) of each tile of the program, in the
     producer's order (``_tile_at``)."""
     (q_smem, k_smem, v_smem, o_smem, p_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
@@ -649,7 +691,7 @@ def _mma_partition(args, WG: gl.constexpr, IS_CAUSAL: gl.constexpr,
                   scale * LOG2E, off_bh * seqlen_q,  # lse: (batch, nheads, seqlen_q)
                   off_b * stride_vdesc_b + off_hkv * stride_vdesc_h, WG, IS_CAUSAL,
                   HAS_V_DESCALE, PV_PER_TILE, P_SMEM, PERSISTENT, O_IN_Q, O_IN_P, Q_BUFS,
-                  TREE_MAX)
+                  TREE_MAX, P_PACKED)
         kv_base += n_blocks
         turn_base += n_blocks + (n_blocks > 0).to(gl.int32)  # the last P V's turn
     if PERSISTENT and not O_IN_Q:
@@ -666,7 +708,7 @@ def _attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, Lse, QDescale, KDesc
                             HAS_V_DESCALE: gl.constexpr, PV_PER_TILE: gl.constexpr,
                             P_SMEM: gl.constexpr, PERSISTENT: gl.constexpr,
                             NUM_WG: gl.constexpr, Q_BUFS: gl.constexpr,
-                            TREE_MAX: gl.constexpr):
+                            TREE_MAX: gl.constexpr, P_PACKED: gl.constexpr):
     """One program a (query tile, batch-head) of the (n_tiles_m, batch * nheads) grid,
     or (PERSISTENT) a program per SM walking its row of the host's Schedule. NUM_WG
     consumer warpgroups of 64 rows each: 2, or 3 (BLOCK_M 192, where the module
@@ -757,24 +799,24 @@ def _attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, Lse, QDescale, KDesc
         gl.warp_specialize([
             (_mma_partition, (mma_args, 0, IS_CAUSAL, HAS_Q_DESCALE, HAS_K_DESCALE,
                               HAS_V_DESCALE, PV_PER_TILE, P_SMEM, PERSISTENT, O_IN_Q,
-                              O_IN_P, Q_BUFS, TREE_MAX)),
+                              O_IN_P, Q_BUFS, TREE_MAX, P_PACKED)),
             (_load_partition, (load_args, IS_CAUSAL, PERSISTENT, Q_BUFS)),
             (_mma_partition, (mma_args, 1, IS_CAUSAL, HAS_Q_DESCALE, HAS_K_DESCALE,
                               HAS_V_DESCALE, PV_PER_TILE, P_SMEM, PERSISTENT, O_IN_Q,
-                              O_IN_P, Q_BUFS, TREE_MAX)),
+                              O_IN_P, Q_BUFS, TREE_MAX, P_PACKED)),
             (_mma_partition, (mma_args, 2, IS_CAUSAL, HAS_Q_DESCALE, HAS_K_DESCALE,
                               HAS_V_DESCALE, PV_PER_TILE, P_SMEM, PERSISTENT, O_IN_Q,
-                              O_IN_P, Q_BUFS, TREE_MAX)),
+                              O_IN_P, Q_BUFS, TREE_MAX, P_PACKED)),
         ], [1, 4, 4], [PRODUCER_REGS, CONSUMER_REGS_3WG, CONSUMER_REGS_3WG])
     else:
         gl.warp_specialize([
             (_mma_partition, (mma_args, 0, IS_CAUSAL, HAS_Q_DESCALE, HAS_K_DESCALE,
                               HAS_V_DESCALE, PV_PER_TILE, P_SMEM, PERSISTENT, O_IN_Q,
-                              O_IN_P, Q_BUFS, TREE_MAX)),
+                              O_IN_P, Q_BUFS, TREE_MAX, P_PACKED)),
             (_load_partition, (load_args, IS_CAUSAL, PERSISTENT, Q_BUFS)),
             (_mma_partition, (mma_args, 1, IS_CAUSAL, HAS_Q_DESCALE, HAS_K_DESCALE,
                               HAS_V_DESCALE, PV_PER_TILE, P_SMEM, PERSISTENT, O_IN_Q,
-                              O_IN_P, Q_BUFS, TREE_MAX)),
+                              O_IN_P, Q_BUFS, TREE_MAX, P_PACKED)),
         ], [1, 4], [PRODUCER_REGS, CONSUMER_REGS])
 
 
@@ -947,6 +989,7 @@ def forward(q, k, v, softmax_scale, diag_offset, causal, q_descale=None, k_desca
     persistent = configs.hopper_fwd_persistent(tile_d, fp8, sq)
     q_bufs = configs.hopper_fwd_q_buffers(tile_d) if persistent and not fp8 else 1
     tree_choice = configs.hopper_fwd_tree_max_choice()
+    packed_choice = configs.hopper_fwd_p_packed_choice()
     pv_per_tile = fp8 and configs.hopper_fwd_fp8_pv_per_tile(tile_d)
     key = None
     if _launch.ready(q):
@@ -962,7 +1005,7 @@ def forward(q, k, v, softmax_scale, diag_offset, causal, q_descale=None, k_desca
             scales, fp8_key = (lse_ptr, lse_ptr, lse_ptr), None
         key = ("hopper_fwd", q.dtype, q.shape, k.shape, q.stride(), k.stride(),
                None if fp8 else v.stride(), causal, diag_offset, persistent, q_bufs,
-               tree_choice, fp8_key)
+               tree_choice, packed_choice, fp8_key)
         found = _launch.lookup(key)
         if found is not None:
             plan, schedule = found  # the plan encodes the tensor maps from the tensors
@@ -987,7 +1030,8 @@ def forward(q, k, v, softmax_scale, diag_offset, causal, q_descale=None, k_desca
                  HAS_V_DESCALE=v_descale is not None,
                  PV_PER_TILE=pv_per_tile, P_SMEM=p_smem, PERSISTENT=persistent,
                  NUM_WG=num_wg, Q_BUFS=_q_buffers(q_bufs, tile_d, cfg),
-                 TREE_MAX=configs.hopper_fwd_tree_max(tree_choice, num_wg, fp8))
+                 TREE_MAX=configs.hopper_fwd_tree_max(tree_choice, num_wg, fp8),
+                 P_PACKED=configs.hopper_fwd_p_packed(packed_choice, num_wg, persistent, fp8))
     configs.log_first_launch("hopper forward", q, d, cfg, flags)
     n_tiles_m = configs.cdiv(sq, cfg.block_m)
     grid = (schedule.shape[0],) if persistent else (n_tiles_m, b * h)
