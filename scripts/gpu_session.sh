@@ -55,7 +55,9 @@
 #                memcheck slice, causal forward+backward d64 at 1k and 4k against the
 #                default and skip_masked, two rounds; transformers' step with each (~8 min)
 #   fwd-packed   the Gluon forward's packed P (session 34): the forward's GPU test file with
-#                it on, a memcheck slice, d64/d128/d256 1k-16k off against on (~9 min)
+#                it on and a memcheck slice (~6 min; PACKED_TIMES=0 stops there), then
+#                d64/d128 1k-16k off against on, d64 three consumers with "all" (~7 min;
+#                PACKED_TESTS=0 skips the tests)
 #   fp8-swap     the Gluon FP8 forward's P in "swap" order (session 34): its GPU tests and
 #                memcheck slice, FP8 d128 4k-16k smem against swap, two rounds (~7 min)
 #   hf-train     issue 16's training step (the head split's GPU tests, then flashtile
@@ -746,14 +748,23 @@ PY
     # check bit-equality with the default), a memcheck slice, then off against on.
     # Prediction: d64 forward +2-5% (1k-4k, two consumers: causal 1k, the weakest cell),
     # d128 +1-4%, d256 +0-2%; level where three consumers run persistent (not packed).
-    FLASHTILE_HOPPER_FWD_P_PACKED=1 timeout 300 python3 -m pytest -q -p no:cacheprovider \
-      $XDIST --gpu tests/test_fwd_hopper.py 2>&1 | tail -2 | tee "$OUT/fwd-packed-tests.txt"
-    FLASHTILE_HOPPER_FWD_P_PACKED=1 timeout 150 make memcheck \
-      MEMCHECK_K="packed_p_matches and (b1-q257 or b1-q1-)" \
-      MEMCHECK_FILES=tests/test_fwd_hopper.py 2>&1 | tail -2 | tee "$OUT/fwd-packed-memcheck.txt"
+    # (PACKED_TESTS=0: no tests; PACKED_TIMES=0: no timing. Both: ~12 min, two calls.)
+    if [ "${PACKED_TESTS:-1}" != 0 ]; then
+      FLASHTILE_HOPPER_FWD_P_PACKED=all timeout 300 python3 -m pytest -q -p no:cacheprovider \
+        $XDIST --gpu tests/test_fwd_hopper.py 2>&1 | tail -2 | tee "$OUT/fwd-packed-tests.txt"
+      FLASHTILE_HOPPER_FWD_P_PACKED=all timeout 150 make memcheck \
+        MEMCHECK_K="packed_p_matches and (b1-q257 or b1-q1-)" \
+        MEMCHECK_FILES=tests/test_fwd_hopper.py 2>&1 | tail -2 \
+        | tee "$OUT/fwd-packed-memcheck.txt"
+    fi
+    [ "${PACKED_TIMES:-1}" = 0 ] && exit 0
     AB_SECS=120 ab fwd-packed "FLASHTILE_HOPPER_FWD_P_PACKED=0 FLASHTILE_HOPPER_FWD_P_PACKED=1" \
-      --providers flashtile sdpa-cudnn --modes fwd --headdim 64 128 256 --seqlens 1k 4k 16k \
+      --providers flashtile sdpa-cudnn --modes fwd --headdim 64 128 --seqlens 1k 4k 16k \
       --causal both
+    # d64's three consumers on the persistent grid (auto's tile from 1k full, 2k causal):
+    # "all" packs there too, with its spill (2 local stores a block in one walk).
+    AB_SECS=90 ab fwd-packed-all "FLASHTILE_HOPPER_FWD_P_PACKED=0 FLASHTILE_HOPPER_FWD_P_PACKED=all" \
+      --providers flashtile sdpa-cudnn --modes fwd --headdim 64 --seqlens 2k 8k --causal both
     ;;
   fp8-swap)
     # FLASHTILE_HOPPER_FWD_FP8_P=swap (session 34, NOTES.md section 44): FP8 P leaves

@@ -149,9 +149,9 @@ def test_tree_max_off_its_default_matches_float64_reference(tree, head_dim, conf
 @on_hopper
 def test_packed_p_matches_float64_reference(head_dim, config, dtype, shape, mask, schedule,
                                             monkeypatch, fresh_plans):
-    """FLASHTILE_HOPPER_FWD_P_PACKED=1 (P carried between blocks in packed registers;
-    three consumers take it on the tiles grid only): test_matches_float64_reference's
-    rule, and bit for bit the default's out and lse (the same casts and products)."""
+    """FLASHTILE_HOPPER_FWD_P_PACKED=all (P carried between blocks in packed registers,
+    three consumers on the persistent grid too): test_matches_float64_reference's rule,
+    and bit for bit the default's out and lse (the same casts and products)."""
     if config is not None:
         monkeypatch.setenv("FLASHTILE_HOPPER_FWD_CONFIG", config)
     b, sq, sk, h, hkv = shape
@@ -160,7 +160,7 @@ def test_packed_p_matches_float64_reference(head_dim, config, dtype, shape, mask
     q, k, v = _inputs(b, sq, sk, h, hkv, head_dim, dtype)
     kw = _kw(causal, diag_offset, head_dim ** -0.5)
     out, lse = fwd_hopper.attn_fwd(q, k, v, **kw)
-    monkeypatch.setenv("FLASHTILE_HOPPER_FWD_P_PACKED", "1")
+    monkeypatch.setenv("FLASHTILE_HOPPER_FWD_P_PACKED", "all")
     packed_out, packed_lse = fwd_hopper.attn_fwd(q, k, v, **kw)
     _check(packed_out, packed_lse, q, k, v, causal, diag_offset, head_dim ** -0.5)
     assert torch.equal(packed_out, out) and torch.equal(packed_lse.isnan(), lse.isnan())
@@ -922,21 +922,24 @@ def test_persistent_schedule_is_not_made_inside_a_graph_capture(monkeypatch):
 
 
 def test_packed_p_switch(monkeypatch):
-    """FLASHTILE_HOPPER_FWD_P_PACKED: "0" (the default) or "1", which packs 16-bit P in
-    registers except with three consumers on the persistent grid (they spill)."""
+    """FLASHTILE_HOPPER_FWD_P_PACKED: "0" (the default), "1", which packs 16-bit P in
+    registers except with three consumers on the persistent grid (they spill), or
+    "all"."""
     from flashtile.ops import configs
 
     monkeypatch.delenv("FLASHTILE_HOPPER_FWD_P_PACKED", raising=False)
     assert configs.hopper_fwd_p_packed_choice() == "0"
     monkeypatch.setenv("FLASHTILE_HOPPER_FWD_P_PACKED", "yes")
     with pytest.raises(ValueError, match="FLASHTILE_HOPPER_FWD_P_PACKED must be one of "
-                       "\\('0', '1'\\), got 'yes'"):
+                       "\\('0', '1', 'all'\\), got 'yes'"):
         configs.hopper_fwd_p_packed_choice()
     assert not configs.hopper_fwd_p_packed("0", 2, False, False)
     assert configs.hopper_fwd_p_packed("1", 2, True, False)
     assert configs.hopper_fwd_p_packed("1", 3, False, False)
     assert not configs.hopper_fwd_p_packed("1", 3, True, False)
+    assert configs.hopper_fwd_p_packed("all", 3, True, False)
     assert not configs.hopper_fwd_p_packed("1", 2, False, True)  # FP8: P's own modes
+    assert not configs.hopper_fwd_p_packed("all", 2, True, True)
 
 
 def test_fp8_p_switch_rejects_other_values(monkeypatch):

@@ -519,8 +519,9 @@ def hopper_fwd_tree_max(choice: str, num_wg: int, fp8: bool) -> bool:
 # re-packs with 32 PRMT a block (64 in the masked walks). sm_90 SASS, walk block
 # instructions: d64 459 -> 427, d128 501 -> 469 (persistent, full); masked d64 635 ->
 # 571. Three consumers on the persistent grid (160 registers) spill 16-24 bytes with it
-# (the third consumer's walk 2 local stores a block), so they keep the operand there.
-HOPPER_FWD_P_PACKED = ("0", "1")
+# (the third consumer's walk 2 local stores a block), so "1" leaves them the operand;
+# "all" packs there too (to time the spill against the PRMT it saves).
+HOPPER_FWD_P_PACKED = ("0", "1", "all")
 
 
 def hopper_fwd_p_packed_choice() -> str:
@@ -531,9 +532,11 @@ def hopper_fwd_p_packed_choice() -> str:
 
 def hopper_fwd_p_packed(choice: str, num_wg: int, persistent: bool, fp8: bool) -> bool:
     """Whether the Gluon forward carries P packed (the kernel's P_PACKED) for ``choice``:
-    16-bit P in registers, not three consumers on the persistent grid (see
+    16-bit P in registers; with "1" not three consumers on the persistent grid (see
     HOPPER_FWD_P_PACKED)."""
-    return choice == "1" and not fp8 and not (persistent and num_wg == 3)
+    if fp8 or choice == "0":
+        return False
+    return choice == "all" or not (persistent and num_wg == 3)
 
 
 def hopper_fwd_config(head_dim: int, fp8: bool = False, seqlen_q: int = 0,
