@@ -60,6 +60,9 @@
 #                PACKED_TESTS=0 skips the tests)
 #   fp8-swap     the Gluon FP8 forward's P in "swap" order (session 34): its GPU tests and
 #                memcheck slice, FP8 d128 4k-16k smem against swap, two rounds (~7 min)
+#   bwd-lsepre   the Gluon backward's lse_pre option (session 34): its GPU tests and
+#                memcheck slice, forward+backward d64 and d128 1k-16k with and without,
+#                two rounds; transformers' step with each                   (~10 min)
 #   hf-train     issue 16's training step (the head split's GPU tests, then flashtile
 #                bench hf's step: 5 repetitions, the kernels under the profiler) (~4 min)
 #   hopper       the Gluon forward's GPU tests (16-bit) and its timing     (~9 min)
@@ -786,6 +789,21 @@ for swap in (False, True, False, True):
     us = 1e3 * triton.testing.do_bench(lambda: keys_contiguous(v, FP8_V_PAD, swap), rep=200)
     print(f"V copy swap32={swap}: {us:.1f} us")
 PY
+    ;;
+  bwd-lsepre)
+    # lse_pre (session 34, NOTES.md section 44): the preprocess writes lse in base 2 and
+    # delta padded to whole query blocks (+inf, 0), FA3's LSE_log2, so the walks convert
+    # and mask neither: sm_90 d64 530 -> 433 instructions a block (causal 564 -> 472),
+    # d128 causal with skip_masked 850 -> 723. Prediction: forward + backward +2-6% at
+    # d64, +1-4% at d128; transformers' step -0.1 to -0.4 ms. (LSEPRE_TESTS=0: not)
+    option_tests bwd-lsepre "lse_pre" tests/test_bwd_hopper.py \
+      "options_small and lse_pre" "${LSEPRE_TESTS:-1}"
+    base=FLASHTILE_HOPPER_BWD_OPTS=lse_smem,dq_tma,ds_ring
+    AB_SECS=110 ab bwd-lsepre "$base $base,lse_pre" --providers flashtile sdpa-cudnn \
+      --modes fwd_bwd --headdim 64 --causal both --seqlens 1k 4k 16k
+    AB_SECS=110 ab bwd-lsepre128 "$base,skip_masked $base,skip_masked,lse_pre" --providers \
+      flashtile sdpa-cudnn --modes fwd_bwd --headdim 128 --causal both --seqlens 1k 4k 16k
+    train_steps bwd-lsepre "$base $base,lse_pre $base $base,lse_pre"
     ;;
   bwd-peel)
     # skip_peel (session 33): skip_masked's skips (which lost 3% at d64 1k: the branch

@@ -278,7 +278,9 @@ def test_switch_sends_head_dim_256_under_1_and_auto(monkeypatch):
 OPTS = ["none", "lse_ahead", "lse_ahead,dq_tma", "lse_smem,dq_tma", "lse_smem",
         "lse_smem,dq_tma,ds_ring", "lse_ahead,ds_ring", "lse_smem,dq_tma,ds_ring,lpt",
         "lse_smem,dq_tma,ds_ring,skip_masked", "lse_ahead,skip_masked",
-        "lse_smem,dq_tma,ds_ring,skip_peel", "lse_ahead,skip_peel"]
+        "lse_smem,dq_tma,ds_ring,skip_peel", "lse_ahead,skip_peel",
+        "lse_smem,dq_tma,ds_ring,lse_pre", "lse_smem,dq_tma,ds_ring,skip_masked,lse_pre",
+        "lse_smem,dq_tma,ds_ring,skip_peel,lse_pre"]
 # 128 query rows a block at head_dim 64 (FLASHTILE_HOPPER_BWD_CONFIG; session 14's
 # tile A/B): the block's whole (128, 64) dQ tiles through the reduce-adds.
 BLOCK_M_128_CASES = [(64, "lse_ahead,dq_tma", "128,128,4,2")]
@@ -477,10 +479,61 @@ def test_options_knob(monkeypatch):
         == dict(IS_CAUSAL=False, DQ_TMA=False, LPT=False)
     monkeypatch.setenv("FLASHTILE_HOPPER_BWD_OPTS", "ds_ring,pingpong")
     with pytest.raises(ValueError, match=r"FLASHTILE_HOPPER_BWD_OPTS must be 'none' or a "
-                       r"comma-separated subset of .*'skip_peel'\), got "
+                       r"comma-separated subset of .*'lse_pre'\), got "
                        r"'ds_ring,pingpong' "
                        r"\(unknown: \['pingpong'\]\)"):
         configs.hopper_bwd_opts()
+
+
+def test_lse_pre_flag(monkeypatch):
+    """lse_pre: LSE_SMEM 2 where lse_smem runs (with it, not alone; not where lse_smem
+    gives way to lse_ahead: seqlen_q not a multiple of 4 or under a block; not at
+    head_dim 256)."""
+    opts = frozenset({"lse_smem", "dq_tma", "ds_ring", "lse_pre"})
+    assert bwd_hopper.kernel_flags(64, True, opts, 64)["LSE_SMEM"] == 2
+    assert bwd_hopper.kernel_flags(128, False, opts, 64, 332)["LSE_SMEM"] == 2
+    assert bwd_hopper.kernel_flags(128, False, opts, 64, 333)["LSE_SMEM"] is False
+    assert bwd_hopper.kernel_flags(64, True, opts, 64, 60)["LSE_SMEM"] is False
+    assert bwd_hopper.kernel_flags(64, True, opts - {"lse_smem"}, 64)["LSE_SMEM"] is False
+    assert bwd_hopper.kernel_flags(64, True, opts - {"lse_pre"}, 64)["LSE_SMEM"] is True
+    assert "LSE_SMEM" not in bwd_hopper.kernel_flags(256, True, opts, 64)
+    monkeypatch.setenv("FLASHTILE_HOPPER_BWD_OPTS", "lse_smem,lse_pre")
+    assert configs.hopper_bwd_opts() == {"lse_smem", "lse_pre"}
+
+
+@pytest.mark.parametrize("seqlen_q,rows_pad", [(1, 64), (76, 128), (128, 128), (333, 384)])
+@pytest.mark.parametrize("dlse", [False, True])
+def test_preprocess_writes_lse_pre_rows(seqlen_q, rows_pad, dlse):
+    """The portable preprocess with LSE2 (lse_pre; CPU, in the interpreter where CI runs
+    it): delta = rowsum(dO * O) - dlse and lse * log2(e) (+inf where lse is -inf) in
+    (batch, nheads, rows_pad) rows, the padding delta 0 and lse2 +inf; dQ's accumulator
+    zeroed."""
+    from flashtile.ops import bwd
+
+    b, h, d = 2, 3, 64
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    out, dout = (torch.randn(b, seqlen_q, h, d, device=dev) for _ in "od")
+    lse = torch.randn(b, h, seqlen_q, device=dev) * 4
+    lse[0, 1, 0] = float("-inf")  # a row that saw no key
+    dl = torch.randn(b, h, seqlen_q, device=dev) if dlse else lse
+    both = torch.full((2, b, h, rows_pad), float("nan"), device=dev)
+    delta, lse2 = both[0], both[1]
+    acc = torch.full((b, h, seqlen_q, d), float("nan"), device=dev)
+    pre_m = configs.PREPROCESS_BLOCK_M
+    grid = (configs.cdiv(rows_pad, pre_m), b * h)
+    bwd._bwd_preprocess_kernel[grid](
+        out, dout, dl, delta, acc, lse, lse2, *configs.strides(False, out, dout),
+        *acc.stride()[:2], h, seqlen_q, d, rows_pad, BLOCK_M=pre_m, BLOCK_D=d,
+        BLOCK_DV=d, HAS_DLSE=dlse, ZERO_DQ=True, LSE2=True)
+    want = (out.double() * dout.double()).sum(-1).transpose(1, 2)
+    if dlse:
+        want = want - dl.double()
+    torch.testing.assert_close(delta[..., :seqlen_q].double(), want, rtol=1e-5, atol=1e-5)
+    want2 = torch.where(lse == float("-inf"), float("inf"), lse.double() * 1.4426950408889634)
+    torch.testing.assert_close(lse2[..., :seqlen_q].double(), want2, rtol=1e-6, atol=1e-6)
+    assert (delta[..., seqlen_q:] == 0).all()
+    assert (lse2[..., seqlen_q:] == float("inf")).all()
+    assert (acc == 0).all()
 
 
 def test_skip_masked_is_causal_only(monkeypatch):

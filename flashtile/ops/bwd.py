@@ -70,16 +70,22 @@ def _row_block(nheads, seqlen_q, head_dim, BLOCK_M: tl.constexpr, BLOCK_D: tl.co
 # (stride_acch, stride_lb/lh, total_q/total_k below) change from call to call: not
 # specialised, so one compiled kernel and one launch plan serve every batch of a layout,
 # as in the forward (ops/fwd.py). They address one scalar per row, and no tile.
-@triton.jit(do_not_specialize=["stride_acch", "seqlen_q"])
-def _bwd_preprocess_kernel(Out, DOut, DLse, Delta, DQAccum,
+@triton.jit(do_not_specialize=["stride_acch", "seqlen_q", "rows_pad"])
+def _bwd_preprocess_kernel(Out, DOut, DLse, Delta, DQAccum, Lse, Lse2,
                            stride_ob, stride_om, stride_oh,
                            stride_dob, stride_dom, stride_doh,
                            stride_accb, stride_acch,
-                           nheads, seqlen_q, head_dim_v,
+                           nheads, seqlen_q, head_dim_v, rows_pad,
                            BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
                            BLOCK_DV: tl.constexpr,
-                           HAS_DLSE: tl.constexpr, ZERO_DQ: tl.constexpr):
+                           HAS_DLSE: tl.constexpr, ZERO_DQ: tl.constexpr,
+                           LSE2: tl.constexpr):
     # out and dout have v's head dim (BLOCK_DV); the dQ accumulator q's (BLOCK_D).
+    # LSE2 (the Gluon backward's lse_pre): Delta and Lse2 are (b, h, rows_pad), rows_pad
+    # >= seqlen_q; Lse2 takes lse in base 2 with +inf where lse is -inf (a row that saw
+    # no key: P = 0, not NaN), and the rows past seqlen_q hold delta 0 and Lse2 +inf, so
+    # the kernel that reads them masks nothing. Lse, Lse2 and rows_pad are unused
+    # otherwise.
     off_b, off_h, offs_m, offs_dv, m_tile = _row_block(nheads, seqlen_q, head_dim_v,
                                                        BLOCK_M, BLOCK_DV)
     b_o = tl.load(Out + off_b * stride_ob + off_h * stride_oh + offs_m[:, None] * stride_om
@@ -91,7 +97,14 @@ def _bwd_preprocess_kernel(Out, DOut, DLse, Delta, DQAccum,
     p_row = (off_b * nheads + off_h) * seqlen_q + offs_m  # DLse, Delta: (b, h, sq)
     if HAS_DLSE:
         delta -= tl.load(DLse + p_row, mask=offs_m < seqlen_q, other=0.0)
-    tl.store(Delta + p_row, delta, mask=offs_m < seqlen_q)
+    if LSE2:  # (rows past seqlen_q: out and dout read as 0, so delta is 0)
+        p_pad = (off_b * nheads + off_h) * rows_pad + offs_m
+        tl.store(Delta + p_pad, delta, mask=offs_m < rows_pad)
+        lse_row = Lse + (off_b * nheads + off_h) * seqlen_q
+        tl.store(Lse2 + p_pad, _load_lse_log2(lse_row, offs_m, seqlen_q),
+                 mask=offs_m < rows_pad)
+    else:
+        tl.store(Delta + p_row, delta, mask=offs_m < seqlen_q)
     if ZERO_DQ:  # the fused backward's dQ accumulator: here, not a memset launch more
         offs_d = tl.arange(0, BLOCK_D)
         tl.store(DQAccum + off_b * stride_accb + off_h * stride_acch
@@ -584,7 +597,8 @@ def convert_grid(batch: int, nheads: int, seqlen_q: int, kv_rows: int = 0) -> tu
 # The kernel parameters a call of each backward plan fills, in this order (``_launch``).
 # A varlen plan's slots also carry what follows the packed row counts: the rows, the
 # accumulator's and lse's head strides, total_q and total_k.
-_PRE_SLOTS = ("Out", "DOut", "DLse", "Delta", "DQAccum", "stride_acch", "seqlen_q")
+_PRE_SLOTS = ("Out", "DOut", "DLse", "Delta", "DQAccum", "Lse", "Lse2", "stride_acch",
+              "seqlen_q")
 _DKDV_SLOTS = ("Q", "K", "V", "DOut", "Lse", "Delta", "DK", "DV", "DQAccum", "Mask",
                "Alibi", "CuSeqlensQ", "CuSeqlensK", "Philox", "stride_acch", "stride_lb",
                "stride_lh", "total_q", "total_k", "max_seqlen_q", "max_seqlen_k",
@@ -687,7 +701,8 @@ def attn_bwd(dout, q, k, v, out, lse, dlse, *, attn_mask, alibi_slopes, softmax_
         plans = _launch.lookup(key)
         if plans is not None:
             pre, dkdv, last = plans
-            pre((p[12], p[3], p[13], p[5], p[15], acc_strides[1], rows), (*row_grid, 1))
+            pre((p[12], p[3], p[13], p[5], p[15], p[5], p[5], acc_strides[1], rows),
+                (*row_grid, 1))
             dkdv((*p[:8], p[15], *p[8:12], p[16], acc_strides[1], *lse_strides, *totals,
                   *scalars),
                  (max(1, configs.cdiv(longest_k, dkdv.cfg.block_n)) * parts, batch * hkv, 1)
@@ -718,10 +733,10 @@ def attn_bwd(dout, q, k, v, out, lse, dlse, *, attn_mask, alibi_slopes, softmax_
     pre_m = configs.PREPROCESS_BLOCK_M
     pre = _launch.first_launch(
         _bwd_preprocess_kernel, row_grid,
-        (out, dout, tensors[13], delta, tensors[15],
-         *configs.strides(varlen, out4, dout4), *acc_strides, h, rows, d_v),
+        (out, dout, tensors[13], delta, tensors[15], delta, delta,  # (Lse, Lse2 unused)
+         *configs.strides(varlen, out4, dout4), *acc_strides, h, rows, d_v, 0),
         dict(BLOCK_M=pre_m, BLOCK_D=block_d, BLOCK_DV=configs.padded_head_dim(d_v),
-             HAS_DLSE=dlse is not None, ZERO_DQ=fused),
+             HAS_DLSE=dlse is not None, ZERO_DQ=fused, LSE2=False),
         _PRE_SLOTS if key is not None else None)
     mask, mask_strides, alibi, alibi_strides, flags = configs.feature_args(
         attn_mask, alibi_slopes, q, window_left=window_left, window_right=window_right,

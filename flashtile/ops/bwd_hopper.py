@@ -157,6 +157,13 @@ session 28) for the GPU A/B, all compile-checked on the CPU:
   and 633). At 128 the three walk forms keep 240 bytes of local memory (8 stores in
   the walks), so it is for 64. Prediction: d64 causal forward + backward +1-3% at 1k,
   level to +1% at 4k.
+- lse_pre (LSE_SMEM 2, with lse_smem; session 34, compiled, not yet run on a GPU): FA3's
+  LSE_log2. The preprocess writes lse in base 2 (+inf where it is -inf) and delta into
+  one (2, batch, nheads, rows) allocation, rows seqlen_q rounded up to BLOCK_M with
+  +inf and 0 in the padding, which the row maps then read: a walk block converts and
+  masks neither (16 FMUL, 16 FSETP and 48 FSEL a thread at d64 go, and ptxas packs the
+  rest tighter). sm_90 SASS: d64 530 -> 433 instructions a block (causal 564 -> 472),
+  d128 causal with skip_masked 850 -> 723 (a word more in local memory there).
 Tried and removed (H200, the sections of docs/benchmarks/NOTES.md):
 - sdp (head dim 64), FA3's order: dP^T issued right behind S^T, the consumer waiting
   for S^T alone and computing P^T while dP^T runs. ptxas hoists dP^T's wait (no register
@@ -503,9 +510,12 @@ def _key_block(k, v, q_smem, do_smem, lse_smem, delta_smem, q_ready, do_ready, q
     if LSE_SMEM:
         # The block's lse landed with Q: read while S^T runs, each thread its own
         # columns (no layout conversion, so no barrier); rows past seqlen_q +inf.
-        lse_row = lse_smem.index(stage).reshape([BLOCK_M])
-        lse2 = gl.where(o_m < seqlen_q, _base2(lse_row.load(
-            gl.SliceLayout(0, s_layout))), float("inf"))
+        # (LSE_SMEM 2, lse_pre: the preprocess wrote it so, in base 2.)
+        lse_row = lse_smem.index(stage).reshape([BLOCK_M]).load(gl.SliceLayout(0, s_layout))
+        if LSE_SMEM == 2:
+            lse2 = lse_row
+        else:
+            lse2 = gl.where(o_m < seqlen_q, _base2(lse_row), float("inf"))
     s_t = warpgroup_mma_wait(0, deps=(s_t,))
     # This warpgroup's keys need a mask only where they cross seqlen_k or, with
     # causal, where the block's first row does not see its last key: the other
@@ -523,9 +533,9 @@ def _key_block(k, v, q_smem, do_smem, lse_smem, delta_smem, q_ready, do_ready, q
     dp_t = warpgroup_mma(v, b_do.permute((1, 0)), s_init, use_acc=False,
                          is_async=True)                                  # (64, M)
     if LSE_SMEM:  # delta landed with dO: read while dP^T runs; rows past seqlen_q 0
-        delta_row = delta_smem.index(stage).reshape([BLOCK_M])
-        delta = gl.where(o_m < seqlen_q, delta_row.load(gl.SliceLayout(0, s_layout)),
-                         0.0)
+        delta = delta_smem.index(stage).reshape([BLOCK_M]).load(gl.SliceLayout(0, s_layout))
+        if LSE_SMEM != 2:  # (lse_pre: 0 there already)
+            delta = gl.where(o_m < seqlen_q, delta, 0.0)
     dp_t = warpgroup_mma_wait(0, deps=(dp_t,))
     # dV's product is issued after dP^T completes, not beside it: its P^T operand
     # and accumulators held in flight through dS spilled 104-128 bytes at head_dim
@@ -972,7 +982,8 @@ def kernel_flags(head_dim: int, causal: bool, opts: frozenset[str], block_m: int
         opts = opts - {"lse_smem"} | {"lse_ahead"}
     lse_smem = "lse_smem" in opts
     return dict(IS_CAUSAL=causal, LSE_AHEAD="lse_ahead" in opts and not lse_smem,
-                DQ_TMA="dq_tma" in opts, LSE_SMEM=lse_smem, DS_RING="ds_ring" in opts,
+                DQ_TMA="dq_tma" in opts, DS_RING="ds_ring" in opts,
+                LSE_SMEM=2 if lse_smem and "lse_pre" in opts else lse_smem,
                 LPT=lpt, SKIP_MASKED=causal and (2 if "skip_peel" in opts
                                                  else "skip_masked" in opts))
 
@@ -1013,7 +1024,7 @@ def check_fits(head_dim: int, cfg, flags: dict) -> None:
 
 
 # The parameters each plan of the backward fills per call, in its kernel's order.
-_PRE_SLOTS = ("Out", "DOut", "DLse", "Delta", "DQAccum")
+_PRE_SLOTS = ("Out", "DOut", "DLse", "Delta", "DQAccum", "Lse", "Lse2")
 _MAIN_SLOTS = ("q_desc", "k_desc", "v_desc", "do_desc", "dk_desc", "dv_desc", "Lse",
                "Delta", "DQAccum", "softmax_scale")
 _CONVERT_SLOTS = ("DQAccum", "DQ", "DKShares", "DVShares", "DK", "DV", "softmax_scale")
@@ -1066,7 +1077,15 @@ def backward(dout, q, k, v, out, lse, dlse, softmax_scale, diag_offset, causal):
     lse = lse.contiguous()
     has_dlse = dlse is not None
     dlse = dlse.contiguous() if has_dlse else lse  # lse: a never-read placeholder
-    delta = torch.empty_like(lse)
+
+    def row_buffers(pad):
+        """delta, and lse in base 2 (lse_pre, LSE_SMEM 2: the preprocess writes both
+        ``pad`` rows long, padding included; else lse2 is None): one allocation."""
+        if not pad:
+            return torch.empty_like(lse), None
+        both = torch.empty((2, b, h, pad), dtype=torch.float32, device=q.device)
+        return both[0], both[1]
+
     # Rows tile_d wide: the kernel's atomics and the conversion address them so (a wider
     # tile's extra columns sum zeros: K's columns past d are read as 0).
     def accumulator():
@@ -1081,14 +1100,16 @@ def backward(dout, q, k, v, out, lse, dlse, softmax_scale, diag_offset, causal):
                _launch.misalignment(_launch.pointers((out, dout, dlse, lse))))
         plans = _launch.lookup(key)
         if plans is not None:
-            pre, main, convert, dq_tma, lse_smem = plans
+            pre, main, convert, dq_tma, lse_smem, pad = plans
             dq_accum = accumulator()
+            delta, lse2 = row_buffers(pad)
             pre((out.data_ptr(), dout.data_ptr(), dlse.data_ptr(), delta.data_ptr(),
-                 dq_accum.data_ptr()))
+                 dq_accum.data_ptr(), lse.data_ptr(), (delta if lse2 is None else
+                                                       lse2).data_ptr()))
             # Tensor map slots take the tensor (the plan encodes the map), others its
             # address; lse_smem's row maps read lse where a map may (its alignment is in
-            # the key).
-            lse = _aligned(lse) if lse_smem else lse
+            # the key), or lse_pre's lse2.
+            lse = lse2 if pad else _aligned(lse) if lse_smem else lse
             rows = (lse, delta) if lse_smem else (lse.data_ptr(), delta.data_ptr())
             main((q, k, v, dout, dk_shares, dv_shares, *rows,
                   dq_accum if dq_tma else dq_accum.data_ptr(), softmax_scale))
@@ -1104,14 +1125,18 @@ def backward(dout, q, k, v, out, lse, dlse, softmax_scale, diag_offset, causal):
     dq_accum = accumulator()
     configs.log_first_launch("hopper backward", q, d, cfg, flags)
     pre_m = configs.PREPROCESS_BLOCK_M
-    row_grid = (configs.cdiv(sq, pre_m), b * h)
+    # lse_pre: delta and lse2 padded to whole query blocks (the kernel's row maps read
+    # every block whole, and the padding is what they mask with).
+    pad = configs.cdiv(sq, cfg.block_m) * cfg.block_m if flags.get("LSE_SMEM") == 2 else 0
+    delta, lse2 = row_buffers(pad)
+    row_grid = (configs.cdiv(max(sq, pad), pre_m), b * h)
     # delta = rowsum(dO * O) - dlse, and dq_accum zeroed, by the portable preprocess.
     pre = _launch.first_launch(
         bwd._bwd_preprocess_kernel, row_grid,
-        (out, dout, dlse, delta, dq_accum, *configs.strides(False, out, dout),
-         *dq_accum.stride()[:2], h, sq, d),
+        (out, dout, dlse, delta, dq_accum, lse, delta if lse2 is None else lse2,
+         *configs.strides(False, out, dout), *dq_accum.stride()[:2], h, sq, d, pad),
         dict(BLOCK_M=pre_m, BLOCK_D=tile_d, BLOCK_DV=tile_d, HAS_DLSE=has_dlse,
-             ZERO_DQ=True),
+             ZERO_DQ=True, LSE2=bool(pad)),
         _PRE_SLOTS if key is not None else None)
     keys = BLOCK_N_WG.value
     descs = tuple(_descriptor(x, rows, tile_d) for x, rows in (
@@ -1126,7 +1151,7 @@ def backward(dout, q, k, v, out, lse, dlse, softmax_scale, diag_offset, causal):
         if flags.get("DQ_TMA") else dq_accum
     lse_arg, delta_arg = lse, delta
     if flags.get("LSE_SMEM"):
-        lse = _aligned(lse)
+        lse = lse2 if pad else _aligned(lse)
         lse_arg, delta_arg = (_rows_descriptor(x, cfg.block_m) for x in (lse, delta))
     grid = (configs.cdiv(sk, cfg.block_n), b * hkv * split)
     main = _launch.first_launch(
@@ -1145,7 +1170,7 @@ def backward(dout, q, k, v, out, lse, dlse, softmax_scale, diag_offset, causal):
         _CONVERT_SLOTS if key is not None else None)
     if key is not None and None not in (pre, main, convert):
         _launch.store(key, (pre, main, convert, bool(flags.get("DQ_TMA")),
-                            bool(flags.get("LSE_SMEM"))))
+                            bool(flags.get("LSE_SMEM")), pad))
     return dq, dk, dv
 
 
