@@ -316,13 +316,13 @@ def _backward_twice(env, head_dim, causal, diag_offset, monkeypatch,
 @pytest.mark.parametrize("opts", OPTS)
 @on_hopper
 def test_options_match_float64_reference(opts, head_dim, mask, monkeypatch):
-    """GQA, seqlen_q (333; 332 under lse_smem, which needs a multiple of 4) off the
+    """GQA, seqlen_q (333; 332 under lse_smem without lse_pre: a multiple of 4) off the
     64-row blocks: the atomics and reduce-adds of the rows past it are dropped;
     seqlen_q > seqlen_k, so bottom-right causal has rows that see no key; many query
     blocks, so the dQ hand-off (dS^T's buffer) turns over many times between the two
     consumers."""
     causal, align = MASKS[mask]
-    sq = 332 if "lse_smem" in opts else 333
+    sq = 332 if "lse_smem" in opts and "lse_pre" not in opts else 333
     diag_offset = 300 - sq if align == "bottom_right" else 0
     _backward_twice({"FLASHTILE_HOPPER_BWD_OPTS": opts}, head_dim, causal, diag_offset,
                     monkeypatch, shape=(2, sq, 300, 4, 2))
@@ -333,8 +333,9 @@ def test_options_match_float64_reference(opts, head_dim, mask, monkeypatch):
 @on_hopper
 def test_hopper_bwd_options_small(opts, head_dim, monkeypatch):
     """The memcheck slice of the options: test_hopper_bwd_small's call (76 query rows
-    under lse_smem, which needs a multiple of 4; 77 runs it as lse_ahead)."""
-    sq = 76 if "lse_smem" in opts else 77
+    under lse_smem without lse_pre, which needs a multiple of 4; 77 runs it as
+    lse_ahead, or as lse_smem with lse_pre)."""
+    sq = 76 if "lse_smem" in opts and "lse_pre" not in opts else 77
     _backward_twice({"FLASHTILE_HOPPER_BWD_OPTS": opts}, head_dim, True, 45 - sq,
                     monkeypatch, shape=(2, sq, 45, 4, 2))
 
@@ -485,15 +486,32 @@ def test_options_knob(monkeypatch):
         configs.hopper_bwd_opts()
 
 
+@pytest.mark.parametrize("seqlen_q", [1, 37, 64, 130])
+@pytest.mark.parametrize("mask", list(MASKS))
+@pytest.mark.parametrize("head_dim", [64, 128])
+@on_hopper
+def test_lse_pre_at_any_seqlen_q(seqlen_q, mask, head_dim, monkeypatch):
+    """lse_pre runs lse_smem's row maps at lengths lse_smem alone gives way at (under a
+    block, not a multiple of 4): one query row, a ragged block, whole ones; the float64
+    rule, Triton's path and the plan's."""
+    causal, align = MASKS[mask]
+    diag_offset = 45 - seqlen_q if align == "bottom_right" else 0
+    _backward_twice({"FLASHTILE_HOPPER_BWD_OPTS": "lse_smem,dq_tma,ds_ring,lse_pre"},
+                    head_dim, causal, diag_offset, monkeypatch,
+                    shape=(2, seqlen_q, 45, 4, 2))
+
+
 def test_lse_pre_flag(monkeypatch):
-    """lse_pre: LSE_SMEM 2 where lse_smem runs (with it, not alone; not where lse_smem
-    gives way to lse_ahead: seqlen_q not a multiple of 4 or under a block; not at
-    head_dim 256)."""
+    """lse_pre: LSE_SMEM 2 with lse_smem (not alone; not at head_dim 256), at every
+    seqlen_q: its padded rows suit the row maps where lse_smem alone gives way to
+    lse_ahead (seqlen_q not a multiple of 4, or under a block)."""
     opts = frozenset({"lse_smem", "dq_tma", "ds_ring", "lse_pre"})
     assert bwd_hopper.kernel_flags(64, True, opts, 64)["LSE_SMEM"] == 2
-    assert bwd_hopper.kernel_flags(128, False, opts, 64, 332)["LSE_SMEM"] == 2
-    assert bwd_hopper.kernel_flags(128, False, opts, 64, 333)["LSE_SMEM"] is False
-    assert bwd_hopper.kernel_flags(64, True, opts, 64, 60)["LSE_SMEM"] is False
+    for seqlen_q in (332, 333, 60, 1):
+        assert bwd_hopper.kernel_flags(128, False, opts, 64, seqlen_q)["LSE_SMEM"] == 2
+        without = bwd_hopper.kernel_flags(128, False, opts - {"lse_pre"}, 64, seqlen_q)
+        assert without["LSE_SMEM"] is (seqlen_q == 332)
+        assert without["LSE_AHEAD"] is (seqlen_q != 332)
     assert bwd_hopper.kernel_flags(64, True, opts - {"lse_smem"}, 64)["LSE_SMEM"] is False
     assert bwd_hopper.kernel_flags(64, True, opts - {"lse_pre"}, 64)["LSE_SMEM"] is True
     assert "LSE_SMEM" not in bwd_hopper.kernel_flags(256, True, opts, 64)

@@ -163,7 +163,9 @@ session 28) for the GPU A/B, all compile-checked on the CPU:
   +inf and 0 in the padding, which the row maps then read: a walk block converts and
   masks neither (16 FMUL, 16 FSETP and 48 FSEL a thread at d64 go, and ptxas packs the
   rest tighter). sm_90 SASS: d64 530 -> 433 instructions a block (causal 564 -> 472),
-  d128 causal with skip_masked 850 -> 723 (a word more in local memory there).
+  d128 causal with skip_masked 850 -> 723 (a word more in local memory there). Its
+  padded rows suit the row maps at every seqlen_q, so with it lse_smem runs where it
+  would otherwise give way to lse_ahead (``kernel_flags``).
 Tried and removed (H200, the sections of docs/benchmarks/NOTES.md):
 - sdp (head dim 64), FA3's order: dP^T issued right behind S^T, the consumer waiting
   for S^T alone and computing P^T while dP^T runs. ptxas hoists dP^T's wait (no register
@@ -968,7 +970,7 @@ def kernel_flags(head_dim: int, causal: bool, opts: frozenset[str], block_m: int
     ``opts`` (``configs.hopper_bwd_opts()``) at BLOCK_M ``block_m``; lse_smem runs as
     lse_ahead where ``seqlen_q`` (None: any that suits it) is not a multiple of 4 (the
     module docstring) or is shorter than a block (a box wider than its tensor's innermost
-    dimension, never tried on the GPU). bwd_hopper256's kernel (head_dim 256) takes
+    dimension, never tried on the GPU), unless lse_pre pads its rows to whole blocks. bwd_hopper256's kernel (head_dim 256) takes
     dq_tma and lpt alone (its docstring): the other options change a schedule it does
     not have, and the default's lse_ahead is passed over there. lpt and skip_masked
     apply to causal attention only (``backward`` drops lpt where ``lpt_fits`` says
@@ -977,7 +979,9 @@ def kernel_flags(head_dim: int, causal: bool, opts: frozenset[str], block_m: int
     if head_dim == 256:
         return dict(IS_CAUSAL=causal, DQ_TMA="dq_tma" in opts, LPT=lpt)
     # lse_smem brings lse and delta with Q and dO: lse_ahead's loads have nothing to do.
-    short = seqlen_q is not None and (seqlen_q % 4 or seqlen_q < block_m)
+    # (lse_pre's rows are padded to whole blocks: its maps suit every seqlen_q.)
+    short = seqlen_q is not None and (seqlen_q % 4 or seqlen_q < block_m) \
+        and "lse_pre" not in opts
     if "lse_smem" in opts and short:
         opts = opts - {"lse_smem"} | {"lse_ahead"}
     lse_smem = "lse_smem" in opts
