@@ -779,8 +779,9 @@ PY
     AB_SECS=120 ab fp8-swap "FLASHTILE_HOPPER_FWD_FP8_P=smem FLASHTILE_HOPPER_FWD_FP8_P=swap" \
       --providers flashtile-hopper-fp8 sdpa-cudnn --modes fwd --headdim 128 \
       --seqlens 4k 8k 16k --causal both
-    # V's copy alone, each order (the timed rows include it): 2 x 8k keys x 16 heads of
-    # 128, FP8 (33.5 MB each way), us, median.
+    # V's copy alone, each order (the timed rows include it): torch's copy and fill in
+    # the keys' order, fwd._keys_swapped_kernel's one pass in the swap order; 2 x 8k keys
+    # x 16 heads of 128, FP8 (33.5 MB each way), us, median.
     timeout 60 python3 - <<'PY' 2>&1 | grep -v -i warn | tee -a "$OUT/fp8-swap.txt"
 import torch, triton.testing
 from flashtile.ops.fwd import FP8_V_PAD, keys_contiguous

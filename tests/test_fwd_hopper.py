@@ -957,35 +957,44 @@ def test_fp8_p_switch_rejects_other_values(monkeypatch):
     assert configs.hopper_fwd_fp8_p_smem() == 1  # the default, timed faster than regs
 
 
-@pytest.mark.parametrize("seqlen_k", [1, 31, 32, 33, 100, 128, 129, 300])
-def test_fp8_v_copy_in_swap_order(seqlen_k):
-    """fwd.keys_contiguous's swap32 (CPU): within each 32 keys, key 8j + 2q + r sits at
+@pytest.mark.parametrize("form", ["kernel", "torch"])
+@pytest.mark.parametrize("seqlen_k,head_dim", [(1, 16), (31, 16), (32, 16), (33, 16),
+                                               (100, 16), (128, 16), (129, 48), (300, 16)])
+def test_fp8_v_copy_in_swap_order(seqlen_k, head_dim, form, monkeypatch):
+    """fwd.keys_contiguous's swap32 (CPU; kernel: fwd._keys_swapped_kernel, in the
+    interpreter; torch: its PyTorch form): within each 32 keys, key 8j + 2q + r sits at
     8q + 2j + r, the copy reaches the next multiple of 32 with zeros in the places of
     keys a partial last 32 lacks and in the padding; P with its columns in the kernel's
     order (fwd_hopper._p_stored's reshape and permute, here in torch) times that copy is
-    P V."""
+    P V. v is a strided view (every stride but the head dim's off its shape)."""
+    from flashtile.ops import fwd
     from flashtile.ops.fwd import FP8_V_PAD, keys_contiguous
 
-    v = (torch.randn(2, seqlen_k, 3, 16) * 4).to(torch.float8_e4m3fn)
+    if form == "torch":
+        monkeypatch.setattr(fwd, "interpreting", lambda: False)
+    elif not fwd.interpreting():
+        pytest.skip("the kernel runs on CPU tensors in the interpreter only")
+    whole = (torch.randn(2, seqlen_k, 5, 2 * head_dim) * 4).to(torch.float8_e4m3fn)
+    v = whole[:, :, 1:4, :head_dim]
     swapped = keys_contiguous(v, FP8_V_PAD, swap32=True)
     n32 = -(-seqlen_k // 32) * 32
-    assert swapped.shape == (2, n32, 3, 16) and swapped.stride(1) == 1
-    expected = torch.zeros(2, n32, 3, 16, dtype=torch.uint8)
+    assert swapped.shape == (2, n32, 3, head_dim) and swapped.stride(1) == 1
+    expected = torch.zeros(2, n32, 3, head_dim, dtype=torch.uint8)
     for key in range(seqlen_k):
         c = key % 32
         expected[:, key - c + 8 * (c // 2 % 4) + 2 * (c // 8) + c % 2] = \
             v.view(torch.uint8)[:, key]
     assert torch.equal(swapped.view(torch.uint8), expected)
     padded = swapped.permute(0, 2, 3, 1).view(torch.uint8)  # the storage's full rows
-    whole = torch.as_strided(padded, (2, 3, 16, -(-seqlen_k // FP8_V_PAD) * FP8_V_PAD),
-                             padded.stride())
-    assert not whole[..., n32:].any()
+    rows = torch.as_strided(padded, (2, 3, head_dim, -(-seqlen_k // FP8_V_PAD) * FP8_V_PAD),
+                            padded.stride())
+    assert not rows[..., n32:].any()
     p = torch.rand(5, n32, dtype=torch.float64)
     p[:, seqlen_k:] = 0  # masked scores
     p_stored = p.reshape(5, n32 // 32, 4, 4, 2).permute(0, 1, 3, 2, 4).reshape(5, n32)
     v64 = torch.nn.functional.pad(v.double(), (0, 0, 0, 0, 0, n32 - seqlen_k))
     torch.testing.assert_close(torch.einsum("mn,bnhd->bmhd", p_stored, swapped.double()),
-                               torch.einsum("mn,bnhd->bmhd", p, v64), rtol=1e-12, atol=0)
+                               torch.einsum("mn,bnhd->bmhd", p, v64), rtol=1e-12, atol=1e-12)
     in_order = keys_contiguous(v, FP8_V_PAD)  # the other ways P goes: v's own order
     assert in_order.shape == v.shape
     assert torch.equal(in_order.view(torch.uint8), v.view(torch.uint8))

@@ -158,6 +158,21 @@ def test_preprocess_and_dq_conversion_compile():
         assert resources(ck)["stack_bytes"] == 0
 
 
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_fp8_v_swap_copy_compiles_vectorised(head_dim):
+    """fwd._keys_swapped_kernel (FP8 V's copy in P's swap order) for sm_90: no spills, and
+    16-byte global loads and stores alone (the key permutation stays in registers and
+    shared memory)."""
+    from flashtile.ops.fwd import SWAP_BLOCK_K, _keys_swapped_kernel
+
+    ck = compile_kernel(_keys_swapped_kernel, dict(BLOCK_D=head_dim, BLOCK_K=SWAP_BLOCK_K),
+                        num_warps=4 if head_dim <= 128 else 8,
+                        types=dict(V="*u8", VT="*u8"))
+    assert resources(ck)["stack_bytes"] == 0
+    accesses = set(re.findall(r"\b(?:ld|st)\.global[.\w]*", ck.asm["ptx"]))
+    assert accesses == {"ld.global.v4.b32", "st.global.v4.b32"}, accesses
+
+
 @pytest.mark.parametrize("paged,page_size,aligned,tile_pages,split_pages",
                          [(False, 1, False, 0, 0), (True, 16, False, 0, 0),
                           (True, 64, True, 0, 0), (True, 16, False, 4, 0),
