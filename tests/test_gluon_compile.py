@@ -496,9 +496,8 @@ def test_hopper_fp8_forward_compiles_for_sm90(head_dim, causal, p_smem, persiste
         assert not from_registers
         block_n = configs.HOPPER_FWD_FP8[head_dim].block_n
         assert _exp2_under_pv(sass) >= block_n // 2
-        # The walks that compute (those storing O by stmatrix hold a tile's end).
         stores = [[op.split()[0] for op in body if op.startswith("STS")]
-                  for body in _walks(sass) if not any("STSM" in op for op in body)]
+                  for body in _computing_walks(sass)]
         width, count = ("STS.U16", block_n // 4) if p_smem == 1 else ("STS.64", block_n // 16)
         assert stores and all(ops == [width] * count for ops in stores), stores
     else:

@@ -1084,9 +1084,11 @@ def backward(dout, q, k, v, out, lse, dlse, softmax_scale, diag_offset, causal):
 
     def row_buffers(pad):
         """delta, and lse in base 2 (lse_pre, LSE_SMEM 2: the preprocess writes both
-        ``pad`` rows long, padding included; else lse2 is None): one allocation."""
+        ``pad`` rows long, padding included, in one allocation; else delta stands in for
+        lse2, which the preprocess then does not write)."""
         if not pad:
-            return torch.empty_like(lse), None
+            delta = torch.empty_like(lse)
+            return delta, delta
         both = torch.empty((2, b, h, pad), dtype=torch.float32, device=q.device)
         return both[0], both[1]
 
@@ -1108,8 +1110,7 @@ def backward(dout, q, k, v, out, lse, dlse, softmax_scale, diag_offset, causal):
             dq_accum = accumulator()
             delta, lse2 = row_buffers(pad)
             pre((out.data_ptr(), dout.data_ptr(), dlse.data_ptr(), delta.data_ptr(),
-                 dq_accum.data_ptr(), lse.data_ptr(), (delta if lse2 is None else
-                                                       lse2).data_ptr()))
+                 dq_accum.data_ptr(), lse.data_ptr(), lse2.data_ptr()))
             # Tensor map slots take the tensor (the plan encodes the map), others its
             # address; lse_smem's row maps read lse where a map may (its alignment is in
             # the key), or lse_pre's lse2.
@@ -1137,7 +1138,7 @@ def backward(dout, q, k, v, out, lse, dlse, softmax_scale, diag_offset, causal):
     # delta = rowsum(dO * O) - dlse, and dq_accum zeroed, by the portable preprocess.
     pre = _launch.first_launch(
         bwd._bwd_preprocess_kernel, row_grid,
-        (out, dout, dlse, delta, dq_accum, lse, delta if lse2 is None else lse2,
+        (out, dout, dlse, delta, dq_accum, lse, lse2,
          *configs.strides(False, out, dout), *dq_accum.stride()[:2], h, sq, d, pad),
         dict(BLOCK_M=pre_m, BLOCK_D=tile_d, BLOCK_DV=tile_d, HAS_DLSE=has_dlse,
              ZERO_DQ=True, LSE2=bool(pad)),

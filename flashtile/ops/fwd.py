@@ -413,6 +413,7 @@ def keys_contiguous(v, block_n, swap32=False):
     vt = torch.empty((batch, nheads, head_dim, padded), dtype=v.dtype, device=v.device)
     raw = vt.view(torch.uint8)
     assert not swap32 or block_n % 32 == 0, block_n
+    keys = configs.cdiv(seqlen, 32) * 32 if swap32 else seqlen  # the view's
     if swap32 and (v.is_cuda or interpreting()) and v.stride(3) == 1 \
             and padded % SWAP_BLOCK_K == 0:  # one pass: _keys_swapped_kernel
         grid = (padded // SWAP_BLOCK_K, batch * nheads)
@@ -420,7 +421,7 @@ def keys_contiguous(v, block_n, swap32=False):
             v.view(torch.uint8), raw, seqlen, nheads, head_dim, *v.stride()[:3], padded,
             BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_K=SWAP_BLOCK_K,
             num_warps=4 if head_dim <= 128 else 8)
-        return vt.permute(0, 3, 1, 2)[:, :configs.cdiv(seqlen, 32) * 32]
+        return vt.permute(0, 3, 1, 2)[:, :keys]
     # (Below, the PyTorch form of each order: swap32's is the kernel's reference.)
     src = v.view(torch.uint8).permute(0, 2, 3, 1)
     if not swap32:
@@ -438,8 +439,7 @@ def keys_contiguous(v, block_n, swap32=False):
             tail[..., :seqlen - whole].copy_(src[..., whole:])
             tail.copy_(tail.unflatten(-1, (4, 4, 2)).transpose(-3, -2).contiguous()
                        .view(tail.shape))
-        seqlen = whole + (32 if whole < seqlen else 0)
-    return vt.permute(0, 3, 1, 2)[:, :seqlen]
+    return vt.permute(0, 3, 1, 2)[:, :keys]
 
 
 # Keys a program of _keys_swapped_kernel (a multiple of 32: whole groups of the order).
