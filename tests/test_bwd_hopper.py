@@ -118,8 +118,8 @@ def test_launch_plan_equals_tritons_path(head_dim, causal):
     _launch.clear()
     call(0, 0.1)  # Triton's path, then the plans are stored
     grads, (q, k, v, dout, dlse) = call(1, 0.2)  # the plans
-    stored = [p for p in _launch._plans.values() if isinstance(p, tuple) and len(p) == 5]
-    assert len(stored) == 1  # (pre, main, convert, dq_tma, lse_smem)
+    stored = [p for p in _launch._plans.values() if isinstance(p, tuple) and len(p) == 6]
+    assert len(stored) == 1  # (pre, main, convert, dq_tma, lse_smem, pad)
     assert all(map(keeps_no_tensor, stored[0][:3]))
     _check(grads, q, k, v, dout, causal, 33, 0.2, dlse)
     _launch.clear()
