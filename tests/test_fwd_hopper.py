@@ -149,9 +149,10 @@ def test_tree_max_off_its_default_matches_float64_reference(tree, head_dim, conf
 @on_hopper
 def test_packed_p_matches_float64_reference(head_dim, config, dtype, shape, mask, schedule,
                                             monkeypatch, fresh_plans):
-    """FLASHTILE_HOPPER_FWD_P_PACKED=all (P carried between blocks in packed registers,
-    three consumers on the persistent grid too): test_matches_float64_reference's rule,
-    and bit for bit the default's out and lse (the same casts and products)."""
+    """FLASHTILE_HOPPER_FWD_P_PACKED=0 (P V's operand carried as 16-bit values) against
+    the default (P carried between blocks in packed registers, three consumers on the
+    persistent grid too): test_matches_float64_reference's rule for both, and bit for
+    bit the same out and lse (the same casts and products)."""
     if config is not None:
         monkeypatch.setenv("FLASHTILE_HOPPER_FWD_CONFIG", config)
     b, sq, sk, h, hkv = shape
@@ -159,9 +160,10 @@ def test_packed_p_matches_float64_reference(head_dim, config, dtype, shape, mask
     diag_offset = sk - sq if align == "bottom_right" else 0
     q, k, v = _inputs(b, sq, sk, h, hkv, head_dim, dtype)
     kw = _kw(causal, diag_offset, head_dim ** -0.5)
-    out, lse = fwd_hopper.attn_fwd(q, k, v, **kw)
-    monkeypatch.setenv("FLASHTILE_HOPPER_FWD_P_PACKED", "all")
+    monkeypatch.delenv("FLASHTILE_HOPPER_FWD_P_PACKED", raising=False)
     packed_out, packed_lse = fwd_hopper.attn_fwd(q, k, v, **kw)
+    monkeypatch.setenv("FLASHTILE_HOPPER_FWD_P_PACKED", "0")
+    out, lse = fwd_hopper.attn_fwd(q, k, v, **kw)
     _check(packed_out, packed_lse, q, k, v, causal, diag_offset, head_dim ** -0.5)
     assert torch.equal(packed_out, out) and torch.equal(packed_lse.isnan(), lse.isnan())
     assert torch.equal(packed_lse.nan_to_num(), lse.nan_to_num())
@@ -922,24 +924,21 @@ def test_persistent_schedule_is_not_made_inside_a_graph_capture(monkeypatch):
 
 
 def test_packed_p_switch(monkeypatch):
-    """FLASHTILE_HOPPER_FWD_P_PACKED: "0" (the default), "1", which packs 16-bit P in
-    registers except with three consumers on the persistent grid (they spill), or
-    "all"."""
+    """FLASHTILE_HOPPER_FWD_P_PACKED: "1" (the default), which packs 16-bit P in
+    registers on every grid, or "0"; anything else is a ValueError naming the variable."""
     from flashtile.ops import configs
 
     monkeypatch.delenv("FLASHTILE_HOPPER_FWD_P_PACKED", raising=False)
-    assert configs.hopper_fwd_p_packed_choice() == "0"
-    monkeypatch.setenv("FLASHTILE_HOPPER_FWD_P_PACKED", "yes")
+    assert configs.hopper_fwd_p_packed_choice() == "1"
+    monkeypatch.setenv("FLASHTILE_HOPPER_FWD_P_PACKED", "all")
     with pytest.raises(ValueError, match="FLASHTILE_HOPPER_FWD_P_PACKED must be one of "
-                       "\\('0', '1', 'all'\\), got 'yes'"):
+                       "\\('1', '0'\\), got 'all'"):
         configs.hopper_fwd_p_packed_choice()
-    assert not configs.hopper_fwd_p_packed("0", 2, False, False)
-    assert configs.hopper_fwd_p_packed("1", 2, True, False)
-    assert configs.hopper_fwd_p_packed("1", 3, False, False)
-    assert not configs.hopper_fwd_p_packed("1", 3, True, False)
-    assert configs.hopper_fwd_p_packed("all", 3, True, False)
-    assert not configs.hopper_fwd_p_packed("1", 2, False, True)  # FP8: P's own modes
-    assert not configs.hopper_fwd_p_packed("all", 2, True, True)
+    monkeypatch.setenv("FLASHTILE_HOPPER_FWD_P_PACKED", "0")
+    assert configs.hopper_fwd_p_packed_choice() == "0"
+    assert not configs.hopper_fwd_p_packed("0", False)
+    assert configs.hopper_fwd_p_packed("1", False)
+    assert not configs.hopper_fwd_p_packed("1", True)  # FP8: P's own modes
 
 
 def test_fp8_p_switch_rejects_other_values(monkeypatch):
@@ -951,10 +950,10 @@ def test_fp8_p_switch_rejects_other_values(monkeypatch):
         configs.hopper_fwd_fp8_p_smem()
     monkeypatch.setenv("FLASHTILE_HOPPER_FWD_FP8_P", "regs")
     assert configs.hopper_fwd_fp8_p_smem() == 0
-    monkeypatch.setenv("FLASHTILE_HOPPER_FWD_FP8_P", "swap")
-    assert configs.hopper_fwd_fp8_p_smem() == 2
+    monkeypatch.setenv("FLASHTILE_HOPPER_FWD_FP8_P", "smem")
+    assert configs.hopper_fwd_fp8_p_smem() == 1
     monkeypatch.delenv("FLASHTILE_HOPPER_FWD_FP8_P")
-    assert configs.hopper_fwd_fp8_p_smem() == 1  # the default, timed faster than regs
+    assert configs.hopper_fwd_fp8_p_smem() == 2  # the default, timed faster than smem
 
 
 @pytest.mark.parametrize("form", ["kernel", "torch"])

@@ -23,7 +23,7 @@ pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1",
 
 
 def _compile(head_dim, causal, dtype=torch.bfloat16, descales=True, p_smem=False,
-             persistent=False, q_bufs=None, tree_max="auto", packed="0"):
+             persistent=False, q_bufs=None, tree_max="auto", packed="1"):
     """The kernel a launch of ``fwd_hopper.forward`` compiles for these inputs (FP8: out
     in bfloat16, descales given or not, V through its keys-contiguous copy; q_bufs: the
     Q sets asked for, None for the launcher's default; tree_max and packed:
@@ -51,8 +51,7 @@ def _compile(head_dim, causal, dtype=torch.bfloat16, descales=True, p_smem=False
                  P_SMEM=p_smem, PERSISTENT=persistent, NUM_WG=cfg.block_m // rows,
                  Q_BUFS=fwd_hopper._q_buffers(q_bufs, head_dim, cfg),
                  TREE_MAX=configs.hopper_fwd_tree_max(tree_max, cfg.block_m // rows, fp8),
-                 P_PACKED=configs.hopper_fwd_p_packed(packed, cfg.block_m // rows,
-                                                      persistent, fp8))
+                 P_PACKED=configs.hopper_fwd_p_packed(packed, fp8))
     return compile_kernel(fwd_hopper._attn_fwd_hopper_kernel, flags,
                           num_warps=cfg.num_warps, types=types)
 
@@ -118,6 +117,17 @@ def _computing_walks(sass: str) -> list[list[str]]:
     return [body for body in _walks(sass) if not any("STSM" in op for op in body)]
 
 
+def _assert_walk_local_memory(walks, three_persistent):
+    """No local memory in the walks, but for three consumers on the persistent grid with
+    P packed (the default, 160 registers): at most 2 stores a walk block and their
+    loads (NOTES.md section 45)."""
+    stores = [sum(op.startswith("STL") for op in body) for body in walks]
+    if three_persistent:
+        assert max(stores) <= 2, stores
+    else:
+        assert not any(op.startswith(("STL", "LDL")) for body in walks for op in body)
+
+
 @pytest.mark.parametrize("persistent", SCHEDULES, ids=SCHEDULE_IDS)
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("head_dim,config", [(64, None), (128, None), (256, None),
@@ -125,26 +135,24 @@ def _computing_walks(sass: str) -> list[list[str]]:
                          ids=["d64", "d128", "d256", "d64-three"])
 def test_packed_p_leaves_no_prmt_in_the_walks(head_dim, config, causal, persistent,
                                               monkeypatch):
-    """FLASHTILE_HOPPER_FWD_P_PACKED=1: P crosses the walk's loop edge in packed 32-bit
-    registers, so the walks re-pack nothing (no PRMT; the operand's form has 32 a block
-    at d64, 16 at d256) and still take P V's A operand from registers, without spills.
-    Three consumers on the persistent grid keep the operand (configs.hopper_fwd_p_packed:
-    packed, they spill), and their PRMT."""
+    """FLASHTILE_HOPPER_FWD_P_PACKED=1 (the default): P crosses the walk's loop edge in
+    packed 32-bit registers, so the walks re-pack nothing (no PRMT; the operand's form,
+    "0", has 32 a block at d64, 16 at d256) and still take P V's A operand from
+    registers, without spills, but for three consumers on the persistent grid (160
+    registers): there 24 bytes of stack and at most 2 local stores in a walk block,
+    which still ran 2-5% faster than the operand's PRMT (NOTES.md section 45)."""
     if config:
         monkeypatch.setenv("FLASHTILE_HOPPER_FWD_CONFIG", config)
-    ck = _compile(head_dim, causal, persistent=persistent, packed="1")
-    assert resources(ck)["stack_bytes"] <= (8 if config and persistent else 0)
+    ck = _compile(head_dim, causal, persistent=persistent)
+    spills = bool(config and persistent)
+    assert resources(ck)["stack_bytes"] <= (24 if spills else 0)
     mma = [line for line in ck.asm["ptx"].splitlines() if "wgmma.mma_async" in line]
     assert any(line.count("{") == 2 for line in mma)  # P V's A from registers
     walks = _computing_walks(_sass(ck))
-    prmt = [sum(op.startswith("PRMT") for op in body) for body in walks]
-    assert walks and not any(op.startswith(("STL", "LDL")) for body in walks for op in body)
-    if config and persistent:
-        assert min(prmt) > 0, prmt
-    else:
-        assert not any(prmt), prmt
+    assert walks and not any(op.startswith("PRMT") for body in walks for op in body)
+    _assert_walk_local_memory(walks, spills)
     if head_dim == 64 and not config and not (causal or persistent):  # the operand's form
-        unpacked = _computing_walks(_sass(_compile(64, False)))
+        unpacked = _computing_walks(_sass(_compile(64, False, packed="0")))
         assert min(sum(op.startswith("PRMT") for op in body) for body in unpacked) == 32
         assert all(len(a) >= len(b) + 20 for a, b in zip(unpacked, walks))
 
@@ -156,8 +164,8 @@ def test_hopper_forward_two_q_sets_compile_for_sm90(head_dim, causal, config, mo
     """Q_BUFS 2 (FLASHTILE_HOPPER_FWD_Q_BUFFERS, the persistent grid): one more Q set
     beside the ring and O's own buffer (d128's two consumers at 229,376 bytes of
     232,448), the launcher's fit rule says so, twice the Q barriers; the same local
-    memory as one set (the tile loop's scalar with three consumers, no spill in the
-    walks)."""
+    memory as one set (the tile loop's scalar with three consumers; in the walks only
+    packed P's few words with three consumers)."""
     from flashtile.ops import fwd_hopper
 
     if config is not None:
@@ -176,8 +184,8 @@ def test_hopper_forward_two_q_sets_compile_for_sm90(head_dim, causal, config, mo
     assert res["shared_bytes"] <= configs.SM90_SMEM_BYTES, res
     assert res["stack_bytes"] <= one["stack_bytes"], (res, one)
     walks = _walks(_sass(ck))
-    assert len(walks) >= 2 and not any(op.startswith(("STL", "LDL")) for body in walks
-                                       for op in body)
+    assert len(walks) >= 2
+    _assert_walk_local_memory(walks, config is not None)
 
 
 def test_two_q_sets_only_where_they_fit(monkeypatch):
@@ -249,7 +257,8 @@ def test_tree_max_in_the_sass(head_dim, causal, config, monkeypatch):
     """TREE_MAX (FLASHTILE_HOPPER_FWD_TREE_MAX=1; auto takes it with three consumers),
     the persistent grid, unmasked and masked walks: the dependent FMNMX/shuffle chain
     before a block's first exp2 is at most 14 deep (9-14 on sm_90 in session 30; gl.max's
-    one chain a row: over 30), with no local memory in the walks."""
+    one chain a row: over 30), with no local memory in the walks (three consumers:
+    packed P's few words)."""
     if config is not None:
         if head_dim != 64:
             pytest.skip("three consumers take 128 keys at d64 only")
@@ -257,7 +266,7 @@ def test_tree_max_in_the_sass(head_dim, causal, config, monkeypatch):
     sass = _sass(_compile(head_dim, causal, persistent=True, tree_max="1"))
     depths = _max_chain_depths(sass)
     assert len(depths) >= 4 and max(depths) <= 14, depths
-    assert not any(op.startswith(("STL", "LDL")) for body in _walks(sass) for op in body)
+    _assert_walk_local_memory(_walks(sass), config is not None)
     if config is None and head_dim == 64 and not causal:  # the default's chain, beside it
         flat = _max_chain_depths(_sass(_compile(64, False, persistent=True)))
         assert min(flat) > 30, flat
@@ -319,8 +328,8 @@ def test_hopper_forward_three_consumers_compile_for_sm90(head_dim, causal, persi
     """BLOCK_M 192 (FLASHTILE_HOPPER_FWD_CONFIG=192,BLOCK_N,4,STAGES): three consumer
     warpgroups of 64 rows taking turns in a cycle. 16 warps (the producer warp padded
     to a warpgroup); register reallocation 24 / 160 (three consumers' 160 and the
-    producer's 24 a thread fit 64K registers), with no spills under that cap: S, O and
-    P a thread (d64: 64 + 32 + 32; d128 at 64 keys: 32 + 64 + 16). Shared memory: Q 3 x
+    producer's 24 a thread fit 64K registers), with no spills under that cap (but packed
+    P's few words on d64's persistent grid): S, O and P a thread (d64: 64 + 32 + 32; d128 at 64 keys: 32 + 64 + 16). Shared memory: Q 3 x
     d x 128 bytes (twice on d64's persistent grid: two Q sets), the K/V ring, and
     (persistent) O's 3 x d x 128 bytes."""
     block_n = THREE_CONSUMERS[head_dim]
@@ -334,9 +343,9 @@ def test_hopper_forward_three_consumers_compile_for_sm90(head_dim, causal, persi
         < ring + (persistent + 1) * 3 * tile, res
     assert res["shared_bytes"] <= configs.SM90_SMEM_BYTES, res
     # Persistent: ptxas keeps one 4-byte scalar of the tile loop in local memory, stored
-    # and reloaded once a tile, never inside the key-block walks (a spilled S, O or P
-    # tile would be 128 bytes or more and stored every block).
-    assert res["stack_bytes"] <= (8 if persistent else 0), res
+    # and reloaded once a tile, and at d64 (P packed, the default) a few words in the
+    # walks (a spilled S, O or P tile would be 128 bytes or more and stored every block).
+    assert res["stack_bytes"] <= (0 if not persistent else 24 if head_dim == 64 else 8), res
     assert ck.metadata.num_warps == 16
     ptx = ck.asm["ptx"]
     assert "setmaxnreg.dec.sync.aligned.u32 \t24;" in ptx
@@ -349,8 +358,8 @@ def test_hopper_forward_three_consumers_compile_for_sm90(head_dim, causal, persi
     sass = _sass(ck)
     assert "HGMMA" in sass
     walks = _walks(sass)
-    assert len(walks) >= 3 and not any(op.startswith(("STL", "LDL")) for body in walks
-                                       for op in body), walks
+    assert len(walks) >= 3
+    _assert_walk_local_memory(walks, persistent and head_dim == 64)
     if not persistent:
         assert "LDL" not in sass and "STL" not in sass
 

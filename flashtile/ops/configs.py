@@ -380,16 +380,18 @@ HOPPER_FWD_FP8_P = ("regs", "smem", "swap")
 
 def hopper_fwd_fp8_p_smem() -> int:
     """FLASHTILE_HOPPER_FWD_FP8_P: how the Gluon forward's FP8 P reaches P V (the
-    kernel's P_SMEM). "smem" (the default, 1): two shared buffers per warpgroup (16-32
-    KiB more), where the SASS keeps the wait for the previous P V after the softmax
-    (FA3's in-warpgroup overlap); "regs" (0, as 16-bit P): wgmma's A operand from
-    registers, where ptxas waits for the previous P V before the softmax. At d128 on the
-    H200, smem ran at 1.26-1.40x regs (640-799 against 508-614 TFLOP/s, 4k-16k tokens;
-    NOTES.md section 22). "swap" (2, opt-in): as smem, with each 32 keys of P and of V's
-    copy in the order that gives a thread 8 adjacent bytes of P (fwd_hopper._p_stored):
-    one 8-byte store where smem takes four of 2 bytes. Read when a launch plan is
-    made."""
-    value = os.environ.get("FLASHTILE_HOPPER_FWD_FP8_P", "smem").strip() or "smem"
+    kernel's P_SMEM). "swap" (the default since session 35, 2): two shared buffers per
+    warpgroup (16-32 KiB more), where the SASS keeps the wait for the previous P V after
+    the softmax (FA3's in-warpgroup overlap), with each 32 keys of P and of V's copy in
+    the order that gives a thread 8 adjacent bytes of P (fwd_hopper._p_stored): one
+    8-byte store where "smem" (1) takes four of 2 bytes, and V's copy in one Triton pass
+    (fwd._keys_swapped_kernel: 23 us for 33.5 MB on the H200, where "smem"'s torch
+    copies take 181). d128 on the H200 (session 35, NOTES.md section 45): swap 778-831
+    TFLOP/s full, 657-809 causal (4k-16k) against smem's 658-797 and 486-744; the copy is
+    most of the difference. "regs" (0, as 16-bit P): wgmma's A operand from registers,
+    where ptxas waits for the previous P V before the softmax; smem ran at 1.26-1.40x
+    regs (NOTES.md section 22). Read when a launch plan is made."""
+    value = os.environ.get("FLASHTILE_HOPPER_FWD_FP8_P", "swap").strip() or "swap"
     if value not in HOPPER_FWD_FP8_P:
         raise ValueError(f"FLASHTILE_HOPPER_FWD_FP8_P must be one of {HOPPER_FWD_FP8_P}, "
                          f"got {value!r}")
@@ -513,15 +515,16 @@ def hopper_fwd_tree_max(choice: str, num_wg: int, fp8: bool) -> bool:
     return choice == "1" or (choice == "auto" and num_wg == 3 and not fp8)
 
 
-# FLASHTILE_HOPPER_FWD_P_PACKED: "1" carries 16-bit P from its block to the next (where
-# its P V issues) in packed 32-bit registers (fwd_hopper._p_operand's P_PACKED), "0" (the
-# default until the H200 has run it) as the operand's 64 16-bit values, which ptxas
+# FLASHTILE_HOPPER_FWD_P_PACKED: "1" (the default since session 35) carries 16-bit P
+# from its block to the next (where its P V issues) in packed 32-bit registers
+# (fwd_hopper._p_operand's P_PACKED), "0" as the operand's 64 16-bit values, which ptxas
 # re-packs with 32 PRMT a block (64 in the masked walks). sm_90 SASS, walk block
 # instructions: d64 459 -> 427, d128 501 -> 469 (persistent, full); masked d64 635 ->
 # 571. Three consumers on the persistent grid (160 registers) spill 16-24 bytes with it
-# (the third consumer's walk 2 local stores a block), so "1" leaves them the operand;
-# "all" packs there too (to time the spill against the PRMT it saves).
-HOPPER_FWD_P_PACKED = ("0", "1", "all")
+# (the third consumer's walk 2 local stores a block) and still ran faster. On the H200
+# (NOTES.md section 45): d64 causal 1k +7% (two consumers), d64 three consumers 2k-8k
+# +2-5%, d128 full 1k-16k +2-4%, causal level within the run's noise.
+HOPPER_FWD_P_PACKED = ("1", "0")  # the first is the default
 
 
 def hopper_fwd_p_packed_choice() -> str:
@@ -530,13 +533,10 @@ def hopper_fwd_p_packed_choice() -> str:
     return _env_choice("FLASHTILE_HOPPER_FWD_P_PACKED", HOPPER_FWD_P_PACKED)
 
 
-def hopper_fwd_p_packed(choice: str, num_wg: int, persistent: bool, fp8: bool) -> bool:
+def hopper_fwd_p_packed(choice: str, fp8: bool) -> bool:
     """Whether the Gluon forward carries P packed (the kernel's P_PACKED) for ``choice``:
-    16-bit P in registers; with "1" not three consumers on the persistent grid (see
-    HOPPER_FWD_P_PACKED)."""
-    if fp8 or choice == "0":
-        return False
-    return choice == "all" or not (persistent and num_wg == 3)
+    16-bit P only (FP8 P has FLASHTILE_HOPPER_FWD_FP8_P's ways)."""
+    return choice == "1" and not fp8
 
 
 def hopper_fwd_config(head_dim: int, fp8: bool = False, seqlen_q: int = 0,

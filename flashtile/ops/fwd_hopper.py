@@ -29,7 +29,7 @@ in three warp-specialised partitions:
   (``_online_softmax``) takes the row max pairwise: 10 dependent steps before the first
   exp2 where gl.max's chain takes 36; the three-consumer tiles gain 2-7% with it, two
   consumers and FP8 lose 3-8% (``configs.hopper_fwd_tree_max``). P_j crosses the
-  walk's loop edge to its P V: P_PACKED (opt-in, ``configs.hopper_fwd_p_packed``)
+  walk's loop edge to its P V: P_PACKED (16-bit, ``configs.hopper_fwd_p_packed``)
   carries it in the 32-bit registers the casts fill (``_p_operand``), where the operand
   form leaves ptxas a PRMT per register at the top of every block.
 - warp_specialize's register requests become setmaxnreg: the producer keeps 24
@@ -98,20 +98,23 @@ same kernel, with the numerics of the portable FP8 forward (flashtile.ops.fwd, d
 - O (16-bit) leaves through a shared buffer of its own (Q's is half its size), or, where
   that does not fit beside the ring and P's buffers (BLOCK_N 256 at head_dim 128),
   through each warpgroup's first P buffer (the same bytes), free after the last P V.
-- P_SMEM (FLASHTILE_HOPPER_FWD_FP8_P=smem, the default; "regs"): P_j reaches P V through two
-  shared buffers per warpgroup instead of registers. With P in registers the SASS waits
-  for P_{j-1} V_{j-1} before the softmax, as for 16-bit inputs (0-12 of the block's
-  exp2 run under it); through shared memory the whole softmax runs under it (66 exp2 a
-  thread at BLOCK_N 128), at the cost of P's stores (2 bytes each: the accumulator
-  layout) and 16-32 KiB of shared memory.
+- P_SMEM (FLASHTILE_HOPPER_FWD_FP8_P=swap, the default; "smem"; "regs"): P_j reaches P V
+  through two shared buffers per warpgroup instead of registers. With P in registers the
+  SASS waits for P_{j-1} V_{j-1} before the softmax, as for 16-bit inputs (0-12 of the
+  block's exp2 run under it); through shared memory the whole softmax runs under it (66
+  exp2 a thread at BLOCK_N 128), at the cost of P's stores (2 bytes each: the
+  accumulator layout) and 16-32 KiB of shared memory.
   16-bit inputs keep P in registers: through shared memory (two 16-bit buffers a
   warpgroup, O staged in the first at d128; 66 exp2 under P_{j-1} V_{j-1} in the SASS
   against 0-5) they ran 3-12% slower on the H200 (session 14, NOTES.md section 24): the
   stores of P and the extra shared-memory traffic cost more than the overlap won.
-  P_SMEM 2 ("swap", opt-in; ``_p_stored``): each 32 keys of P, and of V's copy, in an
-  order where a thread's eight FP8 values of P are adjacent, so P leaves in 8-byte
-  stores (a quarter of the store instructions, half the shared-memory wavefronts; a
-  walk block 3-6% fewer instructions in the sm_90 SASS, d128 482 against 507).
+  P_SMEM 2 ("swap", the default since session 35; ``_p_stored``): each 32 keys of P,
+  and of V's copy, in an order where a thread's eight FP8 values of P are adjacent, so
+  P leaves in 8-byte stores (a quarter of the store instructions, half the
+  shared-memory wavefronts; a walk block 3-6% fewer instructions in the sm_90 SASS,
+  d128 482 against 507), and V's copy is one Triton pass (fwd._keys_swapped_kernel).
+  On the H200 the kernel ran level with P_SMEM 1 and the copy made the difference:
+  +4-18% full, +9-35% causal at d128 4k-16k (NOTES.md section 45).
 Timed on the H200 in session 12 at head_dim 128, 16k tokens a batch
 (docs/benchmarks/h200-2026-12-01-s12/fp8.md, fp8-psmem.md): P in registers 374-614
 TFLOP/s, P in shared memory 481-799 (4k-16k, causal or not), hence the default. BLOCK_N
@@ -1031,7 +1034,7 @@ def forward(q, k, v, softmax_scale, diag_offset, causal, q_descale=None, k_desca
                  PV_PER_TILE=pv_per_tile, P_SMEM=p_smem, PERSISTENT=persistent,
                  NUM_WG=num_wg, Q_BUFS=_q_buffers(q_bufs, tile_d, cfg),
                  TREE_MAX=configs.hopper_fwd_tree_max(tree_choice, num_wg, fp8),
-                 P_PACKED=configs.hopper_fwd_p_packed(packed_choice, num_wg, persistent, fp8))
+                 P_PACKED=configs.hopper_fwd_p_packed(packed_choice, fp8))
     configs.log_first_launch("hopper forward", q, d, cfg, flags)
     n_tiles_m = configs.cdiv(sq, cfg.block_m)
     grid = (schedule.shape[0],) if persistent else (n_tiles_m, b * h)
