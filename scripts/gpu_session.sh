@@ -48,21 +48,12 @@
 #                GPU tests (plans against Triton's path, transformers' decode memo), then
 #                flashtile bench hf with --profile (generate at batch 1 and 16: kernels
 #                and the host time inside the attention function)          (~5 min)
-#   engine-overlap  FLASHTILE_ENGINE_DECODE_OVERLAP (session 33): its GPU tests, the 0.5B
-#                decode step at batch 1-256 off / halves / halves offset in two rounds
-#                (~6 min); engine-overlap-tp: the 0.5B and 1B throughput with each (~5 min)
 #   bwd-peel     the Gluon backward's skip_peel option (session 33): its GPU tests and
 #                memcheck slice, causal forward+backward d64 at 1k and 4k against the
 #                default and skip_masked, two rounds; transformers' step with each (~8 min)
-#   fwd-packed   the Gluon forward's packed P (session 34): the forward's GPU test file with
-#                it on and a memcheck slice (~6 min; PACKED_TIMES=0 stops there), then
-#                d64/d128 1k-16k off against on, d64 three consumers with "all" (~7 min;
-#                PACKED_TESTS=0 skips the tests)
-#   fp8-swap     the Gluon FP8 forward's P in "swap" order (session 34): its GPU tests and
-#                memcheck slice, FP8 d128 4k-16k smem against swap, two rounds (~7 min)
-#   bwd-lsepre   the Gluon backward's lse_pre option (session 34): its GPU tests and
-#                memcheck slice, forward+backward d64 and d128 1k-16k with and without,
-#                two rounds; transformers' step with each                   (~10 min)
+#   bwd-lsepre   the Gluon backward's lse_pre option (session 34; timed in session 35,
+#                +1-3%): the backward's GPU test files with it on and a memcheck slice,
+#                the step before it becomes the default                      (~6 min)
 #   hf-train     issue 16's training step (the head split's GPU tests, then flashtile
 #                bench hf's step: 5 repetitions, the kernels under the profiler) (~4 min)
 #   hopper       the Gluon forward's GPU tests (16-bit) and its timing     (~9 min)
@@ -715,96 +706,20 @@ PY
       --out "$OUT/hf-gen.json" 2>&1 | grep --line-buffered -v "^\s*$" | tee "$OUT/hf-gen.txt" \
       | tail -60  # tee first: a run cut short still leaves its lines (session 30)
     ;;
-  engine-overlap)
-    # Decode graphs of 32+ sequences split in two halves on two streams (session 33,
-    # engine/cuda_graphs.py). Prediction: 0.5B forward at batch 256 2.04 -> 1.5-1.8 ms
-    # with offset, 1.8-2.0 without (halves started together run the same kernels side
-    # by side); batch 32-128 -5 to -20%; batch 1 unchanged (not split). Throughput: 0.5B
-    # +8-20% (34% -> 37-41% of the roofline), 1B +3-10%. If neither variant beats off,
-    # the GPU does not co-schedule the branches' kernels: remove it.
-    timeout 150 python3 -m pytest -q -p no:cacheprovider --gpu tests/test_engine_gpu.py \
-      -k "overlap or cuda_graph" 2>&1 | tail -2 | tee "$OUT/overlap-tests.txt"
-    for round in 1 2; do
-      for set in 0 32 32,offset; do
-        FLASHTILE_ENGINE_DECODE_OVERLAP=$set timeout 90 python3 -m flashtile.bench.throughput \
-          --decode-step --models qwen2.5-0.5b --decode-batches 1 32 64 128 256 \
-          --decode-reps 20 --timeout 85 --out "/tmp/overlap-step.json" 2>&1 \
-          | grep "^| qwen" | sed "s|^|$round $set |" | tee -a "$OUT/overlap-step.txt"
-      done
-    done
-    ;;
-  engine-overlap-tp)
-    # The workload (256 requests, 100-1024 tokens each way) with each form of the
-    # overlap; predictions in engine-overlap.
-    for set in 0 32,offset 32; do
-      FLASHTILE_ENGINE_DECODE_OVERLAP=$set timeout 180 python3 -m flashtile.bench.throughput \
-        --models qwen2.5-0.5b llama-3.2-1b --providers engine-flashtile-graphs --timeout 85 \
-        --out "/tmp/overlap-tp.json" 2>&1 | grep "^| " | sed "s|^|$set |" \
-        | tee -a "$OUT/overlap-throughput.txt"
-    done
-    ;;
-  fwd-packed)
-    # FLASHTILE_HOPPER_FWD_P_PACKED=1 (session 34, NOTES.md section 44): 16-bit P
-    # carried to the next block's P V in packed registers, so the walks lose ptxas's 32
-    # PRMT a block (64 masked) on the way to P V's issue: d64 459 -> 427, d128 501 ->
-    # 469 instructions a block. The whole forward test file with it on (its own tests
-    # check bit-equality with the default), a memcheck slice, then off against on.
-    # Prediction: d64 forward +2-5% (1k-4k, two consumers: causal 1k, the weakest cell),
-    # d128 +1-4%, d256 +0-2%; level where three consumers run persistent (not packed).
-    # (PACKED_TESTS=0: no tests; PACKED_TIMES=0: no timing. Both: ~12 min, two calls.)
-    if [ "${PACKED_TESTS:-1}" != 0 ]; then
-      FLASHTILE_HOPPER_FWD_P_PACKED=all timeout 300 python3 -m pytest -q -p no:cacheprovider \
-        $XDIST --gpu tests/test_fwd_hopper.py 2>&1 | tail -2 | tee "$OUT/fwd-packed-tests.txt"
-      FLASHTILE_HOPPER_FWD_P_PACKED=all timeout 150 make memcheck \
-        MEMCHECK_K="packed_p_matches and (b1-q257 or b1-q1-)" \
-        MEMCHECK_FILES=tests/test_fwd_hopper.py 2>&1 | tail -2 \
-        | tee "$OUT/fwd-packed-memcheck.txt"
-    fi
-    [ "${PACKED_TIMES:-1}" = 0 ] && exit 0
-    AB_SECS=120 ab fwd-packed "FLASHTILE_HOPPER_FWD_P_PACKED=0 FLASHTILE_HOPPER_FWD_P_PACKED=1" \
-      --providers flashtile sdpa-cudnn --modes fwd --headdim 64 128 --seqlens 1k 4k 16k \
-      --causal both
-    # d64's three consumers on the persistent grid (auto's tile from 1k full, 2k causal):
-    # "all" packs there too, with its spill (2 local stores a block in one walk).
-    AB_SECS=90 ab fwd-packed-all "FLASHTILE_HOPPER_FWD_P_PACKED=0 FLASHTILE_HOPPER_FWD_P_PACKED=all" \
-      --providers flashtile sdpa-cudnn --modes fwd --headdim 64 --seqlens 2k 8k --causal both
-    ;;
-  fp8-swap)
-    # FLASHTILE_HOPPER_FWD_FP8_P=swap (session 34, NOTES.md section 44): FP8 P leaves
-    # for its shared buffer in 8-byte stores (V's copy in the same key order), a walk
-    # block 3-6% fewer instructions (d128 482 against 507). Its GPU tests (the FP8
-    # float64 grid, 256-key blocks, the persistent grid) and their memcheck slice, then
-    # smem against swap. Prediction: FP8 d128 forward +1-4%. (SWAP_TESTS=0: not)
-    option_tests fp8-swap "swap" tests/test_fwd_hopper.py "fp8 and swap" "${SWAP_TESTS:-1}"
-    AB_SECS=120 ab fp8-swap "FLASHTILE_HOPPER_FWD_FP8_P=smem FLASHTILE_HOPPER_FWD_FP8_P=swap" \
-      --providers flashtile-hopper-fp8 sdpa-cudnn --modes fwd --headdim 128 \
-      --seqlens 4k 8k 16k --causal both
-    # V's copy alone, each order (the timed rows include it): torch's copy and fill in
-    # the keys' order, fwd._keys_swapped_kernel's one pass in the swap order; 2 x 8k keys
-    # x 16 heads of 128, FP8 (33.5 MB each way), us, median.
-    timeout 60 python3 - <<'PY' 2>&1 | grep -v -i warn | tee -a "$OUT/fp8-swap.txt"
-import torch, triton.testing
-from flashtile.ops.fwd import FP8_V_PAD, keys_contiguous
-v = torch.randn(2, 8192, 16, 128, device="cuda").to(torch.float8_e4m3fn)
-for swap in (False, True, False, True):
-    us = 1e3 * triton.testing.do_bench(lambda: keys_contiguous(v, FP8_V_PAD, swap), rep=200)
-    print(f"V copy swap32={swap}: {us:.1f} us")
-PY
-    ;;
   bwd-lsepre)
-    # lse_pre (session 34, NOTES.md section 44): the preprocess writes lse in base 2 and
-    # delta padded to whole query blocks (+inf, 0), FA3's LSE_log2, so the walks convert
-    # and mask neither: sm_90 d64 530 -> 433 instructions a block (causal 564 -> 472),
-    # d128 causal with skip_masked 850 -> 723. Prediction: forward + backward +2-6% at
-    # d64, +1-4% at d128; transformers' step -0.1 to -0.4 ms. (LSEPRE_TESTS=0: not)
-    option_tests bwd-lsepre "lse_pre" tests/test_bwd_hopper.py \
-      "options_small and lse_pre" "${LSEPRE_TESTS:-1}"
-    base=FLASHTILE_HOPPER_BWD_OPTS=lse_smem,dq_tma,ds_ring
-    AB_SECS=110 ab bwd-lsepre "$base $base,lse_pre" --providers flashtile sdpa-cudnn \
-      --modes fwd_bwd --headdim 64 --causal both --seqlens 1k 4k 16k
-    AB_SECS=110 ab bwd-lsepre128 "$base,skip_masked $base,skip_masked,lse_pre" --providers \
-      flashtile sdpa-cudnn --modes fwd_bwd --headdim 128 --causal both --seqlens 1k 4k 16k
-    train_steps bwd-lsepre "$base $base,lse_pre $base $base,lse_pre"
+    # lse_pre (session 34, NOTES.md sections 44-45): timed in session 35 at +1.2-2.8%
+    # forward + backward at d64, +1-2.4% d128 causal, level d128 full and transformers'
+    # step; its option tests passed. Before it becomes the default: the backward's GPU
+    # test files with it on (d64's default options plus lse_pre, then d128's), and a
+    # memcheck slice. Prediction: all pass, 0 errors.
+    for opts in lse_smem,dq_tma,ds_ring,lse_pre lse_smem,dq_tma,ds_ring,skip_masked,lse_pre; do
+      FLASHTILE_HOPPER_BWD_OPTS=$opts timeout 240 python3 -m pytest -q -p no:cacheprovider \
+        $XDIST --gpu tests/test_bwd_hopper.py tests/test_bwd_paths.py 2>&1 | tail -2 \
+        | sed "s|^|$opts |" | tee -a "$OUT/bwd-lsepre-tests.txt"
+    done
+    FLASHTILE_HOPPER_BWD_OPTS=lse_smem,dq_tma,ds_ring,lse_pre timeout 150 make memcheck \
+      MEMCHECK_K="hopper_bwd" MEMCHECK_FILES=tests/test_bwd_hopper.py 2>&1 | tail -2 \
+      | tee "$OUT/bwd-lsepre-memcheck.txt"
     ;;
   bwd-peel)
     # skip_peel (session 33): skip_masked's skips (which lost 3% at d64 1k: the branch

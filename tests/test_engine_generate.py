@@ -801,13 +801,10 @@ def test_seeded_sampling_is_batch_invariant(checkpoint):
 
 class _EagerGraph:
     """Stands in for a captured CUDA graph on CPU: replay runs what a capture records,
-    the model over the static inputs (in two halves where FLASHTILE_ENGINE_DECODE_OVERLAP
-    splits the batch, one after the other here)."""
+    the model over the static inputs."""
 
     def __init__(self, runner, bs):
-        from flashtile.engine.cuda_graphs import decode_overlap
-
-        self.replay = runner._decode_body(bs, decode_overlap())
+        self.replay = runner._decode_body(bs)
 
 
 def _fake_graphs(llm, sizes):
@@ -855,59 +852,6 @@ def test_decode_graph_inputs_layout(checkpoint, monkeypatch):
         assert w.token_ids == g.token_ids
         torch.testing.assert_close(w.logprobs, g.logprobs, atol=1e-5, rtol=0)
     _assert_pool_empty(llm)
-
-
-@pytest.mark.parametrize("overlap", ["2", "4,offset"])
-def test_decode_overlap_halves_equal_eager(checkpoint, monkeypatch, overlap):
-    """FLASHTILE_ENGINE_DECODE_OVERLAP: decode graphs of N or more sequences run the model
-    over the two halves of their batch (padding rows among them), each half's metadata
-    views of the static inputs: the eager engine's tokens and logprobs, and the halves
-    are what ran."""
-    from flashtile.engine import cuda_graphs
-
-    path, _ = checkpoint
-    prompts = _prompts([3, 2, 3, 25, 9], seed=7)
-    params = [SamplingParams(temperature=0, max_tokens=n, logprobs=0, ignore_eos=True)
-              for n in (14, 12, 9, 6, 11)]
-    want = [o.outputs[0] for o in _llm(path).generate(prompts, params, use_tqdm=False)]
-    monkeypatch.setenv("FLASHTILE_ENGINE_DECODE_OVERLAP", overlap)
-    llm = _llm(path, max_num_seqs=8, max_num_batched_tokens=4)
-    halves, split = [], cuda_graphs.split_decode_args
-
-    def spy(args, rows):
-        halves.append((len(args[0]), rows))
-        return split(args, rows)
-
-    monkeypatch.setattr(cuda_graphs, "split_decode_args", spy)
-    _fake_graphs(llm, [1, 2, 4, 8])
-    smallest = int(overlap.split(",")[0])
-    assert halves == [(bs, bs // 2) for bs in (2, 4, 8) if bs >= smallest]
-    got = _staggered(llm, prompts, params, {0: [0, 1, 2], 4: [3], 6: [4]})
-    for w, g in zip(want, got):
-        assert w.token_ids == g.token_ids
-        torch.testing.assert_close(w.logprobs, g.logprobs, atol=1e-5, rtol=0)
-    _assert_pool_empty(llm)
-
-
-def test_decode_overlap_knob(monkeypatch):
-    """FLASHTILE_ENGINE_DECODE_OVERLAP: unset, "" or "0" off; "N" or "N,offset" with
-    N >= 2; anything else a ValueError naming the variable, the forms and the value."""
-    from flashtile.engine.cuda_graphs import decode_overlap
-
-    for off in (None, "", " 0 "):
-        if off is None:
-            monkeypatch.delenv("FLASHTILE_ENGINE_DECODE_OVERLAP", raising=False)
-        else:
-            monkeypatch.setenv("FLASHTILE_ENGINE_DECODE_OVERLAP", off)
-        assert decode_overlap() is None
-    for raw, want in (("64", (64, False)), ("2,offset", (2, True)), (" 8 , offset", (8, True))):
-        monkeypatch.setenv("FLASHTILE_ENGINE_DECODE_OVERLAP", raw)
-        assert decode_overlap() == want
-    for bad in ("1", "-4", "x", "64,late", "64,offset,2"):
-        monkeypatch.setenv("FLASHTILE_ENGINE_DECODE_OVERLAP", bad)
-        with pytest.raises(ValueError, match=r"FLASHTILE_ENGINE_DECODE_OVERLAP: expected "
-                           r"'0', 'N' or 'N,offset' with N >= 2 .*, got " + repr(bad)):
-            decode_overlap()
 
 
 def _staggered(llm, prompts, params, arrivals):

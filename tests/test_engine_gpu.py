@@ -66,17 +66,6 @@ def test_cuda_graph_decode_equals_eager(checkpoint, monkeypatch, backend):
                         attention_backend=backend)
 
 
-@pytest.mark.parametrize("overlap", ["2", "4,offset"])
-def test_decode_overlap_graphs_equal_eager(checkpoint, monkeypatch, overlap):
-    """FLASHTILE_ENGINE_DECODE_OVERLAP: graphs whose batch's two halves run on two streams
-    (a branch each; with offset the second waits for the first's layer-0 attention)
-    replay the eager engine's tokens and logprobs."""
-    llm = _graphs_equal_eager(checkpoint[0], monkeypatch, [3, 40, 77, 5, 64],
-                              (24, 12, 6, 18, 9), {8, 4, 2},
-                              env={"FLASHTILE_ENGINE_DECODE_OVERLAP": overlap})
-    assert llm.runner._side_stream is not None
-
-
 def test_torch_backend_decodes_eagerly(checkpoint, monkeypatch):
     """FLASHTILE_BACKEND=torch reads sequence lengths on the host, which a CUDA graph
     capture forbids: the engine then decodes eagerly, with the graphed engine's tokens."""

@@ -83,7 +83,6 @@ class ModelRunner(StepInputsMixin, CudaGraphsMixin):
         self._greedy_seqs = self._greedy_tensors = None  # see run
         self._graph_views = None, None, None  # see upload
         self.graphs, self.static, self._staging, self._graph_list = {}, {}, {}, []
-        self._side_stream = None  # FLASHTILE_ENGINE_DECODE_OVERLAP's (cuda_graphs.py)
         self._last_tokens = None
         # flashtile's PyTorch path (FLASHTILE_BACKEND=torch) reads each sequence's length
         # on the host, which a graph capture forbids: that path decodes eagerly.
