@@ -616,8 +616,8 @@ def hopper_bwd_config(head_dim: int) -> TileConfig:
 HOPPER_BWD_OPTS = ("lse_ahead", "dq_tma", "lse_smem", "ds_ring", "lpt", "skip_masked",
                    "skip_peel", "lse_pre")
 # lse_ahead is the default since session 15: forward + backward +6-10% at head_dim 64,
-# +1-4% at 128 on the H200 (docs/benchmarks/NOTES.md section 25); dq_tma since session
-# 17: +6-10% at 128, +1-3% at 64, transformers' d64 training step 98 -> 89 ms (section 27);
+# +1-4% at 128 on the H200 (docs/benchmarks/NOTES.md section 25); dq_tma since session 17:
+# +6-10% at 128, +1-3% at 64, transformers' d64 training step 98 -> 89 ms (section 27);
 # lse_smem (lse and delta with Q and dO, by TMA) since session 21: +3-5% at 64, +2.5-4% at
 # 128 over lse_ahead (section 30). Where lse_smem cannot run (kernel_flags: seqlen_q not a
 # multiple of 4, or shorter than a block) lse_ahead runs in its place. ds_ring (dS^T in
@@ -627,9 +627,10 @@ HOPPER_BWD_OPTS = ("lse_ahead", "dq_tma", "lse_smem", "ds_ring", "lpt", "skip_ma
 # head_dim 128 alone (HOPPER_BWD_DEFAULT_BY_DIM): causal forward + backward +0.5-4% at
 # 1k-16k there, two alternating rounds each, to 0.93-1.02x cuDNN; at 64 it lost 3% at 1k
 # and was level at 4k (NOTES.md section 43). skip_peel (session 33, untimed): the same
-# skips outside the walk's loop, for head_dim 64. lse_pre (session 34, untimed; with
-# lse_smem): the preprocess writes lse in base 2 and delta padded to whole query blocks
-# (+inf and 0 in the padding), so the walks convert and mask neither (FA3's LSE_log2).
+# skips outside the walk's loop, for head_dim 64. lse_pre (session 34; with lse_smem;
+# +1.2-2.8% at d64, +1-2.4% d128 causal in session 35, NOTES.md section 45): the
+# preprocess writes lse in base 2 and delta padded to whole query blocks (+inf and 0 in
+# the padding), so the walks convert and mask neither (FA3's LSE_log2).
 HOPPER_BWD_DEFAULT_OPTS = frozenset({"lse_smem", "dq_tma", "ds_ring"})
 HOPPER_BWD_DEFAULT_BY_DIM = {128: HOPPER_BWD_DEFAULT_OPTS | {"skip_masked"}}
 # bwd_hopper256 (head_dim 256) takes dq_tma and lpt alone; there dq_tma (session 18, its fp32
