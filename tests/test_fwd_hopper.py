@@ -960,7 +960,7 @@ def test_fp8_p_switch_rejects_other_values(monkeypatch):
 @pytest.mark.parametrize("seqlen_k,head_dim", [(1, 16), (31, 16), (32, 16), (33, 16),
                                                (100, 16), (128, 16), (129, 48), (300, 16)])
 def test_fp8_v_copy_in_swap_order(seqlen_k, head_dim, form, monkeypatch):
-    """fwd.keys_contiguous's swap32 (CPU; kernel: fwd._keys_swapped_kernel, in the
+    """fwd.keys_contiguous's swap32 (CPU; kernel: fwd._keys_contiguous_kernel, in the
     interpreter; torch: its PyTorch form): within each 32 keys, key 8j + 2q + r sits at
     8q + 2j + r, the copy reaches the next multiple of 32 with zeros in the places of
     keys a partial last 32 lacks and in the padding; P with its columns in the kernel's
@@ -995,5 +995,9 @@ def test_fp8_v_copy_in_swap_order(seqlen_k, head_dim, form, monkeypatch):
     torch.testing.assert_close(torch.einsum("mn,bnhd->bmhd", p_stored, swapped.double()),
                                torch.einsum("mn,bnhd->bmhd", p, v64), rtol=1e-12, atol=1e-12)
     in_order = keys_contiguous(v, FP8_V_PAD)  # the other ways P goes: v's own order
-    assert in_order.shape == v.shape
+    assert in_order.shape == v.shape and in_order.stride(1) == 1
     assert torch.equal(in_order.view(torch.uint8), v.view(torch.uint8))
+    padded = in_order.permute(0, 2, 3, 1).view(torch.uint8)
+    rows = torch.as_strided(padded, rows.shape, padded.stride())
+    assert torch.equal(rows[..., :seqlen_k], v.view(torch.uint8).permute(0, 2, 3, 1))
+    assert not rows[..., seqlen_k:].any()

@@ -158,14 +158,16 @@ def test_preprocess_and_dq_conversion_compile():
         assert resources(ck)["stack_bytes"] == 0
 
 
+@pytest.mark.parametrize("swap", [False, True], ids=["in-order", "swap"])
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
-def test_fp8_v_swap_copy_compiles_vectorised(head_dim):
-    """fwd._keys_swapped_kernel (FP8 V's copy in P's swap order) for sm_90: no spills, and
-    16-byte global loads and stores alone (the key permutation stays in registers and
-    shared memory)."""
-    from flashtile.ops.fwd import SWAP_BLOCK_K, _keys_swapped_kernel
+def test_fp8_v_copy_compiles_vectorised(head_dim, swap):
+    """fwd._keys_contiguous_kernel (FP8 V's keys-contiguous copy, in v's order or P's
+    swap order) for sm_90: no spills, and 16-byte global loads and stores alone (the
+    transpose and the key permutation stay in registers and shared memory)."""
+    from flashtile.ops.fwd import COPY_BLOCK_K, _keys_contiguous_kernel
 
-    ck = compile_kernel(_keys_swapped_kernel, dict(BLOCK_D=head_dim, BLOCK_K=SWAP_BLOCK_K),
+    ck = compile_kernel(_keys_contiguous_kernel,
+                        dict(SWAP=swap, BLOCK_D=head_dim, BLOCK_K=COPY_BLOCK_K),
                         num_warps=4 if head_dim <= 128 else 8,
                         types=dict(V="*u8", VT="*u8"))
     assert resources(ck)["stack_bytes"] == 0

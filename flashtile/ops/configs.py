@@ -385,7 +385,7 @@ def hopper_fwd_fp8_p_smem() -> int:
     the softmax (FA3's in-warpgroup overlap), with each 32 keys of P and of V's copy in
     the order that gives a thread 8 adjacent bytes of P (fwd_hopper._p_stored): one
     8-byte store where "smem" (1) takes four of 2 bytes, and V's copy in one Triton pass
-    (fwd._keys_swapped_kernel: 23 us for 33.5 MB on the H200, where "smem"'s torch
+    (fwd._keys_contiguous_kernel: 23 us for 33.5 MB on the H200, where "smem"'s torch
     copies take 181). d128 on the H200 (session 35, NOTES.md section 45): swap 778-831
     TFLOP/s full, 657-809 causal (4k-16k) against smem's 658-797 and 486-744; the copy is
     most of the difference. "regs" (0, as 16-bit P): wgmma's A operand from registers,

@@ -407,22 +407,27 @@ def keys_contiguous(v, block_n, swap32=False):
     each 32 keys, key 8j + 2q + r (j, q < 4, r < 2) is stored at 8q + 2j + r, the order
     P's columns take there. The view then holds keys in that order, up to the next
     multiple of 32 (a partial last 32's keys are spread over all of it; its other places
-    hold zeros)."""
+    hold zeros).
+
+    On the GPU (and in the interpreter) either order is one Triton pass,
+    ``_keys_contiguous_kernel``: 23 us for 2 x 8k keys x 16 heads of 128 on the H200,
+    where torch's strided copy and fill took 181 (a byte transpose, 370 GB/s; NOTES.md
+    section 45)."""
     batch, seqlen, nheads, head_dim = v.shape
     padded = configs.cdiv(seqlen, block_n) * block_n
     vt = torch.empty((batch, nheads, head_dim, padded), dtype=v.dtype, device=v.device)
     raw = vt.view(torch.uint8)
     assert not swap32 or block_n % 32 == 0, block_n
     keys = configs.cdiv(seqlen, 32) * 32 if swap32 else seqlen  # the view's
-    if swap32 and (v.is_cuda or interpreting()) and v.stride(3) == 1 \
-            and padded % SWAP_BLOCK_K == 0:  # one pass: _keys_swapped_kernel
-        grid = (padded // SWAP_BLOCK_K, batch * nheads)
-        _keys_swapped_kernel[grid](
+    if (v.is_cuda or interpreting()) and v.stride(3) == 1 \
+            and padded % COPY_BLOCK_K == 0:  # one pass: _keys_contiguous_kernel
+        grid = (padded // COPY_BLOCK_K, batch * nheads)
+        _keys_contiguous_kernel[grid](
             v.view(torch.uint8), raw, seqlen, nheads, head_dim, *v.stride()[:3], padded,
-            BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_K=SWAP_BLOCK_K,
+            SWAP=swap32, BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_K=COPY_BLOCK_K,
             num_warps=4 if head_dim <= 128 else 8)
         return vt.permute(0, 3, 1, 2)[:, :keys]
-    # (Below, the PyTorch form of each order: swap32's is the kernel's reference.)
+    # (Below, the PyTorch form of each order: the kernel's reference.)
     src = v.view(torch.uint8).permute(0, 2, 3, 1)
     if not swap32:
         raw[..., :seqlen].copy_(src)
@@ -442,18 +447,20 @@ def keys_contiguous(v, block_n, swap32=False):
     return vt.permute(0, 3, 1, 2)[:, :keys]
 
 
-# Keys a program of _keys_swapped_kernel (a multiple of 32: whole groups of the order).
-SWAP_BLOCK_K = 64
+# Keys a program of _keys_contiguous_kernel (a multiple of 32: whole groups of the swap
+# order).
+COPY_BLOCK_K = 64
 
 
 @triton.jit
-def _keys_swapped_kernel(V, VT, seqlen, nheads, head_dim, stride_vb, stride_vs, stride_vh,
-                         stride_td, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr):
-    """keys_contiguous's swap32 copy in one pass (the PyTorch form takes two to four
-    strided copies): a (BLOCK_K keys, head_dim) tile of v's bytes (head dim contiguous),
-    zeros past seqlen, transposed and with each 32 keys in the swap order, into row
-    (batch, head) of the (batch, nheads, head_dim, stride_td) copy, its padded key
-    count stride_td a multiple of BLOCK_K: padding included, every byte written."""
+def _keys_contiguous_kernel(V, VT, seqlen, nheads, head_dim, stride_vb, stride_vs,
+                            stride_vh, stride_td, SWAP: tl.constexpr, BLOCK_D: tl.constexpr,
+                            BLOCK_K: tl.constexpr):
+    """keys_contiguous's copy in one pass (the PyTorch form takes two to four strided
+    copies): a (BLOCK_K keys, head_dim) tile of v's bytes (head dim contiguous), zeros
+    past seqlen, transposed (with SWAP each 32 keys in the swap order) into row (batch,
+    head) of the (batch, nheads, head_dim, stride_td) copy, its padded key count
+    stride_td a multiple of BLOCK_K: padding included, every byte written."""
     off_bh = tl.program_id(1)
     off_b = off_bh // nheads
     off_h = off_bh % nheads
@@ -463,10 +470,12 @@ def _keys_swapped_kernel(V, VT, seqlen, nheads, head_dim, stride_vb, stride_vs, 
     x = tl.load(V + off_b.to(tl.int64) * stride_vb + off_h * stride_vh
                 + offs_k[:, None].to(tl.int64) * stride_vs + offs_d[None, :],
                 mask=(offs_k[:, None] < seqlen) & in_d[None, :], other=0)
-    # (key, d) -> (d, 32-key group, j, q, r) -> (d, group, q, j, r): key 8j + 2q + r of
-    # each 32 lands at 8q + 2j + r, and the store is contiguous along the keys.
-    x = tl.reshape(tl.trans(x), (BLOCK_D, BLOCK_K // 32, 4, 4, 2))
-    x = tl.reshape(tl.permute(x, (0, 1, 3, 2, 4)), (BLOCK_D, BLOCK_K))
+    x = tl.trans(x)
+    if SWAP:
+        # (d, key) -> (d, 32-key group, j, q, r) -> (d, group, q, j, r): key 8j + 2q + r
+        # of each 32 lands at 8q + 2j + r, and the store is contiguous along the keys.
+        x = tl.reshape(x, (BLOCK_D, BLOCK_K // 32, 4, 4, 2))
+        x = tl.reshape(tl.permute(x, (0, 1, 3, 2, 4)), (BLOCK_D, BLOCK_K))
     tl.store(VT + off_bh.to(tl.int64) * head_dim * stride_td + offs_d[:, None] * stride_td
              + offs_k[None, :], x, mask=in_d[:, None])
 

@@ -112,7 +112,7 @@ same kernel, with the numerics of the portable FP8 forward (flashtile.ops.fwd, d
   and of V's copy, in an order where a thread's eight FP8 values of P are adjacent, so
   P leaves in 8-byte stores (a quarter of the store instructions, half the
   shared-memory wavefronts; a walk block 3-6% fewer instructions in the sm_90 SASS,
-  d128 482 against 507), and V's copy is one Triton pass (fwd._keys_swapped_kernel).
+  d128 482 against 507), and V's copy is one Triton pass (fwd._keys_contiguous_kernel).
   On the H200 the kernel ran level with P_SMEM 1 and the copy made the difference:
   +4-18% full, +9-35% causal at d128 4k-16k (NOTES.md section 45).
 Timed on the H200 in session 12 at head_dim 128, 16k tokens a batch
