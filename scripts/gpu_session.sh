@@ -68,8 +68,9 @@
 #   mla          the absorbed MLA decode (576/512): GPU tests (the Gluon kernel's too),
 #                against the copy ceiling, the Gluon kernel and tiles by heads (64/128)
 #                A/B                                               (~8 min, at most 10)
-#   fp8          the Gluon FP8 forward's GPU tests, then FP8 (portable, Gluon, Gluon
-#                with P in shared memory) beside bf16 and cuDNN at d128   (~9 min)
+#   fp8          the FP8 GPU tests and memcheck slice, then the portable and Gluon FP8
+#                forwards at d64/128/256, 1k-16k beside bf16 cuDNN: auto's FP8 cells
+#                                                                          (~9 min)
 #   bwd-ab       the Gluon backward's GPU tests, then the split, fused and Gluon
 #                backwards beside cuDNN (d64/d128, 1k-16k)                  (~9 min)
 #   fwd-3wg      the Gluon forward with three consumer warpgroups (BLOCK_M 192; d64 with
@@ -439,24 +440,26 @@ r(heads=($heads,))" 2>&1 | grep "^{" | sed "s/^/$heads heads, $tile: /" ) \
     done
     ;;
   fp8)
-    # Issue 17: the FP8 forward beside bf16 and cuDNN (docs/fp8.md). The Gluon FP8
-    # forward's GPU tests first (tests/test_fwd_hopper.py).
-    # SKIP_TESTS=1: the tests already ran in this session (check/verify run them all).
-    [ -n "${SKIP_TESTS:-}" ] || timeout 180 python3 -m pytest -q -p no:cacheprovider --gpu \
-      $XDIST tests/test_fwd_hopper.py -k "fp8 or float8" 2>&1 | tail -4 \
-      | tee "$OUT/hopper-fp8-tests.txt"
-    # FLASHTILE_HOPPER_FWD=0: flashtile and flashtile-fp8 are the portable kernels;
-    # flashtile-hopper(-fp8) call the Gluon launcher (each validated before timing).
-    FLASHTILE_HOPPER_FWD=0 timeout 270 python3 -m flashtile bench --providers flashtile \
-      flashtile-hopper flashtile-fp8 flashtile-hopper-fp8 sdpa-cudnn \
-      --modes fwd --headdim 128 --seqlens 4k 16k --no-progress --out fp8 --overwrite \
-      2>&1 | grep "^|" | tail -10
-    # The Gluon FP8 forward with P through shared memory (its SASS keeps the softmax
-    # under the previous P V), the same cells.
-    FLASHTILE_HOPPER_FWD=0 FLASHTILE_HOPPER_FWD_FP8_P=smem timeout 120 python3 -m flashtile \
-      bench --providers flashtile-hopper-fp8 --modes fwd --headdim 128 --seqlens 4k 16k \
-      --no-progress --out fp8-psmem --overwrite 2>&1 | grep "^|" | tail -6
-    tar czf "$OUT/fp8.tgz" fp8 fp8-psmem
+    # Issue 17: FLASHTILE_HOPPER_FWD=auto's FP8 cells. Session 35 made V's keys-contiguous
+    # copy one Triton pass in both orders (181 -> 23 us for 33.5 MB) and the swap order
+    # the Gluon default; auto still sends FP8 to the Gluon kernel at d128 from 4k queries
+    # alone (session 12's rule, custom_ops._hopper_fwd_wins). The FP8 GPU tests (the
+    # portable kernel's copy in v's order has run in the interpreter only) and their
+    # memcheck slice, then the portable (flashtile-fp8) and Gluon (flashtile-hopper-fp8)
+    # FP8 forwards at d64/128/256, 1k-16k, both masks, beside bf16 cuDNN. Prediction:
+    # tests pass, 0 errors; Gluon ahead at d128 from 1k (1.1-1.3x), at d64/d256 from
+    # 2k-4k. SKIP_TESTS=1: not the tests.
+    if [ -z "${SKIP_TESTS:-}" ]; then
+      timeout 200 python3 -m pytest -q -p no:cacheprovider --gpu $XDIST tests/test_fp8.py \
+        tests/test_fwd_hopper.py -k "fp8 or float8 or copy" 2>&1 | tail -2 \
+        | tee "$OUT/fp8-tests.txt"
+      timeout 150 make memcheck MEMCHECK_K="fp8" MEMCHECK_FILES="tests/test_fp8.py \
+        tests/test_fwd_hopper.py" 2>&1 | tail -2 | tee "$OUT/fp8-memcheck.txt"
+    fi
+    FLASHTILE_HOPPER_FWD=0 timeout 300 python3 -m flashtile bench --providers \
+      flashtile-fp8 flashtile-hopper-fp8 sdpa-cudnn --modes fwd --headdim 64 128 256 \
+      --seqlens 1k 2k 4k 16k --causal both --no-progress --out fp8 --overwrite 2>&1 \
+      | grep "^|" | tee "$OUT/fp8.txt" | tail -30
     ;;
   short-gluon)
     # Below 1k tokens auto keeps the portable kernels: the Gluon forward and backward
