@@ -120,21 +120,21 @@ session 28) for the GPU A/B, all compile-checked on the CPU:
   about 0.7x that); if within +-1%, the hand-off is not on the chain. Measured (session
   28, forward + backward): d64 full +2-3%, causal +0-1%, d128 level; in the default
   since.
-- lpt (LPT; session 29, compiled, not yet run on a GPU): the grid (heads, key blocks)
-  instead of (key blocks, heads), for causal attention. The hardware hands programs out
-  in grid order; a causal walk is longest at a head's first key block (it sees every
-  query block) and shortest at its last, so by default the last head's longest walks
-  start in the last wave and the others wait for them (greedy list scheduling: up to
-  the longest program past the average; transformers' Llama-3.2-1B step at 4k, 1,024
-  programs of 2-64 query blocks on 132 SMs: up to ~64 of an SM's ~256 blocks). With
-  lpt every head's first key block goes first, longest first overall (Graham's LPT
-  order), and the last wave holds the shortest walks. The price is L2: the first wave
-  reads every head's Q and dO at once, where the default order's waves share one
-  head's; ``backward`` takes lpt only where all of them fit LPT_QDO_BYTES (the
+- lpt (LPT; session 29, opt-in; GPU tests pass, one noisy timing): the grid (heads, key
+  blocks) instead of (key blocks, heads), for causal attention. The hardware hands
+  programs out in grid order; a causal walk is longest at a head's first key block (it
+  sees every query block) and shortest at its last, so by default the last head's
+  longest walks start in the last wave and the others wait for them (greedy list
+  scheduling: up to the longest program past the average; transformers' Llama-3.2-1B
+  step at 4k, 1,024 programs of 2-64 query blocks on 132 SMs: up to ~64 of an SM's ~256
+  blocks). With lpt every head's first key block goes first, longest first overall
+  (Graham's LPT order), and the last wave holds the shortest walks. The price is L2: the
+  first wave reads every head's Q and dO at once, where the default order's waves share
+  one head's; ``backward`` takes lpt only where all of them fit LPT_QDO_BYTES (the
   training step's 32 heads x 4k x 64 x 2 x 2 bytes = 32 MiB do) and the key blocks fit
-  the grid's y (65535: ``lpt_fits``). Prediction: causal
-  backward +2-8% at 1k-4k, level at 16k (dropped there by the L2 rule). Session 30
-  (section 40): one noisy round at 4k, below the default's warm run; not shown to win.
+  the grid's y (65535: ``lpt_fits``). Prediction: causal backward +2-8% at 1k-4k, level
+  at 16k (dropped there by the L2 rule). Session 30 (section 40): one noisy round at 4k,
+  below the default's warm run; not shown to win.
 - skip_masked (SKIP_MASKED; session 32; the default at head_dim 128 since session 33): a causal
   program's walk starts at the query block holding row key0 - diag_offset for both
   consumers, and no row of that block sees a key of the second consumer (keys key0 + 64
@@ -147,16 +147,16 @@ session 28) for the GPU A/B, all compile-checked on the CPU:
   head_dim 128 +0.5-4% at 1k-16k; head_dim 64 -3% at 1k, level at 4k (its walk loops,
   holding both arms, cost more than the skipped block saves), so the default at 128
   alone (configs.HOPPER_BWD_DEFAULT_BY_DIM).
-- skip_peel (SKIP_MASKED 2; session 33, compiled, not yet run on a GPU): skip_masked's
-  skips with the dead blocks out of the loop that computes. With one query head a
-  program (no GQA, or GQA split to one head a program, as transformers' Llama-3.2-1B
-  step is) they are the walk's first n_dead blocks (1, or all of them past seqlen_k),
-  walked by a loop of their own first; with more heads a program the walk keeps
-  skip_masked's branch. sm_90 SASS at head_dim 64: the computing walk loops run 563
-  and 560 instructions a block against the default's 564 and 552 (skip_masked's 604
-  and 633). At 128 the three walk forms keep 240 bytes of local memory (8 stores in
-  the walks), so it is for 64. Prediction: d64 causal forward + backward +1-3% at 1k,
-  level to +1% at 4k.
+- skip_peel (SKIP_MASKED 2; session 33; GPU tests passed in session 35, untimed):
+  skip_masked's skips with the dead blocks out of the loop that computes. With one query
+  head a program (no GQA, or GQA split to one head a program, as transformers'
+  Llama-3.2-1B step is) they are the walk's first n_dead blocks (1, or all of them past
+  seqlen_k), walked by a loop of their own first; with more heads a program the walk
+  keeps skip_masked's branch. sm_90 SASS at head_dim 64: the computing walk loops run
+  563 and 560 instructions a block against the default's 564 and 552 (skip_masked's 604
+  and 633). At 128 the three walk forms keep 240 bytes of local memory (8 stores in the
+  walks), so it is for 64. Prediction: d64 causal forward + backward +1-3% at 1k, level
+  to +1% at 4k.
 - lse_pre (LSE_SMEM 2, with lse_smem; session 34; H200 session 35: forward + backward
   +1.2-2.8% at d64, +1-2.4% d128 causal, level d128 full; opt-in until the backward's
   whole GPU test files run with it on): FA3's LSE_log2. The preprocess writes lse in
