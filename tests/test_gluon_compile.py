@@ -23,11 +23,12 @@ pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1",
 
 
 def _compile(head_dim, causal, dtype=torch.bfloat16, descales=True, p_smem=False,
-             persistent=False, q_bufs=None, tree_max="auto", packed="1"):
+             persistent=False, q_bufs=None, tree_max="auto", packed="1", exp2_emu=0):
     """The kernel a launch of ``fwd_hopper.forward`` compiles for these inputs (FP8: out
     in bfloat16, descales given or not, V through its keys-contiguous copy; q_bufs: the
     Q sets asked for, None for the launcher's default; tree_max and packed:
-    FLASHTILE_HOPPER_FWD_TREE_MAX's and FLASHTILE_HOPPER_FWD_P_PACKED's values)."""
+    FLASHTILE_HOPPER_FWD_TREE_MAX's and FLASHTILE_HOPPER_FWD_P_PACKED's values; exp2_emu:
+    the kernel's EXP2_EMU)."""
     from triton.runtime.jit import mangle_type
 
     from flashtile.ops import fwd_hopper
@@ -51,7 +52,8 @@ def _compile(head_dim, causal, dtype=torch.bfloat16, descales=True, p_smem=False
                  P_SMEM=p_smem, PERSISTENT=persistent, NUM_WG=cfg.block_m // rows,
                  Q_BUFS=fwd_hopper._q_buffers(q_bufs, head_dim, cfg),
                  TREE_MAX=configs.hopper_fwd_tree_max(tree_max, cfg.block_m // rows, fp8),
-                 P_PACKED=configs.hopper_fwd_p_packed(packed, fp8))
+                 P_PACKED=configs.hopper_fwd_p_packed(packed, fp8),
+                 EXP2_EMU=exp2_emu)
     return compile_kernel(fwd_hopper._attn_fwd_hopper_kernel, flags,
                           num_warps=cfg.num_warps, types=types)
 
@@ -155,6 +157,37 @@ def test_packed_p_leaves_no_prmt_in_the_walks(head_dim, config, causal, persiste
         unpacked = _computing_walks(_sass(_compile(64, False, packed="0")))
         assert min(sum(op.startswith("PRMT") for op in body) for body in unpacked) == 32
         assert all(len(a) >= len(b) + 20 for a, b in zip(unpacked, walks))
+
+
+@pytest.mark.parametrize("head_dim,causal,dtype,config,persistent,emu", [
+    (64, False, torch.bfloat16, None, False, 2), (64, False, torch.bfloat16, None, False, 4),
+    (64, True, torch.bfloat16, None, True, 8), (128, True, torch.float16, None, False, 4),
+    (128, False, torch.float8_e4m3fn, None, False, 4),
+    (64, False, torch.bfloat16, "192,128,4,3", True, 4)],
+    ids=["d64-2", "d64-4", "d64-causal-persistent-8", "d128-causal-fp16-4", "d128-fp8-4",
+         "d64-three-persistent-4"])
+def test_exp2_emu_moves_a_share_to_the_fma_pipe(head_dim, causal, dtype, config, persistent,
+                                                emu, monkeypatch):
+    """EXP2_EMU (FLASHTILE_HOPPER_FWD_EXP2_EMU): in every walk one in ``emu`` of P's
+    BLOCK_N / 2 exp2 a thread leaves MUFU for the cubic (one FMNMX.NAN each, the clamp
+    that keeps NaN), the two rows' alpha stay on MUFU; no more local memory than the
+    default's (none in the walks but three consumers' packed words)."""
+    if config:
+        monkeypatch.setenv("FLASHTILE_HOPPER_FWD_CONFIG", config)
+    fp8 = dtype.itemsize == 1
+    block_n = configs.hopper_fwd_config(head_dim, fp8=fp8).block_n
+    ck = _compile(head_dim, causal, dtype, p_smem=2 if fp8 else 0, persistent=persistent,
+                  exp2_emu=emu)
+    walks = _computing_walks(_sass(ck))
+    per_thread = block_n // 2  # 64 rows x BLOCK_N over 128 threads
+    assert walks
+    for body in walks:
+        emulated = per_thread // emu
+        assert sum(op.startswith("MUFU.EX2") for op in body) == 2 + per_thread - emulated
+        assert sum(op.startswith("FMNMX.NAN") for op in body) == emulated
+    spills = bool(config and persistent)
+    assert resources(ck)["stack_bytes"] <= (24 if spills else 0)
+    _assert_walk_local_memory(walks, spills)
 
 
 @pytest.mark.parametrize("config", [None, "192,128,4,3"], ids=["two", "three"])
@@ -326,12 +359,13 @@ THREE_CONSUMERS = {64: 128, 128: 64}
 def test_hopper_forward_three_consumers_compile_for_sm90(head_dim, causal, persistent,
                                                         stages, monkeypatch):
     """BLOCK_M 192 (FLASHTILE_HOPPER_FWD_CONFIG=192,BLOCK_N,4,STAGES): three consumer
-    warpgroups of 64 rows taking turns in a cycle. 16 warps (the producer warp padded
-    to a warpgroup); register reallocation 24 / 160 (three consumers' 160 and the
+    warpgroups of 64 rows taking turns in a cycle. 16 warps (the producer warp padded to
+    a warpgroup); register reallocation 24 / 160 (three consumers' 160 and the
     producer's 24 a thread fit 64K registers), with no spills under that cap (but packed
-    P's few words on d64's persistent grid): S, O and P a thread (d64: 64 + 32 + 32; d128 at 64 keys: 32 + 64 + 16). Shared memory: Q 3 x
-    d x 128 bytes (twice on d64's persistent grid: two Q sets), the K/V ring, and
-    (persistent) O's 3 x d x 128 bytes."""
+    P's few words on d64's persistent grid): S, O and P a thread (d64: 64 + 32 + 32;
+    d128 at 64 keys: 32 + 64 + 16). Shared memory: Q 3 x d x 128 bytes (twice on d64's
+    persistent grid: two Q sets), the K/V ring, and (persistent) O's 3 x d x 128
+    bytes."""
     block_n = THREE_CONSUMERS[head_dim]
     monkeypatch.setenv("FLASHTILE_HOPPER_FWD_CONFIG", f"192,{block_n},4,{stages}")
     ck = _compile(head_dim, causal, persistent=persistent)

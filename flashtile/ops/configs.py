@@ -539,6 +539,21 @@ def hopper_fwd_p_packed(choice: str, fp8: bool) -> bool:
     return choice == "1" and not fp8
 
 
+# FLASHTILE_HOPPER_FWD_EXP2_EMU (opt-in, session 35, untimed): "2", "4" or "8" computes
+# one in every N of P's exp2 on the FMA pipe (fwd_hopper._exp2: a cubic after a range
+# reduction, 7.5e-5 relative error) and the rest by MUFU, whose 16 results a clock an SM
+# put a consumer's 64-66 exp2 a block at ~528 cycles on its sub-partition, near the
+# other consumer's ~645 of products at d64 (FA4's trick, for Blackwell's slower MUFU);
+# "0" (the default) all by MUFU.
+HOPPER_FWD_EXP2_EMU = ("0", "2", "4", "8")
+
+
+def hopper_fwd_exp2_emu() -> int:
+    """FLASHTILE_HOPPER_FWD_EXP2_EMU as the kernel's EXP2_EMU (0, 2, 4 or 8), read at
+    each call (part of the launch plan's key)."""
+    return int(_env_choice("FLASHTILE_HOPPER_FWD_EXP2_EMU", HOPPER_FWD_EXP2_EMU))
+
+
 def hopper_fwd_config(head_dim: int, fp8: bool = False, seqlen_q: int = 0,
                       seqlen_k: int = 0, causal: bool = True) -> TileConfig:
     """HOPPER_FWD_16BIT[head_dim] (HOPPER_FWD_FP8 for FP8 inputs; HOPPER_FWD_D64_THREE
