@@ -204,18 +204,18 @@ EXP2_OUT_8 = gl.constexpr(",".join(["=f"] * 8 + ["f"] * 8))
 
 
 def exp2_emulated(x: torch.Tensor) -> torch.Tensor:
-    """``_exp2_asm``'s emulated exp2 in PyTorch (float32, the same steps and roundings):
-    the reference its tests hold to float64's exp2."""
-    x = x.float()
-    x = torch.where(x.isnan(), x, x.clamp(min=-127.0))
+    """``_exp2_asm``'s emulated exp2 in PyTorch (float32, the same steps; each fma here
+    rounds twice): the reference its tests hold to float64's exp2."""
+    x = x.float().clamp(min=-127.0)  # (clamp keeps NaN, as max.NaN does)
     t = x + 12582912.0
     f = x - (t - 12582912.0)
     c0, c1, c2, c3 = (torch.tensor(c, dtype=torch.float32) for c in EXP2_POLY)
-    p = torch.addcmul(c2, f, c3)  # (fma rounds once where these round twice: a test
-    p = torch.addcmul(c1, p, f)   # tolerance, not bits, holds the kernel to this)
+    p = torch.addcmul(c2, f, c3)
+    p = torch.addcmul(c1, p, f)
     p = torch.addcmul(c0, p, f)
     bits = (t.view(torch.int32).to(torch.int64) * 8388608 + 1065353216) % 2**32
-    scale = torch.where(bits >= 2**31, bits - 2**32, bits).to(torch.int32).view(torch.float32)
+    bits = torch.where(bits >= 2**31, bits - 2**32, bits)  # as int32
+    scale = bits.to(torch.int32).view(torch.float32)
     out = p * scale
     return torch.where(out.abs() < 2.0 ** -126, 0.0, out)  # mul.ftz
 
