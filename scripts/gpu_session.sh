@@ -49,8 +49,8 @@
 #                flashtile bench hf with --profile (generate at batch 1 and 16: kernels
 #                and the host time inside the attention function)          (~5 min)
 #   fwd-exp2     the Gluon forward's exp2 share on the FMA pipe (session 35): its GPU
-#                tests and memcheck slice, d64/d128 1k-16k and FP8 d128 with N = 0/8/4
-#                                                                          (~9 min)
+#                tests and memcheck slice, d64 1k-16k with N = 0/16/8/4, d128 and FP8
+#                d128 4k-16k with 0/16/8                                   (~10 min)
 #   bwd-peel     the Gluon backward's skip_peel option (session 33): its GPU tests and
 #                memcheck slice, causal forward+backward d64 at 1k and 4k against the
 #                default and skip_masked, two rounds; transformers' step with each (~8 min)
@@ -729,13 +729,14 @@ PY
     ;;
   fwd-exp2)
     # FLASHTILE_HOPPER_FWD_EXP2_EMU (session 35, NOTES.md section 45): one in every N of
-    # P's exp2 by a cubic on the FMA pipe (9 instructions for one MUFU.EX2 of 8 cycles a
-    # warp), FA4's trick. A consumer's 64-66 MUFU a block take ~528 cycles of its
-    # sub-partition against the other consumer's products: ~645 at d64 16-bit, ~808 FP8
-    # d128, ~1290 at d128 16-bit. Its GPU tests (the PTX elementwise, the float64 rule
-    # through the forward) and a memcheck slice, then N = 0 / 8 / 4. Prediction: d64
-    # +2-6% (8 or 4), FP8 d128 +1-5%, d128 16-bit level (-2 to +1%: its issue slots pay
-    # and MUFU is not near its products). (EXP2_TESTS=0: not the tests)
+    # P's exp2 by a cubic on the FMA pipe (9 instructions for the 8 MUFU cycles a warp it
+    # frees), FA4's trick. A block's softmax lasts at least the larger of 8 x its MUFU
+    # count and its instruction count (fwd_hopper._exp2): d64 528/434 now, 464/500 with
+    # N = 8, 496/466 with 16, 400/563 with 4. Its GPU tests (the PTX elementwise, the
+    # float64 rule through the forward) and a memcheck slice, then N = 0/16/8/4 at d64,
+    # 0/16/8 at d128 and FP8 d128. Prediction: d64 +2-5% with 16 or 8, -3 to -8% with 4;
+    # FP8 d128 +1-4% (16 or 8); d128 16-bit level (its products are 2.4x its MUFU time).
+    # (EXP2_TESTS=0: not the tests)
     if [ "${EXP2_TESTS:-1}" != 0 ]; then
       timeout 200 python3 -m pytest -q -p no:cacheprovider $XDIST --gpu \
         tests/test_fwd_hopper.py -k "exp2" 2>&1 | tail -2 | tee "$OUT/fwd-exp2-tests.txt"
@@ -743,12 +744,13 @@ PY
         MEMCHECK_FILES=tests/test_fwd_hopper.py 2>&1 | tail -2 \
         | tee "$OUT/fwd-exp2-memcheck.txt"
     fi
-    sets="FLASHTILE_HOPPER_FWD_EXP2_EMU=0 FLASHTILE_HOPPER_FWD_EXP2_EMU=8"
-    sets="$sets FLASHTILE_HOPPER_FWD_EXP2_EMU=4"
-    AB_SECS=100 ab fwd-exp2 "$sets" --providers flashtile sdpa-cudnn --modes fwd \
-      --headdim 64 128 --seqlens 1k 4k 16k --causal both
-    AB_SECS=80 ab fwd-exp2-fp8 "$sets" --providers flashtile-hopper-fp8 sdpa-cudnn \
+    e=FLASHTILE_HOPPER_FWD_EXP2_EMU
+    AB_SECS=100 ab fwd-exp2 "$e=0 $e=16 $e=8 $e=4" --providers flashtile sdpa-cudnn \
+      --modes fwd --headdim 64 --seqlens 1k 4k 16k --causal both
+    AB_SECS=80 ab fwd-exp2-128 "$e=0 $e=16 $e=8" --providers flashtile sdpa-cudnn \
       --modes fwd --headdim 128 --seqlens 4k 16k --causal both
+    AB_SECS=80 ab fwd-exp2-fp8 "$e=0 $e=16 $e=8" --providers flashtile-hopper-fp8 \
+      sdpa-cudnn --modes fwd --headdim 128 --seqlens 4k 16k --causal both
     ;;
   bwd-peel)
     # skip_peel (session 33): skip_masked's skips (which lost 3% at d64 1k: the branch

@@ -142,11 +142,11 @@ def test_tree_max_off_its_default_matches_float64_reference(tree, head_dim, conf
 @pytest.mark.parametrize("mask", list(MASKS))
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "b{}-q{}-k{}-h{}/{}".format(*s))
 @pytest.mark.parametrize("head_dim,config,dtype,emu", [
-    (64, None, torch.bfloat16, "4"), (64, None, torch.float16, "2"),
+    (64, None, torch.bfloat16, "16"), (64, None, torch.float16, "2"),
     (128, None, torch.float16, "4"), (128, None, torch.bfloat16, "8"),
-    (256, None, torch.bfloat16, "4"), (64, "192,128,4,3", torch.bfloat16, "4")],
-    ids=["d64-bf16-4", "d64-fp16-2", "d128-fp16-4", "d128-bf16-8", "d256-bf16-4",
-         "d64-m192-bf16-4"])
+    (256, None, torch.bfloat16, "16"), (64, "192,128,4,3", torch.bfloat16, "8")],
+    ids=["d64-bf16-16", "d64-fp16-2", "d128-fp16-4", "d128-bf16-8", "d256-bf16-16",
+         "d64-m192-bf16-8"])
 @on_hopper
 def test_exp2_emu_matches_float64_reference(head_dim, config, dtype, emu, shape, mask,
                                             schedule, monkeypatch, fresh_plans):
@@ -962,18 +962,18 @@ def test_packed_p_switch(monkeypatch):
 
 
 def test_exp2_emu_switch(monkeypatch):
-    """FLASHTILE_HOPPER_FWD_EXP2_EMU: "0" (the default), "2", "4" or "8", as the kernel's
-    EXP2_EMU; anything else a ValueError naming the variable and the choices."""
+    """FLASHTILE_HOPPER_FWD_EXP2_EMU: "0" (the default), "2", "4", "8" or "16", as the
+    kernel's EXP2_EMU; anything else a ValueError naming the variable and the choices."""
     from flashtile.ops import configs
 
     monkeypatch.delenv("FLASHTILE_HOPPER_FWD_EXP2_EMU", raising=False)
     assert configs.hopper_fwd_exp2_emu() == 0
-    for raw, want in (("2", 2), (" 4 ", 4), ("8", 8), ("0", 0)):
+    for raw, want in (("2", 2), (" 4 ", 4), ("8", 8), ("16", 16), ("0", 0)):
         monkeypatch.setenv("FLASHTILE_HOPPER_FWD_EXP2_EMU", raw)
         assert configs.hopper_fwd_exp2_emu() == want
     monkeypatch.setenv("FLASHTILE_HOPPER_FWD_EXP2_EMU", "3")
     with pytest.raises(ValueError, match="FLASHTILE_HOPPER_FWD_EXP2_EMU must be one of "
-                       "\\('0', '2', '4', '8'\\), got '3'"):
+                       "\\('0', '2', '4', '8', '16'\\), got '3'"):
         configs.hopper_fwd_exp2_emu()
 
 
@@ -1015,7 +1015,7 @@ def test_exp2_emulated_holds_to_float64():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("pack", [2, 4, 8])
+@pytest.mark.parametrize("pack", [2, 4, 8, 16])
 def test_exp2_asm_on_the_gpu(pack):
     """_exp2_asm's PTX in a plain Triton kernel: one in every ``pack`` results by the
     cubic, the rest by ex2.approx (so between 0.8 / pack and 1.05 / pack of them differ

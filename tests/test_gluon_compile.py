@@ -161,10 +161,10 @@ def test_packed_p_leaves_no_prmt_in_the_walks(head_dim, config, causal, persiste
 
 @pytest.mark.parametrize("head_dim,causal,dtype,config,persistent,emu", [
     (64, False, torch.bfloat16, None, False, 2), (64, False, torch.bfloat16, None, False, 4),
-    (64, True, torch.bfloat16, None, True, 8), (128, True, torch.float16, None, False, 4),
+    (64, True, torch.bfloat16, None, True, 8), (128, True, torch.float16, None, False, 16),
     (128, False, torch.float8_e4m3fn, None, False, 4),
     (64, False, torch.bfloat16, "192,128,4,3", True, 4)],
-    ids=["d64-2", "d64-4", "d64-causal-persistent-8", "d128-causal-fp16-4", "d128-fp8-4",
+    ids=["d64-2", "d64-4", "d64-causal-persistent-8", "d128-causal-fp16-16", "d128-fp8-4",
          "d64-three-persistent-4"])
 def test_exp2_emu_moves_a_share_to_the_fma_pipe(head_dim, causal, dtype, config, persistent,
                                                 emu, monkeypatch):

@@ -539,17 +539,15 @@ def hopper_fwd_p_packed(choice: str, fp8: bool) -> bool:
     return choice == "1" and not fp8
 
 
-# FLASHTILE_HOPPER_FWD_EXP2_EMU (opt-in, session 35, untimed): "2", "4" or "8" computes
-# one in every N of P's exp2 on the FMA pipe (fwd_hopper._exp2: a cubic after a range
-# reduction, 7.5e-5 relative error) and the rest by MUFU, whose 16 results a clock an SM
-# put a consumer's 64-66 exp2 a block at ~528 cycles on its sub-partition, near the
-# other consumer's ~645 of products at d64 (FA4's trick, for Blackwell's slower MUFU);
-# "0" (the default) all by MUFU.
-HOPPER_FWD_EXP2_EMU = ("0", "2", "4", "8")
+# FLASHTILE_HOPPER_FWD_EXP2_EMU (opt-in, session 35, untimed): "2", "4", "8" or "16"
+# computes one in every N of P's exp2 on the FMA pipe (fwd_hopper._exp2: a cubic after a
+# range reduction, 7.5e-5 relative error) and the rest by MUFU; "0" (the default) all by
+# MUFU. fwd_hopper._exp2 says why and which N should win (8 or 16).
+HOPPER_FWD_EXP2_EMU = ("0", "2", "4", "8", "16")
 
 
 def hopper_fwd_exp2_emu() -> int:
-    """FLASHTILE_HOPPER_FWD_EXP2_EMU as the kernel's EXP2_EMU (0, 2, 4 or 8), read at
+    """FLASHTILE_HOPPER_FWD_EXP2_EMU as the kernel's EXP2_EMU (0, 2, 4, 8 or 16), read at
     each call (part of the launch plan's key)."""
     return int(_env_choice("FLASHTILE_HOPPER_FWD_EXP2_EMU", HOPPER_FWD_EXP2_EMU))
 

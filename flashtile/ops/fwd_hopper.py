@@ -32,7 +32,7 @@ in three warp-specialised partitions:
   walk's loop edge to its P V: P_PACKED (16-bit, ``configs.hopper_fwd_p_packed``)
   carries it in the 32-bit registers the casts fill (``_p_operand``), where the operand
   form leaves ptxas a PRMT per register at the top of every block. EXP2_EMU (opt-in,
-  ``_exp2``) computes one in every 2, 4 or 8 of P's exp2 by a cubic on the FMA pipe:
+  ``_exp2``) computes one in every 2, 4, 8 or 16 of P's exp2 by a cubic on the FMA pipe:
   MUFU gives a sub-partition one exp2 a warp every 8 cycles, so a block's 64-66 take
   ~528 cycles, near the other consumer's ~645 of products at d64.
 - warp_specialize's register requests become setmaxnreg: the producer keeps 24
@@ -198,9 +198,11 @@ def _exp2_asm(pack: int) -> str:
 EXP2_ASM_2 = gl.constexpr(_exp2_asm(2))
 EXP2_ASM_4 = gl.constexpr(_exp2_asm(4))
 EXP2_ASM_8 = gl.constexpr(_exp2_asm(8))
+EXP2_ASM_16 = gl.constexpr(_exp2_asm(16))
 EXP2_OUT_2 = gl.constexpr(",".join(["=f"] * 2 + ["f"] * 2))
 EXP2_OUT_4 = gl.constexpr(",".join(["=f"] * 4 + ["f"] * 4))
 EXP2_OUT_8 = gl.constexpr(",".join(["=f"] * 8 + ["f"] * 8))
+EXP2_OUT_16 = gl.constexpr(",".join(["=f"] * 16 + ["f"] * 16))
 
 
 def exp2_emulated(x: torch.Tensor) -> torch.Tensor:
@@ -340,12 +342,20 @@ def _pass_turn(turn, WG: gl.constexpr):
 
 @gluon.jit
 def _exp2(x, EXP2_EMU: gl.constexpr):
-    """exp2 of fp32 x; EXP2_EMU 2, 4 or 8: one in every EXP2_EMU of them on the FMA pipe
-    (``_exp2_asm``), the rest by MUFU. A walk block of a consumer takes 64-66 exp2 a
-    thread, 8 cycles of its SM sub-partition's MUFU each (16 results a clock an SM):
-    ~528 cycles at d64 against ~645 of the other consumer's products, so the softmax
-    runs close to the products' length on that pipe alone (FA4's reason to emulate a
-    share of them on the FMA pipe). 0: all by MUFU (gl.exp2)."""
+    """exp2 of fp32 x; EXP2_EMU 2, 4, 8 or 16: one in every EXP2_EMU of them on the FMA
+    pipe (``_exp2_asm``), the rest by MUFU; 0: all by MUFU (gl.exp2).
+
+    Why (FA4's trick, for Blackwell's slower MUFU): a consumer's walk block takes 64-66
+    exp2 a thread, each a warp instruction that holds its SM sub-partition's MUFU for 8
+    cycles (16 results a clock an SM), so its softmax lasts at least ~528 cycles while
+    the other consumer's products take ~645 at d64 (~808 FP8 d128, ~1290 d128 16-bit).
+    In Nsight Compute (session 15) the d64 forward kept the tensor pipe 45% busy with its
+    warps waiting on each other's turns. An emulated exp2 costs 9 FMA/ALU instructions
+    for the 8 MUFU cycles it frees; one warp issues one instruction a cycle, so the
+    floor of a block's softmax is the larger of 8 x its MUFU count and its instruction
+    count: d64 528 / 434 by MUFU alone, 464 / 500 with one in 8 emulated, 496 / 466
+    with one in 16, 400 / 563 with one in 4. 8 and 16 should win (~6% off the floor),
+    2 and 4 should lose."""
     if EXP2_EMU == 2:
         y = gl.inline_asm_elementwise(EXP2_ASM_2, EXP2_OUT_2, [x], dtype=gl.float32,
                                       is_pure=True, pack=2)
@@ -355,6 +365,9 @@ def _exp2(x, EXP2_EMU: gl.constexpr):
     elif EXP2_EMU == 8:
         y = gl.inline_asm_elementwise(EXP2_ASM_8, EXP2_OUT_8, [x], dtype=gl.float32,
                                       is_pure=True, pack=8)
+    elif EXP2_EMU == 16:
+        y = gl.inline_asm_elementwise(EXP2_ASM_16, EXP2_OUT_16, [x], dtype=gl.float32,
+                                      is_pure=True, pack=16)
     else:
         y = gl.exp2(x)
     return y
