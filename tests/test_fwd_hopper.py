@@ -1041,7 +1041,7 @@ def test_exp2_asm_on_the_gpu(pack):
         block = 1024
         kernel[(triton.cdiv(x.numel(), block),)](
             x, y, x.numel(), ASM=fwd_hopper._exp2_asm(pack),
-            OUT=",".join(["=f"] * pack + ["f"] * pack), PACK=pack, BLOCK=block)
+            OUT=fwd_hopper._exp2_constraints(pack), PACK=pack, BLOCK=block)
         return y
 
     x = _exp2_inputs("cuda")

@@ -134,6 +134,7 @@ import struct
 from typing import Optional
 
 import torch
+import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
@@ -166,8 +167,12 @@ SMEM_BYTES = gl.constexpr(configs.SM90_SMEM_BYTES)
 # of bf16's), lowest degree first; the PyTorch form is ``exp2_emulated``.
 EXP2_POLY = (0.9999280571937561, 0.6932609677314758, 0.2426111251115799,
              0.05517167970538139)
+# (as PTX's hex float32 immediates)
+EXP2_POLY_PTX = gl.constexpr(tuple("0f%08X" % struct.unpack("<I", struct.pack("<f", c))[0]
+                                   for c in EXP2_POLY))
 
 
+@triton.constexpr_function
 def _exp2_asm(pack: int) -> str:
     """PTX for ``pack`` exp2 of float32: the first of them on the FMA pipe, the others
     by ex2.approx (MUFU, a quarter of the FMA pipe's rate on sm_90), pack > 1.
@@ -177,8 +182,7 @@ def _exp2_asm(pack: int) -> str:
     float whose bits are (j + 127) << 23, one integer multiply-add of t's bits (its high
     bits leave the word): j = -127 (x = -inf included) gives +0 and so 2**x = 0; a
     denormal product flushes to 0 as ex2.approx.ftz does. NaN stays NaN."""
-    c0, c1, c2, c3 = ("0f%08X" % struct.unpack("<I", struct.pack("<f", c))[0]
-                      for c in EXP2_POLY)
+    c0, c1, c2, c3 = EXP2_POLY_PTX
     lines = ["{", ".reg .f32 ex_x, ex_t, ex_j, ex_f, ex_p, ex_e;", ".reg .b32 ex_b;",
              f"max.NaN.f32 ex_x, ${pack}, 0fC2FE0000;",
              "add.rn.f32 ex_t, ex_x, 0f4B400000;",
@@ -195,14 +199,10 @@ def _exp2_asm(pack: int) -> str:
     return " ".join(lines)
 
 
-EXP2_ASM_2 = gl.constexpr(_exp2_asm(2))
-EXP2_ASM_4 = gl.constexpr(_exp2_asm(4))
-EXP2_ASM_8 = gl.constexpr(_exp2_asm(8))
-EXP2_ASM_16 = gl.constexpr(_exp2_asm(16))
-EXP2_OUT_2 = gl.constexpr(",".join(["=f"] * 2 + ["f"] * 2))
-EXP2_OUT_4 = gl.constexpr(",".join(["=f"] * 4 + ["f"] * 4))
-EXP2_OUT_8 = gl.constexpr(",".join(["=f"] * 8 + ["f"] * 8))
-EXP2_OUT_16 = gl.constexpr(",".join(["=f"] * 16 + ["f"] * 16))
+@triton.constexpr_function
+def _exp2_constraints(pack: int) -> str:
+    """``_exp2_asm``'s operands: ``pack`` float32 results, then as many inputs."""
+    return ",".join(["=f"] * pack + ["f"] * pack)
 
 
 def exp2_emulated(x: torch.Tensor) -> torch.Tensor:
@@ -356,18 +356,9 @@ def _exp2(x, EXP2_EMU: gl.constexpr):
     count: d64 528 / 434 by MUFU alone, 464 / 500 with one in 8 emulated, 496 / 466
     with one in 16, 400 / 563 with one in 4. 8 and 16 should win (~6% off the floor),
     2 and 4 should lose."""
-    if EXP2_EMU == 2:
-        y = gl.inline_asm_elementwise(EXP2_ASM_2, EXP2_OUT_2, [x], dtype=gl.float32,
-                                      is_pure=True, pack=2)
-    elif EXP2_EMU == 4:
-        y = gl.inline_asm_elementwise(EXP2_ASM_4, EXP2_OUT_4, [x], dtype=gl.float32,
-                                      is_pure=True, pack=4)
-    elif EXP2_EMU == 8:
-        y = gl.inline_asm_elementwise(EXP2_ASM_8, EXP2_OUT_8, [x], dtype=gl.float32,
-                                      is_pure=True, pack=8)
-    elif EXP2_EMU == 16:
-        y = gl.inline_asm_elementwise(EXP2_ASM_16, EXP2_OUT_16, [x], dtype=gl.float32,
-                                      is_pure=True, pack=16)
+    if EXP2_EMU:
+        y = gl.inline_asm_elementwise(_exp2_asm(EXP2_EMU), _exp2_constraints(EXP2_EMU), [x],
+                                      dtype=gl.float32, is_pure=True, pack=EXP2_EMU)
     else:
         y = gl.exp2(x)
     return y
