@@ -968,15 +968,15 @@ def lpt_fits(batch: int, nheads: int, seqlen_q: int, seqlen_k: int, head_dim: in
 
 def kernel_flags(head_dim: int, causal: bool, opts: frozenset[str], block_m: int,
                  seqlen_q: int | None = None) -> dict:
-    """The kernel's constexpr switches (but STAGES) for FLASHTILE_HOPPER_BWD_OPTS
-    ``opts`` (``configs.hopper_bwd_opts()``) at BLOCK_M ``block_m``; lse_smem runs as
-    lse_ahead where ``seqlen_q`` (None: any that suits it) is not a multiple of 4 (the
-    module docstring) or is shorter than a block (a box wider than its tensor's innermost
-    dimension, never tried on the GPU), unless lse_pre pads its rows to whole blocks. bwd_hopper256's kernel (head_dim 256) takes
-    dq_tma and lpt alone (its docstring): the other options change a schedule it does
-    not have, and the default's lse_ahead is passed over there. lpt and skip_masked
-    apply to causal attention only (``backward`` drops lpt where ``lpt_fits`` says
-    no)."""
+    """The kernel's constexpr switches (but STAGES) for FLASHTILE_HOPPER_BWD_OPTS ``opts``
+    (``configs.hopper_bwd_opts()``) at BLOCK_M ``block_m``; lse_smem runs as lse_ahead
+    where ``seqlen_q`` (None: any that suits it) is not a multiple of 4 (the module
+    docstring) or is shorter than a block (a box wider than its tensor's innermost
+    dimension, never tried on the GPU), unless lse_pre pads its rows to whole blocks.
+    bwd_hopper256's kernel (head_dim 256) takes dq_tma and lpt alone (its docstring):
+    the other options change a schedule it does not have, and the default's lse_ahead is
+    passed over there. lpt and skip_masked apply to causal attention only (``backward``
+    drops lpt where ``lpt_fits`` says no)."""
     lpt = "lpt" in opts and causal  # (full attention: every walk is as long)
     if head_dim == 256:
         return dict(IS_CAUSAL=causal, DQ_TMA="dq_tma" in opts, LPT=lpt)
