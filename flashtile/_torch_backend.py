@@ -21,7 +21,8 @@ support), CUDA tensors with ``FLASHTILE_BACKEND=torch``, empty shapes, and the b
 when the lse is differentiated (the fused backward has no lse-gradient input).
 
 NaN: the fused kernel propagates a NaN that reaches a row (NaN out and lse), as the
-tiled path does. A bool mask turned additive would let a NaN or inf score of a masked
+tiled path does, except in a call of fewer keys than one vector (``_SHORT_CALL``), which
+therefore takes the fused path only for finite inputs. A bool mask turned additive would let a NaN or inf score of a masked
 key through (-inf + NaN is NaN) where the tiled path hides it, so a bool mask takes the
 fused path only when q and k are finite (one cheap pass over them). Rows a mask empties
 get 0 and -inf explicitly (the kernel writes lse 0 there).
@@ -42,6 +43,13 @@ _BWD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
 # GQA inside the CPU flash kernel (pytorch#157893, July 2025): torch 2.9 and later.
 _CPU_FLASH_GQA = version.parse(torch.__version__).release >= (2, 9)
 _FUSED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# The CPU kernel takes a row's running max with a vector max (NaN wins) over whole vectors
+# of keys and std::max (NaN loses) over the rest. A call of fewer keys than one vector (8
+# fp32 lanes on AVX2, 16 on AVX-512) therefore loses a row whose scores are all NaN: it
+# returns 0 with lse 0 there (torch 2.13, found by a fuzz in session 36). Such short calls
+# take the fused path only when q and k (and a mask) are finite; 64 keys covers any
+# vector width, and the check costs one pass over q and k where the call itself is short.
+_SHORT_CALL = 64
 
 
 @dataclass(frozen=True)
@@ -66,9 +74,28 @@ def _compact(mask):
     return mask
 
 
+def _finite(*xs):
+    return all(bool(torch.isfinite(x).all()) for x in xs)
+
+
 def _plan(q, k, *, attn_mask, alibi_slopes, diag_offset, window_left, window_right,
           softcap) -> Optional[_Plan]:
     """The fused plan for these arguments, or None where the tiled path must run."""
+    plan = _geometry(q, k, attn_mask=attn_mask, alibi_slopes=alibi_slopes,
+                     diag_offset=diag_offset, window_left=window_left,
+                     window_right=window_right, softcap=softcap)
+    if plan is None or plan.row0 == q.shape[1]:
+        return plan
+    spans = [n for n in (plan.prefix, k.shape[1] - plan.prefix) if n > 0]
+    if min(spans) < _SHORT_CALL and not (
+            _finite(q, k) and (plan.mask is None or not bool(plan.mask.isnan().any()))):
+        return None
+    return plan
+
+
+def _geometry(q, k, *, attn_mask, alibi_slopes, diag_offset, window_left, window_right,
+              softcap) -> Optional[_Plan]:
+    """The calls of the fused kernel these arguments map onto, or None."""
     sq, h, sk = q.shape[1], q.shape[2], k.shape[1]
     if (q.device.type != "cpu" or q.dtype not in _FUSED_DTYPES or softcap > 0
             or alibi_slopes is not None or window_left >= 0
@@ -80,7 +107,7 @@ def _plan(q, k, *, attn_mask, alibi_slopes, diag_offset, window_left, window_rig
             return None
         mask = _compact(attn_mask)
         if mask.dtype == torch.bool:
-            if not (torch.isfinite(q).all() and torch.isfinite(k).all()):
+            if not _finite(q, k):
                 return None
             mask = torch.zeros(mask.shape, dtype=q.dtype).masked_fill_(~mask, float("-inf"))
         return _Plan(0, sk, mask)

@@ -44,6 +44,8 @@ from flashtile.engine.sequence import Sequence, SequenceStatus
     (dict(seed="1"), TypeError, "seed"),
     (dict(stop=[""]), ValueError, "stop[0]"),
     (dict(stop=["a", 3]), TypeError, "stop[1]"),
+    (dict(stop=5), TypeError, "stop: expected a str, a list of str or None"),
+    (dict(bad_words={"a": 1}), TypeError, "bad_words: expected a str"),
     (dict(stop_token_ids=[1, -1]), ValueError, "stop_token_ids[1]"),
     (dict(stop_token_ids="2"), TypeError, "stop_token_ids"),
     (dict(max_tokens=0), ValueError, "max_tokens: expected an int >= 1"),

@@ -201,6 +201,9 @@ class SamplingParams:
     @staticmethod
     def _str_list(name, value):
         """stop or bad_words: a string or a list of non-empty strings, as a list."""
+        if value is not None and not isinstance(value, (str, list, tuple)):
+            _fail(TypeError, name, "a str, a list of str or None",
+                  f"{type(value).__name__} {value!r}"[:80])
         items = [value] if isinstance(value, str) else list(value or [])
         for i, s in enumerate(items):
             if not isinstance(s, str):
