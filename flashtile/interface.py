@@ -482,7 +482,8 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     """Drop-in for torch.nn.functional.scaled_dot_product_attention.
 
     query (batch, nheads, seqlen_q, head_dim) and key/value (batch, nheads_kv, seqlen_k,
-    head_dim), or 3-d (batch, seq, head_dim). ``attn_mask`` is bool (True = attend) or
+    head_dim), or 3-d (batch, seq, head_dim), or with more batch dims in front (batch,
+    ..., nheads, seq, head_dim), the same for query, key and value. ``attn_mask`` is bool (True = attend) or
     additive in the query's dtype, broadcastable to (batch, nheads, seqlen_q, seqlen_k),
     and is read tile by tile in the kernel. ``is_causal`` is aligned top-left, as in
     PyTorch (query i sees keys j <= i). A row whose mask excludes every key returns 0.
@@ -494,9 +495,9 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     for x, name in ((query, "query"), (key, "key"), (value, "value")):
         if not isinstance(x, torch.Tensor):
             V._fail(TypeError, name, "a torch.Tensor", type(x).__name__)
-        if x.dim() not in (3, 4):
-            V._fail(ValueError, name, "a 4-d (batch, heads, seq, dim) or 3-d tensor",
-                    f"shape {tuple(x.shape)}")
+        if x.dim() < 3:
+            V._fail(ValueError, name, "a 4-d (batch, heads, seq, dim) or 3-d tensor "
+                    "(or more batch dims in front)", f"shape {tuple(x.shape)}")
     if not query.dim() == key.dim() == value.dim():
         V._fail(ValueError, "key/value rank", f"query's rank {query.dim()}",
                 (key.dim(), value.dim()))
@@ -515,6 +516,16 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     if is_causal and attn_mask is not None:
         raise ValueError("attn_mask and is_causal=True were both given: pass one, as "
                          "torch.nn.functional.scaled_dot_product_attention requires")
+    lead = None
+    if query.dim() > 4:
+        # (batch, ..., heads, seq, dim): the batch dims merge into one (a view where the
+        # strides allow) and come back on the output.
+        lead = tuple(query.shape[:-3])
+        if tuple(key.shape[:-3]) != lead:
+            V._fail(ValueError, "key.shape[:-3] (batch dims)", f"query's {lead}",
+                    tuple(key.shape[:-3]))
+        attn_mask = _merge_mask_batch_dims(attn_mask, query, key, lead)
+        query, key, value = (x.reshape(-1, *x.shape[-3:]) for x in (query, key, value))
     squeeze = query.dim() == 3
     if squeeze:
         query, key, value = query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1)
@@ -538,4 +549,20 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
                         dropout_p=dropout_p, philox=_philox(q, dropout_p),
                         return_lse=False)
     out = out.transpose(1, 2)
+    if lead is not None:
+        return out.reshape(*lead, *out.shape[1:])
     return out.squeeze(1) if squeeze else out
+
+
+def _merge_mask_batch_dims(attn_mask, query, key, lead):
+    """An SDPA mask for (batch, ..., heads, seq, dim) inputs, its batch dims merged as
+    the inputs' are: one of 3 dims or fewer broadcasts over them as it is; a longer one
+    is expanded over them first (a copy only where its strides cannot merge)."""
+    if not isinstance(attn_mask, torch.Tensor) or attn_mask.dim() <= 3:
+        return attn_mask
+    target = (*lead, query.shape[-3], query.shape[-2], key.shape[-2])
+    shape = tuple(attn_mask.shape)
+    if len(shape) > len(target) or any(m != 1 and m != t for m, t in zip(reversed(shape),
+                                                                       reversed(target))):
+        V._fail(ValueError, "attn_mask.shape", f"broadcastable to {target}", shape)
+    return attn_mask.expand(*lead, *shape[-3:]).reshape(-1, *shape[-3:])

@@ -92,16 +92,18 @@ def _unsupported(query, key, value, attn_mask, is_causal, scale, enable_gqa,
         return "bfloat16 while the Triton kernels run in the Triton interpreter"
     if any(x.dtype != dtype or x.device != device for x in (key, value)):
         return "query, key and value of different dtypes or devices"
-    if not query.dim() == key.dim() == value.dim() or query.dim() not in (3, 4):
-        return "tensors that are not all 3-d or all 4-d"
+    if not query.dim() == key.dim() == value.dim() or query.dim() < 3:
+        return "tensors that are not all of one rank, 3 or more"
     if key.shape[-1] != query.shape[-1]:
         return "a key head_dim different from the query's"
     if not all(1 <= x.shape[-1] <= V.MAX_HEAD_DIM for x in (query, value)):
         return f"a head_dim outside 1 to {V.MAX_HEAD_DIM}"
-    if key.shape[:-1] != value.shape[:-1] or key.shape[0] != query.shape[0]:
+    batch_dims = -3 if query.dim() >= 4 else -2
+    if key.shape[:-1] != value.shape[:-1] or \
+            key.shape[:batch_dims] != query.shape[:batch_dims]:
         return "key/value shapes that differ from each other or from the query's batch"
-    if query.dim() == 4:
-        h, hkv = query.shape[1], key.shape[1]
+    if query.dim() >= 4:
+        h, hkv = query.shape[-3], key.shape[-3]
         if hkv == 0 or (h != hkv and not (enable_gqa is True and h % hkv == 0)):
             return "key/value heads that do not divide the query heads (enable_gqa)"
     if any(x.shape[-1] > 1 and x.stride(-1) != 1 for x in (query, key, value)):
@@ -189,10 +191,11 @@ class sdpa_override:
 
     A routed call runs ``flashtile.scaled_dot_product_attention`` when flashtile takes
     its arguments; otherwise it runs PyTorch's function and logs why, once per reason
-    (logger ``flashtile``, WARNING): a dtype other than float16,
-    bfloat16 and float32, a device other than CUDA and CPU, a key head_dim different
-    from the query's, tensors that are not 3-d or 4-d, nested tensors and tensor
-    subclasses, an attn_mask of another dtype or needing a gradient, unknown arguments.
+    (logger ``flashtile``, WARNING): a dtype other than float16, bfloat16 and float32, a
+    device other than CUDA and CPU, a key head_dim different from the query's, batch
+    dims of key/value that broadcast to the query's rather than match, nested tensors
+    and tensor subclasses, an attn_mask of another dtype or needing a gradient, unknown
+    arguments.
 
     Reach: calls through ``torch.nn.functional.scaled_dot_product_attention`` (looked
     up when called), torch.nn.MultiheadAttention and nn.Transformer* layers when they

@@ -301,8 +301,13 @@ SDPA_CASES = [
     pytest.param(lambda q, k, v: dict(value=3), TypeError,
                  "value: expected a torch.Tensor, got int", id="non-tensor"),
     pytest.param(lambda q, k, v: dict(query=q[0, 0]), ValueError,
-                 f"query: expected a 4-d (batch, heads, seq, dim) or 3-d tensor, got shape "
-                 f"{(S, D)}", id="rank-2"),
+                 f"query: expected a 4-d (batch, heads, seq, dim) or 3-d tensor (or more "
+                 f"batch dims in front), got shape {(S, D)}", id="rank-2"),
+    pytest.param(lambda q, k, v: dict(query=q[None].expand(2, *q.shape),
+                                      key=k[None].expand(2, 3, *k.shape[1:]),
+                                      value=v[None].expand(2, 3, *v.shape[1:])), ValueError,
+                 f"key.shape[:-3] (batch dims): expected query's {(2, B)}, got {(2, 3)}",
+                 id="rank-5-batch-dims"),
     pytest.param(lambda q, k, v: dict(key=k[0], value=v[0]), ValueError,
                  "key/value rank: expected query's rank 4, got (3, 3)", id="rank-mismatch"),
     pytest.param(lambda q, k, v: dict(key=torch.randn(B, D, S, H).transpose(1, 3)),

@@ -75,6 +75,43 @@ def test_sdpa_3d(backend, device):
     assert max_err(out, ref) < 1e-5
 
 
+# Masks of (2, 3, heads, 19, 23) inputs: fewer dims than the batch dims (broadcast as
+# they are), the whole shape, and batch dims of size 1 and stride 0 among them (merged).
+MASKS_5D = {
+    "none": lambda dev: None,
+    "bool_2d": lambda dev: torch.rand(19, 23, device=dev) > 0.3,
+    "additive_h11": lambda dev: torch.randn(4, 1, 1, device=dev),
+    "bool_full": lambda dev: torch.rand(2, 3, 4, 19, 23, device=dev) > 0.3,
+    "additive_1_3": lambda dev: torch.randn(3, 1, 19, 23, device=dev),
+    "bool_expanded": lambda dev: (torch.rand(2, 1, 1, 19, 23, device=dev) > 0.3).expand(
+        2, 3, 4, 19, 23),
+}
+
+
+@pytest.mark.parametrize("mask_kind", list(MASKS_5D))
+@pytest.mark.parametrize("hkv", [4, 2], ids=["mha", "gqa"])
+def test_sdpa_more_batch_dims(mask_kind, hkv, backend, device):
+    """(batch, ..., heads, seq, dim) inputs, as torch's SDPA takes them: forward and
+    backward against the float64 oracle."""
+    q = torch.randn(2, 3, 4, 19, 16, device=device)
+    k, v = (torch.randn(2, 3, hkv, 23, 16, device=device) for _ in range(2))
+    mask = MASKS_5D[mask_kind](device)
+    qg, kg, vg = (x.clone().requires_grad_() for x in (q, k, v))
+    out = flashtile.scaled_dot_product_attention(qg, kg, vg, attn_mask=mask,
+                                                 enable_gqa=hkv != 4)
+    assert out.shape == (2, 3, 4, 19, 16)
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (qg, kg, vg), dout)
+    q64, k64, v64 = (x.double().requires_grad_() for x in (q, k, v))
+    m64 = mask if mask is None or mask.dtype == torch.bool else mask.double()
+    ref = torch.nan_to_num(F.scaled_dot_product_attention(
+        q64, k64, v64, attn_mask=m64, enable_gqa=hkv != 4), nan=0.0)
+    ref_grads = torch.autograd.grad(ref, (q64, k64, v64), dout.double())
+    assert max_err(out, ref) < 1e-5
+    for ours, r in zip(grads, ref_grads):
+        assert max_err(ours, torch.nan_to_num(r, nan=0.0)) < 1e-4
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 def test_sdpa_lowp_matches_torch_error(dtype, device):

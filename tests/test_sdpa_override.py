@@ -193,8 +193,8 @@ def test_dropout_is_routed(flashtile_calls, caplog, device):
     assert len(flashtile_calls) == 6 and fallback_records(caplog) == []
 
 
-@pytest.mark.parametrize("case", ["float64", "key_head_dim", "5d", "mask_dtype",
-                                  "mask_shape", "unknown_kwarg"])
+@pytest.mark.parametrize("case", ["float64", "key_head_dim", "5d_batch_broadcast",
+                                  "mask_dtype", "mask_shape", "unknown_kwarg"])
 def test_unsupported_arguments_fall_back(case, flashtile_calls, caplog, device):
     q = torch.randn(2, 3, 5, 8, device=device)
     k, v = torch.randn_like(q), torch.randn_like(q)
@@ -203,8 +203,8 @@ def test_unsupported_arguments_fall_back(case, flashtile_calls, caplog, device):
         q, k, v = q.double(), k.double(), v.double()
     elif case == "key_head_dim":
         k = torch.randn(2, 3, 5, 6, device=device)
-    elif case == "5d":
-        q, k, v = q[None], k[None], v[None]
+    elif case == "5d_batch_broadcast":  # key's batch dims broadcast to the query's
+        q, k, v = q[None].expand(2, *q.shape), k[None], v[None]
     elif case == "mask_dtype":
         kw["attn_mask"] = torch.zeros(5, 5, dtype=torch.float64, device=device)
     elif case == "mask_shape":
@@ -245,7 +245,11 @@ def test_supported_arguments_are_routed(flashtile_calls, device):
     with flashtile.sdpa_override():
         out = sdpa_by_name(q3, q3, q3)
     assert max_err(out, _TORCH_SDPA(q3, q3, q3)) < 1e-5
-    assert len(flashtile_calls) == 5
+    q5, k5, v5 = (x[None].expand(3, *x.shape) for x in (q, k, v))  # more batch dims
+    with flashtile.sdpa_override():
+        out = F.scaled_dot_product_attention(q5, k5, v5, enable_gqa=True)
+    assert max_err(out, _TORCH_SDPA(q5, k5, v5, enable_gqa=True)) < 1e-5
+    assert len(flashtile_calls) == 6
 
 
 def test_switch_global_and_context_manager():
