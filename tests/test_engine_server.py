@@ -604,6 +604,9 @@ BAD = [  # (path, body (dict, or raw bytes), status, param, code)
     ("/v1/completions", dict(prompt="Hi", top_p=0), 400, "top_p", None),
     ("/v1/completions", dict(prompt="Hi", max_tokens=0), 400, "max_tokens", None),
     ("/v1/completions", dict(prompt="Hi", n=0), 400, "n", None),
+    ("/v1/completions", dict(prompt="Hi", n=10**30), 400, "n", None),  # held the loop
+    ("/v1/chat/completions", dict(messages=[{"role": "user", "content": "Hi"}], n=129),
+     400, "n", None),
     ("/v1/completions", dict(prompt="Hi", stop=[""]), 400, "stop", None),
     ("/v1/completions", dict(prompt="Hi", echo="yes"), 400, "echo", None),
     ("/v1/chat/completions", dict(messages=[{"role": "user", "content": "Hi"}], echo=True),

@@ -25,6 +25,7 @@ import re
 
 from flashtile.engine.sampling_params import MAX_LOGPROBS, RequestOutputKind, SamplingParams
 
+MAX_N = 128  # completions a request may ask for (n), as OpenAI's API allows
 SAMPLING_FIELDS = ("n", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
                    "presence_penalty", "frequency_penalty", "seed", "stop",
                    "stop_token_ids", "ignore_eos", "skip_special_tokens", "min_tokens",
@@ -276,6 +277,11 @@ def sampling_params(body, logprobs, max_tokens, stream: bool,
     """The request's SamplingParams; a field sent as null takes its default. The engine
     returns a streamed request's outputs as deltas, a whole one's once at the end."""
     kw = {k: body[k] for k in SAMPLING_FIELDS if body.get(k) is not None}
+    n = kw.get("n", 1)
+    # OpenAI's own bound. Without one a request's n fans out into that many requests
+    # before the engine sees any: n = 1e30 held the server's loop forever (a fuzz, session 36).
+    if isinstance(n, int) and not isinstance(n, bool) and n > MAX_N:
+        raise RequestError(f"n: expected an int in [1, {MAX_N}], got {n}", "n")
     kw["logit_bias"] = logit_bias(body)
     kind = RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
     try:
