@@ -22,10 +22,11 @@ when the lse is differentiated (the fused backward has no lse-gradient input).
 
 NaN: the fused kernel propagates a NaN that reaches a row (NaN out and lse), as the
 tiled path does, except in a call of fewer keys than one vector (``_SHORT_CALL``), which
-therefore takes the fused path only for finite inputs. A bool mask turned additive would let a NaN or inf score of a masked
-key through (-inf + NaN is NaN) where the tiled path hides it, so a bool mask takes the
-fused path only when q and k are finite (one cheap pass over them). Rows a mask empties
-get 0 and -inf explicitly (the kernel writes lse 0 there).
+therefore takes the fused path only for finite inputs. A bool mask turned additive would
+let a NaN or inf score of a masked key through (-inf + NaN is NaN) where the tiled path
+hides it, so a bool mask takes the fused path only when q and k are finite (one cheap
+pass over them). Rows a mask empties get 0 and -inf explicitly (the kernel writes lse 0
+there).
 """
 
 from __future__ import annotations
@@ -86,9 +87,13 @@ def _plan(q, k, *, attn_mask, alibi_slopes, diag_offset, window_left, window_rig
                      window_right=window_right, softcap=softcap)
     if plan is None or plan.row0 == q.shape[1]:
         return plan
+    # Finite inputs only, for a bool mask and for short calls (the module docstring).
     spans = [n for n in (plan.prefix, k.shape[1] - plan.prefix) if n > 0]
-    if min(spans) < _SHORT_CALL and not (
-            _finite(q, k) and (plan.mask is None or not bool(plan.mask.isnan().any()))):
+    bool_mask = attn_mask is not None and attn_mask.dtype == torch.bool
+    short = min(spans) < _SHORT_CALL
+    if (bool_mask or short) and not _finite(q, k):
+        return None
+    if short and not bool_mask and plan.mask is not None and bool(plan.mask.isnan().any()):
         return None
     return plan
 
@@ -107,8 +112,6 @@ def _geometry(q, k, *, attn_mask, alibi_slopes, diag_offset, window_left, window
             return None
         mask = _compact(attn_mask)
         if mask.dtype == torch.bool:
-            if not _finite(q, k):
-                return None
             mask = torch.zeros(mask.shape, dtype=q.dtype).masked_fill_(~mask, float("-inf"))
         return _Plan(0, sk, mask)
     if window_right < 0:

@@ -391,6 +391,14 @@ def check_flash_options(dropout_p, softmax_scale, softcap, window_size, causal):
     return left, 0 if causal else right
 
 
+def broadcastable(shape, target) -> bool:
+    """Whether ``shape`` broadcasts to ``target`` (no more dims; each 1 or equal), checked
+    by hand: under torch.compile expand's error is raised by the tracer, which no except
+    clause in traced code can catch, and on symbolic sizes these comparisons are guards."""
+    return len(shape) <= len(target) and all(
+        m == 1 or m == t for m, t in zip(reversed(shape), reversed(target)))
+
+
 def check_attn_mask(attn_mask, batch, nheads, seqlen_q, seqlen_k, device, dtype):
     """SDPA mask: bool (True = attend) or additive float, broadcastable to (b, h, sq, sk).
 
@@ -412,12 +420,8 @@ def check_attn_mask(attn_mask, batch, nheads, seqlen_q, seqlen_k, device, dtype)
             "attn_mask.requires_grad=True: flashtile returns no gradient for the mask; "
             "pass attn_mask.detach()")
     target = (batch, nheads, seqlen_q, seqlen_k)
-    # Broadcasting rules checked by hand rather than by catching expand's RuntimeError:
-    # under torch.compile that error is raised by the tracer, which no except clause in
-    # traced code can catch. On symbolic sizes these comparisons become guards.
     shape = tuple(attn_mask.shape)
-    if len(shape) > 4 or any(m != 1 and m != t for m, t in zip(reversed(shape),
-                                                               reversed(target))):
+    if not broadcastable(shape, target):
         _fail(ValueError, "attn_mask.shape", f"broadcastable to {target}", shape)
     expanded = attn_mask.expand(target)
     check_offsets(expanded, "attn_mask", dense=False)

@@ -53,8 +53,7 @@ def check_descale(x, name, batch, nheads_kv, device):
         V._fail(ValueError, f"{name}.device", f"q's device {device}", x.device)
     target = (batch, nheads_kv)
     shape = tuple(x.shape)
-    if len(shape) > 2 or any(s != 1 and s != t for s, t in zip(reversed(shape),
-                                                              reversed(target))):
+    if not V.broadcastable(shape, target):
         V._fail(ValueError, f"{name}.shape", f"{target} (batch, nheads_kv), or a shape that "
                 "broadcasts to it such as () for one scale", shape)
     return x.expand(target)

@@ -483,13 +483,14 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
 
     query (batch, nheads, seqlen_q, head_dim) and key/value (batch, nheads_kv, seqlen_k,
     head_dim), or 3-d (batch, seq, head_dim), or with more batch dims in front (batch,
-    ..., nheads, seq, head_dim), the same for query, key and value. ``attn_mask`` is bool (True = attend) or
-    additive in the query's dtype, broadcastable to (batch, nheads, seqlen_q, seqlen_k),
-    and is read tile by tile in the kernel. ``is_causal`` is aligned top-left, as in
-    PyTorch (query i sees keys j <= i). A row whose mask excludes every key returns 0.
-    ``dropout_p`` in [0, 1) drops attention probabilities as PyTorch's does (whenever it
-    is > 0, training or not: nn modules pass 0.0 in eval mode), with flashtile's own
-    Philox mask (flash_attn_func's dropout_p; a different draw than PyTorch's kernels).
+    ..., nheads, seq, head_dim), the same for query, key and value. ``attn_mask`` is
+    bool (True = attend) or additive in the query's dtype, broadcastable to (batch,
+    nheads, seqlen_q, seqlen_k), and is read tile by tile in the kernel. ``is_causal``
+    is aligned top-left, as in PyTorch (query i sees keys j <= i). A row whose mask
+    excludes every key returns 0. ``dropout_p`` in [0, 1) drops attention probabilities
+    as PyTorch's does (whenever it is > 0, training or not: nn modules pass 0.0 in eval
+    mode), with flashtile's own Philox mask (flash_attn_func's dropout_p; a different
+    draw than PyTorch's kernels).
     """
     V.check_bools(is_causal=is_causal, enable_gqa=enable_gqa)
     for x, name in ((query, "query"), (key, "key"), (value, "value")):
@@ -562,7 +563,6 @@ def _merge_mask_batch_dims(attn_mask, query, key, lead):
         return attn_mask
     target = (*lead, query.shape[-3], query.shape[-2], key.shape[-2])
     shape = tuple(attn_mask.shape)
-    if len(shape) > len(target) or any(m != 1 and m != t for m, t in zip(reversed(shape),
-                                                                       reversed(target))):
+    if not V.broadcastable(shape, target):
         V._fail(ValueError, "attn_mask.shape", f"broadcastable to {target}", shape)
     return attn_mask.expand(*lead, *shape[-3:]).reshape(-1, *shape[-3:])

@@ -116,9 +116,7 @@ def _unsupported(query, key, value, attn_mask, is_causal, scale, enable_gqa,
             return "an attn_mask that is not a bool or query-dtype tensor on the " \
                    "query's device"
         target = (*query.shape[:-1], key.shape[-2])      # (batch, [heads,] L, S)
-        if attn_mask.dim() > len(target) or any(
-                m != 1 and m != t for m, t in zip(reversed(attn_mask.shape),
-                                                  reversed(target))):
+        if not V.broadcastable(attn_mask.shape, target):
             return "an attn_mask not broadcastable to the scores' shape"
         if attn_mask.requires_grad and torch.is_grad_enabled():
             return "an attn_mask that requires grad (flashtile returns no mask gradient)"

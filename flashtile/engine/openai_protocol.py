@@ -279,7 +279,8 @@ def sampling_params(body, logprobs, max_tokens, stream: bool,
     kw = {k: body[k] for k in SAMPLING_FIELDS if body.get(k) is not None}
     n = kw.get("n", 1)
     # OpenAI's own bound. Without one a request's n fans out into that many requests
-    # before the engine sees any: n = 1e30 held the server's loop forever (a fuzz, session 36).
+    # before the engine sees any: n = 1e30 held the server's loop forever (a fuzz,
+    # session 36).
     if isinstance(n, int) and not isinstance(n, bool) and n > MAX_N:
         raise RequestError(f"n: expected an int in [1, {MAX_N}], got {n}", "n")
     kw["logit_bias"] = logit_bias(body)
