@@ -300,6 +300,46 @@ def test_batch_invariance_with_chunks_staggering_and_preemption(checkpoint):
     _assert_pool_empty(llm)
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_random_schedules_equal_alone(checkpoint, seed):
+    """Random workloads stepped by hand: prompts sharing a prefix (prefix-cache hits),
+    greedy and seeded sampling, staggered arrivals, aborts, chunks and a pool too small
+    for all (preemption). Each finished request equals its run alone; the pool ends
+    empty."""
+    import random
+    path, _ = checkpoint
+    rng = random.Random(seed)
+    shared = _prompts([rng.choice([16, 20, 33])], seed=10 + seed)[0]
+    requests = []  # (prompt, params, arrival step, aborted two steps after it)
+    for i, tail in enumerate(_prompts([rng.randint(1, 20) for _ in range(8)], seed=seed)):
+        prompt = (shared + tail)[:50] if i % 3 else tail
+        max_tokens = rng.randint(1, 64 - len(prompt))
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True) \
+            if i % 2 else SamplingParams(temperature=1.0, top_p=0.9, seed=rng.randrange(99),
+                                         max_tokens=max_tokens, ignore_eos=True)
+        requests.append((prompt, params, rng.randint(0, 6), i in (3, 6)))
+    alone = _llm(path, enable_prefix_caching=False)
+    want = [_tokens(alone.generate([p], sp, use_tqdm=False))[0] for p, sp, _, _ in requests]
+    llm = _llm(path, max_num_batched_tokens=24, kv_cache_memory=5 * 16 * BYTES_PER_TOKEN)
+    ids, done, aborted, hits, step = {}, {}, set(), 0, 0
+    while len(done) + len(aborted) < len(requests):
+        for i, (prompt, params, arrival, abort) in enumerate(requests):
+            if step == arrival:
+                ids[llm.add_request(prompt, params)] = i
+            elif abort and step == arrival + 2 and i not in done:
+                llm.abort_request(next(r for r, j in ids.items() if j == i))
+                aborted.add(i)
+        for out in llm.step():
+            if out.finished and ids[out.request_id] not in aborted:
+                done[ids[out.request_id]] = out.outputs[0].token_ids
+                hits += out.num_cached_tokens > 0
+        step += 1
+        assert step < 1000
+    assert {i: want[i] for i in done} == done and len(done) >= 6
+    assert llm.scheduler.num_preemptions > 0 and hits > 0, (llm.scheduler.num_preemptions, hits)
+    _assert_pool_empty(llm)
+
+
 @pytest.mark.parametrize("kw", [dict(page_size=64), dict(page_size=256, max_model_len=256),
                                 dict(attention_backend="sdpa"),
                                 dict(attention_backend="naive")],
