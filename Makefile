@@ -73,8 +73,9 @@ clean:
 # 5.0) into a folder of the cache ahead of .venv on PYTHONPATH, numpy pinned to .venv's
 # (the interpreter needs < 2.3), with the `kernels` of its extra (named hub-kernels
 # before 5.1, kernels after; pip passes over the one a version lacks): transformers
-# imports whichever `kernels` it finds, and .venv's needs the newest hub. `make test` covers the newest through .venv. About 1.5
-# minutes a version on 2 cores, plus its download.
+# imports whichever `kernels` it finds, and .venv's needs the newest hub. `make test`
+# covers the newest through .venv. About 1.5 minutes a version on 2 cores, plus its
+# download.
 HF_VERSIONS ?= 4.51.0 4.53.3 4.57.6 5.0.0 5.10.4 5.17.0
 HF_VERSIONS_DIR ?= $(or $(FLASHTILE_CACHE_DIR),$(HOME)/.cache/flashtile)/transformers
 .PHONY: test-hf-versions
@@ -82,8 +83,8 @@ test-hf-versions: $(STAMP)
 	set -e; numpy=$$($(VPY) -c "import numpy; print(numpy.__version__)"); \
 	for v in $(HF_VERSIONS); do \
 		dir='$(HF_VERSIONS_DIR)'/$$v; \
-		[ -d "$$dir" ] || $(VPY) -m pip install -q --target "$$dir" "transformers[hub-kernels,kernels]==$$v" \
-			"numpy==$$numpy"; \
+		[ -d "$$dir" ] || $(VPY) -m pip install -q --target "$$dir" \
+			"transformers[hub-kernels,kernels]==$$v" "numpy==$$numpy"; \
 		PYTHONPATH="$$dir" $(VPY) -c "import transformers as t; v = t.__version__; \
 			print('transformers', v, 'from', t.__file__); assert v == '$$v'"; \
 		PYTHONPATH="$$dir:." TRITON_INTERPRET=1 $(VPY) -m pytest -q -p no:cacheprovider \

@@ -9,6 +9,7 @@ import dataclasses
 import itertools
 import json
 import os
+import random
 import shutil
 
 import pytest
@@ -306,7 +307,6 @@ def test_random_schedules_equal_alone(checkpoint, seed):
     greedy and seeded sampling, staggered arrivals, aborts, chunks and a pool too small
     for all (preemption). Each finished request equals its run alone; the pool ends
     empty."""
-    import random
     path, _ = checkpoint
     rng = random.Random(seed)
     shared = _prompts([rng.choice([16, 20, 33])], seed=10 + seed)[0]
@@ -321,13 +321,14 @@ def test_random_schedules_equal_alone(checkpoint, seed):
     alone = _llm(path, enable_prefix_caching=False)
     want = [_tokens(alone.generate([p], sp, use_tqdm=False))[0] for p, sp, _, _ in requests]
     llm = _llm(path, max_num_batched_tokens=24, kv_cache_memory=5 * 16 * BYTES_PER_TOKEN)
-    ids, done, aborted, hits, step = {}, {}, set(), 0, 0
+    ids, rids, done, aborted, hits, step = {}, {}, {}, set(), 0, 0
     while len(done) + len(aborted) < len(requests):
         for i, (prompt, params, arrival, abort) in enumerate(requests):
             if step == arrival:
-                ids[llm.add_request(prompt, params)] = i
+                rids[i] = llm.add_request(prompt, params)
+                ids[rids[i]] = i
             elif abort and step == arrival + 2 and i not in done:
-                llm.abort_request(next(r for r, j in ids.items() if j == i))
+                llm.abort_request(rids[i])
                 aborted.add(i)
         for out in llm.step():
             if out.finished and ids[out.request_id] not in aborted:
@@ -336,7 +337,8 @@ def test_random_schedules_equal_alone(checkpoint, seed):
         step += 1
         assert step < 1000
     assert {i: want[i] for i in done} == done and len(done) >= 6
-    assert llm.scheduler.num_preemptions > 0 and hits > 0, (llm.scheduler.num_preemptions, hits)
+    preemptions = llm.scheduler.num_preemptions
+    assert preemptions > 0 and hits > 0, (preemptions, hits)
     _assert_pool_empty(llm)
 
 
