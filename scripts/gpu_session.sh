@@ -48,15 +48,9 @@
 #                GPU tests (plans against Triton's path, transformers' decode memo), then
 #                flashtile bench hf with --profile (generate at batch 1 and 16: kernels
 #                and the host time inside the attention function)          (~5 min)
-#   fwd-exp2     the Gluon forward's exp2 share on the FMA pipe (session 35): its GPU
-#                tests and memcheck slice, d64 1k-16k with N = 0/16/8/4, d128 and FP8
-#                d128 4k-16k with 0/16/8                                   (~10 min)
 #   bwd-peel     the Gluon backward's skip_peel option (session 33): its GPU tests and
 #                memcheck slice, causal forward+backward d64 at 1k and 4k against the
 #                default and skip_masked, two rounds; transformers' step with each (~8 min)
-#   bwd-lsepre   the Gluon backward's lse_pre option (session 34; timed in session 35,
-#                +1-3%): the backward's GPU test files with it on and a memcheck slice,
-#                the step before it becomes the default                      (~6 min)
 #   hf-train     issue 16's training step (the head split's GPU tests, then flashtile
 #                bench hf's step: 5 repetitions, the kernels under the profiler) (~4 min)
 #   hopper       the Gluon forward's GPU tests (16-bit) and its timing     (~9 min)
@@ -711,46 +705,6 @@ PY
     timeout 300 python3 -u -m flashtile bench hf --impls flashtile sdpa --profile 10 \
       --out "$OUT/hf-gen.json" 2>&1 | grep --line-buffered -v "^\s*$" | tee "$OUT/hf-gen.txt" \
       | tail -60  # tee first: a run cut short still leaves its lines (session 30)
-    ;;
-  bwd-lsepre)
-    # lse_pre (session 34, NOTES.md sections 44-45): timed in session 35 at +1.2-2.8%
-    # forward + backward at d64, +1-2.4% d128 causal, level d128 full and transformers'
-    # step; its option tests passed. Before it becomes the default: the backward's GPU
-    # test files with it on (d64's default options plus lse_pre, then d128's), and a
-    # memcheck slice. Prediction: all pass, 0 errors.
-    for opts in lse_smem,dq_tma,ds_ring,lse_pre lse_smem,dq_tma,ds_ring,skip_masked,lse_pre; do
-      FLASHTILE_HOPPER_BWD_OPTS=$opts timeout 240 python3 -m pytest -q -p no:cacheprovider \
-        $XDIST --gpu tests/test_bwd_hopper.py tests/test_bwd_paths.py 2>&1 | tail -2 \
-        | sed "s|^|$opts |" | tee -a "$OUT/bwd-lsepre-tests.txt"
-    done
-    FLASHTILE_HOPPER_BWD_OPTS=lse_smem,dq_tma,ds_ring,lse_pre timeout 150 make memcheck \
-      MEMCHECK_K="hopper_bwd" MEMCHECK_FILES=tests/test_bwd_hopper.py 2>&1 | tail -2 \
-      | tee "$OUT/bwd-lsepre-memcheck.txt"
-    ;;
-  fwd-exp2)
-    # FLASHTILE_HOPPER_FWD_EXP2_EMU (session 35, NOTES.md section 45): one in every N of
-    # P's exp2 by a cubic on the FMA pipe (9 instructions for the 8 MUFU cycles a warp it
-    # frees), FA4's trick. A block's softmax lasts at least the larger of 8 x its MUFU
-    # count and its instruction count (fwd_hopper._exp2): d64 528/434 now, 464/500 with
-    # N = 8, 496/466 with 16, 400/563 with 4. Its GPU tests (the PTX elementwise, the
-    # float64 rule through the forward) and a memcheck slice, then N = 0/16/8/4 at d64,
-    # 0/16/8 at d128 and FP8 d128. Prediction: d64 +2-5% with 16 or 8, -3 to -8% with 4;
-    # FP8 d128 +1-4% (16 or 8); d128 16-bit level (its products are 2.4x its MUFU time).
-    # (EXP2_TESTS=0: not the tests)
-    if [ "${EXP2_TESTS:-1}" != 0 ]; then
-      timeout 200 python3 -m pytest -q -p no:cacheprovider $XDIST --gpu \
-        tests/test_fwd_hopper.py -k "exp2" 2>&1 | tail -2 | tee "$OUT/fwd-exp2-tests.txt"
-      timeout 150 make memcheck MEMCHECK_K="exp2_emu and (b1-q257 or b1-q1-)" \
-        MEMCHECK_FILES=tests/test_fwd_hopper.py 2>&1 | tail -2 \
-        | tee "$OUT/fwd-exp2-memcheck.txt"
-    fi
-    e=FLASHTILE_HOPPER_FWD_EXP2_EMU
-    AB_SECS=100 ab fwd-exp2 "$e=0 $e=16 $e=8 $e=4" --providers flashtile sdpa-cudnn \
-      --modes fwd --headdim 64 --seqlens 1k 4k 16k --causal both
-    AB_SECS=80 ab fwd-exp2-128 "$e=0 $e=16 $e=8" --providers flashtile sdpa-cudnn \
-      --modes fwd --headdim 128 --seqlens 4k 16k --causal both
-    AB_SECS=80 ab fwd-exp2-fp8 "$e=0 $e=16 $e=8" --providers flashtile-hopper-fp8 \
-      sdpa-cudnn --modes fwd --headdim 128 --seqlens 4k 16k --causal both
     ;;
   bwd-peel)
     # skip_peel (session 33): skip_masked's skips (which lost 3% at d64 1k: the branch

@@ -423,23 +423,29 @@ def test_oversized_configs_are_refused():
 
 def test_options_knob(monkeypatch):
     """FLASHTILE_HOPPER_BWD_OPTS: a comma-separated subset of the options (spaces and
-    empty items ignored; "none": none; unset: the default, lse_smem, dq_tma and
-    ds_ring), each one constexpr of the kernel; anything else is a ValueError naming the variable, the choices and the
-    unknown items."""
+    empty items ignored; "none": none; unset: the default, lse_smem, dq_tma, ds_ring and
+    lse_pre), each one constexpr of the kernel; anything else is a ValueError naming the
+    variable, the choices and the unknown items."""
     monkeypatch.delenv("FLASHTILE_HOPPER_BWD_OPTS", raising=False)
-    assert configs.hopper_bwd_opts() == {"lse_smem", "dq_tma", "ds_ring"} \
+    assert configs.hopper_bwd_opts() == {"lse_smem", "dq_tma", "ds_ring", "lse_pre"} \
         == configs.HOPPER_BWD_DEFAULT_OPTS == configs.hopper_bwd_opts(64) \
         == configs.hopper_bwd_opts(256)
     # head_dim 128's tile (and 96's, which runs in it) adds skip_masked (session 33).
-    assert configs.hopper_bwd_opts(128) == {"lse_smem", "dq_tma", "ds_ring", "skip_masked"}
+    assert configs.hopper_bwd_opts(128) == {"lse_smem", "dq_tma", "ds_ring", "lse_pre",
+                                            "skip_masked"}
     # head_dim 256: dq_tma by default too (bwd_hopper256 takes it alone).
     assert bwd_hopper.kernel_flags(256, True, configs.hopper_bwd_opts(), 64) \
         == dict(IS_CAUSAL=True, DQ_TMA=True, LPT=False)
     flags = bwd_hopper.kernel_flags(128, True, configs.hopper_bwd_opts(), 64)
-    assert flags == dict(IS_CAUSAL=True, LSE_AHEAD=False, DQ_TMA=True, LSE_SMEM=True,
+    assert flags == dict(IS_CAUSAL=True, LSE_AHEAD=False, DQ_TMA=True, LSE_SMEM=2,
                          DS_RING=True, LPT=False, SKIP_MASKED=False)
-    # ... and lse_ahead where lse_smem cannot run (seqlen_q 301: not a multiple of 4).
+    # lse_pre's rows padded to whole blocks suit every seqlen_q (301: not a multiple of 4).
     flags = bwd_hopper.kernel_flags(128, True, configs.hopper_bwd_opts(), 64, 301)
+    assert flags == dict(IS_CAUSAL=True, LSE_AHEAD=False, DQ_TMA=True, LSE_SMEM=2,
+                         DS_RING=True, LPT=False, SKIP_MASKED=False)
+    # Without it, lse_ahead where lse_smem cannot run.
+    flags = bwd_hopper.kernel_flags(128, True, frozenset({"lse_smem", "dq_tma", "ds_ring"}),
+                                    64, 301)
     assert flags == dict(IS_CAUSAL=True, LSE_AHEAD=True, DQ_TMA=True, LSE_SMEM=False,
                          DS_RING=True, LPT=False, SKIP_MASKED=False)
     for none in ("none", " none ,", ""):

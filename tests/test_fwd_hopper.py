@@ -141,26 +141,6 @@ def test_tree_max_off_its_default_matches_float64_reference(tree, head_dim, conf
 
 @pytest.mark.parametrize("mask", list(MASKS))
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "b{}-q{}-k{}-h{}/{}".format(*s))
-@pytest.mark.parametrize("head_dim,config,dtype,emu", [
-    (64, None, torch.bfloat16, "16"), (64, None, torch.float16, "2"),
-    (128, None, torch.float16, "4"), (128, None, torch.bfloat16, "8"),
-    (256, None, torch.bfloat16, "16"), (64, "192,128,4,3", torch.bfloat16, "8")],
-    ids=["d64-bf16-16", "d64-fp16-2", "d128-fp16-4", "d128-bf16-8", "d256-bf16-16",
-         "d64-m192-bf16-8"])
-@on_hopper
-def test_exp2_emu_matches_float64_reference(head_dim, config, dtype, emu, shape, mask,
-                                            schedule, monkeypatch, fresh_plans):
-    """FLASHTILE_HOPPER_FWD_EXP2_EMU (one in every N of P's exp2 by a cubic on the FMA
-    pipe, 7.5e-5 relative error): test_matches_float64_reference's rule, on both grids,
-    every mask, two and three consumers."""
-    monkeypatch.setenv("FLASHTILE_HOPPER_FWD_EXP2_EMU", emu)
-    if config is not None:
-        monkeypatch.setenv("FLASHTILE_HOPPER_FWD_CONFIG", config)
-    test_matches_float64_reference(dtype, head_dim, shape, mask, schedule)
-
-
-@pytest.mark.parametrize("mask", list(MASKS))
-@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "b{}-q{}-k{}-h{}/{}".format(*s))
 @pytest.mark.parametrize("head_dim,config,dtype", [
     (64, None, torch.bfloat16), (96, None, torch.float16), (128, None, torch.bfloat16),
     (128, None, torch.float16), (256, None, torch.bfloat16),
@@ -959,99 +939,6 @@ def test_packed_p_switch(monkeypatch):
     assert not configs.hopper_fwd_p_packed("0", False)
     assert configs.hopper_fwd_p_packed("1", False)
     assert not configs.hopper_fwd_p_packed("1", True)  # FP8: P's own modes
-
-
-def test_exp2_emu_switch(monkeypatch):
-    """FLASHTILE_HOPPER_FWD_EXP2_EMU: "0" (the default), "2", "4", "8" or "16", as the
-    kernel's EXP2_EMU; anything else a ValueError naming the variable and the choices."""
-    from flashtile.ops import configs
-
-    monkeypatch.delenv("FLASHTILE_HOPPER_FWD_EXP2_EMU", raising=False)
-    assert configs.hopper_fwd_exp2_emu() == 0
-    for raw, want in (("2", 2), (" 4 ", 4), ("8", 8), ("16", 16), ("0", 0)):
-        monkeypatch.setenv("FLASHTILE_HOPPER_FWD_EXP2_EMU", raw)
-        assert configs.hopper_fwd_exp2_emu() == want
-    monkeypatch.setenv("FLASHTILE_HOPPER_FWD_EXP2_EMU", "3")
-    with pytest.raises(ValueError, match="FLASHTILE_HOPPER_FWD_EXP2_EMU must be one of "
-                       "\\('0', '2', '4', '8', '16'\\), got '3'"):
-        configs.hopper_fwd_exp2_emu()
-
-
-def _exp2_inputs(device="cpu"):
-    """Every 1/64 from -140 to 8 (the FP8 P's offset), each offset by a random fraction,
-    then -inf, NaN, 0 and the edges of the flush to zero."""
-    torch.manual_seed(0)
-    grid = torch.arange(-140 * 64, 8 * 64 + 1, dtype=torch.float32) / 64
-    grid = grid + torch.rand(grid.shape) / 64
-    edges = torch.tensor([float("-inf"), float("nan"), 0.0, -127.0, -126.5, -126.0, -125.0,
-                          float("nan"), -0.5, 0.5, -1e-30])
-    return torch.cat([grid, edges]).to(device)
-
-
-def _check_exp2(y, x, tol):
-    """y = exp2(x) within tol relative where 2**x > 2**-125; at most 2**-125 where it is
-    smaller (the flush to zero: 0 from -127 down, -inf included); NaN exactly where x
-    is NaN."""
-    ref = torch.exp2(x.double().cpu())
-    y = y.double().cpu()
-    assert torch.equal(y.isnan(), x.isnan().cpu())
-    normal = ref > 2.0 ** -125
-    assert ((y[normal] / ref[normal] - 1).abs() <= tol).all(), \
-        (y[normal] / ref[normal] - 1).abs().max()
-    tiny = ~normal & ~x.isnan().cpu()
-    assert ((y[tiny] >= 0) & (y[tiny] <= 2.0 ** -125)).all()
-    assert (y[x.cpu() <= -127] == 0).all()
-
-
-def test_exp2_emulated_holds_to_float64():
-    """fwd_hopper.exp2_emulated (the PyTorch form of _exp2_asm's emulated exp2): within
-    7.5e-5 of float64's exp2 (the cubic's fit; ex2.approx's is 2**-22), NaN kept, 0 at
-    -inf and from -127 down, and the float32 coefficients as fitted."""
-    x = _exp2_inputs()
-    _check_exp2(fwd_hopper.exp2_emulated(x), x, 7.5e-5)
-    f = torch.linspace(-0.5, 0.5, 10001, dtype=torch.float64)
-    cubic = sum(c * f ** i for i, c in enumerate(fwd_hopper.EXP2_POLY))
-    assert (cubic / torch.exp2(f) - 1).abs().max() < 7.5e-5
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("pack", [2, 4, 8, 16])
-def test_exp2_asm_on_the_gpu(pack):
-    """_exp2_asm's PTX in a plain Triton kernel: one in every ``pack`` results by the
-    cubic, the rest by ex2.approx (so between 0.8 / pack and 1.05 / pack of them differ
-    from exp2 by more than 1e-6, the cubic's share); every result within 7.5e-5, NaN
-    wherever x is NaN, whichever slot it takes (all of x NaN too)."""
-    import triton
-    import triton.language as tl
-
-    if not torch.cuda.is_available():
-        pytest.skip("PTX runs on an NVIDIA GPU")
-
-    @triton.jit
-    def kernel(X, Y, n, ASM: tl.constexpr, OUT: tl.constexpr, PACK: tl.constexpr,
-               BLOCK: tl.constexpr):
-        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        x = tl.load(X + offs, mask=offs < n, other=0.0)
-        y = tl.inline_asm_elementwise(ASM, OUT, [x], dtype=tl.float32, is_pure=True,
-                                      pack=PACK)
-        tl.store(Y + offs, y, mask=offs < n)
-
-    def run(x):
-        y = torch.empty_like(x)
-        block = 1024
-        kernel[(triton.cdiv(x.numel(), block),)](
-            x, y, x.numel(), ASM=fwd_hopper._exp2_asm(pack),
-            OUT=fwd_hopper._exp2_constraints(pack), PACK=pack, BLOCK=block)
-        return y
-
-    x = _exp2_inputs("cuda")
-    y = run(x)
-    _check_exp2(y, x, 7.5e-5)
-    ref = torch.exp2(x.double())
-    normal = ref > 2.0 ** -125
-    share = ((y.double()[normal] / ref[normal] - 1).abs() > 1e-6).double().mean().item()
-    assert 0.8 / pack <= share <= 1.05 / pack, share
-    assert run(torch.full((4096,), float("nan"), device="cuda")).isnan().all()
 
 
 def test_fp8_p_switch_rejects_other_values(monkeypatch):

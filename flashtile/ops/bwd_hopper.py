@@ -158,8 +158,8 @@ session 28) for the GPU A/B, all compile-checked on the CPU:
   walks), so it is for 64. Prediction: d64 causal forward + backward +1-3% at 1k, level
   to +1% at 4k.
 - lse_pre (LSE_SMEM 2, with lse_smem; session 34; H200 session 35: forward + backward
-  +1.2-2.8% at d64, +1-2.4% d128 causal, level d128 full; opt-in until the backward's
-  whole GPU test files run with it on): FA3's LSE_log2. The preprocess writes lse in
+  +1.2-2.8% at d64, +1-2.4% d128 causal, level d128 full; the default since session
+  38, when the backward's whole GPU test files passed with it on): FA3's LSE_log2. The preprocess writes lse in
   base 2 (+inf where it is -inf) and delta into one (2, batch, nheads, rows) allocation,
   rows seqlen_q rounded up to BLOCK_M with +inf and 0 in the padding, which the row maps
   then read: a walk block converts and masks neither (16 FMUL, 16 FSETP and 48 FSEL a

@@ -539,19 +539,6 @@ def hopper_fwd_p_packed(choice: str, fp8: bool) -> bool:
     return choice == "1" and not fp8
 
 
-# FLASHTILE_HOPPER_FWD_EXP2_EMU (opt-in, session 35, untimed): "2", "4", "8" or "16"
-# computes one in every N of P's exp2 on the FMA pipe (fwd_hopper._exp2: a cubic after a
-# range reduction, 7.5e-5 relative error) and the rest by MUFU; "0" (the default) all by
-# MUFU. fwd_hopper._exp2 says why and which N should win (8 or 16).
-HOPPER_FWD_EXP2_EMU = ("0", "2", "4", "8", "16")
-
-
-def hopper_fwd_exp2_emu() -> int:
-    """FLASHTILE_HOPPER_FWD_EXP2_EMU as the kernel's EXP2_EMU (0, 2, 4, 8 or 16), read at
-    each call (part of the launch plan's key)."""
-    return int(_env_choice("FLASHTILE_HOPPER_FWD_EXP2_EMU", HOPPER_FWD_EXP2_EMU))
-
-
 def hopper_fwd_config(head_dim: int, fp8: bool = False, seqlen_q: int = 0,
                       seqlen_k: int = 0, causal: bool = True) -> TileConfig:
     """HOPPER_FWD_16BIT[head_dim] (HOPPER_FWD_FP8 for FP8 inputs; HOPPER_FWD_D64_THREE
@@ -643,8 +630,10 @@ HOPPER_BWD_OPTS = ("lse_ahead", "dq_tma", "lse_smem", "ds_ring", "lpt", "skip_ma
 # skips outside the walk's loop, for head_dim 64. lse_pre (session 34; with lse_smem;
 # +1.2-2.8% at d64, +1-2.4% d128 causal in session 35, NOTES.md section 45): the
 # preprocess writes lse in base 2 and delta padded to whole query blocks (+inf and 0 in
-# the padding), so the walks convert and mask neither (FA3's LSE_log2).
-HOPPER_BWD_DEFAULT_OPTS = frozenset({"lse_smem", "dq_tma", "ds_ring"})
+# the padding), so the walks convert and mask neither (FA3's LSE_log2); the default since
+# session 38, after the backward's whole GPU test files passed with it on at d64's and
+# d128's options (438 each) and its memcheck slice had 0 errors (H100).
+HOPPER_BWD_DEFAULT_OPTS = frozenset({"lse_smem", "dq_tma", "ds_ring", "lse_pre"})
 HOPPER_BWD_DEFAULT_BY_DIM = {128: HOPPER_BWD_DEFAULT_OPTS | {"skip_masked"}}
 # bwd_hopper256 (head_dim 256) takes dq_tma and lpt alone; there dq_tma (session 18, its fp32
 # tiles in the block's own Q and dO buffers) took forward + backward +24-36% over the

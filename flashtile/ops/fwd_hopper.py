@@ -31,10 +31,7 @@ in three warp-specialised partitions:
   consumers and FP8 lose 3-8% (``configs.hopper_fwd_tree_max``). P_j crosses the
   walk's loop edge to its P V: P_PACKED (16-bit, ``configs.hopper_fwd_p_packed``)
   carries it in the 32-bit registers the casts fill (``_p_operand``), where the operand
-  form leaves ptxas a PRMT per register at the top of every block. EXP2_EMU (opt-in,
-  ``_exp2``) computes one in every 2, 4, 8 or 16 of P's exp2 by a cubic on the FMA pipe:
-  MUFU gives a sub-partition one exp2 a warp every 8 cycles, so a block's 64-66 take
-  ~528 cycles, near the other consumer's ~645 of products at d64.
+  form leaves ptxas a PRMT per register at the top of every block.
 - warp_specialize's register requests become setmaxnreg: the producer keeps 24
   registers per thread and each consumer gets 240 (S, P and O live in registers).
 Three consumers (NUM_WG 3, FLASHTILE_HOPPER_FWD_CONFIG="192,BLOCK_N,4,STAGES", 16-bit:
@@ -130,7 +127,6 @@ from __future__ import annotations
 
 import functools
 import heapq
-import struct
 from typing import Optional
 
 import torch
@@ -161,66 +157,6 @@ CONSUMER_REGS_3WG = gl.constexpr(160)
 P_LOG2_OFFSET = gl.constexpr(_P_LOG2_OFFSET.value)
 # Shared memory one program may use (227 KiB on the H100/H200).
 SMEM_BYTES = gl.constexpr(configs.SM90_SMEM_BYTES)
-
-# EXP2_EMU (``_exp2``): 2**f on f in [-1/2, 1/2] as a cubic, float32 coefficients fitted
-# for the least maximum relative error (7.5e-5: a third of an fp16 P's half ulp, a 26th
-# of bf16's), lowest degree first; the PyTorch form is ``exp2_emulated``.
-EXP2_POLY = (0.9999280571937561, 0.6932609677314758, 0.2426111251115799,
-             0.05517167970538139)
-# (as PTX's hex float32 immediates)
-EXP2_POLY_PTX = gl.constexpr(tuple("0f%08X" % struct.unpack("<I", struct.pack("<f", c))[0]
-                                   for c in EXP2_POLY))
-
-
-@triton.constexpr_function
-def _exp2_asm(pack: int) -> str:
-    """PTX for ``pack`` exp2 of float32: the first of them on the FMA pipe, the others
-    by ex2.approx (MUFU, a quarter of the FMA pipe's rate on sm_90), pack > 1.
-
-    x = max(x, -127) keeping NaN; t = x + 1.5 * 2**23 rounds it to j in t's low bits
-    (add.rn: no contraction), f = x - j in [-1/2, 1/2]; 2**f by the cubic; 2**j as the
-    float whose bits are (j + 127) << 23, one integer multiply-add of t's bits (its high
-    bits leave the word): j = -127 (x = -inf included) gives +0 and so 2**x = 0; a
-    denormal product flushes to 0 as ex2.approx.ftz does. NaN stays NaN."""
-    c0, c1, c2, c3 = EXP2_POLY_PTX
-    lines = ["{", ".reg .f32 ex_x, ex_t, ex_j, ex_f, ex_p, ex_e;", ".reg .b32 ex_b;",
-             f"max.NaN.f32 ex_x, ${pack}, 0fC2FE0000;",
-             "add.rn.f32 ex_t, ex_x, 0f4B400000;",
-             "sub.rn.f32 ex_j, ex_t, 0f4B400000;",
-             "sub.rn.f32 ex_f, ex_x, ex_j;",
-             f"fma.rn.f32 ex_p, ex_f, {c3}, {c2};",
-             f"fma.rn.f32 ex_p, ex_p, ex_f, {c1};",
-             f"fma.rn.f32 ex_p, ex_p, ex_f, {c0};",
-             "mov.b32 ex_b, ex_t;",
-             "mad.lo.s32 ex_b, ex_b, 8388608, 1065353216;",
-             "mov.b32 ex_e, ex_b;",
-             "mul.ftz.f32 $0, ex_p, ex_e;",
-             *[f"ex2.approx.ftz.f32 ${i}, ${pack + i};" for i in range(1, pack)], "}"]
-    return " ".join(lines)
-
-
-@triton.constexpr_function
-def _exp2_constraints(pack: int) -> str:
-    """``_exp2_asm``'s operands: ``pack`` float32 results, then as many inputs."""
-    return ",".join(["=f"] * pack + ["f"] * pack)
-
-
-def exp2_emulated(x: torch.Tensor) -> torch.Tensor:
-    """``_exp2_asm``'s emulated exp2 in PyTorch (float32, the same steps; each fma here
-    rounds twice): the reference its tests hold to float64's exp2."""
-    x = x.float().clamp(min=-127.0)  # (clamp keeps NaN, as max.NaN does)
-    t = x + 12582912.0
-    f = x - (t - 12582912.0)
-    c0, c1, c2, c3 = (torch.tensor(c, dtype=torch.float32) for c in EXP2_POLY)
-    p = torch.addcmul(c2, f, c3)
-    p = torch.addcmul(c1, p, f)
-    p = torch.addcmul(c0, p, f)
-    bits = (t.view(torch.int32).to(torch.int64) * 8388608 + 1065353216) % 2**32
-    bits = torch.where(bits >= 2**31, bits - 2**32, bits)  # as int32
-    scale = bits.to(torch.int32).view(torch.float32)
-    out = p * scale
-    return torch.where(out.abs() < 2.0 ** -126, 0.0, out)  # mul.ftz
-
 
 @gluon.jit
 def _tile_count(Schedule, schedule_row, PERSISTENT: gl.constexpr):
@@ -341,34 +277,9 @@ def _pass_turn(turn, WG: gl.constexpr):
 
 
 @gluon.jit
-def _exp2(x, EXP2_EMU: gl.constexpr):
-    """exp2 of fp32 x; EXP2_EMU 2, 4, 8 or 16: one in every EXP2_EMU of them on the FMA
-    pipe (``_exp2_asm``), the rest by MUFU; 0: all by MUFU (gl.exp2).
-
-    Why (FA4's trick, for Blackwell's slower MUFU): a consumer's walk block takes 64-66
-    exp2 a thread, each a warp instruction that holds its SM sub-partition's MUFU for 8
-    cycles (16 results a clock an SM), so its softmax lasts at least ~528 cycles while
-    the other consumer's products take ~645 at d64 (~808 FP8 d128, ~1290 d128 16-bit).
-    In Nsight Compute (session 15) the d64 forward kept the tensor pipe 45% busy with its
-    warps waiting on each other's turns. An emulated exp2 costs 9 FMA/ALU instructions
-    for the 8 MUFU cycles it frees; one warp issues one instruction a cycle, so the
-    floor of a block's softmax is the larger of 8 x its MUFU count and its instruction
-    count: d64 528 / 434 by MUFU alone, 464 / 500 with one in 8 emulated, 496 / 466
-    with one in 16, 400 / 563 with one in 4. 8 and 16 should win (~6% off the floor),
-    2 and 4 should lose."""
-    if EXP2_EMU:
-        y = gl.inline_asm_elementwise(_exp2_asm(EXP2_EMU), _exp2_constraints(EXP2_EMU), [x],
-                                      dtype=gl.float32, is_pure=True, pack=EXP2_EMU)
-    else:
-        y = gl.exp2(x)
-    return y
-
-
-@gluon.jit
 def _online_softmax(s, m_i, l_i, offs_m, start_n, qk_scale, seqlen_k, diag_offset,
                     MASKED: gl.constexpr, IS_CAUSAL: gl.constexpr, IS_FP8: gl.constexpr,
-                    TREE_MAX: gl.constexpr, ONE_BOUND: gl.constexpr,
-                    EXP2_EMU: gl.constexpr):
+                    TREE_MAX: gl.constexpr, ONE_BOUND: gl.constexpr):
     """One block of the online softmax in base 2: s (64, N) raw q.k products ->
     (p, alpha, m_i, l_i), m_i in scaled units. softmax_scale > 0 (the launcher's
     condition), so the row max of the raw scores scales to that of the scaled ones and
@@ -379,9 +290,7 @@ def _online_softmax(s, m_i, l_i, offs_m, start_n, qk_scale, seqlen_k, diag_offse
     and gl.max reduces each row's in one dependent chain (FMNMX after FMNMX, the rows one
     after the other in ptxas's schedule: 36 deep before the first exp2 at BLOCK_N 128,
     sm_90 SASS); reducing the columns axis by axis of a (64, 2, 2, 2, BLOCK_N / 64, 8)
-    view gives pairwise levels, 10 deep. The same maximum (max is exact in any order).
-
-    EXP2_EMU: one in every EXP2_EMU of P's exp2 on the FMA pipe (``_exp2``)."""
+    view gives pairwise levels, 10 deep. The same maximum (max is exact in any order)."""
     if MASKED:  # the ragged last block, or one crossing the causal diagonal
         # Built here, from start_n: block-invariant column offsets would be hoisted out
         # of the walk, registers the unmasked blocks would keep live.
@@ -420,7 +329,7 @@ def _online_softmax(s, m_i, l_i, offs_m, start_n, qk_scale, seqlen_k, diag_offse
         # The offset rides on the max that is subtracted anyway; l sums the same scaled
         # P, so out = acc / l is unchanged and the lse takes it back at the end.
         m_sub = m_sub - P_LOG2_OFFSET
-    p = _exp2(s * qk_scale - gl.expand_dims(m_sub, 1), EXP2_EMU)             # (64, N)
+    p = gl.exp2(s * qk_scale - gl.expand_dims(m_sub, 1))          # (64, N)
     l_i = l_i * alpha + gl.sum(p, 1)
     return p, alpha, m_new, l_i
 
@@ -505,8 +414,7 @@ def _kv_block(j, kv_base, turn_base, q, k_smem, v_smem, p_smem, k_ready, k_empty
               v_empty, turn, acc, p_op, alpha_o, m_i, l_i, s_init, o_init, offs_m, qk_scale,
               seqlen_k, diag_offset, WG: gl.constexpr, MASKED: gl.constexpr,
               IS_CAUSAL: gl.constexpr, PV_PER_TILE: gl.constexpr, P_SMEM: gl.constexpr,
-              P_PACKED: gl.constexpr, TREE_MAX: gl.constexpr, ONE_BOUND: gl.constexpr,
-              EXP2_EMU: gl.constexpr):
+              P_PACKED: gl.constexpr, TREE_MAX: gl.constexpr, ONE_BOUND: gl.constexpr):
     """Block j >= 1 of a consumer: S_j = Q K_j^T and P_{j-1} V_{j-1} issued in one
     turn, the softmax of S_j while P_{j-1} V_{j-1} runs, then O updated.
 
@@ -545,8 +453,7 @@ def _kv_block(j, kv_base, turn_base, q, k_smem, v_smem, p_smem, k_ready, k_empty
     mbarrier.arrive(k_empty.index(stage), count=1)
     p, alpha, m_i, l_i = _online_softmax(s, m_i, l_i, offs_m, j * BLOCK_N, qk_scale,
                                          seqlen_k, diag_offset, MASKED, IS_CAUSAL,
-                                         v_smem.dtype.is_fp8(), TREE_MAX, ONE_BOUND,
-                                         EXP2_EMU)
+                                         v_smem.dtype.is_fp8(), TREE_MAX, ONE_BOUND)
     alpha = gl.convert_layout(alpha, alpha_o.type.layout)
     if P_SMEM:
         # Buffer j % 2 was last read by P_{j-2} V_{j-2}, complete since block j-1.
@@ -574,8 +481,7 @@ def _mma_tile(i, kv_base, turn_base, q_smem, k_smem, v_smem, o_smem, p_smem, q_r
               qk_scale, lse_row0, v_descale_off, WG: gl.constexpr, IS_CAUSAL: gl.constexpr,
               HAS_V_DESCALE: gl.constexpr, PV_PER_TILE: gl.constexpr, P_SMEM: gl.constexpr,
               PERSISTENT: gl.constexpr, O_IN_Q: gl.constexpr, O_IN_P: gl.constexpr,
-              Q_BUFS: gl.constexpr, TREE_MAX: gl.constexpr, P_PACKED: gl.constexpr,
-              EXP2_EMU: gl.constexpr):
+              Q_BUFS: gl.constexpr, TREE_MAX: gl.constexpr, P_PACKED: gl.constexpr):
     """Consumer warpgroup WG on rows row0 + 64 * WG + [0, 64) of the program's i-th tile,
     its K/V blocks counted in the ring from kv_base and its turns from turn_base.
 
@@ -662,7 +568,7 @@ def _mma_tile(i, kv_base, turn_base, q_smem, k_smem, v_smem, o_smem, p_smem, q_r
         # Masked whatever n_full says: once per tile, and no branch.
         p, alpha, m_i, l_i = _online_softmax(s, m_i, l_i, offs_m, 0, qk_scale, seqlen_k,
                                              diag_offset, True, IS_CAUSAL, IS_FP8,
-                                             TREE_MAX, ONE_BOUND, EXP2_EMU)
+                                             TREE_MAX, ONE_BOUND)
         # Block 0's alpha is 0 (or NaN with NaN scores): O is 0 before it either way.
         alpha_o = gl.convert_layout(alpha, o_row_layout)
         if P_SMEM:
@@ -680,13 +586,13 @@ def _mma_tile(i, kv_base, turn_base, q_smem, k_smem, v_smem, o_smem, p_smem, q_r
                 j, kv_base, turn_base, q, k_smem, v_smem, p_smem, k_ready, k_empty, v_ready,
                 v_empty, turn, acc, p_op, alpha_o, m_i, l_i, s_init, o_init, offs_m, qk_scale,
                 seqlen_k, diag_offset, WG, False, IS_CAUSAL, PV_PER_TILE, P_SMEM,
-                P_PACKED, TREE_MAX, ONE_BOUND, EXP2_EMU)
+                P_PACKED, TREE_MAX, ONE_BOUND)
         for j in range(gl.maximum(n_full, 1), n_blocks):
             acc, p_op, alpha_o, m_i, l_i = _kv_block(
                 j, kv_base, turn_base, q, k_smem, v_smem, p_smem, k_ready, k_empty, v_ready,
                 v_empty, turn, acc, p_op, alpha_o, m_i, l_i, s_init, o_init, offs_m, qk_scale,
                 seqlen_k, diag_offset, WG, True, IS_CAUSAL, PV_PER_TILE, P_SMEM,
-                P_PACKED, TREE_MAX, ONE_BOUND, EXP2_EMU)
+                P_PACKED, TREE_MAX, ONE_BOUND)
         if EARLY_Q_RELEASE:  # every S of the tile is done: Q may take the next tile's
             mbarrier.arrive(q_empty.index(q_at), count=1)
         last_kv = kv_base + n_blocks - 1
@@ -759,7 +665,7 @@ def _mma_partition(args, WG: gl.constexpr, IS_CAUSAL: gl.constexpr,
                    HAS_V_DESCALE: gl.constexpr, PV_PER_TILE: gl.constexpr,
                    P_SMEM: gl.constexpr, PERSISTENT: gl.constexpr,
                    O_IN_Q: gl.constexpr, O_IN_P: gl.constexpr, Q_BUFS: gl.constexpr,
-                   TREE_MAX: gl.constexpr, P_PACKED: gl.constexpr, EXP2_EMU: gl.constexpr):
+                   TREE_MAX: gl.constexpr, P_PACKED: gl.constexpr):
     """Consumer warpgroup WG: rows 64 * WG + [0, 64) of each tile of the program, in the
     producer's order (``_tile_at``)."""
     (q_smem, k_smem, v_smem, o_smem, p_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
@@ -788,7 +694,7 @@ def _mma_partition(args, WG: gl.constexpr, IS_CAUSAL: gl.constexpr,
                   scale * LOG2E, off_bh * seqlen_q,  # lse: (batch, nheads, seqlen_q)
                   off_b * stride_vdesc_b + off_hkv * stride_vdesc_h, WG, IS_CAUSAL,
                   HAS_V_DESCALE, PV_PER_TILE, P_SMEM, PERSISTENT, O_IN_Q, O_IN_P, Q_BUFS,
-                  TREE_MAX, P_PACKED, EXP2_EMU)
+                  TREE_MAX, P_PACKED)
         kv_base += n_blocks
         turn_base += n_blocks + (n_blocks > 0).to(gl.int32)  # the last P V's turn
     if PERSISTENT and not O_IN_Q:
@@ -805,8 +711,7 @@ def _attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, Lse, QDescale, KDesc
                             HAS_V_DESCALE: gl.constexpr, PV_PER_TILE: gl.constexpr,
                             P_SMEM: gl.constexpr, PERSISTENT: gl.constexpr,
                             NUM_WG: gl.constexpr, Q_BUFS: gl.constexpr,
-                            TREE_MAX: gl.constexpr, P_PACKED: gl.constexpr,
-                            EXP2_EMU: gl.constexpr):
+                            TREE_MAX: gl.constexpr, P_PACKED: gl.constexpr):
     """One program a (query tile, batch-head) of the (n_tiles_m, batch * nheads) grid,
     or (PERSISTENT) a program per SM walking its row of the host's Schedule. NUM_WG
     consumer warpgroups of 64 rows each: 2, or 3 (BLOCK_M 192, where the module
@@ -897,24 +802,24 @@ def _attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, Lse, QDescale, KDesc
         gl.warp_specialize([
             (_mma_partition, (mma_args, 0, IS_CAUSAL, HAS_Q_DESCALE, HAS_K_DESCALE,
                               HAS_V_DESCALE, PV_PER_TILE, P_SMEM, PERSISTENT, O_IN_Q,
-                              O_IN_P, Q_BUFS, TREE_MAX, P_PACKED, EXP2_EMU)),
+                              O_IN_P, Q_BUFS, TREE_MAX, P_PACKED)),
             (_load_partition, (load_args, IS_CAUSAL, PERSISTENT, Q_BUFS)),
             (_mma_partition, (mma_args, 1, IS_CAUSAL, HAS_Q_DESCALE, HAS_K_DESCALE,
                               HAS_V_DESCALE, PV_PER_TILE, P_SMEM, PERSISTENT, O_IN_Q,
-                              O_IN_P, Q_BUFS, TREE_MAX, P_PACKED, EXP2_EMU)),
+                              O_IN_P, Q_BUFS, TREE_MAX, P_PACKED)),
             (_mma_partition, (mma_args, 2, IS_CAUSAL, HAS_Q_DESCALE, HAS_K_DESCALE,
                               HAS_V_DESCALE, PV_PER_TILE, P_SMEM, PERSISTENT, O_IN_Q,
-                              O_IN_P, Q_BUFS, TREE_MAX, P_PACKED, EXP2_EMU)),
+                              O_IN_P, Q_BUFS, TREE_MAX, P_PACKED)),
         ], [1, 4, 4], [PRODUCER_REGS, CONSUMER_REGS_3WG, CONSUMER_REGS_3WG])
     else:
         gl.warp_specialize([
             (_mma_partition, (mma_args, 0, IS_CAUSAL, HAS_Q_DESCALE, HAS_K_DESCALE,
                               HAS_V_DESCALE, PV_PER_TILE, P_SMEM, PERSISTENT, O_IN_Q,
-                              O_IN_P, Q_BUFS, TREE_MAX, P_PACKED, EXP2_EMU)),
+                              O_IN_P, Q_BUFS, TREE_MAX, P_PACKED)),
             (_load_partition, (load_args, IS_CAUSAL, PERSISTENT, Q_BUFS)),
             (_mma_partition, (mma_args, 1, IS_CAUSAL, HAS_Q_DESCALE, HAS_K_DESCALE,
                               HAS_V_DESCALE, PV_PER_TILE, P_SMEM, PERSISTENT, O_IN_Q,
-                              O_IN_P, Q_BUFS, TREE_MAX, P_PACKED, EXP2_EMU)),
+                              O_IN_P, Q_BUFS, TREE_MAX, P_PACKED)),
         ], [1, 4], [PRODUCER_REGS, CONSUMER_REGS])
 
 
@@ -1088,7 +993,6 @@ def forward(q, k, v, softmax_scale, diag_offset, causal, q_descale=None, k_desca
     q_bufs = configs.hopper_fwd_q_buffers(tile_d) if persistent and not fp8 else 1
     tree_choice = configs.hopper_fwd_tree_max_choice()
     packed_choice = configs.hopper_fwd_p_packed_choice()
-    exp2_emu = configs.hopper_fwd_exp2_emu()
     pv_per_tile = fp8 and configs.hopper_fwd_fp8_pv_per_tile(tile_d)
     key = None
     if _launch.ready(q):
@@ -1104,7 +1008,7 @@ def forward(q, k, v, softmax_scale, diag_offset, causal, q_descale=None, k_desca
             scales, fp8_key = (lse_ptr, lse_ptr, lse_ptr), None
         key = ("hopper_fwd", q.dtype, q.shape, k.shape, q.stride(), k.stride(),
                None if fp8 else v.stride(), causal, diag_offset, persistent, q_bufs,
-               tree_choice, packed_choice, exp2_emu, fp8_key)
+               tree_choice, packed_choice, fp8_key)
         found = _launch.lookup(key)
         if found is not None:
             plan, schedule = found  # the plan encodes the tensor maps from the tensors
@@ -1130,8 +1034,7 @@ def forward(q, k, v, softmax_scale, diag_offset, causal, q_descale=None, k_desca
                  PV_PER_TILE=pv_per_tile, P_SMEM=p_smem, PERSISTENT=persistent,
                  NUM_WG=num_wg, Q_BUFS=_q_buffers(q_bufs, tile_d, cfg),
                  TREE_MAX=configs.hopper_fwd_tree_max(tree_choice, num_wg, fp8),
-                 P_PACKED=configs.hopper_fwd_p_packed(packed_choice, fp8),
-                 EXP2_EMU=exp2_emu)
+                 P_PACKED=configs.hopper_fwd_p_packed(packed_choice, fp8))
     configs.log_first_launch("hopper forward", q, d, cfg, flags)
     n_tiles_m = configs.cdiv(sq, cfg.block_m)
     grid = (schedule.shape[0],) if persistent else (n_tiles_m, b * h)
