@@ -59,8 +59,8 @@ test-gpu:
 # A fast slice of the GPU tests under compute-sanitizer: must report 0 errors.
 # bad_index: indices out of range of every kind, which the kernels must never follow
 # (tests/test_index_safety.py); plan: launches through cached launch plans.
-MEMCHECK_K ?= (fwd_bwd and bfloat16 and (q3000 or q37-k1 or q53-k31 or d160 or win or alibi or cap)) or varlen or decode or paged or splits or append or leftpad or merge or sdpa_masks or inf_rows or nan or bad_index or plan or fp8 or hopper_bwd or wider or elementwise
-MEMCHECK_FILES ?= tests/test_attention.py tests/test_varlen.py tests/test_varlen_paged.py tests/test_decode.py tests/test_decode_variants.py tests/test_merge.py tests/test_sdpa.py tests/test_nan.py tests/test_index_safety.py tests/test_launch_plans.py tests/test_fwd_hopper.py tests/test_bwd_hopper.py tests/test_fp8.py tests/test_engine_elementwise.py
+MEMCHECK_K ?= (fwd_bwd and bfloat16 and (q3000 or q37-k1 or q53-k31 or d160 or win or alibi or cap)) or varlen or decode or paged or splits or append or leftpad or merge or sdpa_masks or inf_rows or nan or bad_index or plan or fp8 or hopper_bwd or wider or elementwise or gemv
+MEMCHECK_FILES ?= tests/test_attention.py tests/test_varlen.py tests/test_varlen_paged.py tests/test_decode.py tests/test_decode_variants.py tests/test_merge.py tests/test_sdpa.py tests/test_nan.py tests/test_index_safety.py tests/test_launch_plans.py tests/test_fwd_hopper.py tests/test_bwd_hopper.py tests/test_fp8.py tests/test_engine_elementwise.py tests/test_engine_gemv.py
 memcheck:
 	PYTHONPATH=. compute-sanitizer --tool memcheck --error-exitcode 9 $(GPU_PY) -m pytest \
 		-q -p no:cacheprovider --gpu -k "$(MEMCHECK_K)" $(MEMCHECK_FILES)

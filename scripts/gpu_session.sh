@@ -35,6 +35,9 @@
 #                kernels, then logits, sampling and copies; host and device time): 0.5B
 #                at batch 1 and 256, 1B at 256, 8B at 1 and 32; then the decode kernel
 #                alone at the engine's shapes (bench.decode --engine)     (~4 min)
+#   engine-gemv  the engine's linears as a GEMV at 1-2 tokens (FLASHTILE_ENGINE_GEMV):
+#                its GPU tests, the engine's with it on, memcheck slice, the 0.5B and 8B
+#                decode steps at batch 1 and 2 with it off, at 1 and at 2      (~9 min)
 #   engine-fused the engine's elementwise Triton kernels (RMSNorm, SiLU-and-multiply,
 #                rotary + cache write): their GPU tests and the engine's, their memcheck
 #                slice, then the 0.5B decode-step bench (batches 1 and 256, a prompt step
@@ -634,6 +637,26 @@ PY
     timeout 75 python3 -m flashtile.bench.decode --engine "$OUT/decode-engine.json" 2>&1 \
       | grep "^|\|^#" | tee "$OUT/decode-engine.txt"
     stamp done
+    ;;
+  engine-gemv)
+    # FLASHTILE_ENGINE_GEMV (engine/gemv.py, session 38): the engine's linears as a GEMV
+    # for steps of 1 or 2 tokens. Its GPU tests, the engine's GPU tests with it on (CUDA
+    # graphs at batch 1 and 2 capture it) and a memcheck slice; then the decode step at
+    # batch 1 and 2 (1,024 keys, graphs) with it off, at 1 and at 2, 0.5B and 8B shapes.
+    # Prediction (the probe's H100 kernels, NOTES.md section 48): the 0.5B step at batch
+    # 1 -0.1 ms (~8-10%), the 8B's -0.3 to -0.4 ms (~7-8%); batch 2 about half that.
+    FLASHTILE_ENGINE_GEMV=2 timeout 200 python3 -m pytest -q -p no:cacheprovider $XDIST \
+      --gpu tests/test_engine_gemv.py tests/test_engine_gpu.py 2>&1 | tail -2 \
+      | tee "$OUT/engine-gemv-tests.txt"
+    timeout 120 make memcheck MEMCHECK_K="gemv" MEMCHECK_FILES=tests/test_engine_gemv.py \
+      2>&1 | tail -2 | tee "$OUT/engine-gemv-memcheck.txt"
+    for model in qwen2.5-0.5b llama-3-8b; do
+      for g in 0 1 2; do
+        FLASHTILE_ENGINE_GEMV=$g timeout 100 python3 -m flashtile.bench.throughput \
+          --decode-step --models $model --decode-batches 1 2 --decode-reps 20 \
+          --timeout 90 2>&1 | grep "^|" | sed "s|^|gemv=$g |" | tee -a "$OUT/engine-gemv.txt"
+      done
+    done
     ;;
   engine-fused)
     # The engine's elementwise Triton kernels: RMSNorm(+residual), SiLU-and-multiply

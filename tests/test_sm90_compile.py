@@ -732,3 +732,18 @@ def test_dropout_compiles_for_sm90(kind, head_dim):
     calls = cfg.block_m * cfg.block_n // (4 * 32 * cfg.num_warps)
     mul_hi = ck.asm["ptx"].count("mul.hi.u32")
     assert 0 < mul_hi <= 3 * 20 * calls, (mul_hi, calls)
+
+
+@pytest.mark.parametrize("m", [1, 2])
+@pytest.mark.parametrize("n,k,bias", [(1152, 896, True), (9728, 896, False),
+                                      (896, 4864, False), (28672, 4096, False)])
+def test_engine_gemv_compiles_vectorised(n, k, bias, m):
+    """engine/gemv.py at the 0.5B and 8B products: no spills, W read in 16-byte vectors
+    (the kernel is a stream of W's bytes), with the tiles its launcher takes."""
+    from flashtile.engine.gemv import _gemv_kernel, gemv_tile
+    block_n, block_k, warps = gemv_tile(k)
+    ck = compile_kernel(_gemv_kernel, dict(N=n, K=k, BLOCK_M=m, BLOCK_N=block_n,
+                                           BLOCK_K=block_k, HAS_BIAS=bias),
+                        num_warps=warps, types=dict(M="i32"))
+    assert resources(ck)["stack_bytes"] == 0
+    assert "ld.global.v4.b32" in set(re.findall(r"\bld\.global[.\w]*", ck.asm["ptx"]))

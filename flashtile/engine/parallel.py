@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from flashtile._validate import _fail
+from flashtile.engine.gemv import linear
 
 
 def group_rank(group=None) -> int:
@@ -139,7 +140,7 @@ class ColumnParallelLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(sum(self.local_sizes))) if bias else None
 
     def forward(self, x):
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
     def full_shape(self, name: str, shard: Optional[int] = None) -> tuple:
         rows = sum(self.output_sizes) if shard is None else self.output_sizes[shard]
@@ -189,8 +190,8 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x):
         if self.tp.size == 1:
-            return F.linear(x, self.weight, self.bias)
-        y = self.tp.all_reduce(F.linear(x, self.weight))
+            return linear(x, self.weight, self.bias)
+        y = self.tp.all_reduce(linear(x, self.weight))
         return y if self.bias is None else y + self.bias  # added once, not once per rank
 
     def full_shape(self, name: str, shard: Optional[int] = None) -> tuple:
@@ -238,5 +239,5 @@ class ParallelLMHead(VocabParallelEmbedding):
     the full (rows, vocab_size) logits."""
 
     def forward(self, hidden):
-        logits = self.tp.all_gather(F.linear(hidden, self.weight))
+        logits = self.tp.all_gather(linear(hidden, self.weight))
         return logits if self.tp.size == 1 else logits[:, :self.num_embeddings]
