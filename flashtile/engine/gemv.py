@@ -135,6 +135,7 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
         if _max_tokens is None:
             _max_tokens = max_tokens()
         if 0 < x.shape[0] <= _max_tokens and x.dim() == 2 and x.stride(1) == 1 \
-                and weight.is_contiguous():
+                and weight.is_contiguous() and weight.dtype == x.dtype \
+                and (bias is None or bias.is_contiguous()):
             return gemv(x, weight, bias)
     return F.linear(x, weight, bias)
