@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from flashtile.engine import gemv as gemv_module
-from flashtile.engine.gemv import gemv, gemv_reference, linear, max_tokens
+from flashtile.engine.gemv import gemv, gemv_reference, linear
+from flashtile.ops import configs
 from tests.conftest import triton_available_here
 from tests.utils import assert_close_rule
 
@@ -75,16 +76,17 @@ def test_gemv_rejects_bad_input():
 
 
 def test_max_tokens_switch(monkeypatch):
-    """FLASHTILE_ENGINE_GEMV: 0 (unset), 1 or 2 tokens a step; else a ValueError naming
-    the variable."""
+    """FLASHTILE_ENGINE_GEMV (configs.engine_gemv_max_tokens): 0 (unset), 1 or 2 tokens a
+    step; else a ValueError naming the variable and the choices."""
     monkeypatch.delenv("FLASHTILE_ENGINE_GEMV", raising=False)
-    assert max_tokens() == 0
+    assert configs.engine_gemv_max_tokens() == 0
     for raw, want in (("1", 1), (" 2 ", 2), ("0", 0)):
         monkeypatch.setenv("FLASHTILE_ENGINE_GEMV", raw)
-        assert max_tokens() == want
+        assert configs.engine_gemv_max_tokens() == want
     monkeypatch.setenv("FLASHTILE_ENGINE_GEMV", "3")
-    with pytest.raises(ValueError, match=r"FLASHTILE_ENGINE_GEMV must be one of 0..2"):
-        max_tokens()
+    with pytest.raises(ValueError, match=r"FLASHTILE_ENGINE_GEMV must be one of "
+                       r"\('0', '1', '2'\), got '3'"):
+        configs.engine_gemv_max_tokens()
 
 
 def test_linear_routes_small_cuda_steps(monkeypatch):

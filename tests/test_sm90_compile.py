@@ -740,8 +740,8 @@ def test_dropout_compiles_for_sm90(kind, head_dim):
 def test_engine_gemv_compiles_vectorised(n, k, bias, m):
     """engine/gemv.py at the 0.5B and 8B products: no spills, W read in 16-byte vectors
     (the kernel is a stream of W's bytes), with the tiles its launcher takes."""
-    from flashtile.engine.gemv import _gemv_kernel, gemv_tile
-    block_n, block_k, warps = gemv_tile(k)
+    from flashtile.engine.gemv import _gemv_kernel
+    block_n, block_k, warps = configs.gemv_tile(k)
     ck = compile_kernel(_gemv_kernel, dict(N=n, K=k, BLOCK_M=m, BLOCK_N=block_n,
                                            BLOCK_K=block_k, HAS_BIAS=bias),
                         num_warps=warps, types=dict(M="i32"))

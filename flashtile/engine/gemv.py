@@ -17,13 +17,12 @@ in flight (the loads are not software-pipelined: sm_90 compiles showed stages ch
 nothing for loads that feed no dot).
 
 Opt-in until the engine's decode step is timed with it: ``FLASHTILE_ENGINE_GEMV=N`` sends
-steps of at most N tokens (1 or 2; 0, the default: none) through ``linear``.
+steps of at most N tokens (1 or 2; 0, the default: none) through ``linear``
+(``configs.engine_gemv_max_tokens``; its tiles: ``configs.gemv_tile``).
 ``gemv_reference`` is F.linear.
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 import torch.nn.functional as F
@@ -31,6 +30,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from flashtile._validate import _fail
 from flashtile.ops import _launch, configs
 
 
@@ -62,33 +62,24 @@ def _gemv_kernel(X, W, Bias, Out, M, stride_xm,
 
 # The kernel parameters a call of a plan fills, in this order (``_launch``).
 _SLOTS = ("X", "W", "Bias", "Out", "M")
-# Rows a call takes: past 2 the FMA form loses to cuBLAS (the module's docstring).
-MAX_M = 2
-
-
-def gemv_tile(k: int) -> tuple[int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps): the probe's winner at M = 1 and 2 for nearly every
-    product of the 0.5B, 1B and 8B shapes, 4 features a program over 16 KB tiles of W
-    where K allows (8 KB at K < 2048)."""
-    return 4, 2048 if k >= 2048 else 1024, 4
+MAX_M = configs.ENGINE_GEMV_MAX_M  # rows a call takes
 
 
 def gemv(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """x (M, K) with M <= MAX_M and a unit last stride, weight (N, K) contiguous, bias (N,)
     or None: x @ weight^T + bias as (M, N) in x's dtype, accumulated in fp32."""
     if x.dim() != 2 or not 1 <= x.shape[0] <= MAX_M or x.stride(1) != 1:
-        raise ValueError(f"x: expected (M, K) with 1 <= M <= {MAX_M} and a unit last stride, "
-                         f"got shape {tuple(x.shape)} strides {x.stride()}")
+        _fail(ValueError, "x", f"(M, K) with 1 <= M <= {MAX_M} and a unit last stride",
+              f"shape {tuple(x.shape)} strides {x.stride()}")
     n, k = weight.shape
     if x.shape[1] != k or not weight.is_contiguous() or weight.dtype != x.dtype:
-        raise ValueError(f"weight: expected a contiguous (N, {x.shape[1]}) {x.dtype} tensor, "
-                         f"got shape {tuple(weight.shape)} {weight.dtype}")
+        _fail(ValueError, "weight", f"a contiguous (N, {x.shape[1]}) {x.dtype} tensor",
+              f"shape {tuple(weight.shape)} {weight.dtype}")
     if bias is not None and (bias.shape != (n,) or not bias.is_contiguous()):
-        raise ValueError(f"bias: expected a contiguous ({n},) tensor, got shape "
-                         f"{tuple(bias.shape)}")
+        _fail(ValueError, "bias", f"a contiguous ({n},) tensor", f"shape {tuple(bias.shape)}")
     m = x.shape[0]
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    block_n, block_k, warps = gemv_tile(k)
+    block_n, block_k, warps = configs.gemv_tile(k)
     grid = (configs.cdiv(n, block_n), 1, 1)
     b = weight if bias is None else bias  # (never read without HAS_BIAS)
     key = None
@@ -115,17 +106,9 @@ def gemv_reference(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Ten
     return F.linear(x, weight, bias)
 
 
-def max_tokens() -> int:
-    """FLASHTILE_ENGINE_GEMV: the largest step (tokens) the engine's linears run through
-    ``gemv``; 0 (unset): none."""
-    raw = os.environ.get("FLASHTILE_ENGINE_GEMV", "0").strip()
-    if raw not in {str(i) for i in range(MAX_M + 1)}:
-        raise ValueError(f"FLASHTILE_ENGINE_GEMV must be one of 0..{MAX_M} (tokens a step), "
-                         f"got {raw!r}")
-    return int(raw)
-
-
-_max_tokens = None  # max_tokens(), read at the first call (a step calls linear ~100 times)
+# configs.engine_gemv_max_tokens(), read at the first CUDA call: a step calls linear ~100
+# times.
+_max_tokens = None
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
@@ -133,7 +116,7 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     global _max_tokens
     if x.is_cuda:
         if _max_tokens is None:
-            _max_tokens = max_tokens()
+            _max_tokens = configs.engine_gemv_max_tokens()
         if 0 < x.shape[0] <= _max_tokens and x.dim() == 2 and x.stride(1) == 1 \
                 and weight.is_contiguous() and weight.dtype == x.dtype \
                 and (bias is None or bias.is_contiguous()):

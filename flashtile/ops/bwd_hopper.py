@@ -159,15 +159,15 @@ session 28) for the GPU A/B, all compile-checked on the CPU:
   to +1% at 4k.
 - lse_pre (LSE_SMEM 2, with lse_smem; session 34; H200 session 35: forward + backward
   +1.2-2.8% at d64, +1-2.4% d128 causal, level d128 full; the default since session
-  38, when the backward's whole GPU test files passed with it on): FA3's LSE_log2. The preprocess writes lse in
-  base 2 (+inf where it is -inf) and delta into one (2, batch, nheads, rows) allocation,
-  rows seqlen_q rounded up to BLOCK_M with +inf and 0 in the padding, which the row maps
-  then read: a walk block converts and masks neither (16 FMUL, 16 FSETP and 48 FSEL a
-  thread at d64 go, and ptxas packs the rest tighter). sm_90 SASS: d64 530 -> 433
-  instructions a block (causal 564 -> 472), d128 causal with skip_masked 850 -> 723 (a
-  word more in local memory there). Its padded rows suit the row maps at every seqlen_q,
-  so with it lse_smem runs where it would otherwise give way to lse_ahead
-  (``kernel_flags``).
+  38, when the backward's whole GPU test files passed with it on): FA3's LSE_log2. The
+  preprocess writes lse in base 2 (+inf where it is -inf) and delta into one (2, batch,
+  nheads, rows) allocation, rows seqlen_q rounded up to BLOCK_M with +inf and 0 in the
+  padding, which the row maps then read: a walk block converts and masks neither (16
+  FMUL, 16 FSETP and 48 FSEL a thread at d64 go, and ptxas packs the rest tighter).
+  sm_90 SASS: d64 530 -> 433 instructions a block (causal 564 -> 472), d128 causal with
+  skip_masked 850 -> 723 (a word more in local memory there). Its padded rows suit the
+  row maps at every seqlen_q, so with it lse_smem runs where it would otherwise give way
+  to lse_ahead (``kernel_flags``).
 Tried and removed (H200, the sections of docs/benchmarks/NOTES.md):
 - sdp (head dim 64), FA3's order: dP^T issued right behind S^T, the consumer waiting
   for S^T alone and computing P^T while dP^T runs. ptxas hoists dP^T's wait (no register

@@ -173,6 +173,28 @@ def rope_store_tile(heads: int, kv_heads: int, half: int,
     heads_kv = min(next_power_of_2(kv_heads), most)
     return block_half, heads_q, heads_kv, elementwise_warps(heads_q * block_half)
 
+
+# The engine's GEMV (engine/gemv.py) for decode steps of at most ENGINE_GEMV_MAX_M tokens:
+# past 2 rows its FMA form loses to cuBLAS (session 38, NOTES.md section 48).
+# FLASHTILE_ENGINE_GEMV (opt-in until the engine's step is timed with it): the largest
+# step that takes it, "0" (the default) none.
+ENGINE_GEMV_MAX_M = 2
+ENGINE_GEMV = tuple(str(m) for m in range(ENGINE_GEMV_MAX_M + 1))
+
+
+def engine_gemv_max_tokens() -> int:
+    """FLASHTILE_ENGINE_GEMV as the largest step (tokens) the engine's linears run
+    through the GEMV; 0 when unset."""
+    return int(_env_choice("FLASHTILE_ENGINE_GEMV", ENGINE_GEMV))
+
+
+def gemv_tile(k: int) -> tuple[int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps) of the engine's GEMV over rows of k inputs: the
+    session 38 probe's winner at M = 1 and 2 for nearly every product of the 0.5B, 1B
+    and 8B shapes, 4 features a program over 16 KB tiles of W where K allows (8 KB at K
+    < 2048)."""
+    return 4, 2048 if k >= 2048 else 1024, 4
+
 _INTERPRETER = {
     "fwd": TileConfig(16, 32),
     "bwd_dkdv": TileConfig(32, 16),  # (BLOCK_M over queries, BLOCK_N over keys)
