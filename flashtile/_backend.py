@@ -106,7 +106,8 @@ def hopper_fwd_mode() -> str:
     (flashtile/ops/fwd_hopper.py) instead of the portable one, wherever it supports the
     call. "auto" (the default): the cells where it was timed faster
     (``custom_ops._hopper_fwd_wins``: 16-bit at head dims 64, 96 (in d128's tiles), 128
-    and 256 from 128 queries, FP8 at head dim 128 from 4k); "1": every call it supports; "0": never."""
+    and 256 from 128 queries, FP8 at 64, 128 and 256 from 1k); "1": every call it
+    supports; "0": never."""
     value = getenv("FLASHTILE_HOPPER_FWD", "auto")
     if value == "auto":
         return value

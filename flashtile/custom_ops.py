@@ -156,10 +156,12 @@ def _hopper_fwd_wins(q: Tensor) -> bool:
       queries: 1.26-1.75x at d128/d256 from 1k (NOTES.md section 20), d64 on the
       persistent grid 1.04-1.21x (section 23), 128-512 queries 1.1-1.7x (section 32);
       d96 in d128's tile (configs.HOPPER_WIDER) 1.17-1.57x from 1k (section 36).
-    - FP8 (flashtile.fp8) at head dim 128 with at least 4k queries: 1.17-1.24x, P through
-      shared memory (NOTES.md section 22). Other head dims and shorter calls untimed."""
+    - FP8 (flashtile.fp8) at head dims 64, 128 and 256 from
+      configs.HOPPER_FWD_FP8_AUTO_MIN_SEQLEN queries: 1.10-1.62x on an H100 at 1k-16k
+      (NOTES.md section 49). Shorter calls untimed."""
     if q.element_size() == 1:
-        return q.shape[-1] == 128 and q.shape[1] >= 4096
+        return q.shape[-1] in configs.HOPPER_FWD_FP8_AUTO_D \
+            and q.shape[1] >= configs.HOPPER_FWD_FP8_AUTO_MIN_SEQLEN
     return q.element_size() == 2 and q.shape[-1] >= 64 \
         and q.shape[1] >= configs.HOPPER_FWD_AUTO_MIN_SEQLEN
 

@@ -51,9 +51,6 @@
 #                GPU tests (plans against Triton's path, transformers' decode memo), then
 #                flashtile bench hf with --profile (generate at batch 1 and 16: kernels
 #                and the host time inside the attention function)          (~5 min)
-#   bwd-peel     the Gluon backward's skip_peel option (session 33): its GPU tests and
-#                memcheck slice, causal forward+backward d64 at 1k and 4k against the
-#                default and skip_masked, two rounds; transformers' step with each (~8 min)
 #   hf-train     issue 16's training step (the head split's GPU tests, then flashtile
 #                bench hf's step: 5 repetitions, the kernels under the profiler) (~4 min)
 #   hopper       the Gluon forward's GPU tests (16-bit) and its timing     (~9 min)
@@ -643,8 +640,8 @@ PY
     # for steps of 1 or 2 tokens. Its GPU tests, the engine's GPU tests with it on (CUDA
     # graphs at batch 1 and 2 capture it) and a memcheck slice; then the decode step at
     # batch 1 and 2 (1,024 keys, graphs) with it off, at 1 and at 2, 0.5B and 8B shapes.
-    # Prediction (the probe's H100 kernels, NOTES.md section 48): the 0.5B step at batch
-    # 1 -0.1 ms (~8-10%), the 8B's -0.3 to -0.4 ms (~7-8%); batch 2 about half that.
+    # Session 39 (H100, NOTES.md section 49): forward at batch 1 0.90 -> 0.77 ms (0.5B),
+    # 5.71 -> 5.35 (8B); 2, the default since.
     FLASHTILE_ENGINE_GEMV=2 timeout 200 python3 -m pytest -q -p no:cacheprovider $XDIST \
       --gpu tests/test_engine_gemv.py tests/test_engine_gpu.py 2>&1 | tail -2 \
       | tee "$OUT/engine-gemv-tests.txt"
@@ -728,19 +725,6 @@ PY
     timeout 300 python3 -u -m flashtile bench hf --impls flashtile sdpa --profile 10 \
       --out "$OUT/hf-gen.json" 2>&1 | grep --line-buffered -v "^\s*$" | tee "$OUT/hf-gen.txt" \
       | tail -60  # tee first: a run cut short still leaves its lines (session 30)
-    ;;
-  bwd-peel)
-    # skip_peel (session 33): skip_masked's skips (which lost 3% at d64 1k: the branch
-    # in the walk's loop reshaped its hot path) with the dead blocks in a loop of their
-    # own, so the computing loop is the default's. Prediction: d64 causal forward +
-    # backward +1-3% at 1k, level to +1% at 4k; the training step level to -0.1 ms.
-    # (PEEL_TESTS=0: not)
-    option_tests bwd-peel "skip_peel" tests/test_bwd_hopper.py \
-      "options_small and skip_peel or skip_peel_walks" "${PEEL_TESTS:-1}"
-    base=FLASHTILE_HOPPER_BWD_OPTS=lse_smem,dq_tma,ds_ring
-    AB_SECS=100 ab bwd-peel "$base $base,skip_peel $base,skip_masked" --providers \
-      flashtile sdpa-cudnn --modes fwd_bwd --headdim 64 --causal true --seqlens 1k 4k
-    train_steps bwd-peel "$base $base,skip_peel $base $base,skip_peel"
     ;;
   hf-train)
     # Session 31, after the share sums moved into the dQ conversion's launch: the 4k-token

@@ -147,18 +147,6 @@ def test_gqa_head_split_matches_float64_reference(split, head_dim, mask, monkeyp
         _launch.clear()
 
 
-@pytest.mark.parametrize("split", [1, 2, 4])
-@pytest.mark.parametrize("head_dim", [64, 128])
-@on_hopper
-def test_skip_peel_walks_match_float64_reference(split, head_dim, monkeypatch):
-    """skip_peel: with one query head a program (split 4) the blocks no row of which sees
-    a warpgroup's keys run in a loop of their own before its walk; with two or four
-    (split 2, 1) the walk keeps skip_masked's branch. The second consumer of the last
-    key block (keys 960-1023 of 900) skips every block."""
-    monkeypatch.setenv("FLASHTILE_HOPPER_BWD_OPTS", "lse_smem,dq_tma,ds_ring,skip_peel")
-    test_gqa_head_split_matches_float64_reference(split, head_dim, "causal", monkeypatch)
-
-
 @pytest.mark.parametrize("split", [1, 2])
 @pytest.mark.parametrize("head_dim", [64, 128])
 @on_hopper
@@ -278,9 +266,7 @@ def test_switch_sends_head_dim_256_under_1_and_auto(monkeypatch):
 OPTS = ["none", "lse_ahead", "lse_ahead,dq_tma", "lse_smem,dq_tma", "lse_smem",
         "lse_smem,dq_tma,ds_ring", "lse_ahead,ds_ring", "lse_smem,dq_tma,ds_ring,lpt",
         "lse_smem,dq_tma,ds_ring,skip_masked", "lse_ahead,skip_masked",
-        "lse_smem,dq_tma,ds_ring,skip_peel", "lse_ahead,skip_peel",
-        "lse_smem,dq_tma,ds_ring,lse_pre", "lse_smem,dq_tma,ds_ring,skip_masked,lse_pre",
-        "lse_smem,dq_tma,ds_ring,skip_peel,lse_pre"]
+        "lse_smem,dq_tma,ds_ring,lse_pre", "lse_smem,dq_tma,ds_ring,skip_masked,lse_pre"]
 # 128 query rows a block at head_dim 64 (FLASHTILE_HOPPER_BWD_CONFIG; session 14's
 # tile A/B): the block's whole (128, 64) dQ tiles through the reduce-adds.
 BLOCK_M_128_CASES = [(64, "lse_ahead,dq_tma", "128,128,4,2")]
@@ -572,11 +558,6 @@ def test_skip_masked_is_causal_only(monkeypatch):
     assert "SKIP_MASKED" not in bwd_hopper.kernel_flags(256, True, opts, 64)
     assert not bwd_hopper.kernel_flags(64, True, configs.hopper_bwd_opts(64),
                                        64)["SKIP_MASKED"]
-    # skip_peel: the same skips, the dead blocks out of the walk's loop (SKIP_MASKED 2).
-    peel = opts - {"skip_masked"} | {"skip_peel"}
-    assert bwd_hopper.kernel_flags(64, True, peel, 64)["SKIP_MASKED"] == 2
-    assert bwd_hopper.kernel_flags(64, False, peel, 64)["SKIP_MASKED"] is False
-    assert "SKIP_MASKED" not in bwd_hopper.kernel_flags(256, True, peel, 64)
     # The default at head_dim 128 alone (session 33: +2-4% there, -3% at 64's 1k).
     assert bwd_hopper.kernel_flags(128, True, configs.hopper_bwd_opts(128), 64)["SKIP_MASKED"]
     assert not bwd_hopper.kernel_flags(128, False, configs.hopper_bwd_opts(128),

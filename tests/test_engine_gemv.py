@@ -76,16 +76,16 @@ def test_gemv_rejects_bad_input():
 
 
 def test_max_tokens_switch(monkeypatch):
-    """FLASHTILE_ENGINE_GEMV (configs.engine_gemv_max_tokens): 0 (unset), 1 or 2 tokens a
-    step; else a ValueError naming the variable and the choices."""
+    """FLASHTILE_ENGINE_GEMV (configs.engine_gemv_max_tokens): 2 (unset), 0, 1 or 2 tokens
+    a step; else a ValueError naming the variable and the choices."""
     monkeypatch.delenv("FLASHTILE_ENGINE_GEMV", raising=False)
-    assert configs.engine_gemv_max_tokens() == 0
+    assert configs.engine_gemv_max_tokens() == 2
     for raw, want in (("1", 1), (" 2 ", 2), ("0", 0)):
         monkeypatch.setenv("FLASHTILE_ENGINE_GEMV", raw)
         assert configs.engine_gemv_max_tokens() == want
     monkeypatch.setenv("FLASHTILE_ENGINE_GEMV", "3")
     with pytest.raises(ValueError, match=r"FLASHTILE_ENGINE_GEMV must be one of "
-                       r"\('0', '1', '2'\), got '3'"):
+                       r"\('2', '0', '1'\), got '3'"):
         configs.engine_gemv_max_tokens()
 
 

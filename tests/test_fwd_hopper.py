@@ -786,17 +786,31 @@ def test_fp8_declines_what_it_does_not_support(monkeypatch):
         fwd_hopper.attn_fwd(q, k, v, **_kw(False, 0, 0.1), out_dtype=torch.float32)
 
 
+def test_fp8_auto_cells():
+    """FLASHTILE_HOPPER_FWD=auto's FP8 cells (custom_ops._hopper_fwd_wins): head dims 64,
+    128 and 256 from 1k queries (session 39: 1.10-1.62x the portable kernel there), not
+    96 (the Gluon FP8 kernel has no d96 tile) nor shorter calls (untimed)."""
+    from flashtile import custom_ops
+
+    def wins(seqlen_q, head_dim):
+        return custom_ops._hopper_fwd_wins(torch.empty(1, seqlen_q, 2, head_dim, dtype=E4M3))
+
+    assert all(wins(1024, d) and wins(16384, d) for d in (64, 128, 256))
+    assert not any(wins(1023, d) for d in (64, 128, 256))
+    assert not wins(4096, 96)
+
+
 @pytest.mark.parametrize("switch,seqlen_q,varlen,used", [
-    ("1", 40, False, "hopper"), ("auto", 4096, False, "hopper"),
-    ("", 4096, False, "hopper"),
-    ("auto", 4095, False, "portable"), ("0", 4096, False, "portable"),
+    ("1", 40, False, "hopper"), ("auto", 1024, False, "hopper"),
+    ("", 1024, False, "hopper"),
+    ("auto", 1023, False, "portable"), ("0", 4096, False, "portable"),
     ("1", 40, True, "portable"), ("auto", 4096, True, "portable")])
 def test_fp8_switch_dispatch_on_cpu(switch, seqlen_q, varlen, used, monkeypatch):
     """With the kernels replaced by fakes: FLASHTILE_HOPPER_FWD=1 sends a dense FP8
     forward to fwd_hopper.forward with its descales (expanded to (batch, nheads_kv)),
     out_dtype and bottom-right causal alignment; "auto" (also the unset default) does so
-    at head dim 128 from 4k queries, where it was timed faster, and keeps shorter calls
-    on the portable kernel; varlen FP8 always stays there."""
+    from 1k queries, where it was timed faster, and keeps shorter calls on the portable
+    kernel; varlen FP8 always stays there."""
     from flashtile import fp8 as F8
     from flashtile.ops import fwd
 

@@ -838,23 +838,6 @@ def test_hopper_backward_skip_masked_compiles_for_sm90(head_dim):
     assert max(skip_stores) <= max(_walk_local_stores(_sass(base))), skip_stores
 
 
-def test_hopper_backward_skip_peel_compiles_for_sm90():
-    """skip_peel (causal; session 33) at head_dim 64: with one query head a program the
-    walk's dead blocks have a loop of their own, so the loop that computes is the
-    default's (within 2% of its instructions a block: skip_masked's branch made it 7-15%
-    longer) and nothing is kept in local memory."""
-    base_opts = tuple(sorted(configs.HOPPER_BWD_DEFAULT_OPTS))
-    ck, base = _compile_bwd(64, True, opts=base_opts + ("skip_peel",)), \
-        _compile_bwd(64, True, opts=base_opts)
-    res, ref = resources(ck), resources(base)
-    assert res["shared_bytes"] == ref["shared_bytes"] and res["stack_bytes"] == 0, res
-    walks = [len(w) for w in _walks(_sass(ck))]
-    for default_walk in [len(w) for w in _walks(_sass(base))][:2]:  # one a consumer
-        assert any(default_walk * 0.98 <= n <= default_walk * 1.02 for n in walks), \
-            (default_walk, walks)
-    assert not any(_walk_local_stores(_sass(ck)))
-
-
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_hopper_backward_lse_pre_compiles_for_sm90(head_dim, causal):

@@ -147,16 +147,9 @@ session 28) for the GPU A/B, all compile-checked on the CPU:
   head_dim 128 +0.5-4% at 1k-16k; head_dim 64 -3% at 1k, level at 4k (its walk loops,
   holding both arms, cost more than the skipped block saves), so the default at 128
   alone (configs.HOPPER_BWD_DEFAULT_BY_DIM).
-- skip_peel (SKIP_MASKED 2; session 33; GPU tests passed in session 35, untimed):
-  skip_masked's skips with the dead blocks out of the loop that computes. With one query
-  head a program (no GQA, or GQA split to one head a program, as transformers'
-  Llama-3.2-1B step is) they are the walk's first n_dead blocks (1, or all of them past
-  seqlen_k), walked by a loop of their own first; with more heads a program the walk
-  keeps skip_masked's branch. sm_90 SASS at head_dim 64: the computing walk loops run
-  563 and 560 instructions a block against the default's 564 and 552 (skip_masked's 604
-  and 633). At 128 the three walk forms keep 240 bytes of local memory (8 stores in the
-  walks), so it is for 64. Prediction: d64 causal forward + backward +1-3% at 1k, level
-  to +1% at 4k.
+- skip_peel (session 33) put skip_masked's dead blocks in a loop of their own before the
+  walk; on an H100 (session 39, NOTES.md section 49) d64 causal forward + backward lost
+  3-5% at 1k and 4k, and it was removed.
 - lse_pre (LSE_SMEM 2, with lse_smem; session 34; H200 session 35: forward + backward
   +1.2-2.8% at d64, +1-2.4% d128 causal, level d128 full; the default since session
   38, when the backward's whole GPU test files passed with it on): FA3's LSE_log2. The
@@ -703,41 +696,16 @@ def _mma_partition(args, dq_smem, WG: gl.constexpr, IS_CAUSAL: gl.constexpr,
             qdo_empty, ds_smem, ds_full, ds_empty, dq_smem, DQAccum, Lse, Delta, s_init,
             dq_init, o_n, key0, bh0, off_b, h0, m_lo, n_m, n_iter, seqlen_q, seqlen_k,
             diag_offset, qk_scale)
-    if SKIP_MASKED == 2:
-        # skip_peel: the blocks no row of which sees a key of this warpgroup (the first
-        # of a causal walk's, or all of them past seqlen_k) in a loop of their own before
-        # the walk, so that the loop that computes holds one arm (skip_masked's branch
-        # inside it reshaped d64's hot walk: NOTES.md 43). With one query head a program
-        # (no GQA, or its head split at one head a program) the dead blocks are the
-        # walk's first n_dead; with more, each head's first n_dead, by a branch.
-        n_dead = 0
-        if IS_CAUSAL:
-            n_dead = (first_key > m_lo * BLOCK_M + (BLOCK_M - 1) + diag_offset).to(gl.int32)
-        n_dead = gl.where(first_key >= seqlen_k, n_m, n_dead)
-        if n_heads == 1:
-            for part in gl.static_range(2):  # the dead blocks [0, n_dead), then the rest
-                lo = 0 if part == 0 else n_dead
-                hi = n_dead if part == 0 else n_iter
-                for it in range(lo, hi):
-                    dk, dv, lse_next, delta_next = _walk_block(
-                        it, part == 0, dk, dv, lse_next, delta_next, walk, WG, IS_CAUSAL,
-                        LSE_AHEAD, DQ_TMA, LSE_SMEM, DS_RING)
-        else:
-            for it in range(n_iter):
-                dk, dv, lse_next, delta_next = _walk_block(
-                    it, it % n_m < n_dead, dk, dv, lse_next, delta_next, walk, WG,
-                    IS_CAUSAL, LSE_AHEAD, DQ_TMA, LSE_SMEM, DS_RING)
-    else:
-        for it in range(n_iter):
-            dead = False  # (a constant without SKIP_MASKED: its branch is then static)
-            if SKIP_MASKED:  # no row of the block sees a key of this warpgroup
-                dead = first_key >= seqlen_k
-                if IS_CAUSAL:
-                    row0 = (m_lo + it % n_m) * BLOCK_M
-                    dead = dead | (first_key > row0 + (BLOCK_M - 1) + diag_offset)
-            dk, dv, lse_next, delta_next = _walk_block(
-                it, dead, dk, dv, lse_next, delta_next, walk, WG, IS_CAUSAL, LSE_AHEAD,
-                DQ_TMA, LSE_SMEM, DS_RING)
+    for it in range(n_iter):
+        dead = False  # (a constant without SKIP_MASKED: its branch is then static)
+        if SKIP_MASKED:  # no row of the block sees a key of this warpgroup
+            dead = first_key >= seqlen_k
+            if IS_CAUSAL:
+                row0 = (m_lo + it % n_m) * BLOCK_M
+                dead = dead | (first_key > row0 + (BLOCK_M - 1) + diag_offset)
+        dk, dv, lse_next, delta_next = _walk_block(
+            it, dead, dk, dv, lse_next, delta_next, walk, WG, IS_CAUSAL, LSE_AHEAD,
+            DQ_TMA, LSE_SMEM, DS_RING)
 
     # dK and dV leave through this warpgroup's K and V buffers once the last dQ product,
     # which reads both halves of K, has completed (a fresh barrier passes: no walk). TMA
@@ -990,8 +958,7 @@ def kernel_flags(head_dim: int, causal: bool, opts: frozenset[str], block_m: int
     return dict(IS_CAUSAL=causal, LSE_AHEAD="lse_ahead" in opts and not lse_smem,
                 DQ_TMA="dq_tma" in opts, DS_RING="ds_ring" in opts,
                 LSE_SMEM=2 if lse_smem and "lse_pre" in opts else lse_smem,
-                LPT=lpt, SKIP_MASKED=causal and (2 if "skip_peel" in opts
-                                                 else "skip_masked" in opts))
+                LPT=lpt, SKIP_MASKED=causal and "skip_masked" in opts)
 
 
 def smem_bytes(head_dim: int, block_m: int, stages: int, flags: dict) -> int:

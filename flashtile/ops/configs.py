@@ -176,15 +176,17 @@ def rope_store_tile(heads: int, kv_heads: int, half: int,
 
 # The engine's GEMV (engine/gemv.py) for decode steps of at most ENGINE_GEMV_MAX_M tokens:
 # past 2 rows its FMA form loses to cuBLAS (session 38, NOTES.md section 48).
-# FLASHTILE_ENGINE_GEMV (opt-in until the engine's step is timed with it): the largest
-# step that takes it, "0" (the default) none.
+# FLASHTILE_ENGINE_GEMV: the largest step that takes it, "0" none. The default, 2: on an
+# H100 (session 39, NOTES.md section 49; CUDA graphs, 1,024 keys) the decode step's
+# forward at batch 1 went 0.901 -> 0.773 ms (0.5B) and 5.71 -> 5.35 ms (8B), at batch 2
+# 0.883 -> 0.819 and 5.78 -> 5.63 ms.
 ENGINE_GEMV_MAX_M = 2
-ENGINE_GEMV = tuple(str(m) for m in range(ENGINE_GEMV_MAX_M + 1))
+ENGINE_GEMV = (str(ENGINE_GEMV_MAX_M),) + tuple(str(m) for m in range(ENGINE_GEMV_MAX_M))
 
 
 def engine_gemv_max_tokens() -> int:
     """FLASHTILE_ENGINE_GEMV as the largest step (tokens) the engine's linears run
-    through the GEMV; 0 when unset."""
+    through the GEMV; ENGINE_GEMV_MAX_M when unset."""
     return int(_env_choice("FLASHTILE_ENGINE_GEMV", ENGINE_GEMV))
 
 
@@ -454,6 +456,13 @@ def _env_choice(name: str, choices: tuple) -> str:
 # -> 0.97x cuDNN), level only at d64 causal 512; from 1k it was the default since
 # sessions 10-13. Shorter query blocks were not timed (a 128-row tile would idle).
 HOPPER_FWD_AUTO_MIN_SEQLEN = 128
+# FP8 (flashtile.fp8) under auto: these head dims from this many queries. Session 12's
+# rule was d128 from 4k (1.17-1.24x the portable kernel on the H200, NOTES.md section 22);
+# on an H100 in session 39 (section 49; 16k tokens a batch, both masks) the Gluon kernel
+# ran 1.10-1.27x the portable one at d64, 1.16-1.25x at d128 and 1.52-1.62x at d256 from
+# 1k to 16k queries. Shorter calls were not timed.
+HOPPER_FWD_FP8_AUTO_D = (64, 128, 256)
+HOPPER_FWD_FP8_AUTO_MIN_SEQLEN = 1024
 # FLASHTILE_HOPPER_BWD=auto (custom_ops._hopper_bwd_wins): the Gluon backward where both
 # lengths reach this, by head dim. Session 22 (same run): forward+backward at 512 tokens
 # 1.23-1.48x the portable backward at d64/d128, 2.5-3x at d256 from 128; at 128 and 256
@@ -636,7 +645,7 @@ def hopper_bwd_config(head_dim: int) -> TileConfig:
 # for the GPU A/B; bwd_hopper's docstring says what each changes. Read when a launch plan
 # is made.
 HOPPER_BWD_OPTS = ("lse_ahead", "dq_tma", "lse_smem", "ds_ring", "lpt", "skip_masked",
-                   "skip_peel", "lse_pre")
+                   "lse_pre")
 # lse_ahead is the default since session 15: forward + backward +6-10% at head_dim 64,
 # +1-4% at 128 on the H200 (docs/benchmarks/NOTES.md section 25); dq_tma since session 17:
 # +6-10% at 128, +1-3% at 64, transformers' d64 training step 98 -> 89 ms (section 27);
@@ -648,13 +657,15 @@ HOPPER_BWD_OPTS = ("lse_ahead", "dq_tma", "lse_smem", "ds_ring", "lpt", "skip_ma
 # causal walk's first query block, whose rows see none of its keys) since session 33 at
 # head_dim 128 alone (HOPPER_BWD_DEFAULT_BY_DIM): causal forward + backward +0.5-4% at
 # 1k-16k there, two alternating rounds each, to 0.93-1.02x cuDNN; at 64 it lost 3% at 1k
-# and was level at 4k (NOTES.md section 43). skip_peel (session 33, untimed): the same
-# skips outside the walk's loop, for head_dim 64. lse_pre (session 34; with lse_smem;
-# +1.2-2.8% at d64, +1-2.4% d128 causal in session 35, NOTES.md section 45): the
-# preprocess writes lse in base 2 and delta padded to whole query blocks (+inf and 0 in
-# the padding), so the walks convert and mask neither (FA3's LSE_log2); the default since
-# session 38, after the backward's whole GPU test files passed with it on at d64's and
-# d128's options (438 each) and its memcheck slice had 0 errors (H100).
+# and was level at 4k (NOTES.md section 43). skip_peel, the same skips with the dead blocks
+# in a loop of their own, lost 3-5% there at 1k and 4k (H100, session 39) and was removed.
+# lse_pre (session 34; with lse_smem; +1.2-2.8% at d64, +1-2.4% d128 causal in session
+# 35, NOTES.md section 45): the preprocess writes lse in base 2 and delta padded to whole
+# query blocks (+inf and 0 in the padding), so the walks convert and mask neither (FA3's
+# LSE_log2); the default since session 38, after the backward's whole GPU test files
+# passed with it on at d64's and d128's options (438 each) and its memcheck slice had 0
+# errors (H100). On that H100 (session 39) d64 causal forward + backward then ran at
+# 1.02x cuDNN at 1k and 1.03-1.04x at 4k.
 HOPPER_BWD_DEFAULT_OPTS = frozenset({"lse_smem", "dq_tma", "ds_ring", "lse_pre"})
 HOPPER_BWD_DEFAULT_BY_DIM = {128: HOPPER_BWD_DEFAULT_OPTS | {"skip_masked"}}
 # bwd_hopper256 (head_dim 256) takes dq_tma and lpt alone; there dq_tma (session 18, its fp32
