@@ -35,9 +35,10 @@
 #                kernels, then logits, sampling and copies; host and device time): 0.5B
 #                at batch 1 and 256, 1B at 256, 8B at 1 and 32; then the decode kernel
 #                alone at the engine's shapes (bench.decode --engine)     (~4 min)
-#   engine-gemv  the engine's linears as a GEMV at 1-2 tokens (FLASHTILE_ENGINE_GEMV):
-#                its GPU tests, the engine's with it on, memcheck slice, the 0.5B and 8B
-#                decode steps at batch 1 and 2 with it off, at 1 and at 2      (~9 min)
+#   engine-gemv  the engine's linears as a GEMV at 1-2 tokens (FLASHTILE_ENGINE_GEMV),
+#                the norms and SiLU inside it (FLASHTILE_ENGINE_GEMV_FUSE=1): its GPU
+#                tests, the engine's with it on, memcheck slice, the 0.5B and 8B decode
+#                steps at batch 1 and 2 without it, with it, fused, twice    (~10 min)
 #   engine-fused the engine's elementwise Triton kernels (RMSNorm, SiLU-and-multiply,
 #                rotary + cache write): their GPU tests and the engine's, their memcheck
 #                slice, then the 0.5B decode-step bench (batches 1 and 256, a prompt step
@@ -637,21 +638,28 @@ PY
     ;;
   engine-gemv)
     # FLASHTILE_ENGINE_GEMV (engine/gemv.py, session 38): the engine's linears as a GEMV
-    # for steps of 1 or 2 tokens. Its GPU tests, the engine's GPU tests with it on (CUDA
-    # graphs at batch 1 and 2 capture it) and a memcheck slice; then the decode step at
-    # batch 1 and 2 (1,024 keys, graphs) with it off, at 1 and at 2, 0.5B and 8B shapes.
-    # Session 39 (H100, NOTES.md section 49): forward at batch 1 0.90 -> 0.77 ms (0.5B),
-    # 5.71 -> 5.35 (8B); 2, the default since.
-    FLASHTILE_ENGINE_GEMV=2 timeout 200 python3 -m pytest -q -p no:cacheprovider $XDIST \
-      --gpu tests/test_engine_gemv.py tests/test_engine_gpu.py 2>&1 | tail -2 \
+    # for steps of 1 or 2 tokens; session 39 (H100, NOTES.md section 49): forward at batch
+    # 1 0.90 -> 0.77 ms (0.5B), 5.71 -> 5.35 (8B); 2, the default since. Session 39's
+    # FLASHTILE_ENGINE_GEMV_FUSE=1: the norms and SiLU-and-multiply inside the GEMV. Its
+    # GPU tests, the engine's GPU tests with it on (CUDA graphs at batch 1 and 2 capture
+    # it) and a memcheck slice; then the decode step at batch 1 and 2 (1,024 keys, graphs)
+    # without the GEMV, with it, and fused, twice in turn, 0.5B and 8B shapes.
+    # Prediction: fused -0.06 to -0.09 ms at 0.5B batch 1 (three kernels of ~1-1.5 us a
+    # layer gone), 8B -0.05 to -0.12 ms; batch 2 the same.
+    FLASHTILE_ENGINE_GEMV_FUSE=1 timeout 200 python3 -m pytest -q -p no:cacheprovider \
+      $XDIST --gpu tests/test_engine_gemv.py tests/test_engine_gpu.py 2>&1 | tail -2 \
       | tee "$OUT/engine-gemv-tests.txt"
-    timeout 120 make memcheck MEMCHECK_K="gemv" MEMCHECK_FILES=tests/test_engine_gemv.py \
+    timeout 150 make memcheck MEMCHECK_K="gemv" MEMCHECK_FILES=tests/test_engine_gemv.py \
       2>&1 | tail -2 | tee "$OUT/engine-gemv-memcheck.txt"
     for model in qwen2.5-0.5b llama-3-8b; do
-      for g in 0 1 2; do
-        FLASHTILE_ENGINE_GEMV=$g timeout 100 python3 -m flashtile.bench.throughput \
-          --decode-step --models $model --decode-batches 1 2 --decode-reps 20 \
-          --timeout 90 2>&1 | grep "^|" | sed "s|^|gemv=$g |" | tee -a "$OUT/engine-gemv.txt"
+      for round in 1 2; do
+        for v in "0 0" "2 0" "2 1"; do
+          set -- $v
+          FLASHTILE_ENGINE_GEMV=$1 FLASHTILE_ENGINE_GEMV_FUSE=$2 timeout 100 python3 -m \
+            flashtile.bench.throughput --decode-step --models $model --decode-batches 1 2 \
+            --decode-reps 20 --timeout 90 2>&1 | grep "^|" \
+            | sed "s|^|gemv=$1 fuse=$2 |" | tee -a "$OUT/engine-gemv.txt"
+        done
       done
     done
     ;;

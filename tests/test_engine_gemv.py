@@ -1,5 +1,6 @@
 """The engine's GEMV for decode steps of one or two tokens (engine/gemv.py) against
-float64 and F.linear, its input checks, and its opt-in switch.
+float64 and F.linear, with its prologues (RMSNorm with the residual add, SiLU-and-multiply)
+against the unfused kernels' references, its input checks and its switches.
 
 On CPU the kernel runs under TRITON_INTERPRET=1 (fp32 and fp16: the interpreter is wrong
 for bf16); on the GPU (--gpu) bf16 too, at the engine's shapes.
@@ -11,7 +12,9 @@ import pytest
 import torch
 
 from flashtile.engine import gemv as gemv_module
-from flashtile.engine.gemv import gemv, gemv_reference, linear
+from flashtile.engine.activation import silu_and_mul_reference
+from flashtile.engine.gemv import gemv, gemv_norm, gemv_reference, gemv_silu, linear
+from flashtile.engine.layernorm import add_rms_norm_reference, rms_norm_reference
 from flashtile.ops import configs
 from tests.conftest import triton_available_here
 from tests.utils import assert_close_rule
@@ -21,6 +24,21 @@ DTYPES = [pytest.param(torch.float32, id="fp32"), pytest.param(torch.float16, id
 # (N, K): ragged feature blocks (37, 5), K below, at and past one tile (1024 / 2048) with
 # a ragged last tile, and Qwen2.5-0.5B's q/k/v product.
 SHAPES = [(37, 200), (5, 2100), (64, 1024), (100, 1030), (1152, 896)]
+
+
+def gemv_steps(monkeypatch, fuse: bool, on_cpu: bool = False) -> list:
+    """The engine's steps of one or two tokens through the GEMV (fuse: with its
+    prologues; on_cpu: CPU tensors too, under the interpreter). Returns the list that
+    records each launch's PROLOGUE."""
+    if on_cpu:
+        monkeypatch.setattr(gemv_module, "_on_device", lambda x: True)
+    monkeypatch.setattr(gemv_module, "_max_tokens", 2)
+    monkeypatch.setattr(gemv_module, "_fuse", fuse)
+    prologues = []
+    launch = gemv_module._gemv
+    monkeypatch.setattr(gemv_module, "_gemv", lambda x, w, b, prologue, *a:
+                        prologues.append(prologue) or launch(x, w, b, prologue, *a))
+    return prologues
 
 
 @pytest.fixture
@@ -45,6 +63,60 @@ def test_gemv_matches_float64(n, k, m, bias, dtype, device, kernels_here):
     same = gemv_reference(x, w, b)
     assert ours.shape == (m, n) and ours.dtype == dtype and ours.is_contiguous()
     assert_close_rule("gemv", ours, ref64, same)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("residual", [False, True], ids=["norm", "add-norm"])
+@pytest.mark.parametrize("m", [1, 2])
+@pytest.mark.parametrize("n,k", SHAPES, ids=lambda x: str(x))
+def test_gemv_norm_matches_the_unfused_pair(n, k, m, residual, dtype, device, kernels_here):
+    """gemv_norm = add_rms_norm (or rms_norm) then the product: the next residual equal
+    to the unfused add's bits, the product within F.linear's rule against float64 of the
+    unfused norm's output (its roundings are the prologue's), K in one tile of W and in
+    several (the norm's own pass over the row first). x and the residual row-strided."""
+    torch.manual_seed(n * k + m + residual)
+    x = torch.randn(m, k + 8, dtype=dtype, device=device)[:, 8:]
+    r = torch.randn(m, k + 16, dtype=dtype, device=device)[:, :k] if residual else None
+    nw = (1 + 0.1 * torch.randn(k, device=device)).to(dtype)
+    w = (torch.randn(n, k, device=device) / k ** 0.5).to(dtype)
+    b = torch.randn(n, dtype=dtype, device=device) if m == 2 else None
+    ours, stream = gemv_norm(x, r, nw, 1e-5, w, b)
+    if residual:
+        normed, want_stream = add_rms_norm_reference(x, r, nw, 1e-5)
+        assert torch.equal(stream, want_stream) and stream.is_contiguous()
+    else:
+        normed = rms_norm_reference(x, nw, 1e-5)
+        assert stream is x
+    ref64 = gemv_reference(normed.double(), w.double(), None if b is None else b.double())
+    assert ours.shape == (m, n) and ours.dtype == dtype
+    assert_close_rule("gemv_norm", ours, ref64, gemv_reference(normed, w, b))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m", [1, 2])
+@pytest.mark.parametrize("n,k", SHAPES, ids=lambda x: str(x))
+def test_gemv_silu_matches_the_unfused_pair(n, k, m, dtype, device, kernels_here):
+    """gemv_silu = silu_and_mul then the product, x = [gate | up] (a strided slice)."""
+    torch.manual_seed(n * k + m)
+    x = torch.randn(m, 2 * k + 4, dtype=dtype, device=device)[:, 4:]
+    w = (torch.randn(n, k, device=device) / k ** 0.5).to(dtype)
+    b = torch.randn(n, dtype=dtype, device=device) if m == 1 else None
+    act = silu_and_mul_reference(x)
+    ref64 = gemv_reference(act.double(), w.double(), None if b is None else b.double())
+    assert_close_rule("gemv_silu", gemv_silu(x, w, b), ref64, gemv_reference(act, w, b))
+
+
+def test_prologues_propagate_nan(device, kernels_here):
+    """A NaN in x or in the residual reaches every output of gemv_norm (the row's RMS)
+    and the next residual's entry; in gate or up, gemv_silu's every output."""
+    x, r, nw = torch.randn(1, 300), torch.randn(1, 300), torch.ones(300)
+    w = torch.randn(9, 300)
+    r[0, 5] = float("nan")
+    out, stream = gemv_norm(x.to(device), r.to(device), nw.to(device), 1e-6, w.to(device))
+    assert out.isnan().all() and stream[0, 5].isnan() and stream.isnan().sum() == 1
+    g = torch.randn(1, 600)
+    g[0, 450] = float("nan")
+    assert gemv_silu(g.to(device), w.to(device)).isnan().all()
 
 
 def test_gemv_nan_propagates(device, kernels_here):
@@ -75,6 +147,23 @@ def test_gemv_rejects_bad_input():
         gemv(x, w, torch.randn(9))
 
 
+def test_prologues_reject_bad_input():
+    """gemv_norm's residual and norm weight, gemv_silu's x: ValueErrors naming them."""
+    x, w, nw = torch.randn(1, 16), torch.randn(8, 16), torch.ones(16)
+    with pytest.raises(ValueError, match=r"residual: expected x's shape \(1, 16\)"):
+        gemv_norm(x, torch.randn(2, 16), nw, 1e-6, w)
+    with pytest.raises(ValueError, match="residual: expected"):
+        gemv_norm(x, torch.randn(1, 16).half(), nw, 1e-6, w)
+    with pytest.raises(ValueError, match=r"norm_weight: expected a contiguous \(16,\)"):
+        gemv_norm(x, None, torch.ones(17), 1e-6, w)
+    with pytest.raises(ValueError, match="norm_weight: expected"):
+        gemv_norm(x, None, nw.double(), 1e-6, w)
+    with pytest.raises(ValueError, match=r"x: expected \(M, 2 \* K\)"):
+        gemv_silu(torch.randn(1, 33), w)
+    with pytest.raises(ValueError, match=r"weight: expected a contiguous \(N, 8\)"):
+        gemv_silu(x, w)
+
+
 def test_max_tokens_switch(monkeypatch):
     """FLASHTILE_ENGINE_GEMV (configs.engine_gemv_max_tokens): 2 (unset), 0, 1 or 2 tokens
     a step; else a ValueError naming the variable and the choices."""
@@ -87,6 +176,28 @@ def test_max_tokens_switch(monkeypatch):
     with pytest.raises(ValueError, match=r"FLASHTILE_ENGINE_GEMV must be one of "
                        r"\('2', '0', '1'\), got '3'"):
         configs.engine_gemv_max_tokens()
+
+
+def test_fuse_switch(monkeypatch):
+    """FLASHTILE_ENGINE_GEMV_FUSE (configs.engine_gemv_fuse): off unless "1"; ``fuses``
+    says no without it, or where the norm's weight is in another dtype."""
+    monkeypatch.delenv("FLASHTILE_ENGINE_GEMV_FUSE", raising=False)
+    assert configs.engine_gemv_fuse() is False
+    monkeypatch.setenv("FLASHTILE_ENGINE_GEMV_FUSE", "1")
+    assert configs.engine_gemv_fuse() is True
+    monkeypatch.setenv("FLASHTILE_ENGINE_GEMV_FUSE", "yes")
+    with pytest.raises(ValueError, match=r"FLASHTILE_ENGINE_GEMV_FUSE must be one of "
+                       r"\('0', '1'\), got 'yes'"):
+        configs.engine_gemv_fuse()
+    monkeypatch.setattr(gemv_module, "_on_device", lambda x: True)
+    monkeypatch.setattr(gemv_module, "_max_tokens", 2)
+    x, w = torch.randn(1, 16), torch.randn(8, 16)
+    for fuse in (False, True):
+        monkeypatch.setattr(gemv_module, "_fuse", fuse)
+        assert gemv_module.takes(x, w)
+        assert gemv_module.fuses(x, w, None, torch.ones(16)) is fuse
+    assert not gemv_module.fuses(x, w, None, torch.ones(16).double())
+    assert not gemv_module.fuses(torch.randn(3, 16), w)
 
 
 def test_linear_routes_small_cuda_steps(monkeypatch):
@@ -130,3 +241,26 @@ def test_engine_linears_with_gemv_equal_f_linear(m, monkeypatch):
         same = gemv_reference(x, w, b)
         for _ in range(2):
             assert_close_rule(f"gemv {n}x{k}", gemv(x, w, b), ref64, same)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ["llama", "qwen2-bias"])
+def test_engine_fused_gemv_gives_transformers_tokens(case, tmp_path, monkeypatch):
+    """The engine on the GPU (CUDA graphs at batch 1 and 2, fp32) with the norms and
+    SiLU-and-multiply inside the GEMV (FLASHTILE_ENGINE_GEMV_FUSE; Qwen2's q/k/v bias):
+    transformers' greedy tokens, one and two sequences a step."""
+    if not torch.cuda.is_available():
+        pytest.skip("CUDA")
+    from flashtile.engine import LLM, SamplingParams
+    from tests.engine_utils import VOCAB, hf_greedy, make_checkpoint
+
+    model = make_checkpoint(tmp_path, case)
+    prologues = gemv_steps(monkeypatch, fuse=True)
+    llm = LLM(str(tmp_path), dtype="float32", device="cuda", max_model_len=64,
+              max_num_seqs=2, kv_cache_memory=2**26)
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in (4, 19, 33)]
+    params = SamplingParams(temperature=0, max_tokens=12)
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert got == [hf_greedy(model, p, 12) for p in prompts]
+    assert {gemv_module.ADD_NORM, gemv_module.SILU} <= set(prologues)

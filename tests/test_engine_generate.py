@@ -1153,6 +1153,29 @@ def test_prefill_inputs_start_16_byte_aligned(checkpoint, batch):
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                    reason="the GEMV on CPU needs the interpreter (make test)")
+@pytest.mark.parametrize("fuse", [False, True], ids=["gemv", "gemv-fused"])
+def test_gemv_steps_give_the_same_tokens(checkpoint, monkeypatch, fuse):
+    """Steps of one or two tokens through the GEMV (engine/gemv.py; fuse: with the norms
+    and SiLU-and-multiply inside it, FLASHTILE_ENGINE_GEMV_FUSE) and the CUDA path's
+    elementwise kernels, forced on through the interpreter, two sequences at most a step:
+    the same greedy tokens as the PyTorch path."""
+    import flashtile.engine.gemv as gemv_module
+    import flashtile.engine.model as model
+    from tests.test_engine_gemv import gemv_steps
+    path, _ = checkpoint
+    prompts = _prompts([5, 23, 40], seed=5)
+    want = _tokens(_llm(path, max_num_seqs=2).generate(prompts, GREEDY, use_tqdm=False))
+    monkeypatch.setattr(model, "use_kernels", lambda x: True)
+    prologues = gemv_steps(monkeypatch, fuse, on_cpu=True)
+    llm = _llm(path, max_num_seqs=2)
+    assert _tokens(llm.generate(prompts, GREEDY, use_tqdm=False)) == want
+    fused = {gemv_module.NORM, gemv_module.ADD_NORM, gemv_module.SILU}
+    assert gemv_module.NONE in prologues and (fused <= set(prologues)) is fuse
+    _assert_pool_empty(llm)
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                     reason="the fused kernel on CPU needs the interpreter (make test)")
 @pytest.mark.parametrize("kw", [{}, dict(attention_backend="naive")], ids=["flashtile", "naive"])
 def test_elementwise_kernels_give_the_same_tokens(checkpoint, monkeypatch, kw):

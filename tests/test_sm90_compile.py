@@ -735,15 +735,21 @@ def test_dropout_compiles_for_sm90(kind, head_dim):
 
 
 @pytest.mark.parametrize("m", [1, 2])
-@pytest.mark.parametrize("n,k,bias", [(1152, 896, True), (9728, 896, False),
-                                      (896, 4864, False), (28672, 4096, False)])
-def test_engine_gemv_compiles_vectorised(n, k, bias, m):
-    """engine/gemv.py at the 0.5B and 8B products: no spills, W read in 16-byte vectors
-    (the kernel is a stream of W's bytes), with the tiles its launcher takes."""
-    from flashtile.engine.gemv import _gemv_kernel
+@pytest.mark.parametrize("n,k,bias,prologue", [
+    (1152, 896, True, "NONE"), (9728, 896, False, "NONE"), (896, 4864, False, "NONE"),
+    (28672, 4096, False, "NONE"), (1152, 896, True, "ADD_NORM"), (9728, 896, False, "NORM"),
+    (28672, 4096, False, "ADD_NORM"), (896, 4864, False, "SILU"),
+    (4096, 14336, False, "SILU")])
+def test_engine_gemv_compiles_vectorised(n, k, bias, prologue, m):
+    """engine/gemv.py at the 0.5B and 8B products, with its prologues (RMSNorm with the
+    residual add, over one tile of K and over several; SiLU-and-multiply): no spills, W
+    read in 16-byte vectors (the kernel is a stream of W's bytes), with the tiles its
+    launcher takes."""
+    from flashtile.engine import gemv
     block_n, block_k, warps = configs.gemv_tile(k)
-    ck = compile_kernel(_gemv_kernel, dict(N=n, K=k, BLOCK_M=m, BLOCK_N=block_n,
-                                           BLOCK_K=block_k, HAS_BIAS=bias),
-                        num_warps=warps, types=dict(M="i32"))
+    ck = compile_kernel(gemv._gemv_kernel, dict(N=n, K=k, BLOCK_M=m, BLOCK_N=block_n,
+                                                BLOCK_K=block_k, HAS_BIAS=bias,
+                                                PROLOGUE=getattr(gemv, prologue)),
+                        num_warps=warps, types=dict(M="i32", eps="fp32"))
     assert resources(ck)["stack_bytes"] == 0
     assert "ld.global.v4.b32" in set(re.findall(r"\bld\.global[.\w]*", ck.asm["ptx"]))

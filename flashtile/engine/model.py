@@ -16,6 +16,10 @@ multiply, rotary tables in fp32), so fp32 logits agree to rounding. On CUDA the
 elementwise work (RMSNorm with the residual add, SiLU-and-multiply, the rotary embedding
 with the cache write) runs in flashtile's Triton kernels (engine/layernorm.py,
 activation.py, rope_store.py), elsewhere in their PyTorch references (``use_kernels``).
+Steps of one or two tokens run the linears as a GEMV (engine/gemv.py), which can take
+the norm before a product and SiLU-and-multiply in too: so each layer runs its norms
+with the product after them (``normed_product``), and the MLP passes SiLU to the down
+projection.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ import math
 import torch
 from torch import nn
 
-from flashtile.engine import activation, layernorm
+from flashtile.engine import activation, gemv, layernorm
 from flashtile.engine.attention import Attention, AttentionMetadata
 from flashtile.engine.config import ModelConfig
 from flashtile.engine.parallel import SINGLE, MergedColumnParallelLinear, ParallelGroup, \
@@ -73,6 +77,18 @@ class RMSNorm(nn.Module):
         if residual is None:
             return rms_norm(x, self.weight, self.eps)
         return add_rms_norm(x, residual, self.weight, self.eps)
+
+
+def normed_product(proj, norm: RMSNorm, x, residual):
+    """(proj(norm(x + residual)), x + residual), x itself for the residual where it is
+    None. Where the step's product runs as a GEMV (engine/gemv.py, ``fuses``) the add
+    and the norm run inside it: one kernel instead of two."""
+    if gemv.fuses(x, proj.weight, proj.bias, norm.weight):
+        return gemv.gemv_norm(x, residual, norm.weight, norm.eps, proj.weight, proj.bias)
+    if residual is None:
+        return proj(norm(x)), x
+    x, residual = norm(x, residual)
+    return proj(x), residual
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -132,8 +148,9 @@ class SelfAttention(nn.Module):
         self.attn = Attention(h, hkv, d, window_left=window - 1 if window else -1,
                               backend=backend)
 
-    def forward(self, x, cos, sin, meta: AttentionMetadata):
-        q, k, v = self.qkv_proj(x).split(self.sizes, dim=-1)
+    def forward(self, qkv, cos, sin, meta: AttentionMetadata):
+        """qkv: qkv_proj's output (the layer runs it, with the norm before it)."""
+        q, k, v = qkv.split(self.sizes, dim=-1)
         q = q.view(-1, self.heads, self.head_dim)
         k = k.view(-1, self.kv_heads, self.head_dim)
         v = v.view(-1, self.kv_heads, self.head_dim)
@@ -154,8 +171,11 @@ class MLP(nn.Module):
         self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size,
                                            bias=False, tp=tp)
 
-    def forward(self, x):
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+    def forward(self, gate_up):
+        """gate_up: gate_up_proj's output (the layer runs it, with the norm before it)."""
+        if gemv.fuses(gate_up, self.down_proj.weight, self.down_proj.bias):
+            return self.down_proj(gate_up, gemv.gemv_silu)
+        return self.down_proj(silu_and_mul(gate_up))
 
 
 class DecoderLayer(nn.Module):
@@ -170,13 +190,12 @@ class DecoderLayer(nn.Module):
     def forward(self, x, residual, cos, sin, meta):
         """x: the previous layer's output; residual: the stream before it (None at the
         first layer). Returns the same pair: each add is fused into the next norm."""
-        if residual is None:
-            x, residual = self.input_layernorm(x), x
-        else:
-            x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(x, cos, sin, meta)
-        x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
+        qkv, residual = normed_product(self.self_attn.qkv_proj, self.input_layernorm, x,
+                                       residual)
+        x = self.self_attn(qkv, cos, sin, meta)
+        gate_up, residual = normed_product(self.mlp.gate_up_proj,
+                                           self.post_attention_layernorm, x, residual)
+        return self.mlp(gate_up), residual
 
 
 class Backbone(nn.Module):

@@ -188,10 +188,12 @@ class RowParallelLinear(nn.Module):
                                                _split(in_features, "input features", tp.size)))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
 
-    def forward(self, x):
+    def forward(self, x, product=linear):
+        """product(x, weight, bias): ``linear``, or a GEMV that transforms x first
+        (engine/gemv.py's ``gemv_silu``)."""
         if self.tp.size == 1:
-            return linear(x, self.weight, self.bias)
-        y = self.tp.all_reduce(linear(x, self.weight))
+            return product(x, self.weight, self.bias)
+        y = self.tp.all_reduce(product(x, self.weight, None))
         return y if self.bias is None else y + self.bias  # added once, not once per rank
 
     def full_shape(self, name: str, shard: Optional[int] = None) -> tuple:

@@ -190,6 +190,19 @@ def engine_gemv_max_tokens() -> int:
     return int(_env_choice("FLASHTILE_ENGINE_GEMV", ENGINE_GEMV))
 
 
+# FLASHTILE_ENGINE_GEMV_FUSE=1 (opt-in until timed, stage engine-gemv): where the GEMV
+# runs, each RMSNorm (with its residual add) runs inside the product after it and
+# SiLU-and-multiply inside the down projection (gemv_norm, gemv_silu): three kernels a
+# layer fewer, at a batch where each costs ~1-1.5 us, mostly its launch (session 16:
+# 4.0 us a 0.5B layer at batch 1, NOTES.md section 26).
+ENGINE_GEMV_FUSE = ("0", "1")
+
+
+def engine_gemv_fuse() -> bool:
+    """FLASHTILE_ENGINE_GEMV_FUSE: "1" fuses the norms and SiLU into the GEMV."""
+    return _env_choice("FLASHTILE_ENGINE_GEMV_FUSE", ENGINE_GEMV_FUSE) == "1"
+
+
 def gemv_tile(k: int) -> tuple[int, int, int]:
     """(BLOCK_N, BLOCK_K, num_warps) of the engine's GEMV over rows of k inputs: the
     session 38 probe's winner at M = 1 and 2 for nearly every product of the 0.5B, 1B
