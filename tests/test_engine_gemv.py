@@ -106,7 +106,7 @@ def test_gemv_silu_matches_the_unfused_pair(n, k, m, dtype, device, kernels_here
     assert_close_rule("gemv_silu", gemv_silu(x, w, b), ref64, gemv_reference(act, w, b))
 
 
-def test_prologues_propagate_nan(device, kernels_here):
+def test_gemv_prologues_propagate_nan(device, kernels_here):
     """A NaN in x or in the residual reaches every output of gemv_norm (the row's RMS)
     and the next residual's entry; in gate or up, gemv_silu's every output."""
     x, r, nw = torch.randn(1, 300), torch.randn(1, 300), torch.ones(300)
@@ -245,7 +245,7 @@ def test_engine_linears_with_gemv_equal_f_linear(m, monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", ["llama", "qwen2-bias"])
-def test_engine_fused_gemv_gives_transformers_tokens(case, tmp_path, monkeypatch):
+def test_engine_with_fused_prologues_gives_transformers_tokens(case, tmp_path, monkeypatch):
     """The engine on the GPU (CUDA graphs at batch 1 and 2, fp32) with the norms and
     SiLU-and-multiply inside the GEMV (FLASHTILE_ENGINE_GEMV_FUSE; Qwen2's q/k/v bias):
     transformers' greedy tokens, one and two sequences a step."""
