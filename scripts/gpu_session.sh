@@ -54,6 +54,9 @@
 #                and the host time inside the attention function)          (~5 min)
 #   hf-train     issue 16's training step (the head split's GPU tests, then flashtile
 #                bench hf's step: 5 repetitions, the kernels under the profiler) (~4 min)
+#   hf-row       issue 16's whole row: generate at batch 1 and 16 (1k-token prompts, 256
+#                new tokens) and the 4k-token training step, flashtile beside sdpa and
+#                eager, 5 repetitions alternating                          (~6 min)
 #   hopper       the Gluon forward's GPU tests (16-bit) and its timing     (~9 min)
 #   tp           the tensor-parallel driver's tests (2 GPUs), then the 8B shape's
 #                throughput over two GPUs and one                          (~8 min)
@@ -733,6 +736,13 @@ PY
     timeout 300 python3 -u -m flashtile bench hf --impls flashtile sdpa --profile 10 \
       --out "$OUT/hf-gen.json" 2>&1 | grep --line-buffered -v "^\s*$" | tee "$OUT/hf-gen.txt" \
       | tail -60  # tee first: a run cut short still leaves its lines (session 30)
+    ;;
+  hf-row)
+    # Issue 16's targets: generate at least as fast as sdpa, the training step faster.
+    # Last measured: generate 1.05x / 1.18x (H200, session 30), the step 1.00x (H200,
+    # session 31) and 1.01x (H100, session 39, two rounds).
+    timeout 560 python3 -u -m flashtile bench hf --reps 5 --out "$OUT/hf-row.json" 2>&1 \
+      | grep --line-buffered -v "^\s*$" | tee "$OUT/hf-row.txt" | tail -30
     ;;
   hf-train)
     # Session 31, after the share sums moved into the dQ conversion's launch: the 4k-token
