@@ -777,7 +777,9 @@ PY
     # (2 x 8k, 16 heads, e4m3, full), mla-128 (the absorbed MLA decode at 128 heads,
     # b=64 x 8k: 228 TFLOP/s in session 14 against a predicted 350-490), mla-128-gluon
     # (the same on the Gluon kernel, FLASHTILE_DECODE_MLA=gluon; not in the default
-    # list). NCU_CASES picks some. ~1 min a case.
+    # list), fwd-d64c1k / fwd-d128c1k and cudnn-d64c1k (issue 15's weakest cells, causal
+    # forward at 1k tokens, 16 x 32 heads; cuDNN's kernel on the same cell; not in the
+    # default list). NCU_CASES picks some. ~1 min a case.
     cat > /tmp/ncu_case.py <<'PY'
 import sys, torch, flashtile
 case = sys.argv[1]
@@ -794,11 +796,19 @@ if case.startswith("mla-128"):  # the absorbed MLA decode at 128 heads, b=64 x 8
 b, s, h, hkv, d, causal = {"bwd-d128": (4, 4096, 16, 16, 128, False),
                            "bwd-hf": (1, 4096, 32, 8, 64, True),
                            "fwd-d64": (4, 4096, 32, 32, 64, False),
+                           "fwd-d64c1k": (16, 1024, 32, 32, 64, True),
+                           "cudnn-d64c1k": (16, 1024, 32, 32, 64, True),
+                           "fwd-d128c1k": (16, 1024, 16, 16, 128, True),
                            "fp8-d128": (2, 8192, 16, 16, 128, False)}[case]
 torch.manual_seed(0)
 mk = lambda n: torch.randn(b, s, n, d, device="cuda", dtype=torch.bfloat16)
 q, k, v = mk(h), mk(hkv), mk(hkv)
-if case.startswith("fp8"):
+if case.startswith("cudnn"):  # the peer's forward on the same cell, (b, h, s, d) views
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+        torch.nn.functional.scaled_dot_product_attention(
+            *(x.transpose(1, 2) for x in (q, k, v)), is_causal=causal)
+elif case.startswith("fp8"):
     f8 = torch.float8_e4m3fn
     ones = torch.ones(b, hkv, device="cuda")
     flashtile.flash_attn_func(q.to(f8), k.to(f8), v.to(f8), causal=causal,
@@ -810,7 +820,7 @@ torch.cuda.synchronize()
 PY
     for c in ${NCU_CASES:-bwd-d128 bwd-hf fwd-d64 fp8-d128 mla-128}; do
       case $c in bwd-*) kern=_attn_bwd_hopper_kernel ;; mla-*-gluon) kern=_mla_decode_hopper ;;
-        mla-*) kern=_decode_kernel ;;
+        mla-*) kern=_decode_kernel ;; cudnn-*) kern="cudnn|fprop|sdpa|fmha" ;;
         *) kern=_attn_fwd_hopper_kernel ;; esac
       stamp "ncu $c"
       timeout 150 ncu --clock-control none -k "regex:$kern" -c 1 --import-source no \
