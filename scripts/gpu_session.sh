@@ -15,7 +15,7 @@
 #   host-fwd     flashtile bench host with the Gluon forward (auto) and the portable one (~3 min)
 #   short-auto   plan tests, their memcheck slice, the short rows as auto runs them (~8 min)
 #   bwd-split    transformers' Llama-1B attention, forward+backward at GQA head splits 1/2/4
-#                beside cuDNN (issue 16)                                   (~2 min)
+#                beside cuDNN; the forward with two and three consumers (issue 16) (~3 min)
 #   fwd-short-tiles  the d64 forward at 256-2k tokens: key blocks, ring depths, the
 #                tiles grid, beside the default and cuDNN                  (~6 min)
 #   short        the short-sequence rows of the sweep beside cuDNN, flash and Flex,
@@ -536,6 +536,23 @@ for rnd in range(2):
         print(f"round {rnd} cudnn: {triton.testing.do_bench(cudnn, warmup=50, rep=300):.4f} ms")
     except RuntimeError as err:  # no cuDNN GQA: the heads repeated is not the same work
         print(f"round {rnd} cudnn: n/a ({str(err)[:120]})")
+# The forward alone: the default tile (three consumers, causal from 2k) against two
+# consumers (HOPPER_FWD_16BIT's 128 x 128): at batch 1 x 32 heads the causal tiles are
+# few (704 against 1,024), so the grid's tail may weigh more than in the batch-4 A/B.
+from flashtile.ops import _launch
+os.environ.pop("FLASHTILE_HOPPER_BWD_HEAD_SPLIT")
+qd, kd, vd = (x.detach() for x in (q, k, v))
+for rnd in range(2):
+    for cfg in ("", "128,128,4,3"):
+        os.environ["FLASHTILE_HOPPER_FWD_CONFIG"] = cfg
+        _launch.clear()
+        t = triton.testing.do_bench(lambda: flashtile.flash_attn_func(qd, kd, vd, causal=True),
+                                    warmup=50, rep=300)
+        print(f"round {rnd} forward {cfg or 'default'}: {t:.4f} ms")
+    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION), torch.no_grad():
+        t = triton.testing.do_bench(lambda: torch.nn.functional.scaled_dot_product_attention(
+            qt, kt, vt, is_causal=True, enable_gqa=True), warmup=50, rep=300)
+    print(f"round {rnd} forward cudnn: {t:.4f} ms")
 PY
     ;;
   fwd-short-tiles)
