@@ -47,19 +47,32 @@ def test_logits_match_transformers(tmp_path, case):
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                     reason="Triton kernels on CPU tensors need TRITON_INTERPRET=1")
-@pytest.mark.parametrize("elementwise", ["reference", "kernels"])
-@pytest.mark.parametrize("case", ["mistral-window", "qwen3-sharded"])
+@pytest.mark.parametrize("case,elementwise", [
+    ("mistral-window", "reference"), ("mistral-window", "kernels"),
+    ("qwen3-sharded", "reference"), ("qwen3-sharded", "kernels"),
+    ("qwen3-sharded", "gemv-fused"), ("qwen2-bias", "gemv-fused")])
 def test_logits_match_transformers_triton_kernels(tmp_path, case, elementwise,
                                                   monkeypatch):
     """The same steps through flashtile's Triton kernels (interpreted): paged decode over
     the pool with its scratch block, varlen prefill, windows, head_dim 24; "kernels":
     the CUDA path's RMSNorm (Qwen3's per-head q/k norm over the fused projection's
-    views too), SiLU-and-multiply and rotary + cache-write kernels as well."""
+    views too), SiLU-and-multiply and rotary + cache-write kernels as well; "gemv-fused":
+    and the linears of the decode steps (up to 16 tokens here; 2 in the engine) as the
+    GEMV with the norms and SiLU-and-multiply inside it (engine/gemv.py; Qwen3's tied LM
+    head, Qwen2's q/k/v bias)."""
+    import flashtile.engine.gemv as gemv_module
     import flashtile.engine.model as model
+    from tests.test_engine_gemv import gemv_steps
     monkeypatch.setenv("FLASHTILE_BACKEND", "triton")
-    if elementwise == "kernels":
+    if elementwise != "reference":
         monkeypatch.setattr(model, "use_kernels", lambda x: True)
+    if elementwise == "gemv-fused":
+        prologues = gemv_steps(monkeypatch, fuse=True, on_cpu=True)
+        monkeypatch.setattr(gemv_module, "MAX_M", 16)
+        monkeypatch.setattr(gemv_module, "_max_tokens", 16)
     _check_logits(tmp_path, case)
+    if elementwise == "gemv-fused":
+        assert {gemv_module.NORM, gemv_module.ADD_NORM, gemv_module.SILU} <= set(prologues)
 
 
 @torch.no_grad()
