@@ -30,7 +30,8 @@ recomputes these from x (and the residual) in registers; the norm's 1/RMS takes 
 more pass over the row (from L2), with W's tile already requested where K fits one
 tile. The values the product reads are those the unfused kernels (layernorm.py,
 activation.py) would have written, roundings included; program 0 writes the next
-residual.
+residual. ``gemv_norm_reference`` and ``gemv_silu_reference`` are the unfused pairs in
+PyTorch.
 """
 
 from __future__ import annotations
@@ -42,6 +43,8 @@ import triton.language as tl
 from torch import Tensor
 
 from flashtile._validate import _fail
+from flashtile.engine.activation import silu_and_mul_reference
+from flashtile.engine.layernorm import add_rms_norm_reference, rms_norm_reference
 from flashtile.ops import _launch, configs
 
 
@@ -235,6 +238,19 @@ def gemv_silu(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
 def gemv_reference(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """gemv in PyTorch."""
     return F.linear(x, weight, bias)
+
+
+def gemv_norm_reference(x, residual, norm_weight, eps, weight, bias=None):
+    """gemv_norm in PyTorch: the engine's norm references, then F.linear."""
+    if residual is None:
+        return F.linear(rms_norm_reference(x, norm_weight, eps), weight, bias), x
+    normed, stream = add_rms_norm_reference(x, residual, norm_weight, eps)
+    return F.linear(normed, weight, bias), stream
+
+
+def gemv_silu_reference(x, weight, bias=None):
+    """gemv_silu in PyTorch."""
+    return F.linear(silu_and_mul_reference(x), weight, bias)
 
 
 # configs.engine_gemv_max_tokens() and engine_gemv_fuse(), read at the first CUDA call: a
