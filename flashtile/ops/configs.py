@@ -210,6 +210,7 @@ def gemv_tile(k: int) -> tuple[int, int, int]:
     < 2048)."""
     return 4, 2048 if k >= 2048 else 1024, 4
 
+
 _INTERPRETER = {
     "fwd": TileConfig(16, 32),
     "bwd_dkdv": TileConfig(32, 16),  # (BLOCK_M over queries, BLOCK_N over keys)
