@@ -147,6 +147,11 @@ def test_gemv_rejects_bad_input():
         gemv(x, w.half())
     with pytest.raises(ValueError, match=r"bias: expected a contiguous \(8,\) tensor"):
         gemv(x, w, torch.randn(9))
+    meta = torch.randn(8, 16, device="meta")  # another device, no GPU needed
+    with pytest.raises(ValueError, match="weight: expected a tensor on x's device cpu"):
+        gemv(x, meta)
+    with pytest.raises(ValueError, match="bias: expected a tensor on x's device cpu"):
+        gemv(x, w, torch.randn(8, device="meta"))
 
 
 def test_prologues_reject_bad_input():
@@ -160,6 +165,10 @@ def test_prologues_reject_bad_input():
         gemv_norm(x, None, torch.ones(17), 1e-6, w)
     with pytest.raises(ValueError, match="norm_weight: expected"):
         gemv_norm(x, None, nw.double(), 1e-6, w)
+    with pytest.raises(ValueError, match="residual: expected a tensor on x's device"):
+        gemv_norm(x, torch.randn(1, 16, device="meta"), nw, 1e-6, w)
+    with pytest.raises(ValueError, match="norm_weight: expected a tensor on x's device"):
+        gemv_norm(x, None, torch.ones(16, device="meta"), 1e-6, w)
     with pytest.raises(ValueError, match=r"x: expected \(M, 2 \* K\)"):
         gemv_silu(torch.randn(1, 33), w)
     with pytest.raises(ValueError, match=r"weight: expected a contiguous \(N, 8\)"):
