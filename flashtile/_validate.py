@@ -18,7 +18,8 @@ import torch
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # Where FP8 is taken (flash_attn_func, its varlen form, flash_attn_with_kvcache):
 # flashtile.fp8 checks the descales and the rest of the FP8 rules.
-WITH_FP8 = SUPPORTED_DTYPES + (torch.float8_e4m3fn, torch.float8_e5m2)
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+WITH_FP8 = SUPPORTED_DTYPES + FP8_DTYPES
 _DTYPE_NAMES = {SUPPORTED_DTYPES: "dtype float16, bfloat16 or float32",
                 WITH_FP8: "dtype float16, bfloat16, float32, float8_e4m3fn or float8_e5m2"}
 MAX_HEAD_DIM = 512
@@ -141,13 +142,16 @@ def check_tensor(x, name, rank, offsets32=True, dtypes=SUPPORTED_DTYPES):
         check_offsets(x, name)
 
 
-def check_qkv(q, k, v, names=("q", "k", "v"), packed=False, dtypes=SUPPORTED_DTYPES):
+def check_qkv(q, k, v, names=("q", "k", "v"), packed=False, dtypes=SUPPORTED_DTYPES,
+              fp8_pool=False):
     """q (b, sq, h, d), k/v (b, sk, hkv, d), or with ``packed`` (varlen) q (total_q, h,
     d), k/v (total_k, hkv, d); v's head dim may differ. Returns (b, sq, sk, h, hkv, d)
     with q's head dim d, b = 1 when packed.
 
     ``names`` are the caller's argument names, used in the messages (the SDPA drop-in
     passes ("query", "key", "value")). ``dtypes``: WITH_FP8 where FP8 is taken.
+    ``fp8_pool``: k and v may also be a float8 KV pool (one format) under float16 or
+    bfloat16 q (paged varlen, as flash_attn_with_kvcache's FP8 cache).
     """
     qn, kn, vn = names
     rank = 3 if packed else 4
@@ -155,8 +159,14 @@ def check_qkv(q, k, v, names=("q", "k", "v"), packed=False, dtypes=SUPPORTED_DTY
     check_tensor(k, kn, rank, dtypes=dtypes)
     check_tensor(v, vn, rank, dtypes=dtypes)
     dtype, device = q.dtype, q.device
+    mixed = (fp8_pool and dtype in (torch.float16, torch.bfloat16)
+             and k.dtype in FP8_DTYPES)
     for x, name in ((k, kn), (v, vn)):
-        if x.dtype != dtype:
+        if x.dtype != (k.dtype if mixed else dtype):
+            if fp8_pool:
+                _fail(TypeError, f"{name}.dtype", f"{qn}'s dtype {dtype}, or with float16 "
+                      f"or bfloat16 {qn} a float8 pool ({kn} and {vn} in one format)",
+                      x.dtype)
             _fail(TypeError, f"{name}.dtype", f"{qn}'s dtype {dtype}", x.dtype,
                   f"{qn}, {kn} and {vn} must share one dtype")
         if x.device != device:
@@ -633,7 +643,8 @@ def check_paged_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_se
     if k.shape[0] == 0:
         _fail(ValueError, "k.shape[0] (num_blocks)", "at least 1 block", 0)
     # One block stands for the pool: dtypes, devices, head_dim and GQA as check_qkv.
-    _, _, _, h, hkv, d = check_qkv(q.unsqueeze(0), k[:1], v[:1], dtypes=dtypes)
+    _, _, _, h, hkv, d = check_qkv(q.unsqueeze(0), k[:1], v[:1], dtypes=dtypes,
+                                   fp8_pool=dtypes is WITH_FP8)
     check_page_size(k.shape[1], "k.shape[1] (page_size)")
     if not isinstance(block_table, torch.Tensor) or block_table.dim() != 2:
         _fail(ValueError, "block_table", "an int32 tensor (batch, max_blocks_per_seq)",

@@ -9,6 +9,13 @@ shape that broadcasts to (batch, nheads_kv) ((nheads_kv,): per head, (batch, 1):
 sequence); it is expanded without a copy. The output is bfloat16 unless ``out_dtype``
 names float16 or float32 (flash-attn 3 returns bfloat16). Forward only.
 
+A paged KV pool may be float8 under float16 or bfloat16 q, as flash_attn_with_kvcache's
+FP8 cache (vLLM's ``kv_cache_dtype="fp8"``): ``flash_attn_varlen_func`` with a
+``block_table`` then takes ``k_descale`` and ``v_descale`` for the pool (no
+``q_descale``), widens the pool's tiles to q's dtype (exactly) for 16-bit products, and
+returns q's dtype: prefill chunks and prefix-cache hits over the same cache the decode
+steps read.
+
 ``quantize`` and ``dequantize`` are the definitions the kernels are tested against: the
 KV-cache append of 16-bit keys into an FP8 cache is ``quantize(k, k_descale)``.
 
@@ -95,18 +102,24 @@ def check_fp8_args(q, k, v, batch, nheads_kv, descales, out_dtype):
     """flash_attn_func / flash_attn_varlen_func: (descales expanded to (batch,
     nheads_kv) or None, output dtype), or None when the call is not FP8 (then no
     descale may be given, and out_dtype only as q's dtype). q, k and v already share
-    one dtype (check_qkv names k or v if not)."""
+    one dtype (check_qkv names k or v if not), but for 16-bit q over a float8 pool
+    (paged varlen), where k_descale and v_descale scale the pool and the output is q's
+    dtype."""
     if out_dtype is None and descales[0] is None and descales[1] is None \
-            and descales[2] is None and q.dtype not in FP8_DTYPES:
+            and descales[2] is None and q.dtype not in FP8_DTYPES \
+            and k.dtype not in FP8_DTYPES:
         return None  # nothing FP8 asked for: what the checks below return for it
     fp8 = is_fp8(q.dtype)
+    fp8_pool = not fp8 and is_fp8(k.dtype)
     out_dtype = check_out_dtype(out_dtype, fp8, q.dtype)
     if not fp8:
         for x, name in zip(descales, DESCALE_NAMES):
-            if x is not None:
-                V._fail(ValueError, name, f"None with {q.dtype} q, k, v (descales scale "
+            if x is not None and not (fp8_pool and name != "q_descale"):
+                what = "q" if fp8_pool else "q, k, v"
+                V._fail(ValueError, name, f"None with {q.dtype} {what} (descales scale "
                         "float8 inputs)", "a tensor")
-        return None
+        if not fp8_pool:
+            return None
     if q.shape[-1] > MAX_FP8_HEAD_DIM:
         V._fail(ValueError, "q.shape[-1] (head_dim)", f"1 to {MAX_FP8_HEAD_DIM} for float8 "
                 "inputs (the FP8 tiles stop there; 16-bit inputs go to 512)", q.shape[-1])
@@ -216,8 +229,11 @@ def _fp8_attn_fwd_impl(q: Tensor, k: Tensor, v: Tensor, q_descale: Optional[Tens
                        softmax_scale: float, diag_offset: int, window_left: int,
                        window_right: int, softcap: float,
                        out_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """(out in out_dtype, lse fp32) of FP8 q, k, v; dense when cu_seqlens_q is None."""
+    """(out in out_dtype, lse fp32) of FP8 q, k, v, or of 16-bit q over a float8 pool
+    (block_table); dense when cu_seqlens_q is None."""
     backend = select_backend(q.device, q.dtype)
+    if backend == "triton" and not is_fp8(q.dtype):  # the pool's format, refused where
+        select_backend(q.device, k.dtype, "k")       # the interpreter rounds it wrongly
     if cu_seqlens_q is not None and (backend == "torch" or V.index_checks_enabled()) \
             and V.can_read_indices(q):
         # As custom_ops' varlen op: here, at run time, so compiled graphs check too.

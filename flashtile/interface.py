@@ -320,6 +320,9 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         q_descale, k_descale, v_descale, out_dtype: FP8 q, k, v (packed, or an FP8 pool
             with block_table), as in flash_attn_func; batch is the number of sequences,
             so sequence b's rows (and keys, wherever its pages lie) take descale[b].
+            With block_table the pool may also be FP8 under float16 or bfloat16 q (an
+            FP8 KV cache, as in flash_attn_with_kvcache): k_descale and v_descale scale
+            it, q_descale stays None, and out is in q's dtype.
         dropout_p: as in flash_attn_func (not with block_table or FP8). The mask entry
             of query i and key j of a sequence whose queries start at packed row
             q_start, head h, is word 2 * (bit 3 of i) + (bit 3 of j) of the Philox call

@@ -35,6 +35,8 @@
 #                kernels, then logits, sampling and copies; host and device time): 0.5B
 #                at batch 1 and 256, 1B at 256, 8B at 1 and 32; then the decode kernel
 #                alone at the engine's shapes (bench.decode --engine)     (~4 min)
+#   engine-fp8kv kv_cache_dtype="fp8": its GPU tests and memcheck slice, the 0.5B and 1B
+#                throughput over a bf16 and an FP8 pool                    (~9 min)
 #   engine-gemv  the engine's linears as a GEMV at 1-2 tokens (FLASHTILE_ENGINE_GEMV),
 #                the norms and SiLU inside it (FLASHTILE_ENGINE_GEMV_FUSE=1): its GPU
 #                tests, the engine's with it on, memcheck slice, the 0.5B and 8B decode
@@ -682,6 +684,23 @@ PY
         done
       done
     done
+    ;;
+  engine-fp8kv)
+    # kv_cache_dtype="fp8" (session 40, CPU only until this stage): the FP8 pool's GPU
+    # tests (the varlen forward widening an FP8 pool under bf16 q, the rotary kernel
+    # quantising into it, graphs against eager), their memcheck slice, then the 0.5B and
+    # 1B throughput rows over a bf16 and an FP8 pool. Prediction: tests pass, memcheck 0
+    # errors; 0.5B +5-15% output tokens/s (its batch-256 steps spend ~46% in attention,
+    # whose KV bytes halve), 1B +3-8%; each row's roofline share against its own.
+    timeout 200 python3 -m pytest -q -p no:cacheprovider $XDIST --gpu tests/test_fp8.py \
+      tests/test_engine_gpu.py tests/test_engine_elementwise.py -k \
+      "16bit_queries or fp8_pool or fp8_kv or rope" 2>&1 | tail -3 | tee "$OUT/fp8kv-tests.txt"
+    timeout 150 make memcheck MEMCHECK_K="16bit_queries or fp8_pool" \
+      MEMCHECK_FILES="tests/test_fp8.py tests/test_engine_elementwise.py" 2>&1 | tail -2 \
+      | tee -a "$OUT/fp8kv-tests.txt"
+    timeout 380 python3 -m flashtile.bench.throughput --models qwen2.5-0.5b llama-3.2-1b \
+      --providers engine-flashtile-graphs engine-flashtile-fp8kv --timeout 90 \
+      --out "$OUT/fp8kv.json" 2>&1 | tail -12 | tee "$OUT/fp8kv.txt"
     ;;
   engine-fused)
     # The engine's elementwise Triton kernels: RMSNorm(+residual), SiLU-and-multiply

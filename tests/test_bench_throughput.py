@@ -225,3 +225,16 @@ def test_tensor_parallel_size_is_refused_where_it_does_not_apply(extra, capsys):
         assert "--tensor-parallel-size: expected an integer >= 1, got 0" in err
     else:
         assert "--tensor-parallel-size 2: the engine's providers only" in err
+
+
+def test_roofline_counts_an_fp8_pool_in_fp8_bytes():
+    """engine-flashtile-fp8kv's roofline: the weights as before, the KV cache's time in
+    proportion to its element size (FP8: half the bf16 pool's)."""
+    from flashtile.bench.throughput import PRESETS, roofline_seconds, workload
+
+    cfg = PRESETS["qwen2.5-0.5b"]
+    requests = workload(32, 100, 300, cfg["vocab_size"])
+    r1, r2, r4 = (roofline_seconds(cfg, requests, 4000, 800, 16, kv_dtype_bytes=n)
+                  for n in (1, 2, 4))
+    assert r1 < r2 == roofline_seconds(cfg, requests, 4000, 800, 16)
+    assert abs((r4 - r2) - 2 * (r2 - r1)) < 1e-9 * r4

@@ -23,6 +23,7 @@ from flashtile.engine.layernorm import add_rms_norm, add_rms_norm_reference, rms
     rms_norm_reference
 from flashtile.engine.rope_store import rope_and_store, rotate_halves
 from tests.conftest import triton_available_here
+from tests.fp8_utils import fp8_interpreter
 from tests.utils import assert_close_rule
 
 DTYPES = [pytest.param(torch.float32, id="fp32"), pytest.param(torch.float16, id="fp16"),
@@ -30,6 +31,7 @@ DTYPES = [pytest.param(torch.float32, id="fp32"), pytest.param(torch.float16, id
 EPS = 1e-6
 # Outputs equal to the PyTorch reference's at 16 bits (the module docstring).
 SAME_ROUNDING = 0.995
+__all__ = ["fp8_interpreter"]  # the fixture, imported to be used here
 
 
 @pytest.fixture(autouse=True)
@@ -164,6 +166,41 @@ def test_rope_and_store_equals_reference(heads, kv_heads, head_dim, dtype, pool,
         untouched = torch.ones(flat.shape[0], dtype=torch.bool, device=device)
         untouched[slots[keep]] = False
         assert torch.equal(flat[untouched], old_flat[untouched]), name
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.float8_e5m2],
+                         ids=["e4m3", "e5m2"])
+def test_rope_and_store_into_an_fp8_pool(cache_dtype, device, on_gpu, request):
+    """kv_cache_dtype="fp8": the kernel writes the rotated k and the v as the engine's
+    PyTorch path does (attention.to_pool: scale 1.0, nearest even, saturated; values
+    past e4m3's 448 included), byte for byte; slot -1 rows write nothing."""
+    if not on_gpu:
+        request.getfixturevalue("fp8_interpreter")
+    from flashtile.engine.attention import to_pool
+    from flashtile.engine.rope_store import rope_and_store_reference
+
+    dtype = torch.bfloat16 if on_gpu else torch.float16
+    t, heads, kv_heads, d, ps, blocks = 6, 4, 2, 32, 4, 5
+    qkv = torch.randn(t, (heads + 2 * kv_heads) * d, device=device) * 4
+    qkv[:, -3:] = torch.tensor([500.0, -1000.0, 3e4])  # past 448 (e4m3), within e5m2
+    qkv = qkv.to(dtype)
+    q, k, v = (x.view(t, -1, d) for x in qkv.split(
+        [heads * d, kv_heads * d, kv_heads * d], dim=-1))
+    angles = torch.rand(t, d // 2, device=device) * 6
+    cos, sin = angles.cos(), angles.sin()
+    slots = torch.tensor([3, -1, 17, 0, 9, 12], device=device)
+    caches = [torch.zeros(blocks, ps, kv_heads, d, device=device).to(cache_dtype)
+              for _ in range(4)]
+    q_out, k_out = rope_and_store(q, k, v, cos, sin, slots, *caches[:2])
+    rope_and_store_reference(q, k, v, cos, sin, slots, *caches[2:])
+    keep = slots >= 0
+    for name, ours, ref, new in (("k", caches[0], caches[2], k_out),
+                                 ("v", caches[1], caches[3], v)):
+        assert torch.equal(ours.view(torch.uint8), ref.view(torch.uint8)), name
+        written = ours.view(-1, kv_heads, d)[slots[keep]]
+        assert torch.equal(written.view(torch.uint8),
+                           to_pool(new[keep], cache_dtype).view(torch.uint8)), name
+    assert torch.isfinite(caches[1].float()).all()  # saturated, never NaN
 
 
 def test_kernels_refuse_bad_layouts_naming_the_argument(device):

@@ -383,6 +383,97 @@ def test_prefix_cache_hit_equals_miss(checkpoint, monkeypatch):
         torch.testing.assert_close(hit.logprobs, miss.logprobs, atol=1e-5, rtol=0)
 
 
+# kv_cache_dtype="fp8" serves 16-bit models: the FP8 tests run the checkpoint in fp16.
+FP8_KV = dict(dtype="float16", kv_cache_dtype="fp8")
+
+
+def _fp8_rounded(x, dtype):
+    """attention.to_pool for a 16-bit pool standing in for an FP8 one: x rounded through
+    e4m3 as the FP8 pool stores it, back in x's dtype (exact: e4m3 fits fp16)."""
+    return x.float().clamp(-448, 448).to(torch.float8_e4m3fn).to(x.dtype)
+
+
+def test_fp8_kv_cache_reads_as_the_values_it_holds(checkpoint, monkeypatch):
+    """kv_cache_dtype="fp8": tokens and logprobs equal those of an fp16 pool holding the
+    same FP8-rounded keys and values (every prefill over the pool there too), through
+    fresh prompts, prefill chunks beside decodes, and decode steps. The FP8 pool holds
+    twice the pages of the fp16 one in the same bytes."""
+    import flashtile.engine.attention as attention
+
+    path, _ = checkpoint
+    prompts = _prompts([3, 41, 9, 30], seed=4)
+    params = SamplingParams(temperature=0, max_tokens=12, logprobs=0, ignore_eos=True)
+    memory = 12 * 16 * BYTES_PER_TOKEN // 2  # twelve fp16 pages
+    fp8 = _llm(path, max_num_batched_tokens=16, kv_cache_memory=memory, **FP8_KV)
+    assert fp8.runner.kv_cache.dtype == torch.float8_e4m3fn
+    assert fp8.runner.num_blocks == 24
+    got = [o.outputs[0] for o in fp8.generate(prompts, params, use_tqdm=False)]
+    _assert_pool_empty(fp8)
+    monkeypatch.setattr(attention, "to_pool", _fp8_rounded)
+    ref = _llm(path, max_num_batched_tokens=16, kv_cache_memory=memory, dtype="float16")
+    assert ref.runner.num_blocks == 12
+    for attn in ref.runner.model.attention_layers():
+        attn.quantized = True
+    want = [o.outputs[0] for o in ref.generate(prompts, params, use_tqdm=False)]
+
+    def gap(xs, ys):  # the largest logprob difference of two runs
+        return max(abs(x - y) for a, b in zip(xs, ys) for x, y in zip(a.logprobs, b.logprobs))
+
+    assert [a.token_ids for a in got] == [b.token_ids for b in want]
+    # fp16 runs: the two paths round their fp32 attention differently (measured 0.004;
+    # fp16 against fp32 pools 0.002).
+    assert gap(got, want) < 1e-2
+    # The rounding is there: an unrounded fp16 pool is far further away (measured 0.8).
+    monkeypatch.undo()
+    plain = _llm(path, max_num_batched_tokens=16, dtype="float16")
+    other = [o.outputs[0] for o in plain.generate(prompts, params, use_tqdm=False)]
+    assert gap(got, other) > 10 * gap(got, want)
+
+
+def test_fp8_kv_cache_batch_invariance_and_prefix_hits(checkpoint, monkeypatch):
+    """Over an FP8 pool a request's greedy tokens do not depend on its batch, its
+    prompt's chunks, preemption or prefix-cache hits: every step reads the same rounded
+    keys."""
+    path, _ = checkpoint
+    shared = _prompts([33], seed=5)[0]
+    prompts = [shared + [5], _prompts([30], seed=6)[0], shared + [7, 8], [9, 10, 11]]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+              for n in (20, 30, 14, 40)]
+    alone = _llm(path, enable_prefix_caching=False, **FP8_KV)
+    want = [_tokens(alone.generate([p], sp, use_tqdm=False))[0]
+            for p, sp in zip(prompts, params)]
+    # Six pages of 16 tokens: the sequences outgrow them (preemption); budget 16 tokens
+    # a step (chunks); the third prompt arrives after the first has written its pages.
+    llm = _llm(path, max_num_batched_tokens=16, kv_cache_memory=6 * 16 * BYTES_PER_TOKEN // 4,
+               **FP8_KV)
+    assert llm.runner.num_blocks == 6
+    cached, allocate = [], BlockManager.allocate
+
+    def spy(self, seq):
+        ok = allocate(self, seq)
+        cached.append(seq.num_cached_tokens)
+        return ok
+
+    monkeypatch.setattr(BlockManager, "allocate", spy)
+    outs = _staggered(llm, prompts, params, {0: [0, 1], 4: [2, 3]})
+    assert [o.token_ids for o in outs] == want
+    assert llm.scheduler.num_preemptions > 0 and max(cached) >= 32, cached
+    _assert_pool_empty(llm)
+
+
+def test_kv_cache_dtype_errors(checkpoint):
+    path, _ = checkpoint
+    with pytest.raises(ValueError, match="kv_cache_dtype: expected one of .*'fp8_e5m2'.*"
+                                         "got 'fp4'"):
+        _llm(path, kv_cache_dtype="fp4")
+    with pytest.raises(ValueError, match="kv_cache_dtype: expected 'auto' with dtype "
+                                         "torch.float32"):
+        _llm(path, kv_cache_dtype="fp8")
+    with pytest.raises(ValueError, match="kv_cache_dtype: expected 'auto' with "
+                                         "attention_backend 'sdpa'"):
+        _llm(path, kv_cache_dtype="fp8_e5m2", attention_backend="sdpa", dtype="float16")
+
+
 STOP_PROMPT = "The capital of France is"
 
 

@@ -239,6 +239,62 @@ def test_varlen_paged(page_size, dtype, fp8_backend, device, on_gpu):
                out_dtype)
 
 
+@FP8
+@pytest.mark.parametrize("page_size", [16, 64])
+def test_varlen_paged_16bit_queries(page_size, dtype, fp8_backend, device, on_gpu):
+    """16-bit q over an FP8 pool (an engine's prefill chunks over an FP8 KV cache): the
+    pool's tiles are widened to q's dtype, its descales applied per sequence, out in q's
+    dtype; the Triton path rounds P to q's dtype for P @ V."""
+    h, hkv, d = 4, 2, 32
+    lens_q, used = [3, 9, 1, 0], [40, 17, 64, 5]
+    blocks = 64 // page_size
+    pool_k, pool_v = (torch.randn(4 * blocks + 2, page_size, hkv, d, device=device)
+                      .to(dtype) for _ in range(2))
+    table = torch.randperm(4 * blocks + 2, device=device)[:4 * blocks].view(4, blocks).int()
+    q_dtype = _q_dtype(on_gpu)
+    q = torch.randn(sum(lens_q), h, d, device=device).to(q_dtype)
+    kd, vd = (torch.rand(4, hkv, device=device) + 0.5 for _ in range(2))
+    cu_q = torch.tensor([0, *lens_q], device=device).cumsum(0).int()
+    cu_k = torch.tensor([0, *used], device=device).cumsum(0).int()
+    out, lse = flashtile.flash_attn_varlen_func(
+        q, pool_k, pool_v, cu_q, cu_k, max(lens_q), 64, causal=True, return_lse=True,
+        block_table=table, k_descale=kd, v_descale=vd)
+    assert out.dtype == q_dtype
+    p_dtype = q_dtype if fp8_backend == "triton" else None
+    for i, n in enumerate(used):
+        k, v = (_gather(x, table[i], n)[None] for x in (pool_k, pool_v))
+        qs, qe = cu_q[i], cu_q[i + 1]
+        if qe > qs:
+            _check(out[None, qs:qe], lse[None, :, qs:qe], q[None, qs:qe], k, v,
+                   (None, kd[i:i + 1], vd[i:i + 1]), fp8_backend, dict(causal=True),
+                   q_dtype, dtype=p_dtype)
+
+
+def test_fp8_pool_under_16bit_queries_rejects(device):
+    """What a 16-bit q over an FP8 pool does not take, each named: q_descale, another
+    output dtype, v in another format, packed (unpaged) FP8 k and v, fp32 q."""
+    h, hkv, d, page = 2, 1, 16, 16
+    pool = torch.randn(2, page, hkv, d, device=device).to(E4M3)
+    q = torch.randn(3, h, d, device=device, dtype=torch.float16)
+    cu_q = torch.tensor([0, 3], dtype=torch.int32, device=device)
+    cu_k = torch.tensor([0, 20], dtype=torch.int32, device=device)
+    table = torch.tensor([[0, 1]], dtype=torch.int32, device=device)
+    args = (cu_q, cu_k, 3, 20)
+    one = torch.ones((), device=device)
+    with pytest.raises(ValueError, match="q_descale"):
+        flashtile.flash_attn_varlen_func(q, pool, pool, *args, block_table=table,
+                                         q_descale=one)
+    with pytest.raises(ValueError, match="out_dtype"):
+        flashtile.flash_attn_varlen_func(q, pool, pool, *args, block_table=table,
+                                         out_dtype=torch.float32)
+    with pytest.raises(TypeError, match=r"v\.dtype.*float8 pool"):
+        flashtile.flash_attn_varlen_func(q, pool, pool.to(E5M2), *args, block_table=table)
+    with pytest.raises(TypeError, match=r"k\.dtype"):
+        flashtile.flash_attn_varlen_func(q, pool[0], pool[0], *args)
+    with pytest.raises(TypeError, match=r"k\.dtype"):
+        flashtile.flash_attn_varlen_func(q.float(), pool, pool, *args, block_table=table)
+
+
 # ---- flash_attn_with_kvcache: FP8 caches, 16-bit or FP8 queries ----
 
 def _q_dtype(on_gpu):

@@ -402,15 +402,17 @@ def _engine_kernel(name):
         return _silu_and_mul_kernel, dict(N=n, BLOCK_N=block_n), warps, {}
     h, hkv, d = map(int, shape[0].split("x"))
     block_half, heads_q, heads_kv, warps = configs.rope_store_tile(h, hkv, d // 2, cuda)
+    # rope8: the pool in FP8 (kv_cache_dtype="fp8"), quantised as it is stored.
+    pool = dict(KCache="*fp8e4nv", VCache="*fp8e4nv") if kind == "rope8" else {}
     return (_rope_store_kernel, dict(NUM_HEADS=h, NUM_KV_HEADS=hkv, HALF=d // 2,
                                      BLOCK_HALF=block_half, HEADS_Q=heads_q,
                                      HEADS_KV=heads_kv, STORE=True),
-            warps, dict(Cos="*fp32", Sin="*fp32", Slots="*i64"))
+            warps, dict(Cos="*fp32", Sin="*fp32", Slots="*i64", **pool))
 
 
 @pytest.mark.parametrize("name", ["norm_896", "addnorm_896", "addnorm_4096", "headnorm_128",
                                   "silu_4864", "silu_14336", "rope_14x2x64",
-                                  "rope_32x8x128"])
+                                  "rope_32x8x128", "rope8_14x2x64", "rope8_32x8x128"])
 def test_engine_elementwise_kernels_compile_vectorised(name):
     """The engine's elementwise kernels (engine/layernorm.py, activation.py,
     rope_store.py) compile for sm_90 without spills and move bf16 in 16-byte vectors:
@@ -423,6 +425,9 @@ def test_engine_elementwise_kernels_compile_vectorised(name):
     if name.startswith("silu") or name.endswith("_4096"):
         # Rows of whole 16-byte vectors per thread: nothing narrower anywhere.
         assert accesses == {"ld.global.v4.b32", "st.global.v4.b32"}, accesses
+    elif name.startswith("rope8"):
+        # 16-bit loads in 16-byte vectors; an FP8 pool's stores are half as wide.
+        assert "ld.global.v4.b32" in accesses, accesses
     else:
         assert {"ld.global.v4.b32", "st.global.v4.b32"} <= accesses, accesses
 

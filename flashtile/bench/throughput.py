@@ -14,6 +14,8 @@ JSON line back.
 Providers:
     engine-flashtile-graphs   the engine, flashtile attention, decode in CUDA graphs
     engine-flashtile-eager    the same with enforce_eager=True
+    engine-flashtile-fp8kv    engine-flashtile-graphs over an FP8 KV pool (kv_cache_dtype="fp8";
+                              its roofline counts the KV cache in FP8 bytes)
     engine-sdpa, engine-naive the same engine (CUDA graphs) with torch SDPA / plain softmax
                               attention over each sequence's max_model_len keys, masked
     hf-generate               transformers ``generate`` in static batches (sdpa, left padding)
@@ -64,7 +66,7 @@ PRESETS = {
         hidden_act="silu", torch_dtype="bfloat16", bos_token_id=128000, eos_token_id=128001),
 }
 PROVIDERS = ("hf-generate", "hf-generate-batch", "engine-naive", "engine-sdpa",
-             "engine-flashtile-eager", "engine-flashtile-graphs")
+             "engine-flashtile-eager", "engine-flashtile-graphs", "engine-flashtile-fp8kv")
 
 
 def workload(num_requests, min_len, max_len, vocab_size, seed=0):
@@ -91,15 +93,17 @@ def kv_bytes_per_token(cfg, dtype_bytes=2) -> int:
     return 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * hd * dtype_bytes
 
 
-def roofline_seconds(cfg, requests, copy_gbs, matmul_tflops, max_num_seqs, dtype_bytes=2):
+def roofline_seconds(cfg, requests, copy_gbs, matmul_tflops, max_num_seqs, dtype_bytes=2,
+                     kv_dtype_bytes=None):
     """A floor for the workload on one device: decode steps that read the weights once per
     step and each live sequence's KV once, at the copy bandwidth; prompts at the matrix rate.
+    kv_dtype_bytes: the KV cache's element size, if not the weights' (1: an FP8 pool).
 
     Requests run max_num_seqs at a time, each slot taking the next request when one finishes
     (the order they were given), as a continuous-batching engine would at best.
     """
     weight_bytes = param_count(cfg) * dtype_bytes
-    per_token = kv_bytes_per_token(cfg, dtype_bytes)
+    per_token = kv_bytes_per_token(cfg, kv_dtype_bytes or dtype_bytes)
     prompt_flops = 2 * param_count(cfg) * sum(len(p) for p, _ in requests)
     pending = list(requests)
     live = []  # [prompt_len, tokens generated, output_len]
@@ -285,8 +289,12 @@ def main(argv=None):
                 res = _child(args, argv, prov, d)
                 if res is None:
                     continue
-                # The roofline fraction is for the full workload only.
-                part_roof = roof if res["requests"] == len(requests) else 0
+                # The roofline fraction is for the full workload only; an FP8 pool's
+                # counts its KV cache in FP8 bytes.
+                full = roof if prov != "engine-flashtile-fp8kv" else roofline_seconds(
+                    cfg, requests, tp * args.copy_gbs, tp * args.matmul_tflops,
+                    args.max_num_seqs, kv_dtype_bytes=1)
+                part_roof = full if res["requests"] == len(requests) else 0
                 if prov == "hf-generate-batch":
                     hf_tps = res["output_tokens"] / res["wall_s"]
                 row = _row(name, prov, res, part_roof, tp)

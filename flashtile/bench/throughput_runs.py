@@ -78,14 +78,14 @@ def _phase(what):
     print(f"PHASE {what}", file=sys.stderr, flush=True)
 
 
-def _engine(args, cfg, requests, backend, eager):
+def _engine(args, cfg, requests, backend, eager, kv_cache_dtype="auto"):
     from flashtile.engine import LLM, SamplingParams
     import torch
     began = time.perf_counter()
     llm = LLM(model=args.model_dir, dtype="bfloat16", load_format="dummy",
               attention_backend=backend, enforce_eager=eager, max_num_seqs=args.max_num_seqs,
               max_model_len=2 * args.max_len + 16, seed=0,
-              tensor_parallel_size=args.tensor_parallel_size)
+              tensor_parallel_size=args.tensor_parallel_size, kv_cache_dtype=kv_cache_dtype)
     params = [SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=n)
               for _, n in requests]
     prompts = [p for p, _ in requests]
@@ -351,7 +351,8 @@ def run_one(args):
         res = _hf(args, cfg, requests, batched=p == "hf-generate-batch")
     else:
         backend = {"engine-naive": "naive", "engine-sdpa": "sdpa"}.get(p, "flashtile")
-        res = _engine(args, cfg, requests, backend, eager=p == "engine-flashtile-eager")
+        res = _engine(args, cfg, requests, backend, eager=p == "engine-flashtile-eager",
+                      kv_cache_dtype="fp8" if p == "engine-flashtile-fp8kv" else "auto")
         res["requests"] = len(requests)
     n = res["requests"]
     res["input_tokens"] = sum(len(q) for q, _ in requests[:n])

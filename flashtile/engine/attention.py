@@ -64,6 +64,28 @@ class AttentionMetadata:
     key_slots: Optional[Tensor] = None
 
 
+def to_pool(x: Tensor, dtype: torch.dtype) -> Tensor:
+    """Keys or values as an FP8 pool holds them: flashtile.fp8.quantize(x, 1.0) (vLLM's
+    default scale), rounded to nearest even and saturated at the format's largest value
+    (a plain cast would make NaN of what lies past it); x itself for a 16-bit pool."""
+    if dtype.itemsize != 1:
+        return x
+    bound = torch.finfo(dtype).max
+    return x.float().clamp(-bound, bound).to(dtype)
+
+
+def store_kv(k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor, k: Tensor,
+             v: Tensor) -> None:
+    """k/v (T, Hkv, d) into the pool at slot_mapping, one vectorised write each (slot -1:
+    the scratch block, the pool's last). An FP8 pool's as bytes (``to_pool``): index_put
+    has no FP8 kernel in every torch build."""
+    for cache, x in ((k_cache, k), (v_cache, v)):
+        x = to_pool(x, cache.dtype)
+        if cache.dtype.itemsize == 1:
+            cache, x = cache.view(torch.uint8), x.view(torch.uint8)
+        cache.view(-1, *cache.shape[2:]).index_put_((slot_mapping,), x)
+
+
 def _allowed(q_pos: Tensor, num_keys: int, window_left: int) -> Tensor:
     """Bool (..., Lq, Lk): key j is visible from query position i (causal, windowed)."""
     k_pos = torch.arange(num_keys, device=q_pos.device)
@@ -109,6 +131,9 @@ class Attention(nn.Module):
         self.backend = backend
         self.k_cache: Optional[Tensor] = None
         self.v_cache: Optional[Tensor] = None
+        # The pool rounds what it stores (FP8, set by the runner): every prefill then
+        # attends over the pool, as later steps do.
+        self.quantized = False
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, meta: AttentionMetadata,
                 stored: bool = False) -> Tensor:
@@ -119,14 +144,15 @@ class Attention(nn.Module):
             raise RuntimeError("attention over earlier keys needs the KV pool: set "
                                "k_cache/v_cache first (ModelRunner does)")
         if self.k_cache is not None and not stored:
-            self.k_cache.view(flat).index_put_((meta.slot_mapping,), k)
-            self.v_cache.view(flat).index_put_((meta.slot_mapping,), v)
+            store_kv(self.k_cache, self.v_cache, meta.slot_mapping, k, v)
         if meta.is_decode:
             return self._decode(q, meta)
         if self.backend == "flashtile":
             # Keys written by earlier steps are read from the pool through the block table;
-            # a fresh prefill attends to its own packed k/v (no page lookups).
-            paged = meta.has_context
+            # a fresh prefill attends to its own packed k/v (no page lookups), but over an
+            # FP8 pool, whose rounded keys every later step sees: so that a prompt's logits
+            # do not depend on how it was split into steps.
+            paged = meta.has_context or (self.quantized and self.k_cache is not None)
             return flashtile.flash_attn_varlen_func(
                 q, self.k_cache if paged else k, self.v_cache if paged else v,
                 meta.cu_seqlens_q, meta.cu_seqlens_k, meta.max_seqlen_q, meta.max_seqlen_k,

@@ -35,6 +35,9 @@ def add_generate(commands):
                    choices=("flashtile", "sdpa", "naive"))
     p.add_argument("--load-format", default="auto", choices=("auto", "dummy"))
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    p.add_argument("--kv-cache-dtype", default="auto",
+                   choices=("auto", "fp8", "fp8_e4m3", "fp8_e5m2"),
+                   help="the KV cache's dtype: auto (the model's) or FP8")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="processes (GPUs) to split the model over")
     p.set_defaults(handler=_generate)
@@ -46,7 +49,8 @@ def _generate(args) -> int:
     llm = LLM(args.model, dtype=args.dtype, device=args.device,
               max_model_len=args.max_model_len, attention_backend=args.attention_backend,
               load_format=args.load_format, enforce_eager=args.enforce_eager,
-              tensor_parallel_size=args.tensor_parallel_size, max_num_seqs=1)
+              tensor_parallel_size=args.tensor_parallel_size, max_num_seqs=1,
+              kv_cache_dtype=args.kv_cache_dtype)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                             top_p=args.top_p, top_k=args.top_k, seed=args.seed,
                             ignore_eos=args.ignore_eos)

@@ -33,6 +33,9 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
           "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16,
           "half": torch.float16, "float": torch.float32}
 BACKENDS = ("flashtile", "sdpa", "naive")
+# kv_cache_dtype (vLLM's names): "auto" is the model's dtype; "fp8" is e4m3.
+KV_CACHE_DTYPES = {"auto": None, "fp8": torch.float8_e4m3fn,
+                   "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 LOAD_FORMATS = ("auto", "dummy")
 
 
@@ -157,6 +160,14 @@ class EngineConfig:
         step overlaps the device's; step() then returns each step's tokens one call
         later. Default (None): on CUDA; on CPU, where nothing runs asynchronously, off.
         Either way the tokens are the same.
+    kv_cache_dtype: the KV pool's dtype (vLLM's names): "auto", the model's; "fp8" or
+        "fp8_e4m3" (float8_e4m3fn), "fp8_e5m2". An FP8 pool holds twice the tokens of a
+        16-bit one in the same bytes, and decode steps read half the KV bytes. Keys and
+        values are stored as flashtile.fp8.quantize(x, 1.0) makes them (rounded to
+        nearest even, saturated at the format's largest value: vLLM's default scales of
+        1.0, no calibration), and every step attends over the pool (prefill chunks and
+        fresh prompts too), so a sequence's logits do not depend on how its prompt was
+        split into steps. Needs a float16 or bfloat16 model and the flashtile backend.
     tensor_parallel_size: processes the model is split over (engine/parallel.py): LLM
         runs rank 0 and starts the others (engine/workers.py); rank r runs on cuda:r
         (choose the GPUs with CUDA_VISIBLE_DEVICES), or on the CPU over gloo.
@@ -179,8 +190,10 @@ class EngineConfig:
     device: str = "auto"
     async_scheduling: Optional[bool] = None
     tensor_parallel_size: int = 1
+    kv_cache_dtype: str = "auto"
     model_config: ModelConfig = field(init=False, repr=False)
     torch_dtype: torch.dtype = field(init=False, repr=False)
+    cache_dtype: torch.dtype = field(init=False, repr=False)  # kv_cache_dtype resolved
 
     def __post_init__(self):
         if self.load_format not in LOAD_FORMATS:
@@ -188,6 +201,15 @@ class EngineConfig:
         if self.attention_backend not in BACKENDS:
             _fail(ValueError, "attention_backend", f"one of {BACKENDS}",
                   repr(self.attention_backend))
+        if not isinstance(self.kv_cache_dtype, str) or \
+                self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            _fail(ValueError, "kv_cache_dtype", f"one of {tuple(KV_CACHE_DTYPES)}",
+                  repr(self.kv_cache_dtype))
+        if KV_CACHE_DTYPES[self.kv_cache_dtype] is not None \
+                and self.attention_backend != "flashtile":
+            _fail(ValueError, "kv_cache_dtype", "'auto' with attention_backend "
+                  f"{self.attention_backend!r} (an FP8 pool is read by flashtile's kernels)",
+                  repr(self.kv_cache_dtype))
         for name in ("max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -213,6 +235,11 @@ class EngineConfig:
             _fail(ValueError, "max_model_len", f"an int from 1 to the model's "
                   f"max_position_embeddings {limit}", repr(self.max_model_len))
         self.torch_dtype = _resolve_dtype(self.dtype, self.model_config.dtype)
+        self.cache_dtype = KV_CACHE_DTYPES[self.kv_cache_dtype] or self.torch_dtype
+        if self.cache_dtype != self.torch_dtype and \
+                self.torch_dtype not in (torch.float16, torch.bfloat16):
+            _fail(ValueError, "kv_cache_dtype", f"'auto' with dtype {self.torch_dtype} (an "
+                  "FP8 pool serves float16 or bfloat16 models)", repr(self.kv_cache_dtype))
         if self.async_scheduling is None:
             self.async_scheduling = self.torch_device.type == "cuda"
         if not isinstance(self.async_scheduling, bool):

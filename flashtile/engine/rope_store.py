@@ -27,6 +27,7 @@ import triton.language as tl
 from torch import Tensor
 
 from flashtile.ops import _launch, configs
+from flashtile.ops._fp8 import _quantize
 
 
 @triton.jit
@@ -45,6 +46,20 @@ def _rotate_heads(Src, Dst, stride_sh, o_h, m_h, o_d, m_d, b_cos, b_sin,
     tl.store(p_d, b_r1, mask=m)
     tl.store(p_d + HALF, b_r2, mask=m)
     return b_r1, b_r2
+
+
+@triton.jit
+def _store_halves(P, b_x1, b_x2, m, HALF: tl.constexpr):
+    """Both halves of a block of heads into pool rows at P. An FP8 pool
+    (kv_cache_dtype="fp8") takes them quantised with scale 1.0, rounded to nearest even
+    and saturated (attention.to_pool's numbers: a plain cast would not saturate
+    everywhere)."""
+    if P.dtype.element_ty.is_fp8():
+        tl.store(P, _quantize(b_x1, 1.0, P.dtype.element_ty), mask=m)
+        tl.store(P + HALF, _quantize(b_x2, 1.0, P.dtype.element_ty), mask=m)
+    else:
+        tl.store(P, b_x1.to(P.dtype.element_ty), mask=m)
+        tl.store(P + HALF, b_x2.to(P.dtype.element_ty), mask=m)
 
 
 @triton.jit
@@ -82,11 +97,10 @@ def _rope_store_kernel(
             if slot >= 0:
                 m = m_h[:, None] & m_d[None, :]                             # [HEADS_KV, BLOCK_HALF]
                 o_c = slot * stride_cache_slot + o_h[:, None] * stride_cache_h + o_d[None, :]
-                tl.store(KCache + o_c, b_r1.to(KCache.dtype.element_ty), mask=m)
-                tl.store(KCache + o_c + HALF, b_r2.to(KCache.dtype.element_ty), mask=m)
                 p_v = V + t * stride_vt + o_h[:, None] * stride_vh + o_d[None, :]
-                tl.store(VCache + o_c, tl.load(p_v, mask=m), mask=m)
-                tl.store(VCache + o_c + HALF, tl.load(p_v + HALF, mask=m), mask=m)
+                _store_halves(KCache + o_c, b_r1, b_r2, m, HALF)
+                _store_halves(VCache + o_c, tl.load(p_v, mask=m), tl.load(p_v + HALF, mask=m),
+                              m, HALF)
 
 
 # The kernel parameters a call of a plan fills, in this order (``_launch``).
@@ -98,9 +112,10 @@ def rope_and_store(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor,
                    v_cache: Tensor | None) -> tuple[Tensor, Tensor]:
     """q (T, H, d), k/v (T, Hkv, d), each with a unit last stride (views of the fused
     projection are fine); cos/sin (T, d / 2) fp32 per token with a unit last stride;
-    slot_mapping (T,) int64; k_cache/v_cache (num_blocks, page_size, Hkv, d) contiguous,
-    or None (then nothing is stored and slot_mapping is not read). Returns the rotated q
-    (T, H, d) and k (T, Hkv, d), contiguous; writes rotated k and v at each slot >= 0."""
+    slot_mapping (T,) int64; k_cache/v_cache (num_blocks, page_size, Hkv, d) contiguous
+    in q's dtype or an FP8 format (written as attention.to_pool quantises), or None
+    (then nothing is stored and slot_mapping is not read). Returns the rotated q (T, H,
+    d) and k (T, Hkv, d), contiguous; writes rotated k and v at each slot >= 0."""
     t, h, d = q.shape
     hkv = k.shape[1]
     q_out = torch.empty((t, h, d), dtype=q.dtype, device=q.device)
@@ -153,12 +168,13 @@ def rotate_halves(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 
 def rope_and_store_reference(q, k, v, cos, sin, slot_mapping, k_cache, v_cache):
-    """rope_and_store in PyTorch: the same results and the same cache writes."""
+    """rope_and_store in PyTorch: the same results and the same cache writes (an FP8
+    pool's as attention.to_pool quantises them)."""
+    from flashtile.engine.attention import store_kv
+
     q, k = rotate_halves(q, cos, sin), rotate_halves(k, cos, sin)
     if k_cache is None:
         return q, k
     keep = slot_mapping >= 0
-    flat = (-1, *k_cache.shape[2:])
-    k_cache.view(flat)[slot_mapping[keep]] = k[keep]
-    v_cache.view(flat)[slot_mapping[keep]] = v[keep]
+    store_kv(k_cache, v_cache, slot_mapping[keep], k[keep], v[keep])
     return q, k

@@ -64,6 +64,7 @@ class ModelRunner(StepInputsMixin, CudaGraphsMixin):
     def __init__(self, config: EngineConfig):
         self.config = config
         self.device, self.dtype = config.torch_device, config.torch_dtype
+        self.cache_dtype = config.cache_dtype  # the pool's: the model's, or FP8
         self.page_size = config.page_size
         self.model = build_model(config)
         self.sampler = Sampler(seed=config.seed)
@@ -72,10 +73,14 @@ class ModelRunner(StepInputsMixin, CudaGraphsMixin):
         shape = (2, mc.num_hidden_layers, self.num_blocks + 1, self.page_size,
                  self.kv_heads, mc.head_dim)
         # Zeroed: graph padding rows read the scratch block, and sdpa/naive decode multiply
-        # the values of masked pool rows by 0 (garbage NaN would survive that).
-        self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        # the values of masked pool rows by 0 (garbage NaN would survive that). Zeroed as
+        # bytes: not every torch build fills FP8 tensors.
+        self.kv_cache = torch.zeros(shape, dtype=torch.uint8 if self.cache_dtype.itemsize == 1
+                                    else self.cache_dtype, device=self.device
+                                    ).view(self.cache_dtype)
         for i, attn in enumerate(self.model.attention_layers()):
             attn.k_cache, attn.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
+            attn.quantized = self.cache_dtype != self.dtype
         self.scratch_block = self.num_blocks
         # The BlockManager over this pool whose table rows decode steps gather (LLM sets
         # it; its rows end in num_blocks, the scratch block). None: from the lists.
@@ -102,7 +107,7 @@ class ModelRunner(StepInputsMixin, CudaGraphsMixin):
     def block_bytes(self) -> int:
         mc = self.config.model_config
         return (2 * mc.num_hidden_layers * self.page_size * self.kv_heads
-                * mc.head_dim * self.dtype.itemsize)
+                * mc.head_dim * self.cache_dtype.itemsize)
 
     def _pool_blocks(self) -> int:
         cfg = self.config

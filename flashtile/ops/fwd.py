@@ -121,8 +121,10 @@ def _fwd_block(acc, l_i, m_i, b_q, p_k, p_v, start, stop,
                 p_v_n = p_v + (start_n // BLOCK_N) * BLOCK_N
             else:
                 p_v_n = p_v + start_n * stride_vn
+        # .to: a float8 pool under 16-bit q (PAGED) is widened to q's dtype, exactly;
+        # where k has q's dtype it is no instruction.
         b_k = _load_tile(p_k_n, offs_n, seqlen_k, offs_d, head_dim,
-                         BOUNDARY, EVEN_D)                                  # (N, D)
+                         BOUNDARY, EVEN_D).to(b_q.dtype)                    # (N, D)
         qk = tl.dot(b_q, tl.trans(b_k), input_precision=INPUT_PRECISION)   # (M, N)
         m_mask = (offs_m[:, None] < seqlen_q) & (offs_n[None, :] < seqlen_k)
         s = _scores_log2(qk, offs_m, offs_n, seqlen_k, diag_offset, window_left,
@@ -153,7 +155,7 @@ def _fwd_block(acc, l_i, m_i, b_q, p_k, p_v, start, stop,
             b_v = tl.trans(_load_vt(p_v_n, offs_dv, head_dim_v, EVEN_DV))  # (N, DV)
         else:
             b_v = _load_tile(p_v_n, offs_n, seqlen_k, offs_dv, head_dim_v,
-                             BOUNDARY, EVEN_DV)                             # (N, DV)
+                             BOUNDARY, EVEN_DV).to(b_q.dtype)               # (N, DV)
         if PV_PER_TILE:
             # Each tile's P @ V starts from zero and the tiles are summed in fp32: Hopper's
             # FP8 wgmma keeps a narrower accumulator (about 14 bits, DeepSeek-V3 report
@@ -598,15 +600,18 @@ def attn_fwd(q, k, v, *, attn_mask, alibi_slopes, softmax_scale, diag_offset,
         if varlen:
             qkv = _varlen_qkv_keys.get(layout)
             if qkv is None:
-                qkv = (dtype, q_shape[1:], q.stride(), k_shape[1:] if packed_k else k_shape,
-                       k.stride(), v.shape[-1], v.stride())
+                # k's dtype too: a float8 pool under 16-bit q (widened in the kernel).
+                qkv = (dtype, k.dtype, q_shape[1:], q.stride(),
+                       k_shape[1:] if packed_k else k_shape, k.stride(), v.shape[-1],
+                       v.stride())
                 if layout is not None:
                     if len(_varlen_qkv_keys) >= _launch.MAX_PLANS:
                         _varlen_qkv_keys.clear()
                     _varlen_qkv_keys[layout] = qkv
         else:
             qkv = layout if layout is not None else (
-                dtype, q_shape, q.stride(), k_shape, k.stride(), v.shape[-1], v.stride())
+                dtype, k.dtype, q_shape, q.stride(), k_shape, k.stride(), v.shape[-1],
+                v.stride())
         key = ("fwd", qkv, out.dtype,
                plain or (_launch.layout(attn_mask), _launch.layout(alibi_slopes),
                          _launch.layout(q_descale), _launch.layout(k_descale),
