@@ -10,6 +10,8 @@
 #   sweep SECS   the `flashtile bench` sweep (SWEEP_ARGS: its grid) for SECS seconds, --resume from
 #                bench-h200/ (carry it back in: a sweep spans several calls)
 #   extra        bench --accuracy, tune for head_dim 128                  (~6 min)
+#   fp8-ab       the d128 FP8 Gluon forward under its schedule and tile opt-ins, two rounds
+#                beside cuDNN (issue 17's 1000 TFLOP/s)                     (~6 min)
 #   short-gluon  the Gluon kernels forced below 1k tokens beside auto and cuDNN; the
 #                Gluon forward's host cost, profiled                       (~9 min)
 #   host-fwd     flashtile bench host with the Gluon forward (auto) and the portable one (~3 min)
@@ -463,6 +465,20 @@ r(heads=($heads,))" 2>&1 | grep "^{" | sed "s/^/$heads heads, $tile: /" ) \
       flashtile-fp8 flashtile-hopper-fp8 sdpa-cudnn --modes fwd --headdim 64 128 256 \
       --seqlens 1k 2k 4k 16k --causal both --no-progress --out fp8 --overwrite 2>&1 \
       | grep "^|" | tee "$OUT/fp8.txt" | tail -30
+    ;;
+  fp8-ab)
+    # Issue 17's d128 FP8 forward (896 TFLOP/s at 16k on an H100, session 39; target 1000)
+    # under the Gluon kernel's opt-ins last timed before the swap-order default (session
+    # 35): the persistent grid (session 12: -3% full), 128 keys a block as 256 with P V
+    # summed in the wgmma (876 against 864 then), three consumers (864). Two alternating
+    # rounds beside cuDNN (bf16). Prediction: each within -5..+4% of the default; one that
+    # wins in both rounds at 8k and 16k becomes the FP8 d128 default.
+    base=FLASHTILE_HOPPER_FWD_SCHEDULE=auto
+    AB_SECS=100 ab fp8-ab "$base FLASHTILE_HOPPER_FWD_SCHEDULE=persistent \
+      FLASHTILE_HOPPER_FWD_CONFIG=128,256,4,2+FLASHTILE_HOPPER_FWD_FP8_PV=wgmma \
+      FLASHTILE_HOPPER_FWD_CONFIG=192,128,4,3+FLASHTILE_HOPPER_FWD_FP8_PV=wgmma" \
+      --providers flashtile-hopper-fp8 sdpa-cudnn --modes fwd --headdim 128 \
+      --seqlens 8k 16k --causal both
     ;;
   short-gluon)
     # Below 1k tokens auto keeps the portable kernels: the Gluon forward and backward

@@ -39,6 +39,8 @@ PAGED16 = dict(PAGED=True, PAGE_SIZE=16, SEQUSED_K=True, V_KEYS_CONTIGUOUS=False
                **NO_DESCALE)
 PAGED256 = dict(PAGED=True, PAGE_SIZE=256, SEQUSED_K=False, V_KEYS_CONTIGUOUS=False,
                 **NO_DESCALE)
+PAGED64 = dict(PAGED=True, PAGE_SIZE=64, SEQUSED_K=False, V_KEYS_CONTIGUOUS=False,
+               **NO_DESCALE)  # the engine's default page
 
 KERNELS = {
     "fwd": (_attn_fwd_kernel, configs._FWD_16BIT,
@@ -103,6 +105,27 @@ def test_paged_forward_stays_pipelined(paged):
     assert paged_ck.metadata.shared == plain.metadata.shared
     copies = [ck.asm["ttgir"].count("async_copy_global_to_local") for ck in (plain, paged_ck)]
     assert copies[1] == copies[0] > 0, copies
+
+
+@pytest.mark.parametrize("fp8", ["fp8e4nv", "fp8e5"])
+def test_paged_forward_over_an_fp8_pool(fp8):
+    """bf16 q over an FP8 pool (an engine's kv_cache_dtype="fp8" prefill): the K and V
+    tiles are widened to bf16 after their loads, so the pipeline keeps its async copies
+    (of half the bytes) and nothing spills; the descales are two scalars a program."""
+    cfg = configs._FWD_16BIT_CAUSAL[128]
+    flags = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=128, REVERSE_M=True,
+                 IS_VARLEN=True, **PLAIN, **dict(PAGED64, HAS_K_DESCALE=True,
+                                                 HAS_V_DESCALE=True))
+    pool = compile_kernel(_attn_fwd_kernel, flags, dtype="bf16", num_warps=cfg.num_warps,
+                          num_stages=cfg.num_stages,
+                          types=dict(K=f"*{fp8}", V=f"*{fp8}", KDescale="*fp32",
+                                     VDescale="*fp32"))
+    plain = compile_kernel(_attn_fwd_kernel, dict(flags, **PAGED64), dtype="bf16",
+                           num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    assert resources(pool)["stack_bytes"] == 0
+    copies = [ck.asm["ttgir"].count("async_copy_global_to_local") for ck in (plain, pool)]
+    assert copies[1] == copies[0] > 0, copies
+    assert pool.metadata.shared < plain.metadata.shared
 
 
 FUSED_TABLES = {  # name: (table, dtype, products)
