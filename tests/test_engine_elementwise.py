@@ -168,12 +168,14 @@ def test_rope_and_store_equals_reference(heads, kv_heads, head_dim, dtype, pool,
         assert torch.equal(flat[untouched], old_flat[untouched]), name
 
 
+@pytest.mark.parametrize("scales", [None, (0.37, 2.5)], ids=["scale1", "scaled"])
 @pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.float8_e5m2],
                          ids=["e4m3", "e5m2"])
-def test_rope_and_store_into_an_fp8_pool(cache_dtype, device, on_gpu, request):
+def test_rope_and_store_into_an_fp8_pool(cache_dtype, scales, device, on_gpu, request):
     """kv_cache_dtype="fp8": the kernel writes the rotated k and the v as the engine's
-    PyTorch path does (attention.to_pool: scale 1.0, nearest even, saturated; values
-    past e4m3's 448 included), byte for byte; slot -1 rows write nothing."""
+    PyTorch path does (attention.to_pool: divided by the pool's scale, 1.0 by default,
+    nearest even, saturated; values past e4m3's 448 included), byte for byte; slot -1
+    rows write nothing."""
     if not on_gpu:
         request.getfixturevalue("fp8_interpreter")
     from flashtile.engine.attention import to_pool
@@ -191,15 +193,20 @@ def test_rope_and_store_into_an_fp8_pool(cache_dtype, device, on_gpu, request):
     slots = torch.tensor([3, -1, 17, 0, 9, 12], device=device)
     caches = [torch.zeros(blocks, ps, kv_heads, d, device=device).to(cache_dtype)
               for _ in range(4)]
-    q_out, k_out = rope_and_store(q, k, v, cos, sin, slots, *caches[:2])
-    rope_and_store_reference(q, k, v, cos, sin, slots, *caches[2:])
+    k_scale, v_scale = (None, None) if scales is None else (
+        torch.tensor(x, device=device) for x in scales)
+    q_out, k_out = rope_and_store(q, k, v, cos, sin, slots, *caches[:2], k_scale, v_scale)
+    rope_and_store_reference(q, k, v, cos, sin, slots, *caches[2:], k_scale, v_scale)
     keep = slots >= 0
-    for name, ours, ref, new in (("k", caches[0], caches[2], k_out),
-                                 ("v", caches[1], caches[3], v)):
+    for name, ours, ref, new, scale in (("k", caches[0], caches[2], k_out, k_scale),
+                                        ("v", caches[1], caches[3], v, v_scale)):
         assert torch.equal(ours.view(torch.uint8), ref.view(torch.uint8)), name
         written = ours.view(-1, kv_heads, d)[slots[keep]]
         assert torch.equal(written.view(torch.uint8),
-                           to_pool(new[keep], cache_dtype).view(torch.uint8)), name
+                           to_pool(new[keep], cache_dtype, scale).view(torch.uint8)), name
+    if scales is not None:
+        with pytest.raises(ValueError, match="k_scale: expected a 0-d float32"):
+            rope_and_store(q, k, v, cos, sin, slots, *caches[:2], k_scale.double(), v_scale)
     assert torch.isfinite(caches[1].float()).all()  # saturated, never NaN
 
 

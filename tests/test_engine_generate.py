@@ -387,33 +387,47 @@ def test_prefix_cache_hit_equals_miss(checkpoint, monkeypatch):
 FP8_KV = dict(dtype="float16", kv_cache_dtype="fp8")
 
 
-def _fp8_rounded(x, dtype):
-    """attention.to_pool for a 16-bit pool standing in for an FP8 one: x rounded through
-    e4m3 as the FP8 pool stores it, back in x's dtype (exact: e4m3 fits fp16)."""
-    return x.float().clamp(-448, 448).to(torch.float8_e4m3fn).to(x.dtype)
+def _fp8_rounded(x, dtype, scale=None):
+    """attention.to_pool for a 16-bit pool standing in for an FP8 one: x / scale rounded
+    through e4m3 as the FP8 pool stores it, times scale, back in x's dtype."""
+    scale = 1.0 if scale is None else scale
+    return ((x.float() / scale).clamp(-448, 448).to(torch.float8_e4m3fn).float()
+            * scale).to(x.dtype)
 
 
-def test_fp8_kv_cache_reads_as_the_values_it_holds(checkpoint, monkeypatch):
+@pytest.mark.parametrize("calculate", [False, True], ids=["scale1", "calculated"])
+def test_fp8_kv_cache_reads_as_the_values_it_holds(checkpoint, monkeypatch, calculate):
     """kv_cache_dtype="fp8": tokens and logprobs equal those of an fp16 pool holding the
     same FP8-rounded keys and values (every prefill over the pool there too), through
-    fresh prompts, prefill chunks beside decodes, and decode steps. The FP8 pool holds
-    twice the pages of the fp16 one in the same bytes."""
+    fresh prompts, prefill chunks beside decodes, and decode steps; with scales of 1.0,
+    or set from the first step (calculate_kv_scales: the largest |k| maps to 200, |v| to
+    100). The FP8 pool holds twice the pages of the fp16 one in the same bytes."""
     import flashtile.engine.attention as attention
 
     path, _ = checkpoint
     prompts = _prompts([3, 41, 9, 30], seed=4)
     params = SamplingParams(temperature=0, max_tokens=12, logprobs=0, ignore_eos=True)
     memory = 12 * 16 * BYTES_PER_TOKEN // 2  # twelve fp16 pages
-    fp8 = _llm(path, max_num_batched_tokens=16, kv_cache_memory=memory, **FP8_KV)
+    fp8 = _llm(path, max_num_batched_tokens=16, kv_cache_memory=memory,
+               calculate_kv_scales=calculate, **FP8_KV)
     assert fp8.runner.kv_cache.dtype == torch.float8_e4m3fn
     assert fp8.runner.num_blocks == 24
     got = [o.outputs[0] for o in fp8.generate(prompts, params, use_tqdm=False)]
     _assert_pool_empty(fp8)
+    layers = fp8.runner.model.attention_layers()
+    scales = [float(x) for a in layers for x in (a.k_scale, a.v_scale)]
+    if calculate:  # the first step's keys (values) reach 200 (100) in the pool, none more
+        assert all(0 < s != 1.0 for s in scales) and not any(a.calibrate for a in layers)
+        pools = fp8.runner.kv_cache.float().abs().flatten(2).amax(-1)  # (2, layers)
+        assert (pools[0] <= 448).all() and (pools[0] >= 200).all()
+    else:
+        assert scales == [1.0] * len(scales)
     monkeypatch.setattr(attention, "to_pool", _fp8_rounded)
     ref = _llm(path, max_num_batched_tokens=16, kv_cache_memory=memory, dtype="float16")
     assert ref.runner.num_blocks == 12
     for attn in ref.runner.model.attention_layers():
-        attn.quantized = True
+        attn.quantized, attn.calibrate = True, calculate
+        attn.k_scale, attn.v_scale = torch.ones(()), torch.ones(())
     want = [o.outputs[0] for o in ref.generate(prompts, params, use_tqdm=False)]
 
     def gap(xs, ys):  # the largest logprob difference of two runs
@@ -421,8 +435,9 @@ def test_fp8_kv_cache_reads_as_the_values_it_holds(checkpoint, monkeypatch):
 
     assert [a.token_ids for a in got] == [b.token_ids for b in want]
     # fp16 runs: the two paths round their fp32 attention differently (measured 0.004;
-    # fp16 against fp32 pools 0.002).
-    assert gap(got, want) < 1e-2
+    # fp16 against fp32 pools 0.002), and the stand-in pool rounds scale * entry to fp16
+    # (0.011 with calculated scales; 0.004 with them rounded to powers of two).
+    assert gap(got, want) < 2e-2
     # The rounding is there: an unrounded fp16 pool is far further away (measured 0.8).
     monkeypatch.undo()
     plain = _llm(path, max_num_batched_tokens=16, dtype="float16")
@@ -472,6 +487,11 @@ def test_kv_cache_dtype_errors(checkpoint):
     with pytest.raises(ValueError, match="kv_cache_dtype: expected 'auto' with "
                                          "attention_backend 'sdpa'"):
         _llm(path, kv_cache_dtype="fp8_e5m2", attention_backend="sdpa", dtype="float16")
+    with pytest.raises(ValueError, match="calculate_kv_scales: expected False with "
+                                         "kv_cache_dtype 'auto'"):
+        _llm(path, calculate_kv_scales=True)
+    with pytest.raises(TypeError, match="calculate_kv_scales: expected a bool, got str"):
+        _llm(path, calculate_kv_scales="yes", **FP8_KV)
 
 
 STOP_PROMPT = "The capital of France is"

@@ -66,20 +66,24 @@ def test_cuda_graph_decode_equals_eager(checkpoint, monkeypatch, backend):
                         attention_backend=backend)
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["fp8", "fp8_e5m2"])
-def test_fp8_kv_cache_graphs_and_eager_agree(checkpoint, kv_cache_dtype):
+@pytest.mark.parametrize("kv_cache_dtype,calculate", [("fp8", False), ("fp8_e5m2", False),
+                                                      ("fp8", True)])
+def test_fp8_kv_cache_graphs_and_eager_agree(checkpoint, kv_cache_dtype, calculate):
     """kv_cache_dtype="fp8" on the GPU (bf16 model): the rotary kernel quantising into
     the pool, the varlen forward widening it under bf16 queries, the paged decode over
-    it, eagerly and in decode graphs. The first tokens come from the same eager prefill
+    it, eagerly and in decode graphs (calculate: the scales set by the first step, which
+    the captured graphs read in place). The first tokens come from the same eager prefill
     and must be equal; later ones may differ where bf16 rounds the padded graph batch
     otherwise (the rates are printed), as may the tokens over a bf16 pool."""
     path, _ = checkpoint
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     prompts = _prompts([9, 40, 70], seed=3)
-    kw = dict(dtype="bfloat16", device="cuda", max_model_len=128, kv_cache_memory=2**28)
+    kw = dict(dtype="bfloat16", device="cuda", max_model_len=128, kv_cache_memory=2**28,
+              calculate_kv_scales=calculate)
     runs = {}
     for name, extra in (("eager", dict(enforce_eager=True)), ("graphs", {}),
-                        ("bf16 pool", dict(kv_cache_dtype="auto"))):
+                        ("bf16 pool", dict(kv_cache_dtype="auto",
+                                           calculate_kv_scales=False))):
         llm = LLM(str(path), **{**kw, "kv_cache_dtype": kv_cache_dtype, **extra})
         if name == "graphs":
             assert llm.runner.graphs and llm.runner.kv_cache.dtype.itemsize == 1

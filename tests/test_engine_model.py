@@ -127,10 +127,12 @@ def _check_logits(tmp_path, case):
 
 
 @torch.no_grad()
-def _fp8_pool_steps(path):
+def _fp8_pool_steps(path, calculate):
     """Logits of every row of three steps over an FP8 pool (kv_cache_dtype="fp8", fp16
-    model): a packed prefill with a chunk, the chunk's rest beside decodes, a decode."""
-    runner = _runner(path, dtype="float16", kv_cache_dtype="fp8")
+    model): a packed prefill with a chunk, the chunk's rest beside decodes, a decode;
+    calculate: calculate_kv_scales (set by the first step)."""
+    runner = _runner(path, dtype="float16", kv_cache_dtype="fp8",
+                     calculate_kv_scales=calculate)
     bm = BlockManager(runner.num_blocks, runner.page_size, enable_prefix_caching=False)
     g = torch.Generator().manual_seed(2)
     seqs = [Sequence(torch.randint(0, VOCAB, (n,), generator=g).tolist(),
@@ -152,19 +154,21 @@ def _fp8_pool_steps(path):
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                     reason="Triton kernels on CPU tensors need TRITON_INTERPRET=1")
+@pytest.mark.parametrize("calculate", [False, True], ids=["scale1", "calculated"])
 def test_fp8_pool_through_the_kernels_equals_the_pytorch_path(tmp_path, monkeypatch,
-                                                              fp8_interpreter):
+                                                              fp8_interpreter, calculate):
     """kv_cache_dtype="fp8" through flashtile's Triton kernels (interpreted, with correct
     FP8 conversions): the rotary + cache-write kernel quantising into the pool, the
-    varlen forward over the FP8 pool under fp16 queries, the paged decode over it. Their
-    logits equal the PyTorch path's (attention.to_pool, dequantised pools in fp32) to
+    varlen forward over the FP8 pool under fp16 queries, the paged decode over it, with
+    the pool's scales of 1.0 or calculated from the first step. Their logits equal the
+    PyTorch path's (attention.to_pool, dequantised pools in fp32) to
     fp16's rounding."""
     import flashtile.engine.model as model
     make_checkpoint(tmp_path, "llama")
-    want = _fp8_pool_steps(tmp_path)
+    want = _fp8_pool_steps(tmp_path, calculate)
     monkeypatch.setenv("FLASHTILE_BACKEND", "triton")
     monkeypatch.setattr(model, "use_kernels", lambda x: True)
-    got = _fp8_pool_steps(tmp_path)
+    got = _fp8_pool_steps(tmp_path, calculate)
     # The paths' fp16 k differ by an ulp here and there (0.003 of logits apart over an
     # fp16 pool, measured), and where such a k sits at an FP8 rounding boundary the pool
     # holds values an FP8 step apart: 0.017 here, logits up to 2.6. A misread pool is off

@@ -426,7 +426,8 @@ def _engine_kernel(name):
     h, hkv, d = map(int, shape[0].split("x"))
     block_half, heads_q, heads_kv, warps = configs.rope_store_tile(h, hkv, d // 2, cuda)
     # rope8: the pool in FP8 (kv_cache_dtype="fp8"), quantised as it is stored.
-    pool = dict(KCache="*fp8e4nv", VCache="*fp8e4nv") if kind == "rope8" else {}
+    pool = dict(KCache="*fp8e4nv", VCache="*fp8e4nv", KScale="*fp32",
+                VScale="*fp32") if kind == "rope8" else {}
     return (_rope_store_kernel, dict(NUM_HEADS=h, NUM_KV_HEADS=hkv, HALF=d // 2,
                                      BLOCK_HALF=block_half, HEADS_Q=heads_q,
                                      HEADS_KV=heads_kv, STORE=True),

@@ -64,23 +64,32 @@ class AttentionMetadata:
     key_slots: Optional[Tensor] = None
 
 
-def to_pool(x: Tensor, dtype: torch.dtype) -> Tensor:
-    """Keys or values as an FP8 pool holds them: flashtile.fp8.quantize(x, 1.0) (vLLM's
-    default scale), rounded to nearest even and saturated at the format's largest value
-    (a plain cast would make NaN of what lies past it); x itself for a 16-bit pool."""
+# calculate_kv_scales (vLLM's): a layer's scale maps the largest |k| (|v|) of the first
+# step that writes the pool to these values, below e4m3's 448 so that later tokens have
+# room (vLLM's K_SCALE_CONSTANT and V_SCALE_CONSTANT).
+K_RANGE, V_RANGE = 200.0, 100.0
+
+
+def to_pool(x: Tensor, dtype: torch.dtype, scale: Optional[Tensor] = None) -> Tensor:
+    """Keys or values as an FP8 pool holds them: flashtile.fp8.quantize(x, scale), x /
+    scale (IEEE, in fp32; scale a 0-d fp32 tensor, None: 1.0, vLLM's default) rounded to
+    nearest even and saturated at the format's largest value (a plain cast would make
+    NaN of what lies past it); x itself for a 16-bit pool."""
     if dtype.itemsize != 1:
         return x
     bound = torch.finfo(dtype).max
-    return x.float().clamp(-bound, bound).to(dtype)
+    x = x.float() if scale is None else x.float() / scale
+    return x.clamp(-bound, bound).to(dtype)
 
 
 def store_kv(k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor, k: Tensor,
-             v: Tensor) -> None:
+             v: Tensor, k_scale: Optional[Tensor] = None,
+             v_scale: Optional[Tensor] = None) -> None:
     """k/v (T, Hkv, d) into the pool at slot_mapping, one vectorised write each (slot -1:
-    the scratch block, the pool's last). An FP8 pool's as bytes (``to_pool``): index_put
-    has no FP8 kernel in every torch build."""
-    for cache, x in ((k_cache, k), (v_cache, v)):
-        x = to_pool(x, cache.dtype)
+    the scratch block, the pool's last). An FP8 pool's as bytes (``to_pool``, with its
+    scales): index_put has no FP8 kernel in every torch build."""
+    for cache, x, scale in ((k_cache, k, k_scale), (v_cache, v, v_scale)):
+        x = to_pool(x, cache.dtype, scale)
         if cache.dtype.itemsize == 1:
             cache, x = cache.view(torch.uint8), x.view(torch.uint8)
         cache.view(-1, *cache.shape[2:]).index_put_((slot_mapping,), x)
@@ -132,8 +141,13 @@ class Attention(nn.Module):
         self.k_cache: Optional[Tensor] = None
         self.v_cache: Optional[Tensor] = None
         # The pool rounds what it stores (FP8, set by the runner): every prefill then
-        # attends over the pool, as later steps do.
+        # attends over the pool, as later steps do. Its scales (0-d fp32, the real value
+        # of a pool entry is scale * entry) and whether the next step that writes the
+        # pool sets them first (calculate_kv_scales).
         self.quantized = False
+        self.k_scale: Optional[Tensor] = None
+        self.v_scale: Optional[Tensor] = None
+        self.calibrate = False
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, meta: AttentionMetadata,
                 stored: bool = False) -> Tensor:
@@ -144,7 +158,10 @@ class Attention(nn.Module):
             raise RuntimeError("attention over earlier keys needs the KV pool: set "
                                "k_cache/v_cache first (ModelRunner does)")
         if self.k_cache is not None and not stored:
-            store_kv(self.k_cache, self.v_cache, meta.slot_mapping, k, v)
+            if self.calibrate:
+                self.set_scales(k, v)
+            store_kv(self.k_cache, self.v_cache, meta.slot_mapping, k, v, self.k_scale,
+                     self.v_scale)
         if meta.is_decode:
             return self._decode(q, meta)
         if self.backend == "flashtile":
@@ -157,18 +174,34 @@ class Attention(nn.Module):
                 q, self.k_cache if paged else k, self.v_cache if paged else v,
                 meta.cu_seqlens_q, meta.cu_seqlens_k, meta.max_seqlen_q, meta.max_seqlen_k,
                 softmax_scale=self.scale, causal=True, window_size=(self.window_left, -1),
-                block_table=meta.block_tables if paged else None)
+                block_table=meta.block_tables if paged else None,
+                **self._descales(paged))
         if meta.has_context:
             k = self.k_cache.view(flat)[meta.key_slots]
             v = self.v_cache.view(flat)[meta.key_slots]
         return self._prefill_loop(q, k, v, meta)
+
+    def set_scales(self, k: Tensor, v: Tensor) -> None:
+        """calculate_kv_scales: this layer's FP8 scales from the keys and values about to
+        be stored (on the device, no host read), once."""
+        for scale, x, limit in ((self.k_scale, k, K_RANGE), (self.v_scale, v, V_RANGE)):
+            amax = x.detach().abs().amax().float() if x.numel() else scale.new_zeros(())
+            # An all-zero first step keeps 1.0 (a zero scale would divide by zero).
+            scale.copy_(torch.where(amax > 0, amax / limit, 1.0))
+        self.calibrate = False
+
+    def _descales(self, paged: bool) -> dict:
+        """An FP8 pool's scales as flashtile's descales (where the pool is read)."""
+        if not (paged and self.k_cache.dtype.itemsize == 1):
+            return {}
+        return dict(k_descale=self.k_scale, v_descale=self.v_scale)
 
     def _decode(self, q, meta):
         if self.backend == "flashtile":
             out = flashtile.flash_attn_with_kvcache(
                 q[:, None], self.k_cache, self.v_cache, cache_seqlens=meta.cache_seqlens,
                 block_table=meta.block_tables, softmax_scale=self.scale, causal=True,
-                window_size=(self.window_left, -1))
+                window_size=(self.window_left, -1), **self._descales(True))
             return out[:, 0]
         # Every sequence's keys gathered into one (B, Lk, Hkv, d) tensor padded to the
         # longest sequence of the step (a host int: these backends run eagerly); keys past

@@ -38,6 +38,9 @@ def add_generate(commands):
     p.add_argument("--kv-cache-dtype", default="auto",
                    choices=("auto", "fp8", "fp8_e4m3", "fp8_e5m2"),
                    help="the KV cache's dtype: auto (the model's) or FP8")
+    p.add_argument("--calculate-kv-scales", action="store_true",
+                   help="with an FP8 KV cache, each layer's scales from the first step "
+                   "(else 1.0)")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="processes (GPUs) to split the model over")
     p.set_defaults(handler=_generate)
@@ -50,7 +53,8 @@ def _generate(args) -> int:
               max_model_len=args.max_model_len, attention_backend=args.attention_backend,
               load_format=args.load_format, enforce_eager=args.enforce_eager,
               tensor_parallel_size=args.tensor_parallel_size, max_num_seqs=1,
-              kv_cache_dtype=args.kv_cache_dtype)
+              kv_cache_dtype=args.kv_cache_dtype,
+              calculate_kv_scales=args.calculate_kv_scales)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                             top_p=args.top_p, top_k=args.top_k, seed=args.seed,
                             ignore_eos=args.ignore_eos)

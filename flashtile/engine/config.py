@@ -168,6 +168,11 @@ class EngineConfig:
         1.0, no calibration), and every step attends over the pool (prefill chunks and
         fresh prompts too), so a sequence's logits do not depend on how its prompt was
         split into steps. Needs a float16 or bfloat16 model and the flashtile backend.
+    calculate_kv_scales: with an FP8 pool, each layer's scales come from the first step
+        that serves a request (vLLM's option and rule: the largest |k| maps to 200, |v|
+        to 100, leaving room below e4m3's 448), instead of 1.0: models whose keys or
+        values sit far from 1 keep FP8's precision. Fixed from then on (a replayed
+        decode graph reads them in place).
     tensor_parallel_size: processes the model is split over (engine/parallel.py): LLM
         runs rank 0 and starts the others (engine/workers.py); rank r runs on cuda:r
         (choose the GPUs with CUDA_VISIBLE_DEVICES), or on the CPU over gloo.
@@ -191,6 +196,7 @@ class EngineConfig:
     async_scheduling: Optional[bool] = None
     tensor_parallel_size: int = 1
     kv_cache_dtype: str = "auto"
+    calculate_kv_scales: bool = False
     model_config: ModelConfig = field(init=False, repr=False)
     torch_dtype: torch.dtype = field(init=False, repr=False)
     cache_dtype: torch.dtype = field(init=False, repr=False)  # kv_cache_dtype resolved
@@ -205,6 +211,12 @@ class EngineConfig:
                 self.kv_cache_dtype not in KV_CACHE_DTYPES:
             _fail(ValueError, "kv_cache_dtype", f"one of {tuple(KV_CACHE_DTYPES)}",
                   repr(self.kv_cache_dtype))
+        if not isinstance(self.calculate_kv_scales, bool):
+            _fail(TypeError, "calculate_kv_scales", "a bool",
+                  type(self.calculate_kv_scales).__name__)
+        if self.calculate_kv_scales and KV_CACHE_DTYPES[self.kv_cache_dtype] is None:
+            _fail(ValueError, "calculate_kv_scales", "False with kv_cache_dtype 'auto' "
+                  "(scales serve an FP8 pool)", True)
         if KV_CACHE_DTYPES[self.kv_cache_dtype] is not None \
                 and self.attention_backend != "flashtile":
             _fail(ValueError, "kv_cache_dtype", "'auto' with attention_backend "

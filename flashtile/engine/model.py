@@ -59,11 +59,13 @@ add_rms_norm = _kernel_on_cuda(layernorm.add_rms_norm, layernorm.add_rms_norm_re
 silu_and_mul = _kernel_on_cuda(activation.silu_and_mul, activation.silu_and_mul_reference)
 
 
-def rope(q, k, v, cos, sin, slot_mapping, k_cache, v_cache):
-    """(q, k, stored): rotated q and k, and whether k and v are in the pool already."""
+def rope(q, k, v, cos, sin, slot_mapping, attn):
+    """(q, k, stored): rotated q and k, and whether k and v are in the pool already (not
+    where attn's FP8 scales are still to be set from them: attn stores them then)."""
     if use_kernels(q):
-        return (*rope_and_store(q, k, v, cos, sin, slot_mapping, k_cache, v_cache),
-                k_cache is not None)
+        k_cache = None if attn.calibrate else attn.k_cache
+        return (*rope_and_store(q, k, v, cos, sin, slot_mapping, k_cache, attn.v_cache,
+                                attn.k_scale, attn.v_scale), k_cache is not None)
     return rotate_halves(q, cos, sin), rotate_halves(k, cos, sin), False
 
 
@@ -159,7 +161,7 @@ class SelfAttention(nn.Module):
         attn = self.attn
         # On CUDA one kernel for the rotary embedding and this layer's cache write (three
         # otherwise: a decode step at small batch pays per kernel).
-        q, k, stored = rope(q, k, v, cos, sin, meta.slot_mapping, attn.k_cache, attn.v_cache)
+        q, k, stored = rope(q, k, v, cos, sin, meta.slot_mapping, attn)
         return self.o_proj(attn(q, k, v, meta, stored=stored).flatten(1))
 
 

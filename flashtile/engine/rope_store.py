@@ -49,14 +49,15 @@ def _rotate_heads(Src, Dst, stride_sh, o_h, m_h, o_d, m_d, b_cos, b_sin,
 
 
 @triton.jit
-def _store_halves(P, b_x1, b_x2, m, HALF: tl.constexpr):
+def _store_halves(P, b_x1, b_x2, m, Scale, HALF: tl.constexpr):
     """Both halves of a block of heads into pool rows at P. An FP8 pool
-    (kv_cache_dtype="fp8") takes them quantised with scale 1.0, rounded to nearest even
-    and saturated (attention.to_pool's numbers: a plain cast would not saturate
-    everywhere)."""
+    (kv_cache_dtype="fp8") takes them divided by its scale (a 0-d fp32 tensor), rounded
+    to nearest even and saturated (attention.to_pool's numbers: a plain cast would not
+    saturate everywhere); a 16-bit pool never reads Scale."""
     if P.dtype.element_ty.is_fp8():
-        tl.store(P, _quantize(b_x1, 1.0, P.dtype.element_ty), mask=m)
-        tl.store(P + HALF, _quantize(b_x2, 1.0, P.dtype.element_ty), mask=m)
+        scale = tl.load(Scale)
+        tl.store(P, _quantize(b_x1, scale, P.dtype.element_ty), mask=m)
+        tl.store(P + HALF, _quantize(b_x2, scale, P.dtype.element_ty), mask=m)
     else:
         tl.store(P, b_x1.to(P.dtype.element_ty), mask=m)
         tl.store(P + HALF, b_x2.to(P.dtype.element_ty), mask=m)
@@ -64,7 +65,7 @@ def _store_halves(P, b_x1, b_x2, m, HALF: tl.constexpr):
 
 @triton.jit
 def _rope_store_kernel(
-    Q, K, V, Cos, Sin, Slots, KCache, VCache, QOut, KOut,
+    Q, K, V, Cos, Sin, Slots, KCache, VCache, KScale, VScale, QOut, KOut,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ct,
     stride_cache_slot, stride_cache_h,
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HALF: tl.constexpr,
@@ -98,24 +99,27 @@ def _rope_store_kernel(
                 m = m_h[:, None] & m_d[None, :]                             # [HEADS_KV, BLOCK_HALF]
                 o_c = slot * stride_cache_slot + o_h[:, None] * stride_cache_h + o_d[None, :]
                 p_v = V + t * stride_vt + o_h[:, None] * stride_vh + o_d[None, :]
-                _store_halves(KCache + o_c, b_r1, b_r2, m, HALF)
+                _store_halves(KCache + o_c, b_r1, b_r2, m, KScale, HALF)
                 _store_halves(VCache + o_c, tl.load(p_v, mask=m), tl.load(p_v + HALF, mask=m),
-                              m, HALF)
+                              m, VScale, HALF)
 
 
 # The kernel parameters a call of a plan fills, in this order (``_launch``).
-_SLOTS = ("Q", "K", "V", "Cos", "Sin", "Slots", "KCache", "VCache", "QOut", "KOut")
+_SLOTS = ("Q", "K", "V", "Cos", "Sin", "Slots", "KCache", "VCache", "KScale", "VScale",
+          "QOut", "KOut")
 
 
 def rope_and_store(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor,
                    slot_mapping: Tensor | None, k_cache: Tensor | None,
-                   v_cache: Tensor | None) -> tuple[Tensor, Tensor]:
+                   v_cache: Tensor | None, k_scale: Tensor | None = None,
+                   v_scale: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """q (T, H, d), k/v (T, Hkv, d), each with a unit last stride (views of the fused
     projection are fine); cos/sin (T, d / 2) fp32 per token with a unit last stride;
     slot_mapping (T,) int64; k_cache/v_cache (num_blocks, page_size, Hkv, d) contiguous
     in q's dtype or an FP8 format (written as attention.to_pool quantises), or None
-    (then nothing is stored and slot_mapping is not read). Returns the rotated q (T, H,
-    d) and k (T, Hkv, d), contiguous; writes rotated k and v at each slot >= 0."""
+    (then nothing is stored and slot_mapping is not read); k_scale/v_scale: an FP8
+    pool's scales, 0-d fp32 on q's device (None: 1.0). Returns the rotated q (T, H, d)
+    and k (T, Hkv, d), contiguous; writes rotated k and v at each slot >= 0."""
     t, h, d = q.shape
     hkv = k.shape[1]
     q_out = torch.empty((t, h, d), dtype=q.dtype, device=q.device)
@@ -123,13 +127,19 @@ def rope_and_store(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor,
     if not t:
         return q_out, k_out
     store = k_cache is not None
-    # Without a pool, q and q_out stand in for the tensors the kernel then never reads.
+    if store and k_cache.dtype.itemsize == 1:
+        k_scale, v_scale = (_unit_scale(q.device) if x is None else _check_scale(x, name, q)
+                            for x, name in ((k_scale, "k_scale"), (v_scale, "v_scale")))
+    # Without a pool, q and q_out stand in for the tensors the kernel then never reads
+    # (and for the scales of a 16-bit pool).
     tensors = (q, k, v, cos, sin, slot_mapping if store else q, k_cache if store else q_out,
-               v_cache if store else q_out, q_out, k_out)
+               v_cache if store else q_out, q_out if k_scale is None else k_scale,
+               q_out if v_scale is None else v_scale, q_out, k_out)
     key = None
     if _launch.ready(q):
         p = _launch.pointers(tensors)
-        # q_out and k_out are left out of the alignment: fresh allocations are aligned.
+        # q_out and k_out are left out of the alignment: fresh allocations are aligned
+        # (the scales are read one scalar each).
         key = ("rope_store", q.dtype, q.shape[1:], q.stride(), k.shape[1:], k.stride(),
                v.stride(), cos.dtype, cos.stride(), store and (
                    slot_mapping.dtype, k_cache.dtype, k_cache.stride(), v_cache.dtype),
@@ -160,6 +170,26 @@ def rope_and_store(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor,
     return q_out, k_out
 
 
+_UNIT_SCALES: dict = {}
+
+
+def _check_scale(x, name, q):
+    if not (isinstance(x, Tensor) and x.dtype == torch.float32 and x.dim() == 0
+            and x.device == q.device):
+        raise ValueError(f"{name}: expected a 0-d float32 tensor on {q.device}, got "
+                         f"{getattr(x, 'dtype', type(x).__name__)} "
+                         f"{tuple(getattr(x, 'shape', ()))}")
+    return x
+
+
+def _unit_scale(device) -> Tensor:
+    """A 0-d fp32 1.0 on device, made once (an FP8 pool's scale where none is given)."""
+    one = _UNIT_SCALES.get(device)
+    if one is None:
+        one = _UNIT_SCALES[device] = torch.ones((), dtype=torch.float32, device=device)
+    return one
+
+
 def rotate_halves(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """Rotate the two halves of each head (GPT-NeoX layout); x (T, heads, d), in fp32."""
     x1, x2 = x.float().chunk(2, dim=-1)
@@ -167,7 +197,8 @@ def rotate_halves(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(x.dtype)
 
 
-def rope_and_store_reference(q, k, v, cos, sin, slot_mapping, k_cache, v_cache):
+def rope_and_store_reference(q, k, v, cos, sin, slot_mapping, k_cache, v_cache,
+                             k_scale=None, v_scale=None):
     """rope_and_store in PyTorch: the same results and the same cache writes (an FP8
     pool's as attention.to_pool quantises them)."""
     from flashtile.engine.attention import store_kv
@@ -176,5 +207,5 @@ def rope_and_store_reference(q, k, v, cos, sin, slot_mapping, k_cache, v_cache):
     if k_cache is None:
         return q, k
     keep = slot_mapping >= 0
-    store_kv(k_cache, v_cache, slot_mapping[keep], k[keep], v[keep])
+    store_kv(k_cache, v_cache, slot_mapping[keep], k[keep], v[keep], k_scale, v_scale)
     return q, k

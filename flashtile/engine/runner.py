@@ -78,9 +78,14 @@ class ModelRunner(StepInputsMixin, CudaGraphsMixin):
         self.kv_cache = torch.zeros(shape, dtype=torch.uint8 if self.cache_dtype.itemsize == 1
                                     else self.cache_dtype, device=self.device
                                     ).view(self.cache_dtype)
+        quantized = self.cache_dtype != self.dtype
         for i, attn in enumerate(self.model.attention_layers()):
             attn.k_cache, attn.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
-            attn.quantized = self.cache_dtype != self.dtype
+            attn.quantized = quantized
+            if quantized:  # 1.0 (vLLM's default), or calculate_kv_scales's below
+                attn.k_scale, attn.v_scale = (torch.ones((), dtype=torch.float32,
+                                                         device=self.device)
+                                              for _ in range(2))
         self.scratch_block = self.num_blocks
         # The BlockManager over this pool whose table rows decode steps gather (LLM sets
         # it; its rows end in num_blocks, the scratch block). None: from the lists.
@@ -97,6 +102,10 @@ class ModelRunner(StepInputsMixin, CudaGraphsMixin):
             self.warm_up(decode=not use_graphs)
         if use_graphs:
             self._capture_graphs()
+        # After the warm-up's made-up steps: the first step that serves a request sets
+        # the scales (the graphs read them where they are).
+        for attn in self.model.attention_layers():
+            attn.calibrate = quantized and config.calculate_kv_scales
 
     # ---- pool -------------------------------------------------------------------------
     @property

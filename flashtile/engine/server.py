@@ -474,6 +474,9 @@ def add_serve(commands):
                    choices=("auto", "fp8", "fp8_e4m3", "fp8_e5m2"),
                    help="the KV pool's dtype: auto (the model's), fp8 (e4m3) or fp8_e5m2 "
                    "(twice the tokens in the same memory)")
+    p.add_argument("--calculate-kv-scales", action="store_true",
+                   help="with an FP8 KV cache, each layer's scales from the first step "
+                   "(else 1.0)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="processes (GPUs) to split the model over")
@@ -509,7 +512,8 @@ def _serve(args) -> int:
               kv_cache_memory=args.kv_cache_memory, enforce_eager=args.enforce_eager,
               attention_backend=args.attention_backend, load_format=args.load_format,
               seed=args.seed, tensor_parallel_size=args.tensor_parallel_size,
-              kv_cache_dtype=args.kv_cache_dtype)
+              kv_cache_dtype=args.kv_cache_dtype,
+              calculate_kv_scales=args.calculate_kv_scales)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     try:
         template = None if args.chat_template is None \
