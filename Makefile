@@ -108,4 +108,5 @@ smollm2: $(SMOLLM2_DIR)/model.safetensors
 		tests/test_engine_smollm2.py
 
 chat: $(SMOLLM2_DIR)/model.safetensors
-	$(VPY) -m flashtile generate '$(SMOLLM2_DIR)' --chat --prompt '$(CHAT_PROMPT)'
+	$(VPY) -m flashtile generate '$(SMOLLM2_DIR)' --chat --prompt '$(CHAT_PROMPT)' \
+		--dtype float32
