@@ -6,6 +6,8 @@
 #   check [1|2]  make test-gpu: the whole suite, or its test files a-f (1) or g-z (2),
 #                a call each since session 26                        (~10 min each)
 #   memcheck     the memcheck slice warmed, then make memcheck             (~5 min)
+#   new-code     what has never run on a GPU (session 39's GEMV, session 40's FP8 pool):
+#                its tests and memcheck slice, before any timing           (~6 min)
 #   verify       check then memcheck in one call (the suite warms the cache) (~15 min)
 #   sweep SECS   the `flashtile bench` sweep (SWEEP_ARGS: its grid) for SECS seconds, --resume from
 #                bench-h200/ (carry it back in: a sweep spans several calls)
@@ -198,6 +200,24 @@ case "${1:-}" in
     timeout 345 make test-gpu GPU_LOG="$OUT/gpu-tests.txt" 2>&1 | tail -3
     stamp memcheck
     timeout 230 make memcheck 2>&1 | tail -4 | tee "$OUT/memcheck.txt"
+    stamp done
+    ;;
+  new-code)
+    # Session 40's first call: the code that has never run on a GPU, its tests and its
+    # memcheck slice, before anything is timed. The default GEMV's restructure (the
+    # single-tile branch) and the fused prologues (sessions 39); the FP8 pool under 16-bit
+    # queries, the rotary kernel quantising into it, the engine over it (session 40).
+    # If the GEMV's tests fail: FLASHTILE_ENGINE_GEMV's default goes back to 0 first.
+    stamp new-code-tests
+    FLASHTILE_ENGINE_GEMV_FUSE=1 timeout 240 python3 -m pytest -q -p no:cacheprovider \
+      $XDIST --gpu tests/test_engine_gemv.py tests/test_engine_gpu.py \
+      tests/test_engine_elementwise.py 2>&1 | tail -3 | tee "$OUT/new-code-tests.txt"
+    timeout 200 python3 -m pytest -q -p no:cacheprovider $XDIST --gpu tests/test_fp8.py \
+      -k "16bit_queries or rejects" 2>&1 | tail -2 | tee -a "$OUT/new-code-tests.txt"
+    stamp new-code-memcheck
+    timeout 200 make memcheck MEMCHECK_K="gemv or 16bit_queries or fp8_pool or rope" \
+      MEMCHECK_FILES="tests/test_engine_gemv.py tests/test_fp8.py \
+      tests/test_engine_elementwise.py" 2>&1 | tail -2 | tee "$OUT/new-code-memcheck.txt"
     stamp done
     ;;
   memcheck)
