@@ -644,7 +644,7 @@ def check_paged_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_se
         _fail(ValueError, "k.shape[0] (num_blocks)", "at least 1 block", 0)
     # One block stands for the pool: dtypes, devices, head_dim and GQA as check_qkv.
     _, _, _, h, hkv, d = check_qkv(q.unsqueeze(0), k[:1], v[:1], dtypes=dtypes,
-                                   fp8_pool=dtypes is WITH_FP8)
+                                   fp8_pool=FP8_DTYPES[0] in dtypes)
     check_page_size(k.shape[1], "k.shape[1] (page_size)")
     if not isinstance(block_table, torch.Tensor) or block_table.dim() != 2:
         _fail(ValueError, "block_table", "an int32 tensor (batch, max_blocks_per_seq)",

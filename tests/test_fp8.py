@@ -739,6 +739,23 @@ def test_opcheck_and_compile(fp8_backend, device):
     torch.testing.assert_close(fn(q, k, v, **kw), flashtile.flash_attn_func(q, k, v, **kw))
 
 
+def test_fp8_pool_under_16bit_queries_compiles(fp8_backend, device, on_gpu):
+    """flash_attn_varlen_func over an FP8 pool with 16-bit q (an engine's prefill over an
+    FP8 KV cache) under torch.compile(fullgraph=True): the same output as eager."""
+    page, hkv, d = 16, 2, 32
+    pool_k, pool_v = (torch.randn(6, page, hkv, d, device=device).to(E4M3) for _ in range(2))
+    table = torch.tensor([[4, 1, 0], [2, 5, 3]], dtype=torch.int32, device=device)
+    q = torch.randn(9, 4, d, device=device).to(_q_dtype(on_gpu))
+    cu_q = torch.tensor([0, 4, 9], dtype=torch.int32, device=device)
+    used = torch.tensor([30, 41], dtype=torch.int32, device=device)
+    kd = torch.tensor(0.5, device=device)
+    kw = dict(causal=True, block_table=table, seqused_k=used, k_descale=kd, v_descale=kd)
+    fn = torch.compile(flashtile.flash_attn_varlen_func, fullgraph=True)
+    torch.testing.assert_close(fn(q, pool_k, pool_v, cu_q, None, 5, 48, **kw),
+                               flashtile.flash_attn_varlen_func(q, pool_k, pool_v, cu_q,
+                                                                None, 5, 48, **kw))
+
+
 # ---- GPU: the H200 shapes ----
 
 @pytest.mark.gpu
