@@ -238,3 +238,15 @@ def test_roofline_counts_an_fp8_pool_in_fp8_bytes():
                   for n in (1, 2, 4))
     assert r1 < r2 == roofline_seconds(cfg, requests, 4000, 800, 16)
     assert abs((r4 - r2) - 2 * (r2 - r1)) < 1e-9 * r4
+
+
+def test_rows_show_the_kv_pool():
+    """The table's KV pool column: the engine's pool in tokens, "-" for transformers."""
+    from flashtile.bench.throughput import _row, markdown
+
+    res = dict(output_tokens=1000, input_tokens=500, wall_s=2.0, peak_gib=3.0, requests=4)
+    engine = _row("m", "engine-flashtile-fp8kv", dict(res, kv_pool_tokens=123456,
+                                                     preemptions=0), 1.0)
+    hf = _row("m", "hf-generate", res, 0)
+    text = markdown([engine, hf])
+    assert "| 3.0 | 123,456 | - | 50% |" in text and "| 3.0 | - | - | - |" in text

@@ -126,20 +126,22 @@ def _row(model, provider, res, roofline, tp=1):
     return dict(model=model, provider=provider + (f" (tp {tp})" if tp > 1 else ""),
                 tensor_parallel_size=tp, requests=res["requests"],
                 output_tok_s=tps, total_tok_s=total, wall_s=res["wall_s"],
-                peak_gib=res["peak_gib"],
+                peak_gib=res["peak_gib"], kv_pool_tokens=res.get("kv_pool_tokens"),
+                preemptions=res.get("preemptions"),
                 vs_hf=None,  # set once the model's generate_batch row is known
                 roofline_frac=roofline / res["wall_s"] if res["requests"] else None)
 
 
 def markdown(rows) -> str:
     lines = ["| model | provider | requests | output tok/s | total tok/s | wall s | peak GiB "
-             "| x transformers batch | of roofline |", "|" + " --- |" * 9]
+             "| KV pool tokens | x transformers batch | of roofline |", "|" + " --- |" * 10]
     for r in rows:
         ratio = f"{r['vs_hf']:.1f}x" if r["vs_hf"] else "-"
         roof = f"{100 * r['roofline_frac']:.0f}%" if r["roofline_frac"] else "-"
+        pool = f"{r['kv_pool_tokens']:,}" if r.get("kv_pool_tokens") else "-"
         lines.append(f"| {r['model']} | {r['provider']} | {r['requests']} "
                      f"| {r['output_tok_s']:.0f} | {r['total_tok_s']:.0f} | {r['wall_s']:.1f} "
-                     f"| {r['peak_gib']:.1f} | {ratio} | {roof} |")
+                     f"| {r['peak_gib']:.1f} | {pool} | {ratio} | {roof} |")
     return "\n".join(lines)
 
 

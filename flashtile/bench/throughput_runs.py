@@ -120,6 +120,10 @@ def _engine(args, cfg, requests, backend, eager, kv_cache_dtype="auto"):
     return dict(wall_s=wall, output_tokens=produced, profiled=bool(args.profile),
                 # (rank 0's device under tensor parallelism: each rank holds 1/N)
                 peak_gib=torch.cuda.max_memory_allocated() / 2**30,
+                # The tokens the KV pool holds (an FP8 pool: twice a bf16 one's) and the
+                # preemptions the run needed.
+                kv_pool_tokens=llm.runner.num_blocks * llm.config.page_size,
+                preemptions=llm.scheduler.num_preemptions,
                 trace=trace.summary() if trace else None)
 
 
