@@ -476,6 +476,36 @@ def test_fp8_kv_cache_batch_invariance_and_prefix_hits(checkpoint, monkeypatch):
     _assert_pool_empty(llm)
 
 
+def test_kv_scales_from_the_checkpoint(checkpoint, tmp_path):
+    """A checkpoint's KV-cache scales (vLLM's self_attn.k_scale / v_scale, or the older
+    kv_scale for both): an FP8 pool takes them, calculate_kv_scales replaces them, a
+    16-bit pool ignores them; a bad one is an error naming the tensor."""
+    from safetensors.torch import load_file, save_file
+
+    path, _ = checkpoint
+    tensors = load_file(path / "model.safetensors")
+    scaled = tmp_path / "scaled"
+    shutil.copytree(path, scaled)
+    extra = {"model.layers.0.self_attn.k_scale": torch.tensor(0.25),
+             "model.layers.0.self_attn.v_scale": torch.tensor(0.5),
+             "model.layers.1.self_attn.kv_scale": torch.tensor(2.0)}
+    save_file({**tensors, **extra}, scaled / "model.safetensors")
+    layers = _llm(scaled, **FP8_KV).runner.model.attention_layers()
+    assert [(float(a.k_scale), float(a.v_scale)) for a in layers] == [(0.25, 0.5), (2.0, 2.0)]
+    calculated = _llm(scaled, calculate_kv_scales=True, **FP8_KV)
+    calculated.generate([[5, 6, 7]], GREEDY, use_tqdm=False)
+    assert all(float(a.k_scale) not in (0.25, 2.0)
+               for a in calculated.runner.model.attention_layers())
+    plain = _llm(scaled)
+    assert all(a.k_scale is None for a in plain.runner.model.attention_layers())
+    assert _tokens(plain.generate([[5, 6, 7]], GREEDY, use_tqdm=False)) == \
+        _tokens(_llm(path).generate([[5, 6, 7]], GREEDY, use_tqdm=False))
+    save_file({**tensors, "model.layers.0.self_attn.k_scale": torch.tensor(-1.0)},
+              scaled / "model.safetensors")
+    with pytest.raises(ValueError, match="k_scale'.*a positive finite scale, got -1.0"):
+        _llm(scaled, **FP8_KV)
+
+
 def test_kv_cache_dtype_errors(checkpoint):
     path, _ = checkpoint
     with pytest.raises(ValueError, match="kv_cache_dtype: expected one of .*'fp8_e5m2'.*"

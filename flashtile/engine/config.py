@@ -164,16 +164,17 @@ class EngineConfig:
         "fp8_e4m3" (float8_e4m3fn), "fp8_e5m2". An FP8 pool holds twice the tokens of a
         16-bit one in the same bytes, and decode steps read half the KV bytes. Keys and
         values are stored as flashtile.fp8.quantize(x, scale) makes them (x / scale
-        rounded to nearest even, saturated at the format's largest value; scale 1.0,
-        vLLM's default, or calculate_kv_scales's), and every step attends over the pool
+        rounded to nearest even, saturated at the format's largest value; each layer's
+        scale is the checkpoint's (vLLM's self_attn.k_scale / v_scale tensors) or 1.0,
+        vLLM's default, unless calculate_kv_scales), and every step attends over the pool
         (prefill chunks and fresh prompts too), so a sequence's logits do not depend on
         how its prompt was split into steps. Needs a float16 or bfloat16 model and the
         flashtile backend.
     calculate_kv_scales: with an FP8 pool, each layer's scales come from the first step
         that serves a request (vLLM's option and rule: the largest |k| maps to 200, |v|
-        to 100, leaving room below e4m3's 448), instead of 1.0: models whose keys or
-        values sit far from 1 keep FP8's precision. Fixed from then on (a replayed
-        decode graph reads them in place).
+        to 100, leaving room below e4m3's 448), instead of the checkpoint's or 1.0:
+        models whose keys or values sit far from 1 keep FP8's precision. Fixed from then
+        on (a replayed decode graph reads them in place).
     tensor_parallel_size: processes the model is split over (engine/parallel.py): LLM
         runs rank 0 and starts the others (engine/workers.py); rank r runs on cuda:r
         (choose the GPUs with CUDA_VISIBLE_DEVICES), or on the CPU over gloo.

@@ -34,6 +34,12 @@ FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_p
          "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 # Buffers some older checkpoints saved; the engine computes them.
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# An FP8 KV cache's calibrated scales, one scalar a layer (vLLM's checkpoint names; the
+# older kv_scale serves both): kept on the layer's Attention as ``checkpoint_scales``,
+# which the runner takes for an FP8 pool (kv_cache_dtype="fp8") unless
+# calculate_kv_scales, and ignores for a 16-bit one.
+KV_SCALE_SUFFIXES = {"self_attn.k_scale": ("k",), "self_attn.v_scale": ("v",),
+                     "self_attn.kv_scale": ("k", "v")}
 
 
 def checkpoint_files(model_dir: str) -> list[str]:
@@ -79,6 +85,26 @@ def _fill(module, name: str, full, shard=None):
         getattr(module, name).copy_(full[:])
 
 
+def _kv_scale(model, name, f) -> bool:
+    """Whether checkpoint tensor `name` is a layer's KV-cache scale; if so, kept as that
+    layer's Attention's checkpoint_scales (a scalar a layer, else a ValueError)."""
+    path, _, suffix = name.rpartition(".")
+    kinds = KV_SCALE_SUFFIXES.get(path.rpartition(".")[2] + "." + suffix)
+    if kinds is None:
+        return False
+    tensor = f.get_tensor(name)
+    if tensor.numel() != 1:
+        _fail(ValueError, f"checkpoint tensor {name!r} shape", "one scale a layer ()",
+              tuple(tensor.shape))
+    value = float(tensor)
+    if not 0 < value < float("inf"):
+        _fail(ValueError, f"checkpoint tensor {name!r}", "a positive finite scale", value)
+    attn = model.get_submodule(path).attn
+    attn.checkpoint_scales = {**getattr(attn, "checkpoint_scales", {}),
+                              **{k: value for k in kinds}}
+    return True
+
+
 def _target(model, params, name):
     """(parameter key, index of its fused piece or None) that checkpoint tensor `name`
     fills, or None to skip it."""
@@ -107,6 +133,8 @@ def load_weights(model: CausalLM, model_dir: str) -> None:
     for path in checkpoint_files(model_dir):
         with safe_open(path, framework="pt", device="cpu") as f:
             for name in f.keys():
+                if _kv_scale(model, name, f):
+                    continue
                 target = _target(model, params, name)
                 if target is None:
                     continue

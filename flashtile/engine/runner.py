@@ -82,10 +82,11 @@ class ModelRunner(StepInputsMixin, CudaGraphsMixin):
         for i, attn in enumerate(self.model.attention_layers()):
             attn.k_cache, attn.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
             attn.quantized = quantized
-            if quantized:  # 1.0 (vLLM's default), or calculate_kv_scales's below
-                attn.k_scale, attn.v_scale = (torch.ones((), dtype=torch.float32,
-                                                         device=self.device)
-                                              for _ in range(2))
+            if quantized:  # the checkpoint's, else 1.0 (vLLM's rule); or calculated
+                loaded = getattr(attn, "checkpoint_scales", {})
+                attn.k_scale, attn.v_scale = (
+                    torch.tensor(loaded.get(kind, 1.0), dtype=torch.float32,
+                                 device=self.device) for kind in ("k", "v"))
         self.scratch_block = self.num_blocks
         # The BlockManager over this pool whose table rows decode steps gather (LLM sets
         # it; its rows end in num_blocks, the scratch block). None: from the lists.
