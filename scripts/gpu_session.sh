@@ -205,7 +205,7 @@ case "${1:-}" in
   new-code)
     # Session 40's first call: the code that has never run on a GPU, its tests and its
     # memcheck slice, before anything is timed. The default GEMV's restructure (the
-    # single-tile branch) and the fused prologues (sessions 39); the FP8 pool under 16-bit
+    # single-tile branch) and the fused prologues (session 39); the FP8 pool under 16-bit
     # queries, the rotary kernel quantising into it, the engine over it (session 40).
     # If the GEMV's tests fail: FLASHTILE_ENGINE_GEMV's default goes back to 0 first.
     stamp new-code-tests
