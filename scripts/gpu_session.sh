@@ -39,6 +39,8 @@
 #                kernels, then logits, sampling and copies; host and device time): 0.5B
 #                at batch 1 and 256, 1B at 256, 8B at 1 and 32; then the decode kernel
 #                alone at the engine's shapes (bench.decode --engine)     (~4 min)
+#   gemm-probe   benchmarks/gemm_probe.py: Triton products (small tiles, split-K) beside
+#                cuBLAS at the engine's batches of 64-256 rows (issue 14)    (~6 min)
 #   engine-fp8kv kv_cache_dtype="fp8": its GPU tests and memcheck slice, the 0.5B and 1B
 #                throughput over a bf16 and an FP8 pool                    (~9 min)
 #   engine-gemv  the engine's linears as a GEMV at 1-2 tokens (FLASHTILE_ENGINE_GEMV),
@@ -724,6 +726,17 @@ PY
         done
       done
     done
+    ;;
+  gemm-probe)
+    # Issue 14's 0.5B roofline (33%, target 50%): its batch-65-256 steps' products run at
+    # 2-3x their floors with cuBLAS (NOTES.md sections 26-28). benchmarks/gemm_probe.py:
+    # a Triton tl.dot product with smaller tiles and split-K beside cuBLAS at M 64-256,
+    # cold weights, CUDA graphs. Prediction: Triton within 0.8-1.2x of cuBLAS per product;
+    # a layer's sum 0.85-1.0x at M 64-128 (split-K fills the SMs cuBLAS's few tiles
+    # leave idle), level at 256. Below 0.8x a layer: an engine GEMM for these batches is
+    # worth building; otherwise the 0.5B target's closest honest version stands.
+    timeout 560 python3 benchmarks/gemm_probe.py --json "$OUT/gemm-probe.json" 2>&1 \
+      | tee "$OUT/gemm-probe.txt" | tail -40
     ;;
   engine-fp8kv)
     # kv_cache_dtype="fp8" (session 40, CPU only until this stage): the FP8 pool's GPU

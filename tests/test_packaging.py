@@ -77,4 +77,4 @@ def test_every_benchmark_script_is_listed_in_the_docs():
     with open(os.path.join(ROOT, "docs", "benchmarks", "README.md")) as f:
         listed = re.findall(r"^- `benchmarks/(\w+\.py)`: ", f.read(), re.M)
     assert scripts == sorted(listed) == ["bench_attention.py", "cpu_vs_sdpa.py",
-                                       "ring_scaling.py"]
+                                       "gemm_probe.py", "ring_scaling.py"]
