@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 import flashtile
+from flashtile import fp8
 
 
 @dataclass
@@ -71,15 +72,15 @@ K_RANGE, V_RANGE = 200.0, 100.0
 
 
 def to_pool(x: Tensor, dtype: torch.dtype, scale: Optional[Tensor] = None) -> Tensor:
-    """Keys or values as an FP8 pool holds them: flashtile.fp8.quantize(x, scale), x /
-    scale (IEEE, in fp32; scale a 0-d fp32 tensor, None: 1.0, vLLM's default) rounded to
+    """Keys or values (T, Hkv, d) as an FP8 pool holds them: flashtile.fp8.quantize with
+    the pool's scale (a 0-d fp32 tensor; None: 1.0, vLLM's default), x / scale rounded to
     nearest even and saturated at the format's largest value (a plain cast would make
     NaN of what lies past it); x itself for a 16-bit pool."""
     if dtype.itemsize != 1:
         return x
-    bound = torch.finfo(dtype).max
-    x = x.float() if scale is None else x.float() / scale
-    return x.clamp(-bound, bound).to(dtype)
+    if scale is None:
+        scale = torch.ones((), dtype=torch.float32, device=x.device)
+    return fp8.quantize(x[None], scale, dtype)[0][0]
 
 
 def store_kv(k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor, k: Tensor,

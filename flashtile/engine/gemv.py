@@ -161,8 +161,13 @@ def _check(x: Tensor, weight: Tensor, bias: Tensor | None, k: int) -> None:
               f"shape {tuple(weight.shape)} {weight.dtype}")
     if bias is not None and (bias.shape != (n,) or not bias.is_contiguous()):
         _fail(ValueError, "bias", f"a contiguous ({n},) tensor", f"shape {tuple(bias.shape)}")
-    # A plan's key holds no device: a tensor elsewhere would be launched as an address.
-    for name, t in (("weight", weight), ("bias", bias)):
+    _check_devices(x, weight=weight, bias=bias)
+
+
+def _check_devices(x: Tensor, **tensors) -> None:
+    """Each tensor given (None: absent) on x's device. A plan's key holds no device: a
+    tensor elsewhere would be launched as an address."""
+    for name, t in tensors.items():
         if t is not None and t.device != x.device:
             _fail(ValueError, name, f"a tensor on x's device {x.device}", f"one on {t.device}")
 
@@ -225,9 +230,7 @@ def gemv_norm(x: Tensor, residual: Tensor | None, norm_weight: Tensor, eps: floa
             or norm_weight.dtype != x.dtype:
         _fail(ValueError, "norm_weight", f"a contiguous ({k},) {x.dtype} tensor",
               f"shape {tuple(norm_weight.shape)} {norm_weight.dtype}")
-    for name, t in (("residual", residual), ("norm_weight", norm_weight)):
-        if t is not None and t.device != x.device:
-            _fail(ValueError, name, f"a tensor on x's device {x.device}", f"one on {t.device}")
+    _check_devices(x, residual=residual, norm_weight=norm_weight)
     out, res_out = _gemv(x, weight, bias, NORM if residual is None else ADD_NORM, residual,
                          norm_weight, eps)
     return out, x if residual is None else res_out
